@@ -1,0 +1,171 @@
+"""The Checkpoint model: entries, sections, data files, common state and args, built from metadata only.
+
+Tensor bytes are never read here; :mod:`ckptdoctor.values` streams them when values are asked for.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats import torch_dist, zarr_meta
+from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, StorageLocation
+from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
+from ckptdoctor.layout import BACKEND_ZARR, CheckpointLocation, locate
+
+SECTIONS = ("model", "optimizer", "rng", "rerun", "common", "other")
+_SECTION_PREFIXES = (
+    ("optimizer.", "optimizer"),
+    ("optimizer/", "optimizer"),
+    ("rng_state", "rng"),
+    ("rerun_state_machine_state", "rerun"),
+    ("common_state", "common"),
+    ("train_state", "other"),
+    ("modelopt_state", "other"),
+)
+COMMON_STATE_PREFIX = "common_state"
+
+
+def section_of(key: str) -> str:
+    """The checkpoint section a key belongs to; bare module keys (no prefix) are model keys."""
+    for prefix, section in _SECTION_PREFIXES:
+        if key.startswith(prefix):
+            return section
+    return "model"
+
+
+@dataclass
+class Entry:
+    """One saved item: a tensor (global shape, dtype, chunks) or a bytes item (ShardedObject, extra state)."""
+
+    key: str
+    kind: str  # "tensor" | "bytes"
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    chunks: list[DcpChunk]
+    section: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on disk (serialized chunk sizes as stored)."""
+        return sum(c.storage.length for c in self.chunks if c.storage is not None)
+
+    @property
+    def numel(self) -> int:
+        if self.shape is None:
+            return 0
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def is_extra_state(self) -> bool:
+        return "_extra_state" in self.key
+
+
+@dataclass
+class Checkpoint:
+    location: CheckpointLocation
+    entries: dict[str, Entry]
+    data_files: dict[str, int]  # relative path -> size in bytes, of files present on disk
+    dcp: DcpIndex | None = None
+    _common: Any = field(default=None, repr=False)
+    _common_loaded: bool = field(default=False, repr=False)
+
+    @property
+    def iteration_dir(self) -> Path:
+        return self.location.iteration_dir
+
+    def section_entries(self, section: str) -> list[Entry]:
+        return [e for e in self.entries.values() if e.section == section]
+
+    @property
+    def common_source(self) -> str | None:
+        """Where the common (non-sharded) state lives: ``common.pt`` or the DCP bytes item's key."""
+        if self.location.has_common_pt:
+            return "common.pt"
+        for key, entry in self.entries.items():
+            if key.startswith(COMMON_STATE_PREFIX) and entry.kind == "bytes":
+                return key
+        return None
+
+    def common_state(self) -> dict:
+        """The common state dict (args, iteration, ...); raises :class:`CkptError` if unreadable."""
+        if not self._common_loaded:
+            self._common = self._load_common()
+            self._common_loaded = True
+        return self._common
+
+    def _load_common(self) -> dict:
+        source = self.common_source
+        if source is None:
+            raise CkptError(f"{self.iteration_dir}: no common state (neither common.pt nor a common_state item)")
+        if source == "common.pt":
+            path = self.iteration_dir / "common.pt"
+            state = load_torch_zip(path, str(path))
+            where = str(path)
+        else:
+            state = self.read_bytes_item(source)
+            where = f"{self.iteration_dir}: item {source}"
+        if not isinstance(state, dict):
+            raise CkptError(f"{where}: common state is a {type(state).__name__}, expected a dict")
+        return state
+
+    @property
+    def args(self) -> Any:
+        """The saved ``argparse.Namespace`` (or None when the common state holds no args)."""
+        return self.common_state().get("args")
+
+    def read_bytes_item(self, key: str) -> Any:
+        """Decode a bytes item (ShardedObject, ``_extra_state``, ``common_state``) through the safe unpickler."""
+        entry = self.entries[key]
+        location = entry.chunks[0].storage if entry.chunks else None
+        where = f"{self.iteration_dir}: item {key}"
+        if location is None:
+            raise CkptError(f"{where}: no storage entry in .metadata")
+        return decode_object_bytes(torch_dist.read_range(self.iteration_dir, location), where)
+
+
+def decode_object_bytes(data: bytes, where: str) -> Any:
+    """A Megatron ShardedObject's bytes: ``torch.save([obj])`` (or of a BytesIO holding that), unwrapped."""
+    if not is_torch_zip(data):
+        return data
+    obj = load_torch_zip(data, where)
+    if isinstance(obj, io.BytesIO) and is_torch_zip(obj.getvalue()[:4]):
+        obj = load_torch_zip(obj.getvalue(), where)
+    if isinstance(obj, list) and len(obj) == 1:
+        return obj[0]
+    return obj
+
+
+def _list_data_files(iteration_dir: Path) -> dict[str, int]:
+    files: dict[str, int] = {}
+    with os.scandir(iteration_dir) as it:
+        for dirent in it:
+            if dirent.name.endswith(".distcp") and dirent.is_file():
+                files[dirent.name] = dirent.stat().st_size
+    return files
+
+
+def open_checkpoint(path: str | Path, iteration: str | int | None = None) -> Checkpoint:
+    """Locate and index a checkpoint from metadata; the one entry point operations use."""
+    location = locate(path, iteration)
+    if location.backend == BACKEND_ZARR:
+        entries, sizes = zarr_meta.read_index(location.iteration_dir)
+        return Checkpoint(location, {k: Entry(*v, section=section_of(k)) for k, v in entries.items()}, sizes)
+    index = torch_dist.read_metadata(location.iteration_dir / ".metadata")
+    entries = {
+        key: Entry(item.key, item.kind, item.dtype, item.shape, item.chunks, section_of(key))
+        for key, item in index.items.items()
+    }
+    return Checkpoint(location, entries, _list_data_files(location.iteration_dir), dcp=index)
+
+
+def all_storage_locations(checkpoint: Checkpoint) -> list[tuple[str, StorageLocation | None]]:
+    """(key, storage) for every chunk and item; storage is None where .metadata lacks an entry."""
+    return [(e.key, c.storage) for e in checkpoint.entries.values() for c in e.chunks]

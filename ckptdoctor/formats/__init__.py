@@ -1,0 +1,1 @@
+"""On-disk formats: torch_dist (PyTorch DCP), torch.save zip archives, legacy zarr."""

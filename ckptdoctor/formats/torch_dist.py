@@ -1,0 +1,144 @@
+"""The torch_dist backend: PyTorch DCP ``.metadata`` plus ``__<rank>_<n>.distcp`` data files.
+
+``.metadata`` is read through the safe unpickler, so the DCP classes (and Megatron's ``MCoreMetadata`` /
+``MCoreSavePlan`` of core 0.11-0.15) arrive as inert stand-ins; only their recorded state is used here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptdoctor import safe_pickle
+from ckptdoctor.errors import CkptError, UnsafePickleError
+from ckptdoctor.safe_pickle import DtypeRef, StandIn
+
+DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+@dataclass(frozen=True)
+class StorageLocation:
+    """Where one chunk or bytes item lives: a data file (relative to the iteration dir) and a byte range."""
+
+    relative_path: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class DcpChunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    storage: StorageLocation | None
+
+
+@dataclass
+class DcpItem:
+    key: str
+    kind: str  # "tensor" or "bytes"
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    chunks: list[DcpChunk]
+
+
+@dataclass
+class DcpIndex:
+    items: dict[str, DcpItem]
+    version: str | None
+    metadata_class: str  # e.g. torch.distributed.checkpoint.metadata.Metadata or MCoreMetadata
+    checkpoint_id: str | None
+    extra: dict[str, Any]  # other attributes of the metadata object (mcore_data, all_local_plans, ...)
+
+
+def writer_rank(relative_path: str) -> int | None:
+    match = DISTCP_RE.match(Path(relative_path).name)
+    return int(match.group(1)) if match else None
+
+
+def _attr(obj: Any, name: str, default: Any = None) -> Any:
+    if isinstance(obj, StandIn):
+        return obj.__dict__.get(name, default)
+    return getattr(obj, name, default)
+
+
+def _dtype_name(properties: Any) -> str | None:
+    dtype = _attr(properties, "dtype")
+    if dtype is None and isinstance(properties, StandIn):
+        state = properties.__dict__.get("_ckd_state")
+        # TensorProperties pickles its fields as a tuple: (dtype, layout, requires_grad, memory_format, pin)
+        if isinstance(state, tuple) and state:
+            dtype = state[0]
+    if isinstance(dtype, DtypeRef):
+        return str(dtype)
+    return None if dtype is None else str(dtype)
+
+
+def read_metadata(path: Path) -> DcpIndex:
+    """Parse a DCP ``.metadata`` file into a :class:`DcpIndex` (no data file is opened)."""
+    try:
+        with open(path, "rb") as f:
+            metadata = safe_pickle.load(f)
+    except UnsafePickleError as exc:
+        raise exc.located(str(path)) from None
+    except OSError as exc:
+        raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
+    except Exception as exc:  # truncated or garbage pickles raise many kinds of errors
+        raise CkptError(f"{path}: corrupt DCP metadata ({type(exc).__name__}: {exc})") from None
+
+    state_dict_metadata = _attr(metadata, "state_dict_metadata")
+    storage_data = _attr(metadata, "storage_data")
+    if not isinstance(state_dict_metadata, dict) or not isinstance(storage_data, dict):
+        raise CkptError(f"{path}: not a PyTorch DCP Metadata object (got {type(metadata).__name__})")
+
+    # (fqn, chunk offsets or None) -> storage location
+    locations: dict[tuple[str, tuple[int, ...] | None], StorageLocation] = {}
+    for index, info in storage_data.items():
+        offset = _attr(index, "offset")
+        locations[(_attr(index, "fqn"), None if offset is None else tuple(offset))] = StorageLocation(
+            str(_attr(info, "relative_path")), int(_attr(info, "offset")), int(_attr(info, "length"))
+        )
+
+    items: dict[str, DcpItem] = {}
+    for key, item_meta in state_dict_metadata.items():
+        chunks_meta = _attr(item_meta, "chunks")
+        if chunks_meta is None:  # BytesStorageMetadata
+            items[key] = DcpItem(key, "bytes", None, None, [DcpChunk((), (), locations.get((key, None)))])
+            continue
+        chunks = []
+        for chunk in chunks_meta:
+            offsets = tuple(int(o) for o in _attr(chunk, "offsets"))
+            chunks.append(DcpChunk(offsets, tuple(int(s) for s in _attr(chunk, "sizes")),
+                                   locations.get((key, offsets))))
+        items[key] = DcpItem(
+            key, "tensor", _dtype_name(_attr(item_meta, "properties")),
+            tuple(int(s) for s in _attr(item_meta, "size")), chunks,
+        )
+
+    storage_meta = _attr(metadata, "storage_meta")
+    checkpoint_id = _attr(storage_meta, "checkpoint_id") if storage_meta is not None else None
+    known = {"state_dict_metadata", "storage_data", "planner_data", "storage_meta", "version"}
+    extra = {}
+    if isinstance(metadata, StandIn):
+        extra = {k: v for k, v in (metadata.stand_in_state or {}).items() if k not in known}
+    cls = type(metadata)
+    class_name = cls.qualified_name() if isinstance(metadata, StandIn) else f"{cls.__module__}.{cls.__name__}"
+    return DcpIndex(items, _attr(metadata, "version"), class_name,
+                    None if checkpoint_id is None else str(checkpoint_id), extra)
+
+
+def read_range(iteration_dir: Path, location: StorageLocation) -> bytes:
+    """The bytes of one chunk or item; raises :class:`CkptError` naming the file if it is short or missing."""
+    path = iteration_dir / location.relative_path
+    try:
+        with open(path, "rb") as f:
+            f.seek(location.offset)
+            data = f.read(location.length)
+    except OSError as exc:
+        raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
+    if len(data) != location.length:
+        raise CkptError(
+            f"{path}: truncated: range {location.offset}+{location.length} ends past the file's end"
+        )
+    return data

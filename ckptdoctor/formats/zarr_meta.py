@@ -1,0 +1,66 @@
+"""The legacy zarr backend (core <= 0.14), indexed from its JSON ``.zarray`` files alone.
+
+Each tensor key is a zarr v2 array directory (``.zarray`` + uncompressed chunk files such as ``0.0.0``,
+one chunk per rank's local shape); each ShardedObject is ``<key>/shard_<offsets>_<shape>.pt``.
+Metadata needs no zarr package (the ``.zarray`` files are JSON); only value decoding would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.torch_dist import DcpChunk, StorageLocation
+
+# numpy type strings as zarr writes them -> torch dtype names; Megatron patches bfloat16 in by name.
+_ZARR_DTYPES = {
+    "<f4": "float32", "<f8": "float64", "<f2": "float16", "bfloat16": "bfloat16",
+    "<i8": "int64", "<i4": "int32", "<i2": "int16", "|i1": "int8", "|u1": "uint8", "|b1": "bool",
+}
+
+
+def _zarray(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CkptError(f"{path}: unreadable zarr array metadata ({exc})") from None
+
+
+def read_index(iteration_dir: Path) -> tuple[dict[str, tuple], dict[str, int]]:
+    """(key -> (key, kind, dtype, shape, chunks), relative data file -> size)."""
+    entries: dict[str, tuple] = {}
+    sizes: dict[str, int] = {}
+    for array_dir in sorted(p for p in iteration_dir.iterdir() if p.is_dir()):
+        key = array_dir.name
+        with os.scandir(array_dir) as it:
+            files = {d.name: d.stat().st_size for d in it if d.is_file()}
+        for name, size in files.items():
+            if name != ".zarray" and not name.startswith(".z"):
+                sizes[f"{key}/{name}"] = size
+        if ".zarray" in files:
+            meta = _zarray(array_dir / ".zarray")
+            shape = tuple(int(s) for s in meta.get("shape", ()))
+            chunk_shape = tuple(int(s) for s in meta.get("chunks", ()))
+            dtype = meta.get("dtype")
+            dtype_name = _ZARR_DTYPES.get(dtype if isinstance(dtype, str) else "", str(dtype))
+            chunks = []
+            for name in sorted(files):
+                if name.startswith("."):
+                    continue
+                try:
+                    grid = tuple(int(i) for i in name.split(meta.get("dimension_separator", ".")))
+                except ValueError:
+                    continue
+                offsets = tuple(g * c for g, c in zip(grid, chunk_shape))
+                extents = tuple(min(c, s - o) for c, s, o in zip(chunk_shape, shape, offsets))
+                chunks.append(DcpChunk(offsets, extents, StorageLocation(f"{key}/{name}", 0, files[name])))
+            entries[key] = (key, "tensor", f"torch.{dtype_name}", shape, chunks)
+        else:
+            for name in sorted(files):
+                if name.startswith("shard_"):
+                    item_key = f"{key}/{Path(name).stem}"
+                    chunk = DcpChunk((), (), StorageLocation(f"{key}/{name}", 0, files[name]))
+                    entries[item_key] = (item_key, "bytes", None, None, [chunk])
+    return entries, sizes

@@ -1,0 +1,191 @@
+"""Find the checkpoint a user means and tell which backend and Megatron era wrote it.
+
+Accepted: a save dir holding ``latest_checkpointed_iteration.txt`` (followed, or overridden by
+``iteration``), an iteration dir (``iter_0000010`` or ``release``), or any file inside one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptdoctor.errors import CkptError
+
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
+
+BACKEND_TORCH_DIST = "torch_dist"
+BACKEND_ZARR = "zarr"
+
+ERA_COMMON_PT = "torch_dist, common.pt (core <= 0.18)"
+ERA_COMMON_STATE = "torch_dist, common_state in DCP (core >= 0.19)"
+ERA_ZARR = "zarr (legacy, core <= 0.14)"
+
+
+@dataclass
+class CheckpointLocation:
+    """Where a checkpoint lives on disk and what wrote it (no tensor data read)."""
+
+    input_path: Path
+    iteration_dir: Path
+    save_dir: Path | None = None
+    tracker_path: Path | None = None
+    tracker_value: str | None = None
+    iteration: int | None = None  # from the dir name; None for ``release``
+    release: bool = False
+    backend: str = BACKEND_TORCH_DIST
+    metadata_json: dict = field(default_factory=dict)
+    has_common_pt: bool = False
+
+    @property
+    def era(self) -> str:
+        if self.backend == BACKEND_ZARR:
+            return ERA_ZARR
+        return ERA_COMMON_PT if self.has_common_pt else ERA_COMMON_STATE
+
+    @property
+    def name(self) -> str:
+        return str(self.input_path)
+
+
+def iteration_dir_name(iteration: str | int) -> str:
+    if str(iteration) == "release":
+        return "release"
+    try:
+        return f"iter_{int(iteration):07d}"
+    except ValueError:
+        raise CkptError(f"not an iteration number: {iteration!r}") from None
+
+
+def read_tracker(tracker: Path) -> str:
+    try:
+        value = tracker.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError as exc:
+        raise CkptError(f"{tracker}: cannot read tracker ({exc.strerror})") from None
+    if value != "release" and not value.isdigit():
+        raise CkptError(f"{tracker}: tracker holds {value[:40]!r}, not an iteration number or 'release'")
+    return value
+
+
+def list_iteration_dirs(save_dir: Path) -> list[Path]:
+    """Iteration dirs in a save dir, oldest first (``release`` last)."""
+    found = [p for p in save_dir.iterdir() if p.is_dir() and (ITER_DIR_RE.match(p.name) or p.name == "release")]
+    return sorted(found, key=lambda p: (p.name == "release", p.name))
+
+
+def _is_legacy_mp_rank(directory: Path) -> bool:
+    return any(p.name.startswith("mp_rank_") for p in directory.iterdir())
+
+
+def _looks_like_iteration_dir(directory: Path) -> bool:
+    names = {p.name for p in directory.iterdir()}
+    return (
+        "metadata.json" in names
+        or ".metadata" in names
+        or "common.pt" in names
+        or any(n.endswith(".distcp") for n in names)
+        or _is_legacy_mp_rank(directory)
+    )
+
+
+def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLocation:
+    """Resolve ``path`` to one iteration dir; raises :class:`CkptError` with one clear message."""
+    input_path = Path(path)
+    if not input_path.exists():
+        raise CkptError(f"{input_path}: no such file or directory")
+    save_dir: Path | None = None
+    tracker_path: Path | None = None
+    tracker_value: str | None = None
+
+    if input_path.is_file():
+        if input_path.name == TRACKER_NAME:
+            candidate = input_path.parent
+        else:
+            candidate = _enclosing_iteration_dir(input_path)
+    else:
+        candidate = input_path
+
+    if (candidate / TRACKER_NAME).is_file() or (
+        iteration is not None and not _looks_like_iteration_dir(candidate)
+    ):
+        save_dir = candidate
+        if (candidate / TRACKER_NAME).is_file():
+            tracker_path = candidate / TRACKER_NAME
+            tracker_value = read_tracker(tracker_path)
+        chosen = str(iteration) if iteration is not None else tracker_value
+        iteration_dir = save_dir / iteration_dir_name(chosen)  # type: ignore[arg-type]
+        if not iteration_dir.is_dir():
+            what = "--iteration" if iteration is not None else f"tracker {tracker_path}"
+            raise CkptError(f"{iteration_dir}: {what} points to an iteration dir that does not exist")
+    elif _looks_like_iteration_dir(candidate):
+        iteration_dir = candidate
+        if candidate.parent.joinpath(TRACKER_NAME).is_file():
+            save_dir = candidate.parent
+            tracker_path = save_dir / TRACKER_NAME
+            tracker_value = read_tracker(tracker_path)
+    else:
+        iters = list_iteration_dirs(candidate) if candidate.is_dir() else []
+        if iters:
+            names = ", ".join(p.name for p in iters[-5:])
+            raise CkptError(
+                f"{candidate}: save dir without {TRACKER_NAME}; choose one with --iteration N ({names})"
+            )
+        raise CkptError(f"{candidate}: not a Megatron checkpoint (no metadata.json, .metadata or tracker)")
+
+    location = CheckpointLocation(
+        input_path=input_path,
+        iteration_dir=iteration_dir,
+        save_dir=save_dir,
+        tracker_path=tracker_path,
+        tracker_value=tracker_value,
+    )
+    _detect_backend(location)
+    return location
+
+
+def _enclosing_iteration_dir(file_path: Path) -> Path:
+    # A file inside an iteration dir, or inside a zarr array dir one level deeper.
+    for parent in list(file_path.parents)[:3]:
+        if _looks_like_iteration_dir(parent) or (parent / TRACKER_NAME).is_file():
+            return parent
+    return file_path.parent
+
+
+def _detect_backend(location: CheckpointLocation) -> None:
+    directory = location.iteration_dir
+    match = ITER_DIR_RE.match(directory.name)
+    location.iteration = int(match.group(1)) if match else None
+    location.release = directory.name == "release"
+
+    if _is_legacy_mp_rank(directory):
+        raise CkptError(
+            f"{directory}: legacy non-distributed checkpoint (mp_rank_* files, ckpt_format=torch) is not "
+            "supported; ckptdoctor reads torch_dist and zarr distributed checkpoints"
+        )
+    metadata_path = directory / "metadata.json"
+    if not metadata_path.is_file():
+        raise CkptError(
+            f"{metadata_path}: missing: incomplete checkpoint (rank 0 writes metadata.json last)"
+        )
+    try:
+        metadata = json.loads(metadata_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CkptError(f"{metadata_path}: not valid JSON ({exc})") from None
+    if not isinstance(metadata, dict) or "sharded_backend" not in metadata:
+        raise CkptError(f"{metadata_path}: no 'sharded_backend' field; not a Megatron dist checkpoint")
+    location.metadata_json = metadata
+    backend = metadata["sharded_backend"]
+    if backend == BACKEND_TORCH_DIST:
+        location.backend = BACKEND_TORCH_DIST
+        location.has_common_pt = (directory / "common.pt").is_file()
+        if not (directory / ".metadata").is_file():
+            raise CkptError(f"{directory / '.metadata'}: missing: the torch_dist index cannot be read")
+    elif backend == BACKEND_ZARR:
+        location.backend = BACKEND_ZARR
+        location.has_common_pt = True
+    else:
+        raise CkptError(
+            f"{metadata_path}: sharded_backend {backend!r} is not supported (torch_dist and zarr are)"
+        )

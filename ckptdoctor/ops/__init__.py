@@ -1,0 +1,1 @@
+"""Operations: pure functions over Checkpoint objects that return report data (they never print)."""

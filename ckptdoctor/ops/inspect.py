@@ -1,0 +1,101 @@
+"""``ckptdoctor inspect``: what a checkpoint is, from metadata only."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from ckptdoctor.args import summarize_args
+from ckptdoctor.checkpoint import SECTIONS, Checkpoint
+from ckptdoctor.parallelism import infer_layout
+
+SCHEMA = "ckptdoctor.inspect/1"
+
+
+@dataclass
+class KeyRow:
+    key: str
+    section: str
+    kind: str
+    dtype: str | None
+    shape: list[int] | None
+    chunks: int
+    bytes: int
+
+
+@dataclass
+class InspectReport:
+    schema: str
+    path: str
+    iteration_dir: str
+    save_dir: str | None
+    tracker: dict | None
+    iteration: int | None
+    release: bool
+    format: dict
+    data_files: dict
+    sections: dict[str, dict]
+    layout: dict
+    args: dict | None
+    common_state_keys: list[str]
+    keys: list[KeyRow] | None = field(default=None)
+
+
+def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False,
+                       key_filter: str | None = None) -> InspectReport:
+    location = checkpoint.location
+    sections: dict[str, dict] = {
+        s: {"keys": 0, "tensors": 0, "bytes_items": 0, "parameters": 0, "bytes": 0} for s in SECTIONS
+    }
+    for entry in checkpoint.entries.values():
+        totals = sections[entry.section]
+        totals["keys"] += 1
+        totals["tensors" if entry.kind == "tensor" else "bytes_items"] += 1
+        totals["parameters"] += entry.numel
+        totals["bytes"] += entry.nbytes
+
+    common = checkpoint.common_state()
+    args = common.get("args")
+    saved = infer_layout(checkpoint)
+    layout = {
+        "tp": saved.tp,
+        "pp": saved.pp,
+        "layers": saved.layers,
+        "ep": saved.ep,
+        "writer_ranks": saved.writer_ranks,
+        "summary": saved.summary(),
+    }
+    dcp = checkpoint.dcp
+    report = InspectReport(
+        schema=SCHEMA,
+        path=str(location.input_path),
+        iteration_dir=str(location.iteration_dir),
+        save_dir=None if location.save_dir is None else str(location.save_dir),
+        tracker=None if location.tracker_path is None else {
+            "path": str(location.tracker_path), "value": location.tracker_value},
+        iteration=location.iteration if location.iteration is not None else common.get("iteration"),
+        release=location.release,
+        format={
+            "backend": location.backend,
+            "era": location.era,
+            "metadata_json": location.metadata_json,
+            "dcp_version": None if dcp is None else dcp.version,
+            "metadata_class": None if dcp is None else dcp.metadata_class,
+            "common_source": checkpoint.common_source,
+            "checkpoint_version": common.get("checkpoint_version"),
+        },
+        data_files={"count": len(checkpoint.data_files), "bytes": sum(checkpoint.data_files.values())},
+        sections=sections,
+        layout=layout,
+        args=summarize_args(args) if args is not None else None,
+        common_state_keys=sorted(str(k) for k in common),
+    )
+    if with_keys:
+        pattern = re.compile(key_filter) if key_filter else None
+        report.keys = [
+            KeyRow(e.key, e.section, e.kind, e.dtype, None if e.shape is None else list(e.shape),
+                   len(e.chunks), e.nbytes)
+            for e in sorted(checkpoint.entries.values(), key=lambda e: (SECTIONS.index(e.section), e.key))
+            if pattern is None or pattern.search(e.key)
+        ]
+    return report
+

@@ -1,0 +1,121 @@
+"""The parallel layout a checkpoint was saved with, inferred from its chunk grids and writer ranks.
+
+* Transformer layers are stacked: model keys under ``*.layers.`` (no layer index after it) have a
+  prepended layer axis, and Megatron writes one chunk per layer along it. Heterogeneous stacks are keyed
+  per layer (``decoder.layers.3.``). Only ranks of a layer's pipeline stage write its chunks, so the
+  pipeline stages are the groups of layers connected by shared writer ranks (``__<rank>_<n>.distcp``);
+  virtual stages of one rank fall into its group.
+* Tensor parallelism cuts the non-layer axes into chunks. SwiGLU's ``linear_fc1`` holds ``cat([W, V])``
+  cut into 2*TP chunks (2 even at TP=1), so it only decides TP when nothing else is split.
+* Expert tensors ``[L, E, ...]`` are cut along E by expert parallelism.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ckptdoctor.formats.torch_dist import writer_rank
+
+if TYPE_CHECKING:
+    from ckptdoctor.checkpoint import Checkpoint, Entry
+
+_STACKED_LAYER_RE = re.compile(r"(^|\.)layers\.(?!\d)")
+_INDEXED_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_SWIGLU_FC1_RE = re.compile(r"(^|\.)linear_fc1\.(weight|bias)$")
+
+
+@dataclass
+class SavedLayout:
+    tp: int | None  # tensor-parallel degree shown by chunk grids (1 when nothing is split)
+    pp: int | None  # pipeline stages (groups of layers with disjoint writer ranks); None if unknown
+    layers: int | None  # transformer layers seen (stacked axis length or per-layer keys)
+    ep: int | None  # expert-parallel degree shown by expert tensors; None without experts
+    writer_ranks: list[int]  # ranks that wrote data files (from __<rank>_<n>.distcp names)
+
+    def summary(self) -> str:
+        def show(value: int | None) -> str:
+            return "?" if value is None else str(value)
+
+        parts = [f"TP={show(self.tp)}", f"PP={show(self.pp)}"]
+        if self.ep is not None:
+            parts.append(f"EP={self.ep}")
+        n = len(self.writer_ranks)
+        parts.append(f"({n} writer{'s' if n != 1 else ''})")
+        return " ".join(parts)
+
+
+def is_stacked_layer_key(key: str) -> bool:
+    return bool(_STACKED_LAYER_RE.search(key))
+
+
+def is_expert_key(key: str) -> bool:
+    return ".experts." in key
+
+
+def _distinct_offsets(entry: Entry, axis: int) -> int:
+    return len({c.offsets[axis] for c in entry.chunks if len(c.offsets) > axis})
+
+
+def _count_groups(layer_ranks: dict[int, set[int]]) -> int:
+    """Connected groups of layers, two layers joined when a rank wrote chunks of both."""
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    owner: dict[int, int] = {}
+    for layer, ranks in layer_ranks.items():
+        find(layer)
+        for rank in ranks:
+            if rank in owner:
+                parent[find(layer)] = find(owner[rank])
+            else:
+                owner[rank] = layer
+    return len({find(layer) for layer in layer_ranks})
+
+
+def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
+    split_counts: list[int] = []
+    fc1_counts: list[int] = []
+    ep: int | None = None
+    layer_ranks: dict[int, set[int]] = {}
+    ranks_known = True
+    for entry in checkpoint.section_entries("model"):
+        if entry.kind != "tensor" or not entry.shape:
+            continue
+        stacked = is_stacked_layer_key(entry.key)
+        indexed = None if stacked else _INDEXED_LAYER_RE.search(entry.key)
+        for chunk in entry.chunks:
+            rank = writer_rank(chunk.storage.relative_path) if chunk.storage else None
+            if stacked:
+                layers = range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])
+            elif indexed:
+                layers = range(int(indexed.group(1)), int(indexed.group(1)) + 1)
+            else:
+                continue
+            if rank is None:
+                ranks_known = False
+            for layer in layers:
+                layer_ranks.setdefault(layer, set()).update(() if rank is None else (rank,))
+        first_split_axis = 1 if stacked else 0
+        if is_expert_key(entry.key):
+            if stacked and len(entry.shape) > 1:
+                ep = max(ep or 0, _distinct_offsets(entry, 1))
+            continue
+        split = max((_distinct_offsets(entry, a) for a in range(first_split_axis, len(entry.shape))), default=1)
+        (fc1_counts if _SWIGLU_FC1_RE.search(entry.key) else split_counts).append(split)
+    ranks = sorted({r for name in checkpoint.data_files if (r := writer_rank(name)) is not None})
+    if any(c > 1 for c in split_counts):
+        tp: int | None = min(c for c in split_counts if c > 1)
+    elif split_counts:
+        # Nothing but fc1 split: TP=1 with SwiGLU (2 chunks) or fc1 alone cut TP ways.
+        tp = 1 if all(c <= 2 for c in fc1_counts) else min(fc1_counts) // 2
+    else:
+        tp = None
+    pp = _count_groups(layer_ranks) if layer_ranks and ranks_known else None
+    return SavedLayout(tp=tp, pp=pp, layers=len(layer_ranks) or None, ep=ep, writer_ranks=ranks)

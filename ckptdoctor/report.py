@@ -1,0 +1,95 @@
+"""Rendering: text tables (tabulate) and JSON. Operations return data; this turns it into output."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from typing import Any
+
+from tabulate import tabulate
+
+from ckptdoctor.safe_pickle import DtypeRef
+
+EXIT_OK = 0
+EXIT_FINDINGS = 1
+EXIT_ERROR = 2
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON values; dataclasses become dicts, stand-ins and dtypes their readable form."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, (DtypeRef, enum.Enum)):
+        return str(value)
+    return repr(value)
+
+
+def to_json(report: Any) -> str:
+    return json.dumps(jsonable(report), indent=2, sort_keys=False)
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def render_inspect(report: Any) -> str:
+    fmt = report.format
+    lines = [f"checkpoint      {report.iteration_dir}"]
+    if report.save_dir:
+        tracker = f"tracker says {report.tracker['value']}" if report.tracker else "no tracker"
+        lines.append(f"save dir        {report.save_dir} ({tracker})")
+    meta = ", ".join(f"{k}={v}" for k, v in fmt["metadata_json"].items())
+    lines.append(f"format          {fmt['era']}")
+    lines.append(f"metadata.json   {meta}")
+    if fmt["dcp_version"] is not None or fmt["metadata_class"]:
+        lines.append(f"DCP metadata    version {fmt['dcp_version']}, {fmt['metadata_class']}")
+    lines.append(f"common state    {fmt['common_source']}")
+    iteration = "release" if report.release else report.iteration
+    lines.append(f"iteration       {iteration}   checkpoint_version {fmt['checkpoint_version']}")
+    files = report.data_files
+    lines.append(f"data files      {files['count']} files, {human_bytes(files['bytes'])}")
+    lines.append(f"saved layout    {report.layout['summary']}")
+    lines.append("")
+    rows = [
+        [name, t["keys"], t["tensors"], t["bytes_items"], f"{t['parameters']:,}", human_bytes(t["bytes"])]
+        for name, t in report.sections.items() if t["keys"]
+    ]
+    lines.append(tabulate(rows, headers=["section", "keys", "tensors", "bytes items", "parameters", "size"],
+                          colalign=("left", "right", "right", "right", "right", "right")))
+    if report.args is not None:
+        lines.append("")
+        lines.append("args")
+        for group, values in report.args.items():
+            if values:
+                shown = "  ".join(f"{k}={_short(v)}" for k, v in values.items())
+                lines.append(f"  {group}: {shown}")
+    else:
+        lines.append("")
+        lines.append("args            (none saved in the common state)")
+    lines.append("")
+    lines.append("common state keys: " + ", ".join(report.common_state_keys))
+    if report.keys is not None:
+        lines.append("")
+        rows = [[r.key, r.kind, r.dtype or "-", "-" if r.shape is None else "x".join(map(str, r.shape)) or "()",
+                 r.chunks, human_bytes(r.bytes)] for r in report.keys]
+        lines.append(tabulate(rows, headers=["key", "kind", "dtype", "global shape", "chunks", "size"]))
+    return "\n".join(lines)
+
+
+def _short(value: Any) -> str:
+    plain = jsonable(value)
+    return plain if isinstance(plain, str) else json.dumps(plain)

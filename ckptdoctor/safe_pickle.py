@@ -1,0 +1,538 @@
+"""The one unpickler ckptdoctor uses for every pickle it reads.
+
+Checkpoints are pickles from strangers, so nothing here may execute code they name:
+
+* a short allowlist of plain-data classes (builtins containers, ``argparse.Namespace``, paths, ...)
+  resolves to the real objects;
+* torch names resolve to light stand-ins (dtypes, ``torch.Size``, storages, tensors) so that metadata
+  can be read without importing torch;
+* every other standard-library name (``os.system``, ``builtins.eval``, ``subprocess.Popen``,
+  ``builtins.getattr``, ...) is refused with :class:`UnsafePickleError` before anything is called;
+* names from third-party packages (megatron, transformer_engine, nemo, numpy, ...) become inert
+  stand-ins: calling one only records its arguments. A stand-in keeps its qualified name and state and
+  pickles back (:func:`dumps`) to the same global reference, so real megatron-core unpickles a rewritten
+  state to the real objects.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import argparse
+import collections
+import copyreg
+import datetime
+import decimal
+import fractions
+import io
+import pathlib
+import pickle
+import signal
+import sys
+import types
+import uuid
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+from ckptdoctor.errors import UnsafePickleError
+
+# --- stand-ins ---------------------------------------------------------------------------------------
+
+
+class StandIn:
+    """Base of the inert stand-ins made for globals we do not import.
+
+    ``Cls(*args)`` (pickle's REDUCE) and ``Cls.__new__(Cls, *args)`` (NEWOBJ) only record ``args``;
+    ``__setstate__`` (BUILD) only records the state. Dict state becomes attributes for convenient reading.
+    """
+
+    __ckd_global__: tuple[str, str] = ("", "")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> StandIn:
+        obj = object.__new__(cls)
+        obj.__dict__["_ckd_args"] = args
+        obj.__dict__["_ckd_kwargs"] = kwargs
+        obj.__dict__["_ckd_via"] = "new"
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__["_ckd_via"] = "call"
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+            self.__dict__["_ckd_state_kind"] = "dict"
+        elif (
+            isinstance(state, tuple)
+            and len(state) == 2
+            and isinstance(state[0], (dict, type(None)))
+            and isinstance(state[1], dict)
+        ):
+            self.__dict__.update(state[0] or {})
+            self.__dict__.update(state[1])
+            self.__dict__["_ckd_state_kind"] = "slots"
+            self.__dict__["_ckd_slot_names"] = tuple(state[1])
+        else:
+            self.__dict__["_ckd_state"] = state
+            self.__dict__["_ckd_state_kind"] = "raw"
+
+    # Reading helpers ------------------------------------------------------------------------------
+
+    @property
+    def stand_in_args(self) -> tuple:
+        return self.__dict__.get("_ckd_args", ())
+
+    @property
+    def stand_in_state(self) -> Any:
+        kind = self.__dict__.get("_ckd_state_kind")
+        if kind == "raw":
+            return self.__dict__["_ckd_state"]
+        if kind is None:
+            return None
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_ckd_")}
+
+    @classmethod
+    def qualified_name(cls) -> str:
+        module, name = cls.__ckd_global__
+        return f"{module}.{name}"
+
+    # Writing back ---------------------------------------------------------------------------------
+
+    def __reduce__(self) -> tuple:
+        kind = self.__dict__.get("_ckd_state_kind")
+        if kind == "dict":
+            state: Any = self.stand_in_state
+        elif kind == "slots":
+            slot_names = self.__dict__["_ckd_slot_names"]
+            attrs = self.stand_in_state or {}
+            plain = {k: v for k, v in attrs.items() if k not in slot_names}
+            state = (plain or None, {k: attrs[k] for k in slot_names})
+        elif kind == "raw":
+            state = self.__dict__["_ckd_state"]
+        else:
+            state = None
+        args = self.stand_in_args
+        if self.__dict__.get("_ckd_via") == "new":
+            return (copyreg.__newobj__, (type(self), *args), state)
+        return (type(self), args, state)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(self) is type(other)
+            and self.stand_in_args == other.stand_in_args  # type: ignore[attr-defined]
+            and self.stand_in_state == other.stand_in_state  # type: ignore[attr-defined]
+        )
+
+    def __hash__(self) -> int:
+        return hash(type(self).__ckd_global__)
+
+    def __repr__(self) -> str:
+        name = type(self).__ckd_global__[1]
+        parts = [repr(a) for a in self.stand_in_args]
+        state = self.stand_in_state
+        if state is not None:
+            parts.append(f"state={state!r}")
+        return f"{name}({', '.join(parts)})"
+
+
+_STAND_IN_CLASSES: dict[tuple[str, str], type[StandIn]] = {}
+
+
+def stand_in_class(module: str, name: str) -> type[StandIn]:
+    """The (cached) inert stand-in class for the global ``module.name``."""
+    key = (module, name)
+    cls = _STAND_IN_CLASSES.get(key)
+    if cls is None:
+        short = name.rsplit(".", 1)[-1]
+        cls = type(short, (StandIn,), {"__ckd_global__": key, "__module__": module, "__qualname__": name})
+        _STAND_IN_CLASSES[key] = cls
+    return cls
+
+
+def is_stand_in(obj: object) -> bool:
+    return isinstance(obj, StandIn)
+
+
+# --- torch stand-ins ---------------------------------------------------------------------------------
+
+# torch dtype name -> (itemsize in bytes, legacy typed-storage class name)
+TORCH_DTYPES: dict[str, tuple[int, str | None]] = {
+    "float32": (4, "FloatStorage"),
+    "float64": (8, "DoubleStorage"),
+    "float16": (2, "HalfStorage"),
+    "bfloat16": (2, "BFloat16Storage"),
+    "int64": (8, "LongStorage"),
+    "int32": (4, "IntStorage"),
+    "int16": (2, "ShortStorage"),
+    "int8": (1, "CharStorage"),
+    "uint8": (1, "ByteStorage"),
+    "bool": (1, "BoolStorage"),
+    "complex64": (8, "ComplexFloatStorage"),
+    "complex128": (16, "ComplexDoubleStorage"),
+    "float8_e4m3fn": (1, None),
+    "float8_e5m2": (1, None),
+    "float8_e4m3fnuz": (1, None),
+    "float8_e5m2fnuz": (1, None),
+    "uint16": (2, None),
+    "uint32": (4, None),
+    "uint64": (8, None),
+}
+_DTYPE_ALIASES = {
+    "float": "float32",
+    "double": "float64",
+    "half": "float16",
+    "long": "int64",
+    "int": "int32",
+    "short": "int16",
+    "cfloat": "complex64",
+    "cdouble": "complex128",
+}
+_STORAGE_TO_DTYPE = {storage: dtype for dtype, (_, storage) in TORCH_DTYPES.items() if storage}
+
+
+class DtypeRef:
+    """Stand-in for a ``torch.dtype``; pickles back to the global ``torch.<name>``."""
+
+    _cache: dict[str, DtypeRef] = {}
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @classmethod
+    def get(cls, name: str) -> DtypeRef:
+        name = _DTYPE_ALIASES.get(name, name)
+        ref = cls._cache.get(name)
+        if ref is None:
+            ref = cls._cache[name] = DtypeRef(name)
+        return ref
+
+    @property
+    def itemsize(self) -> int | None:
+        info = TORCH_DTYPES.get(self.name)
+        return info[0] if info else None
+
+    def global_ref(self) -> tuple[str, str]:
+        return ("torch", self.name)
+
+    def __reduce__(self) -> str:
+        return self.name
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+    __repr__ = __str__
+
+
+class StorageTypeRef:
+    """Stand-in for a typed-storage class such as ``torch.FloatStorage``."""
+
+    _cache: dict[str, StorageTypeRef] = {}
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module = module
+        self.name = name
+        dtype = _STORAGE_TO_DTYPE.get(name)
+        self.dtype = DtypeRef.get(dtype) if dtype else None
+
+    @classmethod
+    def get(cls, module: str, name: str) -> StorageTypeRef:
+        ref = cls._cache.get(f"{module}.{name}")
+        if ref is None:
+            ref = cls._cache[f"{module}.{name}"] = StorageTypeRef(module, name)
+        return ref
+
+    @classmethod
+    def for_dtype(cls, dtype: DtypeRef) -> StorageTypeRef:
+        storage = TORCH_DTYPES.get(dtype.name, (0, None))[1]
+        if storage is None:
+            raise ValueError(f"no legacy storage class for torch.{dtype.name}")
+        return cls.get("torch", storage)
+
+    def global_ref(self) -> tuple[str, str]:
+        return (self.module, self.name)
+
+    def __reduce__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+class Size(tuple):
+    """Stand-in for ``torch.Size``: a tuple that pickles back to ``torch.Size``."""
+
+    __ckd_global__ = ("torch", "Size")
+
+    def __reduce__(self) -> tuple:
+        return (Size, (tuple(self),))
+
+
+class StorageRef:
+    """A storage record of a ``torch.save`` zip: its key, dtype, element count and a way to read bytes."""
+
+    def __init__(self, key: str, dtype: DtypeRef | None, location: str, numel: int,
+                 read: Callable[[], bytes] | None = None) -> None:
+        self.key = key
+        self.dtype = dtype
+        self.location = location
+        self.numel = numel
+        self._read = read
+        self._data: bytes | None = None
+
+    def data(self) -> bytes:
+        if self._data is None:
+            if self._read is None:
+                raise ValueError(f"storage {self.key} has no data source")
+            self._data = self._read()
+        return self._data
+
+    def set_data(self, data: bytes) -> None:
+        self._data = data
+
+
+class TensorRef:
+    """Stand-in for a ``torch.Tensor`` inside a pickle: storage, offset, size and stride; no torch needed."""
+
+    def __init__(self, storage: StorageRef, storage_offset: int, size: tuple, stride: tuple,
+                 requires_grad: bool = False, parameter: bool = False) -> None:
+        self.storage = storage
+        self.storage_offset = storage_offset
+        self.size = tuple(size)
+        self.stride = tuple(stride)
+        self.requires_grad = requires_grad
+        self.parameter = parameter
+
+    @property
+    def dtype(self) -> DtypeRef | None:
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.size:
+            n *= d
+        return n
+
+    def __reduce__(self) -> tuple:
+        args = (self.storage, self.storage_offset, Size(self.size), tuple(self.stride),
+                self.requires_grad, collections.OrderedDict())
+        tensor = (_rebuild_tensor_v2_ref, args)
+        if self.parameter:
+            return (_rebuild_parameter_ref, (_Rebuilt(*tensor), self.requires_grad, collections.OrderedDict()))
+        return tensor
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorRef):
+            return NotImplemented
+        return (self.dtype is other.dtype and self.size == other.size and self.stride == other.stride
+                and self.storage_offset == other.storage_offset and self.storage.data() == other.storage.data())
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"tensor({self.dtype}, shape={list(self.size)})"
+
+
+class _Rebuilt:
+    """A (callable, args) pair that pickles as REDUCE: used to nest a tensor inside a parameter."""
+
+    def __init__(self, func: Any, args: tuple) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple:
+        return (self.func, self.args)
+
+
+class GlobalFunc:
+    """A named torch function we never import; pickles back to its global reference."""
+
+    def __init__(self, module: str, name: str, impl: Callable[..., Any]) -> None:
+        self.module, self.name, self.impl = module, name, impl
+
+    def __call__(self, *args: Any) -> Any:
+        return self.impl(*args)
+
+    def global_ref(self) -> tuple[str, str]:
+        return (self.module, self.name)
+
+    def __reduce__(self) -> str:
+        return self.name
+
+
+def _rebuild_tensor_v2(storage: StorageRef, storage_offset: int, size: tuple, stride: tuple,
+                       requires_grad: bool = False, backward_hooks: Any = None, metadata: Any = None) -> TensorRef:
+    return TensorRef(storage, storage_offset, size, stride, requires_grad)
+
+
+def _rebuild_tensor(storage: StorageRef, storage_offset: int, size: tuple, stride: tuple) -> TensorRef:
+    return TensorRef(storage, storage_offset, size, stride)
+
+
+def _rebuild_parameter(data: TensorRef, requires_grad: bool, backward_hooks: Any = None,
+                       state: Any = None) -> TensorRef:
+    data.requires_grad = requires_grad
+    data.parameter = True
+    return data
+
+
+_rebuild_tensor_v2_ref = GlobalFunc("torch._utils", "_rebuild_tensor_v2", _rebuild_tensor_v2)
+_rebuild_parameter_ref = GlobalFunc("torch._utils", "_rebuild_parameter", _rebuild_parameter)
+_TORCH_FUNCS = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2_ref,
+    ("torch._utils", "_rebuild_tensor"): GlobalFunc("torch._utils", "_rebuild_tensor", _rebuild_tensor),
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter_ref,
+    ("torch._utils", "_rebuild_parameter_with_state"): GlobalFunc(
+        "torch._utils", "_rebuild_parameter_with_state", _rebuild_parameter),
+}
+
+# --- the allowlist -----------------------------------------------------------------------------------
+
+# Real objects: plain data, harmless to construct with any arguments.
+_ALLOWED: dict[tuple[str, str], Any] = {
+    **{("builtins", t.__name__): t for t in (
+        set, frozenset, dict, list, tuple, bytearray, bytes, int, float, complex, str, bool, slice,
+        range, object, type(None))},
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "defaultdict"): collections.defaultdict,
+    ("collections", "deque"): collections.deque,
+    ("collections", "Counter"): collections.Counter,
+    ("copyreg", "_reconstructor"): copyreg._reconstructor,  # type: ignore[attr-defined]
+    ("copyreg", "__newobj__"): copyreg.__newobj__,  # type: ignore[attr-defined]
+    ("copyreg", "__newobj_ex__"): copyreg.__newobj_ex__,  # type: ignore[attr-defined]
+    ("argparse", "Namespace"): argparse.Namespace,
+    ("types", "SimpleNamespace"): types.SimpleNamespace,
+    ("datetime", "datetime"): datetime.datetime,
+    ("datetime", "date"): datetime.date,
+    ("datetime", "time"): datetime.time,
+    ("datetime", "timedelta"): datetime.timedelta,
+    ("datetime", "timezone"): datetime.timezone,
+    ("decimal", "Decimal"): decimal.Decimal,
+    ("fractions", "Fraction"): fractions.Fraction,
+    ("uuid", "UUID"): uuid.UUID,
+    ("pathlib", "PosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+    ("pathlib", "Path"): pathlib.PurePath,
+    ("_codecs", "encode"): lambda text, encoding="utf-8": _codecs_encode(text, encoding),
+    ("codecs", "encode"): lambda text, encoding="utf-8": _codecs_encode(text, encoding),
+    ("io", "BytesIO"): io.BytesIO,
+    ("_io", "BytesIO"): io.BytesIO,
+    ("signal", "Signals"): signal.Signals,
+}
+
+
+def _codecs_encode(text: str, encoding: str) -> bytes:
+    # Protocol-2 pickles spell bytes as _codecs.encode(str, "latin1"); only text codecs are allowed,
+    # so a crafted codec name cannot reach anything but a text encoder.
+    if encoding.lower().replace("_", "-") not in ("latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii"):
+        raise UnsafePickleError("_codecs", f"encode(..., {encoding!r})")
+    return text.encode(encoding)
+
+
+_STDLIB = set(sys.stdlib_module_names) | {"builtins", "__builtin__", "__main__"}
+
+
+def resolve_global(module: str, name: str) -> Any:
+    """What ``module.name`` resolves to when a checkpoint pickle asks for it (the allowlist policy)."""
+    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+    module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+    key = (module, name)
+    if key in _ALLOWED:
+        return _ALLOWED[key]
+    top = module.split(".", 1)[0]
+    if top == "torch":
+        return _resolve_torch(module, name)
+    if top in _STDLIB or not module:
+        raise UnsafePickleError(module, name)
+    return stand_in_class(module, name)
+
+
+def _resolve_torch(module: str, name: str) -> Any:
+    if func := _TORCH_FUNCS.get((module, name)):
+        return func
+    if module == "torch":
+        if name == "Size":
+            return Size
+        plain = _DTYPE_ALIASES.get(name, name)
+        if plain in TORCH_DTYPES:
+            return DtypeRef.get(plain)
+        if name.endswith("Storage"):
+            return StorageTypeRef.get(module, name)
+    if module in ("torch.storage", "torch") and name in ("UntypedStorage", "TypedStorage", "_LegacyStorage"):
+        return StorageTypeRef.get(module, name)
+    return stand_in_class(module, name)
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` whose globals go through :func:`resolve_global`.
+
+    ``persistent_load`` (for torch zip storages) is supplied by the caller; without one, a pickle that
+    uses persistent ids is refused.
+    """
+
+    def __init__(self, file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None) -> None:
+        super().__init__(file)
+        self._persistent_load = persistent_load
+
+    def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle API
+        return resolve_global(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent_load is None:
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        return self._persistent_load(pid)
+
+
+def loads(data: bytes, persistent_load: Callable[[Any], Any] | None = None) -> Any:
+    return SafeUnpickler(io.BytesIO(data), persistent_load).load()
+
+
+def load(file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None) -> Any:
+    return SafeUnpickler(file, persistent_load).load()
+
+
+# --- writing back ------------------------------------------------------------------------------------
+
+
+def _global_ref(obj: Any) -> tuple[str, str] | None:
+    if isinstance(obj, type):
+        return obj.__dict__.get("__ckd_global__")
+    if isinstance(obj, (DtypeRef, StorageTypeRef, GlobalFunc)):
+        return obj.global_ref()
+    return None
+
+
+class StandInPickler(pickle._Pickler):  # type: ignore[name-defined]
+    """A pickler that writes stand-ins back as references to their original globals.
+
+    ``persistent_id`` may be given to write tensor storages (see ``formats.torch_zip``).
+    """
+
+    def __init__(self, file: BinaryIO, protocol: int = 2,
+                 persistent_id: Callable[[Any], Any] | None = None) -> None:
+        super().__init__(file, protocol=protocol)
+        self._persistent_id = persistent_id
+
+    def persistent_id(self, obj: Any) -> Any:
+        return self._persistent_id(obj) if self._persistent_id else None
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        ref = _global_ref(obj)
+        if ref is None:
+            super().save_global(obj, name)
+            return
+        module, qualname = ref
+        if self.proto >= 4:
+            self.save(module)
+            self.save(qualname)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode("utf-8"))
+        self.memoize(obj)
+
+
+
+def dumps(obj: Any, protocol: int = 2, persistent_id: Callable[[Any], Any] | None = None) -> bytes:
+    buf = io.BytesIO()
+    StandInPickler(buf, protocol=protocol, persistent_id=persistent_id).dump(obj)
+    return buf.getvalue()

@@ -1,0 +1,167 @@
+"""The safe unpickler: refuses code execution, keeps unknown classes as inert, round-trippable stand-ins."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from ckptdoctor import safe_pickle
+from ckptdoctor.errors import UnsafePickleError
+from ckptdoctor.safe_pickle import DtypeRef, Size, StandIn
+
+
+class _Reduce:
+    """An object whose pickle calls ``func(*args)`` on load: the classic pickle exploit."""
+
+    def __init__(self, func, args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return (self.func, self.args)
+
+
+def _malicious_payloads(marker):
+    import builtins
+    import os
+
+    touch = f"open({str(marker)!r}, 'w').write('pwned')"
+    return {
+        "os.system": pickle.dumps(_Reduce(os.system, (f"touch {marker}",))),
+        "builtins.eval": pickle.dumps(_Reduce(builtins.eval, (touch,))),
+        "builtins.exec": pickle.dumps(_Reduce(builtins.exec, (touch,))),
+        "subprocess.Popen": pickle.dumps(_Reduce(subprocess.Popen, (["touch", str(marker)],))),
+        "builtins.getattr": b"cbuiltins\ngetattr\n(cbuiltins\nstr\nS'join'\ntR.",
+        "builtins.__import__": pickle.dumps(_Reduce(builtins.__import__, ("os",))),
+        "posix.system (protocol 0)": f"cposix\nsystem\n(S'touch {marker}'\ntR.".encode(),
+        "__builtin__.eval (py2 name)": f"c__builtin__\neval\n(S\"{touch}\"\ntR.".encode(),
+    }
+
+
+@pytest.mark.parametrize("name", list(_malicious_payloads("/x")))
+def test_malicious_pickle_is_refused_and_never_executed(tmp_path, name):
+    marker = tmp_path / "marker"
+    data = _malicious_payloads(marker)[name]
+    with pytest.raises(UnsafePickleError) as info:
+        safe_pickle.loads(data)
+    assert "not on the allowlist" in str(info.value)
+    assert not marker.exists()
+
+
+def test_codecs_encode_only_allows_text_codecs():
+    # protocol-2 bytes: _codecs.encode(text, "latin1") is allowed; other codecs are refused
+    assert safe_pickle.loads(pickle.dumps(b"\x00\xffab", protocol=2)) == b"\x00\xffab"
+    with pytest.raises(UnsafePickleError):
+        safe_pickle.loads(b"c_codecs\nencode\n(S'abc'\nS'zlib_codec'\ntR.")
+
+
+def test_plain_data_resolves_to_real_objects():
+    obj = {"ns": argparse.Namespace(a=1, b=[1, 2]), "t": (1.5, None), "s": {1, 2}}
+    assert safe_pickle.loads(pickle.dumps(obj)) == obj
+
+
+def test_unknown_third_party_class_becomes_inert_stand_in():
+    data = b"cmegatron.core.enums\nModelType\n(I1\ntR."
+    value = safe_pickle.loads(data)
+    assert isinstance(value, StandIn)
+    assert type(value).qualified_name() == "megatron.core.enums.ModelType"
+    assert value.stand_in_args == (1,)
+    # pickles back to the same global reference and arguments
+    again = safe_pickle.loads(safe_pickle.dumps(value))
+    assert again == value
+    assert b"megatron.core.enums\nModelType" in safe_pickle.dumps(value)
+
+
+def test_stand_in_calls_record_arguments_only(tmp_path):
+    marker = tmp_path / "marker"
+    data = f"cnumpy.testing._private.utils\nrunstring\n(S'open(\"{marker}\",\"w\")'\n(dtR.".encode()
+    value = safe_pickle.loads(data)
+    assert isinstance(value, StandIn) and not marker.exists()
+
+
+def test_torch_names_map_to_light_stand_ins():
+    assert safe_pickle.loads(b"ctorch\nbfloat16\n.") is DtypeRef.get("bfloat16")
+    size = safe_pickle.loads(b"ctorch\nSize\n((I2\nI3\nttR.")
+    assert isinstance(size, Size) and size == (2, 3)
+    assert b"torch\nSize" in safe_pickle.dumps(size)
+
+
+def test_reading_never_imports_torch_or_megatron():
+    code = (
+        "import sys, pickle\n"
+        "from ckptdoctor import safe_pickle\n"
+        "safe_pickle.loads(b'cmegatron.core.enums\\nModelType\\n(I1\\ntR.')\n"
+        "safe_pickle.loads(b'ctorch\\nfloat32\\n.')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'numpy')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_mcore_metadata_pickles_read_without_megatron(tmp_path):
+    """.metadata of core 0.11-0.15 pickles MCoreSavePlan / MCoreMetadata; build one and read it."""
+    torch = pytest.importorskip("torch")
+    script = tmp_path / "make.py"
+    script.write_text(
+        "import sys, types, pickle, torch\n"
+        "import torch.distributed.checkpoint as dcp\n"
+        "from torch.distributed.checkpoint.metadata import Metadata\n"
+        "from torch.distributed.checkpoint.planner import SavePlan\n"
+        "name = 'megatron.core.dist_checkpointing.strategies.torch'\n"
+        "for part in ('megatron', 'megatron.core', 'megatron.core.dist_checkpointing',\n"
+        "             'megatron.core.dist_checkpointing.strategies', name):\n"
+        "    sys.modules[part] = types.ModuleType(part)\n"
+        "mod = sys.modules[name]\n"
+        "class MCoreMetadata(Metadata):\n"
+        "    pass\n"
+        "class MCoreSavePlan(SavePlan):\n"
+        "    pass\n"
+        "for cls in (MCoreMetadata, MCoreSavePlan):\n"
+        "    cls.__module__ = name; setattr(mod, cls.__name__, cls)\n"
+        "dcp.save({'w': torch.ones(4, 2)}, checkpoint_id=sys.argv[1], no_dist=True)\n"
+        "with open(sys.argv[1] + '/.metadata', 'rb') as f:\n"
+        "    md = pickle.load(f)\n"
+        "new = MCoreMetadata(state_dict_metadata=md.state_dict_metadata, planner_data=md.planner_data,\n"
+        "                    storage_data=md.storage_data, storage_meta=md.storage_meta)\n"
+        "new.all_local_plans = [MCoreSavePlan(items=[])]\n"
+        "new.mcore_data = {'w': {'nd_reformulated_orig_global_shape': None}}\n"
+        "with open(sys.argv[1] + '/.metadata', 'wb') as f:\n"
+        "    pickle.dump(new, f)\n"
+    )
+    out_dir = tmp_path / "ckpt"
+    subprocess.run([sys.executable, str(script), str(out_dir)], check=True, capture_output=True)
+    from ckptdoctor.formats.torch_dist import read_metadata
+
+    data = (out_dir / ".metadata").read_bytes()
+    assert b"MCoreMetadata" in data and b"MCoreSavePlan" in data
+    index = read_metadata(out_dir / ".metadata")
+    assert index.metadata_class.endswith("strategies.torch.MCoreMetadata")
+    assert index.items["w"].shape == (4, 2) and index.items["w"].dtype == "torch.float32"
+    assert index.items["w"].chunks[0].storage is not None
+    assert "all_local_plans" in index.extra and "mcore_data" in index.extra
+    del torch
+
+
+def test_garbage_pickle_gives_clean_error(tmp_path):
+    from ckptdoctor.errors import CkptError
+    from ckptdoctor.formats.torch_dist import read_metadata
+
+    bad = tmp_path / ".metadata"
+    bad.write_bytes(b"\x80\x04garbage that is not a pickle")
+    with pytest.raises(CkptError, match=r"\.metadata: corrupt DCP metadata"):
+        read_metadata(bad)
+    bad.write_bytes(pickle.dumps({"a": 1})[:-3])
+    with pytest.raises(CkptError, match="corrupt DCP metadata"):
+        read_metadata(bad)
+    bad.write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(CkptError, match="not a PyTorch DCP Metadata"):
+        read_metadata(bad)
+
+
+def test_bytesio_round_trip():
+    value = safe_pickle.loads(pickle.dumps(io.BytesIO(b"abc"), protocol=2))
+    assert isinstance(value, io.BytesIO) and value.getvalue() == b"abc"
