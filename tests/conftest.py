@@ -50,7 +50,7 @@ def copy_fixture(tmp_path):
 
 
 # Blocks imports of the named top-level packages in a child interpreter, proving they are not needed.
-BLOCKER = """
+_BLOCKER = """
 import sys
 class _Block:
     def __init__(self, names): self.names = names
@@ -58,14 +58,19 @@ class _Block:
         if name.split('.')[0] in self.names:
             raise ImportError(f'blocked import: {name}')
         return None
-sys.meta_path.insert(0, _Block({names!r}))
+sys.meta_path.insert(0, _Block(NAMES))
 """
+
+
+def blocker(names) -> str:
+    """Code that makes the named top-level packages unimportable in a child interpreter."""
+    return _BLOCKER.replace("NAMES", repr(set(names)))
 
 
 def run_cli(*args: str, block: tuple[str, ...] = (), cwd: Path = REPO, python: str = sys.executable,
             env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``ckptdoctor`` in a child interpreter, optionally with some packages unimportable."""
-    code = BLOCKER.format(names=set(block)) + (
+    code = blocker(block) + (
         "from ckptdoctor.cli import main\n"
         f"rc = main({list(args)!r})\n"
         "mods = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]\n"

@@ -38,7 +38,10 @@ def load_torch_zip(source: bytes | str | os.PathLike, where: str) -> Any:
     ``where`` names the file (and item) for error messages.
     """
     in_memory = isinstance(source, (bytes, bytearray, memoryview))
-    fileobj = io.BytesIO(source) if in_memory else open(source, "rb")
+    try:
+        fileobj = io.BytesIO(source) if in_memory else open(source, "rb")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise CkptError(f"{where}: cannot read ({exc.strerror})") from None
     try:
         try:
             archive = zipfile.ZipFile(fileobj)

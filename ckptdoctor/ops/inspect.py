@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+
 from ckptdoctor.args import summarize_args
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
 from ckptdoctor.parallelism import infer_layout

@@ -1,0 +1,237 @@
+"""The CLI end to end: inspect every fixture, JSON schema, bad inputs, no torch / no megatron needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, REPO, fixture_names, manifest, run_cli
+
+from ckptdoctor.cli import main
+
+NAMES = fixture_names()
+SCHEMA = json.loads((REPO / "docs/inspect.schema.json").read_text())
+
+
+def _run(capsys, *args):
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_version(capsys):
+    from ckptdoctor import __version__
+
+    rc, out, _ = _run(capsys, "--version")
+    assert rc == 0 and __version__ in out
+
+
+def test_python_dash_m_entry_point():
+    result = subprocess.run([sys.executable, "-m", "ckptdoctor", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "inspect" in result.stdout
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inspect_json_matches_schema_and_manifest(capsys, name):
+    jsonschema = pytest.importorskip("jsonschema")
+    rc, out, _ = _run(capsys, "inspect", str(FIXTURES / name), "--format", "json", "--keys")
+    assert rc == 0
+    report = json.loads(out)
+    jsonschema.validate(report, SCHEMA)
+    info = manifest(name)
+    assert report["layout"]["tp"] == info["tp"] and report["layout"]["pp"] == info["pp"]
+    assert report["iteration"] == 10 and report["tracker"]["value"] == "10"
+    assert report["args"]["parallelism"]["tensor_model_parallel_size"] == info["tp"]
+    assert "tensor_parallel_num_weight_shards" in report["args"]["parallelism-derived"]
+    assert report["sections"]["model"]["keys"] > 0
+    has_optimizer = any(k.startswith("optimizer.") for k in info["keys"])
+    assert (report["sections"]["optimizer"]["keys"] > 0) == has_optimizer
+    assert report["data_files"]["count"] == len([f for f in info["files"] if f.endswith(".distcp")])
+    assert len(report["keys"]) == sum(s["keys"] for s in report["sections"].values())
+
+
+def test_inspect_table(capsys):
+    rc, out, _ = _run(capsys, "inspect", str(FIXTURES / "core019_tp2"))
+    assert rc == 0
+    assert "TP=2 PP=1" in out and "core >= 0.19" in out and "common_state/shard_0_1" in out
+    assert "tensor_parallel_num_weight_shards=2" in out
+
+
+def test_inspect_filter(capsys):
+    rc, out, _ = _run(capsys, "inspect", str(FIXTURES / "core016_tp2"), "--filter", r"linear_qkv\.weight$")
+    assert rc == 0
+    assert "decoder.layers.self_attention.linear_qkv.weight" in out
+    assert "linear_proj.weight" not in out
+
+
+def test_locate_iteration_dir_file_inside_and_tracker(capsys):
+    base = FIXTURES / "core016_tp1"
+    for target in (base, base / "iter_0000010", base / "iter_0000010" / "metadata.json",
+                   base / "latest_checkpointed_iteration.txt"):
+        rc, out, _ = _run(capsys, "inspect", str(target), "--format", "json")
+        assert rc == 0, target
+        assert json.loads(out)["iteration_dir"].endswith("iter_0000010")
+
+
+def test_iteration_option_and_release(capsys, copy_fixture):
+    save = copy_fixture("core016_tp1")
+    shutil.copytree(save / "iter_0000010", save / "release")
+    rc, out, _ = _run(capsys, "inspect", str(save), "--iteration", "release", "--format", "json")
+    assert rc == 0 and json.loads(out)["release"] is True
+    (save / "latest_checkpointed_iteration.txt").write_text("release")
+    rc, out, _ = _run(capsys, "inspect", str(save), "--format", "json")
+    assert rc == 0 and json.loads(out)["iteration_dir"].endswith("release")
+    rc, _, err = _run(capsys, "inspect", str(save), "--iteration", "20")
+    assert rc == 2 and "iter_0000020" in err
+
+
+def _break(kind: str, save: Path) -> Path:
+    iteration_dir = save / "iter_0000010"
+    if kind == "missing path":
+        return save / "nope"
+    if kind == "not a checkpoint":
+        empty = save.parent / "empty"
+        empty.mkdir()
+        (empty / "notes.txt").write_text("hi")
+        return empty
+    if kind == "tracker to missing iteration":
+        (save / "latest_checkpointed_iteration.txt").write_text("20")
+    elif kind == "garbage tracker":
+        (save / "latest_checkpointed_iteration.txt").write_text("\x00\x01garbage")
+    elif kind == "no metadata.json":
+        (iteration_dir / "metadata.json").unlink()
+    elif kind == "bad metadata.json":
+        (iteration_dir / "metadata.json").write_text("{not json")
+    elif kind == "garbage .metadata":
+        (iteration_dir / ".metadata").write_bytes(os.urandom(512))
+    elif kind == "truncated .metadata":
+        data = (iteration_dir / ".metadata").read_bytes()
+        (iteration_dir / ".metadata").write_bytes(data[: len(data) // 2])
+    elif kind == "missing .metadata":
+        (iteration_dir / ".metadata").unlink()
+    elif kind == "garbage common.pt":
+        (iteration_dir / "common.pt").write_bytes(b"PK\x03\x04" + os.urandom(300))
+    elif kind == "truncated common.pt":
+        data = (iteration_dir / "common.pt").read_bytes()
+        (iteration_dir / "common.pt").write_bytes(data[: len(data) // 2])
+    elif kind == "truncated common_state data file":
+        for distcp in iteration_dir.glob("*.distcp"):
+            with open(distcp, "r+b") as f:
+                f.truncate(100)
+    elif kind == "legacy mp_rank":
+        legacy = save.parent / "legacy" / "iter_0000010" / "mp_rank_00"
+        legacy.mkdir(parents=True)
+        (legacy / "model_optim_rng.pt").write_bytes(b"x")
+        return legacy.parent
+    elif kind == "unsupported backend":
+        (iteration_dir / "metadata.json").write_text('{"sharded_backend": "fsdp_dtensor"}')
+    return save
+
+
+BAD = {
+    "missing path": "no such file or directory",
+    "not a checkpoint": "not a Megatron checkpoint",
+    "tracker to missing iteration": "iter_0000020",
+    "garbage tracker": "not an iteration number",
+    "no metadata.json": "metadata.json: missing: incomplete checkpoint",
+    "bad metadata.json": "metadata.json: not valid JSON",
+    "garbage .metadata": ".metadata: corrupt DCP metadata",
+    "truncated .metadata": ".metadata: corrupt DCP metadata",
+    "missing .metadata": ".metadata: missing",
+    "garbage common.pt": "common.pt: not a readable torch.save file",
+    "truncated common.pt": "common.pt: not a readable torch.save file",
+    "legacy mp_rank": "legacy non-distributed checkpoint",
+    "unsupported backend": "'fsdp_dtensor' is not supported",
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_bad_input_exit_2_one_line(capsys, copy_fixture, kind):
+    save = _break(kind, copy_fixture("core016_tp1"))
+    rc, out, err = _run(capsys, "inspect", str(save))
+    assert rc == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("ckptdoctor: error: ")
+    assert BAD[kind] in lines[0]
+    assert "Traceback" not in err
+
+
+def test_truncated_common_state_item_names_the_file(capsys, copy_fixture):
+    save = _break("truncated common_state data file", copy_fixture("core019_tp1"))
+    rc, _, err = _run(capsys, "inspect", str(save))
+    assert rc == 2 and "__0_0.distcp: truncated" in err and len(err.strip().splitlines()) == 1
+
+
+def test_unsafe_common_pt_refused_without_executing(capsys, copy_fixture, tmp_path):
+    """A common.pt whose pickle would create a marker file: refused, marker never appears."""
+    import io
+    import zipfile
+
+    marker = tmp_path / "marker"
+    payload = f"cos\nsystem\n(S'touch {marker}'\ntR.".encode()
+    save = copy_fixture("core016_tp1")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive:
+        archive.writestr("archive/data.pkl", payload)
+        archive.writestr("archive/version", "3\n")
+    (save / "iter_0000010" / "common.pt").write_bytes(buf.getvalue())
+    rc, _, err = _run(capsys, "inspect", str(save))
+    assert rc == 2 and "refusing unsafe pickle" in err and "os.system" in err and "common.pt" in err
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inspect_with_megatron_and_torch_blocked(name):
+    result = run_cli("inspect", str(FIXTURES / name), "--keys", block=("megatron", "torch"))
+    assert result.returncode == 0, result.stderr
+    assert "saved layout" in result.stdout
+    assert result.stderr.strip().endswith("IMPORTED:")  # neither torch nor megatron was imported
+
+
+def test_inspect_in_a_venv_without_torch(tmp_path):
+    """A virtualenv holding only ckptdoctor, click and tabulate (no torch) inspects every fixture."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    import click
+    import tabulate
+
+    for module in (click, tabulate):
+        src = Path(module.__file__)
+        if src.name == "__init__.py":
+            shutil.copytree(src.parent, Path(purelib) / src.parent.name)
+        else:
+            shutil.copy(src, purelib)
+    shutil.copytree(REPO / "ckptdoctor", Path(purelib) / "ckptdoctor")
+    probe = subprocess.run([str(python), "-c", "import torch"], capture_output=True, text=True)
+    assert probe.returncode != 0  # torch really is absent here
+    for name in NAMES:
+        result = run_cli("inspect", str(FIXTURES / name), python=str(python), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert "saved layout" in result.stdout
+
+
+def test_values_without_torch_names_the_extra(tmp_path):
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "from ckptdoctor.checkpoint import open_checkpoint\n"
+        "from ckptdoctor.values import read_chunk\n"
+        "from ckptdoctor.errors import CkptError\n"
+        f"ckpt = open_checkpoint({str(FIXTURES / 'core016_tp1')!r})\n"
+        "try:\n"
+        "    read_chunk(ckpt, 'embedding.word_embeddings.weight', 0)\n"
+        "except CkptError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO).stdout
+    assert "ckptdoctor[torch]" in out

@@ -1,0 +1,130 @@
+"""Our reader against megatron-core's own report of every fixture (manifests made by fixtures/generate.py)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FIXTURES, fixture_names, manifest
+
+from ckptdoctor.args import args_as_dict
+from ckptdoctor.checkpoint import open_checkpoint
+from ckptdoctor.parallelism import infer_layout
+
+NAMES = fixture_names()
+
+
+def test_fixtures_present():
+    assert {"core016_tp1", "core016_tp2", "core019_tp1", "core019_tp2"} <= set(NAMES)
+
+
+def _expected_entries(name: str) -> dict[str, dict]:
+    """DCP keys as megatron-core names them: tensors by key, ShardedObjects as key/shard_<off>_<shape>."""
+    expected = {}
+    for key, meta in manifest(name)["keys"].items():
+        if meta["kind"] == "tensor":
+            expected[key] = meta
+        else:
+            for shard in meta["shards"]:
+                expected[f"{key}/{shard}"] = meta
+    return expected
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_keys_shapes_dtypes_match_megatron(name):
+    ckpt = open_checkpoint(FIXTURES / name)
+    expected = _expected_entries(name)
+    assert set(ckpt.entries) == set(expected)
+    for key, meta in expected.items():
+        entry = ckpt.entries[key]
+        if meta["kind"] == "tensor":
+            assert entry.kind == "tensor", key
+            assert list(entry.shape) == meta["global_shape"], key
+            assert entry.dtype == meta["dtype"], key
+            assert len(entry.chunks) == meta["chunks"], key
+            covered = sum(_prod(c.sizes) for c in entry.chunks)
+            assert covered == entry.numel, key  # chunks tile the global shape
+        else:
+            assert entry.kind == "bytes", key
+        assert all(c.storage is not None for c in entry.chunks), key
+
+
+def _prod(values) -> int:
+    n = 1
+    for v in values:
+        n *= v
+    return n
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inferred_layout_matches_manifest_and_saved_args(name):
+    info = manifest(name)
+    ckpt = open_checkpoint(FIXTURES / name)
+    layout = infer_layout(ckpt)
+    args = args_as_dict(ckpt.args)
+    assert layout.tp == info["tp"] == args["tensor_model_parallel_size"]
+    assert layout.pp == info["pp"] == args["pipeline_model_parallel_size"]
+    assert len(layout.writer_ranks) <= info["world_size"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_common_state_matches_manifest(name):
+    info = manifest(name)
+    ckpt = open_checkpoint(FIXTURES / name)
+    common = ckpt.common_state()
+    assert sorted(common) == sorted(info["common_state_keys"])
+    assert common["iteration"] == info["iteration"]
+    assert ckpt.location.iteration == info["iteration"]
+    core = info["megatron_core"]
+    expect_common_pt = tuple(int(x) for x in core.split(".")[:2]) <= (0, 18)
+    assert ckpt.location.has_common_pt == expect_common_pt
+    assert ckpt.common_source == ("common.pt" if expect_common_pt else "common_state/shard_0_1")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sections(name):
+    ckpt = open_checkpoint(FIXTURES / name)
+    sections = {e.section for e in ckpt.entries.values()}
+    assert "model" in sections
+    expected_optimizer = any(k.startswith("optimizer.") for k in manifest(name)["keys"])
+    assert ("optimizer" in sections) == expected_optimizer
+    assert ("rng" in sections) == any(k.startswith("rng_state") for k in manifest(name)["keys"])
+    assert all(k.startswith("optimizer.") for k in (e.key for e in ckpt.section_entries("optimizer")))
+    assert all(e.kind == "bytes" for e in ckpt.section_entries("rng"))
+
+
+def test_read_chunk_decodes_the_stored_blob():
+    """Our chunk decoder against torch's own loader on the same byte range, for every chunk of one key."""
+    torch = pytest.importorskip("torch")
+    import io
+
+    from ckptdoctor.formats.torch_dist import read_range
+    from ckptdoctor.values import read_chunk, read_tensor
+
+    ckpt = open_checkpoint(FIXTURES / "core019_tp2")
+    key = "decoder.layers.mlp.linear_fc1.weight"
+    entry = ckpt.entries[key]
+    for index, chunk in enumerate(entry.chunks):
+        blob = read_range(ckpt.iteration_dir, chunk.storage)
+        reference = torch.load(io.BytesIO(blob), weights_only=True)
+        ours = read_chunk(ckpt, key, index)
+        assert ours.dtype == reference.dtype and torch.equal(ours, reference)
+    whole = read_tensor(ckpt, key)
+    assert list(whole.shape) == list(entry.shape)
+    assert not torch.isnan(whole).any()
+
+
+def test_common_state_values_equal_torch_load():
+    torch = pytest.importorskip("torch")
+    from conftest import require_mcore
+
+    require_mcore()
+    ckpt = open_checkpoint(FIXTURES / "core016_tp1")
+    ours = args_as_dict(ckpt.args)
+    real = vars(torch.load(FIXTURES / "core016_tp1/iter_0000010/common.pt", weights_only=False)["args"])
+    assert set(ours) == set(real)
+    plain = (int, float, str, bool, type(None))
+    compared = 0
+    for k, v in real.items():
+        if isinstance(v, plain) or (isinstance(v, list) and all(isinstance(x, plain) for x in v)):
+            assert ours[k] == v, k
+            compared += 1
+    assert compared > 40
