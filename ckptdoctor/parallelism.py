@@ -5,8 +5,9 @@
   per layer (``decoder.layers.3.``). Only ranks of a layer's pipeline stage write its chunks, so the
   pipeline stages are the groups of layers connected by shared writer ranks (``__<rank>_<n>.distcp``);
   virtual stages of one rank fall into its group.
-* Tensor parallelism cuts the non-layer axes into chunks. SwiGLU's ``linear_fc1`` (and its adapters) hold ``cat([W, V])``
-  cut into 2*TP chunks (2 even at TP=1), so it only decides TP when nothing else is split.
+* Tensor parallelism cuts the non-layer axes into chunks. SwiGLU's ``linear_fc1`` (and its adapters)
+  hold ``cat([W, V])`` cut into 2*TP chunks (2 even at TP=1), so they decide TP only when nothing else
+  is split.
 * Expert tensors ``[L, E, ...]`` are cut along E by expert parallelism.
 """
 

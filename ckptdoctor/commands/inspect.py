@@ -1,0 +1,38 @@
+"""``ckptdoctor inspect``."""
+
+from __future__ import annotations
+
+import re
+
+import click
+
+from ckptdoctor.commands import ITERATION_HELP
+
+
+@click.command("inspect")
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
+@click.option("--keys", "with_keys", is_flag=True, help="Also print the key table.")
+@click.option("--filter", "key_filter", metavar="REGEX", default=None,
+              help="Only keys matching REGEX in the key table (implies --keys).")
+@click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table",
+              show_default=True, help="Output format; the JSON schema is in the README.")
+def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter: str | None,
+            output_format: str) -> int:
+    """Show what CHECKPOINT is: format, era, layout, sections, args (metadata only).
+
+    CHECKPOINT is a save dir (the tracker is followed), an iteration dir, or a file inside one.
+    """
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.ops.inspect import inspect_checkpoint
+    from ckptdoctor.report import render_inspect, to_json
+
+    if key_filter is not None:
+        try:
+            re.compile(key_filter)
+        except re.error as exc:
+            raise click.BadParameter(f"invalid regex: {exc}", param_hint="--filter") from None
+    ckpt = open_checkpoint(checkpoint, iteration)
+    report = inspect_checkpoint(ckpt, with_keys=with_keys or key_filter is not None, key_filter=key_filter)
+    click.echo(to_json(report) if output_format == "json" else render_inspect(report))
+    return 0
