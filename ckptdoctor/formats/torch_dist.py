@@ -142,3 +142,40 @@ def read_range(iteration_dir: Path, location: StorageLocation) -> bytes:
             f"{path}: truncated: range {location.offset}+{location.length} ends past the file's end"
         )
     return data
+
+
+# --- writing -------------------------------------------------------------------------------------------
+
+
+def load_metadata_object(path: Path) -> Any:
+    """The ``.metadata`` object itself (stand-ins), for rewriting; see :func:`dump_metadata_object`."""
+    try:
+        with open(path, "rb") as f:
+            return safe_pickle.load(f)
+    except UnsafePickleError as exc:
+        raise exc.located(str(path)) from None
+    except OSError as exc:
+        raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
+    except Exception as exc:
+        raise CkptError(f"{path}: corrupt DCP metadata ({type(exc).__name__}: {exc})") from None
+
+
+def dump_metadata_object(metadata: Any) -> bytes:
+    """Pickle a (possibly edited) ``.metadata`` object back; stand-ins become the original torch classes."""
+    return safe_pickle.dumps(metadata, protocol=4)
+
+
+def storage_items(metadata: Any) -> dict[Any, Any]:
+    """The ``storage_data`` dict of a metadata object: MetadataIndex -> _StorageInfo stand-ins."""
+    return _attr(metadata, "storage_data")
+
+
+def set_storage(info: Any, location: StorageLocation) -> None:
+    """Point a ``_StorageInfo`` stand-in at a new file and byte range (other fields kept)."""
+    info.__dict__["relative_path"] = location.relative_path
+    info.__dict__["offset"] = location.offset
+    info.__dict__["length"] = location.length
+
+
+def index_fqn(index: Any) -> str:
+    return _attr(index, "fqn")
