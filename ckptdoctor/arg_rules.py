@@ -109,6 +109,14 @@ def _shards_rules(code_shards: str, code_remat: str, shards_field: str, remat_fi
             return tp * remat, remat
         return shards, shards // tp
 
+    def megatron_error(shards: int, tp: int) -> str | None:
+        """The ValueError megatron-core's resolve_tensor_parallel_weight_shards raises, if any."""
+        if shards < tp:
+            return f"{shards_field} ({shards}) must be >= {tp_field} ({tp})."
+        if shards % tp:
+            return f"{shards_field} ({shards}) must be divisible by {tp_field} ({tp})."
+        return None
+
     def check_shards(args: dict[str, Any], target: Target) -> ArgFinding | None:
         if shards_field not in args:
             return None
@@ -120,14 +128,16 @@ def _shards_rules(code_shards: str, code_remat: str, shards_field: str, remat_fi
         correct, _ = correct_pair(args, tp)
         if shards is None:
             return ArgFinding(code_shards, shards_field, saved, correct, ERROR, f"{shards_field} is not an int")
-        if shards < tp:
-            error = f"{shards_field} ({shards}) must be >= {tp_field} ({tp})."
-        elif shards % tp:
-            error = f"{shards_field} ({shards}) must be divisible by {tp_field} ({tp})."
-        else:
+        if megatron_error(shards, tp) is None:
             return None
-        return ArgFinding(code_shards, shards_field, saved, correct, ERROR,
-                          f"{shards_field}={shards} is invalid at {tp_field}={tp}", error)
+        # What megatron-core sees is the saved tp_field (ETP defaults to TP), which may itself be wrong.
+        saved_tp = _int(args.get(tp_field)) or _int(args.get("tensor_model_parallel_size")) or 1
+        error = megatron_error(shards, saved_tp)
+        if error is not None:
+            return ArgFinding(code_shards, shards_field, saved, correct, ERROR,
+                              f"{shards_field}={shards} is invalid at {tp_field}={tp}", error)
+        return ArgFinding(code_shards, shards_field, saved, correct, WARNING,
+                          f"{shards_field}={shards} is invalid at the corrected {tp_field}={tp} (saved: {saved_tp})")
 
     def check_remat(args: dict[str, Any], target: Target) -> ArgFinding | None:
         saved = _int(args.get(remat_field))

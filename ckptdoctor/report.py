@@ -93,3 +93,45 @@ def render_inspect(report: Any) -> str:
 def _short(value: Any) -> str:
     plain = jsonable(value)
     return plain if isinstance(plain, str) else json.dumps(plain)
+
+
+def render_fix_args(report: Any) -> str:
+    lines = [f"{report.checkpoint}: saved layout {report.layout}; {report.era}"]
+    if report.source:
+        lines.append(f"source: {report.source}")
+    if report.findings:
+        rows = []
+        for f in report.findings:
+            inherited = {True: "yes", False: "no", None: "-"}[f.inherited]
+            rows.append([f.code, f.arg, _short(f.saved), _short(f.correct), f.severity, inherited, f.reason])
+        lines.append("")
+        lines.append(tabulate(rows, headers=["code", "arg", "saved", "correct", "severity", "inherited", "why"]))
+        errors = [f for f in report.findings if f.megatron_error]
+        if errors:
+            lines.append("")
+            lines.append("megatron-core would raise:")
+            lines.extend(f"  ValueError: {f.megatron_error}" for f in errors)
+    else:
+        lines.append("args are consistent with the checkpoint's parallelism")
+    consistent = [i for i in report.inherited if i.consistent]
+    if consistent:
+        shown = ", ".join(f"{i.arg}={_short(i.value)}" for i in consistent)
+        lines.append(f"inherited from the source but consistent (kept): {shown}")
+    if report.changes:
+        lines.append("")
+        verb = "changed" if report.written else "would change (use --write with --output DIR or --in-place)"
+        lines.append(f"{verb}:")
+        lines.extend(f"  {c.arg}: {_short(c.old)} -> {_short(c.new)} ({c.why})" for c in report.changes)
+    if report.written:
+        w = report.written
+        lines.append("")
+        lines.append(f"wrote {w.iteration_dir} ({w.mode}): {len(w.written)} file(s) written, "
+                     f"{w.linked} linked, {w.copied} copied")
+        for backup in w.backups:
+            lines.append(f"  backup: {backup}")
+        if w.run_config_args:
+            lines.append(f"  run_config.yaml updated: {', '.join(w.run_config_args)}")
+        if w.integrity_updated:
+            lines.append("  integrity.json updated for the rewritten files")
+    lines.extend(report.notes)
+    return "\n".join(lines)

@@ -8,6 +8,6 @@ ITERATION_HELP = "Iteration to read from a save dir instead of the tracker's (a 
 
 
 def all_commands() -> list[click.Command]:
-    from ckptdoctor.commands import inspect
+    from ckptdoctor.commands import fix_args, inspect
 
-    return [inspect.command]
+    return [inspect.command, fix_args.command]

@@ -1,0 +1,66 @@
+"""``ckptdoctor fix-args``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ckptdoctor.commands import ITERATION_HELP
+
+
+@click.command("fix-args")
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
+@click.option("--source", "source_path", metavar="SRC", default=None,
+              help="The checkpoint this one was converted from: marks wrong values equal to the source's.")
+@click.option("--source-iteration", default=None, help="Iteration of SRC (default: its tracker's).")
+@click.option("--write", is_flag=True, help="Apply the fixes (and --set edits); needs --output or --in-place.")
+@click.option("--set", "sets", metavar="NAME=VALUE", multiple=True,
+              help="Set an arg by hand (repeatable); VALUE takes the saved value's type.")
+@click.option("--force", is_flag=True, help="Allow --set of args the checkpoint does not have; write into a "
+              "non-empty --output dir.")
+@click.option("--output", "output", type=click.Path(path_type=Path), default=None,
+              help="Write a new checkpoint dir; unchanged files are hard-linked (or copied), never modified.")
+@click.option("--in-place", is_flag=True, help="Rewrite CKPT itself, keeping each replaced file as "
+              "<name>.bak-<timestamp>.")
+@click.option("--only-set", is_flag=True, help="With --write: apply only the --set edits, not the fixes.")
+@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text",
+              show_default=True)
+def command(checkpoint: str, iteration: str | None, source_path: str | None, source_iteration: str | None,
+            write: bool, sets: tuple[str, ...], force: bool, output: Path | None, in_place: bool,
+            only_set: bool, output_format: str) -> int:
+    """Find saved args that contradict CHECKPOINT's own parallelism, and fix them.
+
+    Reports each inconsistent arg (saved value, correct value, the error megatron-core would raise).
+    Exit code: 0 consistent (or fixed), 1 inconsistencies found, 2 error. No tensor data is read or
+    rewritten; writing is O(metadata).
+    """
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.ops.fix_args import build_report, diagnose
+    from ckptdoctor.ops.fix_args_write import write_in_place, write_output
+    from ckptdoctor.report import EXIT_FINDINGS, EXIT_OK, render_fix_args, to_json
+
+    if write and (output is None) == (not in_place):
+        raise click.UsageError("--write needs exactly one of --output DIR or --in-place")
+    if not write and (output is not None or in_place):
+        raise click.UsageError("--output/--in-place only apply with --write")
+    ckpt = open_checkpoint(checkpoint, iteration)
+    source = open_checkpoint(source_path, source_iteration) if source_path else None
+    report = build_report(ckpt, source, list(sets), force=force, apply_fixes=not only_set)
+    if write and report.changes:
+        if in_place:
+            report.written = write_in_place(ckpt, report.changes)
+        else:
+            report.written = write_output(ckpt, report.changes, output, force=force)  # type: ignore[arg-type]
+        # Re-read what was written: the fix is proven by our own reader before we say it worked.
+        written = open_checkpoint(report.written.iteration_dir)
+        remaining, _ = diagnose(written)
+        report.notes.append(f"after writing: {len(remaining)} inconsistent arg(s) remain")
+        report.findings = remaining
+    elif write:
+        report.notes.append("nothing to write: the args are consistent")
+    click.echo(to_json(report) if output_format == "json" else render_fix_args(report))
+    if write:
+        return EXIT_FINDINGS if report.has_errors else EXIT_OK
+    return EXIT_FINDINGS if report.findings else EXIT_OK

@@ -1,0 +1,177 @@
+"""``ckptdoctor fix-args``: find saved args that contradict the checkpoint's own parallelism, plan the fix.
+
+Diagnosis uses the rule table in :mod:`ckptdoctor.arg_rules`; writing lives in
+:mod:`ckptdoctor.ops.fix_args_write`. Nothing here reads tensor bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptdoctor.arg_rules import ERROR, ArgFinding, check_args, compare_with_source
+from ckptdoctor.args import ARG_GROUPS, args_as_dict
+from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.errors import CkptError
+from ckptdoctor.parallelism import infer_layout
+
+SCHEMA = "ckptdoctor.fix-args/1"
+DERIVED_ARGS = ARG_GROUPS["parallelism-derived"]
+
+
+@dataclass
+class ArgChange:
+    arg: str
+    old: Any
+    new: Any
+    why: str  # "fix" (from a finding) or "set" (--set)
+
+
+@dataclass
+class InheritedArg:
+    """A parallelism-derived arg equal to the source's while the parallelism differs (may still be right)."""
+
+    arg: str
+    value: Any
+    consistent: bool
+
+
+@dataclass
+class FixArgsReport:
+    schema: str
+    checkpoint: str
+    era: str
+    layout: str
+    source: str | None
+    findings: list[ArgFinding]
+    inherited: list[InheritedArg]
+    changes: list[ArgChange]
+    written: Any = None  # WriteResult after --write
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def has_errors(self) -> bool:
+        return any(f.severity == ERROR for f in self.findings)
+
+
+def saved_args(checkpoint: Checkpoint) -> argparse.Namespace:
+    args = checkpoint.args
+    if not isinstance(args, argparse.Namespace):
+        where = checkpoint.common_source or "common state"
+        raise CkptError(f"{checkpoint.iteration_dir}: {where} holds no argparse.Namespace 'args' to check")
+    return args
+
+
+def diagnose(checkpoint: Checkpoint, source: Checkpoint | None = None) -> tuple[list[ArgFinding],
+                                                                                   list[InheritedArg]]:
+    """Inconsistent args, and (with a source) the derived args that were carried over from it."""
+    args = args_as_dict(saved_args(checkpoint))
+    findings = check_args(args, infer_layout(checkpoint))
+    inherited: list[InheritedArg] = []
+    if source is not None:
+        source_args = args_as_dict(saved_args(source))
+        findings = compare_with_source(findings, source_args)
+        wrong = {f.arg for f in findings}
+        parallelism_differs = any(
+            args.get(name) != source_args.get(name)
+            for name in ("tensor_model_parallel_size", "expert_tensor_parallel_size", "pipeline_model_parallel_size")
+        )
+        if parallelism_differs:
+            inherited = [
+                InheritedArg(name, args[name], consistent=name not in wrong)
+                for name in DERIVED_ARGS
+                if name in args and name in source_args and args[name] == source_args[name]
+            ]
+    return findings, inherited
+
+
+def coerce_value(name: str, text: str, current: Any, exists: bool) -> Any:
+    """``--set NAME=VALUE``: VALUE converted to the type of the arg's saved value."""
+    lowered = text.strip().lower()
+    if lowered in ("none", "null"):
+        return None
+    if isinstance(current, bool):
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise CkptError(f"--set {name}={text}: expected a boolean (true/false) like the saved {current!r}")
+    if isinstance(current, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise CkptError(f"--set {name}={text}: expected an integer like the saved {current!r}") from None
+    if isinstance(current, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise CkptError(f"--set {name}={text}: expected a number like the saved {current!r}") from None
+    if isinstance(current, str):
+        return text
+    if exists and current is not None:
+        raise CkptError(f"--set {name}: the saved value {current!r} is a {type(current).__name__}; "
+                        "only bool, int, float, str and None args can be set")
+    # a None or new arg: best guess from the text itself
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    return text
+
+
+def parse_sets(sets: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for item in sets:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise CkptError(f"--set {item!r}: expected NAME=VALUE")
+        pairs.append((name.strip(), value))
+    return pairs
+
+
+def plan_changes(checkpoint: Checkpoint, findings: list[ArgFinding], sets: list[str],
+                 apply_fixes: bool = True, force: bool = False) -> list[ArgChange]:
+    """The arg edits to write: each finding's correct value, then --set edits (which win)."""
+    args = args_as_dict(saved_args(checkpoint))
+    planned: dict[str, ArgChange] = {}
+    if apply_fixes:
+        for finding in findings:
+            if finding.correct is not None and finding.correct != finding.saved:
+                planned[finding.arg] = ArgChange(finding.arg, finding.saved, finding.correct, "fix")
+    for name, text in parse_sets(sets):
+        exists = name in args
+        if not exists and not force:
+            raise CkptError(f"--set {name}: the saved args have no '{name}' (use --force to add it)")
+        value = coerce_value(name, text, args.get(name), exists)
+        planned[name] = ArgChange(name, args.get(name), value, "set")
+    return [c for c in planned.values() if c.new != c.old or c.arg not in args]
+
+
+def build_report(checkpoint: Checkpoint, source: Checkpoint | None, sets: list[str], force: bool,
+                 apply_fixes: bool = True) -> FixArgsReport:
+    findings, inherited = diagnose(checkpoint, source)
+    changes = plan_changes(checkpoint, findings, sets, apply_fixes=apply_fixes, force=force)
+    return FixArgsReport(
+        schema=SCHEMA,
+        checkpoint=str(checkpoint.iteration_dir),
+        era=checkpoint.location.era,
+        layout=infer_layout(checkpoint).summary(),
+        source=None if source is None else str(source.iteration_dir),
+        findings=findings,
+        inherited=inherited,
+        changes=changes,
+    )
+
+
+def fixed_common_state(checkpoint: Checkpoint, changes: list[ArgChange]) -> dict:
+    """A copy of the common state whose args carry the changes; every other key and arg is kept as is."""
+    common = dict(checkpoint.common_state())
+    args = argparse.Namespace(**vars(saved_args(checkpoint)))
+    for change in changes:
+        setattr(args, change.arg, change.new)
+    common["args"] = args
+    return common

@@ -1,0 +1,213 @@
+"""fix-args on real convert.py-style fixtures (TP=1 source re-sharded to TP=4 with inherited args)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, REPO, require_mcore
+
+from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE
+from ckptdoctor.cli import main
+
+PAIRS = [("core019_convert_tp4", "core019_convert_src_tp1"), ("core016_convert_tp4", "core016_convert_src_tp1")]
+DERIVED = ("tensor_parallel_num_weight_shards", "gtp_weight_remat_size",
+           "expert_tensor_parallel_num_weight_shards", "expert_gtp_weight_remat_size")
+
+
+def _run(capsys, *args):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _probe(iteration_dir: Path) -> dict:
+    require_mcore()
+    result = subprocess.run([sys.executable, str(REPO / "tests/mcore_probe.py"), str(iteration_dir)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _hashes(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("target,source", PAIRS)
+def test_report_names_inherited_weight_shard_args(capsys, target, source):
+    rc, out, _ = _run(capsys, "fix-args", FIXTURES / target, "--source", FIXTURES / source, "--format", "json")
+    assert rc == 1
+    report = json.loads(out)
+    findings = {f["arg"]: f for f in report["findings"]}
+    shards = findings["tensor_parallel_num_weight_shards"]
+    assert shards["saved"] == 1 and shards["correct"] == 4 and shards["severity"] == "error"
+    assert shards["megatron_error"] == (
+        "tensor_parallel_num_weight_shards (1) must be >= tensor_model_parallel_size (4).")
+    assert findings["expert_tensor_parallel_num_weight_shards"]["correct"] == 4
+    assert all(f["inherited"] for f in report["findings"])
+    named = set(findings) | {i["arg"] for i in report["inherited"]}
+    assert set(DERIVED) <= named  # all four weight-shard args are named, each marked inherited
+    assert {i["arg"] for i in report["inherited"] if i["consistent"]} == {
+        "gtp_weight_remat_size", "expert_gtp_weight_remat_size"}
+    rc, out, _ = _run(capsys, "fix-args", FIXTURES / target, "--source", FIXTURES / source)
+    assert "must be >= tensor_model_parallel_size (4)" in out and "yes" in out
+
+
+@pytest.mark.parametrize("name", ["core019_tp2", "core016_tp2", "core019_tp1_pp2", "core019_convert_src_tp1"])
+def test_consistent_checkpoints_report_nothing(capsys, name):
+    rc, out, _ = _run(capsys, "fix-args", FIXTURES / name)
+    assert rc == 0 and "consistent" in out
+
+
+@pytest.mark.parametrize("target,source", PAIRS)
+def test_write_output_loads_in_megatron(capsys, tmp_path, target, source):
+    before = _hashes(FIXTURES / target)
+    out_dir = tmp_path / "fixed"
+    rc, out, _ = _run(capsys, "fix-args", FIXTURES / target, "--write", "--output", out_dir, "--format", "json")
+    assert rc == 0
+    report = json.loads(out)
+    assert report["written"]["mode"] == "output" and report["findings"] == []
+    assert _hashes(FIXTURES / target) == before  # the source is untouched
+    assert (out_dir / "latest_checkpointed_iteration.txt").read_text() == "10"
+
+    original = _probe(FIXTURES / target / "iter_0000010")
+    fixed = _probe(out_dir / "iter_0000010")
+    assert original["config_error"] == (
+        "tensor_parallel_num_weight_shards (1) must be >= tensor_model_parallel_size (4).")
+    assert fixed["config_error"] is None
+    assert fixed["args"]["tensor_parallel_num_weight_shards"] == "4"
+    assert fixed["args"]["expert_tensor_parallel_num_weight_shards"] == "4"
+    changed = {c["arg"] for c in report["changes"]}
+    assert {k: v for k, v in fixed["args"].items() if k not in changed} == \
+        {k: v for k, v in original["args"].items() if k not in changed}
+    assert fixed["arg_types"] == original["arg_types"]  # megatron enums come back as megatron enums
+    assert fixed["common_repr"] == original["common_repr"]
+    assert fixed["tensors"] == original["tensors"] and len(fixed["tensors"]) > 5  # bitwise unchanged
+    # unchanged data files are hard links of the source's, not rewritten copies
+    for name, digest in before.items():
+        if name.endswith(".distcp") and (out_dir / "iter_0000010" / name).exists():
+            assert _hashes(out_dir / "iter_0000010")[name] == digest
+
+
+def test_write_in_place_keeps_backups_and_restores(capsys, copy_fixture):
+    save = copy_fixture("core019_convert_tp4")
+    iteration_dir = save / "iter_0000010"
+    original_metadata = (iteration_dir / ".metadata").read_bytes()
+    data_before = {k: v for k, v in _hashes(iteration_dir).items() if k.endswith(".distcp")}
+    rc, out, _ = _run(capsys, "fix-args", save, "--write", "--in-place")
+    assert rc == 0 and "backup:" in out
+    backups = list(iteration_dir.glob(".metadata.bak-*"))
+    assert len(backups) == 1 and backups[0].read_bytes() == original_metadata
+    after = _hashes(iteration_dir)
+    assert all(after[k] == v for k, v in data_before.items())  # no tensor file rewritten
+    rc, _, _ = _run(capsys, "fix-args", save)
+    assert rc == 0
+    # README's restore recipe: move the backup back, drop the new common-state file
+    backups[0].replace(iteration_dir / ".metadata")
+    for new_file in iteration_dir.glob("common_state.fixargs-*.distcp"):
+        new_file.unlink()
+    rc, _, _ = _run(capsys, "fix-args", save)
+    assert rc == 1
+
+
+def test_write_in_place_common_pt_era(capsys, copy_fixture):
+    save = copy_fixture("core016_convert_tp4")
+    iteration_dir = save / "iter_0000010"
+    metadata_before = (iteration_dir / ".metadata").read_bytes()
+    rc, _, _ = _run(capsys, "fix-args", save, "--write", "--in-place")
+    assert rc == 0
+    assert (iteration_dir / ".metadata").read_bytes() == metadata_before  # only common.pt is replaced
+    assert len(list(iteration_dir.glob("common.pt.bak-*"))) == 1
+    probe = _probe(iteration_dir)
+    assert probe["config_error"] is None
+
+
+# Each step of each write mode; a crash after any of them must leave the source loadable.
+FAULTS = {
+    ("core019_convert_tp4", "in-place"): ["write:common_state", "backup:.metadata", "write:.metadata"],
+    ("core016_convert_tp4", "in-place"): ["backup:common.pt", "write:common.pt"],
+    ("core019_convert_tp4", "output"): ["links", "write:common_state", "write:.metadata"],
+}
+
+
+@pytest.mark.parametrize("case", [(n, m, s) for (n, m), steps in FAULTS.items() for s in steps])
+def test_crash_between_write_steps_leaves_source_loadable(copy_fixture, tmp_path, case):
+    name, mode, step = case
+    save = copy_fixture(name)
+    before = _hashes(save)
+    target = ["--in-place"] if mode == "in-place" else ["--output", str(tmp_path / "out")]
+    env = dict(os.environ, **{FAULT_ENV: step})
+    result = subprocess.run([sys.executable, "-m", "ckptdoctor", "fix-args", str(save), "--write", *target],
+                            cwd=REPO, env=env, capture_output=True, text=True)
+    assert result.returncode == FAULT_EXIT_CODE, result.stderr
+    if mode == "output":
+        assert _hashes(save) == before  # the source is byte-identical
+    else:
+        # in place: every original file is still there (changed ones as backups) and the dir reads
+        after = _hashes(save)
+        originals = set(before.values())
+        for rel, digest in before.items():
+            assert digest in after.values() or rel not in after, rel
+        assert originals <= set(after.values())
+    probe = _probe(save / "iter_0000010")
+    assert probe["config_error"] in (None, "tensor_parallel_num_weight_shards (1) must be >= "
+                                           "tensor_model_parallel_size (4).")
+    assert len(probe["tensors"]) > 5
+
+
+def test_set_coerces_and_refuses_unknown(capsys, tmp_path):
+    target = FIXTURES / "core019_tp2"
+    rc, out, _ = _run(capsys, "fix-args", target, "--set", "seq_length=64", "--set", "swiglu=false",
+                      "--format", "json")
+    changes = {c["arg"]: c for c in json.loads(out)["changes"]}
+    assert changes["seq_length"]["new"] == 64 and changes["swiglu"]["new"] is False
+    rc, _, err = _run(capsys, "fix-args", target, "--set", "no_such_arg=3")
+    assert rc == 2 and "no_such_arg" in err and "--force" in err
+    rc, _, err = _run(capsys, "fix-args", target, "--set", "seq_length=abc")
+    assert rc == 2 and "expected an integer" in err
+    out_dir = tmp_path / "out"
+    rc, out, _ = _run(capsys, "fix-args", target, "--set", "no_such_arg=3", "--force", "--write",
+                      "--output", out_dir, "--format", "json")
+    assert rc == 0
+    probe = _probe(out_dir / "iter_0000010")
+    assert probe["args"]["no_such_arg"] == "3" and probe["args"]["seq_length"] == "32"
+
+
+def test_output_refuses_non_empty_dir(capsys, tmp_path):
+    out_dir = tmp_path / "busy"
+    out_dir.mkdir()
+    (out_dir / "x").write_text("keep me")
+    rc, _, err = _run(capsys, "fix-args", FIXTURES / "core019_convert_tp4", "--write", "--output", out_dir)
+    assert rc == 2 and "not empty" in err and (out_dir / "x").read_text() == "keep me"
+
+
+def test_usage_errors(capsys):
+    rc, _, err = _run(capsys, "fix-args", FIXTURES / "core019_convert_tp4", "--write")
+    assert rc == 2 and "--output" in err
+    rc, _, err = _run(capsys, "fix-args", FIXTURES / "core019_convert_tp4", "--in-place")
+    assert rc == 2
+
+
+def test_run_config_and_integrity_kept_consistent(capsys, copy_fixture, tmp_path):
+    require_mcore()
+    save = copy_fixture("core019_convert_tp4")
+    iteration_dir = save / "iter_0000010"
+    (iteration_dir / "run_config.yaml").write_text(
+        "model:\n  tensor_model_parallel_size: 4\n  tensor_parallel_num_weight_shards: 1  # from source\n"
+        "  expert_tensor_parallel_size: 1\n  seq_length: 32\ntrain:\n  train_iters: 10\n")
+    code = ("from megatron.core.dist_checkpointing.validation import save_integrity_manifest; "
+            f"save_integrity_manifest({str(iteration_dir)!r})")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    rc, out, _ = _run(capsys, "fix-args", save, "--write", "--output", tmp_path / "out")
+    assert rc == 0 and "run_config.yaml updated" in out and "integrity.json updated" in out
+    fixed = tmp_path / "out" / "iter_0000010"
+    text = (fixed / "run_config.yaml").read_text()
+    assert "  tensor_parallel_num_weight_shards: 4  # from source\n" in text
+    assert "  expert_tensor_parallel_size: 4\n" in text and "  seq_length: 32\n" in text
+    assert _probe(fixed)["verify_integrity"] == "ok"
