@@ -143,7 +143,8 @@ def decode_object_bytes(data: bytes, where: str) -> Any:
     return obj
 
 
-def _list_data_files(iteration_dir: Path) -> dict[str, int]:
+def list_data_files(iteration_dir: Path) -> dict[str, int]:
+    """``.distcp`` data files present in an iteration dir, with their sizes (one scandir, no opens)."""
     files: dict[str, int] = {}
     with os.scandir(iteration_dir) as it:
         for dirent in it:
@@ -159,13 +160,25 @@ def open_checkpoint(path: str | Path, iteration: str | int | None = None) -> Che
         entries, sizes = zarr_meta.read_index(location.iteration_dir)
         return Checkpoint(location, {k: Entry(*v, section=section_of(k)) for k, v in entries.items()}, sizes)
     index = torch_dist.read_metadata(location.iteration_dir / ".metadata")
-    entries = {
+    return checkpoint_from_index(location, index)
+
+
+def checkpoint_from_index(location: CheckpointLocation, index: DcpIndex | None) -> Checkpoint:
+    """A torch_dist Checkpoint from an already parsed index (None: no usable .metadata, so no entries).
+
+    ``check`` builds checkpoints this way when ``locate`` would refuse the dir (e.g. metadata.json
+    missing), so that one problem does not hide the others.
+    """
+    entries = {} if index is None else {
         key: Entry(item.key, item.kind, item.dtype, item.shape, item.chunks, section_of(key))
         for key, item in index.items.items()
     }
-    return Checkpoint(location, entries, _list_data_files(location.iteration_dir), dcp=index)
+    return Checkpoint(location, entries, list_data_files(location.iteration_dir), dcp=index)
 
 
 def all_storage_locations(checkpoint: Checkpoint) -> list[tuple[str, StorageLocation | None]]:
     """(key, storage) for every chunk and item; storage is None where .metadata lacks an entry."""
     return [(e.key, c.storage) for e in checkpoint.entries.values() for c in e.chunks]
+
+
+_list_data_files = list_data_files  # the earlier private name, kept for existing callers

@@ -49,9 +49,10 @@ class StandIn:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StandIn:
         obj = object.__new__(cls)
-        obj.__dict__["_ckd_args"] = args
-        obj.__dict__["_ckd_kwargs"] = kwargs
-        obj.__dict__["_ckd_via"] = "new"
+        # Hot path (one call per object of a 20k-key .metadata): record only what is there; an absent
+        # _ckd_via means "new" (pickle's NEWOBJ), __init__ marks REDUCE-style calls.
+        if args or kwargs:
+            obj.__dict__.update(_ckd_args=args, _ckd_kwargs=kwargs)
         return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -111,7 +112,7 @@ class StandIn:
         else:
             state = None
         args = self.stand_in_args
-        if self.__dict__.get("_ckd_via") == "new":
+        if self.__dict__.get("_ckd_via", "new") == "new":
             return (copyreg.__newobj__, (type(self), *args), state)
         return (type(self), args, state)
 
@@ -123,7 +124,15 @@ class StandIn:
         )
 
     def __hash__(self) -> int:
-        return hash(type(self).__ckd_global__)
+        # Consistent with __eq__ and spread over the recorded values: DCP's storage_data is a dict keyed by
+        # MetadataIndex stand-ins, and a per-class constant hash made loading it quadratic (minutes at 20k keys).
+        # Hashes the recorded args and dict state (a raw state is left out: fewer fields, still consistent).
+        attrs = self.__dict__
+        try:
+            state = frozenset(kv for kv in attrs.items() if not kv[0].startswith("_ckd_"))
+            return hash((type(self).__ckd_global__, attrs.get("_ckd_args", ()), state))
+        except TypeError:  # unhashable args or state (lists, dicts): fall back to the class
+            return hash(type(self).__ckd_global__)
 
     def __repr__(self) -> str:
         name = type(self).__ckd_global__[1]
