@@ -8,7 +8,8 @@
 * Tensor parallelism cuts the non-layer axes into chunks. SwiGLU's ``linear_fc1`` (and its adapters)
   hold ``cat([W, V])`` cut into 2*TP chunks (2 even at TP=1), so they decide TP only when nothing else
   is split.
-* Expert tensors ``[L, E, ...]`` are cut along E by expert parallelism.
+* Expert tensors ``[L, E, ...]`` hold one chunk per expert; only the ranks of an expert's EP rank (and its
+  expert-data-parallel replicas) write it, so EP is the number of groups of experts joined by writer ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 _STACKED_LAYER_RE = re.compile(r"(^|\.)layers\.(?!\d)")
 _INDEXED_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LOCAL_EXPERT_RE = re.compile(r"(?:^|\.)local_experts\.(\d+)\.")
 _SWIGLU_FC1_RE = re.compile(r"(^|\.)linear_fc1\.(.+\.)?(weight|bias)$")
 
 
@@ -80,11 +82,27 @@ def _count_groups(layer_ranks: dict[int, set[int]]) -> int:
     return len({find(layer) for layer in layer_ranks})
 
 
+def _collect_expert_ranks(entry: Entry, stacked: bool, expert_ranks: dict[int, set[int]]) -> None:
+    """Expert index -> writer ranks, from ``local_experts.<e>.`` keys or the expert axis of the chunks."""
+    named = _LOCAL_EXPERT_RE.search(entry.key)
+    axis = 1 if stacked else 0
+    for chunk in entry.chunks:
+        rank = writer_rank(chunk.storage.relative_path) if chunk.storage else None
+        if named:
+            experts = range(int(named.group(1)), int(named.group(1)) + 1)
+        elif len(chunk.offsets) > axis:
+            experts = range(chunk.offsets[axis], chunk.offsets[axis] + chunk.sizes[axis])
+        else:
+            continue
+        for expert in experts:
+            expert_ranks.setdefault(expert, set()).update(() if rank is None else (rank,))
+
+
 def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
     split_counts: list[int] = []
     fc1_counts: list[int] = []
-    ep: int | None = None
     layer_ranks: dict[int, set[int]] = {}
+    expert_ranks: dict[int, set[int]] = {}
     ranks_known = True
     for entry in checkpoint.section_entries("model"):
         if entry.kind != "tensor" or not entry.shape:
@@ -105,8 +123,7 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
                 layer_ranks.setdefault(layer, set()).update(() if rank is None else (rank,))
         first_split_axis = 1 if stacked else 0
         if is_expert_key(entry.key):
-            if stacked and len(entry.shape) > 1:
-                ep = max(ep or 0, _distinct_offsets(entry, 1))
+            _collect_expert_ranks(entry, stacked, expert_ranks)
             continue
         split = max((_distinct_offsets(entry, a) for a in range(first_split_axis, len(entry.shape))), default=1)
         (fc1_counts if _SWIGLU_FC1_RE.search(entry.key) else split_counts).append(split)
@@ -119,4 +136,5 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
     else:
         tp = None
     pp = _count_groups(layer_ranks) if layer_ranks and ranks_known else None
+    ep = _count_groups(expert_ranks) if expert_ranks and ranks_known else None
     return SavedLayout(tp=tp, pp=pp, layers=len(layer_ranks) or None, ep=ep, writer_ranks=ranks)
