@@ -7,8 +7,6 @@ import enum
 import json
 from typing import Any
 
-from tabulate import tabulate
-
 from ckptdoctor.safe_pickle import DtypeRef
 
 EXIT_OK = 0
@@ -44,6 +42,13 @@ def human_bytes(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{n} B"
+
+
+def tabulate(*args: Any, **kwargs: Any) -> str:
+    """tabulate, imported on first use: it costs ~50 ms of start-up that ``check`` (a pre-commit hook) skips."""
+    from tabulate import tabulate as _tabulate
+
+    return _tabulate(*args, **kwargs)
 
 
 def render_inspect(report: Any) -> str:
@@ -135,3 +140,70 @@ def render_fix_args(report: Any) -> str:
             lines.append("  integrity.json updated for the rewritten files")
     lines.extend(report.notes)
     return "\n".join(lines)
+
+
+# --- strip-frozen ------------------------------------------------------------------------------------------
+
+
+def render_strip(report: Any) -> str:
+    """Text for ``strip-frozen``: the source used, kept/dropped keys (dry run) or counts, sizes before/after."""
+    plan, result = report.plan, report.result
+    model_kept = [d for d in plan.kept if d.section == "model"]
+    lines = [f"checkpoint      {plan.iteration_dir}",
+             f"trainable from  {plan.trainable_source} ({plan.trainable_detail})",
+             f"model section   {len(model_kept)} trainable tensors kept ({plan.kept_model_params:,} params), "
+             f"{len(plan.dropped)} items dropped ({plan.dropped_model_params:,} frozen params)",
+             f"other sections  {len(plan.kept) - len(model_kept)} items kept untouched"]
+    if report.dry_run:
+        lines.append("")
+        rows = [["keep", d.key, human_bytes(d.bytes), d.reason] for d in plan.kept]
+        rows += [["drop", d.key, human_bytes(d.bytes), d.reason] for d in plan.dropped]
+        lines.append(tabulate(rows, headers=["", "key", "size", "why"]))
+        lines.append("")
+        ratio = plan.bytes_after / plan.bytes_before if plan.bytes_before else 0.0
+        lines.append(f"data before     {human_bytes(plan.bytes_before)}")
+        lines.append(f"data after      {human_bytes(plan.bytes_after)} ({ratio:.1%}; dry run, nothing written)")
+        return "\n".join(lines)
+    lines.append(f"written         {result.output}" + (" (in place)" if result.in_place else ""))
+    if result.backup:
+        lines.append(f"backup          {result.backup}")
+    lines.append(f"data files      {len(result.files)} files, {human_bytes(result.bytes_copied)} copied; "
+                 f"written in {result.seconds:.2f} s")
+    for name, why in result.skipped.items():
+        lines.append(f"not carried     {name}: {why}")
+    ratio = result.output_bytes / result.source_bytes if result.source_bytes else 0.0
+    lines.append(f"size before     {human_bytes(result.source_bytes)} ({result.source_bytes} bytes)")
+    lines.append(f"size after      {human_bytes(result.output_bytes)} ({result.output_bytes} bytes, {ratio:.1%})")
+    return "\n".join(lines)
+
+
+# --- check / rules --------------------------------------------------------------------------------------
+
+
+def render_check(report: Any, quiet: bool = False) -> str:
+    """ruff-style lines ``<path>: <code> <message>``, then a one-line summary (unless ``quiet``)."""
+    lines = [f"{f.path}: {f.code} {f.message}" for f in report.findings]
+    if quiet:
+        return "\n".join(lines)
+    n = len(report.checked)
+    where = f"{n} checkpoint{'s' if n != 1 else ''}"
+    if report.findings:
+        errors, warnings = report.counts.get("error", 0), report.counts.get("warning", 0)
+        total = len(report.findings)
+        lines.append(f"Found {total} problem{'s' if total != 1 else ''} ({errors} error{'s' if errors != 1 else ''}, "
+                     f"{warnings} warning{'s' if warnings != 1 else ''}) in {where}.")
+    else:
+        lines.append(f"All checks passed ({where}).")
+    return "\n".join(lines)
+
+
+def render_rules(rules: list[Any]) -> str:
+    """Each rule: code, name, severity and summary, with its rationale indented below."""
+    import textwrap
+
+    blocks = []
+    for rule in rules:
+        head = f"{rule.code}  {rule.name}  [{rule.severity}]  {rule.summary}"
+        body = textwrap.fill(rule.rationale, width=100, initial_indent="        ", subsequent_indent="        ")
+        blocks.append(f"{head}\n{body}")
+    return "\n".join(blocks)

@@ -6,13 +6,18 @@ Memory stays bounded by the chunk being decoded, never the checkpoint.
 
 from __future__ import annotations
 
+import io
+import struct
+import warnings
+import zipfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, MissingExtraError
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.torch_zip import load_torch_zip
-from ckptdoctor.safe_pickle import TensorRef
+from ckptdoctor.safe_pickle import StorageRef, StorageTypeRef, TensorRef
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint, Entry
@@ -86,3 +91,133 @@ def read_tensor(checkpoint: Checkpoint, key: str) -> Any:
         index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
         out[index] = value
     return out
+
+
+# --- zero-copy chunk reads (diff --values and other bulk readers) -----------------------------------------
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header: 30 bytes, then name and extra field
+_VIEW_CACHE: dict[bytes, tuple] = {}  # data.pkl bytes -> (storage key, dtype name, numel, offset, size, stride)
+_VIEW_CACHE_MAX = 4096
+_ITEMSIZE: dict[Any, int] = {}
+
+
+def _chunk_view(pkl: bytes, where: str) -> tuple:
+    """The tensor view a chunk's ``data.pkl`` describes, through the safe unpickler (memoised by content).
+
+    Chunks of one shape and dtype pickle to identical bytes, so a 20,000-key checkpoint unpickles a few
+    hundred distinct views rather than one per chunk.
+    """
+    cached = _VIEW_CACHE.get(pkl)
+    if cached is not None:
+        return cached
+
+    def persistent_load(pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise CkptError(f"{where}: unsupported persistent id {pid!r}")
+        _, storage_type, key, location, numel = pid
+        dtype = storage_type.dtype if isinstance(storage_type, StorageTypeRef) else None
+        return StorageRef(str(key), dtype, str(location), int(numel))
+
+    try:
+        ref = safe_pickle.loads(pkl, persistent_load)
+    except CkptError:
+        raise
+    except Exception as exc:
+        raise CkptError(f"{where}: corrupt pickle in tensor chunk ({type(exc).__name__}: {exc})") from None
+    if not isinstance(ref, TensorRef) or ref.dtype is None:
+        raise CkptError(f"{where}: expected a tensor, found {type(ref).__name__}")
+    view = (ref.storage.key, ref.dtype.name, ref.storage.numel, ref.storage_offset, ref.size, ref.stride)
+    if len(_VIEW_CACHE) < _VIEW_CACHE_MAX:
+        _VIEW_CACHE[pkl] = view
+    return view
+
+
+def _stored_records(blob: bytes) -> dict[str, tuple[int, int]] | None:
+    """name -> (data offset, size) of an uncompressed zip's records, from its central directory.
+
+    A few struct reads instead of :class:`zipfile.ZipFile` (which costs ~100 us a chunk, more than reading a
+    small chunk). None when the archive needs the general reader (zip64, compression, a comment).
+    """
+    end = len(blob) - 22
+    if end < 0 or blob[end:end + 4] != b"PK\x05\x06":
+        return None
+    count, cd_size, cd_offset = struct.unpack_from("<HII", blob, end + 10)
+    if cd_offset == 0xFFFFFFFF or count == 0xFFFF:
+        return None
+    records: dict[str, tuple[int, int]] = {}
+    pos = cd_offset
+    for _ in range(count):
+        if blob[pos:pos + 4] != b"PK\x01\x02":
+            return None
+        method, = struct.unpack_from("<H", blob, pos + 10)
+        size, usize, name_len, extra_len, comment_len = struct.unpack_from("<IIHHH", blob, pos + 20)
+        header, = struct.unpack_from("<I", blob, pos + 42)
+        if method != zipfile.ZIP_STORED or size != usize or size == 0xFFFFFFFF or header == 0xFFFFFFFF:
+            return None
+        name = blob[pos + 46:pos + 46 + name_len].decode("utf-8", "replace")
+        local = _LOCAL_HEADER.unpack_from(blob, header)
+        if local[0] != b"PK\x03\x04":
+            return None
+        records[name] = (header + _LOCAL_HEADER.size + local[9] + local[10], size)
+        pos += 46 + name_len + extra_len + comment_len
+    return records
+
+
+def read_chunk_view(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk,
+                    blob: bytes | None = None) -> tuple[Any, int]:
+    """(tensor, bytes read) for one chunk: one byte range read, the tensor a view over those bytes (no copy).
+
+    :func:`read_chunk` copies a chunk's storage twice while decoding (3x its size at peak); this keeps memory
+    at the chunk's size, which bounds ``diff --values`` by the largest chunk. The tensor is read-only.
+    ``blob`` is the chunk's byte range when the caller has read it already. Falls back to :func:`read_chunk`
+    for archives it does not expect (compressed records).
+    """
+    torch = require_torch("comparing tensor values")
+    where = f"{checkpoint.iteration_dir}: {entry.key} chunk at {list(chunk.offsets)}"
+    if chunk.storage is None:
+        raise CkptError(f"{where}: no storage entry in .metadata")
+    if blob is None:
+        blob = torch_dist.read_range(checkpoint.iteration_dir, chunk.storage)
+    try:
+        records = _stored_records(blob)
+        if records is None:
+            archive = zipfile.ZipFile(io.BytesIO(blob))  # BytesIO shares a bytes object's buffer: no copy
+            records = {}
+            for info in archive.infolist():
+                if info.compress_type != zipfile.ZIP_STORED:
+                    return read_chunk(checkpoint, entry.key, entry.chunks.index(chunk)), len(blob)
+                header = _LOCAL_HEADER.unpack_from(blob, info.header_offset)
+                start = info.header_offset + _LOCAL_HEADER.size + header[9] + header[10]
+                records[info.filename] = (start, info.file_size)
+    except (zipfile.BadZipFile, struct.error, ValueError) as exc:
+        raise CkptError(f"{where}: not a readable torch.save chunk ({exc})") from None
+    pkl_name = next((n for n in records if n.endswith("/data.pkl") and n.count("/") == 1), None)
+    if pkl_name is None:
+        raise CkptError(f"{where}: not a torch.save archive (no data.pkl record)")
+    start, size = records[pkl_name]
+    key, dtype_name, numel, offset, shape, stride = _chunk_view(blob[start:start + size], where)
+    if tuple(shape) != tuple(chunk.sizes):
+        raise CkptError(f"{where}: stored shape {list(shape)} differs from metadata {list(chunk.sizes)}")
+    if entry.dtype is not None and f"torch.{dtype_name}" != entry.dtype:
+        raise CkptError(f"{where}: stored dtype torch.{dtype_name} differs from metadata {entry.dtype}")
+    dtype = getattr(torch, dtype_name, None)
+    if dtype is None:
+        raise CkptError(f"{where}: dtype torch.{dtype_name} is not known to this torch version")
+    record = records.get(pkl_name[: -len("data.pkl")] + f"data/{key}")
+    if record is None:
+        raise CkptError(f"{where}: storage record {key} missing from the archive")
+    start, size = record
+    itemsize = _ITEMSIZE.get(dtype)
+    if itemsize is None:
+        itemsize = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    if numel * itemsize > size:
+        raise CkptError(f"{where}: storage record holds {size} bytes, the tensor needs {numel * itemsize}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype), len(blob)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the buffer is read-only bytes; nothing writes to the view
+        flat = torch.frombuffer(blob, dtype=dtype, count=numel, offset=start)
+    try:
+        return flat.as_strided(shape, stride, offset), len(blob)
+    except RuntimeError as exc:
+        raise CkptError(f"{where}: tensor view does not fit its storage ({exc})") from None

@@ -8,6 +8,6 @@ ITERATION_HELP = "Iteration to read from a save dir instead of the tracker's (a 
 
 
 def all_commands() -> list[click.Command]:
-    from ckptdoctor.commands import fix_args, inspect
+    from ckptdoctor.commands import check, diff, fix_args, inspect, rules, strip_frozen
 
-    return [inspect.command, fix_args.command]
+    return [inspect.command, fix_args.command, strip_frozen.command, check.command, rules.command, diff.command]

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import re
 from collections.abc import Iterator
@@ -55,6 +56,7 @@ class DcpIndex:
     extra: dict[str, Any]  # other attributes of the metadata object (mcore_data, all_local_plans, ...)
 
 
+@functools.lru_cache(maxsize=65536)  # called per chunk (tens of thousands) on a few thousand file names
 def writer_rank(relative_path: str) -> int | None:
     match = DISTCP_RE.match(Path(relative_path).name)
     return int(match.group(1)) if match else None

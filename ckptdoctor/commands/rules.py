@@ -1,0 +1,23 @@
+"""``ckptdoctor rules``: every rule ``check`` applies, with its code, summary and rationale."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("rules")
+@click.argument("codes", nargs=-1)
+@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="Output format.")
+def command(codes: tuple[str, ...], output_format: str) -> int:
+    """List the rules of `ckptdoctor check` (only those matching CODES, codes or prefixes, if given)."""
+    from ckptdoctor.report import render_rules, to_json
+    from ckptdoctor.rules import all_rules, is_selected, validate_selectors
+
+    select = validate_selectors(codes, "CODES") if codes else ["ALL"]
+    rules = [r for r in all_rules() if is_selected(r.code, select, [])]
+    if output_format == "json":
+        click.echo(to_json({"schema": "ckptdoctor.rules/1", "rules": rules}))
+    else:
+        click.echo(render_rules(rules))
+    return 0

@@ -1,0 +1,83 @@
+"""``ckptdoctor strip-frozen``: shrink a full PEFT checkpoint to what ``--save-trainable-params-only`` writes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ckptdoctor.commands import ITERATION_HELP
+
+PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
+
+
+class _Bars:
+    """One click progress bar per phase on stderr, only when stderr is a terminal."""
+
+    def __init__(self) -> None:
+        self.bars: dict[str, object] = {}
+
+    def __call__(self, phase: str, n: int, total: int) -> None:
+        bar = self.bars.get(phase)
+        if bar is None:
+            for other in self.bars.values():
+                other.render_finish()  # type: ignore[attr-defined]
+            label = {"copy": "copying kept items", "compare": "comparing with base"}.get(phase, phase)
+            bar = click.progressbar(length=max(total, 1), label=label, file=sys.stderr)
+            bar.__enter__()
+            self.bars[phase] = bar
+        bar.update(n)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.__exit__(None, None, None)  # type: ignore[attr-defined]
+
+
+@click.command("strip-frozen")
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
+@click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
+              help="New checkpoint dir to write (a save dir when CHECKPOINT is one).")
+@click.option("--in-place", is_flag=True, help="Replace the iteration dir (new dir + atomic rename; backup kept).")
+@click.option("--no-backup", is_flag=True, help="With --in-place: delete the old iteration dir after the swap.")
+@click.option("--force", is_flag=True, help="Replace an --output dir that exists and is not empty.")
+@click.option("--trainable", "patterns", metavar="REGEX", multiple=True,
+              help="Model keys matching REGEX are trainable (repeatable).")
+@click.option("--preset", type=click.Choice(PRESET_CHOICES), default=None,
+              help="Megatron-Bridge adapter naming: '.adapter.' keys, '*.adapters', DoRA weight_magnitude.")
+@click.option("--base", "base_path", metavar="BASE_CKPT", default=None,
+              help="Model tensors bitwise equal to this checkpoint's are frozen (streamed compare).")
+@click.option("--base-iteration", default=None, help="Iteration of BASE_CKPT when it is a save dir.")
+@click.option("--dry-run", is_flag=True, help="List kept and dropped keys and sizes; write nothing.")
+@click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table",
+              show_default=True, help="Output format; the JSON schema is in the README.")
+def command(checkpoint: str, iteration: str | None, output: Path | None, in_place: bool, no_backup: bool,
+            force: bool, patterns: tuple[str, ...], preset: str | None, base_path: str | None,
+            base_iteration: str | None, dry_run: bool, output_format: str) -> int:
+    """Write what --save-trainable-params-only would have saved from a full PEFT CHECKPOINT.
+
+    Keeps the model section's trainable tensors (default: those with optimizer state), drops frozen
+    tensors and every model _extra_state, keeps optimizer, rng, rerun and common state untouched.
+    Kept items are byte-copied, never re-encoded.
+    """
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.errors import CkptError
+    from ckptdoctor.ops.strip_write import strip_frozen
+    from ckptdoctor.report import render_strip, to_json
+
+    if not dry_run and in_place == (output is not None):
+        raise CkptError("give exactly one of --output DIR and --in-place (or --dry-run)")
+    if no_backup and not in_place:
+        raise CkptError("--no-backup only applies to --in-place")
+    ckpt = open_checkpoint(checkpoint, iteration)
+    base = open_checkpoint(base_path, base_iteration) if base_path else None
+    bars = _Bars() if sys.stderr.isatty() else None
+    try:
+        report = strip_frozen(ckpt, output=output, in_place=in_place, patterns=list(patterns), preset=preset,
+                              base=base, dry_run=dry_run, force=force, keep_backup=not no_backup, progress=bars)
+    finally:
+        if bars is not None:
+            bars.close()
+    click.echo(to_json(report) if output_format == "json" else render_strip(report))
+    return 0

@@ -1,0 +1,162 @@
+"""Write a subset of a torch_dist checkpoint: kept items byte-copied into new data files, a new ``.metadata``.
+
+Nothing is decoded: every kept chunk or bytes item is one ``torch.save`` blob (or raw bytes) at a byte range,
+and a range copied verbatim is the same item. Copies stream in bounded blocks (``os.copy_file_range`` where
+the kernel offers it, a read/write loop otherwise), so memory stays flat whatever the checkpoint size.
+
+Each source data file's kept items go, in source order, into a new file of the same name, so writer ranks
+(``__<rank>_<n>.distcp``) still read the same. The new ``.metadata`` is the source object (safe-pickle
+stand-ins) with dropped keys removed and storage repointed; it pickles back to the real torch classes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats import torch_dist
+from ckptdoctor.formats.torch_dist import StorageLocation
+
+BLOCK = 8 << 20  # bytes per copy step: bounded memory, and the progress callback's granularity
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class CopiedFile:
+    name: str
+    items: int
+    bytes: int
+
+
+def _attr(obj: Any, name: str) -> Any:
+    return obj.__dict__.get(name) if hasattr(obj, "__dict__") else getattr(obj, name, None)
+
+
+def kept_storage(metadata: Any, keep: set[str]) -> dict[str, list[tuple[Any, Any]]]:
+    """Source data file -> [(MetadataIndex, _StorageInfo)] of kept items, in source byte order."""
+    by_file: dict[str, list[tuple[Any, Any]]] = {}
+    for index, info in torch_dist.storage_items(metadata).items():
+        if torch_dist.index_fqn(index) in keep:
+            by_file.setdefault(str(_attr(info, "relative_path")), []).append((index, info))
+    for items in by_file.values():
+        items.sort(key=lambda pair: int(_attr(pair[1], "offset")))
+    return dict(sorted(by_file.items()))
+
+
+def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int, state: dict,
+                progress: Progress | None) -> None:
+    """Copy ``length`` bytes at ``offset`` of src to dst's current position, one block at a time."""
+    remaining = length
+    while remaining:
+        step = min(BLOCK, remaining)
+        done = 0
+        if state.get("kernel", hasattr(os, "copy_file_range")):
+            try:
+                done = os.copy_file_range(src_fd, dst_fd, step, offset)
+            except OSError:  # cross-device on old kernels, or a filesystem without it: fall back for good
+                state["kernel"] = False
+        if not state.get("kernel", True) or not hasattr(os, "copy_file_range"):
+            data = os.pread(src_fd, step, offset)
+            _write_all(dst_fd, memoryview(data))
+            done = len(data)
+        if done <= 0:
+            raise CkptError(f"range {offset}+{remaining} ends past the file's end")
+        offset += done
+        remaining -= done
+        if progress is not None:
+            progress(done)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def copy_items(src_dir: Path, dst_dir: Path, by_file: dict[str, list[tuple[Any, Any]]],
+               progress: Progress | None = None) -> list[CopiedFile]:
+    """Copy kept ranges into same-named files in ``dst_dir`` and repoint each ``_StorageInfo`` stand-in.
+
+    ``dst_dir`` is a staging dir the caller renames into place, so files are written directly there
+    (fsynced); a crash leaves only the staging dir behind, never a half-written checkpoint.
+    """
+    written: list[CopiedFile] = []
+    state: dict = {}  # whether the kernel copy works here, learnt on the first block
+    for name, items in by_file.items():
+        src_path, dst_path = src_dir / name, dst_dir / name
+        try:
+            src_fd = os.open(src_path, os.O_RDONLY)
+        except OSError as exc:
+            raise CkptError(f"{src_path}: cannot read ({exc.strerror})") from None
+        try:
+            dst_fd = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as exc:
+            os.close(src_fd)
+            raise CkptError(f"{dst_path}: cannot create ({exc.strerror})") from None
+        position = 0
+        try:
+            for _index, info in items:
+                offset, length = int(_attr(info, "offset")), int(_attr(info, "length"))
+                try:
+                    _copy_range(src_fd, dst_fd, offset, length, state, progress)
+                except CkptError as exc:
+                    raise CkptError(f"{src_path}: {exc}") from None
+                torch_dist.set_storage(info, StorageLocation(name, position, length))
+                position += length
+        except OSError as exc:
+            raise CkptError(f"{dst_path}: cannot write ({exc.strerror})") from None
+        finally:
+            os.close(src_fd)
+            os.close(dst_fd)
+        written.append(CopiedFile(name, len(items), position))
+    sync_files([dst_dir / f.name for f in written])
+    return written
+
+
+def sync_files(paths: list[Path], threads: int = 16) -> None:
+    """fsync many files concurrently: one at a time costs a journal commit each (seconds for thousands)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def sync(path: Path) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise CkptError(f"{path}: cannot sync ({exc.strerror})") from None
+
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
+        list(pool.map(sync, paths))
+
+
+def _filter_plans(plans: Any, keep: set[str]) -> None:
+    """Drop write items of removed keys from ``all_local_plans`` (Megatron keeps it for cached saves)."""
+    if not isinstance(plans, list):
+        return
+    for plan in plans:
+        items = _attr(plan, "items")
+        if isinstance(items, list):
+            items[:] = [w for w in items if torch_dist.index_fqn(_attr(w, "index")) in keep]
+
+
+def restrict_metadata(metadata: Any, keep: Iterable[str]) -> None:
+    """Edit a ``.metadata`` object (stand-ins) in place so that it lists exactly the ``keep`` keys."""
+    keep = set(keep)
+    state_dict_metadata = _attr(metadata, "state_dict_metadata")
+    for key in [k for k in state_dict_metadata if k not in keep]:
+        del state_dict_metadata[key]
+    storage = torch_dist.storage_items(metadata)
+    for index in [i for i in storage if torch_dist.index_fqn(i) not in keep]:
+        del storage[index]
+    planner_data = _attr(metadata, "planner_data")
+    if isinstance(planner_data, dict):
+        for key in [k for k in planner_data if k not in keep]:
+            del planner_data[key]
+    _filter_plans(_attr(metadata, "all_local_plans"), keep)

@@ -1,0 +1,365 @@
+"""``ckptdoctor diff A B``: keys, metadata, layout, args, common state and (optionally) values of two checkpoints.
+
+Everything except values comes from metadata (``.metadata``, ``metadata.json``, the common state), so a structural
+diff costs the same for 1 GB and 10 TB. Differences are classified so that users see what matters:
+
+* layout (TP/PP chunk grids, ShardedObject shard grids) is reported apart from content: a TP=4 re-shard of a
+  TP=1 checkpoint has the same keys, dtypes, shapes and values;
+* era (core <= 0.18 ``common.pt`` vs core >= 0.19 ``common_state`` DCP item, ``common_backend`` keys in
+  ``metadata.json``, the DCP metadata class) is a note, never a content difference;
+* args that are equal on both sides but contradict their own checkpoint's layout are flagged with the rule
+  table of :mod:`ckptdoctor.arg_rules` (the same rules ``fix-args`` applies).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptdoctor.arg_rules import check_args
+from ckptdoctor.args import ARG_GROUPS, arg_group, args_as_dict
+from ckptdoctor.checkpoint import SECTIONS, Checkpoint
+from ckptdoctor.layout import BACKEND_ZARR
+from ckptdoctor.ops.diff_items import KIND_TENSOR, Item, is_common_state_item, logical_items
+from ckptdoctor.parallelism import SavedLayout, infer_layout
+
+SCHEMA = "ckptdoctor.diff/1"
+ARG_GROUP_ORDER = (*ARG_GROUPS, "other")
+# metadata.json keys core <= 0.18 writes and core >= 0.19 dropped with common.pt
+_ERA_METADATA_KEYS = ("common_backend", "common_backend_version")
+
+
+@dataclass
+class Side:
+    """What one checkpoint is (the header of the diff)."""
+
+    path: str
+    iteration_dir: str
+    backend: str
+    era: str
+    common_source: str | None
+    iteration: int | None
+    keys: int
+    data_files: dict
+    layout: dict
+
+
+@dataclass
+class KeyList:
+    count: int
+    keys: list[str]  # at most ``limit`` of them
+
+
+@dataclass
+class SectionKeys:
+    only_a: KeyList
+    only_b: KeyList
+    common: int
+
+
+@dataclass
+class KeyChange:
+    """A key in both whose kind, dtype or global shape differs."""
+
+    key: str
+    section: str
+    fields: list[str]
+    a: dict
+    b: dict
+
+
+@dataclass
+class LayoutChange:
+    """A key in both whose chunk grid (or object shard grid) differs: layout, not content."""
+
+    key: str
+    section: str
+    kind: str
+    a: str
+    b: str
+
+
+@dataclass
+class LayoutDiff:
+    a: str
+    b: str
+    summary: str
+    differs: bool
+    count: int
+    keys: list[LayoutChange]
+
+
+@dataclass
+class ArgChange:
+    name: str
+    group: str
+    change: str  # "changed" | "only_a" | "only_b"
+    a: Any
+    b: Any
+
+
+@dataclass
+class ArgFlag:
+    """A saved arg contradicting its own checkpoint's layout (rule from :mod:`ckptdoctor.arg_rules`)."""
+
+    side: str  # "a" | "b"
+    code: str
+    arg: str
+    saved: Any
+    correct: Any
+    severity: str
+    reason: str
+    megatron_error: str | None
+    equal_in_both: bool  # the arg is equal in A and B, so only this flag shows the problem
+
+
+@dataclass
+class ArgsDiff:
+    compared: bool  # both sides saved args
+    count: int
+    groups: dict[str, list[ArgChange]]
+    flags: list[ArgFlag]
+
+
+@dataclass
+class CommonChange:
+    field: str  # a common-state key, or "metadata.json:<key>"
+    change: str  # "changed" | "only_a" | "only_b"
+    a: Any
+    b: Any
+
+
+@dataclass
+class CommonDiff:
+    count: int
+    items: list[CommonChange]
+
+
+@dataclass
+class DiffReport:
+    schema: str
+    a: Side
+    b: Side
+    filters: dict
+    limit: int | None
+    keys: dict[str, SectionKeys]
+    changed: list[KeyChange]
+    layout: LayoutDiff
+    args: ArgsDiff | None  # None when filters exclude the common state (--section without common, --key)
+    common: CommonDiff | None
+    era: list[str]
+    values: Any = None  # diff_values.ValuesReport when --values
+    summary: dict = field(default_factory=dict)
+    identical: bool = True
+
+
+@dataclass
+class KeyFilter:
+    """``--section``, ``--key`` (any matches) and ``--exclude`` (none matches) on logical keys."""
+
+    sections: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self._keys = [re.compile(k) for k in self.keys]
+        self._exclude = [re.compile(k) for k in self.exclude]
+
+    def accepts(self, item: Item) -> bool:
+        if self.sections and item.section not in self.sections:
+            return False
+        if self._keys and not any(p.search(item.key) for p in self._keys):
+            return False
+        return not any(p.search(item.key) for p in self._exclude)
+
+    @property
+    def includes_common_state(self) -> bool:
+        """Args and other common state are compared unless filters narrow the diff to some keys."""
+        return not self.keys and (not self.sections or "common" in self.sections)
+
+
+def _limited(keys: list[str], limit: int | None) -> KeyList:
+    return KeyList(len(keys), keys if limit is None else keys[:limit])
+
+
+def _side(ckpt: Checkpoint, layout_summary: dict) -> Side:
+    location = ckpt.location
+    return Side(
+        path=str(location.input_path), iteration_dir=str(ckpt.iteration_dir), backend=location.backend,
+        era=location.era, common_source=ckpt.common_source, iteration=location.iteration,
+        keys=len(ckpt.entries),
+        data_files={"count": len(ckpt.data_files), "bytes": sum(ckpt.data_files.values())},
+        layout=layout_summary,
+    )
+
+
+def _layout_dict(ckpt: Checkpoint) -> tuple[dict, Any]:
+    saved = infer_layout(ckpt)
+    return ({"tp": saved.tp, "pp": saved.pp, "layers": saved.layers, "ep": saved.ep,
+             "writer_ranks": saved.writer_ranks, "summary": saved.summary()}, saved)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equality that never raises and tells 1 from 1.0 from True (saved args keep their types)."""
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # exotic stand-ins: compare what we can show
+        return repr(a) == repr(b)
+
+
+def _item_meta(item: Item) -> dict:
+    return {"kind": item.kind, "dtype": item.dtype, "shape": None if item.shape is None else list(item.shape)}
+
+
+def compare_keys(items_a: dict[str, Item], items_b: dict[str, Item], era_common: bool, limit: int | None
+                 ) -> tuple[dict[str, SectionKeys], list[KeyChange], list[LayoutChange], list[str]]:
+    """Keys only in A/B per section, metadata changes and grid (layout) changes of keys in both."""
+    only_a: dict[str, list[str]] = {s: [] for s in SECTIONS}
+    only_b: dict[str, list[str]] = {s: [] for s in SECTIONS}
+    common_count = dict.fromkeys(SECTIONS, 0)
+    changed: list[KeyChange] = []
+    layout: list[LayoutChange] = []
+    both: list[str] = []
+    for key in sorted(items_a.keys() | items_b.keys()):
+        a, b = items_a.get(key), items_b.get(key)
+        if era_common and is_common_state_item(key):
+            continue  # the common state moved into the DCP (core 0.19): an era note, compared as common state
+        if b is None:
+            only_a[a.section].append(key)
+            continue
+        if a is None:
+            only_b[b.section].append(key)
+            continue
+        common_count[a.section] += 1
+        both.append(key)
+        fields = [f for f in ("kind", "dtype", "shape") if getattr(a, f) != getattr(b, f)]
+        if a.kind == b.kind != KIND_TENSOR:
+            fields = [f for f in fields if f != "shape"]  # an object's shard grid shape is layout
+        if fields:
+            changed.append(KeyChange(key, a.section, fields, _item_meta(a), _item_meta(b)))
+        elif not a.same_grid(b):
+            layout.append(LayoutChange(key, a.section, a.kind, a.grid_summary(), b.grid_summary()))
+    sections = {s: SectionKeys(_limited(only_a[s], limit), _limited(only_b[s], limit), common_count[s])
+                for s in SECTIONS}
+    return sections, changed, layout, both
+
+
+def compare_args(a: SavedLayout, b: SavedLayout, args_a: dict, args_b: dict) -> ArgsDiff:
+    """Differing args by group, and args contradicting their own checkpoint's layout (``a``/``b``)."""
+    groups: dict[str, list[ArgChange]] = {g: [] for g in ARG_GROUP_ORDER}
+    for name in sorted(args_a.keys() | args_b.keys()):
+        if name not in args_b:
+            groups[arg_group(name)].append(ArgChange(name, arg_group(name), "only_a", args_a[name], None))
+        elif name not in args_a:
+            groups[arg_group(name)].append(ArgChange(name, arg_group(name), "only_b", None, args_b[name]))
+        elif not same_value(args_a[name], args_b[name]):
+            groups[arg_group(name)].append(ArgChange(name, arg_group(name), "changed", args_a[name], args_b[name]))
+    flags: list[ArgFlag] = []
+    for side, layout, mine, other in (("a", a, args_a, args_b), ("b", b, args_b, args_a)):
+        for f in check_args(mine, layout):
+            equal = f.arg in other and same_value(mine[f.arg], other[f.arg])
+            flags.append(ArgFlag(side, f.code, f.arg, f.saved, f.correct, f.severity, f.reason, f.megatron_error,
+                                 equal))
+    count = sum(len(v) for v in groups.values())
+    return ArgsDiff(bool(args_a) and bool(args_b), count, groups, flags)
+
+
+def compare_common(a: Checkpoint, b: Checkpoint, era_common: bool) -> CommonDiff:
+    """Common-state keys other than args, and metadata.json (era keys excluded)."""
+    state_a = {k: v for k, v in a.common_state().items() if k != "args"}
+    state_b = {k: v for k, v in b.common_state().items() if k != "args"}
+    items: list[CommonChange] = []
+
+    def add(prefix: str, da: dict, db: dict) -> None:
+        for name in sorted(da.keys() | db.keys(), key=str):
+            label = f"{prefix}{name}"
+            if name not in db:
+                items.append(CommonChange(label, "only_a", da[name], None))
+            elif name not in da:
+                items.append(CommonChange(label, "only_b", None, db[name]))
+            elif not same_value(da[name], db[name]):
+                items.append(CommonChange(label, "changed", da[name], db[name]))
+
+    add("", state_a, state_b)
+    meta_a, meta_b = dict(a.location.metadata_json), dict(b.location.metadata_json)
+    if era_common:
+        for key in _ERA_METADATA_KEYS:
+            if (key in meta_a) != (key in meta_b):
+                meta_a.pop(key, None)
+                meta_b.pop(key, None)
+    add("metadata.json:", meta_a, meta_b)
+    return CommonDiff(len(items), items)
+
+
+def era_notes(a: Checkpoint, b: Checkpoint) -> list[str]:
+    """Differences in how the checkpoints are stored (Megatron era, backend) that are not content."""
+    la, lb = a.location, b.location
+    notes: list[str] = []
+    if la.backend != lb.backend:
+        notes.append(f"backends differ: A is {la.era}, B is {lb.era}; keys and values are compared by key")
+    elif la.era != lb.era:
+        notes.append(f"A is {la.era}, B is {lb.era}: the common state moved from common.pt into the DCP item "
+                     f"{a.common_source if not la.has_common_pt else b.common_source}; it is compared as common "
+                     "state, not as a key")
+    ka = [k for k in _ERA_METADATA_KEYS if k in la.metadata_json]
+    kb = [k for k in _ERA_METADATA_KEYS if k in lb.metadata_json]
+    if (ka != kb) and la.has_common_pt != lb.has_common_pt:
+        side = "A" if ka else "B"
+        notes.append(f"metadata.json: {', '.join(ka or kb)} only in {side} (written by core <= 0.18 only)")
+    if a.dcp and b.dcp and a.dcp.metadata_class != b.dcp.metadata_class:
+        notes.append(f"DCP metadata class: A {a.dcp.metadata_class}, B {b.dcp.metadata_class}")
+    if a.dcp and b.dcp and a.dcp.version != b.dcp.version:
+        notes.append(f"DCP metadata version: A {a.dcp.version}, B {b.dcp.version}")
+    return notes
+
+
+def diff_checkpoints(a: Checkpoint, b: Checkpoint, key_filter: KeyFilter | None = None, limit: int | None = 20,
+                     values: bool = False, atol: float | None = None, rtol: float | None = None,
+                     progress: Callable[[int, int], None] | None = None) -> DiffReport:
+    """Compare two checkpoints; values are read (streamed, chunk by chunk) only when ``values`` is set."""
+    key_filter = key_filter or KeyFilter()
+    items_a = {k: v for k, v in logical_items(a).items() if key_filter.accepts(v)}
+    items_b = {k: v for k, v in logical_items(b).items() if key_filter.accepts(v)}
+    era_common = a.location.has_common_pt != b.location.has_common_pt
+    sections, changed, layout_changes, both = compare_keys(items_a, items_b, era_common, limit)
+    layout_a, saved_a = _layout_dict(a)
+    layout_b, saved_b = _layout_dict(b)
+    summary_line = f"A: {saved_a.summary()}  B: {saved_b.summary()}"
+    layout = LayoutDiff(saved_a.summary(), saved_b.summary(), summary_line,
+                        bool(layout_changes) or saved_a.summary() != saved_b.summary(), len(layout_changes),
+                        layout_changes if limit is None else layout_changes[:limit])
+    args_diff = common = None
+    if key_filter.includes_common_state:
+        args_diff = compare_args(saved_a, saved_b, args_as_dict(a.args), args_as_dict(b.args))
+        common = compare_common(a, b, era_common)
+    report = DiffReport(
+        schema=SCHEMA, a=_side(a, layout_a), b=_side(b, layout_b),
+        filters={"sections": list(key_filter.sections), "keys": list(key_filter.keys),
+                 "exclude": list(key_filter.exclude)},
+        limit=limit, keys=sections, changed=changed if limit is None else changed[:limit], layout=layout,
+        args=args_diff, common=common, era=era_notes(a, b),
+    )
+    if values:
+        from ckptdoctor.ops.diff_values import compare_values
+
+        comparable = [(items_a[k], items_b[k]) for k in both
+                      if not (is_common_state_item(k) and items_a[k].kind != KIND_TENSOR)]
+        unsupported = next((c.location.era for c in (a, b) if c.location.backend == BACKEND_ZARR), None)
+        report.values = compare_values(a, b, comparable, atol=atol, rtol=rtol, limit=limit, progress=progress,
+                                       unsupported=unsupported)
+    report.summary = {
+        "only_a": sum(s.only_a.count for s in sections.values()),
+        "only_b": sum(s.only_b.count for s in sections.values()),
+        "changed": len(changed),
+        "layout": len(layout_changes) + (saved_a.summary() != saved_b.summary()),
+        "args": args_diff.count if args_diff else 0,
+        "arg_flags": len(args_diff.flags) if args_diff else 0,
+        "common": common.count if common else 0,
+        "values_different": report.values.different if report.values else 0,
+    }
+    report.identical = not any(v for k, v in report.summary.items() if k != "arg_flags")
+    return report

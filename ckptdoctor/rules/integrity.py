@@ -1,0 +1,310 @@
+"""Integrity rules (CKD3xx): Megatron's ``integrity.json`` hashes, and ``--deep`` decoding of every blob.
+
+Both stream: one file read in 1 MiB pieces for hashing, one chunk's byte range at a time for ``--deep``
+(memory stays bounded by the largest chunk). ``--deep`` needs no torch: chunks decode to
+:class:`~ckptdoctor.safe_pickle.TensorRef` through the safe unpickler (:func:`ckptdoctor.values.decode_chunk_ref`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptdoctor import safe_pickle
+from ckptdoctor.checkpoint import Checkpoint, Entry, decode_object_bytes
+from ckptdoctor.errors import CkptError, UnsafePickleError
+from ckptdoctor.formats.stream import UnsupportedZip, member_data, read_ranges, zip_members
+from ckptdoctor.formats.torch_dist import DcpChunk
+from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
+from ckptdoctor.rules.safety import unsafe_pickle
+from ckptdoctor.rules.structure import Scanned, reason
+from ckptdoctor.safe_pickle import DtypeRef, StorageRef, StorageTypeRef, TensorRef
+from ckptdoctor.values import decode_chunk_ref
+
+INTEGRITY_NAME = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME
+_READ_SIZE = 1 << 20
+
+
+def _rule(code: str, name: str, severity: str, summary: str, rationale: str) -> RuleInfo:
+    return RuleInfo(code, name, "integrity", severity, summary, rationale)
+
+
+HASH_MISMATCH = _rule(
+    "CKD301", "integrity-hash-mismatch", ERROR, "a file's sha256 differs from integrity.json",
+    "Megatron (--verify-integrity) hashed every file at save time; a different hash is silent corruption or "
+    "a file replaced after the save, and Megatron's own verification would refuse the load.")
+LISTED_FILE_MISSING = _rule(
+    "CKD302", "integrity-file-missing", ERROR, "a file listed in integrity.json does not exist",
+    "The file existed when the save finished; it was lost in a copy or deleted since.")
+MANIFEST_INVALID = _rule(
+    "CKD303", "integrity-manifest-invalid", ERROR, "integrity.json does not parse or uses another algorithm",
+    "Megatron's verification needs {'algorithm': 'sha256', 'files': {name: hexdigest}}; anything else fails it.")
+FILE_UNLISTED = _rule(
+    "CKD304", "integrity-file-unlisted", WARNING, "a file in the dir is not listed in integrity.json",
+    "integrity.json is written after every other file; an unlisted file was added or rewritten afterwards.")
+BLOB_UNDECODABLE = _rule(
+    "CKD310", "blob-undecodable", ERROR, "--deep: a tensor chunk does not decode to the tensor .metadata declares",
+    "Each chunk is a torch.save blob; a corrupt archive, a CRC error in its data record or a shape/dtype "
+    "differing from .metadata makes torch.load fail or load the wrong tensor.")
+BLOB_SIZE = _rule(
+    "CKD311", "blob-size-mismatch", ERROR, "--deep: a chunk's storage bytes differ from numel x itemsize",
+    "A storage record shorter or longer than its element count, or a view reaching past its storage, is a "
+    "torn write or a hand-made blob; torch reads out of bounds or refuses it.")
+ITEM_UNDECODABLE = _rule(
+    "CKD312", "item-undecodable", ERROR, "--deep: a bytes item (ShardedObject, _extra_state) does not deserialize",
+    "Bytes items are torch.save blobs Megatron unpickles on load; a corrupt one fails the load of its module.")
+
+RULES = [HASH_MISMATCH, LISTED_FILE_MISSING, MANIFEST_INVALID, FILE_UNLISTED, BLOB_UNDECODABLE, BLOB_SIZE,
+         ITEM_UNDECODABLE]
+
+Progress = Callable[[int], None]  # called with the bytes just processed
+
+
+# --- integrity.json -------------------------------------------------------------------------------------
+
+
+def check_manifest(state: Scanned, verify_hashes: bool) -> list[Finding]:
+    """integrity.json, when present: listed files exist, nothing unlisted, and (``verify_hashes``) sha256."""
+    directory, shown = state.iteration_dir, state.shown
+    path = directory / INTEGRITY_NAME
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        algorithm = data.get("algorithm", "sha256")
+        files = data["files"]
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise ValueError("'files' is not a mapping of file name to hex digest")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        return [finding(MANIFEST_INVALID, shown / INTEGRITY_NAME, f"unreadable manifest ({type(exc).__name__}: {exc})")]
+    if algorithm != "sha256":
+        return [finding(MANIFEST_INVALID, shown / INTEGRITY_NAME, f"algorithm {algorithm!r}, Megatron verifies sha256")]
+    out: list[Finding] = []
+    present = {e.name for e in os.scandir(directory) if e.is_file() and e.name != INTEGRITY_NAME}
+    for name, expected in files.items():
+        if "/" in name or os.sep in name or name in ("", ".", ".."):
+            out.append(finding(MANIFEST_INVALID, shown / INTEGRITY_NAME, f"entry {name!r} is not a file name"))
+        elif name not in present:
+            out.append(finding(LISTED_FILE_MISSING, shown, f"{name} listed in {INTEGRITY_NAME} but missing"))
+        elif verify_hashes:
+            try:
+                actual = sha256_file(directory / name)
+            except OSError as exc:
+                out.append(finding(LISTED_FILE_MISSING, shown / name, f"unreadable ({exc.strerror})"))
+                continue
+            if actual != expected.lower():
+                out.append(finding(HASH_MISMATCH, shown / name,
+                                   f"sha256 {actual[:16]}... but {INTEGRITY_NAME} records {expected[:16]}..."))
+    for name in sorted(present - set(files)):
+        out.append(finding(FILE_UNLISTED, shown / name, f"not listed in {INTEGRITY_NAME}"))
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_READ_SIZE):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --- --deep ---------------------------------------------------------------------------------------------
+
+
+def deep_bytes(state: Scanned) -> int:
+    """Bytes ``--deep`` will read (for a progress bar's length)."""
+    return sum(c.storage.length for items in _work(state).values() for _, c in items)  # type: ignore[union-attr]
+
+
+def _work(state: Scanned) -> dict[str, list[tuple[Entry, DcpChunk]]]:
+    """Every chunk and item in a readable data file, by file, in offset order (sequential reads)."""
+    checkpoint = state.checkpoint
+    by_file: dict[str, list[tuple[Entry, DcpChunk]]] = {}
+    if checkpoint is None or checkpoint.dcp is None:
+        return by_file
+    for entry in checkpoint.entries.values():
+        for chunk in entry.chunks:
+            if chunk.storage is not None and chunk.storage.relative_path not in state.bad_files:
+                by_file.setdefault(chunk.storage.relative_path, []).append((entry, chunk))
+    for items in by_file.values():
+        items.sort(key=lambda item: item[1].storage.offset)  # type: ignore[union-attr]
+    return dict(sorted(by_file.items()))
+
+
+def check_deep(state: Scanned, progress: Progress | None = None) -> list[Finding]:
+    """Decode every chunk and bytes item through the safe unpickler, reading each data file front to back."""
+    checkpoint = state.checkpoint
+    out: list[Finding] = []
+    work = _work(state)
+    if checkpoint is None or not work:
+        return out
+    decoder = _ChunkDecoder()
+    files = [(checkpoint.iteration_dir / relative,
+              [(c.storage.offset, c.storage.length, (e, c)) for e, c in items])  # type: ignore[union-attr]
+             for relative, items in work.items()]
+    for file_path, tag, blob in read_ranges(files):
+        path = state.shown / file_path.name
+        if isinstance(blob, CkptError):  # unreadable file (I/O error): the rest of it cannot be checked
+            out.append(finding(BLOB_UNDECODABLE, path, reason(blob, file_path)))
+            continue
+        entry, chunk = tag  # type: ignore[misc]
+        if entry.kind == "tensor":
+            problem = _check_chunk(decoder, checkpoint, entry, chunk, blob, path)
+        else:
+            problem = _check_item(entry, blob, path)
+        if problem is not None:
+            out.append(problem)
+        if progress is not None:
+            progress(len(blob))
+    return out
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """What a chunk's ``data.pkl`` says, checked against the chunk's metadata (shared by identical chunks)."""
+
+    unsafe: UnsafePickleError | None = None
+    problem: str | None = None  # a CKD310 reason
+    size_problem: str | None = None  # a CKD311 reason
+    record: str | None = None  # the storage record's member name
+    record_bytes: int = 0  # numel x itemsize the record must hold
+
+
+class _ChunkDecoder:
+    """Decodes tensor blobs; a ``data.pkl`` byte-identical to one already decoded gives the same verdict.
+
+    Chunks of equal shape and dtype pickle to identical bytes, so most of a checkpoint's chunks cost one
+    dict lookup instead of an unpickling; every distinct pickle still goes through the safe unpickler.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, _Verdict] = {}
+
+    def verdict(self, pickled: bytes, prefix: str, entry: Entry, chunk: DcpChunk) -> _Verdict:
+        key = (pickled, prefix, chunk.sizes, entry.dtype)
+        verdict = self._cache.get(key)
+        if verdict is None:
+            verdict = self._cache[key] = _decide(pickled, prefix, entry, chunk)
+        return verdict
+
+
+def _decide(pickled: bytes, prefix: str, entry: Entry, chunk: DcpChunk) -> _Verdict:
+    try:
+        ref = safe_pickle.loads(pickled, _persistent_load)
+    except UnsafePickleError as exc:
+        return _Verdict(unsafe=exc)
+    except Exception as exc:  # a corrupt pickle can raise almost anything
+        return _Verdict(problem=f"corrupt pickle ({type(exc).__name__}: {exc})")
+    if not isinstance(ref, TensorRef):
+        return _Verdict(problem=f"expected a tensor, found {type(ref).__name__}")
+    problem = _metadata_problem(ref, entry, chunk)
+    if problem:
+        return _Verdict(problem=problem)
+    problem = _view_problem(ref)
+    if problem:
+        return _Verdict(size_problem=problem)
+    itemsize = ref.dtype.itemsize if ref.dtype is not None else None
+    if itemsize is None:
+        return _Verdict(problem=f"unknown dtype {ref.dtype}")
+    return _Verdict(record=f"{prefix}data/{ref.storage.key}", record_bytes=ref.storage.numel * itemsize)
+
+
+def _persistent_load(pid: object) -> StorageRef:
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        raise CkptError(f"unsupported persistent id {pid!r}")
+    _, storage_type, key, location, numel = pid
+    dtype = storage_type.dtype if isinstance(storage_type, StorageTypeRef) else None
+    return StorageRef(str(key), dtype or DtypeRef.get("uint8"), str(location), int(numel))
+
+
+def _check_chunk(decoder: _ChunkDecoder, checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: memoryview,
+                 path: Path) -> Finding | None:
+    what = f"{entry.key} chunk at {list(chunk.offsets)}"
+    try:
+        members = zip_members(blob)
+        pkl = next((name for name in members if name.endswith("/data.pkl") and name.count("/") == 1), None)
+        if pkl is None:
+            return finding(BLOB_UNDECODABLE, path, f"{what}: not a torch.save blob (no data.pkl record)")
+        offset, size = member_data(blob, members[pkl])
+    except UnsupportedZip:
+        return _check_chunk_with_zipfile(checkpoint, entry, chunk, path, what)
+    except ValueError as exc:
+        return finding(BLOB_UNDECODABLE, path, f"{what}: not a readable torch.save blob ({exc})")
+    verdict = decoder.verdict(bytes(blob[offset:offset + size]), pkl[:-len("data.pkl")], entry, chunk)
+    if verdict.unsafe is not None:
+        return unsafe_pickle(verdict.unsafe, path, what)
+    if verdict.problem is not None:
+        return finding(BLOB_UNDECODABLE, path, f"{what}: {verdict.problem}")
+    if verdict.size_problem is not None:
+        return finding(BLOB_SIZE, path, f"{what}: {verdict.size_problem}")
+    record = members.get(verdict.record or "")
+    if record is None:
+        return finding(BLOB_UNDECODABLE, path, f"{what}: storage record {verdict.record} missing from the blob")
+    try:
+        member_data(blob, record)
+    except ValueError as exc:
+        return finding(BLOB_UNDECODABLE, path, f"{what}: storage record unreadable ({exc})")
+    if record[1] != verdict.record_bytes:
+        return finding(BLOB_SIZE, path, f"{what}: storage record has {record[1]} bytes, "
+                                        f"{verdict.record_bytes} expected (numel x itemsize)")
+    return None
+
+
+def _metadata_problem(ref: TensorRef, entry: Entry, chunk: DcpChunk) -> str | None:
+    if tuple(ref.size) != tuple(chunk.sizes):
+        return f"stored shape {list(ref.size)} differs from metadata {list(chunk.sizes)}"
+    if entry.dtype is not None and str(ref.dtype) != entry.dtype:
+        return f"stored dtype {ref.dtype} differs from metadata {entry.dtype}"
+    return None
+
+
+def _check_chunk_with_zipfile(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, path: Path,
+                              what: str) -> Finding | None:
+    """Archives the lean reader leaves alone (zip64, ...): :func:`ckptdoctor.values.decode_chunk_ref`."""
+    where = f"{checkpoint.iteration_dir}: {what}"
+    try:
+        ref = decode_chunk_ref(checkpoint, entry, chunk)
+        data = ref.storage.data()  # zipfile also checks the record's CRC-32 here
+    except UnsafePickleError as exc:
+        return unsafe_pickle(exc, path, what)
+    except CkptError as exc:
+        return finding(BLOB_UNDECODABLE, path, f"{what}: {reason(exc, where)}")
+    except (zipfile.BadZipFile, KeyError, OSError, ValueError, EOFError) as exc:
+        return finding(BLOB_UNDECODABLE, path, f"{what}: storage record unreadable ({exc})")
+    problem = storage_size_problem(ref, len(data))
+    return None if problem is None else finding(BLOB_SIZE, path, f"{what}: {problem}")
+
+
+def storage_size_problem(ref: TensorRef, record_bytes: int) -> str | None:
+    """Why a tensor's storage record does not hold exactly its elements, or its view does not fit."""
+    itemsize = ref.dtype.itemsize if ref.dtype is not None else None
+    if itemsize is None:
+        return f"unknown dtype {ref.dtype}"
+    expected = ref.storage.numel * itemsize
+    if record_bytes != expected:
+        return f"storage record has {record_bytes} bytes, {ref.storage.numel} x {itemsize} = {expected} expected"
+    return _view_problem(ref)
+
+
+def _view_problem(ref: TensorRef) -> str | None:
+    if ref.numel:
+        last = ref.storage_offset + sum((n - 1) * s for n, s in zip(ref.size, ref.stride))
+        if ref.storage_offset < 0 or last >= ref.storage.numel:
+            return f"view {list(ref.size)} (offset {ref.storage_offset}) reaches past its {ref.storage.numel} elements"
+    return None
+
+
+def _check_item(entry: Entry, blob: memoryview, path: Path) -> Finding | None:
+    what = f"item {entry.key}"
+    try:
+        decode_object_bytes(bytes(blob), what)
+    except UnsafePickleError as exc:
+        return unsafe_pickle(exc, path, what)
+    except CkptError as exc:
+        return finding(ITEM_UNDECODABLE, path, f"{what}: {reason(exc, what)}")
+    return None

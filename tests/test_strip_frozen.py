@@ -1,0 +1,375 @@
+"""strip-frozen on the real PEFT fixtures: reference key set, bitwise values, megatron-core loads the result,
+the three trainable sources agree, refusals write nothing, --in-place swaps atomically."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, REPO, manifest, require_mcore, run_cli
+
+from ckptdoctor.checkpoint import open_checkpoint
+from ckptdoctor.cli import main
+from ckptdoctor.formats import torch_dist
+
+FULL = ["core019_peft_full_tp1", "core019_peft_full_tp2", "core016_peft_full_tp1"]
+REFERENCE = {"core019_peft_full_tp1": "core019_peft_trainable_tp1",
+             "core019_peft_full_tp2": "core019_peft_trainable_tp2"}
+LOAD_SCRIPT = REPO / "tests" / "mcore_load_stripped.py"
+
+
+def _run(capsys, *args):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _strip(capsys, source, out, *extra):
+    rc, stdout, err = _run(capsys, "strip-frozen", source, "--output", out, "--format", "json", *extra)
+    assert rc == 0, err
+    return json.loads(stdout)
+
+
+def _bitwise_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _tree_digest(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _dir_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+
+
+# --- the reference: what --save-trainable-params-only wrote -----------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_strip_gives_reference_keys_and_bitwise_tensors(capsys, tmp_path, name):
+    pytest.importorskip("torch")
+    from ckptdoctor.values import read_tensor
+
+    report = _strip(capsys, FIXTURES / name, tmp_path / "out")
+    assert report["plan"]["trainable_source"] == "optimizer"
+    out = open_checkpoint(tmp_path / "out")
+    ref = open_checkpoint(FIXTURES / REFERENCE[name])
+    src = open_checkpoint(FIXTURES / name)
+    assert set(out.entries) == set(ref.entries)
+    model_keys = {k for k, e in out.entries.items() if e.section == "model"}
+    assert model_keys == set(manifest(name)["trainable_keys"])
+    for key, entry in out.entries.items():
+        if entry.kind == "tensor":
+            assert _bitwise_equal(read_tensor(out, key), read_tensor(ref, key)), key
+        else:  # bytes items are byte copies of the source's
+            assert torch_dist.read_range(out.iteration_dir, entry.chunks[0].storage) == \
+                torch_dist.read_range(src.iteration_dir, src.entries[key].chunks[0].storage), key
+    # same layout, same writer ranks, same data-file names as the reference
+    assert sorted(out.data_files) == sorted(ref.data_files)
+    assert out.location.save_dir is not None and out.location.tracker_value == "10"
+    assert (out.iteration_dir / "metadata.json").read_bytes() == (src.iteration_dir / "metadata.json").read_bytes()
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_output_size_printed_and_within_reference(capsys, tmp_path, name):
+    rc, out, err = _run(capsys, "strip-frozen", FIXTURES / name, "--output", tmp_path / "out")
+    assert rc == 0, err
+    printed = int(re.search(r"size after .*\((\d+) bytes", out).group(1))
+    assert printed == _dir_bytes(tmp_path / "out" / "iter_0000010")
+    reference = _dir_bytes(FIXTURES / REFERENCE[name] / "iter_0000010")
+    assert printed <= reference * 1.05, (printed, reference)
+    assert int(re.search(r"size before .*\((\d+) bytes", out).group(1)) == _dir_bytes(FIXTURES / name / "iter_0000010")
+
+
+def test_common_pt_era(capsys, tmp_path):
+    name = "core016_peft_full_tp1"
+    _strip(capsys, FIXTURES / name, tmp_path / "out")
+    out = open_checkpoint(tmp_path / "out")
+    src_dir = FIXTURES / name / "iter_0000010"
+    assert out.common_source == "common.pt"
+    assert (out.iteration_dir / "common.pt").read_bytes() == (src_dir / "common.pt").read_bytes()
+    model = {k for k, e in out.entries.items() if e.section == "model"}
+    assert model == set(manifest(name)["trainable_keys"])
+    src = open_checkpoint(FIXTURES / name)
+    assert {k for k, e in out.entries.items() if e.section != "model"} == \
+        {k for k, e in src.entries.items() if e.section != "model"}
+    assert not any(e.is_extra_state for e in out.entries.values())
+
+
+# --- real megatron-core loads the result onto a fresh base model ------------------------------------------
+
+
+def _load_with_mcore(stripped: Path, name: str, nproc: int) -> str:
+    require_mcore()
+    args = [str(LOAD_SCRIPT), str(stripped), str(FIXTURES / name)]
+    if name in REFERENCE:
+        args.append(str(FIXTURES / REFERENCE[name]))
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if nproc == 1:
+        cmd = [sys.executable, *args]
+        env.pop("RANK", None)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(29400 + os.getpid() % 500), *args]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("name,nproc", [("core019_peft_full_tp1", 1), ("core016_peft_full_tp1", 1),
+                                        ("core019_peft_full_tp2", 2)])
+def test_megatron_loads_stripped_onto_fresh_base(capsys, tmp_path, name, nproc):
+    pytest.importorskip("torch")
+    _strip(capsys, FIXTURES / name, tmp_path / "out")
+    stdout = _load_with_mcore(tmp_path / "out", name, nproc)
+    assert stdout.count("OK rank") == nproc, stdout
+
+
+# --- the three trainable sources agree --------------------------------------------------------------------
+
+
+def _make_base(full: Path, out: Path) -> None:
+    """A base checkpoint derived from the fixture with PyTorch DCP: frozen model weights only, one chunk per
+    tensor (a different chunk layout from the TP=2 fixture's), no adapters, no optimizer."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    src = full / "iter_0000010"
+    whole = out.parent / "whole.pt"
+    dcp_to_torch_save(str(src), str(whole))
+    state = torch.load(whole, weights_only=False)
+    base = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not k.startswith("optimizer.")
+            and ".adapter." not in k}
+    torch.save(base, out.parent / "base.pt")
+    (out / "iter_0000010").mkdir(parents=True)
+    torch_save_to_dcp(str(out.parent / "base.pt"), str(out / "iter_0000010"))
+    shutil.copy(src / "metadata.json", out / "iter_0000010" / "metadata.json")
+    (out / "latest_checkpointed_iteration.txt").write_text("10")
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_preset_and_base_give_the_same_result(capsys, tmp_path, name):
+    pytest.importorskip("torch")
+    inferred = _strip(capsys, FIXTURES / name, tmp_path / "optimizer")
+    preset = _strip(capsys, FIXTURES / name, tmp_path / "preset", "--preset", "lora")
+    _make_base(FIXTURES / name, tmp_path / "base")
+    based = _strip(capsys, FIXTURES / name, tmp_path / "based", "--base", tmp_path / "base")
+    assert preset["plan"]["trainable_source"] == "preset:lora"
+    assert based["plan"]["trainable_source"] == "base"
+    keys = [sorted(d["key"] for d in r["plan"]["kept"]) for r in (inferred, preset, based)]
+    assert keys[0] == keys[1] == keys[2]
+    digests = [_tree_digest(tmp_path / d / "iter_0000010") for d in ("optimizer", "preset", "based")]
+    data = [{k: v for k, v in d.items() if k.endswith(".distcp")} for d in digests]
+    assert data[0] == data[1] == data[2]  # byte-identical data files, whichever source chose the keys
+
+
+def test_base_equal_everywhere_keeps_nothing(capsys, tmp_path):
+    name = "core019_peft_full_tp1"
+    rc, _, err = _run(capsys, "strip-frozen", FIXTURES / name, "-o", tmp_path / "out", "--base", FIXTURES / name)
+    assert rc == 2 and "keeps no model parameter" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_base_compare_is_bitwise(tmp_path):
+    """A one-ulp change in one base chunk makes that tensor 'trainable'; same-layout path, no torch needed."""
+    from ckptdoctor.ops.strip import trainable_from_base
+
+    base = tmp_path / "base"
+    shutil.copytree(FIXTURES / "core019_peft_full_tp2", base)
+    ckpt = open_checkpoint(base)
+    key = "decoder.layers.self_attention.linear_proj.weight"
+    loc = ckpt.entries[key].chunks[1].storage
+    path = base / "iter_0000010" / loc.relative_path
+    data = bytearray(path.read_bytes())
+    data[loc.offset:loc.offset + loc.length] = _flip_first_bit(bytes(data[loc.offset:loc.offset + loc.length]))
+    path.write_bytes(bytes(data))
+    selection = trainable_from_base(open_checkpoint(FIXTURES / "core019_peft_full_tp2"), open_checkpoint(base))
+    assert key in selection.keys and selection.compared[key] == "differs"
+    assert not [k for k in selection.keys if ".adapter." not in k and k != key]
+
+
+def _flip_first_bit(blob: bytes) -> bytes:
+    """The same torch.save blob with the lowest bit of its first storage byte flipped (CRC-32 kept valid)."""
+    import io
+    import zipfile
+    import zlib
+
+    with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+        info = next(i for i in archive.infolist() if "/data/" in i.filename)
+    header = blob[info.header_offset:info.header_offset + 30]
+    start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    end = start + info.compress_size
+    payload = bytearray(blob[start:end])
+    payload[0] ^= 1
+    old_crc, new_crc = info.CRC.to_bytes(4, "little"), zlib.crc32(payload).to_bytes(4, "little")
+    head, tail = blob[:start].replace(old_crc, new_crc), blob[end:].replace(old_crc, new_crc)
+    return head + bytes(payload) + tail
+
+
+# --- dry run, refusals, layouts ---------------------------------------------------------------------------
+
+
+def test_dry_run_lists_keys_and_sizes_and_writes_nothing(capsys, tmp_path):
+    rc, out, err = _run(capsys, "strip-frozen", FIXTURES / "core019_peft_full_tp2", "--dry-run",
+                        "--output", tmp_path / "out")
+    assert rc == 0, err
+    assert re.search(r"^keep\s+decoder\.layers\.mlp\.linear_fc1\.adapter\.linear_in\.weight", out, re.M)
+    assert re.search(r"^drop\s+decoder\.layers\.mlp\.linear_fc1\.weight\s.*frozen", out, re.M)
+    assert re.search(r"^drop\s+decoder\.layers\.mlp\.linear_fc1\._extra_state/shard_0_2\s.*_extra_state", out, re.M)
+    assert re.search(r"^keep\s+optimizer\.state\.exp_avg\.", out, re.M)
+    assert "data before" in out and "data after" in out and "nothing written" in out
+    assert not (tmp_path / "out").exists()
+
+
+def test_metadata_only_run_needs_no_torch_or_megatron(tmp_path):
+    result = run_cli("strip-frozen", str(FIXTURES / "core019_peft_full_tp2"), "-o", str(tmp_path / "out"),
+                     block=("torch", "megatron"))
+    assert result.returncode == 0, result.stderr
+    assert "IMPORTED:\n" in result.stderr
+    assert (tmp_path / "out" / "iter_0000010" / ".metadata").is_file()
+
+
+def test_iteration_dir_input_writes_an_iteration_dir(capsys, tmp_path):
+    _strip(capsys, FIXTURES / "core019_peft_full_tp1" / "iter_0000010", tmp_path / "out")
+    assert (tmp_path / "out" / ".metadata").is_file()
+    assert not (tmp_path / "out" / "latest_checkpointed_iteration.txt").exists()
+    assert open_checkpoint(tmp_path / "out").section_entries("model")
+
+
+def test_refuses_selection_without_model_parameter(capsys, tmp_path):
+    rc, _, err = _run(capsys, "strip-frozen", FIXTURES / "core019_peft_full_tp1", "-o", tmp_path / "out",
+                      "--trainable", r"^no\.such\.key$")
+    assert rc == 2 and "keeps no model parameter" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_refuses_non_empty_output_unless_force(capsys, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc, _, err = _run(capsys, "strip-frozen", FIXTURES / "core019_peft_full_tp1", "-o", out)
+    assert rc == 2 and "not empty" in err and err.count("\n") == 1
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    rc, _, err = _run(capsys, "strip-frozen", FIXTURES / "core019_peft_full_tp1", "-o", out, "--force")
+    assert rc == 0, err
+    assert not (out / "keep.txt").exists() and (out / "iter_0000010" / "metadata.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging or old dir left
+
+
+def test_refuses_output_inside_source(capsys, copy_fixture):
+    src = copy_fixture("core019_peft_full_tp1")
+    before = _tree_digest(src)
+    rc, _, err = _run(capsys, "strip-frozen", src, "-o", src / "stripped")
+    assert rc == 2 and "--in-place" in err
+    assert _tree_digest(src) == before
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_refuses_structurally_damaged_source(capsys, tmp_path, copy_fixture, damage):
+    src = copy_fixture("core019_peft_full_tp2")
+    data_file = src / "iter_0000010" / "__1_0.distcp"
+    if damage == "missing":
+        data_file.unlink()
+    else:
+        data_file.write_bytes(data_file.read_bytes()[:-100])
+    rc, _, err = _run(capsys, "strip-frozen", src, "-o", tmp_path / "out")
+    assert rc == 2 and err.count("\n") == 1 and "__1_0.distcp" in err
+    assert ("missing data file" if damage == "missing" else "truncated") in err
+    assert not (tmp_path / "out").exists()
+
+
+def _rename_optimizer_keys(iteration_dir: Path) -> None:
+    """Make the optimizer section look like the distributed optimizer's dp_reshardable buckets."""
+    path = iteration_dir / ".metadata"
+    metadata = torch_dist.load_metadata_object(path)
+    sdm = metadata.__dict__["state_dict_metadata"]
+
+    def new_name(key: str) -> str:
+        return key.replace("optimizer.state.", "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.bucket_idx_0.", 1)
+
+    for key in [k for k in sdm if k.startswith("optimizer.state.")]:
+        sdm[new_name(key)] = sdm.pop(key)
+    storage = torch_dist.storage_items(metadata)
+    for index in list(storage):
+        if torch_dist.index_fqn(index).startswith("optimizer.state."):
+            info = storage.pop(index)
+            index.__dict__["fqn"] = new_name(index.__dict__["fqn"])
+            storage[index] = info
+    path.write_bytes(torch_dist.dump_metadata_object(metadata))
+
+
+def test_dp_reshardable_optimizer_asks_for_a_selection(capsys, tmp_path, copy_fixture):
+    src = copy_fixture("core019_peft_full_tp1")
+    _rename_optimizer_keys(src / "iter_0000010")
+    rc, _, err = _run(capsys, "strip-frozen", src, "-o", tmp_path / "out")
+    assert rc == 2 and "dp_reshardable" in err and "--preset" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+    report = _strip(capsys, src, tmp_path / "out", "--preset", "lora")  # the suggested way out works
+    assert report["plan"]["trainable_source"] == "preset:lora"
+
+
+def test_no_optimizer_asks_for_a_selection(capsys, tmp_path):
+    rc, _, err = _run(capsys, "strip-frozen", FIXTURES / "core019_convert_tp4", "-o", tmp_path / "out")
+    assert rc == 2 and "no optimizer state" in err and "--trainable" in err
+
+
+# --- in place ---------------------------------------------------------------------------------------------
+
+
+def test_in_place_swaps_and_keeps_backup(capsys, copy_fixture):
+    src = copy_fixture("core019_peft_full_tp2")
+    before = _tree_digest(src / "iter_0000010")
+    rc, out, err = _run(capsys, "strip-frozen", src, "--in-place")
+    assert rc == 0, err
+    backups = [p for p in src.iterdir() if p.name.startswith("iter_0000010.bak-")]
+    assert len(backups) == 1 and _tree_digest(backups[0]) == before
+    stripped = open_checkpoint(src)
+    assert set(stripped.entries) == set(open_checkpoint(FIXTURES / "core019_peft_trainable_tp2").entries)
+    assert not [p for p in src.iterdir() if p.name.startswith(".")]
+
+
+def test_in_place_no_backup(capsys, copy_fixture):
+    src = copy_fixture("core019_peft_full_tp1")
+    rc, _, err = _run(capsys, "strip-frozen", src, "--in-place", "--no-backup")
+    assert rc == 0, err
+    assert sorted(p.name for p in src.iterdir()) == ["iter_0000010", "latest_checkpointed_iteration.txt"]
+    assert not any(e.is_extra_state for e in open_checkpoint(src).entries.values())
+
+
+@pytest.mark.parametrize("step", ["strip-frozen:data-written", "strip-frozen:before-swap"])
+def test_killed_in_place_run_leaves_source_intact(copy_fixture, step):
+    src = copy_fixture("core019_peft_full_tp1")
+    before = _tree_digest(src / "iter_0000010")
+    result = run_cli("strip-frozen", str(src), "--in-place", env=dict(os.environ, CKPTDOCTOR_FAULT_AT=step))
+    assert result.returncode == 97, result.stderr
+    assert _tree_digest(src / "iter_0000010") == before
+    assert len(open_checkpoint(src).section_entries("model")) == 29  # still the full checkpoint
+
+
+def test_corrupt_base_chunk_is_one_line_error(capsys, tmp_path):
+    base = tmp_path / "base"
+    shutil.copytree(FIXTURES / "core019_peft_full_tp1", base)
+    loc = open_checkpoint(base).entries["decoder.layers.self_attention.linear_proj.weight"].chunks[0].storage
+    path = base / "iter_0000010" / loc.relative_path
+    data = bytearray(path.read_bytes())
+    blob = _flip_first_bit(bytes(data[loc.offset:loc.offset + loc.length]))
+    original = bytes(data[loc.offset:loc.offset + loc.length])
+    # flip the payload bit but keep the old CRC: the record no longer matches its checksum
+    diff = next(i for i in range(len(blob)) if blob[i] != original[i])
+    data[loc.offset + diff] ^= 1
+    path.write_bytes(bytes(data))
+    rc, _, err = _run(capsys, "strip-frozen", FIXTURES / "core019_peft_full_tp1", "-o", tmp_path / "out",
+                      "--base", base)
+    assert rc == 2 and err.count("\n") == 1 and "linear_proj.weight" in err, err
+    assert not (tmp_path / "out").exists()
