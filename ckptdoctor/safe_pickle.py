@@ -26,6 +26,8 @@ import fractions
 import io
 import pathlib
 import pickle
+import re
+import secrets
 import signal
 import sys
 import types
@@ -143,6 +145,26 @@ class StandIn:
         return f"{name}({', '.join(parts)})"
 
 
+# --- aliases for writing back ---------------------------------------------------------------------------
+# The C pickler writes a class or named object as a GLOBAL only after importing its module and finding the
+# very same object there, and megatron/torch are neither imported nor importable here. So every stand-in
+# global is also registered under an alias in a private module of ours; ``dumps`` pickles with the fast C
+# pickler and then swaps each aliased GLOBAL for the original reference. The alias module's name carries a
+# random token, so it cannot occur by accident in pickled data.
+_ALIAS_MODULE = f"ckptdoctor._stand_in_globals_{secrets.token_hex(8)}"
+_alias_module = types.ModuleType(_ALIAS_MODULE)
+sys.modules[_ALIAS_MODULE] = _alias_module
+_ALIAS_TARGETS: dict[bytes, bytes] = {}  # alias name -> b"module\nname\n" of the original global
+
+
+def _register_alias(obj: Any, module: str, name: str) -> str:
+    """Register ``obj`` as the stand-in for ``module.name``; returns its alias name in the private module."""
+    alias = f"g{len(_ALIAS_TARGETS)}"
+    setattr(_alias_module, alias, obj)
+    _ALIAS_TARGETS[alias.encode()] = f"{module}\n{name}\n".encode()
+    return alias
+
+
 _STAND_IN_CLASSES: dict[tuple[str, str], type[StandIn]] = {}
 
 
@@ -153,6 +175,8 @@ def stand_in_class(module: str, name: str) -> type[StandIn]:
     if cls is None:
         short = name.rsplit(".", 1)[-1]
         cls = type(short, (StandIn,), {"__ckd_global__": key, "__module__": module, "__qualname__": name})
+        cls.__qualname__ = _register_alias(cls, module, name)
+        cls.__module__ = _ALIAS_MODULE
         _STAND_IN_CLASSES[key] = cls
     return cls
 
@@ -205,6 +229,8 @@ class DtypeRef:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.__module__ = _ALIAS_MODULE
+        self._alias = _register_alias(self, "torch", name)
 
     @classmethod
     def get(cls, name: str) -> DtypeRef:
@@ -219,11 +245,8 @@ class DtypeRef:
         info = TORCH_DTYPES.get(self.name)
         return info[0] if info else None
 
-    def global_ref(self) -> tuple[str, str]:
-        return ("torch", self.name)
-
     def __reduce__(self) -> str:
-        return self.name
+        return self._alias
 
     def __str__(self) -> str:
         return f"torch.{self.name}"
@@ -241,6 +264,8 @@ class StorageTypeRef:
         self.name = name
         dtype = _STORAGE_TO_DTYPE.get(name)
         self.dtype = DtypeRef.get(dtype) if dtype else None
+        self.__module__ = _ALIAS_MODULE
+        self._alias = _register_alias(self, module, name)
 
     @classmethod
     def get(cls, module: str, name: str) -> StorageTypeRef:
@@ -256,11 +281,8 @@ class StorageTypeRef:
             raise ValueError(f"no legacy storage class for torch.{dtype.name}")
         return cls.get("torch", storage)
 
-    def global_ref(self) -> tuple[str, str]:
-        return (self.module, self.name)
-
     def __reduce__(self) -> str:
-        return self.name
+        return self._alias
 
     def __repr__(self) -> str:
         return f"{self.module}.{self.name}"
@@ -273,6 +295,10 @@ class Size(tuple):
 
     def __reduce__(self) -> tuple:
         return (Size, (tuple(self),))
+
+
+Size.__qualname__ = _register_alias(Size, "torch", "Size")
+Size.__module__ = _ALIAS_MODULE
 
 
 class StorageRef:
@@ -356,15 +382,14 @@ class GlobalFunc:
 
     def __init__(self, module: str, name: str, impl: Callable[..., Any]) -> None:
         self.module, self.name, self.impl = module, name, impl
+        self.__module__ = _ALIAS_MODULE
+        self._alias = _register_alias(self, module, name)
 
     def __call__(self, *args: Any) -> Any:
         return self.impl(*args)
 
-    def global_ref(self) -> tuple[str, str]:
-        return (self.module, self.name)
-
     def __reduce__(self) -> str:
-        return self.name
+        return self._alias
 
 
 def _rebuild_tensor_v2(storage: StorageRef, storage_offset: int, size: tuple, stride: tuple,
@@ -503,45 +528,30 @@ def load(file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None) ->
 # --- writing back ------------------------------------------------------------------------------------
 
 
-def _global_ref(obj: Any) -> tuple[str, str] | None:
-    if isinstance(obj, type):
-        return obj.__dict__.get("__ckd_global__")
-    if isinstance(obj, (DtypeRef, StorageTypeRef, GlobalFunc)):
-        return obj.global_ref()
-    return None
+class _Pickler(pickle.Pickler):
+    """The C pickler; protocol 2 writes globals as text GLOBAL opcodes, which ``dumps`` then de-aliases."""
 
 
-class StandInPickler(pickle._Pickler):  # type: ignore[name-defined]
-    """A pickler that writes stand-ins back as references to their original globals.
-
-    ``persistent_id`` may be given to write tensor storages (see ``formats.torch_zip``).
-    """
-
-    def __init__(self, file: BinaryIO, protocol: int = 2,
-                 persistent_id: Callable[[Any], Any] | None = None) -> None:
-        super().__init__(file, protocol=protocol)
+class _PicklerWithStorages(pickle.Pickler):
+    def __init__(self, file: BinaryIO, persistent_id: Callable[[Any], Any]) -> None:
+        super().__init__(file, protocol=2, fix_imports=False)
         self._persistent_id = persistent_id
 
     def persistent_id(self, obj: Any) -> Any:
-        return self._persistent_id(obj) if self._persistent_id else None
-
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        ref = _global_ref(obj)
-        if ref is None:
-            super().save_global(obj, name)
-            return
-        module, qualname = ref
-        if self.proto >= 4:
-            self.save(module)
-            self.save(qualname)
-            self.write(pickle.STACK_GLOBAL)
-        else:
-            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
-        self.memoize(obj)
+        return self._persistent_id(obj)
 
 
+_ALIAS_GLOBAL_RE = re.compile(rb"c" + re.escape(_ALIAS_MODULE.encode()) + rb"\n(g\d+)\n")
 
-def dumps(obj: Any, protocol: int = 2, persistent_id: Callable[[Any], Any] | None = None) -> bytes:
+
+def dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None) -> bytes:
+    """Pickle ``obj`` (plain data, stand-ins, torch stand-ins) so that the original classes load back.
+
+    ``persistent_id`` writes tensor storages (see ``formats.torch_zip``). Protocol 2, as ``torch.save`` uses.
+    """
     buf = io.BytesIO()
-    StandInPickler(buf, protocol=protocol, persistent_id=persistent_id).dump(obj)
-    return buf.getvalue()
+    if persistent_id is None:
+        _Pickler(buf, protocol=2, fix_imports=False).dump(obj)
+    else:
+        _PicklerWithStorages(buf, persistent_id).dump(obj)
+    return _ALIAS_GLOBAL_RE.sub(lambda m: b"c" + _ALIAS_TARGETS[m.group(1)], buf.getvalue())

@@ -158,6 +158,34 @@ def test_one_tensor_changed_through_dcp(capsys, tmp_path, name):
     assert torch  # values were decoded with torch
 
 
+def test_value_patched_in_place_same_layout(capsys, copy_fixture):
+    """Same chunk grid, one stored float changed in the data file: the decode path finds exactly that key."""
+    import struct
+
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.values import _stored_records
+
+    pytest.importorskip("torch")
+    save = copy_fixture("core019_tp2")
+    ckpt = open_checkpoint(save)
+    key = "optimizer.state.exp_avg_sq.decoder.layers.mlp.linear_fc2.weight"
+    chunk = ckpt.entries[key].chunks[-1]
+    path = ckpt.iteration_dir / chunk.storage.relative_path
+    data = bytearray(path.read_bytes())
+    blob = bytes(data[chunk.storage.offset:chunk.storage.offset + chunk.storage.length])
+    start, _ = next(v for k, v in _stored_records(blob).items() if "/data/" in k)
+    at = chunk.storage.offset + start + 4 * 7  # element 7 of the chunk (fp32, contiguous)
+    (old,) = struct.unpack_from("<f", data, at)
+    struct.pack_into("<f", data, at, old + 2.0)
+    path.write_bytes(bytes(data))
+    (new,) = struct.unpack_from("<f", data, at)
+    rc, report = _diff(capsys, str(FIXTURES / "core019_tp2"), str(save), "--values")
+    assert rc == 1 and report["layout"]["count"] == 0
+    (only,) = report["values"]["different_keys"]
+    assert only["key"] == key and only["mismatched"] == 1 and only["max_abs_diff"] == pytest.approx(new - old)
+    assert report["values"]["equal"] == report["values"]["compared"] - 1
+
+
 def test_adapter_only_vs_full(capsys):
     pytest.importorskip("torch")
     full, trainable = "core019_peft_full_tp1", "core019_peft_trainable_tp1"
@@ -312,3 +340,21 @@ def test_accumulator_bitwise_and_tolerance_semantics():
     other[99, 99_999] += 1
     slabbed.update(big, other)
     assert slabbed.elements == big.numel() and slabbed.mismatched == 1 and slabbed.max_abs == 1.0
+
+
+@pytest.mark.parametrize("name", ["core016_tp2", "core019_tp1_pp2"])
+def test_zero_copy_chunk_reads_match_read_chunk(name):
+    torch = pytest.importorskip("torch")
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.values import read_chunk, read_chunk_view
+
+    ckpt = open_checkpoint(FIXTURES / name)
+    checked = 0
+    for entry in ckpt.entries.values():
+        for i, chunk in enumerate(entry.chunks if entry.kind == "tensor" else []):
+            view, nbytes = read_chunk_view(ckpt, entry, chunk)
+            reference = read_chunk(ckpt, entry.key, i)
+            assert nbytes == chunk.storage.length
+            assert view.dtype == reference.dtype and torch.equal(view, reference)
+            checked += 1
+    assert checked >= sum(len(e.chunks) for e in ckpt.entries.values() if e.kind == "tensor") > 0

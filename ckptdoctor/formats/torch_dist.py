@@ -206,7 +206,7 @@ def load_metadata_object(path: Path) -> Any:
 
 def dump_metadata_object(metadata: Any) -> bytes:
     """Pickle a (possibly edited) ``.metadata`` object back; stand-ins become the original torch classes."""
-    return safe_pickle.dumps(metadata, protocol=4)
+    return safe_pickle.dumps(metadata)
 
 
 def storage_items(metadata: Any) -> dict[Any, Any]:

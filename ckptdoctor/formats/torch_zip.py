@@ -107,7 +107,7 @@ def dump_torch_zip(obj: Any, archive_name: str = "archive") -> bytes:
             return ("storage", storage_type, value.key, value.location, value.numel)
         return None
 
-    pickled = safe_pickle.dumps(obj, protocol=2, persistent_id=persistent_id)
+    pickled = safe_pickle.dumps(obj, persistent_id=persistent_id)
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as archive:
         archive.writestr(f"{archive_name}/data.pkl", pickled)
