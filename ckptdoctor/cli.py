@@ -9,19 +9,15 @@ from collections.abc import Sequence
 import click
 
 from ckptdoctor import __version__
-from ckptdoctor.commands import all_commands
+from ckptdoctor.commands import LazyGroup
 from ckptdoctor.errors import CkptError
 from ckptdoctor.report import EXIT_ERROR
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="ckptdoctor")
 def cli() -> None:
     """Diagnose and repair Megatron-Core distributed checkpoints offline (no GPU, no Megatron)."""
-
-
-for _command in all_commands():
-    cli.add_command(_command)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

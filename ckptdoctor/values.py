@@ -17,7 +17,7 @@ from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, MissingExtraError
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.torch_zip import load_torch_zip
-from ckptdoctor.safe_pickle import StorageRef, StorageTypeRef, TensorRef
+from ckptdoctor.stand_ins import StorageRef, StorageTypeRef, TensorRef
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint, Entry

@@ -1,13 +1,40 @@
-"""One module per CLI command; each defines a Click command and keeps heavy imports inside it."""
+"""One module per CLI command; each defines a Click ``command`` and keeps heavy imports inside it.
+
+Command modules are imported only when their command runs (or help lists them), so ``inspect`` does
+not pay for the imports of ``diff`` or ``strip-frozen``.
+"""
 
 from __future__ import annotations
+
+import importlib
 
 import click
 
 ITERATION_HELP = "Iteration to read from a save dir instead of the tracker's (a number or 'release')."
 
+# command name -> module in ckptdoctor.commands, in the order help lists them
+COMMAND_MODULES: dict[str, str] = {
+    "inspect": "inspect",
+    "diff": "diff",
+    "fix-args": "fix_args",
+    "strip-frozen": "strip_frozen",
+    "check": "check",
+    "rules": "rules",
+}
 
-def all_commands() -> list[click.Command]:
-    from ckptdoctor.commands import check, diff, fix_args, inspect, rules, strip_frozen
 
-    return [inspect.command, fix_args.command, strip_frozen.command, check.command, rules.command, diff.command]
+def load_command(name: str) -> click.Command | None:
+    module = COMMAND_MODULES.get(name)
+    if module is None:
+        return None
+    return importlib.import_module(f"ckptdoctor.commands.{module}").command
+
+
+class LazyGroup(click.Group):
+    """A Click group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMAND_MODULES)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return load_command(cmd_name)

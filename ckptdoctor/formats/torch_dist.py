@@ -13,17 +13,18 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, UnsafePickleError
-from ckptdoctor.safe_pickle import DtypeRef, StandIn
+from ckptdoctor.stand_ins import STAND_IN_TYPES, DtypeRef, StandIn
 
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
-@dataclass(frozen=True)
-class StorageLocation:
+# NamedTuples rather than frozen dataclasses: one of each per chunk, and a frozen dataclass's __init__
+# costs several times more (tens of thousands of chunks are built for every command on a large checkpoint).
+class StorageLocation(NamedTuple):
     """Where one chunk or bytes item lives: a data file (relative to the iteration dir) and a byte range."""
 
     relative_path: str
@@ -31,8 +32,9 @@ class StorageLocation:
     length: int
 
 
-@dataclass(frozen=True)
-class DcpChunk:
+class DcpChunk(NamedTuple):
+    """One chunk of a tensor (offsets and sizes in the global shape) and where its bytes are stored."""
+
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     storage: StorageLocation | None
@@ -63,7 +65,7 @@ def writer_rank(relative_path: str) -> int | None:
 
 
 def _attr(obj: Any, name: str, default: Any = None) -> Any:
-    if isinstance(obj, StandIn):
+    if isinstance(obj, STAND_IN_TYPES):
         return obj.__dict__.get(name, default)
     return getattr(obj, name, default)
 
@@ -79,12 +81,12 @@ class _AttrView:
 
 
 def _fields(obj: Any) -> Any:
-    return obj.__dict__ if isinstance(obj, StandIn) else _AttrView(obj)
+    return obj.__dict__ if isinstance(obj, STAND_IN_TYPES) else _AttrView(obj)
 
 
 def _dtype_name(properties: Any) -> str | None:
     dtype = _attr(properties, "dtype")
-    if dtype is None and isinstance(properties, StandIn):
+    if dtype is None and isinstance(properties, STAND_IN_TYPES):
         state = properties.__dict__.get("_ckd_state")
         # TensorProperties pickles its fields as a tuple: (dtype, layout, requires_grad, memory_format, pin)
         if isinstance(state, tuple) and state:
@@ -194,7 +196,7 @@ def read_range(iteration_dir: Path, location: StorageLocation) -> bytes:
 def load_metadata_object(path: Path) -> Any:
     """The ``.metadata`` object itself (stand-ins), for rewriting; see :func:`dump_metadata_object`."""
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, gc_paused():
             return safe_pickle.load(f)
     except UnsafePickleError as exc:
         raise exc.located(str(path)) from None

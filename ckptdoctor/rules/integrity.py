@@ -2,7 +2,7 @@
 
 Both stream: one file read in 1 MiB pieces for hashing, one chunk's byte range at a time for ``--deep``
 (memory stays bounded by the largest chunk). ``--deep`` needs no torch: chunks decode to
-:class:`~ckptdoctor.safe_pickle.TensorRef` through the safe unpickler (:func:`ckptdoctor.values.decode_chunk_ref`).
+:class:`~ckptdoctor.stand_ins.TensorRef` through the safe unpickler (:func:`ckptdoctor.values.decode_chunk_ref`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ckptdoctor.formats.torch_dist import DcpChunk
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
 from ckptdoctor.rules.safety import unsafe_pickle
 from ckptdoctor.rules.structure import Scanned, reason
-from ckptdoctor.safe_pickle import DtypeRef, StorageRef, StorageTypeRef, TensorRef
+from ckptdoctor.stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
 from ckptdoctor.values import decode_chunk_ref
 
 INTEGRITY_NAME = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME
