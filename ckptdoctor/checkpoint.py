@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,14 +27,19 @@ _SECTION_PREFIXES = (
     ("train_state", "other"),
     ("modelopt_state", "other"),
 )
-_SECTION_RE = re.compile("|".join(f"(?P<s{i}>{re.escape(p)})" for i, (p, _) in enumerate(_SECTION_PREFIXES)))
+_SECTION_FIRST_LETTERS = frozenset(prefix[0] for prefix, _ in _SECTION_PREFIXES)
 COMMON_STATE_PREFIX = "common_state"
 
 
 def section_of(key: str) -> str:
     """The checkpoint section a key belongs to; bare module keys (no prefix) are model keys."""
-    match = _SECTION_RE.match(key)  # one C call per key: this runs for every key of a large checkpoint
-    return _SECTION_PREFIXES[int(match.lastgroup[1:])][1] if match else "model"
+    # Runs for every key of a large checkpoint: most are model keys, rejected by their first letter.
+    if key[:1] not in _SECTION_FIRST_LETTERS:
+        return "model"
+    for prefix, section in _SECTION_PREFIXES:
+        if key.startswith(prefix):
+            return section
+    return "model"
 
 
 @dataclass

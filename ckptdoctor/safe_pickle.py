@@ -42,6 +42,7 @@ from ckptdoctor.stand_ins import (
     RECORD_BASES,
     TORCH_DTYPES,
     TORCH_FUNCS,
+    TORCH_VALUE_CLASSES,
     DtypeRef,
     Size,
     StorageTypeRef,
@@ -115,6 +116,8 @@ def resolve_global(module: str, name: str) -> Any:
 def _resolve_torch(module: str, name: str) -> Any:
     if func := TORCH_FUNCS.get((module, name)):
         return func
+    if value_class := TORCH_VALUE_CLASSES.get((module, name)):
+        return value_class
     if (module, name) in RECORD_BASES:
         return record_class(module, name)
     if module == "torch":

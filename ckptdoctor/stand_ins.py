@@ -467,3 +467,33 @@ TORCH_FUNCS = {
     ("torch._utils", "_rebuild_parameter_with_state"): GlobalFunc(
         "torch._utils", "_rebuild_parameter_with_state", _rebuild_parameter),
 }
+
+
+class LayoutName(str):
+    """``torch.serialization._get_layout("torch.strided")`` as pickled once per tensor in DCP metadata.
+
+    A ``str`` subclass, so the unpickler builds it at C speed; it pickles back to the same call.
+    """
+
+    def __reduce__(self) -> tuple:
+        return (LayoutName, (str(self),))
+
+
+class MemoryFormatCode(int):
+    """DCP's ``_MEM_FORMAT_ENCODING(n)`` enum value (once per tensor); pickles back to the same call."""
+
+    def __reduce__(self) -> tuple:
+        return (MemoryFormatCode, (int(self),))
+
+
+for _cls, _module, _name in (
+    (LayoutName, "torch.serialization", "_get_layout"),
+    (MemoryFormatCode, "torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+):
+    _cls.__qualname__ = _register_alias(_cls, _module, _name)
+    _cls.__module__ = ALIAS_MODULE
+# torch names that resolve to the C-speed value classes above
+TORCH_VALUE_CLASSES: dict[tuple[str, str], type] = {
+    ("torch.serialization", "_get_layout"): LayoutName,
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): MemoryFormatCode,
+}

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, UnsafePickleError
-from ckptdoctor.stand_ins import STAND_IN_TYPES, DtypeRef, StandIn
+from ckptdoctor.stand_ins import STAND_IN_TYPES, StandIn
 
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
@@ -70,32 +70,6 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default)
 
 
-class _AttrView:
-    """``.get(name)`` over a plain object's attributes (stand-ins are read through their ``__dict__``)."""
-
-    def __init__(self, obj: Any) -> None:
-        self._obj = obj
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return getattr(self._obj, name, default)
-
-
-def _fields(obj: Any) -> Any:
-    return obj.__dict__ if isinstance(obj, STAND_IN_TYPES) else _AttrView(obj)
-
-
-def _dtype_name(properties: Any) -> str | None:
-    dtype = _attr(properties, "dtype")
-    if dtype is None and isinstance(properties, STAND_IN_TYPES):
-        state = properties.__dict__.get("_ckd_state")
-        # TensorProperties pickles its fields as a tuple: (dtype, layout, requires_grad, memory_format, pin)
-        if isinstance(state, tuple) and state:
-            dtype = state[0]
-    if isinstance(dtype, DtypeRef):
-        return str(dtype)
-    return None if dtype is None else str(dtype)
-
-
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while building many small acyclic objects.
@@ -134,33 +108,10 @@ def _read_metadata(path: Path) -> DcpIndex:
     if not isinstance(state_dict_metadata, dict) or not isinstance(storage_data, dict):
         raise CkptError(f"{path}: not a PyTorch DCP Metadata object (got {type(metadata).__name__})")
 
-    # (fqn, chunk offsets or None) -> storage location. The loops below run once per chunk (tens of
-    # thousands in a large checkpoint), so they read the stand-ins' attribute dicts directly.
-    locations: dict[tuple[str, tuple[int, ...] | None], StorageLocation] = {}
-    for index, info in storage_data.items():
-        index_fields, info_fields = _fields(index), _fields(info)
-        offset = index_fields.get("offset")
-        locations[(index_fields.get("fqn"), None if offset is None else tuple(offset))] = StorageLocation(
-            str(info_fields.get("relative_path")), int(info_fields.get("offset")), int(info_fields.get("length"))
-        )
-
-    items: dict[str, DcpItem] = {}
-    for key, item_meta in state_dict_metadata.items():
-        item_fields = _fields(item_meta)
-        chunks_meta = item_fields.get("chunks")
-        if chunks_meta is None:  # BytesStorageMetadata
-            items[key] = DcpItem(key, "bytes", None, None, [DcpChunk((), (), locations.get((key, None)))])
-            continue
-        chunks = []
-        for chunk in chunks_meta:
-            chunk_fields = _fields(chunk)
-            offsets = tuple(map(int, chunk_fields.get("offsets")))
-            chunks.append(DcpChunk(offsets, tuple(map(int, chunk_fields.get("sizes"))),
-                                   locations.get((key, offsets))))
-        items[key] = DcpItem(
-            key, "tensor", _dtype_name(item_fields.get("properties")),
-            tuple(map(int, item_fields.get("size"))), chunks,
-        )
+    try:
+        items = _index_items(state_dict_metadata, storage_data)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+        raise CkptError(f"{path}: unexpected DCP metadata structure ({type(exc).__name__}: {exc})") from None
 
     storage_meta = _attr(metadata, "storage_meta")
     checkpoint_id = _attr(storage_meta, "checkpoint_id") if storage_meta is not None else None
@@ -172,6 +123,40 @@ def _read_metadata(path: Path) -> DcpIndex:
     class_name = cls.qualified_name() if isinstance(metadata, StandIn) else f"{cls.__module__}.{cls.__name__}"
     return DcpIndex(items, _attr(metadata, "version"), class_name,
                     None if checkpoint_id is None else str(checkpoint_id), extra)
+
+
+def _index_items(state_dict_metadata: dict, storage_data: dict) -> dict[str, DcpItem]:
+    """Entries from the metadata records. Runs once per chunk (tens of thousands in a large checkpoint), so
+    it reads the records' attribute dicts directly: every object here comes from the safe unpickler."""
+    # (fqn, chunk offsets or None) -> storage location
+    locations: dict[tuple[str, tuple[int, ...] | None], StorageLocation] = {}
+    for index, info in storage_data.items():
+        index_fields, info_fields = index.__dict__, info.__dict__
+        offset = index_fields.get("offset")
+        locations[(index_fields["fqn"], None if offset is None else tuple(offset))] = StorageLocation(
+            str(info_fields["relative_path"]), int(info_fields["offset"]), int(info_fields["length"]))
+    dtype_names: dict[Any, str | None] = {}
+    items: dict[str, DcpItem] = {}
+    for key, item_meta in state_dict_metadata.items():
+        item_fields = item_meta.__dict__
+        chunks_meta = item_fields.get("chunks")
+        if chunks_meta is None:  # BytesStorageMetadata
+            items[key] = DcpItem(key, "bytes", None, None, [DcpChunk((), (), locations.get((key, None)))])
+            continue
+        chunks = []
+        for chunk in chunks_meta:
+            chunk_fields = chunk.__dict__
+            offsets = tuple(chunk_fields["offsets"])
+            chunks.append(DcpChunk(offsets, tuple(chunk_fields["sizes"]), locations.get((key, offsets))))
+        properties = item_fields.get("properties")
+        # TensorProperties pickles its fields as a tuple (dtype, layout, requires_grad, memory_format, pin)
+        fields = {} if properties is None else properties.__dict__
+        state = fields.get("_ckd_state")
+        dtype = state[0] if isinstance(state, tuple) and state else fields.get("dtype")
+        if dtype not in dtype_names:
+            dtype_names[dtype] = None if dtype is None else str(dtype)
+        items[key] = DcpItem(key, "tensor", dtype_names[dtype], tuple(item_fields["size"]), chunks)
+    return items
 
 
 def read_range(iteration_dir: Path, location: StorageLocation) -> bytes:
