@@ -12,7 +12,7 @@ import pytest
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import UnsafePickleError
-from ckptdoctor.safe_pickle import DtypeRef, Size, StandIn
+from ckptdoctor.stand_ins import DtypeRef, Size, StandIn
 
 
 class _Reduce:
