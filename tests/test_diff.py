@@ -76,6 +76,9 @@ def test_each_chunk_is_read_once_across_layouts(capsys):
     assert report.values.bytes_read == {"a": model_bytes[0], "b": model_bytes[1]}
     assert seen[-1] == (sum(model_bytes), sum(model_bytes))
     assert all(x[0] <= y[0] for x, y in zip(seen, seen[1:]))
+    largest = max(c.storage.length for ckpt in (a, b) for e in ckpt.entries.values() if e.section == "model"
+                  for c in e.chunks)
+    assert report.values.workers == 2 and 0 < report.values.peak_in_flight <= 3 * largest
 
 
 def test_optimizer_state_within_tolerance(capsys):

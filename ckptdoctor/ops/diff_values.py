@@ -18,14 +18,15 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.ops.diff_io import Budget, Context, InFlight, Torch
 from ckptdoctor.ops.diff_items import KIND_TENSOR, Item
 
 if TYPE_CHECKING:
@@ -61,63 +62,10 @@ class ValuesReport:
     max_abs_diff: float | str | None
     bytes_read: dict
     seconds: float
+    workers: int
+    peak_in_flight: int  # most chunk bytes held at once (all workers), at most 3x the largest chunk
     different_keys: list[ValueDiff] = field(default_factory=list)
     not_compared_keys: list[ValueDiff] = field(default_factory=list)
-
-
-class _Files:
-    """Open data files, reused across chunks (thousands of chunks share a few files); closed at the end.
-
-    ``os.pread`` on a kept descriptor saves an open/close and a path join per chunk, which on a 20,000-key
-    checkpoint costs more than reading its small chunks.
-    """
-
-    MAX_OPEN = 64
-
-    def __init__(self) -> None:
-        self.fds: OrderedDict[tuple[int, str], int] = OrderedDict()
-
-    def read(self, ckpt: Checkpoint, location: Any) -> bytes:
-        name = (id(ckpt), location.relative_path)
-        fd = self.fds.get(name)
-        try:
-            if fd is None:
-                if len(self.fds) >= self.MAX_OPEN:
-                    os.close(self.fds.popitem(last=False)[1])
-                fd = self.fds[name] = os.open(ckpt.iteration_dir / location.relative_path, os.O_RDONLY)
-            else:
-                self.fds.move_to_end(name)
-            data = os.pread(fd, location.length, location.offset)
-        except OSError as exc:
-            raise CkptError(f"{ckpt.iteration_dir / location.relative_path}: cannot read ({exc.strerror})") from None
-        if len(data) != location.length:
-            path = ckpt.iteration_dir / location.relative_path
-            raise CkptError(f"{path}: truncated: range {location.offset}+{location.length} ends past the file's end")
-        return data
-
-    def close(self) -> None:
-        while self.fds:
-            os.close(self.fds.popitem()[1])
-
-
-class _Budget:
-    """Bytes read so far, reported to the caller's progress callback."""
-
-    def __init__(self, total: int, progress: Callable[[int, int], None] | None) -> None:
-        self.total = total
-        self.done = 0
-        self.a = 0
-        self.b = 0
-        self.progress = progress
-
-    def add(self, side: str, n: int) -> None:
-        if side == "a":
-            self.a += n
-        else:
-            self.b += n
-        self.done += n
-        if self.progress is not None:
-            self.progress(self.done, self.total)
 
 
 def _finite(x: float | None) -> float | str | None:
@@ -133,7 +81,7 @@ class _Accumulator:
     """Running result over the compared sub-boxes of one key."""
 
     def __init__(self, torch: Any, atol: float | None, rtol: float | None) -> None:
-        self._torch = torch  # torch itself, or a _Torch that imports it on first use
+        self._torch = torch  # torch itself, or a diff_io.Torch that imports it on first use
         self.tolerance = atol is not None or rtol is not None
         self.atol = atol or 0.0
         self.rtol = rtol or 0.0
@@ -144,7 +92,7 @@ class _Accumulator:
 
     @property
     def torch(self) -> Any:
-        return self._torch.get() if isinstance(self._torch, _Torch) else self._torch
+        return self._torch.get() if isinstance(self._torch, Torch) else self._torch
 
     def update(self, a: Any, b: Any) -> None:
         for sa, sb in _slabs(a, b, SLAB_ELEMENTS):
@@ -246,10 +194,18 @@ class _ChunkIndex:
         return self.chunks[lo:hi]
 
 
-def _blob(ckpt: Checkpoint, entry: Any, chunk: DcpChunk, files: _Files) -> bytes:
+def _blob(ckpt: Checkpoint, entry: Any, chunk: DcpChunk, ctx: Context, side: str) -> bytes:
+    """One chunk's byte range, reserved in the in-flight cap first (the caller releases its length)."""
     if chunk.storage is None:
         raise CkptError(f"{ckpt.iteration_dir}: {entry.key} chunk at {list(chunk.offsets)}: no storage entry")
-    return files.read(ckpt, chunk.storage)
+    ctx.inflight.acquire(chunk.storage.length)
+    try:
+        data = ctx.files.read(ckpt, chunk.storage)
+    except BaseException:
+        ctx.inflight.release(chunk.storage.length)
+        raise
+    ctx.budget.add(side, len(data))
+    return data
 
 
 def _view(ckpt: Checkpoint, entry: Any, chunk: DcpChunk, blob: bytes) -> Any:
@@ -265,84 +221,67 @@ def _numel(sizes: tuple[int, ...]) -> int:
     return n
 
 
-class _Torch:
-    """torch, imported on first need (a diff of byte-identical chunks never needs it) and run on one thread.
-
-    Chunk compares are short and memory-bound: an OpenMP fork/join per call cost 10x the compare itself
-    (3.9 s vs 0.45 s for 540 MB of 200 KB chunks on a busy 2-core host). The thread count is restored after.
-    """
-
-    def __init__(self) -> None:
-        self.torch: Any = None
-        self.threads: int | None = None
-
-    def get(self) -> Any:
-        if self.torch is None:
-            from ckptdoctor.values import require_torch
-
-            self.torch = require_torch("comparing tensor values")
-            self.threads = self.torch.get_num_threads()
-            self.torch.set_num_threads(1)
-        return self.torch
-
-    def restore(self) -> None:
-        if self.torch is not None and self.threads is not None:
-            self.torch.set_num_threads(self.threads)
-
-
 def compare_tensor(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, atol: float | None, rtol: float | None,
-                   budget: _Budget, files: _Files, torch_: _Torch) -> ValueDiff:
+                   ctx: Context) -> ValueDiff:
     ea, eb = ia.entry, ib.entry
     if ea.shape != eb.shape:
         return ValueDiff(ia.key, ia.section, KIND_TENSOR, None, None, None, None,
                          f"global shapes differ ({list(ea.shape or ())} vs {list(eb.shape or ())})")
-    acc = _Accumulator(torch_, atol, rtol)
+    acc = _Accumulator(ctx.torch, atol, rtol)
     index = _ChunkIndex(eb.chunks)
     cache_limit = max((c.storage.length for c in eb.chunks if c.storage), default=0)
-    cache: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+    cache: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()  # B's chunks: offsets -> (view, bytes held)
+    held = 0  # bytes this call holds in the in-flight cap: A's chunk and the B chunk paired with it
     covered = 0
     same_dtype = ea.dtype == eb.dtype
-    for ca in sorted(ea.chunks, key=lambda c: c.offsets):
-        blob_a = _blob(a, ea, ca, files)
-        budget.add("a", len(blob_a))
-        boxes = index.overlapping(ca)
-        twin = next((cb for cb in boxes if cb.offsets == ca.offsets and cb.sizes == ca.sizes), None)
-        if twin is not None and same_dtype:
-            # Same box in both (same layout): byte-identical chunk blobs hold identical values (same view,
-            # same bytes), checked at memcmp speed without decoding or torch.
-            blob_b = _blob(b, eb, twin, files)
-            budget.add("b", len(blob_b))
-            if blob_a == blob_b:
-                acc.elements += _numel(ca.sizes)
-                covered += _numel(ca.sizes)
-                continue
-            torch_.get()
-            boxes, pair = [twin], {twin.offsets: (_view(b, eb, twin, blob_b), len(blob_b))}
-        else:
-            pair = {}
-        torch_.get()
-        xa = _view(a, ea, ca, blob_a)
-        del blob_a
-        for cb in boxes:
-            region = _overlap(ca, cb)
-            if region is None:
-                continue
-            hit = pair.get(cb.offsets) or cache.get(cb.offsets)
-            if hit is None:
-                incoming = cb.storage.length if cb.storage else 0
-                while cache and sum(v[1] for v in cache.values()) + incoming > cache_limit:
-                    cache.popitem(last=False)  # evict before reading: A's chunk + B's cache stay bounded
-                blob = _blob(b, eb, cb, files)
-                budget.add("b", len(blob))
-                hit = cache[cb.offsets] = (_view(b, eb, cb, blob), len(blob))
-                blob = None
-            elif cb.offsets in cache:
-                cache.move_to_end(cb.offsets)
-            acc.update(xa[region[0]], hit[0][region[1]])
-            covered += region[2]
-            hit = None
-        del xa, pair
-    cache.clear()
+    try:
+        for ca in sorted(ea.chunks, key=lambda c: c.offsets):
+            blob_a = _blob(a, ea, ca, ctx, "a")
+            held += len(blob_a)
+            boxes = index.overlapping(ca)
+            twin = next((cb for cb in boxes if cb.offsets == ca.offsets and cb.sizes == ca.sizes), None)
+            pair: dict[tuple, tuple[Any, int]] = {}
+            if twin is not None and same_dtype:
+                # Same box in both (same layout): byte-identical chunk blobs hold identical values (same view,
+                # same bytes), checked at memcmp speed without decoding or torch.
+                blob_b = _blob(b, eb, twin, ctx, "b")
+                held += len(blob_b)
+                if blob_a == blob_b:
+                    del blob_a, blob_b
+                    ctx.inflight.release(held)
+                    held = 0
+                    acc.elements += _numel(ca.sizes)
+                    covered += _numel(ca.sizes)
+                    continue
+                ctx.torch.get()
+                boxes, pair = [twin], {twin.offsets: (_view(b, eb, twin, blob_b), len(blob_b))}
+                del blob_b
+            ctx.torch.get()
+            xa = _view(a, ea, ca, blob_a)
+            del blob_a
+            for cb in boxes:
+                region = _overlap(ca, cb)
+                if region is None:
+                    continue
+                hit = pair.get(cb.offsets) or cache.get(cb.offsets)
+                if hit is None:
+                    incoming = cb.storage.length if cb.storage else 0
+                    while cache and sum(v[1] for v in cache.values()) + incoming > cache_limit:
+                        ctx.inflight.release(cache.popitem(last=False)[1][1])  # evict before reading
+                    blob = _blob(b, eb, cb, ctx, "b")
+                    hit = cache[cb.offsets] = (_view(b, eb, cb, blob), len(blob))
+                    del blob
+                elif cb.offsets in cache:
+                    cache.move_to_end(cb.offsets)
+                acc.update(xa[region[0]], hit[0][region[1]])
+                covered += region[2]
+                hit = None
+            del xa, pair
+            ctx.inflight.release(held)
+            held = 0
+    finally:
+        ctx.inflight.release(held + sum(v[1] for v in cache.values()))
+        cache.clear()
     numel = _numel(ea.shape or ())
     note = None
     if covered != numel:
@@ -359,7 +298,7 @@ def compare_tensor(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, atol: float
 # --- bytes items ---------------------------------------------------------------------------------------
 
 
-def compare_objects(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, budget: _Budget, files: _Files) -> ValueDiff:
+def compare_objects(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, ctx: Context) -> ValueDiff:
     if sorted(ia.entries) != sorted(ib.entries):
         return ValueDiff(ia.key, ia.section, ia.kind, None, None, None, None,
                          f"sharded differently (A: {ia.grid_summary()}, B: {ib.grid_summary()}): layout, "
@@ -372,8 +311,8 @@ def compare_objects(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, budget: _B
             location = item.entries[suffix].chunks[0].storage if item.entries[suffix].chunks else None
             if location is None:
                 raise CkptError(f"{ckpt.iteration_dir}: item {item.entries[suffix].key}: no storage entry")
-            data = files.read(ckpt, location)
-            budget.add(side, len(data))
+            data = ctx.files.read(ckpt, location)  # small items: not counted against the in-flight cap
+            ctx.budget.add(side, len(data))
             digests.append(hashlib.sha256(data).hexdigest())
         hashes[suffix] = (digests[0], digests[1])
         if digests[0] != digests[1]:
@@ -415,8 +354,12 @@ def _first_storage(item: Item) -> tuple:
 def compare_values(a: Checkpoint, b: Checkpoint, pairs: list[tuple[Item, Item]], atol: float | None = None,
                    rtol: float | None = None, limit: int | None = 20,
                    progress: Callable[[int, int], None] | None = None,
-                   unsupported: str | None = None) -> ValuesReport:
-    """Values of the key pairs (same logical key in A and B), in A's on-disk order for sequential reads."""
+                   unsupported: str | None = None, workers: int = 2) -> ValuesReport:
+    """Values of the key pairs (same logical key in A and B), in A's on-disk order for sequential reads.
+
+    ``workers`` threads compare keys concurrently; chunk bytes held by all of them stay under 3x the largest
+    chunk (:class:`~ckptdoctor.ops.diff_io.InFlight`).
+    """
     start = time.perf_counter()
     results: list[ValueDiff] = []
     if unsupported is not None:
@@ -424,22 +367,46 @@ def compare_values(a: Checkpoint, b: Checkpoint, pairs: list[tuple[Item, Item]],
                              f"values of {unsupported} checkpoints are not supported (zarr chunks are not decoded)")
                    for ia, _ in pairs]
         pairs = []
-    total = sum(ia.nbytes + ib.nbytes for ia, ib in pairs)
-    budget = _Budget(total, progress)
-    files = _Files()
-    torch_ = _Torch()
-    try:
-        for ia, ib in sorted(pairs, key=lambda p: _first_storage(p[0])):
+    total = largest = 0
+    for pair in pairs:  # one plain pass: this runs over every chunk of two 20,000-key checkpoints
+        for item in pair:
+            for entry in item.entries.values():
+                for chunk in entry.chunks:
+                    if chunk.storage is not None:
+                        n = chunk.storage.length
+                        total += n
+                        if n > largest:
+                            largest = n
+    budget = Budget(total, progress)
+    inflight = InFlight(3 * largest)
+    torch = Torch()
+    ordered = sorted(pairs, key=lambda p: _first_storage(p[0]))
+    workers = max(1, min(workers, len(ordered)))
+    contexts = [Context(budget, inflight, torch) for _ in range(workers)]
+
+    def work(index: int) -> list[ValueDiff]:
+        ctx, out = contexts[index], []
+        for ia, ib in ordered[index::workers]:  # interleaved: both workers walk A's files in order
             if ia.kind != ib.kind:
-                results.append(ValueDiff(ia.key, ia.section, ia.kind, None, None, None, None,
-                                         f"kinds differ ({ia.kind} vs {ib.kind})"))
+                out.append(ValueDiff(ia.key, ia.section, ia.kind, None, None, None, None,
+                                     f"kinds differ ({ia.kind} vs {ib.kind})"))
             elif ia.kind == KIND_TENSOR:
-                results.append(compare_tensor(a, ia, b, ib, atol, rtol, budget, files, torch_))
+                out.append(compare_tensor(a, ia, b, ib, atol, rtol, ctx))
             else:
-                results.append(compare_objects(a, ia, b, ib, budget, files))
+                out.append(compare_objects(a, ia, b, ib, ctx))
+        return out
+
+    try:
+        if workers == 1:
+            results += work(0)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="ckptdoctor-diff") as pool:
+                for part in pool.map(work, range(workers)):
+                    results += part
     finally:
-        files.close()
-        torch_.restore()
+        for ctx in contexts:
+            ctx.files.close()
+        torch.restore()
     different = sorted((r for r in results if r.equal is False), key=lambda r: r.key)
     skipped = sorted((r for r in results if r.equal is None), key=lambda r: r.key)
     finite = [r.max_abs_diff for r in results if isinstance(r.max_abs_diff, float)]
@@ -452,6 +419,7 @@ def compare_values(a: Checkpoint, b: Checkpoint, pairs: list[tuple[Item, Item]],
         compared=sum(r.equal is not None for r in results), equal=sum(r.equal is True for r in results),
         different=len(different), not_compared=len(skipped), max_abs_diff=overall,
         bytes_read={"a": budget.a, "b": budget.b}, seconds=round(time.perf_counter() - start, 3),
+        workers=workers, peak_in_flight=inflight.peak,
         different_keys=different if limit is None else different[:limit],
         not_compared_keys=skipped if limit is None else skipped[:limit],
     )

@@ -1,0 +1,140 @@
+"""Streaming plumbing for ``diff --values``: kept file descriptors, bytes in flight, progress, lazy torch.
+
+Two workers compare keys concurrently (``os.pread`` and torch release the GIL: on two cores this reads at
+about twice one thread's speed). Memory stays bounded because every chunk held is first reserved in
+:class:`InFlight`, whose cap is a few times the largest chunk, never the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ckptdoctor.errors import CkptError
+
+if TYPE_CHECKING:
+    from ckptdoctor.checkpoint import Checkpoint
+
+
+class Files:
+    """Open data files, reused across chunks (thousands of chunks share a few files); one per worker.
+
+    ``os.pread`` on a kept descriptor saves an open/close and a path join per chunk, which on a 20,000-key
+    checkpoint costs more than reading its small chunks.
+    """
+
+    MAX_OPEN = 64
+
+    def __init__(self) -> None:
+        self.fds: OrderedDict[tuple[int, str], int] = OrderedDict()
+
+    def read(self, ckpt: Checkpoint, location: Any) -> bytes:
+        name = (id(ckpt), location.relative_path)
+        fd = self.fds.get(name)
+        try:
+            if fd is None:
+                if len(self.fds) >= self.MAX_OPEN:
+                    os.close(self.fds.popitem(last=False)[1])
+                fd = self.fds[name] = os.open(ckpt.iteration_dir / location.relative_path, os.O_RDONLY)
+            else:
+                self.fds.move_to_end(name)
+            data = os.pread(fd, location.length, location.offset)
+        except OSError as exc:
+            raise CkptError(f"{ckpt.iteration_dir / location.relative_path}: cannot read ({exc.strerror})") from None
+        if len(data) != location.length:
+            path = ckpt.iteration_dir / location.relative_path
+            raise CkptError(f"{path}: truncated: range {location.offset}+{location.length} ends past the file's end")
+        return data
+
+    def close(self) -> None:
+        while self.fds:
+            os.close(self.fds.popitem()[1])
+
+
+class InFlight:
+    """Bytes of chunk data held by all workers, capped: a worker waits before reading past the cap.
+
+    A worker holds at most two chunks at once (one of A, B's cache), so a cap of 3x the largest chunk lets one
+    of two workers always proceed; a request is granted when nothing else is held, so no request waits forever.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self.cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self.cond:
+            while self.used and self.used + n > self.limit:
+                self.cond.wait()
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    def release(self, n: int) -> None:
+        with self.cond:
+            self.used -= n
+            self.cond.notify_all()
+
+
+class Budget:
+    """Bytes read so far (per side), reported to the caller's progress callback."""
+
+    def __init__(self, total: int, progress: Callable[[int, int], None] | None) -> None:
+        self.total = total
+        self.done = 0
+        self.a = 0
+        self.b = 0
+        self.progress = progress
+        self.lock = threading.Lock()
+
+    def add(self, side: str, n: int) -> None:
+        with self.lock:
+            if side == "a":
+                self.a += n
+            else:
+                self.b += n
+            self.done += n
+            if self.progress is not None:
+                self.progress(self.done, self.total)
+
+
+class Torch:
+    """torch, imported on first need (a diff of byte-identical chunks never needs it) and run on one thread.
+
+    Chunk compares are short and memory-bound: an OpenMP fork/join per call cost 10x the compare itself
+    (3.9 s vs 0.45 s for 540 MB of 200 KB chunks on a busy 2-core host). The thread count is restored after.
+    """
+
+    def __init__(self) -> None:
+        self.torch: Any = None
+        self.threads: int | None = None
+        self.lock = threading.Lock()
+
+    def get(self) -> Any:
+        with self.lock:
+            if self.torch is None:
+                from ckptdoctor.values import require_torch
+
+                torch = require_torch("comparing tensor values")
+                self.threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                self.torch = torch
+        return self.torch
+
+    def restore(self) -> None:
+        if self.torch is not None and self.threads is not None:
+            self.torch.set_num_threads(self.threads)
+
+
+class Context:
+    """What one worker needs: shared budget, in-flight cap and torch; its own file descriptors."""
+
+    def __init__(self, budget: Budget, inflight: InFlight, torch: Torch) -> None:
+        self.budget = budget
+        self.inflight = inflight
+        self.torch = torch
+        self.files = Files()
