@@ -184,5 +184,3 @@ def all_storage_locations(checkpoint: Checkpoint) -> list[tuple[str, StorageLoca
     """(key, storage) for every chunk and item; storage is None where .metadata lacks an entry."""
     return [(e.key, c.storage) for e in checkpoint.entries.values() for c in e.chunks]
 
-
-_list_data_files = list_data_files  # the earlier private name, kept for existing callers

@@ -100,17 +100,6 @@ def _torch_equal(x: Any, y: Any) -> bool:
     return torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8))
 
 
-def _overlap(ca: DcpChunk, cb: DcpChunk) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
-    sa, sb = [], []
-    for oa, za, ob, zb in zip(ca.offsets, ca.sizes, cb.offsets, cb.sizes):
-        lo, hi = max(oa, ob), min(oa + za, ob + zb)
-        if lo >= hi:
-            return None
-        sa.append(slice(lo - oa, hi - oa))
-        sb.append(slice(lo - ob, hi - ob))
-    return tuple(sa), tuple(sb)
-
-
 def _cross_layout_equal(a: Checkpoint, ea: Entry, b: Checkpoint, eb: Entry) -> bool:
     from ckptdoctor.values import read_chunk, require_torch
 
@@ -118,7 +107,7 @@ def _cross_layout_equal(a: Checkpoint, ea: Entry, b: Checkpoint, eb: Entry) -> b
     for ia, ca in enumerate(ea.chunks):
         xa = read_chunk(a, ea.key, ia)
         for ib, cb in enumerate(eb.chunks):
-            region = _overlap(ca, cb)
+            region = torch_dist.chunk_overlap(ca, cb)
             if region is None:
                 continue
             xb = read_chunk(b, eb.key, ib)

@@ -40,6 +40,19 @@ class DcpChunk(NamedTuple):
     storage: StorageLocation | None
 
 
+def chunk_overlap(a: DcpChunk, b: DcpChunk) -> tuple[tuple[slice, ...], tuple[slice, ...], int] | None:
+    """Where two chunks of one global tensor overlap: (slices into a, slices into b, element count), or None."""
+    slices_a, slices_b, volume = [], [], 1
+    for oa, za, ob, zb in zip(a.offsets, a.sizes, b.offsets, b.sizes):
+        lo, hi = max(oa, ob), min(oa + za, ob + zb)
+        if lo >= hi:
+            return None
+        slices_a.append(slice(lo - oa, hi - oa))
+        slices_b.append(slice(lo - ob, hi - ob))
+        volume *= hi - lo
+    return tuple(slices_a), tuple(slices_b), volume
+
+
 @dataclass
 class DcpItem:
     key: str

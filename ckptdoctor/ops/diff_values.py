@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.torch_dist import chunk_overlap
 from ckptdoctor.ops.diff_io import Budget, Context, InFlight, Torch
 from ckptdoctor.ops.diff_items import KIND_TENSOR, Item
 
@@ -163,18 +164,6 @@ def _slabs(a: Any, b: Any, limit: int):
             yield sa, sb
 
 
-def _overlap(ca: DcpChunk, cb: DcpChunk) -> tuple[tuple[slice, ...], tuple[slice, ...], int] | None:
-    sa, sb, volume = [], [], 1
-    for oa, za, ob, zb in zip(ca.offsets, ca.sizes, cb.offsets, cb.sizes):
-        lo, hi = max(oa, ob), min(oa + za, ob + zb)
-        if lo >= hi:
-            return None
-        sa.append(slice(lo - oa, hi - oa))
-        sb.append(slice(lo - ob, hi - ob))
-        volume *= hi - lo
-    return tuple(sa), tuple(sb), volume
-
-
 class _ChunkIndex:
     """B's chunks sorted along axis 0, to find the ones overlapping a box without an all-pairs scan."""
 
@@ -260,7 +249,7 @@ def compare_tensor(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, atol: float
             xa = _view(a, ea, ca, blob_a)
             del blob_a
             for cb in boxes:
-                region = _overlap(ca, cb)
+                region = chunk_overlap(ca, cb)
                 if region is None:
                     continue
                 hit = pair.get(cb.offsets) or cache.get(cb.offsets)
