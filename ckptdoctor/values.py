@@ -17,7 +17,8 @@ from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, MissingExtraError
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.torch_zip import load_torch_zip
-from ckptdoctor.stand_ins import StorageRef, StorageTypeRef, TensorRef
+from ckptdoctor.layout import BACKEND_ZARR
+from ckptdoctor.stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint, Entry
@@ -56,6 +57,8 @@ def decode_chunk_ref(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk) -> T
     if chunk.storage is None:
         raise CkptError(f"{where}: no storage entry in .metadata")
     blob = torch_dist.read_range(checkpoint.iteration_dir, chunk.storage)
+    if checkpoint.location.backend == BACKEND_ZARR:
+        return _zarr_chunk_ref(entry, chunk, blob, where)
     obj = load_torch_zip(blob, where)
     if not isinstance(obj, TensorRef):
         raise CkptError(f"{where}: expected a tensor, found {type(obj).__name__}")
@@ -64,6 +67,25 @@ def decode_chunk_ref(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk) -> T
     if entry.dtype is not None and str(obj.dtype) != entry.dtype:
         raise CkptError(f"{where}: stored dtype {obj.dtype} differs from metadata {entry.dtype}")
     return obj
+
+
+def _zarr_chunk_ref(entry: Entry, chunk: DcpChunk, blob: bytes, where: str) -> TensorRef:
+    """A legacy zarr chunk file: the raw, uncompressed C-order values of one chunk (Megatron writes no
+    compressor, and its chunks are the per-rank local shapes, so no edge padding)."""
+    dtype = DtypeRef.get((entry.dtype or "").removeprefix("torch."))
+    numel = 1
+    for size in chunk.sizes:
+        numel *= size
+    if dtype.itemsize is None or len(blob) != numel * dtype.itemsize:
+        raise CkptError(f"{where}: zarr chunk holds {len(blob)} bytes, {list(chunk.sizes)} of {entry.dtype} "
+                        f"needs {numel * (dtype.itemsize or 0)} (compressed or padded chunks are not supported)")
+    stride, step = [], 1
+    for size in reversed(chunk.sizes):
+        stride.insert(0, step)
+        step *= size
+    storage = StorageRef("0", dtype, "cpu", numel)
+    storage.set_data(blob)
+    return TensorRef(storage, 0, tuple(chunk.sizes), tuple(stride))
 
 
 def read_chunk(checkpoint: Checkpoint, key: str, chunk_index: int) -> Any:
@@ -178,6 +200,8 @@ def read_chunk_view(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk,
         raise CkptError(f"{where}: no storage entry in .metadata")
     if blob is None:
         blob = torch_dist.read_range(checkpoint.iteration_dir, chunk.storage)
+    if checkpoint.location.backend == BACKEND_ZARR:
+        return tensor_from_ref(_zarr_chunk_ref(entry, chunk, blob, where), where), len(blob)
     try:
         records = _stored_records(blob)
         if records is None:

@@ -361,3 +361,19 @@ def test_zero_copy_chunk_reads_match_read_chunk(name):
             assert view.dtype == reference.dtype and torch.equal(view, reference)
             checked += 1
     assert checked >= sum(len(e.chunks) for e in ckpt.entries.values() if e.kind == "tensor") > 0
+
+
+def test_zarr_values_decode_against_torch_dist(capsys):
+    """Legacy zarr chunks (raw C-order values) compare by value with a torch_dist save of the same init."""
+    import json as _json
+
+    from ckptdoctor.cli import main as _main
+
+    rc = _main(["diff", str(FIXTURES / "core014_zarr_tp2"), str(FIXTURES / "core014_tp1"), "--values",
+                "--section", "model", "--key", r"^(embedding|output_layer|decoder\.layers\.self_attention)",
+                "--format", "json"])
+    report = _json.loads(capsys.readouterr().out)
+    values = report["values"]
+    assert values["compared"] >= 5 and values["equal"] == values["compared"], values
+    assert values["not_compared"] == 0 and values["bytes_read"]["a"] > 0
+    assert rc == 1  # layout and args differ (TP=2 zarr vs TP=1 torch_dist), values do not

@@ -21,7 +21,6 @@ from typing import Any
 from ckptdoctor.arg_rules import check_args
 from ckptdoctor.args import ARG_GROUPS, arg_group, args_as_dict
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
-from ckptdoctor.layout import BACKEND_ZARR
 from ckptdoctor.ops.diff_items import KIND_TENSOR, Item, is_common_state_item, logical_items
 from ckptdoctor.parallelism import SavedLayout, infer_layout
 
@@ -348,9 +347,7 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint, key_filter: KeyFilter | None 
 
         comparable = [(items_a[k], items_b[k]) for k in both
                       if not (is_common_state_item(k) and items_a[k].kind != KIND_TENSOR)]
-        unsupported = next((c.location.era for c in (a, b) if c.location.backend == BACKEND_ZARR), None)
-        report.values = compare_values(a, b, comparable, atol=atol, rtol=rtol, limit=limit, progress=progress,
-                                       unsupported=unsupported)
+        report.values = compare_values(a, b, comparable, atol=atol, rtol=rtol, limit=limit, progress=progress)
     report.summary = {
         "only_a": sum(s.only_a.count for s in sections.values()),
         "only_b": sum(s.only_b.count for s in sections.values()),

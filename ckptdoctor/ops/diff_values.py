@@ -343,7 +343,7 @@ def _first_storage(item: Item) -> tuple:
 def compare_values(a: Checkpoint, b: Checkpoint, pairs: list[tuple[Item, Item]], atol: float | None = None,
                    rtol: float | None = None, limit: int | None = 20,
                    progress: Callable[[int, int], None] | None = None,
-                   unsupported: str | None = None, workers: int = 2) -> ValuesReport:
+                   workers: int = 2) -> ValuesReport:
     """Values of the key pairs (same logical key in A and B), in A's on-disk order for sequential reads.
 
     ``workers`` threads compare keys concurrently; chunk bytes held by all of them stay under 3x the largest
@@ -351,11 +351,6 @@ def compare_values(a: Checkpoint, b: Checkpoint, pairs: list[tuple[Item, Item]],
     """
     start = time.perf_counter()
     results: list[ValueDiff] = []
-    if unsupported is not None:
-        results = [ValueDiff(ia.key, ia.section, ia.kind, None, None, None, None,
-                             f"values of {unsupported} checkpoints are not supported (zarr chunks are not decoded)")
-                   for ia, _ in pairs]
-        pairs = []
     total = largest = 0
     for pair in pairs:  # one plain pass: this runs over every chunk of two 20,000-key checkpoints
         for item in pair:
