@@ -13,7 +13,7 @@ from typing import Any
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist, zarr_meta
-from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, StorageLocation
+from ckptdoctor.formats.torch_dist import DcpIndex, DcpItem, StorageLocation
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
 from ckptdoctor.layout import BACKEND_ZARR, CheckpointLocation, locate
 
@@ -43,15 +43,16 @@ def section_of(key: str) -> str:
 
 
 @dataclass
-class Entry:
-    """One saved item: a tensor (global shape, dtype, chunks) or a bytes item (ShardedObject, extra state)."""
+class Entry(DcpItem):
+    """One saved item: a tensor (global shape, dtype, chunks) or a bytes item (ShardedObject, extra state).
 
-    key: str
-    kind: str  # "tensor" | "bytes"
-    dtype: str | None
-    shape: tuple[int, ...] | None
-    chunks: list[DcpChunk]
-    section: str
+    Built directly by the metadata reader (one per key: tens of thousands), saving a second object per key.
+    """
+
+    section: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.section = section_of(self.key)
 
     @property
     def nbytes(self) -> int:
@@ -162,8 +163,8 @@ def open_checkpoint(path: str | Path, iteration: str | int | None = None) -> Che
     location = locate(path, iteration)
     if location.backend == BACKEND_ZARR:
         entries, sizes = zarr_meta.read_index(location.iteration_dir)
-        return Checkpoint(location, {k: Entry(*v, section=section_of(k)) for k, v in entries.items()}, sizes)
-    index = torch_dist.read_metadata(location.iteration_dir / ".metadata")
+        return Checkpoint(location, {k: Entry(*v) for k, v in entries.items()}, sizes)
+    index = torch_dist.read_metadata(location.iteration_dir / ".metadata", item_class=Entry)
     return checkpoint_from_index(location, index)
 
 
@@ -174,7 +175,7 @@ def checkpoint_from_index(location: CheckpointLocation, index: DcpIndex | None) 
     missing), so that one problem does not hide the others.
     """
     entries = {} if index is None else {
-        key: Entry(item.key, item.kind, item.dtype, item.shape, item.chunks, section_of(key))
+        key: item if isinstance(item, Entry) else Entry(item.key, item.kind, item.dtype, item.shape, item.chunks)
         for key, item in index.items.items()
     }
     return Checkpoint(location, entries, list_data_files(location.iteration_dir), dcp=index)

@@ -99,13 +99,16 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def read_metadata(path: Path) -> DcpIndex:
-    """Parse a DCP ``.metadata`` file into a :class:`DcpIndex` (no data file is opened)."""
+def read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
+    """Parse a DCP ``.metadata`` file into a :class:`DcpIndex` (no data file is opened).
+
+    ``item_class`` (a :class:`DcpItem` subclass) lets the Checkpoint model get its entries built directly.
+    """
     with gc_paused():
-        return _read_metadata(path)
+        return _read_metadata(path, item_class)
 
 
-def _read_metadata(path: Path) -> DcpIndex:
+def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
     try:
         with open(path, "rb") as f:
             metadata = safe_pickle.load(f)
@@ -122,7 +125,7 @@ def _read_metadata(path: Path) -> DcpIndex:
         raise CkptError(f"{path}: not a PyTorch DCP Metadata object (got {type(metadata).__name__})")
 
     try:
-        items = _index_items(state_dict_metadata, storage_data)
+        items = _index_items(state_dict_metadata, storage_data, item_class)
     except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
         raise CkptError(f"{path}: unexpected DCP metadata structure ({type(exc).__name__}: {exc})") from None
 
@@ -138,7 +141,7 @@ def _read_metadata(path: Path) -> DcpIndex:
                     None if checkpoint_id is None else str(checkpoint_id), extra)
 
 
-def _index_items(state_dict_metadata: dict, storage_data: dict) -> dict[str, DcpItem]:
+def _index_items(state_dict_metadata: dict, storage_data: dict, item_class: type[DcpItem]) -> dict[str, DcpItem]:
     """Entries from the metadata records. Runs once per chunk (tens of thousands in a large checkpoint), so
     it reads the records' attribute dicts directly: every object here comes from the safe unpickler."""
     # (fqn, chunk offsets or None) -> storage location
@@ -154,7 +157,7 @@ def _index_items(state_dict_metadata: dict, storage_data: dict) -> dict[str, Dcp
         item_fields = item_meta.__dict__
         chunks_meta = item_fields.get("chunks")
         if chunks_meta is None:  # BytesStorageMetadata
-            items[key] = DcpItem(key, "bytes", None, None, [DcpChunk((), (), locations.get((key, None)))])
+            items[key] = item_class(key, "bytes", None, None, [DcpChunk((), (), locations.get((key, None)))])
             continue
         chunks = []
         for chunk in chunks_meta:
@@ -168,7 +171,7 @@ def _index_items(state_dict_metadata: dict, storage_data: dict) -> dict[str, Dcp
         dtype = state[0] if isinstance(state, tuple) and state else fields.get("dtype")
         if dtype not in dtype_names:
             dtype_names[dtype] = None if dtype is None else str(dtype)
-        items[key] = DcpItem(key, "tensor", dtype_names[dtype], tuple(item_fields["size"]), chunks)
+        items[key] = item_class(key, "tensor", dtype_names[dtype], tuple(item_fields["size"]), chunks)
     return items
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor.checkpoint import Checkpoint, Entry, checkpoint_from_index, section_of
+from ckptdoctor.checkpoint import Checkpoint, Entry, checkpoint_from_index
 from ckptdoctor.errors import CkptError, UnsafePickleError
 from ckptdoctor.formats import torch_dist, zarr_meta
 from ckptdoctor.layout import (
@@ -232,7 +232,7 @@ def _zarr_checkpoint(location: CheckpointLocation, shown: Path, findings: list[F
     except CkptError as exc:
         findings.append(finding(DCP_METADATA_UNREADABLE, shown, reason(exc)))
         entries, sizes = {}, {}
-    return Checkpoint(location, {k: Entry(*v, section=section_of(k)) for k, v in entries.items()}, sizes)
+    return Checkpoint(location, {k: Entry(*v) for k, v in entries.items()}, sizes)
 
 
 def _check_storage(checkpoint: Checkpoint, shown: Path, findings: list[Finding]) -> set[str]:
