@@ -7,7 +7,7 @@ import enum
 import json
 from typing import Any
 
-from ckptdoctor.stand_ins import DtypeRef
+from ckptdoctor.torch_stand_ins import DtypeRef
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1

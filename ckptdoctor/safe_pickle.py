@@ -35,19 +35,15 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from ckptdoctor.errors import UnsafePickleError
-from ckptdoctor.stand_ins import (
-    ALIAS_MODULE,
-    ALIAS_TARGETS,
+from ckptdoctor.stand_ins import ALIAS_MODULE, ALIAS_TARGETS, RECORD_BASES, record_class, stand_in_class
+from ckptdoctor.torch_stand_ins import (
     DTYPE_ALIASES,
-    RECORD_BASES,
     TORCH_DTYPES,
     TORCH_FUNCS,
     TORCH_VALUE_CLASSES,
     DtypeRef,
     Size,
     StorageTypeRef,
-    record_class,
-    stand_in_class,
 )
 
 # --- the allowlist -----------------------------------------------------------------------------------

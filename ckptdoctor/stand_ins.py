@@ -3,8 +3,7 @@
 * :class:`StandIn`: any third-party global (megatron, transformer_engine, nemo, numpy, ...). Calling it only
   records the arguments; BUILD records the state.
 * :class:`Record`: the DCP metadata dataclasses, built at C speed (one per chunk in a large checkpoint).
-* torch: :class:`DtypeRef`, :class:`Size`, :class:`StorageTypeRef`, :class:`StorageRef`, :class:`TensorRef`,
-  so metadata and ``torch.save`` archives read without importing torch.
+* torch objects live in :mod:`ckptdoctor.torch_stand_ins`.
 
 Each is registered under an alias in a private module so that the C pickler can write it back
 (``safe_pickle.dumps`` swaps the alias for the original global reference).
@@ -12,12 +11,10 @@ Each is registered under an alias in a private module so that the C pickler can 
 
 from __future__ import annotations
 
-import collections
 import copyreg
 import secrets
 import sys
 import types
-from collections.abc import Callable
 from typing import Any
 
 # --- stand-ins ---------------------------------------------------------------------------------------
@@ -140,7 +137,7 @@ sys.modules[ALIAS_MODULE] = _alias_module
 ALIAS_TARGETS: dict[bytes, bytes] = {}  # alias name -> b"module\nname\n" of the original global
 
 
-def _register_alias(obj: Any, module: str, name: str) -> str:
+def register_alias(obj: Any, module: str, name: str) -> str:
     """Register ``obj`` as the stand-in for ``module.name``; returns its alias name in the private module."""
     alias = f"g{len(ALIAS_TARGETS)}"
     setattr(_alias_module, alias, obj)
@@ -158,7 +155,7 @@ def stand_in_class(module: str, name: str) -> type[StandIn]:
     if cls is None:
         short = name.rsplit(".", 1)[-1]
         cls = type(short, (StandIn,), {"__ckd_global__": key, "__module__": module, "__qualname__": name})
-        cls.__qualname__ = _register_alias(cls, module, name)
+        cls.__qualname__ = register_alias(cls, module, name)
         cls.__module__ = ALIAS_MODULE
         _STAND_IN_CLASSES[key] = cls
     return cls
@@ -222,7 +219,7 @@ def record_class(module: str, name: str) -> type[Record]:
     cls = _RECORD_CLASSES.get(key)
     if cls is None:
         cls = type(name, (RECORD_BASES[key],), {"__ckd_global__": key})
-        cls.__qualname__ = _register_alias(cls, module, name)
+        cls.__qualname__ = register_alias(cls, module, name)
         cls.__module__ = ALIAS_MODULE
         _RECORD_CLASSES[key] = cls
     return cls
@@ -233,267 +230,3 @@ STAND_IN_TYPES = (StandIn, Record)
 
 def is_stand_in(obj: object) -> bool:
     return isinstance(obj, STAND_IN_TYPES)
-
-
-# --- torch stand-ins ---------------------------------------------------------------------------------
-
-# torch dtype name -> (itemsize in bytes, legacy typed-storage class name)
-TORCH_DTYPES: dict[str, tuple[int, str | None]] = {
-    "float32": (4, "FloatStorage"),
-    "float64": (8, "DoubleStorage"),
-    "float16": (2, "HalfStorage"),
-    "bfloat16": (2, "BFloat16Storage"),
-    "int64": (8, "LongStorage"),
-    "int32": (4, "IntStorage"),
-    "int16": (2, "ShortStorage"),
-    "int8": (1, "CharStorage"),
-    "uint8": (1, "ByteStorage"),
-    "bool": (1, "BoolStorage"),
-    "complex64": (8, "ComplexFloatStorage"),
-    "complex128": (16, "ComplexDoubleStorage"),
-    "float8_e4m3fn": (1, None),
-    "float8_e5m2": (1, None),
-    "float8_e4m3fnuz": (1, None),
-    "float8_e5m2fnuz": (1, None),
-    "uint16": (2, None),
-    "uint32": (4, None),
-    "uint64": (8, None),
-}
-DTYPE_ALIASES = {
-    "float": "float32",
-    "double": "float64",
-    "half": "float16",
-    "long": "int64",
-    "int": "int32",
-    "short": "int16",
-    "cfloat": "complex64",
-    "cdouble": "complex128",
-}
-_STORAGE_TO_DTYPE = {storage: dtype for dtype, (_, storage) in TORCH_DTYPES.items() if storage}
-
-
-class DtypeRef:
-    """Stand-in for a ``torch.dtype``; pickles back to the global ``torch.<name>``."""
-
-    _cache: dict[str, DtypeRef] = {}
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.__module__ = ALIAS_MODULE
-        self._alias = _register_alias(self, "torch", name)
-
-    @classmethod
-    def get(cls, name: str) -> DtypeRef:
-        name = DTYPE_ALIASES.get(name, name)
-        ref = cls._cache.get(name)
-        if ref is None:
-            ref = cls._cache[name] = DtypeRef(name)
-        return ref
-
-    @property
-    def itemsize(self) -> int | None:
-        info = TORCH_DTYPES.get(self.name)
-        return info[0] if info else None
-
-    def __reduce__(self) -> str:
-        return self._alias
-
-    def __str__(self) -> str:
-        return f"torch.{self.name}"
-
-    __repr__ = __str__
-
-
-class StorageTypeRef:
-    """Stand-in for a typed-storage class such as ``torch.FloatStorage``."""
-
-    _cache: dict[str, StorageTypeRef] = {}
-
-    def __init__(self, module: str, name: str) -> None:
-        self.module = module
-        self.name = name
-        dtype = _STORAGE_TO_DTYPE.get(name)
-        self.dtype = DtypeRef.get(dtype) if dtype else None
-        self.__module__ = ALIAS_MODULE
-        self._alias = _register_alias(self, module, name)
-
-    @classmethod
-    def get(cls, module: str, name: str) -> StorageTypeRef:
-        ref = cls._cache.get(f"{module}.{name}")
-        if ref is None:
-            ref = cls._cache[f"{module}.{name}"] = StorageTypeRef(module, name)
-        return ref
-
-    @classmethod
-    def for_dtype(cls, dtype: DtypeRef) -> StorageTypeRef:
-        storage = TORCH_DTYPES.get(dtype.name, (0, None))[1]
-        if storage is None:
-            raise ValueError(f"no legacy storage class for torch.{dtype.name}")
-        return cls.get("torch", storage)
-
-    def __reduce__(self) -> str:
-        return self._alias
-
-    def __repr__(self) -> str:
-        return f"{self.module}.{self.name}"
-
-
-class Size(tuple):
-    """Stand-in for ``torch.Size``: a tuple that pickles back to ``torch.Size``."""
-
-    __ckd_global__ = ("torch", "Size")
-
-    def __reduce__(self) -> tuple:
-        return (Size, (tuple(self),))
-
-
-Size.__qualname__ = _register_alias(Size, "torch", "Size")
-Size.__module__ = ALIAS_MODULE
-
-
-class StorageRef:
-    """A storage record of a ``torch.save`` zip: its key, dtype, element count and a way to read bytes."""
-
-    def __init__(self, key: str, dtype: DtypeRef | None, location: str, numel: int,
-                 read: Callable[[], bytes] | None = None) -> None:
-        self.key = key
-        self.dtype = dtype
-        self.location = location
-        self.numel = numel
-        self._read = read
-        self._data: bytes | None = None
-
-    def data(self) -> bytes:
-        if self._data is None:
-            if self._read is None:
-                raise ValueError(f"storage {self.key} has no data source")
-            self._data = self._read()
-        return self._data
-
-    def set_data(self, data: bytes) -> None:
-        self._data = data
-
-
-class TensorRef:
-    """Stand-in for a ``torch.Tensor`` inside a pickle: storage, offset, size and stride; no torch needed."""
-
-    def __init__(self, storage: StorageRef, storage_offset: int, size: tuple, stride: tuple,
-                 requires_grad: bool = False, parameter: bool = False) -> None:
-        self.storage = storage
-        self.storage_offset = storage_offset
-        self.size = tuple(size)
-        self.stride = tuple(stride)
-        self.requires_grad = requires_grad
-        self.parameter = parameter
-
-    @property
-    def dtype(self) -> DtypeRef | None:
-        return self.storage.dtype
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.size:
-            n *= d
-        return n
-
-    def __reduce__(self) -> tuple:
-        args = (self.storage, self.storage_offset, Size(self.size), tuple(self.stride),
-                self.requires_grad, collections.OrderedDict())
-        tensor = (_rebuild_tensor_v2_ref, args)
-        if self.parameter:
-            return (_rebuild_parameter_ref, (_Rebuilt(*tensor), self.requires_grad, collections.OrderedDict()))
-        return tensor
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, TensorRef):
-            return NotImplemented
-        return (self.dtype is other.dtype and self.size == other.size and self.stride == other.stride
-                and self.storage_offset == other.storage_offset and self.storage.data() == other.storage.data())
-
-    __hash__ = object.__hash__
-
-    def __repr__(self) -> str:
-        return f"tensor({self.dtype}, shape={list(self.size)})"
-
-
-class _Rebuilt:
-    """A (callable, args) pair that pickles as REDUCE: used to nest a tensor inside a parameter."""
-
-    def __init__(self, func: Any, args: tuple) -> None:
-        self.func, self.args = func, args
-
-    def __reduce__(self) -> tuple:
-        return (self.func, self.args)
-
-
-class GlobalFunc:
-    """A named torch function we never import; pickles back to its global reference."""
-
-    def __init__(self, module: str, name: str, impl: Callable[..., Any]) -> None:
-        self.module, self.name, self.impl = module, name, impl
-        self.__module__ = ALIAS_MODULE
-        self._alias = _register_alias(self, module, name)
-
-    def __call__(self, *args: Any) -> Any:
-        return self.impl(*args)
-
-    def __reduce__(self) -> str:
-        return self._alias
-
-
-def _rebuild_tensor_v2(storage: StorageRef, storage_offset: int, size: tuple, stride: tuple,
-                       requires_grad: bool = False, backward_hooks: Any = None, metadata: Any = None) -> TensorRef:
-    return TensorRef(storage, storage_offset, size, stride, requires_grad)
-
-
-def _rebuild_tensor(storage: StorageRef, storage_offset: int, size: tuple, stride: tuple) -> TensorRef:
-    return TensorRef(storage, storage_offset, size, stride)
-
-
-def _rebuild_parameter(data: TensorRef, requires_grad: bool, backward_hooks: Any = None,
-                       state: Any = None) -> TensorRef:
-    data.requires_grad = requires_grad
-    data.parameter = True
-    return data
-
-
-_rebuild_tensor_v2_ref = GlobalFunc("torch._utils", "_rebuild_tensor_v2", _rebuild_tensor_v2)
-_rebuild_parameter_ref = GlobalFunc("torch._utils", "_rebuild_parameter", _rebuild_parameter)
-TORCH_FUNCS = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2_ref,
-    ("torch._utils", "_rebuild_tensor"): GlobalFunc("torch._utils", "_rebuild_tensor", _rebuild_tensor),
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter_ref,
-    ("torch._utils", "_rebuild_parameter_with_state"): GlobalFunc(
-        "torch._utils", "_rebuild_parameter_with_state", _rebuild_parameter),
-}
-
-
-class LayoutName(str):
-    """``torch.serialization._get_layout("torch.strided")`` as pickled once per tensor in DCP metadata.
-
-    A ``str`` subclass, so the unpickler builds it at C speed; it pickles back to the same call.
-    """
-
-    def __reduce__(self) -> tuple:
-        return (LayoutName, (str(self),))
-
-
-class MemoryFormatCode(int):
-    """DCP's ``_MEM_FORMAT_ENCODING(n)`` enum value (once per tensor); pickles back to the same call."""
-
-    def __reduce__(self) -> tuple:
-        return (MemoryFormatCode, (int(self),))
-
-
-for _cls, _module, _name in (
-    (LayoutName, "torch.serialization", "_get_layout"),
-    (MemoryFormatCode, "torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-):
-    _cls.__qualname__ = _register_alias(_cls, _module, _name)
-    _cls.__module__ = ALIAS_MODULE
-# torch names that resolve to the C-speed value classes above
-TORCH_VALUE_CLASSES: dict[tuple[str, str], type] = {
-    ("torch.serialization", "_get_layout"): LayoutName,
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): MemoryFormatCode,
-}

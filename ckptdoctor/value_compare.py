@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.torch_zip import load_torch_zip
-from ckptdoctor.stand_ins import TensorRef
+from ckptdoctor.torch_stand_ins import TensorRef
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint, Entry

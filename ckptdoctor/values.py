@@ -18,7 +18,7 @@ from ckptdoctor.errors import CkptError, MissingExtraError
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.torch_zip import load_torch_zip
 from ckptdoctor.layout import BACKEND_ZARR
-from ckptdoctor.stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
+from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint, Entry

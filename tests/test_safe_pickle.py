@@ -12,7 +12,8 @@ import pytest
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import UnsafePickleError
-from ckptdoctor.stand_ins import DtypeRef, Size, StandIn
+from ckptdoctor.stand_ins import StandIn
+from ckptdoctor.torch_stand_ins import DtypeRef, Size
 
 
 class _Reduce:

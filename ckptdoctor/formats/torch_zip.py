@@ -15,7 +15,7 @@ from typing import Any
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, UnsafePickleError
-from ckptdoctor.stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
+from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
 
 ZIP_MAGIC = b"PK\x03\x04"
 

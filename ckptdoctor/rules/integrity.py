@@ -23,7 +23,7 @@ from ckptdoctor.formats.torch_dist import DcpChunk
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
 from ckptdoctor.rules.safety import unsafe_pickle
 from ckptdoctor.rules.structure import Scanned, reason
-from ckptdoctor.stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
+from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
 from ckptdoctor.values import decode_chunk_ref
 
 INTEGRITY_NAME = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME

@@ -1,0 +1,277 @@
+"""Light stand-ins for the torch objects inside checkpoint pickles, so nothing needs torch to read them.
+
+dtypes (:class:`DtypeRef`), ``torch.Size`` (:class:`Size`), typed-storage classes (:class:`StorageTypeRef`),
+storages of ``torch.save`` archives (:class:`StorageRef`), tensors (:class:`TensorRef`), the tensor rebuild
+functions, and DCP's per-tensor layout / memory-format values. Each pickles back to its torch global.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+from ckptdoctor.stand_ins import ALIAS_MODULE, register_alias
+
+# --- torch stand-ins ---------------------------------------------------------------------------------
+
+# torch dtype name -> (itemsize in bytes, legacy typed-storage class name)
+TORCH_DTYPES: dict[str, tuple[int, str | None]] = {
+    "float32": (4, "FloatStorage"),
+    "float64": (8, "DoubleStorage"),
+    "float16": (2, "HalfStorage"),
+    "bfloat16": (2, "BFloat16Storage"),
+    "int64": (8, "LongStorage"),
+    "int32": (4, "IntStorage"),
+    "int16": (2, "ShortStorage"),
+    "int8": (1, "CharStorage"),
+    "uint8": (1, "ByteStorage"),
+    "bool": (1, "BoolStorage"),
+    "complex64": (8, "ComplexFloatStorage"),
+    "complex128": (16, "ComplexDoubleStorage"),
+    "float8_e4m3fn": (1, None),
+    "float8_e5m2": (1, None),
+    "float8_e4m3fnuz": (1, None),
+    "float8_e5m2fnuz": (1, None),
+    "uint16": (2, None),
+    "uint32": (4, None),
+    "uint64": (8, None),
+}
+DTYPE_ALIASES = {
+    "float": "float32",
+    "double": "float64",
+    "half": "float16",
+    "long": "int64",
+    "int": "int32",
+    "short": "int16",
+    "cfloat": "complex64",
+    "cdouble": "complex128",
+}
+_STORAGE_TO_DTYPE = {storage: dtype for dtype, (_, storage) in TORCH_DTYPES.items() if storage}
+
+
+class DtypeRef:
+    """Stand-in for a ``torch.dtype``; pickles back to the global ``torch.<name>``."""
+
+    _cache: dict[str, DtypeRef] = {}
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.__module__ = ALIAS_MODULE
+        self._alias = register_alias(self, "torch", name)
+
+    @classmethod
+    def get(cls, name: str) -> DtypeRef:
+        name = DTYPE_ALIASES.get(name, name)
+        ref = cls._cache.get(name)
+        if ref is None:
+            ref = cls._cache[name] = DtypeRef(name)
+        return ref
+
+    @property
+    def itemsize(self) -> int | None:
+        info = TORCH_DTYPES.get(self.name)
+        return info[0] if info else None
+
+    def __reduce__(self) -> str:
+        return self._alias
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+    __repr__ = __str__
+
+
+class StorageTypeRef:
+    """Stand-in for a typed-storage class such as ``torch.FloatStorage``."""
+
+    _cache: dict[str, StorageTypeRef] = {}
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module = module
+        self.name = name
+        dtype = _STORAGE_TO_DTYPE.get(name)
+        self.dtype = DtypeRef.get(dtype) if dtype else None
+        self.__module__ = ALIAS_MODULE
+        self._alias = register_alias(self, module, name)
+
+    @classmethod
+    def get(cls, module: str, name: str) -> StorageTypeRef:
+        ref = cls._cache.get(f"{module}.{name}")
+        if ref is None:
+            ref = cls._cache[f"{module}.{name}"] = StorageTypeRef(module, name)
+        return ref
+
+    @classmethod
+    def for_dtype(cls, dtype: DtypeRef) -> StorageTypeRef:
+        storage = TORCH_DTYPES.get(dtype.name, (0, None))[1]
+        if storage is None:
+            raise ValueError(f"no legacy storage class for torch.{dtype.name}")
+        return cls.get("torch", storage)
+
+    def __reduce__(self) -> str:
+        return self._alias
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+class Size(tuple):
+    """Stand-in for ``torch.Size``: a tuple that pickles back to ``torch.Size``."""
+
+    __ckd_global__ = ("torch", "Size")
+
+    def __reduce__(self) -> tuple:
+        return (Size, (tuple(self),))
+
+
+Size.__qualname__ = register_alias(Size, "torch", "Size")
+Size.__module__ = ALIAS_MODULE
+
+
+class StorageRef:
+    """A storage record of a ``torch.save`` zip: its key, dtype, element count and a way to read bytes."""
+
+    def __init__(self, key: str, dtype: DtypeRef | None, location: str, numel: int,
+                 read: Callable[[], bytes] | None = None) -> None:
+        self.key = key
+        self.dtype = dtype
+        self.location = location
+        self.numel = numel
+        self._read = read
+        self._data: bytes | None = None
+
+    def data(self) -> bytes:
+        if self._data is None:
+            if self._read is None:
+                raise ValueError(f"storage {self.key} has no data source")
+            self._data = self._read()
+        return self._data
+
+    def set_data(self, data: bytes) -> None:
+        self._data = data
+
+
+class TensorRef:
+    """Stand-in for a ``torch.Tensor`` inside a pickle: storage, offset, size and stride; no torch needed."""
+
+    def __init__(self, storage: StorageRef, storage_offset: int, size: tuple, stride: tuple,
+                 requires_grad: bool = False, parameter: bool = False) -> None:
+        self.storage = storage
+        self.storage_offset = storage_offset
+        self.size = tuple(size)
+        self.stride = tuple(stride)
+        self.requires_grad = requires_grad
+        self.parameter = parameter
+
+    @property
+    def dtype(self) -> DtypeRef | None:
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.size:
+            n *= d
+        return n
+
+    def __reduce__(self) -> tuple:
+        args = (self.storage, self.storage_offset, Size(self.size), tuple(self.stride),
+                self.requires_grad, collections.OrderedDict())
+        tensor = (_rebuild_tensor_v2_ref, args)
+        if self.parameter:
+            return (_rebuild_parameter_ref, (_Rebuilt(*tensor), self.requires_grad, collections.OrderedDict()))
+        return tensor
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorRef):
+            return NotImplemented
+        return (self.dtype is other.dtype and self.size == other.size and self.stride == other.stride
+                and self.storage_offset == other.storage_offset and self.storage.data() == other.storage.data())
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"tensor({self.dtype}, shape={list(self.size)})"
+
+
+class _Rebuilt:
+    """A (callable, args) pair that pickles as REDUCE: used to nest a tensor inside a parameter."""
+
+    def __init__(self, func: Any, args: tuple) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple:
+        return (self.func, self.args)
+
+
+class GlobalFunc:
+    """A named torch function we never import; pickles back to its global reference."""
+
+    def __init__(self, module: str, name: str, impl: Callable[..., Any]) -> None:
+        self.module, self.name, self.impl = module, name, impl
+        self.__module__ = ALIAS_MODULE
+        self._alias = register_alias(self, module, name)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.impl(*args)
+
+    def __reduce__(self) -> str:
+        return self._alias
+
+
+def _rebuild_tensor_v2(storage: StorageRef, storage_offset: int, size: tuple, stride: tuple,
+                       requires_grad: bool = False, backward_hooks: Any = None, metadata: Any = None) -> TensorRef:
+    return TensorRef(storage, storage_offset, size, stride, requires_grad)
+
+
+def _rebuild_tensor(storage: StorageRef, storage_offset: int, size: tuple, stride: tuple) -> TensorRef:
+    return TensorRef(storage, storage_offset, size, stride)
+
+
+def _rebuild_parameter(data: TensorRef, requires_grad: bool, backward_hooks: Any = None,
+                       state: Any = None) -> TensorRef:
+    data.requires_grad = requires_grad
+    data.parameter = True
+    return data
+
+
+_rebuild_tensor_v2_ref = GlobalFunc("torch._utils", "_rebuild_tensor_v2", _rebuild_tensor_v2)
+_rebuild_parameter_ref = GlobalFunc("torch._utils", "_rebuild_parameter", _rebuild_parameter)
+TORCH_FUNCS = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2_ref,
+    ("torch._utils", "_rebuild_tensor"): GlobalFunc("torch._utils", "_rebuild_tensor", _rebuild_tensor),
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter_ref,
+    ("torch._utils", "_rebuild_parameter_with_state"): GlobalFunc(
+        "torch._utils", "_rebuild_parameter_with_state", _rebuild_parameter),
+}
+
+
+class LayoutName(str):
+    """``torch.serialization._get_layout("torch.strided")`` as pickled once per tensor in DCP metadata.
+
+    A ``str`` subclass, so the unpickler builds it at C speed; it pickles back to the same call.
+    """
+
+    def __reduce__(self) -> tuple:
+        return (LayoutName, (str(self),))
+
+
+class MemoryFormatCode(int):
+    """DCP's ``_MEM_FORMAT_ENCODING(n)`` enum value (once per tensor); pickles back to the same call."""
+
+    def __reduce__(self) -> tuple:
+        return (MemoryFormatCode, (int(self),))
+
+
+for _cls, _module, _name in (
+    (LayoutName, "torch.serialization", "_get_layout"),
+    (MemoryFormatCode, "torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+):
+    _cls.__qualname__ = register_alias(_cls, _module, _name)
+    _cls.__module__ = ALIAS_MODULE
+# torch names that resolve to the C-speed value classes above
+TORCH_VALUE_CLASSES: dict[tuple[str, str], type] = {
+    ("torch.serialization", "_get_layout"): LayoutName,
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): MemoryFormatCode,
+}
