@@ -7,9 +7,12 @@ write steps (``CKPTDOCTOR_FAULT_AT=<step>``) to prove the source stays loadable.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
+import errno
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
@@ -95,3 +98,28 @@ def prepare_output_dir(output: Path, force: bool = False) -> None:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CkptError(f"{output}: cannot create ({exc.strerror})") from None
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported.
+
+    Readers see either the old or the new directory under each name, never a missing one.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM):
+        return False  # this filesystem or kernel cannot exchange: the caller falls back to two renames
+    raise CkptError(f"{a}: cannot swap with {b.name} ({os.strerror(err)})")

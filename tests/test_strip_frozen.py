@@ -373,3 +373,27 @@ def test_corrupt_base_chunk_is_one_line_error(capsys, tmp_path):
                       "--base", base)
     assert rc == 2 and err.count("\n") == 1 and "linear_proj.weight" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_in_place_swap_is_one_atomic_exchange(copy_fixture):
+    """A kill right after the exchange leaves the stripped checkpoint under the iteration dir's own name and
+    the complete original beside it: no moment without a checkpoint under that name."""
+    import os as _os
+    import subprocess as _subprocess
+    import sys as _sys
+
+    from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE
+    from ckptdoctor.checkpoint import open_checkpoint as _open
+
+    save = copy_fixture("core019_peft_full_tp1")
+    before = _open(save)
+    env = dict(_os.environ, **{FAULT_ENV: "strip-frozen:after-exchange"})
+    result = _subprocess.run([_sys.executable, "-m", "ckptdoctor", "strip-frozen", str(save), "--in-place"],
+                             env=env, capture_output=True, text=True)
+    assert result.returncode == FAULT_EXIT_CODE, result.stderr
+    stripped = _open(save)
+    assert set(stripped.entries) < set(before.entries)  # the stripped checkpoint is in place
+    leftovers = [p for p in save.iterdir() if p.name.startswith(".") and p.is_dir()]
+    assert len(leftovers) == 1  # the original, complete, under the staging name
+    original = _open(leftovers[0])
+    assert set(original.entries) == set(before.entries)

@@ -2,9 +2,10 @@
 
 The complete new checkpoint is written into a hidden staging dir beside the target (same filesystem) and only
 then renamed into place, so an interrupted run leaves the source untouched and no half-written output under
-the target's name. ``--in-place`` swaps the iteration dir: the old one is renamed to
-``<iter>.bak-<stamp>`` (kept unless ``--no-backup``; Megatron ignores names that are not ``iter_*``), the
-staging dir takes its name. ``metadata.json`` is written last inside the staging dir, as Megatron does.
+the target's name. ``--in-place`` swaps the iteration dir and the staging dir atomically (Linux
+``renameat2(RENAME_EXCHANGE)``; two renames elsewhere), then the old one is renamed to ``<iter>.bak-<stamp>``
+(kept unless ``--no-backup``; Megatron ignores names that are not ``iter_*``). ``metadata.json`` is written
+last inside the staging dir, as Megatron does.
 """
 
 from __future__ import annotations
@@ -172,13 +173,18 @@ def _swap_in_place(iteration_dir: Path, staging: Path, keep_backup: bool) -> Pat
     backup = iteration_dir.with_name(f"{iteration_dir.name}.bak-{atomic.timestamp()}")
     if backup.exists():
         raise CkptError(f"{backup}: backup already exists; refusing to overwrite it")
-    _rename(iteration_dir, backup)
-    atomic.fault_point("strip-frozen:between-renames")
-    try:
-        _rename(staging, iteration_dir)
-    except CkptError:
-        _rename(backup, iteration_dir)  # put the source back before reporting
-        raise
+    if atomic.exchange_paths(staging, iteration_dir):
+        # One atomic step: the iteration dir's name now holds the stripped checkpoint, staging the old one.
+        atomic.fault_point("strip-frozen:after-exchange")
+        _rename(staging, backup)
+    else:  # no renameat2 exchange here: two renames, the source put back if the second fails
+        _rename(iteration_dir, backup)
+        atomic.fault_point("strip-frozen:between-renames")
+        try:
+            _rename(staging, iteration_dir)
+        except CkptError:
+            _rename(backup, iteration_dir)
+            raise
     atomic.fsync_dir(iteration_dir.parent)
     if keep_backup:
         return backup
