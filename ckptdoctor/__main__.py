@@ -1,4 +1,4 @@
-from ckptdoctor.cli import main
+from ckptdoctor.cli import run
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Sequence
@@ -51,5 +52,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return result if isinstance(result, int) else 0
 
 
+def run() -> None:
+    """The console entry point (``ckptdoctor``, ``python -m ckptdoctor``): :func:`main` in a short-lived process.
+
+    A metadata-only command builds ~10^5 small objects and exits: cyclic garbage collection only rescans
+    them (they hold no cycles; reference counting frees what is dropped) and tearing the interpreter down
+    frees them one by one. Together that was ~15 % of an ``inspect`` of a 20,000-key checkpoint, so the
+    process runs without the cyclic collector and ends with ``os._exit`` once its output is flushed
+    (nothing of ours is left to clean up at exit: every file is closed by then).
+    """
+    gc.disable()
+    code = main()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (BrokenPipeError, OSError):
+        code = code or EXIT_ERROR
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
