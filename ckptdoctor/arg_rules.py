@@ -199,8 +199,3 @@ def compare_with_source(findings: list[ArgFinding], source_args: dict[str, Any])
     from dataclasses import replace
 
     return [replace(f, inherited=f.arg in source_args and source_args[f.arg] == f.saved) for f in findings]
-
-
-def corrected_args(findings: list[ArgFinding]) -> dict[str, Any]:
-    """The arg values fix-args writes: each finding's correct value (where one is derivable)."""
-    return {f.arg: f.correct for f in findings if f.correct is not None}

@@ -13,7 +13,7 @@ from typing import Any
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist, zarr_meta
-from ckptdoctor.formats.torch_dist import DcpIndex, DcpItem, StorageLocation
+from ckptdoctor.formats.torch_dist import DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
 from ckptdoctor.layout import BACKEND_ZARR, CheckpointLocation, locate
 
@@ -179,9 +179,3 @@ def checkpoint_from_index(location: CheckpointLocation, index: DcpIndex | None) 
         for key, item in index.items.items()
     }
     return Checkpoint(location, entries, list_data_files(location.iteration_dir), dcp=index)
-
-
-def all_storage_locations(checkpoint: Checkpoint) -> list[tuple[str, StorageLocation | None]]:
-    """(key, storage) for every chunk and item; storage is None where .metadata lacks an entry."""
-    return [(e.key, c.storage) for e in checkpoint.entries.values() for c in e.chunks]
-

@@ -226,7 +226,3 @@ def record_class(module: str, name: str) -> type[Record]:
 
 
 STAND_IN_TYPES = (StandIn, Record)
-
-
-def is_stand_in(obj: object) -> bool:
-    return isinstance(obj, STAND_IN_TYPES)
