@@ -1,7 +1,8 @@
 """Find the checkpoint a user means and tell which backend and Megatron era wrote it.
 
 Accepted: a save dir holding ``latest_checkpointed_iteration.txt`` (followed, or overridden by
-``iteration``), an iteration dir (``iter_0000010`` or ``release``), or any file inside one.
+``iteration``), an iteration dir (``iter_0000010`` or ``release``), any file inside one, or a NeMo 2 style
+checkpoint dir whose ``weights/`` subdir is the distributed checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from ckptdoctor.errors import CkptError
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
+NEMO_WEIGHTS_DIR = "weights"
 ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
 
 BACKEND_TORCH_DIST = "torch_dist"
@@ -106,6 +108,12 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
             candidate = _enclosing_iteration_dir(input_path)
     else:
         candidate = input_path
+    # NeMo 2 / Megatron-Bridge export layout: <ckpt>/weights/ holds the distributed checkpoint, <ckpt>/context/
+    # the configs. Accept the outer dir too.
+    nested = candidate / NEMO_WEIGHTS_DIR
+    if candidate.is_dir() and not _looks_like_iteration_dir(candidate) and nested.is_dir() \
+            and _looks_like_iteration_dir(nested):
+        candidate = nested
 
     if (candidate / TRACKER_NAME).is_file() or (
         iteration is not None and not _looks_like_iteration_dir(candidate)

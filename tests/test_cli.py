@@ -237,3 +237,20 @@ def test_values_without_torch_names_the_extra(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO).stdout
     assert "ckptdoctor[torch]" in out
+
+
+def test_nemo_style_weights_subdir(capsys, tmp_path):
+    """A NeMo 2 / Megatron-Bridge export keeps the distributed checkpoint in <ckpt>/weights/."""
+    nemo = tmp_path / "model_ckpt"
+    shutil.copytree(FIXTURES / "core019_tp2" / "iter_0000010", nemo / "weights")
+    (nemo / "context").mkdir()
+    (nemo / "context" / "model.yaml").write_text("model: gpt\n")
+    rc, out, _ = _run(capsys, "inspect", str(nemo), "--format", "json")
+    assert rc == 0
+    report = json.loads(out)
+    assert report["iteration_dir"].endswith("weights") and report["layout"]["tp"] == 2
+    rc, out, _ = _run(capsys, "check", str(nemo))
+    assert rc == 0 and "1 checkpoint" in out
+    (nemo / "weights" / "metadata.json").unlink()
+    rc, out, _ = _run(capsys, "check", str(nemo))
+    assert rc == 1 and "CKD101" in out

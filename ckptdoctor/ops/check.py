@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.torch_dist import gc_paused
-from ckptdoctor.layout import ITER_DIR_RE, TRACKER_NAME, list_iteration_dirs
+from ckptdoctor.layout import ITER_DIR_RE, NEMO_WEIGHTS_DIR, TRACKER_NAME, list_iteration_dirs
 from ckptdoctor.rules import Finding, consistency, finding, integrity, is_selected, structure
 
 SCHEMA = "ckptdoctor.check/1"
@@ -118,6 +118,8 @@ def resolve_targets(paths: list[str]) -> _Targets:
             targets.save_dirs.setdefault(path.resolve(), path)
         elif _looks_like_iteration_dir(path):
             targets.iteration_dirs.setdefault(path.resolve(), path)
+        elif _looks_like_iteration_dir(path / NEMO_WEIGHTS_DIR):  # NeMo 2 style: <ckpt>/weights/
+            targets.iteration_dirs.setdefault((path / NEMO_WEIGHTS_DIR).resolve(), path / NEMO_WEIGHTS_DIR)
         else:
             targets.findings.append(finding(structure.NOT_A_CHECKPOINT, path,
                                             "no tracker, iteration dirs, metadata.json, .metadata or .distcp files"))
