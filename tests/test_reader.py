@@ -133,3 +133,30 @@ def test_common_state_values_equal_torch_load():
             assert ours[k] == v, k
             compared += 1
     assert compared > 40
+
+
+def test_corrupt_storage_record_is_a_clean_error(copy_fixture):
+    """A flipped byte inside a chunk's data record fails its CRC: one CkptError naming the chunk, no zipfile error."""
+    pytest.importorskip("torch")
+    import zipfile
+
+    from ckptdoctor.errors import CkptError
+    from ckptdoctor.values import read_chunk
+
+    save = copy_fixture("core019_tp1")
+    ckpt = open_checkpoint(save)
+    key = "embedding.word_embeddings.weight"
+    storage = ckpt.entries[key].chunks[0].storage
+    path = ckpt.iteration_dir / storage.relative_path
+    data = bytearray(path.read_bytes())
+    blob = bytes(data[storage.offset:storage.offset + storage.length])
+    import io
+
+    info = next(i for i in zipfile.ZipFile(io.BytesIO(blob)).infolist() if "/data/" in i.filename)
+    import struct
+
+    name_len, extra_len = struct.unpack_from("<HH", blob, info.header_offset + 26)  # the local header's own
+    data[storage.offset + info.header_offset + 30 + name_len + extra_len + 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CkptError, match="corrupt storage record"):
+        read_chunk(open_checkpoint(save), key, 0)

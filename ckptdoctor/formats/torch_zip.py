@@ -60,8 +60,11 @@ def load_torch_zip(source: bytes | str | os.PathLike, where: str) -> Any:
 
             def read() -> bytes:
                 # Storages are read only when a value is asked for; a file source is reopened then.
-                with zipfile.ZipFile(io.BytesIO(source) if in_memory else source) as again:
-                    return again.read(record)
+                try:
+                    with zipfile.ZipFile(io.BytesIO(source) if in_memory else source) as again:
+                        return again.read(record)
+                except (zipfile.BadZipFile, KeyError, OSError, EOFError, ValueError) as exc:
+                    raise CkptError(f"{where}: corrupt storage record {record} ({exc})") from None
 
             return StorageRef(str(key), dtype, str(location), int(numel), read)
 
