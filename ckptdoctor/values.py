@@ -238,10 +238,10 @@ def read_chunk_view(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk,
         raise CkptError(f"{where}: storage record holds {size} bytes, the tensor needs {numel * itemsize}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype), len(blob)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the buffer is read-only bytes; nothing writes to the view
-        flat = torch.frombuffer(blob, dtype=dtype, count=numel, offset=start)
     try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the buffer is read-only bytes; nothing writes to the view
+            flat = torch.frombuffer(blob, dtype=dtype, count=numel, offset=start)
         return flat.as_strided(shape, stride, offset), len(blob)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         raise CkptError(f"{where}: tensor view does not fit its storage ({exc})") from None

@@ -45,7 +45,7 @@ def load_torch_zip(source: bytes | str | os.PathLike, where: str) -> Any:
     try:
         try:
             archive = zipfile.ZipFile(fileobj)
-        except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        except (zipfile.BadZipFile, ValueError, OSError, NotImplementedError, EOFError, KeyError) as exc:
             raise CkptError(f"{where}: not a readable torch.save file ({exc})") from None
         prefix = _archive_prefix(archive, where)
 
@@ -63,7 +63,7 @@ def load_torch_zip(source: bytes | str | os.PathLike, where: str) -> Any:
                 try:
                     with zipfile.ZipFile(io.BytesIO(source) if in_memory else source) as again:
                         return again.read(record)
-                except (zipfile.BadZipFile, KeyError, OSError, EOFError, ValueError) as exc:
+                except (zipfile.BadZipFile, KeyError, OSError, EOFError, ValueError, NotImplementedError) as exc:
                     raise CkptError(f"{where}: corrupt storage record {record} ({exc})") from None
 
             return StorageRef(str(key), dtype, str(location), int(numel), read)
