@@ -32,7 +32,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from run import DATA, REPO, RESULTS, machine_info, parse_size  # noqa: E402  (run.py: no torch)
+from run import REPO, RESULTS, machine_info, synthetic  # noqa: E402  (run.py: no torch)
 
 PROBE = """
 import sys
@@ -61,20 +61,6 @@ def run_once(cmd: list[str], timeout: float) -> tuple[float, float, float, int |
     wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
     return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, proc.returncode
-
-
-def synthetic(python: str, size: str, keys: int, files: int) -> Path:
-    """A cached synthetic checkpoint (``run.py``'s naming, so both share the cache)."""
-    out = DATA / f"synth_{size}_{keys}k_{files}f".replace(".", "p")
-    want = {"total_bytes": parse_size(size), "keys": keys, "files": files}
-    info = out / "synthetic.json"
-    if info.exists() and json.loads(info.read_text()).get("requested") == want:
-        return out
-    cmd = [python, str(BENCH / "make_synthetic.py"), "--out", str(out), "--total-bytes", size, "--keys", str(keys),
-           "--files", str(files)]
-    print(f"  generating {out.name}: {shlex.join(cmd)}", flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO)
-    return out
 
 
 def iteration_files(save: Path) -> tuple[Path, list[str], int]:

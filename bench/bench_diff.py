@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from run import DATA, REPO, RESULTS, machine_info, parse_size, run_once  # noqa: E402  (run.py: no torch)
+from run import DATA, REPO, RESULTS, machine_info, run_once, synthetic  # noqa: E402  (no torch)
 
 KEYS, FILES = 20000, 2000
 WORKAROUND = r"""
@@ -57,25 +56,6 @@ for k in a.keys() & b.keys():
         differ += not (type(x) is type(y))
 print(only, "keys on one side,", differ, "differ")
 """
-
-
-def synthetic(size: str, python: str, **extra: str) -> Path:
-    """The cached checkpoint ``run.py`` would make (same name and make_synthetic options)."""
-    name = f"synth_{size}_{KEYS}k_{FILES}f".replace(".", "p")
-    for k, v in sorted(extra.items()):
-        name += f"_{k}-{v}"
-    out = DATA / name
-    want = {"total_bytes": parse_size(size), "keys": KEYS, "files": FILES}
-    info = out / "synthetic.json"
-    if info.exists():
-        got = json.loads(info.read_text())
-        if got.get("requested") == want and all(str(got.get(k)) == str(v) for k, v in extra.items()):
-            return out
-    cmd = [python, str(BENCH / "make_synthetic.py"), "--out", str(out), "--total-bytes", size, "--keys", str(KEYS),
-           "--files", str(FILES)] + [x for k, v in extra.items() for x in (f"--{k}", str(v))]
-    print(f"generating {out.name} ...", flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO)
-    return out
 
 
 def data_bytes(save_dir: Path) -> tuple[int, list[str]]:
@@ -110,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = opts.sizes.split(",")
     big = sizes[-1]
     cli = [opts.python, "-m", "ckptdoctor", "diff"]
-    pairs = {s: (synthetic(s, opts.python), synthetic(s, opts.python, tp="4")) for s in sizes}
+    pairs = {s: (synthetic(opts.python, s, KEYS, FILES), synthetic(opts.python, s, KEYS, FILES, tp="4")) for s in sizes}
     copy = DATA / f"diffcopy_{big}".replace(".", "p")
     if not copy.exists():
         print(f"copying {pairs[big][0].name} -> {copy.name} ...", flush=True)

@@ -26,8 +26,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from bench_check import iteration_files, run_once, synthetic  # noqa: E402
-from run import DATA, RESULTS, machine_info  # noqa: E402
+from bench_check import iteration_files, run_once  # noqa: E402
+from run import DATA, RESULTS, machine_info, synthetic  # noqa: E402
 
 
 def common_state_variant(save: Path) -> Path:

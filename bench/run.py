@@ -192,6 +192,30 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
 
 
+def synthetic(python: str, size: str, keys: int, files: int, **extra: str) -> Path:
+    """A cached synthetic checkpoint in bench/data (made by make_synthetic.py when missing or made with other
+    options); every benchmark script shares this cache."""
+    name = f"synth_{size}_{keys}k_{files}f".replace(".", "p")
+    for k, v in sorted(extra.items()):
+        name += f"_{k}-{v}"
+    out = DATA / name
+    want = {"total_bytes": parse_size(size), "keys": keys, "files": files}
+    info_path = out / "synthetic.json"
+    if info_path.exists():
+        info = json.loads(info_path.read_text())
+        if info.get("requested") == want and all(str(info.get(k)) == str(v) for k, v in extra.items()):
+            return out
+    cmd = [python, str(BENCH / "make_synthetic.py"), "--out", str(out), "--total-bytes", size,
+           "--keys", str(keys), "--files", str(files)]
+    for k, v in extra.items():
+        cmd += [f"--{k}", str(v)]
+    print(f"  generating {out.name}: {shlex.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO)
+    print(f"  generated in {time.perf_counter() - t0:.1f} s", flush=True)
+    return out
+
+
 class Context:
     def __init__(self, opts: argparse.Namespace) -> None:
         self.opts = opts
@@ -199,26 +223,7 @@ class Context:
         self.ckptdoctor = opts.ckptdoctor
 
     def synthetic(self, size: str, keys: int, files: int, **extra: str) -> Path:
-        """A cached synthetic checkpoint (made by make_synthetic.py when missing or made with other options)."""
-        name = f"synth_{size}_{keys}k_{files}f".replace(".", "p")
-        for k, v in sorted(extra.items()):
-            name += f"_{k}-{v}"
-        out = DATA / name
-        want = {"total_bytes": parse_size(size), "keys": keys, "files": files}
-        info_path = out / "synthetic.json"
-        if info_path.exists():
-            info = json.loads(info_path.read_text())
-            if info.get("requested") == want and all(str(info.get(k)) == str(v) for k, v in extra.items()):
-                return out
-        cmd = [self.python, str(BENCH / "make_synthetic.py"), "--out", str(out), "--total-bytes", size,
-               "--keys", str(keys), "--files", str(files)]
-        for k, v in extra.items():
-            cmd += [f"--{k}", str(v)]
-        print(f"  generating {out.name}: {shlex.join(cmd)}", flush=True)
-        t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO)
-        print(f"  generated in {time.perf_counter() - t0:.1f} s", flush=True)
-        return out
+        return synthetic(self.python, size, keys, files, **extra)
 
     def measure(self, benchmark: str, label: str, cmd: list[str], size: str | None = None,
                 repeats: int | None = None, timeout: float | None = None, **kw) -> Measurement:
