@@ -8,6 +8,7 @@ checkpoint dir whose ``weights/`` subdir is the distributed checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,15 +82,22 @@ def _is_legacy_mp_rank(directory: Path) -> bool:
     return any(p.name.startswith("mp_rank_") for p in directory.iterdir())
 
 
-def _looks_like_iteration_dir(directory: Path) -> bool:
-    names = {p.name for p in directory.iterdir()}
-    return (
-        "metadata.json" in names
-        or ".metadata" in names
-        or "common.pt" in names
-        or any(n.endswith(".distcp") for n in names)
-        or _is_legacy_mp_rank(directory)
-    )
+def looks_like_iteration_dir(directory: Path) -> bool:
+    """An iteration dir by name, or by holding checkpoint files (a bare metadata.json must name a backend)."""
+    if ITER_DIR_RE.match(directory.name) or directory.name == "release":
+        return True
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    if any(n in (".metadata", "common.pt") or n.endswith(".distcp") or n.startswith("mp_rank_") for n in names):
+        return True
+    if "metadata.json" in names:
+        try:
+            return "sharded_backend" in json.loads((directory / "metadata.json").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, TypeError):
+            return False
+    return False
 
 
 def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLocation:
@@ -111,12 +119,12 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
     # NeMo 2 / Megatron-Bridge export layout: <ckpt>/weights/ holds the distributed checkpoint, <ckpt>/context/
     # the configs. Accept the outer dir too.
     nested = candidate / NEMO_WEIGHTS_DIR
-    if candidate.is_dir() and not _looks_like_iteration_dir(candidate) and nested.is_dir() \
-            and _looks_like_iteration_dir(nested):
+    if candidate.is_dir() and not looks_like_iteration_dir(candidate) and nested.is_dir() \
+            and looks_like_iteration_dir(nested):
         candidate = nested
 
     if (candidate / TRACKER_NAME).is_file() or (
-        iteration is not None and not _looks_like_iteration_dir(candidate)
+        iteration is not None and not looks_like_iteration_dir(candidate)
     ):
         save_dir = candidate
         if (candidate / TRACKER_NAME).is_file():
@@ -127,7 +135,7 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
         if not iteration_dir.is_dir():
             what = "--iteration" if iteration is not None else f"tracker {tracker_path}"
             raise CkptError(f"{iteration_dir}: {what} points to an iteration dir that does not exist")
-    elif _looks_like_iteration_dir(candidate):
+    elif looks_like_iteration_dir(candidate):
         iteration_dir = candidate
         if candidate.parent.joinpath(TRACKER_NAME).is_file():
             save_dir = candidate.parent
@@ -156,7 +164,7 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
 def _enclosing_iteration_dir(file_path: Path) -> Path:
     # A file inside an iteration dir, or inside a zarr array dir one level deeper.
     for parent in list(file_path.parents)[:3]:
-        if _looks_like_iteration_dir(parent) or (parent / TRACKER_NAME).is_file():
+        if looks_like_iteration_dir(parent) or (parent / TRACKER_NAME).is_file():
             return parent
     return file_path.parent
 

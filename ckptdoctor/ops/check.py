@@ -7,14 +7,12 @@ exist, an unknown rule code) raise :class:`~ckptdoctor.errors.CkptError`.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.torch_dist import gc_paused
-from ckptdoctor.layout import ITER_DIR_RE, NEMO_WEIGHTS_DIR, TRACKER_NAME, list_iteration_dirs
+from ckptdoctor.layout import NEMO_WEIGHTS_DIR, TRACKER_NAME, list_iteration_dirs, looks_like_iteration_dir
 from ckptdoctor.rules import Finding, consistency, finding, integrity, is_selected, structure
 
 SCHEMA = "ckptdoctor.check/1"
@@ -114,11 +112,11 @@ def resolve_targets(paths: list[str]) -> _Targets:
             raise CkptError(f"{raw}: no such file or directory")
         if path.is_file():
             _add_file(path, targets)
-        elif (path / TRACKER_NAME).is_file() or (not _looks_like_iteration_dir(path) and list_iteration_dirs(path)):
+        elif (path / TRACKER_NAME).is_file() or (not looks_like_iteration_dir(path) and list_iteration_dirs(path)):
             targets.save_dirs.setdefault(path.resolve(), path)
-        elif _looks_like_iteration_dir(path):
+        elif looks_like_iteration_dir(path):
             targets.iteration_dirs.setdefault(path.resolve(), path)
-        elif _looks_like_iteration_dir(path / NEMO_WEIGHTS_DIR):  # NeMo 2 style: <ckpt>/weights/
+        elif looks_like_iteration_dir(path / NEMO_WEIGHTS_DIR):  # NeMo 2 style: <ckpt>/weights/
             targets.iteration_dirs.setdefault((path / NEMO_WEIGHTS_DIR).resolve(), path / NEMO_WEIGHTS_DIR)
         else:
             targets.findings.append(finding(structure.NOT_A_CHECKPOINT, path,
@@ -133,26 +131,7 @@ def _add_file(path: Path, targets: _Targets) -> None:
     parent = path.parent
     if (parent / ".zarray").is_file():  # a chunk or .zarray of a legacy zarr array dir
         parent = parent.parent
-    if _looks_like_iteration_dir(parent):
+    if looks_like_iteration_dir(parent):
         targets.iteration_dirs.setdefault(parent.resolve(), parent)
     else:
         targets.skipped.append(str(path))
-
-
-def _looks_like_iteration_dir(directory: Path) -> bool:
-    """An iteration dir by name, or by holding checkpoint files (a bare metadata.json must name a backend)."""
-    if ITER_DIR_RE.match(directory.name) or directory.name == "release":
-        return True
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return False
-    if any(n in (".metadata", "common.pt") or n.endswith(".distcp") or n.startswith("mp_rank_") for n in names):
-        return True
-    if "metadata.json" in names:
-        try:
-            return "sharded_backend" in json.loads((directory / "metadata.json").read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError, TypeError):
-            return False
-    return False
-
