@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import click
 
@@ -13,6 +15,7 @@ from ckptdoctor import __version__
 from ckptdoctor.commands import LazyGroup
 from ckptdoctor.errors import CkptError
 from ckptdoctor.report import EXIT_ERROR
+from ckptdoctor.text_safety import escape
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -21,16 +24,75 @@ def cli() -> None:
     """Diagnose and repair Megatron-Core distributed checkpoints offline (no GPU, no Megatron)."""
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process killed by Ctrl-C
+
+
+class _Interrupted(BaseException):
+    """SIGINT, raised by :func:`_on_sigint`.
+
+    Not a KeyboardInterrupt: click turns those into ``Abort`` (after printing a blank line), and not an
+    Exception, so no ``except Exception`` on the way up swallows it.
+    """
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # one is enough: the exit path runs undisturbed
+    raise _Interrupted
+
+
+@contextmanager
+def _sigint_raises_interrupted() -> Iterator[None]:
+    """SIGINT raises :class:`_Interrupted` inside the block (when Python's default handler is in place).
+
+    A SIGINT the parent ignores (``nohup``, a background job) stays ignored, and a thread other than the
+    main one cannot set handlers: both leave signals alone.
+    """
+    try:
+        installed = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if installed:
+            signal.signal(signal.SIGINT, _on_sigint)
+    except ValueError:  # not the main thread
+        installed = False
+    try:
+        yield
+    finally:
+        if installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _say(line: str) -> None:
+    """One line on stderr, control characters escaped (messages quote what a checkpoint holds)."""
+    click.echo(escape(line), err=True)
+
+
+def _interrupted() -> int:
+    try:
+        click.echo("ckptdoctor: interrupted", err=True)
+    except (OSError, _Interrupted):
+        pass
+    return EXIT_INTERRUPTED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: runs the CLI and turns every failure into one line and exit code 2."""
+    """Entry point: runs the CLI and turns every failure into one line and exit code 2 (130 for SIGINT)."""
+    with _sigint_raises_interrupted():
+        try:
+            return _main(argv)
+        except (_Interrupted, KeyboardInterrupt):  # also when it lands while an error is being reported
+            return _interrupted()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         # Commands return their exit code (0 clean, 1 findings); errors raise CkptError (exit 2).
         result = cli.main(args=list(argv) if argv is not None else None, prog_name="ckptdoctor",
                           standalone_mode=False)
     except CkptError as exc:
-        click.echo(f"ckptdoctor: error: {exc}", err=True)
+        _say(f"ckptdoctor: error: {exc}")
         return exc.exit_code
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as exc:
+        if isinstance(exc.__context__, (KeyboardInterrupt, _Interrupted)):  # click wraps a KeyboardInterrupt
+            return _interrupted()
         click.echo("ckptdoctor: aborted", err=True)
         return EXIT_ERROR
     except click.ClickException as exc:
@@ -40,16 +102,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except BrokenPipeError:
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        click.echo("ckptdoctor: interrupted", err=True)
-        return 130
-    except Exception as exc:  # last resort: a one-line message, the traceback only on request
-        if os.environ.get("CKPTDOCTOR_DEBUG"):
-            raise
-        click.echo(f"ckptdoctor: internal error: {type(exc).__name__}: {exc} "
-                   "(set CKPTDOCTOR_DEBUG=1 for a traceback)", err=True)
+    except OSError as exc:
+        # An I/O error no reader turned into a CkptError (a dir that cannot be listed, a file that cannot be
+        # opened): the file and the reason, like every other error.
+        if os.environ.get("CKPTDOCTOR_DEBUG") or exc.filename is None:
+            return _internal_error(exc)
+        _say(f"ckptdoctor: error: {exc.filename}: {exc.strerror or exc}")
         return EXIT_ERROR
+    except Exception as exc:
+        return _internal_error(exc)
     return result if isinstance(result, int) else 0
+
+
+def _internal_error(exc: Exception) -> int:
+    """Last resort: a one-line message, the traceback only on request."""
+    if os.environ.get("CKPTDOCTOR_DEBUG"):
+        raise exc
+    _say(f"ckptdoctor: internal error: {type(exc).__name__}: {exc} (set CKPTDOCTOR_DEBUG=1 for a traceback)")
+    return EXIT_ERROR
 
 
 def run() -> None:
@@ -59,16 +129,21 @@ def run() -> None:
     them (they hold no cycles; reference counting frees what is dropped) and tearing the interpreter down
     frees them one by one. Together that was ~15 % of an ``inspect`` of a 20,000-key checkpoint, so the
     process runs without the cyclic collector and ends with ``os._exit`` once its output is flushed
-    (nothing of ours is left to clean up at exit: every file is closed by then).
+    (nothing of ours is left to clean up at exit: every file is closed by then). SIGINT is handled for the
+    whole run, the final flush included.
     """
     gc.disable()
-    code = main()
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (BrokenPipeError, OSError):
-        code = code or EXIT_ERROR
-    os._exit(code)
+    code = EXIT_ERROR
+    with _sigint_raises_interrupted():
+        try:
+            code = main()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except _Interrupted:
+            code = _interrupted()
+        except (BrokenPipeError, OSError):
+            code = code or EXIT_ERROR
+        os._exit(code)  # inside the block: SIGINT stays handled (or ignored, once seen) up to the exit
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from ckptdoctor.report import human_bytes, jsonable
+from ckptdoctor.text_safety import text_safe
 
 _MAX_VALUE = 80
 
@@ -28,6 +29,7 @@ def _shape(meta: dict) -> str:
     return "-" if shape is None else "x".join(map(str, shape)) or "()"
 
 
+@text_safe
 def render_diff(report: Any) -> str:
     a, b = report.a, report.b
     lines = [f"A  {a.iteration_dir}  [{a.era}]", f"B  {b.iteration_dir}  [{b.era}]"]

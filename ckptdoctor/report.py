@@ -1,4 +1,8 @@
-"""Rendering: text tables (tabulate) and JSON. Operations return data; this turns it into output."""
+"""Rendering: text tables (tabulate) and JSON. Operations return data; this turns it into output.
+
+Every text renderer is wrapped in :func:`~ckptdoctor.text_safety.text_safe`: control characters in values read
+from a checkpoint are escaped, so a checkpoint cannot drive the terminal. JSON needs nothing (json.dumps escapes).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import enum
 import json
 from typing import Any
 
+from ckptdoctor.text_safety import text_safe
 from ckptdoctor.torch_stand_ins import DtypeRef
 
 EXIT_OK = 0
@@ -51,6 +56,7 @@ def tabulate(*args: Any, **kwargs: Any) -> str:
     return _tabulate(*args, **kwargs)
 
 
+@text_safe
 def render_inspect(report: Any) -> str:
     fmt = report.format
     lines = [f"checkpoint      {report.iteration_dir}"]
@@ -100,6 +106,7 @@ def _short(value: Any) -> str:
     return plain if isinstance(plain, str) else json.dumps(plain)
 
 
+@text_safe
 def render_fix_args(report: Any) -> str:
     lines = [f"{report.checkpoint}: saved layout {report.layout}; {report.era}"]
     if report.source:
@@ -145,6 +152,7 @@ def render_fix_args(report: Any) -> str:
 # --- strip-frozen ------------------------------------------------------------------------------------------
 
 
+@text_safe
 def render_strip(report: Any) -> str:
     """Text for ``strip-frozen``: the source used, kept/dropped keys (dry run) or counts, sizes before/after."""
     plan, result = report.plan, report.result
@@ -180,6 +188,7 @@ def render_strip(report: Any) -> str:
 # --- check / rules --------------------------------------------------------------------------------------
 
 
+@text_safe
 def render_check(report: Any, quiet: bool = False) -> str:
     """ruff-style lines ``<path>: <code> <message>``, then a one-line summary (unless ``quiet``)."""
     lines = [f"{f.path}: {f.code} {f.message}" for f in report.findings]

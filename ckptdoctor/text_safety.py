@@ -1,0 +1,108 @@
+"""Terminal-safe text: what a checkpoint holds must never reach the user's terminal as control sequences.
+
+Arg values, key names, file names and error messages quoting them come from files anyone can write. Printed
+raw, an ANSI escape (``\\x1b[2J``, ``\\x1b]0;...\\x07``) rewrites the terminal and a newline forges output
+lines. Every text renderer and the CLI's error line go through this module (JSON output needs nothing:
+``json.dumps`` already escapes control characters).
+
+* :func:`escape` turns one value into a single printable line: C0/C1 controls, DEL, line/paragraph
+  separators and bidi overrides become ``\\n``, ``\\t``, ``\\r``, ``\\x1b``, ``\\u202e`` style escapes.
+* :func:`escape_values` applies it to every string inside a report (dataclasses, dicts, lists), so the
+  renderers keep their layout while values cannot break out of it.
+* :func:`escape_output` is the last pass over a rendered text: the lines the renderer made stay lines,
+  anything else that could drive a terminal is escaped.
+* :func:`text_safe` wraps a renderer with both.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+# C0 controls, DEL, C1 controls (0x9b is a one-byte CSI on some terminals), line and paragraph separators,
+# bidi embeddings/overrides/isolates (they reorder what is shown, "Trojan Source").
+_OTHER = "\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_UNSAFE_RE = re.compile(f"[\x00-\x1f{_OTHER}]")
+_UNSAFE_BUT_NEWLINE_RE = re.compile(f"[\x00-\x09\x0b-\x1f{_OTHER}]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+F = TypeVar("F", bound=Callable[..., str])
+
+
+def _replace(match: re.Match[str]) -> str:
+    char = match.group()
+    named = _NAMED.get(char)
+    if named is not None:
+        return named
+    code = ord(char)
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def escape(text: str) -> str:
+    """``text`` with every control character escaped: one printable line, safe on any terminal."""
+    if text.isprintable() or _UNSAFE_RE.search(text) is None:  # the common case costs one scan
+        return text
+    return _UNSAFE_RE.sub(_replace, text)
+
+
+def escape_output(text: str) -> str:
+    """A rendered text with its own line breaks kept and every other control character escaped."""
+    if _UNSAFE_BUT_NEWLINE_RE.search(text) is None:
+        return text
+    return _UNSAFE_BUT_NEWLINE_RE.sub(_replace, text)
+
+
+def escape_values(value: Any) -> Any:
+    """``value`` with every string in it (dict keys too) passed through :func:`escape`.
+
+    Containers and dataclasses are copied only where something was escaped (a clean report comes back as
+    the same object); dataclasses keep their class, so a renderer's attribute access and properties still
+    work. Objects of other classes are left as they are (:func:`escape_output` catches their rendering).
+    """
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        items = [(escape_values(k), escape_values(v)) for k, v in value.items()]
+        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items())):
+            return value
+        return dict(items)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        new = [escape_values(v) for v in value]
+        if all(a is b for a, b in zip(new, value)):
+            return value
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)._make(new)  # a namedtuple
+        return type(value)(new) if isinstance(value, (tuple, set, frozenset)) else new
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changed = {}
+        for name in _field_names(type(value)):
+            old = getattr(value, name)
+            new = escape_values(old)
+            if new is not old:
+                changed[name] = new
+        if not changed:
+            return value
+        clone = copy.copy(value)
+        for name, new in changed.items():
+            object.__setattr__(clone, name, new)  # frozen dataclasses too
+        return clone
+    return value
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def text_safe(render: F) -> F:
+    """Wrap a text renderer: its report's strings are escaped first, its output checked last."""
+
+    @functools.wraps(render)
+    def wrapper(report: Any, *args: Any, **kwargs: Any) -> str:
+        return escape_output(render(escape_values(report), *args, **kwargs))
+
+    return wrapper  # type: ignore[return-value]
