@@ -7,8 +7,10 @@ could be read. Metadata only: no tensor bytes are read here.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -253,10 +255,12 @@ def _check_storage(checkpoint: Checkpoint, shown: Path, findings: list[Finding])
         example = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
         findings.append(finding(STORAGE_ENTRY_MISSING, shown / ".metadata",
                                 f"{len(unplaced)} chunk(s) have no storage entry: {example}"))
-    bad: set[str] = set()
+    bad = _unreadable(checkpoint, shown, sorted(ends), findings)
     sizes = checkpoint.data_files
     by_file: dict[str, list[tuple[int, str]]] | None = None
     for relative, end in sorted(ends.items()):
+        if relative in bad:
+            continue
         size = sizes.get(relative)
         if size is None:
             try:
@@ -277,6 +281,28 @@ def _check_storage(checkpoint: Checkpoint, shown: Path, findings: list[Finding])
                                     f"{len(lost)} key(s) cut off (e.g. {lost[0]})"))
     for name in sorted(set(sizes) - set(ends)):
         findings.append(finding(DATA_FILE_UNREFERENCED, shown / name, "no .metadata entry references this file"))
+    return bad
+
+
+def _unreadable(checkpoint: Checkpoint, shown: Path, relatives: list[str], findings: list[Finding]) -> set[str]:
+    """Referenced data files present but not readable as regular files (permissions, a dir, ...)."""
+    bad: set[str] = set()
+    for relative in relatives:
+        try:  # O_NONBLOCK: a FIFO named like a data file must not hang the check
+            fd = os.open(checkpoint.iteration_dir / relative, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file")
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            continue  # missing: reported by the caller
+        except OSError as exc:
+            bad.add(relative)
+            keys = _keys_in(_keys_by_file(checkpoint), relative)
+            findings.append(finding(DATA_FILE_MISSING, shown / relative,
+                                    f"unreadable ({exc.strerror or exc}): {len(keys)} key(s) stored there "
+                                    f"(e.g. {keys[0]})"))
     return bad
 
 
