@@ -17,7 +17,8 @@ from ckptdoctor.errors import CkptError
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 NEMO_WEIGHTS_DIR = "weights"
-ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
+# ASCII digits only and no trailing newline (``$`` would allow one): Megatron writes ``iter_{:07d}``.
+ITER_DIR_RE = re.compile(r"^iter_([0-9]{7,})\Z")
 
 BACKEND_TORCH_DIST = "torch_dist"
 BACKEND_ZARR = "zarr"
@@ -63,23 +64,49 @@ def iteration_dir_name(iteration: str | int) -> str:
 
 
 def read_tracker(tracker: Path) -> str:
+    """The tracker's verdict as Megatron-LM reaches it: an iteration number as a plain decimal string, or 'release'.
+
+    Megatron reads ``int(f.read().strip())``, falls back to ``release`` when the stripped text is exactly that,
+    and asserts ``iteration > 0 or release``; so ``+10``, `` 10\\n`` and ``1_0`` all mean iteration 10 (returned
+    as ``"10"``). Non-ASCII digits, which ``int()`` also accepts (``'\\u0661\\u0660'`` is 10), are refused: no
+    Megatron save writes them, so they are garbage or hostile.
+    """
     try:
-        value = tracker.read_text(encoding="utf-8", errors="replace").strip()
+        raw = tracker.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise CkptError(f"{tracker}: cannot read tracker ({exc.strerror})") from None
-    if value != "release" and not value.isdigit():
-        raise CkptError(f"{tracker}: tracker holds {value[:40]!r}, not an iteration number or 'release'")
-    return value
+    value = raw.strip()
+    if value == "release":
+        return value
+    shown = repr(value[:40])
+    if not value.isascii():
+        raise CkptError(f"{tracker}: tracker holds {ascii(value[:40])}: non-ASCII characters, "
+                        "not an iteration number or 'release'")
+    try:
+        iteration = int(value)
+    except ValueError:
+        raise CkptError(f"{tracker}: tracker holds {shown}, not an iteration number or 'release'") from None
+    if iteration <= 0:
+        raise CkptError(f"{tracker}: tracker holds {shown}; Megatron needs an iteration > 0 or 'release'")
+    return str(iteration)
+
+
+def list_dir(directory: Path) -> list[str]:
+    """Names in ``directory``; a dir that cannot be listed is one clear error naming it."""
+    try:
+        return os.listdir(directory)
+    except OSError as exc:
+        raise CkptError(f"{directory}: cannot list ({exc.strerror or exc})") from None
 
 
 def list_iteration_dirs(save_dir: Path) -> list[Path]:
     """Iteration dirs in a save dir, oldest first (``release`` last)."""
-    found = [p for p in save_dir.iterdir() if p.is_dir() and (ITER_DIR_RE.match(p.name) or p.name == "release")]
-    return sorted(found, key=lambda p: (p.name == "release", p.name))
+    found = [save_dir / n for n in list_dir(save_dir) if ITER_DIR_RE.match(n) or n == "release"]
+    return sorted((p for p in found if p.is_dir()), key=lambda p: (p.name == "release", p.name))
 
 
 def _is_legacy_mp_rank(directory: Path) -> bool:
-    return any(p.name.startswith("mp_rank_") for p in directory.iterdir())
+    return any(n.startswith("mp_rank_") for n in list_dir(directory))
 
 
 def looks_like_iteration_dir(directory: Path) -> bool:
@@ -116,6 +143,8 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
             candidate = _enclosing_iteration_dir(input_path)
     else:
         candidate = input_path
+    if candidate.is_dir():
+        list_dir(candidate)  # a dir that cannot be listed: one error naming it, before a stat inside it fails
     # NeMo 2 / Megatron-Bridge export layout: <ckpt>/weights/ holds the distributed checkpoint, <ckpt>/context/
     # the configs. Accept the outer dir too.
     nested = candidate / NEMO_WEIGHTS_DIR

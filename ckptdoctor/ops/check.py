@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.torch_dist import gc_paused
-from ckptdoctor.layout import NEMO_WEIGHTS_DIR, TRACKER_NAME, list_iteration_dirs, looks_like_iteration_dir
+from ckptdoctor.layout import NEMO_WEIGHTS_DIR, TRACKER_NAME, list_dir, list_iteration_dirs, looks_like_iteration_dir
 from ckptdoctor.rules import Finding, consistency, finding, integrity, is_selected, structure
 
 SCHEMA = "ckptdoctor.check/1"
@@ -112,7 +112,10 @@ def resolve_targets(paths: list[str]) -> _Targets:
             raise CkptError(f"{raw}: no such file or directory")
         if path.is_file():
             _add_file(path, targets)
-        elif (path / TRACKER_NAME).is_file() or (not looks_like_iteration_dir(path) and list_iteration_dirs(path)):
+            continue
+        if path.is_dir():
+            list_dir(path)  # a dir that cannot be listed: one error naming it, before a stat inside it fails
+        if (path / TRACKER_NAME).is_file() or (not looks_like_iteration_dir(path) and list_iteration_dirs(path)):
             targets.save_dirs.setdefault(path.resolve(), path)
         elif looks_like_iteration_dir(path):
             targets.iteration_dirs.setdefault(path.resolve(), path)
