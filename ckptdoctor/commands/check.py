@@ -67,13 +67,14 @@ def command(paths: tuple[str, ...], select: tuple[str, ...], ignore: tuple[str, 
 def _progress_bar() -> Any:
     """A click progress bar on stderr for ``--deep`` (built lazily: ops.check is imported only when run)."""
     from ckptdoctor.ops.check import Progress
+    from ckptdoctor.text_safety import escape
 
     class Bar(Progress):
         def __init__(self) -> None:
             self._bar: Any = None
 
         def start(self, label: str, total_bytes: int) -> None:
-            self._bar = click.progressbar(length=max(total_bytes, 1), label=label, file=sys.stderr)
+            self._bar = click.progressbar(length=max(total_bytes, 1), label=escape(label), file=sys.stderr)
             self._bar.__enter__()
 
         def advance(self, nbytes: int) -> None:
