@@ -81,6 +81,7 @@ class Checkpoint:
     dcp: DcpIndex | None = None
     _common: Any = field(default=None, repr=False)
     _common_loaded: bool = field(default=False, repr=False)
+    common_unlisted: list[str] = field(default_factory=list, repr=False)  # CKD402 globals of the common state
 
     @property
     def iteration_dir(self) -> Path:
@@ -112,10 +113,10 @@ class Checkpoint:
             raise CkptError(f"{self.iteration_dir}: no common state (neither common.pt nor a common_state item)")
         if source == "common.pt":
             path = self.iteration_dir / "common.pt"
-            state = load_torch_zip(path, str(path))
+            state = load_torch_zip(path, str(path), unlisted=self.common_unlisted)
             where = str(path)
         else:
-            state = self.read_bytes_item(source)
+            state = self.read_bytes_item(source, self.common_unlisted)
             where = f"{self.iteration_dir}: item {source}"
         if not isinstance(state, dict):
             raise CkptError(f"{where}: common state is a {type(state).__name__}, expected a dict")
@@ -126,23 +127,23 @@ class Checkpoint:
         """The saved ``argparse.Namespace`` (or None when the common state holds no args)."""
         return self.common_state().get("args")
 
-    def read_bytes_item(self, key: str) -> Any:
+    def read_bytes_item(self, key: str, unlisted: list[str] | None = None) -> Any:
         """Decode a bytes item (ShardedObject, ``_extra_state``, ``common_state``) through the safe unpickler."""
         entry = self.entries[key]
         location = entry.chunks[0].storage if entry.chunks else None
         where = f"{self.iteration_dir}: item {key}"
         if location is None:
             raise CkptError(f"{where}: no storage entry in .metadata")
-        return decode_object_bytes(torch_dist.read_range(self.iteration_dir, location), where)
+        return decode_object_bytes(torch_dist.read_range(self.iteration_dir, location), where, unlisted)
 
 
-def decode_object_bytes(data: bytes, where: str) -> Any:
+def decode_object_bytes(data: bytes, where: str, unlisted: list[str] | None = None) -> Any:
     """A Megatron ShardedObject's bytes: ``torch.save([obj])`` (or of a BytesIO holding that), unwrapped."""
     if not is_torch_zip(data):
         return data
-    obj = load_torch_zip(data, where)
+    obj = load_torch_zip(data, where, unlisted=unlisted)
     if isinstance(obj, io.BytesIO) and is_torch_zip(obj.getvalue()[:4]):
-        obj = load_torch_zip(obj.getvalue(), where)
+        obj = load_torch_zip(obj.getvalue(), where, unlisted=unlisted)
     if isinstance(obj, list) and len(obj) == 1:
         return obj[0]
     return obj

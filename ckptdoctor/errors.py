@@ -15,19 +15,27 @@ class CkptError(Exception):
 class UnsafePickleError(CkptError):
     """A pickle referenced a callable outside the allowlist; nothing was executed."""
 
-    def __init__(self, module: str, name: str, where: str = "") -> None:
+    def __init__(self, module: str, name: str, where: str = "", detail: str = "") -> None:
         self.module = module
         self.name = name
         self.where = where
+        self.detail = detail
         place = f"{where}: " if where else ""
-        super().__init__(
-            f"{place}refusing unsafe pickle: it references {module}.{name}, which is not on the "
-            "allowlist (nothing was executed)"
-        )
+        why = f" {detail}" if detail else ", which is not on the allowlist"
+        super().__init__(f"{place}refusing unsafe pickle: it references {self.global_name}{why} (nothing was executed)")
+
+    @property
+    def global_name(self) -> str:
+        """``module.name`` as a safe one-line string (a hostile name may hold newlines or escapes)."""
+        if isinstance(self.module, str) and isinstance(self.name, str):
+            text = f"{self.module}.{self.name}"
+            if text.isprintable() and text.isascii():
+                return text
+        return ascii((self.module, self.name))
 
     def located(self, where: str) -> UnsafePickleError:
         """The same refusal, naming the file it came from."""
-        return UnsafePickleError(self.module, self.name, where)
+        return UnsafePickleError(self.module, self.name, where, self.detail)
 
 
 class MissingExtraError(CkptError):
@@ -38,3 +46,11 @@ class MissingExtraError(CkptError):
             f"{purpose} needs the '{package}' package, which is not installed: "
             f"pip install 'ckptdoctor[{extra}]'"
         )
+
+
+class PickleLimitError(CkptError):
+    """A pickle broke a resource or shape limit (nesting, memo, string size, opcode); nothing was built."""
+
+    def located(self, where: str) -> PickleLimitError:
+        """The same refusal, naming the file it came from."""
+        return PickleLimitError(f"{where}: {self}")

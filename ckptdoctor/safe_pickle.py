@@ -1,17 +1,25 @@
-"""The one unpickler ckptdoctor uses for every pickle it reads.
+"""The one unpickler ckptdoctor uses for every pickle it reads, and the one pickler it writes with.
 
-Checkpoints are pickles from strangers, so nothing here may execute code they name:
+Checkpoints are pickles from strangers. PyTorch DCP reads ``.metadata`` with plain ``pickle.load`` and
+Megatron reads the common state and sharded objects with ``weights_only=False``, so what a global names is
+what a real load executes. The policy is an exact allowlist of ``(module, name)`` pairs, collected from what
+megatron-core 0.14-0.19, PyTorch DCP, Transformer Engine and Megatron-Bridge write and from Megatron's own
+``megatron/core/safe_globals.py``:
 
-* a short allowlist of plain-data classes (builtins containers, ``argparse.Namespace``, paths, ...)
-  resolves to the real objects;
-* torch names resolve to light stand-ins (dtypes, ``torch.Size``, storages, tensors) so that metadata
-  can be read without importing torch;
-* every other standard-library name (``os.system``, ``builtins.eval``, ``subprocess.Popen``,
-  ``builtins.getattr``, ...) is refused with :class:`UnsafePickleError` before anything is called;
-* names from third-party packages (megatron, transformer_engine, nemo, numpy, ...) become inert
-  stand-ins: calling one only records its arguments. A stand-in keeps its qualified name and state and
-  pickles back (:func:`dumps`) to the same global reference, so real megatron-core unpickles a rewritten
-  state to the real objects.
+* plain-data classes resolve to the real objects, or to wrappers that bound what the pickle can make them
+  allocate (``bytes(10**12)`` is refused);
+* torch names resolve to light stand-ins (dtypes, ``torch.Size``, storages, tensors, DCP records), so
+  metadata is read without importing torch;
+* megatron / Transformer Engine / numpy classes on the list become inert stand-ins: calling one only records
+  its arguments, and it pickles back (:func:`dumps`) to the same global reference;
+* an unlisted class from the megatron, transformer_engine or nemo namespaces is read as an inert stand-in too
+  but reported (``Unpickler.unlisted``), so a new Megatron release shows up as a warning, not as silence;
+* everything else (``os.system``, ``torch.os.system``, dotted names, names that are not identifiers,
+  unlisted torch or numpy callables) is refused with :class:`UnsafePickleError` before anything is called.
+
+Before the unpickler runs, :mod:`ckptdoctor.pickle_scan` enforces the resource limits (nesting, memo, string
+sizes, opcodes that mutate a shared global). Nothing here is shared between reads: stand-in classes and
+torch stand-ins are immutable.
 """
 
 from __future__ import annotations
@@ -19,22 +27,19 @@ from __future__ import annotations
 import _compat_pickle
 import argparse
 import collections
-import copyreg
 import datetime
-import decimal
-import fractions
 import io
 import pathlib
 import pickle
 import re
 import signal
-import sys
 import types
 import uuid
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from ckptdoctor.errors import UnsafePickleError
+from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
+from ckptdoctor.pickle_scan import DEFAULT_LIMITS, PickleLimits, current_limits, scan
 from ckptdoctor.stand_ins import ALIAS_MODULE, ALIAS_TARGETS, RECORD_BASES, record_class, stand_in_class
 from ckptdoctor.torch_stand_ins import (
     DTYPE_ALIASES,
@@ -43,23 +48,71 @@ from ckptdoctor.torch_stand_ins import (
     TORCH_VALUE_CLASSES,
     DtypeRef,
     Size,
+    StorageRef,
     StorageTypeRef,
 )
 
 # --- the allowlist -----------------------------------------------------------------------------------
 
-# Real objects: plain data, harmless to construct with any arguments.
+_MAX_ALLOC = DEFAULT_LIMITS.max_string
+
+
+def _sized(kind: type) -> Callable[..., Any]:
+    """``bytes`` / ``bytearray`` that refuse a size argument larger than the string limit."""
+
+    def make(*args: Any) -> Any:
+        if args and isinstance(args[0], int) and not isinstance(args[0], bool) and args[0] > _MAX_ALLOC:
+            raise PickleLimitError(f"{kind.__name__}({args[0]}) exceeds the limit of {_MAX_ALLOC} bytes")
+        return kind(*args)
+
+    return make
+
+
+_DEFAULT_FACTORIES = (None, list, dict, set, int, float, collections.OrderedDict)
+
+
+def _defaultdict(factory: Any = None, *rest: Any) -> collections.defaultdict:
+    # The factory runs whenever a missing key is read: only plain containers and numbers may be one.
+    if factory not in _DEFAULT_FACTORIES:
+        raise UnsafePickleError("collections", "defaultdict", detail=f"with factory {factory!r}")
+    return collections.defaultdict(factory, *rest)
+
+
+_RECONSTRUCT_BASES = (object, dict, list, set, int, float, complex, bool)
+
+
+def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
+    # Protocol 0/1 spelling of "make an instance of cls": base.__new__(cls, state) + base.__init__.
+    # Only plain bases: a bytes, str or tuple base would let the pickle size an allocation or nest tuples.
+    if not isinstance(cls, type) or base not in _RECONSTRUCT_BASES or not issubclass(cls, base):
+        raise UnsafePickleError("copyreg", "_reconstructor", detail=f"of {cls!r} from {base!r}")
+    if base is object:
+        return object.__new__(cls)
+    obj = base.__new__(cls, state)
+    base.__init__(obj, state)  # type: ignore[misc]
+    return obj
+
+
+def _codecs_encode(text: str, encoding: str = "utf-8") -> bytes:
+    # Protocol-2 pickles spell bytes as _codecs.encode(str, "latin1"); only text codecs are allowed,
+    # so a crafted codec name cannot reach anything but a text encoder.
+    if not isinstance(text, str) or not isinstance(encoding, str) or encoding.lower().replace("_", "-") not in (
+            "latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii"):
+        raise UnsafePickleError("_codecs", "encode", detail=f"with codec {encoding!r}")
+    return text.encode(encoding)
+
+
+# Real objects (or bounded wrappers): plain data, harmless to construct with any arguments a pickle can hold.
 _ALLOWED: dict[tuple[str, str], Any] = {
     **{("builtins", t.__name__): t for t in (
-        set, frozenset, dict, list, tuple, bytearray, bytes, int, float, complex, str, bool, slice,
-        range, object, type(None))},
+        set, frozenset, dict, list, int, float, complex, bool, slice, object)},
+    ("builtins", "bytes"): _sized(bytes),
+    ("builtins", "bytearray"): _sized(bytearray),
     ("collections", "OrderedDict"): collections.OrderedDict,
-    ("collections", "defaultdict"): collections.defaultdict,
+    ("collections", "defaultdict"): _defaultdict,
     ("collections", "deque"): collections.deque,
     ("collections", "Counter"): collections.Counter,
-    ("copyreg", "_reconstructor"): copyreg._reconstructor,  # type: ignore[attr-defined]
-    ("copyreg", "__newobj__"): copyreg.__newobj__,  # type: ignore[attr-defined]
-    ("copyreg", "__newobj_ex__"): copyreg.__newobj_ex__,  # type: ignore[attr-defined]
+    ("copyreg", "_reconstructor"): _reconstructor,
     ("argparse", "Namespace"): argparse.Namespace,
     ("types", "SimpleNamespace"): types.SimpleNamespace,
     ("datetime", "datetime"): datetime.datetime,
@@ -67,49 +120,123 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("datetime", "time"): datetime.time,
     ("datetime", "timedelta"): datetime.timedelta,
     ("datetime", "timezone"): datetime.timezone,
-    ("decimal", "Decimal"): decimal.Decimal,
-    ("fractions", "Fraction"): fractions.Fraction,
     ("uuid", "UUID"): uuid.UUID,
     ("pathlib", "PosixPath"): pathlib.PurePosixPath,
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
     ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
     ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
     ("pathlib", "Path"): pathlib.PurePath,
-    ("_codecs", "encode"): lambda text, encoding="utf-8": _codecs_encode(text, encoding),
-    ("codecs", "encode"): lambda text, encoding="utf-8": _codecs_encode(text, encoding),
+    ("_codecs", "encode"): _codecs_encode,
+    ("codecs", "encode"): _codecs_encode,
     ("io", "BytesIO"): io.BytesIO,
     ("_io", "BytesIO"): io.BytesIO,
     ("signal", "Signals"): signal.Signals,
 }
 
+# Classes read as inert stand-ins: what megatron-core, Transformer Engine and numpy put in checkpoints.
+_MCORE = "megatron.core"
+_TE_RECIPE = "transformer_engine.common.recipe"
+KNOWN_STAND_INS: frozenset[tuple[str, str]] = frozenset({
+    (f"{_MCORE}.enums", "ModelType"),
+    (f"{_MCORE}.transformer.enums", "AttnBackend"),
+    (f"{_MCORE}.transformer.enums", "AttnMaskType"),
+    (f"{_MCORE}.transformer.enums", "AttnType"),
+    (f"{_MCORE}.transformer.enums", "LayerType"),
+    (f"{_MCORE}.transformer.enums", "CudaGraphScope"),
+    (f"{_MCORE}.transformer.enums", "CudaGraphModule"),
+    (f"{_MCORE}.transformer.enums", "InferenceCudaGraphScope"),
+    (f"{_MCORE}.rerun_state_machine", "RerunDiagnostic"),
+    (f"{_MCORE}.rerun_state_machine", "RerunMode"),
+    (f"{_MCORE}.rerun_state_machine", "RerunState"),
+    (f"{_MCORE}.optimizer", "OptimizerConfig"),
+    (f"{_MCORE}.optimizer.optimizer_config", "OptimizerConfig"),
+    (f"{_MCORE}.dist_checkpointing.strategies.torch", "MCoreMetadata"),
+    (f"{_MCORE}.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
+    (f"{_MCORE}.extensions.transformer_engine", "TEDelayedScaling"),
+    *((_TE_RECIPE, name) for name in (
+        "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
+        "NVFP4BlockScaling", "Format", "_FormatHelper", "MMParams")),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.dtypes", "UInt32DType"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("torch", "device"),
+    ("torch._C", "Generator"),
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
+})
 
-def _codecs_encode(text: str, encoding: str) -> bytes:
-    # Protocol-2 pickles spell bytes as _codecs.encode(str, "latin1"); only text codecs are allowed,
-    # so a crafted codec name cannot reach anything but a text encoder.
-    if encoding.lower().replace("_", "-") not in ("latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii"):
-        raise UnsafePickleError("_codecs", f"encode(..., {encoding!r})")
-    return text.encode(encoding)
+# Namespaces whose unlisted classes are read (as inert stand-ins) but reported, not refused.
+TOLERATED_NAMESPACES = ("megatron", "transformer_engine", "nemo")
+
+_TORCH_STORAGE_NAMES = frozenset(
+    {storage for _, storage in TORCH_DTYPES.values() if storage} | {"UntypedStorage", "TypedStorage"})
+_DOTTED_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+_IDENTIFIER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-_STDLIB = set(sys.stdlib_module_names) | {"builtins", "__builtin__", "__main__"}
+def check_global_name(module: str, name: str) -> None:
+    """Refuse a global whose module is not a dotted identifier or whose name is not a plain identifier.
+
+    A name with a newline would be written back by a text GLOBAL opcode as two lines (a second, attacker
+    chosen global); a dotted name resolves through attributes (``torch`` + ``os.system``).
+    """
+    if not (isinstance(module, str) and isinstance(name, str)
+            and _DOTTED_RE.match(module) and _IDENTIFIER_RE.match(name)):
+        raise UnsafePickleError(module, name, detail="not a valid dotted Python name")
 
 
-def resolve_global(module: str, name: str) -> Any:
-    """What ``module.name`` resolves to when a checkpoint pickle asks for it (the allowlist policy)."""
+def classify_global(module: str, name: str) -> str:
+    """``"allowed"``, ``"unlisted"`` (tolerated namespace, reported) or ``"refused"`` for a global."""
+    try:
+        resolve_global(module, name)
+    except UnsafePickleError:
+        return "refused"
+    module, name = _canonical(module, name)
+    top = module.split(".", 1)[0]
+    return "unlisted" if top in TOLERATED_NAMESPACES and not _listed(module, name) else "allowed"
+
+
+def _canonical(module: str, name: str) -> tuple[str, str]:
     module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
-    module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+def _listed(module: str, name: str) -> bool:
+    key = (module, name)
+    return key in _ALLOWED or key in KNOWN_STAND_INS or _torch_value(module, name) is not None
+
+
+def resolve_global(module: str, name: str, unlisted: list[str] | None = None) -> Any:
+    """What ``module.name`` resolves to when a checkpoint pickle asks for it (the allowlist policy).
+
+    An unlisted class of a tolerated namespace is appended to ``unlisted`` (as ``module.name``).
+    """
+    check_global_name(module, name)
+    module, name = _canonical(module, name)
     key = (module, name)
     if key in _ALLOWED:
         return _ALLOWED[key]
-    top = module.split(".", 1)[0]
-    if top == "torch":
-        return _resolve_torch(module, name)
-    if top in _STDLIB or not module:
-        raise UnsafePickleError(module, name)
-    return stand_in_class(module, name)
+    torch_value = _torch_value(module, name)
+    if torch_value is not None:
+        return torch_value
+    if key in KNOWN_STAND_INS:
+        return stand_in_class(module, name)
+    if module.split(".", 1)[0] in TOLERATED_NAMESPACES:
+        if unlisted is not None:
+            unlisted.append(f"{module}.{name}")
+        return stand_in_class(module, name)
+    raise UnsafePickleError(module, name)
 
 
-def _resolve_torch(module: str, name: str) -> Any:
+def _torch_value(module: str, name: str) -> Any:
     if func := TORCH_FUNCS.get((module, name)):
         return func
     if value_class := TORCH_VALUE_CLASSES.get((module, name)):
@@ -119,29 +246,29 @@ def _resolve_torch(module: str, name: str) -> Any:
     if module == "torch":
         if name == "Size":
             return Size
-        plain = DTYPE_ALIASES.get(name, name)
-        if plain in TORCH_DTYPES:
-            return DtypeRef.get(plain)
-        if name.endswith("Storage"):
+        if name in TORCH_DTYPES or name in DTYPE_ALIASES:
+            return DtypeRef.get(name)
+        if name in _TORCH_STORAGE_NAMES:
             return StorageTypeRef.get(module, name)
-    if module in ("torch.storage", "torch") and name in ("UntypedStorage", "TypedStorage", "_LegacyStorage"):
+    if module == "torch.storage" and name in ("UntypedStorage", "TypedStorage"):
         return StorageTypeRef.get(module, name)
-    return stand_in_class(module, name)
+    return None
 
 
 class SafeUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` whose globals go through :func:`resolve_global`.
 
     ``persistent_load`` (for torch zip storages) is supplied by the caller; without one, a pickle that
-    uses persistent ids is refused.
+    uses persistent ids is refused. ``unlisted`` collects tolerated but unlisted globals of this read.
     """
 
     def __init__(self, file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None) -> None:
         super().__init__(file)
         self._persistent_load = persistent_load
+        self.unlisted: list[str] = []
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle API
-        return resolve_global(module, name)
+        return resolve_global(module, name, self.unlisted)
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent_load is None:
@@ -149,12 +276,31 @@ class SafeUnpickler(pickle.Unpickler):
         return self._persistent_load(pid)
 
 
-def loads(data: bytes, persistent_load: Callable[[Any], Any] | None = None) -> Any:
-    return SafeUnpickler(io.BytesIO(data), persistent_load).load()
+def loads(data: bytes | bytearray | memoryview, persistent_load: Callable[[Any], Any] | None = None,
+          limits: PickleLimits | None = None, unlisted: list[str] | None = None) -> Any:
+    """Unpickle ``data`` under the allowlist and the limits. Tolerated unlisted globals go to ``unlisted``.
+
+    Raises :class:`UnsafePickleError` (a refused global), :class:`PickleLimitError` (a limit) or whatever
+    a corrupt pickle raises (callers turn that into a message naming the file).
+    """
+    scan(data, limits)
+    unpickler = SafeUnpickler(io.BytesIO(data), persistent_load)
+    try:
+        obj = unpickler.load()
+    except RecursionError:
+        raise PickleLimitError("pickle nests too deeply to decode") from None
+    except MemoryError:
+        raise PickleLimitError("pickle needs more memory than is available") from None
+    if unlisted is not None:
+        unlisted.extend(unpickler.unlisted)
+    return obj
 
 
-def load(file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None) -> Any:
-    return SafeUnpickler(file, persistent_load).load()
+def load(file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None,
+         limits: PickleLimits | None = None, unlisted: list[str] | None = None) -> Any:
+    """:func:`loads` of a whole (small enough) file object; refuses one larger than ``limits.max_bytes``."""
+    data = file.read((limits or current_limits()).max_bytes + 1)
+    return loads(data, persistent_load, limits, unlisted)
 
 
 # --- writing back ------------------------------------------------------------------------------------
@@ -186,4 +332,20 @@ def dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None) -> bytes:
         _Pickler(buf, protocol=2, fix_imports=False).dump(obj)
     else:
         _PicklerWithStorages(buf, persistent_id).dump(obj)
-    return _ALIAS_GLOBAL_RE.sub(lambda m: b"c" + ALIAS_TARGETS[m.group(1)], buf.getvalue())
+    out = _ALIAS_GLOBAL_RE.sub(lambda m: b"c" + ALIAS_TARGETS[m.group(1)], buf.getvalue())
+    verify_written(out)
+    return out
+
+
+def verify_written(data: bytes) -> None:
+    """Read a pickle we are about to write back through the scanner and the allowlist (no execution).
+
+    Every pickle ckptdoctor writes passes here before it replaces anything: a name that slipped through
+    would otherwise reach the next loader, which executes what it names.
+    """
+    try:
+        loads(data, persistent_load=lambda pid: StorageRef("0", None, "cpu", 0))
+    except (UnsafePickleError, PickleLimitError) as exc:
+        raise CkptError(f"refusing to write a pickle that does not read back safely: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any failure to read back means we made something wrong
+        raise CkptError(f"refusing to write a pickle that does not read back ({type(exc).__name__}: {exc})") from None

@@ -20,7 +20,20 @@ from typing import Any
 # --- stand-ins ---------------------------------------------------------------------------------------
 
 
-class StandIn:
+class _FrozenClass(type):
+    """Metaclass of the stand-in classes: they are cached for the whole process, so once made they are
+    read-only (no pickle can change a stand-in class for a later read)."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        if cls.__dict__.get("_ckd_frozen"):
+            raise AttributeError(f"stand-in class {cls.__qualname__} is read-only")
+        super().__setattr__(name, value)
+
+    def __delattr__(cls, name: str) -> None:
+        raise AttributeError(f"stand-in class {cls.__qualname__} is read-only")
+
+
+class StandIn(metaclass=_FrozenClass):
     """Base of the inert stand-ins made for globals we do not import.
 
     ``Cls(*args)`` (pickle's REDUCE) and ``Cls.__new__(Cls, *args)`` (NEWOBJ) only record ``args``;
@@ -157,11 +170,12 @@ def stand_in_class(module: str, name: str) -> type[StandIn]:
         cls = type(short, (StandIn,), {"__ckd_global__": key, "__module__": module, "__qualname__": name})
         cls.__qualname__ = register_alias(cls, module, name)
         cls.__module__ = ALIAS_MODULE
+        cls._ckd_frozen = True
         _STAND_IN_CLASSES[key] = cls
     return cls
 
 
-class Record:
+class Record(metaclass=_FrozenClass):
     """Light stand-in for the plain-data records of DCP metadata (one per tensor chunk: ~100k in a large
     checkpoint). No Python-level ``__new__``, ``__setstate__`` or ``__hash__``, so the C unpickler builds
     them at C speed (NEWOBJ + BUILD update ``__dict__`` directly) and they hash by identity; they pickle
@@ -221,6 +235,7 @@ def record_class(module: str, name: str) -> type[Record]:
         cls = type(name, (RECORD_BASES[key],), {"__ckd_global__": key})
         cls.__qualname__ = register_alias(cls, module, name)
         cls.__module__ = ALIAS_MODULE
+        cls._ckd_frozen = True
         _RECORD_CLASSES[key] = cls
     return cls
 

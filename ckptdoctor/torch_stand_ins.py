@@ -15,6 +15,25 @@ from ckptdoctor.stand_ins import ALIAS_MODULE, register_alias
 
 # --- torch stand-ins ---------------------------------------------------------------------------------
 
+
+class _Frozen:
+    """Base of the shared stand-ins (one object per dtype, storage type or function for the whole process):
+    immutable once built, so no pickle can change what a later read sees (a BUILD opcode on one of them
+    fails instead of replacing its attributes)."""
+
+    __slots__ = ()
+
+    def _freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"{type(self).__name__} stand-ins are read-only")
+        object.__setattr__(self, name, value)
+
+    def __setstate__(self, state: Any) -> None:
+        raise TypeError(f"{type(self).__name__} stand-ins take no pickled state")
+
 # torch dtype name -> (itemsize in bytes, legacy typed-storage class name)
 TORCH_DTYPES: dict[str, tuple[int, str | None]] = {
     "float32": (4, "FloatStorage"),
@@ -50,7 +69,7 @@ DTYPE_ALIASES = {
 _STORAGE_TO_DTYPE = {storage: dtype for dtype, (_, storage) in TORCH_DTYPES.items() if storage}
 
 
-class DtypeRef:
+class DtypeRef(_Frozen):
     """Stand-in for a ``torch.dtype``; pickles back to the global ``torch.<name>``."""
 
     _cache: dict[str, DtypeRef] = {}
@@ -59,6 +78,7 @@ class DtypeRef:
         self.name = name
         self.__module__ = ALIAS_MODULE
         self._alias = register_alias(self, "torch", name)
+        self._freeze()
 
     @classmethod
     def get(cls, name: str) -> DtypeRef:
@@ -82,7 +102,7 @@ class DtypeRef:
     __repr__ = __str__
 
 
-class StorageTypeRef:
+class StorageTypeRef(_Frozen):
     """Stand-in for a typed-storage class such as ``torch.FloatStorage``."""
 
     _cache: dict[str, StorageTypeRef] = {}
@@ -94,6 +114,7 @@ class StorageTypeRef:
         self.dtype = DtypeRef.get(dtype) if dtype else None
         self.__module__ = ALIAS_MODULE
         self._alias = register_alias(self, module, name)
+        self._freeze()
 
     @classmethod
     def get(cls, module: str, name: str) -> StorageTypeRef:
@@ -205,13 +226,14 @@ class _Rebuilt:
         return (self.func, self.args)
 
 
-class GlobalFunc:
+class GlobalFunc(_Frozen):
     """A named torch function we never import; pickles back to its global reference."""
 
     def __init__(self, module: str, name: str, impl: Callable[..., Any]) -> None:
         self.module, self.name, self.impl = module, name, impl
         self.__module__ = ALIAS_MODULE
         self._alias = register_alias(self, module, name)
+        self._freeze()
 
     def __call__(self, *args: Any) -> Any:
         return self.impl(*args)
@@ -220,17 +242,32 @@ class GlobalFunc:
         return self._alias
 
 
+def _tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False) -> TensorRef:
+    # The arguments come from the pickle: check their types here, so that no reader meets a str storage or
+    # a float shape later (one clear "corrupt pickle" instead of an AttributeError deep in a command).
+    if not isinstance(storage, StorageRef):
+        raise TypeError(f"tensor storage is a {type(storage).__name__}, not a storage")
+    for name, dims in (("size", size), ("stride", stride)):
+        if not isinstance(dims, tuple) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+            raise TypeError(f"tensor {name} {dims!r} is not a tuple of ints")
+    if not isinstance(storage_offset, int) or storage_offset < 0 or any(d < 0 for d in size):
+        raise TypeError("tensor offset or size is negative")
+    return TensorRef(storage, storage_offset, size, stride, bool(requires_grad))
+
+
 def _rebuild_tensor_v2(storage: StorageRef, storage_offset: int, size: tuple, stride: tuple,
                        requires_grad: bool = False, backward_hooks: Any = None, metadata: Any = None) -> TensorRef:
-    return TensorRef(storage, storage_offset, size, stride, requires_grad)
+    return _tensor(storage, storage_offset, size, stride, requires_grad)
 
 
 def _rebuild_tensor(storage: StorageRef, storage_offset: int, size: tuple, stride: tuple) -> TensorRef:
-    return TensorRef(storage, storage_offset, size, stride)
+    return _tensor(storage, storage_offset, size, stride)
 
 
 def _rebuild_parameter(data: TensorRef, requires_grad: bool, backward_hooks: Any = None,
                        state: Any = None) -> TensorRef:
+    if not isinstance(data, TensorRef):
+        raise TypeError(f"parameter data is a {type(data).__name__}, not a tensor")
     data.requires_grad = requires_grad
     data.parameter = True
     return data

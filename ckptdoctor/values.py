@@ -6,16 +6,13 @@ Memory stays bounded by the chunk being decoded, never the checkpoint.
 
 from __future__ import annotations
 
-import io
-import struct
 import warnings
-import zipfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, MissingExtraError
 from ckptdoctor.formats import torch_dist
+from ckptdoctor.formats.archive import MAX_INFLATED, parse_archive, unpickle
 from ckptdoctor.formats.torch_zip import load_torch_zip
 from ckptdoctor.layout import BACKEND_ZARR
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
@@ -117,7 +114,6 @@ def read_tensor(checkpoint: Checkpoint, key: str) -> Any:
 
 # --- zero-copy chunk reads (diff --values and other bulk readers) -----------------------------------------
 
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header: 30 bytes, then name and extra field
 _VIEW_CACHE: dict[bytes, tuple] = {}  # data.pkl bytes -> (storage key, dtype name, numel, offset, size, stride)
 _VIEW_CACHE_MAX = 4096
 _ITEMSIZE: dict[Any, int] = {}
@@ -137,52 +133,17 @@ def _chunk_view(pkl: bytes, where: str) -> tuple:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise CkptError(f"{where}: unsupported persistent id {pid!r}")
         _, storage_type, key, location, numel = pid
-        dtype = storage_type.dtype if isinstance(storage_type, StorageTypeRef) else None
-        return StorageRef(str(key), dtype, str(location), int(numel))
+        if not isinstance(storage_type, StorageTypeRef) or not isinstance(numel, int) or numel < 0:
+            raise CkptError(f"{where}: malformed storage reference {pid!r}")
+        return StorageRef(str(key), storage_type.dtype, str(location), numel)
 
-    try:
-        ref = safe_pickle.loads(pkl, persistent_load)
-    except CkptError:
-        raise
-    except Exception as exc:
-        raise CkptError(f"{where}: corrupt pickle in tensor chunk ({type(exc).__name__}: {exc})") from None
+    ref = unpickle(pkl, where, persistent_load)
     if not isinstance(ref, TensorRef) or ref.dtype is None:
         raise CkptError(f"{where}: expected a tensor, found {type(ref).__name__}")
     view = (ref.storage.key, ref.dtype.name, ref.storage.numel, ref.storage_offset, ref.size, ref.stride)
     if len(_VIEW_CACHE) < _VIEW_CACHE_MAX:
         _VIEW_CACHE[pkl] = view
     return view
-
-
-def _stored_records(blob: bytes) -> dict[str, tuple[int, int]] | None:
-    """name -> (data offset, size) of an uncompressed zip's records, from its central directory.
-
-    A few struct reads instead of :class:`zipfile.ZipFile` (which costs ~100 us a chunk, more than reading a
-    small chunk). None when the archive needs the general reader (zip64, compression, a comment).
-    """
-    end = len(blob) - 22
-    if end < 0 or blob[end:end + 4] != b"PK\x05\x06":
-        return None
-    count, cd_size, cd_offset = struct.unpack_from("<HII", blob, end + 10)
-    if cd_offset == 0xFFFFFFFF or count == 0xFFFF:
-        return None
-    records: dict[str, tuple[int, int]] = {}
-    pos = cd_offset
-    for _ in range(count):
-        if blob[pos:pos + 4] != b"PK\x01\x02":
-            return None
-        method, = struct.unpack_from("<H", blob, pos + 10)
-        size, usize, name_len, extra_len, comment_len = struct.unpack_from("<IIHHH", blob, pos + 20)
-        header, = struct.unpack_from("<I", blob, pos + 42)
-        if method != zipfile.ZIP_STORED or size != usize or size == 0xFFFFFFFF or header == 0xFFFFFFFF:
-            return None
-        name = blob[pos + 46:pos + 46 + name_len].decode("utf-8", "replace")
-        local = _LOCAL_HEADER.unpack_from(blob, header)
-        if local[0] != b"PK\x03\x04":
-            return None
-        records[name] = (header + _LOCAL_HEADER.size + local[9] + local[10], size)
-        pos += 46 + name_len + extra_len + comment_len
-    return records
 
 
 def read_chunk_view(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk,
@@ -202,24 +163,12 @@ def read_chunk_view(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk,
         blob = torch_dist.read_range(checkpoint.iteration_dir, chunk.storage)
     if checkpoint.location.backend == BACKEND_ZARR:
         return tensor_from_ref(_zarr_chunk_ref(entry, chunk, blob, where), where), len(blob)
-    try:
-        records = _stored_records(blob)
-        if records is None:
-            archive = zipfile.ZipFile(io.BytesIO(blob))  # BytesIO shares a bytes object's buffer: no copy
-            records = {}
-            for info in archive.infolist():
-                if info.compress_type != zipfile.ZIP_STORED:
-                    return read_chunk(checkpoint, entry.key, entry.chunks.index(chunk)), len(blob)
-                header = _LOCAL_HEADER.unpack_from(blob, info.header_offset)
-                start = info.header_offset + _LOCAL_HEADER.size + header[9] + header[10]
-                records[info.filename] = (start, info.file_size)
-    except (zipfile.BadZipFile, struct.error, ValueError) as exc:
-        raise CkptError(f"{where}: not a readable torch.save chunk ({exc})") from None
-    pkl_name = next((n for n in records if n.endswith("/data.pkl") and n.count("/") == 1), None)
-    if pkl_name is None:
-        raise CkptError(f"{where}: not a torch.save archive (no data.pkl record)")
-    start, size = records[pkl_name]
-    key, dtype_name, numel, offset, shape, stride = _chunk_view(blob[start:start + size], where)
+    archive = parse_archive(blob, where)
+    pkl_name = f"{archive.prefix}data.pkl"
+    if any(member.method for member in archive.members.values()):  # compressed records: the copying path
+        return read_chunk(checkpoint, entry.key, entry.chunks.index(chunk)), len(blob)
+    pickled = archive.read(pkl_name, MAX_INFLATED, verify_crc=False)
+    key, dtype_name, numel, offset, shape, stride = _chunk_view(bytes(pickled), where)
     if tuple(shape) != tuple(chunk.sizes):
         raise CkptError(f"{where}: stored shape {list(shape)} differs from metadata {list(chunk.sizes)}")
     if entry.dtype is not None and f"torch.{dtype_name}" != entry.dtype:
@@ -227,10 +176,8 @@ def read_chunk_view(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk,
     dtype = getattr(torch, dtype_name, None)
     if dtype is None:
         raise CkptError(f"{where}: dtype torch.{dtype_name} is not known to this torch version")
-    record = records.get(pkl_name[: -len("data.pkl")] + f"data/{key}")
-    if record is None:
-        raise CkptError(f"{where}: storage record {key} missing from the archive")
-    start, size = record
+    record = archive.storage(key)
+    start, size = record.start, record.size
     itemsize = _ITEMSIZE.get(dtype)
     if itemsize is None:
         itemsize = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()

@@ -166,7 +166,7 @@ def test_value_patched_in_place_same_layout(capsys, copy_fixture):
     import struct
 
     from ckptdoctor.checkpoint import open_checkpoint
-    from ckptdoctor.values import _stored_records
+    from ckptdoctor.formats.archive import parse_archive
 
     pytest.importorskip("torch")
     save = copy_fixture("core019_tp2")
@@ -176,7 +176,7 @@ def test_value_patched_in_place_same_layout(capsys, copy_fixture):
     path = ckpt.iteration_dir / chunk.storage.relative_path
     data = bytearray(path.read_bytes())
     blob = bytes(data[chunk.storage.offset:chunk.storage.offset + chunk.storage.length])
-    start, _ = next(v for k, v in _stored_records(blob).items() if "/data/" in k)
+    start = next(m.start for k, m in parse_archive(blob, "chunk").members.items() if "/data/" in k)
     at = chunk.storage.offset + start + 4 * 7  # element 7 of the chunk (fp32, contiguous)
     (old,) = struct.unpack_from("<f", data, at)
     struct.pack_into("<f", data, at, old + 2.0)

@@ -78,10 +78,21 @@ def test_unknown_third_party_class_becomes_inert_stand_in():
 
 
 def test_stand_in_calls_record_arguments_only(tmp_path):
+    # An unlisted name of a tolerated namespace is read as an inert stand-in (and reported), never called.
+    marker = tmp_path / "marker"
+    data = f"cmegatron.training.utils\nrunstring\n(S'open(\"{marker}\",\"w\")'\n(dtR.".encode()
+    unlisted: list[str] = []
+    value = safe_pickle.loads(data, unlisted=unlisted)
+    assert isinstance(value, StandIn) and not marker.exists()
+    assert unlisted == ["megatron.training.utils.runstring"]
+
+
+def test_unlisted_numpy_callable_is_refused(tmp_path):
     marker = tmp_path / "marker"
     data = f"cnumpy.testing._private.utils\nrunstring\n(S'open(\"{marker}\",\"w\")'\n(dtR.".encode()
-    value = safe_pickle.loads(data)
-    assert isinstance(value, StandIn) and not marker.exists()
+    with pytest.raises(UnsafePickleError, match="numpy.testing._private.utils.runstring"):
+        safe_pickle.loads(data)
+    assert not marker.exists()
 
 
 def test_torch_names_map_to_light_stand_ins():

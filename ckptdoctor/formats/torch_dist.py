@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ckptdoctor import safe_pickle
-from ckptdoctor.errors import CkptError, UnsafePickleError
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.archive import unpickle
+from ckptdoctor.pickle_scan import current_limits
 from ckptdoctor.stand_ins import STAND_IN_TYPES, StandIn
 
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -69,6 +71,7 @@ class DcpIndex:
     metadata_class: str  # e.g. torch.distributed.checkpoint.metadata.Metadata or MCoreMetadata
     checkpoint_id: str | None
     extra: dict[str, Any]  # other attributes of the metadata object (mcore_data, all_local_plans, ...)
+    unlisted: tuple[str, ...] = ()  # tolerated globals not on the allowlist (CKD402)
 
 
 @functools.lru_cache(maxsize=65536)  # called per chunk (tens of thousands) on a few thousand file names
@@ -108,16 +111,18 @@ def read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
         return _read_metadata(path, item_class)
 
 
-def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
+def _load_metadata_pickle(path: Path, unlisted: list[str] | None = None) -> Any:
     try:
         with open(path, "rb") as f:
-            metadata = safe_pickle.load(f)
-    except UnsafePickleError as exc:
-        raise exc.located(str(path)) from None
+            data = f.read(current_limits().max_bytes + 1)
     except OSError as exc:
         raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
-    except Exception as exc:  # truncated or garbage pickles raise many kinds of errors
-        raise CkptError(f"{path}: corrupt DCP metadata ({type(exc).__name__}: {exc})") from None
+    return unpickle(data, str(path), unlisted=unlisted, what="DCP metadata")
+
+
+def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
+    unlisted: list[str] = []
+    metadata = _load_metadata_pickle(path, unlisted)
 
     state_dict_metadata = _attr(metadata, "state_dict_metadata")
     storage_data = _attr(metadata, "storage_data")
@@ -138,7 +143,7 @@ def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
     cls = type(metadata)
     class_name = cls.qualified_name() if isinstance(metadata, StandIn) else f"{cls.__module__}.{cls.__name__}"
     return DcpIndex(items, _attr(metadata, "version"), class_name,
-                    None if checkpoint_id is None else str(checkpoint_id), extra)
+                    None if checkpoint_id is None else str(checkpoint_id), extra, tuple(unlisted))
 
 
 def _index_items(state_dict_metadata: dict, storage_data: dict, item_class: type[DcpItem]) -> dict[str, DcpItem]:
@@ -196,15 +201,8 @@ def read_range(iteration_dir: Path, location: StorageLocation) -> bytes:
 
 def load_metadata_object(path: Path) -> Any:
     """The ``.metadata`` object itself (stand-ins), for rewriting; see :func:`dump_metadata_object`."""
-    try:
-        with open(path, "rb") as f, gc_paused():
-            return safe_pickle.load(f)
-    except UnsafePickleError as exc:
-        raise exc.located(str(path)) from None
-    except OSError as exc:
-        raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
-    except Exception as exc:
-        raise CkptError(f"{path}: corrupt DCP metadata ({type(exc).__name__}: {exc})") from None
+    with gc_paused():
+        return _load_metadata_pickle(path)
 
 
 def dump_metadata_object(metadata: Any) -> bytes:

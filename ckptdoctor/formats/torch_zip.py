@@ -9,76 +9,36 @@ chunk inside a ``.distcp`` file use this format.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import zipfile
 from typing import Any
 
 from ckptdoctor import safe_pickle
-from ckptdoctor.errors import CkptError, UnsafePickleError
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.archive import ZIP_MAGIC, is_torch_zip, load_archive
+from ckptdoctor.pickle_scan import PickleLimits
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
 
-ZIP_MAGIC = b"PK\x03\x04"
+__all__ = ["ZIP_MAGIC", "dump_torch_zip", "is_torch_zip", "load_torch_zip"]
 
 
-def is_torch_zip(head: bytes) -> bool:
-    return head[:4] == ZIP_MAGIC
-
-
-def _archive_prefix(archive: zipfile.ZipFile, where: str) -> str:
-    for name in archive.namelist():
-        if name.endswith("/data.pkl") and name.count("/") == 1:
-            return name[: -len("data.pkl")]
-    raise CkptError(f"{where}: not a torch.save archive (no data.pkl record)")
-
-
-def load_torch_zip(source: bytes | str | os.PathLike, where: str) -> Any:
+def load_torch_zip(source: bytes | bytearray | memoryview | str | os.PathLike, where: str,
+                   limits: PickleLimits | None = None, unlisted: list[str] | None = None) -> Any:
     """Unpickle a ``torch.save`` archive (bytes or a path) into plain objects and stand-ins.
 
-    Tensors come back as :class:`TensorRef` whose bytes are read from the archive only on demand.
-    ``where`` names the file (and item) for error messages.
+    A file is memory-mapped, so only the bytes asked for are read. ``where`` names the file (and item)
+    for error messages; see :func:`ckptdoctor.formats.archive.load_archive`.
     """
-    in_memory = isinstance(source, (bytes, bytearray, memoryview))
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return load_archive(source, where, limits, unlisted)
     try:
-        fileobj = io.BytesIO(source) if in_memory else open(source, "rb")  # noqa: SIM115 - closed below
+        with open(source, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            blob: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     except OSError as exc:
         raise CkptError(f"{where}: cannot read ({exc.strerror})") from None
-    try:
-        try:
-            archive = zipfile.ZipFile(fileobj)
-        except (zipfile.BadZipFile, ValueError, OSError, NotImplementedError, EOFError, KeyError) as exc:
-            raise CkptError(f"{where}: not a readable torch.save file ({exc})") from None
-        prefix = _archive_prefix(archive, where)
-
-        def persistent_load(pid: Any) -> StorageRef:
-            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-                raise CkptError(f"{where}: unsupported persistent id {pid!r}")
-            _, storage_type, key, location, numel = pid
-            dtype = storage_type.dtype if isinstance(storage_type, StorageTypeRef) else None
-            if dtype is None and isinstance(storage_type, StorageTypeRef):
-                dtype = DtypeRef.get("uint8")  # untyped storage: numel counts bytes
-            record = f"{prefix}data/{key}"
-
-            def read() -> bytes:
-                # Storages are read only when a value is asked for; a file source is reopened then.
-                try:
-                    with zipfile.ZipFile(io.BytesIO(source) if in_memory else source) as again:
-                        return again.read(record)
-                except (zipfile.BadZipFile, KeyError, OSError, EOFError, ValueError, NotImplementedError) as exc:
-                    raise CkptError(f"{where}: corrupt storage record {record} ({exc})") from None
-
-            return StorageRef(str(key), dtype, str(location), int(numel), read)
-
-        try:
-            with archive.open(f"{prefix}data.pkl") as pkl:
-                return safe_pickle.load(pkl, persistent_load)
-        except UnsafePickleError as exc:
-            raise exc.located(where) from None
-        except CkptError:
-            raise
-        except Exception as exc:  # a corrupt pickle can raise almost anything; report it, never trace
-            raise CkptError(f"{where}: corrupt pickle in torch.save archive ({type(exc).__name__}: {exc})") from None
-    finally:
-        fileobj.close()
+    return load_archive(blob, where, limits, unlisted)
 
 
 def _collect_storages(obj: Any, found: dict[int, StorageRef]) -> None:

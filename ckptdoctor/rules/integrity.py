@@ -10,21 +10,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptdoctor import safe_pickle
-from ckptdoctor.checkpoint import Checkpoint, Entry, decode_object_bytes
-from ckptdoctor.errors import CkptError, UnsafePickleError
-from ckptdoctor.formats.stream import UnsupportedZip, member_data, read_ranges, zip_members
+from ckptdoctor.checkpoint import Entry, decode_object_bytes
+from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
+from ckptdoctor.formats.archive import MAX_INFLATED, ArchiveError, parse_archive
+from ckptdoctor.formats.stream import read_ranges
 from ckptdoctor.formats.torch_dist import DcpChunk
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
-from ckptdoctor.rules.safety import unsafe_pickle
+from ckptdoctor.rules.safety import refused_pickle
 from ckptdoctor.rules.structure import Scanned, reason
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
-from ckptdoctor.values import decode_chunk_ref
 
 INTEGRITY_NAME = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME
 _READ_SIZE = 1 << 20
@@ -154,7 +153,7 @@ def check_deep(state: Scanned, progress: Progress | None = None) -> list[Finding
             continue
         entry, chunk = tag  # type: ignore[misc]
         if entry.kind == "tensor":
-            problem = _check_chunk(decoder, checkpoint, entry, chunk, blob, path)
+            problem = _check_chunk(decoder, entry, chunk, blob, path)
         else:
             problem = _check_item(entry, blob, path)
         if problem is not None:
@@ -168,10 +167,10 @@ def check_deep(state: Scanned, progress: Progress | None = None) -> list[Finding
 class _Verdict:
     """What a chunk's ``data.pkl`` says, checked against the chunk's metadata (shared by identical chunks)."""
 
-    unsafe: UnsafePickleError | None = None
+    refused: CkptError | None = None  # a refused global, a broken limit or an archive anomaly (CKD4xx)
     problem: str | None = None  # a CKD310 reason
     size_problem: str | None = None  # a CKD311 reason
-    record: str | None = None  # the storage record's member name
+    record: str | None = None  # the storage record's key
     record_bytes: int = 0  # numel x itemsize the record must hold
 
 
@@ -185,19 +184,19 @@ class _ChunkDecoder:
     def __init__(self) -> None:
         self._cache: dict[tuple, _Verdict] = {}
 
-    def verdict(self, pickled: bytes, prefix: str, entry: Entry, chunk: DcpChunk) -> _Verdict:
-        key = (pickled, prefix, chunk.sizes, entry.dtype)
+    def verdict(self, pickled: bytes, entry: Entry, chunk: DcpChunk) -> _Verdict:
+        key = (pickled, chunk.sizes, entry.dtype)
         verdict = self._cache.get(key)
         if verdict is None:
-            verdict = self._cache[key] = _decide(pickled, prefix, entry, chunk)
+            verdict = self._cache[key] = _decide(pickled, entry, chunk)
         return verdict
 
 
-def _decide(pickled: bytes, prefix: str, entry: Entry, chunk: DcpChunk) -> _Verdict:
+def _decide(pickled: bytes, entry: Entry, chunk: DcpChunk) -> _Verdict:
     try:
         ref = safe_pickle.loads(pickled, _persistent_load)
-    except UnsafePickleError as exc:
-        return _Verdict(unsafe=exc)
+    except (UnsafePickleError, PickleLimitError) as exc:
+        return _Verdict(refused=exc)
     except Exception as exc:  # a corrupt pickle can raise almost anything
         return _Verdict(problem=f"corrupt pickle ({type(exc).__name__}: {exc})")
     if not isinstance(ref, TensorRef):
@@ -211,47 +210,41 @@ def _decide(pickled: bytes, prefix: str, entry: Entry, chunk: DcpChunk) -> _Verd
     itemsize = ref.dtype.itemsize if ref.dtype is not None else None
     if itemsize is None:
         return _Verdict(problem=f"unknown dtype {ref.dtype}")
-    return _Verdict(record=f"{prefix}data/{ref.storage.key}", record_bytes=ref.storage.numel * itemsize)
+    return _Verdict(record=ref.storage.key, record_bytes=ref.storage.numel * itemsize)
 
 
 def _persistent_load(pid: object) -> StorageRef:
     if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
         raise CkptError(f"unsupported persistent id {pid!r}")
     _, storage_type, key, location, numel = pid
-    dtype = storage_type.dtype if isinstance(storage_type, StorageTypeRef) else None
-    return StorageRef(str(key), dtype or DtypeRef.get("uint8"), str(location), int(numel))
+    if not isinstance(storage_type, StorageTypeRef) or not isinstance(numel, int) or numel < 0:
+        raise CkptError(f"malformed storage reference {pid!r}")
+    return StorageRef(str(key), storage_type.dtype or DtypeRef.get("uint8"), str(location), numel)
 
 
-def _check_chunk(decoder: _ChunkDecoder, checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: memoryview,
+def _check_chunk(decoder: _ChunkDecoder, entry: Entry, chunk: DcpChunk, blob: memoryview,
                  path: Path) -> Finding | None:
     what = f"{entry.key} chunk at {list(chunk.offsets)}"
     try:
-        members = zip_members(blob)
-        pkl = next((name for name in members if name.endswith("/data.pkl") and name.count("/") == 1), None)
-        if pkl is None:
-            return finding(BLOB_UNDECODABLE, path, f"{what}: not a torch.save blob (no data.pkl record)")
-        offset, size = member_data(blob, members[pkl])
-    except UnsupportedZip:
-        return _check_chunk_with_zipfile(checkpoint, entry, chunk, path, what)
-    except ValueError as exc:
-        return finding(BLOB_UNDECODABLE, path, f"{what}: not a readable torch.save blob ({exc})")
-    verdict = decoder.verdict(bytes(blob[offset:offset + size]), pkl[:-len("data.pkl")], entry, chunk)
-    if verdict.unsafe is not None:
-        return unsafe_pickle(verdict.unsafe, path, what)
-    if verdict.problem is not None:
-        return finding(BLOB_UNDECODABLE, path, f"{what}: {verdict.problem}")
-    if verdict.size_problem is not None:
-        return finding(BLOB_SIZE, path, f"{what}: {verdict.size_problem}")
-    record = members.get(verdict.record or "")
-    if record is None:
-        return finding(BLOB_UNDECODABLE, path, f"{what}: storage record {verdict.record} missing from the blob")
-    try:
-        member_data(blob, record)
-    except ValueError as exc:
-        return finding(BLOB_UNDECODABLE, path, f"{what}: storage record unreadable ({exc})")
-    if record[1] != verdict.record_bytes:
-        return finding(BLOB_SIZE, path, f"{what}: storage record has {record[1]} bytes, "
-                                        f"{verdict.record_bytes} expected (numel x itemsize)")
+        archive = parse_archive(blob, what)
+        pickled = archive.read(f"{archive.prefix}data.pkl", MAX_INFLATED, verify_crc=archive.general)
+        verdict = decoder.verdict(bytes(pickled), entry, chunk)
+        if verdict.refused is not None:
+            return refused_pickle(verdict.refused, path, what)
+        if verdict.problem is not None:
+            return finding(BLOB_UNDECODABLE, path, f"{what}: {verdict.problem}")
+        if verdict.size_problem is not None:
+            return finding(BLOB_SIZE, path, f"{what}: {verdict.size_problem}")
+        record = archive.storage(verdict.record or "")
+        if record.size != verdict.record_bytes:
+            return finding(BLOB_SIZE, path, f"{what}: storage record has {record.size} bytes, "
+                                            f"{verdict.record_bytes} expected (numel x itemsize)")
+        if record.method or archive.general:  # inflate (bounded by what the tensor needs) and check the CRC
+            archive.read(record.name, verdict.record_bytes)
+    except (ArchiveError, PickleLimitError) as exc:
+        return refused_pickle(exc, path, what)
+    except CkptError as exc:
+        return finding(BLOB_UNDECODABLE, path, f"{what}: {reason(exc, what)}")
     return None
 
 
@@ -261,23 +254,6 @@ def _metadata_problem(ref: TensorRef, entry: Entry, chunk: DcpChunk) -> str | No
     if entry.dtype is not None and str(ref.dtype) != entry.dtype:
         return f"stored dtype {ref.dtype} differs from metadata {entry.dtype}"
     return None
-
-
-def _check_chunk_with_zipfile(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, path: Path,
-                              what: str) -> Finding | None:
-    """Archives the lean reader leaves alone (zip64, ...): :func:`ckptdoctor.values.decode_chunk_ref`."""
-    where = f"{checkpoint.iteration_dir}: {what}"
-    try:
-        ref = decode_chunk_ref(checkpoint, entry, chunk)
-        data = ref.storage.data()  # zipfile also checks the record's CRC-32 here
-    except UnsafePickleError as exc:
-        return unsafe_pickle(exc, path, what)
-    except CkptError as exc:
-        return finding(BLOB_UNDECODABLE, path, f"{what}: {reason(exc, where)}")
-    except (zipfile.BadZipFile, KeyError, OSError, ValueError, EOFError) as exc:
-        return finding(BLOB_UNDECODABLE, path, f"{what}: storage record unreadable ({exc})")
-    problem = storage_size_problem(ref, len(data))
-    return None if problem is None else finding(BLOB_SIZE, path, f"{what}: {problem}")
 
 
 def storage_size_problem(ref: TensorRef, record_bytes: int) -> str | None:
@@ -303,8 +279,8 @@ def _check_item(entry: Entry, blob: memoryview, path: Path) -> Finding | None:
     what = f"item {entry.key}"
     try:
         decode_object_bytes(bytes(blob), what)
-    except UnsafePickleError as exc:
-        return unsafe_pickle(exc, path, what)
+    except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
+        return refused_pickle(exc, path, what)
     except CkptError as exc:
         return finding(ITEM_UNDECODABLE, path, f"{what}: {reason(exc, what)}")
     return None

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptdoctor.checkpoint import Checkpoint, Entry, checkpoint_from_index
-from ckptdoctor.errors import CkptError, UnsafePickleError
+from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats import torch_dist, zarr_meta
+from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.layout import (
     BACKEND_TORCH_DIST,
     BACKEND_ZARR,
@@ -29,7 +30,7 @@ from ckptdoctor.layout import (
     read_tracker,
 )
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
-from ckptdoctor.rules.safety import unsafe_pickle
+from ckptdoctor.rules.safety import refused_pickle, unlisted_globals
 
 
 def _rule(code: str, name: str, severity: str, summary: str, rationale: str) -> RuleInfo:
@@ -220,9 +221,11 @@ def _read_index(directory: Path, shown: Path, names: set[str], findings: list[Fi
         return None
     path = directory / ".metadata"
     try:
-        return torch_dist.read_metadata(path)
-    except UnsafePickleError as exc:
-        findings.append(unsafe_pickle(exc, shown / ".metadata", "DCP metadata"))
+        index = torch_dist.read_metadata(path)
+        findings.extend(unlisted_globals(list(index.unlisted), shown / ".metadata", "DCP metadata"))
+        return index
+    except (UnsafePickleError, PickleLimitError) as exc:
+        findings.append(refused_pickle(exc, shown / ".metadata", "DCP metadata"))
     except CkptError as exc:
         findings.append(finding(DCP_METADATA_UNREADABLE, shown / ".metadata", reason(exc, path)))
     return None
@@ -334,8 +337,9 @@ def _check_common(state: Scanned, index_known: bool, findings: list[Finding]) ->
     what = "common state" if source == "common.pt" else f"common state (item {source})"
     try:
         state.common = checkpoint.common_state()
-    except UnsafePickleError as exc:
-        findings.append(unsafe_pickle(exc, path, what))
+        findings.extend(unlisted_globals(checkpoint.common_unlisted, path, what))
+    except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
+        findings.append(refused_pickle(exc, path, what))
         return
     except CkptError as exc:
         detail = reason(exc, checkpoint.iteration_dir / "common.pt", f"{checkpoint.iteration_dir}: item {source}",

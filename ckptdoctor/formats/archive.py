@@ -1,0 +1,249 @@
+"""The one ``torch.save`` archive decoder: members, ``data.pkl`` through the safe unpickler, storages.
+
+A ``torch.save`` file is a zip holding ``<prefix>/data.pkl`` (the pickled object; tensors refer to storages
+by persistent id) and one record ``<prefix>/data/<key>`` of raw bytes per storage. Megatron's ``common.pt``,
+its ``common_state`` bytes item, every ``_extra_state`` and every tensor chunk inside a ``.distcp`` use it.
+
+Everything that reads such an archive goes through :func:`parse_archive`, so the checks torch's own reader
+makes are made once, the same way: one archive prefix, no duplicate member (torch reads the first, a plain zip
+reader the last: the two would see different objects), no ``..`` or absolute member names. Compressed
+members (torch never writes them) are inflated with a bound known in advance, so a deflate bomb costs
+nothing. Stored members are views into the archive's bytes: no copy.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptdoctor import safe_pickle
+from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
+from ckptdoctor.pickle_scan import PickleLimits, current_limits
+from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
+
+ZIP_MAGIC = b"PK\x03\x04"
+MAX_INFLATED = 64 << 20  # the most a compressed member may inflate to (torch.save writes none)
+
+_EOCD = struct.Struct("<4s4H2LH")  # signature, disk, cd disk, entries here, entries total, cd size, cd offset, comment
+_CDIR = struct.Struct("<4s6H3L5H2L")  # central directory file header (46 bytes)
+_LOCAL = struct.Struct("<4s5H3L2H")  # local file header (30 bytes)
+
+Blob = bytes | bytearray | memoryview
+
+
+class ArchiveError(CkptError):
+    """An archive torch would not read, or would read differently from us (a CKD404 finding in ``check``)."""
+
+
+def is_torch_zip(head: Blob) -> bool:
+    return bytes(head[:4]) == ZIP_MAGIC
+
+
+@dataclass(frozen=True)
+class Member:
+    """One archive member: where its bytes start, how many there are, and how they are stored."""
+
+    name: str
+    start: int  # offset of the member's (possibly compressed) bytes in the archive
+    size: int  # uncompressed size
+    compressed_size: int
+    method: int  # 0 stored, 8 deflated
+    crc: int  # CRC-32 of the uncompressed bytes, from the central directory
+
+
+class TorchArchive:
+    """A parsed ``torch.save`` archive over bytes held in memory (or a memory map)."""
+
+    def __init__(self, blob: Blob, members: dict[str, Member], prefix: str, where: str, general: bool) -> None:
+        self.blob = blob
+        self.members = members
+        self.prefix = prefix
+        self.where = where
+        self.general = general  # the directory needed the general (zipfile) reader: zip64 or a comment
+
+    def read(self, name: str, limit: int, verify_crc: bool = True) -> Blob:
+        """A member's bytes (a view for stored members); refuses more than ``limit`` bytes.
+
+        ``verify_crc`` checks the record's CRC-32 (about 2 GB/s here), as torch's reader does.
+        """
+        member = self.members.get(name)
+        if member is None:
+            raise CkptError(f"{self.where}: record {name} missing from the archive")
+        if member.size > limit:
+            raise PickleLimitError(f"{self.where}: record {name} holds {member.size} bytes, over the limit of {limit}")
+        raw = memoryview(self.blob)[member.start:member.start + member.compressed_size]
+        data: Blob = raw
+        if member.method:
+            inflater = zlib.decompressobj(-15)
+            try:
+                data = inflater.decompress(raw, member.size + 1)
+            except zlib.error as exc:
+                raise CkptError(f"{self.where}: corrupt storage record {name} ({exc})") from None
+            if len(data) != member.size or inflater.unconsumed_tail:
+                raise ArchiveError(f"{self.where}: record {name} inflates to more than its declared "
+                                   f"{member.size} bytes")
+        if verify_crc and zlib.crc32(data) != member.crc:
+            raise CkptError(f"{self.where}: corrupt storage record {name} (Bad CRC-32: the bytes changed)")
+        return data
+
+    def storage(self, key: str) -> Member:
+        member = self.members.get(f"{self.prefix}data/{key}")
+        if member is None:
+            raise CkptError(f"{self.where}: storage record {key} missing from the archive")
+        return member
+
+
+def parse_archive(blob: Blob, where: str) -> TorchArchive:
+    """Parse and validate a ``torch.save`` archive's directory. Raises :class:`ArchiveError` for anomalies
+    (duplicates, several prefixes, unsafe names) and :class:`CkptError` for a damaged archive."""
+    general = False
+    try:
+        entries = _central_directory(blob)
+    except _NeedsZipfile:
+        entries, general = _zipfile_directory(blob, where), True
+    except (ValueError, struct.error) as exc:
+        raise CkptError(f"{where}: not a readable torch.save file ({exc})") from None
+    members: dict[str, Member] = {}
+    prefix: str | None = None
+    for member in entries:
+        name = member.name
+        if name in members:
+            raise ArchiveError(f"{where}: archive holds two members named {name!r} (torch reads the first, "
+                               "other readers the last)")
+        if _unsafe_name(name):
+            raise ArchiveError(f"{where}: archive member name {name!r} leaves the archive directory")
+        head = name.split("/", 1)[0] + "/"
+        if prefix is None:
+            prefix = head
+        elif head != prefix or "/" not in name:
+            raise ArchiveError(f"{where}: archive members under more than one prefix ({prefix!r}, {head!r}); "
+                               "torch refuses such an archive")
+        if member.method not in (0, 8):
+            raise CkptError(f"{where}: member {name} uses zip compression method {member.method}")
+        if member.start + member.compressed_size > len(blob):
+            raise CkptError(f"{where}: member {name} runs past the end of the archive")
+        members[name] = member
+    if prefix is None or f"{prefix}data.pkl" not in members:
+        raise CkptError(f"{where}: not a torch.save archive (no data.pkl record)")
+    return TorchArchive(blob, members, prefix, where, general)
+
+
+def _unsafe_name(name: str) -> bool:
+    parts = name.split("/")
+    return (not name or name.startswith("/") or "\\" in name or "\x00" in name
+            or any(part in ("..", ".") for part in parts) or (len(name) > 1 and name[1] == ":"))
+
+
+class _NeedsZipfile(Exception):
+    """An archive feature the lean directory reader leaves to :mod:`zipfile` (zip64, a comment)."""
+
+
+def _central_directory(blob: Blob) -> list[Member]:
+    size = len(blob)
+    if size < _EOCD.size:
+        raise ValueError("too short for a zip archive")
+    sig, _, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(blob, size - _EOCD.size)
+    if sig != b"PK\x05\x06" or count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
+        raise _NeedsZipfile
+    cd_end = cd_offset + cd_size
+    if cd_end > size - _EOCD.size:
+        raise ValueError("central directory lies past the end of the archive")
+    out: list[Member] = []
+    pos = cd_offset
+    for _ in range(count):
+        if pos + _CDIR.size > cd_end:
+            raise ValueError("central directory is truncated")
+        (sig, _, _, _, method, _, _, crc, compressed, plain, name_len, extra_len, comment_len, _, _, _,
+         local) = _CDIR.unpack_from(blob, pos)
+        if sig != b"PK\x01\x02":
+            raise ValueError("bad central directory entry")
+        if plain == 0xFFFFFFFF or compressed == 0xFFFFFFFF or local == 0xFFFFFFFF:
+            raise _NeedsZipfile
+        name_start = pos + _CDIR.size
+        name = bytes(blob[name_start:name_start + name_len]).decode("utf-8", "replace")
+        out.append(Member(name, _data_start(blob, local, cd_offset), plain, compressed, method, crc))
+        pos = name_start + name_len + extra_len + comment_len
+    if pos > cd_end:
+        raise ValueError("central directory entries overrun the directory")
+    return out
+
+
+def _data_start(blob: Blob, local: int, limit: int) -> int:
+    if local + _LOCAL.size > limit:
+        raise ValueError("member header past the central directory")
+    sig, _, _, _, _, _, _, _, _, name_len, extra_len = _LOCAL.unpack_from(blob, local)
+    if sig != b"PK\x03\x04":
+        raise ValueError("bad local header")
+    return local + _LOCAL.size + name_len + extra_len
+
+
+def _zipfile_directory(blob: Blob, where: str) -> list[Member]:
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:  # type: ignore[arg-type]
+            infos = archive.infolist()
+            if len(infos) > 1 << 20:
+                raise ArchiveError(f"{where}: archive lists {len(infos)} members")
+            return [Member(i.filename, _data_start(blob, i.header_offset, len(blob)), i.file_size,
+                           i.compress_size, i.compress_type, i.CRC) for i in infos]
+    except ArchiveError:
+        raise
+    except (zipfile.BadZipFile, ValueError, OSError, NotImplementedError, EOFError, KeyError, struct.error) as exc:
+        raise CkptError(f"{where}: not a readable torch.save file ({exc})") from None
+
+
+def _storage_ref_factory(archive: TorchArchive) -> Callable[[Any], StorageRef]:
+    """``persistent_load`` for an archive's pickle: one dtype policy for every reader (an untyped storage is
+    bytes; a storage type we do not know is refused), bytes read from the archive on demand."""
+
+    def persistent_load(pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise CkptError(f"{archive.where}: unsupported persistent id {pid!r}")
+        _, storage_type, key, location, numel = pid
+        if not isinstance(storage_type, StorageTypeRef) or not isinstance(numel, int) or numel < 0:
+            raise CkptError(f"{archive.where}: malformed storage reference {pid!r}")
+        dtype = storage_type.dtype or DtypeRef.get("uint8")  # untyped storage: numel counts bytes
+        member = archive.storage(str(key))
+        expected = numel * (dtype.itemsize or 1)
+
+        def read() -> bytes:
+            # A stored record is a slice of bytes already here; a compressed one may inflate to at most what
+            # the tensor needs (and never past MAX_INFLATED): a deflate bomb is refused before it inflates.
+            limit = max(expected, member.size) if member.method == 0 else min(expected, MAX_INFLATED)
+            return bytes(archive.read(member.name, limit))
+
+        return StorageRef(str(key), dtype, str(location), numel, read)
+
+    return persistent_load
+
+
+def load_archive(blob: Blob, where: str, limits: PickleLimits | None = None,
+                 unlisted: list[str] | None = None) -> Any:
+    """Unpickle a ``torch.save`` archive held in memory into plain objects and stand-ins.
+
+    Tensors come back as :class:`~ckptdoctor.torch_stand_ins.TensorRef` whose bytes are read only on demand.
+    ``where`` names the file (and item) in every error.
+    """
+    archive = parse_archive(blob, where)
+    max_bytes = (limits or current_limits()).max_bytes
+    name = f"{archive.prefix}data.pkl"
+    pickled = archive.read(name, min(max_bytes, MAX_INFLATED) if archive.members[name].method else max_bytes)
+    return unpickle(pickled, where, _storage_ref_factory(archive), limits, unlisted, "pickle in torch.save archive")
+
+
+def unpickle(pickled: Blob, where: str, persistent_load: Callable[[Any], Any] | None = None,
+             limits: PickleLimits | None = None, unlisted: list[str] | None = None,
+             what: str = "pickle") -> Any:
+    """:func:`safe_pickle.loads` with every failure turned into an error naming ``where`` (and ``what``)."""
+    try:
+        return safe_pickle.loads(pickled, persistent_load, limits, unlisted)
+    except (UnsafePickleError, PickleLimitError) as exc:
+        raise exc.located(where) from None
+    except CkptError:
+        raise
+    except Exception as exc:  # a corrupt pickle can raise almost anything; report it, never trace
+        raise CkptError(f"{where}: corrupt {what} ({type(exc).__name__}: {exc})") from None

@@ -1,0 +1,263 @@
+"""A pre-pass over a pickle's opcodes that enforces ckptdoctor's resource and shape limits.
+
+The C unpickler is fast but offers no hook per opcode, and a few MB of hostile input can make it (or code that
+touches its result) crash or balloon: a million-deep nested tuple used as a dict key overflows the C stack
+when it is hashed (SIGSEGV), a ``LONG_BINPUT`` of index 2**31 allocates a memo of gigabytes, a ``BUILD`` on a
+class object changes that class for every later read. This scanner walks the opcode stream once, tracking for
+each stack item only whether it is a global (a class or function) and how deeply tuples nest in it, and
+refuses what the limits forbid *before* the real unpickler runs. Names of globals are checked by the
+unpickler itself (``safe_pickle.resolve_global``), which sees every GLOBAL and STACK_GLOBAL.
+
+Tuples are the only containers whose hash recurses in C without a recursion check; every other path that
+could build deep nesting (``builtins.tuple``, ``copyreg._reconstructor`` with a tuple base, ...) is off the
+allowlist, so the tuple depth tracked here bounds the C recursion of any hash or comparison of the result.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from dataclasses import dataclass
+
+from ckptdoctor.errors import PickleLimitError
+
+
+@dataclass(frozen=True)
+class PickleLimits:
+    """Limits for one pickle. The defaults fit every checkpoint seen (DCP ``.metadata`` of 200k keys is
+    ~70 MB); raise ``max_bytes`` for legitimate giants with ``--max-pickle-bytes``."""
+
+    max_bytes: int = 1 << 30
+    max_tuple_depth: int = 200
+    max_string: int = 256 << 20
+
+    def check_size(self, size: int) -> None:
+        if size > self.max_bytes:
+            raise PickleLimitError(f"pickle of {size} bytes exceeds the limit of {self.max_bytes} bytes "
+                                   "(raise it with --max-pickle-bytes)")
+
+
+DEFAULT_LIMITS = PickleLimits()
+_current = DEFAULT_LIMITS
+
+
+def current_limits() -> PickleLimits:
+    """The limits in force: the defaults, or what the command line set (``--max-pickle-bytes``)."""
+    return _current
+
+
+def set_limits(limits: PickleLimits) -> None:
+    """Set the limits for this process (the CLI does, once, before any read)."""
+    global _current
+    _current = limits
+
+# opcode -> kind; the kinds are grouped by what the scanner does with the stack.
+_PUSH, _PUSH_NL, _PUSH_N, _PUSH_LEN, _MARK, _STOP, _POP, _POP_MARK, _DUP = range(1, 10)
+_TUPLE_MARK, _TUPLE_N, _CONTAINER_MARK, _APPEND1, _ITEMS_MARK, _SETITEM = range(10, 16)
+_BUILD, _REDUCE, _NEWOBJ_EX, _GLOBAL, _STACK_GLOBAL, _GET, _PUT, _MEMOIZE, _FRAME, _PROTO = range(16, 26)
+_PERSID, _BINPERSID, _OBJ_MARK, _INST, _BINGET, _LONG_BINGET = range(26, 32)
+
+_KIND = bytearray(256)  # 0: not an opcode we accept
+_ARG = [0] * 256  # fixed argument width (bytes), or width of the length prefix for _PUSH_LEN
+_NTUPLE = [0] * 256
+for _op, _kind, _arg in (
+    (b"N", _PUSH, 0), (b"\x88", _PUSH, 0), (b"\x89", _PUSH, 0), (b"K", _PUSH, 1), (b"M", _PUSH, 2),
+    (b"J", _PUSH, 4), (b"G", _PUSH, 8), (b"]", _PUSH, 0), (b"}", _PUSH, 0), (b"\x8f", _PUSH, 0),
+    (b"I", _PUSH_NL, 0), (b"L", _PUSH_NL, 0), (b"F", _PUSH_NL, 0), (b"S", _PUSH_NL, 0), (b"V", _PUSH_NL, 0),
+    (b"\x8a", _PUSH_LEN, 1), (b"\x8b", _PUSH_LEN, 4), (b"U", _PUSH_LEN, 1), (b"T", _PUSH_LEN, 4),
+    (b"C", _PUSH_LEN, 1), (b"B", _PUSH_LEN, 4), (b"\x8e", _PUSH_LEN, 8), (b"\x8c", _PUSH_LEN, 1),
+    (b"X", _PUSH_LEN, 4), (b"\x8d", _PUSH_LEN, 8), (b"\x96", _PUSH_LEN, 8),
+    (b"(", _MARK, 0), (b".", _STOP, 0), (b"0", _POP, 0), (b"1", _POP_MARK, 0), (b"2", _DUP, 0),
+    (b"t", _TUPLE_MARK, 0), (b")", _TUPLE_N, 0), (b"\x85", _TUPLE_N, 0), (b"\x86", _TUPLE_N, 0),
+    (b"\x87", _TUPLE_N, 0), (b"l", _CONTAINER_MARK, 0), (b"d", _CONTAINER_MARK, 0),
+    (b"\x91", _CONTAINER_MARK, 0), (b"a", _APPEND1, 0), (b"e", _ITEMS_MARK, 0), (b"u", _ITEMS_MARK, 0),
+    (b"\x90", _ITEMS_MARK, 0), (b"s", _SETITEM, 0), (b"b", _BUILD, 0), (b"R", _REDUCE, 0),
+    (b"\x81", _REDUCE, 0), (b"\x92", _NEWOBJ_EX, 0), (b"c", _GLOBAL, 0), (b"\x93", _STACK_GLOBAL, 0),
+    (b"h", _BINGET, 1), (b"j", _LONG_BINGET, 4), (b"g", _GET, -1), (b"q", _PUT, 1), (b"r", _PUT, 4), (b"p", _PUT, -1),
+    (b"\x94", _MEMOIZE, 0), (b"\x95", _FRAME, 8), (b"\x80", _PROTO, 1), (b"P", _PERSID, 0),
+    (b"Q", _BINPERSID, 0), (b"o", _OBJ_MARK, 0), (b"i", _INST, 0),
+):
+    _KIND[_op[0]] = _kind
+    _ARG[_op[0]] = _arg
+_NTUPLE[ord(")")], _NTUPLE[0x85], _NTUPLE[0x86], _NTUPLE[0x87] = 0, 1, 2, 3
+_KIND_OF = bytes(_KIND)
+
+# Valid opcodes never accepted: the copyreg extension registry and protocol 5 out-of-band buffers.
+_REFUSED_OPCODES = {0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4", 0x97: "NEXT_BUFFER", 0x98: "READONLY_BUFFER"}
+
+_GLOBAL_REF = -1  # a stack item that is a global (class or function) from GLOBAL / STACK_GLOBAL
+
+
+def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = None) -> None:
+    """Raise :class:`PickleLimitError` if ``data`` breaks a limit or uses an opcode we never accept.
+
+    Stack items are ints: 0 for an ordinary object, ``_GLOBAL_REF`` for a global, n >= 1 for a tuple whose
+    tuples nest n deep. Protocol 5 out-of-band buffers and the copyreg extension registry are refused.
+    """
+    limits = limits or _current
+    limits.check_size(len(data))
+    buf = bytes(data) if not isinstance(data, bytes) else data
+    size = len(buf)
+    kind_of = _KIND_OF
+    arg_width = _ARG
+    max_depth = limits.max_tuple_depth
+    max_string = limits.max_string
+    stack: list[int] = []
+    marks: list[int] = []
+    memo: list[int] = []
+    unpack_from = struct.unpack_from
+    pos = 0
+
+    def fail(what: str) -> PickleLimitError:
+        return PickleLimitError(f"{what} at byte {pos}")
+
+    def corrupt(what: str) -> pickle.UnpicklingError:
+        # Damage, not a policy: callers report it like any other corrupt pickle.
+        return pickle.UnpicklingError(f"{what} at byte {pos}")
+
+    try:
+        while True:
+            op = buf[pos]
+            kind = kind_of[op]
+            pos += 1
+            if kind == _MEMOIZE:
+                memo.append(stack[-1])
+            elif kind == _BINGET:
+                stack.append(memo[buf[pos]])
+                pos += 1
+            elif kind == _LONG_BINGET:
+                stack.append(memo[unpack_from("<I", buf, pos)[0]])
+                pos += 4
+            elif kind == _GET:
+                width = arg_width[op]
+                if width == 1:
+                    idx = buf[pos]
+                elif width == 4:
+                    idx = unpack_from("<I", buf, pos)[0]
+                else:
+                    end = buf.index(b"\n", pos)
+                    idx = int(buf[pos:end])
+                    width = end - pos + 1
+                pos += width
+                stack.append(memo[idx])
+            elif kind == _PUSH:
+                pos += arg_width[op]
+                stack.append(0)
+            elif kind == _REDUCE:  # REDUCE and NEWOBJ: callable/class, argument tuple -> object
+                args = stack.pop()
+                stack[-1] = args if args > 0 else 0
+            elif kind == _BUILD:
+                stack.pop()
+                if stack[-1] == _GLOBAL_REF:
+                    raise fail("BUILD on a class or function (would change it for every later read)")
+            elif kind == _MARK:
+                marks.append(len(stack))
+            elif kind == _TUPLE_N:
+                n = _NTUPLE[op]
+                depth = 1
+                if n:
+                    items = stack[-n:]
+                    del stack[-n:]
+                    if len(items) != n:
+                        raise corrupt("stack underflow")
+                    depth = 1 + max(0, *items)
+                    if depth > max_depth:
+                        raise fail(f"tuples nest deeper than {max_depth}")
+                stack.append(depth)
+            elif kind in (_ITEMS_MARK, _SETITEM, _APPEND1):
+                if kind == _ITEMS_MARK:
+                    del stack[marks.pop():]
+                else:
+                    del stack[-2 if kind == _SETITEM else -1:]
+                if stack[-1] == _GLOBAL_REF:
+                    raise fail("item assignment on a class or function")
+            elif kind == _PUSH_LEN:
+                width = arg_width[op]
+                if width == 1:
+                    length = buf[pos]
+                elif width == 4:
+                    length = unpack_from("<I", buf, pos)[0]
+                else:
+                    length = unpack_from("<Q", buf, pos)[0]
+                if length > max_string:
+                    raise fail(f"a string of {length} bytes exceeds the limit of {max_string}")
+                pos += width + length
+                if pos > size:
+                    raise corrupt("truncated")
+                stack.append(0)
+            elif kind == _TUPLE_MARK:
+                mark = marks.pop()
+                items = stack[mark:]
+                del stack[mark:]
+                depth = 1 + max(0, *items) if items else 1
+                if depth > max_depth:
+                    raise fail(f"tuples nest deeper than {max_depth}")
+                stack.append(depth)
+            elif kind == _PUT:
+                width = arg_width[op]
+                if width == 1:
+                    idx = buf[pos]
+                elif width == 4:
+                    idx = unpack_from("<I", buf, pos)[0]
+                else:
+                    end = buf.index(b"\n", pos)
+                    idx = int(buf[pos:end])
+                    width = end - pos + 1
+                pos += width
+                if idx == len(memo):  # Python's picklers number memo slots 0, 1, 2, ...
+                    memo.append(stack[-1])
+                elif idx < len(memo):
+                    memo[idx] = stack[-1]
+                else:
+                    raise fail(f"memo index {idx} out of sequence")
+            elif kind == _CONTAINER_MARK:  # LIST, DICT, FROZENSET from the items since the mark
+                del stack[marks.pop():]
+                stack.append(0)
+            elif kind == _STACK_GLOBAL:
+                del stack[-2:]
+                stack.append(_GLOBAL_REF)
+            elif kind == _GLOBAL:
+                pos = buf.index(b"\n", buf.index(b"\n", pos) + 1) + 1
+                stack.append(_GLOBAL_REF)
+            elif kind == _PUSH_NL:
+                end = buf.index(b"\n", pos)
+                if end - pos > max_string:
+                    raise fail(f"a string of {end - pos} bytes exceeds the limit of {max_string}")
+                pos = end + 1
+                stack.append(0)
+            elif kind == _POP:
+                if marks and marks[-1] == len(stack):
+                    marks.pop()
+                else:
+                    stack.pop()
+            elif kind == _POP_MARK:
+                del stack[marks.pop():]
+            elif kind == _DUP:
+                stack.append(stack[-1])
+            elif kind == _NEWOBJ_EX:
+                del stack[-2:]
+                stack[-1] = 0
+            elif kind in (_FRAME, _PROTO):
+                pos += arg_width[op]
+            elif kind == _BINPERSID:
+                stack[-1] = 0
+            elif kind == _PERSID:
+                pos = buf.index(b"\n", pos) + 1
+                stack.append(0)
+            elif kind == _OBJ_MARK:
+                del stack[marks.pop():]
+                stack.append(0)
+            elif kind == _INST:
+                pos = buf.index(b"\n", buf.index(b"\n", pos) + 1) + 1
+                del stack[marks.pop():]
+                stack.append(0)
+            elif kind == _STOP:
+                return
+            elif op in _REFUSED_OPCODES:
+                raise fail(f"opcode {_REFUSED_OPCODES[op]} is not accepted")
+            else:
+                raise corrupt(f"invalid opcode {bytes([op])!r}")
+    except (PickleLimitError, pickle.UnpicklingError):
+        raise
+    except (IndexError, KeyError, ValueError, struct.error):
+        raise corrupt("malformed pickle") from None
