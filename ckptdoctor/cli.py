@@ -9,13 +9,32 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-import click
+_PENDING_SIGINT: list[int] = []  # SIGINTs that arrived while the CLI process was still importing
 
-from ckptdoctor import __version__
-from ckptdoctor.commands import LazyGroup
-from ckptdoctor.errors import CkptError
-from ckptdoctor.report import EXIT_ERROR
-from ckptdoctor.text_safety import escape
+
+def _defer_sigint(signum: int, frame: object) -> None:
+    _PENDING_SIGINT.append(signum)
+
+
+def _is_cli_process() -> bool:
+    """This module is being imported by the ``ckptdoctor`` console script or ``python -m ckptdoctor``."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    name, parent = os.path.basename(argv0), os.path.basename(os.path.dirname(argv0))
+    return name in ("ckptdoctor", "ckptdoctor.exe") or (name == "__main__.py" and parent == "ckptdoctor")
+
+
+# Before the imports below (click is most of the start-up): a Ctrl-C while the CLI starts is remembered and
+# answered by run() like any other interrupt, instead of a KeyboardInterrupt traceback from an import.
+if _is_cli_process() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _defer_sigint)
+
+import click  # noqa: E402
+
+from ckptdoctor import __version__  # noqa: E402
+from ckptdoctor.commands import LazyGroup  # noqa: E402
+from ckptdoctor.errors import CkptError  # noqa: E402
+from ckptdoctor.report import EXIT_ERROR  # noqa: E402
+from ckptdoctor.text_safety import escape  # noqa: E402
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -48,7 +67,7 @@ def _sigint_raises_interrupted() -> Iterator[None]:
     main one cannot set handlers: both leave signals alone.
     """
     try:
-        installed = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        installed = signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _defer_sigint)
         if installed:
             signal.signal(signal.SIGINT, _on_sigint)
     except ValueError:  # not the main thread
@@ -136,6 +155,8 @@ def run() -> None:
     code = EXIT_ERROR
     with _sigint_raises_interrupted():
         try:
+            if _PENDING_SIGINT:  # interrupted while starting
+                raise _Interrupted
             code = main()
             sys.stdout.flush()
             sys.stderr.flush()
