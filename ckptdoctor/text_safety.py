@@ -63,6 +63,11 @@ def escape_values(value: Any) -> Any:
     the same object); dataclasses keep their class, so a renderer's attribute access and properties still
     work. Objects of other classes are left as they are (:func:`escape_output` catches their rendering).
     """
+    cls = type(value)
+    if cls is str:
+        return escape(value) if not value.isprintable() else value
+    if cls in _ATOMS:
+        return value
     if isinstance(value, str):
         return escape(value)
     if isinstance(value, dict):
@@ -77,9 +82,10 @@ def escape_values(value: Any) -> Any:
         if isinstance(value, tuple) and hasattr(value, "_fields"):
             return type(value)._make(new)  # a namedtuple
         return type(value)(new) if isinstance(value, (tuple, set, frozenset)) else new
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    names = _field_names(cls)
+    if names:
         changed = {}
-        for name in _field_names(type(value)):
+        for name in names:
             old = getattr(value, name)
             new = escape_values(old)
             if new is not old:
@@ -93,9 +99,13 @@ def escape_values(value: Any) -> Any:
     return value
 
 
+_ATOMS = frozenset({int, float, bool, type(None), bytes, bytearray})
+
+
 @functools.cache
 def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
+    """A dataclass's field names (empty for any other class)."""
+    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
 
 
 def text_safe(render: F) -> F:
