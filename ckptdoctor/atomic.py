@@ -1,7 +1,12 @@
 """Crash-safe file writes: temp file + fsync + rename, backups, hard-link-or-copy of unchanged files.
 
-Every file ckptdoctor writes goes through here. ``fault_point`` lets tests kill the process between
-write steps (``CKPTDOCTOR_FAULT_AT=<step>``) to prove the source stays loadable.
+Every file ckptdoctor writes goes through here. ``fault_point`` lets tests stop the process between
+write steps (``CKPTDOCTOR_FAULT_AT=<step>``) to prove the source stays loadable or restorable: by default
+it exits at once like a kill; with ``CKPTDOCTOR_FAULT_MODE=sigint`` it sends itself SIGINT (Ctrl-C) instead.
+
+Names ckptdoctor creates beside user data are never derived from the pid alone (a later run with the same
+pid must not mistake them for its own): they carry a timestamp and a random token, and are created with
+``O_EXCL`` / ``mkdir`` / ``RENAME_NOREPLACE`` so that nothing existing is ever overwritten.
 """
 
 from __future__ import annotations
@@ -11,20 +16,37 @@ import ctypes
 import datetime
 import errno
 import os
+import secrets
 import shutil
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
 
 FAULT_ENV = "CKPTDOCTOR_FAULT_AT"
+FAULT_MODE_ENV = "CKPTDOCTOR_FAULT_MODE"  # "exit" (default: like SIGKILL) or "sigint" (like Ctrl-C)
 FAULT_EXIT_CODE = 97
+
+# Hidden names ckptdoctor creates (see ckptdoctor.rules.leftovers, which reports them when a run is cut short).
+PART_MARK = ".ckptdoctor-part-"  # a temp file inside a dir: ``.<name>.ckptdoctor-part-<token>``
 
 
 def fault_point(step: str) -> None:
-    """Test hook: exit abruptly (no cleanup, like a kill) when ``CKPTDOCTOR_FAULT_AT`` names this step."""
+    """Test hook: when ``CKPTDOCTOR_FAULT_AT`` names this step, exit abruptly (no cleanup, like a kill) or,
+    with ``CKPTDOCTOR_FAULT_MODE=sigint``, deliver SIGINT to this process (like Ctrl-C at this point)."""
     if os.environ.get(FAULT_ENV) == step:
+        if os.environ.get(FAULT_MODE_ENV) == "sigint":
+            os.kill(os.getpid(), signal.SIGINT)
+            return
         os._exit(FAULT_EXIT_CODE)
+
+
+def token() -> str:
+    """A short random token for unique names."""
+    return secrets.token_hex(4)
 
 
 def fsync_dir(directory: Path) -> None:
@@ -36,19 +58,37 @@ def fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
+def _exclusive_temp(path: Path) -> tuple[Path, int]:
+    """A new temp file beside ``path`` (created with O_EXCL, never an existing one) and its descriptor."""
+    while True:
+        tmp = path.with_name(f".{path.name}{PART_MARK}{token()}")
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except FileExistsError:
+            continue
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the complete new one, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp: Path | None = None
     try:
-        with open(tmp, "wb") as f:
+        tmp, fd = _exclusive_temp(path)
+        with open(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        fault_point(f"atomic:before-replace:{path.name}")
         os.replace(tmp, path)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         raise CkptError(f"{path}: cannot write ({exc.strerror})") from None
+    except BaseException:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        raise
     fsync_dir(path.parent)
 
 
@@ -56,22 +96,68 @@ def timestamp() -> str:
     return datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
 
 
+def backup_name(path: Path, stamp: str) -> Path:
+    return path.with_name(f"{path.name}.bak-{stamp}")
+
+
+def free_stamp(directory: Path, names: list[str] | set[str]) -> str:
+    """A backup stamp for which no ``<name>.bak-<stamp>`` exists yet in ``directory`` (a token is added
+    when a backup from the same second is already there)."""
+    stamp = timestamp()
+    while any(os.path.lexists(backup_name(directory / n, stamp)) for n in names):
+        stamp = f"{timestamp()}-{token()}"
+    return stamp
+
+
 def backup_file(path: Path, stamp: str) -> Path:
-    """Keep the current ``path`` as ``<name>.bak-<stamp>`` (a hard link: instant, no bytes copied)."""
-    backup = path.with_name(f"{path.name}.bak-{stamp}")
-    if backup.exists():
-        raise CkptError(f"{backup}: backup already exists; refusing to overwrite it")
+    """Keep the current ``path`` as ``<name>.bak-<stamp>`` (a hard link: instant, no bytes copied).
+
+    Never overwrites anything: an existing backup name is an error, and the copy used where hard links are
+    not supported is created with O_EXCL.
+    """
+    backup = backup_name(path, stamp)
     try:
         os.link(path, backup)
-    except OSError:
-        try:
-            shutil.copy2(path, backup)
-            with open(backup, "rb+") as f:
-                os.fsync(f.fileno())
-        except OSError as exc:
-            raise CkptError(f"{path}: cannot back up to {backup.name} ({exc.strerror})") from None
+    except FileExistsError:
+        raise CkptError(f"{backup}: backup already exists; refusing to overwrite it") from None
+    except OSError as link_error:
+        if link_error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise CkptError(f"{path}: cannot back up to {backup.name} ({link_error.strerror})") from None
+        _copy_exclusive(path, backup)
     fsync_dir(path.parent)
     return backup
+
+
+def _copy_exclusive(src: Path, dst: Path) -> None:
+    """Copy ``src`` to a new file ``dst`` (fails if ``dst`` exists); a partial copy is removed."""
+    try:
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except FileExistsError:
+        raise CkptError(f"{dst}: backup already exists; refusing to overwrite it") from None
+    except OSError as exc:
+        raise CkptError(f"{src}: cannot back up to {dst.name} ({exc.strerror})") from None
+    try:
+        with open(fd, "wb") as out, open(src, "rb") as inp:
+            shutil.copyfileobj(inp, out, 8 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+        shutil.copystat(src, dst)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            dst.unlink()
+        if isinstance(exc, OSError):
+            raise CkptError(f"{src}: cannot back up to {dst.name} ({exc.strerror})") from None
+        raise
+
+
+def restore_from_backup(backup: Path, path: Path) -> None:
+    """Put ``backup`` (a hard link or copy) back under ``path`` atomically; the backup stays."""
+    tmp = path.with_name(f".{path.name}{PART_MARK}{token()}")
+    try:
+        os.link(backup, tmp)
+    except OSError:
+        shutil.copy2(backup, tmp)
+    os.replace(tmp, path)
 
 
 def link_or_copy(src: Path, dst: Path) -> str:
@@ -87,20 +173,64 @@ def link_or_copy(src: Path, dst: Path) -> str:
         return "copied"
 
 
-def prepare_output_dir(output: Path, force: bool = False) -> None:
-    """Refuse an output dir that exists and is not empty (unless ``force``); create it otherwise."""
-    if output.exists():
-        if not output.is_dir():
-            raise CkptError(f"{output}: exists and is not a directory")
-        if any(output.iterdir()) and not force:
-            raise CkptError(f"{output}: exists and is not empty (use --force to write into it)")
+def prepare_output_dir(output: Path, force: bool = False) -> bool:
+    """Refuse an output dir that exists and is not empty (unless ``force``); create it otherwise.
+
+    Returns True when the dir was created here.
+    """
     try:
-        output.mkdir(parents=True, exist_ok=True)
+        if output.exists():
+            if not output.is_dir():
+                raise CkptError(f"{output}: exists and is not a directory")
+            if any(output.iterdir()) and not force:
+                raise CkptError(f"{output}: exists and is not empty (use --force to write into it)")
+            return False
+        output.mkdir(parents=True)
     except OSError as exc:
-        raise CkptError(f"{output}: cannot create ({exc.strerror})") from None
+        raise CkptError(f"{exc.filename or output}: cannot create the output dir ({exc.strerror})") from None
+    return True
 
 
-_RENAME_EXCHANGE = 2  # linux/fs.h
+def refuse_overlap(output: Path, protected: list[Path], hint: str) -> None:
+    """Refuse an output that is, contains or lies inside one of the ``protected`` source paths."""
+    target = output.resolve()
+    for path in dict.fromkeys(p.resolve() for p in protected):
+        if target == path or path in target.parents or target in path.parents:
+            raise CkptError(f"{output}: is, contains or lies inside the source checkpoint {path}; {hint}")
+
+
+def make_unique_dir(parent: Path, prefix: str) -> Path:
+    """Create and return a new dir ``<parent>/<prefix><timestamp>-<token>`` (mkdir: never an existing one)."""
+    while True:
+        path = parent / f"{prefix}{timestamp()}-{token()}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise CkptError(f"{parent}: cannot create a staging dir ({exc.strerror})") from None
+
+
+_RENAME_NOREPLACE = 1  # linux/fs.h
+_RENAME_EXCHANGE = 2
+
+
+def _renameat2(a: Path, b: Path, flags: int) -> int | None:
+    """``renameat2``: 0 on success, the errno on failure, None where the call does not exist."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    at_fdcwd = -100
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flags)
+    return 0 if result == 0 else ctypes.get_errno()
+
+
+_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM)
 
 
 def exchange_paths(a: Path, b: Path) -> bool:
@@ -108,18 +238,50 @@ def exchange_paths(a: Path, b: Path) -> bool:
 
     Readers see either the old or the new directory under each name, never a missing one.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
-    if result == 0:
+    err = _renameat2(a, b, _RENAME_EXCHANGE)
+    if err == 0:
         return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM):
+    if err is None or err in _UNSUPPORTED:
         return False  # this filesystem or kernel cannot exchange: the caller falls back to two renames
     raise CkptError(f"{a}: cannot swap with {b.name} ({os.strerror(err)})")
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst``, failing (never replacing) when ``dst`` exists."""
+    err = _renameat2(src, dst, _RENAME_NOREPLACE)
+    if err == 0:
+        return
+    if err is not None and err not in _UNSUPPORTED:
+        raise CkptError(f"{src}: cannot rename to {dst.name} ({os.strerror(err)})")
+    if os.path.lexists(dst):  # no RENAME_NOREPLACE here; the caller holds the checkpoint lock
+        raise CkptError(f"{src}: cannot rename to {dst.name} (it exists; refusing to replace it)")
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        raise CkptError(f"{src}: cannot rename to {dst.name} ({exc.strerror})") from None
+
+
+@contextlib.contextmanager
+def defer_sigint() -> Iterator[None]:
+    """Hold back Ctrl-C (SIGINT) across a critical section; a SIGINT received meanwhile is re-raised as
+    :class:`KeyboardInterrupt` once the section has ended (normally or not). No-op outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def record(signum: int, frame: object) -> None:
+        received.append(signum)
+
+    previous = signal.signal(signal.SIGINT, record)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous) and previous is not signal.default_int_handler:
+                previous(signal.SIGINT, None)
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt

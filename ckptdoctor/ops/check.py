@@ -13,7 +13,7 @@ from pathlib import Path
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.torch_dist import gc_paused
 from ckptdoctor.layout import NEMO_WEIGHTS_DIR, TRACKER_NAME, list_dir, list_iteration_dirs, looks_like_iteration_dir
-from ckptdoctor.rules import Finding, consistency, finding, integrity, is_selected, structure
+from ckptdoctor.rules import Finding, consistency, finding, integrity, is_selected, leftovers, structure
 
 SCHEMA = "ckptdoctor.check/1"
 
@@ -71,12 +71,14 @@ def check_paths(paths: list[str], options: CheckOptions | None = None,
     for save_dir, shown in targets.save_dirs.items():
         chosen, tracker_findings = structure.check_save_dir(save_dir, shown, options.all_iterations)
         findings += tracker_findings
+        findings += leftovers.scan_beside(save_dir, shown)  # also those of an iteration dir gone missing
         for directory in chosen:
             iteration_dirs.setdefault(directory.resolve(), shown / directory.name)
     for resolved, shown in targets.iteration_dirs.items():
         iteration_dirs.setdefault(resolved, shown)
     for shown in iteration_dirs.values():  # keyed by resolved path (each once), read as named (messages match)
         findings += check_iteration_dir(shown, shown, options, progress)
+    findings = list(dict.fromkeys(findings))  # a leftover beside an iteration dir is seen from the save dir too
     kept = [f for f in findings if is_selected(f.code, options.select, options.ignore)]
     counts = {"error": 0, "warning": 0}
     for f in kept:
@@ -90,6 +92,7 @@ def check_iteration_dir(directory: Path, shown: Path, options: CheckOptions,
     # ~10 small objects per chunk, none cyclic: the collector's repeated scans of them cost more than the work.
     with gc_paused():
         state, findings = structure.scan_iteration(directory, shown)
+        findings += leftovers.check_iteration_dir(directory, shown)
         findings += consistency.check(state)
         findings += integrity.check_manifest(state, verify_hashes=options.verify_integrity)
         if options.deep:
@@ -109,7 +112,12 @@ def resolve_targets(paths: list[str]) -> _Targets:
     for raw in paths:
         path = Path(raw)
         if not path.exists():
-            raise CkptError(f"{raw}: no such file or directory")
+            # an output dir that an interrupted write never renamed into place: report its leftovers
+            left = leftovers.scan_beside(path.parent, path.parent, path.name)
+            if not left:
+                raise CkptError(f"{raw}: no such file or directory")
+            targets.findings += left
+            continue
         if path.is_file():
             _add_file(path, targets)
             continue
@@ -124,6 +132,7 @@ def resolve_targets(paths: list[str]) -> _Targets:
         else:
             targets.findings.append(finding(structure.NOT_A_CHECKPOINT, path,
                                             "no tracker, iteration dirs, metadata.json, .metadata or .distcp files"))
+            targets.findings += leftovers.scan_beside(path, path)
     return targets
 
 

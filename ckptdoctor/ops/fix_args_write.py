@@ -10,23 +10,40 @@
 ``--output`` builds a new checkpoint dir: unchanged files are hard-linked (or copied), never modified;
 ``metadata.json`` and the tracker come last, as Megatron marks a save complete. ``--in-place`` keeps every
 replaced file as ``<name>.bak-<timestamp>`` (hard link) before swapping in the new one.
+
+Both modes hold the checkpoint lock (:mod:`ckptdoctor.locking`) and refuse a checkpoint an interrupted run
+left leftovers on (:mod:`ckptdoctor.rules.leftovers`). ``--in-place`` writes a journal
+(``.ckptdoctor-fixargs-<stamp>.json``) first and removes it last, Ctrl-C is held back while it runs, and a
+failing step (a full disk) undoes the steps before it; a kill leaves the journal, which ``check`` turns into
+exact restore commands. A failed ``--output`` write removes what it wrote.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptdoctor import locking
 from ckptdoctor.atomic import (
+    PART_MARK,
     backup_file,
+    backup_name,
+    defer_sigint,
     fault_point,
+    fsync_dir,
     link_or_copy,
     prepare_output_dir,
+    refuse_overlap,
+    restore_from_backup,
     timestamp,
+    token,
     write_atomic,
 )
 from ckptdoctor.checkpoint import Checkpoint
@@ -36,6 +53,7 @@ from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.torch_zip import dump_torch_zip
 from ckptdoctor.layout import TRACKER_NAME
 from ckptdoctor.ops.fix_args import ArgChange, fixed_common_state
+from ckptdoctor.rules import leftovers
 
 RUN_CONFIG = "run_config.yaml"
 INTEGRITY = "integrity.json"
@@ -149,26 +167,125 @@ def _ordered(files: dict[str, bytes]) -> list[str]:
     return sorted(files, key=rank)
 
 
+_REPLACEABLE = ("common.pt", ".metadata", RUN_CONFIG, INTEGRITY)
+
+
+def _free_run_stamp(iteration_dir: Path) -> str:
+    """A stamp no backup, new data file or journal of this dir uses yet (a token is added after a run in the
+    same second): backups are then created with O_EXCL and never land on an existing path."""
+    stamp = timestamp()
+    while any(os.path.lexists(p) for p in (
+            *(backup_name(iteration_dir / n, stamp) for n in _REPLACEABLE),
+            iteration_dir / f"common_state.fixargs-{stamp}.distcp",
+            iteration_dir / leftovers.journal_name(stamp))):
+        stamp = f"{timestamp()}-{token()}"
+    return stamp
+
+
 def write_in_place(checkpoint: Checkpoint, changes: list[ArgChange]) -> WriteResult:
     iteration_dir = checkpoint.iteration_dir
-    stamp = timestamp()
-    result = WriteResult("in-place", str(iteration_dir))
-    files, _ = _new_files(checkpoint, changes, stamp)
-    _side_files(iteration_dir, changes, files, result)
-    for name in _ordered(files):
-        target = iteration_dir / name
-        if target.exists():
-            result.backups.append(str(backup_file(target, stamp)))
-            fault_point(f"backup:{_step(name)}")
-        write_atomic(target, files[name])
-        result.written.append(str(target))
-        fault_point(f"write:{_step(name)}")
-    return result
+    with locking.checkpoint_lock(iteration_dir):
+        leftovers.refuse_if_interrupted(iteration_dir)
+        stamp = _free_run_stamp(iteration_dir)
+        result = WriteResult("in-place", str(iteration_dir))
+        files, _ = _new_files(checkpoint, changes, stamp)
+        _side_files(iteration_dir, changes, files, result)
+        order = _ordered(files)
+        replaced = [n for n in order if (iteration_dir / n).exists()]
+        created = [n for n in order if n not in replaced]
+        journal = iteration_dir / leftovers.journal_name(stamp)
+        record = {"command": "fix-args --write --in-place", "stamp": stamp, "replaced": replaced,
+                  "created": created}
+        write_atomic(journal, (json.dumps(record, indent=2) + "\n").encode())
+        fault_point("journal")
+        backups: dict[str, Path] = {}
+        written: list[str] = []
+        with defer_sigint():  # O(metadata): Ctrl-C waits for the few steps to finish
+            try:
+                for name in order:
+                    target = iteration_dir / name
+                    if name in replaced:
+                        backups[name] = backup_file(target, stamp)
+                        result.backups.append(str(backups[name]))
+                        fault_point(f"backup:{_step(name)}")
+                    write_atomic(target, files[name])
+                    written.append(name)
+                    result.written.append(str(target))
+                    fault_point(f"write:{_step(name)}")
+            except (CkptError, OSError) as exc:
+                raise CkptError(_roll_back(iteration_dir, exc, written, backups, created, journal)) from None
+            journal.unlink()
+            fsync_dir(iteration_dir)
+            fault_point("done")
+        return result
+
+
+def _roll_back(iteration_dir: Path, error: Exception, written: list[str], backups: dict[str, Path],
+               created: list[str], journal: Path) -> str:
+    """Undo a failed in-place write (restore replaced files, delete new ones); the one-line message to show."""
+    reason = str(error) if isinstance(error, CkptError) else f"{iteration_dir}: {error.strerror or error}"
+    try:
+        for name in reversed(written):
+            if name in backups:
+                restore_from_backup(backups[name], iteration_dir / name)
+        for name in created:
+            with contextlib.suppress(FileNotFoundError):
+                (iteration_dir / name).unlink()
+        removed = []
+        for name, backup in backups.items():
+            if os.stat(backup).st_ino == os.stat(iteration_dir / name).st_ino:  # the file itself: not needed
+                backup.unlink()
+                removed.append(backup.name)
+        journal.unlink()
+        fsync_dir(iteration_dir)
+    except OSError as exc:
+        kept = ", ".join(str(b) for b in backups.values()) or "none yet"
+        return (f"{reason}; undoing the partial write failed too ({exc.strerror or exc}): the originals are kept "
+                f"as {kept}; run `ckptdoctor check {iteration_dir}` for the restore commands")
+    gone = [*created, *removed]
+    undone = f" (removed {', '.join(gone)})" if gone else ""
+    return f"{reason}; nothing was changed{undone}"
+
+
+def _skip_on_copy(name: str) -> bool:
+    """Lock files and leftovers of interrupted runs are not part of the checkpoint: never carried over."""
+    return (locking.is_lock_name(name) or PART_MARK in name or bool(leftovers.JOURNAL_RE.match(name)))
 
 
 def write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path, force: bool = False) -> WriteResult:
     location = checkpoint.location
-    prepare_output_dir(output, force=force)
+    source = (location.save_dir or location.iteration_dir)
+    refuse_overlap(output, [source, location.iteration_dir], "use --in-place to rewrite the source")
+    with locking.checkpoint_lock(location.iteration_dir, exclusive=False, optional=True):
+        leftovers.refuse_if_interrupted(location.iteration_dir)
+        existed = output.exists()
+        prepare_output_dir(output, force=force)
+        with locking.checkpoint_lock(output):
+            was_empty = not any(output.iterdir())
+            try:
+                return _write_output(checkpoint, changes, output)
+            except BaseException as exc:
+                if was_empty:  # everything in it is ours: leave no half-written checkpoint behind
+                    if existed:
+                        for child in list(output.iterdir()):
+                            _remove(child)
+                    else:
+                        shutil.rmtree(output, ignore_errors=True)
+                if isinstance(exc, OSError):
+                    raise CkptError(f"{exc.filename or output}: cannot write ({exc.strerror})") from None
+                raise
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path) -> WriteResult:
+    location = checkpoint.location
     if location.save_dir is not None:
         iteration_dir = output / location.iteration_dir.name
         iteration_dir.mkdir(exist_ok=True)
@@ -183,7 +300,7 @@ def write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path,
     completeness_marker = location.iteration_dir / "metadata.json"
     for path in sorted(p for p in location.iteration_dir.rglob("*") if p.is_file()):
         relative = path.relative_to(location.iteration_dir)
-        if str(relative) in files or path == completeness_marker:
+        if str(relative) in files or path == completeness_marker or _skip_on_copy(path.name):
             continue
         dest = iteration_dir / relative
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -6,10 +6,17 @@ the target's name. ``--in-place`` swaps the iteration dir and the staging dir at
 ``renameat2(RENAME_EXCHANGE)``; two renames elsewhere), then the old one is renamed to ``<iter>.bak-<stamp>``
 (kept unless ``--no-backup``; Megatron ignores names that are not ``iter_*``). ``metadata.json`` is written
 last inside the staging dir, as Megatron does.
+
+Once the swap has happened no error path deletes the old tree, and Ctrl-C is held back from just before the
+swap until the old tree has its backup name. Staging names carry a timestamp and a random token (the in-place
+one also the original dir's inode number, so ``check`` can tell from the disk which tree it holds; see
+:mod:`ckptdoctor.rules.leftovers`). The run holds the checkpoint lock (:mod:`ckptdoctor.locking`) and refuses
+a checkpoint with leftovers of an interrupted run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -17,13 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptdoctor import atomic
+from ckptdoctor import atomic, locking
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import dcp_writer, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
 from ckptdoctor.layout import TRACKER_NAME
 from ckptdoctor.ops.strip import StripPlan
+from ckptdoctor.rules import leftovers
 
 # Files of an iteration dir rebuilt (not copied) by strip-frozen, and those deliberately not carried over.
 _REBUILT = {".metadata", "metadata.json", "common.pt"}
@@ -59,28 +67,36 @@ def _dir_bytes(directory: Path) -> int:
 
 
 def _check_output(checkpoint: Checkpoint, output: Path, force: bool) -> None:
-    source = (checkpoint.location.save_dir or checkpoint.iteration_dir).resolve()
-    iteration_dir = checkpoint.iteration_dir.resolve()
-    target = output.resolve()
-    for protected in {source, iteration_dir}:
-        if target == protected or protected in target.parents or target in protected.parents:
-            raise CkptError(f"{output}: is, contains or lies inside the source checkpoint {protected}; "
-                            "use --in-place to replace the source")
-    if output.exists():
-        if not output.is_dir():
-            raise CkptError(f"{output}: exists and is not a directory")
-        if any(output.iterdir()) and not force:
-            raise CkptError(f"{output}: exists and is not empty (use --force to replace it)")
+    source = checkpoint.location.save_dir or checkpoint.iteration_dir
+    atomic.refuse_overlap(output, [source, checkpoint.iteration_dir], "use --in-place to replace the source")
+    try:
+        if output.exists():
+            if not output.is_dir():
+                raise CkptError(f"{output}: exists and is not a directory")
+            if any(output.iterdir()) and not force:
+                raise CkptError(f"{output}: exists and is not empty (use --force to replace it)")
+        parent = next((p for p in output.absolute().parents if p.exists()), None)
+    except OSError as exc:
+        raise CkptError(f"{exc.filename or output}: cannot use as output ({exc.strerror})") from None
+    if parent is not None and not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
+        raise CkptError(f"{parent}: not a writable directory; cannot write {output}")
 
 
-def check_target(checkpoint: Checkpoint, output: Path | None, in_place: bool, force: bool) -> None:
+def check_target(checkpoint: Checkpoint, output: Path | None, in_place: bool, force: bool,
+                 keep_backup: bool = True) -> None:
     """Refuse a bad target before any work is done (nothing is written by a refusal)."""
     if in_place == (output is not None):
         raise CkptError("give exactly one of --output DIR and --in-place")
     if output is not None:
         _check_output(checkpoint, output, force)
-    elif not os.access(checkpoint.iteration_dir.parent, os.W_OK):
-        raise CkptError(f"{checkpoint.iteration_dir.parent}: not writable; cannot replace the checkpoint in place")
+        return
+    iteration_dir = checkpoint.iteration_dir
+    if not os.access(iteration_dir.parent, os.W_OK):
+        raise CkptError(f"{iteration_dir.parent}: not writable; cannot replace the checkpoint in place")
+    if iteration_dir.is_symlink() and not keep_backup:
+        raise CkptError(f"{iteration_dir}: is a symbolic link (to {os.path.realpath(iteration_dir)}); "
+                        "--in-place --no-backup would replace the link and delete only the link, not the old "
+                        "checkpoint: run it on the link's target instead")
 
 
 def _fill_iteration_dir(checkpoint: Checkpoint, plan: StripPlan, stage: Path,
@@ -115,26 +131,48 @@ def _fill_iteration_dir(checkpoint: Checkpoint, plan: StripPlan, stage: Path,
     atomic.fsync_dir(stage)
 
 
+class _Swap:
+    """Whether the staging dir was renamed into place (from then on it never holds only new data)."""
+
+    done = False
+
+
 def write_strip(checkpoint: Checkpoint, plan: StripPlan, output: Path | None, in_place: bool = False,
                 force: bool = False, keep_backup: bool = True,
                 progress: Callable[[int], None] | None = None) -> StripResult:
     """Write the stripped checkpoint to ``output`` (or in place); returns what was written."""
     started = time.perf_counter()
-    check_target(checkpoint, output, in_place, force)
+    check_target(checkpoint, output, in_place, force, keep_backup)
     src_iter = checkpoint.iteration_dir
     target = src_iter if in_place else output
     assert target is not None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CkptError(f"{exc.filename or target.parent}: cannot create ({exc.strerror})") from None
+    # In place: the checkpoint lock (re-entrant: strip_frozen holds it already). An --output dir needs none:
+    # the staging name is unique and the final rename never replaces an existing dir (but with --force).
+    lock = locking.checkpoint_lock(target) if in_place else contextlib.nullcontext()
+    with lock:
+        return _write_locked(checkpoint, plan, target, in_place, keep_backup, progress, started)
+
+
+def _write_locked(checkpoint: Checkpoint, plan: StripPlan, target: Path, in_place: bool, keep_backup: bool,
+                  progress: Callable[[int], None] | None, started: float) -> StripResult:
+    src_iter = checkpoint.iteration_dir
     save_layout = not in_place and input_was_save_dir(checkpoint)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.ckptdoctor-tmp-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
+    if in_place:  # the original's inode in the name: check tells from the disk which tree the staging dir holds
+        prefix = f".{target.name}{leftovers.SWAP_MARK}{os.lstat(src_iter).st_ino}-"
+    else:
+        prefix = f".{target.name}{leftovers.TMP_MARK}"
+    staging = atomic.make_unique_dir(target.parent, prefix)
     stage_iter = staging / src_iter.name if save_layout else staging
     result = StripResult(output=str(target), in_place=in_place, backup=None, files=[], bytes_copied=0,
                          metadata_bytes=0, output_bytes=0, source_bytes=_dir_bytes(src_iter),
                          iteration_dir=str(target / src_iter.name if save_layout else target))
+    swap = _Swap()
     try:
+        atomic.fault_point("strip-frozen:staging-created")
         if save_layout:
             stage_iter.mkdir()
         _fill_iteration_dir(checkpoint, plan, stage_iter, progress, result)
@@ -145,50 +183,99 @@ def write_strip(checkpoint: Checkpoint, plan: StripPlan, output: Path | None, in
         result.output_bytes = _dir_bytes(stage_iter)
         atomic.fault_point("strip-frozen:before-swap")
         if in_place:
-            result.backup = str(_swap_in_place(src_iter, staging, keep_backup))
+            backup = _swap_in_place(src_iter, staging, keep_backup, swap)
+            result.backup = str(backup) if backup is not None else None
         else:
-            _swap_output(target, staging)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+            _swap_output(target, staging, swap)
+    except BaseException as exc:
+        if not swap.done:  # the staging dir holds only new data: remove it (the source was not touched)
+            shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise CkptError(f"{exc.filename or staging}: cannot write ({exc.strerror})") from None
         raise
     result.seconds = round(time.perf_counter() - started, 3)
     return result
 
 
-def _swap_output(output: Path, staging: Path) -> None:
+def _aside(directory: Path, mark: str) -> Path:
+    """A new unique hidden name beside ``directory`` (not created)."""
+    while True:
+        path = directory.with_name(f".{directory.name}{mark}{atomic.timestamp()}-{atomic.token()}")
+        if not os.path.lexists(path):
+            return path
+
+
+def _swap_output(output: Path, staging: Path, swap: _Swap) -> None:
     old: Path | None = None
-    if output.exists():
-        if any(output.iterdir()):  # --force: move the old content aside, delete it once the new dir is in place
-            old = output.parent / f".{output.name}.ckptdoctor-old-{os.getpid()}"
-            _rename(output, old)
-        else:
-            output.rmdir()
-    _rename(staging, output)
-    atomic.fsync_dir(output.parent)
+    with atomic.defer_sigint():
+        if os.path.lexists(output):
+            if any(output.iterdir()):  # --force: move the old content aside, delete it once the new dir is in place
+                old = _aside(output, leftovers.OLD_MARK)
+                atomic.rename_noreplace(output, old)
+                atomic.fault_point("strip-frozen:old-output-aside")
+            else:
+                output.rmdir()
+        try:
+            atomic.rename_noreplace(staging, output)
+        except CkptError:
+            if old is not None:
+                atomic.rename_noreplace(old, output)
+            raise
+        swap.done = True
+        atomic.fault_point("strip-frozen:output-renamed")
+        atomic.fsync_dir(output.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _swap_in_place(iteration_dir: Path, staging: Path, keep_backup: bool) -> Path | None:
-    backup = iteration_dir.with_name(f"{iteration_dir.name}.bak-{atomic.timestamp()}")
-    if backup.exists():
-        raise CkptError(f"{backup}: backup already exists; refusing to overwrite it")
-    if atomic.exchange_paths(staging, iteration_dir):
-        # One atomic step: the iteration dir's name now holds the stripped checkpoint, staging the old one.
-        atomic.fault_point("strip-frozen:after-exchange")
-        _rename(staging, backup)
-    else:  # no renameat2 exchange here: two renames, the source put back if the second fails
-        _rename(iteration_dir, backup)
-        atomic.fault_point("strip-frozen:between-renames")
-        try:
-            _rename(staging, iteration_dir)
-        except CkptError:
-            _rename(backup, iteration_dir)
-            raise
-    atomic.fsync_dir(iteration_dir.parent)
+def _swap_in_place(iteration_dir: Path, staging: Path, keep_backup: bool, swap: _Swap) -> Path | None:
+    """Swap the staging dir in; returns the backup (None with ``--no-backup``). Once swapped, every error
+    names where the original is and nothing deletes it, except the requested ``--no-backup`` delete."""
+    stamp = atomic.timestamp()
+    backup = iteration_dir.with_name(f"{iteration_dir.name}.bak-{stamp}")
+    while os.path.lexists(backup):
+        backup = iteration_dir.with_name(f"{iteration_dir.name}.bak-{stamp}-{atomic.token()}")
+    locking.also_lock(iteration_dir, staging)  # the name stays locked on either side of the swap
+    with atomic.defer_sigint():  # Ctrl-C waits until the original has a name no error path deletes
+        atomic.fault_point("strip-frozen:before-exchange")
+        if atomic.exchange_paths(staging, iteration_dir):
+            # One atomic step: the iteration dir's name now holds the stripped checkpoint, staging the old one.
+            swap.done = True
+            atomic.fault_point("strip-frozen:after-exchange")
+            old = staging
+        else:  # no renameat2 exchange here: two renames, the source put back if the second fails
+            atomic.rename_noreplace(iteration_dir, backup)
+            atomic.fault_point("strip-frozen:between-renames")
+            try:
+                _rename(staging, iteration_dir)
+            except CkptError as exc:
+                try:
+                    _rename(backup, iteration_dir)
+                except CkptError:
+                    swap.done = True  # keep the staging dir too: leave every tree for the user to sort out
+                    raise CkptError(f"{exc}; putting the original back failed too: it is {backup}") from None
+                raise
+            swap.done = True
+            old = backup
+        kept = backup if keep_backup else _aside(iteration_dir, leftovers.DEL_MARK)
+        if old != kept:
+            atomic.fault_point("strip-frozen:before-backup-rename")
+            try:
+                atomic.rename_noreplace(old, kept)
+            except CkptError as exc:
+                raise CkptError(f"{iteration_dir}: the stripped checkpoint is in place, but {exc}; the original "
+                                f"is kept as {old}: run `ckptdoctor check {iteration_dir.parent}` for what to do "
+                                "with it") from None
+            atomic.fault_point("strip-frozen:after-backup-rename")
+        atomic.fsync_dir(iteration_dir.parent)
     if keep_backup:
         return backup
-    shutil.rmtree(backup)
+    atomic.fault_point("strip-frozen:before-delete")
+    try:
+        shutil.rmtree(kept)
+    except OSError as exc:
+        raise CkptError(f"{iteration_dir}: the stripped checkpoint is in place, but deleting the old one ({kept}) "
+                        f"failed ({exc.strerror or exc}); delete it with rm -rf") from None
     return None
 
 
@@ -218,11 +305,25 @@ def strip_frozen(checkpoint: Checkpoint, *, output: Path | None, in_place: bool 
 
     Every refusal (damaged source, bad target, empty selection) happens before anything is written.
     """
-    from ckptdoctor.ops.strip import check_integrity, model_parameters, plan_strip, select_trainable
+    from ckptdoctor.ops.strip import check_integrity
 
     check_integrity(checkpoint)
-    if not dry_run:
-        check_target(checkpoint, output, in_place, force)
+    if dry_run:
+        return _plan_and_write(checkpoint, output, in_place, patterns, preset, base, True, force, keep_backup,
+                               progress)
+    check_target(checkpoint, output, in_place, force, keep_backup)
+    # in place: exclusive; --output: shared (other readers may copy the same source at the same time)
+    with locking.checkpoint_lock(checkpoint.iteration_dir, exclusive=in_place, optional=not in_place):
+        leftovers.refuse_if_interrupted(checkpoint.iteration_dir)
+        return _plan_and_write(checkpoint, output, in_place, patterns, preset, base, False, force, keep_backup,
+                               progress)
+
+
+def _plan_and_write(checkpoint: Checkpoint, output: Path | None, in_place: bool, patterns: list[str] | None,
+                    preset: str | None, base: Checkpoint | None, dry_run: bool, force: bool, keep_backup: bool,
+                    progress: ProgressFn | None) -> StripReport:
+    from ckptdoctor.ops.strip import model_parameters, plan_strip, select_trainable
+
     compare_progress = None
     if progress is not None and base is not None:
         total = sum(e.nbytes for e in model_parameters(checkpoint).values())

@@ -3,6 +3,7 @@
 One module per family (codes are never reused or renumbered, so configs and CI logs stay meaningful):
 
 * :mod:`.structure`   CKD1xx  files present, parseable, in range; tracker; common state
+* :mod:`.leftovers`   CKD15x  staging dirs, temp files and journals of an interrupted ckptdoctor write
 * :mod:`.consistency` CKD2xx  args vs chunk layout (the :mod:`ckptdoctor.arg_rules` table), chunk coverage
 * :mod:`.integrity`   CKD3xx  ``integrity.json`` hashes; ``--deep`` blob decoding
 * :mod:`.safety`      CKD4xx  pickles referencing callables outside the allowlist
@@ -45,9 +46,9 @@ class Finding:
 
 def all_rules() -> list[RuleInfo]:
     """Every rule, in code order (imports the families lazily: they are small and torch-free)."""
-    from ckptdoctor.rules import consistency, integrity, safety, structure
+    from ckptdoctor.rules import consistency, integrity, leftovers, safety, structure
 
-    rules = [*structure.RULES, *consistency.RULES, *integrity.RULES, *safety.RULES]
+    rules = [*structure.RULES, *leftovers.RULES, *consistency.RULES, *integrity.RULES, *safety.RULES]
     return sorted(rules, key=lambda r: r.code)
 
 
