@@ -21,13 +21,15 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
 
 FAULT_ENV = "CKPTDOCTOR_FAULT_AT"
-FAULT_MODE_ENV = "CKPTDOCTOR_FAULT_MODE"  # "exit" (default: like SIGKILL) or "sigint" (like Ctrl-C)
+FAULT_MODE_ENV = "CKPTDOCTOR_FAULT_MODE"  # "exit" (default: like SIGKILL), "sigint" (Ctrl-C) or "sleep"
+FAULT_SLEEP_ENV = "CKPTDOCTOR_FAULT_SLEEP"  # seconds to pause in "sleep" mode (tests start a rival writer then)
 FAULT_EXIT_CODE = 97
 
 # Hidden names ckptdoctor creates (see ckptdoctor.rules.leftovers, which reports them when a run is cut short).
@@ -35,11 +37,18 @@ PART_MARK = ".ckptdoctor-part-"  # a temp file inside a dir: ``.<name>.ckptdocto
 
 
 def fault_point(step: str) -> None:
-    """Test hook: when ``CKPTDOCTOR_FAULT_AT`` names this step, exit abruptly (no cleanup, like a kill) or,
-    with ``CKPTDOCTOR_FAULT_MODE=sigint``, deliver SIGINT to this process (like Ctrl-C at this point)."""
+    """Test hook: when ``CKPTDOCTOR_FAULT_AT`` names this step, exit abruptly (no cleanup, like a kill); with
+    ``CKPTDOCTOR_FAULT_MODE=sigint`` deliver SIGINT to this process (like Ctrl-C at this point); with ``sleep``
+    say so on stderr and pause (``CKPTDOCTOR_FAULT_SLEEP`` seconds), then go on."""
     if os.environ.get(FAULT_ENV) == step:
-        if os.environ.get(FAULT_MODE_ENV) == "sigint":
+        mode = os.environ.get(FAULT_MODE_ENV, "exit")
+        if mode == "sigint":
             os.kill(os.getpid(), signal.SIGINT)
+            return
+        if mode == "sleep":
+            sys.stderr.write(f"fault point {step}: sleeping\n")
+            sys.stderr.flush()
+            time.sleep(float(os.environ.get(FAULT_SLEEP_ENV, "3")))
             return
         os._exit(FAULT_EXIT_CODE)
 

@@ -39,8 +39,10 @@ def is_lock_name(name: str) -> bool:
 
 
 def _busy(directory: Path) -> CkptError:
-    return CkptError(f"{directory}: another ckptdoctor command is writing this checkpoint (it holds the lock); "
-                     "run again when it has finished")
+    return CkptError(
+        f"{directory}: another ckptdoctor command is writing this checkpoint (it holds the lock); "
+        "run again when it has finished"
+    )
 
 
 _NO_DIR_FLOCK = (errno.EBADF, errno.EINVAL, errno.ENOLCK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS)

@@ -93,8 +93,7 @@ def updated_run_config(text: str, changes: list[ArgChange]) -> tuple[str, list[s
         for i, line in enumerate(lines):
             match = pattern.match(line)
             if match and match.group(2).strip().strip("'\"") in old_values:
-                lines[i] = (match.group(1) + _yaml_scalar(change.new) + (match.group(3) or "")
-                            + (match.group(5) or ""))
+                lines[i] = match.group(1) + _yaml_scalar(change.new) + (match.group(3) or "") + (match.group(5) or "")
                 if change.arg not in updated:
                     updated.append(change.arg)
     return "".join(lines), updated
@@ -119,8 +118,9 @@ def _new_files(checkpoint: Checkpoint, changes: list[ArgChange], stamp: str) -> 
                 torch_dist.set_storage(info, StorageLocation(new_data_file, 0, len(payload)))
                 repointed += 1
         if repointed != 1:
-            raise CkptError(f"{checkpoint.iteration_dir / '.metadata'}: expected one storage entry for {source}, "
-                            f"found {repointed}")
+            raise CkptError(
+                f"{checkpoint.iteration_dir / '.metadata'}: expected one storage entry for {source}, found {repointed}"
+            )
         files[new_data_file] = payload
         files[".metadata"] = torch_dist.dump_metadata_object(metadata)
     else:
@@ -128,8 +128,7 @@ def _new_files(checkpoint: Checkpoint, changes: list[ArgChange], stamp: str) -> 
     return files, new_data_file
 
 
-def _side_files(iteration_dir: Path, changes: list[ArgChange], files: dict[str, bytes],
-                result: WriteResult) -> None:
+def _side_files(iteration_dir: Path, changes: list[ArgChange], files: dict[str, bytes], result: WriteResult) -> None:
     """run_config.yaml and integrity.json updates, computed from the new file contents."""
     run_config = iteration_dir / RUN_CONFIG
     if run_config.is_file():
@@ -174,10 +173,14 @@ def _free_run_stamp(iteration_dir: Path) -> str:
     """A stamp no backup, new data file or journal of this dir uses yet (a token is added after a run in the
     same second): backups are then created with O_EXCL and never land on an existing path."""
     stamp = timestamp()
-    while any(os.path.lexists(p) for p in (
+    while any(
+        os.path.lexists(p)
+        for p in (
             *(backup_name(iteration_dir / n, stamp) for n in _REPLACEABLE),
             iteration_dir / f"common_state.fixargs-{stamp}.distcp",
-            iteration_dir / leftovers.journal_name(stamp))):
+            iteration_dir / leftovers.journal_name(stamp),
+        )
+    ):
         stamp = f"{timestamp()}-{token()}"
     return stamp
 
@@ -194,13 +197,12 @@ def write_in_place(checkpoint: Checkpoint, changes: list[ArgChange]) -> WriteRes
         replaced = [n for n in order if (iteration_dir / n).exists()]
         created = [n for n in order if n not in replaced]
         journal = iteration_dir / leftovers.journal_name(stamp)
-        record = {"command": "fix-args --write --in-place", "stamp": stamp, "replaced": replaced,
-                  "created": created}
-        write_atomic(journal, (json.dumps(record, indent=2) + "\n").encode())
-        fault_point("journal")
+        record = {"command": "fix-args --write --in-place", "stamp": stamp, "replaced": replaced, "created": created}
         backups: dict[str, Path] = {}
         written: list[str] = []
         with defer_sigint():  # O(metadata): Ctrl-C waits for the few steps to finish
+            write_atomic(journal, (json.dumps(record, indent=2) + "\n").encode())
+            fault_point("journal")
             try:
                 for name in order:
                     target = iteration_dir / name
@@ -220,8 +222,14 @@ def write_in_place(checkpoint: Checkpoint, changes: list[ArgChange]) -> WriteRes
         return result
 
 
-def _roll_back(iteration_dir: Path, error: Exception, written: list[str], backups: dict[str, Path],
-               created: list[str], journal: Path) -> str:
+def _roll_back(
+    iteration_dir: Path,
+    error: Exception,
+    written: list[str],
+    backups: dict[str, Path],
+    created: list[str],
+    journal: Path,
+) -> str:
     """Undo a failed in-place write (restore replaced files, delete new ones); the one-line message to show."""
     reason = str(error) if isinstance(error, CkptError) else f"{iteration_dir}: {error.strerror or error}"
     try:
@@ -240,8 +248,10 @@ def _roll_back(iteration_dir: Path, error: Exception, written: list[str], backup
         fsync_dir(iteration_dir)
     except OSError as exc:
         kept = ", ".join(str(b) for b in backups.values()) or "none yet"
-        return (f"{reason}; undoing the partial write failed too ({exc.strerror or exc}): the originals are kept "
-                f"as {kept}; run `ckptdoctor check {iteration_dir}` for the restore commands")
+        return (
+            f"{reason}; undoing the partial write failed too ({exc.strerror or exc}): the originals are kept "
+            f"as {kept}; run `ckptdoctor check {iteration_dir}` for the restore commands"
+        )
     gone = [*created, *removed]
     undone = f" (removed {', '.join(gone)})" if gone else ""
     return f"{reason}; nothing was changed{undone}"
@@ -249,12 +259,12 @@ def _roll_back(iteration_dir: Path, error: Exception, written: list[str], backup
 
 def _skip_on_copy(name: str) -> bool:
     """Lock files and leftovers of interrupted runs are not part of the checkpoint: never carried over."""
-    return (locking.is_lock_name(name) or PART_MARK in name or bool(leftovers.JOURNAL_RE.match(name)))
+    return locking.is_lock_name(name) or PART_MARK in name or bool(leftovers.JOURNAL_RE.match(name))
 
 
 def write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path, force: bool = False) -> WriteResult:
     location = checkpoint.location
-    source = (location.save_dir or location.iteration_dir)
+    source = location.save_dir or location.iteration_dir
     refuse_overlap(output, [source, location.iteration_dir], "use --in-place to rewrite the source")
     with locking.checkpoint_lock(location.iteration_dir, exclusive=False, optional=True):
         leftovers.refuse_if_interrupted(location.iteration_dir)

@@ -82,8 +82,9 @@ def _check_output(checkpoint: Checkpoint, output: Path, force: bool) -> None:
         raise CkptError(f"{parent}: not a writable directory; cannot write {output}")
 
 
-def check_target(checkpoint: Checkpoint, output: Path | None, in_place: bool, force: bool,
-                 keep_backup: bool = True) -> None:
+def check_target(
+    checkpoint: Checkpoint, output: Path | None, in_place: bool, force: bool, keep_backup: bool = True
+) -> None:
     """Refuse a bad target before any work is done (nothing is written by a refusal)."""
     if in_place == (output is not None):
         raise CkptError("give exactly one of --output DIR and --in-place")
@@ -94,13 +95,16 @@ def check_target(checkpoint: Checkpoint, output: Path | None, in_place: bool, fo
     if not os.access(iteration_dir.parent, os.W_OK):
         raise CkptError(f"{iteration_dir.parent}: not writable; cannot replace the checkpoint in place")
     if iteration_dir.is_symlink() and not keep_backup:
-        raise CkptError(f"{iteration_dir}: is a symbolic link (to {os.path.realpath(iteration_dir)}); "
-                        "--in-place --no-backup would replace the link and delete only the link, not the old "
-                        "checkpoint: run it on the link's target instead")
+        raise CkptError(
+            f"{iteration_dir}: is a symbolic link (to {os.path.realpath(iteration_dir)}); "
+            "--in-place --no-backup would replace the link and delete only the link, not the old "
+            "checkpoint: run it on the link's target instead"
+        )
 
 
-def _fill_iteration_dir(checkpoint: Checkpoint, plan: StripPlan, stage: Path,
-                        progress: Callable[[int], None] | None, result: StripResult) -> None:
+def _fill_iteration_dir(
+    checkpoint: Checkpoint, plan: StripPlan, stage: Path, progress: Callable[[int], None] | None, result: StripResult
+) -> None:
     src = checkpoint.iteration_dir
     metadata = torch_dist.load_metadata_object(src / ".metadata")  # pauses the cyclic GC itself
     keep = plan.keep_keys
@@ -137,9 +141,15 @@ class _Swap:
     done = False
 
 
-def write_strip(checkpoint: Checkpoint, plan: StripPlan, output: Path | None, in_place: bool = False,
-                force: bool = False, keep_backup: bool = True,
-                progress: Callable[[int], None] | None = None) -> StripResult:
+def write_strip(
+    checkpoint: Checkpoint,
+    plan: StripPlan,
+    output: Path | None,
+    in_place: bool = False,
+    force: bool = False,
+    keep_backup: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> StripResult:
     """Write the stripped checkpoint to ``output`` (or in place); returns what was written."""
     started = time.perf_counter()
     check_target(checkpoint, output, in_place, force, keep_backup)
@@ -157,8 +167,15 @@ def write_strip(checkpoint: Checkpoint, plan: StripPlan, output: Path | None, in
         return _write_locked(checkpoint, plan, target, in_place, keep_backup, progress, started)
 
 
-def _write_locked(checkpoint: Checkpoint, plan: StripPlan, target: Path, in_place: bool, keep_backup: bool,
-                  progress: Callable[[int], None] | None, started: float) -> StripResult:
+def _write_locked(
+    checkpoint: Checkpoint,
+    plan: StripPlan,
+    target: Path,
+    in_place: bool,
+    keep_backup: bool,
+    progress: Callable[[int], None] | None,
+    started: float,
+) -> StripResult:
     src_iter = checkpoint.iteration_dir
     save_layout = not in_place and input_was_save_dir(checkpoint)
     if in_place:  # the original's inode in the name: check tells from the disk which tree the staging dir holds
@@ -167,9 +184,17 @@ def _write_locked(checkpoint: Checkpoint, plan: StripPlan, target: Path, in_plac
         prefix = f".{target.name}{leftovers.TMP_MARK}"
     staging = atomic.make_unique_dir(target.parent, prefix)
     stage_iter = staging / src_iter.name if save_layout else staging
-    result = StripResult(output=str(target), in_place=in_place, backup=None, files=[], bytes_copied=0,
-                         metadata_bytes=0, output_bytes=0, source_bytes=_dir_bytes(src_iter),
-                         iteration_dir=str(target / src_iter.name if save_layout else target))
+    result = StripResult(
+        output=str(target),
+        in_place=in_place,
+        backup=None,
+        files=[],
+        bytes_copied=0,
+        metadata_bytes=0,
+        output_bytes=0,
+        source_bytes=_dir_bytes(src_iter),
+        iteration_dir=str(target / src_iter.name if save_layout else target),
+    )
     swap = _Swap()
     try:
         atomic.fault_point("strip-frozen:staging-created")
@@ -263,9 +288,11 @@ def _swap_in_place(iteration_dir: Path, staging: Path, keep_backup: bool, swap: 
             try:
                 atomic.rename_noreplace(old, kept)
             except CkptError as exc:
-                raise CkptError(f"{iteration_dir}: the stripped checkpoint is in place, but {exc}; the original "
-                                f"is kept as {old}: run `ckptdoctor check {iteration_dir.parent}` for what to do "
-                                "with it") from None
+                raise CkptError(
+                    f"{iteration_dir}: the stripped checkpoint is in place, but {exc}; the original "
+                    f"is kept as {old}: run `ckptdoctor check {iteration_dir.parent}` for what to do "
+                    "with it"
+                ) from None
             atomic.fault_point("strip-frozen:after-backup-rename")
         atomic.fsync_dir(iteration_dir.parent)
     if keep_backup:
@@ -274,8 +301,10 @@ def _swap_in_place(iteration_dir: Path, staging: Path, keep_backup: bool, swap: 
     try:
         shutil.rmtree(kept)
     except OSError as exc:
-        raise CkptError(f"{iteration_dir}: the stripped checkpoint is in place, but deleting the old one ({kept}) "
-                        f"failed ({exc.strerror or exc}); delete it with rm -rf") from None
+        raise CkptError(
+            f"{iteration_dir}: the stripped checkpoint is in place, but deleting the old one ({kept}) "
+            f"failed ({exc.strerror or exc}); delete it with rm -rf"
+        ) from None
     return None
 
 
@@ -297,10 +326,19 @@ class StripReport:
 ProgressFn = Callable[[str, int, int], None]
 
 
-def strip_frozen(checkpoint: Checkpoint, *, output: Path | None, in_place: bool = False,
-                 patterns: list[str] | None = None, preset: str | None = None, base: Checkpoint | None = None,
-                 dry_run: bool = False, force: bool = False, keep_backup: bool = True,
-                 progress: ProgressFn | None = None) -> StripReport:
+def strip_frozen(
+    checkpoint: Checkpoint,
+    *,
+    output: Path | None,
+    in_place: bool = False,
+    patterns: list[str] | None = None,
+    preset: str | None = None,
+    base: Checkpoint | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    keep_backup: bool = True,
+    progress: ProgressFn | None = None,
+) -> StripReport:
     """The strip-frozen operation: integrity check, trainable selection, plan, and (unless dry-run) write.
 
     Every refusal (damaged source, bad target, empty selection) happens before anything is written.
@@ -309,19 +347,28 @@ def strip_frozen(checkpoint: Checkpoint, *, output: Path | None, in_place: bool 
 
     check_integrity(checkpoint)
     if dry_run:
-        return _plan_and_write(checkpoint, output, in_place, patterns, preset, base, True, force, keep_backup,
-                               progress)
+        return _plan_and_write(checkpoint, output, in_place, patterns, preset, base, True, force, keep_backup, progress)
     check_target(checkpoint, output, in_place, force, keep_backup)
     # in place: exclusive; --output: shared (other readers may copy the same source at the same time)
     with locking.checkpoint_lock(checkpoint.iteration_dir, exclusive=in_place, optional=not in_place):
         leftovers.refuse_if_interrupted(checkpoint.iteration_dir)
-        return _plan_and_write(checkpoint, output, in_place, patterns, preset, base, False, force, keep_backup,
-                               progress)
+        return _plan_and_write(
+            checkpoint, output, in_place, patterns, preset, base, False, force, keep_backup, progress
+        )
 
 
-def _plan_and_write(checkpoint: Checkpoint, output: Path | None, in_place: bool, patterns: list[str] | None,
-                    preset: str | None, base: Checkpoint | None, dry_run: bool, force: bool, keep_backup: bool,
-                    progress: ProgressFn | None) -> StripReport:
+def _plan_and_write(
+    checkpoint: Checkpoint,
+    output: Path | None,
+    in_place: bool,
+    patterns: list[str] | None,
+    preset: str | None,
+    base: Checkpoint | None,
+    dry_run: bool,
+    force: bool,
+    keep_backup: bool,
+    progress: ProgressFn | None,
+) -> StripReport:
     from ckptdoctor.ops.strip import model_parameters, plan_strip, select_trainable
 
     compare_progress = None

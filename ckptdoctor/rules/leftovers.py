@@ -32,18 +32,26 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
 
 INTERRUPTED_WRITE = RuleInfo(
-    "CKD150", "interrupted-write", "structure", ERROR,
+    "CKD150",
+    "interrupted-write",
+    "structure",
+    ERROR,
     "an interrupted ckptdoctor write left the checkpoint displaced or partly rewritten",
     "fix-args --in-place or strip-frozen was killed (or hit a full disk) between two of its steps: the original "
     "is complete but under another name (a staging or backup dir) or some files are rewritten and others not. "
     "The finding names every path and the exact commands that put the original back; write commands refuse to "
-    "run on the checkpoint until it is resolved.")
+    "run on the checkpoint until it is resolved.",
+)
 WRITE_LEFTOVER = RuleInfo(
-    "CKD151", "write-leftover", "structure", WARNING,
+    "CKD151",
+    "write-leftover",
+    "structure",
+    WARNING,
     "a staging dir or temp file of an interrupted ckptdoctor write (safe to delete)",
     "An interrupted run left unfinished new data beside or inside the checkpoint; the checkpoint itself is "
     "untouched or complete. It wastes space and blocks the next write command until it is deleted (the "
-    "finding gives the command).")
+    "finding gives the command).",
+)
 
 RULES = [INTERRUPTED_WRITE, WRITE_LEFTOVER]
 
@@ -115,56 +123,95 @@ def _beside(parent: Path, shown_parent: Path, name: str, match: re.Match[str], s
     if kind == "swap":
         swap = _SWAP_REST_RE.match(rest)
         if swap:
-            return _swap(parent, shown_parent, name, target, int(swap.group("ino")), swap.group("stamp"), st,
-                         target_st)
+            return _swap(parent, shown_parent, name, target, int(swap.group("ino")), swap.group("stamp"), st, target_st)
     if kind == "tmp" and rest.isdigit():  # an older ckptdoctor's pid-named staging dir: its role is unknown
-        return finding(INTERRUPTED_WRITE, here,
-                       f"staging dir of an interrupted strip-frozen (older ckptdoctor): it may hold the original "
-                       f"{target} (an --in-place run cut short right after its swap) or an unfinished new copy; "
-                       f"compare `ckptdoctor inspect {_q(here)}` with `ckptdoctor inspect {_q(shown_target)}` "
-                       "before deleting either")
+        return finding(
+            INTERRUPTED_WRITE,
+            here,
+            f"staging dir of an interrupted strip-frozen (older ckptdoctor): it may hold the original "
+            f"{target} (an --in-place run cut short right after its swap) or an unfinished new copy; "
+            f"compare `ckptdoctor inspect {_q(here)}` with `ckptdoctor inspect {_q(shown_target)}` "
+            "before deleting either",
+        )
     if kind == "tmp":
-        return finding(WRITE_LEFTOVER, here, f"unfinished output of an interrupted strip-frozen (the source was "
-                                             f"not modified); delete it: rm -rf {_q(here)}")
+        return finding(
+            WRITE_LEFTOVER,
+            here,
+            f"unfinished output of an interrupted strip-frozen (the source was "
+            f"not modified); delete it: rm -rf {_q(here)}",
+        )
     if kind == "old":
         if target_st is None:
-            return finding(INTERRUPTED_WRITE, here,
-                           f"{target} is missing: strip-frozen --force was interrupted while replacing it and this "
-                           f"is its previous content; restore it: mv {_q(here)} {_q(shown_target)}")
-        return finding(WRITE_LEFTOVER, here, f"previous content of {target}, replaced by strip-frozen --force (the "
-                                             f"new output is in place); delete it: rm -rf {_q(here)}")
-    return finding(WRITE_LEFTOVER, here, f"old tree of {target} being deleted when a run was interrupted "
-                                         f"(--no-backup); delete it: rm -rf {_q(here)}")
+            return finding(
+                INTERRUPTED_WRITE,
+                here,
+                f"{target} is missing: strip-frozen --force was interrupted while replacing it and this "
+                f"is its previous content; restore it: mv {_q(here)} {_q(shown_target)}",
+            )
+        return finding(
+            WRITE_LEFTOVER,
+            here,
+            f"previous content of {target}, replaced by strip-frozen --force (the "
+            f"new output is in place); delete it: rm -rf {_q(here)}",
+        )
+    return finding(
+        WRITE_LEFTOVER,
+        here,
+        f"old tree of {target} being deleted when a run was interrupted (--no-backup); delete it: rm -rf {_q(here)}",
+    )
 
 
-def _swap(parent: Path, shown_parent: Path, name: str, target: str, inode: int, stamp: str, st: os.stat_result,
-          target_st: os.stat_result | None) -> Finding:
+def _swap(
+    parent: Path,
+    shown_parent: Path,
+    name: str,
+    target: str,
+    inode: int,
+    stamp: str,
+    st: os.stat_result,
+    target_st: os.stat_result | None,
+) -> Finding:
     here, shown_target = shown_parent / name, shown_parent / target
     if st.st_ino == inode:
         stripped = shown_parent / f"{target}.stripped-{stamp}"
         backup = shown_parent / f"{target}.bak-{stamp}"
-        return finding(INTERRUPTED_WRITE, here,
-                       f"holds the original {target}: strip-frozen --in-place was interrupted right after its "
-                       f"atomic swap ({target} holds the complete stripped checkpoint); restore the original: "
-                       f"mv {_q(shown_target)} {_q(stripped)} && mv {_q(here)} {_q(shown_target)}; "
-                       f"or keep the stripped one and this as its backup: mv {_q(here)} {_q(backup)}")
+        return finding(
+            INTERRUPTED_WRITE,
+            here,
+            f"holds the original {target}: strip-frozen --in-place was interrupted right after its "
+            f"atomic swap ({target} holds the complete stripped checkpoint); restore the original: "
+            f"mv {_q(shown_target)} {_q(stripped)} && mv {_q(here)} {_q(shown_target)}; "
+            f"or keep the stripped one and this as its backup: mv {_q(here)} {_q(backup)}",
+        )
     if target_st is not None and target_st.st_ino == inode:
-        return finding(WRITE_LEFTOVER, here,
-                       f"unfinished stripped copy of {target} from an interrupted strip-frozen --in-place; "
-                       f"{target} is the untouched original; delete it: rm -rf {_q(here)}")
+        return finding(
+            WRITE_LEFTOVER,
+            here,
+            f"unfinished stripped copy of {target} from an interrupted strip-frozen --in-place; "
+            f"{target} is the untouched original; delete it: rm -rf {_q(here)}",
+        )
     original = _find_inode(parent, inode)
     if original is not None and target_st is None:
-        return finding(INTERRUPTED_WRITE, here,
-                       f"{target} is missing: strip-frozen --in-place was interrupted between its two renames; "
-                       f"the original is {original}; restore it: mv {_q(shown_parent / original)} "
-                       f"{_q(shown_target)} && rm -rf {_q(here)}")
+        return finding(
+            INTERRUPTED_WRITE,
+            here,
+            f"{target} is missing: strip-frozen --in-place was interrupted between its two renames; "
+            f"the original is {original}; restore it: mv {_q(shown_parent / original)} "
+            f"{_q(shown_target)} && rm -rf {_q(here)}",
+        )
     if original is not None:
-        return finding(WRITE_LEFTOVER, here,
-                       f"staging dir of a strip-frozen --in-place of {target} (the original is kept as "
-                       f"{original}); delete it: rm -rf {_q(here)}")
-    return finding(INTERRUPTED_WRITE, here,
-                   f"staging dir of an interrupted strip-frozen --in-place; the original {target} (inode {inode}) "
-                   f"is not beside it: check it with `ckptdoctor inspect {_q(here)}` before deleting anything")
+        return finding(
+            WRITE_LEFTOVER,
+            here,
+            f"staging dir of a strip-frozen --in-place of {target} (the original is kept as "
+            f"{original}); delete it: rm -rf {_q(here)}",
+        )
+    return finding(
+        INTERRUPTED_WRITE,
+        here,
+        f"staging dir of an interrupted strip-frozen --in-place; the original {target} (inode {inode}) "
+        f"is not beside it: check it with `ckptdoctor inspect {_q(here)}` before deleting anything",
+    )
 
 
 # --- inside an iteration dir --------------------------------------------------------------------------------
@@ -182,8 +229,13 @@ def scan_inside(directory: Path, shown: Path) -> list[Finding]:
         if journal:
             findings.append(_journal(directory, shown, name, journal.group("stamp")))
         elif _PART_RE.match(name):
-            findings.append(finding(WRITE_LEFTOVER, shown / name,
-                                    f"partial file of an interrupted write; delete it: rm -f {_q(shown / name)}"))
+            findings.append(
+                finding(
+                    WRITE_LEFTOVER,
+                    shown / name,
+                    f"partial file of an interrupted write; delete it: rm -f {_q(shown / name)}",
+                )
+            )
     return findings
 
 
@@ -205,11 +257,16 @@ def _journal(directory: Path, shown: Path, name: str, stamp: str) -> Finding:
         record = json.loads((directory / name).read_text(encoding="utf-8"))
         replaced, created = list(record["replaced"]), list(record["created"])
     except (OSError, ValueError, KeyError, TypeError):
-        replaced, created = [".metadata", "common.pt", "run_config.yaml", "integrity.json"], \
-            [f"common_state.fixargs-{stamp}.distcp"]
-    return finding(INTERRUPTED_WRITE, shown / name,
-                   f"fix-args --write --in-place (backups .bak-{stamp}) was interrupted; some files may be "
-                   f"rewritten; restore the original: {restore_commands(directory, shown, stamp, replaced, created)}")
+        replaced, created = (
+            [".metadata", "common.pt", "run_config.yaml", "integrity.json"],
+            [f"common_state.fixargs-{stamp}.distcp"],
+        )
+    return finding(
+        INTERRUPTED_WRITE,
+        shown / name,
+        f"fix-args --write --in-place (backups .bak-{stamp}) was interrupted; some files may be "
+        f"rewritten; restore the original: {restore_commands(directory, shown, stamp, replaced, created)}",
+    )
 
 
 # --- one iteration dir, and the refusal of write commands ---------------------------------------------------
@@ -225,5 +282,7 @@ def refuse_if_interrupted(iteration_dir: Path) -> None:
     found = check_iteration_dir(iteration_dir, iteration_dir)
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise CkptError(f"{iteration_dir}: an interrupted ckptdoctor write left {found[0].path}{more}; run "
-                        f"`ckptdoctor check {iteration_dir}` and follow its restore steps before writing again")
+        raise CkptError(
+            f"{iteration_dir}: an interrupted ckptdoctor write left {found[0].path}{more}; run "
+            f"`ckptdoctor check {iteration_dir}` and follow its restore steps before writing again"
+        )
