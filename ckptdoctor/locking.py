@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): writes run unlocked there
+    fcntl = None  # type: ignore[assignment]
 
 LOCK_SUFFIX = ".ckptdoctor.lock"
 
@@ -102,6 +106,9 @@ def checkpoint_lock(directory: Path, *, exclusive: bool = True, optional: bool =
     Re-entrant within one process. Raises :class:`CkptError` (one line, exit 2) when another process holds
     it. ``optional``: go on unlocked where the filesystem cannot lock (a shared lock on a read-only source).
     """
+    if fcntl is None:
+        yield
+        return
     key = os.path.realpath(directory)
     held = _held.get(key)
     if held is not None:

@@ -554,6 +554,26 @@ def test_unwritable_output_parent_is_one_line(capsys, copy_fixture, tmp_path, co
     assert rc == 2 and err.count("\n") == 1 and str(parent) in err and "internal error" not in err, err
 
 
+@pytest.mark.parametrize("command", [["fix-args", "--write", "--set", "seq_length=77"], ["strip-frozen"]])
+def test_permission_error_creating_the_output_is_one_line(capsys, copy_fixture, tmp_path, monkeypatch, command):
+    """PermissionError from mkdir (what a non-root user gets in a read-only dir) names the path, exit 2."""
+    name = "core019_tp1" if command[0] == "fix-args" else "core019_peft_full_tp1"
+    save = copy_fixture(name)
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    real_mkdir = os.mkdir
+
+    def denied(path, *args, **kwargs):
+        if str(path).startswith(str(parent)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", denied)
+    rc, _, err = _run(capsys, command[0], save, *command[1:], "--output", parent / "out")
+    assert rc == 2 and err.count("\n") == 1 and "Permission denied" in err and str(parent) in err, err
+    assert "internal error" not in err and list(parent.iterdir()) == []
+
+
 @pytest.mark.parametrize("where", ["save", "iter", "inside"])
 def test_fix_args_output_in_the_source_is_refused(capsys, copy_fixture, where):
     save = copy_fixture("core019_tp1")
