@@ -36,11 +36,37 @@ from ckptdoctor.errors import CkptError  # noqa: E402
 from ckptdoctor.report import EXIT_ERROR  # noqa: E402
 from ckptdoctor.text_safety import escape  # noqa: E402
 
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    text = value.strip().upper()
+    number = text.rstrip("KMGIB")
+    unit = text[len(number):]
+    try:
+        size = int(float(number) * _SIZE_UNITS[unit])
+    except (ValueError, KeyError):
+        raise click.BadParameter(f"{value!r} is not a size (e.g. 2GiB, 500MB, 1000000)") from None
+    if size <= 0:
+        raise click.BadParameter("must be positive")
+    return size
+
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="ckptdoctor")
-def cli() -> None:
+@click.option("--max-pickle-bytes", callback=_parse_size, metavar="SIZE", expose_value=True,
+              help="Largest pickle (.metadata, common state, data.pkl) read before refusing it "
+                   "[default: 1GiB; e.g. 4GiB for a legitimate giant].")
+def cli(max_pickle_bytes: int | None) -> None:
     """Diagnose and repair Megatron-Core distributed checkpoints offline (no GPU, no Megatron)."""
+    if max_pickle_bytes is not None:
+        import dataclasses
+
+        from ckptdoctor import pickle_scan
+
+        pickle_scan.set_limits(dataclasses.replace(pickle_scan.DEFAULT_LIMITS, max_bytes=max_pickle_bytes))
 
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process killed by Ctrl-C

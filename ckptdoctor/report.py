@@ -6,13 +6,11 @@ from a checkpoint are escaped, so a checkpoint cannot drive the terminal. JSON n
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 from typing import Any
 
+from ckptdoctor.plain import to_plain
 from ckptdoctor.text_safety import text_safe
-from ckptdoctor.torch_stand_ins import DtypeRef
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -20,20 +18,9 @@ EXIT_ERROR = 2
 
 
 def jsonable(value: Any) -> Any:
-    """Plain JSON values; dataclasses become dicts, stand-ins and dtypes their readable form."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, (bytes, bytearray)):
-        return f"<{len(value)} bytes>"
-    if isinstance(value, (DtypeRef, enum.Enum)):
-        return str(value)
-    return repr(value)
+    """Plain JSON values; dataclasses become dicts, stand-ins and dtypes their readable form (bounded:
+    see :mod:`ckptdoctor.plain`, a checkpoint's values can expand exponentially)."""
+    return to_plain(value)
 
 
 def to_json(report: Any) -> str:
@@ -101,9 +88,10 @@ def render_inspect(report: Any) -> str:
     return "\n".join(lines)
 
 
-def _short(value: Any) -> str:
+def _short(value: Any, limit: int = 200) -> str:
     plain = jsonable(value)
-    return plain if isinstance(plain, str) else json.dumps(plain)
+    text = plain if isinstance(plain, str) else json.dumps(plain)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @text_safe

@@ -40,7 +40,14 @@ from typing import Any, BinaryIO
 
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.pickle_scan import DEFAULT_LIMITS, PickleLimits, current_limits, scan
-from ckptdoctor.stand_ins import ALIAS_MODULE, ALIAS_TARGETS, RECORD_BASES, record_class, stand_in_class
+from ckptdoctor.stand_ins import (
+    ALIAS_MODULE,
+    ALIAS_TARGETS,
+    RECORD_BASES,
+    record_class,
+    stand_in_class,
+    valid_global_name,
+)
 from ckptdoctor.torch_stand_ins import (
     DTYPE_ALIASES,
     TORCH_DTYPES,
@@ -178,8 +185,6 @@ TOLERATED_NAMESPACES = ("megatron", "transformer_engine", "nemo")
 
 _TORCH_STORAGE_NAMES = frozenset(
     {storage for _, storage in TORCH_DTYPES.values() if storage} | {"UntypedStorage", "TypedStorage"})
-_DOTTED_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
-_IDENTIFIER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def check_global_name(module: str, name: str) -> None:
@@ -188,8 +193,7 @@ def check_global_name(module: str, name: str) -> None:
     A name with a newline would be written back by a text GLOBAL opcode as two lines (a second, attacker
     chosen global); a dotted name resolves through attributes (``torch`` + ``os.system``).
     """
-    if not (isinstance(module, str) and isinstance(name, str)
-            and _DOTTED_RE.match(module) and _IDENTIFIER_RE.match(name)):
+    if not valid_global_name(module, name):
         raise UnsafePickleError(module, name, detail="not a valid dotted Python name")
 
 
@@ -328,10 +332,13 @@ def dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None) -> bytes:
     ``persistent_id`` writes tensor storages (see ``formats.torch_zip``). Protocol 2, as ``torch.save`` uses.
     """
     buf = io.BytesIO()
-    if persistent_id is None:
-        _Pickler(buf, protocol=2, fix_imports=False).dump(obj)
-    else:
-        _PicklerWithStorages(buf, persistent_id).dump(obj)
+    try:
+        if persistent_id is None:
+            _Pickler(buf, protocol=2, fix_imports=False).dump(obj)
+        else:
+            _PicklerWithStorages(buf, persistent_id).dump(obj)
+    except RecursionError:
+        raise PickleLimitError("refusing to write: the object nests too deeply to pickle") from None
     out = _ALIAS_GLOBAL_RE.sub(lambda m: b"c" + ALIAS_TARGETS[m.group(1)], buf.getvalue())
     verify_written(out)
     return out

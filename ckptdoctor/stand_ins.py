@@ -12,6 +12,7 @@ Each is registered under an alias in a private module so that the C pickler can 
 from __future__ import annotations
 
 import copyreg
+import re
 import secrets
 import sys
 import types
@@ -130,12 +131,9 @@ class StandIn(metaclass=_FrozenClass):
             return hash(type(self).__ckd_global__)
 
     def __repr__(self) -> str:
-        name = type(self).__ckd_global__[1]
-        parts = [repr(a) for a in self.stand_in_args]
-        state = self.stand_in_state
-        if state is not None:
-            parts.append(f"state={state!r}")
-        return f"{name}({', '.join(parts)})"
+        from ckptdoctor.plain import short_repr  # bounded: pickled args can expand exponentially
+
+        return short_repr(self)
 
 
 # --- aliases for writing back ---------------------------------------------------------------------------
@@ -150,8 +148,25 @@ sys.modules[ALIAS_MODULE] = _alias_module
 ALIAS_TARGETS: dict[bytes, bytes] = {}  # alias name -> b"module\nname\n" of the original global
 
 
+_DOTTED_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+_IDENTIFIER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def valid_global_name(module: object, name: object) -> bool:
+    """A module that is a dotted ASCII identifier and a name that is a plain one: the only globals ckptdoctor
+    reads or writes. Anything else (a newline, a dot in the name) could smuggle a second global into a text
+    GLOBAL opcode or resolve through attributes (``torch`` + ``os.system``)."""
+    return (isinstance(module, str) and isinstance(name, str)
+            and _DOTTED_RE.match(module) is not None and _IDENTIFIER_RE.match(name) is not None)
+
+
 def register_alias(obj: Any, module: str, name: str) -> str:
-    """Register ``obj`` as the stand-in for ``module.name``; returns its alias name in the private module."""
+    """Register ``obj`` as the stand-in for ``module.name``; returns its alias name in the private module.
+
+    This is the one place a global reference becomes writable, so the name is validated here as well.
+    """
+    if not valid_global_name(module, name):
+        raise ValueError(f"refusing to register the global {(module, name)!a}")
     alias = f"g{len(ALIAS_TARGETS)}"
     setattr(_alias_module, alias, obj)
     ALIAS_TARGETS[alias.encode()] = f"{module}\n{name}\n".encode()
@@ -197,8 +212,9 @@ class Record(metaclass=_FrozenClass):
         return f"{module}.{name}"
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.stand_in_state.items())
-        return f"{type(self).__ckd_global__[1]}({fields})"
+        from ckptdoctor.plain import short_repr  # bounded, like StandIn
+
+        return short_repr(self)
 
 
 class TupleStateRecord(Record):

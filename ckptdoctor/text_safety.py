@@ -56,8 +56,11 @@ def escape_output(text: str) -> str:
     return _UNSAFE_BUT_NEWLINE_RE.sub(_replace, text)
 
 
-def escape_values(value: Any) -> Any:
+def escape_values(value: Any, _memo: dict[int, Any] | None = None) -> Any:
     """``value`` with every string in it (dict keys too) passed through :func:`escape`.
+
+    Each container is visited once (``_memo``, by identity): a report can hold values read from a
+    checkpoint, whose shared references would otherwise expand exponentially.
 
     Containers and dataclasses are copied only where something was escaped (a clean report comes back as
     the same object); dataclasses keep their class, so a renderer's attribute access and properties still
@@ -70,13 +73,25 @@ def escape_values(value: Any) -> Any:
         return value
     if isinstance(value, str):
         return escape(value)
+    if _memo is None:
+        _memo = {}
+    key = id(value)
+    if key in _memo:
+        return _memo[key]
+    _memo[key] = value  # a reference cycle sees the original; rendering is bounded elsewhere
+    _memo[key] = result = _escape_container(value, _memo)
+    return result
+
+
+def _escape_container(value: Any, memo: dict[int, Any]) -> Any:
+    cls = type(value)
     if isinstance(value, dict):
-        items = [(escape_values(k), escape_values(v)) for k, v in value.items()]
+        items = [(escape_values(k, memo), escape_values(v, memo)) for k, v in value.items()]
         if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items())):
             return value
         return dict(items)
     if isinstance(value, (list, tuple, set, frozenset)):
-        new = [escape_values(v) for v in value]
+        new = [escape_values(v, memo) for v in value]
         if all(a is b for a, b in zip(new, value)):
             return value
         if isinstance(value, tuple) and hasattr(value, "_fields"):
@@ -87,7 +102,7 @@ def escape_values(value: Any) -> Any:
         changed = {}
         for name in names:
             old = getattr(value, name)
-            new = escape_values(old)
+            new = escape_values(old, memo)
             if new is not old:
                 changed[name] = new
         if not changed:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.files import open_regular
 
 T = TypeVar("T")
 DEFAULT_WINDOW = 1 << 20  # one syscall per MiB; a reused buffer, so no page faults per read
@@ -52,9 +53,9 @@ def _windows(files: Iterable[tuple[Path, Iterable[tuple[int, int, T]]]], window:
     """(path, window start or error, bytes read, buffer, ranges in it) for each read; ``take()`` gives a buffer."""
     for path, ranges in files:
         try:
-            f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed below; raw reads into our buffers
-        except OSError as exc:
-            yield path, CkptError(f"{path}: cannot read ({exc.strerror})"), 0, None, []
+            f = open_regular(path, buffering=0)  # closed below; raw reads into our buffers
+        except CkptError as exc:
+            yield path, exc, 0, None, []
             continue
         with f:
             for start, length, group in _plan(ranges, window):

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.archive import unpickle
+from ckptdoctor.formats.files import open_regular
 from ckptdoctor.pickle_scan import current_limits
 from ckptdoctor.stand_ins import STAND_IN_TYPES, StandIn
 
@@ -113,7 +114,7 @@ def read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
 
 def _load_metadata_pickle(path: Path, unlisted: list[str] | None = None) -> Any:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read(current_limits().max_bytes + 1)
     except OSError as exc:
         raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
@@ -184,7 +185,7 @@ def read_range(iteration_dir: Path, location: StorageLocation) -> bytes:
     """The bytes of one chunk or item; raises :class:`CkptError` naming the file if it is short or missing."""
     path = iteration_dir / location.relative_path
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             f.seek(location.offset)
             data = f.read(location.length)
     except OSError as exc:

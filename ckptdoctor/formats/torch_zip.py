@@ -9,16 +9,16 @@ chunk inside a ``.distcp`` file use this format.
 from __future__ import annotations
 
 import io
-import mmap
 import os
 import zipfile
 from typing import Any
 
 from ckptdoctor import safe_pickle
-from ckptdoctor.errors import CkptError
+from ckptdoctor.errors import CkptError, PickleLimitError
 from ckptdoctor.formats.archive import ZIP_MAGIC, is_torch_zip, load_archive
-from ckptdoctor.pickle_scan import PickleLimits
-from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
+from ckptdoctor.formats.files import open_regular
+from ckptdoctor.pickle_scan import PickleLimits, current_limits
+from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
 
 __all__ = ["ZIP_MAGIC", "dump_torch_zip", "is_torch_zip", "load_torch_zip"]
 
@@ -27,33 +27,22 @@ def load_torch_zip(source: bytes | bytearray | memoryview | str | os.PathLike, w
                    limits: PickleLimits | None = None, unlisted: list[str] | None = None) -> Any:
     """Unpickle a ``torch.save`` archive (bytes or a path) into plain objects and stand-ins.
 
-    A file is memory-mapped, so only the bytes asked for are read. ``where`` names the file (and item)
-    for error messages; see :func:`ckptdoctor.formats.archive.load_archive`.
+    A file is read whole (a common state is small; no memory map, which a file truncated by another
+    process would turn into SIGBUS), up to the pickle size limit. ``where`` names the file (and item) for
+    error messages; see :func:`ckptdoctor.formats.archive.load_archive`.
     """
     if isinstance(source, (bytes, bytearray, memoryview)):
         return load_archive(source, where, limits, unlisted)
+    max_bytes = (limits or current_limits()).max_bytes
     try:
-        with open(source, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            blob: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        with open_regular(source) as f:
+            blob = f.read(max_bytes + 1)
     except OSError as exc:
         raise CkptError(f"{where}: cannot read ({exc.strerror})") from None
+    if len(blob) > max_bytes:
+        raise PickleLimitError(f"{where}: larger than the limit of {max_bytes} bytes "
+                               "(raise it with --max-pickle-bytes)")
     return load_archive(blob, where, limits, unlisted)
-
-
-def _collect_storages(obj: Any, found: dict[int, StorageRef]) -> None:
-    if isinstance(obj, TensorRef):
-        found.setdefault(id(obj.storage), obj.storage)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _collect_storages(k, found)
-            _collect_storages(v, found)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for v in obj:
-            _collect_storages(v, found)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        for v in vars(obj).values():
-            _collect_storages(v, found)
 
 
 def dump_torch_zip(obj: Any, archive_name: str = "archive") -> bytes:
@@ -62,10 +51,12 @@ def dump_torch_zip(obj: Any, archive_name: str = "archive") -> bytes:
     Storages keep their keys; their bytes are copied from the source archive.
     """
     storages: dict[int, StorageRef] = {}
-    _collect_storages(obj, storages)
 
     def persistent_id(value: Any) -> Any:
+        # The pickler visits each object once (its memo), so collecting storages here stays linear even
+        # for a graph of shared references that a recursive walk would expand exponentially.
         if isinstance(value, StorageRef):
+            storages.setdefault(id(value), value)
             storage_type = StorageTypeRef.for_dtype(value.dtype or DtypeRef.get("uint8"))
             return ("storage", storage_type, value.key, value.location, value.numel)
         return None

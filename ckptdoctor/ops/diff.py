@@ -23,6 +23,7 @@ from ckptdoctor.args import ARG_GROUPS, arg_group, args_as_dict
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
 from ckptdoctor.ops.diff_items import KIND_TENSOR, Item, is_common_state_item, logical_items
 from ckptdoctor.parallelism import SavedLayout, infer_layout
+from ckptdoctor.plain import same_value
 
 SCHEMA = "ckptdoctor.diff/1"
 ARG_GROUP_ORDER = (*ARG_GROUPS, "other")
@@ -198,16 +199,6 @@ def _layout_dict(ckpt: Checkpoint) -> tuple[dict, Any]:
     saved = infer_layout(ckpt)
     return ({"tp": saved.tp, "pp": saved.pp, "layers": saved.layers, "ep": saved.ep,
              "writer_ranks": saved.writer_ranks, "summary": saved.summary()}, saved)
-
-
-def same_value(a: Any, b: Any) -> bool:
-    """Equality that never raises and tells 1 from 1.0 from True (saved args keep their types)."""
-    if type(a) is not type(b):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # exotic stand-ins: compare what we can show
-        return repr(a) == repr(b)
 
 
 def _item_meta(item: Item) -> dict:

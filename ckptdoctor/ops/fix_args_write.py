@@ -53,6 +53,7 @@ from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.torch_zip import dump_torch_zip
 from ckptdoctor.layout import TRACKER_NAME
 from ckptdoctor.ops.fix_args import ArgChange, fixed_common_state
+from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.rules import leftovers
 
 RUN_CONFIG = "run_config.yaml"
@@ -101,6 +102,7 @@ def updated_run_config(text: str, changes: list[ArgChange]) -> tuple[str, list[s
 
 def _new_files(checkpoint: Checkpoint, changes: list[ArgChange], stamp: str) -> tuple[dict[str, bytes], str]:
     """Relative path -> new content for every file the fix replaces or adds; and the new data file (if any)."""
+    refuse_unsafe_pickles(checkpoint)  # the other items are linked or copied unchanged
     common = fixed_common_state(checkpoint, changes)
     files: dict[str, bytes] = {}
     new_data_file = ""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from ckptdoctor.checkpoint import Checkpoint, Entry
 from ckptdoctor.errors import CkptError
+from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 
 SCHEMA = "ckptdoctor.strip-frozen/1"
 
@@ -105,6 +106,7 @@ def check_integrity(checkpoint: Checkpoint) -> None:
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise CkptError(f"{problems[0]}{more}; refusing to strip a damaged checkpoint")
+    refuse_unsafe_pickles(checkpoint)
 
 
 # --- trainable selection ---------------------------------------------------------------------------

@@ -18,10 +18,11 @@ from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats.archive import MAX_INFLATED, ArchiveError, parse_archive
+from ckptdoctor.formats.files import open_regular
 from ckptdoctor.formats.stream import read_ranges
 from ckptdoctor.formats.torch_dist import DcpChunk
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
-from ckptdoctor.rules.safety import refused_pickle
+from ckptdoctor.rules.safety import refused_pickle, unlisted_globals
 from ckptdoctor.rules.structure import Scanned, reason
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
 
@@ -96,6 +97,9 @@ def check_manifest(state: Scanned, verify_hashes: bool) -> list[Finding]:
             except OSError as exc:
                 out.append(finding(LISTED_FILE_MISSING, shown / name, f"unreadable ({exc.strerror})"))
                 continue
+            except CkptError as exc:
+                out.append(finding(LISTED_FILE_MISSING, shown / name, reason(exc, directory / name)))
+                continue
             if actual != expected.lower():
                 out.append(finding(HASH_MISMATCH, shown / name,
                                    f"sha256 {actual[:16]}... but {INTEGRITY_NAME} records {expected[:16]}..."))
@@ -106,7 +110,7 @@ def check_manifest(state: Scanned, verify_hashes: bool) -> list[Finding]:
 
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while block := f.read(_READ_SIZE):
             digest.update(block)
     return digest.hexdigest()
@@ -277,10 +281,11 @@ def _view_problem(ref: TensorRef) -> str | None:
 
 def _check_item(entry: Entry, blob: memoryview, path: Path) -> Finding | None:
     what = f"item {entry.key}"
+    unlisted: list[str] = []
     try:
-        decode_object_bytes(bytes(blob), what)
+        decode_object_bytes(bytes(blob), what, unlisted)
     except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
         return refused_pickle(exc, path, what)
     except CkptError as exc:
         return finding(ITEM_UNDECODABLE, path, f"{what}: {reason(exc, what)}")
-    return None
+    return unlisted_globals(unlisted, path, what)[0] if unlisted else None

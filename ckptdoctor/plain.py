@@ -1,0 +1,160 @@
+"""Bounded views of values read from a checkpoint: JSON-able form, short text, and equality.
+
+A pickle of a few hundred bytes can hold a graph whose expansion has 10**40 nodes (a list of ten references
+to a list of ten references to ...), or nest a million levels deep. Everything that walks a value read from
+a checkpoint (rendering, comparing) goes through here: each walk visits at most ``MAX_NODES`` nodes and
+``MAX_DEPTH`` levels and says where it stopped, and equality follows shared references once (linear in the
+pickle, not in the expansion).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import enum
+import hashlib
+import io
+import pathlib
+import types
+import uuid
+from typing import Any
+
+from ckptdoctor.stand_ins import Record, StandIn
+from ckptdoctor.torch_stand_ins import DtypeRef, StorageTypeRef, TensorRef
+
+# Types whose repr is short and cannot recurse into pickled data.
+_SAFE_REPR = (datetime.date, datetime.time, datetime.timedelta, datetime.timezone, uuid.UUID, pathlib.PurePath,
+              io.BytesIO, complex, TensorRef, DtypeRef, StorageTypeRef)
+
+MAX_NODES = 10_000
+MAX_DEPTH = 32
+ELIDED = "..."
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def to_plain(value: Any, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH) -> Any:
+    """Plain JSON values: dataclasses become dicts, stand-ins and dtypes their readable form; a walk past
+    ``max_nodes`` nodes or ``max_depth`` levels shows ``"..."`` where it stopped."""
+    budget = [max_nodes]
+    return _plain(value, budget, max_depth)
+
+
+def _plain(value: Any, budget: list[int], depth: int) -> Any:
+    if isinstance(value, _SCALARS):
+        return value
+    budget[0] -= 1
+    if budget[0] < 0 or depth <= 0:
+        return ELIDED
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name), budget, depth - 1) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if budget[0] <= 0:
+                out[ELIDED] = f"{len(value) - len(out)} more"
+                break
+            out[str(_plain(k, budget, depth - 1))] = _plain(v, budget, depth - 1)
+        return out
+    if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+        items = []
+        for v in value:
+            if budget[0] <= 0:
+                items.append(f"{ELIDED} {len(value) - len(items)} more")
+                break
+            items.append(_plain(v, budget, depth - 1))
+        return items
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, (DtypeRef, enum.Enum)):
+        return str(value)
+    return short_repr(value)
+
+
+def short_repr(value: Any, limit: int = 200) -> str:
+    """``repr`` that never expands more than a few levels or ``limit`` characters (objects from a pickle
+    can hold shared references whose full ``repr`` is exponentially long)."""
+    if isinstance(value, (StandIn, Record, argparse.Namespace, types.SimpleNamespace)):
+        if isinstance(value, StandIn):
+            name, args = type(value).__ckd_global__[1], list(value.stand_in_args[:8])
+            state = value.stand_in_state
+            parts = [_brief(a) for a in args] + ([] if state is None else [f"state={_brief(state)}"])
+        else:
+            name = type(value).__ckd_global__[1] if isinstance(value, Record) else type(value).__name__
+            fields = value.stand_in_state if isinstance(value, Record) else vars(value)
+            parts = [f"{k}={_brief(v)}" for k, v in list(fields.items())[:16]]
+        text = f"{name}({', '.join(parts)})"
+    elif isinstance(value, _SAFE_REPR):
+        text = repr(value)
+    else:
+        text = _brief(value)
+    return text if len(text) <= limit else text[: limit - len(ELIDED)] + ELIDED
+
+
+def _brief(value: Any) -> str:
+    """A short, bounded text of a value nested in another one."""
+    if isinstance(value, (StandIn, Record, argparse.Namespace, types.SimpleNamespace)):
+        name = type(value).__ckd_global__[1] if isinstance(value, (StandIn, Record)) else type(value).__name__
+        return f"{name}(...)"
+    if isinstance(value, (*_SAFE_REPR, *_SCALARS)):
+        text = repr(value)
+    elif isinstance(value, (dict, list, tuple, set, frozenset, collections.deque, bytes, bytearray, DtypeRef,
+                            enum.Enum)):
+        plain = to_plain(value, max_nodes=50, max_depth=3)
+        text = plain if isinstance(plain, str) else repr(plain)
+    else:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 200 else text[:197] + ELIDED
+
+
+def fingerprint(value: Any) -> bytes:
+    """A digest of a value's structure and contents; equal values (by ``same_value``) share it. Shared
+    references are digested once, so a small pickle with an exponential expansion costs linear time."""
+    return _digest(value, {}, MAX_DEPTH * 8)
+
+
+def _digest(value: Any, memo: dict[int, bytes], depth: int) -> bytes:
+    if isinstance(value, _SCALARS):
+        return hashlib.blake2b(f"{type(value).__name__}:{value!r}".encode(), digest_size=16).digest()
+    key = id(value)
+    known = memo.get(key)
+    if known is not None:
+        return known
+    if depth <= 0:
+        raise RecursionError("value nests too deeply to compare")
+    h = hashlib.blake2b(digest_size=16)
+    h.update(type(value).__qualname__.encode())
+    if isinstance(value, dict):
+        for part in sorted(_digest(k, memo, depth - 1) + _digest(v, memo, depth - 1) for k, v in value.items()):
+            h.update(part)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            h.update(_digest(v, memo, depth - 1))
+    elif isinstance(value, (set, frozenset)):
+        for part in sorted(_digest(v, memo, depth - 1) for v in value):
+            h.update(part)
+    elif isinstance(value, (bytes, bytearray)):
+        h.update(bytes(value))
+    elif isinstance(value, StandIn):
+        h.update(type(value).qualified_name().encode())
+        h.update(_digest(value.stand_in_args, memo, depth - 1))
+        h.update(_digest(value.stand_in_state, memo, depth - 1))
+    elif isinstance(value, argparse.Namespace) or (hasattr(value, "__dict__") and not isinstance(value, type)):
+        h.update(_digest(dict(vars(value)), memo, depth - 1))
+    else:
+        h.update(repr(value).encode())
+    memo[key] = digest = h.digest()
+    return digest
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equality that never raises, never expands shared references, and tells 1 from 1.0 from True."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, _SCALARS):
+        return bool(a == b)
+    try:
+        return fingerprint(a) == fingerprint(b)
+    except RecursionError:
+        return False

@@ -1,0 +1,422 @@
+"""A corpus of hostile pickles and archives, built here, run through the real CLI in a child process.
+
+Each case expects a check rule code (or a one-line error naming the file from the other commands), and a
+marker file that a payload would create must never appear. Every child runs under an address-space limit
+and a timeout, so a case that balloons or hangs fails instead of taking the machine down.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, REPO
+
+from ckptdoctor import safe_pickle
+from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
+from ckptdoctor.formats.torch_dist import (
+    StorageLocation,
+    dump_metadata_object,
+    index_fqn,
+    load_metadata_object,
+    set_storage,
+    storage_items,
+)
+from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
+from ckptdoctor.torch_stand_ins import DtypeRef
+
+COMMON_ERA = "core016_tp1"  # common state in common.pt
+ITER = "iter_0000010"
+MEMORY_LIMIT = 1536 << 20  # address space of each child: far above a metadata command, far below a balloon
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+def run_limited(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m ckptdoctor ARGS`` with an address-space limit and a timeout (a hang fails the test)."""
+    return subprocess.run([sys.executable, "-m", "ckptdoctor", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=_limit_memory)
+
+
+def su(text: str) -> bytes:
+    raw = text.encode()
+    return b"\x8c" + bytes([len(raw)]) + raw if len(raw) < 256 else b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def stack_global(module: str, name: str) -> bytes:
+    return su(module) + su(name) + b"\x93"
+
+
+def call(module: str, name: str, *text_args: str) -> bytes:
+    """Protocol 4: ``module.name(*text_args)``."""
+    return b"\x80\x04" + stack_global(module, name) + b"(" + b"".join(su(a) for a in text_args) + b"tR."
+
+
+def torch_zip(pickled: bytes, extra: tuple[tuple[str, bytes], ...] = (), prefix: str = "archive",
+              compress: int = zipfile.ZIP_STORED) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive:
+        archive.writestr(f"{prefix}/data.pkl", pickled, compress_type=compress)
+        for name, data in extra:
+            archive.writestr(name, data)
+        archive.writestr(f"{prefix}/version", b"3\n")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def save_dir(tmp_path):
+    def _copy(name: str = COMMON_ERA) -> Path:
+        dest = tmp_path / name
+        shutil.copytree(FIXTURES / name, dest)
+        return dest
+
+    return _copy
+
+
+def check_json(*paths: Path, deep: bool = False) -> tuple[int, dict]:
+    args = ["check", "--format", "json", *(["--deep"] if deep else []), *map(str, paths)]
+    proc = run_limited(*args)
+    assert proc.returncode in (0, 1), proc.stderr
+    assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def codes(report: dict) -> list[str]:
+    return [f["code"] for f in report["findings"]]
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, names: str) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptdoctor: error: "), proc.stderr
+    assert names in lines[0], lines[0]
+    assert "internal error" not in proc.stderr
+
+
+def marker_payloads(marker: Path) -> dict[str, bytes]:
+    """Pickles that would create ``marker`` if a real loader ran them (each refused by name)."""
+    touch = f"touch {marker}"
+    return {
+        "os.system": f"cos\nsystem\n(S'{touch}'\ntR.".encode(),
+        "posix.system": call("posix", "system", touch),
+        "torch + dotted os.system": call("torch", "os.system", touch),
+        "torch.jit execWrapper": call("torch.jit.unsupported_tensor_ops", "execWrapper", touch),
+        "numpy runstring": call("numpy.testing._private.utils", "runstring", f"open({str(marker)!r}, 'w')"),
+        "builtins.eval": call("builtins", "eval", f"open({str(marker)!r}, 'w')"),
+        "newline in name": b"\x80\x04" + stack_global("torch", "Size\n0cposix\nsystem\n(Vtouch x\ntR0ctorch\nSize")
+        + b")R.",
+        "torch.storage._load_from_bytes": call("torch.storage", "_load_from_bytes", touch),
+        "subprocess via getattr": call("builtins", "getattr", "subprocess"),
+    }
+
+
+MARKER_CASES = list(marker_payloads(Path("/x")))
+
+
+@pytest.mark.parametrize("case", MARKER_CASES)
+def test_unsafe_metadata_is_ckd401_and_an_error_elsewhere(save_dir, tmp_path, case):
+    marker = tmp_path / "marker"
+    save = save_dir()
+    (save / ITER / ".metadata").write_bytes(marker_payloads(marker)[case])
+    rc, report = check_json(save)
+    assert rc == 1 and codes(report) == ["CKD401"], report
+    assert ".metadata" in report["findings"][0]["path"]
+    for command in (["inspect"], ["fix-args"], ["strip-frozen", "--dry-run"]):
+        assert_one_line_error(run_limited(*command, str(save)), ".metadata")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("case", MARKER_CASES)
+def test_unsafe_common_state_is_ckd401(save_dir, tmp_path, case):
+    marker = tmp_path / "marker"
+    save = save_dir()
+    (save / ITER / "common.pt").write_bytes(torch_zip(marker_payloads(marker)[case]))
+    rc, report = check_json(save)
+    assert rc == 1 and "CKD401" in codes(report), report
+    assert_one_line_error(run_limited("inspect", str(save)), "common.pt")
+    assert not marker.exists()
+
+
+def test_newline_name_never_reaches_a_written_pickle():
+    # Reading refuses it; and even a stand-in made for such a name cannot be written back.
+    with pytest.raises(UnsafePickleError, match="not a valid dotted Python name"):
+        safe_pickle.loads(b"\x80\x04" + stack_global("torch", "Size\ncposix\nsystem") + b".")
+    with pytest.raises(UnsafePickleError):
+        safe_pickle.loads(b"\x80\x04" + stack_global("megatron.core\nx", "Enum") + b".")
+    from ckptdoctor.stand_ins import stand_in_class
+
+    with pytest.raises(ValueError):
+        stand_in_class("torch", "Size\ncposix\nsystem")
+
+
+def test_every_written_pickle_is_read_back_through_the_allowlist(monkeypatch):
+    from ckptdoctor import stand_ins
+
+    value = stand_ins.stand_in_class("megatron.core.enums", "ModelType")(1)
+    assert safe_pickle.loads(safe_pickle.dumps(value)) == value
+    # Corrupt the alias table as a bug would: the written bytes now name os.system, and dumps refuses them.
+    alias = next(k for k, v in stand_ins.ALIAS_TARGETS.items() if v == b"megatron.core.enums\nModelType\n")
+    monkeypatch.setitem(stand_ins.ALIAS_TARGETS, alias, b"os\nsystem\n")
+    with pytest.raises(CkptError, match="os.system"):
+        safe_pickle.dumps(value)
+
+
+def test_unlisted_megatron_class_is_a_warning_not_an_error(save_dir):
+    save = save_dir()
+    path = save / ITER / "common.pt"
+    state = load_torch_zip(path, str(path))
+    state["extra"] = safe_pickle.loads(call("megatron.core.brand_new", "FutureConfig", "x"))
+    path.write_bytes(dump_torch_zip(state))
+    rc, report = check_json(save)
+    assert rc == 1 and codes(report) == ["CKD402"], report  # a finding, even a warning, fails check
+    assert report["findings"][0]["severity"] == "warning"
+    assert "megatron.core.brand_new.FutureConfig" in report["findings"][0]["message"]
+    assert run_limited("inspect", str(save)).returncode == 0
+
+
+# --- resources ---------------------------------------------------------------------------------------------
+
+
+def _billion_laughs(levels: int = 40) -> list:
+    value: list = ["x" * 10]
+    for _ in range(levels):
+        value = [value] * 10  # 10**40 leaves, a few hundred bytes pickled
+    return value
+
+
+RESOURCE_CASES = {
+    "deep tuple as dict key": b"\x80\x02}" + b")" + b"\x85" * 1_000_000 + b"Ns.",
+    "deque(range(10**15))": b"\x80\x02ccollections\ndeque\ncbuiltins\nrange\nJ\x00\x00\x00\x00\x8a\x07\x00\x80\xc6"
+                            b"\xa4~\x8d\x03\x86R\x85R.",
+    "bytearray(1.5e9)": b"\x80\x02cbuiltins\nbytearray\nJ\x00\x2f\x68\x59\x85R.",
+    "bytes(10**12)": b"\x80\x02cbuiltins\nbytes\n\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x85R.",
+    "memo index 2**31": b"\x80\x02Nr\x00\x00\x00\x80.",
+    "BUILD on a shared torch function": b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n}X\x04\x00\x00\x00implcbuiltins"
+                                        b"\nlist\nsb.",
+    "BUILD on argparse.Namespace": b"\x80\x02cargparse\nNamespace\nN}X\x08\x00\x00\x00__init__cbuiltins\nlist\n"
+                                   b"s\x86b.",
+    "copyreg extension": b"\x80\x02\x82\x01.",
+    "_reconstructor of bytes": b"\x80\x02ccopyreg\n_reconstructor\ncargparse\nNamespace\ncbuiltins\nbytes\n"
+                               b"\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x87R.",
+}
+RESOURCE_CODES = {"deque(range(10**15))": "CKD401", "_reconstructor of bytes": "CKD401"}
+
+
+@pytest.mark.parametrize("case", list(RESOURCE_CASES))
+def test_resource_case_in_metadata_is_a_finding(save_dir, case):
+    save = save_dir()
+    (save / ITER / ".metadata").write_bytes(RESOURCE_CASES[case])
+    rc, report = check_json(save)
+    assert rc == 1 and codes(report) == [RESOURCE_CODES.get(case, "CKD403")], report
+    assert_one_line_error(run_limited("inspect", str(save)), ".metadata")
+
+
+@pytest.mark.parametrize("case", list(RESOURCE_CASES))
+def test_resource_case_in_common_state_is_a_finding(save_dir, case):
+    save = save_dir()
+    (save / ITER / "common.pt").write_bytes(torch_zip(RESOURCE_CASES[case]))
+    rc, report = check_json(save)
+    assert rc == 1 and RESOURCE_CODES.get(case, "CKD403") in codes(report), report
+    for command in ("inspect", "fix-args"):
+        assert_one_line_error(run_limited(command, str(save)), "common.pt")
+
+
+def test_billion_laughs_in_args_is_bounded(save_dir):
+    save = save_dir()
+    path = save / ITER / "common.pt"
+    state = load_torch_zip(path, str(path))
+    state["args"].hidden_size = _billion_laughs()
+    state["args"].made_up_arg = _billion_laughs()
+    path.write_bytes(dump_torch_zip(state))
+    assert path.stat().st_size < 100_000
+    for command in (["inspect"], ["inspect", "--format", "json"], ["check"], ["fix-args"],
+                    ["diff", str(FIXTURES / COMMON_ERA)]):
+        proc = run_limited(*command, str(save), timeout=60)
+        assert proc.returncode in (0, 1, 2) and "internal error" not in proc.stderr, (command, proc.stderr[-500:])
+        assert len(proc.stdout) < 2_000_000, command
+
+
+def test_deeply_nested_lists_are_one_line(save_dir):
+    save = save_dir()
+    # [[[[...]]]] a million deep: lists nest without the tuple limit, so every command must stay clean.
+    payload = b"\x80\x02" + b"]" * 1_000_000 + b"a" * 999_999 + b"."
+    (save / ITER / "common.pt").write_bytes(torch_zip(payload))
+    for command in ("inspect", "check", "fix-args"):
+        proc = run_limited(command, str(save))
+        assert proc.returncode in (1, 2) and "internal error" not in proc.stderr, (command, proc.stderr)
+        assert "Traceback" not in proc.stderr
+
+
+def test_pickle_size_limit_is_configurable(save_dir):
+    save = save_dir()
+    rc = run_limited("--max-pickle-bytes", "1000", "inspect", str(save))
+    assert_one_line_error(rc, ".metadata")
+    assert "--max-pickle-bytes" in rc.stderr
+    assert run_limited("--max-pickle-bytes", "64MiB", "inspect", str(save)).returncode == 0
+
+
+# --- archives ----------------------------------------------------------------------------------------------
+
+
+def test_deflate_bomb_in_common_state(save_dir):
+    save = save_dir()
+    bomb = b"\x80\x02X" + struct.pack("<I", 200 << 20) + b"a" * (200 << 20) + b"."
+    blob = torch_zip(bomb, compress=zipfile.ZIP_DEFLATED)
+    assert len(blob) < 1 << 20
+    (save / ITER / "common.pt").write_bytes(blob)
+    rc, report = check_json(save)
+    assert rc == 1 and "CKD403" in codes(report), report
+    assert_one_line_error(run_limited("inspect", str(save)), "common.pt")
+
+
+def _append_blob(iteration_dir: Path, key: str, blob: bytes) -> None:
+    """Append ``blob`` to the item's data file and point the item's first storage entry at it."""
+    path = iteration_dir / ".metadata"
+    metadata = load_metadata_object(path)
+    info = next(info for index, info in storage_items(metadata).items() if index_fqn(index) == key)
+    data_file = iteration_dir / info.relative_path
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(blob)
+    set_storage(info, StorageLocation(info.relative_path, offset, len(blob)))
+    path.write_bytes(dump_metadata_object(metadata))
+
+
+def test_deflate_bomb_in_a_chunk_record(save_dir):
+    save = save_dir("core019_tp1")
+    it = save / "iter_0000010"
+    key = "decoder.final_layernorm.weight"
+    metadata = load_metadata_object(it / ".metadata")
+    info = next(info for index, info in storage_items(metadata).items() if index_fqn(index) == key)
+    blob = (it / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+        pkl_name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+        pickled = archive.read(pkl_name)
+        record = next(n for n in archive.namelist() if "/data/" in n)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive:
+        archive.writestr(pkl_name, pickled)
+        archive.writestr(record, b"\0" * (300 << 20), compress_type=zipfile.ZIP_DEFLATED)
+    _append_blob(it, key, buf.getvalue())
+    rc, report = check_json(save, deep=True)
+    assert rc == 1 and report["findings"], report
+    assert any(key in f["message"] for f in report["findings"]), report
+
+
+def _args_pickle(tp: int) -> bytes:
+    import argparse
+
+    return pickle.dumps({"args": argparse.Namespace(tensor_model_parallel_size=tp), "iteration": 10}, protocol=2)
+
+
+@pytest.mark.parametrize("layout", ["duplicate data.pkl", "two prefixes", "parent dir name", "absolute name"])
+def test_archive_anomalies_are_ckd404(save_dir, layout):
+    save = save_dir()
+    first, second = _args_pickle(1), _args_pickle(2)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive, pytest.warns(UserWarning) if layout == "duplicate data.pkl" \
+            else _nothing():
+        archive.writestr("archive/data.pkl", first)
+        if layout == "duplicate data.pkl":
+            archive.writestr("archive/data.pkl", second)
+        elif layout == "two prefixes":
+            archive.writestr("other/data/0", b"\0" * 4)
+        elif layout == "parent dir name":
+            archive.writestr("archive/../../etc/data.pkl", second)
+        else:
+            archive.writestr("/archive/data/0", b"\0" * 4)
+    (save / ITER / "common.pt").write_bytes(buf.getvalue())
+    rc, report = check_json(save)
+    assert rc == 1 and "CKD404" in codes(report), report
+    assert_one_line_error(run_limited("inspect", str(save)), "common.pt")
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# --- no state shared between reads ------------------------------------------------------------------------
+
+
+def test_a_poisoning_pickle_does_not_change_later_reads(save_dir, tmp_path):
+    poisoned = save_dir()
+    (poisoned / ITER / "common.pt").write_bytes(torch_zip(RESOURCE_CASES["BUILD on a shared torch function"]))
+    intact = tmp_path / "intact"
+    shutil.copytree(FIXTURES / "core019_tp2", intact)
+    rc, report = check_json(poisoned, intact, deep=True)
+    assert rc == 1
+    assert all(str(poisoned) in f["path"] for f in report["findings"]), report
+    assert codes(report) == ["CKD403"]
+
+
+def test_shared_stand_ins_are_read_only():
+    dtype = DtypeRef.get("float32")
+    with pytest.raises(AttributeError):
+        dtype.name = "int8"
+    with pytest.raises(PickleLimitError):
+        safe_pickle.loads(RESOURCE_CASES["BUILD on a shared torch function"])
+    from ckptdoctor.stand_ins import stand_in_class
+
+    cls = stand_in_class("megatron.core.enums", "ModelType")
+    with pytest.raises(AttributeError):
+        cls.__reduce__ = lambda self: (print, ("x",))
+    assert dtype.name == "float32"
+
+
+# --- write commands never carry a refused pickle ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["core019_tp1", "core019_peft_full_tp1"])
+def test_write_commands_refuse_to_copy_an_unsafe_bytes_item(save_dir, tmp_path, name):
+    marker = tmp_path / "marker"
+    save = save_dir(name)
+    it = save / "iter_0000010"
+    _append_blob(it, "rng_state/shard_0.0_1.1", torch_zip(marker_payloads(marker)["torch + dotted os.system"]))
+    rc, report = check_json(save, deep=True)
+    assert rc == 1 and "CKD401" in codes(report), report
+    before = {p.name: p.read_bytes() for p in it.iterdir() if p.is_file()}
+    commands = [
+        ["fix-args", "--write", "--output", str(tmp_path / "out-fix"), "--set", "seed=2"],
+        ["fix-args", "--write", "--in-place", "--set", "seed=2"],
+        ["fix-args", "--write", "--in-place", "--force", "--set", "seed=2"],
+    ]
+    if name == "core019_peft_full_tp1":
+        commands += [["strip-frozen", "--preset", "lora", "--output", str(tmp_path / "out-strip")],
+                     ["strip-frozen", "--preset", "lora", "--in-place", "--force"]]
+    for command in commands:
+        proc = run_limited(*command[:1], str(save), *command[1:])
+        assert_one_line_error(proc, "rng_state/shard_0.0_1.1")
+        assert "torch.os.system" in proc.stderr
+    assert {p.name: p.read_bytes() for p in it.iterdir() if p.is_file()} == before
+    assert not (tmp_path / "out-fix" / "iter_0000010").exists() and not (tmp_path / "out-strip").exists()
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("victim", ["common.pt", "__0_0.distcp"])
+def test_a_fifo_in_place_of_a_file_never_hangs(save_dir, victim):
+    import os
+
+    save = save_dir()
+    path = save / ITER / victim
+    path.unlink()
+    os.mkfifo(path)
+    rc, report = check_json(save, deep=True)  # run_limited's timeout fails the test on a hang
+    assert rc == 1 and report["findings"], report
+    assert any(victim in f["path"] or victim in f["message"] for f in report["findings"]), report
+    proc = run_limited("inspect", str(save), timeout=60)
+    assert proc.returncode in (0, 2) and "internal error" not in proc.stderr  # inspect opens no data file
