@@ -12,7 +12,6 @@ import json
 import pickle
 import resource
 import shutil
-import struct
 import subprocess
 import sys
 import zipfile
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, REPO
+from hostile_corpus import DEEP_LISTS, RESOURCE_CASES, billion_laughs, call, deflate_bomb, stack_global, torch_zip
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
@@ -47,31 +47,6 @@ def run_limited(*args: str, timeout: float = 120) -> subprocess.CompletedProcess
     """``python -m ckptdoctor ARGS`` with an address-space limit and a timeout (a hang fails the test)."""
     return subprocess.run([sys.executable, "-m", "ckptdoctor", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, preexec_fn=_limit_memory)
-
-
-def su(text: str) -> bytes:
-    raw = text.encode()
-    return b"\x8c" + bytes([len(raw)]) + raw if len(raw) < 256 else b"X" + struct.pack("<I", len(raw)) + raw
-
-
-def stack_global(module: str, name: str) -> bytes:
-    return su(module) + su(name) + b"\x93"
-
-
-def call(module: str, name: str, *text_args: str) -> bytes:
-    """Protocol 4: ``module.name(*text_args)``."""
-    return b"\x80\x04" + stack_global(module, name) + b"(" + b"".join(su(a) for a in text_args) + b"tR."
-
-
-def torch_zip(pickled: bytes, extra: tuple[tuple[str, bytes], ...] = (), prefix: str = "archive",
-              compress: int = zipfile.ZIP_STORED) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as archive:
-        archive.writestr(f"{prefix}/data.pkl", pickled, compress_type=compress)
-        for name, data in extra:
-            archive.writestr(name, data)
-        archive.writestr(f"{prefix}/version", b"3\n")
-    return buf.getvalue()
 
 
 @pytest.fixture
@@ -188,28 +163,6 @@ def test_unlisted_megatron_class_is_a_warning_not_an_error(save_dir):
 # --- resources ---------------------------------------------------------------------------------------------
 
 
-def _billion_laughs(levels: int = 40) -> list:
-    value: list = ["x" * 10]
-    for _ in range(levels):
-        value = [value] * 10  # 10**40 leaves, a few hundred bytes pickled
-    return value
-
-
-RESOURCE_CASES = {
-    "deep tuple as dict key": b"\x80\x02}" + b")" + b"\x85" * 1_000_000 + b"Ns.",
-    "deque(range(10**15))": b"\x80\x02ccollections\ndeque\ncbuiltins\nrange\nJ\x00\x00\x00\x00\x8a\x07\x00\x80\xc6"
-                            b"\xa4~\x8d\x03\x86R\x85R.",
-    "bytearray(1.5e9)": b"\x80\x02cbuiltins\nbytearray\nJ\x00\x2f\x68\x59\x85R.",
-    "bytes(10**12)": b"\x80\x02cbuiltins\nbytes\n\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x85R.",
-    "memo index 2**31": b"\x80\x02Nr\x00\x00\x00\x80.",
-    "BUILD on a shared torch function": b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n}X\x04\x00\x00\x00implcbuiltins"
-                                        b"\nlist\nsb.",
-    "BUILD on argparse.Namespace": b"\x80\x02cargparse\nNamespace\nN}X\x08\x00\x00\x00__init__cbuiltins\nlist\n"
-                                   b"s\x86b.",
-    "copyreg extension": b"\x80\x02\x82\x01.",
-    "_reconstructor of bytes": b"\x80\x02ccopyreg\n_reconstructor\ncargparse\nNamespace\ncbuiltins\nbytes\n"
-                               b"\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x87R.",
-}
 RESOURCE_CODES = {"deque(range(10**15))": "CKD401", "_reconstructor of bytes": "CKD401"}
 
 
@@ -236,8 +189,8 @@ def test_billion_laughs_in_args_is_bounded(save_dir):
     save = save_dir()
     path = save / ITER / "common.pt"
     state = load_torch_zip(path, str(path))
-    state["args"].hidden_size = _billion_laughs()
-    state["args"].made_up_arg = _billion_laughs()
+    state["args"].hidden_size = billion_laughs()
+    state["args"].made_up_arg = billion_laughs()
     path.write_bytes(dump_torch_zip(state))
     assert path.stat().st_size < 100_000
     for command in (["inspect"], ["inspect", "--format", "json"], ["check"], ["fix-args"],
@@ -250,8 +203,7 @@ def test_billion_laughs_in_args_is_bounded(save_dir):
 def test_deeply_nested_lists_are_one_line(save_dir):
     save = save_dir()
     # [[[[...]]]] a million deep: lists nest without the tuple limit, so every command must stay clean.
-    payload = b"\x80\x02" + b"]" * 1_000_000 + b"a" * 999_999 + b"."
-    (save / ITER / "common.pt").write_bytes(torch_zip(payload))
+    (save / ITER / "common.pt").write_bytes(torch_zip(DEEP_LISTS))
     for command in ("inspect", "check", "fix-args"):
         proc = run_limited(command, str(save))
         assert proc.returncode in (1, 2) and "internal error" not in proc.stderr, (command, proc.stderr)
@@ -271,8 +223,7 @@ def test_pickle_size_limit_is_configurable(save_dir):
 
 def test_deflate_bomb_in_common_state(save_dir):
     save = save_dir()
-    bomb = b"\x80\x02X" + struct.pack("<I", 200 << 20) + b"a" * (200 << 20) + b"."
-    blob = torch_zip(bomb, compress=zipfile.ZIP_DEFLATED)
+    blob = deflate_bomb()
     assert len(blob) < 1 << 20
     (save / ITER / "common.pt").write_bytes(blob)
     rc, report = check_json(save)

@@ -1,0 +1,131 @@
+"""Time and peak RSS of ckptdoctor on hostile inputs, next to a benign checkpoint of the same size, in one run.
+
+Each case is a copy of the ``core016_tp1`` fixture whose ``common.pt`` (or ``.metadata``) is replaced by one
+input of the corpus in ``tests/hostile_corpus.py``; the benign twin replaces it with a legitimate common
+state padded to the same file size (a list of small ints: as many objects per byte as a real pickle). Every
+command runs in its own child process; wall time and that child's peak RSS come from ``os.wait4``
+(``bench/run.py``'s ``run_once``). Runs alternate hostile / benign, ``--repeats`` times; the table reports
+medians. Written to ``bench/results/hostile.json`` and printed as Markdown.
+
+    python bench/bench_hostile.py [--repeats 3] [--timeout 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path[:0] = [str(BENCH), str(REPO / "tests"), str(REPO)]
+
+from hostile_corpus import DEEP_LISTS, RESOURCE_CASES, billion_laughs, deflate_bomb, torch_zip  # noqa: E402
+from run import machine_info, run_once  # noqa: E402
+
+from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip  # noqa: E402  (small: no torch)
+
+FIXTURE = REPO / "fixtures" / "core016_tp1"
+ITER = "iter_0000010"
+COMMANDS = (("inspect",), ("check",), ("check", "--deep"))
+
+
+def cases(work: Path) -> dict[str, tuple[str, bytes]]:
+    """name -> (file replaced, its hostile content)."""
+    state = load_torch_zip(FIXTURE / ITER / "common.pt", "common.pt")
+    state["args"].hidden_size = billion_laughs()
+    out: dict[str, tuple[str, bytes]] = {
+        f"{name} (common.pt)": ("common.pt", torch_zip(data)) for name, data in RESOURCE_CASES.items()
+    }
+    out["deep tuple as dict key (.metadata)"] = (".metadata", RESOURCE_CASES["deep tuple as dict key"])
+    out["a million nested lists (common.pt)"] = ("common.pt", torch_zip(DEEP_LISTS))
+    out["billion laughs in args (common.pt)"] = ("common.pt", dump_torch_zip(state))
+    out["deflate bomb, 200 MiB data.pkl (common.pt)"] = ("common.pt", deflate_bomb())
+    return out
+
+
+def benign(size: int) -> bytes:
+    """A legitimate common.pt of about ``size`` bytes: the fixture's state plus a list of small ints."""
+    state = load_torch_zip(FIXTURE / ITER / "common.pt", "common.pt")
+    base = len(dump_torch_zip(state))
+    state["padding"] = list(range(200)) * max(0, (size - base) // (2 * 200 + 2))
+    return dump_torch_zip(state)
+
+
+def make(work: Path, label: str, name: str, content: bytes) -> Path:
+    target = work / label
+    shutil.copytree(FIXTURE, target)
+    (target / ITER / name).write_bytes(content)
+    return target
+
+
+def prepare(work: Path) -> None:
+    """Write every case and its twin under ``work`` (run in a child: building a 200 MiB bomb must not inflate
+    the measuring parent, whose RSS a forked child would start from)."""
+    manifest = []
+    for index, (case, (name, content)) in enumerate(cases(work).items()):
+        hostile = make(work, f"h{index}", name, content)
+        twin = make(work, f"b{index}", "common.pt", benign(len(content)))
+        manifest.append({"case": case, "file": name, "bytes": len(content), "hostile": str(hostile),
+                         "benign": str(twin)})
+    (work / "manifest.json").write_text(json.dumps(manifest))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=120)
+    parser.add_argument("--out", type=Path, default=BENCH / "results" / "hostile.json")
+    parser.add_argument("--prepare", type=Path, help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    if opts.prepare:
+        prepare(opts.prepare)
+        return 0
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        subprocess.run([sys.executable, __file__, "--prepare", str(work)], check=True)
+        for item in json.loads((work / "manifest.json").read_text()):
+            case, name, size = item["case"], item["file"], item["bytes"]
+            hostile, twin = Path(item["hostile"]), Path(item["benign"])
+            for command in COMMANDS:
+                runs: dict[str, list] = {"hostile": [], "benign": []}
+                for _ in range(opts.repeats):  # alternate, so machine load hits both alike
+                    for side, path in (("hostile", hostile), ("benign", twin)):
+                        runs[side].append(run_once([sys.executable, "-m", "ckptdoctor", *command, str(path)],
+                                                   opts.timeout))
+                h, b = runs["hostile"], runs["benign"]
+                rows.append({
+                    "case": case, "file": name, "input_bytes": size, "command": " ".join(command),
+                    "hostile_rc": sorted({r.rc for r in h}, key=str), "hostile_timed_out": any(r.timed_out for r in h),
+                    "hostile_wall_s": statistics.median(r.wall_s for r in h),
+                    "hostile_peak_rss_mb": max(r.peak_rss_mb for r in h),
+                    "benign_wall_s": statistics.median(r.wall_s for r in b),
+                    "benign_peak_rss_mb": max(r.peak_rss_mb for r in b),
+                })
+                print(f"{case:48s} {' '.join(command):14s} hostile {rows[-1]['hostile_wall_s']:.2f}s "
+                      f"{rows[-1]['hostile_peak_rss_mb']:.0f}MB rc={rows[-1]['hostile_rc']}  benign "
+                      f"{rows[-1]['benign_wall_s']:.2f}s {rows[-1]['benign_peak_rss_mb']:.0f}MB", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    result = {"benchmark": "hostile", "commit": commit.stdout.strip(), "machine": machine_info(),
+              "repeats": opts.repeats, "rows": rows}
+    opts.out.parent.mkdir(parents=True, exist_ok=True)
+    opts.out.write_text(json.dumps(result, indent=2) + "\n")
+    print("\n| case | command | input | hostile: exit, time, peak RSS | benign twin: time, peak RSS |")
+    print("|---|---|---:|---|---|")
+    for r in rows:
+        rc = ",".join(map(str, r["hostile_rc"])) + (" (TIMEOUT)" if r["hostile_timed_out"] else "")
+        print(f"| {r['case']} | `{r['command']}` | {r['input_bytes'] / 1024:.0f} KiB | {rc}, "
+              f"{r['hostile_wall_s']:.2f} s, {r['hostile_peak_rss_mb']:.0f} MB | "
+              f"{r['benign_wall_s']:.2f} s, {r['benign_peak_rss_mb']:.0f} MB |")
+    bad = [r for r in rows if r["hostile_timed_out"] or r["hostile_peak_rss_mb"] > r["benign_peak_rss_mb"] + 300]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""A corpus of hostile pickles and torch.save archives, shared by tests/test_hostile_inputs.py and
+bench/bench_hostile.py. Each is a few bytes to a few MB; none needs torch to build."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zipfile
+
+
+def su(text: str) -> bytes:
+    raw = text.encode()
+    return b"\x8c" + bytes([len(raw)]) + raw if len(raw) < 256 else b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def stack_global(module: str, name: str) -> bytes:
+    return su(module) + su(name) + b"\x93"
+
+
+def call(module: str, name: str, *text_args: str) -> bytes:
+    """Protocol 4: ``module.name(*text_args)``."""
+    return b"\x80\x04" + stack_global(module, name) + b"(" + b"".join(su(a) for a in text_args) + b"tR."
+
+
+def torch_zip(pickled: bytes, extra: tuple[tuple[str, bytes], ...] = (), prefix: str = "archive",
+              compress: int = zipfile.ZIP_STORED) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive:
+        archive.writestr(f"{prefix}/data.pkl", pickled, compress_type=compress)
+        for name, data in extra:
+            archive.writestr(name, data)
+        archive.writestr(f"{prefix}/version", b"3\n")
+    return buf.getvalue()
+
+
+def billion_laughs(levels: int = 40) -> list:
+    value: list = ["x" * 10]
+    for _ in range(levels):
+        value = [value] * 10  # 10**40 leaves, a few hundred bytes pickled
+    return value
+
+
+RESOURCE_CASES = {
+    "deep tuple as dict key": b"\x80\x02}" + b")" + b"\x85" * 1_000_000 + b"Ns.",
+    "deque(range(10**15))": b"\x80\x02ccollections\ndeque\ncbuiltins\nrange\nJ\x00\x00\x00\x00\x8a\x07\x00\x80\xc6"
+                            b"\xa4~\x8d\x03\x86R\x85R.",
+    "bytearray(1.5e9)": b"\x80\x02cbuiltins\nbytearray\nJ\x00\x2f\x68\x59\x85R.",
+    "bytes(10**12)": b"\x80\x02cbuiltins\nbytes\n\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x85R.",
+    "memo index 2**31": b"\x80\x02Nr\x00\x00\x00\x80.",
+    "BUILD on a shared torch function": b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n}X\x04\x00\x00\x00implcbuiltins"
+                                        b"\nlist\nsb.",
+    "BUILD on argparse.Namespace": b"\x80\x02cargparse\nNamespace\nN}X\x08\x00\x00\x00__init__cbuiltins\nlist\n"
+                                   b"s\x86b.",
+    "copyreg extension": b"\x80\x02\x82\x01.",
+    "_reconstructor of bytes": b"\x80\x02ccopyreg\n_reconstructor\ncargparse\nNamespace\ncbuiltins\nbytes\n"
+                               b"\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x87R.",
+}
+
+DEEP_LISTS = b"\x80\x02" + b"]" * 1_000_000 + b"a" * 999_999 + b"."  # [[[...]]] a million deep
+
+
+def deflate_bomb(inflated: int = 200 << 20) -> bytes:
+    """A torch.save-shaped archive whose data.pkl (a str of ``inflated`` bytes) deflates to well under 1 MB."""
+    pickled = b"\x80\x02X" + struct.pack("<I", inflated) + b"a" * inflated + b"."
+    return torch_zip(pickled, compress=zipfile.ZIP_DEFLATED)
