@@ -20,6 +20,9 @@ COMMAND_MODULES: dict[str, str] = {
     "strip-frozen": "strip_frozen",
     "check": "check",
     "rules": "rules",
+    "latest-good": "latest_good",
+    "seal": "seal",
+    "repair": "repair",
 }
 
 

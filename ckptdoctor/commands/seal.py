@@ -1,0 +1,59 @@
+"""``ckptdoctor seal``: write Megatron's integrity.json (sha256 of every file) for a checkpoint."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from ckptdoctor.commands import ITERATION_HELP
+
+
+@click.command("seal")
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+              help="Files hashed in parallel [default: the number of cores].")
+@click.option("--force", is_flag=True, help="Re-seal a checkpoint that already has an integrity.json.")
+@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def command(checkpoint: str, iteration: str | None, jobs: int | None, force: bool, output_format: str) -> int:
+    """Write integrity.json (Megatron's format: sha256 of every file) so later `check` runs and Megatron's
+    --verify-integrity load detect any changed byte.
+
+    Refuses a checkpoint that fails `check` (errors) or is already sealed (unless --force). Exit code:
+    0 sealed, 2 refused or error.
+    """
+    from ckptdoctor.ops.seal import seal
+    from ckptdoctor.render_recovery import render_seal
+    from ckptdoctor.report import EXIT_OK, to_json
+
+    bar = _Bar() if output_format == "text" and sys.stderr.isatty() else None
+    try:
+        result = seal(checkpoint, iteration, jobs=jobs, force=force,
+                      progress=bar.advance if bar else None, on_total=bar.start if bar else None)
+    finally:
+        if bar is not None:
+            bar.finish()
+    click.echo(to_json(result) if output_format == "json" else render_seal(result))
+    return EXIT_OK
+
+
+class _Bar:
+    """A click progress bar on stderr, in bytes hashed."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+
+    def start(self, total: int) -> None:
+        self._bar = click.progressbar(length=max(total, 1), label="hashing", file=sys.stderr)
+        self._bar.__enter__()
+
+    def advance(self, nbytes: int) -> None:
+        if self._bar is not None:
+            self._bar.update(nbytes)
+
+    def finish(self) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
+            self._bar = None

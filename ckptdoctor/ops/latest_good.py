@@ -1,0 +1,96 @@
+"""``ckptdoctor latest-good``: the newest iteration dir of a save dir that passes ``check`` (errors only).
+
+Each iteration dir is checked with :func:`ckptdoctor.ops.check.check_iteration_dir` (the same rules, the same
+``--select/--ignore/--deep``), newest first; the first one without a selected error is the answer. Warnings
+never disqualify a checkpoint. Numbered iterations come first (newest to oldest), ``release`` last: a
+``release`` dir is a converted or final checkpoint, not a point in the training run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptdoctor.errors import CkptError
+from ckptdoctor.layout import ITER_DIR_RE, TRACKER_NAME, list_dir, list_iteration_dirs, read_tracker
+from ckptdoctor.ops.check import CheckOptions, Progress, check_iteration_dir
+from ckptdoctor.rules import ERROR, Finding, finding, is_selected, leftovers, structure
+
+SCHEMA = "ckptdoctor.latest-good/1"
+
+
+@dataclass
+class Skipped:
+    """A newer iteration dir that failed check, and the errors that disqualified it."""
+
+    iteration_dir: str
+    errors: list[Finding]
+
+
+@dataclass
+class LatestGoodReport:
+    schema: str
+    save_dir: str
+    tracker: str | None  # the tracker's value, None when missing or unreadable
+    iteration_dir: str | None  # the newest good iteration dir, None when none passes
+    iteration: str | None  # its number ("10") or "release"
+    skipped: list[Skipped] = field(default_factory=list)
+    checked: int = 0
+
+    @property
+    def found(self) -> bool:
+        return self.iteration_dir is not None
+
+
+def candidates(save_dir: Path) -> list[Path]:
+    """Iteration dirs of ``save_dir``, newest first, ``release`` last."""
+    dirs = list_iteration_dirs(save_dir)
+    numbered = [d for d in dirs if d.name != "release"]
+    numbered.sort(key=lambda d: int(ITER_DIR_RE.match(d.name).group(1)), reverse=True)  # type: ignore[union-attr]
+    return numbered + [d for d in dirs if d.name == "release"]
+
+
+def iteration_value(directory: Path) -> str:
+    """The tracker value naming ``directory`` ("10" for ``iter_0000010``, or "release")."""
+    match = ITER_DIR_RE.match(directory.name)
+    return str(int(match.group(1))) if match else "release"
+
+
+def errors_of(directory: Path, options: CheckOptions, progress: Progress | None = None) -> list[Finding]:
+    """The selected error findings of one iteration dir (with leftovers of interrupted writes beside it)."""
+    found = check_iteration_dir(directory, directory, options, progress)
+    found += leftovers.scan_beside(directory.parent, directory.parent, directory.name)
+    return [f for f in dict.fromkeys(found)
+            if f.severity == ERROR and is_selected(f.code, options.select, options.ignore)]
+
+
+def find_latest_good(save_dir: str | Path, options: CheckOptions | None = None,
+                     progress: Progress | None = None) -> LatestGoodReport:
+    """Check the iteration dirs of ``save_dir`` newest first; stop at the first one without errors."""
+    options = options or CheckOptions()
+    path = Path(save_dir)
+    if not path.is_dir():
+        raise CkptError(f"{path}: no such directory" if not path.exists() else f"{path}: not a directory")
+    list_dir(path)
+    dirs = candidates(path)
+    if not dirs:
+        raise CkptError(f"{path}: not a save dir (no iter_NNNNNNN or release dirs)")
+    tracker: str | None = None
+    if (path / TRACKER_NAME).is_file():
+        try:
+            tracker = read_tracker(path / TRACKER_NAME)
+        except CkptError:
+            tracker = None
+    report = LatestGoodReport(SCHEMA, str(path), tracker, None, None)
+    for directory in dirs:
+        report.checked += 1
+        try:
+            errors = errors_of(directory, options, progress)
+        except CkptError as exc:  # a dir that cannot even be listed
+            errors = [finding(structure.NOT_A_CHECKPOINT, directory, str(exc))]
+        if not errors:
+            report.iteration_dir = str(directory)
+            report.iteration = iteration_value(directory)
+            return report
+        report.skipped.append(Skipped(str(directory), errors))
+    return report

@@ -1,0 +1,133 @@
+"""``ckptdoctor seal``: write Megatron's ``integrity.json`` for a checkpoint that has none.
+
+The manifest is exactly what megatron-core's ``save_integrity_manifest``
+(``megatron/core/dist_checkpointing/validation.py``) writes and ``verify_integrity_manifest`` reads:
+``{"algorithm": "sha256", "files": {name: hexdigest}}`` as ``json.dump(..., indent=2)``, listing every regular
+file directly in the iteration dir (sorted by name, ``integrity.json`` itself excluded), each hashed whole.
+
+Files are hashed by a pool of threads (``hashlib`` releases the GIL while hashing, so the pool scales with the
+cores and the disk). The checkpoint is sealed only when ``check`` finds no error in it, under the checkpoint
+lock, and each file's size and mtime are compared before and after hashing, so a file changed meanwhile (a
+training job still writing) is refused instead of sealed. The manifest is written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptdoctor import locking
+from ckptdoctor.atomic import write_atomic
+from ckptdoctor.errors import CkptError
+from ckptdoctor.layout import locate
+from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
+from ckptdoctor.rules import ERROR, leftovers
+from ckptdoctor.rules.integrity import INTEGRITY_NAME, sha256_file
+
+SCHEMA = "ckptdoctor.seal/1"
+ALGORITHM = "sha256"  # megatron.core.dist_checkpointing.validation._HASH_ALGORITHM
+_MANIFEST_CODES = ("CKD301", "CKD302", "CKD303", "CKD304")  # about the manifest --force replaces
+
+Progress = Callable[[int], None]  # bytes just hashed
+
+
+@dataclass
+class SealResult:
+    schema: str
+    iteration_dir: str
+    manifest: str
+    files: int
+    bytes: int
+    jobs: int
+    seconds: float
+    replaced: bool  # an existing integrity.json was replaced (--force)
+    notes: list[str] = field(default_factory=list)
+
+
+def default_jobs() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def manifest_files(iteration_dir: Path) -> list[Path]:
+    """The files Megatron's ``save_integrity_manifest`` lists: regular files directly in the dir, sorted."""
+    return [p for p in sorted(iteration_dir.iterdir(), key=lambda p: str(p))
+            if p.is_file() and p.name != INTEGRITY_NAME]
+
+
+def manifest_bytes(hashes: dict[str, str]) -> bytes:
+    """The manifest as Megatron writes it (``json.dump(payload, f, indent=2)``, no trailing newline)."""
+    return json.dumps({"algorithm": ALGORITHM, "files": hashes}, indent=2).encode("utf-8")
+
+
+def hash_files(paths: list[Path], jobs: int, progress: Progress | None = None) -> dict[str, str]:
+    """name -> sha256 hexdigest of each file, hashed by ``jobs`` threads (in the order of ``paths``)."""
+    digests: dict[Path, str] = {}
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(sha256_file, p): p for p in paths}
+        try:
+            for future in as_completed(futures):
+                path = futures[future]
+                digests[path] = future.result()
+                if progress is not None:
+                    progress(path.stat().st_size)
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    return {p.name: digests[p] for p in paths}
+
+
+def _snapshot(paths: list[Path]) -> dict[str, tuple[int, int]]:
+    out = {}
+    for p in paths:
+        st = p.stat()
+        out[p.name] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def seal(path: str | Path, iteration: str | None = None, jobs: int | None = None, force: bool = False,
+         progress: Progress | None = None, on_total: Callable[[int], None] | None = None) -> SealResult:
+    """Hash every file of the checkpoint ``path`` names and write ``integrity.json`` (see the module doc).
+
+    ``on_total`` is called once with the bytes about to be hashed (for a progress bar), ``progress`` as
+    files finish.
+    """
+    location = locate(path, iteration)
+    iteration_dir = location.iteration_dir
+    jobs = jobs or default_jobs()
+    manifest = iteration_dir / INTEGRITY_NAME
+    with locking.checkpoint_lock(iteration_dir):
+        leftovers.refuse_if_interrupted(iteration_dir)
+        existed = manifest.exists()
+        if existed and not force:
+            raise CkptError(f"{manifest}: the checkpoint is already sealed (use --force to re-seal it)")
+        # Never seal a checkpoint that fails check: the manifest would vouch for a broken save.
+        found = check_iteration_dir(iteration_dir, iteration_dir, CheckOptions(verify_integrity=True))
+        errors = [f for f in found if f.severity == ERROR and not (existed and f.code in _MANIFEST_CODES)]
+        if errors:
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise CkptError(f"{iteration_dir}: refusing to seal a checkpoint that fails check: {errors[0].path}: "
+                            f"{errors[0].code} {errors[0].message}{more}")
+        notes = [f"the previous manifest disagreed: {f.code} {f.path}: {f.message}"
+                 for f in found if existed and f.code in _MANIFEST_CODES]
+        files = manifest_files(iteration_dir)
+        before = _snapshot(files)
+        total = sum(size for size, _ in before.values())
+        if on_total is not None:
+            on_total(total)
+        start = time.perf_counter()
+        hashes = hash_files(files, jobs, progress)
+        seconds = time.perf_counter() - start
+        if _snapshot(files) != before or [p.name for p in manifest_files(iteration_dir)] != list(hashes):
+            raise CkptError(f"{iteration_dir}: files changed while they were hashed (is a job still writing "
+                            "this checkpoint?); nothing was written")
+        write_atomic(manifest, manifest_bytes(hashes))
+    return SealResult(SCHEMA, str(iteration_dir), str(manifest), len(hashes), total, jobs, seconds, existed, notes)

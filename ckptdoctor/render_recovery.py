@@ -1,0 +1,72 @@
+"""Text rendering of the recovery commands: ``latest-good``, ``seal`` and ``repair``.
+
+Kept apart from :mod:`ckptdoctor.report` so the recovery commands can change without touching it; every
+renderer is :func:`~ckptdoctor.text_safety.text_safe` (values read from a checkpoint are escaped).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptdoctor.report import human_bytes
+from ckptdoctor.text_safety import text_safe
+
+
+@text_safe
+def render_skipped(report: Any) -> str:
+    """Why each newer iteration dir was skipped (for stderr)."""
+    lines = []
+    for skipped in report.skipped:
+        first = skipped.errors[0]
+        more = f" (and {len(skipped.errors) - 1} more error(s))" if len(skipped.errors) > 1 else ""
+        lines.append(f"skipped {skipped.iteration_dir}: {first.code} {first.message}{more}")
+    return "\n".join(lines)
+
+
+@text_safe
+def render_seal(result: Any) -> str:
+    verb = "re-sealed" if result.replaced else "sealed"
+    rate = result.bytes / result.seconds / (1 << 20) if result.seconds > 0 else 0.0
+    lines = [f"{verb} {result.iteration_dir}: {result.manifest} lists {result.files} file(s), "
+             f"{human_bytes(result.bytes)} hashed with {result.jobs} worker(s) in {result.seconds:.2f} s "
+             f"({rate:.0f} MiB/s)"]
+    lines += [f"note: {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+@text_safe
+def render_repair(report: Any) -> str:
+    lines = [f"checkpoint      {report.checkpoint}"]
+    if report.iteration_dir and report.iteration_dir != report.checkpoint:
+        lines.append(f"iteration dir   {report.iteration_dir}")
+    if not report.findings:
+        lines.append("check finds nothing to repair")
+    if report.actions:
+        lines.append("repairs" + ("" if report.written else " (run with --write and --output DIR or --in-place)"))
+        for action in report.actions:
+            lines.append(f"  [{', '.join(action.fixes)}] {action.description}")
+    for refusal in report.refused:
+        lines.append(f"refused [{refusal.code}] {refusal.path}: {refusal.reason}")
+    if report.unrepairable:
+        lines.append("not repairable")
+        for item in report.unrepairable:
+            lines.append(f"  {item.path}: {item.code} {item.message}")
+        lines.append(f"  {report.way_out}")
+    for item in report.untouched:
+        lines.append(f"left as is: {item.path}: {item.code} {item.message}")
+    if report.written is not None:
+        written = report.written
+        lines.append(f"written ({written.mode}) {written.target}")
+        lines += [f"  wrote {p}" for p in written.written]
+        lines += [f"  moved {p}" for p in written.moved]
+        lines += [f"  backup: {p}" for p in written.backups]
+        if written.integrity_updated:
+            lines.append("  integrity.json updated")
+    if report.after is not None:
+        if report.after:
+            lines.append("after writing, check still finds:")
+            lines += [f"  {f.path}: {f.code} {f.message}" for f in report.after]
+        else:
+            lines.append("after writing: the repaired findings are gone")
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)
