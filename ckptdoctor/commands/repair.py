@@ -1,0 +1,41 @@
+"""``ckptdoctor repair``: fix what check finds, each repair only when provably safe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ckptdoctor.commands import ITERATION_HELP
+
+
+@click.command("repair")
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
+@click.option("--write", is_flag=True, help="Apply the repairs; needs --output or --in-place.")
+@click.option("--output", "output", type=click.Path(path_type=Path), default=None,
+              help="Write the repaired checkpoint to a new dir; unchanged files are hard-linked (or copied).")
+@click.option("--in-place", is_flag=True, help="Repair CHECKPOINT itself, keeping each replaced file as "
+              "<name>.bak-<timestamp>; unreferenced files are moved to <iter>.quarantine-<timestamp>/.")
+@click.option("--force", is_flag=True, help="Write into a non-empty --output dir.")
+@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def command(checkpoint: str, iteration: str | None, write: bool, output: Path | None, in_place: bool, force: bool,
+            output_format: str) -> int:
+    """Repair what `check` finds in CHECKPOINT (a save dir or an iteration dir), each repair only when it is
+    provably safe: the tracker (to the latest good iteration), a missing metadata.json of a complete save,
+    unreferenced data files (quarantined), inconsistent args (as fix-args).
+
+    Reports by default. Exit code: 0 nothing to repair (or, with --write, every repaired finding gone),
+    1 findings remain, 2 error.
+    """
+    from ckptdoctor.ops.repair import repair
+    from ckptdoctor.render_recovery import render_repair
+    from ckptdoctor.report import EXIT_FINDINGS, EXIT_OK, to_json
+
+    if write and (output is None) == (not in_place):
+        raise click.UsageError("--write needs exactly one of --output DIR or --in-place")
+    if not write and (output is not None or in_place):
+        raise click.UsageError("--output/--in-place only apply with --write")
+    report = repair(checkpoint, iteration, write=write, output=output, in_place=in_place, force=force)
+    click.echo(to_json(report) if output_format == "json" else render_repair(report))
+    return EXIT_OK if report.ok else EXIT_FINDINGS

@@ -1,0 +1,453 @@
+"""``ckptdoctor repair``: fix what ``check`` finds, each repair only when it is provably safe.
+
+* CKD120/121/122 tracker (and a tracker whose checkpoint fails check with errors no repair fixes): point it to
+  :func:`~ckptdoctor.ops.latest_good.find_latest_good` (never to a dir that fails check; ``release`` handled).
+* CKD101 ``metadata.json`` missing: written only when ``.metadata`` reads, every referenced data file is present
+  and long enough, and the common state reads; content follows the era (core <= 0.18 with ``common.pt``: four
+  fields; core >= 0.19: the two ``sharded_backend`` fields). An incomplete save stays incomplete.
+* CKD115 unreferenced ``.distcp`` files: moved into ``<iter>.quarantine-<stamp>/`` beside the iteration dir,
+  never deleted.
+* CKD2xx args findings: delegated to fix-args (:mod:`ckptdoctor.ops.fix_args`, :mod:`.fix_args_write`).
+* Anything else (truncated or missing data, garbage ``.metadata``): not repairable; the report says what is lost
+  and names the latest good checkpoint.
+
+Writing follows fix-args' rules: the checkpoint lock, atomic writes, ``<name>.bak-<stamp>`` backups of replaced
+files with ``--in-place``, an ``--output`` never inside the source, no tensor byte rewritten. An existing
+``integrity.json`` is kept consistent. The order keeps every intermediate state loadable: a kill between two steps
+leaves at most an unlisted file (a warning), never a listed file missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptdoctor import arg_rules, locking
+from ckptdoctor.atomic import (
+    PART_MARK,
+    backup_file,
+    fsync_dir,
+    link_or_copy,
+    prepare_output_dir,
+    refuse_overlap,
+    rename_noreplace,
+    timestamp,
+    token,
+    write_atomic,
+)
+from ckptdoctor.checkpoint import open_checkpoint
+from ckptdoctor.errors import CkptError
+from ckptdoctor.layout import (
+    NEMO_WEIGHTS_DIR,
+    TRACKER_NAME,
+    iteration_dir_name,
+    list_iteration_dirs,
+    looks_like_iteration_dir,
+)
+from ckptdoctor.ops import fix_args, fix_args_write
+from ckptdoctor.ops.check import CheckOptions, check_iteration_dir, check_paths
+from ckptdoctor.ops.latest_good import LatestGoodReport, find_latest_good, iteration_value
+from ckptdoctor.rules import ERROR, Finding, leftovers, structure
+from ckptdoctor.rules.integrity import INTEGRITY_NAME
+
+SCHEMA = "ckptdoctor.repair/1"
+TRACKER_CODES = (structure.TRACKER_INVALID.code, structure.TRACKER_TARGET_MISSING.code,
+                 structure.TRACKER_MISSING.code)
+METADATA_JSON_CODE = structure.METADATA_JSON_MISSING.code
+ORPHAN_CODE = structure.DATA_FILE_UNREFERENCED.code
+ARG_CODES = frozenset({r.code for r in arg_rules.RULES} | {"CKD204"})
+QUARANTINE_MARK = ".quarantine-"
+
+# The metadata.json Megatron writes, by era (sharded backend version 1 since core 0.6).
+METADATA_JSON_COMMON_PT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                           "common_backend": "torch", "common_backend_version": 1}
+METADATA_JSON_COMMON_STATE = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+
+
+@dataclass
+class Action:
+    kind: str  # "tracker", "metadata-json", "quarantine", "fix-args"
+    fixes: list[str]  # the finding codes this action makes go away
+    path: str
+    description: str
+    value: Any = None  # tracker value, metadata.json content, file names, or arg changes
+
+
+@dataclass
+class Refusal:
+    code: str
+    path: str
+    reason: str
+
+
+@dataclass
+class RepairWrite:
+    mode: str  # "in-place" or "output"
+    target: str
+    written: list[str] = field(default_factory=list)
+    moved: list[str] = field(default_factory=list)
+    backups: list[str] = field(default_factory=list)
+    integrity_updated: bool = False
+
+
+@dataclass
+class RepairReport:
+    schema: str
+    checkpoint: str  # as given
+    save_dir: str | None
+    iteration_dir: str | None  # the iteration dir repaired (None: only the tracker is looked at)
+    findings: list[Finding]  # what check found before
+    actions: list[Action] = field(default_factory=list)
+    refused: list[Refusal] = field(default_factory=list)  # repairable kinds that are not safe here
+    unrepairable: list[Finding] = field(default_factory=list)
+    untouched: list[Finding] = field(default_factory=list)  # warnings no repair is for
+    way_out: str = ""
+    latest_good: str | None = None
+    written: RepairWrite | None = None
+    after: list[Finding] | None = None  # check's findings on the result, after --write
+    remaining: list[Finding] | None = None  # of those, the ones a repair was meant to fix
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Exit 0: report mode, nothing found; write mode, every repaired finding gone and nothing left unfixed."""
+        if self.written is None:
+            return not self.findings
+        fixed_by_tracker = any(a.kind == "tracker" for a in self.actions)
+        return not self.remaining and not self.refused and (not self.unrepairable or fixed_by_tracker)
+
+
+@dataclass
+class _Plan:
+    save_dir: Path | None
+    candidate: Path | None
+    tracker_value: str | None = None  # the new tracker value (tracker action)
+    metadata_json: dict | None = None
+    orphans: list[str] = field(default_factory=list)
+    changes: list[fix_args.ArgChange] = field(default_factory=list)
+
+
+# --- planning ---------------------------------------------------------------------------------------------
+
+
+def _resolve(path: Path, iteration: str | None) -> tuple[Path | None, Path | None, list[Finding]]:
+    """(save dir, the iteration dir to repair, tracker findings)."""
+    if not path.exists():
+        raise CkptError(f"{path}: no such file or directory")
+    if path.is_file():
+        path = path.parent
+    is_save_dir = not looks_like_iteration_dir(path) and ((path / TRACKER_NAME).is_file() or list_iteration_dirs(path))
+    if is_save_dir:
+        chosen, tracker_findings = structure.check_save_dir(path, path, False)
+        if iteration is not None:
+            candidate = path / iteration_dir_name(iteration)
+            if not candidate.is_dir():
+                raise CkptError(f"{candidate}: --iteration points to an iteration dir that does not exist")
+            return path, candidate, tracker_findings
+        tracker_broken = any(f.code in TRACKER_CODES for f in tracker_findings)
+        return path, (chosen[0] if chosen and not tracker_broken else None), tracker_findings
+    if iteration is not None:
+        raise CkptError(f"{path}: --iteration needs a save dir")
+    if looks_like_iteration_dir(path):
+        return None, path, []
+    if looks_like_iteration_dir(path / NEMO_WEIGHTS_DIR):
+        return None, path / NEMO_WEIGHTS_DIR, []
+    raise CkptError(f"{path}: not a Megatron checkpoint (no tracker, iteration dirs, metadata.json or .metadata)")
+
+
+def _metadata_json_refusal(state: structure.Scanned, others: list[Finding]) -> str | None:
+    """Why writing metadata.json is not provably safe (None: it is)."""
+    if others:
+        first = others[0]
+        return f"an incomplete or damaged save ({first.code} {first.message}); it must stay incomplete"
+    checkpoint = state.checkpoint
+    if checkpoint is None or checkpoint.dcp is None:
+        return ".metadata does not read, so completeness cannot be proven"
+    if state.bad_files:
+        return f"data files missing or short: {', '.join(sorted(state.bad_files))}"
+    if state.common is None:
+        return "the common state does not read"
+    return None
+
+
+def plan(path: str | Path, iteration: str | None = None,
+         options: CheckOptions | None = None) -> tuple[RepairReport, _Plan]:
+    options = options or CheckOptions()
+    save_dir, candidate, tracker_findings = _resolve(Path(path), iteration)
+    report = RepairReport(SCHEMA, str(path), None if save_dir is None else str(save_dir),
+                          None if candidate is None else str(candidate), list(tracker_findings))
+    work = _Plan(save_dir, candidate)
+    target_broken = False
+    if candidate is not None:
+        target_broken = _plan_iteration(candidate, options, report, work)
+    for f in tracker_findings:
+        if f.code not in TRACKER_CODES:
+            report.untouched.append(f)
+    tracker_codes = [f.code for f in tracker_findings if f.code in TRACKER_CODES]
+    latest: LatestGoodReport | None = None
+    if save_dir is not None and (tracker_codes or target_broken):
+        latest = find_latest_good(save_dir, options)
+        report.latest_good = latest.iteration_dir
+        if latest.found:
+            fixes = tracker_codes or sorted({f.code for f in report.unrepairable})
+            work.tracker_value = latest.iteration
+            why = ("its checkpoint fails check" if not tracker_codes else
+                   "; ".join(f.message for f in tracker_findings if f.code in TRACKER_CODES))
+            report.actions.append(Action(
+                "tracker", fixes, str(save_dir / TRACKER_NAME),
+                f"point {TRACKER_NAME} to {latest.iteration} ({Path(latest.iteration_dir).name}, the newest "  # type: ignore[arg-type]
+                f"iteration dir that passes check): {why}", latest.iteration))
+            report.notes += [f"latest-good skipped {Path(s.iteration_dir).name}: {s.errors[0].code} "
+                             f"{s.errors[0].message}" for s in latest.skipped]
+        else:
+            for f in tracker_findings:
+                if f.code in TRACKER_CODES:
+                    report.unrepairable.append(f)
+            report.refused.append(Refusal(tracker_codes[0] if tracker_codes else "CKD121", str(save_dir / TRACKER_NAME),
+                                          "no iteration dir of the save dir passes check: nothing to point it to"))
+    if report.unrepairable:
+        report.way_out = _way_out(save_dir, latest)
+    return report, work
+
+
+def _way_out(save_dir: Path | None, latest: LatestGoodReport | None) -> str:
+    if latest is not None and latest.found:
+        return (f"the data above is lost from this checkpoint; resume from the latest good one: "
+                f"{latest.iteration_dir} (`ckptdoctor latest-good {save_dir}`)")
+    if save_dir is not None:
+        return "the data above is lost and no iteration dir of the save dir passes check"
+    return ("the data above is lost from this checkpoint; resume from an older one "
+            "(`ckptdoctor latest-good SAVE_DIR` finds the newest that passes check)")
+
+
+def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport, work: _Plan) -> bool:
+    """Plan the repairs of one iteration dir; True when it keeps errors no repair fixes."""
+    state, _ = structure.scan_iteration(candidate, candidate)
+    found = check_iteration_dir(candidate, candidate, options)
+    found += leftovers.scan_beside(candidate.parent, candidate.parent, candidate.name)
+    found = list(dict.fromkeys(found))
+    report.findings += found
+    missing_json = [f for f in found if f.code == METADATA_JSON_CODE]
+    orphans = [f for f in found if f.code == ORPHAN_CODE]
+    arg_findings = [f for f in found if f.code in ARG_CODES]
+    others = [f for f in found if f not in missing_json and f not in orphans and f not in arg_findings]
+    blocking = [f for f in others if f.severity == ERROR]
+    report.unrepairable += blocking
+    report.untouched += [f for f in others if f.severity != ERROR]
+    if missing_json:
+        refusal = _metadata_json_refusal(state, blocking)
+        if refusal is not None:
+            report.refused.append(Refusal(METADATA_JSON_CODE, str(candidate / "metadata.json"), refusal))
+            blocking = blocking or missing_json
+            report.unrepairable += [] if report.unrepairable else missing_json
+        else:
+            assert state.checkpoint is not None
+            content = (METADATA_JSON_COMMON_PT if state.checkpoint.location.has_common_pt
+                       else METADATA_JSON_COMMON_STATE)
+            era = "core <= 0.18, common.pt" if state.checkpoint.location.has_common_pt else "core >= 0.19, common_state"
+            work.metadata_json = content
+            report.actions.append(Action(
+                "metadata-json", [METADATA_JSON_CODE], str(candidate / "metadata.json"),
+                f"write metadata.json ({era}): .metadata reads, every referenced data file is present and long "
+                "enough, the common state reads", content))
+    if blocking:
+        for f in orphans + arg_findings:
+            report.refused.append(Refusal(f.code, f.path, "not repaired: the checkpoint has errors no repair fixes"))
+        return True
+    if orphans:
+        work.orphans = sorted(Path(f.path).name for f in orphans)
+        report.actions.append(Action(
+            "quarantine", [ORPHAN_CODE], str(candidate),
+            f"move {len(work.orphans)} unreferenced data file(s) ({', '.join(work.orphans)}) into "
+            f"{candidate.name}{QUARANTINE_MARK}<stamp>/ beside the iteration dir (nothing is deleted)", work.orphans))
+    if arg_findings:
+        assert state.checkpoint is not None
+        args_report = fix_args.build_report(state.checkpoint, None, [], force=False)
+        work.changes = args_report.changes
+        if work.changes:
+            report.actions.append(Action(
+                "fix-args", sorted({f.code for f in arg_findings}), str(candidate),
+                "fix args (as `ckptdoctor fix-args`): " + ", ".join(f"{c.arg} {c.old!r} -> {c.new!r}"
+                                                                  for c in work.changes), work.changes))
+        else:
+            report.untouched += arg_findings
+    return False
+
+
+# --- writing ----------------------------------------------------------------------------------------------
+
+
+def _updated_manifest(iteration_dir: Path, drop: list[str], add: dict[str, bytes]) -> bytes | None:
+    path = iteration_dir / INTEGRITY_NAME
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        listed = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CkptError(f"{path}: unreadable integrity manifest ({exc})") from None
+    for name in drop:
+        listed.pop(name, None)
+    for name, data in add.items():
+        listed[name] = hashlib.sha256(data).hexdigest()
+    return json.dumps(manifest, indent=2).encode("utf-8")
+
+
+def _quarantine_dir(candidate: Path) -> Path:
+    while True:
+        path = candidate.parent / f"{candidate.name}{QUARANTINE_MARK}{timestamp()}"
+        if not os.path.lexists(path):
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                pass
+        path = candidate.parent / f"{candidate.name}{QUARANTINE_MARK}{timestamp()}-{token()}"
+        with contextlib.suppress(FileExistsError):
+            path.mkdir()
+            return path
+
+
+def _write_in_place(report: RepairReport, work: _Plan) -> RepairWrite:
+    candidate = work.candidate
+    result = RepairWrite("in-place", str(work.save_dir or candidate))
+    stamp = timestamp() + "-" + token()
+    if candidate is not None and (work.orphans or work.metadata_json or work.changes):
+        with locking.checkpoint_lock(candidate):
+            leftovers.refuse_if_interrupted(candidate)
+            manifest = candidate / INTEGRITY_NAME
+            if work.orphans:
+                new_manifest = _updated_manifest(candidate, work.orphans, {})
+                if new_manifest is not None:  # first drop them from the manifest: a kill leaves them unlisted
+                    result.backups.append(str(backup_file(manifest, stamp)))
+                    write_atomic(manifest, new_manifest)
+                    result.integrity_updated = True
+                qdir = _quarantine_dir(candidate)
+                for name in work.orphans:
+                    rename_noreplace(candidate / name, qdir / name)
+                    result.moved.append(f"{candidate / name} -> {qdir / name}")
+                fsync_dir(qdir)
+                fsync_dir(candidate)
+            if work.metadata_json is not None:
+                data = json.dumps(work.metadata_json).encode("utf-8")
+                write_atomic(candidate / "metadata.json", data)  # then the manifest: a kill leaves it unlisted
+                result.written.append(str(candidate / "metadata.json"))
+                new_manifest = _updated_manifest(candidate, [], {"metadata.json": data})
+                if new_manifest is not None:
+                    if not work.orphans:
+                        result.backups.append(str(backup_file(manifest, stamp)))
+                    write_atomic(manifest, new_manifest)
+                    result.integrity_updated = True
+            if work.changes:
+                written = fix_args_write.write_in_place(open_checkpoint(candidate), work.changes)
+                result.written += written.written
+                result.backups += written.backups
+                result.integrity_updated |= written.integrity_updated
+    if work.tracker_value is not None and work.save_dir is not None:
+        with locking.checkpoint_lock(work.save_dir):
+            tracker = work.save_dir / TRACKER_NAME
+            if tracker.is_file():
+                result.backups.append(str(backup_file(tracker, stamp)))
+            write_atomic(tracker, work.tracker_value.encode())
+            result.written.append(str(tracker))
+    return result
+
+
+def _skip_on_copy(name: str) -> bool:
+    return locking.is_lock_name(name) or PART_MARK in name or bool(leftovers.JOURNAL_RE.match(name))
+
+
+def _write_output(report: RepairReport, work: _Plan, output: Path, force: bool) -> RepairWrite:
+    save_dir, candidate = work.save_dir, work.candidate
+    if work.tracker_value is not None:
+        chosen = save_dir / iteration_dir_name(work.tracker_value)  # type: ignore[operator]
+        iteration_work = _Plan(save_dir, chosen)  # a good checkpoint: copied as is
+    else:
+        assert candidate is not None
+        chosen, iteration_work = candidate, work
+    refuse_overlap(output, [p for p in (save_dir, candidate, chosen) if p is not None],
+                   "use --in-place to repair the source")
+    result = RepairWrite("output", str(output))
+    with locking.checkpoint_lock(chosen, exclusive=False, optional=True):
+        leftovers.refuse_if_interrupted(chosen)
+        existed = output.exists()
+        prepare_output_dir(output, force=force)
+        with locking.checkpoint_lock(output):
+            was_empty = not any(output.iterdir())
+            try:
+                _fill_output(chosen, iteration_work, output, result)
+            except BaseException as exc:
+                if was_empty:  # everything in it is ours: leave no half-written checkpoint behind
+                    if existed:
+                        for child in list(output.iterdir()):
+                            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
+                    else:
+                        shutil.rmtree(output, ignore_errors=True)
+                if isinstance(exc, OSError):
+                    raise CkptError(f"{exc.filename or output}: cannot write ({exc.strerror})") from None
+                raise
+    return result
+
+
+def _fill_output(chosen: Path, work: _Plan, output: Path, result: RepairWrite) -> None:
+    """Links of the unchanged files, the repaired ones, metadata.json, then the tracker (completeness last)."""
+    out_iter = output / chosen.name if work.save_dir is not None else output
+    out_iter.mkdir(exist_ok=True)
+    skip = set(work.orphans) | {"metadata.json"}
+    for path in sorted(p for p in chosen.rglob("*") if p.is_file()):
+        relative = path.relative_to(chosen)
+        if str(relative) in skip or _skip_on_copy(path.name):
+            continue
+        dest = out_iter / relative
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        link_or_copy(path, dest)
+    if work.orphans:
+        result.moved += [f"{chosen / n} not carried over (the source keeps it)" for n in work.orphans]
+    if work.metadata_json is not None:
+        data = json.dumps(work.metadata_json).encode("utf-8")
+    else:
+        data = (chosen / "metadata.json").read_bytes()
+    new_manifest = _updated_manifest(chosen, work.orphans, {"metadata.json": data} if work.metadata_json else {})
+    if new_manifest is not None and (work.orphans or work.metadata_json is not None):
+        write_atomic(out_iter / INTEGRITY_NAME, new_manifest)  # replaces the link: the source's file is untouched
+        result.integrity_updated = True
+    write_atomic(out_iter / "metadata.json", data)
+    result.written.append(str(out_iter / "metadata.json"))
+    if work.changes:
+        written = fix_args_write.write_in_place(open_checkpoint(out_iter), work.changes)
+        result.written += written.written
+        result.integrity_updated |= written.integrity_updated
+        for backup in written.backups:  # the source is the backup of a new output
+            Path(backup).unlink()
+    if work.save_dir is not None:
+        tracker = output / TRACKER_NAME
+        write_atomic(tracker, (work.tracker_value or iteration_value(chosen)).encode())
+        result.written.append(str(tracker))
+
+
+def repair(path: str | Path, iteration: str | None = None, write: bool = False, output: Path | None = None,
+           in_place: bool = False, force: bool = False, options: CheckOptions | None = None) -> RepairReport:
+    """Plan the repairs of ``path`` (a save dir or an iteration dir); with ``write``, apply them and re-check."""
+    options = options or CheckOptions()
+    report, work = plan(path, iteration, options)
+    if not write:
+        return report
+    if not report.actions:
+        report.notes.append("nothing to write: no finding can be repaired safely")
+        return report
+    report.written = _write_in_place(report, work) if in_place else _write_output(report, work, output, force)  # type: ignore[arg-type]
+    if output is not None:
+        recheck = output
+    else:
+        recheck = work.save_dir if work.save_dir is not None else work.candidate  # type: ignore[assignment]
+    after = check_paths([str(recheck)], options)
+    report.after = after.findings
+    fixed = {code for a in report.actions for code in a.fixes}
+    report.remaining = [f for f in after.findings if f.code in fixed]
+    return report
