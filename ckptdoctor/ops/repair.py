@@ -32,6 +32,7 @@ from ckptdoctor import arg_rules, locking
 from ckptdoctor.atomic import (
     PART_MARK,
     backup_file,
+    fault_point,
     fsync_dir,
     link_or_copy,
     prepare_output_dir,
@@ -119,8 +120,9 @@ class RepairReport:
         """Exit 0: report mode, nothing found; write mode, every repaired finding gone and nothing left unfixed."""
         if self.written is None:
             return not self.findings
-        fixed_by_tracker = any(a.kind == "tracker" for a in self.actions)
-        return not self.remaining and not self.refused and (not self.unrepairable or fixed_by_tracker)
+        if any(a.kind == "tracker" for a in self.actions):  # the broken checkpoint is no longer resumed from
+            return not self.remaining
+        return not self.remaining and not self.refused and not self.unrepairable
 
 
 @dataclass
@@ -332,12 +334,14 @@ def _write_in_place(report: RepairReport, work: _Plan) -> RepairWrite:
                 for name in work.orphans:
                     rename_noreplace(candidate / name, qdir / name)
                     result.moved.append(f"{candidate / name} -> {qdir / name}")
+                    fault_point("repair:quarantine")
                 fsync_dir(qdir)
                 fsync_dir(candidate)
             if work.metadata_json is not None:
                 data = json.dumps(work.metadata_json).encode("utf-8")
                 write_atomic(candidate / "metadata.json", data)  # then the manifest: a kill leaves it unlisted
                 result.written.append(str(candidate / "metadata.json"))
+                fault_point("repair:metadata-json")
                 new_manifest = _updated_manifest(candidate, [], {"metadata.json": data})
                 if new_manifest is not None:
                     if not work.orphans:
@@ -349,11 +353,13 @@ def _write_in_place(report: RepairReport, work: _Plan) -> RepairWrite:
                 result.written += written.written
                 result.backups += written.backups
                 result.integrity_updated |= written.integrity_updated
+                fault_point("repair:fix-args")
     if work.tracker_value is not None and work.save_dir is not None:
         with locking.checkpoint_lock(work.save_dir):
             tracker = work.save_dir / TRACKER_NAME
             if tracker.is_file():
                 result.backups.append(str(backup_file(tracker, stamp)))
+                fault_point("repair:tracker-backup")
             write_atomic(tracker, work.tracker_value.encode())
             result.written.append(str(tracker))
     return result
