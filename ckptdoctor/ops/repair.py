@@ -55,7 +55,7 @@ from ckptdoctor.ops import fix_args, fix_args_write
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir, check_paths
 from ckptdoctor.ops.latest_good import LatestGoodReport, find_latest_good, iteration_value
 from ckptdoctor.rules import ERROR, Finding, leftovers, structure
-from ckptdoctor.rules.integrity import INTEGRITY_NAME
+from ckptdoctor.rules.integrity import INTEGRITY_NAME, LISTED_FILE_MISSING
 
 SCHEMA = "ckptdoctor.repair/1"
 TRACKER_CODES = (structure.TRACKER_INVALID.code, structure.TRACKER_TARGET_MISSING.code,
@@ -235,7 +235,8 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
     found += leftovers.scan_beside(candidate.parent, candidate.parent, candidate.name)
     found = list(dict.fromkeys(found))
     report.findings += found
-    missing_json = [f for f in found if f.code == METADATA_JSON_CODE]
+    missing_json = [f for f in found if f.code == METADATA_JSON_CODE or (
+        f.code == LISTED_FILE_MISSING.code and f.message.startswith(f"metadata.json listed in {INTEGRITY_NAME}"))]
     orphans = [f for f in found if f.code == ORPHAN_CODE]
     arg_findings = [f for f in found if f.code in ARG_CODES]
     others = [f for f in found if f not in missing_json and f not in orphans and f not in arg_findings]
@@ -253,9 +254,15 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
             content = (METADATA_JSON_COMMON_PT if state.checkpoint.location.has_common_pt
                        else METADATA_JSON_COMMON_STATE)
             era = "core <= 0.18, common.pt" if state.checkpoint.location.has_common_pt else "core >= 0.19, common_state"
+            recorded = _recorded_hash(candidate, "metadata.json")
+            if recorded is not None and recorded != hashlib.sha256(json.dumps(content).encode()).hexdigest():
+                report.refused.append(Refusal(METADATA_JSON_CODE, str(candidate / "metadata.json"),
+                                              f"{INTEGRITY_NAME} records another metadata.json than this era's"))
+                report.unrepairable += missing_json
+                return True
             work.metadata_json = content
             report.actions.append(Action(
-                "metadata-json", [METADATA_JSON_CODE], str(candidate / "metadata.json"),
+                "metadata-json", sorted({f.code for f in missing_json}), str(candidate / "metadata.json"),
                 f"write metadata.json ({era}): .metadata reads, every referenced data file is present and long "
                 "enough, the common state reads", content))
     if blocking:
@@ -283,6 +290,14 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
 
 
 # --- writing ----------------------------------------------------------------------------------------------
+
+
+def _recorded_hash(iteration_dir: Path, name: str) -> str | None:
+    try:
+        files = json.loads((iteration_dir / INTEGRITY_NAME).read_text(encoding="utf-8"))["files"]
+        return str(files[name]).lower() if name in files else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _updated_manifest(iteration_dir: Path, drop: list[str], add: dict[str, bytes]) -> bytes | None:
@@ -324,30 +339,38 @@ def _write_in_place(report: RepairReport, work: _Plan) -> RepairWrite:
         with locking.checkpoint_lock(candidate):
             leftovers.refuse_if_interrupted(candidate)
             manifest = candidate / INTEGRITY_NAME
+            qdir: list[Path] = []
+
+            def quarantine() -> Path:  # beside the dir, so that check sees no new file inside it
+                if not qdir:
+                    qdir.append(_quarantine_dir(candidate))
+                return qdir[0]
+
+            def replace_manifest(data: bytes | None) -> None:
+                if data is None:
+                    return
+                backup = quarantine() / f"{INTEGRITY_NAME}.bak-{stamp}"
+                if not backup.exists():  # the manifest as it was before this run
+                    link_or_copy(manifest, backup)
+                    result.backups.append(str(backup))
+                write_atomic(manifest, data)
+                result.integrity_updated = True
+
             if work.orphans:
-                new_manifest = _updated_manifest(candidate, work.orphans, {})
-                if new_manifest is not None:  # first drop them from the manifest: a kill leaves them unlisted
-                    result.backups.append(str(backup_file(manifest, stamp)))
-                    write_atomic(manifest, new_manifest)
-                    result.integrity_updated = True
-                qdir = _quarantine_dir(candidate)
+                # first drop them from the manifest: a kill then leaves them unlisted, never listed and missing
+                replace_manifest(_updated_manifest(candidate, work.orphans, {}))
                 for name in work.orphans:
-                    rename_noreplace(candidate / name, qdir / name)
-                    result.moved.append(f"{candidate / name} -> {qdir / name}")
+                    rename_noreplace(candidate / name, quarantine() / name)
+                    result.moved.append(f"{candidate / name} -> {quarantine() / name}")
                     fault_point("repair:quarantine")
-                fsync_dir(qdir)
+                fsync_dir(quarantine())
                 fsync_dir(candidate)
             if work.metadata_json is not None:
                 data = json.dumps(work.metadata_json).encode("utf-8")
                 write_atomic(candidate / "metadata.json", data)  # then the manifest: a kill leaves it unlisted
                 result.written.append(str(candidate / "metadata.json"))
                 fault_point("repair:metadata-json")
-                new_manifest = _updated_manifest(candidate, [], {"metadata.json": data})
-                if new_manifest is not None:
-                    if not work.orphans:
-                        result.backups.append(str(backup_file(manifest, stamp)))
-                    write_atomic(manifest, new_manifest)
-                    result.integrity_updated = True
+                replace_manifest(_updated_manifest(candidate, [], {"metadata.json": data}))
             if work.changes:
                 written = fix_args_write.write_in_place(open_checkpoint(candidate), work.changes)
                 result.written += written.written

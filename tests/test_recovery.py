@@ -1,0 +1,376 @@
+"""latest-good, seal and repair (issue #12), on copies of the real megatron-core fixtures damaged by each test."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, REPO, require_mcore
+
+from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE
+from ckptdoctor.cli import main
+from ckptdoctor.ops.check import check_paths
+
+ITER = "iter_0000010"
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _run(capsys, *args):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _tree(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _codes(path: Path) -> set[str]:
+    return {f.code for f in check_paths([str(path)]).findings}
+
+
+def _three_iterations(tmp_path: Path, name: str = "core019_tp2") -> Path:
+    """A save dir with iter 10, 20, 30 (copies of one fixture's iteration dir), the tracker at 30;
+    30 is an interrupted save (no metadata.json, a rank's file cut short), 20 lost a rank's data file."""
+    save = tmp_path / "save"
+    save.mkdir()
+    for i in (10, 20, 30):
+        shutil.copytree(FIXTURES / name / ITER, save / f"iter_{i:07d}")
+    (save / TRACKER).write_text("30")
+    (save / "iter_0000030" / "metadata.json").unlink()
+    with open(save / "iter_0000030" / "__1_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    (save / "iter_0000020" / "__0_0.distcp").unlink()
+    return save
+
+
+# --- latest-good ----------------------------------------------------------------------------------------
+
+
+def test_latest_good_picks_the_oldest_of_three(capsys, tmp_path):
+    save = _three_iterations(tmp_path)
+    # CKD132 (the copies' saved iteration is 10) is ignored so that only the damage made here decides
+    rc, out, err = _run(capsys, "latest-good", save, "--ignore", "CKD132")
+    assert rc == 0 and out.strip() == str(save / ITER)
+    assert "skipped" in err and "iter_0000030: CKD101" in err and "iter_0000020: CKD113" in err
+    rc, out, _ = _run(capsys, "latest-good", save, "--ignore", "CKD132", "--iteration-only")
+    assert rc == 0 and out.strip() == "10"
+    rc, out, _ = _run(capsys, "latest-good", save, "--ignore", "CKD132", "--format", "json")
+    report = json.loads(out)
+    assert report["iteration"] == "10" and report["tracker"] == "30"
+    assert [Path(s["iteration_dir"]).name for s in report["skipped"]] == ["iter_0000030", "iter_0000020"]
+    assert {e["code"] for e in report["skipped"][0]["errors"]} == {"CKD101", "CKD114"}
+
+
+def test_latest_good_none_and_select(capsys, tmp_path):
+    save = _three_iterations(tmp_path)
+    (save / ITER / ".metadata").write_bytes(b"garbage")
+    rc, out, err = _run(capsys, "latest-good", save, "--ignore", "CKD132")
+    assert rc == 1 and out == "" and "no iteration dir" in err
+    # --select narrows what disqualifies: only a missing metadata.json counts
+    rc, out, _ = _run(capsys, "latest-good", save, "--select", "CKD101", "--iteration-only")
+    assert rc == 0 and out.strip() == "20"
+    rc, _, err = _run(capsys, "latest-good", tmp_path / "nowhere")
+    assert rc == 2
+
+
+def test_latest_good_warnings_do_not_disqualify(capsys, copy_fixture):
+    save = copy_fixture("core019_tp1")
+    shutil.copy(save / ITER / "__0_0.distcp", save / ITER / "__5_0.distcp")  # CKD115, a warning
+    rc, out, _ = _run(capsys, "latest-good", save, "--iteration-only")
+    assert rc == 0 and out.strip() == "10"
+
+
+# --- seal -----------------------------------------------------------------------------------------------
+
+
+def test_seal_writes_megatrons_manifest(capsys, copy_fixture):
+    save = copy_fixture("core019_tp2")
+    iteration_dir = save / ITER
+    rc, out, _ = _run(capsys, "seal", save, "--jobs", "1")
+    assert rc == 0 and "sealed" in out
+    manifest = json.loads((iteration_dir / "integrity.json").read_text())
+    assert manifest["algorithm"] == "sha256"
+    assert list(manifest["files"]) == sorted(p.name for p in iteration_dir.iterdir() if p.name != "integrity.json")
+    for name, digest in manifest["files"].items():
+        assert hashlib.sha256((iteration_dir / name).read_bytes()).hexdigest() == digest
+    single = (iteration_dir / "integrity.json").read_bytes()
+    rc, _, err = _run(capsys, "seal", save)
+    assert rc == 2 and "already sealed" in err
+    rc, out, _ = _run(capsys, "seal", save, "--force", "--jobs", "4", "--format", "json")
+    assert rc == 0 and json.loads(out)["replaced"] is True and json.loads(out)["jobs"] == 4
+    assert (iteration_dir / "integrity.json").read_bytes() == single  # parallel hashing: the same manifest
+    assert _codes(save) == set()
+    with open(iteration_dir / "__1_0.distcp", "r+b") as f:  # one payload byte flipped
+        f.seek(600)
+        byte = f.read(1)
+        f.seek(600)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert "CKD301" in _codes(save)
+
+
+def test_seal_refuses_a_checkpoint_that_fails_check(capsys, copy_fixture):
+    save = copy_fixture("core019_tp1")
+    (save / ITER / "metadata.json").unlink()
+    rc, _, err = _run(capsys, "seal", save / ITER)
+    assert rc == 2 and "metadata.json" in err
+    assert not (save / ITER / "integrity.json").exists()
+    save2 = copy_fixture("core019_tp2")
+    with open(save2 / ITER / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    rc, _, err = _run(capsys, "seal", save2)
+    assert rc == 2 and "refusing to seal" in err and "CKD114" in err
+    assert not (save2 / ITER / "integrity.json").exists()
+
+
+_MEGATRON_VERIFY = """
+import sys
+from megatron.core.dist_checkpointing.validation import verify_integrity_manifest
+try:
+    verify_integrity_manifest(sys.argv[1])
+except Exception as exc:
+    print("REJECTED", type(exc).__name__, exc)
+else:
+    print("ACCEPTED")
+"""
+
+
+def _megatron_verify(iteration_dir: Path) -> str:
+    result = subprocess.run([sys.executable, "-c", _MEGATRON_VERIFY, str(iteration_dir)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", ["core019_tp2", "core016_tp2"])
+def test_megatron_verifier_accepts_a_sealed_checkpoint_and_rejects_a_flipped_byte(capsys, copy_fixture, tmp_path,
+                                                                                  name):
+    require_mcore()
+    save = copy_fixture(name)
+    iteration_dir = save / ITER
+    assert _megatron_verify(iteration_dir).startswith("REJECTED")  # no manifest yet
+    rc, _, _ = _run(capsys, "seal", save)
+    assert rc == 0
+    assert _megatron_verify(iteration_dir) == "ACCEPTED"
+    # byte-identical to what megatron-core's own save_integrity_manifest writes for the same dir
+    twin = tmp_path / "twin"
+    shutil.copytree(iteration_dir, twin)
+    (twin / "integrity.json").unlink()
+    code = ("import sys; from megatron.core.dist_checkpointing.validation import save_integrity_manifest; "
+            "save_integrity_manifest(sys.argv[1])")
+    subprocess.run([sys.executable, "-c", code, str(twin)], check=True, capture_output=True, timeout=300)
+    assert (twin / "integrity.json").read_bytes() == (iteration_dir / "integrity.json").read_bytes()
+    data = sorted(iteration_dir.glob("*.distcp"))[-1]
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(data.stat().st_size // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    verdict = _megatron_verify(iteration_dir)
+    assert verdict.startswith("REJECTED CheckpointingException") and data.name in verdict
+
+
+# --- repair ---------------------------------------------------------------------------------------------
+
+
+def test_repair_tracker_pointing_nowhere(capsys, copy_fixture):
+    save = copy_fixture("core019_tp2")
+    (save / TRACKER).write_text("99")
+    rc, out, _ = _run(capsys, "repair", save)
+    assert rc == 1 and "[CKD121] point latest_checkpointed_iteration.txt to 10" in out
+    assert (save / TRACKER).read_text() == "99"  # report only
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    assert rc == 0 and "the repaired findings are gone" in out
+    assert (save / TRACKER).read_text() == "10"
+    assert [p.read_text() for p in save.glob(f"{TRACKER}.bak-*")] == ["99"]
+    assert _codes(save) == set()
+
+
+def test_repair_tracker_garbage_and_release(capsys, copy_fixture):
+    save = copy_fixture("core019_tp1")
+    (save / ITER).rename(save / "release")
+    (save / TRACKER).write_text("garbage")
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    report = json.loads(out)
+    assert rc == 0 and report["actions"][0]["fixes"] == ["CKD120"] and report["actions"][0]["value"] == "release"
+    assert (save / TRACKER).read_text() == "release"
+
+
+def test_repair_tracker_pointing_to_an_incomplete_iteration(capsys, copy_fixture):
+    save = copy_fixture("core019_tp2")
+    broken = save / "iter_0000020"
+    shutil.copytree(save / ITER, broken)
+    (broken / "metadata.json").unlink()
+    with open(broken / "__1_0.distcp", "r+b") as f:
+        f.truncate(5000)
+    (save / TRACKER).write_text("20")
+    before = _tree(broken)
+    rc, out, _ = _run(capsys, "repair", save)
+    assert rc == 1
+    assert "refused [CKD101]" in out and "must stay incomplete" in out and "CKD114" in out
+    assert "not repairable" in out and "key(s) cut off" in out and f"latest good one: {save / ITER}" in out
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    assert rc == 0, out
+    assert (save / TRACKER).read_text() == "10"
+    assert _tree(broken) == before  # the incomplete save stays as it was: incomplete
+    assert _codes(save) == set()
+
+
+@pytest.mark.parametrize("name", ["core019_tp2", "core016_tp2"])
+def test_repair_missing_metadata_json_of_a_complete_save(capsys, copy_fixture, tmp_path, name):
+    save = copy_fixture(name)
+    original = (save / ITER / "metadata.json").read_bytes()
+    (save / ITER / "metadata.json").unlink()
+    source = _tree(save)
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--output", tmp_path / "out")
+    assert rc == 0, out
+    assert _tree(save) == source  # --output leaves the source untouched
+    assert (tmp_path / "out" / ITER / "metadata.json").read_bytes() == original  # what Megatron wrote, per era
+    assert (tmp_path / "out" / TRACKER).read_text() == "10"
+    rc, out, _ = _run(capsys, "repair", save / ITER, "--write", "--in-place")
+    assert rc == 0, out
+    assert (save / ITER / "metadata.json").read_bytes() == original
+    assert _codes(save) == set()
+
+
+def test_repair_refuses_metadata_json_of_an_incomplete_save(capsys, copy_fixture):
+    save = copy_fixture("core019_tp2")
+    iteration_dir = save / ITER
+    (iteration_dir / "metadata.json").unlink()
+    (iteration_dir / "__1_0.distcp").unlink()  # rank 1 never wrote its data
+    before = _tree(save)
+    rc, out, _ = _run(capsys, "repair", iteration_dir, "--write", "--in-place")
+    assert rc == 1
+    assert "refused [CKD101]" in out and "CKD113" in out and "must stay incomplete" in out
+    assert "latest-good" in out
+    assert _tree(save) == before
+    rc, out, _ = _run(capsys, "repair", save, "--format", "json")  # from the save dir: nothing passes check
+    report = json.loads(out)
+    assert rc == 1 and report["latest_good"] is None and not report["actions"]
+
+
+def test_repair_quarantines_orphans_and_keeps_integrity(capsys, copy_fixture):
+    save = copy_fixture("core019_tp2")
+    iteration_dir = save / ITER
+    orphan = iteration_dir / "__7_0.distcp"
+    shutil.copy(iteration_dir / "__0_0.distcp", orphan)
+    content = orphan.read_bytes()
+    assert _run(capsys, "seal", save)[0] == 0  # the orphan is a warning: sealed, and listed
+    assert "__7_0.distcp" in json.loads((iteration_dir / "integrity.json").read_text())["files"]
+    rc, out, _ = _run(capsys, "repair", save)
+    assert rc == 1 and "[CKD115] move 1 unreferenced data file(s) (__7_0.distcp)" in out
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    assert rc == 0, out
+    assert not orphan.exists()
+    quarantined = list(save.glob(f"{ITER}.quarantine-*/__7_0.distcp"))
+    assert len(quarantined) == 1 and quarantined[0].read_bytes() == content  # moved, never deleted
+    assert "__7_0.distcp" not in json.loads((iteration_dir / "integrity.json").read_text())["files"]
+    assert _codes(save) == set()
+    rc, out, _ = _run(capsys, "latest-good", save, "--iteration-only")  # the quarantine dir is no iteration
+    assert rc == 0 and out.strip() == "10"
+
+
+def test_repair_metadata_json_of_a_sealed_checkpoint(capsys, copy_fixture):
+    save = copy_fixture("core019_tp1")
+    assert _run(capsys, "seal", save)[0] == 0
+    (save / ITER / "metadata.json").unlink()
+    rc, out, _ = _run(capsys, "repair", save / ITER, "--write", "--in-place")
+    assert rc == 0, out
+    assert _codes(save) == set()  # the manifest lists metadata.json with the hash of the file written
+
+
+def test_repair_delegates_args_to_fix_args(capsys, tmp_path):
+    rc, out, _ = _run(capsys, "repair", FIXTURES / "core019_convert_tp4", "--format", "json")
+    report = json.loads(out)
+    assert rc == 1
+    (action,) = report["actions"]
+    assert action["kind"] == "fix-args" and "CKD2" in action["fixes"][0]
+    assert {c["arg"] for c in action["value"]} >= {"tensor_parallel_num_weight_shards"}
+    rc, out, _ = _run(capsys, "repair", FIXTURES / "core019_convert_tp4", "--write", "--output", tmp_path / "out")
+    assert rc == 0, out
+    assert not list((tmp_path / "out" / ITER).glob("*.bak-*"))  # the source is the backup of a new output
+    assert not [c for c in _codes(tmp_path / "out") if c.startswith("CKD2")]
+
+
+def test_repair_usage_and_overlap(capsys, copy_fixture):
+    save = copy_fixture("core019_tp1")
+    rc, _, err = _run(capsys, "repair", save, "--write")
+    assert rc == 2 and "--output" in err
+    (save / ITER / "metadata.json").unlink()
+    rc, _, err = _run(capsys, "repair", save, "--write", "--output", save / "inside")
+    assert rc == 2 and "inside the source" in err
+    rc, out, _ = _run(capsys, "repair", FIXTURES / "core019_tp1")
+    assert rc == 0 and "nothing to repair" in out
+
+
+@pytest.mark.parametrize("step", ["repair:quarantine", "atomic:before-replace:metadata.json", "repair:metadata-json",
+                                  "atomic:before-replace:integrity.json", "repair:tracker-backup"])
+def test_repair_in_place_killed_at_every_step(copy_fixture, step):
+    """A kill between two steps leaves a checkpoint with no new error; rerunning repair finishes the job."""
+    save = copy_fixture("core019_tp2")
+    iteration_dir = save / ITER
+    shutil.copy(iteration_dir / "__0_0.distcp", iteration_dir / "__7_0.distcp")
+    assert main(["seal", str(save)]) == 0
+    (iteration_dir / "metadata.json").unlink()
+    (save / TRACKER).write_text("99")  # tracker broken too: repair from the iteration dir, then the save dir
+    data = {k: v for k, v in _tree(iteration_dir).items() if k.endswith(".distcp")}
+    before = {f.code for f in check_paths([str(iteration_dir)]).findings}
+    cmd = [sys.executable, "-m", "ckptdoctor", "repair", "--write", "--in-place"]
+    target = iteration_dir
+    if step == "repair:tracker-backup":  # the iteration dir first (the save dir has no good one yet)
+        assert subprocess.run([*cmd, str(iteration_dir)], cwd=REPO, capture_output=True, timeout=120).returncode == 0
+        target = save
+    result = subprocess.run([*cmd, str(target)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, **{FAULT_ENV: step}))
+    assert result.returncode == FAULT_EXIT_CODE, result.stderr
+    # nothing lost: every data file is in the dir or in the quarantine dir, byte for byte
+    moved = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in save.glob(f"{ITER}.quarantine-*/*.distcp")}
+    now = {k: v for k, v in _tree(iteration_dir).items() if k.endswith(".distcp")}
+    assert {**now, **moved} == data
+    after = check_paths([str(iteration_dir)]).findings
+    assert not {f.code for f in after if f.severity == "error"} - before  # no new error
+    for part in iteration_dir.glob(".*.ckptdoctor-part-*"):  # CKD151: a temp file check says is safe to delete
+        part.unlink()
+    for again in (iteration_dir, save):
+        result = subprocess.run([*cmd, str(again)], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode in (0, 1), result.stderr
+    assert _codes(save) == set()
+
+
+# --- real megatron-core loads repaired checkpoints --------------------------------------------------------
+
+
+def _probe(iteration_dir: Path) -> dict:
+    result = subprocess.run([sys.executable, str(REPO / "tests/mcore_probe.py"), str(iteration_dir)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", ["core019_tp2", "core016_tp2"])
+def test_megatron_loads_repaired_checkpoints(capsys, copy_fixture, name):
+    require_mcore()
+    save = copy_fixture(name)
+    iteration_dir = save / ITER
+    original = _probe(FIXTURES / name / ITER)
+    shutil.copy(iteration_dir / sorted(p.name for p in iteration_dir.glob("*.distcp"))[0],
+                iteration_dir / "__9_0.distcp")
+    assert _run(capsys, "seal", save)[0] == 0
+    (iteration_dir / "metadata.json").unlink()
+    (save / TRACKER).write_text("42")
+    assert _run(capsys, "repair", iteration_dir, "--write", "--in-place")[0] == 0
+    assert _run(capsys, "repair", save, "--write", "--in-place")[0] == 0
+    assert (save / TRACKER).read_text() == "10"
+    repaired = _probe(iteration_dir)
+    assert repaired["tensors"] == original["tensors"] and len(repaired["tensors"]) > 5
+    assert repaired["common_repr"] == original["common_repr"]
+    assert repaired["verify_integrity"] == "ok"  # megatron's own verifier accepts the kept manifest
