@@ -146,7 +146,7 @@ def _megatron_verify(iteration_dir: Path) -> str:
     result = subprocess.run([sys.executable, "-c", _MEGATRON_VERIFY, str(iteration_dir)], capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.strip().splitlines()[-1]
+    return result.stdout.strip()
 
 
 @pytest.mark.mcore
@@ -175,7 +175,7 @@ def test_megatron_verifier_accepts_a_sealed_checkpoint_and_rejects_a_flipped_byt
         f.seek(data.stat().st_size // 2)
         f.write(bytes([byte[0] ^ 0x01]))
     verdict = _megatron_verify(iteration_dir)
-    assert verdict.startswith("REJECTED CheckpointingException") and data.name in verdict
+    assert verdict.startswith("REJECTED CheckpointingException") and f"{data.name}: hash mismatch" in verdict
 
 
 # --- repair ---------------------------------------------------------------------------------------------
