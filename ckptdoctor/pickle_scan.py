@@ -30,6 +30,9 @@ class PickleLimits:
     max_bytes: int = 1 << 30
     max_tuple_depth: int = 200
     max_string: int = 256 << 20
+    # Ints, floats and tuples hash the same in every process, so n keys built to collide cost O(n**2) to
+    # insert (hash flooding: 100k such keys in 1.2 MB of pickle take ~40 s). No checkpoint keys this many.
+    max_hashed_keys: int = 50_000
 
     def check_size(self, size: int) -> None:
         if size > self.max_bytes:
@@ -56,22 +59,24 @@ _PUSH, _PUSH_NL, _PUSH_N, _PUSH_LEN, _MARK, _STOP, _POP, _POP_MARK, _DUP = range
 _TUPLE_MARK, _TUPLE_N, _CONTAINER_MARK, _APPEND1, _ITEMS_MARK, _SETITEM = range(10, 16)
 _BUILD, _REDUCE, _NEWOBJ_EX, _GLOBAL, _STACK_GLOBAL, _GET, _PUT, _MEMOIZE, _FRAME, _PROTO = range(16, 26)
 _PERSID, _BINPERSID, _OBJ_MARK, _INST, _BINGET, _LONG_BINGET = range(26, 32)
+_PUSH_NUMBER, _PUSH_NL_NUMBER, _PUSH_LEN_NUMBER, _SETITEMS, _ADDITEMS = range(32, 37)
 
 _KIND = bytearray(256)  # 0: not an opcode we accept
 _ARG = [0] * 256  # fixed argument width (bytes), or width of the length prefix for _PUSH_LEN
 _NTUPLE = [0] * 256
 for _op, _kind, _arg in (
-    (b"N", _PUSH, 0), (b"\x88", _PUSH, 0), (b"\x89", _PUSH, 0), (b"K", _PUSH, 1), (b"M", _PUSH, 2),
-    (b"J", _PUSH, 4), (b"G", _PUSH, 8), (b"]", _PUSH, 0), (b"}", _PUSH, 0), (b"\x8f", _PUSH, 0),
-    (b"I", _PUSH_NL, 0), (b"L", _PUSH_NL, 0), (b"F", _PUSH_NL, 0), (b"S", _PUSH_NL, 0), (b"V", _PUSH_NL, 0),
-    (b"\x8a", _PUSH_LEN, 1), (b"\x8b", _PUSH_LEN, 4), (b"U", _PUSH_LEN, 1), (b"T", _PUSH_LEN, 4),
+    (b"N", _PUSH, 0), (b"\x88", _PUSH, 0), (b"\x89", _PUSH, 0), (b"K", _PUSH_NUMBER, 1),
+    (b"M", _PUSH_NUMBER, 2), (b"J", _PUSH_NUMBER, 4), (b"G", _PUSH_NUMBER, 8), (b"]", _PUSH, 0), (b"}", _PUSH, 0),
+    (b"\x8f", _PUSH, 0), (b"I", _PUSH_NL_NUMBER, 0), (b"L", _PUSH_NL_NUMBER, 0), (b"F", _PUSH_NL_NUMBER, 0),
+    (b"S", _PUSH_NL, 0), (b"V", _PUSH_NL, 0),
+    (b"\x8a", _PUSH_LEN_NUMBER, 1), (b"\x8b", _PUSH_LEN_NUMBER, 4), (b"U", _PUSH_LEN, 1), (b"T", _PUSH_LEN, 4),
     (b"C", _PUSH_LEN, 1), (b"B", _PUSH_LEN, 4), (b"\x8e", _PUSH_LEN, 8), (b"\x8c", _PUSH_LEN, 1),
     (b"X", _PUSH_LEN, 4), (b"\x8d", _PUSH_LEN, 8), (b"\x96", _PUSH_LEN, 8),
     (b"(", _MARK, 0), (b".", _STOP, 0), (b"0", _POP, 0), (b"1", _POP_MARK, 0), (b"2", _DUP, 0),
     (b"t", _TUPLE_MARK, 0), (b")", _TUPLE_N, 0), (b"\x85", _TUPLE_N, 0), (b"\x86", _TUPLE_N, 0),
     (b"\x87", _TUPLE_N, 0), (b"l", _CONTAINER_MARK, 0), (b"d", _CONTAINER_MARK, 0),
-    (b"\x91", _CONTAINER_MARK, 0), (b"a", _APPEND1, 0), (b"e", _ITEMS_MARK, 0), (b"u", _ITEMS_MARK, 0),
-    (b"\x90", _ITEMS_MARK, 0), (b"s", _SETITEM, 0), (b"b", _BUILD, 0), (b"R", _REDUCE, 0),
+    (b"\x91", _ADDITEMS, 0), (b"a", _APPEND1, 0), (b"e", _ITEMS_MARK, 0), (b"u", _SETITEMS, 0),
+    (b"\x90", _ADDITEMS, 0), (b"s", _SETITEM, 0), (b"b", _BUILD, 0), (b"R", _REDUCE, 0),
     (b"\x81", _REDUCE, 0), (b"\x92", _NEWOBJ_EX, 0), (b"c", _GLOBAL, 0), (b"\x93", _STACK_GLOBAL, 0),
     (b"h", _BINGET, 1), (b"j", _LONG_BINGET, 4), (b"g", _GET, -1), (b"q", _PUT, 1), (b"r", _PUT, 4), (b"p", _PUT, -1),
     (b"\x94", _MEMOIZE, 0), (b"\x95", _FRAME, 8), (b"\x80", _PROTO, 1), (b"P", _PERSID, 0),
@@ -86,13 +91,15 @@ _KIND_OF = bytes(_KIND)
 _REFUSED_OPCODES = {0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4", 0x97: "NEXT_BUFFER", 0x98: "READONLY_BUFFER"}
 
 _GLOBAL_REF = -1  # a stack item that is a global (class or function) from GLOBAL / STACK_GLOBAL
+_NUMBER = -2  # an int or a float: a hash any process computes alike (tuples, n >= 1, too)
 
 
 def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = None) -> None:
     """Raise :class:`PickleLimitError` if ``data`` breaks a limit or uses an opcode we never accept.
 
-    Stack items are ints: 0 for an ordinary object, ``_GLOBAL_REF`` for a global, n >= 1 for a tuple whose
-    tuples nest n deep. Protocol 5 out-of-band buffers and the copyreg extension registry are refused.
+    Stack items are ints: 0 for an ordinary object, ``_GLOBAL_REF`` for a global, ``_NUMBER`` for an int or
+    float, n >= 1 for a tuple whose tuples nest n deep. Protocol 5 out-of-band buffers and the copyreg
+    extension registry are refused.
     """
     limits = limits or _current
     limits.check_size(len(data))
@@ -102,6 +109,7 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
     arg_width = _ARG
     max_depth = limits.max_tuple_depth
     max_string = limits.max_string
+    hashed_keys_left = limits.max_hashed_keys
     stack: list[int] = []
     marks: list[int] = []
     memo: list[int] = []
@@ -143,6 +151,22 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
             elif kind == _PUSH:
                 pos += arg_width[op]
                 stack.append(0)
+            elif kind == _PUSH_NUMBER:
+                pos += arg_width[op]
+                stack.append(_NUMBER)
+            elif kind in (_SETITEMS, _ADDITEMS):
+                mark = marks.pop()
+                keys = stack[mark::2] if kind == _SETITEMS else stack[mark:]
+                del stack[mark:]
+                if op != 0x91 and stack[-1] == _GLOBAL_REF:
+                    raise fail("item assignment on a class or function")
+                for key in keys:
+                    if key == _NUMBER or key > 0:
+                        hashed_keys_left -= 1
+                if hashed_keys_left < 0:
+                    raise fail(f"more than {limits.max_hashed_keys} int, float or tuple keys (hash flooding)")
+                if op == 0x91:  # FROZENSET builds a new object from the items
+                    stack.append(0)
             elif kind == _REDUCE:  # REDUCE and NEWOBJ: callable/class, argument tuple -> object
                 args = stack.pop()
                 stack[-1] = args if args > 0 else 0
@@ -168,10 +192,14 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                 if kind == _ITEMS_MARK:
                     del stack[marks.pop():]
                 else:
+                    if kind == _SETITEM and (stack[-2] == _NUMBER or stack[-2] > 0):
+                        hashed_keys_left -= 1
+                        if hashed_keys_left < 0:
+                            raise fail(f"more than {limits.max_hashed_keys} int, float or tuple keys (hash flooding)")
                     del stack[-2 if kind == _SETITEM else -1:]
                 if stack[-1] == _GLOBAL_REF:
                     raise fail("item assignment on a class or function")
-            elif kind == _PUSH_LEN:
+            elif kind in (_PUSH_LEN, _PUSH_LEN_NUMBER):
                 width = arg_width[op]
                 if width == 1:
                     length = buf[pos]
@@ -184,7 +212,7 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                 pos += width + length
                 if pos > size:
                     raise corrupt("truncated")
-                stack.append(0)
+                stack.append(_NUMBER if kind == _PUSH_LEN_NUMBER else 0)
             elif kind == _TUPLE_MARK:
                 mark = marks.pop()
                 items = stack[mark:]
@@ -210,8 +238,15 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                     memo[idx] = stack[-1]
                 else:
                     raise fail(f"memo index {idx} out of sequence")
-            elif kind == _CONTAINER_MARK:  # LIST, DICT, FROZENSET from the items since the mark
-                del stack[marks.pop():]
+            elif kind == _CONTAINER_MARK:  # LIST, DICT from the items since the mark
+                mark = marks.pop()
+                if op == 0x64:  # DICT: every other item is a key
+                    for key in stack[mark::2]:
+                        if key == _NUMBER or key > 0:
+                            hashed_keys_left -= 1
+                    if hashed_keys_left < 0:
+                        raise fail(f"more than {limits.max_hashed_keys} int, float or tuple keys (hash flooding)")
+                del stack[mark:]
                 stack.append(0)
             elif kind == _STACK_GLOBAL:
                 del stack[-2:]
@@ -219,12 +254,12 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
             elif kind == _GLOBAL:
                 pos = buf.index(b"\n", buf.index(b"\n", pos) + 1) + 1
                 stack.append(_GLOBAL_REF)
-            elif kind == _PUSH_NL:
+            elif kind in (_PUSH_NL, _PUSH_NL_NUMBER):
                 end = buf.index(b"\n", pos)
                 if end - pos > max_string:
                     raise fail(f"a string of {end - pos} bytes exceeds the limit of {max_string}")
                 pos = end + 1
-                stack.append(0)
+                stack.append(_NUMBER if kind == _PUSH_NL_NUMBER else 0)
             elif kind == _POP:
                 if marks and marks[-1] == len(stack):
                     marks.pop()

@@ -75,6 +75,30 @@ def _sized(kind: type) -> Callable[..., Any]:
     return make
 
 
+def _hashing(kind: type) -> Callable[..., Any]:
+    """``set``, ``frozenset``, ``OrderedDict``, ``Counter`` that refuse an iterable of more int, float or tuple
+    keys than the limit: their hashes are the same in every process, so keys built to collide make inserting
+    them quadratic (hash flooding). The opcode scanner counts the keys a pickle inserts itself."""
+
+    pairs = kind in (dict, collections.OrderedDict)
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        source = args[0] if args else ()
+        if isinstance(source, dict):
+            keys: Any = source.keys()
+        elif isinstance(source, (list, tuple, set, frozenset)):
+            keys = (item[0] if pairs and isinstance(item, (list, tuple)) and item else item for item in source)
+        else:
+            keys = ()
+        limit = current_limits().max_hashed_keys
+        if sum(1 for key in keys if isinstance(key, (int, float, tuple))) > limit:
+            raise PickleLimitError(f"{kind.__name__}() of more than {limit} int, float or tuple keys (hash flooding)")
+        return kind(*args, **kwargs)
+
+    make.__qualname__ = make.__name__ = kind.__name__
+    return make
+
+
 _DEFAULT_FACTORIES = (None, list, dict, set, int, float, collections.OrderedDict)
 
 
@@ -91,6 +115,7 @@ _RECONSTRUCT_BASES = (object, dict, list, set, int, float, complex, bool)
 def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
     # Protocol 0/1 spelling of "make an instance of cls": base.__new__(cls, state) + base.__init__.
     # Only plain bases: a bytes, str or tuple base would let the pickle size an allocation or nest tuples.
+    base = _REAL_TYPE.get(id(base), base)
     if not isinstance(cls, type) or base not in _RECONSTRUCT_BASES or not issubclass(cls, base):
         raise UnsafePickleError("copyreg", "_reconstructor", detail=f"of {cls!r} from {base!r}")
     if base is object:
@@ -111,14 +136,14 @@ def _codecs_encode(text: str, encoding: str = "utf-8") -> bytes:
 
 # Real objects (or bounded wrappers): plain data, harmless to construct with any arguments a pickle can hold.
 _ALLOWED: dict[tuple[str, str], Any] = {
-    **{("builtins", t.__name__): t for t in (
-        set, frozenset, dict, list, int, float, complex, bool, slice, object)},
+    **{("builtins", t.__name__): t for t in (list, int, float, complex, bool, slice, object)},
+    **{("builtins", t.__name__): _hashing(t) for t in (set, frozenset, dict)},
     ("builtins", "bytes"): _sized(bytes),
     ("builtins", "bytearray"): _sized(bytearray),
-    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "OrderedDict"): _hashing(collections.OrderedDict),
     ("collections", "defaultdict"): _defaultdict,
     ("collections", "deque"): collections.deque,
-    ("collections", "Counter"): collections.Counter,
+    ("collections", "Counter"): _hashing(collections.Counter),
     ("copyreg", "_reconstructor"): _reconstructor,
     ("argparse", "Namespace"): argparse.Namespace,
     ("types", "SimpleNamespace"): types.SimpleNamespace,
@@ -139,6 +164,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("_io", "BytesIO"): io.BytesIO,
     ("signal", "Signals"): signal.Signals,
 }
+
+_REAL_TYPE = {id(_ALLOWED[("builtins", t.__name__)]): t for t in (set, frozenset, dict)}
 
 # Classes read as inert stand-ins: what megatron-core, Transformer Engine and numpy put in checkpoints.
 _MCORE = "megatron.core"

@@ -113,22 +113,19 @@ class StandIn(metaclass=_FrozenClass):
         return (type(self), args, state)
 
     def __eq__(self, other: object) -> bool:
-        return (
-            type(self) is type(other)
-            and self.stand_in_args == other.stand_in_args  # type: ignore[attr-defined]
-            and self.stand_in_state == other.stand_in_state  # type: ignore[attr-defined]
-        )
+        if type(self) is not type(other):
+            return False
+        from ckptdoctor.plain import fingerprint
+
+        return fingerprint(self) == fingerprint(other)
 
     def __hash__(self) -> int:
-        # Consistent with __eq__ and spread over the recorded values: DCP's storage_data is a dict keyed by
-        # MetadataIndex stand-ins, and a per-class constant hash made loading it quadratic (minutes at 20k keys).
-        # Hashes the recorded args and dict state (a raw state is left out: fewer fields, still consistent).
-        attrs = self.__dict__
-        try:
-            state = frozenset(kv for kv in attrs.items() if not kv[0].startswith("_ckd_"))
-            return hash((type(self).__ckd_global__, attrs.get("_ckd_args", ()), state))
-        except TypeError:  # unhashable args or state (lists, dicts): fall back to the class
-            return hash(type(self).__ckd_global__)
+        # From a collision-resistant digest of the class, recorded args and state (shared references digested
+        # once): a per-class constant made DCP's storage_data quadratic to load, and a hash of the args tuple
+        # could be made to collide at will by a pickle (ints hash alike in every process: hash flooding).
+        from ckptdoctor.plain import fingerprint
+
+        return int.from_bytes(fingerprint(self)[:8], "little", signed=True)
 
     def __repr__(self) -> str:
         from ckptdoctor.plain import short_repr  # bounded: pickled args can expand exponentially

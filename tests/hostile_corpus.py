@@ -63,3 +63,24 @@ def deflate_bomb(inflated: int = 200 << 20) -> bytes:
     """A torch.save-shaped archive whose data.pkl (a str of ``inflated`` bytes) deflates to well under 1 MB."""
     pickled = b"\x80\x02X" + struct.pack("<I", inflated) + b"a" * inflated + b"."
     return torch_zip(pickled, compress=zipfile.ZIP_DEFLATED)
+
+_COLLIDING = (1 << 61) - 1  # hash(i * _COLLIDING) == 0 for every int i: every key lands in one bucket
+
+
+def hash_flood_dict(n: int = 100_000) -> bytes:
+    """A dict of ``n`` int keys that all hash alike (~1.2 MB): inserting them is quadratic (~40 s here)."""
+    import pickle
+
+    return pickle.dumps({i * _COLLIDING: 0 for i in range(1, n + 1)}, protocol=2)
+
+
+def hash_flood_set(n: int = 100_000) -> bytes:
+    """``set([...])`` of ``n`` colliding ints through REDUCE: the keys arrive in a list, not by SETITEMS."""
+    import pickle
+
+    return b"\x80\x02cbuiltins\nset\n" + pickle.dumps([i * _COLLIDING for i in range(1, n + 1)], protocol=2)[2:-1] \
+        + b"\x85R."
+
+
+RESOURCE_CASES["hash flood: 100k colliding int dict keys"] = hash_flood_dict()
+RESOURCE_CASES["hash flood: set() of 100k colliding ints"] = hash_flood_set()
