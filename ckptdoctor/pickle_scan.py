@@ -59,7 +59,7 @@ _PUSH, _PUSH_NL, _PUSH_N, _PUSH_LEN, _MARK, _STOP, _POP, _POP_MARK, _DUP = range
 _TUPLE_MARK, _TUPLE_N, _CONTAINER_MARK, _APPEND1, _ITEMS_MARK, _SETITEM = range(10, 16)
 _BUILD, _REDUCE, _NEWOBJ_EX, _GLOBAL, _STACK_GLOBAL, _GET, _PUT, _MEMOIZE, _FRAME, _PROTO = range(16, 26)
 _PERSID, _BINPERSID, _OBJ_MARK, _INST, _BINGET, _LONG_BINGET = range(26, 32)
-_PUSH_NUMBER, _PUSH_NL_NUMBER, _PUSH_LEN_NUMBER, _SETITEMS, _ADDITEMS = range(32, 37)
+_PUSH_NUMBER, _PUSH_NL_NUMBER, _PUSH_LEN_NUMBER, _SETITEMS, _ADDITEMS, _TUPLE1, _TUPLE2, _EMPTY_TUPLE = range(32, 40)
 
 _KIND = bytearray(256)  # 0: not an opcode we accept
 _ARG = [0] * 256  # fixed argument width (bytes), or width of the length prefix for _PUSH_LEN
@@ -73,7 +73,7 @@ for _op, _kind, _arg in (
     (b"C", _PUSH_LEN, 1), (b"B", _PUSH_LEN, 4), (b"\x8e", _PUSH_LEN, 8), (b"\x8c", _PUSH_LEN, 1),
     (b"X", _PUSH_LEN, 4), (b"\x8d", _PUSH_LEN, 8), (b"\x96", _PUSH_LEN, 8),
     (b"(", _MARK, 0), (b".", _STOP, 0), (b"0", _POP, 0), (b"1", _POP_MARK, 0), (b"2", _DUP, 0),
-    (b"t", _TUPLE_MARK, 0), (b")", _TUPLE_N, 0), (b"\x85", _TUPLE_N, 0), (b"\x86", _TUPLE_N, 0),
+    (b"t", _TUPLE_MARK, 0), (b")", _EMPTY_TUPLE, 0), (b"\x85", _TUPLE1, 0), (b"\x86", _TUPLE2, 0),
     (b"\x87", _TUPLE_N, 0), (b"l", _CONTAINER_MARK, 0), (b"d", _CONTAINER_MARK, 0),
     (b"\x91", _ADDITEMS, 0), (b"a", _APPEND1, 0), (b"e", _ITEMS_MARK, 0), (b"u", _SETITEMS, 0),
     (b"\x90", _ADDITEMS, 0), (b"s", _SETITEM, 0), (b"b", _BUILD, 0), (b"R", _REDUCE, 0),
@@ -128,6 +128,7 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
             op = buf[pos]
             kind = kind_of[op]
             pos += 1
+            # The most frequent opcodes of a DCP .metadata come first (2M opcodes at 20k keys).
             if kind == _MEMOIZE:
                 memo.append(stack[-1])
             elif kind == _BINGET:
@@ -136,6 +137,38 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
             elif kind == _LONG_BINGET:
                 stack.append(memo[unpack_from("<I", buf, pos)[0]])
                 pos += 4
+            elif kind == _PUSH_NUMBER:
+                pos += arg_width[op]
+                stack.append(_NUMBER)
+            elif kind == _MARK:
+                marks.append(len(stack))
+            elif kind == _EMPTY_TUPLE:
+                stack.append(1)
+            elif kind == _REDUCE:  # REDUCE and NEWOBJ: callable/class, argument tuple -> object
+                args = stack.pop()
+                stack[-1] = args if args > 0 else 0
+            elif kind == _BUILD:
+                stack.pop()
+                if stack[-1] == _GLOBAL_REF:
+                    raise fail("BUILD on a class or function (would change it for every later read)")
+            elif kind == _TUPLE1:
+                depth = stack[-1]
+                depth = depth + 1 if depth > 0 else 1
+                if depth > max_depth:
+                    raise fail(f"tuples nest deeper than {max_depth}")
+                stack[-1] = depth
+            elif kind == _TUPLE2:
+                depth = stack.pop()
+                other = stack[-1]
+                if other > depth:
+                    depth = other
+                depth = depth + 1 if depth > 0 else 1
+                if depth > max_depth:
+                    raise fail(f"tuples nest deeper than {max_depth}")
+                stack[-1] = depth
+            elif kind == _PUSH:
+                pos += arg_width[op]
+                stack.append(0)
             elif kind == _GET:
                 width = arg_width[op]
                 if width == 1:
@@ -148,12 +181,6 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                     width = end - pos + 1
                 pos += width
                 stack.append(memo[idx])
-            elif kind == _PUSH:
-                pos += arg_width[op]
-                stack.append(0)
-            elif kind == _PUSH_NUMBER:
-                pos += arg_width[op]
-                stack.append(_NUMBER)
             elif kind in (_SETITEMS, _ADDITEMS):
                 mark = marks.pop()
                 keys = stack[mark::2] if kind == _SETITEMS else stack[mark:]
@@ -167,15 +194,6 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                     raise fail(f"more than {limits.max_hashed_keys} int, float or tuple keys (hash flooding)")
                 if op == 0x91:  # FROZENSET builds a new object from the items
                     stack.append(0)
-            elif kind == _REDUCE:  # REDUCE and NEWOBJ: callable/class, argument tuple -> object
-                args = stack.pop()
-                stack[-1] = args if args > 0 else 0
-            elif kind == _BUILD:
-                stack.pop()
-                if stack[-1] == _GLOBAL_REF:
-                    raise fail("BUILD on a class or function (would change it for every later read)")
-            elif kind == _MARK:
-                marks.append(len(stack))
             elif kind == _TUPLE_N:
                 n = _NTUPLE[op]
                 depth = 1
