@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError, MissingExtraError
 from ckptdoctor.formats import torch_dist
-from ckptdoctor.formats.archive import MAX_INFLATED, parse_archive, unpickle
+from ckptdoctor.formats.archive import parse_archive, unpickle
 from ckptdoctor.formats.torch_zip import load_torch_zip
 from ckptdoctor.layout import BACKEND_ZARR
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
@@ -164,10 +164,9 @@ def read_chunk_view(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk,
     if checkpoint.location.backend == BACKEND_ZARR:
         return tensor_from_ref(_zarr_chunk_ref(entry, chunk, blob, where), where), len(blob)
     archive = parse_archive(blob, where)
-    pkl_name = f"{archive.prefix}data.pkl"
     if any(member.method for member in archive.members.values()):  # compressed records: the copying path
         return read_chunk(checkpoint, entry.key, entry.chunks.index(chunk)), len(blob)
-    pickled = archive.read(pkl_name, MAX_INFLATED, verify_crc=False)
+    pickled = archive.pickle(verify_crc=False)
     key, dtype_name, numel, offset, shape, stride = _chunk_view(bytes(pickled), where)
     if tuple(shape) != tuple(chunk.sizes):
         raise CkptError(f"{where}: stored shape {list(shape)} differs from metadata {list(chunk.sizes)}")

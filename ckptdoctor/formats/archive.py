@@ -27,7 +27,10 @@ from ckptdoctor.pickle_scan import PickleLimits, current_limits
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
 
 ZIP_MAGIC = b"PK\x03\x04"
-MAX_INFLATED = 64 << 20  # the most a compressed member may inflate to (torch.save writes none)
+MAX_INFLATED = 64 << 20  # the most a compressed storage record may inflate to (torch.save compresses nothing)
+# The most a compressed data.pkl may inflate to: unpickling costs up to ~60 bytes of memory per pickle byte
+# (an EMPTY_LIST opcode is one byte, a list 56), so this bounds a deflate bomb's objects to a few hundred MB.
+MAX_INFLATED_PICKLE = 4 << 20
 
 _EOCD = struct.Struct("<4s4H2LH")  # signature, disk, cd disk, entries here, entries total, cd size, cd offset, comment
 _CDIR = struct.Struct("<4s6H3L5H2L")  # central directory file header (46 bytes)
@@ -90,6 +93,14 @@ class TorchArchive:
         if verify_crc and zlib.crc32(data) != member.crc:
             raise CkptError(f"{self.where}: corrupt storage record {name} (Bad CRC-32: the bytes changed)")
         return data
+
+    def pickle(self, limits: PickleLimits | None = None, verify_crc: bool = True) -> Blob:
+        """The archive's ``data.pkl``: up to the pickle size limit when stored, ``MAX_INFLATED_PICKLE`` when
+        compressed (the one place that policy lives)."""
+        name = f"{self.prefix}data.pkl"
+        max_bytes = (limits or current_limits()).max_bytes
+        return self.read(name, min(max_bytes, MAX_INFLATED_PICKLE) if self.members[name].method else max_bytes,
+                         verify_crc)
 
     def storage(self, key: str) -> Member:
         member = self.members.get(f"{self.prefix}data/{key}")
@@ -229,9 +240,7 @@ def load_archive(blob: Blob, where: str, limits: PickleLimits | None = None,
     ``where`` names the file (and item) in every error.
     """
     archive = parse_archive(blob, where)
-    max_bytes = (limits or current_limits()).max_bytes
-    name = f"{archive.prefix}data.pkl"
-    pickled = archive.read(name, min(max_bytes, MAX_INFLATED) if archive.members[name].method else max_bytes)
+    pickled = archive.pickle(limits)
     return unpickle(pickled, where, _storage_ref_factory(archive), limits, unlisted, "pickle in torch.save archive")
 
 

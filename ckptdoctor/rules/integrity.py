@@ -17,7 +17,7 @@ from pathlib import Path
 from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
-from ckptdoctor.formats.archive import MAX_INFLATED, ArchiveError, parse_archive
+from ckptdoctor.formats.archive import ArchiveError, parse_archive
 from ckptdoctor.formats.files import open_regular
 from ckptdoctor.formats.stream import read_ranges
 from ckptdoctor.formats.torch_dist import DcpChunk
@@ -231,7 +231,7 @@ def _check_chunk(decoder: _ChunkDecoder, entry: Entry, chunk: DcpChunk, blob: me
     what = f"{entry.key} chunk at {list(chunk.offsets)}"
     try:
         archive = parse_archive(blob, what)
-        pickled = archive.read(f"{archive.prefix}data.pkl", MAX_INFLATED, verify_crc=archive.general)
+        pickled = archive.pickle(verify_crc=archive.general)
         verdict = decoder.verdict(bytes(pickled), entry, chunk)
         if verdict.refused is not None:
             return refused_pickle(verdict.refused, path, what)
