@@ -374,3 +374,90 @@ def test_megatron_loads_repaired_checkpoints(capsys, copy_fixture, name):
     assert repaired["tensors"] == original["tensors"] and len(repaired["tensors"]) > 5
     assert repaired["common_repr"] == original["common_repr"]
     assert repaired["verify_integrity"] == "ok"  # megatron's own verifier accepts the kept manifest
+
+
+# --- strip-frozen keeps integrity.json consistent ---------------------------------------------------------
+
+
+def _sealed_peft(capsys, copy_fixture) -> Path:
+    save = copy_fixture("core019_peft_full_tp1")
+    assert _run(capsys, "seal", save)[0] == 0
+    return save
+
+
+def _assert_resealed(iteration_dir: Path) -> None:
+    manifest = json.loads((iteration_dir / "integrity.json").read_text())
+    assert list(manifest["files"]) == sorted(p.name for p in iteration_dir.iterdir()
+                                             if p.is_file() and p.name != "integrity.json")
+    for name, digest in manifest["files"].items():
+        assert hashlib.sha256((iteration_dir / name).read_bytes()).hexdigest() == digest
+    assert check_paths([str(iteration_dir)]).findings == []  # hashes verified (check's default)
+
+
+def test_strip_frozen_reseals_a_sealed_checkpoint(capsys, copy_fixture, tmp_path):
+    save = _sealed_peft(capsys, copy_fixture)
+    source = _tree(save)
+    rc, out, _ = _run(capsys, "strip-frozen", save, "--preset", "lora", "--output", tmp_path / "out",
+                      "--format", "json")
+    assert rc == 0, out
+    assert json.loads(out)["result"]["resealed"] is True
+    assert _tree(save) == source
+    _assert_resealed(tmp_path / "out" / ITER)
+    assert _codes(tmp_path / "out") == set()
+    rc, out, _ = _run(capsys, "strip-frozen", save, "--preset", "lora", "--in-place")
+    assert rc == 0, out
+    _assert_resealed(save / ITER)
+    assert (tmp_path / "out" / ITER / "integrity.json").read_bytes() == (save / ITER / "integrity.json").read_bytes()
+    backup = next(save.glob(f"{ITER}.bak-*"))
+    assert _tree(backup) == {k[len(ITER) + 1:]: v for k, v in source.items() if k.startswith(ITER + "/")}
+
+
+def test_strip_frozen_without_a_manifest_writes_none(capsys, copy_fixture, tmp_path):
+    save = copy_fixture("core019_peft_full_tp1")
+    rc, out, _ = _run(capsys, "strip-frozen", save, "--preset", "lora", "--output", tmp_path / "out",
+                      "--format", "json")
+    assert rc == 0 and json.loads(out)["result"]["resealed"] is False
+    assert not (tmp_path / "out" / ITER / "integrity.json").exists()
+
+
+def test_strip_frozen_refuses_a_source_that_fails_its_manifest(capsys, copy_fixture, tmp_path):
+    """A changed source byte must not be re-sealed into a manifest that vouches for it."""
+    save = _sealed_peft(capsys, copy_fixture)
+    data = sorted((save / ITER).glob("*.distcp"))[0]
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(data.stat().st_size // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    before = _tree(save)
+    rc, _, err = _run(capsys, "strip-frozen", save, "--preset", "lora", "--output", tmp_path / "out")
+    assert rc == 2 and f"{data.name}: sha256 differs from integrity.json" in err
+    assert not (tmp_path / "out").exists()
+    rc, _, err = _run(capsys, "strip-frozen", save, "--preset", "lora", "--in-place")
+    assert rc == 2 and "refusing to strip" in err
+    assert _tree(save) == before and not list(save.glob(f"{ITER}.bak-*"))
+
+
+@pytest.mark.parametrize("step", ["strip-frozen:resealed", "atomic:before-replace:integrity.json"])
+def test_strip_frozen_killed_while_resealing_leaves_no_stale_manifest(capsys, copy_fixture, step):
+    save = _sealed_peft(capsys, copy_fixture)
+    before = _tree(save)
+    result = subprocess.run([sys.executable, "-m", "ckptdoctor", "strip-frozen", str(save), "--preset", "lora",
+                             "--in-place"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, **{FAULT_ENV: step}))
+    assert result.returncode == FAULT_EXIT_CODE, result.stderr
+    assert _tree(save / ITER) == {k[len(ITER) + 1:]: v for k, v in before.items() if k.startswith(ITER + "/")}
+    assert {f.code for f in check_paths([str(save)]).findings} == {"CKD151"}  # the unfinished staging dir
+
+
+@pytest.mark.mcore
+def test_megatron_verifier_accepts_a_stripped_sealed_checkpoint(capsys, copy_fixture, tmp_path):
+    require_mcore()
+    save = _sealed_peft(capsys, copy_fixture)
+    assert _megatron_verify(save / ITER) == "ACCEPTED"
+    rc, out, _ = _run(capsys, "strip-frozen", save, "--preset", "lora", "--output", tmp_path / "out")
+    assert rc == 0, out
+    assert _megatron_verify(tmp_path / "out" / ITER) == "ACCEPTED"
+    rc, out, _ = _run(capsys, "strip-frozen", save, "--preset", "lora", "--in-place")
+    assert rc == 0, out
+    assert _megatron_verify(save / ITER) == "ACCEPTED"

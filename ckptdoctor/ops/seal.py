@@ -85,6 +85,21 @@ def hash_files(paths: list[Path], jobs: int, progress: Progress | None = None) -
     return {p.name: digests[p] for p in paths}
 
 
+def write_manifest(iteration_dir: Path, hashes: dict[str, str] | None = None, jobs: int | None = None) -> int:
+    """Write ``iteration_dir``'s ``integrity.json`` atomically: ``hashes`` (name -> sha256 of
+    :func:`manifest_files`), or every file hashed now. Returns the bytes hashed (0 when ``hashes`` is given).
+
+    The one writer of the manifest: ``seal`` and ``strip-frozen`` (which re-seals the checkpoint it builds).
+    """
+    hashed = 0
+    if hashes is None:
+        files = manifest_files(iteration_dir)
+        hashed = sum(p.stat().st_size for p in files)
+        hashes = hash_files(files, jobs or default_jobs())
+    write_atomic(iteration_dir / INTEGRITY_NAME, manifest_bytes(hashes))
+    return hashed
+
+
 def _snapshot(paths: list[Path]) -> dict[str, tuple[int, int]]:
     out = {}
     for p in paths:
@@ -129,5 +144,5 @@ def seal(path: str | Path, iteration: str | None = None, jobs: int | None = None
         if _snapshot(files) != before or [p.name for p in manifest_files(iteration_dir)] != list(hashes):
             raise CkptError(f"{iteration_dir}: files changed while they were hashed (is a job still writing "
                             "this checkpoint?); nothing was written")
-        write_atomic(manifest, manifest_bytes(hashes))
+        write_manifest(iteration_dir, hashes)
     return SealResult(SCHEMA, str(iteration_dir), str(manifest), len(hashes), total, jobs, seconds, existed, notes)

@@ -5,7 +5,9 @@ then renamed into place, so an interrupted run leaves the source untouched and n
 the target's name. ``--in-place`` swaps the iteration dir and the staging dir atomically (Linux
 ``renameat2(RENAME_EXCHANGE)``; two renames elsewhere), then the old one is renamed to ``<iter>.bak-<stamp>``
 (kept unless ``--no-backup``; Megatron ignores names that are not ``iter_*``). ``metadata.json`` is written
-last inside the staging dir, as Megatron does.
+last inside the staging dir, as Megatron does, followed only by a fresh ``integrity.json`` when the source had
+one (the manifest ``seal`` writes, over the new files; the source's own is verified first, so a changed source
+byte is refused instead of re-sealed).
 
 Once the swap has happened no error path deletes the old tree, and Ctrl-C is held back from just before the
 swap until the old tree has its backup name. Staging names carry a timestamp and a random token (the in-place
@@ -17,6 +19,7 @@ a checkpoint with leftovers of an interrupted run.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import time
@@ -30,12 +33,14 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import dcp_writer, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
 from ckptdoctor.layout import TRACKER_NAME
+from ckptdoctor.ops.seal import default_jobs, hash_files, manifest_files, write_manifest
 from ckptdoctor.ops.strip import StripPlan
 from ckptdoctor.rules import leftovers
+from ckptdoctor.rules.integrity import INTEGRITY_NAME
 
-# Files of an iteration dir rebuilt (not copied) by strip-frozen, and those deliberately not carried over.
-_REBUILT = {".metadata", "metadata.json", "common.pt"}
-_STALE = {"integrity.json": "sha256 manifest of the unstripped files (stale after stripping)"}
+# Files of an iteration dir rebuilt (not copied) by strip-frozen. Megatron's integrity.json is not carried (its
+# sha256s are those of the unstripped files): a source that has one gets a fresh one, written as `seal` does.
+_REBUILT = {".metadata", "metadata.json", "common.pt", INTEGRITY_NAME}
 
 
 @dataclass
@@ -51,6 +56,7 @@ class StripResult:
     source_bytes: int  # every file of the source iteration dir
     carried: list[str] = field(default_factory=list)  # other files linked or copied over
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why it was not carried
+    resealed: bool = False  # the source had integrity.json: the output got a fresh one (sha256 of its own files)
     seconds: float = 0.0
 
 
@@ -123,16 +129,50 @@ def _fill_iteration_dir(
         name = path.name
         if name in _REBUILT or name.endswith(".distcp") or name.startswith("."):
             continue
-        if name in _STALE:
-            result.skipped[name] = _STALE[name]
-        elif not path.is_file():
+        if not path.is_file():
             result.skipped[name] = "not a plain file (a nested checkpoint or dir is not carried)"
         else:
             atomic.link_or_copy(path, stage / name)
             result.carried.append(name)
     # Last, as Megatron does: a dir without metadata.json is an incomplete checkpoint to every reader.
     atomic.write_atomic(stage / "metadata.json", (src / "metadata.json").read_bytes())
+    if (src / INTEGRITY_NAME).is_file():
+        # Still in the staging dir: no run leaves a checkpoint under its name whose manifest lists other bytes.
+        write_manifest(stage)
+        result.resealed = True
+        atomic.fault_point("strip-frozen:resealed")
     atomic.fsync_dir(stage)
+
+
+def verify_source_manifest(iteration_dir: Path) -> None:
+    """Refuse a source whose ``integrity.json`` disagrees with its files: the output's fresh manifest would
+    otherwise vouch for changed bytes. Every file of the dir is hashed (in parallel, as ``seal`` does)."""
+    path = iteration_dir / INTEGRITY_NAME
+    if not path.is_file():
+        return
+    why = "; refusing to strip it (its new manifest would vouch for changed bytes): run `ckptdoctor check` on it"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        listed = manifest["files"]
+        if manifest.get("algorithm", "sha256") != "sha256" or not isinstance(listed, dict):
+            raise ValueError("not a sha256 manifest of file names")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CkptError(f"{path}: unreadable integrity manifest ({exc}){why}") from None
+    files = manifest_files(iteration_dir)
+    present = {p.name for p in files}
+    missing = sorted(set(listed) - present)
+    unlisted = sorted(present - set(listed))
+    if missing or unlisted:
+        name, what = (missing[0], f"listed in {INTEGRITY_NAME} but missing") if missing else (
+            unlisted[0], f"not listed in {INTEGRITY_NAME}")
+        raise CkptError(f"{iteration_dir / name}: {what}{why}")
+    try:
+        actual = hash_files(files, default_jobs())
+    except OSError as exc:
+        raise CkptError(f"{exc.filename or iteration_dir}: cannot read ({exc.strerror}){why}") from None
+    for name, digest in actual.items():
+        if str(listed[name]).lower() != digest:
+            raise CkptError(f"{iteration_dir / name}: sha256 differs from {INTEGRITY_NAME}{why}")
 
 
 class _Swap:
@@ -352,6 +392,7 @@ def strip_frozen(
     # in place: exclusive; --output: shared (other readers may copy the same source at the same time)
     with locking.checkpoint_lock(checkpoint.iteration_dir, exclusive=in_place, optional=not in_place):
         leftovers.refuse_if_interrupted(checkpoint.iteration_dir)
+        verify_source_manifest(checkpoint.iteration_dir)
         return _plan_and_write(
             checkpoint, output, in_place, patterns, preset, base, False, force, keep_backup, progress
         )
