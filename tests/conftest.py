@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,17 +27,73 @@ def manifest(name: str) -> dict:
     return json.loads((MANIFESTS / f"{name}.json").read_text())
 
 
-def require_mcore():
-    """Import real megatron-core, or skip; CI sets CKPTDOCTOR_REQUIRE_MCORE=1 so a missing one fails."""
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError:
-        if os.environ.get("CKPTDOCTOR_REQUIRE_MCORE"):
-            raise
-        pytest.skip("megatron-core not installed")
-    import megatron.core
+_CURRENT_TEST: list[pytest.Item] = []
 
-    return megatron.core
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _CURRENT_TEST[:] = [item]  # for require_mcore's marker check (fixtures call it during setup)
+
+
+@functools.cache
+def _mcore_probe() -> tuple[object | None, str | None]:
+    """Import megatron-core once per test run: (module, None) or (None, why not). A failed import is not
+    retried (Python re-runs a failed import, torch included, every time it is asked)."""
+    try:
+        import megatron.core
+    except ImportError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return megatron.core, None
+
+
+def require_mcore():
+    """Real megatron-core, or skip; CI sets CKPTDOCTOR_REQUIRE_MCORE=1 so a missing one fails.
+
+    Only for tests marked ``@pytest.mark.mcore`` (they are what ``-m "not mcore"`` leaves out): calling it
+    from an unmarked test fails, so the fast tier never starts megatron-core by accident.
+    """
+    item = _CURRENT_TEST[0] if _CURRENT_TEST else None
+    if item is not None and item.get_closest_marker("mcore") is None:
+        pytest.fail(f"{item.nodeid} needs megatron-core: mark it @pytest.mark.mcore", pytrace=False)
+    module, why = _mcore_probe()
+    if module is None:
+        if os.environ.get("CKPTDOCTOR_REQUIRE_MCORE"):
+            pytest.fail(f"CKPTDOCTOR_REQUIRE_MCORE is set but megatron-core does not import ({why})",
+                        pytrace=False)
+        pytest.skip(f"megatron-core not installed ({why})")
+    return module
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it: bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@functools.cache
+def _exchange_supported(directory: str) -> bool:
+    from ckptdoctor.atomic import exchange_paths
+
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        a, b = Path(tmp, "a"), Path(tmp, "b")
+        a.mkdir()
+        b.mkdir()
+        (a / "marker").touch()
+        return exchange_paths(a, b) and (b / "marker").exists()
+
+
+def require_exchange(directory: Path) -> None:
+    """Skip where the filesystem holding ``directory`` lacks ``renameat2(RENAME_EXCHANGE)`` (non-Linux, some
+    network and overlay filesystems): there strip-frozen --in-place falls back to two renames."""
+    if not _exchange_supported(str(directory)):
+        pytest.skip(f"{directory}: this filesystem cannot exchange two paths atomically (renameat2)")
+
+
+@pytest.fixture
+def exchange_supported(tmp_path) -> None:
+    """Skip the test where tmp_path's filesystem lacks ``renameat2(RENAME_EXCHANGE)``."""
+    require_exchange(tmp_path)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import sys
 import warnings
 
@@ -26,7 +27,10 @@ def main(iteration_dir: str) -> None:
     from megatron.core.model_parallel_config import ModelParallelConfig
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(20000 + os.getpid() % 20000))
+    if "MASTER_PORT" not in os.environ:  # the tests pass a free one; standalone, let the OS pick one
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     dist.init_process_group("gloo", rank=0, world_size=1)
     common = load_common_state_dict(iteration_dir)
     plain = load_plain_tensors(iteration_dir)

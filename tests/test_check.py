@@ -336,20 +336,22 @@ def with_manifest(copy_fixture):
 
 def _megatron_verifies(iteration_dir: Path) -> bool:
     from megatron.core.dist_checkpointing.core import CheckpointingException
-    from megatron.core.dist_checkpointing.validation import _verify_integrity_manifest_impl
+    from megatron.core.dist_checkpointing.validation import verify_integrity_manifest
 
     try:
-        _verify_integrity_manifest_impl(str(iteration_dir))
+        verify_integrity_manifest(str(iteration_dir))  # no process group: checks in this process
     except CheckpointingException:
         return False
     return True
 
 
+@pytest.mark.mcore
 def test_integrity_manifest_clean(capsys, with_manifest):
     rc, report = _json(capsys, str(with_manifest))
     assert rc == 0 and report["findings"] == [] and _megatron_verifies(with_manifest / ITER)
 
 
+@pytest.mark.mcore
 def test_integrity_hash_mismatch_agrees_with_megatron(capsys, with_manifest):
     path = with_manifest / ITER / "__1_0.distcp"
     data = bytearray(path.read_bytes())
@@ -362,6 +364,7 @@ def test_integrity_hash_mismatch_agrees_with_megatron(capsys, with_manifest):
     assert rc == 0  # hashes skipped: only presence is checked
 
 
+@pytest.mark.mcore
 def test_integrity_missing_unlisted_invalid(capsys, with_manifest):
     it = with_manifest / ITER
     (it / "__1_0.distcp").unlink()

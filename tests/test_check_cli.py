@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 from conftest import FIXTURES, REPO, run_cli
 
@@ -112,7 +113,6 @@ def test_bad_config_is_a_usage_error(tmp_path):
 
 
 def test_json_report_shape(capsys):
-    jsonschema = pytest.importorskip("jsonschema")
     rc, out, _ = _run(capsys, "check", "--isolated", "--format", "json", str(CONVERTED))
     report = json.loads(out)
     jsonschema.validate(report, json.loads((REPO / "docs/check.schema.json").read_text()))

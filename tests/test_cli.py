@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 from conftest import FIXTURES, REPO, fixture_names, manifest, run_cli
 
@@ -38,7 +39,6 @@ def test_python_dash_m_entry_point():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_inspect_json_matches_schema_and_manifest(capsys, name):
-    jsonschema = pytest.importorskip("jsonschema")
     rc, out, _ = _run(capsys, "inspect", str(FIXTURES / name), "--format", "json", "--keys")
     assert rc == 0
     report = json.loads(out)

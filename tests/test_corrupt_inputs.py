@@ -8,6 +8,7 @@ does not read, pass (exit 0); what must never happen is an exception escaping as
 from __future__ import annotations
 
 import random
+import re
 import shutil
 
 import pytest
@@ -15,6 +16,7 @@ from conftest import FIXTURES
 
 from ckptdoctor.cli import main
 
+ONE_LINE_ERROR = re.compile(r"ckptdoctor: error: [^\n]*\S[^\n]*\n")
 TARGETS = [
     ("core019_tp2", ".metadata"),
     ("core016_tp1", "common.pt"),
@@ -52,6 +54,8 @@ def test_corrupted_fixture_never_raises(tmp_path, capsys, fixture, target):
         for command in commands:
             rc = main(command)
             err = capsys.readouterr().err
-            assert rc in (0, 1, 2), (command, rc)
+            assert rc in (0, 1, 2), (command, trial, rc, err)
             assert "internal error" not in err and "Traceback" not in err, (command, trial, err)
+            if rc == 2:  # a clean error: exactly one line naming what is wrong (internal errors exit 2 too)
+                assert ONE_LINE_ERROR.fullmatch(err), (command, trial, err)
         shutil.rmtree(copy)

@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jsonschema
 import pytest
 from conftest import FIXTURES, REPO, manifest, run_cli
 
@@ -25,7 +26,6 @@ def _diff(capsys, *args: str) -> tuple[int, dict]:
     out, err = capsys.readouterr()
     assert rc in (0, 1), err
     report = json.loads(out)
-    jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(report, SCHEMA)
     return rc, report
 
@@ -136,7 +136,7 @@ def _rewrite_with_dcp(source: Path, dest: Path, change) -> None:
 
 @pytest.mark.parametrize("name", ["core019_tp1", "core016_tp2"])
 def test_one_tensor_changed_through_dcp(capsys, tmp_path, name):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     key = "decoder.layers.self_attention.linear_proj.weight"
     delta = {}
 
@@ -158,7 +158,7 @@ def test_one_tensor_changed_through_dcp(capsys, tmp_path, name):
     assert values["not_compared"] == 0
     assert values["equal"] == values["compared"] - 1 == sum(v["common"] for v in report["keys"].values()) - 1 - (
         1 if name.startswith("core019") else 0)  # the common_state item is compared as common state
-    assert torch  # values were decoded with torch
+    assert values["bytes_read"]["a"] > 0 and values["bytes_read"]["b"] > 0  # both sides' values were decoded
 
 
 def test_value_patched_in_place_same_layout(capsys, copy_fixture):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, REPO, require_mcore
+from conftest import FIXTURES, REPO, free_port, require_mcore
 
 from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE
 from ckptdoctor.cli import main
@@ -29,7 +29,8 @@ def _run(capsys, *args):
 def _probe(iteration_dir: Path) -> dict:
     require_mcore()
     result = subprocess.run([sys.executable, str(REPO / "tests/mcore_probe.py"), str(iteration_dir)],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, MASTER_PORT=str(free_port())))
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -65,6 +66,7 @@ def test_consistent_checkpoints_report_nothing(capsys, name):
     assert rc == 0 and "consistent" in out
 
 
+@pytest.mark.mcore
 @pytest.mark.parametrize("target,source", PAIRS)
 def test_write_output_loads_in_megatron(capsys, tmp_path, target, source):
     before = _hashes(FIXTURES / target)
@@ -116,6 +118,7 @@ def test_write_in_place_keeps_backups_and_restores(capsys, copy_fixture):
     assert rc == 1
 
 
+@pytest.mark.mcore
 def test_write_in_place_common_pt_era(capsys, copy_fixture):
     save = copy_fixture("core016_convert_tp4")
     iteration_dir = save / "iter_0000010"
@@ -136,6 +139,7 @@ FAULTS = {
 }
 
 
+@pytest.mark.mcore
 @pytest.mark.parametrize("case", [(n, m, s) for (n, m), steps in FAULTS.items() for s in steps])
 def test_crash_between_write_steps_leaves_source_loadable(copy_fixture, tmp_path, case):
     name, mode, step = case
@@ -161,7 +165,7 @@ def test_crash_between_write_steps_leaves_source_loadable(copy_fixture, tmp_path
     assert len(probe["tensors"]) > 5
 
 
-def test_set_coerces_and_refuses_unknown(capsys, tmp_path):
+def test_set_coerces_and_refuses_unknown(capsys):
     target = FIXTURES / "core019_tp2"
     rc, out, _ = _run(capsys, "fix-args", target, "--set", "seq_length=64", "--set", "swiglu=false",
                       "--format", "json")
@@ -171,6 +175,11 @@ def test_set_coerces_and_refuses_unknown(capsys, tmp_path):
     assert rc == 2 and "no_such_arg" in err and "--force" in err
     rc, _, err = _run(capsys, "fix-args", target, "--set", "seq_length=abc")
     assert rc == 2 and "expected an integer" in err
+
+
+@pytest.mark.mcore
+def test_set_unknown_with_force_loads_in_megatron(capsys, tmp_path):
+    target = FIXTURES / "core019_tp2"
     out_dir = tmp_path / "out"
     rc, out, _ = _run(capsys, "fix-args", target, "--set", "no_such_arg=3", "--force", "--write",
                       "--output", out_dir, "--format", "json")
@@ -194,6 +203,7 @@ def test_usage_errors(capsys):
     assert rc == 2
 
 
+@pytest.mark.mcore
 def test_run_config_and_integrity_kept_consistent(capsys, copy_fixture, tmp_path):
     require_mcore()
     save = copy_fixture("core019_convert_tp4")

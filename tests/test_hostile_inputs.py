@@ -197,6 +197,9 @@ def test_billion_laughs_in_args_is_bounded(save_dir):
                     ["diff", str(FIXTURES / COMMON_ERA)]):
         proc = run_limited(*command, str(save), timeout=60)
         assert proc.returncode in (0, 1, 2) and "internal error" not in proc.stderr, (command, proc.stderr[-500:])
+        if proc.returncode == 2:  # internal errors exit 2 too: a clean one is one "ckptdoctor: error:" line
+            lines = proc.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("ckptdoctor: error: "), (command, proc.stderr[-500:])
         assert len(proc.stdout) < 2_000_000, command
 
 
@@ -371,3 +374,24 @@ def test_a_fifo_in_place_of_a_file_never_hangs(save_dir, victim):
     assert any(victim in f["path"] or victim in f["message"] for f in report["findings"]), report
     proc = run_limited("inspect", str(save), timeout=60)
     assert proc.returncode in (0, 2) and "internal error" not in proc.stderr  # inspect opens no data file
+
+
+def test_a_range_longer_than_its_item_is_never_read(save_dir, tmp_path):
+    # A hostile .metadata points the common state (a bytes item) and a tensor chunk at huge ranges of a sparse
+    # data file: no command may try to read them into memory.
+    save = save_dir("core019_tp1")
+    it = save / "iter_0000010"
+    sparse = it / "__0_0.distcp"
+    with open(sparse, "r+b") as f:
+        f.truncate(8 << 30)  # 8 GiB, sparse: costs no disk
+    path = it / ".metadata"
+    metadata = load_metadata_object(path)
+    for index, info in storage_items(metadata).items():
+        if index_fqn(index) in ("common_state/shard_0_1", "decoder.final_layernorm.weight"):
+            set_storage(info, StorageLocation(info.relative_path, 0, 6 << 30))
+    path.write_bytes(dump_metadata_object(metadata))
+    rc, report = check_json(save, deep=True)
+    assert rc == 1 and "CKD403" in codes(report), report
+    assert_one_line_error(run_limited("inspect", str(save)), "longer than its item can need")
+    proc = run_limited("diff", "--values", str(FIXTURES / "core019_tp1"), str(save))
+    assert proc.returncode == 2 and "internal error" not in proc.stderr, proc.stderr

@@ -45,6 +45,7 @@ def _original_common(name: str, torch):
     return dist_checkpointing.load_common_state_dict(str(iteration_dir))
 
 
+@pytest.mark.mcore
 @pytest.mark.parametrize("name", [n for n in fixture_names() if n.startswith(("core016_tp1", "core019_tp2"))])
 def test_common_state_round_trips_to_real_megatron_objects(tmp_path, name):
     torch = pytest.importorskip("torch")

@@ -117,6 +117,7 @@ def test_read_chunk_decodes_the_stored_blob():
     assert not torch.isnan(whole).any()
 
 
+@pytest.mark.mcore
 def test_common_state_values_equal_torch_load():
     torch = pytest.importorskip("torch")
     from conftest import require_mcore

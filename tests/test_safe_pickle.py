@@ -114,6 +114,7 @@ def test_reading_never_imports_torch_or_megatron():
     assert out.strip() == "[]"
 
 
+@pytest.mark.mcore
 def test_mcore_metadata_pickles_read_without_megatron(tmp_path):
     """.metadata of core 0.11-0.15 pickles MCoreSavePlan / MCoreMetadata; build one and read it."""
     torch = pytest.importorskip("torch")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, require_exchange
 
 from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE, FAULT_MODE_ENV, FAULT_SLEEP_ENV
 from ckptdoctor.cli import main
@@ -252,6 +252,9 @@ STRIP_NO_BACKUP = [
     "strip-frozen:before-delete",
 ]
 STRIP_CASES = [(s, False) for s in STRIP_IN_PLACE] + [(s, True) for s in STRIP_NO_BACKUP]
+# Reached only after an atomic exchange (the two-rename fallback puts the original straight under its backup name).
+NEEDS_EXCHANGE = ("strip-frozen:after-exchange",)
+BACKUP_RENAME = ("strip-frozen:before-backup-rename", "strip-frozen:after-backup-rename")
 
 
 def _assert_strip_in_place_restorable(capsys, save: Path, before: dict[str, str], no_backup: bool) -> None:
@@ -286,6 +289,8 @@ def _assert_strip_in_place_restorable(capsys, save: Path, before: dict[str, str]
 def test_strip_in_place_interrupted(capsys, copy_fixture, case, mode):
     step, no_backup = case
     save = copy_fixture("core019_peft_full_tp1")
+    if step in NEEDS_EXCHANGE or (step in BACKUP_RENAME and not no_backup):
+        require_exchange(save)  # without renameat2 exchange these fault points are never reached
     before = _tree(save / ITER)
     result = _cli(
         "strip-frozen", save, "--in-place", *(["--no-backup"] if no_backup else []), env=_fault_env(step, mode)
@@ -447,6 +452,7 @@ def test_writers_started_together_never_destroy_a_backup(copy_fixture):
 def test_strip_swap_keeps_the_name_locked(copy_fixture):
     """Paused right after the atomic swap: the name now holds the staging tree, which is locked too."""
     save = copy_fixture("core019_peft_full_tp1")
+    require_exchange(save)
     before = _tree(save / ITER)
     first = _start_paused(["strip-frozen", save, "--in-place"], "strip-frozen:after-exchange")
     try:
@@ -464,6 +470,7 @@ def test_sigint_during_the_swap_is_deferred(copy_fixture):
     """A real SIGINT from outside while the swap is in progress: the run finishes the swap and the backup
     rename first, then stops with exit 130."""
     save = copy_fixture("core019_peft_full_tp1")
+    require_exchange(save)
     before = _tree(save / ITER)
     proc = _start_paused(["strip-frozen", save, "--in-place"], "strip-frozen:after-exchange", seconds=2)
     proc.send_signal(signal.SIGINT)
@@ -588,6 +595,7 @@ def test_leftover_check_finding_and_refusal(capsys, copy_fixture):
     """A kill right after the swap: check names the displaced original (CKD150, exit 1) and the exact commands;
     the next writer refuses with one line until it is resolved; afterwards writing works again."""
     save = copy_fixture("core019_peft_full_tp1")
+    require_exchange(save)
     before = _tree(save / ITER)
     result = _cli("strip-frozen", save, "--in-place", env=_fault_env("strip-frozen:after-exchange"))
     assert result.returncode == FAULT_EXIT_CODE
