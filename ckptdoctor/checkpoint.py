@@ -13,9 +13,11 @@ from typing import Any
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist, zarr_meta
-from ckptdoctor.formats.torch_dist import DcpIndex, DcpItem
+from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
 from ckptdoctor.layout import BACKEND_ZARR, CheckpointLocation, locate
+from ckptdoctor.pickle_scan import current_limits
+from ckptdoctor.torch_stand_ins import DtypeRef
 
 SECTIONS = ("model", "optimizer", "rng", "rerun", "common", "other")
 _SECTION_PREFIXES = (
@@ -40,6 +42,9 @@ def section_of(key: str) -> str:
         if key.startswith(prefix):
             return section
     return "model"
+
+
+_FRAMING_SLACK = 1 << 20
 
 
 @dataclass
@@ -67,6 +72,18 @@ class Entry(DcpItem):
         for d in self.shape:
             n *= d
         return n
+
+    def max_range_bytes(self, chunk: DcpChunk) -> int:
+        """The most bytes one stored range of this item can legitimately span: a tensor chunk's elements plus
+        torch.save framing (zip headers, data.pkl, alignment: well under 1 MiB); a bytes item, the pickle size
+        limit. A hostile ``.metadata`` cannot make a reader pull a 100 GB range into memory."""
+        itemsize = DtypeRef.get(self.dtype.removeprefix("torch.")).itemsize if self.dtype else None
+        if self.kind != "tensor" or itemsize is None:
+            return current_limits().max_bytes
+        numel = 1
+        for size in chunk.sizes:
+            numel *= size
+        return numel * itemsize + _FRAMING_SLACK
 
     @property
     def is_extra_state(self) -> bool:
@@ -134,7 +151,8 @@ class Checkpoint:
         where = f"{self.iteration_dir}: item {key}"
         if location is None:
             raise CkptError(f"{where}: no storage entry in .metadata")
-        return decode_object_bytes(torch_dist.read_range(self.iteration_dir, location), where, unlisted)
+        data = torch_dist.read_range(self.iteration_dir, location, entry.max_range_bytes(entry.chunks[0]))
+        return decode_object_bytes(data, where, unlisted)
 
 
 def decode_object_bytes(data: bytes, where: str, unlisted: list[str] | None = None) -> Any:

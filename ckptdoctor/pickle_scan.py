@@ -254,8 +254,10 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                     memo.append(stack[-1])
                 elif idx < len(memo):
                     memo[idx] = stack[-1]
-                else:
+                elif idx > len(memo) + (1 << 20):  # would make the unpickler allocate a memo of that size
                     raise fail(f"memo index {idx} out of sequence")
+                else:
+                    raise corrupt(f"memo index {idx} out of sequence")
             elif kind == _CONTAINER_MARK:  # LIST, DICT from the items since the mark
                 mark = marks.pop()
                 if op == 0x64:  # DICT: every other item is a key

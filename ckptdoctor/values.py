@@ -53,7 +53,7 @@ def decode_chunk_ref(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk) -> T
     where = f"{checkpoint.iteration_dir}: {entry.key} chunk at {list(chunk.offsets)}"
     if chunk.storage is None:
         raise CkptError(f"{where}: no storage entry in .metadata")
-    blob = torch_dist.read_range(checkpoint.iteration_dir, chunk.storage)
+    blob = torch_dist.read_range(checkpoint.iteration_dir, chunk.storage, entry.max_range_bytes(chunk))
     if checkpoint.location.backend == BACKEND_ZARR:
         return _zarr_chunk_ref(entry, chunk, blob, where)
     obj = load_torch_zip(blob, where)
@@ -160,7 +160,7 @@ def read_chunk_view(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk,
     if chunk.storage is None:
         raise CkptError(f"{where}: no storage entry in .metadata")
     if blob is None:
-        blob = torch_dist.read_range(checkpoint.iteration_dir, chunk.storage)
+        blob = torch_dist.read_range(checkpoint.iteration_dir, chunk.storage, entry.max_range_bytes(chunk))
     if checkpoint.location.backend == BACKEND_ZARR:
         return tensor_from_ref(_zarr_chunk_ref(entry, chunk, blob, where), where), len(blob)
     archive = parse_archive(blob, where)

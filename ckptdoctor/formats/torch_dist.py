@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ckptdoctor import safe_pickle
-from ckptdoctor.errors import CkptError
+from ckptdoctor.errors import CkptError, PickleLimitError
 from ckptdoctor.formats.archive import unpickle
 from ckptdoctor.formats.files import open_regular
 from ckptdoctor.pickle_scan import current_limits
@@ -181,9 +181,11 @@ def _index_items(state_dict_metadata: dict, storage_data: dict, item_class: type
     return items
 
 
-def read_range(iteration_dir: Path, location: StorageLocation) -> bytes:
-    """The bytes of one chunk or item; raises :class:`CkptError` naming the file if it is short or missing."""
+def read_range(iteration_dir: Path, location: StorageLocation, max_length: int | None = None) -> bytes:
+    """The bytes of one chunk or item; raises :class:`CkptError` naming the file if it is short or missing,
+    and :class:`PickleLimitError` if the range is longer than ``max_length`` (``Entry.max_range_bytes``)."""
     path = iteration_dir / location.relative_path
+    check_range_length(path, location, max_length)
     try:
         with open_regular(path) as f:
             f.seek(location.offset)
@@ -195,6 +197,12 @@ def read_range(iteration_dir: Path, location: StorageLocation) -> bytes:
             f"{path}: truncated: range {location.offset}+{location.length} ends past the file's end"
         )
     return data
+
+
+def check_range_length(path: Path, location: StorageLocation, max_length: int | None) -> None:
+    if max_length is not None and location.length > max_length:
+        raise PickleLimitError(f"{path}: range {location.offset}+{location.length} is longer than its item can "
+                               f"need ({max_length} bytes); refusing to read it")
 
 
 # --- writing -------------------------------------------------------------------------------------------

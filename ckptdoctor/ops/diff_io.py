@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.files import open_regular
+from ckptdoctor.formats.torch_dist import check_range_length
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint
@@ -31,14 +33,17 @@ class Files:
     def __init__(self) -> None:
         self.fds: OrderedDict[tuple[int, str], int] = OrderedDict()
 
-    def read(self, ckpt: Checkpoint, location: Any) -> bytes:
+    def read(self, ckpt: Checkpoint, location: Any, max_length: int | None = None) -> bytes:
+        """One byte range; refused when longer than ``max_length`` (``Entry.max_range_bytes``)."""
+        check_range_length(ckpt.iteration_dir / location.relative_path, location, max_length)
         name = (id(ckpt), location.relative_path)
         fd = self.fds.get(name)
         try:
             if fd is None:
                 if len(self.fds) >= self.MAX_OPEN:
                     os.close(self.fds.popitem(last=False)[1])
-                fd = self.fds[name] = os.open(ckpt.iteration_dir / location.relative_path, os.O_RDONLY)
+                fd = self.fds[name] = os.dup((f := open_regular(ckpt.iteration_dir / location.relative_path)).fileno())
+                f.close()
             else:
                 self.fds.move_to_end(name)
             data = os.pread(fd, location.length, location.offset)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.torch_dist import chunk_overlap
+from ckptdoctor.formats.torch_dist import check_range_length, chunk_overlap
 from ckptdoctor.ops.diff_io import Budget, Context, InFlight, Torch
 from ckptdoctor.ops.diff_items import KIND_TENSOR, Item
 
@@ -187,9 +187,11 @@ def _blob(ckpt: Checkpoint, entry: Any, chunk: DcpChunk, ctx: Context, side: str
     """One chunk's byte range, reserved in the in-flight cap first (the caller releases its length)."""
     if chunk.storage is None:
         raise CkptError(f"{ckpt.iteration_dir}: {entry.key} chunk at {list(chunk.offsets)}: no storage entry")
+    limit = entry.max_range_bytes(chunk)
+    check_range_length(ckpt.iteration_dir / chunk.storage.relative_path, chunk.storage, limit)
     ctx.inflight.acquire(chunk.storage.length)
     try:
-        data = ctx.files.read(ckpt, chunk.storage)
+        data = ctx.files.read(ckpt, chunk.storage, limit)
     except BaseException:
         ctx.inflight.release(chunk.storage.length)
         raise
@@ -300,7 +302,9 @@ def compare_objects(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, ctx: Conte
             location = item.entries[suffix].chunks[0].storage if item.entries[suffix].chunks else None
             if location is None:
                 raise CkptError(f"{ckpt.iteration_dir}: item {item.entries[suffix].key}: no storage entry")
-            data = ctx.files.read(ckpt, location)  # small items: not counted against the in-flight cap
+            entry = item.entries[suffix]
+            # small items: not counted against the in-flight cap
+            data = ctx.files.read(ckpt, location, entry.max_range_bytes(entry.chunks[0]))
             ctx.budget.add(side, len(data))
             digests.append(hashlib.sha256(data).hexdigest())
         hashes[suffix] = (digests[0], digests[1])

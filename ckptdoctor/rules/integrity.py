@@ -20,7 +20,7 @@ from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats.archive import ArchiveError, parse_archive
 from ckptdoctor.formats.files import open_regular
 from ckptdoctor.formats.stream import read_ranges
-from ckptdoctor.formats.torch_dist import DcpChunk
+from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
 from ckptdoctor.rules.safety import refused_pickle, unlisted_globals
 from ckptdoctor.rules.structure import Scanned, reason
@@ -147,9 +147,19 @@ def check_deep(state: Scanned, progress: Progress | None = None) -> list[Finding
     if checkpoint is None or not work:
         return out
     decoder = _ChunkDecoder()
-    files = [(checkpoint.iteration_dir / relative,
-              [(c.storage.offset, c.storage.length, (e, c)) for e, c in items])  # type: ignore[union-attr]
-             for relative, items in work.items()]
+    files = []
+    for relative, items in work.items():
+        ranges = []
+        for entry, chunk in items:
+            location = chunk.storage
+            assert location is not None
+            try:  # a range longer than its item can need is never read (a hostile .metadata could name 100 GB)
+                check_range_length(checkpoint.iteration_dir / relative, location, entry.max_range_bytes(chunk))
+            except PickleLimitError as exc:
+                out.append(refused_pickle(exc, state.shown / relative, f"{entry.key} chunk at {list(chunk.offsets)}"))
+                continue
+            ranges.append((location.offset, location.length, (entry, chunk)))
+        files.append((checkpoint.iteration_dir / relative, ranges))
     for file_path, tag, blob in read_ranges(files):
         path = state.shown / file_path.name
         if isinstance(blob, CkptError):  # unreadable file (I/O error): the rest of it cannot be checked
