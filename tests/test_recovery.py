@@ -312,7 +312,8 @@ def test_repair_usage_and_overlap(capsys, copy_fixture):
 
 
 @pytest.mark.parametrize("step", ["repair:quarantine", "atomic:before-replace:metadata.json", "repair:metadata-json",
-                                  "atomic:before-replace:integrity.json", "repair:tracker-backup"])
+                                  "atomic:before-replace:integrity.json", "repair:tracker-backup",
+                                  "atomic:before-replace:latest_checkpointed_iteration.txt"])
 def test_repair_in_place_killed_at_every_step(copy_fixture, step):
     """A kill between two steps leaves a checkpoint with no new error; rerunning repair finishes the job."""
     save = copy_fixture("core019_tp2")
@@ -325,7 +326,7 @@ def test_repair_in_place_killed_at_every_step(copy_fixture, step):
     before = {f.code for f in check_paths([str(iteration_dir)]).findings}
     cmd = [sys.executable, "-m", "ckptdoctor", "repair", "--write", "--in-place"]
     target = iteration_dir
-    if step == "repair:tracker-backup":  # the iteration dir first (the save dir has no good one yet)
+    if "tracker" in step or TRACKER in step:  # the iteration dir first (the save dir has no good one yet)
         assert subprocess.run([*cmd, str(iteration_dir)], cwd=REPO, capture_output=True, timeout=120).returncode == 0
         target = save
     result = subprocess.run([*cmd, str(target)], cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -461,3 +462,143 @@ def test_megatron_verifier_accepts_a_stripped_sealed_checkpoint(capsys, copy_fix
     rc, out, _ = _run(capsys, "strip-frozen", save, "--preset", "lora", "--in-place")
     assert rc == 0, out
     assert _megatron_verify(save / ITER) == "ACCEPTED"
+
+
+# --- repair quarantines leftovers of interrupted ckptdoctor writes (CKD151), leaves CKD150 to the user --------
+
+
+def _killed(*args, step: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "ckptdoctor", *map(str, args)], cwd=REPO, capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, **{FAULT_ENV: step}))
+    assert result.returncode == FAULT_EXIT_CODE, result.stderr
+
+
+def _with_write_leftovers(copy_fixture) -> tuple[Path, list[Path]]:
+    """A checkpoint with two CKD151 leftovers made by real killed runs: the unfinished staging dir of a
+    strip-frozen --in-place (beside) and the temp file of seal's atomic write (inside)."""
+    save = copy_fixture("core019_peft_full_tp1")
+    iteration_dir = save / ITER
+    _killed("seal", save, step="atomic:before-replace:integrity.json")
+    (part,) = iteration_dir.glob(".*.ckptdoctor-part-*")
+    part.rename(tmp := save.parent / part.name)  # aside: strip-frozen refuses a checkpoint with a leftover
+    _killed("strip-frozen", save, "--preset", "lora", "--in-place", step="strip-frozen:data-written")
+    tmp.rename(part)
+    left = sorted(save.glob(f".{ITER}.ckptdoctor-swap-*")) + sorted(iteration_dir.glob(".*.ckptdoctor-part-*"))
+    assert len(left) == 2
+    found = check_paths([str(save)]).findings
+    assert {f.code for f in found} == {"CKD151"} and {f.path for f in found} == {str(p) for p in left}
+    return save, left
+
+
+def test_repair_quarantines_write_leftovers(capsys, copy_fixture, tmp_path):
+    save, left = _with_write_leftovers(copy_fixture)
+    contents = {p.name: _tree(p) if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest() for p in left}
+    rc, out, _ = _run(capsys, "repair", save)
+    assert rc == 1 and "[CKD151] move 2 leftover(s) of an interrupted ckptdoctor write" in out
+    assert all(p.exists() for p in left)  # report only
+    # --output: the source keeps its leftovers, the output has none
+    source = _tree(save)
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--output", tmp_path / "out")
+    assert rc == 0, out
+    assert _tree(save) == source and all(p.exists() for p in left)
+    assert _codes(tmp_path / "out") == set()
+    assert not list((tmp_path / "out").rglob("*ckptdoctor*"))
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    report = json.loads(out)
+    assert rc == 0, out
+    assert [a["kind"] for a in report["actions"]] == ["quarantine-leftovers"]
+    assert not any(p.exists() for p in left)
+    (qdir,) = save.glob(f"{ITER}.quarantine-*")
+    moved = {p.name: _tree(p) if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest() for p in qdir.iterdir()}
+    assert moved == contents  # moved, never deleted
+    assert _codes(save) == set()
+    rc, out, _ = _run(capsys, "strip-frozen", save, "--preset", "lora", "--in-place")  # no longer blocked
+    assert rc == 0, out
+
+
+def test_repair_leftover_listed_in_the_manifest_is_unlisted_first(capsys, copy_fixture):
+    save = copy_fixture("core019_tp1")
+    iteration_dir = save / ITER
+    part = iteration_dir / ".common.pt.ckptdoctor-part-0123abcd"
+    part.write_bytes(b"half")
+    manifest = {"algorithm": "sha256", "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                                                 for p in sorted(iteration_dir.iterdir()) if p.is_file()}}
+    (iteration_dir / "integrity.json").write_text(json.dumps(manifest, indent=2))  # as megatron would list it
+    assert _codes(save) == {"CKD151"}
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    assert rc == 0, out
+    assert part.name not in json.loads((iteration_dir / "integrity.json").read_text())["files"]
+    assert len(list(save.glob(f"{ITER}.quarantine-*/{part.name}"))) == 1
+    assert len(list(save.glob(f"{ITER}.quarantine-*/integrity.json.bak-*"))) == 1
+    assert _codes(save) == set()
+
+
+def test_repair_leaves_an_interrupted_write_to_the_user(capsys, copy_fixture):
+    """CKD150 (the original displaced or partly rewritten): report only, with check's restore commands."""
+    save = copy_fixture("core019_tp1")
+    iteration_dir = save / ITER
+    shutil.copy(iteration_dir / "__0_0.distcp", iteration_dir / "__7_0.distcp")  # CKD115, repairable alone
+    _killed("fix-args", save, "--write", "--in-place", "--set", "seq_length=77", step="journal")
+    (journal,) = iteration_dir.glob(".ckptdoctor-fixargs-*.json")
+    (restore,) = [f.message for f in check_paths([str(save)]).findings if f.code == "CKD150"]
+    restore = restore.split("restore the original: ", 1)[1]
+    before = _tree(save)
+    rc, out, _ = _run(capsys, "repair", save)
+    assert rc == 1 and "refused [CKD150]" in out and restore in out and "then run repair again" in out
+    assert "refused [CKD115]" in out and "repairs" not in out
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    assert rc == 1 and "nothing to write" in out
+    assert _tree(save) == before and journal.exists() and not list(save.glob(f"{ITER}.quarantine-*"))
+    subprocess.run(["bash", "-c", restore], check=True)  # the user restores, then repair does the rest
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    assert rc == 0, out
+    assert _codes(save) == set()
+
+
+def test_repair_does_not_point_the_tracker_away_from_a_displaced_iteration(capsys, copy_fixture):
+    save = copy_fixture("core019_tp1")
+    shutil.copytree(save / ITER, save / "iter_0000005")
+    stamp = "20250101T000000"
+    # strip-frozen --in-place killed between its two renames (no renameat2 exchange): the original renamed to
+    # its backup name, the staging dir (named with the original's inode) not yet renamed into place
+    inode = os.lstat(save / ITER).st_ino
+    (save / f".{ITER}.ckptdoctor-swap-{inode}-{stamp}-0123abcd").mkdir()
+    (save / ITER).rename(save / f"{ITER}.bak-{stamp}")
+    assert "CKD150" in _codes(save)
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    assert rc == 1 and "refused [CKD150]" in out and "the tracker is not changed" in out
+    assert (save / TRACKER).read_text() == "10"
+
+
+@pytest.mark.parametrize("step", ["atomic:before-replace:integrity.json", "repair:quarantine-leftover"])
+def test_repair_quarantining_leftovers_killed_at_every_step(copy_fixture, step):
+    """The kill harness for the CKD151 moves: every leftover stays in place or in the quarantine dir, the
+    checkpoint gets no new error, and a rerun finishes the job."""
+    save = copy_fixture("core019_tp2")
+    iteration_dir = save / ITER
+    (iteration_dir / ".common.pt.ckptdoctor-part-0123abcd").write_bytes(b"half")
+    staging = save / f".{ITER}.ckptdoctor-tmp-20250101T000000-0123abcd"
+    staging.mkdir()
+    (staging / "__0_0.distcp").write_bytes(b"unfinished")
+    manifest = {"algorithm": "sha256", "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                                                 for p in sorted(iteration_dir.iterdir()) if p.is_file()}}
+    (iteration_dir / "integrity.json").write_text(json.dumps(manifest, indent=2))  # the temp file listed too
+    everything = {**_tree(save)}
+    assert _codes(save) == {"CKD151"}
+    cmd = [sys.executable, "-m", "ckptdoctor", "repair", str(save), "--write", "--in-place"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, **{FAULT_ENV: step}))
+    assert result.returncode == FAULT_EXIT_CODE, result.stderr
+    now = _tree(save)
+    for name, digest in everything.items():  # every file is where it was or in the quarantine dir
+        if name == f"{ITER}/integrity.json":
+            continue
+        inside = name.split("/", 1)[1] if name.startswith(ITER + "/") else name  # as named in the quarantine
+        moved = [now[k] for k in now if k.startswith(f"{ITER}.quarantine-") and k.split("/", 1)[1] == inside]
+        assert now.get(name) == digest or moved == [digest], name
+    assert not {f.code for f in check_paths([str(save)]).findings if f.severity == "error"}  # no new error
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _codes(save) == set()
+    assert len(list(save.glob(f"{ITER}.quarantine-*/.common.pt.ckptdoctor-part-0123abcd"))) == 1
+    assert len(list(save.glob(f"{ITER}.quarantine-*/.{ITER}.ckptdoctor-tmp-*/__0_0.distcp"))) == 1

@@ -7,6 +7,11 @@
   fields; core >= 0.19: the two ``sharded_backend`` fields). An incomplete save stays incomplete.
 * CKD115 unreferenced ``.distcp`` files: moved into ``<iter>.quarantine-<stamp>/`` beside the iteration dir,
   never deleted.
+* CKD151 leftovers of an interrupted ckptdoctor write (unfinished staging dirs beside the iteration dir, temp
+  files inside it): moved into the same quarantine dir (never deleted; with ``--output`` they are not carried
+  over). Each is classified again under the lock just before it is moved. CKD150 (the original displaced or
+  partly rewritten) is never touched: the report repeats check's restore commands and nothing else is written
+  to that iteration dir until it is resolved.
 * CKD2xx args findings: delegated to fix-args (:mod:`ckptdoctor.ops.fix_args`, :mod:`.fix_args_write`).
 * Anything else (truncated or missing data, garbage ``.metadata``): not repairable; the report says what is lost
   and names the latest good checkpoint.
@@ -24,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +68,8 @@ TRACKER_CODES = (structure.TRACKER_INVALID.code, structure.TRACKER_TARGET_MISSIN
                  structure.TRACKER_MISSING.code)
 METADATA_JSON_CODE = structure.METADATA_JSON_MISSING.code
 ORPHAN_CODE = structure.DATA_FILE_UNREFERENCED.code
+INTERRUPTED_CODE = leftovers.INTERRUPTED_WRITE.code
+LEFTOVER_CODE = leftovers.WRITE_LEFTOVER.code
 ARG_CODES = frozenset({r.code for r in arg_rules.RULES} | {"CKD204"})
 QUARANTINE_MARK = ".quarantine-"
 
@@ -73,7 +81,7 @@ METADATA_JSON_COMMON_STATE = {"sharded_backend": "torch_dist", "sharded_backend_
 
 @dataclass
 class Action:
-    kind: str  # "tracker", "metadata-json", "quarantine", "fix-args"
+    kind: str  # "tracker", "metadata-json", "quarantine", "quarantine-leftovers", "fix-args"
     fixes: list[str]  # the finding codes this action makes go away
     path: str
     description: str
@@ -132,6 +140,7 @@ class _Plan:
     tracker_value: str | None = None  # the new tracker value (tracker action)
     metadata_json: dict | None = None
     orphans: list[str] = field(default_factory=list)
+    leftovers: list[Path] = field(default_factory=list)  # CKD151 paths (inside or beside the iteration dir)
     changes: list[fix_args.ArgChange] = field(default_factory=list)
 
 
@@ -193,6 +202,16 @@ def plan(path: str | Path, iteration: str | None = None,
             report.untouched.append(f)
     tracker_codes = [f.code for f in tracker_findings if f.code in TRACKER_CODES]
     latest: LatestGoodReport | None = None
+    if save_dir is not None and tracker_codes and candidate is None:
+        # A tracked iteration dir that is missing may be one an interrupted write displaced: restore it, never
+        # point the tracker away from it.
+        displaced = [f for f in leftovers.scan_beside(save_dir, save_dir) if f.code == INTERRUPTED_CODE]
+        if displaced:
+            report.findings += displaced
+            report.refused += [Refusal(f.code, f.path, "an interrupted ckptdoctor write: the tracker is not "
+                                       f"changed until it is resolved; {f.message}; then run repair again")
+                               for f in displaced]
+            return report, work
     if save_dir is not None and (tracker_codes or target_broken):
         latest = find_latest_good(save_dir, options)
         report.latest_good = latest.iteration_dir
@@ -239,7 +258,19 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
         f.code == LISTED_FILE_MISSING.code and f.message.startswith(f"metadata.json listed in {INTEGRITY_NAME}"))]
     orphans = [f for f in found if f.code == ORPHAN_CODE]
     arg_findings = [f for f in found if f.code in ARG_CODES]
-    others = [f for f in found if f not in missing_json and f not in orphans and f not in arg_findings]
+    left = [f for f in found if f.code == LEFTOVER_CODE]
+    interrupted = [f for f in found if f.code == INTERRUPTED_CODE]
+    if interrupted:  # the original is displaced or partly rewritten: only the user's restore undoes that
+        for f in interrupted:
+            report.refused.append(Refusal(f.code, f.path, "an interrupted ckptdoctor write: nothing is repaired "
+                                          f"until it is resolved; {f.message}; then run repair again"))
+        for f in found:
+            if f not in interrupted:
+                report.refused.append(Refusal(f.code, f.path, f"not repaired until the interrupted write "
+                                              f"({INTERRUPTED_CODE}) is resolved: {f.message}"))
+        return False  # not a reason to point the tracker elsewhere: restoring the original is the way out
+    fixable = missing_json + orphans + arg_findings + left
+    others = [f for f in found if f not in fixable]
     blocking = [f for f in others if f.severity == ERROR]
     report.unrepairable += blocking
     report.untouched += [f for f in others if f.severity != ERROR]
@@ -266,7 +297,7 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
                 f"write metadata.json ({era}): .metadata reads, every referenced data file is present and long "
                 "enough, the common state reads", content))
     if blocking:
-        for f in orphans + arg_findings:
+        for f in orphans + arg_findings + left:
             report.refused.append(Refusal(f.code, f.path, "not repaired: the checkpoint has errors no repair fixes"))
         return True
     if orphans:
@@ -275,6 +306,13 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
             "quarantine", [ORPHAN_CODE], str(candidate),
             f"move {len(work.orphans)} unreferenced data file(s) ({', '.join(work.orphans)}) into "
             f"{candidate.name}{QUARANTINE_MARK}<stamp>/ beside the iteration dir (nothing is deleted)", work.orphans))
+    if left:
+        work.leftovers = [Path(f.path) for f in left]
+        report.actions.append(Action(
+            "quarantine-leftovers", [LEFTOVER_CODE], str(candidate),
+            f"move {len(left)} leftover(s) of an interrupted ckptdoctor write "
+            f"({', '.join(p.name for p in work.leftovers)}) into {candidate.name}{QUARANTINE_MARK}<stamp>/ "
+            "beside the iteration dir (nothing is deleted)", [str(p) for p in work.leftovers]))
     if arg_findings:
         assert state.checkpoint is not None
         args_report = fix_args.build_report(state.checkpoint, None, [], force=False)
@@ -335,9 +373,8 @@ def _write_in_place(report: RepairReport, work: _Plan) -> RepairWrite:
     candidate = work.candidate
     result = RepairWrite("in-place", str(work.save_dir or candidate))
     stamp = timestamp() + "-" + token()
-    if candidate is not None and (work.orphans or work.metadata_json or work.changes):
+    if candidate is not None and (work.orphans or work.metadata_json or work.changes or work.leftovers):
         with locking.checkpoint_lock(candidate):
-            leftovers.refuse_if_interrupted(candidate)
             manifest = candidate / INTEGRITY_NAME
             qdir: list[Path] = []
 
@@ -356,6 +393,9 @@ def _write_in_place(report: RepairReport, work: _Plan) -> RepairWrite:
                 write_atomic(manifest, data)
                 result.integrity_updated = True
 
+            if work.leftovers:
+                _quarantine_leftovers(candidate, work.leftovers, quarantine, replace_manifest, result)
+            leftovers.refuse_if_interrupted(candidate)  # anything else (or new) left by an interrupted write
             if work.orphans:
                 # first drop them from the manifest: a kill then leaves them unlisted, never listed and missing
                 replace_manifest(_updated_manifest(candidate, work.orphans, {}))
@@ -388,6 +428,34 @@ def _write_in_place(report: RepairReport, work: _Plan) -> RepairWrite:
     return result
 
 
+def _quarantine_leftovers(candidate: Path, planned: list[Path], quarantine: Callable[[], Path],
+                          replace_manifest: Callable[[bytes | None], None], result: RepairWrite) -> None:
+    """Move the planned CKD151 leftovers that are still CKD151 now (under the lock) into the quarantine dir."""
+    safe = {Path(f.path) for f in leftovers.check_iteration_dir(candidate, candidate) if f.code == LEFTOVER_CODE}
+    moving = [p for p in planned if p in safe]
+    # A temp file listed in integrity.json (a manifest written after it): first unlisted, as for orphans.
+    listed = [p.name for p in moving if p.parent == candidate and _recorded_hash(candidate, p.name) is not None]
+    if listed:
+        replace_manifest(_updated_manifest(candidate, listed, {}))
+    for path in moving:
+        dest = quarantine() / path.name
+        rename_noreplace(path, dest)
+        result.moved.append(f"{path} -> {dest}")
+        fault_point("repair:quarantine-leftover")
+    if moving:
+        fsync_dir(quarantine())
+        fsync_dir(candidate)
+        fsync_dir(candidate.parent)
+
+
+def _refuse_if_displaced(iteration_dir: Path) -> None:
+    """--output reads the source only: a CKD151 leftover is not copied (no reason to refuse), a CKD150 is."""
+    found = [f for f in leftovers.check_iteration_dir(iteration_dir, iteration_dir) if f.code == INTERRUPTED_CODE]
+    if found:
+        raise CkptError(f"{iteration_dir}: an interrupted ckptdoctor write left {found[0].path}; run "
+                        f"`ckptdoctor check {iteration_dir}` and follow its restore steps before writing again")
+
+
 def _skip_on_copy(name: str) -> bool:
     return locking.is_lock_name(name) or PART_MARK in name or bool(leftovers.JOURNAL_RE.match(name))
 
@@ -404,7 +472,7 @@ def _write_output(report: RepairReport, work: _Plan, output: Path, force: bool) 
                    "use --in-place to repair the source")
     result = RepairWrite("output", str(output))
     with locking.checkpoint_lock(chosen, exclusive=False, optional=True):
-        leftovers.refuse_if_interrupted(chosen)
+        _refuse_if_displaced(chosen)
         existed = output.exists()
         prepare_output_dir(output, force=force)
         with locking.checkpoint_lock(output):
@@ -438,6 +506,7 @@ def _fill_output(chosen: Path, work: _Plan, output: Path, result: RepairWrite) -
         link_or_copy(path, dest)
     if work.orphans:
         result.moved += [f"{chosen / n} not carried over (the source keeps it)" for n in work.orphans]
+    result.moved += [f"{p} not carried over (the source keeps it)" for p in work.leftovers]
     if work.metadata_json is not None:
         data = json.dumps(work.metadata_json).encode("utf-8")
     else:
