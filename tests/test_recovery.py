@@ -516,7 +516,7 @@ def test_repair_quarantines_write_leftovers(capsys, copy_fixture, tmp_path):
     assert rc == 0, out
 
 
-def test_repair_leftover_listed_in_the_manifest_is_unlisted_first(capsys, copy_fixture):
+def test_repair_leftover_listed_in_the_manifest_is_unlisted_first(capsys, copy_fixture, tmp_path):
     save = copy_fixture("core019_tp1")
     iteration_dir = save / ITER
     part = iteration_dir / ".common.pt.ckptdoctor-part-0123abcd"
@@ -525,6 +525,9 @@ def test_repair_leftover_listed_in_the_manifest_is_unlisted_first(capsys, copy_f
                                                  for p in sorted(iteration_dir.iterdir()) if p.is_file()}}
     (iteration_dir / "integrity.json").write_text(json.dumps(manifest, indent=2))  # as megatron would list it
     assert _codes(save) == {"CKD151"}
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--output", tmp_path / "out")
+    assert rc == 0, out  # not carried over, and unlisted from the output's manifest
+    assert _codes(tmp_path / "out") == set() and not (tmp_path / "out" / ITER / part.name).exists()
     rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
     assert rc == 0, out
     assert part.name not in json.loads((iteration_dir / "integrity.json").read_text())["files"]

@@ -511,8 +511,10 @@ def _fill_output(chosen: Path, work: _Plan, output: Path, result: RepairWrite) -
         data = json.dumps(work.metadata_json).encode("utf-8")
     else:
         data = (chosen / "metadata.json").read_bytes()
-    new_manifest = _updated_manifest(chosen, work.orphans, {"metadata.json": data} if work.metadata_json else {})
-    if new_manifest is not None and (work.orphans or work.metadata_json is not None):
+    # temp files of an interrupted write are not carried over: unlisted if a manifest lists them
+    dropped = work.orphans + [p.name for p in work.leftovers if p.parent == chosen and _recorded_hash(chosen, p.name)]
+    new_manifest = _updated_manifest(chosen, dropped, {"metadata.json": data} if work.metadata_json else {})
+    if new_manifest is not None and (dropped or work.metadata_json is not None):
         write_atomic(out_iter / INTEGRITY_NAME, new_manifest)  # replaces the link: the source's file is untouched
         result.integrity_updated = True
     write_atomic(out_iter / "metadata.json", data)
