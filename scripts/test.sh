@@ -3,13 +3,23 @@
 # torch is pinned to the 2.13.0 CPU wheel (an unpinned torch pulls a multi-GB CUDA build);
 # megatron-core 0.19.2 (interop tests load our output with it) declares Python >= 3.12 but runs on
 # 3.11, so it goes in without its dependency resolution, next to the few packages it imports.
+#   ./scripts/test.sh                  everything (what CI runs, .ci/run)
+#   ./scripts/test.sh -m "not mcore"   fast tier: no megatron-core and no torch child processes
+# Tests run on every core (pytest-xdist, -n auto); CKPTDOCTOR_TEST_JOBS=0 runs them in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-"${pip[@]}" torch==2.13.0
-"${pip[@]}" -e '.[test]'
-"${pip[@]}" numpy packaging einops==0.8.2 triton==3.9.0 psutil
-"${pip[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2
-CKPTDOCTOR_REQUIRE_MCORE=1 .venv/bin/python -m pytest -q "$@"
+# Install only when this script or pyproject.toml changed since the last successful install (the package
+# itself is installed editable, so code changes need no reinstall).
+stamp=.venv/.ckptdoctor-test-deps
+want=$(cat scripts/test.sh pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+    "${pip[@]}" torch==2.13.0
+    "${pip[@]}" -e '.[test]'
+    "${pip[@]}" numpy packaging einops==0.8.2 triton==3.9.0 psutil
+    "${pip[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2
+    echo "$want" > "$stamp"
+fi
+CKPTDOCTOR_REQUIRE_MCORE=1 .venv/bin/python -m pytest -q -n "${CKPTDOCTOR_TEST_JOBS:-auto}" "$@"
