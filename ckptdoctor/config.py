@@ -60,7 +60,8 @@ def check_defaults(table: dict[str, Any], path: Path | None) -> dict[str, Any]:
         expected = CHECK_KEYS[key]
         if isinstance(value, str) and expected is list:
             value = [value]
-        if not isinstance(value, expected) or (expected is list and not all(isinstance(v, str) for v in value)):
+        if not isinstance(value, expected) or (
+                expected is list and not all(isinstance(v, str) for v in value)):  # type: ignore[attr-defined]
             kind = "a list of rule codes" if expected is list else expected.__name__  # type: ignore[union-attr]
             raise CkptError(f"{path}: [tool.ckptdoctor] {raw_key} must be {kind}, got {value!r}")
         out[key] = value

@@ -58,7 +58,7 @@ def _plain(value: Any, budget: list[int], depth: int) -> Any:
             out[str(_plain(k, budget, depth - 1))] = _plain(v, budget, depth - 1)
         return out
     if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
-        items = []
+        items: list[Any] = []
         for v in value:
             if budget[0] <= 0:
                 items.append(f"{ELIDED} {len(value) - len(items)} more")

@@ -109,7 +109,7 @@ class StandIn(metaclass=_FrozenClass):
             state = None
         args = self.stand_in_args
         if self.__dict__.get("_ckd_via", "new") == "new":
-            return (copyreg.__newobj__, (type(self), *args), state)
+            return (copyreg.__newobj__, (type(self), *args), state)  # type: ignore[attr-defined]
         return (type(self), args, state)
 
     def __eq__(self, other: object) -> bool:
@@ -225,7 +225,7 @@ class TupleStateRecord(Record):
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
         state = self.__dict__.get("_ckd_state", self.stand_in_state)
-        return (copyreg.__newobj__, (type(self),), state)
+        return (copyreg.__newobj__, (type(self),), state)  # type: ignore[attr-defined]
 
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"

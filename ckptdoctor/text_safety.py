@@ -95,9 +95,9 @@ def _escape_container(value: Any, memo: dict[int, Any]) -> Any:
         if all(a is b for a, b in zip(new, value)):
             return value
         if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)._make(new)  # a namedtuple
+            return type(value)._make(new)  # type: ignore[attr-defined]  # a namedtuple
         return type(value)(new) if isinstance(value, (tuple, set, frozenset)) else new
-    names = _field_names(cls)
+    names = _field_names(cls)  # type: ignore[arg-type]  # a class is hashable
     if names:
         changed = {}
         for name in names:

@@ -197,7 +197,7 @@ class TensorRef:
         return n
 
     def __reduce__(self) -> tuple:
-        args = (self.storage, self.storage_offset, Size(self.size), tuple(self.stride),
+        args: tuple = (self.storage, self.storage_offset, Size(self.size), tuple(self.stride),
                 self.requires_grad, collections.OrderedDict())
         tensor = (_rebuild_tensor_v2_ref, args)
         if self.parameter:

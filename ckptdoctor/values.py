@@ -76,7 +76,8 @@ def _zarr_chunk_ref(entry: Entry, chunk: DcpChunk, blob: bytes, where: str) -> T
     if dtype.itemsize is None or len(blob) != numel * dtype.itemsize:
         raise CkptError(f"{where}: zarr chunk holds {len(blob)} bytes, {list(chunk.sizes)} of {entry.dtype} "
                         f"needs {numel * (dtype.itemsize or 0)} (compressed or padded chunks are not supported)")
-    stride, step = [], 1
+    stride: list[int] = []
+    step = 1
     for size in reversed(chunk.sizes):
         stride.insert(0, step)
         step *= size
@@ -103,7 +104,7 @@ def read_tensor(checkpoint: Checkpoint, key: str) -> Any:
     """The whole global tensor assembled from its chunks (for small tensors and tests)."""
     torch = require_torch("assembling tensor values")
     entry = checkpoint.entries[key]
-    if entry.kind != "tensor" or entry.shape is None:
+    if entry.kind != "tensor" or entry.shape is None or entry.dtype is None:
         raise CkptError(f"{checkpoint.iteration_dir}: {key} is a bytes item, not a tensor")
     out = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype.removeprefix("torch.")))
     for chunk, value in iter_chunks(checkpoint, key):

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-_MULTI = {"multiple": True, "metavar": "CODES"}
+_MULTI: dict = {"multiple": True, "metavar": "CODES"}
 
 
 @click.command("check")

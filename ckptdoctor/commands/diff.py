@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import re
 import sys
+from typing import Any
 
 import click
 
@@ -23,7 +24,7 @@ class _Progress:
     """A click progress bar over bytes read, shown only when stderr is a terminal."""
 
     def __init__(self) -> None:
-        self.bar = None
+        self.bar: Any = None
         self.shown = 0
 
     def __call__(self, done: int, total: int) -> None:

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-_MULTI = {"multiple": True, "metavar": "CODES"}
+_MULTI: dict = {"multiple": True, "metavar": "CODES"}
 
 
 @click.command("latest-good")

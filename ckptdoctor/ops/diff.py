@@ -219,6 +219,7 @@ def compare_keys(items_a: dict[str, Item], items_b: dict[str, Item], era_common:
         if era_common and is_common_state_item(key):
             continue  # the common state moved into the DCP (core 0.19): an era note, compared as common state
         if b is None:
+            assert a is not None  # the key came from one of the two sides
             only_a[a.section].append(key)
             continue
         if a is None:

@@ -233,7 +233,8 @@ def _roll_back(
     journal: Path,
 ) -> str:
     """Undo a failed in-place write (restore replaced files, delete new ones); the one-line message to show."""
-    reason = str(error) if isinstance(error, CkptError) else f"{iteration_dir}: {error.strerror or error}"
+    detail = getattr(error, "strerror", None) or error
+    reason = str(error) if isinstance(error, CkptError) else f"{iteration_dir}: {detail}"
     try:
         for name in reversed(written):
             if name in backups:

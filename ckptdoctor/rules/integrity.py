@@ -121,7 +121,7 @@ def sha256_file(path: Path) -> str:
 
 def deep_bytes(state: Scanned) -> int:
     """Bytes ``--deep`` will read (for a progress bar's length)."""
-    return sum(c.storage.length for items in _work(state).values() for _, c in items)  # type: ignore[union-attr]
+    return sum(c.storage.length for items in _work(state).values() for _, c in items if c.storage is not None)
 
 
 def _work(state: Scanned) -> dict[str, list[tuple[Entry, DcpChunk]]]:
