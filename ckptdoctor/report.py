@@ -167,6 +167,8 @@ def render_strip(report: Any) -> str:
                  f"written in {result.seconds:.2f} s")
     for name, why in result.skipped.items():
         lines.append(f"not carried     {name}: {why}")
+    if result.resealed:
+        lines.append("integrity.json  written afresh for the output (sha256 of its own files; the source's verified)")
     ratio = result.output_bytes / result.source_bytes if result.source_bytes else 0.0
     lines.append(f"size before     {human_bytes(result.source_bytes)} ({result.source_bytes} bytes)")
     lines.append(f"size after      {human_bytes(result.output_bytes)} ({result.output_bytes} bytes, {ratio:.1%})")
