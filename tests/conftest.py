@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,13 @@ def fixture_names() -> list[str]:
 
 def manifest(name: str) -> dict:
     return json.loads((MANIFESTS / f"{name}.json").read_text())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A runner started in the background by a non-interactive shell (`./scripts/test.sh &`, nohup under a
+    # subshell) inherits SIGINT ignored, and so would every child it starts: the Ctrl-C tests need it delivered.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 _CURRENT_TEST: list[pytest.Item] = []
