@@ -77,13 +77,18 @@ class Entry(DcpItem):
         """The most bytes one stored range of this item can legitimately span: a tensor chunk's elements plus
         torch.save framing (zip headers, data.pkl, alignment: well under 1 MiB); a bytes item, the pickle size
         limit. A hostile ``.metadata`` cannot make a reader pull a 100 GB range into memory."""
+        nbytes = self.chunk_nbytes(chunk)
+        return current_limits().max_bytes if nbytes is None else nbytes + _FRAMING_SLACK
+
+    def chunk_nbytes(self, chunk: DcpChunk) -> int | None:
+        """A tensor chunk's element bytes (numel x itemsize); None for a bytes item or an unknown dtype."""
         itemsize = DtypeRef.get(self.dtype.removeprefix("torch.")).itemsize if self.dtype else None
         if self.kind != "tensor" or itemsize is None:
-            return current_limits().max_bytes
+            return None
         numel = 1
         for size in chunk.sizes:
             numel *= size
-        return numel * itemsize + _FRAMING_SLACK
+        return numel * itemsize
 
     @property
     def is_extra_state(self) -> bool:

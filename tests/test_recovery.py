@@ -224,7 +224,7 @@ def test_repair_tracker_pointing_to_an_incomplete_iteration(capsys, copy_fixture
     assert _codes(save) == set()
 
 
-@pytest.mark.parametrize("name", ["core019_tp2", "core016_tp2"])
+@pytest.mark.parametrize("name", ["core019_tp2", "core016_tp2", "core014_zarr_tp2"])
 def test_repair_missing_metadata_json_of_a_complete_save(capsys, copy_fixture, tmp_path, name):
     save = copy_fixture(name)
     original = (save / ITER / "metadata.json").read_bytes()
@@ -255,6 +255,19 @@ def test_repair_refuses_metadata_json_of_an_incomplete_save(capsys, copy_fixture
     rc, out, _ = _run(capsys, "repair", save, "--format", "json")  # from the save dir: nothing passes check
     report = json.loads(out)
     assert rc == 1 and report["latest_good"] is None and not report["actions"]
+
+
+def test_repair_refuses_metadata_json_of_an_incomplete_zarr_save(capsys, copy_fixture):
+    save = copy_fixture("core014_zarr_tp2")
+    iteration_dir = save / ITER
+    (iteration_dir / "metadata.json").unlink()
+    chunk = next(p for p in sorted((iteration_dir / "decoder.layers.mlp.linear_fc2.weight").iterdir())
+                 if not p.name.startswith("."))
+    chunk.write_bytes(chunk.read_bytes()[:-4])  # a rank died mid-write: one element short
+    before = _tree(save)
+    rc, out, _ = _run(capsys, "repair", iteration_dir, "--write", "--in-place")
+    assert rc == 1 and "refused [CKD101]" in out, out
+    assert _tree(save) == before
 
 
 def test_repair_quarantines_orphans_and_keeps_integrity(capsys, copy_fixture):

@@ -51,6 +51,7 @@ from ckptdoctor.atomic import (
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.layout import (
+    BACKEND_ZARR,
     NEMO_WEIGHTS_DIR,
     TRACKER_NAME,
     iteration_dir_name,
@@ -77,6 +78,8 @@ QUARANTINE_MARK = ".quarantine-"
 METADATA_JSON_COMMON_PT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                            "common_backend": "torch", "common_backend_version": 1}
 METADATA_JSON_COMMON_STATE = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+METADATA_JSON_ZARR = {"sharded_backend": "zarr", "sharded_backend_version": 1, "common_backend": "torch",
+                      "common_backend_version": 1}
 
 
 @dataclass
@@ -178,10 +181,32 @@ def _metadata_json_refusal(state: structure.Scanned, others: list[Finding]) -> s
         first = others[0]
         return f"an incomplete or damaged save ({first.code} {first.message}); it must stay incomplete"
     checkpoint = state.checkpoint
+    if checkpoint is not None and checkpoint.location.backend == BACKEND_ZARR:
+        return _zarr_refusal(state)
     if checkpoint is None or checkpoint.dcp is None:
         return ".metadata does not read, so completeness cannot be proven"
     if state.bad_files:
         return f"data files missing or short: {', '.join(sorted(state.bad_files))}"
+    if state.common is None:
+        return "the common state does not read"
+    return None
+
+
+def _zarr_refusal(state: structure.Scanned) -> str | None:
+    """A legacy zarr save is complete when every array's chunk files hold exactly their raw elements (Megatron
+    writes them uncompressed; coverage gaps are CKD220 errors, already blocking) and common.pt reads."""
+    checkpoint = state.checkpoint
+    assert checkpoint is not None
+    if not checkpoint.entries:
+        return "no zarr array reads, so completeness cannot be proven"
+    for entry in checkpoint.entries.values():
+        for chunk in entry.chunks:
+            if entry.kind != "tensor" or chunk.storage is None:
+                continue
+            need = entry.chunk_nbytes(chunk)
+            if need is not None and chunk.storage.length != need:
+                return (f"{chunk.storage.relative_path} holds {chunk.storage.length} bytes, its chunk needs {need}: "
+                        "an incomplete save")
     if state.common is None:
         return "the common state does not read"
     return None
@@ -282,9 +307,13 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
             report.unrepairable += [] if report.unrepairable else missing_json
         else:
             assert state.checkpoint is not None
-            content = (METADATA_JSON_COMMON_PT if state.checkpoint.location.has_common_pt
-                       else METADATA_JSON_COMMON_STATE)
-            era = "core <= 0.18, common.pt" if state.checkpoint.location.has_common_pt else "core >= 0.19, common_state"
+            location = state.checkpoint.location
+            if location.backend == BACKEND_ZARR:
+                content, era = METADATA_JSON_ZARR, "legacy zarr, core <= 0.14"
+            elif location.has_common_pt:
+                content, era = METADATA_JSON_COMMON_PT, "core <= 0.18, common.pt"
+            else:
+                content, era = METADATA_JSON_COMMON_STATE, "core >= 0.19, common_state"
             recorded = _recorded_hash(candidate, "metadata.json")
             if recorded is not None and recorded != hashlib.sha256(json.dumps(content).encode()).hexdigest():
                 report.refused.append(Refusal(METADATA_JSON_CODE, str(candidate / "metadata.json"),
@@ -294,8 +323,10 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
             work.metadata_json = content
             report.actions.append(Action(
                 "metadata-json", sorted({f.code for f in missing_json}), str(candidate / "metadata.json"),
-                f"write metadata.json ({era}): .metadata reads, every referenced data file is present and long "
-                "enough, the common state reads", content))
+                f"write metadata.json ({era}): " + (
+                    "every zarr chunk file holds exactly its elements, common.pt reads"
+                    if location.backend == BACKEND_ZARR else ".metadata reads, every referenced data file is present and long enough, the common state "
+                    "reads"), content))
     if blocking:
         for f in orphans + arg_findings + left:
             report.refused.append(Refusal(f.code, f.path, "not repaired: the checkpoint has errors no repair fixes"))

@@ -197,7 +197,7 @@ def _check_metadata_json(directory: Path, shown: Path, names: set[str],
     if "metadata.json" not in names:
         findings.append(finding(METADATA_JSON_MISSING, shown,
                                 "metadata.json missing (incomplete save: rank 0 writes it last)"))
-        return BACKEND_TORCH_DIST, {}
+        return (BACKEND_ZARR if _looks_like_zarr(directory, names) else BACKEND_TORCH_DIST), {}
     path = directory / "metadata.json"
     try:
         data: Any = json.loads(path.read_text(encoding="utf-8"))
@@ -213,6 +213,13 @@ def _check_metadata_json(directory: Path, shown: Path, names: set[str],
                                 f"sharded_backend {backend!r} (torch_dist and zarr are checked)"))
         return None, data
     return backend, data
+
+
+def _looks_like_zarr(directory: Path, names: set[str]) -> bool:
+    """A legacy zarr save without its metadata.json: no DCP ``.metadata``, and array dirs with ``.zarray``."""
+    if ".metadata" in names:
+        return False
+    return any((directory / name / ".zarray").is_file() for name in sorted(names) if (directory / name).is_dir())
 
 
 def _read_index(directory: Path, shown: Path, names: set[str], findings: list[Finding]) -> torch_dist.DcpIndex | None:
