@@ -5,6 +5,7 @@
 # 3.11, so it goes in without its dependency resolution, next to the few packages it imports.
 #   ./scripts/test.sh                  everything (what CI runs, .ci/run)
 #   ./scripts/test.sh -m "not mcore"   fast tier: no megatron-core and no torch child processes
+# Before the tests: ruff check and mypy on the package (both fail the run).
 # Tests run on every core (pytest-xdist, -n auto); CKPTDOCTOR_TEST_JOBS=0 runs them in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,4 +23,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "${pip[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2
     echo "$want" > "$stamp"
 fi
+.venv/bin/ruff check ckptdoctor tests bench scripts
+.venv/bin/mypy
 CKPTDOCTOR_REQUIRE_MCORE=1 .venv/bin/python -m pytest -q -n "${CKPTDOCTOR_TEST_JOBS:-auto}" "$@"

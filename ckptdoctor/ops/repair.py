@@ -321,12 +321,12 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
                 report.unrepairable += missing_json
                 return True
             work.metadata_json = content
+            proof = ("every zarr chunk file holds exactly its elements, common.pt reads"
+                     if location.backend == BACKEND_ZARR else
+                     ".metadata reads, every referenced data file is present and long enough, the common state reads")
             report.actions.append(Action(
                 "metadata-json", sorted({f.code for f in missing_json}), str(candidate / "metadata.json"),
-                f"write metadata.json ({era}): " + (
-                    "every zarr chunk file holds exactly its elements, common.pt reads"
-                    if location.backend == BACKEND_ZARR else ".metadata reads, every referenced data file is present and long enough, the common state "
-                    "reads"), content))
+                f"write metadata.json ({era}): {proof}", content))
     if blocking:
         for f in orphans + arg_findings + left:
             report.refused.append(Refusal(f.code, f.path, "not repaired: the checkpoint has errors no repair fixes"))
