@@ -94,6 +94,19 @@ _GLOBAL_REF = -1  # a stack item that is a global (class or function) from GLOBA
 _NUMBER = -2  # an int or a float: a hash any process computes alike (tuples, n >= 1, too)
 
 
+def _memo_index(buf: bytes, pos: int, width: int) -> tuple[int, int]:
+    """The memo index of a GET/PUT opcode (1 or 4 bytes, or a protocol 0 decimal line) and the next position."""
+    if width == 1:
+        return buf[pos], pos + 1
+    if width == 4:
+        return struct.unpack_from("<I", buf, pos)[0], pos + 4
+    end = buf.index(b"\n", pos)
+    idx = int(buf[pos:end])
+    if idx < 0:
+        raise ValueError("negative memo index")
+    return idx, end + 1
+
+
 def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = None) -> None:
     """Raise :class:`PickleLimitError` if ``data`` breaks a limit or uses an opcode we never accept.
 
@@ -169,17 +182,8 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
             elif kind == _PUSH:
                 pos += arg_width[op]
                 stack.append(0)
-            elif kind == _GET:
-                width = arg_width[op]
-                if width == 1:
-                    idx = buf[pos]
-                elif width == 4:
-                    idx = unpack_from("<I", buf, pos)[0]
-                else:
-                    end = buf.index(b"\n", pos)
-                    idx = int(buf[pos:end])
-                    width = end - pos + 1
-                pos += width
+            elif kind == _GET:  # protocol 0 GET (BINGET and LONG_BINGET have their own kinds)
+                idx, pos = _memo_index(buf, pos, arg_width[op])
                 stack.append(memo[idx])
             elif kind in (_SETITEMS, _ADDITEMS):
                 mark = marks.pop()
@@ -240,16 +244,7 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                     raise fail(f"tuples nest deeper than {max_depth}")
                 stack.append(depth)
             elif kind == _PUT:
-                width = arg_width[op]
-                if width == 1:
-                    idx = buf[pos]
-                elif width == 4:
-                    idx = unpack_from("<I", buf, pos)[0]
-                else:
-                    end = buf.index(b"\n", pos)
-                    idx = int(buf[pos:end])
-                    width = end - pos + 1
-                pos += width
+                idx, pos = _memo_index(buf, pos, arg_width[op])
                 if idx == len(memo):  # Python's picklers number memo slots 0, 1, 2, ...
                     memo.append(stack[-1])
                 elif idx < len(memo):
