@@ -66,3 +66,29 @@ def check_defaults(table: dict[str, Any], path: Path | None) -> dict[str, Any]:
             raise CkptError(f"{path}: [tool.ckptdoctor] {raw_key} must be {kind}, got {value!r}")
         out[key] = value
     return out
+
+
+DIFF_KEYS: dict[str, type] = {"ignore-args": list, "ignore-layout": bool}
+
+
+def diff_defaults(table: dict[str, Any], path: Path | None) -> dict[str, Any]:
+    """The ``[tool.ckptdoctor.diff]`` table, type-checked: ``ignore-args`` (arg-name regexes, full match) and
+    ``ignore-layout``. Unknown keys are refused (a misspelled key would silently ignore nothing)."""
+    diff = table.get("diff", {})
+    if not isinstance(diff, dict):
+        raise CkptError(f"{path}: [tool.ckptdoctor] diff must be a table ([tool.ckptdoctor.diff])")
+    out: dict[str, Any] = {}
+    for raw_key, value in diff.items():
+        key = raw_key.replace("_", "-")
+        expected = DIFF_KEYS.get(key)
+        if expected is None:
+            raise CkptError(f"{path}: [tool.ckptdoctor.diff] unknown key {raw_key!r} "
+                            f"(known: {', '.join(DIFF_KEYS)})")
+        if isinstance(value, str) and expected is list:
+            value = [value]
+        bad_list = expected is list and not (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        if bad_list or not isinstance(value, expected):
+            kind = "a list of regexes" if expected is list else expected.__name__
+            raise CkptError(f"{path}: [tool.ckptdoctor.diff] {raw_key} must be {kind}, got {value!r}")
+        out[key] = value
+    return out
