@@ -177,8 +177,11 @@ def _world_findings(args: dict[str, Any], target: Target) -> list[ArgFinding]:
     if world is None:
         return []
     if world % model_parallel:
-        return [ArgFinding("CKD204", "world_size", world, None, WARNING,
-                           f"world_size={world} is not a multiple of TP x PP x CP = {model_parallel}")]
+        # With data_parallel_size saved, the world size is pinned: TP x PP x CP x DP.
+        correct = model_parallel * dp if dp is not None and dp > 0 else None
+        derived = f"; TP x PP x CP x DP = {correct}" if correct is not None else ""
+        return [ArgFinding("CKD204", "world_size", world, correct, WARNING,
+                           f"world_size={world} is not a multiple of TP x PP x CP = {model_parallel}{derived}")]
     if dp is not None and dp != world // model_parallel:
         return [ArgFinding("CKD204", "data_parallel_size", dp, world // model_parallel, WARNING,
                            f"data_parallel_size must be world_size / (TP x PP x CP) = {world // model_parallel}")]

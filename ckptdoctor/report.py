@@ -78,6 +78,14 @@ def render_inspect(report: Any) -> str:
     else:
         lines.append("")
         lines.append("args            (none saved in the common state)")
+    findings = getattr(report, "arg_findings", None) or []
+    if findings:
+        lines.append("")
+        lines.append(f"inconsistent args ({len(findings)}): the saved args contradict the checkpoint's parallelism")
+        for f in findings:
+            correct = "" if f["correct"] is None else f" (should be {_short(f['correct'])})"
+            lines.append(f"  {f['code']} [{f['severity']}] {f['arg']}={_short(f['saved'])}{correct}: {f['reason']}")
+        lines.append(f"  fix: ckptdoctor fix-args {report.iteration_dir} --write --output DIR (or --in-place)")
     lines.append("")
     lines.append("common state keys: " + ", ".join(report.common_state_keys))
     if report.keys is not None:
@@ -94,36 +102,51 @@ def _short(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _fix_args_table(findings: list[Any]) -> list[str]:
+    rows = []
+    for f in findings:
+        inherited = {True: "yes", False: "no", None: "-"}[f.inherited]
+        rows.append([f.code, f.arg, _short(f.saved), _short(f.correct), f.severity, inherited, f.reason])
+    lines = [tabulate(rows, headers=["code", "arg", "saved", "correct", "severity", "inherited", "why"])]
+    errors = [f for f in findings if f.megatron_error]
+    if errors:
+        lines.append("")
+        lines.append("megatron-core would raise:")
+        lines.extend(f"  ValueError: {f.megatron_error}" for f in errors)
+    return lines
+
+
 @text_safe
 def render_fix_args(report: Any) -> str:
+    """Report mode: the findings, then what --write would change. Write mode leads with what was wrong and
+    what was changed, then what was written and the re-check of the written checkpoint."""
     lines = [f"{report.checkpoint}: saved layout {report.layout}; {report.era}"]
     if report.source:
         lines.append(f"source: {report.source}")
+    written = report.written
     if report.findings:
-        rows = []
-        for f in report.findings:
-            inherited = {True: "yes", False: "no", None: "-"}[f.inherited]
-            rows.append([f.code, f.arg, _short(f.saved), _short(f.correct), f.severity, inherited, f.reason])
         lines.append("")
-        lines.append(tabulate(rows, headers=["code", "arg", "saved", "correct", "severity", "inherited", "why"]))
-        errors = [f for f in report.findings if f.megatron_error]
-        if errors:
-            lines.append("")
-            lines.append("megatron-core would raise:")
-            lines.extend(f"  ValueError: {f.megatron_error}" for f in errors)
+        n = len(report.findings)
+        lines.append(f"was wrong ({n} inconsistent arg{'s' if n != 1 else ''}):" if written else
+                     f"{n} inconsistent arg{'s' if n != 1 else ''}:")
+        lines.extend(_fix_args_table(report.findings))
     else:
-        lines.append("args are consistent with the checkpoint's parallelism")
+        lines.append("args were consistent with the checkpoint's parallelism" if written else
+                     "args are consistent with the checkpoint's parallelism")
+    if written and report.changes:
+        lines.append("")
+        lines.append("changed:")
+        lines.extend(f"  {c.arg}: {_short(c.old)} -> {_short(c.new)} ({c.why})" for c in report.changes)
     consistent = [i for i in report.inherited if i.consistent]
     if consistent:
         shown = ", ".join(f"{i.arg}={_short(i.value)}" for i in consistent)
         lines.append(f"inherited from the source but consistent (kept): {shown}")
-    if report.changes:
+    if report.changes and not written:
         lines.append("")
-        verb = "changed" if report.written else "would change (use --write with --output DIR or --in-place)"
-        lines.append(f"{verb}:")
+        lines.append("would change (use --write with --output DIR or --in-place):")
         lines.extend(f"  {c.arg}: {_short(c.old)} -> {_short(c.new)} ({c.why})" for c in report.changes)
-    if report.written:
-        w = report.written
+    if written:
+        w = written
         lines.append("")
         lines.append(f"wrote {w.iteration_dir} ({w.mode}): {len(w.written)} file(s) written, "
                      f"{w.linked} linked, {w.copied} copied")
@@ -133,6 +156,14 @@ def render_fix_args(report: Any) -> str:
             lines.append(f"  run_config.yaml updated: {', '.join(w.run_config_args)}")
         if w.integrity_updated:
             lines.append("  integrity.json updated for the rewritten files")
+    if report.remaining is not None:
+        lines.append("")
+        if report.remaining:
+            n = len(report.remaining)
+            lines.append(f"after writing: {n} inconsistent arg{'s' if n != 1 else ''} remain{'s' if n == 1 else ''}:")
+            lines.extend(_fix_args_table(report.remaining))
+        else:
+            lines.append("after writing: the args are consistent with the checkpoint's parallelism")
     lines.extend(report.notes)
     return "\n".join(lines)
 

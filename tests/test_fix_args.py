@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 from conftest import FIXTURES, REPO, free_port, require_mcore
 
@@ -16,6 +17,7 @@ from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE
 from ckptdoctor.cli import main
 
 PAIRS = [("core019_convert_tp4", "core019_convert_src_tp1"), ("core016_convert_tp4", "core016_convert_src_tp1")]
+SCHEMA = json.loads((REPO / "docs/fix-args.schema.json").read_text())
 DERIVED = ("tensor_parallel_num_weight_shards", "gtp_weight_remat_size",
            "expert_tensor_parallel_num_weight_shards", "expert_gtp_weight_remat_size")
 
@@ -74,7 +76,8 @@ def test_write_output_loads_in_megatron(capsys, tmp_path, target, source):
     rc, out, _ = _run(capsys, "fix-args", FIXTURES / target, "--write", "--output", out_dir, "--format", "json")
     assert rc == 0
     report = json.loads(out)
-    assert report["written"]["mode"] == "output" and report["findings"] == []
+    assert report["written"]["mode"] == "output" and report["remaining"] == []
+    assert report["findings"]  # what was wrong before the fix is kept
     assert _hashes(FIXTURES / target) == before  # the source is untouched
     assert (out_dir / "latest_checkpointed_iteration.txt").read_text() == "10"
 
@@ -221,3 +224,82 @@ def test_run_config_and_integrity_kept_consistent(capsys, copy_fixture, tmp_path
     assert "  tensor_parallel_num_weight_shards: 4  # from source\n" in text
     assert "  expert_tensor_parallel_size: 4\n" in text and "  seq_length: 32\n" in text
     assert _probe(fixed)["verify_integrity"] == "ok"
+
+
+# --- issue 11: write-mode output, exit codes, world_size, did-you-mean, schema ------------------------------
+
+
+def test_write_leads_with_what_was_wrong_and_json_keeps_findings(capsys, tmp_path):
+    target = FIXTURES / "core019_convert_tp4"
+    rc, out, _ = _run(capsys, "fix-args", target, "--write", "--output", tmp_path / "a")
+    assert rc == 0
+    assert out.index("was wrong (3 inconsistent args)") < out.index("changed:") < out.index("wrote ")
+    assert "tensor_parallel_num_weight_shards: 1 -> 4 (fix)" in out
+    assert out.rstrip().endswith("after writing: the args are consistent with the checkpoint's parallelism")
+    assert "args are consistent" not in out.splitlines()[1]
+    rc, out, _ = _run(capsys, "fix-args", target, "--write", "--output", tmp_path / "b", "--format", "json")
+    assert rc == 0
+    report = json.loads(out)
+    jsonschema.validate(report, SCHEMA)
+    assert {f["arg"] for f in report["findings"]} == {
+        "expert_tensor_parallel_size", "tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards"}
+    assert report["remaining"] == [] and report["written"]["mode"] == "output"
+
+
+@pytest.mark.parametrize("args", [
+    ("core019_convert_tp4", "--source", FIXTURES / "core019_convert_src_tp1"),
+    ("core019_tp2",),
+    ("core019_tp2", "--set", "seq_length=64"),
+])
+def test_json_validates_against_schema(capsys, args):
+    rc, out, _ = _run(capsys, "fix-args", FIXTURES / args[0], *args[1:], "--format", "json")
+    assert rc in (0, 1)
+    report = json.loads(out)
+    jsonschema.validate(report, SCHEMA)
+    assert report["remaining"] is None and report["written"] is None
+
+
+def test_world_size_derived_from_data_parallel_size(capsys, tmp_path):
+    bad = tmp_path / "bad"
+    rc, out, _ = _run(capsys, "fix-args", FIXTURES / "core019_tp2_dp2", "--set", "world_size=3", "--write",
+                      "--only-set", "--output", bad, "--format", "json")
+    # --write exits 1 when findings remain after writing (here: the world_size just set)
+    assert rc == 1
+    report = json.loads(out)
+    jsonschema.validate(report, SCHEMA)
+    assert [f["arg"] for f in report["remaining"]] == ["world_size"]
+    rc, out, _ = _run(capsys, "fix-args", bad, "--format", "json")
+    assert rc == 1
+    (finding,) = json.loads(out)["findings"]
+    assert finding["arg"] == "world_size" and finding["saved"] == 3 and finding["correct"] == 4
+    assert "TP x PP x CP x DP = 4" in finding["reason"]
+    rc, out, _ = _run(capsys, "fix-args", bad, "--write", "--in-place")
+    assert rc == 0 and "world_size: 3 -> 4 (fix)" in out
+
+
+def test_write_exits_1_when_findings_remain_text(capsys, tmp_path):
+    rc, out, _ = _run(capsys, "fix-args", FIXTURES / "core019_convert_tp4", "--write", "--output", tmp_path / "o",
+                      "--set", "tensor_parallel_num_weight_shards=1", "--set", "seq_length=64")
+    assert rc == 1
+    assert "after writing: 1 inconsistent arg remains:" in out and "CKD210" in out.split("after writing")[1]
+
+
+def test_set_misspelled_name_suggests_the_saved_arg(capsys):
+    rc, _, err = _run(capsys, "fix-args", FIXTURES / "core019_convert_tp4",
+                      "--set", "tensor_parallel_num_weight_shard=4")
+    assert rc == 2 and "did you mean 'tensor_parallel_num_weight_shards'?" in err
+    rc, _, err = _run(capsys, "fix-args", FIXTURES / "core019_tp2", "--set", "zzzzzz=1")
+    assert rc == 2 and "did you mean" not in err
+
+
+def test_inspect_marks_inconsistent_args_and_points_to_fix_args(capsys):
+    rc, out, _ = _run(capsys, "inspect", FIXTURES / "core019_convert_tp4")
+    assert rc == 0
+    assert "inconsistent args (3)" in out
+    assert "CKD210 [error] tensor_parallel_num_weight_shards=1 (should be 4)" in out
+    assert "fix: ckptdoctor fix-args" in out
+    rc, out, _ = _run(capsys, "inspect", FIXTURES / "core019_convert_tp4", "--format", "json")
+    codes = [f["code"] for f in json.loads(out)["arg_findings"]]
+    assert codes == ["CKD203", "CKD210", "CKD212"]
+    rc, out, _ = _run(capsys, "inspect", FIXTURES / "core019_tp2")
+    assert rc == 0 and "inconsistent args" not in out

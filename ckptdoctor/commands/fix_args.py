@@ -26,14 +26,15 @@ from ckptdoctor.commands import ITERATION_HELP
               "<name>.bak-<timestamp>.")
 @click.option("--only-set", is_flag=True, help="With --write: apply only the --set edits, not the fixes.")
 @click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text",
-              show_default=True)
+              show_default=True, help="Output format; the JSON schema is docs/fix-args.schema.json.")
 def command(checkpoint: str, iteration: str | None, source_path: str | None, source_iteration: str | None,
             write: bool, sets: tuple[str, ...], force: bool, output: Path | None, in_place: bool,
             only_set: bool, output_format: str) -> int:
     """Find saved args that contradict CHECKPOINT's own parallelism, and fix them.
 
     Reports each inconsistent arg (saved value, correct value, the error megatron-core would raise).
-    Exit code: 0 consistent (or fixed), 1 inconsistencies found, 2 error. No tensor data is read or
+    Exit code: 0 consistent (or, with --write, none left after writing), 1 inconsistencies found (or
+    left after writing), 2 error. No tensor data is read or
     rewritten; writing is O(metadata).
     """
     from ckptdoctor.checkpoint import open_checkpoint
@@ -55,12 +56,10 @@ def command(checkpoint: str, iteration: str | None, source_path: str | None, sou
             report.written = write_output(ckpt, report.changes, output, force=force)  # type: ignore[arg-type]
         # Re-read what was written: the fix is proven by our own reader before we say it worked.
         written = open_checkpoint(report.written.iteration_dir)
-        remaining, _ = diagnose(written)
-        report.notes.append(f"after writing: {len(remaining)} inconsistent arg(s) remain")
-        report.findings = remaining
+        report.remaining, _ = diagnose(written)
     elif write:
         report.notes.append("nothing to write: the args are consistent")
     click.echo(to_json(report) if output_format == "json" else render_fix_args(report))
-    if write:
-        return EXIT_FINDINGS if report.has_errors else EXIT_OK
+    if write and report.remaining is not None:
+        return EXIT_FINDINGS if report.remaining else EXIT_OK
     return EXIT_FINDINGS if report.findings else EXIT_OK

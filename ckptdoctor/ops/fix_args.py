@@ -7,6 +7,7 @@ Diagnosis uses the rule table in :mod:`ckptdoctor.arg_rules`; writing lives in
 from __future__ import annotations
 
 import argparse
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,9 @@ class FixArgsReport:
     changes: list[ArgChange]
     written: Any = None  # WriteResult after --write
     notes: list[str] = field(default_factory=list)
+    # after --write: the written checkpoint re-read and re-checked (None when nothing was written);
+    # ``findings`` keep what was wrong before the fix
+    remaining: list[ArgFinding] | None = None
 
     @property
     def has_errors(self) -> bool:
@@ -145,7 +149,9 @@ def plan_changes(checkpoint: Checkpoint, findings: list[ArgFinding], sets: list[
     for name, text in parse_sets(sets):
         exists = name in args
         if not exists and not force:
-            raise CkptError(f"--set {name}: the saved args have no '{name}' (use --force to add it)")
+            close = difflib.get_close_matches(name, list(args), n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise CkptError(f"--set {name}: the saved args have no '{name}'{hint} (use --force to add it)")
         value = coerce_value(name, text, args.get(name), exists)
         planned[name] = ArgChange(name, args.get(name), value, "set")
     return [c for c in planned.values() if c.new != c.old or c.arg not in args]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass, field
 
-from ckptdoctor.args import summarize_args
+from ckptdoctor.arg_rules import check_args
+from ckptdoctor.args import args_as_dict, summarize_args
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
 from ckptdoctor.parallelism import infer_layout
 
@@ -39,6 +41,8 @@ class InspectReport:
     args: dict | None
     common_state_keys: list[str]
     keys: list[KeyRow] | None = field(default=None)
+    # saved args that contradict the checkpoint's parallelism (the rule table fix-args and check use)
+    arg_findings: list[dict] = field(default_factory=list)
 
 
 def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False,
@@ -90,6 +94,12 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False,
         args=summarize_args(args) if args is not None else None,
         common_state_keys=sorted(str(k) for k in common),
     )
+    if isinstance(args, argparse.Namespace):
+        report.arg_findings = [
+            {"code": f.code, "arg": f.arg, "saved": f.saved, "correct": f.correct, "severity": f.severity,
+             "reason": f.reason}
+            for f in check_args(args_as_dict(args), saved)
+        ]
     if with_keys:
         pattern = re.compile(key_filter) if key_filter else None
         report.keys = [
