@@ -61,7 +61,8 @@ def render_diff(report: Any) -> str:
     lines += _more(len(report.changed), report.summary["changed"])
 
     layout = report.layout
-    lines += ["", f"layout  {layout.summary}"]
+    ignored = report.ignored.get("layout")
+    lines += ["", f"layout  {layout.summary}" + ("  (ignored: --ignore-layout)" if ignored and layout.differs else "")]
     if layout.count:
         lines.append(f"  {layout.count} keys chunked differently (layout, not content):")
         for change in layout.keys:
@@ -70,7 +71,8 @@ def render_diff(report: Any) -> str:
 
     if report.args is not None:
         args = report.args
-        lines += ["", f"args: {args.count} differ" + ("" if args.compared else " (args missing on one side)")]
+        lines += ["", f"args: {args.count} differ" + ("" if args.compared else " (args missing on one side)")
+                  + (f"; {len(args.ignored)} ignored ({', '.join(args.ignored)})" if args.ignored else "")]
         for group, changes in args.groups.items():
             if not changes:
                 continue
@@ -102,7 +104,66 @@ def render_diff(report: Any) -> str:
         lines += [f"  {note}" for note in report.era]
     if report.values is not None:
         lines += [""] + _render_values(report.values)
+    left_out = _left_out(report)
+    if left_out:
+        lines += ["", f"{left_out} more not listed (at most {report.limit} per list; --limit N, --all)"]
     lines += ["", _verdict(report)]
+    return "\n".join(lines)
+
+
+def _left_out(report: Any) -> int:
+    """Entries the lists leave out under ``limit`` (the counts above them are complete)."""
+    n = sum(k.only_a.count - len(k.only_a.keys) + k.only_b.count - len(k.only_b.keys) for k in report.keys.values())
+    n += report.summary["changed"] - len(report.changed) + report.layout.count - len(report.layout.keys)
+    v = report.values
+    if v is not None:
+        n += v.different - len(v.different_keys) + v.not_compared - len(v.not_compared_keys)
+    return n
+
+
+def differing_keys(report: Any) -> list[str]:
+    """Logical keys that differ (only in A or B, kind/dtype/shape, layout unless ignored, values), sorted."""
+    keys = {k for s in report.keys.values() for k in (*s.only_a.keys, *s.only_b.keys)}
+    keys.update(c.key for c in report.changed)
+    if not report.ignored.get("layout"):
+        keys.update(c.key for c in report.layout.keys)
+    if report.values is not None:
+        keys.update(r.key for r in report.values.different_keys)
+    return sorted(keys)
+
+
+@text_safe
+def render_name_only(report: Any) -> str:
+    """``--name-only``: the differing keys, one per line (args and common state are not keys: see --stat)."""
+    return "\n".join(differing_keys(report))
+
+
+@text_safe
+def render_stat(report: Any) -> str:
+    """``--stat``: counts per section (complete lists are expected: limit None)."""
+    changed: dict[str, int] = {}
+    layout: dict[str, int] = {}
+    values: dict[str, int] = {}
+    for counter, rows in ((changed, report.changed), (layout, report.layout.keys),
+                          (values, report.values.different_keys if report.values is not None else [])):
+        for row in rows:
+            counter[row.section] = counter.get(row.section, 0) + 1
+    header = f"{'section':<10} {'only A':>7} {'only B':>7} {'changed':>8} {'layout':>7}"
+    header += f" {'values':>7}" if report.values is not None else ""
+    lines = [header]
+    for section, keys in report.keys.items():
+        row = [keys.only_a.count, keys.only_b.count, changed.get(section, 0), layout.get(section, 0)]
+        row += [values.get(section, 0)] if report.values is not None else []
+        if not any(row) and not keys.common:
+            continue
+        widths = (7, 7, 8, 7, 7)
+        lines.append(f"{section:<10} " + " ".join(f"{n:>{w}}" for n, w in zip(row, widths)))
+    if report.args is not None:
+        ignored = f" ({len(report.args.ignored)} ignored)" if report.args.ignored else ""
+        lines.append(f"args: {report.args.count} differ{ignored}")
+    if report.common is not None:
+        lines.append(f"common state and metadata.json: {report.common.count} differ")
+    lines.append(_verdict(report))
     return "\n".join(lines)
 
 
@@ -112,10 +173,14 @@ def _render_values(v: Any) -> list[str]:
     lines = [f"values ({mode}): {v.compared} compared, {v.equal} equal, {v.different} differ, "
              f"{v.not_compared} not compared; max abs diff {v.max_abs_diff}; read {read} in {v.seconds:.1f} s"]
     for r in v.different_keys:
-        parts = [f"max abs diff {r.max_abs_diff}, {r.mismatched} of {r.elements} elements"] if r.kind == "tensor" \
-            else [f"sha256 {r.sha256_a[:12]} -> {r.sha256_b[:12]}"] if r.sha256_a and r.sha256_b else []
+        parts = [f"max abs diff {_num(r.max_abs_diff)}, max rel diff {_num(r.max_rel_diff)}, "
+                 f"norm of diff {_num(r.norm_diff)}, {r.mismatched} of {r.elements} elements"] \
+            if r.kind == "tensor" else [f"sha256 {r.sha256_a[:12]} -> {r.sha256_b[:12]}"] \
+            if r.sha256_a and r.sha256_b else []
         parts += [r.note] if r.note else []
         lines.append(f"  differs  {r.key}: " + "; ".join(parts))
+        for m in r.mismatches or ():
+            lines.append(f"    [{', '.join(map(str, m['index']))}]  A {_num(m['a'])}  B {_num(m['b'])}")
     lines += _more(len(v.different_keys), v.different)
     for r in v.not_compared_keys:
         lines.append(f"  not compared  {r.key}: {r.note}")
@@ -123,12 +188,26 @@ def _render_values(v: Any) -> list[str]:
     return lines
 
 
+def _num(x: Any) -> str:
+    return f"{x:.6g}" if isinstance(x, float) else str(x)
+
+
 def _verdict(report: Any) -> str:
+    ignored = []
+    if report.ignored.get("layout") and report.layout.differs:
+        ignored.append(f"layout ({report.layout.count} keys chunked differently)" if report.layout.count
+                       else "layout")
+    if report.args is not None and report.args.ignored:
+        ignored.append(f"{len(report.args.ignored)} args")
+    suffix = f" (ignored: {', '.join(ignored)})" if ignored else ""
     if report.identical:
-        return "no differences"
+        return "no differences" + suffix
     s = report.summary
+    layout = 0 if report.ignored.get("layout") else s["layout"]
     parts = [f"{n} {label}" for label, n in (
         ("keys only in A", s["only_a"]), ("keys only in B", s["only_b"]), ("kind/dtype/shape changes", s["changed"]),
-        ("layout differences", s["layout"]), ("args differ", s["args"]), ("common-state differences", s["common"]),
-        ("values differ", s["values_different"])) if n]
-    return "differences: " + ", ".join(parts)
+        ("keys chunked differently (layout)", layout), ("args differ", s["args"]),
+        ("common-state differences", s["common"]), ("values differ", s["values_different"])) if n]
+    if report.layout.differs and not report.ignored.get("layout") and not s["layout"]:
+        parts.append("layout differs")
+    return "differences: " + ", ".join(parts) + suffix

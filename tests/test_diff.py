@@ -22,7 +22,7 @@ SAME_WEIGHTS = [("core019_tp1", "core019_tp2"), ("core019_convert_src_tp1", "cor
 
 
 def _diff(capsys, *args: str) -> tuple[int, dict]:
-    rc = main(["diff", *args, "--format", "json", "--quiet"])
+    rc = main(["diff", *args, "--format", "json"])
     out, err = capsys.readouterr()
     assert rc in (0, 1), err
     report = json.loads(out)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import re
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -18,6 +21,19 @@ def _check_regexes(values: tuple[str, ...], option: str) -> None:
             re.compile(value)
         except re.error as exc:
             raise click.BadParameter(f"invalid regex {value!r}: {exc}", param_hint=option) from None
+
+
+TEXT_LIMIT = 20  # keys listed per list in text output unless --limit/--all; JSON is complete unless --limit
+
+
+@contextlib.contextmanager
+def quiet_library_warnings() -> Iterator[None]:
+    """Silence warnings raised by the libraries ckptdoctor imports (torch's "Failed to initialize NumPy",
+    deprecations): the one place ``diff`` imports and runs torch goes through here. ckptdoctor's own warnings
+    stay visible."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"(?!ckptdoctor(\.|$))")
+        yield
 
 
 class _Progress:
@@ -53,25 +69,60 @@ class _Progress:
               help="Also compare tensor values (streamed chunk by chunk) and bytes items (sha256).")
 @click.option("--atol", type=float, default=None, help="Absolute tolerance for --values (default: bitwise).")
 @click.option("--rtol", type=float, default=None, help="Relative tolerance for --values (default: bitwise).")
-@click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True,
-              help="Keys listed per list (counts are always complete).")
+@click.option("--report", "report_n", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="With --values: the first N mismatching elements of each differing tensor (global index, "
+                   "both values), as h5diff --report; 0: off.")
+@click.option("--limit", type=click.IntRange(min=0), default=None,
+              help=f"Keys listed per list (counts are always complete). Default: {TEXT_LIMIT} in text, "
+                   "every key in JSON.")
 @click.option("--all", "show_all", is_flag=True, help="List every key (no --limit).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--ignore-layout/--no-ignore-layout", default=None,
+              help="Layout differences (chunk/shard grids, TP/PP) are shown but do not make exit status 1.")
+@click.option("--ignore-arg", "ignore_args", multiple=True, metavar="REGEX",
+              help="Leave out saved args whose name fully matches REGEX (repeatable), e.g. 'save|load'.")
+@click.option("--stat", "stat", is_flag=True, help="Only the counts per section.")
+@click.option("--name-only", is_flag=True, help="Only the differing keys, one per line.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing; the exit status says whether they differ.")
 def command(checkpoint_a: str, checkpoint_b: str, sections: tuple[str, ...], keys: tuple[str, ...],
             exclude: tuple[str, ...], output_format: str, with_values: bool, atol: float | None, rtol: float | None,
-            limit: int, show_all: bool, quiet: bool) -> int:
+            report_n: int, limit: int | None, show_all: bool, ignore_layout: bool | None,
+            ignore_args: tuple[str, ...], stat: bool, name_only: bool, quiet: bool) -> int:
     """Compare two checkpoints: keys, dtypes and shapes, layout, args, common state and, with --values, values.
 
     A and B may differ in TP/PP, Megatron era (core 0.16 common.pt vs core 0.19 common_state) and backend.
-    Exit status: 0 no differences, 1 differences, 2 error.
+    Exit status: 0 no differences, 1 differences, 2 error. Defaults for --ignore-arg and --ignore-layout come
+    from [tool.ckptdoctor.diff] (ignore-args, ignore-layout) of the nearest pyproject.toml.
     """
     from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.config import diff_defaults, load_tool_config
     from ckptdoctor.ops.diff import KeyFilter, diff_checkpoints
-    from ckptdoctor.render_diff import render_diff
+    from ckptdoctor.render_diff import render_diff, render_name_only, render_stat
     from ckptdoctor.report import EXIT_FINDINGS, EXIT_OK, to_json
 
+    if stat and name_only:
+        raise click.UsageError("--stat and --name-only are exclusive")
+    if (stat or name_only) and output_format == "json":
+        raise click.UsageError(f"--{'stat' if stat else 'name-only'} is a text output; JSON holds both "
+                               "(summary, key lists)")
+    if report_n and not with_values:
+        raise click.BadParameter("needs --values", param_hint="--report")
+    config = diff_defaults(*load_tool_config())
     _check_regexes(keys, "--key")
     _check_regexes(exclude, "--exclude")
+    _check_regexes(ignore_args, "--ignore-arg")
+    try:
+        config_args = tuple(config.get("ignore-args", ()))
+        _check_regexes(config_args, "ignore-args")
+    except click.BadParameter as exc:
+        from ckptdoctor.errors import CkptError
+
+        raise CkptError(f"[tool.ckptdoctor.diff] {exc.format_message()}") from None
+    all_ignored = config_args + tuple(a for a in ignore_args if a not in config_args)
+    layout_ignored = config.get("ignore-layout", False) if ignore_layout is None else ignore_layout
+    if show_all or name_only or stat:
+        limit = None
+    elif limit is None and output_format == "text":
+        limit = TEXT_LIMIT
     for name, value in (("--atol", atol), ("--rtol", rtol)):
         if value is not None and not value >= 0:
             raise click.BadParameter("must be >= 0", param_hint=name)
@@ -80,13 +131,27 @@ def command(checkpoint_a: str, checkpoint_b: str, sections: tuple[str, ...], key
     # burst (a third of a structural diff's time); nothing here makes cyclic garbage worth collecting.
     gc.disable()
     try:
-        a = open_checkpoint(checkpoint_a)
-        b = open_checkpoint(checkpoint_b)
-        report = diff_checkpoints(a, b, KeyFilter(sections, keys, exclude), limit=None if show_all else limit,
-                                  values=with_values, atol=atol, rtol=rtol, progress=progress)
+        with quiet_library_warnings():
+            a = open_checkpoint(checkpoint_a)
+            b = open_checkpoint(checkpoint_b)
+            report = diff_checkpoints(a, b, KeyFilter(sections, keys, exclude), limit=limit,
+                                      values=with_values, atol=atol, rtol=rtol, progress=progress,
+                                      ignore_layout=layout_ignored, ignore_args=all_ignored,
+                                      report_mismatches=report_n)
     finally:
         gc.enable()
         if progress is not None:
             progress.close()
-    click.echo(to_json(report) if output_format == "json" else render_diff(report))
+    if quiet:
+        pass
+    elif output_format == "json":
+        click.echo(to_json(report))
+    elif stat:
+        click.echo(render_stat(report))
+    elif name_only:
+        out = render_name_only(report)
+        if out:
+            click.echo(out)
+    else:
+        click.echo(render_diff(report))
     return EXIT_OK if report.identical else EXIT_FINDINGS

@@ -41,7 +41,8 @@ class Side:
     era: str
     common_source: str | None
     iteration: int | None
-    keys: int
+    keys: int  # logical keys: tensors, and ShardedObjects counted once by base key (see diff_items)
+    entries: int  # DCP items (a ShardedObject counts once per shard)
     data_files: dict
     layout: dict
 
@@ -118,9 +119,10 @@ class ArgFlag:
 @dataclass
 class ArgsDiff:
     compared: bool  # both sides saved args
-    count: int
+    count: int  # differing args, ignored ones excluded
     groups: dict[str, list[ArgChange]]
     flags: list[ArgFlag]
+    ignored: list[str] = field(default_factory=list)  # differing args left out by --ignore-arg / ignore-args
 
 
 @dataclass
@@ -151,6 +153,7 @@ class DiffReport:
     common: CommonDiff | None
     era: list[str]
     values: Any = None  # diff_values.ValuesReport when --values
+    ignored: dict = field(default_factory=dict)  # {"layout": bool, "args": [regex]}: not counted as differences
     summary: dict = field(default_factory=dict)
     identical: bool = True
 
@@ -184,12 +187,12 @@ def _limited(keys: list[str], limit: int | None) -> KeyList:
     return KeyList(len(keys), keys if limit is None else keys[:limit])
 
 
-def _side(ckpt: Checkpoint, layout_summary: dict) -> Side:
+def _side(ckpt: Checkpoint, layout_summary: dict, logical_keys: int) -> Side:
     location = ckpt.location
     return Side(
         path=str(location.input_path), iteration_dir=str(ckpt.iteration_dir), backend=location.backend,
         era=location.era, common_source=ckpt.common_source, iteration=location.iteration,
-        keys=len(ckpt.entries),
+        keys=logical_keys, entries=len(ckpt.entries),
         data_files={"count": len(ckpt.data_files), "bytes": sum(ckpt.data_files.values())},
         layout=layout_summary,
     )
@@ -239,10 +242,20 @@ def compare_keys(items_a: dict[str, Item], items_b: dict[str, Item], era_common:
     return sections, changed, layout, both
 
 
-def compare_args(a: SavedLayout, b: SavedLayout, args_a: dict, args_b: dict) -> ArgsDiff:
-    """Differing args by group, and args contradicting their own checkpoint's layout (``a``/``b``)."""
+def compare_args(a: SavedLayout, b: SavedLayout, args_a: dict, args_b: dict,
+                 ignore: tuple[str, ...] = ()) -> ArgsDiff:
+    """Differing args by group, and args contradicting their own checkpoint's layout (``a``/``b``).
+
+    Args whose name fully matches a regex of ``ignore`` are not compared (listed in ``ignored`` when they differ).
+    """
     groups: dict[str, list[ArgChange]] = {g: [] for g in ARG_GROUP_ORDER}
+    patterns = [re.compile(p) for p in ignore]
+    ignored: list[str] = []
     for name in sorted(args_a.keys() | args_b.keys()):
+        if patterns and any(p.fullmatch(name) for p in patterns):
+            if name not in args_a or name not in args_b or not same_value(args_a[name], args_b[name]):
+                ignored.append(name)
+            continue
         if name not in args_b:
             groups[arg_group(name)].append(ArgChange(name, arg_group(name), "only_a", args_a[name], None))
         elif name not in args_a:
@@ -256,7 +269,7 @@ def compare_args(a: SavedLayout, b: SavedLayout, args_a: dict, args_b: dict) -> 
             flags.append(ArgFlag(side, f.code, f.arg, f.saved, f.correct, f.severity, f.reason, f.megatron_error,
                                  equal))
     count = sum(len(v) for v in groups.values())
-    return ArgsDiff(bool(args_a) and bool(args_b), count, groups, flags)
+    return ArgsDiff(bool(args_a) and bool(args_b), count, groups, flags, ignored)
 
 
 def compare_common(a: Checkpoint, b: Checkpoint, era_common: bool) -> CommonDiff:
@@ -310,11 +323,18 @@ def era_notes(a: Checkpoint, b: Checkpoint) -> list[str]:
 
 def diff_checkpoints(a: Checkpoint, b: Checkpoint, key_filter: KeyFilter | None = None, limit: int | None = 20,
                      values: bool = False, atol: float | None = None, rtol: float | None = None,
-                     progress: Callable[[int, int], None] | None = None) -> DiffReport:
-    """Compare two checkpoints; values are read (streamed, chunk by chunk) only when ``values`` is set."""
+                     progress: Callable[[int, int], None] | None = None, ignore_layout: bool = False,
+                     ignore_args: tuple[str, ...] = (), report_mismatches: int = 0) -> DiffReport:
+    """Compare two checkpoints; values are read (streamed, chunk by chunk) only when ``values`` is set.
+
+    ``ignore_layout``: layout differences are reported but are not differences (``identical`` may be true);
+    ``ignore_args``: arg-name regexes (full match) left out of the args comparison;
+    ``report_mismatches``: with ``values``, the first N mismatching elements of each differing tensor.
+    """
     key_filter = key_filter or KeyFilter()
-    items_a = {k: v for k, v in logical_items(a).items() if key_filter.accepts(v)}
-    items_b = {k: v for k, v in logical_items(b).items() if key_filter.accepts(v)}
+    all_a, all_b = logical_items(a), logical_items(b)
+    items_a = {k: v for k, v in all_a.items() if key_filter.accepts(v)}
+    items_b = {k: v for k, v in all_b.items() if key_filter.accepts(v)}
     era_common = a.location.has_common_pt != b.location.has_common_pt
     sections, changed, layout_changes, both = compare_keys(items_a, items_b, era_common, limit)
     layout_a, saved_a = _layout_dict(a)
@@ -325,30 +345,33 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint, key_filter: KeyFilter | None 
                         layout_changes if limit is None else layout_changes[:limit])
     args_diff = common = None
     if key_filter.includes_common_state:
-        args_diff = compare_args(saved_a, saved_b, args_as_dict(a.args), args_as_dict(b.args))
+        args_diff = compare_args(saved_a, saved_b, args_as_dict(a.args), args_as_dict(b.args), ignore_args)
         common = compare_common(a, b, era_common)
     report = DiffReport(
-        schema=SCHEMA, a=_side(a, layout_a), b=_side(b, layout_b),
+        schema=SCHEMA, a=_side(a, layout_a, len(all_a)), b=_side(b, layout_b, len(all_b)),
         filters={"sections": list(key_filter.sections), "keys": list(key_filter.keys),
                  "exclude": list(key_filter.exclude)},
         limit=limit, keys=sections, changed=changed if limit is None else changed[:limit], layout=layout,
         args=args_diff, common=common, era=era_notes(a, b),
+        ignored={"layout": ignore_layout, "args": list(ignore_args)},
     )
     if values:
         from ckptdoctor.ops.diff_values import compare_values
 
         comparable = [(items_a[k], items_b[k]) for k in both
                       if not (is_common_state_item(k) and items_a[k].kind != KIND_TENSOR)]
-        report.values = compare_values(a, b, comparable, atol=atol, rtol=rtol, limit=limit, progress=progress)
+        report.values = compare_values(a, b, comparable, atol=atol, rtol=rtol, limit=limit, progress=progress,
+                                       report=report_mismatches)
     report.summary = {
         "only_a": sum(s.only_a.count for s in sections.values()),
         "only_b": sum(s.only_b.count for s in sections.values()),
         "changed": len(changed),
-        "layout": len(layout_changes) + (saved_a.summary() != saved_b.summary()),
+        "layout": len(layout_changes),  # logical keys chunked (or sharded) differently
         "args": args_diff.count if args_diff else 0,
         "arg_flags": len(args_diff.flags) if args_diff else 0,
         "common": common.count if common else 0,
         "values_different": report.values.different if report.values else 0,
     }
-    report.identical = not any(v for k, v in report.summary.items() if k != "arg_flags")
+    counted = {k: v for k, v in report.summary.items() if k not in ("arg_flags", "layout")}
+    report.identical = not any(counted.values()) and (ignore_layout or not layout.differs)
     return report

@@ -49,6 +49,9 @@ class ValueDiff:
     note: str | None = None
     sha256_a: str | None = None  # bytes items with one shard
     sha256_b: str | None = None
+    max_rel_diff: float | str | None = None  # tensors: max |a - b| / |b| over differing elements (inf where b = 0)
+    norm_diff: float | str | None = None  # tensors: L2 norm of a - b (NaN positions left out)
+    mismatches: list[dict] | None = None  # --report N: first N mismatching elements {index, a, b} (global index)
 
 
 @dataclass
@@ -81,7 +84,7 @@ def _finite(x: float | None) -> float | str | None:
 class _Accumulator:
     """Running result over the compared sub-boxes of one key."""
 
-    def __init__(self, torch: Any, atol: float | None, rtol: float | None) -> None:
+    def __init__(self, torch: Any, atol: float | None, rtol: float | None, report: int = 0) -> None:
         self._torch = torch  # torch itself, or a diff_io.Torch that imports it on first use
         self.tolerance = atol is not None or rtol is not None
         self.atol = atol or 0.0
@@ -90,16 +93,39 @@ class _Accumulator:
         self.mismatched = 0
         self.elements = 0
         self.nan_mismatch = 0
+        self.max_rel = 0.0
+        self.sum_sq = 0.0
+        self.report = report
+        self.mismatches: list[tuple[tuple[int, ...], Any, Any]] = []  # (global index, a, b), the first ``report``
 
     @property
     def torch(self) -> Any:
         return self._torch.get() if isinstance(self._torch, Torch) else self._torch
 
-    def update(self, a: Any, b: Any) -> None:
-        for sa, sb in _slabs(a, b, SLAB_ELEMENTS):
-            self._slab(sa, sb)
+    def update(self, a: Any, b: Any, origin: tuple[int, ...] = ()) -> None:
+        """Compare ``a`` and ``b``, whose element 0 is at global index ``origin`` (for ``report``)."""
+        origin = origin or (0,) * a.dim()
+        for sa, sb, shift in _slabs(a, b, SLAB_ELEMENTS):
+            self._slab(sa, sb, tuple(o + d for o, d in zip(origin, shift)))
 
-    def _slab(self, a: Any, b: Any) -> None:
+    def first_mismatches(self) -> list[dict] | None:
+        if not self.report:
+            return None
+        return [{"index": list(i), "a": x, "b": y} for i, x, y in self.mismatches]
+
+    def _record(self, mask: Any, a: Any, b: Any, origin: tuple[int, ...]) -> None:
+        """Keep the first ``report`` mismatches in global row-major order (a slab's own order agrees with it)."""
+        if not self.report:
+            return
+        found = mask.nonzero()[: self.report].tolist() if mask.dim() else ([[]] if bool(mask) else [])
+        for idx in found:
+            at = tuple(int(o + i) for o, i in zip(origin, idx))
+            pos = tuple(idx)
+            self.mismatches.append((at, _plain(a[pos]), _plain(b[pos])))
+        self.mismatches.sort(key=lambda m: m[0])
+        del self.mismatches[self.report:]
+
+    def _slab(self, a: Any, b: Any, origin: tuple[int, ...] = ()) -> None:
         torch = self.torch
         n = a.numel()
         self.elements += n
@@ -117,6 +143,13 @@ class _Accumulator:
         diff.masked_fill_(same | nan_a | nan_b, 0.0)
         if n:
             self.max_abs = max(self.max_abs, float(diff.max()))
+            self.sum_sq += float((diff * diff).sum())
+            scale = xb.abs()
+            if scale.is_complex():
+                scale = scale.real
+            rel = diff / scale  # 0/0 = nan where equal (masked out), x/0 = inf
+            rel.masked_fill_(diff == 0, 0.0)
+            self.max_rel = max(self.max_rel, float(rel.max()))
         nan_mismatch = int((nan_a ^ nan_b).sum())
         self.nan_mismatch += nan_mismatch
         if self.tolerance:
@@ -126,10 +159,22 @@ class _Accumulator:
             close = same | (nan_a & nan_b) | (diff <= bound)
             close &= ~(nan_a ^ nan_b)
             self.mismatched += n - int(close.sum())
+            self._record(~close, a, b, origin)
         elif a.dtype != b.dtype:
             self.mismatched += n
+            self._record(torch.ones_like(same), a, b, origin)
         else:
-            self.mismatched += n - int(_bits_eq_mask(torch, a, b).sum())
+            equal = _bits_eq_mask(torch, a, b)
+            self.mismatched += n - int(equal.sum())
+            self._record(~equal, a, b, origin)
+
+
+def _plain(x: Any) -> Any:
+    """One element as JSON: a float (\"inf\"/\"nan\" where not finite), an int, a bool or [re, im]."""
+    v = x.item()
+    if isinstance(v, complex):
+        return [_finite(v.real), _finite(v.imag)]
+    return _finite(v) if isinstance(v, float) else v
 
 
 def _int_view(torch: Any, t: Any) -> Any:
@@ -148,9 +193,10 @@ def _bits_eq_mask(torch: Any, a: Any, b: Any) -> Any:
 
 
 def _slabs(a: Any, b: Any, limit: int):
-    """Matching sub-views of ``a`` and ``b`` of at most ``limit`` elements (split along leading dims)."""
+    """Matching sub-views of ``a`` and ``b`` of at most ``limit`` elements (split along leading dims), each with
+    the index of its first element in ``a``."""
     if a.numel() <= limit or a.dim() == 0:
-        yield a, b
+        yield a, b, (0,) * a.dim()
         return
     dim = next(i for i, s in enumerate(a.shape) if s > 1)
     per = a.numel() // a.shape[dim]
@@ -158,10 +204,12 @@ def _slabs(a: Any, b: Any, limit: int):
     for start in range(0, a.shape[dim], step):
         length = min(step, a.shape[dim] - start)
         sa, sb = a.narrow(dim, start, length), b.narrow(dim, start, length)
+        shift = tuple(start if i == dim else 0 for i in range(a.dim()))
         if sa.numel() > limit and length == 1:
-            yield from _slabs(sa, sb, limit)
+            for xa, xb, inner in _slabs(sa, sb, limit):
+                yield xa, xb, tuple(s + t for s, t in zip(shift, inner))
         else:
-            yield sa, sb
+            yield sa, sb, shift
 
 
 class _ChunkIndex:
@@ -213,12 +261,12 @@ def _numel(sizes: tuple[int, ...]) -> int:
 
 
 def compare_tensor(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, atol: float | None, rtol: float | None,
-                   ctx: Context) -> ValueDiff:
+                   ctx: Context, report: int = 0) -> ValueDiff:
     ea, eb = ia.entry, ib.entry
     if ea.shape != eb.shape:
         return ValueDiff(ia.key, ia.section, KIND_TENSOR, None, None, None, None,
                          f"global shapes differ ({list(ea.shape or ())} vs {list(eb.shape or ())})")
-    acc = _Accumulator(ctx.torch, atol, rtol)
+    acc = _Accumulator(ctx.torch, atol, rtol, report)
     index = _ChunkIndex(eb.chunks)
     cache_limit = max((c.storage.length for c in eb.chunks if c.storage), default=0)
     cache: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()  # B's chunks: offsets -> (view, bytes held)
@@ -264,7 +312,8 @@ def compare_tensor(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, atol: float
                     del blob
                 elif cb.offsets in cache:
                     cache.move_to_end(cb.offsets)
-                acc.update(xa[region[0]], hit[0][region[1]])
+                acc.update(xa[region[0]], hit[0][region[1]],
+                           tuple(o + (s.start or 0) for o, s in zip(ca.offsets, region[0])))
                 covered += region[2]
                 hit = None
             del xa, pair
@@ -283,7 +332,8 @@ def compare_tensor(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, atol: float
         note = (note + "; " if note else "") + f"dtypes differ ({ea.dtype} vs {eb.dtype})"
     equal = acc.mismatched == 0 and covered == numel and (acc.tolerance or ea.dtype == eb.dtype)
     return ValueDiff(ia.key, ia.section, KIND_TENSOR, equal, _finite(acc.max_abs), acc.mismatched, acc.elements,
-                     note)
+                     note, max_rel_diff=_finite(acc.max_rel), norm_diff=_finite(math.sqrt(acc.sum_sq)),
+                     mismatches=acc.first_mismatches() if not equal else None)
 
 
 # --- bytes items ---------------------------------------------------------------------------------------
@@ -347,7 +397,7 @@ def _first_storage(item: Item) -> tuple:
 def compare_values(a: Checkpoint, b: Checkpoint, pairs: list[tuple[Item, Item]], atol: float | None = None,
                    rtol: float | None = None, limit: int | None = 20,
                    progress: Callable[[int, int], None] | None = None,
-                   workers: int = 2) -> ValuesReport:
+                   workers: int = 2, report: int = 0) -> ValuesReport:
     """Values of the key pairs (same logical key in A and B), in A's on-disk order for sequential reads.
 
     ``workers`` threads compare keys concurrently; chunk bytes held by all of them stay under 3x the largest
@@ -379,7 +429,7 @@ def compare_values(a: Checkpoint, b: Checkpoint, pairs: list[tuple[Item, Item]],
                 out.append(ValueDiff(ia.key, ia.section, ia.kind, None, None, None, None,
                                      f"kinds differ ({ia.kind} vs {ib.kind})"))
             elif ia.kind == KIND_TENSOR:
-                out.append(compare_tensor(a, ia, b, ib, atol, rtol, ctx))
+                out.append(compare_tensor(a, ia, b, ib, atol, rtol, ctx, report))
             else:
                 out.append(compare_objects(a, ia, b, ib, ctx))
         return out
