@@ -1,0 +1,270 @@
+"""``ckptdoctor diff`` as diff(1), git diff and h5diff users expect (issue #11): ignores, -q, --stat,
+--name-only, complete JSON, one definition of a key, --report, no library warnings."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import warnings
+
+import jsonschema
+import pytest
+from conftest import FIXTURES, REPO
+
+from ckptdoctor.cli import main
+
+SCHEMA = json.loads((REPO / "docs/diff.schema.json").read_text())
+SRC, TP4 = str(FIXTURES / "core019_convert_src_tp1"), str(FIXTURES / "core019_convert_tp4")
+
+
+def _run(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(["diff", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _json(capsys, *args: str) -> tuple[int, dict]:
+    rc, out, err = _run(capsys, *args, "--format", "json")
+    assert rc in (0, 1), err
+    report = json.loads(out)
+    jsonschema.validate(report, SCHEMA)
+    return rc, report
+
+
+@pytest.fixture
+def other_run(copy_fixture):
+    """core016_tp1 saved again by a second run: same model and step, other ``save``/``load`` dirs."""
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.formats.torch_zip import dump_torch_zip
+
+    save = copy_fixture("core016_tp1")
+    common = open_checkpoint(save).common_state()
+    common["args"].save = "/runs/second/checkpoints"
+    common["args"].load = "/runs/second/checkpoints"
+    (save / "iter_0000010" / "common.pt").write_bytes(dump_torch_zip(common))
+    return str(save)
+
+
+# --- 1. --ignore-arg, --ignore-layout, [tool.ckptdoctor.diff] --------------------------------------------
+
+
+def test_ignore_arg_makes_two_runs_equal(capsys, other_run):
+    base = str(FIXTURES / "core016_tp1")
+    rc, out, _ = _run(capsys, base, other_run)
+    assert rc == 1 and "load:" in out and "save:" in out and "differences: 2 args differ" in out
+    rc, out, _ = _run(capsys, base, other_run, "--ignore-arg", "save", "--ignore-arg", "load")
+    assert rc == 0
+    assert "args: 0 differ; 2 ignored (load, save)" in out
+    assert out.rstrip().endswith("no differences (ignored: 2 args)")
+    rc, out, _ = _run(capsys, base, other_run, "--ignore-arg", "save|load")  # a regex
+    assert rc == 0
+    rc, out, _ = _run(capsys, base, other_run, "--ignore-arg", "sav")  # full match: 'sav' is not 'save'
+    assert rc == 1 and "args: 2 differ" in out
+    rc, report = _json(capsys, base, other_run, "--ignore-arg", "save|load")
+    assert rc == 0 and report["identical"] and report["args"]["ignored"] == ["load", "save"]
+    assert report["ignored"] == {"layout": False, "args": ["save|load"]} and report["summary"]["args"] == 0
+
+
+def test_ignore_arg_invalid_regex_exits_2(capsys, other_run):
+    rc, _, err = _run(capsys, str(FIXTURES / "core016_tp1"), other_run, "--ignore-arg", "(save")
+    assert rc == 2 and "--ignore-arg" in err and "invalid regex" in err
+
+
+def test_ignore_layout(capsys):
+    rc, out, _ = _run(capsys, SRC, TP4, "--section", "model")
+    assert rc == 1 and out.rstrip().endswith("differences: 6 keys chunked differently (layout)")
+    rc, out, _ = _run(capsys, SRC, TP4, "--section", "model", "--ignore-layout")
+    assert rc == 0
+    assert "(ignored: --ignore-layout)" in out and "6 keys chunked differently (layout, not content):" in out
+    assert out.rstrip().endswith("no differences (ignored: layout (6 keys chunked differently))")
+    rc, report = _json(capsys, SRC, TP4, "--section", "model", "--ignore-layout")
+    assert rc == 0 and report["identical"] and report["layout"]["count"] == report["summary"]["layout"] == 6
+
+
+def test_pyproject_diff_table(capsys, monkeypatch, tmp_path, other_run):
+    base = str(FIXTURES / "core016_tp1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pyproject.toml").write_text('[tool.ckptdoctor.diff]\nignore-args = ["save", "load"]\n'
+                                             "ignore-layout = true\n")
+    rc, out, _ = _run(capsys, base, other_run)
+    assert rc == 0 and out.rstrip().endswith("no differences (ignored: 2 args)")
+    rc, out, _ = _run(capsys, SRC, TP4, "--section", "model")
+    assert rc == 0 and "ignored: layout" in out
+    rc, out, _ = _run(capsys, SRC, TP4, "--section", "model", "--no-ignore-layout")  # the command line wins
+    assert rc == 1
+    (tmp_path / "pyproject.toml").write_text('[tool.ckptdoctor.diff]\nignore_arg = ["save"]\n')
+    rc, _, err = _run(capsys, base, other_run)
+    assert rc == 2 and "pyproject.toml" in err and "unknown key 'ignore_arg'" in err
+    (tmp_path / "pyproject.toml").write_text('[tool.ckptdoctor.diff]\nignore-layout = "yes"\n')
+    rc, _, err = _run(capsys, base, other_run)
+    assert rc == 2 and "ignore-layout must be bool" in err
+
+
+# --- 2. -q, --stat, --name-only ---------------------------------------------------------------------------
+
+
+def test_quiet_prints_nothing(capsys):
+    rc, out, err = _run(capsys, SRC, TP4, "-q")
+    assert (rc, out, err) == (1, "", "")
+    rc, out, err = _run(capsys, SRC, SRC, "--quiet", "--format", "json")
+    assert (rc, out, err) == (0, "", "")
+
+
+def test_stat(capsys):
+    rc, out, _ = _run(capsys, SRC, TP4, "--stat")
+    assert rc == 1
+    lines = out.splitlines()
+    assert lines[0].split() == ["section", "only", "A", "only", "B", "changed", "layout"]
+    rows = {line.split()[0]: [int(n) for n in line.split()[1:]] for line in lines[1:] if ":" not in line}
+    assert rows["model"] == [0, 0, 0, 6] and rows["optimizer"] == [18, 0, 0, 0]
+    assert "args: 8 differ" in lines and "common state and metadata.json: 3 differ" in lines
+    assert lines[-1] == "differences: 19 keys only in A, 7 keys chunked differently (layout), 8 args differ, " \
+                        "3 common-state differences"
+    rc, _, err = _run(capsys, SRC, TP4, "--stat", "--format", "json")
+    assert rc == 2 and "--stat" in err
+
+
+def test_name_only(capsys):
+    rc, out, _ = _run(capsys, SRC, TP4, "--name-only")
+    assert rc == 1
+    rc2, report = _json(capsys, SRC, TP4)
+    expected = {k for s in report["keys"].values() for k in s["only_a"]["keys"] + s["only_b"]["keys"]}
+    expected |= {c["key"] for c in report["layout"]["keys"]}
+    assert out.splitlines() == sorted(expected) and len(expected) == 19 + 7
+    rc, out, _ = _run(capsys, SRC, SRC, "--name-only")
+    assert (rc, out) == (0, "")
+
+
+# --- 3. JSON complete unless --limit; text says what it leaves out ----------------------------------------
+
+
+def test_json_complete_unless_limit(capsys):
+    rc, report = _json(capsys, SRC, TP4)
+    opt = report["keys"]["optimizer"]["only_a"]
+    assert report["limit"] is None and opt["count"] == len(opt["keys"]) == 18
+    rc, report = _json(capsys, SRC, TP4, "--limit", "5")
+    opt = report["keys"]["optimizer"]["only_a"]
+    assert report["limit"] == 5 and opt["count"] == 18 and len(opt["keys"]) == 5
+
+
+def test_text_limit_says_how_many_left_out(capsys):
+    rc, out, _ = _run(capsys, SRC, TP4)
+    assert "    only in A  optimizer." in out and "more not listed" not in out  # 18 <= 20: all listed
+    rc, out, _ = _run(capsys, SRC, TP4, "--limit", "5")
+    assert "    ... 13 more (--limit N, --all)" in out  # optimizer: 18 keys, 5 listed
+    assert "    ... 2 more (--limit N, --all)" in out  # layout: 7 keys, 5 listed
+    assert "15 more not listed (at most 5 per list; --limit N, --all)" in out
+    rc, out, _ = _run(capsys, SRC, TP4, "--limit", "5", "--all")
+    assert "more not listed" not in out
+
+
+# --- 4. one definition of a key -----------------------------------------------------------------------------
+
+
+def test_one_definition_of_a_key(capsys):
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.ops.diff_items import logical_items
+
+    rc, report = _json(capsys, str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp2"))
+    layout = report["layout"]
+    assert layout["count"] == report["summary"]["layout"] == len(layout["keys"]) == 20
+    rc, out, _ = _run(capsys, str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp2"))
+    assert "  20 keys chunked differently (layout, not content):" in out
+    assert "differences: 20 keys chunked differently (layout)" in out
+    for side, name in (("a", "core019_tp1"), ("b", "core019_tp2")):
+        ckpt = open_checkpoint(FIXTURES / name)
+        assert report[side]["keys"] == len(logical_items(ckpt)) == sum(
+            s["common"] + s[f"only_{side}"]["count"] for s in report["keys"].values())
+        assert report[side]["entries"] == len(ckpt.entries)
+    # rng_state: one logical key (a ShardedObject), one DCP item per shard at TP=2
+    assert report["b"]["entries"] > report["b"]["keys"]
+
+
+# --- 5. --values --report N, relative difference, norm of the difference ------------------------------------
+
+
+def test_values_report_first_mismatches(capsys, copy_fixture):
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.formats.archive import parse_archive
+
+    pytest.importorskip("torch")
+    save = copy_fixture("core019_tp2")
+    ckpt = open_checkpoint(save)
+    key = "optimizer.state.exp_avg_sq.decoder.layers.mlp.linear_fc2.weight"
+    patched = []
+    for chunk, element, delta in ((ckpt.entries[key].chunks[-1], 7, 2.0), (ckpt.entries[key].chunks[0], 3, -1.0)):
+        path = ckpt.iteration_dir / chunk.storage.relative_path
+        data = bytearray(path.read_bytes())
+        blob = bytes(data[chunk.storage.offset:chunk.storage.offset + chunk.storage.length])
+        start = next(m.start for k, m in parse_archive(blob, "chunk").members.items() if "/data/" in k)
+        at = chunk.storage.offset + start + 4 * element
+        (old,) = struct.unpack_from("<f", data, at)
+        struct.pack_into("<f", data, at, old + delta)
+        (new,) = struct.unpack_from("<f", data, at)
+        path.write_bytes(bytes(data))
+        local, rest = [], element  # row-major index of ``element`` inside the chunk
+        for size in reversed(chunk.sizes):
+            local.insert(0, rest % size)
+            rest //= size
+        patched.append(([o + i for o, i in zip(chunk.offsets, local)], old, new))
+    patched.sort()
+    rc, report = _json(capsys, str(FIXTURES / "core019_tp2"), str(save), "--values", "--report", "5")
+    assert rc == 1
+    (only,) = report["values"]["different_keys"]
+    assert only["key"] == key and only["mismatched"] == 2
+    assert only["mismatches"] == [{"index": idx, "a": pytest.approx(old), "b": pytest.approx(new)}
+                                  for idx, old, new in patched]
+    diffs = [abs(new - old) for _, old, new in patched]
+    assert only["norm_diff"] == pytest.approx(math.hypot(*diffs), rel=1e-6)
+    assert only["max_rel_diff"] == pytest.approx(max(abs(new - old) / abs(new) for _, old, new in patched),
+                                                 rel=1e-6)
+    rc, report = _json(capsys, str(FIXTURES / "core019_tp2"), str(save), "--values", "--report", "1")
+    assert [m["index"] for m in report["values"]["different_keys"][0]["mismatches"]] == [patched[0][0]]
+    rc, report = _json(capsys, str(FIXTURES / "core019_tp2"), str(save), "--values")
+    assert report["values"]["different_keys"][0]["mismatches"] is None  # --report 0: off
+    rc, out, _ = _run(capsys, str(FIXTURES / "core019_tp2"), str(save), "--values", "--report", "5")
+    assert rc == 1 and "max rel diff" in out and "norm of diff" in out
+    first = patched[0]
+    assert f"    [{', '.join(map(str, first[0]))}]  A " in out
+    rc, _, err = _run(capsys, str(FIXTURES / "core019_tp2"), str(save), "--report", "5")
+    assert rc == 2 and "--values" in err
+
+
+def test_values_report_across_layouts(capsys):
+    """TP=1 vs TP=2 optimizer state (same-seed runs, ~1e-9 apart): global indexes, in row-major order."""
+    pytest.importorskip("torch")
+    rc, report = _json(capsys, str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp2"), "--values",
+                       "--section", "optimizer", "--report", "4")
+    assert rc == 1
+    for r in report["values"]["different_keys"]:
+        if r["kind"] != "tensor":
+            continue
+        assert 0 < len(r["mismatches"]) <= min(4, r["mismatched"])
+        indexes = [m["index"] for m in r["mismatches"]]
+        assert indexes == sorted(indexes)
+        assert all(m["a"] != m["b"] for m in r["mismatches"])
+        assert r["norm_diff"] >= r["max_abs_diff"] > 0
+
+
+# --- 6. no library warnings ---------------------------------------------------------------------------------
+
+
+def test_library_warnings_silenced(capsys, monkeypatch):
+    """torch's 'Failed to initialize NumPy' (and any library warning) is not shown by --values."""
+    pytest.importorskip("torch")
+    import ckptdoctor.values as values
+
+    real = values.require_torch
+
+    def noisy(purpose: str):
+        warnings.warn_explicit("Failed to initialize NumPy: _ARRAY_API not found", UserWarning,
+                               "torch/_subclasses/functional_tensor.py", 276, module="torch._subclasses")
+        return real(purpose)
+
+    monkeypatch.setattr(values, "require_torch", noisy)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rc, out, err = _run(capsys, SRC, TP4, "--section", "model", "--values")
+    assert rc == 1 and "values (bitwise)" in out
+    assert not [w for w in seen if "NumPy" in str(w.message)] and "NumPy" not in err
