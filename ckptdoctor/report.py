@@ -181,6 +181,12 @@ def render_strip(report: Any) -> str:
              f"model section   {len(model_kept)} trainable tensors kept ({plan.kept_model_params:,} params), "
              f"{len(plan.dropped)} items dropped ({plan.dropped_model_params:,} frozen params)",
              f"other sections  {len(plan.kept) - len(model_kept)} items kept untouched"]
+    if report.nothing_frozen:
+        lines.append(f"no frozen parameters: every model parameter is trainable ({plan.trainable_source}), "
+                     "so there is nothing to strip")
+        if report.result is None and not report.dry_run:
+            lines.append("nothing written (use --force to write anyway: it drops only the model _extra_state)")
+            return "\n".join(lines)
     if report.dry_run:
         lines.append("")
         rows = [["keep", d.key, human_bytes(d.bytes), d.reason] for d in plan.kept]
@@ -188,8 +194,9 @@ def render_strip(report: Any) -> str:
         lines.append(tabulate(rows, headers=["", "key", "size", "why"]))
         lines.append("")
         ratio = plan.bytes_after / plan.bytes_before if plan.bytes_before else 0.0
-        lines.append(f"data before     {human_bytes(plan.bytes_before)}")
-        lines.append(f"data after      {human_bytes(plan.bytes_after)} ({ratio:.1%}; dry run, nothing written)")
+        lines.append(f"size before     {human_bytes(plan.bytes_before)} ({plan.bytes_before} bytes)")
+        lines.append(f"size after      ~{human_bytes(plan.bytes_after)} ({plan.bytes_after} bytes, {ratio:.1%}; "
+                     "estimate; dry run, nothing written)")
         return "\n".join(lines)
     lines.append(f"written         {result.output}" + (" (in place)" if result.in_place else ""))
     if result.backup:
@@ -198,6 +205,9 @@ def render_strip(report: Any) -> str:
                  f"written in {result.seconds:.2f} s")
     for name, why in result.skipped.items():
         lines.append(f"not carried     {name}: {why}")
+    for change in result.args_changed:
+        lines.append(f"args            {change['arg']}: {_short(change['old'])} -> {_short(change['new'])} "
+                     "(as Megatron saves it; --keep-args keeps the saved value)")
     if result.resealed:
         lines.append("integrity.json  written afresh for the output (sha256 of its own files; the source's verified)")
     ratio = result.output_bytes / result.source_bytes if result.source_bytes else 0.0

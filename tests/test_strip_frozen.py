@@ -61,8 +61,8 @@ def test_strip_gives_reference_keys_and_bitwise_tensors(capsys, tmp_path, name):
     pytest.importorskip("torch")
     from ckptdoctor.values import read_tensor
 
-    report = _strip(capsys, FIXTURES / name, tmp_path / "out")
-    assert report["plan"]["trainable_source"] == "optimizer"
+    report = _strip(capsys, FIXTURES / name, tmp_path / "out", "--keep-args")  # byte copies: the args as saved
+    assert report["plan"]["trainable_source"] == "optimizer" and report["result"]["args_changed"] == []
     out = open_checkpoint(tmp_path / "out")
     ref = open_checkpoint(FIXTURES / REFERENCE[name])
     src = open_checkpoint(FIXTURES / name)
@@ -88,13 +88,65 @@ def test_output_size_printed_and_within_reference(capsys, tmp_path, name):
     printed = int(re.search(r"size after .*\((\d+) bytes", out).group(1))
     assert printed == _dir_bytes(tmp_path / "out" / "iter_0000010")
     reference = _dir_bytes(FIXTURES / REFERENCE[name] / "iter_0000010")
-    assert printed <= reference * 1.05, (printed, reference)
+    # + the rewritten common state (save_trainable_params_only=true): a new small file, the old item unreferenced
+    common = tmp_path / "out" / "iter_0000010" / "common_state.fixargs-strip-frozen.distcp"
+    assert printed <= reference * 1.05 + 2 * common.stat().st_size, (printed, reference)
     assert int(re.search(r"size before .*\((\d+) bytes", out).group(1)) == _dir_bytes(FIXTURES / name / "iter_0000010")
+
+
+@pytest.mark.parametrize("name", ["core019_peft_full_tp1", "core016_peft_full_tp1"])
+def test_saved_args_say_trainable_params_only(capsys, tmp_path, name):
+    """The output's args say what Megatron's --save-trainable-params-only run saves; --keep-args opts out."""
+    src = open_checkpoint(FIXTURES / name)
+    assert src.args.save_trainable_params_only is False
+    rc, out, err = _run(capsys, "strip-frozen", FIXTURES / name, "--output", tmp_path / "out")
+    assert rc == 0, err
+    assert "args            save_trainable_params_only: false -> true" in out
+    stripped = open_checkpoint(tmp_path / "out")
+    assert stripped.args.save_trainable_params_only is True
+    changed = {k for k in set(vars(src.args)) | set(vars(stripped.args))
+               if getattr(src.args, k, None) != getattr(stripped.args, k, None)}
+    assert changed == {"save_trainable_params_only"}
+    assert stripped.common_state()["iteration"] == src.common_state()["iteration"]
+    report = _strip(capsys, FIXTURES / name, tmp_path / "kept", "--keep-args")
+    assert report["result"]["args_changed"] == []
+    assert open_checkpoint(tmp_path / "kept").args.save_trainable_params_only is False
+    ref = REFERENCE.get(name)
+    if ref:  # what Megatron itself wrote
+        assert open_checkpoint(FIXTURES / ref).args.save_trainable_params_only is True
+
+
+def test_no_frozen_parameters_refused_unless_force(capsys, tmp_path):
+    src = FIXTURES / "core019_peft_full_tp1"
+    rc, out, _ = _run(capsys, "strip-frozen", src, "--trainable", ".", "-o", tmp_path / "out")
+    assert rc == 1
+    assert "no frozen parameters" in out and "nothing written" in out
+    assert not (tmp_path / "out").exists()
+    rc, out, _ = _run(capsys, "strip-frozen", src, "--trainable", ".", "--dry-run", "--format", "json")
+    assert rc == 1 and json.loads(out)["nothing_frozen"] is True
+    rc, out, _ = _run(capsys, "strip-frozen", src, "--trainable", ".", "-o", tmp_path / "out", "--force")
+    assert rc == 0 and "no frozen parameters" in out and (tmp_path / "out" / "iter_0000010" / ".metadata").is_file()
+    report = _strip(capsys, src, tmp_path / "normal")
+    assert report["nothing_frozen"] is False
+
+
+def test_dry_run_and_write_report_the_same_size_before(capsys, tmp_path):
+    src = FIXTURES / "core019_peft_full_tp2"
+    rc, dry, _ = _run(capsys, "strip-frozen", src, "--dry-run")
+    assert rc == 0
+    rc, wrote, _ = _run(capsys, "strip-frozen", src, "-o", tmp_path / "out")
+    assert rc == 0
+    line = re.compile(r"^size before .*$", re.M)
+    assert line.search(dry).group(0) == line.search(wrote).group(0)
+    plan = _strip(capsys, src, tmp_path / "json")
+    assert plan["plan"]["bytes_before"] == plan["result"]["source_bytes"] == _dir_bytes(src / "iter_0000010")
+    estimate, written = plan["plan"]["bytes_after"], plan["result"]["output_bytes"]
+    assert abs(estimate - written) <= 0.1 * written, (estimate, written)
 
 
 def test_common_pt_era(capsys, tmp_path):
     name = "core016_peft_full_tp1"
-    _strip(capsys, FIXTURES / name, tmp_path / "out")
+    _strip(capsys, FIXTURES / name, tmp_path / "out", "--keep-args")
     out = open_checkpoint(tmp_path / "out")
     src_dir = FIXTURES / name / "iter_0000010"
     assert out.common_source == "common.pt"
@@ -174,8 +226,12 @@ def test_preset_and_base_give_the_same_result(capsys, tmp_path, name):
     keys = [sorted(d["key"] for d in r["plan"]["kept"]) for r in (inferred, preset, based)]
     assert keys[0] == keys[1] == keys[2]
     digests = [_tree_digest(tmp_path / d / "iter_0000010") for d in ("optimizer", "preset", "based")]
-    data = [{k: v for k, v in d.items() if k.endswith(".distcp")} for d in digests]
-    assert data[0] == data[1] == data[2]  # byte-identical data files, whichever source chose the keys
+    # byte-identical data files, whichever source chose the keys (the rewritten common state: equal args)
+    data = [{k: v for k, v in d.items() if k.endswith(".distcp") and not k.startswith("common_state.")}
+            for d in digests]
+    assert data[0] == data[1] == data[2]
+    args = [vars(open_checkpoint(tmp_path / d).args) for d in ("optimizer", "preset", "based")]
+    assert args[0] == args[1] == args[2]
 
 
 def test_base_equal_everywhere_keeps_nothing(capsys, tmp_path):
@@ -232,7 +288,7 @@ def test_dry_run_lists_keys_and_sizes_and_writes_nothing(capsys, tmp_path):
     assert re.search(r"^drop\s+decoder\.layers\.mlp\.linear_fc1\.weight\s.*frozen", out, re.M)
     assert re.search(r"^drop\s+decoder\.layers\.mlp\.linear_fc1\._extra_state/shard_0_2\s.*_extra_state", out, re.M)
     assert re.search(r"^keep\s+optimizer\.state\.exp_avg\.", out, re.M)
-    assert "data before" in out and "data after" in out and "nothing written" in out
+    assert "size before" in out and "size after" in out and "nothing written" in out
     assert not (tmp_path / "out").exists()
 
 

@@ -41,7 +41,10 @@ class _Bars:
               help="New checkpoint dir to write (a save dir when CHECKPOINT is one).")
 @click.option("--in-place", is_flag=True, help="Replace the iteration dir (new dir + atomic rename; backup kept).")
 @click.option("--no-backup", is_flag=True, help="With --in-place: delete the old iteration dir after the swap.")
-@click.option("--force", is_flag=True, help="Replace an --output dir that exists and is not empty.")
+@click.option("--force", is_flag=True, help="Replace an --output dir that exists and is not empty; write even "
+              "when no model parameter is frozen.")
+@click.option("--keep-args", is_flag=True, help="Keep the saved args as they are (default: set "
+              "save_trainable_params_only to true, as Megatron's --save-trainable-params-only run saves it).")
 @click.option("--trainable", "patterns", metavar="REGEX", multiple=True,
               help="Model keys matching REGEX are trainable (repeatable).")
 @click.option("--preset", type=click.Choice(PRESET_CHOICES), default=None,
@@ -54,17 +57,19 @@ class _Bars:
               show_default=True, help="Output format; the JSON schema is in the README.")
 def command(checkpoint: str, iteration: str | None, output: Path | None, in_place: bool, no_backup: bool,
             force: bool, patterns: tuple[str, ...], preset: str | None, base_path: str | None,
-            base_iteration: str | None, dry_run: bool, output_format: str) -> int:
+            base_iteration: str | None, dry_run: bool, output_format: str, keep_args: bool) -> int:
     """Write what --save-trainable-params-only would have saved from a full PEFT CHECKPOINT.
 
     Keeps the model section's trainable tensors (default: those with optimizer state), drops frozen
-    tensors and every model _extra_state, keeps optimizer, rng, rerun and common state untouched.
-    Kept items are byte-copied, never re-encoded.
+    tensors and every model _extra_state, keeps optimizer, rng, rerun and common state untouched but for
+    the saved arg save_trainable_params_only (set to true unless --keep-args). Kept items are byte-copied,
+    never re-encoded. Exit code: 0 written (or planned), 1 no frozen parameter (nothing written; --force
+    writes anyway), 2 error.
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.errors import CkptError
     from ckptdoctor.ops.strip_write import strip_frozen
-    from ckptdoctor.report import render_strip, to_json
+    from ckptdoctor.report import EXIT_FINDINGS, EXIT_OK, render_strip, to_json
 
     if not dry_run and in_place == (output is not None):
         raise CkptError("give exactly one of --output DIR and --in-place (or --dry-run)")
@@ -75,9 +80,10 @@ def command(checkpoint: str, iteration: str | None, output: Path | None, in_plac
     bars = _Bars() if sys.stderr.isatty() else None
     try:
         report = strip_frozen(ckpt, output=output, in_place=in_place, patterns=list(patterns), preset=preset,
-                              base=base, dry_run=dry_run, force=force, keep_backup=not no_backup, progress=bars)
+                              base=base, dry_run=dry_run, force=force, keep_backup=not no_backup, progress=bars,
+                              keep_args=keep_args)
     finally:
         if bars is not None:
             bars.close()
     click.echo(to_json(report) if output_format == "json" else render_strip(report))
-    return 0
+    return EXIT_FINDINGS if report.nothing_frozen and not force else EXIT_OK

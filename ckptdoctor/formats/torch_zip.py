@@ -63,11 +63,14 @@ def dump_torch_zip(obj: Any, archive_name: str = "archive") -> bytes:
 
     pickled = safe_pickle.dumps(obj, persistent_id=persistent_id)
     buf = io.BytesIO()
+    def member(name: str) -> zipfile.ZipInfo:  # a fixed date: the same object gives the same bytes
+        return zipfile.ZipInfo(f"{archive_name}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as archive:
-        archive.writestr(f"{archive_name}/data.pkl", pickled)
-        archive.writestr(f"{archive_name}/.format_version", b"1")
-        archive.writestr(f"{archive_name}/byteorder", b"little")
+        archive.writestr(member("data.pkl"), pickled)
+        archive.writestr(member(".format_version"), b"1")
+        archive.writestr(member("byteorder"), b"little")
         for storage in storages.values():
-            archive.writestr(f"{archive_name}/data/{storage.key}", storage.data())
-        archive.writestr(f"{archive_name}/version", b"3\n")
+            archive.writestr(member(f"data/{storage.key}"), storage.data())
+        archive.writestr(member("version"), b"3\n")
     return buf.getvalue()

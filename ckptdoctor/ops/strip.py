@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ckptdoctor.checkpoint import Checkpoint, Entry
 from ckptdoctor.errors import CkptError
@@ -66,8 +67,11 @@ class StripPlan:
     trainable_detail: str
     kept: list[KeyDecision]
     dropped: list[KeyDecision]
-    bytes_before: int  # data files on disk
-    bytes_after: int  # data bytes of the kept items
+    # One definition of size everywhere (dry run and write): every plain file of the iteration dir, as
+    # StripResult.source_bytes/output_bytes count them. bytes_after is the estimate before writing: the kept
+    # items' data bytes plus the source's other (non-data) files.
+    bytes_before: int
+    bytes_after: int
     kept_model_params: int
     dropped_model_params: int
 
@@ -181,6 +185,13 @@ def trainable_from_base(checkpoint: Checkpoint, base: Checkpoint,
 # --- the plan ---------------------------------------------------------------------------------------
 
 
+def dir_bytes(directory: Path, data: bool = True) -> int:
+    """The size of a checkpoint dir as strip-frozen reports it: every plain file directly in it (data files,
+    ``.metadata``, ``common.pt``, ``metadata.json``, ...); ``data=False``: all but the ``.distcp`` data files."""
+    return sum(p.stat().st_size for p in directory.iterdir()
+               if p.is_file() and (data or not p.name.endswith(".distcp")))
+
+
 def plan_strip(checkpoint: Checkpoint, selection: TrainableSelection) -> StripPlan:
     """Kept and dropped items; refuses (CkptError) a selection that keeps no model parameter."""
     kept: list[KeyDecision] = []
@@ -217,8 +228,8 @@ def plan_strip(checkpoint: Checkpoint, selection: TrainableSelection) -> StripPl
         trainable_detail=selection.detail,
         kept=kept,
         dropped=dropped,
-        bytes_before=sum(checkpoint.data_files.values()),
-        bytes_after=sum(d.bytes for d in kept),
+        bytes_before=dir_bytes(checkpoint.iteration_dir),
+        bytes_after=sum(d.bytes for d in kept) + dir_bytes(checkpoint.iteration_dir, data=False),
         kept_model_params=kept_params,
         dropped_model_params=dropped_params,
     )

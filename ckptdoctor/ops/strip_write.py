@@ -57,6 +57,8 @@ class StripResult:
     carried: list[str] = field(default_factory=list)  # other files linked or copied over
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why it was not carried
     resealed: bool = False  # the source had integrity.json: the output got a fresh one (sha256 of its own files)
+    # the saved args rewritten in the output (save_trainable_params_only -> true); empty with --keep-args
+    args_changed: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -69,7 +71,9 @@ def input_was_save_dir(checkpoint: Checkpoint) -> bool:
 
 
 def _dir_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+    from ckptdoctor.ops.strip import dir_bytes
+
+    return dir_bytes(directory)
 
 
 def _check_output(checkpoint: Checkpoint, output: Path, force: bool) -> None:
@@ -108,8 +112,34 @@ def check_target(
         )
 
 
+def _set_trainable_only_arg(stage: Path, result: StripResult) -> None:
+    """Saved args as Megatron's --save-trainable-params-only run writes them (``save_trainable_params_only:
+    true``), through fix-args' writer: a new common state (``common.pt``, or a small data file that
+    ``.metadata`` is repointed to), written into the staging dir before the integrity manifest."""
+    import argparse
+
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.ops.fix_args import ArgChange
+    from ckptdoctor.ops.fix_args_write import WriteResult, _new_files, _side_files
+
+    staged = open_checkpoint(stage)
+    args = staged.args
+    if not isinstance(args, argparse.Namespace) or getattr(args, "save_trainable_params_only", None) is True:
+        return
+    name = "save_trainable_params_only"
+    changes = [ArgChange(name, getattr(args, name, None), True, "set")]
+    # A fixed name in the fresh staging dir: the same source and selection give the same files. The old
+    # common-state item stays in the copied data file, unreferenced (a few KiB), as after fix-args.
+    files, _ = _new_files(staged, changes, "strip-frozen")
+    _side_files(stage, changes, files, WriteResult("output", str(stage)))  # run_config.yaml, when it has the arg
+    for file_name in sorted(files, key=lambda n: n == ".metadata"):  # data first, then the index pointing to it
+        atomic.write_atomic(stage / file_name, files[file_name])
+    result.args_changed = [{"arg": c.arg, "old": c.old, "new": c.new} for c in changes]
+
+
 def _fill_iteration_dir(
-    checkpoint: Checkpoint, plan: StripPlan, stage: Path, progress: Callable[[int], None] | None, result: StripResult
+    checkpoint: Checkpoint, plan: StripPlan, stage: Path, progress: Callable[[int], None] | None, result: StripResult,
+    set_args: bool = True,
 ) -> None:
     src = checkpoint.iteration_dir
     metadata = torch_dist.load_metadata_object(src / ".metadata")  # pauses the cyclic GC itself
@@ -136,6 +166,8 @@ def _fill_iteration_dir(
             result.carried.append(name)
     # Last, as Megatron does: a dir without metadata.json is an incomplete checkpoint to every reader.
     atomic.write_atomic(stage / "metadata.json", (src / "metadata.json").read_bytes())
+    if set_args:
+        _set_trainable_only_arg(stage, result)
     if (src / INTEGRITY_NAME).is_file():
         # Still in the staging dir: no run leaves a checkpoint under its name whose manifest lists other bytes.
         write_manifest(stage)
@@ -189,6 +221,7 @@ def write_strip(
     force: bool = False,
     keep_backup: bool = True,
     progress: Callable[[int], None] | None = None,
+    set_args: bool = True,
 ) -> StripResult:
     """Write the stripped checkpoint to ``output`` (or in place); returns what was written."""
     started = time.perf_counter()
@@ -204,7 +237,7 @@ def write_strip(
     # the staging name is unique and the final rename never replaces an existing dir (but with --force).
     lock = locking.checkpoint_lock(target) if in_place else contextlib.nullcontext()
     with lock:
-        return _write_locked(checkpoint, plan, target, in_place, keep_backup, progress, started)
+        return _write_locked(checkpoint, plan, target, in_place, keep_backup, progress, started, set_args)
 
 
 def _write_locked(
@@ -215,6 +248,7 @@ def _write_locked(
     keep_backup: bool,
     progress: Callable[[int], None] | None,
     started: float,
+    set_args: bool = True,
 ) -> StripResult:
     src_iter = checkpoint.iteration_dir
     save_layout = not in_place and input_was_save_dir(checkpoint)
@@ -240,7 +274,7 @@ def _write_locked(
         atomic.fault_point("strip-frozen:staging-created")
         if save_layout:
             stage_iter.mkdir()
-        _fill_iteration_dir(checkpoint, plan, stage_iter, progress, result)
+        _fill_iteration_dir(checkpoint, plan, stage_iter, progress, result, set_args)
         if save_layout:
             location = checkpoint.location
             value = "release" if location.release else str(location.iteration)
@@ -358,8 +392,10 @@ def _rename(src: Path, dst: Path) -> None:
 @dataclass
 class StripReport:
     plan: StripPlan
-    result: StripResult | None  # None for --dry-run
+    result: StripResult | None  # None for --dry-run (and when refused: nothing frozen)
     dry_run: bool
+    # no frozen model parameter: nothing to strip; refused (nothing written, exit 1) unless --force
+    nothing_frozen: bool = False
 
 
 # progress(phase, bytes_done_now, phase_total): "compare" (--base) and "copy"
@@ -378,6 +414,7 @@ def strip_frozen(
     force: bool = False,
     keep_backup: bool = True,
     progress: ProgressFn | None = None,
+    keep_args: bool = False,
 ) -> StripReport:
     """The strip-frozen operation: integrity check, trainable selection, plan, and (unless dry-run) write.
 
@@ -387,14 +424,15 @@ def strip_frozen(
 
     check_integrity(checkpoint)
     if dry_run:
-        return _plan_and_write(checkpoint, output, in_place, patterns, preset, base, True, force, keep_backup, progress)
+        return _plan_and_write(checkpoint, output, in_place, patterns, preset, base, True, force, keep_backup, progress,
+                               keep_args)
     check_target(checkpoint, output, in_place, force, keep_backup)
     # in place: exclusive; --output: shared (other readers may copy the same source at the same time)
     with locking.checkpoint_lock(checkpoint.iteration_dir, exclusive=in_place, optional=not in_place):
         leftovers.refuse_if_interrupted(checkpoint.iteration_dir)
         verify_source_manifest(checkpoint.iteration_dir)
         return _plan_and_write(
-            checkpoint, output, in_place, patterns, preset, base, False, force, keep_backup, progress
+            checkpoint, output, in_place, patterns, preset, base, False, force, keep_backup, progress, keep_args
         )
 
 
@@ -409,6 +447,7 @@ def _plan_and_write(
     force: bool,
     keep_backup: bool,
     progress: ProgressFn | None,
+    keep_args: bool = False,
 ) -> StripReport:
     from ckptdoctor.ops.strip import model_parameters, plan_strip, select_trainable
 
@@ -418,10 +457,11 @@ def _plan_and_write(
         compare_progress = lambda n: progress("compare", n, total)  # noqa: E731
     selection = select_trainable(checkpoint, list(patterns or []), preset, base, compare_progress)
     plan = plan_strip(checkpoint, selection)
-    if dry_run:
-        return StripReport(plan, None, True)
+    nothing_frozen = plan.dropped_model_params == 0
+    if dry_run or (nothing_frozen and not force):
+        return StripReport(plan, None, dry_run, nothing_frozen)
     copy_progress = None
     if progress is not None:
         copy_progress = lambda n: progress("copy", n, plan.bytes_after)  # noqa: E731
-    result = write_strip(checkpoint, plan, output, in_place, force, keep_backup, copy_progress)
-    return StripReport(plan, result, False)
+    result = write_strip(checkpoint, plan, output, in_place, force, keep_backup, copy_progress, not keep_args)
+    return StripReport(plan, result, False, nothing_frozen)
