@@ -20,7 +20,10 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 # key -> expected type; both ``all-iterations`` and ``all_iterations`` spellings are accepted.
 CHECK_KEYS: dict[str, type | tuple[type, ...]] = {
     "select": list, "ignore": list, "deep": bool, "all-iterations": bool, "verify-integrity": bool, "format": str,
+    "recursive": bool, "per-path-ignores": dict,
 }
+# sub-tables other commands read ([tool.ckptdoctor.diff]); any other key of [tool.ckptdoctor] is an error
+OTHER_TABLES = ("diff",)
 
 
 def find_pyproject(start: Path) -> Path | None:
@@ -50,22 +53,47 @@ def load_tool_config(start: Path | None = None) -> tuple[dict[str, Any], Path | 
 
 
 def check_defaults(table: dict[str, Any], path: Path | None) -> dict[str, Any]:
-    """The ``check`` settings of a ``[tool.ckptdoctor]`` table, type-checked; other keys are left alone
-    (other commands may read them)."""
+    """The ``check`` settings of a ``[tool.ckptdoctor]`` table, type-checked; an unknown key is an error naming
+    the file and the closest known key (the sub-tables of other commands, OTHER_TABLES, are left alone)."""
+    import difflib
+
     out: dict[str, Any] = {}
     for raw_key, value in table.items():
         key = raw_key.replace("_", "-")
-        if key not in CHECK_KEYS:
+        if key in OTHER_TABLES:
             continue
+        if key not in CHECK_KEYS:
+            known = [*CHECK_KEYS, *OTHER_TABLES]
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise CkptError(f"{path}: [tool.ckptdoctor] unknown key {raw_key!r} ({hint}known: {', '.join(known)})")
         expected = CHECK_KEYS[key]
         if isinstance(value, str) and expected is list:
             value = [value]
-        if not isinstance(value, expected) or (
+        if key == "per-path-ignores":
+            value = _per_path_ignores(value, path)
+        elif not isinstance(value, expected) or (
                 expected is list and not all(isinstance(v, str) for v in value)):  # type: ignore[attr-defined]
             kind = "a list of rule codes" if expected is list else expected.__name__  # type: ignore[union-attr]
             raise CkptError(f"{path}: [tool.ckptdoctor] {raw_key} must be {kind}, got {value!r}")
         out[key] = value
     return out
+
+
+def _per_path_ignores(value: Any, path: Path | None) -> dict[str, list[str]]:
+    """``{"glob": ["CODE", ...]}`` (a single code may be a string), type-checked."""
+    out: dict[str, list[str]] = {}
+    if isinstance(value, dict):
+        for glob, codes in value.items():
+            if isinstance(codes, str):
+                codes = [codes]
+            if not isinstance(codes, list) or not all(isinstance(c, str) for c in codes):
+                break
+            out[glob] = codes
+        else:
+            return out
+    raise CkptError(f"{path}: [tool.ckptdoctor] per-path-ignores must be a table of glob = [rule codes], "
+                    f"got {value!r}")
 
 
 DIFF_KEYS: dict[str, type] = {"ignore-args": list, "ignore-layout": bool}

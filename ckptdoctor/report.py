@@ -238,12 +238,13 @@ def render_check(report: Any, quiet: bool = False) -> str:
 
 
 def render_rules(rules: list[Any]) -> str:
-    """Each rule: code, name, severity and summary, with its rationale indented below."""
+    """Each rule: code, name, severity and summary, with its rationale and the command that fixes it below."""
     import textwrap
 
     blocks = []
     for rule in rules:
         head = f"{rule.code}  {rule.name}  [{rule.severity}]  {rule.summary}"
         body = textwrap.fill(rule.rationale, width=100, initial_indent="        ", subsequent_indent="        ")
-        blocks.append(f"{head}\n{body}")
+        fix = f"fix: {rule.fix}" if getattr(rule, "fix", None) else "fix: none (no automatic fix)"
+        blocks.append(f"{head}\n{body}\n        {fix}")
     return "\n".join(blocks)

@@ -200,10 +200,11 @@ def test_structure_rule_fires_on_broken_copy(capsys, copy_fixture, code):
 def test_messages_name_the_file(capsys, copy_fixture):
     save = _break("CKD114", copy_fixture("core019_tp2"))
     _, out, _ = _check(capsys, str(save))
-    assert f"{save / ITER / '__0_0.distcp'}: CKD114 truncated:" in out
+    assert f"{save / ITER / '__0_0.distcp'}: CKD114 [error] truncated:" in out
     save = _break("CKD101", copy_fixture("core016_tp1"))
     _, out, _ = _check(capsys, str(save))
-    assert out.startswith(f"{save / ITER}: CKD101 metadata.json missing (incomplete save: rank 0 writes it last)")
+    assert out.startswith(
+        f"{save / ITER}: CKD101 [error] metadata.json missing (incomplete save: rank 0 writes it last)")
 
 
 def test_garbage_common_pt_is_a_finding(capsys, copy_fixture):

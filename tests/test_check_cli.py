@@ -47,7 +47,7 @@ def test_tracker_file_checks_the_save_dir(capsys, copy_fixture):
     save = copy_fixture("core016_tp1")
     (save / "latest_checkpointed_iteration.txt").write_text("30")
     rc, out, _ = _run(capsys, "check", "--isolated", str(save / "latest_checkpointed_iteration.txt"))
-    assert rc == 1 and f"{save / 'latest_checkpointed_iteration.txt'}: CKD121 tracker says 30" in out
+    assert rc == 1 and f"{save / 'latest_checkpointed_iteration.txt'}: CKD121 [error] tracker says 30" in out
 
 
 def test_missing_path_is_a_usage_error(capsys):
@@ -117,9 +117,9 @@ def test_json_report_shape(capsys):
     report = json.loads(out)
     jsonschema.validate(report, json.loads((REPO / "docs/check.schema.json").read_text()))
     assert report["schema"] == "ckptdoctor.check/1"
-    assert set(report) == {"schema", "checked", "skipped", "findings", "counts"}
+    assert set(report) == {"schema", "checked", "skipped", "findings", "counts", "missing"}
     for f in report["findings"]:
-        assert set(f) == {"code", "path", "message", "severity"} and f["severity"] in ("error", "warning")
+        assert set(f) == {"code", "path", "message", "severity", "fix"} and f["severity"] in ("error", "warning")
     assert sum(report["counts"].values()) == len(report["findings"])
 
 
@@ -145,7 +145,7 @@ def test_rules_command(capsys):
     rc, out, _ = _run(capsys, "rules", "--format", "json")
     listed = json.loads(out)["rules"]
     assert [r["code"] for r in listed] == [r.code for r in all_rules()]
-    assert {"code", "name", "family", "severity", "summary", "rationale"} == set(listed[0])
+    assert {"code", "name", "family", "severity", "summary", "rationale", "fix"} == set(listed[0])
     rc, out, _ = _run(capsys, "rules", "CKD4")
     assert out.startswith("CKD401") and "CKD1" not in out
 
@@ -234,4 +234,4 @@ def test_pre_commit_hook_for_real(tmp_path):
     _git(user, "add", "-A")
     broken = try_repo()
     assert broken.returncode == 1, broken.stdout
-    assert "Failed" in broken.stdout and "CKD113 __1_0.distcp missing" in broken.stdout
+    assert "Failed" in broken.stdout and "CKD113 [error] __1_0.distcp missing" in broken.stdout

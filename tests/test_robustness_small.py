@@ -74,7 +74,7 @@ def test_tracker_non_ascii_digits_are_an_error_naming_the_tracker(capsys, copy_f
         assert f"{tracker}: tracker holds" in line and "non-ASCII" in line
     rc, out, err = _run(capsys, "check", "--isolated", save)
     assert rc == 1, out + err
-    assert f"{tracker}: CKD120 tracker holds" in out and "non-ASCII" in out
+    assert f"{tracker}: CKD120 [error] tracker holds" in out and "non-ASCII" in out
 
 
 @pytest.mark.parametrize("text", ["0", "-10", "1 0", "10.0"])
@@ -97,7 +97,7 @@ def test_data_file_that_is_a_directory_is_a_finding(capsys, copy_fixture):
     data.mkdir()
     rc, out, _ = _run(capsys, "check", "--isolated", save)
     assert rc == 1
-    assert f"{data}: CKD113 unreadable (not a regular file)" in out
+    assert f"{data}: CKD113 [error] unreadable (not a regular file)" in out
 
 
 def test_data_file_without_read_permission_is_a_finding(capsys, copy_fixture, monkeypatch):
@@ -114,7 +114,7 @@ def test_data_file_without_read_permission_is_a_finding(capsys, copy_fixture, mo
     monkeypatch.setattr(os, "open", deny)
     rc, out, _ = _run(capsys, "check", "--isolated", save)
     assert rc == 1
-    assert f"{data}: CKD113 unreadable (Permission denied)" in out
+    assert f"{data}: CKD113 [error] unreadable (Permission denied)" in out
     rc, out, _ = _run(capsys, "check", "--isolated", "--format", "json", save)
     assert rc == 1
     assert {"code": "CKD113", "path": str(data)}.items() <= json.loads(out)["findings"][0].items()
@@ -180,7 +180,7 @@ def test_mode_000_for_a_real_user(capsys, copy_fixture):
     data.chmod(0)
     try:
         rc, out, _ = _run(capsys, "check", "--isolated", save)
-        assert rc == 1 and f"{data}: CKD113 unreadable" in out
+        assert rc == 1 and f"{data}: CKD113 [error] unreadable" in out
     finally:
         data.chmod(0o644)
     (save / ITER).chmod(0)
@@ -409,9 +409,10 @@ def test_check_escapes_file_names(capsys, copy_fixture):
     assert rc == 1
     _assert_terminal_safe(out)
     lines = out.splitlines()
-    assert len(lines) == 2, out  # one finding, one summary: the name forged no line
+    assert len(lines) == 3, out  # one finding, its fix, one summary: the name forged no line
     assert lines[0] == (
-        f"{save / ITER}/__7_0\\x1b[2J\\nFAKE: All checks passed.distcp: CKD115 no .metadata entry references this file"
+        f"{save / ITER}/__7_0\\x1b[2J\\nFAKE: All checks passed.distcp: CKD115 [warning] "
+        "no .metadata entry references this file"
     )
     rc, out, _ = _run(capsys, "check", "--isolated", "--format", "json", save)
     assert json.loads(out)["findings"][0]["path"] == str(save / ITER / name)

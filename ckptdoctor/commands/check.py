@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
@@ -14,8 +15,13 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES"}
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--select", **_MULTI, help="Only these rule codes or prefixes (e.g. CKD1,CKD220). Default: all.")
 @click.option("--ignore", **_MULTI, help="Skip these rule codes or prefixes.")
-@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default=None,
-              help="Output format (default text); the JSON schema is in the README.")
+@click.option("--format", "--output-format", "output_format", type=click.Choice(["text", "json", "github", "sarif"]),
+              default=None, help="Output format (default text): json (schema in the README), github (workflow "
+                                 "annotations), sarif (SARIF 2.1.0, for code scanning).")
+@click.option("--statistics", is_flag=True, help="Counts per rule code instead of one line per finding "
+                                                   "(text; JSON adds a statistics list).")
+@click.option("--recursive/--no-recursive", default=None,
+              help="Search a directory that is no checkpoint for checkpoints below it (default on).")
 @click.option("--deep/--no-deep", default=None,
               help="Also read every chunk and item and decode it through the safe unpickler (reads all data).")
 @click.option("--all-iterations/--no-all-iterations", default=None,
@@ -25,42 +31,82 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES"}
 @click.option("--quiet", "-q", is_flag=True, help="Findings only: no summary line, no progress bar.")
 @click.option("--isolated", is_flag=True, help="Ignore [tool.ckptdoctor] in pyproject.toml.")
 def command(paths: tuple[str, ...], select: tuple[str, ...], ignore: tuple[str, ...], output_format: str | None,
-            deep: bool | None, all_iterations: bool | None, verify_integrity: bool | None, quiet: bool,
-            isolated: bool) -> int:
+            statistics: bool, recursive: bool | None, deep: bool | None, all_iterations: bool | None,
+            verify_integrity: bool | None, quiet: bool, isolated: bool) -> int:
     """Check checkpoints for missing or truncated files, inconsistent args and chunks, unsafe pickles.
 
-    Each PATH is a save dir (the tracker is followed), an iteration dir, or a file inside one (as
-    pre-commit passes them); every iteration dir is checked once. Defaults come from [tool.ckptdoctor]
-    in the nearest pyproject.toml. `ckptdoctor rules` lists the rule codes.
+    Each PATH is a save dir (the tracker is followed), an iteration dir, a file inside one (as
+    pre-commit passes them), or a directory holding checkpoints below it (searched recursively; hidden
+    dirs skipped); every iteration dir is checked once. A PATH that does not exist is reported on stderr
+    after the others are checked (exit 2). Defaults come from [tool.ckptdoctor] in the nearest
+    pyproject.toml. `ckptdoctor rules` lists the rule codes and what fixes them.
     """
     from ckptdoctor.config import check_defaults, load_tool_config
     from ckptdoctor.ops.check import CheckOptions, check_paths
-    from ckptdoctor.report import EXIT_FINDINGS, EXIT_OK, render_check, to_json
+    from ckptdoctor.render_check import FORMATS, render_check, render_github, render_sarif
+    from ckptdoctor.report import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK, jsonable
     from ckptdoctor.rules import validate_selectors
+    from ckptdoctor.text_safety import escape
 
-    config = {} if isolated else check_defaults(*load_tool_config())
+    table, config_path = ({}, None) if isolated else load_tool_config()
+    config = check_defaults(table, config_path)
 
     def pick(cli_value: Any, key: str, default: Any) -> Any:
         return cli_value if cli_value not in (None, ()) else config.get(key, default)
 
+    def selectors(cli_value: tuple[str, ...], key: str, default: list[str]) -> list[str]:
+        if cli_value:
+            return validate_selectors(cli_value, f"--{key}")
+        return validate_selectors(config.get(key, default), f"{config_path}: [tool.ckptdoctor] {key}")
+
+    per_path = [(glob, validate_selectors(codes, f"{config_path}: [tool.ckptdoctor] per-path-ignores {glob!r}"))
+                for glob, codes in config.get("per-path-ignores", {}).items()]
     options = CheckOptions(
-        select=validate_selectors(pick(select, "select", ["ALL"]), "--select"),
-        ignore=validate_selectors(pick(ignore, "ignore", []), "--ignore"),
+        select=selectors(select, "select", ["ALL"]),
+        ignore=selectors(ignore, "ignore", []),
         deep=pick(deep, "deep", False),
         all_iterations=pick(all_iterations, "all-iterations", False),
         verify_integrity=pick(verify_integrity, "verify-integrity", True),
+        recursive=pick(recursive, "recursive", True),
+        per_path_ignores=per_path,
+        base_dir=config_path.parent if config_path is not None else None,
     )
     output_format = pick(output_format, "format", "text")
-    if output_format not in ("text", "json"):
-        raise click.BadParameter(f"{output_format!r} is not one of 'text', 'json'", param_hint="format")
+    if output_format not in FORMATS:
+        raise click.BadParameter(f"{output_format!r} is not one of {', '.join(map(repr, FORMATS))}",
+                                 param_hint=f"{config_path}: [tool.ckptdoctor] format")
+    if statistics and output_format not in ("text", "json"):
+        raise click.BadParameter("--statistics goes with --format text or json", param_hint="--statistics")
     show_bar = options.deep and not quiet and output_format == "text" and sys.stderr.isatty()
-    report = check_paths(list(paths), options, _progress_bar() if show_bar else None)
-    if output_format == "json":
-        click.echo(to_json(report))
-    else:
-        text = render_check(report, quiet=quiet)
+    report = check_paths(list(paths), options, _progress_bar() if show_bar else None, missing_ok=True)
+    only_missing = report.missing and not report.checked and not report.findings
+    if only_missing:
+        pass  # nothing but errors to say (on stderr, below)
+    elif output_format == "json":
+        plain = jsonable(report)
+        if statistics:
+            from ckptdoctor.render_check import statistics as count_codes
+
+            plain["statistics"] = count_codes(report)
+        click.echo(json.dumps(plain, indent=2))
+    elif output_format == "sarif":
+        click.echo(render_sarif(report))
+    elif output_format == "github":
+        text = render_github(report)
         if text:
             click.echo(text)
+    else:
+        text = render_check(report, quiet=quiet, statistics=statistics)
+        if text:
+            click.echo(text)
+    for missing in report.missing:
+        click.echo(escape(f"ckptdoctor: error: {missing}: no such file or directory"), err=True)
+    if report.missing:
+        return EXIT_ERROR
+    nothing = report.nothing_found
+    if nothing:
+        click.echo(escape(f"ckptdoctor: no checkpoint found under {', '.join(nothing)}"), err=True)
+        return EXIT_FINDINGS
     return EXIT_OK if report.clean else EXIT_FINDINGS
 
 

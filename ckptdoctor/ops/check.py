@@ -1,19 +1,24 @@
 """``ckptdoctor check``: validate checkpoint dirs with coded rules (see :mod:`ckptdoctor.rules`).
 
 Paths may be save dirs, iteration dirs or files inside them (pre-commit passes file names); each iteration
-dir is checked once. Problems with the checkpoint are findings; only usage errors (a PATH that does not
-exist, an unknown rule code) raise :class:`~ckptdoctor.errors.CkptError`.
+dir is checked once. A directory that is no checkpoint is searched for checkpoints below it (``recursive``;
+hidden dirs and the contents of checkpoints are not entered). Problems with the checkpoint are findings; only
+usage errors (a PATH that does not exist, unless ``missing_ok``, an unknown rule code) raise
+:class:`~ckptdoctor.errors.CkptError`.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.torch_dist import gc_paused
 from ckptdoctor.layout import NEMO_WEIGHTS_DIR, TRACKER_NAME, list_dir, list_iteration_dirs, looks_like_iteration_dir
-from ckptdoctor.rules import Finding, consistency, finding, integrity, is_selected, leftovers, structure
+from ckptdoctor.rules import Finding, consistency, finding, integrity, is_selected, leftovers, structure, with_fix
 
 SCHEMA = "ckptdoctor.check/1"
 
@@ -25,6 +30,17 @@ class CheckOptions:
     deep: bool = False
     all_iterations: bool = False
     verify_integrity: bool = True
+    recursive: bool = True  # a dir that is no checkpoint: search below it (off: it is a CKD100 finding)
+    # (glob, codes) pairs: findings whose path matches the glob (as named, or relative to ``base_dir``) and
+    # one of the codes or prefixes are not reported ([tool.ckptdoctor] per-path-ignores)
+    per_path_ignores: list[tuple[str, list[str]]] = field(default_factory=list)
+    base_dir: Path | None = None  # where per-path-ignores globs are relative to (the pyproject.toml's dir)
+
+
+# The files pre-commit passes to the hook (.pre-commit-hooks.yaml `files:`): one that belongs to no checkpoint
+# is skipped quietly; any other file that belongs to none is a user naming the wrong thing.
+CHECKPOINT_FILE_RE = re.compile(
+    r"(^|/)(latest_checkpointed_iteration\.txt|metadata\.json|\.metadata|common\.pt|integrity\.json|__\d+_\d+\.distcp)$")
 
 
 @dataclass
@@ -34,10 +50,21 @@ class CheckReport:
     skipped: list[str]  # given files that belong to no checkpoint
     findings: list[Finding]
     counts: dict[str, int]  # findings by severity ("error", "warning")
+    missing: list[str] = field(default_factory=list)  # given paths that do not exist (only with missing_ok)
 
     @property
     def clean(self) -> bool:
         return not self.findings
+
+    @property
+    def nothing_found(self) -> list[str]:
+        """The given paths when no checkpoint was found and nothing reported, except when every one is a
+        checkpoint file name that belongs to none (pre-commit passing files of no checkpoint): empty then."""
+        if self.checked or self.findings or self.missing:
+            return []
+        if self.skipped and all(CHECKPOINT_FILE_RE.search(Path(p).as_posix()) for p in self.skipped):
+            return []
+        return list(self.skipped) or ["(no path)"]
 
 
 class Progress:
@@ -58,32 +85,55 @@ class _Targets:
     save_dirs: dict[Path, Path] = field(default_factory=dict)  # resolved -> as named
     iteration_dirs: dict[Path, Path] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
 
 
 def check_paths(paths: list[str], options: CheckOptions | None = None,
-                progress: Progress | None = None) -> CheckReport:
-    """Run every selected rule on the checkpoints ``paths`` name."""
+                progress: Progress | None = None, missing_ok: bool = False) -> CheckReport:
+    """Run every selected rule on the checkpoints ``paths`` name. A path that does not exist raises
+    :class:`CkptError`, or with ``missing_ok`` is listed in the report's ``missing`` (the others are checked)."""
     options = options or CheckOptions()
-    targets = resolve_targets(paths)
-    findings = list(targets.findings)
+    targets = resolve_targets(paths, options.recursive, missing_ok)
+    # (finding, the checkpoint its fix command names); None: no checkpoint a fixer could take
+    found: dict[Finding, Path | None] = dict.fromkeys(targets.findings)
     iteration_dirs: dict[Path, Path] = {}
     for save_dir, shown in targets.save_dirs.items():
         chosen, tracker_findings = structure.check_save_dir(save_dir, shown, options.all_iterations)
-        findings += tracker_findings
-        findings += leftovers.scan_beside(save_dir, shown)  # also those of an iteration dir gone missing
+        for f in tracker_findings + leftovers.scan_beside(save_dir, shown):  # also those of a dir gone missing
+            found.setdefault(f, shown)  # a leftover beside an iteration dir is seen from the save dir too
         for directory in chosen:
             iteration_dirs.setdefault(directory.resolve(), shown / directory.name)
     for resolved, shown in targets.iteration_dirs.items():
         iteration_dirs.setdefault(resolved, shown)
     for shown in iteration_dirs.values():  # keyed by resolved path (each once), read as named (messages match)
-        findings += check_iteration_dir(shown, shown, options, progress)
-    findings = list(dict.fromkeys(findings))  # a leftover beside an iteration dir is seen from the save dir too
-    kept = [f for f in findings if is_selected(f.code, options.select, options.ignore)]
+        for f in check_iteration_dir(shown, shown, options, progress):
+            found.setdefault(f, shown)
+    kept = [f if ckpt is None else with_fix(f, ckpt) for f, ckpt in found.items()
+            if is_selected(f.code, options.select, options.ignore) and not _path_ignored(f, options)]
     counts = {"error": 0, "warning": 0}
     for f in kept:
         counts[f.severity] = counts.get(f.severity, 0) + 1
-    return CheckReport(SCHEMA, [str(s) for s in iteration_dirs.values()], targets.skipped, kept, counts)
+    return CheckReport(SCHEMA, [str(s) for s in iteration_dirs.values()], targets.skipped, kept, counts,
+                       targets.missing)
+
+
+def _path_ignored(f: Finding, options: CheckOptions) -> bool:
+    """A per-path-ignores glob matches the finding's path (as named, or relative to the config's dir) and one
+    of its codes matches the finding's code."""
+    if not options.per_path_ignores:
+        return False
+    names = [Path(f.path).as_posix()]
+    if options.base_dir is not None:
+        try:
+            names.append(Path(os.path.abspath(f.path)).relative_to(options.base_dir.resolve()).as_posix())
+        except ValueError:
+            pass
+    for glob, codes in options.per_path_ignores:
+        if any(fnmatch.fnmatchcase(name, glob) or fnmatch.fnmatchcase(name, glob.rstrip("/") + "/*")
+               for name in names) and is_selected(f.code, codes, []):
+            return True
+    return False
 
 
 def check_iteration_dir(directory: Path, shown: Path, options: CheckOptions,
@@ -106,34 +156,70 @@ def check_iteration_dir(directory: Path, shown: Path, options: CheckOptions,
     return findings
 
 
-def resolve_targets(paths: list[str]) -> _Targets:
-    """Map each path to a save dir or an iteration dir (each once); non-checkpoint files are skipped."""
+def resolve_targets(paths: list[str], recursive: bool = True, missing_ok: bool = False) -> _Targets:
+    """Map each path to a save dir or an iteration dir (each once); non-checkpoint files are skipped; a dir
+    that is no checkpoint is searched below (``recursive``) or is a CKD100 finding."""
     targets = _Targets()
     for raw in paths:
         path = Path(raw)
         if not path.exists():
             # an output dir that an interrupted write never renamed into place: report its leftovers
             left = leftovers.scan_beside(path.parent, path.parent, path.name)
-            if not left:
+            if left:
+                targets.findings += left
+            elif missing_ok:
+                targets.missing.append(raw)
+            else:
                 raise CkptError(f"{raw}: no such file or directory")
-            targets.findings += left
             continue
         if path.is_file():
             _add_file(path, targets)
             continue
         if path.is_dir():
             list_dir(path)  # a dir that cannot be listed: one error naming it, before a stat inside it fails
-        if (path / TRACKER_NAME).is_file() or (not looks_like_iteration_dir(path) and list_iteration_dirs(path)):
-            targets.save_dirs.setdefault(path.resolve(), path)
-        elif looks_like_iteration_dir(path):
-            targets.iteration_dirs.setdefault(path.resolve(), path)
-        elif looks_like_iteration_dir(path / NEMO_WEIGHTS_DIR):  # NeMo 2 style: <ckpt>/weights/
-            targets.iteration_dirs.setdefault((path / NEMO_WEIGHTS_DIR).resolve(), path / NEMO_WEIGHTS_DIR)
-        else:
-            targets.findings.append(finding(structure.NOT_A_CHECKPOINT, path,
-                                            "no tracker, iteration dirs, metadata.json, .metadata or .distcp files"))
-            targets.findings += leftovers.scan_beside(path, path)
+        if _add_checkpoint_dir(path, targets):
+            continue
+        before = len(targets.save_dirs) + len(targets.iteration_dirs)
+        if recursive:
+            _discover(path, targets, {path.resolve()})
+        if len(targets.save_dirs) + len(targets.iteration_dirs) == before:
+            why = "no tracker, iteration dirs, metadata.json, .metadata or .distcp files"
+            if recursive:
+                why = f"no checkpoint found under it ({why}, in it or in any dir below it)"
+            targets.findings.append(finding(structure.NOT_A_CHECKPOINT, path, why))
+        targets.findings += leftovers.scan_beside(path, path)
     return targets
+
+
+def _add_checkpoint_dir(path: Path, targets: _Targets) -> bool:
+    """Add ``path`` if it is a save dir or an iteration dir (NeMo 2's ``weights/`` included)."""
+    if (path / TRACKER_NAME).is_file() or (not looks_like_iteration_dir(path) and list_iteration_dirs(path)):
+        targets.save_dirs.setdefault(path.resolve(), path)
+    elif looks_like_iteration_dir(path):
+        targets.iteration_dirs.setdefault(path.resolve(), path)
+    elif looks_like_iteration_dir(path / NEMO_WEIGHTS_DIR):  # NeMo 2 style: <ckpt>/weights/
+        targets.iteration_dirs.setdefault((path / NEMO_WEIGHTS_DIR).resolve(), path / NEMO_WEIGHTS_DIR)
+    else:
+        return False
+    return True
+
+
+def _discover(directory: Path, targets: _Targets, seen: set[Path]) -> None:
+    """Checkpoints below ``directory`` (not itself one), in name order: a save or iteration dir is added and
+    not entered; hidden dirs (ckptdoctor's staging and backup dirs among them) are not entered; a symlinked
+    dir is followed once (each resolved dir is visited once)."""
+    for name in sorted(list_dir(directory)):
+        child = directory / name
+        if name.startswith(".") or not child.is_dir():
+            continue
+        resolved = child.resolve()
+        if resolved in seen:
+            continue
+        seen.add(resolved)
+        list_dir(child)  # one error naming a dir that cannot be listed
+        if not _add_checkpoint_dir(child, targets):
+            targets.findings += leftovers.scan_beside(child, child)
+            _discover(child, targets, seen)
 
 
 def _add_file(path: Path, targets: _Targets) -> None:

@@ -13,6 +13,8 @@ This package is pure: it returns :class:`Finding` objects and never prints.
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -32,16 +34,52 @@ class RuleInfo:
     severity: str
     summary: str
     rationale: str
+    fix: str | None = None  # the command that fixes it (``CKPT`` stands for the checkpoint), from FIX_COMMANDS
 
 
 @dataclass(frozen=True)
 class Finding:
-    """One problem, one line: ``<path>: <code> <message>``."""
+    """One problem, one line: ``<path>: <code> <message> [<severity>]``."""
 
     code: str
     path: str  # the file the finding is about, or the iteration/save dir when the file is missing
     message: str
     severity: str
+    fix: str | None = None  # the command that fixes it, for this checkpoint (see FIX_COMMANDS); None: no fixer
+
+
+# Which command fixes which finding: code or code prefix -> command template (``{ckpt}``: the checkpoint
+# checked, the save dir for tracker findings). The one place `check` and `rules` take fix hints from; a code
+# missing here has no automatic fix (truncated or missing data, unsafe pickles: the report says what is lost).
+FIX_COMMANDS: dict[str, str] = {
+    "CKD101": "ckptdoctor repair {ckpt} --write --in-place",  # metadata.json of a complete save
+    "CKD115": "ckptdoctor repair {ckpt} --write --in-place",  # unreferenced .distcp quarantined
+    "CKD12": "ckptdoctor repair {ckpt} --write --in-place",  # tracker -> latest good
+    "CKD151": "ckptdoctor repair {ckpt} --write --in-place",  # leftovers quarantined
+    "CKD20": "ckptdoctor fix-args {ckpt} --write --in-place",  # args vs parallelism (arg_rules table)
+    "CKD21": "ckptdoctor fix-args {ckpt} --write --in-place",
+}
+
+
+def fix_template(code: str) -> str | None:
+    """The fix command template for ``code`` (longest matching prefix of FIX_COMMANDS), or None."""
+    matches = [prefix for prefix in FIX_COMMANDS if code.startswith(prefix)]
+    return FIX_COMMANDS[max(matches, key=len)] if matches else None
+
+
+def fix_command(code: str, checkpoint: object = "CKPT") -> str | None:
+    """The command that fixes a ``code`` finding of ``checkpoint`` (shell-quoted), or None."""
+    template = fix_template(code)
+    if template is None:
+        return None
+    shown = str(checkpoint)
+    return template.format(ckpt=shown if shown == "CKPT" else shlex.quote(shown))
+
+
+def with_fix(f: Finding, checkpoint: object) -> Finding:
+    """``f`` with its fix command for ``checkpoint`` (unchanged when nothing fixes it)."""
+    fix = fix_command(f.code, checkpoint)
+    return f if fix is None or f.fix is not None else dataclasses.replace(f, fix=fix)
 
 
 def all_rules() -> list[RuleInfo]:
@@ -49,7 +87,7 @@ def all_rules() -> list[RuleInfo]:
     from ckptdoctor.rules import consistency, integrity, leftovers, safety, structure
 
     rules = [*structure.RULES, *leftovers.RULES, *consistency.RULES, *integrity.RULES, *safety.RULES]
-    return sorted(rules, key=lambda r: r.code)
+    return sorted((dataclasses.replace(r, fix=fix_command(r.code)) for r in rules), key=lambda r: r.code)
 
 
 def rule_by_code() -> dict[str, RuleInfo]:
