@@ -216,25 +216,7 @@ def render_strip(report: Any) -> str:
     return "\n".join(lines)
 
 
-# --- check / rules --------------------------------------------------------------------------------------
-
-
-@text_safe
-def render_check(report: Any, quiet: bool = False) -> str:
-    """ruff-style lines ``<path>: <code> <message>``, then a one-line summary (unless ``quiet``)."""
-    lines = [f"{f.path}: {f.code} {f.message}" for f in report.findings]
-    if quiet:
-        return "\n".join(lines)
-    n = len(report.checked)
-    where = f"{n} checkpoint{'s' if n != 1 else ''}"
-    if report.findings:
-        errors, warnings = report.counts.get("error", 0), report.counts.get("warning", 0)
-        total = len(report.findings)
-        lines.append(f"Found {total} problem{'s' if total != 1 else ''} ({errors} error{'s' if errors != 1 else ''}, "
-                     f"{warnings} warning{'s' if warnings != 1 else ''}) in {where}.")
-    else:
-        lines.append(f"All checks passed ({where}).")
-    return "\n".join(lines)
+# --- rules (check's own output: ckptdoctor/render_check.py) ---------------------------------------------
 
 
 def render_rules(rules: list[Any]) -> str:
