@@ -237,6 +237,19 @@ def test_values_without_torch_names_the_extra(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO).stdout
     assert "ckptdoctor[torch]" in out
+    # the CPU wheel, and why: the default CUDA build is multi-GB
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in out and "multi-GB" in out
+
+
+def test_shell_completion_documented_and_working():
+    """README's completion recipe (click's _CKPTDOCTOR_COMPLETE) produces a bash script."""
+    readme = (REPO / "README.md").read_text()
+    for shell in ("bash", "zsh", "fish"):
+        assert f"_CKPTDOCTOR_COMPLETE={shell}_source ckptdoctor" in readme
+    env = dict(os.environ, _CKPTDOCTOR_COMPLETE="bash_source")
+    result = subprocess.run([sys.executable, "-c", "from ckptdoctor.cli import run; run()"], env=env,
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0 and "_ckptdoctor_completion" in result.stdout
 
 
 def test_nemo_style_weights_subdir(capsys, tmp_path):

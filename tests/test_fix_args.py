@@ -303,3 +303,14 @@ def test_inspect_marks_inconsistent_args_and_points_to_fix_args(capsys):
     assert codes == ["CKD203", "CKD210", "CKD212"]
     rc, out, _ = _run(capsys, "inspect", FIXTURES / "core019_tp2")
     assert rc == 0 and "inconsistent args" not in out
+
+
+def test_schema_ships_in_the_wheel_with_the_others():
+    import fnmatch
+
+    import tomllib
+
+    data_files = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["data-files"]
+    patterns = [p for files in data_files.values() for p in files]
+    for name in ("fix-args", "inspect", "diff", "check"):
+        assert any(fnmatch.fnmatch(f"docs/{name}.schema.json", p) for p in patterns), name
