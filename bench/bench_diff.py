@@ -103,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     # 1. structural diff, repeats interleaved across sizes (one warm-up each first)
     structural: dict[str, list[dict]] = {s: [] for s in sizes}
     for a, b in pairs.values():
-        timed(cli + [str(a), str(b), "--format", "json"])
+        timed(cli + [str(a), str(b), "--format", "json", "--limit", "20"])
     for _ in range(opts.repeats):
         for s, (a, b) in pairs.items():
-            structural[s].append(timed(cli + [str(a), str(b), "--format", "json"]))
+            structural[s].append(timed(cli + [str(a), str(b), "--format", "json", "--limit", "20"]))
             print(f"structural {s}: {structural[s][-1]}", flush=True)
     med = {s: statistics.median(r["wall_s"] for r in runs) for s, runs in structural.items()}
     results["structural"] = {"runs": structural, "median_s": med, "ratio_big_over_small": med[big] / med[sizes[0]]}
