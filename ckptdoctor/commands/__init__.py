@@ -15,6 +15,7 @@ ITERATION_HELP = "Iteration to read from a save dir instead of the tracker's (a 
 # command name -> module in ckptdoctor.commands, in the order help lists them
 COMMAND_MODULES: dict[str, str] = {
     "inspect": "inspect",
+    "show": "show",
     "diff": "diff",
     "fix-args": "fix_args",
     "strip-frozen": "strip_frozen",

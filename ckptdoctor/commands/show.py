@@ -1,0 +1,80 @@
+"""``ckptdoctor show``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ckptdoctor.commands import ITERATION_HELP
+
+
+@click.command("show")
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.argument("key")
+@click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
+@click.option("--stats/--no-stats", default=None,
+              help="Statistics (min/max/mean/std, NaN/Inf counts; streamed per chunk). Default: when torch "
+              "is installed.")
+@click.option("--slice", "slice_spec", metavar="SPEC", default=None,
+              help="Print a slice of the global tensor, numpy style: \"0,:4,:4\" (needs torch).")
+@click.option("--save", "save_path", type=click.Path(path_type=Path), default=None,
+              help="Export the tensor (or its --slice) to a .pt (torch.save) or .npy file (needs torch).")
+@click.option("--force", is_flag=True, help="Replace an existing --save file.")
+@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def command(checkpoint: str, key: str, iteration: str | None, stats: bool | None, slice_spec: str | None,
+            save_path: Path | None, force: bool, output_format: str) -> int:
+    """Show one saved item KEY of CHECKPOINT: metadata and chunk grid (no torch needed), and with torch its
+    statistics, a slice and an export.
+
+    Exit code: 0 shown, 2 error (unknown key: the closest names are suggested).
+    """
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.errors import CkptError
+    from ckptdoctor.ops.show import (
+        describe,
+        find_entry,
+        render_show,
+        save_tensor,
+        slice_values,
+        statistics,
+        take_slice,
+        to_json_text,
+    )
+    from ckptdoctor.values import read_tensor, require_torch
+
+    ckpt = open_checkpoint(checkpoint, iteration)
+    entry = find_entry(ckpt, key)
+    report = describe(ckpt, entry)
+    wants_values = stats or slice_spec is not None or save_path is not None
+    if entry.kind != "tensor":
+        if wants_values:
+            raise CkptError(f"{ckpt.iteration_dir}: {key} is a bytes item, not a tensor: no statistics, slice or save")
+    else:
+        if wants_values:
+            require_torch("show --stats/--slice/--save")
+            have_torch = True
+        else:
+            try:
+                import torch  # noqa: F401
+
+                have_torch = True
+            except ImportError:
+                have_torch = False
+        if stats or (stats is None and have_torch):
+            report.stats = statistics(ckpt, entry)
+        elif stats is None:
+            report.notes.append("statistics need torch: pip install torch --index-url "
+                                "https://download.pytorch.org/whl/cpu")
+        if slice_spec is not None or save_path is not None:
+            tensor = read_tensor(ckpt, key)
+            if slice_spec is not None:
+                tensor = take_slice(tensor, slice_spec)
+                report.slice = {"spec": slice_spec, "shape": list(tensor.shape), "values": slice_values(tensor)}
+            if save_path is not None:
+                note = save_tensor(tensor, save_path, force)
+                report.saved = str(save_path)
+                if note:
+                    report.notes.append(note)
+    click.echo(to_json_text(report) if output_format == "json" else render_show(report))
+    return 0

@@ -1,0 +1,270 @@
+"""``ckptdoctor show``: one saved item: metadata and chunk grid (no torch), and with torch its statistics,
+a slice, and an export (``.pt`` / ``.npy``).
+
+Statistics are streamed one chunk at a time (memory bounded by the largest chunk); a slice and an export
+assemble the global tensor (:func:`ckptdoctor.values.read_tensor`).
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptdoctor.checkpoint import Checkpoint, Entry
+from ckptdoctor.errors import CkptError
+
+SCHEMA = "ckptdoctor.show/1"
+TEXT_CHUNK_LIMIT = 20
+
+
+@dataclass
+class ChunkRow:
+    offsets: list[int]
+    sizes: list[int]
+    file: str | None
+    offset: int | None
+    length: int | None
+
+
+@dataclass
+class ShowReport:
+    schema: str
+    checkpoint: str
+    key: str
+    section: str
+    kind: str
+    dtype: str | None
+    shape: list[int] | None
+    numel: int
+    bytes: int
+    grid: list[int] | None  # chunks along each axis (distinct offsets), for tensors
+    chunks: list[ChunkRow]
+    stats: dict | None = None  # with torch: numel, min, max, mean, std (finite values), nan, posinf, neginf
+    slice: dict | None = None  # --slice: {spec, shape, values}
+    saved: str | None = None  # --save: the file written
+    notes: list[str] = field(default_factory=list)
+
+
+def find_entry(checkpoint: Checkpoint, key: str) -> Entry:
+    entry = checkpoint.entries.get(key)
+    if entry is not None:
+        return entry
+    close = difflib.get_close_matches(key, list(checkpoint.entries), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise CkptError(f"{checkpoint.iteration_dir}: no saved item '{key}'{hint} (`ckptdoctor inspect --keys` lists them)")
+
+
+def describe(checkpoint: Checkpoint, entry: Entry) -> ShowReport:
+    chunks = [ChunkRow(list(c.offsets), list(c.sizes),
+                       None if c.storage is None else c.storage.relative_path,
+                       None if c.storage is None else c.storage.offset,
+                       None if c.storage is None else c.storage.length) for c in entry.chunks]
+    grid = None
+    if entry.kind == "tensor" and entry.shape is not None:
+        grid = [len({c.offsets[axis] for c in entry.chunks}) for axis in range(len(entry.shape))]
+    return ShowReport(SCHEMA, str(checkpoint.iteration_dir), entry.key, entry.section, entry.kind, entry.dtype,
+                      None if entry.shape is None else list(entry.shape), entry.numel, entry.nbytes, grid, chunks)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def statistics(checkpoint: Checkpoint, entry: Entry) -> dict:
+    """min/max/mean/std over the finite values and NaN/Inf counts, streamed one chunk at a time."""
+    from ckptdoctor.values import iter_chunks, require_torch
+
+    torch = require_torch("tensor statistics")
+    n = nan = posinf = neginf = 0
+    total = total_sq = 0.0
+    lo, hi = math.inf, -math.inf
+    for _, value in iter_chunks(checkpoint, entry.key):
+        flat = value.reshape(-1)
+        if flat.dtype == torch.bool or not (flat.is_floating_point() or flat.is_complex()):
+            flat = flat.to(torch.float64)
+        if flat.is_complex():
+            raise CkptError(f"{checkpoint.iteration_dir}: {entry.key}: statistics of complex tensors are not supported")
+        flat = flat.to(torch.float64)
+        nan += int(torch.isnan(flat).sum())
+        posinf += int(torch.isposinf(flat).sum())
+        neginf += int(torch.isneginf(flat).sum())
+        finite = flat[torch.isfinite(flat)]
+        if finite.numel():
+            n += finite.numel()
+            total += float(finite.sum())
+            total_sq += float((finite * finite).sum())
+            lo = min(lo, float(finite.min()))
+            hi = max(hi, float(finite.max()))
+    mean = total / n if n else None
+    std = math.sqrt(max(total_sq / n - mean * mean, 0.0)) if n and mean is not None else None
+    return {"numel": entry.numel, "finite": n, "min": _finite(lo), "max": _finite(hi), "mean": mean, "std": std,
+            "nan": nan, "posinf": posinf, "neginf": neginf}
+
+
+def parse_slice(spec: str, ndim: int) -> tuple:
+    """``"0,:4,:4"`` -> (0, slice(None, 4), slice(None, 4)); numpy-style ints, ``a:b[:c]`` and ``...``."""
+    parts = [p.strip() for p in spec.split(",")] if spec.strip() else []
+    index: list[Any] = []
+    for part in parts:
+        if part in ("...", "Ellipsis"):
+            index.append(Ellipsis)
+        elif ":" in part:
+            fields = part.split(":")
+            if len(fields) > 3:
+                raise CkptError(f"--slice {spec!r}: bad slice {part!r}")
+            try:
+                values = [int(f) if f.strip() else None for f in fields]
+            except ValueError:
+                raise CkptError(f"--slice {spec!r}: bad slice {part!r} (integers only)") from None
+            index.append(slice(*values))
+        else:
+            try:
+                index.append(int(ast.literal_eval(part)))
+            except (ValueError, SyntaxError, TypeError):
+                raise CkptError(f"--slice {spec!r}: bad index {part!r} (integers, a:b[:c] or ...)") from None
+    if sum(1 for i in index if i is not Ellipsis) > ndim:
+        raise CkptError(f"--slice {spec!r}: {len(index)} indices for a {ndim}-d tensor")
+    return tuple(index)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/Inf
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def take_slice(tensor: Any, spec: str) -> Any:
+    index = parse_slice(spec, tensor.dim())
+    try:
+        return tensor[index]
+    except (IndexError, ValueError, RuntimeError) as exc:
+        raise CkptError(f"--slice {spec!r}: {exc}") from None
+
+
+def slice_values(part: Any) -> list | float | int | bool:
+    import torch
+
+    if part.dtype in (torch.bfloat16, torch.float16):
+        part = part.to(torch.float32)
+    return _plain(part.tolist())
+
+
+_NPY_DESCR = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4",
+              "int16": "<i2", "int8": "|i1", "uint8": "|u1", "bool": "|b1"}
+
+
+def npy_bytes(tensor: Any) -> tuple[bytes, str | None]:
+    """The ``.npy`` (format 1.0) bytes of a CPU tensor, without numpy; bfloat16 (no numpy dtype) is widened
+    to float32 (the second value says so)."""
+    import ctypes
+
+    import torch
+
+    note = None
+    if tensor.dtype == torch.bfloat16:
+        tensor, note = tensor.to(torch.float32), "bfloat16 has no numpy dtype: saved as float32 (exact)"
+    name = str(tensor.dtype).removeprefix("torch.")
+    descr = _NPY_DESCR.get(name)
+    if descr is None:
+        raise CkptError(f"--save: dtype {name} has no .npy equivalent; save as .pt")
+    tensor = tensor.contiguous()
+    shape = tuple(tensor.shape)
+    header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape!r}, }}"
+    header += " " * (63 - (10 + len(header)) % 64) + "\n"  # total header size a multiple of 64
+    head = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode("latin1")
+    data = ctypes.string_at(tensor.data_ptr(), tensor.numel() * tensor.element_size()) if tensor.numel() else b""
+    return head + data, note
+
+
+def save_tensor(tensor: Any, path: Path, force: bool) -> str | None:
+    """Write ``tensor`` to ``path`` (.pt: torch.save; .npy: numpy format); returns a note or None."""
+    from ckptdoctor.atomic import write_atomic
+
+    suffix = path.suffix.lower()
+    if suffix not in (".pt", ".npy"):
+        raise CkptError(f"--save {path}: give a .pt or .npy file name")
+    if path.exists() and not force:
+        raise CkptError(f"{path}: exists (use --force to replace it)")
+    note = None
+    if suffix == ".pt":
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(tensor.clone(), buf)
+        data = buf.getvalue()
+    else:
+        data, note = npy_bytes(tensor)
+    try:
+        write_atomic(path, data)
+    except OSError as exc:
+        raise CkptError(f"{exc.filename or path}: cannot write ({exc.strerror})") from None
+    return note
+
+
+def to_json_text(report: ShowReport) -> str:
+    from ckptdoctor.report import jsonable
+
+    return json.dumps(jsonable(report), indent=2)
+
+
+def _num(value: Any) -> str:
+    return "-" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def _render(report: ShowReport) -> str:
+    from ckptdoctor.report import human_bytes, tabulate
+
+    shape = "-" if report.shape is None else "x".join(map(str, report.shape)) or "()"
+    lines = [f"checkpoint      {report.checkpoint}",
+             f"key             {report.key}",
+             f"section         {report.section}   kind {report.kind}",
+             f"dtype           {report.dtype or '-'}",
+             f"global shape    {shape}   ({report.numel:,} elements)",
+             f"on disk         {human_bytes(report.bytes)} in {len(report.chunks)} chunk(s)"]
+    if report.grid is not None:
+        lines.append(f"chunk grid      {' x '.join(map(str, report.grid)) or '1'} (chunks per axis)")
+    rows = [[i, "(" + ", ".join(map(str, c.offsets)) + ")", "x".join(map(str, c.sizes)) or "()", c.file or "-",
+             "-" if c.offset is None else c.offset, "-" if c.length is None else c.length]
+            for i, c in enumerate(report.chunks[:TEXT_CHUNK_LIMIT])]
+    lines.append("")
+    lines.append(tabulate(rows, headers=["chunk", "offsets", "sizes", "file", "at", "bytes"]))
+    if len(report.chunks) > TEXT_CHUNK_LIMIT:
+        lines.append(f"... {len(report.chunks) - TEXT_CHUNK_LIMIT} more chunk(s) (all in --format json)")
+    if report.stats is not None:
+        s = report.stats
+        lines.append("")
+        lines.append(f"min {_num(s['min'])}   max {_num(s['max'])}   mean {_num(s['mean'])}   std {_num(s['std'])}"
+                     f"   (over {s['finite']:,} finite values)")
+        lines.append(f"nan {s['nan']:,}   +inf {s['posinf']:,}   -inf {s['neginf']:,}")
+    if report.slice is not None:
+        sl = report.slice
+        lines.append("")
+        lines.append(f"slice [{sl['spec']}]  shape {'x'.join(map(str, sl['shape'])) or '()'}")
+        lines.append(json.dumps(sl["values"]) if not isinstance(sl["values"], list) else _matrix(sl["values"]))
+    if report.saved:
+        lines.append("")
+        lines.append(f"saved           {report.saved}")
+    lines.extend(report.notes)
+    return "\n".join(lines)
+
+
+def _matrix(values: list) -> str:
+    """Nested lists one innermost row per line."""
+    if not values or not isinstance(values[0], list):
+        return "[" + ", ".join(_num(v) for v in values) + "]"
+    return "\n".join(_matrix(v) for v in values) if not isinstance(values[0][0], list) else \
+        "\n\n".join(_matrix(v) for v in values)
+
+
+def render_show(report: ShowReport) -> str:
+    from ckptdoctor.text_safety import text_safe
+
+    return text_safe(_render)(report)
