@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import jsonschema
+import pytest
 from conftest import FIXTURES, REPO, run_cli
 
 from ckptdoctor.cli import main
@@ -240,3 +241,66 @@ def test_per_path_ignores(tmp_path):
     assert found == [("runs/other/iter_0000010/common.pt", "CKD210"), ("runs/other/iter_0000010/common.pt", "CKD212")]
     result = run_cli("check", "--format", "json", str(runs), cwd=tmp_path)  # absolute paths: relative to the config
     assert len(json.loads(result.stdout)["findings"]) == 2
+
+
+# --- 8. --deep: NaN/Inf in model and optimizer tensors (CKD313, with torch) ---------------------------------
+
+
+def _poison(save: Path, key: str, floats: list[float], chunk_index: int = 0) -> None:
+    """Overwrite the first values of one chunk's storage record in place (stored records: no CRC re-check)."""
+    import struct
+
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.formats.archive import parse_archive
+
+    checkpoint = open_checkpoint(save)
+    location = checkpoint.entries[key].chunks[chunk_index].storage
+    assert location is not None
+    with open(checkpoint.iteration_dir / location.relative_path, "r+b") as f:
+        f.seek(location.offset)
+        archive = parse_archive(f.read(location.length), key)
+        (record,) = [m for name, m in archive.members.items() if name.split("/")[-2:-1] == ["data"]]
+        assert record.method == 0
+        f.seek(location.offset + record.start)
+        f.write(struct.pack(f"<{len(floats)}f", *floats))
+
+
+def test_deep_flags_non_finite_values(capsys, copy_fixture):
+    save = copy_fixture("core019_tp2")
+    nan, inf = float("nan"), float("inf")
+    _poison(save, "decoder.layers.mlp.linear_fc1.weight", [nan, inf, -inf])
+    _poison(save, "decoder.layers.mlp.linear_fc1.weight", [nan], 3)
+    _poison(save, "optimizer.state.exp_avg_sq.output_layer.weight", [nan] * 5)
+    rc, out, _ = _run(capsys, "check", "--isolated", str(save))
+    assert rc == 0  # metadata only: values are not read
+    rc, out, err = _run(capsys, "check", "--isolated", "--deep", str(save))
+    data = save / ITER / "__0_0.distcp"
+    assert rc == 1 and err == "", err
+    assert out.splitlines() == [
+        f"{data}: CKD313 [error] decoder.layers.mlp.linear_fc1.weight: 2 NaN and 2 Inf value(s) in 2 of 8 chunk(s) "
+        "(first: chunk at [0, 0, 0])",
+        f"{data}: CKD313 [error] optimizer.state.exp_avg_sq.output_layer.weight: 5 NaN and 0 Inf value(s) in 1 of 2 "
+        "chunk(s) (first: chunk at [0, 0])",
+        "Found 2 problems (2 errors, 0 warnings) in 1 checkpoint."]
+    rc, out, _ = _run(capsys, "check", "--isolated", "--deep", "--ignore", "CKD313", str(save))
+    assert rc == 0
+    result = run_cli("check", "--isolated", "--deep", "--format", "json", str(save), block=("torch", "numpy"))
+    assert result.returncode == 1 and result.stderr.strip().endswith("IMPORTED:")  # no torch needed
+    assert [f["code"] for f in json.loads(result.stdout)["findings"]] == ["CKD313", "CKD313"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_count_non_finite_matches_torch(dtype):
+    torch = pytest.importorskip("torch")
+    from ckptdoctor.rules.integrity import count_non_finite
+
+    generator = torch.Generator().manual_seed(0)
+    values = (torch.randn(4099, generator=generator) * 1000).to(getattr(torch, dtype))
+    index = torch.randperm(4099, generator=generator)
+    values[index[:7]] = float("nan")
+    values[index[7:12]] = float("inf")
+    values[index[12:14]] = float("-inf")
+    raw = values.view(torch.int16 if values.element_size() == 2 else values.dtype).numpy().tobytes()
+    expected = (int(torch.isnan(values).sum()), int(torch.isinf(values).sum()))
+    assert count_non_finite(raw, f"torch.{dtype}") == expected and expected[0] == 7
+    assert count_non_finite(raw, "torch.int64") is None

@@ -118,6 +118,10 @@ def check_paths(paths: list[str], options: CheckOptions | None = None,
                        targets.missing)
 
 
+def _scan_values(options: CheckOptions) -> bool:
+    return is_selected(integrity.NON_FINITE.code, options.select, options.ignore)
+
+
 def _path_ignored(f: Finding, options: CheckOptions) -> bool:
     """A per-path-ignores glob matches the finding's path (as named, or relative to the config's dir) and one
     of its codes matches the finding's code."""
@@ -149,7 +153,11 @@ def check_iteration_dir(directory: Path, shown: Path, options: CheckOptions,
             if progress is not None:
                 progress.start(str(shown), integrity.deep_bytes(state))
             try:
-                findings += integrity.check_deep(state, progress.advance if progress is not None else None)
+                advance = progress.advance if progress is not None else None
+                if _scan_values(options):
+                    findings += integrity.check_deep(state, advance)
+                else:
+                    findings += integrity.check_deep(state, advance, scan_values=False)
             finally:
                 if progress is not None:
                     progress.finish()

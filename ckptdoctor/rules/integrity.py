@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
@@ -59,8 +60,25 @@ ITEM_UNDECODABLE = _rule(
     "CKD312", "item-undecodable", ERROR, "--deep: a bytes item (ShardedObject, _extra_state) does not deserialize",
     "Bytes items are torch.save blobs Megatron unpickles on load; a corrupt one fails the load of its module.")
 
+NON_FINITE = _rule(
+    "CKD313", "non-finite-values", ERROR, "--deep: a model or optimizer tensor holds NaN or Inf values",
+    "No converging training run saves NaN or Inf weights or optimizer moments: they are what a loss spike, an "
+    "fp16 overflow or a flipped exponent byte leaves behind, and a resume from them trains on garbage. One "
+    "finding per key with the NaN and Inf counts (IEEE float16/bfloat16/float32/float64, read without torch); "
+    "`latest-good --deep` skips such a checkpoint. The distributed optimizer's flat buckets (keys with "
+    "`.bucket_idx_`) are not scanned: their padding is uninitialized memory, arbitrary bits in a real save.")
+
 RULES = [HASH_MISMATCH, LISTED_FILE_MISSING, MANIFEST_INVALID, FILE_UNLISTED, BLOB_UNDECODABLE, BLOB_SIZE,
-         ITEM_UNDECODABLE]
+         ITEM_UNDECODABLE, NON_FINITE]
+NON_FINITE_SECTIONS = ("model", "optimizer")
+# The distributed optimizer's flat buckets (dp_reshardable: optimizer.distributed.dp_group_idx_*.gbuf_idx_*...
+# .bucket_idx_*.<param|exp_avg|exp_avg_sq>) hold padding that megatron-core never writes (torch.empty): a real
+# save carries arbitrary bits, NaN patterns included, there. They are not scanned.
+_FLAT_BUCKET_MARK = ".bucket_idx_"
+
+
+def _values_scanned(entry: Entry) -> bool:
+    return entry.section in NON_FINITE_SECTIONS and _FLAT_BUCKET_MARK not in entry.key
 
 Progress = Callable[[int], None]  # called with the bytes just processed
 
@@ -139,14 +157,95 @@ def _work(state: Scanned) -> dict[str, list[tuple[Entry, DcpChunk]]]:
     return dict(sorted(by_file.items()))
 
 
-def check_deep(state: Scanned, progress: Progress | None = None) -> list[Finding]:
-    """Decode every chunk and bytes item through the safe unpickler, reading each data file front to back."""
+# IEEE floating-point dtypes: itemsize, and the exponent bits in the last two bytes of a little-endian element
+# (all ones: NaN or Inf). float16: s11111.., bfloat16 and float32: s1111111 1..., float64: s1111111 1111....
+_FLOAT_EXPONENT: dict[str, tuple[int, int, int]] = {
+    "torch.float16": (2, 0x7C, 0x00), "torch.half": (2, 0x7C, 0x00),
+    "torch.bfloat16": (2, 0x7F, 0x80),
+    "torch.float32": (4, 0x7F, 0x80), "torch.float": (4, 0x7F, 0x80),
+    "torch.float64": (8, 0x7F, 0xF0), "torch.double": (8, 0x7F, 0xF0),
+}
+
+
+def _flags(mask: int) -> bytes:
+    """A bytes.translate table: 1 for a byte with every bit of ``mask`` set, else 0."""
+    return bytes(1 if (b & mask) == mask else 0 for b in range(256))
+
+
+_TABLES = {mask: _flags(mask) for _, high, low in _FLOAT_EXPONENT.values() for mask in (high, low)}
+
+
+def count_non_finite(data: Any, dtype: str | None) -> tuple[int, int] | None:
+    """(NaN count, Inf count) of the little-endian ``dtype`` elements in ``data``, without torch: the exponent
+    bytes are sliced, flagged through a translate table and combined as big integers (C speed); only elements
+    already known to be non-finite are looked at one by one. None for a dtype that is not an IEEE float."""
+    spec = _FLOAT_EXPONENT.get(dtype or "")
+    if spec is None:
+        return None
+    size, high_mask, low_mask = spec
+    raw = memoryview(data).cast("B")  # no copy: only the two exponent bytes of each element are copied out
+    raw = raw[:len(raw) - len(raw) % size]
+    if not raw:
+        return 0, 0
+    flags = int.from_bytes(raw[size - 1::size].tobytes().translate(_TABLES[high_mask]), "little")
+    if low_mask:
+        flags &= int.from_bytes(raw[size - 2::size].tobytes().translate(_TABLES[low_mask]), "little")
+    total = flags.bit_count()  # one set bit per flagged element (each flag byte is 0 or 1)
+    if not total:
+        return 0, 0
+    exponent = {2: 0x7C00 if high_mask == 0x7C else 0x7F80, 4: 0x7F800000, 8: 0x7FF0000000000000}[size]
+    sign = 1 << (size * 8 - 1)
+    inf = 0
+    marks = flags.to_bytes(len(raw) // size, "little")
+    index = marks.find(1)
+    while index >= 0:
+        value = int.from_bytes(raw[index * size:(index + 1) * size], "little") & ~sign
+        inf += value == exponent  # all-ones exponent, zero mantissa
+        index = marks.find(1, index + 1)
+    return total - inf, inf
+
+
+class _NonFinite:
+    """Counts NaN and Inf per key in the floating-point model and optimizer chunks that decoded cleanly."""
+
+    def __init__(self) -> None:
+        self.per_key: dict[str, list[int]] = {}  # key -> [nan, inf, chunks with some, chunks scanned]
+        self.first: dict[str, tuple[Path, DcpChunk]] = {}
+
+    def scan(self, entry: Entry, chunk: DcpChunk, data: Any, path: Path) -> None:
+        counted = count_non_finite(data, entry.dtype)
+        if counted is None:
+            return
+        nan, inf = counted
+        counts = self.per_key.setdefault(entry.key, [0, 0, 0, 0])
+        counts[3] += 1
+        if nan or inf:
+            counts[0] += nan
+            counts[1] += inf
+            counts[2] += 1
+            self.first.setdefault(entry.key, (path, chunk))
+
+    def findings(self) -> list[Finding]:
+        out = []
+        for key, (nan, inf, bad, scanned) in self.per_key.items():
+            if not bad:
+                continue
+            path, chunk = self.first[key]
+            out.append(finding(NON_FINITE, path, f"{key}: {nan} NaN and {inf} Inf value(s) in {bad} of {scanned} "
+                                                 f"chunk(s) (first: chunk at {list(chunk.offsets)})"))
+        return out
+
+
+def check_deep(state: Scanned, progress: Progress | None = None, scan_values: bool = True) -> list[Finding]:
+    """Decode every chunk and bytes item through the safe unpickler, reading each data file front to back;
+    with ``scan_values``, also count NaN/Inf in model and optimizer tensors (CKD313, no torch needed)."""
     checkpoint = state.checkpoint
     out: list[Finding] = []
     work = _work(state)
     if checkpoint is None or not work:
         return out
     decoder = _ChunkDecoder()
+    non_finite = _NonFinite() if scan_values else None
     files = []
     for relative, items in work.items():
         ranges = []
@@ -167,13 +266,16 @@ def check_deep(state: Scanned, progress: Progress | None = None) -> list[Finding
             continue
         entry, chunk = tag  # type: ignore[misc]
         if entry.kind == "tensor":
-            problem = _check_chunk(decoder, entry, chunk, blob, path)
+            scan = non_finite if non_finite is not None and _values_scanned(entry) else None
+            problem = _check_chunk(decoder, entry, chunk, blob, path, scan)
         else:
             problem = _check_item(entry, blob, path)
         if problem is not None:
             out.append(problem)
         if progress is not None:
             progress(len(blob))
+    if non_finite is not None:
+        out += non_finite.findings()
     return out
 
 
@@ -237,7 +339,7 @@ def _persistent_load(pid: object) -> StorageRef:
 
 
 def _check_chunk(decoder: _ChunkDecoder, entry: Entry, chunk: DcpChunk, blob: memoryview,
-                 path: Path) -> Finding | None:
+                 path: Path, non_finite: _NonFinite | None = None) -> Finding | None:
     what = f"{entry.key} chunk at {list(chunk.offsets)}"
     try:
         archive = parse_archive(blob, what)
@@ -254,7 +356,11 @@ def _check_chunk(decoder: _ChunkDecoder, entry: Entry, chunk: DcpChunk, blob: me
             return finding(BLOB_SIZE, path, f"{what}: storage record has {record.size} bytes, "
                                             f"{verdict.record_bytes} expected (numel x itemsize)")
         if record.method or archive.general:  # inflate (bounded by what the tensor needs) and check the CRC
-            archive.read(record.name, verdict.record_bytes)
+            data = archive.read(record.name, verdict.record_bytes)
+        elif non_finite is not None:
+            data = archive.read(record.name, verdict.record_bytes, verify_crc=False)  # a view, no copy
+        if non_finite is not None:
+            non_finite.scan(entry, chunk, data, path)
     except (ArchiveError, PickleLimitError) as exc:
         return refused_pickle(exc, path, what)
     except CkptError as exc:
