@@ -304,3 +304,8 @@ def test_count_non_finite_matches_torch(dtype):
     expected = (int(torch.isnan(values).sum()), int(torch.isinf(values).sum()))
     assert count_non_finite(raw, f"torch.{dtype}") == expected and expected[0] == 7
     assert count_non_finite(raw, "torch.int64") is None
+
+
+def test_nothing_left_after_ignore_is_no_pass(capsys, tmp_path):
+    rc, out, err = _run(capsys, "check", "--isolated", "--ignore", "CKD100", str(tmp_path))
+    assert rc == 1 and err.strip() == f"ckptdoctor: no checkpoint found under {tmp_path}"

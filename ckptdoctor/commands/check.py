@@ -103,9 +103,8 @@ def command(paths: tuple[str, ...], select: tuple[str, ...], ignore: tuple[str, 
         click.echo(escape(f"ckptdoctor: error: {missing}: no such file or directory"), err=True)
     if report.missing:
         return EXIT_ERROR
-    nothing = report.nothing_found
-    if nothing:
-        click.echo(escape(f"ckptdoctor: no checkpoint found under {', '.join(nothing)}"), err=True)
+    if report.nothing_found:
+        click.echo(escape(f"ckptdoctor: no checkpoint found under {', '.join(paths)}"), err=True)
         return EXIT_FINDINGS
     return EXIT_OK if report.clean else EXIT_FINDINGS
 

@@ -57,14 +57,12 @@ class CheckReport:
         return not self.findings
 
     @property
-    def nothing_found(self) -> list[str]:
-        """The given paths when no checkpoint was found and nothing reported, except when every one is a
-        checkpoint file name that belongs to none (pre-commit passing files of no checkpoint): empty then."""
+    def nothing_found(self) -> bool:
+        """No checkpoint found and nothing reported, unless every given path is a file with a checkpoint file
+        name that belongs to none (pre-commit passing files of no checkpoint: a quiet pass)."""
         if self.checked or self.findings or self.missing:
-            return []
-        if self.skipped and all(CHECKPOINT_FILE_RE.search(Path(p).as_posix()) for p in self.skipped):
-            return []
-        return list(self.skipped) or ["(no path)"]
+            return False
+        return not (self.skipped and all(CHECKPOINT_FILE_RE.search(Path(p).as_posix()) for p in self.skipped))
 
 
 class Progress:
