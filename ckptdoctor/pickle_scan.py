@@ -229,11 +229,11 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                     length = unpack_from("<I", buf, pos)[0]
                 else:
                     length = unpack_from("<Q", buf, pos)[0]
+                pos += width + length
+                if pos > size:  # a length past the end is damage, not a giant
+                    raise corrupt("truncated")
                 if length > max_string:
                     raise fail(f"a string of {length} bytes exceeds the limit of {max_string}")
-                pos += width + length
-                if pos > size:
-                    raise corrupt("truncated")
                 stack.append(_NUMBER if kind == _PUSH_LEN_NUMBER else 0)
             elif kind == _TUPLE_MARK:
                 mark = marks.pop()
