@@ -63,11 +63,11 @@ def render_inspect(report: Any) -> str:
     lines.append(f"saved layout    {report.layout['summary']}")
     lines.append("")
     rows = [
-        [name, t["keys"], t["tensors"], t["bytes_items"], f"{t['parameters']:,}", human_bytes(t["bytes"])]
+        [name, t["keys"], t["tensors"], t["bytes_items"], t["entries"], f"{t['parameters']:,}", human_bytes(t["bytes"])]
         for name, t in report.sections.items() if t["keys"]
     ]
-    lines.append(tabulate(rows, headers=["section", "keys", "tensors", "bytes items", "parameters", "size"],
-                          colalign=("left", "right", "right", "right", "right", "right")))
+    lines.append(tabulate(rows, headers=["section", "keys", "tensors", "objects", "entries", "parameters", "size"],
+                          colalign=("left", "right", "right", "right", "right", "right", "right")))
     if report.args is not None:
         lines.append("")
         lines.append("args")

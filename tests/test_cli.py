@@ -59,7 +59,7 @@ def test_inspect_json_matches_schema_and_manifest(capsys, name):
     assert (report["sections"]["optimizer"]["keys"] > 0) == has_optimizer
     if report["format"]["backend"] == "torch_dist":
         assert report["data_files"]["count"] == len([f for f in info["files"] if f.endswith(".distcp")])
-    assert len(report["keys"]) == sum(s["keys"] for s in report["sections"].values())
+    assert len(report["keys"]) == sum(s["entries"] for s in report["sections"].values())  # one row per DCP entry
 
 
 def test_inspect_table(capsys):
@@ -272,3 +272,27 @@ def test_nemo_style_weights_subdir(capsys, tmp_path):
     (nemo / "weights" / "metadata.json").unlink()
     rc, out, _ = _run(capsys, "check", str(nemo))
     assert rc == 1 and "CKD101" in out
+
+
+@pytest.mark.parametrize("name", ["core019_tp2", "core016_tp1"])
+def test_inspect_and_diff_count_keys_alike(capsys, name):
+    rc, out, _ = _run(capsys, "inspect", str(FIXTURES / name), "--format", "json")
+    sections = json.loads(out)["sections"]
+    rc, out, _ = _run(capsys, "diff", str(FIXTURES / name), str(FIXTURES / name), "--format", "json")
+    side = json.loads(out)["a"]
+    assert sum(s["keys"] for s in sections.values()) == side["keys"]
+    assert sum(s["entries"] for s in sections.values()) == side["entries"]
+    assert sections["model"]["entries"] > sections["model"]["keys"]  # _extra_state shards count once as keys
+
+
+@pytest.mark.parametrize("words, cword, expected", [
+    ("ckptdoctor check --select CKD40", 3, {"CKD401", "CKD402", "CKD403", "CKD404"}),
+    ("ckptdoctor latest-good --ignore CKD15", 3, {"CKD150", "CKD151"}),
+    ("ckptdoctor rules ckd40", 2, {"CKD401", "CKD402", "CKD403", "CKD404"}),
+    ("ckptdoctor check --ignore CKD115,CKD40", 3, {f"CKD115,CKD40{i}" for i in range(1, 5)}),
+])
+def test_shell_completion_of_rule_codes(words, cword, expected):
+    env = {**os.environ, "_CKPTDOCTOR_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": str(cword)}
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor"], env=env, capture_output=True, text=True, timeout=60)
+    got = {line.split(",", 1)[1] for line in proc.stdout.splitlines() if line.startswith("plain,")}
+    assert got == expected, proc.stdout + proc.stderr

@@ -42,3 +42,15 @@ class LazyGroup(click.Group):
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         return load_command(cmd_name)
+
+
+def complete_rule_codes(ctx: click.Context, param: click.Parameter, incomplete: str) -> list:
+    """Shell completion of rule codes (``--select``/``--ignore``, ``rules CODE``); the last of a comma list."""
+    from click.shell_completion import CompletionItem
+
+    from ckptdoctor.rules import all_rules
+
+    head, _, last = incomplete.rpartition(",")
+    prefix = f"{head}," if head else ""
+    return [CompletionItem(prefix + r.code, help=r.summary) for r in all_rules()
+            if r.code.startswith(last.strip().upper())]

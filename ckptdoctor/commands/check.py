@@ -8,7 +8,9 @@ from typing import Any
 
 import click
 
-_MULTI: dict = {"multiple": True, "metavar": "CODES"}
+from ckptdoctor.commands import complete_rule_codes
+
+_MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete_rule_codes}
 
 
 @click.command("check")

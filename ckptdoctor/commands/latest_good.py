@@ -6,7 +6,9 @@ import sys
 
 import click
 
-_MULTI: dict = {"multiple": True, "metavar": "CODES"}
+from ckptdoctor.commands import complete_rule_codes
+
+_MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete_rule_codes}
 
 
 @click.command("latest-good")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import click
 
+from ckptdoctor.commands import complete_rule_codes
+
 
 @click.command("rules")
-@click.argument("codes", nargs=-1)
+@click.argument("codes", nargs=-1, shell_complete=complete_rule_codes)
 @click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="Output format.")
 def command(codes: tuple[str, ...], output_format: str) -> int:

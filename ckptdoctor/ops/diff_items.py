@@ -16,6 +16,17 @@ from ckptdoctor.checkpoint import COMMON_STATE_PREFIX, Checkpoint, Entry
 
 _SHARD_RE = re.compile(r"^(?P<base>.+)/shard_(?P<offsets>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
 
+
+
+def logical_key(entry_key: str, kind: str) -> str:
+    """The logical key of a DCP entry: a tensor's own key, a ShardedObject shard's base key (the one definition of
+    "key" that inspect and diff count; an entry is one DCP item, a shard of an object or a tensor)."""
+    if kind == "tensor":
+        return entry_key
+    match = _SHARD_RE.match(entry_key)
+    return entry_key if match is None else match.group("base")
+
+
 KIND_TENSOR = "tensor"
 KIND_OBJECT = "object"  # a ShardedObject: one or more bytes shards
 KIND_BYTES = "bytes"  # a bytes item without a shard suffix

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ckptdoctor.arg_rules import check_args
 from ckptdoctor.args import args_as_dict, summarize_args
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
+from ckptdoctor.ops.diff_items import logical_key
 from ckptdoctor.parallelism import infer_layout
 
 SCHEMA = "ckptdoctor.inspect/1"
@@ -49,14 +50,23 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False,
                        key_filter: str | None = None) -> InspectReport:
     location = checkpoint.location
     sections: dict[str, dict] = {
-        s: {"keys": 0, "tensors": 0, "bytes_items": 0, "parameters": 0, "bytes": 0} for s in SECTIONS
+        s: {"keys": 0, "tensors": 0, "bytes_items": 0, "entries": 0, "parameters": 0, "bytes": 0} for s in SECTIONS
     }
+    objects: set[str] = set()
     for entry in checkpoint.entries.values():
         totals = sections[entry.section]
-        totals["keys"] += 1
-        totals["tensors" if entry.kind == "tensor" else "bytes_items"] += 1
+        totals["entries"] += 1
+        if entry.kind == "tensor":
+            totals["tensors"] += 1
+        else:
+            key = logical_key(entry.key, entry.kind)
+            if key not in objects:  # an object's shards count once, as in diff
+                objects.add(key)
+                totals["bytes_items"] += 1
         totals["parameters"] += entry.numel
         totals["bytes"] += entry.nbytes
+    for totals in sections.values():
+        totals["keys"] = totals["tensors"] + totals["bytes_items"]
 
     common = checkpoint.common_state()
     args = common.get("args")
