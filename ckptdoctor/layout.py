@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.files import read_json
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 NEMO_WEIGHTS_DIR = "weights"
@@ -121,7 +122,7 @@ def looks_like_iteration_dir(directory: Path) -> bool:
         return True
     if "metadata.json" in names:
         try:
-            return "sharded_backend" in json.loads((directory / "metadata.json").read_text(encoding="utf-8"))
+            return "sharded_backend" in read_json(directory / "metadata.json")
         except (OSError, UnicodeDecodeError, ValueError, TypeError):
             return False
     return False
@@ -215,7 +216,7 @@ def _detect_backend(location: CheckpointLocation) -> None:
             f"{metadata_path}: missing: incomplete checkpoint (rank 0 writes metadata.json last)"
         )
     try:
-        metadata = json.loads(metadata_path.read_text(encoding="utf-8"))
+        metadata = read_json(metadata_path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CkptError(f"{metadata_path}: not valid JSON ({exc})") from None
     if not isinstance(metadata, dict) or "sharded_backend" not in metadata:

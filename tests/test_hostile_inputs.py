@@ -395,3 +395,22 @@ def test_a_range_longer_than_its_item_is_never_read(save_dir, tmp_path):
     assert_one_line_error(run_limited("inspect", str(save)), "longer than its item can need")
     proc = run_limited("diff", "--values", str(FIXTURES / "core019_tp1"), str(save))
     assert proc.returncode == 2 and "internal error" not in proc.stderr, proc.stderr
+
+
+DEEP_JSON = "[" * 100_000 + "]" * 100_000  # exhausts json's recursion: a clean error, never "internal error"
+
+
+@pytest.mark.parametrize("name, target", [
+    ("core019_tp1", "iter_0000010/metadata.json"),
+    ("core019_tp1", "iter_0000010/integrity.json"),
+    ("core014_zarr_tp2", "iter_0000010/decoder.final_layernorm.weight/.zarray"),
+])
+def test_json_bombs_are_one_clean_line(save_dir, name, target):
+    save = save_dir(name)
+    (save / target).write_text(DEEP_JSON)
+    rc, report = check_json(save)
+    assert rc == 1 and report["findings"], report
+    assert any(Path(target).name in f["path"] or Path(target).name in f["message"] for f in report["findings"])
+    for command in (["inspect"], ["fix-args", "--write", "--output", str(save.parent / "out"), "--set", "seed=3"]):
+        proc = run_limited(*command[:1], str(save), *command[1:])
+        assert proc.returncode in (0, 2) and "internal error" not in proc.stderr, proc.stderr

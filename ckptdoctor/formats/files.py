@@ -6,11 +6,13 @@ appears (a hang), and reading a device can return endless bytes. Every reader op
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import json
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ckptdoctor.errors import CkptError
 
@@ -31,3 +33,28 @@ def open_regular(path: str | os.PathLike, buffering: int = -1) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+MAX_JSON_BYTES = 64 << 20  # metadata.json, integrity.json (a line per file), .zarray: far below this
+
+
+def read_json(path: str | os.PathLike, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """Parse a small JSON file of a checkpoint (``metadata.json``, ``integrity.json``, ``.zarray``, ...).
+
+    Raises ``OSError`` when it cannot be read as a regular file (a FIFO is an error, never a hang) and
+    ``json.JSONDecodeError`` for every content problem, including a file over ``max_bytes`` and nesting deep
+    enough to exhaust the parser's recursion (``[[[[...]]]]``), so callers' existing handlers cover all of it.
+    """
+    try:
+        with open_regular(path) as f:
+            raw = f.read(max_bytes + 1)
+    except CkptError as exc:
+        raise OSError(errno.EINVAL, str(exc).rsplit("(", 1)[-1].rstrip(")")) from None
+    if len(raw) > max_bytes:
+        raise json.JSONDecodeError(f"larger than {max_bytes} bytes", "", 0)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise json.JSONDecodeError(f"not UTF-8 ({exc.reason})", "", exc.start) from None
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", "", 0) from None

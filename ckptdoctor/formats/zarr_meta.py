@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.files import read_json
 from ckptdoctor.formats.torch_dist import DcpChunk, StorageLocation
 
 # numpy type strings as zarr writes them -> torch dtype names; Megatron patches bfloat16 in by name.
@@ -23,7 +24,7 @@ _ZARR_DTYPES = {
 
 def _zarray(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json(path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CkptError(f"{path}: unreadable zarr array metadata ({exc})") from None
 

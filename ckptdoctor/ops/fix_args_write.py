@@ -49,6 +49,7 @@ from ckptdoctor.atomic import (
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist
+from ckptdoctor.formats.files import read_json
 from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.torch_zip import dump_torch_zip
 from ckptdoctor.layout import TRACKER_NAME
@@ -142,7 +143,7 @@ def _side_files(iteration_dir: Path, changes: list[ArgChange], files: dict[str, 
     integrity = iteration_dir / INTEGRITY
     if integrity.is_file():
         try:
-            manifest = json.loads(integrity.read_text(encoding="utf-8"))
+            manifest = read_json(integrity)
             listed = manifest["files"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CkptError(f"{integrity}: unreadable integrity manifest ({exc})") from None

@@ -50,6 +50,7 @@ from ckptdoctor.atomic import (
 )
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.files import read_json
 from ckptdoctor.layout import (
     BACKEND_ZARR,
     NEMO_WEIGHTS_DIR,
@@ -363,7 +364,7 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
 
 def _recorded_hash(iteration_dir: Path, name: str) -> str | None:
     try:
-        files = json.loads((iteration_dir / INTEGRITY_NAME).read_text(encoding="utf-8"))["files"]
+        files = read_json(iteration_dir / INTEGRITY_NAME)["files"]
         return str(files[name]).lower() if name in files else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -374,7 +375,7 @@ def _updated_manifest(iteration_dir: Path, drop: list[str], add: dict[str, bytes
     if not path.is_file():
         return None
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = read_json(path)
         listed = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CkptError(f"{path}: unreadable integrity manifest ({exc})") from None

@@ -19,7 +19,6 @@ a checkpoint with leftovers of an interrupted run.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import time
@@ -32,6 +31,7 @@ from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import dcp_writer, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
+from ckptdoctor.formats.files import read_json
 from ckptdoctor.layout import TRACKER_NAME
 from ckptdoctor.ops.seal import default_jobs, hash_files, manifest_files, write_manifest
 from ckptdoctor.ops.strip import StripPlan
@@ -184,7 +184,7 @@ def verify_source_manifest(iteration_dir: Path) -> None:
         return
     why = "; refusing to strip it (its new manifest would vouch for changed bytes): run `ckptdoctor check` on it"
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = read_json(path)
         listed = manifest["files"]
         if manifest.get("algorithm", "sha256") != "sha256" or not isinstance(listed, dict):
             raise ValueError("not a sha256 manifest of file names")

@@ -8,7 +8,6 @@ Both stream: one file read in 1 MiB pieces for hashing, one chunk's byte range a
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats.archive import ArchiveError, parse_archive
-from ckptdoctor.formats.files import open_regular
+from ckptdoctor.formats.files import open_regular, read_json
 from ckptdoctor.formats.stream import read_ranges
 from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
@@ -93,7 +92,7 @@ def check_manifest(state: Scanned, verify_hashes: bool) -> list[Finding]:
     if not path.is_file():
         return []
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path)
         algorithm = data.get("algorithm", "sha256")
         files = data["files"]
         if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):

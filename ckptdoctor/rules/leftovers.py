@@ -21,7 +21,6 @@ checkpoint with either until it is resolved. Lock files (:mod:`ckptdoctor.lockin
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -29,6 +28,7 @@ import stat
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.files import read_json
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
 
 INTERRUPTED_WRITE = RuleInfo(
@@ -254,7 +254,7 @@ def restore_commands(directory: Path, shown: Path, stamp: str, replaced: list[st
 
 def _journal(directory: Path, shown: Path, name: str, stamp: str) -> Finding:
     try:
-        record = json.loads((directory / name).read_text(encoding="utf-8"))
+        record = read_json(directory / name)
         replaced, created = list(record["replaced"]), list(record["created"])
     except (OSError, ValueError, KeyError, TypeError):
         replaced, created = (

@@ -19,6 +19,7 @@ from ckptdoctor.checkpoint import Checkpoint, Entry, checkpoint_from_index
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats import torch_dist, zarr_meta
 from ckptdoctor.formats.archive import ArchiveError
+from ckptdoctor.formats.files import read_json
 from ckptdoctor.layout import (
     BACKEND_TORCH_DIST,
     BACKEND_ZARR,
@@ -200,7 +201,7 @@ def _check_metadata_json(directory: Path, shown: Path, names: set[str],
         return (BACKEND_ZARR if _looks_like_zarr(directory, names) else BACKEND_TORCH_DIST), {}
     path = directory / "metadata.json"
     try:
-        data: Any = json.loads(path.read_text(encoding="utf-8"))
+        data: Any = read_json(path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         findings.append(finding(METADATA_JSON_INVALID, shown / "metadata.json", f"not valid JSON ({exc})"))
         return BACKEND_TORCH_DIST, {}
