@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.files import read_json
+from ckptdoctor.formats.files import open_regular, read_json
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 NEMO_WEIGHTS_DIR = "weights"
@@ -64,6 +64,9 @@ def iteration_dir_name(iteration: str | int) -> str:
         raise CkptError(f"not an iteration number: {iteration!r}") from None
 
 
+_TRACKER_MAX = 4096  # Megatron writes a number or 'release'
+
+
 def read_tracker(tracker: Path) -> str:
     """The tracker's verdict as Megatron-LM reaches it: an iteration number as a plain decimal string, or 'release'.
 
@@ -73,10 +76,14 @@ def read_tracker(tracker: Path) -> str:
     Megatron save writes them, so they are garbage or hostile.
     """
     try:
-        raw = tracker.read_text(encoding="utf-8", errors="replace")
+        with open_regular(tracker) as f:  # a FIFO is an error, not a hang
+            data = f.read(_TRACKER_MAX + 1)
     except OSError as exc:
         raise CkptError(f"{tracker}: cannot read tracker ({exc.strerror})") from None
-    value = raw.strip()
+    if len(data) > _TRACKER_MAX:
+        raise CkptError(f"{tracker}: tracker holds more than {_TRACKER_MAX} bytes, "
+                        "not an iteration number or 'release'")
+    value = data.decode("utf-8", errors="replace").strip()
     if value == "release":
         return value
     shown = repr(value[:40])

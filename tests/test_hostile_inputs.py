@@ -414,3 +414,10 @@ def test_json_bombs_are_one_clean_line(save_dir, name, target):
     for command in (["inspect"], ["fix-args", "--write", "--output", str(save.parent / "out"), "--set", "seed=3"]):
         proc = run_limited(*command[:1], str(save), *command[1:])
         assert proc.returncode in (0, 2) and "internal error" not in proc.stderr, proc.stderr
+
+
+def test_a_huge_tracker_is_one_line(save_dir):
+    save = save_dir("core019_tp1")
+    (save / "latest_checkpointed_iteration.txt").write_text("1" * 1_000_000)
+    proc = run_limited("inspect", str(save))
+    assert_one_line_error(proc, "latest_checkpointed_iteration.txt")
