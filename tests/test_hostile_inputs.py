@@ -421,3 +421,14 @@ def test_a_huge_tracker_is_one_line(save_dir):
     (save / "latest_checkpointed_iteration.txt").write_text("1" * 1_000_000)
     proc = run_limited("inspect", str(save))
     assert_one_line_error(proc, "latest_checkpointed_iteration.txt")
+
+
+def test_a_very_deep_tree_is_searched_without_recursion(tmp_path):
+    deep = tmp_path / "tree"
+    deep.mkdir()
+    for _ in range(1100):  # deeper than Python's recursion limit (1000); one mkdir a level (no recursion here)
+        deep = deep / "d"
+        deep.mkdir()
+    shutil.copytree(FIXTURES / "core019_tp1", deep / "ckpt")
+    rc, report = check_json(tmp_path / "tree")
+    assert rc == 0 and len(report["checked"]) == 1, report

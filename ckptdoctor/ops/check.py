@@ -213,19 +213,26 @@ def _add_checkpoint_dir(path: Path, targets: _Targets) -> bool:
 def _discover(directory: Path, targets: _Targets, seen: set[Path]) -> None:
     """Checkpoints below ``directory`` (not itself one), in name order: a save or iteration dir is added and
     not entered; hidden dirs (ckptdoctor's staging and backup dirs among them) are not entered; a symlinked
-    dir is followed once (each resolved dir is visited once)."""
-    for name in sorted(list_dir(directory)):
-        child = directory / name
+    dir is followed once (each resolved dir is visited once). Depth-first with an explicit stack: a tree
+    thousands of dirs deep must not exhaust Python's recursion."""
+    stack = [(directory, iter(sorted(list_dir(directory))))]
+    while stack:
+        parent, names = stack[-1]
+        name = next(names, None)
+        if name is None:
+            stack.pop()
+            continue
+        child = parent / name
         if name.startswith(".") or not child.is_dir():
             continue
         resolved = child.resolve()
         if resolved in seen:
             continue
         seen.add(resolved)
-        list_dir(child)  # one error naming a dir that cannot be listed
+        below = sorted(list_dir(child))  # one error naming a dir that cannot be listed
         if not _add_checkpoint_dir(child, targets):
             targets.findings += leftovers.scan_beside(child, child)
-            _discover(child, targets, seen)
+            stack.append((child, iter(below)))
 
 
 def _add_file(path: Path, targets: _Targets) -> None:
