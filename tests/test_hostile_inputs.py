@@ -429,6 +429,12 @@ def test_a_very_deep_tree_is_searched_without_recursion(tmp_path):
     for _ in range(1100):  # deeper than Python's recursion limit (1000); one mkdir a level (no recursion here)
         deep = deep / "d"
         deep.mkdir()
-    shutil.copytree(FIXTURES / "core019_tp1", deep / "ckpt")
-    rc, report = check_json(tmp_path / "tree")
-    assert rc == 0 and len(report["checked"]) == 1, report
+    try:
+        shutil.copytree(FIXTURES / "core019_tp1", deep / "ckpt")
+        rc, report = check_json(tmp_path / "tree")
+        assert rc == 0 and len(report["checked"]) == 1, report
+    finally:  # shutil.rmtree (and so pytest's tmp cleanup) recurses: take the tree down level by level
+        shutil.rmtree(deep / "ckpt", ignore_errors=True)
+        while deep != tmp_path:
+            deep.rmdir()
+            deep = deep.parent
