@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError, MissingExtraError
 from ckptdoctor.formats import torch_dist
-from ckptdoctor.formats.archive import parse_archive, unpickle
+from ckptdoctor.formats.archive import parse_archive, storage_ref, unpickle
 from ckptdoctor.formats.torch_zip import load_torch_zip
 from ckptdoctor.layout import BACKEND_ZARR
-from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
+from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, TensorRef
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint, Entry
@@ -130,15 +130,7 @@ def _chunk_view(pkl: bytes, where: str) -> tuple:
     if cached is not None:
         return cached
 
-    def persistent_load(pid: Any) -> StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise CkptError(f"{where}: unsupported persistent id {pid!r}")
-        _, storage_type, key, location, numel = pid
-        if not isinstance(storage_type, StorageTypeRef) or not isinstance(numel, int) or numel < 0:
-            raise CkptError(f"{where}: malformed storage reference {pid!r}")
-        return StorageRef(str(key), storage_type.dtype, str(location), numel)
-
-    ref = unpickle(pkl, where, persistent_load)
+    ref = unpickle(pkl, where, lambda pid: storage_ref(pid, where))
     if not isinstance(ref, TensorRef) or ref.dtype is None:
         raise CkptError(f"{where}: expected a tensor, found {type(ref).__name__}")
     view = (ref.storage.key, ref.dtype.name, ref.storage.numel, ref.storage_offset, ref.size, ref.stride)

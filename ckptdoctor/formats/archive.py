@@ -207,19 +207,25 @@ def _zipfile_directory(blob: Blob, where: str) -> list[Member]:
         raise CkptError(f"{where}: not a readable torch.save file ({exc})") from None
 
 
+def storage_ref(pid: Any, where: str) -> StorageRef:
+    """The storage a ``torch.save`` pickle's persistent id names, without its bytes: the one dtype policy of
+    every reader (an untyped storage is bytes; a storage type we do not know is refused)."""
+    place = f"{where}: " if where else ""
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        raise CkptError(f"{place}unsupported persistent id {pid!r}")
+    _, storage_type, key, location, numel = pid
+    if not isinstance(storage_type, StorageTypeRef) or not isinstance(numel, int) or numel < 0:
+        raise CkptError(f"{place}malformed storage reference {pid!r}")
+    return StorageRef(str(key), storage_type.dtype or DtypeRef.get("uint8"), str(location), numel)
+
+
 def _storage_ref_factory(archive: TorchArchive) -> Callable[[Any], StorageRef]:
-    """``persistent_load`` for an archive's pickle: one dtype policy for every reader (an untyped storage is
-    bytes; a storage type we do not know is refused), bytes read from the archive on demand."""
+    """``persistent_load`` for an archive's pickle: :func:`storage_ref`, bytes read from the archive on demand."""
 
     def persistent_load(pid: Any) -> StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise CkptError(f"{archive.where}: unsupported persistent id {pid!r}")
-        _, storage_type, key, location, numel = pid
-        if not isinstance(storage_type, StorageTypeRef) or not isinstance(numel, int) or numel < 0:
-            raise CkptError(f"{archive.where}: malformed storage reference {pid!r}")
-        dtype = storage_type.dtype or DtypeRef.get("uint8")  # untyped storage: numel counts bytes
-        member = archive.storage(str(key))
-        expected = numel * (dtype.itemsize or 1)
+        ref = storage_ref(pid, archive.where)
+        member = archive.storage(ref.key)
+        expected = ref.numel * (ref.dtype.itemsize or 1) if ref.dtype else ref.numel
 
         def read() -> bytes:
             # A stored record is a slice of bytes already here; a compressed one may inflate to at most what
@@ -227,7 +233,7 @@ def _storage_ref_factory(archive: TorchArchive) -> Callable[[Any], StorageRef]:
             limit = max(expected, member.size) if member.method == 0 else min(expected, MAX_INFLATED)
             return bytes(archive.read(member.name, limit))
 
-        return StorageRef(str(key), dtype, str(location), numel, read)
+        return StorageRef(ref.key, ref.dtype, ref.location, ref.numel, read)
 
     return persistent_load
 

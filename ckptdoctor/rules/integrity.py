@@ -17,14 +17,14 @@ from typing import Any
 from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
-from ckptdoctor.formats.archive import ArchiveError, parse_archive
+from ckptdoctor.formats.archive import ArchiveError, parse_archive, storage_ref
 from ckptdoctor.formats.files import open_regular, read_json
 from ckptdoctor.formats.stream import read_ranges
 from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
 from ckptdoctor.rules.safety import refused_pickle, unlisted_globals
 from ckptdoctor.rules.structure import Scanned, reason
-from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef, TensorRef
+from ckptdoctor.torch_stand_ins import StorageRef, TensorRef
 
 INTEGRITY_NAME = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME
 _READ_SIZE = 1 << 20
@@ -329,12 +329,7 @@ def _decide(pickled: bytes, entry: Entry, chunk: DcpChunk) -> _Verdict:
 
 
 def _persistent_load(pid: object) -> StorageRef:
-    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-        raise CkptError(f"unsupported persistent id {pid!r}")
-    _, storage_type, key, location, numel = pid
-    if not isinstance(storage_type, StorageTypeRef) or not isinstance(numel, int) or numel < 0:
-        raise CkptError(f"malformed storage reference {pid!r}")
-    return StorageRef(str(key), storage_type.dtype or DtypeRef.get("uint8"), str(location), numel)
+    return storage_ref(pid, "")
 
 
 def _check_chunk(decoder: _ChunkDecoder, entry: Entry, chunk: DcpChunk, blob: memoryview,
