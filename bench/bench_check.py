@@ -99,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         iteration, names, nbytes = iteration_files(save)
         data_bytes[size] = nbytes
         commands[f"check {size}"] = [ckptdoctor, "check", "--isolated", "-q", str(save)]
-        commands[f"cat {size}"] = ["sh", "-c", "cd " + shlex.quote(str(iteration)) + " && cat "
-                                   + " ".join(shlex.quote(n) for n in names) + " > /dev/null"]
+        commands[f"cat {size}"] = [
+            "sh",
+            "-c",
+            "cd " + shlex.quote(str(iteration)) + " && cat " + " ".join(shlex.quote(n) for n in names) + " > /dev/null",
+        ]
         commands[f"check --deep {size}"] = [ckptdoctor, "check", "--isolated", "-q", "--deep", str(save)]
 
     walls: dict[str, list[float]] = {label: [] for label in commands}
@@ -121,23 +124,38 @@ def main(argv: list[str] | None = None) -> int:
     med = {label: statistics.median(w) for label, w in walls.items()}
     cpu_med = {label: statistics.median(c) for label, c in cpus.items()}
     best = {label: min(w) for label, w in walls.items()}
-    gbps = {size: {"cat": data_bytes[size] / med[f"cat {size}"] / 1e9,
-                   "deep": data_bytes[size] / med[f"check --deep {size}"] / 1e9} for size in saves}
+    gbps = {
+        size: {
+            "cat": data_bytes[size] / med[f"cat {size}"] / 1e9,
+            "deep": data_bytes[size] / med[f"check --deep {size}"] / 1e9,
+        }
+        for size in saves
+    }
     targets = [
         ("non-deep check, 4 GB, whole process (median)", med[f"check {large}"], "<=", 1.0, "s"),
         ("non-deep check, 0.5 GB, whole process (median)", med[f"check {small}"], "<=", 1.0, "s"),
         (f"time {large} / time {small} (medians)", med[f"check {large}"] / med[f"check {small}"], "<=", 1.3, "x"),
         (f"--deep throughput / cat throughput, {large}", gbps[large]["deep"] / gbps[large]["cat"], ">=", 0.6, "x"),
-        ("torch / megatron / numpy imported by non-deep check",
-         float(sum(len(v["heavy_modules"]) for v in probes.values())), "<=", 0, "modules"),
+        (
+            "torch / megatron / numpy imported by non-deep check",
+            float(sum(len(v["heavy_modules"]) for v in probes.values())),
+            "<=",
+            0,
+            "modules",
+        ),
     ]
 
     def met(value: float, op: str, limit: float) -> bool:
         return value <= limit if op == "<=" else value >= limit
 
-    lines = [f"machine: {machine_info()}", f"load average (1 min) per round: {', '.join(f'{x:.1f}' for x in loads)}",
-             "", "| command | data | runs | wall best (s) | wall median (s) | CPU median (s) | GB/s (median wall) "
-             "| peak RSS (MB) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"machine: {machine_info()}",
+        f"load average (1 min) per round: {', '.join(f'{x:.1f}' for x in loads)}",
+        "",
+        "| command | data | runs | wall best (s) | wall median (s) | CPU median (s) | GB/s (median wall) "
+        "| peak RSS (MB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for label in commands:
         size = label.rsplit(" ", 1)[1]
         rate = "-"
@@ -145,13 +163,18 @@ def main(argv: list[str] | None = None) -> int:
             rate = f"{gbps[size]['cat']:.2f}"
         elif "--deep" in label:
             rate = f"{gbps[size]['deep']:.2f}"
-        lines.append(f"| `{label}` | {data_bytes[size] / 1e9:.2f} GB | {len(walls[label])} | {best[label]:.3f} "
-                     f"| {med[label]:.3f} | {cpu_med[label]:.3f} | {rate} | {rss[label]:.0f} |")
+        lines.append(
+            f"| `{label}` | {data_bytes[size] / 1e9:.2f} GB | {len(walls[label])} | {best[label]:.3f} "
+            f"| {med[label]:.3f} | {cpu_med[label]:.3f} | {rate} | {rss[label]:.0f} |"
+        )
     pass_gbps = data_bytes[large] / (med[f"check --deep {large}"] - med[f"check {large}"]) / 1e9
-    lines += ["", f"Informational: the deep pass alone (median deep minus median non-deep, {large}) reads "
-              f"{pass_gbps:.2f} GB/s = {pass_gbps / gbps[large]['cat']:.2f} x cat; "
-              f"at {small} (28 KB chunks on average) whole-process deep/cat is "
-              f"{gbps[small]['deep'] / gbps[small]['cat']:.2f} x (per-chunk and metadata costs dominate)."]
+    lines += [
+        "",
+        f"Informational: the deep pass alone (median deep minus median non-deep, {large}) reads "
+        f"{pass_gbps:.2f} GB/s = {pass_gbps / gbps[large]['cat']:.2f} x cat; "
+        f"at {small} (28 KB chunks on average) whole-process deep/cat is "
+        f"{gbps[small]['deep'] / gbps[small]['cat']:.2f} x (per-chunk and metadata costs dominate).",
+    ]
     lines += ["", "| target | measured | required | met |", "|---|---|---|---|"]
     for name, value, op, limit, unit in targets:
         verdict = "yes" if met(value, op, limit) else "**NO**"
@@ -161,13 +184,25 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": shlex.join(["python", "bench/bench_check.py", *(argv or sys.argv[1:])]),
-        "machine": machine_info(), "loadavg_per_round": loads, "data_bytes": data_bytes, "probes": probes,
-        "commands": {label: shlex.join(cmd) if len(shlex.join(cmd)) < 300 else shlex.join(cmd)[:300] + " ..."
-                     for label, cmd in commands.items()},
-        "walls_s": walls, "cpu_s": cpus, "cpu_median_s": cpu_med, "median_s": med, "best_s": best,
-        "peak_rss_mb": rss, "throughput_gbps": gbps,
-        "targets": [{"name": n, "value": v, "op": op, "limit": lim, "unit": u, "met": met(v, op, lim)}
-                    for n, v, op, lim, u in targets],
+        "machine": machine_info(),
+        "loadavg_per_round": loads,
+        "data_bytes": data_bytes,
+        "probes": probes,
+        "commands": {
+            label: shlex.join(cmd) if len(shlex.join(cmd)) < 300 else shlex.join(cmd)[:300] + " ..."
+            for label, cmd in commands.items()
+        },
+        "walls_s": walls,
+        "cpu_s": cpus,
+        "cpu_median_s": cpu_med,
+        "median_s": med,
+        "best_s": best,
+        "peak_rss_mb": rss,
+        "throughput_gbps": gbps,
+        "targets": [
+            {"name": n, "value": v, "op": op, "limit": lim, "unit": u, "met": met(v, op, lim)}
+            for n, v, op, lim, u in targets
+        ],
     }
     o.out.parent.mkdir(parents=True, exist_ok=True)
     o.out.write_text(json.dumps(payload, indent=1))

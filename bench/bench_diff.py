@@ -68,8 +68,13 @@ def largest_chunk(*save_dirs: Path) -> int:
     sys.path.insert(0, str(REPO))
     from ckptdoctor.checkpoint import open_checkpoint
 
-    return max(c.storage.length for d in save_dirs for e in open_checkpoint(d).entries.values()
-               for c in e.chunks if c.storage is not None)
+    return max(
+        c.storage.length
+        for d in save_dirs
+        for e in open_checkpoint(d).entries.values()
+        for c in e.chunks
+        if c.storage is not None
+    )
 
 
 def timed(cmd: list[str], timeout: float = 3600, expect: tuple[int, ...] = (0, 1)) -> dict:
@@ -97,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copytree(pairs[big][0], copy)
     results: dict = {"meta": machine_info(), "sizes": sizes, "inputs": {}}
     for s, (a, b) in pairs.items():
-        results["inputs"][s] = {"a": str(a.relative_to(REPO)), "b": str(b.relative_to(REPO)),
-                                "a_bytes": data_bytes(a)[0], "b_bytes": data_bytes(b)[0]}
+        results["inputs"][s] = {
+            "a": str(a.relative_to(REPO)),
+            "b": str(b.relative_to(REPO)),
+            "a_bytes": data_bytes(a)[0],
+            "b_bytes": data_bytes(b)[0],
+        }
 
     # 1. structural diff, repeats interleaved across sizes (one warm-up each first)
     structural: dict[str, list[dict]] = {s: [] for s in sizes}
@@ -117,8 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         scratch = DATA / "diff_workaround"
         scratch.mkdir(exist_ok=True)
         try:
-            wa = timed([opts.python, "-c", WORKAROUND, str(next(a.glob("iter_*"))), str(next(b.glob("iter_*"))),
-                        str(scratch / "a.pt"), str(scratch / "b.pt")], expect=(0,))
+            wa = timed(
+                [
+                    opts.python,
+                    "-c",
+                    WORKAROUND,
+                    str(next(a.glob("iter_*"))),
+                    str(next(b.glob("iter_*"))),
+                    str(scratch / "a.pt"),
+                    str(scratch / "b.pt"),
+                ],
+                expect=(0,),
+            )
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         results["workaround"] = wa | {"speedup_over_structural": wa["wall_s"] / med[big]}
@@ -143,9 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     rss = max(r["peak_rss_mb"] for r in diffs)
     bound = (3 * chunk) / 2**20 + 300
     results["values"] = {
-        "bytes": total, "cat_runs": cats, "diff_runs": diffs, "cat_median_s": cat_s, "diff_median_s": diff_s,
-        "cat_gb_s": total / cat_s / 1e9, "diff_gb_s": total / diff_s / 1e9, "throughput_ratio": cat_s / diff_s,
-        "largest_chunk_bytes": chunk, "peak_rss_mb": rss, "rss_bound_mb": bound,
+        "bytes": total,
+        "cat_runs": cats,
+        "diff_runs": diffs,
+        "cat_median_s": cat_s,
+        "diff_median_s": diff_s,
+        "cat_gb_s": total / cat_s / 1e9,
+        "diff_gb_s": total / diff_s / 1e9,
+        "throughput_ratio": cat_s / diff_s,
+        "largest_chunk_bytes": chunk,
+        "peak_rss_mb": rss,
+        "rss_bound_mb": bound,
     }
     # 4. the decode path: A vs the TP=4 save (cross-layout boxes; TP-split values differ, so every such chunk is
     #    decoded and compared numerically). Reported, no target of its own beyond the RSS bound.
@@ -154,8 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     cross_bytes = bytes_a + data_bytes(b4)[0]
     cross_chunk = largest_chunk(a, b4)
     results["values_cross_layout"] = cross | {
-        "bytes": cross_bytes, "gb_s": cross_bytes / cross["wall_s"] / 1e9, "largest_chunk_bytes": cross_chunk,
-        "rss_bound_mb": 3 * cross_chunk / 2**20 + 300}
+        "bytes": cross_bytes,
+        "gb_s": cross_bytes / cross["wall_s"] / 1e9,
+        "largest_chunk_bytes": cross_chunk,
+        "rss_bound_mb": 3 * cross_chunk / 2**20 + 300,
+    }
     print(f"values {big} TP=2 vs TP=4: {cross}", flush=True)
     s, v = results["structural"], results["values"]
     rows = [
@@ -163,19 +193,34 @@ def main(argv: list[str] | None = None) -> int:
         (f"structural {big} / {sizes[0]}", f"{s['ratio_big_over_small']:.2f}", "<= 1.3"),
     ]
     if "workaround" in results:
-        rows.append((f"workaround at {big} / structural diff", f"{results['workaround']['wall_s']:.1f} s / "
-                     f"{med[big]:.2f} s = {results['workaround']['speedup_over_structural']:.0f}x", ">= 50x"))
+        rows.append(
+            (
+                f"workaround at {big} / structural diff",
+                f"{results['workaround']['wall_s']:.1f} s / "
+                f"{med[big]:.2f} s = {results['workaround']['speedup_over_structural']:.0f}x",
+                ">= 50x",
+            )
+        )
     rows += [
-        (f"--values throughput at {big} (both checkpoints)",
-         f"{v['diff_gb_s']:.2f} GB/s vs cat {v['cat_gb_s']:.2f} GB/s = {v['throughput_ratio']:.0%}", ">= 60%"),
-        ("--values peak RSS", f"{rss:.0f} MiB (largest chunk {chunk / 2**20:.2f} MiB, bound {bound:.0f} MiB)",
-         "<= 3x chunk + 300 MB"),
+        (
+            f"--values throughput at {big} (both checkpoints)",
+            f"{v['diff_gb_s']:.2f} GB/s vs cat {v['cat_gb_s']:.2f} GB/s = {v['throughput_ratio']:.0%}",
+            ">= 60%",
+        ),
+        (
+            "--values peak RSS",
+            f"{rss:.0f} MiB (largest chunk {chunk / 2**20:.2f} MiB, bound {bound:.0f} MiB)",
+            "<= 3x chunk + 300 MB",
+        ),
     ]
     c = results["values_cross_layout"]
     rows += [
-        (f"--values TP=2 vs TP=4 at {big} (decode path)",
-         f"{c['wall_s']:.2f} s, {c['gb_s']:.2f} GB/s, peak RSS {c['peak_rss_mb']:.0f} MiB "
-         f"(bound {c['rss_bound_mb']:.0f} MiB)", "<= 3x chunk + 300 MB"),
+        (
+            f"--values TP=2 vs TP=4 at {big} (decode path)",
+            f"{c['wall_s']:.2f} s, {c['gb_s']:.2f} GB/s, peak RSS {c['peak_rss_mb']:.0f} MiB "
+            f"(bound {c['rss_bound_mb']:.0f} MiB)",
+            "<= 3x chunk + 300 MB",
+        ),
     ]
     table = "| measure | result | target |\n|---|---|---|\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
     results["markdown"] = table

@@ -59,8 +59,7 @@ def common_state_variant(save: Path) -> Path:
     metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__0_common.distcp", 0, len(buf.getvalue()))
     with open(out_iter / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
-    (out_iter / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist",
-                                                        "sharded_backend_version": 1}))
+    (out_iter / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
     (out / "latest_checkpointed_iteration.txt").write_text((save / "latest_checkpointed_iteration.txt").read_text())
     return out
 
@@ -86,8 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.repeats + 1):
         for key, save in inputs.items():
             shutil.rmtree(scratch, ignore_errors=True)
-            cmd = [python, "-m", "ckptdoctor", "fix-args", str(save), "--set", "seq_length=12345",
-                   "--write", "--output", str(scratch)]
+            cmd = [
+                python,
+                "-m",
+                "ckptdoctor",
+                "fix-args",
+                str(save),
+                "--set",
+                "seq_length=12345",
+                "--write",
+                "--output",
+                str(scratch),
+            ]
             wall, _cpu, peak, rc = run_once(cmd, timeout=600)
             if rc != 0:
                 raise SystemExit(f"{' '.join(cmd)} exited {rc}")
@@ -108,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median(times[(era, size)])
             result["runs"][f"{era} {size}"] = {"median_s": med, "peak_rss_mb": rss[(era, size)]}
             rows.append(f"| {era} | {size} | {med:.3f} | {rss[(era, size)]:.0f} |")
-        rows.append(f"| {era} | ratio {sizes[-1]}/{sizes[0]} | {ratio:.2f} (target <= 1.3: "
-                    f"{'met' if ratio <= 1.3 else 'MISSED'}) | |")
+        rows.append(
+            f"| {era} | ratio {sizes[-1]}/{sizes[0]} | {ratio:.2f} (target <= 1.3: "
+            f"{'met' if ratio <= 1.3 else 'MISSED'}) | |"
+        )
     print("| era | size | fix-args --write wall (s, median) | peak RSS (MB) |")
     print("|---|---|---|---|")
     print("\n".join(rows))

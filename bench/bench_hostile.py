@@ -71,8 +71,9 @@ def prepare(work: Path) -> None:
     for index, (case, (name, content)) in enumerate(cases(work).items()):
         hostile = make(work, f"h{index}", name, content)
         twin = make(work, f"b{index}", "common.pt", benign(len(content)))
-        manifest.append({"case": case, "file": name, "bytes": len(content), "hostile": str(hostile),
-                         "benign": str(twin)})
+        manifest.append(
+            {"case": case, "file": name, "bytes": len(content), "hostile": str(hostile), "benign": str(twin)}
+        )
     (work / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -97,32 +98,49 @@ def main(argv: list[str] | None = None) -> int:
                 runs: dict[str, list] = {"hostile": [], "benign": []}
                 for _ in range(opts.repeats):  # alternate, so machine load hits both alike
                     for side, path in (("hostile", hostile), ("benign", twin)):
-                        runs[side].append(run_once([sys.executable, "-m", "ckptdoctor", *command, str(path)],
-                                                   opts.timeout))
+                        runs[side].append(
+                            run_once([sys.executable, "-m", "ckptdoctor", *command, str(path)], opts.timeout)
+                        )
                 h, b = runs["hostile"], runs["benign"]
-                rows.append({
-                    "case": case, "file": name, "input_bytes": size, "command": " ".join(command),
-                    "hostile_rc": sorted({r.rc for r in h}, key=str), "hostile_timed_out": any(r.timed_out for r in h),
-                    "hostile_wall_s": statistics.median(r.wall_s for r in h),
-                    "hostile_peak_rss_mb": max(r.peak_rss_mb for r in h),
-                    "benign_wall_s": statistics.median(r.wall_s for r in b),
-                    "benign_peak_rss_mb": max(r.peak_rss_mb for r in b),
-                })
-                print(f"{case:48s} {' '.join(command):14s} hostile {rows[-1]['hostile_wall_s']:.2f}s "
-                      f"{rows[-1]['hostile_peak_rss_mb']:.0f}MB rc={rows[-1]['hostile_rc']}  benign "
-                      f"{rows[-1]['benign_wall_s']:.2f}s {rows[-1]['benign_peak_rss_mb']:.0f}MB", flush=True)
+                rows.append(
+                    {
+                        "case": case,
+                        "file": name,
+                        "input_bytes": size,
+                        "command": " ".join(command),
+                        "hostile_rc": sorted({r.rc for r in h}, key=str),
+                        "hostile_timed_out": any(r.timed_out for r in h),
+                        "hostile_wall_s": statistics.median(r.wall_s for r in h),
+                        "hostile_peak_rss_mb": max(r.peak_rss_mb for r in h),
+                        "benign_wall_s": statistics.median(r.wall_s for r in b),
+                        "benign_peak_rss_mb": max(r.peak_rss_mb for r in b),
+                    }
+                )
+                print(
+                    f"{case:48s} {' '.join(command):14s} hostile {rows[-1]['hostile_wall_s']:.2f}s "
+                    f"{rows[-1]['hostile_peak_rss_mb']:.0f}MB rc={rows[-1]['hostile_rc']}  benign "
+                    f"{rows[-1]['benign_wall_s']:.2f}s {rows[-1]['benign_peak_rss_mb']:.0f}MB",
+                    flush=True,
+                )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    result = {"benchmark": "hostile", "commit": commit.stdout.strip(), "machine": machine_info(),
-              "repeats": opts.repeats, "rows": rows}
+    result = {
+        "benchmark": "hostile",
+        "commit": commit.stdout.strip(),
+        "machine": machine_info(),
+        "repeats": opts.repeats,
+        "rows": rows,
+    }
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text(json.dumps(result, indent=2) + "\n")
     print("\n| case | command | input | hostile: exit, time, peak RSS | benign twin: time, peak RSS |")
     print("|---|---|---:|---|---|")
     for r in rows:
         rc = ",".join(map(str, r["hostile_rc"])) + (" (TIMEOUT)" if r["hostile_timed_out"] else "")
-        print(f"| {r['case']} | `{r['command']}` | {r['input_bytes'] / 1024:.0f} KiB | {rc}, "
-              f"{r['hostile_wall_s']:.2f} s, {r['hostile_peak_rss_mb']:.0f} MB | "
-              f"{r['benign_wall_s']:.2f} s, {r['benign_peak_rss_mb']:.0f} MB |")
+        print(
+            f"| {r['case']} | `{r['command']}` | {r['input_bytes'] / 1024:.0f} KiB | {rc}, "
+            f"{r['hostile_wall_s']:.2f} s, {r['hostile_peak_rss_mb']:.0f} MB | "
+            f"{r['benign_wall_s']:.2f} s, {r['benign_peak_rss_mb']:.0f} MB |"
+        )
     bad = [r for r in rows if r["hostile_timed_out"] or r["hostile_peak_rss_mb"] > r["benign_peak_rss_mb"] + 300]
     return 1 if bad else 0
 

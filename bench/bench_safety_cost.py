@@ -43,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
                 results[label].append(run(cwd, [*command, str(opts.ckpt)]))
         for label, runs in results.items():
             wall, cpu = [r[0] for r in runs], [r[1] for r in runs]
-            print(f"{command[0]:8s} {label:7s} wall {statistics.median(wall):.3f} [{min(wall):.3f}-{max(wall):.3f}] s"
-                  f"  cpu {statistics.median(cpu):.3f} [{min(cpu):.3f}-{max(cpu):.3f}] s"
-                  f"  peak RSS {max(r[2] for r in runs):.0f} MB")
+            print(
+                f"{command[0]:8s} {label:7s} wall {statistics.median(wall):.3f} [{min(wall):.3f}-{max(wall):.3f}] s"
+                f"  cpu {statistics.median(cpu):.3f} [{min(cpu):.3f}-{max(cpu):.3f}] s"
+                f"  peak RSS {max(r[2] for r in runs):.0f} MB"
+            )
     return 0
 
 

@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
             "ckptdoctor seal --jobs 1": timed(seal + ["--jobs", "1"]),
             f"ckptdoctor seal --jobs {opts.jobs}": timed(seal + ["--jobs", str(opts.jobs)]),
             "sha256sum (one process)": timed(["sha256sum", *files]),
-            f"xargs -P {opts.jobs} sha256sum": timed(["sh", "-c", f"printf '%s\\n' \"$@\" | xargs -P {opts.jobs} "
-                                                      "-n 1 sha256sum", "sh", *files]),
+            f"xargs -P {opts.jobs} sha256sum": timed(
+                ["sh", "-c", f"printf '%s\\n' \"$@\" | xargs -P {opts.jobs} -n 1 sha256sum", "sh", *files]
+            ),
         }
     print(f"{len(files)} files, {total / (1 << 20):.0f} MiB, {opts.jobs} jobs, warm page cache, best of 3")
     for name, seconds in rows.items():

@@ -78,22 +78,32 @@ def peft_build_specs(d, param_dtype):
             layers = shape[0]
             in_chunks = [ms.Chunk((layer, 0, 0), (1, rank, in_f), None) for layer in range(layers)]
             out_chunks = [c for layer in range(layers) for c in _tp_split((out_f, rank), d.tp, (layer,))]
-            adapters += [(prefix + "linear_in.weight", (layers, rank, in_f), in_chunks),
-                         (prefix + "linear_out.weight", (layers, out_f, rank), out_chunks)]
+            adapters += [
+                (prefix + "linear_in.weight", (layers, rank, in_f), in_chunks),
+                (prefix + "linear_out.weight", (layers, out_f, rank), out_chunks),
+            ]
         else:
-            adapters += [(prefix + "linear_in.weight", (rank, in_f), ms.whole((rank, in_f))),
-                         (prefix + "linear_out.weight", (out_f, rank), _tp_split((out_f, rank), d.tp, ()))]
+            adapters += [
+                (prefix + "linear_in.weight", (rank, in_f), ms.whole((rank, in_f))),
+                (prefix + "linear_out.weight", (out_f, rank), _tp_split((out_f, rank), d.tp, ())),
+            ]
     tensors = [ms.TensorSpec(k, s, param_dtype, c) for k, s, c in params + adapters]
     for state in ("exp_avg", "exp_avg_sq"):
         for key, shape, chunks in adapters:
-            tensors.append(ms.TensorSpec(f"optimizer.state.{state}.{key}", shape, torch.float32,
-                                         [dataclasses.replace(c) for c in chunks]))
+            tensors.append(
+                ms.TensorSpec(
+                    f"optimizer.state.{state}.{key}", shape, torch.float32, [dataclasses.replace(c) for c in chunks]
+                )
+            )
     objects = [ms.ObjectSpec(f"rng_state/shard_0.{t}_1.{d.tp}", "rng") for t in range(d.tp)]
     if stacked:
         objects += ms.extra_state_objects(d)
-    peft_build_specs.info = {"lora_rank": rank, "adapter_keys": len(adapters),  # type: ignore[attr-defined]
-                             "trainable_params": sum(math.prod(s) for _, s, _ in adapters),
-                             "base_params": base_numel}
+    peft_build_specs.info = {
+        "lora_rank": rank,
+        "adapter_keys": len(adapters),  # type: ignore[attr-defined]
+        "trainable_params": sum(math.prod(s) for _, s, _ in adapters),
+        "base_params": base_numel,
+    }
     return tensors, objects
 
 
@@ -113,12 +123,28 @@ def make_peft_checkpoint(size: str, layout: str, keys: int, files: int, layers: 
     child forked from a parent holding torch would report the parent's pages in its peak RSS)."""
     out = DATA / f"peft_{size}_{layout}_{keys}k_{files}f".replace(".", "p")
     marker = out / "peft.json"
-    want = {"size": size, "layout": layout, "keys": keys, "files": files, "layers": layers,
-            "trainable_fraction": TRAINABLE_FRACTION}
+    want = {
+        "size": size,
+        "layout": layout,
+        "keys": keys,
+        "files": files,
+        "layers": layers,
+        "trainable_fraction": TRAINABLE_FRACTION,
+    }
     if marker.exists() and json.loads(marker.read_text()).get("requested") == want:
         return out
-    cmd = [sys.executable, __file__, "--generate", size, "--layout", layout, "--keys", str(keys),
-           "--files", str(files)] + ([] if layers is None else ["--layers", str(layers)])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--generate",
+        size,
+        "--layout",
+        layout,
+        "--keys",
+        str(keys),
+        "--files",
+        str(files),
+    ] + ([] if layers is None else ["--layers", str(layers)])
     print(f"generating {out.name} ...", flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -130,15 +156,22 @@ def generate(size: str, layout: str, keys: int, files: int, layers: int | None) 
     import make_synthetic as ms
 
     out = DATA / f"peft_{size}_{layout}_{keys}k_{files}f".replace(".", "p")
-    want = {"size": size, "layout": layout, "keys": keys, "files": files, "layers": layers,
-            "trainable_fraction": TRAINABLE_FRACTION}
+    want = {
+        "size": size,
+        "layout": layout,
+        "keys": keys,
+        "files": files,
+        "layers": layers,
+        "trainable_fraction": TRAINABLE_FRACTION,
+    }
     param_bytes = 2  # bf16
     # make_synthetic sizes param + 8 bytes of optimizer state per element; here only the base is stored at scale
     total = int(parse_size(size) * (param_bytes + 8) / param_bytes)
     ms.build_specs = peft_build_specs
     info = ms.write_checkpoint(out, total, keys, files, "bf16", 0, 2, layout, layers, os.cpu_count() or 1)
-    (out / "peft.json").write_text(json.dumps({"requested": want, **peft_build_specs.info, "synthetic": info},
-                                              indent=1))
+    (out / "peft.json").write_text(
+        json.dumps({"requested": want, **peft_build_specs.info, "synthetic": info}, indent=1)
+    )
 
 
 # --- measuring --------------------------------------------------------------------------------------------
@@ -160,8 +193,12 @@ def _timed(cmd: list[str], repeats: int, timeout: float, before=None, warm_up: b
         if i:
             runs.append(r)
     walls = sorted(r.wall_s for r in runs)
-    return {"wall_best_s": walls[0], "wall_median_s": walls[len(walls) // 2],
-            "peak_rss_mb": max(r.peak_rss_mb for r in runs), "runs": [dataclasses.asdict(r) for r in runs]}
+    return {
+        "wall_best_s": walls[0],
+        "wall_median_s": walls[len(walls) // 2],
+        "peak_rss_mb": max(r.peak_rss_mb for r in runs),
+        "runs": [dataclasses.asdict(r) for r in runs],
+    }
 
 
 def bench_size(size: str, opts: argparse.Namespace) -> dict:
@@ -176,15 +213,22 @@ def bench_size(size: str, opts: argparse.Namespace) -> dict:
     out_iter = next(out.glob("iter_*"))
     kept_data = sum(p.stat().st_size for p in out_iter.glob("*.distcp"))
     src_iter = next(src.glob("iter_*"))
-    result = {"size": size, "source_bytes": _dir_bytes(src_iter), "output_bytes": _dir_bytes(out_iter),
-              "kept_data_bytes": kept_data, "source": peft, "strip": strip}
+    result = {
+        "size": size,
+        "source_bytes": _dir_bytes(src_iter),
+        "output_bytes": _dir_bytes(out_iter),
+        "kept_data_bytes": kept_data,
+        "source": peft,
+        "strip": strip,
+    }
 
     blob, copy = scratch / "kept.bin", scratch / "kept.copy"
     with open(blob, "wb") as f:
         for left in range(kept_data, 0, -(8 << 20)):
             f.write(os.urandom(min(8 << 20, left)))
-    result["cp"] = _timed(["cp", str(blob), str(copy)], opts.repeats, opts.timeout,
-                          lambda: copy.unlink(missing_ok=True))
+    result["cp"] = _timed(
+        ["cp", str(blob), str(copy)], opts.repeats, opts.timeout, lambda: copy.unlink(missing_ok=True)
+    )
     blob.unlink()
     copy.unlink(missing_ok=True)
 
@@ -196,8 +240,13 @@ def bench_size(size: str, opts: argparse.Namespace) -> dict:
             for name in ("full.pt", "kept.pt"):
                 (scratch / name).unlink(missing_ok=True)
 
-        result["naive"] = _timed([sys.executable, "-c", NAIVE, str(src_iter), str(scratch), str(naive_out)],
-                                 opts.naive_repeats, 3600, clean, warm_up=False)
+        result["naive"] = _timed(
+            [sys.executable, "-c", NAIVE, str(src_iter), str(scratch), str(naive_out)],
+            opts.naive_repeats,
+            3600,
+            clean,
+            warm_up=False,
+        )
         clean()
     shutil.rmtree(scratch, ignore_errors=True)
     return result
@@ -207,23 +256,45 @@ def targets(results: list[dict]) -> list[dict]:
     rows = []
     for r in results:
         s, c = r["strip"]["wall_median_s"], r["cp"]["wall_median_s"]
-        rows.append({"target": f"strip wall <= 2 x cp(kept bytes) + 1 s, {r['size']}", "value": round(s, 3),
-                     "limit": round(2 * c + 1, 3), "met": s <= 2 * c + 1})
+        rows.append(
+            {
+                "target": f"strip wall <= 2 x cp(kept bytes) + 1 s, {r['size']}",
+                "value": round(s, 3),
+                "limit": round(2 * c + 1, 3),
+                "met": s <= 2 * c + 1,
+            }
+        )
         if "naive" in r:
             ratio = r["naive"]["wall_median_s"] / s
-            rows.append({"target": f"naive / strip wall >= 20, {r['size']}", "value": round(ratio, 1),
-                         "limit": 20, "met": ratio >= 20})
-        rows.append({"target": f"strip peak RSS <= 300 MB, {r['size']}", "value": round(r["strip"]["peak_rss_mb"], 1),
-                     "limit": 300, "met": r["strip"]["peak_rss_mb"] <= 300})
+            rows.append(
+                {
+                    "target": f"naive / strip wall >= 20, {r['size']}",
+                    "value": round(ratio, 1),
+                    "limit": 20,
+                    "met": ratio >= 20,
+                }
+            )
+        rows.append(
+            {
+                "target": f"strip peak RSS <= 300 MB, {r['size']}",
+                "value": round(r["strip"]["peak_rss_mb"], 1),
+                "limit": 300,
+                "met": r["strip"]["peak_rss_mb"] <= 300,
+            }
+        )
     return rows
 
 
 def markdown(results: list[dict], rows: list[dict], opts: argparse.Namespace) -> str:
     gib = 2**30
-    lines = [f"layout {opts.layout}, keys {opts.keys}, files {opts.files}; medians of {opts.repeats} runs after a "
-             "warm-up (naive: one run)", "",
-             "| size | source | kept data | output | LoRA rank | strip s | strip RSS MB | cp kept s | naive s | "
-             "naive RSS MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"layout {opts.layout}, keys {opts.keys}, files {opts.files}; medians of {opts.repeats} runs after a "
+        "warm-up (naive: one run)",
+        "",
+        "| size | source | kept data | output | LoRA rank | strip s | strip RSS MB | cp kept s | naive s | "
+        "naive RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         naive = r.get("naive", {})
         lines.append(
@@ -231,7 +302,8 @@ def markdown(results: list[dict], rows: list[dict], opts: argparse.Namespace) ->
             f"{r['source']['synthetic']['files']} files | {r['kept_data_bytes'] / 2**20:.1f} MiB | "
             f"{r['output_bytes'] / 2**20:.1f} MiB | {r['source']['lora_rank']} | {r['strip']['wall_median_s']:.2f} | "
             f"{r['strip']['peak_rss_mb']:.0f} | {r['cp']['wall_median_s']:.2f} | "
-            f"{naive.get('wall_median_s', float('nan')):.1f} | {naive.get('peak_rss_mb', float('nan')):.0f} |")
+            f"{naive.get('wall_median_s', float('nan')):.1f} | {naive.get('peak_rss_mb', float('nan')):.0f} |"
+        )
     lines += ["", "| target | value | limit | met |", "|---|---|---|---|"]
     lines += [f"| {t['target']} | {t['value']} | {t['limit']} | {'yes' if t['met'] else 'NO'} |" for t in rows]
     return "\n".join(lines)
@@ -262,9 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "strip-frozen" + (f"-{opts.tag}" if opts.tag else "")
-    (RESULTS / f"{name}.json").write_text(json.dumps(
-        {"options": vars(opts), "machine": machine_info(), "results": results, "targets": rows,
-         "markdown": text}, indent=1, default=str))
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps(
+            {"options": vars(opts), "machine": machine_info(), "results": results, "targets": rows, "markdown": text},
+            indent=1,
+            default=str,
+        )
+    )
     return 0 if all(t["met"] for t in rows) else 1
 
 

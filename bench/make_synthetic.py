@@ -71,8 +71,12 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 ITERATION = 100
 THREADS_PER_RANK = 2  # Megatron's torch_dist save strategy default: two files per rank
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                 "common_backend": "torch", "common_backend_version": 1}
+METADATA_JSON = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -183,8 +187,10 @@ def layer_tensors(d: ModelDims, prefix: str, lead: tuple[int, ...] = ()) -> list
         ]
         for e in range(d.experts):  # expert tensor parallel = 1: each expert whole on its EP rank
             ep = f"{prefix}mlp.experts.local_experts.{e}."
-            out += [(f"{ep}linear_fc1.weight", (2 * f, h), whole((2 * f, h))),
-                    (f"{ep}linear_fc2.weight", (h, f), whole((h, f)))]
+            out += [
+                (f"{ep}linear_fc1.weight", (2 * f, h), whole((2 * f, h))),
+                (f"{ep}linear_fc2.weight", (h, f), whole((h, f))),
+            ]
     return out
 
 
@@ -202,8 +208,10 @@ def model_tensors(d: ModelDims) -> list[tuple[str, tuple[int, ...], list]]:
     else:
         for layer in range(d.layers):
             out += layer_tensors(d, f"decoder.layers.{layer}.")
-    out += [("decoder.final_layernorm.weight", (h,), whole((h,))),
-            ("output_layer.weight", (d.vocab, h), split((d.vocab, h), 0, tp))]
+    out += [
+        ("decoder.final_layernorm.weight", (h,), whole((h,))),
+        ("output_layer.weight", (d.vocab, h), split((d.vocab, h), 0, tp)),
+    ]
     return out
 
 
@@ -223,8 +231,9 @@ def model_tensors_shapes(d: ModelDims) -> list[tuple[str, tuple[int, ...], None]
     return [("", s, None) for s in shapes]
 
 
-def choose_dims(total_bytes: int, keys: int, tp: int, layout: str, param_bytes: int, layers: int | None,
-                n_objects: int) -> ModelDims:
+def choose_dims(
+    total_bytes: int, keys: int, tp: int, layout: str, param_bytes: int, layers: int | None, n_objects: int
+) -> ModelDims:
     """Layers/experts from the key budget, hidden size from the byte budget."""
     bytes_per_element = param_bytes + 2 * 4  # param + fp32 exp_avg + fp32 exp_avg_sq
     if layout == "stacked":
@@ -252,8 +261,11 @@ def choose_dims(total_bytes: int, keys: int, tp: int, layout: str, param_bytes: 
 def extra_state_objects(d: ModelDims) -> list[ObjectSpec]:
     """TE modules' ``_extra_state``: one ShardedObject per layer per module (``shard_<layer>_<L>``)."""
     modules = ["self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"]
-    return [ObjectSpec(f"decoder.layers.{m}._extra_state/shard_{layer}_{d.layers}", "extra_state")
-            for m in modules for layer in range(d.layers)]
+    return [
+        ObjectSpec(f"decoder.layers.{m}._extra_state/shard_{layer}_{d.layers}", "extra_state")
+        for m in modules
+        for layer in range(d.layers)
+    ]
 
 
 def build_specs(d: ModelDims, param_dtype: torch.dtype) -> tuple[list[TensorSpec], list[ObjectSpec]]:
@@ -263,8 +275,11 @@ def build_specs(d: ModelDims, param_dtype: torch.dtype) -> tuple[list[TensorSpec
         tensors.append(TensorSpec(key, shape, param_dtype, chunks))
     for state in ("exp_avg", "exp_avg_sq"):
         for key, shape, chunks in params:
-            tensors.append(TensorSpec(f"optimizer.state.{state}.{key}", shape, torch.float32,
-                                      [dataclasses.replace(c) for c in chunks]))
+            tensors.append(
+                TensorSpec(
+                    f"optimizer.state.{state}.{key}", shape, torch.float32, [dataclasses.replace(c) for c in chunks]
+                )
+            )
     # rng_state: a ShardedObject over (pp, tp), as Megatron's get_rng_state saves it for torch_dist
     objects = [ObjectSpec(f"rng_state/shard_0.{t}_1.{d.tp}", "rng") for t in range(d.tp)]
     if d.layout == "stacked":
@@ -318,16 +333,20 @@ class ValuePool:
             reps = -(-n // pool.numel())
             return pool.repeat(reps)[:n].clone().view(sizes)
         start = zlib.crc32(f"{self.seed}|{key}|{offsets}".encode()) % (pool.numel() - n + 1)
-        return pool[start:start + n].clone().view(sizes)
+        return pool[start : start + n].clone().view(sizes)
 
 
 def object_payload(obj: ObjectSpec, seed: int) -> io.BytesIO:
     """A ShardedObject's bytes the way Megatron hands them to DCP: a BytesIO holding ``torch.save(data)``."""
     rnd = random.Random(zlib.crc32(f"{seed}|{obj.key}".encode()))
     if obj.payload == "rng":
-        data = [{"random_rng_state": rnd.getstate(),
-                 "torch_rng_state": torch.Generator().manual_seed(rnd.getrandbits(32)).get_state(),
-                 "rng_tracker_states": {}}]
+        data = [
+            {
+                "random_rng_state": rnd.getstate(),
+                "torch_rng_state": torch.Generator().manual_seed(rnd.getrandbits(32)).get_state(),
+                "rng_tracker_states": {},
+            }
+        ]
     else:
         data = io.BytesIO(bytes(rnd.getrandbits(8) for _ in range(64)))
     inner = io.BytesIO()
@@ -339,8 +358,9 @@ def object_payload(obj: ObjectSpec, seed: int) -> io.BytesIO:
 class SyntheticPlanner(DefaultSavePlanner):
     """DefaultSavePlanner whose local plan is this simulated rank's chunks, created lazily in lookup_object."""
 
-    def __init__(self, rank: int, chunks: list[tuple[TensorSpec, Chunk]], objects: list[ObjectSpec],
-                 pool: ValuePool) -> None:
+    def __init__(
+        self, rank: int, chunks: list[tuple[TensorSpec, Chunk]], objects: list[ObjectSpec], pool: ValuePool
+    ) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.rank = rank
         self.my_chunks = chunks
@@ -356,11 +376,17 @@ class SyntheticPlanner(DefaultSavePlanner):
         items = []
         for spec, c in self.my_chunks:
             offsets = torch.Size(c.offsets)
-            items.append(WriteItem(
-                index=MetadataIndex(spec.key, offsets), type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, torch.Size(c.sizes)),
-                                            properties=TensorProperties(dtype=spec.dtype),
-                                            size=torch.Size(spec.shape))))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(spec.key, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets, torch.Size(c.sizes)),
+                        properties=TensorProperties(dtype=spec.dtype),
+                        size=torch.Size(spec.shape),
+                    ),
+                )
+            )
         for obj in self.my_objects:
             items.append(WriteItem(index=MetadataIndex(obj.key), type=WriteItemType.BYTE_IO))
         self.plan = SavePlan(items)
@@ -392,8 +418,18 @@ def _write_ranks(ranks: list[int]) -> list[list]:
     return results
 
 
-def write_checkpoint(out: Path, total_bytes: int, keys: int, files: int, dtype: str, seed: int, tp: int,
-                     layout: str, layers: int | None, jobs: int) -> dict:
+def write_checkpoint(
+    out: Path,
+    total_bytes: int,
+    keys: int,
+    files: int,
+    dtype: str,
+    seed: int,
+    tp: int,
+    layout: str,
+    layers: int | None,
+    jobs: int,
+) -> dict:
     t0 = time.perf_counter()
     if files % THREADS_PER_RANK:
         raise SystemExit(f"--files must be a multiple of {THREADS_PER_RANK} (each simulated rank writes two files)")
@@ -463,15 +499,30 @@ def write_checkpoint(out: Path, total_bytes: int, keys: int, files: int, dtype: 
 
     data_files = sorted(p for p in iter_dir.iterdir() if p.name.endswith(".distcp"))
     info = {
-        "out": str(out), "iteration_dir": str(iter_dir), "layout": layout, "dtype": dtype, "seed": seed,
-        "tp": tp, "world": world, "layers": d.layers, "hidden": d.hidden, "experts": d.experts,
-        "vocab": d.vocab, "keys": len(tensors) + len(objects), "tensor_keys": len(tensors),
-        "object_keys": len(objects), "chunks": n_chunks, "files": len(data_files),
+        "out": str(out),
+        "iteration_dir": str(iter_dir),
+        "layout": layout,
+        "dtype": dtype,
+        "seed": seed,
+        "tp": tp,
+        "world": world,
+        "layers": d.layers,
+        "hidden": d.hidden,
+        "experts": d.experts,
+        "vocab": d.vocab,
+        "keys": len(tensors) + len(objects),
+        "tensor_keys": len(tensors),
+        "object_keys": len(objects),
+        "chunks": n_chunks,
+        "files": len(data_files),
         "data_bytes": sum(p.stat().st_size for p in data_files),
         "metadata_bytes": (iter_dir / ".metadata").stat().st_size,
         "requested": {"total_bytes": total_bytes, "keys": keys, "files": files},
-        "seconds": {"plan": round(t_plan - t0, 2), "write": round(t_write - t_plan, 2),
-                    "total": round(time.perf_counter() - t0, 2)},
+        "seconds": {
+            "plan": round(t_plan - t0, 2),
+            "write": round(t_write - t_plan, 2),
+            "total": round(time.perf_counter() - t0, 2),
+        },
     }
     (out / "synthetic.json").write_text(json.dumps(info, indent=1))
     return info
@@ -480,26 +531,64 @@ def write_checkpoint(out: Path, total_bytes: int, keys: int, files: int, dtype: 
 def write_common(iter_dir: Path, d: ModelDims, world: int, param_dtype: torch.dtype) -> None:
     tp = d.tp
     args = argparse.Namespace(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
-        context_parallel_size=1, expert_model_parallel_size=math.gcd(d.experts, world // tp) if d.experts else 1,
-        expert_tensor_parallel_size=1 if d.experts else tp, sequence_parallel=tp > 1, world_size=world,
-        data_parallel_size=world // tp, use_distributed_optimizer=False,
-        num_layers=d.layers, hidden_size=d.hidden, ffn_hidden_size=4 * d.hidden,
-        moe_ffn_hidden_size=d.ffn if d.experts else None, num_experts=d.experts or None,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        context_parallel_size=1,
+        expert_model_parallel_size=math.gcd(d.experts, world // tp) if d.experts else 1,
+        expert_tensor_parallel_size=1 if d.experts else tp,
+        sequence_parallel=tp > 1,
+        world_size=world,
+        data_parallel_size=world // tp,
+        use_distributed_optimizer=False,
+        num_layers=d.layers,
+        hidden_size=d.hidden,
+        ffn_hidden_size=4 * d.hidden,
+        moe_ffn_hidden_size=d.ffn if d.experts else None,
+        num_experts=d.experts or None,
         num_attention_heads=max(1, d.hidden // 64) if d.hidden % 64 == 0 else tp,
-        num_query_groups=None, group_query_attention=False, kv_channels=None,
-        seq_length=4096, max_position_embeddings=4096, padded_vocab_size=d.vocab, vocab_size=None,
-        swiglu=True, untie_embeddings_and_output_weights=True, normalization="RMSNorm",
-        position_embedding_type="rope", params_dtype=param_dtype, bf16=param_dtype == torch.bfloat16,
-        fp16=False, fp8=None, ckpt_format="torch_dist", use_dist_ckpt=True, iteration=ITERATION,
-        train_iters=1000, lr=3e-4, min_lr=3e-5, micro_batch_size=1, global_batch_size=world // tp,
-        consumed_train_samples=ITERATION * (world // tp), seed=1234, save="synthetic", load="synthetic",
-        optimizer="adam", adam_beta1=0.9, adam_beta2=0.95, transformer_impl="transformer_engine",
+        num_query_groups=None,
+        group_query_attention=False,
+        kv_channels=None,
+        seq_length=4096,
+        max_position_embeddings=4096,
+        padded_vocab_size=d.vocab,
+        vocab_size=None,
+        swiglu=True,
+        untie_embeddings_and_output_weights=True,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        params_dtype=param_dtype,
+        bf16=param_dtype == torch.bfloat16,
+        fp16=False,
+        fp8=None,
+        ckpt_format="torch_dist",
+        use_dist_ckpt=True,
+        iteration=ITERATION,
+        train_iters=1000,
+        lr=3e-4,
+        min_lr=3e-5,
+        micro_batch_size=1,
+        global_batch_size=world // tp,
+        consumed_train_samples=ITERATION * (world // tp),
+        seed=1234,
+        save="synthetic",
+        load="synthetic",
+        optimizer="adam",
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        transformer_impl="transformer_engine",
     )
-    torch.save({"args": args, "iteration": ITERATION, "checkpoint_version": 3.0,
-                "num_floating_point_operations_so_far": 0.0,
-                "opt_param_scheduler": {"max_lr": 3e-4, "min_lr": 3e-5, "num_steps": ITERATION}},
-               iter_dir / "common.pt")
+    torch.save(
+        {
+            "args": args,
+            "iteration": ITERATION,
+            "checkpoint_version": 3.0,
+            "num_floating_point_operations_so_far": 0.0,
+            "opt_param_scheduler": {"max_lr": 3e-4, "min_lr": 3e-5, "num_steps": ITERATION},
+        },
+        iter_dir / "common.pt",
+    )
 
 
 def verify_with_torch(iter_dir: Path, expect_keys: int) -> None:
@@ -522,8 +611,12 @@ def verify_with_torch(iter_dir: Path, expect_keys: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="save dir to (re)create")
-    p.add_argument("--total-bytes", type=parse_size, default=parse_size("4G"),
-                   help="approximate tensor bytes (K/M/G are powers of 1024), default 4G")
+    p.add_argument(
+        "--total-bytes",
+        type=parse_size,
+        default=parse_size("4G"),
+        help="approximate tensor bytes (K/M/G are powers of 1024), default 4G",
+    )
     p.add_argument("--keys", type=int, default=20000, help="approximate number of keys, default 20000")
     p.add_argument("--files", type=int, default=2000, help="number of .distcp files (2 per simulated rank)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype (optimizer is fp32)")
@@ -534,8 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes for writing")
     p.add_argument("--verify", action="store_true", help="then check it with dcp_to_torch_save + torch.load")
     a = p.parse_args(argv)
-    info = write_checkpoint(a.out, a.total_bytes, a.keys, a.files, a.dtype, a.seed, a.tp, a.layout, a.layers,
-                            a.jobs)
+    info = write_checkpoint(a.out, a.total_bytes, a.keys, a.files, a.dtype, a.seed, a.tp, a.layout, a.layers, a.jobs)
     print(json.dumps(info, indent=1))
     if a.verify:
         verify_with_torch(Path(info["iteration_dir"]), info["keys"])

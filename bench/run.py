@@ -46,6 +46,7 @@ def parse_size(text: str) -> int:
     scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(text[-1:], 1)
     return int(float(text[:-1] if text[-1:] in "KMGT" else text) * scale)
 
+
 # ----------------------------------------------------------------------------------------------------------------
 # Measuring one command
 # ----------------------------------------------------------------------------------------------------------------
@@ -65,8 +66,9 @@ def run_once(cmd: list[str], timeout: float, stdout_path: Path | None = None, en
     out = open(stdout_path, "wb") if stdout_path else subprocess.DEVNULL  # noqa: SIM115 (closed below)
     try:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE if stdout_path else subprocess.DEVNULL,
-                                env=env, cwd=REPO)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.PIPE if stdout_path else subprocess.DEVNULL, env=env, cwd=REPO
+        )
         killed = threading.Event()
 
         def kill() -> None:
@@ -86,8 +88,9 @@ def run_once(cmd: list[str], timeout: float, stdout_path: Path | None = None, en
         if stdout_path:
             out.close()
     timed_out = killed.is_set()
-    return Run(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024,
-               None if timed_out else proc.returncode, timed_out)
+    return Run(
+        wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, None if timed_out else proc.returncode, timed_out
+    )
 
 
 @dataclass
@@ -114,12 +117,22 @@ class Measurement:
         return not self.timed_out and self.rc in self.ok_rcs
 
 
-def measure(benchmark: str, label: str, cmd: list[str], repeats: int, timeout: float, size: str | None = None,
-            check: Callable[[Path], str] | None = None, cleanup: Callable[[], None] | None = None,
-            note: str = "", ok_rcs: tuple[int, ...] = (0,)) -> Measurement:
+def measure(
+    benchmark: str,
+    label: str,
+    cmd: list[str],
+    repeats: int,
+    timeout: float,
+    size: str | None = None,
+    check: Callable[[Path], str] | None = None,
+    cleanup: Callable[[], None] | None = None,
+    note: str = "",
+    ok_rcs: tuple[int, ...] = (0,),
+) -> Measurement:
     """One untimed warm-up run (its stdout goes to ``check``), then ``repeats`` timed runs."""
-    m = Measurement(benchmark, label, size, shlex.join(str(c) for c in cmd), repeats, timeout_s=timeout, note=note,
-                    ok_rcs=ok_rcs)
+    m = Measurement(
+        benchmark, label, size, shlex.join(str(c) for c in cmd), repeats, timeout_s=timeout, note=note, ok_rcs=ok_rcs
+    )
     scratch = RESULTS / "stdout"
     scratch.mkdir(parents=True, exist_ok=True)
     stdout_path = scratch / f"{benchmark}-{label}-{size or 'x'}.out".replace("/", "_").replace(" ", "_")
@@ -181,8 +194,13 @@ class Target:
     def met(self) -> bool:
         if self.value is None:
             return False
-        return {"<=": self.value <= self.limit, ">=": self.value >= self.limit, "<": self.value < self.limit,
-                ">": self.value > self.limit, "==": self.value == self.limit}[self.op]
+        return {
+            "<=": self.value <= self.limit,
+            ">=": self.value >= self.limit,
+            "<": self.value < self.limit,
+            ">": self.value > self.limit,
+            "==": self.value == self.limit,
+        }[self.op]
 
 
 @dataclass
@@ -205,8 +223,18 @@ def synthetic(python: str, size: str, keys: int, files: int, **extra: str) -> Pa
         info = json.loads(info_path.read_text())
         if info.get("requested") == want and all(str(info.get(k)) == str(v) for k, v in extra.items()):
             return out
-    cmd = [python, str(BENCH / "make_synthetic.py"), "--out", str(out), "--total-bytes", size,
-           "--keys", str(keys), "--files", str(files)]
+    cmd = [
+        python,
+        str(BENCH / "make_synthetic.py"),
+        "--out",
+        str(out),
+        "--total-bytes",
+        size,
+        "--keys",
+        str(keys),
+        "--files",
+        str(files),
+    ]
     for k, v in extra.items():
         cmd += [f"--{k}", str(v)]
     print(f"  generating {out.name}: {shlex.join(cmd)}", flush=True)
@@ -225,12 +253,27 @@ class Context:
     def synthetic(self, size: str, keys: int, files: int, **extra: str) -> Path:
         return synthetic(self.python, size, keys, files, **extra)
 
-    def measure(self, benchmark: str, label: str, cmd: list[str], size: str | None = None,
-                repeats: int | None = None, timeout: float | None = None, **kw) -> Measurement:
+    def measure(
+        self,
+        benchmark: str,
+        label: str,
+        cmd: list[str],
+        size: str | None = None,
+        repeats: int | None = None,
+        timeout: float | None = None,
+        **kw,
+    ) -> Measurement:
         if cmd and cmd[0] == self.ckptdoctor:
             kw.setdefault("ok_rcs", (0, 1))  # exit 1 = the command reported findings, still a full run
-        return measure(benchmark, label, cmd, self.opts.repeats if repeats is None else repeats,
-                       self.opts.timeout if timeout is None else timeout, size=size, **kw)
+        return measure(
+            benchmark,
+            label,
+            cmd,
+            self.opts.repeats if repeats is None else repeats,
+            self.opts.timeout if timeout is None else timeout,
+            size=size,
+            **kw,
+        )
 
 
 BENCHMARKS: dict[str, tuple[Callable[[Context], BenchResult], str]] = {}
@@ -240,6 +283,7 @@ def benchmark(name: str, help: str = "") -> Callable:
     def register(fn: Callable[[Context], BenchResult]) -> Callable[[Context], BenchResult]:
         BENCHMARKS[name] = (fn, help or (fn.__doc__ or "").strip().splitlines()[0])
         return fn
+
     return register
 
 
@@ -281,6 +325,7 @@ def inspect_json_check(expect_keys: int, expect_files: int) -> Callable[[Path], 
         if report["data_files"]["count"] != expect_files:
             return f"{report['data_files']['count']} data files, expected {expect_files}"
         return ""
+
     return check
 
 
@@ -304,12 +349,16 @@ def bench_inspect(ctx: Context) -> BenchResult:
         ckpt = ctx.synthetic(size, o.keys, o.files)
         dirs[size] = ckpt
         info = json.loads((ckpt / "synthetic.json").read_text())
-        m = ctx.measure("inspect", "ckptdoctor inspect --format json",
-                        [ctx.ckptdoctor, "inspect", str(ckpt), "--format", "json"], size=size,
-                        check=inspect_json_check(info["keys"], info["files"]),
-                        note=f"{info['keys']} keys, {info['files']} files, "
-                             f"{info['data_bytes'] / 2**30:.2f} GiB data, .metadata "
-                             f"{info['metadata_bytes'] / 2**20:.1f} MiB")
+        m = ctx.measure(
+            "inspect",
+            "ckptdoctor inspect --format json",
+            [ctx.ckptdoctor, "inspect", str(ckpt), "--format", "json"],
+            size=size,
+            check=inspect_json_check(info["keys"], info["files"]),
+            note=f"{info['keys']} keys, {info['files']} files, "
+            f"{info['data_bytes'] / 2**30:.2f} GiB data, .metadata "
+            f"{info['metadata_bytes'] / 2**20:.1f} MiB",
+        )
         res.measurements.append(m)
         by_size[size] = m
 
@@ -317,23 +366,26 @@ def bench_inspect(ctx: Context) -> BenchResult:
     # torch must not be imported by inspect: run the CLI in-process and list heavy modules at exit.
     probe_dir = dirs[small]
     probe_out = RESULTS / "stdout" / "inspect-import-probe.out"
-    probe = run_once([ctx.python, "-c", IMPORT_PROBE, "inspect", str(probe_dir), "--format", "json"], o.timeout,
-                     probe_out)
+    probe = run_once(
+        [ctx.python, "-c", IMPORT_PROBE, "inspect", str(probe_dir), "--format", "json"], o.timeout, probe_out
+    )
     heavy = None
     if not probe.timed_out:
-        lines = [ln for ln in probe_out.with_suffix(".stderr").read_text().splitlines()
-                 if ln.startswith("HEAVY_MODULES=")]
+        lines = [
+            ln for ln in probe_out.with_suffix(".stderr").read_text().splitlines() if ln.startswith("HEAVY_MODULES=")
+        ]
         heavy = lines[-1].split("=", 1)[1] if lines else None
     if heavy is None:  # the probe did not finish: check imports on a small checkpoint instead
         probe_dir = ctx.synthetic("16M", 1000, 100)
-        probe = run_once([ctx.python, "-c", IMPORT_PROBE, "inspect", str(probe_dir), "--format", "json"],
-                         o.timeout, probe_out)
-        lines = [ln for ln in probe_out.with_suffix(".stderr").read_text().splitlines()
-                 if ln.startswith("HEAVY_MODULES=")]
+        probe = run_once(
+            [ctx.python, "-c", IMPORT_PROBE, "inspect", str(probe_dir), "--format", "json"], o.timeout, probe_out
+        )
+        lines = [
+            ln for ln in probe_out.with_suffix(".stderr").read_text().splitlines() if ln.startswith("HEAVY_MODULES=")
+        ]
         heavy = lines[-1].split("=", 1)[1] if lines else "?"
         res.notes.append(f"import probe on {small} did not finish (timeout); probed {probe_dir.name} instead")
-    res.notes.append(f"modules from torch/numpy imported by `ckptdoctor inspect` ({probe_dir.name}): "
-                     f"{heavy or 'none'}")
+    res.notes.append(f"modules from torch/numpy imported by `ckptdoctor inspect` ({probe_dir.name}): {heavy or 'none'}")
 
     # the usual workaround, at the largest size
     tmp = DATA / "tmp"
@@ -342,31 +394,70 @@ def bench_inspect(ctx: Context) -> BenchResult:
     iter_dir = next(dirs[large].glob("iter_*"))
     wa = None
     if not o.skip_workaround:
-        wa = ctx.measure("inspect", "workaround: dcp_to_torch_save + torch.load",
-                         [ctx.python, "-c", WORKAROUND, str(iter_dir), str(tmp_pt)], size=large,
-                         repeats=o.workaround_repeats, timeout=max(o.timeout, 1800),
-                         cleanup=lambda: tmp_pt.unlink(missing_ok=True))
+        wa = ctx.measure(
+            "inspect",
+            "workaround: dcp_to_torch_save + torch.load",
+            [ctx.python, "-c", WORKAROUND, str(iter_dir), str(tmp_pt)],
+            size=large,
+            repeats=o.workaround_repeats,
+            timeout=max(o.timeout, 1800),
+            cleanup=lambda: tmp_pt.unlink(missing_ok=True),
+        )
         res.measurements.append(wa)
 
     big = by_size[large]
     t_small, t_large = _median(by_size[small]), _median(big)
     if len(sizes) > 1:
-        res.targets.append(Target(f"inspect wall {large}/{small} (median)", _ratio(t_large, t_small), "<=", 1.3,
-                                  "x", "inspect reads metadata, not tensor bytes"))
+        res.targets.append(
+            Target(
+                f"inspect wall {large}/{small} (median)",
+                _ratio(t_large, t_small),
+                "<=",
+                1.3,
+                "x",
+                "inspect reads metadata, not tensor bytes",
+            )
+        )
     if wa is not None:
-        bound = "" if t_large is not None else f" (inspect timed out at {o.timeout:.0f} s: ratio < " \
-            f"{(_median(wa) or 0) / o.timeout:.1f})"
-        res.targets.append(Target(f"workaround/inspect wall at {large} (median)", _ratio(_median(wa), t_large),
-                                  ">=", 50, "x", "dcp_to_torch_save + torch.load vs inspect" + bound))
+        bound = (
+            ""
+            if t_large is not None
+            else f" (inspect timed out at {o.timeout:.0f} s: ratio < {(_median(wa) or 0) / o.timeout:.1f})"
+        )
+        res.targets.append(
+            Target(
+                f"workaround/inspect wall at {large} (median)",
+                _ratio(_median(wa), t_large),
+                ">=",
+                50,
+                "x",
+                "dcp_to_torch_save + torch.load vs inspect" + bound,
+            )
+        )
     for size in sizes:
         m = by_size[size]
-        res.targets.append(Target(f"inspect wall, {o.keys} keys / {o.files} files, {size} (median)",
-                                  _median(m), "<", 0.5, "s", m.note))
-        res.targets.append(Target(f"inspect peak RSS, {o.keys} keys / {o.files} files, {size}",
-                                  m.peak_rss_mb if m.ok else None, "<", 100, "MB"))
-    res.targets.append(Target("inspect imports torch/numpy (modules imported)",
-                              0 if heavy == "" else (len(heavy.split(",")) if heavy and heavy != "?" else None),
-                              "==", 0, "", probe_dir.name))
+        res.targets.append(
+            Target(f"inspect wall, {o.keys} keys / {o.files} files, {size} (median)", _median(m), "<", 0.5, "s", m.note)
+        )
+        res.targets.append(
+            Target(
+                f"inspect peak RSS, {o.keys} keys / {o.files} files, {size}",
+                m.peak_rss_mb if m.ok else None,
+                "<",
+                100,
+                "MB",
+            )
+        )
+    res.targets.append(
+        Target(
+            "inspect imports torch/numpy (modules imported)",
+            0 if heavy == "" else (len(heavy.split(",")) if heavy and heavy != "?" else None),
+            "==",
+            0,
+            "",
+            probe_dir.name,
+        )
+    )
     return res
 
 
@@ -378,18 +469,24 @@ def bench_inspect_scaling(ctx: Context) -> BenchResult:
         files = max(4, round(keys / 40) * 4)  # ~keys/10, a multiple of 2 files x TP 2
         ckpt = ctx.synthetic("32M", keys, files)
         info = json.loads((ckpt / "synthetic.json").read_text())
-        m = ctx.measure("inspect-scaling", f"ckptdoctor inspect --format json ({info['keys']} keys)",
-                        [ctx.ckptdoctor, "inspect", str(ckpt), "--format", "json"], size="32M",
-                        repeats=ctx.opts.scaling_repeats,
-                        check=inspect_json_check(info["keys"], info["files"]),
-                        note=f"{info['keys']} keys, {info['files']} files, {info['chunks']} chunks")
+        m = ctx.measure(
+            "inspect-scaling",
+            f"ckptdoctor inspect --format json ({info['keys']} keys)",
+            [ctx.ckptdoctor, "inspect", str(ckpt), "--format", "json"],
+            size="32M",
+            repeats=ctx.opts.scaling_repeats,
+            check=inspect_json_check(info["keys"], info["files"]),
+            note=f"{info['keys']} keys, {info['files']} files, {info['chunks']} chunks",
+        )
         res.measurements.append(m)
     ok = [(int(m.note.split()[0]), m.wall_median_s) for m in res.measurements if m.ok]
     if len(ok) >= 2:
         import math
+
         (k0, t0), (k1, t1) = ok[0], ok[-1]
-        res.notes.append(f"empirical exponent between {k0} and {k1} keys: "
-                         f"{math.log(t1 / t0) / math.log(k1 / k0):.2f} (1 = linear)")
+        res.notes.append(
+            f"empirical exponent between {k0} and {k1} keys: {math.log(t1 / t0) / math.log(k1 / k0):.2f} (1 = linear)"
+        )
     return res
 
 
@@ -416,8 +513,12 @@ def machine_info() -> dict:
         except importlib.metadata.PackageNotFoundError:
             info[pkg] = None
     try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                            text=True).stdout.strip() or None
+        info["git_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         info["git_commit"] = None
     return info
@@ -429,28 +530,40 @@ def fmt(v: float | None, spec: str = ".3f") -> str:
 
 def markdown(results: dict[str, BenchResult], meta: dict) -> str:
     m = meta["machine"]
-    lines = [f"# ckptdoctor benchmarks ({meta['date']})", "",
-             f"Machine: {m.get('cpus')} cores ({m.get('cpu_model', '?')}), {m.get('mem_gib')} GiB RAM; "
-             f"Python {m['python']}, torch {m.get('torch')}, ckptdoctor {m.get('ckptdoctor')}.  ",
-             f"Command: `{meta['command']}`  ",
-             "Page cache: warm (one untimed warm-up run per command before the timed repeats).  ",
-             f"System load (1-minute average) at start / end: {meta['loadavg_start']:.1f} / "
-             f"{meta.get('loadavg_end', float('nan')):.1f} (the machine is shared; load > cores skews figures).", ""]
+    lines = [
+        f"# ckptdoctor benchmarks ({meta['date']})",
+        "",
+        f"Machine: {m.get('cpus')} cores ({m.get('cpu_model', '?')}), {m.get('mem_gib')} GiB RAM; "
+        f"Python {m['python']}, torch {m.get('torch')}, ckptdoctor {m.get('ckptdoctor')}.  ",
+        f"Command: `{meta['command']}`  ",
+        "Page cache: warm (one untimed warm-up run per command before the timed repeats).  ",
+        f"System load (1-minute average) at start / end: {meta['loadavg_start']:.1f} / "
+        f"{meta.get('loadavg_end', float('nan')):.1f} (the machine is shared; load > cores skews figures).",
+        "",
+    ]
     for name, res in results.items():
-        lines += [f"## {name}", "",
-                  "| command | size | runs | wall best (s) | wall median (s) | CPU median (s) | peak RSS (MB) "
-                  "| load 1m | note |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {name}",
+            "",
+            "| command | size | runs | wall best (s) | wall median (s) | CPU median (s) | peak RSS (MB) "
+            "| load 1m | note |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for x in res.measurements:
             runs = "timeout" if x.timed_out else (str(len(x.runs)) if x.ok else f"rc={x.rc}")
-            lines.append(f"| {x.label} | {x.size or ''} | {runs} | {fmt(x.wall_best_s)} | {fmt(x.wall_median_s)} "
-                         f"| {fmt(x.cpu_median_s)} | {fmt(x.peak_rss_mb, '.0f')} | {fmt(x.loadavg_1m, '.1f')} "
-                         f"| {x.note} |")
+            lines.append(
+                f"| {x.label} | {x.size or ''} | {runs} | {fmt(x.wall_best_s)} | {fmt(x.wall_median_s)} "
+                f"| {fmt(x.cpu_median_s)} | {fmt(x.peak_rss_mb, '.0f')} | {fmt(x.loadavg_1m, '.1f')} "
+                f"| {x.note} |"
+            )
         if res.targets:
             lines += ["", "| target | measured | required | met |", "|---|---|---|---|"]
             for t in res.targets:
                 value = fmt(t.value, ".3f" if t.unit == "s" else ".2f" if t.unit == "x" else ".0f")
-                lines.append(f"| {t.name} | {value}{' ' + t.unit if t.value is not None else ''} "
-                             f"| {t.op} {t.limit:g} {t.unit} | {'yes' if t.met else '**NO**'} |")
+                lines.append(
+                    f"| {t.name} | {value}{' ' + t.unit if t.value is not None else ''} "
+                    f"| {t.op} {t.limit:g} {t.unit} | {'yes' if t.met else '**NO**'} |"
+                )
         for n in res.notes:
             lines.append(f"\n- {n}")
         lines.append("")
@@ -492,9 +605,14 @@ def main(argv: list[str] | None = None) -> int:
     DATA.mkdir(parents=True, exist_ok=True)
     ctx = Context(o)
     options = {k: v for k, v in vars(o).items() if k != "out"} | {"out": str(o.out)}
-    meta = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": shlex.join(["python", "bench/run.py", *(sys.argv[1:] if argv is None else argv)]),
-            "machine": machine_info(), "cache": "warm", "loadavg_start": os.getloadavg()[0], "options": options}
+    meta = {
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "bench/run.py", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": machine_info(),
+        "cache": "warm",
+        "loadavg_start": os.getloadavg()[0],
+        "options": options,
+    }
     results: dict[str, BenchResult] = {}
     for name in names:
         print(f"== {name}", flush=True)
@@ -502,10 +620,16 @@ def main(argv: list[str] | None = None) -> int:
     meta["loadavg_end"] = os.getloadavg()[0]
     md = markdown(results, meta)
     print("\n" + md)
-    payload = meta | {"benchmarks": {
-        name: {"measurements": [asdict(x) for x in r.measurements],
-               "targets": [asdict(t) | {"met": t.met} for t in r.targets], "notes": r.notes}
-        for name, r in results.items()}}
+    payload = meta | {
+        "benchmarks": {
+            name: {
+                "measurements": [asdict(x) for x in r.measurements],
+                "targets": [asdict(t) | {"met": t.met} for t in r.targets],
+                "notes": r.notes,
+            }
+            for name, r in results.items()
+        }
+    }
     o.out.parent.mkdir(parents=True, exist_ok=True)
     o.out.write_text(json.dumps(payload, indent=1))
     o.out.with_suffix(".md").write_text(md + "\n")

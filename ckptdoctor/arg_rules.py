@@ -77,8 +77,9 @@ def _parallel_size_rule(code: str, arg: str, attr: str, what: str) -> Rule:
         correct = getattr(target, attr)
         if saved is None or correct is None or saved == correct:
             return None
-        return ArgFinding(code, arg, saved, correct, WARNING,
-                          f"args say {arg}={saved} but the saved chunks show {what}={correct}")
+        return ArgFinding(
+            code, arg, saved, correct, WARNING, f"args say {arg}={saved} but the saved chunks show {what}={correct}"
+        )
 
     return Rule(code, arg, "chunk layout", f"{arg} must match the {what} the chunk grids show", check)
 
@@ -90,16 +91,28 @@ def _expert_tp_rule() -> Rule:
         saved = _int(args.get(arg))
         if saved is None or target.has_experts or saved == target.tp:
             return None
-        return ArgFinding("CKD203", arg, saved, target.tp, WARNING,
-                          f"no experts in this checkpoint, so {arg} can only be megatron's default "
-                          f"(tensor_model_parallel_size={target.tp}); {saved} was inherited")
+        return ArgFinding(
+            "CKD203",
+            arg,
+            saved,
+            target.tp,
+            WARNING,
+            f"no experts in this checkpoint, so {arg} can only be megatron's default "
+            f"(tensor_model_parallel_size={target.tp}); {saved} was inherited",
+        )
 
-    return Rule("CKD203", arg, "tensor_model_parallel_size",
-                "without experts, expert_tensor_parallel_size defaults to tensor_model_parallel_size", check)
+    return Rule(
+        "CKD203",
+        arg,
+        "tensor_model_parallel_size",
+        "without experts, expert_tensor_parallel_size defaults to tensor_model_parallel_size",
+        check,
+    )
 
 
-def _shards_rules(code_shards: str, code_remat: str, shards_field: str, remat_field: str, tp_field: str,
-                  tp_attr: str) -> list[Rule]:
+def _shards_rules(
+    code_shards: str, code_remat: str, shards_field: str, remat_field: str, tp_field: str, tp_attr: str
+) -> list[Rule]:
     def correct_pair(args: dict[str, Any], tp: int) -> tuple[int, int]:
         remat = _int(args.get(remat_field))
         remat = remat if remat and remat > 0 else 1
@@ -134,10 +147,23 @@ def _shards_rules(code_shards: str, code_remat: str, shards_field: str, remat_fi
         saved_tp = _int(args.get(tp_field)) or _int(args.get("tensor_model_parallel_size")) or 1
         error = megatron_error(shards, saved_tp)
         if error is not None:
-            return ArgFinding(code_shards, shards_field, saved, correct, ERROR,
-                              f"{shards_field}={shards} is invalid at {tp_field}={tp}", error)
-        return ArgFinding(code_shards, shards_field, saved, correct, WARNING,
-                          f"{shards_field}={shards} is invalid at the corrected {tp_field}={tp} (saved: {saved_tp})")
+            return ArgFinding(
+                code_shards,
+                shards_field,
+                saved,
+                correct,
+                ERROR,
+                f"{shards_field}={shards} is invalid at {tp_field}={tp}",
+                error,
+            )
+        return ArgFinding(
+            code_shards,
+            shards_field,
+            saved,
+            correct,
+            WARNING,
+            f"{shards_field}={shards} is invalid at the corrected {tp_field}={tp} (saved: {saved_tp})",
+        )
 
     def check_remat(args: dict[str, Any], target: Target) -> ArgFinding | None:
         saved = _int(args.get(remat_field))
@@ -147,13 +173,24 @@ def _shards_rules(code_shards: str, code_remat: str, shards_field: str, remat_fi
         _, correct = correct_pair(args, tp)
         if args.get(shards_field) is None or saved == correct:
             return None
-        return ArgFinding(code_remat, remat_field, saved, correct, WARNING,
-                          f"{remat_field} must equal {shards_field} // {tp_field} "
-                          f"= {correct}; megatron recomputes it from the shards")
+        return ArgFinding(
+            code_remat,
+            remat_field,
+            saved,
+            correct,
+            WARNING,
+            f"{remat_field} must equal {shards_field} // {tp_field} "
+            f"= {correct}; megatron recomputes it from the shards",
+        )
 
     return [
-        Rule(code_shards, shards_field, tp_field,
-             f"None -> {tp_field} x {remat_field}; else >= {tp_field} and divisible by it", check_shards),
+        Rule(
+            code_shards,
+            shards_field,
+            tp_field,
+            f"None -> {tp_field} x {remat_field}; else >= {tp_field} and divisible by it",
+            check_shards,
+        ),
         Rule(code_remat, remat_field, shards_field, f"{remat_field} = {shards_field} // {tp_field}", check_remat),
     ]
 
@@ -162,10 +199,22 @@ RULES: list[Rule] = [
     _parallel_size_rule("CKD201", "tensor_model_parallel_size", "tp", "TP"),
     _parallel_size_rule("CKD202", "pipeline_model_parallel_size", "pp", "PP"),
     _expert_tp_rule(),
-    *_shards_rules("CKD210", "CKD211", "tensor_parallel_num_weight_shards", "gtp_weight_remat_size",
-                   "tensor_model_parallel_size", "tp"),
-    *_shards_rules("CKD212", "CKD213", "expert_tensor_parallel_num_weight_shards", "expert_gtp_weight_remat_size",
-                   "expert_tensor_parallel_size", "etp"),
+    *_shards_rules(
+        "CKD210",
+        "CKD211",
+        "tensor_parallel_num_weight_shards",
+        "gtp_weight_remat_size",
+        "tensor_model_parallel_size",
+        "tp",
+    ),
+    *_shards_rules(
+        "CKD212",
+        "CKD213",
+        "expert_tensor_parallel_num_weight_shards",
+        "expert_gtp_weight_remat_size",
+        "expert_tensor_parallel_size",
+        "etp",
+    ),
 ]
 
 
@@ -180,11 +229,27 @@ def _world_findings(args: dict[str, Any], target: Target) -> list[ArgFinding]:
         # With data_parallel_size saved, the world size is pinned: TP x PP x CP x DP.
         correct = model_parallel * dp if dp is not None and dp > 0 else None
         derived = f"; TP x PP x CP x DP = {correct}" if correct is not None else ""
-        return [ArgFinding("CKD204", "world_size", world, correct, WARNING,
-                           f"world_size={world} is not a multiple of TP x PP x CP = {model_parallel}{derived}")]
+        return [
+            ArgFinding(
+                "CKD204",
+                "world_size",
+                world,
+                correct,
+                WARNING,
+                f"world_size={world} is not a multiple of TP x PP x CP = {model_parallel}{derived}",
+            )
+        ]
     if dp is not None and dp != world // model_parallel:
-        return [ArgFinding("CKD204", "data_parallel_size", dp, world // model_parallel, WARNING,
-                           f"data_parallel_size must be world_size / (TP x PP x CP) = {world // model_parallel}")]
+        return [
+            ArgFinding(
+                "CKD204",
+                "data_parallel_size",
+                dp,
+                world // model_parallel,
+                WARNING,
+                f"data_parallel_size must be world_size / (TP x PP x CP) = {world // model_parallel}",
+            )
+        ]
     return []
 
 

@@ -198,8 +198,12 @@ def checkpoint_from_index(location: CheckpointLocation, index: DcpIndex | None) 
     ``check`` builds checkpoints this way when ``locate`` would refuse the dir (e.g. metadata.json
     missing), so that one problem does not hide the others.
     """
-    entries = {} if index is None else {
-        key: item if isinstance(item, Entry) else Entry(item.key, item.kind, item.dtype, item.shape, item.chunks)
-        for key, item in index.items.items()
-    }
+    entries = (
+        {}
+        if index is None
+        else {
+            key: item if isinstance(item, Entry) else Entry(item.key, item.kind, item.dtype, item.shape, item.chunks)
+            for key, item in index.items.items()
+        }
+    )
     return Checkpoint(location, entries, list_data_files(location.iteration_dir), dcp=index)

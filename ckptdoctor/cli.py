@@ -44,7 +44,7 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
         return None
     text = value.strip().upper()
     number = text.rstrip("KMGIB")
-    unit = text[len(number):]
+    unit = text[len(number) :]
     try:
         size = int(float(number) * _SIZE_UNITS[unit])
     except (ValueError, KeyError):
@@ -56,9 +56,14 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", prog_name="ckptdoctor")
-@click.option("--max-pickle-bytes", callback=_parse_size, metavar="SIZE", expose_value=True,
-              help="Largest pickle (.metadata, common state, data.pkl) read before refusing it "
-                   "[default: 1GiB; e.g. 4GiB for a legitimate giant].")
+@click.option(
+    "--max-pickle-bytes",
+    callback=_parse_size,
+    metavar="SIZE",
+    expose_value=True,
+    help="Largest pickle (.metadata, common state, data.pkl) read before refusing it "
+    "[default: 1GiB; e.g. 4GiB for a legitimate giant].",
+)
 def cli(max_pickle_bytes: int | None) -> None:
     """Diagnose and repair Megatron-Core distributed checkpoints offline (no GPU, no Megatron)."""
     if max_pickle_bytes is not None:
@@ -130,8 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     try:
         # Commands return their exit code (0 clean, 1 findings); errors raise CkptError (exit 2).
-        result = cli.main(args=list(argv) if argv is not None else None, prog_name="ckptdoctor",
-                          standalone_mode=False)
+        result = cli.main(args=list(argv) if argv is not None else None, prog_name="ckptdoctor", standalone_mode=False)
     except CkptError as exc:
         _say(f"ckptdoctor: error: {exc}")
         return exc.exit_code

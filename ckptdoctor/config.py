@@ -19,8 +19,14 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 # key -> expected type; both ``all-iterations`` and ``all_iterations`` spellings are accepted.
 CHECK_KEYS: dict[str, type | tuple[type, ...]] = {
-    "select": list, "ignore": list, "deep": bool, "all-iterations": bool, "verify-integrity": bool, "format": str,
-    "recursive": bool, "per-path-ignores": dict,
+    "select": list,
+    "ignore": list,
+    "deep": bool,
+    "all-iterations": bool,
+    "verify-integrity": bool,
+    "format": str,
+    "recursive": bool,
+    "per-path-ignores": dict,
 }
 # sub-tables other commands read ([tool.ckptdoctor.diff]); any other key of [tool.ckptdoctor] is an error
 OTHER_TABLES = ("diff",)
@@ -72,8 +78,7 @@ def check_defaults(table: dict[str, Any], path: Path | None) -> dict[str, Any]:
             value = [value]
         if key == "per-path-ignores":
             value = _per_path_ignores(value, path)
-        elif not isinstance(value, expected) or (
-                expected is list and not all(isinstance(v, str) for v in value)):  # type: ignore[attr-defined]
+        elif not isinstance(value, expected) or (expected is list and not all(isinstance(v, str) for v in value)):  # type: ignore[attr-defined]
             kind = "a list of rule codes" if expected is list else expected.__name__  # type: ignore[union-attr]
             raise CkptError(f"{path}: [tool.ckptdoctor] {raw_key} must be {kind}, got {value!r}")
         out[key] = value
@@ -92,8 +97,7 @@ def _per_path_ignores(value: Any, path: Path | None) -> dict[str, list[str]]:
             out[glob] = codes
         else:
             return out
-    raise CkptError(f"{path}: [tool.ckptdoctor] per-path-ignores must be a table of glob = [rule codes], "
-                    f"got {value!r}")
+    raise CkptError(f"{path}: [tool.ckptdoctor] per-path-ignores must be a table of glob = [rule codes], got {value!r}")
 
 
 DIFF_KEYS: dict[str, type] = {"ignore-args": list, "ignore-layout": bool}
@@ -110,8 +114,7 @@ def diff_defaults(table: dict[str, Any], path: Path | None) -> dict[str, Any]:
         key = raw_key.replace("_", "-")
         expected = DIFF_KEYS.get(key)
         if expected is None:
-            raise CkptError(f"{path}: [tool.ckptdoctor.diff] unknown key {raw_key!r} "
-                            f"(known: {', '.join(DIFF_KEYS)})")
+            raise CkptError(f"{path}: [tool.ckptdoctor.diff] unknown key {raw_key!r} (known: {', '.join(DIFF_KEYS)})")
         if isinstance(value, str) and expected is list:
             value = [value]
         bad_list = expected is list and not (isinstance(value, list) and all(isinstance(v, str) for v in value))

@@ -44,11 +44,12 @@ class MissingExtraError(CkptError):
     def __init__(self, package: str, extra: str, purpose: str) -> None:
         hint = ""
         if package == "torch":  # the default Linux wheel pulls ~16 CUDA packages (multi-GB); values need none
-            hint = (" (that pulls the multi-GB CUDA build of torch on Linux; the CPU-only wheel is enough and "
-                    "under 1 GB: pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+            hint = (
+                " (that pulls the multi-GB CUDA build of torch on Linux; the CPU-only wheel is enough and "
+                "under 1 GB: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+            )
         super().__init__(
-            f"{purpose} needs the '{package}' package, which is not installed: "
-            f"pip install 'ckptdoctor[{extra}]'{hint}"
+            f"{purpose} needs the '{package}' package, which is not installed: pip install 'ckptdoctor[{extra}]'{hint}"
         )
 
 

@@ -81,15 +81,17 @@ def read_tracker(tracker: Path) -> str:
     except OSError as exc:
         raise CkptError(f"{tracker}: cannot read tracker ({exc.strerror})") from None
     if len(data) > _TRACKER_MAX:
-        raise CkptError(f"{tracker}: tracker holds more than {_TRACKER_MAX} bytes, "
-                        "not an iteration number or 'release'")
+        raise CkptError(
+            f"{tracker}: tracker holds more than {_TRACKER_MAX} bytes, not an iteration number or 'release'"
+        )
     value = data.decode("utf-8", errors="replace").strip()
     if value == "release":
         return value
     shown = repr(value[:40])
     if not value.isascii():
-        raise CkptError(f"{tracker}: tracker holds {ascii(value[:40])}: non-ASCII characters, "
-                        "not an iteration number or 'release'")
+        raise CkptError(
+            f"{tracker}: tracker holds {ascii(value[:40])}: non-ASCII characters, not an iteration number or 'release'"
+        )
     try:
         iteration = int(value)
     except ValueError:
@@ -156,13 +158,15 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
     # NeMo 2 / Megatron-Bridge export layout: <ckpt>/weights/ holds the distributed checkpoint, <ckpt>/context/
     # the configs. Accept the outer dir too.
     nested = candidate / NEMO_WEIGHTS_DIR
-    if candidate.is_dir() and not looks_like_iteration_dir(candidate) and nested.is_dir() \
-            and looks_like_iteration_dir(nested):
+    if (
+        candidate.is_dir()
+        and not looks_like_iteration_dir(candidate)
+        and nested.is_dir()
+        and looks_like_iteration_dir(nested)
+    ):
         candidate = nested
 
-    if (candidate / TRACKER_NAME).is_file() or (
-        iteration is not None and not looks_like_iteration_dir(candidate)
-    ):
+    if (candidate / TRACKER_NAME).is_file() or (iteration is not None and not looks_like_iteration_dir(candidate)):
         save_dir = candidate
         if (candidate / TRACKER_NAME).is_file():
             tracker_path = candidate / TRACKER_NAME
@@ -182,9 +186,7 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
         iters = list_iteration_dirs(candidate) if candidate.is_dir() else []
         if iters:
             names = ", ".join(p.name for p in iters[-5:])
-            raise CkptError(
-                f"{candidate}: save dir without {TRACKER_NAME}; choose one with --iteration N ({names})"
-            )
+            raise CkptError(f"{candidate}: save dir without {TRACKER_NAME}; choose one with --iteration N ({names})")
         raise CkptError(f"{candidate}: not a Megatron checkpoint (no metadata.json, .metadata or tracker)")
 
     location = CheckpointLocation(
@@ -219,9 +221,7 @@ def _detect_backend(location: CheckpointLocation) -> None:
         )
     metadata_path = directory / "metadata.json"
     if not metadata_path.is_file():
-        raise CkptError(
-            f"{metadata_path}: missing: incomplete checkpoint (rank 0 writes metadata.json last)"
-        )
+        raise CkptError(f"{metadata_path}: missing: incomplete checkpoint (rank 0 writes metadata.json last)")
     try:
         metadata = read_json(metadata_path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -239,6 +239,4 @@ def _detect_backend(location: CheckpointLocation) -> None:
         location.backend = BACKEND_ZARR
         location.has_common_pt = True
     else:
-        raise CkptError(
-            f"{metadata_path}: sharded_backend {backend!r} is not supported (torch_dist and zarr are)"
-        )
+        raise CkptError(f"{metadata_path}: sharded_backend {backend!r} is not supported (torch_dist and zarr are)")

@@ -36,8 +36,9 @@ class PickleLimits:
 
     def check_size(self, size: int) -> None:
         if size > self.max_bytes:
-            raise PickleLimitError(f"pickle of {size} bytes exceeds the limit of {self.max_bytes} bytes "
-                                   "(raise it with --max-pickle-bytes)")
+            raise PickleLimitError(
+                f"pickle of {size} bytes exceeds the limit of {self.max_bytes} bytes (raise it with --max-pickle-bytes)"
+            )
 
 
 DEFAULT_LIMITS = PickleLimits()
@@ -54,6 +55,7 @@ def set_limits(limits: PickleLimits) -> None:
     global _current
     _current = limits
 
+
 # opcode -> kind; the kinds are grouped by what the scanner does with the stack.
 _PUSH, _PUSH_NL, _PUSH_N, _PUSH_LEN, _MARK, _STOP, _POP, _POP_MARK, _DUP = range(1, 10)
 _TUPLE_MARK, _TUPLE_N, _CONTAINER_MARK, _APPEND1, _ITEMS_MARK, _SETITEM = range(10, 16)
@@ -65,22 +67,69 @@ _KIND = bytearray(256)  # 0: not an opcode we accept
 _ARG = [0] * 256  # fixed argument width (bytes), or width of the length prefix for _PUSH_LEN
 _NTUPLE = [0] * 256
 for _op, _kind, _arg in (
-    (b"N", _PUSH, 0), (b"\x88", _PUSH, 0), (b"\x89", _PUSH, 0), (b"K", _PUSH_NUMBER, 1),
-    (b"M", _PUSH_NUMBER, 2), (b"J", _PUSH_NUMBER, 4), (b"G", _PUSH_NUMBER, 8), (b"]", _PUSH, 0), (b"}", _PUSH, 0),
-    (b"\x8f", _PUSH, 0), (b"I", _PUSH_NL_NUMBER, 0), (b"L", _PUSH_NL_NUMBER, 0), (b"F", _PUSH_NL_NUMBER, 0),
-    (b"S", _PUSH_NL, 0), (b"V", _PUSH_NL, 0),
-    (b"\x8a", _PUSH_LEN_NUMBER, 1), (b"\x8b", _PUSH_LEN_NUMBER, 4), (b"U", _PUSH_LEN, 1), (b"T", _PUSH_LEN, 4),
-    (b"C", _PUSH_LEN, 1), (b"B", _PUSH_LEN, 4), (b"\x8e", _PUSH_LEN, 8), (b"\x8c", _PUSH_LEN, 1),
-    (b"X", _PUSH_LEN, 4), (b"\x8d", _PUSH_LEN, 8), (b"\x96", _PUSH_LEN, 8),
-    (b"(", _MARK, 0), (b".", _STOP, 0), (b"0", _POP, 0), (b"1", _POP_MARK, 0), (b"2", _DUP, 0),
-    (b"t", _TUPLE_MARK, 0), (b")", _EMPTY_TUPLE, 0), (b"\x85", _TUPLE1, 0), (b"\x86", _TUPLE2, 0),
-    (b"\x87", _TUPLE_N, 0), (b"l", _CONTAINER_MARK, 0), (b"d", _CONTAINER_MARK, 0),
-    (b"\x91", _ADDITEMS, 0), (b"a", _APPEND1, 0), (b"e", _ITEMS_MARK, 0), (b"u", _SETITEMS, 0),
-    (b"\x90", _ADDITEMS, 0), (b"s", _SETITEM, 0), (b"b", _BUILD, 0), (b"R", _REDUCE, 0),
-    (b"\x81", _REDUCE, 0), (b"\x92", _NEWOBJ_EX, 0), (b"c", _GLOBAL, 0), (b"\x93", _STACK_GLOBAL, 0),
-    (b"h", _BINGET, 1), (b"j", _LONG_BINGET, 4), (b"g", _GET, -1), (b"q", _PUT, 1), (b"r", _PUT, 4), (b"p", _PUT, -1),
-    (b"\x94", _MEMOIZE, 0), (b"\x95", _FRAME, 8), (b"\x80", _PROTO, 1), (b"P", _PERSID, 0),
-    (b"Q", _BINPERSID, 0), (b"o", _OBJ_MARK, 0), (b"i", _INST, 0),
+    (b"N", _PUSH, 0),
+    (b"\x88", _PUSH, 0),
+    (b"\x89", _PUSH, 0),
+    (b"K", _PUSH_NUMBER, 1),
+    (b"M", _PUSH_NUMBER, 2),
+    (b"J", _PUSH_NUMBER, 4),
+    (b"G", _PUSH_NUMBER, 8),
+    (b"]", _PUSH, 0),
+    (b"}", _PUSH, 0),
+    (b"\x8f", _PUSH, 0),
+    (b"I", _PUSH_NL_NUMBER, 0),
+    (b"L", _PUSH_NL_NUMBER, 0),
+    (b"F", _PUSH_NL_NUMBER, 0),
+    (b"S", _PUSH_NL, 0),
+    (b"V", _PUSH_NL, 0),
+    (b"\x8a", _PUSH_LEN_NUMBER, 1),
+    (b"\x8b", _PUSH_LEN_NUMBER, 4),
+    (b"U", _PUSH_LEN, 1),
+    (b"T", _PUSH_LEN, 4),
+    (b"C", _PUSH_LEN, 1),
+    (b"B", _PUSH_LEN, 4),
+    (b"\x8e", _PUSH_LEN, 8),
+    (b"\x8c", _PUSH_LEN, 1),
+    (b"X", _PUSH_LEN, 4),
+    (b"\x8d", _PUSH_LEN, 8),
+    (b"\x96", _PUSH_LEN, 8),
+    (b"(", _MARK, 0),
+    (b".", _STOP, 0),
+    (b"0", _POP, 0),
+    (b"1", _POP_MARK, 0),
+    (b"2", _DUP, 0),
+    (b"t", _TUPLE_MARK, 0),
+    (b")", _EMPTY_TUPLE, 0),
+    (b"\x85", _TUPLE1, 0),
+    (b"\x86", _TUPLE2, 0),
+    (b"\x87", _TUPLE_N, 0),
+    (b"l", _CONTAINER_MARK, 0),
+    (b"d", _CONTAINER_MARK, 0),
+    (b"\x91", _ADDITEMS, 0),
+    (b"a", _APPEND1, 0),
+    (b"e", _ITEMS_MARK, 0),
+    (b"u", _SETITEMS, 0),
+    (b"\x90", _ADDITEMS, 0),
+    (b"s", _SETITEM, 0),
+    (b"b", _BUILD, 0),
+    (b"R", _REDUCE, 0),
+    (b"\x81", _REDUCE, 0),
+    (b"\x92", _NEWOBJ_EX, 0),
+    (b"c", _GLOBAL, 0),
+    (b"\x93", _STACK_GLOBAL, 0),
+    (b"h", _BINGET, 1),
+    (b"j", _LONG_BINGET, 4),
+    (b"g", _GET, -1),
+    (b"q", _PUT, 1),
+    (b"r", _PUT, 4),
+    (b"p", _PUT, -1),
+    (b"\x94", _MEMOIZE, 0),
+    (b"\x95", _FRAME, 8),
+    (b"\x80", _PROTO, 1),
+    (b"P", _PERSID, 0),
+    (b"Q", _BINPERSID, 0),
+    (b"o", _OBJ_MARK, 0),
+    (b"i", _INST, 0),
 ):
     _KIND[_op[0]] = _kind
     _ARG[_op[0]] = _arg
@@ -212,13 +261,13 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                 stack.append(depth)
             elif kind in (_ITEMS_MARK, _SETITEM, _APPEND1):
                 if kind == _ITEMS_MARK:
-                    del stack[marks.pop():]
+                    del stack[marks.pop() :]
                 else:
                     if kind == _SETITEM and (stack[-2] == _NUMBER or stack[-2] > 0):
                         hashed_keys_left -= 1
                         if hashed_keys_left < 0:
                             raise fail(f"more than {limits.max_hashed_keys} int, float or tuple keys (hash flooding)")
-                    del stack[-2 if kind == _SETITEM else -1:]
+                    del stack[-2 if kind == _SETITEM else -1 :]
                 if stack[-1] == _GLOBAL_REF:
                     raise fail("item assignment on a class or function")
             elif kind in (_PUSH_LEN, _PUSH_LEN_NUMBER):
@@ -281,7 +330,7 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                 else:
                     stack.pop()
             elif kind == _POP_MARK:
-                del stack[marks.pop():]
+                del stack[marks.pop() :]
             elif kind == _DUP:
                 stack.append(stack[-1])
             elif kind == _NEWOBJ_EX:
@@ -295,11 +344,11 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                 pos = buf.index(b"\n", pos) + 1
                 stack.append(0)
             elif kind == _OBJ_MARK:
-                del stack[marks.pop():]
+                del stack[marks.pop() :]
                 stack.append(0)
             elif kind == _INST:
                 pos = buf.index(b"\n", buf.index(b"\n", pos) + 1) + 1
-                del stack[marks.pop():]
+                del stack[marks.pop() :]
                 stack.append(0)
             elif kind == _STOP:
                 return

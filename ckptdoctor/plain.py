@@ -25,8 +25,19 @@ from ckptdoctor.stand_ins import Record, StandIn
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageTypeRef, TensorRef
 
 # Types whose repr is short and cannot recurse into pickled data.
-_SAFE_REPR = (datetime.date, datetime.time, datetime.timedelta, datetime.timezone, uuid.UUID, pathlib.PurePath,
-              io.BytesIO, complex, TensorRef, DtypeRef, StorageTypeRef)
+_SAFE_REPR = (
+    datetime.date,
+    datetime.time,
+    datetime.timedelta,
+    datetime.timezone,
+    uuid.UUID,
+    pathlib.PurePath,
+    io.BytesIO,
+    complex,
+    TensorRef,
+    DtypeRef,
+    StorageTypeRef,
+)
 
 MAX_NODES = 10_000
 MAX_DEPTH = 32
@@ -99,8 +110,9 @@ def _brief(value: Any) -> str:
         return f"{name}(...)"
     if isinstance(value, (*_SAFE_REPR, *_SCALARS)):
         text = repr(value)
-    elif isinstance(value, (dict, list, tuple, set, frozenset, collections.deque, bytes, bytearray, DtypeRef,
-                            enum.Enum)):
+    elif isinstance(
+        value, (dict, list, tuple, set, frozenset, collections.deque, bytes, bytearray, DtypeRef, enum.Enum)
+    ):
         plain = to_plain(value, max_nodes=50, max_depth=3)
         text = plain if isinstance(plain, str) else repr(plain)
     else:

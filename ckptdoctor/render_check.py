@@ -41,8 +41,10 @@ def render_check(report: Any, quiet: bool = False, statistics: bool = False) -> 
         errors, warnings = report.counts.get("error", 0), report.counts.get("warning", 0)
         fixable = sum(1 for f in report.findings if f.fix)
         fix_note = f"; {fixable} fixable (see the fix: lines)" if fixable and not statistics else ""
-        lines.append(f"Found {_plural(len(report.findings), 'problem')} ({_plural(errors, 'error')}, "
-                     f"{_plural(warnings, 'warning')}) in {where}{fix_note}.")
+        lines.append(
+            f"Found {_plural(len(report.findings), 'problem')} ({_plural(errors, 'error')}, "
+            f"{_plural(warnings, 'warning')}) in {where}{fix_note}."
+        )
     elif n == 0:
         skipped = f" (no checkpoint holds the {_plural(len(report.skipped), 'file')} given)" if report.skipped else ""
         lines.append(f"No checkpoint checked{skipped}.")
@@ -59,8 +61,17 @@ def statistics(report: Any) -> list[dict[str, Any]]:
     counts: dict[str, dict[str, Any]] = {}
     for f in report.findings:
         rule = rules.get(f.code)
-        row = counts.setdefault(f.code, {"code": f.code, "name": rule.name if rule else "", "count": 0,
-                                         "error": 0, "warning": 0, "fix": rule.fix if rule else None})
+        row = counts.setdefault(
+            f.code,
+            {
+                "code": f.code,
+                "name": rule.name if rule else "",
+                "count": 0,
+                "error": 0,
+                "warning": 0,
+                "fix": rule.fix if rule else None,
+            },
+        )
         row["count"] += 1
         row[f.severity] = row.get(f.severity, 0) + 1
     return sorted(counts.values(), key=lambda r: (-r["count"], r["code"]))
@@ -76,8 +87,9 @@ def _statistics_lines(report: Any) -> list[str]:
     for r in rows:
         severity = "error" if not r["warning"] else "warning" if not r["error"] else "error/warning"
         fix = f"fix: {r['fix']}" if r["fix"] else ""
-        lines.append(f"{r['count']:>{width}}  {r['code']}  {r['name']:<{name_width}}  {'[' + severity + ']':<15}"
-                     f"{fix}".rstrip())
+        lines.append(
+            f"{r['count']:>{width}}  {r['code']}  {r['name']:<{name_width}}  {'[' + severity + ']':<15}{fix}".rstrip()
+        )
     return lines
 
 
@@ -99,8 +111,9 @@ def render_github(report: Any) -> str:
     for f in report.findings:
         level = "error" if f.severity == "error" else "warning"
         message = f.message + (f" (fix: {f.fix})" if f.fix else "")
-        lines.append(f"::{level} file={_gh_property(f.path)},title={_gh_property(f.code)}::"
-                     f"{_gh_data(f'{f.code} {message}')}")
+        lines.append(
+            f"::{level} file={_gh_property(f.path)},title={_gh_property(f.code)}::{_gh_data(f'{f.code} {message}')}"
+        )
     return "\n".join(lines)
 
 
@@ -123,8 +136,12 @@ def sarif(report: Any) -> dict[str, Any]:
     index = {r.code: i for i, r in enumerate(rules)}
     driver_rules = []
     for r in rules:
-        entry: dict[str, Any] = {"id": r.code, "name": r.name, "shortDescription": {"text": r.summary},
-                                 "fullDescription": {"text": r.rationale}}
+        entry: dict[str, Any] = {
+            "id": r.code,
+            "name": r.name,
+            "shortDescription": {"text": r.summary},
+            "fullDescription": {"text": r.rationale},
+        }
         if r.severity in ("error", "warning"):
             entry["defaultConfiguration"] = {"level": r.severity}
         if r.fix:
@@ -146,11 +163,19 @@ def sarif(report: Any) -> dict[str, Any]:
     return {
         "$schema": SARIF_SCHEMA,
         "version": "2.1.0",
-        "runs": [{
-            "tool": {"driver": {"name": "ckptdoctor", "version": __version__,
-                                "informationUri": "https://github.com/ckptdoctor/ckptdoctor", "rules": driver_rules}},
-            "results": results,
-        }],
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "ckptdoctor",
+                        "version": __version__,
+                        "informationUri": "https://github.com/ckptdoctor/ckptdoctor",
+                        "rules": driver_rules,
+                    }
+                },
+                "results": results,
+            }
+        ],
     }
 
 

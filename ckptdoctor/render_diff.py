@@ -42,8 +42,10 @@ def render_diff(report: Any) -> str:
         if not (keys.only_a.count or keys.only_b.count or keys.common):
             continue
         any_keys = True
-        lines.append(f"  {section:<10} only in A: {keys.only_a.count:<5} only in B: {keys.only_b.count:<5} "
-                     f"in both: {keys.common}")
+        lines.append(
+            f"  {section:<10} only in A: {keys.only_a.count:<5} only in B: {keys.only_b.count:<5} "
+            f"in both: {keys.common}"
+        )
         for label, listed in (("A", keys.only_a), ("B", keys.only_b)):
             for key in listed.keys:
                 lines.append(f"    only in {label}  {key}")
@@ -71,8 +73,12 @@ def render_diff(report: Any) -> str:
 
     if report.args is not None:
         args = report.args
-        lines += ["", f"args: {args.count} differ" + ("" if args.compared else " (args missing on one side)")
-                  + (f"; {len(args.ignored)} ignored ({', '.join(args.ignored)})" if args.ignored else "")]
+        lines += [
+            "",
+            f"args: {args.count} differ"
+            + ("" if args.compared else " (args missing on one side)")
+            + (f"; {len(args.ignored)} ignored ({', '.join(args.ignored)})" if args.ignored else ""),
+        ]
         for group, changes in args.groups.items():
             if not changes:
                 continue
@@ -88,8 +94,10 @@ def render_diff(report: Any) -> str:
             lines.append("  args contradicting their own checkpoint's layout:")
             for f in args.flags:
                 same = ", equal in A and B" if f.equal_in_both else ""
-                lines.append(f"    {f.side.upper()} {f.code} {f.severity}: {f.arg}={_short(f.saved)} "
-                             f"(should be {_short(f.correct)}{same}): {f.reason}")
+                lines.append(
+                    f"    {f.side.upper()} {f.code} {f.severity}: {f.arg}={_short(f.saved)} "
+                    f"(should be {_short(f.correct)}{same}): {f.reason}"
+                )
     if report.common is not None:
         lines += ["", f"common state and metadata.json: {report.common.count} differ"]
         for c in report.common.items:
@@ -144,8 +152,11 @@ def render_stat(report: Any) -> str:
     changed: dict[str, int] = {}
     layout: dict[str, int] = {}
     values: dict[str, int] = {}
-    for counter, rows in ((changed, report.changed), (layout, report.layout.keys),
-                          (values, report.values.different_keys if report.values is not None else [])):
+    for counter, rows in (
+        (changed, report.changed),
+        (layout, report.layout.keys),
+        (values, report.values.different_keys if report.values is not None else []),
+    ):
         for row in rows:
             counter[row.section] = counter.get(row.section, 0) + 1
     header = f"{'section':<10} {'only A':>7} {'only B':>7} {'changed':>8} {'layout':>7}"
@@ -170,13 +181,21 @@ def render_stat(report: Any) -> str:
 def _render_values(v: Any) -> list[str]:
     mode = "bitwise" if v.mode == "bitwise" else f"atol={v.atol:g} rtol={v.rtol:g}"
     read = human_bytes(v.bytes_read["a"] + v.bytes_read["b"])
-    lines = [f"values ({mode}): {v.compared} compared, {v.equal} equal, {v.different} differ, "
-             f"{v.not_compared} not compared; max abs diff {v.max_abs_diff}; read {read} in {v.seconds:.1f} s"]
+    lines = [
+        f"values ({mode}): {v.compared} compared, {v.equal} equal, {v.different} differ, "
+        f"{v.not_compared} not compared; max abs diff {v.max_abs_diff}; read {read} in {v.seconds:.1f} s"
+    ]
     for r in v.different_keys:
-        parts = [f"max abs diff {_num(r.max_abs_diff)}, max rel diff {_num(r.max_rel_diff)}, "
-                 f"norm of diff {_num(r.norm_diff)}, {r.mismatched} of {r.elements} elements"] \
-            if r.kind == "tensor" else [f"sha256 {r.sha256_a[:12]} -> {r.sha256_b[:12]}"] \
-            if r.sha256_a and r.sha256_b else []
+        parts = (
+            [
+                f"max abs diff {_num(r.max_abs_diff)}, max rel diff {_num(r.max_rel_diff)}, "
+                f"norm of diff {_num(r.norm_diff)}, {r.mismatched} of {r.elements} elements"
+            ]
+            if r.kind == "tensor"
+            else [f"sha256 {r.sha256_a[:12]} -> {r.sha256_b[:12]}"]
+            if r.sha256_a and r.sha256_b
+            else []
+        )
         parts += [r.note] if r.note else []
         lines.append(f"  differs  {r.key}: " + "; ".join(parts))
         for m in r.mismatches or ():
@@ -195,8 +214,7 @@ def _num(x: Any) -> str:
 def _verdict(report: Any) -> str:
     ignored = []
     if report.ignored.get("layout") and report.layout.differs:
-        ignored.append(f"layout ({report.layout.count} keys chunked differently)" if report.layout.count
-                       else "layout")
+        ignored.append(f"layout ({report.layout.count} keys chunked differently)" if report.layout.count else "layout")
     if report.args is not None and report.args.ignored:
         ignored.append(f"{len(report.args.ignored)} args")
     suffix = f" (ignored: {', '.join(ignored)})" if ignored else ""
@@ -204,10 +222,19 @@ def _verdict(report: Any) -> str:
         return "no differences" + suffix
     s = report.summary
     layout = 0 if report.ignored.get("layout") else s["layout"]
-    parts = [f"{n} {label}" for label, n in (
-        ("keys only in A", s["only_a"]), ("keys only in B", s["only_b"]), ("kind/dtype/shape changes", s["changed"]),
-        ("keys chunked differently (layout)", layout), ("args differ", s["args"]),
-        ("common-state differences", s["common"]), ("values differ", s["values_different"])) if n]
+    parts = [
+        f"{n} {label}"
+        for label, n in (
+            ("keys only in A", s["only_a"]),
+            ("keys only in B", s["only_b"]),
+            ("kind/dtype/shape changes", s["changed"]),
+            ("keys chunked differently (layout)", layout),
+            ("args differ", s["args"]),
+            ("common-state differences", s["common"]),
+            ("values differ", s["values_different"]),
+        )
+        if n
+    ]
     if report.layout.differs and not report.ignored.get("layout") and not s["layout"]:
         parts.append("layout differs")
     return "differences: " + ", ".join(parts) + suffix

@@ -27,9 +27,11 @@ def render_skipped(report: Any) -> str:
 def render_seal(result: Any) -> str:
     verb = "re-sealed" if result.replaced else "sealed"
     rate = result.bytes / result.seconds / (1 << 20) if result.seconds > 0 else 0.0
-    lines = [f"{verb} {result.iteration_dir}: {result.manifest} lists {result.files} file(s), "
-             f"{human_bytes(result.bytes)} hashed with {result.jobs} worker(s) in {result.seconds:.2f} s "
-             f"({rate:.0f} MiB/s)"]
+    lines = [
+        f"{verb} {result.iteration_dir}: {result.manifest} lists {result.files} file(s), "
+        f"{human_bytes(result.bytes)} hashed with {result.jobs} worker(s) in {result.seconds:.2f} s "
+        f"({rate:.0f} MiB/s)"
+    ]
     lines += [f"note: {n}" for n in result.notes]
     return "\n".join(lines)
 

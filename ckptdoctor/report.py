@@ -64,10 +64,16 @@ def render_inspect(report: Any) -> str:
     lines.append("")
     rows = [
         [name, t["keys"], t["tensors"], t["bytes_items"], t["entries"], f"{t['parameters']:,}", human_bytes(t["bytes"])]
-        for name, t in report.sections.items() if t["keys"]
+        for name, t in report.sections.items()
+        if t["keys"]
     ]
-    lines.append(tabulate(rows, headers=["section", "keys", "tensors", "objects", "entries", "parameters", "size"],
-                          colalign=("left", "right", "right", "right", "right", "right", "right")))
+    lines.append(
+        tabulate(
+            rows,
+            headers=["section", "keys", "tensors", "objects", "entries", "parameters", "size"],
+            colalign=("left", "right", "right", "right", "right", "right", "right"),
+        )
+    )
     if report.args is not None:
         lines.append("")
         lines.append("args")
@@ -90,8 +96,17 @@ def render_inspect(report: Any) -> str:
     lines.append("common state keys: " + ", ".join(report.common_state_keys))
     if report.keys is not None:
         lines.append("")
-        rows = [[r.key, r.kind, r.dtype or "-", "-" if r.shape is None else "x".join(map(str, r.shape)) or "()",
-                 r.chunks, human_bytes(r.bytes)] for r in report.keys]
+        rows = [
+            [
+                r.key,
+                r.kind,
+                r.dtype or "-",
+                "-" if r.shape is None else "x".join(map(str, r.shape)) or "()",
+                r.chunks,
+                human_bytes(r.bytes),
+            ]
+            for r in report.keys
+        ]
         lines.append(tabulate(rows, headers=["key", "kind", "dtype", "global shape", "chunks", "size"]))
     return "\n".join(lines)
 
@@ -127,12 +142,18 @@ def render_fix_args(report: Any) -> str:
     if report.findings:
         lines.append("")
         n = len(report.findings)
-        lines.append(f"was wrong ({n} inconsistent arg{'s' if n != 1 else ''}):" if written else
-                     f"{n} inconsistent arg{'s' if n != 1 else ''}:")
+        lines.append(
+            f"was wrong ({n} inconsistent arg{'s' if n != 1 else ''}):"
+            if written
+            else f"{n} inconsistent arg{'s' if n != 1 else ''}:"
+        )
         lines.extend(_fix_args_table(report.findings))
     else:
-        lines.append("args were consistent with the checkpoint's parallelism" if written else
-                     "args are consistent with the checkpoint's parallelism")
+        lines.append(
+            "args were consistent with the checkpoint's parallelism"
+            if written
+            else "args are consistent with the checkpoint's parallelism"
+        )
     if written and report.changes:
         lines.append("")
         lines.append("changed:")
@@ -148,8 +169,10 @@ def render_fix_args(report: Any) -> str:
     if written:
         w = written
         lines.append("")
-        lines.append(f"wrote {w.iteration_dir} ({w.mode}): {len(w.written)} file(s) written, "
-                     f"{w.linked} linked, {w.copied} copied")
+        lines.append(
+            f"wrote {w.iteration_dir} ({w.mode}): {len(w.written)} file(s) written, "
+            f"{w.linked} linked, {w.copied} copied"
+        )
         for backup in w.backups:
             lines.append(f"  backup: {backup}")
         if w.run_config_args:
@@ -176,14 +199,18 @@ def render_strip(report: Any) -> str:
     """Text for ``strip-frozen``: the source used, kept/dropped keys (dry run) or counts, sizes before/after."""
     plan, result = report.plan, report.result
     model_kept = [d for d in plan.kept if d.section == "model"]
-    lines = [f"checkpoint      {plan.iteration_dir}",
-             f"trainable from  {plan.trainable_source} ({plan.trainable_detail})",
-             f"model section   {len(model_kept)} trainable tensors kept ({plan.kept_model_params:,} params), "
-             f"{len(plan.dropped)} items dropped ({plan.dropped_model_params:,} frozen params)",
-             f"other sections  {len(plan.kept) - len(model_kept)} items kept untouched"]
+    lines = [
+        f"checkpoint      {plan.iteration_dir}",
+        f"trainable from  {plan.trainable_source} ({plan.trainable_detail})",
+        f"model section   {len(model_kept)} trainable tensors kept ({plan.kept_model_params:,} params), "
+        f"{len(plan.dropped)} items dropped ({plan.dropped_model_params:,} frozen params)",
+        f"other sections  {len(plan.kept) - len(model_kept)} items kept untouched",
+    ]
     if report.nothing_frozen:
-        lines.append(f"no frozen parameters: every model parameter is trainable ({plan.trainable_source}), "
-                     "so there is nothing to strip")
+        lines.append(
+            f"no frozen parameters: every model parameter is trainable ({plan.trainable_source}), "
+            "so there is nothing to strip"
+        )
         if report.result is None and not report.dry_run:
             lines.append("nothing written (use --force to write anyway: it drops only the model _extra_state)")
             return "\n".join(lines)
@@ -195,19 +222,25 @@ def render_strip(report: Any) -> str:
         lines.append("")
         ratio = plan.bytes_after / plan.bytes_before if plan.bytes_before else 0.0
         lines.append(f"size before     {human_bytes(plan.bytes_before)} ({plan.bytes_before} bytes)")
-        lines.append(f"size after      ~{human_bytes(plan.bytes_after)} ({plan.bytes_after} bytes, {ratio:.1%}; "
-                     "estimate; dry run, nothing written)")
+        lines.append(
+            f"size after      ~{human_bytes(plan.bytes_after)} ({plan.bytes_after} bytes, {ratio:.1%}; "
+            "estimate; dry run, nothing written)"
+        )
         return "\n".join(lines)
     lines.append(f"written         {result.output}" + (" (in place)" if result.in_place else ""))
     if result.backup:
         lines.append(f"backup          {result.backup}")
-    lines.append(f"data files      {len(result.files)} files, {human_bytes(result.bytes_copied)} copied; "
-                 f"written in {result.seconds:.2f} s")
+    lines.append(
+        f"data files      {len(result.files)} files, {human_bytes(result.bytes_copied)} copied; "
+        f"written in {result.seconds:.2f} s"
+    )
     for name, why in result.skipped.items():
         lines.append(f"not carried     {name}: {why}")
     for change in result.args_changed:
-        lines.append(f"args            {change['arg']}: {_short(change['old'])} -> {_short(change['new'])} "
-                     "(as Megatron saves it; --keep-args keeps the saved value)")
+        lines.append(
+            f"args            {change['arg']}: {_short(change['old'])} -> {_short(change['new'])} "
+            "(as Megatron saves it; --keep-args keeps the saved value)"
+        )
     if result.resealed:
         lines.append("integrity.json  written afresh for the output (sha256 of its own files; the source's verified)")
     ratio = result.output_bytes / result.source_bytes if result.source_bytes else 0.0

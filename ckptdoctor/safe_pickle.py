@@ -128,8 +128,11 @@ def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
 def _codecs_encode(text: str, encoding: str = "utf-8") -> bytes:
     # Protocol-2 pickles spell bytes as _codecs.encode(str, "latin1"); only text codecs are allowed,
     # so a crafted codec name cannot reach anything but a text encoder.
-    if not isinstance(text, str) or not isinstance(encoding, str) or encoding.lower().replace("_", "-") not in (
-            "latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii"):
+    if (
+        not isinstance(text, str)
+        or not isinstance(encoding, str)
+        or encoding.lower().replace("_", "-") not in ("latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii")
+    ):
         raise UnsafePickleError("_codecs", "encode", detail=f"with codec {encoding!r}")
     return text.encode(encoding)
 
@@ -170,48 +173,61 @@ _REAL_TYPE = {id(_ALLOWED[("builtins", t.__name__)]): t for t in (set, frozenset
 # Classes read as inert stand-ins: what megatron-core, Transformer Engine and numpy put in checkpoints.
 _MCORE = "megatron.core"
 _TE_RECIPE = "transformer_engine.common.recipe"
-KNOWN_STAND_INS: frozenset[tuple[str, str]] = frozenset({
-    (f"{_MCORE}.enums", "ModelType"),
-    (f"{_MCORE}.transformer.enums", "AttnBackend"),
-    (f"{_MCORE}.transformer.enums", "AttnMaskType"),
-    (f"{_MCORE}.transformer.enums", "AttnType"),
-    (f"{_MCORE}.transformer.enums", "LayerType"),
-    (f"{_MCORE}.transformer.enums", "CudaGraphScope"),
-    (f"{_MCORE}.transformer.enums", "CudaGraphModule"),
-    (f"{_MCORE}.transformer.enums", "InferenceCudaGraphScope"),
-    (f"{_MCORE}.rerun_state_machine", "RerunDiagnostic"),
-    (f"{_MCORE}.rerun_state_machine", "RerunMode"),
-    (f"{_MCORE}.rerun_state_machine", "RerunState"),
-    (f"{_MCORE}.optimizer", "OptimizerConfig"),
-    (f"{_MCORE}.optimizer.optimizer_config", "OptimizerConfig"),
-    (f"{_MCORE}.dist_checkpointing.strategies.torch", "MCoreMetadata"),
-    (f"{_MCORE}.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
-    (f"{_MCORE}.extensions.transformer_engine", "TEDelayedScaling"),
-    *((_TE_RECIPE, name) for name in (
-        "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
-        "NVFP4BlockScaling", "Format", "_FormatHelper", "MMParams")),
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-    ("numpy.dtypes", "UInt32DType"),
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy.core.multiarray", "scalar"),
-    ("numpy._core.multiarray", "scalar"),
-    ("torch", "device"),
-    ("torch._C", "Generator"),
-    ("torch.distributed.checkpoint.metadata", "Metadata"),
-    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-    ("torch.distributed.checkpoint.planner", "SavePlan"),
-    ("torch.distributed.checkpoint.planner", "WriteItem"),
-    ("torch.distributed.checkpoint.planner", "WriteItemType"),
-    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
-})
+KNOWN_STAND_INS: frozenset[tuple[str, str]] = frozenset(
+    {
+        (f"{_MCORE}.enums", "ModelType"),
+        (f"{_MCORE}.transformer.enums", "AttnBackend"),
+        (f"{_MCORE}.transformer.enums", "AttnMaskType"),
+        (f"{_MCORE}.transformer.enums", "AttnType"),
+        (f"{_MCORE}.transformer.enums", "LayerType"),
+        (f"{_MCORE}.transformer.enums", "CudaGraphScope"),
+        (f"{_MCORE}.transformer.enums", "CudaGraphModule"),
+        (f"{_MCORE}.transformer.enums", "InferenceCudaGraphScope"),
+        (f"{_MCORE}.rerun_state_machine", "RerunDiagnostic"),
+        (f"{_MCORE}.rerun_state_machine", "RerunMode"),
+        (f"{_MCORE}.rerun_state_machine", "RerunState"),
+        (f"{_MCORE}.optimizer", "OptimizerConfig"),
+        (f"{_MCORE}.optimizer.optimizer_config", "OptimizerConfig"),
+        (f"{_MCORE}.dist_checkpointing.strategies.torch", "MCoreMetadata"),
+        (f"{_MCORE}.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
+        (f"{_MCORE}.extensions.transformer_engine", "TEDelayedScaling"),
+        *(
+            (_TE_RECIPE, name)
+            for name in (
+                "DelayedScaling",
+                "Float8CurrentScaling",
+                "Float8BlockScaling",
+                "MXFP8BlockScaling",
+                "NVFP4BlockScaling",
+                "Format",
+                "_FormatHelper",
+                "MMParams",
+            )
+        ),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.dtypes", "UInt32DType"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("torch", "device"),
+        ("torch._C", "Generator"),
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.planner", "SavePlan"),
+        ("torch.distributed.checkpoint.planner", "WriteItem"),
+        ("torch.distributed.checkpoint.planner", "WriteItemType"),
+        ("torch.distributed.checkpoint.planner", "TensorWriteData"),
+    }
+)
 
 # Namespaces whose unlisted classes are read (as inert stand-ins) but reported, not refused.
 TOLERATED_NAMESPACES = ("megatron", "transformer_engine", "nemo")
 
 _TORCH_STORAGE_NAMES = frozenset(
-    {storage for _, storage in TORCH_DTYPES.values() if storage} | {"UntypedStorage", "TypedStorage"})
+    {storage for _, storage in TORCH_DTYPES.values() if storage} | {"UntypedStorage", "TypedStorage"}
+)
 
 
 def check_global_name(module: str, name: str) -> None:
@@ -307,8 +323,12 @@ class SafeUnpickler(pickle.Unpickler):
         return self._persistent_load(pid)
 
 
-def loads(data: bytes | bytearray | memoryview, persistent_load: Callable[[Any], Any] | None = None,
-          limits: PickleLimits | None = None, unlisted: list[str] | None = None) -> Any:
+def loads(
+    data: bytes | bytearray | memoryview,
+    persistent_load: Callable[[Any], Any] | None = None,
+    limits: PickleLimits | None = None,
+    unlisted: list[str] | None = None,
+) -> Any:
     """Unpickle ``data`` under the allowlist and the limits. Tolerated unlisted globals go to ``unlisted``.
 
     Raises :class:`UnsafePickleError` (a refused global), :class:`PickleLimitError` (a limit) or whatever
@@ -327,8 +347,12 @@ def loads(data: bytes | bytearray | memoryview, persistent_load: Callable[[Any],
     return obj
 
 
-def load(file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None,
-         limits: PickleLimits | None = None, unlisted: list[str] | None = None) -> Any:
+def load(
+    file: BinaryIO,
+    persistent_load: Callable[[Any], Any] | None = None,
+    limits: PickleLimits | None = None,
+    unlisted: list[str] | None = None,
+) -> Any:
     """:func:`loads` of a whole (small enough) file object; refuses one larger than ``limits.max_bytes``."""
     data = file.read((limits or current_limits()).max_bytes + 1)
     return loads(data, persistent_load, limits, unlisted)

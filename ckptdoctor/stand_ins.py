@@ -153,8 +153,12 @@ def valid_global_name(module: object, name: object) -> bool:
     """A module that is a dotted ASCII identifier and a name that is a plain one: the only globals ckptdoctor
     reads or writes. Anything else (a newline, a dot in the name) could smuggle a second global into a text
     GLOBAL opcode or resolve through attributes (``torch`` + ``os.system``)."""
-    return (isinstance(module, str) and isinstance(name, str)
-            and _DOTTED_RE.match(module) is not None and _IDENTIFIER_RE.match(name) is not None)
+    return (
+        isinstance(module, str)
+        and isinstance(name, str)
+        and _DOTTED_RE.match(module) is not None
+        and _IDENTIFIER_RE.match(name) is not None
+    )
 
 
 def register_alias(obj: Any, module: str, name: str) -> str:

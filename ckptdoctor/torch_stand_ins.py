@@ -34,6 +34,7 @@ class _Frozen:
     def __setstate__(self, state: Any) -> None:
         raise TypeError(f"{type(self).__name__} stand-ins take no pickled state")
 
+
 # torch dtype name -> (itemsize in bytes, legacy typed-storage class name)
 TORCH_DTYPES: dict[str, tuple[int, str | None]] = {
     "float32": (4, "FloatStorage"),
@@ -153,8 +154,9 @@ Size.__module__ = ALIAS_MODULE
 class StorageRef:
     """A storage record of a ``torch.save`` zip: its key, dtype, element count and a way to read bytes."""
 
-    def __init__(self, key: str, dtype: DtypeRef | None, location: str, numel: int,
-                 read: Callable[[], bytes] | None = None) -> None:
+    def __init__(
+        self, key: str, dtype: DtypeRef | None, location: str, numel: int, read: Callable[[], bytes] | None = None
+    ) -> None:
         self.key = key
         self.dtype = dtype
         self.location = location
@@ -176,8 +178,15 @@ class StorageRef:
 class TensorRef:
     """Stand-in for a ``torch.Tensor`` inside a pickle: storage, offset, size and stride; no torch needed."""
 
-    def __init__(self, storage: StorageRef, storage_offset: int, size: tuple, stride: tuple,
-                 requires_grad: bool = False, parameter: bool = False) -> None:
+    def __init__(
+        self,
+        storage: StorageRef,
+        storage_offset: int,
+        size: tuple,
+        stride: tuple,
+        requires_grad: bool = False,
+        parameter: bool = False,
+    ) -> None:
         self.storage = storage
         self.storage_offset = storage_offset
         self.size = tuple(size)
@@ -197,8 +206,14 @@ class TensorRef:
         return n
 
     def __reduce__(self) -> tuple:
-        args: tuple = (self.storage, self.storage_offset, Size(self.size), tuple(self.stride),
-                self.requires_grad, collections.OrderedDict())
+        args: tuple = (
+            self.storage,
+            self.storage_offset,
+            Size(self.size),
+            tuple(self.stride),
+            self.requires_grad,
+            collections.OrderedDict(),
+        )
         tensor = (_rebuild_tensor_v2_ref, args)
         if self.parameter:
             return (_rebuild_parameter_ref, (_Rebuilt(*tensor), self.requires_grad, collections.OrderedDict()))
@@ -207,8 +222,13 @@ class TensorRef:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TensorRef):
             return NotImplemented
-        return (self.dtype is other.dtype and self.size == other.size and self.stride == other.stride
-                and self.storage_offset == other.storage_offset and self.storage.data() == other.storage.data())
+        return (
+            self.dtype is other.dtype
+            and self.size == other.size
+            and self.stride == other.stride
+            and self.storage_offset == other.storage_offset
+            and self.storage.data() == other.storage.data()
+        )
 
     __hash__ = object.__hash__
 
@@ -255,8 +275,15 @@ def _tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_
     return TensorRef(storage, storage_offset, size, stride, bool(requires_grad))
 
 
-def _rebuild_tensor_v2(storage: StorageRef, storage_offset: int, size: tuple, stride: tuple,
-                       requires_grad: bool = False, backward_hooks: Any = None, metadata: Any = None) -> TensorRef:
+def _rebuild_tensor_v2(
+    storage: StorageRef,
+    storage_offset: int,
+    size: tuple,
+    stride: tuple,
+    requires_grad: bool = False,
+    backward_hooks: Any = None,
+    metadata: Any = None,
+) -> TensorRef:
     return _tensor(storage, storage_offset, size, stride, requires_grad)
 
 
@@ -264,8 +291,9 @@ def _rebuild_tensor(storage: StorageRef, storage_offset: int, size: tuple, strid
     return _tensor(storage, storage_offset, size, stride)
 
 
-def _rebuild_parameter(data: TensorRef, requires_grad: bool, backward_hooks: Any = None,
-                       state: Any = None) -> TensorRef:
+def _rebuild_parameter(
+    data: TensorRef, requires_grad: bool, backward_hooks: Any = None, state: Any = None
+) -> TensorRef:
     if not isinstance(data, TensorRef):
         raise TypeError(f"parameter data is a {type(data).__name__}, not a tensor")
     data.requires_grad = requires_grad
@@ -280,7 +308,8 @@ TORCH_FUNCS = {
     ("torch._utils", "_rebuild_tensor"): GlobalFunc("torch._utils", "_rebuild_tensor", _rebuild_tensor),
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter_ref,
     ("torch._utils", "_rebuild_parameter_with_state"): GlobalFunc(
-        "torch._utils", "_rebuild_parameter_with_state", _rebuild_parameter),
+        "torch._utils", "_rebuild_parameter_with_state", _rebuild_parameter
+    ),
 }
 
 

@@ -36,7 +36,7 @@ def _logical_bytes(ref: TensorRef) -> bytes | None:
     if itemsize is None or (ref.numel > 1 and tuple(ref.stride) != _contiguous_strides(ref.size)):
         return None
     start = ref.storage_offset * itemsize
-    return _storage_bytes(ref)[start:start + ref.numel * itemsize]
+    return _storage_bytes(ref)[start : start + ref.numel * itemsize]
 
 
 def _storage_bytes(ref: TensorRef) -> bytes:

@@ -74,8 +74,10 @@ def _zarr_chunk_ref(entry: Entry, chunk: DcpChunk, blob: bytes, where: str) -> T
     for size in chunk.sizes:
         numel *= size
     if dtype.itemsize is None or len(blob) != numel * dtype.itemsize:
-        raise CkptError(f"{where}: zarr chunk holds {len(blob)} bytes, {list(chunk.sizes)} of {entry.dtype} "
-                        f"needs {numel * (dtype.itemsize or 0)} (compressed or padded chunks are not supported)")
+        raise CkptError(
+            f"{where}: zarr chunk holds {len(blob)} bytes, {list(chunk.sizes)} of {entry.dtype} "
+            f"needs {numel * (dtype.itemsize or 0)} (compressed or padded chunks are not supported)"
+        )
     stride: list[int] = []
     step = 1
     for size in reversed(chunk.sizes):
@@ -139,8 +141,9 @@ def _chunk_view(pkl: bytes, where: str) -> tuple:
     return view
 
 
-def read_chunk_view(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk,
-                    blob: bytes | None = None) -> tuple[Any, int]:
+def read_chunk_view(
+    checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: bytes | None = None
+) -> tuple[Any, int]:
     """(tensor, bytes read) for one chunk: one byte range read, the tensor a view over those bytes (no copy).
 
     :func:`read_chunk` copies a chunk's storage twice while decoding (3x its size at peak); this keeps memory

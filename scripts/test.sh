@@ -5,7 +5,7 @@
 # 3.11, so it goes in without its dependency resolution, next to the few packages it imports.
 #   ./scripts/test.sh                  everything (what CI runs, .ci/run)
 #   ./scripts/test.sh -m "not mcore"   fast tier: no megatron-core and no torch child processes
-# Before the tests: ruff check and mypy on the package (both fail the run).
+# Before the tests: ruff check, ruff format --check and mypy on the package (both fail the run).
 # Tests run in one process: the Ctrl-C and kill tests time signals, and a loaded machine makes them flaky;
 # CKPTDOCTOR_TEST_JOBS=auto runs them on every core (pytest-xdist) while you work.
 set -euo pipefail
@@ -25,5 +25,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 .venv/bin/ruff check ckptdoctor tests bench scripts
+.venv/bin/ruff format --check ckptdoctor tests bench scripts
 .venv/bin/mypy
 CKPTDOCTOR_REQUIRE_MCORE=1 .venv/bin/python -m pytest -q -n "${CKPTDOCTOR_TEST_JOBS:-0}" "$@"

@@ -66,8 +66,7 @@ def require_mcore():
     module, why = _mcore_probe()
     if module is None:
         if os.environ.get("CKPTDOCTOR_REQUIRE_MCORE"):
-            pytest.fail(f"CKPTDOCTOR_REQUIRE_MCORE is set but megatron-core does not import ({why})",
-                        pytrace=False)
+            pytest.fail(f"CKPTDOCTOR_REQUIRE_MCORE is set but megatron-core does not import ({why})", pytrace=False)
         pytest.skip(f"megatron-core not installed ({why})")
     return module
 
@@ -134,8 +133,9 @@ def blocker(names) -> str:
     return _BLOCKER.replace("NAMES", repr(set(names)))
 
 
-def run_cli(*args: str, block: tuple[str, ...] = (), cwd: Path = REPO, python: str = sys.executable,
-            env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, block: tuple[str, ...] = (), cwd: Path = REPO, python: str = sys.executable, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run ``ckptdoctor`` in a child interpreter, optionally with some packages unimportable."""
     code = blocker(block) + (
         "from ckptdoctor.cli import main\n"
@@ -144,5 +144,4 @@ def run_cli(*args: str, block: tuple[str, ...] = (), cwd: Path = REPO, python: s
         "sys.stderr.write('\\nIMPORTED:' + ','.join(sorted(mods)) + '\\n')\n"
         "raise SystemExit(rc)\n"
     )
-    return subprocess.run([python, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env=env)
+    return subprocess.run([python, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)

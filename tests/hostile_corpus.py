@@ -22,8 +22,12 @@ def call(module: str, name: str, *text_args: str) -> bytes:
     return b"\x80\x04" + stack_global(module, name) + b"(" + b"".join(su(a) for a in text_args) + b"tR."
 
 
-def torch_zip(pickled: bytes, extra: tuple[tuple[str, bytes], ...] = (), prefix: str = "archive",
-              compress: int = zipfile.ZIP_STORED) -> bytes:
+def torch_zip(
+    pickled: bytes,
+    extra: tuple[tuple[str, bytes], ...] = (),
+    prefix: str = "archive",
+    compress: int = zipfile.ZIP_STORED,
+) -> bytes:
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as archive:
         archive.writestr(f"{prefix}/data.pkl", pickled, compress_type=compress)
@@ -43,17 +47,16 @@ def billion_laughs(levels: int = 40) -> list:
 RESOURCE_CASES = {
     "deep tuple as dict key": b"\x80\x02}" + b")" + b"\x85" * 1_000_000 + b"Ns.",
     "deque(range(10**15))": b"\x80\x02ccollections\ndeque\ncbuiltins\nrange\nJ\x00\x00\x00\x00\x8a\x07\x00\x80\xc6"
-                            b"\xa4~\x8d\x03\x86R\x85R.",
+    b"\xa4~\x8d\x03\x86R\x85R.",
     "bytearray(1.5e9)": b"\x80\x02cbuiltins\nbytearray\nJ\x00\x2f\x68\x59\x85R.",
     "bytes(10**12)": b"\x80\x02cbuiltins\nbytes\n\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x85R.",
     "memo index 2**31": b"\x80\x02Nr\x00\x00\x00\x80.",
     "BUILD on a shared torch function": b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n}X\x04\x00\x00\x00implcbuiltins"
-                                        b"\nlist\nsb.",
-    "BUILD on argparse.Namespace": b"\x80\x02cargparse\nNamespace\nN}X\x08\x00\x00\x00__init__cbuiltins\nlist\n"
-                                   b"s\x86b.",
+    b"\nlist\nsb.",
+    "BUILD on argparse.Namespace": b"\x80\x02cargparse\nNamespace\nN}X\x08\x00\x00\x00__init__cbuiltins\nlist\ns\x86b.",
     "copyreg extension": b"\x80\x02\x82\x01.",
     "_reconstructor of bytes": b"\x80\x02ccopyreg\n_reconstructor\ncargparse\nNamespace\ncbuiltins\nbytes\n"
-                               b"\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x87R.",
+    b"\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x87R.",
 }
 
 DEEP_LISTS = b"\x80\x02" + b"]" * 1_000_000 + b"a" * 999_999 + b"."  # [[[...]]] a million deep
@@ -63,6 +66,7 @@ def deflate_bomb(inflated: int = 200 << 20) -> bytes:
     """A torch.save-shaped archive whose data.pkl (a str of ``inflated`` bytes) deflates to well under 1 MB."""
     pickled = b"\x80\x02X" + struct.pack("<I", inflated) + b"a" * inflated + b"."
     return torch_zip(pickled, compress=zipfile.ZIP_DEFLATED)
+
 
 _COLLIDING = (1 << 61) - 1  # hash(i * _COLLIDING) == 0 for every int i: every key lands in one bucket
 
@@ -79,7 +83,7 @@ def hash_flood_dict(n: int = 100_000) -> bytes:
     of 1000, an empty last batch when n is a multiple of 1000): building the dict itself would take those ~40 s,
     at every test collection."""
     items = [_long1(i * _COLLIDING) + b"K\x00" for i in range(1, n + 1)]
-    batches = b"".join(b"(" + b"".join(items[j:j + 1000]) + b"u" for j in range(0, n + 1, 1000))
+    batches = b"".join(b"(" + b"".join(items[j : j + 1000]) + b"u" for j in range(0, n + 1, 1000))
     return b"\x80\x02}q\x00" + batches + b"."
 
 
@@ -87,8 +91,11 @@ def hash_flood_set(n: int = 100_000) -> bytes:
     """``set([...])`` of ``n`` colliding ints through REDUCE: the keys arrive in a list, not by SETITEMS."""
     import pickle
 
-    return b"\x80\x02cbuiltins\nset\n" + pickle.dumps([i * _COLLIDING for i in range(1, n + 1)], protocol=2)[2:-1] \
+    return (
+        b"\x80\x02cbuiltins\nset\n"
+        + pickle.dumps([i * _COLLIDING for i in range(1, n + 1)], protocol=2)[2:-1]
         + b"\x85R."
+    )
 
 
 RESOURCE_CASES["hash flood: 100k colliding int dict keys"] = hash_flood_dict()

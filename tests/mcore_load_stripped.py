@@ -34,8 +34,9 @@ def load_fresh(ckpt_dir: str, args, pp: int):
     gen.add_lora(model)
     optimizer = gen.build_optimizer(gen.wrap_ddp(model))
     fresh = gen.snapshot(model, None)
-    request = gen.build_state_dict(args, model, optimizer, None, args.iteration, 0.0,
-                                   model_filter=gen.trainable_only, is_loading=True)
+    request = gen.build_state_dict(
+        args, model, optimizer, None, args.iteration, 0.0, model_filter=gen.trainable_only, is_loading=True
+    )
     loaded = dist_checkpointing.load(request, ckpt_dir, strict=StrictHandling.LOG_UNEXPECTED)
     model.load_state_dict(loaded["model"], strict=False)
     optimizer.load_state_dict(loaded["optimizer"])

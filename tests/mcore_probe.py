@@ -37,7 +37,8 @@ def main(iteration_dir: str) -> None:
     tensors = {
         key: hashlib.sha256(value.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
         + f":{value.dtype}:{list(value.shape)}"
-        for key, value in plain.items() if isinstance(value, torch.Tensor)
+        for key, value in plain.items()
+        if isinstance(value, torch.Tensor)
     }
     args = common["args"]
     try:
@@ -61,15 +62,19 @@ def main(iteration_dir: str) -> None:
             integrity = "ok"
         except Exception as exc:  # report, the test asserts
             integrity = f"failed: {exc}"
-    print(json.dumps({
-        "tensors": tensors,
-        "args": {k: repr(v) for k, v in vars(args).items()},
-        "arg_types": {k: type(v).__module__ + "." + type(v).__qualname__ for k, v in vars(args).items()},
-        "common_keys": sorted(common),
-        "common_repr": {k: repr(v) for k, v in common.items() if k != "args"},
-        "config_error": config_error,
-        "verify_integrity": integrity,
-    }))
+    print(
+        json.dumps(
+            {
+                "tensors": tensors,
+                "args": {k: repr(v) for k, v in vars(args).items()},
+                "arg_types": {k: type(v).__module__ + "." + type(v).__qualname__ for k, v in vars(args).items()},
+                "common_keys": sorted(common),
+                "common_repr": {k: repr(v) for k, v in common.items() if k != "args"},
+                "config_error": config_error,
+                "verify_integrity": integrity,
+            }
+        )
+    )
     dist.destroy_process_group()
 
 

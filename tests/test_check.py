@@ -60,8 +60,11 @@ def _edit_metadata(iteration_dir: Path, edit) -> None:
 
 def _storage_of(iteration_dir: Path, key: str) -> list[StorageLocation]:
     metadata = load_metadata_object(iteration_dir / ".metadata")
-    return [StorageLocation(info.relative_path, info.offset, info.length)
-            for index, info in storage_items(metadata).items() if index_fqn(index) == key]
+    return [
+        StorageLocation(info.relative_path, info.offset, info.length)
+        for index, info in storage_items(metadata).items()
+        if index_fqn(index) == key
+    ]
 
 
 def _append_blob(iteration_dir: Path, key: str, blob: bytes) -> None:
@@ -138,9 +141,11 @@ def _break(kind: str, save: Path) -> Path:
     elif kind == "CKD111":
         (it / ".metadata").write_bytes(GARBAGE_METADATA)
     elif kind == "CKD112":
+
         def drop(metadata):
             data = storage_items(metadata)
             del data[next(i for i in data if index_fqn(i) == f"{QKV}.weight")]
+
         _edit_metadata(it, drop)
     elif kind == "CKD113":
         (it / "__1_0.distcp").unlink()
@@ -156,14 +161,16 @@ def _break(kind: str, save: Path) -> Path:
     elif kind == "CKD122":
         (save / "latest_checkpointed_iteration.txt").unlink()
     elif kind == "CKD130":
+
         def drop_common(metadata):
             metadata.state_dict_metadata.pop("common_state/shard_0_1")
+
         _edit_metadata(it, drop_common)
     elif kind == "CKD131":
         data = (it / "__0_0.distcp").read_bytes()
         (location,) = _storage_of(it, "common_state/shard_0_1")
         start = location.offset + location.length // 2
-        data = data[:start] + bytes(64) + data[start + 64:]  # zero the middle of the common state blob
+        data = data[:start] + bytes(64) + data[start + 64 :]  # zero the middle of the common state blob
         (it / "__0_0.distcp").write_bytes(data)
     elif kind == "CKD132":
         it.rename(save / "iter_0000020")
@@ -209,7 +216,8 @@ def test_messages_name_the_file(capsys, copy_fixture):
     save = _break("CKD101", copy_fixture("core016_tp1"))
     _, out, _ = _check(capsys, str(save))
     assert out.startswith(
-        f"{save / ITER}: CKD101 [error] metadata.json missing (incomplete save: rank 0 writes it last)")
+        f"{save / ITER}: CKD101 [error] metadata.json missing (incomplete save: rank 0 writes it last)"
+    )
 
 
 def test_garbage_common_pt_is_a_finding(capsys, copy_fixture):
@@ -386,7 +394,7 @@ def _overwrite_range(iteration_dir: Path, key: str, blob_for) -> None:
     (location,) = _storage_of(iteration_dir, key)[:1]
     path = iteration_dir / location.relative_path
     data = bytearray(path.read_bytes())
-    data[location.offset:location.offset + location.length] = blob_for(location.length)
+    data[location.offset : location.offset + location.length] = blob_for(location.length)
     path.write_bytes(bytes(data))
 
 
@@ -408,13 +416,17 @@ def test_deep_zipfile_fallback_checks_crc(capsys, copy_fixture, corrupt):
     it = save / ITER
     key = "embedding.word_embeddings.weight"
     location = _storage_of(it, key)[0]
-    blob = bytearray((it / location.relative_path).read_bytes()[location.offset:location.offset + location.length])
+    blob = bytearray((it / location.relative_path).read_bytes()[location.offset : location.offset + location.length])
     if corrupt:
         with zipfile.ZipFile(io.BytesIO(bytes(blob))) as archive:
             record = next(i for i in archive.infolist() if "/data/" in i.filename)
-        header = blob[record.header_offset:record.header_offset + 30]  # name and extra lengths at 26
-        start = (record.header_offset + 30 + int.from_bytes(header[26:28], "little")
-                 + int.from_bytes(header[28:30], "little"))
+        header = blob[record.header_offset : record.header_offset + 30]  # name and extra lengths at 26
+        start = (
+            record.header_offset
+            + 30
+            + int.from_bytes(header[26:28], "little")
+            + int.from_bytes(header[28:30], "little")
+        )
         blob[start + 8] ^= 0x55  # bit rot inside the tensor bytes
     comment = b"saved by a tool that adds a comment"
     blob[-2:] = len(comment).to_bytes(2, "little")
@@ -431,7 +443,7 @@ def test_deep_storage_size_mismatch(capsys, copy_fixture):
     it = save / ITER
     key = "decoder.final_layernorm.weight"
     (location,) = _storage_of(it, key)
-    blob = (it / location.relative_path).read_bytes()[location.offset:location.offset + location.length]
+    blob = (it / location.relative_path).read_bytes()[location.offset : location.offset + location.length]
     ref = load_torch_zip(blob, key)
     ref.storage.set_data(ref.storage.data()[:-4])  # one float32 short of its element count
     _append_blob(it, key, dump_torch_zip(ref))
@@ -499,9 +511,11 @@ def test_read_ranges_matches_read_range(copy_fixture, read_ahead):
     for entry in ckpt.entries.values():
         for chunk in entry.chunks:
             by_file.setdefault(chunk.storage.relative_path, []).append(
-                (chunk.storage.offset, chunk.storage.length, chunk.storage))
-    files = [(ckpt.iteration_dir / name, sorted(ranges, key=lambda r: r[0]))
-             for name, ranges in sorted(by_file.items())]
+                (chunk.storage.offset, chunk.storage.length, chunk.storage)
+            )
+    files = [
+        (ckpt.iteration_dir / name, sorted(ranges, key=lambda r: r[0])) for name, ranges in sorted(by_file.items())
+    ]
     for window in (4096, 1 << 20):
         seen = 0
         for _, storage, view in read_ranges(files, window=window, read_ahead=read_ahead):

@@ -77,8 +77,18 @@ def test_select_and_ignore_codes_and_prefixes(capsys):
     assert _codes(out) == ["CKD210"]
     rc, out, _ = _run(capsys, "check", "--isolated", "--ignore", "CKD2", str(CONVERTED))
     assert rc == 0
-    rc, out, _ = _run(capsys, "check", "--isolated", "--format", "json", "--select", "CKD1,CKD21",
-                      "--ignore", "CKD212", str(CONVERTED))
+    rc, out, _ = _run(
+        capsys,
+        "check",
+        "--isolated",
+        "--format",
+        "json",
+        "--select",
+        "CKD1,CKD21",
+        "--ignore",
+        "CKD212",
+        str(CONVERTED),
+    )
     assert _codes(out) == ["CKD210"]
 
 
@@ -155,8 +165,13 @@ def test_rules_command(capsys):
 
 @pytest.mark.parametrize("deep", [False, True])
 def test_check_without_torch_or_megatron(deep):
-    args = ["check", "--isolated", *(["--deep"] if deep else []), str(FIXTURES / "core019_tp2"),
-            str(FIXTURES / "core016_tp2")]
+    args = [
+        "check",
+        "--isolated",
+        *(["--deep"] if deep else []),
+        str(FIXTURES / "core019_tp2"),
+        str(FIXTURES / "core016_tp2"),
+    ]
     result = run_cli(*args, block=("torch", "megatron"))
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip().endswith("IMPORTED:")
@@ -167,8 +182,9 @@ def _run_with_tty_stderr(*args: str) -> str:
     import pty
 
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "ckptdoctor", *args], stdout=subprocess.DEVNULL,
-                            stderr=slave, cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptdoctor", *args], stdout=subprocess.DEVNULL, stderr=slave, cwd=REPO
+    )
     os.close(slave)
     chunks = []
     while True:
@@ -196,8 +212,9 @@ def test_progress_bar_only_on_a_tty_and_not_quiet(capsys):
 
 
 def _git(cwd: Path, *args: str) -> None:
-    subprocess.run(["git", "-c", "user.email=t@example.com", "-c", "user.name=t", *args], cwd=cwd, check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-c", "user.email=t@example.com", "-c", "user.name=t", *args], cwd=cwd, check=True, capture_output=True
+    )
 
 
 @pytest.mark.network
@@ -209,8 +226,13 @@ def test_pre_commit_hook_for_real(tmp_path):
         pytest.skip("pre-commit not installed (pip install 'ckptdoctor[test]')")
     # try-repo needs a git repo; commit the working tree in a scratch copy, never in this checkout.
     hook_repo = tmp_path / "hook-repo"
-    shutil.copytree(REPO, hook_repo, ignore=shutil.ignore_patterns(
-        ".git", ".venv*", "bench", "fixtures", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache", "build"))
+    shutil.copytree(
+        REPO,
+        hook_repo,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv*", "bench", "fixtures", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache", "build"
+        ),
+    )
     _git(hook_repo, "init", "-q")
     _git(hook_repo, "add", "-A")
     _git(hook_repo, "commit", "-q", "-m", "hook under test")
@@ -222,8 +244,14 @@ def test_pre_commit_hook_for_real(tmp_path):
     env = {**os.environ, "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-home")}
 
     def try_repo() -> subprocess.CompletedProcess:
-        return subprocess.run([pre_commit, "try-repo", str(hook_repo), "ckptdoctor-check", "--all-files"],
-                              cwd=user, capture_output=True, text=True, env=env, timeout=600)
+        return subprocess.run(
+            [pre_commit, "try-repo", str(hook_repo), "ckptdoctor-check", "--all-files"],
+            cwd=user,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
 
     clean = try_repo()
     if clean.returncode != 0 and "CKD" not in clean.stdout and ("pip" in clean.stdout or "Errno" in clean.stdout):

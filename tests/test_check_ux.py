@@ -149,12 +149,14 @@ def test_fix_table_is_the_one_source(capsys):
 
 
 def test_statistics(capsys):
-    rc, out, _ = _run(capsys, "check", "--isolated", "--statistics", str(CONVERTED),
-                      str(FIXTURES / "core016_convert_tp4"))
+    rc, out, _ = _run(
+        capsys, "check", "--isolated", "--statistics", str(CONVERTED), str(FIXTURES / "core016_convert_tp4")
+    )
     lines = out.splitlines()
     assert rc == 1 and len(lines) == 4
-    assert re.match(r"^2  CKD203  arg-expert-tensor-parallel-size +\[warning\] +fix: ckptdoctor fix-args CKPT",
-                    lines[0])
+    assert re.match(
+        r"^2  CKD203  arg-expert-tensor-parallel-size +\[warning\] +fix: ckptdoctor fix-args CKPT", lines[0]
+    )
     assert re.match(r"^2  CKD210  arg-tensor-parallel-num-weight-shards +\[error\] ", lines[1])
     assert lines[-1].startswith("Found 6 problems (2 errors, 4 warnings) in 2 checkpoints")
     rc, report = _json(capsys, "--statistics", str(CONVERTED))
@@ -188,7 +190,10 @@ def test_sarif(capsys):
     driver = run["tool"]["driver"]
     assert driver["name"] == "ckptdoctor" and [r["id"] for r in driver["rules"]] == [r.code for r in all_rules()]
     assert [(r["ruleId"], r["level"]) for r in run["results"]] == [
-        ("CKD203", "warning"), ("CKD210", "error"), ("CKD212", "warning")]
+        ("CKD203", "warning"),
+        ("CKD210", "error"),
+        ("CKD212", "warning"),
+    ]
     for result in run["results"]:
         assert driver["rules"][result["ruleIndex"]]["id"] == result["ruleId"] and result["message"]["text"]
         uri = result["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
@@ -233,8 +238,9 @@ def test_per_path_ignores(tmp_path):
     runs = tmp_path / "runs"
     shutil.copytree(CONVERTED, runs / "converted")
     shutil.copytree(FIXTURES / "core016_convert_tp4", runs / "other")
-    _write_config(tmp_path, '[tool.ckptdoctor.per-path-ignores]\n"runs/converted/*" = ["CKD2"]\n'
-                            '"*/other/iter_*" = "CKD203"')
+    _write_config(
+        tmp_path, '[tool.ckptdoctor.per-path-ignores]\n"runs/converted/*" = ["CKD2"]\n"*/other/iter_*" = "CKD203"'
+    )
     result = run_cli("check", "--format", "json", "runs", cwd=tmp_path)
     found = [(f["path"], f["code"]) for f in json.loads(result.stdout)["findings"]]
     assert result.returncode == 1
@@ -281,7 +287,8 @@ def test_deep_flags_non_finite_values(capsys, copy_fixture):
         "(first: chunk at [0, 0, 0])",
         f"{data}: CKD313 [error] optimizer.state.exp_avg_sq.output_layer.weight: 5 NaN and 0 Inf value(s) in 1 of 2 "
         "chunk(s) (first: chunk at [0, 0])",
-        "Found 2 problems (2 errors, 0 warnings) in 1 checkpoint."]
+        "Found 2 problems (2 errors, 0 warnings) in 1 checkpoint.",
+    ]
     rc, out, _ = _run(capsys, "check", "--isolated", "--deep", "--ignore", "CKD313", str(save))
     assert rc == 0
     result = run_cli("check", "--isolated", "--deep", "--format", "json", str(save), block=("torch", "numpy"))

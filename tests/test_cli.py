@@ -78,8 +78,12 @@ def test_inspect_filter(capsys):
 
 def test_locate_iteration_dir_file_inside_and_tracker(capsys):
     base = FIXTURES / "core016_tp1"
-    for target in (base, base / "iter_0000010", base / "iter_0000010" / "metadata.json",
-                   base / "latest_checkpointed_iteration.txt"):
+    for target in (
+        base,
+        base / "iter_0000010",
+        base / "iter_0000010" / "metadata.json",
+        base / "latest_checkpointed_iteration.txt",
+    ):
         rc, out, _ = _run(capsys, "inspect", str(target), "--format", "json")
         assert rc == 0, target
         assert json.loads(out)["iteration_dir"].endswith("iter_0000010")
@@ -207,8 +211,12 @@ def test_inspect_in_a_venv_without_torch(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     import click
     import tabulate
 
@@ -252,8 +260,13 @@ def test_shell_completion_documented_and_working():
     for shell in ("bash", "zsh", "fish"):
         assert f"_CKPTDOCTOR_COMPLETE={shell}_source ckptdoctor" in readme
     env = dict(os.environ, _CKPTDOCTOR_COMPLETE="bash_source")
-    result = subprocess.run([sys.executable, "-c", "from ckptdoctor.cli import run; run()"], env=env,
-                            capture_output=True, text=True, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-c", "from ckptdoctor.cli import run; run()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert result.returncode == 0 and "_ckptdoctor_completion" in result.stdout
 
 
@@ -285,12 +298,15 @@ def test_inspect_and_diff_count_keys_alike(capsys, name):
     assert sections["model"]["entries"] > sections["model"]["keys"]  # _extra_state shards count once as keys
 
 
-@pytest.mark.parametrize("words, cword, expected", [
-    ("ckptdoctor check --select CKD40", 3, {"CKD401", "CKD402", "CKD403", "CKD404"}),
-    ("ckptdoctor latest-good --ignore CKD15", 3, {"CKD150", "CKD151"}),
-    ("ckptdoctor rules ckd40", 2, {"CKD401", "CKD402", "CKD403", "CKD404"}),
-    ("ckptdoctor check --ignore CKD115,CKD40", 3, {f"CKD115,CKD40{i}" for i in range(1, 5)}),
-])
+@pytest.mark.parametrize(
+    "words, cword, expected",
+    [
+        ("ckptdoctor check --select CKD40", 3, {"CKD401", "CKD402", "CKD403", "CKD404"}),
+        ("ckptdoctor latest-good --ignore CKD15", 3, {"CKD150", "CKD151"}),
+        ("ckptdoctor rules ckd40", 2, {"CKD401", "CKD402", "CKD403", "CKD404"}),
+        ("ckptdoctor check --ignore CKD115,CKD40", 3, {f"CKD115,CKD40{i}" for i in range(1, 5)}),
+    ],
+)
 def test_shell_completion_of_rule_codes(words, cword, expected):
     env = {**os.environ, "_CKPTDOCTOR_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": str(cword)}
     proc = subprocess.run([sys.executable, "-m", "ckptdoctor"], env=env, capture_output=True, text=True, timeout=60)

@@ -36,7 +36,7 @@ def _corrupt(data: bytes, rng: random.Random, trial: int) -> bytes:
             buf[rng.randrange(len(buf))] = rng.randrange(256)
     else:
         at = rng.randrange(len(buf))
-        buf[at:at + 8] = bytes(rng.randrange(256) for _ in range(8))
+        buf[at : at + 8] = bytes(rng.randrange(256) for _ in range(8))
     return bytes(buf)
 
 
@@ -49,8 +49,12 @@ def test_corrupted_fixture_never_raises(tmp_path, capsys, fixture, target):
         copy = tmp_path / f"t{trial}"
         shutil.copytree(source, copy)
         (copy / "iter_0000010" / target).write_bytes(_corrupt(data, rng, trial))
-        commands = [["inspect", str(copy), "--format", "json"], ["check", str(copy), "--deep", "--isolated"],
-                    ["fix-args", str(copy)], ["diff", str(copy), str(source), "--values", "--quiet"]]
+        commands = [
+            ["inspect", str(copy), "--format", "json"],
+            ["check", str(copy), "--deep", "--isolated"],
+            ["fix-args", str(copy)],
+            ["diff", str(copy), str(source), "--values", "--quiet"],
+        ]
         for command in commands:
             rc = main(command)
             err = capsys.readouterr().err

@@ -17,8 +17,12 @@ SCHEMA = json.loads((REPO / "docs/diff.schema.json").read_text())
 # Same weights, different TP: the TP=4/TP=1 pairs were made by loading the TP=1 save into a TP=4 model and
 # saving (fixtures/generate.py --convert-from); core019_tp1/_tp2 are same-seed runs whose model weights are
 # identical after one step (the optimizer state differs by ~1e-9, reduction order).
-SAME_WEIGHTS = [("core019_tp1", "core019_tp2"), ("core019_convert_src_tp1", "core019_convert_tp4"),
-                ("core019_convert_tp4", "core019_convert_src_tp1"), ("core016_convert_src_tp1", "core016_convert_tp4")]
+SAME_WEIGHTS = [
+    ("core019_tp1", "core019_tp2"),
+    ("core019_convert_src_tp1", "core019_convert_tp4"),
+    ("core019_convert_tp4", "core019_convert_src_tp1"),
+    ("core016_convert_src_tp1", "core016_convert_tp4"),
+]
 
 
 def _diff(capsys, *args: str) -> tuple[int, dict]:
@@ -35,8 +39,11 @@ def _only(report: dict, side: str) -> dict[str, list[str]]:
 
 
 def _model_keys(name: str) -> set[str]:
-    return {k for k in manifest(name)["keys"] if not k.startswith(("optimizer.", "rng_state", "rerun_state",
-                                                                     "common_state"))}
+    return {
+        k
+        for k in manifest(name)["keys"]
+        if not k.startswith(("optimizer.", "rng_state", "rerun_state", "common_state"))
+    }
 
 
 @pytest.mark.parametrize("a,b", SAME_WEIGHTS)
@@ -49,8 +56,10 @@ def test_same_weights_other_tp_is_layout_only_and_values_equal(capsys, a, b):
     assert report["keys"]["model"]["common"] == len(_model_keys(a)) == len(_model_keys(b))
     layout = report["layout"]
     tp_a, tp_b = manifest(a)["tp"], manifest(b)["tp"]
-    assert layout["summary"] == f"A: TP={tp_a} PP=1 ({tp_a} writer{'s' * (tp_a > 1)})  " \
-                                f"B: TP={tp_b} PP=1 ({tp_b} writer{'s' * (tp_b > 1)})"
+    assert (
+        layout["summary"] == f"A: TP={tp_a} PP=1 ({tp_a} writer{'s' * (tp_a > 1)})  "
+        f"B: TP={tp_b} PP=1 ({tp_b} writer{'s' * (tp_b > 1)})"
+    )
     assert layout["differs"] and layout["count"] > 0
     assert all(k["section"] == "model" for k in layout["keys"])
     values = report["values"]
@@ -70,14 +79,16 @@ def test_each_chunk_is_read_once_across_layouts(capsys):
     a = open_checkpoint(FIXTURES / "core019_convert_tp4")
     b = open_checkpoint(FIXTURES / "core019_convert_src_tp1")
     seen: list[tuple[int, int]] = []
-    report = diff_checkpoints(a, b, KeyFilter(sections=("model",)), values=True,
-                              progress=lambda done, total: seen.append((done, total)))
+    report = diff_checkpoints(
+        a, b, KeyFilter(sections=("model",)), values=True, progress=lambda done, total: seen.append((done, total))
+    )
     model_bytes = [sum(e.nbytes for e in c.entries.values() if e.section == "model") for c in (a, b)]
     assert report.values.bytes_read == {"a": model_bytes[0], "b": model_bytes[1]}
     assert seen[-1] == (sum(model_bytes), sum(model_bytes))
     assert all(x[0] <= y[0] for x, y in zip(seen, seen[1:]))
-    largest = max(c.storage.length for ckpt in (a, b) for e in ckpt.entries.values() if e.section == "model"
-                  for c in e.chunks)
+    largest = max(
+        c.storage.length for ckpt in (a, b) for e in ckpt.entries.values() if e.section == "model" for c in e.chunks
+    )
     assert report.values.workers == 2 and 0 < report.values.peak_in_flight <= 3 * largest
 
 
@@ -88,8 +99,9 @@ def test_optimizer_state_within_tolerance(capsys):
     values = bitwise["values"]
     assert values["different"] > 0 and 0 < values["max_abs_diff"] < 1e-6
     assert all(r["mismatched"] > 0 and r["max_abs_diff"] > 0 for r in values["different_keys"])
-    _, tolerant = _diff(capsys, fixture_a, fixture_b, "--section", "optimizer", "--values",
-                        "--atol", str(values["max_abs_diff"]))
+    _, tolerant = _diff(
+        capsys, fixture_a, fixture_b, "--section", "optimizer", "--values", "--atol", str(values["max_abs_diff"])
+    )
     assert tolerant["values"]["mode"] == "tolerance" and tolerant["values"]["different"] == 0
     assert tolerant["values"]["max_abs_diff"] == values["max_abs_diff"]
 
@@ -119,8 +131,12 @@ def _rewrite_with_dcp(source: Path, dest: Path, change) -> None:
     from ckptdoctor.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(source)
-    state = {key: torch.empty(e.shape, dtype=getattr(torch, e.dtype.removeprefix("torch.")))
-             if e.kind == "tensor" else io.BytesIO() for key, e in ckpt.entries.items()}
+    state = {
+        key: torch.empty(e.shape, dtype=getattr(torch, e.dtype.removeprefix("torch.")))
+        if e.kind == "tensor"
+        else io.BytesIO()
+        for key, e in ckpt.entries.items()
+    }
     with pytest.warns(UserWarning):  # "torch.distributed ... uninitialized": single process, as intended
         dcp.load(state, checkpoint_id=str(ckpt.iteration_dir), planner=_RawBytes.make(), no_dist=True)
     change(state)
@@ -156,8 +172,11 @@ def test_one_tensor_changed_through_dcp(capsys, tmp_path, name):
     (only,) = values["different_keys"]
     assert only["max_abs_diff"] == pytest.approx(delta["max"], rel=0, abs=0) and only["mismatched"] == 2
     assert values["not_compared"] == 0
-    assert values["equal"] == values["compared"] - 1 == sum(v["common"] for v in report["keys"].values()) - 1 - (
-        1 if name.startswith("core019") else 0)  # the common_state item is compared as common state
+    assert (
+        values["equal"]
+        == values["compared"] - 1
+        == sum(v["common"] for v in report["keys"].values()) - 1 - (1 if name.startswith("core019") else 0)
+    )  # the common_state item is compared as common state
     assert values["bytes_read"]["a"] > 0 and values["bytes_read"]["b"] > 0  # both sides' values were decoded
 
 
@@ -175,7 +194,7 @@ def test_value_patched_in_place_same_layout(capsys, copy_fixture):
     chunk = ckpt.entries[key].chunks[-1]
     path = ckpt.iteration_dir / chunk.storage.relative_path
     data = bytearray(path.read_bytes())
-    blob = bytes(data[chunk.storage.offset:chunk.storage.offset + chunk.storage.length])
+    blob = bytes(data[chunk.storage.offset : chunk.storage.offset + chunk.storage.length])
     start = next(m.start for k, m in parse_archive(blob, "chunk").members.items() if "/data/" in k)
     at = chunk.storage.offset + start + 4 * 7  # element 7 of the chunk (fp32, contiguous)
     (old,) = struct.unpack_from("<f", data, at)
@@ -192,8 +211,17 @@ def test_value_patched_in_place_same_layout(capsys, copy_fixture):
 def test_adapter_only_vs_full(capsys):
     pytest.importorskip("torch")
     full, trainable = "core019_peft_full_tp1", "core019_peft_trainable_tp1"
-    rc, report = _diff(capsys, str(FIXTURES / full), str(FIXTURES / trainable), "--all", "--values",
-                       "--section", "model", "--section", "optimizer")
+    rc, report = _diff(
+        capsys,
+        str(FIXTURES / full),
+        str(FIXTURES / trainable),
+        "--all",
+        "--values",
+        "--section",
+        "model",
+        "--section",
+        "optimizer",
+    )
     assert rc == 1
     missing = _model_keys(full) - _model_keys(trainable)
     assert missing and _only(report, "only_a") == {"model": sorted(missing)}
@@ -238,14 +266,18 @@ def test_changed_args_in_common_pt(capsys, copy_fixture):
     rc, report = _diff(capsys, str(FIXTURES / "core016_tp1"), str(save))
     assert rc == 1
     changes = {c["name"]: (g, c["change"]) for g, cs in report["args"]["groups"].items() for c in cs}
-    assert changes == {"hidden_size": ("model shape", "changed"), "lr": ("training", "changed"),
-                       "my_new_flag": ("other", "only_b")}
+    assert changes == {
+        "hidden_size": ("model shape", "changed"),
+        "lr": ("training", "changed"),
+        "my_new_flag": ("other", "only_b"),
+    }
     assert [(c["field"], c["a"], c["b"]) for c in report["common"]["items"]] == [("iteration", 10, 11)]
     assert report["summary"]["only_a"] == report["summary"]["layout"] == 0
 
 
-@pytest.mark.parametrize("a,b", [("core016_tp1", "core019_tp1"),
-                                 ("core016_convert_src_tp1", "core019_convert_src_tp1")])
+@pytest.mark.parametrize(
+    "a,b", [("core016_tp1", "core019_tp1"), ("core016_convert_src_tp1", "core019_convert_src_tp1")]
+)
 def test_core016_vs_core019_no_spurious_common_state_difference(capsys, a, b):
     pytest.importorskip("torch")
     rc, report = _diff(capsys, str(FIXTURES / a), str(FIXTURES / b), "--values", "--all")
@@ -268,8 +300,9 @@ def test_identical_exit_zero_and_text(capsys):
 
 
 def test_text_output_sections(capsys):
-    rc = main(["diff", str(FIXTURES / "core019_convert_src_tp1"), str(FIXTURES / "core019_convert_tp4"),
-               "--limit", "2"])
+    rc = main(
+        ["diff", str(FIXTURES / "core019_convert_src_tp1"), str(FIXTURES / "core019_convert_tp4"), "--limit", "2"]
+    )
     out, _ = capsys.readouterr()
     assert rc == 1
     assert "layout  A: TP=1 PP=1 (1 writer)  B: TP=4 PP=1 (4 writers)" in out
@@ -288,11 +321,14 @@ def test_key_filters(capsys):
     assert report["filters"] == {"sections": [], "keys": ["linear_qkv"], "exclude": ["adapter"]}
 
 
-@pytest.mark.parametrize("args,message", [
-    (["nope"], "no such file"),
-    ([str(FIXTURES / "core019_tp1"), "--key", "("], "invalid regex"),
-    ([str(FIXTURES / "core019_tp1"), "--atol", "-1"], "must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["nope"], "no such file"),
+        ([str(FIXTURES / "core019_tp1"), "--key", "("], "invalid regex"),
+        ([str(FIXTURES / "core019_tp1"), "--atol", "-1"], "must be >= 0"),
+    ],
+)
 def test_errors_exit_2(capsys, args, message):
     rc = main(["diff", str(FIXTURES / "core019_tp2"), *args])
     _, err = capsys.readouterr()
@@ -369,9 +405,20 @@ def test_zarr_values_decode_against_torch_dist(capsys):
 
     from ckptdoctor.cli import main as _main
 
-    rc = _main(["diff", str(FIXTURES / "core014_zarr_tp2"), str(FIXTURES / "core014_tp1"), "--values",
-                "--section", "model", "--key", r"^(embedding|output_layer|decoder\.layers\.self_attention)",
-                "--format", "json"])
+    rc = _main(
+        [
+            "diff",
+            str(FIXTURES / "core014_zarr_tp2"),
+            str(FIXTURES / "core014_tp1"),
+            "--values",
+            "--section",
+            "model",
+            "--key",
+            r"^(embedding|output_layer|decoder\.layers\.self_attention)",
+            "--format",
+            "json",
+        ]
+    )
     report = _json.loads(capsys.readouterr().out)
     values = report["values"]
     assert values["compared"] >= 5 and values["equal"] == values["compared"], values

@@ -85,8 +85,9 @@ def test_ignore_layout(capsys):
 def test_pyproject_diff_table(capsys, monkeypatch, tmp_path, other_run):
     base = str(FIXTURES / "core016_tp1")
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "pyproject.toml").write_text('[tool.ckptdoctor.diff]\nignore-args = ["save", "load"]\n'
-                                             "ignore-layout = true\n")
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.ckptdoctor.diff]\nignore-args = ["save", "load"]\nignore-layout = true\n'
+    )
     rc, out, _ = _run(capsys, base, other_run)
     assert rc == 0 and out.rstrip().endswith("no differences (ignored: 2 args)")
     rc, out, _ = _run(capsys, SRC, TP4, "--section", "model")
@@ -119,8 +120,10 @@ def test_stat(capsys):
     rows = {line.split()[0]: [int(n) for n in line.split()[1:]] for line in lines[1:] if ":" not in line}
     assert rows["model"] == [0, 0, 0, 6] and rows["optimizer"] == [18, 0, 0, 0]
     assert "args: 8 differ" in lines and "common state and metadata.json: 3 differ" in lines
-    assert lines[-1] == "differences: 19 keys only in A, 7 keys chunked differently (layout), 8 args differ, " \
-                        "3 common-state differences"
+    assert (
+        lines[-1] == "differences: 19 keys only in A, 7 keys chunked differently (layout), 8 args differ, "
+        "3 common-state differences"
+    )
     rc, _, err = _run(capsys, SRC, TP4, "--stat", "--format", "json")
     assert rc == 2 and "--stat" in err
 
@@ -174,8 +177,11 @@ def test_one_definition_of_a_key(capsys):
     assert "differences: 20 keys chunked differently (layout)" in out
     for side, name in (("a", "core019_tp1"), ("b", "core019_tp2")):
         ckpt = open_checkpoint(FIXTURES / name)
-        assert report[side]["keys"] == len(logical_items(ckpt)) == sum(
-            s["common"] + s[f"only_{side}"]["count"] for s in report["keys"].values())
+        assert (
+            report[side]["keys"]
+            == len(logical_items(ckpt))
+            == sum(s["common"] + s[f"only_{side}"]["count"] for s in report["keys"].values())
+        )
         assert report[side]["entries"] == len(ckpt.entries)
     # rng_state: one logical key (a ShardedObject), one DCP item per shard at TP=2
     assert report["b"]["entries"] > report["b"]["keys"]
@@ -196,7 +202,7 @@ def test_values_report_first_mismatches(capsys, copy_fixture):
     for chunk, element, delta in ((ckpt.entries[key].chunks[-1], 7, 2.0), (ckpt.entries[key].chunks[0], 3, -1.0)):
         path = ckpt.iteration_dir / chunk.storage.relative_path
         data = bytearray(path.read_bytes())
-        blob = bytes(data[chunk.storage.offset:chunk.storage.offset + chunk.storage.length])
+        blob = bytes(data[chunk.storage.offset : chunk.storage.offset + chunk.storage.length])
         start = next(m.start for k, m in parse_archive(blob, "chunk").members.items() if "/data/" in k)
         at = chunk.storage.offset + start + 4 * element
         (old,) = struct.unpack_from("<f", data, at)
@@ -213,12 +219,12 @@ def test_values_report_first_mismatches(capsys, copy_fixture):
     assert rc == 1
     (only,) = report["values"]["different_keys"]
     assert only["key"] == key and only["mismatched"] == 2
-    assert only["mismatches"] == [{"index": idx, "a": pytest.approx(old), "b": pytest.approx(new)}
-                                  for idx, old, new in patched]
+    assert only["mismatches"] == [
+        {"index": idx, "a": pytest.approx(old), "b": pytest.approx(new)} for idx, old, new in patched
+    ]
     diffs = [abs(new - old) for _, old, new in patched]
     assert only["norm_diff"] == pytest.approx(math.hypot(*diffs), rel=1e-6)
-    assert only["max_rel_diff"] == pytest.approx(max(abs(new - old) / abs(new) for _, old, new in patched),
-                                                 rel=1e-6)
+    assert only["max_rel_diff"] == pytest.approx(max(abs(new - old) / abs(new) for _, old, new in patched), rel=1e-6)
     rc, report = _json(capsys, str(FIXTURES / "core019_tp2"), str(save), "--values", "--report", "1")
     assert [m["index"] for m in report["values"]["different_keys"][0]["mismatches"]] == [patched[0][0]]
     rc, report = _json(capsys, str(FIXTURES / "core019_tp2"), str(save), "--values")
@@ -234,8 +240,16 @@ def test_values_report_first_mismatches(capsys, copy_fixture):
 def test_values_report_across_layouts(capsys):
     """TP=1 vs TP=2 optimizer state (same-seed runs, ~1e-9 apart): global indexes, in row-major order."""
     pytest.importorskip("torch")
-    rc, report = _json(capsys, str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp2"), "--values",
-                       "--section", "optimizer", "--report", "4")
+    rc, report = _json(
+        capsys,
+        str(FIXTURES / "core019_tp1"),
+        str(FIXTURES / "core019_tp2"),
+        "--values",
+        "--section",
+        "optimizer",
+        "--report",
+        "4",
+    )
     assert rc == 1
     for r in report["values"]["different_keys"]:
         if r["kind"] != "tensor":
@@ -258,8 +272,13 @@ def test_library_warnings_silenced(capsys, monkeypatch):
     real = values.require_torch
 
     def noisy(purpose: str):
-        warnings.warn_explicit("Failed to initialize NumPy: _ARRAY_API not found", UserWarning,
-                               "torch/_subclasses/functional_tensor.py", 276, module="torch._subclasses")
+        warnings.warn_explicit(
+            "Failed to initialize NumPy: _ARRAY_API not found",
+            UserWarning,
+            "torch/_subclasses/functional_tensor.py",
+            276,
+            module="torch._subclasses",
+        )
         return real(purpose)
 
     monkeypatch.setattr(values, "require_torch", noisy)

@@ -18,8 +18,12 @@ from ckptdoctor.cli import main
 
 PAIRS = [("core019_convert_tp4", "core019_convert_src_tp1"), ("core016_convert_tp4", "core016_convert_src_tp1")]
 SCHEMA = json.loads((REPO / "docs/fix-args.schema.json").read_text())
-DERIVED = ("tensor_parallel_num_weight_shards", "gtp_weight_remat_size",
-           "expert_tensor_parallel_num_weight_shards", "expert_gtp_weight_remat_size")
+DERIVED = (
+    "tensor_parallel_num_weight_shards",
+    "gtp_weight_remat_size",
+    "expert_tensor_parallel_num_weight_shards",
+    "expert_gtp_weight_remat_size",
+)
 
 
 def _run(capsys, *args):
@@ -30,16 +34,23 @@ def _run(capsys, *args):
 
 def _probe(iteration_dir: Path) -> dict:
     require_mcore()
-    result = subprocess.run([sys.executable, str(REPO / "tests/mcore_probe.py"), str(iteration_dir)],
-                            capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, MASTER_PORT=str(free_port())))
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests/mcore_probe.py"), str(iteration_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, MASTER_PORT=str(free_port())),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def _hashes(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.mark.parametrize("target,source", PAIRS)
@@ -51,13 +62,16 @@ def test_report_names_inherited_weight_shard_args(capsys, target, source):
     shards = findings["tensor_parallel_num_weight_shards"]
     assert shards["saved"] == 1 and shards["correct"] == 4 and shards["severity"] == "error"
     assert shards["megatron_error"] == (
-        "tensor_parallel_num_weight_shards (1) must be >= tensor_model_parallel_size (4).")
+        "tensor_parallel_num_weight_shards (1) must be >= tensor_model_parallel_size (4)."
+    )
     assert findings["expert_tensor_parallel_num_weight_shards"]["correct"] == 4
     assert all(f["inherited"] for f in report["findings"])
     named = set(findings) | {i["arg"] for i in report["inherited"]}
     assert set(DERIVED) <= named  # all four weight-shard args are named, each marked inherited
     assert {i["arg"] for i in report["inherited"] if i["consistent"]} == {
-        "gtp_weight_remat_size", "expert_gtp_weight_remat_size"}
+        "gtp_weight_remat_size",
+        "expert_gtp_weight_remat_size",
+    }
     rc, out, _ = _run(capsys, "fix-args", FIXTURES / target, "--source", FIXTURES / source)
     assert "must be >= tensor_model_parallel_size (4)" in out and "yes" in out
 
@@ -84,13 +98,15 @@ def test_write_output_loads_in_megatron(capsys, tmp_path, target, source):
     original = _probe(FIXTURES / target / "iter_0000010")
     fixed = _probe(out_dir / "iter_0000010")
     assert original["config_error"] == (
-        "tensor_parallel_num_weight_shards (1) must be >= tensor_model_parallel_size (4).")
+        "tensor_parallel_num_weight_shards (1) must be >= tensor_model_parallel_size (4)."
+    )
     assert fixed["config_error"] is None
     assert fixed["args"]["tensor_parallel_num_weight_shards"] == "4"
     assert fixed["args"]["expert_tensor_parallel_num_weight_shards"] == "4"
     changed = {c["arg"] for c in report["changes"]}
-    assert {k: v for k, v in fixed["args"].items() if k not in changed} == \
-        {k: v for k, v in original["args"].items() if k not in changed}
+    assert {k: v for k, v in fixed["args"].items() if k not in changed} == {
+        k: v for k, v in original["args"].items() if k not in changed
+    }
     assert fixed["arg_types"] == original["arg_types"]  # megatron enums come back as megatron enums
     assert fixed["common_repr"] == original["common_repr"]
     assert fixed["tensors"] == original["tensors"] and len(fixed["tensors"]) > 5  # bitwise unchanged
@@ -150,8 +166,13 @@ def test_crash_between_write_steps_leaves_source_loadable(copy_fixture, tmp_path
     before = _hashes(save)
     target = ["--in-place"] if mode == "in-place" else ["--output", str(tmp_path / "out")]
     env = dict(os.environ, **{FAULT_ENV: step})
-    result = subprocess.run([sys.executable, "-m", "ckptdoctor", "fix-args", str(save), "--write", *target],
-                            cwd=REPO, env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptdoctor", "fix-args", str(save), "--write", *target],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == FAULT_EXIT_CODE, result.stderr
     if mode == "output":
         assert _hashes(save) == before  # the source is byte-identical
@@ -163,15 +184,16 @@ def test_crash_between_write_steps_leaves_source_loadable(copy_fixture, tmp_path
             assert digest in after.values() or rel not in after, rel
         assert originals <= set(after.values())
     probe = _probe(save / "iter_0000010")
-    assert probe["config_error"] in (None, "tensor_parallel_num_weight_shards (1) must be >= "
-                                           "tensor_model_parallel_size (4).")
+    assert probe["config_error"] in (
+        None,
+        "tensor_parallel_num_weight_shards (1) must be >= tensor_model_parallel_size (4).",
+    )
     assert len(probe["tensors"]) > 5
 
 
 def test_set_coerces_and_refuses_unknown(capsys):
     target = FIXTURES / "core019_tp2"
-    rc, out, _ = _run(capsys, "fix-args", target, "--set", "seq_length=64", "--set", "swiglu=false",
-                      "--format", "json")
+    rc, out, _ = _run(capsys, "fix-args", target, "--set", "seq_length=64", "--set", "swiglu=false", "--format", "json")
     changes = {c["arg"]: c for c in json.loads(out)["changes"]}
     assert changes["seq_length"]["new"] == 64 and changes["swiglu"]["new"] is False
     rc, _, err = _run(capsys, "fix-args", target, "--set", "no_such_arg=3")
@@ -184,8 +206,19 @@ def test_set_coerces_and_refuses_unknown(capsys):
 def test_set_unknown_with_force_loads_in_megatron(capsys, tmp_path):
     target = FIXTURES / "core019_tp2"
     out_dir = tmp_path / "out"
-    rc, out, _ = _run(capsys, "fix-args", target, "--set", "no_such_arg=3", "--force", "--write",
-                      "--output", out_dir, "--format", "json")
+    rc, out, _ = _run(
+        capsys,
+        "fix-args",
+        target,
+        "--set",
+        "no_such_arg=3",
+        "--force",
+        "--write",
+        "--output",
+        out_dir,
+        "--format",
+        "json",
+    )
     assert rc == 0
     probe = _probe(out_dir / "iter_0000010")
     assert probe["args"]["no_such_arg"] == "3" and probe["args"]["seq_length"] == "32"
@@ -213,9 +246,12 @@ def test_run_config_and_integrity_kept_consistent(capsys, copy_fixture, tmp_path
     iteration_dir = save / "iter_0000010"
     (iteration_dir / "run_config.yaml").write_text(
         "model:\n  tensor_model_parallel_size: 4\n  tensor_parallel_num_weight_shards: 1  # from source\n"
-        "  expert_tensor_parallel_size: 1\n  seq_length: 32\ntrain:\n  train_iters: 10\n")
-    code = ("from megatron.core.dist_checkpointing.validation import save_integrity_manifest; "
-            f"save_integrity_manifest({str(iteration_dir)!r})")
+        "  expert_tensor_parallel_size: 1\n  seq_length: 32\ntrain:\n  train_iters: 10\n"
+    )
+    code = (
+        "from megatron.core.dist_checkpointing.validation import save_integrity_manifest; "
+        f"save_integrity_manifest({str(iteration_dir)!r})"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
     rc, out, _ = _run(capsys, "fix-args", save, "--write", "--output", tmp_path / "out")
     assert rc == 0 and "run_config.yaml updated" in out and "integrity.json updated" in out
@@ -242,15 +278,21 @@ def test_write_leads_with_what_was_wrong_and_json_keeps_findings(capsys, tmp_pat
     report = json.loads(out)
     jsonschema.validate(report, SCHEMA)
     assert {f["arg"] for f in report["findings"]} == {
-        "expert_tensor_parallel_size", "tensor_parallel_num_weight_shards", "expert_tensor_parallel_num_weight_shards"}
+        "expert_tensor_parallel_size",
+        "tensor_parallel_num_weight_shards",
+        "expert_tensor_parallel_num_weight_shards",
+    }
     assert report["remaining"] == [] and report["written"]["mode"] == "output"
 
 
-@pytest.mark.parametrize("args", [
-    ("core019_convert_tp4", "--source", FIXTURES / "core019_convert_src_tp1"),
-    ("core019_tp2",),
-    ("core019_tp2", "--set", "seq_length=64"),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("core019_convert_tp4", "--source", FIXTURES / "core019_convert_src_tp1"),
+        ("core019_tp2",),
+        ("core019_tp2", "--set", "seq_length=64"),
+    ],
+)
 def test_json_validates_against_schema(capsys, args):
     rc, out, _ = _run(capsys, "fix-args", FIXTURES / args[0], *args[1:], "--format", "json")
     assert rc in (0, 1)
@@ -261,8 +303,19 @@ def test_json_validates_against_schema(capsys, args):
 
 def test_world_size_derived_from_data_parallel_size(capsys, tmp_path):
     bad = tmp_path / "bad"
-    rc, out, _ = _run(capsys, "fix-args", FIXTURES / "core019_tp2_dp2", "--set", "world_size=3", "--write",
-                      "--only-set", "--output", bad, "--format", "json")
+    rc, out, _ = _run(
+        capsys,
+        "fix-args",
+        FIXTURES / "core019_tp2_dp2",
+        "--set",
+        "world_size=3",
+        "--write",
+        "--only-set",
+        "--output",
+        bad,
+        "--format",
+        "json",
+    )
     # --write exits 1 when findings remain after writing (here: the world_size just set)
     assert rc == 1
     report = json.loads(out)
@@ -278,15 +331,26 @@ def test_world_size_derived_from_data_parallel_size(capsys, tmp_path):
 
 
 def test_write_exits_1_when_findings_remain_text(capsys, tmp_path):
-    rc, out, _ = _run(capsys, "fix-args", FIXTURES / "core019_convert_tp4", "--write", "--output", tmp_path / "o",
-                      "--set", "tensor_parallel_num_weight_shards=1", "--set", "seq_length=64")
+    rc, out, _ = _run(
+        capsys,
+        "fix-args",
+        FIXTURES / "core019_convert_tp4",
+        "--write",
+        "--output",
+        tmp_path / "o",
+        "--set",
+        "tensor_parallel_num_weight_shards=1",
+        "--set",
+        "seq_length=64",
+    )
     assert rc == 1
     assert "after writing: 1 inconsistent arg remains:" in out and "CKD210" in out.split("after writing")[1]
 
 
 def test_set_misspelled_name_suggests_the_saved_arg(capsys):
-    rc, _, err = _run(capsys, "fix-args", FIXTURES / "core019_convert_tp4",
-                      "--set", "tensor_parallel_num_weight_shard=4")
+    rc, _, err = _run(
+        capsys, "fix-args", FIXTURES / "core019_convert_tp4", "--set", "tensor_parallel_num_weight_shard=4"
+    )
     assert rc == 2 and "did you mean 'tensor_parallel_num_weight_shards'?" in err
     rc, _, err = _run(capsys, "fix-args", FIXTURES / "core019_tp2", "--set", "zzzzzz=1")
     assert rc == 2 and "did you mean" not in err

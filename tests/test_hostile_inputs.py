@@ -45,8 +45,14 @@ def _limit_memory() -> None:
 
 def run_limited(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """``python -m ckptdoctor ARGS`` with an address-space limit and a timeout (a hang fails the test)."""
-    return subprocess.run([sys.executable, "-m", "ckptdoctor", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=_limit_memory)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptdoctor", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=_limit_memory,
+    )
 
 
 @pytest.fixture
@@ -89,7 +95,8 @@ def marker_payloads(marker: Path) -> dict[str, bytes]:
         "torch.jit execWrapper": call("torch.jit.unsupported_tensor_ops", "execWrapper", touch),
         "numpy runstring": call("numpy.testing._private.utils", "runstring", f"open({str(marker)!r}, 'w')"),
         "builtins.eval": call("builtins", "eval", f"open({str(marker)!r}, 'w')"),
-        "newline in name": b"\x80\x04" + stack_global("torch", "Size\n0cposix\nsystem\n(Vtouch x\ntR0ctorch\nSize")
+        "newline in name": b"\x80\x04"
+        + stack_global("torch", "Size\n0cposix\nsystem\n(Vtouch x\ntR0ctorch\nSize")
         + b")R.",
         "torch.storage._load_from_bytes": call("torch.storage", "_load_from_bytes", touch),
         "subprocess via getattr": call("builtins", "getattr", "subprocess"),
@@ -193,8 +200,13 @@ def test_billion_laughs_in_args_is_bounded(save_dir):
     state["args"].made_up_arg = billion_laughs()
     path.write_bytes(dump_torch_zip(state))
     assert path.stat().st_size < 100_000
-    for command in (["inspect"], ["inspect", "--format", "json"], ["check"], ["fix-args"],
-                    ["diff", str(FIXTURES / COMMON_ERA)]):
+    for command in (
+        ["inspect"],
+        ["inspect", "--format", "json"],
+        ["check"],
+        ["fix-args"],
+        ["diff", str(FIXTURES / COMMON_ERA)],
+    ):
         proc = run_limited(*command, str(save), timeout=60)
         assert proc.returncode in (0, 1, 2) and "internal error" not in proc.stderr, (command, proc.stderr[-500:])
         if proc.returncode == 2:  # internal errors exit 2 too: a clean one is one "ckptdoctor: error:" line
@@ -253,7 +265,7 @@ def test_deflate_bomb_in_a_chunk_record(save_dir):
     key = "decoder.final_layernorm.weight"
     metadata = load_metadata_object(it / ".metadata")
     info = next(info for index, info in storage_items(metadata).items() if index_fqn(index) == key)
-    blob = (it / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    blob = (it / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
     with zipfile.ZipFile(io.BytesIO(blob)) as archive:
         pkl_name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
         pickled = archive.read(pkl_name)
@@ -279,8 +291,10 @@ def test_archive_anomalies_are_ckd404(save_dir, layout):
     save = save_dir()
     first, second = _args_pickle(1), _args_pickle(2)
     buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as archive, pytest.warns(UserWarning) if layout == "duplicate data.pkl" \
-            else _nothing():
+    with (
+        zipfile.ZipFile(buf, "w") as archive,
+        pytest.warns(UserWarning) if layout == "duplicate data.pkl" else _nothing(),
+    ):
         archive.writestr("archive/data.pkl", first)
         if layout == "duplicate data.pkl":
             archive.writestr("archive/data.pkl", second)
@@ -350,8 +364,10 @@ def test_write_commands_refuse_to_copy_an_unsafe_bytes_item(save_dir, tmp_path, 
         ["fix-args", "--write", "--in-place", "--force", "--set", "seed=2"],
     ]
     if name == "core019_peft_full_tp1":
-        commands += [["strip-frozen", "--preset", "lora", "--output", str(tmp_path / "out-strip")],
-                     ["strip-frozen", "--preset", "lora", "--in-place", "--force"]]
+        commands += [
+            ["strip-frozen", "--preset", "lora", "--output", str(tmp_path / "out-strip")],
+            ["strip-frozen", "--preset", "lora", "--in-place", "--force"],
+        ]
     for command in commands:
         proc = run_limited(*command[:1], str(save), *command[1:])
         assert_one_line_error(proc, "rng_state/shard_0.0_1.1")
@@ -400,11 +416,14 @@ def test_a_range_longer_than_its_item_is_never_read(save_dir, tmp_path):
 DEEP_JSON = "[" * 100_000 + "]" * 100_000  # exhausts json's recursion: a clean error, never "internal error"
 
 
-@pytest.mark.parametrize("name, target", [
-    ("core019_tp1", "iter_0000010/metadata.json"),
-    ("core019_tp1", "iter_0000010/integrity.json"),
-    ("core014_zarr_tp2", "iter_0000010/decoder.final_layernorm.weight/.zarray"),
-])
+@pytest.mark.parametrize(
+    "name, target",
+    [
+        ("core019_tp1", "iter_0000010/metadata.json"),
+        ("core019_tp1", "iter_0000010/integrity.json"),
+        ("core014_zarr_tp2", "iter_0000010/decoder.final_layernorm.weight/.zarray"),
+    ],
+)
 def test_json_bombs_are_one_clean_line(save_dir, name, target):
     save = save_dir(name)
     (save / target).write_text(DEEP_JSON)

@@ -23,8 +23,7 @@ assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]
 
 def _deep_equal(a, b, torch) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
-            and torch.equal(a, b)
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):
@@ -54,8 +53,9 @@ def test_common_state_round_trips_to_real_megatron_objects(tmp_path, name):
 
     out = tmp_path / "common_rewritten.pt"
     code = blocker({"torch", "megatron"}) + ROUND_TRIP
-    result = subprocess.run([sys.executable, "-c", code, str(FIXTURES / name), str(out)], cwd=REPO,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(FIXTURES / name), str(out)], cwd=REPO, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     original = _original_common(name, torch)
     rewritten = torch.load(io.BytesIO(out.read_bytes()), weights_only=False)

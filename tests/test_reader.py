@@ -150,7 +150,7 @@ def test_corrupt_storage_record_is_a_clean_error(copy_fixture):
     storage = ckpt.entries[key].chunks[0].storage
     path = ckpt.iteration_dir / storage.relative_path
     data = bytearray(path.read_bytes())
-    blob = bytes(data[storage.offset:storage.offset + storage.length])
+    blob = bytes(data[storage.offset : storage.offset + storage.length])
     import io
 
     info = next(i for i in zipfile.ZipFile(io.BytesIO(blob)).infolist() if "/data/" in i.filename)

@@ -28,8 +28,11 @@ def _run(capsys, *args):
 
 
 def _tree(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _codes(path: Path) -> set[str]:
@@ -143,16 +146,16 @@ else:
 
 
 def _megatron_verify(iteration_dir: Path) -> str:
-    result = subprocess.run([sys.executable, "-c", _MEGATRON_VERIFY, str(iteration_dir)], capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", _MEGATRON_VERIFY, str(iteration_dir)], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip()
 
 
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", ["core019_tp2", "core016_tp2"])
-def test_megatron_verifier_accepts_a_sealed_checkpoint_and_rejects_a_flipped_byte(capsys, copy_fixture, tmp_path,
-                                                                                  name):
+def test_megatron_verifier_accepts_a_sealed_checkpoint_and_rejects_a_flipped_byte(capsys, copy_fixture, tmp_path, name):
     require_mcore()
     save = copy_fixture(name)
     iteration_dir = save / ITER
@@ -164,8 +167,10 @@ def test_megatron_verifier_accepts_a_sealed_checkpoint_and_rejects_a_flipped_byt
     twin = tmp_path / "twin"
     shutil.copytree(iteration_dir, twin)
     (twin / "integrity.json").unlink()
-    code = ("import sys; from megatron.core.dist_checkpointing.validation import save_integrity_manifest; "
-            "save_integrity_manifest(sys.argv[1])")
+    code = (
+        "import sys; from megatron.core.dist_checkpointing.validation import save_integrity_manifest; "
+        "save_integrity_manifest(sys.argv[1])"
+    )
     subprocess.run([sys.executable, "-c", code, str(twin)], check=True, capture_output=True, timeout=300)
     assert (twin / "integrity.json").read_bytes() == (iteration_dir / "integrity.json").read_bytes()
     data = sorted(iteration_dir.glob("*.distcp"))[-1]
@@ -261,8 +266,11 @@ def test_repair_refuses_metadata_json_of_an_incomplete_zarr_save(capsys, copy_fi
     save = copy_fixture("core014_zarr_tp2")
     iteration_dir = save / ITER
     (iteration_dir / "metadata.json").unlink()
-    chunk = next(p for p in sorted((iteration_dir / "decoder.layers.mlp.linear_fc2.weight").iterdir())
-                 if not p.name.startswith("."))
+    chunk = next(
+        p
+        for p in sorted((iteration_dir / "decoder.layers.mlp.linear_fc2.weight").iterdir())
+        if not p.name.startswith(".")
+    )
     chunk.write_bytes(chunk.read_bytes()[:-4])  # a rank died mid-write: one element short
     before = _tree(save)
     rc, out, _ = _run(capsys, "repair", iteration_dir, "--write", "--in-place")
@@ -324,9 +332,17 @@ def test_repair_usage_and_overlap(capsys, copy_fixture):
     assert rc == 0 and "nothing to repair" in out
 
 
-@pytest.mark.parametrize("step", ["repair:quarantine", "atomic:before-replace:metadata.json", "repair:metadata-json",
-                                  "atomic:before-replace:integrity.json", "repair:tracker-backup",
-                                  "atomic:before-replace:latest_checkpointed_iteration.txt"])
+@pytest.mark.parametrize(
+    "step",
+    [
+        "repair:quarantine",
+        "atomic:before-replace:metadata.json",
+        "repair:metadata-json",
+        "atomic:before-replace:integrity.json",
+        "repair:tracker-backup",
+        "atomic:before-replace:latest_checkpointed_iteration.txt",
+    ],
+)
 def test_repair_in_place_killed_at_every_step(copy_fixture, step):
     """A kill between two steps leaves a checkpoint with no new error; rerunning repair finishes the job."""
     save = copy_fixture("core019_tp2")
@@ -342,8 +358,14 @@ def test_repair_in_place_killed_at_every_step(copy_fixture, step):
     if "tracker" in step or TRACKER in step:  # the iteration dir first (the save dir has no good one yet)
         assert subprocess.run([*cmd, str(iteration_dir)], cwd=REPO, capture_output=True, timeout=120).returncode == 0
         target = save
-    result = subprocess.run([*cmd, str(target)], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, **{FAULT_ENV: step}))
+    result = subprocess.run(
+        [*cmd, str(target)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, **{FAULT_ENV: step}),
+    )
     assert result.returncode == FAULT_EXIT_CODE, result.stderr
     # nothing lost: every data file is in the dir or in the quarantine dir, byte for byte
     moved = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in save.glob(f"{ITER}.quarantine-*/*.distcp")}
@@ -363,8 +385,12 @@ def test_repair_in_place_killed_at_every_step(copy_fixture, step):
 
 
 def _probe(iteration_dir: Path) -> dict:
-    result = subprocess.run([sys.executable, str(REPO / "tests/mcore_probe.py"), str(iteration_dir)],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests/mcore_probe.py"), str(iteration_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -376,8 +402,9 @@ def test_megatron_loads_repaired_checkpoints(capsys, copy_fixture, name):
     save = copy_fixture(name)
     iteration_dir = save / ITER
     original = _probe(FIXTURES / name / ITER)
-    shutil.copy(iteration_dir / sorted(p.name for p in iteration_dir.glob("*.distcp"))[0],
-                iteration_dir / "__9_0.distcp")
+    shutil.copy(
+        iteration_dir / sorted(p.name for p in iteration_dir.glob("*.distcp"))[0], iteration_dir / "__9_0.distcp"
+    )
     assert _run(capsys, "seal", save)[0] == 0
     (iteration_dir / "metadata.json").unlink()
     (save / TRACKER).write_text("42")
@@ -401,8 +428,9 @@ def _sealed_peft(capsys, copy_fixture) -> Path:
 
 def _assert_resealed(iteration_dir: Path) -> None:
     manifest = json.loads((iteration_dir / "integrity.json").read_text())
-    assert list(manifest["files"]) == sorted(p.name for p in iteration_dir.iterdir()
-                                             if p.is_file() and p.name != "integrity.json")
+    assert list(manifest["files"]) == sorted(
+        p.name for p in iteration_dir.iterdir() if p.is_file() and p.name != "integrity.json"
+    )
     for name, digest in manifest["files"].items():
         assert hashlib.sha256((iteration_dir / name).read_bytes()).hexdigest() == digest
     assert check_paths([str(iteration_dir)]).findings == []  # hashes verified (check's default)
@@ -411,8 +439,9 @@ def _assert_resealed(iteration_dir: Path) -> None:
 def test_strip_frozen_reseals_a_sealed_checkpoint(capsys, copy_fixture, tmp_path):
     save = _sealed_peft(capsys, copy_fixture)
     source = _tree(save)
-    rc, out, _ = _run(capsys, "strip-frozen", save, "--preset", "lora", "--output", tmp_path / "out",
-                      "--format", "json")
+    rc, out, _ = _run(
+        capsys, "strip-frozen", save, "--preset", "lora", "--output", tmp_path / "out", "--format", "json"
+    )
     assert rc == 0, out
     assert json.loads(out)["result"]["resealed"] is True
     assert _tree(save) == source
@@ -426,16 +455,18 @@ def test_strip_frozen_reseals_a_sealed_checkpoint(capsys, copy_fixture, tmp_path
     out_files = json.loads((tmp_path / "out" / ITER / "integrity.json").read_text())["files"]
     in_place_files = json.loads((save / ITER / "integrity.json").read_text())["files"]
     assert set(out_files) == set(in_place_files)
-    assert {k: v for k, v in out_files.items() if k.startswith("__")} == \
-        {k: v for k, v in in_place_files.items() if k.startswith("__")}
+    assert {k: v for k, v in out_files.items() if k.startswith("__")} == {
+        k: v for k, v in in_place_files.items() if k.startswith("__")
+    }
     backup = next(save.glob(f"{ITER}.bak-*"))
-    assert _tree(backup) == {k[len(ITER) + 1:]: v for k, v in source.items() if k.startswith(ITER + "/")}
+    assert _tree(backup) == {k[len(ITER) + 1 :]: v for k, v in source.items() if k.startswith(ITER + "/")}
 
 
 def test_strip_frozen_without_a_manifest_writes_none(capsys, copy_fixture, tmp_path):
     save = copy_fixture("core019_peft_full_tp1")
-    rc, out, _ = _run(capsys, "strip-frozen", save, "--preset", "lora", "--output", tmp_path / "out",
-                      "--format", "json")
+    rc, out, _ = _run(
+        capsys, "strip-frozen", save, "--preset", "lora", "--output", tmp_path / "out", "--format", "json"
+    )
     assert rc == 0 and json.loads(out)["result"]["resealed"] is False
     assert not (tmp_path / "out" / ITER / "integrity.json").exists()
 
@@ -462,11 +493,16 @@ def test_strip_frozen_refuses_a_source_that_fails_its_manifest(capsys, copy_fixt
 def test_strip_frozen_killed_while_resealing_leaves_no_stale_manifest(capsys, copy_fixture, step):
     save = _sealed_peft(capsys, copy_fixture)
     before = _tree(save)
-    result = subprocess.run([sys.executable, "-m", "ckptdoctor", "strip-frozen", str(save), "--preset", "lora",
-                             "--in-place"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, **{FAULT_ENV: step}))
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptdoctor", "strip-frozen", str(save), "--preset", "lora", "--in-place"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, **{FAULT_ENV: step}),
+    )
     assert result.returncode == FAULT_EXIT_CODE, result.stderr
-    assert _tree(save / ITER) == {k[len(ITER) + 1:]: v for k, v in before.items() if k.startswith(ITER + "/")}
+    assert _tree(save / ITER) == {k[len(ITER) + 1 :]: v for k, v in before.items() if k.startswith(ITER + "/")}
     assert {f.code for f in check_paths([str(save)]).findings} == {"CKD151"}  # the unfinished staging dir
 
 
@@ -487,8 +523,14 @@ def test_megatron_verifier_accepts_a_stripped_sealed_checkpoint(capsys, copy_fix
 
 
 def _killed(*args, step: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "ckptdoctor", *map(str, args)], cwd=REPO, capture_output=True,
-                            text=True, timeout=300, env=dict(os.environ, **{FAULT_ENV: step}))
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptdoctor", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, **{FAULT_ENV: step}),
+    )
     assert result.returncode == FAULT_EXIT_CODE, result.stderr
 
 
@@ -540,8 +582,12 @@ def test_repair_leftover_listed_in_the_manifest_is_unlisted_first(capsys, copy_f
     iteration_dir = save / ITER
     part = iteration_dir / ".common.pt.ckptdoctor-part-0123abcd"
     part.write_bytes(b"half")
-    manifest = {"algorithm": "sha256", "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-                                                 for p in sorted(iteration_dir.iterdir()) if p.is_file()}}
+    manifest = {
+        "algorithm": "sha256",
+        "files": {
+            p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(iteration_dir.iterdir()) if p.is_file()
+        },
+    }
     (iteration_dir / "integrity.json").write_text(json.dumps(manifest, indent=2))  # as megatron would list it
     assert _codes(save) == {"CKD151"}
     rc, out, _ = _run(capsys, "repair", save, "--write", "--output", tmp_path / "out")
@@ -602,14 +648,19 @@ def test_repair_quarantining_leftovers_killed_at_every_step(copy_fixture, step):
     staging = save / f".{ITER}.ckptdoctor-tmp-20250101T000000-0123abcd"
     staging.mkdir()
     (staging / "__0_0.distcp").write_bytes(b"unfinished")
-    manifest = {"algorithm": "sha256", "files": {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-                                                 for p in sorted(iteration_dir.iterdir()) if p.is_file()}}
+    manifest = {
+        "algorithm": "sha256",
+        "files": {
+            p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(iteration_dir.iterdir()) if p.is_file()
+        },
+    }
     (iteration_dir / "integrity.json").write_text(json.dumps(manifest, indent=2))  # the temp file listed too
     everything = {**_tree(save)}
     assert _codes(save) == {"CKD151"}
     cmd = [sys.executable, "-m", "ckptdoctor", "repair", str(save), "--write", "--in-place"]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, **{FAULT_ENV: step}))
+    result = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ, **{FAULT_ENV: step})
+    )
     assert result.returncode == FAULT_EXIT_CODE, result.stderr
     now = _tree(save)
     for name, digest in everything.items():  # every file is where it was or in the quarantine dir

@@ -39,7 +39,7 @@ def _malicious_payloads(marker):
         "builtins.getattr": b"cbuiltins\ngetattr\n(cbuiltins\nstr\nS'join'\ntR.",
         "builtins.__import__": pickle.dumps(_Reduce(builtins.__import__, ("os",))),
         "posix.system (protocol 0)": f"cposix\nsystem\n(S'touch {marker}'\ntR.".encode(),
-        "__builtin__.eval (py2 name)": f"c__builtin__\neval\n(S\"{touch}\"\ntR.".encode(),
+        "__builtin__.eval (py2 name)": f'c__builtin__\neval\n(S"{touch}"\ntR.'.encode(),
     }
 
 
@@ -80,7 +80,7 @@ def test_unknown_third_party_class_becomes_inert_stand_in():
 def test_stand_in_calls_record_arguments_only(tmp_path):
     # An unlisted name of a tolerated namespace is read as an inert stand-in (and reported), never called.
     marker = tmp_path / "marker"
-    data = f"cmegatron.training.utils\nrunstring\n(S'open(\"{marker}\",\"w\")'\n(dtR.".encode()
+    data = f'cmegatron.training.utils\nrunstring\n(S\'open("{marker}","w")\'\n(dtR.'.encode()
     unlisted: list[str] = []
     value = safe_pickle.loads(data, unlisted=unlisted)
     assert isinstance(value, StandIn) and not marker.exists()
@@ -89,7 +89,7 @@ def test_stand_in_calls_record_arguments_only(tmp_path):
 
 def test_unlisted_numpy_callable_is_refused(tmp_path):
     marker = tmp_path / "marker"
-    data = f"cnumpy.testing._private.utils\nrunstring\n(S'open(\"{marker}\",\"w\")'\n(dtR.".encode()
+    data = f'cnumpy.testing._private.utils\nrunstring\n(S\'open("{marker}","w")\'\n(dtR.'.encode()
     with pytest.raises(UnsafePickleError, match="numpy.testing._private.utils.runstring"):
         safe_pickle.loads(data)
     assert not marker.exists()

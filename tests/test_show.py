@@ -67,17 +67,17 @@ def test_nan_and_inf_are_counted(capsys, copy_fixture):
     first = read_chunk(ckpt, KEY, 0).reshape(-1)[:2].tolist()
     path = ckpt.iteration_dir / chunk.storage.relative_path
     blob = bytearray(path.read_bytes())
-    region = blob[chunk.storage.offset:chunk.storage.offset + chunk.storage.length]
+    region = blob[chunk.storage.offset : chunk.storage.offset + chunk.storage.length]
     at = bytes(region).index(struct.pack("<2f", *first))
-    region[at:at + 8] = struct.pack("<2f", math.nan, -math.inf)
+    region[at : at + 8] = struct.pack("<2f", math.nan, -math.inf)
     # keep the zip member's CRC-32 right (the reader checks it): a NaN a training wrote, not a flipped byte
     with zipfile.ZipFile(io.BytesIO(bytes(region))) as archive:
         info = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
         name_len, extra_len = struct.unpack_from("<HH", region, info.header_offset + 26)
         start = info.header_offset + 30 + name_len + extra_len
-    new_crc = zlib.crc32(bytes(region[start:start + info.compress_size]))
+    new_crc = zlib.crc32(bytes(region[start : start + info.compress_size]))
     region = bytearray(bytes(region).replace(struct.pack("<I", info.CRC), struct.pack("<I", new_crc)))
-    blob[chunk.storage.offset:chunk.storage.offset + chunk.storage.length] = region
+    blob[chunk.storage.offset : chunk.storage.offset + chunk.storage.length] = region
     path.write_bytes(bytes(blob))
     rc, out, err = _run(capsys, "show", save, KEY, "--format", "json")
     assert rc == 0, err

@@ -20,8 +20,10 @@ from ckptdoctor.cli import main
 from ckptdoctor.formats import torch_dist
 
 FULL = ["core019_peft_full_tp1", "core019_peft_full_tp2", "core016_peft_full_tp1"]
-REFERENCE = {"core019_peft_full_tp1": "core019_peft_trainable_tp1",
-             "core019_peft_full_tp2": "core019_peft_trainable_tp2"}
+REFERENCE = {
+    "core019_peft_full_tp1": "core019_peft_trainable_tp1",
+    "core019_peft_full_tp2": "core019_peft_trainable_tp2",
+}
 LOAD_SCRIPT = REPO / "tests" / "mcore_load_stripped.py"
 
 
@@ -40,13 +42,19 @@ def _strip(capsys, source, out, *extra):
 def _bitwise_equal(a, b) -> bool:
     import torch
 
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    )
 
 
 def _tree_digest(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _dir_bytes(directory: Path) -> int:
@@ -73,8 +81,9 @@ def test_strip_gives_reference_keys_and_bitwise_tensors(capsys, tmp_path, name):
         if entry.kind == "tensor":
             assert _bitwise_equal(read_tensor(out, key), read_tensor(ref, key)), key
         else:  # bytes items are byte copies of the source's
-            assert torch_dist.read_range(out.iteration_dir, entry.chunks[0].storage) == \
-                torch_dist.read_range(src.iteration_dir, src.entries[key].chunks[0].storage), key
+            assert torch_dist.read_range(out.iteration_dir, entry.chunks[0].storage) == torch_dist.read_range(
+                src.iteration_dir, src.entries[key].chunks[0].storage
+            ), key
     # same layout, same writer ranks, same data-file names as the reference
     assert sorted(out.data_files) == sorted(ref.data_files)
     assert out.location.save_dir is not None and out.location.tracker_value == "10"
@@ -104,8 +113,11 @@ def test_saved_args_say_trainable_params_only(capsys, tmp_path, name):
     assert "args            save_trainable_params_only: false -> true" in out
     stripped = open_checkpoint(tmp_path / "out")
     assert stripped.args.save_trainable_params_only is True
-    changed = {k for k in set(vars(src.args)) | set(vars(stripped.args))
-               if getattr(src.args, k, None) != getattr(stripped.args, k, None)}
+    changed = {
+        k
+        for k in set(vars(src.args)) | set(vars(stripped.args))
+        if getattr(src.args, k, None) != getattr(stripped.args, k, None)
+    }
     assert changed == {"save_trainable_params_only"}
     assert stripped.common_state()["iteration"] == src.common_state()["iteration"]
     report = _strip(capsys, FIXTURES / name, tmp_path / "kept", "--keep-args")
@@ -154,8 +166,9 @@ def test_common_pt_era(capsys, tmp_path):
     model = {k for k, e in out.entries.items() if e.section == "model"}
     assert model == set(manifest(name)["trainable_keys"])
     src = open_checkpoint(FIXTURES / name)
-    assert {k for k, e in out.entries.items() if e.section != "model"} == \
-        {k for k, e in src.entries.items() if e.section != "model"}
+    assert {k for k, e in out.entries.items() if e.section != "model"} == {
+        k for k, e in src.entries.items() if e.section != "model"
+    }
     assert not any(e.is_extra_state for e in out.entries.values())
 
 
@@ -172,16 +185,25 @@ def _load_with_mcore(stripped: Path, name: str, nproc: int) -> str:
         cmd = [sys.executable, *args]
         env.pop("RANK", None)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            *args,
+        ]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
 
 @pytest.mark.mcore
-@pytest.mark.parametrize("name,nproc", [("core019_peft_full_tp1", 1), ("core016_peft_full_tp1", 1),
-                                        ("core019_peft_full_tp2", 2)])
+@pytest.mark.parametrize(
+    "name,nproc", [("core019_peft_full_tp1", 1), ("core016_peft_full_tp1", 1), ("core019_peft_full_tp2", 2)]
+)
 def test_megatron_loads_stripped_onto_fresh_base(capsys, tmp_path, name, nproc):
     pytest.importorskip("torch")
     _strip(capsys, FIXTURES / name, tmp_path / "out")
@@ -204,8 +226,11 @@ def _make_base(full: Path, out: Path) -> None:
     reader = dcp.FileSystemReader(str(src))
     # Only the tensors are loaded: the pickled objects (common state) would need megatron-core to unpickle.
     items = reader.read_metadata().state_dict_metadata.items()
-    base = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in items
-            if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.") and ".adapter." not in k}
+    base = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in items
+        if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer.") and ".adapter." not in k
+    }
     dcp.load(base, storage_reader=reader, no_dist=True)
     torch.save(base, out.parent / "base.pt")
     (out / "iter_0000010").mkdir(parents=True)
@@ -227,8 +252,9 @@ def test_preset_and_base_give_the_same_result(capsys, tmp_path, name):
     assert keys[0] == keys[1] == keys[2]
     digests = [_tree_digest(tmp_path / d / "iter_0000010") for d in ("optimizer", "preset", "based")]
     # byte-identical data files, whichever source chose the keys (the rewritten common state: equal args)
-    data = [{k: v for k, v in d.items() if k.endswith(".distcp") and not k.startswith("common_state.")}
-            for d in digests]
+    data = [
+        {k: v for k, v in d.items() if k.endswith(".distcp") and not k.startswith("common_state.")} for d in digests
+    ]
     assert data[0] == data[1] == data[2]
     args = [vars(open_checkpoint(tmp_path / d).args) for d in ("optimizer", "preset", "based")]
     assert args[0] == args[1] == args[2]
@@ -252,7 +278,7 @@ def test_base_compare_is_bitwise(tmp_path):
     loc = ckpt.entries[key].chunks[1].storage
     path = base / "iter_0000010" / loc.relative_path
     data = bytearray(path.read_bytes())
-    data[loc.offset:loc.offset + loc.length] = _flip_first_bit(bytes(data[loc.offset:loc.offset + loc.length]))
+    data[loc.offset : loc.offset + loc.length] = _flip_first_bit(bytes(data[loc.offset : loc.offset + loc.length]))
     path.write_bytes(bytes(data))
     selection = trainable_from_base(open_checkpoint(FIXTURES / "core019_peft_full_tp2"), open_checkpoint(base))
     assert key in selection.keys and selection.compared[key] == "differs"
@@ -267,7 +293,7 @@ def _flip_first_bit(blob: bytes) -> bytes:
 
     with zipfile.ZipFile(io.BytesIO(blob)) as archive:
         info = next(i for i in archive.infolist() if "/data/" in i.filename)
-    header = blob[info.header_offset:info.header_offset + 30]
+    header = blob[info.header_offset : info.header_offset + 30]
     start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
     end = start + info.compress_size
     payload = bytearray(blob[start:end])
@@ -281,8 +307,9 @@ def _flip_first_bit(blob: bytes) -> bytes:
 
 
 def test_dry_run_lists_keys_and_sizes_and_writes_nothing(capsys, tmp_path):
-    rc, out, err = _run(capsys, "strip-frozen", FIXTURES / "core019_peft_full_tp2", "--dry-run",
-                        "--output", tmp_path / "out")
+    rc, out, err = _run(
+        capsys, "strip-frozen", FIXTURES / "core019_peft_full_tp2", "--dry-run", "--output", tmp_path / "out"
+    )
     assert rc == 0, err
     assert re.search(r"^keep\s+decoder\.layers\.mlp\.linear_fc1\.adapter\.linear_in\.weight", out, re.M)
     assert re.search(r"^drop\s+decoder\.layers\.mlp\.linear_fc1\.weight\s.*frozen", out, re.M)
@@ -293,8 +320,13 @@ def test_dry_run_lists_keys_and_sizes_and_writes_nothing(capsys, tmp_path):
 
 
 def test_metadata_only_run_needs_no_torch_or_megatron(tmp_path):
-    result = run_cli("strip-frozen", str(FIXTURES / "core019_peft_full_tp2"), "-o", str(tmp_path / "out"),
-                     block=("torch", "megatron"))
+    result = run_cli(
+        "strip-frozen",
+        str(FIXTURES / "core019_peft_full_tp2"),
+        "-o",
+        str(tmp_path / "out"),
+        block=("torch", "megatron"),
+    )
     assert result.returncode == 0, result.stderr
     assert "IMPORTED:\n" in result.stderr
     assert (tmp_path / "out" / "iter_0000010" / ".metadata").is_file()
@@ -308,8 +340,15 @@ def test_iteration_dir_input_writes_an_iteration_dir(capsys, tmp_path):
 
 
 def test_refuses_selection_without_model_parameter(capsys, tmp_path):
-    rc, _, err = _run(capsys, "strip-frozen", FIXTURES / "core019_peft_full_tp1", "-o", tmp_path / "out",
-                      "--trainable", r"^no\.such\.key$")
+    rc, _, err = _run(
+        capsys,
+        "strip-frozen",
+        FIXTURES / "core019_peft_full_tp1",
+        "-o",
+        tmp_path / "out",
+        "--trainable",
+        r"^no\.such\.key$",
+    )
     assert rc == 2 and "keeps no model parameter" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
@@ -423,14 +462,15 @@ def test_corrupt_base_chunk_is_one_line_error(capsys, tmp_path):
     loc = open_checkpoint(base).entries["decoder.layers.self_attention.linear_proj.weight"].chunks[0].storage
     path = base / "iter_0000010" / loc.relative_path
     data = bytearray(path.read_bytes())
-    blob = _flip_first_bit(bytes(data[loc.offset:loc.offset + loc.length]))
-    original = bytes(data[loc.offset:loc.offset + loc.length])
+    blob = _flip_first_bit(bytes(data[loc.offset : loc.offset + loc.length]))
+    original = bytes(data[loc.offset : loc.offset + loc.length])
     # flip the payload bit but keep the old CRC: the record no longer matches its checksum
     diff = next(i for i in range(len(blob)) if blob[i] != original[i])
     data[loc.offset + diff] ^= 1
     path.write_bytes(bytes(data))
-    rc, _, err = _run(capsys, "strip-frozen", FIXTURES / "core019_peft_full_tp1", "-o", tmp_path / "out",
-                      "--base", base)
+    rc, _, err = _run(
+        capsys, "strip-frozen", FIXTURES / "core019_peft_full_tp1", "-o", tmp_path / "out", "--base", base
+    )
     assert rc == 2 and err.count("\n") == 1 and "linear_proj.weight" in err, err
     assert not (tmp_path / "out").exists()
 
@@ -449,8 +489,12 @@ def test_in_place_swap_is_one_atomic_exchange(copy_fixture):
     require_exchange(save)  # elsewhere strip-frozen falls back to two renames and never reaches this step
     before = _open(save)
     env = dict(_os.environ, **{FAULT_ENV: "strip-frozen:after-exchange"})
-    result = _subprocess.run([_sys.executable, "-m", "ckptdoctor", "strip-frozen", str(save), "--in-place"],
-                             env=env, capture_output=True, text=True)
+    result = _subprocess.run(
+        [_sys.executable, "-m", "ckptdoctor", "strip-frozen", str(save), "--in-place"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == FAULT_EXIT_CODE, result.stderr
     stripped = _open(save)
     assert set(stripped.entries) < set(before.entries)  # the stripped checkpoint is in place

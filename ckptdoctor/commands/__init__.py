@@ -52,5 +52,6 @@ def complete_rule_codes(ctx: click.Context, param: click.Parameter, incomplete: 
 
     head, _, last = incomplete.rpartition(",")
     prefix = f"{head}," if head else ""
-    return [CompletionItem(prefix + r.code, help=r.summary) for r in all_rules()
-            if r.code.startswith(last.strip().upper())]
+    return [
+        CompletionItem(prefix + r.code, help=r.summary) for r in all_rules() if r.code.startswith(last.strip().upper())
+    ]

@@ -17,24 +17,55 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--select", **_MULTI, help="Only these rule codes or prefixes (e.g. CKD1,CKD220). Default: all.")
 @click.option("--ignore", **_MULTI, help="Skip these rule codes or prefixes.")
-@click.option("--format", "--output-format", "output_format", type=click.Choice(["text", "json", "github", "sarif"]),
-              default=None, help="Output format (default text): json (schema in the README), github (workflow "
-                                 "annotations), sarif (SARIF 2.1.0, for code scanning).")
-@click.option("--statistics", is_flag=True, help="Counts per rule code instead of one line per finding "
-                                                   "(text; JSON adds a statistics list).")
-@click.option("--recursive/--no-recursive", default=None,
-              help="Search a directory that is no checkpoint for checkpoints below it (default on).")
-@click.option("--deep/--no-deep", default=None,
-              help="Also read every chunk and item and decode it through the safe unpickler (reads all data).")
-@click.option("--all-iterations/--no-all-iterations", default=None,
-              help="In a save dir, check every iteration dir, not only the tracker's.")
-@click.option("--verify-integrity/--no-verify-integrity", default=None,
-              help="Hash files listed in integrity.json (default on; off checks only that they exist).")
+@click.option(
+    "--format",
+    "--output-format",
+    "output_format",
+    type=click.Choice(["text", "json", "github", "sarif"]),
+    default=None,
+    help="Output format (default text): json (schema in the README), github (workflow "
+    "annotations), sarif (SARIF 2.1.0, for code scanning).",
+)
+@click.option(
+    "--statistics",
+    is_flag=True,
+    help="Counts per rule code instead of one line per finding (text; JSON adds a statistics list).",
+)
+@click.option(
+    "--recursive/--no-recursive",
+    default=None,
+    help="Search a directory that is no checkpoint for checkpoints below it (default on).",
+)
+@click.option(
+    "--deep/--no-deep",
+    default=None,
+    help="Also read every chunk and item and decode it through the safe unpickler (reads all data).",
+)
+@click.option(
+    "--all-iterations/--no-all-iterations",
+    default=None,
+    help="In a save dir, check every iteration dir, not only the tracker's.",
+)
+@click.option(
+    "--verify-integrity/--no-verify-integrity",
+    default=None,
+    help="Hash files listed in integrity.json (default on; off checks only that they exist).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Findings only: no summary line, no progress bar.")
 @click.option("--isolated", is_flag=True, help="Ignore [tool.ckptdoctor] in pyproject.toml.")
-def command(paths: tuple[str, ...], select: tuple[str, ...], ignore: tuple[str, ...], output_format: str | None,
-            statistics: bool, recursive: bool | None, deep: bool | None, all_iterations: bool | None,
-            verify_integrity: bool | None, quiet: bool, isolated: bool) -> int:
+def command(
+    paths: tuple[str, ...],
+    select: tuple[str, ...],
+    ignore: tuple[str, ...],
+    output_format: str | None,
+    statistics: bool,
+    recursive: bool | None,
+    deep: bool | None,
+    all_iterations: bool | None,
+    verify_integrity: bool | None,
+    quiet: bool,
+    isolated: bool,
+) -> int:
     """Check checkpoints for missing or truncated files, inconsistent args and chunks, unsafe pickles.
 
     Each PATH is a save dir (the tracker is followed), an iteration dir, a file inside one (as
@@ -61,8 +92,10 @@ def command(paths: tuple[str, ...], select: tuple[str, ...], ignore: tuple[str, 
             return validate_selectors(cli_value, f"--{key}")
         return validate_selectors(config.get(key, default), f"{config_path}: [tool.ckptdoctor] {key}")
 
-    per_path = [(glob, validate_selectors(codes, f"{config_path}: [tool.ckptdoctor] per-path-ignores {glob!r}"))
-                for glob, codes in config.get("per-path-ignores", {}).items()]
+    per_path = [
+        (glob, validate_selectors(codes, f"{config_path}: [tool.ckptdoctor] per-path-ignores {glob!r}"))
+        for glob, codes in config.get("per-path-ignores", {}).items()
+    ]
     options = CheckOptions(
         select=selectors(select, "select", ["ALL"]),
         ignore=selectors(ignore, "ignore", []),
@@ -75,8 +108,10 @@ def command(paths: tuple[str, ...], select: tuple[str, ...], ignore: tuple[str, 
     )
     output_format = pick(output_format, "format", "text")
     if output_format not in FORMATS:
-        raise click.BadParameter(f"{output_format!r} is not one of {', '.join(map(repr, FORMATS))}",
-                                 param_hint=f"{config_path}: [tool.ckptdoctor] format")
+        raise click.BadParameter(
+            f"{output_format!r} is not one of {', '.join(map(repr, FORMATS))}",
+            param_hint=f"{config_path}: [tool.ckptdoctor] format",
+        )
     if statistics and output_format not in ("text", "json"):
         raise click.BadParameter("--statistics goes with --format text or json", param_hint="--statistics")
     show_bar = options.deep and not quiet and output_format == "text" and sys.stderr.isatty()

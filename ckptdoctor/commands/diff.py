@@ -45,8 +45,14 @@ class _Progress:
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
-            self.bar = click.progressbar(length=max(total, 1), label="reading values", file=sys.stderr,
-                                         show_pos=False, show_percent=True, show_eta=True)
+            self.bar = click.progressbar(
+                length=max(total, 1),
+                label="reading values",
+                file=sys.stderr,
+                show_pos=False,
+                show_percent=True,
+                show_eta=True,
+            )
             self.bar.__enter__()
         self.bar.update(done - self.shown)
         self.shown = done
@@ -59,34 +65,82 @@ class _Progress:
 @click.command("diff")
 @click.argument("checkpoint_a", type=click.Path(path_type=str))
 @click.argument("checkpoint_b", type=click.Path(path_type=str))
-@click.option("--section", "sections", multiple=True, type=click.Choice(SECTIONS),
-              help="Only keys of this section (repeatable). Args and common state are compared with 'common'.")
+@click.option(
+    "--section",
+    "sections",
+    multiple=True,
+    type=click.Choice(SECTIONS),
+    help="Only keys of this section (repeatable). Args and common state are compared with 'common'.",
+)
 @click.option("--key", "keys", multiple=True, metavar="REGEX", help="Only keys matching REGEX (repeatable: any).")
 @click.option("--exclude", multiple=True, metavar="REGEX", help="Leave out keys matching REGEX (repeatable).")
-@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
-              help="Output format; the JSON schema is docs/diff.schema.json.")
-@click.option("--values", "with_values", is_flag=True,
-              help="Also compare tensor values (streamed chunk by chunk) and bytes items (sha256).")
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Output format; the JSON schema is docs/diff.schema.json.",
+)
+@click.option(
+    "--values",
+    "with_values",
+    is_flag=True,
+    help="Also compare tensor values (streamed chunk by chunk) and bytes items (sha256).",
+)
 @click.option("--atol", type=float, default=None, help="Absolute tolerance for --values (default: bitwise).")
 @click.option("--rtol", type=float, default=None, help="Relative tolerance for --values (default: bitwise).")
-@click.option("--report", "report_n", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
-              help="With --values: the first N mismatching elements of each differing tensor (global index, "
-                   "both values), as h5diff --report; 0: off.")
-@click.option("--limit", type=click.IntRange(min=0), default=None,
-              help=f"Keys listed per list (counts are always complete). Default: {TEXT_LIMIT} in text, "
-                   "every key in JSON.")
+@click.option(
+    "--report",
+    "report_n",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="With --values: the first N mismatching elements of each differing tensor (global index, "
+    "both values), as h5diff --report; 0: off.",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=None,
+    help=f"Keys listed per list (counts are always complete). Default: {TEXT_LIMIT} in text, every key in JSON.",
+)
 @click.option("--all", "show_all", is_flag=True, help="List every key (no --limit).")
-@click.option("--ignore-layout/--no-ignore-layout", default=None,
-              help="Layout differences (chunk/shard grids, TP/PP) are shown but do not make exit status 1.")
-@click.option("--ignore-arg", "ignore_args", multiple=True, metavar="REGEX",
-              help="Leave out saved args whose name fully matches REGEX (repeatable), e.g. 'save|load'.")
+@click.option(
+    "--ignore-layout/--no-ignore-layout",
+    default=None,
+    help="Layout differences (chunk/shard grids, TP/PP) are shown but do not make exit status 1.",
+)
+@click.option(
+    "--ignore-arg",
+    "ignore_args",
+    multiple=True,
+    metavar="REGEX",
+    help="Leave out saved args whose name fully matches REGEX (repeatable), e.g. 'save|load'.",
+)
 @click.option("--stat", "stat", is_flag=True, help="Only the counts per section.")
 @click.option("--name-only", is_flag=True, help="Only the differing keys, one per line.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing; the exit status says whether they differ.")
-def command(checkpoint_a: str, checkpoint_b: str, sections: tuple[str, ...], keys: tuple[str, ...],
-            exclude: tuple[str, ...], output_format: str, with_values: bool, atol: float | None, rtol: float | None,
-            report_n: int, limit: int | None, show_all: bool, ignore_layout: bool | None,
-            ignore_args: tuple[str, ...], stat: bool, name_only: bool, quiet: bool) -> int:
+def command(
+    checkpoint_a: str,
+    checkpoint_b: str,
+    sections: tuple[str, ...],
+    keys: tuple[str, ...],
+    exclude: tuple[str, ...],
+    output_format: str,
+    with_values: bool,
+    atol: float | None,
+    rtol: float | None,
+    report_n: int,
+    limit: int | None,
+    show_all: bool,
+    ignore_layout: bool | None,
+    ignore_args: tuple[str, ...],
+    stat: bool,
+    name_only: bool,
+    quiet: bool,
+) -> int:
     """Compare two checkpoints: keys, dtypes and shapes, layout, args, common state and, with --values, values.
 
     A and B may differ in TP/PP, Megatron era (core 0.16 common.pt vs core 0.19 common_state) and backend.
@@ -102,8 +156,9 @@ def command(checkpoint_a: str, checkpoint_b: str, sections: tuple[str, ...], key
     if stat and name_only:
         raise click.UsageError("--stat and --name-only are exclusive")
     if (stat or name_only) and output_format == "json":
-        raise click.UsageError(f"--{'stat' if stat else 'name-only'} is a text output; JSON holds both "
-                               "(summary, key lists)")
+        raise click.UsageError(
+            f"--{'stat' if stat else 'name-only'} is a text output; JSON holds both (summary, key lists)"
+        )
     if report_n and not with_values:
         raise click.BadParameter("needs --values", param_hint="--report")
     config = diff_defaults(*load_tool_config())
@@ -134,10 +189,19 @@ def command(checkpoint_a: str, checkpoint_b: str, sections: tuple[str, ...], key
         with quiet_library_warnings():
             a = open_checkpoint(checkpoint_a)
             b = open_checkpoint(checkpoint_b)
-            report = diff_checkpoints(a, b, KeyFilter(sections, keys, exclude), limit=limit,
-                                      values=with_values, atol=atol, rtol=rtol, progress=progress,
-                                      ignore_layout=layout_ignored, ignore_args=all_ignored,
-                                      report_mismatches=report_n)
+            report = diff_checkpoints(
+                a,
+                b,
+                KeyFilter(sections, keys, exclude),
+                limit=limit,
+                values=with_values,
+                atol=atol,
+                rtol=rtol,
+                progress=progress,
+                ignore_layout=layout_ignored,
+                ignore_args=all_ignored,
+                report_mismatches=report_n,
+            )
     finally:
         gc.enable()
         if progress is not None:

@@ -12,24 +12,59 @@ from ckptdoctor.commands import ITERATION_HELP
 @click.command("fix-args")
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
-@click.option("--source", "source_path", metavar="SRC", default=None,
-              help="The checkpoint this one was converted from: marks wrong values equal to the source's.")
+@click.option(
+    "--source",
+    "source_path",
+    metavar="SRC",
+    default=None,
+    help="The checkpoint this one was converted from: marks wrong values equal to the source's.",
+)
 @click.option("--source-iteration", default=None, help="Iteration of SRC (default: its tracker's).")
 @click.option("--write", is_flag=True, help="Apply the fixes (and --set edits); needs --output or --in-place.")
-@click.option("--set", "sets", metavar="NAME=VALUE", multiple=True,
-              help="Set an arg by hand (repeatable); VALUE takes the saved value's type.")
-@click.option("--force", is_flag=True, help="Allow --set of args the checkpoint does not have; write into a "
-              "non-empty --output dir.")
-@click.option("--output", "output", type=click.Path(path_type=Path), default=None,
-              help="Write a new checkpoint dir; unchanged files are hard-linked (or copied), never modified.")
-@click.option("--in-place", is_flag=True, help="Rewrite CKPT itself, keeping each replaced file as "
-              "<name>.bak-<timestamp>.")
+@click.option(
+    "--set",
+    "sets",
+    metavar="NAME=VALUE",
+    multiple=True,
+    help="Set an arg by hand (repeatable); VALUE takes the saved value's type.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Allow --set of args the checkpoint does not have; write into a non-empty --output dir.",
+)
+@click.option(
+    "--output",
+    "output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write a new checkpoint dir; unchanged files are hard-linked (or copied), never modified.",
+)
+@click.option(
+    "--in-place", is_flag=True, help="Rewrite CKPT itself, keeping each replaced file as <name>.bak-<timestamp>."
+)
 @click.option("--only-set", is_flag=True, help="With --write: apply only the --set edits, not the fixes.")
-@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text",
-              show_default=True, help="Output format; the JSON schema is docs/fix-args.schema.json.")
-def command(checkpoint: str, iteration: str | None, source_path: str | None, source_iteration: str | None,
-            write: bool, sets: tuple[str, ...], force: bool, output: Path | None, in_place: bool,
-            only_set: bool, output_format: str) -> int:
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Output format; the JSON schema is docs/fix-args.schema.json.",
+)
+def command(
+    checkpoint: str,
+    iteration: str | None,
+    source_path: str | None,
+    source_iteration: str | None,
+    write: bool,
+    sets: tuple[str, ...],
+    force: bool,
+    output: Path | None,
+    in_place: bool,
+    only_set: bool,
+    output_format: str,
+) -> int:
     """Find saved args that contradict CHECKPOINT's own parallelism, and fix them.
 
     Reports each inconsistent arg (saved value, correct value, the error megatron-core would raise).

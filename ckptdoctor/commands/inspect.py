@@ -13,12 +13,22 @@ from ckptdoctor.commands import ITERATION_HELP
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
 @click.option("--keys", "with_keys", is_flag=True, help="Also print the key table.")
-@click.option("--filter", "key_filter", metavar="REGEX", default=None,
-              help="Only keys matching REGEX in the key table (implies --keys).")
-@click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table",
-              show_default=True, help="Output format; the JSON schema is in the README.")
-def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter: str | None,
-            output_format: str) -> int:
+@click.option(
+    "--filter",
+    "key_filter",
+    metavar="REGEX",
+    default=None,
+    help="Only keys matching REGEX in the key table (implies --keys).",
+)
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="Output format; the JSON schema is in the README.",
+)
+def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter: str | None, output_format: str) -> int:
     """Show what CHECKPOINT is: format, era, layout, sections, args (metadata only).
 
     CHECKPOINT is a save dir (the tracker is followed), an iteration dir, or a file inside one.

@@ -16,11 +16,20 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete
 @click.option("--select", **_MULTI, help="Only these rule codes or prefixes decide (as in check). Default: all.")
 @click.option("--ignore", **_MULTI, help="These rule codes or prefixes never disqualify a checkpoint.")
 @click.option("--deep", is_flag=True, help="Also decode every chunk and item (reads all data).")
-@click.option("--iteration-only", is_flag=True,
-              help="Print only the iteration number (or 'release'), e.g. for Megatron's --ckpt-step.")
+@click.option(
+    "--iteration-only",
+    is_flag=True,
+    help="Print only the iteration number (or 'release'), e.g. for Megatron's --ckpt-step.",
+)
 @click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def command(save_dir: str, select: tuple[str, ...], ignore: tuple[str, ...], deep: bool, iteration_only: bool,
-            output_format: str) -> int:
+def command(
+    save_dir: str,
+    select: tuple[str, ...],
+    ignore: tuple[str, ...],
+    deep: bool,
+    iteration_only: bool,
+    output_format: str,
+) -> int:
     """Print the newest iteration dir of SAVE_DIR that passes `check` (errors only; warnings never disqualify).
 
     Newer dirs that fail are named on stderr with the errors that disqualified them. Exit code: 0 found
@@ -33,8 +42,11 @@ def command(save_dir: str, select: tuple[str, ...], ignore: tuple[str, ...], dee
     from ckptdoctor.rules import validate_selectors
     from ckptdoctor.text_safety import escape
 
-    options = CheckOptions(select=validate_selectors(select or ["ALL"], "--select"),
-                           ignore=validate_selectors(ignore, "--ignore"), deep=deep)
+    options = CheckOptions(
+        select=validate_selectors(select or ["ALL"], "--select"),
+        ignore=validate_selectors(ignore, "--ignore"),
+        deep=deep,
+    )
     report = find_latest_good(save_dir, options)
     if output_format == "json":
         click.echo(to_json(report))

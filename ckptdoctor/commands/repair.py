@@ -13,15 +13,31 @@ from ckptdoctor.commands import ITERATION_HELP
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
 @click.option("--write", is_flag=True, help="Apply the repairs; needs --output or --in-place.")
-@click.option("--output", "output", type=click.Path(path_type=Path), default=None,
-              help="Write the repaired checkpoint to a new dir; unchanged files are hard-linked (or copied).")
-@click.option("--in-place", is_flag=True, help="Repair CHECKPOINT itself, keeping each replaced file as "
-              "<name>.bak-<timestamp>; unreferenced data files and leftovers of interrupted ckptdoctor "
-              "writes are moved to <iter>.quarantine-<timestamp>/ (never deleted).")
+@click.option(
+    "--output",
+    "output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the repaired checkpoint to a new dir; unchanged files are hard-linked (or copied).",
+)
+@click.option(
+    "--in-place",
+    is_flag=True,
+    help="Repair CHECKPOINT itself, keeping each replaced file as "
+    "<name>.bak-<timestamp>; unreferenced data files and leftovers of interrupted ckptdoctor "
+    "writes are moved to <iter>.quarantine-<timestamp>/ (never deleted).",
+)
 @click.option("--force", is_flag=True, help="Write into a non-empty --output dir.")
 @click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def command(checkpoint: str, iteration: str | None, write: bool, output: Path | None, in_place: bool, force: bool,
-            output_format: str) -> int:
+def command(
+    checkpoint: str,
+    iteration: str | None,
+    write: bool,
+    output: Path | None,
+    in_place: bool,
+    force: bool,
+    output_format: str,
+) -> int:
     """Repair what `check` finds in CHECKPOINT (a save dir or an iteration dir), each repair only when it is
     provably safe: the tracker (to the latest good iteration), a missing metadata.json of a complete save,
     unreferenced data files (quarantined), inconsistent args (as fix-args).

@@ -13,8 +13,13 @@ from ckptdoctor.commands import ITERATION_HELP
 @click.command("seal")
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
-              help="Files hashed in parallel [default: the number of cores].")
+@click.option(
+    "--jobs",
+    "-j",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Files hashed in parallel [default: the number of cores].",
+)
 @click.option("--force", is_flag=True, help="Re-seal a checkpoint that already has an integrity.json.")
 @click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True)
 def command(checkpoint: str, iteration: str | None, jobs: int | None, force: bool, output_format: str) -> int:
@@ -30,8 +35,14 @@ def command(checkpoint: str, iteration: str | None, jobs: int | None, force: boo
 
     bar = _Bar() if output_format == "text" and sys.stderr.isatty() else None
     try:
-        result = seal(checkpoint, iteration, jobs=jobs, force=force,
-                      progress=bar.advance if bar else None, on_total=bar.start if bar else None)
+        result = seal(
+            checkpoint,
+            iteration,
+            jobs=jobs,
+            force=force,
+            progress=bar.advance if bar else None,
+            on_total=bar.start if bar else None,
+        )
     finally:
         if bar is not None:
             bar.finish()

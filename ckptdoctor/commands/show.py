@@ -13,17 +13,37 @@ from ckptdoctor.commands import ITERATION_HELP
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.argument("key")
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
-@click.option("--stats/--no-stats", default=None,
-              help="Statistics (min/max/mean/std, NaN/Inf counts; streamed per chunk). Default: when torch "
-              "is installed.")
-@click.option("--slice", "slice_spec", metavar="SPEC", default=None,
-              help="Print a slice of the global tensor, numpy style: \"0,:4,:4\" (needs torch).")
-@click.option("--save", "save_path", type=click.Path(path_type=Path), default=None,
-              help="Export the tensor (or its --slice) to a .pt (torch.save) or .npy file (needs torch).")
+@click.option(
+    "--stats/--no-stats",
+    default=None,
+    help="Statistics (min/max/mean/std, NaN/Inf counts; streamed per chunk). Default: when torch is installed.",
+)
+@click.option(
+    "--slice",
+    "slice_spec",
+    metavar="SPEC",
+    default=None,
+    help='Print a slice of the global tensor, numpy style: "0,:4,:4" (needs torch).',
+)
+@click.option(
+    "--save",
+    "save_path",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Export the tensor (or its --slice) to a .pt (torch.save) or .npy file (needs torch).",
+)
 @click.option("--force", is_flag=True, help="Replace an existing --save file.")
 @click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def command(checkpoint: str, key: str, iteration: str | None, stats: bool | None, slice_spec: str | None,
-            save_path: Path | None, force: bool, output_format: str) -> int:
+def command(
+    checkpoint: str,
+    key: str,
+    iteration: str | None,
+    stats: bool | None,
+    slice_spec: str | None,
+    save_path: Path | None,
+    force: bool,
+    output_format: str,
+) -> int:
     """Show one saved item KEY of CHECKPOINT: metadata and chunk grid (no torch needed), and with torch its
     statistics, a slice and an export.
 
@@ -64,8 +84,9 @@ def command(checkpoint: str, key: str, iteration: str | None, stats: bool | None
         if stats or (stats is None and have_torch):
             report.stats = statistics(ckpt, entry)
         elif stats is None:
-            report.notes.append("statistics need torch: pip install torch --index-url "
-                                "https://download.pytorch.org/whl/cpu")
+            report.notes.append(
+                "statistics need torch: pip install torch --index-url https://download.pytorch.org/whl/cpu"
+            )
         if slice_spec is not None or save_path is not None:
             tensor = read_tensor(ckpt, key)
             if slice_spec is not None:

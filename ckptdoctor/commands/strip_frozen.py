@@ -37,27 +37,71 @@ class _Bars:
 @click.command("strip-frozen")
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
-@click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
-              help="New checkpoint dir to write (a save dir when CHECKPOINT is one).")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="New checkpoint dir to write (a save dir when CHECKPOINT is one).",
+)
 @click.option("--in-place", is_flag=True, help="Replace the iteration dir (new dir + atomic rename; backup kept).")
 @click.option("--no-backup", is_flag=True, help="With --in-place: delete the old iteration dir after the swap.")
-@click.option("--force", is_flag=True, help="Replace an --output dir that exists and is not empty; write even "
-              "when no model parameter is frozen.")
-@click.option("--keep-args", is_flag=True, help="Keep the saved args as they are (default: set "
-              "save_trainable_params_only to true, as Megatron's --save-trainable-params-only run saves it).")
-@click.option("--trainable", "patterns", metavar="REGEX", multiple=True,
-              help="Model keys matching REGEX are trainable (repeatable).")
-@click.option("--preset", type=click.Choice(PRESET_CHOICES), default=None,
-              help="Megatron-Bridge adapter naming: '.adapter.' keys, '*.adapters', DoRA weight_magnitude.")
-@click.option("--base", "base_path", metavar="BASE_CKPT", default=None,
-              help="Model tensors bitwise equal to this checkpoint's are frozen (streamed compare).")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace an --output dir that exists and is not empty; write even when no model parameter is frozen.",
+)
+@click.option(
+    "--keep-args",
+    is_flag=True,
+    help="Keep the saved args as they are (default: set "
+    "save_trainable_params_only to true, as Megatron's --save-trainable-params-only run saves it).",
+)
+@click.option(
+    "--trainable",
+    "patterns",
+    metavar="REGEX",
+    multiple=True,
+    help="Model keys matching REGEX are trainable (repeatable).",
+)
+@click.option(
+    "--preset",
+    type=click.Choice(PRESET_CHOICES),
+    default=None,
+    help="Megatron-Bridge adapter naming: '.adapter.' keys, '*.adapters', DoRA weight_magnitude.",
+)
+@click.option(
+    "--base",
+    "base_path",
+    metavar="BASE_CKPT",
+    default=None,
+    help="Model tensors bitwise equal to this checkpoint's are frozen (streamed compare).",
+)
 @click.option("--base-iteration", default=None, help="Iteration of BASE_CKPT when it is a save dir.")
 @click.option("--dry-run", is_flag=True, help="List kept and dropped keys and sizes; write nothing.")
-@click.option("--format", "output_format", type=click.Choice(["table", "json"]), default="table",
-              show_default=True, help="Output format; the JSON schema is in the README.")
-def command(checkpoint: str, iteration: str | None, output: Path | None, in_place: bool, no_backup: bool,
-            force: bool, patterns: tuple[str, ...], preset: str | None, base_path: str | None,
-            base_iteration: str | None, dry_run: bool, output_format: str, keep_args: bool) -> int:
+@click.option(
+    "--format",
+    "output_format",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="Output format; the JSON schema is in the README.",
+)
+def command(
+    checkpoint: str,
+    iteration: str | None,
+    output: Path | None,
+    in_place: bool,
+    no_backup: bool,
+    force: bool,
+    patterns: tuple[str, ...],
+    preset: str | None,
+    base_path: str | None,
+    base_iteration: str | None,
+    dry_run: bool,
+    output_format: str,
+    keep_args: bool,
+) -> int:
     """Write what --save-trainable-params-only would have saved from a full PEFT CHECKPOINT.
 
     Keeps the model section's trainable tensors (default: those with optimizer state), drops frozen
@@ -79,9 +123,19 @@ def command(checkpoint: str, iteration: str | None, output: Path | None, in_plac
     base = open_checkpoint(base_path, base_iteration) if base_path else None
     bars = _Bars() if sys.stderr.isatty() else None
     try:
-        report = strip_frozen(ckpt, output=output, in_place=in_place, patterns=list(patterns), preset=preset,
-                              base=base, dry_run=dry_run, force=force, keep_backup=not no_backup, progress=bars,
-                              keep_args=keep_args)
+        report = strip_frozen(
+            ckpt,
+            output=output,
+            in_place=in_place,
+            patterns=list(patterns),
+            preset=preset,
+            base=base,
+            dry_run=dry_run,
+            force=force,
+            keep_backup=not no_backup,
+            progress=bars,
+            keep_args=keep_args,
+        )
     finally:
         if bars is not None:
             bars.close()

@@ -79,7 +79,7 @@ class TorchArchive:
             raise CkptError(f"{self.where}: record {name} missing from the archive")
         if member.size > limit:
             raise PickleLimitError(f"{self.where}: record {name} holds {member.size} bytes, over the limit of {limit}")
-        raw = memoryview(self.blob)[member.start:member.start + member.compressed_size]
+        raw = memoryview(self.blob)[member.start : member.start + member.compressed_size]
         data: Blob = raw
         if member.method:
             inflater = zlib.decompressobj(-15)
@@ -88,8 +88,9 @@ class TorchArchive:
             except zlib.error as exc:
                 raise CkptError(f"{self.where}: corrupt storage record {name} ({exc})") from None
             if len(data) != member.size or inflater.unconsumed_tail:
-                raise ArchiveError(f"{self.where}: record {name} inflates to more than its declared "
-                                   f"{member.size} bytes")
+                raise ArchiveError(
+                    f"{self.where}: record {name} inflates to more than its declared {member.size} bytes"
+                )
         if verify_crc and zlib.crc32(data) != member.crc:
             raise CkptError(f"{self.where}: corrupt storage record {name} (Bad CRC-32: the bytes changed)")
         return data
@@ -99,8 +100,9 @@ class TorchArchive:
         compressed (the one place that policy lives)."""
         name = f"{self.prefix}data.pkl"
         max_bytes = (limits or current_limits()).max_bytes
-        return self.read(name, min(max_bytes, MAX_INFLATED_PICKLE) if self.members[name].method else max_bytes,
-                         verify_crc)
+        return self.read(
+            name, min(max_bytes, MAX_INFLATED_PICKLE) if self.members[name].method else max_bytes, verify_crc
+        )
 
     def storage(self, key: str) -> Member:
         member = self.members.get(f"{self.prefix}data/{key}")
@@ -124,16 +126,19 @@ def parse_archive(blob: Blob, where: str) -> TorchArchive:
     for member in entries:
         name = member.name
         if name in members:
-            raise ArchiveError(f"{where}: archive holds two members named {name!r} (torch reads the first, "
-                               "other readers the last)")
+            raise ArchiveError(
+                f"{where}: archive holds two members named {name!r} (torch reads the first, other readers the last)"
+            )
         if _unsafe_name(name):
             raise ArchiveError(f"{where}: archive member name {name!r} leaves the archive directory")
         head = name.split("/", 1)[0] + "/"
         if prefix is None:
             prefix = head
         elif head != prefix or "/" not in name:
-            raise ArchiveError(f"{where}: archive members under more than one prefix ({prefix!r}, {head!r}); "
-                               "torch refuses such an archive")
+            raise ArchiveError(
+                f"{where}: archive members under more than one prefix ({prefix!r}, {head!r}); "
+                "torch refuses such an archive"
+            )
         if member.method not in (0, 8):
             raise CkptError(f"{where}: member {name} uses zip compression method {member.method}")
         if member.start + member.compressed_size > len(blob):
@@ -146,8 +151,14 @@ def parse_archive(blob: Blob, where: str) -> TorchArchive:
 
 def _unsafe_name(name: str) -> bool:
     parts = name.split("/")
-    return (not name or name.startswith("/") or "\\" in name or "\x00" in name
-            or any(part in ("..", ".") for part in parts) or (len(name) > 1 and name[1] == ":"))
+    return (
+        not name
+        or name.startswith("/")
+        or "\\" in name
+        or "\x00" in name
+        or any(part in ("..", ".") for part in parts)
+        or (len(name) > 1 and name[1] == ":")
+    )
 
 
 class _NeedsZipfile(Exception):
@@ -169,14 +180,15 @@ def _central_directory(blob: Blob) -> list[Member]:
     for _ in range(count):
         if pos + _CDIR.size > cd_end:
             raise ValueError("central directory is truncated")
-        (sig, _, _, _, method, _, _, crc, compressed, plain, name_len, extra_len, comment_len, _, _, _,
-         local) = _CDIR.unpack_from(blob, pos)
+        (sig, _, _, _, method, _, _, crc, compressed, plain, name_len, extra_len, comment_len, _, _, _, local) = (
+            _CDIR.unpack_from(blob, pos)
+        )
         if sig != b"PK\x01\x02":
             raise ValueError("bad central directory entry")
         if plain == 0xFFFFFFFF or compressed == 0xFFFFFFFF or local == 0xFFFFFFFF:
             raise _NeedsZipfile
         name_start = pos + _CDIR.size
-        name = bytes(blob[name_start:name_start + name_len]).decode("utf-8", "replace")
+        name = bytes(blob[name_start : name_start + name_len]).decode("utf-8", "replace")
         out.append(Member(name, _data_start(blob, local, cd_offset), plain, compressed, method, crc))
         pos = name_start + name_len + extra_len + comment_len
     if pos > cd_end:
@@ -199,8 +211,17 @@ def _zipfile_directory(blob: Blob, where: str) -> list[Member]:
             infos = archive.infolist()
             if len(infos) > 1 << 20:
                 raise ArchiveError(f"{where}: archive lists {len(infos)} members")
-            return [Member(i.filename, _data_start(blob, i.header_offset, len(blob)), i.file_size,
-                           i.compress_size, i.compress_type, i.CRC) for i in infos]
+            return [
+                Member(
+                    i.filename,
+                    _data_start(blob, i.header_offset, len(blob)),
+                    i.file_size,
+                    i.compress_size,
+                    i.compress_type,
+                    i.CRC,
+                )
+                for i in infos
+            ]
     except ArchiveError:
         raise
     except (zipfile.BadZipFile, ValueError, OSError, NotImplementedError, EOFError, KeyError, struct.error) as exc:
@@ -238,8 +259,7 @@ def _storage_ref_factory(archive: TorchArchive) -> Callable[[Any], StorageRef]:
     return persistent_load
 
 
-def load_archive(blob: Blob, where: str, limits: PickleLimits | None = None,
-                 unlisted: list[str] | None = None) -> Any:
+def load_archive(blob: Blob, where: str, limits: PickleLimits | None = None, unlisted: list[str] | None = None) -> Any:
     """Unpickle a ``torch.save`` archive held in memory into plain objects and stand-ins.
 
     Tensors come back as :class:`~ckptdoctor.torch_stand_ins.TensorRef` whose bytes are read only on demand.
@@ -250,9 +270,14 @@ def load_archive(blob: Blob, where: str, limits: PickleLimits | None = None,
     return unpickle(pickled, where, _storage_ref_factory(archive), limits, unlisted, "pickle in torch.save archive")
 
 
-def unpickle(pickled: Blob, where: str, persistent_load: Callable[[Any], Any] | None = None,
-             limits: PickleLimits | None = None, unlisted: list[str] | None = None,
-             what: str = "pickle") -> Any:
+def unpickle(
+    pickled: Blob,
+    where: str,
+    persistent_load: Callable[[Any], Any] | None = None,
+    limits: PickleLimits | None = None,
+    unlisted: list[str] | None = None,
+    what: str = "pickle",
+) -> Any:
     """:func:`safe_pickle.loads` with every failure turned into an error naming ``where`` (and ``what``)."""
     try:
         return safe_pickle.loads(pickled, persistent_load, limits, unlisted)

@@ -48,8 +48,7 @@ def kept_storage(metadata: Any, keep: set[str]) -> dict[str, list[tuple[Any, Any
     return dict(sorted(by_file.items()))
 
 
-def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int, state: dict,
-                progress: Progress | None) -> None:
+def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int, state: dict, progress: Progress | None) -> None:
     """Copy ``length`` bytes at ``offset`` of src to dst's current position, one block at a time."""
     remaining = length
     while remaining:
@@ -78,8 +77,9 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[written:]
 
 
-def copy_items(src_dir: Path, dst_dir: Path, by_file: dict[str, list[tuple[Any, Any]]],
-               progress: Progress | None = None) -> list[CopiedFile]:
+def copy_items(
+    src_dir: Path, dst_dir: Path, by_file: dict[str, list[tuple[Any, Any]]], progress: Progress | None = None
+) -> list[CopiedFile]:
     """Copy kept ranges into same-named files in ``dst_dir`` and repoint each ``_StorageInfo`` stand-in.
 
     ``dst_dir`` is a staging dir the caller renames into place, so files are written directly there

@@ -21,7 +21,6 @@ T = TypeVar("T")
 DEFAULT_WINDOW = 1 << 20  # one syscall per MiB; a reused buffer, so no page faults per read
 
 
-
 def _plan(ranges: Iterable[tuple[int, int, T]], window: int) -> Iterator[tuple[int, int, list[tuple[int, int, T]]]]:
     """Group ranges sorted by offset into reads: (start, length, ranges inside it); length >= the longest range."""
     start = end = -1
@@ -42,8 +41,9 @@ def _plan(ranges: Iterable[tuple[int, int, T]], window: int) -> Iterator[tuple[i
 _DONE = object()
 
 
-def _windows(files: Iterable[tuple[Path, Iterable[tuple[int, int, T]]]], window: int,
-             take: Any) -> Iterator[tuple[Path, int | CkptError, int, Any, list[tuple[int, int, T]]]]:
+def _windows(
+    files: Iterable[tuple[Path, Iterable[tuple[int, int, T]]]], window: int, take: Any
+) -> Iterator[tuple[Path, int | CkptError, int, Any, list[tuple[int, int, T]]]]:
     """(path, window start or error, bytes read, buffer, ranges in it) for each read; ``take()`` gives a buffer."""
     for path, ranges in files:
         try:
@@ -67,8 +67,9 @@ def _windows(files: Iterable[tuple[Path, Iterable[tuple[int, int, T]]]], window:
                     break
 
 
-def read_ranges(files: Iterable[tuple[Path, Iterable[tuple[int, int, T]]]], window: int = DEFAULT_WINDOW,
-                read_ahead: bool = False) -> Iterator[tuple[Path, T | None, memoryview | CkptError]]:
+def read_ranges(
+    files: Iterable[tuple[Path, Iterable[tuple[int, int, T]]]], window: int = DEFAULT_WINDOW, read_ahead: bool = False
+) -> Iterator[tuple[Path, T | None, memoryview | CkptError]]:
     """Yield ``(path, tag, bytes)`` for every range of every file, reading each file front to back.
 
     Ranges of one file must be sorted by offset. With ``read_ahead`` a background thread reads the next
@@ -110,8 +111,9 @@ def read_ranges(files: Iterable[tuple[Path, Iterable[tuple[int, int, T]]]], wind
             thread.join(timeout=0.05)
 
 
-def _serve(windows: Iterable[tuple], pool: queue.Queue, window: int
-           ) -> Iterator[tuple[Path, Any, memoryview | CkptError]]:
+def _serve(
+    windows: Iterable[tuple], pool: queue.Queue, window: int
+) -> Iterator[tuple[Path, Any, memoryview | CkptError]]:
     for path, start, got, buf, group in windows:
         if isinstance(start, CkptError):
             yield path, None, start
@@ -121,7 +123,7 @@ def _serve(windows: Iterable[tuple], pool: queue.Queue, window: int
                 if offset - start + length > got:
                     yield path, None, CkptError(f"{path}: truncated: range {offset}+{length} ends past the file's end")
                     break
-                yield path, tag, view[offset - start:offset - start + length]
+                yield path, tag, view[offset - start : offset - start + length]
             view.release()
         if isinstance(buf, bytearray):
             pool.put(buf)

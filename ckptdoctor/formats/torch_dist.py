@@ -143,8 +143,14 @@ def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
         extra = {k: v for k, v in (metadata.stand_in_state or {}).items() if k not in known}
     cls = type(metadata)
     class_name = cls.qualified_name() if isinstance(metadata, StandIn) else f"{cls.__module__}.{cls.__name__}"
-    return DcpIndex(items, _attr(metadata, "version"), class_name,
-                    None if checkpoint_id is None else str(checkpoint_id), extra, tuple(unlisted))
+    return DcpIndex(
+        items,
+        _attr(metadata, "version"),
+        class_name,
+        None if checkpoint_id is None else str(checkpoint_id),
+        extra,
+        tuple(unlisted),
+    )
 
 
 def _index_items(state_dict_metadata: dict, storage_data: dict, item_class: type[DcpItem]) -> dict[str, DcpItem]:
@@ -156,7 +162,8 @@ def _index_items(state_dict_metadata: dict, storage_data: dict, item_class: type
         index_fields, info_fields = index.__dict__, info.__dict__
         offset = index_fields.get("offset")
         locations[(index_fields["fqn"], None if offset is None else tuple(offset))] = StorageLocation(
-            str(info_fields["relative_path"]), int(info_fields["offset"]), int(info_fields["length"]))
+            str(info_fields["relative_path"]), int(info_fields["offset"]), int(info_fields["length"])
+        )
     dtype_names: dict[Any, str | None] = {}
     items: dict[str, DcpItem] = {}
     for key, item_meta in state_dict_metadata.items():
@@ -193,16 +200,16 @@ def read_range(iteration_dir: Path, location: StorageLocation, max_length: int |
     except OSError as exc:
         raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
     if len(data) != location.length:
-        raise CkptError(
-            f"{path}: truncated: range {location.offset}+{location.length} ends past the file's end"
-        )
+        raise CkptError(f"{path}: truncated: range {location.offset}+{location.length} ends past the file's end")
     return data
 
 
 def check_range_length(path: Path, location: StorageLocation, max_length: int | None) -> None:
     if max_length is not None and location.length > max_length:
-        raise PickleLimitError(f"{path}: range {location.offset}+{location.length} is longer than its item can "
-                               f"need ({max_length} bytes); refusing to read it")
+        raise PickleLimitError(
+            f"{path}: range {location.offset}+{location.length} is longer than its item can "
+            f"need ({max_length} bytes); refusing to read it"
+        )
 
 
 # --- writing -------------------------------------------------------------------------------------------

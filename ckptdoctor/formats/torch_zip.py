@@ -23,8 +23,12 @@ from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
 __all__ = ["ZIP_MAGIC", "dump_torch_zip", "is_torch_zip", "load_torch_zip"]
 
 
-def load_torch_zip(source: bytes | bytearray | memoryview | str | os.PathLike, where: str,
-                   limits: PickleLimits | None = None, unlisted: list[str] | None = None) -> Any:
+def load_torch_zip(
+    source: bytes | bytearray | memoryview | str | os.PathLike,
+    where: str,
+    limits: PickleLimits | None = None,
+    unlisted: list[str] | None = None,
+) -> Any:
     """Unpickle a ``torch.save`` archive (bytes or a path) into plain objects and stand-ins.
 
     A file is read whole (a common state is small; no memory map, which a file truncated by another
@@ -40,8 +44,9 @@ def load_torch_zip(source: bytes | bytearray | memoryview | str | os.PathLike, w
     except OSError as exc:
         raise CkptError(f"{where}: cannot read ({exc.strerror})") from None
     if len(blob) > max_bytes:
-        raise PickleLimitError(f"{where}: larger than the limit of {max_bytes} bytes "
-                               "(raise it with --max-pickle-bytes)")
+        raise PickleLimitError(
+            f"{where}: larger than the limit of {max_bytes} bytes (raise it with --max-pickle-bytes)"
+        )
     return load_archive(blob, where, limits, unlisted)
 
 
@@ -63,6 +68,7 @@ def dump_torch_zip(obj: Any, archive_name: str = "archive") -> bytes:
 
     pickled = safe_pickle.dumps(obj, persistent_id=persistent_id)
     buf = io.BytesIO()
+
     def member(name: str) -> zipfile.ZipInfo:  # a fixed date: the same object gives the same bytes
         return zipfile.ZipInfo(f"{archive_name}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
 

@@ -17,8 +17,16 @@ from ckptdoctor.formats.torch_dist import DcpChunk, StorageLocation
 
 # numpy type strings as zarr writes them -> torch dtype names; Megatron patches bfloat16 in by name.
 _ZARR_DTYPES = {
-    "<f4": "float32", "<f8": "float64", "<f2": "float16", "bfloat16": "bfloat16",
-    "<i8": "int64", "<i4": "int32", "<i2": "int16", "|i1": "int8", "|u1": "uint8", "|b1": "bool",
+    "<f4": "float32",
+    "<f8": "float64",
+    "<f2": "float16",
+    "bfloat16": "bfloat16",
+    "<i8": "int64",
+    "<i4": "int32",
+    "<i2": "int16",
+    "|i1": "int8",
+    "|u1": "uint8",
+    "|b1": "bool",
 }
 
 

@@ -40,7 +40,8 @@ class CheckOptions:
 # The files pre-commit passes to the hook (.pre-commit-hooks.yaml `files:`): one that belongs to no checkpoint
 # is skipped quietly; any other file that belongs to none is a user naming the wrong thing.
 CHECKPOINT_FILE_RE = re.compile(
-    r"(^|/)(latest_checkpointed_iteration\.txt|metadata\.json|\.metadata|common\.pt|integrity\.json|__\d+_\d+\.distcp)$")
+    r"(^|/)(latest_checkpointed_iteration\.txt|metadata\.json|\.metadata|common\.pt|integrity\.json|__\d+_\d+\.distcp)$"
+)
 
 
 @dataclass
@@ -87,8 +88,9 @@ class _Targets:
     findings: list[Finding] = field(default_factory=list)
 
 
-def check_paths(paths: list[str], options: CheckOptions | None = None,
-                progress: Progress | None = None, missing_ok: bool = False) -> CheckReport:
+def check_paths(
+    paths: list[str], options: CheckOptions | None = None, progress: Progress | None = None, missing_ok: bool = False
+) -> CheckReport:
     """Run every selected rule on the checkpoints ``paths`` name. A path that does not exist raises
     :class:`CkptError`, or with ``missing_ok`` is listed in the report's ``missing`` (the others are checked)."""
     options = options or CheckOptions()
@@ -107,13 +109,17 @@ def check_paths(paths: list[str], options: CheckOptions | None = None,
     for shown in iteration_dirs.values():  # keyed by resolved path (each once), read as named (messages match)
         for f in check_iteration_dir(shown, shown, options, progress):
             found.setdefault(f, shown)
-    kept = [f if ckpt is None else with_fix(f, ckpt) for f, ckpt in found.items()
-            if is_selected(f.code, options.select, options.ignore) and not _path_ignored(f, options)]
+    kept = [
+        f if ckpt is None else with_fix(f, ckpt)
+        for f, ckpt in found.items()
+        if is_selected(f.code, options.select, options.ignore) and not _path_ignored(f, options)
+    ]
     counts = {"error": 0, "warning": 0}
     for f in kept:
         counts[f.severity] = counts.get(f.severity, 0) + 1
-    return CheckReport(SCHEMA, [str(s) for s in iteration_dirs.values()], targets.skipped, kept, counts,
-                       targets.missing)
+    return CheckReport(
+        SCHEMA, [str(s) for s in iteration_dirs.values()], targets.skipped, kept, counts, targets.missing
+    )
 
 
 def _scan_values(options: CheckOptions) -> bool:
@@ -132,14 +138,16 @@ def _path_ignored(f: Finding, options: CheckOptions) -> bool:
         except ValueError:
             pass
     for glob, codes in options.per_path_ignores:
-        if any(fnmatch.fnmatchcase(name, glob) or fnmatch.fnmatchcase(name, glob.rstrip("/") + "/*")
-               for name in names) and is_selected(f.code, codes, []):
+        if any(
+            fnmatch.fnmatchcase(name, glob) or fnmatch.fnmatchcase(name, glob.rstrip("/") + "/*") for name in names
+        ) and is_selected(f.code, codes, []):
             return True
     return False
 
 
-def check_iteration_dir(directory: Path, shown: Path, options: CheckOptions,
-                        progress: Progress | None = None) -> list[Finding]:
+def check_iteration_dir(
+    directory: Path, shown: Path, options: CheckOptions, progress: Progress | None = None
+) -> list[Finding]:
     """Every rule family on one iteration dir; structure problems never stop the other families."""
     # ~10 small objects per chunk, none cyclic: the collector's repeated scans of them cost more than the work.
     with gc_paused():

@@ -190,9 +190,14 @@ def _limited(keys: list[str], limit: int | None) -> KeyList:
 def _side(ckpt: Checkpoint, layout_summary: dict, logical_keys: int) -> Side:
     location = ckpt.location
     return Side(
-        path=str(location.input_path), iteration_dir=str(ckpt.iteration_dir), backend=location.backend,
-        era=location.era, common_source=ckpt.common_source, iteration=location.iteration,
-        keys=logical_keys, entries=len(ckpt.entries),
+        path=str(location.input_path),
+        iteration_dir=str(ckpt.iteration_dir),
+        backend=location.backend,
+        era=location.era,
+        common_source=ckpt.common_source,
+        iteration=location.iteration,
+        keys=logical_keys,
+        entries=len(ckpt.entries),
         data_files={"count": len(ckpt.data_files), "bytes": sum(ckpt.data_files.values())},
         layout=layout_summary,
     )
@@ -200,16 +205,26 @@ def _side(ckpt: Checkpoint, layout_summary: dict, logical_keys: int) -> Side:
 
 def _layout_dict(ckpt: Checkpoint) -> tuple[dict, Any]:
     saved = infer_layout(ckpt)
-    return ({"tp": saved.tp, "pp": saved.pp, "layers": saved.layers, "ep": saved.ep,
-             "writer_ranks": saved.writer_ranks, "summary": saved.summary()}, saved)
+    return (
+        {
+            "tp": saved.tp,
+            "pp": saved.pp,
+            "layers": saved.layers,
+            "ep": saved.ep,
+            "writer_ranks": saved.writer_ranks,
+            "summary": saved.summary(),
+        },
+        saved,
+    )
 
 
 def _item_meta(item: Item) -> dict:
     return {"kind": item.kind, "dtype": item.dtype, "shape": None if item.shape is None else list(item.shape)}
 
 
-def compare_keys(items_a: dict[str, Item], items_b: dict[str, Item], era_common: bool, limit: int | None
-                 ) -> tuple[dict[str, SectionKeys], list[KeyChange], list[LayoutChange], list[str]]:
+def compare_keys(
+    items_a: dict[str, Item], items_b: dict[str, Item], era_common: bool, limit: int | None
+) -> tuple[dict[str, SectionKeys], list[KeyChange], list[LayoutChange], list[str]]:
     """Keys only in A/B per section, metadata changes and grid (layout) changes of keys in both."""
     only_a: dict[str, list[str]] = {s: [] for s in SECTIONS}
     only_b: dict[str, list[str]] = {s: [] for s in SECTIONS}
@@ -237,13 +252,13 @@ def compare_keys(items_a: dict[str, Item], items_b: dict[str, Item], era_common:
             changed.append(KeyChange(key, a.section, fields, _item_meta(a), _item_meta(b)))
         elif not a.same_grid(b):
             layout.append(LayoutChange(key, a.section, a.kind, a.grid_summary(), b.grid_summary()))
-    sections = {s: SectionKeys(_limited(only_a[s], limit), _limited(only_b[s], limit), common_count[s])
-                for s in SECTIONS}
+    sections = {
+        s: SectionKeys(_limited(only_a[s], limit), _limited(only_b[s], limit), common_count[s]) for s in SECTIONS
+    }
     return sections, changed, layout, both
 
 
-def compare_args(a: SavedLayout, b: SavedLayout, args_a: dict, args_b: dict,
-                 ignore: tuple[str, ...] = ()) -> ArgsDiff:
+def compare_args(a: SavedLayout, b: SavedLayout, args_a: dict, args_b: dict, ignore: tuple[str, ...] = ()) -> ArgsDiff:
     """Differing args by group, and args contradicting their own checkpoint's layout (``a``/``b``).
 
     Args whose name fully matches a regex of ``ignore`` are not compared (listed in ``ignored`` when they differ).
@@ -266,8 +281,9 @@ def compare_args(a: SavedLayout, b: SavedLayout, args_a: dict, args_b: dict,
     for side, layout, mine, other in (("a", a, args_a, args_b), ("b", b, args_b, args_a)):
         for f in check_args(mine, layout):
             equal = f.arg in other and same_value(mine[f.arg], other[f.arg])
-            flags.append(ArgFlag(side, f.code, f.arg, f.saved, f.correct, f.severity, f.reason, f.megatron_error,
-                                 equal))
+            flags.append(
+                ArgFlag(side, f.code, f.arg, f.saved, f.correct, f.severity, f.reason, f.megatron_error, equal)
+            )
     count = sum(len(v) for v in groups.values())
     return ArgsDiff(bool(args_a) and bool(args_b), count, groups, flags, ignored)
 
@@ -306,9 +322,11 @@ def era_notes(a: Checkpoint, b: Checkpoint) -> list[str]:
     if la.backend != lb.backend:
         notes.append(f"backends differ: A is {la.era}, B is {lb.era}; keys and values are compared by key")
     elif la.era != lb.era:
-        notes.append(f"A is {la.era}, B is {lb.era}: the common state moved from common.pt into the DCP item "
-                     f"{a.common_source if not la.has_common_pt else b.common_source}; it is compared as common "
-                     "state, not as a key")
+        notes.append(
+            f"A is {la.era}, B is {lb.era}: the common state moved from common.pt into the DCP item "
+            f"{a.common_source if not la.has_common_pt else b.common_source}; it is compared as common "
+            "state, not as a key"
+        )
     ka = [k for k in _ERA_METADATA_KEYS if k in la.metadata_json]
     kb = [k for k in _ERA_METADATA_KEYS if k in lb.metadata_json]
     if (ka != kb) and la.has_common_pt != lb.has_common_pt:
@@ -321,10 +339,19 @@ def era_notes(a: Checkpoint, b: Checkpoint) -> list[str]:
     return notes
 
 
-def diff_checkpoints(a: Checkpoint, b: Checkpoint, key_filter: KeyFilter | None = None, limit: int | None = 20,
-                     values: bool = False, atol: float | None = None, rtol: float | None = None,
-                     progress: Callable[[int, int], None] | None = None, ignore_layout: bool = False,
-                     ignore_args: tuple[str, ...] = (), report_mismatches: int = 0) -> DiffReport:
+def diff_checkpoints(
+    a: Checkpoint,
+    b: Checkpoint,
+    key_filter: KeyFilter | None = None,
+    limit: int | None = 20,
+    values: bool = False,
+    atol: float | None = None,
+    rtol: float | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    ignore_layout: bool = False,
+    ignore_args: tuple[str, ...] = (),
+    report_mismatches: int = 0,
+) -> DiffReport:
     """Compare two checkpoints; values are read (streamed, chunk by chunk) only when ``values`` is set.
 
     ``ignore_layout``: layout differences are reported but are not differences (``identical`` may be true);
@@ -340,28 +367,45 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint, key_filter: KeyFilter | None 
     layout_a, saved_a = _layout_dict(a)
     layout_b, saved_b = _layout_dict(b)
     summary_line = f"A: {saved_a.summary()}  B: {saved_b.summary()}"
-    layout = LayoutDiff(saved_a.summary(), saved_b.summary(), summary_line,
-                        bool(layout_changes) or saved_a.summary() != saved_b.summary(), len(layout_changes),
-                        layout_changes if limit is None else layout_changes[:limit])
+    layout = LayoutDiff(
+        saved_a.summary(),
+        saved_b.summary(),
+        summary_line,
+        bool(layout_changes) or saved_a.summary() != saved_b.summary(),
+        len(layout_changes),
+        layout_changes if limit is None else layout_changes[:limit],
+    )
     args_diff = common = None
     if key_filter.includes_common_state:
         args_diff = compare_args(saved_a, saved_b, args_as_dict(a.args), args_as_dict(b.args), ignore_args)
         common = compare_common(a, b, era_common)
     report = DiffReport(
-        schema=SCHEMA, a=_side(a, layout_a, len(all_a)), b=_side(b, layout_b, len(all_b)),
-        filters={"sections": list(key_filter.sections), "keys": list(key_filter.keys),
-                 "exclude": list(key_filter.exclude)},
-        limit=limit, keys=sections, changed=changed if limit is None else changed[:limit], layout=layout,
-        args=args_diff, common=common, era=era_notes(a, b),
+        schema=SCHEMA,
+        a=_side(a, layout_a, len(all_a)),
+        b=_side(b, layout_b, len(all_b)),
+        filters={
+            "sections": list(key_filter.sections),
+            "keys": list(key_filter.keys),
+            "exclude": list(key_filter.exclude),
+        },
+        limit=limit,
+        keys=sections,
+        changed=changed if limit is None else changed[:limit],
+        layout=layout,
+        args=args_diff,
+        common=common,
+        era=era_notes(a, b),
         ignored={"layout": ignore_layout, "args": list(ignore_args)},
     )
     if values:
         from ckptdoctor.ops.diff_values import compare_values
 
-        comparable = [(items_a[k], items_b[k]) for k in both
-                      if not (is_common_state_item(k) and items_a[k].kind != KIND_TENSOR)]
-        report.values = compare_values(a, b, comparable, atol=atol, rtol=rtol, limit=limit, progress=progress,
-                                       report=report_mismatches)
+        comparable = [
+            (items_a[k], items_b[k]) for k in both if not (is_common_state_item(k) and items_a[k].kind != KIND_TENSOR)
+        ]
+        report.values = compare_values(
+            a, b, comparable, atol=atol, rtol=rtol, limit=limit, progress=progress, report=report_mismatches
+        )
     report.summary = {
         "only_a": sum(s.only_a.count for s in sections.values()),
         "only_b": sum(s.only_b.count for s in sections.values()),

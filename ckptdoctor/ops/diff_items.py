@@ -17,7 +17,6 @@ from ckptdoctor.checkpoint import COMMON_STATE_PREFIX, Checkpoint, Entry
 _SHARD_RE = re.compile(r"^(?P<base>.+)/shard_(?P<offsets>\d+(?:\.\d+)*)_(?P<shape>\d+(?:\.\d+)*)$")
 
 
-
 def logical_key(entry_key: str, kind: str) -> str:
     """The logical key of a DCP entry: a tensor's own key, a ShardedObject shard's base key (the one definition of
     "key" that inspect and diff count; an entry is one DCP item, a shard of an object or a tensor)."""
@@ -91,7 +90,7 @@ def logical_items(checkpoint: Checkpoint) -> dict[str, Item]:
             continue
         base = match.group("base")
         shape = tuple(int(s) for s in match.group("shape").split("."))
-        suffix = key[len(base) + 1:]
+        suffix = key[len(base) + 1 :]
         item = items.get(base)
         if item is None or item.kind != KIND_OBJECT:
             item = items[base] = Item(base, entry.section, KIND_OBJECT, None, shape, {})

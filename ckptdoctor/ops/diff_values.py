@@ -123,7 +123,7 @@ class _Accumulator:
             pos = tuple(idx)
             self.mismatches.append((at, _plain(a[pos]), _plain(b[pos])))
         self.mismatches.sort(key=lambda m: m[0])
-        del self.mismatches[self.report:]
+        del self.mismatches[self.report :]
 
     def _slab(self, a: Any, b: Any, origin: tuple[int, ...] = ()) -> None:
         torch = self.torch
@@ -260,12 +260,28 @@ def _numel(sizes: tuple[int, ...]) -> int:
     return n
 
 
-def compare_tensor(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, atol: float | None, rtol: float | None,
-                   ctx: Context, report: int = 0) -> ValueDiff:
+def compare_tensor(
+    a: Checkpoint,
+    ia: Item,
+    b: Checkpoint,
+    ib: Item,
+    atol: float | None,
+    rtol: float | None,
+    ctx: Context,
+    report: int = 0,
+) -> ValueDiff:
     ea, eb = ia.entry, ib.entry
     if ea.shape != eb.shape:
-        return ValueDiff(ia.key, ia.section, KIND_TENSOR, None, None, None, None,
-                         f"global shapes differ ({list(ea.shape or ())} vs {list(eb.shape or ())})")
+        return ValueDiff(
+            ia.key,
+            ia.section,
+            KIND_TENSOR,
+            None,
+            None,
+            None,
+            None,
+            f"global shapes differ ({list(ea.shape or ())} vs {list(eb.shape or ())})",
+        )
     acc = _Accumulator(ctx.torch, atol, rtol, report)
     index = _ChunkIndex(eb.chunks)
     cache_limit = max((c.storage.length for c in eb.chunks if c.storage), default=0)
@@ -312,8 +328,9 @@ def compare_tensor(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, atol: float
                     del blob
                 elif cb.offsets in cache:
                     cache.move_to_end(cb.offsets)
-                acc.update(xa[region[0]], hit[0][region[1]],
-                           tuple(o + (s.start or 0) for o, s in zip(ca.offsets, region[0])))
+                acc.update(
+                    xa[region[0]], hit[0][region[1]], tuple(o + (s.start or 0) for o, s in zip(ca.offsets, region[0]))
+                )
                 covered += region[2]
                 hit = None
             del xa, pair
@@ -331,9 +348,19 @@ def compare_tensor(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, atol: float
     if ea.dtype != eb.dtype:
         note = (note + "; " if note else "") + f"dtypes differ ({ea.dtype} vs {eb.dtype})"
     equal = acc.mismatched == 0 and covered == numel and (acc.tolerance or ea.dtype == eb.dtype)
-    return ValueDiff(ia.key, ia.section, KIND_TENSOR, equal, _finite(acc.max_abs), acc.mismatched, acc.elements,
-                     note, max_rel_diff=_finite(acc.max_rel), norm_diff=_finite(math.sqrt(acc.sum_sq)),
-                     mismatches=acc.first_mismatches() if not equal else None)
+    return ValueDiff(
+        ia.key,
+        ia.section,
+        KIND_TENSOR,
+        equal,
+        _finite(acc.max_abs),
+        acc.mismatched,
+        acc.elements,
+        note,
+        max_rel_diff=_finite(acc.max_rel),
+        norm_diff=_finite(math.sqrt(acc.sum_sq)),
+        mismatches=acc.first_mismatches() if not equal else None,
+    )
 
 
 # --- bytes items ---------------------------------------------------------------------------------------
@@ -341,9 +368,16 @@ def compare_tensor(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, atol: float
 
 def compare_objects(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, ctx: Context) -> ValueDiff:
     if sorted(ia.entries) != sorted(ib.entries):
-        return ValueDiff(ia.key, ia.section, ia.kind, None, None, None, None,
-                         f"sharded differently (A: {ia.grid_summary()}, B: {ib.grid_summary()}): layout, "
-                         "values not compared")
+        return ValueDiff(
+            ia.key,
+            ia.section,
+            ia.kind,
+            None,
+            None,
+            None,
+            None,
+            f"sharded differently (A: {ia.grid_summary()}, B: {ib.grid_summary()}): layout, values not compared",
+        )
     hashes: dict[str, tuple[str, str]] = {}
     differing: list[str] = []
     for suffix in sorted(ia.entries):
@@ -394,10 +428,17 @@ def _first_storage(item: Item) -> tuple:
     return ("", 0)
 
 
-def compare_values(a: Checkpoint, b: Checkpoint, pairs: list[tuple[Item, Item]], atol: float | None = None,
-                   rtol: float | None = None, limit: int | None = 20,
-                   progress: Callable[[int, int], None] | None = None,
-                   workers: int = 2, report: int = 0) -> ValuesReport:
+def compare_values(
+    a: Checkpoint,
+    b: Checkpoint,
+    pairs: list[tuple[Item, Item]],
+    atol: float | None = None,
+    rtol: float | None = None,
+    limit: int | None = 20,
+    progress: Callable[[int, int], None] | None = None,
+    workers: int = 2,
+    report: int = 0,
+) -> ValuesReport:
     """Values of the key pairs (same logical key in A and B), in A's on-disk order for sequential reads.
 
     ``workers`` threads compare keys concurrently; chunk bytes held by all of them stay under 3x the largest
@@ -426,8 +467,11 @@ def compare_values(a: Checkpoint, b: Checkpoint, pairs: list[tuple[Item, Item]],
         ctx, out = contexts[index], []
         for ia, ib in ordered[index::workers]:  # interleaved: both workers walk A's files in order
             if ia.kind != ib.kind:
-                out.append(ValueDiff(ia.key, ia.section, ia.kind, None, None, None, None,
-                                     f"kinds differ ({ia.kind} vs {ib.kind})"))
+                out.append(
+                    ValueDiff(
+                        ia.key, ia.section, ia.kind, None, None, None, None, f"kinds differ ({ia.kind} vs {ib.kind})"
+                    )
+                )
             elif ia.kind == KIND_TENSOR:
                 out.append(compare_tensor(a, ia, b, ib, atol, rtol, ctx, report))
             else:
@@ -449,15 +493,22 @@ def compare_values(a: Checkpoint, b: Checkpoint, pairs: list[tuple[Item, Item]],
     skipped = sorted((r for r in results if r.equal is None), key=lambda r: r.key)
     finite = [r.max_abs_diff for r in results if isinstance(r.max_abs_diff, float)]
     texts = {r.max_abs_diff for r in results if isinstance(r.max_abs_diff, str)}
-    overall: float | str | None = "nan" if "nan" in texts else "inf" if "inf" in texts else (
-        max(finite) if finite else None)
+    overall: float | str | None = (
+        "nan" if "nan" in texts else "inf" if "inf" in texts else (max(finite) if finite else None)
+    )
     return ValuesReport(
         mode="tolerance" if atol is not None or rtol is not None else "bitwise",
-        atol=atol or 0.0, rtol=rtol or 0.0,
-        compared=sum(r.equal is not None for r in results), equal=sum(r.equal is True for r in results),
-        different=len(different), not_compared=len(skipped), max_abs_diff=overall,
-        bytes_read={"a": budget.a, "b": budget.b}, seconds=round(time.perf_counter() - start, 3),
-        workers=workers, peak_in_flight=inflight.peak,
+        atol=atol or 0.0,
+        rtol=rtol or 0.0,
+        compared=sum(r.equal is not None for r in results),
+        equal=sum(r.equal is True for r in results),
+        different=len(different),
+        not_compared=len(skipped),
+        max_abs_diff=overall,
+        bytes_read={"a": budget.a, "b": budget.b},
+        seconds=round(time.perf_counter() - start, 3),
+        workers=workers,
+        peak_in_flight=inflight.peak,
         different_keys=different if limit is None else different[:limit],
         not_compared_keys=skipped if limit is None else skipped[:limit],
     )

@@ -67,8 +67,7 @@ def saved_args(checkpoint: Checkpoint) -> argparse.Namespace:
     return args
 
 
-def diagnose(checkpoint: Checkpoint, source: Checkpoint | None = None) -> tuple[list[ArgFinding],
-                                                                                   list[InheritedArg]]:
+def diagnose(checkpoint: Checkpoint, source: Checkpoint | None = None) -> tuple[list[ArgFinding], list[InheritedArg]]:
     """Inconsistent args, and (with a source) the derived args that were carried over from it."""
     args = args_as_dict(saved_args(checkpoint))
     findings = check_args(args, infer_layout(checkpoint))
@@ -114,8 +113,10 @@ def coerce_value(name: str, text: str, current: Any, exists: bool) -> Any:
     if isinstance(current, str):
         return text
     if exists and current is not None:
-        raise CkptError(f"--set {name}: the saved value {current!r} is a {type(current).__name__}; "
-                        "only bool, int, float, str and None args can be set")
+        raise CkptError(
+            f"--set {name}: the saved value {current!r} is a {type(current).__name__}; "
+            "only bool, int, float, str and None args can be set"
+        )
     # a None or new arg: best guess from the text itself
     for convert in (int, float):
         try:
@@ -137,8 +138,9 @@ def parse_sets(sets: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def plan_changes(checkpoint: Checkpoint, findings: list[ArgFinding], sets: list[str],
-                 apply_fixes: bool = True, force: bool = False) -> list[ArgChange]:
+def plan_changes(
+    checkpoint: Checkpoint, findings: list[ArgFinding], sets: list[str], apply_fixes: bool = True, force: bool = False
+) -> list[ArgChange]:
     """The arg edits to write: each finding's correct value, then --set edits (which win)."""
     args = args_as_dict(saved_args(checkpoint))
     planned: dict[str, ArgChange] = {}
@@ -157,8 +159,9 @@ def plan_changes(checkpoint: Checkpoint, findings: list[ArgFinding], sets: list[
     return [c for c in planned.values() if c.new != c.old or c.arg not in args]
 
 
-def build_report(checkpoint: Checkpoint, source: Checkpoint | None, sets: list[str], force: bool,
-                 apply_fixes: bool = True) -> FixArgsReport:
+def build_report(
+    checkpoint: Checkpoint, source: Checkpoint | None, sets: list[str], force: bool, apply_fixes: bool = True
+) -> FixArgsReport:
     findings, inherited = diagnose(checkpoint, source)
     changes = plan_changes(checkpoint, findings, sets, apply_fixes=apply_fixes, force=force)
     return FixArgsReport(

@@ -46,8 +46,7 @@ class InspectReport:
     arg_findings: list[dict] = field(default_factory=list)
 
 
-def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False,
-                       key_filter: str | None = None) -> InspectReport:
+def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filter: str | None = None) -> InspectReport:
     location = checkpoint.location
     sections: dict[str, dict] = {
         s: {"keys": 0, "tensors": 0, "bytes_items": 0, "entries": 0, "parameters": 0, "bytes": 0} for s in SECTIONS
@@ -85,8 +84,9 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False,
         path=str(location.input_path),
         iteration_dir=str(location.iteration_dir),
         save_dir=None if location.save_dir is None else str(location.save_dir),
-        tracker=None if location.tracker_path is None else {
-            "path": str(location.tracker_path), "value": location.tracker_value},
+        tracker=None
+        if location.tracker_path is None
+        else {"path": str(location.tracker_path), "value": location.tracker_value},
         iteration=location.iteration if location.iteration is not None else common.get("iteration"),
         release=location.release,
         format={
@@ -106,17 +106,23 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False,
     )
     if isinstance(args, argparse.Namespace):
         report.arg_findings = [
-            {"code": f.code, "arg": f.arg, "saved": f.saved, "correct": f.correct, "severity": f.severity,
-             "reason": f.reason}
+            {
+                "code": f.code,
+                "arg": f.arg,
+                "saved": f.saved,
+                "correct": f.correct,
+                "severity": f.severity,
+                "reason": f.reason,
+            }
             for f in check_args(args_as_dict(args), saved)
         ]
     if with_keys:
         pattern = re.compile(key_filter) if key_filter else None
         report.keys = [
-            KeyRow(e.key, e.section, e.kind, e.dtype, None if e.shape is None else list(e.shape),
-                   len(e.chunks), e.nbytes)
+            KeyRow(
+                e.key, e.section, e.kind, e.dtype, None if e.shape is None else list(e.shape), len(e.chunks), e.nbytes
+            )
             for e in sorted(checkpoint.entries.values(), key=lambda e: (SECTIONS.index(e.section), e.key))
             if pattern is None or pattern.search(e.key)
         ]
     return report
-

@@ -60,12 +60,14 @@ def errors_of(directory: Path, options: CheckOptions, progress: Progress | None 
     """The selected error findings of one iteration dir (with leftovers of interrupted writes beside it)."""
     found = check_iteration_dir(directory, directory, options, progress)
     found += leftovers.scan_beside(directory.parent, directory.parent, directory.name)
-    return [f for f in dict.fromkeys(found)
-            if f.severity == ERROR and is_selected(f.code, options.select, options.ignore)]
+    return [
+        f for f in dict.fromkeys(found) if f.severity == ERROR and is_selected(f.code, options.select, options.ignore)
+    ]
 
 
-def find_latest_good(save_dir: str | Path, options: CheckOptions | None = None,
-                     progress: Progress | None = None) -> LatestGoodReport:
+def find_latest_good(
+    save_dir: str | Path, options: CheckOptions | None = None, progress: Progress | None = None
+) -> LatestGoodReport:
     """Check the iteration dirs of ``save_dir`` newest first; stop at the first one without errors."""
     options = options or CheckOptions()
     path = Path(save_dir)

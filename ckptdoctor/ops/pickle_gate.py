@@ -27,7 +27,9 @@ def refuse_unsafe_pickles(checkpoint: Checkpoint) -> None:
         except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
             path = checkpoint.iteration_dir / entry.chunks[0].storage.relative_path
             detail = str(exc).split(": ", 2)[-1] if ": " in str(exc) else str(exc)
-            raise CkptError(f"{path}: item {entry.key}: {detail}; refusing to copy a pickle that a real load "
-                            "would execute or choke on (--force does not override this)") from None
+            raise CkptError(
+                f"{path}: item {entry.key}: {detail}; refusing to copy a pickle that a real load "
+                "would execute or choke on (--force does not override this)"
+            ) from None
         except CkptError:
             continue

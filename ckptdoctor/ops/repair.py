@@ -66,8 +66,7 @@ from ckptdoctor.rules import ERROR, Finding, leftovers, structure
 from ckptdoctor.rules.integrity import INTEGRITY_NAME, LISTED_FILE_MISSING
 
 SCHEMA = "ckptdoctor.repair/1"
-TRACKER_CODES = (structure.TRACKER_INVALID.code, structure.TRACKER_TARGET_MISSING.code,
-                 structure.TRACKER_MISSING.code)
+TRACKER_CODES = (structure.TRACKER_INVALID.code, structure.TRACKER_TARGET_MISSING.code, structure.TRACKER_MISSING.code)
 METADATA_JSON_CODE = structure.METADATA_JSON_MISSING.code
 ORPHAN_CODE = structure.DATA_FILE_UNREFERENCED.code
 INTERRUPTED_CODE = leftovers.INTERRUPTED_WRITE.code
@@ -76,11 +75,19 @@ ARG_CODES = frozenset({r.code for r in arg_rules.RULES} | {"CKD204"})
 QUARANTINE_MARK = ".quarantine-"
 
 # The metadata.json Megatron writes, by era (sharded backend version 1 since core 0.6).
-METADATA_JSON_COMMON_PT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                           "common_backend": "torch", "common_backend_version": 1}
+METADATA_JSON_COMMON_PT = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 METADATA_JSON_COMMON_STATE = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
-METADATA_JSON_ZARR = {"sharded_backend": "zarr", "sharded_backend_version": 1, "common_backend": "torch",
-                      "common_backend_version": 1}
+METADATA_JSON_ZARR = {
+    "sharded_backend": "zarr",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 
 
 @dataclass
@@ -206,19 +213,27 @@ def _zarr_refusal(state: structure.Scanned) -> str | None:
                 continue
             need = entry.chunk_nbytes(chunk)
             if need is not None and chunk.storage.length != need:
-                return (f"{chunk.storage.relative_path} holds {chunk.storage.length} bytes, its chunk needs {need}: "
-                        "an incomplete save")
+                return (
+                    f"{chunk.storage.relative_path} holds {chunk.storage.length} bytes, its chunk needs {need}: "
+                    "an incomplete save"
+                )
     if state.common is None:
         return "the common state does not read"
     return None
 
 
-def plan(path: str | Path, iteration: str | None = None,
-         options: CheckOptions | None = None) -> tuple[RepairReport, _Plan]:
+def plan(
+    path: str | Path, iteration: str | None = None, options: CheckOptions | None = None
+) -> tuple[RepairReport, _Plan]:
     options = options or CheckOptions()
     save_dir, candidate, tracker_findings = _resolve(Path(path), iteration)
-    report = RepairReport(SCHEMA, str(path), None if save_dir is None else str(save_dir),
-                          None if candidate is None else str(candidate), list(tracker_findings))
+    report = RepairReport(
+        SCHEMA,
+        str(path),
+        None if save_dir is None else str(save_dir),
+        None if candidate is None else str(candidate),
+        list(tracker_findings),
+    )
     work = _Plan(save_dir, candidate)
     target_broken = False
     if candidate is not None:
@@ -234,9 +249,15 @@ def plan(path: str | Path, iteration: str | None = None,
         displaced = [f for f in leftovers.scan_beside(save_dir, save_dir) if f.code == INTERRUPTED_CODE]
         if displaced:
             report.findings += displaced
-            report.refused += [Refusal(f.code, f.path, "an interrupted ckptdoctor write: the tracker is not "
-                                       f"changed until it is resolved; {f.message}; then run repair again")
-                               for f in displaced]
+            report.refused += [
+                Refusal(
+                    f.code,
+                    f.path,
+                    "an interrupted ckptdoctor write: the tracker is not "
+                    f"changed until it is resolved; {f.message}; then run repair again",
+                )
+                for f in displaced
+            ]
             return report, work
     if save_dir is not None and (tracker_codes or target_broken):
         latest = find_latest_good(save_dir, options)
@@ -244,20 +265,36 @@ def plan(path: str | Path, iteration: str | None = None,
         if latest.found:
             fixes = tracker_codes or sorted({f.code for f in report.unrepairable})
             work.tracker_value = latest.iteration
-            why = ("its checkpoint fails check" if not tracker_codes else
-                   "; ".join(f.message for f in tracker_findings if f.code in TRACKER_CODES))
-            report.actions.append(Action(
-                "tracker", fixes, str(save_dir / TRACKER_NAME),
-                f"point {TRACKER_NAME} to {latest.iteration} ({Path(latest.iteration_dir).name}, the newest "  # type: ignore[arg-type]
-                f"iteration dir that passes check): {why}", latest.iteration))
-            report.notes += [f"latest-good skipped {Path(s.iteration_dir).name}: {s.errors[0].code} "
-                             f"{s.errors[0].message}" for s in latest.skipped]
+            why = (
+                "its checkpoint fails check"
+                if not tracker_codes
+                else "; ".join(f.message for f in tracker_findings if f.code in TRACKER_CODES)
+            )
+            report.actions.append(
+                Action(
+                    "tracker",
+                    fixes,
+                    str(save_dir / TRACKER_NAME),
+                    f"point {TRACKER_NAME} to {latest.iteration} ({Path(latest.iteration_dir).name}, the newest "  # type: ignore[arg-type]
+                    f"iteration dir that passes check): {why}",
+                    latest.iteration,
+                )
+            )
+            report.notes += [
+                f"latest-good skipped {Path(s.iteration_dir).name}: {s.errors[0].code} {s.errors[0].message}"
+                for s in latest.skipped
+            ]
         else:
             for f in tracker_findings:
                 if f.code in TRACKER_CODES:
                     report.unrepairable.append(f)
-            report.refused.append(Refusal(tracker_codes[0] if tracker_codes else "CKD121", str(save_dir / TRACKER_NAME),
-                                          "no iteration dir of the save dir passes check: nothing to point it to"))
+            report.refused.append(
+                Refusal(
+                    tracker_codes[0] if tracker_codes else "CKD121",
+                    str(save_dir / TRACKER_NAME),
+                    "no iteration dir of the save dir passes check: nothing to point it to",
+                )
+            )
     if report.unrepairable:
         report.way_out = _way_out(save_dir, latest)
     return report, work
@@ -265,12 +302,16 @@ def plan(path: str | Path, iteration: str | None = None,
 
 def _way_out(save_dir: Path | None, latest: LatestGoodReport | None) -> str:
     if latest is not None and latest.found:
-        return (f"the data above is lost from this checkpoint; resume from the latest good one: "
-                f"{latest.iteration_dir} (`ckptdoctor latest-good {save_dir}`)")
+        return (
+            f"the data above is lost from this checkpoint; resume from the latest good one: "
+            f"{latest.iteration_dir} (`ckptdoctor latest-good {save_dir}`)"
+        )
     if save_dir is not None:
         return "the data above is lost and no iteration dir of the save dir passes check"
-    return ("the data above is lost from this checkpoint; resume from an older one "
-            "(`ckptdoctor latest-good SAVE_DIR` finds the newest that passes check)")
+    return (
+        "the data above is lost from this checkpoint; resume from an older one "
+        "(`ckptdoctor latest-good SAVE_DIR` finds the newest that passes check)"
+    )
 
 
 def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport, work: _Plan) -> bool:
@@ -280,20 +321,35 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
     found += leftovers.scan_beside(candidate.parent, candidate.parent, candidate.name)
     found = list(dict.fromkeys(found))
     report.findings += found
-    missing_json = [f for f in found if f.code == METADATA_JSON_CODE or (
-        f.code == LISTED_FILE_MISSING.code and f.message.startswith(f"metadata.json listed in {INTEGRITY_NAME}"))]
+    missing_json = [
+        f
+        for f in found
+        if f.code == METADATA_JSON_CODE
+        or (f.code == LISTED_FILE_MISSING.code and f.message.startswith(f"metadata.json listed in {INTEGRITY_NAME}"))
+    ]
     orphans = [f for f in found if f.code == ORPHAN_CODE]
     arg_findings = [f for f in found if f.code in ARG_CODES]
     left = [f for f in found if f.code == LEFTOVER_CODE]
     interrupted = [f for f in found if f.code == INTERRUPTED_CODE]
     if interrupted:  # the original is displaced or partly rewritten: only the user's restore undoes that
         for f in interrupted:
-            report.refused.append(Refusal(f.code, f.path, "an interrupted ckptdoctor write: nothing is repaired "
-                                          f"until it is resolved; {f.message}; then run repair again"))
+            report.refused.append(
+                Refusal(
+                    f.code,
+                    f.path,
+                    "an interrupted ckptdoctor write: nothing is repaired "
+                    f"until it is resolved; {f.message}; then run repair again",
+                )
+            )
         for f in found:
             if f not in interrupted:
-                report.refused.append(Refusal(f.code, f.path, f"not repaired until the interrupted write "
-                                              f"({INTERRUPTED_CODE}) is resolved: {f.message}"))
+                report.refused.append(
+                    Refusal(
+                        f.code,
+                        f.path,
+                        f"not repaired until the interrupted write ({INTERRUPTED_CODE}) is resolved: {f.message}",
+                    )
+                )
         return False  # not a reason to point the tracker elsewhere: restoring the original is the way out
     fixable = missing_json + orphans + arg_findings + left
     others = [f for f in found if f not in fixable]
@@ -317,43 +373,74 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
                 content, era = METADATA_JSON_COMMON_STATE, "core >= 0.19, common_state"
             recorded = _recorded_hash(candidate, "metadata.json")
             if recorded is not None and recorded != hashlib.sha256(json.dumps(content).encode()).hexdigest():
-                report.refused.append(Refusal(METADATA_JSON_CODE, str(candidate / "metadata.json"),
-                                              f"{INTEGRITY_NAME} records another metadata.json than this era's"))
+                report.refused.append(
+                    Refusal(
+                        METADATA_JSON_CODE,
+                        str(candidate / "metadata.json"),
+                        f"{INTEGRITY_NAME} records another metadata.json than this era's",
+                    )
+                )
                 report.unrepairable += missing_json
                 return True
             work.metadata_json = content
-            proof = ("every zarr chunk file holds exactly its elements, common.pt reads"
-                     if location.backend == BACKEND_ZARR else
-                     ".metadata reads, every referenced data file is present and long enough, the common state reads")
-            report.actions.append(Action(
-                "metadata-json", sorted({f.code for f in missing_json}), str(candidate / "metadata.json"),
-                f"write metadata.json ({era}): {proof}", content))
+            proof = (
+                "every zarr chunk file holds exactly its elements, common.pt reads"
+                if location.backend == BACKEND_ZARR
+                else ".metadata reads, every referenced data file is present and long enough, the common state reads"
+            )
+            report.actions.append(
+                Action(
+                    "metadata-json",
+                    sorted({f.code for f in missing_json}),
+                    str(candidate / "metadata.json"),
+                    f"write metadata.json ({era}): {proof}",
+                    content,
+                )
+            )
     if blocking:
         for f in orphans + arg_findings + left:
             report.refused.append(Refusal(f.code, f.path, "not repaired: the checkpoint has errors no repair fixes"))
         return True
     if orphans:
         work.orphans = sorted(Path(f.path).name for f in orphans)
-        report.actions.append(Action(
-            "quarantine", [ORPHAN_CODE], str(candidate),
-            f"move {len(work.orphans)} unreferenced data file(s) ({', '.join(work.orphans)}) into "
-            f"{candidate.name}{QUARANTINE_MARK}<stamp>/ beside the iteration dir (nothing is deleted)", work.orphans))
+        report.actions.append(
+            Action(
+                "quarantine",
+                [ORPHAN_CODE],
+                str(candidate),
+                f"move {len(work.orphans)} unreferenced data file(s) ({', '.join(work.orphans)}) into "
+                f"{candidate.name}{QUARANTINE_MARK}<stamp>/ beside the iteration dir (nothing is deleted)",
+                work.orphans,
+            )
+        )
     if left:
         work.leftovers = [Path(f.path) for f in left]
-        report.actions.append(Action(
-            "quarantine-leftovers", [LEFTOVER_CODE], str(candidate),
-            f"move {len(left)} leftover(s) of an interrupted ckptdoctor write "
-            f"({', '.join(p.name for p in work.leftovers)}) into {candidate.name}{QUARANTINE_MARK}<stamp>/ "
-            "beside the iteration dir (nothing is deleted)", [str(p) for p in work.leftovers]))
+        report.actions.append(
+            Action(
+                "quarantine-leftovers",
+                [LEFTOVER_CODE],
+                str(candidate),
+                f"move {len(left)} leftover(s) of an interrupted ckptdoctor write "
+                f"({', '.join(p.name for p in work.leftovers)}) into {candidate.name}{QUARANTINE_MARK}<stamp>/ "
+                "beside the iteration dir (nothing is deleted)",
+                [str(p) for p in work.leftovers],
+            )
+        )
     if arg_findings:
         assert state.checkpoint is not None
         args_report = fix_args.build_report(state.checkpoint, None, [], force=False)
         work.changes = args_report.changes
         if work.changes:
-            report.actions.append(Action(
-                "fix-args", sorted({f.code for f in arg_findings}), str(candidate),
-                "fix args (as `ckptdoctor fix-args`): " + ", ".join(f"{c.arg} {c.old!r} -> {c.new!r}"
-                                                                  for c in work.changes), work.changes))
+            report.actions.append(
+                Action(
+                    "fix-args",
+                    sorted({f.code for f in arg_findings}),
+                    str(candidate),
+                    "fix args (as `ckptdoctor fix-args`): "
+                    + ", ".join(f"{c.arg} {c.old!r} -> {c.new!r}" for c in work.changes),
+                    work.changes,
+                )
+            )
         else:
             report.untouched += arg_findings
     return False
@@ -460,8 +547,13 @@ def _write_in_place(report: RepairReport, work: _Plan) -> RepairWrite:
     return result
 
 
-def _quarantine_leftovers(candidate: Path, planned: list[Path], quarantine: Callable[[], Path],
-                          replace_manifest: Callable[[bytes | None], None], result: RepairWrite) -> None:
+def _quarantine_leftovers(
+    candidate: Path,
+    planned: list[Path],
+    quarantine: Callable[[], Path],
+    replace_manifest: Callable[[bytes | None], None],
+    result: RepairWrite,
+) -> None:
     """Move the planned CKD151 leftovers that are still CKD151 now (under the lock) into the quarantine dir."""
     safe = {Path(f.path) for f in leftovers.check_iteration_dir(candidate, candidate) if f.code == LEFTOVER_CODE}
     moving = [p for p in planned if p in safe]
@@ -484,8 +576,10 @@ def _refuse_if_displaced(iteration_dir: Path) -> None:
     """--output reads the source only: a CKD151 leftover is not copied (no reason to refuse), a CKD150 is."""
     found = [f for f in leftovers.check_iteration_dir(iteration_dir, iteration_dir) if f.code == INTERRUPTED_CODE]
     if found:
-        raise CkptError(f"{iteration_dir}: an interrupted ckptdoctor write left {found[0].path}; run "
-                        f"`ckptdoctor check {iteration_dir}` and follow its restore steps before writing again")
+        raise CkptError(
+            f"{iteration_dir}: an interrupted ckptdoctor write left {found[0].path}; run "
+            f"`ckptdoctor check {iteration_dir}` and follow its restore steps before writing again"
+        )
 
 
 def _skip_on_copy(name: str) -> bool:
@@ -500,8 +594,9 @@ def _write_output(report: RepairReport, work: _Plan, output: Path, force: bool) 
     else:
         assert candidate is not None
         chosen, iteration_work = candidate, work
-    refuse_overlap(output, [p for p in (save_dir, candidate, chosen) if p is not None],
-                   "use --in-place to repair the source")
+    refuse_overlap(
+        output, [p for p in (save_dir, candidate, chosen) if p is not None], "use --in-place to repair the source"
+    )
     result = RepairWrite("output", str(output))
     with locking.checkpoint_lock(chosen, exclusive=False, optional=True):
         _refuse_if_displaced(chosen)
@@ -563,8 +658,15 @@ def _fill_output(chosen: Path, work: _Plan, output: Path, result: RepairWrite) -
         result.written.append(str(tracker))
 
 
-def repair(path: str | Path, iteration: str | None = None, write: bool = False, output: Path | None = None,
-           in_place: bool = False, force: bool = False, options: CheckOptions | None = None) -> RepairReport:
+def repair(
+    path: str | Path,
+    iteration: str | None = None,
+    write: bool = False,
+    output: Path | None = None,
+    in_place: bool = False,
+    force: bool = False,
+    options: CheckOptions | None = None,
+) -> RepairReport:
     """Plan the repairs of ``path`` (a save dir or an iteration dir); with ``write``, apply them and re-check."""
     options = options or CheckOptions()
     report, work = plan(path, iteration, options)

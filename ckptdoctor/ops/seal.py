@@ -58,8 +58,9 @@ def default_jobs() -> int:
 
 def manifest_files(iteration_dir: Path) -> list[Path]:
     """The files Megatron's ``save_integrity_manifest`` lists: regular files directly in the dir, sorted."""
-    return [p for p in sorted(iteration_dir.iterdir(), key=lambda p: str(p))
-            if p.is_file() and p.name != INTEGRITY_NAME]
+    return [
+        p for p in sorted(iteration_dir.iterdir(), key=lambda p: str(p)) if p.is_file() and p.name != INTEGRITY_NAME
+    ]
 
 
 def manifest_bytes(hashes: dict[str, str]) -> bytes:
@@ -108,8 +109,14 @@ def _snapshot(paths: list[Path]) -> dict[str, tuple[int, int]]:
     return out
 
 
-def seal(path: str | Path, iteration: str | None = None, jobs: int | None = None, force: bool = False,
-         progress: Progress | None = None, on_total: Callable[[int], None] | None = None) -> SealResult:
+def seal(
+    path: str | Path,
+    iteration: str | None = None,
+    jobs: int | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> SealResult:
     """Hash every file of the checkpoint ``path`` names and write ``integrity.json`` (see the module doc).
 
     ``on_total`` is called once with the bytes about to be hashed (for a progress bar), ``progress`` as
@@ -129,10 +136,15 @@ def seal(path: str | Path, iteration: str | None = None, jobs: int | None = None
         errors = [f for f in found if f.severity == ERROR and not (existed and f.code in _MANIFEST_CODES)]
         if errors:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            raise CkptError(f"{iteration_dir}: refusing to seal a checkpoint that fails check: {errors[0].path}: "
-                            f"{errors[0].code} {errors[0].message}{more}")
-        notes = [f"the previous manifest disagreed: {f.code} {f.path}: {f.message}"
-                 for f in found if existed and f.code in _MANIFEST_CODES]
+            raise CkptError(
+                f"{iteration_dir}: refusing to seal a checkpoint that fails check: {errors[0].path}: "
+                f"{errors[0].code} {errors[0].message}{more}"
+            )
+        notes = [
+            f"the previous manifest disagreed: {f.code} {f.path}: {f.message}"
+            for f in found
+            if existed and f.code in _MANIFEST_CODES
+        ]
         files = manifest_files(iteration_dir)
         before = _snapshot(files)
         total = sum(size for size, _ in before.values())
@@ -142,7 +154,9 @@ def seal(path: str | Path, iteration: str | None = None, jobs: int | None = None
         hashes = hash_files(files, jobs, progress)
         seconds = time.perf_counter() - start
         if _snapshot(files) != before or [p.name for p in manifest_files(iteration_dir)] != list(hashes):
-            raise CkptError(f"{iteration_dir}: files changed while they were hashed (is a job still writing "
-                            "this checkpoint?); nothing was written")
+            raise CkptError(
+                f"{iteration_dir}: files changed while they were hashed (is a job still writing "
+                "this checkpoint?); nothing was written"
+            )
         write_manifest(iteration_dir, hashes)
     return SealResult(SCHEMA, str(iteration_dir), str(manifest), len(hashes), total, jobs, seconds, existed, notes)

@@ -61,15 +61,32 @@ def find_entry(checkpoint: Checkpoint, key: str) -> Entry:
 
 
 def describe(checkpoint: Checkpoint, entry: Entry) -> ShowReport:
-    chunks = [ChunkRow(list(c.offsets), list(c.sizes),
-                       None if c.storage is None else c.storage.relative_path,
-                       None if c.storage is None else c.storage.offset,
-                       None if c.storage is None else c.storage.length) for c in entry.chunks]
+    chunks = [
+        ChunkRow(
+            list(c.offsets),
+            list(c.sizes),
+            None if c.storage is None else c.storage.relative_path,
+            None if c.storage is None else c.storage.offset,
+            None if c.storage is None else c.storage.length,
+        )
+        for c in entry.chunks
+    ]
     grid = None
     if entry.kind == "tensor" and entry.shape is not None:
         grid = [len({c.offsets[axis] for c in entry.chunks}) for axis in range(len(entry.shape))]
-    return ShowReport(SCHEMA, str(checkpoint.iteration_dir), entry.key, entry.section, entry.kind, entry.dtype,
-                      None if entry.shape is None else list(entry.shape), entry.numel, entry.nbytes, grid, chunks)
+    return ShowReport(
+        SCHEMA,
+        str(checkpoint.iteration_dir),
+        entry.key,
+        entry.section,
+        entry.kind,
+        entry.dtype,
+        None if entry.shape is None else list(entry.shape),
+        entry.numel,
+        entry.nbytes,
+        grid,
+        chunks,
+    )
 
 
 def _finite(x: float) -> float | None:
@@ -103,8 +120,17 @@ def statistics(checkpoint: Checkpoint, entry: Entry) -> dict:
             hi = max(hi, float(finite.max()))
     mean = total / n if n else None
     std = math.sqrt(max(total_sq / n - mean * mean, 0.0)) if n and mean is not None else None
-    return {"numel": entry.numel, "finite": n, "min": _finite(lo), "max": _finite(hi), "mean": mean, "std": std,
-            "nan": nan, "posinf": posinf, "neginf": neginf}
+    return {
+        "numel": entry.numel,
+        "finite": n,
+        "min": _finite(lo),
+        "max": _finite(hi),
+        "mean": mean,
+        "std": std,
+        "nan": nan,
+        "posinf": posinf,
+        "neginf": neginf,
+    }
 
 
 def parse_slice(spec: str, ndim: int) -> tuple:
@@ -157,8 +183,17 @@ def slice_values(part: Any) -> list | float | int | bool:
     return _plain(part.tolist())
 
 
-_NPY_DESCR = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4",
-              "int16": "<i2", "int8": "|i1", "uint8": "|u1", "bool": "|b1"}
+_NPY_DESCR = {
+    "float64": "<f8",
+    "float32": "<f4",
+    "float16": "<f2",
+    "int64": "<i8",
+    "int32": "<i4",
+    "int16": "<i2",
+    "int8": "|i1",
+    "uint8": "|u1",
+    "bool": "|b1",
+}
 
 
 def npy_bytes(tensor: Any) -> tuple[bytes, str | None]:
@@ -223,17 +258,27 @@ def _render(report: ShowReport) -> str:
     from ckptdoctor.report import human_bytes, tabulate
 
     shape = "-" if report.shape is None else "x".join(map(str, report.shape)) or "()"
-    lines = [f"checkpoint      {report.checkpoint}",
-             f"key             {report.key}",
-             f"section         {report.section}   kind {report.kind}",
-             f"dtype           {report.dtype or '-'}",
-             f"global shape    {shape}   ({report.numel:,} elements)",
-             f"on disk         {human_bytes(report.bytes)} in {len(report.chunks)} chunk(s)"]
+    lines = [
+        f"checkpoint      {report.checkpoint}",
+        f"key             {report.key}",
+        f"section         {report.section}   kind {report.kind}",
+        f"dtype           {report.dtype or '-'}",
+        f"global shape    {shape}   ({report.numel:,} elements)",
+        f"on disk         {human_bytes(report.bytes)} in {len(report.chunks)} chunk(s)",
+    ]
     if report.grid is not None:
         lines.append(f"chunk grid      {' x '.join(map(str, report.grid)) or '1'} (chunks per axis)")
-    rows = [[i, "(" + ", ".join(map(str, c.offsets)) + ")", "x".join(map(str, c.sizes)) or "()", c.file or "-",
-             "-" if c.offset is None else c.offset, "-" if c.length is None else c.length]
-            for i, c in enumerate(report.chunks[:TEXT_CHUNK_LIMIT])]
+    rows = [
+        [
+            i,
+            "(" + ", ".join(map(str, c.offsets)) + ")",
+            "x".join(map(str, c.sizes)) or "()",
+            c.file or "-",
+            "-" if c.offset is None else c.offset,
+            "-" if c.length is None else c.length,
+        ]
+        for i, c in enumerate(report.chunks[:TEXT_CHUNK_LIMIT])
+    ]
     lines.append("")
     lines.append(tabulate(rows, headers=["chunk", "offsets", "sizes", "file", "at", "bytes"]))
     if len(report.chunks) > TEXT_CHUNK_LIMIT:
@@ -241,8 +286,10 @@ def _render(report: ShowReport) -> str:
     if report.stats is not None:
         s = report.stats
         lines.append("")
-        lines.append(f"min {_num(s['min'])}   max {_num(s['max'])}   mean {_num(s['mean'])}   std {_num(s['std'])}"
-                     f"   (over {s['finite']:,} finite values)")
+        lines.append(
+            f"min {_num(s['min'])}   max {_num(s['max'])}   mean {_num(s['mean'])}   std {_num(s['std'])}"
+            f"   (over {s['finite']:,} finite values)"
+        )
         lines.append(f"nan {s['nan']:,}   +inf {s['posinf']:,}   -inf {s['neginf']:,}")
     if report.slice is not None:
         sl = report.slice
@@ -260,8 +307,11 @@ def _matrix(values: list) -> str:
     """Nested lists one innermost row per line."""
     if not values or not isinstance(values[0], list):
         return "[" + ", ".join(_num(v) for v in values) + "]"
-    return "\n".join(_matrix(v) for v in values) if not isinstance(values[0][0], list) else \
-        "\n\n".join(_matrix(v) for v in values)
+    return (
+        "\n".join(_matrix(v) for v in values)
+        if not isinstance(values[0][0], list)
+        else "\n\n".join(_matrix(v) for v in values)
+    )
 
 
 def render_show(report: ShowReport) -> str:

@@ -92,14 +92,17 @@ def structural_problems(checkpoint: Checkpoint) -> list[str]:
         for chunk in entry.chunks:
             loc = chunk.storage
             if loc is None:
-                problems.append(f"{directory / '.metadata'}: {entry.key} chunk at {list(chunk.offsets)} "
-                                "has no storage entry")
+                problems.append(
+                    f"{directory / '.metadata'}: {entry.key} chunk at {list(chunk.offsets)} has no storage entry"
+                )
             elif loc.relative_path not in checkpoint.data_files:
                 missing[loc.relative_path] = missing.get(loc.relative_path, 0) + 1
             elif loc.offset + loc.length > checkpoint.data_files[loc.relative_path]:
-                problems.append(f"{directory / loc.relative_path}: truncated: {entry.key} range "
-                                f"{loc.offset}+{loc.length} ends past the file's end "
-                                f"({checkpoint.data_files[loc.relative_path]} bytes)")
+                problems.append(
+                    f"{directory / loc.relative_path}: truncated: {entry.key} range "
+                    f"{loc.offset}+{loc.length} ends past the file's end "
+                    f"({checkpoint.data_files[loc.relative_path]} bytes)"
+                )
     for name, count in sorted(missing.items()):
         problems.insert(0, f"{directory / name}: missing data file ({count} items in .metadata point to it)")
     return problems
@@ -118,8 +121,11 @@ def check_integrity(checkpoint: Checkpoint) -> None:
 
 def model_parameters(checkpoint: Checkpoint) -> dict[str, Entry]:
     """Model-section tensors: the candidates for 'trainable' (objects and _extra_state never are)."""
-    return {k: e for k, e in checkpoint.entries.items()
-            if e.section == "model" and e.kind == "tensor" and not e.is_extra_state}
+    return {
+        k: e
+        for k, e in checkpoint.entries.items()
+        if e.section == "model" and e.kind == "tensor" and not e.is_extra_state
+    }
 
 
 def trainable_from_patterns(checkpoint: Checkpoint, patterns: list[str], preset: str | None) -> TrainableSelection:
@@ -152,15 +158,20 @@ def trainable_from_optimizer(checkpoint: Checkpoint) -> TrainableSelection:
             names.add(match.group(1))
     if not keys:
         if any(k.startswith("optimizer.distributed.") for k in optimizer_keys):
-            raise CkptError(f"{where}: the optimizer state is the distributed optimizer's dp_reshardable buckets "
-                            f"(optimizer.distributed.*), which do not name model keys; {_NEEDS_SELECTION}")
-        raise CkptError(f"{where}: no optimizer.state.<name>.<model key> item names a model parameter "
-                        f"({len(optimizer_keys)} optimizer keys); {_NEEDS_SELECTION}")
+            raise CkptError(
+                f"{where}: the optimizer state is the distributed optimizer's dp_reshardable buckets "
+                f"(optimizer.distributed.*), which do not name model keys; {_NEEDS_SELECTION}"
+            )
+        raise CkptError(
+            f"{where}: no optimizer.state.<name>.<model key> item names a model parameter "
+            f"({len(optimizer_keys)} optimizer keys); {_NEEDS_SELECTION}"
+        )
     return TrainableSelection("optimizer", "state " + ", ".join(sorted(names)), keys)
 
 
-def trainable_from_base(checkpoint: Checkpoint, base: Checkpoint,
-                        progress: Callable[[int], None] | None = None) -> TrainableSelection:
+def trainable_from_base(
+    checkpoint: Checkpoint, base: Checkpoint, progress: Callable[[int], None] | None = None
+) -> TrainableSelection:
     """Model tensors that differ from (or are absent in) ``base``; bitwise, streamed one chunk at a time."""
     from ckptdoctor.value_compare import tensors_bitwise_equal
 
@@ -188,8 +199,9 @@ def trainable_from_base(checkpoint: Checkpoint, base: Checkpoint,
 def dir_bytes(directory: Path, data: bool = True) -> int:
     """The size of a checkpoint dir as strip-frozen reports it: every plain file directly in it (data files,
     ``.metadata``, ``common.pt``, ``metadata.json``, ...); ``data=False``: all but the ``.distcp`` data files."""
-    return sum(p.stat().st_size for p in directory.iterdir()
-               if p.is_file() and (data or not p.name.endswith(".distcp")))
+    return sum(
+        p.stat().st_size for p in directory.iterdir() if p.is_file() and (data or not p.name.endswith(".distcp"))
+    )
 
 
 def plan_strip(checkpoint: Checkpoint, selection: TrainableSelection) -> StripPlan:
@@ -218,8 +230,10 @@ def plan_strip(checkpoint: Checkpoint, selection: TrainableSelection) -> StripPl
             dropped.append(decision)
             dropped_params += entry.numel
     if not any(d.section == "model" for d in kept):
-        raise CkptError(f"{checkpoint.iteration_dir}: the trainable selection ({selection.source}: "
-                        f"{selection.detail}) keeps no model parameter; nothing written")
+        raise CkptError(
+            f"{checkpoint.iteration_dir}: the trainable selection ({selection.source}: "
+            f"{selection.detail}) keeps no model parameter; nothing written"
+        )
     return StripPlan(
         schema=SCHEMA,
         source=str(checkpoint.location.input_path),
@@ -235,8 +249,13 @@ def plan_strip(checkpoint: Checkpoint, selection: TrainableSelection) -> StripPl
     )
 
 
-def select_trainable(checkpoint: Checkpoint, patterns: list[str], preset: str | None, base: Checkpoint | None,
-                     progress: Callable[[int], None] | None = None) -> TrainableSelection:
+def select_trainable(
+    checkpoint: Checkpoint,
+    patterns: list[str],
+    preset: str | None,
+    base: Checkpoint | None,
+    progress: Callable[[int], None] | None = None,
+) -> TrainableSelection:
     """The one selection source the options ask for: names, else base compare, else the optimizer."""
     if (patterns or preset) and base is not None:
         raise CkptError("--base cannot be combined with --trainable/--preset: choose one source")

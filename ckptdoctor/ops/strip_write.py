@@ -138,7 +138,11 @@ def _set_trainable_only_arg(stage: Path, result: StripResult) -> None:
 
 
 def _fill_iteration_dir(
-    checkpoint: Checkpoint, plan: StripPlan, stage: Path, progress: Callable[[int], None] | None, result: StripResult,
+    checkpoint: Checkpoint,
+    plan: StripPlan,
+    stage: Path,
+    progress: Callable[[int], None] | None,
+    result: StripResult,
     set_args: bool = True,
 ) -> None:
     src = checkpoint.iteration_dir
@@ -195,8 +199,11 @@ def verify_source_manifest(iteration_dir: Path) -> None:
     missing = sorted(set(listed) - present)
     unlisted = sorted(present - set(listed))
     if missing or unlisted:
-        name, what = (missing[0], f"listed in {INTEGRITY_NAME} but missing") if missing else (
-            unlisted[0], f"not listed in {INTEGRITY_NAME}")
+        name, what = (
+            (missing[0], f"listed in {INTEGRITY_NAME} but missing")
+            if missing
+            else (unlisted[0], f"not listed in {INTEGRITY_NAME}")
+        )
         raise CkptError(f"{iteration_dir / name}: {what}{why}")
     try:
         actual = hash_files(files, default_jobs())
@@ -424,8 +431,9 @@ def strip_frozen(
 
     check_integrity(checkpoint)
     if dry_run:
-        return _plan_and_write(checkpoint, output, in_place, patterns, preset, base, True, force, keep_backup, progress,
-                               keep_args)
+        return _plan_and_write(
+            checkpoint, output, in_place, patterns, preset, base, True, force, keep_backup, progress, keep_args
+        )
     check_target(checkpoint, output, in_place, force, keep_backup)
     # in place: exclusive; --output: shared (other readers may copy the same source at the same time)
     with locking.checkpoint_lock(checkpoint.iteration_dir, exclusive=in_place, optional=not in_place):

@@ -28,27 +28,45 @@ VARIES = "error/warning"  # arg findings carry their own severity: error where m
 
 
 def _arg_rule_info(rule: arg_rules.Rule) -> RuleInfo:
-    return RuleInfo(rule.code, "arg-" + rule.arg.replace("_", "-"), "consistency", VARIES,
-                    rule.description, _ARGS_RATIONALE.format(derives=rule.derives_from))
+    return RuleInfo(
+        rule.code,
+        "arg-" + rule.arg.replace("_", "-"),
+        "consistency",
+        VARIES,
+        rule.description,
+        _ARGS_RATIONALE.format(derives=rule.derives_from),
+    )
 
 
 # CKD204 lives in arg_rules' world-size check, outside its per-arg table.
 WORLD_SIZE = RuleInfo(
-    "CKD204", "arg-world-size", "consistency", WARNING,
+    "CKD204",
+    "arg-world-size",
+    "consistency",
+    WARNING,
     "world_size must be a multiple of TP x PP x CP and data_parallel_size their quotient",
-    _ARGS_RATIONALE.format(derives="tensor/pipeline/context_parallel_size"))
+    _ARGS_RATIONALE.format(derives="tensor/pipeline/context_parallel_size"),
+)
 CHUNK_COVERAGE = RuleInfo(
-    "CKD220", "chunk-coverage", "consistency", ERROR,
+    "CKD220",
+    "chunk-coverage",
+    "consistency",
+    ERROR,
     "a tensor's chunks do not cover its global shape exactly once",
     "Every element of a saved tensor must come from exactly one chunk: a gap is data no rank saved (a rank's "
     "plan missing from .metadata), an overlap or an out-of-bounds chunk is a corrupt or badly merged index; "
-    "DCP's load planner fails or reads garbage.")
+    "DCP's load planner fails or reads garbage.",
+)
 ORPHAN_EXTRA_STATE = RuleInfo(
-    "CKD221", "orphan-extra-state", "consistency", ERROR,
+    "CKD221",
+    "orphan-extra-state",
+    "consistency",
+    ERROR,
     "a model _extra_state item whose module has no saved weight",
     "Filters that drop weights (trainable-params-only saves, PEFT adapter filters) must drop the module's "
     "_extra_state too: a ShardedObject kept beside a dropped weight makes the load request and the checkpoint "
-    "disagree and the load fails.")
+    "disagree and the load fails.",
+)
 
 _ARG_INFOS = [_arg_rule_info(r) for r in arg_rules.RULES]
 RULES = [*_ARG_INFOS, WORLD_SIZE, CHUNK_COVERAGE, ORPHAN_EXTRA_STATE]
@@ -106,8 +124,10 @@ def coverage_problem(entry: Entry) -> str | None:
     if len(chunks) <= 1 and total == numel:
         return None
     # Cut every axis at all chunk boundaries; each grid cell must be covered exactly once.
-    cuts = [sorted({0, d, *(c.offsets[a] for c in chunks), *(c.offsets[a] + c.sizes[a] for c in chunks)})
-            for a, d in enumerate(shape)]
+    cuts = [
+        sorted({0, d, *(c.offsets[a] for c in chunks), *(c.offsets[a] + c.sizes[a] for c in chunks)})
+        for a, d in enumerate(shape)
+    ]
     cells = math.prod(len(axis) - 1 for axis in cuts)
     if cells > _MAX_CELLS:
         if total == numel:
@@ -115,18 +135,24 @@ def coverage_problem(entry: Entry) -> str | None:
         return _count_message(total, numel)
     count: dict[tuple[int, ...], int] = {}
     for c in chunks:
-        ranges = [range(bisect.bisect_left(axis, o), bisect.bisect_left(axis, o + s))
-                  for axis, o, s in zip(cuts, c.offsets, c.sizes)]
+        ranges = [
+            range(bisect.bisect_left(axis, o), bisect.bisect_left(axis, o + s))
+            for axis, o, s in zip(cuts, c.offsets, c.sizes)
+        ]
         for cell in itertools.product(*ranges):
             count[cell] = count.get(cell, 0) + 1
     overlap = [cell for cell, n in count.items() if n > 1]
     if overlap:
-        return f"chunks overlap at offsets {_origin(cuts, overlap[0])} ({len(chunks)} chunks hold {total} elements, " \
-               f"the shape {numel})"
+        return (
+            f"chunks overlap at offsets {_origin(cuts, overlap[0])} ({len(chunks)} chunks hold {total} elements, "
+            f"the shape {numel})"
+        )
     if len(count) < cells:
         missing = next(cell for cell in itertools.product(*(range(len(a) - 1) for a in cuts)) if cell not in count)
-        return f"chunks leave a gap at offsets {_origin(cuts, missing)}: {numel - total} of {numel} elements " \
-               "are in no chunk"
+        return (
+            f"chunks leave a gap at offsets {_origin(cuts, missing)}: {numel - total} of {numel} elements "
+            "are in no chunk"
+        )
     return None
 
 
@@ -141,8 +167,11 @@ def _count_message(total: int, numel: int) -> str:
 
 
 def _orphan_extra_state(checkpoint: Checkpoint, shown: str) -> list[Finding]:
-    modules_with_tensors = {e.key.rsplit(".", 1)[0] for e in checkpoint.entries.values()
-                            if e.kind == "tensor" and e.section == "model" and "." in e.key}
+    modules_with_tensors = {
+        e.key.rsplit(".", 1)[0]
+        for e in checkpoint.entries.values()
+        if e.kind == "tensor" and e.section == "model" and "." in e.key
+    }
     out = []
     seen: set[str] = set()
     for entry in checkpoint.entries.values():
@@ -152,6 +181,12 @@ def _orphan_extra_state(checkpoint: Checkpoint, shown: str) -> list[Finding]:
         if module in modules_with_tensors or module in seen or module.rsplit(".", 1)[-1] in _WEIGHTLESS_MODULES:
             continue
         seen.add(module)
-        out.append(Finding(ORPHAN_EXTRA_STATE.code, shown,
-                           f"{entry.key}: _extra_state kept but no weight of {module} is saved", ERROR))
+        out.append(
+            Finding(
+                ORPHAN_EXTRA_STATE.code,
+                shown,
+                f"{entry.key}: _extra_state kept but no weight of {module} is saved",
+                ERROR,
+            )
+        )
     return out

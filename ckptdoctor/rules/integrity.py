@@ -35,40 +35,80 @@ def _rule(code: str, name: str, severity: str, summary: str, rationale: str) -> 
 
 
 HASH_MISMATCH = _rule(
-    "CKD301", "integrity-hash-mismatch", ERROR, "a file's sha256 differs from integrity.json",
+    "CKD301",
+    "integrity-hash-mismatch",
+    ERROR,
+    "a file's sha256 differs from integrity.json",
     "Megatron (--verify-integrity) hashed every file at save time; a different hash is silent corruption or "
-    "a file replaced after the save, and Megatron's own verification would refuse the load.")
+    "a file replaced after the save, and Megatron's own verification would refuse the load.",
+)
 LISTED_FILE_MISSING = _rule(
-    "CKD302", "integrity-file-missing", ERROR, "a file listed in integrity.json does not exist",
-    "The file existed when the save finished; it was lost in a copy or deleted since.")
+    "CKD302",
+    "integrity-file-missing",
+    ERROR,
+    "a file listed in integrity.json does not exist",
+    "The file existed when the save finished; it was lost in a copy or deleted since.",
+)
 MANIFEST_INVALID = _rule(
-    "CKD303", "integrity-manifest-invalid", ERROR, "integrity.json does not parse or uses another algorithm",
-    "Megatron's verification needs {'algorithm': 'sha256', 'files': {name: hexdigest}}; anything else fails it.")
+    "CKD303",
+    "integrity-manifest-invalid",
+    ERROR,
+    "integrity.json does not parse or uses another algorithm",
+    "Megatron's verification needs {'algorithm': 'sha256', 'files': {name: hexdigest}}; anything else fails it.",
+)
 FILE_UNLISTED = _rule(
-    "CKD304", "integrity-file-unlisted", WARNING, "a file in the dir is not listed in integrity.json",
-    "integrity.json is written after every other file; an unlisted file was added or rewritten afterwards.")
+    "CKD304",
+    "integrity-file-unlisted",
+    WARNING,
+    "a file in the dir is not listed in integrity.json",
+    "integrity.json is written after every other file; an unlisted file was added or rewritten afterwards.",
+)
 BLOB_UNDECODABLE = _rule(
-    "CKD310", "blob-undecodable", ERROR, "--deep: a tensor chunk does not decode to the tensor .metadata declares",
+    "CKD310",
+    "blob-undecodable",
+    ERROR,
+    "--deep: a tensor chunk does not decode to the tensor .metadata declares",
     "Each chunk is a torch.save blob; a corrupt archive, a CRC error in its data record or a shape/dtype "
-    "differing from .metadata makes torch.load fail or load the wrong tensor.")
+    "differing from .metadata makes torch.load fail or load the wrong tensor.",
+)
 BLOB_SIZE = _rule(
-    "CKD311", "blob-size-mismatch", ERROR, "--deep: a chunk's storage bytes differ from numel x itemsize",
+    "CKD311",
+    "blob-size-mismatch",
+    ERROR,
+    "--deep: a chunk's storage bytes differ from numel x itemsize",
     "A storage record shorter or longer than its element count, or a view reaching past its storage, is a "
-    "torn write or a hand-made blob; torch reads out of bounds or refuses it.")
+    "torn write or a hand-made blob; torch reads out of bounds or refuses it.",
+)
 ITEM_UNDECODABLE = _rule(
-    "CKD312", "item-undecodable", ERROR, "--deep: a bytes item (ShardedObject, _extra_state) does not deserialize",
-    "Bytes items are torch.save blobs Megatron unpickles on load; a corrupt one fails the load of its module.")
+    "CKD312",
+    "item-undecodable",
+    ERROR,
+    "--deep: a bytes item (ShardedObject, _extra_state) does not deserialize",
+    "Bytes items are torch.save blobs Megatron unpickles on load; a corrupt one fails the load of its module.",
+)
 
 NON_FINITE = _rule(
-    "CKD313", "non-finite-values", ERROR, "--deep: a model or optimizer tensor holds NaN or Inf values",
+    "CKD313",
+    "non-finite-values",
+    ERROR,
+    "--deep: a model or optimizer tensor holds NaN or Inf values",
     "No converging training run saves NaN or Inf weights or optimizer moments: they are what a loss spike, an "
     "fp16 overflow or a flipped exponent byte leaves behind, and a resume from them trains on garbage. One "
     "finding per key with the NaN and Inf counts (IEEE float16/bfloat16/float32/float64, read without torch); "
     "`latest-good --deep` skips such a checkpoint. The distributed optimizer's flat buckets (keys with "
-    "`.bucket_idx_`) are not scanned: their padding is uninitialized memory, arbitrary bits in a real save.")
+    "`.bucket_idx_`) are not scanned: their padding is uninitialized memory, arbitrary bits in a real save.",
+)
 
-RULES = [HASH_MISMATCH, LISTED_FILE_MISSING, MANIFEST_INVALID, FILE_UNLISTED, BLOB_UNDECODABLE, BLOB_SIZE,
-         ITEM_UNDECODABLE, NON_FINITE]
+RULES = [
+    HASH_MISMATCH,
+    LISTED_FILE_MISSING,
+    MANIFEST_INVALID,
+    FILE_UNLISTED,
+    BLOB_UNDECODABLE,
+    BLOB_SIZE,
+    ITEM_UNDECODABLE,
+    NON_FINITE,
+]
 NON_FINITE_SECTIONS = ("model", "optimizer")
 # The distributed optimizer's flat buckets (dp_reshardable: optimizer.distributed.dp_group_idx_*.gbuf_idx_*...
 # .bucket_idx_*.<param|exp_avg|exp_avg_sq>) hold padding that megatron-core never writes (torch.empty): a real
@@ -78,6 +118,7 @@ _FLAT_BUCKET_MARK = ".bucket_idx_"
 
 def _values_scanned(entry: Entry) -> bool:
     return entry.section in NON_FINITE_SECTIONS and _FLAT_BUCKET_MARK not in entry.key
+
 
 Progress = Callable[[int], None]  # called with the bytes just processed
 
@@ -118,8 +159,13 @@ def check_manifest(state: Scanned, verify_hashes: bool) -> list[Finding]:
                 out.append(finding(LISTED_FILE_MISSING, shown / name, reason(exc, directory / name)))
                 continue
             if actual != expected.lower():
-                out.append(finding(HASH_MISMATCH, shown / name,
-                                   f"sha256 {actual[:16]}... but {INTEGRITY_NAME} records {expected[:16]}..."))
+                out.append(
+                    finding(
+                        HASH_MISMATCH,
+                        shown / name,
+                        f"sha256 {actual[:16]}... but {INTEGRITY_NAME} records {expected[:16]}...",
+                    )
+                )
     for name in sorted(present - set(files)):
         out.append(finding(FILE_UNLISTED, shown / name, f"not listed in {INTEGRITY_NAME}"))
     return out
@@ -159,10 +205,13 @@ def _work(state: Scanned) -> dict[str, list[tuple[Entry, DcpChunk]]]:
 # IEEE floating-point dtypes: itemsize, and the exponent bits in the last two bytes of a little-endian element
 # (all ones: NaN or Inf). float16: s11111.., bfloat16 and float32: s1111111 1..., float64: s1111111 1111....
 _FLOAT_EXPONENT: dict[str, tuple[int, int, int]] = {
-    "torch.float16": (2, 0x7C, 0x00), "torch.half": (2, 0x7C, 0x00),
+    "torch.float16": (2, 0x7C, 0x00),
+    "torch.half": (2, 0x7C, 0x00),
     "torch.bfloat16": (2, 0x7F, 0x80),
-    "torch.float32": (4, 0x7F, 0x80), "torch.float": (4, 0x7F, 0x80),
-    "torch.float64": (8, 0x7F, 0xF0), "torch.double": (8, 0x7F, 0xF0),
+    "torch.float32": (4, 0x7F, 0x80),
+    "torch.float": (4, 0x7F, 0x80),
+    "torch.float64": (8, 0x7F, 0xF0),
+    "torch.double": (8, 0x7F, 0xF0),
 }
 
 
@@ -183,12 +232,12 @@ def count_non_finite(data: Any, dtype: str | None) -> tuple[int, int] | None:
         return None
     size, high_mask, low_mask = spec
     raw = memoryview(data).cast("B")  # no copy: only the two exponent bytes of each element are copied out
-    raw = raw[:len(raw) - len(raw) % size]
+    raw = raw[: len(raw) - len(raw) % size]
     if not raw:
         return 0, 0
-    flags = int.from_bytes(raw[size - 1::size].tobytes().translate(_TABLES[high_mask]), "little")
+    flags = int.from_bytes(raw[size - 1 :: size].tobytes().translate(_TABLES[high_mask]), "little")
     if low_mask:
-        flags &= int.from_bytes(raw[size - 2::size].tobytes().translate(_TABLES[low_mask]), "little")
+        flags &= int.from_bytes(raw[size - 2 :: size].tobytes().translate(_TABLES[low_mask]), "little")
     total = flags.bit_count()  # one set bit per flagged element (each flag byte is 0 or 1)
     if not total:
         return 0, 0
@@ -198,7 +247,7 @@ def count_non_finite(data: Any, dtype: str | None) -> tuple[int, int] | None:
     marks = flags.to_bytes(len(raw) // size, "little")
     index = marks.find(1)
     while index >= 0:
-        value = int.from_bytes(raw[index * size:(index + 1) * size], "little") & ~sign
+        value = int.from_bytes(raw[index * size : (index + 1) * size], "little") & ~sign
         inf += value == exponent  # all-ones exponent, zero mantissa
         index = marks.find(1, index + 1)
     return total - inf, inf
@@ -230,8 +279,14 @@ class _NonFinite:
             if not bad:
                 continue
             path, chunk = self.first[key]
-            out.append(finding(NON_FINITE, path, f"{key}: {nan} NaN and {inf} Inf value(s) in {bad} of {scanned} "
-                                                 f"chunk(s) (first: chunk at {list(chunk.offsets)})"))
+            out.append(
+                finding(
+                    NON_FINITE,
+                    path,
+                    f"{key}: {nan} NaN and {inf} Inf value(s) in {bad} of {scanned} "
+                    f"chunk(s) (first: chunk at {list(chunk.offsets)})",
+                )
+            )
         return out
 
 
@@ -332,8 +387,14 @@ def _persistent_load(pid: object) -> StorageRef:
     return storage_ref(pid, "")
 
 
-def _check_chunk(decoder: _ChunkDecoder, entry: Entry, chunk: DcpChunk, blob: memoryview,
-                 path: Path, non_finite: _NonFinite | None = None) -> Finding | None:
+def _check_chunk(
+    decoder: _ChunkDecoder,
+    entry: Entry,
+    chunk: DcpChunk,
+    blob: memoryview,
+    path: Path,
+    non_finite: _NonFinite | None = None,
+) -> Finding | None:
     what = f"{entry.key} chunk at {list(chunk.offsets)}"
     try:
         archive = parse_archive(blob, what)
@@ -347,8 +408,11 @@ def _check_chunk(decoder: _ChunkDecoder, entry: Entry, chunk: DcpChunk, blob: me
             return finding(BLOB_SIZE, path, f"{what}: {verdict.size_problem}")
         record = archive.storage(verdict.record or "")
         if record.size != verdict.record_bytes:
-            return finding(BLOB_SIZE, path, f"{what}: storage record has {record.size} bytes, "
-                                            f"{verdict.record_bytes} expected (numel x itemsize)")
+            return finding(
+                BLOB_SIZE,
+                path,
+                f"{what}: storage record has {record.size} bytes, {verdict.record_bytes} expected (numel x itemsize)",
+            )
         if record.method or archive.general:  # inflate (bounded by what the tensor needs) and check the CRC
             data = archive.read(record.name, verdict.record_bytes)
         elif non_finite is not None:

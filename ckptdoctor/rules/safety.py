@@ -14,7 +14,10 @@ from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
 
 UNSAFE_PICKLE = RuleInfo(
-    "CKD401", "unsafe-pickle", "safety", ERROR,
+    "CKD401",
+    "unsafe-pickle",
+    "safety",
+    ERROR,
     "a pickle references a global outside the allowlist",
     "common.pt, .metadata, common_state and bytes items are pickles; PyTorch DCP and Megatron load them with "
     "plain pickle / weights_only=False, so a reference to os.system, eval, subprocess, or a torch/numpy helper "
@@ -24,20 +27,29 @@ UNSAFE_PICKLE = RuleInfo(
     "is replaced.",
 )
 UNLISTED_GLOBAL = RuleInfo(
-    "CKD402", "unlisted-class", "safety", WARNING,
+    "CKD402",
+    "unlisted-class",
+    "safety",
+    WARNING,
     "a pickle references a megatron / transformer_engine / nemo class that is not on the allowlist",
     "ckptdoctor reads it as an inert stand-in (nothing runs), but a real load imports and calls it. A new "
     "Megatron release can add classes to its checkpoints: check that the name is one you expect.",
 )
 PICKLE_LIMIT = RuleInfo(
-    "CKD403", "pickle-limit", "safety", ERROR,
+    "CKD403",
+    "pickle-limit",
+    "safety",
+    ERROR,
     "a pickle breaks a resource limit (nesting, memo, size, or it mutates a shared class)",
     "A few MB of hostile pickle can crash a loader (a million-deep tuple overflows the C stack when hashed) "
     "or make it allocate gigabytes. Real checkpoints stay far inside the limits; raise --max-pickle-bytes "
     "for a legitimate giant.",
 )
 ARCHIVE_ANOMALY = RuleInfo(
-    "CKD404", "archive-anomaly", "safety", ERROR,
+    "CKD404",
+    "archive-anomaly",
+    "safety",
+    ERROR,
     "a torch.save archive holds duplicate members, several prefixes or unsafe member names",
     "torch reads the first of two members with one name, other zip readers the last: the checkpoint means "
     "different things to different tools, and a check of one is no check of the other. torch refuses "
@@ -53,8 +65,9 @@ def refused_pickle(error: CkptError, path: object, what: str) -> Finding:
 
     if isinstance(error, UnsafePickleError):
         why = error.detail or "not on the allowlist"
-        return finding(UNSAFE_PICKLE, path, f"{what}: pickle references {error.global_name}, {why} "
-                                            "(refused, nothing executed)")
+        return finding(
+            UNSAFE_PICKLE, path, f"{what}: pickle references {error.global_name}, {why} (refused, nothing executed)"
+        )
     if isinstance(error, PickleLimitError):
         return finding(PICKLE_LIMIT, path, f"{what}: {_without_place(str(error))}")
     if isinstance(error, ArchiveError):
@@ -69,8 +82,14 @@ def unsafe_pickle(error: UnsafePickleError, path: object, what: str) -> Finding:
 
 def unlisted_globals(names: list[str], path: object, what: str) -> list[Finding]:
     """CKD402, once per distinct unlisted global of one pickle."""
-    return [finding(UNLISTED_GLOBAL, path, f"{what}: pickle references {name}, a class not on the allowlist "
-                                           "(read as an inert stand-in)") for name in sorted(set(names))]
+    return [
+        finding(
+            UNLISTED_GLOBAL,
+            path,
+            f"{what}: pickle references {name}, a class not on the allowlist (read as an inert stand-in)",
+        )
+        for name in sorted(set(names))
+    ]
 
 
 def _without_place(message: str) -> str:

@@ -39,62 +39,140 @@ def _rule(code: str, name: str, severity: str, summary: str, rationale: str) -> 
 
 
 NOT_A_CHECKPOINT = _rule(
-    "CKD100", "not-a-checkpoint", ERROR, "directory is not a Megatron checkpoint",
-    "No tracker, iteration dirs, metadata.json, .metadata, common.pt or .distcp files: nothing Megatron could load.")
+    "CKD100",
+    "not-a-checkpoint",
+    ERROR,
+    "directory is not a Megatron checkpoint",
+    "No tracker, iteration dirs, metadata.json, .metadata, common.pt or .distcp files: nothing Megatron could load.",
+)
 METADATA_JSON_MISSING = _rule(
-    "CKD101", "metadata-json-missing", ERROR, "metadata.json missing (incomplete save)",
+    "CKD101",
+    "metadata-json-missing",
+    ERROR,
+    "metadata.json missing (incomplete save)",
     "Rank 0 writes metadata.json last, after every rank's data and .metadata; without it Megatron refuses "
-    "the dir and the save was interrupted (or the tracker was updated before the data landed).")
+    "the dir and the save was interrupted (or the tracker was updated before the data landed).",
+)
 METADATA_JSON_INVALID = _rule(
-    "CKD102", "metadata-json-invalid", ERROR, "metadata.json is not valid JSON with a sharded_backend",
-    "Megatron reads sharded_backend from metadata.json to pick the loader; a torn or edited file stops the load.")
+    "CKD102",
+    "metadata-json-invalid",
+    ERROR,
+    "metadata.json is not valid JSON with a sharded_backend",
+    "Megatron reads sharded_backend from metadata.json to pick the loader; a torn or edited file stops the load.",
+)
 UNSUPPORTED_FORMAT = _rule(
-    "CKD103", "unsupported-format", ERROR, "not a distributed checkpoint ckptdoctor can check",
+    "CKD103",
+    "unsupported-format",
+    ERROR,
+    "not a distributed checkpoint ckptdoctor can check",
     "Legacy mp_rank_* checkpoints and backends other than torch_dist and zarr have a different layout; "
-    "the other rules would report nonsense for them.")
+    "the other rules would report nonsense for them.",
+)
 DCP_METADATA_MISSING = _rule(
-    "CKD110", "dcp-metadata-missing", ERROR, ".metadata missing",
-    "The torch_dist index is written by the coordinator after all data files; without it no tensor can be found.")
+    "CKD110",
+    "dcp-metadata-missing",
+    ERROR,
+    ".metadata missing",
+    "The torch_dist index is written by the coordinator after all data files; without it no tensor can be found.",
+)
 DCP_METADATA_UNREADABLE = _rule(
-    "CKD111", "dcp-metadata-unreadable", ERROR, ".metadata (or the zarr index) does not parse",
-    "A truncated or garbage index is what an interrupted copy or a full disk leaves; torch.load fails on it.")
+    "CKD111",
+    "dcp-metadata-unreadable",
+    ERROR,
+    ".metadata (or the zarr index) does not parse",
+    "A truncated or garbage index is what an interrupted copy or a full disk leaves; torch.load fails on it.",
+)
 STORAGE_ENTRY_MISSING = _rule(
-    "CKD112", "storage-entry-missing", ERROR, "a chunk or item has no storage entry in .metadata",
+    "CKD112",
+    "storage-entry-missing",
+    ERROR,
+    "a chunk or item has no storage entry in .metadata",
     "state_dict_metadata lists it but storage_data does not say where its bytes are: a badly merged or "
-    "hand-edited .metadata; loading that key fails.")
+    "hand-edited .metadata; loading that key fails.",
+)
 DATA_FILE_MISSING = _rule(
-    "CKD113", "data-file-missing", ERROR, "a data file referenced by .metadata does not exist",
-    "A rank's .distcp file was not written, copied or uploaded; every key stored there is lost.")
+    "CKD113",
+    "data-file-missing",
+    ERROR,
+    "a data file referenced by .metadata does not exist",
+    "A rank's .distcp file was not written, copied or uploaded; every key stored there is lost.",
+)
 DATA_FILE_TRUNCATED = _rule(
-    "CKD114", "data-file-truncated", ERROR, "a data file is shorter than the byte ranges .metadata places in it",
-    "An interrupted write or copy; the chunks past the end cannot be read.")
+    "CKD114",
+    "data-file-truncated",
+    ERROR,
+    "a data file is shorter than the byte ranges .metadata places in it",
+    "An interrupted write or copy; the chunks past the end cannot be read.",
+)
 DATA_FILE_UNREFERENCED = _rule(
-    "CKD115", "data-file-unreferenced", WARNING, "a .distcp file that no .metadata entry references",
+    "CKD115",
+    "data-file-unreferenced",
+    WARNING,
+    "a .distcp file that no .metadata entry references",
     "Left over from another save into the same dir (or a .metadata from a different save): wasted space at "
-    "best, a sign that .metadata and the data do not belong together at worst.")
+    "best, a sign that .metadata and the data do not belong together at worst.",
+)
 TRACKER_INVALID = _rule(
-    "CKD120", "tracker-invalid", ERROR, "latest_checkpointed_iteration.txt is unreadable or not a number",
-    "Megatron parses the tracker to find the checkpoint to resume from; garbage there fails the resume.")
+    "CKD120",
+    "tracker-invalid",
+    ERROR,
+    "latest_checkpointed_iteration.txt is unreadable or not a number",
+    "Megatron parses the tracker to find the checkpoint to resume from; garbage there fails the resume.",
+)
 TRACKER_TARGET_MISSING = _rule(
-    "CKD121", "tracker-target-missing", ERROR, "the tracker points to an iteration dir that does not exist",
-    "The tracker was updated but the iteration dir was never written, deleted, or not copied along.")
+    "CKD121",
+    "tracker-target-missing",
+    ERROR,
+    "the tracker points to an iteration dir that does not exist",
+    "The tracker was updated but the iteration dir was never written, deleted, or not copied along.",
+)
 TRACKER_MISSING = _rule(
-    "CKD122", "tracker-missing", WARNING, "save dir with iteration dirs but no latest_checkpointed_iteration.txt",
-    "Megatron finds nothing to resume from without the tracker and silently starts from scratch.")
+    "CKD122",
+    "tracker-missing",
+    WARNING,
+    "save dir with iteration dirs but no latest_checkpointed_iteration.txt",
+    "Megatron finds nothing to resume from without the tracker and silently starts from scratch.",
+)
 COMMON_STATE_MISSING = _rule(
-    "CKD130", "common-state-missing", ERROR, "no common state (neither common.pt nor a common_state item)",
-    "The common state holds args, iteration and scheduler state; Megatron-LM cannot resume without it.")
+    "CKD130",
+    "common-state-missing",
+    ERROR,
+    "no common state (neither common.pt nor a common_state item)",
+    "The common state holds args, iteration and scheduler state; Megatron-LM cannot resume without it.",
+)
 COMMON_STATE_UNREADABLE = _rule(
-    "CKD131", "common-state-unreadable", ERROR, "the common state does not deserialize",
-    "A truncated or corrupt common.pt (or common_state item) fails torch.load before any tensor is read.")
+    "CKD131",
+    "common-state-unreadable",
+    ERROR,
+    "the common state does not deserialize",
+    "A truncated or corrupt common.pt (or common_state item) fails torch.load before any tensor is read.",
+)
 ITERATION_MISMATCH = _rule(
-    "CKD132", "iteration-mismatch", ERROR, "the common state's iteration differs from the iteration dir name",
-    "A renamed or mis-copied dir: the run would resume at the saved iteration, not the one the name promises.")
+    "CKD132",
+    "iteration-mismatch",
+    ERROR,
+    "the common state's iteration differs from the iteration dir name",
+    "A renamed or mis-copied dir: the run would resume at the saved iteration, not the one the name promises.",
+)
 
-RULES = [NOT_A_CHECKPOINT, METADATA_JSON_MISSING, METADATA_JSON_INVALID, UNSUPPORTED_FORMAT, DCP_METADATA_MISSING,
-         DCP_METADATA_UNREADABLE, STORAGE_ENTRY_MISSING, DATA_FILE_MISSING, DATA_FILE_TRUNCATED,
-         DATA_FILE_UNREFERENCED, TRACKER_INVALID, TRACKER_TARGET_MISSING, TRACKER_MISSING, COMMON_STATE_MISSING,
-         COMMON_STATE_UNREADABLE, ITERATION_MISMATCH]
+RULES = [
+    NOT_A_CHECKPOINT,
+    METADATA_JSON_MISSING,
+    METADATA_JSON_INVALID,
+    UNSUPPORTED_FORMAT,
+    DCP_METADATA_MISSING,
+    DCP_METADATA_UNREADABLE,
+    STORAGE_ENTRY_MISSING,
+    DATA_FILE_MISSING,
+    DATA_FILE_TRUNCATED,
+    DATA_FILE_UNREFERENCED,
+    TRACKER_INVALID,
+    TRACKER_TARGET_MISSING,
+    TRACKER_MISSING,
+    COMMON_STATE_MISSING,
+    COMMON_STATE_UNREADABLE,
+    ITERATION_MISMATCH,
+]
 
 
 @dataclass
@@ -120,7 +198,7 @@ def reason(error: Exception, *paths: object) -> str:
     for path in paths:
         prefix = f"{path}: "
         if text.startswith(prefix):
-            text = text[len(prefix):]
+            text = text[len(prefix) :]
     return text
 
 
@@ -144,11 +222,17 @@ def check_save_dir(save_dir: Path, shown: Path, all_iterations: bool) -> tuple[l
                 chosen = target
             else:
                 newest = f"newest present: {iterations[-1].name}" if iterations else "no iteration dirs present"
-                findings.append(finding(TRACKER_TARGET_MISSING, shown / TRACKER_NAME,
-                                        f"tracker says {value} but {target.name} does not exist ({newest})"))
+                findings.append(
+                    finding(
+                        TRACKER_TARGET_MISSING,
+                        shown / TRACKER_NAME,
+                        f"tracker says {value} but {target.name} does not exist ({newest})",
+                    )
+                )
     elif iterations:
-        findings.append(finding(TRACKER_MISSING, shown,
-                                f"no {TRACKER_NAME}; Megatron would not resume from {iterations[-1].name}"))
+        findings.append(
+            finding(TRACKER_MISSING, shown, f"no {TRACKER_NAME}; Megatron would not resume from {iterations[-1].name}")
+        )
     if all_iterations:
         return iterations, findings
     if chosen is None and iterations:
@@ -176,9 +260,13 @@ def scan_iteration(directory: Path, shown: Path) -> tuple[Scanned, list[Finding]
         return state, findings
     match = ITER_DIR_RE.match(directory.name)
     location = CheckpointLocation(
-        input_path=directory, iteration_dir=directory, backend=backend, metadata_json=metadata_json,
+        input_path=directory,
+        iteration_dir=directory,
+        backend=backend,
+        metadata_json=metadata_json,
         has_common_pt=backend == BACKEND_ZARR or "common.pt" in names,
-        iteration=int(match.group(1)) if match else None, release=directory.name == "release",
+        iteration=int(match.group(1)) if match else None,
+        release=directory.name == "release",
     )
     if backend == BACKEND_ZARR:
         state.checkpoint = _zarr_checkpoint(location, shown, findings)
@@ -187,17 +275,18 @@ def scan_iteration(directory: Path, shown: Path) -> tuple[Scanned, list[Finding]
         state.checkpoint = checkpoint_from_index(location, index)
         if index is not None:
             state.bad_files = _check_storage(state.checkpoint, shown, findings)
-    _check_common(state, index_known=state.checkpoint.dcp is not None or backend == BACKEND_ZARR,
-                  findings=findings)
+    _check_common(state, index_known=state.checkpoint.dcp is not None or backend == BACKEND_ZARR, findings=findings)
     return state, findings
 
 
-def _check_metadata_json(directory: Path, shown: Path, names: set[str],
-                         findings: list[Finding]) -> tuple[str | None, dict]:
+def _check_metadata_json(
+    directory: Path, shown: Path, names: set[str], findings: list[Finding]
+) -> tuple[str | None, dict]:
     """The backend to check the dir as (torch_dist when metadata.json cannot tell), or None to stop."""
     if "metadata.json" not in names:
-        findings.append(finding(METADATA_JSON_MISSING, shown,
-                                "metadata.json missing (incomplete save: rank 0 writes it last)"))
+        findings.append(
+            finding(METADATA_JSON_MISSING, shown, "metadata.json missing (incomplete save: rank 0 writes it last)")
+        )
         return (BACKEND_ZARR if _looks_like_zarr(directory, names) else BACKEND_TORCH_DIST), {}
     path = directory / "metadata.json"
     try:
@@ -210,8 +299,13 @@ def _check_metadata_json(directory: Path, shown: Path, names: set[str],
         return BACKEND_TORCH_DIST, {}
     backend = data["sharded_backend"]
     if backend not in (BACKEND_TORCH_DIST, BACKEND_ZARR):
-        findings.append(finding(UNSUPPORTED_FORMAT, shown / "metadata.json",
-                                f"sharded_backend {backend!r} (torch_dist and zarr are checked)"))
+        findings.append(
+            finding(
+                UNSUPPORTED_FORMAT,
+                shown / "metadata.json",
+                f"sharded_backend {backend!r} (torch_dist and zarr are checked)",
+            )
+        )
         return None, data
     return backend, data
 
@@ -264,8 +358,11 @@ def _check_storage(checkpoint: Checkpoint, shown: Path, findings: list[Finding])
     if unplaced:
         keys = sorted(set(unplaced))
         example = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-        findings.append(finding(STORAGE_ENTRY_MISSING, shown / ".metadata",
-                                f"{len(unplaced)} chunk(s) have no storage entry: {example}"))
+        findings.append(
+            finding(
+                STORAGE_ENTRY_MISSING, shown / ".metadata", f"{len(unplaced)} chunk(s) have no storage entry: {example}"
+            )
+        )
     bad = _unreadable(checkpoint, shown, sorted(ends), findings)
     sizes = checkpoint.data_files
     by_file: dict[str, list[tuple[int, str]]] | None = None
@@ -280,16 +377,26 @@ def _check_storage(checkpoint: Checkpoint, shown: Path, findings: list[Finding])
                 bad.add(relative)
                 by_file = by_file or _keys_by_file(checkpoint)
                 keys = _keys_in(by_file, relative)
-                findings.append(finding(DATA_FILE_MISSING, shown,
-                                        f"{relative} missing: {len(keys)} key(s) stored there (e.g. {keys[0]})"))
+                findings.append(
+                    finding(
+                        DATA_FILE_MISSING,
+                        shown,
+                        f"{relative} missing: {len(keys)} key(s) stored there (e.g. {keys[0]})",
+                    )
+                )
                 continue
         if end > size:
             bad.add(relative)
             by_file = by_file or _keys_by_file(checkpoint)
             lost = _keys_in(by_file, relative, past=size)
-            findings.append(finding(DATA_FILE_TRUNCATED, shown / relative,
-                                    f"truncated: {size} bytes, but .metadata places data up to byte {end}; "
-                                    f"{len(lost)} key(s) cut off (e.g. {lost[0]})"))
+            findings.append(
+                finding(
+                    DATA_FILE_TRUNCATED,
+                    shown / relative,
+                    f"truncated: {size} bytes, but .metadata places data up to byte {end}; "
+                    f"{len(lost)} key(s) cut off (e.g. {lost[0]})",
+                )
+            )
     for name in sorted(set(sizes) - set(ends)):
         findings.append(finding(DATA_FILE_UNREFERENCED, shown / name, "no .metadata entry references this file"))
     return bad
@@ -311,9 +418,13 @@ def _unreadable(checkpoint: Checkpoint, shown: Path, relatives: list[str], findi
         except OSError as exc:
             bad.add(relative)
             keys = _keys_in(_keys_by_file(checkpoint), relative)
-            findings.append(finding(DATA_FILE_MISSING, shown / relative,
-                                    f"unreadable ({exc.strerror or exc}): {len(keys)} key(s) stored there "
-                                    f"(e.g. {keys[0]})"))
+            findings.append(
+                finding(
+                    DATA_FILE_MISSING,
+                    shown / relative,
+                    f"unreadable ({exc.strerror or exc}): {len(keys)} key(s) stored there (e.g. {keys[0]})",
+                )
+            )
     return bad
 
 
@@ -338,8 +449,13 @@ def _check_common(state: Scanned, index_known: bool, findings: list[Finding]) ->
     source = checkpoint.common_source
     if source is None:
         if index_known:  # without an index a common_state item cannot be ruled out
-            findings.append(finding(COMMON_STATE_MISSING, state.shown,
-                                    "no common state: neither common.pt nor a common_state item in .metadata"))
+            findings.append(
+                finding(
+                    COMMON_STATE_MISSING,
+                    state.shown,
+                    "no common state: neither common.pt nor a common_state item in .metadata",
+                )
+            )
         return
     path = state.common_path()
     what = "common state" if source == "common.pt" else f"common state (item {source})"
@@ -350,12 +466,17 @@ def _check_common(state: Scanned, index_known: bool, findings: list[Finding]) ->
         findings.append(refused_pickle(exc, path, what))
         return
     except CkptError as exc:
-        detail = reason(exc, checkpoint.iteration_dir / "common.pt", f"{checkpoint.iteration_dir}: item {source}",
-                        checkpoint.iteration_dir)
+        detail = reason(
+            exc,
+            checkpoint.iteration_dir / "common.pt",
+            f"{checkpoint.iteration_dir}: item {source}",
+            checkpoint.iteration_dir,
+        )
         findings.append(finding(COMMON_STATE_UNREADABLE, path, f"{what} unreadable: {detail}"))
         return
     saved = state.common.get("iteration")
     location = checkpoint.location
     if location.iteration is not None and isinstance(saved, int) and saved != location.iteration:
-        findings.append(finding(ITERATION_MISMATCH, path,
-                                f"common state says iteration {saved}, the dir name {location.iteration}"))
+        findings.append(
+            finding(ITERATION_MISMATCH, path, f"common state says iteration {saved}, the dir name {location.iteration}")
+        )
