@@ -1,6 +1,6 @@
 """The Checkpoint model: entries, sections, data files, common state and args, built from metadata only.
 
-Tensor bytes are never read here; :mod:`ckptdoctor.values` streams them when values are asked for.
+Tensor bytes are never read here; :mod:`ckptdoctor.values.read` streams them when values are asked for.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist, zarr_meta
 from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
-from ckptdoctor.layout import BACKEND_ZARR, CheckpointLocation, locate
+from ckptdoctor.locate import BACKEND_ZARR, CheckpointLocation, locate
 from ckptdoctor.pickle_scan import current_limits
 from ckptdoctor.torch_stand_ins import DtypeRef
 

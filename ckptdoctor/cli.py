@@ -33,7 +33,7 @@ import click  # noqa: E402
 from ckptdoctor import __version__  # noqa: E402
 from ckptdoctor.commands import LazyGroup  # noqa: E402
 from ckptdoctor.errors import CkptError  # noqa: E402
-from ckptdoctor.report import EXIT_ERROR  # noqa: E402
+from ckptdoctor.exit_codes import EXIT_ERROR  # noqa: E402
 from ckptdoctor.text_safety import escape  # noqa: E402
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}

@@ -240,7 +240,7 @@ def test_values_without_torch_names_the_extra(tmp_path):
         "import sys\n"
         "sys.modules['torch'] = None\n"
         "from ckptdoctor.checkpoint import open_checkpoint\n"
-        "from ckptdoctor.values import read_chunk\n"
+        "from ckptdoctor.values.read import read_chunk\n"
         "from ckptdoctor.errors import CkptError\n"
         f"ckpt = open_checkpoint({str(FIXTURES / 'core016_tp1')!r})\n"
         "try:\n"

@@ -357,7 +357,7 @@ def test_structural_diff_needs_no_torch_and_values_say_what_is_missing():
 
 def test_accumulator_bitwise_and_tolerance_semantics():
     torch = pytest.importorskip("torch")
-    from ckptdoctor.ops.diff_values import _Accumulator
+    from ckptdoctor.values.diff import _Accumulator
 
     nan = float("nan")
     a = torch.tensor([1.0, nan, 0.0, 2.0])
@@ -385,7 +385,7 @@ def test_accumulator_bitwise_and_tolerance_semantics():
 def test_zero_copy_chunk_reads_match_read_chunk(name):
     torch = pytest.importorskip("torch")
     from ckptdoctor.checkpoint import open_checkpoint
-    from ckptdoctor.values import read_chunk, read_chunk_view
+    from ckptdoctor.values.read import read_chunk, read_chunk_view
 
     ckpt = open_checkpoint(FIXTURES / name)
     checked = 0

@@ -267,7 +267,7 @@ def test_values_report_across_layouts(capsys):
 def test_library_warnings_silenced(capsys, monkeypatch):
     """torch's 'Failed to initialize NumPy' (and any library warning) is not shown by --values."""
     pytest.importorskip("torch")
-    import ckptdoctor.values as values
+    import ckptdoctor.values.read as values
 
     real = values.require_torch
 

@@ -102,7 +102,7 @@ def test_read_chunk_decodes_the_stored_blob():
     import io
 
     from ckptdoctor.formats.torch_dist import read_range
-    from ckptdoctor.values import read_chunk, read_tensor
+    from ckptdoctor.values.read import read_chunk, read_tensor
 
     ckpt = open_checkpoint(FIXTURES / "core019_tp2")
     key = "decoder.layers.mlp.linear_fc1.weight"
@@ -142,7 +142,7 @@ def test_corrupt_storage_record_is_a_clean_error(copy_fixture):
     import zipfile
 
     from ckptdoctor.errors import CkptError
-    from ckptdoctor.values import read_chunk
+    from ckptdoctor.values.read import read_chunk
 
     save = copy_fixture("core019_tp1")
     ckpt = open_checkpoint(save)

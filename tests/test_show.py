@@ -39,7 +39,7 @@ def test_metadata_and_chunk_grid_without_torch():
 
 def test_statistics_and_slice_match_torch(capsys):
     torch = pytest.importorskip("torch")
-    from ckptdoctor.values import read_tensor
+    from ckptdoctor.values.read import read_tensor
 
     full = read_tensor(open_checkpoint(CKPT), KEY)
     rc, out, _ = _run(capsys, "show", CKPT, KEY, "--slice", "0,:4,:4", "--format", "json")
@@ -59,7 +59,7 @@ def test_statistics_and_slice_match_torch(capsys):
 
 def test_nan_and_inf_are_counted(capsys, copy_fixture):
     pytest.importorskip("torch")
-    from ckptdoctor.values import read_chunk
+    from ckptdoctor.values.read import read_chunk
 
     save = copy_fixture("core019_tp2")
     ckpt = open_checkpoint(save)
@@ -90,7 +90,7 @@ def test_nan_and_inf_are_counted(capsys, copy_fixture):
 def test_save_pt_and_npy(capsys, tmp_path):
     torch = pytest.importorskip("torch")
     np = pytest.importorskip("numpy")
-    from ckptdoctor.values import read_tensor
+    from ckptdoctor.values.read import read_tensor
 
     full = read_tensor(open_checkpoint(CKPT), KEY)
     rc, out, _ = _run(capsys, "show", CKPT, KEY, "--save", tmp_path / "t.pt", "--no-stats")

@@ -67,7 +67,7 @@ def _dir_bytes(directory: Path) -> int:
 @pytest.mark.parametrize("name", sorted(REFERENCE))
 def test_strip_gives_reference_keys_and_bitwise_tensors(capsys, tmp_path, name):
     pytest.importorskip("torch")
-    from ckptdoctor.values import read_tensor
+    from ckptdoctor.values.read import read_tensor
 
     report = _strip(capsys, FIXTURES / name, tmp_path / "out", "--keep-args")  # byte copies: the args as saved
     assert report["plan"]["trainable_source"] == "optimizer" and report["result"]["args_changed"] == []

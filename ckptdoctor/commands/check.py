@@ -75,9 +75,10 @@ def command(
     pyproject.toml. `ckptdoctor rules` lists the rule codes and what fixes them.
     """
     from ckptdoctor.config import check_defaults, load_tool_config
+    from ckptdoctor.exit_codes import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.check import CheckOptions, check_paths
-    from ckptdoctor.render_check import FORMATS, render_check, render_github, render_sarif
-    from ckptdoctor.report import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK, jsonable
+    from ckptdoctor.render.check import FORMATS, render_check, render_github, render_sarif
+    from ckptdoctor.render.common import jsonable
     from ckptdoctor.rules import validate_selectors
     from ckptdoctor.text_safety import escape
 
@@ -122,7 +123,7 @@ def command(
     elif output_format == "json":
         plain = jsonable(report)
         if statistics:
-            from ckptdoctor.render_check import statistics as count_codes
+            from ckptdoctor.render.check import statistics as count_codes
 
             plain["statistics"] = count_codes(report)
         click.echo(json.dumps(plain, indent=2))

@@ -149,9 +149,10 @@ def command(
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.config import diff_defaults, load_tool_config
+    from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.diff import KeyFilter, diff_checkpoints
-    from ckptdoctor.render_diff import render_diff, render_name_only, render_stat
-    from ckptdoctor.report import EXIT_FINDINGS, EXIT_OK, to_json
+    from ckptdoctor.render.common import to_json
+    from ckptdoctor.render.diff import render_diff, render_name_only, render_stat
 
     if stat and name_only:
         raise click.UsageError("--stat and --name-only are exclusive")

@@ -73,9 +73,10 @@ def command(
     rewritten; writing is O(metadata).
     """
     from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.fix_args import build_report, diagnose
     from ckptdoctor.ops.fix_args_write import write_in_place, write_output
-    from ckptdoctor.report import EXIT_FINDINGS, EXIT_OK, render_fix_args, to_json
+    from ckptdoctor.render.common import render_fix_args, to_json
 
     if write and (output is None) == (not in_place):
         raise click.UsageError("--write needs exactly one of --output DIR or --in-place")

@@ -35,7 +35,7 @@ def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter:
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.ops.inspect import inspect_checkpoint
-    from ckptdoctor.report import render_inspect, to_json
+    from ckptdoctor.render.common import render_inspect, to_json
 
     if key_filter is not None:
         try:

@@ -35,10 +35,11 @@ def command(
     Newer dirs that fail are named on stderr with the errors that disqualified them. Exit code: 0 found
     (the dir on stdout), 1 none passes, 2 error.
     """
+    from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.check import CheckOptions
     from ckptdoctor.ops.latest_good import find_latest_good
-    from ckptdoctor.render_recovery import render_skipped
-    from ckptdoctor.report import EXIT_FINDINGS, EXIT_OK, to_json
+    from ckptdoctor.render.common import to_json
+    from ckptdoctor.render.recovery import render_skipped
     from ckptdoctor.rules import validate_selectors
     from ckptdoctor.text_safety import escape
 

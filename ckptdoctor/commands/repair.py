@@ -45,9 +45,10 @@ def command(
     Reports by default. Exit code: 0 nothing to repair (or, with --write, every repaired finding gone),
     1 findings remain, 2 error.
     """
+    from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.repair import repair
-    from ckptdoctor.render_recovery import render_repair
-    from ckptdoctor.report import EXIT_FINDINGS, EXIT_OK, to_json
+    from ckptdoctor.render.common import to_json
+    from ckptdoctor.render.recovery import render_repair
 
     if write and (output is None) == (not in_place):
         raise click.UsageError("--write needs exactly one of --output DIR or --in-place")

@@ -19,7 +19,7 @@ from ckptdoctor.commands import complete_rule_codes
 )
 def command(codes: tuple[str, ...], output_format: str) -> int:
     """List the rules of `ckptdoctor check` (only those matching CODES, codes or prefixes, if given)."""
-    from ckptdoctor.report import render_rules, to_json
+    from ckptdoctor.render.common import render_rules, to_json
     from ckptdoctor.rules import all_rules, is_selected, validate_selectors
 
     select = validate_selectors(codes, "CODES") if codes else ["ALL"]

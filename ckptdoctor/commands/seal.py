@@ -29,9 +29,10 @@ def command(checkpoint: str, iteration: str | None, jobs: int | None, force: boo
     Refuses a checkpoint that fails `check` (errors) or is already sealed (unless --force). Exit code:
     0 sealed, 2 refused or error.
     """
+    from ckptdoctor.exit_codes import EXIT_OK
     from ckptdoctor.ops.seal import seal
-    from ckptdoctor.render_recovery import render_seal
-    from ckptdoctor.report import EXIT_OK, to_json
+    from ckptdoctor.render.common import to_json
+    from ckptdoctor.render.recovery import render_seal
 
     bar = _Bar() if output_format == "text" and sys.stderr.isatty() else None
     try:

@@ -61,7 +61,7 @@ def command(
         take_slice,
         to_json_text,
     )
-    from ckptdoctor.values import read_tensor, require_torch
+    from ckptdoctor.values.read import read_tensor, require_torch
 
     ckpt = open_checkpoint(checkpoint, iteration)
     entry = find_entry(ckpt, key)

@@ -112,8 +112,9 @@ def command(
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.errors import CkptError
+    from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.strip_write import strip_frozen
-    from ckptdoctor.report import EXIT_FINDINGS, EXIT_OK, render_strip, to_json
+    from ckptdoctor.render.common import render_strip, to_json
 
     if not dry_run and in_place == (output is not None):
         raise CkptError("give exactly one of --output DIR and --in-place (or --dry-run)")

@@ -152,7 +152,7 @@ class DiffReport:
     args: ArgsDiff | None  # None when filters exclude the common state (--section without common, --key)
     common: CommonDiff | None
     era: list[str]
-    values: Any = None  # diff_values.ValuesReport when --values
+    values: Any = None  # values.diff.ValuesReport when --values
     ignored: dict = field(default_factory=dict)  # {"layout": bool, "args": [regex]}: not counted as differences
     summary: dict = field(default_factory=dict)
     identical: bool = True
@@ -398,7 +398,7 @@ def diff_checkpoints(
         ignored={"layout": ignore_layout, "args": list(ignore_args)},
     )
     if values:
-        from ckptdoctor.ops.diff_values import compare_values
+        from ckptdoctor.values.diff import compare_values
 
         comparable = [
             (items_a[k], items_b[k]) for k in both if not (is_common_state_item(k) and items_a[k].kind != KIND_TENSOR)

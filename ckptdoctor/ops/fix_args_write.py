@@ -52,7 +52,7 @@ from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.files import read_json
 from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.torch_zip import dump_torch_zip
-from ckptdoctor.layout import TRACKER_NAME
+from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.fix_args import ArgChange, fixed_common_state
 from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.rules import leftovers

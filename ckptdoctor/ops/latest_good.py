@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.layout import ITER_DIR_RE, TRACKER_NAME, list_dir, list_iteration_dirs, read_tracker
+from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, list_dir, list_iteration_dirs, read_tracker
 from ckptdoctor.ops.check import CheckOptions, Progress, check_iteration_dir
 from ckptdoctor.rules import ERROR, Finding, finding, is_selected, leftovers, structure
 

@@ -51,7 +51,7 @@ from ckptdoctor.atomic import (
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.files import read_json
-from ckptdoctor.layout import (
+from ckptdoctor.locate import (
     BACKEND_ZARR,
     NEMO_WEIGHTS_DIR,
     TRACKER_NAME,

@@ -24,7 +24,7 @@ from pathlib import Path
 from ckptdoctor import locking
 from ckptdoctor.atomic import write_atomic
 from ckptdoctor.errors import CkptError
-from ckptdoctor.layout import locate
+from ckptdoctor.locate import locate
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
 from ckptdoctor.rules import ERROR, leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME, sha256_file

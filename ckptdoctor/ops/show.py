@@ -2,7 +2,7 @@
 a slice, and an export (``.pt`` / ``.npy``).
 
 Statistics are streamed one chunk at a time (memory bounded by the largest chunk); a slice and an export
-assemble the global tensor (:func:`ckptdoctor.values.read_tensor`).
+assemble the global tensor (:func:`ckptdoctor.values.read.read_tensor`).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _finite(x: float) -> float | None:
 
 def statistics(checkpoint: Checkpoint, entry: Entry) -> dict:
     """min/max/mean/std over the finite values and NaN/Inf counts, streamed one chunk at a time."""
-    from ckptdoctor.values import iter_chunks, require_torch
+    from ckptdoctor.values.read import iter_chunks, require_torch
 
     torch = require_torch("tensor statistics")
     n = nan = posinf = neginf = 0
@@ -245,7 +245,7 @@ def save_tensor(tensor: Any, path: Path, force: bool) -> str | None:
 
 
 def to_json_text(report: ShowReport) -> str:
-    from ckptdoctor.report import jsonable
+    from ckptdoctor.render.common import jsonable
 
     return json.dumps(jsonable(report), indent=2)
 
@@ -255,7 +255,7 @@ def _num(value: Any) -> str:
 
 
 def _render(report: ShowReport) -> str:
-    from ckptdoctor.report import human_bytes, tabulate
+    from ckptdoctor.render.common import human_bytes, tabulate
 
     shape = "-" if report.shape is None else "x".join(map(str, report.shape)) or "()"
     lines = [

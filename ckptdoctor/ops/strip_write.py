@@ -32,7 +32,7 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import dcp_writer, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
 from ckptdoctor.formats.files import read_json
-from ckptdoctor.layout import TRACKER_NAME
+from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.seal import default_jobs, hash_files, manifest_files, write_manifest
 from ckptdoctor.ops.strip import StripPlan
 from ckptdoctor.rules import leftovers

@@ -2,7 +2,7 @@
 
 Both stream: one file read in 1 MiB pieces for hashing, one chunk's byte range at a time for ``--deep``
 (memory stays bounded by the largest chunk). ``--deep`` needs no torch: chunks decode to
-:class:`~ckptdoctor.stand_ins.TensorRef` through the safe unpickler (:func:`ckptdoctor.values.decode_chunk_ref`).
+:class:`~ckptdoctor.stand_ins.TensorRef` through the safe unpickler (:func:`ckptdoctor.values.read.decode_chunk_ref`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats import torch_dist, zarr_meta
 from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.formats.files import read_json
-from ckptdoctor.layout import (
+from ckptdoctor.locate import (
     BACKEND_TORCH_DIST,
     BACKEND_ZARR,
     ITER_DIR_RE,

@@ -1,6 +1,6 @@
-"""Text rendering of ``ckptdoctor diff`` (JSON goes through :func:`ckptdoctor.report.to_json`).
+"""Text rendering of ``ckptdoctor diff`` (JSON goes through :func:`ckptdoctor.render.common.to_json`).
 
-Kept apart from report.py so that the diff's many sections do not crowd the shared renderer.
+Kept apart from render/common.py so that the diff's many sections do not crowd the shared renderer.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ckptdoctor.report import human_bytes, jsonable
+from ckptdoctor.render.common import human_bytes, jsonable
 from ckptdoctor.text_safety import text_safe
 
 _MAX_VALUE = 80

@@ -122,7 +122,7 @@ class Torch:
     def get(self) -> Any:
         with self.lock:
             if self.torch is None:
-                from ckptdoctor.values import require_torch
+                from ckptdoctor.values.read import require_torch
 
                 torch = require_torch("comparing tensor values")
                 self.threads = torch.get_num_threads()

@@ -14,7 +14,7 @@ from ckptdoctor.errors import CkptError, MissingExtraError
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.archive import parse_archive, storage_ref, unpickle
 from ckptdoctor.formats.torch_zip import load_torch_zip
-from ckptdoctor.layout import BACKEND_ZARR
+from ckptdoctor.locate import BACKEND_ZARR
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, TensorRef
 
 if TYPE_CHECKING:

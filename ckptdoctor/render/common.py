@@ -12,10 +12,6 @@ from typing import Any
 from ckptdoctor.plain import to_plain
 from ckptdoctor.text_safety import text_safe
 
-EXIT_OK = 0
-EXIT_FINDINGS = 1
-EXIT_ERROR = 2
-
 
 def jsonable(value: Any) -> Any:
     """Plain JSON values; dataclasses become dicts, stand-ins and dtypes their readable form (bounded:
@@ -249,7 +245,7 @@ def render_strip(report: Any) -> str:
     return "\n".join(lines)
 
 
-# --- rules (check's own output: ckptdoctor/render_check.py) ---------------------------------------------
+# --- rules (check's own output: render/check.py) ---------------------------------------------
 
 
 def render_rules(rules: list[Any]) -> str:

@@ -86,7 +86,7 @@ def _same_layout_equal(a: Checkpoint, ea: Entry, b: Checkpoint, eb: Entry) -> bo
 
 
 def _to_tensor(ref: TensorRef, checkpoint: Checkpoint, entry: Entry) -> Any:
-    from ckptdoctor.values import tensor_from_ref
+    from ckptdoctor.values.read import tensor_from_ref
 
     _storage_bytes(ref)  # read (and check) the record here, so corruption reports as a CkptError
     return tensor_from_ref(ref, f"{checkpoint.iteration_dir}: {entry.key}")
@@ -101,7 +101,7 @@ def _torch_equal(x: Any, y: Any) -> bool:
 
 
 def _cross_layout_equal(a: Checkpoint, ea: Entry, b: Checkpoint, eb: Entry) -> bool:
-    from ckptdoctor.values import read_chunk, require_torch
+    from ckptdoctor.values.read import read_chunk, require_torch
 
     require_torch("comparing tensors saved with different chunk layouts")
     for ia, ca in enumerate(ea.chunks):

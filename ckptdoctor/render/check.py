@@ -1,6 +1,6 @@
 """Output of ``ckptdoctor check``: text (ruff-style lines), ``--statistics``, GitHub workflow annotations, SARIF.
 
-JSON is :func:`ckptdoctor.report.to_json` of the report itself. Text renderers escape control characters
+JSON is :func:`ckptdoctor.render.common.to_json` of the report itself. Text renderers escape control characters
 (:func:`~ckptdoctor.text_safety.text_safe`); annotations escape them and percent-encode what GitHub's
 workflow-command syntax reserves; SARIF is JSON (json.dumps escapes).
 """

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.torch_dist import check_range_length, chunk_overlap
-from ckptdoctor.ops.diff_io import Budget, Context, InFlight, Torch
 from ckptdoctor.ops.diff_items import KIND_TENSOR, Item
+from ckptdoctor.values.io import Budget, Context, InFlight, Torch
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint
@@ -85,7 +85,7 @@ class _Accumulator:
     """Running result over the compared sub-boxes of one key."""
 
     def __init__(self, torch: Any, atol: float | None, rtol: float | None, report: int = 0) -> None:
-        self._torch = torch  # torch itself, or a diff_io.Torch that imports it on first use
+        self._torch = torch  # torch itself, or a values.io.Torch that imports it on first use
         self.tolerance = atol is not None or rtol is not None
         self.atol = atol or 0.0
         self.rtol = rtol or 0.0
@@ -248,7 +248,7 @@ def _blob(ckpt: Checkpoint, entry: Any, chunk: DcpChunk, ctx: Context, side: str
 
 
 def _view(ckpt: Checkpoint, entry: Any, chunk: DcpChunk, blob: bytes) -> Any:
-    from ckptdoctor.values import read_chunk_view
+    from ckptdoctor.values.read import read_chunk_view
 
     return read_chunk_view(ckpt, entry, chunk, blob)[0]
 
@@ -442,7 +442,7 @@ def compare_values(
     """Values of the key pairs (same logical key in A and B), in A's on-disk order for sequential reads.
 
     ``workers`` threads compare keys concurrently; chunk bytes held by all of them stay under 3x the largest
-    chunk (:class:`~ckptdoctor.ops.diff_io.InFlight`).
+    chunk (:class:`~ckptdoctor.values.io.InFlight`).
     """
     start = time.perf_counter()
     results: list[ValueDiff] = []

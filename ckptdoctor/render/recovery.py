@@ -1,6 +1,6 @@
 """Text rendering of the recovery commands: ``latest-good``, ``seal`` and ``repair``.
 
-Kept apart from :mod:`ckptdoctor.report` so the recovery commands can change without touching it; every
+Kept apart from :mod:`ckptdoctor.render.common` so the recovery commands can change without touching it; every
 renderer is :func:`~ckptdoctor.text_safety.text_safe` (values read from a checkpoint are escaped).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptdoctor.report import human_bytes
+from ckptdoctor.render.common import human_bytes
 from ckptdoctor.text_safety import text_safe
 
 
