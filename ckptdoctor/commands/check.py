@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from ckptdoctor.commands import complete_rule_codes
+from ckptdoctor.commands.options import format_option, normalize_format
 
 _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete_rule_codes}
 
@@ -17,12 +18,11 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--select", **_MULTI, help="Only these rule codes or prefixes (e.g. CKD1,CKD220). Default: all.")
 @click.option("--ignore", **_MULTI, help="Skip these rule codes or prefixes.")
-@click.option(
-    "--format",
-    "--output-format",
-    "output_format",
-    type=click.Choice(["text", "json", "github", "sarif"]),
+@format_option(
+    "github",
+    "sarif",
     default=None,
+    aliases=("--output-format",),
     help="Output format (default text): json (schema in the README), github (workflow "
     "annotations), sarif (SARIF 2.1.0, for code scanning).",
 )
@@ -107,7 +107,7 @@ def command(
         per_path_ignores=per_path,
         base_dir=config_path.parent if config_path is not None else None,
     )
-    output_format = pick(output_format, "format", "text")
+    output_format = normalize_format(str(pick(output_format, "format", "text")))
     if output_format not in FORMATS:
         raise click.BadParameter(
             f"{output_format!r} is not one of {', '.join(map(repr, FORMATS))}",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import re
 import sys
 import warnings
@@ -13,6 +12,7 @@ from typing import Any
 import click
 
 from ckptdoctor.checkpoint import SECTIONS
+from ckptdoctor.commands.options import format_option
 
 
 def _check_regexes(values: tuple[str, ...], option: str) -> None:
@@ -74,14 +74,7 @@ class _Progress:
 )
 @click.option("--key", "keys", multiple=True, metavar="REGEX", help="Only keys matching REGEX (repeatable: any).")
 @click.option("--exclude", multiple=True, metavar="REGEX", help="Leave out keys matching REGEX (repeatable).")
-@click.option(
-    "--format",
-    "output_format",
-    type=click.Choice(["text", "json"]),
-    default="text",
-    show_default=True,
-    help="Output format; the JSON schema is docs/diff.schema.json.",
-)
+@format_option(help="Output format; the JSON schema is docs/diff.schema.json.")
 @click.option(
     "--values",
     "with_values",
@@ -150,6 +143,7 @@ def command(
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.config import diff_defaults, load_tool_config
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
+    from ckptdoctor.gc_pause import gc_paused
     from ckptdoctor.ops.diff import KeyFilter, diff_checkpoints
     from ckptdoctor.render.common import to_json
     from ckptdoctor.render.diff import render_diff, render_name_only, render_stat
@@ -185,9 +179,8 @@ def command(
     progress = _Progress() if with_values and not quiet and sys.stderr.isatty() else None
     # Two 20,000-key indexes are ~10^6 long-lived objects that the cyclic GC would re-walk on every allocation
     # burst (a third of a structural diff's time); nothing here makes cyclic garbage worth collecting.
-    gc.disable()
     try:
-        with quiet_library_warnings():
+        with gc_paused(), quiet_library_warnings():
             a = open_checkpoint(checkpoint_a)
             b = open_checkpoint(checkpoint_b)
             report = diff_checkpoints(
@@ -204,7 +197,6 @@ def command(
                 report_mismatches=report_n,
             )
     finally:
-        gc.enable()
         if progress is not None:
             progress.close()
     if quiet:

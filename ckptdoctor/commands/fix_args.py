@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
+from ckptdoctor.commands.options import format_option
 
 
 @click.command("fix-args")
@@ -44,14 +45,7 @@ from ckptdoctor.commands import ITERATION_HELP
     "--in-place", is_flag=True, help="Rewrite CKPT itself, keeping each replaced file as <name>.bak-<timestamp>."
 )
 @click.option("--only-set", is_flag=True, help="With --write: apply only the --set edits, not the fixes.")
-@click.option(
-    "--format",
-    "output_format",
-    type=click.Choice(["text", "json"]),
-    default="text",
-    show_default=True,
-    help="Output format; the JSON schema is docs/fix-args.schema.json.",
-)
+@format_option(help="Output format; the JSON schema is docs/fix-args.schema.json.")
 def command(
     checkpoint: str,
     iteration: str | None,

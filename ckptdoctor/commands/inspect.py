@@ -7,6 +7,7 @@ import re
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
+from ckptdoctor.commands.options import format_option
 
 
 @click.command("inspect")
@@ -20,14 +21,7 @@ from ckptdoctor.commands import ITERATION_HELP
     default=None,
     help="Only keys matching REGEX in the key table (implies --keys).",
 )
-@click.option(
-    "--format",
-    "output_format",
-    type=click.Choice(["table", "json"]),
-    default="table",
-    show_default=True,
-    help="Output format; the JSON schema is in the README.",
-)
+@format_option(help="Output format; the JSON schema is in the README.")
 def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter: str | None, output_format: str) -> int:
     """Show what CHECKPOINT is: format, era, layout, sections, args (metadata only).
 

@@ -7,6 +7,7 @@ import sys
 import click
 
 from ckptdoctor.commands import complete_rule_codes
+from ckptdoctor.commands.options import format_option
 
 _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete_rule_codes}
 
@@ -21,7 +22,7 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete
     is_flag=True,
     help="Print only the iteration number (or 'release'), e.g. for Megatron's --ckpt-step.",
 )
-@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@format_option()
 def command(
     save_dir: str,
     select: tuple[str, ...],

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
+from ckptdoctor.commands.options import format_option
 
 
 @click.command("repair")
@@ -28,7 +29,7 @@ from ckptdoctor.commands import ITERATION_HELP
     "writes are moved to <iter>.quarantine-<timestamp>/ (never deleted).",
 )
 @click.option("--force", is_flag=True, help="Write into a non-empty --output dir.")
-@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@format_option()
 def command(
     checkpoint: str,
     iteration: str | None,

@@ -5,18 +5,12 @@ from __future__ import annotations
 import click
 
 from ckptdoctor.commands import complete_rule_codes
+from ckptdoctor.commands.options import format_option
 
 
 @click.command("rules")
 @click.argument("codes", nargs=-1, shell_complete=complete_rule_codes)
-@click.option(
-    "--format",
-    "output_format",
-    type=click.Choice(["text", "json"]),
-    default="text",
-    show_default=True,
-    help="Output format.",
-)
+@format_option(help="Output format.")
 def command(codes: tuple[str, ...], output_format: str) -> int:
     """List the rules of `ckptdoctor check` (only those matching CODES, codes or prefixes, if given)."""
     from ckptdoctor.render.common import render_rules, to_json

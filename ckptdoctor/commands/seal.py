@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
+from ckptdoctor.commands.options import format_option
 
 
 @click.command("seal")
@@ -21,7 +22,7 @@ from ckptdoctor.commands import ITERATION_HELP
     help="Files hashed in parallel [default: the number of cores].",
 )
 @click.option("--force", is_flag=True, help="Re-seal a checkpoint that already has an integrity.json.")
-@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@format_option()
 def command(checkpoint: str, iteration: str | None, jobs: int | None, force: bool, output_format: str) -> int:
     """Write integrity.json (Megatron's format: sha256 of every file) so later `check` runs and Megatron's
     --verify-integrity load detect any changed byte.

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
+from ckptdoctor.commands.options import format_option
 
 
 @click.command("show")
@@ -33,7 +34,7 @@ from ckptdoctor.commands import ITERATION_HELP
     help="Export the tensor (or its --slice) to a .pt (torch.save) or .npy file (needs torch).",
 )
 @click.option("--force", is_flag=True, help="Replace an existing --save file.")
-@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@format_option()
 def command(
     checkpoint: str,
     key: str,

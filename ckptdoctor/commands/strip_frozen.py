@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
+from ckptdoctor.commands.options import format_option
 
 PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
 
@@ -79,14 +80,7 @@ class _Bars:
 )
 @click.option("--base-iteration", default=None, help="Iteration of BASE_CKPT when it is a save dir.")
 @click.option("--dry-run", is_flag=True, help="List kept and dropped keys and sizes; write nothing.")
-@click.option(
-    "--format",
-    "output_format",
-    type=click.Choice(["table", "json"]),
-    default="table",
-    show_default=True,
-    help="Output format; the JSON schema is in the README.",
-)
+@format_option(help="Output format; the JSON schema is in the README.")
 def command(
     checkpoint: str,
     iteration: str | None,

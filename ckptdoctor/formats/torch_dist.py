@@ -6,11 +6,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,6 +16,7 @@ from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError
 from ckptdoctor.formats.archive import unpickle
 from ckptdoctor.formats.files import open_regular
+from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.pickle_scan import current_limits
 from ckptdoctor.stand_ins import STAND_IN_TYPES, StandIn
 
@@ -85,22 +83,6 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
     if isinstance(obj, STAND_IN_TYPES):
         return obj.__dict__.get(name, default)
     return getattr(obj, name, default)
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building many small acyclic objects.
-
-    A 20k-key ``.metadata`` unpickles to ~100k stand-ins; the collector's repeated full scans over them
-    took more than half of the load time (the objects hold no cycles, so nothing is lost by waiting).
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.torch_dist import gc_paused
+from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.locate import NEMO_WEIGHTS_DIR, TRACKER_NAME, list_dir, list_iteration_dirs, looks_like_iteration_dir
 from ckptdoctor.rules import Finding, consistency, finding, integrity, is_selected, leftovers, structure, with_fix
 

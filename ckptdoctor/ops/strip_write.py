@@ -32,6 +32,7 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import dcp_writer, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
 from ckptdoctor.formats.files import read_json
+from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.seal import default_jobs, hash_files, manifest_files, write_manifest
 from ckptdoctor.ops.strip import StripPlan
@@ -153,7 +154,7 @@ def _fill_iteration_dir(
     result.bytes_copied = sum(f.bytes for f in result.files)
     atomic.fault_point("strip-frozen:data-written")
     dcp_writer.restrict_metadata(metadata, keep)
-    with torch_dist.gc_paused():
+    with gc_paused():
         payload = torch_dist.dump_metadata_object(metadata)
     atomic.write_atomic(stage / ".metadata", payload)
     result.metadata_bytes = len(payload)

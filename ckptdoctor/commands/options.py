@@ -1,0 +1,40 @@
+"""Options shared by several commands, defined once so that every command spells them alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+# Earlier releases called the text output "table" in inspect and strip-frozen; the old name still works.
+FORMAT_ALIASES = {"table": "text"}
+
+
+class FormatChoice(click.Choice):
+    """``text|json`` (plus a command's own extras), accepting the aliases above; help lists only real names."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            value = FORMAT_ALIASES.get(value.lower(), value)
+        return super().convert(value, param, ctx)
+
+
+def normalize_format(value: str) -> str:
+    """A format name from a config file, with the same aliases as the option."""
+    return FORMAT_ALIASES.get(value.lower(), value)
+
+
+def format_option(
+    *extra: str, help: str = "Output format.", default: str | None = "text", aliases: tuple[str, ...] = ()
+) -> Callable[[Any], Any]:
+    """``--format text|json[|extra...]`` stored as ``output_format``; ``aliases`` are further option names."""
+    return click.option(
+        "--format",
+        *aliases,
+        "output_format",
+        type=FormatChoice(["text", "json", *extra], case_sensitive=False),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
