@@ -68,8 +68,8 @@ def command(
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
-    from ckptdoctor.ops.fix_args import build_report, diagnose
-    from ckptdoctor.ops.fix_args_write import write_in_place, write_output
+    from ckptdoctor.ops.fix_args import build_report
+    from ckptdoctor.ops.fix_args_write import write_fix
     from ckptdoctor.render.common import render_fix_args, to_json
 
     if write and (output is None) == (not in_place):
@@ -79,16 +79,8 @@ def command(
     ckpt = open_checkpoint(checkpoint, iteration)
     source = open_checkpoint(source_path, source_iteration) if source_path else None
     report = build_report(ckpt, source, list(sets), force=force, apply_fixes=not only_set)
-    if write and report.changes:
-        if in_place:
-            report.written = write_in_place(ckpt, report.changes)
-        else:
-            report.written = write_output(ckpt, report.changes, output, force=force)  # type: ignore[arg-type]
-        # Re-read what was written: the fix is proven by our own reader before we say it worked.
-        written = open_checkpoint(report.written.iteration_dir)
-        report.remaining, _ = diagnose(written)
-    elif write:
-        report.notes.append("nothing to write: the args are consistent")
+    if write:
+        write_fix(report, ckpt, None if in_place else output, force=force)
     click.echo(to_json(report) if output_format == "json" else render_fix_args(report))
     if write and report.remaining is not None:
         return EXIT_FINDINGS if report.remaining else EXIT_OK

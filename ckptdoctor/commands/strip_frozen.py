@@ -105,15 +105,14 @@ def command(
     writes anyway), 2 error.
     """
     from ckptdoctor.checkpoint import open_checkpoint
-    from ckptdoctor.errors import CkptError
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.strip_write import strip_frozen
     from ckptdoctor.render.common import render_strip, to_json
 
     if not dry_run and in_place == (output is not None):
-        raise CkptError("give exactly one of --output DIR and --in-place (or --dry-run)")
+        raise click.UsageError("give exactly one of --output DIR and --in-place (or --dry-run)")
     if no_backup and not in_place:
-        raise CkptError("--no-backup only applies to --in-place")
+        raise click.UsageError("--no-backup only applies to --in-place")
     ckpt = open_checkpoint(checkpoint, iteration)
     base = open_checkpoint(base_path, base_iteration) if base_path else None
     bars = _Bars() if sys.stderr.isatty() else None

@@ -9,13 +9,16 @@ from __future__ import annotations
 import argparse
 import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.arg_rules import ERROR, ArgFinding, check_args, compare_with_source
 from ckptdoctor.args import ARG_GROUPS, args_as_dict
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.parallelism import infer_layout
+
+if TYPE_CHECKING:
+    from ckptdoctor.ops.fix_args_write import WriteResult
 
 SCHEMA = "ckptdoctor.fix-args/1"
 DERIVED_ARGS = ARG_GROUPS["parallelism-derived"]
@@ -48,7 +51,7 @@ class FixArgsReport:
     findings: list[ArgFinding]
     inherited: list[InheritedArg]
     changes: list[ArgChange]
-    written: Any = None  # WriteResult after --write
+    written: WriteResult | None = None  # after --write
     notes: list[str] = field(default_factory=list)
     # after --write: the written checkpoint re-read and re-checked (None when nothing was written);
     # ``findings`` keep what was wrong before the fix

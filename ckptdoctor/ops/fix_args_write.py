@@ -53,7 +53,7 @@ from ckptdoctor.formats.files import read_json
 from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.torch_zip import dump_torch_zip
 from ckptdoctor.locate import TRACKER_NAME
-from ckptdoctor.ops.fix_args import ArgChange, fixed_common_state
+from ckptdoctor.ops.fix_args import ArgChange, FixArgsReport, diagnose, fixed_common_state
 from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.rules import leftovers
 
@@ -332,3 +332,24 @@ def _write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path
         write_atomic(output / TRACKER_NAME, value.encode())
         result.written.append(str(output / TRACKER_NAME))
     return result
+
+
+def write_fix(
+    report: FixArgsReport, checkpoint: Checkpoint, output: Path | None = None, force: bool = False
+) -> FixArgsReport:
+    """Write ``report.changes`` to ``output`` (or in place when ``output`` is None), then prove the fix.
+
+    The written checkpoint is re-read and re-diagnosed by our own reader before anyone is told it worked:
+    ``report.remaining`` holds what is still wrong there (``report.findings`` keep what was wrong before).
+    """
+    from ckptdoctor.checkpoint import open_checkpoint
+
+    if not report.changes:
+        report.notes.append("nothing to write: the args are consistent")
+        return report
+    if output is None:
+        report.written = write_in_place(checkpoint, report.changes)
+    else:
+        report.written = write_output(checkpoint, report.changes, output, force=force)
+    report.remaining, _ = diagnose(open_checkpoint(report.written.iteration_dir))
+    return report
