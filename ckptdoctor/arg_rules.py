@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptdoctor.parallelism import SavedLayout
-
-ERROR = "error"  # megatron-core refuses to load/validate these args
-WARNING = "warning"  # loads, but megatron silently changes the value or the args lie about the layout
+from ckptdoctor.severity import ERROR, WARNING
 
 
 @dataclass(frozen=True)

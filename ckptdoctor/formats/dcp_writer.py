@@ -33,18 +33,14 @@ class CopiedFile:
     bytes: int
 
 
-def _attr(obj: Any, name: str) -> Any:
-    return obj.__dict__.get(name) if hasattr(obj, "__dict__") else getattr(obj, name, None)
-
-
 def kept_storage(metadata: Any, keep: set[str]) -> dict[str, list[tuple[Any, Any]]]:
     """Source data file -> [(MetadataIndex, _StorageInfo)] of kept items, in source byte order."""
     by_file: dict[str, list[tuple[Any, Any]]] = {}
     for index, info in torch_dist.storage_items(metadata).items():
         if torch_dist.index_fqn(index) in keep:
-            by_file.setdefault(str(_attr(info, "relative_path")), []).append((index, info))
+            by_file.setdefault(str(torch_dist.record_attr(info, "relative_path")), []).append((index, info))
     for items in by_file.values():
-        items.sort(key=lambda pair: int(_attr(pair[1], "offset")))
+        items.sort(key=lambda pair: int(torch_dist.record_attr(pair[1], "offset")))
     return dict(sorted(by_file.items()))
 
 
@@ -101,7 +97,10 @@ def copy_items(
         position = 0
         try:
             for _index, info in items:
-                offset, length = int(_attr(info, "offset")), int(_attr(info, "length"))
+                offset, length = (
+                    int(torch_dist.record_attr(info, "offset")),
+                    int(torch_dist.record_attr(info, "length")),
+                )
                 try:
                     _copy_range(src_fd, dst_fd, offset, length, state, progress)
                 except CkptError as exc:
@@ -141,22 +140,22 @@ def _filter_plans(plans: Any, keep: set[str]) -> None:
     if not isinstance(plans, list):
         return
     for plan in plans:
-        items = _attr(plan, "items")
+        items = torch_dist.record_attr(plan, "items")
         if isinstance(items, list):
-            items[:] = [w for w in items if torch_dist.index_fqn(_attr(w, "index")) in keep]
+            items[:] = [w for w in items if torch_dist.index_fqn(torch_dist.record_attr(w, "index")) in keep]
 
 
 def restrict_metadata(metadata: Any, keep: Iterable[str]) -> None:
     """Edit a ``.metadata`` object (stand-ins) in place so that it lists exactly the ``keep`` keys."""
     keep = set(keep)
-    state_dict_metadata = _attr(metadata, "state_dict_metadata")
+    state_dict_metadata = torch_dist.record_attr(metadata, "state_dict_metadata")
     for key in [k for k in state_dict_metadata if k not in keep]:
         del state_dict_metadata[key]
     storage = torch_dist.storage_items(metadata)
     for index in [i for i in storage if torch_dist.index_fqn(i) not in keep]:
         del storage[index]
-    planner_data = _attr(metadata, "planner_data")
+    planner_data = torch_dist.record_attr(metadata, "planner_data")
     if isinstance(planner_data, dict):
         for key in [k for k in planner_data if k not in keep]:
             del planner_data[key]
-    _filter_plans(_attr(metadata, "all_local_plans"), keep)
+    _filter_plans(torch_dist.record_attr(metadata, "all_local_plans"), keep)

@@ -79,7 +79,8 @@ def writer_rank(relative_path: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _attr(obj: Any, name: str, default: Any = None) -> Any:
+def record_attr(obj: Any, name: str, default: Any = None) -> Any:
+    """A field of an unpickled record: a stand-in's own state (never a class attribute), else the attribute."""
     if isinstance(obj, STAND_IN_TYPES):
         return obj.__dict__.get(name, default)
     return getattr(obj, name, default)
@@ -107,8 +108,8 @@ def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
     unlisted: list[str] = []
     metadata = _load_metadata_pickle(path, unlisted)
 
-    state_dict_metadata = _attr(metadata, "state_dict_metadata")
-    storage_data = _attr(metadata, "storage_data")
+    state_dict_metadata = record_attr(metadata, "state_dict_metadata")
+    storage_data = record_attr(metadata, "storage_data")
     if not isinstance(state_dict_metadata, dict) or not isinstance(storage_data, dict):
         raise CkptError(f"{path}: not a PyTorch DCP Metadata object (got {type(metadata).__name__})")
 
@@ -117,8 +118,8 @@ def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
     except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
         raise CkptError(f"{path}: unexpected DCP metadata structure ({type(exc).__name__}: {exc})") from None
 
-    storage_meta = _attr(metadata, "storage_meta")
-    checkpoint_id = _attr(storage_meta, "checkpoint_id") if storage_meta is not None else None
+    storage_meta = record_attr(metadata, "storage_meta")
+    checkpoint_id = record_attr(storage_meta, "checkpoint_id") if storage_meta is not None else None
     known = {"state_dict_metadata", "storage_data", "planner_data", "storage_meta", "version"}
     extra = {}
     if isinstance(metadata, StandIn):
@@ -127,7 +128,7 @@ def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
     class_name = cls.qualified_name() if isinstance(metadata, StandIn) else f"{cls.__module__}.{cls.__name__}"
     return DcpIndex(
         items,
-        _attr(metadata, "version"),
+        record_attr(metadata, "version"),
         class_name,
         None if checkpoint_id is None else str(checkpoint_id),
         extra,
@@ -210,7 +211,7 @@ def dump_metadata_object(metadata: Any) -> bytes:
 
 def storage_items(metadata: Any) -> dict[Any, Any]:
     """The ``storage_data`` dict of a metadata object: MetadataIndex -> _StorageInfo stand-ins."""
-    return _attr(metadata, "storage_data")
+    return record_attr(metadata, "storage_data")
 
 
 def set_storage(info: Any, location: StorageLocation) -> None:
@@ -221,4 +222,4 @@ def set_storage(info: Any, location: StorageLocation) -> None:
 
 
 def index_fqn(index: Any) -> str:
-    return _attr(index, "fqn")
+    return record_attr(index, "fqn")

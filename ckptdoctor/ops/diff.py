@@ -93,7 +93,7 @@ class LayoutDiff:
 
 
 @dataclass
-class ArgChange:
+class ArgDifference:
     name: str
     group: str
     change: str  # "changed" | "only_a" | "only_b"
@@ -120,7 +120,7 @@ class ArgFlag:
 class ArgsDiff:
     compared: bool  # both sides saved args
     count: int  # differing args, ignored ones excluded
-    groups: dict[str, list[ArgChange]]
+    groups: dict[str, list[ArgDifference]]
     flags: list[ArgFlag]
     ignored: list[str] = field(default_factory=list)  # differing args left out by --ignore-arg / ignore-args
 
@@ -263,7 +263,7 @@ def compare_args(a: SavedLayout, b: SavedLayout, args_a: dict, args_b: dict, ign
 
     Args whose name fully matches a regex of ``ignore`` are not compared (listed in ``ignored`` when they differ).
     """
-    groups: dict[str, list[ArgChange]] = {g: [] for g in ARG_GROUP_ORDER}
+    groups: dict[str, list[ArgDifference]] = {g: [] for g in ARG_GROUP_ORDER}
     patterns = [re.compile(p) for p in ignore]
     ignored: list[str] = []
     for name in sorted(args_a.keys() | args_b.keys()):
@@ -272,11 +272,11 @@ def compare_args(a: SavedLayout, b: SavedLayout, args_a: dict, args_b: dict, ign
                 ignored.append(name)
             continue
         if name not in args_b:
-            groups[arg_group(name)].append(ArgChange(name, arg_group(name), "only_a", args_a[name], None))
+            groups[arg_group(name)].append(ArgDifference(name, arg_group(name), "only_a", args_a[name], None))
         elif name not in args_a:
-            groups[arg_group(name)].append(ArgChange(name, arg_group(name), "only_b", None, args_b[name]))
+            groups[arg_group(name)].append(ArgDifference(name, arg_group(name), "only_b", None, args_b[name]))
         elif not same_value(args_a[name], args_b[name]):
-            groups[arg_group(name)].append(ArgChange(name, arg_group(name), "changed", args_a[name], args_b[name]))
+            groups[arg_group(name)].append(ArgDifference(name, arg_group(name), "changed", args_a[name], args_b[name]))
     flags: list[ArgFlag] = []
     for side, layout, mine, other in (("a", a, args_a, args_b), ("b", b, args_b, args_a)):
         for f in check_args(mine, layout):

@@ -75,7 +75,7 @@ def render_inspect(report: Any) -> str:
         lines.append("args")
         for group, values in report.args.items():
             if values:
-                shown = "  ".join(f"{k}={_short(v)}" for k, v in values.items())
+                shown = "  ".join(f"{k}={short_value(v)}" for k, v in values.items())
                 lines.append(f"  {group}: {shown}")
     else:
         lines.append("")
@@ -85,8 +85,10 @@ def render_inspect(report: Any) -> str:
         lines.append("")
         lines.append(f"inconsistent args ({len(findings)}): the saved args contradict the checkpoint's parallelism")
         for f in findings:
-            correct = "" if f["correct"] is None else f" (should be {_short(f['correct'])})"
-            lines.append(f"  {f['code']} [{f['severity']}] {f['arg']}={_short(f['saved'])}{correct}: {f['reason']}")
+            correct = "" if f["correct"] is None else f" (should be {short_value(f['correct'])})"
+            lines.append(
+                f"  {f['code']} [{f['severity']}] {f['arg']}={short_value(f['saved'])}{correct}: {f['reason']}"
+            )
         lines.append(f"  fix: ckptdoctor fix-args {report.iteration_dir} --write --output DIR (or --in-place)")
     lines.append("")
     lines.append("common state keys: " + ", ".join(report.common_state_keys))
@@ -107,7 +109,8 @@ def render_inspect(report: Any) -> str:
     return "\n".join(lines)
 
 
-def _short(value: Any, limit: int = 200) -> str:
+def short_value(value: Any, limit: int = 200) -> str:
+    """A value as JSON text (strings bare), cut to ``limit`` characters."""
     plain = jsonable(value)
     text = plain if isinstance(plain, str) else json.dumps(plain)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -117,7 +120,7 @@ def _fix_args_table(findings: list[Any]) -> list[str]:
     rows = []
     for f in findings:
         inherited = {True: "yes", False: "no", None: "-"}[f.inherited]
-        rows.append([f.code, f.arg, _short(f.saved), _short(f.correct), f.severity, inherited, f.reason])
+        rows.append([f.code, f.arg, short_value(f.saved), short_value(f.correct), f.severity, inherited, f.reason])
     lines = [tabulate(rows, headers=["code", "arg", "saved", "correct", "severity", "inherited", "why"])]
     errors = [f for f in findings if f.megatron_error]
     if errors:
@@ -153,15 +156,15 @@ def render_fix_args(report: Any) -> str:
     if written and report.changes:
         lines.append("")
         lines.append("changed:")
-        lines.extend(f"  {c.arg}: {_short(c.old)} -> {_short(c.new)} ({c.why})" for c in report.changes)
+        lines.extend(f"  {c.arg}: {short_value(c.old)} -> {short_value(c.new)} ({c.why})" for c in report.changes)
     consistent = [i for i in report.inherited if i.consistent]
     if consistent:
-        shown = ", ".join(f"{i.arg}={_short(i.value)}" for i in consistent)
+        shown = ", ".join(f"{i.arg}={short_value(i.value)}" for i in consistent)
         lines.append(f"inherited from the source but consistent (kept): {shown}")
     if report.changes and not written:
         lines.append("")
         lines.append("would change (use --write with --output DIR or --in-place):")
-        lines.extend(f"  {c.arg}: {_short(c.old)} -> {_short(c.new)} ({c.why})" for c in report.changes)
+        lines.extend(f"  {c.arg}: {short_value(c.old)} -> {short_value(c.new)} ({c.why})" for c in report.changes)
     if written:
         w = written
         lines.append("")
@@ -234,7 +237,7 @@ def render_strip(report: Any) -> str:
         lines.append(f"not carried     {name}: {why}")
     for change in result.args_changed:
         lines.append(
-            f"args            {change['arg']}: {_short(change['old'])} -> {_short(change['new'])} "
+            f"args            {change['arg']}: {short_value(change['old'])} -> {short_value(change['new'])} "
             "(as Megatron saves it; --keep-args keeps the saved value)"
         )
     if result.resealed:

@@ -5,19 +5,16 @@ Kept apart from render/common.py so that the diff's many sections do not crowd t
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from ckptdoctor.render.common import human_bytes, jsonable
+from ckptdoctor.render.common import human_bytes, short_value
 from ckptdoctor.text_safety import text_safe
 
 _MAX_VALUE = 80
 
 
 def _short(value: Any) -> str:
-    plain = jsonable(value)
-    text = plain if isinstance(plain, str) else json.dumps(plain)
-    return text if len(text) <= _MAX_VALUE else text[: _MAX_VALUE - 3] + "..."
+    return short_value(value, _MAX_VALUE)
 
 
 def _more(shown: int, count: int) -> list[str]:

@@ -19,9 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ckptdoctor.errors import CkptError
-
-ERROR = "error"
-WARNING = "warning"
+from ckptdoctor.severity import ERROR as ERROR  # re-exported: rules and renderers import it from here
+from ckptdoctor.severity import WARNING as WARNING
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,4 @@
+"""Finding severities, shared by check rules and the fix-args rule table."""
+
+ERROR = "error"  # megatron-core refuses to load / validate it, or data is lost
+WARNING = "warning"  # loads, but something is silently changed, wasted or misleading
