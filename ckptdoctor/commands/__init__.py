@@ -19,6 +19,7 @@ COMMAND_MODULES: dict[str, str] = {
     "diff": "diff",
     "fix-args": "fix_args",
     "strip-frozen": "strip_frozen",
+    "edit": "edit",
     "check": "check",
     "rules": "rules",
     "latest-good": "latest_good",

@@ -108,11 +108,11 @@ def structural_problems(checkpoint: Checkpoint) -> list[str]:
     return problems
 
 
-def check_integrity(checkpoint: Checkpoint) -> None:
+def check_integrity(checkpoint: Checkpoint, verb: str = "strip") -> None:
     problems = structural_problems(checkpoint)
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
-        raise CkptError(f"{problems[0]}{more}; refusing to strip a damaged checkpoint")
+        raise CkptError(f"{problems[0]}{more}; refusing to {verb} a damaged checkpoint")
     refuse_unsafe_pickles(checkpoint)
 
 

@@ -25,16 +25,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckptdoctor import atomic, locking
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import dcp_writer, torch_dist
+from ckptdoctor.formats import dcp_keys, dcp_writer, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
-from ckptdoctor.formats.files import read_json
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.locate import TRACKER_NAME
-from ckptdoctor.ops.seal import default_jobs, hash_files, manifest_files, write_manifest
+from ckptdoctor.ops.seal import write_manifest
+from ckptdoctor.ops.staged_integrity import carried_hashes, verify_source_manifest
+from ckptdoctor.ops.staging import SwapState, swap_in_place, swap_output
 from ckptdoctor.ops.strip import StripPlan
 from ckptdoctor.rules import leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
@@ -138,9 +140,36 @@ def _set_trainable_only_arg(stage: Path, result: StripResult) -> None:
     result.args_changed = [{"arg": c.arg, "old": c.old, "new": c.new} for c in changes]
 
 
+@dataclass
+class KeyEdit:
+    """What a staged rewrite does to the source's keys; one writer for ``strip-frozen`` and ``edit``.
+
+    ``compact``: byte-copy only the kept items into new data files (strip-frozen, ``edit --compact``);
+    otherwise hard-link (or copy) the data files that still hold a kept item and write only a new
+    ``.metadata`` (O(metadata); removed items stay in the files, unreferenced). ``common`` rewrites the common
+    state in the staging dir (given the ``.metadata`` object before it is written) and returns the names of the
+    files it wrote there. ``step`` names the fault points (``<step>:data-written``, ...).
+    """
+
+    keep: set[str]
+    renames: dict[str, str] = field(default_factory=dict)
+    compact: bool = True
+    step: str = "strip-frozen"
+    common: Callable[[Any, Path], list[str]] | None = None
+
+
+def _link_data_files(src: Path, stage: Path, metadata: Any, keep: set[str]) -> list[CopiedFile]:
+    """Hard-link (or copy) every data file that holds a kept item; returns them with their kept items."""
+    files = []
+    for name, items in dcp_writer.kept_storage(metadata, keep).items():
+        atomic.link_or_copy(src / name, stage / name)
+        files.append(CopiedFile(name, len(items), (stage / name).stat().st_size))
+    return files
+
+
 def _fill_iteration_dir(
     checkpoint: Checkpoint,
-    plan: StripPlan,
+    edit: KeyEdit,
     stage: Path,
     progress: Callable[[int], None] | None,
     result: StripResult,
@@ -148,21 +177,27 @@ def _fill_iteration_dir(
 ) -> None:
     src = checkpoint.iteration_dir
     metadata = torch_dist.load_metadata_object(src / ".metadata")  # pauses the cyclic GC itself
-    keep = plan.keep_keys
-    by_file = dcp_writer.kept_storage(metadata, keep)
-    result.files = dcp_writer.copy_items(src, stage, by_file, progress)
-    result.bytes_copied = sum(f.bytes for f in result.files)
-    atomic.fault_point("strip-frozen:data-written")
-    dcp_writer.restrict_metadata(metadata, keep)
+    if edit.compact:
+        by_file = dcp_writer.kept_storage(metadata, edit.keep)
+        result.files = dcp_writer.copy_items(src, stage, by_file, progress)
+        result.bytes_copied = sum(f.bytes for f in result.files)
+    else:
+        result.files = _link_data_files(src, stage, metadata, edit.keep)
+    atomic.fault_point(f"{edit.step}:data-written")
+    if edit.renames or edit.common is not None:
+        dcp_keys.edit_metadata(metadata, edit.keep, edit.renames)
+    else:
+        dcp_writer.restrict_metadata(metadata, edit.keep)
+    rebuilt = edit.common(metadata, stage) if edit.common is not None else []
     with gc_paused():
         payload = torch_dist.dump_metadata_object(metadata)
     atomic.write_atomic(stage / ".metadata", payload)
     result.metadata_bytes = len(payload)
-    if checkpoint.location.has_common_pt:
+    if checkpoint.location.has_common_pt and "common.pt" not in rebuilt:
         atomic.link_or_copy(src / "common.pt", stage / "common.pt")
     for path in sorted(src.iterdir()):
         name = path.name
-        if name in _REBUILT or name.endswith(".distcp") or name.startswith("."):
+        if name in _REBUILT or name in rebuilt or name.endswith(".distcp") or name.startswith("."):
             continue
         if not path.is_file():
             result.skipped[name] = "not a plain file (a nested checkpoint or dir is not carried)"
@@ -175,55 +210,15 @@ def _fill_iteration_dir(
         _set_trainable_only_arg(stage, result)
     if (src / INTEGRITY_NAME).is_file():
         # Still in the staging dir: no run leaves a checkpoint under its name whose manifest lists other bytes.
-        write_manifest(stage)
+        write_manifest(stage, None if edit.compact else carried_hashes(src, stage))
         result.resealed = True
-        atomic.fault_point("strip-frozen:resealed")
+        atomic.fault_point(f"{edit.step}:resealed")
     atomic.fsync_dir(stage)
 
 
-def verify_source_manifest(iteration_dir: Path) -> None:
-    """Refuse a source whose ``integrity.json`` disagrees with its files: the output's fresh manifest would
-    otherwise vouch for changed bytes. Every file of the dir is hashed (in parallel, as ``seal`` does)."""
-    path = iteration_dir / INTEGRITY_NAME
-    if not path.is_file():
-        return
-    why = "; refusing to strip it (its new manifest would vouch for changed bytes): run `ckptdoctor check` on it"
-    try:
-        manifest = read_json(path)
-        listed = manifest["files"]
-        if manifest.get("algorithm", "sha256") != "sha256" or not isinstance(listed, dict):
-            raise ValueError("not a sha256 manifest of file names")
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CkptError(f"{path}: unreadable integrity manifest ({exc}){why}") from None
-    files = manifest_files(iteration_dir)
-    present = {p.name for p in files}
-    missing = sorted(set(listed) - present)
-    unlisted = sorted(present - set(listed))
-    if missing or unlisted:
-        name, what = (
-            (missing[0], f"listed in {INTEGRITY_NAME} but missing")
-            if missing
-            else (unlisted[0], f"not listed in {INTEGRITY_NAME}")
-        )
-        raise CkptError(f"{iteration_dir / name}: {what}{why}")
-    try:
-        actual = hash_files(files, default_jobs())
-    except OSError as exc:
-        raise CkptError(f"{exc.filename or iteration_dir}: cannot read ({exc.strerror}){why}") from None
-    for name, digest in actual.items():
-        if str(listed[name]).lower() != digest:
-            raise CkptError(f"{iteration_dir / name}: sha256 differs from {INTEGRITY_NAME}{why}")
-
-
-class _Swap:
-    """Whether the staging dir was renamed into place (from then on it never holds only new data)."""
-
-    done = False
-
-
-def write_strip(
+def write_keys(
     checkpoint: Checkpoint,
-    plan: StripPlan,
+    edit: KeyEdit,
     output: Path | None,
     in_place: bool = False,
     force: bool = False,
@@ -231,7 +226,7 @@ def write_strip(
     progress: Callable[[int], None] | None = None,
     set_args: bool = True,
 ) -> StripResult:
-    """Write the stripped checkpoint to ``output`` (or in place); returns what was written."""
+    """Write the source with ``edit`` applied to ``output`` (or in place); returns what was written."""
     started = time.perf_counter()
     check_target(checkpoint, output, in_place, force, keep_backup)
     src_iter = checkpoint.iteration_dir
@@ -245,12 +240,12 @@ def write_strip(
     # the staging name is unique and the final rename never replaces an existing dir (but with --force).
     lock = locking.checkpoint_lock(target) if in_place else contextlib.nullcontext()
     with lock:
-        return _write_locked(checkpoint, plan, target, in_place, keep_backup, progress, started, set_args)
+        return _write_locked(checkpoint, edit, target, in_place, keep_backup, progress, started, set_args)
 
 
 def _write_locked(
     checkpoint: Checkpoint,
-    plan: StripPlan,
+    edit: KeyEdit,
     target: Path,
     in_place: bool,
     keep_backup: bool,
@@ -277,23 +272,23 @@ def _write_locked(
         source_bytes=_dir_bytes(src_iter),
         iteration_dir=str(target / src_iter.name if save_layout else target),
     )
-    swap = _Swap()
+    swap = SwapState()
     try:
-        atomic.fault_point("strip-frozen:staging-created")
+        atomic.fault_point(f"{edit.step}:staging-created")
         if save_layout:
             stage_iter.mkdir()
-        _fill_iteration_dir(checkpoint, plan, stage_iter, progress, result, set_args)
+        _fill_iteration_dir(checkpoint, edit, stage_iter, progress, result, set_args)
         if save_layout:
             location = checkpoint.location
             value = "release" if location.release else str(location.iteration)
             atomic.write_atomic(staging / TRACKER_NAME, value.encode())
         result.output_bytes = _dir_bytes(stage_iter)
-        atomic.fault_point("strip-frozen:before-swap")
+        atomic.fault_point(f"{edit.step}:before-swap")
         if in_place:
-            backup = _swap_in_place(src_iter, staging, keep_backup, swap)
+            backup = swap_in_place(src_iter, staging, keep_backup, swap, edit.step)
             result.backup = str(backup) if backup is not None else None
         else:
-            _swap_output(target, staging, swap)
+            swap_output(target, staging, swap, edit.step)
     except BaseException as exc:
         if not swap.done:  # the staging dir holds only new data: remove it (the source was not touched)
             shutil.rmtree(staging, ignore_errors=True)
@@ -302,99 +297,6 @@ def _write_locked(
         raise
     result.seconds = round(time.perf_counter() - started, 3)
     return result
-
-
-def _aside(directory: Path, mark: str) -> Path:
-    """A new unique hidden name beside ``directory`` (not created)."""
-    while True:
-        path = directory.with_name(f".{directory.name}{mark}{atomic.timestamp()}-{atomic.token()}")
-        if not os.path.lexists(path):
-            return path
-
-
-def _swap_output(output: Path, staging: Path, swap: _Swap) -> None:
-    old: Path | None = None
-    with atomic.defer_sigint():
-        if os.path.lexists(output):
-            if any(output.iterdir()):  # --force: move the old content aside, delete it once the new dir is in place
-                old = _aside(output, leftovers.OLD_MARK)
-                atomic.rename_noreplace(output, old)
-                atomic.fault_point("strip-frozen:old-output-aside")
-            else:
-                output.rmdir()
-        try:
-            atomic.rename_noreplace(staging, output)
-        except CkptError:
-            if old is not None:
-                atomic.rename_noreplace(old, output)
-            raise
-        swap.done = True
-        atomic.fault_point("strip-frozen:output-renamed")
-        atomic.fsync_dir(output.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _swap_in_place(iteration_dir: Path, staging: Path, keep_backup: bool, swap: _Swap) -> Path | None:
-    """Swap the staging dir in; returns the backup (None with ``--no-backup``). Once swapped, every error
-    names where the original is and nothing deletes it, except the requested ``--no-backup`` delete."""
-    stamp = atomic.timestamp()
-    backup = iteration_dir.with_name(f"{iteration_dir.name}.bak-{stamp}")
-    while os.path.lexists(backup):
-        backup = iteration_dir.with_name(f"{iteration_dir.name}.bak-{stamp}-{atomic.token()}")
-    locking.also_lock(iteration_dir, staging)  # the name stays locked on either side of the swap
-    with atomic.defer_sigint():  # Ctrl-C waits until the original has a name no error path deletes
-        atomic.fault_point("strip-frozen:before-exchange")
-        if atomic.exchange_paths(staging, iteration_dir):
-            # One atomic step: the iteration dir's name now holds the stripped checkpoint, staging the old one.
-            swap.done = True
-            atomic.fault_point("strip-frozen:after-exchange")
-            old = staging
-        else:  # no renameat2 exchange here: two renames, the source put back if the second fails
-            atomic.rename_noreplace(iteration_dir, backup)
-            atomic.fault_point("strip-frozen:between-renames")
-            try:
-                _rename(staging, iteration_dir)
-            except CkptError as exc:
-                try:
-                    _rename(backup, iteration_dir)
-                except CkptError:
-                    swap.done = True  # keep the staging dir too: leave every tree for the user to sort out
-                    raise CkptError(f"{exc}; putting the original back failed too: it is {backup}") from None
-                raise
-            swap.done = True
-            old = backup
-        kept = backup if keep_backup else _aside(iteration_dir, leftovers.DEL_MARK)
-        if old != kept:
-            atomic.fault_point("strip-frozen:before-backup-rename")
-            try:
-                atomic.rename_noreplace(old, kept)
-            except CkptError as exc:
-                raise CkptError(
-                    f"{iteration_dir}: the stripped checkpoint is in place, but {exc}; the original "
-                    f"is kept as {old}: run `ckptdoctor check {iteration_dir.parent}` for what to do "
-                    "with it"
-                ) from None
-            atomic.fault_point("strip-frozen:after-backup-rename")
-        atomic.fsync_dir(iteration_dir.parent)
-    if keep_backup:
-        return backup
-    atomic.fault_point("strip-frozen:before-delete")
-    try:
-        shutil.rmtree(kept)
-    except OSError as exc:
-        raise CkptError(
-            f"{iteration_dir}: the stripped checkpoint is in place, but deleting the old one ({kept}) "
-            f"failed ({exc.strerror or exc}); delete it with rm -rf"
-        ) from None
-    return None
-
-
-def _rename(src: Path, dst: Path) -> None:
-    try:
-        os.rename(src, dst)
-    except OSError as exc:
-        raise CkptError(f"{src}: cannot rename to {dst.name} ({exc.strerror})") from None
 
 
 @dataclass
@@ -472,5 +374,6 @@ def _plan_and_write(
     copy_progress = None
     if progress is not None:
         copy_progress = lambda n: progress("copy", n, plan.bytes_after)  # noqa: E731
-    result = write_strip(checkpoint, plan, output, in_place, force, keep_backup, copy_progress, not keep_args)
+    edit = KeyEdit(plan.keep_keys)
+    result = write_keys(checkpoint, edit, output, in_place, force, keep_backup, copy_progress, not keep_args)
     return StripReport(plan, result, False, nothing_frozen)

@@ -1,0 +1,112 @@
+"""``ckptdoctor edit``: remove, rename and drop keys and sections without rewriting tensor bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ckptdoctor.commands import ITERATION_HELP
+from ckptdoctor.commands.options import format_option
+
+SECTION_CHOICES = ["optimizer", "rng", "rerun"]
+PRESET_CHOICES = ["te-to-local", "local-to-te"]
+
+
+@click.command("edit")
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
+@click.option("--remove", "removes", metavar="REGEX", multiple=True, help="Remove keys matching REGEX (repeatable).")
+@click.option(
+    "--rename",
+    "renames",
+    nargs=2,
+    metavar="REGEX REPLACEMENT",
+    multiple=True,
+    help="Rename keys: re.sub(REGEX, REPLACEMENT) (repeatable, applied in order).",
+)
+@click.option(
+    "--drop-section",
+    "drop_sections",
+    type=click.Choice(SECTION_CHOICES),
+    multiple=True,
+    help="Drop a whole section; the common state is updated to match (repeatable).",
+)
+@click.option("--drop-extra-state", is_flag=True, help="Remove every _extra_state item.")
+@click.option(
+    "--preset",
+    type=click.Choice(PRESET_CHOICES),
+    default=None,
+    help="Rename the norm keys between megatron-core's Transformer Engine and local GPT layer spec names.",
+)
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="New checkpoint dir to write (a save dir when CHECKPOINT is one).",
+)
+@click.option("--in-place", is_flag=True, help="Replace the iteration dir (new dir + atomic rename; backup kept).")
+@click.option("--no-backup", is_flag=True, help="With --in-place: delete the old iteration dir after the swap.")
+@click.option("--force", is_flag=True, help="Replace an --output dir that exists and is not empty.")
+@click.option(
+    "--compact", is_flag=True, help="Byte-copy only the kept items into new data files (default: hard links)."
+)
+@click.option("--dry-run", is_flag=True, help="List every change; write nothing.")
+@format_option(help="Output format; the JSON schema is in the README.")
+def command(
+    checkpoint: str,
+    iteration: str | None,
+    removes: tuple[str, ...],
+    renames: tuple[tuple[str, str], ...],
+    drop_sections: tuple[str, ...],
+    drop_extra_state: bool,
+    preset: str | None,
+    output: Path | None,
+    in_place: bool,
+    no_backup: bool,
+    force: bool,
+    compact: bool,
+    dry_run: bool,
+    output_format: str,
+) -> int:
+    """Remove, rename or drop keys of CHECKPOINT in O(metadata): a new .metadata, data files hard-linked.
+
+    Renames are checked before anything is written (no two keys to one, no collision with a key that stays,
+    bytes items keep their /shard_ suffix, keys stay in their section). Dropping a whole section also updates
+    the common state, and the report names the Megatron-LM load flags the result needs. Exit code: 0 written
+    (or planned), 2 error (bad regex, an edit that changes nothing, a damaged or unsafe source).
+    """
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.exit_codes import EXIT_OK
+    from ckptdoctor.ops.edit import EditRequest
+    from ckptdoctor.ops.edit_write import edit
+    from ckptdoctor.render.common import to_json
+    from ckptdoctor.render.edit import render_edit
+
+    if not dry_run and in_place == (output is not None):
+        raise click.UsageError("give exactly one of --output DIR and --in-place (or --dry-run)")
+    if no_backup and not in_place:
+        raise click.UsageError("--no-backup only applies to --in-place")
+    request = EditRequest(
+        removes=list(removes),
+        renames=[(a, b) for a, b in renames],
+        drop_sections=list(dict.fromkeys(drop_sections)),
+        drop_extra_state=drop_extra_state,
+        preset=preset,
+    )
+    if not (request.removes or request.renames or request.drop_sections or drop_extra_state or preset):
+        raise click.UsageError("nothing to do: give --remove, --rename, --drop-section, --drop-extra-state or --preset")
+    ckpt = open_checkpoint(checkpoint, iteration)
+    report = edit(
+        ckpt,
+        request,
+        output=output,
+        in_place=in_place,
+        compact=compact,
+        dry_run=dry_run,
+        force=force,
+        keep_backup=not no_backup,
+    )
+    click.echo(to_json(report) if output_format == "json" else render_edit(report))
+    return EXIT_OK

@@ -1,0 +1,316 @@
+"""``ckptdoctor edit``, planning half: which keys a checkpoint loses or is renamed to, checked before writing.
+
+Operations, applied to every key of the source ``.metadata``:
+
+* removals: ``--remove REGEX`` (``re.search`` on the key), ``--drop-section optimizer|rng|rerun``,
+  ``--drop-extra-state`` (every ``_extra_state`` item);
+* renames: ``--rename REGEX REPLACEMENT`` (``re.sub``, applied in the order given, each to the result of the
+  one before, like ``sed -e ... -e ...``) and the presets below; removed keys are not renamed.
+
+Renames are simultaneous: ``A -> B`` is allowed when ``B`` is itself renamed or removed. Refused before anything
+is written: an invalid regex, two keys renamed to one, a rename onto a key that stays, a bytes item whose
+``/shard_<offsets>_<shape>`` suffix would change (Megatron derives it from the object's place in the grid),
+a rename out of its section (a model key cannot become an optimizer key), removing the common state, an edit
+that removes every model key, and an edit that changes nothing.
+
+Dropping a whole section also edits the common state the way a Megatron save without that section looks
+(``--no-save-optim`` / ``--no-save-rng``), and :func:`load_flags` says which Megatron-LM load flags the
+result needs (read from ``megatron/training/checkpointing.py`` of Megatron-LM core_v0.19 and verified with
+real loads in ``tests/test_edit_mcore.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptdoctor.checkpoint import Checkpoint, section_of
+from ckptdoctor.errors import CkptError
+from ckptdoctor.ops.strip import dir_bytes
+
+SCHEMA = "ckptdoctor.edit/1"
+SECTIONS = ("optimizer", "rng", "rerun")
+
+# Norm keys of megatron-core's GPT layer specs (gpt_layer_specs.py, core 0.19.2). With Transformer Engine the
+# input norm is fused into linear_qkv and the pre-MLP norm into linear_fc1 (TELayerNormColumnParallelLinear:
+# parameters layer_norm_weight / layer_norm_bias); the local spec's modules are input_layernorm and
+# pre_mlp_layernorm (weight / bias). A local-spec layer built with sharded_state_dict_keys_map saves the
+# TE names; one without it (MLA, older or third-party code) saves and requests the module names.
+_NORMS = [  # (TE spec name, local spec module name)
+    ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+    ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+]
+PRESETS: dict[str, list[tuple[str, str]]] = {
+    "te-to-local": [(rf"(^|\.){re.escape(te)}(weight|bias)$", rf"\g<1>{local}\g<2>") for te, local in _NORMS],
+    "local-to-te": [(rf"(^|\.){re.escape(local)}(weight|bias)$", rf"\g<1>{te}\g<2>") for te, local in _NORMS],
+}
+_SHARD_SUFFIX_RE = re.compile(r"/shard_[0-9.]+_[0-9.]+$")
+
+
+@dataclass
+class EditRequest:
+    removes: list[str] = field(default_factory=list)
+    renames: list[tuple[str, str]] = field(default_factory=list)
+    drop_sections: list[str] = field(default_factory=list)
+    drop_extra_state: bool = False
+    preset: str | None = None
+
+
+@dataclass
+class KeyChange:
+    key: str
+    action: str  # "remove" | "rename"
+    section: str
+    kind: str
+    bytes: int
+    new_key: str | None = None
+    reason: str = ""
+
+
+@dataclass
+class CommonChange:
+    """One change to the common state (``common.pt`` or ``common_state/shard_0_1``)."""
+
+    what: str  # "drop" | "set-arg" | "drop-content-metadata"
+    name: str
+    old: Any = None
+    new: Any = None
+    reason: str = ""
+
+
+@dataclass
+class EditPlan:
+    schema: str
+    source: str
+    iteration_dir: str
+    removed: list[KeyChange]
+    renamed: list[KeyChange]
+    kept_keys: int
+    common_changes: list[CommonChange]
+    load_flags: list[str]  # Megatron-LM flags the result needs to load (empty: a plain load works)
+    load_notes: list[str]
+    bytes_before: int
+    bytes_kept: int  # data bytes of the kept items (what --compact copies)
+    dropped_sections: list[str] = field(default_factory=list)
+
+    def keep_keys(self, checkpoint: Checkpoint) -> set[str]:
+        removed = {c.key for c in self.removed}
+        return {k for k in checkpoint.entries if k not in removed}
+
+    @property
+    def rename_map(self) -> dict[str, str]:
+        return {c.key: c.new_key for c in self.renamed if c.new_key is not None}
+
+
+def _compile(pattern: str, option: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise CkptError(f"{option} {pattern!r}: invalid regex ({exc})") from None
+
+
+def _rename_rules(request: EditRequest) -> list[tuple[re.Pattern[str], str, str]]:
+    rules = [(_compile(p, "--rename"), r, f"--rename {p} {r}") for p, r in request.renames]
+    if request.preset:
+        rules += [(re.compile(p), r, f"--preset {request.preset}") for p, r in PRESETS[request.preset]]
+    for pattern, replacement, option in rules:
+        try:
+            pattern.sub(replacement, "")  # a bad group reference in the replacement fails here, not mid-plan
+        except (re.error, IndexError) as exc:
+            raise CkptError(f"{option}: invalid replacement ({exc})") from None
+    return rules
+
+
+def _removal_reason(key: str, section: str, is_extra: bool, request: EditRequest, removes: list) -> str | None:
+    if section in request.drop_sections:
+        return f"--drop-section {section}"
+    if request.drop_extra_state and is_extra:
+        return "--drop-extra-state"
+    for pattern in removes:
+        if pattern.search(key):
+            return f"--remove {pattern.pattern}"
+    return None
+
+
+def _new_name(key: str, rules: list[tuple[re.Pattern[str], str, str]]) -> tuple[str, list[str]]:
+    name, used = key, []
+    for pattern, replacement, option in rules:
+        try:
+            renamed = pattern.sub(replacement, name)
+        except (re.error, IndexError) as exc:
+            raise CkptError(f"{option}: cannot rename {name!r} ({exc})") from None
+        if renamed != name:
+            name = renamed
+            used.append(option)
+    return name, used
+
+
+def _check_rename(key: str, new: str, kind: str) -> None:
+    if section_of(key) == "common":
+        raise CkptError(f"rename of {key!r}: the common state keeps its key (Megatron reads it by name)")
+    if not new:
+        raise CkptError(f"rename of {key!r} gives an empty key; nothing written")
+    if section_of(new) != section_of(key):
+        raise CkptError(
+            f"rename {key!r} -> {new!r} moves the key from the {section_of(key)} section to the "
+            f"{section_of(new)} section; nothing written"
+        )
+    if kind != "tensor":
+        old_suffix, new_suffix = _SHARD_SUFFIX_RE.search(key), _SHARD_SUFFIX_RE.search(new)
+        if old_suffix is not None and (new_suffix is None or new_suffix.group(0) != old_suffix.group(0)):
+            raise CkptError(
+                f"rename {key!r} -> {new!r} changes the bytes item's shard suffix "
+                f"{old_suffix.group(0)!r} (its place in the object grid); rename only the part before it"
+            )
+
+
+def _check_collisions(renamed: list[KeyChange], kept: set[str]) -> None:
+    targets: dict[str, str] = {}
+    for change in renamed:
+        assert change.new_key is not None
+        other = targets.setdefault(change.new_key, change.key)
+        if other != change.key:
+            raise CkptError(
+                f"renames map two keys to {change.new_key!r}: {other!r} and {change.key!r}; nothing written"
+            )
+    staying = kept - {c.key for c in renamed}
+    for change in renamed:
+        if change.new_key in staying:
+            raise CkptError(
+                f"rename {change.key!r} -> {change.new_key!r} collides with an existing key that stays; "
+                "remove or rename that key too"
+            )
+
+
+def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
+    """Every key change and common-state change of ``request``; refuses (CkptError) a bad or empty edit."""
+    bad = [s for s in request.drop_sections if s not in SECTIONS]
+    if bad:
+        raise CkptError(
+            f"--drop-section {bad[0]}: not a section that can be dropped (choose from {', '.join(SECTIONS)})"
+        )
+    if request.preset is not None and request.preset not in PRESETS:
+        raise CkptError(f"--preset {request.preset}: unknown preset (choose from {', '.join(PRESETS)})")
+    removes = [_compile(p, "--remove") for p in request.removes]
+    rules = _rename_rules(request)
+    removed: list[KeyChange] = []
+    renamed: list[KeyChange] = []
+    kept: set[str] = set()
+    for key in sorted(checkpoint.entries):
+        entry = checkpoint.entries[key]
+        why = _removal_reason(key, entry.section, entry.is_extra_state, request, removes)
+        if why is not None:
+            if entry.section == "common":
+                raise CkptError(f"{why} would remove the common state {key!r} (args, iteration); nothing written")
+            removed.append(KeyChange(key, "remove", entry.section, entry.kind, entry.nbytes, reason=why))
+            continue
+        kept.add(key)
+        new, used = _new_name(key, rules)
+        if new != key:
+            _check_rename(key, new, entry.kind)
+            renamed.append(KeyChange(key, "rename", entry.section, entry.kind, entry.nbytes, new, ", ".join(used)))
+    _check_collisions(renamed, kept)
+    where = checkpoint.iteration_dir
+    if not removed and not renamed:
+        raise CkptError(f"{where}: the edit matches no key; nothing to change, nothing written")
+    if checkpoint.entries and not any(checkpoint.entries[k].section == "model" for k in kept):
+        raise CkptError(f"{where}: the edit removes every model key; nothing written")
+    dropped = _whole_sections(checkpoint, removed)
+    flags, notes = load_flags(checkpoint, removed, dropped)
+    return EditPlan(
+        schema=SCHEMA,
+        source=str(checkpoint.location.input_path),
+        iteration_dir=str(where),
+        removed=removed,
+        renamed=renamed,
+        kept_keys=len(kept),
+        common_changes=common_changes(checkpoint, dropped),
+        load_flags=flags,
+        load_notes=notes,
+        bytes_before=dir_bytes(where),
+        bytes_kept=sum(checkpoint.entries[k].nbytes for k in kept),
+        dropped_sections=dropped,
+    )
+
+
+def _whole_sections(checkpoint: Checkpoint, removed: list[KeyChange]) -> list[str]:
+    """Sections (optimizer, rng, rerun) the edit removes entirely."""
+    gone = {c.key for c in removed}
+    out = []
+    for section in SECTIONS:
+        keys = [k for k, e in checkpoint.entries.items() if e.section == section]
+        if keys and all(k in gone for k in keys):
+            out.append(section)
+    return out
+
+
+# --- the common state and the load flags ----------------------------------------------------------------
+
+
+def _common(checkpoint: Checkpoint) -> dict:
+    try:
+        return checkpoint.common_state()
+    except CkptError:
+        return {}
+
+
+def common_changes(checkpoint: Checkpoint, dropped: list[str]) -> list[CommonChange]:
+    """The common state as Megatron-LM saves it without the dropped sections (``generate_state_dict``:
+    no ``optimizer`` / ``opt_param_scheduler`` under ``--no-save-optim``, no ``rng_state`` under
+    ``--no-save-rng``, no ``rerun_state_machine`` without rerun state), args recording it."""
+    common = _common(checkpoint)
+    args = common.get("args")
+    changes: list[CommonChange] = []
+
+    def set_arg(name: str, reason: str) -> None:
+        if args is not None and hasattr(args, "__dict__") and getattr(args, name, None) is not True:
+            changes.append(CommonChange("set-arg", name, getattr(args, name, None), True, reason))
+
+    if "optimizer" in dropped:
+        for name in ("optimizer", "opt_param_scheduler"):
+            if name in common:
+                changes.append(CommonChange("drop", name, reason="optimizer leftovers (no optimizer state saved)"))
+        content = common.get("content_metadata")
+        if isinstance(content, dict) and "distrib_optim_sharding_type" in content:
+            changes.append(
+                CommonChange(
+                    "drop-content-metadata",
+                    "distrib_optim_sharding_type",
+                    content["distrib_optim_sharding_type"],
+                    None,
+                    "describes optimizer state that is no longer there",
+                )
+            )
+        set_arg("no_save_optim", "a load then builds no optimizer request (checkpointing.py reads ckpt args)")
+    if "rng" in dropped:
+        set_arg("no_save_rng", "a load then requests no rng state and skips restoring it")
+    if "rerun" in dropped and "rerun_state_machine" in common:
+        changes.append(CommonChange("drop", "rerun_state_machine", reason="rerun state is requested only if present"))
+    return changes
+
+
+def load_flags(checkpoint: Checkpoint, removed: list[KeyChange], dropped: list[str]) -> tuple[list[str], list[str]]:
+    """The Megatron-LM load flags the edited checkpoint needs, and why (megatron/training/checkpointing.py)."""
+    flags: list[str] = []
+    notes: list[str] = []
+    sections = {c.section for c in removed}
+    if "optimizer" in sections:
+        flags.append("--no-load-optim")
+        notes.append(
+            "--no-load-optim (or --finetune, which also resets the iteration and LR schedule): load_checkpoint "
+            "restores the optimizer unless told not to, even when the saved args say no_save_optim"
+        )
+    if "rng" in sections and "rng" not in dropped:
+        flags.append("--no-load-rng")
+        notes.append("--no-load-rng (or --finetune): part of the rng state was removed")
+    elif "rng" in dropped:
+        notes.append("rng state dropped: the saved args say no_save_rng, so a load neither requests nor restores it")
+    if "rerun" in sections and "rerun" not in dropped:
+        notes.append("part of the rerun state was removed: load at another world size or with --finetune")
+    if "model" in sections:
+        notes.append(
+            "model keys removed: a model whose load requests them fails under the default strictness; load "
+            "with a model that does not have them, or --dist-ckpt-strictness log_unexpected if they may stay fresh"
+        )
+    return flags, notes

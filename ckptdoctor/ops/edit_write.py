@@ -1,0 +1,147 @@
+"""``ckptdoctor edit``, writing half: the plan applied through strip-frozen's staged writer.
+
+Default: O(metadata). A new ``.metadata`` (keys removed and renamed everywhere it names them) beside hard links
+to the source's data files (copies across filesystems); removed items stay in the linked files, unreferenced.
+``--compact``: the kept items byte-copied into new data files, exactly as ``strip-frozen`` writes them. Both go
+through :func:`ckptdoctor.ops.strip_write.write_keys`: staging dir, fsync, atomic rename or exchange, backup for
+``--in-place``, fault points ``edit:<step>``. Dropping a whole section also rewrites the common state (a new
+``common.pt``, or a small new data file the ``.metadata`` entry of ``common_state/shard_0_1`` points to).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptdoctor import atomic, locking
+from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats import torch_dist
+from ckptdoctor.formats.torch_dist import StorageLocation
+from ckptdoctor.ops.edit import CommonChange, EditPlan, EditRequest, plan_edit
+from ckptdoctor.ops.strip import check_integrity
+from ckptdoctor.ops.strip_write import KeyEdit, StripResult, check_target, verify_source_manifest, write_keys
+from ckptdoctor.rules import leftovers
+
+COMMON_FILE = "common_state.edit.distcp"  # the rewritten common state (core >= 0.19 checkpoints)
+RUN_CONFIG = "run_config.yaml"
+
+
+@dataclass
+class EditReport:
+    plan: EditPlan
+    result: StripResult | None  # None for --dry-run
+    dry_run: bool
+    compact: bool
+    linked_files: int = 0  # data files of the output that are the source's own (hard links)
+    copied_files: int = 0  # data files copied (--compact, or linking failed across filesystems)
+
+
+def _new_common(checkpoint: Checkpoint, changes: list[CommonChange]) -> dict:
+    common = dict(checkpoint.common_state())
+    for change in changes:
+        if change.what == "drop":
+            common.pop(change.name, None)
+        elif change.what == "drop-content-metadata":
+            content = dict(common.get("content_metadata") or {})
+            content.pop(change.name, None)
+            common["content_metadata"] = content
+        elif change.what == "set-arg":
+            args = argparse.Namespace(**vars(common["args"]))
+            setattr(args, change.name, change.new)
+            common["args"] = args
+    return common
+
+
+def common_rewriter(checkpoint: Checkpoint, changes: list[CommonChange]) -> Callable[[Any, Path], list[str]] | None:
+    """The ``KeyEdit.common`` hook that writes the edited common state into the staging dir."""
+    if not changes:
+        return None
+
+    def rewrite(metadata: Any, stage: Path) -> list[str]:
+        from ckptdoctor.formats.torch_zip import dump_torch_zip
+        from ckptdoctor.ops.fix_args import ArgChange
+        from ckptdoctor.ops.fix_args_write import updated_run_config
+
+        common = _new_common(checkpoint, changes)
+        written = []
+        source = checkpoint.common_source
+        if source == "common.pt":
+            atomic.write_atomic(stage / "common.pt", dump_torch_zip(common))
+            written.append("common.pt")
+        else:
+            payload = dump_torch_zip([common])  # Megatron writes a ShardedObject as torch.save([obj])
+            entries = [i for i in torch_dist.storage_items(metadata).items() if torch_dist.index_fqn(i[0]) == source]
+            if len(entries) != 1:
+                raise CkptError(f"{checkpoint.iteration_dir / '.metadata'}: expected one storage entry for {source}")
+            atomic.write_atomic(stage / COMMON_FILE, payload)
+            torch_dist.set_storage(entries[0][1], StorageLocation(COMMON_FILE, 0, len(payload)))
+            written.append(COMMON_FILE)
+        run_config = checkpoint.iteration_dir / RUN_CONFIG
+        arg_changes = [ArgChange(c.name, c.old, c.new, "set") for c in changes if c.what == "set-arg"]
+        if arg_changes and run_config.is_file():  # Megatron-Bridge's copy of the args, kept in step
+            text, updated = updated_run_config(run_config.read_text(encoding="utf-8"), arg_changes)
+            if updated:
+                atomic.write_atomic(stage / RUN_CONFIG, text.encode("utf-8"))
+                written.append(RUN_CONFIG)
+        return written
+
+    return rewrite
+
+
+def _inodes(directory: Path, names: list[str]) -> dict[str, tuple[int, int]]:
+    out = {}
+    for name in names:
+        try:
+            st = os.stat(directory / name)
+        except OSError:
+            continue
+        out[name] = (st.st_dev, st.st_ino)
+    return out
+
+
+def _count_links(before: dict[str, tuple[int, int]], result: StripResult) -> tuple[int, int]:
+    """Data files of the output that are the source's own files (hard links) and those that are copies."""
+    after = _inodes(Path(result.iteration_dir), [f.name for f in result.files])
+    linked = sum(1 for name, ident in after.items() if before.get(name) == ident)
+    return linked, len(result.files) - linked
+
+
+def edit(
+    checkpoint: Checkpoint,
+    request: EditRequest,
+    *,
+    output: Path | None,
+    in_place: bool = False,
+    compact: bool = False,
+    dry_run: bool = False,
+    force: bool = False,
+    keep_backup: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> EditReport:
+    """Plan the edit and (unless ``dry_run``) write it; every refusal happens before anything is written."""
+    check_integrity(checkpoint, "edit")
+    plan = plan_edit(checkpoint, request)
+    if dry_run:
+        return EditReport(plan, None, True, compact)
+    check_target(checkpoint, output, in_place, force, keep_backup)
+    key_edit = KeyEdit(
+        keep=plan.keep_keys(checkpoint),
+        renames=plan.rename_map,
+        compact=compact,
+        step="edit",
+        common=common_rewriter(checkpoint, plan.common_changes),
+    )
+    # in place: exclusive; --output: shared (other readers may copy the same source at the same time)
+    with locking.checkpoint_lock(checkpoint.iteration_dir, exclusive=in_place, optional=not in_place):
+        leftovers.refuse_if_interrupted(checkpoint.iteration_dir)
+        if compact:  # new data files: the fresh manifest must not vouch for changed source bytes
+            verify_source_manifest(checkpoint.iteration_dir)
+        before = _inodes(checkpoint.iteration_dir, sorted(checkpoint.data_files))
+        result = write_keys(checkpoint, key_edit, output, in_place, force, keep_backup, progress, set_args=False)
+    linked, copied = _count_links(before, result)
+    return EditReport(plan, result, False, compact, linked, copied)

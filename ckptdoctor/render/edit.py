@@ -1,0 +1,58 @@
+"""Text for ``ckptdoctor edit``: every key change (dry run) or counts, common-state changes, load flags, sizes."""
+
+from __future__ import annotations
+
+from ckptdoctor.ops.edit_write import EditReport
+from ckptdoctor.render.common import human_bytes, short_value, tabulate
+from ckptdoctor.text_safety import text_safe
+
+
+def _common_line(what: str, name: str, old: object, new: object, reason: str) -> str:
+    if what == "drop":
+        return f"common state    drop {name} ({reason})"
+    if what == "set-arg":
+        return f"common state    args.{name}: {short_value(old)} -> {short_value(new)} ({reason})"
+    return f"common state    content_metadata.{name}: {short_value(old)} dropped ({reason})"
+
+
+@text_safe
+def render_edit(report: EditReport) -> str:
+    plan, result = report.plan, report.result
+    lines = [
+        f"checkpoint      {plan.iteration_dir}",
+        f"changes         {len(plan.removed)} keys removed ({human_bytes(sum(c.bytes for c in plan.removed))}), "
+        f"{len(plan.renamed)} renamed, {plan.kept_keys} kept",
+    ]
+    if plan.dropped_sections:
+        lines.append(f"sections        dropped: {', '.join(plan.dropped_sections)}")
+    if report.dry_run:
+        rows = [["remove", c.key, "", human_bytes(c.bytes), c.reason] for c in plan.removed]
+        rows += [["rename", c.key, c.new_key or "", human_bytes(c.bytes), c.reason] for c in plan.renamed]
+        lines += ["", tabulate(rows, headers=["", "key", "new key", "size", "why"]), ""]
+    for change in plan.common_changes:
+        lines.append(_common_line(change.what, change.name, change.old, change.new, change.reason))
+    flags = " ".join(plan.load_flags) if plan.load_flags else "none (a plain load works)"
+    lines.append(f"load flags      {flags}")
+    lines += [f"                {note}" for note in plan.load_notes]
+    if report.dry_run or result is None:
+        how = "kept items byte-copied (--compact)" if report.compact else "new .metadata, data files hard-linked"
+        lines.append(f"size after      ~{human_bytes(plan.bytes_kept)} of data referenced ({how})")
+        lines.append("dry run         nothing written")
+        return "\n".join(lines)
+    lines.append(f"written         {result.output}" + (" (in place)" if result.in_place else ""))
+    if result.backup:
+        lines.append(f"backup          {result.backup}")
+    data = f"{report.linked_files} hard-linked, {report.copied_files} copied ({human_bytes(result.bytes_copied)})"
+    lines.append(f"data files      {len(result.files)} files: {data}; written in {result.seconds:.2f} s")
+    for name, why in result.skipped.items():
+        lines.append(f"not carried     {name}: {why}")
+    if result.resealed:
+        how = "fresh sha256 of its own files" if report.compact else "linked files keep the source's sha256"
+        lines.append(f"integrity.json  written for the output ({how})")
+    lines.append(f"size before     {human_bytes(result.source_bytes)} ({result.source_bytes} bytes)")
+    lines.append(
+        f"size after      {human_bytes(result.output_bytes)} ({result.output_bytes} bytes"
+        + ("" if report.compact else "; linked files share the source's blocks")
+        + ")"
+    )
+    return "\n".join(lines)
