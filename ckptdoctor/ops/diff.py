@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.arg_rules import check_args
 from ckptdoctor.args import ARG_GROUPS, arg_group, args_as_dict
@@ -24,6 +24,10 @@ from ckptdoctor.checkpoint import SECTIONS, Checkpoint
 from ckptdoctor.ops.diff_items import KIND_TENSOR, Item, is_common_state_item, logical_items
 from ckptdoctor.parallelism import SavedLayout, infer_layout
 from ckptdoctor.plain import same_value
+
+if TYPE_CHECKING:
+    from ckptdoctor.values.diff import ValuesReport
+
 
 SCHEMA = "ckptdoctor.diff/1"
 ARG_GROUP_ORDER = (*ARG_GROUPS, "other")
@@ -152,7 +156,7 @@ class DiffReport:
     args: ArgsDiff | None  # None when filters exclude the common state (--section without common, --key)
     common: CommonDiff | None
     era: list[str]
-    values: Any = None  # values.diff.ValuesReport when --values
+    values: ValuesReport | None = None  # with --values
     ignored: dict = field(default_factory=dict)  # {"layout": bool, "args": [regex]}: not counted as differences
     summary: dict = field(default_factory=dict)
     identical: bool = True

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.text_safety import escape, text_safe
+
+if TYPE_CHECKING:
+    from ckptdoctor.ops.check import CheckReport
+
 
 FORMATS = ("text", "json", "github", "sarif")
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
@@ -22,7 +26,7 @@ def _plural(n: int, word: str) -> str:
 
 
 @text_safe
-def render_check(report: Any, quiet: bool = False, statistics: bool = False) -> str:
+def render_check(report: CheckReport, quiet: bool = False, statistics: bool = False) -> str:
     """``<path>: <code> [<severity>] <message>`` per finding, its fix command indented below when one fixes it
     (or, with ``statistics``, counts per code), then a one-line summary (unless ``quiet``)."""
     if statistics:
@@ -53,7 +57,7 @@ def render_check(report: Any, quiet: bool = False, statistics: bool = False) -> 
     return "\n".join(lines)
 
 
-def statistics(report: Any) -> list[dict[str, Any]]:
+def statistics(report: CheckReport) -> list[dict[str, Any]]:
     """Findings counted per code (most frequent first, then by code), with the rule's name and fix command."""
     from ckptdoctor.rules import rule_by_code
 
@@ -77,7 +81,7 @@ def statistics(report: Any) -> list[dict[str, Any]]:
     return sorted(counts.values(), key=lambda r: (-r["count"], r["code"]))
 
 
-def _statistics_lines(report: Any) -> list[str]:
+def _statistics_lines(report: CheckReport) -> list[str]:
     rows = statistics(report)
     if not rows:
         return []
@@ -104,7 +108,7 @@ def _gh_property(text: str) -> str:
     return _gh_data(text).replace(":", "%3A").replace(",", "%2C")
 
 
-def render_github(report: Any) -> str:
+def render_github(report: CheckReport) -> str:
     """One ``::error``/``::warning`` workflow command per finding (file, title = code; the fix in the
     message), shown by GitHub Actions on the run and the files of a pull request."""
     lines = []
@@ -127,7 +131,7 @@ def _uri(path: str) -> str:
     return p.as_uri() if p.is_absolute() else quote(p.as_posix())
 
 
-def sarif(report: Any) -> dict[str, Any]:
+def sarif(report: CheckReport) -> dict[str, Any]:
     """A minimal valid SARIF 2.1.0 log: every rule in ``tool.driver.rules`` and one result per finding."""
     from ckptdoctor import __version__
     from ckptdoctor.rules import all_rules
@@ -179,5 +183,5 @@ def sarif(report: Any) -> dict[str, Any]:
     }
 
 
-def render_sarif(report: Any) -> str:
+def render_sarif(report: CheckReport) -> str:
     return json.dumps(sarif(report), indent=2)

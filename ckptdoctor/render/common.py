@@ -7,10 +7,16 @@ from a checkpoint are escaped, so a checkpoint cannot drive the terminal. JSON n
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.plain import to_plain
 from ckptdoctor.text_safety import text_safe
+
+if TYPE_CHECKING:
+    from ckptdoctor.ops.fix_args import FixArgsReport
+    from ckptdoctor.ops.inspect import InspectReport
+    from ckptdoctor.ops.strip_write import StripReport
+    from ckptdoctor.rules import RuleInfo
 
 
 def jsonable(value: Any) -> Any:
@@ -40,7 +46,7 @@ def tabulate(*args: Any, **kwargs: Any) -> str:
 
 
 @text_safe
-def render_inspect(report: Any) -> str:
+def render_inspect(report: InspectReport) -> str:
     fmt = report.format
     lines = [f"checkpoint      {report.iteration_dir}"]
     if report.save_dir:
@@ -131,7 +137,7 @@ def _fix_args_table(findings: list[Any]) -> list[str]:
 
 
 @text_safe
-def render_fix_args(report: Any) -> str:
+def render_fix_args(report: FixArgsReport) -> str:
     """Report mode: the findings, then what --write would change. Write mode leads with what was wrong and
     what was changed, then what was written and the re-check of the written checkpoint."""
     lines = [f"{report.checkpoint}: saved layout {report.layout}; {report.era}"]
@@ -194,7 +200,7 @@ def render_fix_args(report: Any) -> str:
 
 
 @text_safe
-def render_strip(report: Any) -> str:
+def render_strip(report: StripReport) -> str:
     """Text for ``strip-frozen``: the source used, kept/dropped keys (dry run) or counts, sizes before/after."""
     plan, result = report.plan, report.result
     model_kept = [d for d in plan.kept if d.section == "model"]
@@ -226,6 +232,8 @@ def render_strip(report: Any) -> str:
             "estimate; dry run, nothing written)"
         )
         return "\n".join(lines)
+    if result is None:  # no dry run and nothing written: only the nothing-frozen refusal above ends so
+        return "\n".join(lines)
     lines.append(f"written         {result.output}" + (" (in place)" if result.in_place else ""))
     if result.backup:
         lines.append(f"backup          {result.backup}")
@@ -251,7 +259,7 @@ def render_strip(report: Any) -> str:
 # --- rules (check's own output: render/check.py) ---------------------------------------------
 
 
-def render_rules(rules: list[Any]) -> str:
+def render_rules(rules: list[RuleInfo]) -> str:
     """Each rule: code, name, severity and summary, with its rationale and the command that fixes it below."""
     import textwrap
 

@@ -5,10 +5,15 @@ Kept apart from render/common.py so that the diff's many sections do not crowd t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.render.common import human_bytes, short_value
 from ckptdoctor.text_safety import text_safe
+
+if TYPE_CHECKING:
+    from ckptdoctor.ops.diff import DiffReport
+    from ckptdoctor.values.diff import ValuesReport
+
 
 _MAX_VALUE = 80
 
@@ -27,7 +32,7 @@ def _shape(meta: dict) -> str:
 
 
 @text_safe
-def render_diff(report: Any) -> str:
+def render_diff(report: DiffReport) -> str:
     a, b = report.a, report.b
     lines = [f"A  {a.iteration_dir}  [{a.era}]", f"B  {b.iteration_dir}  [{b.era}]"]
     filters = {k: v for k, v in report.filters.items() if v}
@@ -64,8 +69,8 @@ def render_diff(report: Any) -> str:
     lines += ["", f"layout  {layout.summary}" + ("  (ignored: --ignore-layout)" if ignored and layout.differs else "")]
     if layout.count:
         lines.append(f"  {layout.count} keys chunked differently (layout, not content):")
-        for change in layout.keys:
-            lines.append(f"    {change.key}: {change.a} -> {change.b}")
+        for moved in layout.keys:
+            lines.append(f"    {moved.key}: {moved.a} -> {moved.b}")
         lines += _more(len(layout.keys), layout.count)
 
     if report.args is not None:
@@ -97,13 +102,13 @@ def render_diff(report: Any) -> str:
                 )
     if report.common is not None:
         lines += ["", f"common state and metadata.json: {report.common.count} differ"]
-        for c in report.common.items:
-            if c.change == "only_a":
-                lines.append(f"  {c.field}: only in A: {_short(c.a)}")
-            elif c.change == "only_b":
-                lines.append(f"  {c.field}: only in B: {_short(c.b)}")
+        for item in report.common.items:
+            if item.change == "only_a":
+                lines.append(f"  {item.field}: only in A: {_short(item.a)}")
+            elif item.change == "only_b":
+                lines.append(f"  {item.field}: only in B: {_short(item.b)}")
             else:
-                lines.append(f"  {c.field}: {_short(c.a)} -> {_short(c.b)}")
+                lines.append(f"  {item.field}: {_short(item.a)} -> {_short(item.b)}")
     if report.era:
         lines += ["", "era (not content differences):"]
         lines += [f"  {note}" for note in report.era]
@@ -116,7 +121,7 @@ def render_diff(report: Any) -> str:
     return "\n".join(lines)
 
 
-def _left_out(report: Any) -> int:
+def _left_out(report: DiffReport) -> int:
     """Entries the lists leave out under ``limit`` (the counts above them are complete)."""
     n = sum(k.only_a.count - len(k.only_a.keys) + k.only_b.count - len(k.only_b.keys) for k in report.keys.values())
     n += report.summary["changed"] - len(report.changed) + report.layout.count - len(report.layout.keys)
@@ -126,7 +131,7 @@ def _left_out(report: Any) -> int:
     return n
 
 
-def differing_keys(report: Any) -> list[str]:
+def differing_keys(report: DiffReport) -> list[str]:
     """Logical keys that differ (only in A or B, kind/dtype/shape, layout unless ignored, values), sorted."""
     keys = {k for s in report.keys.values() for k in (*s.only_a.keys, *s.only_b.keys)}
     keys.update(c.key for c in report.changed)
@@ -138,13 +143,13 @@ def differing_keys(report: Any) -> list[str]:
 
 
 @text_safe
-def render_name_only(report: Any) -> str:
+def render_name_only(report: DiffReport) -> str:
     """``--name-only``: the differing keys, one per line (args and common state are not keys: see --stat)."""
     return "\n".join(differing_keys(report))
 
 
 @text_safe
-def render_stat(report: Any) -> str:
+def render_stat(report: DiffReport) -> str:
     """``--stat``: counts per section (complete lists are expected: limit None)."""
     changed: dict[str, int] = {}
     layout: dict[str, int] = {}
@@ -160,12 +165,12 @@ def render_stat(report: Any) -> str:
     header += f" {'values':>7}" if report.values is not None else ""
     lines = [header]
     for section, keys in report.keys.items():
-        row = [keys.only_a.count, keys.only_b.count, changed.get(section, 0), layout.get(section, 0)]
-        row += [values.get(section, 0)] if report.values is not None else []
-        if not any(row) and not keys.common:
+        counts = [keys.only_a.count, keys.only_b.count, changed.get(section, 0), layout.get(section, 0)]
+        counts += [values.get(section, 0)] if report.values is not None else []
+        if not any(counts) and not keys.common:
             continue
         widths = (7, 7, 8, 7, 7)
-        lines.append(f"{section:<10} " + " ".join(f"{n:>{w}}" for n, w in zip(row, widths)))
+        lines.append(f"{section:<10} " + " ".join(f"{n:>{w}}" for n, w in zip(counts, widths)))
     if report.args is not None:
         ignored = f" ({len(report.args.ignored)} ignored)" if report.args.ignored else ""
         lines.append(f"args: {report.args.count} differ{ignored}")
@@ -175,7 +180,7 @@ def render_stat(report: Any) -> str:
     return "\n".join(lines)
 
 
-def _render_values(v: Any) -> list[str]:
+def _render_values(v: ValuesReport) -> list[str]:
     mode = "bitwise" if v.mode == "bitwise" else f"atol={v.atol:g} rtol={v.rtol:g}"
     read = human_bytes(v.bytes_read["a"] + v.bytes_read["b"])
     lines = [
@@ -208,7 +213,7 @@ def _num(x: Any) -> str:
     return f"{x:.6g}" if isinstance(x, float) else str(x)
 
 
-def _verdict(report: Any) -> str:
+def _verdict(report: DiffReport) -> str:
     ignored = []
     if report.ignored.get("layout") and report.layout.differs:
         ignored.append(f"layout ({report.layout.count} keys chunked differently)" if report.layout.count else "layout")

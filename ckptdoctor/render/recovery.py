@@ -6,14 +6,19 @@ renderer is :func:`~ckptdoctor.text_safety.text_safe` (values read from a checkp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ckptdoctor.render.common import human_bytes
 from ckptdoctor.text_safety import text_safe
 
+if TYPE_CHECKING:
+    from ckptdoctor.ops.latest_good import LatestGoodReport
+    from ckptdoctor.ops.repair import RepairReport
+    from ckptdoctor.ops.seal import SealResult
+
 
 @text_safe
-def render_skipped(report: Any) -> str:
+def render_skipped(report: LatestGoodReport) -> str:
     """Why each newer iteration dir was skipped (for stderr)."""
     lines = []
     for skipped in report.skipped:
@@ -24,7 +29,7 @@ def render_skipped(report: Any) -> str:
 
 
 @text_safe
-def render_seal(result: Any) -> str:
+def render_seal(result: SealResult) -> str:
     verb = "re-sealed" if result.replaced else "sealed"
     rate = result.bytes / result.seconds / (1 << 20) if result.seconds > 0 else 0.0
     lines = [
@@ -37,7 +42,7 @@ def render_seal(result: Any) -> str:
 
 
 @text_safe
-def render_repair(report: Any) -> str:
+def render_repair(report: RepairReport) -> str:
     lines = [f"checkpoint      {report.checkpoint}"]
     if report.iteration_dir and report.iteration_dir != report.checkpoint:
         lines.append(f"iteration dir   {report.iteration_dir}")
