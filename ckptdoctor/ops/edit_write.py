@@ -135,6 +135,7 @@ def edit(
         compact=compact,
         step="edit",
         common=common_rewriter(checkpoint, plan.common_changes),
+        rewritten={checkpoint.common_source} if plan.common_changes and checkpoint.common_source else set(),
     )
     # in place: exclusive; --output: shared (other readers may copy the same source at the same time)
     with locking.checkpoint_lock(checkpoint.iteration_dir, exclusive=in_place, optional=not in_place):

@@ -148,7 +148,8 @@ class KeyEdit:
     otherwise hard-link (or copy) the data files that still hold a kept item and write only a new
     ``.metadata`` (O(metadata); removed items stay in the files, unreferenced). ``common`` rewrites the common
     state in the staging dir (given the ``.metadata`` object before it is written) and returns the names of the
-    files it wrote there. ``step`` names the fault points (``<step>:data-written``, ...).
+    files it wrote there; ``rewritten`` are the kept keys it writes afresh (not copied when compacting).
+    ``step`` names the fault points (``<step>:data-written``, ...).
     """
 
     keep: set[str]
@@ -156,6 +157,7 @@ class KeyEdit:
     compact: bool = True
     step: str = "strip-frozen"
     common: Callable[[Any, Path], list[str]] | None = None
+    rewritten: set[str] = field(default_factory=set)
 
 
 def _link_data_files(src: Path, stage: Path, metadata: Any, keep: set[str]) -> list[CopiedFile]:
@@ -178,7 +180,7 @@ def _fill_iteration_dir(
     src = checkpoint.iteration_dir
     metadata = torch_dist.load_metadata_object(src / ".metadata")  # pauses the cyclic GC itself
     if edit.compact:
-        by_file = dcp_writer.kept_storage(metadata, edit.keep)
+        by_file = dcp_writer.kept_storage(metadata, edit.keep - edit.rewritten)
         result.files = dcp_writer.copy_items(src, stage, by_file, progress)
         result.bytes_copied = sum(f.bytes for f in result.files)
     else:
