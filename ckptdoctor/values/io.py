@@ -21,6 +21,15 @@ if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint
 
 
+def _soft_fd_limit() -> int:
+    try:
+        import resource
+
+        return int(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    except (ImportError, ValueError, OSError):
+        return 1024
+
+
 class Files:
     """Open data files, reused across chunks (thousands of chunks share a few files); one per worker.
 
@@ -28,7 +37,9 @@ class Files:
     checkpoint costs more than reading its small chunks.
     """
 
-    MAX_OPEN = 64
+    # One key of a TP=64 checkpoint spans 64 files of A and more of B: the cache holds every file one key
+    # reads (re-opening per chunk cost 125k os.open calls on a TP64 diff), within a quarter of RLIMIT_NOFILE.
+    MAX_OPEN = max(64, min(1024, _soft_fd_limit() // 4))
 
     def __init__(self) -> None:
         self.fds: OrderedDict[tuple[int, str], int] = OrderedDict()
