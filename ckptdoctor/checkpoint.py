@@ -6,13 +6,13 @@ Tensor bytes are never read here; :mod:`ckptdoctor.values.read` streams them whe
 from __future__ import annotations
 
 import io
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist, zarr_meta
+from ckptdoctor.formats.files import file_sizes
 from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
 from ckptdoctor.locate import BACKEND_ZARR, CheckpointLocation, locate
@@ -174,12 +174,7 @@ def decode_object_bytes(data: bytes, where: str, unlisted: list[str] | None = No
 
 def list_data_files(iteration_dir: Path) -> dict[str, int]:
     """``.distcp`` data files present in an iteration dir, with their sizes (one scandir, no opens)."""
-    files: dict[str, int] = {}
-    with os.scandir(iteration_dir) as it:
-        for dirent in it:
-            if dirent.name.endswith(".distcp") and dirent.is_file():
-                files[dirent.name] = dirent.stat().st_size
-    return files
+    return {name: size for name, size in file_sizes(iteration_dir).items() if name.endswith(".distcp")}
 
 
 def open_checkpoint(path: str | Path, iteration: str | int | None = None) -> Checkpoint:

@@ -2,19 +2,20 @@
 
 Accepted: a save dir holding ``latest_checkpointed_iteration.txt`` (followed, or overridden by
 ``iteration``), an iteration dir (``iter_0000010`` or ``release``), any file inside one, or a NeMo 2 style
-checkpoint dir whose ``weights/`` subdir is the distributed checkpoint.
+checkpoint dir whose ``weights/`` subdir is the distributed checkpoint; each as a local path or a URL
+(``s3://...``, ``msc://profile/...``: :func:`ckptdoctor.formats.storage.as_path` chooses the storage).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.files import open_regular, read_json
+from ckptdoctor.formats.files import list_names, open_regular, read_json
+from ckptdoctor.formats.storage import as_path
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 NEMO_WEIGHTS_DIR = "weights"
@@ -104,7 +105,7 @@ def read_tracker(tracker: Path) -> str:
 def list_dir(directory: Path) -> list[str]:
     """Names in ``directory``; a dir that cannot be listed is one clear error naming it."""
     try:
-        return os.listdir(directory)
+        return list_names(directory)
     except OSError as exc:
         raise CkptError(f"{directory}: cannot list ({exc.strerror or exc})") from None
 
@@ -124,7 +125,7 @@ def looks_like_iteration_dir(directory: Path) -> bool:
     if ITER_DIR_RE.match(directory.name) or directory.name == "release":
         return True
     try:
-        names = os.listdir(directory)
+        names = list_names(directory)
     except OSError:
         return False
     if any(n in (".metadata", "common.pt") or n.endswith(".distcp") or n.startswith("mp_rank_") for n in names):
@@ -139,7 +140,7 @@ def looks_like_iteration_dir(directory: Path) -> bool:
 
 def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLocation:
     """Resolve ``path`` to one iteration dir; raises :class:`CkptError` with one clear message."""
-    input_path = Path(path)
+    input_path = as_path(path)
     if not input_path.exists():
         raise CkptError(f"{input_path}: no such file or directory")
     save_dir: Path | None = None

@@ -1,7 +1,8 @@
 """Opening a checkpoint's files: regular files only.
 
 A name in a checkpoint dir can be a FIFO, a device or a directory; ``open()`` on a FIFO blocks until a writer
-appears (a hang), and reading a device can return endless bytes. Every reader opens through here.
+appears (a hang), and reading a device can return endless bytes. Every reader opens through here, and lists
+through here: a URL's :class:`~ckptdoctor.formats.remote.RemotePath` is opened as a file of ranged reads.
 """
 
 from __future__ import annotations
@@ -15,10 +16,16 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.remote import RemotePath
 
 
-def open_regular(path: str | os.PathLike, buffering: int = -1) -> BinaryIO:
+def open_regular(path: str | os.PathLike | RemotePath, buffering: int = -1) -> BinaryIO:
     """Open ``path`` for reading if it is a regular file (never blocking on a FIFO); else :class:`CkptError`."""
+    if isinstance(path, RemotePath):
+        try:
+            return path.open_file()  # type: ignore[return-value]
+        except OSError as exc:
+            raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
@@ -38,7 +45,7 @@ def open_regular(path: str | os.PathLike, buffering: int = -1) -> BinaryIO:
 MAX_JSON_BYTES = 64 << 20  # metadata.json, integrity.json (a line per file), .zarray: far below this
 
 
-def read_json(path: str | os.PathLike, max_bytes: int = MAX_JSON_BYTES) -> Any:
+def read_json(path: str | os.PathLike | RemotePath, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """Parse a small JSON file of a checkpoint (``metadata.json``, ``integrity.json``, ``.zarray``, ...).
 
     Raises ``OSError`` when it cannot be read as a regular file (a FIFO is an error, never a hang) and
@@ -58,3 +65,58 @@ def read_json(path: str | os.PathLike, max_bytes: int = MAX_JSON_BYTES) -> Any:
         raise json.JSONDecodeError(f"not UTF-8 ({exc.reason})", "", exc.start) from None
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply", "", 0) from None
+
+
+class Handle:
+    """A data file kept open for many reads at given offsets (``os.pread`` on a kept descriptor)."""
+
+    def __init__(self, path: Path) -> None:
+        with open_regular(path) as f:
+            self.fd = os.dup(f.fileno())
+
+    def pread(self, length: int, offset: int) -> bytes:
+        return os.pread(self.fd, length, offset)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def open_handle(path: Path | RemotePath) -> Handle | Any:
+    """A file for repeated ranged reads (``pread(length, offset)``, ``close()``); :class:`CkptError` if it
+    cannot be opened. Remote files read each range with one GET."""
+    if isinstance(path, RemotePath):
+        return open_regular(path)
+    return Handle(path)
+
+
+def list_names(directory: Path | RemotePath) -> list[str]:
+    """``os.listdir`` for a local dir or a remote prefix (``OSError`` when it cannot be listed)."""
+    if isinstance(directory, RemotePath):
+        return directory.listdir()
+    return os.listdir(directory)
+
+
+def file_sizes(directory: Path | RemotePath) -> dict[str, int]:
+    """Regular files directly in ``directory`` and their sizes (one scandir, or one listing: no opens)."""
+    if isinstance(directory, RemotePath):
+        return {name: size for name, (size, is_dir) in directory.sizes().items() if not is_dir}
+    files: dict[str, int] = {}
+    with os.scandir(directory) as it:
+        for dirent in it:
+            if dirent.is_file():
+                files[dirent.name] = dirent.stat().st_size
+    return files
+
+
+def check_regular(path: Path | RemotePath) -> None:
+    """Raise ``OSError`` unless ``path`` can be opened as a regular file (``FileNotFoundError`` when missing);
+    never blocks on a FIFO."""
+    if isinstance(path, RemotePath):
+        path.open_file().close()
+        return
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+    finally:
+        os.close(fd)

@@ -52,7 +52,11 @@ def _windows(
             yield path, exc, 0, None, []
             continue
         with f:
-            for start, length, group in _plan(ranges, window):
+            plan = list(_plan(ranges, window))
+            will_read = getattr(f, "will_read", None)
+            if will_read is not None:  # a remote file: fetched ahead, coalesced, concurrently
+                will_read([(start, length) for start, length, _ in plan])
+            for start, length, group in plan:
                 buf = take()
                 if len(buf) < length:  # a chunk larger than the window: grow this buffer (it is reused after)
                     buf = bytearray(length)

@@ -8,11 +8,10 @@ Metadata needs no zarr package (the ``.zarray`` files are JSON); only value deco
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.files import read_json
+from ckptdoctor.formats.files import file_sizes, read_json
 from ckptdoctor.formats.torch_dist import DcpChunk, StorageLocation
 
 # numpy type strings as zarr writes them -> torch dtype names; Megatron patches bfloat16 in by name.
@@ -43,8 +42,7 @@ def read_index(iteration_dir: Path) -> tuple[dict[str, tuple], dict[str, int]]:
     sizes: dict[str, int] = {}
     for array_dir in sorted(p for p in iteration_dir.iterdir() if p.is_dir()):
         key = array_dir.name
-        with os.scandir(array_dir) as it:
-            files = {d.name: d.stat().st_size for d in it if d.is_file()}
+        files = file_sizes(array_dir)
         for name, size in files.items():
             if name != ".zarray" and not name.startswith(".z"):
                 sizes[f"{key}/{name}"] = size

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.storage import as_path
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.locate import NEMO_WEIGHTS_DIR, TRACKER_NAME, list_dir, list_iteration_dirs, looks_like_iteration_dir
 from ckptdoctor.rules import Finding, consistency, finding, integrity, is_selected, leftovers, structure, with_fix
@@ -175,7 +176,7 @@ def resolve_targets(paths: list[str], recursive: bool = True, missing_ok: bool =
     that is no checkpoint is searched below (``recursive``) or is a CKD100 finding."""
     targets = _Targets()
     for raw in paths:
-        path = Path(raw)
+        path = as_path(raw)
         if not path.exists():
             # an output dir that an interrupted write never renamed into place: report its leftovers
             left = leftovers.scan_beside(path.parent, path.parent, path.name)

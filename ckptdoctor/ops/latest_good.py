@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.storage import as_path
 from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, list_dir, list_iteration_dirs, read_tracker
 from ckptdoctor.ops.check import CheckOptions, Progress, check_iteration_dir
 from ckptdoctor.rules import ERROR, Finding, finding, is_selected, leftovers, structure
@@ -70,7 +71,7 @@ def find_latest_good(
 ) -> LatestGoodReport:
     """Check the iteration dirs of ``save_dir`` newest first; stop at the first one without errors."""
     options = options or CheckOptions()
-    path = Path(save_dir)
+    path = as_path(save_dir)
     if not path.is_dir():
         raise CkptError(f"{path}: no such directory" if not path.exists() else f"{path}: not a directory")
     list_dir(path)

@@ -18,7 +18,7 @@ from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats.archive import ArchiveError, parse_archive, storage_ref
-from ckptdoctor.formats.files import open_regular, read_json
+from ckptdoctor.formats.files import file_sizes, open_regular, read_json
 from ckptdoctor.formats.stream import read_ranges
 from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
@@ -143,7 +143,7 @@ def check_manifest(state: Scanned, verify_hashes: bool) -> list[Finding]:
     if algorithm != "sha256":
         return [finding(MANIFEST_INVALID, shown / INTEGRITY_NAME, f"algorithm {algorithm!r}, Megatron verifies sha256")]
     out: list[Finding] = []
-    present = {e.name for e in os.scandir(directory) if e.is_file() and e.name != INTEGRITY_NAME}
+    present = {name for name in file_sizes(directory) if name != INTEGRITY_NAME}
     for name, expected in files.items():
         if "/" in name or os.sep in name or name in ("", ".", ".."):
             out.append(finding(MANIFEST_INVALID, shown / INTEGRITY_NAME, f"entry {name!r} is not a file name"))

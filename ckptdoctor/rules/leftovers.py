@@ -28,7 +28,7 @@ import stat
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.files import read_json
+from ckptdoctor.formats.files import list_names, read_json
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
 
 INTERRUPTED_WRITE = RuleInfo(
@@ -101,7 +101,7 @@ def _find_inode(parent: Path, inode: int) -> str | None:
 def scan_beside(parent: Path, shown_parent: Path, target: str | None = None) -> list[Finding]:
     """Findings for ckptdoctor staging/old/delete dirs in ``parent`` (only those of ``target`` when given)."""
     try:
-        names = sorted(os.listdir(parent))
+        names = sorted(list_names(parent))
     except OSError:
         return []
     findings = []
@@ -220,7 +220,7 @@ def _swap(
 def scan_inside(directory: Path, shown: Path) -> list[Finding]:
     """Findings for a fix-args journal and for temp files of atomic writes inside ``directory``."""
     try:
-        names = sorted(os.listdir(directory))
+        names = sorted(list_names(directory))
     except OSError:
         return []
     findings = []

@@ -7,10 +7,7 @@ could be read. Metadata only: no tensor bytes are read here.
 
 from __future__ import annotations
 
-import errno
 import json
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +16,7 @@ from ckptdoctor.checkpoint import Checkpoint, Entry, checkpoint_from_index
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats import torch_dist, zarr_meta
 from ckptdoctor.formats.archive import ArchiveError
-from ckptdoctor.formats.files import read_json
+from ckptdoctor.formats.files import check_regular, list_names, read_json
 from ckptdoctor.locate import (
     BACKEND_TORCH_DIST,
     BACKEND_ZARR,
@@ -248,7 +245,7 @@ def scan_iteration(directory: Path, shown: Path) -> tuple[Scanned, list[Finding]
     state = Scanned(directory, shown)
     findings: list[Finding] = []
     try:
-        names = set(os.listdir(directory))
+        names = set(list_names(directory))
     except OSError as exc:
         raise CkptError(f"{directory}: cannot list ({exc.strerror})") from None
     if any(n.startswith("mp_rank_") for n in names):
@@ -406,13 +403,8 @@ def _unreadable(checkpoint: Checkpoint, shown: Path, relatives: list[str], findi
     """Referenced data files present but not readable as regular files (permissions, a dir, ...)."""
     bad: set[str] = set()
     for relative in relatives:
-        try:  # O_NONBLOCK: a FIFO named like a data file must not hang the check
-            fd = os.open(checkpoint.iteration_dir / relative, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-            try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise OSError(errno.EINVAL, "not a regular file")
-            finally:
-                os.close(fd)
+        try:  # never blocks: a FIFO named like a data file must not hang the check
+            check_regular(checkpoint.iteration_dir / relative)
         except FileNotFoundError:
             continue  # missing: reported by the caller
         except OSError as exc:

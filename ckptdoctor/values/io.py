@@ -7,14 +7,13 @@ about twice one thread's speed). Memory stays bounded because every chunk held i
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.files import open_regular
+from ckptdoctor.formats.files import open_handle
 from ckptdoctor.formats.torch_dist import check_range_length
 
 if TYPE_CHECKING:
@@ -42,7 +41,7 @@ class Files:
     MAX_OPEN = max(64, min(1024, _soft_fd_limit() // 4))
 
     def __init__(self) -> None:
-        self.fds: OrderedDict[tuple[int, str], int] = OrderedDict()
+        self.fds: OrderedDict[tuple[int, str], Any] = OrderedDict()  # handles from formats.files.open_handle
 
     def read(self, ckpt: Checkpoint, location: Any, max_length: int | None = None) -> bytes:
         """One byte range; refused when longer than ``max_length`` (``Entry.max_range_bytes``)."""
@@ -52,12 +51,11 @@ class Files:
         try:
             if fd is None:
                 if len(self.fds) >= self.MAX_OPEN:
-                    os.close(self.fds.popitem(last=False)[1])
-                fd = self.fds[name] = os.dup((f := open_regular(ckpt.iteration_dir / location.relative_path)).fileno())
-                f.close()
+                    self.fds.popitem(last=False)[1].close()
+                fd = self.fds[name] = open_handle(ckpt.iteration_dir / location.relative_path)
             else:
                 self.fds.move_to_end(name)
-            data = os.pread(fd, location.length, location.offset)
+            data = fd.pread(location.length, location.offset)
         except OSError as exc:
             raise CkptError(f"{ckpt.iteration_dir / location.relative_path}: cannot read ({exc.strerror})") from None
         if len(data) != location.length:
@@ -67,7 +65,7 @@ class Files:
 
     def close(self) -> None:
         while self.fds:
-            os.close(self.fds.popitem()[1])
+            self.fds.popitem()[1].close()
 
 
 class InFlight:

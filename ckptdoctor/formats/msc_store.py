@@ -1,0 +1,60 @@
+"""multi-storage-client URLs (``msc://profile/path``), as Megatron's ``--enable-msc`` reads them.
+
+The profile comes from the user's MSC configuration (``MSC_CONFIG``, ``~/.msc_config.yaml``, ...), where its
+storage provider, endpoint and credentials are set; ckptdoctor adds nothing. Ranged reads use
+``StorageClient.read(path, byte_range=Range(offset, size))``: no file is downloaded whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.storage import ObjectStore, Stat, StorageUnavailable
+
+
+class MscStore(ObjectStore):
+    """One MSC profile; keys are paths below the profile's base path."""
+
+    scheme = "msc"
+
+    def __init__(self, profile: str) -> None:
+        super().__init__()
+        self.profile = profile
+        try:
+            import multistorageclient
+            from multistorageclient.types import Range
+        except ImportError:
+            raise CkptError(
+                "msc:// URLs need the 'multi-storage-client' package, which is not installed: "
+                "pip install 'ckptdoctor[msc]'"
+            ) from None
+        self._range = Range
+        self._resolve = multistorageclient.resolve_storage_client
+        self._connect()
+
+    def _connect(self) -> None:
+        try:
+            self.client: Any = self._resolve(f"msc://{self.profile}/")[0]
+        except Exception as exc:  # an unknown profile or a bad config: MSC raises various types
+            raise StorageUnavailable(
+                f"msc://{self.profile}: cannot use this MSC profile "
+                f"({type(exc).__name__}: {' '.join(str(exc).split())})"
+            ) from None
+
+    def url(self, key: str) -> str:
+        return f"msc://{self.profile}/{key}"
+
+    def _ls(self, key: str) -> list[Stat]:
+        prefix = f"{key}/" if key else ""
+        out = []
+        for meta in self.client.list(prefix, include_directories=True):
+            name = str(meta.key).rstrip("/")
+            if not name.startswith(prefix) or name == key:
+                continue
+            is_dir = meta.type == "directory"
+            out.append(Stat(name[len(prefix) :], 0 if is_dir else int(meta.content_length or 0), is_dir))
+        return out
+
+    def _get(self, key: str, offset: int, length: int) -> bytes:
+        return bytes(self.client.read(key, byte_range=self._range(offset=offset, size=length)))
