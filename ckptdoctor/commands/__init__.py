@@ -25,6 +25,7 @@ COMMAND_MODULES: dict[str, str] = {
     "latest-good": "latest_good",
     "seal": "seal",
     "repair": "repair",
+    "can-load": "can_load",
 }
 
 

@@ -1,0 +1,98 @@
+"""``ckptdoctor can-load``."""
+
+from __future__ import annotations
+
+import click
+
+from ckptdoctor.commands import ITERATION_HELP
+from ckptdoctor.commands.options import format_option
+from ckptdoctor.ops.can_load_run import SHARDING_TYPES, STRICTNESS
+
+
+@click.command("can-load")
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
+@click.option(
+    "--target",
+    "target",
+    required=True,
+    metavar="tp=N,pp=N[,ep=N,etp=N,cp=N,dp=N|world=N]",
+    help="The loading run's layout; omitted fields keep the saved layout.",
+)
+@click.option("--finetune", is_flag=True, help="The run loads with --finetune (model only, iteration 0).")
+@click.option("--no-load-optim", is_flag=True, help="The run loads with --no-load-optim.")
+@click.option("--no-load-rng", is_flag=True, help="The run loads with --no-load-rng.")
+@click.option(
+    "--strictness",
+    type=click.Choice(STRICTNESS),
+    default="assume_ok_unexpected",
+    show_default=True,
+    help="The run's --dist-ckpt-strictness (megatron's StrictHandling).",
+)
+@click.option(
+    "--use-distributed-optimizer/--no-use-distributed-optimizer",
+    "use_distributed_optimizer",
+    default=None,
+    help="Whether the run uses the distributed optimizer (default: as saved).",
+)
+@click.option(
+    "--dist-optim-sharding-type",
+    type=click.Choice(SHARDING_TYPES),
+    default=None,
+    help="The distributed-optimizer format assumed for a checkpoint whose content metadata names none.",
+)
+@click.option(
+    "--args-from",
+    "args_from",
+    metavar="CKPT_OR_YAML",
+    default=None,
+    help="Take the run's model args from another checkpoint or a YAML file (e.g. Megatron-Bridge run_config.yaml).",
+)
+@click.option("--set", "sets", metavar="NAME=VALUE", multiple=True, help="Change one arg of the run (repeatable).")
+@click.option(
+    "--use-checkpoint-args",
+    is_flag=True,
+    help="The run keeps every saved arg except the layout ones (as converters do), GTP weight shards included.",
+)
+@format_option(help="Output format; the JSON schema is docs/can-load.schema.json.")
+def command(
+    checkpoint: str,
+    iteration: str | None,
+    target: str,
+    finetune: bool,
+    no_load_optim: bool,
+    no_load_rng: bool,
+    strictness: str,
+    use_distributed_optimizer: bool | None,
+    dist_optim_sharding_type: str | None,
+    args_from: str | None,
+    sets: tuple[str, ...],
+    use_checkpoint_args: bool,
+    output_format: str,
+) -> int:
+    """Predict whether Megatron will load CHECKPOINT at the --target layout, section by section (metadata only).
+
+    Exit 0: it loads; 1: it will not; 2: bad input.
+    """
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
+    from ckptdoctor.ops.can_load import predict
+    from ckptdoctor.ops.can_load_run import LoadRun, model_args_from, parse_sets
+    from ckptdoctor.render.can_load import render_can_load
+    from ckptdoctor.render.common import to_json
+
+    run = LoadRun(
+        finetune=finetune,
+        no_load_optim=no_load_optim,
+        no_load_rng=no_load_rng,
+        strictness=strictness,
+        use_distributed_optimizer=use_distributed_optimizer,
+        dist_optim_sharding_type=dist_optim_sharding_type,
+        use_checkpoint_args=use_checkpoint_args,
+        sets=parse_sets(sets),
+    )
+    ckpt = open_checkpoint(checkpoint, iteration)
+    model_args = model_args_from(args_from) if args_from else None
+    report = predict(ckpt, target, run, model_args)
+    click.echo(to_json(report) if output_format == "json" else render_can_load(report))
+    return EXIT_OK if report.will_load else EXIT_FINDINGS

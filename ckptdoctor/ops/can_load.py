@@ -1,0 +1,338 @@
+"""``ckptdoctor can-load``: will Megatron load this checkpoint at another layout, and how (metadata only).
+
+Models ``megatron/training/checkpointing.py: load_checkpoint`` and ``megatron/core/dist_checkpointing``
+(core 0.19): what the loading run requests per section, then what the load does with it.
+
+* rng: requested only when the saved (TP, PP) args equal the run's and neither ``--finetune`` nor
+  ``--no-load-rng`` nor a saved ``no_save_rng``; when not requested for another reason than a layout change,
+  restoring it exits ("Unable to load rng state from checkpoint").
+* rerun: requested only when the saved world size, (TP, PP) and DP args equal the run's (and not finetune).
+* optimizer: requested unless ``--finetune``/``--no-load-optim``/saved ``no_save_optim``; when requested from a
+  checkpoint without one, ``optimizer.load_state_dict`` raises KeyError 'optimizer'. Distributed optimizer
+  formats, a (TP, PP) change and the expert param groups are in :mod:`ckptdoctor.ops.can_load_optim`.
+* Keys: "unexpected" = requested but absent (``assume_ok_unexpected``: a KeyError for a tensor, "Missing key in
+  checkpoint state_dict" for an object; ``raise_*``: raised before the load; ``log_*``/``ignore_all``/``return_*``:
+  dropped, the param stays at its initial value); "missing" = saved but requested by no rank (``raise_all``
+  raises, ``log_all`` warns). Global shapes must be equal, except the vocabulary keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptdoctor.arg_rules import ERROR, check_args
+from ckptdoctor.args import args_as_dict
+from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.locate import BACKEND_ZARR
+from ckptdoctor.ops.can_load_keys import KeyPlan, model_plan
+from ckptdoctor.ops.can_load_optim import optimizer_verdict
+from ckptdoctor.ops.can_load_run import Layout, LoadRun, parse_target, run_args, saved_layout
+from ckptdoctor.parallelism import infer_layout
+
+SCHEMA = "ckptdoctor.can-load/1"
+LOADS, RESHARDS, SKIPPED, FAILS = "loads", "reshards", "skipped", "fails"
+SECTION_ORDER = ("format", "args", "model", "optimizer", "rng", "rerun")
+_RAISING = ("raise_unexpected", "raise_all")
+_DROPPING = ("log_unexpected", "log_all", "ignore_all", "return_unexpected", "return_all")
+UNEXPECTED_TITLE = "Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict."
+MISSING_TITLE = "Some keys found in the checkpoint are missing in the provided sharded state dict."
+
+
+@dataclass
+class SectionVerdict:
+    section: str
+    verdict: str  # loads / reshards / skipped / fails
+    why: str
+    error: str | None = None  # megatron's wording of the failure
+    fix: str | None = None
+    requested: int = 0  # keys the run requests from this section
+    present: int = 0  # keys of this section in the checkpoint
+
+
+@dataclass
+class CanLoadReport:
+    schema: str
+    path: str
+    iteration_dir: str
+    backend: str
+    era: str | None
+    saved: dict
+    target: dict
+    options: dict
+    will_load: bool
+    verdict: str  # loads / fails
+    failing_sections: list[str]
+    sections: list[SectionVerdict]
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Context:
+    ckpt: Checkpoint
+    saved_args: dict[str, Any]
+    args: dict[str, Any]
+    saved: Layout
+    target: Layout
+    run: LoadRun
+    common: dict[str, Any]
+    warnings: list[str]
+
+    @property
+    def tp_pp_same(self) -> bool:
+        return (self.saved.tp, self.saved.pp) == (self.target.tp, self.target.pp)
+
+    @property
+    def mismatch_msg(self) -> str:
+        run, ckpt = (self.target.tp, self.target.pp), (self.saved.tp, self.saved.pp)
+        return f"(TP, PP) mismatch after resume ({run} vs {ckpt} from checkpoint)"
+
+
+def _strictness_failure(section: str, plan: KeyPlan, strictness: str) -> SectionVerdict | None:
+    """The failure the strictness mode makes of requested-but-absent keys (``plan.unexpected``)."""
+    if not plan.unexpected:
+        return None
+    first = sorted(plan.unexpected)[0]
+    n = len(plan.unexpected)
+    if strictness in _DROPPING:
+        return None
+    if strictness in _RAISING:
+        error = f"CheckpointingException: {UNEXPECTED_TITLE} Unexpected keys (for this rank): {{{first!r}, ...}}"
+    elif plan.unexpected_objects and first in plan.unexpected_objects:
+        error = f"CheckpointException: Missing key in checkpoint state_dict: {plan.unexpected_objects[first]}."
+    else:
+        error = f"KeyError: {first} from model not in state dict: [...]"
+    return SectionVerdict(
+        section,
+        FAILS,
+        f"the run requests {n} key{'s' if n != 1 else ''} the checkpoint lacks (e.g. {first})",
+        error,
+        plan.fix or "make the loading run's model match the checkpoint (--set / --args-from), or convert it",
+        len(plan.requested),
+        len(plan.present),
+    )
+
+
+def _section_from_plan(section: str, plan: KeyPlan, ctx: _Context, changed: str | None) -> SectionVerdict:
+    failure = plan.shape_failure or _strictness_failure(section, plan, ctx.run.strictness)
+    if failure is not None:
+        return failure
+    if plan.unexpected:
+        n = len(plan.unexpected)
+        ctx.warnings.append(
+            f"{section}: {n} requested key{'s' if n != 1 else ''} not in the checkpoint "
+            f"(e.g. {sorted(plan.unexpected)[0]}) dropped under strictness {ctx.run.strictness}: "
+            "left at their initial values"
+        )
+    verdict = RESHARDS if changed else LOADS
+    why = plan.why or (f"resharded: {changed}" if changed else "same layout")
+    return SectionVerdict(section, verdict, why, requested=len(plan.requested), present=len(plan.present))
+
+
+def _layout_change(ctx: _Context) -> str | None:
+    fields = ("tp", "pp", "ep", "etp", "cp", "dp")
+    changes = [
+        f"{f.upper()} {getattr(ctx.saved, f)}->{getattr(ctx.target, f)}"
+        for f in fields
+        if getattr(ctx.saved, f) != getattr(ctx.target, f)
+    ]
+    return ", ".join(changes) or None
+
+
+def _rng_verdict(ctx: _Context) -> tuple[SectionVerdict, set[str]]:
+    """(verdict, requested keys) for ``rng_state``."""
+    present = {e.key for e in ctx.ckpt.section_entries("rng")}
+    no_save = bool(ctx.saved_args.get("no_save_rng"))
+    if ctx.run.finetune or ctx.run.no_load_rng:
+        why = "--finetune" if ctx.run.finetune else "--no-load-rng"
+        return SectionVerdict("rng", SKIPPED, f"not requested ({why})", present=len(present)), set()
+    if not ctx.tp_pp_same:
+        return SectionVerdict(
+            "rng", SKIPPED, f"{ctx.mismatch_msg}: RNG state will be ignored", present=len(present)
+        ), set()
+    if no_save:
+        return SectionVerdict(
+            "rng",
+            FAILS,
+            "the checkpoint was saved with no_save_rng, and restoring the rng state finds none",
+            "SystemExit: Unable to load rng state from checkpoint. Specify --no-load-rng or --finetune to "
+            "prevent attempting to load the rng state, exiting ...",
+            "--no-load-rng (or --finetune)",
+            present=len(present),
+        ), set()
+    wanted = {
+        f"rng_state/shard_{p}.{t}_{ctx.target.pp}.{ctx.target.tp}"
+        for p in range(ctx.target.pp)
+        for t in range(ctx.target.tp)
+    }
+    return _object_verdict(ctx, "rng", wanted, present, "--no-load-rng"), {"rng_state"}
+
+
+def _rerun_verdict(ctx: _Context) -> tuple[SectionVerdict, set[str]]:
+    present = {e.key for e in ctx.ckpt.section_entries("rerun")}
+    same = ctx.tp_pp_same and ctx.saved.world == ctx.target.world and ctx.saved.dp == ctx.target.dp
+    if "rerun_state_machine" not in ctx.common or not ctx.common.get("rerun_state_machine"):
+        return SectionVerdict("rerun", SKIPPED, "no rerun state machine in the checkpoint", present=len(present)), set()
+    if ctx.run.finetune:
+        return SectionVerdict("rerun", SKIPPED, "not requested (--finetune)", present=len(present)), set()
+    if not same:
+        why = "Job sharding has changed: Rerun state will be ignored"
+        return SectionVerdict("rerun", SKIPPED, why, present=len(present)), set()
+    world = ctx.target.world
+    wanted = {f"rerun_state_machine_state/shard_{r}_{world}" for r in range(world)}
+    return _object_verdict(ctx, "rerun", wanted, present, "--finetune"), {"rerun_state_machine_state"}
+
+
+def _object_verdict(ctx: _Context, section: str, wanted: set[str], present: set[str], fix: str) -> SectionVerdict:
+    absent = sorted(wanted - present)
+    if absent and ctx.run.strictness not in _DROPPING:
+        return SectionVerdict(
+            section,
+            FAILS,
+            f"{len(absent)} of the {len(wanted)} per-rank objects the run requests are not saved",
+            f"CheckpointException: Missing key in checkpoint state_dict: {absent[0]}.",
+            fix,
+            len(wanted),
+            len(present),
+        )
+    return SectionVerdict(
+        section, LOADS, "same layout: per-rank objects match", requested=len(wanted), present=len(present)
+    )
+
+
+def _args_verdict(ctx: _Context) -> SectionVerdict:
+    """Startup validation of the run's args, and ``check_checkpoint_args`` after the load (not with finetune)."""
+    for finding in check_args(ctx.args, None):
+        if finding.severity == ERROR and finding.megatron_error:
+            return SectionVerdict(
+                "args",
+                FAILS,
+                f"{finding.arg}={finding.saved!r} fails validation at the target layout",
+                f"ValueError: {finding.megatron_error}",
+                f"--set {finding.arg}={finding.correct}, or `ckptdoctor fix-args` the checkpoint"
+                if ctx.run.use_checkpoint_args
+                else f"--set {finding.arg}={finding.correct}",
+            )
+    if not ctx.run.finetune:
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            old, new = ctx.saved_args.get(name), ctx.args.get(name)
+            if old != new:
+                return SectionVerdict(
+                    "args",
+                    FAILS,
+                    f"check_checkpoint_args compares {name} after the load",
+                    f"AssertionError: {name} value from checkpoint ({old}) is not equal to the input argument "
+                    f"value ({new}).",
+                    "--finetune (a new model shape is fine-tuning), or keep the saved value",
+                )
+    return SectionVerdict("args", LOADS, "the run's args validate at the target layout")
+
+
+def _format_verdict(ctx: _Context) -> SectionVerdict | None:
+    if ctx.ckpt.location.backend == BACKEND_ZARR:
+        where = ctx.ckpt.iteration_dir / ".metadata"
+        return SectionVerdict(
+            "format",
+            FAILS,
+            "legacy zarr backend: megatron-core >= 0.16 reads only torch_dist (zarr support was removed)",
+            f"AssertionError: metadata is None; global metadata read failed: [Errno 2] No such file or "
+            f"directory: '{where}'",
+            "load it with megatron-core <= 0.15 (tensorstore) and save it again as torch_dist",
+        )
+    return None
+
+
+def predict(
+    ckpt: Checkpoint, target_spec: str, run: LoadRun, model_args: dict[str, Any] | None = None
+) -> CanLoadReport:
+    common = ckpt.common_state()
+    saved_args = args_as_dict(common.get("args"))
+    layout = infer_layout(ckpt)
+    saved = saved_layout(saved_args, layout.tp, layout.pp)
+    target = parse_target(target_spec, saved)
+    args = run_args(saved_args, model_args, target, run)
+    ctx = _Context(ckpt, saved_args, args, saved, target, run, common, [])
+    sections: list[SectionVerdict] = []
+    fmt = _format_verdict(ctx)
+    if fmt is not None:
+        sections.append(fmt)
+    sections.append(_args_verdict(ctx))
+    changed = _layout_change(ctx)
+    plan = model_plan(ckpt, saved_args, args, saved.tp, target.tp, bool(run.sets and "padded_vocab_size" in run.sets))
+    sections.append(_section_from_plan("model", plan, ctx, changed))
+    optim, optim_plan = optimizer_verdict(ctx.ckpt, ctx.saved_args, ctx.args, saved, target, run, common, plan)
+    if optim is None and optim_plan is not None:
+        optim = _section_from_plan("optimizer", optim_plan, ctx, changed)
+    requested = set(plan.requested) | (set(optim_plan.requested) if optim_plan else set())
+    if optim is not None:
+        sections.append(optim)
+    rng, rng_keys = _rng_verdict(ctx)
+    rerun, rerun_keys = _rerun_verdict(ctx)
+    sections += [rng, rerun]
+    requested |= rng_keys | rerun_keys
+    _missing_keys(ctx, sections, requested)
+    failing = [s.section for s in sections if s.verdict == FAILS]
+    return CanLoadReport(
+        schema=SCHEMA,
+        path=str(ckpt.location.input_path),
+        iteration_dir=str(ckpt.iteration_dir),
+        backend=ckpt.location.backend,
+        era=ckpt.location.era,
+        saved={**_layout_dict(saved), "source": "args" if saved_args else "chunk grids"},
+        target=_layout_dict(target),
+        options={
+            "finetune": run.finetune,
+            "no_load_optim": run.no_load_optim,
+            "no_load_rng": run.no_load_rng,
+            "strictness": run.strictness,
+            "use_distributed_optimizer": bool(args.get("use_distributed_optimizer")),
+            "dist_optim_sharding_type": run.dist_optim_sharding_type,
+            "use_checkpoint_args": run.use_checkpoint_args,
+            "set": dict(run.sets),
+        },
+        will_load=not failing,
+        verdict=FAILS if failing else LOADS,
+        failing_sections=failing,
+        sections=sections,
+        warnings=ctx.warnings,
+    )
+
+
+def _missing_keys(ctx: _Context, sections: list[SectionVerdict], requested: set[str]) -> None:
+    """``*_all`` strictness: saved keys that no rank requests (the common state excluded)."""
+    if ctx.run.strictness not in ("raise_all", "log_all"):
+        return
+    by_section: dict[str, list[str]] = {}
+    for entry in ctx.ckpt.entries.values():
+        if entry.section in ("common", "other"):
+            continue
+        key = entry.key.split("/shard_", 1)[0] if entry.kind == "bytes" else entry.key
+        if key not in requested:
+            by_section.setdefault(entry.section, []).append(key)
+    if not by_section:
+        return
+    if ctx.run.strictness == "log_all":
+        n = sum(len(set(v)) for v in by_section.values())
+        ctx.warnings.append(f"{n} saved keys requested by no rank are logged (strictness log_all)")
+        return
+    for verdict in sections:
+        keys = sorted(set(by_section.get(verdict.section, ())))
+        if keys and verdict.verdict != FAILS:
+            verdict.verdict = FAILS
+            verdict.why = f"{len(keys)} saved key(s) requested by no rank, e.g. {keys[0]} (strictness raise_all)"
+            verdict.error = (
+                f"CheckpointingException: {MISSING_TITLE} Missing keys (for all ranks): {{{keys[0]!r}, ...}}"
+            )
+            verdict.fix = "--strictness log_all (or assume_ok_unexpected, the default), which ignores unrequested keys"
+
+
+def _layout_dict(layout: Layout) -> dict[str, int]:
+    return {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "ep": layout.ep,
+        "etp": layout.etp,
+        "cp": layout.cp,
+        "dp": layout.dp,
+        "world": layout.world,
+    }

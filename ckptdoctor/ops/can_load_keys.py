@@ -1,0 +1,119 @@
+"""Requested vs saved keys of the model section, with the global shapes the loading run requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckptdoctor.ops.can_load_shapes import VOCAB_KEYS, dims_of, layer_index, padded_vocab, target_shape
+
+if TYPE_CHECKING:
+    from ckptdoctor.checkpoint import Checkpoint
+    from ckptdoctor.ops.can_load import SectionVerdict
+
+SHAPE_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "group_query_attention",
+    "kv_channels",
+    "swiglu",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "padded_vocab_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
+_EXPERT_KEYS = (
+    "decoder.layers.mlp.router.weight",
+    "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+    "decoder.layers.mlp.experts.experts.linear_fc2.weight",
+)
+
+
+@dataclass
+class KeyPlan:
+    requested: dict[str, tuple[int, ...] | None] = field(default_factory=dict)  # logical key -> global shape
+    present: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
+    unexpected: set[str] = field(default_factory=set)  # requested, not saved
+    unexpected_objects: dict[str, str] = field(default_factory=dict)  # object key -> one requested shard key
+    shape_failure: SectionVerdict | None = None
+    why: str | None = None
+    fix: str | None = None
+
+
+def logical(key: str, kind: str) -> str:
+    return key.split("/shard_", 1)[0] if kind == "bytes" else key
+
+
+def changed_args(saved: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    return [f"{n} {saved.get(n)!r}->{run.get(n)!r}" for n in SHAPE_ARGS if saved.get(n) != run.get(n)]
+
+
+def model_plan(
+    ckpt: Checkpoint, saved_args: dict[str, Any], args: dict[str, Any], saved_tp: int, target_tp: int, vocab_set: bool
+) -> KeyPlan:
+    from ckptdoctor.ops.can_load import FAILS, SectionVerdict
+
+    plan = KeyPlan()
+    saved_dims = dims_of(saved_args, padded_vocab(saved_args, saved_tp, True))
+    run_dims = dims_of(args, padded_vocab(args, target_tp, vocab_set))
+    saved_layers, run_layers = (saved_dims.layers, run_dims.layers) if saved_dims and run_dims else (0, 0)
+    mismatch: tuple[str, tuple[int, ...], tuple[int, ...]] | None = None
+    vocab_note: str | None = None
+    new_layer_keys: dict[str, str] = {}
+    for entry in ckpt.section_entries("model"):
+        key = logical(entry.key, entry.kind)
+        shape = tuple(entry.shape) if entry.shape is not None and entry.kind == "tensor" else None
+        plan.present[key] = shape
+        indexed = layer_index(key)
+        if indexed and saved_layers and run_layers:
+            prefix, layer, rest = indexed
+            if layer >= run_layers:
+                continue  # a dropped layer: requested by no rank
+            if layer == 0:
+                for extra in range(saved_layers, run_layers):
+                    new_layer_keys[f"{prefix}.{extra}.{rest}"] = entry.kind
+        if shape is None:
+            plan.requested[key] = None
+            continue
+        want = target_shape(key, shape, saved_dims, run_dims)
+        plan.requested[key] = want
+        if want == shape:
+            continue
+        if VOCAB_KEYS.search(key) and want[1:] == shape[1:]:
+            vocab_note = f"padded vocabulary {shape[0]} -> {want[0]} (allowed mismatch)"
+        elif mismatch is None:
+            mismatch = (key, shape, want)
+    for key, kind in new_layer_keys.items():
+        plan.requested[key] = None
+        plan.unexpected.add(key)
+        if kind == "bytes":
+            plan.unexpected_objects[key] = f"{key}/shard_0_1"
+    _expert_flip(saved_args, args, plan)
+    changes = changed_args(saved_args, args)
+    plan.fix = f"the run's model args differ ({', '.join(changes)}): use the saved values" if changes else None
+    if mismatch is not None:
+        key, shape, want = mismatch
+        plan.shape_failure = SectionVerdict(
+            "model",
+            FAILS,
+            f"global shape of {key} differs: saved {list(shape)}, requested {list(want)}",
+            f"CheckpointingException: Global shape mismatch for loaded (torch.Size({list(shape)})) and expected "
+            f"({want}) tensor for key {key}",
+            plan.fix or "make the run's model args match the checkpoint",
+            len(plan.requested),
+            len(plan.present),
+        )
+    plan.why = vocab_note
+    return plan
+
+
+def _expert_flip(saved_args: dict[str, Any], args: dict[str, Any], plan: KeyPlan) -> None:
+    """Adding experts to a dense checkpoint requests router/expert keys it lacks."""
+    if not saved_args.get("num_experts") and args.get("num_experts"):
+        for key in _EXPERT_KEYS:
+            plan.requested[key] = None
+            plan.unexpected.add(key)

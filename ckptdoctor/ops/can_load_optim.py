@@ -1,0 +1,130 @@
+"""The optimizer section of a load (``load_checkpoint`` + ``megatron/core/optimizer``, core 0.19).
+
+* Not requested with ``--finetune``, ``--no-load-optim`` or a saved ``no_save_optim``; but without the first
+  two, ``optimizer.load_state_dict(state_dict['optimizer'])`` still runs and raises KeyError 'optimizer'.
+* Distributed optimizer: the format is the checkpoint's ``content_metadata.distrib_optim_sharding_type``
+  (older checkpoints: ``fully_sharded_model_space`` when saved with ``ckpt_fully_parallel_save``, else
+  ``dp_zero_gather_scatter``). A (TP, PP) change raises unless the format is fully reshardable;
+  ``dp_reshardable`` buckets (``optimizer.distributed.*``) then reshard across DP only (their unpadded numel
+  is fixed by the model and TP/PP). A run without the distributed optimizer requests model-space
+  ``optimizer.state.*`` keys, which a ``dp_reshardable`` checkpoint lacks (and the reverse).
+* Experts get their own param groups (``is_expert_parallel``) only when EP > 1 or ETP != TP; a change of that
+  makes the saved param groups unmatched ("Could not find parameter group with key ...").
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ckptdoctor.ops.can_load_keys import KeyPlan, logical
+
+if TYPE_CHECKING:
+    from ckptdoctor.checkpoint import Checkpoint
+    from ckptdoctor.ops.can_load import SectionVerdict
+    from ckptdoctor.ops.can_load_run import Layout, LoadRun
+
+FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor")
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def sharding_type(common: dict[str, Any], saved_args: dict[str, Any], run: LoadRun) -> str:
+    content = common.get("content_metadata")
+    if isinstance(content, dict) and content.get("distrib_optim_sharding_type"):
+        return str(content["distrib_optim_sharding_type"])
+    if run.dist_optim_sharding_type:
+        return run.dist_optim_sharding_type
+    return "fully_sharded_model_space" if saved_args.get("ckpt_fully_parallel_save") else "dp_zero_gather_scatter"
+
+
+def _expert_groups(layout: Layout) -> bool:
+    return layout.ep > 1 or layout.etp != layout.tp
+
+
+def optimizer_verdict(
+    ckpt: Checkpoint,
+    saved_args: dict[str, Any],
+    args: dict[str, Any],
+    saved: Layout,
+    target: Layout,
+    run: LoadRun,
+    common: dict[str, Any],
+    model: KeyPlan,
+) -> tuple[SectionVerdict | None, KeyPlan | None]:
+    """(a final verdict, None) or (None, the key plan whose strictness check decides)."""
+    from ckptdoctor.ops.can_load import FAILS, SKIPPED, SectionVerdict
+
+    entries = ckpt.section_entries("optimizer")
+    present = {logical(e.key, e.kind): tuple(e.shape) if e.shape else None for e in entries}
+    if run.finetune or run.no_load_optim:
+        why = "not requested (--finetune)" if run.finetune else "not requested (--no-load-optim)"
+        return SectionVerdict("optimizer", SKIPPED, why, present=len(present)), None
+    if saved_args.get("no_save_optim") or (not entries and "optimizer" not in common):
+        return SectionVerdict(
+            "optimizer",
+            FAILS,
+            "the checkpoint holds no optimizer state (saved with no_save_optim), and the run loads it",
+            "KeyError: 'optimizer' (Unable to load optimizer from checkpoint. Specify --no-load-optim or "
+            "--finetune to prevent attempting to load the optimizer state, exiting ...)",
+            "--no-load-optim (or --finetune)",
+            present=len(present),
+        ), None
+    distributed = bool(args.get("use_distributed_optimizer"))
+    mismatch = f"(TP, PP) mismatch after resume ({(target.tp, target.pp)} vs {(saved.tp, saved.pp)} from checkpoint)"
+    if distributed:
+        kind = sharding_type(common, saved_args, run)
+        if (saved.tp, saved.pp) != (target.tp, target.pp) and kind not in FULLY_RESHARDABLE:
+            return SectionVerdict(
+                "optimizer",
+                FAILS,
+                f"the distributed optimizer's {kind} format cannot change TP/PP",
+                f"RuntimeError: {mismatch}: not supported for DistributedOptimizer with sharding type {kind}. "
+                "Please use `--ckpt-fully-parallel-save` flag during checkpoint saving.",
+                "--no-load-optim (fresh optimizer), or resume at the saved TP/PP and save with "
+                "--dist-ckpt-optim-fully-reshardable",
+                present=len(present),
+            ), None
+    has_experts = bool(args.get("num_experts")) and bool(saved_args.get("num_experts"))
+    if has_experts and _expert_groups(saved) != _expert_groups(target):
+        return SectionVerdict(
+            "optimizer",
+            FAILS,
+            "experts use separate param groups only when EP > 1 or ETP != TP: the saved param groups do not "
+            f"match the run's (EP {saved.ep}->{target.ep}, ETP {saved.etp}->{target.etp})",
+            "ValueError: Could not find parameter group with key (...) in loaded checkpoint.",
+            "--no-load-optim, or keep EP > 1 (or EP = 1) as saved",
+            present=len(present),
+        ), None
+    plan = KeyPlan(present=present)
+    content = common.get("content_metadata")
+    saved_distributed = isinstance(content, dict) and bool(content.get("distrib_optim_sharding_type"))
+    if distributed and not saved_distributed and isinstance(content, dict):
+        # The run builds a distributed-optimizer request from a checkpoint saved without one.
+        plan.requested = {"optimizer.distributed.dp_group_idx_0": None}
+        plan.unexpected = {"optimizer.distributed.dp_group_idx_0"}
+        plan.fix = "--no-use-distributed-optimizer (as saved), or --no-load-optim"
+        return None, plan
+    bucket_keys = [k for k in present if k.startswith("optimizer.distributed.")]
+    if distributed and bucket_keys and sharding_type(common, saved_args, run) == "dp_reshardable":
+        plan.requested = {k: present[k] for k in bucket_keys}
+        plan.why = "dp_reshardable buckets resharded across DP" if saved.dp != target.dp else None
+    else:
+        model_keys = [k for k, shape in model.requested.items() if shape is not None and "_extra_state" not in k]
+        saved_state = {k for k in present if k.startswith("optimizer.state.")}
+        for key in model_keys:
+            names = [f"optimizer.state.{m}.{key}" for m in _MOMENTS]
+            if saved_state and not any(n in saved_state for n in names):
+                continue  # a frozen param: no optimizer state saved for it
+            for name in names:
+                plan.requested[name] = model.requested[key]
+                if name not in present:
+                    plan.unexpected.add(name)
+    if model.shape_failure is not None:
+        failure = model.shape_failure
+        plan.shape_failure = SectionVerdict(
+            "optimizer", FAILS, "its state has the model's shapes: " + failure.why, failure.error, failure.fix
+        )
+    plan.fix = plan.fix or (
+        "--no-load-optim, or load with the optimizer the checkpoint was saved with "
+        f"(--{'no-' if distributed else ''}use-distributed-optimizer)"
+    )
+    return None, plan

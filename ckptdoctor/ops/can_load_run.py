@@ -1,0 +1,241 @@
+"""The loading run that ``can-load`` predicts for: its layout (``--target``), its load flags and its args.
+
+A loading run is, by default, a fresh launch at the target layout whose model args equal the saved ones: the
+layout args are the target's and the parallelism-derived args (GTP weight shards) are left to megatron, which
+resolves them at the target TP. ``--use-checkpoint-args`` keeps every saved arg except the layout ones (what
+``tools/checkpoint`` savers do: the saved GTP args then meet the new TP). ``--args-from`` takes the model args
+from another checkpoint or a YAML file (a Megatron-Bridge ``run_config.yaml``), ``--set`` changes single args.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptdoctor.errors import CkptError
+
+STRICTNESS = (
+    "assume_ok_unexpected",
+    "log_unexpected",
+    "log_all",
+    "raise_unexpected",
+    "raise_all",
+    "return_unexpected",
+    "return_all",
+    "ignore_all",
+)
+SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space", "dp_zero_gather_scatter")
+TARGET_FIELDS = ("tp", "pp", "ep", "etp", "cp", "dp", "world")
+LAYOUT_ARGS = {
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "ep": "expert_model_parallel_size",
+    "etp": "expert_tensor_parallel_size",
+    "cp": "context_parallel_size",
+    "dp": "data_parallel_size",
+    "world": "world_size",
+}
+# Parallelism-derived args a fresh launch leaves to megatron (resolved at the launch's TP / ETP).
+DERIVED_DEFAULTS: dict[str, Any] = {
+    "tensor_parallel_num_weight_shards": None,
+    "gtp_weight_remat_size": 1,
+    "expert_tensor_parallel_num_weight_shards": None,
+    "expert_gtp_weight_remat_size": 1,
+}
+# Megatron-Bridge model-config names -> Megatron-LM arg names.
+_ARG_ALIASES = {
+    "num_moe_experts": "num_experts",
+    "gated_linear_unit": "swiglu",
+    "vocab_size": "vocab_size",
+    "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
+}
+_TARGET_RE = re.compile(r"^\s*([a-z]+)\s*=\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    cp: int
+    dp: int
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def summary(self) -> str:
+        return f"TP={self.tp} PP={self.pp} EP={self.ep} ETP={self.etp} CP={self.cp} DP={self.dp} (world {self.world})"
+
+
+@dataclass
+class LoadRun:
+    """What the loading run asks for (Megatron-LM's load flags), besides its layout and args."""
+
+    finetune: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    strictness: str = "assume_ok_unexpected"
+    use_distributed_optimizer: bool | None = None  # None: as saved
+    dist_optim_sharding_type: str | None = None  # None: as the checkpoint's content metadata says
+    use_checkpoint_args: bool = False
+    sets: dict[str, Any] = field(default_factory=dict)
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def saved_layout(args: dict[str, Any], chunk_tp: int | None, chunk_pp: int | None) -> Layout:
+    """The layout Megatron compares against: the saved args (Megatron's default 1 where missing); the chunk grids
+    only where the args say nothing."""
+    tp = _int(args.get("tensor_model_parallel_size"), chunk_tp or 1)
+    pp = _int(args.get("pipeline_model_parallel_size"), chunk_pp or 1)
+    cp = _int(args.get("context_parallel_size"), 1)
+    world = _int(args.get("world_size"), 0)
+    dp = _int(args.get("data_parallel_size"), world // (tp * pp * cp) if world else 1)
+    return Layout(
+        tp=tp,
+        pp=pp,
+        ep=_int(args.get("expert_model_parallel_size"), 1),
+        etp=_int(args.get("expert_tensor_parallel_size"), tp),
+        cp=cp,
+        dp=dp,
+    )
+
+
+def parse_target(spec: str, saved: Layout) -> Layout:
+    """``tp=4,pp=2[,ep=..,etp=..,cp=..,dp=..|world=..]``; omitted fields default to the saved layout (ETP to the
+    target TP when the saved ETP equalled the saved TP). Raises CkptError (exit 2) on a bad spec."""
+    values: dict[str, int] = {}
+    for part in spec.split(","):
+        match = _TARGET_RE.match(part)
+        if not match:
+            raise CkptError(f"--target: {part.strip()!r} is not NAME=N (names: {', '.join(TARGET_FIELDS)})")
+        name, number = match.group(1), int(match.group(2))
+        if name not in TARGET_FIELDS:
+            raise CkptError(f"--target: unknown field {name!r} (names: {', '.join(TARGET_FIELDS)})")
+        if name in values:
+            raise CkptError(f"--target: {name} given twice")
+        if number < 1:
+            raise CkptError(f"--target: {name} must be >= 1")
+        values[name] = number
+    if "dp" in values and "world" in values:
+        raise CkptError("--target: give dp or world, not both")
+    tp, pp, cp = values.get("tp", saved.tp), values.get("pp", saved.pp), values.get("cp", saved.cp)
+    if "world" in values:
+        if values["world"] % (tp * pp * cp):
+            raise CkptError(f"--target: world={values['world']} is not a multiple of TP x PP x CP = {tp * pp * cp}")
+        dp = values["world"] // (tp * pp * cp)
+    else:
+        dp = values.get("dp", saved.dp)
+    etp = values.get("etp", tp if saved.etp == saved.tp else saved.etp)
+    ep = values.get("ep", saved.ep)
+    if (tp * pp * cp * dp) % (etp * ep * pp):
+        raise CkptError(f"--target: EP x ETP x PP = {ep * etp * pp} does not divide the world size {tp * pp * cp * dp}")
+    return Layout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, dp=dp)
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: int, float, bool (true/false), None (none/null), else the string."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null", "~"):
+        return None
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return text.strip()
+
+
+def parse_sets(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    sets: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name.strip()):
+            raise CkptError(f"--set: {item!r} is not NAME=VALUE (an arg name as in args, e.g. num_layers=3)")
+        sets[name.strip()] = parse_value(value)
+    return sets
+
+
+def run_args(saved: dict[str, Any], model_args: dict[str, Any] | None, target: Layout, run: LoadRun) -> dict:
+    """The loading run's args (Megatron-LM names)."""
+    args = dict(saved)
+    if model_args:
+        args.update({k: v for k, v in model_args.items() if k not in LAYOUT_ARGS.values()})
+    if not run.use_checkpoint_args:
+        args.update(DERIVED_DEFAULTS)
+    for name, arg in LAYOUT_ARGS.items():
+        args[arg] = getattr(target, name)
+    args.update(finetune=run.finetune, no_load_optim=run.no_load_optim, no_load_rng=run.no_load_rng)
+    args["dist_ckpt_strictness"] = run.strictness
+    if run.use_distributed_optimizer is not None:
+        args["use_distributed_optimizer"] = run.use_distributed_optimizer
+    args.update(run.sets)
+    return args
+
+
+def _flatten_yaml(data: Any) -> dict[str, Any]:
+    """Model args from a YAML mapping: top-level scalars, then the ``model`` section's (Megatron-Bridge)."""
+    if not isinstance(data, dict):
+        raise CkptError("--args-from: the YAML file is not a mapping")
+    flat = {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
+    for section in ("model", "model_config"):
+        if isinstance(data.get(section), dict):
+            flat.update({k: v for k, v in data[section].items() if not isinstance(v, (dict, list))})
+    return {_ARG_ALIASES.get(k, k): v for k, v in flat.items()}
+
+
+def _mini_yaml(text: str) -> dict[str, Any]:
+    """A safe subset of YAML without PyYAML: nested block mappings of scalars (lists and flow styles skipped)."""
+    root: dict[str, Any] = {}
+    stack: list[tuple[int, dict[str, Any]]] = [(-1, root)]
+    for raw in text.splitlines():
+        line = raw.split(" #", 1)[0].rstrip()
+        if not line.strip() or line.lstrip().startswith(("#", "-", "---")):
+            continue
+        indent = len(line) - len(line.lstrip())
+        key, sep, value = line.strip().partition(":")
+        if not sep:
+            continue
+        while stack[-1][0] >= indent:
+            stack.pop()
+        if value.strip() == "":
+            child: dict[str, Any] = {}
+            stack[-1][1][key.strip()] = child
+            stack.append((indent, child))
+        else:
+            stack[-1][1][key.strip()] = parse_value(value.strip().strip("'\""))
+    return root
+
+
+def load_yaml_args(path: Path) -> dict[str, Any]:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        import yaml  # type: ignore[import-untyped]  # optional (pip install 'ckptdoctor[yaml]'); the subset parser covers run_config.yaml
+    except ImportError:
+        return _flatten_yaml(_mini_yaml(text))
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise CkptError(f"--args-from {path}: not valid YAML ({exc})") from None
+    return _flatten_yaml(data)
+
+
+def model_args_from(source: str) -> dict[str, Any]:
+    """``--args-from``: a YAML file, or another checkpoint's saved args."""
+    path = Path(source)
+    if path.is_file() and path.suffix.lower() in (".yaml", ".yml"):
+        return load_yaml_args(path)
+    from ckptdoctor.args import args_as_dict
+    from ckptdoctor.checkpoint import open_checkpoint
+
+    args = args_as_dict(open_checkpoint(source).args)
+    if not args:
+        raise CkptError(f"--args-from {source}: that checkpoint saved no args")
+    return args

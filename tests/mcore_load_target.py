@@ -1,0 +1,269 @@
+"""Load fixtures at other layouts with real Megatron-LM ``load_checkpoint`` (megatron-core 0.19.2), on CPU.
+
+    python tests/mcore_load_target.py --matrix RESULTS.json [--record] [CELL_ID ...]
+
+runs the cells of tests/can_load_matrix.jsonl (all, or those named), one process group per world size
+(``torchrun`` when the world is > 1, the cells of one world one after another in it), and writes what each
+load did to RESULTS.json; ``--record`` also stores it as the cells' ``expect`` in the matrix file (run by hand
+after adding a cell; tests/test_can_load.py runs ``--matrix`` and compares). The worker mode,
+
+    python tests/mcore_load_target.py CELLS.json RESULTS.json
+
+takes cells of one world size (target given as a dict). Each
+cell builds the loading run the way a fresh launch at the target layout would: Megatron-LM's default args,
+overlaid with the checkpoint's saved args (or all of them except the layout ones with ``use_checkpoint_args``),
+the target layout, the load flags and ``set`` overrides. It validates the parallelism-derived args with
+megatron-core's ``resolve_tensor_parallel_weight_shards`` (what ``TransformerConfig`` runs at startup), builds
+the fixture model (fixtures/generate.py) with DDP, optimizer and scheduler, and calls the real
+``megatron.training.checkpointing.load_checkpoint``. RESULTS.json gets, per cell, ``loaded`` or ``failed``, the
+exception type and first line, and the section the failure belongs to. Test code only: CPU shims from
+fixtures/generate.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+import typing
+from pathlib import Path
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+if not hasattr(typing, "override"):  # megatron.training imports typing.override (Python 3.12)
+    typing.override = lambda f: f  # type: ignore[attr-defined]
+
+import generate as gen  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+LAYOUT_ARGS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "context_parallel_size",
+    "data_parallel_size",
+    "world_size",
+)
+DERIVED_ARGS = {  # a fresh launch leaves these to megatron (resolved at the launch's TP)
+    "tensor_parallel_num_weight_shards": None,
+    "gtp_weight_remat_size": 1,
+    "expert_tensor_parallel_num_weight_shards": None,
+    "expert_gtp_weight_remat_size": 1,
+}
+# Where a key or a message belongs: the checkpoint sections an error names.
+SECTION_PATTERNS = (
+    ("args", r"weight_shards|value from checkpoint"),
+    ("format", r"\.metadata\b|not a distributed checkpoint"),
+    ("optimizer", r"optimizer\.|'optimizer'|DistributedOptimizer|per_bucket_numel|parameter group"),
+    ("rng", r"rng_state"),
+    ("rerun", r"rerun_state_machine"),
+    ("model", r"(?<![\w.])(embedding|decoder|output_layer|mtp)\.|Global shape mismatch"),
+)
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception): .+")
+
+
+def error_message(exc: BaseException) -> str:
+    """The innermost error line (PyTorch DCP wraps each rank's exception in a CheckpointException)."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    lines = [line.strip() for line in text.splitlines() if _ERROR_LINE.match(line.strip())]
+    line = lines[-1] if lines else text.splitlines()[0]
+    return re.sub(r"^[\w.]*\.(\w+(Error|Exception): )", r"\1", line)
+
+
+def sections_of_error(message: str) -> list[str]:
+    message = re.sub(r"not in state dict: \[.*", "not in state dict", message, flags=re.S)  # the key list
+    return sorted({section for section, pattern in SECTION_PATTERNS if re.search(pattern, message)})
+
+
+def default_args():
+    from megatron.training.arguments import parse_args
+
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        return parse_args(ignore_unknown_args=True)
+    finally:
+        sys.argv = argv
+
+
+def run_args(cell: dict, saved, iter_dir: Path):
+    """The loading run's args: a fresh launch at the target with the saved model args."""
+    args = default_args()
+    target = cell["target"]
+    for name, value in vars(saved).items():
+        if name in LAYOUT_ARGS or (name in DERIVED_ARGS and not cell.get("use_checkpoint_args")):
+            continue
+        setattr(args, name, value)
+    if not cell.get("use_checkpoint_args"):
+        for name, value in DERIVED_ARGS.items():
+            setattr(args, name, value)
+    tp, pp, dp = target["tp"], target["pp"], target["dp"]
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    args.expert_model_parallel_size = target.get("ep", 1)
+    args.expert_tensor_parallel_size = target.get("etp", tp)
+    args.context_parallel_size = 1
+    args.data_parallel_size, args.world_size = dp, tp * pp * dp
+    args.rank = dist.get_rank()
+    args.load = str(iter_dir.parent)
+    args.ckpt_format = "torch_dist"
+    args.auto_detect_ckpt_format = False
+    args.use_dist_ckpt = True
+    args.finetune = bool(cell.get("finetune"))
+    args.no_load_optim = bool(cell.get("no_load_optim"))
+    args.no_load_rng = bool(cell.get("no_load_rng"))
+    args.dist_ckpt_strictness = cell.get("strictness", "assume_ok_unexpected")
+    if "use_distributed_optimizer" in cell:
+        args.use_distributed_optimizer = cell["use_distributed_optimizer"]
+    args.ckpt_fully_parallel_load = False
+    args.exit_on_missing_checkpoint = True
+    args.global_batch_size = args.micro_batch_size * dp
+    for name, value in cell.get("set", {}).items():
+        setattr(args, name, value)
+    return args
+
+
+def build_and_load(cell: dict, args) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.model_parallel_config import resolve_tensor_parallel_weight_shards
+    from megatron.core.num_microbatches_calculator import (
+        init_num_microbatches_calculator,
+        unset_num_microbatches_calculator,
+    )
+    from megatron.training import checkpointing, global_vars
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    # Startup validation of the parallelism-derived args, as TransformerConfig.__post_init__ runs it.
+    resolve_tensor_parallel_weight_shards(tp, args.tensor_parallel_num_weight_shards, args.gtp_weight_remat_size)
+    resolve_tensor_parallel_weight_shards(
+        args.expert_tensor_parallel_size,
+        args.expert_tensor_parallel_num_weight_shards,
+        args.expert_gtp_weight_remat_size,
+        shards_field="expert_tensor_parallel_num_weight_shards",
+        tp_field="expert_tensor_parallel_size",
+    )
+    gen.LAYOUT.dp = args.data_parallel_size
+    gen.LAYOUT.ep = args.expert_model_parallel_size
+    gen.LAYOUT.num_experts = args.num_experts
+    gen.LAYOUT.distributed_optimizer = bool(args.use_distributed_optimizer)
+    parallel_state.destroy_model_parallel()
+    kwargs = {"expert_model_parallel_size": args.expert_model_parallel_size} if args.num_experts else {}
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **kwargs)
+    gen.seed_everything(1234)
+    global_vars.set_args(args)
+    unset_num_microbatches_calculator()
+    init_num_microbatches_calculator(
+        dist.get_rank(), None, args.global_batch_size, args.micro_batch_size, args.data_parallel_size
+    )
+    for name in gen.MODEL_DIMS:  # the loading run's model shape (saved args, or --set)
+        gen.MODEL_DIMS[name] = getattr(args, name, None) or gen.MODEL_DIMS[name]
+    torch.manual_seed(4321)
+    model = gen.build_gpt(args.num_layers, pp)
+    if args.num_experts:
+        gen.redraw_experts(model)
+    ddp = gen.wrap_ddp(model)
+    optimizer = gen.build_optimizer(ddp)
+    if args.use_distributed_optimizer:
+        gen.train_one_step(ddp, optimizer, seed=4321)  # a fresh distributed optimizer needs state first
+    scheduler = gen.build_scheduler(optimizer, args.train_iters, args.global_batch_size)
+    gen.get_rerun_state(0)  # initializes the rerun state machine
+    with torch.no_grad():  # distributed optimizer: fp32 main shards are views of the params
+        iteration, _ = checkpointing.load_checkpoint([ddp], optimizer, scheduler, strict=True)
+    if iteration != (0 if args.finetune else 10):
+        raise RuntimeError(f"loaded iteration {iteration}")
+
+
+def run_cell(cell: dict) -> dict:
+    from megatron.core import dist_checkpointing
+
+    fixture = FIXTURES / cell["fixture"]
+    iter_dir = fixture / gen.ITERATION_DIR_FMT.format(int((fixture / gen.TRACKER_FILENAME).read_text()))
+    try:
+        saved = dist_checkpointing.load_common_state_dict(str(iter_dir))["args"]
+        build_and_load(cell, run_args(cell, saved, iter_dir))
+    except BaseException as exc:  # SystemExit included: Megatron exits on some load errors
+        if os.environ.get("MCORE_LOAD_TRACE"):
+            traceback.print_exc()
+        full = f"{type(exc).__name__}: {exc}"
+        return {"outcome": "fails", "error": error_message(exc)[:400], "sections": sections_of_error(full)}
+    return {"outcome": "loads"}
+
+
+MATRIX = Path(__file__).resolve().parent / "can_load_matrix.jsonl"
+
+
+def parse_target(spec: str) -> dict:
+    target = {k.strip(): int(v) for k, v in (part.split("=") for part in spec.split(","))}
+    return {"tp": 1, "pp": 1, "dp": 1, **target}
+
+
+def run_matrix(out: Path, record: bool, only: list[str]) -> None:
+    """Every cell (or those in ``only``), grouped by world size, each group one (torchrun) process group."""
+    rows = [json.loads(line) for line in MATRIX.read_text().splitlines() if line.strip()]
+    groups: dict[int, list[dict]] = {}
+    for row in rows:
+        if only and row["id"] not in only:
+            continue
+        cell = {k: v for k, v in row.items() if k != "expect"}
+        cell["target"] = parse_target(row["target"])
+        t = cell["target"]
+        groups.setdefault(t["tp"] * t["pp"] * t["dp"], []).append(cell)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world, cells in sorted(groups.items()):
+            cells_path, out_path = Path(tmp, f"cells{world}.json"), Path(tmp, f"out{world}.json")
+            cells_path.write_text(json.dumps(cells))
+            launcher = [sys.executable]
+            if world > 1:
+                launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port"]
+                launcher += [str(gen._free_port())]
+            proc = subprocess.run([*launcher, __file__, str(cells_path), str(out_path)], capture_output=True, text=True)
+            if proc.returncode or not out_path.exists():
+                raise SystemExit(f"world {world}: rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+            results.update({r["id"]: r for r in json.loads(out_path.read_text())})
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    if record:
+        lines = []
+        for row in rows:
+            if row["id"] in results:
+                row["expect"] = {k: v for k, v in results[row["id"]].items() if k != "id"}
+            lines.append(json.dumps(row))
+        MATRIX.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    if sys.argv[1] == "--matrix":
+        rest = sys.argv[3:]
+        run_matrix(Path(sys.argv[2]), "--record" in rest, [a for a in rest if a != "--record"])
+        return
+    cells = json.loads(Path(sys.argv[1]).read_text())
+    gen.install_cpu_shims()
+    torch.cuda.get_rng_state = lambda *a, **k: gen._philox_state(torch.initial_seed())
+    torch.cuda.set_rng_state = lambda *a, **k: None
+    logging.disable(logging.INFO)
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(gen._free_port()))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    results = []
+    for cell in cells:
+        mine = run_cell(cell)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        failed = [r for r in every if r["outcome"] == "fails"]
+        results.append({"id": cell["id"], **(failed[0] if failed else mine)})
+        if dist.get_rank() == 0:
+            print(json.dumps(results[-1]), flush=True)
+    if dist.get_rank() == 0:
+        Path(sys.argv[2]).write_text(json.dumps(results, indent=1) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
