@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.formats.torch_dist import writer_rank
 
@@ -36,6 +36,17 @@ class SavedLayout:
     layers: int | None  # transformer layers seen (stacked axis length or per-layer keys)
     ep: int | None  # expert-parallel degree shown by expert tensors; None without experts
     writer_ranks: list[int]  # ranks that wrote data files (from __<rank>_<n>.distcp names)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The layout as reports show it (inspect and diff JSON): each degree, the writer ranks, the summary."""
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "layers": self.layers,
+            "ep": self.ep,
+            "writer_ranks": self.writer_ranks,
+            "summary": self.summary(),
+        }
 
     def summary(self) -> str:
         def show(value: int | None) -> str:

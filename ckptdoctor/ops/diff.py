@@ -209,17 +209,7 @@ def _side(ckpt: Checkpoint, layout_summary: dict, logical_keys: int) -> Side:
 
 def _layout_dict(ckpt: Checkpoint) -> tuple[dict, Any]:
     saved = infer_layout(ckpt)
-    return (
-        {
-            "tp": saved.tp,
-            "pp": saved.pp,
-            "layers": saved.layers,
-            "ep": saved.ep,
-            "writer_ranks": saved.writer_ranks,
-            "summary": saved.summary(),
-        },
-        saved,
-    )
+    return saved.as_dict(), saved
 
 
 def _item_meta(item: Item) -> dict:

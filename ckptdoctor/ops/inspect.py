@@ -70,14 +70,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filt
     common = checkpoint.common_state()
     args = common.get("args")
     saved = infer_layout(checkpoint)
-    layout = {
-        "tp": saved.tp,
-        "pp": saved.pp,
-        "layers": saved.layers,
-        "ep": saved.ep,
-        "writer_ranks": saved.writer_ranks,
-        "summary": saved.summary(),
-    }
+    layout = saved.as_dict()
     dcp = checkpoint.dcp
     report = InspectReport(
         schema=SCHEMA,

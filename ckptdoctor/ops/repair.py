@@ -16,12 +16,7 @@
 * Anything else (truncated or missing data, garbage ``.metadata``): not repairable; the report says what is lost
   and names the latest good checkpoint.
 
-This module plans (reads only); :mod:`ckptdoctor.ops.repair_write` writes.
-
-Writing follows fix-args' rules: the checkpoint lock, atomic writes, ``<name>.bak-<stamp>`` backups of replaced
-files with ``--in-place``, an ``--output`` never inside the source, no tensor byte rewritten. An existing
-``integrity.json`` is kept consistent. The order keeps every intermediate state loadable: a kill between two steps
-leaves at most an unlisted file (a warning), never a listed file missing.
+This module plans (reads only); :mod:`ckptdoctor.ops.repair_write` writes, by fix-args' rules.
 """
 
 from __future__ import annotations
