@@ -125,8 +125,12 @@ def _interrupted() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: runs the CLI and turns every failure into one line and exit code 2 (130 for SIGINT)."""
+    from ckptdoctor import dist
+
     with _sigint_raises_interrupted():
         try:
+            if dist.under_torchrun():  # one rank of a torchrun job: rank 0 prints, all agree on the exit code
+                return dist.run_main(lambda: _main(argv))
             return _main(argv)
         except (_Interrupted, KeyboardInterrupt):  # also when it lands while an error is being reported
             return _interrupted()

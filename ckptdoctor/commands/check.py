@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from ckptdoctor.commands import complete_rule_codes
-from ckptdoctor.commands.options import format_option, normalize_format
+from ckptdoctor.commands.options import format_option, jobs_option, normalize_format
 
 _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete_rule_codes}
 
@@ -51,6 +51,7 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete
     default=None,
     help="Hash files listed in integrity.json (default on; off checks only that they exist).",
 )
+@jobs_option("--deep reads data files")
 @click.option("--quiet", "-q", is_flag=True, help="Findings only: no summary line, no progress bar.")
 @click.option("--isolated", is_flag=True, help="Ignore [tool.ckptdoctor] in pyproject.toml.")
 def command(
@@ -63,6 +64,7 @@ def command(
     deep: bool | None,
     all_iterations: bool | None,
     verify_integrity: bool | None,
+    jobs: int | None,
     quiet: bool,
     isolated: bool,
 ) -> int:
@@ -106,6 +108,7 @@ def command(
         recursive=pick(recursive, "recursive", True),
         per_path_ignores=per_path,
         base_dir=config_path.parent if config_path is not None else None,
+        jobs=jobs,
     )
     output_format = normalize_format(str(pick(output_format, "format", "text")))
     if output_format not in FORMATS:

@@ -38,3 +38,14 @@ def format_option(
         show_default=default is not None,
         help=help,
     )
+
+
+def jobs_option(what: str) -> Callable[[Any], Any]:
+    """``--jobs/-j N``: worker processes for byte-bound work (``what``); default: the available cores."""
+    return click.option(
+        "--jobs",
+        "-j",
+        type=click.IntRange(min=1),
+        default=None,
+        help=f"Worker processes ({what}) [default: the available cores; under torchrun, per rank].",
+    )

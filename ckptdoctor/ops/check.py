@@ -36,6 +36,7 @@ class CheckOptions:
     # one of the codes or prefixes are not reported ([tool.ckptdoctor] per-path-ignores)
     per_path_ignores: list[tuple[str, list[str]]] = field(default_factory=list)
     base_dir: Path | None = None  # where per-path-ignores globs are relative to (the pyproject.toml's dir)
+    jobs: int | None = None  # --deep: worker processes (None: the available cores; see ckptdoctor.parallel)
 
 
 # The files pre-commit passes to the hook (.pre-commit-hooks.yaml `files:`): one that belongs to no checkpoint
@@ -161,10 +162,7 @@ def check_iteration_dir(
                 progress.start(str(shown), integrity.deep_bytes(state))
             try:
                 advance = progress.advance if progress is not None else None
-                if _scan_values(options):
-                    findings += integrity.check_deep(state, advance)
-                else:
-                    findings += integrity.check_deep(state, advance, scan_values=False)
+                findings += integrity.check_deep(state, advance, _scan_values(options), options.jobs)
             finally:
                 if progress is not None:
                     progress.finish()

@@ -6,26 +6,28 @@ The manifest is exactly what megatron-core's ``save_integrity_manifest``
 file directly in the iteration dir (sorted by name, ``integrity.json`` itself excluded), each hashed whole.
 
 Files are hashed by a pool of threads (``hashlib`` releases the GIL while hashing, so the pool scales with the
-cores and the disk). The checkpoint is sealed only when ``check`` finds no error in it, under the checkpoint
-lock, and each file's size and mtime are compared before and after hashing, so a file changed meanwhile (a
-training job still writing) is refused instead of sealed. The manifest is written atomically.
+cores and the disk); under torchrun each rank hashes a share of the files balanced by bytes
+(:mod:`ckptdoctor.parallel`) and rank 0 alone locks, checks for changes and writes. The checkpoint is sealed
+only when ``check`` finds no error in it, under the checkpoint lock, and each file's size and mtime are
+compared before and after hashing, so a file changed meanwhile (a training job still writing) is refused
+instead of sealed. The manifest is written atomically.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptdoctor import locking
+from ckptdoctor import dist, locking, parallel
 from ckptdoctor.atomic import write_atomic
 from ckptdoctor.errors import CkptError
 from ckptdoctor.locate import locate
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
+from ckptdoctor.parallel import default_jobs
 from ckptdoctor.rules import ERROR, leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME, sha256_file
 
@@ -49,13 +51,6 @@ class SealResult:
     notes: list[str] = field(default_factory=list)
 
 
-def default_jobs() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
 def manifest_files(iteration_dir: Path) -> list[Path]:
     """The files Megatron's ``save_integrity_manifest`` lists: regular files directly in the dir, sorted."""
     return [
@@ -69,21 +64,12 @@ def manifest_bytes(hashes: dict[str, str]) -> bytes:
 
 
 def hash_files(paths: list[Path], jobs: int, progress: Progress | None = None) -> dict[str, str]:
-    """name -> sha256 hexdigest of each file, hashed by ``jobs`` threads (in the order of ``paths``)."""
-    digests: dict[Path, str] = {}
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(sha256_file, p): p for p in paths}
-        try:
-            for future in as_completed(futures):
-                path = futures[future]
-                digests[path] = future.result()
-                if progress is not None:
-                    progress(path.stat().st_size)
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
-    return {p.name: digests[p] for p in paths}
+    """name -> sha256 hexdigest of each file (in the order of ``paths``), hashed by ``jobs`` threads; under
+    torchrun each rank hashes its share of the files (balanced by bytes) and every rank gets all digests."""
+    sizes = [p.stat().st_size for p in paths]
+    done = None if progress is None else (lambda index: progress(sizes[index]))
+    digests = parallel.map_units(sizes, lambda index: sha256_file(paths[index]), jobs, done, threads=True)
+    return {p.name: digest for p, digest in zip(paths, digests)}
 
 
 def write_manifest(iteration_dir: Path, hashes: dict[str, str] | None = None, jobs: int | None = None) -> int:
@@ -126,7 +112,9 @@ def seal(
     iteration_dir = location.iteration_dir
     jobs = jobs or default_jobs()
     manifest = iteration_dir / INTEGRITY_NAME
-    with locking.checkpoint_lock(iteration_dir):
+    group = dist.group()
+    speaks = group is None or group.rank == 0  # under torchrun rank 0 locks and writes, every rank hashes
+    with locking.checkpoint_lock(iteration_dir) if speaks else contextlib.nullcontext():
         leftovers.refuse_if_interrupted(iteration_dir)
         existed = manifest.exists()
         if existed and not force:
@@ -153,10 +141,11 @@ def seal(
         start = time.perf_counter()
         hashes = hash_files(files, jobs, progress)
         seconds = time.perf_counter() - start
-        if _snapshot(files) != before or [p.name for p in manifest_files(iteration_dir)] != list(hashes):
+        if speaks and (_snapshot(files) != before or [p.name for p in manifest_files(iteration_dir)] != list(hashes)):
             raise CkptError(
                 f"{iteration_dir}: files changed while they were hashed (is a job still writing "
                 "this checkpoint?); nothing was written"
             )
-        write_manifest(iteration_dir, hashes)
+        if speaks:
+            write_manifest(iteration_dir, hashes)
     return SealResult(SCHEMA, str(iteration_dir), str(manifest), len(hashes), total, jobs, seconds, existed, notes)

@@ -173,7 +173,7 @@ def trainable_from_base(
     checkpoint: Checkpoint, base: Checkpoint, progress: Callable[[int], None] | None = None
 ) -> TrainableSelection:
     """Model tensors that differ from (or are absent in) ``base``; bitwise, streamed one chunk at a time."""
-    from ckptdoctor.values.compare import tensors_bitwise_equal
+    from ckptdoctor.values.tensor import tensors_bitwise_equal
 
     keys: set[str] = set()
     compared: dict[str, str] = {}

@@ -254,11 +254,15 @@ def count_non_finite(data: Any, dtype: str | None) -> tuple[int, int] | None:
 
 
 class _NonFinite:
-    """Counts NaN and Inf per key in the floating-point model and optimizer chunks that decoded cleanly."""
+    """Counts NaN and Inf per key in the floating-point model and optimizer chunks that decoded cleanly.
+
+    One per data file (a worker's partial result, plain data to pickle back); :meth:`merge` adds them in file
+    order, which gives the keys and first chunks a single front-to-back pass would have found.
+    """
 
     def __init__(self) -> None:
         self.per_key: dict[str, list[int]] = {}  # key -> [nan, inf, chunks with some, chunks scanned]
-        self.first: dict[str, tuple[Path, DcpChunk]] = {}
+        self.first: dict[str, tuple[str, list[int]]] = {}  # key -> (path, offsets) of its first bad chunk
 
     def scan(self, entry: Entry, chunk: DcpChunk, data: Any, path: Path) -> None:
         counted = count_non_finite(data, entry.dtype)
@@ -271,36 +275,49 @@ class _NonFinite:
             counts[0] += nan
             counts[1] += inf
             counts[2] += 1
-            self.first.setdefault(entry.key, (path, chunk))
+            self.first.setdefault(entry.key, (str(path), list(chunk.offsets)))
+
+    def merge(self, other: _NonFinite) -> None:
+        for key, counts in other.per_key.items():
+            mine = self.per_key.setdefault(key, [0, 0, 0, 0])
+            for i, n in enumerate(counts):
+                mine[i] += n
+        for key, first in other.first.items():
+            self.first.setdefault(key, first)
 
     def findings(self) -> list[Finding]:
         out = []
         for key, (nan, inf, bad, scanned) in self.per_key.items():
             if not bad:
                 continue
-            path, chunk = self.first[key]
+            path, offsets = self.first[key]
             out.append(
                 finding(
                     NON_FINITE,
                     path,
                     f"{key}: {nan} NaN and {inf} Inf value(s) in {bad} of {scanned} "
-                    f"chunk(s) (first: chunk at {list(chunk.offsets)})",
+                    f"chunk(s) (first: chunk at {offsets})",
                 )
             )
         return out
 
 
-def check_deep(state: Scanned, progress: Progress | None = None, scan_values: bool = True) -> list[Finding]:
+def check_deep(
+    state: Scanned, progress: Progress | None = None, scan_values: bool = True, jobs: int | None = None
+) -> list[Finding]:
     """Decode every chunk and bytes item through the safe unpickler, reading each data file front to back;
-    with ``scan_values``, also count NaN/Inf in model and optimizer tensors (CKD313, no torch needed)."""
+    with ``scan_values``, also count NaN/Inf in model and optimizer tensors (CKD313, no torch needed).
+
+    Data files are the units of :func:`ckptdoctor.parallel.map_units` (``jobs`` processes, or the ranks of a
+    torchrun job); their findings are merged in file order, so the result does not depend on ``jobs``."""
+    from ckptdoctor import parallel
+
     checkpoint = state.checkpoint
     out: list[Finding] = []
     work = _work(state)
     if checkpoint is None or not work:
         return out
-    decoder = _ChunkDecoder()
-    non_finite = _NonFinite() if scan_values else None
-    files = []
+    files: list[tuple[Path, list[tuple[int, int, tuple[Entry, DcpChunk]]]]] = []
     for relative, items in work.items():
         ranges = []
         for entry, chunk in items:
@@ -313,7 +330,34 @@ def check_deep(state: Scanned, progress: Progress | None = None, scan_values: bo
                 continue
             ranges.append((location.offset, location.length, (entry, chunk)))
         files.append((checkpoint.iteration_dir / relative, ranges))
-    for file_path, tag, blob in read_ranges(files):
+    weights = [sum(length for _, length, _ in ranges) for _, ranges in files]
+    inline = parallel.runs_inline(jobs)
+
+    def task(index: int) -> tuple[list[Finding], _NonFinite | None]:
+        return _check_file(state, files[index], scan_values, progress if inline else None)
+
+    done = None if inline or progress is None else (lambda index: progress(weights[index]))
+    non_finite = _NonFinite() if scan_values else None
+    for found, counts in parallel.map_units(weights, task, jobs, done):
+        out += found
+        if non_finite is not None and counts is not None:
+            non_finite.merge(counts)
+    if non_finite is not None:
+        out += non_finite.findings()
+    return out
+
+
+def _check_file(
+    state: Scanned,
+    file: tuple[Path, list[tuple[int, int, tuple[Entry, DcpChunk]]]],
+    scan_values: bool,
+    progress: Progress | None,
+) -> tuple[list[Finding], _NonFinite | None]:
+    """One data file read front to back: its findings and (``scan_values``) its NaN/Inf counts."""
+    out: list[Finding] = []
+    decoder = _ChunkDecoder()
+    non_finite = _NonFinite() if scan_values else None
+    for file_path, tag, blob in read_ranges([file]):
         path = state.shown / file_path.name
         if isinstance(blob, CkptError):  # unreadable file (I/O error): the rest of it cannot be checked
             out.append(finding(BLOB_UNDECODABLE, path, reason(blob, file_path)))
@@ -328,9 +372,7 @@ def check_deep(state: Scanned, progress: Progress | None = None, scan_values: bo
             out.append(problem)
         if progress is not None:
             progress(len(blob))
-    if non_finite is not None:
-        out += non_finite.findings()
-    return out
+    return out, non_finite
 
 
 @dataclass(frozen=True)

@@ -142,14 +142,15 @@ def _chunk_view(pkl: bytes, where: str) -> tuple:
 
 
 def read_chunk_view(
-    checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: bytes | None = None
+    checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: bytes | None = None, verify_crc: bool = False
 ) -> tuple[Any, int]:
     """(tensor, bytes read) for one chunk: one byte range read, the tensor a view over those bytes (no copy).
 
     :func:`read_chunk` copies a chunk's storage twice while decoding (3x its size at peak); this keeps memory
     at the chunk's size, which bounds ``diff --values`` by the largest chunk. The tensor is read-only.
-    ``blob`` is the chunk's byte range when the caller has read it already. Falls back to :func:`read_chunk`
-    for archives it does not expect (compressed records).
+    ``blob`` is the chunk's byte range when the caller has read it already; ``verify_crc`` checks the CRC-32 of
+    ``data.pkl`` and the storage record (a corrupt record is a CkptError, not a value). Falls back to
+    :func:`read_chunk` for archives it does not expect (compressed records).
     """
     torch = require_torch("comparing tensor values")
     where = f"{checkpoint.iteration_dir}: {entry.key} chunk at {list(chunk.offsets)}"
@@ -162,7 +163,7 @@ def read_chunk_view(
     archive = parse_archive(blob, where)
     if any(member.method for member in archive.members.values()):  # compressed records: the copying path
         return read_chunk(checkpoint, entry.key, entry.chunks.index(chunk)), len(blob)
-    pickled = archive.pickle(verify_crc=False)
+    pickled = archive.pickle(verify_crc=verify_crc)
     key, dtype_name, numel, offset, shape, stride = _chunk_view(bytes(pickled), where)
     if tuple(shape) != tuple(chunk.sizes):
         raise CkptError(f"{where}: stored shape {list(shape)} differs from metadata {list(chunk.sizes)}")
@@ -172,6 +173,8 @@ def read_chunk_view(
     if dtype is None:
         raise CkptError(f"{where}: dtype torch.{dtype_name} is not known to this torch version")
     record = archive.storage(key)
+    if verify_crc:
+        archive.read(record.name, record.size)
     start, size = record.start, record.size
     itemsize = _ITEMSIZE.get(dtype)
     if itemsize is None:

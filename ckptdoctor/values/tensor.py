@@ -1,0 +1,256 @@
+"""One tensor key of two checkpoints compared in global coordinates, whatever their two chunk grids.
+
+The overlap of the two grids is planned once per key (:func:`plan_overlaps`: sorted intervals per axis, then
+the boxes whose intervals overlap on every axis; no all-pairs scan). The side with fewer chunks is walked
+chunk by chunk in file order. For each of its chunks:
+
+- the other side has the same box (same layout): byte-identical blobs are equal without decoding or torch;
+  otherwise both are decoded (zero-copy views) and compared in one call;
+- otherwise the other side's chunks that cover it are each decoded once and copied into their region of one
+  buffer of the chunk's shape, which is then compared with the chunk in one vectorised call (a TP=64 key
+  against TP=1 is 64 copies and one compare, not 64 small compares). A chunk of the finer side that spans
+  two chunks of the coarser side is kept until its last use (within a bound: re-read past it).
+
+Memory per key: the coarse chunk, its buffer and the fine chunks held (about 3x the largest chunk).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import Counter, OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.torch_dist import check_range_length, chunk_overlap
+from ckptdoctor.values.accumulate import Accumulator, Different
+from ckptdoctor.values.io import Context
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+    from ckptdoctor.checkpoint import Checkpoint, Entry
+    from ckptdoctor.formats.torch_dist import DcpChunk
+
+
+@dataclass
+class Side:
+    """One checkpoint's tensor key: ``name`` is "a" or "b" (bytes read are counted per side)."""
+
+    ckpt: Checkpoint
+    entry: Entry
+    name: str
+    verify_crc: bool = False  # check each decoded chunk's CRC-32 (strip-frozen --base: corruption is an error)
+
+
+@dataclass
+class Plan:
+    """For each chunk of the coarse side (in file order), the indices of the fine side's chunks overlapping it."""
+
+    coarse: list[DcpChunk]
+    overlaps: list[list[int]]
+    disjoint: bool  # the fine side's chunks never overlap each other (so full volume means full cover)
+
+
+def _storage_order(chunk: DcpChunk) -> tuple:
+    return (chunk.storage.relative_path, chunk.storage.offset) if chunk.storage else ("", 0, chunk.offsets)
+
+
+def plan_overlaps(coarse: Sequence[DcpChunk], fine: Sequence[DcpChunk]) -> Plan:
+    """Which chunks of ``fine`` overlap each chunk of ``coarse``: per axis, the fine side's distinct intervals
+    sorted by start, the ones overlapping an interval found by bisection (memoised per interval); a chunk
+    overlaps where its intervals do on every axis. Cost: the overlaps found, not the chunk pairs."""
+    ordered = sorted(coarse, key=_storage_order)
+    ndim = len(ordered[0].offsets) if ordered else 0
+    if ndim == 0:
+        everything = sorted(range(len(fine)), key=lambda j: _storage_order(fine[j]))
+        return Plan(ordered, [list(everything) for _ in ordered], len(fine) <= 1)
+    axes = []
+    disjoint = True
+    for d in range(ndim):
+        intervals = sorted({(c.offsets[d], c.sizes[d]) for c in fine})
+        disjoint = disjoint and all(s + z <= t for (s, z), (t, _) in zip(intervals, intervals[1:]))
+        span = max((z for _, z in intervals), default=0)
+        axes.append((intervals, [s for s, _ in intervals], span, {iv: i for i, iv in enumerate(intervals)}))
+    boxes: dict[tuple[int, ...], list[int]] = {}
+    for j, c in enumerate(fine):
+        boxes.setdefault(tuple(axes[d][3][(c.offsets[d], c.sizes[d])] for d in range(ndim)), []).append(j)
+    disjoint = disjoint and all(len(js) == 1 for js in boxes.values())
+    memo: list[dict[tuple[int, int], list[int]]] = [{} for _ in range(ndim)]
+    overlaps = []
+    for chunk in ordered:
+        per_axis = []
+        for d in range(ndim):
+            lo, size = chunk.offsets[d], chunk.sizes[d]
+            found = memo[d].get((lo, size))
+            if found is None:
+                intervals, starts, span, _ = axes[d]
+                first = bisect.bisect_left(starts, lo - span + 1)
+                last = bisect.bisect_left(starts, lo + size)
+                found = memo[d][(lo, size)] = [
+                    i for i in range(first, last) if max(lo, intervals[i][0]) < min(lo + size, sum(intervals[i]))
+                ]
+            per_axis.append(found)
+        hits = [j for ids in itertools.product(*per_axis) for j in boxes.get(ids, ())]
+        overlaps.append(sorted(hits, key=lambda j: _storage_order(fine[j])))
+    return Plan(ordered, overlaps, disjoint)
+
+
+def _blob(side: Side, chunk: DcpChunk, ctx: Context) -> bytes:
+    """One chunk's byte range, counted in the in-flight bytes (the caller releases its length)."""
+    ckpt, entry = side.ckpt, side.entry
+    if chunk.storage is None:
+        raise CkptError(f"{ckpt.iteration_dir}: {entry.key} chunk at {list(chunk.offsets)}: no storage entry")
+    limit = entry.max_range_bytes(chunk)
+    check_range_length(ckpt.iteration_dir / chunk.storage.relative_path, chunk.storage, limit)
+    ctx.inflight.acquire(chunk.storage.length)
+    try:
+        data = ctx.files.read(ckpt, chunk.storage, limit)
+    except BaseException:
+        ctx.inflight.release(chunk.storage.length)
+        raise
+    ctx.budget.add(side.name, len(data))
+    return data
+
+
+def _view(side: Side, chunk: DcpChunk, blob: bytes) -> Any:
+    from ckptdoctor.values.read import read_chunk_view
+
+    return read_chunk_view(side.ckpt, side.entry, chunk, blob, side.verify_crc)[0]
+
+
+def numel(sizes: Sequence[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+class _Key:
+    """The walk over one key (see the module doc); ``covered`` counts the elements compared."""
+
+    def __init__(self, a: Side, b: Side, acc: Accumulator, ctx: Context) -> None:
+        self.acc, self.ctx = acc, ctx
+        self.coarse, self.fine = (a, b) if len(a.entry.chunks) <= len(b.entry.chunks) else (b, a)
+        self.a_is_coarse = self.coarse is a
+        self.fine_chunks = self.fine.entry.chunks
+        self.cache: OrderedDict[int, tuple[Any, int]] = OrderedDict()  # fine chunks still needed later
+        self.cache_limit = 2 * max((c.storage.length for c in self.fine_chunks if c.storage), default=0)
+        self.held = 0  # bytes held in the in-flight count by this walk outside the cache
+        self.covered = 0
+
+    def run(self) -> int:
+        plan = plan_overlaps(self.coarse.entry.chunks, self.fine_chunks)
+        self.uses = Counter(j for js in plan.overlaps for j in js)
+        try:
+            for chunk, js in zip(plan.coarse, plan.overlaps):
+                if js:
+                    self._chunk(chunk, js, plan.disjoint)
+                self.ctx.inflight.release(self.held)
+                self.held = 0
+        finally:
+            self.ctx.inflight.release(self.held + sum(n for _, n in self.cache.values()))
+            self.cache.clear()
+        return self.covered
+
+    def _compare(self, coarse: Any, fine: Any, origin: tuple[int, ...]) -> None:
+        if self.a_is_coarse:
+            self.acc.update(coarse, fine, origin)
+        else:
+            self.acc.update(fine, coarse, origin)
+
+    @contextmanager
+    def _fine(self, j: int) -> Iterator[Any]:
+        """Fine chunk ``j`` decoded: from the cache, or read now (and cached while later chunks need it; else
+        released when the block ends)."""
+        self.uses[j] -= 1
+        hit = self.cache.pop(j, None)
+        if hit is None:
+            blob = _blob(self.fine, self.fine_chunks[j], self.ctx)
+            hit = (_view(self.fine, self.fine_chunks[j], blob), len(blob))
+        release = 0
+        if self.uses[j] > 0:
+            self.cache[j] = hit
+            while sum(n for _, n in self.cache.values()) > self.cache_limit and len(self.cache) > 1:
+                self.ctx.inflight.release(self.cache.popitem(last=False)[1][1])  # read again if needed
+        else:
+            release = hit[1]
+        try:
+            yield hit[0]
+        finally:
+            del hit
+            self.ctx.inflight.release(release)
+
+    def _chunk(self, chunk: DcpChunk, js: list[int], disjoint: bool) -> None:
+        ctx, size = self.ctx, numel(chunk.sizes)
+        blob = _blob(self.coarse, chunk, ctx)
+        self.held += len(blob)
+        other = self.fine_chunks[js[0]]
+        if len(js) == 1 and other.offsets == chunk.offsets and other.sizes == chunk.sizes:
+            if self.coarse.entry.dtype == self.fine.entry.dtype and js[0] not in self.cache:
+                # Same box in both (same layout): byte-identical blobs hold identical values (same view, same
+                # bytes), checked at memcmp speed without decoding or torch.
+                twin = _blob(self.fine, other, ctx)
+                self.held += len(twin)
+                self.uses[js[0]] -= 1
+                if blob == twin:
+                    self.acc.elements += size
+                    self.covered += size
+                    return
+                ctx.torch.get()
+                self._compare(_view(self.coarse, chunk, blob), _view(self.fine, other, twin), chunk.offsets)
+            else:
+                ctx.torch.get()
+                with self._fine(js[0]) as fine:
+                    self._compare(_view(self.coarse, chunk, blob), fine, chunk.offsets)
+            self.covered += size
+            return
+        torch = ctx.torch.get()
+        values = _view(self.coarse, chunk, blob)
+        regions = [(j, chunk_overlap(chunk, self.fine_chunks[j])) for j in js]
+        volume = sum(r[2] for _, r in regions if r is not None)
+        if disjoint and volume == size:  # the fine chunks tile this chunk: assemble them, compare once
+            dtype = getattr(torch, (self.fine.entry.dtype or "").removeprefix("torch."), None)
+            buffer = torch.empty(tuple(chunk.sizes), dtype=dtype if dtype is not None else values.dtype)
+            nbytes = buffer.numel() * buffer.element_size()
+            ctx.inflight.acquire(nbytes)
+            self.held += nbytes
+            for j, region in regions:
+                if region is not None:
+                    with self._fine(j) as fine:
+                        buffer[region[0]] = fine[region[1]]
+            self._compare(values, buffer, chunk.offsets)
+        else:  # a partial cover (chunks missing on one side): the overlapping regions one by one
+            for j, region in regions:
+                if region is not None:
+                    origin = tuple(o + (s.start or 0) for o, s in zip(chunk.offsets, region[0]))
+                    with self._fine(j) as fine:
+                        self._compare(values[region[0]], fine[region[1]], origin)
+        self.covered += volume
+
+
+def compare_entries(a: Side, b: Side, acc: Accumulator, ctx: Context) -> int:
+    """Feed every overlapping region of ``a`` and ``b`` (same global shape) to ``acc``; the elements covered."""
+    return _Key(a, b, acc, ctx).run()
+
+
+def tensors_bitwise_equal(a: Checkpoint, ea: Entry, b: Checkpoint, eb: Entry) -> bool:
+    """Whether tensor ``ea`` of ``a`` and ``eb`` of ``b`` hold byte-identical values (same shape and dtype),
+    stopping at the first difference (``strip-frozen --base``)."""
+    from ckptdoctor.values.io import Budget, InFlight, Torch
+
+    if ea.shape != eb.shape or ea.dtype != eb.dtype:
+        return False
+    torch = Torch()
+    ctx = Context(Budget(0, None), InFlight(1 << 62), torch)
+    acc = Accumulator(torch, None, None, first_difference=True)
+    try:
+        covered = compare_entries(Side(a, ea, "a", True), Side(b, eb, "b", True), acc, ctx)
+    except Different:
+        return False
+    finally:
+        ctx.files.close()
+        torch.restore()
+    return covered == numel(ea.shape or ())
