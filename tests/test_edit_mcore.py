@@ -1,0 +1,158 @@
+"""edit's outputs loaded by real Megatron-LM code (megatron-core 0.19.2 and its megatron.training): weights-only
+edits at TP=1, 2 and 4 with exactly the flags edit reports (and not without them), --compact output, removed
+_extra_state, and the layer-spec presets against the keys the spec's model requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, REPO, free_port, require_mcore
+
+from ckptdoctor.checkpoint import open_checkpoint
+from ckptdoctor.cli import main
+
+SCRIPT = REPO / "tests" / "mcore_load_edited.py"
+WEIGHTS_ONLY = ["--drop-section", "optimizer", "--drop-section", "rng", "--drop-section", "rerun"]
+pytestmark = pytest.mark.mcore
+
+
+def _edit(capsys, source: Path, out: Path, *args: str) -> dict:
+    rc = main(["edit", str(source), *args, "--output", str(out), "--format", "json"])
+    stdout, err = capsys.readouterr()
+    assert rc == 0, err
+    return json.loads(stdout)
+
+
+def _load(cases: list[dict], nproc: int = 1, dp: int = 1) -> str:
+    args = [json.dumps(cases), "--dp", str(dp)]
+    if nproc == 1:
+        command = [sys.executable, str(SCRIPT), *args]
+    else:
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+        command = [sys.executable, *launcher, str(SCRIPT), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for case in cases:
+        verdict = "OK" if case["expect"] == "ok" else "FAILED-AS-EXPECTED"
+        hits = [line for line in proc.stdout.splitlines() if line.startswith(f"CASE {case['name']} {verdict}")]
+        assert len(hits) == (nproc if verdict == "OK" else 1), (case["name"], proc.stdout[-3000:])
+    return proc.stdout
+
+
+def _case(name: str, ckpt: Path, reference: str, flags: list[str], expect: str = "ok", **extra) -> dict:
+    via = extra.pop("via", "load_checkpoint")
+    return dict(
+        name=name, via=via, ckpt=str(ckpt), reference=str(FIXTURES / reference), flags=flags, expect=expect, **extra
+    )
+
+
+@pytest.fixture(scope="module")
+def weights_only(tmp_path_factory):
+    """Weights-only edits of the TP=2 fixtures (model-space optimizer; distributed optimizer at DP=2), and their
+    --compact twin, with the flags edit reports."""
+    require_mcore()
+    root = tmp_path_factory.mktemp("edited")
+    out = {}
+    for name, source, extra in [
+        ("tp2", "core019_tp2", []),
+        ("tp2_dp2", "core019_tp2_dp2", []),
+        ("tp2_compact", "core019_tp2", ["--compact"]),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ckptdoctor", "edit", str(FIXTURES / source), *WEIGHTS_ONLY, *extra]
+            + ["--output", str(root / name), "--format", "json"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        out[name] = (root / name, json.loads(proc.stdout))
+    return out
+
+
+def test_weights_only_edit_loads_at_tp1_with_the_reported_flags_only(weights_only):
+    (tp2, report), (dp2, report_dp), (compact, report_c) = (weights_only[k] for k in ("tp2", "tp2_dp2", "tp2_compact"))
+    flags = report["plan"]["load_flags"]
+    assert flags == report_dp["plan"]["load_flags"] == report_c["plan"]["load_flags"] == ["--no-load-optim"]
+    _load(
+        [
+            # without the reported flag Megatron-LM's load_checkpoint tries to restore the optimizer and fails
+            _case("no-flags", tp2, "core019_tp2", [], "KeyError: 'optimizer'"),
+            _case("reported-flags", tp2, "core019_tp2", flags),
+            # the full checkpoint's dp_reshardable optimizer refuses a TP change; the weights-only edit loads
+            _case(
+                "full-dp2",
+                FIXTURES / "core019_tp2_dp2",
+                "core019_tp2_dp2",
+                [],
+                "not supported for DistributedOptimizer with sharding type dp_reshardable",
+                dist_opt=True,
+            ),
+            _case("edited-dp2", dp2, "core019_tp2_dp2", flags, dist_opt=True),
+            _case("compact", compact, "core019_tp2", flags),
+        ]
+    )
+
+
+def test_weights_only_edit_loads_at_tp2_same_layout_without_rng_flags(weights_only):
+    """Same TP/PP/world as saved: Megatron would request rng and rerun state; the edit's common state (args
+    no_save_rng, no rerun_state_machine) makes it not, so --no-load-rng is not needed."""
+    tp2, report = weights_only["tp2"]
+    assert "--no-load-rng" not in report["plan"]["load_flags"]
+    _load([_case("same-layout", tp2, "core019_tp2", report["plan"]["load_flags"])], nproc=2)
+
+
+def test_weights_only_edit_loads_at_tp4(weights_only):
+    (tp2, report), (dp2, _) = weights_only["tp2"], weights_only["tp2_dp2"]
+    flags = report["plan"]["load_flags"]
+    _load(
+        [
+            _case("tp4", tp2, "core019_tp2", flags),
+            _case("tp4-dp2-source", dp2, "core019_tp2_dp2", flags, dist_opt=True),
+        ],
+        nproc=4,
+    )
+
+
+def test_removed_extra_state_and_spec_presets_load(capsys, tmp_path):
+    require_mcore()
+    src = FIXTURES / "core019_tp2"
+    _edit(capsys, src, tmp_path / "no_extra", "--remove", "_extra_state")
+    _edit(capsys, src, tmp_path / "local", "--preset", "te-to-local")
+    _edit(capsys, tmp_path / "local", tmp_path / "back", "--preset", "local-to-te")
+    stdout = _load(
+        [
+            # a model whose linear layers keep no extra state requests no _extra_state item: loads cleanly
+            _case(
+                "no-extra", tmp_path / "no_extra", "core019_tp2", [], via="dist", no_extra_state=True, print_keys=True
+            ),
+            # the fixture's own model does request them: the edited checkpoint is not for it
+            _case("needs-extra", tmp_path / "no_extra", "core019_tp2", [], "_extra_state", via="dist"),
+            # module names (a local-spec layer without sharded_state_dict_keys_map): what te-to-local gives
+            _case("local", tmp_path / "local", "core019_tp2", [], via="dist", module_names=True, print_keys=True),
+            _case(
+                "local-vs-te", tmp_path / "local", "core019_tp2", [], "layer_norm_weight from model not in", via="dist"
+            ),
+            # and back: the spec's keys map, i.e. Transformer Engine's fused norm names
+            _case("te", tmp_path / "back", "core019_tp2", [], via="dist", print_keys=True),
+        ]
+    )
+    requested = {
+        line.split(" ", 2)[1]: set(json.loads(line.split(" ", 2)[2]))
+        for line in stdout.splitlines()
+        if line.startswith("KEYS ")
+    }
+    for case, directory in [("no-extra", "no_extra"), ("local", "local"), ("te", "back")]:
+        model_keys = {k for k, e in open_checkpoint(tmp_path / directory).entries.items() if e.section == "model"}
+        # the edited model section is exactly what the model requests, _extra_state objects included
+        assert model_keys == requested[case], (case, model_keys ^ requested[case])
+    assert not any("_extra_state" in k for k in requested["no-extra"])
+    assert {"decoder.layers.input_layernorm.weight", "decoder.layers.pre_mlp_layernorm.weight"} <= requested["local"]
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in requested["te"]
