@@ -61,7 +61,7 @@ DERIVED_ARGS = {  # a fresh launch leaves these to megatron (resolved at the lau
 # Where a key or a message belongs: the checkpoint sections an error names.
 SECTION_PATTERNS = (
     ("args", r"weight_shards|value from checkpoint"),
-    ("format", r"\.metadata\b|not a distributed checkpoint"),
+    ("format", r"No such file or directory: '[^']*\.metadata'|not a distributed checkpoint"),
     ("optimizer", r"optimizer\.|'optimizer'|DistributedOptimizer|per_bucket_numel|parameter group"),
     ("rng", r"rng_state"),
     ("rerun", r"rerun_state_machine"),
@@ -75,6 +75,7 @@ def error_message(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip()
     lines = [line.strip() for line in text.splitlines() if _ERROR_LINE.match(line.strip())]
     line = lines[-1] if lines else text.splitlines()[0]
+    line = line.replace(f"{FIXTURES}/", "fixtures/")  # no machine paths in the recorded matrix
     return re.sub(r"^[\w.]*\.(\w+(Error|Exception): )", r"\1", line)
 
 

@@ -171,8 +171,12 @@ def _rng_verdict(ctx: _Context) -> tuple[SectionVerdict, set[str]]:
 def _rerun_verdict(ctx: _Context) -> tuple[SectionVerdict, set[str]]:
     present = {e.key for e in ctx.ckpt.section_entries("rerun")}
     same = ctx.tp_pp_same and ctx.saved.world == ctx.target.world and ctx.saved.dp == ctx.target.dp
-    if "rerun_state_machine" not in ctx.common or not ctx.common.get("rerun_state_machine"):
+    machine = ctx.common.get("rerun_state_machine")
+    if not machine:
         return SectionVerdict("rerun", SKIPPED, "no rerun state machine in the checkpoint", present=len(present)), set()
+    if _rerun_state(machine) == 0:
+        why = "the saved rerun state is NOT_RUNNING_YET: validate_state_dict declines it, nothing to restore"
+        return SectionVerdict("rerun", SKIPPED, why, present=len(present)), set()
     if ctx.run.finetune:
         return SectionVerdict("rerun", SKIPPED, "not requested (--finetune)", present=len(present)), set()
     if not same:
@@ -181,6 +185,16 @@ def _rerun_verdict(ctx: _Context) -> tuple[SectionVerdict, set[str]]:
     world = ctx.target.world
     wanted = {f"rerun_state_machine_state/shard_{r}_{world}" for r in range(world)}
     return _object_verdict(ctx, "rerun", wanted, present, "--finetune"), {"rerun_state_machine_state"}
+
+
+def _rerun_state(machine: Any) -> int | None:
+    """The saved ``RerunState`` value (a stand-in enum read without megatron), None if unknown."""
+    state = machine.get("state") if isinstance(machine, dict) else None
+    value = getattr(state, "value", None)
+    if value is None and hasattr(state, "stand_in_args"):
+        args = state.stand_in_args
+        value = args[0] if args else None
+    return value if isinstance(value, int) else None
 
 
 def _object_verdict(ctx: _Context, section: str, wanted: set[str], present: set[str], fix: str) -> SectionVerdict:

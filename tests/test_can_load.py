@@ -1,0 +1,213 @@
+"""``ckptdoctor can-load``: predictions against real megatron-core 0.19.2 loads (tests/can_load_matrix.jsonl).
+
+The fast tests compare each cell's prediction with the outcome recorded from a real load; the ``mcore`` test
+runs every real load again (tests/mcore_load_target.py, torchrun on gloo) and compares both.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+from conftest import FIXTURES, REPO, require_mcore, run_cli
+
+from ckptdoctor.checkpoint import open_checkpoint
+from ckptdoctor.errors import CkptError
+from ckptdoctor.ops.can_load import CanLoadReport, predict
+from ckptdoctor.ops.can_load_run import Layout, LoadRun, load_yaml_args, parse_target
+
+MATRIX = REPO / "tests" / "can_load_matrix.jsonl"
+ROWS = [json.loads(line) for line in MATRIX.read_text().splitlines() if line.strip()]
+SCHEMA = json.loads((REPO / "docs" / "can-load.schema.json").read_text())
+
+
+def predict_cell(row: dict) -> CanLoadReport:
+    run = LoadRun(
+        finetune=row.get("finetune", False),
+        no_load_optim=row.get("no_load_optim", False),
+        no_load_rng=row.get("no_load_rng", False),
+        strictness=row.get("strictness", "assume_ok_unexpected"),
+        use_distributed_optimizer=row.get("use_distributed_optimizer"),
+        use_checkpoint_args=row.get("use_checkpoint_args", False),
+        sets=row.get("set", {}),
+    )
+    return predict(open_checkpoint(FIXTURES / row["fixture"]), row["target"], run)
+
+
+def assert_agrees(row: dict, outcome: dict) -> None:
+    """The prediction has the real load's verdict; a failure names the section(s) the real error is about
+    and megatron's exception type."""
+    report = predict_cell(row)
+    assert report.verdict == outcome["outcome"], (row["id"], report.failing_sections, outcome)
+    if outcome["outcome"] == "fails":
+        assert report.failing_sections, row["id"]
+        assert set(outcome["sections"]) <= set(report.failing_sections), (row["id"], report.failing_sections, outcome)
+        kinds = {s.error.split(":", 1)[0] for s in report.sections if s.error}
+        assert outcome["error"].split(":", 1)[0] in kinds, (row["id"], kinds, outcome["error"])
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r["id"] for r in ROWS])
+def test_prediction_matches_recorded_real_load(row):
+    assert "expect" in row, f"{row['id']}: no recorded outcome (run tests/mcore_load_target.py --matrix OUT --record)"
+    assert_agrees(row, row["expect"])
+
+
+def test_matrix_covers_the_issue():
+    targets = {(r["fixture"], r["target"]) for r in ROWS}
+    tps = {parse_target(t, Layout(1, 1, 1, 1, 1, 1)).tp for _, t in targets}
+    assert {1, 2, 4} <= tps
+    assert any(r.get("finetune") for r in ROWS) and any(r.get("no_load_rng") for r in ROWS)
+    assert any(r.get("no_load_optim") for r in ROWS) and any("num_layers" in r.get("set", {}) for r in ROWS)
+    assert len({r.get("strictness", "assume_ok_unexpected") for r in ROWS}) >= 3
+    assert {r["expect"]["outcome"] for r in ROWS} == {"loads", "fails"}
+
+
+@pytest.mark.mcore
+def test_real_loads_match_matrix_and_prediction(tmp_path):
+    require_mcore()
+    out = tmp_path / "results.json"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "mcore_load_target.py"), "--matrix", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    print(f"{len(results)} real loads in {time.monotonic() - start:.0f} s")
+    for row in ROWS:
+        real = results[row["id"]]
+        assert real["outcome"] == row["expect"]["outcome"], (row["id"], real, row["expect"])
+        assert real.get("sections") == row["expect"].get("sections"), (row["id"], real)
+        assert_agrees(row, real)
+
+
+# --- the CLI -----------------------------------------------------------------------------------------------
+
+
+def test_cli_exit_codes_and_json_schema():
+    ok = run_cli(
+        "can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=2", "--format", "json", block=("torch", "megatron")
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "IMPORTED:\n" in ok.stderr or ok.stderr.rstrip().endswith("IMPORTED:")
+    report = json.loads(ok.stdout)
+    jsonschema.validate(report, SCHEMA)
+    sections = {s["section"]: s for s in report["sections"]}
+    assert sections["model"]["verdict"] == "reshards" and sections["rng"]["verdict"] == "skipped"
+    assert report["target"] == {"tp": 2, "pp": 1, "ep": 1, "etp": 2, "cp": 1, "dp": 1, "world": 2}
+
+    bad = run_cli("can-load", str(FIXTURES / "core019_tp2_dp2"), "--target", "tp=1", "--format", "json")
+    assert bad.returncode == 1
+    failing = json.loads(bad.stdout)
+    jsonschema.validate(failing, SCHEMA)
+    assert failing["failing_sections"] == ["optimizer"]
+    (optim,) = [s for s in failing["sections"] if s["section"] == "optimizer"]
+    assert "not supported for DistributedOptimizer with sharding type dp_reshardable" in optim["error"]
+    assert "--no-load-optim" in optim["fix"]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("tp=two", "is not NAME=N"),
+        ("tp=2,xx=1", "unknown field 'xx'"),
+        ("dp=2,world=4", "dp or world"),
+        ("tp=3,world=4", "not a multiple"),
+        ("tp=0", "must be >= 1"),
+    ],
+)
+def test_bad_target_is_one_clear_error(spec, message):
+    proc = run_cli("can-load", str(FIXTURES / "core019_tp1"), "--target", spec)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+
+
+def test_text_output_names_the_failure_and_fix():
+    proc = run_cli("can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--set", "num_layers=3")
+    assert proc.returncode == 1
+    assert "Global shape mismatch for loaded" in proc.stdout and "num_layers 2->3" in proc.stdout
+    assert "WILL NOT LOAD (fails: args, model, optimizer)" in proc.stdout
+
+
+# --- the modelling, cell by cell -----------------------------------------------------------------------------
+
+
+def test_target_defaults_to_saved_layout():
+    saved = Layout(tp=2, pp=1, ep=1, etp=2, cp=1, dp=2)
+    assert parse_target("pp=2", saved) == Layout(tp=2, pp=2, ep=1, etp=2, cp=1, dp=2)
+    assert parse_target("tp=4,world=8", saved) == Layout(tp=4, pp=1, ep=1, etp=4, cp=1, dp=2)
+    with pytest.raises(CkptError):
+        parse_target("ep=3", saved)
+
+
+def test_world_defaults_follow_dp_of_the_distributed_optimizer_fixture():
+    report = predict(open_checkpoint(FIXTURES / "core019_tp2_dp2"), "dp=1", LoadRun())
+    assert report.saved["dp"] == 2 and report.target["world"] == 2
+    assert report.will_load
+    (optim,) = [s for s in report.sections if s.section == "optimizer"]
+    assert optim.verdict == "reshards" and "dp_reshardable" in optim.why
+
+
+def test_gtp_weight_shards_fail_only_with_checkpoint_args():
+    ckpt = open_checkpoint(FIXTURES / "core019_convert_tp4")
+    kept = predict(ckpt, "tp=4", LoadRun(use_checkpoint_args=True, no_load_optim=True, no_load_rng=True))
+    (args,) = [s for s in kept.sections if s.section == "args"]
+    assert args.verdict == "fails"
+    assert args.error == "ValueError: tensor_parallel_num_weight_shards (1) must be >= tensor_model_parallel_size (4)."
+    fresh = predict(ckpt, "tp=4", LoadRun(no_load_optim=True, no_load_rng=True))
+    assert fresh.will_load
+
+
+def test_vocab_padding_is_an_allowed_mismatch():
+    report = predict(open_checkpoint(FIXTURES / "core019_tp1"), "tp=1", LoadRun(sets={"padded_vocab_size": 256}))
+    (model,) = [s for s in report.sections if s.section == "model"]
+    assert report.will_load and "padded vocabulary 128 -> 256" in model.why
+
+
+def test_log_unexpected_warns_instead_of_failing(tmp_path):
+    ckpt = open_checkpoint(FIXTURES / "core019_tp2_dp2")
+    strict = predict(ckpt, "tp=2,dp=1", LoadRun(use_distributed_optimizer=False))
+    assert strict.failing_sections == ["optimizer"]
+    lenient = predict(ckpt, "tp=2,dp=1", LoadRun(use_distributed_optimizer=False, strictness="log_unexpected"))
+    assert lenient.will_load and any("left at their initial values" in w for w in lenient.warnings)
+
+
+def test_zarr_is_not_loadable_by_current_core():
+    report = predict(open_checkpoint(FIXTURES / "core014_zarr_tp2"), "tp=1", LoadRun())
+    assert report.failing_sections[0] == "format" and "zarr" in report.sections[0].why
+
+
+@pytest.mark.parametrize("with_pyyaml", [True, False])
+def test_args_from_yaml(tmp_path, monkeypatch, with_pyyaml):
+    config = tmp_path / "run_config.yaml"
+    config.write_text("model:\n  num_layers: 3  # deeper\n  hidden_size: 32\n  num_moe_experts: null\nother: x\n")
+    if not with_pyyaml:
+        monkeypatch.setitem(sys.modules, "yaml", None)
+    args = load_yaml_args(config)
+    assert args["num_layers"] == 3 and args["num_experts"] is None
+    proc = run_cli("can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--args-from", str(config))
+    assert proc.returncode == 1 and "num_layers 2->3" in proc.stdout
+
+
+def test_args_from_another_checkpoint():
+    proc = run_cli(
+        "can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--args-from", str(FIXTURES / "core019_tp1_pp2")
+    )
+    assert proc.returncode == 1 and "num_layers 2->4" in proc.stdout
+
+
+def test_bad_set_is_a_usage_error():
+    proc = run_cli("can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--set", "num layers")
+    assert proc.returncode == 2 and "is not NAME=VALUE" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_rows_are_unique():
+    assert len({r["id"] for r in ROWS}) == len(ROWS)
+    assert all(Path(FIXTURES / r["fixture"]).is_dir() for r in ROWS)
