@@ -11,6 +11,7 @@ modelling alone), ``open_checkpoint`` + ``predict()`` in-process, and the whole 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -37,6 +38,14 @@ def best(fn, repeats: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def open_and_predict(save: Path, target: str, run: object) -> None:
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.ops.can_load import LoadRun, predict
+
+    assert isinstance(run, LoadRun)
+    predict(open_checkpoint(save), target, run)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "target": " ".join([target, *extra]),
                     "verdict": report.verdict,
-                    "predict_s": round(best(lambda: predict(ckpt, target, run)), 4),
-                    "open_and_predict_s": round(best(lambda: predict(open_checkpoint(save), target, run)), 4),
-                    "cli_process_s": round(best(lambda: subprocess.run(cli, capture_output=True), 3), 4),
+                    "predict_s": round(best(functools.partial(predict, ckpt, target, run)), 4),
+                    "open_and_predict_s": round(best(functools.partial(open_and_predict, save, target, run)), 4),
+                    "cli_process_s": round(best(functools.partial(subprocess.run, cli, capture_output=True), 3), 4),
                 }
             )
             print(json.dumps(rows[-1]))

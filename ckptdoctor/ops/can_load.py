@@ -191,8 +191,8 @@ def _rerun_state(machine: Any) -> int | None:
     """The saved ``RerunState`` value (a stand-in enum read without megatron), None if unknown."""
     state = machine.get("state") if isinstance(machine, dict) else None
     value = getattr(state, "value", None)
-    if value is None and hasattr(state, "stand_in_args"):
-        args = state.stand_in_args
+    args = getattr(state, "stand_in_args", None)
+    if value is None and isinstance(args, tuple):
         value = args[0] if args else None
     return value if isinstance(value, int) else None
 
