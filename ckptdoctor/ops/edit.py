@@ -270,7 +270,7 @@ def common_changes(checkpoint: Checkpoint, dropped: list[str]) -> list[CommonCha
     if "optimizer" in dropped:
         for name in ("optimizer", "opt_param_scheduler"):
             if name in common:
-                changes.append(CommonChange("drop", name, reason="optimizer leftovers (no optimizer state saved)"))
+                changes.append(CommonChange("drop", name, reason="optimizer leftovers; no optimizer state is saved"))
         content = common.get("content_metadata")
         if isinstance(content, dict) and "distrib_optim_sharding_type" in content:
             changes.append(
@@ -282,11 +282,12 @@ def common_changes(checkpoint: Checkpoint, dropped: list[str]) -> list[CommonCha
                     "describes optimizer state that is no longer there",
                 )
             )
-        set_arg("no_save_optim", "a load then builds no optimizer request (checkpointing.py reads ckpt args)")
+        set_arg("no_save_optim", "as a --no-save-optim run saves it; load_checkpoint then builds no optimizer request")
     if "rng" in dropped:
-        set_arg("no_save_rng", "a load then requests no rng state and skips restoring it")
+        set_arg("no_save_rng", "as a --no-save-rng run saves it; a load then neither requests nor restores rng state")
     if "rerun" in dropped and "rerun_state_machine" in common:
-        changes.append(CommonChange("drop", "rerun_state_machine", reason="rerun state is requested only if present"))
+        why = "a load requests rerun state only when the common state has it"
+        changes.append(CommonChange("drop", "rerun_state_machine", reason=why))
     return changes
 
 

@@ -1,0 +1,106 @@
+"""Benchmark ``ckptdoctor edit``: O(metadata) by default, ``--compact`` against ``cp`` of the kept bytes, in one run.
+
+Inputs: the cached ``make_synthetic.py`` checkpoints at 0.5 GB and 4 GB (same 20,000 keys, 2,000 data files and
+6.5 MiB ``.metadata``; only tensor sizes differ). The edit removes the optimizer section (``--remove
+'^optimizer\\.'``: the fp32 ``exp_avg``/``exp_avg_sq`` items, ~2/3 of the keys and 80% of the bytes).
+
+One alternating group (``harness.alternate``: warm-up round, then ``--rounds`` rounds, order rotating), each run a
+child process timed spawn -> exit, every output dir removed before its run:
+
+- ``edit-<size>``: ``ckptdoctor edit SAVE --remove '^optimizer\\.' -o OUT`` (new ``.metadata``, data hard-linked);
+- ``compact-<size>``: the same with ``--compact`` (kept items byte-copied into new files);
+- ``cp-<size>``: ``cp`` of one file as large as the kept data (the least a copy of the kept bytes costs).
+
+Targets (issue #14): edit(4G) / edit(0.5G) <= 1.3; compact(4G) <= 2 x cp(4G).
+
+    python bench/bench_edit.py [--sizes 0.5G 4G] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import harness  # noqa: E402
+
+REMOVE = r"^optimizer\."
+
+
+def kept_bytes(save: Path) -> int:
+    """Data bytes of the items the edit keeps (from ckptdoctor's own reader: no torch)."""
+    sys.path.insert(0, str(harness.CODE))
+    from ckptdoctor.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(save)
+    return sum(e.nbytes for k, e in checkpoint.entries.items() if not k.startswith("optimizer."))
+
+
+def make_blob(path: Path, size: int) -> None:
+    if path.exists() and path.stat().st_size == size:
+        return
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            step = min(8 << 20, left)
+            f.write(os.urandom(step))
+            left -= step
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["0.5G", "4G"])
+    p.add_argument("--keys", type=int, default=20000)
+    p.add_argument("--files", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--scratch", type=Path, default=harness.DATA / "edit_scratch")
+    harness.add_common_options(p)
+    o = p.parse_args(argv)
+    harness.use_code(o.code)
+    recorder = harness.Recorder("edit", argv)
+    o.scratch.mkdir(parents=True, exist_ok=True)
+    cases: dict[str, harness.Case] = {}
+    inputs = {}
+    for size in o.sizes:
+        save = harness.synthetic(size, o.keys, o.files)
+        kept = kept_bytes(save)
+        inputs[size] = harness.synthetic_info(save) | {"kept_bytes": kept}
+        blob, copy = o.scratch / f"blob_{size}", o.scratch / f"blob_{size}.copy"
+        make_blob(blob, kept)
+        for label, extra in (("edit", []), ("compact", ["--compact"])):
+            out = o.scratch / f"{label}_{size}"
+            cases[f"{label}-{size}"] = harness.Case(
+                harness.ckptdoctor("edit", str(save), "--remove", REMOVE, *extra, "-o", str(out)),
+                before=lambda out=out: shutil.rmtree(out, ignore_errors=True),
+            )
+        cases[f"cp-{size}"] = harness.Case(
+            ["cp", str(blob), str(copy)], before=lambda copy=copy: copy.unlink(missing_ok=True)
+        )
+    group = harness.alternate(cases, o.rounds, timeout=1200)
+    small, large = o.sizes[0], o.sizes[-1]
+    ratios = {
+        "edit_large_over_small": group.ratio(f"edit-{large}", f"edit-{small}"),
+        **{f"compact_over_cp_{s}": group.ratio(f"compact-{s}", f"cp-{s}") for s in o.sizes},
+    }
+    recorder.write({"inputs": inputs, "group": group.summary(), "ratios": ratios})
+    print("| case | wall median [min-max] | CPU | peak RSS |\n|---|---|---|---|")
+    for label in cases:
+        print(
+            f"| {label} | {harness.fmt_spread(group.seconds(label), unit=' s')} | "
+            f"{harness.fmt_spread(group.cpu(label), unit=' s')} | {group.peak_rss_mb(label) or 0:.0f} MB |"
+        )
+    for name, value in ratios.items():
+        print(f"{name}: {harness.fmt_spread(value)}")
+    for size in o.sizes:
+        shutil.rmtree(o.scratch / f"compact_{size}", ignore_errors=True)
+        shutil.rmtree(o.scratch / f"edit_{size}", ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
