@@ -5,7 +5,8 @@
 runs the command on every rank (metadata work is repeated on each: it is small; byte-bound work is split by
 :func:`ckptdoctor.parallel.map_units`), and ends with one exchange in which the ranks agree on the exit code.
 Only rank 0 writes to stdout and stderr; the others' output is captured, and when a rank fails while rank 0
-did not, rank 0 prints that rank's message and every rank exits with its code.
+did not, rank 0 prints that rank's message and every rank exits with its code. (torchrun itself then exits 1
+whenever a rank exits non-zero, findings included, and adds its own failure summary on stderr.)
 
 Every collective is one ``all_gather_object`` of a tagged payload, so a rank that failed early (and sends its
 final ``("exit", ...)`` payload) meets the others in whichever exchange they are in; they see its failure
@@ -17,12 +18,14 @@ from __future__ import annotations
 import io
 import os
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 _GROUP: Group | None = None
 TIMEOUT_ENV = "CKPTDOCTOR_DIST_TIMEOUT"  # seconds a rank waits for the others in one exchange (default 1800)
+LINGER_SECONDS = 5.0  # on a failure, how long ranks other than 0 wait for rank 0 to exit first
 
 
 def under_torchrun() -> bool:
@@ -110,11 +113,19 @@ def run_main(main: Callable[[], int]) -> int:
             code, shown, message = exc.code, exc.rank, exc.message
         else:
             code, shown, message = own.agree(code, captured.getvalue() if code else "")
+        sys.stdout, sys.stderr = saved
+        if own.rank == 0 and shown != 0 and message:
+            sys.stderr.write(message if message.endswith("\n") else message + "\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # torchrun stops every rank as soon as one exits non-zero: no rank leaves before rank 0 has spoken, and
+        # on a failure rank 0 leaves first (torchrun's summary then names rank 0 and the agreed code)
+        own._gather(("done",))
+        if code and own.rank != 0:
+            time.sleep(LINGER_SECONDS)
     finally:
         sys.stdout, sys.stderr = saved
         _finish()
-    if own.rank == 0 and shown != 0 and message:
-        sys.stderr.write(message if message.endswith("\n") else message + "\n")
     return code
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from ckptdoctor.checkpoint import SECTIONS
-from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.options import format_option, jobs_option
 
 
 def _check_regexes(values: tuple[str, ...], option: str) -> None:
@@ -112,6 +112,7 @@ class _Progress:
     metavar="REGEX",
     help="Leave out saved args whose name fully matches REGEX (repeatable), e.g. 'save|load'.",
 )
+@jobs_option("--values reads chunks")
 @click.option("--stat", "stat", is_flag=True, help="Only the counts per section.")
 @click.option("--name-only", is_flag=True, help="Only the differing keys, one per line.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing; the exit status says whether they differ.")
@@ -130,6 +131,7 @@ def command(
     show_all: bool,
     ignore_layout: bool | None,
     ignore_args: tuple[str, ...],
+    jobs: int | None,
     stat: bool,
     name_only: bool,
     quiet: bool,
@@ -195,6 +197,7 @@ def command(
                 ignore_layout=layout_ignored,
                 ignore_args=all_ignored,
                 report_mismatches=report_n,
+                jobs=jobs,
             )
     finally:
         if progress is not None:

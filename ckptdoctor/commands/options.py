@@ -47,5 +47,5 @@ def jobs_option(what: str) -> Callable[[Any], Any]:
         "-j",
         type=click.IntRange(min=1),
         default=None,
-        help=f"Worker processes ({what}) [default: the available cores; under torchrun, per rank].",
+        help=f"Parallel workers ({what}) [default: the available cores; under torchrun, per rank].",
     )

@@ -8,19 +8,13 @@ from typing import Any
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.options import format_option, jobs_option
 
 
 @click.command("seal")
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
-@click.option(
-    "--jobs",
-    "-j",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Files hashed in parallel [default: the number of cores].",
-)
+@jobs_option("threads hashing files")
 @click.option("--force", is_flag=True, help="Re-seal a checkpoint that already has an integrity.json.")
 @format_option()
 def command(checkpoint: str, iteration: str | None, jobs: int | None, force: bool, output_format: str) -> int:

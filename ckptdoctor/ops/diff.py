@@ -345,8 +345,10 @@ def diff_checkpoints(
     ignore_layout: bool = False,
     ignore_args: tuple[str, ...] = (),
     report_mismatches: int = 0,
+    jobs: int | None = None,
 ) -> DiffReport:
-    """Compare two checkpoints; values are read (streamed, chunk by chunk) only when ``values`` is set.
+    """Compare two checkpoints; values are read (streamed, chunk by chunk) only when ``values`` is set, by
+    ``jobs`` worker processes (default: the available cores) or the ranks of a torchrun job.
 
     ``ignore_layout``: layout differences are reported but are not differences (``identical`` may be true);
     ``ignore_args``: arg-name regexes (full match) left out of the args comparison;
@@ -398,7 +400,15 @@ def diff_checkpoints(
             (items_a[k], items_b[k]) for k in both if not (is_common_state_item(k) and items_a[k].kind != KIND_TENSOR)
         ]
         report.values = compare_values(
-            a, b, comparable, atol=atol, rtol=rtol, limit=limit, progress=progress, report=report_mismatches
+            a,
+            b,
+            comparable,
+            atol=atol,
+            rtol=rtol,
+            limit=limit,
+            progress=progress,
+            workers=jobs,
+            report=report_mismatches,
         )
     report.summary = {
         "only_a": sum(s.only_a.count for s in sections.values()),

@@ -1,0 +1,46 @@
+"""``ckptdoctor`` as one torchrun rank, with test hooks (tests/test_parallel.py).
+
+- ``CKD_TEST_LOG=<dir>``: each rank appends the data files ``check --deep`` reads to ``<dir>/rank<N>.txt``.
+- ``CKD_TEST_FAIL=unit``: rank 1 fails inside the work of its share (a read error on its first file);
+  ``CKD_TEST_FAIL=early``: rank 1 fails before any exchange (while scanning the checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from ckptdoctor.errors import CkptError
+from ckptdoctor.rules import integrity, structure
+
+RANK = int(os.environ["RANK"])
+LOG = os.environ.get("CKD_TEST_LOG")
+FAIL = os.environ.get("CKD_TEST_FAIL")
+_check_file = integrity._check_file
+_scan_iteration = structure.scan_iteration
+
+
+def check_file(state, file, *args, **kwargs):
+    if LOG:
+        with open(Path(LOG) / f"rank{RANK}.txt", "a") as f:
+            f.write(file[0].name + "\n")
+    if FAIL == "unit" and RANK == 1:
+        raise CkptError(f"{file[0]}: cannot read (rank 1: Input/output error)")
+    return _check_file(state, file, *args, **kwargs)
+
+
+def scan_iteration(*args, **kwargs):
+    if FAIL == "early" and RANK == 1:
+        raise CkptError("rank 1: stale file handle while scanning")
+    return _scan_iteration(*args, **kwargs)
+
+
+integrity._check_file = check_file
+structure.scan_iteration = scan_iteration
+
+if __name__ == "__main__":
+    from ckptdoctor.cli import main
+
+    sys.stdout.flush()
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,221 @@
+"""``--jobs`` and torchrun: the output of check --deep, diff --values and seal does not depend on how the work
+was split (worker processes, ranks), byte for byte; a failing worker or rank fails the run with its message."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, REPO, free_port
+from test_check_ux import _poison
+
+from ckptdoctor.cli import main
+from ckptdoctor.parallel import map_units, shares
+
+ITER = "iter_0000010"
+QKV = "decoder.layers.self_attention.linear_qkv"
+MEASURED = ("seconds", "workers", "peak_in_flight", "jobs")  # fields that measure the run, not the checkpoint
+
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _overwrite_chunk(save: Path, key: str, chunk_index: int) -> str:
+    """Fill one chunk's byte range with a zip signature and fixed garbage (undecodable: CKD310)."""
+    from ckptdoctor.checkpoint import open_checkpoint
+
+    location = open_checkpoint(save).entries[key].chunks[chunk_index].storage
+    assert location is not None
+    path = save / ITER / location.relative_path
+    data = bytearray(path.read_bytes())
+    garbage = b"PK\x03\x04" + random.Random(chunk_index).randbytes(location.length - 4)
+    data[location.offset : location.offset + location.length] = garbage
+    path.write_bytes(bytes(data))
+    return location.relative_path
+
+
+@pytest.fixture
+def damaged(copy_fixture) -> Path:
+    """core019_tp2_dp2 (4 data files) with findings in several files: undecodable chunks, NaN/Inf values."""
+    save = copy_fixture("core019_tp2_dp2")
+    files = {_overwrite_chunk(save, f"{QKV}.weight", i) for i in (0, 1)}
+    _poison(save, "decoder.layers.mlp.linear_fc1.weight", [float("nan"), float("inf")], 3)
+    _poison(save, "decoder.layers.mlp.linear_fc1.weight", [float("nan")], 0)
+    _poison(save, "embedding.word_embeddings.weight", [float("-inf")], 1)
+    assert len(files) == 2  # findings come from more than one worker's share
+    return save
+
+
+def _masked(text: str) -> str:
+    """A diff's text or JSON with the figures that measure the run (time, workers, peak bytes) blanked."""
+    text = re.sub(r"in \d+\.\d+ s", "in X s", text)
+    return re.sub(r'"(' + "|".join(MEASURED) + r')": [0-9.]+', r'"\1": X', text)
+
+
+def test_shares_are_balanced_and_deterministic():
+    weights = [5, 1, 9, 3, 3, 7, 2, 8]
+    cut = shares(weights, 3)
+    assert sorted(i for s in cut for i in s) == list(range(8)) and all(s == sorted(s) for s in cut)
+    loads = [sum(weights[i] for i in s) for s in cut]
+    assert max(loads) - min(loads) <= max(weights) and cut == shares(weights, 3)
+    assert shares([], 2) == [[], []] and shares([4], 3) == [[0], [], []]
+
+
+def test_map_units_keeps_unit_order_and_first_failure():
+    assert map_units([1] * 7, lambda i: i * i, jobs=3) == [i * i for i in range(7)]
+    assert map_units([1] * 5, lambda i: -i, jobs=2, threads=True) == [0, -1, -2, -3, -4]
+
+    def task(i: int) -> int:
+        if i in (2, 4):
+            raise ValueError(f"unit {i} failed")
+        return i
+
+    for jobs in (1, 3):
+        with pytest.raises(ValueError, match="unit 2 failed"):
+            map_units([1] * 6, task, jobs=jobs)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_check_deep_same_output_for_any_jobs(capsys, damaged, fmt):
+    runs = [_cli(capsys, "check", "--isolated", "--deep", "--format", fmt, "--jobs", j, str(damaged)) for j in "142"]
+    assert runs[0][0] == 1 and runs[0][2] == ""
+    assert runs[0] == runs[1] == runs[2]
+    out = runs[0][1]
+    for code in ("CKD310", "CKD313"):
+        assert code in out
+    if fmt == "json":
+        messages = [f["message"] for f in json.loads(out)["findings"] if f["code"] == "CKD313"]
+        assert len(messages) == 2 and "1 NaN and 1 Inf" not in messages[0]
+
+
+def test_check_deep_jobs_progress_counts_every_byte(damaged):
+    from ckptdoctor.ops.check import CheckOptions, Progress, check_paths
+
+    class Count(Progress):
+        total = done = 0
+
+        def start(self, label: str, total_bytes: int) -> None:
+            self.total = total_bytes
+
+        def advance(self, nbytes: int) -> None:
+            self.done += nbytes
+
+    for jobs in (1, 3):
+        seen = Count()
+        check_paths([str(damaged)], CheckOptions(deep=True, jobs=jobs), seen)
+        assert seen.done == seen.total > 0
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_diff_values_same_output_for_any_jobs(capsys, fmt):
+    pytest.importorskip("torch")
+    args = ["diff", "--values", "--report", "3", "--format", fmt, "--all"]
+    pair = [str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp2")]  # layouts and optimizer values differ
+    runs = [_cli(capsys, *args, "--jobs", jobs, *pair) for jobs in ("1", "4")]
+    assert runs[0][0] == runs[1][0] == 1 and runs[0][2] == runs[1][2] == ""
+    assert _masked(runs[0][1]) == _masked(runs[1][1])
+    if fmt == "json":
+        values = [json.loads(out)["values"] for _, out, _ in runs]
+        assert values[0]["workers"] == 1 and values[1]["workers"] > 1 and values[0]["different"] > 0
+
+
+def test_seal_same_manifest_for_any_jobs(capsys, tmp_path):
+    sealed = []
+    for jobs in ("1", "4"):
+        save = tmp_path / f"jobs{jobs}"
+        shutil.copytree(FIXTURES / "core019_tp2_dp2", save)
+        rc, out, err = _cli(capsys, "seal", "--format", "json", "--jobs", jobs, str(save))
+        assert rc == 0, err
+        report = json.loads(out)
+        assert report["jobs"] == int(jobs) and report["files"] == 6  # 4 data files, .metadata, metadata.json
+        sealed.append((save / ITER / "integrity.json").read_bytes())
+    assert sealed[0] == sealed[1]
+
+
+# --- torchrun (gloo on loopback) -----------------------------------------------------------------------------
+
+
+def _torchrun(
+    nproc: int, *args: str, script: str | None = None, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    target = [str(REPO / "tests" / script)] if script else ["-m", "ckptdoctor"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    cmd += ["--master-addr=127.0.0.1", f"--master-port={free_port()}", *target, *args]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=full_env)
+
+
+def _ours(stderr: str) -> list[str]:
+    """ckptdoctor's lines on a torchrun's stderr (torchrun adds its own banner)."""
+    return [line for line in stderr.splitlines() if line.startswith("ckptdoctor:")]
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_torchrun_check_deep_equals_single_process(capsys, damaged, nproc, tmp_path):
+    pytest.importorskip("torch")
+    for fmt in ("text", "json"):
+        args = ["check", "--isolated", "--deep", "--format", fmt, str(damaged)]
+        rc, single, _ = _cli(capsys, *args)
+        log = tmp_path / f"log-{fmt}"
+        log.mkdir()
+        run = _torchrun(nproc, *args, script="dist_rank.py", env={"CKD_TEST_LOG": str(log)})
+        assert (run.returncode, run.stdout) == (rc, single), run.stderr
+        assert rc == 1 and _ours(run.stderr) == []
+        read = {p.name: p.read_text().split() for p in log.iterdir()}
+        files = sorted(f for names in read.values() for f in names)
+        assert files == [f"__{i}_0.distcp" for i in range(4)]  # every file read once, by one rank
+        assert len(read) == min(nproc, 4)  # each rank took a share
+
+
+@pytest.mark.mcore
+def test_torchrun_diff_values_equals_single_process(capsys):
+    pytest.importorskip("torch")
+    args = ["diff", "--values", "--report", "2", "--format", "json", "--all"]
+    args += [str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp2")]
+    rc, single, _ = _cli(capsys, *args)
+    run = _torchrun(2, *args)
+    assert run.returncode == rc == 1, run.stderr  # rc 1 (differences) on every rank, torchrun exits 1
+    assert _masked(run.stdout) == _masked(single)
+
+
+@pytest.mark.mcore
+def test_torchrun_seal_equals_single_process(capsys, tmp_path):
+    pytest.importorskip("torch")
+    one, two = tmp_path / "one", tmp_path / "two"
+    shutil.copytree(FIXTURES / "core019_tp2_dp2", one)
+    shutil.copytree(FIXTURES / "core019_tp2_dp2", two)
+    rc, single, _ = _cli(capsys, "seal", "--format", "json", str(one))
+    run = _torchrun(2, "seal", "--format", "json", str(two))
+    assert run.returncode == rc == 0, run.stderr
+    assert (two / ITER / "integrity.json").read_bytes() == (one / ITER / "integrity.json").read_bytes()
+    assert _masked(run.stdout).replace(str(two), str(one)) == _masked(single)
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("stage", ["unit", "early"])
+def test_torchrun_failing_rank_fails_the_run_with_its_message(damaged, stage):
+    pytest.importorskip("torch")
+    run = _torchrun(
+        2, "check", "--isolated", "--deep", str(damaged), script="dist_rank.py", env={"CKD_TEST_FAIL": stage}
+    )
+    # rank 0 exits 2 first (torchrun itself exits 1 when a rank fails and names the first failure's code)
+    root = run.stderr.split("Root Cause")[-1]
+    assert run.returncode == 1 and "rank      : 0 " in root and "exitcode  : 2 " in root, run.stderr
+    assert run.stdout == ""
+    lines = _ours(run.stderr)
+    assert len(lines) == 1, run.stderr
+    if stage == "unit":
+        assert lines[0].startswith("ckptdoctor: error: ") and "(rank 1: Input/output error)" in lines[0]
+    else:
+        assert lines[0] == "ckptdoctor: error: rank 1: stale file handle while scanning"
