@@ -6,10 +6,14 @@ moved into a ``common_state/shard_0_1`` bytes item (its own small data file) add
 PyTorch's own DCP classes, and the two-key ``metadata.json``. fix-args then takes the era's write path:
 a new ``common.pt`` (0.18) or a new common-state data file plus a rewritten ``.metadata`` (0.19).
 
-Each run writes ``--output`` to a fresh dir (unchanged data files hard-linked); one untimed warm-up, then
-``--repeats`` timed runs, sizes interleaved; medians. Target (issue 4): time(4 GB) / time(0.5 GB) <= 1.3.
+The variants are made by a child process (``--prepare``): the measuring parent never imports torch, so the
+measured children (forked from it) report their own peak RSS, not the parent's torch pages. Each run writes
+``--output`` to a fresh dir (unchanged data files hard-linked); the four inputs are one alternating group
+(``harness.alternate``: one warm-up round, ``--repeats`` rounds). Target (issue 4): time(4 GB) / time(0.5 GB)
+<= 1.3 per era, as per-round ratios.
 
-    python bench/bench_fix_args.py                # 0.5G and 4G
+    python bench/bench_fix_args.py                # 0.5G and 4G -> bench/results/fix-args.json
+    python bench/bench_fix_args.py --render
 """
 
 from __future__ import annotations
@@ -19,25 +23,29 @@ import json
 import os
 import pickle
 import shutil
-import statistics
+import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_check import iteration_files, run_once  # noqa: E402
-from run import DATA, RESULTS, machine_info, synthetic  # noqa: E402
+import harness  # noqa: E402  (no torch)
+from harness import DATA, PYTHON, RESULTS, Case, alternate, ckptdoctor, fmt_spread  # noqa: E402
+
+ERAS = ("<=0.18 common.pt", ">=0.19 common_state")
 
 
 def common_state_variant(save: Path) -> Path:
-    """A core >= 0.19 layout of ``save``: data files hard-linked, common state as a DCP bytes item."""
+    """A core >= 0.19 layout of ``save``: data files hard-linked, common state as a DCP bytes item. Imports
+    torch: call it in a child (``--prepare``)."""
+    import io
+
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    source_iter, _, _ = iteration_files(save)
-    out = save.with_name(save.name + "_era019")
+    source_iter, _, _ = harness.iteration_files(save)
+    out = variant_path(save)
     out_iter = out / source_iter.name
     if (out_iter / "metadata.json").exists():
         return out
@@ -47,8 +55,6 @@ def common_state_variant(save: Path) -> Path:
         if path.suffix == ".distcp":
             os.link(path, out_iter / path.name)
     common = torch.load(source_iter / "common.pt", weights_only=False)
-    import io
-
     buf = io.BytesIO()
     torch.save([common], buf)
     (out_iter / "__0_common.distcp").write_bytes(buf.getvalue())
@@ -64,70 +70,86 @@ def common_state_variant(save: Path) -> Path:
     return out
 
 
+def variant_path(save: Path) -> Path:
+    return save.with_name(save.name + "_era019")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    harness.add_common_options(p)
     p.add_argument("--sizes", default="0.5G,4G")
     p.add_argument("--keys", type=int, default=20000)
     p.add_argument("--files", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--render", action="store_true", help="print the table of bench/results/fix-args.json")
+    p.add_argument("--prepare", type=Path, nargs="+", help=argparse.SUPPRESS)  # internal: the torch child
     args = p.parse_args(argv)
-    python = sys.executable
-    sizes = args.sizes.split(",")
-    inputs: dict[tuple[str, str], Path] = {}
-    for size in sizes:
-        save = synthetic(python, size, args.keys, args.files)
-        inputs[("<=0.18 common.pt", size)] = save
-        inputs[(">=0.19 common_state", size)] = common_state_variant(save)
+    harness.use_code(args.code)
+    if args.prepare:
+        for save in args.prepare:
+            common_state_variant(save)
+        return 0
+    if args.render:
+        print(render(json.loads((RESULTS / "fix-args.json").read_text())))
+        return 0
+    recorder = harness.Recorder("fix-args", argv)
+    sizes = [s.strip() for s in args.sizes.split(",")]
+    saves = {size: harness.synthetic(size, args.keys, args.files) for size in sizes}
+    subprocess.run([PYTHON, __file__, "--prepare", *map(str, saves.values())], check=True)
+    cases: dict[str, Case] = {}
+    outputs: dict[str, Path] = {}
+    for size, save in saves.items():
+        for era, src in zip(ERAS, (save, variant_path(save))):
+            label = f"{era} {size}"
+            out = outputs[label] = DATA / "tmp" / f"fixargs_{len(outputs)}"
 
-    scratch = DATA / "fixargs_out"
-    times: dict[tuple[str, str], list[float]] = {k: [] for k in inputs}
-    rss: dict[tuple[str, str], float] = {k: 0.0 for k in inputs}
-    for round_ in range(args.repeats + 1):
-        for key, save in inputs.items():
-            shutil.rmtree(scratch, ignore_errors=True)
-            cmd = [
-                python,
-                "-m",
-                "ckptdoctor",
-                "fix-args",
-                str(save),
-                "--set",
-                "seq_length=12345",
-                "--write",
-                "--output",
-                str(scratch),
-            ]
-            wall, _cpu, peak, rc = run_once(cmd, timeout=600)
-            if rc != 0:
-                raise SystemExit(f"{' '.join(cmd)} exited {rc}")
-            if round_:  # round 0 warms the page cache
-                times[key].append(wall)
-                rss[key] = max(rss[key], peak)
-    iteration = next(scratch.glob("iter_*"))
-    linked = sum(1 for p in iteration.iterdir() if p.suffix == ".distcp" and p.stat().st_nlink > 1)
-    shutil.rmtree(scratch, ignore_errors=True)
+            def clean(out: Path = out) -> None:
+                shutil.rmtree(out, ignore_errors=True)
 
-    rows = []
-    result = {"machine": machine_info(), "runs": {}, "ratios": {}}
-    for era in dict.fromkeys(k[0] for k in inputs):
-        small, large = (statistics.median(times[(era, s)]) for s in (sizes[0], sizes[-1]))
-        ratio = large / small
-        result["ratios"][era] = ratio
-        for size in sizes:
-            med = statistics.median(times[(era, size)])
-            result["runs"][f"{era} {size}"] = {"median_s": med, "peak_rss_mb": rss[(era, size)]}
-            rows.append(f"| {era} | {size} | {med:.3f} | {rss[(era, size)]:.0f} |")
-        rows.append(
-            f"| {era} | ratio {sizes[-1]}/{sizes[0]} | {ratio:.2f} (target <= 1.3: "
-            f"{'met' if ratio <= 1.3 else 'MISSED'}) | |"
+            cmd = ckptdoctor("fix-args", str(src), "--set", "seq_length=12345", "--write", "--output", str(out))
+            cases[label] = Case(cmd, before=clean)
+    group = alternate(cases, args.repeats, args.timeout)
+    linked = {}
+    for label, out in outputs.items():
+        iteration = next(out.glob("iter_*"), None)
+        linked[label] = iteration and sum(
+            1 for f in iteration.iterdir() if f.suffix == ".distcp" and f.stat().st_nlink > 1
         )
-    print("| era | size | fix-args --write wall (s, median) | peak RSS (MB) |")
-    print("|---|---|---|---|")
-    print("\n".join(rows))
-    print(f"\nlast output: {linked} data files hard-linked (no tensor byte copied or rewritten)")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "fix-args.json").write_text(json.dumps(result, indent=2))
-    return 0 if all(r <= 1.3 for r in result["ratios"].values()) else 1
+        shutil.rmtree(out, ignore_errors=True)
+    ratios = {era: group.ratio(f"{era} {sizes[-1]}", f"{era} {sizes[0]}") for era in ERAS}
+    doc = recorder.write(
+        {
+            "sizes": sizes,
+            "inputs": {size: harness.synthetic_info(save) for size, save in saves.items()},
+            "group": group.summary(),
+            "ratios": ratios,
+            "hard_linked_data_files": linked,
+        }
+    )
+    loaded = json.loads(doc.read_text())
+    print(harness.header(loaded) + "\n\n" + render(loaded))
+    return 0 if ratios and all(r and r["median"] <= 1.3 for r in ratios.values()) else 1
+
+
+def render(doc: dict) -> str:
+    cases = doc["group"]["cases"]
+    sizes = doc["sizes"]
+    lines = [
+        "| era | size | fix-args --write wall s, median [min–max] | peak RSS MB | data files hard-linked |",
+        "|---|---|---|---|---|",
+    ]
+    for era in ERAS:
+        for size in sizes:
+            c = cases[f"{era} {size}"]
+            linked = doc["hard_linked_data_files"].get(f"{era} {size}")
+            lines.append(f"| {era} | {size} | {fmt_spread(c['seconds'])} | {c['peak_rss_mb']:.0f} | {linked} |")
+        r = doc["ratios"][era]
+        verdict = "met" if r and r["median"] <= 1.3 else "MISSED"
+        lines.append(
+            f"| {era} | ratio {sizes[-1]}/{sizes[0]} per round | {fmt_spread(r, '.2f')} (<= 1.3: {verdict}) | | |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ Each case is a copy of the ``core016_tp1`` fixture whose ``common.pt`` (or ``.me
 input of the corpus in ``tests/hostile_corpus.py``; the benign twin replaces it with a legitimate common
 state padded to the same file size (a list of small ints: as many objects per byte as a real pickle). Every
 command runs in its own child process; wall time and that child's peak RSS come from ``os.wait4``
-(``bench/run.py``'s ``run_once``). Runs alternate hostile / benign, ``--repeats`` times; the table reports
-medians. Written to ``bench/results/hostile.json`` and printed as Markdown.
+(``bench/harness.py``). Each hostile / benign pair is one alternating group (``--repeats`` rounds, no warm-up
+round: the inputs were just written); the table reports medians. Written to ``bench/results/hostile.json`` and
+printed as Markdown.
 
     python bench/bench_hostile.py [--repeats 3] [--timeout 120]
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,8 +25,9 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path[:0] = [str(BENCH), str(REPO / "tests"), str(REPO)]
 
+import harness  # noqa: E402
+from harness import Case, alternate  # noqa: E402
 from hostile_corpus import DEEP_LISTS, RESOURCE_CASES, billion_laughs, deflate_bomb, torch_zip  # noqa: E402
-from run import machine_info, run_once  # noqa: E402
 
 from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip  # noqa: E402  (small: no torch)
 
@@ -83,25 +84,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120)
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "hostile.json")
     parser.add_argument("--prepare", type=Path, help=argparse.SUPPRESS)
+    harness.add_common_options(parser)
     opts = parser.parse_args(argv)
+    harness.use_code(opts.code)
     if opts.prepare:
         prepare(opts.prepare)
         return 0
+    recorder = harness.Recorder("hostile", argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         subprocess.run([sys.executable, __file__, "--prepare", str(work)], check=True)
         for item in json.loads((work / "manifest.json").read_text()):
             case, name, size = item["case"], item["file"], item["bytes"]
-            hostile, twin = Path(item["hostile"]), Path(item["benign"])
             for command in COMMANDS:
-                runs: dict[str, list] = {"hostile": [], "benign": []}
-                for _ in range(opts.repeats):  # alternate, so machine load hits both alike
-                    for side, path in (("hostile", hostile), ("benign", twin)):
-                        runs[side].append(
-                            run_once([sys.executable, "-m", "ckptdoctor", *command, str(path)], opts.timeout)
-                        )
-                h, b = runs["hostile"], runs["benign"]
+                group = alternate(
+                    {
+                        side: Case(harness.ckptdoctor(*command, item[side]), ok_rcs=(0, 1, 2))
+                        for side in ("hostile", "benign")
+                    },
+                    opts.repeats,
+                    opts.timeout,
+                    warm_up=False,
+                    verbose=False,
+                )
+                h = group.runs["hostile"]
+                timed_out = "timed out" in group.failures.get("hostile", "")
                 rows.append(
                     {
                         "case": case,
@@ -109,40 +117,41 @@ def main(argv: list[str] | None = None) -> int:
                         "input_bytes": size,
                         "command": " ".join(command),
                         "hostile_rc": sorted({r.rc for r in h}, key=str),
-                        "hostile_timed_out": any(r.timed_out for r in h),
-                        "hostile_wall_s": statistics.median(r.wall_s for r in h),
-                        "hostile_peak_rss_mb": max(r.peak_rss_mb for r in h),
-                        "benign_wall_s": statistics.median(r.wall_s for r in b),
-                        "benign_peak_rss_mb": max(r.peak_rss_mb for r in b),
+                        "hostile_timed_out": timed_out,
+                        "hostile_wall_s": group.seconds("hostile"),
+                        "hostile_peak_rss_mb": group.peak_rss_mb("hostile"),
+                        "benign_wall_s": group.seconds("benign"),
+                        "benign_peak_rss_mb": group.peak_rss_mb("benign"),
+                        "runs": group.summary(),
                     }
                 )
+                r = rows[-1]
                 print(
-                    f"{case:48s} {' '.join(command):14s} hostile {rows[-1]['hostile_wall_s']:.2f}s "
-                    f"{rows[-1]['hostile_peak_rss_mb']:.0f}MB rc={rows[-1]['hostile_rc']}  benign "
-                    f"{rows[-1]['benign_wall_s']:.2f}s {rows[-1]['benign_peak_rss_mb']:.0f}MB",
+                    f"{case:48s} {' '.join(command):14s} hostile {_s(r['hostile_wall_s'])} "
+                    f"{r['hostile_peak_rss_mb'] or 0:.0f}MB rc={r['hostile_rc']}  benign "
+                    f"{_s(r['benign_wall_s'])} {r['benign_peak_rss_mb'] or 0:.0f}MB",
                     flush=True,
                 )
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    result = {
-        "benchmark": "hostile",
-        "commit": commit.stdout.strip(),
-        "machine": machine_info(),
-        "repeats": opts.repeats,
-        "rows": rows,
-    }
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    opts.out.write_text(json.dumps(result, indent=2) + "\n")
+    recorder.write({"repeats": opts.repeats, "rows": rows}, name=opts.out.stem)
     print("\n| case | command | input | hostile: exit, time, peak RSS | benign twin: time, peak RSS |")
     print("|---|---|---:|---|---|")
     for r in rows:
         rc = ",".join(map(str, r["hostile_rc"])) + (" (TIMEOUT)" if r["hostile_timed_out"] else "")
         print(
             f"| {r['case']} | `{r['command']}` | {r['input_bytes'] / 1024:.0f} KiB | {rc}, "
-            f"{r['hostile_wall_s']:.2f} s, {r['hostile_peak_rss_mb']:.0f} MB | "
-            f"{r['benign_wall_s']:.2f} s, {r['benign_peak_rss_mb']:.0f} MB |"
+            f"{_s(r['hostile_wall_s'])}, {r['hostile_peak_rss_mb'] or 0:.0f} MB | "
+            f"{_s(r['benign_wall_s'])}, {r['benign_peak_rss_mb'] or 0:.0f} MB |"
         )
-    bad = [r for r in rows if r["hostile_timed_out"] or r["hostile_peak_rss_mb"] > r["benign_peak_rss_mb"] + 300]
+    bad = [
+        r
+        for r in rows
+        if r["hostile_timed_out"] or (r["hostile_peak_rss_mb"] or 0) > (r["benign_peak_rss_mb"] or 0) + 300
+    ]
     return 1 if bad else 0
+
+
+def _s(seconds: dict | None) -> str:
+    return "-" if not seconds else f"{seconds['median']:.2f} s"
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
     .venv/bin/python bench/bench_seal.py [--files 4] [--mib 256] [--jobs N]
 
 Builds a checkpoint from fixtures/core019_tp1 plus FILES extra data files of MIB MiB each (random bytes; they are
-unreferenced, a warning, so seal accepts them), then times, best of 3 with a warm page cache:
-`ckptdoctor seal --force --jobs 1`, `--jobs N`, `sha256sum FILES...` and `xargs -P N sha256sum`.
+unreferenced, a warning, so seal accepts them), then measures, as one alternating group of `harness.py` (one
+warm-up round, --repeats rounds, median [min-max], page cache warm): `ckptdoctor seal --force --jobs 1`,
+`--jobs N`, `sha256sum FILES...` and `xargs -P N sha256sum`. Writes bench/results/seal.json.
 """
 
 from __future__ import annotations
@@ -12,22 +13,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def timed(cmd: list[str], repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        best = min(best, time.perf_counter() - start)
-    return best
+import harness  # noqa: E402
+from harness import REPO, Case, alternate, ckptdoctor, fmt_spread  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=4)
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--repeats", type=int, default=3)
+    harness.add_common_options(parser)
     opts = parser.parse_args(argv)
+    harness.use_code(opts.code)
+    recorder = harness.Recorder("seal", argv)
     with tempfile.TemporaryDirectory() as tmp:
         save = Path(tmp) / "save"
         shutil.copytree(REPO / "fixtures" / "core019_tp1", save)
@@ -46,18 +43,21 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(os.urandom(1 << 20))
         files = sorted(str(p) for p in iteration_dir.iterdir() if p.is_file())
         total = sum(os.path.getsize(p) for p in files)
-        seal = [sys.executable, "-m", "ckptdoctor", "seal", str(save), "--force"]
-        rows = {
-            "ckptdoctor seal --jobs 1": timed(seal + ["--jobs", "1"]),
-            f"ckptdoctor seal --jobs {opts.jobs}": timed(seal + ["--jobs", str(opts.jobs)]),
-            "sha256sum (one process)": timed(["sha256sum", *files]),
-            f"xargs -P {opts.jobs} sha256sum": timed(
-                ["sh", "-c", f"printf '%s\\n' \"$@\" | xargs -P {opts.jobs} -n 1 sha256sum", "sh", *files]
-            ),
+        seal = ckptdoctor("seal", str(save), "--force")
+        xargs = f"printf '%s\\n' \"$@\" | xargs -P {opts.jobs} -n 1 sha256sum"
+        cases = {
+            "ckptdoctor seal --jobs 1": Case(seal + ["--jobs", "1"]),
+            f"ckptdoctor seal --jobs {opts.jobs}": Case(seal + ["--jobs", str(opts.jobs)]),
+            "sha256sum (one process)": Case(["sha256sum", *files]),
+            f"xargs -P {opts.jobs} sha256sum": Case(["sh", "-c", xargs, "sh", *files]),
         }
-    print(f"{len(files)} files, {total / (1 << 20):.0f} MiB, {opts.jobs} jobs, warm page cache, best of 3")
-    for name, seconds in rows.items():
-        print(f"{name:32s} {seconds:7.2f} s  {total / seconds / (1 << 20):7.0f} MiB/s")
+        group = alternate(cases, opts.repeats)
+    print(f"{len(files)} files, {total / (1 << 20):.0f} MiB, {opts.jobs} jobs, warm page cache")
+    for name in cases:
+        s = group.seconds(name)
+        rate = total / s["median"] / (1 << 20) if s else float("nan")
+        print(f"{name:32s} {fmt_spread(s, '.2f', 's')}  {rate:7.0f} MiB/s")
+    recorder.write({"files": len(files), "bytes": total, "jobs": opts.jobs, "group": group.summary()})
     return 0
 
 

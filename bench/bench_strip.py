@@ -6,17 +6,23 @@ Inputs: synthetic torch_dist checkpoints written by real PyTorch DCP through ``m
 trainable) and optimizer state (fp32 ``exp_avg``/``exp_avg_sq``) for the adapters only, as a PEFT run saves it.
 Cached in ``bench/data/peft_<size>_<layout>``.
 
-Measured per size, each command in its own child process (wall time spawn -> exit, peak RSS of that child via
-``wait4``, one warm-up run first; see ``run.py``):
+Measured per size through ``harness.py`` (each command its own child process: wall spawn -> exit, the child's
+own peak RSS via ``wait4``):
 
-- ``ckptdoctor strip-frozen SRC -o OUT`` (trainable inferred from the optimizer);
-- ``cp`` of one file as large as the kept data (what copying the kept bytes costs at least);
-- the naive path: ``dcp_to_torch_save`` -> ``torch.load`` -> filter -> ``torch.save`` -> ``torch_save_to_dcp``.
+- ``ckptdoctor strip-frozen SRC -o OUT`` (trainable inferred from the optimizer) and ``cp`` of one file as
+  large as the kept data (what copying the kept bytes costs at least), as one alternating group: one warm-up
+  round, ``--repeats`` rounds, ratios per round;
+- the naive path: ``dcp_to_torch_save`` -> ``torch.load`` -> filter -> ``torch.save`` -> ``torch_save_to_dcp``
+  (``--naive-repeats`` runs, no warm-up: it reads every byte anyway).
+
+The generator swaps ``make_synthetic.build_specs`` for the PEFT variant inside its own child process
+(``--generate``): ``make_synthetic.write_checkpoint`` takes no spec builder yet, so this is the one remaining
+patch of the generator.
 
     python bench/bench_strip.py                      # 1G and 4G, stacked layout (Megatron's dense GPT keys)
     python bench/bench_strip.py --sizes 1G --layout per-layer --keys 20000 --files 2000
 
-Prints a Markdown table and writes ``bench/results/strip-frozen.json``.
+Prints a Markdown table and writes ``bench/results/strip-frozen.json`` (``--render``: the table of that file).
 """
 
 from __future__ import annotations
@@ -32,10 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import DATA, REPO, RESULTS, machine_info, parse_size, run_once  # noqa: E402  (run.py: no torch)
+import harness  # noqa: E402  (no torch)
+from harness import DATA, PYTHON, REPO, RESULTS, Case, alternate, ckptdoctor, fmt_spread, parse_size  # noqa: E402
 
 TRAINABLE_FRACTION = 0.01
 WRAPPED = ("linear_qkv.weight", "linear_fc1.weight")
@@ -134,7 +140,7 @@ def make_peft_checkpoint(size: str, layout: str, keys: int, files: int, layers: 
     if marker.exists() and json.loads(marker.read_text()).get("requested") == want:
         return out
     cmd = [
-        sys.executable,
+        PYTHON,
         __file__,
         "--generate",
         size,
@@ -181,26 +187,6 @@ def _dir_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
-def _timed(cmd: list[str], repeats: int, timeout: float, before=None, warm_up: bool = True) -> dict:
-    """One warm-up (unless told not to), then ``repeats`` runs; ``before`` (cleanup) runs before every run."""
-    runs = []
-    for i in range(repeats + 1) if warm_up else range(1, repeats + 1):
-        if before:
-            before()
-        r = run_once(cmd, timeout)
-        if r.rc != 0:
-            raise SystemExit(f"failed (rc {r.rc}): {' '.join(cmd)}")
-        if i:
-            runs.append(r)
-    walls = sorted(r.wall_s for r in runs)
-    return {
-        "wall_best_s": walls[0],
-        "wall_median_s": walls[len(walls) // 2],
-        "peak_rss_mb": max(r.peak_rss_mb for r in runs),
-        "runs": [dataclasses.asdict(r) for r in runs],
-    }
-
-
 def bench_size(size: str, opts: argparse.Namespace) -> dict:
     src = make_peft_checkpoint(size, opts.layout, opts.keys, opts.files, opts.layers)
     peft = json.loads((src / "peft.json").read_text())
@@ -208,27 +194,37 @@ def bench_size(size: str, opts: argparse.Namespace) -> dict:
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     out = scratch / "out"
-    strip_cmd = [sys.executable, "-m", "ckptdoctor", "strip-frozen", str(src), "-o", str(out)]
-    strip = _timed(strip_cmd, opts.repeats, opts.timeout, lambda: shutil.rmtree(out, ignore_errors=True))
-    out_iter = next(out.glob("iter_*"))
-    kept_data = sum(p.stat().st_size for p in out_iter.glob("*.distcp"))
     src_iter = next(src.glob("iter_*"))
+    # the kept data size, from one untimed strip run: cp copies a file that large
+    harness.run_once(ckptdoctor("strip-frozen", str(src), "-o", str(out)), opts.timeout)
+    kept_data = sum(p.stat().st_size for p in next(out.glob("iter_*")).glob("*.distcp"))
+    blob, copy = scratch / "kept.bin", scratch / "kept.copy"
+    with open(blob, "wb") as f:
+        for left in range(kept_data, 0, -(8 << 20)):
+            f.write(os.urandom(min(8 << 20, left)))
+    group = alternate(
+        {
+            "strip": Case(
+                ckptdoctor("strip-frozen", str(src), "-o", str(out)),
+                before=lambda: shutil.rmtree(out, ignore_errors=True),
+            ),
+            "cp": Case(["cp", str(blob), str(copy)], before=lambda: copy.unlink(missing_ok=True)),
+        },
+        opts.repeats,
+        opts.timeout,
+    )
+    if group.failures:
+        raise SystemExit(f"failed: {group.failures}")
+    out_iter = next(out.glob("iter_*"))
     result = {
         "size": size,
         "source_bytes": _dir_bytes(src_iter),
         "output_bytes": _dir_bytes(out_iter),
         "kept_data_bytes": kept_data,
         "source": peft,
-        "strip": strip,
+        "group": group.summary(),
+        "strip_over_cp": group.ratio("strip", "cp"),
     }
-
-    blob, copy = scratch / "kept.bin", scratch / "kept.copy"
-    with open(blob, "wb") as f:
-        for left in range(kept_data, 0, -(8 << 20)):
-            f.write(os.urandom(min(8 << 20, left)))
-    result["cp"] = _timed(
-        ["cp", str(blob), str(copy)], opts.repeats, opts.timeout, lambda: copy.unlink(missing_ok=True)
-    )
     blob.unlink()
     copy.unlink(missing_ok=True)
 
@@ -240,77 +236,93 @@ def bench_size(size: str, opts: argparse.Namespace) -> dict:
             for name in ("full.pt", "kept.pt"):
                 (scratch / name).unlink(missing_ok=True)
 
-        result["naive"] = _timed(
-            [sys.executable, "-c", NAIVE, str(src_iter), str(scratch), str(naive_out)],
+        naive = alternate(
+            {"naive": Case([PYTHON, "-c", NAIVE, str(src_iter), str(scratch), str(naive_out)], before=clean)},
             opts.naive_repeats,
             3600,
-            clean,
             warm_up=False,
         )
         clean()
+        if naive.failures:
+            raise SystemExit(f"naive path failed: {naive.failures}")
+        result["naive"] = naive.summary()["cases"]["naive"]
     shutil.rmtree(scratch, ignore_errors=True)
     return result
+
+
+def _case(r: dict, name: str) -> dict:
+    return r["naive"] if name == "naive" else r["group"]["cases"][name]
 
 
 def targets(results: list[dict]) -> list[dict]:
     rows = []
     for r in results:
-        s, c = r["strip"]["wall_median_s"], r["cp"]["wall_median_s"]
+        s, c = _case(r, "strip")["seconds"]["median"], _case(r, "cp")["seconds"]["median"]
         rows.append(
             {
-                "target": f"strip wall <= 2 x cp(kept bytes) + 1 s, {r['size']}",
+                "target": f"strip wall <= 2 x cp(kept bytes) + 1 s, {r['size']} (medians)",
                 "value": round(s, 3),
                 "limit": round(2 * c + 1, 3),
                 "met": s <= 2 * c + 1,
             }
         )
         if "naive" in r:
-            ratio = r["naive"]["wall_median_s"] / s
+            ratio = _case(r, "naive")["seconds"]["median"] / s
             rows.append(
                 {
-                    "target": f"naive / strip wall >= 20, {r['size']}",
+                    "target": f"naive / strip wall >= 20, {r['size']} (medians)",
                     "value": round(ratio, 1),
                     "limit": 20,
                     "met": ratio >= 20,
                 }
             )
+        peak = _case(r, "strip")["peak_rss_mb"]
         rows.append(
-            {
-                "target": f"strip peak RSS <= 300 MB, {r['size']}",
-                "value": round(r["strip"]["peak_rss_mb"], 1),
-                "limit": 300,
-                "met": r["strip"]["peak_rss_mb"] <= 300,
-            }
+            {"target": f"strip peak RSS <= 300 MB, {r['size']}", "value": round(peak), "limit": 300, "met": peak <= 300}
         )
     return rows
 
 
-def markdown(results: list[dict], rows: list[dict], opts: argparse.Namespace) -> str:
+def render(doc: dict) -> str:
+    o, results = doc["options"], doc["results"]
     gib = 2**30
     lines = [
-        f"layout {opts.layout}, keys {opts.keys}, files {opts.files}; medians of {opts.repeats} runs after a "
-        "warm-up (naive: one run)",
+        f"layout {o['layout']}, keys {o['keys']}, files {o['files']}; strip and cp alternating, {o['repeats']} rounds "
+        f"after a warm-up round; naive: {o['naive_repeats']} run(s)",
         "",
-        "| size | source | kept data | output | LoRA rank | strip s | strip RSS MB | cp kept s | naive s | "
-        "naive RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| size | source | kept data | output | LoRA rank | strip s | strip RSS MB | cp kept s | strip / cp "
+        "| naive s | naive RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        naive = r.get("naive", {})
-        lines.append(
-            f"| {r['size']} | {r['source_bytes'] / gib:.2f} GiB, {r['source']['synthetic']['keys']} keys, "
-            f"{r['source']['synthetic']['files']} files | {r['kept_data_bytes'] / 2**20:.1f} MiB | "
-            f"{r['output_bytes'] / 2**20:.1f} MiB | {r['source']['lora_rank']} | {r['strip']['wall_median_s']:.2f} | "
-            f"{r['strip']['peak_rss_mb']:.0f} | {r['cp']['wall_median_s']:.2f} | "
-            f"{naive.get('wall_median_s', float('nan')):.1f} | {naive.get('peak_rss_mb', float('nan')):.0f} |"
-        )
+        strip, cp = _case(r, "strip"), _case(r, "cp")
+        naive = r.get("naive")
+        source = f"{r['source_bytes'] / gib:.2f} GiB, {r['source']['synthetic']['keys']} keys, "
+        source += f"{r['source']['synthetic']['files']} files"
+        cells = [
+            r["size"],
+            source,
+            f"{r['kept_data_bytes'] / 2**20:.1f} MiB",
+            f"{r['output_bytes'] / 2**20:.1f} MiB",
+            str(r["source"]["lora_rank"]),
+            fmt_spread(strip["seconds"], ".2f"),
+            f"{strip['peak_rss_mb']:.0f}",
+            fmt_spread(cp["seconds"], ".2f"),
+            fmt_spread(r["strip_over_cp"], ".1f"),
+            fmt_spread(naive and naive["seconds"], ".1f"),
+            f"{naive['peak_rss_mb']:.0f}" if naive else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| target | value | limit | met |", "|---|---|---|---|"]
-    lines += [f"| {t['target']} | {t['value']} | {t['limit']} | {'yes' if t['met'] else 'NO'} |" for t in rows]
+    lines += [
+        f"| {t['target']} | {t['value']} | {t['limit']} | {'yes' if t['met'] else 'NO'} |" for t in doc["targets"]
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    harness.add_common_options(p)
     p.add_argument("--sizes", default="1G,4G", help="comma-separated base sizes (default 1G,4G)")
     p.add_argument("--layout", choices=["stacked", "per-layer"], default="stacked")
     p.add_argument("--keys", type=int, default=200, help="make_synthetic --keys (per-layer: sets the key count)")
@@ -321,26 +333,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-naive", action="store_true")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--tag", default="", help="suffix of the results file name")
+    p.add_argument("--render", action="store_true", help="print the table of the results file")
     p.add_argument("--generate", metavar="SIZE", help=argparse.SUPPRESS)  # internal: the generator child
     opts = p.parse_args(argv)
+    harness.use_code(opts.code)
     if opts.layout == "per-layer":
         opts.layers = None
     if opts.generate:
         generate(opts.generate, opts.layout, opts.keys, opts.files, opts.layers)
         return 0
+    name = "strip-frozen" + (f"-{opts.tag}" if opts.tag else "")
+    if opts.render:
+        print(render(json.loads((RESULTS / f"{name}.json").read_text())))
+        return 0
+    recorder = harness.Recorder(name, argv)
     results = [bench_size(size.strip(), opts) for size in opts.sizes.split(",")]
     rows = targets(results)
-    text = markdown(results, rows, opts)
-    print(text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "strip-frozen" + (f"-{opts.tag}" if opts.tag else "")
-    (RESULTS / f"{name}.json").write_text(
-        json.dumps(
-            {"options": vars(opts), "machine": machine_info(), "results": results, "targets": rows, "markdown": text},
-            indent=1,
-            default=str,
-        )
-    )
+    doc = json.loads(recorder.write({"options": vars(opts), "results": results, "targets": rows}).read_text())
+    print(harness.header(doc) + "\n\n" + render(doc))
     return 0 if all(t["met"] for t in rows) else 1
 
 

@@ -1,639 +1,389 @@
-"""Time ckptdoctor commands and their usual workarounds side by side, in one run; write Markdown + JSON.
+"""Inspect against PyTorch's own metadata read, and the scale table; every figure from alternating runs.
 
-Every measured command runs in its own child process.  Its wall time is taken around spawn -> exit (the
-whole process: interpreter start, imports, work, exit) and its peak RSS is the child's own ``ru_maxrss`` as
-returned by ``os.wait4`` for that pid (so one figure per child, never an aggregate of several).  Each command
-gets one untimed warm-up run first (page cache warm: the synthetic checkpoints are written just before and fit
-in RAM), then ``--repeats`` timed runs; best and median wall and the largest peak RSS are reported.
-
-Benchmarks are named functions in a small registry (``@benchmark("name")``); add ``diff``, ``check``,
-``fix-args``, ``strip-frozen``, ... the same way.  Synthetic checkpoints are made by ``make_synthetic.py`` on
-first use and cached in ``bench/data/``.
-
-    python bench/run.py                                   # every registered benchmark
-    python bench/run.py --only inspect --sizes 0.5G,4G    # one benchmark, chosen sizes
+    python bench/run.py --only inspect --sizes 0.5G,4G      # -> bench/results/inspect.json
+    python bench/run.py --only scale                        # -> bench/results/scale.json
+    python bench/run.py --render inspect                    # print the README table of a results file
     python bench/run.py --list
+
+**inspect** (per ``--sizes``, 20,000 keys / 2,000 files): ``ckptdoctor inspect --format json`` as a whole
+process and in-process (the call alone, after its imports), next to the fair baseline, PyTorch's own
+``FileSystemReader(path).read_metadata()``, also as a whole process (``import torch.distributed.checkpoint``
+included) and in-process, ``cat`` of ``.metadata`` and the ``python -c "import click, tabulate"`` floor; all in
+one alternating group (``harness.alternate``), ratios per round. Separately, at the largest size, the old
+anchor under its real name: converting and loading all the data (``dcp_to_torch_save`` + ``torch.load``).
+
+**scale** (small tensors, ``--scale-bytes``): ``inspect``, ``check``, ``diff A A`` and ``fix-args --write``
+whole-process wall and peak RSS at 2k/20k/100k/200k keys (200 files) and 200/2,000/20,000 files (20k keys),
+each command one alternating group with the floor; growth exponents per round with the floor subtracted; RSS
+per key.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import importlib.metadata
 import json
-import os
-import platform
-import shlex
+import math
 import shutil
-import statistics
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-DATA = BENCH / "data"
-RESULTS = BENCH / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import harness  # noqa: E402  (no torch: the measured children start small)
+from harness import DATA, FLOOR, PYTHON, RESULTS, Case, alternate, ckptdoctor, fmt_spread  # noqa: E402
 
-def parse_size(text: str) -> int:
-    """'0.5G' -> bytes (K/M/G/T are powers of 1024, as in make_synthetic.py)."""
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(text[-1:], 1)
-    return int(float(text[:-1] if text[-1:] in "KMGT" else text) * scale)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Measuring one command
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Run:
-    wall_s: float
-    cpu_s: float  # user + system CPU of that child: less sensitive than wall to other load on the machine
-    peak_rss_mb: float
-    rc: int | None  # None when killed on timeout
-    timed_out: bool
-
-
-def run_once(cmd: list[str], timeout: float, stdout_path: Path | None = None, env: dict | None = None) -> Run:
-    """Spawn ``cmd``, wait for exactly that pid with wait4: wall time and that child's peak RSS."""
-    out = open(stdout_path, "wb") if stdout_path else subprocess.DEVNULL  # noqa: SIM115 (closed below)
-    try:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.PIPE if stdout_path else subprocess.DEVNULL, env=env, cwd=REPO
-        )
-        killed = threading.Event()
-
-        def kill() -> None:
-            killed.set()
-            proc.kill()
-
-        timer = threading.Timer(timeout, kill)
-        timer.start()
-        if stdout_path:  # keep stderr for the checks; a small pipe read does not change the figures
-            stderr = proc.stderr.read()
-            stdout_path.with_suffix(".stderr").write_bytes(stderr)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - t0
-        timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    finally:
-        if stdout_path:
-            out.close()
-    timed_out = killed.is_set()
-    return Run(
-        wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, None if timed_out else proc.returncode, timed_out
-    )
-
-
-@dataclass
-class Measurement:
-    benchmark: str
-    label: str
-    size: str | None
-    command: str
-    repeats: int
-    wall_best_s: float | None = None
-    wall_median_s: float | None = None
-    peak_rss_mb: float | None = None  # largest over the timed runs
-    cpu_median_s: float | None = None
-    runs: list[dict] = field(default_factory=list)
-    timed_out: bool = False
-    timeout_s: float | None = None
-    rc: int | None = None
-    note: str = ""
-    loadavg_1m: float | None = None  # system load when the timed runs began (other work skews the figures)
-    ok_rcs: tuple[int, ...] = (0,)  # ckptdoctor: 0 clean, 1 findings; 2 is an error
-
-    @property
-    def ok(self) -> bool:
-        return not self.timed_out and self.rc in self.ok_rcs
-
-
-def measure(
-    benchmark: str,
-    label: str,
-    cmd: list[str],
-    repeats: int,
-    timeout: float,
-    size: str | None = None,
-    check: Callable[[Path], str] | None = None,
-    cleanup: Callable[[], None] | None = None,
-    note: str = "",
-    ok_rcs: tuple[int, ...] = (0,),
-) -> Measurement:
-    """One untimed warm-up run (its stdout goes to ``check``), then ``repeats`` timed runs."""
-    m = Measurement(
-        benchmark, label, size, shlex.join(str(c) for c in cmd), repeats, timeout_s=timeout, note=note, ok_rcs=ok_rcs
-    )
-    scratch = RESULTS / "stdout"
-    scratch.mkdir(parents=True, exist_ok=True)
-    stdout_path = scratch / f"{benchmark}-{label}-{size or 'x'}.out".replace("/", "_").replace(" ", "_")
-    print(f"  [{benchmark}] {label} {size or ''}: warm-up ...", end="", flush=True)
-    warm = run_once(cmd, timeout, stdout_path)
-    if cleanup:
-        cleanup()
-    m.rc = warm.rc
-    if warm.timed_out or warm.rc not in ok_rcs:
-        m.timed_out = warm.timed_out
-        m.runs.append(asdict(warm) | {"warm_up": True})
-        m.wall_best_s = m.wall_median_s = warm.wall_s
-        m.peak_rss_mb, m.cpu_median_s = warm.peak_rss_mb, warm.cpu_s
-        why = f"timed out after {timeout:.0f} s" if warm.timed_out else f"exit {warm.rc}"
-        err = stdout_path.with_suffix(".stderr")
-        tail = err.read_text(errors="replace").strip().splitlines()[-1:] if err.exists() else []
-        m.note = "; ".join(x for x in [m.note, why, *tail] if x)
-        print(f" {why}; no timed runs")
-        return m
-    if check:
-        problem = check(stdout_path)
-        if problem:
-            m.note = "; ".join(x for x in [m.note, f"output check failed: {problem}"] if x)
-    m.loadavg_1m = os.getloadavg()[0]
-    runs = []
-    for _ in range(repeats):
-        r = run_once(cmd, timeout)
-        if cleanup:
-            cleanup()
-        runs.append(r)
-        print(f" {r.wall_s:.3f}s", end="", flush=True)
-        if r.timed_out or r.rc not in ok_rcs:
-            m.timed_out, m.rc = r.timed_out, r.rc
-            break
-    print()
-    m.runs = [asdict(r) for r in runs]
-    walls = [r.wall_s for r in runs]
-    m.wall_best_s, m.wall_median_s = min(walls), statistics.median(walls)
-    m.peak_rss_mb = max(r.peak_rss_mb for r in runs)
-    m.cpu_median_s = statistics.median(r.cpu_s for r in runs)
-    return m
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Registry, context, targets
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Target:
-    name: str
-    value: float | None
-    op: str  # "<=", ">=", "<", ">", "=="
-    limit: float
-    unit: str = ""
-    detail: str = ""
-
-    @property
-    def met(self) -> bool:
-        if self.value is None:
-            return False
-        return {
-            "<=": self.value <= self.limit,
-            ">=": self.value >= self.limit,
-            "<": self.value < self.limit,
-            ">": self.value > self.limit,
-            "==": self.value == self.limit,
-        }[self.op]
-
-
-@dataclass
-class BenchResult:
-    measurements: list[Measurement] = field(default_factory=list)
-    targets: list[Target] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-
-def synthetic(python: str, size: str, keys: int, files: int, **extra: str) -> Path:
-    """A cached synthetic checkpoint in bench/data (made by make_synthetic.py when missing or made with other
-    options); every benchmark script shares this cache."""
-    name = f"synth_{size}_{keys}k_{files}f".replace(".", "p")
-    for k, v in sorted(extra.items()):
-        name += f"_{k}-{v}"
-    out = DATA / name
-    want = {"total_bytes": parse_size(size), "keys": keys, "files": files}
-    info_path = out / "synthetic.json"
-    if info_path.exists():
-        info = json.loads(info_path.read_text())
-        if info.get("requested") == want and all(str(info.get(k)) == str(v) for k, v in extra.items()):
-            return out
-    cmd = [
-        python,
-        str(BENCH / "make_synthetic.py"),
-        "--out",
-        str(out),
-        "--total-bytes",
-        size,
-        "--keys",
-        str(keys),
-        "--files",
-        str(files),
-    ]
-    for k, v in extra.items():
-        cmd += [f"--{k}", str(v)]
-    print(f"  generating {out.name}: {shlex.join(cmd)}", flush=True)
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO)
-    print(f"  generated in {time.perf_counter() - t0:.1f} s", flush=True)
-    return out
-
-
-class Context:
-    def __init__(self, opts: argparse.Namespace) -> None:
-        self.opts = opts
-        self.python = opts.python
-        self.ckptdoctor = opts.ckptdoctor
-
-    def synthetic(self, size: str, keys: int, files: int, **extra: str) -> Path:
-        return synthetic(self.python, size, keys, files, **extra)
-
-    def measure(
-        self,
-        benchmark: str,
-        label: str,
-        cmd: list[str],
-        size: str | None = None,
-        repeats: int | None = None,
-        timeout: float | None = None,
-        **kw,
-    ) -> Measurement:
-        if cmd and cmd[0] == self.ckptdoctor:
-            kw.setdefault("ok_rcs", (0, 1))  # exit 1 = the command reported findings, still a full run
-        return measure(
-            benchmark,
-            label,
-            cmd,
-            self.opts.repeats if repeats is None else repeats,
-            self.opts.timeout if timeout is None else timeout,
-            size=size,
-            **kw,
-        )
-
-
-BENCHMARKS: dict[str, tuple[Callable[[Context], BenchResult], str]] = {}
-
-
-def benchmark(name: str, help: str = "") -> Callable:
-    def register(fn: Callable[[Context], BenchResult]) -> Callable[[Context], BenchResult]:
-        BENCHMARKS[name] = (fn, help or (fn.__doc__ or "").strip().splitlines()[0])
-        return fn
-
-    return register
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Benchmarks
-# ----------------------------------------------------------------------------------------------------------------
-
-# The usual workaround without ckptdoctor: convert the DCP checkpoint to one torch.save file, then load it.
-WORKAROUND = (
+# The fair baseline: PyTorch's own metadata read (whole process: its imports are part of what it costs).
+READ_METADATA = (
+    "import sys\n"
+    "from torch.distributed.checkpoint import FileSystemReader\n"
+    "md = FileSystemReader(sys.argv[1]).read_metadata()\n"
+    "print(len(md.state_dict_metadata), 'keys')\n"
+)
+# The same call in-process: imports first, then the call alone is timed.
+READ_METADATA_CALL = (
+    "import sys, time\n"
+    "from torch.distributed.checkpoint import FileSystemReader\n"
+    "t0 = time.perf_counter()\n"
+    "md = FileSystemReader(sys.argv[1]).read_metadata()\n"
+    "print('BENCH_SECONDS=%r' % (time.perf_counter() - t0))\n"
+)
+# ckptdoctor inspect in-process: the CLI's imports first, then main() alone is timed (output to /dev/null).
+INSPECT_CALL = (
+    "import contextlib, os, sys, time\n"
+    "from ckptdoctor.cli import main\n"
+    "import ckptdoctor.commands.inspect\n"
+    "with open(os.devnull, 'w') as null, contextlib.redirect_stdout(null):\n"
+    "    t0 = time.perf_counter()\n"
+    "    rc = main(['inspect', sys.argv[1], '--format', 'json'])\n"
+    "    seconds = time.perf_counter() - t0\n"
+    "print('BENCH_SECONDS=%r' % seconds)\n"
+    "sys.exit(rc)\n"
+)
+# Not a metadata read: converts every tensor to one torch.save file, then loads it all.
+CONVERT_AND_LOAD = (
     "import sys, torch\n"
     "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
     "dcp_to_torch_save(sys.argv[1], sys.argv[2])\n"
     "sd = torch.load(sys.argv[2], weights_only=False)\n"
     "print(len(sd), 'items')\n"
 )
-
-# Runs the ckptdoctor CLI in-process, then reports whether torch (or numpy) got imported.
+# Runs the CLI in-process, then lists the torch / numpy modules it imported.
 IMPORT_PROBE = (
     "import sys\n"
-    "try:\n"
-    "    from ckptdoctor.cli import main\n"
-    "    rc = main(sys.argv[1:])\n"
-    "finally:\n"
-    "    heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy'))\n"
-    "    print('HEAVY_MODULES=' + ','.join(heavy), file=sys.stderr)\n"
-    "sys.exit(rc)\n"
+    "from ckptdoctor.cli import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'megatron'))\n"
+    "print('HEAVY_MODULES=' + ','.join(heavy), file=sys.stderr)\n"
 )
 
 
-def inspect_json_check(expect_keys: int, expect_files: int) -> Callable[[Path], str]:
-    def check(stdout: Path) -> str:
-        try:
-            report = json.loads(stdout.read_text())
-        except ValueError as exc:
-            return f"not JSON ({exc})"
-        keys = sum(s["keys"] for s in report["sections"].values())
-        if keys != expect_keys:
-            return f"{keys} keys, expected {expect_keys}"
-        if report["data_files"]["count"] != expect_files:
-            return f"{report['data_files']['count']} data files, expected {expect_files}"
-        return ""
-
-    return check
-
-
-def _median(m: Measurement | None) -> float | None:
-    return None if m is None or not m.ok else m.wall_median_s
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
-
-
-@benchmark("inspect", "ckptdoctor inspect vs dcp_to_torch_save+torch.load, scaling with checkpoint bytes")
-def bench_inspect(ctx: Context) -> BenchResult:
-    """ckptdoctor inspect at each --sizes (same keys/files) vs the convert-and-load workaround at the largest."""
-    o = ctx.opts
-    res = BenchResult()
-    sizes = o.sizes
-    by_size: dict[str, Measurement] = {}
-    dirs = {}
-    for size in sizes:
-        ckpt = ctx.synthetic(size, o.keys, o.files)
-        dirs[size] = ckpt
-        info = json.loads((ckpt / "synthetic.json").read_text())
-        m = ctx.measure(
-            "inspect",
-            "ckptdoctor inspect --format json",
-            [ctx.ckptdoctor, "inspect", str(ckpt), "--format", "json"],
-            size=size,
-            check=inspect_json_check(info["keys"], info["files"]),
-            note=f"{info['keys']} keys, {info['files']} files, "
-            f"{info['data_bytes'] / 2**30:.2f} GiB data, .metadata "
-            f"{info['metadata_bytes'] / 2**20:.1f} MiB",
-        )
-        res.measurements.append(m)
-        by_size[size] = m
-
-    small, large = sizes[0], sizes[-1]
-    # torch must not be imported by inspect: run the CLI in-process and list heavy modules at exit.
-    probe_dir = dirs[small]
-    probe_out = RESULTS / "stdout" / "inspect-import-probe.out"
-    probe = run_once(
-        [ctx.python, "-c", IMPORT_PROBE, "inspect", str(probe_dir), "--format", "json"], o.timeout, probe_out
-    )
-    heavy = None
-    if not probe.timed_out:
-        lines = [
-            ln for ln in probe_out.with_suffix(".stderr").read_text().splitlines() if ln.startswith("HEAVY_MODULES=")
-        ]
-        heavy = lines[-1].split("=", 1)[1] if lines else None
-    if heavy is None:  # the probe did not finish: check imports on a small checkpoint instead
-        probe_dir = ctx.synthetic("16M", 1000, 100)
-        probe = run_once(
-            [ctx.python, "-c", IMPORT_PROBE, "inspect", str(probe_dir), "--format", "json"], o.timeout, probe_out
-        )
-        lines = [
-            ln for ln in probe_out.with_suffix(".stderr").read_text().splitlines() if ln.startswith("HEAVY_MODULES=")
-        ]
-        heavy = lines[-1].split("=", 1)[1] if lines else "?"
-        res.notes.append(f"import probe on {small} did not finish (timeout); probed {probe_dir.name} instead")
-    res.notes.append(f"modules from torch/numpy imported by `ckptdoctor inspect` ({probe_dir.name}): {heavy or 'none'}")
-
-    # the usual workaround, at the largest size
-    tmp = DATA / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    tmp_pt = tmp / "workaround.pt"
-    iter_dir = next(dirs[large].glob("iter_*"))
-    wa = None
-    if not o.skip_workaround:
-        wa = ctx.measure(
-            "inspect",
-            "workaround: dcp_to_torch_save + torch.load",
-            [ctx.python, "-c", WORKAROUND, str(iter_dir), str(tmp_pt)],
-            size=large,
-            repeats=o.workaround_repeats,
-            timeout=max(o.timeout, 1800),
-            cleanup=lambda: tmp_pt.unlink(missing_ok=True),
-        )
-        res.measurements.append(wa)
-
-    big = by_size[large]
-    t_small, t_large = _median(by_size[small]), _median(big)
-    if len(sizes) > 1:
-        res.targets.append(
-            Target(
-                f"inspect wall {large}/{small} (median)",
-                _ratio(t_large, t_small),
-                "<=",
-                1.3,
-                "x",
-                "inspect reads metadata, not tensor bytes",
-            )
-        )
-    if wa is not None:
-        bound = (
-            ""
-            if t_large is not None
-            else f" (inspect timed out at {o.timeout:.0f} s: ratio < {(_median(wa) or 0) / o.timeout:.1f})"
-        )
-        res.targets.append(
-            Target(
-                f"workaround/inspect wall at {large} (median)",
-                _ratio(_median(wa), t_large),
-                ">=",
-                50,
-                "x",
-                "dcp_to_torch_save + torch.load vs inspect" + bound,
-            )
-        )
-    for size in sizes:
-        m = by_size[size]
-        res.targets.append(
-            Target(f"inspect wall, {o.keys} keys / {o.files} files, {size} (median)", _median(m), "<", 0.5, "s", m.note)
-        )
-        res.targets.append(
-            Target(
-                f"inspect peak RSS, {o.keys} keys / {o.files} files, {size}",
-                m.peak_rss_mb if m.ok else None,
-                "<",
-                100,
-                "MB",
-            )
-        )
-    res.targets.append(
-        Target(
-            "inspect imports torch/numpy (modules imported)",
-            0 if heavy == "" else (len(heavy.split(",")) if heavy and heavy != "?" else None),
-            "==",
-            0,
-            "",
-            probe_dir.name,
-        )
-    )
-    return res
-
-
-@benchmark("inspect-scaling", "ckptdoctor inspect wall/RSS against key count (small tensors)")
-def bench_inspect_scaling(ctx: Context) -> BenchResult:
-    """How inspect's cost grows with the number of keys (bytes fixed at 32M, files = keys / 10)."""
-    res = BenchResult()
-    for keys in ctx.opts.scaling_keys:
-        files = max(4, round(keys / 40) * 4)  # ~keys/10, a multiple of 2 files x TP 2
-        ckpt = ctx.synthetic("32M", keys, files)
-        info = json.loads((ckpt / "synthetic.json").read_text())
-        m = ctx.measure(
-            "inspect-scaling",
-            f"ckptdoctor inspect --format json ({info['keys']} keys)",
-            [ctx.ckptdoctor, "inspect", str(ckpt), "--format", "json"],
-            size="32M",
-            repeats=ctx.opts.scaling_repeats,
-            check=inspect_json_check(info["keys"], info["files"]),
-            note=f"{info['keys']} keys, {info['files']} files, {info['chunks']} chunks",
-        )
-        res.measurements.append(m)
-    ok = [(int(m.note.split()[0]), m.wall_median_s) for m in res.measurements if m.ok]
-    if len(ok) >= 2:
-        import math
-
-        (k0, t0), (k1, t1) = ok[0], ok[-1]
-        res.notes.append(
-            f"empirical exponent between {k0} and {k1} keys: {math.log(t1 / t0) / math.log(k1 / k0):.2f} (1 = linear)"
-        )
-    return res
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Report
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def machine_info() -> dict:
-    info = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+def inspect_check(stdout: Path, info: dict) -> str:
+    """'' when the warm-up run's JSON has the synthetic's tensor key and file counts."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                info["mem_gib"] = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    for pkg in ("torch", "ckptdoctor"):
-        try:
-            info[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            info[pkg] = None
-    try:
-        info["git_commit"] = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-            ).stdout.strip()
-            or None
+        report = json.loads(stdout.read_text())
+    except ValueError as exc:
+        return f"not JSON ({exc})"
+    # tensor keys only: the sharded rng_state objects count as one key per object, not one per shard
+    keys = sum(report["sections"][s]["keys"] for s in ("model", "optimizer"))
+    if keys != info["tensor_keys"] or report["data_files"]["count"] != info["files"]:
+        got = f"{keys} tensor keys / {report['data_files']['count']} files"
+        return f"{got}, expected {info['tensor_keys']} / {info['files']}"
+    return ""
+
+
+def heavy_modules(save: Path) -> list[str]:
+    out = RESULTS / "stdout" / "import-probe.out"
+    harness.run_once([PYTHON, "-c", IMPORT_PROBE, "inspect", str(save), "--format", "json"], 300, out)
+    lines = [x for x in out.with_suffix(".stderr").read_text().splitlines() if x.startswith("HEAVY_MODULES=")]
+    return lines[-1].split("=", 1)[1].split(",") if lines and lines[-1] != "HEAVY_MODULES=" else []
+
+
+def bench_inspect(o: argparse.Namespace) -> dict:
+    cases: dict[str, Case] = {"floor": Case(FLOOR)}
+    saves = {size: harness.synthetic(size, o.keys, o.files) for size in o.sizes}
+    for size, save in saves.items():
+        iteration, _, _ = harness.iteration_files(save)
+        stdout = RESULTS / "stdout" / f"inspect-{size}.json"
+        cases[f"inspect {size}"] = Case(ckptdoctor("inspect", str(save), "--format", "json"), stdout_path=stdout)
+        cases[f"read_metadata {size}"] = Case([PYTHON, "-c", READ_METADATA, str(iteration)])
+        cases[f"inspect call {size}"] = Case([PYTHON, "-c", INSPECT_CALL, str(save)], metric="reported")
+        cases[f"read_metadata call {size}"] = Case([PYTHON, "-c", READ_METADATA_CALL, str(iteration)], "reported")
+        cases[f"cat .metadata {size}"] = Case(["cat", str(iteration / ".metadata")])
+    group = alternate(cases, o.repeats, o.timeout)
+    problems = {}
+    for size, save in saves.items():
+        stdout = cases[f"inspect {size}"].stdout_path
+        problems[size] = inspect_check(stdout, harness.synthetic_info(save)) if stdout else "no output"
+    ratios = {}
+    for size in o.sizes:
+        ratios[size] = {
+            "inspect / read_metadata, whole processes": group.ratio(f"inspect {size}", f"read_metadata {size}"),
+            "inspect / read_metadata, in-process calls": group.ratio(
+                f"inspect call {size}", f"read_metadata call {size}"
+            ),
+            "inspect / cat .metadata": group.ratio(f"inspect {size}", f"cat .metadata {size}"),
+        }
+    small, large = o.sizes[0], o.sizes[-1]
+    result: dict = {
+        "inputs": {size: harness.synthetic_info(save) for size, save in saves.items()},
+        "group": group.summary(),
+        "ratios": ratios,
+        "output_check": problems,
+        "heavy_modules_imported_by_inspect": heavy_modules(saves[small]),
+    }
+    if len(o.sizes) > 1:
+        result["size_ratio"] = group.ratio(f"inspect {large}", f"inspect {small}")
+    if not o.skip_convert:
+        iteration, _, _ = harness.iteration_files(saves[large])
+        tmp_pt = DATA / "tmp" / "convert_and_load.pt"
+        tmp_pt.parent.mkdir(parents=True, exist_ok=True)
+        convert = alternate(
+            {
+                f"inspect {large}": Case(ckptdoctor("inspect", str(saves[large]), "--format", "json")),
+                "convert and load all data": Case(
+                    [PYTHON, "-c", CONVERT_AND_LOAD, str(iteration), str(tmp_pt)],
+                    before=lambda: tmp_pt.unlink(missing_ok=True),
+                ),
+            },
+            o.convert_repeats,
+            max(o.timeout, 1800),
+            warm_up=False,
         )
-    except OSError:
-        info["git_commit"] = None
-    return info
+        tmp_pt.unlink(missing_ok=True)
+        result["convert_and_load"] = convert.summary() | {
+            "size": large,
+            "ratio": convert.ratio("convert and load all data", f"inspect {large}"),
+        }
+    return result
 
 
-def fmt(v: float | None, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def markdown(results: dict[str, BenchResult], meta: dict) -> str:
-    m = meta["machine"]
+def render_inspect(doc: dict) -> str:
+    cases = doc["group"]["cases"]
+    sizes = list(doc["inputs"])
     lines = [
-        f"# ckptdoctor benchmarks ({meta['date']})",
-        "",
-        f"Machine: {m.get('cpus')} cores ({m.get('cpu_model', '?')}), {m.get('mem_gib')} GiB RAM; "
-        f"Python {m['python']}, torch {m.get('torch')}, ckptdoctor {m.get('ckptdoctor')}.  ",
-        f"Command: `{meta['command']}`  ",
-        "Page cache: warm (one untimed warm-up run per command before the timed repeats).  ",
-        f"System load (1-minute average) at start / end: {meta['loadavg_start']:.1f} / "
-        f"{meta.get('loadavg_end', float('nan')):.1f} (the machine is shared; load > cores skews figures).",
-        "",
+        "| command | " + " | ".join(f"{s}: s, median [min–max] | peak RSS MB" for s in sizes) + " |",
+        "|---|" + "---|---|" * len(sizes),
     ]
-    for name, res in results.items():
+    rows = [
+        ("`ckptdoctor inspect --format json` (whole process)", "inspect"),
+        ("PyTorch `FileSystemReader(p).read_metadata()` (whole process, imports included)", "read_metadata"),
+        ("`ckptdoctor` inspect, in-process call after imports", "inspect call"),
+        ("PyTorch `read_metadata()`, in-process call after imports", "read_metadata call"),
+        ("`cat .metadata` (to /dev/null)", "cat .metadata"),
+    ]
+    for title, key in rows:
+        cells = []
+        for size in sizes:
+            c = cases.get(f"{key} {size}")
+            rss = "-" if c is None or c["metric"] == "reported" else f"{c['peak_rss_mb']:.0f}"
+            cells.append(f"{fmt_spread(c and c['seconds'])} | {rss}")
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
+    floor = cases["floor"]
+    lines.append(
+        f'| floor `python -c "import click, tabulate"` | {fmt_spread(floor["seconds"])} | '
+        f"{floor['peak_rss_mb']:.0f} |" + " | |" * (len(sizes) - 1)
+    )
+    lines += ["", "| ratio (per round, median [min–max]) | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for name in doc["ratios"][sizes[0]]:
+        lines.append(f"| {name} | " + " | ".join(fmt_spread(doc["ratios"][s][name], ".2f") for s in sizes) + " |")
+    if "size_ratio" in doc:
+        lines.append(
+            f"| inspect {sizes[-1]} / {sizes[0]} (whole processes) | {fmt_spread(doc['size_ratio'], '.2f')} |"
+            + " |" * (len(sizes) - 1)
+        )
+    ca = doc.get("convert_and_load")
+    if ca:
+        c = ca["cases"]["convert and load all data"]
         lines += [
-            f"## {name}",
             "",
-            "| command | size | runs | wall best (s) | wall median (s) | CPU median (s) | peak RSS (MB) "
-            "| load 1m | note |",
-            "|---|---|---|---|---|---|---|---|---|",
+            f"Not a metadata read: converting and loading all data (`dcp_to_torch_save` + `torch.load`) at "
+            f"{ca['size']}: {fmt_spread(c['seconds'], '.1f')} s, peak RSS {c['peak_rss_mb']:.0f} MB, "
+            f"{fmt_spread(ca['ratio'], '.0f')} x inspect (alternating, {len(c['runs'])} rounds).",
         ]
-        for x in res.measurements:
-            runs = "timeout" if x.timed_out else (str(len(x.runs)) if x.ok else f"rc={x.rc}")
-            lines.append(
-                f"| {x.label} | {x.size or ''} | {runs} | {fmt(x.wall_best_s)} | {fmt(x.wall_median_s)} "
-                f"| {fmt(x.cpu_median_s)} | {fmt(x.peak_rss_mb, '.0f')} | {fmt(x.loadavg_1m, '.1f')} "
-                f"| {x.note} |"
-            )
-        if res.targets:
-            lines += ["", "| target | measured | required | met |", "|---|---|---|---|"]
-            for t in res.targets:
-                value = fmt(t.value, ".3f" if t.unit == "s" else ".2f" if t.unit == "x" else ".0f")
-                lines.append(
-                    f"| {t.name} | {value}{' ' + t.unit if t.value is not None else ''} "
-                    f"| {t.op} {t.limit:g} {t.unit} | {'yes' if t.met else '**NO**'} |"
-                )
-        for n in res.notes:
-            lines.append(f"\n- {n}")
-        lines.append("")
+    heavy = doc["heavy_modules_imported_by_inspect"]
+    lines.append(f"\nModules of torch/numpy/megatron imported by `inspect`: {', '.join(heavy) or 'none'}.")
+    bad = {s: p for s, p in doc["output_check"].items() if p}
+    if bad:
+        lines.append(f"\nOutput check FAILED: {bad}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The scale table
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def scale_points(o: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """label -> (keys, files): a key sweep at 200 files and a file sweep at 20k keys."""
+    points = {f"{k // 1000}k keys / 200 files": (k, 200) for k in o.scale_keys}
+    for files in o.scale_files:
+        points.setdefault(f"20k keys / {files} files", (20000, files))
+    return points
+
+
+def scale_commands(save: Path, scratch: Path) -> dict[str, tuple[list[str], Callable[[], None] | None]]:
+    out = scratch / save.name
+
+    def clean() -> None:
+        shutil.rmtree(out, ignore_errors=True)
+
+    fix = ckptdoctor("fix-args", str(save), "--set", "seq_length=12345", "--write", "--output", str(out))
+    return {
+        "inspect": (ckptdoctor("inspect", str(save), "--format", "json"), None),
+        "check": (ckptdoctor("check", "--isolated", "-q", str(save)), None),
+        "diff": (ckptdoctor("diff", str(save), str(save), "--format", "json"), None),
+        "fix-args": (fix, clean),
+    }
+
+
+def bench_scale(o: argparse.Namespace) -> dict:
+    points = scale_points(o)
+    saves = {label: harness.synthetic(o.scale_bytes, keys, files) for label, (keys, files) in points.items()}
+    scratch = DATA / "tmp" / "scale"
+    scratch.mkdir(parents=True, exist_ok=True)
+    groups = {}
+    for command in o.scale_commands:
+        print(f"== scale: {command}", flush=True)
+        cases = {"floor": Case(FLOOR)}
+        for label, save in saves.items():
+            cmd, before = scale_commands(save, scratch)[command]
+            cases[label] = Case(cmd, before=before, ok_rcs=(0, 1))
+        groups[command] = alternate(cases, o.scale_repeats, o.timeout)
+    shutil.rmtree(scratch, ignore_errors=True)
+    result: dict = {
+        "scale_bytes": o.scale_bytes,
+        "inputs": {label: harness.synthetic_info(save) for label, save in saves.items()},
+        "groups": {c: g.summary() for c, g in groups.items()},
+        "exponents": {},
+    }
+    key_points = [label for label in points if label.endswith("/ 200 files")]
+    file_points = [label for label in points if label.startswith("20k keys")]
+    for command, g in groups.items():
+        floors = g.per_round("floor")
+        for name, sweep, axis in (("keys", key_points, "keys"), ("files", file_points, "files")):
+            if len(sweep) < 2 or any(x in g.failures for x in (sweep[0], sweep[-1])):
+                continue
+            a, b = sweep[0], sweep[-1]
+            n0, n1 = (result["inputs"][x][axis] for x in (a, b))
+            raw, net = [], []
+            for f, t0, t1 in zip(floors, g.per_round(a), g.per_round(b)):
+                raw.append(math.log(t1 / t0) / math.log(n1 / n0))
+                if t0 > f and t1 > f:  # under load a round's floor can exceed a small point's time
+                    net.append(math.log((t1 - f) / (t0 - f)) / math.log(n1 / n0))
+            result["exponents"][f"{command} vs {name}"] = {
+                "from": a,
+                "to": b,
+                "raw": harness.spread(raw),
+                "minus_floor": harness.spread(net) if net else None,
+            }
+    return result
+
+
+def render_scale(doc: dict) -> str:
+    groups = doc["groups"]
+    commands = list(groups)
+    lines = [
+        "| input | keys | chunks | files | .metadata MiB | " + " | ".join(f"`{c}` s | RSS MB" for c in commands) + " |",
+        "|---|---|---|---|---|" + "---|---|" * len(commands),
+    ]
+    for label, info in doc["inputs"].items():
+        cells = []
+        for c in commands:
+            case = groups[c]["cases"][label]
+            if case["failure"]:
+                cells.append(f"{case['failure']} | -")
+            else:
+                cells.append(f"{fmt_spread(case['seconds'], '.2f')} | {case['peak_rss_mb']:.0f}")
+        lines.append(
+            f"| {label} | {info['keys']:,} | {info['chunks']:,} | {info['files']:,} | "
+            f"{info['metadata_bytes'] / 2**20:.1f} | " + " | ".join(cells) + " |"
+        )
+    floor = groups[commands[0]]["cases"]["floor"]
+    lines.append(
+        f'| floor `python -c "import click, tabulate"` | | | | | {fmt_spread(floor["seconds"], ".2f")} | '
+        f"{floor['peak_rss_mb']:.0f} |" + " | |" * (len(commands) - 1)
+    )
+    lines += ["", "| growth exponent (per round, median [min–max]) | raw | floor subtracted |", "|---|---|---|"]
+    for name, e in doc["exponents"].items():
+        lines.append(
+            f"| {name} ({e['from']} -> {e['to']}) | {fmt_spread(e['raw'], '.2f')} | "
+            f"{fmt_spread(e['minus_floor'], '.2f')} |"
+        )
+    key_points = [x for x in doc["inputs"] if x.endswith("/ 200 files")]
+    if len(key_points) >= 2:
+        a, b = key_points[0], key_points[-1]
+        ka, kb = doc["inputs"][a]["keys"], doc["inputs"][b]["keys"]
+        lines += ["", f"| peak RSS per key | at {b} (RSS / keys) | slope {a} -> {b} |", "|---|---|---|"]
+        for c in commands:
+            ca, cb = groups[c]["cases"][a], groups[c]["cases"][b]
+            if ca["failure"] or cb["failure"]:
+                continue
+            per_key = cb["peak_rss_mb"] * 2**20 / kb / 1024
+            slope = (cb["peak_rss_mb"] - ca["peak_rss_mb"]) * 2**20 / (kb - ka) / 1024
+            lines.append(f"| `{c}` | {per_key:.1f} KiB | {slope:.1f} KiB |")
+    return "\n".join(lines)
+
+
+# Names bench_diff.py still imports from here (until it measures through harness.py itself).
+run_once = harness.run_once
+machine_info = harness.machine
+REPO = harness.REPO
+
+
+def synthetic(python: str, size: str, keys: int, files: int, **extra: str) -> Path:
+    """The old signature of ``harness.synthetic`` (``python`` is ignored: the harness uses its own)."""
+    return harness.synthetic(size, keys, files, **extra)
+
+
+BENCHMARKS = {
+    "inspect": (bench_inspect, render_inspect, "inspect vs PyTorch's read_metadata, cat .metadata, the floor"),
+    "scale": (bench_scale, render_scale, "inspect/check/diff/fix-args wall and RSS at 2k..200k keys, 200..20k files"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    harness.add_common_options(p)
     p.add_argument("--only", default=None, help="comma-separated benchmark names (default: all)")
-    p.add_argument("--list", action="store_true", help="list the registered benchmarks")
-    p.add_argument("--sizes", default="0.5G,4G", help="checkpoint data sizes for inspect (default 0.5G,4G)")
+    p.add_argument("--list", action="store_true", help="list the benchmarks")
+    p.add_argument("--render", metavar="NAME", help="print the Markdown table of bench/results/NAME.json")
+    p.add_argument("--sizes", default="0.5G,4G", help="inspect: checkpoint data sizes (default 0.5G,4G)")
     p.add_argument("--keys", type=int, default=20000)
     p.add_argument("--files", type=int, default=2000)
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per command (after one warm-up)")
-    p.add_argument("--workaround-repeats", type=int, default=2)
-    p.add_argument("--skip-workaround", action="store_true")
-    p.add_argument("--scaling-keys", default="1000,2000,5000", help="key counts for inspect-scaling")
-    p.add_argument("--scaling-repeats", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=120, help="seconds before a ckptdoctor run is killed")
-    p.add_argument("--python", default=sys.executable, help="interpreter for workarounds/probes")
-    p.add_argument("--ckptdoctor", default=None, help="ckptdoctor executable (default: next to --python)")
-    p.add_argument("--out", type=Path, default=RESULTS / "latest.json")
+    p.add_argument("--repeats", type=int, default=5, help="inspect: timed rounds (after one warm-up)")
+    p.add_argument("--convert-repeats", type=int, default=2)
+    p.add_argument("--skip-convert", action="store_true", help="inspect: leave out convert-and-load")
+    p.add_argument("--scale-bytes", default="64M", help="scale: synthetic data size (small tensors)")
+    p.add_argument("--scale-keys", default="2000,20000,100000,200000")
+    p.add_argument("--scale-files", default="200,2000,20000")
+    p.add_argument("--scale-commands", default="inspect,check,diff,fix-args")
+    p.add_argument("--scale-repeats", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=300, help="seconds before a run is killed")
     o = p.parse_args(argv)
+    harness.use_code(o.code)
     if o.list:
-        for name, (_, help_) in BENCHMARKS.items():
-            print(f"{name:18s} {help_}")
+        for name, (_, _, help_) in BENCHMARKS.items():
+            print(f"{name:10s} {help_}")
+        return 0
+    if o.render:
+        print(BENCHMARKS[o.render][1](json.loads((RESULTS / f"{o.render}.json").read_text())))
         return 0
     o.sizes = [s.strip() for s in o.sizes.split(",") if s.strip()]
-    o.scaling_keys = [int(k) for k in o.scaling_keys.split(",") if k.strip()]
-    if o.ckptdoctor is None:
-        o.ckptdoctor = str(Path(o.python).parent / "ckptdoctor")
-        if not Path(o.ckptdoctor).exists():
-            o.ckptdoctor = shutil.which("ckptdoctor") or "ckptdoctor"
+    o.scale_keys = [int(k) for k in o.scale_keys.split(",") if k.strip()]
+    o.scale_files = [int(k) for k in o.scale_files.split(",") if k.strip()]
+    o.scale_commands = [c.strip() for c in o.scale_commands.split(",") if c.strip()]
     names = list(BENCHMARKS) if o.only is None else [n.strip() for n in o.only.split(",")]
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         p.error(f"unknown benchmark(s) {unknown}; known: {list(BENCHMARKS)}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    DATA.mkdir(parents=True, exist_ok=True)
-    ctx = Context(o)
-    options = {k: v for k, v in vars(o).items() if k != "out"} | {"out": str(o.out)}
-    meta = {
-        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "bench/run.py", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": machine_info(),
-        "cache": "warm",
-        "loadavg_start": os.getloadavg()[0],
-        "options": options,
-    }
-    results: dict[str, BenchResult] = {}
     for name in names:
         print(f"== {name}", flush=True)
-        results[name] = BENCHMARKS[name][0](ctx)
-    meta["loadavg_end"] = os.getloadavg()[0]
-    md = markdown(results, meta)
-    print("\n" + md)
-    payload = meta | {
-        "benchmarks": {
-            name: {
-                "measurements": [asdict(x) for x in r.measurements],
-                "targets": [asdict(t) | {"met": t.met} for t in r.targets],
-                "notes": r.notes,
-            }
-            for name, r in results.items()
-        }
-    }
-    o.out.parent.mkdir(parents=True, exist_ok=True)
-    o.out.write_text(json.dumps(payload, indent=1))
-    o.out.with_suffix(".md").write_text(md + "\n")
-    print(f"wrote {o.out} and {o.out.with_suffix('.md')}")
+        recorder = harness.Recorder(name, argv, "run.py")
+        bench, render, _ = BENCHMARKS[name]
+        payload = bench(o)
+        doc = json.loads(recorder.write(payload).read_text())
+        print(harness.header(doc) + "\n\n" + render(doc))
     return 0
 
 
