@@ -8,6 +8,7 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.write_target import check_write_target, write_target_options
 
 SECTION_CHOICES = ["optimizer", "rng", "rerun"]
 PRESET_CHOICES = ["te-to-local", "local-to-te"]
@@ -39,16 +40,7 @@ PRESET_CHOICES = ["te-to-local", "local-to-te"]
     default=None,
     help="Rename the norm keys between megatron-core's Transformer Engine and local GPT layer spec names.",
 )
-@click.option(
-    "--output",
-    "-o",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="New checkpoint dir to write (a save dir when CHECKPOINT is one).",
-)
-@click.option("--in-place", is_flag=True, help="Replace the iteration dir (new dir + atomic rename; backup kept).")
-@click.option("--no-backup", is_flag=True, help="With --in-place: delete the old iteration dir after the swap.")
-@click.option("--force", is_flag=True, help="Replace an --output dir that exists and is not empty.")
+@write_target_options(force_help="Replace an --output dir that exists and is not empty.")
 @click.option(
     "--compact", is_flag=True, help="Byte-copy only the kept items into new data files (default: hard links)."
 )
@@ -84,10 +76,7 @@ def command(
     from ckptdoctor.render.common import to_json
     from ckptdoctor.render.edit import render_edit
 
-    if not dry_run and in_place == (output is not None):
-        raise click.UsageError("give exactly one of --output DIR and --in-place (or --dry-run)")
-    if no_backup and not in_place:
-        raise click.UsageError("--no-backup only applies to --in-place")
+    check_write_target(output, in_place, no_backup, dry_run)
     request = EditRequest(
         removes=list(removes),
         renames=[(a, b) for a, b in renames],

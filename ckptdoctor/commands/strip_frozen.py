@@ -9,6 +9,7 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.write_target import check_write_target, write_target_options
 
 PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
 
@@ -38,19 +39,8 @@ class _Bars:
 @click.command("strip-frozen")
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
-@click.option(
-    "--output",
-    "-o",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="New checkpoint dir to write (a save dir when CHECKPOINT is one).",
-)
-@click.option("--in-place", is_flag=True, help="Replace the iteration dir (new dir + atomic rename; backup kept).")
-@click.option("--no-backup", is_flag=True, help="With --in-place: delete the old iteration dir after the swap.")
-@click.option(
-    "--force",
-    is_flag=True,
-    help="Replace an --output dir that exists and is not empty; write even when no model parameter is frozen.",
+@write_target_options(
+    force_help="Replace an --output dir that exists and is not empty; write even when no model parameter is frozen."
 )
 @click.option(
     "--keep-args",
@@ -109,10 +99,7 @@ def command(
     from ckptdoctor.ops.strip_write import strip_frozen
     from ckptdoctor.render.common import render_strip, to_json
 
-    if not dry_run and in_place == (output is not None):
-        raise click.UsageError("give exactly one of --output DIR and --in-place (or --dry-run)")
-    if no_backup and not in_place:
-        raise click.UsageError("--no-backup only applies to --in-place")
+    check_write_target(output, in_place, no_backup, dry_run)
     ckpt = open_checkpoint(checkpoint, iteration)
     base = open_checkpoint(base_path, base_iteration) if base_path else None
     bars = _Bars() if sys.stderr.isatty() else None
