@@ -70,6 +70,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 ITERATION = 100
 THREADS_PER_RANK = 2  # Megatron's torch_dist save strategy default: two files per rank
+SHAPE_TP = 64  # hidden size and vocab fit TP=64, so every --tp dividing 64 gives the same shapes
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 METADATA_JSON = {
     "sharded_backend": "torch_dist",
@@ -232,9 +233,24 @@ def model_tensors_shapes(d: ModelDims) -> list[tuple[str, tuple[int, ...], None]
 
 
 def choose_dims(
-    total_bytes: int, keys: int, tp: int, layout: str, param_bytes: int, layers: int | None, n_objects: int
+    total_bytes: int,
+    keys: int,
+    tp: int,
+    layout: str,
+    param_bytes: int,
+    layers: int | None,
+    n_objects: int,
+    shape_tp: int = SHAPE_TP,
 ) -> ModelDims:
-    """Layers/experts from the key budget, hidden size from the byte budget."""
+    """Layers/experts from the key budget, hidden size from the byte budget.
+
+    The model does not depend on ``tp``: hidden size and vocab are multiples of what TP=``shape_tp`` needs
+    (``n_objects`` is counted as ``shape_tp`` rng shards), so checkpoints made with any ``tp`` dividing
+    ``shape_tp`` hold the same keys with the same global shapes (a reshard of one model), and value commands
+    across layouts compare values instead of stopping at a shape difference."""
+    if shape_tp % tp:
+        raise SystemExit(f"--tp {tp} does not divide --shape-tp {shape_tp}")
+    n_objects = shape_tp
     bytes_per_element = param_bytes + 2 * 4  # param + fp32 exp_avg + fp32 exp_avg_sq
     if layout == "stacked":
         # ~9 stacked model keys x 3 (param, exp_avg, exp_avg_sq); the rest are per-layer _extra_state objects
@@ -245,10 +261,11 @@ def choose_dims(
         n_layers = layers or max(1, min(32, (model_keys - 3) // 8))
         per_layer = (model_keys - 3) / n_layers
         experts = 0 if per_layer < 7 else max(1, round((per_layer - 5) / 2))
-    step = 2 * tp
+    step = 2 * shape_tp
+    unit = 2 * shape_tp  # vocab rows split evenly over any TP dividing shape_tp
     best = None
     for hidden in range(step, 1 << 16, step):
-        vocab = max(128 * tp, (16 * hidden) // (128 * tp) * (128 * tp))
+        vocab = max(unit, (16 * hidden) // unit * unit)
         d = ModelDims(layout, n_layers, hidden, experts, vocab, tp)
         size = model_numel(d) * bytes_per_element
         if best is None or abs(size - total_bytes) < abs(best[0] - total_bytes):
@@ -317,23 +334,48 @@ def assign_ranks(tensors: list[TensorSpec], objects: list[ObjectSpec], world: in
 
 
 class ValuePool:
-    """Seeded random pools per dtype; a chunk's values are a slice starting at a hash of (key, offsets)."""
+    """Seeded random pools per dtype. ``global_values``: element i (row-major global index) of a key is
+    ``pool[(hash(key) + i) % n]``, the same whatever the chunking (a resharded checkpoint holds equal values);
+    else a chunk's values are a slice starting at a hash of (key, offsets)."""
 
-    def __init__(self, seed: int, numel: int) -> None:
+    def __init__(self, seed: int, numel: int, global_values: bool = True) -> None:
+        self.global_values = global_values
         gen = torch.Generator().manual_seed(seed)
         base = torch.randn(numel, generator=gen)
         self.seed = seed
         self.pools = {torch.float32: base, torch.bfloat16: base.to(torch.bfloat16)}
         self.sq = base.square()  # exp_avg_sq is non-negative
 
-    def make(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def make(
+        self,
+        key: str,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        dtype: torch.dtype,
+        shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
         pool = self.sq if ".exp_avg_sq." in key else self.pools[dtype]
+        if self.global_values and shape is not None:
+            return self._global(pool, key, offsets, sizes, shape)
         n = math.prod(sizes)
         if n > pool.numel():
             reps = -(-n // pool.numel())
             return pool.repeat(reps)[:n].clone().view(sizes)
         start = zlib.crc32(f"{self.seed}|{key}|{offsets}".encode()) % (pool.numel() - n + 1)
         return pool[start : start + n].clone().view(sizes)
+
+    def _global(
+        self, pool: torch.Tensor, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        n = pool.numel()
+        index = torch.full((), zlib.crc32(f"{self.seed}|{key}".encode()) % n, dtype=torch.int64)
+        stride = 1
+        for d in reversed(range(len(shape))):
+            view = [1] * len(shape)
+            view[d] = sizes[d]
+            index = index + (torch.arange(offsets[d], offsets[d] + sizes[d], dtype=torch.int64) * stride).view(view)
+            stride *= shape[d]
+        return pool[index.remainder_(n) if index.dim() else index % n]
 
 
 def object_payload(obj: ObjectSpec, seed: int) -> io.BytesIO:
@@ -396,7 +438,7 @@ class SyntheticPlanner(DefaultSavePlanner):
         if index.fqn in self.objects_by_key:
             return object_payload(self.objects_by_key[index.fqn], self.pool.seed)
         spec, chunk = self.chunk_by_index[(index.fqn, tuple(index.offset))]
-        return self.pool.make(spec.key, chunk.offsets, chunk.sizes, spec.dtype)
+        return self.pool.make(spec.key, chunk.offsets, chunk.sizes, spec.dtype, spec.shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -429,6 +471,8 @@ def write_checkpoint(
     layout: str,
     layers: int | None,
     jobs: int,
+    shape_tp: int = SHAPE_TP,
+    values: str = "global",
 ) -> dict:
     t0 = time.perf_counter()
     if files % THREADS_PER_RANK:
@@ -439,7 +483,7 @@ def write_checkpoint(
     param_dtype = DTYPES[dtype]
     param_bytes = torch.tensor([], dtype=param_dtype).element_size()
     n_objects = tp
-    d = choose_dims(total_bytes, keys, tp, layout, param_bytes, layers, n_objects)
+    d = choose_dims(total_bytes, keys, tp, layout, param_bytes, layers, n_objects, shape_tp)
     tensors, objects = build_specs(d, param_dtype)
     n_chunks = sum(len(t.chunks) for t in tensors) + len(objects)
     if n_chunks < files:
@@ -452,7 +496,7 @@ def write_checkpoint(
         shutil.rmtree(out)
     iter_dir.mkdir(parents=True)
     max_chunk = max(c.numel for t in tensors for c in t.chunks)
-    pool = ValuePool(seed, min(max(max_chunk, 1 << 22), 1 << 25))
+    pool = ValuePool(seed, min(max(max_chunk, 1 << 22), 1 << 25), values == "global")
 
     # local step, every rank
     rank_chunks: list[list] = [[] for _ in range(world)]
@@ -505,6 +549,8 @@ def write_checkpoint(
         "dtype": dtype,
         "seed": seed,
         "tp": tp,
+        "shape_tp": shape_tp,
+        "values": values,
         "world": world,
         "layers": d.layers,
         "hidden": d.hidden,
@@ -625,9 +671,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", choices=["per-layer", "stacked"], default="per-layer")
     p.add_argument("--layers", type=int, default=None, help="override the layer count")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes for writing")
+    p.add_argument(
+        "--shape-tp",
+        type=int,
+        default=SHAPE_TP,
+        help=f"hidden size and vocab fit this TP, so any --tp dividing it gives equal shapes (default {SHAPE_TP})",
+    )
+    p.add_argument(
+        "--values",
+        choices=["global", "chunk"],
+        default="global",
+        help="global: values follow the global index (equal across --tp: a reshard); chunk: per-chunk slices",
+    )
     p.add_argument("--verify", action="store_true", help="then check it with dcp_to_torch_save + torch.load")
     a = p.parse_args(argv)
-    info = write_checkpoint(a.out, a.total_bytes, a.keys, a.files, a.dtype, a.seed, a.tp, a.layout, a.layers, a.jobs)
+    info = write_checkpoint(
+        a.out, a.total_bytes, a.keys, a.files, a.dtype, a.seed, a.tp, a.layout, a.layers, a.jobs, a.shape_tp, a.values
+    )
     print(json.dumps(info, indent=1))
     if a.verify:
         verify_with_torch(Path(info["iteration_dir"]), info["keys"])
