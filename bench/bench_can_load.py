@@ -5,7 +5,9 @@
 Writes the checkpoint with bench/make_synthetic.py (real PyTorch DCP writer, per-layer MoE keys, 64 MiB of data)
 into a temporary dir, then times, best of 5: ``predict()`` in-process after the checkpoint is opened (the
 modelling alone), ``open_checkpoint`` + ``predict()`` in-process, and the whole ``ckptdoctor can-load`` process
-(interpreter start and imports included), for a few targets. Results, machine load and commit go to --out.
+(interpreter start and imports included), for a few targets; and, as the baseline under the same machine load,
+the whole ``ckptdoctor inspect`` process on the same checkpoint (the same metadata read). Results, machine load
+and commit go to --out.
 """
 
 from __future__ import annotations
@@ -84,11 +86,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(json.dumps(rows[-1]))
         keys = len(ckpt.entries)
+        inspect_cli = [sys.executable, "-m", "ckptdoctor", "inspect", str(save)]
+        inspect_s = round(best(functools.partial(subprocess.run, inspect_cli, capture_output=True), 3), 4)
+        print(json.dumps({"inspect_process_s": inspect_s}))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
     result = {
         "bench": "can_load",
         "keys": keys,
         "rows": rows,
+        "inspect_process_s": inspect_s,
         "loadavg": os.getloadavg(),
         "cpus": len(os.sched_getaffinity(0)),
         "commit": commit.stdout.strip(),

@@ -60,9 +60,9 @@ DERIVED_ARGS = {  # a fresh launch leaves these to megatron (resolved at the lau
 }
 # Where a key or a message belongs: the checkpoint sections an error names.
 SECTION_PATTERNS = (
-    ("args", r"weight_shards|value from checkpoint"),
+    ("args", r"weight_shards|value from checkpoint|must be a multiple|should be divisible"),
     ("format", r"No such file or directory: '[^']*\.metadata'|not a distributed checkpoint"),
-    ("optimizer", r"optimizer\.|'optimizer'|DistributedOptimizer|per_bucket_numel|parameter group"),
+    ("optimizer", r"optimizer\.|'optimizer'|DistributedOptimizer|per_bucket_numel|parameter group|param_groups"),
     ("rng", r"rng_state"),
     ("rerun", r"rerun_state_machine"),
     ("model", r"(?<![\w.])(embedding|decoder|output_layer|mtp)\.|Global shape mismatch"),
@@ -130,6 +130,18 @@ def run_args(cell: dict, saved, iter_dir: Path):
     return args
 
 
+_MOE_CONFIG_KWARGS = gen.moe_config_kwargs
+
+
+def has_adapters(save_dir: Path) -> bool:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    iter_dir = save_dir / gen.ITERATION_DIR_FMT.format(int((save_dir / gen.TRACKER_FILENAME).read_text()))
+    if not (iter_dir / ".metadata").exists():
+        return False
+    return any(".adapter." in key for key in FileSystemReader(str(iter_dir)).read_metadata().state_dict_metadata)
+
+
 def build_and_load(cell: dict, args) -> None:
     from megatron.core import parallel_state
     from megatron.core.model_parallel_config import resolve_tensor_parallel_weight_shards
@@ -154,7 +166,15 @@ def build_and_load(cell: dict, args) -> None:
     gen.LAYOUT.num_experts = args.num_experts
     gen.LAYOUT.distributed_optimizer = bool(args.use_distributed_optimizer)
     parallel_state.destroy_model_parallel()
-    kwargs = {"expert_model_parallel_size": args.expert_model_parallel_size} if args.num_experts else {}
+    kwargs = {}
+    if args.num_experts:
+        kwargs.update(
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        )
+        moe_kwargs = _MOE_CONFIG_KWARGS()
+        moe_kwargs["expert_tensor_parallel_size"] = args.expert_tensor_parallel_size
+        gen.moe_config_kwargs = lambda: dict(moe_kwargs)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **kwargs)
     gen.seed_everything(1234)
     global_vars.set_args(args)
@@ -166,6 +186,8 @@ def build_and_load(cell: dict, args) -> None:
         gen.MODEL_DIMS[name] = getattr(args, name, None) or gen.MODEL_DIMS[name]
     torch.manual_seed(4321)
     model = gen.build_gpt(args.num_layers, pp)
+    if has_adapters(Path(args.load)):  # the run's model is the saved one: LoRA adapters on a frozen base
+        gen.add_lora(model)
     if args.num_experts:
         gen.redraw_experts(model)
     ddp = gen.wrap_ddp(model)

@@ -18,14 +18,14 @@ Models ``megatron/training/checkpointing.py: load_checkpoint`` and ``megatron/co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckptdoctor.arg_rules import ERROR, check_args
 from ckptdoctor.args import args_as_dict
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.locate import BACKEND_ZARR
-from ckptdoctor.ops.can_load_keys import KeyPlan, model_plan
+from ckptdoctor.ops.can_load_args import args_problem
+from ckptdoctor.ops.can_load_keys import SWIGLU_FC1, KeyPlan, model_plan
 from ckptdoctor.ops.can_load_optim import optimizer_verdict
 from ckptdoctor.ops.can_load_run import Layout, LoadRun, parse_target, run_args, saved_layout
 from ckptdoctor.parallelism import infer_layout
@@ -79,20 +79,40 @@ class _Context:
     warnings: list[str]
 
     @property
+    def ckpt_tp_pp(self) -> tuple[int, int]:
+        """What load_checkpoint compares: the saved args' (TP, PP), 1 where missing (not the chunk grids)."""
+        return (
+            _arg(self.saved_args, "tensor_model_parallel_size", 1),
+            _arg(self.saved_args, "pipeline_model_parallel_size", 1),
+        )
+
+    @property
     def tp_pp_same(self) -> bool:
-        return (self.saved.tp, self.saved.pp) == (self.target.tp, self.target.pp)
+        return self.ckpt_tp_pp == (self.target.tp, self.target.pp)
+
+    @property
+    def sharding_same(self) -> bool:
+        """load_checkpoint's test for the rerun state: world size, (TP, PP) and DP args (0 where missing)."""
+        world, dp = _arg(self.saved_args, "world_size", 0), _arg(self.saved_args, "data_parallel_size", 0)
+        return self.tp_pp_same and world == self.target.world and dp == self.target.dp
 
     @property
     def mismatch_msg(self) -> str:
-        run, ckpt = (self.target.tp, self.target.pp), (self.saved.tp, self.saved.pp)
-        return f"(TP, PP) mismatch after resume ({run} vs {ckpt} from checkpoint)"
+        run = (self.target.tp, self.target.pp)
+        return f"(TP, PP) mismatch after resume ({run} vs {self.ckpt_tp_pp} from checkpoint)"
+
+
+def _arg(args: dict[str, Any], name: str, default: int) -> int:
+    value = args.get(name, default)
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def _strictness_failure(section: str, plan: KeyPlan, strictness: str) -> SectionVerdict | None:
     """The failure the strictness mode makes of requested-but-absent keys (``plan.unexpected``)."""
     if not plan.unexpected:
         return None
-    first = sorted(plan.unexpected)[0]
+    # Tensors are validated first (MCoreLoadPlanner.create_local_plan), objects then by PyTorch DCP.
+    first = min(plan.unexpected, key=lambda k: (k in plan.unexpected_objects or "_extra_state" in k, k))
     n = len(plan.unexpected)
     if strictness in _DROPPING:
         return None
@@ -117,6 +137,19 @@ def _section_from_plan(section: str, plan: KeyPlan, ctx: _Context, changed: str 
     failure = plan.shape_failure or _strictness_failure(section, plan, ctx.run.strictness)
     if failure is not None:
         return failure
+    factories = sorted(k for k in plan.unexpected if ctx.args.get("swiglu") and SWIGLU_FC1.search(k))
+    if factories and ctx.run.strictness in _DROPPING:
+        return SectionVerdict(
+            section,
+            FAILS,
+            f"{ctx.run.strictness} drops the requested keys the checkpoint lacks, among them SwiGLU linear_fc1 "
+            f"(a ShardedTensorFactory, e.g. {factories[0]}), whose merge then fails",
+            "ValueError: Different dict keys encountered in `apply_factory_merges` (dict_keys([...]) vs "
+            "dict_keys([...]))",
+            plan.fix or "make the run request only what the checkpoint holds",
+            len(plan.requested),
+            len(plan.present),
+        )
     if plan.unexpected:
         n = len(plan.unexpected)
         ctx.warnings.append(
@@ -143,6 +176,8 @@ def _rng_verdict(ctx: _Context) -> tuple[SectionVerdict, set[str]]:
     """(verdict, requested keys) for ``rng_state``."""
     present = {e.key for e in ctx.ckpt.section_entries("rng")}
     no_save = bool(ctx.saved_args.get("no_save_rng"))
+    if ctx.ckpt.location.release:
+        return SectionVerdict("rng", SKIPPED, "not requested (a release checkpoint)", present=len(present)), set()
     if ctx.run.finetune or ctx.run.no_load_rng:
         why = "--finetune" if ctx.run.finetune else "--no-load-rng"
         return SectionVerdict("rng", SKIPPED, f"not requested ({why})", present=len(present)), set()
@@ -170,16 +205,16 @@ def _rng_verdict(ctx: _Context) -> tuple[SectionVerdict, set[str]]:
 
 def _rerun_verdict(ctx: _Context) -> tuple[SectionVerdict, set[str]]:
     present = {e.key for e in ctx.ckpt.section_entries("rerun")}
-    same = ctx.tp_pp_same and ctx.saved.world == ctx.target.world and ctx.saved.dp == ctx.target.dp
     machine = ctx.common.get("rerun_state_machine")
     if not machine:
         return SectionVerdict("rerun", SKIPPED, "no rerun state machine in the checkpoint", present=len(present)), set()
     if _rerun_state(machine) == 0:
         why = "the saved rerun state is NOT_RUNNING_YET: validate_state_dict declines it, nothing to restore"
         return SectionVerdict("rerun", SKIPPED, why, present=len(present)), set()
-    if ctx.run.finetune:
-        return SectionVerdict("rerun", SKIPPED, "not requested (--finetune)", present=len(present)), set()
-    if not same:
+    if ctx.run.finetune or ctx.ckpt.location.release:
+        why = "not requested (--finetune)" if ctx.run.finetune else "not requested (a release checkpoint)"
+        return SectionVerdict("rerun", SKIPPED, why, present=len(present)), set()
+    if not ctx.sharding_same:
         why = "Job sharding has changed: Rerun state will be ignored"
         return SectionVerdict("rerun", SKIPPED, why, present=len(present)), set()
     world = ctx.target.world
@@ -215,31 +250,10 @@ def _object_verdict(ctx: _Context, section: str, wanted: set[str], present: set[
 
 
 def _args_verdict(ctx: _Context) -> SectionVerdict:
-    """Startup validation of the run's args, and ``check_checkpoint_args`` after the load (not with finetune)."""
-    for finding in check_args(ctx.args, None):
-        if finding.severity == ERROR and finding.megatron_error:
-            return SectionVerdict(
-                "args",
-                FAILS,
-                f"{finding.arg}={finding.saved!r} fails validation at the target layout",
-                f"ValueError: {finding.megatron_error}",
-                f"--set {finding.arg}={finding.correct}, or `ckptdoctor fix-args` the checkpoint"
-                if ctx.run.use_checkpoint_args
-                else f"--set {finding.arg}={finding.correct}",
-            )
-    if not ctx.run.finetune:
-        for name in ("num_layers", "hidden_size", "num_attention_heads"):
-            old, new = ctx.saved_args.get(name), ctx.args.get(name)
-            if old != new:
-                return SectionVerdict(
-                    "args",
-                    FAILS,
-                    f"check_checkpoint_args compares {name} after the load",
-                    f"AssertionError: {name} value from checkpoint ({old}) is not equal to the input argument "
-                    f"value ({new}).",
-                    "--finetune (a new model shape is fine-tuning), or keep the saved value",
-                )
-    return SectionVerdict("args", LOADS, "the run's args validate at the target layout")
+    problem = args_problem(ctx.saved_args, ctx.args, ctx.run.finetune, ctx.run.use_checkpoint_args)
+    if problem is None:
+        return SectionVerdict("args", LOADS, "the run's args validate at the target layout")
+    return SectionVerdict("args", FAILS, problem.why, problem.error, problem.fix)
 
 
 def _format_verdict(ctx: _Context) -> SectionVerdict | None:
@@ -274,7 +288,8 @@ def predict(
     changed = _layout_change(ctx)
     plan = model_plan(ckpt, saved_args, args, saved.tp, target.tp, bool(run.sets and "padded_vocab_size" in run.sets))
     sections.append(_section_from_plan("model", plan, ctx, changed))
-    optim, optim_plan = optimizer_verdict(ctx.ckpt, ctx.saved_args, ctx.args, saved, target, run, common, plan)
+    compare = replace(saved, tp=ctx.ckpt_tp_pp[0], pp=ctx.ckpt_tp_pp[1])
+    optim, optim_plan = optimizer_verdict(ctx.ckpt, ctx.saved_args, ctx.args, compare, target, run, common, plan)
     if optim is None and optim_plan is not None:
         optim = _section_from_plan("optimizer", optim_plan, ctx, changed)
     requested = set(plan.requested) | (set(optim_plan.requested) if optim_plan else set())

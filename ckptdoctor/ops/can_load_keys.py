@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,8 @@ SHAPE_ARGS = (
     "vocab_size",
     "max_position_embeddings",
 )
+# SwiGLU linear_fc1 (and its adapters) is a ShardedTensorFactory: its halves are merged after the load.
+SWIGLU_FC1 = re.compile(r"(^|\.)linear_fc1\.(.+\.)?(weight|bias)$")
 _EXPERT_KEYS = (
     "decoder.layers.mlp.router.weight",
     "decoder.layers.mlp.experts.experts.linear_fc1.weight",
@@ -93,8 +96,10 @@ def model_plan(
         if kind == "bytes":
             plan.unexpected_objects[key] = f"{key}/shard_0_1"
     _expert_flip(saved_args, args, plan)
+    frozen = _frozen_base(saved_args, plan)
     changes = changed_args(saved_args, args)
-    plan.fix = f"the run's model args differ ({', '.join(changes)}): use the saved values" if changes else None
+    if changes:
+        plan.fix = f"the run's model args differ ({', '.join(changes)}): use the saved values"
     if mismatch is not None:
         key, shape, want = mismatch
         plan.shape_failure = SectionVerdict(
@@ -107,8 +112,24 @@ def model_plan(
             len(plan.requested),
             len(plan.present),
         )
-    plan.why = vocab_note
+    plan.why = vocab_note or frozen
     return plan
+
+
+def _frozen_base(saved_args: dict[str, Any], plan: KeyPlan) -> str | None:
+    """A trainable-params-only save lacks the frozen base; Megatron-LM's load_checkpoint requests it all."""
+    if not saved_args.get("save_trainable_params_only"):
+        return None
+    base = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
+    if saved_args.get("untie_embeddings_and_output_weights"):
+        base.add("output_layer.weight")
+    base |= {key.split(".adapter.", 1)[0] + ".weight" for key in plan.present if ".adapter." in key}
+    absent = base - set(plan.present)
+    for key in absent:
+        plan.requested[key] = None
+        plan.unexpected.add(key)
+    plan.fix = "load with a filtered request (Megatron-Bridge PEFT), or pass the base checkpoint too"
+    return f"trainable-params-only save: the frozen base ({len(absent)}+ keys) is not in it" if absent else None
 
 
 def _expert_flip(saved_args: dict[str, Any], args: dict[str, Any], plan: KeyPlan) -> None:

@@ -55,8 +55,9 @@ def optimizer_verdict(
 
     entries = ckpt.section_entries("optimizer")
     present = {logical(e.key, e.kind): tuple(e.shape) if e.shape else None for e in entries}
-    if run.finetune or run.no_load_optim:
-        why = "not requested (--finetune)" if run.finetune else "not requested (--no-load-optim)"
+    if run.finetune or run.no_load_optim or ckpt.location.release:
+        why = "--finetune" if run.finetune else "--no-load-optim" if run.no_load_optim else "a release checkpoint"
+        why = f"not requested ({why})"
         return SectionVerdict("optimizer", SKIPPED, why, present=len(present)), None
     if saved_args.get("no_save_optim") or (not entries and "optimizer" not in common):
         return SectionVerdict(

@@ -1,0 +1,112 @@
+"""Args checks of a loading run: what fails at startup (before any load) and after the load.
+
+Startup: the ``fix-args`` rule table (:mod:`ckptdoctor.arg_rules`, megatron-core's
+``resolve_tensor_parallel_weight_shards``) evaluated at the target layout, and the divisibility checks of
+``TransformerConfig.__post_init__``, ``TransformerBlock`` and ``MoELayer``. After the load (not with
+``--finetune``): Megatron-LM's ``check_checkpoint_args``, which compares num_layers, hidden_size and
+num_attention_heads with the saved ones.
+
+Adding a startup check is adding a :class:`StartupCheck` to :data:`STARTUP_CHECKS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptdoctor.arg_rules import ERROR, check_args
+
+
+def _int(args: dict[str, Any], name: str, default: int = 0) -> int:
+    value = args.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+@dataclass(frozen=True)
+class StartupCheck:
+    """One validation megatron runs while building the model: ``fails(args)`` -> megatron's error or None."""
+
+    args: tuple[str, ...]  # the args a --set can fix
+    fails: Callable[[dict[str, Any]], str | None]
+
+
+def _heads(args: dict[str, Any]) -> str | None:
+    heads, tp = _int(args, "num_attention_heads"), _int(args, "tensor_model_parallel_size", 1)
+    if heads and heads % tp:
+        return f"ValueError: num_attention_heads ({heads}) must be a multiple of tensor_model_parallel_size ({tp})."
+    return None
+
+
+def _groups(args: dict[str, Any]) -> str | None:
+    tp = _int(args, "tensor_model_parallel_size", 1)
+    groups = _int(args, "num_query_groups") if args.get("group_query_attention") else 0
+    groups = groups or _int(args, "num_attention_heads")
+    if groups and groups % tp and tp % groups:
+        return (
+            f"ValueError: num_query_groups ({groups}) must be a multiple or divisor of "
+            f"tensor_model_parallel_size ({tp})."
+        )
+    return None
+
+
+def _layers(args: dict[str, Any]) -> str | None:
+    layers, pp = _int(args, "num_layers"), _int(args, "pipeline_model_parallel_size", 1)
+    uneven = args.get("decoder_first_pipeline_num_layers") or args.get("pipeline_model_parallel_layout")
+    if layers and layers % pp and not uneven:
+        return f"AssertionError: num_layers={layers} should be divisible by config.pipeline_model_parallel_size={pp}"
+    return None
+
+
+def _experts(args: dict[str, Any]) -> str | None:
+    experts, ep = _int(args, "num_experts"), _int(args, "expert_model_parallel_size", 1)
+    if experts and experts % ep:
+        return f"AssertionError (MoELayer: num_moe_experts {experts} % expert_model_parallel_size {ep} != 0)"
+    return None
+
+
+STARTUP_CHECKS: list[StartupCheck] = [
+    StartupCheck(("num_attention_heads",), _heads),
+    StartupCheck(("num_query_groups",), _groups),
+    StartupCheck(("num_layers",), _layers),
+    StartupCheck(("num_experts",), _experts),
+]
+RESUME_COMPARED = ("num_layers", "hidden_size", "num_attention_heads")
+
+
+@dataclass(frozen=True)
+class ArgsProblem:
+    why: str
+    error: str
+    fix: str
+
+
+def args_problem(saved: dict[str, Any], args: dict[str, Any], finetune: bool, kept: bool) -> ArgsProblem | None:
+    """The first args failure of the run, in the order megatron meets them; ``kept``: --use-checkpoint-args."""
+    for finding in check_args(args, None):
+        if finding.severity == ERROR and finding.megatron_error:
+            fix = f"--set {finding.arg}={finding.correct}"
+            return ArgsProblem(
+                f"{finding.arg}={finding.saved!r} fails validation at the target layout",
+                f"ValueError: {finding.megatron_error}",
+                f"{fix}, or `ckptdoctor fix-args` the checkpoint" if kept else fix,
+            )
+    for check in STARTUP_CHECKS:
+        error = check.fails(args)
+        if error:
+            return ArgsProblem(
+                "the model cannot be built at the target layout",
+                error,
+                f"choose a target layout that divides {', '.join(check.args)}",
+            )
+    if not finetune:
+        for name in RESUME_COMPARED:
+            old, new = saved.get(name), args.get(name)
+            if old != new:
+                return ArgsProblem(
+                    f"check_checkpoint_args compares {name} after the load",
+                    f"AssertionError: {name} value from checkpoint ({old}) is not equal to the input argument "
+                    f"value ({new}).",
+                    "--finetune (a new model shape is fine-tuning), or keep the saved value",
+                )
+    return None
