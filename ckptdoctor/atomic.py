@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.storage import refuse_remote_write
 
 FAULT_ENV = "CKPTDOCTOR_FAULT_AT"
 FAULT_MODE_ENV = "CKPTDOCTOR_FAULT_MODE"  # "exit" (default: like SIGKILL), "sigint" (Ctrl-C) or "sleep"
@@ -187,6 +188,7 @@ def prepare_output_dir(output: Path, force: bool = False) -> bool:
 
     Returns True when the dir was created here.
     """
+    refuse_remote_write(output, in_place=False)
     try:
         if output.exists():
             if not output.is_dir():
@@ -210,6 +212,7 @@ def refuse_overlap(output: Path, protected: list[Path], hint: str) -> None:
 
 def make_unique_dir(parent: Path, prefix: str) -> Path:
     """Create and return a new dir ``<parent>/<prefix><timestamp>-<token>`` (mkdir: never an existing one)."""
+    refuse_remote_write(parent, in_place=True)
     while True:
         path = parent / f"{prefix}{timestamp()}-{token()}"
         try:

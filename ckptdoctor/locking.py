@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.storage import refuse_remote_write
 
 try:
     import fcntl
@@ -105,7 +106,9 @@ def checkpoint_lock(directory: Path, *, exclusive: bool = True, optional: bool =
 
     Re-entrant within one process. Raises :class:`CkptError` (one line, exit 2) when another process holds
     it. ``optional``: go on unlocked where the filesystem cannot lock (a shared lock on a read-only source).
+    Every write takes one, so a checkpoint on object storage is refused here (``exclusive``: in place).
     """
+    refuse_remote_write(directory, in_place=exclusive)
     if fcntl is None:
         yield
         return

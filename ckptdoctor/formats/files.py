@@ -96,6 +96,13 @@ def list_names(directory: Path | RemotePath) -> list[str]:
     return os.listdir(directory)
 
 
+def list_tree(directory: Path | RemotePath) -> None:
+    """A hint that everything below ``directory`` will be listed: one recursive listing of a remote prefix
+    (instead of one per sub-directory); nothing for a local dir."""
+    if isinstance(directory, RemotePath):
+        directory.store.list_tree(directory.key)
+
+
 def file_sizes(directory: Path | RemotePath) -> dict[str, int]:
     """Regular files directly in ``directory`` and their sizes (one scandir, or one listing: no opens)."""
     if isinstance(directory, RemotePath):

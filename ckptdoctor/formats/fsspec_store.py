@@ -39,6 +39,7 @@ class FsspecStore(ObjectStore):
         if scheme in ("s3", "s3a") and "config_kwargs" not in configured:
             self.options["config_kwargs"] = {"retries": {"max_attempts": 1}, "connect_timeout": 10, "read_timeout": 60}
         self.package = package
+        self.retries = 1 if "retries" not in configured else None  # s3fs's own retry loop: ours is enough
         self._connect()
 
     def _connect(self) -> None:
@@ -50,6 +51,8 @@ class FsspecStore(ObjectStore):
             raise _missing(self.scheme, self.package) from None
         except ValueError as exc:
             raise CkptError(f"{self.scheme}:// URLs are not supported by fsspec ({exc})") from None
+        if self.retries is not None and hasattr(self.fs, "retries"):
+            self.fs.retries = self.retries
 
     def url(self, key: str) -> str:
         return f"{self.scheme}://{key}"
@@ -65,6 +68,14 @@ class FsspecStore(ObjectStore):
             is_dir = info.get("type") == "directory"
             out.append(Stat(name.rpartition("/")[2], 0 if is_dir else int(info.get("size") or 0), is_dir))
         return out
+
+    def _find(self, key: str) -> list[tuple[str, int]]:
+        found = self.fs.find(key, detail=True)
+        return [
+            (name[len(key) + 1 :], int(info.get("size") or 0))
+            for name, info in found.items()
+            if name.startswith(key + "/") and info.get("type") != "directory"
+        ]
 
     def stat(self, key: str) -> Stat | None:
         if key and "/" not in key:  # a bucket: a directory when it can be listed

@@ -56,5 +56,13 @@ class MscStore(ObjectStore):
             out.append(Stat(name[len(prefix) :], 0 if is_dir else int(meta.content_length or 0), is_dir))
         return out
 
+    def _find(self, key: str) -> list[tuple[str, int]]:
+        prefix = f"{key}/" if key else ""
+        return [
+            (str(meta.key)[len(prefix) :], int(meta.content_length or 0))
+            for meta in self.client.list(prefix)
+            if str(meta.key).startswith(prefix) and meta.type != "directory"
+        ]
+
     def _get(self, key: str, offset: int, length: int) -> bytes:
         return bytes(self.client.read(key, byte_range=self._range(offset=offset, size=length)))

@@ -17,6 +17,7 @@ retries do not cure is one :class:`StorageUnavailable` naming the URL (exit 2); 
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import re
@@ -153,6 +154,31 @@ class ObjectStore(ABC):
             raise FileNotFoundError(errno.ENOENT, "no such object or prefix", self.url(key))
         return entries
 
+    def _find(self, key: str) -> builtins.list[tuple[str, int]]:  # ``list`` is the method above
+        """Every object below ``key`` (path relative to it, size): one recursive listing, paged."""
+        raise NotImplementedError
+
+    def list_tree(self, key: str) -> None:
+        """List everything below ``key`` at once (a few paged requests, not one per directory), filling the
+        listing cache for ``key`` and each prefix below it; for trees of many small dirs (legacy zarr)."""
+        try:
+            found = self._retrying(key, lambda: self._find(key))
+        except (NotImplementedError, FileNotFoundError):
+            return
+        TRANSFERS.lists += 1
+        tree: dict[str, dict[str, Stat]] = {key: {}}
+        for relative, size in found:
+            parts = relative.split("/")
+            where = key
+            for depth, part in enumerate(parts):
+                below = f"{where}/{part}" if where else part
+                is_dir = depth < len(parts) - 1
+                tree.setdefault(where, {})[part] = Stat(part, 0 if is_dir else size, is_dir)
+                where = below
+        with self._lock:
+            for prefix, entries in tree.items():
+                self._listings[prefix] = entries or None
+
     def stat(self, key: str) -> Stat | None:
         if not key:
             return Stat("", 0, True)
@@ -227,6 +253,33 @@ def as_path(raw: str | os.PathLike) -> Path:
         return Path(text[len("file://") :])
     store, key = store_for(text)
     return cast(Path, RemotePath(store, key))
+
+
+_MANGLED_URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):/(?!/)")  # what Path("s3://b/k") makes of a URL
+
+
+def refuse_remote_write(path: Path, in_place: bool) -> None:
+    """Writes are local only: a checkpoint on object storage is never changed in place (no atomic rename, no
+    lock there), and an ``--output`` URL is not written to; one clear :class:`CkptError` each."""
+    from ckptdoctor.formats.remote import RemotePath
+
+    if isinstance(path, RemotePath):
+        if in_place:
+            raise CkptError(
+                f"{path}: cannot be changed in place on object storage (no atomic rename or lock there); "
+                "write a fixed copy to a local dir with --output DIR and upload it (metadata.json last)"
+            )
+        raise CkptError(
+            f"{path}: writing a copy of a checkpoint on object storage is not supported; download it "
+            "(e.g. aws s3 cp --recursive, or msc sync) and run on the local copy"
+        )
+    mangled = _MANGLED_URL_RE.match(str(path))
+    if mangled and not path.exists():
+        url = _MANGLED_URL_RE.sub(r"\1://", str(path), count=1)
+        raise CkptError(
+            f"{url}: --output to object storage is not supported; write to a local dir and upload it "
+            "(metadata.json last: it marks the checkpoint complete)"
+        )
 
 
 def store_for(url: str) -> tuple[ObjectStore, str]:

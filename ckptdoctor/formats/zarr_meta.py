@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.files import file_sizes, read_json
+from ckptdoctor.formats.files import file_sizes, list_tree, read_json
 from ckptdoctor.formats.torch_dist import DcpChunk, StorageLocation
 
 # numpy type strings as zarr writes them -> torch dtype names; Megatron patches bfloat16 in by name.
@@ -40,6 +40,7 @@ def read_index(iteration_dir: Path) -> tuple[dict[str, tuple], dict[str, int]]:
     """(key -> (key, kind, dtype, shape, chunks), relative data file -> size)."""
     entries: dict[str, tuple] = {}
     sizes: dict[str, int] = {}
+    list_tree(iteration_dir)  # remote: one listing of the whole tree, not one per array dir
     for array_dir in sorted(p for p in iteration_dir.iterdir() if p.is_dir()):
         key = array_dir.name
         files = file_sizes(array_dir)

@@ -30,6 +30,7 @@ from typing import Any
 from ckptdoctor import arg_rules
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.files import read_json
+from ckptdoctor.formats.storage import as_path
 from ckptdoctor.locate import (
     BACKEND_ZARR,
     NEMO_WEIGHTS_DIR,
@@ -207,7 +208,7 @@ def plan(
     path: str | Path, iteration: str | None = None, options: CheckOptions | None = None
 ) -> tuple[RepairReport, RepairWork]:
     options = options or CheckOptions()
-    save_dir, candidate, tracker_findings = _resolve(Path(path), iteration)
+    save_dir, candidate, tracker_findings = _resolve(as_path(path), iteration)
     report = RepairReport(
         SCHEMA,
         str(path),

@@ -32,6 +32,7 @@ from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import dcp_keys, dcp_writer, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
+from ckptdoctor.formats.storage import refuse_remote_write
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.seal import write_manifest
@@ -101,6 +102,9 @@ def check_target(
     """Refuse a bad target before any work is done (nothing is written by a refusal)."""
     if in_place == (output is not None):
         raise CkptError("give exactly one of --output DIR and --in-place")
+    refuse_remote_write(checkpoint.iteration_dir, in_place)  # writes are local only
+    if output is not None:
+        refuse_remote_write(output, in_place=False)
     if output is not None:
         _check_output(checkpoint, output, force)
         return

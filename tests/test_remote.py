@@ -1,0 +1,290 @@
+"""Checkpoints on object storage: a real S3-compatible server (moto) on loopback, reached through s3fs
+(``s3://``) and multi-storage-client (``msc://``), behind a proxy that logs every request.
+
+Every read command gives the same output for the uploaded fixtures as for the local copies (the checkpoint's
+name aside: the URL where the local path was); metadata-only commands GET only ``.metadata``,
+``metadata.json``, the tracker and the common state, however large the data files; ``diff --values`` GETs each
+byte range once; a server gone mid-run or a missing object is one line naming the URL, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, run_cli
+
+from ckptdoctor.checkpoint import open_checkpoint
+from ckptdoctor.cli import main
+from ckptdoctor.formats import storage
+from ckptdoctor.formats.ranges import coalesce
+from ckptdoctor.formats.storage import as_path
+
+pytest.importorskip("moto")
+pytest.importorskip("s3fs")
+pytest.importorskip("multistorageclient")
+import s3_server  # noqa: E402
+
+NAMES = ["core019_tp1", "core019_tp2", "core016_tp2", "core014_zarr_tp2", "core019_convert_tp4"]
+PREFIXES = {"s3": f"s3://{s3_server.BUCKET}/", "msc": "msc://s3test/"}
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    srv = s3_server.start()
+    try:
+        for name in NAMES:
+            srv.upload_tree(FIXTURES / name, name)
+        # the same checkpoint with 8 MiB more in every data file: metadata work must not read more
+        padded = tmp_path_factory.mktemp("padded") / "core019_tp1"
+        shutil.copytree(FIXTURES / "core019_tp1", padded)
+        for data_file in padded.rglob("*.distcp"):
+            with open(data_file, "ab") as f:
+                f.write(b"\0" * (8 << 20))
+        srv.upload_tree(padded, "padded/core019_tp1")
+        srv.msc_file = srv.msc_config(tmp_path_factory.mktemp("msc") / "msc.yaml")  # type: ignore[attr-defined]
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def remote(server, monkeypatch):
+    """The environment a user sets (AWS variables, MSC_CONFIG); a fresh store cache per test."""
+    for name, value in server.env(server.msc_file).items():
+        monkeypatch.setenv(name, value)
+    storage._STORES.clear()
+    server.log.clear()
+    yield server
+    storage._STORES.clear()
+
+
+def ckd(capsys, *args: str) -> tuple[int, str, str]:
+    """The CLI in this process, with a fresh listing cache (so each command's requests are its own)."""
+    storage._STORES.clear()
+    capsys.readouterr()
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+_TIMING = re.compile(r"(\"seconds\": |\"peak_in_flight\": | in )[0-9.]+")
+
+
+def normalized(text: str, prefix: str) -> str:
+    """Remote output with the URL prefix as the local fixtures dir, timings blanked (they differ run to run)."""
+    return _TIMING.sub(r"\1#", text.replace(prefix, f"{FIXTURES}/") if prefix else text)
+
+
+def local_args(args: tuple[str, ...]) -> list[str]:
+    return [f"{FIXTURES}/{a[1:]}" if a.startswith("@") else a for a in args]
+
+
+def remote_args(args: tuple[str, ...], prefix: str, only: int | None = None) -> list[str]:
+    return [
+        f"{prefix}{a[1:]}" if a.startswith("@") and (only is None or i == only) else local_args((a,))[0]
+        for i, a in enumerate(args)
+    ]
+
+
+COMMANDS = [
+    ("inspect", "@core019_tp1"),
+    ("inspect", "@core016_tp2"),
+    ("inspect", "@core014_zarr_tp2"),
+    ("show", "@core019_tp2", "decoder.layers.self_attention.linear_qkv.weight"),
+    ("check", "@core019_tp1", "@core016_tp2"),
+    ("check", "--deep", "@core019_tp2", "@core014_zarr_tp2"),
+    ("diff", "@core019_tp1", "@core019_tp2"),
+    ("diff", "--values", "@core016_tp2", "@core019_tp2"),
+    ("latest-good", "@core016_tp2"),
+    ("fix-args", "@core019_tp2"),
+    ("strip-frozen", "--dry-run", "@core019_tp1"),
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: "-".join(a.lstrip("@-") for a in c[:2]))
+def test_remote_output_equals_local(remote, capsys, command):
+    """Text and JSON, through s3fs and through MSC: the local output, the checkpoint's name aside."""
+    name, *rest = command
+    for fmt in ("text", "json"):
+        if fmt == "json" and name == "strip-frozen":
+            continue  # strip-frozen --dry-run has no JSON report
+        extra = ["--format", "json"] if fmt == "json" else []
+        rc_local, out_local, err_local = ckd(capsys, name, *extra, *local_args(tuple(rest)))
+        expected = (rc_local, normalized(out_local, ""), normalized(err_local, ""))
+        for backend, prefix in PREFIXES.items():
+            remote.log.clear()
+            rc, out, err = ckd(capsys, name, *extra, *remote_args(tuple(rest), prefix))
+            assert (rc, normalized(out, prefix), normalized(err, prefix)) == expected, (backend, fmt)
+            if fmt == "json":
+                json.loads(out)
+            assert remote.log.gets(), f"{backend}: no request reached the server"
+
+
+def test_diff_local_against_remote(remote, capsys):
+    args = ("diff", "--values", "@core019_tp1", "@core019_tp2")
+    rc_local, out_local, _ = ckd(capsys, *local_args(args))
+    rc, out, err = ckd(capsys, *remote_args(args, PREFIXES["s3"], only=3))
+    assert rc == rc_local and normalized(out, PREFIXES["s3"]) == normalized(out_local, ""), err
+    assert {r.key.split("/")[0] for r in remote.log.gets()} == {"core019_tp2"}  # A was read locally
+
+
+def _metadata_bytes(name: str) -> int:
+    """.metadata + metadata.json + tracker + the common state's range: all a metadata command may read."""
+    ckpt = open_checkpoint(FIXTURES / name)
+    total = sum((ckpt.iteration_dir / f).stat().st_size for f in (".metadata", "metadata.json"))
+    total += (ckpt.iteration_dir.parent / "latest_checkpointed_iteration.txt").stat().st_size
+    source = ckpt.common_source
+    if source == "common.pt":
+        total += (ckpt.iteration_dir / "common.pt").stat().st_size
+    elif source is not None:
+        storage_location = ckpt.entries[source].chunks[0].storage
+        assert storage_location is not None
+        total += storage_location.length
+    return total
+
+
+@pytest.mark.parametrize("command", [("inspect",), ("check",), ("fix-args",), ("diff", "@core019_tp1")])
+def test_metadata_commands_transfer_no_tensor_bytes(remote, capsys, command):
+    name, *rest = command
+    transferred = {}
+    for prefix in ("core019_tp1", "padded/core019_tp1"):
+        remote.log.clear()
+        rc, out, err = ckd(capsys, name, f"{PREFIXES['s3']}{prefix}", *local_args(tuple(rest)))
+        assert rc in (0, 1) and "error" not in err, err
+        transferred[prefix] = remote.log.get_bytes()
+        assert len({(r.key, r.range) for r in remote.log.gets()}) == len(remote.log.gets())  # nothing twice
+    assert transferred["core019_tp1"] == transferred["padded/core019_tp1"]  # flat in data size (+8 MiB a file)
+    assert 0 < transferred["core019_tp1"] <= _metadata_bytes("core019_tp1")
+
+
+def test_metadata_commands_import_no_torch_and_no_msc(remote):
+    proc = run_cli("inspect", f"{PREFIXES['s3']}core019_tp1", env=remote.env())
+    assert proc.returncode == 0, proc.stderr
+    assert "IMPORTED:\n" in proc.stderr  # neither torch nor megatron
+    proc = run_cli("inspect", f"{PREFIXES['s3']}core019_tp1", block=("multistorageclient",), env=remote.env())
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_diff_values_reads_each_range_once(remote, capsys):
+    rc, out, err = ckd(capsys, "diff", "--values", f"{PREFIXES['s3']}core019_tp2", f"{PREFIXES['s3']}core016_tp2")
+    assert rc == 1 and "values (bitwise)" in out, err
+    gets = [(r.key, r.range) for r in remote.log.gets() if r.key.endswith(".distcp")]
+    assert gets and max(Counter(gets).values()) == 1
+    data = sum(p.stat().st_size for n in ("core019_tp2", "core016_tp2") for p in (FIXTURES / n).rglob("*.distcp"))
+    assert sum(r.body_bytes for r in remote.log.gets() if r.key.endswith(".distcp")) <= data
+
+
+def test_deep_check_coalesces_reads(remote, capsys):
+    rc, out, err = ckd(capsys, "check", "--deep", f"{PREFIXES['s3']}core019_tp2")
+    assert rc == 0, out + err
+    data_gets = [r for r in remote.log.gets() if r.key.endswith(".distcp")]
+    chunks = sum(len(e.chunks) for e in open_checkpoint(FIXTURES / "core019_tp2").entries.values())
+    assert 0 < len(data_gets) <= 4 < chunks  # two files, each read in one request, not one per chunk
+
+
+def test_coalesce_merges_near_ranges_up_to_the_gap_and_size_limits():
+    assert coalesce([(0, 10), (10, 5), (20, 5)], max_gap=5) == [(0, 25)]
+    assert coalesce([(0, 10), (100, 5)], max_gap=5) == [(0, 10), (100, 105)]
+    assert coalesce([(0, 10), (10, 10), (20, 10)], max_gap=0, max_request=20) == [(0, 20), (20, 30)]
+    assert coalesce([(0, 100)], max_request=10) == [(0, 100)]  # one long range is one request
+
+
+def test_missing_object_is_one_line_naming_the_url(remote, capsys):
+    url = f"{PREFIXES['s3']}no_such_checkpoint"
+    rc, out, err = ckd(capsys, "inspect", url)
+    assert rc == 2 and err == f"ckptdoctor: error: {url}: no such file or directory\n"
+    remote.client().delete_object(Bucket=s3_server.BUCKET, Key="padded/core019_tp1/iter_0000010/.metadata")
+    rc, out, err = ckd(capsys, "inspect", f"{PREFIXES['msc']}padded/core019_tp1")
+    assert rc == 2 and err.count("\n") == 1 and "msc://s3test/padded/core019_tp1/iter_0000010/.metadata" in err, err
+    remote.upload_tree(FIXTURES / "core019_tp1", "padded/core019_tp1")  # put the padded one back below
+    remote.client().upload_file(
+        str(FIXTURES / "core019_tp1/iter_0000010/.metadata"),
+        s3_server.BUCKET,
+        "padded/core019_tp1/iter_0000010/.metadata",
+    )
+
+
+@pytest.mark.parametrize("command", ["inspect", "check", "diff"])
+def test_server_gone_mid_run_is_exit_2_naming_the_url(remote, capsys, monkeypatch, command):
+    monkeypatch.setattr(storage, "BACKOFF_S", 0.01)
+    url = f"{PREFIXES['s3']}core019_tp1"
+    real_list = storage.ObjectStore.list
+
+    def list_then_drop(self, key):  # the server goes away once the dir has been listed
+        result = real_list(self, key)
+        remote.proxy.drop = True
+        return result
+
+    monkeypatch.setattr(storage.ObjectStore, "list", list_then_drop)
+    try:
+        args = [command, url] + ([url] if command == "diff" else [])
+        rc, out, err = ckd(capsys, *args)
+    finally:
+        remote.proxy.drop = False
+    assert rc == 2, out + err
+    assert err.startswith(f"ckptdoctor: error: {url}") and "cannot read after 4 attempts" in err, err
+    assert err.count("\n") == 1 and "internal error" not in err and "Traceback" not in err
+
+
+def test_no_server_at_all(tmp_path):
+    env = {**s3_server.CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_server.free_port()}"}
+    import os
+
+    proc = run_cli("inspect", "s3://ckpt/core019_tp1", env={**os.environ, **env})
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.split("\nIMPORTED:")[0]
+    assert line.startswith("ckptdoctor: error: s3://ckpt") and "\n" not in line.strip(), proc.stderr
+
+
+def test_backend_not_installed_is_one_line_with_the_pip_command():
+    proc = run_cli("inspect", "s3://ckpt/core019_tp1", block=("s3fs", "fsspec"))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(
+        "ckptdoctor: error: s3:// URLs need the 's3fs' package, which is not installed: pip install 'ckptdoctor[s3]'\n"
+    )
+    proc = run_cli("check", "msc://profile/ckpt", block=("multistorageclient",))
+    assert proc.returncode == 2
+    assert "pip install 'ckptdoctor[msc]'" in proc.stderr.splitlines()[0]
+
+
+def test_remote_path_answers_like_a_path(remote):
+    path = as_path(f"{PREFIXES['s3']}core019_tp1/iter_0000010/metadata.json")
+    assert str(path.parent.parent) == f"{PREFIXES['s3']}core019_tp1" and path.name == "metadata.json"
+    assert path.is_file() and not path.is_dir() and path.parent.is_dir() and path.stem == "metadata"
+    assert path.stat().st_size == (FIXTURES / "core019_tp1/iter_0000010/metadata.json").stat().st_size
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted(
+        p.name for p in (FIXTURES / "core019_tp1/iter_0000010").iterdir()
+    )
+    assert as_path("file:///tmp/x") == Path("/tmp/x") and as_path("relative/dir") == Path("relative/dir")
+
+
+IN_PLACE = "cannot be changed in place on object storage"
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (("strip-frozen", "--force", "--in-place", "@s3:core019_tp1"), IN_PLACE),
+        (("fix-args", "--write", "--in-place", "@s3:core019_convert_tp4"), IN_PLACE),
+        (("seal", "@msc:core019_tp1"), IN_PLACE),
+        (("fix-args", "--write", "--output", "{tmp}/out", "@s3:core019_convert_tp4"), "writing a copy of a checkpoint"),
+        (("strip-frozen", "--force", "--output", "s3://ckpt/out", "@core019_tp1"), "--output to object storage"),
+    ],
+)
+def test_writes_to_object_storage_are_refused_clearly(remote, capsys, tmp_path, args, expected):
+    argv = []
+    for a in args:
+        if a.startswith("@s3:") or a.startswith("@msc:"):
+            backend, name = a[1:].split(":", 1)
+            argv.append(f"{PREFIXES[backend]}{name}")
+        else:
+            argv.append(local_args((a.replace("{tmp}", str(tmp_path)),))[0])
+    rc, out, err = ckd(capsys, *argv)
+    assert rc == 2 and expected in err and err.count("\n") == 1, out + err
+    assert not [r for r in remote.log.requests if r.method in ("PUT", "POST", "DELETE")]
+    assert not (Path.cwd() / "s3:").exists() and not (tmp_path / "out").exists()
