@@ -8,6 +8,7 @@ import os
 import random
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -219,3 +220,48 @@ def test_torchrun_failing_rank_fails_the_run_with_its_message(damaged, stage):
         assert lines[0].startswith("ckptdoctor: error: ") and "(rank 1: Input/output error)" in lines[0]
     else:
         assert lines[0] == "ckptdoctor: error: rank 1: stale file handle while scanning"
+
+
+# --- archive layouts reused across chunks (values.archive_memo) ----------------------------------------------
+
+
+def _saved(tensor) -> bytes:
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return buffer.getvalue()
+
+
+def test_archive_layout_reused_only_for_an_identical_directory():
+    torch = pytest.importorskip("torch")
+    from ckptdoctor.formats.archive import parse_archive
+    from ckptdoctor.values import archive_memo
+
+    first, second = _saved(torch.arange(12.0).view(3, 4)), _saved(torch.ones(3, 4))
+    assert len(first) == len(second) and first != second  # same layout, other values and CRCs
+    archive_memo.remember(first, parse_archive(first, "first"))
+    layout = archive_memo.lookup(second)
+    assert layout is not None
+    start, size = layout.records["0"]
+    assert second[start : start + size] == struct.pack("<12f", *[1.0] * 12)
+    other_name = bytearray(second)
+    at = other_name.rfind(b"data/0")  # the name in the central directory
+    other_name[at + 5 : at + 6] = b"1"
+    assert archive_memo.lookup(bytes(other_name)) is None
+    moved = bytearray(second)
+    pkl_header = layout.headers[0][0]
+    moved[pkl_header + 28] ^= 1  # the local header's extra length: data.pkl would start elsewhere
+    assert archive_memo.lookup(bytes(moved)) is None
+    assert archive_memo.lookup(second + b"") is not None
+
+
+def test_diff_values_reads_the_memo_path_like_the_full_parse(capsys):
+    """A second diff in the same process (layouts remembered) gives the same values report."""
+    pytest.importorskip("torch")
+    args = ["diff", "--values", "--format", "json", "--jobs", "1", "--section", "optimizer"]
+    pair = [str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp2")]
+    first, second = _cli(capsys, *args, *pair), _cli(capsys, *args, *pair)
+    assert first[0] == second[0] == 1 and _masked(first[1]) == _masked(second[1])

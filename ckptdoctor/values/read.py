@@ -16,6 +16,7 @@ from ckptdoctor.formats.archive import parse_archive, storage_ref, unpickle
 from ckptdoctor.formats.torch_zip import load_torch_zip
 from ckptdoctor.locate import BACKEND_ZARR
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, TensorRef
+from ckptdoctor.values import archive_memo
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint, Entry
@@ -160,10 +161,16 @@ def read_chunk_view(
         blob = torch_dist.read_range(checkpoint.iteration_dir, chunk.storage, entry.max_range_bytes(chunk))
     if checkpoint.location.backend == BACKEND_ZARR:
         return tensor_from_ref(_zarr_chunk_ref(entry, chunk, blob, where), where), len(blob)
-    archive = parse_archive(blob, where)
-    if any(member.method for member in archive.members.values()):  # compressed records: the copying path
-        return read_chunk(checkpoint, entry.key, entry.chunks.index(chunk)), len(blob)
-    pickled = archive.pickle(verify_crc=verify_crc)
+    layout = None if verify_crc else archive_memo.lookup(blob)
+    if layout is not None:  # the directory of an archive like one parsed before: its layout, no parse
+        archive = None
+        pickled: Any = blob[layout.pkl[0] : layout.pkl[0] + layout.pkl[1]]
+    else:
+        archive = parse_archive(blob, where)
+        if any(member.method for member in archive.members.values()):  # compressed records: the copying path
+            return read_chunk(checkpoint, entry.key, entry.chunks.index(chunk)), len(blob)
+        pickled = archive.pickle(verify_crc=verify_crc)
+        archive_memo.remember(blob, archive)
     key, dtype_name, numel, offset, shape, stride = _chunk_view(bytes(pickled), where)
     if tuple(shape) != tuple(chunk.sizes):
         raise CkptError(f"{where}: stored shape {list(shape)} differs from metadata {list(chunk.sizes)}")
@@ -172,10 +179,14 @@ def read_chunk_view(
     dtype = getattr(torch, dtype_name, None)
     if dtype is None:
         raise CkptError(f"{where}: dtype torch.{dtype_name} is not known to this torch version")
-    record = archive.storage(key)
-    if verify_crc:
-        archive.read(record.name, record.size)
-    start, size = record.start, record.size
+    if archive is None and layout is not None and key in layout.records:
+        start, size = layout.records[key]
+    else:
+        archive = archive or parse_archive(blob, where)
+        record = archive.storage(key)
+        if verify_crc:
+            archive.read(record.name, record.size)
+        start, size = record.start, record.size
     itemsize = _ITEMSIZE.get(dtype)
     if itemsize is None:
         itemsize = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
