@@ -215,6 +215,8 @@ def test_usage_errors(capsys, tmp_path):
     rc, _, err = _run(capsys, "edit", src, *WEIGHTS_ONLY, "-o", src / ITER / "inside")
     assert rc == 2 and "inside the source checkpoint" in err
     assert not (src / ITER / "inside").exists()
+    rc, _, err = _run(capsys, "edit", FIXTURES / "core014_zarr_tp2", "--drop-extra-state", "-o", tmp_path / "z")
+    assert rc == 2 and "not a torch_dist checkpoint" in err and not (tmp_path / "z").exists()
 
 
 # --- dry run, JSON ----------------------------------------------------------------------------------------

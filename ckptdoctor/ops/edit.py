@@ -214,7 +214,8 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
     where = checkpoint.iteration_dir
     if not removed and not renamed:
         raise CkptError(f"{where}: the edit matches no key; nothing to change, nothing written")
-    if checkpoint.entries and not any(checkpoint.entries[k].section == "model" for k in kept):
+    had_model = any(e.section == "model" for e in checkpoint.entries.values())
+    if had_model and not any(checkpoint.entries[k].section == "model" for k in kept):
         raise CkptError(f"{where}: the edit removes every model key; nothing written")
     dropped = _whole_sections(checkpoint, removed)
     flags, notes = load_flags(checkpoint, removed, dropped)

@@ -124,6 +124,11 @@ def edit(
     progress: Callable[[int], None] | None = None,
 ) -> EditReport:
     """Plan the edit and (unless ``dry_run``) write it; every refusal happens before anything is written."""
+    if checkpoint.dcp is None:
+        raise CkptError(
+            f"{checkpoint.iteration_dir}: not a torch_dist checkpoint (no DCP .metadata to rewrite); "
+            "edit works on torch_dist checkpoints (Megatron's default since core 0.6)"
+        )
     check_integrity(checkpoint, "edit")
     plan = plan_edit(checkpoint, request)
     if dry_run:
