@@ -16,6 +16,7 @@ import argparse
 import functools
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,18 @@ def best(fn, repeats: int = 5) -> float:
     return min(times)
 
 
+def child_cpu(cmd: list[str], repeats: int = 3) -> float:
+    """Least CPU time (user + sys) of a child process over ``repeats`` runs: unlike wall time, hardly
+    affected by other processes on a shared machine."""
+    least = float("inf")
+    for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run(cmd, capture_output=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        least = min(least, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return least
+
+
 def open_and_predict(save: Path, target: str, run: object) -> None:
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.ops.can_load import LoadRun, predict
@@ -62,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         save = Path(tmp) / "synthetic"
         subprocess.run(
-            [sys.executable, str(REPO / "bench" / "make_synthetic.py"), "--out", str(save), "--total-bytes", "64M"]
+            [sys.executable, str(REPO / "bench" / "make_synthetic.py"), "--out", str(save), "--total-bytes", "16M"]
             + ["--keys", str(opts.keys), "--files", "16"],
             check=True,
             stdout=subprocess.DEVNULL,
@@ -79,22 +92,26 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "target": " ".join([target, *extra]),
                     "verdict": report.verdict,
+                    "failing": report.failing_sections,
                     "predict_s": round(best(functools.partial(predict, ckpt, target, run)), 4),
                     "open_and_predict_s": round(best(functools.partial(open_and_predict, save, target, run)), 4),
                     "cli_process_s": round(best(functools.partial(subprocess.run, cli, capture_output=True), 3), 4),
+                    "cli_process_cpu_s": round(child_cpu(cli), 4),
                 }
             )
             print(json.dumps(rows[-1]))
         keys = len(ckpt.entries)
         inspect_cli = [sys.executable, "-m", "ckptdoctor", "inspect", str(save)]
         inspect_s = round(best(functools.partial(subprocess.run, inspect_cli, capture_output=True), 3), 4)
-        print(json.dumps({"inspect_process_s": inspect_s}))
+        inspect_cpu = round(child_cpu(inspect_cli), 4)
+        print(json.dumps({"inspect_process_s": inspect_s, "inspect_process_cpu_s": inspect_cpu}))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
     result = {
         "bench": "can_load",
         "keys": keys,
         "rows": rows,
         "inspect_process_s": inspect_s,
+        "inspect_process_cpu_s": inspect_cpu,
         "loadavg": os.getloadavg(),
         "cpus": len(os.sched_getaffinity(0)),
         "commit": commit.stdout.strip(),

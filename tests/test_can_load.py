@@ -217,3 +217,35 @@ def test_bad_set_is_a_usage_error():
 def test_rows_are_unique():
     assert len({r["id"] for r in ROWS}) == len(ROWS)
     assert all(Path(FIXTURES / r["fixture"]).is_dir() for r in ROWS)
+
+
+def test_release_checkpoint_loads_model_only(tmp_path):
+    import shutil
+
+    save = tmp_path / "save"
+    shutil.copytree(FIXTURES / "core019_tp1" / "iter_0000010", save / "release")
+    (save / "latest_checkpointed_iteration.txt").write_text("release")
+    report = predict(open_checkpoint(save), "tp=2", LoadRun())
+    verdicts = {s.section: (s.verdict, s.why) for s in report.sections}
+    assert report.will_load
+    assert verdicts["optimizer"] == ("skipped", "not requested (a release checkpoint)")
+    assert verdicts["rng"][0] == verdicts["rerun"][0] == "skipped"
+
+
+def test_sharding_type_without_content_metadata():
+    from ckptdoctor.ops.can_load_optim import sharding_type
+
+    typed = {"content_metadata": {"distrib_optim_sharding_type": "fully_reshardable"}}
+    assert sharding_type(typed, {}, LoadRun()) == "fully_reshardable"
+    assert sharding_type({}, {"ckpt_fully_parallel_save": True}, LoadRun()) == "fully_sharded_model_space"
+    assert sharding_type({}, {}, LoadRun()) == "dp_zero_gather_scatter"
+    assert sharding_type({}, {}, LoadRun(dist_optim_sharding_type="dp_reshardable")) == "dp_reshardable"
+
+
+def test_startup_checks_at_the_target():
+    ckpt = open_checkpoint(FIXTURES / "core019_tp1")
+    report = predict(ckpt, "tp=8", LoadRun())
+    (args,) = [s for s in report.sections if s.section == "args"]
+    assert args.error == "ValueError: num_attention_heads (4) must be a multiple of tensor_model_parallel_size (8)."
+    moe = predict(open_checkpoint(FIXTURES / "core019_moe_ep2"), "ep=3,dp=3", LoadRun())
+    assert "args" in moe.failing_sections
