@@ -14,7 +14,9 @@ rotates each round) so that load from other work on the machine hits them alike;
 process, timed spawn to exit. Reported per command: median [min-max] seconds, and the ratio of ``cat``'s time
 to the command's time per round (= the command's throughput as a fraction of ``cat``'s over the same bytes),
 median [min-max], and the CPU seconds (user + sys of the command's process tree: on a machine shared with other
-work, wall time also measures the others). Results: ``bench/results/values.json``.
+work, wall time also measures the others). The cross-layout cases also time the value engine alone
+(``compare_values`` in-process, after opening both checkpoints and importing torch: ``ENGINE``), wall and CPU,
+before and after. Results: ``bench/results/values.json``.
 
 Usage::
 
@@ -71,6 +73,50 @@ def run_once(cmd: list[str], timeout: float) -> tuple[float, float]:
     if result.returncode not in (0, 1):
         raise SystemExit(f"{' '.join(cmd)}: exit {result.returncode}\n{result.stderr.decode()[-2000:]}")
     return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+# The value engine alone, in a child whose working dir is the measured tree (so its ckptdoctor is imported):
+# both checkpoints opened and torch imported first, then the wall and CPU seconds of compare_values only.
+ENGINE = """
+import inspect, json, sys, time
+import torch
+from ckptdoctor.checkpoint import open_checkpoint
+from ckptdoctor.ops.diff import diff_checkpoints
+import ckptdoctor.values.diff as values_diff
+measured = {}
+inner = values_diff.compare_values
+def timed(*args, **kwargs):
+    wall, cpu = time.perf_counter(), time.process_time()
+    report = inner(*args, **kwargs)
+    measured.update(wall=time.perf_counter() - wall, cpu=time.process_time() - cpu, report=report)
+    return report
+values_diff.compare_values = timed
+a, b = open_checkpoint(sys.argv[1]), open_checkpoint(sys.argv[2])
+extra = {"jobs": 1} if "jobs" in inspect.signature(diff_checkpoints).parameters else {}
+diff_checkpoints(a, b, values=True, **extra)
+r = measured["report"]
+print(json.dumps({"wall": measured["wall"], "cpu": measured["cpu"], "bytes": r.bytes_read["a"] + r.bytes_read["b"],
+                  "equal": r.equal, "compared": r.compared, "workers": r.workers}))
+"""
+
+
+def engine(code: Path, a: Path, b: Path, rounds: int) -> dict:
+    """``compare_values`` alone (see ENGINE), ``rounds`` runs: wall and CPU seconds, MB/s of CPU."""
+    runs = []
+    for _ in range(rounds):
+        out = subprocess.run(
+            [PYTHON, "-c", ENGINE, str(a), str(b)], cwd=code, capture_output=True, text=True, check=True
+        ).stdout
+        runs.append(json.loads(out.strip().splitlines()[-1]))
+        print(f"  engine {code.name}: {runs[-1]}", file=sys.stderr, flush=True)
+    return {
+        "wall_seconds": spread([r["wall"] for r in runs]),
+        "cpu_seconds": spread([r["cpu"] for r in runs]),
+        "bytes": runs[0]["bytes"],
+        "equal": runs[0]["equal"],
+        "compared": runs[0]["compared"],
+        "workers": runs[0]["workers"],
+    }
 
 
 def spread(values: list[float]) -> dict:
@@ -154,7 +200,10 @@ def main() -> int:
                 "b": info(pb),
                 "bytes": sum(f.stat().st_size for f in both),
                 "figures": alternate(commands, a.rounds, a.timeout),
+                "engine_after": engine(a.code, pa, pb, a.rounds),
             }
+            if a.before is not None:
+                doc["cross_layout"][name]["engine_before"] = engine(a.before, pa, pb, a.rounds)
     if a.only != "cross":
         deep = a.data / "tp8"
         pair = (a.data / "tp2", a.data / "tp4")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.torch_dist import check_range_length, chunk_overlap
+from ckptdoctor.formats.torch_dist import chunk_overlap
 from ckptdoctor.values.accumulate import Accumulator, Different
 from ckptdoctor.values.io import Context
 
@@ -103,11 +103,9 @@ def _blob(side: Side, chunk: DcpChunk, ctx: Context) -> bytes:
     ckpt, entry = side.ckpt, side.entry
     if chunk.storage is None:
         raise CkptError(f"{ckpt.iteration_dir}: {entry.key} chunk at {list(chunk.offsets)}: no storage entry")
-    limit = entry.max_range_bytes(chunk)
-    check_range_length(ckpt.iteration_dir / chunk.storage.relative_path, chunk.storage, limit)
     ctx.inflight.acquire(chunk.storage.length)
-    try:
-        data = ctx.files.read(ckpt, chunk.storage, limit)
+    try:  # Files.read refuses a range longer than the chunk can need (Entry.max_range_bytes)
+        data = ctx.files.read(ckpt, chunk.storage, entry.max_range_bytes(chunk))
     except BaseException:
         ctx.inflight.release(chunk.storage.length)
         raise
