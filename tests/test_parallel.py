@@ -265,3 +265,42 @@ def test_diff_values_reads_the_memo_path_like_the_full_parse(capsys):
     pair = [str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp2")]
     first, second = _cli(capsys, *args, *pair), _cli(capsys, *args, *pair)
     assert first[0] == second[0] == 1 and _masked(first[1]) == _masked(second[1])
+
+
+# --- the value engine across layouts (values.tensor) ---------------------------------------------------------
+
+
+def test_plan_overlaps_finds_exactly_the_overlapping_chunks():
+    from ckptdoctor.formats.torch_dist import DcpChunk, chunk_overlap
+    from ckptdoctor.values.tensor import plan_overlaps
+
+    def grid(rows: int, cols: int, shape=(12, 8)) -> list[DcpChunk]:
+        h, w = shape[0] // rows, shape[1] // cols
+        return [DcpChunk((r * h, c * w), (h, w), None) for r in range(rows) for c in range(cols)]
+
+    for coarse, fine in ((grid(2, 1), grid(4, 4)), (grid(3, 2), grid(2, 4)), (grid(1, 1), grid(12, 8))):
+        plan = plan_overlaps(coarse, fine)
+        assert plan.disjoint
+        for chunk, found in zip(plan.coarse, plan.overlaps):
+            expected = {j for j, other in enumerate(fine) if chunk_overlap(chunk, other) is not None}
+            assert set(found) == expected and len(found) == len(expected)
+
+
+def test_bitwise_equal_across_layouts_stops_at_the_first_difference(monkeypatch):
+    pytest.importorskip("torch")
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.values.io import Files
+    from ckptdoctor.values.tensor import tensors_bitwise_equal
+
+    tp4, tp1 = open_checkpoint(FIXTURES / "core019_convert_tp4"), open_checkpoint(FIXTURES / "core019_convert_src_tp1")
+    keys = [k for k, e in tp1.entries.items() if e.section == "model" and e.kind == "tensor"]
+    assert all(tensors_bitwise_equal(tp4, tp4.entries[k], tp1, tp1.entries[k]) for k in keys)  # a reshard
+    a, b = open_checkpoint(FIXTURES / "core019_tp2"), open_checkpoint(FIXTURES / "core019_tp1")
+    reads: list[str] = []
+    inner = Files.read
+    monkeypatch.setattr(
+        Files, "read", lambda self, ckpt, loc, limit=None: reads.append(loc) or inner(self, ckpt, loc, limit)
+    )
+    key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"  # TP=1 and TP=2 runs differ (~1e-6)
+    assert not tensors_bitwise_equal(a, a.entries[key], b, b.entries[key])
+    assert 0 < len(reads) < len(a.entries[key].chunks) + len(b.entries[key].chunks)
