@@ -61,6 +61,7 @@ DERIVED_ARGS = {  # a fresh launch leaves these to megatron (resolved at the lau
 # Where a key or a message belongs: the checkpoint sections an error names.
 SECTION_PATTERNS = (
     ("args", r"weight_shards|value from checkpoint|must be a multiple|should be divisible"),
+    ("common", r"'tuple' object has no attribute"),
     ("format", r"No such file or directory: '[^']*\.metadata'|not a distributed checkpoint"),
     ("optimizer", r"optimizer\.|'optimizer'|DistributedOptimizer|per_bucket_numel|parameter group|param_groups"),
     ("rng", r"rng_state"),

@@ -249,3 +249,9 @@ def test_startup_checks_at_the_target():
     assert args.error == "ValueError: num_attention_heads (4) must be a multiple of tensor_model_parallel_size (8)."
     moe = predict(open_checkpoint(FIXTURES / "core019_moe_ep2"), "ep=3,dp=3", LoadRun())
     assert "args" in moe.failing_sections
+
+
+def test_readme_table_lists_every_cell():
+    readme = (REPO / "README.md").read_text()
+    missing = [r["id"] for r in ROWS if f"| {r['id']} | {r['fixture']} | {r['target']} |" not in readme]
+    assert not missing, f"README's can-load matrix lacks {missing}"

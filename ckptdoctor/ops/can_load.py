@@ -32,7 +32,7 @@ from ckptdoctor.parallelism import infer_layout
 
 SCHEMA = "ckptdoctor.can-load/1"
 LOADS, RESHARDS, SKIPPED, FAILS = "loads", "reshards", "skipped", "fails"
-SECTION_ORDER = ("format", "args", "model", "optimizer", "rng", "rerun")
+SECTION_ORDER = ("format", "args", "common", "model", "optimizer", "rng", "rerun")
 _RAISING = ("raise_unexpected", "raise_all")
 _DROPPING = ("log_unexpected", "log_all", "ignore_all", "return_unexpected", "return_all")
 UNEXPECTED_TITLE = "Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict."
@@ -285,6 +285,17 @@ def predict(
     if fmt is not None:
         sections.append(fmt)
     sections.append(_args_verdict(ctx))
+    if run.strictness.startswith("return_"):
+        sections.append(
+            SectionVerdict(
+                "common",
+                FAILS,
+                f"with {run.strictness}, dist_checkpointing.load returns (state_dict, missing_keys, unexpected_keys); "
+                "Megatron-LM's load_checkpoint reads it as the state dict",
+                "AttributeError: 'tuple' object has no attribute 'get'",
+                "--strictness log_unexpected or log_all (log instead of return the mismatches)",
+            )
+        )
     changed = _layout_change(ctx)
     plan = model_plan(ckpt, saved_args, args, saved.tp, target.tp, bool(run.sets and "padded_vocab_size" in run.sets))
     sections.append(_section_from_plan("model", plan, ctx, changed))
@@ -300,6 +311,7 @@ def predict(
     sections += [rng, rerun]
     requested |= rng_keys | rerun_keys
     _missing_keys(ctx, sections, requested)
+    sections.sort(key=lambda s: SECTION_ORDER.index(s.section))
     failing = [s.section for s in sections if s.verdict == FAILS]
     return CanLoadReport(
         schema=SCHEMA,
