@@ -255,3 +255,12 @@ def test_readme_table_lists_every_cell():
     readme = (REPO / "README.md").read_text()
     missing = [r["id"] for r in ROWS if f"| {r['id']} | {r['fixture']} | {r['target']} |" not in readme]
     assert not missing, f"README's can-load matrix lacks {missing}"
+
+
+def test_readme_example_is_current_output():
+    readme = (REPO / "README.md").read_text()
+    command = "$ ckptdoctor can-load fixtures/core019_tp2_dp2 --target tp=1\n"
+    start = readme.index(command) + len(command)
+    shown = readme[start : readme.index("```\n", start)]
+    proc = run_cli("can-load", "fixtures/core019_tp2_dp2", "--target", "tp=1")
+    assert proc.returncode == 1 and proc.stdout == shown

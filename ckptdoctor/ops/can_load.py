@@ -157,13 +157,13 @@ def _section_from_plan(section: str, plan: KeyPlan, ctx: _Context, changed: str 
             f"(e.g. {sorted(plan.unexpected)[0]}) dropped under strictness {ctx.run.strictness}: "
             "left at their initial values"
         )
-    verdict = RESHARDS if changed else LOADS
-    why = plan.why or (f"resharded: {changed}" if changed else "same layout")
+    verdict = RESHARDS if changed or plan.reshards else LOADS
+    why = plan.why or (f"resharded: {changed}" if changed else "same TP, PP, EP and ETP: chunks read as saved")
     return SectionVerdict(section, verdict, why, requested=len(plan.requested), present=len(plan.present))
 
 
 def _layout_change(ctx: _Context) -> str | None:
-    fields = ("tp", "pp", "ep", "etp", "cp", "dp")
+    fields = ("tp", "pp", "ep", "etp")  # what cuts model tensors (DP and CP replicate them)
     changes = [
         f"{f.upper()} {getattr(ctx.saved, f)}->{getattr(ctx.target, f)}"
         for f in fields
@@ -245,7 +245,11 @@ def _object_verdict(ctx: _Context, section: str, wanted: set[str], present: set[
             len(present),
         )
     return SectionVerdict(
-        section, LOADS, "same layout: per-rank objects match", requested=len(wanted), present=len(present)
+        section,
+        LOADS,
+        "the per-rank objects the run requests are all saved",
+        requested=len(wanted),
+        present=len(present),
     )
 
 

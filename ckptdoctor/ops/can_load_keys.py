@@ -45,6 +45,7 @@ class KeyPlan:
     shape_failure: SectionVerdict | None = None
     why: str | None = None
     fix: str | None = None
+    reshards: bool = False  # cut differently at the target although TP/PP/EP/ETP are unchanged (DP buckets)
 
 
 def logical(key: str, kind: str) -> str:

@@ -107,7 +107,8 @@ def optimizer_verdict(
     bucket_keys = [k for k in present if k.startswith("optimizer.distributed.")]
     if distributed and bucket_keys and sharding_type(common, saved_args, run) == "dp_reshardable":
         plan.requested = {k: present[k] for k in bucket_keys}
-        plan.why = "dp_reshardable buckets resharded across DP" if saved.dp != target.dp else None
+        plan.reshards = saved.dp != target.dp
+        plan.why = "dp_reshardable buckets resharded across DP" if plan.reshards else None
     else:
         model_keys = [k for k, shape in model.requested.items() if shape is not None and "_extra_state" not in k]
         saved_state = {k for k in present if k.startswith("optimizer.state.")}

@@ -228,14 +228,15 @@ def load_yaml_args(path: Path) -> dict[str, Any]:
 
 
 def model_args_from(source: str) -> dict[str, Any]:
-    """``--args-from``: a YAML file, or another checkpoint's saved args."""
+    """``--args-from``: a YAML file, or another checkpoint's saved model args."""
     path = Path(source)
     if path.is_file() and path.suffix.lower() in (".yaml", ".yml"):
         return load_yaml_args(path)
-    from ckptdoctor.args import args_as_dict
+    from ckptdoctor.args import arg_group, args_as_dict
     from ckptdoctor.checkpoint import open_checkpoint
 
     args = args_as_dict(open_checkpoint(source).args)
     if not args:
         raise CkptError(f"--args-from {source}: that checkpoint saved no args")
-    return args
+    # The model args only: that run's layout, derived GTP args and training state stay the loading run's.
+    return {k: v for k, v in args.items() if arg_group(k) not in ("parallelism", "parallelism-derived", "training")}
