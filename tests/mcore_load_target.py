@@ -9,7 +9,8 @@ after adding a cell; tests/test_can_load.py runs ``--matrix`` and compares). The
 
     python tests/mcore_load_target.py CELLS.json RESULTS.json
 
-takes cells of one world size (target given as a dict). Each
+takes cells of one world size (target given as a dict); ``--readme-table`` prints the matrix as README's table.
+Each
 cell builds the loading run the way a fresh launch at the target layout would: Megatron-LM's default args,
 overlaid with the checkpoint's saved args (or all of them except the layout ones with ``use_checkpoint_args``),
 the target layout, the load flags and ``set`` overrides. It validates the parallelism-derived args with
@@ -261,7 +262,28 @@ def run_matrix(out: Path, record: bool, only: list[str]) -> None:
         MATRIX.write_text("\n".join(lines) + "\n")
 
 
+def readme_table() -> str:
+    """The matrix as README's markdown table (``--readme-table``)."""
+    lines = ["| cell | checkpoint | target | loading run | real load (megatron-core 0.19.2) |", "|---|---|---|---|---|"]
+    for row in (json.loads(line) for line in MATRIX.read_text().splitlines() if line.strip()):
+        flags = [f"`--{k.replace('_', '-')}`" for k in ("finetune", "no_load_optim", "no_load_rng") if row.get(k)]
+        flags += ["`--use-checkpoint-args`"] if row.get("use_checkpoint_args") else []
+        flags += [f"`--strictness {row['strictness']}`"] if row.get("strictness") else []
+        if "use_distributed_optimizer" in row:
+            flags.append(f"`--{'' if row['use_distributed_optimizer'] else 'no-'}use-distributed-optimizer`")
+        flags += [f"`--set {k}={v}`" for k, v in row.get("set", {}).items()]
+        expect = row["expect"]
+        error = expect.get("error", "").replace("`", "'").replace("|", "\\|")
+        error = error[:110] + ("..." if len(error) > 110 else "")
+        outcome = "loads" if expect["outcome"] == "loads" else f"**fails** ({', '.join(expect['sections'])}): {error}"
+        lines.append(f"| {row['id']} | {row['fixture']} | {row['target']} | {' '.join(flags)} | {outcome} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if sys.argv[1] == "--readme-table":
+        print(readme_table())
+        return
     if sys.argv[1] == "--matrix":
         rest = sys.argv[3:]
         run_matrix(Path(sys.argv[2]), "--record" in rest, [a for a in rest if a != "--record"])

@@ -264,3 +264,22 @@ def test_readme_example_is_current_output():
     shown = readme[start : readme.index("```\n", start)]
     proc = run_cli("can-load", "fixtures/core019_tp2_dp2", "--target", "tp=1")
     assert proc.returncode == 1 and proc.stdout == shown
+
+
+@pytest.mark.parametrize(
+    "sets, key, changed",
+    [
+        ({"swiglu": False}, "decoder.layers.mlp.linear_fc1.weight", "swiglu True->False"),
+        (
+            {"group_query_attention": True, "num_query_groups": 2},
+            "decoder.layers.self_attention.linear_qkv.weight",
+            "num_query_groups 4->2",
+        ),
+        ({"ffn_hidden_size": 128}, "decoder.layers.mlp.linear_fc1.weight", "ffn_hidden_size 64->128"),
+    ],
+)
+def test_model_shape_changes_name_the_key_and_the_arg(sets, key, changed):
+    report = predict(open_checkpoint(FIXTURES / "core019_tp1"), "tp=1", LoadRun(finetune=True, sets=sets))
+    (model,) = [s for s in report.sections if s.section == "model"]
+    assert model.verdict == "fails" and key in model.error and changed in model.fix
+    assert model.error.startswith("CheckpointingException: Global shape mismatch for loaded (torch.Size([")
