@@ -136,18 +136,24 @@ def render(doc: dict) -> str:
     cases = doc["group"]["cases"]
     sizes = doc["sizes"]
     lines = [
-        "| era | size | fix-args --write wall s, median [min–max] | peak RSS MB | data files hard-linked |",
-        "|---|---|---|---|---|",
+        "| era | size | fix-args --write wall s, median [min–max] | CPU s (median) | peak RSS MB "
+        "| data files hard-linked |",
+        "|---|---|---|---|---|---|",
     ]
     for era in ERAS:
         for size in sizes:
             c = cases[f"{era} {size}"]
             linked = doc["hard_linked_data_files"].get(f"{era} {size}")
-            lines.append(f"| {era} | {size} | {fmt_spread(c['seconds'])} | {c['peak_rss_mb']:.0f} | {linked} |")
+            lines.append(
+                f"| {era} | {size} | {fmt_spread(c['seconds'])} | {c['cpu_s']['median']:.2f} | {c['peak_rss_mb']:.0f} "
+                f"| {linked} |"
+            )
         r = doc["ratios"][era]
         verdict = "met" if r and r["median"] <= 1.3 else "MISSED"
+        cpu = harness.summary_ratio(cases, f"{era} {sizes[-1]}", f"{era} {sizes[0]}")
         lines.append(
-            f"| {era} | ratio {sizes[-1]}/{sizes[0]} per round | {fmt_spread(r, '.2f')} (<= 1.3: {verdict}) | | |"
+            f"| {era} | ratio {sizes[-1]}/{sizes[0]} per round | {fmt_spread(r, '.2f')} (<= 1.3: {verdict}) "
+            f"| CPU: {fmt_spread(cpu, '.2f')} | | |"
         )
     return "\n".join(lines)
 

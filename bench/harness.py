@@ -226,6 +226,14 @@ class Group:
         return {"cases": out, "order": self.order, "loadavg_per_round": self.loadavg_per_round}
 
 
+def summary_ratio(cases: dict, a: str, b: str, field: str = "cpu_s") -> dict | None:
+    """Per-round ratio a_i / b_i of one field of the runs in a ``Group.summary()["cases"]`` (e.g. CPU time, which
+    other load inflates less than wall time), as median [min-max]."""
+    if cases[a]["failure"] or cases[b]["failure"] or not cases[a]["runs"]:
+        return None
+    return spread([x[field] / y[field] for x, y in zip(cases[a]["runs"], cases[b]["runs"])])
+
+
 def alternate(
     cases: dict[str, Case], rounds: int, timeout: float = 600, warm_up: bool = True, verbose: bool = True
 ) -> Group:

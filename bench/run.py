@@ -162,8 +162,8 @@ def render_inspect(doc: dict) -> str:
     cases = doc["group"]["cases"]
     sizes = list(doc["inputs"])
     lines = [
-        "| command | " + " | ".join(f"{s}: s, median [min–max] | peak RSS MB" for s in sizes) + " |",
-        "|---|" + "---|---|" * len(sizes),
+        "| command | " + " | ".join(f"{s}: wall s, median [min–max] | CPU s | peak RSS MB" for s in sizes) + " |",
+        "|---|" + "---|---|---|" * len(sizes),
     ]
     rows = [
         ("`ckptdoctor inspect --format json` (whole process)", "inspect"),
@@ -176,21 +176,28 @@ def render_inspect(doc: dict) -> str:
         cells = []
         for size in sizes:
             c = cases.get(f"{key} {size}")
-            rss = "-" if c is None or c["metric"] == "reported" else f"{c['peak_rss_mb']:.0f}"
-            cells.append(f"{fmt_spread(c and c['seconds'])} | {rss}")
+            whole = c is not None and c["metric"] != "reported"  # in-process: the call alone, no CPU/RSS of it
+            rss = f"{c['peak_rss_mb']:.0f}" if whole else "-"
+            cpu = f"{c['cpu_s']['median']:.2f}" if whole else "-"
+            cells.append(f"{fmt_spread(c and c['seconds'])} | {cpu} | {rss}")
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     floor = cases["floor"]
     lines.append(
         f'| floor `python -c "import click, tabulate"` | {fmt_spread(floor["seconds"])} | '
-        f"{floor['peak_rss_mb']:.0f} |" + " | |" * (len(sizes) - 1)
+        f"{floor['cpu_s']['median']:.2f} | {floor['peak_rss_mb']:.0f} |" + " | | |" * (len(sizes) - 1)
     )
     lines += ["", "| ratio (per round, median [min–max]) | " + " | ".join(sizes) + " |", "|---|" + "---|" * len(sizes)]
     for name in doc["ratios"][sizes[0]]:
         lines.append(f"| {name} | " + " | ".join(fmt_spread(doc["ratios"][s][name], ".2f") for s in sizes) + " |")
+    cpu = [harness.summary_ratio(cases, f"inspect {s}", f"read_metadata {s}") for s in sizes]
+    lines.append(
+        "| inspect / read_metadata, whole processes, CPU time | " + " | ".join(fmt_spread(c, ".2f") for c in cpu) + " |"
+    )
     if "size_ratio" in doc:
+        cpu = harness.summary_ratio(cases, f"inspect {sizes[-1]}", f"inspect {sizes[0]}")
         lines.append(
-            f"| inspect {sizes[-1]} / {sizes[0]} (whole processes) | {fmt_spread(doc['size_ratio'], '.2f')} |"
-            + " |" * (len(sizes) - 1)
+            f"| inspect {sizes[-1]} / {sizes[0]} (whole processes): wall; CPU | "
+            f"{fmt_spread(doc['size_ratio'], '.2f')}; {fmt_spread(cpu, '.2f')} |" + " |" * (len(sizes) - 1)
         )
     ca = doc.get("convert_and_load")
     if ca:
