@@ -81,11 +81,15 @@ class Handle:
         os.close(self.fd)
 
 
-def open_handle(path: Path | RemotePath) -> Handle | Any:
+def open_handle(path: Path | RemotePath, planned: list[tuple[int, int]] | None = None) -> Handle | Any:
     """A file for repeated ranged reads (``pread(length, offset)``, ``close()``); :class:`CkptError` if it
-    cannot be opened. Remote files read each range with one GET."""
+    cannot be opened. ``planned``: the (offset, length) ranges the reader will ask for, in any order; a remote
+    file coalesces them into few requests, each range fetched once (a local file reads each with ``pread``)."""
     if isinstance(path, RemotePath):
-        return open_regular(path)
+        handle = open_regular(path)
+        if planned:
+            handle.plan(planned)  # type: ignore[attr-defined]
+        return handle
     return Handle(path)
 
 

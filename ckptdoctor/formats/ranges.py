@@ -8,8 +8,10 @@ bytes fetched and not yet consumed stay under ``MAX_IN_FLIGHT`` (a request large
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -106,3 +108,61 @@ class Prefetcher:
     def close(self) -> None:
         for index in list(self.futures):
             self._drop(index)
+
+
+class PlannedReads:
+    """Ranges of one object a reader will ask for in any order (``diff --values``: chunks of a run of keys).
+
+    Touching ranges are merged into requests (no gap bytes); the first read inside a request GETs all of it (and starts the next one),
+    and a request is dropped once each of its ranges was read, so every planned range crosses the wire once.
+    Requests held per object stay under two requests' size (the oldest is dropped first; a range of it read
+    later is fetched again).
+    """
+
+    def __init__(self, store: ObjectStore, key: str, ranges: list[tuple[int, int]], size: int) -> None:
+        self.store = store
+        self.key = key
+        wanted = sorted({(o, n) for o, n in ranges if n > 0 and o + n <= size})
+        # only touching ranges merge: bytes between them may be another worker's (each range crosses once)
+        self.requests = coalesce(wanted, max_gap=0)
+        self.starts = [s for s, _ in self.requests]
+        self.left = [0] * len(self.requests)  # planned ranges not yet read, per request
+        for offset, _ in wanted:
+            self.left[bisect.bisect_right(self.starts, offset) - 1] += 1
+        self.held: OrderedDict[int, Future[bytes]] = OrderedDict()
+        self.held_bytes = 0
+        self.lock = threading.Lock()
+
+    def _fetch(self, index: int) -> Future[bytes]:
+        future = self.held.get(index)
+        if future is None:
+            start, end = self.requests[index]
+            while self.held and self.held_bytes + (end - start) > 2 * MAX_REQUEST:
+                old, _ = self.held.popitem(last=False)
+                self.held_bytes -= self.requests[old][1] - self.requests[old][0]
+            future = self.held[index] = pool().submit(self.store.read_range, self.key, start, end - start)
+            self.held_bytes += end - start
+        return future
+
+    def take(self, offset: int, length: int) -> bytes | None:
+        """The bytes of a planned range (None for one not planned: the caller reads it on its own)."""
+        index = bisect.bisect_right(self.starts, offset) - 1
+        if index < 0 or offset + length > self.requests[index][1] or not self.left[index]:
+            return None
+        with self.lock:
+            future = self._fetch(index)
+            if index + 1 < len(self.requests) and self.left[index + 1]:
+                self._fetch(index + 1)  # read ahead: the next request is usually next
+        start = self.requests[index][0]
+        data = future.result()[offset - start : offset - start + length]
+        with self.lock:
+            self.left[index] -= 1
+            if not self.left[index] and self.held.pop(index, None) is not None:
+                self.held_bytes -= self.requests[index][1] - start
+        return data
+
+    def close(self) -> None:
+        with self.lock:
+            for future in self.held.values():
+                future.cancel()
+            self.held.clear()

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckptdoctor.formats.ranges import Prefetcher
+from ckptdoctor.formats.ranges import PlannedReads, Prefetcher
 from ckptdoctor.formats.storage import ObjectStore, store_for
 
 
@@ -179,6 +179,7 @@ class RemoteFile(io.RawIOBase):
         self.size = size
         self.pos = 0
         self.prefetch: Prefetcher | None = None
+        self.planned: PlannedReads | None = None
 
     def readable(self) -> bool:
         return True
@@ -201,8 +202,18 @@ class RemoteFile(io.RawIOBase):
         """The (offset, length) reads to come, in order: fetched ahead, coalesced, concurrently."""
         self.prefetch = Prefetcher(self.path.store, self.path.key, ranges, self.size)
 
+    def plan(self, ranges: list[tuple[int, int]]) -> None:
+        """The (offset, length) reads to come, in any order: each coalesced request is fetched once."""
+        if self.planned is not None:
+            self.planned.close()
+        self.planned = PlannedReads(self.path.store, self.path.key, ranges, self.size)
+
     def pread(self, length: int, offset: int) -> bytes:
         length = max(0, min(length, self.size - offset))
+        if self.planned is not None:
+            data = self.planned.take(offset, length)
+            if data is not None:
+                return data
         if self.prefetch is not None:
             data = self.prefetch.take(offset, length)
             if data is not None:
@@ -227,6 +238,9 @@ class RemoteFile(io.RawIOBase):
         return self.read(max(0, self.size - self.pos))
 
     def close(self) -> None:
+        if self.planned is not None:
+            self.planned.close()
+            self.planned = None
         if self.prefetch is not None:
             self.prefetch.close()
             self.prefetch = None

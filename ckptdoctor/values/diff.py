@@ -244,6 +244,8 @@ def compare_values(
         if inline:
             budget.done = sum(weights[:lo])
         ctx = Context(budget, InFlight(1 << 62), torch)  # a count only: each worker holds one key's chunks
+        ctx.files.plan(a, (e for ia, _ in ordered[lo:hi] for e in ia.entries.values()))  # remote: few requests
+        ctx.files.plan(b, (e for _, ib in ordered[lo:hi] for e in ib.entries.values()))
         try:
             found = [_compare_pair(a, b, ia, ib, atol, rtol, ctx, report) for ia, ib in ordered[lo:hi]]
         finally:

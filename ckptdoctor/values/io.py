@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError
@@ -17,7 +17,7 @@ from ckptdoctor.formats.files import open_handle
 from ckptdoctor.formats.torch_dist import check_range_length
 
 if TYPE_CHECKING:
-    from ckptdoctor.checkpoint import Checkpoint
+    from ckptdoctor.checkpoint import Checkpoint, Entry
 
 
 def _soft_fd_limit() -> int:
@@ -42,6 +42,16 @@ class Files:
 
     def __init__(self) -> None:
         self.fds: OrderedDict[tuple[int, str], Any] = OrderedDict()  # handles from formats.files.open_handle
+        self.plans: dict[tuple[int, str], list[tuple[int, int]]] = {}
+
+    def plan(self, ckpt: Checkpoint, entries: Iterable[Entry]) -> None:
+        """The chunks about to be read (a run of keys), handed to each file when it is opened: object storage
+        then fetches them in few coalesced requests, each range once."""
+        for entry in entries:
+            for chunk in entry.chunks:
+                if chunk.storage is not None:
+                    where = (id(ckpt), chunk.storage.relative_path)
+                    self.plans.setdefault(where, []).append((chunk.storage.offset, chunk.storage.length))
 
     def read(self, ckpt: Checkpoint, location: Any, max_length: int | None = None) -> bytes:
         """One byte range; refused when longer than ``max_length`` (``Entry.max_range_bytes``)."""
@@ -52,7 +62,9 @@ class Files:
             if fd is None:
                 if len(self.fds) >= self.MAX_OPEN:
                     self.fds.popitem(last=False)[1].close()
-                fd = self.fds[name] = open_handle(ckpt.iteration_dir / location.relative_path)
+                fd = self.fds[name] = open_handle(
+                    ckpt.iteration_dir / location.relative_path, self.plans.pop(name, None)
+                )
             else:
                 self.fds.move_to_end(name)
             data = fd.pread(location.length, location.offset)
