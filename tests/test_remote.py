@@ -103,6 +103,8 @@ COMMANDS = [
     ("latest-good", "@core016_tp2"),
     ("fix-args", "@core019_tp2"),
     ("strip-frozen", "--dry-run", "@core019_tp1"),
+    ("edit", "--remove", "output_layer.weight", "--dry-run", "@core019_tp1"),
+    ("can-load", "@core019_tp2", "--target", "tp=1"),
 ]
 
 
