@@ -83,12 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120)
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "hostile.json")
+    parser.add_argument("--render", action="store_true", help="print the table of the results file (--out)")
     parser.add_argument("--prepare", type=Path, help=argparse.SUPPRESS)
     harness.add_common_options(parser)
     opts = parser.parse_args(argv)
     harness.use_code(opts.code)
     if opts.prepare:
         prepare(opts.prepare)
+        return 0
+    if opts.render:
+        print(render(json.loads(opts.out.read_text())))
         return 0
     recorder = harness.Recorder("hostile", argv)
     rows = []
@@ -132,22 +136,29 @@ def main(argv: list[str] | None = None) -> int:
                     f"{_s(r['benign_wall_s'])} {r['benign_peak_rss_mb'] or 0:.0f}MB",
                     flush=True,
                 )
-    recorder.write({"repeats": opts.repeats, "rows": rows}, name=opts.out.stem)
-    print("\n| case | command | input | hostile: exit, time, peak RSS | benign twin: time, peak RSS |")
-    print("|---|---|---:|---|---|")
-    for r in rows:
-        rc = ",".join(map(str, r["hostile_rc"])) + (" (TIMEOUT)" if r["hostile_timed_out"] else "")
-        print(
-            f"| {r['case']} | `{r['command']}` | {r['input_bytes'] / 1024:.0f} KiB | {rc}, "
-            f"{_s(r['hostile_wall_s'])}, {r['hostile_peak_rss_mb'] or 0:.0f} MB | "
-            f"{_s(r['benign_wall_s'])}, {r['benign_peak_rss_mb'] or 0:.0f} MB |"
-        )
+    doc = json.loads(recorder.write({"repeats": opts.repeats, "rows": rows}, name=opts.out.stem).read_text())
+    print("\n" + harness.header(doc) + "\n\n" + render(doc))
     bad = [
         r
         for r in rows
         if r["hostile_timed_out"] or (r["hostile_peak_rss_mb"] or 0) > (r["benign_peak_rss_mb"] or 0) + 300
     ]
     return 1 if bad else 0
+
+
+def render(doc: dict) -> str:
+    lines = [
+        "| case | command | input | hostile: exit, time, peak RSS | benign twin: time, peak RSS |",
+        "|---|---|---:|---|---|",
+    ]
+    for r in doc["rows"]:
+        rc = ",".join(map(str, r["hostile_rc"])) + (" (TIMEOUT)" if r["hostile_timed_out"] else "")
+        lines.append(
+            f"| {r['case']} | `{r['command']}` | {r['input_bytes'] / 1024:.0f} KiB | {rc}, "
+            f"{_s(r['hostile_wall_s'])}, {r['hostile_peak_rss_mb'] or 0:.0f} MB | "
+            f"{_s(r['benign_wall_s'])}, {r['benign_peak_rss_mb'] or 0:.0f} MB |"
+        )
+    return "\n".join(lines)
 
 
 def _s(seconds: dict | None) -> str:

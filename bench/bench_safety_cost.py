@@ -14,6 +14,7 @@ Writes ``bench/results/safety-cost.json``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -26,11 +27,17 @@ from harness import Case, alternate, fmt_spread  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_common_options(parser)
-    parser.add_argument("--before", type=Path, required=True, help="worktree of the commit before")
-    parser.add_argument("--ckpt", type=Path, required=True)
+    parser.add_argument("--before", type=Path, help="worktree of the commit before")
+    parser.add_argument("--ckpt", type=Path)
     parser.add_argument("--runs", type=int, default=8)
+    parser.add_argument("--render", action="store_true", help="print the table of bench/results/safety-cost.json")
     opts = parser.parse_args(argv)
     harness.use_code(opts.code)
+    if opts.render:
+        print(render(json.loads((harness.RESULTS / "safety-cost.json").read_text())))
+        return 0
+    if opts.before is None or opts.ckpt is None:
+        parser.error("--before and --ckpt are required")
     recorder = harness.Recorder("safety-cost", argv)
     before = opts.before.resolve()
     cases = {
@@ -39,23 +46,32 @@ def main(argv: list[str] | None = None) -> int:
         for side, cwd in (("before", before), ("after", harness.CODE))
     }
     group = alternate(cases, opts.runs)
-    rows = []
-    for command in ("inspect", "check"):
-        b, a = f"{command} before", f"{command} after"
-        ratio = group.ratio(a, b)
-        rows.append(
-            f"| `{command}` | {fmt_spread(group.seconds(b))} s, {fmt_spread(group.cpu(b))} s CPU "
-            f"| {fmt_spread(group.seconds(a))} s, {fmt_spread(group.cpu(a))} s CPU | {fmt_spread(ratio, '.2f')} "
-            f"| {group.peak_rss_mb(b):.0f} / {group.peak_rss_mb(a):.0f} MB |"
-        )
-    print("| command | before: wall, CPU | after: wall, CPU | after / before per round | peak RSS before / after |")
-    print("|---|---|---|---|---|")
-    print("\n".join(rows))
     before_commit = harness._git("rev-parse", "--short", "HEAD", cwd=before)
-    recorder.write(
+    doc = recorder.write(
         {"before": {"path": str(before), "commit": before_commit}, "ckpt": str(opts.ckpt), "group": group.summary()}
     )
+    loaded = json.loads(doc.read_text())
+    print(harness.header(loaded) + "\n\n" + render(loaded))
     return 0
+
+
+def render(doc: dict) -> str:
+    cases = doc["group"]["cases"]
+    lines = [
+        f"| command | before ({doc['before']['commit']}): wall s, CPU s | after: wall s, CPU s "
+        "| after / before per round: wall; CPU | peak RSS before / after |",
+        "|---|---|---|---|---|",
+    ]
+    for command in ("inspect", "check"):
+        b, a = cases[f"{command} before"], cases[f"{command} after"]
+        wall = harness.summary_ratio(cases, f"{command} after", f"{command} before", "wall_s")
+        cpu = harness.summary_ratio(cases, f"{command} after", f"{command} before")
+        lines.append(
+            f"| `{command}` | {fmt_spread(b['seconds'])}, {fmt_spread(b['cpu_s'])} "
+            f"| {fmt_spread(a['seconds'])}, {fmt_spread(a['cpu_s'])} | {fmt_spread(wall, '.2f')}; "
+            f"{fmt_spread(cpu, '.2f')} | {b['peak_rss_mb']:.0f} / {a['peak_rss_mb']:.0f} MB |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
