@@ -283,3 +283,14 @@ def test_model_shape_changes_name_the_key_and_the_arg(sets, key, changed):
     (model,) = [s for s in report.sections if s.section == "model"]
     assert model.verdict == "fails" and key in model.error and changed in model.fix
     assert model.error.startswith("CheckpointingException: Global shape mismatch for loaded (torch.Size([")
+
+
+def test_set_of_a_layout_arg_is_refused_and_unknown_names_warned():
+    proc = run_cli(
+        "can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--set", "tensor_model_parallel_size=2"
+    )
+    assert proc.returncode == 2 and "give it as --target tp=N" in proc.stderr
+    report = predict(open_checkpoint(FIXTURES / "core019_tp1"), "tp=1", LoadRun(sets={"num_layrs": 3}))
+    assert report.will_load and report.warnings == [
+        "--set num_layrs: not an arg of the checkpoint (a new arg, or a typo?)"
+    ]

@@ -284,6 +284,10 @@ def predict(
     target = parse_target(target_spec, saved)
     args = run_args(saved_args, model_args, target, run)
     ctx = _Context(ckpt, saved_args, args, saved, target, run, common, [])
+    base = {**saved_args, **(model_args or {})}
+    ctx.warnings += [
+        f"--set {name}: not an arg of the checkpoint (a new arg, or a typo?)" for name in run.sets if name not in base
+    ]
     sections: list[SectionVerdict] = []
     fmt = _format_verdict(ctx)
     if fmt is not None:

@@ -159,7 +159,11 @@ def parse_sets(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
         name, sep, value = item.partition("=")
         if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name.strip()):
             raise CkptError(f"--set: {item!r} is not NAME=VALUE (an arg name as in args, e.g. num_layers=3)")
-        sets[name.strip()] = parse_value(value)
+        name = name.strip()
+        field_name = next((f for f, arg in LAYOUT_ARGS.items() if arg == name), None)
+        if field_name is not None:
+            raise CkptError(f"--set {name}: a layout arg; give it as --target {field_name}=N")
+        sets[name] = parse_value(value)
     return sets
 
 
