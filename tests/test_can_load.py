@@ -20,6 +20,7 @@ from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.can_load import CanLoadReport, predict
 from ckptdoctor.ops.can_load_run import Layout, LoadRun, load_yaml_args, parse_target
+from ckptdoctor.render.common import to_json
 
 MATRIX = REPO / "tests" / "can_load_matrix.jsonl"
 ROWS = [json.loads(line) for line in MATRIX.read_text().splitlines() if line.strip()]
@@ -294,3 +295,17 @@ def test_set_of_a_layout_arg_is_refused_and_unknown_names_warned():
     assert report.will_load and report.warnings == [
         "--set num_layrs: not an arg of the checkpoint (a new arg, or a typo?)"
     ]
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.name for p in FIXTURES.iterdir() if (p / "latest_checkpointed_iteration.txt").exists())
+)
+def test_every_fixture_predicts_at_several_targets(name):
+    ckpt = open_checkpoint(FIXTURES / name)
+    for target in ("tp=1", "tp=2", "pp=2", "dp=2", "tp=4,pp=1,dp=2"):
+        for run in (LoadRun(), LoadRun(finetune=True, strictness="raise_all")):
+            report = predict(ckpt, target, run)
+            doc = json.loads(to_json(report))
+            jsonschema.validate(doc, SCHEMA)
+            assert doc["will_load"] == (not doc["failing_sections"])
+            assert all(s["error"] and s["fix"] for s in doc["sections"] if s["verdict"] == "fails"), doc["sections"]
