@@ -27,6 +27,16 @@ ROWS = [json.loads(line) for line in MATRIX.read_text().splitlines() if line.str
 SCHEMA = json.loads((REPO / "docs" / "can-load.schema.json").read_text())
 
 
+def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """``ckptdoctor ARGS`` in this process (the subprocess test below proves no torch is imported)."""
+    from ckptdoctor.cli import main
+
+    capsys.readouterr()
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
 def predict_cell(row: dict) -> CanLoadReport:
     run = LoadRun(
         finetune=row.get("finetune", False),
@@ -124,17 +134,17 @@ def test_cli_exit_codes_and_json_schema():
         ("tp=0", "must be >= 1"),
     ],
 )
-def test_bad_target_is_one_clear_error(spec, message):
-    proc = run_cli("can-load", str(FIXTURES / "core019_tp1"), "--target", spec)
-    assert proc.returncode == 2
-    assert message in proc.stderr and "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+def test_bad_target_is_one_clear_error(capsys, spec, message):
+    rc, _, err = cli(capsys, "can-load", str(FIXTURES / "core019_tp1"), "--target", spec)
+    assert rc == 2 and err.count("\n") == 1
+    assert message in err and "Traceback" not in err and "internal error" not in err
 
 
-def test_text_output_names_the_failure_and_fix():
-    proc = run_cli("can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--set", "num_layers=3")
-    assert proc.returncode == 1
-    assert "Global shape mismatch for loaded" in proc.stdout and "num_layers 2->3" in proc.stdout
-    assert "WILL NOT LOAD (fails: args, model, optimizer)" in proc.stdout
+def test_text_output_names_the_failure_and_fix(capsys):
+    rc, out, _ = cli(capsys, "can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--set", "num_layers=3")
+    assert rc == 1
+    assert "Global shape mismatch for loaded" in out and "num_layers 2->3" in out
+    assert "WILL NOT LOAD (fails: args, model, optimizer)" in out
 
 
 # --- the modelling, cell by cell -----------------------------------------------------------------------------
@@ -192,27 +202,26 @@ def test_zarr_is_not_loadable_by_current_core():
 
 
 @pytest.mark.parametrize("with_pyyaml", [True, False])
-def test_args_from_yaml(tmp_path, monkeypatch, with_pyyaml):
+def test_args_from_yaml(tmp_path, monkeypatch, capsys, with_pyyaml):
     config = tmp_path / "run_config.yaml"
     config.write_text("model:\n  num_layers: 3  # deeper\n  hidden_size: 32\n  num_moe_experts: null\nother: x\n")
     if not with_pyyaml:
         monkeypatch.setitem(sys.modules, "yaml", None)
     args = load_yaml_args(config)
     assert args["num_layers"] == 3 and args["num_experts"] is None
-    proc = run_cli("can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--args-from", str(config))
-    assert proc.returncode == 1 and "num_layers 2->3" in proc.stdout
+    rc, out, _ = cli(capsys, "can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--args-from", str(config))
+    assert rc == 1 and "num_layers 2->3" in out
 
 
-def test_args_from_another_checkpoint():
-    proc = run_cli(
-        "can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--args-from", str(FIXTURES / "core019_tp1_pp2")
-    )
-    assert proc.returncode == 1 and "num_layers 2->4" in proc.stdout
+def test_args_from_another_checkpoint(capsys):
+    other = str(FIXTURES / "core019_tp1_pp2")
+    rc, out, _ = cli(capsys, "can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--args-from", other)
+    assert rc == 1 and "num_layers 2->4" in out
 
 
-def test_bad_set_is_a_usage_error():
-    proc = run_cli("can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--set", "num layers")
-    assert proc.returncode == 2 and "is not NAME=VALUE" in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_set_is_a_usage_error(capsys):
+    rc, _, err = cli(capsys, "can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--set", "num layers")
+    assert rc == 2 and "is not NAME=VALUE" in err and "Traceback" not in err
 
 
 def test_rows_are_unique():
@@ -258,13 +267,14 @@ def test_readme_table_lists_every_cell():
     assert not missing, f"README's can-load matrix lacks {missing}"
 
 
-def test_readme_example_is_current_output():
+def test_readme_example_is_current_output(capsys, monkeypatch):
     readme = (REPO / "README.md").read_text()
     command = "$ ckptdoctor can-load fixtures/core019_tp2_dp2 --target tp=1\n"
     start = readme.index(command) + len(command)
     shown = readme[start : readme.index("```\n", start)]
-    proc = run_cli("can-load", "fixtures/core019_tp2_dp2", "--target", "tp=1")
-    assert proc.returncode == 1 and proc.stdout == shown
+    monkeypatch.chdir(REPO)
+    rc, out, _ = cli(capsys, "can-load", "fixtures/core019_tp2_dp2", "--target", "tp=1")
+    assert rc == 1 and out == shown
 
 
 @pytest.mark.parametrize(
@@ -286,11 +296,10 @@ def test_model_shape_changes_name_the_key_and_the_arg(sets, key, changed):
     assert model.error.startswith("CheckpointingException: Global shape mismatch for loaded (torch.Size([")
 
 
-def test_set_of_a_layout_arg_is_refused_and_unknown_names_warned():
-    proc = run_cli(
-        "can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--set", "tensor_model_parallel_size=2"
-    )
-    assert proc.returncode == 2 and "give it as --target tp=N" in proc.stderr
+def test_set_of_a_layout_arg_is_refused_and_unknown_names_warned(capsys):
+    ckpt = str(FIXTURES / "core019_tp1")
+    rc, _, err = cli(capsys, "can-load", ckpt, "--target", "tp=1", "--set", "tensor_model_parallel_size=2")
+    assert rc == 2 and "give it as --target tp=N" in err
     report = predict(open_checkpoint(FIXTURES / "core019_tp1"), "tp=1", LoadRun(sets={"num_layrs": 3}))
     assert report.will_load and report.warnings == [
         "--set num_layrs: not an arg of the checkpoint (a new arg, or a typo?)"
