@@ -21,6 +21,7 @@ before and after. Results: ``bench/results/values.json``.
 Usage::
 
     python bench/bench_values.py --data /tmp/bench_data --before /tmp/ckd_before --rounds 3
+    python bench/bench_values.py --data . --table bench/results/values.json    # the README tables
 """
 
 from __future__ import annotations
@@ -169,6 +170,42 @@ def info(save: Path) -> dict:
     return {k: doc[k] for k in keep if k in doc}
 
 
+def _fmt(s: dict, spec: str = ".2f", unit: str = "") -> str:
+    return f"{s['median']:{spec}}{unit} [{s['min']:{spec}}-{s['max']:{spec}}]"
+
+
+def table(doc: dict) -> str:
+    """The README tables (markdown) from a results document."""
+    lines = ["| case | bytes read | command | wall s | CPU s | throughput / `cat`'s | engine CPU s (MB/s) |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for name, case in doc["cross_layout"].items():
+        gb = f"{case['bytes'] / 1e9:.2f} GB"
+        for cmd in ("cat", "before", "after"):
+            fig = case["figures"].get(cmd)
+            if fig is None:
+                continue
+            eng = case.get(f"engine_{cmd}")
+            engine_text = ""
+            if eng:
+                rate = eng["bytes"] / 1e6 / eng["cpu_seconds"]["median"]
+                engine_text = f"{_fmt(eng['cpu_seconds'])} ({rate:.0f})"
+            label = {"cat": "`cat` A B", "before": "before (2 threads)", "after": "after (`--jobs 1`)"}[cmd]
+            ratio = "1" if cmd == "cat" else _fmt(fig["of_cat_throughput"], ".3f")
+            lines.append(
+                f"| {name} | {gb} | {label} | {_fmt(fig['seconds'])} | {_fmt(fig['cpu_seconds'])} | {ratio} | "
+                f"{engine_text} |"
+            )
+    lines += ["", "| work | bytes | command | wall s | CPU s | throughput / `cat`'s |", "|---|---|---|---|---|---|"]
+    for name, case in doc["parallel"].items():
+        for cmd, fig in case["figures"].items():
+            ratio = _fmt(fig["of_cat_throughput"], ".3f")
+            lines.append(
+                f"| {name} | {case['bytes'] / 1e9:.2f} GB | {cmd} | {_fmt(fig['seconds'])} | "
+                f"{_fmt(fig['cpu_seconds'])} | {ratio} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, required=True, help="dir holding tp1, tp2, tp4, tp8, tp64 save dirs")
@@ -178,7 +215,11 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--only", choices=["cross", "parallel"], default=None)
     p.add_argument("--out", type=Path, default=BENCH / "results" / "values.json")
+    p.add_argument("--table", type=Path, default=None, help="print the README tables of this results file, then exit")
     a = p.parse_args()
+    if a.table is not None:
+        print(table(json.loads(a.table.read_text())))
+        return 0
     doc: dict = {
         "benchmark": "values",
         "argv": sys.argv,

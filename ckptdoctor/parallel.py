@@ -51,9 +51,9 @@ def shares(weights: Sequence[int], n: int) -> list[list[int]]:
     return [sorted(share) for share in out]
 
 
-def runs_inline(jobs: int | None) -> bool:
-    """Whether :func:`map_units` runs its units in this process (one job, no torchrun group)."""
-    return dist.group() is None and (jobs or default_jobs()) == 1
+def runs_inline(jobs: int | None, units: int) -> bool:
+    """Whether :func:`map_units` runs ``units`` units in this process (one job or one unit, no torchrun group)."""
+    return dist.group() is None and min(jobs or default_jobs(), units) <= 1
 
 
 @dataclass

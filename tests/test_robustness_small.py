@@ -211,15 +211,15 @@ def wait():
 WHERE = {where!r}
 if WHERE == "command":  # in the middle of the deep pass
     import ckptdoctor.rules.integrity as integrity
-    integrity.check_deep = lambda state, advance=None: wait() or []
+    integrity.check_deep = lambda state, advance=None, *more: wait() or []
 elif WHERE == "progress-callback":  # in the callback the deep pass calls for each chunk
     import ckptdoctor.rules.integrity as integrity
     real = integrity.check_deep
-    def check_deep(state, advance=None):
+    def check_deep(state, advance=None, *more):
         def slow(n):
             advance(n)
             wait()
-        return real(state, slow)
+        return real(state, slow, *more)
     integrity.check_deep = check_deep
 elif WHERE == "click-progressbar":  # inside click, while it draws the progress bar
     import click._termui_impl as termui

@@ -331,7 +331,7 @@ def check_deep(
             ranges.append((location.offset, location.length, (entry, chunk)))
         files.append((checkpoint.iteration_dir / relative, ranges))
     weights = [sum(length for _, length, _ in ranges) for _, ranges in files]
-    inline = parallel.runs_inline(jobs)
+    inline = parallel.runs_inline(jobs, len(files))
 
     def task(index: int) -> tuple[list[Finding], _NonFinite | None]:
         return _check_file(state, files[index], scan_values, progress if inline else None)

@@ -233,7 +233,7 @@ def compare_values(
     jobs = workers or parallel.default_jobs()
     group = dist.group()
     runs = _runs(weights, jobs * (group.world if group else 1) * 4)
-    inline = parallel.runs_inline(jobs)
+    inline = parallel.runs_inline(jobs, len(runs))
     torch = Torch()
     if not inline and any(_needs_torch(p) for p in ordered):
         torch.get()  # once, before the workers fork (each would import it again)
