@@ -329,6 +329,12 @@ def test_unsafe_pickle_is_refused(capsys, copy_fixture, tmp_path):
     rc, _, err = _run(capsys, "edit", save, "--drop-extra-state", "-o", tmp_path / "o")
     assert rc == 2 and "refusing" in err and "rng_state" in err, err
     assert not (tmp_path / "o").exists()
+    # removing the unsafe item is what the user may want: only the items the output keeps are gated
+    for extra in ([], ["--compact"]):
+        out = tmp_path / f"no-rng{len(extra)}"
+        rc, _, err = _run(capsys, "edit", save, "--drop-section", "rng", *extra, "-o", out)
+        assert rc == 0, err
+        assert not any(k.startswith("rng_state") for k in open_checkpoint(out).entries)
 
 
 def _cli(*args, env=None) -> subprocess.CompletedProcess:

@@ -8,18 +8,23 @@ loader: the write is refused, naming the file, the item and the global. ``--forc
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats.archive import ArchiveError
 
 
-def refuse_unsafe_pickles(checkpoint: Checkpoint) -> None:
-    """Decode every bytes item through the safe unpickler; raise :class:`CkptError` at the first refusal.
+def refuse_unsafe_pickles(checkpoint: Checkpoint, keys: Collection[str] | None = None) -> None:
+    """Decode every bytes item (of ``keys``, when given: the items a write carries over) through the safe
+    unpickler; raise :class:`CkptError` at the first refusal.
 
     Damaged items are not this gate's business (a garbage item executes nothing); only refusals stop it.
     The ``.metadata`` and the common state are read through the same unpickler before any write anyway.
     """
     for entry in checkpoint.entries.values():
+        if keys is not None and entry.key not in keys:
+            continue
         if entry.kind == "tensor" or not entry.chunks or entry.chunks[0].storage is None:
             continue
         try:

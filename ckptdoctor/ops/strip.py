@@ -16,7 +16,7 @@ Planning reads metadata only (and, with ``--base``, tensor bytes one chunk at a 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,12 +108,14 @@ def structural_problems(checkpoint: Checkpoint) -> list[str]:
     return problems
 
 
-def check_integrity(checkpoint: Checkpoint, verb: str = "strip") -> None:
+def check_integrity(checkpoint: Checkpoint, verb: str = "strip", carried: Collection[str] | None = None) -> None:
+    """Refuse a structurally damaged checkpoint, and one whose bytes items (``carried``: those the write keeps)
+    hold a pickle a real load would refuse or execute."""
     problems = structural_problems(checkpoint)
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise CkptError(f"{problems[0]}{more}; refusing to {verb} a damaged checkpoint")
-    refuse_unsafe_pickles(checkpoint)
+    refuse_unsafe_pickles(checkpoint, carried)
 
 
 # --- trainable selection ---------------------------------------------------------------------------
