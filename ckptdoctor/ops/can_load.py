@@ -4,8 +4,8 @@ Models ``megatron/training/checkpointing.py: load_checkpoint`` and ``megatron/co
 (core 0.19): what the loading run requests per section, then what the load does with it.
 
 * rng: requested only when the saved (TP, PP) args equal the run's and neither ``--finetune`` nor
-  ``--no-load-rng`` nor a saved ``no_save_rng``; when not requested for another reason than a layout change,
-  restoring it exits ("Unable to load rng state from checkpoint").
+  ``--no-load-rng`` nor a saved ``no_save_rng``; otherwise ignored (never an error). A requested rng state whose
+  per-rank objects are missing fails the load.
 * rerun: requested only when the saved world size, (TP, PP) and DP args equal the run's (and not finetune), and
   the saved state passes ``validate_state_dict``.
 * optimizer: requested unless ``--finetune``/``--no-load-optim``/saved ``no_save_optim``; when requested from a
@@ -191,15 +191,8 @@ def _rng_verdict(ctx: _Context) -> tuple[SectionVerdict, set[str]]:
             "rng", SKIPPED, f"{ctx.mismatch_msg}: RNG state will be ignored", present=len(present)
         ), set()
     if no_save:
-        return SectionVerdict(
-            "rng",
-            FAILS,
-            "the checkpoint was saved with no_save_rng, and restoring the rng state finds none",
-            "SystemExit: Unable to load rng state from checkpoint. Specify --no-load-rng or --finetune to "
-            "prevent attempting to load the rng state, exiting ...",
-            "--no-load-rng (or --finetune)",
-            present=len(present),
-        ), set()
+        why = "not requested: the checkpoint was saved with no_save_rng (load_checkpoint then ignores the rng state)"
+        return SectionVerdict("rng", SKIPPED, why, present=len(present)), set()
     wanted = {
         f"rng_state/shard_{p}.{t}_{ctx.target.pp}.{ctx.target.tp}"
         for p in range(ctx.target.pp)
