@@ -64,7 +64,10 @@ SECTION_PATTERNS = (
     ("args", r"weight_shards|value from checkpoint|must be a multiple|should be divisible"),
     ("common", r"'tuple' object has no attribute"),
     ("format", r"No such file or directory: '[^']*\.metadata'|not a distributed checkpoint"),
-    ("optimizer", r"optimizer\.|'optimizer'|DistributedOptimizer|per_bucket_numel|parameter group|param_groups"),
+    (
+        "optimizer",
+        r"optimizer\.|'optimizer'|DistributedOptimizer|per_bucket_numel|parameter group|param_groups|flattened_range",
+    ),
     ("rng", r"rng_state"),
     ("rerun", r"rerun_state_machine"),
     ("model", r"(?<![\w.])(embedding|decoder|output_layer|mtp)\.|Global shape mismatch"),

@@ -247,6 +247,8 @@ def test_sharding_type_without_content_metadata():
 
     typed = {"content_metadata": {"distrib_optim_sharding_type": "fully_reshardable"}}
     assert sharding_type(typed, {}, LoadRun()) == "fully_reshardable"
+    untyped = {"content_metadata": {"singleton_local_shards": False}}
+    assert sharding_type(untyped, {}, LoadRun()) == "fully_sharded_model_space"
     assert sharding_type({}, {"ckpt_fully_parallel_save": True}, LoadRun()) == "fully_sharded_model_space"
     assert sharding_type({}, {}, LoadRun()) == "dp_zero_gather_scatter"
     assert sharding_type({}, {}, LoadRun(dist_optim_sharding_type="dp_reshardable")) == "dp_reshardable"

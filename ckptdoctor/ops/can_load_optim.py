@@ -28,11 +28,16 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def sharding_type(common: dict[str, Any], saved_args: dict[str, Any], run: LoadRun) -> str:
+    """The distributed-optimizer format the run builds its request in: the checkpoint's content metadata, else
+    ``--dist-optim-sharding-type``, else megatron's defaults (``DistributedOptimizer.sharded_state_dict``:
+    ``fully_sharded_model_space``; without content metadata, ``load_checkpoint``'s pre-0.13 fallback)."""
     content = common.get("content_metadata")
     if isinstance(content, dict) and content.get("distrib_optim_sharding_type"):
         return str(content["distrib_optim_sharding_type"])
     if run.dist_optim_sharding_type:
         return run.dist_optim_sharding_type
+    if isinstance(content, dict):
+        return "fully_sharded_model_space"
     return "fully_sharded_model_space" if saved_args.get("ckpt_fully_parallel_save") else "dp_zero_gather_scatter"
 
 
@@ -70,20 +75,29 @@ def optimizer_verdict(
             present=len(present),
         ), None
     distributed = bool(args.get("use_distributed_optimizer"))
+    kind = sharding_type(common, saved_args, run)
     mismatch = f"(TP, PP) mismatch after resume ({(target.tp, target.pp)} vs {(saved.tp, saved.pp)} from checkpoint)"
-    if distributed:
-        kind = sharding_type(common, saved_args, run)
-        if (saved.tp, saved.pp) != (target.tp, target.pp) and kind not in FULLY_RESHARDABLE:
-            return SectionVerdict(
-                "optimizer",
-                FAILS,
-                f"the distributed optimizer's {kind} format cannot change TP/PP",
-                f"RuntimeError: {mismatch}: not supported for DistributedOptimizer with sharding type {kind}. "
-                "Please use `--ckpt-fully-parallel-save` flag during checkpoint saving.",
-                "--no-load-optim (fresh optimizer), or resume at the saved TP/PP and save with "
-                "--dist-ckpt-optim-fully-reshardable",
-                present=len(present),
-            ), None
+    if distributed and (saved.tp, saved.pp) != (target.tp, target.pp) and kind not in FULLY_RESHARDABLE:
+        return SectionVerdict(
+            "optimizer",
+            FAILS,
+            f"the distributed optimizer's {kind} format cannot change TP/PP",
+            f"RuntimeError: {mismatch}: not supported for DistributedOptimizer with sharding type {kind}. "
+            "Please use `--ckpt-fully-parallel-save` flag during checkpoint saving.",
+            "--no-load-optim (fresh optimizer), or resume at the saved TP/PP and save with "
+            "--dist-ckpt-optim-fully-reshardable",
+            present=len(present),
+        ), None
+    if distributed and kind == "fully_sharded_model_space":
+        return SectionVerdict(
+            "optimizer",
+            FAILS,
+            "the distributed optimizer builds a fully_sharded_model_space request (the checkpoint names no other "
+            "format), whose flattened ShardedTensors megatron-core 0.19 no longer supports",
+            "CheckpointingException: ShardedTensor.flattened_range is not supported.",
+            "--no-use-distributed-optimizer when the checkpoint was saved without it, else --no-load-optim",
+            present=len(present),
+        ), None
     has_experts = bool(args.get("num_experts")) and bool(saved_args.get("num_experts"))
     if has_experts and _expert_groups(saved) != _expert_groups(target):
         return SectionVerdict(
@@ -96,16 +110,8 @@ def optimizer_verdict(
             present=len(present),
         ), None
     plan = KeyPlan(present=present)
-    content = common.get("content_metadata")
-    saved_distributed = isinstance(content, dict) and bool(content.get("distrib_optim_sharding_type"))
-    if distributed and not saved_distributed and isinstance(content, dict):
-        # The run builds a distributed-optimizer request from a checkpoint saved without one.
-        plan.requested = {"optimizer.distributed.dp_group_idx_0": None}
-        plan.unexpected = {"optimizer.distributed.dp_group_idx_0"}
-        plan.fix = "--no-use-distributed-optimizer (as saved), or --no-load-optim"
-        return None, plan
     bucket_keys = [k for k in present if k.startswith("optimizer.distributed.")]
-    if distributed and bucket_keys and sharding_type(common, saved_args, run) == "dp_reshardable":
+    if distributed and bucket_keys and kind == "dp_reshardable":
         plan.requested = {k: present[k] for k in bucket_keys}
         plan.reshards = saved.dp != target.dp
         plan.why = "dp_reshardable buckets resharded across DP" if plan.reshards else None
