@@ -11,6 +11,7 @@ warm-up round, --repeats rounds, median [min-max], page cache warm): `ckptdoctor
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -29,9 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--render", action="store_true", help="print the table of bench/results/seal.json")
     harness.add_common_options(parser)
     opts = parser.parse_args(argv)
     harness.use_code(opts.code)
+    if opts.render:
+        print(render(json.loads((harness.RESULTS / "seal.json").read_text())))
+        return 0
     recorder = harness.Recorder("seal", argv)
     with tempfile.TemporaryDirectory() as tmp:
         save = Path(tmp) / "save"
@@ -52,13 +57,24 @@ def main(argv: list[str] | None = None) -> int:
             f"xargs -P {opts.jobs} sha256sum": Case(["sh", "-c", xargs, "sh", *files]),
         }
         group = alternate(cases, opts.repeats)
-    print(f"{len(files)} files, {total / (1 << 20):.0f} MiB, {opts.jobs} jobs, warm page cache")
-    for name in cases:
-        s = group.seconds(name)
-        rate = total / s["median"] / (1 << 20) if s else float("nan")
-        print(f"{name:32s} {fmt_spread(s, '.2f', 's')}  {rate:7.0f} MiB/s")
-    recorder.write({"files": len(files), "bytes": total, "jobs": opts.jobs, "group": group.summary()})
+    doc = recorder.write({"files": len(files), "bytes": total, "jobs": opts.jobs, "group": group.summary()})
+    print(render(json.loads(doc.read_text())))
     return 0
+
+
+def render(doc: dict) -> str:
+    total = doc["bytes"]
+    lines = [
+        f"{doc['files']} files, {total / (1 << 20):.0f} MiB, {doc['jobs']} jobs, warm page cache",
+        "",
+        "| command | wall s, median [min–max] | MiB/s (median) |",
+        "|---|---|---|",
+    ]
+    for name, case in doc["group"]["cases"].items():
+        s = case["seconds"]
+        rate = f"{total / s['median'] / (1 << 20):.0f}" if s else "-"
+        lines.append(f"| `{name}` | {fmt_spread(s, '.2f')} | {rate} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

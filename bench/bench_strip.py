@@ -228,7 +228,7 @@ def bench_size(size: str, opts: argparse.Namespace) -> dict:
     blob.unlink()
     copy.unlink(missing_ok=True)
 
-    if not opts.skip_naive:
+    if not opts.skip_naive and size in (opts.naive_sizes or size).split(","):
         naive_out = scratch / "naive"
 
         def clean() -> None:
@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--naive-repeats", type=int, default=1)
     p.add_argument("--skip-naive", action="store_true")
+    p.add_argument("--naive-sizes", default=None, help="sizes at which to run the naive path (default: all)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--tag", default="", help="suffix of the results file name")
     p.add_argument("--render", action="store_true", help="print the table of the results file")
