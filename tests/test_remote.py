@@ -95,6 +95,7 @@ COMMANDS = [
     ("inspect", "@core019_tp1"),
     ("inspect", "@core016_tp2"),
     ("inspect", "@core014_zarr_tp2"),
+    ("inspect", "@core016_tp2/iter_0000010/.metadata"),  # a file inside an iteration dir
     ("show", "@core019_tp2", "decoder.layers.self_attention.linear_qkv.weight"),
     ("check", "@core019_tp1", "@core016_tp2"),
     ("check", "--deep", "@core019_tp2", "@core014_zarr_tp2"),
@@ -156,9 +157,11 @@ def test_metadata_commands_transfer_no_tensor_bytes(remote, capsys, command):
     transferred = {}
     for prefix in ("core019_tp1", "padded/core019_tp1"):
         remote.log.clear()
+        counted = storage.TRANSFERS.bytes
         rc, out, err = ckd(capsys, name, f"{PREFIXES['s3']}{prefix}", *local_args(tuple(rest)))
         assert rc in (0, 1) and "error" not in err, err
         transferred[prefix] = remote.log.get_bytes()
+        assert storage.TRANSFERS.bytes - counted == transferred[prefix]  # our own count agrees with the wire
         assert len({(r.key, r.range) for r in remote.log.gets()}) == len(remote.log.gets())  # nothing twice
     assert transferred["core019_tp1"] == transferred["padded/core019_tp1"]  # flat in data size (+8 MiB a file)
     assert 0 < transferred["core019_tp1"] <= _metadata_bytes("core019_tp1")
