@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import s3_server  # moto, s3fs and multi-storage-client are test dependencies: no skip
 from conftest import FIXTURES, run_cli
 
 from ckptdoctor.checkpoint import open_checkpoint
@@ -23,11 +24,6 @@ from ckptdoctor.cli import main
 from ckptdoctor.formats import storage
 from ckptdoctor.formats.ranges import coalesce
 from ckptdoctor.formats.storage import as_path
-
-pytest.importorskip("moto")
-pytest.importorskip("s3fs")
-pytest.importorskip("multistorageclient")
-import s3_server  # noqa: E402
 
 NAMES = ["core019_tp1", "core019_tp2", "core016_tp2", "core014_zarr_tp2", "core019_convert_tp4"]
 PREFIXES = {"s3": f"s3://{s3_server.BUCKET}/", "msc": "msc://s3test/"}
@@ -237,13 +233,23 @@ def test_server_gone_mid_run_is_exit_2_naming_the_url(remote, capsys, monkeypatc
 
 
 def test_no_server_at_all(tmp_path):
-    env = {**s3_server.CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_server.free_port()}"}
     import os
 
+    env = {**s3_server.CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_server.free_port()}"}
     proc = run_cli("inspect", "s3://ckpt/core019_tp1", env={**os.environ, **env})
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.split("\nIMPORTED:")[0]
     assert line.startswith("ckptdoctor: error: s3://ckpt") and "\n" not in line.strip(), proc.stderr
+
+
+def test_no_credentials_is_one_line(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(HOME=str(tmp_path), AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL="http://127.0.0.1:1")
+    proc = run_cli("inspect", "s3://ckpt/core019_tp1", env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("ckptdoctor: error: s3://ckpt: cannot read: no credentials (set AWS_ACCESS_KEY_ID")
 
 
 def test_backend_not_installed_is_one_line_with_the_pip_command():
