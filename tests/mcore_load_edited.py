@@ -151,16 +151,23 @@ def load_case(saved, case: dict) -> torch.nn.Module:
     return model
 
 
+RNG_RESTORES: list[object] = []
+
+
 def main() -> None:
     cases = json.loads(sys.argv[1])
     if "--dp" in sys.argv:
         gen.LAYOUT.dp = int(sys.argv[sys.argv.index("--dp") + 1])
     gen.install_cpu_shims()
+    # rng state on CPU: building a request reads a (Philox-shaped) CUDA state; restoring one is counted, not applied
+    torch.cuda.get_rng_state = lambda *a, **k: gen._philox_state(0)
+    torch.cuda.set_rng_state = RNG_RESTORES.append
     tp, _ = gen.init_distributed(1)
     gen.seed_everything(1234)
     from megatron.core import dist_checkpointing
 
     for case in cases:
+        RNG_RESTORES.clear()
         gen.LAYOUT.distributed_optimizer = case.get("dist_opt", False)
         saved = dist_checkpointing.load_common_state_dict(str(iteration_dir(case["reference"])))["args"]
         try:
@@ -177,7 +184,11 @@ def main() -> None:
         assert set(got) == set(want)
         for name, value in want.items():
             assert torch.equal(got[name].detach(), value), f"case {case['name']}: {name} differs from the reference"
-        print(f"CASE {case['name']} OK rank {dist.get_rank()} tp {tp}: {len(want)} parameters equal", flush=True)
+        restored = f"rng restored {len(RNG_RESTORES)}"
+        print(
+            f"CASE {case['name']} OK rank {dist.get_rank()} tp {tp}: {len(want)} parameters equal, {restored}",
+            flush=True,
+        )
     dist.barrier()
     dist.destroy_process_group()
 
