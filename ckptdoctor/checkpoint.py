@@ -179,12 +179,25 @@ def list_data_files(iteration_dir: Path) -> dict[str, int]:
 
 def open_checkpoint(path: str | Path, iteration: str | int | None = None) -> Checkpoint:
     """Locate and index a checkpoint from metadata; the one entry point operations use."""
-    location = locate(path, iteration)
+    return _open_located(locate(path, iteration))
+
+
+def _open_located(location: CheckpointLocation) -> Checkpoint:
     if location.backend == BACKEND_ZARR:
         entries, sizes = zarr_meta.read_index(location.iteration_dir)
         return Checkpoint(location, {k: Entry(*v) for k, v in entries.items()}, sizes)
     index = torch_dist.read_metadata(location.iteration_dir / ".metadata", item_class=Entry)
     return checkpoint_from_index(location, index)
+
+
+def open_for_rewrite(path: str | Path, iteration: str | int | None = None) -> tuple[Checkpoint, Any]:
+    """:func:`open_checkpoint` for a command that rewrites ``.metadata``: also the metadata object, from the same
+    read (one pass of the safety scan instead of two); None where there is no ``.metadata`` (legacy zarr)."""
+    location = locate(path, iteration)
+    if location.backend == BACKEND_ZARR:
+        return _open_located(location), None
+    index, metadata = torch_dist.read_metadata_for_rewrite(location.iteration_dir / ".metadata", item_class=Entry)
+    return checkpoint_from_index(location, index), metadata
 
 
 def checkpoint_from_index(location: CheckpointLocation, index: DcpIndex | None) -> Checkpoint:

@@ -69,7 +69,7 @@ def command(
     the common state, and the report names the Megatron-LM load flags the result needs. Exit code: 0 written
     (or planned), 2 error (bad regex, an edit that changes nothing, a damaged or unsafe source).
     """
-    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.checkpoint import open_for_rewrite
     from ckptdoctor.exit_codes import EXIT_OK
     from ckptdoctor.ops.edit import EditRequest
     from ckptdoctor.ops.edit_write import edit
@@ -86,7 +86,7 @@ def command(
     )
     if not (request.removes or request.renames or request.drop_sections or drop_extra_state or preset):
         raise click.UsageError("nothing to do: give --remove, --rename, --drop-section, --drop-extra-state or --preset")
-    ckpt = open_checkpoint(checkpoint, iteration)
+    ckpt, metadata = open_for_rewrite(checkpoint, iteration)
     report = edit(
         ckpt,
         request,
@@ -96,6 +96,7 @@ def command(
         dry_run=dry_run,
         force=force,
         keep_backup=not no_backup,
+        metadata=metadata,
     )
     click.echo(to_json(report) if output_format == "json" else render_edit(report))
     return EXIT_OK

@@ -107,7 +107,18 @@ def _load_metadata_pickle(path: Path, unlisted: list[str] | None = None) -> Any:
 def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
     unlisted: list[str] = []
     metadata = _load_metadata_pickle(path, unlisted)
+    return _index_from_object(metadata, path, item_class, unlisted)
 
+
+def read_metadata_for_rewrite(path: Path, item_class: type[DcpItem] = DcpItem) -> tuple[DcpIndex, Any]:
+    """The index and the ``.metadata`` object itself from one read, for a command that rewrites it (``edit``).
+    Strict, as :func:`load_metadata_object`: a global outside the allowlist is refused, not tolerated."""
+    with gc_paused():
+        metadata = _load_metadata_pickle(path)
+        return _index_from_object(metadata, path, item_class, []), metadata
+
+
+def _index_from_object(metadata: Any, path: Path, item_class: type[DcpItem], unlisted: list[str]) -> DcpIndex:
     state_dict_metadata = record_attr(metadata, "state_dict_metadata")
     storage_data = record_attr(metadata, "storage_data")
     if not isinstance(state_dict_metadata, dict) or not isinstance(storage_data, dict):

@@ -122,8 +122,12 @@ def edit(
     force: bool = False,
     keep_backup: bool = True,
     progress: Callable[[int], None] | None = None,
+    metadata: Any = None,
 ) -> EditReport:
-    """Plan the edit and (unless ``dry_run``) write it; every refusal happens before anything is written."""
+    """Plan the edit and (unless ``dry_run``) write it; every refusal happens before anything is written.
+
+    ``metadata``: the source's ``.metadata`` object from the same read as ``checkpoint``
+    (:func:`ckptdoctor.checkpoint.open_for_rewrite`); read again when not given. The write edits it."""
     if checkpoint.dcp is None:
         raise CkptError(
             f"{checkpoint.iteration_dir}: not a torch_dist checkpoint (no DCP .metadata to rewrite); "
@@ -142,6 +146,7 @@ def edit(
         step="edit",
         common=common_rewriter(checkpoint, plan.common_changes),
         rewritten={checkpoint.common_source} if plan.common_changes and checkpoint.common_source else set(),
+        metadata=metadata,
     )
     # in place: exclusive; --output: shared (other readers may copy the same source at the same time)
     with locking.checkpoint_lock(checkpoint.iteration_dir, exclusive=in_place, optional=not in_place):

@@ -162,6 +162,7 @@ class KeyEdit:
     step: str = "strip-frozen"
     common: Callable[[Any, Path], list[str]] | None = None
     rewritten: set[str] = field(default_factory=set)
+    metadata: Any = None  # the source's .metadata object when the caller has read it already (it is edited)
 
 
 def _link_data_files(src: Path, stage: Path, metadata: Any, keep: set[str]) -> list[CopiedFile]:
@@ -182,7 +183,9 @@ def _fill_iteration_dir(
     set_args: bool = True,
 ) -> None:
     src = checkpoint.iteration_dir
-    metadata = torch_dist.load_metadata_object(src / ".metadata")  # pauses the cyclic GC itself
+    metadata = edit.metadata
+    if metadata is None:
+        metadata = torch_dist.load_metadata_object(src / ".metadata")  # pauses the cyclic GC itself
     if edit.compact:
         by_file = dcp_writer.kept_storage(metadata, edit.keep - edit.rewritten)
         result.files = dcp_writer.copy_items(src, stage, by_file, progress)
