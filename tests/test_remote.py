@@ -171,6 +171,14 @@ def test_metadata_commands_import_no_torch_and_no_msc(remote):
     assert proc.returncode == 0, proc.stderr
 
 
+def test_local_paths_import_no_storage_client():
+    blocked = ("fsspec", "s3fs", "aiobotocore", "botocore", "boto3", "multistorageclient")
+    proc = run_cli("inspect", str(FIXTURES / "core019_tp1"), block=blocked)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("check", "--deep", str(FIXTURES / "core014_zarr_tp2"), block=blocked)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_diff_values_reads_each_range_once(remote, capsys):
     rc, out, err = ckd(capsys, "diff", "--values", f"{PREFIXES['s3']}core019_tp2", f"{PREFIXES['s3']}core016_tp2")
     assert rc == 1 and "values (bitwise)" in out, err
