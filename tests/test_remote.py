@@ -132,6 +132,25 @@ def test_diff_local_against_remote(remote, capsys):
     assert {r.key.split("/")[0] for r in remote.log.gets()} == {"core019_tp2"}  # A was read locally
 
 
+def test_damaged_checkpoint_same_findings_as_local(remote, capsys, tmp_path):
+    """A missing data file, a truncated one and a missing common.pt: the same findings remotely."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(FIXTURES / "core016_tp2", damaged)
+    iteration = damaged / "iter_0000010"
+    data_files = sorted(iteration.glob("*.distcp"))
+    data_files[0].unlink()
+    with open(data_files[1], "r+b") as f:
+        f.truncate(data_files[1].stat().st_size // 2)
+    (iteration / "common.pt").unlink()
+    remote.upload_tree(damaged, "damaged/core016_tp2")
+    for args in (["check"], ["check", "--deep", "--format", "json"], ["inspect"]):
+        rc_local, out_local, err_local = ckd(capsys, *args, str(damaged))
+        url = f"{PREFIXES['s3']}damaged/core016_tp2"
+        rc, out, err = ckd(capsys, *args, url)
+        assert (rc, out.replace(url, str(damaged)), err.replace(url, str(damaged))) == (rc_local, out_local, err_local)
+        assert rc in (1, 2) and "internal error" not in err
+
+
 def _metadata_bytes(name: str) -> int:
     """.metadata + metadata.json + tracker + the common state's range: all a metadata command may read."""
     ckpt = open_checkpoint(FIXTURES / name)
