@@ -102,6 +102,7 @@ COMMANDS = [
     ("strip-frozen", "--dry-run", "@core019_tp1"),
     ("edit", "--remove", "output_layer.weight", "--dry-run", "@core019_tp1"),
     ("can-load", "@core019_tp2", "--target", "tp=1"),
+    ("repair", "@core019_convert_tp4"),  # the report: what --write would do
 ]
 
 
