@@ -113,8 +113,9 @@ class Prefetcher:
 class PlannedReads:
     """Ranges of one object a reader will ask for in any order (``diff --values``: chunks of a run of keys).
 
-    Touching ranges are merged into requests (no gap bytes); the first read inside a request GETs all of it (and starts the next one),
-    and a request is dropped once each of its ranges was read, so every planned range crosses the wire once.
+    Touching ranges are merged into requests (no gap bytes); the first read inside a request GETs all of it
+    (and starts the next one), and a request is dropped once each of its ranges was read, so every planned
+    range crosses the wire once.
     Requests held per object stay under two requests' size (the oldest is dropped first; a range of it read
     later is fetched again).
     """
@@ -123,7 +124,7 @@ class PlannedReads:
         self.store = store
         self.key = key
         wanted = sorted({(o, n) for o, n in ranges if n > 0 and o + n <= size})
-        # only touching ranges merge: bytes between them may be another worker's (each range crosses once)
+        # only touching ranges merge: bytes between them may be another worker's (each crosses once)
         self.requests = coalesce(wanted, max_gap=0)
         self.starts = [s for s, _ in self.requests]
         self.left = [0] * len(self.requests)  # planned ranges not yet read, per request
