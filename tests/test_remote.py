@@ -152,6 +152,30 @@ def test_damaged_checkpoint_same_findings_as_local(remote, capsys, tmp_path):
         assert rc in (1, 2) and "internal error" not in err
 
 
+def test_sealed_checkpoint_hashes_in_few_large_requests(remote, capsys, tmp_path):
+    """``check`` verifies integrity.json by hashing every file: read sequentially, a remote file is fetched
+    ahead in large concurrent requests, not one GET per 1 MiB read."""
+    sealed = tmp_path / "sealed"
+    shutil.copytree(FIXTURES / "core019_tp1", sealed)
+    (data_file,) = sealed.glob("iter_*/*.distcp")
+    with open(data_file, "ab") as f:
+        f.write(b"\1" * (20 << 20))  # past every range .metadata names: still a clean checkpoint
+    assert ckd(capsys, "seal", str(sealed))[0] == 0
+    remote.upload_tree(sealed, "sealed/core019_tp1")
+    url = f"{PREFIXES['s3']}sealed/core019_tp1"
+    rc_local, out_local, _ = ckd(capsys, "check", str(sealed))
+    remote.log.clear()
+    rc, out, err = ckd(capsys, "check", url)
+    assert (rc, out.replace(url, str(sealed))) == (rc_local, out_local), err
+    gets = [r for r in remote.log.gets() if r.key.endswith(data_file.name)]
+    common = _metadata_bytes("core019_tp1") - sum(
+        (FIXTURES / "core019_tp1" / n).stat().st_size
+        for n in ("iter_0000010/.metadata", "iter_0000010/metadata.json", "latest_checkpointed_iteration.txt")
+    )
+    assert sum(r.body_bytes for r in gets) == data_file.stat().st_size + common  # hashed once, whole
+    assert len(gets) <= 5  # the common state, then 20 MiB in 1 MiB reads: 21 requests without read-ahead
+
+
 def _metadata_bytes(name: str) -> int:
     """.metadata + metadata.json + tracker + the common state's range: all a metadata command may read."""
     ckpt = open_checkpoint(FIXTURES / name)

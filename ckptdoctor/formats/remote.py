@@ -21,6 +21,8 @@ from typing import Any
 from ckptdoctor.formats.ranges import PlannedReads, Prefetcher
 from ckptdoctor.formats.storage import ObjectStore, store_for
 
+SEQUENTIAL_STEP = 1 << 20  # a sequential reader's reads are planned in steps of at least this
+
 
 @dataclass(frozen=True)
 class RemoteStat:
@@ -180,6 +182,7 @@ class RemoteFile(io.RawIOBase):
         self.pos = 0
         self.prefetch: Prefetcher | None = None
         self.planned: PlannedReads | None = None
+        self.last_end = -1  # where the previous read ended: a second read from there is a sequential scan
 
     def readable(self) -> bool:
         return True
@@ -210,6 +213,11 @@ class RemoteFile(io.RawIOBase):
 
     def pread(self, length: int, offset: int) -> bytes:
         length = max(0, min(length, self.size - offset))
+        if offset == self.last_end and self.prefetch is None and self.planned is None and length:
+            # reading on from where the last read ended (hashing a file): fetch the rest ahead, concurrently
+            step = max(length, SEQUENTIAL_STEP)
+            self.will_read([(start, min(step, self.size - start)) for start in range(offset, self.size, step)])
+        self.last_end = offset + length
         if self.planned is not None:
             data = self.planned.take(offset, length)
             if data is not None:
