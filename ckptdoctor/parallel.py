@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,24 @@ def _reraise(error: Any) -> None:
     raise error
 
 
+def _record(index: int, outcome: tuple[bool, Any], done: Callable[[int], None] | None) -> tuple[bool, Any]:
+    if done is not None and outcome[0]:
+        done(index)
+    return outcome
+
+
+def _worker_init() -> None:
+    """In each forked worker: Ctrl-C is the parent's to answer (it ends the workers), and a worker ends with the
+    parent however the parent dies (Linux ``PR_SET_PDEATHSIG``), so no worker outlives its run."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
 def _local(
     indices: list[int], task: Callable[[int], Any], jobs: int, done: Callable[[int], None] | None, threads: bool
 ) -> dict:
@@ -109,16 +128,25 @@ def _local(
                 if done is not None:
                     done(index)
             return results
-        pool: Executor
         if threads:
-            pool = ThreadPoolExecutor(jobs, thread_name_prefix="ckptdoctor-worker")
-        else:
-            pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
-        with pool:
-            for index, outcome in zip(indices, pool.map(_run, indices)):
-                results[index] = outcome
-                if done is not None and outcome[0]:
-                    done(index)
+            with ThreadPoolExecutor(jobs, thread_name_prefix="ckptdoctor-worker") as threads_pool:
+                try:
+                    for index, outcome in zip(indices, threads_pool.map(_run, indices)):
+                        results[index] = _record(index, outcome, done)
+                except BaseException:  # Ctrl-C: the queued units are dropped, not waited for
+                    threads_pool.shutdown(wait=False, cancel_futures=True)
+                    raise
+            return results
+        pool = multiprocessing.get_context("fork").Pool(jobs, initializer=_worker_init)
+        try:
+            for index, outcome in zip(indices, pool.imap(_run, indices)):
+                results[index] = _record(index, outcome, done)
+        except BaseException:  # Ctrl-C, an error: the workers are ended (SIGTERM), nothing is left running
+            pool.terminate()
+            pool.join()
+            raise
+        pool.close()
+        pool.join()
     finally:
         _TASK = None
     return results

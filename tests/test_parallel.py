@@ -304,3 +304,43 @@ def test_bitwise_equal_across_layouts_stops_at_the_first_difference(monkeypatch)
     key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"  # TP=1 and TP=2 runs differ (~1e-6)
     assert not tensors_bitwise_equal(a, a.entries[key], b, b.entries[key])
     assert 0 < len(reads) < len(a.entries[key].chunks) + len(b.entries[key].chunks)
+
+
+def test_ctrl_c_ends_the_workers_at_once(tmp_path):
+    """SIGINT to the whole process group (a terminal's Ctrl-C) while workers run: exit 130 at once, one line,
+    and no worker left running (they would otherwise finish the queued files, or wait forever for more)."""
+    import signal
+    import time
+
+    marker = tmp_path / "started"
+    child = (
+        "import sys, time, pathlib\n"
+        "from ckptdoctor import parallel\n"
+        "from ckptdoctor.cli import main\n"
+        "def slow(i):\n"
+        f"    pathlib.Path({str(marker)!r}).touch()\n"
+        "    time.sleep(30)\n"
+        "    return i\n"
+        "import ckptdoctor.rules.integrity as integrity\n"
+        "integrity.check_deep = lambda *a, **k: parallel.map_units([1] * 8, slow, jobs=2) and []\n"
+        "sys.exit(main(['check', '--isolated', '--deep', sys.argv[1]]))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child, str(FIXTURES / "core019_tp1")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    start = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=20)  # EOF on the pipes: no worker holds them open
+    assert proc.returncode == 130 and err == "ckptdoctor: interrupted\n", err
+    assert time.monotonic() - start < 10
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing of the group is left
