@@ -3,6 +3,8 @@
 Both stream: one file read in 1 MiB pieces for hashing, one chunk's byte range at a time for ``--deep``
 (memory stays bounded by the largest chunk). ``--deep`` needs no torch: chunks decode to
 :class:`~ckptdoctor.stand_ins.TensorRef` through the safe unpickler (:func:`ckptdoctor.values.read.decode_chunk_ref`).
+Each data file is one unit of :func:`ckptdoctor.parallel.map_units` (``--jobs`` processes, or torchrun ranks);
+CKD313's NaN/Inf counting is :mod:`ckptdoctor.rules.non_finite`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
@@ -22,6 +23,8 @@ from ckptdoctor.formats.files import file_sizes, open_regular, read_json
 from ckptdoctor.formats.stream import read_ranges
 from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
+from ckptdoctor.rules.non_finite import NonFinite
+from ckptdoctor.rules.non_finite import count_non_finite as count_non_finite  # its earlier home
 from ckptdoctor.rules.safety import refused_pickle, unlisted_globals
 from ckptdoctor.rules.structure import Scanned, reason
 from ckptdoctor.torch_stand_ins import StorageRef, TensorRef
@@ -202,106 +205,6 @@ def _work(state: Scanned) -> dict[str, list[tuple[Entry, DcpChunk]]]:
     return dict(sorted(by_file.items()))
 
 
-# IEEE floating-point dtypes: itemsize, and the exponent bits in the last two bytes of a little-endian element
-# (all ones: NaN or Inf). float16: s11111.., bfloat16 and float32: s1111111 1..., float64: s1111111 1111....
-_FLOAT_EXPONENT: dict[str, tuple[int, int, int]] = {
-    "torch.float16": (2, 0x7C, 0x00),
-    "torch.half": (2, 0x7C, 0x00),
-    "torch.bfloat16": (2, 0x7F, 0x80),
-    "torch.float32": (4, 0x7F, 0x80),
-    "torch.float": (4, 0x7F, 0x80),
-    "torch.float64": (8, 0x7F, 0xF0),
-    "torch.double": (8, 0x7F, 0xF0),
-}
-
-
-def _flags(mask: int) -> bytes:
-    """A bytes.translate table: 1 for a byte with every bit of ``mask`` set, else 0."""
-    return bytes(1 if (b & mask) == mask else 0 for b in range(256))
-
-
-_TABLES = {mask: _flags(mask) for _, high, low in _FLOAT_EXPONENT.values() for mask in (high, low)}
-
-
-def count_non_finite(data: Any, dtype: str | None) -> tuple[int, int] | None:
-    """(NaN count, Inf count) of the little-endian ``dtype`` elements in ``data``, without torch: the exponent
-    bytes are sliced, flagged through a translate table and combined as big integers (C speed); only elements
-    already known to be non-finite are looked at one by one. None for a dtype that is not an IEEE float."""
-    spec = _FLOAT_EXPONENT.get(dtype or "")
-    if spec is None:
-        return None
-    size, high_mask, low_mask = spec
-    raw = memoryview(data).cast("B")  # no copy: only the two exponent bytes of each element are copied out
-    raw = raw[: len(raw) - len(raw) % size]
-    if not raw:
-        return 0, 0
-    flags = int.from_bytes(raw[size - 1 :: size].tobytes().translate(_TABLES[high_mask]), "little")
-    if low_mask:
-        flags &= int.from_bytes(raw[size - 2 :: size].tobytes().translate(_TABLES[low_mask]), "little")
-    total = flags.bit_count()  # one set bit per flagged element (each flag byte is 0 or 1)
-    if not total:
-        return 0, 0
-    exponent = {2: 0x7C00 if high_mask == 0x7C else 0x7F80, 4: 0x7F800000, 8: 0x7FF0000000000000}[size]
-    sign = 1 << (size * 8 - 1)
-    inf = 0
-    marks = flags.to_bytes(len(raw) // size, "little")
-    index = marks.find(1)
-    while index >= 0:
-        value = int.from_bytes(raw[index * size : (index + 1) * size], "little") & ~sign
-        inf += value == exponent  # all-ones exponent, zero mantissa
-        index = marks.find(1, index + 1)
-    return total - inf, inf
-
-
-class _NonFinite:
-    """Counts NaN and Inf per key in the floating-point model and optimizer chunks that decoded cleanly.
-
-    One per data file (a worker's partial result, plain data to pickle back); :meth:`merge` adds them in file
-    order, which gives the keys and first chunks a single front-to-back pass would have found.
-    """
-
-    def __init__(self) -> None:
-        self.per_key: dict[str, list[int]] = {}  # key -> [nan, inf, chunks with some, chunks scanned]
-        self.first: dict[str, tuple[str, list[int]]] = {}  # key -> (path, offsets) of its first bad chunk
-
-    def scan(self, entry: Entry, chunk: DcpChunk, data: Any, path: Path) -> None:
-        counted = count_non_finite(data, entry.dtype)
-        if counted is None:
-            return
-        nan, inf = counted
-        counts = self.per_key.setdefault(entry.key, [0, 0, 0, 0])
-        counts[3] += 1
-        if nan or inf:
-            counts[0] += nan
-            counts[1] += inf
-            counts[2] += 1
-            self.first.setdefault(entry.key, (str(path), list(chunk.offsets)))
-
-    def merge(self, other: _NonFinite) -> None:
-        for key, counts in other.per_key.items():
-            mine = self.per_key.setdefault(key, [0, 0, 0, 0])
-            for i, n in enumerate(counts):
-                mine[i] += n
-        for key, first in other.first.items():
-            self.first.setdefault(key, first)
-
-    def findings(self) -> list[Finding]:
-        out = []
-        for key, (nan, inf, bad, scanned) in self.per_key.items():
-            if not bad:
-                continue
-            path, offsets = self.first[key]
-            out.append(
-                finding(
-                    NON_FINITE,
-                    path,
-                    f"{key}: {nan} NaN and {inf} Inf value(s) in {bad} of {scanned} "
-                    f"chunk(s) (first: chunk at {offsets})",
-                )
-            )
-        return out
-
-
 def check_deep(
     state: Scanned, progress: Progress | None = None, scan_values: bool = True, jobs: int | None = None
 ) -> list[Finding]:
@@ -333,17 +236,17 @@ def check_deep(
     weights = [sum(length for _, length, _ in ranges) for _, ranges in files]
     inline = parallel.runs_inline(jobs, len(files))
 
-    def task(index: int) -> tuple[list[Finding], _NonFinite | None]:
+    def task(index: int) -> tuple[list[Finding], NonFinite | None]:
         return _check_file(state, files[index], scan_values, progress if inline else None)
 
     done = None if inline or progress is None else (lambda index: progress(weights[index]))
-    non_finite = _NonFinite() if scan_values else None
+    non_finite = NonFinite() if scan_values else None
     for found, counts in parallel.map_units(weights, task, jobs, done):
         out += found
         if non_finite is not None and counts is not None:
             non_finite.merge(counts)
     if non_finite is not None:
-        out += non_finite.findings()
+        out += non_finite.findings(NON_FINITE)
     return out
 
 
@@ -352,11 +255,11 @@ def _check_file(
     file: tuple[Path, list[tuple[int, int, tuple[Entry, DcpChunk]]]],
     scan_values: bool,
     progress: Progress | None,
-) -> tuple[list[Finding], _NonFinite | None]:
+) -> tuple[list[Finding], NonFinite | None]:
     """One data file read front to back: its findings and (``scan_values``) its NaN/Inf counts."""
     out: list[Finding] = []
     decoder = _ChunkDecoder()
-    non_finite = _NonFinite() if scan_values else None
+    non_finite = NonFinite() if scan_values else None
     for file_path, tag, blob in read_ranges([file]):
         path = state.shown / file_path.name
         if isinstance(blob, CkptError):  # unreadable file (I/O error): the rest of it cannot be checked
@@ -435,7 +338,7 @@ def _check_chunk(
     chunk: DcpChunk,
     blob: memoryview,
     path: Path,
-    non_finite: _NonFinite | None = None,
+    non_finite: NonFinite | None = None,
 ) -> Finding | None:
     what = f"{entry.key} chunk at {list(chunk.offsets)}"
     try:

@@ -1,0 +1,116 @@
+"""CKD313 (``check --deep``): NaN and Inf counted in IEEE float tensors without torch, per key.
+
+The exponent bytes of each element are sliced out of the raw little-endian bytes, flagged through a
+``bytes.translate`` table and combined as big integers, so a chunk is scanned at C speed; only elements already
+known to be non-finite are looked at one by one. :class:`NonFinite` holds one data file's counts (a worker's
+partial result) and merges them in file order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ckptdoctor.checkpoint import Entry
+from ckptdoctor.formats.torch_dist import DcpChunk
+from ckptdoctor.rules import Finding, RuleInfo, finding
+
+# IEEE floating-point dtypes: itemsize, and the exponent bits in the last two bytes of a little-endian element
+# (all ones: NaN or Inf). float16: s11111.., bfloat16 and float32: s1111111 1..., float64: s1111111 1111....
+_FLOAT_EXPONENT: dict[str, tuple[int, int, int]] = {
+    "torch.float16": (2, 0x7C, 0x00),
+    "torch.half": (2, 0x7C, 0x00),
+    "torch.bfloat16": (2, 0x7F, 0x80),
+    "torch.float32": (4, 0x7F, 0x80),
+    "torch.float": (4, 0x7F, 0x80),
+    "torch.float64": (8, 0x7F, 0xF0),
+    "torch.double": (8, 0x7F, 0xF0),
+}
+
+
+def _flags(mask: int) -> bytes:
+    """A bytes.translate table: 1 for a byte with every bit of ``mask`` set, else 0."""
+    return bytes(1 if (b & mask) == mask else 0 for b in range(256))
+
+
+_TABLES = {mask: _flags(mask) for _, high, low in _FLOAT_EXPONENT.values() for mask in (high, low)}
+
+
+def count_non_finite(data: Any, dtype: str | None) -> tuple[int, int] | None:
+    """(NaN count, Inf count) of the little-endian ``dtype`` elements in ``data``, without torch: the exponent
+    bytes are sliced, flagged through a translate table and combined as big integers (C speed); only elements
+    already known to be non-finite are looked at one by one. None for a dtype that is not an IEEE float."""
+    spec = _FLOAT_EXPONENT.get(dtype or "")
+    if spec is None:
+        return None
+    size, high_mask, low_mask = spec
+    raw = memoryview(data).cast("B")  # no copy: only the two exponent bytes of each element are copied out
+    raw = raw[: len(raw) - len(raw) % size]
+    if not raw:
+        return 0, 0
+    flags = int.from_bytes(raw[size - 1 :: size].tobytes().translate(_TABLES[high_mask]), "little")
+    if low_mask:
+        flags &= int.from_bytes(raw[size - 2 :: size].tobytes().translate(_TABLES[low_mask]), "little")
+    total = flags.bit_count()  # one set bit per flagged element (each flag byte is 0 or 1)
+    if not total:
+        return 0, 0
+    exponent = {2: 0x7C00 if high_mask == 0x7C else 0x7F80, 4: 0x7F800000, 8: 0x7FF0000000000000}[size]
+    sign = 1 << (size * 8 - 1)
+    inf = 0
+    marks = flags.to_bytes(len(raw) // size, "little")
+    index = marks.find(1)
+    while index >= 0:
+        value = int.from_bytes(raw[index * size : (index + 1) * size], "little") & ~sign
+        inf += value == exponent  # all-ones exponent, zero mantissa
+        index = marks.find(1, index + 1)
+    return total - inf, inf
+
+
+class NonFinite:
+    """Counts NaN and Inf per key in the floating-point model and optimizer chunks that decoded cleanly.
+
+    One per data file (a worker's partial result, plain data to pickle back); :meth:`merge` adds them in file
+    order, which gives the keys and first chunks a single front-to-back pass would have found.
+    """
+
+    def __init__(self) -> None:
+        self.per_key: dict[str, list[int]] = {}  # key -> [nan, inf, chunks with some, chunks scanned]
+        self.first: dict[str, tuple[str, list[int]]] = {}  # key -> (path, offsets) of its first bad chunk
+
+    def scan(self, entry: Entry, chunk: DcpChunk, data: Any, path: Path) -> None:
+        counted = count_non_finite(data, entry.dtype)
+        if counted is None:
+            return
+        nan, inf = counted
+        counts = self.per_key.setdefault(entry.key, [0, 0, 0, 0])
+        counts[3] += 1
+        if nan or inf:
+            counts[0] += nan
+            counts[1] += inf
+            counts[2] += 1
+            self.first.setdefault(entry.key, (str(path), list(chunk.offsets)))
+
+    def merge(self, other: NonFinite) -> None:
+        for key, counts in other.per_key.items():
+            mine = self.per_key.setdefault(key, [0, 0, 0, 0])
+            for i, n in enumerate(counts):
+                mine[i] += n
+        for key, first in other.first.items():
+            self.first.setdefault(key, first)
+
+    def findings(self, rule: RuleInfo) -> list[Finding]:
+        """One ``rule`` finding per key with NaN or Inf, in the order the keys were first scanned."""
+        out = []
+        for key, (nan, inf, bad, scanned) in self.per_key.items():
+            if not bad:
+                continue
+            path, offsets = self.first[key]
+            out.append(
+                finding(
+                    rule,
+                    path,
+                    f"{key}: {nan} NaN and {inf} Inf value(s) in {bad} of {scanned} "
+                    f"chunk(s) (first: chunk at {offsets})",
+                )
+            )
+        return out
