@@ -134,7 +134,7 @@ def load_case(saved, case: dict) -> torch.nn.Module:
         model = build_model(saved, case.get("no_extra_state", False), case.get("module_names", False))
         request = {"model": gen.model_sharded_state_dict(model)}
         if case.get("print_keys") and dist.get_rank() == 0:
-            print(f"KEYS {case['name']} {json.dumps(requested_keys(request))}", flush=True)
+            say(f"KEYS {case['name']} {json.dumps(requested_keys(request))}")
         loaded = dist_checkpointing.load(request, str(iteration_dir(case["ckpt"])))
         model.load_state_dict(loaded["model"], strict=not case.get("no_extra_state", False))
         return model
@@ -152,6 +152,12 @@ def load_case(saved, case: dict) -> torch.nn.Module:
 
 
 RNG_RESTORES: list[object] = []
+
+
+def say(line: str) -> None:
+    """One line in one write: the ranks of a torchrun share stdout, and print() writes the newline apart."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -175,7 +181,7 @@ def main() -> None:
         except BaseException as exc:  # noqa: BLE001 - Megatron exits with SystemExit on some refusals
             message = f"{type(exc).__name__}: {exc} {getattr(exc, 'failures', '')}"
             if case["expect"] != "ok" and case["expect"] in message:
-                print(f"CASE {case['name']} FAILED-AS-EXPECTED {message[:300]!r}", flush=True)
+                say(f"CASE {case['name']} FAILED-AS-EXPECTED {message[:300]!r}")
                 continue
             raise AssertionError(f"case {case['name']}: {message}") from exc
         assert case["expect"] == "ok", f"case {case['name']}: loaded, but expected {case['expect']!r}"
@@ -185,10 +191,7 @@ def main() -> None:
         for name, value in want.items():
             assert torch.equal(got[name].detach(), value), f"case {case['name']}: {name} differs from the reference"
         restored = f"rng restored {len(RNG_RESTORES)}"
-        print(
-            f"CASE {case['name']} OK rank {dist.get_rank()} tp {tp}: {len(want)} parameters equal, {restored}",
-            flush=True,
-        )
+        say(f"CASE {case['name']} OK rank {dist.get_rank()} tp {tp}: {len(want)} parameters equal, {restored}")
     dist.barrier()
     dist.destroy_process_group()
 
