@@ -313,7 +313,7 @@ def test_integrity_manifest_stays_consistent(capsys, copy_fixture, tmp_path, com
     assert rc == 0, err
 
 
-def test_unsafe_pickle_is_refused(capsys, copy_fixture, tmp_path):
+def test_unsafe_pickle_is_refused_unless_the_edit_removes_it(capsys, copy_fixture, tmp_path):
     save = copy_fixture("core019_tp1")
     it = save / ITER
     path = it / ".metadata"
