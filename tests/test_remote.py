@@ -320,6 +320,7 @@ def test_remote_path_answers_like_a_path(remote):
     assert str(path.parent.parent) == f"{PREFIXES['s3']}core019_tp1" and path.name == "metadata.json"
     assert path.is_file() and not path.is_dir() and path.parent.is_dir() and path.stem == "metadata"
     assert path.stat().st_size == (FIXTURES / "core019_tp1/iter_0000010/metadata.json").stat().st_size
+    assert path.read_bytes() == (FIXTURES / "core019_tp1/iter_0000010/metadata.json").read_bytes()
     assert sorted(p.name for p in path.parent.iterdir()) == sorted(
         p.name for p in (FIXTURES / "core019_tp1/iter_0000010").iterdir()
     )

@@ -159,9 +159,9 @@ class RemotePath:
             raise IsADirectoryError(errno.EISDIR, "a directory", str(self))
         return RemoteFile(self, found.size)
 
-    def read_bytes(self) -> bytes:
-        with self.open_file() as f:
-            return f.readall()
+    def read_bytes(self, max_bytes: int = 1 << 30) -> bytes:
+        """The whole object (a small one: at most ``max_bytes + 1`` bytes are read)."""
+        return self.store.read_small_file(self.key, max_bytes)
 
     def read_text(self, encoding: str = "utf-8") -> str:
         return self.read_bytes().decode(encoding)
