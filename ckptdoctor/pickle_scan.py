@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ckptdoctor.errors import PickleLimitError
@@ -141,6 +142,14 @@ _REFUSED_OPCODES = {0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4", 0x97: "NEXT_BUFFER
 
 _GLOBAL_REF = -1  # a stack item that is a global (class or function) from GLOBAL / STACK_GLOBAL
 _NUMBER = -2  # an int or a float: a hash any process computes alike (tuples, n >= 1, too)
+# A global whose objects can be dict keys without hash flooding: their hash is the identity, a keyed digest
+# (stand-ins) or a randomized str hash, or they are unhashable. What it builds is an ordinary object (0).
+_GLOBAL_SAFE_HASH = -3
+# Stack items <= _STRING are short strings the scanner remembers (index _STRING - item into a table), so that
+# STACK_GLOBAL knows which global it makes; everywhere else they count as ordinary objects (all tests are
+# ``> 0`` or equality with the codes above).
+_STRING = -1000
+_MAX_REMEMBERED_STRING = 256  # module and class names; longer strings are not names
 
 
 def _memo_index(buf: bytes, pos: int, width: int) -> tuple[int, int]:
@@ -156,12 +165,21 @@ def _memo_index(buf: bytes, pos: int, width: int) -> tuple[int, int]:
     return idx, end + 1
 
 
-def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = None) -> None:
+def scan(
+    data: bytes | bytearray | memoryview,
+    limits: PickleLimits | None = None,
+    safe_hash: Callable[[str, str], bool] | None = None,
+) -> None:
     """Raise :class:`PickleLimitError` if ``data`` breaks a limit or uses an opcode we never accept.
 
     Stack items are ints: 0 for an ordinary object, ``_GLOBAL_REF`` for a global, ``_NUMBER`` for an int or
-    float, n >= 1 for a tuple whose tuples nest n deep. Protocol 5 out-of-band buffers and the copyreg
-    extension registry are refused.
+    float, n >= 1 for a tuple whose tuples nest n deep (or an object built from such a tuple: ``torch.Size``
+    is one). Protocol 5 out-of-band buffers and the copyreg extension registry are refused.
+
+    ``safe_hash(module, name)`` says that objects built by that global cannot flood a dict (see
+    ``_GLOBAL_SAFE_HASH``): they are not counted as hashed keys (DCP's ``storage_data`` has one
+    ``MetadataIndex`` key per chunk, hundreds of thousands in a large checkpoint). Without it every object built
+    from a tuple is counted, as a tuple would be.
     """
     limits = limits or _current
     limits.check_size(len(data))
@@ -175,8 +193,19 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
     stack: list[int] = []
     marks: list[int] = []
     memo: list[int] = []
+    strings: list[bytes] = []  # remembered short strings, by _STRING - item
+    string_codes: dict[bytes, int] = {}
     unpack_from = struct.unpack_from
     pos = 0
+
+    def global_item(module: bytes, name: bytes) -> int:
+        if safe_hash is None:
+            return _GLOBAL_REF
+        try:
+            safe = safe_hash(module.decode("utf-8"), name.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return _GLOBAL_REF  # the unpickler refuses the name itself
+        return _GLOBAL_SAFE_HASH if safe else _GLOBAL_REF
 
     def fail(what: str) -> PickleLimitError:
         return PickleLimitError(f"{what} at byte {pos}")
@@ -208,10 +237,10 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                 stack.append(1)
             elif kind == _REDUCE:  # REDUCE and NEWOBJ: callable/class, argument tuple -> object
                 args = stack.pop()
-                stack[-1] = args if args > 0 else 0
+                stack[-1] = args if args > 0 and stack[-1] != _GLOBAL_SAFE_HASH else 0
             elif kind == _BUILD:
                 stack.pop()
-                if stack[-1] == _GLOBAL_REF:
+                if stack[-1] == _GLOBAL_REF or stack[-1] == _GLOBAL_SAFE_HASH:
                     raise fail("BUILD on a class or function (would change it for every later read)")
             elif kind == _TUPLE1:
                 depth = stack[-1]
@@ -238,7 +267,7 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                 mark = marks.pop()
                 keys = stack[mark::2] if kind == _SETITEMS else stack[mark:]
                 del stack[mark:]
-                if op != 0x91 and stack[-1] == _GLOBAL_REF:
+                if op != 0x91 and (stack[-1] == _GLOBAL_REF or stack[-1] == _GLOBAL_SAFE_HASH):
                     raise fail("item assignment on a class or function")
                 for key in keys:
                     if key == _NUMBER or key > 0:
@@ -268,7 +297,7 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                         if hashed_keys_left < 0:
                             raise fail(f"more than {limits.max_hashed_keys} int, float or tuple keys (hash flooding)")
                     del stack[-2 if kind == _SETITEM else -1 :]
-                if stack[-1] == _GLOBAL_REF:
+                if stack[-1] == _GLOBAL_REF or stack[-1] == _GLOBAL_SAFE_HASH:
                     raise fail("item assignment on a class or function")
             elif kind in (_PUSH_LEN, _PUSH_LEN_NUMBER):
                 width = arg_width[op]
@@ -278,12 +307,23 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                     length = unpack_from("<I", buf, pos)[0]
                 else:
                     length = unpack_from("<Q", buf, pos)[0]
-                pos += width + length
+                start = pos + width
+                pos = start + length
                 if pos > size:  # a length past the end is damage, not a giant
                     raise corrupt("truncated")
                 if length > max_string:
                     raise fail(f"a string of {length} bytes exceeds the limit of {max_string}")
-                stack.append(_NUMBER if kind == _PUSH_LEN_NUMBER else 0)
+                if kind == _PUSH_LEN_NUMBER:
+                    stack.append(_NUMBER)
+                elif (op == 0x8C or op == 0x58) and length <= _MAX_REMEMBERED_STRING:  # (SHORT_)BINUNICODE
+                    text = buf[start:pos]
+                    code = string_codes.get(text)
+                    if code is None:
+                        code = string_codes[text] = _STRING - len(strings)
+                        strings.append(text)
+                    stack.append(code)
+                else:
+                    stack.append(0)
             elif kind == _TUPLE_MARK:
                 mark = marks.pop()
                 items = stack[mark:]
@@ -313,11 +353,17 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                 del stack[mark:]
                 stack.append(0)
             elif kind == _STACK_GLOBAL:
+                module_item, name_item = stack[-2:]  # fewer than two: ValueError, a malformed pickle
                 del stack[-2:]
-                stack.append(_GLOBAL_REF)
+                if module_item <= _STRING and name_item <= _STRING:
+                    stack.append(global_item(strings[_STRING - module_item], strings[_STRING - name_item]))
+                else:
+                    stack.append(_GLOBAL_REF)
             elif kind == _GLOBAL:
-                pos = buf.index(b"\n", buf.index(b"\n", pos) + 1) + 1
-                stack.append(_GLOBAL_REF)
+                module_end = buf.index(b"\n", pos)
+                name_end = buf.index(b"\n", module_end + 1)
+                stack.append(global_item(buf[pos:module_end], buf[module_end + 1 : name_end]))
+                pos = name_end + 1
             elif kind in (_PUSH_NL, _PUSH_NL_NUMBER):
                 end = buf.index(b"\n", pos)
                 if end - pos > max_string:
@@ -333,9 +379,10 @@ def scan(data: bytes | bytearray | memoryview, limits: PickleLimits | None = Non
                 del stack[marks.pop() :]
             elif kind == _DUP:
                 stack.append(stack[-1])
-            elif kind == _NEWOBJ_EX:
+            elif kind == _NEWOBJ_EX:  # class, args, kwargs -> object (a torch.Size keeps its args' depth)
+                args = stack[-2]
                 del stack[-2:]
-                stack[-1] = 0
+                stack[-1] = args if args > 0 and stack[-1] != _GLOBAL_SAFE_HASH else 0
             elif kind in (_FRAME, _PROTO):
                 pos += arg_width[op]
             elif kind == _BINPERSID:

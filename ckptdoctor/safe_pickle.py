@@ -28,6 +28,7 @@ import _compat_pickle
 import argparse
 import collections
 import datetime
+import functools
 import io
 import pathlib
 import pickle
@@ -44,6 +45,7 @@ from ckptdoctor.stand_ins import (
     ALIAS_MODULE,
     ALIAS_TARGETS,
     RECORD_BASES,
+    STAND_IN_TYPES,
     record_class,
     stand_in_class,
     valid_global_name,
@@ -302,6 +304,26 @@ def _torch_value(module: str, name: str) -> Any:
     return None
 
 
+@functools.lru_cache(maxsize=1024)
+def hash_safe_global(module: str, name: str) -> bool:
+    """Objects this global builds cannot flood a dict as keys (for the scanner's key count).
+
+    True for stand-ins (a keyed digest as hash), classes hashed by identity, ``str`` subclasses (randomized
+    hash) and unhashable classes. False for anything whose hash a pickle could choose (ints, floats, tuples and
+    their subclasses such as ``torch.Size``, dates, functions whose result is unknown) and for refused names.
+    """
+    try:
+        obj = resolve_global(module, name)
+    except (UnsafePickleError, CkptError):
+        return False
+    if not isinstance(obj, type):
+        return False
+    if issubclass(obj, STAND_IN_TYPES) or issubclass(obj, str):
+        return True
+    hash_method = getattr(obj, "__hash__", None)
+    return hash_method is None or hash_method is object.__hash__
+
+
 class SafeUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` whose globals go through :func:`resolve_global`.
 
@@ -334,7 +356,7 @@ def loads(
     Raises :class:`UnsafePickleError` (a refused global), :class:`PickleLimitError` (a limit) or whatever
     a corrupt pickle raises (callers turn that into a message naming the file).
     """
-    scan(data, limits)
+    scan(data, limits, hash_safe_global)
     unpickler = SafeUnpickler(io.BytesIO(data), persistent_load)
     try:
         obj = unpickler.load()

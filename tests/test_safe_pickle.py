@@ -178,3 +178,66 @@ def test_garbage_pickle_gives_clean_error(tmp_path):
 def test_bytesio_round_trip():
     value = safe_pickle.loads(pickle.dumps(io.BytesIO(b"abc"), protocol=2))
     assert isinstance(value, io.BytesIO) and value.getvalue() == b"abc"
+
+
+# --- hash flooding and key counts (pickle_scan with safe_pickle.hash_safe_global) --------------------------
+
+
+def _short_str(text: str) -> bytes:
+    data = text.encode()
+    return b"\x8c" + bytes([len(data)]) + data
+
+
+def _dict_pickle(n: int, key: bytes) -> bytes:
+    """A protocol-4 dict of ``n`` int values under keys made by the opcodes ``key`` (``%d`` -> the index);
+    memo 0/1 hold the DCP MetadataIndex class and torch.Size."""
+    import struct
+
+    out = bytearray(b"\x80\x04")
+    out += _short_str("torch.distributed.checkpoint.metadata") + _short_str("MetadataIndex") + b"\x93\x94"
+    out += _short_str("torch") + _short_str("Size") + b"\x93\x94"
+    out += b"}("
+    for i in range(n):
+        out += key.replace(b"%d", struct.pack("<i", i)) + b"J" + struct.pack("<i", i)
+    out += b"u."
+    return bytes(out)
+
+
+_METADATA_INDEX_KEY = b"h\x00)\x81}" + _short_str("fqn") + _short_str("layer") + b"sb"  # MetadataIndex(fqn=...)
+_SIZE_KEY = b"h\x01J%d\x85\x85R"  # torch.Size((i,))
+
+
+def test_a_checkpoint_with_more_chunks_than_the_flood_limit_reads():
+    # DCP's storage_data has one MetadataIndex key per chunk: a 200k-chunk checkpoint is legitimate (stand-ins
+    # hash by identity, so they cannot be made to collide); it was refused as "hash flooding".
+    limit = safe_pickle.current_limits().max_hashed_keys
+    loaded = safe_pickle.loads(_dict_pickle(limit + 10_000, _METADATA_INDEX_KEY))
+    assert len(loaded) == limit + 10_000 and type(next(iter(loaded))).__name__ == "MetadataIndex"
+
+
+def test_torch_size_keys_count_as_tuples_for_the_flood_limit():
+    from ckptdoctor.errors import PickleLimitError
+
+    limit = safe_pickle.current_limits().max_hashed_keys
+    assert len(safe_pickle.loads(_dict_pickle(1000, _SIZE_KEY))) == 1000
+    with pytest.raises(PickleLimitError, match="hash flooding"):
+        safe_pickle.loads(_dict_pickle(limit + 1, _SIZE_KEY))
+
+
+def test_torch_size_nested_through_newobj_ex_is_bounded():
+    # NEWOBJ_EX(torch.Size, (inner,), {}) nested 1M deep, then used as a dict key: hashing it recurses in C
+    # (a crash). The scanner used to forget the depth of what NEWOBJ_EX builds; a child keeps a crash out of
+    # pytest. Stack: a dict, 100k Size classes, the innermost int; each level: TUPLE1 twice (Size((inner,))), {}, NEWOBJ_EX.
+    levels = 1_000_000  # 100k deep still fits the C stack; 1M crashed (SIGSEGV) before the fix
+    ops = b"\x80\x04" + _short_str("torch") + _short_str("Size") + b"\x93\x94" + b"}"
+    ops += b"h\x00" * levels + b"K\x01" + b"\x85\x85}\x92" * levels + b"Ns."
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from ckptdoctor import safe_pickle; safe_pickle.loads(sys.stdin.buffer.read())",
+        ],
+        input=ops,
+        capture_output=True,
+    )
+    assert proc.returncode == 1 and b"PickleLimitError: tuples nest deeper than" in proc.stderr, proc.stderr[-300:]
