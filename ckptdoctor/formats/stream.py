@@ -1,15 +1,13 @@
 """Sequential, bounded-memory reads of many byte ranges.
 
 ``--deep`` visits every chunk of a checkpoint: tens of thousands of ranges. Opening the file for each one costs
-more than reading its bytes, so each file is read front to back in windows through two reusable buffers, one
-filled by a read-ahead thread while the other is parsed (memory is bounded by two windows or two chunks). Each
-blob is then decoded by :mod:`ckptdoctor.formats.archive`, the one ``torch.save`` archive reader.
+more than reading its bytes, so each file is read front to back in windows through one reusable buffer (memory
+is bounded by one window or one chunk; a remote file is fetched ahead by its storage backend). Each blob is then
+decoded by :mod:`ckptdoctor.formats.archive`, the one ``torch.save`` archive reader.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,9 +34,6 @@ def _plan(ranges: Iterable[tuple[int, int, T]], window: int) -> Iterator[tuple[i
         start, end, group = offset, offset + length, [rng]
     if group:
         yield start, end - start, group
-
-
-_DONE = object()
 
 
 def _windows(
@@ -72,52 +67,20 @@ def _windows(
 
 
 def read_ranges(
-    files: Iterable[tuple[Path, Iterable[tuple[int, int, T]]]], window: int = DEFAULT_WINDOW, read_ahead: bool = False
+    files: Iterable[tuple[Path, Iterable[tuple[int, int, T]]]], window: int = DEFAULT_WINDOW
 ) -> Iterator[tuple[Path, T | None, memoryview | CkptError]]:
     """Yield ``(path, tag, bytes)`` for every range of every file, reading each file front to back.
 
-    Ranges of one file must be sorted by offset. With ``read_ahead`` a background thread reads the next
-    window while the caller works on the current one (reads release the GIL), through two reusable buffers:
-    at most two windows (each ``window`` bytes, or one chunk if larger) are in memory. A memoryview is only
-    valid until the next item: copy what you keep. A file that cannot be read, or ends before a range does,
-    yields ``(path, None, CkptError)`` once, and its remaining ranges are skipped.
+    Ranges of one file must be sorted by offset; neighbours are read together in windows of ``window`` bytes
+    (or one chunk if larger) into one reused buffer. A memoryview is only valid until the next item: copy what
+    you keep. A file that cannot be read, or ends before a range does, yields ``(path, None, CkptError)`` once,
+    and its remaining ranges are skipped.
     """
-    pool: queue.Queue[bytearray] = queue.Queue()
-    for _ in range(2 if read_ahead else 1):
-        pool.put(bytearray(window))
-    if not read_ahead:
-        yield from _serve(_windows(files, window, pool.get), pool, window)
-        return
-    ready: queue.Queue = queue.Queue(maxsize=1)
-    stop = threading.Event()
-
-    def reader() -> None:
-        try:
-            for item in _windows(files, window, pool.get):
-                if stop.is_set():
-                    return
-                ready.put(item)
-        finally:
-            ready.put(_DONE)
-
-    thread = threading.Thread(target=reader, name="ckptdoctor-read-ahead", daemon=True)
-    thread.start()
-    try:
-        yield from _serve(iter(ready.get, _DONE), pool, window)
-    finally:
-        stop.set()
-        while thread.is_alive():  # unblock the reader if the caller stopped early
-            try:
-                ready.get_nowait()
-            except queue.Empty:
-                pass
-            pool.put(bytearray(0))
-            thread.join(timeout=0.05)
+    buffers = [bytearray(window)]
+    yield from _serve(_windows(files, window, buffers.pop), buffers.append)
 
 
-def _serve(
-    windows: Iterable[tuple], pool: queue.Queue, window: int
-) -> Iterator[tuple[Path, Any, memoryview | CkptError]]:
+def _serve(windows: Iterable[tuple], give_back: Any) -> Iterator[tuple[Path, Any, memoryview | CkptError]]:
     for path, start, got, buf, group in windows:
         if isinstance(start, CkptError):
             yield path, None, start
@@ -130,7 +93,7 @@ def _serve(
                 yield path, tag, view[offset - start : offset - start + length]
             view.release()
         if isinstance(buf, bytearray):
-            pool.put(buf)
+            give_back(buf)
 
 
 def _read_into(f: Any, buf: bytearray, length: int) -> int:
