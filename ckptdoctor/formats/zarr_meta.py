@@ -13,6 +13,7 @@ from pathlib import Path
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.files import file_sizes, list_tree, read_json
 from ckptdoctor.formats.torch_dist import DcpChunk, StorageLocation
+from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, TensorRef
 
 # numpy type strings as zarr writes them -> torch dtype names; Megatron patches bfloat16 in by name.
 _ZARR_DTYPES = {
@@ -72,3 +73,25 @@ def read_index(iteration_dir: Path) -> tuple[dict[str, tuple], dict[str, int]]:
                     chunk = DcpChunk((), (), StorageLocation(f"{key}/{name}", 0, files[name]))
                     entries[item_key] = (item_key, "bytes", None, None, [chunk])
     return entries, sizes
+
+
+def chunk_ref(dtype_name: str | None, sizes: tuple[int, ...], blob: bytes, where: str) -> TensorRef:
+    """A legacy zarr chunk file: the raw, uncompressed C-order values of one chunk (Megatron writes no
+    compressor, and its chunks are the per-rank local shapes, so no edge padding)."""
+    dtype = DtypeRef.get((dtype_name or "").removeprefix("torch."))
+    numel = 1
+    for size in sizes:
+        numel *= size
+    if dtype.itemsize is None or len(blob) != numel * dtype.itemsize:
+        raise CkptError(
+            f"{where}: zarr chunk holds {len(blob)} bytes, {list(sizes)} of {dtype_name} "
+            f"needs {numel * (dtype.itemsize or 0)} (compressed or padded chunks are not supported)"
+        )
+    stride: list[int] = []
+    step = 1
+    for size in reversed(sizes):
+        stride.insert(0, step)
+        step *= size
+    storage = StorageRef("0", dtype, "cpu", numel)
+    storage.set_data(blob)
+    return TensorRef(storage, 0, tuple(sizes), tuple(stride))

@@ -11,11 +11,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError, MissingExtraError
-from ckptdoctor.formats import torch_dist
+from ckptdoctor.formats import raw_chunk_ref, torch_dist
 from ckptdoctor.formats.archive import parse_archive, storage_ref, unpickle
 from ckptdoctor.formats.torch_zip import load_torch_zip
-from ckptdoctor.locate import BACKEND_ZARR
-from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, TensorRef
+from ckptdoctor.torch_stand_ins import TensorRef
 from ckptdoctor.values import archive_memo
 
 if TYPE_CHECKING:
@@ -55,8 +54,9 @@ def decode_chunk_ref(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk) -> T
     if chunk.storage is None:
         raise CkptError(f"{where}: no storage entry in .metadata")
     blob = torch_dist.read_range(checkpoint.iteration_dir, chunk.storage, entry.max_range_bytes(chunk))
-    if checkpoint.location.backend == BACKEND_ZARR:
-        return _zarr_chunk_ref(entry, chunk, blob, where)
+    raw = raw_chunk_ref(checkpoint.location.backend, entry.dtype, chunk.sizes, blob, where)
+    if raw is not None:
+        return raw
     obj = load_torch_zip(blob, where)
     if not isinstance(obj, TensorRef):
         raise CkptError(f"{where}: expected a tensor, found {type(obj).__name__}")
@@ -65,28 +65,6 @@ def decode_chunk_ref(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk) -> T
     if entry.dtype is not None and str(obj.dtype) != entry.dtype:
         raise CkptError(f"{where}: stored dtype {obj.dtype} differs from metadata {entry.dtype}")
     return obj
-
-
-def _zarr_chunk_ref(entry: Entry, chunk: DcpChunk, blob: bytes, where: str) -> TensorRef:
-    """A legacy zarr chunk file: the raw, uncompressed C-order values of one chunk (Megatron writes no
-    compressor, and its chunks are the per-rank local shapes, so no edge padding)."""
-    dtype = DtypeRef.get((entry.dtype or "").removeprefix("torch."))
-    numel = 1
-    for size in chunk.sizes:
-        numel *= size
-    if dtype.itemsize is None or len(blob) != numel * dtype.itemsize:
-        raise CkptError(
-            f"{where}: zarr chunk holds {len(blob)} bytes, {list(chunk.sizes)} of {entry.dtype} "
-            f"needs {numel * (dtype.itemsize or 0)} (compressed or padded chunks are not supported)"
-        )
-    stride: list[int] = []
-    step = 1
-    for size in reversed(chunk.sizes):
-        stride.insert(0, step)
-        step *= size
-    storage = StorageRef("0", dtype, "cpu", numel)
-    storage.set_data(blob)
-    return TensorRef(storage, 0, tuple(chunk.sizes), tuple(stride))
 
 
 def read_chunk(checkpoint: Checkpoint, key: str, chunk_index: int) -> Any:
@@ -159,8 +137,9 @@ def read_chunk_view(
         raise CkptError(f"{where}: no storage entry in .metadata")
     if blob is None:
         blob = torch_dist.read_range(checkpoint.iteration_dir, chunk.storage, entry.max_range_bytes(chunk))
-    if checkpoint.location.backend == BACKEND_ZARR:
-        return tensor_from_ref(_zarr_chunk_ref(entry, chunk, blob, where), where), len(blob)
+    raw = raw_chunk_ref(checkpoint.location.backend, entry.dtype, chunk.sizes, blob, where)
+    if raw is not None:
+        return tensor_from_ref(raw, where), len(blob)
     layout = None if verify_crc else archive_memo.lookup(blob)
     if layout is not None:  # the directory of an archive like one parsed before: its layout, no parse
         archive = None
