@@ -77,6 +77,12 @@ def _run(index: int) -> tuple[bool, Any]:
 def _portable(exc: Exception) -> Any:
     import pickle
 
+    from ckptdoctor.errors import CkptError
+
+    if isinstance(exc, CkptError) and type(exc) is not CkptError:
+        # Subclasses with their own __init__ (MissingExtraError, UnsafePickleError, ...) do not survive a
+        # pickle round trip; what the user sees of them is their one line and exit code, which is kept.
+        return Failed("CkptError", str(exc), exc.exit_code)
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
@@ -88,7 +94,11 @@ def _reraise(error: Any) -> None:
     if isinstance(error, Failed):
         from ckptdoctor.errors import CkptError
 
-        raise CkptError(error.message) if error.kind == "CkptError" else RuntimeError(f"{error.kind}: {error.message}")
+        if error.kind == "CkptError":
+            carried = CkptError(error.message)
+            carried.exit_code = error.exit_code
+            raise carried
+        raise RuntimeError(f"{error.kind}: {error.message}")
     raise error
 
 

@@ -86,6 +86,21 @@ def test_map_units_keeps_unit_order_and_first_failure():
             map_units([1] * 6, task, jobs=jobs)
 
 
+def test_a_worker_error_of_ours_stays_a_one_line_error():
+    # MissingExtraError (torch not installed) cannot be unpickled as itself; it came back as a RuntimeError,
+    # an "internal error" with exit 2, instead of its one line.
+    from ckptdoctor.errors import CkptError, MissingExtraError
+
+    def task(i: int) -> int:
+        if i == 1:
+            raise MissingExtraError("torch", "torch", "comparing tensor values")
+        return i
+
+    with pytest.raises(CkptError, match="comparing tensor values needs the 'torch' package") as caught:
+        map_units([1] * 4, task, jobs=2)
+    assert caught.value.exit_code == 2
+
+
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_check_deep_same_output_for_any_jobs(capsys, damaged, fmt):
     runs = [_cli(capsys, "check", "--isolated", "--deep", "--format", fmt, "--jobs", j, str(damaged)) for j in "142"]
