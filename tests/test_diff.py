@@ -78,14 +78,29 @@ def test_each_chunk_is_read_once_across_layouts(capsys):
 
     a = open_checkpoint(FIXTURES / "core019_convert_tp4")
     b = open_checkpoint(FIXTURES / "core019_convert_src_tp1")
-    seen: list[tuple[int, int]] = []
-    report = diff_checkpoints(
-        a, b, KeyFilter(sections=("model",)), values=True, progress=lambda done, total: seen.append((done, total))
-    )
+    from ckptdoctor.progress import Progress
+
+    class Seen(Progress):
+        def __init__(self) -> None:
+            self.phases: list[tuple[str, int]] = []
+            self.steps: list[int] = []
+            self.finished = 0
+
+        def start(self, label: str, total_bytes: int) -> None:
+            self.phases.append((label, total_bytes))
+
+        def advance(self, nbytes: int) -> None:
+            self.steps.append(nbytes)
+
+        def finish(self) -> None:
+            self.finished += 1
+
+    seen = Seen()
+    report = diff_checkpoints(a, b, KeyFilter(sections=("model",)), values=True, progress=seen)
     model_bytes = [sum(e.nbytes for e in c.entries.values() if e.section == "model") for c in (a, b)]
     assert report.values.bytes_read == {"a": model_bytes[0], "b": model_bytes[1]}
-    assert seen[-1] == (sum(model_bytes), sum(model_bytes))
-    assert all(x[0] <= y[0] for x, y in zip(seen, seen[1:]))
+    assert seen.phases == [("reading values", sum(model_bytes))] and seen.finished == 1
+    assert sum(seen.steps) == sum(model_bytes) and min(seen.steps) > 0
     largest = max(
         c.storage.length for ckpt in (a, b) for e in ckpt.entries.values() if e.section == "model" for c in e.chunks
     )

@@ -115,7 +115,8 @@ def test_check_deep_same_output_for_any_jobs(capsys, damaged, fmt):
 
 
 def test_check_deep_jobs_progress_counts_every_byte(damaged):
-    from ckptdoctor.ops.check import CheckOptions, Progress, check_paths
+    from ckptdoctor.ops.check import CheckOptions, check_paths
+    from ckptdoctor.progress import Progress
 
     class Count(Progress):
         total = done = 0

@@ -221,14 +221,14 @@ elif WHERE == "progress-callback":  # in the callback the deep pass calls for ea
             wait()
         return real(state, slow, *more)
     integrity.check_deep = check_deep
-elif WHERE == "click-progressbar":  # inside click, while it draws the progress bar
-    import click._termui_impl as termui
-    real = termui.ProgressBar.render_progress
-    def render_progress(self):
-        real(self)
-        if self.pos:
+elif WHERE == "progress-bar":  # inside the progress display, while it draws
+    import ckptdoctor.commands.progress_bar as bar_module
+    real = bar_module.ProgressBar._draw
+    def _draw(self, now):
+        real(self, now)
+        if self._done:
             wait()
-    termui.ProgressBar.render_progress = render_progress
+    bar_module.ProgressBar._draw = _draw
 elif WHERE == "click-dispatch":  # inside click, while it resolves the subcommand
     import click.core
     real = click.core.Group.resolve_command
@@ -252,7 +252,7 @@ def _interrupt(where: str, tty: bool) -> tuple[int, str]:
         "--isolated",
         str(FIXTURES / "core019_tp1"),
     ]
-    if tty:  # stderr on a terminal: check --deep draws its click progress bar there
+    if tty:  # stderr on a terminal: check --deep draws its progress bar there
         import pty
 
         master, slave = pty.openpty()
@@ -306,7 +306,7 @@ def test_sigint_exits_130_with_one_line(where):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and ptys")
-@pytest.mark.parametrize("where", ["progress-callback", "click-progressbar"])
+@pytest.mark.parametrize("where", ["progress-callback", "progress-bar"])
 def test_sigint_in_progress_bar_exits_130_with_one_line(where):
     code, stderr = _interrupt(where, tty=True)
     assert code == 130, stderr

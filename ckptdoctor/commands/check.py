@@ -76,6 +76,7 @@ def command(
     after the others are checked (exit 2). Defaults come from [tool.ckptdoctor] in the nearest
     pyproject.toml. `ckptdoctor rules` lists the rule codes and what fixes them.
     """
+    from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.config import check_defaults, load_tool_config
     from ckptdoctor.exit_codes import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.check import CheckOptions, check_paths
@@ -119,7 +120,7 @@ def command(
     if statistics and output_format not in ("text", "json"):
         raise click.BadParameter("--statistics goes with --format text or json", param_hint="--statistics")
     show_bar = options.deep and not quiet and output_format == "text" and sys.stderr.isatty()
-    report = check_paths(list(paths), options, _progress_bar() if show_bar else None, missing_ok=True)
+    report = check_paths(list(paths), options, progress_bar(show_bar), missing_ok=True)
     only_missing = report.missing and not report.checked and not report.findings
     if only_missing:
         pass  # nothing but errors to say (on stderr, below)
@@ -148,27 +149,3 @@ def command(
         click.echo(escape(f"ckptdoctor: no checkpoint found under {', '.join(paths)}"), err=True)
         return EXIT_FINDINGS
     return EXIT_OK if report.clean else EXIT_FINDINGS
-
-
-def _progress_bar() -> Any:
-    """A click progress bar on stderr for ``--deep`` (built lazily: ops.check is imported only when run)."""
-    from ckptdoctor.ops.check import Progress
-    from ckptdoctor.text_safety import escape
-
-    class Bar(Progress):
-        def __init__(self) -> None:
-            self._bar: Any = None
-
-        def start(self, label: str, total_bytes: int) -> None:
-            self._bar = click.progressbar(length=max(total_bytes, 1), label=escape(label), file=sys.stderr)
-            self._bar.__enter__()
-
-        def advance(self, nbytes: int) -> None:
-            self._bar.update(nbytes)
-
-        def finish(self) -> None:
-            if self._bar is not None:
-                self._bar.__exit__(None, None, None)
-                self._bar = None
-
-    return Bar()

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import click
 
@@ -34,32 +32,6 @@ def quiet_library_warnings() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", module=r"(?!ckptdoctor(\.|$))")
         yield
-
-
-class _Progress:
-    """A click progress bar over bytes read, shown only when stderr is a terminal."""
-
-    def __init__(self) -> None:
-        self.bar: Any = None
-        self.shown = 0
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            self.bar = click.progressbar(
-                length=max(total, 1),
-                label="reading values",
-                file=sys.stderr,
-                show_pos=False,
-                show_percent=True,
-                show_eta=True,
-            )
-            self.bar.__enter__()
-        self.bar.update(done - self.shown)
-        self.shown = done
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
 
 
 @click.command("diff")
@@ -143,6 +115,7 @@ def command(
     from [tool.ckptdoctor.diff] (ignore-args, ignore-layout) of the nearest pyproject.toml.
     """
     from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.config import diff_defaults, load_tool_config
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.gc_pause import gc_paused
@@ -178,7 +151,7 @@ def command(
     for name, value in (("--atol", atol), ("--rtol", rtol)):
         if value is not None and not value >= 0:
             raise click.BadParameter("must be >= 0", param_hint=name)
-    progress = _Progress() if with_values and not quiet and sys.stderr.isatty() else None
+    progress = progress_bar(with_values and not quiet)
     # Two 20,000-key indexes are ~10^6 long-lived objects that the cyclic GC would re-walk on every allocation
     # burst (a third of a structural diff's time); nothing here makes cyclic garbage worth collecting.
     try:
@@ -201,7 +174,7 @@ def command(
             )
     finally:
         if progress is not None:
-            progress.close()
+            progress.finish()
     if quiet:
         pass
     elif output_format == "json":

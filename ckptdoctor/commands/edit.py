@@ -70,6 +70,7 @@ def command(
     (or planned), 2 error (bad regex, an edit that changes nothing, a damaged or unsafe source).
     """
     from ckptdoctor.checkpoint import open_for_rewrite
+    from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.exit_codes import EXIT_OK
     from ckptdoctor.ops.edit import EditRequest
     from ckptdoctor.ops.edit_write import edit
@@ -96,6 +97,7 @@ def command(
         dry_run=dry_run,
         force=force,
         keep_backup=not no_backup,
+        progress=progress_bar(compact and not dry_run),
         metadata=metadata,
     )
     click.echo(to_json(report) if output_format == "json" else render_edit(report))

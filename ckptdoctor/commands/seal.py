@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from typing import Any
-
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
@@ -24,43 +21,12 @@ def command(checkpoint: str, iteration: str | None, jobs: int | None, force: boo
     Refuses a checkpoint that fails `check` (errors) or is already sealed (unless --force). Exit code:
     0 sealed, 2 refused or error.
     """
+    from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.exit_codes import EXIT_OK
     from ckptdoctor.ops.seal import seal
     from ckptdoctor.render.common import to_json
     from ckptdoctor.render.recovery import render_seal
 
-    bar = _Bar() if output_format == "text" and sys.stderr.isatty() else None
-    try:
-        result = seal(
-            checkpoint,
-            iteration,
-            jobs=jobs,
-            force=force,
-            progress=bar.advance if bar else None,
-            on_total=bar.start if bar else None,
-        )
-    finally:
-        if bar is not None:
-            bar.finish()
+    result = seal(checkpoint, iteration, jobs=jobs, force=force, progress=progress_bar(output_format == "text"))
     click.echo(to_json(result) if output_format == "json" else render_seal(result))
     return EXIT_OK
-
-
-class _Bar:
-    """A click progress bar on stderr, in bytes hashed."""
-
-    def __init__(self) -> None:
-        self._bar: Any = None
-
-    def start(self, total: int) -> None:
-        self._bar = click.progressbar(length=max(total, 1), label="hashing", file=sys.stderr)
-        self._bar.__enter__()
-
-    def advance(self, nbytes: int) -> None:
-        if self._bar is not None:
-            self._bar.update(nbytes)
-
-    def finish(self) -> None:
-        if self._bar is not None:
-            self._bar.__exit__(None, None, None)
-            self._bar = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
@@ -12,28 +11,6 @@ from ckptdoctor.commands.options import format_option
 from ckptdoctor.commands.write_target import check_write_target, write_target_options
 
 PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
-
-
-class _Bars:
-    """One click progress bar per phase on stderr, only when stderr is a terminal."""
-
-    def __init__(self) -> None:
-        self.bars: dict[str, object] = {}
-
-    def __call__(self, phase: str, n: int, total: int) -> None:
-        bar = self.bars.get(phase)
-        if bar is None:
-            for other in self.bars.values():
-                other.render_finish()  # type: ignore[attr-defined]
-            label = {"copy": "copying kept items", "compare": "comparing with base"}.get(phase, phase)
-            bar = click.progressbar(length=max(total, 1), label=label, file=sys.stderr)
-            bar.__enter__()
-            self.bars[phase] = bar
-        bar.update(n)  # type: ignore[attr-defined]
-
-    def close(self) -> None:
-        for bar in self.bars.values():
-            bar.__exit__(None, None, None)  # type: ignore[attr-defined]
 
 
 @click.command("strip-frozen")
@@ -95,6 +72,7 @@ def command(
     writes anyway), 2 error.
     """
     from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.strip_write import strip_frozen
     from ckptdoctor.render.common import render_strip, to_json
@@ -102,7 +80,7 @@ def command(
     check_write_target(output, in_place, no_backup, dry_run)
     ckpt = open_checkpoint(checkpoint, iteration)
     base = open_checkpoint(base_path, base_iteration) if base_path else None
-    bars = _Bars() if sys.stderr.isatty() else None
+    bars = progress_bar()
     try:
         report = strip_frozen(
             ckpt,
@@ -119,6 +97,6 @@ def command(
         )
     finally:
         if bars is not None:
-            bars.close()
+            bars.finish()
     click.echo(to_json(report) if output_format == "json" else render_strip(report))
     return EXIT_FINDINGS if report.nothing_frozen and not force else EXIT_OK

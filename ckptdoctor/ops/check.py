@@ -19,6 +19,7 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.storage import as_path
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.locate import NEMO_WEIGHTS_DIR, TRACKER_NAME, list_dir, list_iteration_dirs, looks_like_iteration_dir
+from ckptdoctor.progress import Progress
 from ckptdoctor.rules import Finding, consistency, finding, integrity, is_selected, leftovers, structure, with_fix
 
 SCHEMA = "ckptdoctor.check/1"
@@ -66,19 +67,6 @@ class CheckReport:
         if self.checked or self.findings or self.missing:
             return False
         return not (self.skipped and all(CHECKPOINT_FILE_RE.search(Path(p).as_posix()) for p in self.skipped))
-
-
-class Progress:
-    """Where ``--deep`` reports how far it got; the CLI draws a bar from it (operations never print)."""
-
-    def start(self, label: str, total_bytes: int) -> None:
-        """A checkpoint's deep pass begins."""
-
-    def advance(self, nbytes: int) -> None:
-        """``nbytes`` more bytes were read and checked."""
-
-    def finish(self) -> None:
-        """The checkpoint's deep pass ended."""
 
 
 @dataclass

@@ -14,7 +14,6 @@ diff costs the same for 1 GB and 10 TB. Differences are classified so that users
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ from ckptdoctor.parallelism import SavedLayout, infer_layout
 from ckptdoctor.plain import same_value
 
 if TYPE_CHECKING:
+    from ckptdoctor.progress import Progress
     from ckptdoctor.values.diff import ValuesReport
 
 
@@ -341,7 +341,7 @@ def diff_checkpoints(
     values: bool = False,
     atol: float | None = None,
     rtol: float | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
     ignore_layout: bool = False,
     ignore_args: tuple[str, ...] = (),
     report_mismatches: int = 0,

@@ -25,6 +25,7 @@ from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.ops.edit import CommonChange, EditPlan, EditRequest, plan_edit
 from ckptdoctor.ops.strip import check_integrity
 from ckptdoctor.ops.strip_write import KeyEdit, StripResult, check_target, verify_source_manifest, write_keys
+from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
 
 COMMON_FILE = "common_state.edit.distcp"  # the rewritten common state (core >= 0.19 checkpoints)
@@ -121,7 +122,7 @@ def edit(
     dry_run: bool = False,
     force: bool = False,
     keep_backup: bool = True,
-    progress: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
     metadata: Any = None,
 ) -> EditReport:
     """Plan the edit and (unless ``dry_run``) write it; every refusal happens before anything is written.
@@ -154,6 +155,15 @@ def edit(
         if compact:  # new data files: the fresh manifest must not vouch for changed source bytes
             verify_source_manifest(checkpoint.iteration_dir)
         before = _inodes(checkpoint.iteration_dir, sorted(checkpoint.data_files))
-        result = write_keys(checkpoint, key_edit, output, in_place, force, keep_backup, progress, set_args=False)
+        copying = progress is not None and compact
+        if progress is not None and copying:
+            kept = plan.keep_keys(checkpoint)
+            progress.start("copying kept items", sum(e.nbytes for k, e in checkpoint.entries.items() if k in kept))
+        try:
+            advance = progress.advance if progress is not None and copying else None
+            result = write_keys(checkpoint, key_edit, output, in_place, force, keep_backup, advance, set_args=False)
+        finally:
+            if progress is not None and copying:
+                progress.finish()
     linked, copied = _count_links(before, result)
     return EditReport(plan, result, False, compact, linked, copied)

@@ -14,7 +14,8 @@ from pathlib import Path
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.storage import as_path
 from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, list_dir, list_iteration_dirs, read_tracker
-from ckptdoctor.ops.check import CheckOptions, Progress, check_iteration_dir
+from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
+from ckptdoctor.progress import Progress
 from ckptdoctor.rules import ERROR, Finding, finding, is_selected, leftovers, structure
 
 SCHEMA = "ckptdoctor.latest-good/1"

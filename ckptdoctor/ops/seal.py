@@ -28,6 +28,7 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.locate import locate
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
 from ckptdoctor.parallel import default_jobs
+from ckptdoctor.progress import Progress
 from ckptdoctor.rules import ERROR, leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME, sha256_file
 
@@ -35,7 +36,7 @@ SCHEMA = "ckptdoctor.seal/1"
 ALGORITHM = "sha256"  # megatron.core.dist_checkpointing.validation._HASH_ALGORITHM
 _MANIFEST_CODES = ("CKD301", "CKD302", "CKD303", "CKD304")  # about the manifest --force replaces
 
-Progress = Callable[[int], None]  # bytes just hashed
+Advance = Callable[[int], None]  # bytes just hashed
 
 
 @dataclass
@@ -63,7 +64,7 @@ def manifest_bytes(hashes: dict[str, str]) -> bytes:
     return json.dumps({"algorithm": ALGORITHM, "files": hashes}, indent=2).encode("utf-8")
 
 
-def hash_files(paths: list[Path], jobs: int, progress: Progress | None = None) -> dict[str, str]:
+def hash_files(paths: list[Path], jobs: int, progress: Advance | None = None) -> dict[str, str]:
     """name -> sha256 hexdigest of each file (in the order of ``paths``), hashed by ``jobs`` threads; under
     torchrun each rank hashes its share of the files (balanced by bytes) and every rank gets all digests."""
     sizes = [p.stat().st_size for p in paths]
@@ -101,12 +102,10 @@ def seal(
     jobs: int | None = None,
     force: bool = False,
     progress: Progress | None = None,
-    on_total: Callable[[int], None] | None = None,
 ) -> SealResult:
     """Hash every file of the checkpoint ``path`` names and write ``integrity.json`` (see the module doc).
 
-    ``on_total`` is called once with the bytes about to be hashed (for a progress bar), ``progress`` as
-    files finish.
+    ``progress`` gets one "hashing" phase, advanced as files finish.
     """
     location = locate(path, iteration)
     iteration_dir = location.iteration_dir
@@ -136,10 +135,14 @@ def seal(
         files = manifest_files(iteration_dir)
         before = _snapshot(files)
         total = sum(size for size, _ in before.values())
-        if on_total is not None:
-            on_total(total)
+        if progress is not None:
+            progress.start("hashing", total)
         start = time.perf_counter()
-        hashes = hash_files(files, jobs, progress)
+        try:
+            hashes = hash_files(files, jobs, progress.advance if progress is not None else None)
+        finally:
+            if progress is not None:
+                progress.finish()
         seconds = time.perf_counter() - start
         if speaks and (_snapshot(files) != before or [p.name for p in manifest_files(iteration_dir)] != list(hashes)):
             raise CkptError(

@@ -39,6 +39,7 @@ from ckptdoctor.ops.seal import write_manifest
 from ckptdoctor.ops.staged_integrity import carried_hashes, verify_source_manifest
 from ckptdoctor.ops.staging import SwapState, swap_in_place, swap_output
 from ckptdoctor.ops.strip import StripPlan
+from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
 
@@ -317,10 +318,6 @@ class StripReport:
     nothing_frozen: bool = False
 
 
-# progress(phase, bytes_done_now, phase_total): "compare" (--base) and "copy"
-ProgressFn = Callable[[str, int, int], None]
-
-
 def strip_frozen(
     checkpoint: Checkpoint,
     *,
@@ -332,7 +329,7 @@ def strip_frozen(
     dry_run: bool = False,
     force: bool = False,
     keep_backup: bool = True,
-    progress: ProgressFn | None = None,
+    progress: Progress | None = None,
     keep_args: bool = False,
 ) -> StripReport:
     """The strip-frozen operation: integrity check, trainable selection, plan, and (unless dry-run) write.
@@ -366,23 +363,32 @@ def _plan_and_write(
     dry_run: bool,
     force: bool,
     keep_backup: bool,
-    progress: ProgressFn | None,
+    progress: Progress | None,
     keep_args: bool = False,
 ) -> StripReport:
     from ckptdoctor.ops.strip import model_parameters, plan_strip, select_trainable
 
-    compare_progress = None
-    if progress is not None and base is not None:
-        total = sum(e.nbytes for e in model_parameters(checkpoint).values())
-        compare_progress = lambda n: progress("compare", n, total)  # noqa: E731
-    selection = select_trainable(checkpoint, list(patterns or []), preset, base, compare_progress)
+    comparing = progress is not None and base is not None
+    if progress is not None and comparing:
+        progress.start("comparing with base", sum(e.nbytes for e in model_parameters(checkpoint).values()))
+    try:
+        advance = progress.advance if progress is not None and comparing else None
+        selection = select_trainable(checkpoint, list(patterns or []), preset, base, advance)
+    finally:
+        if progress is not None and comparing:
+            progress.finish()
     plan = plan_strip(checkpoint, selection)
     nothing_frozen = plan.dropped_model_params == 0
     if dry_run or (nothing_frozen and not force):
         return StripReport(plan, None, dry_run, nothing_frozen)
-    copy_progress = None
     if progress is not None:
-        copy_progress = lambda n: progress("copy", n, plan.bytes_after)  # noqa: E731
-    edit = KeyEdit(plan.keep_keys)
-    result = write_keys(checkpoint, edit, output, in_place, force, keep_backup, copy_progress, not keep_args)
+        progress.start("copying kept items", plan.bytes_after)
+    try:
+        advance = progress.advance if progress is not None else None
+        result = write_keys(
+            checkpoint, KeyEdit(plan.keep_keys), output, in_place, force, keep_backup, advance, not keep_args
+        )
+    finally:
+        if progress is not None:
+            progress.finish()
     return StripReport(plan, result, False, nothing_frozen)

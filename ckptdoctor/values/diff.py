@@ -20,14 +20,14 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.diff_items import KIND_TENSOR, Item
+from ckptdoctor.progress import Progress
 from ckptdoctor.values.accumulate import SLAB_ELEMENTS, Accumulator, finite
-from ckptdoctor.values.io import Budget, Context, InFlight, Torch
+from ckptdoctor.values.io import Context, InFlight, ReadCounter, Torch
 from ckptdoctor.values.tensor import Side, compare_entries, numel
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ def compare_objects(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, ctx: Conte
             entry = item.entries[suffix]
             # small items: not counted against the in-flight cap
             data = ctx.files.read(ckpt, location, entry.max_range_bytes(entry.chunks[0]))
-            ctx.budget.add(side, len(data))
+            ctx.read.add(side, len(data))
             digests.append(hashlib.sha256(data).hexdigest())
         hashes[suffix] = (digests[0], digests[1])
         if digests[0] != digests[1]:
@@ -215,7 +215,7 @@ def compare_values(
     atol: float | None = None,
     rtol: float | None = None,
     limit: int | None = 20,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
     workers: int | None = None,
     report: int = 0,
 ) -> ValuesReport:
@@ -240,31 +240,30 @@ def compare_values(
 
     def task(index: int) -> _Run:
         lo, hi = runs[index]
-        budget = Budget(total, progress if inline else None)
-        if inline:
-            budget.done = sum(weights[:lo])
-        ctx = Context(budget, InFlight(1 << 62), torch)  # a count only: each worker holds one key's chunks
+        counter = ReadCounter(progress.advance if inline and progress is not None else None)
+        ctx = Context(counter, InFlight(1 << 62), torch)  # a count only: each worker holds one key's chunks
         ctx.files.plan(a, (e for ia, _ in ordered[lo:hi] for e in ia.entries.values()))  # remote: few requests
         ctx.files.plan(b, (e for _, ib in ordered[lo:hi] for e in ib.entries.values()))
         try:
             found = [_compare_pair(a, b, ia, ib, atol, rtol, ctx, report) for ia, ib in ordered[lo:hi]]
         finally:
             ctx.files.close()
-        return _Run(found, budget.a, budget.b, ctx.inflight.peak)
-
-    finished = [0]
+        return _Run(found, counter.a, counter.b, ctx.inflight.peak)
 
     def done(index: int) -> None:
-        finished[0] += sum(weights[runs[index][0] : runs[index][1]])
         if progress is not None:
-            progress(finished[0], total)
+            progress.advance(sum(weights[runs[index][0] : runs[index][1]]))
 
+    if progress is not None:
+        progress.start("reading values", total)
     try:
         parts = parallel.map_units(
             [sum(weights[lo:hi]) for lo, hi in runs], task, jobs, None if inline or progress is None else done
         )
     finally:
         torch.restore()
+        if progress is not None:
+            progress.finish()
     results = [r for part in parts for r in part.results]
     different = sorted((r for r in results if r.equal is False), key=lambda r: r.key)
     skipped = sorted((r for r in results if r.equal is None), key=lambda r: r.key)

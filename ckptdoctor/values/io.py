@@ -106,15 +106,13 @@ class InFlight:
             self.cond.notify_all()
 
 
-class Budget:
-    """Bytes read so far (per side), reported to the caller's progress callback."""
+class ReadCounter:
+    """Bytes read so far, per side; each read is also passed to ``advance`` (a progress bar's)."""
 
-    def __init__(self, total: int, progress: Callable[[int, int], None] | None) -> None:
-        self.total = total
-        self.done = 0
+    def __init__(self, advance: Callable[[int], None] | None) -> None:
         self.a = 0
         self.b = 0
-        self.progress = progress
+        self.advance = advance
         self.lock = threading.Lock()
 
     def add(self, side: str, n: int) -> None:
@@ -123,9 +121,8 @@ class Budget:
                 self.a += n
             else:
                 self.b += n
-            self.done += n
-            if self.progress is not None:
-                self.progress(self.done, self.total)
+            if self.advance is not None:
+                self.advance(n)
 
 
 class Torch:
@@ -157,10 +154,10 @@ class Torch:
 
 
 class Context:
-    """What one worker needs: shared budget, in-flight cap and torch; its own file descriptors."""
+    """What one worker needs: its read counter, the in-flight cap and torch; its own file descriptors."""
 
-    def __init__(self, budget: Budget, inflight: InFlight, torch: Torch) -> None:
-        self.budget = budget
+    def __init__(self, read: ReadCounter, inflight: InFlight, torch: Torch) -> None:
+        self.read = read
         self.inflight = inflight
         self.torch = torch
         self.files = Files()

@@ -109,7 +109,7 @@ def _blob(side: Side, chunk: DcpChunk, ctx: Context) -> bytes:
     except BaseException:
         ctx.inflight.release(chunk.storage.length)
         raise
-    ctx.budget.add(side.name, len(data))
+    ctx.read.add(side.name, len(data))
     return data
 
 
@@ -237,12 +237,12 @@ def compare_entries(a: Side, b: Side, acc: Accumulator, ctx: Context) -> int:
 def tensors_bitwise_equal(a: Checkpoint, ea: Entry, b: Checkpoint, eb: Entry) -> bool:
     """Whether tensor ``ea`` of ``a`` and ``eb`` of ``b`` hold byte-identical values (same shape and dtype),
     stopping at the first difference (``strip-frozen --base``)."""
-    from ckptdoctor.values.io import Budget, InFlight, Torch
+    from ckptdoctor.values.io import InFlight, ReadCounter, Torch
 
     if ea.shape != eb.shape or ea.dtype != eb.dtype:
         return False
     torch = Torch()
-    ctx = Context(Budget(0, None), InFlight(1 << 62), torch)
+    ctx = Context(ReadCounter(None), InFlight(1 << 62), torch)
     acc = Accumulator(torch, None, None, first_difference=True)
     try:
         covered = compare_entries(Side(a, ea, "a", True), Side(b, eb, "b", True), acc, ctx)
