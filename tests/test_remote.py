@@ -337,7 +337,6 @@ IN_PLACE = "cannot be changed in place on object storage"
         (("fix-args", "--write", "--in-place", "@s3:core019_convert_tp4"), IN_PLACE),
         (("seal", "@msc:core019_tp1"), IN_PLACE),
         (("fix-args", "--write", "--output", "{tmp}/out", "@s3:core019_convert_tp4"), "writing a copy of a checkpoint"),
-        (("strip-frozen", "--force", "--output", "s3://ckpt/out", "@core019_tp1"), "--output to object storage"),
     ],
 )
 def test_writes_to_object_storage_are_refused_clearly(remote, capsys, tmp_path, args, expected):
@@ -352,3 +351,51 @@ def test_writes_to_object_storage_are_refused_clearly(remote, capsys, tmp_path, 
     assert rc == 2 and expected in err and err.count("\n") == 1, out + err
     assert not [r for r in remote.log.requests if r.method in ("PUT", "POST", "DELETE")]
     assert not (Path.cwd() / "s3:").exists() and not (tmp_path / "out").exists()
+
+
+# --- --output on object storage: written locally, uploaded with metadata.json last ----------------------
+
+
+_BYTES = re.compile(r'("\w*bytes\w*": )\d+|(\d{8})T\d{6}')  # byte counts; fix-args' file stamps
+WRITES = [
+    ("strip-frozen", "--force", "@core019_tp1"),
+    ("edit", "--drop-section", "optimizer", "@core019_tp2"),
+    ("fix-args", "--write", "@core019_convert_tp4"),
+]
+
+
+@pytest.mark.parametrize("backend", ["s3", "msc"])
+@pytest.mark.parametrize("command", WRITES, ids=lambda c: c[0])
+def test_output_to_object_storage_is_uploaded_metadata_json_last(remote, capsys, tmp_path, backend, command):
+    name = f"out-{command[0]}-{backend}"
+    url = f"{PREFIXES[backend]}{name}"
+    local = tmp_path / name
+    rc_local, out_local, _ = ckd(capsys, *local_args(command), "--output", str(local), "--format", "json")
+    remote.log.clear()
+    rc, out, err = ckd(capsys, *local_args(command), "--output", url, "--format", "json")
+    assert rc == rc_local == 0, err
+    # the URL where the path was; byte counts masked: a re-pickled common state's memo can differ run to run
+    assert normalized(_BYTES.sub(r"\1#", out.replace(url, str(local))), "") == normalized(
+        _BYTES.sub(r"\1#", out_local), ""
+    )
+    assert "ckptdoctor-upload-" not in out + err
+    puts = [r.key for r in remote.log.requests if r.method == "PUT"]
+    uploaded = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    assert sorted(k.split(f"{name}/", 1)[1] for k in puts) == uploaded
+    order = [k.rpartition("/")[2] for k in puts]
+    completes = [i for i, n in enumerate(order) if n == "metadata.json"]
+    assert completes and min(completes) > max(i for i, n in enumerate(order) if n.endswith(".distcp"))
+    if "latest_checkpointed_iteration.txt" in order:
+        assert order[-1] == "latest_checkpointed_iteration.txt"
+    # what was uploaded reads like the local copy
+    rc, remote_inspect, _ = ckd(capsys, "inspect", url, "--format", "json")
+    _, local_inspect, _ = ckd(capsys, "inspect", str(local), "--format", "json")
+    assert rc == 0 and _BYTES.sub(r"\1#", remote_inspect.replace(url, str(local))) == _BYTES.sub(r"\1#", local_inspect)
+    assert ckd(capsys, "check", "--isolated", url)[0] == 0
+    # an --output URL that holds objects is refused, nothing written (strip-frozen's --force allows it)
+    if "--force" in command:
+        return
+    remote.log.clear()
+    rc, out, err = ckd(capsys, *local_args(command), "--output", url)
+    assert rc == 2 and "already holds objects" in err and err.count("\n") == 1
+    assert not [r for r in remote.log.requests if r.method in ("PUT", "POST", "DELETE")]

@@ -227,7 +227,8 @@ def test_torch_size_keys_count_as_tuples_for_the_flood_limit():
 def test_torch_size_nested_through_newobj_ex_is_bounded():
     # NEWOBJ_EX(torch.Size, (inner,), {}) nested 1M deep, then used as a dict key: hashing it recurses in C
     # (a crash). The scanner used to forget the depth of what NEWOBJ_EX builds; a child keeps a crash out of
-    # pytest. Stack: a dict, 100k Size classes, the innermost int; each level: TUPLE1 twice (Size((inner,))), {}, NEWOBJ_EX.
+    # pytest. Stack: a dict, 1M Size classes, the innermost int; each level: TUPLE1 twice (Size((inner,))),
+    # {}, NEWOBJ_EX.
     levels = 1_000_000  # 100k deep still fits the C stack; 1M crashed (SIGSEGV) before the fix
     ops = b"\x80\x04" + _short_str("torch") + _short_str("Size") + b"\x93\x94" + b"}"
     ops += b"h\x00" * levels + b"K\x01" + b"\x85\x85}\x92" * levels + b"Ns."

@@ -8,7 +8,7 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option
-from ckptdoctor.commands.write_target import check_write_target, write_target_options
+from ckptdoctor.commands.write_target import check_write_target, echo_written, remote_output, write_target_options
 
 SECTION_CHOICES = ["optimizer", "rng", "rerun"]
 PRESET_CHOICES = ["te-to-local", "local-to-te"]
@@ -88,17 +88,20 @@ def command(
     if not (request.removes or request.renames or request.drop_sections or drop_extra_state or preset):
         raise click.UsageError("nothing to do: give --remove, --rename, --drop-section, --drop-extra-state or --preset")
     ckpt, metadata = open_for_rewrite(checkpoint, iteration)
-    report = edit(
-        ckpt,
-        request,
-        output=output,
-        in_place=in_place,
-        compact=compact,
-        dry_run=dry_run,
-        force=force,
-        keep_backup=not no_backup,
-        progress=progress_bar(compact and not dry_run),
-        metadata=metadata,
-    )
-    click.echo(to_json(report) if output_format == "json" else render_edit(report))
+    with remote_output(output, force, not dry_run) as remote:
+        report = edit(
+            ckpt,
+            request,
+            output=remote.local if remote else output,
+            in_place=in_place,
+            compact=compact,
+            dry_run=dry_run,
+            force=force,
+            keep_backup=not no_backup,
+            progress=progress_bar(compact and not dry_run),
+            metadata=metadata,
+        )
+        if remote is not None:
+            remote.upload()
+        echo_written(to_json(report) if output_format == "json" else render_edit(report), remote, output_format)
     return EXIT_OK

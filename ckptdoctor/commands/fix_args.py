@@ -8,6 +8,7 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.write_target import echo_written, remote_output
 
 
 @click.command("fix-args")
@@ -79,9 +80,12 @@ def command(
     ckpt = open_checkpoint(checkpoint, iteration)
     source = open_checkpoint(source_path, source_iteration) if source_path else None
     report = build_report(ckpt, source, list(sets), force=force, apply_fixes=not only_set)
-    if write:
-        write_fix(report, ckpt, None if in_place else output, force=force)
-    click.echo(to_json(report) if output_format == "json" else render_fix_args(report))
+    with remote_output(output, force, write and not in_place) as remote:
+        if write:
+            write_fix(report, ckpt, None if in_place else (remote.local if remote else output), force=force)
+        if remote is not None:
+            remote.upload()
+        echo_written(to_json(report) if output_format == "json" else render_fix_args(report), remote, output_format)
     if write and report.remaining is not None:
         return EXIT_FINDINGS if report.remaining else EXIT_OK
     return EXIT_FINDINGS if report.findings else EXIT_OK

@@ -8,6 +8,7 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.write_target import echo_written, remote_output
 
 
 @click.command("repair")
@@ -55,6 +56,10 @@ def command(
         raise click.UsageError("--write needs exactly one of --output DIR or --in-place")
     if not write and (output is not None or in_place):
         raise click.UsageError("--output/--in-place only apply with --write")
-    report = repair(checkpoint, iteration, write=write, output=output, in_place=in_place, force=force)
-    click.echo(to_json(report) if output_format == "json" else render_repair(report))
+    with remote_output(output, force, write and not in_place) as remote:
+        target = remote.local if remote else output
+        report = repair(checkpoint, iteration, write=write, output=target, in_place=in_place, force=force)
+        if remote is not None:
+            remote.upload()
+        echo_written(to_json(report) if output_format == "json" else render_repair(report), remote, output_format)
     return EXIT_OK if report.ok else EXIT_FINDINGS

@@ -8,7 +8,7 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option
-from ckptdoctor.commands.write_target import check_write_target, write_target_options
+from ckptdoctor.commands.write_target import check_write_target, echo_written, remote_output, write_target_options
 
 PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
 
@@ -81,22 +81,25 @@ def command(
     ckpt = open_checkpoint(checkpoint, iteration)
     base = open_checkpoint(base_path, base_iteration) if base_path else None
     bars = progress_bar()
-    try:
-        report = strip_frozen(
-            ckpt,
-            output=output,
-            in_place=in_place,
-            patterns=list(patterns),
-            preset=preset,
-            base=base,
-            dry_run=dry_run,
-            force=force,
-            keep_backup=not no_backup,
-            progress=bars,
-            keep_args=keep_args,
-        )
-    finally:
-        if bars is not None:
-            bars.finish()
-    click.echo(to_json(report) if output_format == "json" else render_strip(report))
+    with remote_output(output, force, not dry_run) as remote:
+        try:
+            report = strip_frozen(
+                ckpt,
+                output=remote.local if remote else output,
+                in_place=in_place,
+                patterns=list(patterns),
+                preset=preset,
+                base=base,
+                dry_run=dry_run,
+                force=force,
+                keep_backup=not no_backup,
+                progress=bars,
+                keep_args=keep_args,
+            )
+        finally:
+            if bars is not None:
+                bars.finish()
+        if remote is not None:
+            remote.upload()
+        echo_written(to_json(report) if output_format == "json" else render_strip(report), remote, output_format)
     return EXIT_FINDINGS if report.nothing_frozen and not force else EXIT_OK

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from ckptdoctor.ops.remote_output import RemoteOutput
 
 
 def write_target_options(force_help: str) -> Callable[[Any], Any]:
@@ -40,3 +44,34 @@ def check_write_target(output: Path | None, in_place: bool, no_backup: bool, dry
         raise click.UsageError("give exactly one of --output DIR and --in-place (or --dry-run)")
     if no_backup and not in_place:
         raise click.UsageError("--no-backup only applies to --in-place")
+
+
+@contextlib.contextmanager
+def remote_output(output: Path | None, force: bool, writing: bool = True) -> Iterator[RemoteOutput | None]:
+    """For an ``--output`` URL: a local staging dir to write instead (``.local``), uploaded by the caller with
+    ``.upload()`` once the write succeeded and removed here in every case; None for a local ``--output``."""
+    from ckptdoctor.ops.remote_output import RemoteOutput
+
+    remote = RemoteOutput.of(output) if writing else None
+    if remote is None:
+        yield None
+        return
+    try:
+        remote.refuse_existing(force)
+        yield remote
+    finally:
+        remote.cleanup()
+
+
+def echo_written(text: str, remote: RemoteOutput | None, output_format: str) -> None:
+    """Print a write command's report; with a remote ``--output`` the staging dir is named by its URL, and
+    the upload is summed up on stderr (text output)."""
+    if remote is None:
+        click.echo(text)
+        return
+    click.echo(remote.shown(text))
+    if remote.uploaded and output_format == "text":
+        click.echo(
+            f"uploaded {len(remote.uploaded)} objects ({remote.bytes} bytes) to {remote.url}, metadata.json last",
+            err=True,
+        )

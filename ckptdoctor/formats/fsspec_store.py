@@ -57,6 +57,9 @@ class FsspecStore(ObjectStore):
     def url(self, key: str) -> str:
         return f"{self.scheme}://{key}"
 
+    def _put(self, local: str, key: str) -> None:
+        self.fs.put_file(local, key)
+
     def _ls(self, key: str) -> list[Stat]:
         if not key:
             return []  # not the list of every bucket

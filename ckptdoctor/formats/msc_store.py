@@ -45,6 +45,9 @@ class MscStore(ObjectStore):
     def url(self, key: str) -> str:
         return f"msc://{self.profile}/{key}"
 
+    def _put(self, local: str, key: str) -> None:
+        self.client.upload_file(remote_path=key, local_path=local)
+
     def _ls(self, key: str) -> list[Stat]:
         prefix = f"{key}/" if key else ""
         out = []

@@ -129,6 +129,10 @@ class ObjectStore(ABC):
     def _get(self, key: str, offset: int, length: int) -> bytes:
         """One ranged GET."""
 
+    @abstractmethod
+    def _put(self, local: str, key: str) -> None:
+        """Upload one local file to ``key`` (one object, replaced whole)."""
+
     def _classify(self, exc: BaseException) -> str | None:
         """A permanent failure's wording (no retry), or None for a transient one. Backends add their own."""
         if isinstance(exc, PermissionError):
@@ -202,7 +206,11 @@ class ObjectStore(ABC):
             raise FileNotFoundError(errno.ENOENT if found is None else errno.EISDIR, why, self.url(key))
         return self.read_range(key, 0, min(found.size, max_bytes + 1))
 
-    def _retrying(self, key: str, call: Callable[[], Any]) -> Any:
+    def put_file(self, local: str, key: str) -> None:
+        """Upload ``local`` to ``key``, with the read path's retries and one-line errors."""
+        self._retrying(key, lambda: self._put(local, key), "write")
+
+    def _retrying(self, key: str, call: Callable[[], Any], verb: str = "read") -> Any:
         self._in_this_process()
         for attempt in range(RETRIES):
             try:
@@ -212,10 +220,10 @@ class ObjectStore(ABC):
             except Exception as exc:
                 permanent = self._classify(exc)
                 if permanent is not None:
-                    raise StorageUnavailable(f"{self.url(key)}: cannot read: {permanent}") from None
+                    raise StorageUnavailable(f"{self.url(key)}: cannot {verb}: {permanent}") from None
                 if attempt == RETRIES - 1:
                     raise StorageUnavailable(
-                        f"{self.url(key)}: cannot read after {RETRIES} attempts: {_one_line(exc)}"
+                        f"{self.url(key)}: cannot {verb} after {RETRIES} attempts: {_one_line(exc)}"
                     ) from None
                 TRANSFERS.retries += 1
                 time.sleep(BACKOFF_S * (2**attempt))
