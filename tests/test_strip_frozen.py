@@ -384,7 +384,7 @@ def test_refuses_structurally_damaged_source(capsys, tmp_path, copy_fixture, dam
         data_file.write_bytes(data_file.read_bytes()[:-100])
     rc, _, err = _run(capsys, "strip-frozen", src, "-o", tmp_path / "out")
     assert rc == 2 and err.count("\n") == 1 and "__1_0.distcp" in err
-    assert ("missing data file" if damage == "missing" else "truncated") in err
+    assert ("CKD113" if damage == "missing" else "CKD114 truncated") in err and "refusing to strip" in err
     assert not (tmp_path / "out").exists()
 
 

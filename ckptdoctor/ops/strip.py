@@ -84,28 +84,14 @@ class StripPlan:
 
 
 def structural_problems(checkpoint: Checkpoint) -> list[str]:
-    """Items whose storage is missing from .metadata, in a missing data file, or past a file's end."""
-    problems: list[str] = []
-    directory = checkpoint.iteration_dir
-    missing: dict[str, int] = {}
-    for entry in checkpoint.entries.values():
-        for chunk in entry.chunks:
-            loc = chunk.storage
-            if loc is None:
-                problems.append(
-                    f"{directory / '.metadata'}: {entry.key} chunk at {list(chunk.offsets)} has no storage entry"
-                )
-            elif loc.relative_path not in checkpoint.data_files:
-                missing[loc.relative_path] = missing.get(loc.relative_path, 0) + 1
-            elif loc.offset + loc.length > checkpoint.data_files[loc.relative_path]:
-                problems.append(
-                    f"{directory / loc.relative_path}: truncated: {entry.key} range "
-                    f"{loc.offset}+{loc.length} ends past the file's end "
-                    f"({checkpoint.data_files[loc.relative_path]} bytes)"
-                )
-    for name, count in sorted(missing.items()):
-        problems.insert(0, f"{directory / name}: missing data file ({count} items in .metadata point to it)")
-    return problems
+    """What check reports as errors about the storage (CKD112-114: chunks without a storage entry, missing,
+    unreadable or truncated data files), one line each naming the file; an unreferenced file is no problem here."""
+    from ckptdoctor.rules import ERROR, Finding
+    from ckptdoctor.rules.structure import check_storage
+
+    findings: list[Finding] = []
+    check_storage(checkpoint, checkpoint.iteration_dir, findings)
+    return [f"{f.path}: {f.code} {f.message}" for f in findings if f.severity == ERROR]
 
 
 def check_integrity(checkpoint: Checkpoint, verb: str = "strip", carried: Collection[str] | None = None) -> None:

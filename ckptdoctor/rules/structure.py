@@ -271,7 +271,7 @@ def scan_iteration(directory: Path, shown: Path) -> tuple[Scanned, list[Finding]
         index = _read_index(directory, shown, names, findings)
         state.checkpoint = checkpoint_from_index(location, index)
         if index is not None:
-            state.bad_files = _check_storage(state.checkpoint, shown, findings)
+            state.bad_files = check_storage(state.checkpoint, shown, findings)
     _check_common(state, index_known=state.checkpoint.dcp is not None or backend == BACKEND_ZARR, findings=findings)
     return state, findings
 
@@ -339,8 +339,11 @@ def _zarr_checkpoint(location: CheckpointLocation, shown: Path, findings: list[F
     return Checkpoint(location, {k: Entry(*v) for k, v in entries.items()}, sizes)
 
 
-def _check_storage(checkpoint: Checkpoint, shown: Path, findings: list[Finding]) -> set[str]:
-    """Missing and truncated data files, chunks without storage, unreferenced files; returns the bad files."""
+def check_storage(checkpoint: Checkpoint, shown: Path, findings: list[Finding]) -> set[str]:
+    """Missing and truncated data files, chunks without storage, unreferenced files; returns the bad files.
+
+    The one storage check: ``check`` (CKD112-115) and the write commands' refusal of a damaged source
+    (:func:`ckptdoctor.ops.strip.structural_problems`) both read these findings."""
     ends: dict[str, int] = {}
     unplaced: list[str] = []
     for entry in checkpoint.entries.values():
