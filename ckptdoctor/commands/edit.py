@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.options import format_option, jobs_option
 from ckptdoctor.commands.write_target import check_write_target, echo_written, remote_output, write_target_options
 
 SECTION_CHOICES = ["optimizer", "rng", "rerun"]
@@ -46,6 +46,7 @@ PRESET_CHOICES = ["te-to-local", "local-to-te"]
 )
 @click.option("--dry-run", is_flag=True, help="List every change; write nothing.")
 @format_option(help="Output format; the JSON schema is in the README.")
+@jobs_option("--compact: threads copying kept items")
 def command(
     checkpoint: str,
     iteration: str | None,
@@ -61,6 +62,7 @@ def command(
     compact: bool,
     dry_run: bool,
     output_format: str,
+    jobs: int | None,
 ) -> int:
     """Remove, rename or drop keys of CHECKPOINT in O(metadata): a new .metadata, data files hard-linked.
 
@@ -74,6 +76,7 @@ def command(
     from ckptdoctor.exit_codes import EXIT_OK
     from ckptdoctor.ops.edit import EditRequest
     from ckptdoctor.ops.edit_write import edit
+    from ckptdoctor.parallel import default_jobs
     from ckptdoctor.render.common import to_json
     from ckptdoctor.render.edit import render_edit
 
@@ -100,6 +103,7 @@ def command(
             keep_backup=not no_backup,
             progress=progress_bar(compact and not dry_run),
             metadata=metadata,
+            jobs=jobs or default_jobs(),
         )
         if remote is not None:
             remote.upload()

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.options import format_option, jobs_option
 from ckptdoctor.commands.write_target import check_write_target, echo_written, remote_output, write_target_options
 
 PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
@@ -48,6 +48,7 @@ PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
 @click.option("--base-iteration", default=None, help="Iteration of BASE_CKPT when it is a save dir.")
 @click.option("--dry-run", is_flag=True, help="List kept and dropped keys and sizes; write nothing.")
 @format_option(help="Output format; the JSON schema is in the README.")
+@jobs_option("threads copying kept items")
 def command(
     checkpoint: str,
     iteration: str | None,
@@ -61,6 +62,7 @@ def command(
     base_iteration: str | None,
     dry_run: bool,
     output_format: str,
+    jobs: int | None,
     keep_args: bool,
 ) -> int:
     """Write what --save-trainable-params-only would have saved from a full PEFT CHECKPOINT.
@@ -75,6 +77,7 @@ def command(
     from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.strip_write import strip_frozen
+    from ckptdoctor.parallel import default_jobs
     from ckptdoctor.render.common import render_strip, to_json
 
     check_write_target(output, in_place, no_backup, dry_run)
@@ -95,6 +98,7 @@ def command(
                 keep_backup=not no_backup,
                 progress=bars,
                 keep_args=keep_args,
+                jobs=jobs or default_jobs(),
             )
         finally:
             if bars is not None:

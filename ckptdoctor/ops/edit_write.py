@@ -124,6 +124,7 @@ def edit(
     keep_backup: bool = True,
     progress: Progress | None = None,
     metadata: Any = None,
+    jobs: int = 1,
 ) -> EditReport:
     """Plan the edit and (unless ``dry_run``) write it; every refusal happens before anything is written.
 
@@ -148,6 +149,7 @@ def edit(
         common=common_rewriter(checkpoint, plan.common_changes),
         rewritten={checkpoint.common_source} if plan.common_changes and checkpoint.common_source else set(),
         metadata=metadata,
+        jobs=jobs,
     )
     # in place: exclusive; --output: shared (other readers may copy the same source at the same time)
     with locking.checkpoint_lock(checkpoint.iteration_dir, exclusive=in_place, optional=not in_place):

@@ -164,6 +164,7 @@ class KeyEdit:
     common: Callable[[Any, Path], list[str]] | None = None
     rewritten: set[str] = field(default_factory=set)
     metadata: Any = None  # the source's .metadata object when the caller has read it already (it is edited)
+    jobs: int = 1  # threads copying data files when compacting (the output is the same for any number)
 
 
 def _link_data_files(src: Path, stage: Path, metadata: Any, keep: set[str]) -> list[CopiedFile]:
@@ -189,7 +190,7 @@ def _fill_iteration_dir(
         metadata = torch_dist.load_metadata_object(src / ".metadata")  # pauses the cyclic GC itself
     if edit.compact:
         by_file = dcp_writer.kept_storage(metadata, edit.keep - edit.rewritten)
-        result.files = dcp_writer.copy_items(src, stage, by_file, progress)
+        result.files = dcp_writer.copy_items(src, stage, by_file, progress, edit.jobs)
         result.bytes_copied = sum(f.bytes for f in result.files)
     else:
         result.files = _link_data_files(src, stage, metadata, edit.keep)
@@ -331,6 +332,7 @@ def strip_frozen(
     keep_backup: bool = True,
     progress: Progress | None = None,
     keep_args: bool = False,
+    jobs: int = 1,
 ) -> StripReport:
     """The strip-frozen operation: integrity check, trainable selection, plan, and (unless dry-run) write.
 
@@ -341,7 +343,7 @@ def strip_frozen(
     check_integrity(checkpoint)
     if dry_run:
         return _plan_and_write(
-            checkpoint, output, in_place, patterns, preset, base, True, force, keep_backup, progress, keep_args
+            checkpoint, output, in_place, patterns, preset, base, True, force, keep_backup, progress, keep_args, jobs
         )
     check_target(checkpoint, output, in_place, force, keep_backup)
     # in place: exclusive; --output: shared (other readers may copy the same source at the same time)
@@ -349,7 +351,7 @@ def strip_frozen(
         leftovers.refuse_if_interrupted(checkpoint.iteration_dir)
         verify_source_manifest(checkpoint.iteration_dir)
         return _plan_and_write(
-            checkpoint, output, in_place, patterns, preset, base, False, force, keep_backup, progress, keep_args
+            checkpoint, output, in_place, patterns, preset, base, False, force, keep_backup, progress, keep_args, jobs
         )
 
 
@@ -365,6 +367,7 @@ def _plan_and_write(
     keep_backup: bool,
     progress: Progress | None,
     keep_args: bool = False,
+    jobs: int = 1,
 ) -> StripReport:
     from ckptdoctor.ops.strip import model_parameters, plan_strip, select_trainable
 
@@ -386,7 +389,7 @@ def _plan_and_write(
     try:
         advance = progress.advance if progress is not None else None
         result = write_keys(
-            checkpoint, KeyEdit(plan.keep_keys), output, in_place, force, keep_backup, advance, not keep_args
+            checkpoint, KeyEdit(plan.keep_keys, jobs=jobs), output, in_place, force, keep_backup, advance, not keep_args
         )
     finally:
         if progress is not None:
