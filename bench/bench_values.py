@@ -7,7 +7,7 @@ shapes and equal values, so ``diff --values`` compares every element and finds t
   (``--before``: a worktree of the earlier commit) and after it, each with one worker (``--jobs 1``; the
   earlier engine has no ``--jobs``: it ran two threads), next to ``cat`` of both checkpoints' data files;
 - **parallel** ``check --deep`` (TP8) and ``diff --values`` (TP2 vs TP4): ``--jobs 1`` and ``--jobs 2``, torchrun
-  with 1 and 2 ranks, next to ``cat`` and a parallel ``cat`` (two ``cat`` processes over halves of the files).
+  with 1, 2 and 4 ranks, next to ``cat`` and a parallel ``cat`` (two ``cat`` processes over halves of the files).
 
 Every group of commands runs in alternating rounds (one untimed warm-up round, then ``--rounds``; the order
 rotates each round) so that load from other work on the machine hits them alike; each command is a child
@@ -263,6 +263,7 @@ def main() -> int:
                 "jobs 2": ckptdoctor(a.code, *args[:1], "--jobs", "2", *args[1:]),
                 "torchrun 1": torchrun(a.code, 1, *args[:1], "--jobs", "1", *args[1:]),
                 "torchrun 2": torchrun(a.code, 2, *args[:1], "--jobs", "1", *args[1:]),
+                "torchrun 4": torchrun(a.code, 4, *args[:1], "--jobs", "1", *args[1:]),
             }
             print(label, file=sys.stderr)
             doc["parallel"][label] = {
