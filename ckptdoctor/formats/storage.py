@@ -266,6 +266,15 @@ def as_path(raw: str | os.PathLike) -> Path:
 _MANGLED_URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):/(?!/)")  # what Path("s3://b/k") makes of a URL
 
 
+def mangled_url(path: str | os.PathLike) -> str | None:
+    """The URL a path option held before ``Path`` folded its ``//`` (``s3:/b/k`` -> ``s3://b/k``), or None for a
+    real local path (one that exists, or does not look like a folded URL)."""
+    text = str(path)
+    if _MANGLED_URL_RE.match(text) and not Path(text).exists():
+        return _MANGLED_URL_RE.sub(r"\1://", text, count=1)
+    return None
+
+
 def refuse_remote_write(path: Path, in_place: bool) -> None:
     """Writes are local only: a checkpoint on object storage is never changed in place (no atomic rename, no
     lock there), and an ``--output`` URL is not written to; one clear :class:`CkptError` each."""
@@ -281,9 +290,8 @@ def refuse_remote_write(path: Path, in_place: bool) -> None:
             f"{path}: writing a copy of a checkpoint on object storage is not supported; download it "
             "(e.g. aws s3 cp --recursive, or msc sync) and run on the local copy"
         )
-    mangled = _MANGLED_URL_RE.match(str(path))
-    if mangled and not path.exists():
-        url = _MANGLED_URL_RE.sub(r"\1://", str(path), count=1)
+    url = mangled_url(path)
+    if url is not None:
         raise CkptError(
             f"{url}: --output to object storage is not supported; write to a local dir and upload it "
             "(metadata.json last: it marks the checkpoint complete)"

@@ -9,7 +9,6 @@ uploaded, in Megatron's own order: data and common state first, then each iterat
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -18,7 +17,6 @@ from pathlib import Path
 from ckptdoctor.errors import CkptError
 from ckptdoctor.locate import TRACKER_NAME
 
-_MANGLED_URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):/(?!/)")  # what Path("s3://b/k") makes of a URL
 _COMPLETES = "metadata.json"
 
 
@@ -26,12 +24,10 @@ def output_url(output: Path | str | None) -> str | None:
     """The URL ``--output`` names (click's Path turns ``s3://b/k`` into ``s3:/b/k``), or None for a local dir."""
     if output is None:
         return None
+    from ckptdoctor.formats.storage import mangled_url
+
     text = str(output)
-    if "://" in text:
-        return text
-    if _MANGLED_URL_RE.match(text) and not Path(text).exists():
-        return _MANGLED_URL_RE.sub(r"\1://", text, count=1)
-    return None
+    return text if "://" in text else mangled_url(text)
 
 
 def upload_order(root: Path) -> list[Path]:
