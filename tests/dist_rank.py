@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.rules import integrity, structure
+from ckptdoctor.rules import deep_decode, structure
 
 RANK = int(os.environ["RANK"])
 LOG = os.environ.get("CKD_TEST_LOG")
 FAIL = os.environ.get("CKD_TEST_FAIL")
-_check_file = integrity._check_file
+_check_file = deep_decode._check_file
 _scan_iteration = structure.scan_iteration
 
 
@@ -36,7 +36,7 @@ def scan_iteration(*args, **kwargs):
     return _scan_iteration(*args, **kwargs)
 
 
-integrity._check_file = check_file
+deep_decode._check_file = check_file
 structure.scan_iteration = scan_iteration
 
 if __name__ == "__main__":

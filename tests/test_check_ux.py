@@ -299,7 +299,7 @@ def test_deep_flags_non_finite_values(capsys, copy_fixture):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_count_non_finite_matches_torch(dtype):
     torch = pytest.importorskip("torch")
-    from ckptdoctor.rules.integrity import count_non_finite
+    from ckptdoctor.rules.non_finite import count_non_finite
 
     generator = torch.Generator().manual_seed(0)
     values = (torch.randn(4099, generator=generator) * 1000).to(getattr(torch, dtype))

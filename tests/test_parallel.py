@@ -337,8 +337,8 @@ def test_ctrl_c_ends_the_workers_at_once(tmp_path):
         f"    pathlib.Path({str(marker)!r}).touch()\n"
         "    time.sleep(30)\n"
         "    return i\n"
-        "import ckptdoctor.rules.integrity as integrity\n"
-        "integrity.check_deep = lambda *a, **k: parallel.map_units([1] * 8, slow, jobs=2) and []\n"
+        "import ckptdoctor.rules.deep_decode as deep_decode\n"
+        "deep_decode.check_deep = lambda *a, **k: parallel.map_units([1] * 8, slow, jobs=2) and []\n"
         "sys.exit(main(['check', '--isolated', '--deep', sys.argv[1]]))\n"
     )
     proc = subprocess.Popen(

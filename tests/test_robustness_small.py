@@ -210,17 +210,17 @@ def wait():
 
 WHERE = {where!r}
 if WHERE == "command":  # in the middle of the deep pass
-    import ckptdoctor.rules.integrity as integrity
-    integrity.check_deep = lambda state, advance=None, *more: wait() or []
+    import ckptdoctor.rules.deep_decode as deep_decode
+    deep_decode.check_deep = lambda state, advance=None, *more: wait() or []
 elif WHERE == "progress-callback":  # in the callback the deep pass calls for each chunk
-    import ckptdoctor.rules.integrity as integrity
-    real = integrity.check_deep
+    import ckptdoctor.rules.deep_decode as deep_decode
+    real = deep_decode.check_deep
     def check_deep(state, advance=None, *more):
         def slow(n):
             advance(n)
             wait()
         return real(state, slow, *more)
-    integrity.check_deep = check_deep
+    deep_decode.check_deep = check_deep
 elif WHERE == "progress-bar":  # inside the progress display, while it draws
     import ckptdoctor.commands.progress_bar as bar_module
     real = bar_module.ProgressBar._draw

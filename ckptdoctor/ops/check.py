@@ -20,7 +20,17 @@ from ckptdoctor.formats.storage import as_path
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.locate import NEMO_WEIGHTS_DIR, TRACKER_NAME, list_dir, list_iteration_dirs, looks_like_iteration_dir
 from ckptdoctor.progress import Progress
-from ckptdoctor.rules import Finding, consistency, finding, integrity, is_selected, leftovers, structure, with_fix
+from ckptdoctor.rules import (
+    Finding,
+    consistency,
+    deep_decode,
+    finding,
+    integrity,
+    is_selected,
+    leftovers,
+    structure,
+    with_fix,
+)
 
 SCHEMA = "ckptdoctor.check/1"
 
@@ -147,10 +157,10 @@ def check_iteration_dir(
         findings += integrity.check_manifest(state, verify_hashes=options.verify_integrity)
         if options.deep:
             if progress is not None:
-                progress.start(str(shown), integrity.deep_bytes(state))
+                progress.start(str(shown), deep_decode.deep_bytes(state))
             try:
                 advance = progress.advance if progress is not None else None
-                findings += integrity.check_deep(state, advance, _scan_values(options), options.jobs)
+                findings += deep_decode.check_deep(state, advance, _scan_values(options), options.jobs)
             finally:
                 if progress is not None:
                     progress.finish()

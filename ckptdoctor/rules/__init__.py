@@ -5,7 +5,7 @@ One module per family (codes are never reused or renumbered, so configs and CI l
 * :mod:`.structure`   CKD1xx  files present, parseable, in range; tracker; common state
 * :mod:`.leftovers`   CKD15x  staging dirs, temp files and journals of an interrupted ckptdoctor write
 * :mod:`.consistency` CKD2xx  args vs chunk layout (the :mod:`ckptdoctor.arg_rules` table), chunk coverage
-* :mod:`.integrity`   CKD3xx  ``integrity.json`` hashes; ``--deep`` blob decoding
+* :mod:`.integrity`   CKD3xx  ``integrity.json`` hashes; the ``--deep`` rules (decoding: :mod:`.deep_decode`)
 * :mod:`.safety`      CKD4xx  pickles referencing callables outside the allowlist
 
 This package is pure: it returns :class:`Finding` objects and never prints.

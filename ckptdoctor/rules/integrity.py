@@ -1,33 +1,19 @@
-"""Integrity rules (CKD3xx): Megatron's ``integrity.json`` hashes, and ``--deep`` decoding of every blob.
+"""Integrity rules (CKD3xx): the rule table of the family, and Megatron's ``integrity.json`` hashes.
 
-Both stream: one file read in 1 MiB pieces for hashing, one chunk's byte range at a time for ``--deep``
-(memory stays bounded by the largest chunk). ``--deep`` needs no torch: chunks decode to
-:class:`~ckptdoctor.stand_ins.TensorRef` through the safe unpickler (:func:`ckptdoctor.values.read.decode_chunk_ref`).
-Each data file is one unit of :func:`ckptdoctor.parallel.map_units` (``--jobs`` processes, or torchrun ranks);
-CKD313's NaN/Inf counting is :mod:`ckptdoctor.rules.non_finite`.
+The manifest check streams each listed file in 1 MiB pieces. The ``--deep`` rules (CKD310-313) are defined here
+with the family; decoding every blob is :mod:`ckptdoctor.rules.deep_decode`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from ckptdoctor import safe_pickle
-from ckptdoctor.checkpoint import Entry, decode_object_bytes
-from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
-from ckptdoctor.formats.archive import ArchiveError, parse_archive, storage_ref
+from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.files import file_sizes, open_regular, read_json
-from ckptdoctor.formats.stream import read_ranges
-from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
-from ckptdoctor.rules.non_finite import NonFinite
-from ckptdoctor.rules.non_finite import count_non_finite as count_non_finite  # its earlier home
-from ckptdoctor.rules.safety import refused_pickle, unlisted_globals
 from ckptdoctor.rules.structure import Scanned, reason
-from ckptdoctor.torch_stand_ins import StorageRef, TensorRef
 
 INTEGRITY_NAME = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME
 _READ_SIZE = 1 << 20
@@ -112,20 +98,6 @@ RULES = [
     ITEM_UNDECODABLE,
     NON_FINITE,
 ]
-NON_FINITE_SECTIONS = ("model", "optimizer")
-# The distributed optimizer's flat buckets (dp_reshardable: optimizer.distributed.dp_group_idx_*.gbuf_idx_*...
-# .bucket_idx_*.<param|exp_avg|exp_avg_sq>) hold padding that megatron-core never writes (torch.empty): a real
-# save carries arbitrary bits, NaN patterns included, there. They are not scanned.
-_FLAT_BUCKET_MARK = ".bucket_idx_"
-
-
-def _values_scanned(entry: Entry) -> bool:
-    return entry.section in NON_FINITE_SECTIONS and _FLAT_BUCKET_MARK not in entry.key
-
-
-Progress = Callable[[int], None]  # called with the bytes just processed
-
-
 # --- integrity.json -------------------------------------------------------------------------------------
 
 
@@ -180,231 +152,3 @@ def sha256_file(path: Path) -> str:
         while block := f.read(_READ_SIZE):
             digest.update(block)
     return digest.hexdigest()
-
-
-# --- --deep ---------------------------------------------------------------------------------------------
-
-
-def deep_bytes(state: Scanned) -> int:
-    """Bytes ``--deep`` will read (for a progress bar's length)."""
-    return sum(c.storage.length for items in _work(state).values() for _, c in items if c.storage is not None)
-
-
-def _work(state: Scanned) -> dict[str, list[tuple[Entry, DcpChunk]]]:
-    """Every chunk and item in a readable data file, by file, in offset order (sequential reads)."""
-    checkpoint = state.checkpoint
-    by_file: dict[str, list[tuple[Entry, DcpChunk]]] = {}
-    if checkpoint is None or checkpoint.dcp is None:
-        return by_file
-    for entry in checkpoint.entries.values():
-        for chunk in entry.chunks:
-            if chunk.storage is not None and chunk.storage.relative_path not in state.bad_files:
-                by_file.setdefault(chunk.storage.relative_path, []).append((entry, chunk))
-    for items in by_file.values():
-        items.sort(key=lambda item: item[1].storage.offset)  # type: ignore[union-attr]
-    return dict(sorted(by_file.items()))
-
-
-def check_deep(
-    state: Scanned, progress: Progress | None = None, scan_values: bool = True, jobs: int | None = None
-) -> list[Finding]:
-    """Decode every chunk and bytes item through the safe unpickler, reading each data file front to back;
-    with ``scan_values``, also count NaN/Inf in model and optimizer tensors (CKD313, no torch needed).
-
-    Data files are the units of :func:`ckptdoctor.parallel.map_units` (``jobs`` processes, or the ranks of a
-    torchrun job); their findings are merged in file order, so the result does not depend on ``jobs``."""
-    from ckptdoctor import parallel
-
-    checkpoint = state.checkpoint
-    out: list[Finding] = []
-    work = _work(state)
-    if checkpoint is None or not work:
-        return out
-    files: list[tuple[Path, list[tuple[int, int, tuple[Entry, DcpChunk]]]]] = []
-    for relative, items in work.items():
-        ranges = []
-        for entry, chunk in items:
-            location = chunk.storage
-            assert location is not None
-            try:  # a range longer than its item can need is never read (a hostile .metadata could name 100 GB)
-                check_range_length(checkpoint.iteration_dir / relative, location, entry.max_range_bytes(chunk))
-            except PickleLimitError as exc:
-                out.append(refused_pickle(exc, state.shown / relative, f"{entry.key} chunk at {list(chunk.offsets)}"))
-                continue
-            ranges.append((location.offset, location.length, (entry, chunk)))
-        files.append((checkpoint.iteration_dir / relative, ranges))
-    weights = [sum(length for _, length, _ in ranges) for _, ranges in files]
-    inline = parallel.runs_inline(jobs, len(files))
-
-    def task(index: int) -> tuple[list[Finding], NonFinite | None]:
-        return _check_file(state, files[index], scan_values, progress if inline else None)
-
-    done = None if inline or progress is None else (lambda index: progress(weights[index]))
-    non_finite = NonFinite() if scan_values else None
-    for found, counts in parallel.map_units(weights, task, jobs, done):
-        out += found
-        if non_finite is not None and counts is not None:
-            non_finite.merge(counts)
-    if non_finite is not None:
-        out += non_finite.findings(NON_FINITE)
-    return out
-
-
-def _check_file(
-    state: Scanned,
-    file: tuple[Path, list[tuple[int, int, tuple[Entry, DcpChunk]]]],
-    scan_values: bool,
-    progress: Progress | None,
-) -> tuple[list[Finding], NonFinite | None]:
-    """One data file read front to back: its findings and (``scan_values``) its NaN/Inf counts."""
-    out: list[Finding] = []
-    decoder = _ChunkDecoder()
-    non_finite = NonFinite() if scan_values else None
-    for file_path, tag, blob in read_ranges([file]):
-        path = state.shown / file_path.name
-        if isinstance(blob, CkptError):  # unreadable file (I/O error): the rest of it cannot be checked
-            out.append(finding(BLOB_UNDECODABLE, path, reason(blob, file_path)))
-            continue
-        entry, chunk = tag  # type: ignore[misc]
-        if entry.kind == "tensor":
-            scan = non_finite if non_finite is not None and _values_scanned(entry) else None
-            problem = _check_chunk(decoder, entry, chunk, blob, path, scan)
-        else:
-            problem = _check_item(entry, blob, path)
-        if problem is not None:
-            out.append(problem)
-        if progress is not None:
-            progress(len(blob))
-    return out, non_finite
-
-
-@dataclass(frozen=True)
-class _Verdict:
-    """What a chunk's ``data.pkl`` says, checked against the chunk's metadata (shared by identical chunks)."""
-
-    refused: CkptError | None = None  # a refused global, a broken limit or an archive anomaly (CKD4xx)
-    problem: str | None = None  # a CKD310 reason
-    size_problem: str | None = None  # a CKD311 reason
-    record: str | None = None  # the storage record's key
-    record_bytes: int = 0  # numel x itemsize the record must hold
-
-
-class _ChunkDecoder:
-    """Decodes tensor blobs; a ``data.pkl`` byte-identical to one already decoded gives the same verdict.
-
-    Chunks of equal shape and dtype pickle to identical bytes, so most of a checkpoint's chunks cost one
-    dict lookup instead of an unpickling; every distinct pickle still goes through the safe unpickler.
-    """
-
-    def __init__(self) -> None:
-        self._cache: dict[tuple, _Verdict] = {}
-
-    def verdict(self, pickled: bytes, entry: Entry, chunk: DcpChunk) -> _Verdict:
-        key = (pickled, chunk.sizes, entry.dtype)
-        verdict = self._cache.get(key)
-        if verdict is None:
-            verdict = self._cache[key] = _decide(pickled, entry, chunk)
-        return verdict
-
-
-def _decide(pickled: bytes, entry: Entry, chunk: DcpChunk) -> _Verdict:
-    try:
-        ref = safe_pickle.loads(pickled, _persistent_load)
-    except (UnsafePickleError, PickleLimitError) as exc:
-        return _Verdict(refused=exc)
-    except Exception as exc:  # a corrupt pickle can raise almost anything
-        return _Verdict(problem=f"corrupt pickle ({type(exc).__name__}: {exc})")
-    if not isinstance(ref, TensorRef):
-        return _Verdict(problem=f"expected a tensor, found {type(ref).__name__}")
-    problem = _metadata_problem(ref, entry, chunk)
-    if problem:
-        return _Verdict(problem=problem)
-    problem = _view_problem(ref)
-    if problem:
-        return _Verdict(size_problem=problem)
-    itemsize = ref.dtype.itemsize if ref.dtype is not None else None
-    if itemsize is None:
-        return _Verdict(problem=f"unknown dtype {ref.dtype}")
-    return _Verdict(record=ref.storage.key, record_bytes=ref.storage.numel * itemsize)
-
-
-def _persistent_load(pid: object) -> StorageRef:
-    return storage_ref(pid, "")
-
-
-def _check_chunk(
-    decoder: _ChunkDecoder,
-    entry: Entry,
-    chunk: DcpChunk,
-    blob: memoryview,
-    path: Path,
-    non_finite: NonFinite | None = None,
-) -> Finding | None:
-    what = f"{entry.key} chunk at {list(chunk.offsets)}"
-    try:
-        archive = parse_archive(blob, what)
-        pickled = archive.pickle(verify_crc=archive.general)
-        verdict = decoder.verdict(bytes(pickled), entry, chunk)
-        if verdict.refused is not None:
-            return refused_pickle(verdict.refused, path, what)
-        if verdict.problem is not None:
-            return finding(BLOB_UNDECODABLE, path, f"{what}: {verdict.problem}")
-        if verdict.size_problem is not None:
-            return finding(BLOB_SIZE, path, f"{what}: {verdict.size_problem}")
-        record = archive.storage(verdict.record or "")
-        if record.size != verdict.record_bytes:
-            return finding(
-                BLOB_SIZE,
-                path,
-                f"{what}: storage record has {record.size} bytes, {verdict.record_bytes} expected (numel x itemsize)",
-            )
-        if record.method or archive.general:  # inflate (bounded by what the tensor needs) and check the CRC
-            data = archive.read(record.name, verdict.record_bytes)
-        elif non_finite is not None:
-            data = archive.read(record.name, verdict.record_bytes, verify_crc=False)  # a view, no copy
-        if non_finite is not None:
-            non_finite.scan(entry, chunk, data, path)
-    except (ArchiveError, PickleLimitError) as exc:
-        return refused_pickle(exc, path, what)
-    except CkptError as exc:
-        return finding(BLOB_UNDECODABLE, path, f"{what}: {reason(exc, what)}")
-    return None
-
-
-def _metadata_problem(ref: TensorRef, entry: Entry, chunk: DcpChunk) -> str | None:
-    if tuple(ref.size) != tuple(chunk.sizes):
-        return f"stored shape {list(ref.size)} differs from metadata {list(chunk.sizes)}"
-    if entry.dtype is not None and str(ref.dtype) != entry.dtype:
-        return f"stored dtype {ref.dtype} differs from metadata {entry.dtype}"
-    return None
-
-
-def storage_size_problem(ref: TensorRef, record_bytes: int) -> str | None:
-    """Why a tensor's storage record does not hold exactly its elements, or its view does not fit."""
-    itemsize = ref.dtype.itemsize if ref.dtype is not None else None
-    if itemsize is None:
-        return f"unknown dtype {ref.dtype}"
-    expected = ref.storage.numel * itemsize
-    if record_bytes != expected:
-        return f"storage record has {record_bytes} bytes, {ref.storage.numel} x {itemsize} = {expected} expected"
-    return _view_problem(ref)
-
-
-def _view_problem(ref: TensorRef) -> str | None:
-    if ref.numel:
-        last = ref.storage_offset + sum((n - 1) * s for n, s in zip(ref.size, ref.stride))
-        if ref.storage_offset < 0 or last >= ref.storage.numel:
-            return f"view {list(ref.size)} (offset {ref.storage_offset}) reaches past its {ref.storage.numel} elements"
-    return None
-
-
-def _check_item(entry: Entry, blob: memoryview, path: Path) -> Finding | None:
-    what = f"item {entry.key}"
-    unlisted: list[str] = []
-    try:
-        decode_object_bytes(bytes(blob), what, unlisted)
-    except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
-        return refused_pickle(exc, path, what)
-    except CkptError as exc:
-        return finding(ITEM_UNDECODABLE, path, f"{what}: {reason(exc, what)}")
-    return unlisted_globals(unlisted, path, what)[0] if unlisted else None
