@@ -9,157 +9,45 @@ diff costs the same for 1 GB and 10 TB. Differences are classified so that users
   ``metadata.json``, the DCP metadata class) is a note, never a content difference;
 * args that are equal on both sides but contradict their own checkpoint's layout are flagged with the rule
   table of :mod:`ckptdoctor.arg_rules` (the same rules ``fix-args`` applies).
+
+The report this builds is :class:`~ckptdoctor.ops.diff_report.DiffReport`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.arg_rules import check_args
 from ckptdoctor.args import ARG_GROUPS, arg_group, args_as_dict
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
 from ckptdoctor.ops.diff_items import KIND_TENSOR, Item, is_common_state_item, logical_items
+from ckptdoctor.ops.diff_report import (
+    SCHEMA,
+    ArgDifference,
+    ArgFlag,
+    ArgsDiff,
+    CommonChange,
+    CommonDiff,
+    DiffReport,
+    KeyChange,
+    KeyList,
+    LayoutChange,
+    LayoutDiff,
+    SectionKeys,
+    Side,
+)
 from ckptdoctor.parallelism import SavedLayout, infer_layout
 from ckptdoctor.plain import same_value
 
 if TYPE_CHECKING:
     from ckptdoctor.progress import Progress
-    from ckptdoctor.values.diff import ValuesReport
 
 
-SCHEMA = "ckptdoctor.diff/1"
 ARG_GROUP_ORDER = (*ARG_GROUPS, "other")
 # metadata.json keys core <= 0.18 writes and core >= 0.19 dropped with common.pt
 _ERA_METADATA_KEYS = ("common_backend", "common_backend_version")
-
-
-@dataclass
-class Side:
-    """What one checkpoint is (the header of the diff)."""
-
-    path: str
-    iteration_dir: str
-    backend: str
-    era: str
-    common_source: str | None
-    iteration: int | None
-    keys: int  # logical keys: tensors, and ShardedObjects counted once by base key (see diff_items)
-    entries: int  # DCP items (a ShardedObject counts once per shard)
-    data_files: dict
-    layout: dict
-
-
-@dataclass
-class KeyList:
-    count: int
-    keys: list[str]  # at most ``limit`` of them
-
-
-@dataclass
-class SectionKeys:
-    only_a: KeyList
-    only_b: KeyList
-    common: int
-
-
-@dataclass
-class KeyChange:
-    """A key in both whose kind, dtype or global shape differs."""
-
-    key: str
-    section: str
-    fields: list[str]
-    a: dict
-    b: dict
-
-
-@dataclass
-class LayoutChange:
-    """A key in both whose chunk grid (or object shard grid) differs: layout, not content."""
-
-    key: str
-    section: str
-    kind: str
-    a: str
-    b: str
-
-
-@dataclass
-class LayoutDiff:
-    a: str
-    b: str
-    summary: str
-    differs: bool
-    count: int
-    keys: list[LayoutChange]
-
-
-@dataclass
-class ArgDifference:
-    name: str
-    group: str
-    change: str  # "changed" | "only_a" | "only_b"
-    a: Any
-    b: Any
-
-
-@dataclass
-class ArgFlag:
-    """A saved arg contradicting its own checkpoint's layout (rule from :mod:`ckptdoctor.arg_rules`)."""
-
-    side: str  # "a" | "b"
-    code: str
-    arg: str
-    saved: Any
-    correct: Any
-    severity: str
-    reason: str
-    megatron_error: str | None
-    equal_in_both: bool  # the arg is equal in A and B, so only this flag shows the problem
-
-
-@dataclass
-class ArgsDiff:
-    compared: bool  # both sides saved args
-    count: int  # differing args, ignored ones excluded
-    groups: dict[str, list[ArgDifference]]
-    flags: list[ArgFlag]
-    ignored: list[str] = field(default_factory=list)  # differing args left out by --ignore-arg / ignore-args
-
-
-@dataclass
-class CommonChange:
-    field: str  # a common-state key, or "metadata.json:<key>"
-    change: str  # "changed" | "only_a" | "only_b"
-    a: Any
-    b: Any
-
-
-@dataclass
-class CommonDiff:
-    count: int
-    items: list[CommonChange]
-
-
-@dataclass
-class DiffReport:
-    schema: str
-    a: Side
-    b: Side
-    filters: dict
-    limit: int | None
-    keys: dict[str, SectionKeys]
-    changed: list[KeyChange]
-    layout: LayoutDiff
-    args: ArgsDiff | None  # None when filters exclude the common state (--section without common, --key)
-    common: CommonDiff | None
-    era: list[str]
-    values: ValuesReport | None = None  # with --values
-    ignored: dict = field(default_factory=dict)  # {"layout": bool, "args": [regex]}: not counted as differences
-    summary: dict = field(default_factory=dict)
-    identical: bool = True
 
 
 @dataclass
