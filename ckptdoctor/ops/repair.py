@@ -4,7 +4,8 @@
   :func:`~ckptdoctor.ops.latest_good.find_latest_good` (never to a dir that fails check; ``release`` handled).
 * CKD101 ``metadata.json`` missing: written only when ``.metadata`` reads, every referenced data file is present
   and long enough, and the common state reads; content follows the era (core <= 0.18 with ``common.pt``: four
-  fields; core >= 0.19: the two ``sharded_backend`` fields). An incomplete save stays incomplete.
+  fields; core >= 0.19: the two ``sharded_backend`` fields). An incomplete save stays incomplete
+  (:mod:`ckptdoctor.ops.repair_metadata_json`).
 * CKD115 unreferenced ``.distcp`` files: moved into ``<iter>.quarantine-<stamp>/`` beside the iteration dir,
   never deleted.
 * CKD151 leftovers of an interrupted ckptdoctor write (unfinished staging dirs beside the iteration dir, temp
@@ -16,7 +17,8 @@
 * Anything else (truncated or missing data, garbage ``.metadata``): not repairable; the report says what is lost
   and names the latest good checkpoint.
 
-This module plans (reads only); :mod:`ckptdoctor.ops.repair_write` writes, by fix-args' rules.
+This module plans (reads only); :mod:`ckptdoctor.ops.repair_write` writes, by fix-args' rules. The report
+they fill is :class:`~ckptdoctor.ops.repair_report.RepairReport`.
 """
 
 from __future__ import annotations
@@ -25,14 +27,12 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ckptdoctor import arg_rules
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.files import read_json
 from ckptdoctor.formats.storage import as_path
 from ckptdoctor.locate import (
-    BACKEND_ZARR,
     NEMO_WEIGHTS_DIR,
     TRACKER_NAME,
     iteration_dir_name,
@@ -40,12 +40,13 @@ from ckptdoctor.locate import (
     looks_like_iteration_dir,
 )
 from ckptdoctor.ops import fix_args
+from ckptdoctor.ops import repair_metadata_json as metadata_json
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
 from ckptdoctor.ops.latest_good import LatestGoodReport, find_latest_good
+from ckptdoctor.ops.repair_report import SCHEMA, Action, Refusal, RepairReport
 from ckptdoctor.rules import ERROR, Finding, leftovers, structure
 from ckptdoctor.rules.integrity import INTEGRITY_NAME, LISTED_FILE_MISSING
 
-SCHEMA = "ckptdoctor.repair/1"
 TRACKER_CODES = (structure.TRACKER_INVALID.code, structure.TRACKER_TARGET_MISSING.code, structure.TRACKER_MISSING.code)
 METADATA_JSON_CODE = structure.METADATA_JSON_MISSING.code
 ORPHAN_CODE = structure.DATA_FILE_UNREFERENCED.code
@@ -53,75 +54,6 @@ INTERRUPTED_CODE = leftovers.INTERRUPTED_WRITE.code
 LEFTOVER_CODE = leftovers.WRITE_LEFTOVER.code
 ARG_CODES = frozenset({r.code for r in arg_rules.RULES} | {"CKD204"})
 QUARANTINE_MARK = ".quarantine-"
-
-# The metadata.json Megatron writes, by era (sharded backend version 1 since core 0.6).
-METADATA_JSON_COMMON_PT = {
-    "sharded_backend": "torch_dist",
-    "sharded_backend_version": 1,
-    "common_backend": "torch",
-    "common_backend_version": 1,
-}
-METADATA_JSON_COMMON_STATE = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
-METADATA_JSON_ZARR = {
-    "sharded_backend": "zarr",
-    "sharded_backend_version": 1,
-    "common_backend": "torch",
-    "common_backend_version": 1,
-}
-
-
-@dataclass
-class Action:
-    kind: str  # "tracker", "metadata-json", "quarantine", "quarantine-leftovers", "fix-args"
-    fixes: list[str]  # the finding codes this action makes go away
-    path: str
-    description: str
-    value: Any = None  # tracker value, metadata.json content, file names, or arg changes
-
-
-@dataclass
-class Refusal:
-    code: str
-    path: str
-    reason: str
-
-
-@dataclass
-class RepairWrite:
-    mode: str  # "in-place" or "output"
-    target: str
-    written: list[str] = field(default_factory=list)
-    moved: list[str] = field(default_factory=list)
-    backups: list[str] = field(default_factory=list)
-    integrity_updated: bool = False
-
-
-@dataclass
-class RepairReport:
-    schema: str
-    checkpoint: str  # as given
-    save_dir: str | None
-    iteration_dir: str | None  # the iteration dir repaired (None: only the tracker is looked at)
-    findings: list[Finding]  # what check found before
-    actions: list[Action] = field(default_factory=list)
-    refused: list[Refusal] = field(default_factory=list)  # repairable kinds that are not safe here
-    unrepairable: list[Finding] = field(default_factory=list)
-    untouched: list[Finding] = field(default_factory=list)  # warnings no repair is for
-    way_out: str = ""
-    latest_good: str | None = None
-    written: RepairWrite | None = None
-    after: list[Finding] | None = None  # check's findings on the result, after --write
-    remaining: list[Finding] | None = None  # of those, the ones a repair was meant to fix
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """Exit 0: report mode, nothing found; write mode, every repaired finding gone and nothing left unfixed."""
-        if self.written is None:
-            return not self.findings
-        if any(a.kind == "tracker" for a in self.actions):  # the broken checkpoint is no longer resumed from
-            return not self.remaining
-        return not self.remaining and not self.refused and not self.unrepairable
 
 
 @dataclass
@@ -163,45 +95,6 @@ def _resolve(path: Path, iteration: str | None) -> tuple[Path | None, Path | Non
     if looks_like_iteration_dir(path / NEMO_WEIGHTS_DIR):
         return None, path / NEMO_WEIGHTS_DIR, []
     raise CkptError(f"{path}: not a Megatron checkpoint (no tracker, iteration dirs, metadata.json or .metadata)")
-
-
-def _metadata_json_refusal(state: structure.Scanned, others: list[Finding]) -> str | None:
-    """Why writing metadata.json is not provably safe (None: it is)."""
-    if others:
-        first = others[0]
-        return f"an incomplete or damaged save ({first.code} {first.message}); it must stay incomplete"
-    checkpoint = state.checkpoint
-    if checkpoint is not None and checkpoint.location.backend == BACKEND_ZARR:
-        return _zarr_refusal(state)
-    if checkpoint is None or checkpoint.dcp is None:
-        return ".metadata does not read, so completeness cannot be proven"
-    if state.bad_files:
-        return f"data files missing or short: {', '.join(sorted(state.bad_files))}"
-    if state.common is None:
-        return "the common state does not read"
-    return None
-
-
-def _zarr_refusal(state: structure.Scanned) -> str | None:
-    """A legacy zarr save is complete when every array's chunk files hold exactly their raw elements (Megatron
-    writes them uncompressed; coverage gaps are CKD220 errors, already blocking) and common.pt reads."""
-    checkpoint = state.checkpoint
-    assert checkpoint is not None
-    if not checkpoint.entries:
-        return "no zarr array reads, so completeness cannot be proven"
-    for entry in checkpoint.entries.values():
-        for chunk in entry.chunks:
-            if entry.kind != "tensor" or chunk.storage is None:
-                continue
-            need = entry.chunk_nbytes(chunk)
-            if need is not None and chunk.storage.length != need:
-                return (
-                    f"{chunk.storage.relative_path} holds {chunk.storage.length} bytes, its chunk needs {need}: "
-                    "an incomplete save"
-                )
-    if state.common is None:
-        return "the common state does not read"
-    return None
 
 
 def plan(
@@ -339,20 +232,15 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
     report.unrepairable += blocking
     report.untouched += [f for f in others if f.severity != ERROR]
     if missing_json:
-        refusal = _metadata_json_refusal(state, blocking)
+        refusal = metadata_json.refusal(state, blocking)
         if refusal is not None:
             report.refused.append(Refusal(METADATA_JSON_CODE, str(candidate / "metadata.json"), refusal))
             blocking = blocking or missing_json
             report.unrepairable += [] if report.unrepairable else missing_json
         else:
             assert state.checkpoint is not None
-            location = state.checkpoint.location
-            if location.backend == BACKEND_ZARR:
-                content, era = METADATA_JSON_ZARR, "legacy zarr, core <= 0.14"
-            elif location.has_common_pt:
-                content, era = METADATA_JSON_COMMON_PT, "core <= 0.18, common.pt"
-            else:
-                content, era = METADATA_JSON_COMMON_STATE, "core >= 0.19, common_state"
+            written = metadata_json.for_era(state.checkpoint.location)
+            content = written.content
             recorded = recorded_hash(candidate, "metadata.json")
             if recorded is not None and recorded != hashlib.sha256(json.dumps(content).encode()).hexdigest():
                 report.refused.append(
@@ -365,17 +253,12 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
                 report.unrepairable += missing_json
                 return True
             work.metadata_json = content
-            proof = (
-                "every zarr chunk file holds exactly its elements, common.pt reads"
-                if location.backend == BACKEND_ZARR
-                else ".metadata reads, every referenced data file is present and long enough, the common state reads"
-            )
             report.actions.append(
                 Action(
                     "metadata-json",
                     sorted({f.code for f in missing_json}),
                     str(candidate / "metadata.json"),
-                    f"write metadata.json ({era}): {proof}",
+                    f"write metadata.json ({written.era}): {written.proof}",
                     content,
                 )
             )

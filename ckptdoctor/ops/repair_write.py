@@ -44,12 +44,11 @@ from ckptdoctor.ops.repair import (
     INTERRUPTED_CODE,
     LEFTOVER_CODE,
     QUARANTINE_MARK,
-    RepairReport,
     RepairWork,
-    RepairWrite,
     plan,
     recorded_hash,
 )
+from ckptdoctor.ops.repair_report import RepairReport, RepairWrite
 from ckptdoctor.rules import leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
 
