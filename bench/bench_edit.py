@@ -11,10 +11,14 @@ shared cache (other benchmarks may regenerate it meanwhile):
 - ``edit-<size>``: ``ckptdoctor edit SAVE --remove '^optimizer\\.' -o OUT`` (new ``.metadata``, data hard-linked);
 - ``compact-<size>``: the same with ``--compact`` (kept items byte-copied into new files);
 - ``cp-<size>``: ``cp`` of one file as large as the kept data (the least a copy of the kept bytes costs);
-- ``cpsync-<size>``: the same followed by ``sync FILE`` (edit fsyncs what it writes; plain ``cp`` does not).
+- ``cpsync-<size>``: the same followed by ``sync FILE`` (edit fsyncs what it writes; plain ``cp`` does not);
+- ``cpr-<size>``: ``cp -r`` of a dir holding the kept bytes as ``--compact`` writes them: as many files (2,000),
+  each as large as the kept part of its source file (random bytes);
+- ``cprsync-<size>``: the same followed by ``sync`` of every copied file (fsync each, as ``--compact`` does).
 
-Targets (issue #14): edit(4G) / edit(0.5G) <= 1.3; compact(4G) <= 2 x cp(4G). Also reported per round: the copy
-part of ``--compact``, (compact - edit) / cpsync: what the byte copy costs beyond the metadata work both share.
+Targets (issue #14): edit(4G) / edit(0.5G) <= 1.3; compact(4G) <= 2 x cp(4G), the one-file ``cp`` (the ratios
+against ``cp -r`` of the same files are reported beside it). Also reported per round: the copy part of
+``--compact``, (compact - edit) / cpsync: what the byte copy costs beyond the metadata work both share.
 
     python bench/bench_edit.py [--sizes 0.5G 4G] [--rounds 3]
 """
@@ -22,6 +26,7 @@ part of ``--compact``, (compact - edit) / cpsync: what the byte copy costs beyon
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -42,6 +47,41 @@ def kept_bytes(save: Path) -> int:
 
     checkpoint = open_checkpoint(save)
     return sum(e.nbytes for k, e in checkpoint.entries.items() if not k.startswith("optimizer."))
+
+
+def kept_file_sizes(save: Path) -> dict[str, int]:
+    """Data file -> bytes of the kept items it holds: the sizes of the files ``--compact`` writes."""
+    sys.path.insert(0, str(harness.CODE))
+    from ckptdoctor.checkpoint import open_checkpoint
+
+    sizes: dict[str, int] = {}
+    for key, entry in open_checkpoint(save).entries.items():
+        if key.startswith("optimizer."):
+            continue
+        for chunk in entry.chunks:
+            if chunk.storage is not None:
+                name = chunk.storage.relative_path
+                sizes[name] = sizes.get(name, 0) + chunk.storage.length
+    return dict(sorted(sizes.items()))
+
+
+def make_kept_dir(path: Path, sizes: dict[str, int]) -> None:
+    """A dir of files with these names and sizes (random bytes): what ``cp -r`` of the kept bytes copies."""
+    if path.is_dir() and {p.name: p.stat().st_size for p in path.iterdir()} == sizes:
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    for name, size in sizes.items():
+        make_blob(path / name, size)
+
+
+def source(size: str, keys: int, files: int, dest: Path) -> Path:
+    """The private input copy; the shared cache is (re)made only when the private copy is not of these options."""
+    want = {"total_bytes": harness.parse_size(size), "keys": keys, "files": files}
+    info = dest / "synthetic.json"
+    if info.exists() and json.loads(info.read_text()).get("requested") == want:
+        return dest
+    return private_copy(harness.synthetic(size, keys, files), dest)
 
 
 def private_copy(save: Path, dest: Path) -> Path:
@@ -88,11 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     cases: dict[str, harness.Case] = {}
     inputs = {}
     for size in o.sizes:
-        save = private_copy(harness.synthetic(size, o.keys, o.files), o.scratch / f"src_{size}")
+        save = source(size, o.keys, o.files, o.scratch / f"src_{size}")
         kept = kept_bytes(save)
-        inputs[size] = harness.synthetic_info(save) | {"kept_bytes": kept}
+        sizes = kept_file_sizes(save)
+        inputs[size] = harness.synthetic_info(save) | {"kept_bytes": kept, "kept_files": len(sizes)}
         blob, copy = o.scratch / f"blob_{size}", o.scratch / f"blob_{size}.copy"
         make_blob(blob, kept)
+        kept_dir, kept_copy = o.scratch / f"kept_{size}", o.scratch / f"kept_{size}.copy"
+        make_kept_dir(kept_dir, sizes)
         for label, extra in (("edit", []), ("compact", ["--compact"])):
             out = o.scratch / f"{label}_{size}"
             cases[f"{label}-{size}"] = harness.Case(
@@ -105,12 +148,22 @@ def main(argv: list[str] | None = None) -> int:
         cases[f"cpsync-{size}"] = harness.Case(
             ["sh", "-c", f"cp {blob} {copy} && sync {copy}"], before=lambda copy=copy: copy.unlink(missing_ok=True)
         )
+        cases[f"cpr-{size}"] = harness.Case(
+            ["cp", "-r", str(kept_dir), str(kept_copy)],
+            before=lambda kept_copy=kept_copy: shutil.rmtree(kept_copy, ignore_errors=True),
+        )
+        cases[f"cprsync-{size}"] = harness.Case(
+            ["sh", "-c", f"cp -r {kept_dir} {kept_copy} && sync {kept_copy}/* {kept_copy}"],
+            before=lambda kept_copy=kept_copy: shutil.rmtree(kept_copy, ignore_errors=True),
+        )
     group = harness.alternate(cases, o.rounds, timeout=1200)
     small, large = o.sizes[0], o.sizes[-1]
     ratios = {
         "edit_large_over_small": group.ratio(f"edit-{large}", f"edit-{small}"),
         **{f"compact_over_cp_{s}": group.ratio(f"compact-{s}", f"cp-{s}") for s in o.sizes},
         **{f"compact_over_cpsync_{s}": group.ratio(f"compact-{s}", f"cpsync-{s}") for s in o.sizes},
+        **{f"compact_over_cpr_{s}": group.ratio(f"compact-{s}", f"cpr-{s}") for s in o.sizes},
+        **{f"compact_over_cprsync_{s}": group.ratio(f"compact-{s}", f"cprsync-{s}") for s in o.sizes},
         **{f"copy_part_over_cpsync_{s}": copy_part(group, s) for s in o.sizes},
     }
     recorder.write({"inputs": inputs, "group": group.summary(), "ratios": ratios})
@@ -125,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in o.sizes:
         shutil.rmtree(o.scratch / f"compact_{size}", ignore_errors=True)
         shutil.rmtree(o.scratch / f"edit_{size}", ignore_errors=True)
+        shutil.rmtree(o.scratch / f"kept_{size}.copy", ignore_errors=True)
     return 0
 
 

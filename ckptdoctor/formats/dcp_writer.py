@@ -44,10 +44,48 @@ def kept_storage(metadata: Any, keep: set[str]) -> dict[str, list[tuple[Any, Any
     return dict(sorted(by_file.items()))
 
 
-def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int, state: dict, progress: Progress | None) -> None:
+@dataclass
+class FileCopy:
+    """One new data file: the source file's kept byte ranges, copied back to back (adjacent ranges merged)."""
+
+    name: str
+    items: int
+    ranges: list[tuple[int, int]]  # (source offset, length)
+    bytes: int
+
+
+def plan_copies(by_file: dict[str, list[tuple[Any, Any]]]) -> list[FileCopy]:
+    """Lay out the new data files and repoint every kept ``_StorageInfo`` stand-in to its place in them.
+
+    Each source file's kept items go, in source byte order, back to back into a new file of the same name;
+    items that are adjacent in the source become one range (one kernel copy instead of one per item: the
+    bytes written are the same). The storage is repointed before a byte is copied, so the new ``.metadata``
+    can be built while the copy runs.
+    """
+    copies = []
+    for name, items in by_file.items():
+        ranges: list[tuple[int, int]] = []
+        position = 0
+        for _index, info in items:
+            offset, length = int(torch_dist.record_attr(info, "offset")), int(torch_dist.record_attr(info, "length"))
+            if ranges and sum(ranges[-1]) == offset:
+                ranges[-1] = (ranges[-1][0], ranges[-1][1] + length)
+            elif length:
+                ranges.append((offset, length))
+            torch_dist.set_storage(info, StorageLocation(name, position, length))
+            position += length
+        copies.append(FileCopy(name, len(items), ranges, position))
+    return copies
+
+
+def _copy_range(
+    src_fd: int, dst_fd: int, offset: int, length: int, state: dict, progress: Progress | None, cancel: Any
+) -> None:
     """Copy ``length`` bytes at ``offset`` of src to dst's current position, one block at a time."""
     remaining = length
     while remaining:
+        if cancel.is_set():
+            raise _Cancelled
         step = min(BLOCK, remaining)
         done = 0
         if state.get("kernel", hasattr(os, "copy_file_range")):
@@ -67,10 +105,97 @@ def _copy_range(src_fd: int, dst_fd: int, offset: int, length: int, state: dict,
             progress(done)
 
 
+class _Cancelled(Exception):
+    """The copy was stopped because the caller failed (or was interrupted) meanwhile."""
+
+
 def _write_all(fd: int, view: memoryview) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+def _sync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise CkptError(f"{path}: cannot sync ({exc.strerror})") from None
+
+
+SYNC_THREADS = 16  # fsyncs in flight: one at a time costs a journal commit each (seconds for thousands of files)
+
+
+class BackgroundCopy:
+    """The copy of :func:`plan_copies`' files into ``dst_dir``, running in threads while the caller goes on.
+
+    ``jobs`` threads copy files (the kernel copy releases the GIL); each file is fsynced as soon as it is
+    written (a pool of :data:`SYNC_THREADS`), so the disk writes overlap the copying. Use it as a context
+    manager: leaving the block by an exception (Ctrl-C included) stops the copy and waits for every thread
+    before the exception goes on, so the caller's cleanup never races a thread still writing. Inside the
+    block, :meth:`result` waits for the copy and every fsync and raises the first failure (in file order).
+    Every file's bytes and the result's order are the same for any ``jobs``.
+    """
+
+    def __init__(
+        self, src_dir: Path, dst_dir: Path, copies: list[FileCopy], progress: Progress | None = None, jobs: int = 1
+    ) -> None:
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._src_dir, self._dst_dir, self._copies = src_dir, dst_dir, copies
+        self._state: dict = {}  # whether the kernel copy works here, learnt on the first block
+        self._cancel = threading.Event()
+        self._progress = progress
+        if progress is not None:
+            lock = threading.Lock()
+
+            def locked(n: int) -> None:
+                with lock:
+                    progress(n)
+
+            self._progress = locked
+        workers = max(1, min(jobs, len(copies)))
+        self._sync_pool = ThreadPoolExecutor(max_workers=max(1, min(SYNC_THREADS, len(copies))))
+        self._copy_pool = ThreadPoolExecutor(max_workers=workers)
+        self._syncs: dict[str, Any] = {}
+        self._futures = [self._copy_pool.submit(self._copy, copy) for copy in copies]
+
+    def _copy(self, copy: FileCopy) -> CopiedFile:
+        if self._cancel.is_set():
+            raise _Cancelled
+        written = _copy_file(self._src_dir, self._dst_dir, copy, self._state, self._progress, self._cancel)
+        self._syncs[copy.name] = self._sync_pool.submit(_sync, self._dst_dir / copy.name)
+        return written
+
+    def result(self) -> list[CopiedFile]:
+        """Wait for every file to be copied and fsynced; the first failure (in file order) is raised."""
+        written = [future.result() for future in self._futures]
+        self._copy_pool.shutdown()
+        for copy in self._copies:
+            self._syncs[copy.name].result()
+        self._sync_pool.shutdown()
+        return written
+
+    def stop(self) -> None:
+        """Stop copying (files not started are not created) and wait for every thread."""
+        self._cancel.set()
+        for future in self._futures:
+            future.cancel()
+        self._copy_pool.shutdown(wait=True)
+        for sync in self._syncs.values():
+            sync.cancel()
+        self._sync_pool.shutdown(wait=True)
+
+    def __enter__(self) -> BackgroundCopy:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.stop()
 
 
 def copy_items(
@@ -87,35 +212,15 @@ def copy_items(
     copy files concurrently (the kernel copy and writes release the GIL); every file's bytes and the result's
     order are the same for any ``jobs``. The first failure (in file order) is raised.
     """
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    state: dict = {}  # whether the kernel copy works here, learnt on the first block
-    if progress is not None and jobs > 1:
-        lock = threading.Lock()
-        report = progress
-
-        def progress(n: int) -> None:
-            with lock:
-                report(n)
-
-    def copy(name: str) -> CopiedFile:
-        return _copy_file(src_dir, dst_dir, name, by_file[name], state, progress)
-
-    if jobs > 1 and len(by_file) > 1:
-        with ThreadPoolExecutor(max_workers=min(jobs, len(by_file))) as pool:
-            written = list(pool.map(copy, by_file))
-    else:
-        written = [copy(name) for name in by_file]
-    sync_files([dst_dir / f.name for f in written])
-    return written
+    with BackgroundCopy(src_dir, dst_dir, plan_copies(by_file), progress, jobs) as copy:
+        return copy.result()
 
 
 def _copy_file(
-    src_dir: Path, dst_dir: Path, name: str, items: list[tuple[Any, Any]], state: dict, progress: Progress | None
+    src_dir: Path, dst_dir: Path, copy: FileCopy, state: dict, progress: Progress | None, cancel: Any
 ) -> CopiedFile:
-    """One data file's kept ranges, back to back in a new file of the same name; its items repointed."""
-    src_path, dst_path = src_dir / name, dst_dir / name
+    """One data file's kept ranges, back to back in a new file of the same name."""
+    src_path, dst_path = src_dir / copy.name, dst_dir / copy.name
     try:
         src_fd = os.open(src_path, os.O_RDONLY)
     except OSError as exc:
@@ -125,43 +230,26 @@ def _copy_file(
     except OSError as exc:
         os.close(src_fd)
         raise CkptError(f"{dst_path}: cannot create ({exc.strerror})") from None
-    position = 0
     try:
-        for _index, info in items:
-            offset, length = (
-                int(torch_dist.record_attr(info, "offset")),
-                int(torch_dist.record_attr(info, "length")),
-            )
+        for offset, length in copy.ranges:
             try:
-                _copy_range(src_fd, dst_fd, offset, length, state, progress)
+                _copy_range(src_fd, dst_fd, offset, length, state, progress, cancel)
             except CkptError as exc:
                 raise CkptError(f"{src_path}: {exc}") from None
-            torch_dist.set_storage(info, StorageLocation(name, position, length))
-            position += length
     except OSError as exc:
         raise CkptError(f"{dst_path}: cannot write ({exc.strerror})") from None
     finally:
         os.close(src_fd)
         os.close(dst_fd)
-    return CopiedFile(name, len(items), position)
+    return CopiedFile(copy.name, copy.items, copy.bytes)
 
 
-def sync_files(paths: list[Path], threads: int = 16) -> None:
+def sync_files(paths: list[Path], threads: int = SYNC_THREADS) -> None:
     """fsync many files concurrently: one at a time costs a journal commit each (seconds for thousands)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def sync(path: Path) -> None:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise CkptError(f"{path}: cannot sync ({exc.strerror})") from None
-
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
-        list(pool.map(sync, paths))
+        list(pool.map(_sync, paths))
 
 
 def _filter_plans(plans: Any, keep: set[str]) -> None:

@@ -176,6 +176,19 @@ def _link_data_files(src: Path, stage: Path, metadata: Any, keep: set[str]) -> l
     return files
 
 
+def _new_metadata(metadata: Any, edit: KeyEdit, stage: Path) -> tuple[list[str], bytes]:
+    """The edited ``.metadata`` pickled (and read back through the allowlist); the common state rewritten into
+    the staging dir first when the edit changes it. Returns the names the common rewrite wrote and the pickle."""
+    if edit.renames or edit.common is not None:
+        dcp_keys.edit_metadata(metadata, edit.keep, edit.renames)
+    else:
+        dcp_writer.restrict_metadata(metadata, edit.keep)
+    rebuilt = edit.common(metadata, stage) if edit.common is not None else []
+    with gc_paused():
+        payload = torch_dist.dump_metadata_object(metadata)
+    return rebuilt, payload
+
+
 def _fill_iteration_dir(
     checkpoint: Checkpoint,
     edit: KeyEdit,
@@ -189,19 +202,18 @@ def _fill_iteration_dir(
     if metadata is None:
         metadata = torch_dist.load_metadata_object(src / ".metadata")  # pauses the cyclic GC itself
     if edit.compact:
-        by_file = dcp_writer.kept_storage(metadata, edit.keep - edit.rewritten)
-        result.files = dcp_writer.copy_items(src, stage, by_file, progress, edit.jobs)
+        # The new layout is known before a byte moves: the copy runs in threads (the kernel copy and the fsyncs
+        # release the GIL) while this thread builds, pickles and checks the new .metadata.
+        copies = dcp_writer.plan_copies(dcp_writer.kept_storage(metadata, edit.keep - edit.rewritten))
+        with dcp_writer.BackgroundCopy(src, stage, copies, progress, edit.jobs) as copy:
+            rebuilt, payload = _new_metadata(metadata, edit, stage)
+            result.files = copy.result()
         result.bytes_copied = sum(f.bytes for f in result.files)
+        atomic.fault_point(f"{edit.step}:data-written")
     else:
         result.files = _link_data_files(src, stage, metadata, edit.keep)
-    atomic.fault_point(f"{edit.step}:data-written")
-    if edit.renames or edit.common is not None:
-        dcp_keys.edit_metadata(metadata, edit.keep, edit.renames)
-    else:
-        dcp_writer.restrict_metadata(metadata, edit.keep)
-    rebuilt = edit.common(metadata, stage) if edit.common is not None else []
-    with gc_paused():
-        payload = torch_dist.dump_metadata_object(metadata)
+        atomic.fault_point(f"{edit.step}:data-written")
+        rebuilt, payload = _new_metadata(metadata, edit, stage)
     atomic.write_atomic(stage / ".metadata", payload)
     result.metadata_bytes = len(payload)
     if checkpoint.location.has_common_pt and "common.pt" not in rebuilt:
