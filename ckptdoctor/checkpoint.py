@@ -1,4 +1,5 @@
-"""The Checkpoint model: entries, sections, data files, common state and args, built from metadata only.
+"""The Checkpoint model (entries, sections, data files, common state and args) and :func:`scan`, the one way
+to build one: from metadata only, recording every problem found (see :mod:`ckptdoctor.problems`).
 
 Tensor bytes are never read here; :mod:`ckptdoctor.values.read` streams them when values are asked for.
 """
@@ -6,17 +7,30 @@ Tensor bytes are never read here; :mod:`ckptdoctor.values.read` streams them whe
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import torch_dist, zarr_meta
-from ckptdoctor.formats.files import file_sizes
+from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
+from ckptdoctor.formats import BACKENDS, guess_backend, has_common_pt, index_file, read_index, torch_dist
+from ckptdoctor.formats.archive import ArchiveError
+from ckptdoctor.formats.files import list_names, read_json
 from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
-from ckptdoctor.locate import BACKEND_ZARR, CheckpointLocation, locate
+from ckptdoctor.locate import CheckpointLocation, iteration_location, locate
 from ckptdoctor.pickle_scan import current_limits
+from ckptdoctor.problems import (
+    ARCHIVE_ANOMALY,
+    INDEX_MISSING,
+    INDEX_UNREADABLE,
+    METADATA_JSON_INVALID,
+    METADATA_JSON_MISSING,
+    PICKLE_LIMIT,
+    UNSAFE_PICKLE,
+    UNSUPPORTED_FORMAT,
+    Problem,
+)
 from ckptdoctor.torch_stand_ins import DtypeRef
 
 SECTIONS = ("model", "optimizer", "rng", "rerun", "common", "other")
@@ -172,46 +186,145 @@ def decode_object_bytes(data: bytes, where: str, unlisted: list[str] | None = No
     return obj
 
 
-def list_data_files(iteration_dir: Path) -> dict[str, int]:
-    """``.distcp`` data files present in an iteration dir, with their sizes (one scandir, no opens)."""
-    return {name: size for name, size in file_sizes(iteration_dir).items() if name.endswith(".distcp")}
+# --- scan: the one way to build a Checkpoint ----------------------------------------------------------------
+
+
+@dataclass
+class Scan:
+    """What could be read of one iteration dir, and what is wrong with it."""
+
+    location: CheckpointLocation
+    checkpoint: Checkpoint | None  # None when the dir is in no format ckptdoctor reads
+    problems: list[Problem]
+    metadata: Any = field(default=None, repr=False)  # the unpickled DCP Metadata (``for_rewrite`` only)
+
+    @property
+    def index_known(self) -> bool:
+        """The index was read: a missing common_state item (for instance) is really missing."""
+        return self.checkpoint is not None and not any(p.code in _INDEX_CODES for p in self.problems)
+
+    def raise_fatal(self) -> Checkpoint:
+        """The checkpoint, or the first fatal problem as a :class:`CkptError`."""
+        for problem in self.problems:
+            if problem.fatal:
+                raise problem.as_error()
+        assert self.checkpoint is not None
+        return self.checkpoint
+
+
+_INDEX_CODES = frozenset({INDEX_MISSING, INDEX_UNREADABLE, UNSAFE_PICKLE, PICKLE_LIMIT, ARCHIVE_ANOMALY})
+
+
+def scan(location: CheckpointLocation, for_rewrite: bool = False) -> Scan:
+    """Read what can be read of ``location.iteration_dir`` (metadata only) and record every problem.
+
+    Fills in ``location``'s backend, metadata.json and common.pt flag. Storage problems (missing or truncated
+    data files) are not looked for here: :func:`storage_problems` costs a pass over every chunk."""
+    directory = location.iteration_dir
+    problems: list[Problem] = []
+    try:
+        names = set(list_names(directory))
+    except OSError as exc:
+        raise CkptError(f"{directory}: cannot list ({exc.strerror or exc})") from None
+    if any(n.startswith("mp_rank_") for n in names):
+        problems.append(
+            Problem(
+                UNSUPPORTED_FORMAT,
+                directory,
+                "legacy non-distributed checkpoint (mp_rank_* files, ckpt_format=torch): ckptdoctor reads "
+                "torch_dist and zarr distributed checkpoints",
+            )
+        )
+        return Scan(location, None, problems)
+    backend = _read_metadata_json(location, names, problems)
+    if backend is None:
+        return Scan(location, None, problems)
+    location.backend = backend
+    location.has_common_pt = has_common_pt(backend, names)
+    index = None
+    name = index_file(backend)
+    if name is not None and name not in names:
+        problems.append(Problem(INDEX_MISSING, directory, f"{name} missing: the {backend} index cannot be read"))
+    else:
+        where = directory / name if name is not None else directory
+        try:
+            index = read_index(backend, directory, Entry, for_rewrite)
+        except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
+            problems.append(Problem(_refusal_code(exc), where, str(exc), error=exc))
+        except CkptError as exc:
+            problems.append(Problem(INDEX_UNREADABLE, where, _without_path(str(exc), where, directory)))
+    if index is None:
+        return Scan(location, Checkpoint(location, {}, {}), problems)
+    checkpoint = Checkpoint(location, index.items, index.data_files, dcp=index.dcp)
+    return Scan(location, checkpoint, problems, index.metadata)
+
+
+def _read_metadata_json(location: CheckpointLocation, names: set[str], problems: list[Problem]) -> str | None:
+    """The backend to read the dir as (guessed when metadata.json cannot tell), or None: not one we read."""
+    directory = location.iteration_dir
+    if "metadata.json" not in names:
+        problems.append(
+            Problem(METADATA_JSON_MISSING, directory, "metadata.json missing (incomplete save: rank 0 writes it last)")
+        )
+        return guess_backend(directory, names)
+    path = directory / "metadata.json"
+    try:
+        data: Any = read_json(path)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problems.append(Problem(METADATA_JSON_INVALID, path, f"not valid JSON ({exc})"))
+        return guess_backend(directory, names)
+    if not isinstance(data, dict) or "sharded_backend" not in data:
+        problems.append(
+            Problem(METADATA_JSON_INVALID, path, "no 'sharded_backend' field; not a Megatron dist checkpoint")
+        )
+        return guess_backend(directory, names)
+    location.metadata_json = data
+    backend = data["sharded_backend"]
+    if backend not in BACKENDS:
+        problems.append(
+            Problem(
+                UNSUPPORTED_FORMAT,
+                path,
+                f"sharded_backend {backend!r} is not supported (ckptdoctor reads {' and '.join(BACKENDS)})",
+            )
+        )
+        return None
+    return str(backend)
+
+
+def _refusal_code(error: CkptError) -> str:
+    if isinstance(error, PickleLimitError):
+        return PICKLE_LIMIT
+    if isinstance(error, ArchiveError):
+        return ARCHIVE_ANOMALY
+    return UNSAFE_PICKLE
+
+
+def _without_path(text: str, *paths: object) -> str:
+    for path in paths:
+        prefix = f"{path}: "
+        if text.startswith(prefix):
+            return text[len(prefix) :]
+    return text
+
+
+def scan_path(path: str | Path, iteration: str | int | None = None, for_rewrite: bool = False) -> Scan:
+    """:func:`scan` of the iteration dir a user's path names (a save dir, an iteration dir, a file, a URL)."""
+    return scan(locate(path, iteration), for_rewrite)
+
+
+def scan_iteration_dir(iteration_dir: Path) -> Scan:
+    """:func:`scan` of one iteration dir as given (``check`` walks save dirs itself)."""
+    return scan(iteration_location(iteration_dir))
 
 
 def open_checkpoint(path: str | Path, iteration: str | int | None = None) -> Checkpoint:
     """Locate and index a checkpoint from metadata; the one entry point operations use."""
-    return _open_located(locate(path, iteration))
-
-
-def _open_located(location: CheckpointLocation) -> Checkpoint:
-    if location.backend == BACKEND_ZARR:
-        entries, sizes = zarr_meta.read_index(location.iteration_dir)
-        return Checkpoint(location, {k: Entry(*v) for k, v in entries.items()}, sizes)
-    index = torch_dist.read_metadata(location.iteration_dir / ".metadata", item_class=Entry)
-    return checkpoint_from_index(location, index)
+    return scan_path(path, iteration).raise_fatal()
 
 
 def open_for_rewrite(path: str | Path, iteration: str | int | None = None) -> tuple[Checkpoint, Any]:
     """:func:`open_checkpoint` for a command that rewrites ``.metadata``: also the metadata object, from the same
     read (one pass of the safety scan instead of two); None where there is no ``.metadata`` (legacy zarr)."""
-    location = locate(path, iteration)
-    if location.backend == BACKEND_ZARR:
-        return _open_located(location), None
-    index, metadata = torch_dist.read_metadata_for_rewrite(location.iteration_dir / ".metadata", item_class=Entry)
-    return checkpoint_from_index(location, index), metadata
-
-
-def checkpoint_from_index(location: CheckpointLocation, index: DcpIndex | None) -> Checkpoint:
-    """A torch_dist Checkpoint from an already parsed index (None: no usable .metadata, so no entries).
-
-    ``check`` builds checkpoints this way when ``locate`` would refuse the dir (e.g. metadata.json
-    missing), so that one problem does not hide the others.
-    """
-    entries = (
-        {}
-        if index is None
-        else {
-            key: item if isinstance(item, Entry) else Entry(item.key, item.kind, item.dtype, item.shape, item.chunks)
-            for key, item in index.items.items()
-        }
-    )
-    return Checkpoint(location, entries, list_data_files(location.iteration_dir), dcp=index)
+    result = scan_path(path, iteration, for_rewrite=True)
+    return result.raise_fatal(), result.metadata

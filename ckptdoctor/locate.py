@@ -8,12 +8,12 @@ checkpoint dir whose ``weights/`` subdir is the distributed checkpoint; each as 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats import BACKEND_TORCH_DIST, BACKEND_ZARR
 from ckptdoctor.formats.files import list_names, open_regular, read_json
 from ckptdoctor.formats.storage import as_path
 
@@ -22,8 +22,7 @@ NEMO_WEIGHTS_DIR = "weights"
 # ASCII digits only and no trailing newline (``$`` would allow one): Megatron writes ``iter_{:07d}``.
 ITER_DIR_RE = re.compile(r"^iter_([0-9]{7,})\Z")
 
-BACKEND_TORCH_DIST = "torch_dist"
-BACKEND_ZARR = "zarr"
+__all__ = ["BACKEND_TORCH_DIST", "BACKEND_ZARR", "CheckpointLocation", "locate", "iteration_location"]
 
 ERA_COMMON_PT = "torch_dist, common.pt (core <= 0.18)"
 ERA_COMMON_STATE = "torch_dist, common_state in DCP (core >= 0.19)"
@@ -32,7 +31,9 @@ ERA_ZARR = "zarr (legacy, core <= 0.14)"
 
 @dataclass
 class CheckpointLocation:
-    """Where a checkpoint lives on disk and what wrote it (no tensor data read)."""
+    """Where a checkpoint lives on disk and what wrote it (no tensor data read).
+
+    :func:`locate` fills in where; :func:`ckptdoctor.checkpoint.scan` what wrote it (backend, metadata.json)."""
 
     input_path: Path
     iteration_dir: Path
@@ -116,10 +117,6 @@ def list_iteration_dirs(save_dir: Path) -> list[Path]:
     return sorted((p for p in found if p.is_dir()), key=lambda p: (p.name == "release", p.name))
 
 
-def _is_legacy_mp_rank(directory: Path) -> bool:
-    return any(n.startswith("mp_rank_") for n in list_dir(directory))
-
-
 def looks_like_iteration_dir(directory: Path) -> bool:
     """An iteration dir by name, or by holding checkpoint files (a bare metadata.json must name a backend)."""
     if ITER_DIR_RE.match(directory.name) or directory.name == "release":
@@ -190,15 +187,20 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
             raise CkptError(f"{candidate}: save dir without {TRACKER_NAME}; choose one with --iteration N ({names})")
         raise CkptError(f"{candidate}: not a Megatron checkpoint (no metadata.json, .metadata or tracker)")
 
-    location = CheckpointLocation(
-        input_path=input_path,
-        iteration_dir=iteration_dir,
-        save_dir=save_dir,
-        tracker_path=tracker_path,
-        tracker_value=tracker_value,
-    )
-    _detect_backend(location)
+    location = iteration_location(iteration_dir, input_path)
+    location.save_dir, location.tracker_path, location.tracker_value = save_dir, tracker_path, tracker_value
     return location
+
+
+def iteration_location(iteration_dir: Path, input_path: Path | None = None) -> CheckpointLocation:
+    """The location of one iteration dir, its iteration number read from the name (None for ``release``)."""
+    match = ITER_DIR_RE.match(iteration_dir.name)
+    return CheckpointLocation(
+        input_path=iteration_dir if input_path is None else input_path,
+        iteration_dir=iteration_dir,
+        iteration=int(match.group(1)) if match else None,
+        release=iteration_dir.name == "release",
+    )
 
 
 def _enclosing_iteration_dir(file_path: Path) -> Path:
@@ -207,37 +209,3 @@ def _enclosing_iteration_dir(file_path: Path) -> Path:
         if looks_like_iteration_dir(parent) or (parent / TRACKER_NAME).is_file():
             return parent
     return file_path.parent
-
-
-def _detect_backend(location: CheckpointLocation) -> None:
-    directory = location.iteration_dir
-    match = ITER_DIR_RE.match(directory.name)
-    location.iteration = int(match.group(1)) if match else None
-    location.release = directory.name == "release"
-
-    if _is_legacy_mp_rank(directory):
-        raise CkptError(
-            f"{directory}: legacy non-distributed checkpoint (mp_rank_* files, ckpt_format=torch) is not "
-            "supported; ckptdoctor reads torch_dist and zarr distributed checkpoints"
-        )
-    metadata_path = directory / "metadata.json"
-    if not metadata_path.is_file():
-        raise CkptError(f"{metadata_path}: missing: incomplete checkpoint (rank 0 writes metadata.json last)")
-    try:
-        metadata = read_json(metadata_path)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CkptError(f"{metadata_path}: not valid JSON ({exc})") from None
-    if not isinstance(metadata, dict) or "sharded_backend" not in metadata:
-        raise CkptError(f"{metadata_path}: no 'sharded_backend' field; not a Megatron dist checkpoint")
-    location.metadata_json = metadata
-    backend = metadata["sharded_backend"]
-    if backend == BACKEND_TORCH_DIST:
-        location.backend = BACKEND_TORCH_DIST
-        location.has_common_pt = (directory / "common.pt").is_file()
-        if not (directory / ".metadata").is_file():
-            raise CkptError(f"{directory / '.metadata'}: missing: the torch_dist index cannot be read")
-    elif backend == BACKEND_ZARR:
-        location.backend = BACKEND_ZARR
-        location.has_common_pt = True
-    else:
-        raise CkptError(f"{metadata_path}: sharded_backend {backend!r} is not supported (torch_dist and zarr are)")

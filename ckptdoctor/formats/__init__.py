@@ -6,17 +6,74 @@ here (and the index each reader builds for :class:`ckptdoctor.checkpoint.Checkpo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ckptdoctor.formats.torch_dist import DcpIndex, DcpItem
     from ckptdoctor.torch_stand_ins import TensorRef
+
+BACKEND_TORCH_DIST = "torch_dist"
+BACKEND_ZARR = "zarr"
+BACKENDS = (BACKEND_TORCH_DIST, BACKEND_ZARR)
+
+
+@dataclass
+class BackendIndex:
+    """What a backend's reader knows of one iteration dir from metadata alone."""
+
+    items: dict[str, Any]  # key -> item (of the caller's item class)
+    data_files: dict[str, int]  # relative data file -> size, of files present
+    dcp: DcpIndex | None = None  # the torch_dist index (None for zarr)
+    metadata: Any = field(default=None, repr=False)  # the unpickled DCP Metadata, for a rewrite
+
+
+def index_file(backend: str) -> str | None:
+    """The file a backend keeps its index in (None: zarr spreads it over one ``.zarray`` per key)."""
+    return ".metadata" if backend == BACKEND_TORCH_DIST else None
+
+
+def has_common_pt(backend: str, names: set[str]) -> bool:
+    """Whether the common state lives in ``common.pt`` (zarr: always; torch_dist: up to core 0.18)."""
+    return backend == BACKEND_ZARR or "common.pt" in names
+
+
+def guess_backend(directory: Path, names: set[str]) -> str:
+    """The backend of a dir whose metadata.json cannot tell: zarr when there is no ``.metadata`` and some
+    subdir is a zarr array (holds ``.zarray``), else torch_dist."""
+    if ".metadata" not in names:
+        for name in sorted(names):
+            if (directory / name).is_dir() and (directory / name / ".zarray").is_file():
+                return BACKEND_ZARR
+    return BACKEND_TORCH_DIST
+
+
+def read_index(backend: str, iteration_dir: Path, item_class: type[DcpItem], for_rewrite: bool = False) -> BackendIndex:
+    """The backend's index of ``iteration_dir``; raises :class:`ckptdoctor.errors.CkptError` (or a pickle
+    refusal) naming the file when it cannot be read. ``for_rewrite`` also keeps the unpickled DCP metadata."""
+    if backend == BACKEND_ZARR:
+        from ckptdoctor.formats import zarr_meta
+
+        entries, sizes = zarr_meta.read_index(iteration_dir)
+        return BackendIndex({key: item_class(*fields) for key, fields in entries.items()}, sizes)
+    from ckptdoctor.formats import torch_dist
+    from ckptdoctor.formats.files import file_sizes
+
+    path = iteration_dir / ".metadata"
+    metadata = None
+    if for_rewrite:
+        index, metadata = torch_dist.read_metadata_for_rewrite(path, item_class=item_class)
+    else:
+        index = torch_dist.read_metadata(path, item_class=item_class)
+    data_files = {name: size for name, size in file_sizes(iteration_dir).items() if name.endswith(".distcp")}
+    return BackendIndex(index.items, data_files, index, metadata)
 
 
 def raw_chunk_ref(backend: str, dtype: str | None, sizes: tuple[int, ...], blob: bytes, where: str) -> TensorRef | None:
     """The tensor of a chunk stored as raw elements (legacy zarr); None where chunks are ``torch.save``
     records (torch_dist), which the archive reader decodes."""
     from ckptdoctor.formats import zarr_meta
-    from ckptdoctor.locate import BACKEND_ZARR
 
     if backend != BACKEND_ZARR:
         return None

@@ -86,12 +86,10 @@ class StripPlan:
 def structural_problems(checkpoint: Checkpoint) -> list[str]:
     """What check reports as errors about the storage (CKD112-114: chunks without a storage entry, missing,
     unreadable or truncated data files), one line each naming the file; an unreferenced file is no problem here."""
-    from ckptdoctor.rules import ERROR, Finding
-    from ckptdoctor.rules.structure import check_storage
+    from ckptdoctor.data_files import storage_problems
 
-    findings: list[Finding] = []
-    check_storage(checkpoint, checkpoint.iteration_dir, findings)
-    return [f"{f.path}: {f.code} {f.message}" for f in findings if f.severity == ERROR]
+    problems, _ = storage_problems(checkpoint)
+    return [f"{p.path}: {p.code} {p.detail}" for p in problems if p.fatal]
 
 
 def check_integrity(checkpoint: Checkpoint, verb: str = "strip", carried: Collection[str] | None = None) -> None:

@@ -1,34 +1,25 @@
 """Structure rules (CKD1xx): is the checkpoint complete and are its files where ``.metadata`` says?
 
-Scanning never stops at the first problem: each file is probed on its own (``locate`` would refuse the
-whole dir at the first one) and a :class:`Scanned` state is handed to the other families with whatever
-could be read. Metadata only: no tensor bytes are read here.
+The problems are found by :func:`ckptdoctor.checkpoint.scan` and :func:`ckptdoctor.data_files.storage_problems`
+(where ``open_checkpoint`` refuses at the first fatal one, check reports them all); this module gives each code its
+rule and rationale, and checks the save dir's tracker and the common state. A :class:`Scanned` state is handed to
+the other families with whatever could be read. Metadata only: no tensor bytes are read here.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from ckptdoctor.checkpoint import Checkpoint, Entry, checkpoint_from_index
+from ckptdoctor import problems
+from ckptdoctor.checkpoint import Checkpoint, scan_iteration_dir
+from ckptdoctor.data_files import storage_problems
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
-from ckptdoctor.formats import torch_dist, zarr_meta
 from ckptdoctor.formats.archive import ArchiveError
-from ckptdoctor.formats.files import check_regular, list_names, read_json
-from ckptdoctor.locate import (
-    BACKEND_TORCH_DIST,
-    BACKEND_ZARR,
-    ITER_DIR_RE,
-    TRACKER_NAME,
-    CheckpointLocation,
-    iteration_dir_name,
-    list_iteration_dirs,
-    read_tracker,
-)
+from ckptdoctor.locate import TRACKER_NAME, iteration_dir_name, list_iteration_dirs, read_tracker
+from ckptdoctor.problems import Problem
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
-from ckptdoctor.rules.safety import refused_pickle, unlisted_globals
+from ckptdoctor.rules.safety import ARCHIVE_ANOMALY, PICKLE_LIMIT, UNSAFE_PICKLE, refused_pickle, unlisted_globals
 
 
 def _rule(code: str, name: str, severity: str, summary: str, rationale: str) -> RuleInfo:
@@ -43,7 +34,7 @@ NOT_A_CHECKPOINT = _rule(
     "No tracker, iteration dirs, metadata.json, .metadata, common.pt or .distcp files: nothing Megatron could load.",
 )
 METADATA_JSON_MISSING = _rule(
-    "CKD101",
+    problems.METADATA_JSON_MISSING,
     "metadata-json-missing",
     ERROR,
     "metadata.json missing (incomplete save)",
@@ -51,14 +42,14 @@ METADATA_JSON_MISSING = _rule(
     "the dir and the save was interrupted (or the tracker was updated before the data landed).",
 )
 METADATA_JSON_INVALID = _rule(
-    "CKD102",
+    problems.METADATA_JSON_INVALID,
     "metadata-json-invalid",
     ERROR,
     "metadata.json is not valid JSON with a sharded_backend",
     "Megatron reads sharded_backend from metadata.json to pick the loader; a torn or edited file stops the load.",
 )
 UNSUPPORTED_FORMAT = _rule(
-    "CKD103",
+    problems.UNSUPPORTED_FORMAT,
     "unsupported-format",
     ERROR,
     "not a distributed checkpoint ckptdoctor can check",
@@ -66,21 +57,21 @@ UNSUPPORTED_FORMAT = _rule(
     "the other rules would report nonsense for them.",
 )
 DCP_METADATA_MISSING = _rule(
-    "CKD110",
+    problems.INDEX_MISSING,
     "dcp-metadata-missing",
     ERROR,
     ".metadata missing",
     "The torch_dist index is written by the coordinator after all data files; without it no tensor can be found.",
 )
 DCP_METADATA_UNREADABLE = _rule(
-    "CKD111",
+    problems.INDEX_UNREADABLE,
     "dcp-metadata-unreadable",
     ERROR,
     ".metadata (or the zarr index) does not parse",
     "A truncated or garbage index is what an interrupted copy or a full disk leaves; torch.load fails on it.",
 )
 STORAGE_ENTRY_MISSING = _rule(
-    "CKD112",
+    problems.STORAGE_ENTRY_MISSING,
     "storage-entry-missing",
     ERROR,
     "a chunk or item has no storage entry in .metadata",
@@ -88,21 +79,21 @@ STORAGE_ENTRY_MISSING = _rule(
     "hand-edited .metadata; loading that key fails.",
 )
 DATA_FILE_MISSING = _rule(
-    "CKD113",
+    problems.DATA_FILE_MISSING,
     "data-file-missing",
     ERROR,
     "a data file referenced by .metadata does not exist",
     "A rank's .distcp file was not written, copied or uploaded; every key stored there is lost.",
 )
 DATA_FILE_TRUNCATED = _rule(
-    "CKD114",
+    problems.DATA_FILE_TRUNCATED,
     "data-file-truncated",
     ERROR,
     "a data file is shorter than the byte ranges .metadata places in it",
     "An interrupted write or copy; the chunks past the end cannot be read.",
 )
 DATA_FILE_UNREFERENCED = _rule(
-    "CKD115",
+    problems.DATA_FILE_UNREFERENCED,
     "data-file-unreferenced",
     WARNING,
     "a .distcp file that no .metadata entry references",
@@ -170,6 +161,8 @@ RULES = [
     COMMON_STATE_UNREADABLE,
     ITERATION_MISMATCH,
 ]
+_RULES_BY_CODE = {rule.code: rule for rule in RULES}
+_REFUSAL_CODES = frozenset({UNSAFE_PICKLE.code, PICKLE_LIMIT.code, ARCHIVE_ANOMALY.code})
 
 
 @dataclass
@@ -243,199 +236,29 @@ def check_save_dir(save_dir: Path, shown: Path, all_iterations: bool) -> tuple[l
 def scan_iteration(directory: Path, shown: Path) -> tuple[Scanned, list[Finding]]:
     """Structure findings for one iteration dir, and what could be read of it."""
     state = Scanned(directory, shown)
-    findings: list[Finding] = []
-    try:
-        names = set(list_names(directory))
-    except OSError as exc:
-        raise CkptError(f"{directory}: cannot list ({exc.strerror})") from None
-    if any(n.startswith("mp_rank_") for n in names):
-        findings.append(finding(UNSUPPORTED_FORMAT, shown, "legacy non-distributed checkpoint (mp_rank_* dirs)"))
+    result = scan_iteration_dir(directory)
+    findings = [_finding(problem, directory, shown) for problem in result.problems]
+    state.checkpoint = result.checkpoint
+    if state.checkpoint is None:
         return state, findings
-
-    backend, metadata_json = _check_metadata_json(directory, shown, names, findings)
-    if backend is None:
-        return state, findings
-    match = ITER_DIR_RE.match(directory.name)
-    location = CheckpointLocation(
-        input_path=directory,
-        iteration_dir=directory,
-        backend=backend,
-        metadata_json=metadata_json,
-        has_common_pt=backend == BACKEND_ZARR or "common.pt" in names,
-        iteration=int(match.group(1)) if match else None,
-        release=directory.name == "release",
-    )
-    if backend == BACKEND_ZARR:
-        state.checkpoint = _zarr_checkpoint(location, shown, findings)
-    else:
-        index = _read_index(directory, shown, names, findings)
-        state.checkpoint = checkpoint_from_index(location, index)
-        if index is not None:
-            state.bad_files = check_storage(state.checkpoint, shown, findings)
-    _check_common(state, index_known=state.checkpoint.dcp is not None or backend == BACKEND_ZARR, findings=findings)
+    if state.checkpoint.dcp is not None:
+        findings.extend(unlisted_globals(list(state.checkpoint.dcp.unlisted), shown / ".metadata", "DCP metadata"))
+    if result.index_known:
+        on_disk, state.bad_files = storage_problems(state.checkpoint)
+        findings += [_finding(problem, directory, shown) for problem in on_disk]
+    _check_common(state, index_known=result.index_known, findings=findings)
     return state, findings
 
 
-def _check_metadata_json(
-    directory: Path, shown: Path, names: set[str], findings: list[Finding]
-) -> tuple[str | None, dict]:
-    """The backend to check the dir as (torch_dist when metadata.json cannot tell), or None to stop."""
-    if "metadata.json" not in names:
-        findings.append(
-            finding(METADATA_JSON_MISSING, shown, "metadata.json missing (incomplete save: rank 0 writes it last)")
-        )
-        return (BACKEND_ZARR if _looks_like_zarr(directory, names) else BACKEND_TORCH_DIST), {}
-    path = directory / "metadata.json"
+def _finding(problem: Problem, directory: Path, shown: Path) -> Finding:
+    """A scan problem as a finding, its path as the user named the dir."""
     try:
-        data: Any = read_json(path)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        findings.append(finding(METADATA_JSON_INVALID, shown / "metadata.json", f"not valid JSON ({exc})"))
-        return BACKEND_TORCH_DIST, {}
-    if not isinstance(data, dict) or "sharded_backend" not in data:
-        findings.append(finding(METADATA_JSON_INVALID, shown / "metadata.json", "no 'sharded_backend' field"))
-        return BACKEND_TORCH_DIST, {}
-    backend = data["sharded_backend"]
-    if backend not in (BACKEND_TORCH_DIST, BACKEND_ZARR):
-        findings.append(
-            finding(
-                UNSUPPORTED_FORMAT,
-                shown / "metadata.json",
-                f"sharded_backend {backend!r} (torch_dist and zarr are checked)",
-            )
-        )
-        return None, data
-    return backend, data
-
-
-def _looks_like_zarr(directory: Path, names: set[str]) -> bool:
-    """A legacy zarr save without its metadata.json: no DCP ``.metadata``, and array dirs with ``.zarray``."""
-    if ".metadata" in names:
-        return False
-    return any((directory / name / ".zarray").is_file() for name in sorted(names) if (directory / name).is_dir())
-
-
-def _read_index(directory: Path, shown: Path, names: set[str], findings: list[Finding]) -> torch_dist.DcpIndex | None:
-    if ".metadata" not in names:
-        findings.append(finding(DCP_METADATA_MISSING, shown, ".metadata missing: the torch_dist index cannot be read"))
-        return None
-    path = directory / ".metadata"
-    try:
-        index = torch_dist.read_metadata(path)
-        findings.extend(unlisted_globals(list(index.unlisted), shown / ".metadata", "DCP metadata"))
-        return index
-    except (UnsafePickleError, PickleLimitError) as exc:
-        findings.append(refused_pickle(exc, shown / ".metadata", "DCP metadata"))
-    except CkptError as exc:
-        findings.append(finding(DCP_METADATA_UNREADABLE, shown / ".metadata", reason(exc, path)))
-    return None
-
-
-def _zarr_checkpoint(location: CheckpointLocation, shown: Path, findings: list[Finding]) -> Checkpoint:
-    try:
-        entries, sizes = zarr_meta.read_index(location.iteration_dir)
-    except CkptError as exc:
-        findings.append(finding(DCP_METADATA_UNREADABLE, shown, reason(exc)))
-        entries, sizes = {}, {}
-    return Checkpoint(location, {k: Entry(*v) for k, v in entries.items()}, sizes)
-
-
-def check_storage(checkpoint: Checkpoint, shown: Path, findings: list[Finding]) -> set[str]:
-    """Missing and truncated data files, chunks without storage, unreferenced files; returns the bad files.
-
-    The one storage check: ``check`` (CKD112-115) and the write commands' refusal of a damaged source
-    (:func:`ckptdoctor.ops.strip.structural_problems`) both read these findings."""
-    ends: dict[str, int] = {}
-    unplaced: list[str] = []
-    for entry in checkpoint.entries.values():
-        for chunk in entry.chunks:
-            storage = chunk.storage
-            if storage is None:
-                unplaced.append(entry.key)
-                continue
-            end = storage.offset + storage.length
-            if end > ends.get(storage.relative_path, -1):
-                ends[storage.relative_path] = end
-    if unplaced:
-        keys = sorted(set(unplaced))
-        example = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-        findings.append(
-            finding(
-                STORAGE_ENTRY_MISSING, shown / ".metadata", f"{len(unplaced)} chunk(s) have no storage entry: {example}"
-            )
-        )
-    bad = _unreadable(checkpoint, shown, sorted(ends), findings)
-    sizes = checkpoint.data_files
-    by_file: dict[str, list[tuple[int, str]]] | None = None
-    for relative, end in sorted(ends.items()):
-        if relative in bad:
-            continue
-        size = sizes.get(relative)
-        if size is None:
-            try:
-                size = (checkpoint.iteration_dir / relative).stat().st_size
-            except OSError:
-                bad.add(relative)
-                by_file = by_file or _keys_by_file(checkpoint)
-                keys = _keys_in(by_file, relative)
-                findings.append(
-                    finding(
-                        DATA_FILE_MISSING,
-                        shown,
-                        f"{relative} missing: {len(keys)} key(s) stored there (e.g. {keys[0]})",
-                    )
-                )
-                continue
-        if end > size:
-            bad.add(relative)
-            by_file = by_file or _keys_by_file(checkpoint)
-            lost = _keys_in(by_file, relative, past=size)
-            findings.append(
-                finding(
-                    DATA_FILE_TRUNCATED,
-                    shown / relative,
-                    f"truncated: {size} bytes, but .metadata places data up to byte {end}; "
-                    f"{len(lost)} key(s) cut off (e.g. {lost[0]})",
-                )
-            )
-    for name in sorted(set(sizes) - set(ends)):
-        findings.append(finding(DATA_FILE_UNREFERENCED, shown / name, "no .metadata entry references this file"))
-    return bad
-
-
-def _unreadable(checkpoint: Checkpoint, shown: Path, relatives: list[str], findings: list[Finding]) -> set[str]:
-    """Referenced data files present but not readable as regular files (permissions, a dir, ...)."""
-    bad: set[str] = set()
-    for relative in relatives:
-        try:  # never blocks: a FIFO named like a data file must not hang the check
-            check_regular(checkpoint.iteration_dir / relative)
-        except FileNotFoundError:
-            continue  # missing: reported by the caller
-        except OSError as exc:
-            bad.add(relative)
-            keys = _keys_in(_keys_by_file(checkpoint), relative)
-            findings.append(
-                finding(
-                    DATA_FILE_MISSING,
-                    shown / relative,
-                    f"unreadable ({exc.strerror or exc}): {len(keys)} key(s) stored there (e.g. {keys[0]})",
-                )
-            )
-    return bad
-
-
-def _keys_by_file(checkpoint: Checkpoint) -> dict[str, list[tuple[int, str]]]:
-    """relative data file -> (range end, key) for each chunk stored there (built only when a file is bad)."""
-    by_file: dict[str, list[tuple[int, str]]] = {}
-    for entry in checkpoint.entries.values():
-        for c in entry.chunks:
-            if c.storage is not None:
-                by_file.setdefault(c.storage.relative_path, []).append((c.storage.offset + c.storage.length, entry.key))
-    return by_file
-
-
-def _keys_in(by_file: dict[str, list[tuple[int, str]]], relative: str, past: int = -1) -> list[str]:
-    """Keys with a chunk in ``relative`` whose byte range ends after ``past``."""
-    return sorted({key for end, key in by_file.get(relative, ()) if end > past})
+        path = shown / problem.path.relative_to(directory)
+    except ValueError:
+        path = problem.path
+    if problem.error is not None and problem.code in _REFUSAL_CODES:
+        return refused_pickle(problem.error, path, "DCP metadata")
+    return finding(_RULES_BY_CODE[problem.code], path, problem.detail)
 
 
 def _check_common(state: Scanned, index_known: bool, findings: list[Finding]) -> None:

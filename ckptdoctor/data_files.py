@@ -1,0 +1,120 @@
+"""The data files of a checkpoint against its index: missing, unreadable, truncated or unreferenced files,
+and chunks the index places nowhere. Metadata and file sizes only; no tensor bytes are read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.formats.files import check_regular
+from ckptdoctor.problems import (
+    DATA_FILE_MISSING,
+    DATA_FILE_TRUNCATED,
+    DATA_FILE_UNREFERENCED,
+    STORAGE_ENTRY_MISSING,
+    Problem,
+)
+
+
+def storage_problems(checkpoint: Checkpoint) -> tuple[list[Problem], set[str]]:
+    """Chunks without a storage entry, missing, unreadable and truncated data files, unreferenced data files;
+    and the set of bad data files. The one storage check: ``check`` (CKD112-115) and the write commands'
+    refusal of a damaged source both read it."""
+    problems: list[Problem] = []
+    directory = checkpoint.iteration_dir
+    ends: dict[str, int] = {}
+    unplaced: list[str] = []
+    for entry in checkpoint.entries.values():
+        for chunk in entry.chunks:
+            storage = chunk.storage
+            if storage is None:
+                unplaced.append(entry.key)
+                continue
+            end = storage.offset + storage.length
+            if end > ends.get(storage.relative_path, -1):
+                ends[storage.relative_path] = end
+    if unplaced:
+        keys = sorted(set(unplaced))
+        example = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        problems.append(
+            Problem(
+                STORAGE_ENTRY_MISSING,
+                directory / ".metadata",
+                f"{len(unplaced)} chunk(s) have no storage entry: {example}",
+            )
+        )
+    by_file: dict[str, list[tuple[int, str]]] | None = None
+    bad: set[str] = set()
+    sizes = checkpoint.data_files
+    for relative, end in sorted(ends.items()):
+        size = sizes.get(relative)
+        why = _unreadable(directory / relative, size)
+        if why is not None:
+            bad.add(relative)
+            by_file = by_file or _keys_by_file(checkpoint)
+            keys = _keys_in(by_file, relative)
+            problems.append(
+                Problem(
+                    DATA_FILE_MISSING,
+                    directory if why == "missing" else directory / relative,
+                    f"{relative} missing: {len(keys)} key(s) stored there (e.g. {keys[0]})"
+                    if why == "missing"
+                    else f"unreadable ({why}): {len(keys)} key(s) stored there (e.g. {keys[0]})",
+                )
+            )
+            continue
+        if size is None:  # not listed with the data files (a zarr chunk): ask the file itself
+            size = _size(directory / relative)
+        if end > size:
+            bad.add(relative)
+            by_file = by_file or _keys_by_file(checkpoint)
+            lost = _keys_in(by_file, relative, past=size)
+            problems.append(
+                Problem(
+                    DATA_FILE_TRUNCATED,
+                    directory / relative,
+                    f"truncated: {size} bytes, but .metadata places data up to byte {end}; "
+                    f"{len(lost)} key(s) cut off (e.g. {lost[0]})",
+                )
+            )
+    for name in sorted(set(sizes) - set(ends)):
+        if sizes[name] == 0:
+            continue  # DCP writes an empty file for a rank with nothing to save: no space wasted, nothing mixed up
+        problems.append(
+            Problem(DATA_FILE_UNREFERENCED, directory / name, "no .metadata entry references this file", fatal=False)
+        )
+    return problems, bad
+
+
+def _unreadable(path: Path, size: int | None) -> str | None:
+    """Why a referenced data file cannot be read ("missing", or the OS's reason), or None. Never blocks: a FIFO
+    named like a data file must not hang the scan."""
+    try:
+        check_regular(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return str(exc.strerror or exc)
+    return None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1  # vanished since it was opened: every range is past its end
+
+
+def _keys_by_file(checkpoint: Checkpoint) -> dict[str, list[tuple[int, str]]]:
+    """relative data file -> (range end, key) for each chunk stored there (built only when a file is bad)."""
+    by_file: dict[str, list[tuple[int, str]]] = {}
+    for entry in checkpoint.entries.values():
+        for c in entry.chunks:
+            if c.storage is not None:
+                by_file.setdefault(c.storage.relative_path, []).append((c.storage.offset + c.storage.length, entry.key))
+    return by_file
+
+
+def _keys_in(by_file: dict[str, list[tuple[int, str]]], relative: str, past: int = -1) -> list[str]:
+    """Keys with a chunk in ``relative`` whose byte range ends after ``past``."""
+    return sorted({key for end, key in by_file.get(relative, ()) if end > past})

@@ -1,0 +1,41 @@
+"""What a scan of a checkpoint finds wrong: one :class:`Problem` each, coded as ``check`` reports it.
+
+Detected and worded once: :func:`ckptdoctor.checkpoint.scan` (layout and index) and
+:func:`ckptdoctor.data_files.storage_problems` (data files) make them; ``open_checkpoint`` raises the first fatal
+one, ``check``'s structure rules (where each code's rationale lives) report them all, and the write commands
+refuse a damaged source from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptdoctor.errors import CkptError
+
+UNSUPPORTED_FORMAT = "CKD103"
+METADATA_JSON_MISSING = "CKD101"
+METADATA_JSON_INVALID = "CKD102"
+INDEX_MISSING = "CKD110"
+INDEX_UNREADABLE = "CKD111"
+STORAGE_ENTRY_MISSING = "CKD112"
+DATA_FILE_MISSING = "CKD113"
+DATA_FILE_TRUNCATED = "CKD114"
+DATA_FILE_UNREFERENCED = "CKD115"
+UNSAFE_PICKLE = "CKD401"
+PICKLE_LIMIT = "CKD403"
+ARCHIVE_ANOMALY = "CKD404"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint's layout, as check reports it and as a command refuses it."""
+
+    code: str
+    path: Path  # the file or dir it concerns
+    detail: str  # what is wrong, without the path
+    fatal: bool = True  # no command can work on the checkpoint (check still reports the rest)
+    error: CkptError | None = field(default=None, compare=False)  # a refusal raised as is (its own wording)
+
+    def as_error(self) -> CkptError:
+        return self.error if self.error is not None else CkptError(f"{self.path}: {self.detail}")
