@@ -81,17 +81,7 @@ def source(size: str, keys: int, files: int, dest: Path) -> Path:
     info = dest / "synthetic.json"
     if info.exists() and json.loads(info.read_text()).get("requested") == want:
         return dest
-    return private_copy(harness.synthetic(size, keys, files), dest)
-
-
-def private_copy(save: Path, dest: Path) -> Path:
-    """A copy of the shared cached synthetic that no other benchmark regenerates while this one runs."""
-    info = save / "synthetic.json"
-    if (dest / "synthetic.json").exists() and (dest / "synthetic.json").read_bytes() == info.read_bytes():
-        return dest
-    shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(save, dest)
-    return dest
+    return harness.private_copy(harness.synthetic(size, keys, files), dest)
 
 
 def make_blob(path: Path, size: int) -> None:

@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -324,7 +325,8 @@ def synthetic(size: str, keys: int, files: int, **extra: str) -> Path:
     info_path = out / "synthetic.json"
     if info_path.exists():
         info = json.loads(info_path.read_text())
-        if info.get("requested") == want and all(str(info.get(k)) == str(v) for k, v in extra.items()):
+        recorded = {k: info.get(k.replace("-", "_")) for k in extra}  # --shape-tp is recorded as shape_tp
+        if info.get("requested") == want and all(str(recorded[k]) == str(v) for k, v in extra.items()):
             return out
     cmd = [PYTHON, str(BENCH / "make_synthetic.py"), "--out", str(out), "--total-bytes", size]
     cmd += ["--keys", str(keys), "--files", str(files)]
@@ -335,6 +337,18 @@ def synthetic(size: str, keys: int, files: int, **extra: str) -> Path:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO)
     print(f"  generated in {time.perf_counter() - t0:.1f} s", flush=True)
     return out
+
+
+def private_copy(save: Path, dest: Path) -> Path:
+    """A byte copy of a cached synthetic that no other benchmark regenerates while this one runs (kept while its
+    ``synthetic.json`` matches the source's)."""
+    info = save / "synthetic.json"
+    if (dest / "synthetic.json").exists() and (dest / "synthetic.json").read_bytes() == info.read_bytes():
+        return dest
+    shutil.rmtree(dest, ignore_errors=True)
+    print(f"  copying {save.name} -> {dest.name}", flush=True)
+    shutil.copytree(save, dest)
+    return dest
 
 
 def synthetic_info(save: Path) -> dict:

@@ -349,17 +349,6 @@ def render_scale(doc: dict) -> str:
     return "\n".join(lines)
 
 
-# Names bench_diff.py still imports from here (until it measures through harness.py itself).
-run_once = harness.run_once
-machine_info = harness.machine
-REPO = harness.REPO
-
-
-def synthetic(python: str, size: str, keys: int, files: int, **extra: str) -> Path:
-    """The old signature of ``harness.synthetic`` (``python`` is ignored: the harness uses its own)."""
-    return harness.synthetic(size, keys, files, **extra)
-
-
 BENCHMARKS = {
     "inspect": (bench_inspect, render_inspect, "inspect vs PyTorch's read_metadata, cat .metadata, the floor"),
     "scale": (bench_scale, render_scale, "inspect/check/diff/fix-args wall and RSS at 2k..200k keys, 200..20k files"),
