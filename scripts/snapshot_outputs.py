@@ -4,6 +4,8 @@ Used to show that a refactoring changes no output: run it on two commits and com
 (`diff -r A B`). Paths are relative to the repository root, so both runs print the same strings.
 
     python scripts/snapshot_outputs.py OUTDIR [--ckptdoctor "python -m ckptdoctor"] [--repo DIR]
+        [--synthetic A B]   # also every read-only command, JSON and text, on two large synthetic checkpoints
+                            # (bench/make_synthetic.py; the same layout of keys at two TP sizes) and diff A B
 """
 
 from __future__ import annotations
@@ -68,17 +70,38 @@ def runs(fixtures: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
+def synthetic_runs(a: str, b: str) -> list[tuple[str, list[str]]]:
+    """Every read-only command on a large synthetic checkpoint (``a``) and across a pair of layouts (``a``, ``b``)."""
+    out: list[tuple[str, list[str]]] = []
+    for fmt in ("text", "json"):
+        out += [
+            (f"synthetic-inspect-{fmt}", ["inspect", a, "--format", fmt]),
+            (f"synthetic-inspect-keys-{fmt}", ["inspect", a, "--keys", "--format", fmt]),
+            (f"synthetic-check-{fmt}", ["check", a, "--format", fmt]),
+            (f"synthetic-check-deep-{fmt}", ["check", "--deep", a, "--format", fmt]),
+            (f"synthetic-fix-args-{fmt}", ["fix-args", a, "--format", fmt]),
+            (f"synthetic-strip-dry-{fmt}", ["strip-frozen", a, "--dry-run", "--format", fmt]),
+            (f"synthetic-edit-dry-{fmt}", ["edit", a, "--remove", "^optimizer", "--dry-run", "--format", fmt]),
+            (f"synthetic-can-load-{fmt}", ["can-load", a, "--target", "tp=4", "--format", fmt]),
+            (f"synthetic-diff-{fmt}", ["diff", a, b, "--format", fmt]),
+            (f"synthetic-diff-values-{fmt}", ["diff", "--values", a, b, "--format", fmt]),
+        ]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--ckptdoctor", default=f"{sys.executable} -m ckptdoctor")
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[1])
     parser.add_argument("--only", default="", help="Substring of run names to keep.")
+    parser.add_argument("--synthetic", nargs=2, metavar=("A", "B"), help="Two synthetic checkpoints (absolute paths).")
     args = parser.parse_args(argv)
     args.outdir.mkdir(parents=True, exist_ok=True)
     fixtures = sorted(p.name for p in (args.repo / "fixtures").iterdir() if p.is_dir() and p.name.startswith("core"))
     env = {**os.environ, "COLUMNS": "120", "NO_COLOR": "1", "PYTHONPATH": str(args.repo)}
-    for name, cli_args in runs(fixtures):
+    planned = runs(fixtures) + (synthetic_runs(*args.synthetic) if args.synthetic else [])
+    for name, cli_args in planned:
         if args.only not in name:
             continue
         if cli_args[-2:] == ["--format", "text"] and cli_args[0] in TEXT_NAME:
