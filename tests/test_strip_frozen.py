@@ -502,3 +502,84 @@ def test_in_place_swap_is_one_atomic_exchange(copy_fixture):
     assert len(leftovers) == 1  # the original, complete, under the staging name
     original = _open(leftovers[0])
     assert set(original.entries) == set(before.entries)
+
+
+def _copy_case(tmp_path: Path, files: int = 3) -> tuple[Path, Path, dict]:
+    """Source files of 100 distinct bytes each and kept items (SimpleNamespace records, as stand-ins are read)."""
+    from types import SimpleNamespace
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    by_file = {}
+    for n in range(files):
+        name = f"__{n}_0.distcp"
+        (src / name).write_bytes(bytes((n * 7 + i) % 256 for i in range(100)))
+        spans = [(0, 10), (10, 5), (20, 10), (30, 0), (30, 5), (60, 40)]
+        by_file[name] = [
+            (SimpleNamespace(fqn=f"k{n}.{i}"), SimpleNamespace(relative_path=name, offset=o, length=ln))
+            for i, (o, ln) in enumerate(spans)
+        ]
+    return src, dst, by_file
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_compact_copy_merges_adjacent_ranges_same_bytes(tmp_path, jobs):
+    from ckptdoctor.formats import dcp_writer
+
+    src, dst, by_file = _copy_case(tmp_path)
+    copies = dcp_writer.plan_copies(by_file)
+    assert [c.ranges for c in copies] == [[(0, 15), (20, 15), (60, 40)]] * 3  # 6 items, 3 kernel copies
+    with dcp_writer.BackgroundCopy(src, dst, copies, None, jobs) as copy:
+        written = copy.result()
+    assert [(f.name, f.items, f.bytes) for f in written] == [(n, 6, 70) for n in by_file]
+    for name, items in by_file.items():
+        data = (src / name).read_bytes()
+        assert (dst / name).read_bytes() == data[0:15] + data[20:35] + data[60:100]
+        # every item repointed to where its bytes now are, in the new file of the same name
+        assert [(i.relative_path, i.offset, i.length) for _, i in items] == [
+            (name, 0, 10),
+            (name, 10, 5),
+            (name, 15, 10),
+            (name, 25, 0),
+            (name, 25, 5),
+            (name, 30, 40),
+        ]
+
+
+def test_compact_copy_stops_and_joins_when_the_caller_fails(tmp_path):
+    """An error (or Ctrl-C) in the caller while the copy runs in threads: every thread has stopped before the
+    exception goes on, so the caller's removal of the staging dir never races a thread still writing."""
+    import threading
+    import time
+
+    from ckptdoctor.formats import dcp_writer
+
+    src, dst, by_file = _copy_case(tmp_path, files=40)
+    copies = dcp_writer.plan_copies(by_file)
+    started = threading.Event()
+
+    def slow(n: int) -> None:
+        started.set()
+        time.sleep(0.01)
+
+    before = set(threading.enumerate())
+    with pytest.raises(KeyboardInterrupt), dcp_writer.BackgroundCopy(src, dst, copies, slow, 2):
+        started.wait(5)
+        raise KeyboardInterrupt
+    assert not [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    left = sorted(p.name for p in dst.iterdir())
+    assert len(left) < 40  # stopped early
+    time.sleep(0.1)
+    assert sorted(p.name for p in dst.iterdir()) == left
+
+
+def test_compact_copy_short_source_is_one_error(tmp_path):
+    from ckptdoctor.errors import CkptError
+    from ckptdoctor.formats import dcp_writer
+
+    src, dst, by_file = _copy_case(tmp_path, files=2)
+    name = sorted(by_file)[1]
+    (src / name).write_bytes(b"x" * 50)  # the last kept range (60+40) is past the end now
+    with pytest.raises(CkptError, match=re.escape(str(src / name)) + ": range .* ends past the file's end"):
+        dcp_writer.copy_items(src, dst, by_file, None, 2)
