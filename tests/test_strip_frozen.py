@@ -523,15 +523,17 @@ def _copy_case(tmp_path: Path, files: int = 3) -> tuple[Path, Path, dict]:
     return src, dst, by_file
 
 
-@pytest.mark.parametrize("jobs", [1, 3])
-def test_compact_copy_merges_adjacent_ranges_same_bytes(tmp_path, jobs):
+@pytest.mark.parametrize(("jobs", "process"), [(1, True), (3, True), (1, False), (3, False)])
+def test_compact_copy_merges_adjacent_ranges_same_bytes(tmp_path, jobs, process):
     from ckptdoctor.formats import dcp_writer
 
     src, dst, by_file = _copy_case(tmp_path)
     copies = dcp_writer.plan_copies(by_file)
     assert [c.ranges for c in copies] == [[(0, 15), (20, 15), (60, 40)]] * 3  # 6 items, 3 kernel copies
-    with dcp_writer.BackgroundCopy(src, dst, copies, None, jobs) as copy:
+    seen = []
+    with dcp_writer.BackgroundCopy(src, dst, copies, seen.append, jobs, process) as copy:
         written = copy.result()
+    assert sum(seen) == 3 * 70  # progress: every copied byte, from the helper process too
     assert [(f.name, f.items, f.bytes) for f in written] == [(n, 6, 70) for n in by_file]
     for name, items in by_file.items():
         data = (src / name).read_bytes()
@@ -547,9 +549,11 @@ def test_compact_copy_merges_adjacent_ranges_same_bytes(tmp_path, jobs):
         ]
 
 
-def test_compact_copy_stops_and_joins_when_the_caller_fails(tmp_path):
-    """An error (or Ctrl-C) in the caller while the copy runs in threads: every thread has stopped before the
-    exception goes on, so the caller's removal of the staging dir never races a thread still writing."""
+@pytest.mark.parametrize("process", [True, False])
+def test_compact_copy_stops_and_joins_when_the_caller_fails(tmp_path, process):
+    """An error (or Ctrl-C) in the caller while the copy runs: the helper process is killed (or every thread
+    has stopped) before the exception goes on, so the caller's removal of the staging dir never races a
+    writer."""
     import threading
     import time
 
@@ -564,22 +568,31 @@ def test_compact_copy_stops_and_joins_when_the_caller_fails(tmp_path):
         time.sleep(0.01)
 
     before = set(threading.enumerate())
-    with pytest.raises(KeyboardInterrupt), dcp_writer.BackgroundCopy(src, dst, copies, slow, 2):
+    with pytest.raises(KeyboardInterrupt), dcp_writer.BackgroundCopy(src, dst, copies, slow, 2, process) as copy:
         started.wait(5)
         raise KeyboardInterrupt
     assert not [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    if process:
+        assert copy._proc is not None and copy._proc.returncode is not None  # the helper is gone
     left = sorted(p.name for p in dst.iterdir())
-    assert len(left) < 40  # stopped early
+    if not process:
+        assert len(left) < 40  # the threads stopped early (the helper may have finished 40 tiny files first)
     time.sleep(0.1)
     assert sorted(p.name for p in dst.iterdir()) == left
 
 
-def test_compact_copy_short_source_is_one_error(tmp_path):
+@pytest.mark.parametrize("process", [True, False])
+def test_compact_copy_short_source_is_one_error(tmp_path, process):
     from ckptdoctor.errors import CkptError
     from ckptdoctor.formats import dcp_writer
 
-    src, dst, by_file = _copy_case(tmp_path, files=2)
-    name = sorted(by_file)[1]
-    (src / name).write_bytes(b"x" * 50)  # the last kept range (60+40) is past the end now
-    with pytest.raises(CkptError, match=re.escape(str(src / name)) + ": range .* ends past the file's end"):
-        dcp_writer.copy_items(src, dst, by_file, None, 2)
+    src, dst, by_file = _copy_case(tmp_path, files=3)
+    for name in sorted(by_file)[1:]:
+        (src / name).write_bytes(b"x" * 50)  # the last kept range (60+40) is past the end now
+    first = sorted(by_file)[1]  # the first failure in file order is the one reported
+    copies = dcp_writer.plan_copies(by_file)
+    with (
+        pytest.raises(CkptError, match="^" + re.escape(str(src / first)) + r": range 60\+40 ends past the file's end$"),
+        dcp_writer.BackgroundCopy(src, dst, copies, None, 2, process) as copy,
+    ):
+        copy.result()

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import torch_dist
+from ckptdoctor.formats import copy_worker, torch_dist
 from ckptdoctor.formats.torch_dist import StorageLocation
 
-BLOCK = 8 << 20  # bytes per copy step: bounded memory, and the progress callback's granularity
+BLOCK = copy_worker.BLOCK  # bytes per copy step: bounded memory, and the progress callback's granularity
 
 Progress = Callable[[int], None]
 
@@ -78,77 +78,30 @@ def plan_copies(by_file: dict[str, list[tuple[Any, Any]]]) -> list[FileCopy]:
     return copies
 
 
-def _copy_range(
-    src_fd: int, dst_fd: int, offset: int, length: int, state: dict, progress: Progress | None, cancel: Any
-) -> None:
-    """Copy ``length`` bytes at ``offset`` of src to dst's current position, one block at a time."""
-    remaining = length
-    while remaining:
-        if cancel.is_set():
-            raise _Cancelled
-        step = min(BLOCK, remaining)
-        done = 0
-        if state.get("kernel", hasattr(os, "copy_file_range")):
-            try:
-                done = os.copy_file_range(src_fd, dst_fd, step, offset)
-            except OSError:  # cross-device on old kernels, or a filesystem without it: fall back for good
-                state["kernel"] = False
-        if not state.get("kernel", True) or not hasattr(os, "copy_file_range"):
-            data = os.pread(src_fd, step, offset)
-            _write_all(dst_fd, memoryview(data))
-            done = len(data)
-        if done <= 0:
-            raise CkptError(f"range {offset}+{remaining} ends past the file's end")
-        offset += done
-        remaining -= done
-        if progress is not None:
-            progress(done)
-
-
-class _Cancelled(Exception):
-    """The copy was stopped because the caller failed (or was interrupted) meanwhile."""
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def _sync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise CkptError(f"{path}: cannot sync ({exc.strerror})") from None
-
-
-SYNC_THREADS = 16  # fsyncs in flight: one at a time costs a journal commit each (seconds for thousands of files)
-
-
 class BackgroundCopy:
-    """The copy of :func:`plan_copies`' files into ``dst_dir``, running in threads while the caller goes on.
+    """The copy of :func:`plan_copies`' files into ``dst_dir``, running while the caller goes on.
 
-    ``jobs`` threads copy files (the kernel copy releases the GIL); each file is fsynced as soon as it is
-    written (a pool of :data:`SYNC_THREADS`), so the disk writes overlap the copying. Use it as a context
-    manager: leaving the block by an exception (Ctrl-C included) stops the copy and waits for every thread
-    before the exception goes on, so the caller's cleanup never races a thread still writing. Inside the
-    block, :meth:`result` waits for the copy and every fsync and raises the first failure (in file order).
-    Every file's bytes and the result's order are the same for any ``jobs``.
+    The copy runs in a helper process (:mod:`ckptdoctor.formats.copy_worker`: its own interpreter, so its system
+    calls never wait for this process's interpreter lock while the caller pickles), in threads of this process
+    when no process can be started (``process=False`` forces that). ``jobs`` threads copy files; each file is
+    fsynced as soon as it is written. Use it as a context manager: leaving the block by an exception (Ctrl-C
+    included) stops the copy and waits for it (the helper is killed) before the exception goes on, so the
+    caller's cleanup never races a writer. Inside the block, :meth:`result` waits for the copy and every fsync
+    and raises the first failure (in file order). Every file's bytes are the same either way, for any ``jobs``.
     """
 
     def __init__(
-        self, src_dir: Path, dst_dir: Path, copies: list[FileCopy], progress: Progress | None = None, jobs: int = 1
+        self,
+        src_dir: Path,
+        dst_dir: Path,
+        copies: list[FileCopy],
+        progress: Progress | None = None,
+        jobs: int = 1,
+        process: bool = True,
     ) -> None:
         import threading
-        from concurrent.futures import ThreadPoolExecutor
 
-        self._src_dir, self._dst_dir, self._copies = src_dir, dst_dir, copies
-        self._state: dict = {}  # whether the kernel copy works here, learnt on the first block
-        self._cancel = threading.Event()
+        self._copies = copies
         self._progress = progress
         if progress is not None:
             lock = threading.Lock()
@@ -158,37 +111,89 @@ class BackgroundCopy:
                     progress(n)
 
             self._progress = locked
-        workers = max(1, min(jobs, len(copies)))
-        self._sync_pool = ThreadPoolExecutor(max_workers=max(1, min(SYNC_THREADS, len(copies))))
-        self._copy_pool = ThreadPoolExecutor(max_workers=workers)
-        self._syncs: dict[str, Any] = {}
-        self._futures = [self._copy_pool.submit(self._copy, copy) for copy in copies]
+        files = [(c.name, c.ranges) for c in copies]
+        self._proc: Any = None
+        self._copier: copy_worker.Copier | None = None
+        self._error: str | None = None
+        self._reader: threading.Thread | None = None
+        if process:
+            self._proc = self._start_process(src_dir, dst_dir, files, jobs)
+        if self._proc is None:
+            self._copier = copy_worker.Copier(str(src_dir), str(dst_dir), files, jobs, self._progress)
 
-    def _copy(self, copy: FileCopy) -> CopiedFile:
-        if self._cancel.is_set():
-            raise _Cancelled
-        written = _copy_file(self._src_dir, self._dst_dir, copy, self._state, self._progress, self._cancel)
-        self._syncs[copy.name] = self._sync_pool.submit(_sync, self._dst_dir / copy.name)
-        return written
+    def _start_process(self, src_dir: Path, dst_dir: Path, files: list, jobs: int) -> Any:
+        import json
+        import subprocess
+        import sys
+        import threading
+
+        plan = {
+            "parent": os.getpid(),
+            "src": str(src_dir),
+            "dst": str(dst_dir),
+            "files": files,
+            "jobs": jobs,
+            "progress": self._progress is not None,
+        }
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", copy_worker.__file__],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        except OSError:
+            return None
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(plan).encode())
+            proc.stdin.close()
+        except OSError:  # it died at once: its exit status and stderr say why (result() reports it)
+            pass
+        self._reader = threading.Thread(target=self._read, args=(proc,), name="ckptdoctor-copy-reader", daemon=True)
+        self._reader.start()
+        return proc
+
+    def _read(self, proc: Any) -> None:
+        """The helper's stdout: one line per copied block (progress), ``E <message>`` for its failure."""
+        import json
+
+        for line in proc.stdout:
+            if line.startswith(b"E "):
+                self._error = str(json.loads(line[2:]))
+            elif self._progress is not None and line.strip():
+                self._progress(int(line))
 
     def result(self) -> list[CopiedFile]:
         """Wait for every file to be copied and fsynced; the first failure (in file order) is raised."""
-        written = [future.result() for future in self._futures]
-        self._copy_pool.shutdown()
-        for copy in self._copies:
-            self._syncs[copy.name].result()
-        self._sync_pool.shutdown()
-        return written
+        if self._copier is not None:
+            try:
+                self._copier.wait()
+            except copy_worker.CopyError as exc:
+                raise CkptError(str(exc)) from None
+        else:
+            rc = self._proc.wait()
+            assert self._reader is not None
+            self._reader.join()
+            stderr = self._proc.stderr.read().decode(errors="replace").strip()
+            self._proc.stderr.close()
+            if rc != 0:
+                why = self._error or (stderr.splitlines() or [f"exit status {rc}"])[-1]
+                raise CkptError(why if self._error else f"copying the kept items failed ({why})")
+        return [CopiedFile(c.name, c.items, c.bytes) for c in self._copies]
 
     def stop(self) -> None:
-        """Stop copying (files not started are not created) and wait for every thread."""
-        self._cancel.set()
-        for future in self._futures:
-            future.cancel()
-        self._copy_pool.shutdown(wait=True)
-        for sync in self._syncs.values():
-            sync.cancel()
-        self._sync_pool.shutdown(wait=True)
+        """Stop copying (files not started are not created) and wait until nothing writes any more."""
+        if self._copier is not None:
+            self._copier.stop()
+            return
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        if self._reader is not None:
+            self._reader.join()
+        for stream in (self._proc.stdout, self._proc.stderr):
+            stream.close()
 
     def __enter__(self) -> BackgroundCopy:
         return self
@@ -216,40 +221,18 @@ def copy_items(
         return copy.result()
 
 
-def _copy_file(
-    src_dir: Path, dst_dir: Path, copy: FileCopy, state: dict, progress: Progress | None, cancel: Any
-) -> CopiedFile:
-    """One data file's kept ranges, back to back in a new file of the same name."""
-    src_path, dst_path = src_dir / copy.name, dst_dir / copy.name
-    try:
-        src_fd = os.open(src_path, os.O_RDONLY)
-    except OSError as exc:
-        raise CkptError(f"{src_path}: cannot read ({exc.strerror})") from None
-    try:
-        dst_fd = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except OSError as exc:
-        os.close(src_fd)
-        raise CkptError(f"{dst_path}: cannot create ({exc.strerror})") from None
-    try:
-        for offset, length in copy.ranges:
-            try:
-                _copy_range(src_fd, dst_fd, offset, length, state, progress, cancel)
-            except CkptError as exc:
-                raise CkptError(f"{src_path}: {exc}") from None
-    except OSError as exc:
-        raise CkptError(f"{dst_path}: cannot write ({exc.strerror})") from None
-    finally:
-        os.close(src_fd)
-        os.close(dst_fd)
-    return CopiedFile(copy.name, copy.items, copy.bytes)
-
-
-def sync_files(paths: list[Path], threads: int = SYNC_THREADS) -> None:
+def sync_files(paths: list[Path], threads: int = copy_worker.SYNC_THREADS) -> None:
     """fsync many files concurrently: one at a time costs a journal commit each (seconds for thousands)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    def sync(path: Path) -> None:
+        try:
+            copy_worker.sync(str(path))
+        except copy_worker.CopyError as exc:
+            raise CkptError(str(exc)) from None
+
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
-        list(pool.map(_sync, paths))
+        list(pool.map(sync, paths))
 
 
 def _filter_plans(plans: Any, keep: set[str]) -> None:

@@ -156,7 +156,8 @@ def edit(
         leftovers.refuse_if_interrupted(checkpoint.iteration_dir)
         if compact:  # new data files: the fresh manifest must not vouch for changed source bytes
             verify_source_manifest(checkpoint.iteration_dir)
-        before = _inodes(checkpoint.iteration_dir, sorted(checkpoint.data_files))
+        # --compact creates every data file afresh (O_EXCL): none is the source's own, nothing to compare
+        before = {} if compact else _inodes(checkpoint.iteration_dir, sorted(checkpoint.data_files))
         copying = progress is not None and compact
         if progress is not None and copying:
             kept = plan.keep_keys(checkpoint)
@@ -167,5 +168,5 @@ def edit(
         finally:
             if progress is not None and copying:
                 progress.finish()
-    linked, copied = _count_links(before, result)
+    linked, copied = (0, len(result.files)) if compact else _count_links(before, result)
     return EditReport(plan, result, False, compact, linked, copied)
