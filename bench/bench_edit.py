@@ -111,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--scratch", type=Path, default=harness.DATA / "edit_scratch")
+    p.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="another ckptdoctor source tree (e.g. a git worktree of an older commit): its --compact runs join the "
+        "group as compact-before-<size>, with the per-round ratio compact / compact-before",
+    )
     harness.add_common_options(p)
     o = p.parse_args(argv)
     harness.use_code(o.code)
@@ -132,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
             cases[f"{label}-{size}"] = harness.Case(
                 harness.ckptdoctor("edit", str(save), "--remove", REMOVE, *extra, "-o", str(out)),
                 before=lambda out=out: shutil.rmtree(out, ignore_errors=True),
+            )
+        if o.before is not None:
+            out = o.scratch / f"compact-before_{size}"
+            cases[f"compact-before-{size}"] = harness.Case(
+                harness.ckptdoctor("edit", str(save), "--remove", REMOVE, "--compact", "-o", str(out)),
+                before=lambda out=out: shutil.rmtree(out, ignore_errors=True),
+                cwd=o.before.resolve(),
             )
         cases[f"cp-{size}"] = harness.Case(
             ["cp", str(blob), str(copy)], before=lambda copy=copy: copy.unlink(missing_ok=True)
@@ -157,7 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         **{f"compact_over_cprsync_{s}": group.ratio(f"compact-{s}", f"cprsync-{s}") for s in o.sizes},
         **{f"copy_part_over_cpsync_{s}": copy_part(group, s) for s in o.sizes},
     }
-    recorder.write({"inputs": inputs, "group": group.summary(), "ratios": ratios})
+    if o.before is not None:
+        ratios |= {f"compact_over_before_{s}": group.ratio(f"compact-{s}", f"compact-before-{s}") for s in o.sizes}
+    before = (
+        None if o.before is None else {"tree": str(o.before), "commit": harness._git("rev-parse", "HEAD", cwd=o.before)}
+    )
+    recorder.write({"inputs": inputs, "group": group.summary(), "ratios": ratios, "before": before})
     print("| case | wall median [min-max] | CPU | peak RSS |\n|---|---|---|---|")
     for label in cases:
         print(
@@ -170,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(o.scratch / f"compact_{size}", ignore_errors=True)
         shutil.rmtree(o.scratch / f"edit_{size}", ignore_errors=True)
         shutil.rmtree(o.scratch / f"kept_{size}.copy", ignore_errors=True)
+        shutil.rmtree(o.scratch / f"compact-before_{size}", ignore_errors=True)
     return 0
 
 
