@@ -145,6 +145,7 @@ class ModelDims:
     experts: int  # 0 = dense MLP
     vocab: int
     tp: int
+    expert_tp: int = 1  # expert tensor parallel size: 1 (each expert whole) or tp
 
     @property
     def ffn(self) -> int:  # dense SwiGLU FFN / per-expert FFN
@@ -186,12 +187,18 @@ def layer_tensors(d: ModelDims, prefix: str, lead: tuple[int, ...] = ()) -> list
             (f"{prefix}pre_mlp_layernorm.weight", full((h,)), rep((h,))),
             (f"{prefix}mlp.router.weight", full((d.experts, h)), rep((d.experts, h))),
         ]
-        for e in range(d.experts):  # expert tensor parallel = 1: each expert whole on its EP rank
+        for e in range(d.experts):
             ep = f"{prefix}mlp.experts.local_experts.{e}."
-            out += [
-                (f"{ep}linear_fc1.weight", (2 * f, h), whole((2 * f, h))),
-                (f"{ep}linear_fc2.weight", (h, f), whole((h, f))),
-            ]
+            if d.expert_tp == 1:  # expert tensor parallel = 1: each expert whole on its EP rank
+                out += [
+                    (f"{ep}linear_fc1.weight", (2 * f, h), whole((2 * f, h))),
+                    (f"{ep}linear_fc2.weight", (h, f), whole((h, f))),
+                ]
+            else:  # expert tensor parallel = TP (Megatron's default): split like the dense MLP
+                out += [
+                    (f"{ep}linear_fc1.weight", (2 * f, h), tp_split((2 * f, h), 0, 2 * tp)),
+                    (f"{ep}linear_fc2.weight", (h, f), tp_split((h, f), 1, tp)),
+                ]
     return out
 
 
@@ -241,6 +248,7 @@ def choose_dims(
     layers: int | None,
     n_objects: int,
     shape_tp: int = SHAPE_TP,
+    expert_tp: int = 1,
 ) -> ModelDims:
     """Layers/experts from the key budget, hidden size from the byte budget.
 
@@ -250,6 +258,8 @@ def choose_dims(
     across layouts compare values instead of stopping at a shape difference."""
     if shape_tp % tp:
         raise SystemExit(f"--tp {tp} does not divide --shape-tp {shape_tp}")
+    if expert_tp not in (1, tp):
+        raise SystemExit(f"--expert-tp {expert_tp} must be 1 or --tp {tp}")
     n_objects = shape_tp
     bytes_per_element = param_bytes + 2 * 4  # param + fp32 exp_avg + fp32 exp_avg_sq
     if layout == "stacked":
@@ -266,7 +276,7 @@ def choose_dims(
     best = None
     for hidden in range(step, 1 << 16, step):
         vocab = max(unit, (16 * hidden) // unit * unit)
-        d = ModelDims(layout, n_layers, hidden, experts, vocab, tp)
+        d = ModelDims(layout, n_layers, hidden, experts, vocab, tp, expert_tp)
         size = model_numel(d) * bytes_per_element
         if best is None or abs(size - total_bytes) < abs(best[0] - total_bytes):
             best = (size, d)
@@ -305,16 +315,26 @@ def build_specs(d: ModelDims, param_dtype: torch.dtype) -> tuple[list[TensorSpec
 
 
 def assign_ranks(tensors: list[TensorSpec], objects: list[ObjectSpec], world: int, tp: int, elem_bytes) -> None:
-    """TP chunk t -> least-loaded rank with rank % tp == t; replicated chunks and objects -> least-loaded rank."""
-    groups = [[(0, r) for r in range(t, world, tp)] for t in range(tp)]  # heaps of (bytes, rank) per TP rank
-    everyone = [(0, r) for r in range(world)]
+    """TP chunk t -> least-loaded rank with rank % tp == t; replicated chunks and objects -> least-loaded rank.
+
+    Ranks that hold fewer than ``THREADS_PER_RANK`` chunks come first, whatever their load: a real save spreads
+    work so that every writer thread of every rank writes something (DCP writes one file per thread, so a rank
+    with a single item leaves an empty ``.distcp`` file, which a real 20,000-file checkpoint does not have).
+    """
+    # heaps of (has enough items, bytes, rank) per TP rank and over every rank
+    groups = [[(0, 0, r) for r in range(t, world, tp)] for t in range(tp)]
+    everyone = [(0, 0, r) for r in range(world)]
     loads = [0] * world
+    counts = [0] * world
+
+    def key(r: int) -> tuple[int, int, int]:
+        return (int(counts[r] >= THREADS_PER_RANK), loads[r], r)
 
     def pop_least(heap):
-        while True:  # lazy deletion: an entry is stale once its rank's load has grown
-            load, r = heapq.heappop(heap)
-            if load == loads[r]:
-                return r
+        while True:  # lazy deletion: an entry is stale once its rank's load or item count has grown
+            entry = heapq.heappop(heap)
+            if entry == key(entry[2]):
+                return entry[2]
 
     items = [(c.numel * elem_bytes(t.dtype), c) for t in tensors for c in t.chunks]
     items.sort(key=lambda x: -x[0])
@@ -322,8 +342,9 @@ def assign_ranks(tensors: list[TensorSpec], objects: list[ObjectSpec], world: in
         r = pop_least(everyone if chunk.tp_rank is None else groups[chunk.tp_rank])
         chunk.rank = r
         loads[r] += nbytes
-        heapq.heappush(groups[r % tp], (loads[r], r))
-        heapq.heappush(everyone, (loads[r], r))
+        counts[r] += 1
+        heapq.heappush(groups[r % tp], key(r))
+        heapq.heappush(everyone, key(r))
     for i, obj in enumerate(objects):
         obj.rank = i % world
 
@@ -473,6 +494,7 @@ def write_checkpoint(
     jobs: int,
     shape_tp: int = SHAPE_TP,
     values: str = "global",
+    expert_tp: int = 1,
 ) -> dict:
     t0 = time.perf_counter()
     if files % THREADS_PER_RANK:
@@ -483,10 +505,10 @@ def write_checkpoint(
     param_dtype = DTYPES[dtype]
     param_bytes = torch.tensor([], dtype=param_dtype).element_size()
     n_objects = tp
-    d = choose_dims(total_bytes, keys, tp, layout, param_bytes, layers, n_objects, shape_tp)
+    d = choose_dims(total_bytes, keys, tp, layout, param_bytes, layers, n_objects, shape_tp, expert_tp)
     tensors, objects = build_specs(d, param_dtype)
     n_chunks = sum(len(t.chunks) for t in tensors) + len(objects)
-    if n_chunks < files:
+    if n_chunks < files:  # every writer thread of every rank writes at least one item (no empty file)
         raise SystemExit(f"only {n_chunks} chunks for {files} files; ask for more --keys or fewer --files")
     elem_bytes = {torch.float32: 4, torch.bfloat16: 2}.__getitem__
     assign_ranks(tensors, objects, world, tp, elem_bytes)
@@ -550,6 +572,7 @@ def write_checkpoint(
         "seed": seed,
         "tp": tp,
         "shape_tp": shape_tp,
+        "expert_tp": expert_tp,
         "values": values,
         "world": world,
         "layers": d.layers,
@@ -683,10 +706,29 @@ def main(argv: list[str] | None = None) -> int:
         default="global",
         help="global: values follow the global index (equal across --tp: a reshard); chunk: per-chunk slices",
     )
+    p.add_argument(
+        "--expert-tp",
+        type=int,
+        default=1,
+        help="expert tensor parallel size: 1 (default: each expert one chunk) or --tp (Megatron's default, "
+        "experts split like the dense MLP: how a per-layer MoE checkpoint reaches ~1M chunks)",
+    )
     p.add_argument("--verify", action="store_true", help="then check it with dcp_to_torch_save + torch.load")
     a = p.parse_args(argv)
     info = write_checkpoint(
-        a.out, a.total_bytes, a.keys, a.files, a.dtype, a.seed, a.tp, a.layout, a.layers, a.jobs, a.shape_tp, a.values
+        a.out,
+        a.total_bytes,
+        a.keys,
+        a.files,
+        a.dtype,
+        a.seed,
+        a.tp,
+        a.layout,
+        a.layers,
+        a.jobs,
+        a.shape_tp,
+        a.values,
+        a.expert_tp,
     )
     print(json.dumps(info, indent=1))
     if a.verify:

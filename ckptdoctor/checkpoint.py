@@ -61,11 +61,12 @@ def section_of(key: str) -> str:
 _FRAMING_SLACK = 1 << 20
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry(DcpItem):
     """One saved item: a tensor (global shape, dtype, chunks) or a bytes item (ShardedObject, extra state).
 
-    Built directly by the metadata reader (one per key: tens of thousands), saving a second object per key.
+    Built directly by the metadata reader (one per key: up to hundreds of thousands), saving a second object
+    per key; slotted (no ``__dict__`` per entry).
     """
 
     section: str = field(init=False, repr=False)

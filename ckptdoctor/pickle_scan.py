@@ -18,43 +18,11 @@ from __future__ import annotations
 import pickle
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ckptdoctor.errors import PickleLimitError
+from ckptdoctor.pickle_limits import DEFAULT_LIMITS, PickleLimits, current_limits, set_limits
 
-
-@dataclass(frozen=True)
-class PickleLimits:
-    """Limits for one pickle. The defaults fit every checkpoint seen (DCP ``.metadata`` of 200k keys is
-    ~70 MB); raise ``max_bytes`` for legitimate giants with ``--max-pickle-bytes``."""
-
-    max_bytes: int = 1 << 30
-    max_tuple_depth: int = 200
-    max_string: int = 256 << 20
-    # Ints, floats and tuples hash the same in every process, so n keys built to collide cost O(n**2) to
-    # insert (hash flooding: 100k such keys in 1.2 MB of pickle take ~40 s). No checkpoint keys this many.
-    max_hashed_keys: int = 50_000
-
-    def check_size(self, size: int) -> None:
-        if size > self.max_bytes:
-            raise PickleLimitError(
-                f"pickle of {size} bytes exceeds the limit of {self.max_bytes} bytes (raise it with --max-pickle-bytes)"
-            )
-
-
-DEFAULT_LIMITS = PickleLimits()
-_current = DEFAULT_LIMITS
-
-
-def current_limits() -> PickleLimits:
-    """The limits in force: the defaults, or what the command line set (``--max-pickle-bytes``)."""
-    return _current
-
-
-def set_limits(limits: PickleLimits) -> None:
-    """Set the limits for this process (the CLI does, once, before any read)."""
-    global _current
-    _current = limits
+__all__ = ["DEFAULT_LIMITS", "PickleLimits", "current_limits", "scan", "set_limits"]
 
 
 # opcode -> kind; the kinds are grouped by what the scanner does with the stack.
@@ -181,7 +149,7 @@ def scan(
     ``MetadataIndex`` key per chunk, hundreds of thousands in a large checkpoint). Without it every object built
     from a tuple is counted, as a tuple would be.
     """
-    limits = limits or _current
+    limits = limits or current_limits()
     limits.check_size(len(data))
     buf = bytes(data) if not isinstance(data, bytes) else data
     size = len(buf)

@@ -1,22 +1,6 @@
 """The one unpickler ckptdoctor uses for every pickle it reads, and the one pickler it writes with.
 
-Checkpoints are pickles from strangers. PyTorch DCP reads ``.metadata`` with plain ``pickle.load`` and
-Megatron reads the common state and sharded objects with ``weights_only=False``, so what a global names is
-what a real load executes. The policy is an exact allowlist of ``(module, name)`` pairs, collected from what
-megatron-core 0.14-0.19, PyTorch DCP, Transformer Engine and Megatron-Bridge write and from Megatron's own
-``megatron/core/safe_globals.py``:
-
-* plain-data classes resolve to the real objects, or to wrappers that bound what the pickle can make them
-  allocate (``bytes(10**12)`` is refused);
-* torch names resolve to light stand-ins (dtypes, ``torch.Size``, storages, tensors, DCP records), so
-  metadata is read without importing torch;
-* megatron / Transformer Engine / numpy classes on the list become inert stand-ins: calling one only records
-  its arguments, and it pickles back (:func:`dumps`) to the same global reference;
-* an unlisted class from the megatron, transformer_engine or nemo namespaces is read as an inert stand-in too
-  but reported (``Unpickler.unlisted``), so a new Megatron release shows up as a warning, not as silence;
-* everything else (``os.system``, ``torch.os.system``, dotted names, names that are not identifiers,
-  unlisted torch or numpy callables) is refused with :class:`UnsafePickleError` before anything is called.
-
+What a global resolves to is the allowlist of :mod:`ckptdoctor.safe_globals` (the policy is described there).
 Before the unpickler runs, :mod:`ckptdoctor.pickle_scan` enforces the resource limits (nesting, memo, string
 sizes, opcodes that mutate a shared global). Nothing here is shared between reads: stand-in classes and
 torch stand-ins are immutable.
@@ -24,304 +8,41 @@ torch stand-ins are immutable.
 
 from __future__ import annotations
 
-import _compat_pickle
-import argparse
-import collections
-import datetime
-import functools
 import io
-import pathlib
 import pickle
 import re
-import signal
-import types
-import uuid
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
-from ckptdoctor.pickle_scan import DEFAULT_LIMITS, PickleLimits, current_limits, scan
-from ckptdoctor.stand_ins import (
-    ALIAS_MODULE,
-    ALIAS_TARGETS,
-    RECORD_BASES,
-    STAND_IN_TYPES,
-    record_class,
-    stand_in_class,
-    valid_global_name,
+from ckptdoctor.pickle_limits import PickleLimits, current_limits
+from ckptdoctor.pickle_scan import scan
+from ckptdoctor.safe_globals import (
+    KNOWN_STAND_INS,
+    TOLERATED_NAMESPACES,
+    check_global_name,
+    classify_global,
+    hash_safe_global,
+    index_only,
+    resolve_global,
 )
-from ckptdoctor.torch_stand_ins import (
-    DTYPE_ALIASES,
-    TORCH_DTYPES,
-    TORCH_FUNCS,
-    TORCH_VALUE_CLASSES,
-    DtypeRef,
-    Size,
-    StorageRef,
-    StorageTypeRef,
-)
+from ckptdoctor.stand_ins import ALIAS_MODULE, ALIAS_TARGETS
+from ckptdoctor.torch_stand_ins import StorageRef
 
-# --- the allowlist -----------------------------------------------------------------------------------
-
-_MAX_ALLOC = DEFAULT_LIMITS.max_string
-
-
-def _sized(kind: type) -> Callable[..., Any]:
-    """``bytes`` / ``bytearray`` that refuse a size argument larger than the string limit."""
-
-    def make(*args: Any) -> Any:
-        if args and isinstance(args[0], int) and not isinstance(args[0], bool) and args[0] > _MAX_ALLOC:
-            raise PickleLimitError(f"{kind.__name__}({args[0]}) exceeds the limit of {_MAX_ALLOC} bytes")
-        return kind(*args)
-
-    return make
-
-
-def _hashing(kind: type) -> Callable[..., Any]:
-    """``set``, ``frozenset``, ``OrderedDict``, ``Counter`` that refuse an iterable of more int, float or tuple
-    keys than the limit: their hashes are the same in every process, so keys built to collide make inserting
-    them quadratic (hash flooding). The opcode scanner counts the keys a pickle inserts itself."""
-
-    pairs = kind in (dict, collections.OrderedDict)
-
-    def make(*args: Any, **kwargs: Any) -> Any:
-        source = args[0] if args else ()
-        if isinstance(source, dict):
-            keys: Any = source.keys()
-        elif isinstance(source, (list, tuple, set, frozenset)):
-            keys = (item[0] if pairs and isinstance(item, (list, tuple)) and item else item for item in source)
-        else:
-            keys = ()
-        limit = current_limits().max_hashed_keys
-        if sum(1 for key in keys if isinstance(key, (int, float, tuple))) > limit:
-            raise PickleLimitError(f"{kind.__name__}() of more than {limit} int, float or tuple keys (hash flooding)")
-        return kind(*args, **kwargs)
-
-    make.__qualname__ = make.__name__ = kind.__name__
-    return make
-
-
-_DEFAULT_FACTORIES = (None, list, dict, set, int, float, collections.OrderedDict)
-
-
-def _defaultdict(factory: Any = None, *rest: Any) -> collections.defaultdict:
-    # The factory runs whenever a missing key is read: only plain containers and numbers may be one.
-    if factory not in _DEFAULT_FACTORIES:
-        raise UnsafePickleError("collections", "defaultdict", detail=f"with factory {factory!r}")
-    return collections.defaultdict(factory, *rest)
-
-
-_RECONSTRUCT_BASES = (object, dict, list, set, int, float, complex, bool)
-
-
-def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
-    # Protocol 0/1 spelling of "make an instance of cls": base.__new__(cls, state) + base.__init__.
-    # Only plain bases: a bytes, str or tuple base would let the pickle size an allocation or nest tuples.
-    base = _REAL_TYPE.get(id(base), base)
-    if not isinstance(cls, type) or base not in _RECONSTRUCT_BASES or not issubclass(cls, base):
-        raise UnsafePickleError("copyreg", "_reconstructor", detail=f"of {cls!r} from {base!r}")
-    if base is object:
-        return object.__new__(cls)
-    obj = base.__new__(cls, state)
-    base.__init__(obj, state)  # type: ignore[misc]
-    return obj
-
-
-def _codecs_encode(text: str, encoding: str = "utf-8") -> bytes:
-    # Protocol-2 pickles spell bytes as _codecs.encode(str, "latin1"); only text codecs are allowed,
-    # so a crafted codec name cannot reach anything but a text encoder.
-    if (
-        not isinstance(text, str)
-        or not isinstance(encoding, str)
-        or encoding.lower().replace("_", "-") not in ("latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii")
-    ):
-        raise UnsafePickleError("_codecs", "encode", detail=f"with codec {encoding!r}")
-    return text.encode(encoding)
-
-
-# Real objects (or bounded wrappers): plain data, harmless to construct with any arguments a pickle can hold.
-_ALLOWED: dict[tuple[str, str], Any] = {
-    **{("builtins", t.__name__): t for t in (list, int, float, complex, bool, slice, object)},
-    **{("builtins", t.__name__): _hashing(t) for t in (set, frozenset, dict)},
-    ("builtins", "bytes"): _sized(bytes),
-    ("builtins", "bytearray"): _sized(bytearray),
-    ("collections", "OrderedDict"): _hashing(collections.OrderedDict),
-    ("collections", "defaultdict"): _defaultdict,
-    ("collections", "deque"): collections.deque,
-    ("collections", "Counter"): _hashing(collections.Counter),
-    ("copyreg", "_reconstructor"): _reconstructor,
-    ("argparse", "Namespace"): argparse.Namespace,
-    ("types", "SimpleNamespace"): types.SimpleNamespace,
-    ("datetime", "datetime"): datetime.datetime,
-    ("datetime", "date"): datetime.date,
-    ("datetime", "time"): datetime.time,
-    ("datetime", "timedelta"): datetime.timedelta,
-    ("datetime", "timezone"): datetime.timezone,
-    ("uuid", "UUID"): uuid.UUID,
-    ("pathlib", "PosixPath"): pathlib.PurePosixPath,
-    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
-    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
-    ("pathlib", "Path"): pathlib.PurePath,
-    ("_codecs", "encode"): _codecs_encode,
-    ("codecs", "encode"): _codecs_encode,
-    ("io", "BytesIO"): io.BytesIO,
-    ("_io", "BytesIO"): io.BytesIO,
-    ("signal", "Signals"): signal.Signals,
-}
-
-_REAL_TYPE = {id(_ALLOWED[("builtins", t.__name__)]): t for t in (set, frozenset, dict)}
-
-# Classes read as inert stand-ins: what megatron-core, Transformer Engine and numpy put in checkpoints.
-_MCORE = "megatron.core"
-_TE_RECIPE = "transformer_engine.common.recipe"
-KNOWN_STAND_INS: frozenset[tuple[str, str]] = frozenset(
-    {
-        (f"{_MCORE}.enums", "ModelType"),
-        (f"{_MCORE}.transformer.enums", "AttnBackend"),
-        (f"{_MCORE}.transformer.enums", "AttnMaskType"),
-        (f"{_MCORE}.transformer.enums", "AttnType"),
-        (f"{_MCORE}.transformer.enums", "LayerType"),
-        (f"{_MCORE}.transformer.enums", "CudaGraphScope"),
-        (f"{_MCORE}.transformer.enums", "CudaGraphModule"),
-        (f"{_MCORE}.transformer.enums", "InferenceCudaGraphScope"),
-        (f"{_MCORE}.rerun_state_machine", "RerunDiagnostic"),
-        (f"{_MCORE}.rerun_state_machine", "RerunMode"),
-        (f"{_MCORE}.rerun_state_machine", "RerunState"),
-        (f"{_MCORE}.optimizer", "OptimizerConfig"),
-        (f"{_MCORE}.optimizer.optimizer_config", "OptimizerConfig"),
-        (f"{_MCORE}.dist_checkpointing.strategies.torch", "MCoreMetadata"),
-        (f"{_MCORE}.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
-        (f"{_MCORE}.extensions.transformer_engine", "TEDelayedScaling"),
-        *(
-            (_TE_RECIPE, name)
-            for name in (
-                "DelayedScaling",
-                "Float8CurrentScaling",
-                "Float8BlockScaling",
-                "MXFP8BlockScaling",
-                "NVFP4BlockScaling",
-                "Format",
-                "_FormatHelper",
-                "MMParams",
-            )
-        ),
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("numpy.dtypes", "UInt32DType"),
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "scalar"),
-        ("numpy._core.multiarray", "scalar"),
-        ("torch", "device"),
-        ("torch._C", "Generator"),
-        ("torch.distributed.checkpoint.metadata", "Metadata"),
-        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-        ("torch.distributed.checkpoint.planner", "SavePlan"),
-        ("torch.distributed.checkpoint.planner", "WriteItem"),
-        ("torch.distributed.checkpoint.planner", "WriteItemType"),
-        ("torch.distributed.checkpoint.planner", "TensorWriteData"),
-    }
-)
-
-# Namespaces whose unlisted classes are read (as inert stand-ins) but reported, not refused.
-TOLERATED_NAMESPACES = ("megatron", "transformer_engine", "nemo")
-
-_TORCH_STORAGE_NAMES = frozenset(
-    {storage for _, storage in TORCH_DTYPES.values() if storage} | {"UntypedStorage", "TypedStorage"}
-)
-
-
-def check_global_name(module: str, name: str) -> None:
-    """Refuse a global whose module is not a dotted identifier or whose name is not a plain identifier.
-
-    A name with a newline would be written back by a text GLOBAL opcode as two lines (a second, attacker
-    chosen global); a dotted name resolves through attributes (``torch`` + ``os.system``).
-    """
-    if not valid_global_name(module, name):
-        raise UnsafePickleError(module, name, detail="not a valid dotted Python name")
-
-
-def classify_global(module: str, name: str) -> str:
-    """``"allowed"``, ``"unlisted"`` (tolerated namespace, reported) or ``"refused"`` for a global."""
-    try:
-        resolve_global(module, name)
-    except UnsafePickleError:
-        return "refused"
-    module, name = _canonical(module, name)
-    top = module.split(".", 1)[0]
-    return "unlisted" if top in TOLERATED_NAMESPACES and not _listed(module, name) else "allowed"
-
-
-def _canonical(module: str, name: str) -> tuple[str, str]:
-    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
-    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
-
-
-def _listed(module: str, name: str) -> bool:
-    key = (module, name)
-    return key in _ALLOWED or key in KNOWN_STAND_INS or _torch_value(module, name) is not None
-
-
-def resolve_global(module: str, name: str, unlisted: list[str] | None = None) -> Any:
-    """What ``module.name`` resolves to when a checkpoint pickle asks for it (the allowlist policy).
-
-    An unlisted class of a tolerated namespace is appended to ``unlisted`` (as ``module.name``).
-    """
-    check_global_name(module, name)
-    module, name = _canonical(module, name)
-    key = (module, name)
-    if key in _ALLOWED:
-        return _ALLOWED[key]
-    torch_value = _torch_value(module, name)
-    if torch_value is not None:
-        return torch_value
-    if key in KNOWN_STAND_INS:
-        return stand_in_class(module, name)
-    if module.split(".", 1)[0] in TOLERATED_NAMESPACES:
-        if unlisted is not None:
-            unlisted.append(f"{module}.{name}")
-        return stand_in_class(module, name)
-    raise UnsafePickleError(module, name)
-
-
-def _torch_value(module: str, name: str) -> Any:
-    if func := TORCH_FUNCS.get((module, name)):
-        return func
-    if value_class := TORCH_VALUE_CLASSES.get((module, name)):
-        return value_class
-    if (module, name) in RECORD_BASES:
-        return record_class(module, name)
-    if module == "torch":
-        if name == "Size":
-            return Size
-        if name in TORCH_DTYPES or name in DTYPE_ALIASES:
-            return DtypeRef.get(name)
-        if name in _TORCH_STORAGE_NAMES:
-            return StorageTypeRef.get(module, name)
-    if module == "torch.storage" and name in ("UntypedStorage", "TypedStorage"):
-        return StorageTypeRef.get(module, name)
-    return None
-
-
-@functools.lru_cache(maxsize=1024)
-def hash_safe_global(module: str, name: str) -> bool:
-    """Objects this global builds cannot flood a dict as keys (for the scanner's key count).
-
-    True for stand-ins (a keyed digest as hash), classes hashed by identity, ``str`` subclasses (randomized
-    hash) and unhashable classes. False for anything whose hash a pickle could choose (ints, floats, tuples and
-    their subclasses such as ``torch.Size``, dates, functions whose result is unknown) and for refused names.
-    """
-    try:
-        obj = resolve_global(module, name)
-    except (UnsafePickleError, CkptError):
-        return False
-    if not isinstance(obj, type):
-        return False
-    if issubclass(obj, STAND_IN_TYPES) or issubclass(obj, str):
-        return True
-    hash_method = getattr(obj, "__hash__", None)
-    return hash_method is None or hash_method is object.__hash__
+__all__ = [
+    "KNOWN_STAND_INS",
+    "TOLERATED_NAMESPACES",
+    "SafeUnpickler",
+    "check_global_name",
+    "classify_global",
+    "current_limits",
+    "dumps",
+    "hash_safe_global",
+    "load",
+    "loads",
+    "resolve_global",
+    "verify_written",
+]
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -329,15 +50,20 @@ class SafeUnpickler(pickle.Unpickler):
 
     ``persistent_load`` (for torch zip storages) is supplied by the caller; without one, a pickle that
     uses persistent ids is refused. ``unlisted`` collects tolerated but unlisted globals of this read.
+    ``index_only``: the result is read, never written back (see :func:`ckptdoctor.safe_globals.index_only`).
     """
 
-    def __init__(self, file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self, file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None, index_only: bool = False
+    ) -> None:
         super().__init__(file)
         self._persistent_load = persistent_load
+        self._index_only = index_only
         self.unlisted: list[str] = []
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle API
-        return resolve_global(module, name, self.unlisted)
+        obj = resolve_global(module, name, self.unlisted)
+        return index_only(obj) if self._index_only else obj
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent_load is None:
@@ -350,14 +76,16 @@ def loads(
     persistent_load: Callable[[Any], Any] | None = None,
     limits: PickleLimits | None = None,
     unlisted: list[str] | None = None,
+    index_only: bool = False,
 ) -> Any:
     """Unpickle ``data`` under the allowlist and the limits. Tolerated unlisted globals go to ``unlisted``.
 
     Raises :class:`UnsafePickleError` (a refused global), :class:`PickleLimitError` (a limit) or whatever
-    a corrupt pickle raises (callers turn that into a message naming the file).
+    a corrupt pickle raises (callers turn that into a message naming the file). ``index_only``: DCP records
+    and ``torch.Size`` are built lighter, for a result that is read and dropped, never written back.
     """
     scan(data, limits, hash_safe_global)
-    unpickler = SafeUnpickler(io.BytesIO(data), persistent_load)
+    unpickler = SafeUnpickler(io.BytesIO(data), persistent_load, index_only)
     try:
         obj = unpickler.load()
     except RecursionError:

@@ -12,6 +12,7 @@ Each is registered under an alias in a private module so that the C pickler can 
 from __future__ import annotations
 
 import copyreg
+import pickle
 import re
 import secrets
 import sys
@@ -258,3 +259,77 @@ def record_class(module: str, name: str) -> type[Record]:
 
 
 STAND_IN_TYPES = (StandIn, Record)
+
+
+# --- index-only records ---------------------------------------------------------------------------------
+# A command that only reads ``.metadata`` builds its index from these and then drops them, so they need not
+# pickle back: one list per record whose items are the states pickle's BUILD gave it (``list.append`` is the
+# ``__setstate__``, so BUILD runs at C speed and the memoized state dict is kept, not copied into a second
+# one). Same names, same allowlist, same hashing (by identity) as the :class:`Record` they replace.
+
+
+class IndexRecord(list):
+    """Index-only stand-in of a DCP metadata record (see :func:`index_record_class`); read it with
+    :func:`index_record_fields`."""
+
+    __slots__ = ()
+    __ckd_global__: tuple[str, str] = ("", "")
+    __setstate__ = list.append
+    __hash__ = object.__hash__  # type: ignore[assignment]
+    __eq__ = object.__eq__  # type: ignore[assignment]
+    __ne__ = object.__ne__  # type: ignore[assignment]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # only reached if a pickle *calls* the class
+        list.append(self, {"_ckd_args": args})
+
+    def __repr__(self) -> str:
+        return f"<{self.__ckd_global__[1]} index record>"
+
+
+class IndexTupleStateRecord(IndexRecord):
+    """:class:`IndexRecord` of a record whose state may be a tuple (``TensorProperties``)."""
+
+    __slots__ = ()
+
+
+_STATE_NOT_DICT = "state is not a dictionary"
+
+
+def index_record_fields(record: IndexRecord) -> dict:
+    """The attributes an :class:`IndexRecord` would have as a :class:`Record` (the states of its BUILDs
+    applied in order, as the C unpickler applies them to a Record); raises ``pickle.UnpicklingError`` where
+    a Record's BUILD would have (so a crafted ``.metadata`` is refused with the same message)."""
+    if len(record) == 1 and type(record[0]) is dict:  # one BUILD with a dict: every record DCP writes
+        return record[0]
+    fields: dict = {}
+    tuple_state = isinstance(record, IndexTupleStateRecord)
+    for state in record:
+        if isinstance(state, dict):
+            fields.update(state)
+        elif tuple_state:
+            fields["_ckd_state"] = state
+        elif isinstance(state, tuple) and len(state) == 2:
+            plain, slots = state
+            if plain is not None and not isinstance(plain, dict):
+                raise pickle.UnpicklingError(_STATE_NOT_DICT)
+            if slots is not None and not isinstance(slots, dict):
+                raise pickle.UnpicklingError("slot state is not a dictionary")
+            fields.update(plain or {})
+            fields.update(slots or {})
+        elif state is not None:
+            raise pickle.UnpicklingError(_STATE_NOT_DICT)
+    return fields
+
+
+_INDEX_RECORD_CLASSES: dict[type, type[IndexRecord]] = {}
+
+
+def index_record_class(record: type[Record]) -> type[IndexRecord]:
+    """The (cached) index-only class standing in for the record class ``record``."""
+    cls = _INDEX_RECORD_CLASSES.get(record)
+    if cls is None:
+        base = IndexTupleStateRecord if issubclass(record, TupleStateRecord) else IndexRecord
+        module, name = record.__ckd_global__
+        cls = type(name, (base,), {"__slots__": (), "__ckd_global__": (module, name), "__module__": module})
+        _INDEX_RECORD_CLASSES[record] = cls
+    return cls

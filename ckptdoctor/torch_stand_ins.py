@@ -139,9 +139,20 @@ class StorageTypeRef(_Frozen):
 
 
 class Size(tuple):
-    """Stand-in for ``torch.Size``: a tuple that pickles back to ``torch.Size``."""
+    """Stand-in for ``torch.Size``: a tuple that pickles back to ``torch.Size``.
 
+    Built only from a tuple (as torch pickles it): a tuple built from a list would hide the nesting of what
+    the list holds from the pre-pass, which bounds tuple nesting by the tuples it sees (a ``Size`` of a list
+    holding a ``Size`` of a list ..., 1.2 MB of pickle, crashed the interpreter when hashed).
+    """
+
+    __slots__ = ()
     __ckd_global__ = ("torch", "Size")
+
+    def __new__(cls, dims: tuple = ()) -> Size:
+        if not isinstance(dims, tuple):
+            raise TypeError(f"torch.Size of a {type(dims).__name__}, not a tuple")
+        return tuple.__new__(cls, dims)
 
     def __reduce__(self) -> tuple:
         return (Size, (tuple(self),))
@@ -149,6 +160,10 @@ class Size(tuple):
 
 Size.__qualname__ = register_alias(Size, "torch", "Size")
 Size.__module__ = ALIAS_MODULE
+
+# What ``torch.Size`` builds when ``.metadata`` is read for its index only (never written back): the argument
+# tuple itself, at C speed and without a copy (``() + t`` is ``t`` for a tuple, a TypeError for anything else).
+INDEX_SIZE = ().__add__
 
 
 class StorageRef:

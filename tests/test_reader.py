@@ -161,3 +161,29 @@ def test_corrupt_storage_record_is_a_clean_error(copy_fixture):
     path.write_bytes(bytes(data))
     with pytest.raises(CkptError, match="corrupt storage record"):
         read_chunk(open_checkpoint(save), key, 0)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if (FIXTURES / n).is_dir() and "zarr" not in n])
+def test_index_only_reading_builds_the_index_the_rewrite_path_builds(name):
+    """``read_metadata`` (index-only records, emptied as they are read) and ``read_metadata_for_rewrite``
+    (faithful stand-ins, kept whole for writing back) give equal indexes; equal tuples are shared."""
+    from ckptdoctor.formats import torch_dist
+    from ckptdoctor.locate import locate
+
+    path = locate(FIXTURES / name).iteration_dir / ".metadata"
+    lean = torch_dist.read_metadata(path)
+    faithful, metadata = torch_dist.read_metadata_for_rewrite(path)
+    assert list(lean.items) == list(faithful.items)
+    assert all(item == faithful.items[key] for key, item in lean.items.items())
+    assert (lean.version, lean.metadata_class, lean.checkpoint_id, lean.extra, lean.unlisted) == (
+        faithful.version,
+        faithful.metadata_class,
+        faithful.checkpoint_id,
+        faithful.extra,
+        faithful.unlisted,
+    )
+    assert torch_dist.storage_items(metadata)  # the rewrite path's object is left whole
+    sizes = [c.sizes for item in lean.items.values() for c in item.chunks]
+    assert len({id(s) for s in sizes}) == len(set(sizes))  # one tuple object per distinct value
+    paths = [c.storage.relative_path for item in lean.items.values() for c in item.chunks if c.storage]
+    assert len({id(p) for p in paths}) == len(set(paths))

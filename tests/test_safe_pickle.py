@@ -242,3 +242,52 @@ def test_torch_size_nested_through_newobj_ex_is_bounded():
         capture_output=True,
     )
     assert proc.returncode == 1 and b"PickleLimitError: tuples nest deeper than" in proc.stderr, proc.stderr[-300:]
+
+
+# --- torch.Size and the index-only reading --------------------------------------------------------------
+
+
+def _nested_sizes(depth: int) -> bytes:
+    """``torch.Size([torch.Size([... torch.Size(()) ...])])``: tuples built from lists hide their nesting."""
+    return b"\x80\x02ctorch\nSize\nq\x00" + b"h\x00]" * depth + b"h\x00)\x85R" + b"a\x85R" * depth + b"."
+
+
+@pytest.mark.parametrize("index_only", [False, True])
+def test_size_of_a_list_is_refused_not_a_crash(index_only):
+    """A ``Size`` of a list holding a ``Size`` of a list ... (1.2 MB) crashed the interpreter when hashed."""
+    code = (
+        "import sys\nfrom ckptdoctor import safe_pickle\n"
+        f"data = sys.stdin.buffer.read()\n"
+        "try:\n"
+        f"    hash(safe_pickle.loads(data, index_only={index_only}))\n"
+        "except TypeError as exc:\n"
+        "    print('refused', exc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], input=_nested_sizes(300_000), capture_output=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith(b"refused"), (proc.returncode, proc.stderr[-500:])
+
+
+def test_size_of_a_tuple_reads_in_both_readings():
+    data = safe_pickle.dumps(Size((2, 3)))
+    assert safe_pickle.loads(data) == (2, 3) and type(safe_pickle.loads(data)) is Size
+    assert type(safe_pickle.loads(data, index_only=True)) is tuple
+    assert safe_pickle.loads(data, index_only=True) == (2, 3)
+
+
+def test_index_only_reading_keeps_the_allowlist_and_limits(tmp_path):
+    """The index-only reading changes what DCP records and ``torch.Size`` build, nothing of what is refused."""
+    from ckptdoctor.stand_ins import IndexRecord, index_record_fields
+
+    marker = tmp_path / "pwned"
+    for name, payload in _malicious_payloads(marker).items():
+        with pytest.raises(UnsafePickleError):
+            safe_pickle.loads(payload, index_only=True)
+        assert not marker.exists(), name
+    record = (
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadataIndex\nq\x00)\x81q\x01}q\x02"
+        b"(X\x03\x00\x00\x00fqnq\x03X\x01\x00\x00\x00wq\x04ub."
+    )
+    faithful, lean = safe_pickle.loads(record), safe_pickle.loads(record, index_only=True)
+    assert faithful.__dict__ == {"fqn": "w"}
+    assert isinstance(lean, IndexRecord) and index_record_fields(lean) == {"fqn": "w"}
+    assert hash(lean) == object.__hash__(lean) and lean != safe_pickle.loads(record, index_only=True)

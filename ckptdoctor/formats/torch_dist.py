@@ -7,18 +7,20 @@
 from __future__ import annotations
 
 import functools
+import pickle
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ckptdoctor import safe_pickle
-from ckptdoctor.errors import CkptError, PickleLimitError
+from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats.archive import unpickle
 from ckptdoctor.formats.files import open_regular
 from ckptdoctor.gc_pause import gc_paused
-from ckptdoctor.pickle_scan import current_limits
-from ckptdoctor.stand_ins import STAND_IN_TYPES, StandIn
+from ckptdoctor.pickle_limits import current_limits
+from ckptdoctor.stand_ins import STAND_IN_TYPES, IndexRecord, StandIn, index_record_fields
 
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
@@ -54,7 +56,7 @@ def chunk_overlap(a: DcpChunk, b: DcpChunk) -> tuple[tuple[slice, ...], tuple[sl
     return tuple(slices_a), tuple(slices_b), volume
 
 
-@dataclass
+@dataclass(slots=True)
 class DcpItem:
     key: str
     kind: str  # "tensor" or "bytes"
@@ -69,7 +71,9 @@ class DcpIndex:
     version: str | None
     metadata_class: str  # e.g. torch.distributed.checkpoint.metadata.Metadata or MCoreMetadata
     checkpoint_id: str | None
-    extra: dict[str, Any]  # other attributes of the metadata object (mcore_data, all_local_plans, ...)
+    # names of the other attributes of the metadata object (mcore_data, all_local_plans, ...); their values
+    # are not kept (all_local_plans holds a record per chunk and rank: a second copy of the index)
+    extra: tuple[str, ...] = ()
     unlisted: tuple[str, ...] = ()  # tolerated globals not on the allowlist (CKD402)
 
 
@@ -83,31 +87,59 @@ def record_attr(obj: Any, name: str, default: Any = None) -> Any:
     """A field of an unpickled record: a stand-in's own state (never a class attribute), else the attribute."""
     if isinstance(obj, STAND_IN_TYPES):
         return obj.__dict__.get(name, default)
+    if isinstance(obj, IndexRecord):
+        return index_record_fields(obj).get(name, default)
     return getattr(obj, name, default)
+
+
+def _fields(record: Any) -> dict:
+    """The state of one record of the metadata's dicts (an index-only record or a Record's own dict)."""
+    if isinstance(record, IndexRecord):
+        _ONE_STATE.add(type(record))
+        return index_record_fields(record)
+    return record.__dict__
 
 
 def read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
     """Parse a DCP ``.metadata`` file into a :class:`DcpIndex` (no data file is opened).
 
     ``item_class`` (a :class:`DcpItem` subclass) lets the Checkpoint model get its entries built directly.
+    The records are read index-only (see ``safe_globals.index_only``) and dropped while the index is built,
+    so the index is all that stays in memory.
     """
     with gc_paused():
         return _read_metadata(path, item_class)
 
 
-def _load_metadata_pickle(path: Path, unlisted: list[str] | None = None) -> Any:
+_WHAT = "DCP metadata"
+
+
+def _load_metadata_pickle(path: Path, unlisted: list[str] | None = None, index_only: bool = False) -> Any:
     try:
         with open_regular(path) as f:
             data = f.read(current_limits().max_bytes + 1)
     except OSError as exc:
         raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
-    return unpickle(data, str(path), unlisted=unlisted, what="DCP metadata")
+    if not index_only:
+        return unpickle(data, str(path), unlisted=unlisted, what=_WHAT)
+    try:  # archive.unpickle's error handling, for the index-only reading
+        return safe_pickle.loads(data, unlisted=unlisted, index_only=True)
+    except (UnsafePickleError, PickleLimitError) as exc:
+        raise exc.located(str(path)) from None
+    except CkptError:
+        raise
+    except Exception as exc:  # a corrupt pickle can raise almost anything; report it, never trace
+        raise _corrupt(path, exc) from None
+
+
+def _corrupt(path: Path, exc: Exception) -> CkptError:
+    return CkptError(f"{path}: corrupt {_WHAT} ({type(exc).__name__}: {exc})")
 
 
 def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
     unlisted: list[str] = []
-    metadata = _load_metadata_pickle(path, unlisted)
-    return _index_from_object(metadata, path, item_class, unlisted)
+    metadata = _load_metadata_pickle(path, unlisted, index_only=True)
+    return _index_from_object(metadata, path, item_class, unlisted, consume=True)
 
 
 def read_metadata_for_rewrite(path: Path, item_class: type[DcpItem] = DcpItem) -> tuple[DcpIndex, Any]:
@@ -115,26 +147,35 @@ def read_metadata_for_rewrite(path: Path, item_class: type[DcpItem] = DcpItem) -
     Strict, as :func:`load_metadata_object`: a global outside the allowlist is refused, not tolerated."""
     with gc_paused():
         metadata = _load_metadata_pickle(path)
-        return _index_from_object(metadata, path, item_class, []), metadata
+        return _index_from_object(metadata, path, item_class, [], consume=False), metadata
 
 
-def _index_from_object(metadata: Any, path: Path, item_class: type[DcpItem], unlisted: list[str]) -> DcpIndex:
-    state_dict_metadata = record_attr(metadata, "state_dict_metadata")
-    storage_data = record_attr(metadata, "storage_data")
+def _index_from_object(
+    metadata: Any, path: Path, item_class: type[DcpItem], unlisted: list[str], consume: bool
+) -> DcpIndex:
+    """The index of an unpickled metadata object; ``consume``: empty its dicts while reading them, so that
+    each record is freed as soon as its part of the index exists (peak memory: about the larger of the two)."""
+    try:
+        state_dict_metadata = record_attr(metadata, "state_dict_metadata")
+        storage_data = record_attr(metadata, "storage_data")
+    except pickle.UnpicklingError as exc:  # a record whose BUILD a Record would have refused
+        raise _corrupt(path, exc) from None
     if not isinstance(state_dict_metadata, dict) or not isinstance(storage_data, dict):
         raise CkptError(f"{path}: not a PyTorch DCP Metadata object (got {type(metadata).__name__})")
 
     try:
-        items = _index_items(state_dict_metadata, storage_data, item_class)
+        items = _index_items(state_dict_metadata, storage_data, item_class, consume)
+    except pickle.UnpicklingError as exc:
+        raise _corrupt(path, exc) from None
     except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
         raise CkptError(f"{path}: unexpected DCP metadata structure ({type(exc).__name__}: {exc})") from None
 
     storage_meta = record_attr(metadata, "storage_meta")
     checkpoint_id = record_attr(storage_meta, "checkpoint_id") if storage_meta is not None else None
     known = {"state_dict_metadata", "storage_data", "planner_data", "storage_meta", "version"}
-    extra = {}
+    extra: tuple[str, ...] = ()
     if isinstance(metadata, StandIn):
-        extra = {k: v for k, v in (metadata.stand_in_state or {}).items() if k not in known}
+        extra = tuple(k for k in (metadata.stand_in_state or {}) if k not in known)
     cls = type(metadata)
     class_name = cls.qualified_name() if isinstance(metadata, StandIn) else f"{cls.__module__}.{cls.__name__}"
     return DcpIndex(
@@ -147,38 +188,96 @@ def _index_from_object(metadata: Any, path: Path, item_class: type[DcpItem], unl
     )
 
 
-def _index_items(state_dict_metadata: dict, storage_data: dict, item_class: type[DcpItem]) -> dict[str, DcpItem]:
-    """Entries from the metadata records. Runs once per chunk (tens of thousands in a large checkpoint), so
-    it reads the records' attribute dicts directly: every object here comes from the safe unpickler."""
+_MISSING: Any = object()
+_ONE_STATE: set[type] = set()  # the index-only record classes met so far (see _fields)
+
+
+def _drain(d: dict) -> Iterator[tuple[Any, Any]]:
+    """The items of ``d``, newest first, each removed (and so freed once used) as it is yielded."""
+    while d:
+        yield d.popitem()
+
+
+# A chunk and a storage location are built as plain tuple.__new__ calls (a NamedTuple's own __new__ is a
+# Python function): one of each per chunk, up to millions for a large checkpoint.
+_new_chunk = functools.partial(tuple.__new__, DcpChunk)
+_new_location = functools.partial(tuple.__new__, StorageLocation)
+
+
+def _index_items(
+    state_dict_metadata: dict, storage_data: dict, item_class: type[DcpItem], consume: bool
+) -> dict[str, DcpItem]:
+    """Entries from the metadata records. Runs once per chunk (up to millions in a large checkpoint), so
+    it reads the records' state dicts directly: every object here comes from the safe unpickler.
+
+    Memory: one tuple object per distinct offsets / sizes / shape and one string per data file, shared by
+    every chunk that has them; per chunk only a :class:`DcpChunk`, its :class:`StorageLocation` and their
+    offset and length ints remain. ``consume`` empties the records' dicts and chunk lists as it goes."""
+    shared: dict[Any, Any] = {}  # one object per distinct tuple or relative path
     # (fqn, chunk offsets or None) -> storage location
     locations: dict[tuple[str, tuple[int, ...] | None], StorageLocation] = {}
-    for index, info in storage_data.items():
-        index_fields, info_fields = index.__dict__, info.__dict__
+    if consume:  # newest first, so of a key stored twice the last entry is kept, as a dict keeps it
+        pairs: Any = _drain(storage_data)
+        add: Any = locations.setdefault
+    else:
+        pairs = storage_data.items()
+        add = locations.__setitem__
+    for index, info in pairs:
+        # inline fast path of _fields: an index-only record BUILT once with a dict (every record DCP writes)
+        index_fields = index[0] if type(index) in _ONE_STATE and len(index) == 1 else _fields(index)
+        info_fields = info[0] if type(info) in _ONE_STATE and len(info) == 1 else _fields(info)
+        if type(index_fields) is not dict or type(info_fields) is not dict:
+            index_fields, info_fields = _fields(index), _fields(info)
         offset = index_fields.get("offset")
-        locations[(index_fields["fqn"], None if offset is None else tuple(offset))] = StorageLocation(
-            str(info_fields["relative_path"]), int(info_fields["offset"]), int(info_fields["length"])
+        if offset is not None:
+            offset = tuple(offset)
+            offset = shared.setdefault(offset, offset)
+        relative_path = str(info_fields["relative_path"])
+        add(
+            (index_fields["fqn"], offset),
+            _new_location(
+                (
+                    shared.setdefault(relative_path, relative_path),
+                    int(info_fields["offset"]),
+                    int(info_fields["length"]),
+                )
+            ),
         )
     dtype_names: dict[Any, str | None] = {}
     items: dict[str, DcpItem] = {}
+    take = locations.pop if consume else locations.get
     for key, item_meta in state_dict_metadata.items():
-        item_fields = item_meta.__dict__
+        item_fields = _fields(item_meta)
         chunks_meta = item_fields.get("chunks")
         if chunks_meta is None:  # BytesStorageMetadata
-            items[key] = item_class(key, "bytes", None, None, [DcpChunk((), (), locations.get((key, None)))])
+            items[key] = item_class(key, "bytes", None, None, [_new_chunk(((), (), take((key, None), None)))])
             continue
         chunks = []
+        taken: dict = {}  # a chunk listed twice gets the location the first one got
         for chunk in chunks_meta:
-            chunk_fields = chunk.__dict__
+            chunk_fields = chunk[0] if type(chunk) in _ONE_STATE and len(chunk) == 1 else _fields(chunk)
+            if type(chunk_fields) is not dict:
+                chunk_fields = _fields(chunk)
             offsets = tuple(chunk_fields["offsets"])
-            chunks.append(DcpChunk(offsets, tuple(chunk_fields["sizes"]), locations.get((key, offsets))))
+            offsets = shared.setdefault(offsets, offsets)
+            sizes = tuple(chunk_fields["sizes"])
+            location = taken.get(offsets, _MISSING)
+            if location is _MISSING:
+                location = taken[offsets] = take((key, offsets), None)
+            chunks.append(_new_chunk((offsets, shared.setdefault(sizes, sizes), location)))
+        if consume:
+            chunks_meta.clear()
         properties = item_fields.get("properties")
         # TensorProperties pickles its fields as a tuple (dtype, layout, requires_grad, memory_format, pin)
-        fields = {} if properties is None else properties.__dict__
+        fields = {} if properties is None else _fields(properties)
         state = fields.get("_ckd_state")
         dtype = state[0] if isinstance(state, tuple) and state else fields.get("dtype")
         if dtype not in dtype_names:
             dtype_names[dtype] = None if dtype is None else str(dtype)
-        items[key] = item_class(key, "tensor", dtype_names[dtype], tuple(item_fields["size"]), chunks)
+        shape = tuple(item_fields["size"])
+        items[key] = item_class(key, "tensor", dtype_names[dtype], shared.setdefault(shape, shape), chunks)
+    if consume:
+        state_dict_metadata.clear()
     return items
 
 
