@@ -15,7 +15,7 @@ from pathlib import Path
 from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
-from ckptdoctor.formats.archive import ArchiveError, parse_archive, storage_ref
+from ckptdoctor.formats.archive import ArchiveError, storage_ref
 from ckptdoctor.formats.stream import read_ranges
 from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
 from ckptdoctor.rules import Finding, finding
@@ -76,21 +76,24 @@ def check_deep(
     files: list[tuple[Path, list[tuple[int, int, tuple[Entry, DcpChunk]]]]] = []
     for relative, items in work.items():
         ranges = []
+        data_file = checkpoint.iteration_dir / relative
         for entry, chunk in items:
             location = chunk.storage
             assert location is not None
             try:  # a range longer than its item can need is never read (a hostile .metadata could name 100 GB)
-                check_range_length(checkpoint.iteration_dir / relative, location, entry.max_range_bytes(chunk))
+                check_range_length(data_file, location, entry.max_range_bytes(chunk))
             except PickleLimitError as exc:
                 out.append(refused_pickle(exc, state.shown / relative, f"{entry.key} chunk at {list(chunk.offsets)}"))
                 continue
             ranges.append((location.offset, location.length, (entry, chunk)))
-        files.append((checkpoint.iteration_dir / relative, ranges))
+        files.append((data_file, ranges))
     weights = [sum(length for _, length, _ in ranges) for _, ranges in files]
     inline = parallel.runs_inline(jobs, len(files))
 
+    decoder = _ChunkDecoder()  # one per process (forked workers inherit it empty): verdicts shared across files
+
     def task(index: int) -> tuple[list[Finding], NonFinite | None]:
-        return _check_file(state, files[index], scan_values, progress if inline else None)
+        return _check_file(state, files[index], scan_values, progress if inline else None, decoder)
 
     done = None if inline or progress is None else (lambda index: progress(weights[index]))
     non_finite = NonFinite() if scan_values else None
@@ -108,13 +111,14 @@ def _check_file(
     file: tuple[Path, list[tuple[int, int, tuple[Entry, DcpChunk]]]],
     scan_values: bool,
     progress: Progress | None,
+    decoder: _ChunkDecoder | None = None,
 ) -> tuple[list[Finding], NonFinite | None]:
     """One data file read front to back: its findings and (``scan_values``) its NaN/Inf counts."""
     out: list[Finding] = []
-    decoder = _ChunkDecoder()
+    decoder = decoder or _ChunkDecoder()
     non_finite = NonFinite() if scan_values else None
+    path = state.shown / file[0].name
     for file_path, tag, blob in read_ranges([file]):
-        path = state.shown / file_path.name
         if isinstance(blob, CkptError):  # unreadable file (I/O error): the rest of it cannot be checked
             out.append(finding(BLOB_UNDECODABLE, path, reason(blob, file_path)))
             continue
@@ -146,17 +150,28 @@ class _ChunkDecoder:
     """Decodes tensor blobs; a ``data.pkl`` byte-identical to one already decoded gives the same verdict.
 
     Chunks of equal shape and dtype pickle to identical bytes, so most of a checkpoint's chunks cost one
-    dict lookup instead of an unpickling; every distinct pickle still goes through the safe unpickler.
+    dict lookup instead of an unpickling; every distinct pickle still goes through the safe unpickler. One
+    decoder serves every file a process checks (a pickle's verdict depends only on the pickle, the chunk's sizes
+    and the key's dtype); it remembers at most ``MAX_VERDICTS`` of them.
     """
+
+    MAX_VERDICTS = 1 << 14
 
     def __init__(self) -> None:
         self._cache: dict[tuple, _Verdict] = {}
+        # parse_archive, or the same validation from a remembered directory layout (archives of equal chunks
+        # differ only in CRC-32s: values.archive_memo), imported here so that metadata-only checks never load it
+        from ckptdoctor.values.archive_memo import parse
+
+        self.parse = parse
 
     def verdict(self, pickled: bytes, entry: Entry, chunk: DcpChunk) -> _Verdict:
         key = (pickled, chunk.sizes, entry.dtype)
         verdict = self._cache.get(key)
         if verdict is None:
-            verdict = self._cache[key] = _decide(pickled, entry, chunk)
+            verdict = _decide(pickled, entry, chunk)
+            if len(self._cache) < self.MAX_VERDICTS:
+                self._cache[key] = verdict
         return verdict
 
 
@@ -195,7 +210,7 @@ def _check_chunk(
 ) -> Finding | None:
     what = f"{entry.key} chunk at {list(chunk.offsets)}"
     try:
-        archive = parse_archive(blob, what)
+        archive = decoder.parse(blob, what)
         pickled = archive.pickle(verify_crc=archive.general)
         verdict = decoder.verdict(bytes(pickled), entry, chunk)
         if verdict.refused is not None:

@@ -1,13 +1,22 @@
 """CKD313 (``check --deep``): NaN and Inf counted in IEEE float tensors without torch, per key.
 
-The exponent bytes of each element are sliced out of the raw little-endian bytes, flagged through a
-``bytes.translate`` table and combined as big integers, so a chunk is scanned at C speed; only elements already
-known to be non-finite are looked at one by one. :class:`NonFinite` holds one data file's counts (a worker's
-partial result) and merges them in file order.
+Where numpy is installed (it comes with torch), a chunk is tested with two integer max-reductions over its raw
+bytes, no temporaries: viewed as unsigned integers of the element's width, the largest value reaches the bits of
+-Inf (sign and exponent all ones) only if some element is -Inf or a negative NaN; viewed as signed integers,
+the largest reaches +Inf's bits only if some element is +Inf or a positive NaN (negative elements are negative
+there). Both reductions run at memory speed (SIMD), and are exact for every bit pattern: no float arithmetic,
+so no rounding, flush-to-zero or signalling-NaN subtleties. Only a chunk that has some NaN or Inf is counted
+element-wise (one masked compare).
+
+Without numpy, the exponent bytes of each element are sliced out of the raw little-endian bytes, flagged through
+a ``bytes.translate`` table and combined as big integers (C speed, ~5x slower); only elements already known to
+be non-finite are looked at one by one. :class:`NonFinite` holds one data file's counts (a worker's partial
+result) and merges them in file order.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +45,58 @@ def _flags(mask: int) -> bytes:
 _TABLES = {mask: _flags(mask) for _, high, low in _FLOAT_EXPONENT.values() for mask in (high, low)}
 
 
+# The bits of +Inf per itemsize and exponent width: an element is NaN or Inf iff (bits & ~sign) >= +Inf's bits.
+_INF_BITS = {(2, 0x7C): 0x7C00, (2, 0x7F): 0x7F80, 4: 0x7F800000, 8: 0x7FF0000000000000}
+_NUMPY: list[Any] = []  # [numpy module or None], imported on the first scan
+
+
+def numpy_or_none() -> Any:
+    """numpy where installed (it comes with torch), else None (check --deep and diff --values need neither numpy
+    nor torch: their pure-Python and torch paths); imported once."""
+    if not _NUMPY:
+        try:
+            _NUMPY.append(importlib.import_module("numpy"))
+        except ImportError:
+            _NUMPY.append(None)
+    return _NUMPY[0]
+
+
+def _inf_bits(size: int, high_mask: int) -> int:
+    return _INF_BITS[(size, high_mask)] if size == 2 else _INF_BITS[size]
+
+
 def count_non_finite(data: Any, dtype: str | None) -> tuple[int, int] | None:
-    """(NaN count, Inf count) of the little-endian ``dtype`` elements in ``data``, without torch: the exponent
-    bytes are sliced, flagged through a translate table and combined as big integers (C speed); only elements
-    already known to be non-finite are looked at one by one. None for a dtype that is not an IEEE float."""
+    """(NaN count, Inf count) of the little-endian ``dtype`` elements in ``data`` (bytes or a buffer), without
+    torch: two integer max-reductions with numpy, else the exponent bytes through translate tables (see the
+    module doc). None for a dtype that is not an IEEE float."""
     spec = _FLOAT_EXPONENT.get(dtype or "")
     if spec is None:
         return None
     size, high_mask, low_mask = spec
+    numpy = numpy_or_none()
+    if numpy is not None:
+        return _count_numpy(numpy, data, size, _inf_bits(size, high_mask))
+    return _count_python(data, size, high_mask, low_mask)
+
+
+def _count_numpy(np: Any, data: Any, size: int, inf: int) -> tuple[int, int]:
+    """The numpy scan: unsigned max >= -Inf's bits, or signed max >= +Inf's bits (see the module doc)."""
+    n = memoryview(data).nbytes // size
+    if not n:
+        return 0, 0
+    unsigned = np.frombuffer(data, dtype=f"<u{size}", count=n)
+    signed = np.frombuffer(data, dtype=f"<i{size}", count=n)
+    sign = 1 << (size * 8 - 1)
+    if int(unsigned.max()) < sign | inf and int(signed.max()) < inf:  # the usual case: all finite
+        return 0, 0
+    magnitude = unsigned & (sign - 1)  # the rare case: counted element-wise
+    total = int(np.count_nonzero(magnitude >= inf))
+    infinite = int(np.count_nonzero(magnitude == inf))
+    return total - infinite, infinite
+
+
+def _count_python(data: Any, size: int, high_mask: int, low_mask: int) -> tuple[int, int]:
+    """The pure-Python scan (no numpy): exponent bytes through translate tables, combined as big integers."""
     # Step slices of ``bytes`` run ~6x faster than those of a memoryview (0.9 GB/s): one plain copy first.
     raw = data if isinstance(data, bytes) else memoryview(data).cast("B").tobytes()
     if len(raw) % size:
@@ -59,7 +112,7 @@ def count_non_finite(data: Any, dtype: str | None) -> tuple[int, int] | None:
     total = flags.bit_count()  # one set bit per flagged element (each flag byte is 0 or 1)
     if not total:
         return 0, 0
-    exponent = {2: 0x7C00 if high_mask == 0x7C else 0x7F80, 4: 0x7F800000, 8: 0x7FF0000000000000}[size]
+    exponent = _inf_bits(size, high_mask)
     sign = 1 << (size * 8 - 1)
     inf = 0
     marks = flags.to_bytes(len(raw) // size, "little")
@@ -79,6 +132,7 @@ class NonFinite:
     """
 
     def __init__(self) -> None:
+        numpy_or_none()  # imported once, before check --deep forks its workers (not once in each)
         self.per_key: dict[str, list[int]] = {}  # key -> [nan, inf, chunks with some, chunks scanned]
         self.first: dict[str, tuple[str, list[int]]] = {}  # key -> (path, offsets) of its first bad chunk
 

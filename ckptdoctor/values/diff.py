@@ -236,7 +236,12 @@ def compare_values(
     inline = parallel.runs_inline(jobs, len(runs))
     torch = Torch()
     if not inline and any(_needs_torch(p) for p in ordered):
-        torch.get()  # once, before the workers fork (each would import it again)
+        # once, before the workers fork (each would import it again); with numpy, keys of one dtype are compared
+        # as bit patterns and torch is imported only where values differ
+        from ckptdoctor.values.read import numpy_or_none
+
+        if numpy_or_none() is None or any(p[0].entry.dtype != p[1].entry.dtype for p in ordered if _needs_torch(p)):
+            torch.get()
 
     def task(index: int) -> _Run:
         lo, hi = runs[index]

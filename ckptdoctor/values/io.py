@@ -55,8 +55,9 @@ class Files:
 
     def read(self, ckpt: Checkpoint, location: Any, max_length: int | None = None) -> bytes:
         """One byte range; refused when longer than ``max_length`` (``Entry.max_range_bytes``)."""
-        check_range_length(ckpt.iteration_dir / location.relative_path, location, max_length)
         name = (id(ckpt), location.relative_path)
+        if max_length is not None and location.length > max_length:
+            check_range_length(ckpt.iteration_dir / location.relative_path, location, max_length)  # raises
         fd = self.fds.get(name)
         try:
             if fd is None:

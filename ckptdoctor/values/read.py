@@ -14,7 +14,8 @@ from ckptdoctor.errors import CkptError, MissingExtraError
 from ckptdoctor.formats import raw_chunk_ref, torch_dist
 from ckptdoctor.formats.archive import parse_archive, storage_ref, unpickle
 from ckptdoctor.formats.torch_zip import load_torch_zip
-from ckptdoctor.torch_stand_ins import TensorRef
+from ckptdoctor.rules.non_finite import numpy_or_none
+from ckptdoctor.torch_stand_ins import DtypeRef, TensorRef
 from ckptdoctor.values import archive_memo
 
 if TYPE_CHECKING:
@@ -180,3 +181,45 @@ def read_chunk_view(
         return flat.as_strided(shape, stride, offset), len(blob)
     except (RuntimeError, ValueError) as exc:
         raise CkptError(f"{where}: tensor view does not fit its storage ({exc})") from None
+
+
+# --- bit patterns without torch (diff --values: equal values need no torch) -------------------------------
+
+_INTS = {1: "<i1", 2: "<i2", 4: "<i4", 8: "<i8"}  # signed: torch views them back losslessly (from_numpy)
+
+
+def chunk_bits(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: bytes) -> Any | None:
+    """One chunk's elements as a numpy array of signed integers of the element's width (their bit patterns),
+    shaped like the chunk: a view over ``blob``, no torch, no copy. None wherever this is not the plain case
+    (no numpy; not a stored ``torch.save`` record; a view that is not the record's first elements in row-major
+    order; an element width other than 1, 2, 4 or 8 bytes; anything :func:`read_chunk_view` would refuse):
+    the caller then decodes the chunk with :func:`read_chunk_view`, which reports what is wrong."""
+    np = numpy_or_none()
+    if np is None or chunk.storage is None:
+        return None
+    where = f"{checkpoint.iteration_dir}: {entry.key} chunk at {list(chunk.offsets)}"
+    try:
+        if raw_chunk_ref(checkpoint.location.backend, entry.dtype, chunk.sizes, blob, where) is not None:
+            return None
+        archive = archive_memo.parse(blob, where)
+        if any(member.method for member in archive.members.values()):
+            return None
+        key, dtype_name, numel, offset, shape, stride = _chunk_view(bytes(archive.pickle(verify_crc=False)), where)
+        record = archive.storage(key)
+    except CkptError:
+        return None
+    if tuple(shape) != tuple(chunk.sizes) or entry.dtype is None or f"torch.{dtype_name}" != entry.dtype:
+        return None
+    itemsize = DtypeRef.get(dtype_name).itemsize
+    kind = _INTS.get(itemsize or 0)
+    count = 1
+    for size in shape:
+        count *= size
+    if kind is None or offset != 0 or not count or count > numel or numel * (itemsize or 0) > record.size:
+        return None
+    step = 1
+    for size, gap in zip(reversed(shape), reversed(stride)):  # row-major, contiguous (size-1 dims: any stride)
+        if size != 1 and gap != step:
+            return None
+        step *= size
+    return np.frombuffer(blob, dtype=kind, count=count, offset=record.start).reshape(shape)

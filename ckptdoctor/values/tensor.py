@@ -62,6 +62,10 @@ def plan_overlaps(coarse: Sequence[DcpChunk], fine: Sequence[DcpChunk]) -> Plan:
     """Which chunks of ``fine`` overlap each chunk of ``coarse``: per axis, the fine side's distinct intervals
     sorted by start, the ones overlapping an interval found by bisection (memoised per interval); a chunk
     overlaps where its intervals do on every axis. Cost: the overlaps found, not the chunk pairs."""
+    if len(coarse) == 1 == len(fine):  # most keys of most pairs: one chunk on each side, the same non-empty box
+        one, other = coarse[0], fine[0]
+        if one.offsets == other.offsets and one.sizes == other.sizes and all(one.sizes):
+            return Plan([one], [[0]], True)
     ordered = sorted(coarse, key=_storage_order)
     ndim = len(ordered[0].offsets) if ordered else 0
     if ndim == 0:
@@ -119,6 +123,19 @@ def _view(side: Side, chunk: DcpChunk, blob: bytes) -> Any:
     return read_chunk_view(side.ckpt, side.entry, chunk, blob, side.verify_crc)[0]
 
 
+def _bits(side: Side, chunk: DcpChunk, blob: bytes) -> Any | None:
+    """The chunk's bit patterns as a numpy array (values.read.chunk_bits), or None: decode it with torch."""
+    if side.verify_crc:  # strip-frozen --base: every record's CRC checked, by the torch path
+        return None
+    from ckptdoctor.values.read import chunk_bits
+
+    return chunk_bits(side.ckpt, side.entry, chunk, blob)
+
+
+def _torch_int(torch: Any, itemsize: int) -> Any:
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+
+
 def numel(sizes: Sequence[int]) -> int:
     n = 1
     for s in sizes:
@@ -134,7 +151,7 @@ class _Key:
         self.coarse, self.fine = (a, b) if len(a.entry.chunks) <= len(b.entry.chunks) else (b, a)
         self.a_is_coarse = self.coarse is a
         self.fine_chunks = self.fine.entry.chunks
-        self.cache: OrderedDict[int, tuple[Any, int]] = OrderedDict()  # fine chunks still needed later
+        self.cache: OrderedDict[int, tuple[bytes, int]] = OrderedDict()  # fine chunks' bytes still needed later
         self.cache_limit = 2 * max((c.storage.length for c in self.fine_chunks if c.storage), default=0)
         self.held = 0  # bytes held in the in-flight count by this walk outside the cache
         self.covered = 0
@@ -160,14 +177,14 @@ class _Key:
             self.acc.update(fine, coarse, origin)
 
     @contextmanager
-    def _fine(self, j: int) -> Iterator[Any]:
-        """Fine chunk ``j`` decoded: from the cache, or read now (and cached while later chunks need it; else
+    def _fine(self, j: int) -> Iterator[bytes]:
+        """Fine chunk ``j``'s bytes: from the cache, or read now (and cached while later chunks need it; else
         released when the block ends)."""
         self.uses[j] -= 1
         hit = self.cache.pop(j, None)
         if hit is None:
             blob = _blob(self.fine, self.fine_chunks[j], self.ctx)
-            hit = (_view(self.fine, self.fine_chunks[j], blob), len(blob))
+            hit = (blob, len(blob))
         release = 0
         if self.uses[j] > 0:
             self.cache[j] = hit
@@ -193,7 +210,7 @@ class _Key:
                 twin = _blob(self.fine, other, ctx)
                 self.held += len(twin)
                 self.uses[js[0]] -= 1
-                if blob == twin:
+                if blob == twin or self._bits_equal(chunk, blob, other, twin):
                     self.acc.elements += size
                     self.covered += size
                     return
@@ -202,14 +219,18 @@ class _Key:
             else:
                 ctx.torch.get()
                 with self._fine(js[0]) as fine:
-                    self._compare(_view(self.coarse, chunk, blob), fine, chunk.offsets)
+                    self._compare(_view(self.coarse, chunk, blob), _view(self.fine, other, fine), chunk.offsets)
             self.covered += size
+            return
+        regions = [(j, chunk_overlap(chunk, self.fine_chunks[j])) for j in js]
+        volume = sum(r[2] for _, r in regions if r is not None)
+        tiled = disjoint and volume == size  # the fine chunks tile this chunk: assemble them, compare once
+        if tiled and self.coarse.entry.dtype == self.fine.entry.dtype and self._tiled_bits(chunk, blob, regions):
+            self.covered += volume
             return
         torch = ctx.torch.get()
         values = _view(self.coarse, chunk, blob)
-        regions = [(j, chunk_overlap(chunk, self.fine_chunks[j])) for j in js]
-        volume = sum(r[2] for _, r in regions if r is not None)
-        if disjoint and volume == size:  # the fine chunks tile this chunk: assemble them, compare once
+        if tiled:
             dtype = getattr(torch, (self.fine.entry.dtype or "").removeprefix("torch."), None)
             buffer = torch.empty(tuple(chunk.sizes), dtype=dtype if dtype is not None else values.dtype)
             nbytes = buffer.numel() * buffer.element_size()
@@ -218,15 +239,57 @@ class _Key:
             for j, region in regions:
                 if region is not None:
                     with self._fine(j) as fine:
-                        buffer[region[0]] = fine[region[1]]
+                        buffer[region[0]] = _view(self.fine, self.fine_chunks[j], fine)[region[1]]
             self._compare(values, buffer, chunk.offsets)
         else:  # a partial cover (chunks missing on one side): the overlapping regions one by one
             for j, region in regions:
                 if region is not None:
                     origin = tuple(o + (s.start or 0) for o, s in zip(chunk.offsets, region[0]))
                     with self._fine(j) as fine:
-                        self._compare(values[region[0]], fine[region[1]], origin)
+                        self._compare(values[region[0]], _view(self.fine, self.fine_chunks[j], fine)[region[1]], origin)
         self.covered += volume
+
+    def _bits_equal(self, chunk: DcpChunk, blob: bytes, other: DcpChunk, twin: bytes) -> bool:
+        """Whether two chunks of the same box and dtype hold the same bit patterns, told without torch (their
+        archives can differ elsewhere: another save's serialization id). False: not known, compare with torch."""
+        mine, theirs = _bits(self.coarse, chunk, blob), _bits(self.fine, other, twin)
+        if mine is None or theirs is None or mine.dtype != theirs.dtype:
+            return False
+        from ckptdoctor.values.read import numpy_or_none
+
+        return bool(numpy_or_none().array_equal(mine, theirs))
+
+    def _tiled_bits(self, chunk: DcpChunk, blob: bytes, regions: list) -> bool:
+        """The tiled case without torch: the fine chunks' bit patterns copied into one buffer of the coarse
+        chunk's shape and compared with it in one call. True when equal (the accumulator is fed what the torch
+        path would feed it); when they differ, the buffer goes to the torch path as a tensor of the key's dtype;
+        False (nothing consumed) where a chunk is not the plain case (values.read.chunk_bits)."""
+        values = _bits(self.coarse, chunk, blob)
+        if values is None:
+            return False
+        from ckptdoctor.values.read import numpy_or_none
+
+        np = numpy_or_none()
+        buffer = np.empty(values.shape, dtype=values.dtype)
+        self.ctx.inflight.acquire(buffer.nbytes)
+        self.held += buffer.nbytes
+        for j, region in regions:
+            if region is not None:
+                with self._fine(j) as fine:
+                    bits = _bits(self.fine, self.fine_chunks[j], fine)
+                    if bits is None or bits.dtype != values.dtype:  # an irregular chunk: its torch view's bits
+                        torch = self.ctx.torch.get()
+                        view = _view(self.fine, self.fine_chunks[j], fine)[region[1]]
+                        buffer[region[0]] = view.contiguous().view(_torch_int(torch, buffer.itemsize)).numpy()
+                    else:
+                        buffer[region[0]] = bits[region[1]]
+        if np.array_equal(values, buffer):
+            self.acc.elements += values.size
+            return True
+        torch = self.ctx.torch.get()
+        dtype = getattr(torch, (self.coarse.entry.dtype or "").removeprefix("torch."))
+        self._compare(_view(self.coarse, chunk, blob), torch.from_numpy(buffer).view(dtype), chunk.offsets)
+        return True
 
 
 def compare_entries(a: Side, b: Side, acc: Accumulator, ctx: Context) -> int:
