@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             "cat_over_values_reshard": group.ratio("cat-reshard", "values-reshard"),
         },
     }
+    recorder.write(payload)  # written again with the workaround's figures (kept if the workaround fails)
     if not o.skip_workaround:
         scratch = DATA / "diff_workaround"
         scratch.mkdir(exist_ok=True)
@@ -212,10 +215,16 @@ def main(argv: list[str] | None = None) -> int:
             str(scratch / "b.pt"),
         ]
         try:
-            workaround = alternate({"workaround": Case(cmd, stdout_path=out / "workaround.txt")}, 1, o.timeout, False)
+            run = harness.run_once(cmd, o.timeout, out / "workaround.txt")
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        payload["workaround"] = workaround.summary() | {"output": (out / "workaround.txt").read_text().strip()}
+        if run.timed_out or run.rc:
+            raise SystemExit(f"workaround failed: {run}")
+        output = (out / "workaround.txt").read_text().strip()
+        payload["workaround"] = asdict(run) | {
+            "command": shlex.join(cmd[:2] + ["WORKAROUND", *cmd[3:]]),
+            "output": output,
+        }
     doc = json.loads(recorder.write(payload).read_text())
     print(harness.header(doc) + "\n\n" + render(doc))
     if o.cleanup:
@@ -253,17 +262,19 @@ def render(doc: dict) -> str:
             f"| {c['peak_rss_mb']:.0f} |"
         )
     r = ratios["structural_big_over_small"]
+    cpu = harness.summary_ratio(cases, f"structural-{big}", f"structural-{small}")
     lines += ["", "| measure | result | target |", "|---|---|---|"]
     lines.append(
-        f"| structural {big} / {small}, per round | {fmt_spread(r, '.2f')} | <= 1.3: {verdict(r['median'] <= 1.3)} |"
+        f"| structural {big} / {small}, per round: wall; CPU | {fmt_spread(r, '.2f')}; {fmt_spread(cpu, '.2f')} "
+        f"| <= 1.3: {verdict(r['median'] <= 1.3)} |"
     )
     if "workaround" in doc:
-        w = doc["workaround"]["cases"]["workaround"]
+        w = doc["workaround"]
         structural = cases[f"structural-{big}"]["seconds"]["median"]
-        speedup = w["seconds"]["median"] / structural
+        speedup = w["wall_s"] / structural
         lines.append(
-            f"| workaround at {big} (`dcp_to_torch_save` both, `torch.load` both, compare) / structural | "
-            f"{w['seconds']['median']:.1f} s / {structural:.2f} s = {speedup:.0f}x (peak RSS "
+            f"| workaround at {big} (`dcp_to_torch_save` both, `torch.load` both, compare; one run) / structural | "
+            f"{w['wall_s']:.1f} s / {structural:.2f} s = {speedup:.0f}x (CPU {w['cpu_s']:.1f} s, peak RSS "
             f"{w['peak_rss_mb'] / 1024:.1f} GiB) | >= 50x: {verdict(speedup >= 50)} |"
         )
     bound = doc["rss_bound_mb"]
