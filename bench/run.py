@@ -1,7 +1,7 @@
 """Inspect against PyTorch's own metadata read, and the scale table; every figure from alternating runs.
 
     python bench/run.py --only inspect --sizes 0.5G,4G      # -> bench/results/inspect.json
-    python bench/run.py --only scale                        # -> bench/results/scale.json
+    python bench/run.py --only scale --before TREE          # -> bench/results/scale.json
     python bench/run.py --render inspect                    # print the README table of a results file
     python bench/run.py --list
 
@@ -12,10 +12,12 @@ included) and in-process, ``cat`` of ``.metadata`` and the ``python -c "import c
 one alternating group (``harness.alternate``), ratios per round. Separately, at the largest size, the old
 anchor under its real name: converting and loading all the data (``dcp_to_torch_save`` + ``torch.load``).
 
-**scale** (small tensors, ``--scale-bytes``): ``inspect``, ``check``, ``diff A A`` and ``fix-args --write``
-whole-process wall and peak RSS at 2k/20k/100k/200k keys (200 files) and 200/2,000/20,000 files (20k keys),
-each command one alternating group with the floor; growth exponents per round with the floor subtracted; RSS
-per key.
+**scale** (``SCALE_POINTS``): ``inspect``, ``check``, ``diff A A`` and ``fix-args --write`` whole-process wall
+and peak RSS at 2k/20k/100k/200k keys (200 files), 200/2,000/20,000 files (20k keys), 0.06/0.5/2 GB of data,
+TP1/8/64 chunk grids and 1M chunks (42k keys x TP16), each command one alternating group with the floor
+``python -c "import click, tabulate"`` and, with ``--before TREE``, the same cases run from another source tree
+(ratios after / before per round); growth exponents per round, raw and with that round's floor subtracted;
+peak RSS per chunk beyond the floor.
 """
 
 from __future__ import annotations
@@ -221,16 +223,42 @@ def render_inspect(doc: dict) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def scale_points(o: argparse.Namespace) -> dict[str, tuple[int, int]]:
-    """label -> (keys, files): a key sweep at 200 files and a file sweep at 20k keys."""
-    points = {f"{k // 1000}k keys / 200 files": (k, 200) for k in o.scale_keys}
-    for files in o.scale_files:
-        points.setdefault(f"20k keys / {files} files", (20000, files))
-    return points
+# label -> (data size, keys, files, generator options, sweep): every scale input, each made once by
+# make_synthetic.py and cached in bench/data. Small tensors (--shape-tp 2) unless the TP grid needs TP=64 shapes.
+_SMALL = {"shape-tp": "2"}
+SCALE_POINTS: dict[str, tuple[str, int, int, dict[str, str], str]] = {
+    "2k keys / 200 files": ("64M", 2000, 200, _SMALL, "keys"),
+    "20k keys / 200 files": ("64M", 20000, 200, _SMALL, "keys"),
+    "100k keys / 200 files": ("64M", 100000, 200, _SMALL, "keys"),
+    "200k keys / 200 files": ("64M", 200000, 200, _SMALL, "keys"),
+    "20k keys / 2000 files": ("64M", 20000, 2000, _SMALL, "files"),
+    "20k keys / 20000 files": ("64M", 20000, 20000, _SMALL, "files"),
+    "20k keys / 2000 files / 0.5G": ("0.5G", 20000, 2000, {"shape-tp": "4"}, "bytes"),
+    "20k keys / 2000 files / 2G": ("2G", 20000, 2000, {"shape-tp": "4"}, "bytes"),
+    "20k keys TP1 / 256 files": ("64M", 20000, 256, {"tp": "1", "shape-tp": "64"}, "tp"),
+    "20k keys TP8 / 256 files": ("64M", 20000, 256, {"tp": "8", "shape-tp": "64"}, "tp"),
+    "20k keys TP64 / 256 files": ("64M", 20000, 256, {"tp": "64", "shape-tp": "64"}, "tp"),
+    "42k keys TP16 (1M chunks) / 256 files": (
+        "64M",
+        42000,
+        256,
+        {"tp": "16", "shape-tp": "16", "expert-tp": "16"},
+        "chunks",
+    ),
+}
+BEFORE = " · before"  # suffix of a case run from the --before tree
 
 
-def scale_commands(save: Path, scratch: Path) -> dict[str, tuple[list[str], Callable[[], None] | None]]:
-    out = scratch / save.name
+def scale_points(o: argparse.Namespace) -> dict[str, tuple[str, int, int, dict[str, str], str]]:
+    """The points asked for (``--scale-points``: comma-separated label prefixes; default every point)."""
+    if not o.scale_points:
+        return dict(SCALE_POINTS)
+    wanted = [w.strip() for w in o.scale_points.split(",") if w.strip()]
+    return {label: spec for label, spec in SCALE_POINTS.items() if any(label.startswith(w) for w in wanted)}
+
+
+def scale_commands(save: Path, scratch: Path, tag: str) -> dict[str, tuple[list[str], Callable[[], None] | None]]:
+    out = scratch / f"{save.name}{tag}"
 
     def clean() -> None:
         shutil.rmtree(out, ignore_errors=True)
@@ -246,53 +274,67 @@ def scale_commands(save: Path, scratch: Path) -> dict[str, tuple[list[str], Call
 
 def bench_scale(o: argparse.Namespace) -> dict:
     points = scale_points(o)
-    saves = {label: harness.synthetic(o.scale_bytes, keys, files) for label, (keys, files) in points.items()}
+    saves = {
+        label: harness.synthetic(size, keys, files, **extra) for label, (size, keys, files, extra, _) in points.items()
+    }
     scratch = DATA / "tmp" / "scale"
     scratch.mkdir(parents=True, exist_ok=True)
+    trees = {"": None} if o.before is None else {"": None, BEFORE: o.before.resolve()}
     groups = {}
     for command in o.scale_commands:
         print(f"== scale: {command}", flush=True)
         cases = {"floor": Case(FLOOR)}
         for label, save in saves.items():
-            cmd, before = scale_commands(save, scratch)[command]
-            # a clean synthetic must pass (exit 0); the 20,000-file one has empty unreferenced .distcp files
-            # (DCP writes one for a rank with a single chunk) that check reports as CKD115 warnings (exit 1)
-            empty = any(f.stat().st_size == 0 for f in harness.iteration_files(save)[0].glob("*.distcp"))
-            cases[label] = Case(cmd, before=before, ok_rcs=(0, 1) if empty and command == "check" else (0,))
+            for tag, tree in trees.items():
+                cmd, before = scale_commands(save, scratch, tag.strip(" ·"))[command]
+                # a clean synthetic must pass (exit 0); one with empty unreferenced .distcp files (made before
+                # make_synthetic gave every writer thread an item) may get CKD115 warnings from check (exit 1)
+                empty = any(f.stat().st_size == 0 for f in harness.iteration_files(save)[0].glob("*.distcp"))
+                ok = (0, 1) if empty and command == "check" else (0,)
+                cases[label + tag] = Case(cmd, before=before, ok_rcs=ok, cwd=tree)
         groups[command] = alternate(cases, o.scale_repeats, o.timeout)
     shutil.rmtree(scratch, ignore_errors=True)
     return {
         "scale_bytes": o.scale_bytes,
-        "inputs": {label: harness.synthetic_info(save) for label, save in saves.items()},
+        "before": None
+        if o.before is None
+        else {"tree": str(o.before), "commit": harness._git("rev-parse", "--short", "HEAD", cwd=o.before)},
+        "inputs": {label: harness.synthetic_info(save) | {"sweep": points[label][4]} for label, save in saves.items()},
         "groups": {c: g.summary() for c, g in groups.items()},
     }
 
 
-def exponents(doc: dict) -> dict:
-    """Growth exponents per round, log(t1 / t0) / log(n1 / n0), raw and with that round's floor subtracted,
-    between the smallest and the largest point of each sweep that ran."""
+def _walls(cases: dict, label: str) -> list[float]:
+    c = cases.get(label)
+    return [] if c is None or c["failure"] else [r["wall_s"] for r in c["runs"]]
+
+
+def exponents(doc: dict, tag: str = "") -> dict:
+    """Growth exponents per round, log(t1 / t0) / log(n1 / n0), raw and with that round's floor subtracted
+    (``python -c "import click, tabulate"``, run in the same rounds), between the smallest and the largest
+    point of the key and file sweeps (``tag``: the --before tree's cases)."""
     out = {}
     for command, g in doc["groups"].items():
         cases = g["cases"]
-
-        def per_round(label: str, cases: dict = cases) -> list[float]:
-            c = cases[label]
-            return [] if c["failure"] else [r["wall_s"] for r in c["runs"]]
-
-        floors = per_round("floor")
-        for axis, suffix in (("keys", "/ 200 files"), ("files", "")):
-            sweep = [x for x in doc["inputs"] if (x.endswith(suffix) if suffix else x.startswith("20k keys"))]
-            sweep = [x for x in sweep if per_round(x)]
+        floors = _walls(cases, "floor")
+        for axis in ("keys", "files"):
+            sweep = [
+                x
+                for x, info in doc["inputs"].items()
+                if info.get("sweep") == axis or (axis == "files" and x == "20k keys / 200 files")
+            ]
+            sweep = [x for x in sweep if _walls(cases, x + tag)]
+            sweep.sort(key=lambda x: doc["inputs"][x][axis])
             if len(sweep) < 2:
                 continue
             a, b = sweep[0], sweep[-1]
             n0, n1 = (doc["inputs"][x][axis] for x in (a, b))
             raw, net = [], []
-            for f, t0, t1 in zip(floors, per_round(a), per_round(b)):
+            for f, t0, t1 in zip(floors, _walls(cases, a + tag), _walls(cases, b + tag)):
                 raw.append(math.log(t1 / t0) / math.log(n1 / n0))
                 if t0 > f and t1 > f:  # under load a round's floor can exceed a small point's time
                     net.append(math.log((t1 - f) / (t0 - f)) / math.log(n1 / n0))
-            out[f"{command} vs {axis}"] = {
+            out[f"{command} vs {axis}{tag}"] = {
                 "from": a,
                 "to": b,
                 "raw": harness.spread(raw),
@@ -301,51 +343,98 @@ def exponents(doc: dict) -> dict:
     return out
 
 
+def _cell(case: dict | None, digits: str = ".2f") -> str:
+    if case is None:
+        return "- | -"
+    if case["failure"]:
+        return f"{case['failure']} | -"
+    return f"{fmt_spread(case['seconds'], digits)} | {case['peak_rss_mb']:.0f}"
+
+
 def render_scale(doc: dict) -> str:
     groups = doc["groups"]
     commands = list(groups)
-    lines = [
-        "| input | keys | chunks | files | .metadata MiB | " + " | ".join(f"`{c}` s | RSS MB" for c in commands) + " |",
-        "|---|---|---|---|---|" + "---|---|" * len(commands),
+    has_before = doc.get("before") is not None
+    lines = []
+    if has_before:
+        lines.append(
+            f"Before: `{doc['before']['tree']}` (commit {doc['before']['commit']}); after: the measured commit.\n"
+        )
+    head = " | ".join(
+        (f"`{c}` s | RSS MB | before s | before RSS MB" if has_before else f"`{c}` s | RSS MB") for c in commands
+    )
+    width = 4 if has_before else 2
+    lines += [
+        f"| input | keys | chunks | files | data GB | .metadata MiB | {head} |",
+        "|---|---|---|---|---|---|" + "---|" * (width * len(commands)),
     ]
     for label, info in doc["inputs"].items():
         cells = []
         for c in commands:
-            case = groups[c]["cases"][label]
-            if case["failure"]:
-                cells.append(f"{case['failure']} | -")
-            else:
-                cells.append(f"{fmt_spread(case['seconds'], '.2f')} | {case['peak_rss_mb']:.0f}")
+            cases = groups[c]["cases"]
+            cells.append(_cell(cases.get(label)))
+            if has_before:
+                cells.append(_cell(cases.get(label + BEFORE)))
         lines.append(
             f"| {label} | {info['keys']:,} | {info['chunks']:,} | {info['files']:,} | "
-            f"{info['metadata_bytes'] / 2**20:.1f} | " + " | ".join(cells) + " |"
+            f"{info['data_bytes'] / 2**30:.2f} | {info['metadata_bytes'] / 2**20:.1f} | " + " | ".join(cells) + " |"
         )
     floor = groups[commands[0]]["cases"]["floor"]
     lines.append(
-        f'| floor `python -c "import click, tabulate"` | | | | | {fmt_spread(floor["seconds"], ".2f")} | '
-        f"{floor['peak_rss_mb']:.0f} |" + " | |" * (len(commands) - 1)
+        f'| floor `python -c "import click, tabulate"` | | | | | | {fmt_spread(floor["seconds"], ".2f")} | '
+        f"{floor['peak_rss_mb']:.0f} |" + " |" * (width * len(commands) - 2)
     )
-    lines += ["", "| growth exponent (per round, median [min–max]) | raw | floor subtracted |", "|---|---|---|"]
-    for name, e in exponents(doc).items():
-        lines.append(
-            f"| {name} ({e['from']} -> {e['to']}) | {fmt_spread(e['raw'], '.2f')} | "
-            f"{fmt_spread(e['minus_floor'], '.2f')} |"
-        )
+    if has_before:
+        lines += [
+            "",
+            "| after / before, per round (median [min–max]) | " + " | ".join(f"`{c}` wall" for c in commands) + " |",
+        ]
+        lines.append("|---|" + "---|" * len(commands))
+        for label in doc["inputs"]:
+            cells = []
+            for c in commands:
+                cases = groups[c]["cases"]
+                a, b = _walls(cases, label), _walls(cases, label + BEFORE)
+                cells.append(fmt_spread(harness.spread([x / y for x, y in zip(a, b)]), ".2f") if a and b else "-")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "| peak RSS per key (200 files) | from -> to | RSS / keys at the largest | slope |",
-        "|---|---|---|---|",
+        "| peak RSS per chunk beyond the floor, (RSS - floor RSS) / chunks | "
+        + " | ".join((f"`{c}` | before" if has_before else f"`{c}`") for c in commands)
+        + " |",
     ]
-    for c in commands:
-        cases = groups[c]["cases"]
-        ok = [x for x in doc["inputs"] if x.endswith("/ 200 files") and not cases[x]["failure"]]
-        if len(ok) < 2:
-            continue
-        a, b = ok[0], ok[-1]
-        ka, kb = doc["inputs"][a]["keys"], doc["inputs"][b]["keys"]
-        per_key = cases[b]["peak_rss_mb"] * 1024 / kb
-        slope = (cases[b]["peak_rss_mb"] - cases[a]["peak_rss_mb"]) * 1024 / (kb - ka)
-        lines.append(f"| `{c}` | {a} -> {b} | {per_key:.1f} KiB | {slope:.1f} KiB per key |")
+    lines.append("|---|" + "---|" * (len(commands) * (2 if has_before else 1)))
+    for label, info in doc["inputs"].items():
+        cells = []
+        for c in commands:
+            cases = groups[c]["cases"]
+            floor_mb = cases["floor"]["peak_rss_mb"]
+            for tag in ("", BEFORE) if has_before else ("",):
+                case = cases.get(label + tag)
+                ok = case is not None and not case["failure"]
+                cells.append(f"{(case['peak_rss_mb'] - floor_mb) * 2**20 / info['chunks']:,.0f} B" if ok else "-")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    sweep = sorted(
+        (x for x, i in doc["inputs"].items() if i.get("sweep") == "keys"), key=lambda x: doc["inputs"][x]["chunks"]
+    )
+    if len(sweep) >= 2:
+        a, b = sweep[0], sweep[-1]
+        da = doc["inputs"][b]["chunks"] - doc["inputs"][a]["chunks"]
+        cells = []
+        for c in commands:
+            cases = groups[c]["cases"]
+            for tag in ("", BEFORE) if has_before else ("",):
+                ca, cb = cases.get(a + tag), cases.get(b + tag)
+                ok = ca and cb and not ca["failure"] and not cb["failure"]
+                cells.append(f"{(cb['peak_rss_mb'] - ca['peak_rss_mb']) * 2**20 / da:,.0f} B" if ok else "-")
+        lines.append(f"| slope {a} -> {b} | " + " | ".join(cells) + " |")
+    lines += ["", "| growth exponent (per round, median [min–max]) | raw | floor subtracted |", "|---|---|---|"]
+    for tag in ("", BEFORE) if has_before else ("",):
+        for name, e in exponents(doc, tag).items():
+            lines.append(
+                f"| {name} ({e['from']} -> {e['to']}) | {fmt_spread(e['raw'], '.2f')} | "
+                f"{fmt_spread(e['minus_floor'], '.2f')} |"
+            )
     return "\n".join(lines)
 
 
@@ -368,8 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--convert-repeats", type=int, default=2)
     p.add_argument("--skip-convert", action="store_true", help="inspect: leave out convert-and-load")
     p.add_argument("--scale-bytes", default="64M", help="scale: synthetic data size (small tensors)")
-    p.add_argument("--scale-keys", default="2000,20000,40000,100000,200000")
-    p.add_argument("--scale-files", default="200,2000,20000")
+    p.add_argument(
+        "--scale-points", default="", help="scale: comma-separated label prefixes of SCALE_POINTS (default: all)"
+    )
+    p.add_argument("--before", type=Path, default=None, help="scale: also run every case from this source tree")
+    p.add_argument("--results-name", default=None, help="results file name (default: the benchmark's name)")
     p.add_argument("--scale-commands", default="inspect,check,diff,fix-args")
     p.add_argument("--scale-repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300, help="seconds before a run is killed")
@@ -380,11 +472,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:10s} {help_}")
         return 0
     if o.render:
-        print(BENCHMARKS[o.render][1](json.loads((RESULTS / f"{o.render}.json").read_text())))
+        doc = json.loads((RESULTS / f"{o.render}.json").read_text())
+        print(BENCHMARKS[doc["benchmark"]][1](doc))
         return 0
     o.sizes = [s.strip() for s in o.sizes.split(",") if s.strip()]
-    o.scale_keys = [int(k) for k in o.scale_keys.split(",") if k.strip()]
-    o.scale_files = [int(k) for k in o.scale_files.split(",") if k.strip()]
     o.scale_commands = [c.strip() for c in o.scale_commands.split(",") if c.strip()]
     names = list(BENCHMARKS) if o.only is None else [n.strip() for n in o.only.split(",")]
     unknown = [n for n in names if n not in BENCHMARKS]
@@ -395,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         recorder = harness.Recorder(name, argv, "run.py")
         bench, render, _ = BENCHMARKS[name]
         payload = bench(o)
-        doc = json.loads(recorder.write(payload).read_text())
+        doc = json.loads(recorder.write(payload, o.results_name).read_text())
         print(harness.header(doc) + "\n\n" + render(doc))
     return 0
 
