@@ -135,6 +135,8 @@ class BackgroundCopy:
             "jobs": jobs,
             "progress": self._progress is not None,
         }
+        if not sys.executable or not copy_worker.__file__:  # an embedded interpreter: copy in threads here
+            return None
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", copy_worker.__file__],
