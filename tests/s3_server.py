@@ -56,6 +56,9 @@ class RequestLog:
 
 class _Proxy(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY: the status line and headers go out in one write and the body in another; with Nagle's
+    # algorithm the body waits for the client's delayed ACK of the headers, 40 ms a request (3.5 ms without).
+    disable_nagle_algorithm = True
     server: _ProxyServer
 
     def log_message(self, format: str, *args: object) -> None:  # quiet
