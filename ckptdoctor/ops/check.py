@@ -219,10 +219,11 @@ def _discover(directory: Path, targets: _Targets, seen: set[Path]) -> None:
     """Checkpoints below ``directory`` (not itself one), in name order: a save or iteration dir is added and
     not entered; hidden dirs (ckptdoctor's staging and backup dirs among them) are not entered; a symlinked
     dir is followed once (each resolved dir is visited once). Depth-first with an explicit stack: a tree
-    thousands of dirs deep must not exhaust Python's recursion."""
-    stack = [(directory, iter(sorted(list_dir(directory))))]
+    thousands of dirs deep must not exhaust Python's recursion. A dir's resolved path is its resolved parent's
+    plus its name unless it is a symlink (resolving each full path again was quadratic in the depth)."""
+    stack = [(directory, directory.resolve(), iter(sorted(list_dir(directory))))]
     while stack:
-        parent, names = stack[-1]
+        parent, parent_resolved, names = stack[-1]
         name = next(names, None)
         if name is None:
             stack.pop()
@@ -230,14 +231,14 @@ def _discover(directory: Path, targets: _Targets, seen: set[Path]) -> None:
         child = parent / name
         if name.startswith(".") or not child.is_dir():
             continue
-        resolved = child.resolve()
+        resolved = child.resolve() if child.is_symlink() else parent_resolved / name
         if resolved in seen:
             continue
         seen.add(resolved)
         below = sorted(list_dir(child))  # one error naming a dir that cannot be listed
         if not _add_checkpoint_dir(child, targets):
             targets.findings += leftovers.scan_beside(child, child)
-            stack.append((child, iter(below)))
+            stack.append((child, resolved, iter(below)))
 
 
 def _add_file(path: Path, targets: _Targets) -> None:
