@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import functools
+import io
 import json
+import locale
 import os
+import resource
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -145,3 +151,108 @@ def run_cli(
         "raise SystemExit(rc)\n"
     )
     return subprocess.run([python, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def run_ckptdoctor(
+    *args: object,
+    env: dict | None = None,
+    cwd: Path = REPO,
+    timeout: float = 120,
+    memory_headroom: int | None = None,
+) -> subprocess.CompletedProcess:
+    """``python -m ckptdoctor ARGS`` as a forked copy of this test process: a real process (its own pid, exit
+    code, signals, locks, a kill at a fault point, an address-space limit) that runs the same entry point
+    (:func:`ckptdoctor.cli.run`) without starting an interpreter and importing ckptdoctor again (~0.3 s a
+    child on 2 cores). It starts from this process's state (modules already imported, torch perhaps among
+    them): a test about what a fresh process imports, or about start-up, runs a real interpreter
+    (:func:`run_cli`). ``memory_headroom``: bytes of address space the child may add to what it inherits
+    (RLIMIT_AS). Returns what ``subprocess.run(..., capture_output=True, text=True)`` would; a child still
+    running after ``timeout`` seconds is killed and ``subprocess.TimeoutExpired`` raised."""
+    argv = [str(a) for a in args]
+    shown = [sys.executable, "-m", "ckptdoctor", *argv]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child ends in os._exit
+            _forked_cli(argv, out.fileno(), err.fileno(), env, cwd, memory_headroom)
+        returncode = _wait_child(pid, timeout, shown)
+        streams = []
+        for f in (out, err):
+            f.seek(0)
+            streams.append(
+                io.TextIOWrapper(f, encoding=locale.getpreferredencoding(False)).read()
+            )  # universal newlines, as text=True
+    return subprocess.CompletedProcess(shown, returncode, *streams)
+
+
+def _forked_cli(argv: list[str], out: int, err: int, env: dict | None, cwd: Path, headroom: int | None) -> None:
+    code = 1
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        # what a fresh interpreter has: Python's SIGINT handler, default SIGTERM
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        os.chdir(cwd)
+        if headroom is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (_address_space() + headroom,) * 2)
+        encoding = locale.getpreferredencoding(False)
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding=encoding)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=encoding)
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), encoding=encoding, errors="backslashreplace", line_buffering=True
+        )
+        sys.argv = [str(REPO / "ckptdoctor" / "__main__.py"), *argv]  # as ``python -m`` sets it
+        from ckptdoctor.cli import run
+
+        run()  # ends in os._exit
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:  # as the interpreter does: the traceback, then die of SIGINT
+        traceback.print_exc()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _address_space() -> int:
+    """This process's virtual memory size in bytes (what RLIMIT_AS counts)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _wait_child(pid: int, timeout: float, args: list[str]) -> int:
+    """The child's exit code (negative: the signal that ended it), or kill it and raise TimeoutExpired."""
+    deadline = time.monotonic() + timeout
+    pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(args, timeout)
+            if pidfd is not None:
+                select.select([pidfd], [], [], left)
+            else:
+                time.sleep(min(left, 0.005))
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
-import resource
 import shutil
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, REPO
+from conftest import FIXTURES, run_ckptdoctor
 from hostile_corpus import DEEP_LISTS, RESOURCE_CASES, billion_laughs, call, deflate_bomb, stack_global, torch_zip
 
 from ckptdoctor import safe_pickle
@@ -36,23 +35,15 @@ from ckptdoctor.torch_stand_ins import DtypeRef
 
 COMMON_ERA = "core016_tp1"  # common state in common.pt
 ITER = "iter_0000010"
-MEMORY_LIMIT = 1536 << 20  # address space of each child: far above a metadata command, far below a balloon
-
-
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+# Address space each child may add to what it starts with: far above a metadata command (whose read of
+# .metadata asks for a buffer of the 1 GiB pickle limit), far below a balloon.
+MEMORY_LIMIT = 1536 << 20
 
 
 def run_limited(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m ckptdoctor ARGS`` with an address-space limit and a timeout (a hang fails the test)."""
-    return subprocess.run(
-        [sys.executable, "-m", "ckptdoctor", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        preexec_fn=_limit_memory,
-    )
+    """``python -m ckptdoctor ARGS`` in a child process (forked: see conftest.run_ckptdoctor) with an
+    address-space limit and a timeout (a hang fails the test)."""
+    return run_ckptdoctor(*args, timeout=timeout, memory_headroom=MEMORY_LIMIT)
 
 
 @pytest.fixture
@@ -452,8 +443,12 @@ def test_a_very_deep_tree_is_searched_without_recursion(tmp_path):
         shutil.copytree(FIXTURES / "core019_tp1", deep / "ckpt")
         rc, report = check_json(tmp_path / "tree")
         assert rc == 0 and len(report["checked"]) == 1, report
-    finally:  # shutil.rmtree (and so pytest's tmp cleanup) recurses: take the tree down level by level
-        shutil.rmtree(deep / "ckpt", ignore_errors=True)
+    finally:  # shutil.rmtree (and so pytest's tmp cleanup) recurses: take the tree down level by level,
+        shutil.rmtree(deep / "ckpt", ignore_errors=True)  # each rmdir relative to an open parent (not a
+        here = os.open(deep, os.O_RDONLY | os.O_DIRECTORY)  # 1,100-component path resolved every time)
         while deep != tmp_path:
-            deep.rmdir()
-            deep = deep.parent
+            parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=here)
+            os.close(here)
+            os.rmdir(deep.name, dir_fd=parent)
+            here, deep = parent, deep.parent
+        os.close(here)
