@@ -149,10 +149,12 @@ def verify_written(data: bytes) -> None:
     """Read a pickle we are about to write back through the scanner and the allowlist (no execution).
 
     Every pickle ckptdoctor writes passes here before it replaces anything: a name that slipped through
-    would otherwise reach the next loader, which executes what it names.
+    would otherwise reach the next loader, which executes what it names. Read index-only (the same scanner,
+    allowlist and limits; lighter records, and the result is dropped): a rewritten ``.metadata`` of 100k keys
+    is not held in memory twice as stand-ins.
     """
     try:
-        loads(data, persistent_load=lambda pid: StorageRef("0", None, "cpu", 0))
+        loads(data, persistent_load=lambda pid: StorageRef("0", None, "cpu", 0), index_only=True)
     except (UnsafePickleError, PickleLimitError) as exc:
         raise CkptError(f"refusing to write a pickle that does not read back safely: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - any failure to read back means we made something wrong
