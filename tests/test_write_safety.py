@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, require_exchange
+from conftest import REPO, require_exchange, run_ckptdoctor
 
 from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE, FAULT_MODE_ENV, FAULT_SLEEP_ENV
 from ckptdoctor.cli import main
@@ -34,14 +34,9 @@ LEFTOVER_CODES = ("CKD150", "CKD151")
 
 
 def _cli(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ckptdoctor", *map(str, args)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    """``python -m ckptdoctor ARGS`` in a child process (forked: conftest.run_ckptdoctor), killed or
+    interrupted at a fault point by ``env``."""
+    return run_ckptdoctor(*args, env=env)
 
 
 def _fault_env(step: str, mode: str = "exit", **extra: str) -> dict:
