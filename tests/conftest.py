@@ -153,6 +153,30 @@ def run_cli(
     return subprocess.run([python, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
 
 
+def run_cli_each(
+    commands: list[list[str]], *, block: tuple[str, ...] = (), cwd: Path = REPO, python: str = sys.executable
+) -> tuple[list[tuple[int, str, str]], list[str]]:
+    """Each of ``commands`` through ``ckptdoctor``'s main in one child interpreter (optionally with some
+    packages unimportable): (exit code, stdout, stderr) per command, and the torch/megatron modules imported
+    by the end. One interpreter for many commands, where what is tested is what that interpreter lacks."""
+    code = blocker(block) + (
+        "import contextlib, io, json\n"
+        "from ckptdoctor.cli import main\n"
+        "results = []\n"
+        f"for argv in {[[str(a) for a in c] for c in commands]!r}:\n"
+        "    out, err = io.StringIO(), io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):\n"
+        "        rc = main(argv)\n"
+        "    results.append((rc, out.getvalue(), err.getvalue()))\n"
+        "mods = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))\n"
+        "json.dump({'results': results, 'imported': mods}, sys.stdout)\n"
+    )
+    proc = subprocess.run([python, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    return [tuple(r) for r in found["results"]], found["imported"]
+
+
 def run_ckptdoctor(
     *args: object,
     env: dict | None = None,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, REPO, fixture_names, manifest, run_cli
+from conftest import FIXTURES, REPO, fixture_names, manifest, run_ckptdoctor, run_cli_each
 
 from ckptdoctor.cli import main
 
@@ -35,6 +35,19 @@ def test_version(capsys):
 
     rc, out, _ = _run(capsys, "--version")
     assert rc == 0 and __version__ in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["inspect", "@core019_tp1"], ["check", "--deep", "--isolated", "@core014_zarr_tp2"], ["inspect", "/no/such/dir"]],
+)
+def test_forked_runner_answers_like_a_fresh_interpreter(args):
+    """conftest.run_ckptdoctor (a forked copy of the test process, used by the write-safety and hostile-input
+    tests) gives what ``python -m ckptdoctor`` in a new interpreter gives: exit code, stdout, stderr."""
+    argv = [str(FIXTURES / a[1:]) if a.startswith("@") else a for a in args]
+    fresh = subprocess.run([sys.executable, "-m", "ckptdoctor", *argv], cwd=REPO, capture_output=True, text=True)
+    forked = run_ckptdoctor(*argv)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
 
 
 def test_python_dash_m_entry_point():
@@ -198,12 +211,22 @@ def test_unsafe_common_pt_refused_without_executing(capsys, copy_fixture, tmp_pa
     assert not marker.exists()
 
 
+@pytest.fixture(scope="module")
+def inspected_with_torch_blocked():
+    """``inspect --keys`` of every fixture in one interpreter where torch and megatron cannot be imported."""
+    results, imported = run_cli_each(
+        [["inspect", str(FIXTURES / name), "--keys"] for name in NAMES], block=("megatron", "torch")
+    )
+    return dict(zip(NAMES, results)), imported
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_inspect_with_megatron_and_torch_blocked(name):
-    result = run_cli("inspect", str(FIXTURES / name), "--keys", block=("megatron", "torch"))
-    assert result.returncode == 0, result.stderr
-    assert "saved layout" in result.stdout
-    assert result.stderr.strip().endswith("IMPORTED:")  # neither torch nor megatron was imported
+def test_inspect_with_megatron_and_torch_blocked(inspected_with_torch_blocked, name):
+    results, imported = inspected_with_torch_blocked
+    rc, out, err = results[name]
+    assert rc == 0, err
+    assert "saved layout" in out
+    assert imported == []  # neither torch nor megatron was imported
 
 
 def test_inspect_in_a_venv_without_torch(tmp_path):
@@ -229,10 +252,10 @@ def test_inspect_in_a_venv_without_torch(tmp_path):
     shutil.copytree(REPO / "ckptdoctor", Path(purelib) / "ckptdoctor")
     probe = subprocess.run([str(python), "-c", "import torch"], capture_output=True, text=True)
     assert probe.returncode != 0  # torch really is absent here
-    for name in NAMES:
-        result = run_cli("inspect", str(FIXTURES / name), python=str(python), cwd=tmp_path)
-        assert result.returncode == 0, result.stderr
-        assert "saved layout" in result.stdout
+    results, _ = run_cli_each([["inspect", str(FIXTURES / name)] for name in NAMES], python=str(python), cwd=tmp_path)
+    for name, (rc, out, err) in zip(NAMES, results):
+        assert rc == 0, (name, err)
+        assert "saved layout" in out, name
 
 
 def test_values_without_torch_names_the_extra(tmp_path):
