@@ -162,3 +162,5 @@ class Context:
         self.inflight = inflight
         self.torch = torch
         self.files = Files()
+        # byte ranges read ahead for the key being compared ((side, id(chunk)) -> bytes), taken by the first use
+        self.preread: dict[tuple[str, int], bytes] = {}

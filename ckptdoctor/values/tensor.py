@@ -109,7 +109,9 @@ def _blob(side: Side, chunk: DcpChunk, ctx: Context) -> bytes:
         raise CkptError(f"{ckpt.iteration_dir}: {entry.key} chunk at {list(chunk.offsets)}: no storage entry")
     ctx.inflight.acquire(chunk.storage.length)
     try:  # Files.read refuses a range longer than the chunk can need (Entry.max_range_bytes)
-        data = ctx.files.read(ckpt, chunk.storage, entry.max_range_bytes(chunk))
+        data = ctx.preread.pop((side.name, id(chunk)), None)
+        if data is None:
+            data = ctx.files.read(ckpt, chunk.storage, entry.max_range_bytes(chunk))
     except BaseException:
         ctx.inflight.release(chunk.storage.length)
         raise
