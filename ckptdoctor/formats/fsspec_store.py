@@ -37,7 +37,13 @@ class FsspecStore(ObjectStore):
         self.options: dict[str, Any] = {}
         configured = fsspec.config.conf.get(scheme, {})
         if scheme in ("s3", "s3a") and "config_kwargs" not in configured:
-            self.options["config_kwargs"] = {"retries": {"max_attempts": 1}, "connect_timeout": 10, "read_timeout": 60}
+            # botocore counts max_attempts as retries after the first (2 attempts, with its own backoff):
+            # total_max_attempts=1 is one attempt, ours are the only retries
+            self.options["config_kwargs"] = {
+                "retries": {"total_max_attempts": 1},
+                "connect_timeout": 10,
+                "read_timeout": 60,
+            }
         self.package = package
         self.retries = 1 if "retries" not in configured else None  # s3fs's own retry loop: ours is enough
         self._connect()
