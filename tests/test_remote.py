@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import s3_server  # moto, s3fs and multi-storage-client are test dependencies: no skip
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, free_port, run_cli
 
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.cli import main
@@ -253,7 +253,8 @@ def test_missing_object_is_one_line_naming_the_url(remote, capsys):
     assert rc == 2 and err == f"ckptdoctor: error: {url}: no such file or directory\n"
     remote.client().delete_object(Bucket=s3_server.BUCKET, Key="padded/core019_tp1/iter_0000010/.metadata")
     rc, out, err = ckd(capsys, "inspect", f"{PREFIXES['msc']}padded/core019_tp1")
-    assert rc == 2 and err.count("\n") == 1 and "msc://s3test/padded/core019_tp1/iter_0000010/.metadata" in err, err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "msc://s3test/padded/core019_tp1/iter_0000010: .metadata missing" in err, err
     remote.upload_tree(FIXTURES / "core019_tp1", "padded/core019_tp1")  # put the padded one back below
     remote.client().upload_file(
         str(FIXTURES / "core019_tp1/iter_0000010/.metadata"),
@@ -284,14 +285,15 @@ def test_server_gone_mid_run_is_exit_2_naming_the_url(remote, capsys, monkeypatc
     assert err.count("\n") == 1 and "internal error" not in err and "Traceback" not in err
 
 
-def test_no_server_at_all(tmp_path):
-    import os
-
-    env = {**s3_server.CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_server.free_port()}"}
-    proc = run_cli("inspect", "s3://ckpt/core019_tp1", env={**os.environ, **env})
-    assert proc.returncode == 2, proc.stderr
-    line = proc.stderr.split("\nIMPORTED:")[0]
-    assert line.startswith("ckptdoctor: error: s3://ckpt") and "\n" not in line.strip(), proc.stderr
+def test_no_server_at_all(capsys, monkeypatch):
+    for name, value in {**s3_server.CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(storage, "BACKOFF_S", 0.01)  # the 4 attempts, without 1.4 s of backoff
+    rc, out, err = ckd(capsys, "inspect", "s3://ckpt/core019_tp1")
+    storage._STORES.clear()
+    assert rc == 2 and out == "", err
+    assert err.startswith("ckptdoctor: error: s3://ckpt") and err.count("\n") == 1, err
+    assert "cannot read after 4 attempts" in err and "internal error" not in err, err
 
 
 def test_no_credentials_is_one_line(tmp_path):
