@@ -174,7 +174,7 @@ def test_github_annotations(capsys, copy_fixture):
     assert lines[1].endswith(f"(fix: ckptdoctor fix-args {CONVERTED / ITER} --write --in-place)")
     save = copy_fixture("core019_tp1")
     odd = save / ITER / "__7_0,x:%\nFAKE.distcp"  # reserved characters in a property and the message
-    odd.write_bytes(b"")
+    odd.write_bytes(b"x")  # an empty unreferenced file is no finding
     rc, out, _ = _run(capsys, "check", "--isolated", "--format", "github", str(save))
     (line,) = out.splitlines()
     assert line.startswith("::warning file=") and "__7_0%2Cx%3A%25\\nFAKE.distcp,title=CKD115::" in line

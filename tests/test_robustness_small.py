@@ -441,4 +441,4 @@ def test_error_lines_are_escaped(capsys, tmp_path):
         assert rc == 2 and out == ""
         line = _one_error_line(err)
         _assert_terminal_safe(err)
-        assert "ckpt\\x1b[2J\\nFAKE" in line and "metadata.json: missing" in line
+        assert "ckpt\\x1b[2J\\nFAKE" in line and "metadata.json missing" in line
