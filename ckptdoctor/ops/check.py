@@ -149,6 +149,13 @@ def check_iteration_dir(
     directory: Path, shown: Path, options: CheckOptions, progress: Progress | None = None
 ) -> list[Finding]:
     """Every rule family on one iteration dir; structure problems never stop the other families."""
+    return scan_and_check(directory, shown, options, progress)[1]
+
+
+def scan_and_check(
+    directory: Path, shown: Path, options: CheckOptions, progress: Progress | None = None
+) -> tuple[structure.Scanned, list[Finding]]:
+    """:func:`check_iteration_dir`, and what the scan could read (for a caller that plans on it: repair)."""
     # ~10 small objects per chunk, none cyclic: the collector's repeated scans of them cost more than the work.
     with gc_paused():
         state, findings = structure.scan_iteration(directory, shown)
@@ -164,7 +171,7 @@ def check_iteration_dir(
             finally:
                 if progress is not None:
                     progress.finish()
-    return findings
+    return state, findings
 
 
 def resolve_targets(paths: list[str], recursive: bool = True, missing_ok: bool = False) -> _Targets:

@@ -41,7 +41,7 @@ from ckptdoctor.locate import (
 )
 from ckptdoctor.ops import fix_args
 from ckptdoctor.ops import repair_metadata_json as metadata_json
-from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
+from ckptdoctor.ops.check import CheckOptions, scan_and_check
 from ckptdoctor.ops.latest_good import LatestGoodReport, find_latest_good
 from ckptdoctor.ops.repair_report import SCHEMA, Action, Refusal, RepairReport
 from ckptdoctor.rules import ERROR, Finding, leftovers, structure
@@ -191,8 +191,7 @@ def _way_out(save_dir: Path | None, latest: LatestGoodReport | None) -> str:
 
 def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport, work: RepairWork) -> bool:
     """Plan the repairs of one iteration dir; True when it keeps errors no repair fixes."""
-    state, _ = structure.scan_iteration(candidate, candidate)
-    found = check_iteration_dir(candidate, candidate, options)
+    state, found = scan_and_check(candidate, candidate, options)
     found += leftovers.scan_beside(candidate.parent, candidate.parent, candidate.name)
     found = list(dict.fromkeys(found))
     report.findings += found
