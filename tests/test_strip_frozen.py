@@ -596,3 +596,37 @@ def test_compact_copy_short_source_is_one_error(tmp_path, process):
         dcp_writer.BackgroundCopy(src, dst, copies, None, 2, process) as copy,
     ):
         copy.result()
+
+
+def test_compact_copy_helper_crash_is_one_error(tmp_path, monkeypatch):
+    """A helper process that dies without its error line (a bug, a kill): one error naming its last output."""
+    from ckptdoctor.errors import CkptError
+    from ckptdoctor.formats import copy_worker, dcp_writer
+
+    fake = tmp_path / "fake_worker.py"
+    fake.write_text("import sys\nsys.stdin.read()\nraise RuntimeError('boom')\n")
+    monkeypatch.setattr(copy_worker, "__file__", str(fake))
+    src, dst, by_file = _copy_case(tmp_path, files=2)
+    copies = dcp_writer.plan_copies(by_file)
+    with (
+        pytest.raises(CkptError, match=r"^copying the kept items failed \(RuntimeError: boom\)$"),
+        dcp_writer.BackgroundCopy(src, dst, copies, None, 1) as copy,
+    ):
+        copy.result()
+
+
+def test_compact_copy_progress_failure_raised_after_the_copy(tmp_path):
+    """A failing progress callback does not stall the helper (its output is still drained) and is raised."""
+    from ckptdoctor.formats import dcp_writer
+
+    src, dst, by_file = _copy_case(tmp_path, files=5)
+
+    def broken(n: int) -> None:
+        raise ValueError("bar broke")
+
+    with (
+        pytest.raises(ValueError, match="bar broke"),
+        dcp_writer.BackgroundCopy(src, dst, dcp_writer.plan_copies(by_file), broken, 2) as copy,
+    ):
+        copy.result()
+    assert len(list(dst.iterdir())) == 5  # the copy itself completed

@@ -139,7 +139,13 @@ class Copier:
         self.syncs: dict[str, Future] = {}
         self.sync_pool = ThreadPoolExecutor(max_workers=max(1, min(SYNC_THREADS, len(files))))
         self.copy_pool = ThreadPoolExecutor(max_workers=max(1, min(jobs, len(files))))
-        self.futures = [self.copy_pool.submit(self._copy, name, ranges) for name, ranges in files]
+        self.futures: list[Future] = []
+        try:
+            for name, ranges in files:
+                self.futures.append(self.copy_pool.submit(self._copy, name, ranges))
+        except BaseException:  # Ctrl-C before the caller holds this object: no thread may go on writing
+            self.stop()
+            raise
 
     def _copy(self, name: str, ranges: list[tuple[int, int]]) -> None:
         if self.cancel.is_set():

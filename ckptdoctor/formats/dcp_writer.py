@@ -116,6 +116,8 @@ class BackgroundCopy:
         self._copier: copy_worker.Copier | None = None
         self._error: str | None = None
         self._reader: threading.Thread | None = None
+        self._other: list[str] = []  # helper output that is neither progress nor its error line
+        self._progress_failure: Exception | None = None
         if process:
             self._proc = self._start_process(src_dir, dst_dir, files, jobs)
         if self._proc is None:
@@ -142,29 +144,41 @@ class BackgroundCopy:
                 [sys.executable, "-I", "-S", copy_worker.__file__],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
+                stderr=subprocess.STDOUT,  # one pipe, always drained: the helper never blocks on a full one
             )
         except OSError:
             return None
         try:
-            assert proc.stdin is not None
-            proc.stdin.write(json.dumps(plan).encode())
-            proc.stdin.close()
-        except OSError:  # it died at once: its exit status and stderr say why (result() reports it)
-            pass
-        self._reader = threading.Thread(target=self._read, args=(proc,), name="ckptdoctor-copy-reader", daemon=True)
-        self._reader.start()
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps(plan).encode())
+                proc.stdin.close()
+            except OSError:  # it died at once: its exit status and output say why (result() reports it)
+                pass
+            self._reader = threading.Thread(target=self._read, args=(proc,), name="ckptdoctor-copy-reader", daemon=True)
+            self._reader.start()
+        except BaseException:  # Ctrl-C before the caller holds this object: no helper may outlive it
+            proc.kill()
+            proc.wait()
+            raise
         return proc
 
     def _read(self, proc: Any) -> None:
-        """The helper's stdout: one line per copied block (progress), ``E <message>`` for its failure."""
+        """Drain the helper's output to its end: one line per copied block (progress), ``E <message>`` for its
+        failure, anything else (a traceback) kept for the error message."""
         import json
 
         for line in proc.stdout:
-            if line.startswith(b"E "):
-                self._error = str(json.loads(line[2:]))
-            elif self._progress is not None and line.strip():
-                self._progress(int(line))
+            try:
+                if line.startswith(b"E "):
+                    self._error = str(json.loads(line[2:]))
+                elif line.strip().isdigit():
+                    if self._progress is not None and self._progress_failure is None:
+                        self._progress(int(line))
+                elif line.strip():
+                    self._other.append(line.decode(errors="replace").rstrip())
+            except Exception as exc:  # noqa: BLE001 - raised again by result(); the pipe is still drained
+                self._progress_failure = self._progress_failure or exc
 
     def result(self) -> list[CopiedFile]:
         """Wait for every file to be copied and fsynced; the first failure (in file order) is raised."""
@@ -177,11 +191,14 @@ class BackgroundCopy:
             rc = self._proc.wait()
             assert self._reader is not None
             self._reader.join()
-            stderr = self._proc.stderr.read().decode(errors="replace").strip()
-            self._proc.stderr.close()
+            self._proc.stdout.close()
             if rc != 0:
-                why = self._error or (stderr.splitlines() or [f"exit status {rc}"])[-1]
-                raise CkptError(why if self._error else f"copying the kept items failed ({why})")
+                if self._error is not None:
+                    raise CkptError(self._error)
+                why = self._other[-1] if self._other else f"exit status {rc}"
+                raise CkptError(f"copying the kept items failed ({why})")
+            if self._progress_failure is not None:
+                raise self._progress_failure
         return [CopiedFile(c.name, c.items, c.bytes) for c in self._copies]
 
     def stop(self) -> None:
@@ -194,8 +211,7 @@ class BackgroundCopy:
         self._proc.wait()
         if self._reader is not None:
             self._reader.join()
-        for stream in (self._proc.stdout, self._proc.stderr):
-            stream.close()
+        self._proc.stdout.close()
 
     def __enter__(self) -> BackgroundCopy:
         return self
