@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import BACKEND_TORCH_DIST, BACKEND_ZARR
+from ckptdoctor.formats import BACKEND_TORCH_DIST, BACKEND_ZARR, era
 from ckptdoctor.formats.files import list_names, open_regular, read_json
 from ckptdoctor.formats.storage import as_path
 
@@ -23,10 +23,6 @@ NEMO_WEIGHTS_DIR = "weights"
 ITER_DIR_RE = re.compile(r"^iter_([0-9]{7,})\Z")
 
 __all__ = ["BACKEND_TORCH_DIST", "BACKEND_ZARR", "CheckpointLocation", "locate", "iteration_location"]
-
-ERA_COMMON_PT = "torch_dist, common.pt (core <= 0.18)"
-ERA_COMMON_STATE = "torch_dist, common_state in DCP (core >= 0.19)"
-ERA_ZARR = "zarr (legacy, core <= 0.14)"
 
 
 @dataclass
@@ -48,9 +44,7 @@ class CheckpointLocation:
 
     @property
     def era(self) -> str:
-        if self.backend == BACKEND_ZARR:
-            return ERA_ZARR
-        return ERA_COMMON_PT if self.has_common_pt else ERA_COMMON_STATE
+        return era(self.backend, self.has_common_pt)
 
     @property
     def name(self) -> str:

@@ -18,6 +18,37 @@ BACKEND_TORCH_DIST = "torch_dist"
 BACKEND_ZARR = "zarr"
 BACKENDS = (BACKEND_TORCH_DIST, BACKEND_ZARR)
 
+ERA_COMMON_PT = "torch_dist, common.pt (core <= 0.18)"
+ERA_COMMON_STATE = "torch_dist, common_state in DCP (core >= 0.19)"
+ERA_ZARR = "zarr (legacy, core <= 0.14)"
+
+
+def era(backend: str, common_pt: bool) -> str:
+    """Which Megatron releases wrote a checkpoint of this backend with (or without) ``common.pt``."""
+    if backend == BACKEND_ZARR:
+        return ERA_ZARR
+    return ERA_COMMON_PT if common_pt else ERA_COMMON_STATE
+
+
+def saved_metadata_json(backend: str, common_pt: bool) -> dict:
+    """The ``metadata.json`` Megatron's save writes for this backend and era (sharded backend version 1 since
+    core 0.6; the common backend is named while the common state is a separate ``common.pt``)."""
+    content: dict = {"sharded_backend": backend, "sharded_backend_version": 1}
+    if backend == BACKEND_ZARR or common_pt:
+        content |= {"common_backend": "torch", "common_backend_version": 1}
+    return content
+
+
+def raw_element_chunks(backend: str) -> bool:
+    """Whether each chunk file holds exactly the chunk's elements (legacy zarr: uncompressed, no framing), so a
+    file of another length is an incomplete save; torch_dist chunks are ``torch.save`` records in shared files."""
+    return backend == BACKEND_ZARR
+
+
+def read_by_current_megatron(backend: str) -> bool:
+    """Whether megatron-core >= 0.16 still reads this backend (zarr support was removed then)."""
+    return backend != BACKEND_ZARR
+
 
 @dataclass
 class BackendIndex:

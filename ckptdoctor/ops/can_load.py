@@ -28,7 +28,7 @@ from typing import Any
 
 from ckptdoctor.args import args_as_dict
 from ckptdoctor.checkpoint import Checkpoint
-from ckptdoctor.locate import BACKEND_ZARR
+from ckptdoctor.formats import read_by_current_megatron
 from ckptdoctor.ops.can_load_args import args_problem
 from ckptdoctor.ops.can_load_keys import SWIGLU_FC1, KeyPlan, model_plan
 from ckptdoctor.ops.can_load_optim import optimizer_verdict
@@ -259,7 +259,7 @@ def _args_verdict(ctx: _Context) -> SectionVerdict:
 
 
 def _format_verdict(ctx: _Context) -> SectionVerdict | None:
-    if ctx.ckpt.location.backend == BACKEND_ZARR:
+    if not read_by_current_megatron(ctx.ckpt.location.backend):
         where = ctx.ckpt.iteration_dir / ".metadata"
         return SectionVerdict(
             "format",

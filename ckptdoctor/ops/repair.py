@@ -257,7 +257,7 @@ def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport
                     "metadata-json",
                     sorted({f.code for f in missing_json}),
                     str(candidate / "metadata.json"),
-                    f"write metadata.json ({written.era}): {written.proof}",
+                    f"write metadata.json as saved by {written.era}: {written.proof}",
                     content,
                 )
             )

@@ -9,23 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckptdoctor.locate import BACKEND_ZARR, CheckpointLocation
+from ckptdoctor.formats import raw_element_chunks, saved_metadata_json
+from ckptdoctor.locate import CheckpointLocation
 from ckptdoctor.rules import Finding, structure
-
-# The metadata.json Megatron writes, by era (sharded backend version 1 since core 0.6).
-METADATA_JSON_COMMON_PT = {
-    "sharded_backend": "torch_dist",
-    "sharded_backend_version": 1,
-    "common_backend": "torch",
-    "common_backend_version": 1,
-}
-METADATA_JSON_COMMON_STATE = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
-METADATA_JSON_ZARR = {
-    "sharded_backend": "zarr",
-    "sharded_backend_version": 1,
-    "common_backend": "torch",
-    "common_backend_version": 1,
-}
 
 
 @dataclass(frozen=True)
@@ -39,18 +25,12 @@ class EraMetadataJson:
 
 def for_era(location: CheckpointLocation) -> EraMetadataJson:
     """What Megatron wrote for this era (the checks of :func:`refusal` passed)."""
-    if location.backend == BACKEND_ZARR:
-        content, era = METADATA_JSON_ZARR, "legacy zarr, core <= 0.14"
-    elif location.has_common_pt:
-        content, era = METADATA_JSON_COMMON_PT, "core <= 0.18, common.pt"
-    else:
-        content, era = METADATA_JSON_COMMON_STATE, "core >= 0.19, common_state"
     proof = (
-        "every zarr chunk file holds exactly its elements, common.pt reads"
-        if location.backend == BACKEND_ZARR
+        "every chunk file holds exactly its elements, common.pt reads"
+        if raw_element_chunks(location.backend)
         else ".metadata reads, every referenced data file is present and long enough, the common state reads"
     )
-    return EraMetadataJson(content, era, proof)
+    return EraMetadataJson(saved_metadata_json(location.backend, location.has_common_pt), location.era, proof)
 
 
 def refusal(state: structure.Scanned, others: list[Finding]) -> str | None:
@@ -59,8 +39,8 @@ def refusal(state: structure.Scanned, others: list[Finding]) -> str | None:
         first = others[0]
         return f"an incomplete or damaged save ({first.code} {first.message}); it must stay incomplete"
     checkpoint = state.checkpoint
-    if checkpoint is not None and checkpoint.location.backend == BACKEND_ZARR:
-        return _zarr_refusal(state)
+    if checkpoint is not None and raw_element_chunks(checkpoint.location.backend):
+        return _raw_chunks_refusal(state)
     if checkpoint is None or checkpoint.dcp is None:
         return ".metadata does not read, so completeness cannot be proven"
     if state.bad_files:
@@ -70,13 +50,13 @@ def refusal(state: structure.Scanned, others: list[Finding]) -> str | None:
     return None
 
 
-def _zarr_refusal(state: structure.Scanned) -> str | None:
-    """A legacy zarr save is complete when every array's chunk files hold exactly their raw elements (Megatron
-    writes them uncompressed; coverage gaps are CKD220 errors, already blocking) and common.pt reads."""
+def _raw_chunks_refusal(state: structure.Scanned) -> str | None:
+    """A save of raw-element chunk files (legacy zarr) is complete when every chunk file holds exactly its
+    elements (coverage gaps are CKD220 errors, already blocking) and common.pt reads."""
     checkpoint = state.checkpoint
     assert checkpoint is not None
     if not checkpoint.entries:
-        return "no zarr array reads, so completeness cannot be proven"
+        return "no array reads, so completeness cannot be proven"
     for entry in checkpoint.entries.values():
         for chunk in entry.chunks:
             if entry.kind != "tensor" or chunk.storage is None:
