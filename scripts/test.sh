@@ -6,8 +6,9 @@
 #   ./scripts/test.sh                  everything (what CI runs, .ci/run)
 #   ./scripts/test.sh -m "not mcore"   fast tier: no megatron-core and no torch child processes
 # Before the tests: ruff check, ruff format --check and mypy on the package (both fail the run).
-# Tests run in one process: the Ctrl-C and kill tests time signals, and a loaded machine makes them flaky;
-# CKPTDOCTOR_TEST_JOBS=auto runs them on every core (pytest-xdist) while you work.
+# Everything (CI) runs in one process: the megatron-core and torchrun tests are heavy and the Ctrl-C and kill
+# tests time signals. The fast tier (a -m expression with "not mcore") runs on 2 pytest-xdist workers, the
+# object-storage tests together on one (one moto server). CKPTDOCTOR_TEST_JOBS=N|auto|0 chooses (0: one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -27,4 +28,17 @@ fi
 .venv/bin/ruff check ckptdoctor tests bench scripts
 .venv/bin/ruff format --check ckptdoctor tests bench scripts
 .venv/bin/mypy
-CKPTDOCTOR_REQUIRE_MCORE=1 .venv/bin/python -m pytest -q -n "${CKPTDOCTOR_TEST_JOBS:-0}" "$@"
+jobs=${CKPTDOCTOR_TEST_JOBS:-}
+if [ -z "$jobs" ]; then
+    jobs=0
+    previous=
+    for arg in "$@"; do
+        if [ "$previous" = "-m" ] && [[ $arg == *"not mcore"* ]]; then
+            jobs=2
+        fi
+        previous=$arg
+    done
+fi
+dist=()
+[ "$jobs" = 0 ] || dist=(--dist loadgroup)
+CKPTDOCTOR_REQUIRE_MCORE=1 .venv/bin/python -m pytest -q -n "$jobs" "${dist[@]}" "$@"

@@ -25,6 +25,9 @@ from ckptdoctor.formats import storage
 from ckptdoctor.formats.ranges import coalesce
 from ckptdoctor.formats.storage import as_path
 
+# One moto server for the file: under pytest-xdist (``--dist loadgroup``) the file runs on one worker.
+pytestmark = pytest.mark.xdist_group("s3")
+
 NAMES = ["core019_tp1", "core019_tp2", "core016_tp2", "core014_zarr_tp2", "core019_convert_tp4"]
 PREFIXES = {"s3": f"s3://{s3_server.BUCKET}/", "msc": "msc://s3test/"}
 
