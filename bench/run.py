@@ -387,15 +387,19 @@ def render_scale(doc: dict) -> str:
     if has_before:
         lines += [
             "",
-            "| after / before, per round (median [min–max]) | " + " | ".join(f"`{c}` wall" for c in commands) + " |",
+            "| after / before, per round (median [min–max]) | "
+            + " | ".join(f"`{c}` wall | `{c}` CPU" for c in commands)
+            + " |",
         ]
-        lines.append("|---|" + "---|" * len(commands))
+        lines.append("|---|" + "---|---|" * len(commands))
         for label in doc["inputs"]:
             cells = []
             for c in commands:
                 cases = groups[c]["cases"]
                 a, b = _walls(cases, label), _walls(cases, label + BEFORE)
                 cells.append(fmt_spread(harness.spread([x / y for x, y in zip(a, b)]), ".2f") if a and b else "-")
+                cpu = harness.summary_ratio(cases, label, label + BEFORE) if a and b else None
+                cells.append(fmt_spread(cpu, ".2f"))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "",
