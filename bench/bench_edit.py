@@ -173,9 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     if o.before is not None:
         ratios |= {f"compact_over_before_{s}": group.ratio(f"compact-{s}", f"compact-before-{s}") for s in o.sizes}
-    before = (
-        None if o.before is None else {"tree": str(o.before), "commit": harness._git("rev-parse", "HEAD", cwd=o.before)}
-    )
+    before = None
+    if o.before is not None:
+        before = {
+            "tree": str(o.before),
+            "commit": harness._git("rev-parse", "HEAD", cwd=o.before),
+            "dirty_paths": harness._git("status", "--porcelain", "--", "ckptdoctor", cwd=o.before).splitlines(),
+        }
     recorder.write({"inputs": inputs, "group": group.summary(), "ratios": ratios, "before": before})
     print("| case | wall median [min-max] | CPU | peak RSS |\n|---|---|---|---|")
     for label in cases:
