@@ -432,13 +432,14 @@ def render_scale(doc: dict) -> str:
                 ok = ca and cb and not ca["failure"] and not cb["failure"]
                 cells.append(f"{(cb['peak_rss_mb'] - ca['peak_rss_mb']) * 2**20 / da:,.0f} B" if ok else "-")
         lines.append(f"| slope {a} -> {b} | " + " | ".join(cells) + " |")
-    lines += ["", "| growth exponent (per round, median [min–max]) | raw | floor subtracted |", "|---|---|---|"]
-    for tag in ("", BEFORE) if has_before else ("",):
-        for name, e in exponents(doc, tag).items():
-            lines.append(
-                f"| {name} ({e['from']} -> {e['to']}) | {fmt_spread(e['raw'], '.2f')} | "
-                f"{fmt_spread(e['minus_floor'], '.2f')} |"
-            )
+    rows = [(name, e) for tag in (("", BEFORE) if has_before else ("",)) for name, e in exponents(doc, tag).items()]
+    if rows:
+        lines += ["", "| growth exponent (per round, median [min–max]) | raw | floor subtracted |", "|---|---|---|"]
+    for name, e in rows:
+        lines.append(
+            f"| {name} ({e['from']} -> {e['to']}) | {fmt_spread(e['raw'], '.2f')} | "
+            f"{fmt_spread(e['minus_floor'], '.2f')} |"
+        )
     return "\n".join(lines)
 
 
