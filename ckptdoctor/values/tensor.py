@@ -9,7 +9,12 @@ chunk by chunk in file order. For each of its chunks:
 - otherwise the other side's chunks that cover it are each decoded once and copied into their region of one
   buffer of the chunk's shape, which is then compared with the chunk in one vectorised call (a TP=64 key
   against TP=1 is 64 copies and one compare, not 64 small compares). A chunk of the finer side that spans
-  two chunks of the coarser side is kept until its last use (within a bound: re-read past it).
+  two chunks of the coarser side is kept (its bytes) until its last use (within a bound: re-read past it).
+
+Where numpy is installed and both sides have one dtype, chunks are first compared as bit patterns (integer
+views of the records, :func:`ckptdoctor.values.read.chunk_bits`): equal bits feed the accumulator what the torch
+path would (elements, no difference), so torch is imported only for a chunk whose bits differ, which then takes
+the torch path (with the assembled buffer viewed as the key's dtype) and gives the same report.
 
 Memory per key: the coarse chunk, its buffer and the fine chunks held (about 3x the largest chunk).
 """
