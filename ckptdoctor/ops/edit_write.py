@@ -3,7 +3,7 @@
 Default: O(metadata). A new ``.metadata`` (keys removed and renamed everywhere it names them) beside hard links
 to the source's data files (copies across filesystems); removed items stay in the linked files, unreferenced.
 ``--compact``: the kept items byte-copied into new data files, exactly as ``strip-frozen`` writes them. Both go
-through :func:`ckptdoctor.ops.strip_write.write_keys`: staging dir, fsync, atomic rename or exchange, backup for
+through :func:`ckptdoctor.ops.key_write.write_keys`: staging dir, fsync, atomic rename or exchange, backup for
 ``--in-place``, fault points ``edit:<step>``. Dropping a whole section also rewrites the common state (a new
 ``common.pt``, or a small new data file the ``.metadata`` entry of ``common_state/shard_0_1`` points to).
 """
@@ -23,8 +23,9 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.ops.edit import CommonChange, EditPlan, EditRequest, plan_edit
+from ckptdoctor.ops.key_write import KeyEdit, StripResult, check_target, write_keys
+from ckptdoctor.ops.staged_integrity import verify_source_manifest
 from ckptdoctor.ops.strip import check_integrity
-from ckptdoctor.ops.strip_write import KeyEdit, StripResult, check_target, verify_source_manifest, write_keys
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
 
@@ -164,7 +165,7 @@ def edit(
             progress.start("copying kept items", sum(e.nbytes for k, e in checkpoint.entries.items() if k in kept))
         try:
             advance = progress.advance if progress is not None and copying else None
-            result = write_keys(checkpoint, key_edit, output, in_place, force, keep_backup, advance, set_args=False)
+            result = write_keys(checkpoint, key_edit, output, in_place, force, keep_backup, advance)
         finally:
             if progress is not None and copying:
                 progress.finish()

@@ -1,0 +1,301 @@
+"""A staged rewrite of a checkpoint's keys, the writer of ``strip-frozen`` and ``edit``: build the new checkpoint in
+a staging dir, then swap it in.
+
+The complete new checkpoint is written into a hidden staging dir beside the target (same filesystem) and only
+then renamed into place, so an interrupted run leaves the source untouched and no half-written output under
+the target's name. ``--in-place`` swaps the iteration dir and the staging dir atomically (Linux
+``renameat2(RENAME_EXCHANGE)``; two renames elsewhere), then the old one is renamed to ``<iter>.bak-<stamp>``
+(kept unless ``--no-backup``; Megatron ignores names that are not ``iter_*``). ``metadata.json`` is written
+last inside the staging dir, as Megatron does, followed only by the caller's ``finish`` step and a fresh
+``integrity.json`` when the source had one (the manifest ``seal`` writes, over the new files; the source's own
+is verified first, so a changed source byte is refused instead of re-sealed).
+
+Once the swap has happened no error path deletes the old tree, and Ctrl-C is held back from just before the
+swap until the old tree has its backup name. Staging names carry a timestamp and a random token (the in-place
+one also the original dir's inode number, so ``check`` can tell from the disk which tree it holds; see
+:mod:`ckptdoctor.rules.leftovers`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptdoctor import atomic, locking
+from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats import dcp_keys, dcp_writer, torch_dist
+from ckptdoctor.formats.dcp_writer import CopiedFile
+from ckptdoctor.formats.storage import refuse_remote_write
+from ckptdoctor.gc_pause import gc_paused
+from ckptdoctor.locate import TRACKER_NAME
+from ckptdoctor.ops.seal import write_manifest
+from ckptdoctor.ops.staged_integrity import carried_hashes
+from ckptdoctor.ops.staging import SwapState, swap_in_place, swap_output
+from ckptdoctor.rules import leftovers
+from ckptdoctor.rules.integrity import INTEGRITY_NAME
+
+# Files of an iteration dir rebuilt (not copied) by strip-frozen. Megatron's integrity.json is not carried (its
+# sha256s are those of the unstripped files): a source that has one gets a fresh one, written as `seal` does.
+_REBUILT = {".metadata", "metadata.json", "common.pt", INTEGRITY_NAME}
+
+
+@dataclass
+class StripResult:
+    output: str  # the dir written: a save dir (tracker + iteration dir) or an iteration dir
+    iteration_dir: str
+    in_place: bool
+    backup: str | None
+    files: list[CopiedFile]
+    bytes_copied: int
+    metadata_bytes: int
+    output_bytes: int  # every file of the new iteration dir
+    source_bytes: int  # every file of the source iteration dir
+    carried: list[str] = field(default_factory=list)  # other files linked or copied over
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why it was not carried
+    resealed: bool = False  # the source had integrity.json: the output got a fresh one (sha256 of its own files)
+    # the saved args rewritten in the output (save_trainable_params_only -> true); empty with --keep-args
+    args_changed: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+Finish = Callable[[Path, StripResult], None]  # a last step in the staging iteration dir (see write_keys)
+
+
+def input_was_save_dir(checkpoint: Checkpoint) -> bool:
+    location = checkpoint.location
+    if location.save_dir is None:
+        return False
+    given = Path(location.input_path).resolve()
+    return given in (location.save_dir.resolve(), (location.save_dir / TRACKER_NAME).resolve())
+
+
+def _dir_bytes(directory: Path) -> int:
+    from ckptdoctor.ops.strip import dir_bytes
+
+    return dir_bytes(directory)
+
+
+def _check_output(checkpoint: Checkpoint, output: Path, force: bool) -> None:
+    source = checkpoint.location.save_dir or checkpoint.iteration_dir
+    atomic.refuse_overlap(output, [source, checkpoint.iteration_dir], "use --in-place to replace the source")
+    try:
+        if output.exists():
+            if not output.is_dir():
+                raise CkptError(f"{output}: exists and is not a directory")
+            if any(output.iterdir()) and not force:
+                raise CkptError(f"{output}: exists and is not empty (use --force to replace it)")
+        parent = next((p for p in output.absolute().parents if p.exists()), None)
+    except OSError as exc:
+        raise CkptError(f"{exc.filename or output}: cannot use as output ({exc.strerror})") from None
+    if parent is not None and not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
+        raise CkptError(f"{parent}: not a writable directory; cannot write {output}")
+
+
+def check_target(
+    checkpoint: Checkpoint, output: Path | None, in_place: bool, force: bool, keep_backup: bool = True
+) -> None:
+    """Refuse a bad target before any work is done (nothing is written by a refusal)."""
+    if in_place == (output is not None):
+        raise CkptError("give exactly one of --output DIR and --in-place")
+    refuse_remote_write(checkpoint.iteration_dir, in_place)  # writes are local only
+    if output is not None:
+        refuse_remote_write(output, in_place=False)
+    if output is not None:
+        _check_output(checkpoint, output, force)
+        return
+    iteration_dir = checkpoint.iteration_dir
+    if not os.access(iteration_dir.parent, os.W_OK):
+        raise CkptError(f"{iteration_dir.parent}: not writable; cannot replace the checkpoint in place")
+    if iteration_dir.is_symlink() and not keep_backup:
+        raise CkptError(
+            f"{iteration_dir}: is a symbolic link (to {os.path.realpath(iteration_dir)}); "
+            "--in-place --no-backup would replace the link and delete only the link, not the old "
+            "checkpoint: run it on the link's target instead"
+        )
+
+
+@dataclass
+class KeyEdit:
+    """What a staged rewrite does to the source's keys; one writer for ``strip-frozen`` and ``edit``.
+
+    ``compact``: byte-copy only the kept items into new data files (strip-frozen, ``edit --compact``);
+    otherwise hard-link (or copy) the data files that still hold a kept item and write only a new
+    ``.metadata`` (O(metadata); removed items stay in the files, unreferenced). ``common`` rewrites the common
+    state in the staging dir (given the ``.metadata`` object before it is written) and returns the names of the
+    files it wrote there; ``rewritten`` are the kept keys it writes afresh (not copied when compacting).
+    ``step`` names the fault points (``<step>:data-written``, ...).
+    """
+
+    keep: set[str]
+    renames: dict[str, str] = field(default_factory=dict)
+    compact: bool = True
+    step: str = "strip-frozen"
+    common: Callable[[Any, Path], list[str]] | None = None
+    rewritten: set[str] = field(default_factory=set)
+    metadata: Any = None  # the source's .metadata object when the caller has read it already (it is edited)
+    jobs: int = 1  # threads copying data files when compacting (the output is the same for any number)
+
+
+def _link_data_files(src: Path, stage: Path, metadata: Any, keep: set[str]) -> list[CopiedFile]:
+    """Hard-link (or copy) every data file that holds a kept item; returns them with their kept items."""
+    files = []
+    for name, items in dcp_writer.kept_storage(metadata, keep).items():
+        atomic.link_or_copy(src / name, stage / name)
+        files.append(CopiedFile(name, len(items), (stage / name).stat().st_size))
+    return files
+
+
+def _new_metadata(metadata: Any, edit: KeyEdit, stage: Path) -> tuple[list[str], bytes]:
+    """The edited ``.metadata`` pickled (and read back through the allowlist); the common state rewritten into
+    the staging dir first when the edit changes it. Returns the names the common rewrite wrote and the pickle."""
+    if edit.renames or edit.common is not None:
+        dcp_keys.edit_metadata(metadata, edit.keep, edit.renames)
+    else:
+        dcp_writer.restrict_metadata(metadata, edit.keep)
+    rebuilt = edit.common(metadata, stage) if edit.common is not None else []
+    with gc_paused():
+        payload = torch_dist.dump_metadata_object(metadata)
+    return rebuilt, payload
+
+
+def _fill_iteration_dir(
+    checkpoint: Checkpoint,
+    edit: KeyEdit,
+    stage: Path,
+    progress: Callable[[int], None] | None,
+    result: StripResult,
+    finish: Finish | None = None,
+) -> None:
+    src = checkpoint.iteration_dir
+    metadata = edit.metadata
+    if metadata is None:
+        metadata = torch_dist.load_metadata_object(src / ".metadata")  # pauses the cyclic GC itself
+    if edit.compact:
+        # The new layout is known before a byte moves: the copy runs in threads (the kernel copy and the fsyncs
+        # release the GIL) while this thread builds, pickles and checks the new .metadata.
+        copies = dcp_writer.plan_copies(dcp_writer.kept_storage(metadata, edit.keep - edit.rewritten))
+        with dcp_writer.BackgroundCopy(src, stage, copies, progress, edit.jobs) as copy:
+            rebuilt, payload = _new_metadata(metadata, edit, stage)
+            result.files = copy.result()
+        result.bytes_copied = sum(f.bytes for f in result.files)
+        atomic.fault_point(f"{edit.step}:data-written")
+    else:
+        result.files = _link_data_files(src, stage, metadata, edit.keep)
+        atomic.fault_point(f"{edit.step}:data-written")
+        rebuilt, payload = _new_metadata(metadata, edit, stage)
+    atomic.write_atomic(stage / ".metadata", payload)
+    result.metadata_bytes = len(payload)
+    if checkpoint.location.has_common_pt and "common.pt" not in rebuilt:
+        atomic.link_or_copy(src / "common.pt", stage / "common.pt")
+    for path in sorted(src.iterdir()):
+        name = path.name
+        if name in _REBUILT or name in rebuilt or name.endswith(".distcp") or name.startswith("."):
+            continue
+        if not path.is_file():
+            result.skipped[name] = "not a plain file (a nested checkpoint or dir is not carried)"
+        else:
+            atomic.link_or_copy(path, stage / name)
+            result.carried.append(name)
+    # Last, as Megatron does: a dir without metadata.json is an incomplete checkpoint to every reader.
+    atomic.write_atomic(stage / "metadata.json", (src / "metadata.json").read_bytes())
+    if finish is not None:
+        finish(stage, result)
+    if (src / INTEGRITY_NAME).is_file():
+        # Still in the staging dir: no run leaves a checkpoint under its name whose manifest lists other bytes.
+        write_manifest(stage, None if edit.compact else carried_hashes(src, stage))
+        result.resealed = True
+        atomic.fault_point(f"{edit.step}:resealed")
+    atomic.fsync_dir(stage)
+
+
+def write_keys(
+    checkpoint: Checkpoint,
+    edit: KeyEdit,
+    output: Path | None,
+    in_place: bool = False,
+    force: bool = False,
+    keep_backup: bool = True,
+    progress: Callable[[int], None] | None = None,
+    finish: Finish | None = None,
+) -> StripResult:
+    """Write the source with ``edit`` applied to ``output`` (or in place); returns what was written.
+
+    ``finish`` runs on the staging iteration dir after ``metadata.json`` and before the integrity manifest
+    (strip-frozen sets the saved args there)."""
+    started = time.perf_counter()
+    check_target(checkpoint, output, in_place, force, keep_backup)
+    src_iter = checkpoint.iteration_dir
+    target = src_iter if in_place else output
+    assert target is not None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CkptError(f"{exc.filename or target.parent}: cannot create ({exc.strerror})") from None
+    # In place: the checkpoint lock (re-entrant: strip_frozen holds it already). An --output dir needs none:
+    # the staging name is unique and the final rename never replaces an existing dir (but with --force).
+    lock = locking.checkpoint_lock(target) if in_place else contextlib.nullcontext()
+    with lock:
+        return _write_locked(checkpoint, edit, target, in_place, keep_backup, progress, started, finish)
+
+
+def _write_locked(
+    checkpoint: Checkpoint,
+    edit: KeyEdit,
+    target: Path,
+    in_place: bool,
+    keep_backup: bool,
+    progress: Callable[[int], None] | None,
+    started: float,
+    finish: Finish | None = None,
+) -> StripResult:
+    src_iter = checkpoint.iteration_dir
+    save_layout = not in_place and input_was_save_dir(checkpoint)
+    if in_place:  # the original's inode in the name: check tells from the disk which tree the staging dir holds
+        prefix = f".{target.name}{leftovers.SWAP_MARK}{os.lstat(src_iter).st_ino}-"
+    else:
+        prefix = f".{target.name}{leftovers.TMP_MARK}"
+    staging = atomic.make_unique_dir(target.parent, prefix)
+    stage_iter = staging / src_iter.name if save_layout else staging
+    result = StripResult(
+        output=str(target),
+        in_place=in_place,
+        backup=None,
+        files=[],
+        bytes_copied=0,
+        metadata_bytes=0,
+        output_bytes=0,
+        source_bytes=_dir_bytes(src_iter),
+        iteration_dir=str(target / src_iter.name if save_layout else target),
+    )
+    swap = SwapState()
+    try:
+        atomic.fault_point(f"{edit.step}:staging-created")
+        if save_layout:
+            stage_iter.mkdir()
+        _fill_iteration_dir(checkpoint, edit, stage_iter, progress, result, finish)
+        if save_layout:
+            location = checkpoint.location
+            value = "release" if location.release else str(location.iteration)
+            atomic.write_atomic(staging / TRACKER_NAME, value.encode())
+        result.output_bytes = _dir_bytes(stage_iter)
+        atomic.fault_point(f"{edit.step}:before-swap")
+        if in_place:
+            backup = swap_in_place(src_iter, staging, keep_backup, swap, edit.step)
+            result.backup = str(backup) if backup is not None else None
+        else:
+            swap_output(target, staging, swap, edit.step)
+    except BaseException as exc:
+        if not swap.done:  # the staging dir holds only new data: remove it (the source was not touched)
+            shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise CkptError(f"{exc.filename or staging}: cannot write ({exc.strerror})") from None
+        raise
+    result.seconds = round(time.perf_counter() - started, 3)
+    return result
