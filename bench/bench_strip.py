@@ -15,9 +15,8 @@ own peak RSS via ``wait4``):
 - the naive path: ``dcp_to_torch_save`` -> ``torch.load`` -> filter -> ``torch.save`` -> ``torch_save_to_dcp``
   (``--naive-repeats`` runs, no warm-up: it reads every byte anyway).
 
-The generator swaps ``make_synthetic.build_specs`` for the PEFT variant inside its own child process
-(``--generate``): ``make_synthetic.write_checkpoint`` takes no spec builder yet, so this is the one remaining
-patch of the generator.
+The generator passes the PEFT variant to ``make_synthetic.write_checkpoint`` (``build_specs=``) in its own child
+process (``--generate``), so that this one never imports torch.
 
     python bench/bench_strip.py                      # 1G and 4G, stacked layout (Megatron's dense GPT keys)
     python bench/bench_strip.py --sizes 1G --layout per-layer --keys 20000 --files 2000
@@ -136,6 +135,7 @@ def make_peft_checkpoint(size: str, layout: str, keys: int, files: int, layers: 
         "files": files,
         "layers": layers,
         "trainable_fraction": TRAINABLE_FRACTION,
+        "generator": harness.synthetic_generator(),  # a new make_synthetic makes another checkpoint
     }
     if marker.exists() and json.loads(marker.read_text()).get("requested") == want:
         return out
@@ -169,12 +169,14 @@ def generate(size: str, layout: str, keys: int, files: int, layers: int | None) 
         "files": files,
         "layers": layers,
         "trainable_fraction": TRAINABLE_FRACTION,
+        "generator": harness.synthetic_generator(),  # a new make_synthetic makes another checkpoint
     }
     param_bytes = 2  # bf16
     # make_synthetic sizes param + 8 bytes of optimizer state per element; here only the base is stored at scale
     total = int(parse_size(size) * (param_bytes + 8) / param_bytes)
-    ms.build_specs = peft_build_specs
-    info = ms.write_checkpoint(out, total, keys, files, "bf16", 0, 2, layout, layers, os.cpu_count() or 1)
+    info = ms.write_checkpoint(
+        out, total, keys, files, "bf16", 0, 2, layout, layers, os.cpu_count() or 1, build_specs=peft_build_specs
+    )
     (out / "peft.json").write_text(
         json.dumps({"requested": want, **peft_build_specs.info, "synthetic": info}, indent=1)
     )

@@ -59,6 +59,7 @@ import shutil
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 ITERATION = 100
+GENERATOR = 2  # bumped when the same options make another checkpoint (harness.synthetic regenerates on a change)
+SIZE_TOLERANCE = 0.10  # the checkpoint's bytes on disk are within this of --total-bytes unless the keys forbid it
 THREADS_PER_RANK = 2  # Megatron's torch_dist save strategy default: two files per rank
 SHAPE_TP = 64  # hidden size and vocab fit TP=64, so every --tp dividing 64 gives the same shapes
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -146,9 +149,12 @@ class ModelDims:
     vocab: int
     tp: int
     expert_tp: int = 1  # expert tensor parallel size: 1 (each expert whole) or tp
+    ffn_size: int | None = None  # None: 4 x hidden (dense) / hidden (per expert)
 
     @property
     def ffn(self) -> int:  # dense SwiGLU FFN / per-expert FFN
+        if self.ffn_size is not None:
+            return self.ffn_size
         return 4 * self.hidden if self.experts == 0 else self.hidden
 
 
@@ -239,6 +245,16 @@ def model_tensors_shapes(d: ModelDims) -> list[tuple[str, tuple[int, ...], None]
     return [("", s, None) for s in shapes]
 
 
+# Bytes a checkpoint holds besides tensor data, fitted on make_synthetic outputs from 2k to 1M chunks: FileSystemWriter
+# frames every item with torch.save (~1,580 B in the .distcp files); .metadata is ~210 B per key + ~130 B per
+# chunk; an rng ShardedObject ~10 KB, an _extra_state one ~1 KB; common.pt ~3 KB. At 20,000 keys that is ~41 MB,
+# so a small --total-bytes cannot be met with many keys or chunks (the smallest model is made, with a warning).
+METADATA_BYTES_PER_KEY = 210
+METADATA_BYTES_PER_CHUNK = 130 + 1_580
+OBJECT_BYTES = {"rng": 10_000, "extra_state": 1_000}
+COMMON_BYTES = 3_000
+
+
 def choose_dims(
     total_bytes: int,
     keys: int,
@@ -250,39 +266,73 @@ def choose_dims(
     shape_tp: int = SHAPE_TP,
     expert_tp: int = 1,
 ) -> ModelDims:
-    """Layers/experts from the key budget, hidden size from the byte budget.
+    """Layers/experts from the key budget; hidden size and FFN size from the byte budget.
 
-    The model does not depend on ``tp``: hidden size and vocab are multiples of what TP=``shape_tp`` needs
-    (``n_objects`` is counted as ``shape_tp`` rng shards), so checkpoints made with any ``tp`` dividing
-    ``shape_tp`` hold the same keys with the same global shapes (a reshard of one model), and value commands
-    across layouts compare values instead of stopping at a shape difference."""
+    The model does not depend on ``tp``: hidden size and vocab are multiples of what TP=``shape_tp`` needs, and
+    so is the FFN size where the FFN is TP-split (dense MLP, or ``expert_tp`` > 1), so checkpoints made with
+    any ``tp`` dividing ``shape_tp`` hold the same keys with the same global shapes (a reshard of one model),
+    and value commands across layouts compare values instead of stopping at a shape difference.
+
+    Size: the checkpoint's bytes on disk (tensor data + ``.metadata`` + objects) aim at ``total_bytes``. The
+    hidden size alone moves the size in steps of ~(1 + 1/k)^2 (a 4x jump from hidden 64 to 128 at TP-64
+    shapes), so for each hidden size the FFN size (the bulk of a MoE model) is solved for the remaining bytes
+    and the vocab takes up what one FFN step leaves; of the (hidden, FFN, vocab) triples within 1% of the budget
+    the one nearest the usual FFN/hidden ratio is kept (else the nearest in size). A key or chunk count whose
+    framing, ``.metadata`` and smallest tensors already exceed ``total_bytes`` gets the smallest model
+    (``write_checkpoint`` warns and records a ``size_note``)."""
     if shape_tp % tp:
         raise SystemExit(f"--tp {tp} does not divide --shape-tp {shape_tp}")
     if expert_tp not in (1, tp):
         raise SystemExit(f"--expert-tp {expert_tp} must be 1 or --tp {tp}")
-    n_objects = shape_tp
     bytes_per_element = param_bytes + 2 * 4  # param + fp32 exp_avg + fp32 exp_avg_sq
     if layout == "stacked":
         # ~9 stacked model keys x 3 (param, exp_avg, exp_avg_sq); the rest are per-layer _extra_state objects
-        n_layers = layers or max(1, (keys - 27 - n_objects) // 4)
+        n_layers = layers or max(1, (keys - 27 - shape_tp) // 4)
         experts = 0
     else:
-        model_keys = max(9, round((keys - n_objects) / 3))
+        model_keys = max(9, round((keys - shape_tp) / 3))
         n_layers = layers or max(1, min(32, (model_keys - 3) // 8))
         per_layer = (model_keys - 3) / n_layers
         experts = 0 if per_layer < 7 else max(1, round((per_layer - 5) / 2))
-    step = 2 * shape_tp
     unit = 2 * shape_tp  # vocab rows split evenly over any TP dividing shape_tp
-    best = None
-    for hidden in range(step, 1 << 16, step):
+    ffn_step = shape_tp if experts == 0 or expert_tp > 1 else 1  # experts whole on one rank: any FFN size
+    # Keys and chunks do not depend on hidden/FFN size; they are counted at TP=1 (at TP=shape_tp when experts are
+    # TP-split: their chunks are most of the count), so that the model does not depend on --tp (a larger --tp
+    # adds its extra chunks' framing and .metadata entries, ~1.7 KB each, to the size).
+    probe_tp = shape_tp if expert_tp > 1 else 1
+    probe = ModelDims(layout, n_layers, shape_tp, experts, unit, probe_tp, probe_tp, ffn_step)
+    tensors, objects = build_specs(probe, torch.float32)
+    overhead = (
+        METADATA_BYTES_PER_KEY * (len(tensors) + len(objects))
+        + METADATA_BYTES_PER_CHUNK * (sum(len(t.chunks) for t in tensors) + len(objects))
+        + sum(OBJECT_BYTES[o.payload] for o in objects)
+        + COMMON_BYTES
+    )
+    natural = 1 if experts else 4  # FFN / hidden: Megatron's dense default 4h; an expert here h
+    candidates = []  # (relative size error, |log(ffn / natural ffn)|, ModelDims)
+    for hidden in range(shape_tp, 1 << 16, shape_tp):
         vocab = max(unit, (16 * hidden) // unit * unit)
-        d = ModelDims(layout, n_layers, hidden, experts, vocab, tp, expert_tp)
-        size = model_numel(d) * bytes_per_element
-        if best is None or abs(size - total_bytes) < abs(best[0] - total_bytes):
-            best = (size, d)
-        if size > total_bytes:
+
+        def dims(ffn: int, hidden: int = hidden, vocab: int = vocab) -> ModelDims:
+            return ModelDims(layout, n_layers, hidden, experts, vocab, tp, expert_tp, ffn)
+
+        fixed = model_numel(dims(0))
+        per_ffn = model_numel(dims(1)) - fixed
+        want = (total_bytes - overhead) / bytes_per_element
+        steps = (want - fixed) / (per_ffn * ffn_step)
+        for n in {max(1, math.floor(steps)), max(1, math.ceil(steps))}:
+            d = dims(n * ffn_step)
+            # the vocab (embedding + output rows, in steps of ``unit``, 0.5x-4x the usual 16 x hidden) takes up the rest
+            rows = round((want - model_numel(d)) / (2 * hidden) / unit) * unit
+            d = dataclasses.replace(d, vocab=min(4 * vocab, max(vocab // 2 // unit * unit or unit, vocab + rows)))
+            size = model_numel(d) * bytes_per_element + overhead
+            candidates.append((abs(size / total_bytes - 1), abs(math.log(d.ffn / (natural * hidden))), d))
+        if steps < 1:  # even the smallest FFN overshoots: larger hidden sizes only grow
             break
-    return best[1]
+    close = [c for c in candidates if c[0] <= 0.01]
+    if close:
+        return min(close, key=lambda c: (c[1], c[0]))[2]
+    return min(candidates, key=lambda c: (c[0], c[1]))[2]
 
 
 def extra_state_objects(d: ModelDims) -> list[ObjectSpec]:
@@ -312,6 +362,9 @@ def build_specs(d: ModelDims, param_dtype: torch.dtype) -> tuple[list[TensorSpec
     if d.layout == "stacked":
         objects += extra_state_objects(d)
     return tensors, objects
+
+
+SpecBuilder = Callable[[ModelDims, torch.dtype], tuple[list[TensorSpec], list[ObjectSpec]]]
 
 
 def assign_ranks(tensors: list[TensorSpec], objects: list[ObjectSpec], world: int, tp: int, elem_bytes) -> None:
@@ -495,7 +548,10 @@ def write_checkpoint(
     shape_tp: int = SHAPE_TP,
     values: str = "global",
     expert_tp: int = 1,
+    build_specs: SpecBuilder = build_specs,
 ) -> dict:
+    """Write the checkpoint; ``build_specs`` makes its keys, shapes and chunks from the dims ``choose_dims``
+    picks (default: the model above; bench_strip.py passes its PEFT variant of it)."""
     t0 = time.perf_counter()
     if files % THREADS_PER_RANK:
         raise SystemExit(f"--files must be a multiple of {THREADS_PER_RANK} (each simulated rank writes two files)")
@@ -564,7 +620,18 @@ def write_checkpoint(
     (out / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
 
     data_files = sorted(p for p in iter_dir.iterdir() if p.name.endswith(".distcp"))
+    on_disk = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    ratio = on_disk / total_bytes
+    size_note = None
+    if abs(ratio - 1) > SIZE_TOLERANCE:
+        size_note = (
+            f"{on_disk:,} bytes on disk = {ratio:.2f} x --total-bytes {total_bytes:,}: "
+            f"{n_chunks:,} chunks of {len(tensors) + len(objects):,} keys (~1.7 KB of framing and .metadata each) "
+            f"at TP={tp}, with shapes for TP={shape_tp}"
+        )
+        print(f"make_synthetic: warning: {size_note}", file=sys.stderr)
     info = {
+        "generator": GENERATOR,
         "out": str(out),
         "iteration_dir": str(iter_dir),
         "layout": layout,
@@ -577,6 +644,7 @@ def write_checkpoint(
         "world": world,
         "layers": d.layers,
         "hidden": d.hidden,
+        "ffn": d.ffn,
         "experts": d.experts,
         "vocab": d.vocab,
         "keys": len(tensors) + len(objects),
@@ -586,6 +654,9 @@ def write_checkpoint(
         "files": len(data_files),
         "data_bytes": sum(p.stat().st_size for p in data_files),
         "metadata_bytes": (iter_dir / ".metadata").stat().st_size,
+        "bytes": on_disk,  # every file of the save dir (du -sb), synthetic.json excepted
+        "size_ratio": round(ratio, 3),
+        "size_note": size_note,
         "requested": {"total_bytes": total_bytes, "keys": keys, "files": files},
         "seconds": {
             "plan": round(t_plan - t0, 2),
@@ -612,7 +683,7 @@ def write_common(iter_dir: Path, d: ModelDims, world: int, param_dtype: torch.dt
         use_distributed_optimizer=False,
         num_layers=d.layers,
         hidden_size=d.hidden,
-        ffn_hidden_size=4 * d.hidden,
+        ffn_hidden_size=d.ffn if not d.experts else 4 * d.hidden,
         moe_ffn_hidden_size=d.ffn if d.experts else None,
         num_experts=d.experts or None,
         num_attention_heads=max(1, d.hidden // 64) if d.hidden % 64 == 0 else tp,
@@ -684,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         "--total-bytes",
         type=parse_size,
         default=parse_size("4G"),
-        help="approximate tensor bytes (K/M/G are powers of 1024), default 4G",
+        help="approximate bytes on disk: tensor data + .metadata (K/M/G are powers of 1024), default 4G",
     )
     p.add_argument("--keys", type=int, default=20000, help="approximate number of keys, default 20000")
     p.add_argument("--files", type=int, default=2000, help="number of .distcp files (2 per simulated rank)")
