@@ -194,6 +194,7 @@ def run_ckptdoctor(
     running after ``timeout`` seconds is killed and ``subprocess.TimeoutExpired`` raised."""
     argv = [str(a) for a in args]
     shown = [sys.executable, "-m", "ckptdoctor", *argv]
+    _load_every_command()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -208,6 +209,19 @@ def run_ckptdoctor(
                 io.TextIOWrapper(f, encoding=locale.getpreferredencoding(False)).read()
             )  # universal newlines, as text=True
     return subprocess.CompletedProcess(shown, returncode, *streams)
+
+
+@functools.cache
+def _load_every_command() -> None:
+    """Import every subcommand's module here, once, so that forked children do not each import theirs (half
+    of a child's time). None of them imports torch or numpy."""
+    import click
+
+    from ckptdoctor.cli import cli
+
+    ctx = click.Context(cli)
+    for name in cli.list_commands(ctx):
+        cli.get_command(ctx, name)
 
 
 def _forked_cli(argv: list[str], out: int, err: int, env: dict | None, cwd: Path, headroom: int | None) -> None:
