@@ -38,7 +38,6 @@ __all__ = [
     "current_limits",
     "dumps",
     "hash_safe_global",
-    "load",
     "loads",
     "resolve_global",
 ]
@@ -98,17 +97,6 @@ def loads(
     if unlisted is not None:
         unlisted.extend(unpickler.unlisted)
     return obj
-
-
-def load(
-    file: BinaryIO,
-    persistent_load: Callable[[Any], Any] | None = None,
-    limits: PickleLimits | None = None,
-    unlisted: list[str] | None = None,
-) -> Any:
-    """:func:`loads` of a whole (small enough) file object; refuses one larger than ``limits.max_bytes``."""
-    data = file.read((limits or current_limits()).max_bytes + 1)
-    return loads(data, persistent_load, limits, unlisted)
 
 
 # --- writing back ------------------------------------------------------------------------------------

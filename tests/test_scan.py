@@ -115,3 +115,16 @@ def test_empty_unreferenced_data_file_is_no_finding(capsys, copy_fixture):
     assert main(["check", "--isolated", "--format", "json", str(iteration_dir)]) == 1
     findings = json.loads(capsys.readouterr().out)["findings"]
     assert [(f["code"], Path(f["path"]).name) for f in findings] == [("CKD115", "__8_0.distcp")]
+
+
+@pytest.mark.parametrize("name", ["core019_tp2", "core016_tp1"])
+def test_metadata_commands_fit_a_small_address_space(name):
+    """Reading a pickle reserves what the file holds, not the 1 GiB pickle limit: every metadata command runs
+    with 300 MB of address space to spare (a 1 GiB ``read()`` was a MemoryError under such a limit)."""
+    from conftest import run_ckptdoctor
+
+    path = FIXTURES / name
+    for args in (["inspect", path], ["check", "--isolated", path], ["fix-args", path], ["diff", path, path]):
+        result = run_ckptdoctor(*args, memory_headroom=300 << 20)
+        assert result.returncode == 0, (args, result.stderr)
+        assert "error" not in result.stderr

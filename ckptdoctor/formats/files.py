@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import io
 import json
 import os
 import stat
@@ -42,6 +43,22 @@ def open_regular(path: str | os.PathLike | RemotePath, buffering: int = -1) -> B
         raise
 
 
+def read_capped(f: BinaryIO, max_bytes: int) -> bytes:
+    """At most ``max_bytes + 1`` bytes of ``f`` (so the caller can tell a file over the limit), without reserving
+    more memory than the file holds: ``read(n)`` allocates ``n`` up front, and a 1 GiB pickle limit must not cost
+    a 7 MB ``.metadata`` a 1 GiB allocation (which an address-space limit refuses)."""
+    try:
+        size = os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return f.read(max_bytes + 1)  # an object store's handle reads what there is
+    if size >= max_bytes:
+        return f.read(max_bytes + 1)
+    data = f.read(size + 1)
+    if len(data) <= size:
+        return data
+    return data + f.read(max_bytes - len(data) + 1)  # it grew while read: up to the limit
+
+
 MAX_JSON_BYTES = 64 << 20  # metadata.json, integrity.json (a line per file), .zarray: far below this
 
 
@@ -54,7 +71,7 @@ def read_json(path: str | os.PathLike | RemotePath, max_bytes: int = MAX_JSON_BY
     """
     try:
         with open_regular(path) as f:
-            raw = f.read(max_bytes + 1)
+            raw = read_capped(f, max_bytes)
     except CkptError as exc:
         raise OSError(errno.EINVAL, str(exc).rsplit("(", 1)[-1].rstrip(")")) from None
     if len(raw) > max_bytes:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats.archive import unpickle
-from ckptdoctor.formats.files import open_regular
+from ckptdoctor.formats.files import open_regular, read_capped
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.pickle_limits import current_limits
 from ckptdoctor.stand_ins import STAND_IN_TYPES, IndexRecord, StandIn, index_record_fields
@@ -117,7 +117,7 @@ _WHAT = "DCP metadata"
 def _load_metadata_pickle(path: Path, unlisted: list[str] | None = None, index_only: bool = False) -> Any:
     try:
         with open_regular(path) as f:
-            data = f.read(current_limits().max_bytes + 1)
+            data = read_capped(f, current_limits().max_bytes)
     except OSError as exc:
         raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
     if not index_only:

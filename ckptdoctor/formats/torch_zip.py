@@ -16,7 +16,7 @@ from typing import Any
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError
 from ckptdoctor.formats.archive import ZIP_MAGIC, is_torch_zip, load_archive
-from ckptdoctor.formats.files import open_regular
+from ckptdoctor.formats.files import open_regular, read_capped
 from ckptdoctor.pickle_scan import PickleLimits, current_limits
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
 
@@ -40,7 +40,7 @@ def load_torch_zip(
     max_bytes = (limits or current_limits()).max_bytes
     try:
         with open_regular(source) as f:
-            blob = f.read(max_bytes + 1)
+            blob = read_capped(f, max_bytes)
     except OSError as exc:
         raise CkptError(f"{where}: cannot read ({exc.strerror})") from None
     if len(blob) > max_bytes:
