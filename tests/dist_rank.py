@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
@@ -40,7 +39,8 @@ deep_decode._check_file = check_file
 structure.scan_iteration = scan_iteration
 
 if __name__ == "__main__":
-    from ckptdoctor.cli import main
+    from ckptdoctor.cli import run
 
-    sys.stdout.flush()
-    raise SystemExit(main(sys.argv[1:]))
+    # The console entry's own exit (os._exit after the flush): a plain interpreter exit runs gloo's C++ static
+    # destructors, which now and then abort (SIGABRT, "terminate called without an active exception") under load.
+    run()
