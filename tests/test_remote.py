@@ -56,15 +56,15 @@ def remote(server, monkeypatch):
     """The environment a user sets (AWS variables, MSC_CONFIG); a fresh store cache per test."""
     for name, value in server.env(server.msc_file).items():
         monkeypatch.setenv(name, value)
-    storage._STORES.clear()
+    storage.forget_stores()
     server.log.clear()
     yield server
-    storage._STORES.clear()
+    storage.forget_stores()
 
 
 def ckd(capsys, *args: str) -> tuple[int, str, str]:
     """The CLI in this process, with a fresh listing cache (so each command's requests are its own)."""
-    storage._STORES.clear()
+    storage.forget_stores()
     capsys.readouterr()
     rc = main(list(args))
     out, err = capsys.readouterr()
@@ -293,7 +293,7 @@ def test_no_server_at_all(capsys, monkeypatch):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(storage, "BACKOFF_S", 0.01)  # the 4 attempts, without 1.4 s of backoff
     rc, out, err = ckd(capsys, "inspect", "s3://ckpt/core019_tp1")
-    storage._STORES.clear()
+    storage.forget_stores()
     assert rc == 2 and out == "", err
     assert err.startswith("ckptdoctor: error: s3://ckpt") and err.count("\n") == 1, err
     assert "cannot read after 4 attempts" in err and "internal error" not in err, err

@@ -298,6 +298,13 @@ def refuse_remote_write(path: Path, in_place: bool) -> None:
         )
 
 
+def forget_stores() -> None:
+    """Drop the stores made so far: the next URL makes a new one from the environment as it is then (a long-lived
+    process whose credentials or endpoint changed; tests that start a server per test)."""
+    with _STORES_LOCK:
+        _STORES.clear()
+
+
 def store_for(url: str) -> tuple[ObjectStore, str]:
     """The store serving ``url`` (one per scheme, or per MSC profile) and the key below its root."""
     scheme, rest = url.split("://", 1)
