@@ -19,7 +19,7 @@ from ckptdoctor.formats.files import list_names, read_json
 from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
 from ckptdoctor.locate import CheckpointLocation, iteration_location, locate
-from ckptdoctor.pickle_scan import current_limits
+from ckptdoctor.pickle_limits import current_limits
 from ckptdoctor.problems import (
     ARCHIVE_ANOMALY,
     INDEX_MISSING,

@@ -69,9 +69,9 @@ def cli(max_pickle_bytes: int | None) -> None:
     if max_pickle_bytes is not None:
         import dataclasses
 
-        from ckptdoctor import pickle_scan
+        from ckptdoctor import pickle_limits
 
-        pickle_scan.set_limits(dataclasses.replace(pickle_scan.DEFAULT_LIMITS, max_bytes=max_pickle_bytes))
+        pickle_limits.set_limits(dataclasses.replace(pickle_limits.DEFAULT_LIMITS, max_bytes=max_pickle_bytes))
 
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process killed by Ctrl-C

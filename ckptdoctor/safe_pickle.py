@@ -15,13 +15,9 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
-from ckptdoctor.pickle_limits import PickleLimits, current_limits
+from ckptdoctor.pickle_limits import PickleLimits
 from ckptdoctor.pickle_scan import scan
 from ckptdoctor.safe_globals import (
-    KNOWN_STAND_INS,
-    TOLERATED_NAMESPACES,
-    check_global_name,
-    classify_global,
     hash_safe_global,
     index_only,
     resolve_global,
@@ -29,18 +25,7 @@ from ckptdoctor.safe_globals import (
 from ckptdoctor.stand_ins import ALIAS_MODULE, ALIAS_TARGETS
 from ckptdoctor.torch_stand_ins import StorageRef
 
-__all__ = [
-    "KNOWN_STAND_INS",
-    "TOLERATED_NAMESPACES",
-    "SafeUnpickler",
-    "check_global_name",
-    "classify_global",
-    "current_limits",
-    "dumps",
-    "hash_safe_global",
-    "loads",
-    "resolve_global",
-]
+__all__ = ["SafeUnpickler", "dumps", "loads"]
 
 
 class SafeUnpickler(pickle.Unpickler):

@@ -12,6 +12,7 @@ import pytest
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import UnsafePickleError
+from ckptdoctor.pickle_limits import current_limits
 from ckptdoctor.stand_ins import StandIn
 from ckptdoctor.torch_stand_ins import DtypeRef, Size
 
@@ -180,7 +181,7 @@ def test_bytesio_round_trip():
     assert isinstance(value, io.BytesIO) and value.getvalue() == b"abc"
 
 
-# --- hash flooding and key counts (pickle_scan with safe_pickle.hash_safe_global) --------------------------
+# --- hash flooding and key counts (pickle_scan with safe_globals.hash_safe_global) --------------------------
 
 
 def _short_str(text: str) -> bytes:
@@ -210,7 +211,7 @@ _SIZE_KEY = b"h\x01J%d\x85\x85R"  # torch.Size((i,))
 def test_a_checkpoint_with_more_chunks_than_the_flood_limit_reads():
     # DCP's storage_data has one MetadataIndex key per chunk: a 200k-chunk checkpoint is legitimate (stand-ins
     # hash by identity, so they cannot be made to collide); it was refused as "hash flooding".
-    limit = safe_pickle.current_limits().max_hashed_keys
+    limit = current_limits().max_hashed_keys
     loaded = safe_pickle.loads(_dict_pickle(limit + 10_000, _METADATA_INDEX_KEY))
     assert len(loaded) == limit + 10_000 and type(next(iter(loaded))).__name__ == "MetadataIndex"
 
@@ -218,7 +219,7 @@ def test_a_checkpoint_with_more_chunks_than_the_flood_limit_reads():
 def test_torch_size_keys_count_as_tuples_for_the_flood_limit():
     from ckptdoctor.errors import PickleLimitError
 
-    limit = safe_pickle.current_limits().max_hashed_keys
+    limit = current_limits().max_hashed_keys
     assert len(safe_pickle.loads(_dict_pickle(1000, _SIZE_KEY))) == 1000
     with pytest.raises(PickleLimitError, match="hash flooding"):
         safe_pickle.loads(_dict_pickle(limit + 1, _SIZE_KEY))

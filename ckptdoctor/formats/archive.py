@@ -23,7 +23,7 @@ from typing import Any
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
-from ckptdoctor.pickle_scan import PickleLimits, current_limits
+from ckptdoctor.pickle_limits import PickleLimits, current_limits
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
 
 ZIP_MAGIC = b"PK\x03\x04"

@@ -17,7 +17,7 @@ from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError
 from ckptdoctor.formats.archive import ZIP_MAGIC, is_torch_zip, load_archive
 from ckptdoctor.formats.files import open_regular, read_capped
-from ckptdoctor.pickle_scan import PickleLimits, current_limits
+from ckptdoctor.pickle_limits import PickleLimits, current_limits
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
 
 __all__ = ["ZIP_MAGIC", "dump_torch_zip", "is_torch_zip", "load_torch_zip"]
