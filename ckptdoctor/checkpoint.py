@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
+from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
 from ckptdoctor.formats import BACKENDS, guess_backend, has_common_pt, index_file, read_index, torch_dist
 from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.formats.files import list_names, read_json
@@ -253,7 +253,7 @@ def scan(location: CheckpointLocation, for_rewrite: bool = False) -> Scan:
         except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
             problems.append(Problem(_refusal_code(exc), where, str(exc), error=exc))
         except CkptError as exc:
-            problems.append(Problem(INDEX_UNREADABLE, where, _without_path(str(exc), where, directory)))
+            problems.append(Problem(INDEX_UNREADABLE, where, without_path(exc, where, directory)))
     if index is None:
         return Scan(location, Checkpoint(location, {}, {}), problems)
     checkpoint = Checkpoint(location, index.items, index.data_files, dcp=index.dcp)
@@ -299,14 +299,6 @@ def _refusal_code(error: CkptError) -> str:
     if isinstance(error, ArchiveError):
         return ARCHIVE_ANOMALY
     return UNSAFE_PICKLE
-
-
-def _without_path(text: str, *paths: object) -> str:
-    for path in paths:
-        prefix = f"{path}: "
-        if text.startswith(prefix):
-            return text[len(prefix) :]
-    return text
 
 
 def scan_path(path: str | Path, iteration: str | int | None = None, for_rewrite: bool = False) -> Scan:

@@ -59,3 +59,14 @@ class PickleLimitError(CkptError):
     def located(self, where: str) -> PickleLimitError:
         """The same refusal, naming the file it came from."""
         return PickleLimitError(f"{where}: {self}")
+
+
+def without_path(error: Exception | str, *paths: object) -> str:
+    """An error's message without its leading ``<path>: `` for each of ``paths`` in turn (where a finding or a
+    problem names the path itself)."""
+    text = str(error)
+    for path in paths:
+        prefix = f"{path}: "
+        if text.startswith(prefix):
+            text = text[len(prefix) :]
+    return text

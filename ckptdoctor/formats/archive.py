@@ -277,10 +277,11 @@ def unpickle(
     limits: PickleLimits | None = None,
     unlisted: list[str] | None = None,
     what: str = "pickle",
+    index_only: bool = False,
 ) -> Any:
     """:func:`safe_pickle.loads` with every failure turned into an error naming ``where`` (and ``what``)."""
     try:
-        return safe_pickle.loads(pickled, persistent_load, limits, unlisted)
+        return safe_pickle.loads(pickled, persistent_load, limits, unlisted, index_only)
     except (UnsafePickleError, PickleLimitError) as exc:
         raise exc.located(where) from None
     except CkptError:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ckptdoctor import safe_pickle
-from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
+from ckptdoctor.errors import CkptError, PickleLimitError
 from ckptdoctor.formats.archive import unpickle
 from ckptdoctor.formats.files import open_regular, read_capped
 from ckptdoctor.gc_pause import gc_paused
@@ -120,16 +120,7 @@ def _load_metadata_pickle(path: Path, unlisted: list[str] | None = None, index_o
             data = read_capped(f, current_limits().max_bytes)
     except OSError as exc:
         raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
-    if not index_only:
-        return unpickle(data, str(path), unlisted=unlisted, what=_WHAT)
-    try:  # archive.unpickle's error handling, for the index-only reading
-        return safe_pickle.loads(data, unlisted=unlisted, index_only=True)
-    except (UnsafePickleError, PickleLimitError) as exc:
-        raise exc.located(str(path)) from None
-    except CkptError:
-        raise
-    except Exception as exc:  # a corrupt pickle can raise almost anything; report it, never trace
-        raise _corrupt(path, exc) from None
+    return unpickle(data, str(path), unlisted=unlisted, what=_WHAT, index_only=index_only)
 
 
 def _corrupt(path: Path, exc: Exception) -> CkptError:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
-from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
+from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
 from ckptdoctor.formats.archive import ArchiveError, storage_ref
 from ckptdoctor.formats.stream import read_ranges
 from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
@@ -22,7 +22,7 @@ from ckptdoctor.rules import Finding, finding
 from ckptdoctor.rules.integrity import BLOB_SIZE, BLOB_UNDECODABLE, ITEM_UNDECODABLE, NON_FINITE
 from ckptdoctor.rules.non_finite import NonFinite
 from ckptdoctor.rules.safety import refused_pickle, unlisted_globals
-from ckptdoctor.rules.structure import Scanned, reason
+from ckptdoctor.rules.structure import Scanned
 from ckptdoctor.torch_stand_ins import StorageRef, TensorRef
 
 NON_FINITE_SECTIONS = ("model", "optimizer")
@@ -120,7 +120,7 @@ def _check_file(
     path = state.shown / file[0].name
     for file_path, tag, blob in read_ranges([file]):
         if isinstance(blob, CkptError):  # unreadable file (I/O error): the rest of it cannot be checked
-            out.append(finding(BLOB_UNDECODABLE, path, reason(blob, file_path)))
+            out.append(finding(BLOB_UNDECODABLE, path, without_path(blob, file_path)))
             continue
         entry, chunk = tag  # type: ignore[misc]
         if entry.kind == "tensor":
@@ -235,7 +235,7 @@ def _check_chunk(
     except (ArchiveError, PickleLimitError) as exc:
         return refused_pickle(exc, path, what)
     except CkptError as exc:
-        return finding(BLOB_UNDECODABLE, path, f"{what}: {reason(exc, what)}")
+        return finding(BLOB_UNDECODABLE, path, f"{what}: {without_path(exc, what)}")
     return None
 
 
@@ -263,5 +263,5 @@ def _check_item(entry: Entry, blob: memoryview, path: Path) -> Finding | None:
     except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
         return refused_pickle(exc, path, what)
     except CkptError as exc:
-        return finding(ITEM_UNDECODABLE, path, f"{what}: {reason(exc, what)}")
+        return finding(ITEM_UNDECODABLE, path, f"{what}: {without_path(exc, what)}")
     return unlisted_globals(unlisted, path, what)[0] if unlisted else None

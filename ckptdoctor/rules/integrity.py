@@ -10,10 +10,10 @@ import hashlib
 import os
 from pathlib import Path
 
-from ckptdoctor.errors import CkptError
+from ckptdoctor.errors import CkptError, without_path
 from ckptdoctor.formats.files import file_sizes, open_regular, read_json
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
-from ckptdoctor.rules.structure import Scanned, reason
+from ckptdoctor.rules.structure import Scanned
 
 INTEGRITY_NAME = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME
 _READ_SIZE = 1 << 20
@@ -131,7 +131,7 @@ def check_manifest(state: Scanned, verify_hashes: bool) -> list[Finding]:
                 out.append(finding(LISTED_FILE_MISSING, shown / name, f"unreadable ({exc.strerror})"))
                 continue
             except CkptError as exc:
-                out.append(finding(LISTED_FILE_MISSING, shown / name, reason(exc, directory / name)))
+                out.append(finding(LISTED_FILE_MISSING, shown / name, without_path(exc, directory / name)))
                 continue
             if actual != expected.lower():
                 out.append(

@@ -10,11 +10,12 @@ carries on.
 
 from __future__ import annotations
 
+from ckptdoctor import problems
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
 
 UNSAFE_PICKLE = RuleInfo(
-    "CKD401",
+    problems.UNSAFE_PICKLE,
     "unsafe-pickle",
     "safety",
     ERROR,
@@ -36,7 +37,7 @@ UNLISTED_GLOBAL = RuleInfo(
     "Megatron release can add classes to its checkpoints: check that the name is one you expect.",
 )
 PICKLE_LIMIT = RuleInfo(
-    "CKD403",
+    problems.PICKLE_LIMIT,
     "pickle-limit",
     "safety",
     ERROR,
@@ -46,7 +47,7 @@ PICKLE_LIMIT = RuleInfo(
     "for a legitimate giant.",
 )
 ARCHIVE_ANOMALY = RuleInfo(
-    "CKD404",
+    problems.ARCHIVE_ANOMALY,
     "archive-anomaly",
     "safety",
     ERROR,

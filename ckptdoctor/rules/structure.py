@@ -14,7 +14,7 @@ from pathlib import Path
 from ckptdoctor import problems
 from ckptdoctor.checkpoint import Checkpoint, scan_iteration_dir
 from ckptdoctor.data_files import storage_problems
-from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
+from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
 from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.locate import TRACKER_NAME, iteration_dir_name, list_iteration_dirs, read_tracker
 from ckptdoctor.problems import Problem
@@ -182,16 +182,6 @@ class Scanned:
         return self.shown
 
 
-def reason(error: Exception, *paths: object) -> str:
-    """The message of a :class:`CkptError` without the leading ``<path>: `` (the finding names the path)."""
-    text = str(error)
-    for path in paths:
-        prefix = f"{path}: "
-        if text.startswith(prefix):
-            text = text[len(prefix) :]
-    return text
-
-
 # --- save dirs and the tracker --------------------------------------------------------------------------
 
 
@@ -205,7 +195,7 @@ def check_save_dir(save_dir: Path, shown: Path, all_iterations: bool) -> tuple[l
         try:
             value = read_tracker(tracker)
         except CkptError as exc:
-            findings.append(finding(TRACKER_INVALID, shown / TRACKER_NAME, reason(exc, tracker)))
+            findings.append(finding(TRACKER_INVALID, shown / TRACKER_NAME, without_path(exc, tracker)))
         else:
             target = save_dir / iteration_dir_name(value)
             if target.is_dir():
@@ -284,7 +274,7 @@ def _check_common(state: Scanned, index_known: bool, findings: list[Finding]) ->
         findings.append(refused_pickle(exc, path, what))
         return
     except CkptError as exc:
-        detail = reason(
+        detail = without_path(
             exc,
             checkpoint.iteration_dir / "common.pt",
             f"{checkpoint.iteration_dir}: item {source}",
