@@ -21,8 +21,6 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import copy_worker, torch_dist
 from ckptdoctor.formats.torch_dist import StorageLocation
 
-BLOCK = copy_worker.BLOCK  # bytes per copy step: bounded memory, and the progress callback's granularity
-
 Progress = Callable[[int], None]
 
 
@@ -219,38 +217,6 @@ class BackgroundCopy:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None:
             self.stop()
-
-
-def copy_items(
-    src_dir: Path,
-    dst_dir: Path,
-    by_file: dict[str, list[tuple[Any, Any]]],
-    progress: Progress | None = None,
-    jobs: int = 1,
-) -> list[CopiedFile]:
-    """Copy kept ranges into same-named files in ``dst_dir`` and repoint each ``_StorageInfo`` stand-in.
-
-    ``dst_dir`` is a staging dir the caller renames into place, so files are written directly there
-    (fsynced); a crash leaves only the staging dir behind, never a half-written checkpoint. ``jobs`` threads
-    copy files concurrently (the kernel copy and writes release the GIL); every file's bytes and the result's
-    order are the same for any ``jobs``. The first failure (in file order) is raised.
-    """
-    with BackgroundCopy(src_dir, dst_dir, plan_copies(by_file), progress, jobs) as copy:
-        return copy.result()
-
-
-def sync_files(paths: list[Path], threads: int = copy_worker.SYNC_THREADS) -> None:
-    """fsync many files concurrently: one at a time costs a journal commit each (seconds for thousands)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def sync(path: Path) -> None:
-        try:
-            copy_worker.sync(str(path))
-        except copy_worker.CopyError as exc:
-            raise CkptError(str(exc)) from None
-
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
-        list(pool.map(sync, paths))
 
 
 def _filter_plans(plans: Any, keep: set[str]) -> None:
