@@ -178,8 +178,8 @@ def _fill_iteration_dir(
     if metadata is None:
         metadata = torch_dist.load_metadata_object(src / ".metadata")  # pauses the cyclic GC itself
     if edit.compact:
-        # The new layout is known before a byte moves: the copy runs in threads (the kernel copy and the fsyncs
-        # release the GIL) while this thread builds, pickles and checks the new .metadata.
+        # The new layout is known before a byte moves: the copy runs in a helper process (threads where none can
+        # start; see dcp_writer.BackgroundCopy) while this process builds, pickles and checks the new .metadata.
         copies = dcp_writer.plan_copies(dcp_writer.kept_storage(metadata, edit.keep - edit.rewritten))
         with dcp_writer.BackgroundCopy(src, stage, copies, progress, edit.jobs) as copy:
             rebuilt, payload = _new_metadata(metadata, edit, stage)
