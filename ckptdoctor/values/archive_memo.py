@@ -13,7 +13,6 @@ the full parse. Only stored (uncompressed) archives that the lean directory read
 
 from __future__ import annotations
 
-import dataclasses
 import struct
 from dataclasses import dataclass
 
@@ -30,16 +29,13 @@ _PER_LENGTH = 8  # layouts kept per archive length (chunks of other shapes can p
 
 @dataclass(frozen=True)
 class Layout:
-    cd_offset: int
-    tail: bytes  # the archive from its central directory to the end, CRC fields zeroed
-    crcs: tuple[int, ...]  # where the CRC fields are in ``tail``
     headers: tuple[tuple[int, bytes], ...]  # (offset, local header + name + extra, CRC zeroed) of every member
     pkl: tuple[int, int]  # data.pkl (start, size)
     records: dict[str, tuple[int, int]]  # storage key -> (start, size)
     members: dict[str, Member]  # the first archive's members (their ``crc`` is the first archive's)
     prefix: str
-    spans: tuple[tuple[int, int], ...] = ()  # (start, end) of every directory byte but the CRC fields, in order
-    skeleton: bytes = b""  # those bytes joined
+    spans: tuple[tuple[int, int], ...]  # (start, end) of every directory byte but the CRC fields, in order
+    skeleton: bytes  # those bytes joined
 
     def matches(self, blob: Blob) -> bool:
         """Whether ``blob`` (of this layout's length) has these directory bytes: one join of ~20 slices and one
@@ -75,7 +71,6 @@ def _spans(size: int, cd_offset: int, crcs: list[int], headers: tuple[tuple[int,
     skip = sorted([offset + _LOCAL_CRC for offset, _ in headers] + [cd_offset + c for c in crcs])
     starts = sorted([(offset, offset + len(h)) for offset, h in headers] + [(cd_offset, size)])
     spans: list[tuple[int, int]] = []
-    starts = sorted([(offset, offset + len(h)) for offset, h in headers] + [(cd_offset, size)])
     for start, end in starts:
         at = start
         for crc in skip:
@@ -114,19 +109,10 @@ def remember(blob: Blob, archive: TorchArchive) -> None:
         (local_of[name], bytes(_masked(blob[local_of[name] : archive.members[name].start], (_LOCAL_CRC,))))
         for name in every
     )
-    layout = Layout(
-        cd_offset,
-        bytes(_masked(blob[cd_offset:], tuple(crcs))),
-        tuple(crcs),
-        headers,
-        (pkl.start, pkl.size),
-        records,
-        dict(archive.members),
-        prefix,
-    )
     spans = _spans(size, cd_offset, crcs, headers)
     skeleton = b"".join(bytes(blob[a:b]) for a, b in spans)
-    _LAYOUTS[size] = [*known, dataclasses.replace(layout, spans=tuple(spans), skeleton=skeleton)]
+    layout = Layout(headers, (pkl.start, pkl.size), records, dict(archive.members), prefix, tuple(spans), skeleton)
+    _LAYOUTS[size] = [*known, layout]
     _COUNT[0] += 1
 
 
