@@ -30,7 +30,6 @@ _PER_LENGTH = 8  # layouts kept per archive length (chunks of other shapes can p
 @dataclass(frozen=True)
 class Layout:
     headers: tuple[tuple[int, bytes], ...]  # (offset, local header + name + extra, CRC zeroed) of every member
-    pkl: tuple[int, int]  # data.pkl (start, size)
     records: dict[str, tuple[int, int]]  # storage key -> (start, size)
     members: dict[str, Member]  # the first archive's members (their ``crc`` is the first archive's)
     prefix: str
@@ -100,7 +99,6 @@ def remember(blob: Blob, archive: TorchArchive) -> None:
         local_of[name] = local
         pos += _CDIR.size + name_len + extra_len + comment_len
     prefix = archive.prefix
-    pkl = archive.members[f"{prefix}data.pkl"]
     data = f"{prefix}data/"
     records = {name[len(data) :]: (m.start, m.size) for name, m in archive.members.items() if name.startswith(data)}
     read = [f"{prefix}data.pkl", *(f"{data}{key}" for key in records)]
@@ -111,7 +109,7 @@ def remember(blob: Blob, archive: TorchArchive) -> None:
     )
     spans = _spans(size, cd_offset, crcs, headers)
     skeleton = b"".join(bytes(blob[a:b]) for a, b in spans)
-    layout = Layout(headers, (pkl.start, pkl.size), records, dict(archive.members), prefix, tuple(spans), skeleton)
+    layout = Layout(headers, records, dict(archive.members), prefix, tuple(spans), skeleton)
     _LAYOUTS[size] = [*known, layout]
     _COUNT[0] += 1
 

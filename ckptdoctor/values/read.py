@@ -141,17 +141,14 @@ def read_chunk_view(
     raw = raw_chunk_ref(checkpoint.location.backend, entry.dtype, chunk.sizes, blob, where)
     if raw is not None:
         return tensor_from_ref(raw, where), len(blob)
-    layout = None if verify_crc else archive_memo.lookup(blob)
-    if layout is not None:  # the directory of an archive like one parsed before: its layout, no parse
-        archive = None
-        pickled: Any = blob[layout.pkl[0] : layout.pkl[0] + layout.pkl[1]]
-    else:
+    if verify_crc:  # every CRC checked: the full parse (remembered for the chunks alike that follow)
         archive = parse_archive(blob, where)
-        if any(member.method for member in archive.members.values()):  # compressed records: the copying path
-            return read_chunk(checkpoint, entry.key, entry.chunks.index(chunk)), len(blob)
-        pickled = archive.pickle(verify_crc=verify_crc)
         archive_memo.remember(blob, archive)
-    key, dtype_name, numel, offset, shape, stride = _chunk_view(bytes(pickled), where)
+    else:  # the directory of an archive like one parsed before: its layout, no parse
+        archive = archive_memo.parse(blob, where)
+    if any(member.method for member in archive.members.values()):  # compressed records: the copying path
+        return read_chunk(checkpoint, entry.key, entry.chunks.index(chunk)), len(blob)
+    key, dtype_name, numel, offset, shape, stride = _chunk_view(bytes(archive.pickle(verify_crc=verify_crc)), where)
     if tuple(shape) != tuple(chunk.sizes):
         raise CkptError(f"{where}: stored shape {list(shape)} differs from metadata {list(chunk.sizes)}")
     if entry.dtype is not None and f"torch.{dtype_name}" != entry.dtype:
@@ -159,14 +156,10 @@ def read_chunk_view(
     dtype = getattr(torch, dtype_name, None)
     if dtype is None:
         raise CkptError(f"{where}: dtype torch.{dtype_name} is not known to this torch version")
-    if archive is None and layout is not None and key in layout.records:
-        start, size = layout.records[key]
-    else:
-        archive = archive or parse_archive(blob, where)
-        record = archive.storage(key)
-        if verify_crc:
-            archive.read(record.name, record.size)
-        start, size = record.start, record.size
+    record = archive.storage(key)
+    if verify_crc:
+        archive.read(record.name, record.size)
+    start, size = record.start, record.size
     itemsize = _ITEMSIZE.get(dtype)
     if itemsize is None:
         itemsize = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
