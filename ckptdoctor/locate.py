@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import BACKEND_TORCH_DIST, BACKEND_ZARR, era
+from ckptdoctor.formats import BACKEND_TORCH_DIST, era
 from ckptdoctor.formats.files import list_names, open_regular, read_json
 from ckptdoctor.formats.storage import as_path
 
@@ -21,8 +21,6 @@ TRACKER_NAME = "latest_checkpointed_iteration.txt"
 NEMO_WEIGHTS_DIR = "weights"
 # ASCII digits only and no trailing newline (``$`` would allow one): Megatron writes ``iter_{:07d}``.
 ITER_DIR_RE = re.compile(r"^iter_([0-9]{7,})\Z")
-
-__all__ = ["BACKEND_TORCH_DIST", "BACKEND_ZARR", "CheckpointLocation", "locate", "iteration_location"]
 
 
 @dataclass

@@ -34,7 +34,7 @@ class Problem:
     code: str
     path: Path  # the file or dir it concerns
     detail: str  # what is wrong, without the path
-    fatal: bool = True  # no command can work on the checkpoint (check still reports the rest)
+    fatal: bool = True  # an error: open_checkpoint refuses a scan's, the write commands a source's data-file ones
     error: CkptError | None = field(default=None, compare=False)  # a refusal raised as is (its own wording)
 
     def as_error(self) -> CkptError:
