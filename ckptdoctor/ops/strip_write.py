@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckptdoctor import atomic, locking
 from ckptdoctor.checkpoint import Checkpoint
@@ -68,10 +69,13 @@ def strip_frozen(
     progress: Progress | None = None,
     keep_args: bool = False,
     jobs: int = 1,
+    metadata: Any = None,
 ) -> StripReport:
     """The strip-frozen operation: integrity check, trainable selection, plan, and (unless dry-run) write.
 
     Every refusal (damaged source, bad target, empty selection) happens before anything is written.
+    ``metadata``: the source's ``.metadata`` object when the caller read it with the checkpoint
+    (:func:`~ckptdoctor.checkpoint.open_for_rewrite`); else the write reads it.
     """
     from ckptdoctor.ops.strip import check_integrity
 
@@ -86,7 +90,19 @@ def strip_frozen(
         leftovers.refuse_if_interrupted(checkpoint.iteration_dir)
         verify_source_manifest(checkpoint.iteration_dir)
         return _plan_and_write(
-            checkpoint, output, in_place, patterns, preset, base, False, force, keep_backup, progress, keep_args, jobs
+            checkpoint,
+            output,
+            in_place,
+            patterns,
+            preset,
+            base,
+            False,
+            force,
+            keep_backup,
+            progress,
+            keep_args,
+            jobs,
+            metadata,
         )
 
 
@@ -103,6 +119,7 @@ def _plan_and_write(
     progress: Progress | None,
     keep_args: bool = False,
     jobs: int = 1,
+    metadata: Any = None,
 ) -> StripReport:
     from ckptdoctor.ops.strip import model_parameters, plan_strip, select_trainable
 
@@ -125,7 +142,7 @@ def _plan_and_write(
         advance = progress.advance if progress is not None else None
         result = write_keys(
             checkpoint,
-            KeyEdit(plan.keep_keys, jobs=jobs),
+            KeyEdit(plan.keep_keys, metadata=metadata, jobs=jobs),
             output,
             in_place,
             force,
