@@ -13,7 +13,7 @@ from pathlib import Path
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.files import file_sizes, list_tree, read_json
 from ckptdoctor.formats.torch_dist import DcpChunk, StorageLocation
-from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, TensorRef
+from ckptdoctor.torch_stand_ins import TORCH_DTYPES, DtypeRef, StorageRef, TensorRef
 
 # numpy type strings as zarr writes them -> torch dtype names; Megatron patches bfloat16 in by name.
 _ZARR_DTYPES = {
@@ -27,14 +27,43 @@ _ZARR_DTYPES = {
     "|i1": "int8",
     "|u1": "uint8",
     "|b1": "bool",
+    "<c8": "complex64",
+    "<c16": "complex128",
 }
 
 
 def _zarray(path: Path) -> dict:
     try:
-        return read_json(path)
+        meta = read_json(path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CkptError(f"{path}: unreadable zarr array metadata ({exc})") from None
+    why = _zarray_problem(meta)
+    if why:
+        raise CkptError(f"{path}: invalid zarr array metadata ({why})")
+    return meta
+
+
+def _dims(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+
+def _zarray_problem(meta: object) -> str | None:
+    """Why a parsed ``.zarray`` cannot describe an array (None when it can): the fields indexing reads must
+    have zarr v2's types, or a hostile file would surface as a TypeError instead of an error naming it."""
+    if not isinstance(meta, dict):
+        return f"a JSON {type(meta).__name__}, not an object"
+    shape, chunks = meta.get("shape"), meta.get("chunks")
+    if not isinstance(shape, list) or not _dims(shape):
+        return f"shape {str(shape)[:60]} is not a list of non-negative integers"
+    if not isinstance(chunks, list) or not _dims(chunks) or len(chunks) != len(shape) or 0 in chunks:
+        return f"chunks {str(chunks)[:60]} is not a list of positive integers, one per axis of shape"
+    dtype = meta.get("dtype")
+    if not isinstance(dtype, str) or (dtype not in _ZARR_DTYPES and dtype not in TORCH_DTYPES):
+        # indexing keeps the dtype as a torch dtype name, which later reads look up (and must exist)
+        return f"dtype {str(dtype)[:60]!a} is not one Megatron writes"
+    if not isinstance(meta.get("dimension_separator", "."), str) or meta.get("dimension_separator") == "":
+        return "dimension_separator is not a non-empty string"
+    return None
 
 
 def read_index(iteration_dir: Path) -> tuple[dict[str, tuple], dict[str, int]]:
@@ -52,8 +81,7 @@ def read_index(iteration_dir: Path) -> tuple[dict[str, tuple], dict[str, int]]:
             meta = _zarray(array_dir / ".zarray")
             shape = tuple(int(s) for s in meta.get("shape", ()))
             chunk_shape = tuple(int(s) for s in meta.get("chunks", ()))
-            dtype = meta.get("dtype")
-            dtype_name = _ZARR_DTYPES.get(dtype if isinstance(dtype, str) else "", str(dtype))
+            dtype_name = _ZARR_DTYPES.get(meta["dtype"], meta["dtype"])
             chunks = []
             for name in sorted(files):
                 if name.startswith("."):

@@ -1,0 +1,76 @@
+"""Inputs found by a mutation fuzz campaign (real fixtures, one file mutated), run through the real CLI in a
+child process: each must end as one clean error line naming the file (or a `check` finding), never as an
+"internal error" or a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, run_ckptdoctor
+
+ZARR = "core014_zarr_tp2"
+ITER = "iter_0000010"
+MEMORY_LIMIT = 1536 << 20
+
+
+def run_limited(*args: str) -> subprocess.CompletedProcess:
+    return run_ckptdoctor(*args, timeout=120, memory_headroom=MEMORY_LIMIT)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, names: str) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckptdoctor: error: "), proc.stderr
+    assert names in lines[0], lines[0]
+    assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def zarr_save(tmp_path) -> Path:
+    dest = tmp_path / ZARR
+    shutil.copytree(FIXTURES / ZARR, dest)
+    return dest
+
+
+GOOD_ZARRAY = {"chunks": [64, 32], "compressor": None, "dtype": "<f4", "fill_value": None, "filters": None,
+               "order": "C", "shape": [128, 32], "zarr_format": 2}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"chunks": None},  # found by the fuzzer: TypeError 'NoneType' object is not iterable
+        {"shape": None},
+        {"shape": [128, "x"]},
+        {"shape": [-1, 32]},
+        {"chunks": [0, 32]},
+        {"chunks": [64]},
+        {"dtype": {"a": 1}},
+        {"dtype": ">f4"},  # big-endian: `show`/`diff --values` hit "refusing to register the global"
+        {"dtype": "<U10"},
+        {"dimension_separator": 5},
+        None,  # a JSON list, not an object
+    ],
+    ids=repr,
+)
+def test_a_malformed_zarray_is_one_line_and_a_finding(zarr_save, change):
+    zarray = zarr_save / ITER / "output_layer.weight" / ".zarray"
+    zarray.write_text(json.dumps([1, 2] if change is None else {**GOOD_ZARRAY, **change}))
+    for command in (["inspect"], ["show", "output_layer.weight"], ["diff", "--values", str(FIXTURES / ZARR)]):
+        proc = run_limited(command[0], str(zarr_save), *command[1:])
+        assert_one_line_error(proc, ".zarray")
+    proc = run_limited("check", "--isolated", "--deep", "--format", "json", str(zarr_save))
+    assert proc.returncode == 1 and "internal error" not in proc.stderr, proc.stderr
+    findings = json.loads(proc.stdout)["findings"]
+    assert any(".zarray" in f["message"] for f in findings), findings
+
+
+def test_a_legitimate_zarray_dtype_spelling_still_reads(zarr_save):
+    zarray = zarr_save / ITER / "output_layer.weight" / ".zarray"
+    zarray.write_text(json.dumps({**GOOD_ZARRAY, "dtype": "float32"}))  # a torch name, as for bfloat16
+    proc = run_limited("show", str(zarr_save), "output_layer.weight", "--stats")
+    assert proc.returncode == 0 and "torch.float32" in proc.stdout, proc.stderr
