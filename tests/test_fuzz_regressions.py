@@ -74,3 +74,22 @@ def test_a_legitimate_zarray_dtype_spelling_still_reads(zarr_save):
     zarray.write_text(json.dumps({**GOOD_ZARRAY, "dtype": "float32"}))  # a torch name, as for bfloat16
     proc = run_limited("show", str(zarr_save), "output_layer.weight", "--stats")
     assert proc.returncode == 0 and "torch.float32" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("num_layers: " + "9" * 5000 + "\n", "4300 digits"),  # PyYAML's int(): ValueError, not YAMLError
+        ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),  # RecursionError in PyYAML's composer
+        ("".join("  " * i + f"k{i}:\n" for i in range(3000)), "nested too deeply"),
+        ("- 1\n- 2\n", "not a mapping"),  # the error named no file
+    ],
+    ids=["huge int", "deep flow list", "deep block mapping", "a list"],
+)
+def test_a_hostile_args_from_yaml_is_one_line_naming_it(tmp_path, text, why):
+    pytest.importorskip("yaml")
+    config = tmp_path / "run_config.yaml"
+    config.write_text(text)
+    proc = run_limited("can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--args-from", str(config))
+    assert_one_line_error(proc, str(config))
+    assert why in proc.stderr, proc.stderr

@@ -184,10 +184,10 @@ def run_args(saved: dict[str, Any], model_args: dict[str, Any] | None, target: L
     return args
 
 
-def _flatten_yaml(data: Any) -> dict[str, Any]:
+def _flatten_yaml(data: Any, path: Path) -> dict[str, Any]:
     """Model args from a YAML mapping: top-level scalars, then the ``model`` section's (Megatron-Bridge)."""
     if not isinstance(data, dict):
-        raise CkptError("--args-from: the YAML file is not a mapping")
+        raise CkptError(f"--args-from {path}: the YAML file is not a mapping")
     flat = {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
     for section in ("model", "model_config"):
         if isinstance(data.get(section), dict):
@@ -223,12 +223,16 @@ def load_yaml_args(path: Path) -> dict[str, Any]:
     try:
         import yaml  # type: ignore[import-untyped]  # optional (pip install 'ckptdoctor[yaml]'); the subset parser covers run_config.yaml
     except ImportError:
-        return _flatten_yaml(_mini_yaml(text))
+        return _flatten_yaml(_mini_yaml(text), path)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise CkptError(f"--args-from {path}: not valid YAML ({exc})") from None
-    return _flatten_yaml(data)
+    except ValueError as exc:  # PyYAML's int() of a scalar past Python's 4300-digit limit
+        raise CkptError(f"--args-from {path}: not valid YAML ({exc})") from None
+    except RecursionError:  # PyYAML composes and constructs recursively: [[[[...]]]] a few thousand deep
+        raise CkptError(f"--args-from {path}: not valid YAML (nested too deeply)") from None
+    return _flatten_yaml(data, path)
 
 
 def model_args_from(source: str) -> dict[str, Any]:
