@@ -18,6 +18,7 @@ from __future__ import annotations
 import pickle
 import struct
 from collections.abc import Callable
+from typing import Any
 
 from ckptdoctor.errors import PickleLimitError
 from ckptdoctor.pickle_limits import PickleLimits, current_limits
@@ -31,6 +32,7 @@ _TUPLE_MARK, _TUPLE_N, _CONTAINER_MARK, _APPEND1, _ITEMS_MARK, _SETITEM = range(
 _BUILD, _REDUCE, _NEWOBJ_EX, _GLOBAL, _STACK_GLOBAL, _GET, _PUT, _MEMOIZE, _FRAME, _PROTO = range(16, 26)
 _PERSID, _BINPERSID, _OBJ_MARK, _INST, _BINGET, _LONG_BINGET = range(26, 32)
 _PUSH_NUMBER, _PUSH_NL_NUMBER, _PUSH_LEN_NUMBER, _SETITEMS, _ADDITEMS, _TUPLE1, _TUPLE2, _EMPTY_TUPLE = range(32, 40)
+_PUSH_BYTE_NUMBER = 40
 
 _KIND = bytearray(256)  # 0: not an opcode we accept
 _ARG = [0] * 256  # fixed argument width (bytes), or width of the length prefix for _PUSH_LEN
@@ -39,7 +41,7 @@ for _op, _kind, _arg in (
     (b"N", _PUSH, 0),
     (b"\x88", _PUSH, 0),
     (b"\x89", _PUSH, 0),
-    (b"K", _PUSH_NUMBER, 1),
+    (b"K", _PUSH_BYTE_NUMBER, 1),
     (b"M", _PUSH_NUMBER, 2),
     (b"J", _PUSH_NUMBER, 4),
     (b"G", _PUSH_NUMBER, 8),
@@ -103,7 +105,7 @@ for _op, _kind, _arg in (
     _KIND[_op[0]] = _kind
     _ARG[_op[0]] = _arg
 _NTUPLE[ord(")")], _NTUPLE[0x85], _NTUPLE[0x86], _NTUPLE[0x87] = 0, 1, 2, 3
-_KIND_OF = bytes(_KIND)
+_KINDS = tuple(_KIND)  # a tuple: CPython indexes it faster than bytes
 
 # Valid opcodes never accepted: the copyreg extension registry and protocol 5 out-of-band buffers.
 _REFUSED_OPCODES = {0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4", 0x97: "NEXT_BUFFER", 0x98: "READONLY_BUFFER"}
@@ -153,7 +155,7 @@ def scan(
     limits.check_size(len(data))
     buf = bytes(data) if not isinstance(data, bytes) else data
     size = len(buf)
-    kind_of = _KIND_OF
+    kinds = _KINDS
     arg_width = _ARG
     max_depth = limits.max_tuple_depth
     max_string = limits.max_string
@@ -163,8 +165,15 @@ def scan(
     memo: list[int] = []
     strings: list[bytes] = []  # remembered short strings, by _STRING - item
     string_codes: dict[bytes, int] = {}
+    push, pop, memo_append = stack.append, stack.pop, memo.append
     unpack_from = struct.unpack_from
-    pos = 0
+    # The opcodes come from an iterator over the bytes (the cheapest way CPython steps through bytes: 1.3x
+    # faster than indexing, measured on a 20k-key .metadata); an argument is taken with next() (one byte) or by
+    # seeking the iterator past it (bytes_iterator's __setstate__). Its position is size - remaining().
+    opcodes: Any = iter(buf)  # typeshed's Iterator has neither __length_hint__ nor __setstate__
+    next_byte = opcodes.__next__
+    remaining = opcodes.__length_hint__
+    seek = opcodes.__setstate__
 
     def global_item(module: bytes, name: bytes) -> int:
         if safe_hash is None:
@@ -176,38 +185,38 @@ def scan(
         return _GLOBAL_SAFE_HASH if safe else _GLOBAL_REF
 
     def fail(what: str) -> PickleLimitError:
-        return PickleLimitError(f"{what} at byte {pos}")
+        return PickleLimitError(f"{what} at byte {size - remaining()}")
 
     def corrupt(what: str) -> pickle.UnpicklingError:
         # Damage, not a policy: callers report it like any other corrupt pickle.
-        return pickle.UnpicklingError(f"{what} at byte {pos}")
+        return pickle.UnpicklingError(f"{what} at byte {size - remaining()}")
 
     try:
-        while True:
-            op = buf[pos]
-            kind = kind_of[op]
-            pos += 1
+        for op in opcodes:
+            kind = kinds[op]
             # The most frequent opcodes of a DCP .metadata come first (2M opcodes at 20k keys).
             if kind == _MEMOIZE:
-                memo.append(stack[-1])
+                memo_append(stack[-1])
             elif kind == _BINGET:
-                stack.append(memo[buf[pos]])
-                pos += 1
+                push(memo[next_byte()])
+            elif kind == _REDUCE:  # REDUCE and NEWOBJ: callable/class, argument tuple -> object
+                args = pop()
+                stack[-1] = args if args > 0 and stack[-1] != _GLOBAL_SAFE_HASH else 0
             elif kind == _LONG_BINGET:
-                stack.append(memo[unpack_from("<I", buf, pos)[0]])
-                pos += 4
-            elif kind == _PUSH_NUMBER:
-                pos += arg_width[op]
-                stack.append(_NUMBER)
+                pos = size - remaining()
+                push(memo[unpack_from("<I", buf, pos)[0]])
+                seek(pos + 4)
+            elif kind == _PUSH_BYTE_NUMBER:
+                next_byte()
+                push(_NUMBER)
+            elif kind == _PUSH:
+                push(0)
             elif kind == _MARK:
                 marks.append(len(stack))
             elif kind == _EMPTY_TUPLE:
-                stack.append(1)
-            elif kind == _REDUCE:  # REDUCE and NEWOBJ: callable/class, argument tuple -> object
-                args = stack.pop()
-                stack[-1] = args if args > 0 and stack[-1] != _GLOBAL_SAFE_HASH else 0
+                push(1)
             elif kind == _BUILD:
-                stack.pop()
+                pop()
                 if stack[-1] == _GLOBAL_REF or stack[-1] == _GLOBAL_SAFE_HASH:
                     raise fail("BUILD on a class or function (would change it for every later read)")
             elif kind == _TUPLE1:
@@ -217,7 +226,7 @@ def scan(
                     raise fail(f"tuples nest deeper than {max_depth}")
                 stack[-1] = depth
             elif kind == _TUPLE2:
-                depth = stack.pop()
+                depth = pop()
                 other = stack[-1]
                 if other > depth:
                     depth = other
@@ -225,12 +234,16 @@ def scan(
                 if depth > max_depth:
                     raise fail(f"tuples nest deeper than {max_depth}")
                 stack[-1] = depth
-            elif kind == _PUSH:
-                pos += arg_width[op]
-                stack.append(0)
+            elif kind == _PUSH_NUMBER:
+                pos = size - remaining() + arg_width[op]
+                if pos > size:
+                    raise corrupt("truncated")
+                seek(pos)
+                push(_NUMBER)
             elif kind == _GET:  # protocol 0 GET (BINGET and LONG_BINGET have their own kinds)
-                idx, pos = _memo_index(buf, pos, arg_width[op])
-                stack.append(memo[idx])
+                idx, pos = _memo_index(buf, size - remaining(), arg_width[op])
+                seek(pos)
+                push(memo[idx])
             elif kind in (_SETITEMS, _ADDITEMS):
                 mark = marks.pop()
                 keys = stack[mark::2] if kind == _SETITEMS else stack[mark:]
@@ -243,7 +256,7 @@ def scan(
                 if hashed_keys_left < 0:
                     raise fail(f"more than {limits.max_hashed_keys} int, float or tuple keys (hash flooding)")
                 if op == 0x91:  # FROZENSET builds a new object from the items
-                    stack.append(0)
+                    push(0)
             elif kind == _TUPLE_N:
                 n = _NTUPLE[op]
                 depth = 1
@@ -255,7 +268,7 @@ def scan(
                     depth = 1 + max(0, *items)
                     if depth > max_depth:
                         raise fail(f"tuples nest deeper than {max_depth}")
-                stack.append(depth)
+                push(depth)
             elif kind in (_ITEMS_MARK, _SETITEM, _APPEND1):
                 if kind == _ITEMS_MARK:
                     del stack[marks.pop() :]
@@ -268,6 +281,7 @@ def scan(
                 if stack[-1] == _GLOBAL_REF or stack[-1] == _GLOBAL_SAFE_HASH:
                     raise fail("item assignment on a class or function")
             elif kind in (_PUSH_LEN, _PUSH_LEN_NUMBER):
+                pos = size - remaining()
                 width = arg_width[op]
                 if width == 1:
                     length = buf[pos]
@@ -281,17 +295,18 @@ def scan(
                     raise corrupt("truncated")
                 if length > max_string:
                     raise fail(f"a string of {length} bytes exceeds the limit of {max_string}")
+                seek(pos)
                 if kind == _PUSH_LEN_NUMBER:
-                    stack.append(_NUMBER)
+                    push(_NUMBER)
                 elif (op == 0x8C or op == 0x58) and length <= _MAX_REMEMBERED_STRING:  # (SHORT_)BINUNICODE
                     text = buf[start:pos]
                     code = string_codes.get(text)
                     if code is None:
                         code = string_codes[text] = _STRING - len(strings)
                         strings.append(text)
-                    stack.append(code)
+                    push(code)
                 else:
-                    stack.append(0)
+                    push(0)
             elif kind == _TUPLE_MARK:
                 mark = marks.pop()
                 items = stack[mark:]
@@ -299,11 +314,12 @@ def scan(
                 depth = 1 + max(0, *items) if items else 1
                 if depth > max_depth:
                     raise fail(f"tuples nest deeper than {max_depth}")
-                stack.append(depth)
+                push(depth)
             elif kind == _PUT:
-                idx, pos = _memo_index(buf, pos, arg_width[op])
+                idx, pos = _memo_index(buf, size - remaining(), arg_width[op])
+                seek(pos)
                 if idx == len(memo):  # Python's picklers number memo slots 0, 1, 2, ...
-                    memo.append(stack[-1])
+                    memo_append(stack[-1])
                 elif idx < len(memo):
                     memo[idx] = stack[-1]
                 elif idx > len(memo) + (1 << 20):  # would make the unpickler allocate a memo of that size
@@ -319,52 +335,56 @@ def scan(
                     if hashed_keys_left < 0:
                         raise fail(f"more than {limits.max_hashed_keys} int, float or tuple keys (hash flooding)")
                 del stack[mark:]
-                stack.append(0)
+                push(0)
             elif kind == _STACK_GLOBAL:
                 module_item, name_item = stack[-2:]  # fewer than two: ValueError, a malformed pickle
                 del stack[-2:]
                 if module_item <= _STRING and name_item <= _STRING:
-                    stack.append(global_item(strings[_STRING - module_item], strings[_STRING - name_item]))
+                    push(global_item(strings[_STRING - module_item], strings[_STRING - name_item]))
                 else:
-                    stack.append(_GLOBAL_REF)
+                    push(_GLOBAL_REF)
             elif kind == _GLOBAL:
+                pos = size - remaining()
                 module_end = buf.index(b"\n", pos)
                 name_end = buf.index(b"\n", module_end + 1)
-                stack.append(global_item(buf[pos:module_end], buf[module_end + 1 : name_end]))
-                pos = name_end + 1
+                push(global_item(buf[pos:module_end], buf[module_end + 1 : name_end]))
+                seek(name_end + 1)
             elif kind in (_PUSH_NL, _PUSH_NL_NUMBER):
+                pos = size - remaining()
                 end = buf.index(b"\n", pos)
                 if end - pos > max_string:
                     raise fail(f"a string of {end - pos} bytes exceeds the limit of {max_string}")
-                pos = end + 1
-                stack.append(_NUMBER if kind == _PUSH_NL_NUMBER else 0)
+                seek(end + 1)
+                push(_NUMBER if kind == _PUSH_NL_NUMBER else 0)
             elif kind == _POP:
                 if marks and marks[-1] == len(stack):
                     marks.pop()
                 else:
-                    stack.pop()
+                    pop()
             elif kind == _POP_MARK:
                 del stack[marks.pop() :]
             elif kind == _DUP:
-                stack.append(stack[-1])
+                push(stack[-1])
             elif kind == _NEWOBJ_EX:  # class, args, kwargs -> object (a torch.Size keeps its args' depth)
                 args = stack[-2]
                 del stack[-2:]
                 stack[-1] = args if args > 0 and stack[-1] != _GLOBAL_SAFE_HASH else 0
-            elif kind in (_FRAME, _PROTO):
-                pos += arg_width[op]
+            elif kind == _FRAME:
+                seek(size - remaining() + 8)
+            elif kind == _PROTO:
+                next_byte()
             elif kind == _BINPERSID:
                 stack[-1] = 0
             elif kind == _PERSID:
-                pos = buf.index(b"\n", pos) + 1
-                stack.append(0)
+                seek(buf.index(b"\n", size - remaining()) + 1)
+                push(0)
             elif kind == _OBJ_MARK:
                 del stack[marks.pop() :]
-                stack.append(0)
+                push(0)
             elif kind == _INST:
-                pos = buf.index(b"\n", buf.index(b"\n", pos) + 1) + 1
+                seek(buf.index(b"\n", buf.index(b"\n", size - remaining()) + 1) + 1)
                 del stack[marks.pop() :]
-                stack.append(0)
+                push(0)
             elif kind == _STOP:
                 return
             elif op in _REFUSED_OPCODES:
@@ -373,5 +393,6 @@ def scan(
                 raise corrupt(f"invalid opcode {bytes([op])!r}")
     except (PickleLimitError, pickle.UnpicklingError):
         raise
-    except (IndexError, KeyError, ValueError, struct.error):
+    except (IndexError, KeyError, ValueError, struct.error, StopIteration):
         raise corrupt("malformed pickle") from None
+    raise corrupt("malformed pickle: no STOP")  # the bytes ended (or an argument ran past them) first
