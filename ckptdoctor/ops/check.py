@@ -102,6 +102,10 @@ def check_paths(
         chosen, tracker_findings = structure.check_save_dir(save_dir, shown, options.all_iterations)
         for f in tracker_findings + leftovers.scan_beside(save_dir, shown):  # also those of a dir gone missing
             found.setdefault(f, shown)  # a leftover beside an iteration dir is seen from the save dir too
+        # an interrupted --output write to this save dir (its rerun then succeeded) leaves its staging dir
+        # beside it; the message gives the rm command (repair moves only leftovers of an iteration dir)
+        for f in leftovers.scan_beside(save_dir.parent, shown.parent, save_dir.name):
+            found.setdefault(f, None)
         for directory in chosen:
             iteration_dirs.setdefault(directory.resolve(), shown / directory.name)
     for resolved, shown in targets.iteration_dirs.items():
