@@ -176,7 +176,10 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
         iters = list_iteration_dirs(candidate) if candidate.is_dir() else []
         if iters:
             names = ", ".join(p.name for p in iters[-5:])
-            raise CkptError(f"{candidate}: save dir without {TRACKER_NAME}; choose one with --iteration N ({names})")
+            # Megatron, too, reads the tracker only when it is a regular file (os.path.isfile)
+            tracker = candidate / TRACKER_NAME
+            what = f"whose {TRACKER_NAME} is not a regular file" if tracker.exists() else f"without {TRACKER_NAME}"
+            raise CkptError(f"{candidate}: save dir {what}; choose one with --iteration N ({names})")
         raise CkptError(f"{candidate}: not a Megatron checkpoint (no metadata.json, .metadata or tracker)")
 
     location = iteration_location(iteration_dir, input_path)

@@ -87,6 +87,22 @@ def test_tracker_megatron_refuses_is_an_error(capsys, copy_fixture, text):
     assert rc == 1 and f"{save / TRACKER}: CKD120" in out
 
 
+@pytest.mark.parametrize("kind", ["fifo", "dir"])
+def test_tracker_that_is_not_a_regular_file_is_named_as_such(capsys, copy_fixture, kind):
+    """Megatron reads the tracker only when os.path.isfile says so; the error says why it was not read."""
+    save = copy_fixture("core019_tp1")
+    tracker = save / TRACKER
+    tracker.unlink()
+    os.mkfifo(tracker) if kind == "fifo" else tracker.mkdir()
+    rc, out, err = _run(capsys, "inspect", save)
+    assert rc == 2 and out == ""
+    line = _one_error_line(err)
+    assert f"{save}: save dir whose {TRACKER} is not a regular file" in line and ITER in line
+    tracker.rmdir() if kind == "dir" else tracker.unlink()
+    rc, out, err = _run(capsys, "inspect", save)
+    assert f"{save}: save dir without {TRACKER}" in _one_error_line(err)
+
+
 # --- 2. unreadable files and dirs -----------------------------------------------------------------------
 
 
