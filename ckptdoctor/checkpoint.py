@@ -271,7 +271,10 @@ def _read_metadata_json(location: CheckpointLocation, names: set[str], problems:
     path = directory / "metadata.json"
     try:
         data: Any = read_json(path)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except OSError as exc:  # a FIFO, a dir, no permission: unreadable, whatever it holds
+        problems.append(Problem(METADATA_JSON_INVALID, path, f"cannot read ({exc.strerror})"))
+        return guess_backend(directory, names)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         problems.append(Problem(METADATA_JSON_INVALID, path, f"not valid JSON ({exc})"))
         return guess_backend(directory, names)
     if not isinstance(data, dict) or "sharded_backend" not in data:

@@ -103,6 +103,18 @@ def test_tracker_that_is_not_a_regular_file_is_named_as_such(capsys, copy_fixtur
     assert f"{save}: save dir without {TRACKER}" in _one_error_line(err)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "dir"])
+def test_metadata_json_that_is_not_a_regular_file_is_unreadable_not_invalid_json(capsys, copy_fixture, kind):
+    save = copy_fixture("core019_tp1")
+    path = save / ITER / "metadata.json"
+    path.unlink()
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    rc, out, err = _run(capsys, "inspect", save)
+    assert rc == 2 and f"{path}: cannot read (" in _one_error_line(err)
+    rc, out, _ = _run(capsys, "check", "--isolated", save)
+    assert rc == 1 and f"{path}: CKD102 [error] cannot read (" in out and "JSON" not in out
+
+
 # --- 2. unreadable files and dirs -----------------------------------------------------------------------
 
 
