@@ -404,6 +404,37 @@ def test_a_range_longer_than_its_item_is_never_read(save_dir, tmp_path):
     assert proc.returncode == 2 and "internal error" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("where", ["../../outside.distcp", "/ABSOLUTE/outside.distcp", "./__0_0.distcp", ""])
+def test_a_data_file_outside_the_iteration_dir_is_never_read_or_written(save_dir, tmp_path, where):
+    """A hostile .metadata names a data file outside the checkpoint (torch's reader would follow it): check
+    refuses the .metadata (CKD111), nothing reads through it and a compacting write creates nothing outside."""
+    save = save_dir("core019_tp2")
+    it = save / "iter_0000010"
+    outside = tmp_path / "outside.distcp"  # the bytes the hostile entries point at: a real data file
+    shutil.copyfile(it / "__0_0.distcp", outside)
+    name = where.replace("/ABSOLUTE", str(tmp_path))
+    path = it / ".metadata"
+    metadata = load_metadata_object(path)
+    for info in storage_items(metadata).values():
+        if info.relative_path == "__0_0.distcp":
+            set_storage(info, StorageLocation(name, info.offset, info.length))
+    path.write_bytes(dump_metadata_object(metadata))
+    outside.unlink()  # a compacting write would now be free to create it
+    rc, report = check_json(save, deep=True)
+    found = [f for f in report["findings"] if f["code"] == "CKD111"]
+    assert rc == 1 and found and "outside the iteration dir" in found[0]["message"], report
+    assert_one_line_error(run_limited("inspect", str(save)), "outside the iteration dir")
+    for args in (
+        ["diff", "--values", str(FIXTURES / "core019_tp2"), str(save)],
+        ["edit", str(save), "--remove", "^optimizer", "--compact", "-o", str(tmp_path / "out")],
+        ["strip-frozen", str(save), "--force", "-o", str(tmp_path / "out2")],
+    ):
+        proc = run_limited(*args)
+        assert proc.returncode == 2 and "outside the iteration dir" in proc.stderr, proc.stdout + proc.stderr
+    assert not outside.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [save.name]
+
+
 DEEP_JSON = "[" * 100_000 + "]" * 100_000  # exhausts json's recursion: a clean error, never "internal error"
 
 

@@ -83,6 +83,9 @@ def copy_file(
     cancel: threading.Event,
 ) -> None:
     """One new data file: the source file's ``ranges`` back to back, created (never an existing file)."""
+    if name.startswith("/") or any(part in ("", ".", "..") for part in name.split("/")):
+        # the reader refuses such names (torch_dist.inside_path); a second guard where files are created
+        raise CopyError(f"{name!r}: not a file name inside the checkpoint; refusing to copy it")
     src_path, dst_path = os.path.join(src_dir, name), os.path.join(dst_dir, name)
     try:
         src_fd = os.open(src_path, os.O_RDONLY)

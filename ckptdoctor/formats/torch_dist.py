@@ -25,6 +25,32 @@ from ckptdoctor.stand_ins import STAND_IN_TYPES, IndexRecord, StandIn, index_rec
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
+class OutsidePathError(ValueError):
+    """A storage entry names a data file outside the iteration dir (absolute, or through ``..``)."""
+
+    def __init__(self, fqn: Any, relative_path: str) -> None:
+        super().__init__(fqn, relative_path)
+        self.fqn, self.relative_path = fqn, relative_path
+
+
+def inside_path(relative_path: str, fqn: Any = None) -> str:
+    """``relative_path`` if it names a file inside the iteration dir, else :class:`OutsidePathError`.
+
+    DCP writes plain file names (``__0_0.distcp``), but the name comes from the pickle: an absolute path or a
+    ``..`` would make every reader (check --deep, diff --values, show) read a file outside the checkpoint, and
+    a compacting write create one outside its output. Nested relative names are left to the missing-file check.
+    """
+    parts = relative_path.split("/")
+    if (
+        relative_path.startswith("/")
+        or "\\" in relative_path
+        or "\0" in relative_path
+        or any(part in ("", ".", "..") for part in parts)
+    ):
+        raise OutsidePathError(fqn, relative_path)
+    return relative_path
+
+
 # NamedTuples rather than frozen dataclasses: one of each per chunk, and a frozen dataclass's __init__
 # costs several times more (tens of thousands of chunks are built for every command on a large checkpoint).
 class StorageLocation(NamedTuple):
@@ -158,6 +184,11 @@ def _index_from_object(
         items = _index_items(state_dict_metadata, storage_data, item_class, consume)
     except pickle.UnpicklingError as exc:
         raise _corrupt(path, exc) from None
+    except OutsidePathError as exc:
+        raise CkptError(
+            f"{path}: the storage entry of {ascii(exc.fqn)} names a data file outside the iteration dir "
+            f"({ascii(exc.relative_path)}); refusing to read through it"
+        ) from None
     except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
         raise CkptError(f"{path}: unexpected DCP metadata structure ({type(exc).__name__}: {exc})") from None
 
@@ -224,11 +255,14 @@ def _index_items(
             offset = tuple(offset)
             offset = shared.setdefault(offset, offset)
         relative_path = str(info_fields["relative_path"])
+        known_path = shared.get(relative_path)
+        if known_path is None:  # each distinct file name is checked once
+            known_path = shared[relative_path] = inside_path(relative_path, index_fields.get("fqn"))
         add(
             (index_fields["fqn"], offset),
             _new_location(
                 (
-                    shared.setdefault(relative_path, relative_path),
+                    known_path,
                     int(info_fields["offset"]),
                     int(info_fields["length"]),
                 )
