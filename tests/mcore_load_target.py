@@ -170,6 +170,8 @@ def build_and_load(cell: dict, args) -> None:
     gen.LAYOUT.ep = args.expert_model_parallel_size
     gen.LAYOUT.num_experts = args.num_experts
     gen.LAYOUT.distributed_optimizer = bool(args.use_distributed_optimizer)
+    gen.LAYOUT.num_query_groups = args.num_query_groups if args.group_query_attention else None
+    gen.LAYOUT.qk_layernorm = bool(getattr(args, "qk_layernorm", False))
     parallel_state.destroy_model_parallel()
     kwargs = {}
     if args.num_experts:

@@ -320,3 +320,17 @@ def test_every_fixture_predicts_at_several_targets(name):
             jsonschema.validate(doc, SCHEMA)
             assert doc["will_load"] == (not doc["failing_sections"])
             assert all(s["error"] and s["fix"] for s in doc["sections"] if s["verdict"] == "fails"), doc["sections"]
+
+
+def test_fully_reshardable_reshards_tp_but_not_into_a_plain_optimizer():
+    """A fully_reshardable distributed-optimizer checkpoint stores model-space optimizer.state.* tensors, so TP/PP
+    may change; a run without the distributed optimizer finds those keys but matches none of its param groups."""
+    ckpt = open_checkpoint(FIXTURES / "core019_tp2_dp2_fully_reshardable")
+    report = predict(ckpt, "tp=1,dp=1", LoadRun())
+    (optim,) = [s for s in report.sections if s.section == "optimizer"]
+    assert report.will_load and optim.verdict == "reshards"
+    plain = predict(ckpt, "dp=1", LoadRun(use_distributed_optimizer=False))
+    (optim,) = [s for s in plain.sections if s.section == "optimizer"]
+    assert plain.failing_sections == ["optimizer"] and "fully_reshardable" in optim.why
+    assert optim.error.startswith("ValueError: Could not find parameter group") and "--use-distributed" in optim.fix
+    assert predict(ckpt, "dp=1", LoadRun(use_distributed_optimizer=False, no_load_optim=True)).will_load

@@ -7,7 +7,9 @@
   ``dp_zero_gather_scatter``). A (TP, PP) change raises unless the format is fully reshardable;
   ``dp_reshardable`` buckets (``optimizer.distributed.*``) then reshard across DP only (their unpadded numel
   is fixed by the model and TP/PP). A run without the distributed optimizer requests model-space
-  ``optimizer.state.*`` keys, which a ``dp_reshardable`` checkpoint lacks (and the reverse).
+  ``optimizer.state.*`` keys, which a ``dp_reshardable`` checkpoint lacks (and the reverse); a
+  ``fully_reshardable`` checkpoint has them, but its param groups (common state ``optimizer.optimizer``) match
+  none of that run's ("Could not find parameter group with key ...").
 * Experts get their own param groups (``is_expert_parallel``) only when EP > 1 or ETP != TP; a change of that
   makes the saved param groups unmatched ("Could not find parameter group with key ...").
 """
@@ -96,6 +98,19 @@ def optimizer_verdict(
             "format), whose flattened ShardedTensors megatron-core 0.19 no longer supports",
             "CheckpointingException: ShardedTensor.flattened_range is not supported.",
             "--no-use-distributed-optimizer when the checkpoint was saved without it, else --no-load-optim",
+            present=len(present),
+        ), None
+    saved_optim = common.get("optimizer")
+    saved_kind = saved_optim.get("param_state_sharding_type") if isinstance(saved_optim, dict) else None
+    if not distributed and saved_kind in FULLY_RESHARDABLE:
+        return SectionVerdict(
+            "optimizer",
+            FAILS,
+            f"the checkpoint's optimizer is the distributed optimizer's {saved_kind} format: its model-space "
+            "tensors load, but its param groups sit under optimizer.optimizer, where a run without the "
+            "distributed optimizer finds none to match its own",
+            "ValueError: Could not find parameter group with key (...) in loaded checkpoint.",
+            "--use-distributed-optimizer (the format reshards across TP/PP/DP), or --no-load-optim",
             present=len(present),
         ), None
     has_experts = bool(args.get("num_experts")) and bool(saved_args.get("num_experts"))
