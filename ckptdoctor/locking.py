@@ -74,8 +74,12 @@ def _lock_file(directory: Path) -> tuple[int, Path]:
     path = lock_file_path(directory)
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            # O_NOFOLLOW: a symlink planted under the lock file's name (a save dir from someone else) would make
+            # this open create an empty file wherever it points
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as exc:
+            if path.is_symlink():
+                raise CkptError(f"{path}: the lock file is a symlink; refusing to follow it (remove it)") from None
             raise CkptError(f"{path}: cannot create the lock file ({exc.strerror})") from None
         try:
             _lock_fd(fd, True)

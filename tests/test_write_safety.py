@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -488,6 +489,31 @@ def test_lock_files_are_not_findings_and_not_copied(capsys, copy_fixture, tmp_pa
     assert not list((tmp_path / "out").rglob("*.lock"))
     rc, _, err = _run(capsys, "fix-args", save, "--write", "--in-place", "--set", "seq_length=78")
     assert rc == 0, err
+
+
+def test_a_symlink_planted_as_the_lock_file_is_not_followed(capsys, copy_fixture, tmp_path, monkeypatch):
+    """On a filesystem that cannot flock a dir (the lock file fallback), a save dir from someone else may hold a
+    symlink under the lock file's name: following it would create an (empty) file wherever it points. The
+    write refuses, names the lock file, and creates nothing."""
+    from ckptdoctor import locking
+
+    real_lock_fd = locking._lock_fd
+
+    def no_dir_flock(fd: int, exclusive: bool) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(next(iter(locking._NO_DIR_FLOCK)), "not supported here")
+        real_lock_fd(fd, exclusive)
+
+    monkeypatch.setattr(locking, "_lock_fd", no_dir_flock)
+    save = copy_fixture("core019_tp1")
+    victim = tmp_path / "victim"
+    lock = save / f".{ITER}.ckptdoctor.lock"
+    lock.symlink_to(victim)
+    before = _tree(save)
+    rc, _, err = _run(capsys, "fix-args", save, "--write", "--in-place", "--set", "seq_length=78")
+    assert rc == 2 and f"{lock}: the lock file is a symlink" in err, err
+    assert not victim.exists()
+    assert lock.is_symlink() and _tree(save) == before
 
 
 # --- failures are one line naming the file, and leave nothing half-done ----------------------------------------
