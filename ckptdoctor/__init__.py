@@ -1,3 +1,35 @@
 """ckptdoctor: diagnose and repair Megatron-Core distributed checkpoints offline."""
 
+import os
+import signal
+import sys
+
 __version__ = "0.1.0"
+
+_PENDING_SIGINT: list[int] = []  # SIGINTs that arrived while the CLI process was still importing
+
+
+def _defer_sigint(signum: int, frame: object) -> None:
+    _PENDING_SIGINT.append(signum)
+
+
+def _is_cli_process() -> bool:
+    """This package is being imported by the ``ckptdoctor`` console script or ``python -m ckptdoctor``."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    name, parent = os.path.basename(argv0), os.path.basename(os.path.dirname(argv0))
+    if name in ("ckptdoctor", "ckptdoctor.exe") or (name == "__main__.py" and parent == "ckptdoctor"):
+        return True
+    if argv0 != "-m":  # argv[0] is "-m" only while runpy imports the package of ``python -m <module>``
+        return False
+    orig = getattr(sys, "orig_argv", [])
+    for i, arg in enumerate(orig[1:], 1):
+        if arg.startswith("-m"):  # the interpreter's options end at -m
+            return (arg[2:] or (orig[i + 1] if i + 1 < len(orig) else "")) == "ckptdoctor"
+    return False
+
+
+# First thing in the process that is ours (``python -m ckptdoctor`` imports this package before its
+# __main__.py, the console script before ckptdoctor.cli): a Ctrl-C from here on while the CLI starts is
+# remembered and answered by ckptdoctor.cli.run() like any other interrupt, not a KeyboardInterrupt traceback.
+if _is_cli_process() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _defer_sigint)

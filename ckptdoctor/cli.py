@@ -8,22 +8,10 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-_PENDING_SIGINT: list[int] = []  # SIGINTs that arrived while the CLI process was still importing
+from ckptdoctor import _PENDING_SIGINT, _defer_sigint, _is_cli_process  # see ckptdoctor/__init__.py
 
-
-def _defer_sigint(signum: int, frame: object) -> None:
-    _PENDING_SIGINT.append(signum)
-
-
-def _is_cli_process() -> bool:
-    """This module is being imported by the ``ckptdoctor`` console script or ``python -m ckptdoctor``."""
-    argv0 = sys.argv[0] if sys.argv else ""
-    name, parent = os.path.basename(argv0), os.path.basename(os.path.dirname(argv0))
-    return name in ("ckptdoctor", "ckptdoctor.exe") or (name == "__main__.py" and parent == "ckptdoctor")
-
-
-# Before the imports below (click is most of the start-up): a Ctrl-C while the CLI starts is remembered and
-# answered by run() like any other interrupt, instead of a KeyboardInterrupt traceback from an import.
+# Before the imports below (click is most of the start-up), when the package did not do it already (an
+# interpreter that imported ckptdoctor as a library and then runs the CLI): see ckptdoctor/__init__.py.
 if _is_cli_process() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, _defer_sigint)
 

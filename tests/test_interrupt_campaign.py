@@ -5,9 +5,12 @@ Fast: no torch or megatron-core is needed (the children run the CLI)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
-from conftest import run_ckptdoctor
+import pytest
+from conftest import FIXTURES, REPO, run_ckptdoctor
 
 from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE, FAULT_MODE_ENV
 from ckptdoctor.ops.check import check_paths
@@ -38,3 +41,36 @@ def test_check_of_an_output_save_dir_names_the_staging_dir_of_an_interrupted_wri
     assert _leftovers(out) == staging  # the output exists now: still reported, with its rm command
     assert _leftovers(out / "iter_0000010") == []  # an iteration dir's own leftovers are its siblings only
     assert _leftovers(tmp_path) == staging  # once, however it is reached
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_sigint_after_the_package_is_imported_and_before_the_cli_exits_130_with_one_line():
+    """``python -m ckptdoctor``: runpy imports the package, then runs __main__.py, which imports ckptdoctor.cli.
+    A Ctrl-C landing in between (after the package, before ckptdoctor.cli installed its handler) was a
+    KeyboardInterrupt traceback (campaign: 3 of 40 SIGINTs at random instants of fix-args). The package
+    itself now defers it, as ckptdoctor.cli does for its own imports. Simulated at that exact point: argv as
+    the interpreter sets it while runpy locates the module."""
+    main_py = REPO / "ckptdoctor" / "__main__.py"
+    code = (
+        "import os, runpy, signal, sys\n"
+        f"sys.orig_argv = [sys.executable, '-m', 'ckptdoctor', 'inspect', {str(FIXTURES / 'core019_tp1')!r}]\n"
+        f"sys.argv = ['-m', 'inspect', {str(FIXTURES / 'core019_tp1')!r}]\n"
+        "import ckptdoctor\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"  # handled at the next bytecode: before ckptdoctor.cli exists
+        f"sys.argv[0] = {str(main_py)!r}\n"
+        "runpy.run_module('ckptdoctor', run_name='__main__', alter_sys=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 130, result.stderr
+    assert result.stderr == "ckptdoctor: interrupted\n" and result.stdout == ""
+
+
+def test_importing_the_package_as_a_library_leaves_sigint_alone():
+    code = (
+        "import signal, sys\nimport ckptdoctor\nassert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    other = "import sys\nsys.argv[0] = '-m'\nsys.orig_argv = [sys.executable, '-m', 'otherpkg']\n" + code
+    result = subprocess.run([sys.executable, "-c", other], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
