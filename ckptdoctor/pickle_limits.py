@@ -22,6 +22,11 @@ class PickleLimits:
     # Ints, floats and tuples hash the same in every process, so n keys built to collide cost O(n**2) to
     # insert (hash flooding: 100k such keys in 1.2 MB of pickle take ~40 s). No checkpoint keys this many.
     max_hashed_keys: int = 50_000
+    # Bytes of a binary integer (LONG1 / LONG4; a protocol 0 INT / LONG / FLOAT line: 3 characters per byte).
+    # 64 bytes is 512 bits, far beyond any int a checkpoint holds (int64 sizes, 32-bit RNG words). Python
+    # refuses to print an int of more than 4,300 digits (and takes quadratic time to): a few KB of pickle
+    # could otherwise stop every report that shows it.
+    max_int_bytes: int = 64
 
     def check_size(self, size: int) -> None:
         if size > self.max_bytes:

@@ -159,6 +159,7 @@ def scan(
     arg_width = _ARG
     max_depth = limits.max_tuple_depth
     max_string = limits.max_string
+    max_int = limits.max_int_bytes
     hashed_keys_left = limits.max_hashed_keys
     stack: list[int] = []
     marks: list[int] = []
@@ -297,6 +298,8 @@ def scan(
                     raise fail(f"a string of {length} bytes exceeds the limit of {max_string}")
                 seek(pos)
                 if kind == _PUSH_LEN_NUMBER:
+                    if length > max_int:
+                        raise fail(f"an integer of {length} bytes exceeds the limit of {max_int}")
                     push(_NUMBER)
                 elif (op == 0x8C or op == 0x58) and length <= _MAX_REMEMBERED_STRING:  # (SHORT_)BINUNICODE
                     text = buf[start:pos]
@@ -354,6 +357,8 @@ def scan(
                 end = buf.index(b"\n", pos)
                 if end - pos > max_string:
                     raise fail(f"a string of {end - pos} bytes exceeds the limit of {max_string}")
+                if kind == _PUSH_NL_NUMBER and end - pos > 3 * max_int:  # INT / LONG / FLOAT as text
+                    raise fail(f"a number of {end - pos} characters exceeds the limit of {3 * max_int}")
                 seek(end + 1)
                 push(_NUMBER if kind == _PUSH_NL_NUMBER else 0)
             elif kind == _POP:

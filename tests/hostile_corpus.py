@@ -4,6 +4,7 @@ bench/bench_hostile.py. Each is a few bytes to a few MB; none needs torch to bui
 from __future__ import annotations
 
 import io
+import pickle
 import struct
 import zipfile
 
@@ -100,3 +101,6 @@ def hash_flood_set(n: int = 100_000) -> bytes:
 
 RESOURCE_CASES["hash flood: 100k colliding int dict keys"] = hash_flood_dict()
 RESOURCE_CASES["hash flood: set() of 100k colliding ints"] = hash_flood_set()
+# Python prints no int of more than 4,300 digits (ValueError): a few KB that would stop every report showing it.
+RESOURCE_CASES["int of 10**5000 (LONG4)"] = pickle.dumps(10**5000, protocol=2)
+RESOURCE_CASES["int of 5000 digits (protocol 0 LONG)"] = b"L" + b"7" * 5000 + b"L\n."

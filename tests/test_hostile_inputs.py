@@ -206,6 +206,52 @@ def test_billion_laughs_in_args_is_bounded(save_dir):
         assert len(proc.stdout) < 2_000_000, command
 
 
+def test_a_huge_int_in_args_is_a_limit_not_an_internal_error(save_dir):
+    save = save_dir()
+    path = save / ITER / "common.pt"
+    state = load_torch_zip(path, str(path))
+    state["args"].seq_length = 10**5000  # ~2 KB of pickle; str() of it raises ValueError (4,300-digit limit)
+    path.write_bytes(dump_torch_zip(state))
+    rc, report = check_json(save)
+    assert rc == 1 and codes(report) == ["CKD403"] and "integer of" in report["findings"][0]["message"], report
+    for command in (["inspect"], ["fix-args"], ["can-load", "--target", "tp=1"]):
+        assert_one_line_error(run_limited(*command, str(save)), "common.pt")
+
+
+@pytest.mark.parametrize(
+    "sizes, why",
+    [((2**500,), "an int of 501 bits"), ((2**62, 4), "2**63 elements or more"), ((-1,), "-1, not an int64 size")],
+)
+def test_sizes_that_are_no_int64_are_refused_by_the_reader(save_dir, sizes, why):
+    """A chunk's sizes and a global shape are int64 in torch; from a pickle they could be any int, and an
+    element count of thousands of digits cannot be printed (nor turned into a float)."""
+    save = save_dir("core019_tp1")
+    path = save / ITER / ".metadata"
+    metadata = load_metadata_object(path)
+    item = metadata.state_dict_metadata["decoder.final_layernorm.weight"]
+    size_type = type(item.size)
+    item.__dict__["size"] = size_type(sizes)
+    item.chunks[0].__dict__.update(sizes=size_type(sizes), offsets=size_type((0,) * len(sizes)))
+    path.write_bytes(dump_metadata_object(metadata))
+    rc, report = check_json(save)
+    found = [f for f in report["findings"] if f["code"] == "CKD111"]
+    assert rc == 1 and found and why in found[0]["message"], report
+    for command in ("inspect", "diff"):
+        args = [command, str(save)] + ([str(FIXTURES / "core019_tp1")] if command == "diff" else [])
+        assert_one_line_error(run_limited(*args), why)
+
+
+def test_a_zarr_shape_of_thousands_of_digits_is_invalid_metadata(save_dir):
+    save = save_dir("core014_zarr_tp2")
+    zarray = save / ITER / "decoder.final_layernorm.weight" / ".zarray"
+    meta = json.loads(zarray.read_text())
+    meta["shape"] = meta["chunks"] = [10**4000, 10**4000]  # each prints; their product (8,001 digits) does not
+    zarray.write_text(json.dumps(meta))
+    rc, report = check_json(save)
+    assert rc == 1 and "CKD111" in codes(report), report
+    assert_one_line_error(run_limited("inspect", str(save)), "int64 sizes")
+
+
 def test_deeply_nested_lists_are_one_line(save_dir):
     save = save_dir()
     # [[[[...]]]] a million deep: lists nest without the tuple limit, so every command must stay clean.

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import pickle
 import re
 from collections.abc import Iterator
@@ -25,16 +26,12 @@ from ckptdoctor.stand_ins import STAND_IN_TYPES, IndexRecord, StandIn, index_rec
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
-class OutsidePathError(ValueError):
-    """A storage entry names a data file outside the iteration dir (absolute, or through ``..``)."""
-
-    def __init__(self, fqn: Any, relative_path: str) -> None:
-        super().__init__(fqn, relative_path)
-        self.fqn, self.relative_path = fqn, relative_path
+class IndexValueError(ValueError):
+    """A value of ``.metadata`` that no command may act on (its message says which, without the file's path)."""
 
 
 def inside_path(relative_path: str, fqn: Any = None) -> str:
-    """``relative_path`` if it names a file inside the iteration dir, else :class:`OutsidePathError`.
+    """``relative_path`` if it names a file inside the iteration dir, else :class:`IndexValueError`.
 
     DCP writes plain file names (``__0_0.distcp``), but the name comes from the pickle: an absolute path or a
     ``..`` would make every reader (check --deep, diff --values, show) read a file outside the checkpoint, and
@@ -47,8 +44,28 @@ def inside_path(relative_path: str, fqn: Any = None) -> str:
         or "\0" in relative_path
         or any(part in ("", ".", "..") for part in parts)
     ):
-        raise OutsidePathError(fqn, relative_path)
+        raise IndexValueError(
+            f"the storage entry of {ascii(fqn)} names a data file outside the iteration dir "
+            f"({ascii(relative_path)}); refusing to read through it"
+        )
     return relative_path
+
+
+INT64 = 1 << 63  # sizes, offsets and element counts are int64 in torch
+
+
+def int64_dims(dims: tuple, key: Any, what: str, counts: bool = False) -> tuple:
+    """``dims`` if every one is an int in [0, 2**63) (what a torch size or offset can be) and, for sizes
+    (``counts``), their element count is too; else :class:`IndexValueError`. From the pickle, a size could be
+    any int: an element count of thousands of digits stops every report that prints it (Python refuses ints of
+    more than 4,300 digits) and overflows every float it is turned into."""
+    for dim in dims:
+        if type(dim) is not int or not 0 <= dim < INT64:
+            shown = f"an int of {dim.bit_length()} bits" if type(dim) is int and dim >= INT64 else ascii(dim)[:40]
+            raise IndexValueError(f"{ascii(key)}: {what} hold {shown}, not an int64 size")
+    if counts and math.prod(dims) >= INT64:
+        raise IndexValueError(f"{ascii(key)}: {what} of 2**63 elements or more")
+    return dims
 
 
 # NamedTuples rather than frozen dataclasses: one of each per chunk, and a frozen dataclass's __init__
@@ -184,11 +201,8 @@ def _index_from_object(
         items = _index_items(state_dict_metadata, storage_data, item_class, consume)
     except pickle.UnpicklingError as exc:
         raise _corrupt(path, exc) from None
-    except OutsidePathError as exc:
-        raise CkptError(
-            f"{path}: the storage entry of {ascii(exc.fqn)} names a data file outside the iteration dir "
-            f"({ascii(exc.relative_path)}); refusing to read through it"
-        ) from None
+    except IndexValueError as exc:
+        raise CkptError(f"{path}: {exc}") from None
     except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
         raise CkptError(f"{path}: unexpected DCP metadata structure ({type(exc).__name__}: {exc})") from None
 
@@ -235,7 +249,8 @@ def _index_items(
     Memory: one tuple object per distinct offsets / sizes / shape and one string per data file, shared by
     every chunk that has them; per chunk only a :class:`DcpChunk`, its :class:`StorageLocation` and their
     offset and length ints remain. ``consume`` empties the records' dicts and chunk lists as it goes."""
-    shared: dict[Any, Any] = {}  # one object per distinct tuple or relative path
+    shared: dict[Any, Any] = {}  # one object per distinct offsets tuple or relative path (each checked once)
+    counted: dict[tuple, tuple] = {}  # the same for sizes and shapes, whose element count is checked too
     # (fqn, chunk offsets or None) -> storage location
     locations: dict[tuple[str, tuple[int, ...] | None], StorageLocation] = {}
     if consume:  # newest first, so of a key stored twice the last entry is kept, as a dict keeps it
@@ -250,16 +265,18 @@ def _index_items(
         info_fields = info[0] if type(info) in _ONE_STATE and len(info) == 1 else _fields(info)
         if type(index_fields) is not dict or type(info_fields) is not dict:
             index_fields, info_fields = _fields(index), _fields(info)
+        fqn = index_fields["fqn"]
         offset = index_fields.get("offset")
         if offset is not None:
             offset = tuple(offset)
-            offset = shared.setdefault(offset, offset)
+            known = shared.get(offset)
+            offset = known if known is not None else shared.setdefault(offset, int64_dims(offset, fqn, "offsets"))
         relative_path = str(info_fields["relative_path"])
         known_path = shared.get(relative_path)
         if known_path is None:  # each distinct file name is checked once
-            known_path = shared[relative_path] = inside_path(relative_path, index_fields.get("fqn"))
+            known_path = shared[relative_path] = inside_path(relative_path, fqn)
         add(
-            (index_fields["fqn"], offset),
+            (fqn, offset),
             _new_location(
                 (
                     known_path,
@@ -284,12 +301,15 @@ def _index_items(
             if type(chunk_fields) is not dict:
                 chunk_fields = _fields(chunk)
             offsets = tuple(chunk_fields["offsets"])
-            offsets = shared.setdefault(offsets, offsets)
+            known = shared.get(offsets)
+            offsets = known if known is not None else shared.setdefault(offsets, int64_dims(offsets, key, "offsets"))
             sizes = tuple(chunk_fields["sizes"])
+            known = counted.get(sizes)
+            sizes = known if known is not None else counted.setdefault(sizes, int64_dims(sizes, key, "sizes", True))
             location = taken.get(offsets, _MISSING)
             if location is _MISSING:
                 location = taken[offsets] = take((key, offsets), None)
-            chunks.append(_new_chunk((offsets, shared.setdefault(sizes, sizes), location)))
+            chunks.append(_new_chunk((offsets, sizes, location)))
         if consume:
             chunks_meta.clear()
         properties = item_fields.get("properties")
@@ -300,7 +320,10 @@ def _index_items(
         if dtype not in dtype_names:
             dtype_names[dtype] = None if dtype is None else str(dtype)
         shape = tuple(item_fields["size"])
-        items[key] = item_class(key, "tensor", dtype_names[dtype], shared.setdefault(shape, shape), chunks)
+        known = counted.get(shape)
+        if known is None:
+            known = counted[shape] = int64_dims(shape, key, "global shape", True)
+        items[key] = item_class(key, "tensor", dtype_names[dtype], known, chunks)
     if consume:
         state_dict_metadata.clear()
     return items

@@ -8,11 +8,12 @@ Metadata needs no zarr package (the ``.zarray`` files are JSON); only value deco
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.files import file_sizes, list_tree, read_json
-from ckptdoctor.formats.torch_dist import DcpChunk, StorageLocation
+from ckptdoctor.formats.torch_dist import INT64, DcpChunk, StorageLocation
 from ckptdoctor.torch_stand_ins import TORCH_DTYPES, DtypeRef, StorageRef, TensorRef
 
 # numpy type strings as zarr writes them -> torch dtype names; Megatron patches bfloat16 in by name.
@@ -44,7 +45,10 @@ def _zarray(path: Path) -> dict:
 
 
 def _dims(value: object) -> bool:
-    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    """A list of int64 sizes whose element count is an int64 too (a JSON int can have thousands of digits)."""
+    return (
+        isinstance(value, list) and all(type(v) is int and 0 <= v < INT64 for v in value) and math.prod(value) < INT64
+    )
 
 
 def _zarray_problem(meta: object) -> str | None:
@@ -54,9 +58,9 @@ def _zarray_problem(meta: object) -> str | None:
         return f"a JSON {type(meta).__name__}, not an object"
     shape, chunks = meta.get("shape"), meta.get("chunks")
     if not isinstance(shape, list) or not _dims(shape):
-        return f"shape {str(shape)[:60]} is not a list of non-negative integers"
+        return f"shape {str(shape)[:60]} is not a list of int64 sizes (of an int64 element count)"
     if not isinstance(chunks, list) or not _dims(chunks) or len(chunks) != len(shape) or 0 in chunks:
-        return f"chunks {str(chunks)[:60]} is not a list of positive integers, one per axis of shape"
+        return f"chunks {str(chunks)[:60]} is not a list of positive int64 sizes, one per axis of shape"
     dtype = meta.get("dtype")
     if not isinstance(dtype, str) or (dtype not in _ZARR_DTYPES and dtype not in TORCH_DTYPES):
         # indexing keeps the dtype as a torch dtype name, which later reads look up (and must exist)
