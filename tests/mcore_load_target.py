@@ -52,6 +52,8 @@ LAYOUT_ARGS = (
     "context_parallel_size",
     "data_parallel_size",
     "world_size",
+    "virtual_pipeline_model_parallel_size",  # launch flags (a cell's "vpp"), never the checkpoint's
+    "num_layers_per_virtual_pipeline_stage",
 )
 DERIVED_ARGS = {  # a fresh launch leaves these to megatron (resolved at the launch's TP)
     "tensor_parallel_num_weight_shards": None,
@@ -132,6 +134,10 @@ def run_args(cell: dict, saved, iter_dir: Path):
     args.global_batch_size = args.micro_batch_size * dp
     for name, value in cell.get("set", {}).items():
         setattr(args, name, value)
+    if cell.get("vpp"):  # --num-layers-per-virtual-pipeline-stage: interleaved model chunks
+        args.virtual_pipeline_model_parallel_size = cell["vpp"]
+        args.num_layers_per_virtual_pipeline_stage = args.num_layers // (pp * cell["vpp"])
+        args.global_batch_size = args.micro_batch_size * dp * pp  # the interleaved schedule runs PP micro-batches
     return args
 
 
@@ -172,6 +178,7 @@ def build_and_load(cell: dict, args) -> None:
     gen.LAYOUT.distributed_optimizer = bool(args.use_distributed_optimizer)
     gen.LAYOUT.num_query_groups = args.num_query_groups if args.group_query_attention else None
     gen.LAYOUT.qk_layernorm = bool(getattr(args, "qk_layernorm", False))
+    gen.LAYOUT.vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     parallel_state.destroy_model_parallel()
     kwargs = {}
     if args.num_experts:
@@ -182,6 +189,8 @@ def build_and_load(cell: dict, args) -> None:
         moe_kwargs = _MOE_CONFIG_KWARGS()
         moe_kwargs["expert_tensor_parallel_size"] = args.expert_tensor_parallel_size
         gen.moe_config_kwargs = lambda: dict(moe_kwargs)
+    if gen.LAYOUT.vpp:
+        kwargs["virtual_pipeline_model_parallel_size"] = gen.LAYOUT.vpp
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **kwargs)
     gen.seed_everything(1234)
     global_vars.set_args(args)
@@ -192,7 +201,11 @@ def build_and_load(cell: dict, args) -> None:
     for name in gen.MODEL_DIMS:  # the loading run's model shape (saved args, or --set)
         gen.MODEL_DIMS[name] = getattr(args, name, None) or gen.MODEL_DIMS[name]
     torch.manual_seed(4321)
-    model = gen.build_gpt(args.num_layers, pp)
+    if gen.LAYOUT.vpp:  # this rank's model chunks
+        chunks = [gen.build_gpt(args.num_layers, pp, vp_stage=i) for i in range(gen.LAYOUT.vpp)]
+        model = torch.nn.ModuleList(chunks)
+    else:
+        model = gen.build_gpt(args.num_layers, pp)
     if has_adapters(Path(args.load)):  # the run's model is the saved one: LoRA adapters on a frozen base
         gen.add_lora(model)
     if args.num_experts:
@@ -204,7 +217,8 @@ def build_and_load(cell: dict, args) -> None:
     scheduler = gen.build_scheduler(optimizer, args.train_iters, args.global_batch_size)
     gen.get_rerun_state(0)  # initializes the rerun state machine
     with torch.no_grad():  # distributed optimizer: fp32 main shards are views of the params
-        iteration, _ = checkpointing.load_checkpoint([ddp], optimizer, scheduler, strict=True)
+        chunks = ddp if isinstance(ddp, list) else [ddp]
+        iteration, _ = checkpointing.load_checkpoint(chunks, optimizer, scheduler, strict=True)
     if iteration != (0 if args.finetune else 10):
         raise RuntimeError(f"loaded iteration {iteration}")
 
@@ -277,6 +291,7 @@ def readme_table() -> str:
         if "use_distributed_optimizer" in row:
             flags.append(f"`--{'' if row['use_distributed_optimizer'] else 'no-'}use-distributed-optimizer`")
         flags += [f"`--set {k}={v}`" for k, v in row.get("set", {}).items()]
+        flags += [f"`--num-virtual-stages-per-pipeline-rank {row['vpp']}`"] if row.get("vpp") else []
         expect = row["expect"]
         error = expect.get("error", "").replace("`", "'").replace("|", "\\|")
         error = error[:110] + ("..." if len(error) > 110 else "")

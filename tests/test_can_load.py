@@ -334,3 +334,19 @@ def test_fully_reshardable_reshards_tp_but_not_into_a_plain_optimizer():
     assert plain.failing_sections == ["optimizer"] and "fully_reshardable" in optim.why
     assert optim.error.startswith("ValueError: Could not find parameter group") and "--use-distributed" in optim.fix
     assert predict(ckpt, "dp=1", LoadRun(use_distributed_optimizer=False, no_load_optim=True)).will_load
+
+
+def test_qk_layernorm_is_a_spec_choice_not_a_shape():
+    """Without qk_layernorm the run requests no q_/k_layernorm: the saved ones are ignored (a warning), or fail
+    raise_all; with it, a checkpoint that lacks them fails the default strictness (KeyError)."""
+    gqa = open_checkpoint(FIXTURES / "core019_gqa_qkln_tp2")
+    dropped = predict(gqa, "tp=2", LoadRun(sets={"qk_layernorm": False}))
+    assert dropped.will_load
+    assert [w for w in dropped.warnings if "q_layernorm" in w or "k_layernorm" in w], dropped.warnings
+    strict = predict(gqa, "tp=2", LoadRun(sets={"qk_layernorm": False}, strictness="raise_all"))
+    assert {"model", "optimizer"} <= set(strict.failing_sections)
+    assert predict(gqa, "tp=4", LoadRun()).will_load and not predict(gqa, "tp=4", LoadRun()).warnings
+    added = predict(open_checkpoint(FIXTURES / "core019_tp1"), "tp=1", LoadRun(sets={"qk_layernorm": True}))
+    (model,) = [s for s in added.sections if s.section == "model"]
+    assert added.failing_sections == ["model"] and "_layernorm.weight from model not in state dict" in model.error
+    assert "qk_layernorm" in model.fix

@@ -162,6 +162,13 @@ def _section_from_plan(section: str, plan: KeyPlan, ctx: _Context, changed: str 
             f"(e.g. {sorted(plan.unexpected)[0]}) dropped under strictness {ctx.run.strictness}: "
             "left at their initial values"
         )
+    if plan.ignored and ctx.run.strictness not in ("raise_all", "log_all"):
+        n = len(plan.ignored)
+        ctx.warnings.append(
+            f"{section}: {n} saved key{'s' if n != 1 else ''} requested by no rank (e.g. {sorted(plan.ignored)[0]}: "
+            f"the run's model lacks {'them' if n != 1 else 'it'}) not loaded, silently under strictness "
+            f"{ctx.run.strictness}"
+        )
     verdict = RESHARDS if changed or plan.reshards else LOADS
     why = plan.why or (f"resharded: {changed}" if changed else "same TP, PP, EP and ETP: chunks read as saved")
     return SectionVerdict(section, verdict, why, requested=len(plan.requested), present=len(plan.present))

@@ -29,6 +29,8 @@ SHAPE_ARGS = (
 )
 # SwiGLU linear_fc1 (and its adapters) is a ShardedTensorFactory: its halves are merged after the load.
 SWIGLU_FC1 = re.compile(r"(^|\.)linear_fc1\.(.+\.)?(weight|bias)$")
+# qk_layernorm is a layer-spec choice, not a shape: q_layernorm/k_layernorm norm each head ([L, kv_channels]).
+_QK_NORMS = ("self_attention.q_layernorm.", "self_attention.k_layernorm.")
 _EXPERT_KEYS = (
     "decoder.layers.mlp.router.weight",
     "decoder.layers.mlp.experts.experts.linear_fc1.weight",
@@ -42,6 +44,7 @@ class KeyPlan:
     present: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
     unexpected: set[str] = field(default_factory=set)  # requested, not saved
     unexpected_objects: dict[str, str] = field(default_factory=dict)  # object key -> one requested shard key
+    ignored: set[str] = field(default_factory=set)  # saved, requested by no rank (the run's model lacks them)
     shape_failure: SectionVerdict | None = None
     why: str | None = None
     fix: str | None = None
@@ -97,8 +100,11 @@ def model_plan(
         if kind == "bytes":
             plan.unexpected_objects[key] = f"{key}/shard_0_1"
     _expert_flip(saved_args, args, plan)
+    _qk_layernorm_flip(args, plan, run_dims.kv if run_dims else 0)
     frozen = _frozen_base(saved_args, plan)
     changes = changed_args(saved_args, args)
+    if bool(saved_args.get("qk_layernorm")) != bool(args.get("qk_layernorm")) and "qk_layernorm" in args:
+        changes.append(f"qk_layernorm {saved_args.get('qk_layernorm')!r}->{args.get('qk_layernorm')!r}")
     if changes:
         plan.fix = f"the run's model args differ ({', '.join(changes)}): use the saved values"
     if mismatch is not None:
@@ -131,6 +137,24 @@ def _frozen_base(saved_args: dict[str, Any], plan: KeyPlan) -> str | None:
         plan.unexpected.add(key)
     plan.fix = "load with a filtered request (Megatron-Bridge PEFT), or pass the base checkpoint too"
     return f"trainable-params-only save: the frozen base ({len(absent)}+ keys) is not in it" if absent else None
+
+
+def _qk_layernorm_flip(args: dict[str, Any], plan: KeyPlan, kv: int) -> None:
+    """The run requests q_layernorm/k_layernorm iff its spec has them (Megatron-LM's ``--use-checkpoint-args``
+    does not copy qk_layernorm): without, the saved ones are requested by no rank (ignored unless ``*_all``
+    strictness); with, on a checkpoint that lacks them, they are requested and absent."""
+    saved = sorted(k for k in plan.present if any(n in k for n in _QK_NORMS))
+    run_has = bool(args["qk_layernorm"]) if "qk_layernorm" in args else bool(saved)
+    if saved and not run_has:
+        for key in saved:
+            plan.requested.pop(key, None)
+            plan.ignored.add(key)
+    elif run_has and not saved and "decoder.layers.self_attention.linear_qkv.weight" in plan.present:
+        layers = plan.present["decoder.layers.self_attention.linear_qkv.weight"]
+        for norm in _QK_NORMS:
+            key = f"decoder.layers.{norm}weight"
+            plan.requested[key] = (layers[0], kv) if layers and kv else None
+            plan.unexpected.add(key)
 
 
 def _expert_flip(saved_args: dict[str, Any], args: dict[str, Any], plan: KeyPlan) -> None:
