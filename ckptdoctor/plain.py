@@ -16,6 +16,7 @@ import datetime
 import enum
 import hashlib
 import io
+import math
 import pathlib
 import types
 import uuid
@@ -43,6 +44,7 @@ MAX_NODES = 10_000
 MAX_DEPTH = 32
 ELIDED = "..."
 _SCALARS = (bool, int, float, str, type(None))
+_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
 
 def to_plain(value: Any, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH) -> Any:
@@ -54,6 +56,10 @@ def to_plain(value: Any, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH)
 
 def _plain(value: Any, budget: list[int], depth: int) -> Any:
     if isinstance(value, _SCALARS):
+        if isinstance(value, float) and not math.isfinite(value):
+            # JSON has no NaN or Infinity (json.dumps writes them, strict parsers refuse the document): the
+            # names json.dumps would have written, as strings
+            return _NON_FINITE[repr(value)]
         return value
     budget[0] -= 1
     if budget[0] < 0 or depth <= 0:

@@ -218,6 +218,32 @@ def test_a_huge_int_in_args_is_a_limit_not_an_internal_error(save_dir):
         assert_one_line_error(run_limited(*command, str(save)), "common.pt")
 
 
+def test_json_output_stays_strict_json_with_non_finite_floats(save_dir):
+    """NaN and Infinity are no JSON (json.dumps writes them anyway; strict parsers, jq, JavaScript refuse)."""
+    save = save_dir()
+    path = save / ITER / "common.pt"
+    state = load_torch_zip(path, str(path))
+    state["args"].lr, state["args"].hidden_size = float("nan"), float("inf")
+    state["num_floating_point_operations_so_far"] = float("-inf")
+    path.write_bytes(dump_torch_zip(state))
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {constant}")
+
+    for command in (
+        ["inspect", str(save)],
+        ["diff", str(save), str(FIXTURES / COMMON_ERA)],
+        ["fix-args", str(save)],
+        ["check", str(save)],
+        ["can-load", str(save), "--target", "tp=1"],
+    ):
+        proc = run_limited(*command, "--format", "json")
+        assert proc.returncode in (0, 1), proc.stderr
+        report = json.loads(proc.stdout, parse_constant=refuse)
+        if command[0] == "inspect":
+            assert report["args"]["model shape"]["hidden_size"] == "Infinity", report["args"]
+
+
 @pytest.mark.parametrize(
     "sizes, why",
     [((2**500,), "an int of 501 bits"), ((2**62, 4), "2**63 elements or more"), ((-1,), "-1, not an int64 size")],
