@@ -170,17 +170,42 @@ def restore_from_backup(backup: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def link_or_copy(src: Path, dst: Path) -> str:
-    """Hard-link ``src`` to ``dst`` (same filesystem) or copy it; returns "linked" or "copied"."""
+def link_or_copy(src: Path, dst: Path, replace: bool = False) -> str:
+    """Hard-link ``src`` to ``dst`` (same filesystem) or copy it; returns "linked" or "copied".
+
+    ``dst`` must not exist (an existing one is an error: nothing is written into it), but with ``replace``
+    (an ``--output`` dir written into with ``--force``, perhaps half written by an interrupted run): then an
+    existing ``dst`` that is ``src`` itself (linked by that run) is kept, another one is replaced by a rename,
+    never written into (it may be a hard link of a file elsewhere)."""
+    if replace and os.path.lexists(dst):
+        with contextlib.suppress(OSError):
+            if os.path.samefile(src, dst):
+                return "linked"
+        tmp = dst.with_name(f".{dst.name}{PART_MARK}{token()}")
+        how = _link_or_copy_new(src, tmp)
+        try:
+            os.replace(tmp, dst)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise CkptError(f"{dst}: cannot replace ({exc.strerror})") from None
+        return how
+    return _link_or_copy_new(src, dst)
+
+
+def _link_or_copy_new(src: Path, dst: Path) -> str:
     try:
         os.link(src, dst)
         return "linked"
+    except FileExistsError:
+        raise CkptError(f"{dst}: exists; refusing to overwrite it") from None
     except OSError:
-        try:
-            shutil.copy2(src, dst)
-        except OSError as exc:
-            raise CkptError(f"{src}: cannot copy to {dst} ({exc.strerror})") from None
-        return "copied"
+        pass
+    try:
+        shutil.copy2(src, dst)
+    except OSError as exc:
+        raise CkptError(f"{src}: cannot copy to {dst} ({exc.strerror or exc})") from None
+    return "copied"
 
 
 def prepare_output_dir(output: Path, force: bool = False) -> bool:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, REPO, run_ckptdoctor
 
-from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE, FAULT_MODE_ENV
+from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE, FAULT_MODE_ENV, link_or_copy
+from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.check import check_paths
 
 
@@ -74,3 +75,38 @@ def test_importing_the_package_as_a_library_leaves_sigint_alone():
     other = "import sys\nsys.argv[0] = '-m'\nsys.orig_argv = [sys.executable, '-m', 'otherpkg']\n" + code
     result = subprocess.run([sys.executable, "-c", other], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_fix_args_output_force_after_a_killed_run_finishes_the_output(copy_fixture, tmp_path):
+    """A killed ``fix-args --write --output OUT`` leaves OUT half written (links, a new data file, no
+    metadata.json); the rerun refuses it and says to use --force. With --force it failed:
+    ``__0_0.distcp: cannot copy to OUT/.../__0_0.distcp (None)`` (the link existed: copy2 onto itself)."""
+    save = copy_fixture("core019_convert_tp4")
+    out = tmp_path / "out"
+    killed = run_ckptdoctor("fix-args", save, "--write", "--output", out, env=_fault_env("write:.metadata"))
+    assert killed.returncode == FAULT_EXIT_CODE, killed.stderr
+    assert (out / "iter_0000010" / "__0_0.distcp").exists() and not (out / "iter_0000010" / "metadata.json").exists()
+    refused = run_ckptdoctor("fix-args", save, "--write", "--output", out)
+    assert refused.returncode == 2 and "use --force" in refused.stderr
+    rerun = run_ckptdoctor("fix-args", save, "--write", "--output", out, "--force")
+    assert rerun.returncode == 0, rerun.stderr
+    report = check_paths([str(out)])
+    assert report.counts["error"] == 0, report.findings
+    # at most the killed run's own unreferenced data file (CKD115, with its repair command)
+    assert {f.code for f in report.findings} <= {"CKD115"}
+
+
+def test_link_or_copy_never_writes_into_an_existing_file(tmp_path):
+    src, other = tmp_path / "src", tmp_path / "other"
+    src.write_bytes(b"new")
+    other.write_bytes(b"someone else's bytes")
+    dst = tmp_path / "dst"
+    os.link(other, dst)  # dst shares its inode with a file elsewhere
+    with pytest.raises(CkptError, match="exists"):
+        link_or_copy(src, dst)
+    assert dst.read_bytes() == other.read_bytes() == b"someone else's bytes"
+    assert link_or_copy(src, dst, replace=True) == "linked"
+    assert dst.read_bytes() == b"new" and other.read_bytes() == b"someone else's bytes"
+    assert os.path.samefile(src, dst)
+    assert link_or_copy(src, dst, replace=True) == "linked"  # already src itself: kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "other", "src"]  # no temp file left

@@ -318,7 +318,7 @@ def _write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path
             continue
         dest = iteration_dir / relative
         dest.parent.mkdir(parents=True, exist_ok=True)
-        how = link_or_copy(path, dest)
+        how = link_or_copy(path, dest, replace=True)  # a file an interrupted run left (--force)
         result.linked += how == "linked"
         result.copied += how == "copied"
     fault_point("links")
@@ -326,7 +326,7 @@ def _write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path
         write_atomic(iteration_dir / name, files[name])
         result.written.append(str(iteration_dir / name))
         fault_point(f"write:{_step(name)}")
-    link_or_copy(completeness_marker, iteration_dir / "metadata.json")
+    link_or_copy(completeness_marker, iteration_dir / "metadata.json", replace=True)
     if location.save_dir is not None:
         value = "release" if location.release else str(location.iteration)
         write_atomic(output / TRACKER_NAME, value.encode())

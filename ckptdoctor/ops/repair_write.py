@@ -226,7 +226,7 @@ def _fill_output(chosen: Path, work: RepairWork, output: Path, result: RepairWri
             continue
         dest = out_iter / relative
         dest.parent.mkdir(parents=True, exist_ok=True)
-        link_or_copy(path, dest)
+        link_or_copy(path, dest, replace=True)  # a file an interrupted run left (--force)
     if work.orphans:
         result.moved += [f"{chosen / n} not carried over (the source keeps it)" for n in work.orphans]
     result.moved += [f"{p} not carried over (the source keeps it)" for p in work.leftovers]
