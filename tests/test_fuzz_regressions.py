@@ -93,3 +93,33 @@ def test_a_hostile_args_from_yaml_is_one_line_naming_it(tmp_path, text, why):
     proc = run_limited("can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--args-from", str(config))
     assert_one_line_error(proc, str(config))
     assert why in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("blob", [b"hello world", b""], ids=["text", "empty"])
+@pytest.mark.parametrize("key", ["rng_state/shard_0.0_1.2", "decoder.layers.mlp.linear_fc1._extra_state/shard_0_2"])
+def test_a_bytes_item_that_is_no_torch_save_archive_fails_check_deep(tmp_path, key, blob):
+    """DCP torch.load()s every bytes item; one replaced by raw bytes passed `check --deep` (it was shown as raw)."""
+    from ckptdoctor.formats.torch_dist import (
+        StorageLocation,
+        dump_metadata_object,
+        index_fqn,
+        load_metadata_object,
+        set_storage,
+        storage_items,
+    )
+
+    save = tmp_path / "core019_tp2"
+    shutil.copytree(FIXTURES / "core019_tp2", save)
+    metadata_path = save / ITER / ".metadata"
+    metadata = load_metadata_object(metadata_path)
+    info = next(info for index, info in storage_items(metadata).items() if index_fqn(index) == key)
+    data_file = save / ITER / info.relative_path
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(blob)
+    set_storage(info, StorageLocation(info.relative_path, offset, len(blob)))
+    metadata_path.write_bytes(dump_metadata_object(metadata))
+    proc = run_limited("check", "--isolated", "--deep", "--format", "json", str(save))
+    assert proc.returncode == 1 and "internal error" not in proc.stderr, proc.stderr
+    found = [f for f in json.loads(proc.stdout)["findings"] if f["code"] == "CKD312"]
+    assert found and key in found[0]["message"] and "not a torch.save archive" in found[0]["message"], found

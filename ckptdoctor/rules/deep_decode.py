@@ -15,7 +15,7 @@ from pathlib import Path
 from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
-from ckptdoctor.formats.archive import ArchiveError, storage_ref
+from ckptdoctor.formats.archive import ArchiveError, is_torch_zip, storage_ref
 from ckptdoctor.formats.stream import read_ranges
 from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
 from ckptdoctor.rules import Finding, finding
@@ -257,6 +257,9 @@ def _view_problem(ref: TensorRef) -> str | None:
 
 def _check_item(entry: Entry, blob: memoryview, path: Path) -> Finding | None:
     what = f"item {entry.key}"
+    if not is_torch_zip(blob):  # DCP saves every bytes item with torch.save and torch.load()s it back
+        why = f"not a torch.save archive ({len(blob)} bytes, starting {bytes(blob[:8])!r})"
+        return finding(ITEM_UNDECODABLE, path, f"{what}: {why}")
     unlisted: list[str] = []
     try:
         decode_object_bytes(bytes(blob), what, unlisted)
