@@ -6,7 +6,7 @@ lines. Every text renderer and the CLI's error line go through this module (JSON
 ``json.dumps`` already escapes control characters).
 
 * :func:`escape` turns one value into a single printable line: C0/C1 controls, DEL, line/paragraph
-  separators and bidi overrides become ``\\n``, ``\\t``, ``\\r``, ``\\x1b``, ``\\u202e`` style escapes.
+  separators, bidi overrides and lone surrogates become ``\\n``, ``\\t``, ``\\r``, ``\\x1b``, ``\\u202e`` style escapes.
 * :func:`escape_values` applies it to every string inside a report (dataclasses, dicts, lists), so the
   renderers keep their layout while values cannot break out of it.
 * :func:`escape_output` is the last pass over a rendered text: the lines the renderer made stay lines,
@@ -24,8 +24,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 # C0 controls, DEL, C1 controls (0x9b is a one-byte CSI on some terminals), line and paragraph separators,
-# bidi embeddings/overrides/isolates (they reorder what is shown, "Trojan Source").
-_OTHER = "\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+# bidi embeddings/overrides/isolates (they reorder what is shown, "Trojan Source"), and lone surrogates (a
+# pickle's strings may hold them; no output encoding can write them: UnicodeEncodeError).
+_OTHER = "\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff"
 _UNSAFE_RE = re.compile(f"[\x00-\x1f{_OTHER}]")
 _UNSAFE_BUT_NEWLINE_RE = re.compile(f"[\x00-\x09\x0b-\x1f{_OTHER}]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}

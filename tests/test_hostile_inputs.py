@@ -218,6 +218,30 @@ def test_a_huge_int_in_args_is_a_limit_not_an_internal_error(save_dir):
         assert_one_line_error(run_limited(*command, str(save)), "common.pt")
 
 
+def test_a_key_with_a_lone_surrogate_is_shown_escaped(save_dir):
+    """A pickle's strings may hold lone surrogates, which no output encoding can write (UnicodeEncodeError)."""
+    save = save_dir("core019_tp1")
+    path = save / ITER / ".metadata"
+    metadata = load_metadata_object(path)
+    old, new = "decoder.final_layernorm.weight", "decoder.final_\ud800layernorm.weight"
+    metadata.state_dict_metadata[new] = metadata.state_dict_metadata.pop(old)
+    storage = storage_items(metadata)
+    for index in [i for i in storage if index_fqn(i) == old]:
+        index.__dict__["fqn"] = new
+        storage[index] = storage.pop(index)
+    path.write_bytes(dump_metadata_object(metadata))
+    for command in (
+        ["inspect", "--keys", str(save)],
+        ["diff", str(save), str(FIXTURES / "core019_tp1")],
+        ["edit", str(save), "--rename", "final_", "FINAL_", "--dry-run"],
+        ["strip-frozen", str(save), "--dry-run"],
+        ["show", str(save), "decoder.final_"],
+    ):
+        proc = run_limited(*command)
+        assert proc.returncode in (0, 1, 2) and "internal error" not in proc.stderr, (command, proc.stderr)
+        assert "final_\\ud800layernorm" in proc.stdout + proc.stderr, (command, proc.stdout)
+
+
 def test_json_output_stays_strict_json_with_non_finite_floats(save_dir):
     """NaN and Infinity are no JSON (json.dumps writes them anyway; strict parsers, jq, JavaScript refuse)."""
     save = save_dir()
