@@ -77,6 +77,8 @@ def storage_problems(checkpoint: Checkpoint) -> tuple[list[Problem], set[str]]:
                     f"{len(lost)} key(s) cut off (e.g. {lost[0]})",
                 )
             )
+    if checkpoint.dcp is None:  # legacy zarr: a chunk file is the raw elements, its size is all there is to check
+        problems += _zarr_chunk_sizes(checkpoint, bad)
     for name in sorted(set(sizes) - set(ends)):
         if sizes[name] == 0:
             continue  # DCP writes an empty file for a rank with nothing to save: no space wasted, nothing mixed up
@@ -84,6 +86,30 @@ def storage_problems(checkpoint: Checkpoint) -> tuple[list[Problem], set[str]]:
             Problem(DATA_FILE_UNREFERENCED, directory / name, "no .metadata entry references this file", fatal=False)
         )
     return problems, bad
+
+
+def _zarr_chunk_sizes(checkpoint: Checkpoint, bad: set[str]) -> list[Problem]:
+    """Legacy zarr chunk files whose size is not their chunk's element bytes (Megatron writes them uncompressed
+    and unpadded): a truncated or grown chunk file, which every value reader refuses."""
+    problems = []
+    for entry in checkpoint.entries.values():
+        if entry.kind != "tensor":
+            continue
+        for chunk in entry.chunks:
+            storage = chunk.storage
+            need = entry.chunk_nbytes(chunk)
+            if storage is None or need is None or storage.length == need or storage.relative_path in bad:
+                continue
+            bad.add(storage.relative_path)
+            problems.append(
+                Problem(
+                    DATA_FILE_TRUNCATED,
+                    checkpoint.iteration_dir / storage.relative_path,
+                    f"{'truncated' if storage.length < need else 'too long'}: {storage.length} bytes, but the chunk "
+                    f"of {entry.key} at {list(chunk.offsets)} ({list(chunk.sizes)} of {entry.dtype}) needs {need}",
+                )
+            )
+    return problems
 
 
 def _unreadable(path: Path, size: int | None) -> str | None:

@@ -123,3 +123,19 @@ def test_a_bytes_item_that_is_no_torch_save_archive_fails_check_deep(tmp_path, k
     assert proc.returncode == 1 and "internal error" not in proc.stderr, proc.stderr
     found = [f for f in json.loads(proc.stdout)["findings"] if f["code"] == "CKD312"]
     assert found and key in found[0]["message"] and "not a torch.save archive" in found[0]["message"], found
+
+
+@pytest.mark.parametrize("change", ["truncate", "grow"])
+def test_a_zarr_chunk_of_the_wrong_size_is_a_check_finding(zarr_save, change):
+    """A legacy zarr chunk file is the raw elements; a truncated or grown one passed `check --deep` (its storage
+    length was the file's own size) while show/diff --values refused it."""
+    chunk = zarr_save / ITER / "output_layer.weight" / "0.0"
+    data = chunk.read_bytes()
+    chunk.write_bytes(data[:100] if change == "truncate" else data + b"xxxx")
+    proc = run_limited("check", "--isolated", "--deep", "--format", "json", str(zarr_save))
+    assert proc.returncode == 1 and "internal error" not in proc.stderr, proc.stderr
+    found = [f for f in json.loads(proc.stdout)["findings"] if f["code"] == "CKD114"]
+    assert len(found) == 1 and found[0]["path"].endswith("output_layer.weight/0.0"), found
+    assert "needs 8192" in found[0]["message"], found
+    proc = run_limited("latest-good", "--deep", str(zarr_save))
+    assert proc.returncode == 1 and "CKD114" in proc.stderr, proc.stderr
