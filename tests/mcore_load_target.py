@@ -179,6 +179,7 @@ def build_and_load(cell: dict, args) -> None:
     gen.LAYOUT.num_query_groups = args.num_query_groups if args.group_query_attention else None
     gen.LAYOUT.qk_layernorm = bool(getattr(args, "qk_layernorm", False))
     gen.LAYOUT.vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    gen.LAYOUT.tie_embeddings = not args.untie_embeddings_and_output_weights
     parallel_state.destroy_model_parallel()
     kwargs = {}
     if args.num_experts:

@@ -350,3 +350,20 @@ def test_qk_layernorm_is_a_spec_choice_not_a_shape():
     (model,) = [s for s in added.sections if s.section == "model"]
     assert added.failing_sections == ["model"] and "_layernorm.weight from model not in state dict" in model.error
     assert "qk_layernorm" in model.fix
+
+
+def test_tied_embeddings_flip_requests_or_ignores_the_output_layer():
+    """A tied checkpoint has no output_layer.weight: an untied run fails on it first (an allow_shape_mismatch key,
+    looked up before any other: "KeyError: 'output_layer.weight'"); a tied run ignores an untied one's."""
+    tied = open_checkpoint(FIXTURES / "core019_tied_pp2")
+    assert predict(tied, "pp=1", LoadRun()).will_load
+    untied = predict(tied, "pp=1", LoadRun(finetune=True, sets={"untie_embeddings_and_output_weights": True}))
+    (model,) = [s for s in untied.sections if s.section == "model"]
+    assert untied.failing_sections == ["model"] and model.error == "KeyError: 'output_layer.weight'"
+    assert "untie_embeddings_and_output_weights False->True" in model.fix
+    plain = open_checkpoint(FIXTURES / "core019_tp1")
+    ignored = predict(plain, "tp=1", LoadRun(sets={"untie_embeddings_and_output_weights": False}))
+    assert ignored.will_load and any("output_layer.weight" in w for w in ignored.warnings)
+    tied_run = LoadRun(finetune=True, strictness="raise_all", sets={"untie_embeddings_and_output_weights": False})
+    strict = predict(plain, "tp=1", tied_run)
+    assert {"model", "optimizer"} <= set(strict.failing_sections)

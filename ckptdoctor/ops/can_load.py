@@ -33,6 +33,7 @@ from ckptdoctor.ops.can_load_args import args_problem
 from ckptdoctor.ops.can_load_keys import SWIGLU_FC1, KeyPlan, model_plan
 from ckptdoctor.ops.can_load_optim import optimizer_verdict
 from ckptdoctor.ops.can_load_run import Layout, LoadRun, parse_target, run_args, saved_layout
+from ckptdoctor.ops.can_load_shapes import VOCAB_KEYS
 from ckptdoctor.parallelism import infer_layout
 
 SCHEMA = "ckptdoctor.can-load/1"
@@ -116,8 +117,12 @@ def _strictness_failure(section: str, plan: KeyPlan, strictness: str) -> Section
     """The failure the strictness mode makes of requested-but-absent keys (``plan.unexpected``)."""
     if not plan.unexpected:
         return None
-    # Tensors are validated first (MCoreLoadPlanner.create_local_plan), objects then by PyTorch DCP.
-    first = min(plan.unexpected, key=lambda k: (k in plan.unexpected_objects or "_extra_state" in k, k))
+    # Tensors are validated first (MCoreLoadPlanner.create_local_plan: shapes, then the allow_shape_mismatch
+    # vocabulary keys), objects then by PyTorch DCP.
+    first = min(
+        plan.unexpected,
+        key=lambda k: (k in plan.unexpected_objects or "_extra_state" in k, bool(VOCAB_KEYS.search(k)), k),
+    )
     n = len(plan.unexpected)
     if strictness in _DROPPING:
         return None
@@ -125,6 +130,8 @@ def _strictness_failure(section: str, plan: KeyPlan, strictness: str) -> Section
         error = f"CheckpointingException: {UNEXPECTED_TITLE} Unexpected keys (for this rank): {{{first!r}, ...}}"
     elif plan.unexpected_objects and first in plan.unexpected_objects:
         error = f"CheckpointException: Missing key in checkpoint state_dict: {plan.unexpected_objects[first]}."
+    elif VOCAB_KEYS.search(first):  # looked up by _temporarily_bypass_shape_validation
+        error = f"KeyError: {first!r}"
     else:
         error = f"KeyError: {first} from model not in state dict: [...]"
     return SectionVerdict(

@@ -29,8 +29,11 @@ SHAPE_ARGS = (
 )
 # SwiGLU linear_fc1 (and its adapters) is a ShardedTensorFactory: its halves are merged after the load.
 SWIGLU_FC1 = re.compile(r"(^|\.)linear_fc1\.(.+\.)?(weight|bias)$")
+# Args that add or drop keys rather than change shapes.
+SPEC_ARGS = ("qk_layernorm", "untie_embeddings_and_output_weights")
 # qk_layernorm is a layer-spec choice, not a shape: q_layernorm/k_layernorm norm each head ([L, kv_channels]).
 _QK_NORMS = ("self_attention.q_layernorm.", "self_attention.k_layernorm.")
+_EMBEDDING, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 _EXPERT_KEYS = (
     "decoder.layers.mlp.router.weight",
     "decoder.layers.mlp.experts.experts.linear_fc1.weight",
@@ -101,10 +104,14 @@ def model_plan(
             plan.unexpected_objects[key] = f"{key}/shard_0_1"
     _expert_flip(saved_args, args, plan)
     _qk_layernorm_flip(args, plan, run_dims.kv if run_dims else 0)
+    _output_layer_flip(args, plan)
     frozen = _frozen_base(saved_args, plan)
     changes = changed_args(saved_args, args)
-    if bool(saved_args.get("qk_layernorm")) != bool(args.get("qk_layernorm")) and "qk_layernorm" in args:
-        changes.append(f"qk_layernorm {saved_args.get('qk_layernorm')!r}->{args.get('qk_layernorm')!r}")
+    changes += [
+        f"{n} {saved_args.get(n)!r}->{args.get(n)!r}"
+        for n in SPEC_ARGS
+        if n in args and bool(saved_args.get(n)) != bool(args.get(n))
+    ]
     if changes:
         plan.fix = f"the run's model args differ ({', '.join(changes)}): use the saved values"
     if mismatch is not None:
@@ -155,6 +162,21 @@ def _qk_layernorm_flip(args: dict[str, Any], plan: KeyPlan, kv: int) -> None:
             key = f"decoder.layers.{norm}weight"
             plan.requested[key] = (layers[0], kv) if layers and kv else None
             plan.unexpected.add(key)
+
+
+def _output_layer_flip(args: dict[str, Any], plan: KeyPlan) -> None:
+    """Tied embeddings (``untie_embeddings_and_output_weights`` False) save no output_layer.weight (a last stage
+    without the embedding saves its output layer as a replica of it). An untied run on a tied checkpoint requests
+    it (absent); a tied run on an untied checkpoint requests it from no rank (ignored unless ``*_all``)."""
+    if "untie_embeddings_and_output_weights" not in args:
+        return
+    untied = bool(args["untie_embeddings_and_output_weights"])
+    if untied and _OUTPUT not in plan.present and _EMBEDDING in plan.present:
+        plan.requested[_OUTPUT] = plan.requested.get(_EMBEDDING)
+        plan.unexpected.add(_OUTPUT)
+    elif not untied and _OUTPUT in plan.present:
+        plan.requested.pop(_OUTPUT, None)
+        plan.ignored.add(_OUTPUT)
 
 
 def _expert_flip(saved_args: dict[str, Any], args: dict[str, Any], plan: KeyPlan) -> None:
