@@ -291,15 +291,29 @@ def test_sizes_that_are_no_int64_are_refused_by_the_reader(save_dir, sizes, why)
         assert_one_line_error(run_limited(*args), why)
 
 
-def test_a_zarr_shape_of_thousands_of_digits_is_invalid_metadata(save_dir):
+@pytest.mark.parametrize("shape, why", [([2**62, 4], "int64 sizes"), ([10**4000, 10**4000], "4001 digits")])
+def test_a_zarr_shape_that_is_no_int64_is_invalid_metadata(save_dir, shape, why):
+    """Each int64, their element count not; or ints of thousands of digits (each prints, their product does not)."""
     save = save_dir("core014_zarr_tp2")
     zarray = save / ITER / "decoder.final_layernorm.weight" / ".zarray"
     meta = json.loads(zarray.read_text())
-    meta["shape"] = meta["chunks"] = [10**4000, 10**4000]  # each prints; their product (8,001 digits) does not
+    meta["shape"] = meta["chunks"] = shape
     zarray.write_text(json.dumps(meta))
     rc, report = check_json(save)
     assert rc == 1 and "CKD111" in codes(report), report
-    assert_one_line_error(run_limited("inspect", str(save)), "int64 sizes")
+    assert_one_line_error(run_limited("inspect", str(save)), why)
+
+
+@pytest.mark.parametrize("target", ["iter_0000010/metadata.json", "iter_0000010/integrity.json"])
+def test_a_json_int_of_thousands_of_digits_is_invalid_json(save_dir, target):
+    """json.loads raises a plain ValueError past 4,300 digits (not JSONDecodeError): it was an internal error."""
+    save = save_dir("core019_tp1")
+    (save / target).write_text('{"sharded_backend": "torch_dist", "files": {}, "n": ' + "9" * 5000 + "}")
+    rc, report = check_json(save)
+    assert rc == 1 and report["findings"], report
+    assert any("5000 digits" in f["message"] for f in report["findings"]), report
+    if target.endswith("metadata.json"):
+        assert_one_line_error(run_limited("inspect", str(save)), "5000 digits")
 
 
 def test_deeply_nested_lists_are_one_line(save_dir):

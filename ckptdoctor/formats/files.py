@@ -66,8 +66,10 @@ def read_json(path: str | os.PathLike | RemotePath, max_bytes: int = MAX_JSON_BY
     """Parse a small JSON file of a checkpoint (``metadata.json``, ``integrity.json``, ``.zarray``, ...).
 
     Raises ``OSError`` when it cannot be read as a regular file (a FIFO is an error, never a hang) and
-    ``json.JSONDecodeError`` for every content problem, including a file over ``max_bytes`` and nesting deep
-    enough to exhaust the parser's recursion (``[[[[...]]]]``), so callers' existing handlers cover all of it.
+    ``json.JSONDecodeError`` for every content problem, including a file over ``max_bytes``, nesting deep
+    enough to exhaust the parser's recursion (``[[[[...]]]]``) and an int of more than 40 digits (no checkpoint
+    JSON holds one; thousands of digits overflow every float and Python's printing), so callers' existing
+    handlers cover all of it.
     """
     try:
         with open_regular(path) as f:
@@ -77,11 +79,26 @@ def read_json(path: str | os.PathLike | RemotePath, max_bytes: int = MAX_JSON_BY
     if len(raw) > max_bytes:
         raise json.JSONDecodeError(f"larger than {max_bytes} bytes", "", 0)
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"), parse_int=_json_int)
     except UnicodeDecodeError as exc:
         raise json.JSONDecodeError(f"not UTF-8 ({exc.reason})", "", exc.start) from None
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply", "", 0) from None
+    except _LongInt as exc:
+        raise json.JSONDecodeError(f"an integer of {exc.args[0]} digits", "", 0) from None
+
+
+class _LongInt(ValueError):
+    pass
+
+
+MAX_JSON_INT_DIGITS = 40  # int64 has 19; an int of thousands of digits overflows floats and Python's printing
+
+
+def _json_int(text: str) -> int:
+    if len(text) > MAX_JSON_INT_DIGITS:
+        raise _LongInt(len(text.lstrip("-")))
+    return int(text)
 
 
 class Handle:
