@@ -139,3 +139,23 @@ def test_a_zarr_chunk_of_the_wrong_size_is_a_check_finding(zarr_save, change):
     assert "needs 8192" in found[0]["message"], found
     proc = run_limited("latest-good", "--deep", str(zarr_save))
     assert proc.returncode == 1 and "CKD114" in proc.stderr, proc.stderr
+
+
+def test_check_deep_decodes_legacy_zarr_objects(zarr_save, tmp_path):
+    """`check --deep` decoded nothing of a legacy zarr checkpoint: an os.system pickle in a ShardedObject's .pt
+    passed it (and latest-good --deep picked the dir). Now the .pt objects go through the safe unpickler."""
+    from hostile_corpus import call, torch_zip
+
+    marker = tmp_path / "PWNED"
+    item = zarr_save / ITER / "rng_state" / "shard_0.0_1.2.pt"
+    item.write_bytes(torch_zip(call("os", "system", f"touch {marker}")))
+    proc = run_limited("check", "--isolated", "--deep", "--format", "json", str(zarr_save))
+    assert proc.returncode == 1 and "internal error" not in proc.stderr, proc.stderr
+    found = json.loads(proc.stdout)["findings"]
+    assert [f["code"] for f in found] == ["CKD401"] and found[0]["path"].endswith("rng_state/shard_0.0_1.2.pt"), found
+    proc = run_limited("latest-good", "--deep", str(zarr_save))
+    assert proc.returncode == 1 and "CKD401" in proc.stderr, proc.stderr
+    item.write_bytes(b"hello world")
+    proc = run_limited("check", "--isolated", "--deep", "--format", "json", str(zarr_save))
+    assert [f["code"] for f in json.loads(proc.stdout)["findings"]] == ["CKD312"], proc.stdout
+    assert not marker.exists()

@@ -47,9 +47,12 @@ def _work(state: Scanned) -> dict[str, list[tuple[Entry, DcpChunk]]]:
     """Every chunk and item in a readable data file, by file, in offset order (sequential reads)."""
     checkpoint = state.checkpoint
     by_file: dict[str, list[tuple[Entry, DcpChunk]]] = {}
-    if checkpoint is None or checkpoint.dcp is None:
+    if checkpoint is None:
         return by_file
+    zarr = checkpoint.dcp is None
     for entry in checkpoint.entries.values():
+        if zarr and entry.kind == "tensor":
+            continue  # legacy zarr chunks are raw elements: their sizes are checked with the data files (CKD114)
         for chunk in entry.chunks:
             if chunk.storage is not None and chunk.storage.relative_path not in state.bad_files:
                 by_file.setdefault(chunk.storage.relative_path, []).append((entry, chunk))
@@ -118,6 +121,8 @@ def _check_file(
     decoder = decoder or _ChunkDecoder()
     non_finite = NonFinite() if scan_values else None
     path = state.shown / file[0].name
+    if state.checkpoint is not None and state.checkpoint.dcp is None:  # a legacy zarr object: <key>/shard_*.pt
+        path = state.shown / file[0].parent.name / file[0].name
     for file_path, tag, blob in read_ranges([file]):
         if isinstance(blob, CkptError):  # unreadable file (I/O error): the rest of it cannot be checked
             out.append(finding(BLOB_UNDECODABLE, path, without_path(blob, file_path)))
