@@ -40,18 +40,31 @@ def find_pyproject(start: Path) -> Path | None:
     return None
 
 
+MAX_CONFIG_BYTES = 4 << 20  # a pyproject.toml is a few KB
+
+
 def load_tool_config(start: Path | None = None) -> tuple[dict[str, Any], Path | None]:
     """The ``[tool.ckptdoctor]`` table of the nearest pyproject.toml (empty if none), and that file."""
     path = find_pyproject((start or Path.cwd()).resolve())
     if path is None:
         return {}, None
+    from ckptdoctor.formats.files import open_regular, read_capped
+
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        with open_regular(path) as f:  # a FIFO named pyproject.toml is an error, never a hang (a pre-commit hook)
+            raw = read_capped(f, MAX_CONFIG_BYTES)
     except OSError as exc:
         raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise CkptError(f"{path}: not valid TOML ({exc})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise CkptError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not read")
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CkptError(f"{path}: not valid TOML (not UTF-8: {exc.reason})") from None
+    except RecursionError:
+        raise CkptError(f"{path}: not valid TOML (nested too deeply)") from None
+    except ValueError as exc:  # TOMLDecodeError, and an int of more than 4,300 digits
+        raise CkptError(f"{path}: not valid TOML ({str(exc).split(';')[0]})") from None
     table = data.get("tool", {}).get("ckptdoctor", {})
     if not isinstance(table, dict):
         raise CkptError(f"{path}: [tool.ckptdoctor] is not a table")

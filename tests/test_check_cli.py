@@ -122,6 +122,21 @@ def test_bad_config_is_a_usage_error(tmp_path):
     assert result.returncode == 2 and "matches no rule code" in result.stderr
 
 
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        ("x = " + "9" * 5000, "4300 digits"),  # tomllib raises a plain ValueError: was an internal error
+        ("x = " + "[" * 50_000 + "]" * 50_000, "nested too deeply"),  # RecursionError
+    ],
+)
+def test_hostile_pyproject_is_one_error_line(tmp_path, body, why):
+    _write_config(tmp_path, body)
+    result = run_cli("check", str(CONVERTED), cwd=tmp_path)
+    error = result.stderr.split("\n\nIMPORTED:")[0].strip()  # run_cli appends the modules the run imported
+    assert result.returncode == 2 and len(error.splitlines()) == 1, result.stderr
+    assert "pyproject.toml: not valid TOML" in error and why in error and "internal error" not in error
+
+
 def test_json_report_shape(capsys):
     rc, out, _ = _run(capsys, "check", "--isolated", "--format", "json", str(CONVERTED))
     report = json.loads(out)
