@@ -262,6 +262,16 @@ def test_run_config_and_integrity_kept_consistent(capsys, copy_fixture, tmp_path
     assert _probe(fixed)["verify_integrity"] == "ok"
 
 
+def test_a_run_config_that_is_not_utf8_is_one_error_naming_it(capsys, copy_fixture, tmp_path):
+    """It was read with read_text: a UnicodeDecodeError (an internal error) for fix-args and edit --set-arg."""
+    save = copy_fixture("core019_convert_tp4")
+    run_config = save / "iter_0000010" / "run_config.yaml"
+    run_config.write_bytes(b"model:\n  tensor_parallel_num_weight_shards: 1\n\xff\xfe\n")
+    rc, _, err = _run(capsys, "fix-args", save, "--write", "--output", tmp_path / "out")
+    assert rc == 2 and f"{run_config}: not UTF-8 text" in err and "internal error" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
 # --- issue 11: write-mode output, exit codes, world_size, did-you-mean, schema ------------------------------
 
 

@@ -30,7 +30,6 @@ from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
 
 COMMON_FILE = "common_state.edit.distcp"  # the rewritten common state (core >= 0.19 checkpoints)
-RUN_CONFIG = "run_config.yaml"
 
 
 @dataclass
@@ -67,7 +66,7 @@ def common_rewriter(checkpoint: Checkpoint, changes: list[CommonChange]) -> Call
     def rewrite(metadata: Any, stage: Path) -> list[str]:
         from ckptdoctor.formats.torch_zip import dump_torch_zip
         from ckptdoctor.ops.fix_args import ArgChange
-        from ckptdoctor.ops.fix_args_write import updated_run_config
+        from ckptdoctor.ops.fix_args_write import RUN_CONFIG, read_run_config, updated_run_config
 
         common = _new_common(checkpoint, changes)
         written = []
@@ -83,10 +82,10 @@ def common_rewriter(checkpoint: Checkpoint, changes: list[CommonChange]) -> Call
             atomic.write_atomic(stage / COMMON_FILE, payload)
             torch_dist.set_storage(entries[0][1], StorageLocation(COMMON_FILE, 0, len(payload)))
             written.append(COMMON_FILE)
-        run_config = checkpoint.iteration_dir / RUN_CONFIG
         arg_changes = [ArgChange(c.name, c.old, c.new, "set") for c in changes if c.what == "set-arg"]
-        if arg_changes and run_config.is_file():  # Megatron-Bridge's copy of the args, kept in step
-            text, updated = updated_run_config(run_config.read_text(encoding="utf-8"), arg_changes)
+        run_config = read_run_config(checkpoint.iteration_dir) if arg_changes else None
+        if run_config is not None:  # Megatron-Bridge's copy of the args, kept in step
+            text, updated = updated_run_config(run_config, arg_changes)
             if updated:
                 atomic.write_atomic(stage / RUN_CONFIG, text.encode("utf-8"))
                 written.append(RUN_CONFIG)

@@ -49,7 +49,7 @@ from ckptdoctor.atomic import (
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist
-from ckptdoctor.formats.files import read_json
+from ckptdoctor.formats.files import open_regular, read_capped, read_json
 from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.torch_zip import dump_torch_zip
 from ckptdoctor.locate import TRACKER_NAME
@@ -79,6 +79,28 @@ def _yaml_scalar(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
+
+
+MAX_RUN_CONFIG_BYTES = 16 << 20  # Megatron-Bridge writes a few KB
+
+
+def read_run_config(iteration_dir: Path) -> str | None:
+    """The text of the iteration dir's ``run_config.yaml`` (None when there is none), read as a regular file of
+    at most 16 MiB and UTF-8; else :class:`CkptError` naming it (the args cannot be kept in step with it)."""
+    path = iteration_dir / RUN_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        with open_regular(path) as f:
+            raw = read_capped(f, MAX_RUN_CONFIG_BYTES)
+    except OSError as exc:
+        raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
+    if len(raw) > MAX_RUN_CONFIG_BYTES:
+        raise CkptError(f"{path}: larger than {MAX_RUN_CONFIG_BYTES} bytes; not a run config this can update")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CkptError(f"{path}: not UTF-8 text (byte {exc.start}); cannot keep it in step with the args") from None
 
 
 def updated_run_config(text: str, changes: list[ArgChange]) -> tuple[str, list[str]]:
@@ -133,9 +155,8 @@ def _new_files(checkpoint: Checkpoint, changes: list[ArgChange], stamp: str) -> 
 
 def _side_files(iteration_dir: Path, changes: list[ArgChange], files: dict[str, bytes], result: WriteResult) -> None:
     """run_config.yaml and integrity.json updates, computed from the new file contents."""
-    run_config = iteration_dir / RUN_CONFIG
-    if run_config.is_file():
-        text = run_config.read_text(encoding="utf-8")
+    text = read_run_config(iteration_dir)
+    if text is not None:
         new_text, updated = updated_run_config(text, changes)
         if updated:
             files[RUN_CONFIG] = new_text.encode("utf-8")
