@@ -48,15 +48,9 @@ def load_tool_config(start: Path | None = None) -> tuple[dict[str, Any], Path | 
     path = find_pyproject((start or Path.cwd()).resolve())
     if path is None:
         return {}, None
-    from ckptdoctor.formats.files import open_regular, read_capped
+    from ckptdoctor.formats.files import read_small_file
 
-    try:
-        with open_regular(path) as f:  # a FIFO named pyproject.toml is an error, never a hang (a pre-commit hook)
-            raw = read_capped(f, MAX_CONFIG_BYTES)
-    except OSError as exc:
-        raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise CkptError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not read")
+    raw = read_small_file(path, MAX_CONFIG_BYTES)  # a FIFO is an error, never a hang (check is a pre-commit hook)
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:

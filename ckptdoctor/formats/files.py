@@ -59,6 +59,19 @@ def read_capped(f: BinaryIO, max_bytes: int) -> bytes:
     return data + f.read(max_bytes - len(data) + 1)  # it grew while read: up to the limit
 
 
+def read_small_file(path: str | os.PathLike, max_bytes: int) -> bytes:
+    """The whole of a small text file (a config, a run config), read only as a regular file (a FIFO is an error,
+    never a hang) of at most ``max_bytes``; else :class:`CkptError` naming it."""
+    try:
+        with open_regular(path) as f:
+            raw = read_capped(f, max_bytes)
+    except OSError as exc:
+        raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
+    if len(raw) > max_bytes:
+        raise CkptError(f"{path}: larger than {max_bytes} bytes; not read")
+    return raw
+
+
 MAX_JSON_BYTES = 64 << 20  # metadata.json, integrity.json (a line per file), .zarray: far below this
 
 

@@ -49,7 +49,7 @@ from ckptdoctor.atomic import (
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist
-from ckptdoctor.formats.files import open_regular, read_capped, read_json
+from ckptdoctor.formats.files import read_json, read_small_file
 from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.torch_zip import dump_torch_zip
 from ckptdoctor.locate import TRACKER_NAME
@@ -90,13 +90,7 @@ def read_run_config(iteration_dir: Path) -> str | None:
     path = iteration_dir / RUN_CONFIG
     if not path.is_file():
         return None
-    try:
-        with open_regular(path) as f:
-            raw = read_capped(f, MAX_RUN_CONFIG_BYTES)
-    except OSError as exc:
-        raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
-    if len(raw) > MAX_RUN_CONFIG_BYTES:
-        raise CkptError(f"{path}: larger than {MAX_RUN_CONFIG_BYTES} bytes; not a run config this can update")
+    raw = read_small_file(path, MAX_RUN_CONFIG_BYTES)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
