@@ -88,6 +88,17 @@ class Entry(DcpItem):
             n *= d
         return n
 
+    def require_chunk_ranks(self, iteration_dir: Path) -> None:
+        """Refuse (:class:`CkptError` naming ``.metadata``) a tensor whose chunks do not have its number of dims:
+        value readers index a chunk's offsets and sizes by the tensor's axes (``check`` reports it as CKD coverage)."""
+        ndim = len(self.shape or ())
+        for chunk in self.chunks:
+            if self.kind == "tensor" and (len(chunk.offsets) != ndim or len(chunk.sizes) != ndim):
+                raise CkptError(
+                    f"{iteration_dir / '.metadata'}: {self.key}: chunk at {list(chunk.offsets)} of size "
+                    f"{list(chunk.sizes)} does not have the tensor's {ndim} dims"
+                )
+
     def max_range_bytes(self, chunk: DcpChunk) -> int:
         """The most bytes one stored range of this item can legitimately span: a tensor chunk's elements plus
         torch.save framing (zip headers, data.pkl, alignment: well under 1 MiB); a bytes item, the pickle size

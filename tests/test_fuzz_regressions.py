@@ -159,3 +159,27 @@ def test_check_deep_decodes_legacy_zarr_objects(zarr_save, tmp_path):
     proc = run_limited("check", "--isolated", "--deep", "--format", "json", str(zarr_save))
     assert [f["code"] for f in json.loads(proc.stdout)["findings"]] == ["CKD312"], proc.stdout
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "field, value", [("offsets", ()), ("sizes", (64,)), ("size", (128, 32, 1))], ids=["offsets", "sizes", "size"]
+)
+def test_a_chunk_of_the_wrong_rank_is_one_error_in_show_and_diff_values(tmp_path, field, value):
+    """Chunk offsets/sizes with another number of dims than the tensor (ints, so the index takes them): show
+    and diff --values indexed them by the tensor's axes (IndexError: internal error)."""
+    from ckptdoctor.formats.torch_dist import dump_metadata_object, load_metadata_object, record_attr
+
+    save = tmp_path / "core019_tp2"
+    shutil.copytree(FIXTURES / "core019_tp2", save)
+    path = save / ITER / ".metadata"
+    metadata = load_metadata_object(path)
+    item = vars(record_attr(metadata, "state_dict_metadata")["embedding.word_embeddings.weight"])
+    (item if field == "size" else vars(item["chunks"][0]))[field] = value
+    path.write_bytes(dump_metadata_object(metadata))
+    commands = [["show", str(save), "embedding.word_embeddings.weight", "--stats"]]
+    if field != "size":  # a changed global shape is a shape difference: no values compared
+        commands.append(["diff", "--values", str(save), str(FIXTURES / "core019_tp2")])
+    for command in commands:
+        assert_one_line_error(run_limited(*command), ".metadata")
+    proc = run_limited("check", "--isolated", "--format", "json", str(save))
+    assert proc.returncode == 1 and "internal error" not in proc.stderr, proc.stderr

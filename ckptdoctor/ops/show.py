@@ -54,6 +54,7 @@ class ShowReport:
 def find_entry(checkpoint: Checkpoint, key: str) -> Entry:
     entry = checkpoint.entries.get(key)
     if entry is not None:
+        entry.require_chunk_ranks(checkpoint.iteration_dir)
         return entry
     close = difflib.get_close_matches(key, list(checkpoint.entries), n=3, cutoff=0.6)
     hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""

@@ -301,6 +301,8 @@ class _Key:
 
 def compare_entries(a: Side, b: Side, acc: Accumulator, ctx: Context) -> int:
     """Feed every overlapping region of ``a`` and ``b`` (same global shape) to ``acc``; the elements covered."""
+    for side in (a, b):
+        side.entry.require_chunk_ranks(side.ckpt.iteration_dir)
     return _Key(a, b, acc, ctx).run()
 
 
