@@ -35,8 +35,8 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
     unit = text[len(number) :]
     try:
         size = int(float(number) * _SIZE_UNITS[unit])
-    except (ValueError, KeyError):
-        raise click.BadParameter(f"{value!r} is not a size (e.g. 2GiB, 500MB, 1000000)") from None
+    except (ValueError, KeyError, OverflowError):  # OverflowError: a number that is infinite as a float
+        raise click.BadParameter(f"{value[:40]!r} is not a size (e.g. 2GiB, 500MB, 1000000)") from None
     if size <= 0:
         raise click.BadParameter("must be positive")
     return size

@@ -132,6 +132,7 @@ def test_cli_exit_codes_and_json_schema():
         ("dp=2,world=4", "dp or world"),
         ("tp=3,world=4", "not a multiple"),
         ("tp=0", "must be >= 1"),
+        ("tp=" + "9" * 5000, "is too large"),  # int() refuses 5,000 digits: was an internal error
     ],
 )
 def test_bad_target_is_one_clear_error(capsys, spec, message):
@@ -367,3 +368,20 @@ def test_tied_embeddings_flip_requests_or_ignores_the_output_layer():
     tied_run = LoadRun(finetune=True, strictness="raise_all", sets={"untie_embeddings_and_output_weights": False})
     strict = predict(plain, "tp=1", tied_run)
     assert {"model", "optimizer"} <= set(strict.failing_sections)
+
+
+def test_mixed_dense_moe_layers_and_shared_experts():
+    """moe_layer_freq [0, 1] keys layers by index; a shared expert's shape follows its own size arg; the pattern
+    must list every layer; a homogeneous run requests the stacked keys the checkpoint lacks."""
+    ckpt = open_checkpoint(FIXTURES / "core019_moe_mixed_shared_ep2")
+    assert predict(ckpt, "ep=2", LoadRun()).will_load
+    shared = predict(ckpt, "ep=2", LoadRun(finetune=True, sets={"moe_shared_expert_intermediate_size": 64}))
+    (model,) = [s for s in shared.sections if s.section == "model"]
+    assert shared.failing_sections == ["model"] and "shared_experts.linear_fc1.weight" in model.error
+    layers = predict(ckpt, "ep=2", LoadRun(finetune=True, sets={"num_layers": 3}))
+    (args,) = [s for s in layers.sections if s.section == "args"]
+    assert args.error.startswith("AssertionError: Invalid length of moe_layer_pattern: 2, expected 3")
+    assert "moe_layer_freq" in args.fix
+    stacked = predict(ckpt, "ep=2", LoadRun(finetune=True, sets={"moe_layer_freq": 1}))
+    (model,) = [s for s in stacked.sections if s.section == "model"]
+    assert stacked.failing_sections == ["model"] and model.error.startswith("KeyError: decoder.layers.")

@@ -332,6 +332,9 @@ def test_pickle_size_limit_is_configurable(save_dir):
     assert_one_line_error(rc, ".metadata")
     assert "--max-pickle-bytes" in rc.stderr
     assert run_limited("--max-pickle-bytes", "64MiB", "inspect", str(save)).returncode == 0
+    for size in ("1e400", "9" * 5000):  # infinite as a float: was an OverflowError (internal error)
+        proc = run_limited("--max-pickle-bytes", size, "inspect", str(save))
+        assert proc.returncode == 2 and "is not a size" in proc.stderr and "internal error" not in proc.stderr
 
 
 # --- archives ----------------------------------------------------------------------------------------------

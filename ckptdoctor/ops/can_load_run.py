@@ -116,6 +116,8 @@ def parse_target(spec: str, saved: Layout) -> Layout:
         match = _TARGET_RE.match(part)
         if not match:
             raise CkptError(f"--target: {part.strip()!r} is not NAME=N (names: {', '.join(TARGET_FIELDS)})")
+        if len(match.group(2)) > 9:  # Python refuses ints of more than 4,300 digits; no layout nears 10**9
+            raise CkptError(f"--target: {match.group(1)}={match.group(2)[:12]}... is too large")
         name, number = match.group(1), int(match.group(2))
         if name not in TARGET_FIELDS:
             raise CkptError(f"--target: unknown field {name!r} (names: {', '.join(TARGET_FIELDS)})")
