@@ -110,3 +110,20 @@ def test_link_or_copy_never_writes_into_an_existing_file(tmp_path):
     assert os.path.samefile(src, dst)
     assert link_or_copy(src, dst, replace=True) == "linked"  # already src itself: kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "other", "src"]  # no temp file left
+
+
+@pytest.mark.parametrize("mode", ["--in-place", "--output"])
+def test_fix_args_rerun_after_a_kill_before_the_journal_is_removed_refuses(copy_fixture, tmp_path, mode):
+    """Killed after its last file was replaced, before its journal was removed: the args read consistent, so the
+    same command run again found nothing to change and exited 0, while check kept reporting CKD150 (whose
+    restore steps undo that run). Like any write on a checkpoint with a leftover, it now refuses with one line."""
+    save = copy_fixture("core019_convert_tp4")
+    args = ["fix-args", save, "--write", "--in-place"]
+    killed = run_ckptdoctor(*args, env=_fault_env("write:.metadata"))
+    assert killed.returncode == FAULT_EXIT_CODE, killed.stderr
+    assert "CKD150" in {f.code for f in check_paths([str(save)]).findings}
+    rerun_args = args if mode == "--in-place" else [*args[:3], "--output", tmp_path / "out"]
+    rerun = run_ckptdoctor(*rerun_args)
+    assert rerun.returncode == 2, rerun.stdout
+    assert "an interrupted ckptdoctor write left" in rerun.stderr and rerun.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()

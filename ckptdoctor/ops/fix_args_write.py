@@ -360,6 +360,11 @@ def write_fix(
     from ckptdoctor.checkpoint import open_checkpoint
 
     if not report.changes:
+        # As every write: a leftover of an interrupted write is resolved first (a run killed after replacing its
+        # last file, before removing its journal, leaves consistent args: its rerun found nothing to change and
+        # exited 0 with check still reporting CKD150, whose restore steps undo that run).
+        with locking.checkpoint_lock(checkpoint.iteration_dir, exclusive=False, optional=True):
+            leftovers.refuse_if_interrupted(checkpoint.iteration_dir)
         report.notes.append("nothing to write: the args are consistent")
         return report
     if output is None:
