@@ -63,7 +63,7 @@ DERIVED_ARGS = {  # a fresh launch leaves these to megatron (resolved at the lau
 }
 # Where a key or a message belongs: the checkpoint sections an error names.
 SECTION_PATTERNS = (
-    ("args", r"weight_shards|value from checkpoint|must be a multiple|should be divisible"),
+    ("args", r"weight_shards|value from checkpoint|must be a multiple|should be divisible|moe_layer_pattern"),
     ("common", r"'tuple' object has no attribute"),
     ("format", r"No such file or directory: '[^']*\.metadata'|not a distributed checkpoint"),
     (
@@ -180,6 +180,9 @@ def build_and_load(cell: dict, args) -> None:
     gen.LAYOUT.qk_layernorm = bool(getattr(args, "qk_layernorm", False))
     gen.LAYOUT.vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     gen.LAYOUT.tie_embeddings = not args.untie_embeddings_and_output_weights
+    freq = getattr(args, "moe_layer_freq", 1)
+    gen.LAYOUT.moe_layer_freq = list(freq) if isinstance(freq, list) else None
+    gen.LAYOUT.moe_shared_expert = getattr(args, "moe_shared_expert_intermediate_size", None)
     parallel_state.destroy_model_parallel()
     kwargs = {}
     if args.num_experts:

@@ -29,6 +29,7 @@ class StartupCheck:
 
     args: tuple[str, ...]  # the args a --set can fix
     fails: Callable[[dict[str, Any]], str | None]
+    fix: str | None = None  # default: choose a target layout that divides the args
 
 
 def _heads(args: dict[str, Any]) -> str | None:
@@ -65,11 +66,24 @@ def _experts(args: dict[str, Any]) -> str | None:
     return None
 
 
+def _moe_pattern(args: dict[str, Any]) -> str | None:
+    pattern, layers = args.get("moe_layer_freq"), _int(args, "num_layers")
+    if isinstance(pattern, list) and layers and len(pattern) != layers:
+        return (
+            f"AssertionError: Invalid length of moe_layer_pattern: {len(pattern)}, expected {layers}, "
+            f"current moe layer pattern: {pattern}"
+        )
+    return None
+
+
 STARTUP_CHECKS: list[StartupCheck] = [
     StartupCheck(("num_attention_heads",), _heads),
     StartupCheck(("num_query_groups",), _groups),
     StartupCheck(("num_layers",), _layers),
     StartupCheck(("num_experts",), _experts),
+    StartupCheck(
+        ("moe_layer_freq",), _moe_pattern, "give moe_layer_freq one entry per layer (--set moe_layer_freq=[...])"
+    ),
 ]
 RESUME_COMPARED = ("num_layers", "hidden_size", "num_attention_heads")
 
@@ -97,7 +111,7 @@ def args_problem(saved: dict[str, Any], args: dict[str, Any], finetune: bool, ke
             return ArgsProblem(
                 "the model cannot be built at the target layout",
                 error,
-                f"choose a target layout that divides {', '.join(check.args)}",
+                check.fix or f"choose a target layout that divides {', '.join(check.args)}",
             )
     if not finetune:
         for name in RESUME_COMPARED:

@@ -23,6 +23,8 @@ SHAPE_ARGS = (
     "swiglu",
     "num_experts",
     "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_layer_freq",
     "padded_vocab_size",
     "vocab_size",
     "max_position_embeddings",
@@ -105,6 +107,7 @@ def model_plan(
     _expert_flip(saved_args, args, plan)
     _qk_layernorm_flip(args, plan, run_dims.kv if run_dims else 0)
     _output_layer_flip(args, plan)
+    _layer_keying_flip(saved_args, args, plan, run_layers)
     frozen = _frozen_base(saved_args, plan)
     changes = changed_args(saved_args, args)
     changes += [
@@ -162,6 +165,35 @@ def _qk_layernorm_flip(args: dict[str, Any], plan: KeyPlan, kv: int) -> None:
             key = f"decoder.layers.{norm}weight"
             plan.requested[key] = (layers[0], kv) if layers and kv else None
             plan.unexpected.add(key)
+
+
+def _per_layer_keys(args: dict[str, Any]) -> bool:
+    """Megatron keys layers by index (``decoder.layers.<i>.``) when they are not all alike: a moe_layer_freq
+    pattern (a list, or an int > 1) (``TransformerBlock.sharded_state_dict``: non_homogeneous_layers)."""
+    freq = args.get("moe_layer_freq")
+    return bool(args.get("num_experts")) and (
+        isinstance(freq, list) or (isinstance(freq, int) and not isinstance(freq, bool) and freq > 1)
+    )
+
+
+def _layer_keying_flip(saved_args: dict[str, Any], args: dict[str, Any], plan: KeyPlan, layers: int) -> None:
+    """A run whose layers are keyed otherwise than the checkpoint's (stacked vs per layer) requests keys it lacks."""
+    saved, run = _per_layer_keys(saved_args), _per_layer_keys(args)
+    if saved == run:
+        return
+    for key in list(plan.present):
+        indexed = layer_index(key)
+        if saved and indexed and indexed[0] == "decoder.layers":
+            plan.requested.pop(key, None)
+            stacked = f"decoder.layers.{indexed[2]}"
+            plan.requested[stacked] = None
+            plan.unexpected.add(stacked)
+        elif run and not indexed and key.startswith("decoder.layers."):
+            plan.requested.pop(key, None)
+            for i in range(layers):
+                per_layer = f"decoder.layers.{i}.{key[len('decoder.layers.') :]}"
+                plan.requested[per_layer] = None
+                plan.unexpected.add(per_layer)
 
 
 def _output_layer_flip(args: dict[str, Any], plan: KeyPlan) -> None:

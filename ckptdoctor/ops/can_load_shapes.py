@@ -31,6 +31,7 @@ class Dims:
     glu: int
     experts: int
     moe_ffn: int
+    shared: int  # moe_shared_expert_intermediate_size (0: no shared expert)
     vocab: int
     positions: int
     layers: int
@@ -70,6 +71,7 @@ def dims_of(args: dict[str, Any], vocab: int | None) -> Dims | None:
         glu=2 if args.get("swiglu") else 1,
         experts=_positive(args, "num_experts") or 0,
         moe_ffn=_positive(args, "moe_ffn_hidden_size") or ffn,
+        shared=_positive(args, "moe_shared_expert_intermediate_size") or 0,
         vocab=vocab or 0,
         positions=_positive(args, "max_position_embeddings") or _positive(args, "seq_length") or 0,
         layers=_positive(args, "num_layers") or 0,
@@ -100,6 +102,8 @@ _LAYER_FORMULAS: dict[str, _Formula] = {
     "mlp.router.expert_bias": lambda d: (d.experts,),
     "mlp.experts.experts.linear_fc1.weight": lambda d: (d.experts, d.glu * d.moe_ffn, d.hidden),
     "mlp.experts.experts.linear_fc2.weight": lambda d: (d.experts, d.hidden, d.moe_ffn),
+    "mlp.shared_experts.linear_fc1.weight": lambda d: (d.glu * d.shared, d.hidden),
+    "mlp.shared_experts.linear_fc2.weight": lambda d: (d.hidden, d.shared),
 }
 _MODEL_FORMULAS: dict[str, _Formula] = {
     "embedding.word_embeddings.weight": lambda d: (d.vocab, d.hidden),
