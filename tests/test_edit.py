@@ -401,3 +401,15 @@ def test_presets_are_inverse():
         for pattern, replacement in PRESETS["local-to-te"]:
             back = re.sub(pattern, replacement, back)
         assert there != key and back == key
+
+
+def test_release_checkpoint_needs_no_load_flag_for_dropped_optimizer(capsys, tmp_path):
+    """load_checkpoint restores neither the optimizer nor the rng state of a release checkpoint: no flag needed."""
+    import shutil
+
+    save = tmp_path / "save"
+    shutil.copytree(FIXTURES / "core019_tp1" / "iter_0000010", save / "release")
+    (save / "latest_checkpointed_iteration.txt").write_text("release")
+    report = _edit_json(capsys, save, "--drop-section", "optimizer", "--drop-section", "rng", "--dry-run")
+    assert report["plan"]["load_flags"] == []
+    assert any("release checkpoint" in note for note in report["plan"]["load_notes"])

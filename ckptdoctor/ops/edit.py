@@ -297,6 +297,10 @@ def load_flags(checkpoint: Checkpoint, removed: list[KeyChange], dropped: list[s
     flags: list[str] = []
     notes: list[str] = []
     sections = {c.section for c in removed}
+    if checkpoint.location.release and sections & {"optimizer", "rng"}:
+        # load_checkpoint requests neither the optimizer nor the rng state of a release checkpoint
+        notes.append("a release checkpoint: load_checkpoint restores neither its optimizer nor its rng state")
+        sections -= {"optimizer", "rng"}
     if "optimizer" in sections:
         flags.append("--no-load-optim")
         notes.append(
