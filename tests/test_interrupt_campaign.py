@@ -127,3 +127,17 @@ def test_fix_args_rerun_after_a_kill_before_the_journal_is_removed_refuses(copy_
     assert rerun.returncode == 2, rerun.stdout
     assert "an interrupted ckptdoctor write left" in rerun.stderr and rerun.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_edit_rerun_after_a_kill_past_the_swap_names_the_leftover(copy_fixture):
+    """edit --in-place killed right after its atomic swap: the edited tree is in place and the original is in the
+    swap dir (CKD150). The same edit run again said ``the edit matches no key; nothing to change, nothing
+    written``, as if the edit had completed; it now names the leftover and asks for check's restore steps."""
+    save = copy_fixture("core019_tp2")
+    args = ["edit", save, "--in-place", "--remove", "_extra_state"]
+    killed = run_ckptdoctor(*args, env=_fault_env("edit:after-exchange"))
+    assert killed.returncode == FAULT_EXIT_CODE, killed.stderr
+    rerun = run_ckptdoctor(*args)
+    assert rerun.returncode == 2
+    assert "an interrupted ckptdoctor write left" in rerun.stderr and "matches no key" not in rerun.stderr
+    assert rerun.stderr.count("\n") == 1

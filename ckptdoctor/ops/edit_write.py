@@ -135,6 +135,9 @@ def edit(
             f"{checkpoint.iteration_dir}: not a torch_dist checkpoint (no DCP .metadata to rewrite); "
             "edit works on torch_dist checkpoints (Megatron's default since core 0.6)"
         )
+    if not dry_run:  # a leftover first: killed right after its swap, a rerun would find no key left to edit
+        with locking.checkpoint_lock(checkpoint.iteration_dir, exclusive=False, optional=True):
+            leftovers.refuse_if_interrupted(checkpoint.iteration_dir)
     plan = plan_edit(checkpoint, request)
     # only the items the output keeps are gated: an unsafe pickle the edit removes is never read again
     check_integrity(checkpoint, "edit", carried=plan.keep_keys(checkpoint))
