@@ -63,7 +63,7 @@ DERIVED_ARGS = {  # a fresh launch leaves these to megatron (resolved at the lau
 }
 # Where a key or a message belongs: the checkpoint sections an error names.
 SECTION_PATTERNS = (
-    ("args", r"weight_shards|value from checkpoint|must be a multiple|should be divisible|moe_layer_pattern"),
+    ("args", r"weight_shards|value from checkpoint|must be a multiple|should be divisible|moe_layer_pattern|middle"),
     ("common", r"'tuple' object has no attribute"),
     ("format", r"No such file or directory: '[^']*\.metadata'|not a distributed checkpoint"),
     (
@@ -183,6 +183,7 @@ def build_and_load(cell: dict, args) -> None:
     freq = getattr(args, "moe_layer_freq", 1)
     gen.LAYOUT.moe_layer_freq = list(freq) if isinstance(freq, list) else None
     gen.LAYOUT.moe_shared_expert = getattr(args, "moe_shared_expert_intermediate_size", None)
+    gen.LAYOUT.first_stage_layers = getattr(args, "decoder_first_pipeline_num_layers", None)
     parallel_state.destroy_model_parallel()
     kwargs = {}
     if args.num_experts:

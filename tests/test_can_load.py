@@ -385,3 +385,15 @@ def test_mixed_dense_moe_layers_and_shared_experts():
     stacked = predict(ckpt, "ep=2", LoadRun(finetune=True, sets={"moe_layer_freq": 1}))
     (model,) = [s for s in stacked.sections if s.section == "model"]
     assert stacked.failing_sections == ["model"] and model.error.startswith("KeyError: decoder.layers.")
+
+
+def test_uneven_pipeline_split_is_validated_at_the_target():
+    """decoder_first_pipeline_num_layers=1 of 3 layers: PP=2 and PP=3 split the rest evenly, PP=1 leaves 2 layers
+    for no middle stage, PP=4 2 layers for 3 middle stages (TransformerConfig's ValueErrors)."""
+    ckpt = open_checkpoint(FIXTURES / "core019_pp2_uneven")
+    assert predict(ckpt, "pp=2", LoadRun()).will_load and predict(ckpt, "pp=3", LoadRun()).will_load
+    for target, message in (("pp=1", "Mismatch: 2 middle layers"), ("pp=4", "middle stage: 2 must be divisible")):
+        report = predict(ckpt, target, LoadRun())
+        (args,) = [s for s in report.sections if s.section == "args"]
+        assert report.failing_sections == ["args"] and message in args.error, (target, args.error)
+    assert predict(ckpt, "pp=1", LoadRun(sets={"decoder_first_pipeline_num_layers": None})).will_load

@@ -59,6 +59,29 @@ def _layers(args: dict[str, Any]) -> str | None:
     return None
 
 
+def _uneven_pipeline(args: dict[str, Any]) -> str | None:
+    """``TransformerConfig.__post_init__`` (uneven PP): the first/last stage's layers are set apart, the rest
+    must split evenly over the middle stages (none left when there are no middle stages)."""
+    first, last = args.get("decoder_first_pipeline_num_layers"), args.get("decoder_last_pipeline_num_layers")
+    if (first is None and last is None) or args.get("pipeline_model_parallel_layout"):
+        return None
+    layers, pp = _int(args, "num_layers"), _int(args, "pipeline_model_parallel_size", 1)
+    for name, value in (("first", first), ("last", last)):
+        if value is None:
+            continue
+        if not isinstance(value, int) or value <= 0:
+            return f"ValueError: num_layers_in_{name}_pipeline_stage must be larger than 0"
+        layers, pp = layers - value, pp - 1
+    if bool(layers) != bool(pp):
+        return f"ValueError: Mismatch: {layers} middle layers remaining but {pp} middle PP stages available."
+    if pp and layers % pp:
+        return (
+            f"ValueError: number of layers at middle stage: {layers} must be divisible by"
+            f"the middle pipeline model parallel size {pp}"
+        )
+    return None
+
+
 def _experts(args: dict[str, Any]) -> str | None:
     experts, ep = _int(args, "num_experts"), _int(args, "expert_model_parallel_size", 1)
     if experts and experts % ep:
@@ -80,6 +103,12 @@ STARTUP_CHECKS: list[StartupCheck] = [
     StartupCheck(("num_attention_heads",), _heads),
     StartupCheck(("num_query_groups",), _groups),
     StartupCheck(("num_layers",), _layers),
+    StartupCheck(
+        ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
+        _uneven_pipeline,
+        "a PP whose middle stages split the remaining layers evenly, or other "
+        "--set decoder_first_pipeline_num_layers=N / decoder_last_pipeline_num_layers=N (null: an even split)",
+    ),
     StartupCheck(("num_experts",), _experts),
     StartupCheck(
         ("moe_layer_freq",), _moe_pattern, "give moe_layer_freq one entry per layer (--set moe_layer_freq=[...])"
