@@ -413,3 +413,12 @@ def test_release_checkpoint_needs_no_load_flag_for_dropped_optimizer(capsys, tmp
     report = _edit_json(capsys, save, "--drop-section", "optimizer", "--drop-section", "rng", "--dry-run")
     assert report["plan"]["load_flags"] == []
     assert any("release checkpoint" in note for note in report["plan"]["load_notes"])
+
+
+def test_removed_model_keys_do_not_claim_a_plain_load_works(capsys, tmp_path):
+    """No Megatron-LM flag makes a model that requests removed keys load: the report says so, not 'a plain load'."""
+    rc, out, err = _run(capsys, "edit", FIXTURES / "core019_tp1", "--remove", "_extra_state", "--dry-run")
+    assert rc == 0, err
+    assert "a plain load works" not in out and "model keys removed" in out
+    rc, out, err = _run(capsys, "edit", FIXTURES / "core019_tp1", "--drop-section", "optimizer", "--dry-run")
+    assert rc == 0 and "load flags      --no-load-optim" in out

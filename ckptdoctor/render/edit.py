@@ -31,7 +31,7 @@ def render_edit(report: EditReport) -> str:
         lines += ["", tabulate(rows, headers=["", "key", "new key", "size", "why"]), ""]
     for change in plan.common_changes:
         lines.append(_common_line(change.what, change.name, change.old, change.new, change.reason))
-    flags = " ".join(plan.load_flags) if plan.load_flags else "none (a plain load works)"
+    flags = " ".join(plan.load_flags) if plan.load_flags else "none" if plan.load_notes else "none (a plain load works)"
     lines.append(f"load flags      {flags}")
     lines += [f"                {note}" for note in plan.load_notes]
     if report.dry_run or result is None:
