@@ -5,6 +5,7 @@ child process: each must end as one clean error line naming the file (or a `chec
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -183,3 +184,27 @@ def test_a_chunk_of_the_wrong_rank_is_one_error_in_show_and_diff_values(tmp_path
         assert_one_line_error(run_limited(*command), ".metadata")
     proc = run_limited("check", "--isolated", "--format", "json", str(save))
     assert proc.returncode == 1 and "internal error" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["dir", "fifo", "device", "dangling"])
+def test_an_integrity_json_that_is_no_regular_file_is_a_finding(tmp_path, kind):
+    """integrity.json as a directory, FIFO, /dev/zero link or dangling link was silently ignored (check passed);
+    Megatron's --verify-integrity load cannot read it."""
+    save = tmp_path / "core019_tp1"
+    shutil.copytree(FIXTURES / "core019_tp1", save)
+    manifest = save / ITER / "integrity.json"
+    if kind == "dir":
+        manifest.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(manifest)
+    else:
+        manifest.symlink_to("/dev/zero" if kind == "device" else "nowhere")
+    proc = run_limited("check", "--isolated", "--verify-integrity", "--format", "json", str(save))
+    assert proc.returncode == 1 and "internal error" not in proc.stderr, proc.stderr
+    found = json.loads(proc.stdout)["findings"]
+    assert [f["code"] for f in found] == ["CKD303"] and "not a regular file" in found[0]["message"], found
+    proc = run_limited("seal", "--force", str(save))
+    if kind == "dir":  # a directory is not replaced by a file
+        assert_one_line_error(proc, "integrity.json")
+    else:
+        assert proc.returncode == 0 and manifest.is_file() and not manifest.is_symlink(), proc.stderr

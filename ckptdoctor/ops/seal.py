@@ -115,7 +115,7 @@ def seal(
     speaks = group is None or group.rank == 0  # under torchrun rank 0 locks and writes, every rank hashes
     with locking.checkpoint_lock(iteration_dir) if speaks else contextlib.nullcontext():
         leftovers.refuse_if_interrupted(iteration_dir)
-        existed = manifest.exists()
+        existed = manifest.exists() or manifest.is_symlink()  # a dangling link too (CKD303)
         if existed and not force:
             raise CkptError(f"{manifest}: the checkpoint is already sealed (use --force to re-seal it)")
         # Never seal a checkpoint that fails check: the manifest would vouch for a broken save.

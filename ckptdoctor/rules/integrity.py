@@ -106,6 +106,9 @@ def check_manifest(state: Scanned, verify_hashes: bool) -> list[Finding]:
     directory, shown = state.iteration_dir, state.shown
     path = directory / INTEGRITY_NAME
     if not path.is_file():
+        if path.is_symlink() or path.exists():  # a dir, FIFO, device or dangling link under the manifest's name
+            why = "not a regular file (a directory, FIFO, device or dangling link): nothing can verify against it"
+            return [finding(MANIFEST_INVALID, shown / INTEGRITY_NAME, why)]
         return []
     try:
         data = read_json(path)
