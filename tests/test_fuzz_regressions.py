@@ -208,3 +208,27 @@ def test_an_integrity_json_that_is_no_regular_file_is_a_finding(tmp_path, kind):
         assert_one_line_error(proc, "integrity.json")
     else:
         assert proc.returncode == 0 and manifest.is_file() and not manifest.is_symlink(), proc.stderr
+
+
+def test_a_malformed_cached_write_item_does_not_break_edit_or_strip(tmp_path):
+    """A .metadata whose all_local_plans write item names a dict as its fqn (found by mutating one memo byte)
+    passes check; edit and strip-frozen then failed with an internal TypeError (unhashable type: 'dict')."""
+    from ckptdoctor.formats.torch_dist import dump_metadata_object, load_metadata_object, record_attr
+
+    save = tmp_path / "core019_tp2"
+    shutil.copytree(FIXTURES / "core019_tp2", save)
+    path = save / ITER / ".metadata"
+    metadata = load_metadata_object(path)
+    item = record_attr(record_attr(metadata, "all_local_plans")[0], "items")[0]
+    vars(record_attr(item, "index"))["fqn"] = {"not": "a key"}
+    path.write_bytes(dump_metadata_object(metadata))
+    commands = [
+        ["edit", str(save), "--drop-section", "optimizer", "--compact", "-o", str(tmp_path / "compact")],
+        ["edit", str(save), "--rename", "output_layer", "out_layer", "-o", str(tmp_path / "renamed")],
+        ["strip-frozen", str(save), "--trainable", "embedding", "-o", str(tmp_path / "stripped")],
+    ]
+    for command in commands:
+        proc = run_limited(*command)
+        assert proc.returncode == 0 and "internal error" not in proc.stderr, proc.stderr
+        out = run_limited("check", "--isolated", command[-1])
+        assert out.returncode == 0, out.stdout + out.stderr

@@ -226,7 +226,14 @@ def _filter_plans(plans: Any, keep: set[str]) -> None:
     for plan in plans:
         items = torch_dist.record_attr(plan, "items")
         if isinstance(items, list):
-            items[:] = [w for w in items if torch_dist.index_fqn(torch_dist.record_attr(w, "index")) in keep]
+            items[:] = [w for w in items if _item_fqn(w) in keep]
+
+
+def _item_fqn(item: Any) -> str | None:
+    """The key a cached write item names; None for a malformed one (a hostile pickle can put a dict there),
+    which names no kept key and is dropped."""
+    fqn = torch_dist.index_fqn(torch_dist.record_attr(item, "index"))
+    return fqn if isinstance(fqn, str) else None
 
 
 def restrict_metadata(metadata: Any, keep: Iterable[str]) -> None:
