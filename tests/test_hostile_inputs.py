@@ -577,6 +577,23 @@ def test_a_huge_tracker_is_one_line(save_dir):
     assert_one_line_error(proc, "latest_checkpointed_iteration.txt")
 
 
+def test_a_symlink_to_the_root_or_above_is_not_followed_by_a_recursive_check(tmp_path):
+    """A tree from someone else that links ``/`` (or a dir above the one checked) would make ``check DIR`` walk the
+    whole filesystem; a link to a sibling tree is still followed (a save dir on other storage)."""
+    tree, elsewhere = tmp_path / "tree", tmp_path / "elsewhere"
+    tree.mkdir()
+    elsewhere.mkdir()
+    shutil.copytree(FIXTURES / "core019_tp1", tree / "ckpt")
+    shutil.copytree(FIXTURES / "core019_tp2", elsewhere / "other")
+    (tree / "root").symlink_to("/")
+    (tree / "up").symlink_to(tmp_path)
+    (tree / "self").symlink_to(tree)
+    (tree / "linked").symlink_to(elsewhere)
+    rc, report = check_json(tree)
+    assert rc == 0, report
+    assert sorted(Path(p).parent.name for p in report["checked"]) == ["ckpt", "other"], report["checked"]
+
+
 def test_a_very_deep_tree_is_searched_without_recursion(tmp_path):
     deep = tmp_path / "tree"
     deep.mkdir()

@@ -229,10 +229,13 @@ def _add_checkpoint_dir(path: Path, targets: _Targets) -> bool:
 def _discover(directory: Path, targets: _Targets, seen: set[Path]) -> None:
     """Checkpoints below ``directory`` (not itself one), in name order: a save or iteration dir is added and
     not entered; hidden dirs (ckptdoctor's staging and backup dirs among them) are not entered; a symlinked
-    dir is followed once (each resolved dir is visited once). Depth-first with an explicit stack: a tree
-    thousands of dirs deep must not exhaust Python's recursion. A dir's resolved path is its resolved parent's
-    plus its name unless it is a symlink (resolving each full path again was quadratic in the depth)."""
-    stack = [(directory, directory.resolve(), iter(sorted(list_dir(directory))))]
+    dir is followed once (each resolved dir is visited once), except a link to ``directory`` or a dir above it
+    (a tree from someone else linking ``/`` would make the search walk the filesystem). Depth-first with an
+    explicit stack: a tree thousands of dirs deep must not exhaust Python's recursion. A dir's resolved path is
+    its resolved parent's plus its name unless it is a symlink (resolving each full path again was quadratic in
+    the depth)."""
+    root = directory.resolve()
+    stack = [(directory, root, iter(sorted(list_dir(directory))))]
     while stack:
         parent, parent_resolved, names = stack[-1]
         name = next(names, None)
@@ -243,8 +246,8 @@ def _discover(directory: Path, targets: _Targets, seen: set[Path]) -> None:
         if name.startswith(".") or not child.is_dir():
             continue
         resolved = child.resolve() if child.is_symlink() else parent_resolved / name
-        if resolved in seen:
-            continue
+        if resolved in seen or root.is_relative_to(resolved):
+            continue  # visited, or a link to the root or above it: the search would cover the whole tree above
         seen.add(resolved)
         below = sorted(list_dir(child))  # one error naming a dir that cannot be listed
         if not _add_checkpoint_dir(child, targets):
