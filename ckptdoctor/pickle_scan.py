@@ -28,7 +28,7 @@ __all__ = ["scan"]
 
 # opcode -> kind; the kinds are grouped by what the scanner does with the stack.
 _PUSH, _PUSH_NL, _PUSH_N, _PUSH_LEN, _MARK, _STOP, _POP, _POP_MARK, _DUP = range(1, 10)
-_TUPLE_MARK, _TUPLE_N, _CONTAINER_MARK, _APPEND1, _ITEMS_MARK, _SETITEM = range(10, 16)
+_TUPLE_MARK, _TUPLE3, _CONTAINER_MARK, _APPEND1, _ITEMS_MARK, _SETITEM = range(10, 16)
 _BUILD, _REDUCE, _NEWOBJ_EX, _GLOBAL, _STACK_GLOBAL, _GET, _PUT, _MEMOIZE, _FRAME, _PROTO = range(16, 26)
 _PERSID, _BINPERSID, _OBJ_MARK, _INST, _BINGET, _LONG_BINGET = range(26, 32)
 _PUSH_NUMBER, _PUSH_NL_NUMBER, _PUSH_LEN_NUMBER, _SETITEMS, _ADDITEMS, _TUPLE1, _TUPLE2, _EMPTY_TUPLE = range(32, 40)
@@ -36,7 +36,6 @@ _PUSH_BYTE_NUMBER = 40
 
 _KIND = bytearray(256)  # 0: not an opcode we accept
 _ARG = [0] * 256  # fixed argument width (bytes), or width of the length prefix for _PUSH_LEN
-_NTUPLE = [0] * 256
 for _op, _kind, _arg in (
     (b"N", _PUSH, 0),
     (b"\x88", _PUSH, 0),
@@ -73,7 +72,7 @@ for _op, _kind, _arg in (
     (b")", _EMPTY_TUPLE, 0),
     (b"\x85", _TUPLE1, 0),
     (b"\x86", _TUPLE2, 0),
-    (b"\x87", _TUPLE_N, 0),
+    (b"\x87", _TUPLE3, 0),
     (b"l", _CONTAINER_MARK, 0),
     (b"d", _CONTAINER_MARK, 0),
     (b"\x91", _ADDITEMS, 0),
@@ -104,7 +103,6 @@ for _op, _kind, _arg in (
 ):
     _KIND[_op[0]] = _kind
     _ARG[_op[0]] = _arg
-_NTUPLE[ord(")")], _NTUPLE[0x85], _NTUPLE[0x86], _NTUPLE[0x87] = 0, 1, 2, 3
 _KINDS = tuple(_KIND)  # a tuple: CPython indexes it faster than bytes
 
 # Valid opcodes never accepted: the copyreg extension registry and protocol 5 out-of-band buffers.
@@ -258,17 +256,14 @@ def scan(
                     raise fail(f"more than {limits.max_hashed_keys} int, float or tuple keys (hash flooding)")
                 if op == 0x91:  # FROZENSET builds a new object from the items
                     push(0)
-            elif kind == _TUPLE_N:
-                n = _NTUPLE[op]
-                depth = 1
-                if n:
-                    items = stack[-n:]
-                    del stack[-n:]
-                    if len(items) != n:
-                        raise corrupt("stack underflow")
-                    depth = 1 + max(0, *items)
-                    if depth > max_depth:
-                        raise fail(f"tuples nest deeper than {max_depth}")
+            elif kind == _TUPLE3:
+                items = stack[-3:]
+                del stack[-3:]
+                if len(items) != 3:
+                    raise corrupt("stack underflow")
+                depth = 1 + max(0, *items)
+                if depth > max_depth:
+                    raise fail(f"tuples nest deeper than {max_depth}")
                 push(depth)
             elif kind in (_ITEMS_MARK, _SETITEM, _APPEND1):
                 if kind == _ITEMS_MARK:
