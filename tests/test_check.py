@@ -220,6 +220,26 @@ def test_messages_name_the_file(capsys, copy_fixture):
     )
 
 
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("[]", "not an object whose 'files' maps"),
+        ('{"files": []}', "not an object whose 'files' maps"),
+        ('{"files": {"__0_0.distcp": 1}}', "not an object whose 'files' maps"),
+        ('"sha256"', "not an object whose 'files' maps"),
+        ("{", "not valid JSON"),
+    ],
+)
+def test_a_malformed_manifest_is_ckd303_in_plain_words(capsys, copy_fixture, content, why):
+    """No Python exception names ("AttributeError: 'list' object has no attribute 'get'") in the finding."""
+    save = copy_fixture("core019_tp1")
+    (save / ITER / "integrity.json").write_text(content)
+    rc, report = _json(capsys, str(save))
+    assert rc == 1 and _codes(report) == ["CKD303"], report
+    message = report["findings"][0]["message"]
+    assert why in message and "Error" not in message, message
+
+
 def test_garbage_common_pt_is_a_finding(capsys, copy_fixture):
     save = copy_fixture("core016_tp1")
     (save / ITER / "common.pt").write_bytes(b"PK\x03\x04" + os.urandom(300))

@@ -112,12 +112,15 @@ def check_manifest(state: Scanned, verify_hashes: bool) -> list[Finding]:
         return []
     try:
         data = read_json(path)
-        algorithm = data.get("algorithm", "sha256")
-        files = data["files"]
-        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-            raise ValueError("'files' is not a mapping of file name to hex digest")
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, AttributeError, TypeError) as exc:
-        return [finding(MANIFEST_INVALID, shown / INTEGRITY_NAME, f"unreadable manifest ({type(exc).__name__}: {exc})")]
+    except OSError as exc:
+        return [finding(MANIFEST_INVALID, shown / INTEGRITY_NAME, f"unreadable manifest ({exc.strerror})")]
+    except ValueError as exc:  # JSONDecodeError
+        return [finding(MANIFEST_INVALID, shown / INTEGRITY_NAME, f"unreadable manifest (not valid JSON: {exc})")]
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        why = "unreadable manifest (not an object whose 'files' maps file names to hex digests)"
+        return [finding(MANIFEST_INVALID, shown / INTEGRITY_NAME, why)]
+    algorithm = data.get("algorithm", "sha256")
     if algorithm != "sha256":
         return [finding(MANIFEST_INVALID, shown / INTEGRITY_NAME, f"algorithm {algorithm!r}, Megatron verifies sha256")]
     out: list[Finding] = []
