@@ -240,6 +240,19 @@ def test_a_malformed_manifest_is_ckd303_in_plain_words(capsys, copy_fixture, con
     assert why in message and "Error" not in message, message
 
 
+def test_a_listed_file_that_is_not_a_regular_file_is_named_so(capsys, copy_fixture):
+    save = copy_fixture("core019_tp1")
+    it = save / ITER
+    (it / "integrity.json").write_text('{"algorithm": "sha256", "files": {"odd.distcp": "00", "gone.distcp": "00"}}')
+    os.mkfifo(it / "odd.distcp")
+    rc, report = _json(capsys, str(save))
+    messages = sorted(f["message"] for f in report["findings"] if f["code"] == "CKD302")
+    assert rc == 1 and messages == [
+        "gone.distcp listed in integrity.json but missing",
+        "odd.distcp listed in integrity.json but not a regular file",
+    ], report
+
+
 def test_garbage_common_pt_is_a_finding(capsys, copy_fixture):
     save = copy_fixture("core016_tp1")
     (save / ITER / "common.pt").write_bytes(b"PK\x03\x04" + os.urandom(300))

@@ -129,7 +129,10 @@ def check_manifest(state: Scanned, verify_hashes: bool) -> list[Finding]:
         if "/" in name or os.sep in name or name in ("", ".", ".."):
             out.append(finding(MANIFEST_INVALID, shown / INTEGRITY_NAME, f"entry {name!r} is not a file name"))
         elif name not in present:
-            out.append(finding(LISTED_FILE_MISSING, shown, f"{name} listed in {INTEGRITY_NAME} but missing"))
+            # a FIFO, device, dir or dangling link under a listed name is no file Megatron can hash either
+            listed = directory / name
+            what = "not a regular file" if listed.is_symlink() or listed.exists() else "missing"
+            out.append(finding(LISTED_FILE_MISSING, shown, f"{name} listed in {INTEGRITY_NAME} but {what}"))
         elif verify_hashes:
             try:
                 actual = sha256_file(directory / name)
