@@ -8,21 +8,16 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from ckptdoctor import _PENDING_SIGINT, _defer_sigint, _is_cli_process  # see ckptdoctor/__init__.py
+import click
 
-# Before the imports below (click is most of the start-up), when the package did not do it already (an
-# interpreter that imported ckptdoctor as a library and then runs the CLI): see ckptdoctor/__init__.py.
-if _is_cli_process() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _defer_sigint)
-
-import click  # noqa: E402
-
-from ckptdoctor import __version__  # noqa: E402
-from ckptdoctor.commands import LazyGroup  # noqa: E402
-from ckptdoctor.errors import CkptError  # noqa: E402
-from ckptdoctor.exit_codes import EXIT_ERROR  # noqa: E402
-from ckptdoctor.gc_pause import gc_paused  # noqa: E402
-from ckptdoctor.text_safety import escape  # noqa: E402
+# A Ctrl-C while the CLI process starts (click is most of it) was deferred by the package's __init__, before
+# any of these imports: _defer_sigint collects it in _PENDING_SIGINT, which run() answers.
+from ckptdoctor import _PENDING_SIGINT, __version__, _defer_sigint
+from ckptdoctor.commands import LazyGroup
+from ckptdoctor.errors import CkptError
+from ckptdoctor.exit_codes import EXIT_ERROR
+from ckptdoctor.gc_pause import gc_paused
+from ckptdoctor.text_safety import escape
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 
