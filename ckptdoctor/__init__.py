@@ -6,11 +6,11 @@ import sys
 
 __version__ = "0.1.0"
 
-_PENDING_SIGINT: list[int] = []  # SIGINTs that arrived while the CLI process was still importing
+_PENDING_SIGNALS: list[int] = []  # SIGINTs and SIGTERMs that arrived while the CLI process was still importing
 
 
-def _defer_sigint(signum: int, frame: object) -> None:
-    _PENDING_SIGINT.append(signum)
+def _defer_signal(signum: int, frame: object) -> None:
+    _PENDING_SIGNALS.append(signum)
 
 
 def _is_cli_process() -> bool:
@@ -29,7 +29,11 @@ def _is_cli_process() -> bool:
 
 
 # First thing in the process that is ours (``python -m ckptdoctor`` imports this package before its
-# __main__.py, the console script before ckptdoctor.cli): a Ctrl-C from here on while the CLI starts is
-# remembered and answered by ckptdoctor.cli.run() like any other interrupt, not a KeyboardInterrupt traceback.
-if _is_cli_process() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _defer_sigint)
+# __main__.py, the console script before ckptdoctor.cli): a Ctrl-C (or a SIGTERM: a batch scheduler ending
+# the job) from here on while the CLI starts is remembered and answered by ckptdoctor.cli.run() like any other
+# interrupt, not a KeyboardInterrupt traceback. Signals the parent ignores (nohup) stay ignored.
+if _is_cli_process():
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _defer_signal)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _defer_signal)

@@ -2,7 +2,8 @@
 
 Every file ckptdoctor writes goes through here. ``fault_point`` lets tests stop the process between
 write steps (``CKPTDOCTOR_FAULT_AT=<step>``) to prove the source stays loadable or restorable: by default
-it exits at once like a kill; with ``CKPTDOCTOR_FAULT_MODE=sigint`` it sends itself SIGINT (Ctrl-C) instead.
+it exits at once like a kill; with ``CKPTDOCTOR_FAULT_MODE=sigint`` (``sigterm``) it sends itself SIGINT (Ctrl-C)
+(SIGTERM) instead.
 
 Names ckptdoctor creates beside user data are never derived from the pid alone (a later run with the same
 pid must not mistake them for its own): they carry a timestamp and a random token, and are created with
@@ -29,7 +30,7 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.storage import refuse_remote_write
 
 FAULT_ENV = "CKPTDOCTOR_FAULT_AT"
-FAULT_MODE_ENV = "CKPTDOCTOR_FAULT_MODE"  # "exit" (default: like SIGKILL), "sigint" (Ctrl-C) or "sleep"
+FAULT_MODE_ENV = "CKPTDOCTOR_FAULT_MODE"  # "exit" (default: like SIGKILL), "sigint" (Ctrl-C), "sigterm", "sleep"
 FAULT_SLEEP_ENV = "CKPTDOCTOR_FAULT_SLEEP"  # seconds to pause in "sleep" mode (tests start a rival writer then)
 FAULT_EXIT_CODE = 97
 
@@ -43,8 +44,8 @@ def fault_point(step: str) -> None:
     say so on stderr and pause (``CKPTDOCTOR_FAULT_SLEEP`` seconds), then go on."""
     if os.environ.get(FAULT_ENV) == step:
         mode = os.environ.get(FAULT_MODE_ENV, "exit")
-        if mode == "sigint":
-            os.kill(os.getpid(), signal.SIGINT)
+        if mode in ("sigint", "sigterm"):
+            os.kill(os.getpid(), signal.SIGINT if mode == "sigint" else signal.SIGTERM)
             return
         if mode == "sleep":
             sys.stderr.write(f"fault point {step}: sleeping\n")
@@ -298,10 +299,14 @@ def rename_noreplace(src: Path, dst: Path) -> None:
         raise CkptError(f"{src}: cannot rename to {dst.name} ({exc.strerror})") from None
 
 
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def defer_sigint() -> Iterator[None]:
-    """Hold back Ctrl-C (SIGINT) across a critical section; a SIGINT received meanwhile is re-raised as
-    :class:`KeyboardInterrupt` once the section has ended (normally or not). No-op outside the main thread."""
+    """Hold back Ctrl-C (SIGINT) and SIGTERM across a critical section; the first one received meanwhile is
+    delivered once the section has ended (normally or not) to the handler that was in place (Python's default
+    SIGINT handler: :class:`KeyboardInterrupt`). No-op outside the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -310,15 +315,18 @@ def defer_sigint() -> Iterator[None]:
     def record(signum: int, frame: object) -> None:
         received.append(signum)
 
-    previous = signal.signal(signal.SIGINT, record)
+    previous = {signum: signal.signal(signum, record) for signum in _HELD_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for held, handler in previous.items():
+            signal.signal(held, handler)
         if received:
-            if callable(previous) and previous is not signal.default_int_handler:
-                previous(signal.SIGINT, None)
-            elif previous == signal.SIG_DFL:
-                os.kill(os.getpid(), signal.SIGINT)
-            elif previous != signal.SIG_IGN:
+            first = signal.Signals(received[0])
+            handler = previous[first]
+            if callable(handler) and handler is not signal.default_int_handler:
+                handler(first, None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), first)
+            elif handler != signal.SIG_IGN:
                 raise KeyboardInterrupt

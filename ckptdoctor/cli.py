@@ -7,12 +7,13 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import click
 
-# A Ctrl-C while the CLI process starts (click is most of it) was deferred by the package's __init__, before
-# any of these imports: _defer_sigint collects it in _PENDING_SIGINT, which run() answers.
-from ckptdoctor import _PENDING_SIGINT, __version__, _defer_sigint
+# A Ctrl-C or SIGTERM while the CLI process starts (click is most of it) was deferred by the package's __init__,
+# before any of these imports: _defer_signal collects it in _PENDING_SIGNALS, which run() answers.
+from ckptdoctor import _PENDING_SIGNALS, __version__, _defer_signal
 from ckptdoctor.commands import LazyGroup
 from ckptdoctor.errors import CkptError
 from ckptdoctor.exit_codes import EXIT_ERROR
@@ -58,39 +59,51 @@ def cli(max_pickle_bytes: int | None) -> None:
 
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process killed by Ctrl-C
+# The handlers a fresh interpreter has, restored when the block ends.
+_DEFAULT_HANDLERS: dict[signal.Signals, Any] = {
+    signal.SIGINT: signal.default_int_handler,
+    signal.SIGTERM: signal.SIG_DFL,
+}
 
 
 class _Interrupted(BaseException):
-    """SIGINT, raised by :func:`_on_sigint`.
+    """SIGINT (Ctrl-C) or SIGTERM (a batch scheduler ending the job), raised by :func:`_on_interrupt`.
 
     Not a KeyboardInterrupt: click turns those into ``Abort`` (after printing a blank line), and not an
-    Exception, so no ``except Exception`` on the way up swallows it.
+    Exception, so no ``except Exception`` on the way up swallows it. Every write cleans up on its way out.
     """
 
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
-def _on_sigint(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # one is enough: the exit path runs undisturbed
-    raise _Interrupted
+
+def _on_interrupt(signum: int, frame: object) -> None:
+    for handled in _DEFAULT_HANDLERS:  # one is enough: the exit path runs undisturbed
+        if signal.getsignal(handled) is _on_interrupt:
+            signal.signal(handled, signal.SIG_IGN)
+    raise _Interrupted(signum)
 
 
 @contextmanager
-def _sigint_raises_interrupted() -> Iterator[None]:
-    """SIGINT raises :class:`_Interrupted` inside the block (when Python's default handler is in place).
-
-    A SIGINT the parent ignores (``nohup``, a background job) stays ignored, and a thread other than the
-    main one cannot set handlers: both leave signals alone.
+def _signals_raise_interrupted() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`_Interrupted` inside the block (where a fresh interpreter's handler is
+    in place). A signal the parent ignores (``nohup``, a background job) stays ignored, and a thread other
+    than the main one cannot set handlers: both leave signals alone.
     """
+    installed = []
     try:
-        installed = signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _defer_sigint)
-        if installed:
-            signal.signal(signal.SIGINT, _on_sigint)
+        for signum, default in _DEFAULT_HANDLERS.items():
+            if signal.getsignal(signum) in (default, _defer_signal):
+                signal.signal(signum, _on_interrupt)
+                installed.append(signum)
     except ValueError:  # not the main thread
-        installed = False
+        pass
     try:
         yield
     finally:
-        if installed:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum in installed:
+            signal.signal(signum, _DEFAULT_HANDLERS[signum])
 
 
 def _say(line: str) -> None:
@@ -98,25 +111,27 @@ def _say(line: str) -> None:
     click.echo(escape(line), err=True)
 
 
-def _interrupted() -> int:
+def _interrupted(signum: int = signal.SIGINT) -> int:
+    """One line, and the exit code a shell shows for that signal (130 for Ctrl-C, 143 for SIGTERM)."""
     try:
-        click.echo("ckptdoctor: interrupted", err=True)
+        click.echo("ckptdoctor: interrupted" if signum == signal.SIGINT else "ckptdoctor: terminated", err=True)
     except (OSError, _Interrupted):
         pass
-    return EXIT_INTERRUPTED
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: runs the CLI and turns every failure into one line and exit code 2 (130 for SIGINT)."""
+    """Entry point: runs the CLI and turns every failure into one line and exit code 2 (130 for SIGINT, 143 for
+    SIGTERM)."""
     from ckptdoctor import dist
 
-    with _sigint_raises_interrupted():
+    with _signals_raise_interrupted():
         try:
             if dist.under_torchrun():  # one rank of a torchrun job: rank 0 prints, all agree on the exit code
                 return dist.run_main(lambda: _main(argv))
             return _main(argv)
-        except (_Interrupted, KeyboardInterrupt):  # also when it lands while an error is being reported
-            return _interrupted()
+        except (_Interrupted, KeyboardInterrupt) as exc:  # also when it lands while an error is being reported
+            return _interrupted(getattr(exc, "signum", signal.SIGINT))
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -128,7 +143,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return exc.exit_code
     except click.exceptions.Abort as exc:
         if isinstance(exc.__context__, (KeyboardInterrupt, _Interrupted)):  # click wraps a KeyboardInterrupt
-            return _interrupted()
+            return _interrupted(getattr(exc.__context__, "signum", signal.SIGINT))
         click.echo("ckptdoctor: aborted", err=True)
         return EXIT_ERROR
     except click.ClickException as exc:
@@ -165,22 +180,22 @@ def run() -> None:
     them (they hold no cycles; reference counting frees what is dropped) and tearing the interpreter down
     frees them one by one. Together that was ~15 % of an ``inspect`` of a 20,000-key checkpoint, so the
     process runs without the cyclic collector and ends with ``os._exit`` once its output is flushed
-    (nothing of ours is left to clean up at exit: every file is closed by then). SIGINT is handled for the
-    whole run, the final flush included. (:mod:`ckptdoctor.gc_pause` holds the one switch.)
+    (nothing of ours is left to clean up at exit: every file is closed by then). SIGINT and SIGTERM are handled
+    for the whole run, the final flush included. (:mod:`ckptdoctor.gc_pause` holds the one switch.)
     """
     code = EXIT_ERROR
-    with gc_paused(), _sigint_raises_interrupted():
+    with gc_paused(), _signals_raise_interrupted():
         try:
-            if _PENDING_SIGINT:  # interrupted while starting
-                raise _Interrupted
+            if _PENDING_SIGNALS:  # interrupted while starting
+                raise _Interrupted(_PENDING_SIGNALS[0])
             code = main()
             sys.stdout.flush()
             sys.stderr.flush()
-        except _Interrupted:
-            code = _interrupted()
+        except _Interrupted as exc:
+            code = _interrupted(exc.signum)
         except (BrokenPipeError, OSError):
             code = code or EXIT_ERROR
-        os._exit(code)  # inside the block: SIGINT stays handled (or ignored, once seen) up to the exit
+        os._exit(code)  # inside the block: the signals stay handled (or ignored, once seen) up to the exit
 
 
 if __name__ == "__main__":

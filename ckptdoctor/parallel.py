@@ -109,9 +109,12 @@ def _record(index: int, outcome: tuple[bool, Any], done: Callable[[int], None] |
 
 
 def _worker_init() -> None:
-    """In each forked worker: Ctrl-C is the parent's to answer (it ends the workers), and a worker ends with the
-    parent however the parent dies (Linux ``PR_SET_PDEATHSIG``), so no worker outlives its run."""
+    """In each forked worker: Ctrl-C is the parent's to answer (it ends the workers), SIGTERM ends a worker (the
+    parent's SIGTERM handler, inherited by the fork, would raise in it instead: the pool ends its workers with
+    SIGTERM), and a worker ends with the parent however the parent dies (Linux ``PR_SET_PDEATHSIG``), so no
+    worker outlives its run."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         import ctypes
 

@@ -269,8 +269,8 @@ runpy.run_module("ckptdoctor", run_name="__main__", alter_sys=True)
 """
 
 
-def _interrupt(where: str, tty: bool) -> tuple[int, str]:
-    """Run ``check --deep`` in a child, SIGINT it once it waits; its exit code and stderr after READY."""
+def _interrupt(where: str, tty: bool, sig: int = signal.SIGINT) -> tuple[int, str]:
+    """Run ``check --deep`` in a child, send it ``sig`` once it waits; its exit code and stderr after READY."""
     argv = [
         sys.executable,
         "-c",
@@ -301,7 +301,7 @@ def _interrupt(where: str, tty: bool) -> tuple[int, str]:
                 chunk = os.read(master, 4096)
                 assert chunk, f"child ended before READY: {seen!r}"
                 seen += chunk
-        child.send_signal(signal.SIGINT)
+        child.send_signal(sig)
         rest = b""
         while True:
             try:
@@ -333,6 +333,16 @@ def test_sigint_exits_130_with_one_line(where):
     assert stderr == "\nckptdoctor: interrupted\n", stderr  # the newline ends the READY line
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("where", ["command", "click-dispatch"])
+def test_sigterm_exits_143_with_one_line(where):
+    """SIGTERM (a batch scheduler ending the job, torchrun stopping its ranks) is answered like Ctrl-C: the
+    run stops, cleans up what it was writing, says so in one line, and exits 128 + 15 as a shell reports it."""
+    code, stderr = _interrupt(where, tty=False, sig=signal.SIGTERM)
+    assert code == 143, stderr
+    assert stderr == "\nckptdoctor: terminated\n", stderr
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and ptys")
 @pytest.mark.parametrize("where", ["progress-callback", "progress-bar"])
 def test_sigint_in_progress_bar_exits_130_with_one_line(where):
@@ -359,6 +369,20 @@ def test_sigint_while_the_cli_starts_exits_130_with_one_line():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 130, result.stderr
     assert result.stderr == "ckptdoctor: interrupted\n" and result.stdout == ""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_sigterm_while_the_cli_starts_exits_143_with_one_line():
+    code = (
+        "import os, signal, sys\n"
+        f"sys.argv = [{str(REPO / 'ckptdoctor' / '__main__.py')!r}, 'inspect', {str(FIXTURES / 'core019_tp1')!r}]\n"
+        "import ckptdoctor.cli\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "ckptdoctor.cli.run()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 143, result.stderr
+    assert result.stderr == "ckptdoctor: terminated\n" and result.stdout == ""
 
 
 # --- 4. control characters from a checkpoint --------------------------------------------------------------

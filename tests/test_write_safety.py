@@ -45,7 +45,7 @@ def _fault_env(step: str, mode: str = "exit", **extra: str) -> dict:
 
 
 def _expected_rc(mode: str) -> int:
-    return FAULT_EXIT_CODE if mode == "exit" else 130
+    return {"exit": FAULT_EXIT_CODE, "sigint": 130, "sigterm": 143}[mode]  # SIGTERM: a batch scheduler's stop
 
 
 def _tree(directory: Path) -> dict[str, str]:
@@ -134,7 +134,7 @@ FIX_IN_PLACE = {
 }
 
 
-@pytest.mark.parametrize("mode", ["exit", "sigint"])
+@pytest.mark.parametrize("mode", ["exit", "sigint", "sigterm"])
 @pytest.mark.parametrize(
     "case", [(n, s) for n, steps in FIX_IN_PLACE.items() for s in steps], ids=lambda c: f"{c[0]}-{c[1]}"
 )
@@ -151,9 +151,9 @@ def test_fix_args_in_place_interrupted(capsys, copy_fixture, case, mode):
     parts = list(it.glob(".*.ckptdoctor-part-*"))
     reported = {f.path for f in found}
     assert {str(p) for p in journals + parts} <= reported  # every leftover is a check finding
-    if mode == "sigint":
-        assert not journals and not parts  # Ctrl-C waits for the few steps: the run completed
-        assert "interrupted" in result.stderr
+    if mode != "exit":
+        assert not journals and not parts  # Ctrl-C (SIGTERM) waits for the few steps: the run completed
+        assert ("interrupted" if mode == "sigint" else "terminated") in result.stderr
     if journals:
         (journal_finding,) = [f for f in found if f.path == str(journals[0])]
         assert journal_finding.code == "CKD150" and "restore the original: cd " in journal_finding.message
@@ -212,7 +212,7 @@ def test_readme_restore_after_a_completed_run(capsys, copy_fixture, name):
 FIX_OUTPUT = ["links", "write:common_state", "atomic:before-replace:.metadata", "write:.metadata"]
 
 
-@pytest.mark.parametrize("mode", ["exit", "sigint"])
+@pytest.mark.parametrize("mode", ["exit", "sigint", "sigterm"])
 @pytest.mark.parametrize("step", FIX_OUTPUT)
 def test_fix_args_output_interrupted(copy_fixture, tmp_path, step, mode):
     save = copy_fixture("core019_tp1")
@@ -222,7 +222,7 @@ def test_fix_args_output_interrupted(copy_fixture, tmp_path, step, mode):
     assert result.returncode == _expected_rc(mode), result.stderr
     assert _tree(save) == before  # the source is byte-identical (no lock file, no leftover in it)
     assert not _leftover_findings(save)
-    if mode == "sigint":
+    if mode != "exit":
         assert not out.exists()  # the half-written output was removed
     else:
         report = check_paths([str(out)])  # the partial output is no checkpoint: check says so
@@ -280,7 +280,7 @@ def _assert_strip_in_place_restorable(capsys, save: Path, before: dict[str, str]
     assert not [p for p in save.iterdir() if p.name.startswith(".")]
 
 
-@pytest.mark.parametrize("mode", ["exit", "sigint"])
+@pytest.mark.parametrize("mode", ["exit", "sigint", "sigterm"])
 @pytest.mark.parametrize("case", STRIP_CASES, ids=lambda c: c[0].split(":")[-1] + ("-no-backup" if c[1] else ""))
 def test_strip_in_place_interrupted(capsys, copy_fixture, case, mode):
     step, no_backup = case
@@ -293,7 +293,7 @@ def test_strip_in_place_interrupted(capsys, copy_fixture, case, mode):
     )
     assert result.returncode == _expected_rc(mode), result.stderr
     assert "Traceback" not in result.stderr and "internal error" not in result.stderr
-    if mode == "sigint" and step in ("strip-frozen:after-exchange", "strip-frozen:before-backup-rename"):
+    if mode != "exit" and step in ("strip-frozen:after-exchange", "strip-frozen:before-backup-rename"):
         # Ctrl-C is held back across the swap: the old tree got its backup (or delete) name first
         assert not [p for p in save.iterdir() if ".ckptdoctor-swap-" in p.name]
     _assert_strip_in_place_restorable(capsys, save, before, no_backup)
@@ -333,7 +333,7 @@ STRIP_OUTPUT = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["exit", "sigint"])
+@pytest.mark.parametrize("mode", ["exit", "sigint", "sigterm"])
 @pytest.mark.parametrize("step", STRIP_OUTPUT)
 def test_strip_output_interrupted(copy_fixture, tmp_path, step, mode):
     save = copy_fixture("core019_peft_full_tp1")
@@ -348,7 +348,7 @@ def test_strip_output_interrupted(copy_fixture, tmp_path, step, mode):
         assert [f.path for f in found] == [str(staging[0])] and found[0].code == "CKD151"
         _bash(_command(found[0].message, "delete it"))
     else:
-        assert mode == "sigint" or step == "strip-frozen:output-renamed"
+        assert mode != "exit" or step == "strip-frozen:output-renamed"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     if out.exists():
         assert check_paths([str(out)]).counts["error"] == 0
