@@ -356,33 +356,21 @@ def test_sigint_in_progress_bar_exits_130_with_one_line(where):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_sigint_while_the_cli_starts_exits_130_with_one_line():
-    # As ``python -m ckptdoctor`` imports the CLI (argv[0] is the package's __main__.py): a SIGINT that arrives
-    # before run() is remembered and answered by it, instead of a KeyboardInterrupt traceback from an import.
-    code = (
+@pytest.mark.parametrize("sig, code, line", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+def test_a_signal_while_the_cli_starts_exits_with_one_line(sig, code, line):
+    # As ``python -m ckptdoctor`` imports the CLI (argv[0] is the package's __main__.py): a SIGINT or SIGTERM that
+    # arrives before run() is remembered and answered by it, instead of a KeyboardInterrupt traceback from an
+    # import (SIGINT) or an exit with no word (SIGTERM).
+    child = (
         "import os, signal, sys\n"
         f"sys.argv = [{str(REPO / 'ckptdoctor' / '__main__.py')!r}, 'inspect', {str(FIXTURES / 'core019_tp1')!r}]\n"
         "import ckptdoctor.cli\n"
-        "os.kill(os.getpid(), signal.SIGINT)\n"
+        f"os.kill(os.getpid(), signal.{sig})\n"
         "ckptdoctor.cli.run()\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 130, result.stderr
-    assert result.stderr == "ckptdoctor: interrupted\n" and result.stdout == ""
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_sigterm_while_the_cli_starts_exits_143_with_one_line():
-    code = (
-        "import os, signal, sys\n"
-        f"sys.argv = [{str(REPO / 'ckptdoctor' / '__main__.py')!r}, 'inspect', {str(FIXTURES / 'core019_tp1')!r}]\n"
-        "import ckptdoctor.cli\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
-        "ckptdoctor.cli.run()\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 143, result.stderr
-    assert result.stderr == "ckptdoctor: terminated\n" and result.stdout == ""
+    result = subprocess.run([sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == code, result.stderr
+    assert result.stderr == f"ckptdoctor: {line}\n" and result.stdout == ""
 
 
 # --- 4. control characters from a checkpoint --------------------------------------------------------------
