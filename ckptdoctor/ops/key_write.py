@@ -261,21 +261,25 @@ def _write_locked(
         prefix = f".{target.name}{leftovers.SWAP_MARK}{os.lstat(src_iter).st_ino}-"
     else:
         prefix = f".{target.name}{leftovers.TMP_MARK}"
-    staging = atomic.make_unique_dir(target.parent, prefix)
-    stage_iter = staging / src_iter.name if save_layout else staging
-    result = StripResult(
-        output=str(target),
-        in_place=in_place,
-        backup=None,
-        files=[],
-        bytes_copied=0,
-        metadata_bytes=0,
-        output_bytes=0,
-        source_bytes=_dir_bytes(src_iter),
-        iteration_dir=str(target / src_iter.name if save_layout else target),
-    )
     swap = SwapState()
+    staging: Path | None = None
     try:
+        # An interrupt between the mkdir and the assignment is delivered after it, inside this try: nothing
+        # that created the staging dir runs outside the handler that removes it.
+        with atomic.defer_sigint():
+            staging = atomic.make_unique_dir(target.parent, prefix)
+        stage_iter = staging / src_iter.name if save_layout else staging
+        result = StripResult(
+            output=str(target),
+            in_place=in_place,
+            backup=None,
+            files=[],
+            bytes_copied=0,
+            metadata_bytes=0,
+            output_bytes=0,
+            source_bytes=_dir_bytes(src_iter),
+            iteration_dir=str(target / src_iter.name if save_layout else target),
+        )
         atomic.fault_point(f"{edit.step}:staging-created")
         if save_layout:
             stage_iter.mkdir()
@@ -292,7 +296,7 @@ def _write_locked(
         else:
             swap_output(target, staging, swap, edit.step)
     except BaseException as exc:
-        if not swap.done:  # the staging dir holds only new data: remove it (the source was not touched)
+        if staging is not None and not swap.done:  # only new data there: remove it (the source was not touched)
             shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, OSError):
             raise CkptError(f"{exc.filename or staging}: cannot write ({exc.strerror})") from None
