@@ -13,7 +13,7 @@ import click
 
 # A Ctrl-C or SIGTERM while the CLI process starts (click is most of it) was deferred by the package's __init__,
 # before any of these imports: _defer_signal collects it in _PENDING_SIGNALS, which run() answers.
-from ckptdoctor import _PENDING_SIGNALS, __version__, _defer_signal
+from ckptdoctor import _PENDING_SIGNALS, __version__, _defer_signal, _under_torchrun
 from ckptdoctor.commands import LazyGroup
 from ckptdoctor.errors import CkptError
 from ckptdoctor.exit_codes import EXIT_ERROR
@@ -94,6 +94,8 @@ def _signals_raise_interrupted() -> Iterator[None]:
     installed = []
     try:
         for signum, default in _DEFAULT_HANDLERS.items():
+            if signum == signal.SIGTERM and _under_torchrun():  # torchrun's teardown: see ckptdoctor/__init__.py
+                continue
             if signal.getsignal(signum) in (default, _defer_signal):
                 signal.signal(signum, _on_interrupt)
                 installed.append(signum)

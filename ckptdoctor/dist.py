@@ -23,13 +23,16 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from ckptdoctor import _under_torchrun
+
 _GROUP: Group | None = None
 TIMEOUT_ENV = "CKPTDOCTOR_DIST_TIMEOUT"  # seconds a rank waits for the others in one exchange (default 1800)
 LINGER_SECONDS = 5.0  # on a failure, how long ranks other than 0 wait for rank 0 to exit first
 
 
 def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    """One rank of a torchrun job (the test lives in the package's __init__, which needs it before any import)."""
+    return _under_torchrun()
 
 
 def group() -> Group | None:
