@@ -77,6 +77,7 @@ def check_deep(
     if checkpoint is None or not work:
         return out
     files: list[tuple[Path, list[tuple[int, int, tuple[Entry, DcpChunk]]]]] = []
+    shown = [state.shown / relative for relative in work]  # how findings name each file (zarr: <key>/<file>)
     for relative, items in work.items():
         ranges = []
         data_file = checkpoint.iteration_dir / relative
@@ -96,7 +97,7 @@ def check_deep(
     decoder = _ChunkDecoder()  # one per process (forked workers inherit it empty): verdicts shared across files
 
     def task(index: int) -> tuple[list[Finding], NonFinite | None]:
-        return _check_file(state, files[index], scan_values, progress if inline else None, decoder)
+        return _check_file(state, files[index], scan_values, progress if inline else None, decoder, path=shown[index])
 
     done = None if inline or progress is None else (lambda index: progress(weights[index]))
     non_finite = NonFinite() if scan_values else None
@@ -115,14 +116,14 @@ def _check_file(
     scan_values: bool,
     progress: Progress | None,
     decoder: _ChunkDecoder | None = None,
+    *,
+    path: Path,
 ) -> tuple[list[Finding], NonFinite | None]:
-    """One data file read front to back: its findings and (``scan_values``) its NaN/Inf counts."""
+    """One data file read front to back (named ``path`` in findings): its findings and (``scan_values``) its
+    NaN/Inf counts."""
     out: list[Finding] = []
     decoder = decoder or _ChunkDecoder()
     non_finite = NonFinite() if scan_values else None
-    path = state.shown / file[0].name
-    if state.checkpoint is not None and state.checkpoint.dcp is None:  # a legacy zarr object: <key>/shard_*.pt
-        path = state.shown / file[0].parent.name / file[0].name
     for file_path, tag, blob in read_ranges([file]):
         if isinstance(blob, CkptError):  # unreadable file (I/O error): the rest of it cannot be checked
             out.append(finding(BLOB_UNDECODABLE, path, without_path(blob, file_path)))
