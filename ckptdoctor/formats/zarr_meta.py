@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TypeGuard
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.files import file_sizes, list_tree, read_json
@@ -44,7 +45,7 @@ def _zarray(path: Path) -> dict:
     return meta
 
 
-def _dims(value: object) -> bool:
+def _dims(value: object) -> TypeGuard[list[int]]:
     """A list of int64 sizes whose element count is an int64 too (a JSON int can have thousands of digits)."""
     return (
         isinstance(value, list) and all(type(v) is int and 0 <= v < INT64 for v in value) and math.prod(value) < INT64
@@ -57,9 +58,9 @@ def _zarray_problem(meta: object) -> str | None:
     if not isinstance(meta, dict):
         return f"a JSON {type(meta).__name__}, not an object"
     shape, chunks = meta.get("shape"), meta.get("chunks")
-    if not isinstance(shape, list) or not _dims(shape):
+    if not _dims(shape):
         return f"shape {str(shape)[:60]} is not a list of int64 sizes (of an int64 element count)"
-    if not isinstance(chunks, list) or not _dims(chunks) or len(chunks) != len(shape) or 0 in chunks:
+    if not _dims(chunks) or len(chunks) != len(shape) or 0 in chunks:
         return f"chunks {str(chunks)[:60]} is not a list of positive int64 sizes, one per axis of shape"
     dtype = meta.get("dtype")
     if not isinstance(dtype, str) or (dtype not in _ZARR_DTYPES and dtype not in TORCH_DTYPES):
@@ -83,8 +84,7 @@ def read_index(iteration_dir: Path) -> tuple[dict[str, tuple], dict[str, int]]:
                 sizes[f"{key}/{name}"] = size
         if ".zarray" in files:
             meta = _zarray(array_dir / ".zarray")
-            shape = tuple(int(s) for s in meta.get("shape", ()))
-            chunk_shape = tuple(int(s) for s in meta.get("chunks", ()))
+            shape, chunk_shape = tuple(meta["shape"]), tuple(meta["chunks"])  # int lists (_zarray_problem)
             dtype_name = _ZARR_DTYPES.get(meta["dtype"], meta["dtype"])
             chunks = []
             for name in sorted(files):
