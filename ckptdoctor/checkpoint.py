@@ -285,7 +285,7 @@ def _read_metadata_json(location: CheckpointLocation, names: set[str], problems:
     except OSError as exc:  # a FIFO, a dir, no permission: unreadable, whatever it holds
         problems.append(Problem(METADATA_JSON_INVALID, path, f"cannot read ({exc.strerror})"))
         return guess_backend(directory, names)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except json.JSONDecodeError as exc:  # read_json reports bad UTF-8 as one too
         problems.append(Problem(METADATA_JSON_INVALID, path, f"not valid JSON ({exc})"))
         return guess_backend(directory, names)
     if not isinstance(data, dict) or "sharded_backend" not in data:

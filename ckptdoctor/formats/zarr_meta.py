@@ -37,7 +37,7 @@ _ZARR_DTYPES = {
 def _zarray(path: Path) -> dict:
     try:
         meta = read_json(path)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, json.JSONDecodeError) as exc:
         raise CkptError(f"{path}: unreadable zarr array metadata ({exc})") from None
     why = _zarray_problem(meta)
     if why:
