@@ -139,14 +139,16 @@ def backup_file(path: Path, stamp: str) -> Path:
     return backup
 
 
-def _copy_exclusive(src: Path, dst: Path) -> None:
-    """Copy ``src`` to a new file ``dst`` (fails if ``dst`` exists); a partial copy is removed."""
+def _copy_exclusive(src: Path, dst: Path, what: str = "backup") -> None:
+    """Copy ``src`` to a new file ``dst`` (fails if ``dst`` exists, never follows a link there), fsynced; a
+    partial copy is removed. ``what`` names ``dst`` in errors."""
+    doing = "back up" if what == "backup" else "copy"
     try:
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     except FileExistsError:
-        raise CkptError(f"{dst}: backup already exists; refusing to overwrite it") from None
+        raise CkptError(f"{dst}: {what} already exists; refusing to overwrite it") from None
     except OSError as exc:
-        raise CkptError(f"{src}: cannot back up to {dst.name} ({exc.strerror})") from None
+        raise CkptError(f"{src}: cannot {doing} to {dst.name} ({exc.strerror})") from None
     try:
         with open(fd, "wb") as out, open(src, "rb") as inp:
             shutil.copyfileobj(inp, out, 8 << 20)
@@ -157,7 +159,8 @@ def _copy_exclusive(src: Path, dst: Path) -> None:
         with contextlib.suppress(OSError):
             dst.unlink()
         if isinstance(exc, OSError):
-            raise CkptError(f"{src}: cannot back up to {dst.name} ({exc.strerror})") from None
+            raise CkptError(f"{src}: cannot {doing} to {dst.name} ({exc.strerror})") from None
+        raise
         raise
 
 
@@ -200,12 +203,9 @@ def _link_or_copy_new(src: Path, dst: Path) -> str:
         return "linked"
     except FileExistsError:
         raise CkptError(f"{dst}: exists; refusing to overwrite it") from None
-    except OSError:
+    except OSError:  # another filesystem, or no hard links there: a copy, made as a backup's is
         pass
-    try:
-        shutil.copy2(src, dst)
-    except OSError as exc:
-        raise CkptError(f"{src}: cannot copy to {dst} ({exc.strerror or exc})") from None
+    _copy_exclusive(src, dst, "file")
     return "copied"
 
 

@@ -630,3 +630,32 @@ def test_leftover_check_finding_and_refusal(capsys, copy_fixture):
     assert _tree(save / ITER) == before
     rc, _, err = _run(capsys, "strip-frozen", save, "--in-place")  # resolved: the next run goes ahead
     assert rc == 0, err
+
+
+def test_an_interrupted_copy_fallback_is_removed_and_the_interrupt_goes_on(tmp_path, monkeypatch):
+    """Where hard links fail (another filesystem), a backup or a linked file is copied: a Ctrl-C in the middle
+    removes the partial copy and reaches the caller (it was swallowed: the caller went on without the file)."""
+    import errno as errno_module
+
+    from ckptdoctor import atomic
+
+    src = tmp_path / "src.distcp"
+    src.write_bytes(b"x" * 1000)
+
+    def no_link(a, b):
+        raise OSError(errno_module.EXDEV, "Invalid cross-device link")
+
+    def interrupted(inp, out, length=0):
+        out.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.os, "link", no_link)
+    monkeypatch.setattr(atomic.shutil, "copyfileobj", interrupted)
+    calls = (
+        lambda: atomic.link_or_copy(src, tmp_path / "copy.distcp"),
+        lambda: atomic.backup_file(src, "20990101T000000"),
+    )
+    for call in calls:
+        with pytest.raises(KeyboardInterrupt):
+            call()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["src.distcp"]
