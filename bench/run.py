@@ -13,7 +13,7 @@ one alternating group (``harness.alternate``), ratios per round. Separately, at 
 anchor under its real name: converting and loading all the data (``dcp_to_torch_save`` + ``torch.load``).
 
 **scale** (``SCALE_POINTS``): ``inspect``, ``check``, ``diff A A`` and ``fix-args --write`` whole-process wall
-and peak RSS at 2k/20k/100k/200k keys (200 files), 200/2,000/20,000 files (20k keys), 0.06/0.5/2 GB of data,
+and peak RSS at 2k/20k/100k/200k keys (200 files), 200/2,000/20,000 files (20k keys), 0.06/0.5/2/8 GB of data,
 TP1/8/64 chunk grids and 1M chunks (42k keys x TP16), each command one alternating group with the floor
 ``python -c "import click, tabulate"`` and, with ``--before TREE``, the same cases run from another source tree
 (ratios after / before per round); growth exponents per round, raw and with that round's floor subtracted;
@@ -235,6 +235,7 @@ SCALE_POINTS: dict[str, tuple[str, int, int, dict[str, str], str]] = {
     "20k keys / 20000 files": ("64M", 20000, 20000, _SMALL, "files"),
     "20k keys / 2000 files / 0.5G": ("0.5G", 20000, 2000, {"shape-tp": "4"}, "bytes"),
     "20k keys / 2000 files / 2G": ("2G", 20000, 2000, {"shape-tp": "4"}, "bytes"),
+    "20k keys / 2000 files / 8G": ("8G", 20000, 2000, {"shape-tp": "4"}, "bytes"),
     "20k keys TP1 / 256 files": ("64M", 20000, 256, {"tp": "1", "shape-tp": "64"}, "tp"),
     "20k keys TP8 / 256 files": ("64M", 20000, 256, {"tp": "8", "shape-tp": "64"}, "tp"),
     "20k keys TP64 / 256 files": ("64M", 20000, 256, {"tp": "64", "shape-tp": "64"}, "tp"),
