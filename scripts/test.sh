@@ -13,10 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-# Install only when this script or pyproject.toml changed since the last successful install (the package
-# itself is installed editable, so code changes need no reinstall).
+# Install only when this script, pyproject.toml or the C pre-pass changed since the last successful install
+# (the package is installed editable, so Python changes need no reinstall; the install builds the C extension).
 stamp=.venv/.ckptdoctor-test-deps
-want=$(cat scripts/test.sh pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat scripts/test.sh pyproject.toml ckptdoctor/_pickle_scan.c | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
     "${pip[@]}" torch==2.13.0
@@ -41,4 +41,5 @@ if [ -z "$jobs" ]; then
 fi
 dist=()
 [ "$jobs" = 0 ] || dist=(--dist loadgroup)
-CKPTDOCTOR_REQUIRE_MCORE=1 .venv/bin/python -m pytest -q -n "$jobs" "${dist[@]}" "$@"
+# REQUIRE_C_SCAN: the optional C pre-pass must have been built here (its tests would skip otherwise).
+CKPTDOCTOR_REQUIRE_MCORE=1 CKPTDOCTOR_REQUIRE_C_SCAN=1 .venv/bin/python -m pytest -q -n "$jobs" "${dist[@]}" "$@"

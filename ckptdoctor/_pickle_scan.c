@@ -1,0 +1,612 @@
+/* The pickle pre-pass of ckptdoctor.pickle_scan, in C: the same walk over the opcodes, the same stack of ints,
+ * the same limits and the same messages, at ~2 ns per opcode instead of ~115 ns in Python.
+ *
+ * ckptdoctor.pickle_scan.scan calls this first and the Python scanner (the reference) only where this one
+ * answers FALLBACK: for the protocol 0 memo opcodes (GET 'g', PUT 'p', text memo indices parsed by int()),
+ * whose number syntax is Python's. Every other opcode is handled here exactly as the Python scanner handles
+ * it, down to the byte position in a message; tests/test_pickle_scan_accel.py compares the two verdicts on
+ * the fixtures' pickles, the hostile corpus and mutations of both.
+ *
+ * scan(data: bytes, max_depth, max_string, max_int, max_hashed_keys, safe_hash) returns
+ *   None             the pickle passes (it reached STOP),
+ *   (1, message)     a limit: the caller raises PickleLimitError(message),
+ *   (2, message)     damage: the caller raises pickle.UnpicklingError(message),
+ *   -1               FALLBACK: the caller runs the Python scanner on the same bytes.
+ * The input is read only within [0, size); every array grows by doubling and is freed on every exit.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Stack item codes, as in pickle_scan.py. */
+#define GLOBAL_REF (-1)
+#define NUMBER (-2)
+#define GLOBAL_SAFE_HASH (-3)
+#define STRING_BASE (-1000)
+#define MAX_REMEMBERED_STRING 256
+#define MAX_STRINGS 1000000000 /* string codes stay within int32; beyond: FALLBACK */
+
+enum { LIMIT = 1, CORRUPT = 2, FALLBACK = 3, ACCEPT = 4, PYERROR = 5 };
+
+typedef struct {
+    int32_t *items;
+    Py_ssize_t len, cap;
+} IntArray;
+
+typedef struct {
+    Py_ssize_t start, len;
+} StringRef;
+
+typedef struct {
+    const unsigned char *buf;
+    Py_ssize_t size, p; /* p: the next unread byte (the Python scanner's size - remaining()) */
+    IntArray stack, marks, memo;
+    StringRef *strings;
+    Py_ssize_t n_strings, cap_strings;
+    PyObject *safe_hash;
+    char message[512];
+} Scan;
+
+static int grow(IntArray *a) {
+    Py_ssize_t cap = a->cap ? a->cap * 2 : 256;
+    int32_t *items = PyMem_Realloc(a->items, (size_t)cap * sizeof(int32_t));
+    if (items == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    a->items = items;
+    a->cap = cap;
+    return 0;
+}
+
+#define PUSH(a, v)                                                    \
+    do {                                                              \
+        int32_t pushed_ = (v); /* read before the array may move */  \
+        if ((a).len == (a).cap && grow(&(a)) < 0) return PYERROR;     \
+        (a).items[(a).len++] = pushed_;                               \
+    } while (0)
+
+/* An IndexError / ValueError / StopIteration of the Python scanner: "malformed pickle at byte p". */
+#define MALFORMED() return malformed(s)
+#define NEED(n)                        \
+    do {                                \
+        if (s->stack.len < (n)) MALFORMED(); \
+    } while (0)
+
+static int malformed(Scan *s) {
+    snprintf(s->message, sizeof s->message, "malformed pickle at byte %zd", s->p);
+    return CORRUPT;
+}
+
+static int fail(Scan *s, const char *what) {
+    snprintf(s->message, sizeof s->message, "%s at byte %zd", what, s->p);
+    return LIMIT;
+}
+
+static int corrupt(Scan *s, const char *what) {
+    snprintf(s->message, sizeof s->message, "%s at byte %zd", what, s->p);
+    return CORRUPT;
+}
+
+static int depth_fail(Scan *s, long max_depth) {
+    char what[96];
+    snprintf(what, sizeof what, "tuples nest deeper than %ld", max_depth);
+    return fail(s, what);
+}
+
+static int flood_fail(Scan *s, long long max_keys) {
+    char what[128];
+    snprintf(what, sizeof what, "more than %lld int, float or tuple keys (hash flooding)", max_keys);
+    return fail(s, what);
+}
+
+static inline int is_global(int32_t item) { return item == GLOBAL_REF || item == GLOBAL_SAFE_HASH; }
+static inline int is_hashed_key(int32_t item) { return item == NUMBER || item > 0; }
+
+static uint32_t read_u32(const unsigned char *b) {
+    return (uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16) | ((uint32_t)b[3] << 24);
+}
+
+static uint64_t read_u64(const unsigned char *b) {
+    return (uint64_t)read_u32(b) | ((uint64_t)read_u32(b + 4) << 32);
+}
+
+static Py_ssize_t find_newline(Scan *s, Py_ssize_t from) {
+    if (from >= s->size) return -1;
+    const unsigned char *hit = memchr(s->buf + from, '\n', (size_t)(s->size - from));
+    return hit == NULL ? -1 : (Py_ssize_t)(hit - s->buf);
+}
+
+/* What a global makes on the stack: GLOBAL_SAFE_HASH when safe_hash(module, name) is true, else GLOBAL_REF.
+ * Returns 0, or -1 with a Python error set, or -2 for a KeyError / IndexError / StopIteration from the
+ * callback (the Python scanner reports those as a malformed pickle). */
+static int global_item(Scan *s, Py_ssize_t m0, Py_ssize_t m_len, Py_ssize_t n0, Py_ssize_t n_len, int32_t *out) {
+    *out = GLOBAL_REF;
+    if (s->safe_hash == Py_None) return 0;
+    PyObject *module = PyUnicode_DecodeUTF8((const char *)s->buf + m0, m_len, "strict");
+    PyObject *name = module ? PyUnicode_DecodeUTF8((const char *)s->buf + n0, n_len, "strict") : NULL;
+    PyObject *result = name ? PyObject_CallFunctionObjArgs(s->safe_hash, module, name, NULL) : NULL;
+    Py_XDECREF(module);
+    Py_XDECREF(name);
+    if (result == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_ValueError)) { /* UnicodeDecodeError is one: the unpickler refuses */
+            PyErr_Clear();
+            return 0;
+        }
+        if (PyErr_ExceptionMatches(PyExc_IndexError) || PyErr_ExceptionMatches(PyExc_KeyError) ||
+            PyErr_ExceptionMatches(PyExc_StopIteration)) {
+            PyErr_Clear();
+            return -2;
+        }
+        return -1;
+    }
+    int safe = PyObject_IsTrue(result);
+    Py_DECREF(result);
+    if (safe < 0) return -1;
+    *out = safe ? GLOBAL_SAFE_HASH : GLOBAL_REF;
+    return 0;
+}
+
+/* max(0, *items) + 1 over stack[from:], and drop them (TUPLE, TUPLE3). */
+static int32_t tuple_depth(Scan *s, Py_ssize_t from) {
+    int32_t deepest = 0;
+    for (Py_ssize_t i = from; i < s->stack.len; i++)
+        if (s->stack.items[i] > deepest) deepest = s->stack.items[i];
+    s->stack.len = from;
+    return deepest + 1;
+}
+
+static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned long long max_int,
+               long long max_hashed_keys) {
+    const unsigned char *buf = s->buf;
+    const Py_ssize_t size = s->size;
+    long long keys_left = max_hashed_keys;
+    IntArray *stack = &s->stack;
+
+    while (s->p < size) {
+        unsigned char op = buf[s->p++];
+        switch (op) {
+            case 0x94: /* MEMOIZE */
+                NEED(1);
+                PUSH(s->memo, stack->items[stack->len - 1]);
+                break;
+            case 'h': { /* BINGET */
+                if (s->p >= size) {
+                    s->p = size;
+                    MALFORMED();
+                }
+                Py_ssize_t idx = buf[s->p++];
+                if (idx >= s->memo.len) MALFORMED();
+                PUSH(*stack, s->memo.items[idx]);
+                break;
+            }
+            case 'j': { /* LONG_BINGET */
+                if (s->p + 4 > size) MALFORMED();
+                uint32_t idx = read_u32(buf + s->p);
+                if ((Py_ssize_t)idx >= s->memo.len) MALFORMED();
+                PUSH(*stack, s->memo.items[idx]);
+                s->p += 4;
+                break;
+            }
+            case 'R':    /* REDUCE */
+            case 0x81: { /* NEWOBJ */
+                NEED(2);
+                int32_t args = stack->items[--stack->len];
+                int32_t *top = &stack->items[stack->len - 1];
+                *top = (args > 0 && *top != GLOBAL_SAFE_HASH) ? args : 0;
+                break;
+            }
+            case 'K': /* BININT1 */
+                if (s->p >= size) {
+                    s->p = size;
+                    MALFORMED();
+                }
+                s->p++;
+                PUSH(*stack, NUMBER);
+                break;
+            case 'N':
+            case 0x88: /* NEWTRUE */
+            case 0x89: /* NEWFALSE */
+            case ']':  /* EMPTY_LIST */
+            case '}':  /* EMPTY_DICT */
+            case 0x8f: /* EMPTY_SET */
+                PUSH(*stack, 0);
+                break;
+            case '(': /* MARK */
+                PUSH(s->marks, (int32_t)stack->len);
+                break;
+            case ')': /* EMPTY_TUPLE */
+                PUSH(*stack, 1);
+                break;
+            case 'b': /* BUILD */
+                NEED(2);
+                stack->len--;
+                if (is_global(stack->items[stack->len - 1]))
+                    return fail(s, "BUILD on a class or function (would change it for every later read)");
+                break;
+            case 0x85: { /* TUPLE1 */
+                NEED(1);
+                int32_t *top = &stack->items[stack->len - 1];
+                int32_t depth = *top > 0 ? *top + 1 : 1;
+                if (depth > max_depth) return depth_fail(s, max_depth);
+                *top = depth;
+                break;
+            }
+            case 0x86: { /* TUPLE2 */
+                NEED(2);
+                int32_t depth = stack->items[--stack->len];
+                int32_t other = stack->items[stack->len - 1];
+                if (other > depth) depth = other;
+                depth = depth > 0 ? depth + 1 : 1;
+                if (depth > max_depth) return depth_fail(s, max_depth);
+                stack->items[stack->len - 1] = depth;
+                break;
+            }
+            case 'M': /* BININT2 */
+            case 'J': /* BININT */
+            case 'G': { /* BINFLOAT */
+                Py_ssize_t width = op == 'M' ? 2 : op == 'J' ? 4 : 8;
+                if (s->p + width > size) return corrupt(s, "truncated");
+                s->p += width;
+                PUSH(*stack, NUMBER);
+                break;
+            }
+            case 'u':    /* SETITEMS */
+            case 0x90:   /* ADDITEMS */
+            case 0x91: { /* FROZENSET */
+                if (s->marks.len == 0) MALFORMED();
+                Py_ssize_t mark = s->marks.items[--s->marks.len];
+                if (mark > stack->len) mark = stack->len;
+                Py_ssize_t step = op == 'u' ? 2 : 1;
+                long long hashed = 0;
+                for (Py_ssize_t i = mark; i < stack->len; i += step)
+                    if (is_hashed_key(stack->items[i])) hashed++;
+                stack->len = mark;
+                if (op != 0x91) {
+                    NEED(1);
+                    if (is_global(stack->items[stack->len - 1]))
+                        return fail(s, "item assignment on a class or function");
+                }
+                keys_left -= hashed;
+                if (keys_left < 0) return flood_fail(s, max_hashed_keys);
+                if (op == 0x91) PUSH(*stack, 0);
+                break;
+            }
+            case 0x87: { /* TUPLE3 */
+                if (stack->len < 3) {
+                    stack->len = 0;
+                    return corrupt(s, "stack underflow");
+                }
+                int32_t depth = tuple_depth(s, stack->len - 3);
+                if (depth > max_depth) return depth_fail(s, max_depth);
+                PUSH(*stack, depth);
+                break;
+            }
+            case 'e': /* APPENDS */
+                if (s->marks.len == 0) MALFORMED();
+                {
+                    Py_ssize_t mark = s->marks.items[--s->marks.len];
+                    if (mark < stack->len) stack->len = mark;
+                }
+                NEED(1);
+                if (is_global(stack->items[stack->len - 1])) return fail(s, "item assignment on a class or function");
+                break;
+            case 's': /* SETITEM */
+                NEED(2);
+                if (is_hashed_key(stack->items[stack->len - 2])) {
+                    keys_left--;
+                    if (keys_left < 0) return flood_fail(s, max_hashed_keys);
+                }
+                stack->len -= 2;
+                NEED(1);
+                if (is_global(stack->items[stack->len - 1])) return fail(s, "item assignment on a class or function");
+                break;
+            case 'a': /* APPEND */
+                if (stack->len > 0) stack->len--;
+                NEED(1);
+                if (is_global(stack->items[stack->len - 1])) return fail(s, "item assignment on a class or function");
+                break;
+            case 'U':  /* SHORT_BINSTRING */
+            case 'C':  /* SHORT_BINBYTES */
+            case 0x8c: /* SHORT_BINUNICODE */
+            case 0x8a: /* LONG1 */
+            case 'T':  /* BINSTRING */
+            case 'B':  /* BINBYTES */
+            case 'X':  /* BINUNICODE */
+            case 0x8b: /* LONG4 */
+            case 0x8e: /* BINBYTES8 */
+            case 0x8d: /* BINUNICODE8 */
+            case 0x96: /* BYTEARRAY8 */ {
+                Py_ssize_t width = (op == 'U' || op == 'C' || op == 0x8c || op == 0x8a) ? 1
+                                   : (op == 0x8e || op == 0x8d || op == 0x96)           ? 8
+                                                                                        : 4;
+                if (s->p + width > size) MALFORMED();
+                uint64_t length = width == 1   ? buf[s->p]
+                                  : width == 4 ? read_u32(buf + s->p)
+                                               : read_u64(buf + s->p);
+                Py_ssize_t start = s->p + width;
+                if (length > (uint64_t)(size - start)) return corrupt(s, "truncated");
+                if (length > max_string) {
+                    char what[128];
+                    snprintf(what, sizeof what, "a string of %llu bytes exceeds the limit of %llu",
+                             (unsigned long long)length, max_string);
+                    return fail(s, what);
+                }
+                s->p = start + (Py_ssize_t)length;
+                if (op == 0x8a || op == 0x8b) {
+                    if (length > max_int) {
+                        char what[128];
+                        snprintf(what, sizeof what, "an integer of %llu bytes exceeds the limit of %llu",
+                                 (unsigned long long)length, max_int);
+                        return fail(s, what);
+                    }
+                    PUSH(*stack, NUMBER);
+                } else if ((op == 0x8c || op == 'X') && length <= MAX_REMEMBERED_STRING) {
+                    if (s->n_strings >= MAX_STRINGS) return FALLBACK;
+                    if (s->n_strings == s->cap_strings) {
+                        Py_ssize_t cap = s->cap_strings ? s->cap_strings * 2 : 256;
+                        StringRef *strings = PyMem_Realloc(s->strings, (size_t)cap * sizeof(StringRef));
+                        if (strings == NULL) {
+                            PyErr_NoMemory();
+                            return PYERROR;
+                        }
+                        s->strings = strings;
+                        s->cap_strings = cap;
+                    }
+                    s->strings[s->n_strings].start = start;
+                    s->strings[s->n_strings].len = (Py_ssize_t)length;
+                    PUSH(*stack, (int32_t)(STRING_BASE - s->n_strings));
+                    s->n_strings++;
+                } else {
+                    PUSH(*stack, 0);
+                }
+                break;
+            }
+            case 't': { /* TUPLE */
+                if (s->marks.len == 0) MALFORMED();
+                Py_ssize_t mark = s->marks.items[--s->marks.len];
+                if (mark > stack->len) mark = stack->len;
+                int32_t depth = tuple_depth(s, mark);
+                if (depth > max_depth) return depth_fail(s, max_depth);
+                PUSH(*stack, depth);
+                break;
+            }
+            case 'q':   /* BINPUT */
+            case 'r': { /* LONG_BINPUT */
+                Py_ssize_t width = op == 'q' ? 1 : 4;
+                if (s->p + width > size) MALFORMED();
+                uint64_t idx = width == 1 ? buf[s->p] : read_u32(buf + s->p);
+                s->p += width;
+                if (idx == (uint64_t)s->memo.len) {
+                    NEED(1);
+                    PUSH(s->memo, stack->items[stack->len - 1]);
+                } else if (idx < (uint64_t)s->memo.len) {
+                    NEED(1);
+                    s->memo.items[idx] = stack->items[stack->len - 1];
+                } else {
+                    char what[96];
+                    snprintf(what, sizeof what, "memo index %llu out of sequence", (unsigned long long)idx);
+                    return idx > (uint64_t)s->memo.len + (1u << 20) ? fail(s, what) : corrupt(s, what);
+                }
+                break;
+            }
+            case 'l':   /* LIST */
+            case 'd': { /* DICT */
+                if (s->marks.len == 0) MALFORMED();
+                Py_ssize_t mark = s->marks.items[--s->marks.len];
+                if (mark > stack->len) mark = stack->len;
+                if (op == 'd') {
+                    long long hashed = 0;
+                    for (Py_ssize_t i = mark; i < stack->len; i += 2)
+                        if (is_hashed_key(stack->items[i])) hashed++;
+                    keys_left -= hashed;
+                    if (keys_left < 0) return flood_fail(s, max_hashed_keys);
+                }
+                stack->len = mark;
+                PUSH(*stack, 0);
+                break;
+            }
+            case 0x93: { /* STACK_GLOBAL */
+                NEED(2);
+                int32_t module_item = stack->items[stack->len - 2], name_item = stack->items[stack->len - 1];
+                stack->len -= 2;
+                int32_t item = GLOBAL_REF;
+                if (module_item <= STRING_BASE && name_item <= STRING_BASE) {
+                    StringRef m = s->strings[STRING_BASE - module_item], n = s->strings[STRING_BASE - name_item];
+                    int rc = global_item(s, m.start, m.len, n.start, n.len, &item);
+                    if (rc == -1) return PYERROR;
+                    if (rc == -2) MALFORMED();
+                }
+                PUSH(*stack, item);
+                break;
+            }
+            case 'c': { /* GLOBAL */
+                Py_ssize_t module_end = find_newline(s, s->p);
+                if (module_end < 0) MALFORMED();
+                Py_ssize_t name_end = find_newline(s, module_end + 1);
+                if (name_end < 0) MALFORMED();
+                int32_t item = GLOBAL_REF;
+                int rc = global_item(s, s->p, module_end - s->p, module_end + 1, name_end - module_end - 1, &item);
+                if (rc == -1) return PYERROR;
+                if (rc == -2) MALFORMED();
+                PUSH(*stack, item);
+                s->p = name_end + 1;
+                break;
+            }
+            case 'S':   /* STRING */
+            case 'V':   /* UNICODE */
+            case 'I':   /* INT */
+            case 'L':   /* LONG */
+            case 'F': { /* FLOAT */
+                Py_ssize_t end = find_newline(s, s->p);
+                if (end < 0) MALFORMED();
+                unsigned long long n = (unsigned long long)(end - s->p);
+                int number = op == 'I' || op == 'L' || op == 'F';
+                char what[128];
+                if (n > max_string) {
+                    snprintf(what, sizeof what, "a string of %llu bytes exceeds the limit of %llu", n, max_string);
+                    return fail(s, what);
+                }
+                if (number && n > 3 * max_int) {
+                    snprintf(what, sizeof what, "a number of %llu characters exceeds the limit of %llu", n, 3 * max_int);
+                    return fail(s, what);
+                }
+                s->p = end + 1;
+                PUSH(*stack, number ? NUMBER : 0);
+                break;
+            }
+            case '0': /* POP */
+                if (s->marks.len > 0 && s->marks.items[s->marks.len - 1] == stack->len)
+                    s->marks.len--;
+                else {
+                    NEED(1);
+                    stack->len--;
+                }
+                break;
+            case '1': /* POP_MARK */
+                if (s->marks.len == 0) MALFORMED();
+                {
+                    Py_ssize_t mark = s->marks.items[--s->marks.len];
+                    if (mark < stack->len) stack->len = mark;
+                }
+                break;
+            case '2': /* DUP */
+                NEED(1);
+                PUSH(*stack, stack->items[stack->len - 1]);
+                break;
+            case 0x92: { /* NEWOBJ_EX */
+                NEED(2);
+                int32_t args = stack->items[stack->len - 2];
+                stack->len -= 2;
+                NEED(1);
+                int32_t *top = &stack->items[stack->len - 1];
+                *top = (args > 0 && *top != GLOBAL_SAFE_HASH) ? args : 0;
+                break;
+            }
+            case 0x95: /* FRAME */
+                s->p = s->p + 8 > size ? size : s->p + 8;
+                break;
+            case 0x80: /* PROTO */
+                if (s->p >= size) {
+                    s->p = size;
+                    MALFORMED();
+                }
+                s->p++;
+                break;
+            case 'Q': /* BINPERSID */
+                NEED(1);
+                stack->items[stack->len - 1] = 0;
+                break;
+            case 'P': { /* PERSID */
+                Py_ssize_t end = find_newline(s, s->p);
+                if (end < 0) MALFORMED();
+                s->p = end + 1;
+                PUSH(*stack, 0);
+                break;
+            }
+            case 'o': /* OBJ */
+                if (s->marks.len == 0) MALFORMED();
+                {
+                    Py_ssize_t mark = s->marks.items[--s->marks.len];
+                    if (mark < stack->len) stack->len = mark;
+                }
+                PUSH(*stack, 0);
+                break;
+            case 'i': { /* INST */
+                Py_ssize_t module_end = find_newline(s, s->p);
+                if (module_end < 0) MALFORMED();
+                Py_ssize_t name_end = find_newline(s, module_end + 1);
+                if (name_end < 0) MALFORMED();
+                s->p = name_end + 1;
+                if (s->marks.len == 0) MALFORMED();
+                Py_ssize_t mark = s->marks.items[--s->marks.len];
+                if (mark < stack->len) stack->len = mark;
+                PUSH(*stack, 0);
+                break;
+            }
+            case '.': /* STOP */
+                return ACCEPT;
+            case 'g': /* GET, PUT: memo index as text, parsed by Python's int() */
+            case 'p':
+                return FALLBACK;
+            case 0x82:
+            case 0x83:
+            case 0x84:
+            case 0x97:
+            case 0x98: {
+                const char *name = op == 0x82   ? "EXT1"
+                                   : op == 0x83 ? "EXT2"
+                                   : op == 0x84 ? "EXT4"
+                                   : op == 0x97 ? "NEXT_BUFFER"
+                                                : "READONLY_BUFFER";
+                char what[64];
+                snprintf(what, sizeof what, "opcode %s is not accepted", name);
+                return fail(s, what);
+            }
+            default: /* an invalid opcode: scan() writes the message (Python's repr of the byte) */
+                return -(int)op - 1;
+        }
+    }
+    return corrupt(s, "malformed pickle: no STOP"); /* the bytes ended (or an argument ran past them) first */
+}
+
+static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
+    Py_buffer view;
+    long long max_depth, max_string, max_int, max_hashed_keys;
+    PyObject *safe_hash;
+    /* "L": an OverflowError beyond int64, which the caller answers with the Python walk. */
+    if (!PyArg_ParseTuple(args, "y*LLLLO:scan", &view, &max_depth, &max_string, &max_int, &max_hashed_keys,
+                          &safe_hash))
+        return NULL;
+    /* Outside the ranges this code computes in (int32 stack items and marks), the Python walk decides. */
+    if (view.len > INT32_MAX || max_depth < 0 || max_depth > (1LL << 30) || max_string < 0 || max_int < 0 ||
+        max_int > (1LL << 60) || max_hashed_keys < 0) {
+        PyBuffer_Release(&view);
+        return PyLong_FromLong(-1);
+    }
+    Scan s;
+    memset(&s, 0, sizeof s);
+    s.buf = view.buf;
+    s.size = view.len;
+    s.safe_hash = safe_hash;
+    int rc = run(&s, (long)max_depth, (unsigned long long)max_string, (unsigned long long)max_int, max_hashed_keys);
+    Py_ssize_t position = s.p;
+    PyMem_Free(s.stack.items);
+    PyMem_Free(s.marks.items);
+    PyMem_Free(s.memo.items);
+    PyMem_Free(s.strings);
+    PyBuffer_Release(&view);
+    switch (rc) {
+        case ACCEPT:
+            Py_RETURN_NONE;
+        case FALLBACK:
+            return PyLong_FromLong(-1);
+        case PYERROR:
+            return NULL;
+        case LIMIT:
+        case CORRUPT:
+            return Py_BuildValue("(is)", rc, s.message);
+        default: { /* an invalid opcode: -(op) - 1 */
+            unsigned char op = (unsigned char)(-rc - 1);
+            PyObject *byte = PyBytes_FromStringAndSize((const char *)&op, 1);
+            if (byte == NULL) return NULL;
+            PyObject *message = PyUnicode_FromFormat("invalid opcode %R at byte %zd", byte, position);
+            Py_DECREF(byte);
+            if (message == NULL) return NULL;
+            return Py_BuildValue("(iN)", CORRUPT, message);
+        }
+    }
+}
+
+static PyMethodDef methods[] = {
+    {"scan", scan, METH_VARARGS, "The pickle pre-pass (see ckptdoctor.pickle_scan); None, (kind, message) or -1."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "ckptdoctor._pickle_scan", "ckptdoctor.pickle_scan's pre-pass in C.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__pickle_scan(void) { return PyModule_Create(&module_def); }
