@@ -93,20 +93,39 @@ def _count_groups(layer_ranks: dict[int, set[int]]) -> int:
     return len({find(layer) for layer in layer_ranks})
 
 
-def _collect_expert_ranks(entry: Entry, stacked: bool, expert_ranks: dict[int, set[int]]) -> None:
+class _WriterRanks(dict[str, "int | None"]):
+    """Data file -> writer rank (``writer_rank``), each file name parsed once: a checkpoint has a few hundred
+    files and up to millions of chunks."""
+
+    def __missing__(self, relative_path: str) -> int | None:
+        rank = self[relative_path] = writer_rank(relative_path)
+        return rank
+
+
+def _chunk_ranks(entry: Entry, rank_of: _WriterRanks) -> set[int | None]:
+    """The writer ranks of an entry's chunks (None for a chunk without storage or of an unnamed file)."""
+    return {rank_of[chunk.storage.relative_path] if chunk.storage else None for chunk in entry.chunks}
+
+
+def _add_ranks(index: dict[int, set[int]], at: int, ranks: set[int | None]) -> None:
+    index.setdefault(at, set()).update(rank for rank in ranks if rank is not None)
+
+
+def _collect_expert_ranks(
+    entry: Entry, stacked: bool, expert_ranks: dict[int, set[int]], rank_of: _WriterRanks
+) -> None:
     """Expert index -> writer ranks, from ``local_experts.<e>.`` keys or the expert axis of the chunks."""
     named = _LOCAL_EXPERT_RE.search(entry.key)
+    if named:  # one expert for every chunk of the key
+        if entry.chunks:
+            _add_ranks(expert_ranks, int(named.group(1)), _chunk_ranks(entry, rank_of))
+        return
     axis = 1 if stacked else 0
     for chunk in entry.chunks:
-        rank = writer_rank(chunk.storage.relative_path) if chunk.storage else None
-        if named:
-            experts = range(int(named.group(1)), int(named.group(1)) + 1)
-        elif len(chunk.offsets) > axis:
-            experts = range(chunk.offsets[axis], chunk.offsets[axis] + chunk.sizes[axis])
-        else:
-            continue
-        for expert in experts:
-            expert_ranks.setdefault(expert, set()).update(() if rank is None else (rank,))
+        if len(chunk.offsets) > axis:
+            rank = rank_of[chunk.storage.relative_path] if chunk.storage else None
+            for expert in range(chunk.offsets[axis], chunk.offsets[axis] + chunk.sizes[axis]):
+                _add_ranks(expert_ranks, expert, {rank})
 
 
 def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
@@ -115,30 +134,29 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
     layer_ranks: dict[int, set[int]] = {}
     expert_ranks: dict[int, set[int]] = {}
     ranks_known = True
+    rank_of = _WriterRanks()
     for entry in checkpoint.section_entries("model"):
         if entry.kind != "tensor" or not entry.shape:
             continue
         stacked = is_stacked_layer_key(entry.key)
         indexed = None if stacked else _INDEXED_LAYER_RE.search(entry.key)
-        for chunk in entry.chunks:
-            rank = writer_rank(chunk.storage.relative_path) if chunk.storage else None
-            if stacked:
-                layers = range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])
-            elif indexed:
-                layers = range(int(indexed.group(1)), int(indexed.group(1)) + 1)
-            else:
-                continue
-            if rank is None:
-                ranks_known = False
-            for layer in layers:
-                layer_ranks.setdefault(layer, set()).update(() if rank is None else (rank,))
+        if stacked:
+            for chunk in entry.chunks:
+                rank = rank_of[chunk.storage.relative_path] if chunk.storage else None
+                ranks_known = ranks_known and rank is not None
+                for layer in range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]):
+                    _add_ranks(layer_ranks, layer, {rank})
+        elif indexed and entry.chunks:  # one layer for every chunk of the key
+            chunk_ranks = _chunk_ranks(entry, rank_of)
+            ranks_known = ranks_known and None not in chunk_ranks
+            _add_ranks(layer_ranks, int(indexed.group(1)), chunk_ranks)
         first_split_axis = 1 if stacked else 0
         if is_expert_key(entry.key):
-            _collect_expert_ranks(entry, stacked, expert_ranks)
+            _collect_expert_ranks(entry, stacked, expert_ranks, rank_of)
             continue
         split = max((_distinct_offsets(entry, a) for a in range(first_split_axis, len(entry.shape))), default=1)
         (fc1_counts if _SWIGLU_FC1_RE.search(entry.key) else split_counts).append(split)
-    ranks = sorted({r for name in checkpoint.data_files if (r := writer_rank(name)) is not None})
+    ranks = sorted({r for name in checkpoint.data_files if (r := rank_of[name]) is not None})
     if any(c > 1 for c in split_counts):
         tp: int | None = min(c for c in split_counts if c > 1)
     elif split_counts:
