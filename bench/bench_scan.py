@@ -1,10 +1,12 @@
 """The pickle pre-pass alone (``ckptdoctor.pickle_scan.scan``), this tree against another, in one process.
 
-Each ``.metadata`` is read once; then, round by round (one untimed warm-up round first, the order alternating
-each round), the scanner of ``--code`` (default: this checkout) and the one of ``--before TREE`` (its
-``ckptdoctor/pickle_scan.py`` loaded as a separate module, beside the current package's limits and allowlist)
-scan the same bytes with the same ``safe_hash`` callback. CPU seconds per scan (``time.process_time``), the
-ratio after / before per round, and ns per opcode (the opcode count from ``pickletools.genops``, once).
+Each ``.metadata`` is read once; then, round by round (one untimed warm-up round first, the order rotating
+each round), the scanner of ``--code`` (default: this checkout: ``after``, its C walk where the extension is
+built, and ``after_python``, its Python walk ``scan_python`` where the tree has one) and the one of ``--before
+TREE`` (its ``ckptdoctor/pickle_scan.py`` loaded as a separate module, beside the current package's limits and
+allowlist) scan the same bytes with the same ``safe_hash`` callback. CPU seconds per scan
+(``time.process_time``), the ratios to ``before`` per round, and ns per opcode (the opcode count from
+``pickletools.genops``, once).
 
     git worktree add --detach /tmp/ckd_before <commit>
     python bench/bench_scan.py --before /tmp/ckd_before --metadata PATH... [--rounds 6]
@@ -46,34 +48,41 @@ def main(argv: list[str] | None = None) -> int:
     harness.use_code(args.code)
     recorder = harness.Recorder("scan", argv)
     sys.path.insert(0, str(harness.CODE))
+    from ckptdoctor.pickle_limits import current_limits
     from ckptdoctor.safe_globals import hash_safe_global
 
-    scanners = {"after": load_scanner(harness.CODE, "scan_after"), "before": load_scanner(args.before, "scan_before")}
+    after, before = load_scanner(harness.CODE, "scan_after"), load_scanner(args.before, "scan_before")
+    scanners = {"after": after.scan, "before": before.scan}
+    if hasattr(after, "scan_python"):
+        scanners["after_python"] = lambda data, limits, safe_hash: after.scan_python(data, current_limits(), safe_hash)
+    print(f"after: C walk {'built' if getattr(after, '_scan_c', None) else 'NOT built: the Python walk'}")
+    names = list(scanners)
     cases = {}
     for path in args.metadata:
         data = path.read_bytes()
         opcodes = sum(1 for _ in pickletools.genops(data))
-        seconds: dict[str, list[float]] = {"after": [], "before": []}
+        seconds: dict[str, list[float]] = {name: [] for name in names}
         for round_ in range(args.rounds + 1):
-            order = ("after", "before") if round_ % 2 else ("before", "after")
-            for name in order:
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 started = time.process_time()
-                scanners[name].scan(data, None, hash_safe_global)
+                scanners[name](data, None, hash_safe_global)
                 if round_:  # round 0 warms up
                     seconds[name].append(time.process_time() - started)
-        ratios = [a / b for a, b in zip(seconds["after"], seconds["before"])]
-        cases[str(path)] = {
+        cases[str(path)] = row = {
             "bytes": len(data),
             "opcodes": opcodes,
             "cpu_s": {name: harness.spread(values) for name, values in seconds.items()},
             "ns_per_opcode": {name: 1e9 * min(values) / opcodes for name, values in seconds.items()},
-            "after_over_before": harness.spread(ratios),
+            "after_over_before": harness.spread([a / b for a, b in zip(seconds["after"], seconds["before"])]),
         }
-        row = cases[str(path)]
+        if "after_python" in seconds:
+            row["after_python_over_before"] = harness.spread(
+                [a / b for a, b in zip(seconds["after_python"], seconds["before"])]
+            )
         print(
-            f"{path}: {len(data):,} B, {opcodes:,} opcodes; before {harness.fmt_spread(row['cpu_s']['before'])} s, "
-            f"after {harness.fmt_spread(row['cpu_s']['after'])} s; after/before "
-            f"{harness.fmt_spread(row['after_over_before'])}"
+            f"{path}: {len(data):,} B, {opcodes:,} opcodes; "
+            + ", ".join(f"{name} {harness.fmt_spread(row['cpu_s'][name])} s" for name in names)
+            + f"; after/before {harness.fmt_spread(row['after_over_before'])}"
         )
     recorder.write({"before": {"tree": str(args.before)}, "rounds": args.rounds, "cases": cases}, args.results_name)
     return 0
