@@ -32,6 +32,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import harness  # noqa: E402
+
 _TIMINGS = re.compile(r'"(seconds|peak_in_flight)": [0-9.e-]+')
 
 
@@ -48,6 +52,8 @@ def command(kind: str, saves: list[Path], jobs: int, fmt: str = "text") -> list[
 
 
 def run_once(cmd: list[str], code: str | None) -> tuple[float, float]:
+    if code:
+        harness.build_extension(Path(code))
     env = {**os.environ, **({"PYTHONPATH": code} if code else {})}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()

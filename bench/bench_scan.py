@@ -29,6 +29,7 @@ import harness  # noqa: E402
 
 
 def load_scanner(tree: Path, name: str) -> ModuleType:
+    harness.build_extension(tree)
     spec = importlib.util.spec_from_file_location(name, tree / "ckptdoctor" / "pickle_scan.py")
     if spec is None or spec.loader is None:
         raise SystemExit(f"{tree}: no ckptdoctor/pickle_scan.py")
