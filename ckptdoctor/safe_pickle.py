@@ -25,7 +25,7 @@ from ckptdoctor.safe_globals import (
 from ckptdoctor.stand_ins import ALIAS_MODULE, ALIAS_TARGETS
 from ckptdoctor.torch_stand_ins import StorageRef
 
-__all__ = ["SafeUnpickler", "dumps", "loads"]
+__all__ = ["SafeUnpickler", "dumps", "dumps_taken", "loads"]
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -87,10 +87,6 @@ def loads(
 # --- writing back ------------------------------------------------------------------------------------
 
 
-class _Pickler(pickle.Pickler):
-    """The C pickler; protocol 2 writes globals as text GLOBAL opcodes, which ``dumps`` then de-aliases."""
-
-
 class _PicklerWithStorages(pickle.Pickler):
     def __init__(self, file: BinaryIO, persistent_id: Callable[[Any], Any]) -> None:
         super().__init__(file, protocol=2, fix_imports=False)
@@ -108,17 +104,52 @@ def dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None) -> bytes:
 
     ``persistent_id`` writes tensor storages (see ``formats.torch_zip``). Protocol 2, as ``torch.save`` uses.
     """
-    buf = io.BytesIO()
-    try:
-        if persistent_id is None:
-            _Pickler(buf, protocol=2, fix_imports=False).dump(obj)
-        else:
-            _PicklerWithStorages(buf, persistent_id).dump(obj)
-    except RecursionError:
-        raise PickleLimitError("refusing to write: the object nests too deeply to pickle") from None
-    out = _ALIAS_GLOBAL_RE.sub(lambda m: b"c" + ALIAS_TARGETS[m.group(1)], buf.getvalue())
+    out = _pickled(obj, persistent_id)
     _verify_written(out)
     return out
+
+
+def dumps_taken(held: list) -> bytes:
+    """:func:`dumps` of the one object in ``held``, taken out of it (``held`` is left empty) and let go as soon
+    as it is pickled, before the read-back check: where ``held`` had the only reference (a rewrite's
+    ``.metadata`` stand-ins, the largest thing it holds), the check reuses their memory instead of adding to it.
+    """
+    if len(held) != 1:
+        raise ValueError("dumps_taken needs a list holding exactly one object")
+    out = _pickled(held.pop(), None)
+    _verify_written(out)
+    return out
+
+
+def _pickled(obj: Any, persistent_id: Callable[[Any], Any] | None) -> bytes:
+    """The pickle of ``obj``, globals de-aliased, not yet checked. Without storages, ``pickle.dumps`` (the C
+    pickler returns its own output buffer: no second copy of a large pickle through a ``BytesIO``); the raw
+    pickle is let go once the de-aliased one exists."""
+    try:
+        if persistent_id is None:
+            raw = pickle.dumps(obj, protocol=2, fix_imports=False)
+        else:
+            buf = io.BytesIO()
+            _PicklerWithStorages(buf, persistent_id).dump(obj)
+            raw = buf.getvalue()
+            del buf
+    except RecursionError:
+        raise PickleLimitError("refusing to write: the object nests too deeply to pickle") from None
+    del obj
+    return _dealiased(raw)
+
+
+def _dealiased(raw: bytes) -> bytes:
+    """``raw`` with each aliased GLOBAL swapped for the original reference (as ``re.sub`` would), joined from
+    views of ``raw``: one new copy of a large pickle, not a copy of every piece between globals and their join."""
+    view = memoryview(raw)
+    pieces: list[bytes | memoryview] = []
+    start = 0
+    for match in _ALIAS_GLOBAL_RE.finditer(raw):
+        pieces += (view[start : match.start()], b"c" + ALIAS_TARGETS[match.group(1)])
+        start = match.end()
+    pieces.append(view[start:])
+    return b"".join(pieces)
 
 
 def _verify_written(data: bytes) -> None:

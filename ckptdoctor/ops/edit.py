@@ -57,7 +57,7 @@ class EditRequest:
     preset: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)  # one per removed or renamed key (hundreds of thousands), reasons shared
 class KeyChange:
     key: str
     action: str  # "remove" | "rename"
@@ -122,14 +122,20 @@ def _rename_rules(request: EditRequest) -> list[tuple[re.Pattern[str], str, str]
     return rules
 
 
-def _removal_reason(key: str, section: str, is_extra: bool, request: EditRequest, removes: list) -> str | None:
+_DROP_REASONS = {section: f"--drop-section {section}" for section in SECTIONS}
+
+
+def _removal_reason(
+    key: str, section: str, is_extra: bool, request: EditRequest, removes: list[tuple[re.Pattern[str], str]]
+) -> str | None:
+    """Why ``key`` is removed (None: it is not); one string per reason, shared by every key it removes."""
     if section in request.drop_sections:
-        return f"--drop-section {section}"
+        return _DROP_REASONS[section]
     if request.drop_extra_state and is_extra:
         return "--drop-extra-state"
-    for pattern in removes:
+    for pattern, reason in removes:
         if pattern.search(key):
-            return f"--remove {pattern.pattern}"
+            return reason
     return None
 
 
@@ -192,7 +198,7 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
         )
     if request.preset is not None and request.preset not in PRESETS:
         raise CkptError(f"--preset {request.preset}: unknown preset (choose from {', '.join(PRESETS)})")
-    removes = [_compile(p, "--remove") for p in request.removes]
+    removes = [(_compile(p, "--remove"), f"--remove {p}") for p in request.removes]
     rules = _rename_rules(request)
     removed: list[KeyChange] = []
     renamed: list[KeyChange] = []

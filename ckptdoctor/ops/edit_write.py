@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptdoctor import atomic, locking
-from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.torch_dist import StorageLocation
@@ -123,13 +123,14 @@ def edit(
     force: bool = False,
     keep_backup: bool = True,
     progress: Progress | None = None,
-    metadata: Any = None,
+    metadata: HeldMetadata | None = None,
     jobs: int = 1,
 ) -> EditReport:
     """Plan the edit and (unless ``dry_run``) write it; every refusal happens before anything is written.
 
     ``metadata``: the source's ``.metadata`` object from the same read as ``checkpoint``
-    (:func:`ckptdoctor.checkpoint.open_for_rewrite`); read again when not given. The write edits it."""
+    (:func:`ckptdoctor.checkpoint.open_for_rewrite`), taken by the write (which edits it); read again when
+    not given."""
     if checkpoint.dcp is None:
         raise CkptError(
             f"{checkpoint.iteration_dir}: not a torch_dist checkpoint (no DCP .metadata to rewrite); "

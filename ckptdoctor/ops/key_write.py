@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor import atomic, locking
-from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor import atomic, locking, safe_pickle
+from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import dcp_keys, dcp_writer, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
@@ -139,7 +139,8 @@ class KeyEdit:
     step: str = "strip-frozen"
     common: Callable[[Any, Path], list[str]] | None = None
     rewritten: set[str] = field(default_factory=set)
-    metadata: Any = None  # the source's .metadata object when the caller has read it already (it is edited)
+    # the source's .metadata object when the caller has read it already; the write takes it (and edits it)
+    metadata: HeldMetadata | None = None
     jobs: int = 1  # threads copying data files when compacting (the output is the same for any number)
 
 
@@ -152,16 +153,21 @@ def _link_data_files(src: Path, stage: Path, metadata: Any, keep: set[str]) -> l
     return files
 
 
-def _new_metadata(metadata: Any, edit: KeyEdit, stage: Path) -> tuple[list[str], bytes]:
+def _new_metadata(held: list, edit: KeyEdit, stage: Path) -> tuple[list[str], bytes]:
     """The edited ``.metadata`` pickled (and read back through the allowlist); the common state rewritten into
-    the staging dir first when the edit changes it. Returns the names the common rewrite wrote and the pickle."""
+    the staging dir first when the edit changes it. Returns the names the common rewrite wrote and the pickle.
+
+    ``held``: a list holding the source's ``.metadata`` object, its only reference; the object is taken out of
+    it and let go once pickled, so the read-back check reuses its memory."""
+    metadata = held[0]
     if edit.renames or edit.common is not None:
         dcp_keys.edit_metadata(metadata, edit.keep, edit.renames)
     else:
         dcp_writer.restrict_metadata(metadata, edit.keep)
     rebuilt = edit.common(metadata, stage) if edit.common is not None else []
+    del metadata
     with gc_paused():
-        payload = torch_dist.dump_metadata_object(metadata)
+        payload = safe_pickle.dumps_taken(held)  # stand-ins become the torch classes again
     return rebuilt, payload
 
 
@@ -174,22 +180,24 @@ def _fill_iteration_dir(
     finish: Finish | None = None,
 ) -> None:
     src = checkpoint.iteration_dir
-    metadata = edit.metadata
-    if metadata is None:
-        metadata = torch_dist.load_metadata_object(src / ".metadata")  # pauses the cyclic GC itself
+    # The one reference to the source's .metadata object (see _new_metadata); the cyclic GC is paused by the load
+    if edit.metadata is not None:
+        held = [edit.metadata.take()]
+    else:
+        held = [torch_dist.load_metadata_object(src / ".metadata")]
     if edit.compact:
         # The new layout is known before a byte moves: the copy runs in a helper process (threads where none can
         # start; see dcp_writer.BackgroundCopy) while this process builds, pickles and checks the new .metadata.
-        copies = dcp_writer.plan_copies(dcp_writer.kept_storage(metadata, edit.keep - edit.rewritten))
+        copies = dcp_writer.plan_copies(dcp_writer.kept_storage(held[0], edit.keep - edit.rewritten))
         with dcp_writer.BackgroundCopy(src, stage, copies, progress, edit.jobs) as copy:
-            rebuilt, payload = _new_metadata(metadata, edit, stage)
+            rebuilt, payload = _new_metadata(held, edit, stage)
             result.files = copy.result()
         result.bytes_copied = sum(f.bytes for f in result.files)
         atomic.fault_point(f"{edit.step}:data-written")
     else:
-        result.files = _link_data_files(src, stage, metadata, edit.keep)
+        result.files = _link_data_files(src, stage, held[0], edit.keep)
         atomic.fault_point(f"{edit.step}:data-written")
-        rebuilt, payload = _new_metadata(metadata, edit, stage)
+        rebuilt, payload = _new_metadata(held, edit, stage)
     atomic.write_atomic(stage / ".metadata", payload)
     result.metadata_bytes = len(payload)
     if checkpoint.location.has_common_pt and "common.pt" not in rebuilt:

@@ -39,7 +39,7 @@ _OPTIMIZER_STATE_RE = re.compile(r"^optimizer\.(?:\d+\.)?state\.([A-Za-z0-9_]+)\
 _NEEDS_SELECTION = "pass --trainable REGEX, --preset lora|canonical-lora|dora or --base BASE_CKPT"
 
 
-@dataclass
+@dataclass(slots=True)  # one per key (hundreds of thousands), reasons shared
 class KeyDecision:
     key: str
     section: str
@@ -195,11 +195,17 @@ def plan_strip(checkpoint: Checkpoint, selection: TrainableSelection) -> StripPl
     kept: list[KeyDecision] = []
     dropped: list[KeyDecision] = []
     kept_params = dropped_params = 0
+    # one string per reason, shared by the decisions that give it
+    untouched: dict[str, str] = {}
+    trainable, frozen = f"trainable ({selection.source})", f"frozen ({selection.source})"
     for key in sorted(checkpoint.entries):
         entry = checkpoint.entries[key]
         decision = KeyDecision(key, entry.section, entry.kind, entry.nbytes, "")
         if entry.section != "model":
-            decision.reason = f"{entry.section} section: kept untouched"
+            reason = untouched.get(entry.section)
+            if reason is None:
+                reason = untouched[entry.section] = f"{entry.section} section: kept untouched"
+            decision.reason = reason
             kept.append(decision)
         elif entry.is_extra_state:
             decision.reason = "model _extra_state: dropped"
@@ -208,11 +214,11 @@ def plan_strip(checkpoint: Checkpoint, selection: TrainableSelection) -> StripPl
             decision.reason = "model object (not a parameter): dropped"
             dropped.append(decision)
         elif key in selection.keys:
-            decision.reason = f"trainable ({selection.source})"
+            decision.reason = trainable
             kept.append(decision)
             kept_params += entry.numel
         else:
-            decision.reason = f"frozen ({selection.source})"
+            decision.reason = frozen
             dropped.append(decision)
             dropped_params += entry.numel
     if not any(d.section == "model" for d in kept):

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ckptdoctor import atomic, locking
-from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
 from ckptdoctor.ops.key_write import KeyEdit, StripResult, check_target, write_keys
 from ckptdoctor.ops.staged_integrity import verify_source_manifest
 from ckptdoctor.ops.strip import StripPlan
@@ -69,13 +68,13 @@ def strip_frozen(
     progress: Progress | None = None,
     keep_args: bool = False,
     jobs: int = 1,
-    metadata: Any = None,
+    metadata: HeldMetadata | None = None,
 ) -> StripReport:
     """The strip-frozen operation: integrity check, trainable selection, plan, and (unless dry-run) write.
 
     Every refusal (damaged source, bad target, empty selection) happens before anything is written.
     ``metadata``: the source's ``.metadata`` object when the caller read it with the checkpoint
-    (:func:`~ckptdoctor.checkpoint.open_for_rewrite`); else the write reads it.
+    (:func:`~ckptdoctor.checkpoint.open_for_rewrite`), taken by the write; else the write reads it.
     """
     from ckptdoctor.ops.strip import check_integrity
 
@@ -119,7 +118,7 @@ def _plan_and_write(
     progress: Progress | None,
     keep_args: bool = False,
     jobs: int = 1,
-    metadata: Any = None,
+    metadata: HeldMetadata | None = None,
 ) -> StripReport:
     from ckptdoctor.ops.strip import model_parameters, plan_strip, select_trainable
 

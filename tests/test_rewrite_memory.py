@@ -1,0 +1,85 @@
+"""The rewrite commands let the source's ``.metadata`` stand-ins go once the new pickle exists (issue #16 §1):
+the read-back check of the new pickle runs without them, and the bytes are those ``dumps`` writes."""
+
+from __future__ import annotations
+
+import re
+import weakref
+
+import pytest
+from conftest import FIXTURES
+
+from ckptdoctor import safe_pickle
+from ckptdoctor.checkpoint import HeldMetadata
+from ckptdoctor.cli import main
+from ckptdoctor.formats import torch_dist
+
+SOURCE = FIXTURES / "core019_peft_full_tp1"
+METADATA = SOURCE / "iter_0000010" / ".metadata"
+
+
+def test_dumps_taken_writes_what_dumps_writes_and_lets_the_object_go():
+    expected = safe_pickle.dumps(torch_dist.load_metadata_object(METADATA))
+    held = [torch_dist.load_metadata_object(METADATA)]
+    gone = weakref.ref(held[0])
+    assert safe_pickle.dumps_taken(held) == expected
+    assert held == []
+    assert gone() is None  # freed by its reference count alone (the CLI pauses the cyclic GC)
+
+
+def test_dumps_taken_needs_one_object():
+    with pytest.raises(ValueError):
+        safe_pickle.dumps_taken([])
+
+
+def test_held_metadata_is_taken_once():
+    held = HeldMetadata({"state_dict_metadata": {}})
+    assert held.take() == {"state_dict_metadata": {}}
+    with pytest.raises(ValueError):
+        held.take()
+
+
+@pytest.mark.parametrize("between", [b"", b"x" * 5, b"c" + b"\n" * 3])
+def test_dealiased_is_the_substitution(between):
+    alias, target = next(iter(safe_pickle.ALIAS_TARGETS.items()))
+    aliased = b"c" + safe_pickle.ALIAS_MODULE.encode() + b"\n" + alias + b"\n"
+    raw = b"\x80\x02" + aliased + between + aliased + b"q\x00" + between + b"."
+    expected = re.sub(re.escape(aliased), b"c" + target, raw)
+    assert safe_pickle._dealiased(raw) == expected
+    assert safe_pickle._dealiased(b"\x80\x02N.") == b"\x80\x02N."
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["strip-frozen", "--force"], ["edit", "--remove", r"^optimizer\."], ["edit", "--compact", "--drop-extra-state"]],
+)
+def test_read_back_runs_without_the_source_object(monkeypatch, tmp_path, capsys, command):
+    taken: list[weakref.ref] = []
+    alive_at_check: list[bool] = []  # at each read-back of a .metadata pickle (not of the common state's)
+    checking: list[bool] = []
+    take, dumps_taken, verify = HeldMetadata.take, safe_pickle.dumps_taken, safe_pickle._verify_written
+
+    def recording_take(self):
+        metadata = take(self)
+        taken.append(weakref.ref(metadata))
+        return metadata
+
+    def recording_dumps_taken(held):
+        checking.append(True)
+        try:
+            return dumps_taken(held)
+        finally:
+            checking.pop()
+
+    def recording_verify(data):
+        if checking:
+            alive_at_check.extend(ref() is not None for ref in taken)
+        return verify(data)
+
+    monkeypatch.setattr(HeldMetadata, "take", recording_take)
+    monkeypatch.setattr(safe_pickle, "dumps_taken", recording_dumps_taken)
+    monkeypatch.setattr(safe_pickle, "_verify_written", recording_verify)
+    rc = main([command[0], str(SOURCE), *command[1:], "--output", str(tmp_path / "out")])
+    assert rc == 0, capsys.readouterr().err
+    assert len(taken) == 1
+    assert alive_at_check and not any(alive_at_check)
