@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor import locking
+from ckptdoctor import locking, safe_pickle
 from ckptdoctor.atomic import (
     PART_MARK,
     backup_file,
@@ -130,9 +130,9 @@ def _new_files(checkpoint: Checkpoint, changes: list[ArgChange], stamp: str) -> 
         # Megatron writes ShardedObjects as torch.save([obj]).
         new_data_file = f"common_state.fixargs-{stamp}.distcp"
         payload = dump_torch_zip([common])
-        metadata = torch_dist.load_metadata_object(checkpoint.iteration_dir / ".metadata")
+        held = [torch_dist.load_metadata_object(checkpoint.iteration_dir / ".metadata")]  # its one reference
         repointed = 0
-        for index, info in torch_dist.storage_items(metadata).items():
+        for index, info in torch_dist.storage_items(held[0]).items():
             if torch_dist.index_fqn(index) == source:
                 torch_dist.set_storage(info, StorageLocation(new_data_file, 0, len(payload)))
                 repointed += 1
@@ -141,7 +141,7 @@ def _new_files(checkpoint: Checkpoint, changes: list[ArgChange], stamp: str) -> 
                 f"{checkpoint.iteration_dir / '.metadata'}: expected one storage entry for {source}, found {repointed}"
             )
         files[new_data_file] = payload
-        files[".metadata"] = torch_dist.dump_metadata_object(metadata)
+        files[".metadata"] = safe_pickle.dumps_taken(held)  # let go once pickled, before the read-back
     else:
         raise CkptError(f"{checkpoint.iteration_dir}: no common state to rewrite")
     return files, new_data_file
