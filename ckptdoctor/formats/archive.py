@@ -13,12 +13,13 @@ nothing. Stored members are views into the archive's bytes: no copy.
 
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import zipfile
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptdoctor import safe_pickle
@@ -31,10 +32,19 @@ MAX_INFLATED = 64 << 20  # the most a compressed storage record may inflate to (
 # The most a compressed data.pkl may inflate to: unpickling costs up to ~60 bytes of memory per pickle byte
 # (an EMPTY_LIST opcode is one byte, a list 56), so this bounds a deflate bomb's objects to a few hundred MB.
 MAX_INFLATED_PICKLE = 4 << 20
+# The most all compressed records may inflate to in one process: each is bounded, but a .metadata can name one
+# bomb from thousands of chunk entries (a 100 KB input cost an hour of inflating in check --deep).
+MAX_INFLATED_TOTAL = 1 << 30
+# The largest tensor chunk's data.pkl (torch writes ~170 bytes): thousands of .metadata entries can name one
+# chunk, so what one decode may cost multiplies (an 800 KB pickle of padding took 0.4 s a chunk in show --stats).
+MAX_CHUNK_PICKLE = 16 << 10
+_INFLATED = [0]  # bytes inflated so far by this process
 
 _EOCD = struct.Struct("<4s4H2LH")  # signature, disk, cd disk, entries here, entries total, cd size, cd offset, comment
 _CDIR = struct.Struct("<4s6H3L5H2L")  # central directory file header (46 bytes)
 _LOCAL = struct.Struct("<4s5H3L2H")  # local file header (30 bytes)
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")  # signature, disk, offset of the zip64 end record, disks (20 bytes)
+_ZIP64_RECORD = struct.Struct("<4sQ2H2L4Q")  # zip64 end record: ..., entries here, entries, cd size, cd offset
 
 Blob = bytes | bytearray | memoryview
 
@@ -82,6 +92,12 @@ class TorchArchive:
         raw = memoryview(self.blob)[member.start : member.start + member.compressed_size]
         data: Blob = raw
         if member.method:
+            if _INFLATED[0] + member.size > MAX_INFLATED_TOTAL:
+                raise PickleLimitError(
+                    f"{self.where}: record {name}: compressed records inflating to over {MAX_INFLATED_TOTAL} bytes "
+                    "in all (torch.save compresses none; many entries naming one deflate bomb multiply its cost)"
+                )
+            _INFLATED[0] += member.size
             inflater = zlib.decompressobj(-15)
             try:
                 data = inflater.decompress(raw, member.size + 1)
@@ -116,19 +132,22 @@ def parse_archive(blob: Blob, where: str) -> TorchArchive:
     (duplicates, several prefixes, unsafe names) and :class:`CkptError` for a damaged archive."""
     general = False
     try:
-        entries = _central_directory(blob)
+        entries = _central_directory(blob, where)
     except _NeedsZipfile:
         entries, general = _zipfile_directory(blob, where), True
     except (ValueError, struct.error) as exc:
         raise CkptError(f"{where}: not a readable torch.save file ({exc})") from None
     members: dict[str, Member] = {}
+    folded: set[bytes] = set()  # torch (miniz) finds a member by its name in ASCII case-insensitively
     prefix: str | None = None
     for member in entries:
         name = member.name
-        if name in members:
+        if name.encode().lower() in folded:
             raise ArchiveError(
-                f"{where}: archive holds two members named {name!r} (torch reads the first, other readers the last)"
+                f"{where}: archive holds two members named {name!r} (ignoring case, as torch's lookup does: "
+                "torch may read another member than ours)"
             )
+        folded.add(name.encode().lower())
         if _unsafe_name(name):
             raise ArchiveError(f"{where}: archive member name {name!r} leaves the archive directory")
         head = name.split("/", 1)[0] + "/"
@@ -165,13 +184,27 @@ class _NeedsZipfile(Exception):
     """An archive feature the lean directory reader leaves to :mod:`zipfile` (zip64, a comment)."""
 
 
-def _central_directory(blob: Blob) -> list[Member]:
+def _central_directory(blob: Blob, where: str) -> list[Member]:
     size = len(blob)
     if size < _EOCD.size:
         raise ValueError("too short for a zip archive")
     sig, _, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(blob, size - _EOCD.size)
     if sig != b"PK\x05\x06" or count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
         raise _NeedsZipfile
+    locator = size - _EOCD.size - _ZIP64_LOCATOR.size
+    if locator >= 0 and bytes(blob[locator : locator + 4]) == b"PK\x06\x07":
+        # torch's reader takes the directory from the zip64 end record the locator names whenever there is one
+        # (torch.save always writes one): it must describe the directory read here
+        record = _ZIP64_LOCATOR.unpack_from(blob, locator)[2]
+        if record + _ZIP64_RECORD.size > locator:
+            raise ValueError("zip64 end record past its locator")
+        sig64, *_, count64, cd_size64, cd_offset64 = _ZIP64_RECORD.unpack_from(blob, record)
+        if sig64 != b"PK\x06\x06":
+            raise ValueError("bad zip64 end record")
+        if (count64, cd_size64, cd_offset64) != (count, cd_size, cd_offset):
+            raise ArchiveError(
+                f"{where}: archive's zip64 end record names another central directory than its end record"
+            )
     cd_end = cd_offset + cd_size
     if cd_end > size - _EOCD.size:
         raise ValueError("central directory lies past the end of the archive")
@@ -209,6 +242,7 @@ def _zipfile_directory(blob: Blob, where: str) -> list[Member]:
     try:
         with zipfile.ZipFile(io.BytesIO(blob)) as archive:  # type: ignore[arg-type]
             infos = archive.infolist()
+            _same_directory_as_torch(blob, archive, where)
             if len(infos) > 1 << 20:
                 raise ArchiveError(f"{where}: archive lists {len(infos)} members")
             return [
@@ -226,6 +260,36 @@ def _zipfile_directory(blob: Blob, where: str) -> list[Member]:
         raise
     except (zipfile.BadZipFile, ValueError, OSError, NotImplementedError, EOFError, KeyError, struct.error) as exc:
         raise CkptError(f"{where}: not a readable torch.save file ({exc})") from None
+
+
+def _same_directory_as_torch(blob: Blob, archive: zipfile.ZipFile, where: str) -> None:
+    """Refuse an archive whose central directory torch's reader (miniz) finds elsewhere than :mod:`zipfile`: miniz
+    reads it at the offset the end record declares and the zip64 end record where the zip64 locator points;
+    zipfile reads the zip64 record just before the locator, and a directory found elsewhere than declared it
+    takes for data prepended to the archive (shifting every offset). Either way torch would load other members
+    than the ones checked here."""
+    endrec = zipfile._EndRecData(archive.fp)  # type: ignore[attr-defined]  # the end record zipfile used
+    location, declared = endrec[zipfile._ECD_LOCATION], endrec[zipfile._ECD_OFFSET]  # type: ignore[attr-defined]
+    locator = location - _ZIP64_LOCATOR.size
+    if locator >= 0 and bytes(blob[locator : locator + 4]) == b"PK\x06\x07":
+        record = _ZIP64_LOCATOR.unpack_from(blob, locator)[2]
+        if record != locator - _ZIP64_RECORD.size:
+            raise ArchiveError(f"{where}: archive's zip64 locator names a record torch reads and zipfile does not")
+    if archive.start_dir != declared:
+        raise ArchiveError(
+            f"{where}: archive's central directory is not where its end record says "
+            f"({archive.start_dir}, not {declared}): torch would read another one"
+        )
+
+
+def chunk_limits() -> PickleLimits:
+    """The limits for a tensor chunk's ``data.pkl``: those in force, at most ``MAX_CHUNK_PICKLE`` bytes."""
+    return _chunk_limits(current_limits())
+
+
+@functools.lru_cache(maxsize=4)
+def _chunk_limits(limits: PickleLimits) -> PickleLimits:
+    return replace(limits, max_bytes=min(limits.max_bytes, MAX_CHUNK_PICKLE))
 
 
 def storage_ref(pid: Any, where: str) -> StorageRef:

@@ -22,6 +22,7 @@ from ckptdoctor.formats.files import open_regular, read_capped
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.pickle_limits import current_limits
 from ckptdoctor.stand_ins import STAND_IN_TYPES, IndexRecord, StandIn, index_record_fields
+from ckptdoctor.torch_stand_ins import DtypeRef
 
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
@@ -275,16 +276,12 @@ def _index_items(
         known_path = shared.get(relative_path)
         if known_path is None:  # each distinct file name is checked once
             known_path = shared[relative_path] = inside_path(relative_path, fqn)
-        add(
-            (fqn, offset),
-            _new_location(
-                (
-                    known_path,
-                    int(info_fields["offset"]),
-                    int(info_fields["length"]),
-                )
-            ),
-        )
+        start, length = info_fields["offset"], info_fields["length"]
+        if type(start) is not int or type(length) is not int or not (0 <= start < INT64 and 0 <= length < INT64):
+            # a byte range is two int64s >= 0: a negative length read the rest of the file (GBs), a float or an
+            # int past int64 surfaced as an OverflowError from int() or pread
+            int64_dims((start, length), fqn, "storage offset and length")
+        add((fqn, offset), _new_location((known_path, start, length)))
     dtype_names: dict[Any, str | None] = {}
     items: dict[str, DcpItem] = {}
     take = locations.pop if consume else locations.get
@@ -318,6 +315,8 @@ def _index_items(
         state = fields.get("_ckd_state")
         dtype = state[0] if isinstance(state, tuple) and state else fields.get("dtype")
         if dtype not in dtype_names:
+            if dtype is not None and not isinstance(dtype, DtypeRef):  # reads look its name up as a torch dtype
+                raise IndexValueError(f"{ascii(key)}: dtype {ascii(dtype)[:60]} is not a torch dtype")
             dtype_names[dtype] = None if dtype is None else str(dtype)
         shape = tuple(item_fields["size"])
         known = counted.get(shape)

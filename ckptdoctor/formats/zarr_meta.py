@@ -68,6 +68,10 @@ def _zarray_problem(meta: object) -> str | None:
         return f"dtype {str(dtype)[:60]!a} is not one Megatron writes"
     if not isinstance(meta.get("dimension_separator", "."), str) or meta.get("dimension_separator") == "":
         return "dimension_separator is not a non-empty string"
+    if meta.get("order", "C") != "C" or meta.get("filters") is not None:
+        # chunks are read as raw C-order values: zarr would transpose or filter them (so would Megatron's load)
+        order, filters = str(meta.get("order"))[:10], str(meta.get("filters"))[:40]
+        return f"order {order!a} and filters {filters!a}, where Megatron writes 'C' and none"
     return None
 
 

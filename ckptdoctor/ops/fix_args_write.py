@@ -106,12 +106,17 @@ def updated_run_config(text: str, changes: list[ArgChange]) -> tuple[str, list[s
     updated: list[str] = []
     lines = text.splitlines(keepends=True)
     for change in changes:
-        pattern = re.compile(rf"^(\s*{re.escape(change.arg)}:\s*)([^#\n]*?)(\s*(#.*)?)(\r?\n)?$")
+        # greedy and matching at the first try (a lazy value before optional spaces backtracked quadratically:
+        # a line of 100,000 spaces took minutes); no newline after the colon (``lr:`` got its value on the next line)
+        pattern = re.compile(rf"^(\s*{re.escape(change.arg)}:[ \t]*)([^#\n]*)(#.*)?(\r?\n)?$")
         old_values = {_yaml_scalar(change.old)} | ({"~", ""} if change.old is None else set())
         for i, line in enumerate(lines):
             match = pattern.match(line)
-            if match and match.group(2).strip().strip("'\"") in old_values:
-                lines[i] = match.group(1) + _yaml_scalar(change.new) + (match.group(3) or "") + (match.group(5) or "")
+            value = match.group(2).rstrip() if match else ""
+            if match and value.strip("'\"") in old_values:
+                rest = match.group(2)[len(value) :] + (match.group(3) or "") + (match.group(4) or "")
+                key = match.group(1) if match.group(1)[-1] != ":" else match.group(1) + " "  # ``lr:`` (null)
+                lines[i] = key + _yaml_scalar(change.new) + rest
                 if change.arg not in updated:
                     updated.append(change.arg)
     return "".join(lines), updated
@@ -160,6 +165,8 @@ def _side_files(iteration_dir: Path, changes: list[ArgChange], files: dict[str, 
         try:
             manifest = read_json(integrity)
             listed = manifest["files"]
+            if not isinstance(listed, dict):
+                raise ValueError("not a manifest of file names")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CkptError(f"{integrity}: unreadable integrity manifest ({exc})") from None
         for name, data in files.items():

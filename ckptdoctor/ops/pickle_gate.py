@@ -10,27 +10,36 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.checkpoint import Checkpoint, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
-from ckptdoctor.formats.archive import ArchiveError
+from ckptdoctor.formats import torch_dist
+from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
 
 
 def refuse_unsafe_pickles(checkpoint: Checkpoint, keys: Collection[str] | None = None) -> None:
     """Decode every bytes item (of ``keys``, when given: the items a write carries over) through the safe
     unpickler; raise :class:`CkptError` at the first refusal.
 
-    Damaged items are not this gate's business (a garbage item executes nothing); only refusals stop it.
+    Damaged archives are not this gate's business (torch reads nothing of a damaged zip); only refusals stop it,
+    and an item that is no zip archive at all (torch.load unpickles it as a legacy-format save).
     The ``.metadata`` and the common state are read through the same unpickler before any write anyway.
     """
     for entry in checkpoint.entries.values():
         if keys is not None and entry.key not in keys:
             continue
-        if entry.kind == "tensor" or not entry.chunks or entry.chunks[0].storage is None:
+        location = entry.chunks[0].storage if entry.chunks else None
+        if entry.kind == "tensor" or location is None:
             continue
+        where = f"{checkpoint.iteration_dir}: item {entry.key}"
         try:
-            checkpoint.read_bytes_item(entry.key)
+            data = torch_dist.read_range(checkpoint.iteration_dir, location, entry.max_range_bytes(entry.chunks[0]))
+            if data and not is_torch_zip(data):
+                # torch.load reads it as a legacy save: pickle.load from its first byte, which runs what the
+                # pickle names before anything checks the format (even where the rest is garbage)
+                raise ArchiveError(f"{where}: not a torch.save archive, which torch.load unpickles as a legacy save")
+            decode_object_bytes(data, where)
         except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
-            path = checkpoint.iteration_dir / entry.chunks[0].storage.relative_path
+            path = checkpoint.iteration_dir / location.relative_path
             detail = str(exc).split(": ", 2)[-1] if ": " in str(exc) else str(exc)
             raise CkptError(
                 f"{path}: item {entry.key}: {detail}; refusing to copy a pickle that a real load "

@@ -15,7 +15,7 @@ from pathlib import Path
 from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
-from ckptdoctor.formats.archive import ArchiveError, is_torch_zip, storage_ref
+from ckptdoctor.formats.archive import ArchiveError, chunk_limits, is_torch_zip, storage_ref
 from ckptdoctor.formats.stream import read_ranges
 from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
 from ckptdoctor.rules import Finding, finding
@@ -217,7 +217,7 @@ def _check_chunk(
     what = f"{entry.key} chunk at {list(chunk.offsets)}"
     try:
         archive = decoder.parse(blob, what)
-        pickled = archive.pickle(verify_crc=archive.general)
+        pickled = archive.pickle(chunk_limits(), verify_crc=archive.general)
         verdict = decoder.verdict(bytes(pickled), entry, chunk)
         if verdict.refused is not None:
             return refused_pickle(verdict.refused, path, what)

@@ -89,6 +89,10 @@ def remember(blob: Blob, archive: TorchArchive) -> None:
     if any(m.method for m in archive.members.values()):
         return
     _, _, _, _, count, _, cd_offset, _ = _EOCD.unpack_from(blob, size - _EOCD.size)
+    locator = size - _EOCD.size - 20
+    zip64 = locator >= 0 and bytes(blob[locator : locator + 4]) == b"PK\x06\x07"
+    if zip64 and struct.unpack_from("<Q", blob, locator + 8)[0] < cd_offset:
+        return  # its zip64 end record (which torch reads) lies outside the bytes a match compares
     crcs, local_of = [], {}
     pos = cd_offset
     for _ in range(count):

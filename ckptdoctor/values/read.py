@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError, MissingExtraError
 from ckptdoctor.formats import raw_chunk_ref, torch_dist
-from ckptdoctor.formats.archive import parse_archive, storage_ref, unpickle
+from ckptdoctor.formats.archive import chunk_limits, parse_archive, storage_ref, unpickle
 from ckptdoctor.formats.torch_zip import load_torch_zip
 from ckptdoctor.rules.non_finite import numpy_or_none
 from ckptdoctor.torch_stand_ins import DtypeRef, TensorRef
@@ -58,7 +58,7 @@ def decode_chunk_ref(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk) -> T
     raw = raw_chunk_ref(checkpoint.location.backend, entry.dtype, chunk.sizes, blob, where)
     if raw is not None:
         return raw
-    obj = load_torch_zip(blob, where)
+    obj = load_torch_zip(blob, where, chunk_limits())
     if not isinstance(obj, TensorRef):
         raise CkptError(f"{where}: expected a tensor, found {type(obj).__name__}")
     if tuple(obj.size) != tuple(chunk.sizes):
@@ -88,6 +88,12 @@ def read_tensor(checkpoint: Checkpoint, key: str) -> Any:
     entry = checkpoint.entries[key]
     if entry.kind != "tensor" or entry.shape is None or entry.dtype is None:
         raise CkptError(f"{checkpoint.iteration_dir}: {key} is a bytes item, not a tensor")
+    from ckptdoctor.rules.consistency import coverage_problem
+
+    # chunks outside the shape fail to assign; a gap would show torch.empty's leftover memory as values
+    why = coverage_problem(entry)
+    if why is not None:
+        raise CkptError(f"{checkpoint.iteration_dir / '.metadata'}: {key}: {why}")
     out = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype.removeprefix("torch.")))
     for chunk, value in iter_chunks(checkpoint, key):
         index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
@@ -148,7 +154,9 @@ def read_chunk_view(
         archive = archive_memo.parse(blob, where)
     if any(member.method for member in archive.members.values()):  # compressed records: the copying path
         return read_chunk(checkpoint, entry.key, entry.chunks.index(chunk)), len(blob)
-    key, dtype_name, numel, offset, shape, stride = _chunk_view(bytes(archive.pickle(verify_crc=verify_crc)), where)
+    key, dtype_name, numel, offset, shape, stride = _chunk_view(
+        bytes(archive.pickle(chunk_limits(), verify_crc)), where
+    )
     if tuple(shape) != tuple(chunk.sizes):
         raise CkptError(f"{where}: stored shape {list(shape)} differs from metadata {list(chunk.sizes)}")
     if entry.dtype is not None and f"torch.{dtype_name}" != entry.dtype:
@@ -197,7 +205,7 @@ def chunk_bits(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: byte
         archive = archive_memo.parse(blob, where)
         if any(member.method for member in archive.members.values()):
             return None
-        key, dtype_name, numel, offset, shape, stride = _chunk_view(bytes(archive.pickle(verify_crc=False)), where)
+        key, dtype_name, numel, offset, shape, stride = _chunk_view(bytes(archive.pickle(chunk_limits(), False)), where)
         record = archive.storage(key)
     except CkptError:
         return None
