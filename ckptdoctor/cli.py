@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import sys
@@ -39,7 +40,15 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", prog_name="ckptdoctor")
+@click.version_option(
+    __version__,
+    "--version",
+    prog_name="ckptdoctor",
+    # Which pickle pre-pass runs: the C extension is optional (built at install where a compiler was found).
+    message="%(prog)s, version %(version)s (pickle pre-pass: "
+    + ("C" if importlib.util.find_spec("ckptdoctor._pickle_scan") else "Python, the C extension was not built")
+    + ")",
+)
 @click.option(
     "--max-pickle-bytes",
     callback=_parse_size,

@@ -35,6 +35,9 @@ def test_version(capsys):
 
     rc, out, _ = _run(capsys, "--version")
     assert rc == 0 and __version__ in out
+    from ckptdoctor import pickle_scan
+
+    assert ("pickle pre-pass: C)" in out) == (pickle_scan._scan_c is not None)  # which walk runs, said
 
 
 @pytest.mark.parametrize(
