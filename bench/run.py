@@ -202,7 +202,7 @@ def render_inspect(doc: dict) -> str:
             f"{fmt_spread(doc['size_ratio'], '.2f')}; {fmt_spread(cpu, '.2f')} |" + " |" * (len(sizes) - 1)
         )
     ca = doc.get("convert_and_load")
-    if ca:
+    if ca and ca["cases"]["convert and load all data"].get("seconds"):  # absent with --convert-repeats 0
         c = ca["cases"]["convert and load all data"]
         lines += [
             "",
