@@ -295,6 +295,25 @@ def test_an_archive_torch_would_read_differently_is_ckd404(copy_fixture, case):
     assert_one_line_error(run_limited("inspect", save), "common.pt")
 
 
+def test_a_big_endian_archive_is_ckd404(copy_fixture):
+    """torch.load byte-swaps every storage of an archive whose byteorder record says "big": show, diff --values
+    and check --deep's NaN/Inf scan saw other values than a real load (finite bits that load as NaN)."""
+    save = copy_fixture("core019_tp1")
+    it = save / ITER
+    info = next(v for i, v in storage_items(load_metadata_object(it / ".metadata")).items() if index_fqn(i) == KEY)
+    with open(it / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        stored = zipfile.ZipFile(io.BytesIO(f.read(info.length)))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive:
+        for member in stored.infolist():
+            archive.writestr(member.filename, b"big" if member.filename.endswith("/byteorder") else stored.read(member))
+    _point_item_at(save, KEY, buf.getvalue())
+    assert "CKD404" in codes(check_json(save, deep=True)[1])
+    for args in (["show", "--stats", save, KEY], ["diff", "--values", save, FIXTURES / "core019_tp1"]):
+        assert_one_line_error(run_limited(*args), "byteorder is not little-endian")
+
+
 def test_torch_saved_archives_keep_the_lean_directory_reader():
     """torch.save writes a zip64 end record and locator into every archive: agreeing with the plain end record,
     they keep the fast path (whose layouts archive_memo remembers)."""
@@ -336,6 +355,21 @@ def test_a_remembered_archive_layout_never_skips_the_zip64_record_check():
 # --- write commands: a bytes item that is no zip archive --------------------------------------------------
 
 
+def _point_item_at(save: Path, key: str, blob: bytes) -> None:
+    """Append ``blob`` to the data file and point the item ``key`` at it."""
+    data_file = save / ITER / "__0_0.distcp"
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(blob)
+
+    def edit(metadata) -> None:
+        for index, info in storage_items(metadata).items():
+            if index_fqn(index) == key:
+                set_storage(info, StorageLocation(info.relative_path, offset, len(blob)))
+
+    _edit_metadata(save, edit)
+
+
 def _tar_of(data: bytes) -> bytes:
     import tarfile
 
@@ -358,17 +392,7 @@ def test_write_commands_refuse_to_carry_a_bytes_item_that_is_no_zip_archive(copy
     blob = payload if layout == "raw pickle" else _tar_of(payload)
     save = copy_fixture("core019_tp1")
     key = "rng_state/shard_0.0_1.1"
-    data_file = save / ITER / "__0_0.distcp"
-    offset = data_file.stat().st_size
-    with open(data_file, "ab") as f:
-        f.write(blob)
-
-    def edit(metadata) -> None:
-        for index, info in storage_items(metadata).items():
-            if index_fqn(index) == key:
-                set_storage(info, StorageLocation(info.relative_path, offset, len(blob)))
-
-    _edit_metadata(save, edit)
+    _point_item_at(save, key, blob)
     for command in (
         ["fix-args", save, "--write", "--output", tmp_path / "fa", "--set", "seed=3"],
         ["edit", save, "--rename", "final", "FINAL", "-o", tmp_path / "ed"],
@@ -382,6 +406,39 @@ def test_write_commands_refuse_to_carry_a_bytes_item_that_is_no_zip_archive(copy
     assert not marker.exists()
     # removing the item is allowed: only what the output keeps is gated
     assert run_limited("edit", save, "--drop-section", "rng", "-o", tmp_path / "ok").returncode == 0
+
+
+@pytest.mark.parametrize("layout", ["zip", "raw pickle"])
+def test_repair_refuses_to_complete_or_copy_a_checkpoint_with_an_unsafe_bytes_item(copy_fixture, tmp_path, layout):
+    """repair wrote metadata.json (making a save Megatron loads) and copied the data files to --output after a
+    check that reads bytes items only with --deep: an rng item naming os.system went along."""
+    from hostile_corpus import call, torch_zip
+
+    payload = call("posix", "system", f"touch {tmp_path / 'marker'}")
+    save = copy_fixture("core019_tp1")
+    _point_item_at(save, "rng_state/shard_0.0_1.1", torch_zip(payload) if layout == "zip" else payload)
+    (save / ITER / "metadata.json").unlink()
+    for command in (["--output", tmp_path / "out"], ["--in-place"]):
+        assert_one_line_error(run_limited("repair", save, "--write", *command), "rng_state/shard_0.0_1.1")
+    assert not (save / ITER / "metadata.json").exists() and not (tmp_path / "out").exists()
+    assert not (tmp_path / "marker").exists()
+
+
+@pytest.mark.parametrize("layout", ["zip", "raw pickle"])
+def test_edit_refuses_to_carry_an_unsafe_common_pt(copy_fixture, tmp_path, layout):
+    """edit links common.pt unchanged and read it only to change args: a common.pt naming os.system (or a legacy
+    save, which torch.load unpickles from its first byte) went to the output as it was."""
+    from hostile_corpus import call, torch_zip
+
+    marker = tmp_path / "marker"
+    payload = call("posix", "system", f"touch {marker}")
+    save = copy_fixture("core016_tp1")
+    (save / ITER / "common.pt").write_bytes(torch_zip(payload) if layout == "zip" else payload)
+    for command in (["--rename", "final", "FINAL"], ["--drop-section", "rng"], ["--remove", "^optimizer", "--compact"]):
+        proc = run_limited("edit", save, *command, "-o", tmp_path / "out")
+        assert_one_line_error(proc, "common.pt")
+        assert "posix.system" in proc.stderr or "legacy save" in proc.stderr
+    assert not (tmp_path / "out").exists() and not marker.exists()
 
 
 # --- run_config.yaml ---------------------------------------------------------------------------------------

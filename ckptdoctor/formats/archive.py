@@ -78,6 +78,10 @@ class TorchArchive:
         self.prefix = prefix
         self.where = where
         self.general = general  # the directory needed the general (zipfile) reader: zip64 or a comment
+        order = members.get(f"{prefix}byteorder")  # data, not directory: checked for every archive, remembered too
+        if order is not None and bytes(blob[order.start : order.start + order.compressed_size]) != b"little":
+            # torch.load byte-swaps every storage of a "big" archive: it would load other values than ours
+            raise ArchiveError(f"{where}: archive's byteorder is not little-endian (torch would byte-swap it)")
 
     def read(self, name: str, limit: int, verify_crc: bool = True) -> Blob:
         """A member's bytes (a view for stored members); refuses more than ``limit`` bytes.

@@ -14,6 +14,7 @@ from ckptdoctor.checkpoint import Checkpoint, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
+from ckptdoctor.formats.files import open_regular
 
 
 def refuse_unsafe_pickles(checkpoint: Checkpoint, keys: Collection[str] | None = None) -> None:
@@ -22,8 +23,11 @@ def refuse_unsafe_pickles(checkpoint: Checkpoint, keys: Collection[str] | None =
 
     Damaged archives are not this gate's business (torch reads nothing of a damaged zip); only refusals stop it,
     and an item that is no zip archive at all (torch.load unpickles it as a legacy-format save).
-    The ``.metadata`` and the common state are read through the same unpickler before any write anyway.
+    The ``.metadata`` is read through the same unpickler before any write anyway; so is a ``common.pt``, here
+    (``edit`` links it unchanged, reading it only when it changes args).
     """
+    if checkpoint.common_source == "common.pt":
+        _refuse_unsafe_common_pt(checkpoint)
     for entry in checkpoint.entries.values():
         if keys is not None and entry.key not in keys:
             continue
@@ -47,3 +51,18 @@ def refuse_unsafe_pickles(checkpoint: Checkpoint, keys: Collection[str] | None =
             ) from None
         except CkptError:
             continue
+
+
+def _refuse_unsafe_common_pt(checkpoint: Checkpoint) -> None:
+    path = checkpoint.iteration_dir / "common.pt"
+    try:
+        with open_regular(path) as f:
+            head = f.read(4)
+        if head and not is_torch_zip(head):  # torch.load unpickles it as a legacy save, as a bytes item above
+            raise ArchiveError(f"{path}: not a torch.save archive, which torch.load unpickles as a legacy save")
+        checkpoint.common_state()
+    except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
+        why = "not copied: a real load would execute or choke on it (--force does not override this)"
+        raise CkptError(f"{exc}; {why}") from None
+    except CkptError:
+        return

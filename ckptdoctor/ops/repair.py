@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor import arg_rules
+from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.files import read_json
 from ckptdoctor.formats.storage import as_path
@@ -67,6 +68,7 @@ class RepairWork:
     orphans: list[str] = field(default_factory=list)
     leftovers: list[Path] = field(default_factory=list)  # CKD151 paths (inside or beside the iteration dir)
     changes: list[fix_args.ArgChange] = field(default_factory=list)
+    checkpoint: Checkpoint | None = None  # the candidate as read by the plan's check (its pickles gate the write)
 
 
 # --- planning ---------------------------------------------------------------------------------------------
@@ -192,6 +194,7 @@ def _way_out(save_dir: Path | None, latest: LatestGoodReport | None) -> str:
 def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport, work: RepairWork) -> bool:
     """Plan the repairs of one iteration dir; True when it keeps errors no repair fixes."""
     state, found = scan_and_check(candidate, candidate, options)
+    work.checkpoint = state.checkpoint
     found += leftovers.scan_beside(candidate.parent, candidate.parent, candidate.name)
     found = list(dict.fromkeys(found))
     report.findings += found

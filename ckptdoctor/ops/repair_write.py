@@ -40,6 +40,7 @@ from ckptdoctor.locate import (
 from ckptdoctor.ops import fix_args_write
 from ckptdoctor.ops.check import CheckOptions, check_paths
 from ckptdoctor.ops.latest_good import iteration_value
+from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.ops.repair import (
     INTERRUPTED_CODE,
     LEFTOVER_CODE,
@@ -271,6 +272,12 @@ def repair(
     if not report.actions:
         report.notes.append("nothing to write: no finding can be repaired safely")
         return report
+    # what the write completes (metadata.json) or copies (--output) holds no pickle a real load would execute:
+    # check sees bytes items only with --deep
+    if output is not None and work.tracker_value is not None:
+        refuse_unsafe_pickles(open_checkpoint(work.save_dir / iteration_dir_name(work.tracker_value)))  # type: ignore[operator]
+    elif work.tracker_value is None and work.checkpoint is not None:
+        refuse_unsafe_pickles(work.checkpoint)
     report.written = _write_in_place(report, work) if in_place else _write_output(report, work, output, force)  # type: ignore[arg-type]
     if output is not None:
         recheck = output
