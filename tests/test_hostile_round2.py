@@ -168,33 +168,27 @@ def test_a_zarr_array_whose_chunks_zarr_would_transpose_or_filter_is_invalid_met
     assert_one_line_error(run_limited("diff", "--values", save, FIXTURES / "core014_zarr_tp2"), ".zarray")
 
 
-def test_a_chunk_pickle_of_megabytes_is_refused(copy_fixture):
-    """A chunk's data.pkl is ~170 bytes; one padded to 800 KB (a valid tensor pickle after 400,000 no-op
-    opcode pairs) cost 0.1-0.4 s to decode, once for each of as many .metadata entries as name it."""
-    save = copy_fixture("core019_tp1")
-    it = save / ITER
-    info = next(v for i, v in storage_items(load_metadata_object(it / ".metadata")).items() if index_fqn(i) == KEY)
-    with open(it / info.relative_path, "rb") as f:
+def _rewrite_chunk(save: Path, change) -> None:
+    """Rewrite the archive of KEY's chunk, each member's bytes through ``change(name, data)``, appended to the
+    data file (the .metadata pointed at it)."""
+    info = next(
+        v for i, v in storage_items(load_metadata_object(save / ITER / ".metadata")).items() if index_fqn(i) == KEY
+    )
+    with open(save / ITER / info.relative_path, "rb") as f:
         f.seek(info.offset)
         stored = zipfile.ZipFile(io.BytesIO(f.read(info.length)))
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as archive:
         for member in stored.infolist():
-            data = stored.read(member)
-            archive.writestr(
-                member.filename, data[:2] + b"N0" * 400_000 + data[2:] if member.filename.endswith(".pkl") else data
-            )
-    blob = buf.getvalue()
-    offset = (it / info.relative_path).stat().st_size
-    with open(it / info.relative_path, "ab") as f:
-        f.write(blob)
+            archive.writestr(member.filename, change(member.filename, stored.read(member)))
+    _point_item_at(save, KEY, buf.getvalue())
 
-    def edit(metadata) -> None:
-        for index, entry in storage_items(metadata).items():
-            if index_fqn(index) == KEY:
-                set_storage(entry, StorageLocation(info.relative_path, offset, len(blob)))
 
-    _edit_metadata(save, edit)
+def test_a_chunk_pickle_of_megabytes_is_refused(copy_fixture):
+    """A chunk's data.pkl is ~170 bytes; one padded to 800 KB (a valid tensor pickle after 400,000 no-op
+    opcode pairs) cost 0.1-0.4 s to decode, once for each of as many .metadata entries as name it."""
+    save = copy_fixture("core019_tp1")
+    _rewrite_chunk(save, lambda name, data: data[:2] + b"N0" * 400_000 + data[2:] if name.endswith(".pkl") else data)
     assert "CKD403" in codes(check_json(save, deep=True)[1])
     for args in (["show", "--stats", save, KEY], ["diff", "--values", save, FIXTURES / "core019_tp1"]):
         assert_one_line_error(run_limited(*args), "data.pkl holds 800")
@@ -299,16 +293,7 @@ def test_a_big_endian_archive_is_ckd404(copy_fixture):
     """torch.load byte-swaps every storage of an archive whose byteorder record says "big": show, diff --values
     and check --deep's NaN/Inf scan saw other values than a real load (finite bits that load as NaN)."""
     save = copy_fixture("core019_tp1")
-    it = save / ITER
-    info = next(v for i, v in storage_items(load_metadata_object(it / ".metadata")).items() if index_fqn(i) == KEY)
-    with open(it / info.relative_path, "rb") as f:
-        f.seek(info.offset)
-        stored = zipfile.ZipFile(io.BytesIO(f.read(info.length)))
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as archive:
-        for member in stored.infolist():
-            archive.writestr(member.filename, b"big" if member.filename.endswith("/byteorder") else stored.read(member))
-    _point_item_at(save, KEY, buf.getvalue())
+    _rewrite_chunk(save, lambda name, data: b"big" if name.endswith("/byteorder") else data)
     assert "CKD404" in codes(check_json(save, deep=True)[1])
     for args in (["show", "--stats", save, KEY], ["diff", "--values", save, FIXTURES / "core019_tp1"]):
         assert_one_line_error(run_limited(*args), "byteorder is not little-endian")
