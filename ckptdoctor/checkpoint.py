@@ -194,7 +194,13 @@ def decode_object_bytes(data: bytes, where: str, unlisted: list[str] | None = No
     if isinstance(obj, io.BytesIO) and is_torch_zip(obj.getvalue()[:4]):
         obj = load_torch_zip(obj.getvalue(), where, unlisted=unlisted)
     if isinstance(obj, list) and len(obj) == 1:
-        return obj[0]
+        obj = obj[0]
+    if isinstance(obj, io.BytesIO) and obj.getvalue():
+        # Transformer Engine 1.x extra state (Megatron saves torch.save([BytesIO])): TE's load torch.load()s it,
+        # as a legacy save (unpickled from its first byte) when it is no zip archive
+        if not is_torch_zip(obj.getvalue()[:4]):
+            raise ArchiveError(f"{where}: a BytesIO that is no torch.save archive, which torch.load unpickles")
+        load_torch_zip(obj.getvalue(), where, unlisted=unlisted)
     return obj
 
 

@@ -393,6 +393,24 @@ def test_write_commands_refuse_to_carry_a_bytes_item_that_is_no_zip_archive(copy
     assert run_limited("edit", save, "--drop-section", "rng", "-o", tmp_path / "ok").returncode == 0
 
 
+@pytest.mark.parametrize("layout, code", [("zip", "CKD401"), ("raw pickle", "CKD404")])
+def test_a_te1_extra_state_bytesio_is_scanned(copy_fixture, tmp_path, layout, code):
+    """Megatron saves Transformer Engine 1.x extra state as torch.save([BytesIO]) and TE torch.load()s the
+    BytesIO: the list was unwrapped after the BytesIO test, so its pickle was never read (check --deep passed
+    one naming os.system, and write commands carried it)."""
+    from hostile_corpus import call, torch_zip
+
+    from ckptdoctor.formats.torch_zip import dump_torch_zip
+
+    payload = call("posix", "system", f"touch {tmp_path / 'marker'}")
+    key = "decoder.layers.mlp.linear_fc1._extra_state/shard_0_2"
+    save = copy_fixture("core019_tp1")
+    _point_item_at(save, key, dump_torch_zip([io.BytesIO(torch_zip(payload) if layout == "zip" else payload)]))
+    assert code in codes(check_json(save, deep=True)[1])
+    assert_one_line_error(run_limited("edit", save, "--rename", "final", "FINAL", "-o", tmp_path / "out"), key)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "marker").exists()
+
+
 @pytest.mark.parametrize("layout", ["zip", "raw pickle"])
 def test_repair_refuses_to_complete_or_copy_a_checkpoint_with_an_unsafe_bytes_item(copy_fixture, tmp_path, layout):
     """repair wrote metadata.json (making a save Megatron loads) and copied the data files to --output after a
