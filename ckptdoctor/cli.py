@@ -110,11 +110,27 @@ def _signals_raise_interrupted() -> Iterator[None]:
                 installed.append(signum)
     except ValueError:  # not the main thread
         pass
+    previous_hook = sys.unraisablehook
+
+    def lost(hook: Any) -> None:
+        """Raised where Python ignores exceptions (a weakref callback, like the one of an import's module lock), an
+        interrupt is lost: it is answered once the command returns and its handlers, disarmed, are armed again."""
+        if not isinstance(hook.exc_value, _Interrupted):
+            previous_hook(hook)
+            return
+        _PENDING_SIGNALS.append(hook.exc_value.signum)
+        for signum in installed:
+            signal.signal(signum, _on_interrupt)
+
+    if installed:
+        sys.unraisablehook = lost
     try:
         yield
     finally:
         for signum in installed:
             signal.signal(signum, _DEFAULT_HANDLERS[signum])
+        if installed:
+            sys.unraisablehook = previous_hook
 
 
 def _say(line: str) -> None:
@@ -140,7 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if dist.under_torchrun():  # one rank of a torchrun job: rank 0 prints, all agree on the exit code
                 return dist.run_main(lambda: _main(argv))
-            return _main(argv)
+            code = _main(argv)
+            if _PENDING_SIGNALS:  # one that Python lost where it was raised (see _signals_raise_interrupted)
+                raise _Interrupted(_PENDING_SIGNALS.pop(0))
+            return code
         except (_Interrupted, KeyboardInterrupt) as exc:  # also when it lands while an error is being reported
             return _interrupted(getattr(exc, "signum", signal.SIGINT))
 
