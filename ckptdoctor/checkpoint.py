@@ -16,6 +16,7 @@ from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, wi
 from ckptdoctor.formats import BACKENDS, guess_backend, has_common_pt, index_file, read_index, torch_dist
 from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.formats.files import list_names, read_json
+from ckptdoctor.formats.legacy_torch import check_te_extra_state
 from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
 from ckptdoctor.locate import CheckpointLocation, iteration_location, locate
@@ -201,6 +202,7 @@ def decode_object_bytes(data: bytes, where: str, unlisted: list[str] | None = No
         if not is_torch_zip(obj.getvalue()[:4]):
             raise ArchiveError(f"{where}: a BytesIO that is no torch.save archive, which torch.load unpickles")
         load_torch_zip(obj.getvalue(), where, unlisted=unlisted)
+    check_te_extra_state(obj, where, unlisted)  # Transformer Engine 2.x: a pickle in a uint8 tensor
     return obj
 
 

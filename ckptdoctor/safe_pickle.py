@@ -25,7 +25,9 @@ from ckptdoctor.safe_globals import (
 from ckptdoctor.stand_ins import ALIAS_MODULE, ALIAS_TARGETS
 from ckptdoctor.torch_stand_ins import StorageRef
 
-__all__ = ["SafeUnpickler", "dumps", "dumps_taken", "loads"]
+__all__ = ["SafeUnpickler", "dumps", "dumps_taken", "loads", "loads_prefix"]
+
+_LOAD_FROM_BYTES = ("torch.storage", "_load_from_bytes")  # how plain pickle writes a torch storage
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -37,16 +39,32 @@ class SafeUnpickler(pickle.Unpickler):
     """
 
     def __init__(
-        self, file: BinaryIO, persistent_load: Callable[[Any], Any] | None = None, index_only: bool = False
+        self,
+        file: BinaryIO,
+        persistent_load: Callable[[Any], Any] | None = None,
+        index_only: bool = False,
+        nested_saves: list[bytes] | None = None,
     ) -> None:
         super().__init__(file)
         self._persistent_load = persistent_load
         self._index_only = index_only
+        self._nested_saves = nested_saves
         self.unlisted: list[str] = []
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle API
+        if (module, name) == _LOAD_FROM_BYTES and self._nested_saves is not None:
+            return self._record_nested_save
         obj = resolve_global(module, name, self.unlisted)
         return index_only(obj) if self._index_only else obj
+
+    def _record_nested_save(self, data: Any) -> StorageRef:
+        """``torch.storage._load_from_bytes(data)``, which a real load answers with ``torch.load(data,
+        weights_only=False)``: the bytes are kept for the caller to check (``nested_saves``), nothing is loaded."""
+        if not isinstance(data, bytes):
+            raise pickle.UnpicklingError("torch.storage._load_from_bytes of something other than bytes")
+        assert self._nested_saves is not None
+        self._nested_saves.append(data)
+        return StorageRef("nested", None, "", 0)
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent_load is None:
@@ -70,9 +88,34 @@ def loads(
     ``_ours`` (only :func:`_verify_written`): a pickle :func:`dumps` just made, whose shape is bounded by the
     pickler that wrote it; the resource pre-pass is skipped, never the allowlist.
     """
-    if not _ours:
-        scan(data, limits, hash_safe_global)
-    unpickler = SafeUnpickler(io.BytesIO(data), persistent_load, index_only)
+    return _load(data, persistent_load, limits, unlisted, index_only, _ours)[0]
+
+
+def loads_prefix(
+    data: bytes | bytearray | memoryview,
+    persistent_load: Callable[[Any], Any] | None = None,
+    unlisted: list[str] | None = None,
+    nested_saves: list[bytes] | None = None,
+) -> tuple[Any, int]:
+    """:func:`loads` of the first pickle in ``data`` and where it ends (torch's legacy save format is several
+    pickles in a row). ``nested_saves``: ``torch.storage._load_from_bytes`` is accepted and records its bytes
+    there (the caller checks them as legacy saves); elsewhere it stays refused."""
+    return _load(data, persistent_load, None, unlisted, False, False, nested_saves)
+
+
+def _load(
+    data: bytes | bytearray | memoryview,
+    persistent_load: Callable[[Any], Any] | None,
+    limits: PickleLimits | None,
+    unlisted: list[str] | None,
+    index_only: bool,
+    ours: bool,
+    nested_saves: list[bytes] | None = None,
+) -> tuple[Any, int]:
+    if not ours:
+        scan(data, limits, hash_safe_global)  # the first pickle only: the scan stops at its STOP
+    stream = io.BytesIO(data)
+    unpickler = SafeUnpickler(stream, persistent_load, index_only, nested_saves)
     try:
         obj = unpickler.load()
     except RecursionError:
@@ -81,7 +124,7 @@ def loads(
         raise PickleLimitError("pickle needs more memory than is available") from None
     if unlisted is not None:
         unlisted.extend(unpickler.unlisted)
-    return obj
+    return obj, stream.tell()
 
 
 # --- writing back ------------------------------------------------------------------------------------
