@@ -198,8 +198,11 @@ def link_or_copy(src: Path, dst: Path, replace: bool = False) -> str:
 
 
 def _link_or_copy_new(src: Path, dst: Path) -> str:
+    # A symlinked source file: link its target. Linux's link() links the symlink itself, and a relative one
+    # would then resolve from the output dir (dangling, or naming another file).
+    target = Path(os.path.realpath(src)) if os.path.islink(src) else src
     try:
-        os.link(src, dst)
+        os.link(target, dst)
         return "linked"
     except FileExistsError:
         raise CkptError(f"{dst}: exists; refusing to overwrite it") from None

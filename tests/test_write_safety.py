@@ -659,3 +659,19 @@ def test_an_interrupted_copy_fallback_is_removed_and_the_interrupt_goes_on(tmp_p
         with pytest.raises(KeyboardInterrupt):
             call()
         assert sorted(p.name for p in tmp_path.iterdir()) == ["src.distcp"]
+
+
+def test_a_symlinked_data_file_is_linked_as_its_target_not_as_the_symlink(copy_fixture, tmp_path):
+    """A data file that is a relative symlink (shared storage, a deduplicated save) was hard-linked as the symlink
+    itself: from an output dir at another depth it dangled, and the output was no checkpoint."""
+    save = copy_fixture("core019_tp1")
+    data = next((save / "iter_0000010").glob("*.distcp"))
+    shared = save.parent / "shared.distcp"
+    data.rename(shared)
+    data.symlink_to(os.path.relpath(shared, data.parent))
+    out = tmp_path / "deeper" / "out"
+    proc = run_ckptdoctor("edit", str(save), "--rename", "final", "FINAL", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    written = out / "iter_0000010" / data.name
+    assert not written.is_symlink() and written.read_bytes() == shared.read_bytes()
+    assert run_ckptdoctor("check", str(out)).returncode == 0
