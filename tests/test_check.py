@@ -562,3 +562,39 @@ def test_read_ranges_matches_read_range(copy_fixture):
     results = list(read_ranges(files, window=4096))
     errors = [item for item in results if item[1] is None]
     assert len(errors) == 1 and "__1_0.distcp: truncated" in str(errors[0][2])
+
+
+def test_coverage_shortcut_for_one_chunk_per_cell_agrees_with_the_cell_mapping(monkeypatch):
+    """coverage_problem answers a grid of one chunk per cell without mapping cells; on random layouts (tilings,
+    overlaps, gaps, chunks spanning cells, duplicates) it says what the full mapping says."""
+    from ckptdoctor.checkpoint import Entry
+    from ckptdoctor.formats.torch_dist import DcpChunk
+    from ckptdoctor.rules import consistency
+
+    def layouts(rng: random.Random):
+        for _ in range(3000):
+            shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3)))
+            cuts = [sorted({0, d, *rng.sample(range(1, d + 1), rng.randint(0, d - 1))}) for d in shape]
+            grid = [[(a[i], a[i + 1] - a[i]) for i in range(len(a) - 1)] for a in cuts]
+            chunks = [tuple(zip(*cell)) for cell in __import__("itertools").product(*grid)]
+            for _ in range(rng.choice((0, 0, 1, 2))):  # damage: drop, duplicate, widen or shift a chunk
+                i = rng.randrange(len(chunks))
+                offsets, sizes = chunks[i]
+                kind = rng.randrange(4)
+                if kind == 0:
+                    chunks.pop(i)
+                elif kind == 1:
+                    chunks.append(chunks[i])
+                elif kind == 2:
+                    chunks[i] = (offsets, tuple(s + 1 if o + s < d else s for o, s, d in zip(offsets, sizes, shape)))
+                else:
+                    chunks[i] = (tuple(max(0, o - 1) for o in offsets), sizes)
+                if not chunks:
+                    chunks = [((0,) * len(shape), shape)]
+            yield Entry("k", "tensor", "torch.float32", shape, [DcpChunk(o, s, None) for o, s in chunks])
+
+    entries = list(layouts(random.Random(7)))
+    fast = [consistency.coverage_problem(e) for e in entries]
+    monkeypatch.setattr(consistency, "_one_chunk_per_cell", lambda chunks, cuts: False)
+    assert fast == [consistency.coverage_problem(e) for e in entries]
+    assert sum(p is None for p in fast) > 500 and sum(p is not None for p in fast) > 500

@@ -129,6 +129,8 @@ def coverage_problem(entry: Entry) -> str | None:
         for a, d in enumerate(shape)
     ]
     cells = math.prod(len(axis) - 1 for axis in cuts)
+    if len(chunks) == cells and _one_chunk_per_cell(chunks, cuts):
+        return None  # the usual grid (TP x PP x EP cuts): each cell held by exactly one chunk
     if cells > _MAX_CELLS:
         if total == numel:
             return None  # too fine a grid to map; element counts agree
@@ -154,6 +156,23 @@ def coverage_problem(entry: Entry) -> str | None:
             "are in no chunk"
         )
     return None
+
+
+def _one_chunk_per_cell(chunks: list, cuts: list[list[int]]) -> bool:
+    """Every chunk is exactly one cell of the grid ``cuts`` and no two are the same cell: with as many chunks as
+    cells, they tile the shape once. A dict lookup per axis and chunk, where mapping every chunk's cells (below)
+    costs a bisect per axis and a dict entry per cell (a 1M-chunk checkpoint: seconds)."""
+    position = [{cut: i for i, cut in enumerate(axis)} for axis in cuts]
+    seen: set[tuple[int, ...]] = set()
+    for chunk in chunks:
+        cell = []
+        for axis, where, offset, size in zip(cuts, position, chunk.offsets, chunk.sizes):
+            i = where[offset]
+            if axis[i + 1] != offset + size:  # spans more than one cell: the general mapping decides
+                return False
+            cell.append(i)
+        seen.add(tuple(cell))
+    return len(seen) == len(chunks)
 
 
 def _origin(cuts: list[list[int]], cell: tuple[int, ...]) -> list[int]:
