@@ -191,6 +191,8 @@ def _main(argv: Sequence[str] | None) -> int:
         _say(f"ckptdoctor: error: {exc.filename}: {exc.strerror or exc}")
         return EXIT_ERROR
     except Exception as exc:
+        if isinstance(exc.__cause__, _Interrupted):  # wrapped by Python (3.11: a __set_name__ in a class statement)
+            return _interrupted(exc.__cause__.signum)
         return _internal_error(exc)
     return result if isinstance(result, int) else 0
 

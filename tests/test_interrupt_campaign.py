@@ -204,3 +204,36 @@ def test_an_interrupt_raised_where_python_ignores_exceptions_is_answered(copy_fi
         assert after == before and check_paths([str(save)]).findings == []
     else:  # answered once the write was done: the new tree, its backup beside it
         assert len(after) == len(before) + 1 and "written" in result.stdout
+
+
+@pytest.mark.parametrize("mode", ["sigint", "sigterm"])
+@pytest.mark.parametrize("where", ["--in-place", "--output"])
+def test_an_interrupt_python_wraps_in_another_exception_is_answered(copy_fixture, tmp_path, mode, where):
+    """A Ctrl-C handled while a class statement ran a ``__set_name__`` (a dataclass field's, as a module imported
+    mid-command defines one) reaches the CLI wrapped: Python 3.11 raises ``RuntimeError: Error calling
+    __set_name__`` from it. edit --output answered ``internal error: RuntimeError`` (exit 2) instead of
+    ``interrupted`` (campaign: 1 of 300 SIGINTs). Simulated by running the fault point from a ``__set_name__``."""
+    save = copy_fixture("core019_tp2")
+    out = [str(tmp_path / "out")] if where == "--output" else []
+    child = (
+        "import sys\n"
+        "from ckptdoctor import atomic\n"
+        "real = atomic.fault_point\n"
+        "def in_a_class_statement(step):\n"
+        "    class Descriptor:\n"
+        "        def __set_name__(self, owner, name):\n"
+        "            real(step)\n"
+        "    class Owner:\n"
+        "        attr = Descriptor()\n"
+        "atomic.fault_point = in_a_class_statement\n"
+        "from ckptdoctor.cli import main\n"
+        f"sys.exit(main(['edit', {str(save)!r}, '--remove', '_extra_state', {where!r}, *{out!r}]))\n"
+    )
+    env = _fault_env("edit:data-written", mode)
+    result = subprocess.run(
+        [sys.executable, "-c", child], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == (130 if mode == "sigint" else 143), result.stderr
+    assert result.stderr == ("ckptdoctor: interrupted\n" if mode == "sigint" else "ckptdoctor: terminated\n")
+    assert check_paths([str(save)]).findings == [] and not (tmp_path / "out").exists()
+    assert sorted(p.name for p in save.iterdir()) == sorted(p.name for p in (FIXTURES / "core019_tp2").iterdir())
