@@ -120,3 +120,15 @@ def test_load_from_bytes_stays_refused_outside_an_extra_state_payload():
 
     with pytest.raises(UnsafePickleError, match="_load_from_bytes"):
         safe_pickle.loads(pickle.dumps({"t": torch.ones(2)}))
+
+
+def test_a_payload_of_many_megabytes_is_refused_before_it_is_unpickled():
+    """A real FP8 state is tens of KB; unpickling one-byte opcodes costs ~60 bytes each (EMPTY_LIST: a list)."""
+    from ckptdoctor.errors import PickleLimitError
+    from ckptdoctor.formats.legacy_torch import MAX_PAYLOAD
+
+    payload = torch.full((MAX_PAYLOAD + 1,), ord("]"), dtype=torch.uint8)
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    with pytest.raises(PickleLimitError, match="exceeds the limit"):
+        decode_object_bytes(buf.getvalue(), "item")

@@ -22,6 +22,9 @@ from ckptdoctor.torch_stand_ins import StorageRef, TensorRef
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch.serialization's MAGIC_NUMBER, the first pickle of a legacy save
 _PICKLES = 5  # magic number, protocol version, sys info, the object, the storage keys
 MAX_NESTED_SAVES = 10_000  # a real FP8 state holds a few tensors per module
+# A real FP8 state is tens of KB (scales and amax histories of a few GEMMs); unpickling costs up to ~60 bytes of
+# memory per pickle byte, so a payload of hundreds of MB of one-byte opcodes would build gigabytes of objects.
+MAX_PAYLOAD = 16 << 20
 
 
 def check_legacy_save(data: bytes, where: str, unlisted: list[str] | None = None) -> None:
@@ -56,6 +59,8 @@ def check_te_extra_state(obj: Any, where: str, unlisted: list[str] | None = None
         return
     if obj.stride not in ((1,), ()) or len(obj.size) > 1:
         raise ArchiveError(f"{where}: a uint8 extra state that is no flat byte tensor")
+    if obj.numel > MAX_PAYLOAD:
+        raise PickleLimitError(f"{where}: a uint8 extra state of {obj.numel} bytes exceeds the limit of {MAX_PAYLOAD}")
     payload = obj.storage.data()[obj.storage_offset : obj.storage_offset + obj.numel]
     nested: list[bytes] = []
     where = f"{where}: Transformer Engine extra state"
