@@ -168,6 +168,17 @@ def test_a_signal_right_after_the_staging_dir_is_made_removes_it(copy_fixture, t
     assert hidden == [] and not (tmp_path / "out").exists()
 
 
+def _answered(child: str, env: dict, mode: str) -> subprocess.CompletedProcess:
+    """Run ``child`` (Python code that runs the CLI) and check that the signal the fault point sent (``mode``) was
+    answered like any interrupt: exit 130 (SIGINT) or 143 (SIGTERM) and one line."""
+    result = subprocess.run(
+        [sys.executable, "-c", child], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == (130 if mode == "sigint" else 143), result.stderr
+    assert result.stderr == ("ckptdoctor: interrupted\n" if mode == "sigint" else "ckptdoctor: terminated\n")
+    return result
+
+
 @pytest.mark.parametrize("again", [False, True])
 def test_an_interrupt_raised_where_python_ignores_exceptions_is_answered(copy_fixture, again):
     """A Ctrl-C handled while a weakref callback ran (an import's module lock has one) raised there, where Python
@@ -193,12 +204,7 @@ def test_an_interrupt_raised_where_python_ignores_exceptions_is_answered(copy_fi
         "from ckptdoctor.cli import main\n"
         f"sys.exit(main(['strip-frozen', {str(save)!r}, '--in-place']))\n"
     )
-    env = _fault_env("strip-frozen:data-written", "sigint")
-    result = subprocess.run(
-        [sys.executable, "-c", child], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 130, result.stderr
-    assert result.stderr == "ckptdoctor: interrupted\n"
+    result = _answered(child, _fault_env("strip-frozen:data-written", "sigint"), "sigint")
     after = sorted(p.name for p in save.iterdir())
     if again:  # stopped at the second one: nothing written
         assert after == before and check_paths([str(save)]).findings == []
@@ -229,11 +235,33 @@ def test_an_interrupt_python_wraps_in_another_exception_is_answered(copy_fixture
         "from ckptdoctor.cli import main\n"
         f"sys.exit(main(['edit', {str(save)!r}, '--remove', '_extra_state', {where!r}, *{out!r}]))\n"
     )
-    env = _fault_env("edit:data-written", mode)
-    result = subprocess.run(
-        [sys.executable, "-c", child], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == (130 if mode == "sigint" else 143), result.stderr
-    assert result.stderr == ("ckptdoctor: interrupted\n" if mode == "sigint" else "ckptdoctor: terminated\n")
+    _answered(child, _fault_env("edit:data-written", mode), mode)
     assert check_paths([str(save)]).findings == [] and not (tmp_path / "out").exists()
     assert sorted(p.name for p in save.iterdir()) == sorted(p.name for p in (FIXTURES / "core019_tp2").iterdir())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="names the descriptor through /proc/self/fd")
+@pytest.mark.parametrize("mode", ["sigint", "sigterm"])
+def test_an_interrupt_right_after_a_file_is_opened_closes_it_once(copy_fixture, tmp_path, mode):
+    """formats.files.open_regular closed its descriptor on any exception, also when one was handled right after
+    ``os.fdopen`` returned: the new file object, freed as the exception left, had closed it already, so the close
+    failed and ``fix-args --write --output`` answered a SIGTERM during its proof read with ``common.pt: cannot read
+    (Bad file descriptor)``, exit 2 (campaign: 1 of 255 SIGTERMs; with threads it could close another file). The
+    signal is sent by the fault point while held, and handled once the file object exists (on the stack only)."""
+    save, out = copy_fixture("core016_convert_tp4"), tmp_path / "out"
+    child = (
+        "import os, signal, sys\n"
+        "from ckptdoctor import atomic\n"
+        "real = os.fdopen\n"
+        "held = {signal.SIGINT, signal.SIGTERM}\n"
+        "def fdopen_interrupted(fd, *args, **kwargs):\n"
+        f"    if os.readlink(f'/proc/self/fd/{{fd}}') != {str(out / 'iter_0000010' / 'common.pt')!r}:\n"
+        "        return real(fd, *args, **kwargs)\n"
+        "    signal.pthread_sigmask(signal.SIG_BLOCK, held)\n"
+        "    atomic.fault_point('open:common.pt')\n"
+        "    return (real(fd, *args, **kwargs), signal.pthread_sigmask(signal.SIG_UNBLOCK, held))[0]\n"
+        "os.fdopen = fdopen_interrupted\n"
+        "from ckptdoctor.cli import main\n"
+        f"sys.exit(main(['fix-args', {str(save)!r}, '--write', '--output', {str(out)!r}]))\n"
+    )
+    _answered(child, _fault_env("open:common.pt", mode), mode)

@@ -37,10 +37,12 @@ def open_regular(path: str | os.PathLike | RemotePath, buffering: int = -1) -> B
             kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
             raise CkptError(f"{Path(path)}: cannot read ({kind})")
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-        return os.fdopen(fd, "rb", buffering=buffering)
     except BaseException:
         os.close(fd)
         raise
+    # Not in the try: the file object owns the descriptor. A signal handled right after this call frees it, which
+    # closes the descriptor; closing it again failed (EBADF, reported instead of the interrupt) or closed another file.
+    return os.fdopen(fd, "rb", buffering=buffering)
 
 
 def read_capped(f: BinaryIO, max_bytes: int) -> bytes:
