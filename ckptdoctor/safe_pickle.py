@@ -27,7 +27,11 @@ from ckptdoctor.torch_stand_ins import StorageRef
 
 __all__ = ["SafeUnpickler", "dumps", "dumps_taken", "loads", "loads_prefix"]
 
-_LOAD_FROM_BYTES = ("torch.storage", "_load_from_bytes")  # how plain pickle writes a torch storage
+# How plain pickle writes a torch storage: torch's own loader, or the one megatron-core (0.19: its __init__)
+# puts in its place, which a pickle made in a process that imported megatron.core names instead.
+_LOAD_FROM_BYTES = frozenset(
+    {("torch.storage", "_load_from_bytes"), ("megatron.core.safe_globals", "safe_load_from_bytes")}
+)
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -52,7 +56,7 @@ class SafeUnpickler(pickle.Unpickler):
         self.unlisted: list[str] = []
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle API
-        if (module, name) == _LOAD_FROM_BYTES and self._nested_saves is not None:
+        if (module, name) in _LOAD_FROM_BYTES and self._nested_saves is not None:
             return self._record_nested_save
         obj = resolve_global(module, name, self.unlisted)
         return index_only(obj) if self._index_only else obj

@@ -31,6 +31,31 @@ class _Reduce:
         return (self.func, self.args)
 
 
+LOADERS = [("torch.storage", "_load_from_bytes"), ("megatron.core.safe_globals", "safe_load_from_bytes")]
+
+
+@pytest.fixture(params=LOADERS, ids=["torch", "megatron"])
+def storage_loader(request, monkeypatch):
+    """The function plain pickle names for a torch storage: torch's ``_load_from_bytes``, or megatron-core's
+    ``safe_load_from_bytes``, which megatron-core's ``__init__`` puts in its place (so a payload made in a
+    training process names that one). Set explicitly: whether this process imported megatron must not matter."""
+    import sys
+    import types
+
+    module_name, name = request.param
+
+    def loader(data):  # never called: the tests only pickle
+        raise AssertionError("loaded")
+
+    loader.__module__, loader.__qualname__, loader.__name__ = module_name, name, name
+    if module_name not in sys.modules or module_name != "torch.storage":
+        module = sys.modules.get(module_name) or types.ModuleType(module_name)
+        monkeypatch.setitem(sys.modules, module_name, module)
+    monkeypatch.setattr(sys.modules[module_name], name, loader, raising=False)
+    monkeypatch.setattr(torch.storage, "_load_from_bytes", loader)  # what TypedStorage.__reduce__ returns
+    return loader
+
+
 def _item(state) -> bytes:
     """The bytes item Megatron saves for TE 2.x extra state: torch.save of the uint8 tensor of pickle.dumps."""
     payload = torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
@@ -60,9 +85,11 @@ def _legacy_save_running(command: list[str]) -> bytes:
     )
 
 
-def test_a_real_fp8_state_passes_and_its_nested_saves_are_read():
+def test_a_real_fp8_state_passes_and_its_nested_saves_are_read(storage_loader):
     unlisted: list[str] = []
-    obj = decode_object_bytes(_item(_fp8_state()), "item", unlisted)
+    item = _item(_fp8_state())
+    assert storage_loader.__qualname__.encode() in item  # the payload names the loader under test
+    obj = decode_object_bytes(item, "item", unlisted)
     assert obj.dtype.name == "uint8" and obj.numel > 0 and unlisted == []
 
 
@@ -77,9 +104,9 @@ def test_a_payload_naming_code_is_refused(tmp_path):
         decode_object_bytes(_item(_Reduce(__import__("os").system, (f"touch {tmp_path / 'x'}",))), "item")
 
 
-def test_a_nested_save_naming_code_is_refused(tmp_path):
+def test_a_nested_save_naming_code_is_refused(tmp_path, storage_loader):
     marker = tmp_path / "marker"
-    nested = _Reduce(__import__("torch").storage._load_from_bytes, (_legacy_save_running(["touch", str(marker)]),))
+    nested = _Reduce(storage_loader, (_legacy_save_running(["touch", str(marker)]),))
     with pytest.raises(UnsafePickleError, match="subprocess.call"):
         decode_object_bytes(_item({"scale_fwd": nested}), "item")
     assert not marker.exists()
@@ -88,9 +115,9 @@ def test_a_nested_save_naming_code_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "nested", [b"\x80\x02K\x01.", pickle.dumps(123, protocol=2) + b"garbage", b""], ids=["magic", "cut", "empty"]
 )
-def test_a_nested_save_that_is_none_is_an_archive_anomaly(nested):
+def test_a_nested_save_that_is_none_is_an_archive_anomaly(nested, storage_loader):
     with pytest.raises(ArchiveError):
-        decode_object_bytes(_item({"s": _Reduce(torch.storage._load_from_bytes, (nested,))}), "item")
+        decode_object_bytes(_item({"s": _Reduce(storage_loader, (nested,))}), "item")
 
 
 def test_a_payload_that_is_no_pickle_is_an_archive_anomaly():
@@ -100,7 +127,7 @@ def test_a_payload_that_is_no_pickle_is_an_archive_anomaly():
         decode_object_bytes(buf.getvalue(), "item")
 
 
-def test_check_deep_and_the_write_gate_read_the_extra_state_pickle(copy_fixture, tmp_path):
+def test_check_deep_and_the_write_gate_read_the_extra_state_pickle(copy_fixture, tmp_path, storage_loader):
     """check --deep passed an _extra_state item whose uint8 payload names code (TE unpickles it on load), and
     write commands carried it; a real FP8 state passes both."""
     marker = tmp_path / "marker"
@@ -115,10 +142,13 @@ def test_check_deep_and_the_write_gate_read_the_extra_state_pickle(copy_fixture,
     assert not (tmp_path / "out").exists() and not marker.exists()
 
 
-def test_load_from_bytes_stays_refused_outside_an_extra_state_payload():
+@pytest.mark.parametrize("storage_loader", [LOADERS[0]], indirect=True, ids=["torch"])
+def test_load_from_bytes_stays_refused_outside_an_extra_state_payload(storage_loader):
+    """Torch's own loader runs torch.load(weights_only=False): refused anywhere else. (megatron-core's
+    replacement loads with weights_only=True; outside a payload it is read as a tolerated megatron name.)"""
     from ckptdoctor import safe_pickle
 
-    with pytest.raises(UnsafePickleError, match="_load_from_bytes"):
+    with pytest.raises(UnsafePickleError, match="load_from_bytes"):
         safe_pickle.loads(pickle.dumps({"t": torch.ones(2)}))
 
 
