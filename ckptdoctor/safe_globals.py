@@ -201,6 +201,7 @@ KNOWN_STAND_INS: frozenset[tuple[str, str]] = frozenset(
                 "Format",
                 "_FormatHelper",
                 "MMParams",
+                "QParams",  # Float8CurrentScaling's parameters (megatron-core 0.19's safe globals list it)
             )
         ),
         ("numpy", "ndarray"),
