@@ -178,13 +178,17 @@ class Checkpoint:
 
     def read_bytes_item(self, key: str, unlisted: list[str] | None = None) -> Any:
         """Decode a bytes item (ShardedObject, ``_extra_state``, ``common_state``) through the safe unpickler."""
+        data, where = self.bytes_item_data(key)
+        return decode_object_bytes(data, where, unlisted)
+
+    def bytes_item_data(self, key: str) -> tuple[bytes, str]:
+        """A bytes item's stored bytes (not decoded) and how messages name it."""
         entry = self.entries[key]
         location = entry.chunks[0].storage if entry.chunks else None
         where = f"{self.iteration_dir}: item {key}"
         if location is None:
             raise CkptError(f"{where}: no storage entry in .metadata")
-        data = torch_dist.read_range(self.iteration_dir, location, entry.max_range_bytes(entry.chunks[0]))
-        return decode_object_bytes(data, where, unlisted)
+        return torch_dist.read_range(self.iteration_dir, location, entry.max_range_bytes(entry.chunks[0])), where
 
 
 def decode_object_bytes(data: bytes, where: str, unlisted: list[str] | None = None) -> Any:

@@ -4,7 +4,7 @@ stack) and the width of its argument. ``ckptdoctor/_pickle_scan.c`` switches on 
 from __future__ import annotations
 
 # opcode -> kind; the kinds are grouped by what the scanner does with the stack.
-PUSH, PUSH_NL, _UNUSED, PUSH_LEN, MARK, STOP, POP, POP_MARK, DUP = range(1, 10)
+PUSH, PUSH_NL, PUSH_LEN, MARK, STOP, POP, POP_MARK, DUP = range(1, 9)  # distinct, non-zero: 0 is refused
 TUPLE_MARK, TUPLE3, CONTAINER_MARK, APPEND1, ITEMS_MARK, SETITEM = range(10, 16)
 BUILD, REDUCE, NEWOBJ_EX, GLOBAL, STACK_GLOBAL, GET, PUT, MEMOIZE, FRAME, PROTO = range(16, 26)
 PERSID, BINPERSID, OBJ_MARK, INST, BINGET, LONG_BINGET = range(26, 32)

@@ -48,9 +48,8 @@ def storage_loader(request, monkeypatch):
         raise AssertionError("loaded")
 
     loader.__module__, loader.__qualname__, loader.__name__ = module_name, name, name
-    if module_name not in sys.modules or module_name != "torch.storage":
-        module = sys.modules.get(module_name) or types.ModuleType(module_name)
-        monkeypatch.setitem(sys.modules, module_name, module)
+    # pickle names a function by the module and name it finds it under: there (torch.storage is imported)
+    monkeypatch.setitem(sys.modules, module_name, sys.modules.get(module_name) or types.ModuleType(module_name))
     monkeypatch.setattr(sys.modules[module_name], name, loader, raising=False)
     monkeypatch.setattr(torch.storage, "_load_from_bytes", loader)  # what TypedStorage.__reduce__ returns
     return loader

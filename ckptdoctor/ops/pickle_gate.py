@@ -12,7 +12,6 @@ from collections.abc import Collection
 
 from ckptdoctor.checkpoint import Checkpoint, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
-from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
 from ckptdoctor.formats.files import open_regular
 
@@ -34,9 +33,8 @@ def refuse_unsafe_pickles(checkpoint: Checkpoint, keys: Collection[str] | None =
         location = entry.chunks[0].storage if entry.chunks else None
         if entry.kind == "tensor" or location is None:
             continue
-        where = f"{checkpoint.iteration_dir}: item {entry.key}"
         try:
-            data = torch_dist.read_range(checkpoint.iteration_dir, location, entry.max_range_bytes(entry.chunks[0]))
+            data, where = checkpoint.bytes_item_data(entry.key)
             if data and not is_torch_zip(data):
                 # torch.load reads it as a legacy save: pickle.load from its first byte, which runs what the
                 # pickle names before anything checks the format (even where the rest is garbage)
