@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,9 @@ def section_of(key: str) -> str:
 
 
 _FRAMING_SLACK = 1 << 20
+# nbytes runs once per key over every chunk (10^6 in a large checkpoint): map/filter at C speed, ~5x a genexpr
+_STORAGE = operator.itemgetter(2)  # DcpChunk.storage
+_LENGTH = operator.itemgetter(2)  # StorageLocation.length
 
 
 @dataclass(slots=True)
@@ -78,7 +82,7 @@ class Entry(DcpItem):
     @property
     def nbytes(self) -> int:
         """Bytes on disk (serialized chunk sizes as stored)."""
-        return sum(c.storage.length for c in self.chunks if c.storage is not None)
+        return sum(map(_LENGTH, filter(None, map(_STORAGE, self.chunks))))  # storage None: no location
 
     @property
     def numel(self) -> int:

@@ -1,0 +1,389 @@
+/* The two per-chunk loops of ckptdoctor.formats.dcp_index (building the index of a DCP .metadata), in C.
+ *
+ * Input: the objects the safe unpickler built (nothing here reads bytes). Each function does what its Python
+ * reference in dcp_index.py does, step for step and in the same order, so that a malformed record raises the
+ * same exception with the same message: the fast path handles the records DCP writes (an IndexRecord list
+ * holding one state dict, exact ints, tuples of ints), and everything else goes through the same Python
+ * helpers (fields, int64_dims, inside_path) or the generic object protocol the Python code would use.
+ * tests/test_dcp_index_accel.py compares both on the fixtures, on hostile records and on mutants of both.
+ *
+ * setup(index_record_type, fields, int64_dims, inside_path, chunk_type, location_type)  once, at import
+ * locations(storage_data, consume, shared) -> {(fqn, offset or None): StorageLocation}
+ * chunks(chunks_meta, key, shared, counted, locations, consume) -> [DcpChunk]
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static PyTypeObject *index_record_type, *chunk_type, *location_type;
+static PyObject *fields_fn, *int64_dims_fn, *inside_path_fn;
+static PyObject *s_fqn, *s_offset, *s_relative_path, *s_length, *s_offsets, *s_sizes, *s_get, *s_popitem,
+    *s_items, *s_what_offsets, *s_what_sizes, *s_what_range;
+
+/* The fields of a record: its one state dict (what DCP writes), else fields(record) from Python. */
+static PyObject *record_fields(PyObject *record) {
+    if (PyObject_TypeCheck(record, index_record_type) && PyList_GET_SIZE(record) == 1) {
+        PyObject *state = PyList_GET_ITEM(record, 0);
+        if (PyDict_CheckExact(state)) {
+            Py_INCREF(state);
+            return state;
+        }
+    }
+    return PyObject_CallOneArg(fields_fn, record);
+}
+
+/* fields[name] (new reference). */
+static PyObject *field(PyObject *fields, PyObject *name) {
+    if (PyDict_CheckExact(fields)) {
+        PyObject *value = PyDict_GetItemWithError(fields, name);
+        if (value != NULL) {
+            Py_INCREF(value);
+            return value;
+        }
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, name);
+        return NULL;
+    }
+    return PyObject_GetItem(fields, name);
+}
+
+/* fields.get(name) (new reference). */
+static PyObject *field_or_none(PyObject *fields, PyObject *name) {
+    if (PyDict_CheckExact(fields)) {
+        PyObject *value = PyDict_GetItemWithError(fields, name);
+        if (value == NULL && PyErr_Occurred())
+            return NULL;
+        value = value != NULL ? value : Py_None;
+        Py_INCREF(value);
+        return value;
+    }
+    return PyObject_CallMethodOneArg(fields, s_get, name);
+}
+
+/* type(value) is int and 0 <= value < 2**63 */
+static int is_int64_size(PyObject *value) {
+    if (!PyLong_CheckExact(value))
+        return 0;
+    int overflow;
+    long long number = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (number == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return !overflow && number >= 0;
+}
+
+/* tuple(raw), as the one object cache holds for it (checked by int64_dims when first met). */
+static PyObject *shared_dims(PyObject *cache, PyObject *raw, PyObject *key, PyObject *what, int counts) {
+    PyObject *dims = PySequence_Tuple(raw);
+    if (dims == NULL)
+        return NULL;
+    PyObject *known = PyDict_GetItemWithError(cache, dims);
+    if (known != NULL) {
+        Py_INCREF(known);
+        Py_DECREF(dims);
+        return known;
+    }
+    if (PyErr_Occurred()) {
+        Py_DECREF(dims);
+        return NULL;
+    }
+    PyObject *checked = PyObject_CallFunctionObjArgs(int64_dims_fn, dims, key, what, counts ? Py_True : NULL, NULL);
+    if (checked == NULL) {
+        Py_DECREF(dims);
+        return NULL;
+    }
+    PyObject *kept = PyDict_SetDefault(cache, dims, checked);
+    Py_XINCREF(kept);
+    Py_DECREF(dims);
+    Py_DECREF(checked);
+    return kept;
+}
+
+static PyObject *new_triple(PyTypeObject *type, PyObject *a, PyObject *b, PyObject *c) {
+    PyObject *triple = type->tp_alloc(type, 3);
+    if (triple == NULL)
+        return NULL;
+    Py_INCREF(a);
+    Py_INCREF(b);
+    Py_INCREF(c);
+    PyTuple_SET_ITEM(triple, 0, a);
+    PyTuple_SET_ITEM(triple, 1, b);
+    PyTuple_SET_ITEM(triple, 2, c);
+    return triple;
+}
+
+/* One storage_data entry into locations (dcp_index._add_location). */
+static int add_location(PyObject *locations, PyObject *shared, PyObject *index, PyObject *info, int consume) {
+    PyObject *index_fields = NULL, *info_fields = NULL, *fqn = NULL, *offset = NULL, *path = NULL, *kept_path = NULL;
+    PyObject *start = NULL, *length = NULL, *location = NULL, *map_key = NULL;
+    int result = -1;
+    if ((index_fields = record_fields(index)) == NULL || (info_fields = record_fields(info)) == NULL)
+        goto done;
+    if ((fqn = field(index_fields, s_fqn)) == NULL || (offset = field_or_none(index_fields, s_offset)) == NULL)
+        goto done;
+    if (offset != Py_None) {
+        PyObject *dims = shared_dims(shared, offset, fqn, s_what_offsets, 0);
+        Py_SETREF(offset, dims);
+        if (offset == NULL)
+            goto done;
+    }
+    PyObject *raw_path = field(info_fields, s_relative_path);
+    if (raw_path == NULL)
+        goto done;
+    path = PyObject_Str(raw_path);
+    Py_DECREF(raw_path);
+    if (path == NULL)
+        goto done;
+    kept_path = PyDict_GetItemWithError(shared, path);
+    if (kept_path != NULL) {
+        Py_INCREF(kept_path);
+    } else {
+        if (PyErr_Occurred())
+            goto done;
+        if ((kept_path = PyObject_CallFunctionObjArgs(inside_path_fn, path, fqn, NULL)) == NULL)
+            goto done;
+        if (PyDict_SetItem(shared, path, kept_path) < 0)
+            goto done;
+    }
+    if ((start = field(info_fields, s_offset)) == NULL || (length = field(info_fields, s_length)) == NULL)
+        goto done;
+    if (!is_int64_size(start) || !is_int64_size(length)) {
+        PyObject *pair = PyTuple_Pack(2, start, length);
+        if (pair == NULL)
+            goto done;
+        PyObject *checked = PyObject_CallFunctionObjArgs(int64_dims_fn, pair, fqn, s_what_range, NULL);
+        Py_DECREF(pair);
+        if (checked == NULL)
+            goto done;
+        Py_DECREF(checked);
+    }
+    if ((location = new_triple(location_type, kept_path, start, length)) == NULL)
+        goto done;
+    if ((map_key = PyTuple_Pack(2, fqn, offset)) == NULL)
+        goto done;
+    if (consume)  /* newest first: of a key stored twice the last entry is kept, as a dict keeps it */
+        result = PyDict_SetDefault(locations, map_key, location) == NULL ? -1 : 0;
+    else
+        result = PyDict_SetItem(locations, map_key, location);
+done:
+    Py_XDECREF(index_fields);
+    Py_XDECREF(info_fields);
+    Py_XDECREF(fqn);
+    Py_XDECREF(offset);
+    Py_XDECREF(path);
+    Py_XDECREF(kept_path);
+    Py_XDECREF(start);
+    Py_XDECREF(length);
+    Py_XDECREF(location);
+    Py_XDECREF(map_key);
+    return result;
+}
+
+static int add_pair(PyObject *locations, PyObject *shared, PyObject *pair, int consume) {
+    if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) {  /* never: popitem() and items() give pairs */
+        PyErr_SetString(PyExc_TypeError, "storage_data yielded something other than a pair");
+        return -1;
+    }
+    return add_location(locations, shared, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), consume);
+}
+
+static PyObject *locations(PyObject *module, PyObject *args) {
+    PyObject *storage_data, *shared;
+    int consume;
+    if (!PyArg_ParseTuple(args, "OpO!:locations", &storage_data, &consume, &PyDict_Type, &shared))
+        return NULL;
+    PyObject *result = PyDict_New();
+    if (result == NULL)
+        return NULL;
+    if (consume) {  /* popitem() until empty: each record is freed once its location exists */
+        for (;;) {
+            int left = PyObject_IsTrue(storage_data);
+            if (left < 0)
+                goto fail;
+            if (!left)
+                break;
+            PyObject *pair = PyObject_CallMethodNoArgs(storage_data, s_popitem);
+            if (pair == NULL)
+                goto fail;
+            int status = add_pair(result, shared, pair, 1);
+            Py_DECREF(pair);
+            if (status < 0)
+                goto fail;
+        }
+        return result;
+    }
+    PyObject *items = PyObject_CallMethodNoArgs(storage_data, s_items);
+    if (items == NULL)
+        goto fail;
+    PyObject *iterator = PyObject_GetIter(items);
+    Py_DECREF(items);
+    if (iterator == NULL)
+        goto fail;
+    PyObject *pair;
+    while ((pair = PyIter_Next(iterator)) != NULL) {
+        int status = add_pair(result, shared, pair, 0);
+        Py_DECREF(pair);
+        if (status < 0) {
+            Py_DECREF(iterator);
+            goto fail;
+        }
+    }
+    Py_DECREF(iterator);
+    if (PyErr_Occurred())
+        goto fail;
+    return result;
+fail:
+    Py_DECREF(result);
+    return NULL;
+}
+
+/* The storage location of (key, offsets): locations.pop(k, None) when consuming, else locations.get(k). */
+static PyObject *take_location(PyObject *locations, PyObject *key, PyObject *offsets, int consume) {
+    PyObject *map_key = PyTuple_Pack(2, key, offsets);
+    if (map_key == NULL)
+        return NULL;
+    PyObject *location = PyDict_GetItemWithError(locations, map_key);
+    if (location == NULL) {
+        Py_DECREF(map_key);
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(location);
+    if (consume && PyDict_DelItem(locations, map_key) < 0) {
+        Py_DECREF(location);
+        location = NULL;
+    }
+    Py_DECREF(map_key);
+    return location;
+}
+
+static PyObject *one_chunk(PyObject *chunk, PyObject *key, PyObject *shared, PyObject *counted, PyObject *taken,
+                           PyObject *locations, int consume) {
+    PyObject *fields = NULL, *raw = NULL, *offsets = NULL, *sizes = NULL, *location = NULL, *result = NULL;
+    if ((fields = record_fields(chunk)) == NULL || (raw = field(fields, s_offsets)) == NULL)
+        goto done;
+    if ((offsets = shared_dims(shared, raw, key, s_what_offsets, 0)) == NULL)
+        goto done;
+    Py_CLEAR(raw);
+    if ((raw = field(fields, s_sizes)) == NULL || (sizes = shared_dims(counted, raw, key, s_what_sizes, 1)) == NULL)
+        goto done;
+    location = PyDict_GetItemWithError(taken, offsets);  /* a chunk listed twice gets the first one's location */
+    if (location != NULL) {
+        Py_INCREF(location);
+    } else {
+        if (PyErr_Occurred())
+            goto done;
+        if ((location = take_location(locations, key, offsets, consume)) == NULL)
+            goto done;
+        if (PyDict_SetItem(taken, offsets, location) < 0)
+            goto done;
+    }
+    result = new_triple(chunk_type, offsets, sizes, location);
+done:
+    Py_XDECREF(fields);
+    Py_XDECREF(raw);
+    Py_XDECREF(offsets);
+    Py_XDECREF(sizes);
+    Py_XDECREF(location);
+    return result;
+}
+
+static PyObject *chunks(PyObject *module, PyObject *args) {
+    PyObject *chunks_meta, *key, *shared, *counted, *locations;
+    int consume;
+    if (!PyArg_ParseTuple(args, "OOO!O!O!p:chunks", &chunks_meta, &key, &PyDict_Type, &shared, &PyDict_Type,
+                          &counted, &PyDict_Type, &locations, &consume))
+        return NULL;
+    PyObject *result = PyList_New(0), *taken = PyDict_New(), *iterator = NULL, *chunk;
+    if (result == NULL || taken == NULL || (iterator = PyObject_GetIter(chunks_meta)) == NULL)
+        goto fail;
+    while ((chunk = PyIter_Next(iterator)) != NULL) {
+        PyObject *entry = one_chunk(chunk, key, shared, counted, taken, locations, consume);
+        Py_DECREF(chunk);
+        if (entry == NULL)
+            goto fail;
+        int status = PyList_Append(result, entry);
+        Py_DECREF(entry);
+        if (status < 0)
+            goto fail;
+    }
+    if (PyErr_Occurred())
+        goto fail;
+    Py_DECREF(iterator);
+    Py_DECREF(taken);
+    return result;
+fail:
+    Py_XDECREF(iterator);
+    Py_XDECREF(taken);
+    Py_XDECREF(result);
+    return NULL;
+}
+
+static PyObject *setup(PyObject *module, PyObject *args) {
+    PyObject *record, *fields, *dims, *inside, *chunk, *location;
+    if (!PyArg_ParseTuple(args, "O!OOOO!O!:setup", &PyType_Type, &record, &fields, &dims, &inside, &PyType_Type,
+                          &chunk, &PyType_Type, &location))
+        return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)record, &PyList_Type) ||
+        !PyType_IsSubtype((PyTypeObject *)chunk, &PyTuple_Type) ||
+        !PyType_IsSubtype((PyTypeObject *)location, &PyTuple_Type) ||
+        ((PyTypeObject *)chunk)->tp_basicsize != PyTuple_Type.tp_basicsize ||
+        ((PyTypeObject *)location)->tp_basicsize != PyTuple_Type.tp_basicsize) {
+        PyErr_SetString(PyExc_TypeError, "setup: a list subclass and two slot-less tuple subclasses expected");
+        return NULL;
+    }
+    Py_INCREF(record);
+    Py_XSETREF(index_record_type, (PyTypeObject *)record);
+    Py_INCREF(fields);
+    Py_XSETREF(fields_fn, fields);
+    Py_INCREF(dims);
+    Py_XSETREF(int64_dims_fn, dims);
+    Py_INCREF(inside);
+    Py_XSETREF(inside_path_fn, inside);
+    Py_INCREF(chunk);
+    Py_XSETREF(chunk_type, (PyTypeObject *)chunk);
+    Py_INCREF(location);
+    Py_XSETREF(location_type, (PyTypeObject *)location);
+    Py_RETURN_NONE;
+}
+
+static PyObject *not_set_up(PyObject *module, PyObject *args) {
+    PyErr_SetString(PyExc_RuntimeError, "ckptdoctor._dcp_index.setup() was not called");
+    return NULL;
+}
+
+static PyObject *checked_locations(PyObject *module, PyObject *args) {
+    return index_record_type == NULL ? not_set_up(module, args) : locations(module, args);
+}
+
+static PyObject *checked_chunks(PyObject *module, PyObject *args) {
+    return index_record_type == NULL ? not_set_up(module, args) : chunks(module, args);
+}
+
+static PyMethodDef methods[] = {
+    {"setup", setup, METH_VARARGS, "Give the Python helpers and types the loops use (once, at import)."},
+    {"locations", checked_locations, METH_VARARGS, "storage_data -> {(fqn, offset): StorageLocation}."},
+    {"chunks", checked_chunks, METH_VARARGS, "A key's chunk records -> [DcpChunk]."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "ckptdoctor._dcp_index", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__dcp_index(void) {
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {
+        {&s_fqn, "fqn"}, {&s_offset, "offset"}, {&s_relative_path, "relative_path"}, {&s_length, "length"},
+        {&s_offsets, "offsets"}, {&s_sizes, "sizes"}, {&s_get, "get"}, {&s_popitem, "popitem"},
+        {&s_items, "items"}, {&s_what_offsets, "offsets"}, {&s_what_sizes, "sizes"},
+        {&s_what_range, "storage offset and length"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
+            return NULL;
+    }
+    return PyModule_Create(&module_def);
+}

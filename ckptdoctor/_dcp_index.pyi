@@ -1,0 +1,15 @@
+# The optional C extension built from _dcp_index.c (see ckptdoctor.formats.dcp_index, which falls back to its
+# Python loops where it was not built).
+from collections.abc import Callable
+from typing import Any
+
+def setup(
+    index_record_type: type,
+    fields: Callable[[Any], Any],
+    int64_dims: Callable[..., tuple],
+    inside_path: Callable[[str, Any], str],
+    chunk_type: type,
+    location_type: type,
+) -> None: ...
+def locations(storage_data: Any, consume: bool, shared: dict) -> dict: ...
+def chunks(chunks_meta: Any, key: Any, shared: dict, counted: dict, locations: dict, consume: bool) -> list: ...

@@ -1,0 +1,226 @@
+"""The index of a DCP ``.metadata``: what its records become (:class:`DcpItem`, :class:`DcpChunk`,
+:class:`StorageLocation`) and the loops that build them from the safe unpickler's objects.
+
+The two per-chunk loops (one over ``storage_data``, one over each key's chunk records) run once per chunk, up to
+millions in a large checkpoint: where the optional extension ``ckptdoctor/_dcp_index.c`` was built they run in C
+(the same steps in the same order, so a malformed record raises the same error with the same message:
+``tests/test_dcp_index_accel.py`` compares both), else :func:`_locations_py` and :func:`_chunks_py`, the
+reference, run.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from ckptdoctor.stand_ins import IndexRecord, index_record_fields
+from ckptdoctor.torch_stand_ins import DtypeRef
+
+
+class IndexValueError(ValueError):
+    """A value of ``.metadata`` that no command may act on (its message says which, without the file's path)."""
+
+
+def inside_path(relative_path: str, fqn: Any = None) -> str:
+    """``relative_path`` if it names a file inside the iteration dir, else :class:`IndexValueError`.
+
+    DCP writes plain file names (``__0_0.distcp``), but the name comes from the pickle: an absolute path or a
+    ``..`` would make every reader (check --deep, diff --values, show) read a file outside the checkpoint, and
+    a compacting write create one outside its output. Nested relative names are left to the missing-file check.
+    """
+    parts = relative_path.split("/")
+    if (
+        relative_path.startswith("/")
+        or "\\" in relative_path
+        or "\0" in relative_path
+        or any(part in ("", ".", "..") for part in parts)
+    ):
+        raise IndexValueError(
+            f"the storage entry of {ascii(fqn)} names a data file outside the iteration dir "
+            f"({ascii(relative_path)}); refusing to read through it"
+        )
+    return relative_path
+
+
+INT64 = 1 << 63  # sizes, offsets and element counts are int64 in torch
+
+
+def int64_dims(dims: tuple, key: Any, what: str, counts: bool = False) -> tuple:
+    """``dims`` if every one is an int in [0, 2**63) (what a torch size or offset can be) and, for sizes
+    (``counts``), their element count is too; else :class:`IndexValueError`. From the pickle, a size could be
+    any int: an element count of thousands of digits stops every report that prints it (Python refuses ints of
+    more than 4,300 digits) and overflows every float it is turned into."""
+    for dim in dims:
+        if type(dim) is not int or not 0 <= dim < INT64:
+            shown = f"an int of {dim.bit_length()} bits" if type(dim) is int and dim >= INT64 else ascii(dim)[:40]
+            raise IndexValueError(f"{ascii(key)}: {what} hold {shown}, not an int64 size")
+    if counts and math.prod(dims) >= INT64:
+        raise IndexValueError(f"{ascii(key)}: {what} of 2**63 elements or more")
+    return dims
+
+
+# NamedTuples rather than frozen dataclasses: one of each per chunk, and a frozen dataclass's __init__
+# costs several times more (tens of thousands of chunks are built for every command on a large checkpoint).
+class StorageLocation(NamedTuple):
+    """Where one chunk or bytes item lives: a data file (relative to the iteration dir) and a byte range."""
+
+    relative_path: str
+    offset: int
+    length: int
+
+
+class DcpChunk(NamedTuple):
+    """One chunk of a tensor (offsets and sizes in the global shape) and where its bytes are stored."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    storage: StorageLocation | None
+
+
+@dataclass(slots=True)
+class DcpItem:
+    key: str
+    kind: str  # "tensor" or "bytes"
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    chunks: list[DcpChunk]
+
+
+def _fields(record: Any) -> dict:
+    """The state of one record of the metadata's dicts (an index-only record or a Record's own dict)."""
+    if isinstance(record, IndexRecord):
+        _ONE_STATE.add(type(record))
+        return index_record_fields(record)
+    return record.__dict__
+
+
+_MISSING: Any = object()
+_ONE_STATE: set[type] = set()  # the index-only record classes met so far (see _fields)
+
+
+def _drain(d: dict) -> Iterator[tuple[Any, Any]]:
+    """The items of ``d``, newest first, each removed (and so freed once used) as it is yielded."""
+    while d:
+        yield d.popitem()
+
+
+# A chunk and a storage location are built as plain tuple.__new__ calls (a NamedTuple's own __new__ is a
+# Python function): one of each per chunk, up to millions for a large checkpoint.
+_new_chunk = functools.partial(tuple.__new__, DcpChunk)
+_new_location = functools.partial(tuple.__new__, StorageLocation)
+
+
+def _locations_py(storage_data: dict, consume: bool, shared: dict) -> dict:
+    """``storage_data`` ({MetadataIndex: _StorageInfo}) as {(fqn, chunk offsets or None): StorageLocation};
+    ``consume``: each entry is popped (so freed once used), newest first, so that of a key stored twice the last
+    entry is kept, as a dict keeps it. The reference of ``_dcp_index.locations``."""
+    locations: dict[tuple[str, tuple[int, ...] | None], StorageLocation] = {}
+    if consume:
+        pairs: Any = _drain(storage_data)
+        add: Any = locations.setdefault
+    else:
+        pairs = storage_data.items()
+        add = locations.__setitem__
+    for index, info in pairs:
+        # inline fast path of _fields: an index-only record BUILT once with a dict (every record DCP writes)
+        index_fields = index[0] if type(index) in _ONE_STATE and len(index) == 1 else _fields(index)
+        info_fields = info[0] if type(info) in _ONE_STATE and len(info) == 1 else _fields(info)
+        if type(index_fields) is not dict or type(info_fields) is not dict:
+            index_fields, info_fields = _fields(index), _fields(info)
+        fqn = index_fields["fqn"]
+        offset = index_fields.get("offset")
+        if offset is not None:
+            offset = tuple(offset)
+            known = shared.get(offset)
+            offset = known if known is not None else shared.setdefault(offset, int64_dims(offset, fqn, "offsets"))
+        relative_path = str(info_fields["relative_path"])
+        known_path = shared.get(relative_path)
+        if known_path is None:  # each distinct file name is checked once
+            known_path = shared[relative_path] = inside_path(relative_path, fqn)
+        start, length = info_fields["offset"], info_fields["length"]
+        if type(start) is not int or type(length) is not int or not (0 <= start < INT64 and 0 <= length < INT64):
+            # a byte range is two int64s >= 0: a negative length read the rest of the file (GBs), a float or an
+            # int past int64 surfaced as an OverflowError from int() or pread
+            int64_dims((start, length), fqn, "storage offset and length")
+        add((fqn, offset), _new_location((known_path, start, length)))
+    return locations
+
+
+def _chunks_py(chunks_meta: Any, key: str, shared: dict, counted: dict, locations: dict, consume: bool) -> list:
+    """The chunks of one key from its chunk records, each with its storage location (popped from
+    ``locations`` when ``consume``). The reference of ``_dcp_index.chunks``."""
+    take = locations.pop if consume else locations.get
+    chunks = []
+    taken: dict = {}  # a chunk listed twice gets the location the first one got
+    for chunk in chunks_meta:
+        chunk_fields = chunk[0] if type(chunk) in _ONE_STATE and len(chunk) == 1 else _fields(chunk)
+        if type(chunk_fields) is not dict:
+            chunk_fields = _fields(chunk)
+        offsets = tuple(chunk_fields["offsets"])
+        known = shared.get(offsets)
+        offsets = known if known is not None else shared.setdefault(offsets, int64_dims(offsets, key, "offsets"))
+        sizes = tuple(chunk_fields["sizes"])
+        known = counted.get(sizes)
+        sizes = known if known is not None else counted.setdefault(sizes, int64_dims(sizes, key, "sizes", True))
+        location = taken.get(offsets, _MISSING)
+        if location is _MISSING:
+            location = taken[offsets] = take((key, offsets), None)
+        chunks.append(_new_chunk((offsets, sizes, location)))
+    return chunks
+
+
+_dcp_index: Any
+try:
+    from ckptdoctor import _dcp_index
+except ImportError:  # built without a compiler: the Python loops run
+    _dcp_index = None
+_locations: Callable[[dict, bool, dict], dict] = _locations_py
+_chunks: Callable[[Any, str, dict, dict, dict, bool], list] = _chunks_py
+if _dcp_index is not None:
+    _dcp_index.setup(IndexRecord, _fields, int64_dims, inside_path, DcpChunk, StorageLocation)
+    _locations, _chunks = _dcp_index.locations, _dcp_index.chunks
+
+
+def index_items(
+    state_dict_metadata: dict, storage_data: dict, item_class: type[DcpItem], consume: bool
+) -> dict[str, DcpItem]:
+    """Entries from the metadata records (every object here comes from the safe unpickler).
+
+    Memory: one tuple object per distinct offsets / sizes / shape and one string per data file, shared by
+    every chunk that has them; per chunk only a :class:`DcpChunk`, its :class:`StorageLocation` and their
+    offset and length ints remain. ``consume`` empties the records' dicts and chunk lists as it goes."""
+    shared: dict[Any, Any] = {}  # one object per distinct offsets tuple or relative path (each checked once)
+    counted: dict[tuple, tuple] = {}  # the same for sizes and shapes, whose element count is checked too
+    locations = _locations(storage_data, consume, shared)
+    dtype_names: dict[Any, str | None] = {}
+    items: dict[str, DcpItem] = {}
+    take = locations.pop if consume else locations.get
+    for key, item_meta in state_dict_metadata.items():
+        item_fields = _fields(item_meta)
+        chunks_meta = item_fields.get("chunks")
+        if chunks_meta is None:  # BytesStorageMetadata
+            items[key] = item_class(key, "bytes", None, None, [_new_chunk(((), (), take((key, None), None)))])
+            continue
+        chunks = _chunks(chunks_meta, key, shared, counted, locations, consume)
+        if consume:
+            chunks_meta.clear()
+        properties = item_fields.get("properties")
+        # TensorProperties pickles its fields as a tuple (dtype, layout, requires_grad, memory_format, pin)
+        fields = {} if properties is None else _fields(properties)
+        state = fields.get("_ckd_state")
+        dtype = state[0] if isinstance(state, tuple) and state else fields.get("dtype")
+        if dtype not in dtype_names:
+            if dtype is not None and not isinstance(dtype, DtypeRef):  # reads look its name up as a torch dtype
+                raise IndexValueError(f"{ascii(key)}: dtype {ascii(dtype)[:60]} is not a torch dtype")
+            dtype_names[dtype] = None if dtype is None else str(dtype)
+        shape = tuple(item_fields["size"])
+        known = counted.get(shape)
+        if known is None:
+            known = counted[shape] = int64_dims(shape, key, "global shape", True)
+        items[key] = item_class(key, "tensor", dtype_names[dtype], known, chunks)
+    if consume:
+        state_dict_metadata.clear()
+    return items

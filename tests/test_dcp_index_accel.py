@@ -1,0 +1,219 @@
+"""The index loops in C (``ckptdoctor/_dcp_index.c``) give the Python loops' result, or the same error.
+
+``dcp_index.index_items`` runs the C loops where the extension was built, and a crafted ``.metadata`` reaches
+them with whatever records the safe unpickler built: so every outcome here comes from both implementations
+on separately unpickled copies of the same records and must be identical (the index, or the exception type
+and message, and what the consuming read left in the dicts). Inputs: every fixture's ``.metadata``, read
+index-only (consuming, as every read-only command does) and faithfully (as ``edit`` reads it), and seeded
+mutants of those records: fields set to hostile values or removed, records of the wrong kind, states that
+are not one dict, chunks listed twice, storage entries duplicated.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptdoctor import safe_pickle
+from ckptdoctor.formats import dcp_index
+from ckptdoctor.formats.dcp_index import DcpItem
+from ckptdoctor.formats.torch_dist import record_attr
+from ckptdoctor.stand_ins import IndexRecord
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+METADATA = sorted(FIXTURES.glob("*/iter_*/.metadata"))
+
+needs_c = pytest.mark.skipif(dcp_index._dcp_index is None, reason="the C index loops were not built")
+
+
+def _loops(c: bool) -> tuple[Callable, Callable]:
+    if c:
+        return dcp_index._dcp_index.locations, dcp_index._dcp_index.chunks
+    return dcp_index._locations_py, dcp_index._chunks_py
+
+
+def _records(data: bytes, index_only: bool) -> tuple[dict, dict]:
+    metadata = safe_pickle.loads(data, index_only=index_only)
+    return record_attr(metadata, "state_dict_metadata"), record_attr(metadata, "storage_data")
+
+
+def _outcome(monkeypatch, c: bool, state_dict_metadata: Any, storage_data: Any, consume: bool) -> tuple:
+    locations, chunks = _loops(c)
+    monkeypatch.setattr(dcp_index, "_locations", locations)
+    monkeypatch.setattr(dcp_index, "_chunks", chunks)
+    try:
+        result: Any = dcp_index.index_items(state_dict_metadata, storage_data, DcpItem, consume)
+    except Exception as exc:  # noqa: BLE001 - the point is which one
+        result = (type(exc).__name__, str(exc))
+    left = (len(state_dict_metadata), len(storage_data)) if consume else None
+    return result, left
+
+
+# --- mutations of unpickled records ----------------------------------------------------------------------
+
+
+def _aliens() -> list[Any]:
+    """Fresh hostile values (new objects per call: both copies get equal, not shared, values)."""
+    return [
+        None, -1, 0, 7, 2**63 - 1, 2**63, 2**64, True, 1.5, "x", "../up", "/abs", "a\\b", "nul\0", "", b"raw",
+        [], [1, 2], (), (1, 2), (-1,), (2**63,), (2**62, 4), ((1,),), ("a",), (1.5,), ([1],), {"a": 1}, {"x"},
+        (0, 0, 0), range(3), "12",
+    ]  # fmt: skip
+
+
+def _state(record: Any) -> dict | None:
+    """The dict a mutation edits: an index record's first state or a faithful record's ``__dict__``."""
+    if isinstance(record, IndexRecord):
+        return record[0] if record and isinstance(record[0], dict) else None
+    return getattr(record, "__dict__", None)
+
+
+def _targets(state_dict_metadata: dict, storage_data: dict) -> list[tuple[str, Any]]:
+    """Every record a mutation may touch, in a deterministic order: (kind, record)."""
+    found: list[tuple[str, Any]] = []
+    for index, info in storage_data.items():
+        found += [("index", index), ("info", info)]
+    for item in state_dict_metadata.values():
+        found.append(("item", item))
+        chunks = (_state(item) or {}).get("chunks")
+        if isinstance(chunks, list):
+            found += [("chunk", chunk) for chunk in chunks]
+    return found
+
+
+def _mutate(rng: random.Random, state_dict_metadata: dict, storage_data: dict) -> None:
+    targets = _targets(state_dict_metadata, storage_data)
+    kind, record = targets[rng.randrange(len(targets))]
+    state = _state(record)
+    op = rng.randrange(9)
+    if op <= 3 and state:  # a field set to a hostile value
+        name = sorted(state)[rng.randrange(len(state))]
+        aliens = _aliens()
+        state[name] = aliens[rng.randrange(len(aliens))]
+    elif op == 4 and state:  # a field removed
+        del state[sorted(state)[rng.randrange(len(state))]]
+    elif op == 5 and isinstance(record, IndexRecord):  # a state that is not one dict
+        choice = rng.randrange(5)
+        if choice == 0:
+            record.clear()
+        elif choice == 1:
+            record.append({"fqn": "extra", "offsets": (0,)})
+        elif choice == 2:
+            record[:] = [({"fqn": "t"}, {"offset": None})]
+        elif choice == 3:
+            record[:] = [(1, 2)]
+        else:
+            record[:] = [None]
+    elif op == 6 and kind == "chunk":  # a chunk listed twice
+        chunks = _state(_owner(state_dict_metadata, record))["chunks"]  # type: ignore[index]
+        chunks.append(record)
+    elif op == 7 and kind in ("index", "info"):  # a storage entry repeated under another key record
+        for index, info in list(storage_data.items()):
+            if record is index or record is info:
+                if isinstance(index, IndexRecord):
+                    twin = type(index)()
+                    twin.append(dict(_state(index) or {}))
+                else:  # a faithful record: a second object of its class with the same state
+                    twin = object.__new__(type(index))
+                    twin.__dict__.update(_state(index) or {})
+                storage_data[twin] = info
+                break
+    else:  # a record replaced by something else
+        replacement = [None, 3, "rec", (1,), {"fqn": "k"}, [{"offsets": (0,), "sizes": (1,)}]][rng.randrange(6)]
+        _replace(state_dict_metadata, storage_data, record, replacement)
+
+
+def _owner(state_dict_metadata: dict, chunk: Any) -> Any:
+    for item in state_dict_metadata.values():
+        if any(c is chunk for c in (_state(item) or {}).get("chunks") or ()):
+            return item
+    raise AssertionError("chunk without an owner")
+
+
+def _replace(state_dict_metadata: dict, storage_data: dict, record: Any, replacement: Any) -> None:
+    for index, info in list(storage_data.items()):
+        if info is record:
+            storage_data[index] = replacement
+            return
+        if index is record:
+            try:
+                hash(replacement)
+            except TypeError:
+                return
+            del storage_data[index]
+            storage_data[replacement] = info
+            return
+    for key, item in state_dict_metadata.items():
+        if item is record:
+            state_dict_metadata[key] = replacement
+            return
+        chunks = (_state(item) or {}).get("chunks")
+        if isinstance(chunks, list):
+            for i, chunk in enumerate(chunks):
+                if chunk is record:
+                    chunks[i] = replacement
+                    return
+
+
+# --- the comparisons -------------------------------------------------------------------------------------
+
+
+@needs_c
+@pytest.mark.parametrize("path", METADATA, ids=lambda p: p.parent.parent.name)
+def test_fixture_indexes_are_identical(monkeypatch, path):
+    data = path.read_bytes()
+    for index_only, consume in ((True, True), (True, False), (False, False)):
+        c = _outcome(monkeypatch, True, *_records(data, index_only), consume)
+        python = _outcome(monkeypatch, False, *_records(data, index_only), consume)
+        assert isinstance(c[0], dict) and c[0], c  # a real index, not an error
+        assert c == python
+
+
+@needs_c
+@pytest.mark.parametrize("path", METADATA[::4], ids=lambda p: p.parent.parent.name)
+def test_mutants_give_identical_outcomes(monkeypatch, path):
+    data = path.read_bytes()
+    errors = 0
+    for seed in range(150):
+        for index_only, consume in ((True, True), (False, False)):
+            outcomes = []
+            for c in (True, False):
+                state_dict_metadata, storage_data = _records(data, index_only)
+                rng = random.Random(seed)
+                for _ in range(1 + seed % 3):
+                    _mutate(rng, state_dict_metadata, storage_data)
+                outcomes.append(_outcome(monkeypatch, c, state_dict_metadata, storage_data, consume))
+            assert outcomes[0] == outcomes[1], (seed, index_only)
+            errors += not isinstance(outcomes[0][0], dict)
+    assert errors > 100  # the mutants reach the error paths, not only the fast path
+
+
+@needs_c
+def test_storage_data_of_the_wrong_shape(monkeypatch):
+    """A ``storage_data`` subclass or a chunks value that is not a list goes through the object protocol."""
+
+    class Odd(dict):
+        def items(self):  # noqa: D401 - what the non-consuming loop iterates
+            return [("not", "a record")]
+
+    for c in (True, False):
+        assert _outcome(monkeypatch, c, {}, Odd(a=1), False)[0][0] == "AttributeError"
+    state_dict_metadata, storage_data = _records(METADATA[0].read_bytes(), True)
+    item = next(iter(state_dict_metadata.values()))
+    item[0]["chunks"] = tuple(item[0]["chunks"])
+    outcome = _outcome(monkeypatch, True, state_dict_metadata, storage_data, True)
+    assert outcome[0] == ("AttributeError", "'tuple' object has no attribute 'clear'")
+
+
+def test_the_c_loops_are_built_where_ci_requires_it():
+    """CI (scripts/test.sh) builds the extensions and sets CKPTDOCTOR_REQUIRE_C_SCAN=1: a failed build there
+    must fail the run, not skip the comparisons above."""
+    if os.environ.get("CKPTDOCTOR_REQUIRE_C_SCAN") != "1":
+        pytest.skip("CKPTDOCTOR_REQUIRE_C_SCAN is not set")
+    assert dcp_index._dcp_index is not None
+    assert dcp_index._locations is dcp_index._dcp_index.locations
