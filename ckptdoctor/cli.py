@@ -18,7 +18,7 @@ from ckptdoctor import _PENDING_SIGNALS, __version__, _defer_signal, _under_torc
 from ckptdoctor.commands import LazyGroup
 from ckptdoctor.errors import CkptError
 from ckptdoctor.exit_codes import EXIT_ERROR
-from ckptdoctor.gc_pause import gc_paused
+from ckptdoctor.gc_pause import gc_paused, short_lived_process
 from ckptdoctor.text_safety import escape
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
@@ -216,6 +216,7 @@ def run() -> None:
     for the whole run, the final flush included. (:mod:`ckptdoctor.gc_pause` holds the one switch.)
     """
     code = EXIT_ERROR
+    short_lived_process()
     with gc_paused(), _signals_raise_interrupted():
         try:
             if _PENDING_SIGNALS:  # interrupted while starting

@@ -217,3 +217,28 @@ def test_the_c_loops_are_built_where_ci_requires_it():
         pytest.skip("CKPTDOCTOR_REQUIRE_C_SCAN is not set")
     assert dcp_index._dcp_index is not None
     assert dcp_index._locations is dcp_index._dcp_index.locations
+
+
+def test_a_command_index_is_held_only_in_the_short_lived_process(monkeypatch):
+    """``hold_until_exit``: in the console process (which ends with os._exit) a command's index is not freed
+    object by object; a library caller's is freed as usual."""
+    import weakref
+
+    from ckptdoctor import gc_pause
+
+    class Index:
+        pass
+
+    monkeypatch.setattr(gc_pause, "_HELD_UNTIL_EXIT", [])
+    library = Index()
+    ref = weakref.ref(library)
+    gc_pause.hold_until_exit(library)
+    del library
+    assert ref() is None
+    monkeypatch.setattr(gc_pause, "_short_lived", False)
+    gc_pause.short_lived_process()
+    console = Index()
+    ref = weakref.ref(console)
+    gc_pause.hold_until_exit(console)
+    del console
+    assert ref() is not None

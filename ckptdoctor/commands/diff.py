@@ -118,7 +118,7 @@ def command(
     from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.config import diff_defaults, load_tool_config
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
-    from ckptdoctor.gc_pause import gc_paused
+    from ckptdoctor.gc_pause import gc_paused, hold_until_exit
     from ckptdoctor.ops.diff import KeyFilter, diff_checkpoints
     from ckptdoctor.render.common import to_json
     from ckptdoctor.render.diff import render_diff, render_name_only, render_stat
@@ -157,7 +157,9 @@ def command(
     try:
         with gc_paused(), quiet_library_warnings():
             a = open_checkpoint(checkpoint_a)
+            hold_until_exit(a)
             b = open_checkpoint(checkpoint_b)
+            hold_until_exit(b)
             report = diff_checkpoints(
                 a,
                 b,

@@ -28,6 +28,7 @@ def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter:
     CHECKPOINT is a save dir (the tracker is followed), an iteration dir, or a file inside one.
     """
     from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.gc_pause import hold_until_exit
     from ckptdoctor.ops.inspect import inspect_checkpoint
     from ckptdoctor.render.common import render_inspect, to_json
 
@@ -37,6 +38,7 @@ def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter:
         except re.error as exc:
             raise click.BadParameter(f"invalid regex: {exc}", param_hint="--filter") from None
     ckpt = open_checkpoint(checkpoint, iteration)
+    hold_until_exit(ckpt)
     report = inspect_checkpoint(ckpt, with_keys=with_keys or key_filter is not None, key_filter=key_filter)
     click.echo(to_json(report) if output_format == "json" else render_inspect(report))
     return 0

@@ -97,7 +97,6 @@ def _fields(record: Any) -> dict:
     return record.__dict__
 
 
-_MISSING: Any = object()
 _ONE_STATE: set[type] = set()  # the index-only record classes met so far (see _fields)
 
 
@@ -149,12 +148,10 @@ def _locations_py(storage_data: dict, consume: bool, shared: dict) -> dict:
     return locations
 
 
-def _chunks_py(chunks_meta: Any, key: str, shared: dict, counted: dict, locations: dict, consume: bool) -> list:
-    """The chunks of one key from its chunk records, each with its storage location (popped from
-    ``locations`` when ``consume``). The reference of ``_dcp_index.chunks``."""
-    take = locations.pop if consume else locations.get
+def _chunks_py(chunks_meta: Any, key: str, shared: dict, counted: dict, locations: dict) -> list:
+    """The chunks of one key from its chunk records, each with its storage location from ``locations`` (read,
+    not popped: the map goes as a whole once the index is built). The reference of ``_dcp_index.chunks``."""
     chunks = []
-    taken: dict = {}  # a chunk listed twice gets the location the first one got
     for chunk in chunks_meta:
         chunk_fields = chunk[0] if type(chunk) in _ONE_STATE and len(chunk) == 1 else _fields(chunk)
         if type(chunk_fields) is not dict:
@@ -165,10 +162,7 @@ def _chunks_py(chunks_meta: Any, key: str, shared: dict, counted: dict, location
         sizes = tuple(chunk_fields["sizes"])
         known = counted.get(sizes)
         sizes = known if known is not None else counted.setdefault(sizes, int64_dims(sizes, key, "sizes", True))
-        location = taken.get(offsets, _MISSING)
-        if location is _MISSING:
-            location = taken[offsets] = take((key, offsets), None)
-        chunks.append(_new_chunk((offsets, sizes, location)))
+        chunks.append(_new_chunk((offsets, sizes, locations.get((key, offsets)))))  # listed twice: the same one
     return chunks
 
 
@@ -178,7 +172,7 @@ try:
 except ImportError:  # built without a compiler: the Python loops run
     _dcp_index = None
 _locations: Callable[[dict, bool, dict], dict] = _locations_py
-_chunks: Callable[[Any, str, dict, dict, dict, bool], list] = _chunks_py
+_chunks: Callable[[Any, str, dict, dict, dict], list] = _chunks_py
 if _dcp_index is not None:
     _dcp_index.setup(IndexRecord, _fields, int64_dims, inside_path, DcpChunk, StorageLocation)
     _locations, _chunks = _dcp_index.locations, _dcp_index.chunks
@@ -197,14 +191,13 @@ def index_items(
     locations = _locations(storage_data, consume, shared)
     dtype_names: dict[Any, str | None] = {}
     items: dict[str, DcpItem] = {}
-    take = locations.pop if consume else locations.get
     for key, item_meta in state_dict_metadata.items():
         item_fields = _fields(item_meta)
         chunks_meta = item_fields.get("chunks")
         if chunks_meta is None:  # BytesStorageMetadata
-            items[key] = item_class(key, "bytes", None, None, [_new_chunk(((), (), take((key, None), None)))])
+            items[key] = item_class(key, "bytes", None, None, [_new_chunk(((), (), locations.get((key, None))))])
             continue
-        chunks = _chunks(chunks_meta, key, shared, counted, locations, consume)
+        chunks = _chunks(chunks_meta, key, shared, counted, locations)
         if consume:
             chunks_meta.clear()
         properties = item_fields.get("properties")
