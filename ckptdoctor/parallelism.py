@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -102,13 +103,24 @@ class _WriterRanks(dict[str, "int | None"]):
         return rank
 
 
+_STORAGE = operator.itemgetter(2)  # DcpChunk.storage
+_PATH = operator.itemgetter(0)  # StorageLocation.relative_path
+
+
 def _chunk_ranks(entry: Entry, rank_of: _WriterRanks) -> set[int | None]:
-    """The writer ranks of an entry's chunks (None for a chunk without storage or of an unnamed file)."""
-    return {rank_of[chunk.storage.relative_path] if chunk.storage else None for chunk in entry.chunks}
+    """The writer ranks of an entry's chunks (None for a chunk without storage or of an unnamed file).
+    map/filter at C speed: this runs over every chunk (10^6 in a large checkpoint)."""
+    stored = list(filter(None, map(_STORAGE, entry.chunks)))
+    ranks: set[int | None] = set(map(rank_of.__getitem__, map(_PATH, stored)))
+    if len(stored) < len(entry.chunks):  # a chunk without storage
+        ranks.add(None)
+    return ranks
 
 
 def _add_ranks(index: dict[int, set[int]], at: int, ranks: set[int | None]) -> None:
-    index.setdefault(at, set()).update(rank for rank in ranks if rank is not None)
+    known = index.setdefault(at, set())
+    known.update(ranks)  # type: ignore[arg-type]  # None is taken out below (it never belongs)
+    known.discard(None)  # type: ignore[arg-type]
 
 
 def _collect_expert_ranks(
