@@ -242,3 +242,66 @@ def test_a_command_index_is_held_only_in_the_short_lived_process(monkeypatch):
     gc_pause.hold_until_exit(console)
     del console
     assert ref() is not None
+
+
+@needs_c
+def test_coverage_in_c_agrees_with_the_python_rule(monkeypatch):
+    """check's coverage rule answers a grid of one chunk per cell in C; on random layouts (tilings, overlaps, gaps,
+    chunks spanning cells, duplicates) and on hostile chunk values (negative, past int64, zero sizes, wrong dims,
+    not ints) its verdict is the Python rule's."""
+    import itertools
+
+    from ckptdoctor.checkpoint import Entry
+    from ckptdoctor.formats.dcp_index import DcpChunk
+    from ckptdoctor.rules import consistency
+
+    rng = random.Random(11)
+    hostile = [-1, 0, 2**63, 2**64 + 3, 1.0, True, "1", None]
+
+    def layouts():
+        for _ in range(4000):
+            shape = tuple(rng.randint(1, 7) for _ in range(rng.randint(1, 3)))
+            cuts = [sorted({0, d, *rng.sample(range(1, d + 1), rng.randint(0, d - 1))}) for d in shape]
+            grid = [[(a[i], a[i + 1] - a[i]) for i in range(len(a) - 1)] for a in cuts]
+            chunks = [tuple(tuple(x) for x in zip(*cell)) for cell in itertools.product(*grid)]
+            rng.shuffle(chunks)
+            for _ in range(rng.choice((0, 0, 1, 2, 3))):
+                i = rng.randrange(len(chunks))
+                offsets, sizes = chunks[i]
+                kind = rng.randrange(7)
+                if kind == 0 and len(chunks) > 1:
+                    chunks.pop(i)
+                elif kind == 1:
+                    chunks.append(chunks[i])
+                elif kind == 2:
+                    chunks[i] = (offsets, tuple(s + 1 if type(s) is int else s for s in sizes))
+                elif kind == 3:
+                    chunks[i] = (tuple(max(0, o - 1) if type(o) is int else o for o in offsets), sizes)
+                elif kind == 4 and offsets and len(offsets) == len(sizes):  # a hostile value in one place
+                    axis = rng.randrange(len(offsets))
+                    field = list(rng.choice((offsets, sizes)))
+                    field[axis] = rng.choice(hostile)
+                    chunks[i] = (tuple(field), sizes) if rng.random() < 0.5 else (offsets, tuple(field))
+                elif kind == 5 and offsets:  # a chunk of other dims
+                    chunks[i] = (offsets + (0,), sizes + (1,)) if rng.random() < 0.5 else (offsets[:-1], sizes[:-1])
+                elif all(type(s) is int for s in sizes):  # a chunk halved: a gap in its cell
+                    chunks[i] = (offsets, tuple(max(1, s // 2) for s in sizes))
+            yield Entry("k", "tensor", "torch.float32", shape, [DcpChunk(o, s, None) for o, s in chunks])
+
+    entries = list(layouts())
+    with_c = []
+    for entry in entries:
+        try:
+            with_c.append(consistency.coverage_problem(entry))
+        except Exception as exc:  # noqa: BLE001 - hostile values may make the Python steps raise: compared too
+            with_c.append((type(exc).__name__, str(exc)))
+    decided_in_c = sum(consistency._tiled_in_c(e.shape, e.chunks) for e in entries)
+    monkeypatch.setattr(consistency, "grid_tiled_once", None)
+    without = []
+    for entry in entries:
+        try:
+            without.append(consistency.coverage_problem(entry))
+        except Exception as exc:  # noqa: BLE001
+            without.append((type(exc).__name__, str(exc)))
+    assert with_c == without
+    assert decided_in_c > 800 and sum(p is not None for p in without) > 1000

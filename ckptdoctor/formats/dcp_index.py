@@ -173,9 +173,12 @@ except ImportError:  # built without a compiler: the Python loops run
     _dcp_index = None
 _locations: Callable[[dict, bool, dict], dict] = _locations_py
 _chunks: Callable[[Any, str, dict, dict, dict], list] = _chunks_py
+# check's coverage rule: whether a tensor's chunks are the cells of one grid, each once (C only; None without it)
+grid_tiled_once: Callable[[tuple, list], bool] | None = None
 if _dcp_index is not None:
     _dcp_index.setup(IndexRecord, _fields, int64_dims, inside_path, DcpChunk, StorageLocation)
     _locations, _chunks = _dcp_index.locations, _dcp_index.chunks
+    grid_tiled_once = _dcp_index.tiles_once
 
 
 def index_items(

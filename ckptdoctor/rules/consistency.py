@@ -14,6 +14,7 @@ import math
 from ckptdoctor import arg_rules
 from ckptdoctor.args import args_as_dict
 from ckptdoctor.checkpoint import Checkpoint, Entry
+from ckptdoctor.formats.dcp_index import grid_tiled_once
 from ckptdoctor.parallelism import infer_layout
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo
 from ckptdoctor.rules.structure import Scanned
@@ -111,6 +112,8 @@ def coverage_problem(entry: Entry) -> str | None:
         only = entry.chunks[0]
         if only.sizes == shape and not any(only.offsets):
             return None
+    elif _tiled_in_c(shape, entry.chunks):
+        return None
     ndim = len(shape)
     chunks = [c for c in entry.chunks if not any(s == 0 for s in c.sizes) or len(c.sizes) != ndim]
     total = 0
@@ -156,6 +159,14 @@ def coverage_problem(entry: Entry) -> str | None:
             "are in no chunk"
         )
     return None
+
+
+def _tiled_in_c(shape: tuple, chunks: list) -> bool:
+    """The one-chunk-per-cell answer below, for every chunk at once in C (1M chunks: ~0.1 s instead of ~2 s);
+    False where the extension was not built or the chunks are not that grid (the steps below then decide)."""
+    return (
+        grid_tiled_once is not None and type(shape) is tuple and type(chunks) is list and grid_tiled_once(shape, chunks)
+    )
 
 
 def _one_chunk_per_cell(chunks: list, cuts: list[list[int]]) -> bool:
