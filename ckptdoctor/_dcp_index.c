@@ -1,4 +1,4 @@
-/* The two per-chunk loops of ckptdoctor.formats.dcp_index (building the index of a DCP .metadata), in C.
+/* The loops of ckptdoctor.formats.dcp_index that build the index of a DCP .metadata (per chunk and per key), in C.
  *
  * Input: the objects the safe unpickler built (nothing here reads bytes). Each function does what its Python
  * reference in dcp_index.py does, step for step and in the same order, so that a malformed record raises the
@@ -7,9 +7,10 @@
  * helpers (fields, int64_dims, inside_path) or the generic object protocol the Python code would use.
  * tests/test_dcp_index_accel.py compares both on the fixtures, on hostile records and on mutants of both.
  *
- * setup(index_record_type, fields, int64_dims, inside_path, chunk_type, location_type)  once, at import
+ * setup(IndexRecord, IndexTupleStateRecord, fields, int64_dims, inside_path, dtype_name, DcpChunk,
+ *       StorageLocation)  once, at import
  * locations(storage_data, consume, shared) -> {(fqn, offset or None): StorageLocation}
- * chunks(chunks_meta, key, shared, counted, locations) -> [DcpChunk]
+ * items(state_dict_metadata, locations, shared, counted, item_class, consume, dtype_names) -> {key: item}
  * tiles_once(shape, chunks) -> bool   True: the chunks are the cells of one grid over shape, each once (check's
  *                                      coverage rule answers None); False: the rule's Python mapping decides
  */
@@ -18,10 +19,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-static PyTypeObject *index_record_type, *chunk_type, *location_type;
-static PyObject *fields_fn, *int64_dims_fn, *inside_path_fn;
+static PyTypeObject *index_record_type, *tuple_state_record_type, *chunk_type, *location_type;
+static PyObject *fields_fn, *int64_dims_fn, *inside_path_fn, *dtype_name_fn, *empty_tuple;
 static PyObject *s_fqn, *s_offset, *s_relative_path, *s_length, *s_offsets, *s_sizes, *s_get, *s_popitem,
-    *s_items, *s_what_offsets, *s_what_sizes, *s_what_range;
+    *s_items, *s_what_offsets, *s_what_sizes, *s_what_range, *s_what_shape, *s_chunks, *s_clear, *s_properties,
+    *s_ckd_state, *s_dtype, *s_size, *s_bytes, *s_tensor;
 
 /* The fields of a record: its one state dict (what DCP writes), else fields(record) from Python. */
 static PyObject *record_fields(PyObject *record) {
@@ -278,11 +280,9 @@ done:
     return result;
 }
 
-static PyObject *chunks(PyObject *module, PyObject *args) {
-    PyObject *chunks_meta, *key, *shared, *counted, *locations;
-    if (!PyArg_ParseTuple(args, "OOO!O!O!:chunks", &chunks_meta, &key, &PyDict_Type, &shared, &PyDict_Type,
-                          &counted, &PyDict_Type, &locations))
-        return NULL;
+/* A key's chunk records as [DcpChunk] (dcp_index._chunks_py). */
+static PyObject *chunk_list(PyObject *chunks_meta, PyObject *key, PyObject *shared, PyObject *counted,
+                            PyObject *locations) {
     PyObject *result = PyList_New(0), *iterator = NULL, *chunk;
     if (result == NULL || (iterator = PyObject_GetIter(chunks_meta)) == NULL)
         goto fail;
@@ -302,6 +302,126 @@ static PyObject *chunks(PyObject *module, PyObject *args) {
     return result;
 fail:
     Py_XDECREF(iterator);
+    Py_XDECREF(result);
+    return NULL;
+}
+
+/* The dtype of a tensor record's properties (dcp_index._items_py: TensorProperties pickles its fields as a tuple
+ * (dtype, layout, ...), kept as the "_ckd_state" field; else a "dtype" field), new reference. */
+static PyObject *record_dtype(PyObject *properties) {
+    if (properties == Py_None)
+        Py_RETURN_NONE;  /* fields = {}: no state, no dtype */
+    if (PyObject_TypeCheck(properties, tuple_state_record_type) && PyList_GET_SIZE(properties) == 1 &&
+        PyTuple_CheckExact(PyList_GET_ITEM(properties, 0))) {  /* fields would be {"_ckd_state": state} */
+        PyObject *state = PyList_GET_ITEM(properties, 0), *dtype = Py_None;
+        if (PyTuple_GET_SIZE(state) > 0)
+            dtype = PyTuple_GET_ITEM(state, 0);
+        Py_INCREF(dtype);
+        return dtype;
+    }
+    PyObject *fields = record_fields(properties), *state = NULL, *dtype = NULL;
+    if (fields == NULL || (state = field_or_none(fields, s_ckd_state)) == NULL)
+        goto done;
+    int nonempty = PyTuple_Check(state) ? PyObject_IsTrue(state) : 0;
+    if (nonempty < 0)
+        goto done;
+    dtype = nonempty ? PySequence_GetItem(state, 0) : field_or_none(fields, s_dtype);
+done:
+    Py_XDECREF(fields);
+    Py_XDECREF(state);
+    return dtype;
+}
+
+/* One state_dict_metadata entry as an item_class instance (the body of dcp_index._items_py's loop). */
+static PyObject *one_item(PyObject *key, PyObject *item_meta, PyObject *locations, PyObject *shared,
+                          PyObject *counted, PyObject *item_class, int consume, PyObject *dtype_names) {
+    PyObject *fields = NULL, *chunks_meta = NULL, *chunks = NULL, *dtype = NULL, *raw = NULL, *shape = NULL;
+    PyObject *result = NULL, *name;
+    if ((fields = record_fields(item_meta)) == NULL || (chunks_meta = field_or_none(fields, s_chunks)) == NULL)
+        goto done;
+    if (chunks_meta == Py_None) {  /* BytesStorageMetadata */
+        PyObject *location = find_location(locations, key, Py_None), *chunk = NULL;
+        if (location != NULL)
+            chunk = new_triple(chunk_type, empty_tuple, empty_tuple, location);
+        Py_XDECREF(location);
+        if (chunk == NULL || (chunks = PyList_New(1)) == NULL) {
+            Py_XDECREF(chunk);
+            goto done;
+        }
+        PyList_SET_ITEM(chunks, 0, chunk);
+        PyObject *call[] = {key, s_bytes, Py_None, Py_None, chunks};
+        result = PyObject_Vectorcall(item_class, call, 5, NULL);
+        goto done;
+    }
+    if ((chunks = chunk_list(chunks_meta, key, shared, counted, locations)) == NULL)
+        goto done;
+    if (consume) {
+        PyObject *cleared = PyObject_CallMethodNoArgs(chunks_meta, s_clear);
+        if (cleared == NULL)
+            goto done;
+        Py_DECREF(cleared);
+    }
+    PyObject *properties = field_or_none(fields, s_properties);
+    if (properties == NULL)
+        goto done;
+    dtype = record_dtype(properties);
+    Py_DECREF(properties);
+    if (dtype == NULL)
+        goto done;
+    name = PyDict_GetItemWithError(dtype_names, dtype);
+    if (name == NULL) {
+        if (PyErr_Occurred() || (name = PyObject_CallFunctionObjArgs(dtype_name_fn, dtype, key, NULL)) == NULL)
+            goto done;
+        int status = PyDict_SetItem(dtype_names, dtype, name);
+        Py_DECREF(name);  /* dtype_names holds it */
+        if (status < 0)
+            goto done;
+    }
+    if ((raw = field(fields, s_size)) == NULL || (shape = shared_dims(counted, raw, key, s_what_shape, 1)) == NULL)
+        goto done;
+    PyObject *call[] = {key, s_tensor, name, shape, chunks};
+    result = PyObject_Vectorcall(item_class, call, 5, NULL);
+done:
+    Py_XDECREF(fields);
+    Py_XDECREF(chunks_meta);
+    Py_XDECREF(chunks);
+    Py_XDECREF(dtype);
+    Py_XDECREF(raw);
+    Py_XDECREF(shape);
+    return result;
+}
+
+static PyObject *items(PyObject *module, PyObject *args) {
+    PyObject *state_dict_metadata, *locations, *shared, *counted, *item_class, *dtype_names;
+    int consume;
+    if (!PyArg_ParseTuple(args, "OO!O!O!OpO!:items", &state_dict_metadata, &PyDict_Type, &locations, &PyDict_Type,
+                          &shared, &PyDict_Type, &counted, &item_class, &consume, &PyDict_Type, &dtype_names))
+        return NULL;
+    PyObject *result = PyDict_New(), *pairs = NULL, *iterator = NULL, *pair;
+    if (result == NULL || (pairs = PyObject_CallMethodNoArgs(state_dict_metadata, s_items)) == NULL ||
+        (iterator = PyObject_GetIter(pairs)) == NULL)
+        goto fail;
+    while ((pair = PyIter_Next(iterator)) != NULL) {
+        PyObject *entry = NULL;
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2)  /* never: items() gives pairs */
+            PyErr_SetString(PyExc_TypeError, "state_dict_metadata yielded something other than a pair");
+        else
+            entry = one_item(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), locations, shared, counted,
+                             item_class, consume, dtype_names);
+        int status = entry == NULL ? -1 : PyDict_SetItem(result, PyTuple_GET_ITEM(pair, 0), entry);
+        Py_XDECREF(entry);
+        Py_DECREF(pair);
+        if (status < 0)
+            goto fail;
+    }
+    if (PyErr_Occurred())
+        goto fail;
+    Py_DECREF(iterator);
+    Py_DECREF(pairs);
+    return result;
+fail:
+    Py_XDECREF(iterator);
+    Py_XDECREF(pairs);
     Py_XDECREF(result);
     return NULL;
 }
@@ -431,30 +551,27 @@ static PyObject *tiles_once(PyObject *module, PyObject *args) {
 }
 
 static PyObject *setup(PyObject *module, PyObject *args) {
-    PyObject *record, *fields, *dims, *inside, *chunk, *location;
-    if (!PyArg_ParseTuple(args, "O!OOOO!O!:setup", &PyType_Type, &record, &fields, &dims, &inside, &PyType_Type,
-                          &chunk, &PyType_Type, &location))
+    PyObject *record, *tuple_record, *fields, *dims, *inside, *dtype_name, *chunk, *location;
+    if (!PyArg_ParseTuple(args, "O!O!OOOOO!O!:setup", &PyType_Type, &record, &PyType_Type, &tuple_record, &fields,
+                          &dims, &inside, &dtype_name, &PyType_Type, &chunk, &PyType_Type, &location))
         return NULL;
     if (!PyType_IsSubtype((PyTypeObject *)record, &PyList_Type) ||
+        !PyType_IsSubtype((PyTypeObject *)tuple_record, (PyTypeObject *)record) ||
         !PyType_IsSubtype((PyTypeObject *)chunk, &PyTuple_Type) ||
         !PyType_IsSubtype((PyTypeObject *)location, &PyTuple_Type) ||
         ((PyTypeObject *)chunk)->tp_basicsize != PyTuple_Type.tp_basicsize ||
         ((PyTypeObject *)location)->tp_basicsize != PyTuple_Type.tp_basicsize) {
-        PyErr_SetString(PyExc_TypeError, "setup: a list subclass and two slot-less tuple subclasses expected");
+        PyErr_SetString(PyExc_TypeError, "setup: two list subclasses and two slot-less tuple subclasses expected");
         return NULL;
     }
-    Py_INCREF(record);
-    Py_XSETREF(index_record_type, (PyTypeObject *)record);
-    Py_INCREF(fields);
-    Py_XSETREF(fields_fn, fields);
-    Py_INCREF(dims);
-    Py_XSETREF(int64_dims_fn, dims);
-    Py_INCREF(inside);
-    Py_XSETREF(inside_path_fn, inside);
-    Py_INCREF(chunk);
-    Py_XSETREF(chunk_type, (PyTypeObject *)chunk);
-    Py_INCREF(location);
-    Py_XSETREF(location_type, (PyTypeObject *)location);
+    PyObject **slots[] = {(PyObject **)&index_record_type, (PyObject **)&tuple_state_record_type, &fields_fn,
+                          &int64_dims_fn, &inside_path_fn, &dtype_name_fn, (PyObject **)&chunk_type,
+                          (PyObject **)&location_type};
+    PyObject *values[] = {record, tuple_record, fields, dims, inside, dtype_name, chunk, location};
+    for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
+        Py_INCREF(values[i]);
+        Py_XSETREF(*slots[i], values[i]);
+    }
     Py_RETURN_NONE;
 }
 
@@ -467,14 +584,14 @@ static PyObject *checked_locations(PyObject *module, PyObject *args) {
     return index_record_type == NULL ? not_set_up(module, args) : locations(module, args);
 }
 
-static PyObject *checked_chunks(PyObject *module, PyObject *args) {
-    return index_record_type == NULL ? not_set_up(module, args) : chunks(module, args);
+static PyObject *checked_items(PyObject *module, PyObject *args) {
+    return index_record_type == NULL ? not_set_up(module, args) : items(module, args);
 }
 
 static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS, "Give the Python helpers and types the loops use (once, at import)."},
     {"locations", checked_locations, METH_VARARGS, "storage_data -> {(fqn, offset): StorageLocation}."},
-    {"chunks", checked_chunks, METH_VARARGS, "A key's chunk records -> [DcpChunk]."},
+    {"items", checked_items, METH_VARARGS, "state_dict_metadata -> {key: item_class(...)}."},
     {"tiles_once", tiles_once, METH_VARARGS, "Whether chunks are one grid's cells over shape, each once."},
     {NULL, NULL, 0, NULL},
 };
@@ -490,11 +607,15 @@ PyMODINIT_FUNC PyInit__dcp_index(void) {
         {&s_fqn, "fqn"}, {&s_offset, "offset"}, {&s_relative_path, "relative_path"}, {&s_length, "length"},
         {&s_offsets, "offsets"}, {&s_sizes, "sizes"}, {&s_get, "get"}, {&s_popitem, "popitem"},
         {&s_items, "items"}, {&s_what_offsets, "offsets"}, {&s_what_sizes, "sizes"},
-        {&s_what_range, "storage offset and length"},
+        {&s_what_range, "storage offset and length"}, {&s_what_shape, "global shape"}, {&s_chunks, "chunks"},
+        {&s_clear, "clear"}, {&s_properties, "properties"}, {&s_ckd_state, "_ckd_state"}, {&s_dtype, "dtype"},
+        {&s_size, "size"}, {&s_bytes, "bytes"}, {&s_tensor, "tensor"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
             return NULL;
     }
+    if (empty_tuple == NULL && (empty_tuple = PyTuple_New(0)) == NULL)
+        return NULL;
     return PyModule_Create(&module_def);
 }

@@ -5,12 +5,24 @@ from typing import Any
 
 def setup(
     index_record_type: type,
+    tuple_state_record_type: type,
     fields: Callable[[Any], Any],
     int64_dims: Callable[..., tuple],
     inside_path: Callable[[str, Any], str],
+    dtype_name: Callable[[Any, Any], str | None],
     chunk_type: type,
     location_type: type,
+    /,
 ) -> None: ...
-def locations(storage_data: Any, consume: bool, shared: dict) -> dict: ...
-def chunks(chunks_meta: Any, key: Any, shared: dict, counted: dict, locations: dict) -> list: ...
+def locations(storage_data: Any, consume: bool, shared: dict, /) -> dict: ...
+def items(
+    state_dict_metadata: Any,
+    locations: dict,
+    shared: dict,
+    counted: dict,
+    item_class: type,
+    consume: bool,
+    dtype_names: dict,
+    /,
+) -> dict: ...
 def tiles_once(shape: tuple, chunks: list, /) -> bool: ...

@@ -33,8 +33,8 @@ needs_c = pytest.mark.skipif(dcp_index._dcp_index is None, reason="the C index l
 
 def _loops(c: bool) -> tuple[Callable, Callable]:
     if c:
-        return dcp_index._dcp_index.locations, dcp_index._dcp_index.chunks
-    return dcp_index._locations_py, dcp_index._chunks_py
+        return dcp_index._dcp_index.locations, dcp_index._dcp_index.items
+    return dcp_index._locations_py, dcp_index._items_py
 
 
 def _records(data: bytes, index_only: bool) -> tuple[dict, dict]:
@@ -43,9 +43,9 @@ def _records(data: bytes, index_only: bool) -> tuple[dict, dict]:
 
 
 def _outcome(monkeypatch, c: bool, state_dict_metadata: Any, storage_data: Any, consume: bool) -> tuple:
-    locations, chunks = _loops(c)
+    locations, items = _loops(c)
     monkeypatch.setattr(dcp_index, "_locations", locations)
-    monkeypatch.setattr(dcp_index, "_chunks", chunks)
+    monkeypatch.setattr(dcp_index, "_items", items)
     try:
         result: Any = dcp_index.index_items(state_dict_metadata, storage_data, DcpItem, consume)
     except Exception as exc:  # noqa: BLE001 - the point is which one
@@ -80,6 +80,9 @@ def _targets(state_dict_metadata: dict, storage_data: dict) -> list[tuple[str, A
         found += [("index", index), ("info", info)]
     for item in state_dict_metadata.values():
         found.append(("item", item))
+        properties = (_state(item) or {}).get("properties")
+        if properties is not None:
+            found.append(("properties", properties))
         chunks = (_state(item) or {}).get("chunks")
         if isinstance(chunks, list):
             found += [("chunk", chunk) for chunk in chunks]
@@ -91,7 +94,13 @@ def _mutate(rng: random.Random, state_dict_metadata: dict, storage_data: dict) -
     kind, record = targets[rng.randrange(len(targets))]
     state = _state(record)
     op = rng.randrange(9)
-    if op <= 3 and state:  # a field set to a hostile value
+    if kind == "properties" and isinstance(record, IndexRecord):  # TensorProperties' tuple state, or not
+        aliens = _aliens()
+        record[:] = rng.choice(
+            [[()], [(aliens[rng.randrange(len(aliens))], "layout")], [{"dtype": aliens[rng.randrange(len(aliens))]}],
+             [(record[0] if record else ()), {"dtype": None}], [], [None]]
+        )  # fmt: skip
+    elif op <= 3 and state:  # a field set to a hostile value
         name = sorted(state)[rng.randrange(len(state))]
         aliens = _aliens()
         state[name] = aliens[rng.randrange(len(aliens))]

@@ -1,10 +1,10 @@
 """The index of a DCP ``.metadata``: what its records become (:class:`DcpItem`, :class:`DcpChunk`,
 :class:`StorageLocation`) and the loops that build them from the safe unpickler's objects.
 
-The two per-chunk loops (one over ``storage_data``, one over each key's chunk records) run once per chunk, up to
+The two loops (over ``storage_data``, and over the keys with each key's chunk records) run once per chunk, up to
 millions in a large checkpoint: where the optional extension ``ckptdoctor/_dcp_index.c`` was built they run in C
 (the same steps in the same order, so a malformed record raises the same error with the same message:
-``tests/test_dcp_index_accel.py`` compares both), else :func:`_locations_py` and :func:`_chunks_py`, the
+``tests/test_dcp_index_accel.py`` compares both), else :func:`_locations_py` and :func:`_items_py`, the
 reference, run.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ckptdoctor.stand_ins import IndexRecord, index_record_fields
+from ckptdoctor.stand_ins import IndexRecord, IndexTupleStateRecord, index_record_fields
 from ckptdoctor.torch_stand_ins import DtypeRef
 
 
@@ -166,18 +166,63 @@ def _chunks_py(chunks_meta: Any, key: str, shared: dict, counted: dict, location
     return chunks
 
 
+def _dtype_name(dtype: Any, key: str) -> str | None:
+    """The name of a tensor's dtype (a ``DtypeRef``: reads look it up as a torch dtype), checked once per dtype."""
+    if dtype is not None and not isinstance(dtype, DtypeRef):
+        raise IndexValueError(f"{ascii(key)}: dtype {ascii(dtype)[:60]} is not a torch dtype")
+    return None if dtype is None else str(dtype)
+
+
+def _items_py(
+    state_dict_metadata: dict,
+    locations: dict,
+    shared: dict,
+    counted: dict,
+    item_class: type[DcpItem],
+    consume: bool,
+    dtype_names: dict,
+) -> dict[str, DcpItem]:
+    """One ``item_class`` per key of ``state_dict_metadata``, with its chunks and their locations; ``consume``
+    empties each key's chunk list once read. The reference of ``_dcp_index.items``."""
+    items: dict[str, DcpItem] = {}
+    for key, item_meta in state_dict_metadata.items():
+        item_fields = _fields(item_meta)
+        chunks_meta = item_fields.get("chunks")
+        if chunks_meta is None:  # BytesStorageMetadata
+            items[key] = item_class(key, "bytes", None, None, [_new_chunk(((), (), locations.get((key, None))))])
+            continue
+        chunks = _chunks_py(chunks_meta, key, shared, counted, locations)
+        if consume:
+            chunks_meta.clear()
+        properties = item_fields.get("properties")
+        # TensorProperties pickles its fields as a tuple (dtype, layout, requires_grad, memory_format, pin)
+        fields = {} if properties is None else _fields(properties)
+        state = fields.get("_ckd_state")
+        dtype = state[0] if isinstance(state, tuple) and state else fields.get("dtype")
+        if dtype not in dtype_names:
+            dtype_names[dtype] = _dtype_name(dtype, key)
+        shape = tuple(item_fields["size"])
+        known = counted.get(shape)
+        if known is None:
+            known = counted[shape] = int64_dims(shape, key, "global shape", True)
+        items[key] = item_class(key, "tensor", dtype_names[dtype], known, chunks)
+    return items
+
+
 _dcp_index: Any
 try:
     from ckptdoctor import _dcp_index
 except ImportError:  # built without a compiler: the Python loops run
     _dcp_index = None
 _locations: Callable[[dict, bool, dict], dict] = _locations_py
-_chunks: Callable[[Any, str, dict, dict, dict], list] = _chunks_py
+_items: Callable[[dict, dict, dict, dict, type[DcpItem], bool, dict], dict[str, DcpItem]] = _items_py
 # check's coverage rule: whether a tensor's chunks are the cells of one grid, each once (C only; None without it)
 grid_tiled_once: Callable[[tuple, list], bool] | None = None
 if _dcp_index is not None:
-    _dcp_index.setup(IndexRecord, _fields, int64_dims, inside_path, DcpChunk, StorageLocation)
-    _locations, _chunks = _dcp_index.locations, _dcp_index.chunks
+    _dcp_index.setup(
+        IndexRecord, IndexTupleStateRecord, _fields, int64_dims, inside_path, _dtype_name, DcpChunk, StorageLocation
+    )
+    _locations, _items = _dcp_index.locations, _dcp_index.items
     grid_tiled_once = _dcp_index.tiles_once
 
 
@@ -192,31 +237,7 @@ def index_items(
     shared: dict[Any, Any] = {}  # one object per distinct offsets tuple or relative path (each checked once)
     counted: dict[tuple, tuple] = {}  # the same for sizes and shapes, whose element count is checked too
     locations = _locations(storage_data, consume, shared)
-    dtype_names: dict[Any, str | None] = {}
-    items: dict[str, DcpItem] = {}
-    for key, item_meta in state_dict_metadata.items():
-        item_fields = _fields(item_meta)
-        chunks_meta = item_fields.get("chunks")
-        if chunks_meta is None:  # BytesStorageMetadata
-            items[key] = item_class(key, "bytes", None, None, [_new_chunk(((), (), locations.get((key, None))))])
-            continue
-        chunks = _chunks(chunks_meta, key, shared, counted, locations)
-        if consume:
-            chunks_meta.clear()
-        properties = item_fields.get("properties")
-        # TensorProperties pickles its fields as a tuple (dtype, layout, requires_grad, memory_format, pin)
-        fields = {} if properties is None else _fields(properties)
-        state = fields.get("_ckd_state")
-        dtype = state[0] if isinstance(state, tuple) and state else fields.get("dtype")
-        if dtype not in dtype_names:
-            if dtype is not None and not isinstance(dtype, DtypeRef):  # reads look its name up as a torch dtype
-                raise IndexValueError(f"{ascii(key)}: dtype {ascii(dtype)[:60]} is not a torch dtype")
-            dtype_names[dtype] = None if dtype is None else str(dtype)
-        shape = tuple(item_fields["size"])
-        known = counted.get(shape)
-        if known is None:
-            known = counted[shape] = int64_dims(shape, key, "global shape", True)
-        items[key] = item_class(key, "tensor", dtype_names[dtype], known, chunks)
+    items = _items(state_dict_metadata, locations, shared, counted, item_class, consume, {})
     if consume:
         state_dict_metadata.clear()
     return items
