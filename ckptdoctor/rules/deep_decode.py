@@ -167,9 +167,13 @@ class _ChunkDecoder:
         self._cache: dict[tuple, _Verdict] = {}
         # parse_archive, or the same validation from a remembered directory layout (archives of equal chunks
         # differ only in CRC-32s: values.archive_memo), imported here so that metadata-only checks never load it
-        from ckptdoctor.values.archive_memo import parse
+        from ckptdoctor.values.archive_memo import parse, plain_pickle
 
         self.parse = parse
+        self.plain_pickle = plain_pickle
+        # (layout, data.pkl, sizes, dtype, pickle limit) -> (start, size) of the storage record of a chunk that
+        # decoded cleanly: a later archive with that directory layout and pickle decodes the same way
+        self.clean: dict[tuple, tuple[int, int]] = {}
 
     def verdict(self, pickled: bytes, entry: Entry, chunk: DcpChunk) -> _Verdict:
         key = (pickled, chunk.sizes, entry.dtype)
@@ -214,6 +218,15 @@ def _check_chunk(
     path: Path,
     non_finite: NonFinite | None = None,
 ) -> Finding | None:
+    found = decoder.plain_pickle(blob)  # the directory of an archive like one decoded before, and its data.pkl
+    key = None
+    if found is not None:
+        key = (id(found[0]), found[1], chunk.sizes, entry.dtype, chunk_limits().max_bytes)
+        clean = decoder.clean.get(key)
+        if clean is not None:  # decodes as that archive did: cleanly, its record at the same place
+            if non_finite is not None:
+                non_finite.scan(entry, chunk, blob[clean[0] : clean[0] + clean[1]], path)
+            return None
     what = f"{entry.key} chunk at {list(chunk.offsets)}"
     try:
         archive = decoder.parse(blob, what)
@@ -234,8 +247,11 @@ def _check_chunk(
             )
         if record.method or archive.general:  # inflate (bounded by what the tensor needs) and check the CRC
             data = archive.read(record.name, verdict.record_bytes)
-        elif non_finite is not None:
-            data = archive.read(record.name, verdict.record_bytes, verify_crc=False)  # a view, no copy
+        else:
+            if non_finite is not None:
+                data = archive.read(record.name, verdict.record_bytes, verify_crc=False)  # a view, no copy
+            if key is not None and len(decoder.clean) < decoder.MAX_VERDICTS:
+                decoder.clean[key] = (record.start, record.size)
         if non_finite is not None:
             non_finite.scan(entry, chunk, data, path)
     except (ArchiveError, PickleLimitError) as exc:

@@ -35,6 +35,8 @@ class Layout:
     prefix: str
     spans: tuple[tuple[int, int], ...]  # (start, end) of every directory byte but the CRC fields, in order
     skeleton: bytes  # those bytes joined
+    pickle: tuple[int, int] = (0, 0)  # (start, size) of data.pkl (stored)
+    byteorder: tuple[int, int] | None = None  # (start, size) of the byteorder record, if any (data: checked each time)
 
     def matches(self, blob: Blob) -> bool:
         """Whether ``blob`` (of this layout's length) has these directory bytes: one join of ~20 slices and one
@@ -103,6 +105,9 @@ def remember(blob: Blob, archive: TorchArchive) -> None:
         local_of[name] = local
         pos += _CDIR.size + name_len + extra_len + comment_len
     prefix = archive.prefix
+    pkl = archive.members.get(f"{prefix}data.pkl")
+    if pkl is None or pkl.name not in local_of:
+        return
     data = f"{prefix}data/"
     records = {name[len(data) :]: (m.start, m.size) for name, m in archive.members.items() if name.startswith(data)}
     read = [f"{prefix}data.pkl", *(f"{data}{key}" for key in records)]
@@ -113,7 +118,17 @@ def remember(blob: Blob, archive: TorchArchive) -> None:
     )
     spans = _spans(size, cd_offset, crcs, headers)
     skeleton = b"".join(bytes(blob[a:b]) for a, b in spans)
-    layout = Layout(headers, records, dict(archive.members), prefix, tuple(spans), skeleton)
+    order = archive.members.get(f"{prefix}byteorder")
+    layout = Layout(
+        headers,
+        records,
+        dict(archive.members),
+        prefix,
+        tuple(spans),
+        skeleton,
+        (pkl.start, pkl.size),
+        None if order is None else (order.start, order.compressed_size),
+    )
     _LAYOUTS[size] = [*known, layout]
     _COUNT[0] += 1
 
@@ -126,6 +141,23 @@ class _Remembered(TorchArchive):
         if verify_crc:
             return parse_archive(self.blob, self.where).read(name, limit, verify_crc)
         return super().read(name, limit, verify_crc=False)
+
+
+def plain_pickle(blob: Blob) -> tuple[Layout, bytes] | None:
+    """(layout, ``data.pkl`` bytes) of an archive whose directory matches a remembered layout and whose byteorder
+    record (data, so checked for every archive, as :class:`TorchArchive` does) says little-endian; None otherwise
+    (the caller then takes :func:`parse`, which reports what is wrong). With the ``data.pkl`` bytes, the chunk's
+    sizes and dtype, the layout decides everything a decode of this archive checks: callers remember their
+    verdict per (layout, pickle, ...) and skip the archive object (a few us a chunk)."""
+    layout = lookup(blob)
+    if layout is None:
+        return None
+    if layout.byteorder is not None:
+        start, size = layout.byteorder
+        if blob[start : start + size] != b"little":
+            return None
+    start, size = layout.pickle
+    return layout, bytes(blob[start : start + size])
 
 
 def parse(blob: Blob, where: str) -> TorchArchive:

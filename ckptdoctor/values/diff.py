@@ -95,12 +95,10 @@ def compare_tensor(
             f"global shapes differ ({list(ea.shape or ())} vs {list(eb.shape or ())})",
         )
     acc = Accumulator(ctx.torch, atol, rtol, report)
-    covered = _twins(a, ea, b, eb, acc, ctx)
-    if covered is None:
-        try:
-            covered = compare_entries(Side(a, ea, "a"), Side(b, eb, "b"), acc, ctx)
-        finally:
-            ctx.preread.clear()
+    try:
+        covered = compare_entries(Side(a, ea, "a"), Side(b, eb, "b"), acc, ctx)
+    finally:
+        ctx.preread.clear()
     size = numel(ea.shape or ())
     note = None
     if covered != size:
@@ -125,31 +123,30 @@ def compare_tensor(
     )
 
 
-def _twins(a: Checkpoint, ea: Entry, b: Checkpoint, eb: Entry, acc: Accumulator, ctx: Context) -> int | None:
+def _twins(a: Checkpoint, ea: Entry, b: Checkpoint, eb: Entry, ctx: Context) -> bool:
     """The most common key of a same-layout diff, without the general walk: one chunk on each side, the same
-    non-empty box and dtype, byte-identical ranges. The elements covered, with the reads, the in-flight bytes
-    and the accumulator accounted as :func:`compare_entries` would; None for any other key (ranges already read
+    non-empty box covering the key, the same dtype, byte-identical ranges. True for such a key (the reads and the
+    in-flight bytes accounted as :func:`compare_entries` would); False for any other key (ranges already read
     are handed to it in ``ctx.preread``, so nothing is read twice)."""
     if len(ea.chunks) != 1 or len(eb.chunks) != 1 or ea.dtype != eb.dtype:
-        return None
+        return False
     ca, cb = ea.chunks[0], eb.chunks[0]
     if ca.storage is None or cb.storage is None or ca.offsets != cb.offsets or ca.sizes != cb.sizes:
-        return None
-    size = numel(ca.sizes)
-    if not size:
-        return None
-    blob = ctx.files.read(a, ca.storage, ea.max_range_bytes(ca))
-    twin = ctx.files.read(b, cb.storage, eb.max_range_bytes(cb))
+        return False
+    if not all(ca.sizes) or tuple(ca.sizes) != tuple(ea.shape or ()) or any(ca.offsets):
+        return False
+    limit = ea.max_range_bytes(ca)  # the same for both: same kind, dtype and sizes
+    blob = ctx.files.read(a, ca.storage, limit)
+    twin = ctx.files.read(b, cb.storage, limit)
     if blob != twin:
         ctx.preread[("a", id(ca))] = blob
         ctx.preread[("b", id(cb))] = twin
-        return None
-    for side, data in (("a", blob), ("b", twin)):
-        ctx.inflight.acquire(len(data))
-        ctx.read.add(side, len(data))
+        return False
+    ctx.inflight.acquire(len(blob) + len(twin))
     ctx.inflight.release(len(blob) + len(twin))
-    acc.elements += size
-    return size
+    ctx.read.add("a", len(blob))
+    ctx.read.add("b", len(twin))
+    return True
 
 
 # --- bytes items ---------------------------------------------------------------------------------------
@@ -209,16 +206,24 @@ def compare_objects(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, ctx: Conte
 # --- driver --------------------------------------------------------------------------------------------
 
 
-def _first_storage(item: Item) -> tuple:
-    for entry in item.entries.values():
-        for chunk in entry.chunks:
-            if chunk.storage is not None:
-                return (chunk.storage.relative_path, chunk.storage.offset)
-    return ("", 0)
-
-
-def _weight(pair: tuple[Item, Item]) -> int:
-    return sum(c.storage.length for item in pair for e in item.entries.values() for c in e.chunks if c.storage)
+def _order(pairs: list[tuple[Item, Item]]) -> tuple[list[tuple[Item, Item]], list[int]]:
+    """The pairs in A's on-disk order (the file and offset of A's first stored chunk; ties in their given order)
+    and their weights (bytes of both sides' chunks), in one pass over the chunks."""
+    keyed = []
+    for index, pair in enumerate(pairs):
+        first: tuple | None = None
+        weight = 0
+        for side, item in enumerate(pair):
+            for entry in item.entries.values():
+                for chunk in entry.chunks:
+                    location = chunk.storage
+                    if location is not None:
+                        weight += location.length
+                        if first is None and not side:
+                            first = (location.relative_path, location.offset)
+        keyed.append((first or ("", 0), index, weight))
+    keyed.sort()
+    return [pairs[i] for _, i, _ in keyed], [w for _, _, w in keyed]
 
 
 def _needs_torch(pair: tuple[Item, Item]) -> bool:
@@ -232,12 +237,53 @@ def _needs_torch(pair: tuple[Item, Item]) -> bool:
 
 @dataclass
 class _Run:
-    """What one run of keys gave: its results, bytes read per side, the most bytes held at once."""
+    """What one run of keys gave: the keys that differ or were not compared (the equal ones only counted, so a
+    worker pickles back little), the largest finite and the non-finite max abs differences, bytes read per side,
+    the most bytes held at once."""
 
-    results: list[ValueDiff]
+    different: list[ValueDiff]
+    skipped: list[ValueDiff]
+    compared: int
+    equal: int
+    top: float | None
+    texts: set[str]
     a: int
     b: int
     peak: int
+
+
+def _compare_run(
+    a: Checkpoint,
+    b: Checkpoint,
+    pairs: list[tuple[Item, Item]],
+    atol: float | None,
+    rtol: float | None,
+    ctx: Context,
+    report: int,
+) -> tuple[list[ValueDiff], int]:
+    """The results of a run of key pairs, less the byte-identical single-chunk tensor keys (:func:`_twins`),
+    which are only counted: each is what :func:`compare_tensor` reports for it (equal, max abs diff 0.0)."""
+    found = []
+    twins = 0
+    for ia, ib in pairs:
+        if ia.kind == KIND_TENSOR == ib.kind:
+            ea, eb = ia.entry, ib.entry
+            if ea.shape == eb.shape and _twins(a, ea, b, eb, ctx):
+                twins += 1
+                continue
+        found.append(_compare_pair(a, b, ia, ib, atol, rtol, ctx, report))
+    return found, twins
+
+
+def _summary(found: list[ValueDiff], twins: int, counter: ReadCounter, peak: int) -> _Run:
+    """A run's results as :class:`_Run`; ``twins`` equal keys (max abs diff 0.0) not in ``found``."""
+    equal = twins + sum(r.equal is True for r in found)
+    different = [r for r in found if r.equal is False]
+    skipped = [r for r in found if r.equal is None]
+    finite_diffs = [r.max_abs_diff for r in found if isinstance(r.max_abs_diff, float)] + [0.0] * bool(twins)
+    texts = {r.max_abs_diff for r in found if isinstance(r.max_abs_diff, str)}
+    top = max(finite_diffs) if finite_diffs else None
+    return _Run(different, skipped, equal + len(different), equal, top, texts, counter.a, counter.b, peak)
 
 
 def compare_values(
@@ -259,20 +305,20 @@ def compare_values(
     from ckptdoctor import dist, parallel
 
     start = time.perf_counter()
-    ordered = sorted(pairs, key=lambda p: _first_storage(p[0]))
-    weights = [_weight(p) for p in ordered]
+    ordered, weights = _order(pairs)
     total = sum(weights)
     jobs = workers or parallel.default_jobs()
     group = dist.group()
     runs = _runs(weights, jobs * (group.world if group else 1) * 4)
     inline = parallel.runs_inline(jobs, len(runs))
     torch = Torch()
-    if not inline and any(_needs_torch(p) for p in ordered):
+    if not inline:
         # once, before the workers fork (each would import it again); with numpy, keys of one dtype are compared
         # as bit patterns and torch is imported only where values differ
         from ckptdoctor.values.read import numpy_or_none
 
-        if numpy_or_none() is None or any(p[0].entry.dtype != p[1].entry.dtype for p in ordered if _needs_torch(p)):
+        numpy = numpy_or_none() is not None
+        if any(_needs_torch(p) for p in ordered if not numpy or p[0].entry.dtype != p[1].entry.dtype):
             torch.get()
 
     def task(index: int) -> _Run:
@@ -282,10 +328,10 @@ def compare_values(
         ctx.files.plan(a, (e for ia, _ in ordered[lo:hi] for e in ia.entries.values()))  # remote: few requests
         ctx.files.plan(b, (e for _, ib in ordered[lo:hi] for e in ib.entries.values()))
         try:
-            found = [_compare_pair(a, b, ia, ib, atol, rtol, ctx, report) for ia, ib in ordered[lo:hi]]
+            found, twins = _compare_run(a, b, ordered[lo:hi], atol, rtol, ctx, report)
         finally:
             ctx.files.close()
-        return _Run(found, counter.a, counter.b, ctx.inflight.peak)
+        return _summary(found, twins, counter, ctx.inflight.peak)
 
     def done(index: int) -> None:
         if progress is not None:
@@ -301,11 +347,10 @@ def compare_values(
         torch.restore()
         if progress is not None:
             progress.finish()
-    results = [r for part in parts for r in part.results]
-    different = sorted((r for r in results if r.equal is False), key=lambda r: r.key)
-    skipped = sorted((r for r in results if r.equal is None), key=lambda r: r.key)
-    finite_diffs = [r.max_abs_diff for r in results if isinstance(r.max_abs_diff, float)]
-    texts = {r.max_abs_diff for r in results if isinstance(r.max_abs_diff, str)}
+    different = sorted((r for part in parts for r in part.different), key=lambda r: r.key)
+    skipped = sorted((r for part in parts for r in part.skipped), key=lambda r: r.key)
+    finite_diffs = [part.top for part in parts if part.top is not None]
+    texts = {t for part in parts for t in part.texts}
     overall: float | str | None = (
         "nan" if "nan" in texts else "inf" if "inf" in texts else (max(finite_diffs) if finite_diffs else None)
     )
@@ -313,8 +358,8 @@ def compare_values(
         mode="tolerance" if atol is not None or rtol is not None else "bitwise",
         atol=atol or 0.0,
         rtol=rtol or 0.0,
-        compared=sum(r.equal is not None for r in results),
-        equal=sum(r.equal is True for r in results),
+        compared=sum(part.compared for part in parts),
+        equal=sum(part.equal for part in parts),
         different=len(different),
         not_compared=len(skipped),
         max_abs_diff=overall,

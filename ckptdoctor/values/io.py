@@ -1,8 +1,7 @@
 """Streaming plumbing for ``diff --values``: kept file descriptors, bytes in flight, progress, lazy torch.
 
-Two workers compare keys concurrently (``os.pread`` and torch release the GIL: on two cores this reads at
-about twice one thread's speed). Memory stays bounded because every chunk held is first reserved in
-:class:`InFlight`, whose cap is a few times the largest chunk, never the checkpoint.
+Each worker (:mod:`ckptdoctor.parallel`: a forked process or a torchrun rank) has its own :class:`Context` and
+compares one key at a time, so memory stays bounded by the chunks of one key; :class:`InFlight` counts them.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.files import open_handle
+from ckptdoctor.formats.remote import RemotePath
 from ckptdoctor.formats.torch_dist import check_range_length
 
 if TYPE_CHECKING:
@@ -47,6 +47,8 @@ class Files:
     def plan(self, ckpt: Checkpoint, entries: Iterable[Entry]) -> None:
         """The chunks about to be read (a run of keys), handed to each file when it is opened: object storage
         then fetches them in few coalesced requests, each range once."""
+        if not isinstance(ckpt.iteration_dir, RemotePath):
+            return  # a local file reads each range with pread: nothing to plan
         for entry in entries:
             for chunk in entry.chunks:
                 if chunk.storage is not None:
@@ -82,29 +84,24 @@ class Files:
 
 
 class InFlight:
-    """Bytes of chunk data held by all workers, capped: a worker waits before reading past the cap.
+    """Bytes of chunk data one worker holds, counted (``peak``: the most at once, reported as ``peak_in_flight``).
 
-    A worker holds at most two chunks at once (one of A, B's cache), so a cap of 3x the largest chunk lets one
-    of two workers always proceed; a request is granted when nothing else is held, so no request waits forever.
+    Each worker (a forked process or torchrun rank, each with its own :class:`Context`) holds one key's chunks at a
+    time, which bounds its memory; this only measures it (``limit`` is kept for callers that pass one).
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int = 1 << 62) -> None:
         self.limit = limit
         self.used = 0
         self.peak = 0
-        self.cond = threading.Condition()
 
     def acquire(self, n: int) -> None:
-        with self.cond:
-            while self.used and self.used + n > self.limit:
-                self.cond.wait()
-            self.used += n
-            self.peak = max(self.peak, self.used)
+        self.used += n
+        if self.used > self.peak:
+            self.peak = self.used
 
     def release(self, n: int) -> None:
-        with self.cond:
-            self.used -= n
-            self.cond.notify_all()
+        self.used -= n
 
 
 class ReadCounter:
@@ -114,16 +111,14 @@ class ReadCounter:
         self.a = 0
         self.b = 0
         self.advance = advance
-        self.lock = threading.Lock()
 
     def add(self, side: str, n: int) -> None:
-        with self.lock:
-            if side == "a":
-                self.a += n
-            else:
-                self.b += n
-            if self.advance is not None:
-                self.advance(n)
+        if side == "a":
+            self.a += n
+        else:
+            self.b += n
+        if self.advance is not None:
+            self.advance(n)
 
 
 class Torch:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError, MissingExtraError
-from ckptdoctor.formats import raw_chunk_ref, torch_dist
+from ckptdoctor.formats import BACKEND_ZARR, raw_chunk_ref, torch_dist
 from ckptdoctor.formats.archive import chunk_limits, parse_archive, storage_ref, unpickle
 from ckptdoctor.formats.torch_zip import load_torch_zip
 from ckptdoctor.rules.non_finite import numpy_or_none
@@ -189,15 +189,39 @@ def read_chunk_view(
 _INTS = {1: "<i1", 2: "<i2", 4: "<i4", 8: "<i8"}  # signed: torch views them back losslessly (from_numpy)
 
 
+_PLAIN: dict[tuple, tuple | None] = {}  # (layout, data.pkl, sizes, dtype, pickle limit) -> _plain_view's answer
+_PLAIN_MAX = 4096
+
+
 def chunk_bits(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: bytes) -> Any | None:
     """One chunk's elements as a numpy array of signed integers of the element's width (their bit patterns),
     shaped like the chunk: a view over ``blob``, no torch, no copy. None wherever this is not the plain case
     (no numpy; not a stored ``torch.save`` record; a view that is not the record's first elements in row-major
     order; an element width other than 1, 2, 4 or 8 bytes; anything :func:`read_chunk_view` would refuse):
-    the caller then decodes the chunk with :func:`read_chunk_view`, which reports what is wrong."""
+    the caller then decodes the chunk with :func:`read_chunk_view`, which reports what is wrong.
+
+    An archive whose directory matches a remembered layout (:func:`archive_memo.plain_pickle`) gets the answer
+    given for the first archive of that layout, ``data.pkl``, sizes and dtype: everything the answer depends on
+    (a few us a chunk instead of the archive object, the pickle read and the checks)."""
     np = numpy_or_none()
     if np is None or chunk.storage is None:
         return None
+    key = None
+    if checkpoint.location.backend != BACKEND_ZARR:
+        found = archive_memo.plain_pickle(blob)
+        if found is not None:
+            key = (id(found[0]), found[1], chunk.sizes, entry.dtype, chunk_limits().max_bytes)
+            if key in _PLAIN:
+                view = _PLAIN[key]
+                return None if view is None else np.frombuffer(blob, view[0], view[1], view[2]).reshape(view[3])
+    view = _plain_view(checkpoint, entry, chunk, blob)
+    if key is not None and len(_PLAIN) < _PLAIN_MAX:
+        _PLAIN[key] = view
+    return None if view is None else np.frombuffer(blob, view[0], view[1], view[2]).reshape(view[3])
+
+
+def _plain_view(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: bytes) -> tuple | None:
+    """(integer dtype, count, record start, shape) of :func:`chunk_bits`'s view, or None (see there)."""
     where = f"{checkpoint.iteration_dir}: {entry.key} chunk at {list(chunk.offsets)}"
     try:
         if raw_chunk_ref(checkpoint.location.backend, entry.dtype, chunk.sizes, blob, where) is not None:
@@ -223,4 +247,4 @@ def chunk_bits(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: byte
         if size != 1 and gap != step:
             return None
         step *= size
-    return np.frombuffer(blob, dtype=kind, count=count, offset=record.start).reshape(shape)
+    return kind, count, record.start, tuple(shape)

@@ -32,6 +32,7 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.torch_dist import chunk_overlap
 from ckptdoctor.values.accumulate import Accumulator, Different
 from ckptdoctor.values.io import Context
+from ckptdoctor.values.read import chunk_bits, numpy_or_none, read_chunk_view
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -125,8 +126,6 @@ def _blob(side: Side, chunk: DcpChunk, ctx: Context) -> bytes:
 
 
 def _view(side: Side, chunk: DcpChunk, blob: bytes) -> Any:
-    from ckptdoctor.values.read import read_chunk_view
-
     return read_chunk_view(side.ckpt, side.entry, chunk, blob, side.verify_crc)[0]
 
 
@@ -134,8 +133,6 @@ def _bits(side: Side, chunk: DcpChunk, blob: bytes) -> Any | None:
     """The chunk's bit patterns as a numpy array (values.read.chunk_bits), or None: decode it with torch."""
     if side.verify_crc:  # strip-frozen --base: every record's CRC checked, by the torch path
         return None
-    from ckptdoctor.values.read import chunk_bits
-
     return chunk_bits(side.ckpt, side.entry, chunk, blob)
 
 
@@ -183,26 +180,29 @@ class _Key:
         else:
             self.acc.update(fine, coarse, origin)
 
-    @contextmanager
-    def _fine(self, j: int) -> Iterator[bytes]:
-        """Fine chunk ``j``'s bytes: from the cache, or read now (and cached while later chunks need it; else
-        released when the block ends)."""
+    def _take(self, j: int) -> tuple[bytes, int]:
+        """Fine chunk ``j``'s bytes, from the cache or read now (and cached while later chunks need it), and the
+        bytes the caller releases from the in-flight count when done with them (0 when they stay cached)."""
         self.uses[j] -= 1
         hit = self.cache.pop(j, None)
         if hit is None:
             blob = _blob(self.fine, self.fine_chunks[j], self.ctx)
             hit = (blob, len(blob))
-        release = 0
         if self.uses[j] > 0:
             self.cache[j] = hit
             while sum(n for _, n in self.cache.values()) > self.cache_limit and len(self.cache) > 1:
                 self.ctx.inflight.release(self.cache.popitem(last=False)[1][1])  # read again if needed
-        else:
-            release = hit[1]
+            return hit[0], 0
+        return hit
+
+    @contextmanager
+    def _fine(self, j: int) -> Iterator[bytes]:
+        """:meth:`_take` as a block: the bytes released from the in-flight count when it ends."""
+        blob, release = self._take(j)
         try:
-            yield hit[0]
+            yield blob
         finally:
-            del hit
+            del blob
             self.ctx.inflight.release(release)
 
     def _chunk(self, chunk: DcpChunk, js: list[int], disjoint: bool) -> None:
@@ -262,8 +262,6 @@ class _Key:
         mine, theirs = _bits(self.coarse, chunk, blob), _bits(self.fine, other, twin)
         if mine is None or theirs is None or mine.dtype != theirs.dtype:
             return False
-        from ckptdoctor.values.read import numpy_or_none
-
         return bool(numpy_or_none().array_equal(mine, theirs))
 
     def _tiled_bits(self, chunk: DcpChunk, blob: bytes, regions: list) -> bool:
@@ -274,22 +272,25 @@ class _Key:
         values = _bits(self.coarse, chunk, blob)
         if values is None:
             return False
-        from ckptdoctor.values.read import numpy_or_none
-
         np = numpy_or_none()
         buffer = np.empty(values.shape, dtype=values.dtype)
         self.ctx.inflight.acquire(buffer.nbytes)
         self.held += buffer.nbytes
         for j, region in regions:
-            if region is not None:
-                with self._fine(j) as fine:
-                    bits = _bits(self.fine, self.fine_chunks[j], fine)
-                    if bits is None or bits.dtype != values.dtype:  # an irregular chunk: its torch view's bits
-                        torch = self.ctx.torch.get()
-                        view = _view(self.fine, self.fine_chunks[j], fine)[region[1]]
-                        buffer[region[0]] = view.contiguous().view(_torch_int(torch, buffer.itemsize)).numpy()
-                    else:
-                        buffer[region[0]] = bits[region[1]]
+            if region is None:
+                continue
+            fine, release = self._take(j)
+            try:
+                bits = _bits(self.fine, self.fine_chunks[j], fine)
+                if bits is None or bits.dtype != values.dtype:  # an irregular chunk: its torch view's bits
+                    torch = self.ctx.torch.get()
+                    view = _view(self.fine, self.fine_chunks[j], fine)[region[1]]
+                    buffer[region[0]] = view.contiguous().view(_torch_int(torch, buffer.itemsize)).numpy()
+                else:
+                    buffer[region[0]] = bits[region[1]]
+            finally:
+                del fine
+                self.ctx.inflight.release(release)
         if np.array_equal(values, buffer):
             self.acc.elements += values.size
             return True
