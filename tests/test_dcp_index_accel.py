@@ -23,7 +23,7 @@ from ckptdoctor import safe_pickle
 from ckptdoctor.formats import dcp_index
 from ckptdoctor.formats.dcp_index import DcpItem
 from ckptdoctor.formats.torch_dist import record_attr
-from ckptdoctor.stand_ins import IndexRecord
+from ckptdoctor.stand_ins import IndexRecord, Record
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 METADATA = sorted(FIXTURES.glob("*/iter_*/.metadata"))
@@ -127,9 +127,11 @@ def _mutate(rng: random.Random, state_dict_metadata: dict, storage_data: dict) -
                 if isinstance(index, IndexRecord):
                     twin = type(index)()
                     twin.append(dict(_state(index) or {}))
-                else:  # a faithful record: a second object of its class with the same state
+                elif isinstance(index, Record):  # a faithful record: a second one of its class, same state
                     twin = object.__new__(type(index))
                     twin.__dict__.update(_state(index) or {})
+                else:  # already replaced by something else
+                    break
                 storage_data[twin] = info
                 break
     else:  # a record replaced by something else
@@ -139,7 +141,8 @@ def _mutate(rng: random.Random, state_dict_metadata: dict, storage_data: dict) -
 
 def _owner(state_dict_metadata: dict, chunk: Any) -> Any:
     for item in state_dict_metadata.values():
-        if any(c is chunk for c in (_state(item) or {}).get("chunks") or ()):
+        chunks = (_state(item) or {}).get("chunks")
+        if isinstance(chunks, list) and any(c is chunk for c in chunks):
             return item
     raise AssertionError("chunk without an owner")
 
