@@ -599,8 +599,258 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
     }
 }
 
+/* ---- memo pruning -------------------------------------------------------------------------------------
+ *
+ * prune_memo(data) returns the pickle with the memo writes (MEMOIZE, BINPUT, LONG_BINPUT) whose entry is never
+ * read dropped and the others and the reads (BINGET, LONG_BINGET) renumbered, or None where it leaves the bytes
+ * as they are. The C unpickler keeps every
+ * memoized object alive until load() returns (DCP's pickler memoizes every dict, tuple and string: ~15 entries
+ * per chunk of a .metadata, of which a few hundred are ever read), so the pruned pickle builds the same objects
+ * in less memory: those that the result does not hold are freed as the load goes.
+ *
+ * The pruned pickle performs the same operations on the same objects in the same order as the original, so it
+ * builds the same object graph or fails at the same operation, with the same exception. It is made only where
+ * that is certain; otherwise the answer is None:
+ * - the memo is written by MEMOIZE (which numbers entries by count) and by BINPUT / LONG_BINPUT of the index
+ *   MEMOIZE would use (as Python's picklers write them: the protocol 2 pickles torch.save and ckptdoctor write),
+ *   never by the text PUT, never out of sequence; no text GET; every read names an entry already made;
+ * - a memo write is dropped only when the opcode before it (past FRAMEs and other MEMOIZEs) pushes an object:
+ *   there it cannot fail (a memo write on an empty stack or at a MARK is an error the pruned pickle must keep);
+ * - every opcode, its argument included, lies within one frame or outside all frames, frames do not nest or
+ *   run past the data, and the pickle ends at a STOP (outside a frame or at the end of its frame): the C
+ *   unpickler reads a frame into its buffer and an opcode that straddles a frame's end would be read otherwise.
+ *   Frames keep their place, their lengths are those of what they keep. Bytes after the STOP are not copied
+ *   (only for a caller that reads one pickle and not where it ends).
+ * The output is never longer than the input: a read (a BINPUT) of rank r < 256 is a BINGET (a BINPUT), else a
+ * LONG_BINGET (a LONG_BINPUT); a MEMOIZE stays a MEMOIZE. */
+
+typedef struct {
+    uint64_t *bits; /* memo entries kept: read somewhere, or a MEMOIZE that is not safe to drop */
+    Py_ssize_t n_words;
+} Bitmap;
+
+static int bitmap_set(Bitmap *b, Py_ssize_t i) {
+    Py_ssize_t word = i >> 6;
+    if (word >= b->n_words) {
+        Py_ssize_t n = b->n_words ? b->n_words : 64;
+        while (n <= word) n *= 2;
+        uint64_t *bits = PyMem_Realloc(b->bits, (size_t)n * sizeof(uint64_t));
+        if (bits == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memset(bits + b->n_words, 0, (size_t)(n - b->n_words) * sizeof(uint64_t));
+        b->bits = bits;
+        b->n_words = n;
+    }
+    b->bits[word] |= (uint64_t)1 << (i & 63);
+    return 0;
+}
+
+static unsigned popcount64(uint64_t x) {
+    x = x - ((x >> 1) & 0x5555555555555555ULL);
+    x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+    x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
+    return (unsigned)((x * 0x0101010101010101ULL) >> 56);
+}
+
+static int bit_is_set(const Bitmap *b, Py_ssize_t i) {
+    Py_ssize_t word = i >> 6;
+    return word < b->n_words && ((b->bits[word] >> (i & 63)) & 1);
+}
+
+enum { OP_PLAIN, OP_PUSHES, OP_MEMOIZE, OP_PUT, OP_GET, OP_FRAME, OP_STOP, OP_REFUSE };
+
+/* The class of opcode op at buf[p] and where it ends (past its argument), as the unpickler reads it; OP_REFUSE
+ * for what pruning leaves alone (memo writes with indices, text reads, invalid opcodes, damaged arguments). */
+static int prune_op(const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_ssize_t *end) {
+    unsigned char op = buf[p++];
+    Py_ssize_t width = 0; /* a fixed argument */
+    int lenw = 0;         /* the width of a length prefix */
+    int lines = 0;        /* text arguments, each ending at a newline */
+    int kind = OP_PUSHES;
+    switch (op) {
+        case 0x94: kind = OP_MEMOIZE; break;
+        case 'h': kind = OP_GET; width = 1; break;
+        case 'j': kind = OP_GET; width = 4; break;
+        case 'q': kind = OP_PUT; width = 1; break;
+        case 'r': kind = OP_PUT; width = 4; break;
+        case 0x95: kind = OP_FRAME; width = 8; break;
+        case '.': kind = OP_STOP; break;
+        case 0x80: kind = OP_PLAIN; width = 1; break; /* PROTO */
+        case '(': case '0': case '1': case 's': case 'u': case 'a': case 'e': case 0x90:
+            kind = OP_PLAIN; /* MARK, POP, POP_MARK, and the item assignments: no MEMOIZE is dropped after them */
+            break;
+        case 'N': case 0x88: case 0x89: case ']': case '}': case 0x8f: case ')': case 0x85: case 0x86: case 0x87:
+        case 't': case 'l': case 'd': case 0x91: case 'b': case 'R': case 0x81: case 0x92: case 0x93: case '2':
+        case 'Q': case 'o':
+            break;
+        case 'K': width = 1; break;
+        case 'M': width = 2; break;
+        case 'J': width = 4; break;
+        case 'G': width = 8; break;
+        case 'U': case 'C': case 0x8c: case 0x8a: lenw = 1; break;
+        case 'B': case 'X': lenw = 4; break;
+        case 'T': case 0x8b: lenw = -4; break; /* signed: a negative length is an error */
+        case 0x8e: case 0x8d: case 0x96: lenw = 8; break;
+        case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': lines = 1; break;
+        case 'c': case 'i': lines = 2; break;
+        default: return OP_REFUSE; /* the text PUT and GET, EXT*, buffers, invalid opcodes */
+    }
+    if (lenw != 0) {
+        Py_ssize_t w = lenw < 0 ? -lenw : lenw;
+        if (w > size - p) return OP_REFUSE;
+        uint64_t length = w == 1 ? buf[p] : w == 4 ? read_u32(buf + p) : read_u64(buf + p);
+        if (lenw < 0 && length > INT32_MAX) return OP_REFUSE;
+        p += w;
+        if (length > (uint64_t)(size - p)) return OP_REFUSE;
+        p += (Py_ssize_t)length;
+    } else if (width > size - p) {
+        return OP_REFUSE;
+    } else {
+        p += width;
+    }
+    for (; lines > 0; lines--) {
+        const unsigned char *nl = p < size ? memchr(buf + p, '\n', (size_t)(size - p)) : NULL;
+        if (nl == NULL) return OP_REFUSE;
+        p = (Py_ssize_t)(nl - buf) + 1;
+    }
+    *end = p;
+    return kind;
+}
+
+/* The first pass: which entries to keep (into kept) and where the pickle ends (*stop_end); 1 to prune,
+ * 0 to leave the bytes alone, -1 with a Python error set. */
+static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, Py_ssize_t *n_memo,
+                      Py_ssize_t *stop_end) {
+    Py_ssize_t p = 0, frame_end = -1, memo = 0;
+    int pushed = 0; /* the last opcode (FRAMEs and MEMOIZEs aside) leaves an object on the stack */
+    while (p < size) {
+        Py_ssize_t end;
+        int kind = prune_op(buf, size, p, &end);
+        if (kind == OP_REFUSE) return 0;
+        if (frame_end >= 0 && end > frame_end) return 0; /* straddles the end of its frame */
+        switch (kind) {
+            case OP_PUT: /* BINPUT, LONG_BINPUT: only of the next index (a MEMOIZE) */
+                if ((end - p == 2 ? buf[p + 1] : read_u32(buf + p + 1)) != (uint64_t)memo) return 0;
+                /* fall through */
+            case OP_MEMOIZE:
+                if (!pushed && bitmap_set(kept, memo) < 0) return -1;
+                memo++;
+                break;
+            case OP_GET: {
+                uint64_t idx = end - p == 2 ? buf[p + 1] : read_u32(buf + p + 1);
+                if (idx >= (uint64_t)memo) return 0; /* a read of an entry not yet made: an error, left alone */
+                if (bitmap_set(kept, (Py_ssize_t)idx) < 0) return -1;
+                pushed = 1;
+                break;
+            }
+            case OP_FRAME: {
+                if (frame_end >= 0) return 0;
+                uint64_t length = read_u64(buf + p + 1);
+                if (length > (uint64_t)(size - end)) return 0;
+                frame_end = end + (Py_ssize_t)length;
+                break;
+            }
+            case OP_STOP:
+                if (frame_end >= 0 && end != frame_end) return 0;
+                *n_memo = memo;
+                *stop_end = end;
+                return 1;
+            default:
+                pushed = kind == OP_PUSHES;
+        }
+        p = end;
+        if (p == frame_end) frame_end = -1;
+    }
+    return 0; /* no STOP */
+}
+
+static PyObject *prune_memo(PyObject *Py_UNUSED(module), PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *buf = view.buf;
+    Py_ssize_t size = view.len, n_memo = 0, stop_end = 0;
+    Bitmap kept = {NULL, 0};
+    uint32_t *rank = NULL; /* kept entries below each word of the bitmap */
+    PyObject *out = NULL;
+    int plan = prune_plan(buf, size, &kept, &n_memo, &stop_end);
+    if (plan <= 0) goto done;
+    Py_ssize_t n_words = (n_memo + 63) >> 6, n_kept = 0;
+    rank = PyMem_Malloc((size_t)(n_words ? n_words : 1) * sizeof(uint32_t));
+    if (rank == NULL) {
+        PyErr_NoMemory();
+        plan = -1;
+        goto done;
+    }
+    for (Py_ssize_t w = 0; w < n_words; w++) {
+        rank[w] = (uint32_t)n_kept;
+        n_kept += w < kept.n_words ? popcount64(kept.bits[w]) : 0;
+    }
+    if (n_kept == n_memo) { /* nothing to drop */
+        plan = 0;
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, stop_end);
+    if (out == NULL) {
+        plan = -1;
+        goto done;
+    }
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+    Py_ssize_t p = 0, q = 0, frame_end = -1, frame_len_at = 0, memo = 0;
+    while (p < stop_end) {
+        Py_ssize_t end;
+        int kind = prune_op(buf, size, p, &end); /* the first pass read every opcode up to the STOP */
+        if (kind == OP_MEMOIZE || kind == OP_PUT || kind == OP_GET) {
+            Py_ssize_t idx = kind == OP_MEMOIZE ? memo : end - p == 2 ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1);
+            if (kind != OP_GET) memo++;
+            if (bit_is_set(&kept, idx)) { /* a read, or a write that is kept: renumbered */
+                uint64_t below = kept.bits[idx >> 6] & ((((uint64_t)1) << (idx & 63)) - 1);
+                uint32_t r = rank[idx >> 6] + popcount64(below);
+                if (kind == OP_MEMOIZE) {
+                    o[q++] = 0x94;
+                } else if (r < 256) {
+                    o[q++] = kind == OP_GET ? 'h' : 'q';
+                    o[q++] = (unsigned char)r;
+                } else {
+                    o[q++] = kind == OP_GET ? 'j' : 'r';
+                    for (int i = 0; i < 4; i++) o[q++] = (unsigned char)(r >> (8 * i));
+                }
+            }
+        } else {
+            memcpy(o + q, buf + p, (size_t)(end - p));
+            q += end - p;
+            if (kind == OP_FRAME) {
+                frame_end = end + (Py_ssize_t)read_u64(buf + p + 1);
+                frame_len_at = q - 8;
+            }
+        }
+        p = end;
+        if (p == frame_end) { /* the frame's new length: what it kept */
+            uint64_t length = (uint64_t)(q - frame_len_at - 8);
+            for (int i = 0; i < 8; i++) o[frame_len_at + i] = (unsigned char)(length >> (8 * i));
+            frame_end = -1;
+        }
+    }
+    if (_PyBytes_Resize(&out, q) < 0) plan = -1;
+done:
+    PyMem_Free(kept.bits);
+    PyMem_Free(rank);
+    PyBuffer_Release(&view);
+    if (plan < 0) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    if (plan == 0) {
+        Py_XDECREF(out);
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "The pickle pre-pass (see ckptdoctor.pickle_scan); None, (kind, message) or -1."},
+    {"prune_memo", prune_memo, METH_O, "The pickle without its unread memo entries, or None (see the C source)."},
     {NULL, NULL, 0, NULL},
 };
 

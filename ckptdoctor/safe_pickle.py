@@ -27,6 +27,12 @@ from ckptdoctor.torch_stand_ins import StorageRef
 
 __all__ = ["SafeUnpickler", "dumps", "dumps_taken", "loads", "loads_prefix"]
 
+_prune_memo: Callable[[bytes | bytearray | memoryview], bytes | None] | None
+try:  # built with the C pre-pass (ckptdoctor/_pickle_scan.c); without it, pickles are read as they are
+    from ckptdoctor._pickle_scan import prune_memo as _prune_memo
+except ImportError:
+    _prune_memo = None
+
 # How plain pickle writes a torch storage: torch's own loader, or the one megatron-core (0.19: its __init__)
 # puts in its place, which a pickle made in a process that imported megatron.core names instead.
 _LOAD_FROM_BYTES = frozenset(
@@ -91,8 +97,13 @@ def loads(
     and ``torch.Size`` are built lighter, for a result that is read and dropped, never written back.
     ``_ours`` (only :func:`_verify_written`): a pickle :func:`dumps` just made, whose shape is bounded by the
     pickler that wrote it; the resource pre-pass is skipped, never the allowlist.
+
+    Where the C extension is built, the unpickler reads the pickle without its unread memo entries
+    (``prune_memo`` in ``ckptdoctor/_pickle_scan.c``, after the pre-pass has checked the original): the same
+    objects, or the same failure, in less memory. A DCP ``.metadata`` memoizes ~15 objects per chunk and reads a
+    few hundred in all; the C unpickler would keep every memoized object alive until the load returns.
     """
-    return _load(data, persistent_load, limits, unlisted, index_only, _ours)[0]
+    return _load(data, persistent_load, limits, unlisted, index_only, _ours, prune=True)[0]
 
 
 def loads_prefix(
@@ -115,9 +126,15 @@ def _load(
     index_only: bool,
     ours: bool,
     nested_saves: list[bytes] | None = None,
+    prune: bool = False,
 ) -> tuple[Any, int]:
+    """The object and where its pickle ends in ``data`` (not where ``prune`` dropped memo opcodes)."""
     if not ours:
         scan(data, limits, hash_safe_global)  # the first pickle only: the scan stops at its STOP
+    if prune and _prune_memo is not None:
+        pruned = _prune_memo(data)  # None: left as it is (no memo entry to drop, or not certain to be exact)
+        if pruned is not None:
+            data = pruned
     stream = io.BytesIO(data)
     unpickler = SafeUnpickler(stream, persistent_load, index_only, nested_saves)
     try:
