@@ -247,47 +247,55 @@ def diff_checkpoints(
     items_a = {k: v for k, v in all_a.items() if key_filter.accepts(v)}
     items_b = {k: v for k, v in all_b.items() if key_filter.accepts(v)}
     era_common = a.location.has_common_pt != b.location.has_common_pt
-    sections, changed, layout_changes, both = compare_keys(items_a, items_b, era_common, limit)
-    layout_a, saved_a = _layout_dict(a)
-    layout_b, saved_b = _layout_dict(b)
-    summary_line = f"A: {saved_a.summary()}  B: {saved_b.summary()}"
-    layout = LayoutDiff(
-        saved_a.summary(),
-        saved_b.summary(),
-        summary_line,
-        bool(layout_changes) or saved_a.summary() != saved_b.summary(),
-        len(layout_changes),
-        layout_changes if limit is None else layout_changes[:limit],
-    )
-    args_diff = common = None
-    if key_filter.includes_common_state:
-        args_diff = compare_args(saved_a, saved_b, args_as_dict(a.args), args_as_dict(b.args), ignore_args)
-        common = compare_common(a, b, era_common)
-    report = DiffReport(
-        schema=SCHEMA,
-        a=_side(a, layout_a, len(all_a)),
-        b=_side(b, layout_b, len(all_b)),
-        filters={
-            "sections": list(key_filter.sections),
-            "keys": list(key_filter.keys),
-            "exclude": list(key_filter.exclude),
-        },
-        limit=limit,
-        keys=sections,
-        changed=changed if limit is None else changed[:limit],
-        layout=layout,
-        args=args_diff,
-        common=common,
-        era=era_notes(a, b),
-        ignored={"layout": ignore_layout, "args": list(ignore_args)},
-    )
+    parts: list = []
+
+    def structure() -> None:  # everything but the values; run while value workers read (compare_values)
+        sections, changed, layout_changes, _ = compare_keys(items_a, items_b, era_common, limit)
+        layout_a, saved_a = _layout_dict(a)
+        layout_b, saved_b = _layout_dict(b)
+        summary_line = f"A: {saved_a.summary()}  B: {saved_b.summary()}"
+        layout = LayoutDiff(
+            saved_a.summary(),
+            saved_b.summary(),
+            summary_line,
+            bool(layout_changes) or saved_a.summary() != saved_b.summary(),
+            len(layout_changes),
+            layout_changes if limit is None else layout_changes[:limit],
+        )
+        args_diff = common = None
+        if key_filter.includes_common_state:
+            args_diff = compare_args(saved_a, saved_b, args_as_dict(a.args), args_as_dict(b.args), ignore_args)
+            common = compare_common(a, b, era_common)
+        report = DiffReport(
+            schema=SCHEMA,
+            a=_side(a, layout_a, len(all_a)),
+            b=_side(b, layout_b, len(all_b)),
+            filters={
+                "sections": list(key_filter.sections),
+                "keys": list(key_filter.keys),
+                "exclude": list(key_filter.exclude),
+            },
+            limit=limit,
+            keys=sections,
+            changed=changed if limit is None else changed[:limit],
+            layout=layout,
+            args=args_diff,
+            common=common,
+            era=era_notes(a, b),
+            ignored={"layout": ignore_layout, "args": list(ignore_args)},
+        )
+        parts.extend((report, sections, changed, layout_changes, args_diff, common, layout))
+
+    values_report = None
     if values:
         from ckptdoctor.values.diff import compare_values
 
+        # compare_keys' keys in both, in its order
+        both = [k for k in sorted(items_a.keys() & items_b.keys()) if not (era_common and is_common_state_item(k))]
         comparable = [
             (items_a[k], items_b[k]) for k in both if not (is_common_state_item(k) and items_a[k].kind != KIND_TENSOR)
         ]
-        report.values = compare_values(
+        values_report = compare_values(
             a,
             b,
             comparable,
@@ -297,7 +305,12 @@ def diff_checkpoints(
             progress=progress,
             workers=jobs,
             report=report_mismatches,
+            meanwhile=structure,
         )
+    else:
+        structure()
+    report, sections, changed, layout_changes, args_diff, common, layout = parts
+    report.values = values_report
     report.summary = {
         "only_a": sum(s.only_a.count for s in sections.values()),
         "only_b": sum(s.only_b.count for s in sections.values()),

@@ -17,17 +17,18 @@ how the work was split (only ``seconds``, ``workers`` and ``peak_in_flight`` mea
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.diff_items import KIND_TENSOR, Item
 from ckptdoctor.progress import Progress
 from ckptdoctor.values.accumulate import SLAB_ELEMENTS, Accumulator, finite
 from ckptdoctor.values.io import Context, InFlight, ReadCounter, Torch
+from ckptdoctor.values.objects import compare_objects
+from ckptdoctor.values.report import ValueDiff, ValuesReport
 from ckptdoctor.values.tensor import Side, compare_entries, numel
 
 if TYPE_CHECKING:
@@ -35,41 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SLAB_ELEMENTS", "Accumulator", "ValueDiff", "ValuesReport", "compare_values"]
 _Accumulator = Accumulator  # the name earlier tests import
-
-
-@dataclass
-class ValueDiff:
-    key: str
-    section: str
-    kind: str  # "tensor" | "object" | "bytes"
-    equal: bool | None  # None: not compared (see note)
-    max_abs_diff: float | str | None  # "inf"/"nan" where not finite; None for bytes items
-    mismatched: int | None  # elements not equal (bitwise) or not within tolerance
-    elements: int | None
-    note: str | None = None
-    sha256_a: str | None = None  # bytes items with one shard
-    sha256_b: str | None = None
-    max_rel_diff: float | str | None = None  # tensors: max |a - b| / |b| over differing elements (inf where b = 0)
-    norm_diff: float | str | None = None  # tensors: L2 norm of a - b (NaN positions left out)
-    mismatches: list[dict] | None = None  # --report N: first N mismatching elements {index, a, b} (global index)
-
-
-@dataclass
-class ValuesReport:
-    mode: str  # "bitwise" | "tolerance"
-    atol: float
-    rtol: float
-    compared: int
-    equal: int
-    different: int
-    not_compared: int
-    max_abs_diff: float | str | None
-    bytes_read: dict
-    seconds: float
-    workers: int
-    peak_in_flight: int  # most chunk bytes one worker held at once, about 3x the largest chunk
-    different_keys: list[ValueDiff] = field(default_factory=list)
-    not_compared_keys: list[ValueDiff] = field(default_factory=list)
 
 
 def compare_tensor(
@@ -147,60 +113,6 @@ def _twins(a: Checkpoint, ea: Entry, b: Checkpoint, eb: Entry, ctx: Context) -> 
     ctx.read.add("a", len(blob))
     ctx.read.add("b", len(twin))
     return True
-
-
-# --- bytes items ---------------------------------------------------------------------------------------
-
-
-def compare_objects(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, ctx: Context) -> ValueDiff:
-    if sorted(ia.entries) != sorted(ib.entries):
-        return ValueDiff(
-            ia.key,
-            ia.section,
-            ia.kind,
-            None,
-            None,
-            None,
-            None,
-            f"sharded differently (A: {ia.grid_summary()}, B: {ib.grid_summary()}): layout, values not compared",
-        )
-    hashes: dict[str, tuple[str, str]] = {}
-    differing: list[str] = []
-    for suffix in sorted(ia.entries):
-        digests = []
-        for side, ckpt, item in (("a", a, ia), ("b", b, ib)):
-            location = item.entries[suffix].chunks[0].storage if item.entries[suffix].chunks else None
-            if location is None:
-                raise CkptError(f"{ckpt.iteration_dir}: item {item.entries[suffix].key}: no storage entry")
-            entry = item.entries[suffix]
-            # small items: not counted against the in-flight cap
-            data = ctx.files.read(ckpt, location, entry.max_range_bytes(entry.chunks[0]))
-            ctx.read.add(side, len(data))
-            digests.append(hashlib.sha256(data).hexdigest())
-        hashes[suffix] = (digests[0], digests[1])
-        if digests[0] != digests[1]:
-            differing.append(suffix)
-    single = hashes[next(iter(hashes))] if len(hashes) == 1 else (None, None)
-    if not differing:
-        return ValueDiff(ia.key, ia.section, ia.kind, True, None, None, None, None, *single)
-    decoded_equal = True
-    reason = None
-    for suffix in differing:
-        key_a, key_b = ia.entries[suffix].key, ib.entries[suffix].key
-        try:
-            if a.read_bytes_item(key_a) != b.read_bytes_item(key_b):
-                decoded_equal = False
-                break
-        except CkptError as exc:
-            decoded_equal, reason = False, f"cannot decode to compare objects: {exc}"
-            break
-    n = len(differing)
-    what = f"{n} of {len(hashes)} shard{'s' if len(hashes) != 1 else ''}"
-    if decoded_equal:
-        note = f"serialized bytes differ in {what}, decoded objects are equal"
-    else:
-        note = reason or f"bytes and decoded objects differ in {what}"
-    return ValueDiff(ia.key, ia.section, ia.kind, decoded_equal, None, None, None, note, *single)
 
 
 # --- driver --------------------------------------------------------------------------------------------
@@ -296,11 +208,16 @@ def compare_values(
     progress: Progress | None = None,
     workers: int | None = None,
     report: int = 0,
+    meanwhile: Callable[[], None] | None = None,
 ) -> ValuesReport:
     """Values of the key pairs (same logical key in A and B), in A's on-disk order for sequential reads.
 
     ``workers`` processes (default: the available cores; see :mod:`ckptdoctor.parallel`) compare runs of keys
     of about equal bytes; under torchrun the runs are shared among the ranks.
+
+    ``meanwhile``: the caller's other work (``diff``'s structural comparison), run once in this process: while
+    the forked workers read (after the first run is back), else (one process, torchrun) before reading. Its
+    errors come first either way: when a run fails before it has run, it runs, and its error is the one raised.
     """
     from ckptdoctor import dist, parallel
 
@@ -333,20 +250,33 @@ def compare_values(
             ctx.files.close()
         return _summary(found, twins, counter, ctx.inflight.peak)
 
+    pending = [meanwhile] if meanwhile is not None else []
+
+    def run_meanwhile() -> None:
+        if pending:
+            pending.pop()()
+
     def done(index: int) -> None:
+        run_meanwhile()
         if progress is not None:
             progress.advance(sum(weights[runs[index][0] : runs[index][1]]))
 
+    if inline or group is not None:  # torchrun: every rank has run it before the ranks exchange results
+        before = time.perf_counter()
+        run_meanwhile()
+        start += time.perf_counter() - before  # not part of the values' seconds
     if progress is not None:
         progress.start("reading values", total)
     try:
-        parts = parallel.map_units(
-            [sum(weights[lo:hi]) for lo, hi in runs], task, jobs, None if inline or progress is None else done
-        )
+        parts = parallel.map_units([sum(weights[lo:hi]) for lo, hi in runs], task, jobs, None if inline else done)
+    except Exception:
+        run_meanwhile()  # raises first what it would have raised had it run before the values
+        raise
     finally:
         torch.restore()
         if progress is not None:
             progress.finish()
+    run_meanwhile()  # not run yet: no run came back (no pairs)
     different = sorted((r for part in parts for r in part.different), key=lambda r: r.key)
     skipped = sorted((r for part in parts for r in part.skipped), key=lambda r: r.key)
     finite_diffs = [part.top for part in parts if part.top is not None]
