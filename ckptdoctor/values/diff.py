@@ -235,7 +235,7 @@ def compare_values(
         from ckptdoctor.values.read import numpy_or_none
 
         numpy = numpy_or_none() is not None
-        if any(_needs_torch(p) for p in ordered if not numpy or p[0].entry.dtype != p[1].entry.dtype):
+        if any(_needs_torch(p) for p in ordered if not numpy or p[0].dtype != p[1].dtype):  # a tensor's dtype
             torch.get()
 
     def task(index: int) -> _Run:
