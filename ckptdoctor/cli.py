@@ -44,9 +44,12 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
     __version__,
     "--version",
     prog_name="ckptdoctor",
-    # Which pickle pre-pass runs: the C extension is optional (built at install where a compiler was found).
+    # Which pickle pre-pass and index loops run: the C extensions are optional (built at install where a compiler
+    # was found); without them the Python reference runs.
     message="%(prog)s, version %(version)s (pickle pre-pass: "
     + ("C" if importlib.util.find_spec("ckptdoctor._pickle_scan") else "Python, the C extension was not built")
+    + "; index loops: "
+    + ("C" if importlib.util.find_spec("ckptdoctor._dcp_index") else "Python, the C extension was not built")
     + ")",
 )
 @click.option(
