@@ -766,91 +766,223 @@ static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, P
     return 0; /* no STOP */
 }
 
-static PyObject *prune_memo(PyObject *Py_UNUSED(module), PyObject *arg) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
-    const unsigned char *buf = view.buf;
-    Py_ssize_t size = view.len, n_memo = 0, stop_end = 0;
-    Bitmap kept = {NULL, 0};
-    uint32_t *rank = NULL; /* kept entries below each word of the bitmap */
-    PyObject *out = NULL;
-    int plan = prune_plan(buf, size, &kept, &n_memo, &stop_end);
-    if (plan <= 0) goto done;
-    Py_ssize_t n_words = (n_memo + 63) >> 6, n_kept = 0;
-    rank = PyMem_Malloc((size_t)(n_words ? n_words : 1) * sizeof(uint32_t));
-    if (rank == NULL) {
-        PyErr_NoMemory();
-        plan = -1;
-        goto done;
-    }
-    for (Py_ssize_t w = 0; w < n_words; w++) {
-        rank[w] = (uint32_t)n_kept;
-        n_kept += w < kept.n_words ? popcount64(kept.bits[w]) : 0;
-    }
-    if (n_kept == n_memo) { /* nothing to drop */
-        plan = 0;
-        goto done;
-    }
-    out = PyBytes_FromStringAndSize(NULL, stop_end);
-    if (out == NULL) {
-        plan = -1;
-        goto done;
-    }
-    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
-    Py_ssize_t p = 0, q = 0, frame_end = -1, frame_len_at = 0, memo = 0;
-    while (p < stop_end) {
-        Py_ssize_t end;
-        int kind = prune_op(buf, size, p, &end); /* the first pass read every opcode up to the STOP */
-        if (kind == OP_MEMOIZE || kind == OP_PUT || kind == OP_GET) {
-            Py_ssize_t idx = kind == OP_MEMOIZE ? memo : end - p == 2 ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1);
-            if (kind != OP_GET) memo++;
-            if (bit_is_set(&kept, idx)) { /* a read, or a write that is kept: renumbered */
-                uint64_t below = kept.bits[idx >> 6] & ((((uint64_t)1) << (idx & 63)) - 1);
-                uint32_t r = rank[idx >> 6] + popcount64(below);
-                if (kind == OP_MEMOIZE) {
-                    o[q++] = 0x94;
-                } else if (r < 256) {
-                    o[q++] = kind == OP_GET ? 'h' : 'q';
-                    o[q++] = (unsigned char)r;
-                } else {
-                    o[q++] = kind == OP_GET ? 'j' : 'r';
-                    for (int i = 0; i < 4; i++) o[q++] = (unsigned char)(r >> (8 * i));
-                }
-            }
+/* A pickle being pruned: the plan of prune_plan, and how far the translation got. */
+typedef struct {
+    Py_buffer view; /* the original pickle */
+    Bitmap kept;
+    uint32_t *rank; /* kept entries below each word of the bitmap */
+    Py_ssize_t stop_end, p, memo; /* the end of the pickle (past its STOP); the next opcode; memo writes so far */
+} Pruner;
+
+static void pruner_clear(Pruner *s) {
+    PyMem_Free(s->kept.bits);
+    PyMem_Free(s->rank);
+    s->kept.bits = NULL;
+    s->rank = NULL;
+    if (s->view.obj != NULL) PyBuffer_Release(&s->view);
+}
+
+/* Plan the pruning of data into s: 1 to prune, 0 to leave it alone (s cleared), -1 with a Python error set. */
+static int pruner_init(Pruner *s, PyObject *data) {
+    memset(s, 0, sizeof *s);
+    if (PyObject_GetBuffer(data, &s->view, PyBUF_SIMPLE) < 0) return -1;
+    Py_ssize_t n_memo = 0;
+    int plan = prune_plan(s->view.buf, s->view.len, &s->kept, &n_memo, &s->stop_end);
+    if (plan > 0) {
+        Py_ssize_t n_words = (n_memo + 63) >> 6, n_kept = 0;
+        s->rank = PyMem_Malloc((size_t)(n_words ? n_words : 1) * sizeof(uint32_t));
+        if (s->rank == NULL) {
+            PyErr_NoMemory();
+            plan = -1;
         } else {
-            memcpy(o + q, buf + p, (size_t)(end - p));
-            q += end - p;
-            if (kind == OP_FRAME) {
-                frame_end = end + (Py_ssize_t)read_u64(buf + p + 1);
-                frame_len_at = q - 8;
+            for (Py_ssize_t w = 0; w < n_words; w++) {
+                s->rank[w] = (uint32_t)n_kept;
+                n_kept += w < s->kept.n_words ? popcount64(s->kept.bits[w]) : 0;
             }
-        }
-        p = end;
-        if (p == frame_end) { /* the frame's new length: what it kept */
-            uint64_t length = (uint64_t)(q - frame_len_at - 8);
-            for (int i = 0; i < 8; i++) o[frame_len_at + i] = (unsigned char)(length >> (8 * i));
-            frame_end = -1;
+            if (n_kept == n_memo) plan = 0; /* nothing to drop */
         }
     }
-    if (_PyBytes_Resize(&out, q) < 0) plan = -1;
-done:
-    PyMem_Free(kept.bits);
-    PyMem_Free(rank);
-    PyBuffer_Release(&view);
-    if (plan < 0) {
-        Py_XDECREF(out);
-        return NULL;
+    if (plan <= 0) pruner_clear(s);
+    return plan;
+}
+
+/* The input bytes of the next unit: an opcode outside frames, or a whole frame (prune_plan checked both). */
+static Py_ssize_t unit_length(const Pruner *s) {
+    const unsigned char *buf = s->view.buf;
+    Py_ssize_t end;
+    int kind = prune_op(buf, s->view.len, s->p, &end);
+    return kind == OP_FRAME ? end - s->p + (Py_ssize_t)read_u64(buf + s->p + 1) : end - s->p;
+}
+
+/* Translate the opcode at s->p into o; the bytes written (at most its input length). */
+static Py_ssize_t emit_op(Pruner *s, unsigned char *o) {
+    const unsigned char *buf = s->view.buf;
+    Py_ssize_t p = s->p, end, q = 0;
+    int kind = prune_op(buf, s->view.len, p, &end);
+    s->p = end;
+    if (kind != OP_MEMOIZE && kind != OP_PUT && kind != OP_GET) {
+        memcpy(o, buf + p, (size_t)(end - p));
+        return end - p;
     }
-    if (plan == 0) {
-        Py_XDECREF(out);
+    Py_ssize_t idx = kind == OP_MEMOIZE ? s->memo : end - p == 2 ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1);
+    if (kind != OP_GET) s->memo++;
+    if (!bit_is_set(&s->kept, idx)) return 0; /* a memo write never read: dropped */
+    uint64_t below = s->kept.bits[idx >> 6] & ((((uint64_t)1) << (idx & 63)) - 1);
+    uint32_t r = s->rank[idx >> 6] + popcount64(below);
+    if (kind == OP_MEMOIZE) {
+        o[q++] = 0x94;
+    } else if (r < 256) {
+        o[q++] = kind == OP_GET ? 'h' : 'q';
+        o[q++] = (unsigned char)r;
+    } else {
+        o[q++] = kind == OP_GET ? 'j' : 'r';
+        for (int i = 0; i < 4; i++) o[q++] = (unsigned char)(r >> (8 * i));
+    }
+    return q;
+}
+
+/* Translate the next unit (unit_length input bytes) into o; the bytes written. A frame keeps its place and
+ * gets the length of what it keeps. */
+static Py_ssize_t emit_unit(Pruner *s, unsigned char *o) {
+    const unsigned char *buf = s->view.buf;
+    if (buf[s->p] != 0x95) return emit_op(s, o);
+    Py_ssize_t frame_end = s->p + 9 + (Py_ssize_t)read_u64(buf + s->p + 1), q = 9;
+    o[0] = 0x95;
+    s->p += 9;
+    while (s->p < frame_end) q += emit_op(s, o + q);
+    uint64_t length = (uint64_t)(q - 9);
+    for (int i = 0; i < 8; i++) o[1 + i] = (unsigned char)(length >> (8 * i));
+    return q;
+}
+
+static PyObject *prune_memo(PyObject *Py_UNUSED(module), PyObject *arg) {
+    Pruner s;
+    int plan = pruner_init(&s, arg);
+    if (plan <= 0) {
+        if (plan < 0) return NULL;
         Py_RETURN_NONE;
     }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, s.stop_end);
+    if (out != NULL) {
+        unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+        Py_ssize_t q = 0;
+        while (s.p < s.stop_end) q += emit_unit(&s, o + q);
+        _PyBytes_Resize(&out, q); /* NULL (an error set) if it fails */
+    }
+    pruner_clear(&s);
     return out;
+}
+
+/* PrunedReader(data): a file the unpickler reads the pruned pickle from (read, readline), translated a frame
+ * at a time as it is read: the same bytes as prune_memo(data), without a second copy of the pickle. */
+typedef struct {
+    PyObject_HEAD
+    Pruner s;
+    unsigned char *out; /* translated bytes not yet read: out[pos:len] */
+    Py_ssize_t pos, len, cap;
+} PrunedReader;
+
+static PyTypeObject PrunedReaderType;
+
+static void reader_dealloc(PrunedReader *self) {
+    pruner_clear(&self->s);
+    PyMem_Free(self->out);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Translate one more unit into the buffer; 0, or -1 with a Python error set. */
+static int reader_fill(PrunedReader *self) {
+    Py_ssize_t pending = self->len - self->pos, need = pending + unit_length(&self->s);
+    if (self->pos > 0) {
+        memmove(self->out, self->out + self->pos, (size_t)pending);
+        self->pos = 0;
+        self->len = pending;
+    }
+    if (need > self->cap) {
+        Py_ssize_t cap = self->cap ? self->cap : 1 << 16;
+        while (cap < need) cap *= 2;
+        unsigned char *out = PyMem_Realloc(self->out, (size_t)cap);
+        if (out == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->out = out;
+        self->cap = cap;
+    }
+    self->len += emit_unit(&self->s, self->out + self->len);
+    return 0;
+}
+
+static PyObject *reader_take(PrunedReader *self, Py_ssize_t n) {
+    PyObject *out = PyBytes_FromStringAndSize((const char *)self->out + self->pos, n);
+    if (out != NULL) self->pos += n;
+    return out;
+}
+
+static PyObject *reader_read(PrunedReader *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t n = -1;
+    if (nargs > 1) {
+        PyErr_SetString(PyExc_TypeError, "read() takes at most one argument");
+        return NULL;
+    }
+    if (nargs == 1 && args[0] != Py_None) {
+        n = PyNumber_AsSsize_t(args[0], PyExc_OverflowError);
+        if (n == -1 && PyErr_Occurred()) return NULL;
+    }
+    while ((n < 0 || self->len - self->pos < n) && self->s.p < self->s.stop_end)
+        if (reader_fill(self) < 0) return NULL;
+    Py_ssize_t available = self->len - self->pos;
+    return reader_take(self, n < 0 || n > available ? available : n);
+}
+
+static PyObject *reader_readline(PrunedReader *self, PyObject *Py_UNUSED(ignored)) {
+    Py_ssize_t scanned = 0;
+    for (;;) {
+        Py_ssize_t available = self->len - self->pos;
+        const unsigned char *nl = available > scanned
+                                      ? memchr(self->out + self->pos + scanned, '\n', (size_t)(available - scanned))
+                                      : NULL;
+        if (nl != NULL) return reader_take(self, (Py_ssize_t)(nl - (self->out + self->pos)) + 1);
+        if (self->s.p >= self->s.stop_end) return reader_take(self, available);
+        scanned = available;
+        if (reader_fill(self) < 0) return NULL;
+    }
+}
+
+static PyMethodDef reader_methods[] = {
+    {"read", (PyCFunction)(void (*)(void))reader_read, METH_FASTCALL, "read(n=-1): up to n bytes (all: -1)."},
+    {"readline", (PyCFunction)reader_readline, METH_NOARGS, "readline(): up to and with the next newline."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject PrunedReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0) /* the comma is in the macro */
+    .tp_name = "ckptdoctor._pickle_scan.PrunedReader",
+    .tp_basicsize = sizeof(PrunedReader),
+    .tp_dealloc = (destructor)reader_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The pruned pickle as a file to read (see pruned_reader).",
+    .tp_methods = reader_methods,
+};
+
+static PyObject *pruned_reader(PyObject *Py_UNUSED(module), PyObject *arg) {
+    PrunedReader *self = PyObject_New(PrunedReader, &PrunedReaderType);
+    if (self == NULL) return NULL;
+    self->out = NULL;
+    self->pos = self->len = self->cap = 0;
+    int plan = pruner_init(&self->s, arg);
+    if (plan <= 0) {
+        Py_DECREF(self);
+        if (plan < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    return (PyObject *)self;
 }
 
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "The pickle pre-pass (see ckptdoctor.pickle_scan); None, (kind, message) or -1."},
     {"prune_memo", prune_memo, METH_O, "The pickle without its unread memo entries, or None (see the C source)."},
+    {"pruned_reader", pruned_reader, METH_O, "prune_memo(data) as a file to read from (read, readline), or None."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -859,4 +991,7 @@ static struct PyModuleDef module_def = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__pickle_scan(void) { return PyModule_Create(&module_def); }
+PyMODINIT_FUNC PyInit__pickle_scan(void) {
+    if (PyType_Ready(&PrunedReaderType) < 0) return NULL;
+    return PyModule_Create(&module_def);
+}

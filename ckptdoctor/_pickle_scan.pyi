@@ -1,4 +1,5 @@
 from collections.abc import Callable
+from typing import BinaryIO
 
 def scan(
     data: bytes,
@@ -10,3 +11,4 @@ def scan(
     /,
 ) -> None | int | tuple[int, str]: ...
 def prune_memo(data: bytes | bytearray | memoryview, /) -> bytes | None: ...
+def pruned_reader(data: bytes | bytearray | memoryview, /) -> BinaryIO | None: ...

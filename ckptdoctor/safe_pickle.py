@@ -27,11 +27,11 @@ from ckptdoctor.torch_stand_ins import StorageRef
 
 __all__ = ["SafeUnpickler", "dumps", "dumps_taken", "loads", "loads_prefix"]
 
-_prune_memo: Callable[[bytes | bytearray | memoryview], bytes | None] | None
+_pruned_reader: Callable[[bytes | bytearray | memoryview], BinaryIO | None] | None
 try:  # built with the C pre-pass (ckptdoctor/_pickle_scan.c); without it, pickles are read as they are
-    from ckptdoctor._pickle_scan import prune_memo as _prune_memo
+    from ckptdoctor._pickle_scan import pruned_reader as _pruned_reader
 except ImportError:
-    _prune_memo = None
+    _pruned_reader = None
 
 # How plain pickle writes a torch storage: torch's own loader, or the one megatron-core (0.19: its __init__)
 # puts in its place, which a pickle made in a process that imported megatron.core names instead.
@@ -128,14 +128,14 @@ def _load(
     nested_saves: list[bytes] | None = None,
     prune: bool = False,
 ) -> tuple[Any, int]:
-    """The object and where its pickle ends in ``data`` (not where ``prune`` dropped memo opcodes)."""
+    """The object and where its pickle ends in ``data``; -1 where ``prune`` had the unpickler read the pickle
+    pruned (only :func:`loads_prefix` needs the position, and it does not prune)."""
     if not ours:
         scan(data, limits, hash_safe_global)  # the first pickle only: the scan stops at its STOP
-    if prune and _prune_memo is not None:
-        pruned = _prune_memo(data)  # None: left as it is (no memo entry to drop, or not certain to be exact)
-        if pruned is not None:
-            data = pruned
-    stream = io.BytesIO(data)
+    # The pruned pickle is translated from data as the unpickler reads it (no second copy); None: data is read
+    # as it is (no memo entry to drop, or pruning not certain to be exact).
+    pruned = _pruned_reader(data) if prune and _pruned_reader is not None else None
+    stream = io.BytesIO(data) if pruned is None else pruned
     unpickler = SafeUnpickler(stream, persistent_load, index_only, nested_saves)
     try:
         obj = unpickler.load()
@@ -145,7 +145,7 @@ def _load(
         raise PickleLimitError("pickle needs more memory than is available") from None
     if unlisted is not None:
         unlisted.extend(unpickler.unlisted)
-    return obj, stream.tell()
+    return obj, -1 if pruned is not None else stream.tell()
 
 
 # --- writing back ------------------------------------------------------------------------------------

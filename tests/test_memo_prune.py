@@ -24,10 +24,11 @@ from ckptdoctor.safe_globals import hash_safe_global
 from ckptdoctor.torch_stand_ins import StorageRef
 
 prune_memo: Any
+pruned_reader: Any
 try:
-    from ckptdoctor._pickle_scan import prune_memo
+    from ckptdoctor._pickle_scan import prune_memo, pruned_reader
 except ImportError:
-    prune_memo = None
+    prune_memo = pruned_reader = None
 
 needs_c = pytest.mark.skipif(prune_memo is None, reason="the C extension was not built")
 
@@ -79,8 +80,11 @@ def _persistent_load(pid: Any) -> StorageRef:
     return StorageRef(repr(pid)[:50], None, "cpu", 0)
 
 
-def _outcome(data: bytes, index_only: bool) -> tuple:
-    unpickler = safe_pickle.SafeUnpickler(io.BytesIO(data), _persistent_load, index_only)
+def _outcome(data: bytes | Any, index_only: bool) -> tuple:
+    """What unpickling ``data`` (bytes, or a file to read them from) gives: a dump of the object, or the
+    exception."""
+    file = io.BytesIO(data) if isinstance(data, bytes) else data
+    unpickler = safe_pickle.SafeUnpickler(file, _persistent_load, index_only)
     try:
         obj = unpickler.load()
     except RecursionError:
@@ -98,17 +102,30 @@ def _passes_scan(data: bytes) -> bool:
     return True
 
 
+def _read_out(reader: Any, rng: random.Random) -> bytes:
+    """All that ``reader`` gives, read in pieces of random sizes and lines."""
+    pieces = []
+    while True:
+        piece = reader.readline() if rng.random() < 0.2 else reader.read(rng.choice((1, 2, 5, 9, 300, 1 << 16)))
+        if not piece:
+            return b"".join(pieces)
+        pieces.append(piece)
+
+
 def _differential(data: bytes) -> bool:
-    """Pruned and unpruned read alike (index-only and faithful); True where pruning changed the bytes. Only
-    pickles the pre-pass accepts reach the unpickler (as in ``safe_pickle.loads``)."""
+    """Pruned and unpruned read alike (index-only and faithful), the pruned pickle read from the reader that
+    ``safe_pickle.loads`` uses; True where pruning changed the bytes. Only pickles the pre-pass accepts reach
+    the unpickler (as in ``safe_pickle.loads``)."""
     if not _passes_scan(data):
         return False
     pruned = prune_memo(data)
     if pruned is None:
+        assert pruned_reader(data) is None
         return False
     assert len(pruned) <= len(data)
+    assert _read_out(pruned_reader(data), random.Random(len(data))) == pruned
     for index_only in (False, True):
-        assert _outcome(pruned, index_only) == _outcome(data, index_only), (data[:120], index_only)
+        assert _outcome(pruned_reader(data), index_only) == _outcome(data, index_only), (data[:120], index_only)
     return True
 
 
@@ -297,18 +314,17 @@ def test_pickles_pruning_is_not_certain_about_are_left_alone(data):
 @needs_c
 def test_loads_reads_the_pruned_pickle(monkeypatch):
     data = pickle.dumps(_shared_value(), protocol=4)
-    seen = []
-    real_bytes_io = io.BytesIO
-    monkeypatch.setattr(safe_pickle.io, "BytesIO", lambda b: seen.append(bytes(b)) or real_bytes_io(b))
+    readers = []
+    monkeypatch.setattr(safe_pickle, "_pruned_reader", lambda b: readers.append(pruned_reader(b)) or readers[-1])
     assert safe_pickle.loads(data) == _shared_value()
-    assert seen == [prune_memo(data)]
-    seen.clear()
-    safe_pickle.loads_prefix(data + b"trailing")  # loads_prefix reports where the pickle ends: not pruned
-    assert seen == [data + b"trailing"]
+    assert len(readers) == 1 and readers[0] is not None and readers[0].read() == b""  # read to the STOP
+    readers.clear()
+    assert safe_pickle.loads_prefix(data + b"trailing")[1] == len(data)  # where the pickle ends: not pruned
+    assert readers == []
 
 
 def test_without_the_c_extension_nothing_is_pruned(monkeypatch):
-    monkeypatch.setattr(safe_pickle, "_prune_memo", None)
+    monkeypatch.setattr(safe_pickle, "_pruned_reader", None)
     data = pickle.dumps(_shared_value(), protocol=4)
     seen = []
     real_bytes_io = io.BytesIO
