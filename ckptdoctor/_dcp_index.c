@@ -21,26 +21,197 @@
 
 static PyTypeObject *index_record_type, *tuple_state_record_type, *chunk_type, *location_type;
 static PyObject *fields_fn, *int64_dims_fn, *inside_path_fn, *dtype_name_fn, *empty_tuple;
+static PyTypeObject *compact_keys_type;  /* stand_ins.CompactKeys: the field names of a compact record */
+static PyObject *compact_keys_interned;  /* tuple of names -> CompactKeys, one per distinct set of fields */
 static PyObject *s_fqn, *s_offset, *s_relative_path, *s_length, *s_offsets, *s_sizes, *s_get, *s_popitem,
     *s_items, *s_what_offsets, *s_what_sizes, *s_what_range, *s_what_shape, *s_chunks, *s_clear, *s_properties,
     *s_ckd_state, *s_dtype, *s_size, *s_bytes, *s_tensor;
 
-/* The fields of a record: its one state dict (what DCP writes), else fields(record) from Python. */
-static PyObject *record_fields(PyObject *record) {
-    if (PyObject_TypeCheck(record, index_record_type) && PyList_GET_SIZE(record) == 1) {
-        PyObject *state = PyList_GET_ITEM(record, 0);
-        if (PyDict_CheckExact(state)) {
-            Py_INCREF(state);
-            return state;
+/* --- compact index records ------------------------------------------------------------------------------- *
+ * An index-only record (stand_ins.IndexRecord, a list) whose one BUILD gave an exact dict of str keys holds
+ * [CompactKeys(names), value, ...] instead of [state]: the state dict (~200 B) is not kept, which is most of the
+ * memory of reading .metadata (three records per chunk). compact_setstate is those records' __setstate__; any
+ * other state (not a dict, other keys, a second BUILD) is appended as before, after turning a compact record
+ * back into [dict]. stand_ins.index_record_fields reads both forms. */
+
+#define MAX_COMPACT_FIELDS 16
+#define MAX_COMPACT_KEY_SETS 4096
+
+static int is_compact(PyObject *record) {
+    if (compact_keys_type == NULL || !PyList_Check(record) || PyList_GET_SIZE(record) < 1)
+        return 0;
+    PyObject *keys = PyList_GET_ITEM(record, 0);
+    return Py_IS_TYPE(keys, compact_keys_type) && PyList_GET_SIZE(record) == 1 + PyTuple_GET_SIZE(keys);
+}
+
+/* The one CompactKeys for the keys of state (new reference), NULL without an error where it does not apply. */
+static PyObject *compact_keys(PyObject *state) {
+    Py_ssize_t n = PyDict_GET_SIZE(state), i = 0, position = 0;
+    if (n > MAX_COMPACT_FIELDS)
+        return NULL;
+    PyObject *names = PyTuple_New(n), *key, *value;
+    if (names == NULL)
+        return NULL;
+    while (PyDict_Next(state, &position, &key, &value)) {
+        if (!PyUnicode_CheckExact(key) || i >= n) {
+            Py_DECREF(names);
+            return NULL;
+        }
+        Py_INCREF(key);
+        PyTuple_SET_ITEM(names, i++, key);
+    }
+    PyObject *keys = PyDict_GetItemWithError(compact_keys_interned, names);  /* exact str keys: no Python code */
+    if (keys != NULL) {
+        Py_INCREF(keys);
+    } else if (!PyErr_Occurred() && PyDict_GET_SIZE(compact_keys_interned) < MAX_COMPACT_KEY_SETS &&
+               (keys = compact_keys_type->tp_alloc(compact_keys_type, n)) != NULL) {
+        for (Py_ssize_t j = 0; j < n; j++) {
+            Py_INCREF(PyTuple_GET_ITEM(names, j));
+            PyTuple_SET_ITEM(keys, j, PyTuple_GET_ITEM(names, j));
+        }
+        if (PyDict_SetItem(compact_keys_interned, names, keys) < 0)
+            Py_CLEAR(keys);
+    }
+    Py_DECREF(names);
+    return keys;
+}
+
+/* A compact record's fields as the dict its state was (new reference). */
+static PyObject *compact_dict(PyObject *record) {
+    PyObject *keys = PyList_GET_ITEM(record, 0), *fields = PyDict_New();
+    for (Py_ssize_t i = 0; fields != NULL && i < PyTuple_GET_SIZE(keys); i++)
+        if (PyDict_SetItem(fields, PyTuple_GET_ITEM(keys, i), PyList_GET_ITEM(record, i + 1)) < 0)
+            Py_CLEAR(fields);
+    return fields;
+}
+
+/* __setstate__ of index records (bound through an instancemethod: args are the record and the state). */
+static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "__setstate__ of an index record takes one state");
+        return NULL;
+    }
+    PyObject *record = args[0], *state = args[1];
+    if (PyList_GET_SIZE(record) == 0 && PyDict_CheckExact(state)) {
+        PyObject *keys = compact_keys(state);
+        if (keys == NULL && PyErr_Occurred())
+            return NULL;
+        if (keys != NULL) {
+            PyObject *contents = PyList_New(1 + PyTuple_GET_SIZE(keys));
+            if (contents == NULL) {
+                Py_DECREF(keys);
+                return NULL;
+            }
+            PyList_SET_ITEM(contents, 0, keys);  /* the names in the dict's order, so the values follow it */
+            Py_ssize_t position = 0, i = 1;
+            PyObject *key, *value;
+            while (PyDict_Next(state, &position, &key, &value)) {
+                Py_INCREF(value);
+                PyList_SET_ITEM(contents, i++, value);
+            }
+            int status = PyList_SetSlice(record, 0, 0, contents);
+            Py_DECREF(contents);
+            if (status < 0)
+                return NULL;
+            Py_RETURN_NONE;
         }
     }
-    return PyObject_CallOneArg(fields_fn, record);
+    if (is_compact(record)) {  /* a second BUILD: back to the states in order, the first as its dict */
+        PyObject *first = compact_dict(record);
+        if (first == NULL)
+            return NULL;
+        PyObject *contents = PyList_New(1);
+        if (contents == NULL) {
+            Py_DECREF(first);
+            return NULL;
+        }
+        PyList_SET_ITEM(contents, 0, first);
+        int status = PyList_SetSlice(record, 0, PyList_GET_SIZE(record), contents);
+        Py_DECREF(contents);
+        if (status < 0)
+            return NULL;
+    }
+    if (PyList_Append(record, state) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef compact_setstate_def = {"__setstate__", (PyCFunction)(void (*)(void))compact_setstate,
+                                           METH_FASTCALL, "BUILD of an index record (see _dcp_index.c)."};
+
+/* compact_setstate(CompactKeys) -> the __setstate__ for index record classes (an instancemethod). */
+static PyObject *make_compact_setstate(PyObject *module, PyObject *keys_type) {
+    if (!PyType_Check(keys_type) || !PyType_IsSubtype((PyTypeObject *)keys_type, &PyTuple_Type) ||
+        ((PyTypeObject *)keys_type)->tp_basicsize != PyTuple_Type.tp_basicsize) {
+        PyErr_SetString(PyExc_TypeError, "compact_setstate: a slot-less tuple subclass expected");
+        return NULL;
+    }
+    if (compact_keys_interned == NULL && (compact_keys_interned = PyDict_New()) == NULL)
+        return NULL;
+    Py_INCREF(keys_type);
+    Py_XSETREF(compact_keys_type, (PyTypeObject *)keys_type);
+    PyObject *function = PyCFunction_New(&compact_setstate_def, NULL);
+    if (function == NULL)
+        return NULL;
+    PyObject *method = PyInstanceMethod_New(function);
+    Py_DECREF(function);
+    return method;
+}
+
+/* The fields of a record, as a view: its one state dict (what DCP writes), its compact values, or what
+ * fields(record) from Python gives for anything else. */
+typedef struct {
+    PyObject *dict;    /* owned, or NULL for a compact record */
+    PyObject *record;  /* borrowed: the compact record */
+} Fields;
+
+static int record_fields(PyObject *record, Fields *fields) {
+    fields->dict = NULL;
+    fields->record = NULL;
+    if (PyObject_TypeCheck(record, index_record_type)) {
+        if (PyList_GET_SIZE(record) == 1 && PyDict_CheckExact(PyList_GET_ITEM(record, 0))) {
+            fields->dict = PyList_GET_ITEM(record, 0);
+            Py_INCREF(fields->dict);
+            return 0;
+        }
+        if (is_compact(record)) {
+            fields->record = record;
+            return 0;
+        }
+    }
+    fields->dict = PyObject_CallOneArg(fields_fn, record);
+    return fields->dict == NULL ? -1 : 0;
+}
+
+static void fields_clear(Fields *fields) {
+    Py_CLEAR(fields->dict);
+    fields->record = NULL;
+}
+
+/* A compact record's value of name, borrowed; NULL (no error) where it has none. Its names are exact str. */
+static PyObject *compact_value(PyObject *record, PyObject *name) {
+    PyObject *keys = PyList_GET_ITEM(record, 0);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(keys); i++) {
+        PyObject *key = PyTuple_GET_ITEM(keys, i);
+        if (key == name || (PyUnicode_CheckExact(name) && PyUnicode_Compare(key, name) == 0))
+            return PyList_GET_ITEM(record, i + 1);
+    }
+    return NULL;
 }
 
 /* fields[name] (new reference). */
-static PyObject *field(PyObject *fields, PyObject *name) {
-    if (PyDict_CheckExact(fields)) {
-        PyObject *value = PyDict_GetItemWithError(fields, name);
+static PyObject *field(Fields *fields, PyObject *name) {
+    if (fields->record != NULL) {
+        PyObject *value = compact_value(fields->record, name);
+        if (value == NULL) {
+            PyErr_SetObject(PyExc_KeyError, name);
+            return NULL;
+        }
+        Py_INCREF(value);
+        return value;
+    }
+    if (PyDict_CheckExact(fields->dict)) {
+        PyObject *value = PyDict_GetItemWithError(fields->dict, name);
         if (value != NULL) {
             Py_INCREF(value);
             return value;
@@ -49,20 +220,24 @@ static PyObject *field(PyObject *fields, PyObject *name) {
             PyErr_SetObject(PyExc_KeyError, name);
         return NULL;
     }
-    return PyObject_GetItem(fields, name);
+    return PyObject_GetItem(fields->dict, name);
 }
 
 /* fields.get(name) (new reference). */
-static PyObject *field_or_none(PyObject *fields, PyObject *name) {
-    if (PyDict_CheckExact(fields)) {
-        PyObject *value = PyDict_GetItemWithError(fields, name);
+static PyObject *field_or_none(Fields *fields, PyObject *name) {
+    PyObject *value;
+    if (fields->record != NULL) {
+        value = compact_value(fields->record, name);
+    } else if (PyDict_CheckExact(fields->dict)) {
+        value = PyDict_GetItemWithError(fields->dict, name);
         if (value == NULL && PyErr_Occurred())
             return NULL;
-        value = value != NULL ? value : Py_None;
-        Py_INCREF(value);
-        return value;
+    } else {
+        return PyObject_CallMethodOneArg(fields->dict, s_get, name);
     }
-    return PyObject_CallMethodOneArg(fields, s_get, name);
+    value = value != NULL ? value : Py_None;
+    Py_INCREF(value);
+    return value;
 }
 
 /* type(value) is int and 0 <= value < 2**63 */
@@ -120,12 +295,13 @@ static PyObject *new_triple(PyTypeObject *type, PyObject *a, PyObject *b, PyObje
 
 /* One storage_data entry into locations (dcp_index._add_location). */
 static int add_location(PyObject *locations, PyObject *shared, PyObject *index, PyObject *info, int consume) {
-    PyObject *index_fields = NULL, *info_fields = NULL, *fqn = NULL, *offset = NULL, *path = NULL, *kept_path = NULL;
+    Fields index_fields = {NULL, NULL}, info_fields = {NULL, NULL};
+    PyObject *fqn = NULL, *offset = NULL, *path = NULL, *kept_path = NULL;
     PyObject *start = NULL, *length = NULL, *location = NULL, *map_key = NULL;
     int result = -1;
-    if ((index_fields = record_fields(index)) == NULL || (info_fields = record_fields(info)) == NULL)
+    if (record_fields(index, &index_fields) < 0 || record_fields(info, &info_fields) < 0)
         goto done;
-    if ((fqn = field(index_fields, s_fqn)) == NULL || (offset = field_or_none(index_fields, s_offset)) == NULL)
+    if ((fqn = field(&index_fields, s_fqn)) == NULL || (offset = field_or_none(&index_fields, s_offset)) == NULL)
         goto done;
     if (offset != Py_None) {
         PyObject *dims = shared_dims(shared, offset, fqn, s_what_offsets, 0);
@@ -133,7 +309,7 @@ static int add_location(PyObject *locations, PyObject *shared, PyObject *index, 
         if (offset == NULL)
             goto done;
     }
-    PyObject *raw_path = field(info_fields, s_relative_path);
+    PyObject *raw_path = field(&info_fields, s_relative_path);
     if (raw_path == NULL)
         goto done;
     path = PyObject_Str(raw_path);
@@ -151,7 +327,7 @@ static int add_location(PyObject *locations, PyObject *shared, PyObject *index, 
         if (PyDict_SetItem(shared, path, kept_path) < 0)
             goto done;
     }
-    if ((start = field(info_fields, s_offset)) == NULL || (length = field(info_fields, s_length)) == NULL)
+    if ((start = field(&info_fields, s_offset)) == NULL || (length = field(&info_fields, s_length)) == NULL)
         goto done;
     if (!is_int64_size(start) || !is_int64_size(length)) {
         PyObject *pair = PyTuple_Pack(2, start, length);
@@ -172,8 +348,8 @@ static int add_location(PyObject *locations, PyObject *shared, PyObject *index, 
     else
         result = PyDict_SetItem(locations, map_key, location);
 done:
-    Py_XDECREF(index_fields);
-    Py_XDECREF(info_fields);
+    fields_clear(&index_fields);
+    fields_clear(&info_fields);
     Py_XDECREF(fqn);
     Py_XDECREF(offset);
     Py_XDECREF(path);
@@ -260,19 +436,20 @@ static PyObject *find_location(PyObject *locations, PyObject *key, PyObject *off
 
 static PyObject *one_chunk(PyObject *chunk, PyObject *key, PyObject *shared, PyObject *counted,
                            PyObject *locations) {
-    PyObject *fields = NULL, *raw = NULL, *offsets = NULL, *sizes = NULL, *location = NULL, *result = NULL;
-    if ((fields = record_fields(chunk)) == NULL || (raw = field(fields, s_offsets)) == NULL)
+    Fields fields = {NULL, NULL};
+    PyObject *raw = NULL, *offsets = NULL, *sizes = NULL, *location = NULL, *result = NULL;
+    if (record_fields(chunk, &fields) < 0 || (raw = field(&fields, s_offsets)) == NULL)
         goto done;
     if ((offsets = shared_dims(shared, raw, key, s_what_offsets, 0)) == NULL)
         goto done;
     Py_CLEAR(raw);
-    if ((raw = field(fields, s_sizes)) == NULL || (sizes = shared_dims(counted, raw, key, s_what_sizes, 1)) == NULL)
+    if ((raw = field(&fields, s_sizes)) == NULL || (sizes = shared_dims(counted, raw, key, s_what_sizes, 1)) == NULL)
         goto done;
     if ((location = find_location(locations, key, offsets)) == NULL)  /* a chunk listed twice: the same one */
         goto done;
     result = new_triple(chunk_type, offsets, sizes, location);
 done:
-    Py_XDECREF(fields);
+    fields_clear(&fields);
     Py_XDECREF(raw);
     Py_XDECREF(offsets);
     Py_XDECREF(sizes);
@@ -319,15 +496,16 @@ static PyObject *record_dtype(PyObject *properties) {
         Py_INCREF(dtype);
         return dtype;
     }
-    PyObject *fields = record_fields(properties), *state = NULL, *dtype = NULL;
-    if (fields == NULL || (state = field_or_none(fields, s_ckd_state)) == NULL)
+    Fields fields = {NULL, NULL};
+    PyObject *state = NULL, *dtype = NULL;
+    if (record_fields(properties, &fields) < 0 || (state = field_or_none(&fields, s_ckd_state)) == NULL)
         goto done;
     int nonempty = PyTuple_Check(state) ? PyObject_IsTrue(state) : 0;
     if (nonempty < 0)
         goto done;
-    dtype = nonempty ? PySequence_GetItem(state, 0) : field_or_none(fields, s_dtype);
+    dtype = nonempty ? PySequence_GetItem(state, 0) : field_or_none(&fields, s_dtype);
 done:
-    Py_XDECREF(fields);
+    fields_clear(&fields);
     Py_XDECREF(state);
     return dtype;
 }
@@ -335,9 +513,10 @@ done:
 /* One state_dict_metadata entry as an item_class instance (the body of dcp_index._items_py's loop). */
 static PyObject *one_item(PyObject *key, PyObject *item_meta, PyObject *locations, PyObject *shared,
                           PyObject *counted, PyObject *item_class, int consume, PyObject *dtype_names) {
-    PyObject *fields = NULL, *chunks_meta = NULL, *chunks = NULL, *dtype = NULL, *raw = NULL, *shape = NULL;
+    Fields fields = {NULL, NULL};
+    PyObject *chunks_meta = NULL, *chunks = NULL, *dtype = NULL, *raw = NULL, *shape = NULL;
     PyObject *result = NULL, *name;
-    if ((fields = record_fields(item_meta)) == NULL || (chunks_meta = field_or_none(fields, s_chunks)) == NULL)
+    if (record_fields(item_meta, &fields) < 0 || (chunks_meta = field_or_none(&fields, s_chunks)) == NULL)
         goto done;
     if (chunks_meta == Py_None) {  /* BytesStorageMetadata */
         PyObject *location = find_location(locations, key, Py_None), *chunk = NULL;
@@ -361,7 +540,7 @@ static PyObject *one_item(PyObject *key, PyObject *item_meta, PyObject *location
             goto done;
         Py_DECREF(cleared);
     }
-    PyObject *properties = field_or_none(fields, s_properties);
+    PyObject *properties = field_or_none(&fields, s_properties);
     if (properties == NULL)
         goto done;
     dtype = record_dtype(properties);
@@ -377,12 +556,12 @@ static PyObject *one_item(PyObject *key, PyObject *item_meta, PyObject *location
         if (status < 0)
             goto done;
     }
-    if ((raw = field(fields, s_size)) == NULL || (shape = shared_dims(counted, raw, key, s_what_shape, 1)) == NULL)
+    if ((raw = field(&fields, s_size)) == NULL || (shape = shared_dims(counted, raw, key, s_what_shape, 1)) == NULL)
         goto done;
     PyObject *call[] = {key, s_tensor, name, shape, chunks};
     result = PyObject_Vectorcall(item_class, call, 5, NULL);
 done:
-    Py_XDECREF(fields);
+    fields_clear(&fields);
     Py_XDECREF(chunks_meta);
     Py_XDECREF(chunks);
     Py_XDECREF(dtype);
@@ -592,6 +771,7 @@ static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS, "Give the Python helpers and types the loops use (once, at import)."},
     {"locations", checked_locations, METH_VARARGS, "storage_data -> {(fqn, offset): StorageLocation}."},
     {"items", checked_items, METH_VARARGS, "state_dict_metadata -> {key: item_class(...)}."},
+    {"compact_setstate", make_compact_setstate, METH_O, "The __setstate__ of index records (an instancemethod)."},
     {"tiles_once", tiles_once, METH_VARARGS, "Whether chunks are one grid's cells over shape, each once."},
     {NULL, NULL, 0, NULL},
 };

@@ -264,8 +264,27 @@ STAND_IN_TYPES = (StandIn, Record)
 # --- index-only records ---------------------------------------------------------------------------------
 # A command that only reads ``.metadata`` builds its index from these and then drops them, so they need not
 # pickle back: one list per record whose items are the states pickle's BUILD gave it (``list.append`` is the
-# ``__setstate__``, so BUILD runs at C speed and the memoized state dict is kept, not copied into a second
-# one). Same names, same allowlist, same hashing (by identity) as the :class:`Record` they replace.
+# ``__setstate__``, so BUILD runs at C speed). Where the C extension ``_dcp_index`` was built, the
+# ``__setstate__`` is its ``compact_setstate``: a first BUILD with a dict of str keys (every record DCP writes)
+# leaves ``[CompactKeys(names), value, ...]`` and the state dict is not kept (with the pickle's unread memo entries
+# pruned, nothing else holds it: two thirds of a record's memory); any other state is appended as before. Same
+# names, same allowlist, same hashing (by identity) as the :class:`Record` they replace.
+
+
+class CompactKeys(tuple):
+    """The field names of a compact index record (``record[0]``); made only by ``_dcp_index.compact_setstate``
+    (never by a pickle: not on the allowlist), one per distinct set of names."""
+
+    __slots__ = ()
+
+
+_compact_setstate: Any = None
+try:
+    from ckptdoctor import _dcp_index
+
+    _compact_setstate = _dcp_index.compact_setstate(CompactKeys)
+except ImportError:  # built without a compiler: list.append
+    pass
 
 
 class IndexRecord(list):
@@ -299,8 +318,10 @@ def index_record_fields(record: IndexRecord) -> dict:
     """The attributes an :class:`IndexRecord` would have as a :class:`Record` (the states of its BUILDs
     applied in order, as the C unpickler applies them to a Record); raises ``pickle.UnpicklingError`` where
     a Record's BUILD would have (so a crafted ``.metadata`` is refused with the same message)."""
-    if len(record) == 1 and type(record[0]) is dict:  # one BUILD with a dict: every record DCP writes
+    if len(record) == 1 and type(record[0]) is dict:  # one BUILD with a dict (list.append)
         return record[0]
+    if record and type(record[0]) is CompactKeys:  # the same, compact (see CompactKeys)
+        return dict(zip(record[0], record[1:]))
     fields: dict = {}
     tuple_state = isinstance(record, IndexTupleStateRecord)
     for state in record:
@@ -330,6 +351,9 @@ def index_record_class(record: type[Record]) -> type[IndexRecord]:
     if cls is None:
         base = IndexTupleStateRecord if issubclass(record, TupleStateRecord) else IndexRecord
         module, name = record.__ckd_global__
-        cls = type(name, (base,), {"__slots__": (), "__ckd_global__": (module, name), "__module__": module})
+        namespace = {"__slots__": (), "__ckd_global__": (module, name), "__module__": module}
+        if _compact_setstate is not None:
+            namespace["__setstate__"] = _compact_setstate
+        cls = type(name, (base,), namespace)
         _INDEX_RECORD_CLASSES[record] = cls
     return cls

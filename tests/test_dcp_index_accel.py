@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
-from ckptdoctor import safe_pickle
+from ckptdoctor import safe_pickle, stand_ins
 from ckptdoctor.formats import dcp_index
 from ckptdoctor.formats.dcp_index import DcpItem
 from ckptdoctor.formats.torch_dist import record_attr
-from ckptdoctor.stand_ins import IndexRecord, Record
+from ckptdoctor.stand_ins import CompactKeys, IndexRecord, Record
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 METADATA = sorted(FIXTURES.glob("*/iter_*/.metadata"))
@@ -73,6 +73,17 @@ def _state(record: Any) -> dict | None:
     return getattr(record, "__dict__", None)
 
 
+def _compact(record: Any) -> bool:
+    return isinstance(record, IndexRecord) and bool(record) and type(record[0]) is CompactKeys
+
+
+def _read(record: Any) -> dict:
+    """A record's fields, whatever its form (a compact record's as a new dict of the same values)."""
+    if _compact(record):
+        return dict(zip(record[0], record[1:]))
+    return _state(record) or {}
+
+
 def _targets(state_dict_metadata: dict, storage_data: dict) -> list[tuple[str, Any]]:
     """Every record a mutation may touch, in a deterministic order: (kind, record)."""
     found: list[tuple[str, Any]] = []
@@ -80,10 +91,10 @@ def _targets(state_dict_metadata: dict, storage_data: dict) -> list[tuple[str, A
         found += [("index", index), ("info", info)]
     for item in state_dict_metadata.values():
         found.append(("item", item))
-        properties = (_state(item) or {}).get("properties")
+        properties = _read(item).get("properties")
         if properties is not None:
             found.append(("properties", properties))
-        chunks = (_state(item) or {}).get("chunks")
+        chunks = _read(item).get("chunks")
         if isinstance(chunks, list):
             found += [("chunk", chunk) for chunk in chunks]
     return found
@@ -100,6 +111,15 @@ def _mutate(rng: random.Random, state_dict_metadata: dict, storage_data: dict) -
             [[()], [(aliens[rng.randrange(len(aliens))], "layout")], [{"dtype": aliens[rng.randrange(len(aliens))]}],
              [(record[0] if record else ()), {"dtype": None}], [], [None]]
         )  # fmt: skip
+    elif op <= 4 and _compact(record) and len(record) > 1:  # the same on a compact record, in its own form
+        i = rng.randrange(len(record) - 1)
+        if op <= 3:
+            aliens = _aliens()
+            record[1 + i] = aliens[rng.randrange(len(aliens))]
+        else:
+            keys, values = list(record[0]), record[1:]
+            del keys[i], values[i]
+            record[:] = [CompactKeys(keys), *values]
     elif op <= 3 and state:  # a field set to a hostile value
         name = sorted(state)[rng.randrange(len(state))]
         aliens = _aliens()
@@ -119,14 +139,14 @@ def _mutate(rng: random.Random, state_dict_metadata: dict, storage_data: dict) -
         else:
             record[:] = [None]
     elif op == 6 and kind == "chunk":  # a chunk listed twice
-        chunks = _state(_owner(state_dict_metadata, record))["chunks"]  # type: ignore[index]
+        chunks = _read(_owner(state_dict_metadata, record))["chunks"]
         chunks.append(record)
     elif op == 7 and kind in ("index", "info"):  # a storage entry repeated under another key record
         for index, info in list(storage_data.items()):
             if record is index or record is info:
                 if isinstance(index, IndexRecord):
                     twin = type(index)()
-                    twin.append(dict(_state(index) or {}))
+                    twin.append(_read(index))
                 elif isinstance(index, Record):  # a faithful record: a second one of its class, same state
                     twin = object.__new__(type(index))
                     twin.__dict__.update(_state(index) or {})
@@ -141,7 +161,7 @@ def _mutate(rng: random.Random, state_dict_metadata: dict, storage_data: dict) -
 
 def _owner(state_dict_metadata: dict, chunk: Any) -> Any:
     for item in state_dict_metadata.values():
-        chunks = (_state(item) or {}).get("chunks")
+        chunks = _read(item).get("chunks")
         if isinstance(chunks, list) and any(c is chunk for c in chunks):
             return item
     raise AssertionError("chunk without an owner")
@@ -164,7 +184,7 @@ def _replace(state_dict_metadata: dict, storage_data: dict, record: Any, replace
         if item is record:
             state_dict_metadata[key] = replacement
             return
-        chunks = (_state(item) or {}).get("chunks")
+        chunks = _read(item).get("chunks")
         if isinstance(chunks, list):
             for i, chunk in enumerate(chunks):
                 if chunk is record:
@@ -217,7 +237,8 @@ def test_storage_data_of_the_wrong_shape(monkeypatch):
         assert _outcome(monkeypatch, c, {}, Odd(a=1), False)[0][0] == "AttributeError"
     state_dict_metadata, storage_data = _records(METADATA[0].read_bytes(), True)
     item = next(iter(state_dict_metadata.values()))
-    item[0]["chunks"] = tuple(item[0]["chunks"])
+    fields = _read(item)
+    item[:] = [{**fields, "chunks": tuple(fields["chunks"])}]
     outcome = _outcome(monkeypatch, True, state_dict_metadata, storage_data, True)
     assert outcome[0] == ("AttributeError", "'tuple' object has no attribute 'clear'")
 
@@ -317,3 +338,71 @@ def test_coverage_in_c_agrees_with_the_python_rule(monkeypatch):
             without.append((type(exc).__name__, str(exc)))
     assert with_c == without
     assert decided_in_c > 800 and sum(p is not None for p in without) > 1000
+
+
+@needs_c
+def test_compact_records_read_as_the_states_they_were_built_from():
+    """A compact record (``_dcp_index.compact_setstate``) reads as the list of states ``list.append`` keeps would:
+    for every sequence of BUILD states (dicts of str keys, empty, of other keys, too many keys; tuples, None,
+    (state, slots) pairs), ``index_record_fields`` gives the same fields or the same error."""
+    import pickle
+
+    from ckptdoctor.stand_ins import IndexTupleStateRecord, index_record_fields
+
+    rng = random.Random(5)
+    compact_plain = type("Plain", (IndexRecord,), {"__slots__": (), "__setstate__": stand_ins._compact_setstate})
+    compact_tuple = type(
+        "Props", (IndexTupleStateRecord,), {"__slots__": (), "__setstate__": stand_ins._compact_setstate}
+    )
+    loose_plain = type("Plain", (IndexRecord,), {"__slots__": ()})
+    loose_tuple = type("Props", (IndexTupleStateRecord,), {"__slots__": ()})
+
+    def states():
+        return [
+            {"offsets": (0, 4), "sizes": (2, 2)},
+            {"fqn": "k", "offset": None, "index": 3},
+            {},
+            {1: "int key"},
+            {f"f{i}": i for i in range(20)},
+            (("dtype",), None),
+            ({"relative_path": "__0_0.distcp"}, {"length": 5}),
+            ({"a": 1}, None),
+            (None, {"b": 2}),
+            ("x", None),
+            None,
+            "text",
+            (1, 2, 3),
+            ("dtype",),
+        ]
+
+    compared = 0
+    for _ in range(3000):
+        sequence = [rng.randrange(len(states())) for _ in range(rng.choice((1, 1, 1, 2, 3)))]
+        for compact_cls, loose_cls in ((compact_plain, loose_plain), (compact_tuple, loose_tuple)):
+            outcomes = []
+            for cls in (compact_cls, loose_cls):
+                record = cls()
+                for i in sequence:
+                    record.__setstate__(states()[i])
+                try:
+                    outcomes.append(index_record_fields(record))
+                except pickle.UnpicklingError as exc:
+                    outcomes.append(("UnpicklingError", str(exc)))
+            assert outcomes[0] == outcomes[1], sequence
+            compared += 1
+    assert compared == 6000
+
+
+@needs_c
+@pytest.mark.parametrize("path", METADATA[::3], ids=lambda p: p.parent.parent.name)
+def test_fixture_indexes_with_and_without_compact_records(monkeypatch, path):
+    """The index read from compact records is the index read from records that keep their state dicts."""
+    data = path.read_bytes()
+    compact = _outcome(monkeypatch, True, *_records(data, True), True)
+    sample = next(iter(_records(data, True)[0].values()))
+    assert _compact(sample)  # the records DCP writes are read compact
+    monkeypatch.setattr(stand_ins, "_compact_setstate", None)
+    monkeypatch.setattr(stand_ins, "_INDEX_RECORD_CLASSES", {})
+    records = _records(data, True)
+    assert not _compact(next(iter(records[0].values())))
+    assert _outcome(monkeypatch, True, *records, True) == compact
