@@ -11,152 +11,18 @@
  *       StorageLocation)  once, at import
  * locations(storage_data, consume, shared) -> {(fqn, offset or None): StorageLocation}
  * items(state_dict_metadata, locations, shared, counted, item_class, consume, dtype_names) -> {key: item}
+ * compact_setstate(CompactKeys) -> the __setstate__ of index records (_dcp_compact.c)
  * tiles_once(shape, chunks) -> bool   True: the chunks are the cells of one grid over shape, each once (check's
  *                                      coverage rule answers None); False: the rule's Python mapping decides
+ *                                      (_dcp_coverage.c)
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <stdlib.h>
+#include "_dcp_index.h"
 
 static PyTypeObject *index_record_type, *tuple_state_record_type, *chunk_type, *location_type;
 static PyObject *fields_fn, *int64_dims_fn, *inside_path_fn, *dtype_name_fn, *empty_tuple;
-static PyTypeObject *compact_keys_type;  /* stand_ins.CompactKeys: the field names of a compact record */
-static PyObject *compact_keys_interned;  /* tuple of names -> CompactKeys, one per distinct set of fields */
 static PyObject *s_fqn, *s_offset, *s_relative_path, *s_length, *s_offsets, *s_sizes, *s_get, *s_popitem,
     *s_items, *s_what_offsets, *s_what_sizes, *s_what_range, *s_what_shape, *s_chunks, *s_clear, *s_properties,
     *s_ckd_state, *s_dtype, *s_size, *s_bytes, *s_tensor;
-
-/* --- compact index records ------------------------------------------------------------------------------- *
- * An index-only record (stand_ins.IndexRecord, a list) whose one BUILD gave an exact dict of str keys holds
- * [CompactKeys(names), value, ...] instead of [state]: the state dict (~200 B) is not kept, which is most of the
- * memory of reading .metadata (three records per chunk). compact_setstate is those records' __setstate__; any
- * other state (not a dict, other keys, a second BUILD) is appended as before, after turning a compact record
- * back into [dict]. stand_ins.index_record_fields reads both forms. */
-
-#define MAX_COMPACT_FIELDS 16
-#define MAX_COMPACT_KEY_SETS 4096
-
-static int is_compact(PyObject *record) {
-    if (compact_keys_type == NULL || !PyList_Check(record) || PyList_GET_SIZE(record) < 1)
-        return 0;
-    PyObject *keys = PyList_GET_ITEM(record, 0);
-    return Py_IS_TYPE(keys, compact_keys_type) && PyList_GET_SIZE(record) == 1 + PyTuple_GET_SIZE(keys);
-}
-
-/* The one CompactKeys for the keys of state (new reference), NULL without an error where it does not apply. */
-static PyObject *compact_keys(PyObject *state) {
-    Py_ssize_t n = PyDict_GET_SIZE(state), i = 0, position = 0;
-    if (n > MAX_COMPACT_FIELDS)
-        return NULL;
-    PyObject *names = PyTuple_New(n), *key, *value;
-    if (names == NULL)
-        return NULL;
-    while (PyDict_Next(state, &position, &key, &value)) {
-        if (!PyUnicode_CheckExact(key) || i >= n) {
-            Py_DECREF(names);
-            return NULL;
-        }
-        Py_INCREF(key);
-        PyTuple_SET_ITEM(names, i++, key);
-    }
-    PyObject *keys = PyDict_GetItemWithError(compact_keys_interned, names);  /* exact str keys: no Python code */
-    if (keys != NULL) {
-        Py_INCREF(keys);
-    } else if (!PyErr_Occurred() && PyDict_GET_SIZE(compact_keys_interned) < MAX_COMPACT_KEY_SETS &&
-               (keys = compact_keys_type->tp_alloc(compact_keys_type, n)) != NULL) {
-        for (Py_ssize_t j = 0; j < n; j++) {
-            Py_INCREF(PyTuple_GET_ITEM(names, j));
-            PyTuple_SET_ITEM(keys, j, PyTuple_GET_ITEM(names, j));
-        }
-        if (PyDict_SetItem(compact_keys_interned, names, keys) < 0)
-            Py_CLEAR(keys);
-    }
-    Py_DECREF(names);
-    return keys;
-}
-
-/* A compact record's fields as the dict its state was (new reference). */
-static PyObject *compact_dict(PyObject *record) {
-    PyObject *keys = PyList_GET_ITEM(record, 0), *fields = PyDict_New();
-    for (Py_ssize_t i = 0; fields != NULL && i < PyTuple_GET_SIZE(keys); i++)
-        if (PyDict_SetItem(fields, PyTuple_GET_ITEM(keys, i), PyList_GET_ITEM(record, i + 1)) < 0)
-            Py_CLEAR(fields);
-    return fields;
-}
-
-/* __setstate__ of index records (bound through an instancemethod: args are the record and the state). */
-static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyList_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "__setstate__ of an index record takes one state");
-        return NULL;
-    }
-    PyObject *record = args[0], *state = args[1];
-    if (PyList_GET_SIZE(record) == 0 && PyDict_CheckExact(state)) {
-        PyObject *keys = compact_keys(state);
-        if (keys == NULL && PyErr_Occurred())
-            return NULL;
-        if (keys != NULL) {
-            PyObject *contents = PyList_New(1 + PyTuple_GET_SIZE(keys));
-            if (contents == NULL) {
-                Py_DECREF(keys);
-                return NULL;
-            }
-            PyList_SET_ITEM(contents, 0, keys);  /* the names in the dict's order, so the values follow it */
-            Py_ssize_t position = 0, i = 1;
-            PyObject *key, *value;
-            while (PyDict_Next(state, &position, &key, &value)) {
-                Py_INCREF(value);
-                PyList_SET_ITEM(contents, i++, value);
-            }
-            int status = PyList_SetSlice(record, 0, 0, contents);
-            Py_DECREF(contents);
-            if (status < 0)
-                return NULL;
-            Py_RETURN_NONE;
-        }
-    }
-    if (is_compact(record)) {  /* a second BUILD: back to the states in order, the first as its dict */
-        PyObject *first = compact_dict(record);
-        if (first == NULL)
-            return NULL;
-        PyObject *contents = PyList_New(1);
-        if (contents == NULL) {
-            Py_DECREF(first);
-            return NULL;
-        }
-        PyList_SET_ITEM(contents, 0, first);
-        int status = PyList_SetSlice(record, 0, PyList_GET_SIZE(record), contents);
-        Py_DECREF(contents);
-        if (status < 0)
-            return NULL;
-    }
-    if (PyList_Append(record, state) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef compact_setstate_def = {"__setstate__", (PyCFunction)(void (*)(void))compact_setstate,
-                                           METH_FASTCALL, "BUILD of an index record (see _dcp_index.c)."};
-
-/* compact_setstate(CompactKeys) -> the __setstate__ for index record classes (an instancemethod). */
-static PyObject *make_compact_setstate(PyObject *module, PyObject *keys_type) {
-    if (!PyType_Check(keys_type) || !PyType_IsSubtype((PyTypeObject *)keys_type, &PyTuple_Type) ||
-        ((PyTypeObject *)keys_type)->tp_basicsize != PyTuple_Type.tp_basicsize) {
-        PyErr_SetString(PyExc_TypeError, "compact_setstate: a slot-less tuple subclass expected");
-        return NULL;
-    }
-    if (compact_keys_interned == NULL && (compact_keys_interned = PyDict_New()) == NULL)
-        return NULL;
-    Py_INCREF(keys_type);
-    Py_XSETREF(compact_keys_type, (PyTypeObject *)keys_type);
-    PyObject *function = PyCFunction_New(&compact_setstate_def, NULL);
-    if (function == NULL)
-        return NULL;
-    PyObject *method = PyInstanceMethod_New(function);
-    Py_DECREF(function);
-    return method;
-}
 
 /* The fields of a record, as a view: its one state dict (what DCP writes), its compact values, or what
  * fields(record) from Python gives for anything else. */
@@ -174,7 +40,7 @@ static int record_fields(PyObject *record, Fields *fields) {
             Py_INCREF(fields->dict);
             return 0;
         }
-        if (is_compact(record)) {
+        if (dcp_is_compact(record)) {
             fields->record = record;
             return 0;
         }
@@ -188,21 +54,10 @@ static void fields_clear(Fields *fields) {
     fields->record = NULL;
 }
 
-/* A compact record's value of name, borrowed; NULL (no error) where it has none. Its names are exact str. */
-static PyObject *compact_value(PyObject *record, PyObject *name) {
-    PyObject *keys = PyList_GET_ITEM(record, 0);
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(keys); i++) {
-        PyObject *key = PyTuple_GET_ITEM(keys, i);
-        if (key == name || (PyUnicode_CheckExact(name) && PyUnicode_Compare(key, name) == 0))
-            return PyList_GET_ITEM(record, i + 1);
-    }
-    return NULL;
-}
-
 /* fields[name] (new reference). */
 static PyObject *field(Fields *fields, PyObject *name) {
     if (fields->record != NULL) {
-        PyObject *value = compact_value(fields->record, name);
+        PyObject *value = dcp_compact_value(fields->record, name);
         if (value == NULL) {
             PyErr_SetObject(PyExc_KeyError, name);
             return NULL;
@@ -227,7 +82,7 @@ static PyObject *field(Fields *fields, PyObject *name) {
 static PyObject *field_or_none(Fields *fields, PyObject *name) {
     PyObject *value;
     if (fields->record != NULL) {
-        value = compact_value(fields->record, name);
+        value = dcp_compact_value(fields->record, name);
     } else if (PyDict_CheckExact(fields->dict)) {
         value = PyDict_GetItemWithError(fields->dict, name);
         if (value == NULL && PyErr_Occurred())
@@ -605,130 +460,6 @@ fail:
     return NULL;
 }
 
-/* --- coverage: one chunk per cell of a grid ----------------------------------------------------------------- */
-
-#define MAX_TILE_DIMS 64
-
-/* An exact int in [0, 2**63), else -1 (nothing to raise: the caller answers "not decided here"). */
-static int64_t int64_size(PyObject *value) {
-    if (!PyLong_CheckExact(value))
-        return -1;
-    int overflow;
-    long long number = PyLong_AsLongLongAndOverflow(value, &overflow);
-    if (number == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return -1;
-    }
-    return overflow || number < 0 ? -1 : (int64_t)number;
-}
-
-static int compare_u64(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
-}
-
-/* Index of value in sorted[0, n), or -1. */
-static Py_ssize_t find_u64(const uint64_t *sorted, Py_ssize_t n, uint64_t value) {
-    Py_ssize_t lo = 0, hi = n;
-    while (lo < hi) {
-        Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (sorted[mid] < value)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo < n && sorted[lo] == value ? lo : -1;
-}
-
-/* 1: every chunk has the shape's dims, sizes > 0, lies inside the shape, spans exactly one cell of the grid cut
- * at every chunk boundary, no two share a cell, and there are as many chunks as cells (so they tile the shape
- * once); 0: anything else, including what is not a tuple of int64 sizes (the Python rule decides those). */
-static int grid_tiled_once(PyObject *shape, PyObject *chunks) {
-    Py_ssize_t ndim = PyTuple_GET_SIZE(shape), n = PyList_GET_SIZE(chunks);
-    if (ndim == 0 || ndim > MAX_TILE_DIMS || n == 0 || n > PY_SSIZE_T_MAX / (2 * ndim) - 2)
-        return 0;
-    uint64_t dims[MAX_TILE_DIMS];
-    for (Py_ssize_t a = 0; a < ndim; a++) {
-        int64_t d = int64_size(PyTuple_GET_ITEM(shape, a));
-        if (d < 0)
-            return 0;
-        dims[a] = (uint64_t)d;
-    }
-    /* starts[c * ndim + a], ends likewise; then per axis the cut points: 0, the dim, every start and end */
-    uint64_t *starts = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n * ndim));
-    uint64_t *ends = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n * ndim));
-    uint64_t *cuts = PyMem_Malloc(sizeof(uint64_t) * (size_t)(2 * n + 2));
-    unsigned char *seen = PyMem_Calloc((size_t)n / 8 + 1, 1);
-    Py_ssize_t *cell = PyMem_Calloc((size_t)n, sizeof(Py_ssize_t));
-    int tiled = 0;
-    if (starts == NULL || ends == NULL || cuts == NULL || seen == NULL || cell == NULL)
-        goto done;  /* no memory: the Python rule decides (and reports it if it must) */
-    for (Py_ssize_t c = 0; c < n; c++) {
-        PyObject *chunk = PyList_GET_ITEM(chunks, c);
-        if (!PyTuple_Check(chunk) || PyTuple_GET_SIZE(chunk) < 2)
-            goto done;
-        PyObject *offsets = PyTuple_GET_ITEM(chunk, 0), *sizes = PyTuple_GET_ITEM(chunk, 1);
-        if (!PyTuple_Check(offsets) || !PyTuple_Check(sizes) || PyTuple_GET_SIZE(offsets) != ndim ||
-            PyTuple_GET_SIZE(sizes) != ndim)
-            goto done;
-        for (Py_ssize_t a = 0; a < ndim; a++) {
-            int64_t o = int64_size(PyTuple_GET_ITEM(offsets, a)), z = int64_size(PyTuple_GET_ITEM(sizes, a));
-            /* both < 2**63, so o + z fits in uint64 */
-            if (o < 0 || z <= 0 || (uint64_t)o + (uint64_t)z > dims[a])
-                goto done;
-            starts[c * ndim + a] = (uint64_t)o;
-            ends[c * ndim + a] = (uint64_t)o + (uint64_t)z;
-        }
-    }
-    Py_ssize_t cells = 1;
-    for (Py_ssize_t a = 0; a < ndim; a++) {
-        Py_ssize_t m = 0;
-        cuts[m++] = 0;
-        cuts[m++] = dims[a];
-        for (Py_ssize_t c = 0; c < n; c++) {
-            cuts[m++] = starts[c * ndim + a];
-            cuts[m++] = ends[c * ndim + a];
-        }
-        qsort(cuts, (size_t)m, sizeof(uint64_t), compare_u64);
-        Py_ssize_t unique = 0;
-        for (Py_ssize_t i = 0; i < m; i++)
-            if (unique == 0 || cuts[unique - 1] != cuts[i])
-                cuts[unique++] = cuts[i];
-        Py_ssize_t spans = unique - 1;
-        if (spans < 1 || cells > n / spans)  /* more cells than chunks: not a tiling of one chunk per cell */
-            goto done;
-        cells *= spans;
-        for (Py_ssize_t c = 0; c < n; c++) {
-            Py_ssize_t i = find_u64(cuts, unique, starts[c * ndim + a]);
-            if (i < 0 || i + 1 >= unique || cuts[i + 1] != ends[c * ndim + a])
-                goto done;  /* spans more than one cell: the Python mapping decides */
-            cell[c] = cell[c] * spans + i;
-        }
-    }
-    if (cells != n)
-        goto done;
-    for (Py_ssize_t c = 0; c < n; c++) {
-        if (seen[cell[c] / 8] & (1u << (cell[c] % 8)))
-            goto done;
-        seen[cell[c] / 8] |= (unsigned char)(1u << (cell[c] % 8));
-    }
-    tiled = 1;
-done:
-    PyMem_Free(starts);
-    PyMem_Free(ends);
-    PyMem_Free(cuts);
-    PyMem_Free(seen);
-    PyMem_Free(cell);
-    return tiled;
-}
-
-static PyObject *tiles_once(PyObject *module, PyObject *args) {
-    PyObject *shape, *chunks;
-    if (!PyArg_ParseTuple(args, "O!O!:tiles_once", &PyTuple_Type, &shape, &PyList_Type, &chunks))
-        return NULL;
-    return PyBool_FromLong(grid_tiled_once(shape, chunks));
-}
-
 static PyObject *setup(PyObject *module, PyObject *args) {
     PyObject *record, *tuple_record, *fields, *dims, *inside, *dtype_name, *chunk, *location;
     if (!PyArg_ParseTuple(args, "O!O!OOOOO!O!:setup", &PyType_Type, &record, &PyType_Type, &tuple_record, &fields,
@@ -771,8 +502,8 @@ static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS, "Give the Python helpers and types the loops use (once, at import)."},
     {"locations", checked_locations, METH_VARARGS, "storage_data -> {(fqn, offset): StorageLocation}."},
     {"items", checked_items, METH_VARARGS, "state_dict_metadata -> {key: item_class(...)}."},
-    {"compact_setstate", make_compact_setstate, METH_O, "The __setstate__ of index records (an instancemethod)."},
-    {"tiles_once", tiles_once, METH_VARARGS, "Whether chunks are one grid's cells over shape, each once."},
+    {"compact_setstate", dcp_make_compact_setstate, METH_O, "The __setstate__ of index records (an instancemethod)."},
+    {"tiles_once", dcp_tiles_once, METH_VARARGS, "Whether chunks are one grid's cells over shape, each once."},
     {NULL, NULL, 0, NULL},
 };
 

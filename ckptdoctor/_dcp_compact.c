@@ -1,0 +1,147 @@
+/* Compact index records, for ckptdoctor._dcp_index (see _dcp_index.h). */
+#include "_dcp_index.h"
+
+static PyTypeObject *compact_keys_type; /* stand_ins.CompactKeys: the field names of a compact record */
+static PyObject *compact_keys_interned; /* tuple of names -> CompactKeys, one per distinct set of fields */
+
+/*
+ * An index-only record (stand_ins.IndexRecord, a list) whose one BUILD gave an exact dict of str keys holds
+ * [CompactKeys(names), value, ...] instead of [state]: the state dict (~200 B) is not kept, which is most of the
+ * memory of reading .metadata (three records per chunk). compact_setstate is those records' __setstate__; any
+ * other state (not a dict, other keys, a second BUILD) is appended as before, after turning a compact record
+ * back into [dict]. stand_ins.index_record_fields reads both forms. */
+
+#define MAX_COMPACT_FIELDS 16
+#define MAX_COMPACT_KEY_SETS 4096
+
+int dcp_is_compact(PyObject *record) {
+    if (compact_keys_type == NULL || !PyList_Check(record) || PyList_GET_SIZE(record) < 1)
+        return 0;
+    PyObject *keys = PyList_GET_ITEM(record, 0);
+    return Py_IS_TYPE(keys, compact_keys_type) && PyList_GET_SIZE(record) == 1 + PyTuple_GET_SIZE(keys);
+}
+
+/* The one CompactKeys for the keys of state (new reference), NULL without an error where it does not apply. */
+static PyObject *compact_keys(PyObject *state) {
+    Py_ssize_t n = PyDict_GET_SIZE(state), i = 0, position = 0;
+    if (n > MAX_COMPACT_FIELDS)
+        return NULL;
+    PyObject *names = PyTuple_New(n), *key, *value;
+    if (names == NULL)
+        return NULL;
+    while (PyDict_Next(state, &position, &key, &value)) {
+        if (!PyUnicode_CheckExact(key) || i >= n) {
+            Py_DECREF(names);
+            return NULL;
+        }
+        Py_INCREF(key);
+        PyTuple_SET_ITEM(names, i++, key);
+    }
+    PyObject *keys = PyDict_GetItemWithError(compact_keys_interned, names);  /* exact str keys: no Python code */
+    if (keys != NULL) {
+        Py_INCREF(keys);
+    } else if (!PyErr_Occurred() && PyDict_GET_SIZE(compact_keys_interned) < MAX_COMPACT_KEY_SETS &&
+               (keys = compact_keys_type->tp_alloc(compact_keys_type, n)) != NULL) {
+        for (Py_ssize_t j = 0; j < n; j++) {
+            Py_INCREF(PyTuple_GET_ITEM(names, j));
+            PyTuple_SET_ITEM(keys, j, PyTuple_GET_ITEM(names, j));
+        }
+        if (PyDict_SetItem(compact_keys_interned, names, keys) < 0)
+            Py_CLEAR(keys);
+    }
+    Py_DECREF(names);
+    return keys;
+}
+
+/* A compact record's fields as the dict its state was (new reference). */
+static PyObject *compact_dict(PyObject *record) {
+    PyObject *keys = PyList_GET_ITEM(record, 0), *fields = PyDict_New();
+    for (Py_ssize_t i = 0; fields != NULL && i < PyTuple_GET_SIZE(keys); i++)
+        if (PyDict_SetItem(fields, PyTuple_GET_ITEM(keys, i), PyList_GET_ITEM(record, i + 1)) < 0)
+            Py_CLEAR(fields);
+    return fields;
+}
+
+/* __setstate__ of index records (bound through an instancemethod: args are the record and the state). */
+static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "__setstate__ of an index record takes one state");
+        return NULL;
+    }
+    PyObject *record = args[0], *state = args[1];
+    if (PyList_GET_SIZE(record) == 0 && PyDict_CheckExact(state)) {
+        PyObject *keys = compact_keys(state);
+        if (keys == NULL && PyErr_Occurred())
+            return NULL;
+        if (keys != NULL) {
+            PyObject *contents = PyList_New(1 + PyTuple_GET_SIZE(keys));
+            if (contents == NULL) {
+                Py_DECREF(keys);
+                return NULL;
+            }
+            PyList_SET_ITEM(contents, 0, keys);  /* the names in the dict's order, so the values follow it */
+            Py_ssize_t position = 0, i = 1;
+            PyObject *key, *value;
+            while (PyDict_Next(state, &position, &key, &value)) {
+                Py_INCREF(value);
+                PyList_SET_ITEM(contents, i++, value);
+            }
+            int status = PyList_SetSlice(record, 0, 0, contents);
+            Py_DECREF(contents);
+            if (status < 0)
+                return NULL;
+            Py_RETURN_NONE;
+        }
+    }
+    if (dcp_is_compact(record)) {  /* a second BUILD: back to the states in order, the first as its dict */
+        PyObject *first = compact_dict(record);
+        if (first == NULL)
+            return NULL;
+        PyObject *contents = PyList_New(1);
+        if (contents == NULL) {
+            Py_DECREF(first);
+            return NULL;
+        }
+        PyList_SET_ITEM(contents, 0, first);
+        int status = PyList_SetSlice(record, 0, PyList_GET_SIZE(record), contents);
+        Py_DECREF(contents);
+        if (status < 0)
+            return NULL;
+    }
+    if (PyList_Append(record, state) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef compact_setstate_def = {"__setstate__", (PyCFunction)(void (*)(void))compact_setstate,
+                                           METH_FASTCALL, "BUILD of an index record (see _dcp_index.c)."};
+
+/* compact_setstate(CompactKeys) -> the __setstate__ for index record classes (an instancemethod). */
+PyObject *dcp_make_compact_setstate(PyObject *module, PyObject *keys_type) {
+    if (!PyType_Check(keys_type) || !PyType_IsSubtype((PyTypeObject *)keys_type, &PyTuple_Type) ||
+        ((PyTypeObject *)keys_type)->tp_basicsize != PyTuple_Type.tp_basicsize) {
+        PyErr_SetString(PyExc_TypeError, "compact_setstate: a slot-less tuple subclass expected");
+        return NULL;
+    }
+    if (compact_keys_interned == NULL && (compact_keys_interned = PyDict_New()) == NULL)
+        return NULL;
+    Py_INCREF(keys_type);
+    Py_XSETREF(compact_keys_type, (PyTypeObject *)keys_type);
+    PyObject *function = PyCFunction_New(&compact_setstate_def, NULL);
+    if (function == NULL)
+        return NULL;
+    PyObject *method = PyInstanceMethod_New(function);
+    Py_DECREF(function);
+    return method;
+}
+
+/* A compact record's value of name, borrowed; NULL (no error) where it has none. Its names are exact str. */
+PyObject *dcp_compact_value(PyObject *record, PyObject *name) {
+    PyObject *keys = PyList_GET_ITEM(record, 0);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(keys); i++) {
+        PyObject *key = PyTuple_GET_ITEM(keys, i);
+        if (key == name || (PyUnicode_CheckExact(name) && PyUnicode_Compare(key, name) == 0))
+            return PyList_GET_ITEM(record, i + 1);
+    }
+    return NULL;
+}
