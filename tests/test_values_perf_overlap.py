@@ -61,3 +61,27 @@ def test_meanwhile_error_comes_first(copy_fixture, workers):
     whole = open_checkpoint(FIXTURES / "core019_tp2")
     with pytest.raises(CkptError, match="structural comparison failed"):  # the values alone would pass
         compare_values(a, whole, _pairs(a, whole), workers=workers, meanwhile=_structure_fails)
+
+
+def test_a_meanwhile_error_does_not_end_the_workers_mid_run(monkeypatch):
+    """The structural comparison's error is held until the workers' run returns, never raised out of ``done`` in
+    the middle of it: that ended the pool (Pool.terminate) while a worker could be sending a result, and a worker
+    ended holding the result queue's lock made terminate() wait forever (a CI run hung in diff --values)."""
+    from ckptdoctor import parallel
+
+    a, b = open_checkpoint(FIXTURES / "core019_tp1"), open_checkpoint(FIXTURES / "core019_tp2")
+    pairs = _pairs(a, b)
+    real = parallel.map_units
+    seen = []
+
+    def map_units(weights, task, jobs=None, done=None, threads=False):
+        assert done is not None  # several workers: the structural comparison runs as results come back
+        for index in range(len(weights)):
+            done(index)  # must not raise mid-run
+        seen.append("run finished")
+        return real(weights, task, jobs, None, threads)
+
+    monkeypatch.setattr(parallel, "map_units", map_units)
+    with pytest.raises(CkptError, match="structural comparison failed"):
+        compare_values(a, b, pairs, workers=3, meanwhile=_structure_fails)
+    assert seen == ["run finished"]

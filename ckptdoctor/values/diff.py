@@ -251,13 +251,23 @@ def compare_values(
         return _summary(found, twins, counter, ctx.inflight.peak)
 
     pending = [meanwhile] if meanwhile is not None else []
+    deferred: list[Exception] = []  # what meanwhile raised while the workers ran (raised once they are done)
 
     def run_meanwhile() -> None:
+        if deferred:
+            raise deferred.pop()
         if pending:
             pending.pop()()
 
     def done(index: int) -> None:
-        run_meanwhile()
+        # Not raised here, in the middle of the workers' run: that ends the pool (Pool.terminate), and a worker
+        # ended while it sends a result leaves the result queue's lock held, so terminate() waits for it forever
+        # (seen in CI: diff --values of a damaged checkpoint hung). Raised as soon as map_units returns.
+        if pending:
+            try:
+                pending.pop()()
+            except Exception as exc:  # noqa: BLE001 - any error of the structural comparison, raised below
+                deferred.append(exc)
         if progress is not None:
             progress.advance(sum(weights[runs[index][0] : runs[index][1]]))
 
