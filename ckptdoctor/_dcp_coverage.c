@@ -4,21 +4,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-
 #define MAX_TILE_DIMS 64
-
-/* An exact int in [0, 2**63), else -1 (nothing to raise: the caller answers "not decided here"). */
-static int64_t int64_size(PyObject *value) {
-    if (!PyLong_CheckExact(value))
-        return -1;
-    int overflow;
-    long long number = PyLong_AsLongLongAndOverflow(value, &overflow);
-    if (number == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return -1;
-    }
-    return overflow || number < 0 ? -1 : (int64_t)number;
-}
 
 static int compare_u64(const void *a, const void *b) {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
@@ -47,7 +33,7 @@ static int grid_tiled_once(PyObject *shape, PyObject *chunks) {
         return 0;
     uint64_t dims[MAX_TILE_DIMS];
     for (Py_ssize_t a = 0; a < ndim; a++) {
-        int64_t d = int64_size(PyTuple_GET_ITEM(shape, a));
+        int64_t d = dcp_int64_size(PyTuple_GET_ITEM(shape, a));
         if (d < 0)
             return 0;
         dims[a] = (uint64_t)d;
@@ -70,7 +56,7 @@ static int grid_tiled_once(PyObject *shape, PyObject *chunks) {
             PyTuple_GET_SIZE(sizes) != ndim)
             goto done;
         for (Py_ssize_t a = 0; a < ndim; a++) {
-            int64_t o = int64_size(PyTuple_GET_ITEM(offsets, a)), z = int64_size(PyTuple_GET_ITEM(sizes, a));
+            int64_t o = dcp_int64_size(PyTuple_GET_ITEM(offsets, a)), z = dcp_int64_size(PyTuple_GET_ITEM(sizes, a));
             /* both < 2**63, so o + z fits in uint64 */
             if (o < 0 || z <= 0 || (uint64_t)o + (uint64_t)z > dims[a])
                 goto done;

@@ -95,19 +95,6 @@ static PyObject *field_or_none(Fields *fields, PyObject *name) {
     return value;
 }
 
-/* type(value) is int and 0 <= value < 2**63 */
-static int is_int64_size(PyObject *value) {
-    if (!PyLong_CheckExact(value))
-        return 0;
-    int overflow;
-    long long number = PyLong_AsLongLongAndOverflow(value, &overflow);
-    if (number == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
-    return !overflow && number >= 0;
-}
-
 /* tuple(raw), as the one object cache holds for it (checked by int64_dims when first met). */
 static PyObject *shared_dims(PyObject *cache, PyObject *raw, PyObject *key, PyObject *what, int counts) {
     PyObject *dims = PySequence_Tuple(raw);
@@ -184,7 +171,7 @@ static int add_location(PyObject *locations, PyObject *shared, PyObject *index, 
     }
     if ((start = field(&info_fields, s_offset)) == NULL || (length = field(&info_fields, s_length)) == NULL)
         goto done;
-    if (!is_int64_size(start) || !is_int64_size(length)) {
+    if (dcp_int64_size(start) < 0 || dcp_int64_size(length) < 0) {
         PyObject *pair = PyTuple_Pack(2, start, length);
         if (pair == NULL)
             goto done;

@@ -8,6 +8,20 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
+
+/* type(value) is int and 0 <= value < 2**63: its value, else -1 (nothing raised: the caller decides). */
+static inline int64_t dcp_int64_size(PyObject *value) {
+    if (!PyLong_CheckExact(value))
+        return -1;
+    int overflow;
+    long long number = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (number == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return overflow || number < 0 ? -1 : (int64_t)number;
+}
 
 /* _dcp_compact.c */
 int dcp_is_compact(PyObject *record);                                   /* [CompactKeys(names), values...] */

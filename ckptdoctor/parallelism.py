@@ -14,11 +14,11 @@
 
 from __future__ import annotations
 
-import operator
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckptdoctor.formats.dcp_index import CHUNK_STORAGE, STORAGE_PATH
 from ckptdoctor.formats.torch_dist import writer_rank
 
 if TYPE_CHECKING:
@@ -103,15 +103,11 @@ class _WriterRanks(dict[str, "int | None"]):
         return rank
 
 
-_STORAGE = operator.itemgetter(2)  # DcpChunk.storage
-_PATH = operator.itemgetter(0)  # StorageLocation.relative_path
-
-
 def _chunk_ranks(entry: Entry, rank_of: _WriterRanks) -> set[int | None]:
     """The writer ranks of an entry's chunks (None for a chunk without storage or of an unnamed file).
     map/filter at C speed: this runs over every chunk (10^6 in a large checkpoint)."""
-    stored = list(filter(None, map(_STORAGE, entry.chunks)))
-    ranks: set[int | None] = set(map(rank_of.__getitem__, map(_PATH, stored)))
+    stored = list(filter(None, map(CHUNK_STORAGE, entry.chunks)))
+    ranks: set[int | None] = set(map(rank_of.__getitem__, map(STORAGE_PATH, stored)))
     if len(stored) < len(entry.chunks):  # a chunk without storage
         ranks.add(None)
     return ranks

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -78,6 +79,13 @@ class DcpChunk(NamedTuple):
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     storage: StorageLocation | None
+
+
+# Field getters at C speed, for loops over every chunk (10^6 in a large checkpoint): map/filter instead of a
+# generator expression (~5x faster).
+CHUNK_STORAGE = operator.itemgetter(2)  # DcpChunk.storage
+STORAGE_PATH = operator.itemgetter(0)  # StorageLocation.relative_path
+STORAGE_LENGTH = operator.itemgetter(2)  # StorageLocation.length
 
 
 @dataclass(slots=True)

@@ -167,10 +167,10 @@ class _ChunkDecoder:
         self._cache: dict[tuple, _Verdict] = {}
         # parse_archive, or the same validation from a remembered directory layout (archives of equal chunks
         # differ only in CRC-32s: values.archive_memo), imported here so that metadata-only checks never load it
-        from ckptdoctor.values.archive_memo import parse, plain_pickle
+        from ckptdoctor.values.archive_memo import parse, plain_key
 
         self.parse = parse
-        self.plain_pickle = plain_pickle
+        self.plain_key = plain_key
         # (layout, data.pkl, sizes, dtype, pickle limit) -> (start, size) of the storage record of a chunk that
         # decoded cleanly: a later archive with that directory layout and pickle decodes the same way
         self.clean: dict[tuple, tuple[int, int]] = {}
@@ -218,10 +218,8 @@ def _check_chunk(
     path: Path,
     non_finite: NonFinite | None = None,
 ) -> Finding | None:
-    found = decoder.plain_pickle(blob)  # the directory of an archive like one decoded before, and its data.pkl
-    key = None
-    if found is not None:
-        key = (id(found[0]), found[1], chunk.sizes, entry.dtype, chunk_limits().max_bytes)
+    key = decoder.plain_key(blob, chunk.sizes, entry.dtype)  # an archive like one decoded before
+    if key is not None:
         clean = decoder.clean.get(key)
         if clean is not None:  # decodes as that archive did: cleanly, its record at the same place
             if non_finite is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from ckptdoctor.formats.archive import Blob, Member, TorchArchive, parse_archive
+from ckptdoctor.formats.archive import Blob, Member, TorchArchive, chunk_limits, parse_archive
 
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory record (22 bytes)
 _CDIR = struct.Struct("<4s6H3L5H2L")  # central directory file header (46 bytes)
@@ -158,6 +158,16 @@ def plain_pickle(blob: Blob) -> tuple[Layout, bytes] | None:
             return None
     start, size = layout.pickle
     return layout, bytes(blob[start : start + size])
+
+
+def plain_key(blob: Blob, sizes: tuple, dtype: str | None) -> tuple | None:
+    """The key under which a decode of this chunk archive can be remembered and reused: (layout, ``data.pkl``,
+    sizes, dtype, pickle limit), everything such an answer depends on; None where :func:`plain_pickle` is None.
+    (A layout is never forgotten, so its id names it for the life of the process.)"""
+    found = plain_pickle(blob)
+    if found is None:
+        return None
+    return (id(found[0]), found[1], sizes, dtype, chunk_limits().max_bytes)
 
 
 def parse(blob: Blob, where: str) -> TorchArchive:

@@ -200,7 +200,7 @@ def chunk_bits(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: byte
     order; an element width other than 1, 2, 4 or 8 bytes; anything :func:`read_chunk_view` would refuse):
     the caller then decodes the chunk with :func:`read_chunk_view`, which reports what is wrong.
 
-    An archive whose directory matches a remembered layout (:func:`archive_memo.plain_pickle`) gets the answer
+    An archive whose directory matches a remembered layout (:func:`archive_memo.plain_key`) gets the answer
     given for the first archive of that layout, ``data.pkl``, sizes and dtype: everything the answer depends on
     (a few us a chunk instead of the archive object, the pickle read and the checks)."""
     np = numpy_or_none()
@@ -208,12 +208,10 @@ def chunk_bits(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: byte
         return None
     key = None
     if checkpoint.location.backend != BACKEND_ZARR:
-        found = archive_memo.plain_pickle(blob)
-        if found is not None:
-            key = (id(found[0]), found[1], chunk.sizes, entry.dtype, chunk_limits().max_bytes)
-            if key in _PLAIN:
-                view = _PLAIN[key]
-                return None if view is None else np.frombuffer(blob, view[0], view[1], view[2]).reshape(view[3])
+        key = archive_memo.plain_key(blob, chunk.sizes, entry.dtype)
+        if key is not None and key in _PLAIN:
+            view = _PLAIN[key]
+            return None if view is None else np.frombuffer(blob, view[0], view[1], view[2]).reshape(view[3])
     view = _plain_view(checkpoint, entry, chunk, blob)
     if key is not None and len(_PLAIN) < _PLAIN_MAX:
         _PLAIN[key] = view
