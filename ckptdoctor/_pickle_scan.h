@@ -20,7 +20,7 @@ static inline uint64_t read_u64(const unsigned char *b) {
 
 /* _pickle_prune.c */
 PyObject *pickle_prune_memo(PyObject *module, PyObject *arg);    /* prune_memo(data) -> bytes or None */
-PyObject *pickle_pruned_reader(PyObject *module, PyObject *arg); /* pruned_reader(data) -> reader or None */
+PyObject *pickle_pruned_reader(PyObject *module, PyObject *args); /* pruned_reader(data, release) -> reader or None */
 int pickle_prune_ready(void);                                    /* PyType_Ready of the reader type */
 
 #endif

@@ -1,8 +1,9 @@
+import mmap
 from collections.abc import Callable
 from typing import BinaryIO
 
 def scan(
-    data: bytes,
+    data: bytes | mmap.mmap,
     max_depth: int,
     max_string: int,
     max_int: int,
@@ -11,4 +12,4 @@ def scan(
     /,
 ) -> None | int | tuple[int, str]: ...
 def prune_memo(data: bytes | bytearray | memoryview, /) -> bytes | None: ...
-def pruned_reader(data: bytes | bytearray | memoryview, /) -> BinaryIO | None: ...
+def pruned_reader(data: bytes | bytearray | memoryview | mmap.mmap, release: bool = False, /) -> BinaryIO | None: ...

@@ -15,6 +15,7 @@ allowlist, so the tuple depth tracked here bounds the C recursion of any hash or
 
 from __future__ import annotations
 
+import mmap
 import pickle
 import struct
 from collections.abc import Callable
@@ -103,7 +104,7 @@ def _memo_index(buf: bytes, pos: int, width: int) -> tuple[int, int]:
 
 
 def scan(
-    data: bytes | bytearray | memoryview,
+    data: bytes | bytearray | memoryview | mmap.mmap,
     limits: PickleLimits | None = None,
     safe_hash: Callable[[str, str], bool] | None = None,
 ) -> None:
@@ -125,7 +126,8 @@ def scan(
     """
     limits = limits or current_limits()
     limits.check_size(len(data))
-    buf = bytes(data) if not isinstance(data, bytes) else data
+    # an anonymous map (a large .metadata, see files.read_releasable) is scanned in place: no second copy
+    buf = data if isinstance(data, (bytes, mmap.mmap)) else bytes(data)
     if _scan_c is not None:
         try:
             verdict = _scan_c(
@@ -143,7 +145,7 @@ def scan(
         if isinstance(verdict, tuple):
             kind, message = verdict
             raise PickleLimitError(message) if kind == 1 else pickle.UnpicklingError(message)
-    scan_python(buf, limits, safe_hash)
+    scan_python(buf if isinstance(buf, bytes) else bytes(buf), limits, safe_hash)
 
 
 def scan_python(buf: bytes, limits: PickleLimits, safe_hash: Callable[[str, str], bool] | None = None) -> None:

@@ -9,6 +9,7 @@ torch stand-ins are immutable.
 from __future__ import annotations
 
 import io
+import mmap
 import pickle
 import re
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from ckptdoctor.torch_stand_ins import StorageRef
 
 __all__ = ["SafeUnpickler", "dumps", "dumps_taken", "loads", "loads_prefix"]
 
-_pruned_reader: Callable[[bytes | bytearray | memoryview], BinaryIO | None] | None
+_pruned_reader: Callable[[bytes | bytearray | memoryview | mmap.mmap, bool], BinaryIO | None] | None
 try:  # built with the C pre-pass (ckptdoctor/_pickle_scan.c); without it, pickles are read as they are
     from ckptdoctor._pickle_scan import pruned_reader as _pruned_reader
 except ImportError:
@@ -83,7 +84,7 @@ class SafeUnpickler(pickle.Unpickler):
 
 
 def loads(
-    data: bytes | bytearray | memoryview,
+    data: bytes | bytearray | memoryview | mmap.mmap,
     persistent_load: Callable[[Any], Any] | None = None,
     limits: PickleLimits | None = None,
     unlisted: list[str] | None = None,
@@ -119,7 +120,7 @@ def loads_prefix(
 
 
 def _load(
-    data: bytes | bytearray | memoryview,
+    data: bytes | bytearray | memoryview | mmap.mmap,
     persistent_load: Callable[[Any], Any] | None,
     limits: PickleLimits | None,
     unlisted: list[str] | None,
@@ -134,8 +135,14 @@ def _load(
         scan(data, limits, hash_safe_global)  # the first pickle only: the scan stops at its STOP
     # The pruned pickle is translated from data as the unpickler reads it (no second copy); None: data is read
     # as it is (no memo entry to drop, or pruning not certain to be exact).
-    pruned = _pruned_reader(data) if prune and _pruned_reader is not None else None
-    stream = io.BytesIO(data) if pruned is None else pruned
+    # An anonymous map (files.read_releasable: a large .metadata) is ours alone: the reader may give back its
+    # pages as it goes. Read as it is, it is its own file (BytesIO would copy it).
+    mapped = isinstance(data, mmap.mmap)
+    pruned = _pruned_reader(data, mapped) if prune and _pruned_reader is not None else None
+    stream: Any = pruned
+    if pruned is None:
+        stream = io.BytesIO(data) if not mapped else data
+        stream.seek(0)
     unpickler = SafeUnpickler(stream, persistent_load, index_only, nested_saves)
     try:
         obj = unpickler.load()

@@ -207,6 +207,31 @@ def test_fixture_indexes_are_identical(monkeypatch, path):
 
 
 @needs_c
+def test_chunks_and_locations_built_in_c_are_whole_objects():
+    """The C loops allocate DcpChunk and StorageLocation at their exact size (no unused trailing item): each must
+    still be a tracked, comparable, hashable, picklable and copyable NamedTuple, as one built in Python."""
+    import copy
+    import gc
+    import pickle
+
+    index = dcp_index.index_items(*_records(METADATA[0].read_bytes(), True), DcpItem, True)
+    chunks = [chunk for item in index.values() for chunk in item.chunks]
+    locations = [chunk.storage for chunk in chunks if chunk.storage is not None]
+    assert chunks and locations
+    for made in (chunks[0], locations[0]):
+        rebuilt = tuple.__new__(type(made), tuple(made))
+        assert gc.is_tracked(made) and made == rebuilt and hash(made) == hash(rebuilt)
+        assert pickle.loads(pickle.dumps(made)) == made and copy.deepcopy(made) == made
+        assert made.__sizeof__() == rebuilt.__sizeof__() and len(made) == 3 and made[-1] == rebuilt[-1]
+    assert all(type(chunk) is dcp_index.DcpChunk for chunk in chunks)
+    assert {chunk.storage.relative_path for chunk in chunks if chunk.storage} <= {
+        loc.relative_path for loc in locations
+    }
+    del index, chunks, locations
+    gc.collect()
+
+
+@needs_c
 @pytest.mark.parametrize("path", METADATA[::4], ids=lambda p: p.parent.parent.name)
 def test_mutants_give_identical_outcomes(monkeypatch, path):
     data = path.read_bytes()

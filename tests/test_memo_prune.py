@@ -8,6 +8,7 @@ leaves the bytes alone (None). Without the C extension nothing is pruned and rea
 from __future__ import annotations
 
 import io
+import mmap
 import pickle
 import pickletools
 import random
@@ -317,7 +318,9 @@ def test_pickles_pruning_is_not_certain_about_are_left_alone(data):
 def test_loads_reads_the_pruned_pickle(monkeypatch):
     data = pickle.dumps(_shared_value(), protocol=4)
     readers = []
-    monkeypatch.setattr(safe_pickle, "_pruned_reader", lambda b: readers.append(pruned_reader(b)) or readers[-1])
+    monkeypatch.setattr(
+        safe_pickle, "_pruned_reader", lambda b, release: readers.append(pruned_reader(b, release)) or readers[-1]
+    )
     assert safe_pickle.loads(data) == _shared_value()
     assert len(readers) == 1 and readers[0] is not None and readers[0].read() == b""  # read to the STOP
     readers.clear()
@@ -333,3 +336,52 @@ def test_without_the_c_extension_nothing_is_pruned(monkeypatch):
     monkeypatch.setattr(safe_pickle.io, "BytesIO", lambda b: seen.append(bytes(b)) or real_bytes_io(b))
     assert safe_pickle.loads(data) == _shared_value()
     assert seen == [data]
+
+
+def _mapped(data: bytes) -> mmap.mmap:
+    mapped = mmap.mmap(-1, len(data), flags=mmap.MAP_PRIVATE)  # as files.read_releasable maps
+    mapped[:] = data
+    return mapped
+
+
+@needs_c
+def test_release_gives_back_the_pages_already_translated():
+    """``pruned_reader(data, release=True)`` (data: an anonymous map of the caller's own, as
+    ``files.read_releasable`` makes for a large ``.metadata``) gives back the pages below its translation point
+    every 4 MiB: the same objects come out, and the start of the map reads as zeros afterwards (an anonymous page
+    given back is a fresh zero page), which it does not without ``release``."""
+    value = [(f"key.{i}", i, (i, i + 1)) for i in range(500_000)]  # ~15 MB at protocol 4, every entry unread
+    data = pickle.dumps(value, protocol=4)
+    assert len(data) > 9 << 20
+    for release in (True, False):
+        mapped = _mapped(data)
+        reader = pruned_reader(mapped, release)
+        assert reader is not None
+        assert safe_pickle.SafeUnpickler(reader).load() == value
+        head = mapped[: 1 << 20]
+        assert (head == bytes(len(head))) is release, release
+        assert mapped[-(1 << 20) :] == data[-(1 << 20) :]  # the part read last (less than a step) is kept
+        del reader
+        mapped.close()
+
+
+def test_a_large_file_is_read_into_a_map_of_its_own(tmp_path, monkeypatch):
+    from ckptdoctor.formats import files
+
+    path = tmp_path / "big"
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    path.write_bytes(payload)
+    monkeypatch.setattr(files, "RELEASABLE_MIN_BYTES", 1 << 20)
+    with files.open_regular(path) as f:
+        mapped = files.read_releasable(f, 64 << 20)
+    assert isinstance(mapped, mmap.mmap) and mapped[:] == payload
+    with files.open_regular(path) as f:  # over the limit: read_capped's bytes (one more than the limit)
+        capped = files.read_releasable(f, 1000)
+    assert isinstance(capped, bytes) and capped == payload[:1001]
+    path.write_bytes(payload[:1000])  # small: bytes
+    with files.open_regular(path) as f:
+        assert files.read_releasable(f, 64 << 20) == payload[:1000]
+    (tmp_path / "empty").write_bytes(b"")
+    monkeypatch.setattr(files, "RELEASABLE_MIN_BYTES", 0)
+    with files.open_regular(tmp_path / "empty") as f:
+        assert files.read_releasable(f, 64 << 20) == b""

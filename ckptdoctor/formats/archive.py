@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import io
+import mmap
 import struct
 import zipfile
 import zlib
@@ -339,7 +340,7 @@ def load_archive(blob: Blob, where: str, limits: PickleLimits | None = None, unl
 
 
 def unpickle(
-    pickled: Blob,
+    pickled: Blob | mmap.mmap,
     where: str,
     persistent_load: Callable[[Any], Any] | None = None,
     limits: PickleLimits | None = None,

@@ -11,6 +11,7 @@ import errno
 import fcntl
 import io
 import json
+import mmap
 import os
 import stat
 from pathlib import Path
@@ -59,6 +60,42 @@ def read_capped(f: BinaryIO, max_bytes: int) -> bytes:
     if len(data) <= size:
         return data
     return data + f.read(max_bytes - len(data) + 1)  # it grew while read: up to the limit
+
+
+RELEASABLE_MIN_BYTES = 4 << 20  # below this a file is read as bytes (a map's pages are no saving there)
+
+
+def read_releasable(f: BinaryIO, max_bytes: int) -> bytes | mmap.mmap:
+    """:func:`read_capped`, but a large regular file (:data:`RELEASABLE_MIN_BYTES` up to ``max_bytes``) comes in
+    an anonymous memory map of its own, exactly as long as what was read, which nothing else sees: the memo pruning
+    reader may give its pages back to the system as it translates them (``release``), so that a large
+    ``.metadata`` is not held whole while its objects are built. Anything else (small, over the limit, not a plain
+    file, changed in size while read) is :func:`read_capped`'s bytes."""
+    try:
+        size = os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        size = -1
+    if not max(1, RELEASABLE_MIN_BYTES) <= size < max_bytes:  # (an empty map is an error)
+        return read_capped(f, max_bytes)
+    start = f.tell()
+    mapped = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # private: a page given back is freed (shared: kept)
+    got = 0
+    try:
+        with memoryview(mapped) as view:
+            while got < size:  # a raw file may read short
+                more = f.readinto(view[got:])  # type: ignore[attr-defined]
+                if not more:
+                    break
+                got += more
+        whole = got == size and not f.read(1)
+    except BaseException:
+        mapped.close()
+        raise
+    if whole:
+        return mapped
+    mapped.close()
+    f.seek(start)  # it shrank or grew while read: read again, as bytes
+    return read_capped(f, max_bytes)
 
 
 def read_small_file(path: str | os.PathLike, max_bytes: int) -> bytes:

@@ -26,7 +26,7 @@ from ckptdoctor.formats.dcp_index import StorageLocation as StorageLocation
 from ckptdoctor.formats.dcp_index import index_items
 from ckptdoctor.formats.dcp_index import inside_path as inside_path
 from ckptdoctor.formats.dcp_index import int64_dims as int64_dims
-from ckptdoctor.formats.files import open_regular, read_capped
+from ckptdoctor.formats.files import open_regular, read_releasable
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.pickle_limits import current_limits
 from ckptdoctor.stand_ins import STAND_IN_TYPES, IndexRecord, StandIn, index_record_fields
@@ -91,7 +91,7 @@ _WHAT = "DCP metadata"
 def _load_metadata_pickle(path: Path, unlisted: list[str] | None = None, index_only: bool = False) -> Any:
     try:
         with open_regular(path) as f:
-            data = read_capped(f, current_limits().max_bytes)
+            data = read_releasable(f, current_limits().max_bytes)
     except OSError as exc:
         raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
     return unpickle(data, str(path), unlisted=unlisted, what=_WHAT, index_only=index_only)
