@@ -74,22 +74,27 @@ static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ss
         if (keys == NULL && PyErr_Occurred())
             return NULL;
         if (keys != NULL) {
-            PyObject *contents = PyList_New(1 + PyTuple_GET_SIZE(keys));
-            if (contents == NULL) {
+            /* The items are set in place at their exact number: a list grown by a slice assignment reserves
+             * twice the room (8 slots for 4 items), 32 bytes more per record, three records per chunk. The
+             * record is empty here, so its old item array (if any) holds nothing. */
+            Py_ssize_t n = 1 + PyTuple_GET_SIZE(keys);
+            PyObject **items = PyMem_New(PyObject *, (size_t)n);
+            if (items == NULL) {
                 Py_DECREF(keys);
-                return NULL;
+                return PyErr_NoMemory();
             }
-            PyList_SET_ITEM(contents, 0, keys);  /* the names in the dict's order, so the values follow it */
+            items[0] = keys;  /* the names in the dict's order, so the values follow it */
             Py_ssize_t position = 0, i = 1;
             PyObject *key, *value;
-            while (PyDict_Next(state, &position, &key, &value)) {
+            while (i < n && PyDict_Next(state, &position, &key, &value)) {
                 Py_INCREF(value);
-                PyList_SET_ITEM(contents, i++, value);
+                items[i++] = value;
             }
-            int status = PyList_SetSlice(record, 0, 0, contents);
-            Py_DECREF(contents);
-            if (status < 0)
-                return NULL;
+            PyListObject *list = (PyListObject *)record;
+            PyMem_Free(list->ob_item);
+            list->ob_item = items;
+            list->allocated = n;
+            Py_SET_SIZE(list, i);  /* i == n: the dict has the n - 1 values its names were read from */
             Py_RETURN_NONE;
         }
     }
@@ -144,4 +149,51 @@ PyObject *dcp_compact_value(PyObject *record, PyObject *name) {
             return PyList_GET_ITEM(record, i + 1);
     }
     return NULL;
+}
+
+/*
+ * torch.Size in an index-only read (safe_globals.index_only): the argument tuple, as ().__add__ gives it, but
+ * one object for equal tuples of ints within a load. A .metadata pickles a Size per shape, chunk offsets, chunk
+ * sizes and storage index (four per chunk), each with its own ints, while a checkpoint has few distinct ones
+ * (layers repeat shapes, ranks repeat offsets): the records then hold shared tuples while the load lasts. Only
+ * tuples of exact ints are looked up (their hash runs no Python code); anything else, and every call of another
+ * form, is what ().__add__ makes of it (the same result or the same error). The table holds at most
+ * MAX_SIZES_SEEN tuples and is emptied by forget_index_sizes() after each load.
+ */
+#define MAX_SIZES_SEEN ((Py_ssize_t)1 << 20)
+#define MAX_SIZE_DIMS 64
+
+static PyObject *size_add;   /* ().__add__ */
+static PyObject *sizes_seen; /* tuple -> the one equal tuple of this load */
+
+PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (size_add == NULL) {
+        PyObject *empty = PyTuple_New(0);
+        if (empty == NULL || (size_add = PyObject_GetAttrString(empty, "__add__")) == NULL) {
+            Py_XDECREF(empty);
+            return NULL;
+        }
+        Py_DECREF(empty);
+    }
+    if (nargs != 1 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) > MAX_SIZE_DIMS)
+        return PyObject_Vectorcall(size_add, args, (size_t)nargs, NULL);
+    PyObject *dims = args[0];
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dims); i++)
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(dims, i)))
+            return Py_NewRef(dims);
+    if (sizes_seen == NULL && (sizes_seen = PyDict_New()) == NULL)
+        return NULL;
+    PyObject *known = PyDict_GetItemWithError(sizes_seen, dims);
+    if (known != NULL)
+        return Py_NewRef(known);
+    if (PyErr_Occurred())
+        return NULL;
+    if (PyDict_GET_SIZE(sizes_seen) < MAX_SIZES_SEEN && PyDict_SetItem(sizes_seen, dims, dims) < 0)
+        return NULL;
+    return Py_NewRef(dims);
+}
+
+PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    Py_CLEAR(sizes_seen);
+    Py_RETURN_NONE;
 }

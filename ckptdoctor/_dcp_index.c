@@ -497,6 +497,9 @@ static PyMethodDef methods[] = {
     {"items", checked_items, METH_VARARGS, "state_dict_metadata -> {key: item_class(...)}."},
     {"compact_setstate", dcp_make_compact_setstate, METH_O, "The __setstate__ of index records (an instancemethod)."},
     {"tiles_once", dcp_tiles_once, METH_VARARGS, "Whether chunks are one grid's cells over shape, each once."},
+    {"index_size", (PyCFunction)(void (*)(void))dcp_index_size, METH_FASTCALL,
+     "What torch.Size builds in an index-only read: ().__add__(dims), one object per equal tuple of ints."},
+    {"forget_index_sizes", dcp_forget_index_sizes, METH_NOARGS, "Empty index_size's table (after a load)."},
     {NULL, NULL, 0, NULL},
 };
 

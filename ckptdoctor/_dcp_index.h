@@ -1,6 +1,7 @@
 /* ckptdoctor._dcp_index: one extension module from three sources.
  *   _dcp_index.c     the module, setup() and the index loops (locations, items)
- *   _dcp_compact.c   compact index records: the __setstate__ of index-only DCP records and reading them
+ *   _dcp_compact.c   compact index records: the __setstate__ of index-only DCP records and reading them;
+ *                    index_size, what torch.Size builds in an index-only read
  *   _dcp_coverage.c  check's coverage test for chunks that are the cells of one grid (tiles_once)
  */
 #ifndef CKPTDOCTOR_DCP_INDEX_H
@@ -27,6 +28,8 @@ static inline int64_t dcp_int64_size(PyObject *value) {
 int dcp_is_compact(PyObject *record);                                   /* [CompactKeys(names), values...] */
 PyObject *dcp_compact_value(PyObject *record, PyObject *name);          /* borrowed; NULL (no error): none */
 PyObject *dcp_make_compact_setstate(PyObject *module, PyObject *keys_type); /* compact_setstate(CompactKeys) */
+PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* index_size(dims) */
+PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *ignored);         /* forget_index_sizes() */
 
 /* _dcp_coverage.c */
 PyObject *dcp_tiles_once(PyObject *module, PyObject *args); /* tiles_once(shape, chunks) -> bool */

@@ -58,6 +58,17 @@ from ckptdoctor.torch_stand_ins import (
     StorageTypeRef,
 )
 
+index_size: Callable[..., Any]
+forget_index_sizes: Callable[[], None]
+try:  # torch.Size in index-only reads: one tuple per distinct size within a load (ckptdoctor/_dcp_compact.c)
+    from ckptdoctor._dcp_index import forget_index_sizes, index_size
+except ImportError:  # built without a compiler: the argument tuple itself
+    index_size = INDEX_SIZE
+
+    def forget_index_sizes() -> None:
+        pass
+
+
 # --- the allowlist -----------------------------------------------------------------------------------
 
 _MAX_ALLOC = DEFAULT_LIMITS.max_string
@@ -325,10 +336,11 @@ def hash_safe_global(module: str, name: str) -> bool:
 def index_only(obj: Any) -> Any:
     """What a resolved global builds when ``.metadata`` is read for its index only: DCP records become
     :class:`~ckptdoctor.stand_ins.IndexRecord` lists and ``torch.Size`` the plain argument tuple (both at C
-    speed, with no second copy of any state); anything else is itself. Hashing is unchanged (records by
+    speed, with no second copy of any state; with the C extension, one tuple per distinct size of ints within a
+    load, see :func:`forget_index_sizes`); anything else is itself. Hashing is unchanged (records by
     identity, sizes as tuples: the pre-pass counts them as it counts ``Size``)."""
     if obj is Size:
-        return INDEX_SIZE
+        return index_size
     if isinstance(obj, type) and issubclass(obj, Record):
         return index_record_class(obj)
     return obj

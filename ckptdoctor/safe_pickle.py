@@ -19,6 +19,7 @@ from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.pickle_limits import PickleLimits
 from ckptdoctor.pickle_scan import scan
 from ckptdoctor.safe_globals import (
+    forget_index_sizes,
     hash_safe_global,
     index_only,
     resolve_global,
@@ -150,6 +151,9 @@ def _load(
         raise PickleLimitError("pickle nests too deeply to decode") from None
     except MemoryError:
         raise PickleLimitError("pickle needs more memory than is available") from None
+    finally:
+        if index_only:
+            forget_index_sizes()  # the table of distinct sizes lives as long as one load
     if unlisted is not None:
         unlisted.extend(unpickler.unlisted)
     return obj, -1 if pruned is not None else stream.tell()

@@ -431,3 +431,67 @@ def test_fixture_indexes_with_and_without_compact_records(monkeypatch, path):
     records = _records(data, True)
     assert not _compact(next(iter(records[0].values())))
     assert _outcome(monkeypatch, True, *records, True) == compact
+
+
+@needs_c
+def test_index_sizes_are_shared_within_a_load_and_otherwise_what_the_tuple_add_makes():
+    """torch.Size in an index-only read (``_dcp_index.index_size``): one object per equal tuple of ints within a
+    load, the table emptied after it; anything else is exactly what ``().__add__`` makes of it."""
+    from ckptdoctor import safe_globals
+
+    index_size = safe_globals.index_size
+    assert index_size is dcp_index._dcp_index.index_size
+    a, b = (4096, 11008), tuple([4096, 11008])
+    assert a is not b and index_size(a) is a and index_size(b) is a  # the first one seen
+    safe_globals.forget_index_sizes()
+    assert index_size(b) is b  # a new load starts a new table
+    mixed = (1, "x")
+    assert index_size(mixed) is mixed and index_size(()) == ()
+    record = IndexRecord()
+    assert index_size((record,))[0] is record  # unhashable items: passed through, never hashed
+    for args in ([1, 2], ("a",), (), ((1,), (2,)), (None,)):
+        try:
+            expected: Any = ("value", ().__add__(*args))
+        except Exception as exc:  # noqa: BLE001 - the point is which one
+            expected = (type(exc).__name__, str(exc))
+        try:
+            got: Any = ("value", index_size(*args))
+        except Exception as exc:  # noqa: BLE001
+            got = (type(exc).__name__, str(exc))
+        assert got == expected, args
+    safe_globals.forget_index_sizes()
+
+
+@needs_c
+def test_an_index_only_load_shares_equal_sizes_and_forgets_them(monkeypatch):
+    from ckptdoctor import safe_globals
+
+    data = METADATA[0].read_bytes()
+    state_dict_metadata, _ = _records(data, True)
+    shapes = [record_attr(meta, "size") for meta in state_dict_metadata.values() if record_attr(meta, "chunks")]
+    by_value: dict[tuple, set[int]] = {}
+    for shape in shapes:
+        by_value.setdefault(tuple(shape), set()).add(id(shape))
+    assert len(shapes) > len(by_value) and all(len(ids) == 1 for ids in by_value.values())
+    seen: list[int] = []
+    monkeypatch.setattr(safe_globals, "forget_index_sizes", lambda: seen.append(1))
+    monkeypatch.setattr(safe_pickle, "forget_index_sizes", lambda: seen.append(1))
+    safe_pickle.loads(data, index_only=True)
+    safe_pickle.loads(data)  # a faithful read: nothing to forget
+    assert seen == [1]
+    monkeypatch.undo()
+    # the same index with sharing and without it
+    monkeypatch.setattr(safe_globals, "index_size", ().__add__)
+    plain = dcp_index.index_items(*_records(data, True), DcpItem, True)
+    monkeypatch.undo()
+    assert dcp_index.index_items(*_records(data, True), DcpItem, True) == plain
+
+
+@needs_c
+def test_compact_records_hold_their_items_at_their_exact_number():
+    state_dict_metadata, storage_data = _records(METADATA[0].read_bytes(), True)
+    records = [r for pair in storage_data.items() for r in pair] + list(state_dict_metadata.values())
+    compact = [r for r in records if isinstance(r, IndexRecord) and r and type(r[0]) is CompactKeys]
+    assert compact
+    for record in compact:  # as a list built at its length, not one grown by appends or a slice (2x room)
+        assert record.__sizeof__() == [].__sizeof__() + 8 * len(record) and len(record) == 1 + len(record[0])
