@@ -62,6 +62,8 @@ static PyObject *compact_dict(PyObject *record) {
     return fields;
 }
 
+static PyObject *shared_state(PyObject *state); /* below, beside index_size */
+
 /* __setstate__ of index records (bound through an instancemethod: args are the record and the state). */
 static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyList_Check(args[0])) {
@@ -113,7 +115,12 @@ static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ss
         if (status < 0)
             return NULL;
     }
-    if (PyList_Append(record, state) < 0)
+    PyObject *kept = PyList_GET_SIZE(record) == 0 ? shared_state(state) : Py_NewRef(state);
+    if (kept == NULL)
+        return NULL;
+    int status = PyList_Append(record, kept);
+    Py_DECREF(kept);
+    if (status < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -191,6 +198,33 @@ PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nar
     if (PyDict_GET_SIZE(sizes_seen) < MAX_SIZES_SEEN && PyDict_SetItem(sizes_seen, dims, dims) < 0)
         return NULL;
     return Py_NewRef(dims);
+}
+
+/* A first BUILD's tuple state (TensorProperties pickles (dtype, layout, requires_grad, memory_format,
+ * pin_memory), one per key, nearly all equal): the equal one already seen in this load, from the same table as the
+ * sizes (equal tuples are interchangeable in a read-only index). Only tuples of at most MAX_STATE_ITEMS items of
+ * hashable objects are looked up; an unhashable one is kept as it is. New reference. */
+#define MAX_STATE_ITEMS 16
+
+static PyObject *shared_state(PyObject *state) {
+    if (!PyTuple_CheckExact(state) || PyTuple_GET_SIZE(state) > MAX_STATE_ITEMS)
+        return Py_NewRef(state);
+    if (PyObject_Hash(state) == -1) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError))
+            return NULL;
+        PyErr_Clear(); /* an unhashable item: nothing to share */
+        return Py_NewRef(state);
+    }
+    if (sizes_seen == NULL && (sizes_seen = PyDict_New()) == NULL)
+        return NULL;
+    PyObject *known = PyDict_GetItemWithError(sizes_seen, state);
+    if (known != NULL)
+        return Py_NewRef(known);
+    if (PyErr_Occurred())
+        return NULL;
+    if (PyDict_GET_SIZE(sizes_seen) < MAX_SIZES_SEEN && PyDict_SetItem(sizes_seen, state, state) < 0)
+        return NULL;
+    return Py_NewRef(state);
 }
 
 PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *Py_UNUSED(ignored)) {

@@ -9,8 +9,8 @@
  *
  * setup(IndexRecord, IndexTupleStateRecord, fields, int64_dims, inside_path, dtype_name, DcpChunk,
  *       StorageLocation)  once, at import
- * locations(storage_data, consume, shared) -> {(fqn, offset or None): StorageLocation}
- * items(state_dict_metadata, locations, shared, counted, item_class, consume, dtype_names) -> {key: item}
+ * items(state_dict_metadata, shared, counted, item_class, consume, dtype_names) -> {key: item}, chunks unplaced
+ * attach(storage_data, items, consume, shared) -> None: each chunk's StorageLocation set from storage_data
  * compact_setstate(CompactKeys) -> the __setstate__ of index records (_dcp_compact.c)
  * tiles_once(shape, chunks) -> bool   True: the chunks are the cells of one grid over shape, each once (check's
  *                                      coverage rule answers None); False: the rule's Python mapping decides
@@ -22,7 +22,7 @@ static PyTypeObject *index_record_type, *tuple_state_record_type, *chunk_type, *
 static PyObject *fields_fn, *int64_dims_fn, *inside_path_fn, *dtype_name_fn, *empty_tuple;
 static PyObject *s_fqn, *s_offset, *s_relative_path, *s_length, *s_offsets, *s_sizes, *s_get, *s_popitem,
     *s_items, *s_what_offsets, *s_what_sizes, *s_what_range, *s_what_shape, *s_chunks, *s_clear, *s_properties,
-    *s_ckd_state, *s_dtype, *s_size, *s_bytes, *s_tensor;
+    *s_ckd_state, *s_dtype, *s_size, *s_bytes, *s_tensor, *s_kind;
 
 /* The fields of a record, as a view: its one state dict (what DCP writes), its compact values, or what
  * fields(record) from Python gives for anything else. */
@@ -141,11 +141,69 @@ static PyObject *new_triple(PyTypeObject *type, PyObject *a, PyObject *b, PyObje
     return (PyObject *)triple;
 }
 
-/* One storage_data entry into locations (dcp_index._add_location). */
-static int add_location(PyObject *locations, PyObject *shared, PyObject *index, PyObject *info, int consume) {
+#define LINEAR_CHUNKS 32 /* dcp_index.LINEAR_CHUNKS: more chunks than this, a table from offsets to positions */
+
+/* Set chunks[i]'s location (the chunk was made by items(), held only by the list: its last item is set in place,
+ * as a new tuple would only replace it), unless consume and a newer entry already set one. */
+static int set_location(PyObject *chunks, Py_ssize_t i, PyObject **location, PyObject *path, PyObject *start,
+                        PyObject *length, int consume) {
+    PyObject *chunk = PyList_GET_ITEM(chunks, i);
+    if (!Py_IS_TYPE(chunk, chunk_type) || PyTuple_GET_SIZE(chunk) != 3) {
+        PyErr_SetString(PyExc_TypeError, "attach: an item's chunks are not the ones items() made");
+        return -1;
+    }
+    if (consume && PyTuple_GET_ITEM(chunk, 2) != Py_None)
+        return 0;  /* a newer entry of this key was kept */
+    if (*location == NULL && (*location = new_triple(location_type, path, start, length)) == NULL)
+        return -1;
+    if (Py_REFCNT(chunk) == 1) {
+        PyObject *old = PyTuple_GET_ITEM(chunk, 2);
+        PyTuple_SET_ITEM(chunk, 2, Py_NewRef(*location));
+        Py_DECREF(old);
+        return 0;
+    }
+    PyObject *fresh = new_triple(chunk_type, PyTuple_GET_ITEM(chunk, 0), PyTuple_GET_ITEM(chunk, 1), *location);
+    return fresh == NULL ? -1 : PyList_SetItem(chunks, i, fresh);
+}
+
+/* The positions (a list of ints, new reference) of the chunks of a key of more than LINEAR_CHUNKS chunks whose
+ * offsets are offset, from a table built once per key in tables; NULL with an error, or an empty tuple. */
+static PyObject *table_positions(PyObject *tables, PyObject *fqn, PyObject *chunks, PyObject *offset) {
+    PyObject *table = PyDict_GetItemWithError(tables, fqn);
+    if (table == NULL) {
+        if (PyErr_Occurred() || (table = PyDict_New()) == NULL)
+            return NULL;
+        int status = PyDict_SetItem(tables, fqn, table);
+        Py_DECREF(table);  /* tables holds it */
+        if (status < 0)
+            return NULL;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(chunks); i++) {
+            PyObject *chunk = PyList_GET_ITEM(chunks, i);
+            if (!PyTuple_Check(chunk) || PyTuple_GET_SIZE(chunk) != 3) {
+                PyErr_SetString(PyExc_TypeError, "attach: an item's chunks are not the ones items() made");
+                return NULL;
+            }
+            PyObject *list = PyList_New(0), *position = PyLong_FromSsize_t(i);
+            PyObject *kept = list == NULL ? NULL : PyDict_SetDefault(table, PyTuple_GET_ITEM(chunk, 0), list);
+            int ok = kept != NULL && position != NULL && PyList_Append(kept, position) == 0;
+            Py_XDECREF(list);
+            Py_XDECREF(position);
+            if (!ok)
+                return NULL;
+        }
+    }
+    PyObject *positions = PyDict_GetItemWithError(table, offset);
+    if (positions == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(empty_tuple);
+    return Py_NewRef(positions);
+}
+
+/* One storage_data entry: checked, then set as the location of the chunks it names (dcp_index._attach_py). */
+static int attach_entry(PyObject *items, PyObject *tables, PyObject *shared, PyObject *index, PyObject *info,
+                        int consume) {
     Fields index_fields = {NULL, NULL}, info_fields = {NULL, NULL};
     PyObject *fqn = NULL, *offset = NULL, *path = NULL, *kept_path = NULL;
-    PyObject *start = NULL, *length = NULL, *location = NULL, *map_key = NULL;
+    PyObject *start = NULL, *length = NULL, *location = NULL, *kind = NULL, *chunks = NULL, *positions = NULL;
     int result = -1;
     if (record_fields(index, &index_fields) < 0 || record_fields(info, &info_fields) < 0)
         goto done;
@@ -187,14 +245,60 @@ static int add_location(PyObject *locations, PyObject *shared, PyObject *index, 
             goto done;
         Py_DECREF(checked);
     }
-    if ((location = new_triple(location_type, kept_path, start, length)) == NULL)
+    PyObject *item = PyDict_GetItemWithError(items, fqn);  /* borrowed */
+    if (item == NULL) {
+        result = PyErr_Occurred() ? -1 : 0;  /* no chunk names this entry */
         goto done;
-    if ((map_key = PyTuple_Pack(2, fqn, offset)) == NULL)
+    }
+    if ((kind = PyObject_GetAttr(item, s_kind)) == NULL)
         goto done;
-    if (consume)  /* newest first: of a key stored twice the last entry is kept, as a dict keeps it */
-        result = PyDict_SetDefault(locations, map_key, location) == NULL ? -1 : 0;
-    else
-        result = PyDict_SetItem(locations, map_key, location);
+    int is_bytes = PyObject_RichCompareBool(kind, s_bytes, Py_EQ);
+    if (is_bytes < 0)
+        goto done;
+    if ((offset == Py_None) != is_bytes) {
+        result = 0;
+        goto done;
+    }
+    if ((chunks = PyObject_GetAttr(item, s_chunks)) == NULL)
+        goto done;
+    if (!PyList_Check(chunks)) {
+        PyErr_SetString(PyExc_TypeError, "attach: an item's chunks are not a list");
+        goto done;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(chunks);
+    if (offset == Py_None || n <= LINEAR_CHUNKS) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(chunks); i++) {
+            if (offset != Py_None) {
+                PyObject *chunk = PyList_GET_ITEM(chunks, i);
+                if (!PyTuple_Check(chunk) || PyTuple_GET_SIZE(chunk) != 3) {
+                    PyErr_SetString(PyExc_TypeError, "attach: an item's chunks are not the ones items() made");
+                    goto done;
+                }
+                int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(chunk, 0), offset, Py_EQ);
+                if (same < 0)
+                    goto done;
+                if (!same)
+                    continue;
+            }
+            if (set_location(chunks, i, &location, kept_path, start, length, consume) < 0)
+                goto done;
+        }
+    } else {
+        if ((positions = table_positions(tables, fqn, chunks, offset)) == NULL)
+            goto done;
+        Py_ssize_t count = PySequence_Fast_GET_SIZE(positions);
+        for (Py_ssize_t j = 0; j < count; j++) {
+            Py_ssize_t i = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(positions, j));
+            if (i < 0 || i >= PyList_GET_SIZE(chunks)) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_IndexError, "attach: a chunk position out of range");
+                goto done;
+            }
+            if (set_location(chunks, i, &location, kept_path, start, length, consume) < 0)
+                goto done;
+        }
+    }
+    result = 0;
 done:
     fields_clear(&index_fields);
     fields_clear(&info_fields);
@@ -205,87 +309,73 @@ done:
     Py_XDECREF(start);
     Py_XDECREF(length);
     Py_XDECREF(location);
-    Py_XDECREF(map_key);
+    Py_XDECREF(kind);
+    Py_XDECREF(chunks);
+    Py_XDECREF(positions);
     return result;
 }
 
-static int add_pair(PyObject *locations, PyObject *shared, PyObject *pair, int consume) {
+static int attach_pair(PyObject *items, PyObject *tables, PyObject *shared, PyObject *pair, int consume) {
     if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) {  /* never: popitem() and items() give pairs */
         PyErr_SetString(PyExc_TypeError, "storage_data yielded something other than a pair");
         return -1;
     }
-    return add_location(locations, shared, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), consume);
+    return attach_entry(items, tables, shared, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), consume);
 }
 
-static PyObject *locations(PyObject *module, PyObject *args) {
-    PyObject *storage_data, *shared;
+/* attach(storage_data, items, consume, shared): see dcp_index._attach_py. */
+static PyObject *attach(PyObject *module, PyObject *args) {
+    PyObject *storage_data, *items_map, *shared;
     int consume;
-    if (!PyArg_ParseTuple(args, "OpO!:locations", &storage_data, &consume, &PyDict_Type, &shared))
+    if (!PyArg_ParseTuple(args, "OO!pO!:attach", &storage_data, &PyDict_Type, &items_map, &consume, &PyDict_Type,
+                          &shared))
         return NULL;
-    PyObject *result = PyDict_New();
-    if (result == NULL)
+    PyObject *tables = PyDict_New(), *iterator = NULL, *pair;
+    if (tables == NULL)
         return NULL;
-    if (consume) {  /* popitem() until empty: each record is freed once its location exists */
+    if (consume) {  /* popitem() until empty: each record is freed once used */
         for (;;) {
             int left = PyObject_IsTrue(storage_data);
             if (left < 0)
                 goto fail;
             if (!left)
                 break;
-            PyObject *pair = PyObject_CallMethodNoArgs(storage_data, s_popitem);
-            if (pair == NULL)
+            if ((pair = PyObject_CallMethodNoArgs(storage_data, s_popitem)) == NULL)
                 goto fail;
-            int status = add_pair(result, shared, pair, 1);
+            int status = attach_pair(items_map, tables, shared, pair, 1);
             Py_DECREF(pair);
             if (status < 0)
                 goto fail;
         }
-        return result;
-    }
-    PyObject *items = PyObject_CallMethodNoArgs(storage_data, s_items);
-    if (items == NULL)
-        goto fail;
-    PyObject *iterator = PyObject_GetIter(items);
-    Py_DECREF(items);
-    if (iterator == NULL)
-        goto fail;
-    PyObject *pair;
-    while ((pair = PyIter_Next(iterator)) != NULL) {
-        int status = add_pair(result, shared, pair, 0);
-        Py_DECREF(pair);
-        if (status < 0) {
-            Py_DECREF(iterator);
+    } else {
+        PyObject *pairs = PyObject_CallMethodNoArgs(storage_data, s_items);
+        if (pairs == NULL)
             goto fail;
+        iterator = PyObject_GetIter(pairs);
+        Py_DECREF(pairs);
+        if (iterator == NULL)
+            goto fail;
+        while ((pair = PyIter_Next(iterator)) != NULL) {
+            int status = attach_pair(items_map, tables, shared, pair, 0);
+            Py_DECREF(pair);
+            if (status < 0)
+                goto fail;
         }
+        if (PyErr_Occurred())
+            goto fail;
+        Py_CLEAR(iterator);
     }
-    Py_DECREF(iterator);
-    if (PyErr_Occurred())
-        goto fail;
-    return result;
+    Py_DECREF(tables);
+    Py_RETURN_NONE;
 fail:
-    Py_DECREF(result);
+    Py_XDECREF(iterator);
+    Py_DECREF(tables);
     return NULL;
 }
 
-/* The storage location of (key, offsets): locations.get(k). Not popped: the map goes as a whole once the index is
- * built, and a delete per chunk cost a second lookup in a table of 10^6 entries (~8% of the index build). */
-static PyObject *find_location(PyObject *locations, PyObject *key, PyObject *offsets) {
-    PyObject *map_key = PyTuple_Pack(2, key, offsets);
-    if (map_key == NULL)
-        return NULL;
-    PyObject *location = PyDict_GetItemWithError(locations, map_key);
-    Py_DECREF(map_key);
-    if (location == NULL && PyErr_Occurred())
-        return NULL;
-    location = location != NULL ? location : Py_None;
-    Py_INCREF(location);
-    return location;
-}
-
-static PyObject *one_chunk(PyObject *chunk, PyObject *key, PyObject *shared, PyObject *counted,
-                           PyObject *locations) {
+static PyObject *one_chunk(PyObject *chunk, PyObject *key, PyObject *shared, PyObject *counted) {
     Fields fields = {NULL, NULL};
-    PyObject *raw = NULL, *offsets = NULL, *sizes = NULL, *location = NULL, *result = NULL;
+    PyObject *raw = NULL, *offsets = NULL, *sizes = NULL, *result = NULL;
     if (record_fields(chunk, &fields) < 0 || (raw = field(&fields, s_offsets)) == NULL)
         goto done;
     if ((offsets = shared_dims(shared, raw, key, s_what_offsets, 0)) == NULL)
@@ -293,26 +383,22 @@ static PyObject *one_chunk(PyObject *chunk, PyObject *key, PyObject *shared, PyO
     Py_CLEAR(raw);
     if ((raw = field(&fields, s_sizes)) == NULL || (sizes = shared_dims(counted, raw, key, s_what_sizes, 1)) == NULL)
         goto done;
-    if ((location = find_location(locations, key, offsets)) == NULL)  /* a chunk listed twice: the same one */
-        goto done;
-    result = new_triple(chunk_type, offsets, sizes, location);
+    result = new_triple(chunk_type, offsets, sizes, Py_None);  /* its location comes from attach() */
 done:
     fields_clear(&fields);
     Py_XDECREF(raw);
     Py_XDECREF(offsets);
     Py_XDECREF(sizes);
-    Py_XDECREF(location);
     return result;
 }
 
 /* A key's chunk records as [DcpChunk] (dcp_index._chunks_py). */
-static PyObject *chunk_list(PyObject *chunks_meta, PyObject *key, PyObject *shared, PyObject *counted,
-                            PyObject *locations) {
+static PyObject *chunk_list(PyObject *chunks_meta, PyObject *key, PyObject *shared, PyObject *counted) {
     PyObject *result = PyList_New(0), *iterator = NULL, *chunk;
     if (result == NULL || (iterator = PyObject_GetIter(chunks_meta)) == NULL)
         goto fail;
     while ((chunk = PyIter_Next(iterator)) != NULL) {
-        PyObject *entry = one_chunk(chunk, key, shared, counted, locations);
+        PyObject *entry = one_chunk(chunk, key, shared, counted);
         Py_DECREF(chunk);
         if (entry == NULL)
             goto fail;
@@ -359,18 +445,15 @@ done:
 }
 
 /* One state_dict_metadata entry as an item_class instance (the body of dcp_index._items_py's loop). */
-static PyObject *one_item(PyObject *key, PyObject *item_meta, PyObject *locations, PyObject *shared,
-                          PyObject *counted, PyObject *item_class, int consume, PyObject *dtype_names) {
+static PyObject *one_item(PyObject *key, PyObject *item_meta, PyObject *shared, PyObject *counted,
+                          PyObject *item_class, int consume, PyObject *dtype_names) {
     Fields fields = {NULL, NULL};
     PyObject *chunks_meta = NULL, *chunks = NULL, *dtype = NULL, *raw = NULL, *shape = NULL;
     PyObject *result = NULL, *name;
     if (record_fields(item_meta, &fields) < 0 || (chunks_meta = field_or_none(&fields, s_chunks)) == NULL)
         goto done;
     if (chunks_meta == Py_None) {  /* BytesStorageMetadata */
-        PyObject *location = find_location(locations, key, Py_None), *chunk = NULL;
-        if (location != NULL)
-            chunk = new_triple(chunk_type, empty_tuple, empty_tuple, location);
-        Py_XDECREF(location);
+        PyObject *chunk = new_triple(chunk_type, empty_tuple, empty_tuple, Py_None);
         if (chunk == NULL || (chunks = PyList_New(1)) == NULL) {
             Py_XDECREF(chunk);
             goto done;
@@ -380,7 +463,7 @@ static PyObject *one_item(PyObject *key, PyObject *item_meta, PyObject *location
         result = PyObject_Vectorcall(item_class, call, 5, NULL);
         goto done;
     }
-    if ((chunks = chunk_list(chunks_meta, key, shared, counted, locations)) == NULL)
+    if ((chunks = chunk_list(chunks_meta, key, shared, counted)) == NULL)
         goto done;
     if (consume) {
         PyObject *cleared = PyObject_CallMethodNoArgs(chunks_meta, s_clear);
@@ -419,10 +502,10 @@ done:
 }
 
 static PyObject *items(PyObject *module, PyObject *args) {
-    PyObject *state_dict_metadata, *locations, *shared, *counted, *item_class, *dtype_names;
+    PyObject *state_dict_metadata, *shared, *counted, *item_class, *dtype_names;
     int consume;
-    if (!PyArg_ParseTuple(args, "OO!O!O!OpO!:items", &state_dict_metadata, &PyDict_Type, &locations, &PyDict_Type,
-                          &shared, &PyDict_Type, &counted, &item_class, &consume, &PyDict_Type, &dtype_names))
+    if (!PyArg_ParseTuple(args, "OO!O!OpO!:items", &state_dict_metadata, &PyDict_Type, &shared, &PyDict_Type,
+                          &counted, &item_class, &consume, &PyDict_Type, &dtype_names))
         return NULL;
     PyObject *result = PyDict_New(), *pairs = NULL, *iterator = NULL, *pair;
     if (result == NULL || (pairs = PyObject_CallMethodNoArgs(state_dict_metadata, s_items)) == NULL ||
@@ -433,8 +516,8 @@ static PyObject *items(PyObject *module, PyObject *args) {
         if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2)  /* never: items() gives pairs */
             PyErr_SetString(PyExc_TypeError, "state_dict_metadata yielded something other than a pair");
         else
-            entry = one_item(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), locations, shared, counted,
-                             item_class, consume, dtype_names);
+            entry = one_item(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), shared, counted, item_class,
+                             consume, dtype_names);
         int status = entry == NULL ? -1 : PyDict_SetItem(result, PyTuple_GET_ITEM(pair, 0), entry);
         Py_XDECREF(entry);
         Py_DECREF(pair);
@@ -483,8 +566,8 @@ static PyObject *not_set_up(PyObject *module, PyObject *args) {
     return NULL;
 }
 
-static PyObject *checked_locations(PyObject *module, PyObject *args) {
-    return index_record_type == NULL ? not_set_up(module, args) : locations(module, args);
+static PyObject *checked_attach(PyObject *module, PyObject *args) {
+    return index_record_type == NULL ? not_set_up(module, args) : attach(module, args);
 }
 
 static PyObject *checked_items(PyObject *module, PyObject *args) {
@@ -493,7 +576,7 @@ static PyObject *checked_items(PyObject *module, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS, "Give the Python helpers and types the loops use (once, at import)."},
-    {"locations", checked_locations, METH_VARARGS, "storage_data -> {(fqn, offset): StorageLocation}."},
+    {"attach", checked_attach, METH_VARARGS, "Set each chunk's StorageLocation from storage_data."},
     {"items", checked_items, METH_VARARGS, "state_dict_metadata -> {key: item_class(...)}."},
     {"compact_setstate", dcp_make_compact_setstate, METH_O, "The __setstate__ of index records (an instancemethod)."},
     {"tiles_once", dcp_tiles_once, METH_VARARGS, "Whether chunks are one grid's cells over shape, each once."},
@@ -516,7 +599,7 @@ PyMODINIT_FUNC PyInit__dcp_index(void) {
         {&s_items, "items"}, {&s_what_offsets, "offsets"}, {&s_what_sizes, "sizes"},
         {&s_what_range, "storage offset and length"}, {&s_what_shape, "global shape"}, {&s_chunks, "chunks"},
         {&s_clear, "clear"}, {&s_properties, "properties"}, {&s_ckd_state, "_ckd_state"}, {&s_dtype, "dtype"},
-        {&s_size, "size"}, {&s_bytes, "bytes"}, {&s_tensor, "tensor"},
+        {&s_size, "size"}, {&s_bytes, "bytes"}, {&s_tensor, "tensor"}, {&s_kind, "kind"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)

@@ -14,10 +14,9 @@ def setup(
     location_type: type,
     /,
 ) -> None: ...
-def locations(storage_data: Any, consume: bool, shared: dict, /) -> dict: ...
+def attach(storage_data: Any, items: dict, consume: bool, shared: dict, /) -> None: ...
 def items(
     state_dict_metadata: Any,
-    locations: dict,
     shared: dict,
     counted: dict,
     item_class: type,

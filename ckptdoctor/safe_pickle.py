@@ -63,6 +63,18 @@ class SafeUnpickler(pickle.Unpickler):
         self._nested_saves = nested_saves
         self.unlisted: list[str] = []
 
+    def load(self) -> Any:
+        """``pickle.Unpickler.load``; an index-only load shares equal sizes within itself only (the table of
+        ``safe_globals.index_size`` is emptied before and after it), so what one load builds never depends on
+        another."""
+        if not self._index_only:
+            return super().load()
+        forget_index_sizes()
+        try:
+            return super().load()
+        finally:
+            forget_index_sizes()
+
     def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle API
         if (module, name) in _LOAD_FROM_BYTES and self._nested_saves is not None:
             return self._record_nested_save
@@ -151,9 +163,7 @@ def _load(
         raise PickleLimitError("pickle nests too deeply to decode") from None
     except MemoryError:
         raise PickleLimitError("pickle needs more memory than is available") from None
-    finally:
-        if index_only:
-            forget_index_sizes()  # the table of distinct sizes lives as long as one load
+
     if unlisted is not None:
         unlisted.extend(unpickler.unlisted)
     return obj, -1 if pruned is not None else stream.tell()

@@ -11,6 +11,7 @@ are not one dict, chunks listed twice, storage entries duplicated.
 
 from __future__ import annotations
 
+import io
 import os
 import random
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from ckptdoctor import safe_pickle, stand_ins
 from ckptdoctor.formats import dcp_index
 from ckptdoctor.formats.dcp_index import DcpItem
 from ckptdoctor.formats.torch_dist import record_attr
-from ckptdoctor.stand_ins import CompactKeys, IndexRecord, Record
+from ckptdoctor.stand_ins import CompactKeys, IndexRecord, Record, index_record_fields
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 METADATA = sorted(FIXTURES.glob("*/iter_*/.metadata"))
@@ -33,8 +34,8 @@ needs_c = pytest.mark.skipif(dcp_index._dcp_index is None, reason="the C index l
 
 def _loops(c: bool) -> tuple[Callable, Callable]:
     if c:
-        return dcp_index._dcp_index.locations, dcp_index._dcp_index.items
-    return dcp_index._locations_py, dcp_index._items_py
+        return dcp_index._dcp_index.attach, dcp_index._dcp_index.items
+    return dcp_index._attach_py, dcp_index._items_py
 
 
 def _records(data: bytes, index_only: bool) -> tuple[dict, dict]:
@@ -43,8 +44,8 @@ def _records(data: bytes, index_only: bool) -> tuple[dict, dict]:
 
 
 def _outcome(monkeypatch, c: bool, state_dict_metadata: Any, storage_data: Any, consume: bool) -> tuple:
-    locations, items = _loops(c)
-    monkeypatch.setattr(dcp_index, "_locations", locations)
+    attach, items = _loops(c)
+    monkeypatch.setattr(dcp_index, "_attach", attach)
     monkeypatch.setattr(dcp_index, "_items", items)
     try:
         result: Any = dcp_index.index_items(state_dict_metadata, storage_data, DcpItem, consume)
@@ -274,7 +275,7 @@ def test_the_c_loops_are_built_where_ci_requires_it():
     if os.environ.get("CKPTDOCTOR_REQUIRE_C_SCAN") != "1":
         pytest.skip("CKPTDOCTOR_REQUIRE_C_SCAN is not set")
     assert dcp_index._dcp_index is not None
-    assert dcp_index._locations is dcp_index._dcp_index.locations
+    assert dcp_index._attach is dcp_index._dcp_index.attach
 
 
 def test_a_command_index_is_held_only_in_the_short_lived_process(monkeypatch):
@@ -478,8 +479,16 @@ def test_an_index_only_load_shares_equal_sizes_and_forgets_them(monkeypatch):
     monkeypatch.setattr(safe_pickle, "forget_index_sizes", lambda: seen.append(1))
     safe_pickle.loads(data, index_only=True)
     safe_pickle.loads(data)  # a faithful read: nothing to forget
-    assert seen == [1]
+    assert seen == [1, 1]  # before the index-only load and after it
     monkeypatch.undo()
+    # a load never shares with another, however it is started (here an unpickler of its own)
+    first = safe_pickle.SafeUnpickler(io.BytesIO(data), index_only=True).load()
+    second = safe_pickle.SafeUnpickler(io.BytesIO(data), index_only=True).load()
+    first_shapes = [record_attr(m, "size") for m in record_attr(first, "state_dict_metadata").values()]
+    second_shapes = [record_attr(m, "size") for m in record_attr(second, "state_dict_metadata").values()]
+    assert first_shapes == second_shapes
+    shared = {id(s) for s in first_shapes if s} & {id(s) for s in second_shapes if s}  # () is one object anyway
+    assert not shared
     # the same index with sharing and without it
     monkeypatch.setattr(safe_globals, "index_size", ().__add__)
     plain = dcp_index.index_items(*_records(data, True), DcpItem, True)
@@ -495,3 +504,77 @@ def test_compact_records_hold_their_items_at_their_exact_number():
     assert compact
     for record in compact:  # as a list built at its length, not one grown by appends or a slice (2x room)
         assert record.__sizeof__() == [].__sizeof__() + 8 * len(record) and len(record) == 1 + len(record[0])
+
+
+def _many_chunk_records(n: int) -> tuple[dict, dict]:
+    """Index-only records of a real DCP ``Metadata``: key ``big`` of ``n`` chunks (one listed twice), ``small`` of
+    three, a bytes item, storage entries in shuffled order, and entries no chunk names (another key, a tensor entry
+    without offsets, a bytes entry with offsets)."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def tensor(rows: int, listed_twice: int | None = None) -> TensorStorageMetadata:
+        chunks = [ChunkStorageMetadata(torch.Size([i, 0]), torch.Size([1, 4])) for i in range(rows)]
+        if listed_twice is not None:
+            chunks.append(ChunkStorageMetadata(torch.Size([listed_twice, 0]), torch.Size([1, 4])))
+        return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([rows, 4]), chunks)
+
+    state_dict_metadata = {"big": tensor(n, listed_twice=n // 2), "small": tensor(3), "blob": BytesStorageMetadata()}
+    entries = [
+        (MetadataIndex("big", torch.Size([i, 0])), _StorageInfo(f"__{i % 3}_0.distcp", 16 * i, 16)) for i in range(n)
+    ]
+    entries += [
+        (MetadataIndex("small", torch.Size([i, 0])), _StorageInfo("__0_0.distcp", 9000 + i, 16)) for i in range(3)
+    ]
+    entries += [
+        (MetadataIndex("blob"), _StorageInfo("__1_0.distcp", 7, 3)),
+        (MetadataIndex("gone", torch.Size([0, 0])), _StorageInfo("__1_0.distcp", 0, 1)),
+        (MetadataIndex("small"), _StorageInfo("__1_0.distcp", 0, 1)),
+        (MetadataIndex("blob", torch.Size([0])), _StorageInfo("__1_0.distcp", 0, 1)),
+    ]
+    random.Random(n).shuffle(entries)
+    metadata = Metadata(state_dict_metadata=state_dict_metadata, storage_data=dict(entries))
+    return _records(pickle.dumps(metadata, protocol=2), True)
+
+
+@needs_c
+@pytest.mark.parametrize("n", [4, 32, 33, 200])
+@pytest.mark.parametrize("consume", [True, False])
+def test_storage_entries_reach_the_chunks_they_name_at_any_chunk_count(monkeypatch, n, consume):
+    """The storage pass finds a key's chunks by a search (up to LINEAR_CHUNKS) or a table (beyond): the same
+    locations either way, in C and in Python; a chunk listed twice gets the same one; an entry stored twice keeps
+    the last (a record copied into a second dict key); entries no chunk names change nothing."""
+    outcomes = []
+    for c in (True, False):
+        state_dict_metadata, storage_data = _many_chunk_records(n)
+        fields = {k: index_record_fields(k) for k in storage_data}
+        index = next(k for k, f in fields.items() if f["fqn"] == "small" and f.get("offset") is not None)
+        again = list.__new__(type(index))  # a second record of the same entry: a second dict key
+        again.extend(index)
+        late = list.__new__(type(storage_data[index]))
+        late.append({"relative_path": "late", "offset": 1, "length": 2})
+        storage_data[again] = late
+        outcomes.append(_outcome(monkeypatch, c, state_dict_metadata, storage_data, consume))
+    assert outcomes[0] == outcomes[1]
+    items = outcomes[0][0]
+    assert isinstance(items, dict), items
+    big = items["big"].chunks
+    assert len(big) == n + 1 and all(chunk.storage is not None for chunk in big)
+    for chunk in big:
+        row = chunk.offsets[0]
+        assert chunk.storage == (f"__{row % 3}_0.distcp", 16 * row, 16)
+    assert big[-1].storage is big[n // 2].storage  # listed twice: the same location
+    small = {chunk.offsets[0]: chunk.storage for chunk in items["small"].chunks}
+    moved = [row for row, location in small.items() if location == ("late", 1, 2)]
+    assert len(moved) == 1 and all(small[row] == ("__0_0.distcp", 9000 + row, 16) for row in small if row not in moved)
+    assert items["blob"].chunks[0].storage == ("__1_0.distcp", 7, 3)

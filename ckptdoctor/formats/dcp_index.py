@@ -1,10 +1,10 @@
 """The index of a DCP ``.metadata``: what its records become (:class:`DcpItem`, :class:`DcpChunk`,
 :class:`StorageLocation`) and the loops that build them from the safe unpickler's objects.
 
-The two loops (over ``storage_data``, and over the keys with each key's chunk records) run once per chunk, up to
+The two loops (over the keys with each key's chunk records, then over ``storage_data``) run once per chunk, up to
 millions in a large checkpoint: where the optional extension ``ckptdoctor/_dcp_index.c`` was built they run in C
 (the same steps in the same order, so a malformed record raises the same error with the same message:
-``tests/test_dcp_index_accel.py`` compares both), else :func:`_locations_py` and :func:`_items_py`, the
+``tests/test_dcp_index_accel.py`` compares both), else :func:`_items_py` and :func:`_attach_py`, the
 reference, run.
 """
 
@@ -120,17 +120,20 @@ _new_chunk = functools.partial(tuple.__new__, DcpChunk)
 _new_location = functools.partial(tuple.__new__, StorageLocation)
 
 
-def _locations_py(storage_data: dict, consume: bool, shared: dict) -> dict:
-    """``storage_data`` ({MetadataIndex: _StorageInfo}) as {(fqn, chunk offsets or None): StorageLocation};
-    ``consume``: each entry is popped (so freed once used), newest first, so that of a key stored twice the last
-    entry is kept, as a dict keeps it. The reference of ``_dcp_index.locations``."""
-    locations: dict[tuple[str, tuple[int, ...] | None], StorageLocation] = {}
-    if consume:
-        pairs: Any = _drain(storage_data)
-        add: Any = locations.setdefault
-    else:
-        pairs = storage_data.items()
-        add = locations.__setitem__
+# Keys with more chunks than this get a table from offsets to positions for the storage pass (a linear search
+# per storage entry would make a key of n chunks cost n**2); below it, a search of the list is cheaper.
+LINEAR_CHUNKS = 32
+
+
+def _attach_py(storage_data: dict, items: dict, consume: bool, shared: dict) -> None:
+    """Point each chunk of ``items`` at its entry of ``storage_data`` ({MetadataIndex: _StorageInfo}): the
+    entry whose fqn is the key and whose offsets are the chunk's (None for a bytes item), every chunk with those
+    offsets (a chunk listed twice gets the same one). Every entry is checked, whether a chunk names it or not.
+    Of a key stored twice the last entry is kept, as a dict keeps it: ``consume`` pops the entries newest first
+    (each freed once used) and keeps the first it sees. No (key, offsets) map is built: it was ~120 bytes per
+    chunk at the peak of a read. The reference of ``_dcp_index.attach``."""
+    pairs: Any = _drain(storage_data) if consume else storage_data.items()
+    tables: dict[Any, dict] = {}  # key -> {offsets: [positions]}, for keys of more than LINEAR_CHUNKS chunks
     for index, info in pairs:
         # inline fast path of _fields: an index-only record BUILT once with a dict (every record DCP writes)
         index_fields = index[0] if type(index) in _ONE_STATE and len(index) == 1 else _fields(index)
@@ -152,13 +155,34 @@ def _locations_py(storage_data: dict, consume: bool, shared: dict) -> dict:
             # a byte range is two int64s >= 0: a negative length read the rest of the file (GBs), a float or an
             # int past int64 surfaced as an OverflowError from int() or pread
             int64_dims((start, length), fqn, "storage offset and length")
-        add((fqn, offset), _new_location((known_path, start, length)))
-    return locations
+        item = items.get(fqn)
+        if item is None or (offset is None) != (item.kind == "bytes"):
+            continue  # no chunk names this entry
+        chunks = item.chunks
+        if offset is None:
+            positions: Any = range(len(chunks))
+        elif len(chunks) <= LINEAR_CHUNKS:
+            positions = [i for i, chunk in enumerate(chunks) if chunk[0] == offset]
+        else:
+            table = tables.get(fqn)
+            if table is None:
+                table = tables[fqn] = {}
+                for i, chunk in enumerate(chunks):
+                    table.setdefault(chunk[0], []).append(i)
+            positions = table.get(offset, ())
+        location = None
+        for i in positions:
+            chunk = chunks[i]
+            if consume and chunk[2] is not None:
+                continue  # a newer entry of this key was kept
+            if location is None:
+                location = _new_location((known_path, start, length))
+            chunks[i] = _new_chunk((chunk[0], chunk[1], location))
 
 
-def _chunks_py(chunks_meta: Any, key: str, shared: dict, counted: dict, locations: dict) -> list:
-    """The chunks of one key from its chunk records, each with its storage location from ``locations`` (read,
-    not popped: the map goes as a whole once the index is built). The reference of ``_dcp_index.chunks``."""
+def _chunks_py(chunks_meta: Any, key: str, shared: dict, counted: dict) -> list:
+    """The chunks of one key from its chunk records, each without its storage location yet (see
+    :func:`_attach_py`). The reference of ``_dcp_index.items``' chunk loop."""
     chunks = []
     for chunk in chunks_meta:
         chunk_fields = chunk[0] if type(chunk) in _ONE_STATE and len(chunk) == 1 else _fields(chunk)
@@ -170,7 +194,7 @@ def _chunks_py(chunks_meta: Any, key: str, shared: dict, counted: dict, location
         sizes = tuple(chunk_fields["sizes"])
         known = counted.get(sizes)
         sizes = known if known is not None else counted.setdefault(sizes, int64_dims(sizes, key, "sizes", True))
-        chunks.append(_new_chunk((offsets, sizes, locations.get((key, offsets)))))  # listed twice: the same one
+        chunks.append(_new_chunk((offsets, sizes, None)))
     return chunks
 
 
@@ -183,23 +207,23 @@ def _dtype_name(dtype: Any, key: str) -> str | None:
 
 def _items_py(
     state_dict_metadata: dict,
-    locations: dict,
     shared: dict,
     counted: dict,
     item_class: type[DcpItem],
     consume: bool,
     dtype_names: dict,
 ) -> dict[str, DcpItem]:
-    """One ``item_class`` per key of ``state_dict_metadata``, with its chunks and their locations; ``consume``
-    empties each key's chunk list once read. The reference of ``_dcp_index.items``."""
+    """One ``item_class`` per key of ``state_dict_metadata``, with its chunks (their locations come after, from
+    :func:`_attach_py`); ``consume`` empties each key's chunk list once read. The reference of
+    ``_dcp_index.items``."""
     items: dict[str, DcpItem] = {}
     for key, item_meta in state_dict_metadata.items():
         item_fields = _fields(item_meta)
         chunks_meta = item_fields.get("chunks")
         if chunks_meta is None:  # BytesStorageMetadata
-            items[key] = item_class(key, "bytes", None, None, [_new_chunk(((), (), locations.get((key, None))))])
+            items[key] = item_class(key, "bytes", None, None, [_new_chunk(((), (), None))])
             continue
-        chunks = _chunks_py(chunks_meta, key, shared, counted, locations)
+        chunks = _chunks_py(chunks_meta, key, shared, counted)
         if consume:
             chunks_meta.clear()
         properties = item_fields.get("properties")
@@ -222,15 +246,15 @@ try:
     from ckptdoctor import _dcp_index
 except ImportError:  # built without a compiler: the Python loops run
     _dcp_index = None
-_locations: Callable[[dict, bool, dict], dict] = _locations_py
-_items: Callable[[dict, dict, dict, dict, type[DcpItem], bool, dict], dict[str, DcpItem]] = _items_py
+_attach: Callable[[dict, dict, bool, dict], None] = _attach_py
+_items: Callable[[dict, dict, dict, type[DcpItem], bool, dict], dict[str, DcpItem]] = _items_py
 # check's coverage rule: whether a tensor's chunks are the cells of one grid, each once (C only; None without it)
 grid_tiled_once: Callable[[tuple, list], bool] | None = None
 if _dcp_index is not None:
     _dcp_index.setup(
         IndexRecord, IndexTupleStateRecord, _fields, int64_dims, inside_path, _dtype_name, DcpChunk, StorageLocation
     )
-    _locations, _items = _dcp_index.locations, _dcp_index.items
+    _attach, _items = _dcp_index.attach, _dcp_index.items
     grid_tiled_once = _dcp_index.tiles_once
 
 
@@ -244,8 +268,8 @@ def index_items(
     offset and length ints remain. ``consume`` empties the records' dicts and chunk lists as it goes."""
     shared: dict[Any, Any] = {}  # one object per distinct offsets tuple or relative path (each checked once)
     counted: dict[tuple, tuple] = {}  # the same for sizes and shapes, whose element count is checked too
-    locations = _locations(storage_data, consume, shared)
-    items = _items(state_dict_metadata, locations, shared, counted, item_class, consume, {})
+    items = _items(state_dict_metadata, shared, counted, item_class, consume, {})
     if consume:
         state_dict_metadata.clear()
+    _attach(storage_data, items, consume, shared)
     return items
