@@ -165,13 +165,27 @@ PyObject *dcp_compact_value(PyObject *record, PyObject *name) {
  * (layers repeat shapes, ranks repeat offsets): the records then hold shared tuples while the load lasts. Only
  * tuples of exact ints are looked up (their hash runs no Python code); anything else, and every call of another
  * form, is what ().__add__ makes of it (the same result or the same error). The table holds at most
- * MAX_SIZES_SEEN tuples and is emptied by forget_index_sizes() after each load.
+ * MAX_SIZES_SEEN tuples and is emptied by forget_index_sizes() before and after each load (SafeUnpickler.load).
  */
 #define MAX_SIZES_SEEN ((Py_ssize_t)1 << 20)
 #define MAX_SIZE_DIMS 64
 
 static PyObject *size_add;   /* ().__add__ */
 static PyObject *sizes_seen; /* tuple -> the one equal tuple of this load */
+
+/* The tuple of this load equal to hashable (exact) tuple t, t itself the first time: new reference. */
+static PyObject *the_equal_one(PyObject *t) {
+    if (sizes_seen == NULL && (sizes_seen = PyDict_New()) == NULL)
+        return NULL;
+    PyObject *known = PyDict_GetItemWithError(sizes_seen, t);
+    if (known != NULL)
+        return Py_NewRef(known);
+    if (PyErr_Occurred())
+        return NULL;
+    if (PyDict_GET_SIZE(sizes_seen) < MAX_SIZES_SEEN && PyDict_SetItem(sizes_seen, t, t) < 0)
+        return NULL;
+    return Py_NewRef(t);
+}
 
 PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (size_add == NULL) {
@@ -188,16 +202,7 @@ PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nar
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dims); i++)
         if (!PyLong_CheckExact(PyTuple_GET_ITEM(dims, i)))
             return Py_NewRef(dims);
-    if (sizes_seen == NULL && (sizes_seen = PyDict_New()) == NULL)
-        return NULL;
-    PyObject *known = PyDict_GetItemWithError(sizes_seen, dims);
-    if (known != NULL)
-        return Py_NewRef(known);
-    if (PyErr_Occurred())
-        return NULL;
-    if (PyDict_GET_SIZE(sizes_seen) < MAX_SIZES_SEEN && PyDict_SetItem(sizes_seen, dims, dims) < 0)
-        return NULL;
-    return Py_NewRef(dims);
+    return the_equal_one(dims);
 }
 
 /* A first BUILD's tuple state (TensorProperties pickles (dtype, layout, requires_grad, memory_format,
@@ -215,16 +220,7 @@ static PyObject *shared_state(PyObject *state) {
         PyErr_Clear(); /* an unhashable item: nothing to share */
         return Py_NewRef(state);
     }
-    if (sizes_seen == NULL && (sizes_seen = PyDict_New()) == NULL)
-        return NULL;
-    PyObject *known = PyDict_GetItemWithError(sizes_seen, state);
-    if (known != NULL)
-        return Py_NewRef(known);
-    if (PyErr_Occurred())
-        return NULL;
-    if (PyDict_GET_SIZE(sizes_seen) < MAX_SIZES_SEEN && PyDict_SetItem(sizes_seen, state, state) < 0)
-        return NULL;
-    return Py_NewRef(state);
+    return the_equal_one(state);
 }
 
 PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *Py_UNUSED(ignored)) {
