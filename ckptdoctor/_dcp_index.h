@@ -1,5 +1,6 @@
 /* ckptdoctor._dcp_index: one extension module from three sources.
- *   _dcp_index.c     the module, setup() and the index loops (locations, items)
+ *   _dcp_index.c     the module, setup(), the record field readers and the loop over keys (items)
+ *   _dcp_attach.c    the storage pass: storage_data entries set on the chunks they name (attach)
  *   _dcp_compact.c   compact index records: the __setstate__ of index-only DCP records and reading them;
  *                    index_size, what torch.Size builds in an index-only read
  *   _dcp_coverage.c  check's coverage test for chunks that are the cells of one grid (tiles_once)
@@ -23,6 +24,24 @@ static inline int64_t dcp_int64_size(PyObject *value) {
     }
     return overflow || number < 0 ? -1 : (int64_t)number;
 }
+
+/* _dcp_index.c: what the sources share (set by setup() and the module's init) */
+typedef struct {           /* the fields of a record, as a view: its one state dict (what DCP writes), its compact */
+    PyObject *dict;        /* values, or what fields(record) from Python gives for anything else; dict: owned, */
+    PyObject *record;      /* or NULL for a compact record, whose values are read from record (borrowed) */
+} DcpFields;
+extern PyTypeObject *dcp_chunk_type, *dcp_location_type;           /* DcpChunk, StorageLocation */
+extern PyObject *dcp_int64_dims_fn, *dcp_inside_path_fn, *dcp_empty_tuple; /* dcp_index.int64_dims, inside_path, () */
+int dcp_record_fields(PyObject *record, DcpFields *fields);           /* 0, or -1 with an error */
+void dcp_fields_clear(DcpFields *fields);
+PyObject *dcp_field(DcpFields *fields, PyObject *name);               /* fields[name]: new reference */
+PyObject *dcp_field_or_none(DcpFields *fields, PyObject *name);       /* fields.get(name): new reference */
+PyObject *dcp_shared_dims(PyObject *cache, PyObject *raw, PyObject *key, PyObject *what, int counts);
+PyObject *dcp_new_triple(PyTypeObject *type, PyObject *a, PyObject *b, PyObject *c); /* a DcpChunk/StorageLocation */
+
+/* _dcp_attach.c */
+int dcp_attach_init(void);                              /* its interned names, at module init */
+PyObject *dcp_attach(PyObject *module, PyObject *args); /* attach(storage_data, items, consume, shared) -> None */
 
 /* _dcp_compact.c */
 int dcp_is_compact(PyObject *record);                                   /* [CompactKeys(names), values...] */
