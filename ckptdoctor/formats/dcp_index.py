@@ -133,7 +133,7 @@ def _attach_py(storage_data: dict, items: dict, consume: bool, shared: dict) -> 
     (each freed once used) and keeps the first it sees. No (key, offsets) map is built: it was ~120 bytes per
     chunk at the peak of a read. The reference of ``_dcp_index.attach``."""
     pairs: Any = _drain(storage_data) if consume else storage_data.items()
-    tables: dict[Any, dict] = {}  # key -> {offsets: [positions]}, for keys of more than LINEAR_CHUNKS chunks
+    tables: dict[Any, dict] = {}  # key -> {offsets: [positions]}, for keys of more than one chunk
     for index, info in pairs:
         # inline fast path of _fields: an index-only record BUILT once with a dict (every record DCP writes)
         index_fields = index[0] if type(index) in _ONE_STATE and len(index) == 1 else _fields(index)
@@ -161,8 +161,8 @@ def _attach_py(storage_data: dict, items: dict, consume: bool, shared: dict) -> 
         chunks = item.chunks
         if offset is None:
             positions: Any = range(len(chunks))
-        elif len(chunks) <= LINEAR_CHUNKS:
-            positions = [i for i, chunk in enumerate(chunks) if chunk[0] == offset]
+        elif len(chunks) == 1:  # (C searches up to LINEAR_CHUNKS; in Python a table is cheaper beyond one)
+            positions = (0,) if chunks[0][0] == offset else ()
         else:
             table = tables.get(fqn)
             if table is None:
