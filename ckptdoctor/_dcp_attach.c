@@ -48,7 +48,8 @@ static int set_location(PyObject *chunks, Py_ssize_t i, PyObject **location, PyO
 }
 
 /* The positions (a list of ints, new reference) of the chunks of a key of more than LINEAR_CHUNKS chunks whose
- * offsets are offset, from a table built once per key in tables; NULL with an error, or an empty tuple. */
+ * offsets are offset, from a table built once per key in tables (keyed by dcp_dims_key: flood-proof); NULL with
+ * an error, or an empty tuple. */
 static PyObject *table_positions(PyObject *tables, PyObject *fqn, PyObject *chunks, PyObject *offset) {
     PyObject *table = PyDict_GetItemWithError(tables, fqn);
     if (table == NULL) {
@@ -64,16 +65,27 @@ static PyObject *table_positions(PyObject *tables, PyObject *fqn, PyObject *chun
                 PyErr_SetString(PyExc_TypeError, "attach: an item's chunks are not the ones items() made");
                 return NULL;
             }
+            PyObject *offsets_key = dcp_dims_key(PyTuple_GET_ITEM(chunk, 0));
+            if (offsets_key == NULL) {
+                if (PyErr_Occurred())
+                    return NULL;
+                continue; /* never: items() checked every chunk's offsets */
+            }
             PyObject *list = PyList_New(0), *position = PyLong_FromSsize_t(i);
-            PyObject *kept = list == NULL ? NULL : PyDict_SetDefault(table, PyTuple_GET_ITEM(chunk, 0), list);
+            PyObject *kept = list == NULL ? NULL : PyDict_SetDefault(table, offsets_key, list);
             int ok = kept != NULL && position != NULL && PyList_Append(kept, position) == 0;
+            Py_DECREF(offsets_key);
             Py_XDECREF(list);
             Py_XDECREF(position);
             if (!ok)
                 return NULL;
         }
     }
-    PyObject *positions = PyDict_GetItemWithError(table, offset);
+    PyObject *offset_key = dcp_dims_key(offset);
+    if (offset_key == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(dcp_empty_tuple);
+    PyObject *positions = PyDict_GetItemWithError(table, offset_key);
+    Py_DECREF(offset_key);
     if (positions == NULL)
         return PyErr_Occurred() ? NULL : Py_NewRef(dcp_empty_tuple);
     return Py_NewRef(positions);

@@ -163,8 +163,8 @@ PyObject *dcp_compact_value(PyObject *record, PyObject *name) {
  * one object for equal tuples of ints within a load. A .metadata pickles a Size per shape, chunk offsets, chunk
  * sizes and storage index (four per chunk), each with its own ints, while a checkpoint has few distinct ones
  * (layers repeat shapes, ranks repeat offsets): the records then hold shared tuples while the load lasts. Only
- * tuples of exact ints are looked up (their hash runs no Python code); anything else, and every call of another
- * form, is what ().__add__ makes of it (the same result or the same error). The table holds at most
+ * tuples of exact int64 ints are looked up (by a key whose hash a pickle cannot aim at, see tuple_key); anything
+ * else, and every call of another form, is what ().__add__ makes of it (the same result or the same error). The table holds at most
  * MAX_SIZES_SEEN tuples and is emptied by forget_index_sizes() before and after each load (SafeUnpickler.load).
  */
 #define MAX_SIZES_SEEN ((Py_ssize_t)1 << 20)
@@ -173,18 +173,63 @@ PyObject *dcp_compact_value(PyObject *record, PyObject *name) {
 static PyObject *size_add;   /* ().__add__ */
 static PyObject *sizes_seen; /* tuple -> the one equal tuple of this load */
 
-/* The tuple of this load equal to hashable (exact) tuple t, t itself the first time: new reference. */
-static PyObject *the_equal_one(PyObject *t) {
+/* The key of a tuple in a table of this extension (new reference), or NULL without an error where it has none:
+ * bytes, whose hash is keyed per process (SipHash), where a tuple's own hash is not: tuples of ints can be made to
+ * collide at will, and a pickle of 40,000 such offsets took a minute to index (hash flooding). Each item is 8
+ * bytes: an exact int of int64 as itself; with by_identity, anything else as its address (tag 1; the table holds
+ * the tuple, so the object stays alive and its address unique). */
+static PyObject *tuple_key(PyObject *t, int by_identity) {
+    Py_ssize_t n = PyTuple_GET_SIZE(t);
+    PyObject *key = PyBytes_FromStringAndSize(NULL, n * 9);
+    if (key == NULL)
+        return NULL;
+    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(key);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(t, i);
+        int64_t value;
+        unsigned char tag = 0;
+        if (PyLong_CheckExact(item)) {
+            int overflow;
+            long long number = PyLong_AsLongLongAndOverflow(item, &overflow);
+            if (overflow || (number == -1 && PyErr_Occurred())) {
+                PyErr_Clear();
+                Py_DECREF(key);
+                return NULL;
+            }
+            value = (int64_t)number;
+        } else if (by_identity) {
+            value = (int64_t)(uintptr_t)item;
+            tag = 1;
+        } else {
+            Py_DECREF(key);
+            return NULL;
+        }
+        out[9 * i] = tag;
+        memcpy(out + 9 * i + 1, &value, 8);
+    }
+    return key;
+}
+
+PyObject *dcp_dims_key(PyObject *dims) {
+    return PyTuple_CheckExact(dims) ? tuple_key(dims, 0) : NULL;
+}
+
+/* The tuple of this load equal to exact tuple t (items compared as tuple_key says), t itself the first time or
+ * where it has no key: new reference. */
+static PyObject *the_equal_one(PyObject *t, int by_identity) {
     if (sizes_seen == NULL && (sizes_seen = PyDict_New()) == NULL)
         return NULL;
-    PyObject *known = PyDict_GetItemWithError(sizes_seen, t);
-    if (known != NULL)
-        return Py_NewRef(known);
-    if (PyErr_Occurred())
-        return NULL;
-    if (PyDict_GET_SIZE(sizes_seen) < MAX_SIZES_SEEN && PyDict_SetItem(sizes_seen, t, t) < 0)
-        return NULL;
-    return Py_NewRef(t);
+    PyObject *key = tuple_key(t, by_identity);
+    if (key == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(t);
+    PyObject *known = PyDict_GetItemWithError(sizes_seen, key);
+    if (known != NULL || PyErr_Occurred()) {
+        Py_DECREF(key);
+        return known == NULL ? NULL : Py_NewRef(known);
+    }
+    int status = PyDict_GET_SIZE(sizes_seen) < MAX_SIZES_SEEN ? PyDict_SetItem(sizes_seen, key, t) : 0;
+    Py_DECREF(key);
+    return status < 0 ? NULL : Py_NewRef(t);
 }
 
 PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -198,29 +243,19 @@ PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nar
     }
     if (nargs != 1 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) > MAX_SIZE_DIMS)
         return PyObject_Vectorcall(size_add, args, (size_t)nargs, NULL);
-    PyObject *dims = args[0];
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dims); i++)
-        if (!PyLong_CheckExact(PyTuple_GET_ITEM(dims, i)))
-            return Py_NewRef(dims);
-    return the_equal_one(dims);
+    return the_equal_one(args[0], 0); /* a tuple of anything but int64 ints is kept as it is */
 }
 
 /* A first BUILD's tuple state (TensorProperties pickles (dtype, layout, requires_grad, memory_format,
- * pin_memory), one per key, nearly all equal): the equal one already seen in this load, from the same table as the
- * sizes (equal tuples are interchangeable in a read-only index). Only tuples of at most MAX_STATE_ITEMS items of
- * hashable objects are looked up; an unhashable one is kept as it is. New reference. */
+ * pin_memory), one per key, nearly all equal): the one already seen in this load with the same ints and the same
+ * other objects, from the same table as the sizes (equal tuples are interchangeable in a read-only index). Only
+ * tuples of at most MAX_STATE_ITEMS items are looked up. New reference. */
 #define MAX_STATE_ITEMS 16
 
 static PyObject *shared_state(PyObject *state) {
     if (!PyTuple_CheckExact(state) || PyTuple_GET_SIZE(state) > MAX_STATE_ITEMS)
         return Py_NewRef(state);
-    if (PyObject_Hash(state) == -1) {
-        if (!PyErr_ExceptionMatches(PyExc_TypeError))
-            return NULL;
-        PyErr_Clear(); /* an unhashable item: nothing to share */
-        return Py_NewRef(state);
-    }
-    return the_equal_one(state);
+    return the_equal_one(state, 1); /* ints by value, other items by identity: no object's hash or == runs */
 }
 
 PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *Py_UNUSED(ignored)) {

@@ -90,30 +90,30 @@ PyObject *dcp_field_or_none(DcpFields *fields, PyObject *name) {
     return value;
 }
 
-/* tuple(raw), as the one object cache holds for it (checked by int64_dims when first met). */
+/* tuple(raw), as the one object cache holds for it (checked by int64_dims when first met; dcp_index._shared_dims). */
 PyObject *dcp_shared_dims(PyObject *cache, PyObject *raw, PyObject *key, PyObject *what, int counts) {
-    PyObject *dims = PySequence_Tuple(raw);
+    PyObject *dims = PySequence_Tuple(raw), *dims_key = NULL, *checked = NULL, *kept = NULL;
     if (dims == NULL)
         return NULL;
-    PyObject *known = PyDict_GetItemWithError(cache, dims);
-    if (known != NULL) {
-        Py_INCREF(known);
-        Py_DECREF(dims);
-        return known;
+    /* keyed by dcp_dims_key (bytes): a tuple's own hash can be made to collide (see _dcp_compact.c) */
+    if ((dims_key = dcp_dims_key(dims)) == NULL && PyErr_Occurred())
+        goto done;
+    if (dims_key != NULL) {
+        kept = PyDict_GetItemWithError(cache, dims_key);
+        if (kept != NULL || PyErr_Occurred()) {
+            Py_XINCREF(kept);
+            goto done;
+        }
     }
-    if (PyErr_Occurred()) {
-        Py_DECREF(dims);
-        return NULL;
-    }
-    PyObject *checked = PyObject_CallFunctionObjArgs(dcp_int64_dims_fn, dims, key, what, counts ? Py_True : NULL, NULL);
-    if (checked == NULL) {
-        Py_DECREF(dims);
-        return NULL;
-    }
-    PyObject *kept = PyDict_SetDefault(cache, dims, checked);
+    checked = PyObject_CallFunctionObjArgs(dcp_int64_dims_fn, dims, key, what, counts ? Py_True : NULL, NULL);
+    if (checked == NULL)
+        goto done;
+    kept = dims_key == NULL ? checked : PyDict_SetDefault(cache, dims_key, checked);
     Py_XINCREF(kept);
+done:
     Py_DECREF(dims);
-    Py_DECREF(checked);
+    Py_XDECREF(dims_key);
+    Py_XDECREF(checked);
     return kept;
 }
 

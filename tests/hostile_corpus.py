@@ -104,3 +104,24 @@ RESOURCE_CASES["hash flood: set() of 100k colliding ints"] = hash_flood_set()
 # Python prints no int of more than 4,300 digits (ValueError): a few KB that would stop every report showing it.
 RESOURCE_CASES["int of 10**5000 (LONG4)"] = pickle.dumps(10**5000, protocol=2)
 RESOURCE_CASES["int of 5000 digits (protocol 0 LONG)"] = b"L" + b"7" * 5000 + b"L\n."
+
+
+def colliding_pairs(n: int) -> list[tuple[int, int]]:
+    """``n`` distinct pairs of int64 ints >= 0 whose tuple hashes are all equal (CPython 3.11's 64-bit tuple hash,
+    solved for the second item): chunk offsets that flood any dict keyed by the tuples themselves."""
+    mask, p1, p2, p5 = (1 << 64) - 1, 11400714785074694791, 14029467366897019727, 2870177450012600261
+
+    def rotl(x: int) -> int:
+        return ((x << 31) | (x >> 33)) & mask
+
+    def rotr(x: int) -> int:
+        return ((x >> 31) | (x << 33)) & mask
+
+    before_last = rotr(((hash((0, 0)) & mask) - (2 ^ (p5 ^ 3527539))) * pow(p1, -1, 1 << 64) & mask)
+    pairs, first = [], 1
+    while len(pairs) < n:
+        lane = ((before_last - rotl((p5 + first * p2) & mask) * p1) * pow(p2, -1, 1 << 64)) & mask
+        if lane < (1 << 61) - 1:  # hash(lane) == lane
+            pairs.append((first, lane))
+        first += 1
+    return pairs

@@ -18,7 +18,16 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, run_ckptdoctor
-from hostile_corpus import DEEP_LISTS, RESOURCE_CASES, billion_laughs, call, deflate_bomb, stack_global, torch_zip
+from hostile_corpus import (
+    DEEP_LISTS,
+    RESOURCE_CASES,
+    billion_laughs,
+    call,
+    colliding_pairs,
+    deflate_bomb,
+    stack_global,
+    torch_zip,
+)
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
@@ -613,3 +622,39 @@ def test_a_very_deep_tree_is_searched_without_recursion(tmp_path):
             os.rmdir(deep.name, dir_fd=parent)
             here, deep = parent, deep.parent
         os.close(here)
+
+
+def test_chunk_offsets_built_to_collide_do_not_stall_the_index(save_dir):
+    """40,000 chunk records whose offsets all have one tuple hash (5.6 MB of pickle): the index build's tables of
+    offsets and sizes, and the sharing of sizes while unpickling, are keyed so that this costs nothing (it took
+    98 s per command when they were keyed by the tuples). Every command answers at once; the chunks lie outside
+    the shape, which check reports."""
+    import copy
+
+    pairs = colliding_pairs(40_000)
+    if len({hash(pair) for pair in pairs[:100]}) != 1:
+        pytest.skip("this Python hashes tuples differently: the pairs do not collide")
+    save = save_dir("core019_tp1")
+    path = save / ITER / ".metadata"
+    metadata = load_metadata_object(path)
+    key = "decoder.final_layernorm.weight"
+    item = metadata.state_dict_metadata[key]
+    first = item.chunks[0]
+    storage = storage_items(metadata)
+    index, info = next((i, v) for i, v in storage.items() if index_fqn(i) == key)
+    size_type = type(first.offsets)
+    for pair in pairs:
+        chunk = copy.copy(first)
+        chunk.__dict__.update(offsets=size_type(pair), sizes=size_type((1, 1)))
+        item.chunks.append(chunk)
+        entry = copy.copy(index)
+        entry.__dict__["offset"] = size_type(pair)
+        storage[entry] = copy.copy(info)
+    item.__dict__["size"] = size_type((2, 2))
+    first.__dict__.update(offsets=size_type((0, 0)), sizes=size_type((2, 2)))
+    path.write_bytes(dump_metadata_object(metadata))
+    checked = run_limited("check", "--format", "json", str(save), timeout=60)
+    assert checked.returncode == 1 and "CKD220" in codes(json.loads(checked.stdout)), checked.stderr
+    for command in (["inspect", str(save)], ["diff", str(save), str(save)]):
+        proc = run_limited(*command, timeout=60)
+        assert proc.returncode in (0, 1), proc.stderr

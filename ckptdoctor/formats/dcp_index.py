@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -81,6 +82,28 @@ class DcpChunk(NamedTuple):
     storage: StorageLocation | None
 
 
+def dims_key(dims: tuple) -> bytes | None:
+    """The key of a tuple of int64 ints in the index build's tables (``shared``, ``counted``, the storage pass's
+    positions), or None for any other tuple: its bytes, whose hash is keyed per process. A tuple's own hash is not:
+    tuples of ints can be made to collide at will, and a pickle of 40,000 such chunk offsets took a minute to index
+    (hash flooding). The C loops key their tables the same way (``dcp_dims_key``)."""
+    for dim in dims:
+        if type(dim) is not int or not -INT64 <= dim < INT64:
+            return None
+    return struct.pack(f"<{len(dims)}q", *dims)
+
+
+def _shared_dims(cache: dict, dims: tuple, key: Any, what: str, counts: bool = False) -> tuple:
+    """``dims`` as the one object ``cache`` holds for it, checked by :func:`int64_dims` when first met."""
+    dims_as_key = dims_key(dims)
+    if dims_as_key is not None:
+        known = cache.get(dims_as_key)
+        if known is not None:
+            return known
+    checked = int64_dims(dims, key, what, counts)
+    return checked if dims_as_key is None else cache.setdefault(dims_as_key, checked)
+
+
 # Field getters at C speed, for loops over every chunk (10^6 in a large checkpoint): map/filter instead of a
 # generator expression (~5x faster).
 CHUNK_STORAGE = operator.itemgetter(2)  # DcpChunk.storage
@@ -143,9 +166,7 @@ def _attach_py(storage_data: dict, items: dict, consume: bool, shared: dict) -> 
         fqn = index_fields["fqn"]
         offset = index_fields.get("offset")
         if offset is not None:
-            offset = tuple(offset)
-            known = shared.get(offset)
-            offset = known if known is not None else shared.setdefault(offset, int64_dims(offset, fqn, "offsets"))
+            offset = _shared_dims(shared, tuple(offset), fqn, "offsets")
         relative_path = str(info_fields["relative_path"])
         known_path = shared.get(relative_path)
         if known_path is None:  # each distinct file name is checked once
@@ -168,8 +189,8 @@ def _attach_py(storage_data: dict, items: dict, consume: bool, shared: dict) -> 
             if table is None:
                 table = tables[fqn] = {}
                 for i, chunk in enumerate(chunks):
-                    table.setdefault(chunk[0], []).append(i)
-            positions = table.get(offset, ())
+                    table.setdefault(dims_key(chunk[0]), []).append(i)
+            positions = table.get(dims_key(offset), ())
         location = None
         for i in positions:
             chunk = chunks[i]
@@ -188,12 +209,8 @@ def _chunks_py(chunks_meta: Any, key: str, shared: dict, counted: dict) -> list:
         chunk_fields = chunk[0] if type(chunk) in _ONE_STATE and len(chunk) == 1 else _fields(chunk)
         if type(chunk_fields) is not dict:
             chunk_fields = _fields(chunk)
-        offsets = tuple(chunk_fields["offsets"])
-        known = shared.get(offsets)
-        offsets = known if known is not None else shared.setdefault(offsets, int64_dims(offsets, key, "offsets"))
-        sizes = tuple(chunk_fields["sizes"])
-        known = counted.get(sizes)
-        sizes = known if known is not None else counted.setdefault(sizes, int64_dims(sizes, key, "sizes", True))
+        offsets = _shared_dims(shared, tuple(chunk_fields["offsets"]), key, "offsets")
+        sizes = _shared_dims(counted, tuple(chunk_fields["sizes"]), key, "sizes", True)
         chunks.append(_new_chunk((offsets, sizes, None)))
     return chunks
 
@@ -233,10 +250,7 @@ def _items_py(
         dtype = state[0] if isinstance(state, tuple) and state else fields.get("dtype")
         if dtype not in dtype_names:
             dtype_names[dtype] = _dtype_name(dtype, key)
-        shape = tuple(item_fields["size"])
-        known = counted.get(shape)
-        if known is None:
-            known = counted[shape] = int64_dims(shape, key, "global shape", True)
+        known = _shared_dims(counted, tuple(item_fields["size"]), key, "global shape", True)
         items[key] = item_class(key, "tensor", dtype_names[dtype], known, chunks)
     return items
 
