@@ -106,9 +106,10 @@ RESOURCE_CASES["int of 10**5000 (LONG4)"] = pickle.dumps(10**5000, protocol=2)
 RESOURCE_CASES["int of 5000 digits (protocol 0 LONG)"] = b"L" + b"7" * 5000 + b"L\n."
 
 
-def colliding_pairs(n: int) -> list[tuple[int, int]]:
+def colliding_pairs(n: int, small_second: bool = False) -> list[tuple[int, int]]:
     """``n`` distinct pairs of int64 ints >= 0 whose tuple hashes are all equal (CPython 3.11's 64-bit tuple hash,
-    solved for the second item): chunk offsets that flood any dict keyed by the tuples themselves."""
+    solved for one item): chunk offsets that flood any dict keyed by the tuples themselves. ``small_second``: the
+    second items are 1, 2, 3... (an interval (offset, size) of a chunk on one axis), else the first."""
     mask, p1, p2, p5 = (1 << 64) - 1, 11400714785074694791, 14029467366897019727, 2870177450012600261
 
     def rotl(x: int) -> int:
@@ -117,11 +118,17 @@ def colliding_pairs(n: int) -> list[tuple[int, int]]:
     def rotr(x: int) -> int:
         return ((x >> 31) | (x << 33)) & mask
 
-    before_last = rotr(((hash((0, 0)) & mask) - (2 ^ (p5 ^ 3527539))) * pow(p1, -1, 1 << 64) & mask)
-    pairs, first = [], 1
+    p1_inverse, p2_inverse = pow(p1, -1, 1 << 64), pow(p2, -1, 1 << 64)
+    before_last = rotr(((hash((0, 0)) & mask) - (2 ^ (p5 ^ 3527539))) * p1_inverse & mask)
+    pairs, free = [], 1
     while len(pairs) < n:
-        lane = ((before_last - rotl((p5 + first * p2) & mask) * p1) * pow(p2, -1, 1 << 64)) & mask
+        if small_second:  # solve the first lane
+            lane = ((rotr(((before_last - free * p2) & mask) * p1_inverse & mask) - p5) * p2_inverse) & mask
+            pair = (lane, free)
+        else:  # solve the second lane
+            lane = ((before_last - rotl((p5 + free * p2) & mask) * p1) * p2_inverse) & mask
+            pair = (free, lane)
         if lane < (1 << 61) - 1:  # hash(lane) == lane
-            pairs.append((first, lane))
-        first += 1
+            pairs.append(pair)
+        free += 1
     return pairs

@@ -383,3 +383,25 @@ def test_compact_copies_are_the_same_for_any_jobs(tmp_path, command):
         trees.append(_tree_bytes(out))
     assert len([n for n in trees[0] if n.endswith(".distcp")]) > 2  # several files, so the threads share work
     assert trees[0] == trees[1]
+
+
+def test_plan_overlaps_is_not_slowed_by_intervals_built_to_collide():
+    """The plan's tables of intervals (offset, size) per axis are keyed so that 60,000 intervals sharing one tuple
+    hash (crafted in a .metadata: ``hostile_corpus.colliding_pairs``) cost no more than any others; keyed by the
+    tuples, 40,000 took 68 s in one plan. Run in a child with a timeout: a stall fails the test."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from hostile_corpus import colliding_pairs\n"
+        "from ckptdoctor.formats.torch_dist import DcpChunk\n"
+        "from ckptdoctor.values.tensor import plan_overlaps\n"
+        "pairs = colliding_pairs(60_000, small_second=True)\n"
+        "assert len({hash(p) for p in pairs[:100]}) == 1\n"
+        "fine = [DcpChunk((offset, 0), (size, 1), None) for offset, size in pairs]\n"
+        "plan = plan_overlaps([DcpChunk((0, 0), (1 << 62, 1), None)], fine)\n"
+        "assert sorted(plan.overlaps[0]) == list(range(len(fine)))\n"
+        "print('ok')\n"
+    )
+    if len({hash(p) for p in __import__("hostile_corpus").colliding_pairs(50, small_second=True)}) != 1:
+        pytest.skip("this Python hashes tuples differently: the pairs do not collide")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import struct
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -80,32 +81,38 @@ def plan_overlaps(coarse: Sequence[DcpChunk], fine: Sequence[DcpChunk]) -> Plan:
     axes = []
     disjoint = True
     for d in range(ndim):
-        intervals = sorted({(c.offsets[d], c.sizes[d]) for c in fine})
+        intervals = [iv for iv, _ in itertools.groupby(sorted((c.offsets[d], c.sizes[d]) for c in fine))]
         disjoint = disjoint and all(s + z <= t for (s, z), (t, _) in zip(intervals, intervals[1:]))
         span = max((z for _, z in intervals), default=0)
-        axes.append((intervals, [s for s, _ in intervals], span, {iv: i for i, iv in enumerate(intervals)}))
+        positions = {_interval_key(*iv): i for i, iv in enumerate(intervals)}
+        axes.append((intervals, [s for s, _ in intervals], span, positions))
     boxes: dict[tuple[int, ...], list[int]] = {}
     for j, c in enumerate(fine):
-        boxes.setdefault(tuple(axes[d][3][(c.offsets[d], c.sizes[d])] for d in range(ndim)), []).append(j)
+        boxes.setdefault(tuple(axes[d][3][_interval_key(c.offsets[d], c.sizes[d])] for d in range(ndim)), []).append(j)
     disjoint = disjoint and all(len(js) == 1 for js in boxes.values())
-    memo: list[dict[tuple[int, int], list[int]]] = [{} for _ in range(ndim)]
+    memo: list[dict[bytes, list[int]]] = [{} for _ in range(ndim)]
     overlaps = []
     for chunk in ordered:
         per_axis = []
         for d in range(ndim):
             lo, size = chunk.offsets[d], chunk.sizes[d]
-            found = memo[d].get((lo, size))
+            found = memo[d].get(_interval_key(lo, size))
             if found is None:
                 intervals, starts, span, _ = axes[d]
                 first = bisect.bisect_left(starts, lo - span + 1)
                 last = bisect.bisect_left(starts, lo + size)
-                found = memo[d][(lo, size)] = [
+                found = memo[d][_interval_key(lo, size)] = [
                     i for i in range(first, last) if max(lo, intervals[i][0]) < min(lo + size, sum(intervals[i]))
                 ]
             per_axis.append(found)
         hits = [j for ids in itertools.product(*per_axis) for j in boxes.get(ids, ())]
         overlaps.append(sorted(hits, key=lambda j: _storage_order(fine[j])))
     return Plan(ordered, overlaps, disjoint)
+
+
+# A dict key for a chunk's interval (offset, size) on one axis: bytes, whose hash is keyed per process. Pairs of
+# ints can be made to share one hash (see dcp_index.dims_key); offsets and sizes are int64 (checked by the index).
+_interval_key = struct.Struct("<qq").pack
 
 
 def _blob(side: Side, chunk: DcpChunk, ctx: Context) -> bytes:
