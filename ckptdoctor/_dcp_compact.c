@@ -171,7 +171,7 @@ PyObject *dcp_compact_value(PyObject *record, PyObject *name) {
 #define MAX_SIZE_DIMS 64
 
 static PyObject *size_add;   /* ().__add__ */
-static PyObject *sizes_seen; /* tuple -> the one equal tuple of this load */
+static PyObject *tuples_seen; /* tuple_key -> the one tuple of this load (sizes and tuple states) */
 
 /* The key of a tuple in a table of this extension (new reference), or NULL without an error where it has none:
  * bytes, whose hash is keyed per process (SipHash), where a tuple's own hash is not: tuples of ints can be made to
@@ -217,17 +217,17 @@ PyObject *dcp_dims_key(PyObject *dims) {
 /* The tuple of this load equal to exact tuple t (items compared as tuple_key says), t itself the first time or
  * where it has no key: new reference. */
 static PyObject *the_equal_one(PyObject *t, int by_identity) {
-    if (sizes_seen == NULL && (sizes_seen = PyDict_New()) == NULL)
+    if (tuples_seen == NULL && (tuples_seen = PyDict_New()) == NULL)
         return NULL;
     PyObject *key = tuple_key(t, by_identity);
     if (key == NULL)
         return PyErr_Occurred() ? NULL : Py_NewRef(t);
-    PyObject *known = PyDict_GetItemWithError(sizes_seen, key);
+    PyObject *known = PyDict_GetItemWithError(tuples_seen, key);
     if (known != NULL || PyErr_Occurred()) {
         Py_DECREF(key);
         return known == NULL ? NULL : Py_NewRef(known);
     }
-    int status = PyDict_GET_SIZE(sizes_seen) < MAX_SIZES_SEEN ? PyDict_SetItem(sizes_seen, key, t) : 0;
+    int status = PyDict_GET_SIZE(tuples_seen) < MAX_SIZES_SEEN ? PyDict_SetItem(tuples_seen, key, t) : 0;
     Py_DECREF(key);
     return status < 0 ? NULL : Py_NewRef(t);
 }
@@ -259,6 +259,6 @@ static PyObject *shared_state(PyObject *state) {
 }
 
 PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *Py_UNUSED(ignored)) {
-    Py_CLEAR(sizes_seen);
+    Py_CLEAR(tuples_seen);
     Py_RETURN_NONE;
 }
