@@ -282,6 +282,8 @@ static PyObject *items(PyObject *module, PyObject *args) {
             entry = one_item(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), shared, counted, item_class,
                              consume, dtype_names);
         int status = entry == NULL ? -1 : PyDict_SetItem(result, PyTuple_GET_ITEM(pair, 0), entry);
+        if (status == 0 && consume && PyDict_CheckExact(state_dict_metadata))  /* its records go now (a value */
+            status = PyDict_SetItem(state_dict_metadata, PyTuple_GET_ITEM(pair, 0), Py_None); /* set, no key added) */
         Py_XDECREF(entry);
         Py_DECREF(pair);
         if (status < 0)

@@ -578,3 +578,29 @@ def test_storage_entries_reach_the_chunks_they_name_at_any_chunk_count(monkeypat
     moved = [row for row, location in small.items() if location == ("late", 1, 2)]
     assert len(moved) == 1 and all(small[row] == ("__0_0.distcp", 9000 + row, 16) for row in small if row not in moved)
     assert items["blob"].chunks[0].storage == ("__1_0.distcp", 7, 3)
+
+
+@needs_c
+@pytest.mark.parametrize("c", [True, False])
+def test_a_consuming_build_lets_each_key_records_go_as_soon_as_its_item_exists(c):
+    """consume: each state_dict_metadata value is set to None once its item is built (no key added or removed), so
+    the index reuses the records' memory during the loop instead of after it; without consume nothing changes."""
+    state_dict_metadata, storage_data = _records(METADATA[0].read_bytes(), True)
+    released_before: list[int] = []
+
+    class Seen(DcpItem):
+        __slots__ = ()
+
+        def __init__(self, *args: Any) -> None:
+            released_before.append(sum(value is None for value in state_dict_metadata.values()))
+            super().__init__(*args)
+
+    _, items = _loops(c)
+    index = items(state_dict_metadata, {}, {}, Seen, True, {})
+    assert len(index) == len(state_dict_metadata) > 1
+    assert released_before == list(range(len(index)))
+    assert all(value is None for value in state_dict_metadata.values())
+    state_dict_metadata, _ = _records(METADATA[0].read_bytes(), True)
+    released_before.clear()
+    items(state_dict_metadata, {}, {}, Seen, False, {})
+    assert set(released_before) == {0} and all(value is not None for value in state_dict_metadata.values())

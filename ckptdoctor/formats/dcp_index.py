@@ -234,11 +234,16 @@ def _items_py(
     :func:`_attach_py`); ``consume`` empties each key's chunk list once read. The reference of
     ``_dcp_index.items``."""
     items: dict[str, DcpItem] = {}
+    # consume: each key's records go as soon as its item exists (its value set to None: no key added or removed,
+    # so the iteration goes on), not when the whole dict is cleared: the index reuses their memory
+    release = consume and type(state_dict_metadata) is dict
     for key, item_meta in state_dict_metadata.items():
         item_fields = _fields(item_meta)
         chunks_meta = item_fields.get("chunks")
         if chunks_meta is None:  # BytesStorageMetadata
             items[key] = item_class(key, "bytes", None, None, [_new_chunk(((), (), None))])
+            if release:
+                state_dict_metadata[key] = None
             continue
         chunks = _chunks_py(chunks_meta, key, shared, counted)
         if consume:
@@ -252,6 +257,8 @@ def _items_py(
             dtype_names[dtype] = _dtype_name(dtype, key)
         known = _shared_dims(counted, tuple(item_fields["size"]), key, "global shape", True)
         items[key] = item_class(key, "tensor", dtype_names[dtype], known, chunks)
+        if release:
+            state_dict_metadata[key] = None
     return items
 
 
