@@ -22,7 +22,9 @@ int dcp_attach_init(void) {
     return 0;
 }
 
-#define LINEAR_CHUNKS 32 /* dcp_index.LINEAR_CHUNKS: more chunks than this, a table from offsets to positions */
+/* A key of more chunks than this gets a table from offsets to positions (a search of its list per storage entry
+ * would cost n**2 for n chunks); below it, the search is cheaper. */
+#define LINEAR_CHUNKS 32
 
 /* Set chunks[i]'s location (the chunk was made by items(), held only by the list: its last item is set in place,
  * as a new tuple would only replace it), unless consume and a newer entry already set one. */

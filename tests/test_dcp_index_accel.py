@@ -551,7 +551,7 @@ def _many_chunk_records(n: int) -> tuple[dict, dict]:
 @pytest.mark.parametrize("n", [4, 32, 33, 200])
 @pytest.mark.parametrize("consume", [True, False])
 def test_storage_entries_reach_the_chunks_they_name_at_any_chunk_count(monkeypatch, n, consume):
-    """The storage pass finds a key's chunks by a search (up to LINEAR_CHUNKS) or a table (beyond): the same
+    """The storage pass finds a key's chunks by a search (in C up to 32 chunks) or a table (beyond): the same
     locations either way, in C and in Python; a chunk listed twice gets the same one; an entry stored twice keeps
     the last (a record copied into a second dict key); entries no chunk names change nothing."""
     outcomes = []

@@ -143,11 +143,6 @@ _new_chunk = functools.partial(tuple.__new__, DcpChunk)
 _new_location = functools.partial(tuple.__new__, StorageLocation)
 
 
-# Keys with more chunks than this get a table from offsets to positions for the storage pass (a linear search
-# per storage entry would make a key of n chunks cost n**2); below it, a search of the list is cheaper.
-LINEAR_CHUNKS = 32
-
-
 def _attach_py(storage_data: dict, items: dict, consume: bool, shared: dict) -> None:
     """Point each chunk of ``items`` at its entry of ``storage_data`` ({MetadataIndex: _StorageInfo}): the
     entry whose fqn is the key and whose offsets are the chunk's (None for a bytes item), every chunk with those
@@ -182,7 +177,7 @@ def _attach_py(storage_data: dict, items: dict, consume: bool, shared: dict) -> 
         chunks = item.chunks
         if offset is None:
             positions: Any = range(len(chunks))
-        elif len(chunks) == 1:  # (C searches up to LINEAR_CHUNKS; in Python a table is cheaper beyond one)
+        elif len(chunks) == 1:  # (C searches lists of up to 32 chunks; in Python a table is cheaper beyond one)
             positions = (0,) if chunks[0][0] == offset else ()
         else:
             table = tables.get(fqn)

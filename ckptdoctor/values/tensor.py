@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import struct
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.dcp_index import dims_key
 from ckptdoctor.formats.torch_dist import chunk_overlap
 from ckptdoctor.values.accumulate import Accumulator, Different
 from ckptdoctor.values.io import Context
@@ -90,7 +90,7 @@ def plan_overlaps(coarse: Sequence[DcpChunk], fine: Sequence[DcpChunk]) -> Plan:
     for j, c in enumerate(fine):
         boxes.setdefault(tuple(axes[d][3][_interval_key(c.offsets[d], c.sizes[d])] for d in range(ndim)), []).append(j)
     disjoint = disjoint and all(len(js) == 1 for js in boxes.values())
-    memo: list[dict[bytes, list[int]]] = [{} for _ in range(ndim)]
+    memo: list[dict[bytes | None, list[int]]] = [{} for _ in range(ndim)]
     overlaps = []
     for chunk in ordered:
         per_axis = []
@@ -110,9 +110,9 @@ def plan_overlaps(coarse: Sequence[DcpChunk], fine: Sequence[DcpChunk]) -> Plan:
     return Plan(ordered, overlaps, disjoint)
 
 
-# A dict key for a chunk's interval (offset, size) on one axis: bytes, whose hash is keyed per process. Pairs of
-# ints can be made to share one hash (see dcp_index.dims_key); offsets and sizes are int64 (checked by the index).
-_interval_key = struct.Struct("<qq").pack
+def _interval_key(offset: int, size: int) -> bytes | None:
+    """A dict key for a chunk's interval on one axis that a pickle cannot make collide (see ``dims_key``)."""
+    return dims_key((offset, size))
 
 
 def _blob(side: Side, chunk: DcpChunk, ctx: Context) -> bytes:
