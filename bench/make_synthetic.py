@@ -549,6 +549,7 @@ def write_checkpoint(
     values: str = "global",
     expert_tp: int = 1,
     build_specs: SpecBuilder = build_specs,
+    mcore_plans: bool = False,
 ) -> dict:
     """Write the checkpoint; ``build_specs`` makes its keys, shapes and chunks from the dims ``choose_dims``
     picks (default: the model above; bench_strip.py passes its PEFT variant of it)."""
@@ -595,6 +596,11 @@ def write_checkpoint(
         writers.append(writer)
     # global step, coordinator (rank 0): dedup, Metadata, validation, file prefixes __<rank>_
     global_plans, metadata = planners[0].create_global_plan(local_plans)
+    if mcore_plans:
+        # megatron-core's saver keeps every rank's local plan in .metadata (all_local_plans, for cached saves): a
+        # write item per chunk whose chunk and properties are the very objects state_dict_metadata holds (so the
+        # pickle refers to them again), as in every fixture megatron-core 0.14-0.19 wrote
+        metadata.all_local_plans = local_plans
     global_plans = writers[0].prepare_global_plan(global_plans)
     t_plan = time.perf_counter()
 
@@ -640,6 +646,7 @@ def write_checkpoint(
         "tp": tp,
         "shape_tp": shape_tp,
         "expert_tp": expert_tp,
+        "mcore_plans": mcore_plans,
         "values": values,
         "world": world,
         "layers": d.layers,
@@ -784,6 +791,11 @@ def main(argv: list[str] | None = None) -> int:
         help="expert tensor parallel size: 1 (default: each expert one chunk) or --tp (Megatron's default, "
         "experts split like the dense MLP: how a per-layer MoE checkpoint reaches ~1M chunks)",
     )
+    p.add_argument(
+        "--mcore-plans",
+        action="store_true",
+        help="also store every rank's local plan in .metadata (all_local_plans), as megatron-core's saver does",
+    )
     p.add_argument("--verify", action="store_true", help="then check it with dcp_to_torch_save + torch.load")
     a = p.parse_args(argv)
     info = write_checkpoint(
@@ -800,6 +812,7 @@ def main(argv: list[str] | None = None) -> int:
         a.shape_tp,
         a.values,
         a.expert_tp,
+        mcore_plans=a.mcore_plans,
     )
     print(json.dumps(info, indent=1))
     if a.verify:

@@ -63,6 +63,7 @@ static PyObject *compact_dict(PyObject *record) {
 }
 
 static PyObject *shared_state(PyObject *state); /* below, beside index_size */
+static void prebuild(PyObject *record);          /* below */
 
 /* __setstate__ of index records (bound through an instancemethod: args are the record and the state). */
 static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -97,6 +98,7 @@ static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ss
             list->ob_item = items;
             list->allocated = n;
             Py_SET_SIZE(list, i);  /* i == n: the dict has the n - 1 values its names were read from */
+            prebuild(record);
             Py_RETURN_NONE;
         }
     }
@@ -258,7 +260,104 @@ static PyObject *shared_state(PyObject *state) {
     return the_equal_one(state, 1); /* ints by value, other items by identity: no object's hash or == runs */
 }
 
+/*
+ * At the first BUILD of a tensor record (DCP's TensorStorageMetadata: fields "chunks" and "properties"), what only
+ * that record can reach is made into what the index will hold, while the load goes on. The peak of a read is the
+ * end of the unpickling, when the records of every key are alive (~1 KB per key at one chunk per key):
+ *  - each chunk record that only the chunks list holds, compact with exactly "offsets" and "sizes" (exact tuples),
+ *    becomes DcpChunk(offsets, sizes, None): 64 bytes instead of 96 (a record and its item array); items() checks
+ *    its dims as it checks a record's, and keeps the object;
+ *  - the chunks list's item array is cut to its length (APPEND leaves room for 4 chunks);
+ *  - a TensorProperties record (one tuple state, shared per load by shared_state) that only this record holds is
+ *    replaced by the first such record of the same class and state in this load: one per distinct state instead
+ *    of one per key (96 bytes each).
+ * Only objects that nothing else holds are replaced: no later opcode can reach them (the pickle's memo would hold
+ * a reference), so no later BUILD can change them and the index reads the same values from what replaced them.
+ * The table of kept properties records lives per load, as tuples_seen does (forget_index_sizes).
+ */
+#define MAX_RECORDS_SEEN ((Py_ssize_t)1 << 16)
+static PyObject *records_seen; /* (class, state) addresses -> the first properties record of this load */
+static PyObject *s_chunks, *s_properties, *s_offsets, *s_sizes;
+
+static int name_is(PyObject *name, PyObject **interned, const char *text) {
+    if (*interned == NULL && (*interned = PyUnicode_InternFromString(text)) == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    return name == *interned || (PyUnicode_CheckExact(name) && PyUnicode_Compare(name, *interned) == 0);
+}
+
+/* The DcpChunk of a chunk record only its list holds (new reference), or NULL without an error. */
+static PyObject *prebuilt_chunk(PyObject *chunk) {
+    if (Py_REFCNT(chunk) != 1 || !PyObject_TypeCheck(chunk, dcp_index_record_type) || !dcp_is_compact(chunk) ||
+        PyList_GET_SIZE(chunk) != 3)
+        return NULL;
+    PyObject *names = PyList_GET_ITEM(chunk, 0), *offsets = NULL, *sizes = NULL;
+    for (Py_ssize_t i = 0; i < 2; i++) {
+        PyObject *name = PyTuple_GET_ITEM(names, i), *value = PyList_GET_ITEM(chunk, i + 1);
+        if (name_is(name, &s_offsets, "offsets") && offsets == NULL)
+            offsets = value;
+        else if (name_is(name, &s_sizes, "sizes") && sizes == NULL)
+            sizes = value;
+    }
+    if (offsets == NULL || sizes == NULL || !PyTuple_CheckExact(offsets) || !PyTuple_CheckExact(sizes))
+        return NULL;
+    PyObject *made = dcp_new_triple(dcp_chunk_type, offsets, sizes, Py_None);
+    if (made == NULL)
+        PyErr_Clear();  /* out of memory: the record stays, as it was */
+    return made;
+}
+
+static void prebuilt_chunks(PyObject *chunks) {
+    if (!PyList_CheckExact(chunks))
+        return;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(chunks); i++) {
+        PyObject *made = prebuilt_chunk(PyList_GET_ITEM(chunks, i));
+        if (made != NULL)
+            Py_SETREF(((PyListObject *)chunks)->ob_item[i], made);  /* the record is freed: only the list held it */
+    }
+    dcp_trim_list(chunks);
+}
+
+/* The first properties record of this load with the class and the state of properties (new reference), or NULL
+ * without an error where it is not one to share. Held here are the record itself and the state dict it came in. */
+static PyObject *shared_properties(PyObject *properties) {
+    if (Py_REFCNT(properties) != 2 || !PyObject_TypeCheck(properties, dcp_tuple_state_record_type) ||
+        PyList_GET_SIZE(properties) != 1 || !PyTuple_CheckExact(PyList_GET_ITEM(properties, 0)))
+        return NULL;
+    if (records_seen == NULL && (records_seen = PyDict_New()) == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    void *addresses[2] = {(void *)Py_TYPE(properties), (void *)PyList_GET_ITEM(properties, 0)};
+    PyObject *key = PyBytes_FromStringAndSize((const char *)addresses, sizeof(addresses)); /* flood-proof hash */
+    PyObject *kept = key == NULL ? NULL : PyDict_GetItemWithError(records_seen, key);
+    if (kept == NULL && key != NULL && !PyErr_Occurred() && PyDict_GET_SIZE(records_seen) < MAX_RECORDS_SEEN &&
+        PyDict_SetItem(records_seen, key, properties) == 0)
+        kept = properties;  /* the first: kept, so its state (and so the key's address) stays alive */
+    Py_XDECREF(key);
+    PyErr_Clear();
+    return kept == NULL || kept == properties ? NULL : Py_NewRef(kept);
+}
+
+static void prebuild(PyObject *record) {
+    if (dcp_chunk_type == NULL || dcp_index_record_type == NULL)  /* setup() not called: records stay */
+        return;
+    PyObject *names = PyList_GET_ITEM(record, 0);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); i++) {
+        PyObject *name = PyTuple_GET_ITEM(names, i), *value = PyList_GET_ITEM(record, i + 1);
+        if (name_is(name, &s_chunks, "chunks")) {
+            prebuilt_chunks(value);
+        } else if (name_is(name, &s_properties, "properties")) {
+            PyObject *kept = shared_properties(value);
+            if (kept != NULL)
+                Py_SETREF(((PyListObject *)record)->ob_item[i + 1], kept);
+        }
+    }
+}
+
 PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *Py_UNUSED(ignored)) {
     Py_CLEAR(tuples_seen);
+    Py_CLEAR(records_seen);
     Py_RETURN_NONE;
 }

@@ -21,7 +21,7 @@
 
 PyTypeObject *dcp_chunk_type, *dcp_location_type;
 PyObject *dcp_int64_dims_fn, *dcp_inside_path_fn, *dcp_empty_tuple;
-static PyTypeObject *index_record_type, *tuple_state_record_type;
+PyTypeObject *dcp_index_record_type, *dcp_tuple_state_record_type;
 static PyObject *fields_fn, *dtype_name_fn;
 static PyObject *s_offsets, *s_sizes, *s_get, *s_items, *s_what_offsets, *s_what_sizes, *s_what_shape, *s_chunks,
     *s_clear, *s_properties, *s_ckd_state, *s_dtype, *s_size, *s_bytes, *s_tensor;
@@ -29,7 +29,7 @@ static PyObject *s_offsets, *s_sizes, *s_get, *s_items, *s_what_offsets, *s_what
 int dcp_record_fields(PyObject *record, DcpFields *fields) {
     fields->dict = NULL;
     fields->record = NULL;
-    if (PyObject_TypeCheck(record, index_record_type)) {
+    if (PyObject_TypeCheck(record, dcp_index_record_type)) {
         if (PyList_GET_SIZE(record) == 1 && PyDict_CheckExact(PyList_GET_ITEM(record, 0))) {
             fields->dict = PyList_GET_ITEM(record, 0);
             Py_INCREF(fields->dict);
@@ -136,17 +136,39 @@ PyObject *dcp_new_triple(PyTypeObject *type, PyObject *a, PyObject *b, PyObject 
     return (PyObject *)triple;
 }
 
+void dcp_trim_list(PyObject *list) {
+    PyListObject *l = (PyListObject *)list;
+    if (!PyList_CheckExact(list) || l->allocated <= Py_SIZE(l) || Py_SIZE(l) == 0)
+        return;
+    PyObject **items = PyMem_Realloc(l->ob_item, (size_t)Py_SIZE(l) * sizeof(PyObject *));
+    if (items != NULL) {  /* else the list keeps its larger array, as it was */
+        l->ob_item = items;
+        l->allocated = Py_SIZE(l);
+    }
+}
+
+/* A chunk record, or a DcpChunk made from one while the pickle was read (prebuilt_chunks in _dcp_compact.c), as
+ * a DcpChunk with checked, shared dims and no location yet; a prebuilt one whose dims are already the shared
+ * ones is itself (nothing else holds it). */
 static PyObject *one_chunk(PyObject *chunk, PyObject *key, PyObject *shared, PyObject *counted) {
     DcpFields fields = {NULL, NULL};
     PyObject *raw = NULL, *offsets = NULL, *sizes = NULL, *result = NULL;
-    if (dcp_record_fields(chunk, &fields) < 0 || (raw = dcp_field(&fields, s_offsets)) == NULL)
+    int prebuilt = Py_IS_TYPE(chunk, dcp_chunk_type) && PyTuple_GET_SIZE(chunk) == 3;
+    if (prebuilt)
+        raw = Py_NewRef(PyTuple_GET_ITEM(chunk, 0));
+    else if (dcp_record_fields(chunk, &fields) < 0 || (raw = dcp_field(&fields, s_offsets)) == NULL)
         goto done;
     if ((offsets = dcp_shared_dims(shared, raw, key, s_what_offsets, 0)) == NULL)
         goto done;
     Py_CLEAR(raw);
-    if ((raw = dcp_field(&fields, s_sizes)) == NULL || (sizes = dcp_shared_dims(counted, raw, key, s_what_sizes, 1)) == NULL)
+    raw = prebuilt ? Py_NewRef(PyTuple_GET_ITEM(chunk, 1)) : dcp_field(&fields, s_sizes);
+    if (raw == NULL || (sizes = dcp_shared_dims(counted, raw, key, s_what_sizes, 1)) == NULL)
         goto done;
-    result = dcp_new_triple(dcp_chunk_type, offsets, sizes, Py_None);  /* its location comes from attach() */
+    if (prebuilt && offsets == PyTuple_GET_ITEM(chunk, 0) && sizes == PyTuple_GET_ITEM(chunk, 1) &&
+        PyTuple_GET_ITEM(chunk, 2) == Py_None)
+        result = Py_NewRef(chunk);
+    else
+        result = dcp_new_triple(dcp_chunk_type, offsets, sizes, Py_None);  /* its location comes from attach() */
 done:
     dcp_fields_clear(&fields);
     Py_XDECREF(raw);
@@ -173,6 +195,7 @@ static PyObject *chunk_list(PyObject *chunks_meta, PyObject *key, PyObject *shar
     if (PyErr_Occurred())
         goto fail;
     Py_DECREF(iterator);
+    dcp_trim_list(result);  /* the index keeps it: no room for more (a list grown by append has room for 4) */
     return result;
 fail:
     Py_XDECREF(iterator);
@@ -185,7 +208,7 @@ fail:
 static PyObject *record_dtype(PyObject *properties) {
     if (properties == Py_None)
         Py_RETURN_NONE;  /* fields = {}: no state, no dtype */
-    if (PyObject_TypeCheck(properties, tuple_state_record_type) && PyList_GET_SIZE(properties) == 1 &&
+    if (PyObject_TypeCheck(properties, dcp_tuple_state_record_type) && PyList_GET_SIZE(properties) == 1 &&
         PyTuple_CheckExact(PyList_GET_ITEM(properties, 0))) {  /* fields would be {"_ckd_state": state} */
         PyObject *state = PyList_GET_ITEM(properties, 0), *dtype = Py_None;
         if (PyTuple_GET_SIZE(state) > 0)
@@ -315,7 +338,7 @@ static PyObject *setup(PyObject *module, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "setup: two list subclasses and two slot-less tuple subclasses expected");
         return NULL;
     }
-    PyObject **slots[] = {(PyObject **)&index_record_type, (PyObject **)&tuple_state_record_type, &fields_fn,
+    PyObject **slots[] = {(PyObject **)&dcp_index_record_type, (PyObject **)&dcp_tuple_state_record_type, &fields_fn,
                           &dcp_int64_dims_fn, &dcp_inside_path_fn, &dtype_name_fn, (PyObject **)&dcp_chunk_type,
                           (PyObject **)&dcp_location_type};
     PyObject *values[] = {record, tuple_record, fields, dims, inside, dtype_name, chunk, location};
@@ -332,11 +355,11 @@ static PyObject *not_set_up(PyObject *module, PyObject *args) {
 }
 
 static PyObject *checked_attach(PyObject *module, PyObject *args) {
-    return index_record_type == NULL ? not_set_up(module, args) : dcp_attach(module, args);
+    return dcp_index_record_type == NULL ? not_set_up(module, args) : dcp_attach(module, args);
 }
 
 static PyObject *checked_items(PyObject *module, PyObject *args) {
-    return index_record_type == NULL ? not_set_up(module, args) : items(module, args);
+    return dcp_index_record_type == NULL ? not_set_up(module, args) : items(module, args);
 }
 
 static PyMethodDef methods[] = {

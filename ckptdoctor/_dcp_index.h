@@ -31,6 +31,7 @@ typedef struct {           /* the fields of a record, as a view: its one state d
     PyObject *record;      /* or NULL for a compact record, whose values are read from record (borrowed) */
 } DcpFields;
 extern PyTypeObject *dcp_chunk_type, *dcp_location_type;           /* DcpChunk, StorageLocation */
+extern PyTypeObject *dcp_index_record_type, *dcp_tuple_state_record_type; /* IndexRecord, IndexTupleStateRecord */
 extern PyObject *dcp_int64_dims_fn, *dcp_inside_path_fn, *dcp_empty_tuple; /* dcp_index.int64_dims, inside_path, () */
 int dcp_record_fields(PyObject *record, DcpFields *fields);           /* 0, or -1 with an error */
 void dcp_fields_clear(DcpFields *fields);
@@ -38,6 +39,7 @@ PyObject *dcp_field(DcpFields *fields, PyObject *name);               /* fields[
 PyObject *dcp_field_or_none(DcpFields *fields, PyObject *name);       /* fields.get(name): new reference */
 PyObject *dcp_shared_dims(PyObject *cache, PyObject *raw, PyObject *key, PyObject *what, int counts);
 PyObject *dcp_new_triple(PyTypeObject *type, PyObject *a, PyObject *b, PyObject *c); /* a DcpChunk/StorageLocation */
+void dcp_trim_list(PyObject *list); /* an exact list's item array cut to its length (no error) */
 
 /* _dcp_attach.c */
 int dcp_attach_init(void);                              /* its interned names, at module init */

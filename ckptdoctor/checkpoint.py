@@ -137,6 +137,13 @@ class Checkpoint:
     def iteration_dir(self) -> Path:
         return self.location.iteration_dir
 
+    def release_entries(self) -> None:
+        """Free the index (every entry and chunk) of a checkpoint whose entries will not be read again: a write
+        command drops its source's before it re-reads what it wrote, so that two indexes are never in memory at
+        once (at 200k keys each is ~200 MB). ``entries`` is then empty."""
+        self.entries.clear()  # the DcpIndex's items are this dict
+        self.data_files.clear()
+
     def section_entries(self, section: str) -> list[Entry]:
         return [e for e in self.entries.values() if e.section == section]
 

@@ -41,7 +41,9 @@ from ckptdoctor.pickle_limits import DEFAULT_LIMITS, current_limits
 from ckptdoctor.stand_ins import (
     RECORD_BASES,
     STAND_IN_TYPES,
+    DroppedRecord,
     Record,
+    StandIn,
     index_record_class,
     record_class,
     stand_in_class,
@@ -333,14 +335,30 @@ def hash_safe_global(module: str, name: str) -> bool:
     return hash_method is None or hash_method is object.__hash__
 
 
+# The classes of megatron-core's all_local_plans (each rank's SavePlan, kept in .metadata for cached saves): no part
+# of the index, so an index-only read drops them (stand_ins.DroppedRecord). Rewrites read them faithfully.
+_PLANNER = "torch.distributed.checkpoint.planner"
+PLAN_PARTS: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_PLANNER, "SavePlan"),
+        (_PLANNER, "WriteItem"),
+        (_PLANNER, "TensorWriteData"),
+        (f"{_MCORE}.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
+    }
+)
+
+
 def index_only(obj: Any) -> Any:
     """What a resolved global builds when ``.metadata`` is read for its index only: DCP records become
     :class:`~ckptdoctor.stand_ins.IndexRecord` lists and ``torch.Size`` the plain argument tuple (both at C
     speed, with no second copy of any state; with the C extension, one tuple per distinct size of ints within a
-    load, see :func:`forget_index_sizes`); anything else is itself. Hashing is unchanged (records by
-    identity, sizes as tuples: the pre-pass counts them as it counts ``Size``)."""
+    load, see :func:`forget_index_sizes`); the parts of megatron-core's plans (:data:`PLAN_PARTS`) the one
+    :data:`~ckptdoctor.stand_ins.DROPPED` object; anything else is itself. Hashing is unchanged (records and
+    plan parts by identity, sizes as tuples: the pre-pass counts them as it counts ``Size``)."""
     if obj is Size:
         return index_size
     if isinstance(obj, type) and issubclass(obj, Record):
         return index_record_class(obj)
+    if isinstance(obj, type) and issubclass(obj, StandIn) and obj.__ckd_global__ in PLAN_PARTS:
+        return DroppedRecord
     return obj

@@ -311,6 +311,30 @@ class IndexTupleStateRecord(IndexRecord):
     __slots__ = ()
 
 
+class DroppedRecord:
+    """What an index-only read builds for each part of megatron-core's ``all_local_plans`` (see
+    ``safe_globals.index_only``): always the one :data:`DROPPED` object, which keeps nothing it is given. Every rank's
+    plan holds a write item, its tensor data and its index per chunk (about as many records as the index itself,
+    built at the peak of the read), and the index reads none of them: each is let go at its BUILD."""
+
+    __slots__ = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> DroppedRecord:  # NEWOBJ, or a pickle calling the class
+        return DROPPED
+
+    def __setstate__(self, state: Any) -> None:  # BUILD: the state is not kept
+        pass
+
+    def __reduce__(self) -> Any:
+        raise TypeError("an index-only read's dropped plan records are never written back")
+
+    def __repr__(self) -> str:
+        return "<dropped plan record>"
+
+
+DROPPED: DroppedRecord = object.__new__(DroppedRecord)
+
+
 _STATE_NOT_DICT = "state is not a dictionary"
 
 

@@ -106,7 +106,12 @@ def _mutate(rng: random.Random, state_dict_metadata: dict, storage_data: dict) -
     kind, record = targets[rng.randrange(len(targets))]
     state = _state(record)
     op = rng.randrange(9)
-    if kind == "properties" and isinstance(record, IndexRecord):  # TensorProperties' tuple state, or not
+    if kind == "chunk" and type(record) is dcp_index.DcpChunk and op <= 4:  # made while unpickling: hostile dims
+        tuples = [alien for alien in _aliens() if type(alien) is tuple]
+        dims = [record.offsets, record.sizes]
+        dims[rng.randrange(2)] = tuples[rng.randrange(len(tuples))]
+        _replace(state_dict_metadata, storage_data, record, tuple.__new__(dcp_index.DcpChunk, (*dims, None)))
+    elif kind == "properties" and isinstance(record, IndexRecord):  # TensorProperties' tuple state, or not
         aliens = _aliens()
         record[:] = rng.choice(
             [[()], [(aliens[rng.randrange(len(aliens))], "layout")], [{"dtype": aliens[rng.randrange(len(aliens))]}],
@@ -234,8 +239,9 @@ def test_chunks_and_locations_built_in_c_are_whole_objects():
 
 @needs_c
 @pytest.mark.parametrize("path", METADATA[::4], ids=lambda p: p.parent.parent.name)
-def test_mutants_give_identical_outcomes(monkeypatch, path):
-    data = path.read_bytes()
+@pytest.mark.parametrize("plans", ["plans", "no-plans"])
+def test_mutants_give_identical_outcomes(monkeypatch, path, plans):
+    data = path.read_bytes() if plans == "plans" else _without_plans(path)  # no-plans: chunks made while unpickling
     errors = 0
     for seed in range(150):
         for index_only, consume in ((True, True), (False, False)):
@@ -604,3 +610,116 @@ def test_a_consuming_build_lets_each_key_records_go_as_soon_as_its_item_exists(c
     released_before.clear()
     items(state_dict_metadata, {}, {}, Seen, False, {})
     assert set(released_before) == {0} and all(value is not None for value in state_dict_metadata.values())
+
+
+# --- what an index-only read makes of the records while it unpickles (prebuild in _dcp_compact.c) ----------------
+
+_DCP = "torch.distributed.checkpoint.metadata"
+
+
+def _hand_made_metadata(rebuild_chunk: bool) -> bytes:
+    """A one-key ``.metadata`` (protocol 4, by hand) whose chunk record is memoized; with ``rebuild_chunk`` the pickle
+    fetches that record again after its tensor record's BUILD and BUILDs it a second time (sizes 8 -> 4)."""
+    from hostile_corpus import stack_global, su
+
+    def record(module: str, name: str, *fields: bytes) -> bytes:  # cls() NEWOBJ, then BUILD with {fields}
+        return stack_global(module, name) + b")\x81" + b"}(" + b"".join(fields) + b"ub"
+
+    def dims(*values: int) -> bytes:
+        return b"(" + b"".join(b"K" + bytes([v]) for v in values) + b"t"
+
+    chunk = stack_global(_DCP, "ChunkStorageMetadata") + b")\x81\x94" + b"}(" + su("offsets") + dims(0)
+    chunk += su("sizes") + dims(8) + b"ub"
+    tensor = record(_DCP, "TensorStorageMetadata", su("properties"), b"N", su("size"), dims(8), su("chunks"),
+                    b"]" + chunk + b"a")  # fmt: skip
+    again = b"h\x00}(" + su("offsets") + dims(0) + su("sizes") + dims(4) + b"ub0" if rebuild_chunk else b""
+    index = record(_DCP, "MetadataIndex", su("fqn"), su("w"), su("offset"), dims(0), su("index"), b"K\x00")
+    info = record("torch.distributed.checkpoint.filesystem", "_StorageInfo", su("relative_path"),
+                  su("__0_0.distcp"), su("offset"), b"K\x00", su("length"), b"K\x10")  # fmt: skip
+    metadata = su("state_dict_metadata") + b"}(" + su("w") + tensor + b"u" + again
+    metadata += su("storage_data") + b"}(" + index + info + b"u"
+    return b"\x80\x04" + stack_global(_DCP, "Metadata") + b")\x81}(" + metadata + b"ub."
+
+
+def _without_plans(path: Path) -> bytes:
+    """A fixture's ``.metadata`` as plain DCP writes it: without megatron-core's ``all_local_plans``, whose write
+    items hold (memo references to) the same chunk and properties records as ``state_dict_metadata``."""
+    metadata = safe_pickle.loads(path.read_bytes())
+    assert metadata.__dict__.pop("all_local_plans", None)
+    return safe_pickle.dumps(metadata)
+
+
+@needs_c
+def test_an_index_only_read_makes_chunk_records_into_chunks_and_shares_properties():
+    """While an index-only read unpickles, chunk records that only their list holds become DcpChunks, the lists are
+    cut to their length and properties records that only their tensor record holds are one per distinct state: the
+    peak of a read (the end of the unpickling) is ~15% lower at one chunk per key. The index is the same as from the
+    records an unpruned read keeps (its memo holds every record, so nothing is replaced there)."""
+    import sys
+
+    data = _without_plans(METADATA[-1])
+    state_dict_metadata, _ = _records(data, True)
+    tensors = [_read(item) for item in state_dict_metadata.values() if "chunks" in _read(item)]
+    chunk_lists = [fields["chunks"] for fields in tensors]
+    assert tensors and all(type(chunk) is dcp_index.DcpChunk for chunks in chunk_lists for chunk in chunks)
+    assert all(sys.getsizeof(chunks) == sys.getsizeof([None] * len(chunks)) for chunks in chunk_lists)
+    properties = {id(fields["properties"]): fields["properties"][0] for fields in tensors}
+    assert len(properties) == len(set(properties.values())) < len(tensors)
+    with_plans, _ = _records(METADATA[-1].read_bytes(), True)  # the plans hold every chunk record: none replaced
+    assert not any(type(c) is dcp_index.DcpChunk for item in with_plans.values() for c in _read(item).get("chunks", []))
+
+    unpruned = safe_pickle.SafeUnpickler(io.BytesIO(data), None, True).load()
+    kept = record_attr(unpruned, "state_dict_metadata")
+    assert all(isinstance(chunk, IndexRecord) for item in kept.values() for chunk in _read(item).get("chunks", []))
+    pruned_index = dcp_index.index_items(*_records(data, True), DcpItem, True)
+    assert pruned_index == dcp_index.index_items(kept, record_attr(unpruned, "storage_data"), DcpItem, True)
+
+
+@needs_c
+@pytest.mark.parametrize("c", [True, False])
+def test_a_chunk_record_the_pickle_can_reach_again_is_left_as_a_record(monkeypatch, c):
+    """A chunk record the memo holds may be BUILT again later in the pickle: it is not replaced, and the index has
+    its last state, as the Python loops over plain records give it."""
+    for rebuild, sizes in ((False, (8,)), (True, (4,))):
+        metadata = safe_pickle.loads(_hand_made_metadata(rebuild), index_only=True)
+        state_dict_metadata, storage_data = (
+            record_attr(metadata, "state_dict_metadata"),
+            record_attr(metadata, "storage_data"),
+        )
+        (chunk,) = _read(state_dict_metadata["w"])["chunks"]
+        assert (type(chunk) is dcp_index.DcpChunk) is not rebuild
+        (result, _) = _outcome(monkeypatch, c, state_dict_metadata, storage_data, True)
+        (made,) = result["w"].chunks
+        assert (made.offsets, made.sizes, made.storage) == ((0,), sizes, ("__0_0.distcp", 0, 16))
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in METADATA if b"WriteItem" in p.read_bytes()][:3], ids=lambda p: p.parent.parent.name
+)
+def test_an_index_only_read_drops_megatron_plans_and_indexes_the_same(path):
+    """megatron-core keeps every rank's SavePlan in ``.metadata`` (a write item, its tensor data and its index per
+    chunk); an index-only read builds each of those parts as the one DROPPED object, keeping nothing they held, and
+    the index is the one the faithful read (every plan record built) gives."""
+    from hostile_corpus import call
+
+    from ckptdoctor.stand_ins import DROPPED
+
+    data = path.read_bytes()
+    metadata = safe_pickle.loads(data, index_only=True)
+    plans = record_attr(metadata, "all_local_plans")
+    assert plans and all(plan is DROPPED for plan in plans)
+    faithful = safe_pickle.loads(data)
+    assert all(len(record_attr(plan, "items")) > 1 for plan in record_attr(faithful, "all_local_plans"))
+    index = dcp_index.index_items(
+        record_attr(metadata, "state_dict_metadata"), record_attr(metadata, "storage_data"), DcpItem, True
+    )
+    assert index == dcp_index.index_items(
+        record_attr(faithful, "state_dict_metadata"), record_attr(faithful, "storage_data"), DcpItem, False
+    )
+    # called with arguments, given any state: still the one object, holding nothing; never pickled back
+    called = safe_pickle.loads(call("torch.distributed.checkpoint.planner", "WriteItem", "x", "y"), index_only=True)
+    assert called is DROPPED and not hasattr(DROPPED, "__dict__")
+    with pytest.raises(TypeError):
+        import pickle
+
+        pickle.dumps(DROPPED)

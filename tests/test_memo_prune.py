@@ -21,8 +21,10 @@ from test_pickle_scan_accel import _mutants, _seeds
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import PickleLimitError
+from ckptdoctor.formats.dcp_index import DcpChunk
 from ckptdoctor.pickle_scan import scan
 from ckptdoctor.safe_globals import hash_safe_global
+from ckptdoctor.stand_ins import CompactKeys, IndexRecord, IndexTupleStateRecord
 from ckptdoctor.torch_stand_ins import StorageRef
 
 prune_memo: Any
@@ -39,9 +41,31 @@ _ATOMS = (int, float, complex, bytes, str, bool, type(None))
 _ADDRESS = re.compile(r"at 0x[0-9a-f]+")
 
 
-def _dump(obj: Any) -> list:
+def _as_chunk(x: Any) -> tuple | None:
+    """(offsets, sizes) of a chunk as the index reads it: a compact chunk record, or the DcpChunk an index-only
+    read made of one that only its list held (``prebuild`` in ``ckptdoctor/_dcp_compact.c``); else None."""
+    if type(x) is DcpChunk and x.storage is None:
+        return x.offsets, x.sizes
+    if (
+        isinstance(x, IndexRecord)
+        and len(x) == 3
+        and type(x[0]) is CompactKeys
+        and sorted(x[0]) == ["offsets", "sizes"]
+    ):
+        fields = dict(zip(x[0], x[1:]))
+        if type(fields["offsets"]) is tuple and type(fields["sizes"]) is tuple:
+            return fields["offsets"], fields["sizes"]
+    return None
+
+
+def _dump(obj: Any, index_view: bool = False) -> list:
     """A structural dump of an object graph: types, values and which objects are shared (an object seen
-    before is written as a reference to its first appearance). Iterative: hostile pickles nest deeply."""
+    before is written as a reference to its first appearance). Iterative: hostile pickles nest deeply.
+
+    ``index_view``: an index-only read replaces objects that only one record holds by equal ones (prebuild in
+    ``_dcp_compact.c``: chunk records by DcpChunks, properties records by the first equal one), which only the
+    pruned read can do (the unpruned memo holds every record): chunks and one-state properties records are
+    written by value, as the index reads them."""
     seen: dict[int, int] = {}
     keep: list[Any] = []  # keeps every visited object alive, so that ids are not reused during the dump
     out: list = []
@@ -51,6 +75,16 @@ def _dump(obj: Any) -> list:
         if type(x) in _ATOMS:
             out.append((type(x).__name__, repr(x)))
             continue
+        if index_view:
+            chunk = _as_chunk(x)
+            if chunk is not None:
+                out.append(("chunk",))
+                todo.extend(reversed(chunk))
+                continue
+            if isinstance(x, IndexTupleStateRecord) and len(x) == 1 and type(x[0]) is tuple:
+                out.append(("properties", type(x).__qualname__))
+                todo.append(x[0])
+                continue
         if id(x) in seen:
             out.append(("ref", seen[id(x)]))
             continue
@@ -94,7 +128,7 @@ def _outcome(data: bytes | Any, index_only: bool) -> tuple:
         return ("RecursionError",)
     except Exception as exc:  # noqa: BLE001 - the differential compares whatever the unpickler raises
         return (type(exc).__name__, _ADDRESS.sub("at 0x?", str(exc)))  # a repr in the message names an address
-    return ("ok", _dump(obj), unpickler.unlisted)
+    return ("ok", _dump(obj, index_only), unpickler.unlisted)
 
 
 def _passes_scan(data: bytes) -> bool:

@@ -201,11 +201,16 @@ def _chunks_py(chunks_meta: Any, key: str, shared: dict, counted: dict) -> list:
     :func:`_attach_py`). The reference of ``_dcp_index.items``' chunk loop."""
     chunks = []
     for chunk in chunks_meta:
-        chunk_fields = chunk[0] if type(chunk) in _ONE_STATE and len(chunk) == 1 else _fields(chunk)
-        if type(chunk_fields) is not dict:
-            chunk_fields = _fields(chunk)
-        offsets = _shared_dims(shared, tuple(chunk_fields["offsets"]), key, "offsets")
-        sizes = _shared_dims(counted, tuple(chunk_fields["sizes"]), key, "sizes", True)
+        if type(chunk) is DcpChunk:  # made from a chunk record while the pickle was read (C: prebuild)
+            raw_offsets, raw_sizes = chunk[0], chunk[1]
+        else:
+            chunk_fields = chunk[0] if type(chunk) in _ONE_STATE and len(chunk) == 1 else _fields(chunk)
+            if type(chunk_fields) is not dict:
+                chunk_fields = _fields(chunk)
+            raw_offsets = chunk_fields["offsets"]
+            raw_sizes = chunk_fields["sizes"]
+        offsets = _shared_dims(shared, tuple(raw_offsets), key, "offsets")
+        sizes = _shared_dims(counted, tuple(raw_sizes), key, "sizes", True)
         chunks.append(_new_chunk((offsets, sizes, None)))
     return chunks
 

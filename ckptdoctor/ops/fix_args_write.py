@@ -360,6 +360,7 @@ def write_fix(
     report: FixArgsReport, checkpoint: Checkpoint, output: Path | None = None, force: bool = False
 ) -> FixArgsReport:
     """Write ``report.changes`` to ``output`` (or in place when ``output`` is None), then prove the fix.
+    ``checkpoint``'s entries are released once written (see :meth:`Checkpoint.release_entries`).
 
     The written checkpoint is re-read and re-diagnosed by our own reader before anyone is told it worked:
     ``report.remaining`` holds what is still wrong there (``report.findings`` keep what was wrong before).
@@ -378,5 +379,6 @@ def write_fix(
         report.written = write_in_place(checkpoint, report.changes)
     else:
         report.written = write_output(checkpoint, report.changes, output, force=force)
+    checkpoint.release_entries()  # the source's index goes before the output's is read: one in memory, not two
     report.remaining, _ = diagnose(open_checkpoint(report.written.iteration_dir))
     return report
