@@ -646,7 +646,7 @@ def write_checkpoint(
         "tp": tp,
         "shape_tp": shape_tp,
         "expert_tp": expert_tp,
-        "mcore_plans": mcore_plans,
+        "mcore_plans": int(mcore_plans),
         "values": values,
         "world": world,
         "layers": d.layers,
@@ -793,8 +793,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--mcore-plans",
-        action="store_true",
-        help="also store every rank's local plan in .metadata (all_local_plans), as megatron-core's saver does",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        help="1: also store every rank's local plan in .metadata (all_local_plans), as megatron-core's saver does",
     )
     p.add_argument("--verify", action="store_true", help="then check it with dcp_to_torch_save + torch.load")
     a = p.parse_args(argv)
@@ -812,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         a.shape_tp,
         a.values,
         a.expert_tp,
-        mcore_plans=a.mcore_plans,
+        mcore_plans=bool(a.mcore_plans),
     )
     print(json.dumps(info, indent=1))
     if a.verify:

@@ -231,6 +231,8 @@ SCALE_POINTS: dict[str, tuple[str, int, int, dict[str, str], str]] = {
     "20k keys / 200 files": ("64M", 20000, 200, _SMALL, "keys"),
     "100k keys / 200 files": ("64M", 100000, 200, _SMALL, "keys"),
     "200k keys / 200 files": ("64M", 200000, 200, _SMALL, "keys"),
+    # as megatron-core saves: every rank's local plan kept in .metadata (all_local_plans, a write item per chunk)
+    "200k keys, mcore plans / 200 files": ("64M", 200000, 200, {**_SMALL, "mcore-plans": "1"}, "plans"),
     "20k keys / 2000 files": ("64M", 20000, 2000, _SMALL, "files"),
     "20k keys / 20000 files": ("64M", 20000, 20000, _SMALL, "files"),
     "20k keys / 2000 files / 0.5G": ("0.5G", 20000, 2000, {"shape-tp": "4"}, "bytes"),
