@@ -1,4 +1,4 @@
-#include "_pickle_scan.h"
+#include "_pickle_strings.h"
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <sys/mman.h>
@@ -128,7 +128,7 @@ static int prune_op(const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_
 /* The first pass: which entries to keep (into kept) and where the pickle ends (*stop_end); 1 to prune,
  * 0 to leave the bytes alone, -1 with a Python error set. */
 static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, Py_ssize_t *n_memo,
-                      Py_ssize_t *stop_end) {
+                      Py_ssize_t *stop_end, StringShares *strings) {
     Py_ssize_t p = 0, frame_end = -1, memo = 0;
     int pushed = 0; /* the last opcode (FRAMEs and MEMOIZEs aside) leaves an object on the stack */
     while (p < size) {
@@ -165,6 +165,12 @@ static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, P
                 return 1;
             default:
                 pushed = kind == OP_PUSHES;
+                if (strings != NULL && (buf[p] == 0x8c || buf[p] == 'X' || buf[p] == 0x8d)) {
+                    Py_ssize_t offset = p + 1 + (buf[p] == 0x8c ? 1 : buf[p] == 'X' ? 4 : 8), shared;
+                    int memoized = end < size && buf[end] == 0x94; /* a FRAME would start with 0x95 */
+                    if (strings_note(strings, buf, p, offset, end - offset, memo, memoized, &shared) < 0) return -1;
+                    if (shared >= 0 && bitmap_set(kept, shared) < 0) return -1;
+                }
         }
         p = end;
         if (p == frame_end) frame_end = -1;
@@ -178,9 +184,11 @@ typedef struct {
     Bitmap kept;
     uint32_t *rank; /* kept entries below each word of the bitmap */
     Py_ssize_t stop_end, p, memo; /* the end of the pickle (past its STOP); the next opcode; memo writes so far */
+    StringShares strings;         /* string opcodes read as memo reads (share_strings; see _pickle_strings.c) */
 } Pruner;
 
 static void pruner_clear(Pruner *s) {
+    strings_clear(&s->strings);
     PyMem_Free(s->kept.bits);
     PyMem_Free(s->rank);
     s->kept.bits = NULL;
@@ -189,11 +197,13 @@ static void pruner_clear(Pruner *s) {
 }
 
 /* Plan the pruning of data into s: 1 to prune, 0 to leave it alone (s cleared), -1 with a Python error set. */
-static int pruner_init(Pruner *s, PyObject *data) {
+static int pruner_init(Pruner *s, PyObject *data, int share_strings) {
     memset(s, 0, sizeof *s);
     if (PyObject_GetBuffer(data, &s->view, PyBUF_SIMPLE) < 0) return -1;
     Py_ssize_t n_memo = 0;
-    int plan = prune_plan(s->view.buf, s->view.len, &s->kept, &n_memo, &s->stop_end);
+    int plan = prune_plan(s->view.buf, s->view.len, &s->kept, &n_memo, &s->stop_end,
+                          share_strings ? &s->strings : NULL);
+    strings_end_plan(&s->strings);
     if (plan > 0) {
         Py_ssize_t n_words = (n_memo + 63) >> 6, n_kept = 0;
         s->rank = PyMem_Malloc((size_t)(n_words ? n_words : 1) * sizeof(uint32_t));
@@ -205,7 +215,7 @@ static int pruner_init(Pruner *s, PyObject *data) {
                 s->rank[w] = (uint32_t)n_kept;
                 n_kept += w < s->kept.n_words ? popcount64(s->kept.bits[w]) : 0;
             }
-            if (n_kept == n_memo) plan = 0; /* nothing to drop */
+            if (n_kept == n_memo && s->strings.n == 0) plan = 0; /* nothing to drop or share */
         }
     }
     if (plan <= 0) pruner_clear(s);
@@ -223,14 +233,19 @@ static Py_ssize_t unit_length(const Pruner *s) {
 /* Translate the opcode at s->p into o; the bytes written (at most its input length). */
 static Py_ssize_t emit_op(Pruner *s, unsigned char *o) {
     const unsigned char *buf = s->view.buf;
-    Py_ssize_t p = s->p, end, q = 0;
+    Py_ssize_t p = s->p, end, q = 0, idx;
     int kind = prune_op(buf, s->view.len, p, &end);
     s->p = end;
-    if (kind != OP_MEMOIZE && kind != OP_PUT && kind != OP_GET) {
+    StringShares *strings = &s->strings;
+    if (strings->next < strings->n && strings->shares[strings->next].position == p) {
+        kind = OP_GET; /* a string equal to the one memo entry idx holds: read from there */
+        idx = strings->shares[strings->next++].memo;
+    } else if (kind != OP_MEMOIZE && kind != OP_PUT && kind != OP_GET) {
         memcpy(o, buf + p, (size_t)(end - p));
         return end - p;
+    } else {
+        idx = kind == OP_MEMOIZE ? s->memo : end - p == 2 ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1);
     }
-    Py_ssize_t idx = kind == OP_MEMOIZE ? s->memo : end - p == 2 ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1);
     if (kind != OP_GET) s->memo++;
     if (!bit_is_set(&s->kept, idx)) return 0; /* a memo write never read: dropped */
     uint64_t below = s->kept.bits[idx >> 6] & ((((uint64_t)1) << (idx & 63)) - 1);
@@ -261,9 +276,12 @@ static Py_ssize_t emit_unit(Pruner *s, unsigned char *o) {
     return q;
 }
 
-PyObject *pickle_prune_memo(PyObject *Py_UNUSED(module), PyObject *arg) {
+PyObject *pickle_prune_memo(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *arg;
+    int share_strings = 0;
+    if (!PyArg_ParseTuple(args, "O|p:prune_memo", &arg, &share_strings)) return NULL;
     Pruner s;
-    int plan = pruner_init(&s, arg);
+    int plan = pruner_init(&s, arg, share_strings);
     if (plan <= 0) {
         if (plan < 0) return NULL;
         Py_RETURN_NONE;
@@ -397,15 +415,15 @@ static PyTypeObject PrunedReaderType = {
 
 PyObject *pickle_pruned_reader(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *arg;
-    int release = 0;
-    if (!PyArg_ParseTuple(args, "O|p:pruned_reader", &arg, &release)) return NULL;
+    int release = 0, share_strings = 0;
+    if (!PyArg_ParseTuple(args, "O|pp:pruned_reader", &arg, &release, &share_strings)) return NULL;
     PrunedReader *self = PyObject_New(PrunedReader, &PrunedReaderType);
     if (self == NULL) return NULL;
     self->out = NULL;
     self->pos = self->len = self->cap = 0;
     self->release = release;
     self->released = 0;
-    int plan = pruner_init(&self->s, arg);
+    int plan = pruner_init(&self->s, arg, share_strings);
     if (plan <= 0) {
         Py_DECREF(self);
         if (plan < 0) return NULL;

@@ -1,6 +1,7 @@
-/* ckptdoctor._pickle_scan: one extension module from two sources.
- *   _pickle_scan.c   the module and the pickle pre-pass (scan)
- *   _pickle_prune.c  memo pruning (prune_memo, pruned_reader)
+/* ckptdoctor._pickle_scan: one extension module from three sources.
+ *   _pickle_scan.c     the module and the pickle pre-pass (scan)
+ *   _pickle_prune.c    memo pruning (prune_memo, pruned_reader)
+ *   _pickle_strings.c  equal strings read as one (the share_strings option of both)
  */
 #ifndef CKPTDOCTOR_PICKLE_SCAN_H
 #define CKPTDOCTOR_PICKLE_SCAN_H
@@ -19,8 +20,8 @@ static inline uint64_t read_u64(const unsigned char *b) {
 }
 
 /* _pickle_prune.c */
-PyObject *pickle_prune_memo(PyObject *module, PyObject *arg);    /* prune_memo(data) -> bytes or None */
-PyObject *pickle_pruned_reader(PyObject *module, PyObject *args); /* pruned_reader(data, release) -> reader or None */
+PyObject *pickle_prune_memo(PyObject *module, PyObject *args);    /* prune_memo(data, share) -> bytes or None */
+PyObject *pickle_pruned_reader(PyObject *module, PyObject *args); /* pruned_reader(data, release, share) -> reader */
 int pickle_prune_ready(void);                                    /* PyType_Ready of the reader type */
 
 #endif

@@ -155,15 +155,19 @@ def _differential(data: bytes) -> bool:
     the unpickler (as in ``safe_pickle.loads``)."""
     if not _passes_scan(data):
         return False
-    pruned = prune_memo(data)
-    if pruned is None:
-        assert pruned_reader(data) is None
-        return False
-    assert len(pruned) <= len(data)
-    assert _read_out(pruned_reader(data), random.Random(len(data))) == pruned
-    for index_only in (False, True):
-        assert _outcome(pruned_reader(data), index_only) == _outcome(data, index_only), (data[:120], index_only)
-    return True
+    changed = False
+    for share in (False, True):  # share_strings: equal strings read as one (index-only reads)
+        pruned = prune_memo(data, share)
+        if pruned is None:
+            assert pruned_reader(data, False, share) is None
+            continue
+        changed = True
+        assert len(pruned) <= len(data)
+        assert _read_out(pruned_reader(data, False, share), random.Random(len(data))) == pruned
+        for index_only in (False, True):
+            outcome = _outcome(pruned_reader(data, False, share), index_only)
+            assert outcome == _outcome(data, index_only), (data[:120], index_only, share)
+    return changed
 
 
 def _memo_ops(data: bytes) -> dict[str, int]:
@@ -353,7 +357,9 @@ def test_loads_reads_the_pruned_pickle(monkeypatch):
     data = pickle.dumps(_shared_value(), protocol=4)
     readers = []
     monkeypatch.setattr(
-        safe_pickle, "_pruned_reader", lambda b, release: readers.append(pruned_reader(b, release)) or readers[-1]
+        safe_pickle,
+        "_pruned_reader",
+        lambda b, release, share: readers.append(pruned_reader(b, release, share)) or readers[-1],
     )
     assert safe_pickle.loads(data) == _shared_value()
     assert len(readers) == 1 and readers[0] is not None and readers[0].read() == b""  # read to the STOP
@@ -419,3 +425,28 @@ def test_a_large_file_is_read_into_a_map_of_its_own(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "RELEASABLE_MIN_BYTES", 0)
     with files.open_regular(tmp_path / "empty") as f:
         assert files.read_releasable(f, 64 << 20) == b""
+
+
+@needs_c
+def test_equal_strings_are_read_as_one_object_where_asked():
+    """share_strings (index-only reads): a string opcode whose bytes equal those of an earlier memoized string is read
+    as a memo read of it: the same value, one object (a key's name is written once per storage entry of it). Only
+    strings of 8 bytes or more, only from a string a MEMOIZE stored, and only when asked: a faithful read (rewrites)
+    keeps them apart."""
+    from hostile_corpus import su
+
+    key = "decoder.layers.0.self_attention.linear_qkv.weight"
+    value = [key, key[:-1] + key[-1], "short1", "short1"[:-1] + "1", {key[:-2] + key[-2:]: 1}]
+    data = pickle.dumps(value, protocol=4)
+    assert value[0] is not value[1] and data.count(key.encode()) == 3
+    shared = prune_memo(data, True)
+    assert shared is not None and shared.count(key.encode()) == 1 and len(shared) < len(prune_memo(data))
+    for read in (safe_pickle.loads(data, index_only=True), pickle.loads(shared)):
+        assert read == value and read[0] is read[1] is next(iter(read[4])) and read[2] is not read[3]
+    faithful = safe_pickle.loads(data)
+    assert faithful == value and faithful[0] is not faithful[1]
+    # a string no MEMOIZE stored is not a source; the next equal one that is memoized becomes it
+    hand_made = b"\x80\x04(" + su(key) + su(key) + b"\x94" + su(key) + b"l."
+    assert pickle.loads(prune_memo(hand_made, True)) == [key] * 3
+    read = pickle.loads(prune_memo(hand_made, True))
+    assert read[0] is not read[1] and read[1] is read[2]
