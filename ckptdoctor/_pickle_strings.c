@@ -15,7 +15,7 @@
 #include "_pickle_strings.h"
 
 #define MIN_SHARED 8             /* shorter strings are left alone (field names are already shared by the pickler) */
-#define MAX_DISTINCT ((Py_ssize_t)1 << 22)
+#define MAX_DISTINCT ((Py_ssize_t)1 << 20) /* the table stays under 64 MB (2^21 slots of 32 bytes) */
 
 typedef struct StringSlot {
     Py_ssize_t offset; /* of the string's bytes in the pickle; -1: an empty slot */

@@ -70,6 +70,10 @@ class KeyFilter:
         return not any(p.search(item.key) for p in self._exclude)
 
     @property
+    def accepts_all(self) -> bool:
+        return not (self.sections or self.keys or self.exclude)
+
+    @property
     def includes_common_state(self) -> bool:
         """Args and other common state are compared unless filters narrow the diff to some keys."""
         return not self.keys and (not self.sections or "common" in self.sections)
@@ -244,8 +248,9 @@ def diff_checkpoints(
     """
     key_filter = key_filter or KeyFilter()
     all_a, all_b = logical_items(a), logical_items(b)
-    items_a = {k: v for k, v in all_a.items() if key_filter.accepts(v)}
-    items_b = {k: v for k, v in all_b.items() if key_filter.accepts(v)}
+    # no filter: the same dicts (not a copy of 200k entries per side)
+    items_a = all_a if key_filter.accepts_all else {k: v for k, v in all_a.items() if key_filter.accepts(v)}
+    items_b = all_b if key_filter.accepts_all else {k: v for k, v in all_b.items() if key_filter.accepts(v)}
     era_common = a.location.has_common_pt != b.location.has_common_pt
     parts: list = []
 

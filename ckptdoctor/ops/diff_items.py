@@ -40,11 +40,20 @@ class Item:
     kind: str
     dtype: str | None
     shape: tuple[int, ...] | None  # tensor: global shape; object: the shard grid's global shape
-    entries: dict[str, Entry]  # tensor/bytes: {"": entry}; object: shard suffix -> entry
+    # tensor/bytes: the one entry; object: shard suffix -> entry. Not a dict for one entry: diff holds an item per
+    # key of each side, and a one-entry dict is ~200 bytes (80 MB at 200k keys)
+    contents: Entry | dict[str, Entry]
+
+    @property
+    def entries(self) -> dict[str, Entry]:
+        """Tensor/bytes: ``{"": entry}``; object: the shard entries by suffix (the item's own dict)."""
+        contents = self.contents
+        return contents if isinstance(contents, dict) else {"": contents}
 
     @property
     def entry(self) -> Entry:
-        return next(iter(self.entries.values()))
+        contents = self.contents
+        return next(iter(contents.values())) if isinstance(contents, dict) else contents
 
     @property
     def nbytes(self) -> int:
@@ -82,11 +91,11 @@ def logical_items(checkpoint: Checkpoint) -> dict[str, Item]:
     items: dict[str, Item] = {}
     for key, entry in checkpoint.entries.items():
         if entry.kind == "tensor":
-            items[key] = Item(key, entry.section, KIND_TENSOR, entry.dtype, entry.shape, {"": entry})
+            items[key] = Item(key, entry.section, KIND_TENSOR, entry.dtype, entry.shape, entry)
             continue
         match = _SHARD_RE.match(key)
         if match is None:
-            items[key] = Item(key, entry.section, KIND_BYTES, entry.dtype, entry.shape, {"": entry})
+            items[key] = Item(key, entry.section, KIND_BYTES, entry.dtype, entry.shape, entry)
             continue
         base = match.group("base")
         shape = tuple(int(s) for s in match.group("shape").split("."))
