@@ -201,6 +201,7 @@ static int pruner_init(Pruner *s, PyObject *data, int share_strings) {
     memset(s, 0, sizeof *s);
     if (PyObject_GetBuffer(data, &s->view, PyBUF_SIMPLE) < 0) return -1;
     Py_ssize_t n_memo = 0;
+    strings_expect(&s->strings, s->view.len);
     int plan = prune_plan(s->view.buf, s->view.len, &s->kept, &n_memo, &s->stop_end,
                           share_strings ? &s->strings : NULL);
     strings_end_plan(&s->strings);

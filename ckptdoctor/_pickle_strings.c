@@ -24,8 +24,15 @@ typedef struct StringSlot {
     Py_hash_t hash;
 } Slot;
 
+void strings_expect(StringShares *t, Py_ssize_t pickle_size) {
+    /* a .metadata holds about one distinct long string (a key) per 300 bytes; the table is kept half empty */
+    Py_ssize_t cap = 1 << 12;
+    while (cap < pickle_size / 150 && cap < 2 * MAX_DISTINCT) cap *= 2;
+    t->first_cap = cap;
+}
+
 static int grow_slots(StringShares *t) {
-    Py_ssize_t cap = t->cap ? t->cap * 2 : 1 << 12;
+    Py_ssize_t cap = t->cap ? t->cap * 2 : t->first_cap > 0 ? t->first_cap : 1 << 12;
     Slot *slots = PyMem_Malloc((size_t)cap * sizeof(Slot)), *old = t->slots;
     if (slots == NULL) {
         PyErr_NoMemory();

@@ -12,6 +12,7 @@ typedef struct {
 typedef struct {
     struct StringSlot *slots; /* the table of distinct strings, while the plan is made */
     Py_ssize_t cap, used;
+    Py_ssize_t first_cap;     /* the table's first size (strings_expect), so that it is seldom grown */
     StringShare *shares; /* the replacements, in pickle order */
     Py_ssize_t n, alloc;
     Py_ssize_t next;     /* the next replacement the translation meets */
@@ -22,6 +23,7 @@ typedef struct {
  * entry next_memo), it is remembered. *shared_memo is -1 where nothing is shared. 0, or -1 with a Python error set. */
 int strings_note(StringShares *t, const unsigned char *buf, Py_ssize_t position, Py_ssize_t offset,
                  Py_ssize_t length, Py_ssize_t next_memo, int memoized, Py_ssize_t *shared_memo);
+void strings_expect(StringShares *t, Py_ssize_t pickle_size); /* size the table for a pickle of that many bytes */
 void strings_end_plan(StringShares *t); /* the table goes; the replacements stay */
 void strings_clear(StringShares *t);
 
