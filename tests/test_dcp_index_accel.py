@@ -729,8 +729,9 @@ def test_an_index_only_read_drops_megatron_plans_and_indexes_the_same(path):
 def test_a_plan_record_where_a_metadata_record_belongs_is_named(monkeypatch, c):
     """A crafted ``.metadata`` may put a plan part (built as DROPPED by an index-only read) where a tensor record or
     a storage entry belongs: the index refuses it with a message that says so, in C as in Python."""
-    from ckptdoctor.stand_ins import DROPPED
+    from ckptdoctor.stand_ins import DROPPED, DroppedRecord
 
-    for state_dict_metadata, storage_data in (({"k": DROPPED}, {}), ({}, {DROPPED: DROPPED})):
+    other = object.__new__(DroppedRecord)  # what copyreg._reconstructor would make of the class
+    for state_dict_metadata, storage_data in (({"k": DROPPED}, {}), ({}, {DROPPED: DROPPED}), ({"k": other}, {})):
         (result, _) = _outcome(monkeypatch, c, dict(state_dict_metadata), dict(storage_data), True)
         assert result[0] == "IndexValueError" and "save plan's record" in result[1], result

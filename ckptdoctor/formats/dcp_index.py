@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ckptdoctor.stand_ins import DROPPED, IndexRecord, IndexTupleStateRecord, index_record_fields
+from ckptdoctor.stand_ins import DroppedRecord, IndexRecord, IndexTupleStateRecord, index_record_fields
 from ckptdoctor.torch_stand_ins import DtypeRef
 
 
@@ -125,7 +125,7 @@ def _fields(record: Any) -> dict:
     if isinstance(record, IndexRecord):
         _ONE_STATE.add(type(record))
         return index_record_fields(record)
-    if record is DROPPED:  # what an index-only read builds for a part of megatron-core's save plans
+    if isinstance(record, DroppedRecord):  # what an index-only read builds for a part of megatron-core's save plans
         raise IndexValueError(
             "a save plan's record (SavePlan, WriteItem or TensorWriteData) stands where a metadata record belongs"
         )
