@@ -149,15 +149,21 @@ PyObject *dcp_make_compact_setstate(PyObject *module, PyObject *keys_type) {
     return method;
 }
 
-/* A compact record's value of name, borrowed; NULL (no error) where it has none. Its names are exact str. */
-PyObject *dcp_compact_value(PyObject *record, PyObject *name) {
+/* Where a compact record holds the value of name (its index in the record), or -1. Its names are exact str. */
+static Py_ssize_t compact_slot(PyObject *record, PyObject *name) {
     PyObject *keys = PyList_GET_ITEM(record, 0);
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(keys); i++) {
         PyObject *key = PyTuple_GET_ITEM(keys, i);
         if (key == name || (PyUnicode_CheckExact(name) && PyUnicode_Compare(key, name) == 0))
-            return PyList_GET_ITEM(record, i + 1);
+            return i + 1;
     }
-    return NULL;
+    return -1;
+}
+
+/* A compact record's value of name, borrowed; NULL (no error) where it has none. */
+PyObject *dcp_compact_value(PyObject *record, PyObject *name) {
+    Py_ssize_t slot = compact_slot(record, name);
+    return slot < 0 ? NULL : PyList_GET_ITEM(record, slot);
 }
 
 /*
@@ -279,12 +285,15 @@ static PyObject *shared_state(PyObject *state) {
 static PyObject *records_seen; /* (class, state) addresses -> the first properties record of this load */
 static PyObject *s_chunks, *s_properties, *s_offsets, *s_sizes;
 
-static int name_is(PyObject *name, PyObject **interned, const char *text) {
-    if (*interned == NULL && (*interned = PyUnicode_InternFromString(text)) == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    return name == *interned || (PyUnicode_CheckExact(name) && PyUnicode_Compare(name, *interned) == 0);
+int dcp_compact_init(void) {
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {{&s_chunks, "chunks"}, {&s_properties, "properties"}, {&s_offsets, "offsets"}, {&s_sizes, "sizes"}};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
+            return -1;
+    return 0;
 }
 
 /* The DcpChunk of a chunk record only its list holds (new reference), or NULL without an error. */
@@ -292,14 +301,8 @@ static PyObject *prebuilt_chunk(PyObject *chunk) {
     if (Py_REFCNT(chunk) != 1 || !PyObject_TypeCheck(chunk, dcp_index_record_type) || !dcp_is_compact(chunk) ||
         PyList_GET_SIZE(chunk) != 3)
         return NULL;
-    PyObject *names = PyList_GET_ITEM(chunk, 0), *offsets = NULL, *sizes = NULL;
-    for (Py_ssize_t i = 0; i < 2; i++) {
-        PyObject *name = PyTuple_GET_ITEM(names, i), *value = PyList_GET_ITEM(chunk, i + 1);
-        if (name_is(name, &s_offsets, "offsets") && offsets == NULL)
-            offsets = value;
-        else if (name_is(name, &s_sizes, "sizes") && sizes == NULL)
-            sizes = value;
-    }
+    /* two names, both found: exactly these two */
+    PyObject *offsets = dcp_compact_value(chunk, s_offsets), *sizes = dcp_compact_value(chunk, s_sizes);
     if (offsets == NULL || sizes == NULL || !PyTuple_CheckExact(offsets) || !PyTuple_CheckExact(sizes))
         return NULL;
     PyObject *made = dcp_new_triple(dcp_chunk_type, offsets, sizes, Py_None);
@@ -343,17 +346,12 @@ static PyObject *shared_properties(PyObject *properties) {
 static void prebuild(PyObject *record) {
     if (dcp_chunk_type == NULL || dcp_index_record_type == NULL)  /* setup() not called: records stay */
         return;
-    PyObject *names = PyList_GET_ITEM(record, 0);
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); i++) {
-        PyObject *name = PyTuple_GET_ITEM(names, i), *value = PyList_GET_ITEM(record, i + 1);
-        if (name_is(name, &s_chunks, "chunks")) {
-            prebuilt_chunks(value);
-        } else if (name_is(name, &s_properties, "properties")) {
-            PyObject *kept = shared_properties(value);
-            if (kept != NULL)
-                Py_SETREF(((PyListObject *)record)->ob_item[i + 1], kept);
-        }
-    }
+    Py_ssize_t chunks = compact_slot(record, s_chunks), properties = compact_slot(record, s_properties);
+    if (chunks > 0)
+        prebuilt_chunks(PyList_GET_ITEM(record, chunks));
+    PyObject *kept = properties > 0 ? shared_properties(PyList_GET_ITEM(record, properties)) : NULL;
+    if (kept != NULL)
+        Py_SETREF(((PyListObject *)record)->ob_item[properties], kept);
 }
 
 PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *Py_UNUSED(ignored)) {

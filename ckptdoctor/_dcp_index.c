@@ -393,7 +393,7 @@ PyMODINIT_FUNC PyInit__dcp_index(void) {
     }
     if (dcp_empty_tuple == NULL && (dcp_empty_tuple = PyTuple_New(0)) == NULL)
         return NULL;
-    if (dcp_attach_init() < 0)
+    if (dcp_attach_init() < 0 || dcp_compact_init() < 0)
         return NULL;
     return PyModule_Create(&module_def);
 }

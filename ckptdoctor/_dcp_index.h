@@ -46,6 +46,7 @@ int dcp_attach_init(void);                              /* its interned names, a
 PyObject *dcp_attach(PyObject *module, PyObject *args); /* attach(storage_data, items, consume, shared) -> None */
 
 /* _dcp_compact.c */
+int dcp_compact_init(void);                                             /* its interned names, at module init */
 int dcp_is_compact(PyObject *record);                                   /* [CompactKeys(names), values...] */
 PyObject *dcp_compact_value(PyObject *record, PyObject *name);          /* borrowed; NULL (no error): none */
 PyObject *dcp_make_compact_setstate(PyObject *module, PyObject *keys_type); /* compact_setstate(CompactKeys) */
