@@ -1,3 +1,4 @@
+#include "_pickle_plans.h"
 #include "_pickle_strings.h"
 
 #if defined(__unix__) || defined(__APPLE__)
@@ -65,11 +66,9 @@ static int bit_is_set(const Bitmap *b, Py_ssize_t i) {
     return word < b->n_words && ((b->bits[word] >> (i & 63)) & 1);
 }
 
-enum { OP_PLAIN, OP_PUSHES, OP_MEMOIZE, OP_PUT, OP_GET, OP_FRAME, OP_STOP, OP_REFUSE };
-
 /* The class of opcode op at buf[p] and where it ends (past its argument), as the unpickler reads it; OP_REFUSE
  * for what pruning leaves alone (memo writes with indices, text reads, invalid opcodes, damaged arguments). */
-static int prune_op(const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_ssize_t *end) {
+int prune_op(const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_ssize_t *end) {
     unsigned char op = buf[p++];
     Py_ssize_t width = 0; /* a fixed argument */
     int lenw = 0;         /* the width of a length prefix */
@@ -126,9 +125,11 @@ static int prune_op(const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_
 }
 
 /* The first pass: which entries to keep (into kept) and where the pickle ends (*stop_end); 1 to prune,
- * 0 to leave the bytes alone, -1 with a Python error set. */
+ * 0 to leave the bytes alone, -1 with a Python error set. With plans (drop_plans), opcodes in a region of a plan
+ * part (see _pickle_plans.c) neither keep entries nor share strings here: keep_live_regions does it for the
+ * regions that stay. */
 static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, Py_ssize_t *n_memo,
-                      Py_ssize_t *stop_end, StringShares *strings) {
+                      Py_ssize_t *stop_end, StringShares *strings, PlanDrops *plans) {
     Py_ssize_t p = 0, frame_end = -1, memo = 0;
     int pushed = 0; /* the last opcode (FRAMEs and MEMOIZEs aside) leaves an object on the stack */
     while (p < size) {
@@ -136,18 +137,26 @@ static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, P
         int kind = prune_op(buf, size, p, &end);
         if (kind == OP_REFUSE) return 0;
         if (frame_end >= 0 && end > frame_end) return 0; /* straddles the end of its frame */
+        Py_ssize_t region = plans != NULL ? plans_region_at(plans, p) : -1;
         switch (kind) {
             case OP_PUT: /* BINPUT, LONG_BINPUT: only of the next index (a MEMOIZE) */
                 if ((end - p == 2 ? buf[p + 1] : read_u32(buf + p + 1)) != (uint64_t)memo) return 0;
                 /* fall through */
             case OP_MEMOIZE:
-                if (!pushed && bitmap_set(kept, memo) < 0) return -1;
+                if (region < 0) {
+                    if (!pushed && bitmap_set(kept, memo) < 0) return -1;
+                    if (plans != NULL && plans_op(plans, buf, size, p, end, kind, memo, pushed) < 0) return -1;
+                }
                 memo++;
                 break;
             case OP_GET: {
                 uint64_t idx = end - p == 2 ? buf[p + 1] : read_u32(buf + p + 1);
                 if (idx >= (uint64_t)memo) return 0; /* a read of an entry not yet made: an error, left alone */
-                if (bitmap_set(kept, (Py_ssize_t)idx) < 0) return -1;
+                if (plans != NULL && plans_read(plans, (Py_ssize_t)idx, region) < 0) return -1;
+                if (region < 0) {
+                    if (bitmap_set(kept, (Py_ssize_t)idx) < 0) return -1;
+                    if (plans != NULL && plans_op(plans, buf, size, p, end, kind, memo, 1) < 0) return -1;
+                }
                 pushed = 1;
                 break;
             }
@@ -165,17 +174,44 @@ static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, P
                 return 1;
             default:
                 pushed = kind == OP_PUSHES;
+                if (region >= 0) break;
                 if (strings != NULL && (buf[p] == 0x8c || buf[p] == 'X' || buf[p] == 0x8d)) {
                     Py_ssize_t offset = p + 1 + (buf[p] == 0x8c ? 1 : buf[p] == 'X' ? 4 : 8), shared;
                     int memoized = end < size && buf[end] == 0x94; /* a FRAME would start with 0x95 */
                     if (strings_note(strings, buf, p, offset, end - offset, memo, memoized, &shared) < 0) return -1;
                     if (shared >= 0 && bitmap_set(kept, shared) < 0) return -1;
                 }
+                if (plans != NULL && plans_op(plans, buf, size, p, end, kind, memo, pushed) < 0) return -1;
         }
         p = end;
         if (p == frame_end) frame_end = -1;
     }
     return 0; /* no STOP */
+}
+
+/* The regions that stay (read from code that stays, see plans_settle) keep what prune_plan would have kept in
+ * them: every entry they read, and their memo writes that do not follow a push. 0, or -1 with a Python error. */
+static int keep_live_regions(const unsigned char *buf, Py_ssize_t size, const PlanDrops *plans, Bitmap *kept) {
+    for (Py_ssize_t r = 0; r < plans->n; r++) {
+        const PlanRegion *region = &plans->regions[r];
+        if (!region->live) continue;
+        Py_ssize_t p = region->start, memo = region->memo_start, end;
+        int pushed = 1; /* a region starts after a NEWOBJ */
+        while (p < region->end) {
+            int kind = prune_op(buf, size, p, &end);
+            if (kind == OP_MEMOIZE || kind == OP_PUT) {
+                if (!pushed && bitmap_set(kept, memo) < 0) return -1;
+                memo++;
+            } else if (kind == OP_GET) {
+                if (bitmap_set(kept, end - p == 2 ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1)) < 0) return -1;
+                pushed = 1;
+            } else if (kind != OP_FRAME) {
+                pushed = kind == OP_PUSHES;
+            }
+            p = end;
+        }
+    }
+    return 0;
 }
 
 /* A pickle being pruned: the plan of prune_plan, and how far the translation got. */
@@ -185,10 +221,12 @@ typedef struct {
     uint32_t *rank; /* kept entries below each word of the bitmap */
     Py_ssize_t stop_end, p, memo; /* the end of the pickle (past its STOP); the next opcode; memo writes so far */
     StringShares strings;         /* string opcodes read as memo reads (share_strings; see _pickle_strings.c) */
+    PlanDrops plans;              /* plan parts left out (drop_plans; see _pickle_plans.c) */
 } Pruner;
 
 static void pruner_clear(Pruner *s) {
     strings_clear(&s->strings);
+    plans_clear(&s->plans);
     PyMem_Free(s->kept.bits);
     PyMem_Free(s->rank);
     s->kept.bits = NULL;
@@ -197,14 +235,20 @@ static void pruner_clear(Pruner *s) {
 }
 
 /* Plan the pruning of data into s: 1 to prune, 0 to leave it alone (s cleared), -1 with a Python error set. */
-static int pruner_init(Pruner *s, PyObject *data, int share_strings) {
+static int pruner_init(Pruner *s, PyObject *data, int share_strings, int drop_plans) {
     memset(s, 0, sizeof *s);
     if (PyObject_GetBuffer(data, &s->view, PyBUF_SIMPLE) < 0) return -1;
     Py_ssize_t n_memo = 0;
     strings_expect(&s->strings, s->view.len);
+    s->plans.budget = s->view.len + 4096; /* the recognizer's opcodes in all (see _pickle_plans.c) */
     int plan = prune_plan(s->view.buf, s->view.len, &s->kept, &n_memo, &s->stop_end,
-                          share_strings ? &s->strings : NULL);
+                          share_strings ? &s->strings : NULL, drop_plans ? &s->plans : NULL);
     strings_end_plan(&s->strings);
+    if (plan > 0) {
+        plans_settle(&s->plans);
+        if (keep_live_regions(s->view.buf, s->view.len, &s->plans, &s->kept) < 0) plan = -1;
+    }
+    plans_end_plan(&s->plans);
     if (plan > 0) {
         Py_ssize_t n_words = (n_memo + 63) >> 6, n_kept = 0;
         s->rank = PyMem_Malloc((size_t)(n_words ? n_words : 1) * sizeof(uint32_t));
@@ -216,7 +260,8 @@ static int pruner_init(Pruner *s, PyObject *data, int share_strings) {
                 s->rank[w] = (uint32_t)n_kept;
                 n_kept += w < s->kept.n_words ? popcount64(s->kept.bits[w]) : 0;
             }
-            if (n_kept == n_memo && s->strings.n == 0) plan = 0; /* nothing to drop or share */
+            if (n_kept == n_memo && s->strings.n == 0 && !plans_any_dropped(&s->plans))
+                plan = 0; /* nothing to drop or share */
         }
     }
     if (plan <= 0) pruner_clear(s);
@@ -235,6 +280,12 @@ static Py_ssize_t unit_length(const Pruner *s) {
 static Py_ssize_t emit_op(Pruner *s, unsigned char *o) {
     const unsigned char *buf = s->view.buf;
     Py_ssize_t p = s->p, end, q = 0, idx;
+    const PlanRegion *left_out = s->plans.n > 0 ? plans_left_out_at(&s->plans, p) : NULL;
+    if (left_out != NULL) { /* a plan part left out, not read again (its pages may be given back): past it */
+        s->p = left_out->end;
+        s->memo += left_out->memo_end - left_out->memo_start;
+        return 0;
+    }
     int kind = prune_op(buf, s->view.len, p, &end);
     s->p = end;
     StringShares *strings = &s->strings;
@@ -264,7 +315,8 @@ static Py_ssize_t emit_op(Pruner *s, unsigned char *o) {
 }
 
 /* Translate the next unit (unit_length input bytes) into o; the bytes written. A frame keeps its place and
- * gets the length of what it keeps. */
+ * gets the length of what it keeps. A plan part left out may end in a later frame: the translation goes on from
+ * its end, outside frames up to the next FRAME (every opcode is still within one frame or outside all). */
 static Py_ssize_t emit_unit(Pruner *s, unsigned char *o) {
     const unsigned char *buf = s->view.buf;
     if (buf[s->p] != 0x95) return emit_op(s, o);
@@ -279,10 +331,10 @@ static Py_ssize_t emit_unit(Pruner *s, unsigned char *o) {
 
 PyObject *pickle_prune_memo(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *arg;
-    int share_strings = 0;
-    if (!PyArg_ParseTuple(args, "O|p:prune_memo", &arg, &share_strings)) return NULL;
+    int share_strings = 0, drop_plans = 0;
+    if (!PyArg_ParseTuple(args, "O|pp:prune_memo", &arg, &share_strings, &drop_plans)) return NULL;
     Pruner s;
-    int plan = pruner_init(&s, arg, share_strings);
+    int plan = pruner_init(&s, arg, share_strings, drop_plans);
     if (plan <= 0) {
         if (plan < 0) return NULL;
         Py_RETURN_NONE;
@@ -333,6 +385,25 @@ static void release_read(PrunedReader *self) {
     uintptr_t end = (base + (uintptr_t)self->s.p) & ~(page - 1);
     if (end > start) madvise((void *)start, (size_t)(end - start), MADV_DONTNEED); /* advice: a failure is harmless */
     self->released = self->s.p;
+#else
+    (void)self;
+#endif
+}
+
+/* With release, the whole pages of the plan parts left out go back to the system as soon as the plan is made:
+ * the translation jumps over them (emit_op) and nothing else reads them again. */
+static void release_left_out(PrunedReader *self) {
+#if defined(MADV_DONTNEED)
+    long page_size = sysconf(_SC_PAGESIZE);
+    if (!self->release || page_size <= 0) return;
+    uintptr_t base = (uintptr_t)self->s.view.buf, page = (uintptr_t)page_size;
+    for (Py_ssize_t i = 0; i < self->s.plans.n; i++) {
+        const PlanRegion *r = &self->s.plans.regions[i];
+        if (r->live) continue;
+        uintptr_t start = (base + (uintptr_t)r->start + page - 1) & ~(page - 1);
+        uintptr_t end = (base + (uintptr_t)r->end) & ~(page - 1);
+        if (end > start) madvise((void *)start, (size_t)(end - start), MADV_DONTNEED); /* advice: harmless if refused */
+    }
 #else
     (void)self;
 #endif
@@ -416,20 +487,21 @@ static PyTypeObject PrunedReaderType = {
 
 PyObject *pickle_pruned_reader(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *arg;
-    int release = 0, share_strings = 0;
-    if (!PyArg_ParseTuple(args, "O|pp:pruned_reader", &arg, &release, &share_strings)) return NULL;
+    int release = 0, share_strings = 0, drop_plans = 0;
+    if (!PyArg_ParseTuple(args, "O|ppp:pruned_reader", &arg, &release, &share_strings, &drop_plans)) return NULL;
     PrunedReader *self = PyObject_New(PrunedReader, &PrunedReaderType);
     if (self == NULL) return NULL;
     self->out = NULL;
     self->pos = self->len = self->cap = 0;
     self->release = release;
     self->released = 0;
-    int plan = pruner_init(&self->s, arg, share_strings);
+    int plan = pruner_init(&self->s, arg, share_strings, drop_plans);
     if (plan <= 0) {
         Py_DECREF(self);
         if (plan < 0) return NULL;
         Py_RETURN_NONE;
     }
+    release_left_out(self);
     return (PyObject *)self;
 }
 

@@ -595,10 +595,11 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "The pickle pre-pass (see ckptdoctor.pickle_scan); None, (kind, message) or -1."},
     {"prune_memo", pickle_prune_memo, METH_VARARGS,
-     "prune_memo(data, share_strings=False): the pickle without its unread memo entries, or None (see the C source)."},
+     "prune_memo(data, share_strings=False, drop_plans=False): the pickle without its unread memo entries, or None "
+     "(see the C source)."},
     {"pruned_reader", pickle_pruned_reader, METH_VARARGS,
-     "pruned_reader(data, release=False, share_strings=False): prune_memo(data, share_strings) as a file to read "
-     "from (read, readline), or None."},
+     "pruned_reader(data, release=False, share_strings=False, drop_plans=False): prune_memo(data, share_strings, "
+     "drop_plans) as a file to read from (read, readline), or None."},
     {NULL, NULL, 0, NULL},
 };
 

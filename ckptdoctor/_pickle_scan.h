@@ -2,6 +2,7 @@
  *   _pickle_scan.c     the module and the pickle pre-pass (scan)
  *   _pickle_prune.c    memo pruning (prune_memo, pruned_reader)
  *   _pickle_strings.c  equal strings read as one (the share_strings option of both)
+ *   _pickle_plans.c    save plans left out of index-only reads (the drop_plans option of both)
  */
 #ifndef CKPTDOCTOR_PICKLE_SCAN_H
 #define CKPTDOCTOR_PICKLE_SCAN_H
@@ -20,8 +21,8 @@ static inline uint64_t read_u64(const unsigned char *b) {
 }
 
 /* _pickle_prune.c */
-PyObject *pickle_prune_memo(PyObject *module, PyObject *args);    /* prune_memo(data, share) -> bytes or None */
-PyObject *pickle_pruned_reader(PyObject *module, PyObject *args); /* pruned_reader(data, release, share) -> reader */
+PyObject *pickle_prune_memo(PyObject *module, PyObject *args);    /* prune_memo(data, share, drop) -> bytes, None */
+PyObject *pickle_pruned_reader(PyObject *module, PyObject *args); /* pruned_reader(data, release, share, drop) */
 int pickle_prune_ready(void);                                    /* PyType_Ready of the reader type */
 
 #endif

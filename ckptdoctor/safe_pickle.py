@@ -29,7 +29,7 @@ from ckptdoctor.torch_stand_ins import StorageRef
 
 __all__ = ["SafeUnpickler", "dumps", "dumps_taken", "loads", "loads_prefix"]
 
-_pruned_reader: Callable[[bytes | bytearray | memoryview | mmap.mmap, bool, bool], BinaryIO | None] | None
+_pruned_reader: Callable[[bytes | bytearray | memoryview | mmap.mmap, bool, bool, bool], BinaryIO | None] | None
 try:  # built with the C pre-pass (ckptdoctor/_pickle_scan.c); without it, pickles are read as they are
     from ckptdoctor._pickle_scan import pruned_reader as _pruned_reader
 except ImportError:
@@ -152,9 +152,10 @@ def _load(
     # pages as it goes. Read as it is, it is its own file (BytesIO would copy it).
     mapped = isinstance(data, mmap.mmap)
     # An index-only read also reads equal strings as one object (a key's name is written once per storage entry;
-    # share_strings in ckptdoctor/_pickle_strings.c); a faithful read keeps them apart, so a rewrite pickles the
-    # same bytes as before.
-    pruned = _pruned_reader(data, mapped, index_only) if prune and _pruned_reader is not None else None
+    # share_strings in ckptdoctor/_pickle_strings.c) and leaves out the states of megatron-core's save plans, which
+    # it builds as DROPPED anyway (drop_plans, ckptdoctor/_pickle_plans.c); a faithful read does neither, so a
+    # rewrite pickles the same bytes as before.
+    pruned = _pruned_reader(data, mapped, index_only, index_only) if prune and _pruned_reader is not None else None
     stream: Any = pruned
     if pruned is None:
         stream = io.BytesIO(data) if not mapped else data

@@ -665,8 +665,10 @@ def test_an_index_only_read_makes_chunk_records_into_chunks_and_shares_propertie
     assert all(sys.getsizeof(chunks) == sys.getsizeof([None] * len(chunks)) for chunks in chunk_lists)
     properties = {id(fields["properties"]): fields["properties"][0] for fields in tensors}
     assert len(properties) == len(set(properties.values())) < len(tensors)
-    with_plans, _ = _records(METADATA[-1].read_bytes(), True)  # the plans hold every chunk record: none replaced
-    assert not any(type(c) is dcp_index.DcpChunk for item in with_plans.values() for c in _read(item).get("chunks", []))
+    # megatron-core's plans read every chunk record, but an index-only read leaves their states out (drop_plans,
+    # _pickle_plans.c): the memo does not hold the records for them, so they are replaced there too
+    with_plans, _ = _records(METADATA[-1].read_bytes(), True)
+    assert all(type(c) is dcp_index.DcpChunk for item in with_plans.values() for c in _read(item).get("chunks", []))
 
     unpruned = safe_pickle.SafeUnpickler(io.BytesIO(data), None, True).load()
     kept = record_attr(unpruned, "state_dict_metadata")

@@ -1,0 +1,425 @@
+/* Save plans left out of index-only reads, for the memo pruning of ckptdoctor._pickle_scan (see _pickle_prune.c).
+ *
+ * megatron-core keeps every rank's SavePlan in .metadata (all_local_plans): a WriteItem, a TensorWriteData and a
+ * MetadataIndex per chunk. An index-only read builds each plan part as the one DROPPED object (stand_ins.
+ * DroppedRecord: its NEWOBJ gives DROPPED, its BUILD keeps nothing), but the pickle still builds their states, and
+ * those read the chunk and properties records of state_dict_metadata through the memo: the memo then holds every
+ * such record until the load returns, and the index cannot replace them while the load goes on (prebuild in
+ * _dcp_compact.c). With drop_plans, the bytes after a plan part's NEWOBJ through its BUILD (its memo writes, its
+ * state, the BUILD) are left out where that provably changes nothing but the memo:
+ *  - the class pushed before is a plan class by its module and name (STACK_GLOBAL of two strings, a GLOBAL, or a
+ *    memo read of an entry written just after one); that push, the EMPTY_TUPLE and the NEWOBJ stay, so the same
+ *    find_class runs and the same DROPPED is built;
+ *  - the recognizer simulates the left-out opcodes on a stack of kinds and accepts only opcodes that cannot fail
+ *    there: ASCII strings, ints, None, bools, floats, bytes; memo reads of existing entries; containers made in the
+ *    part and filled with hashable keys; tuples; STACK_GLOBAL or GLOBAL of the classes below (all allowlisted, so
+ *    find_class only returns them) and their NEWOBJ / REDUCE / BUILD, each in a form that cannot raise in an
+ *    index-only read; memo writes of the next entry above the fence. Nothing outside the part is changed (only
+ *    objects made in the part are filled or built), no mark outlives it, and the part ends with the BUILD of the
+ *    DROPPED object itself. Anything else, and any doubt, leaves the bytes as they are;
+ *  - an entry written in a left-out region and read from code that stays makes the region live (translated as it
+ *    is), and so, in turn, the regions a live region reads from (plans_settle).
+ * The work is bounded: the recognizer looks at no more opcodes in all than the pickle has bytes (plus a margin). */
+#include "_pickle_plans.h"
+
+#include <string.h>
+
+/* What a memo entry or a simulated stack item holds. Names are strings with the text of one of NAMES. */
+enum {
+    K_UNKNOWN = 0,
+    K_STR = 1,
+    K_NAME_FIRST = 2, /* 2..: NAMES[k - 2] */
+    K_INT = 32,
+    K_SCALAR,     /* None, a bool, a float or bytes: hashable, immutable */
+    K_TUPLE,
+    K_EMPTY_TUPLE,
+    K_SIZE_ARGS,  /* a 1-tuple of a tuple (torch.Size's REDUCE arguments) */
+    K_LIST,       /* made in the part (only those are filled) */
+    K_DICT,
+    K_DICT_PREBUILD, /* a dict made in the part with a key "chunks" or "properties" (see K_RECORD's BUILD) */
+    K_DROPPED,
+    K_OBJECT,     /* a generic stand-in made in the part */
+    K_RECORD,     /* an index record made in the part */
+    K_OTHER,      /* something the part must not change */
+    K_CLASS_FIRST = 64, /* 64..: CLASSES[k - 64] */
+};
+
+static const char *const NAMES[] = {
+    "torch.distributed.checkpoint.planner",             /* 2 */
+    "torch.distributed.checkpoint.metadata",            /* 3 */
+    "torch",                                            /* 4 */
+    "megatron.core.dist_checkpointing.strategies.torch", /* 5 */
+    "SavePlan", "WriteItem", "TensorWriteData", "MCoreSavePlan", "WriteItemType", "MetadataIndex", "Size", /* 6.. */
+    "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",                                  /* 13.. */
+    "chunks", "properties",                                                                              /* 16.. */
+};
+#define K_NAME_CHUNKS 16
+#define K_NAME_PROPERTIES 17
+#define N_NAMES ((int)(sizeof(NAMES) / sizeof(NAMES[0])))
+
+enum { ROLE_DROP, ROLE_DROP_OUTER, ROLE_STAND_IN, ROLE_RECORD, ROLE_SIZE };
+
+/* The classes (as safe_globals resolves them in index-only reads, see tests/test_plan_drops.py): the parts of
+ * safe_globals.PLAN_PARTS build DROPPED; WriteItemType is a generic stand-in; MetadataIndex, TensorProperties,
+ * ChunkStorageMetadata and BytesStorageMetadata index records (stand_ins.index_record_class); torch.Size
+ * safe_globals.index_size. MCoreSavePlan only as the part whose bytes are left out (its class push stays), never
+ * inside one. TensorStorageMetadata is not one: its BUILD may replace what its chunks list holds (prebuild). */
+static const struct {
+    int module, name, role;
+} CLASSES[] = {
+    {2, 6, ROLE_DROP},  {2, 7, ROLE_DROP},   {2, 8, ROLE_DROP},   {5, 9, ROLE_DROP_OUTER},
+    {2, 10, ROLE_STAND_IN}, {3, 11, ROLE_RECORD}, {4, 12, ROLE_SIZE}, {3, 13, ROLE_RECORD},
+    {3, 14, ROLE_RECORD},   {3, 15, ROLE_RECORD},
+};
+#define N_CLASSES ((int)(sizeof(CLASSES) / sizeof(CLASSES[0])))
+
+#define MAX_STACK 4096 /* Python's picklers batch 1,000 list items or dict pairs per APPENDS or SETITEMS */
+#define MAX_MARKS 64
+
+static int is_str(int k) { return k >= K_STR && k < K_NAME_FIRST + N_NAMES; }
+static int is_tuple(int k) { return k == K_TUPLE || k == K_EMPTY_TUPLE || k == K_SIZE_ARGS; }
+static int is_hashable(int k) { return is_str(k) || k == K_INT || k == K_SCALAR; }
+static int is_dict(int k) { return k == K_DICT || k == K_DICT_PREBUILD; }
+static int is_class(int k) { return k >= K_CLASS_FIRST && k < K_CLASS_FIRST + N_CLASSES; }
+static int role_of(int k) { return CLASSES[k - K_CLASS_FIRST].role; }
+
+/* The kind of a string's bytes: one of NAMES, another ASCII str, or -1 where it is not ASCII. */
+static int string_kind(const unsigned char *s, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (s[i] >= 0x80) return -1;
+    for (int k = 0; k < N_NAMES; k++)
+        if ((Py_ssize_t)strlen(NAMES[k]) == n && memcmp(NAMES[k], s, (size_t)n) == 0) return K_NAME_FIRST + k;
+    return K_STR;
+}
+
+static int class_kind(int module, int name) {
+    for (int c = 0; c < N_CLASSES; c++)
+        if (CLASSES[c].module == module && CLASSES[c].name == name) return K_CLASS_FIRST + c;
+    return K_UNKNOWN;
+}
+
+/* A GLOBAL's class kind ("module\nname\n" at buf[p + 1:end]), K_UNKNOWN where it is not one of CLASSES. */
+static int global_kind(const unsigned char *buf, Py_ssize_t p, Py_ssize_t end) {
+    const unsigned char *s = buf + p + 1, *nl = memchr(s, '\n', (size_t)(end - p - 1));
+    if (nl == NULL) return K_UNKNOWN;
+    int module = string_kind(s, nl - s), name = string_kind(nl + 1, buf + end - 1 - (nl + 1));
+    return module > K_STR && name > K_STR ? class_kind(module, name) : K_UNKNOWN;
+}
+
+/* The bytes of a string opcode's argument. */
+static const unsigned char *string_bytes(const unsigned char *buf, Py_ssize_t p, Py_ssize_t end, Py_ssize_t *n) {
+    Py_ssize_t head = 1 + (buf[p] == 0x8c ? 1 : buf[p] == 'X' ? 4 : 8);
+    *n = end - p - head;
+    return buf + p + head;
+}
+
+static int ensure_kinds(PlanDrops *d, Py_ssize_t n) {
+    if (n <= d->n_kinds) return 0;
+    Py_ssize_t cap = d->n_kinds ? d->n_kinds : 1024;
+    while (cap < n) cap *= 2;
+    unsigned char *kinds = PyMem_Realloc(d->kinds, (size_t)cap);
+    if (kinds == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(kinds + d->n_kinds, 0, (size_t)(cap - d->n_kinds));
+    d->kinds = kinds;
+    d->n_kinds = cap;
+    return 0;
+}
+
+/* What a memo read of idx pushes, as the part may use it: objects that could be changed become K_OTHER. */
+static int read_kind(const PlanDrops *d, Py_ssize_t idx) {
+    int k = idx < d->n_kinds ? d->kinds[idx] : K_UNKNOWN;
+    if (is_hashable(k) || is_tuple(k) || is_class(k) || k == K_DROPPED) return k;
+    return K_OTHER;
+}
+
+/* Simulate the part whose class the opcodes before q pushed (memo entries so far: memo). 1 with *out set, 0. */
+static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_ssize_t q, Py_ssize_t memo,
+                     PlanRegion *out) {
+    unsigned char stack[MAX_STACK];
+    Py_ssize_t marks[MAX_MARKS], n = 1, n_marks = 0, end;
+    int newobj = 0; /* 0: before the EMPTY_TUPLE, 1: before the NEWOBJ, 2: after it, 3: in the part */
+    stack[0] = K_CLASS_FIRST; /* the class (only its role matters: DROP) */
+    while (q < size && d->budget-- > 0) {
+        int kind = prune_op(buf, size, q, &end);
+        unsigned char op = buf[q];
+        Py_ssize_t lo = n_marks ? marks[n_marks - 1] : 0; /* items below lo are not to be popped */
+        if (kind == OP_REFUSE || kind == OP_STOP) return 0;
+        if (kind == OP_FRAME) {
+            q = end;
+            continue;
+        }
+        if (newobj == 2) { /* the part starts at its first opcode (past FRAMEs: the translation meets it there) */
+            out->start = q;
+            out->memo_start = memo;
+            stack[0] = K_DROPPED;
+            newobj = 3;
+        }
+        if (kind == OP_MEMOIZE || kind == OP_PUT) {
+            if (n <= lo || (kind == OP_PUT && (end - q == 2 ? buf[q + 1] : read_u32(buf + q + 1)) != (uint64_t)memo))
+                return 0;
+            if (ensure_kinds(d, memo + 1) < 0) {
+                PyErr_Clear();
+                return 0;
+            }
+            d->kinds[memo++] = newobj < 3 ? (unsigned char)K_UNKNOWN : stack[n - 1];
+            q = end;
+            continue;
+        }
+        if (newobj < 2) { /* the class's memo writes (above), then EMPTY_TUPLE, NEWOBJ */
+            if (op != (newobj == 0 ? ')' : 0x81)) return 0;
+            newobj++;
+            q = end;
+            continue;
+        }
+        if (n >= MAX_STACK) return 0;
+        int push = -1; /* the kind pushed after the pops below */
+        switch (op) {
+            case 'N': case 0x88: case 0x89: case 'G': case 'C': case 'B': case 0x8e:
+                push = K_SCALAR;
+                break;
+            case 'K': case 'M': case 'J':
+                push = K_INT;
+                break;
+            case 0x8c: case 'X': case 0x8d: {
+                Py_ssize_t length;
+                const unsigned char *s = string_bytes(buf, q, end, &length);
+                if ((push = string_kind(s, length)) < 0) return 0; /* not ASCII: its decoding could fail */
+                break;
+            }
+            case 'h': case 'j': {
+                uint64_t idx = end - q == 2 ? buf[q + 1] : read_u32(buf + q + 1);
+                if (idx >= (uint64_t)memo) return 0;
+                push = read_kind(d, (Py_ssize_t)idx);
+                break;
+            }
+            case ']': push = K_LIST; break;
+            case '}': push = K_DICT; break;
+            case ')': push = K_EMPTY_TUPLE; break;
+            case '(':
+                if (n_marks >= MAX_MARKS) return 0;
+                marks[n_marks++] = n;
+                break;
+            case 0x85: case 0x86: case 0x87: { /* TUPLE1..3 */
+                Py_ssize_t k = op - 0x84;
+                if (n - k < (lo > 1 ? lo : 1)) return 0;
+                push = k == 1 && is_tuple(stack[n - 1]) ? K_SIZE_ARGS : K_TUPLE;
+                n -= k;
+                break;
+            }
+            case 't': case 'l': case 'd': case 'e': case 'u': { /* to the mark */
+                if (n_marks == 0) return 0;
+                Py_ssize_t x = marks[--n_marks], fence = n_marks ? marks[n_marks - 1] : 0;
+                int prebuild_keys = 0;
+                if (op == 'd' || op == 'u') {
+                    if ((n - x) % 2 != 0) return 0;
+                    for (Py_ssize_t i = x; i < n; i += 2) {
+                        if (!is_hashable(stack[i])) return 0;
+                        prebuild_keys |= stack[i] == K_NAME_CHUNKS || stack[i] == K_NAME_PROPERTIES;
+                    }
+                }
+                if (op == 'e' || op == 'u') { /* into the list or dict below the mark, made in the part */
+                    if (x - 1 < (fence > 1 ? fence : 1)) return 0;
+                    if (op == 'e' ? stack[x - 1] != K_LIST : !is_dict(stack[x - 1])) return 0;
+                    if (prebuild_keys) stack[x - 1] = K_DICT_PREBUILD;
+                } else {
+                    push = op == 't' ? (n == x ? K_EMPTY_TUPLE : K_TUPLE)
+                           : op == 'l' ? K_LIST
+                                       : (prebuild_keys ? K_DICT_PREBUILD : K_DICT);
+                }
+                n = x;
+                break;
+            }
+            case 'a': /* APPEND */
+                if (n - 2 < (lo > 1 ? lo : 1) || stack[n - 2] != K_LIST) return 0;
+                n -= 1;
+                break;
+            case 's': /* SETITEM */
+                if (n - 3 < (lo > 1 ? lo : 1) || !is_dict(stack[n - 3]) || !is_hashable(stack[n - 2])) return 0;
+                if (stack[n - 2] == K_NAME_CHUNKS || stack[n - 2] == K_NAME_PROPERTIES) stack[n - 3] = K_DICT_PREBUILD;
+                n -= 2;
+                break;
+            case 0x93: { /* STACK_GLOBAL of two names */
+                if (n - 2 < (lo > 1 ? lo : 1)) return 0;
+                int module = stack[n - 2], name = stack[n - 1];
+                push = module > K_STR && is_str(module) && name > K_STR && is_str(name) ? class_kind(module, name)
+                                                                                       : K_UNKNOWN;
+                if (push == K_UNKNOWN || role_of(push) == ROLE_DROP_OUTER) return 0;
+                n -= 2;
+                break;
+            }
+            case 'c':
+                push = global_kind(buf, q, end);
+                if (push == K_UNKNOWN || role_of(push) == ROLE_DROP_OUTER) return 0;
+                break;
+            case 0x81: case 'R': { /* NEWOBJ, REDUCE: a class of CLASSES and its argument tuple */
+                if (n - 2 < (lo > 1 ? lo : 1) || !is_class(stack[n - 2]) || !is_tuple(stack[n - 1])) return 0;
+                int role = role_of(stack[n - 2]), args = stack[n - 1];
+                if (role == ROLE_DROP) push = K_DROPPED;
+                else if (role == ROLE_STAND_IN) push = K_OBJECT;
+                else if (role == ROLE_RECORD && op == 0x81 && args == K_EMPTY_TUPLE) push = K_RECORD;
+                else if (role == ROLE_SIZE && op == 'R' && args == K_SIZE_ARGS) push = K_TUPLE;
+                else return 0;
+                n -= 2;
+                break;
+            }
+            case 'b': { /* BUILD of an object made in the part: no state can make it fail */
+                if (n - 2 < lo) return 0;
+                int target = stack[n - 2], state = stack[n - 1];
+                if (target != K_DROPPED && target != K_OBJECT && target != K_RECORD) return 0;
+                /* an index record's BUILD with a dict holding "chunks" or "properties" may replace objects outside
+                 * the part (prebuild in _dcp_compact.c): not left out; nor with a dict the part did not make */
+                if (target == K_RECORD && (state == K_DICT_PREBUILD || state == K_OTHER)) return 0;
+                n -= 1;
+                if (n == 1 && n_marks == 0) { /* the part's own BUILD: the region ends here */
+                    out->end = end;
+                    out->memo_end = memo;
+                    out->live = 0;
+                    return 1;
+                }
+                break;
+            }
+            default:
+                return 0;
+        }
+        if (push >= 0) stack[n++] = (unsigned char)push;
+        q = end;
+    }
+    return 0;
+}
+
+Py_ssize_t plans_region_at(const PlanDrops *d, Py_ssize_t p) {
+    if (d->n == 0) return -1;
+    const PlanRegion *r = &d->regions[d->n - 1];
+    return p >= r->start && p < r->end ? d->n - 1 : -1;
+}
+
+static int add_region(PlanDrops *d, const PlanRegion *r) {
+    if (d->n == d->cap) {
+        Py_ssize_t cap = d->cap ? d->cap * 2 : 64;
+        PlanRegion *regions = PyMem_Realloc(d->regions, (size_t)cap * sizeof(PlanRegion));
+        if (regions == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        d->regions = regions;
+        d->cap = cap;
+    }
+    d->regions[d->n++] = *r;
+    return 0;
+}
+
+int plans_op(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_ssize_t end, int kind,
+             Py_ssize_t memo, int pushed) {
+    unsigned char op = buf[p];
+    (void)kind;
+    if (op == 0x95 || op == 0x94 || op == 'q' || op == 'r') { /* FRAME, memo writes: the top stays */
+        if (op != 0x95) {
+            if (ensure_kinds(d, memo + 1) < 0) return -1;
+            d->kinds[memo] = pushed ? (unsigned char)d->top : K_UNKNOWN;
+        }
+        return 0;
+    }
+    int top = K_UNKNOWN, pure = 1; /* pure: pushes one object and pops none */
+    switch (op) {
+        case 0x8c: case 'X': case 0x8d: {
+            Py_ssize_t length;
+            const unsigned char *s = string_bytes(buf, p, end, &length);
+            top = string_kind(s, length);
+            if (top < 0) top = K_STR; /* decoded as it is by the unpickler, or the load fails there */
+            break;
+        }
+        case 'K': case 'M': case 'J': top = K_INT; break;
+        case 'N': case 0x88: case 0x89: case 'G': case 'C': case 'B': case 0x8e: top = K_SCALAR; break;
+        case ')': top = K_EMPTY_TUPLE; break;
+        case 'h': case 'j': top = read_kind(d, end - p == 2 ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1)); break;
+        case 'c': top = global_kind(buf, p, end); break;
+        case 0x93:
+            pure = 0;
+            if (is_str(d->second) && d->second > K_STR && is_str(d->top) && d->top > K_STR)
+                top = class_kind(d->second, d->top);
+            break;
+        case 0x85: pure = 0; top = is_tuple(d->top) ? K_SIZE_ARGS : K_TUPLE; break;
+        case 0x86: case 0x87: pure = 0; top = K_TUPLE; break;
+        default: pure = 0; break;
+    }
+    d->second = pure ? d->top : K_UNKNOWN;
+    d->top = top;
+    if (is_class(top) && (role_of(top) == ROLE_DROP || role_of(top) == ROLE_DROP_OUTER) && d->budget > 0) {
+        PlanRegion region;
+        if (recognize(d, buf, size, end, memo, &region) && add_region(d, &region) < 0) return -1;
+    }
+    return 0;
+}
+
+/* The region whose memo entries include idx, or -1 (binary search: their entries follow pickle order). */
+static Py_ssize_t writer_region(const PlanDrops *d, Py_ssize_t idx) {
+    Py_ssize_t lo = 0, hi = d->n;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (d->regions[mid].memo_end <= idx) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < d->n && d->regions[lo].memo_start <= idx ? lo : -1;
+}
+
+int plans_read(PlanDrops *d, Py_ssize_t idx, Py_ssize_t reader) {
+    Py_ssize_t writer = d->n ? writer_region(d, idx) : -1;
+    if (writer < 0 || writer == reader) return 0;
+    if (reader < 0) {
+        d->regions[writer].live = 1;
+        return 0;
+    }
+    Py_ssize_t *last = d->n_edges ? d->edges + 2 * (d->n_edges - 1) : NULL;
+    if (last != NULL && last[0] == reader && last[1] == writer) return 0;
+    if (d->n_edges == d->cap_edges) {
+        Py_ssize_t cap = d->cap_edges ? d->cap_edges * 2 : 256;
+        Py_ssize_t *edges = PyMem_Realloc(d->edges, (size_t)cap * 2 * sizeof(Py_ssize_t));
+        if (edges == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        d->edges = edges;
+        d->cap_edges = cap;
+    }
+    d->edges[2 * d->n_edges] = reader;
+    d->edges[2 * d->n_edges + 1] = writer;
+    d->n_edges++;
+    return 0;
+}
+
+void plans_settle(PlanDrops *d) {
+    /* edges were recorded in pickle order of their readers, and a writer comes before its reader: walking them
+     * backwards, a region's liveness is final before its own edges are met */
+    for (Py_ssize_t e = d->n_edges - 1; e >= 0; e--)
+        if (d->regions[d->edges[2 * e]].live) d->regions[d->edges[2 * e + 1]].live = 1;
+}
+
+int plans_any_dropped(const PlanDrops *d) {
+    for (Py_ssize_t i = 0; i < d->n; i++)
+        if (!d->regions[i].live) return 1;
+    return 0;
+}
+
+const PlanRegion *plans_left_out_at(PlanDrops *d, Py_ssize_t p) {
+    while (d->cursor < d->n && d->regions[d->cursor].start < p) d->cursor++;
+    const PlanRegion *r = d->cursor < d->n ? &d->regions[d->cursor] : NULL;
+    return r != NULL && r->start == p && !r->live ? r : NULL;
+}
+
+void plans_end_plan(PlanDrops *d) {
+    PyMem_Free(d->kinds);
+    PyMem_Free(d->edges);
+    d->kinds = NULL;
+    d->edges = NULL;
+    d->n_kinds = d->n_edges = d->cap_edges = 0;
+}
+
+void plans_clear(PlanDrops *d) {
+    plans_end_plan(d);
+    PyMem_Free(d->regions);
+    d->regions = NULL;
+    d->n = d->cap = 0;
+}

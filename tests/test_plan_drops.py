@@ -1,0 +1,382 @@
+"""Save plans left out of index-only reads (``drop_plans`` of ``prune_memo`` / ``pruned_reader``,
+``ckptdoctor/_pickle_plans.c``).
+
+megatron-core keeps every rank's ``SavePlan`` in ``.metadata``; an index-only read builds each plan part as the one
+``DROPPED`` object, and with ``drop_plans`` the bytes of a part's state are not read at all, so that the memo does not
+keep the chunk and properties records the plans read (the index can then replace them while the load goes on). What
+is left out must change nothing but the memo: the same objects, or the same failure, as reading every byte. These
+tests check that on the fixtures, on hand-made pickles at each rule of the recognizer (a part's entries read from code
+that stays, chains of parts, objects made outside, failing opcodes, globals outside the known classes), and that a
+hostile pickle cannot make the recognizer's work grow faster than the pickle. The seeded mutants of
+``tests/test_memo_prune.py`` run the same differential with ``drop_plans`` on.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_memo_prune import _outcome, _passes_scan, needs_c, prune_memo, pruned_reader
+
+from ckptdoctor import safe_pickle
+from ckptdoctor.errors import UnsafePickleError
+from ckptdoctor.formats import torch_dist
+from ckptdoctor.safe_globals import PLAN_PARTS
+from ckptdoctor.stand_ins import DROPPED
+
+pytestmark = needs_c
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+METADATA = sorted(FIXTURES.glob("*/iter_*/.metadata"))
+PLANNER = "torch.distributed.checkpoint.planner"
+DCP_METADATA = "torch.distributed.checkpoint.metadata"
+
+
+class _Pickle:
+    """A protocol 4 pickle written opcode by opcode, counting its memo entries."""
+
+    def __init__(self) -> None:
+        self.parts = [b"\x80\x04"]
+        self.memo = 0
+
+    def add(self, raw: bytes) -> _Pickle:
+        self.parts.append(raw)
+        return self
+
+    def put(self) -> int:
+        self.parts.append(b"\x94")
+        self.memo += 1
+        return self.memo - 1
+
+    def string(self, text: str | bytes) -> int:
+        raw = text.encode() if isinstance(text, str) else text
+        self.parts.append(b"\x8c" + bytes([len(raw)]) + raw)
+        return self.put()
+
+    def get(self, entry: int) -> _Pickle:
+        return self.add(b"h" + bytes([entry]) if entry < 256 else b"j" + struct.pack("<I", entry))
+
+    def cls(self, module: str, name: str) -> int:
+        self.string(module)
+        self.string(name)
+        self.add(b"\x93")
+        return self.put()
+
+    def part(self, cls: int, *pairs: tuple[str, bytes | None]) -> int:
+        """A plan part of class entry ``cls`` (NEWOBJ, then BUILD with a dict of the pairs: a value None is a
+        fresh memoized string). Returns the memo entry of its state dict."""
+        self.get(cls).add(b")\x81")
+        self.put()
+        self.add(b"}")
+        state = self.put()
+        self.add(b"(")
+        for key, value in pairs:
+            self.string(key)
+            if value is None:
+                self.string(f"value of {key}")
+            else:
+                self.add(value)
+        self.add(b"ub")
+        return state
+
+    def bytes(self) -> bytes:
+        return b"".join(self.parts) + b"."
+
+
+def _alike(data: bytes) -> bytes:
+    """The pickle with plan states left out (prune_memo with sharing and drop_plans), after checking that it
+    reads as the original does in an index-only read, from both forms of the pruning."""
+    assert _passes_scan(data)
+    pruned = prune_memo(data, True, True)
+    assert pruned is not None
+    assert pruned_reader(data, False, True, True).read() == pruned
+    assert _outcome(pruned, True) == _outcome(data, True)
+    return pruned
+
+
+def _plans(*parts: bytes) -> _Pickle:
+    out = _Pickle()
+    out.add(b"]")
+    out.put()
+    out.add(b"(")
+    for raw in parts:
+        out.add(raw)
+    return out
+
+
+def test_every_fixture_reads_alike_with_its_plan_states_left_out():
+    assert METADATA
+    for path in METADATA:
+        data = path.read_bytes()
+        assert b"WriteItem" in data and b"all_local_plans" in data, path
+        pruned = _alike(data)
+        # only each rank's SavePlan (or MCoreSavePlan) class push, EMPTY_TUPLE and NEWOBJ stay
+        assert b"WriteItem" not in pruned and b"TensorWriteData" not in pruned, path
+        assert len(pruned) < 0.75 * len(prune_memo(data, True, False)), path
+
+
+def test_the_index_of_every_fixture_is_the_same_with_and_without_left_out_plans(monkeypatch):
+    for path in METADATA:
+        with_drops = torch_dist.read_metadata(path)
+        monkeypatch.setattr(safe_pickle, "_pruned_reader", lambda d, r, s, _drop: pruned_reader(d, r, s, False))
+        without = torch_dist.read_metadata(path)
+        monkeypatch.undo()
+        assert with_drops == without, path
+
+
+@pytest.mark.parametrize("module,name", sorted(PLAN_PARTS))
+def test_each_plan_class_is_left_out_and_no_other(module, name):
+    """The C recognizer's classes are safe_globals.PLAN_PARTS (what an index-only read builds as DROPPED)."""
+    p = _Pickle()
+    cls = p.cls(module, name)
+    p.part(cls, ("marker", b"\x8c\x0fstate-of-a-part"))
+    pruned = _alike(p.bytes())
+    assert b"state-of-a-part" not in pruned
+    assert safe_pickle.loads(p.bytes(), index_only=True) is DROPPED
+
+    other = _Pickle()
+    cls = other.cls(DCP_METADATA, "Metadata")  # a record, not a plan part: its state is the index
+    other.part(cls, ("marker", b"\x8c\x0fstate-of-a-part"))
+    assert b"state-of-a-part" in (prune_memo(other.bytes(), True, True) or other.bytes())
+
+
+def _write_item(p: _Pickle, cls: int, marker: str) -> int:
+    """A WriteItem whose state holds a MetadataIndex (a nested record) and a torch.Size built in the plan."""
+    index_cls = p.cls(DCP_METADATA, "MetadataIndex")
+    size_cls = p.cls("torch", "Size")
+    p.get(cls).add(b")\x81")
+    p.put()
+    p.add(b"}")
+    state = p.put()
+    p.add(b"(")
+    p.string("index")
+    p.get(index_cls).add(b")\x81")
+    p.put()
+    p.add(b"}(")
+    p.string("fqn")
+    p.string(marker)
+    p.string("offset")
+    p.get(size_cls).add(b"K\x00K\x00\x86\x85R")
+    p.add(b"ub")
+    p.string("type")
+    p.add(b"N")
+    p.add(b"ub")
+    return state
+
+
+def test_a_part_whose_entry_code_that_stays_reads_is_kept():
+    p = _Pickle()
+    p.add(b"]")
+    p.put()
+    p.add(b"(")
+    cls = p.cls(PLANNER, "WriteItem")
+    state = _write_item(p, cls, "first-item-marker")
+    _write_item(p, cls, "second-item-marker")
+    p.add(b"e")
+    plain = _alike(p.bytes())
+    assert b"first-item-marker" not in plain and b"second-item-marker" not in plain
+
+    p.get(state).add(b"a")  # the first item's state dict, read after the plans
+    kept = _alike(p.bytes())
+    assert b"first-item-marker" in kept and b"second-item-marker" not in kept
+
+
+def test_parts_read_through_a_chain_of_parts_are_kept_only_if_the_chain_ends_in_code_that_stays():
+    def chain(read_last: bool) -> bytes:
+        p = _Pickle()
+        p.add(b"]")
+        p.put()
+        p.add(b"(")
+        cls = p.cls(PLANNER, "SavePlan")
+        p.get(cls).add(b")\x81")
+        p.put()
+        p.add(b"}")
+        p.put()
+        p.add(b"(")
+        p.string("a-key")
+        first = p.string("written-in-part-A")
+        p.add(b"ub")
+        p.get(cls).add(b")\x81")
+        p.put()
+        p.add(b"}")
+        second = p.put()
+        p.add(b"(")
+        p.string("b-key")
+        p.get(first)  # part B reads what part A wrote
+        p.add(b"ub")
+        p.add(b"e")
+        if read_last:
+            p.get(second).add(b"a")  # code that stays reads part B's state
+        return p.bytes()
+
+    dropped = _alike(chain(False))
+    assert b"written-in-part-A" not in dropped and b"b-key" not in dropped
+    kept = _alike(chain(True))
+    assert b"written-in-part-A" in kept and b"b-key" in kept
+
+
+def test_parts_that_would_change_objects_made_outside_them_are_kept():
+    p = _Pickle()
+    p.add(b"]")
+    outside = p.put()
+    p.add(b"(")
+    cls = p.cls(PLANNER, "WriteItem")
+    p.get(cls).add(b")\x81}(")
+    p.string("appends-outside")
+    p.get(outside).add(b"N").add(b"a")  # APPEND to the list made outside the part: the value stays None
+    p.add(b"ub")
+    p.add(b"e")
+    kept = _alike(p.bytes())
+    assert b"appends-outside" in kept
+
+    record = _Pickle()
+    record.add(b"]")
+    record.put()
+    record.add(b"(")
+    chunk_cls = record.cls(DCP_METADATA, "ChunkStorageMetadata")
+    cls = record.cls(PLANNER, "TensorWriteData")
+    record.get(cls).add(b")\x81}(")
+    record.string("chunk")
+    record.get(chunk_cls).add(b")\x81}(")
+    record.string("chunks")  # a record BUILT with "chunks" may replace what that list holds (prebuild)
+    record.add(b"]")
+    record.string("properties")
+    record.add(b"N")
+    record.add(b"ub")  # the record's BUILD
+    record.add(b"ub")
+    record.add(b"e")
+    assert b"chunks" in _alike(record.bytes())
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"\x8c\x02\xff\xfe",  # not UTF-8: the original fails at this string
+        b"\x8c\x04\xc3\xa9ab",  # UTF-8 but not ASCII: not left out (kept as it is, reads alike)
+        b"(K\x01K\x02u",  # SETITEMS on no dict
+        b"}(K\x01u",  # odd number of items
+        b"](]\x94K\x01se",  # SETITEM on a list
+    ],
+)
+def test_parts_with_an_opcode_that_can_fail_are_kept_and_fail_alike(value):
+    p = _Pickle()
+    cls = p.cls(PLANNER, "WriteItem")
+    p.part(cls, ("may-fail-marker", value))
+    data = p.bytes()
+    if not _passes_scan(data):
+        return
+    pruned = _alike(data)
+    assert b"may-fail-marker" in pruned
+
+
+def test_a_size_called_with_three_arguments_is_kept_and_fails_alike():
+    p = _Pickle()
+    size_cls = p.cls("torch", "Size")
+    cls = p.cls(PLANNER, "WriteItem")
+    p.get(cls).add(b")\x81}(")
+    p.string("size-marker")
+    p.get(size_cls).add(b"K\x00K\x00K\x00\x87R")  # Size(0, 0, 0): a TypeError in the original
+    p.add(b"ub")
+    data = p.bytes()
+    assert _outcome(data, True)[0] == "TypeError"
+    assert b"size-marker" in _alike(data)
+
+
+@pytest.mark.parametrize(
+    "module,name",
+    [
+        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),  # only outermost
+        ("megatron.core.some_module", "Unlisted"),  # tolerated, unlisted: reported (CKD402)
+        ("collections", "OrderedDict"),
+        ("os", "system"),
+    ],
+)
+def test_a_part_holding_a_global_outside_the_known_classes_is_kept(module, name):
+    p = _Pickle()
+    cls = p.cls(PLANNER, "SavePlan")
+    p.get(cls).add(b")\x81}(")
+    p.string("global-marker")
+    p.cls(module, name)
+    p.add(b"ub")
+    data = p.bytes()
+    if not _passes_scan(data):
+        return
+    assert b"global-marker" in _alike(data)
+    unlisted: list[str] = []
+    try:
+        safe_pickle.loads(data, index_only=True, unlisted=unlisted)
+    except (pickle.UnpicklingError, UnsafePickleError):
+        assert name == "system"
+        return
+    assert unlisted == (["megatron.core.some_module.Unlisted"] if name == "Unlisted" else [])
+
+
+def test_hostile_nested_parts_keep_the_recognizer_linear():
+    """A million plan parts with no BUILD, each an attempt that would run until the stack limit (50 s here without
+    a bound, 0.15 s with it): the recognizer's budget (the pickle's size in opcodes) keeps the whole plan linear.
+    Run in a child with a time limit, as a guard against a hang, not a speed target."""
+    code = (
+        "from ckptdoctor._pickle_scan import prune_memo\n"
+        "p = bytearray(b'\\x80\\x04\\x8c$torch.distributed.checkpoint.planner\\x94\\x8c\\tWriteItem\\x94\\x93\\x94')\n"
+        "p += b'h\\x02)\\x81}' + b'h\\x02)\\x81}' * 1_000_000 + b'.'\n"
+        "prune_memo(bytes(p), True, True)\n"
+        "print('done')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    assert result.stdout.strip() == "done", result.stderr
+
+
+def test_faithful_reads_keep_the_plans():
+    """Rewrites (edit, strip-frozen) read faithfully: safe_pickle asks for drop_plans only in index-only reads."""
+    data = METADATA[0].read_bytes()
+    faithful = safe_pickle.loads(data)
+    plans = torch_dist.record_attr(faithful, "all_local_plans")
+    assert plans and all(type(plan) is not type(DROPPED) for plan in plans)
+    index_only = safe_pickle.loads(data, index_only=True)
+    assert all(plan is DROPPED for plan in torch_dist.record_attr(index_only, "all_local_plans"))
+
+
+def test_a_reader_that_may_release_gives_back_the_left_out_pages_at_once():
+    """With ``release`` (an anonymous map of the caller's own, see files.read_releasable), the whole pages of the
+    parts left out go back to the system when the plan is made, before the unpickler reads anything: they are
+    never read again (the translation jumps over them), and they read as zeros afterwards."""
+    from test_memo_prune import _mapped
+
+    p = _Pickle()
+    item = p.cls(PLANNER, "WriteItem")
+    key = p.string("fqn")
+    p.add(b"00")  # both memoized, off the stack
+    p.add(b"]")
+    p.put()
+    p.add(b"(")
+    cls = p.cls(PLANNER, "SavePlan")
+    p.get(cls).add(b")\x81}(")
+    p.string("items")
+    p.add(b"]")
+    for i in range(50_000):
+        if i % 1000 == 0:  # APPENDS per 1,000 items, as Python's pickler batches them
+            p.add(b"(" if i == 0 else b"e(")
+        p.get(item).add(b")\x81}(")
+        p.get(key)
+        p.string(f"item-{i:08d}")
+        p.add(b"ub")
+    p.add(b"e")
+    p.add(b"ub")
+    p.add(b"e")
+    data = p.bytes()
+    assert len(data) > 1 << 20
+    pruned = _alike(data)
+    assert len(pruned) < 200  # the whole SavePlan's state
+    middle = data.index(b"item-00020000")
+    for release in (True, False):
+        mapped = _mapped(data)
+        reader = pruned_reader(mapped, release, True, True)
+        page = mapped[middle - 4096 : middle + 4096]
+        assert (page == bytes(len(page))) is release
+        assert reader.read() == pruned
+        del reader
+        mapped.close()
