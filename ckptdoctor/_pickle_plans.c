@@ -24,26 +24,6 @@
 
 #include <string.h>
 
-/* What a memo entry or a simulated stack item holds. Names are strings with the text of one of NAMES. */
-enum {
-    K_UNKNOWN = 0,
-    K_STR = 1,
-    K_NAME_FIRST = 2, /* 2..: NAMES[k - 2] */
-    K_INT = 32,
-    K_SCALAR,     /* None, a bool, a float or bytes: hashable, immutable */
-    K_TUPLE,
-    K_EMPTY_TUPLE,
-    K_SIZE_ARGS,  /* a 1-tuple of a tuple (torch.Size's REDUCE arguments) */
-    K_LIST,       /* made in the part (only those are filled) */
-    K_DICT,
-    K_DICT_PREBUILD, /* a dict made in the part with a key "chunks" or "properties" (see K_RECORD's BUILD) */
-    K_DROPPED,
-    K_OBJECT,     /* a generic stand-in made in the part */
-    K_RECORD,     /* an index record made in the part */
-    K_OTHER,      /* something the part must not change */
-    K_CLASS_FIRST = 64, /* 64..: CLASSES[k - 64] */
-};
-
 static const char *const NAMES[] = {
     "torch.distributed.checkpoint.planner",             /* 2 */
     "torch.distributed.checkpoint.metadata",            /* 3 */
@@ -56,6 +36,7 @@ static const char *const NAMES[] = {
 #define K_NAME_CHUNKS 16
 #define K_NAME_PROPERTIES 17
 #define N_NAMES ((int)(sizeof(NAMES) / sizeof(NAMES[0])))
+_Static_assert(sizeof(NAMES) / sizeof(NAMES[0]) + K_NAME_FIRST <= K_INT, "names are kinds below K_INT");
 
 enum { ROLE_DROP, ROLE_DROP_OUTER, ROLE_STAND_IN, ROLE_RECORD, ROLE_SIZE };
 
@@ -72,23 +53,38 @@ static const struct {
     {3, 14, ROLE_RECORD},   {3, 15, ROLE_RECORD},
 };
 #define N_CLASSES ((int)(sizeof(CLASSES) / sizeof(CLASSES[0])))
+_Static_assert(sizeof(CLASSES) / sizeof(CLASSES[0]) + K_CLASS_FIRST <= 256, "kinds are bytes");
 
 #define MAX_STACK 4096 /* Python's picklers batch 1,000 list items or dict pairs per APPENDS or SETITEMS */
 #define MAX_MARKS 64
 
-static int is_str(int k) { return k >= K_STR && k < K_NAME_FIRST + N_NAMES; }
-static int is_tuple(int k) { return k == K_TUPLE || k == K_EMPTY_TUPLE || k == K_SIZE_ARGS; }
-static int is_hashable(int k) { return is_str(k) || k == K_INT || k == K_SCALAR; }
+static int is_str(int k) { return plan_kind_is_str(k); }
+static int is_tuple(int k) { return plan_kind_is_tuple(k); }
+static int is_hashable(int k) { return plan_kind_is_hashable(k); }
 static int is_dict(int k) { return k == K_DICT || k == K_DICT_PREBUILD; }
-static int is_class(int k) { return k >= K_CLASS_FIRST && k < K_CLASS_FIRST + N_CLASSES; }
+static int is_class(int k) { return k >= K_CLASS_FIRST; } /* only CLASSES' kinds are made */
 static int role_of(int k) { return CLASSES[k - K_CLASS_FIRST].role; }
 
-/* The kind of a string's bytes: one of NAMES, another ASCII str, or -1 where it is not ASCII. */
-static int string_kind(const unsigned char *s, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (s[i] >= 0x80) return -1;
+static Py_ssize_t name_length[N_NAMES]; /* strlen of each of NAMES, and a bit per length below 64 */
+static uint64_t name_lengths;
+
+static void names_init(void) {
+    if (name_lengths != 0) return;
+    for (int k = 0; k < N_NAMES; k++) {
+        name_length[k] = (Py_ssize_t)strlen(NAMES[k]);
+        name_lengths |= (uint64_t)1 << name_length[k]; /* every name is shorter than 64 */
+    }
+}
+
+/* The kind of a string's bytes: one of NAMES or another str; with ascii, -1 where it is not ASCII (its decoding
+ * could fail). Called for every string opcode of the pickle: a name is looked for only at a length one has. */
+static int string_kind(const unsigned char *s, Py_ssize_t n, int ascii) {
+    if (ascii)
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (s[i] >= 0x80) return -1;
+    if (n >= 64 || !((name_lengths >> n) & 1)) return K_STR;
     for (int k = 0; k < N_NAMES; k++)
-        if ((Py_ssize_t)strlen(NAMES[k]) == n && memcmp(NAMES[k], s, (size_t)n) == 0) return K_NAME_FIRST + k;
+        if (name_length[k] == n && memcmp(NAMES[k], s, (size_t)n) == 0) return K_NAME_FIRST + k;
     return K_STR;
 }
 
@@ -102,7 +98,7 @@ static int class_kind(int module, int name) {
 static int global_kind(const unsigned char *buf, Py_ssize_t p, Py_ssize_t end) {
     const unsigned char *s = buf + p + 1, *nl = memchr(s, '\n', (size_t)(end - p - 1));
     if (nl == NULL) return K_UNKNOWN;
-    int module = string_kind(s, nl - s), name = string_kind(nl + 1, buf + end - 1 - (nl + 1));
+    int module = string_kind(s, nl - s, 1), name = string_kind(nl + 1, buf + end - 1 - (nl + 1), 1);
     return module > K_STR && name > K_STR ? class_kind(module, name) : K_UNKNOWN;
 }
 
@@ -113,7 +109,7 @@ static const unsigned char *string_bytes(const unsigned char *buf, Py_ssize_t p,
     return buf + p + head;
 }
 
-static int ensure_kinds(PlanDrops *d, Py_ssize_t n) {
+int plans_grow_kinds(PlanDrops *d, Py_ssize_t n) {
     if (n <= d->n_kinds) return 0;
     Py_ssize_t cap = d->n_kinds ? d->n_kinds : 1024;
     while (cap < n) cap *= 2;
@@ -128,12 +124,7 @@ static int ensure_kinds(PlanDrops *d, Py_ssize_t n) {
     return 0;
 }
 
-/* What a memo read of idx pushes, as the part may use it: objects that could be changed become K_OTHER. */
-static int read_kind(const PlanDrops *d, Py_ssize_t idx) {
-    int k = idx < d->n_kinds ? d->kinds[idx] : K_UNKNOWN;
-    if (is_hashable(k) || is_tuple(k) || is_class(k) || k == K_DROPPED) return k;
-    return K_OTHER;
-}
+static int read_kind(const PlanDrops *d, Py_ssize_t idx) { return plan_read_kind(d, idx); }
 
 /* Simulate the part whose class the opcodes before q pushed (memo entries so far: memo). 1 with *out set, 0. */
 static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_ssize_t q, Py_ssize_t memo,
@@ -160,7 +151,7 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
         if (kind == OP_MEMOIZE || kind == OP_PUT) {
             if (n <= lo || (kind == OP_PUT && (end - q == 2 ? buf[q + 1] : read_u32(buf + q + 1)) != (uint64_t)memo))
                 return 0;
-            if (ensure_kinds(d, memo + 1) < 0) {
+            if (plans_grow_kinds(d, memo + 1) < 0) {
                 PyErr_Clear();
                 return 0;
             }
@@ -186,7 +177,7 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
             case 0x8c: case 'X': case 0x8d: {
                 Py_ssize_t length;
                 const unsigned char *s = string_bytes(buf, q, end, &length);
-                if ((push = string_kind(s, length)) < 0) return 0; /* not ASCII: its decoding could fail */
+                if ((push = string_kind(s, length, 1)) < 0) return 0; /* not ASCII: its decoding could fail */
                 break;
             }
             case 'h': case 'j': {
@@ -290,10 +281,24 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
     return 0;
 }
 
-Py_ssize_t plans_region_at(const PlanDrops *d, Py_ssize_t p) {
-    if (d->n == 0) return -1;
-    const PlanRegion *r = &d->regions[d->n - 1];
-    return p >= r->start && p < r->end ? d->n - 1 : -1;
+static int contains(const unsigned char *buf, Py_ssize_t size, const char *needle) {
+    Py_ssize_t n = (Py_ssize_t)strlen(needle);
+    for (const unsigned char *at = buf; size - (at - buf) >= n;) {
+        at = memchr(at, needle[0], (size_t)(size - (at - buf) - n + 1));
+        if (at == NULL) return 0;
+        if (memcmp(at, needle, (size_t)n) == 0) return 1;
+        at++;
+    }
+    return 0;
+}
+
+int plans_start(PlanDrops *d, const unsigned char *buf, Py_ssize_t size) {
+    /* a plan part's class is pushed by its name's string: without one, nothing to look for (PyTorch's own saves) */
+    if (!contains(buf, size, "SavePlan") && !contains(buf, size, "WriteItem") && !contains(buf, size, "TensorWriteData"))
+        return 0;
+    names_init();
+    d->budget = size + 4096;
+    return 1;
 }
 
 static int add_region(PlanDrops *d, const PlanRegion *r) {
@@ -311,42 +316,29 @@ static int add_region(PlanDrops *d, const PlanRegion *r) {
     return 0;
 }
 
-int plans_op(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_ssize_t end, int kind,
-             Py_ssize_t memo, int pushed) {
+int plans_op_named(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_ssize_t end,
+                   Py_ssize_t memo) {
     unsigned char op = buf[p];
-    (void)kind;
-    if (op == 0x95 || op == 0x94 || op == 'q' || op == 'r') { /* FRAME, memo writes: the top stays */
-        if (op != 0x95) {
-            if (ensure_kinds(d, memo + 1) < 0) return -1;
-            d->kinds[memo] = pushed ? (unsigned char)d->top : K_UNKNOWN;
-        }
+    int top = K_UNKNOWN;
+    if (op == 0x8c || op == 'X' || op == 0x8d) { /* a pure push: the top becomes the second */
+        Py_ssize_t length;
+        const unsigned char *s = string_bytes(buf, p, end, &length);
+        d->second = d->top;
+        d->top = string_kind(s, length, 0); /* decoded by the unpickler, or the load fails there */
         return 0;
     }
-    int top = K_UNKNOWN, pure = 1; /* pure: pushes one object and pops none */
-    switch (op) {
-        case 0x8c: case 'X': case 0x8d: {
-            Py_ssize_t length;
-            const unsigned char *s = string_bytes(buf, p, end, &length);
-            top = string_kind(s, length);
-            if (top < 0) top = K_STR; /* decoded as it is by the unpickler, or the load fails there */
-            break;
-        }
-        case 'K': case 'M': case 'J': top = K_INT; break;
-        case 'N': case 0x88: case 0x89: case 'G': case 'C': case 'B': case 0x8e: top = K_SCALAR; break;
-        case ')': top = K_EMPTY_TUPLE; break;
-        case 'h': case 'j': top = read_kind(d, end - p == 2 ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1)); break;
-        case 'c': top = global_kind(buf, p, end); break;
-        case 0x93:
-            pure = 0;
-            if (is_str(d->second) && d->second > K_STR && is_str(d->top) && d->top > K_STR)
-                top = class_kind(d->second, d->top);
-            break;
-        case 0x85: pure = 0; top = is_tuple(d->top) ? K_SIZE_ARGS : K_TUPLE; break;
-        case 0x86: case 0x87: pure = 0; top = K_TUPLE; break;
-        default: pure = 0; break;
+    if (op == 'c') {
+        top = global_kind(buf, p, end);
+    } else if (op == 0x93 && is_str(d->second) && d->second > K_STR && is_str(d->top) && d->top > K_STR) {
+        top = class_kind(d->second, d->top); /* the two strings the last two opcodes pushed */
     }
-    d->second = pure ? d->top : K_UNKNOWN;
+    d->second = K_UNKNOWN;
     d->top = top;
+    return plans_after_push(d, buf, size, end, memo);
+}
+
+int plans_after_push(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_ssize_t end, Py_ssize_t memo) {
+    int top = d->top;
     if (is_class(top) && (role_of(top) == ROLE_DROP || role_of(top) == ROLE_DROP_OUTER) && d->budget > 0) {
         PlanRegion region;
         if (recognize(d, buf, size, end, memo, &region) && add_region(d, &region) < 0) return -1;
@@ -365,7 +357,7 @@ static Py_ssize_t writer_region(const PlanDrops *d, Py_ssize_t idx) {
     return lo < d->n && d->regions[lo].memo_start <= idx ? lo : -1;
 }
 
-int plans_read(PlanDrops *d, Py_ssize_t idx, Py_ssize_t reader) {
+int plans_read_in_regions(PlanDrops *d, Py_ssize_t idx, Py_ssize_t reader) {
     Py_ssize_t writer = d->n ? writer_region(d, idx) : -1;
     if (writer < 0 || writer == reader) return 0;
     if (reader < 0) {
@@ -403,11 +395,6 @@ int plans_any_dropped(const PlanDrops *d) {
     return 0;
 }
 
-const PlanRegion *plans_left_out_at(PlanDrops *d, Py_ssize_t p) {
-    while (d->cursor < d->n && d->regions[d->cursor].start < p) d->cursor++;
-    const PlanRegion *r = d->cursor < d->n ? &d->regions[d->cursor] : NULL;
-    return r != NULL && r->start == p && !r->live ? r : NULL;
-}
 
 void plans_end_plan(PlanDrops *d) {
     PyMem_Free(d->kinds);

@@ -4,11 +4,95 @@
 
 #include "_pickle_scan.h"
 
+/* Functions shared by the sources of the extension, not exported: called directly, not through the PLT (and
+ * prune_op, called for every opcode, can be inlined in its own source). */
+#if defined(__GNUC__)
+#pragma GCC visibility push(hidden)
+#endif
+
 /* The opcode classes of the memo pruning (prune_op in _pickle_prune.c). */
 enum { OP_PLAIN, OP_PUSHES, OP_MEMOIZE, OP_PUT, OP_GET, OP_FRAME, OP_STOP, OP_REFUSE };
 
-/* The class of the opcode at buf[p] and where it ends (past its argument); OP_REFUSE for what pruning leaves alone. */
-int prune_op(const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_ssize_t *end);
+/* The class of the opcode at buf[p] and where it ends (past its argument), as the unpickler reads it; OP_REFUSE
+ * for what pruning leaves alone (memo writes with indices, text reads, invalid opcodes, damaged arguments). */
+static inline int prune_op(const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_ssize_t *end) {
+    *end = size; /* where an opcode pruning refuses ends, for a caller that walks on: nowhere */
+    unsigned char op = buf[p++];
+    Py_ssize_t width = 0; /* a fixed argument */
+    int lenw = 0;         /* the width of a length prefix */
+    int lines = 0;        /* text arguments, each ending at a newline */
+    int kind = OP_PUSHES;
+    switch (op) {
+        case 0x94: kind = OP_MEMOIZE; break;
+        case 'h': kind = OP_GET; width = 1; break;
+        case 'j': kind = OP_GET; width = 4; break;
+        case 'q': kind = OP_PUT; width = 1; break;
+        case 'r': kind = OP_PUT; width = 4; break;
+        case 0x95: kind = OP_FRAME; width = 8; break;
+        case '.': kind = OP_STOP; break;
+        case 0x80: kind = OP_PLAIN; width = 1; break; /* PROTO */
+        case '(': case '0': case '1': case 's': case 'u': case 'a': case 'e': case 0x90:
+            kind = OP_PLAIN; /* MARK, POP, POP_MARK, and the item assignments: no MEMOIZE is dropped after them */
+            break;
+        case 'N': case 0x88: case 0x89: case ']': case '}': case 0x8f: case ')': case 0x85: case 0x86: case 0x87:
+        case 't': case 'l': case 'd': case 0x91: case 'b': case 'R': case 0x81: case 0x92: case 0x93: case '2':
+        case 'Q': case 'o':
+            break;
+        case 'K': width = 1; break;
+        case 'M': width = 2; break;
+        case 'J': width = 4; break;
+        case 'G': width = 8; break;
+        case 'U': case 'C': case 0x8c: case 0x8a: lenw = 1; break;
+        case 'B': case 'X': lenw = 4; break;
+        case 'T': case 0x8b: lenw = -4; break; /* signed: a negative length is an error */
+        case 0x8e: case 0x8d: case 0x96: lenw = 8; break;
+        case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': lines = 1; break;
+        case 'c': case 'i': lines = 2; break;
+        default: return OP_REFUSE; /* the text PUT and GET, EXT*, buffers, invalid opcodes */
+    }
+    if (lenw != 0) {
+        Py_ssize_t w = lenw < 0 ? -lenw : lenw;
+        if (w > size - p) return OP_REFUSE;
+        uint64_t length = w == 1 ? buf[p] : w == 4 ? read_u32(buf + p) : read_u64(buf + p);
+        if (lenw < 0 && length > INT32_MAX) return OP_REFUSE;
+        p += w;
+        if (length > (uint64_t)(size - p)) return OP_REFUSE;
+        p += (Py_ssize_t)length;
+    } else if (width > size - p) {
+        return OP_REFUSE;
+    } else {
+        p += width;
+    }
+    for (; lines > 0; lines--) {
+        const unsigned char *nl = p < size ? memchr(buf + p, '\n', (size_t)(size - p)) : NULL;
+        if (nl == NULL) return OP_REFUSE;
+        p = (Py_ssize_t)(nl - buf) + 1;
+    }
+    *end = p;
+    return kind;
+}
+
+
+/* What a memo entry or a simulated stack item holds (see _pickle_plans.c). Names are strings with the text of one
+ * of its NAMES. */
+enum {
+    K_UNKNOWN = 0,
+    K_STR = 1,
+    K_NAME_FIRST = 2, /* 2..31: NAMES[k - 2] */
+    K_INT = 32,
+    K_SCALAR,        /* None, a bool, a float or bytes: hashable, immutable */
+    K_TUPLE,
+    K_EMPTY_TUPLE,
+    K_SIZE_ARGS,     /* a 1-tuple of a tuple (torch.Size's REDUCE arguments) */
+    K_LIST,          /* made in the part (only those are filled) */
+    K_DICT,
+    K_DICT_PREBUILD, /* a dict made in the part with a key "chunks" or "properties" (see K_RECORD's BUILD) */
+    K_DROPPED,
+    K_OBJECT,        /* a generic stand-in made in the part */
+    K_RECORD,        /* an index record made in the part */
+    K_OTHER,         /* something the part must not change */
+    K_CLASS_FIRST = 64, /* 64..: CLASSES[k - 64] */
+};
 
 typedef struct {
     Py_ssize_t start, end;           /* the bytes left out: after a plan part's NEWOBJ, through its BUILD */
@@ -29,22 +113,76 @@ typedef struct {
     Py_ssize_t cursor;      /* translation: the first region not yet passed */
 } PlanDrops;
 
+/* Before the plan of buf: 0 where it names no plan class (nothing to leave out), else 1; the recognizer may look
+ * at about as many opcodes in all as the pickle has bytes. */
+int plans_start(PlanDrops *d, const unsigned char *buf, Py_ssize_t size);
 /* The region that holds position p during the plan (the last one recorded), or -1. */
-Py_ssize_t plans_region_at(const PlanDrops *d, Py_ssize_t p);
-/* After the plan's opcode at [p, end) outside every region (of class kind; memo entries written so far: memo):
- * keeps track of what the stack's top holds and, after a plan class is pushed, records the region of its part
- * if the recognizer can prove that leaving it out changes nothing but the memo. 0, or -1 with a Python error. */
-int plans_op(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_ssize_t end, int kind,
-             Py_ssize_t memo, int pushed);
+static inline Py_ssize_t plans_region_at(const PlanDrops *d, Py_ssize_t p) {
+    if (d->n == 0) return -1;
+    const PlanRegion *r = &d->regions[d->n - 1];
+    return p >= r->start && p < r->end ? d->n - 1 : -1;
+}
+int plans_grow_kinds(PlanDrops *d, Py_ssize_t n);
+/* plans_op for string opcodes, GLOBAL and STACK_GLOBAL; plans_after_push once the top is known (a class of a plan
+ * part: the recognizer runs from end). 0, or -1 with a Python error. */
+int plans_op_named(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_ssize_t end,
+                   Py_ssize_t memo);
+int plans_after_push(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_ssize_t end, Py_ssize_t memo);
+
+static inline int plan_kind_is_str(int k) { return k >= K_STR && k < K_INT; }
+static inline int plan_kind_is_tuple(int k) { return k == K_TUPLE || k == K_EMPTY_TUPLE || k == K_SIZE_ARGS; }
+static inline int plan_kind_is_hashable(int k) { return plan_kind_is_str(k) || k == K_INT || k == K_SCALAR; }
+
+/* What a memo read of idx pushes, as a part may use it: objects that could be changed are K_OTHER. */
+static inline int plan_read_kind(const PlanDrops *d, Py_ssize_t idx) {
+    int k = idx < d->n_kinds ? d->kinds[idx] : K_UNKNOWN;
+    return plan_kind_is_hashable(k) || plan_kind_is_tuple(k) || k >= K_CLASS_FIRST || k == K_DROPPED ? k : K_OTHER;
+}
+
+/* After the plan's opcode at [p, end) outside every region (memo entries written so far: memo; pushed: the opcode
+ * before a memo write pushed an object): keeps track of what the top two stack items hold where it matters (strings
+ * and classes: the linear pass knows nothing else) and, after a plan class is pushed, records the region of its
+ * part if the recognizer can prove that leaving it out changes nothing but the memo. Inline: nearly every opcode
+ * of the pickle comes here. 0, or -1 with a Python error. */
+static inline int plans_op(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_ssize_t end,
+                           Py_ssize_t memo, int pushed) {
+    switch (buf[p]) {
+        case 0x94: case 'q': case 'r': /* memo writes: of what the top holds */
+            if (memo >= d->n_kinds && plans_grow_kinds(d, memo + 1) < 0) return -1;
+            d->kinds[memo] = pushed ? (unsigned char)d->top : K_UNKNOWN;
+            return 0;
+        case 'h': case 'j': /* a pure push */
+            d->second = d->top;
+            d->top = plan_read_kind(d, end - p == 2 ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1));
+            return d->top >= K_CLASS_FIRST ? plans_after_push(d, buf, size, end, memo) : 0;
+        case 0x8c: case 'X': case 0x8d: case 'c': case 0x93:
+            return plans_op_named(d, buf, size, p, end, memo);
+        default:
+            d->top = d->second = K_UNKNOWN;
+            return 0;
+    }
+}
 /* A memo read of entry idx at a position in region reader (-1: outside all): a region of the writer is made live
- * (reader -1) or an edge recorded. 0, or -1 with a Python error. */
-int plans_read(PlanDrops *d, Py_ssize_t idx, Py_ssize_t reader);
+ * (reader -1) or an edge recorded. 0, or -1 with a Python error. Most reads are of entries written before the
+ * first region (the records of state_dict_metadata): those return at once. */
+int plans_read_in_regions(PlanDrops *d, Py_ssize_t idx, Py_ssize_t reader);
+static inline int plans_read(PlanDrops *d, Py_ssize_t idx, Py_ssize_t reader) {
+    return d->n == 0 || idx < d->regions[0].memo_start ? 0 : plans_read_in_regions(d, idx, reader);
+}
 /* After the plan: regions read (through others) from code that stays become live. */
 void plans_settle(PlanDrops *d);
 /* Translation, which meets positions in order: the region left out (not live) that starts at p, or NULL. */
-const PlanRegion *plans_left_out_at(PlanDrops *d, Py_ssize_t p);
+static inline const PlanRegion *plans_left_out_at(PlanDrops *d, Py_ssize_t p) {
+    while (d->cursor < d->n && d->regions[d->cursor].start < p) d->cursor++;
+    const PlanRegion *r = d->cursor < d->n ? &d->regions[d->cursor] : NULL;
+    return r != NULL && r->start == p && !r->live ? r : NULL;
+}
 int plans_any_dropped(const PlanDrops *d);
 void plans_end_plan(PlanDrops *d); /* what only the plan needs goes */
 void plans_clear(PlanDrops *d);
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
 
 #endif

@@ -66,70 +66,15 @@ static int bit_is_set(const Bitmap *b, Py_ssize_t i) {
     return word < b->n_words && ((b->bits[word] >> (i & 63)) & 1);
 }
 
-/* The class of opcode op at buf[p] and where it ends (past its argument), as the unpickler reads it; OP_REFUSE
- * for what pruning leaves alone (memo writes with indices, text reads, invalid opcodes, damaged arguments). */
-int prune_op(const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_ssize_t *end) {
-    unsigned char op = buf[p++];
-    Py_ssize_t width = 0; /* a fixed argument */
-    int lenw = 0;         /* the width of a length prefix */
-    int lines = 0;        /* text arguments, each ending at a newline */
-    int kind = OP_PUSHES;
-    switch (op) {
-        case 0x94: kind = OP_MEMOIZE; break;
-        case 'h': kind = OP_GET; width = 1; break;
-        case 'j': kind = OP_GET; width = 4; break;
-        case 'q': kind = OP_PUT; width = 1; break;
-        case 'r': kind = OP_PUT; width = 4; break;
-        case 0x95: kind = OP_FRAME; width = 8; break;
-        case '.': kind = OP_STOP; break;
-        case 0x80: kind = OP_PLAIN; width = 1; break; /* PROTO */
-        case '(': case '0': case '1': case 's': case 'u': case 'a': case 'e': case 0x90:
-            kind = OP_PLAIN; /* MARK, POP, POP_MARK, and the item assignments: no MEMOIZE is dropped after them */
-            break;
-        case 'N': case 0x88: case 0x89: case ']': case '}': case 0x8f: case ')': case 0x85: case 0x86: case 0x87:
-        case 't': case 'l': case 'd': case 0x91: case 'b': case 'R': case 0x81: case 0x92: case 0x93: case '2':
-        case 'Q': case 'o':
-            break;
-        case 'K': width = 1; break;
-        case 'M': width = 2; break;
-        case 'J': width = 4; break;
-        case 'G': width = 8; break;
-        case 'U': case 'C': case 0x8c: case 0x8a: lenw = 1; break;
-        case 'B': case 'X': lenw = 4; break;
-        case 'T': case 0x8b: lenw = -4; break; /* signed: a negative length is an error */
-        case 0x8e: case 0x8d: case 0x96: lenw = 8; break;
-        case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': lines = 1; break;
-        case 'c': case 'i': lines = 2; break;
-        default: return OP_REFUSE; /* the text PUT and GET, EXT*, buffers, invalid opcodes */
-    }
-    if (lenw != 0) {
-        Py_ssize_t w = lenw < 0 ? -lenw : lenw;
-        if (w > size - p) return OP_REFUSE;
-        uint64_t length = w == 1 ? buf[p] : w == 4 ? read_u32(buf + p) : read_u64(buf + p);
-        if (lenw < 0 && length > INT32_MAX) return OP_REFUSE;
-        p += w;
-        if (length > (uint64_t)(size - p)) return OP_REFUSE;
-        p += (Py_ssize_t)length;
-    } else if (width > size - p) {
-        return OP_REFUSE;
-    } else {
-        p += width;
-    }
-    for (; lines > 0; lines--) {
-        const unsigned char *nl = p < size ? memchr(buf + p, '\n', (size_t)(size - p)) : NULL;
-        if (nl == NULL) return OP_REFUSE;
-        p = (Py_ssize_t)(nl - buf) + 1;
-    }
-    *end = p;
-    return kind;
-}
-
 /* The first pass: which entries to keep (into kept) and where the pickle ends (*stop_end); 1 to prune,
  * 0 to leave the bytes alone, -1 with a Python error set. With plans (drop_plans), opcodes in a region of a plan
  * part (see _pickle_plans.c) neither keep entries nor share strings here: keep_live_regions does it for the
  * regions that stay. */
-static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, Py_ssize_t *n_memo,
-                      Py_ssize_t *stop_end, StringShares *strings, PlanDrops *plans) {
+#if defined(__GNUC__)
+__attribute__((always_inline)) /* made twice (prune_plan): with plans NULL the loop is the one without them */
+#endif
+static inline int prune_plan_with(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, Py_ssize_t *n_memo,
+                                  Py_ssize_t *stop_end, StringShares *strings, PlanDrops *plans) {
     Py_ssize_t p = 0, frame_end = -1, memo = 0;
     int pushed = 0; /* the last opcode (FRAMEs and MEMOIZEs aside) leaves an object on the stack */
     while (p < size) {
@@ -145,7 +90,7 @@ static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, P
             case OP_MEMOIZE:
                 if (region < 0) {
                     if (!pushed && bitmap_set(kept, memo) < 0) return -1;
-                    if (plans != NULL && plans_op(plans, buf, size, p, end, kind, memo, pushed) < 0) return -1;
+                    if (plans != NULL && plans_op(plans, buf, size, p, end, memo, pushed) < 0) return -1;
                 }
                 memo++;
                 break;
@@ -155,7 +100,7 @@ static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, P
                 if (plans != NULL && plans_read(plans, (Py_ssize_t)idx, region) < 0) return -1;
                 if (region < 0) {
                     if (bitmap_set(kept, (Py_ssize_t)idx) < 0) return -1;
-                    if (plans != NULL && plans_op(plans, buf, size, p, end, kind, memo, 1) < 0) return -1;
+                    if (plans != NULL && plans_op(plans, buf, size, p, end, memo, 1) < 0) return -1;
                 }
                 pushed = 1;
                 break;
@@ -181,12 +126,18 @@ static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, P
                     if (strings_note(strings, buf, p, offset, end - offset, memo, memoized, &shared) < 0) return -1;
                     if (shared >= 0 && bitmap_set(kept, shared) < 0) return -1;
                 }
-                if (plans != NULL && plans_op(plans, buf, size, p, end, kind, memo, pushed) < 0) return -1;
+                if (plans != NULL && plans_op(plans, buf, size, p, end, memo, pushed) < 0) return -1;
         }
         p = end;
         if (p == frame_end) frame_end = -1;
     }
     return 0; /* no STOP */
+}
+
+static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, Py_ssize_t *n_memo,
+                      Py_ssize_t *stop_end, StringShares *strings, PlanDrops *plans) {
+    if (plans == NULL) return prune_plan_with(buf, size, kept, n_memo, stop_end, strings, NULL);
+    return prune_plan_with(buf, size, kept, n_memo, stop_end, strings, plans);
 }
 
 /* The regions that stay (read from code that stays, see plans_settle) keep what prune_plan would have kept in
@@ -240,7 +191,7 @@ static int pruner_init(Pruner *s, PyObject *data, int share_strings, int drop_pl
     if (PyObject_GetBuffer(data, &s->view, PyBUF_SIMPLE) < 0) return -1;
     Py_ssize_t n_memo = 0;
     strings_expect(&s->strings, s->view.len);
-    s->plans.budget = s->view.len + 4096; /* the recognizer's opcodes in all (see _pickle_plans.c) */
+    drop_plans = drop_plans && plans_start(&s->plans, s->view.buf, s->view.len);
     int plan = prune_plan(s->view.buf, s->view.len, &s->kept, &n_memo, &s->stop_end,
                           share_strings ? &s->strings : NULL, drop_plans ? &s->plans : NULL);
     strings_end_plan(&s->strings);
