@@ -228,10 +228,16 @@ static Py_ssize_t unit_length(const Pruner *s) {
 }
 
 /* Translate the opcode at s->p into o; the bytes written (at most its input length). */
-static Py_ssize_t emit_op(Pruner *s, unsigned char *o) {
+#if defined(__GNUC__)
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
+#else
+#define ALWAYS_INLINE inline
+#endif
+
+static ALWAYS_INLINE Py_ssize_t emit_op(Pruner *s, unsigned char *o, int plans) {
     const unsigned char *buf = s->view.buf;
     Py_ssize_t p = s->p, end, q = 0, idx;
-    const PlanRegion *left_out = s->plans.n > 0 ? plans_left_out_at(&s->plans, p) : NULL;
+    const PlanRegion *left_out = plans ? plans_left_out_at(&s->plans, p) : NULL;
     if (left_out != NULL) { /* a plan part left out, not read again (its pages may be given back): past it */
         s->p = left_out->end;
         s->memo += left_out->memo_end - left_out->memo_start;
@@ -268,16 +274,21 @@ static Py_ssize_t emit_op(Pruner *s, unsigned char *o) {
 /* Translate the next unit (unit_length input bytes) into o; the bytes written. A frame keeps its place and
  * gets the length of what it keeps. A plan part left out may end in a later frame: the translation goes on from
  * its end, outside frames up to the next FRAME (every opcode is still within one frame or outside all). */
-static Py_ssize_t emit_unit(Pruner *s, unsigned char *o) {
+static ALWAYS_INLINE Py_ssize_t emit_unit_with(Pruner *s, unsigned char *o, int plans) {
     const unsigned char *buf = s->view.buf;
-    if (buf[s->p] != 0x95) return emit_op(s, o);
+    if (buf[s->p] != 0x95) return emit_op(s, o, plans);
     Py_ssize_t frame_end = s->p + 9 + (Py_ssize_t)read_u64(buf + s->p + 1), q = 9;
     o[0] = 0x95;
     s->p += 9;
-    while (s->p < frame_end) q += emit_op(s, o + q);
+    while (s->p < frame_end) q += emit_op(s, o + q, plans);
     uint64_t length = (uint64_t)(q - 9);
     for (int i = 0; i < 8; i++) o[1 + i] = (unsigned char)(length >> (8 * i));
     return q;
+}
+
+/* emit_unit_with, made twice: the loop of a pickle with no plan part left out has no check for one */
+static Py_ssize_t emit_unit(Pruner *s, unsigned char *o) {
+    return s->plans.n > 0 ? emit_unit_with(s, o, 1) : emit_unit_with(s, o, 0);
 }
 
 PyObject *pickle_prune_memo(PyObject *Py_UNUSED(module), PyObject *args) {
