@@ -29,7 +29,13 @@
  *   Frames keep their place, their lengths are those of what they keep. Bytes after the STOP are not copied
  *   (only for a caller that reads one pickle and not where it ends).
  * The output is never longer than the input: a read (a BINPUT) of rank r < 256 is a BINGET (a BINPUT), else a
- * LONG_BINGET (a LONG_BINPUT); a MEMOIZE stays a MEMOIZE. */
+ * LONG_BINGET (a LONG_BINPUT); a MEMOIZE stays a MEMOIZE.
+ *
+ * Two options, for index-only reads only (their results are read, never written back): share_strings reads equal
+ * strings as one object (_pickle_strings.c); drop_plans leaves out the states of megatron-core's save plan parts,
+ * which an index-only read builds as DROPPED, where that provably changes nothing but the memo (_pickle_plans.c).
+ * With drop_plans the pruned pickle builds the same objects except what only those states held, or fails at the
+ * same operation. */
 
 typedef struct {
     uint64_t *bits; /* memo entries kept: read somewhere, or a MEMOIZE that is not safe to drop */
