@@ -14,7 +14,8 @@
  *   -1               FALLBACK: the caller runs the Python scanner on the same bytes.
  * The input is read only within [0, size); every array grows by doubling and is freed on every exit.
  *
- * prune_memo and pruned_reader (memo pruning) are in _pickle_prune.c, part of the same extension module.
+ * prune_memo and pruned_reader (memo pruning) are in _pickle_prune.c and _pickle_reader.c, part of the same
+ * extension module.
  */
 #include "_pickle_scan.h"
 
