@@ -19,7 +19,9 @@
  *    DROPPED object itself. Anything else, and any doubt, leaves the bytes as they are;
  *  - an entry written in a left-out region and read from code that stays makes the region live (translated as it
  *    is), and so, in turn, the regions a live region reads from (plans_settle).
- * The work is bounded: the recognizer looks at no more opcodes in all than the pickle has bytes (plus a margin). */
+ * The work is bounded: the recognizer looks at no more opcodes in all than the pickle has bytes (plus a margin).
+ * So is the memory of the plan: a kind byte per memo entry, regions only for parts of 40 bytes or more (one record
+ * each), and edges up to half the input's size, beyond which every region is kept. */
 #include "_pickle_plans.h"
 
 #include <string.h>
@@ -298,6 +300,7 @@ int plans_start(PlanDrops *d, const unsigned char *buf, Py_ssize_t size) {
         return 0;
     names_init();
     d->budget = size + 4096;
+    d->max_edges = size / 32 + 4096; /* 16 bytes each: half the input's size at most */
     return 1;
 }
 
@@ -341,7 +344,10 @@ int plans_after_push(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
     int top = d->top;
     if (is_class(top) && (role_of(top) == ROLE_DROP || role_of(top) == ROLE_DROP_OUTER) && d->budget > 0) {
         PlanRegion region;
-        if (recognize(d, buf, size, end, memo, &region) && add_region(d, &region) < 0) return -1;
+        /* a part shorter than its record is not worth one: regions stay fewer than the input has bytes / 40 */
+        if (recognize(d, buf, size, end, memo, &region) && region.end - region.start >= (Py_ssize_t)sizeof region &&
+            add_region(d, &region) < 0)
+            return -1;
     }
     return 0;
 }
@@ -365,7 +371,11 @@ int plans_read_in_regions(PlanDrops *d, Py_ssize_t idx, Py_ssize_t reader) {
         return 0;
     }
     Py_ssize_t *last = d->n_edges ? d->edges + 2 * (d->n_edges - 1) : NULL;
-    if (last != NULL && last[0] == reader && last[1] == writer) return 0;
+    if (d->all_live || (last != NULL && last[0] == reader && last[1] == writer)) return 0;
+    if (d->n_edges >= d->max_edges) { /* a pickle of parts reading each other without end: keep them all */
+        d->all_live = 1;
+        return 0;
+    }
     if (d->n_edges == d->cap_edges) {
         Py_ssize_t cap = d->cap_edges ? d->cap_edges * 2 : 256;
         Py_ssize_t *edges = PyMem_Realloc(d->edges, (size_t)cap * 2 * sizeof(Py_ssize_t));
@@ -387,6 +397,8 @@ void plans_settle(PlanDrops *d) {
      * backwards, a region's liveness is final before its own edges are met */
     for (Py_ssize_t e = d->n_edges - 1; e >= 0; e--)
         if (d->regions[d->edges[2 * e]].live) d->regions[d->edges[2 * e + 1]].live = 1;
+    if (d->all_live)
+        for (Py_ssize_t i = 0; i < d->n; i++) d->regions[i].live = 1;
 }
 
 int plans_any_dropped(const PlanDrops *d) {

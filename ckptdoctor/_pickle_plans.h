@@ -108,6 +108,8 @@ typedef struct {
     Py_ssize_t n, cap;
     Py_ssize_t *edges;      /* pairs (reader region, writer region): a region reading an entry another one wrote */
     Py_ssize_t n_edges, cap_edges;
+    Py_ssize_t max_edges;   /* beyond: every region is kept (all_live), so the plan's memory stays under the input's */
+    int all_live;
     Py_ssize_t budget;      /* opcodes the recognizer may still look at (linear in the pickle's size) */
     int top, second;        /* kinds of the two objects the last opcodes pushed, where known */
     Py_ssize_t cursor;      /* translation: the first region not yet passed */

@@ -128,19 +128,23 @@ def test_the_index_of_every_fixture_is_the_same_with_and_without_left_out_plans(
         assert with_drops == without, path
 
 
+# A part's state of 40 bytes or more: shorter ones are not worth a region (one record each)
+_STATE = b"\x8c\x2d" + b"state-of-a-part, long enough to be left out..."[:45]
+
+
 @pytest.mark.parametrize("module,name", sorted(PLAN_PARTS))
 def test_each_plan_class_is_left_out_and_no_other(module, name):
     """The C recognizer's classes are safe_globals.PLAN_PARTS (what an index-only read builds as DROPPED)."""
     p = _Pickle()
     cls = p.cls(module, name)
-    p.part(cls, ("marker", b"\x8c\x0fstate-of-a-part"))
+    p.part(cls, ("marker", _STATE))
     pruned = _alike(p.bytes())
     assert b"state-of-a-part" not in pruned
     assert safe_pickle.loads(p.bytes(), index_only=True) is DROPPED
 
     other = _Pickle()
     cls = other.cls(DCP_METADATA, "Metadata")  # a record, not a plan part: its state is the index
-    other.part(cls, ("marker", b"\x8c\x0fstate-of-a-part"))
+    other.part(cls, ("marker", _STATE))
     assert b"state-of-a-part" in (prune_memo(other.bytes(), True, True) or other.bytes())
 
 
@@ -198,14 +202,14 @@ def test_parts_read_through_a_chain_of_parts_are_kept_only_if_the_chain_ends_in_
         p.put()
         p.add(b"(")
         p.string("a-key")
-        first = p.string("written-in-part-A")
+        first = p.string("written-in-part-A, long enough to be left out")
         p.add(b"ub")
         p.get(cls).add(b")\x81")
         p.put()
         p.add(b"}")
         second = p.put()
         p.add(b"(")
-        p.string("b-key")
+        p.string("b-key, and a long string to be left out")
         p.get(first)  # part B reads what part A wrote
         p.add(b"ub")
         p.add(b"e")
@@ -380,3 +384,49 @@ def test_a_reader_that_may_release_gives_back_the_left_out_pages_at_once():
         assert reader.read() == pruned
         del reader
         mapped.close()
+
+
+def test_the_plan_memory_stays_under_the_input_size():
+    """Hostile shapes for the plan's own memory: a part shorter than a region's record (40 bytes) gets none, and
+    parts that read each other's entries without end make every part kept once their edges would pass half the
+    input's size. Either way the read is the same; only what is left out changes."""
+    tiny = _Pickle()
+    cls = tiny.cls(PLANNER, "WriteItem")
+    tiny.add(b"0]")
+    tiny.put()
+    tiny.add(b"(")
+    for _ in range(100_000):
+        tiny.get(cls).add(b")\x81}b")  # a part whose state is an empty dict: 2 bytes
+        if _ % 1000 == 999:
+            tiny.add(b"e(")
+    tiny.add(b"e")
+    data = tiny.bytes()
+    assert len(_alike(data)) == len(prune_memo(data, True, False) or data)  # nothing left out
+
+    def readers(n_reads: int) -> bytes:
+        p = _Pickle()
+        cls = p.cls(PLANNER, "WriteItem")
+        p.add(b"0]")
+        p.put()
+        p.add(b"(")
+        entries = []
+        for name in ("first-part-state, long enough", "second-part-state, long enough"):
+            p.get(cls).add(b")\x81}(")
+            p.string("key")
+            entries.append(p.string(name))
+            p.add(b"ub")
+        p.get(cls).add(b")\x81}(")
+        p.string("reads")
+        p.add(b"](")
+        for i in range(n_reads):  # alternate: no two reads in a row of the same part (each an edge)
+            p.get(entries[i % 2])
+            if i % 1000 == 999:
+                p.add(b"e(")
+        p.add(b"eub")
+        p.add(b"e")
+        return p.bytes()
+
+    few = readers(1_000)
+    assert b"first-part-state" not in _alike(few)  # under the bound: every part left out
+    many = readers(200_000)
+    assert b"first-part-state" in _alike(many) and len(_alike(many)) > len(many) // 2  # every part kept
