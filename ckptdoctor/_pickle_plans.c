@@ -60,9 +60,7 @@ _Static_assert(sizeof(CLASSES) / sizeof(CLASSES[0]) + K_CLASS_FIRST <= 256, "kin
 #define MAX_STACK 4096 /* Python's picklers batch 1,000 list items or dict pairs per APPENDS or SETITEMS */
 #define MAX_MARKS 64
 
-static int is_str(int k) { return plan_kind_is_str(k); }
-static int is_tuple(int k) { return plan_kind_is_tuple(k); }
-static int is_hashable(int k) { return plan_kind_is_hashable(k); }
+static int is_name(int k) { return k >= K_NAME_FIRST && k < K_INT; } /* a str with the text of one of NAMES */
 static int is_dict(int k) { return k == K_DICT || k == K_DICT_PREBUILD; }
 static int is_class(int k) { return k >= K_CLASS_FIRST; } /* only CLASSES' kinds are made */
 static int role_of(int k) { return CLASSES[k - K_CLASS_FIRST].role; }
@@ -101,7 +99,7 @@ static int global_kind(const unsigned char *buf, Py_ssize_t p, Py_ssize_t end) {
     const unsigned char *s = buf + p + 1, *nl = memchr(s, '\n', (size_t)(end - p - 1));
     if (nl == NULL) return K_UNKNOWN;
     int module = string_kind(s, nl - s, 1), name = string_kind(nl + 1, buf + end - 1 - (nl + 1), 1);
-    return module > K_STR && name > K_STR ? class_kind(module, name) : K_UNKNOWN;
+    return is_name(module) && is_name(name) ? class_kind(module, name) : K_UNKNOWN;
 }
 
 /* The bytes of a string opcode's argument. */
@@ -125,8 +123,6 @@ int plans_grow_kinds(PlanDrops *d, Py_ssize_t n) {
     d->n_kinds = cap;
     return 0;
 }
-
-static int read_kind(const PlanDrops *d, Py_ssize_t idx) { return plan_read_kind(d, idx); }
 
 /* Simulate the part whose class the opcodes before q pushed (memo entries so far: memo). 1 with *out set, 0. */
 static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_ssize_t q, Py_ssize_t memo,
@@ -185,7 +181,7 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
             case 'h': case 'j': {
                 uint64_t idx = end - q == 2 ? buf[q + 1] : read_u32(buf + q + 1);
                 if (idx >= (uint64_t)memo) return 0;
-                push = read_kind(d, (Py_ssize_t)idx);
+                push = plan_read_kind(d, (Py_ssize_t)idx);
                 break;
             }
             case ']': push = K_LIST; break;
@@ -198,7 +194,7 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
             case 0x85: case 0x86: case 0x87: { /* TUPLE1..3 */
                 Py_ssize_t k = op - 0x84;
                 if (n - k < (lo > 1 ? lo : 1)) return 0;
-                push = k == 1 && is_tuple(stack[n - 1]) ? K_SIZE_ARGS : K_TUPLE;
+                push = k == 1 && plan_kind_is_tuple(stack[n - 1]) ? K_SIZE_ARGS : K_TUPLE;
                 n -= k;
                 break;
             }
@@ -209,7 +205,7 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
                 if (op == 'd' || op == 'u') {
                     if ((n - x) % 2 != 0) return 0;
                     for (Py_ssize_t i = x; i < n; i += 2) {
-                        if (!is_hashable(stack[i])) return 0;
+                        if (!plan_kind_is_hashable(stack[i])) return 0;
                         prebuild_keys |= stack[i] == K_NAME_CHUNKS || stack[i] == K_NAME_PROPERTIES;
                     }
                 }
@@ -230,15 +226,15 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
                 n -= 1;
                 break;
             case 's': /* SETITEM */
-                if (n - 3 < (lo > 1 ? lo : 1) || !is_dict(stack[n - 3]) || !is_hashable(stack[n - 2])) return 0;
+                if (n - 3 < (lo > 1 ? lo : 1) || !is_dict(stack[n - 3]) || !plan_kind_is_hashable(stack[n - 2]))
+                    return 0;
                 if (stack[n - 2] == K_NAME_CHUNKS || stack[n - 2] == K_NAME_PROPERTIES) stack[n - 3] = K_DICT_PREBUILD;
                 n -= 2;
                 break;
             case 0x93: { /* STACK_GLOBAL of two names */
                 if (n - 2 < (lo > 1 ? lo : 1)) return 0;
                 int module = stack[n - 2], name = stack[n - 1];
-                push = module > K_STR && is_str(module) && name > K_STR && is_str(name) ? class_kind(module, name)
-                                                                                       : K_UNKNOWN;
+                push = is_name(module) && is_name(name) ? class_kind(module, name) : K_UNKNOWN;
                 if (push == K_UNKNOWN || role_of(push) == ROLE_DROP_OUTER) return 0;
                 n -= 2;
                 break;
@@ -248,7 +244,7 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
                 if (push == K_UNKNOWN || role_of(push) == ROLE_DROP_OUTER) return 0;
                 break;
             case 0x81: case 'R': { /* NEWOBJ, REDUCE: a class of CLASSES and its argument tuple */
-                if (n - 2 < (lo > 1 ? lo : 1) || !is_class(stack[n - 2]) || !is_tuple(stack[n - 1])) return 0;
+                if (n - 2 < (lo > 1 ? lo : 1) || !is_class(stack[n - 2]) || !plan_kind_is_tuple(stack[n - 1])) return 0;
                 int role = role_of(stack[n - 2]), args = stack[n - 1];
                 if (role == ROLE_DROP) push = K_DROPPED;
                 else if (role == ROLE_STAND_IN) push = K_OBJECT;
@@ -296,7 +292,8 @@ static int contains(const unsigned char *buf, Py_ssize_t size, const char *needl
 
 int plans_start(PlanDrops *d, const unsigned char *buf, Py_ssize_t size) {
     /* a plan part's class is pushed by its name's string: without one, nothing to look for (PyTorch's own saves) */
-    if (!contains(buf, size, "SavePlan") && !contains(buf, size, "WriteItem") && !contains(buf, size, "TensorWriteData"))
+    if (!contains(buf, size, "SavePlan") && !contains(buf, size, "WriteItem") &&
+        !contains(buf, size, "TensorWriteData"))
         return 0;
     names_init();
     d->budget = size + 4096;
@@ -332,7 +329,7 @@ int plans_op_named(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_s
     }
     if (op == 'c') {
         top = global_kind(buf, p, end);
-    } else if (op == 0x93 && is_str(d->second) && d->second > K_STR && is_str(d->top) && d->top > K_STR) {
+    } else if (op == 0x93 && is_name(d->second) && is_name(d->top)) {
         top = class_kind(d->second, d->top); /* the two strings the last two opcodes pushed */
     }
     d->second = K_UNKNOWN;

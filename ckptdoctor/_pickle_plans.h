@@ -10,7 +10,7 @@
 #pragma GCC visibility push(hidden)
 #endif
 
-/* The opcode classes of the memo pruning (prune_op in _pickle_prune.c). */
+/* The opcode classes of the memo pruning (prune_op, below). */
 enum { OP_PLAIN, OP_PUSHES, OP_MEMOIZE, OP_PUT, OP_GET, OP_FRAME, OP_STOP, OP_REFUSE };
 
 /* The class of the opcode at buf[p] and where it ends (past its argument), as the unpickler reads it; OP_REFUSE
@@ -101,8 +101,7 @@ typedef struct {
 } PlanRegion;
 
 typedef struct {
-    int on;                 /* drop_plans was asked for */
-    unsigned char *kinds;   /* what each memo entry holds, as far as the plan knows (KIND_* in _pickle_plans.c) */
+    unsigned char *kinds;   /* what each memo entry holds, as far as the plan knows (K_* above) */
     Py_ssize_t n_kinds;
     PlanRegion *regions;    /* in pickle order; they neither nest nor overlap */
     Py_ssize_t n, cap;

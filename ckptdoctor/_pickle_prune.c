@@ -172,7 +172,6 @@ void pruner_clear(Pruner *s) {
     if (s->view.obj != NULL) PyBuffer_Release(&s->view);
 }
 
-/* Plan the pruning of data into s: 1 to prune, 0 to leave it alone (s cleared), -1 with a Python error set. */
 int pruner_init(Pruner *s, PyObject *data, int share_strings, int drop_plans) {
     memset(s, 0, sizeof *s);
     if (PyObject_GetBuffer(data, &s->view, PyBUF_SIMPLE) < 0) return -1;

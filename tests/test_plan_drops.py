@@ -66,20 +66,29 @@ class _Pickle:
         self.add(b"\x93")
         return self.put()
 
-    def part(self, cls: int, *pairs: tuple[str, bytes | None]) -> int:
-        """A plan part of class entry ``cls`` (NEWOBJ, then BUILD with a dict of the pairs: a value None is a
-        fresh memoized string). Returns the memo entry of its state dict."""
+    def open_list(self) -> int:
+        """EMPTY_LIST, memoized, then MARK (its items follow); the list's memo entry."""
+        self.add(b"]")
+        entry = self.put()
+        self.add(b"(")
+        return entry
+
+    def open_part(self, cls: int) -> int:
+        """A plan part of class entry ``cls``: NEWOBJ, then its state dict opened (its pairs follow, then SETITEMS
+        and BUILD, ``ub``), both memoized as Python's pickler does; the state dict's memo entry."""
         self.get(cls).add(b")\x81")
         self.put()
         self.add(b"}")
         state = self.put()
         self.add(b"(")
+        return state
+
+    def part(self, cls: int, *pairs: tuple[str, bytes]) -> int:
+        """A whole plan part whose state holds the pairs (raw value opcodes); the state dict's memo entry."""
+        state = self.open_part(cls)
         for key, value in pairs:
             self.string(key)
-            if value is None:
-                self.string(f"value of {key}")
-            else:
-                self.add(value)
+            self.add(value)
         self.add(b"ub")
         return state
 
@@ -96,16 +105,6 @@ def _alike(data: bytes) -> bytes:
     assert pruned_reader(data, False, True, True).read() == pruned
     assert _outcome(pruned, True) == _outcome(data, True)
     return pruned
-
-
-def _plans(*parts: bytes) -> _Pickle:
-    out = _Pickle()
-    out.add(b"]")
-    out.put()
-    out.add(b"(")
-    for raw in parts:
-        out.add(raw)
-    return out
 
 
 def test_every_fixture_reads_alike_with_its_plan_states_left_out():
@@ -152,11 +151,7 @@ def _write_item(p: _Pickle, cls: int, marker: str) -> int:
     """A WriteItem whose state holds a MetadataIndex (a nested record) and a torch.Size built in the plan."""
     index_cls = p.cls(DCP_METADATA, "MetadataIndex")
     size_cls = p.cls("torch", "Size")
-    p.get(cls).add(b")\x81")
-    p.put()
-    p.add(b"}")
-    state = p.put()
-    p.add(b"(")
+    state = p.open_part(cls)
     p.string("index")
     p.get(index_cls).add(b")\x81")
     p.put()
@@ -174,9 +169,7 @@ def _write_item(p: _Pickle, cls: int, marker: str) -> int:
 
 def test_a_part_whose_entry_code_that_stays_reads_is_kept():
     p = _Pickle()
-    p.add(b"]")
-    p.put()
-    p.add(b"(")
+    p.open_list()
     cls = p.cls(PLANNER, "WriteItem")
     state = _write_item(p, cls, "first-item-marker")
     _write_item(p, cls, "second-item-marker")
@@ -192,23 +185,13 @@ def test_a_part_whose_entry_code_that_stays_reads_is_kept():
 def test_parts_read_through_a_chain_of_parts_are_kept_only_if_the_chain_ends_in_code_that_stays():
     def chain(read_last: bool) -> bytes:
         p = _Pickle()
-        p.add(b"]")
-        p.put()
-        p.add(b"(")
+        p.open_list()
         cls = p.cls(PLANNER, "SavePlan")
-        p.get(cls).add(b")\x81")
-        p.put()
-        p.add(b"}")
-        p.put()
-        p.add(b"(")
+        p.open_part(cls)
         p.string("a-key")
         first = p.string("written-in-part-A, long enough to be left out")
         p.add(b"ub")
-        p.get(cls).add(b")\x81")
-        p.put()
-        p.add(b"}")
-        second = p.put()
-        p.add(b"(")
+        second = p.open_part(cls)
         p.string("b-key, and a long string to be left out")
         p.get(first)  # part B reads what part A wrote
         p.add(b"ub")
@@ -225,9 +208,7 @@ def test_parts_read_through_a_chain_of_parts_are_kept_only_if_the_chain_ends_in_
 
 def test_parts_that_would_change_objects_made_outside_them_are_kept():
     p = _Pickle()
-    p.add(b"]")
-    outside = p.put()
-    p.add(b"(")
+    outside = p.open_list()
     cls = p.cls(PLANNER, "WriteItem")
     p.get(cls).add(b")\x81}(")
     p.string("appends-outside")
@@ -238,9 +219,7 @@ def test_parts_that_would_change_objects_made_outside_them_are_kept():
     assert b"appends-outside" in kept
 
     record = _Pickle()
-    record.add(b"]")
-    record.put()
-    record.add(b"(")
+    record.open_list()
     chunk_cls = record.cls(DCP_METADATA, "ChunkStorageMetadata")
     cls = record.cls(PLANNER, "TensorWriteData")
     record.get(cls).add(b")\x81}(")
@@ -354,9 +333,7 @@ def test_a_reader_that_may_release_gives_back_the_left_out_pages_at_once():
     item = p.cls(PLANNER, "WriteItem")
     key = p.string("fqn")
     p.add(b"00")  # both memoized, off the stack
-    p.add(b"]")
-    p.put()
-    p.add(b"(")
+    p.open_list()
     cls = p.cls(PLANNER, "SavePlan")
     p.get(cls).add(b")\x81}(")
     p.string("items")
@@ -392,9 +369,8 @@ def test_the_plan_memory_stays_under_the_input_size():
     input's size. Either way the read is the same; only what is left out changes."""
     tiny = _Pickle()
     cls = tiny.cls(PLANNER, "WriteItem")
-    tiny.add(b"0]")
-    tiny.put()
-    tiny.add(b"(")
+    tiny.add(b"0")  # the class, memoized, off the stack
+    tiny.open_list()
     for _ in range(100_000):
         tiny.get(cls).add(b")\x81}b")  # a part whose state is an empty dict: 2 bytes
         if _ % 1000 == 999:
@@ -406,9 +382,8 @@ def test_the_plan_memory_stays_under_the_input_size():
     def readers(n_reads: int) -> bytes:
         p = _Pickle()
         cls = p.cls(PLANNER, "WriteItem")
-        p.add(b"0]")
-        p.put()
-        p.add(b"(")
+        p.add(b"0")
+        p.open_list()
         entries = []
         for name in ("first-part-state, long enough", "second-part-state, long enough"):
             p.get(cls).add(b")\x81}(")
