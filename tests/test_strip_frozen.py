@@ -98,9 +98,45 @@ def test_output_size_printed_and_within_reference(capsys, tmp_path, name):
     assert printed == _dir_bytes(tmp_path / "out" / "iter_0000010")
     reference = _dir_bytes(FIXTURES / REFERENCE[name] / "iter_0000010")
     # + the rewritten common state (save_trainable_params_only=true): a new small file, the old item unreferenced
-    common = tmp_path / "out" / "iter_0000010" / "common_state.fixargs-strip-frozen.distcp"
+    common = tmp_path / "out" / "iter_0000010" / "common_state.strip-frozen.distcp"
     assert printed <= reference * 1.05 + 2 * common.stat().st_size, (printed, reference)
     assert int(re.search(r"size before .*\((\d+) bytes", out).group(1)) == _dir_bytes(FIXTURES / name / "iter_0000010")
+
+
+def test_rank_files_hold_exactly_the_kept_items(capsys, tmp_path):
+    """The rewritten common state goes to its own small file and its old item is not copied: every byte of the
+    rank files is a kept item's (the .metadata is read once; the output is not read back to set the arg)."""
+    src = open_checkpoint(FIXTURES / "core019_peft_full_tp1")
+    report = _strip(capsys, FIXTURES / "core019_peft_full_tp1", tmp_path / "out")
+    assert report["result"]["args_changed"] == [{"arg": "save_trainable_params_only", "old": False, "new": True}]
+    out = open_checkpoint(tmp_path / "out")
+    referenced: dict[str, int] = {}
+    for entry in out.entries.values():
+        for chunk in entry.chunks:
+            referenced[chunk.storage.relative_path] = (
+                referenced.get(chunk.storage.relative_path, 0) + chunk.storage.length
+            )
+    rank_files = {p.name: p.stat().st_size for p in out.iteration_dir.glob("__*.distcp")}
+    assert {n: referenced[n] for n in rank_files} == rank_files
+    common = out.entries["common_state/shard_0_1"].chunks[0].storage
+    assert common.relative_path == "common_state.strip-frozen.distcp"
+    assert common.length == (out.iteration_dir / common.relative_path).stat().st_size
+    kept = {d["key"] for d in report["plan"]["kept"]}
+    assert sum(rank_files.values()) == sum(src.entries[k].nbytes for k in kept - {"common_state/shard_0_1"})
+
+
+def test_megatron_extras_list_only_kept_keys(capsys, tmp_path):
+    """mcore_data (core 0.14-0.15) is edited with the other places a key appears, as edit edits it."""
+    source = FIXTURES / "core015_tp2"
+    assert "decoder.layers.mlp.linear_fc2.weight" in torch_dist.record_attr(
+        torch_dist.load_metadata_object(source / "iter_0000010" / ".metadata"), "mcore_data"
+    )
+    _strip(capsys, source, tmp_path / "out", "--trainable", "linear_qkv")
+    metadata = torch_dist.load_metadata_object(tmp_path / "out" / "iter_0000010" / ".metadata")
+    mcore_data = torch_dist.record_attr(metadata, "mcore_data")
+    keys = set(torch_dist.record_attr(metadata, "state_dict_metadata"))
+    assert mcore_data and set(mcore_data) <= keys
+    assert "decoder.layers.mlp.linear_fc2.weight" not in keys | set(mcore_data)
 
 
 @pytest.mark.parametrize("name", ["core019_peft_full_tp1", "core016_peft_full_tp1"])

@@ -10,26 +10,20 @@ through :func:`ckptdoctor.ops.key_write.write_keys`: staging dir, fsync, atomic 
 
 from __future__ import annotations
 
-import argparse
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ckptdoctor import atomic, locking
+from ckptdoctor import locking
 from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import torch_dist
-from ckptdoctor.formats.torch_dist import StorageLocation
-from ckptdoctor.ops.edit import CommonChange, EditPlan, EditRequest, plan_edit
+from ckptdoctor.ops.common_write import common_rewriter
+from ckptdoctor.ops.edit import EditPlan, EditRequest, plan_edit
 from ckptdoctor.ops.key_write import KeyEdit, StripResult, check_target, write_keys
 from ckptdoctor.ops.staged_integrity import verify_source_manifest
 from ckptdoctor.ops.strip import check_integrity
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
-
-COMMON_FILE = "common_state.edit.distcp"  # the rewritten common state (core >= 0.19 checkpoints)
 
 
 @dataclass
@@ -40,58 +34,6 @@ class EditReport:
     compact: bool
     linked_files: int = 0  # data files of the output that are the source's own (hard links)
     copied_files: int = 0  # data files copied (--compact, or linking failed across filesystems)
-
-
-def _new_common(checkpoint: Checkpoint, changes: list[CommonChange]) -> dict:
-    common = dict(checkpoint.common_state())
-    for change in changes:
-        if change.what == "drop":
-            common.pop(change.name, None)
-        elif change.what == "drop-content-metadata":
-            content = dict(common.get("content_metadata") or {})
-            content.pop(change.name, None)
-            common["content_metadata"] = content
-        elif change.what == "set-arg":
-            args = argparse.Namespace(**vars(common["args"]))
-            setattr(args, change.name, change.new)
-            common["args"] = args
-    return common
-
-
-def common_rewriter(checkpoint: Checkpoint, changes: list[CommonChange]) -> Callable[[Any, Path], list[str]] | None:
-    """The ``KeyEdit.common`` hook that writes the edited common state into the staging dir."""
-    if not changes:
-        return None
-
-    def rewrite(metadata: Any, stage: Path) -> list[str]:
-        from ckptdoctor.formats.torch_zip import dump_torch_zip
-        from ckptdoctor.ops.fix_args import ArgChange
-        from ckptdoctor.ops.fix_args_write import RUN_CONFIG, read_run_config, updated_run_config
-
-        common = _new_common(checkpoint, changes)
-        written = []
-        source = checkpoint.common_source
-        if source == "common.pt":
-            atomic.write_atomic(stage / "common.pt", dump_torch_zip(common))
-            written.append("common.pt")
-        else:
-            payload = dump_torch_zip([common])  # Megatron writes a ShardedObject as torch.save([obj])
-            entries = [i for i in torch_dist.storage_items(metadata).items() if torch_dist.index_fqn(i[0]) == source]
-            if len(entries) != 1:
-                raise CkptError(f"{checkpoint.iteration_dir / '.metadata'}: expected one storage entry for {source}")
-            atomic.write_atomic(stage / COMMON_FILE, payload)
-            torch_dist.set_storage(entries[0][1], StorageLocation(COMMON_FILE, 0, len(payload)))
-            written.append(COMMON_FILE)
-        arg_changes = [ArgChange(c.name, c.old, c.new, "set") for c in changes if c.what == "set-arg"]
-        run_config = read_run_config(checkpoint.iteration_dir) if arg_changes else None
-        if run_config is not None:  # Megatron-Bridge's copy of the args, kept in step
-            text, updated = updated_run_config(run_config, arg_changes)
-            if updated:
-                atomic.write_atomic(stage / RUN_CONFIG, text.encode("utf-8"))
-                written.append(RUN_CONFIG)
-        return written
-
-    return rewrite
 
 
 def _inodes(directory: Path, names: list[str]) -> dict[str, tuple[int, int]]:
@@ -150,7 +92,7 @@ def edit(
         renames=plan.rename_map,
         compact=compact,
         step="edit",
-        common=common_rewriter(checkpoint, plan.common_changes),
+        common=common_rewriter(checkpoint, plan.common_changes, "common_state.edit.distcp"),
         rewritten={checkpoint.common_source} if plan.common_changes and checkpoint.common_source else set(),
         metadata=metadata,
         jobs=jobs,

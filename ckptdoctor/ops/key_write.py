@@ -1,14 +1,13 @@
 """A staged rewrite of a checkpoint's keys, the writer of ``strip-frozen`` and ``edit``: build the new checkpoint in
 a staging dir, then swap it in.
 
-The complete new checkpoint is written into a hidden staging dir beside the target (same filesystem) and only
-then renamed into place, so an interrupted run leaves the source untouched and no half-written output under
-the target's name. ``--in-place`` swaps the iteration dir and the staging dir atomically (Linux
-``renameat2(RENAME_EXCHANGE)``; two renames elsewhere), then the old one is renamed to ``<iter>.bak-<stamp>``
-(kept unless ``--no-backup``; Megatron ignores names that are not ``iter_*``). ``metadata.json`` is written
-last inside the staging dir, as Megatron does, followed only by the caller's ``finish`` step and a fresh
-``integrity.json`` when the source had one (the manifest ``seal`` writes, over the new files; the source's own
-is verified first, so a changed source byte is refused instead of re-sealed).
+The complete new checkpoint is written into a hidden staging dir beside the target (same filesystem) and only then
+renamed into place, so an interrupted run leaves the source untouched and no half-written output under the target's
+name. ``--in-place`` swaps the iteration dir and the staging dir atomically (Linux ``renameat2(RENAME_EXCHANGE)``;
+two renames elsewhere), then the old one is renamed to ``<iter>.bak-<stamp>`` (kept unless ``--no-backup``; Megatron
+ignores names that are not ``iter_*``). ``metadata.json`` is written last inside the staging dir, as Megatron does,
+followed only by a fresh ``integrity.json`` when the source had one (the manifest ``seal`` writes, over the new
+files; the source's own is verified first, so a changed source byte is refused instead of re-sealed).
 
 Once the swap has happened no error path deletes the old tree, and Ctrl-C is held back from just before the
 swap until the old tree has its backup name. Staging names carry a timestamp and a random token (the in-place
@@ -63,9 +62,6 @@ class StripResult:
     # the saved args rewritten in the output (save_trainable_params_only -> true); empty with --keep-args
     args_changed: list[dict] = field(default_factory=list)
     seconds: float = 0.0
-
-
-Finish = Callable[[Path, StripResult], None]  # a last step in the staging iteration dir (see write_keys)
 
 
 def input_was_save_dir(checkpoint: Checkpoint) -> bool:
@@ -160,10 +156,7 @@ def _new_metadata(held: list, edit: KeyEdit, stage: Path) -> tuple[list[str], by
     ``held``: a list holding the source's ``.metadata`` object, its only reference; the object is taken out of
     it and let go once pickled, so the read-back check reuses its memory."""
     metadata = held[0]
-    if edit.renames or edit.common is not None:
-        dcp_keys.edit_metadata(metadata, edit.keep, edit.renames)
-    else:
-        dcp_writer.restrict_metadata(metadata, edit.keep)
+    dcp_keys.edit_metadata(metadata, edit.keep, edit.renames)
     rebuilt = edit.common(metadata, stage) if edit.common is not None else []
     del metadata
     with gc_paused():
@@ -177,7 +170,6 @@ def _fill_iteration_dir(
     stage: Path,
     progress: Callable[[int], None] | None,
     result: StripResult,
-    finish: Finish | None = None,
 ) -> None:
     src = checkpoint.iteration_dir
     # The one reference to the source's .metadata object (see _new_metadata); the cyclic GC is paused by the load
@@ -213,8 +205,6 @@ def _fill_iteration_dir(
             result.carried.append(name)
     # Last, as Megatron does: a dir without metadata.json is an incomplete checkpoint to every reader.
     atomic.write_atomic(stage / "metadata.json", (src / "metadata.json").read_bytes())
-    if finish is not None:
-        finish(stage, result)
     if (src / INTEGRITY_NAME).is_file():
         # Still in the staging dir: no run leaves a checkpoint under its name whose manifest lists other bytes.
         write_manifest(stage, None if edit.compact else carried_hashes(src, stage))
@@ -231,12 +221,8 @@ def write_keys(
     force: bool = False,
     keep_backup: bool = True,
     progress: Callable[[int], None] | None = None,
-    finish: Finish | None = None,
 ) -> StripResult:
-    """Write the source with ``edit`` applied to ``output`` (or in place); returns what was written.
-
-    ``finish`` runs on the staging iteration dir after ``metadata.json`` and before the integrity manifest
-    (strip-frozen sets the saved args there)."""
+    """Write the source with ``edit`` applied to ``output`` (or in place); returns what was written."""
     started = time.perf_counter()
     check_target(checkpoint, output, in_place, force, keep_backup)
     src_iter = checkpoint.iteration_dir
@@ -250,7 +236,7 @@ def write_keys(
     # the staging name is unique and the final rename never replaces an existing dir (but with --force).
     lock = locking.checkpoint_lock(target) if in_place else contextlib.nullcontext()
     with lock:
-        return _write_locked(checkpoint, edit, target, in_place, keep_backup, progress, started, finish)
+        return _write_locked(checkpoint, edit, target, in_place, keep_backup, progress, started)
 
 
 def _write_locked(
@@ -261,7 +247,6 @@ def _write_locked(
     keep_backup: bool,
     progress: Callable[[int], None] | None,
     started: float,
-    finish: Finish | None = None,
 ) -> StripResult:
     src_iter = checkpoint.iteration_dir
     save_layout = not in_place and input_was_save_dir(checkpoint)
@@ -291,7 +276,7 @@ def _write_locked(
         atomic.fault_point(f"{edit.step}:staging-created")
         if save_layout:
             stage_iter.mkdir()
-        _fill_iteration_dir(checkpoint, edit, stage_iter, progress, result, finish)
+        _fill_iteration_dir(checkpoint, edit, stage_iter, progress, result)
         if save_layout:
             location = checkpoint.location
             value = "release" if location.release else str(location.iteration)

@@ -8,41 +8,32 @@ interrupted run.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptdoctor import atomic, locking
+from ckptdoctor import locking
 from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
+from ckptdoctor.ops.common_write import common_rewriter
+from ckptdoctor.ops.edit import CommonChange
 from ckptdoctor.ops.key_write import KeyEdit, StripResult, check_target, write_keys
 from ckptdoctor.ops.staged_integrity import verify_source_manifest
 from ckptdoctor.ops.strip import StripPlan
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
 
+COMMON_FILE = "common_state.strip-frozen.distcp"  # the rewritten common state (core >= 0.19 checkpoints)
 
-def _set_trainable_only_arg(stage: Path, result: StripResult) -> None:
-    """Saved args as Megatron's --save-trainable-params-only run writes them (``save_trainable_params_only:
-    true``), through fix-args' writer: a new common state (``common.pt``, or a small data file that
-    ``.metadata`` is repointed to), written into the staging dir before the integrity manifest."""
-    import argparse
 
-    from ckptdoctor.checkpoint import open_checkpoint
-    from ckptdoctor.ops.fix_args import ArgChange
-    from ckptdoctor.ops.fix_args_write import WriteResult, _new_files, _side_files
-
-    staged = open_checkpoint(stage)
-    args = staged.args
-    if not isinstance(args, argparse.Namespace) or getattr(args, "save_trainable_params_only", None) is True:
-        return
+def _trainable_only_arg(checkpoint: Checkpoint) -> list[CommonChange]:
+    """The saved arg as Megatron's --save-trainable-params-only run writes it (``save_trainable_params_only:
+    true``); none where it is already so or the common state holds no args. Written with the kept keys, as
+    ``edit`` writes its common-state changes (:mod:`ckptdoctor.ops.common_write`)."""
+    args = checkpoint.args
     name = "save_trainable_params_only"
-    changes = [ArgChange(name, getattr(args, name, None), True, "set")]
-    # A fixed name in the fresh staging dir: the same source and selection give the same files. The old
-    # common-state item stays in the copied data file, unreferenced (a few KiB), as after fix-args.
-    files, _ = _new_files(staged, changes, "strip-frozen")
-    _side_files(stage, changes, files, WriteResult("output", str(stage)))  # run_config.yaml, when it has the arg
-    for file_name in sorted(files, key=lambda n: n == ".metadata"):  # data first, then the index pointing to it
-        atomic.write_atomic(stage / file_name, files[file_name])
-    result.args_changed = [{"arg": c.arg, "old": c.old, "new": c.new} for c in changes]
+    if not isinstance(args, argparse.Namespace) or getattr(args, name, None) is True:
+        return []
+    return [CommonChange("set-arg", name, getattr(args, name, None), True, "as --save-trainable-params-only saves it")]
 
 
 @dataclass
@@ -139,16 +130,17 @@ def _plan_and_write(
         progress.start("copying kept items", plan.bytes_after)
     try:
         advance = progress.advance if progress is not None else None
-        result = write_keys(
-            checkpoint,
-            KeyEdit(plan.keep_keys, metadata=metadata, jobs=jobs),
-            output,
-            in_place,
-            force,
-            keep_backup,
-            advance,
-            None if keep_args else _set_trainable_only_arg,
+        changes = [] if keep_args else _trainable_only_arg(checkpoint)
+        source = checkpoint.common_source
+        key_edit = KeyEdit(
+            plan.keep_keys,
+            common=common_rewriter(checkpoint, changes, COMMON_FILE),
+            rewritten={source} if changes and source else set(),
+            metadata=metadata,
+            jobs=jobs,
         )
+        result = write_keys(checkpoint, key_edit, output, in_place, force, keep_backup, advance)
+        result.args_changed = [{"arg": c.name, "old": c.old, "new": c.new} for c in changes]
     finally:
         if progress is not None:
             progress.finish()

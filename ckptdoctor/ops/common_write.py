@@ -1,0 +1,74 @@
+"""The common state (``common.pt`` or Megatron's ``common_state`` item) of a key rewrite, changed as one step of
+the staged write (:class:`ckptdoctor.ops.key_write.KeyEdit`'s ``common`` hook): ``edit --drop-section`` drops
+leftovers and sets args, ``strip-frozen`` sets ``save_trainable_params_only``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ckptdoctor import atomic
+from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats import torch_dist
+from ckptdoctor.formats.torch_dist import StorageLocation
+from ckptdoctor.ops.edit import CommonChange
+
+
+def _new_common(checkpoint: Checkpoint, changes: list[CommonChange]) -> dict:
+    common = dict(checkpoint.common_state())
+    for change in changes:
+        if change.what == "drop":
+            common.pop(change.name, None)
+        elif change.what == "drop-content-metadata":
+            content = dict(common.get("content_metadata") or {})
+            content.pop(change.name, None)
+            common["content_metadata"] = content
+        elif change.what == "set-arg":
+            args = argparse.Namespace(**vars(common["args"]))
+            setattr(args, change.name, change.new)
+            common["args"] = args
+    return common
+
+
+def common_rewriter(
+    checkpoint: Checkpoint, changes: list[CommonChange], file_name: str
+) -> Callable[[Any, Path], list[str]] | None:
+    """The ``KeyEdit.common`` hook that writes the edited common state into the staging dir: a new ``common.pt``,
+    or (core >= 0.19, the common state a ``.metadata`` item) a new data file ``file_name`` that the ``.metadata``
+    object is repointed to before it is pickled; Megatron-Bridge's ``run_config.yaml`` kept in step with the args.
+    None where nothing changes."""
+    if not changes:
+        return None
+
+    def rewrite(metadata: Any, stage: Path) -> list[str]:
+        from ckptdoctor.formats.torch_zip import dump_torch_zip
+        from ckptdoctor.ops.fix_args import ArgChange
+        from ckptdoctor.ops.fix_args_write import RUN_CONFIG, read_run_config, updated_run_config
+
+        common = _new_common(checkpoint, changes)
+        written = []
+        source = checkpoint.common_source
+        if source == "common.pt":
+            atomic.write_atomic(stage / "common.pt", dump_torch_zip(common))
+            written.append("common.pt")
+        else:
+            payload = dump_torch_zip([common])  # Megatron writes a ShardedObject as torch.save([obj])
+            entries = [i for i in torch_dist.storage_items(metadata).items() if torch_dist.index_fqn(i[0]) == source]
+            if len(entries) != 1:
+                raise CkptError(f"{checkpoint.iteration_dir / '.metadata'}: expected one storage entry for {source}")
+            atomic.write_atomic(stage / file_name, payload)
+            torch_dist.set_storage(entries[0][1], StorageLocation(file_name, 0, len(payload)))
+            written.append(file_name)
+        arg_changes = [ArgChange(c.name, c.old, c.new, "set") for c in changes if c.what == "set-arg"]
+        run_config = read_run_config(checkpoint.iteration_dir) if arg_changes else None
+        if run_config is not None:  # Megatron-Bridge's copy of the args, kept in step
+            text, updated = updated_run_config(run_config, arg_changes)
+            if updated:
+                atomic.write_atomic(stage / RUN_CONFIG, text.encode("utf-8"))
+                written.append(RUN_CONFIG)
+        return written
+
+    return rewrite
