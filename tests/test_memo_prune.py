@@ -433,8 +433,8 @@ def test_a_large_file_is_read_into_a_map_of_its_own(tmp_path, monkeypatch):
 def test_equal_strings_are_read_as_one_object_where_asked():
     """share_strings (index-only reads): a string opcode whose bytes equal those of an earlier memoized string is read
     as a memo read of it: the same value, one object (a key's name is written once per storage entry of it). Only
-    strings of 8 bytes or more, only from a string a MEMOIZE stored, and only when asked: a faithful read (rewrites)
-    keeps them apart."""
+    strings of 8 bytes or more, only from a string a MEMOIZE stored, and only when asked (safe_pickle asks in every
+    read: faithful reads too, whose rewrites then pickle each string once)."""
     from hostile_corpus import su
 
     key = "decoder.layers.0.self_attention.linear_qkv.weight"
@@ -446,7 +446,9 @@ def test_equal_strings_are_read_as_one_object_where_asked():
     for read in (safe_pickle.loads(data, index_only=True), pickle.loads(shared)):
         assert read == value and read[0] is read[1] is next(iter(read[4])) and read[2] is not read[3]
     faithful = safe_pickle.loads(data)
-    assert faithful == value and faithful[0] is not faithful[1]
+    assert faithful == value and faithful[0] is faithful[1] and faithful[2] is not faithful[3]
+    unshared = pickle.loads(prune_memo(data) or data)  # not asked: kept apart
+    assert unshared == value and unshared[0] is not unshared[1]
     # a string no MEMOIZE stored is not a source; the next equal one that is memoized becomes it
     hand_made = b"\x80\x04(" + su(key) + su(key) + b"\x94" + su(key) + b"l."
     assert pickle.loads(prune_memo(hand_made, True)) == [key] * 3
