@@ -43,7 +43,6 @@ from ckptdoctor.stand_ins import (
     STAND_IN_TYPES,
     DroppedRecord,
     Record,
-    StandIn,
     index_record_class,
     record_class,
     stand_in_class,
@@ -228,10 +227,7 @@ KNOWN_STAND_INS: frozenset[tuple[str, str]] = frozenset(
         ("torch._C", "Generator"),
         ("torch.distributed.checkpoint.metadata", "Metadata"),
         ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-        ("torch.distributed.checkpoint.planner", "SavePlan"),
-        ("torch.distributed.checkpoint.planner", "WriteItem"),
         ("torch.distributed.checkpoint.planner", "WriteItemType"),
-        ("torch.distributed.checkpoint.planner", "TensorWriteData"),
     }
 )
 
@@ -357,8 +353,8 @@ def index_only(obj: Any) -> Any:
     plan parts by identity, sizes as tuples: the pre-pass counts them as it counts ``Size``)."""
     if obj is Size:
         return index_size
+    if isinstance(obj, type) and issubclass(obj, STAND_IN_TYPES) and obj.__ckd_global__ in PLAN_PARTS:
+        return DroppedRecord
     if isinstance(obj, type) and issubclass(obj, Record):
         return index_record_class(obj)
-    if isinstance(obj, type) and issubclass(obj, StandIn) and obj.__ckd_global__ in PLAN_PARTS:
-        return DroppedRecord
     return obj

@@ -234,6 +234,7 @@ class TupleStateRecord(Record):
 
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_DCP_PLANNER = "torch.distributed.checkpoint.planner"
 RECORD_BASES: dict[tuple[str, str], type[Record]] = {
     (_DCP_METADATA, "MetadataIndex"): Record,
     (_DCP_METADATA, "ChunkStorageMetadata"): Record,
@@ -241,6 +242,11 @@ RECORD_BASES: dict[tuple[str, str], type[Record]] = {
     (_DCP_METADATA, "BytesStorageMetadata"): Record,
     (_DCP_METADATA, "TensorProperties"): TupleStateRecord,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): Record,
+    # the parts of megatron-core's all_local_plans (a rank's plan holds one write item per chunk it saved: as many
+    # records as the index, pickled back at C speed with their own __dict__ as state, no copy per record)
+    (_DCP_PLANNER, "SavePlan"): Record,
+    (_DCP_PLANNER, "WriteItem"): Record,
+    (_DCP_PLANNER, "TensorWriteData"): Record,
 }
 _RECORD_CLASSES: dict[tuple[str, str], type[Record]] = {}
 
