@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import itertools
+import operator
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -92,6 +94,8 @@ def _escape_container(value: Any, memo: dict[int, Any]) -> Any:
             return value
         return dict(items)
     if isinstance(value, (list, tuple, set, frozenset)):
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple) and len(value) > 64 and _clean_rows(value):
+            return value
         new = [escape_values(v, memo) for v in value]
         if all(a is b for a, b in zip(new, value)):
             return value
@@ -116,6 +120,23 @@ def _escape_container(value: Any, memo: dict[int, Any]) -> Any:
 
 
 _ATOMS = frozenset({int, float, bool, type(None), bytes, bytearray})
+_ROW_FIELD_TYPES = _ATOMS | {str}
+
+
+def _clean_rows(rows: list | tuple) -> bool:
+    """True where ``rows`` are dataclasses of one class whose fields are all atoms or strings with nothing to
+    escape: the rows of a large report (a plan's 200k key decisions), checked in a few passes at C speed instead
+    of a visit per field (a second of a 200k-key ``strip-frozen``). Anything else takes the general path."""
+    cls = type(rows[0])
+    names = _field_names(cls)  # type: ignore[arg-type]  # a class is hashable
+    if not names or set(map(type, rows)) != {cls}:
+        return False
+    getter = operator.attrgetter(*names) if len(names) > 1 else (lambda row: (getattr(row, names[0]),))
+    fields = list(itertools.chain.from_iterable(map(getter, rows)))
+    if not set(map(type, fields)) <= _ROW_FIELD_TYPES:
+        return False
+    text = "".join(field for field in fields if type(field) is str)
+    return text.isprintable() or _UNSAFE_RE.search(text) is None
 
 
 @functools.cache

@@ -412,6 +412,37 @@ def test_escape_unit():
     assert escape("plain, ünïcödé, 中文 ok") == "plain, ünïcödé, 中文 ok"
 
 
+def test_large_reports_rows_are_escaped_wherever_the_control_character_is():
+    """escape_values' fast path for many rows of one dataclass: clean rows come back as the same list; one hostile
+    string in any row and field (or a row of another class, or a nested value) still gets escaped."""
+    from dataclasses import dataclass
+
+    from ckptdoctor.text_safety import escape_values
+
+    @dataclass
+    class Row:
+        key: str
+        size: int
+        reason: str | None
+
+    @dataclass
+    class Other:
+        key: str
+
+    rows = [Row(f"decoder.layers.{i}.mlp.weight", i, None if i % 2 else "frozen") for i in range(1000)]
+    assert escape_values(rows) is rows
+    for index, field in ((0, "key"), (517, "reason"), (999, "key")):
+        hostile = list(rows)
+        hostile[index] = Row(**{**vars(rows[index]), field: "evil\x1b[2J\u202e"})
+        out = escape_values(hostile)
+        assert getattr(out[index], field) == "evil\\x1b[2J\\u202e"
+        assert out[:index] == rows[:index] and out[index + 1 :] == rows[index + 1 :]
+    mixed = [*rows, Other("x\ny")]
+    assert escape_values(mixed)[-1].key == "x\\ny"
+    nested = [*rows[:100], Row("k", 1, ["a\x07"])]  # type: ignore[arg-type]  # a field holding a container
+    assert escape_values(nested)[-1].reason == ["a\\x07"]
+
+
 def test_inspect_escapes_arg_values_json_keeps_them(capsys, hostile):
     rc, out, _ = _run(capsys, "inspect", hostile)
     assert rc == 0
