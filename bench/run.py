@@ -12,7 +12,8 @@ included) and in-process, ``cat`` of ``.metadata`` and the ``python -c "import c
 one alternating group (``harness.alternate``), ratios per round. Separately, at the largest size, the old
 anchor under its real name: converting and loading all the data (``dcp_to_torch_save`` + ``torch.load``).
 
-**scale** (``SCALE_POINTS``): ``inspect``, ``check``, ``diff A A`` and ``fix-args --write`` whole-process wall
+**scale** (``SCALE_POINTS``): ``inspect``, ``check``, ``diff A A`` and ``fix-args --write`` (``--scale-commands``
+also ``strip-frozen --force`` and ``edit --remove '^optimizer\\.'``, the rewrites) whole-process wall
 and peak RSS at 2k/20k/100k/200k keys (200 files), 200/2,000/20,000 files (20k keys), 0.06/0.5/2/8 GB of data,
 TP1/8/64 chunk grids and 1M chunks (42k keys x TP16), each command one alternating group with the floor
 ``python -c "import click, tabulate"`` and, with ``--before TREE``, the same cases run from another source tree
@@ -267,11 +268,16 @@ def scale_commands(save: Path, scratch: Path, tag: str) -> dict[str, tuple[list[
         shutil.rmtree(out, ignore_errors=True)
 
     fix = ckptdoctor("fix-args", str(save), "--set", "seq_length=12345", "--write", "--output", str(out))
+    # the rewrites: every key kept (--force: no parameter of the synthetic is frozen), or the optimizer removed
+    strip = ckptdoctor("strip-frozen", str(save), "--force", "--output", str(out))
+    edit = ckptdoctor("edit", str(save), "--remove", r"^optimizer\.", "--output", str(out))
     return {
         "inspect": (ckptdoctor("inspect", str(save), "--format", "json"), None),
         "check": (ckptdoctor("check", "--isolated", "-q", str(save)), None),
         "diff": (ckptdoctor("diff", str(save), str(save), "--format", "json"), None),
         "fix-args": (fix, clean),
+        "strip-frozen": (strip, clean),
+        "edit": (edit, clean),
     }
 
 
@@ -470,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--before", type=Path, default=None, help="scale: also run every case from this source tree")
     p.add_argument("--results-name", default=None, help="results file name (default: the benchmark's name)")
-    p.add_argument("--scale-commands", default="inspect,check,diff,fix-args")
+    p.add_argument("--scale-commands", default="inspect,check,diff,fix-args", help="also: strip-frozen (--force), edit")
     p.add_argument("--scale-repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300, help="seconds before a run is killed")
     o = p.parse_args(argv)
