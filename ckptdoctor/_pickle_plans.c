@@ -14,7 +14,7 @@
  *    there: ASCII strings, ints, None, bools, floats, bytes; memo reads of existing entries; containers made in the
  *    part and filled with hashable keys; tuples; STACK_GLOBAL or GLOBAL of the classes below (all allowlisted, so
  *    find_class only returns them) and their NEWOBJ / REDUCE / BUILD, each in a form that cannot raise in an
- *    index-only read; memo writes of the next entry above the fence. Nothing outside the part is changed (only
+ *    index-only read (a plan part's own BUILD only with a dict, as torch's needs); memo writes of the next entry above the fence. Nothing outside the part is changed (only
  *    objects made in the part are filled or built), no mark outlives it, and the part ends with the BUILD of the
  *    DROPPED object itself. Anything else, and any doubt, leaves the bytes as they are;
  *  - an entry written in a left-out region and read from code that stays makes the region live (translated as it
@@ -254,12 +254,15 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
                 n -= 2;
                 break;
             }
-            case 'b': { /* BUILD of an object made in the part: no state can make it fail */
+            case 'b': { /* BUILD of an object made in the part, with a state it cannot refuse */
                 if (n - 2 < lo) return 0;
                 int target = stack[n - 2], state = stack[n - 1];
                 if (target != K_DROPPED && target != K_OBJECT && target != K_RECORD) return 0;
-                /* an index record's BUILD with a dict holding "chunks" or "properties" may replace objects outside
-                 * the part (prebuild in _dcp_compact.c): not left out; nor with a dict the part did not make */
+                /* DROPPED refuses a state the real class's BUILD would (stand_ins.DroppedRecord): only a dict is
+                 * left out unread. An index record's BUILD with a dict holding "chunks" or "properties" may replace
+                 * objects outside the part (prebuild in _dcp_compact.c): not left out; nor with a dict the part did
+                 * not make. */
+                if (target == K_DROPPED && !is_dict(state)) return 0;
                 if (target == K_RECORD && (state == K_DICT_PREBUILD || state == K_OTHER)) return 0;
                 n -= 1;
                 if (n == 1 && n_marks == 0) { /* the part's own BUILD: the region ends here */

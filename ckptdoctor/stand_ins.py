@@ -331,8 +331,19 @@ class DroppedRecord:
     def __new__(cls, *args: Any, **kwargs: Any) -> DroppedRecord:  # NEWOBJ, or a pickle calling the class
         return DROPPED
 
-    def __setstate__(self, state: Any) -> None:  # BUILD: the state is not kept
-        pass
+    def __setstate__(self, state: Any) -> None:
+        """BUILD: the state is not kept, but refused where the real class's BUILD fails. The plan parts are frozen
+        dataclasses without ``__setstate__``: torch's loader (a plain ``pickle.load``) accepts only a dict (or None)
+        as their state and no slot state, so an index-only read (``check``) refuses what megatron-core could not
+        read either."""
+        if isinstance(state, tuple) and len(state) == 2:
+            state, slots = state
+            if slots is not None and not isinstance(slots, dict):
+                raise pickle.UnpicklingError("slot state is not a dictionary")
+            if slots:  # setattr on a frozen dataclass
+                raise pickle.UnpicklingError("a save plan's record is a frozen dataclass: no slot state")
+        if state is not None and not isinstance(state, dict):
+            raise pickle.UnpicklingError(_STATE_NOT_DICT)
 
     def __reduce__(self) -> Any:
         raise TypeError("an index-only read's dropped plan records are never written back")

@@ -598,3 +598,46 @@ def test_coverage_shortcut_for_one_chunk_per_cell_agrees_with_the_cell_mapping(m
     monkeypatch.setattr(consistency, "_one_chunk_per_cell", lambda chunks, cuts: False)
     assert fast == [consistency.coverage_problem(e) for e in entries]
     assert sum(p is None for p in fast) > 500 and sum(p is not None for p in fast) > 500
+
+
+def _plan_item_with_state(iteration_dir: Path, state: object) -> None:
+    """Rewrite .metadata with its first plan's first write item pickled with ``state`` as its BUILD state (a
+    crafted file: ckptdoctor's own writer refuses to write it, so the unchecked pickler is used)."""
+    from ckptdoctor import safe_pickle
+    from ckptdoctor.formats.torch_dist import record_attr
+    from ckptdoctor.stand_ins import stand_in_class
+
+    path = iteration_dir / ".metadata"
+    metadata = load_metadata_object(path)
+    cls = stand_in_class("torch.distributed.checkpoint.planner", "WriteItem")
+    item = cls.__new__(cls)  # NEWOBJ, as DCP pickles it
+    item.__setstate__(state)  # a generic stand-in keeps any state as it is and pickles it back
+    record_attr(record_attr(metadata, "all_local_plans")[0], "items")[0] = item
+    path.write_bytes(safe_pickle._pickled(metadata, None))
+
+
+def test_a_save_plan_part_torch_cannot_build_is_corrupt_metadata(capsys, copy_fixture):
+    """megatron-core's load reads .metadata with torch's plain pickle.load, which refuses a write item built with
+    anything but a dict: check reports it (CKD111) although the index never reads the plans, and edit refuses it."""
+    save = copy_fixture("core019_tp2")
+    _plan_item_with_state(save / ITER, [1, 2, 3])
+    rc, out, _ = _check(capsys, str(save))
+    assert rc == 1 and "CKD111" in out and "state is not a dictionary" in out, out
+    assert main(["edit", str(save), "--remove", "^optimizer\\.", "-o", str(save.parent / "edited")]) == 2
+    assert "state is not a dictionary" in capsys.readouterr().err
+    fine = copy_fixture("core019_tp1")
+    _plan_item_with_state(fine / ITER, {"type": None})  # a dict: what torch accepts
+    assert _check(capsys, str(fine))[0] == 0
+
+
+@pytest.mark.mcore
+def test_torch_refuses_the_plan_part_check_refuses(copy_fixture):
+    """The premise of the test above, checked against torch's own reader."""
+    pytest.importorskip("torch")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    save = copy_fixture("core019_tp2")
+    FileSystemReader(str(save / ITER)).read_metadata()  # the fixture itself reads
+    _plan_item_with_state(save / ITER, [1, 2, 3])
+    with pytest.raises(Exception, match="state is not a dictionary"):
+        FileSystemReader(str(save / ITER)).read_metadata()

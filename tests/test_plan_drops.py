@@ -405,3 +405,36 @@ def test_the_plan_memory_stays_under_the_input_size():
     assert b"first-part-state" not in _alike(few)  # under the bound: every part left out
     many = readers(200_000)
     assert b"first-part-state" in _alike(many) and len(_alike(many)) > len(many) // 2  # every part kept
+
+
+@pytest.mark.parametrize(
+    "state,error",
+    [
+        (b"](K\x01K\x02e", "state is not a dictionary"),  # a list
+        (b"K\x07", "state is not a dictionary"),  # an int
+        (b"N}(\x8c\x01aK\x01u\x86", "no slot state"),  # (None, {"a": 1}): setattr on a frozen dataclass
+        (b"NK\x01\x86", "slot state is not a dictionary"),  # (None, 1)
+    ],
+)
+def test_a_plan_part_built_with_a_state_torch_refuses_is_kept_and_refused(state, error):
+    """torch's loader (pickle.load) refuses a BUILD of its frozen plan dataclasses with anything but a dict: the part
+    is not left out, and DROPPED refuses the state too, so check does not pass what megatron-core cannot read."""
+    p = _Pickle()
+    cls = p.cls(PLANNER, "WriteItem")
+    p.get(cls).add(b")\x81")
+    p.put()
+    p.string("state-marker")
+    p.add(b"0" + state + b"b")  # POP the marker (it is kept only to find the part), then BUILD with the state
+    data = p.bytes()
+    assert _passes_scan(data)
+    pruned = _alike(data)
+    assert b"state-marker" in pruned
+    outcome = _outcome(data, True)
+    assert outcome[0] == "UnpicklingError" and error in outcome[1], outcome
+    for good in (b"}", b"N", b"}N\x86", b"N}\x86"):  # a dict, None, (dict, None), (None, {}): as torch accepts
+        ok = _Pickle()
+        ok_cls = ok.cls(PLANNER, "WriteItem")
+        ok.get(ok_cls).add(b")\x81")
+        ok.put()
+        ok.add(good + b"b")
+        assert _outcome(ok.bytes(), True)[0] == "ok"
