@@ -90,16 +90,27 @@ class Entry(DcpItem):
             n *= d
         return n
 
+    def misranked_chunk(self) -> DcpChunk | None:
+        """A chunk of this tensor whose offsets or sizes do not have its number of dims (None if there is none):
+        readers that index a chunk by the tensor's axes skip or refuse such a tensor (``check`` reports it as CKD
+        coverage)."""
+        if self.kind != "tensor":
+            return None
+        ndim = len(self.shape or ())
+        for chunk in self.chunks:
+            if len(chunk.offsets) != ndim or len(chunk.sizes) != ndim:
+                return chunk
+        return None
+
     def require_chunk_ranks(self, iteration_dir: Path) -> None:
         """Refuse (:class:`CkptError` naming ``.metadata``) a tensor whose chunks do not have its number of dims:
         value readers index a chunk's offsets and sizes by the tensor's axes (``check`` reports it as CKD coverage)."""
-        ndim = len(self.shape or ())
-        for chunk in self.chunks:
-            if self.kind == "tensor" and (len(chunk.offsets) != ndim or len(chunk.sizes) != ndim):
-                raise CkptError(
-                    f"{iteration_dir / '.metadata'}: {self.key}: chunk at {list(chunk.offsets)} of size "
-                    f"{list(chunk.sizes)} does not have the tensor's {ndim} dims"
-                )
+        chunk = self.misranked_chunk()
+        if chunk is not None:
+            raise CkptError(
+                f"{iteration_dir / '.metadata'}: {self.key}: chunk at {list(chunk.offsets)} of size "
+                f"{list(chunk.sizes)} does not have the tensor's {len(self.shape or ())} dims"
+            )
 
     def max_range_bytes(self, chunk: DcpChunk) -> int:
         """The most bytes one stored range of this item can legitimately span: a tensor chunk's elements plus

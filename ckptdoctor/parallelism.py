@@ -144,8 +144,8 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
     ranks_known = True
     rank_of = _WriterRanks()
     for entry in checkpoint.section_entries("model"):
-        if entry.kind != "tensor" or not entry.shape:
-            continue
+        if entry.kind != "tensor" or not entry.shape or entry.misranked_chunk() is not None:
+            continue  # a chunk of another rank than its tensor tells nothing of the layout (check: CKD coverage)
         stacked = is_stacked_layer_key(entry.key)
         indexed = None if stacked else _INDEXED_LAYER_RE.search(entry.key)
         if stacked:

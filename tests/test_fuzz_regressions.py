@@ -232,3 +232,26 @@ def test_a_malformed_cached_write_item_does_not_break_edit_or_strip(tmp_path):
         assert proc.returncode == 0 and "internal error" not in proc.stderr, proc.stderr
         out = run_limited("check", "--isolated", command[-1])
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("name,key", [("core016_tp1", "decoder.layers.mlp.linear_fc1.weight")])
+def test_a_chunk_without_its_tensors_dims_is_a_finding_not_an_internal_error(tmp_path, name, key):
+    """A stacked layer key whose chunk has no sizes (a semantic fuzz of the stand-ins, then pickled back): the
+    layout inference of inspect, check and diff indexed its sizes by the layer axis (IndexError)."""
+    from ckptdoctor.formats.torch_dist import dump_metadata_object, load_metadata_object, record_attr
+    from ckptdoctor.torch_stand_ins import Size
+
+    save = tmp_path / name
+    shutil.copytree(FIXTURES / name, save)
+    path = save / ITER / ".metadata"
+    metadata = load_metadata_object(path)
+    chunk = record_attr(record_attr(metadata, "state_dict_metadata")[key], "chunks")[0]
+    vars(chunk)["sizes"] = Size(())
+    path.write_bytes(dump_metadata_object(metadata))
+    for command in (["inspect", str(save)], ["diff", str(save), str(FIXTURES / name)]):
+        proc = run_limited(*command)
+        assert proc.returncode in (0, 1) and "internal error" not in proc.stderr, proc.stderr
+    proc = run_limited("check", "--isolated", "--format", "json", str(save))
+    assert proc.returncode == 1 and "internal error" not in proc.stderr, proc.stderr
+    found = json.loads(proc.stdout)["findings"]
+    assert any(f["code"] == "CKD220" and key in f["message"] for f in found), found
