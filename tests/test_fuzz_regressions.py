@@ -255,3 +255,22 @@ def test_a_chunk_without_its_tensors_dims_is_a_finding_not_an_internal_error(tmp
     assert proc.returncode == 1 and "internal error" not in proc.stderr, proc.stderr
     found = json.loads(proc.stdout)["findings"]
     assert any(f["code"] == "CKD220" and key in f["message"] for f in found), found
+
+
+def test_a_zero_dim_stacked_tensor_is_no_internal_error_in_can_load(tmp_path):
+    """A stacked layer key saved with an empty global shape (a semantic fuzz): can-load's target shape indexed its
+    layer axis (IndexError); check reports the key's chunks as not fitting it."""
+    from ckptdoctor.formats.torch_dist import dump_metadata_object, load_metadata_object, record_attr
+    from ckptdoctor.torch_stand_ins import Size
+
+    save = tmp_path / "core019_tp1"
+    shutil.copytree(FIXTURES / "core019_tp1", save)
+    path = save / ITER / ".metadata"
+    metadata = load_metadata_object(path)
+    vars(record_attr(metadata, "state_dict_metadata")["decoder.layers.mlp.linear_fc1.weight"])["size"] = Size(())
+    path.write_bytes(dump_metadata_object(metadata))
+    for target in ("tp=1,pp=1", "tp=2,pp=1"):
+        proc = run_limited("can-load", str(save), "--target", target)
+        assert proc.returncode in (0, 1) and "internal error" not in proc.stderr, proc.stderr
+    proc = run_limited("check", "--isolated", str(save))
+    assert proc.returncode == 1 and "CKD220" in proc.stdout, proc.stdout + proc.stderr

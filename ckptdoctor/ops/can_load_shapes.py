@@ -136,7 +136,7 @@ def target_shape(key: str, shape: tuple[int, ...], saved: Dims | None, target: D
             pass
     if stacked and saved is not None and target is not None and shape and shape[0] == saved.layers:
         return (target.layers, *body)
-    return (shape[0], *body) if stacked else tuple(body)
+    return (shape[0], *body) if stacked and shape else tuple(body)  # a 0-dim "stacked" tensor: nothing to stack
 
 
 def layer_index(key: str) -> tuple[str, int, str] | None:
