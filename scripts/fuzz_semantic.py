@@ -1,0 +1,281 @@
+"""Structure-aware fuzzing of whole commands on mutated fixtures: every run must end in exit 0, 1 or 2 with no
+internal error, traceback or hang.
+
+Random bytes mostly break a pickle at once (nearly every byte mutant of a ``.metadata`` is refused as corrupt, so
+the readers behind it are never reached). These mutants stay valid pickles of the allowed classes: the fixture's
+``.metadata`` is read into ckptdoctor's stand-ins, a few of its values anywhere in the object graph are replaced
+(ints nudged or made huge or negative, tuples cut or grown, lists shortened or given a duplicate, fields deleted,
+values swapped for other types: ``None``, strings, empty shapes, ...) and it is pickled back unchecked. Targets:
+
+* ``metadata``: metadata-only commands (check, inspect --keys, diff, can-load, show, edit/strip-frozen --dry-run);
+* ``rewrite``: the writers (edit, edit --compact --rename, strip-frozen --force) and check of their output;
+* ``values``: check --deep, diff --values, show --stats on the mutated ``.metadata``;
+* ``args``: the saved args of ``common.pt`` set to values of the wrong type or range (check, inspect, fix-args,
+  can-load, diff, strip-frozen);
+* ``data``: bytes of a data file or ``common.pt`` flipped, cut or inserted (check --deep, diff --values, show).
+
+    python scripts/fuzz_semantic.py --target metadata --seed 1 --count 300 [--keep DIR]
+
+Each failing case is printed (mutant number, fixture, command, exit, the end of stderr); with ``--keep`` its tree is
+copied there. Exit 1 if any failed. Runs in-process (``ckptdoctor.cli.main``), with a 30 s alarm per command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import random
+import shutil
+import signal
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "fixtures"
+ITER = "iter_0000010"
+METADATA_FIXTURES = ["core019_tp2", "core015_tp2", "core019_peft_full_tp1", "core016_tp1", "core019_moe_ep2"]
+ARGS_FIXTURES = ["core016_tp1", "core016_tp2", "core016_peft_full_tp1", "core016_convert_tp4"]  # common.pt
+SHAPE_ARGS = [
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "expert_model_parallel_size",
+    "world_size",
+    "num_experts",
+    "ffn_hidden_size",
+    "seq_length",
+    "params_dtype",
+    "ckpt_format",
+    "tensor_parallel_num_weight_shards",
+]
+
+
+class _Hang(Exception):
+    pass
+
+
+def _alarm(*_: Any) -> None:
+    raise _Hang
+
+
+def _commands(target: str, save: Path, original: Path, out: Path) -> list[list[str]]:
+    s, o = str(save), str(original)
+    return {
+        "metadata": [
+            ["check", "--isolated", s],
+            ["inspect", s, "--keys"],
+            ["diff", s, o],
+            ["can-load", s, "--target", "tp=2,pp=2"],
+            ["show", s, "decoder.layers.mlp.linear_fc1.weight"],
+            ["edit", s, "--drop-section", "optimizer", "--dry-run"],
+            ["strip-frozen", s, "--dry-run", "--force"],
+        ],
+        "rewrite": [
+            ["edit", s, "--remove", r"^optimizer\.", "-o", str(out / "edited")],
+            ["edit", s, "--rename", "output_layer", "out_layer", "--compact", "-o", str(out / "renamed")],
+            ["strip-frozen", s, "--force", "-o", str(out / "stripped")],
+        ],
+        "values": [
+            ["check", "--isolated", "--deep", "--jobs", "1", s],
+            ["diff", s, o, "--values", "--jobs", "1"],
+            ["show", s, "output_layer.weight", "--stats"],
+        ],
+        "args": [
+            ["check", "--isolated", s],
+            ["inspect", s],
+            ["fix-args", s],
+            ["fix-args", s, "--write", "--output", str(out / "fixed")],
+            ["can-load", s, "--target", "tp=2,pp=1"],
+            ["diff", s, o],
+            ["strip-frozen", s, "-o", str(out / "stripped")],
+        ],
+    }.get(target) or [
+        ["check", "--isolated", "--deep", "--jobs", "1", s],
+        ["diff", s, o, "--values", "--jobs", "1"],
+        ["show", s, "output_layer.weight", "--stats"],
+        ["inspect", s],
+    ]
+
+
+# --- mutations ---------------------------------------------------------------------------------------------------
+
+
+def _slots(obj: Any, depth: int, out: list, seen: set[int]) -> None:
+    """Every (container, key) of the object graph down to ``depth`` levels: dict entries, list items and the fields
+    of stand-ins."""
+    from ckptdoctor.stand_ins import STAND_IN_TYPES
+
+    if depth > 7 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        for key in list(obj):
+            out.append((obj, key))
+            _slots(obj[key], depth + 1, out, seen)
+    elif isinstance(obj, list):
+        for index, item in enumerate(obj):
+            out.append((obj, index))
+            _slots(item, depth + 1, out, seen)
+    elif isinstance(obj, STAND_IN_TYPES):
+        fields = obj.__dict__
+        for key in [k for k in fields if not k.startswith("_ckd")]:
+            out.append((fields, key))
+            _slots(fields[key], depth + 1, out, seen)
+
+
+def _garbage(rng: random.Random, old: Any) -> Any:
+    from ckptdoctor.torch_stand_ins import Size
+
+    roll = rng.randrange(20)
+    if isinstance(old, int) and not isinstance(old, bool) and roll < 8:
+        return rng.choice([old + 1, old - 1, old * 2, -old, old + 2**31, 0, old // 2 or 7, 2**63])
+    if isinstance(old, tuple) and roll < 8:
+        items = list(old)
+        if items and rng.random() < 0.5:
+            items[rng.randrange(len(items))] = rng.choice([0, -1, 2**63, 1 << 40, 3])
+        elif rng.random() < 0.5:
+            items = items[:-1]
+        else:
+            items.append(rng.choice([0, 1, 5]))
+        return Size(tuple(items)) if isinstance(old, Size) else tuple(items)
+    if isinstance(old, list) and old and roll < 6:
+        items = list(old)
+        if rng.random() < 0.5:
+            items.append(rng.choice(items))
+        else:
+            items.pop(rng.randrange(len(items)))
+        return items
+    return rng.choice(
+        [None, -1, 2**70, 1.5, "x", "", "decoder.layers.0.mlp.weight", [], {}, (1, 2), Size((3, 4)), {"fqn": 1},
+         Size(()), Size((0,)), Size((2**62, 4)), "output_layer.weight"]
+    )  # fmt: skip
+
+
+def _mutate_metadata(rng: random.Random, iteration_dir: Path) -> None:
+    from ckptdoctor import safe_pickle
+    from ckptdoctor.formats.torch_dist import load_metadata_object
+
+    path = iteration_dir / ".metadata"
+    metadata = load_metadata_object(path)
+    slots: list = []
+    _slots(metadata, 0, slots, set())
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        container, key = rng.choice(slots)
+        with contextlib.suppress(Exception):  # a slot an earlier change removed or made immutable
+            if isinstance(container, dict) and rng.random() < 0.1:
+                del container[key]
+            else:
+                container[key] = _garbage(rng, container[key])
+    path.write_bytes(safe_pickle._pickled(metadata, None))  # unchecked: ckptdoctor's own writer may refuse it
+
+
+def _mutate_args(rng: random.Random, save: Path) -> None:
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.formats.torch_zip import dump_torch_zip
+
+    common = dict(open_checkpoint(save).common_state())
+    args = argparse.Namespace(**vars(common["args"]))
+    wrong = [None, -1, 0, 2**70, -(2**70), 1.5, float("nan"), float("inf"), "x", "", "4", [], [1, 2], {}, True]
+    for _ in range(rng.choice([1, 2, 3, 6])):
+        name = rng.choice([*vars(args), *SHAPE_ARGS])
+        if rng.random() < 0.1:
+            with contextlib.suppress(AttributeError):
+                delattr(args, name)
+        else:
+            setattr(args, name, rng.choice(wrong))
+    common["args"] = args if rng.random() > 0.05 else rng.choice(wrong)
+    if rng.random() < 0.1:
+        common["iteration"] = rng.choice(wrong)
+    (save / ITER / "common.pt").write_bytes(dump_torch_zip(common))
+
+
+def _mutate_data(rng: random.Random, iteration_dir: Path) -> None:
+    path = rng.choice(sorted(iteration_dir.glob("*.distcp")) + sorted(iteration_dir.glob("common.pt")))
+    data = bytearray(path.read_bytes())
+    for _ in range(rng.choice([1, 2, 8])):
+        at = rng.randrange(len(data))
+        roll = rng.random()
+        if roll < 0.7:
+            data[at] = rng.randrange(256)
+        elif roll < 0.85:
+            del data[at : at + rng.randrange(1, 64)]
+        else:
+            data[at:at] = rng.randbytes(rng.randrange(1, 16))
+    path.write_bytes(bytes(data))
+
+
+# --- running -----------------------------------------------------------------------------------------------------
+
+
+def _run(command: list[str]) -> tuple[Any, str]:
+    from ckptdoctor.cli import main
+
+    err, out = io.StringIO(), io.StringIO()
+    signal.alarm(30)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            code: Any = main(command)
+    except _Hang:
+        code = "hang"
+    except BaseException as exc:  # noqa: BLE001 - main() must not raise: anything it lets out is a finding
+        code = f"raised {type(exc).__name__}: {exc}"
+    finally:
+        signal.alarm(0)
+    return code, err.getvalue()
+
+
+def fuzz(target: str, seed: int, count: int, keep: Path | None = None) -> tuple[Counter, list[tuple]]:
+    """Run ``count`` mutants; returns the tally of (command, exit) and the failures."""
+    rng = random.Random(seed)
+    names = ARGS_FIXTURES if target == "args" else METADATA_FIXTURES
+    tally: Counter = Counter()
+    failures: list[tuple] = []
+    signal.signal(signal.SIGALRM, _alarm)
+    with tempfile.TemporaryDirectory(prefix="ckptdoctor-fuzz-") as scratch:
+        work = Path(scratch)
+        for number in range(count):
+            name = rng.choice(names)
+            save = work / "src"
+            shutil.rmtree(save, ignore_errors=True)
+            shutil.copytree(FIXTURES / name, save)
+            if target == "args":
+                _mutate_args(rng, save)
+            elif target == "data":
+                _mutate_data(rng, save / ITER)
+            else:
+                _mutate_metadata(rng, save / ITER)
+            for command in _commands(target, save, FIXTURES / name, work / "out"):
+                shutil.rmtree(work / "out", ignore_errors=True)
+                code, err = _run(command)
+                tally[(command[0], code if code in (0, 1, 2) else "failed")] += 1
+                if code not in (0, 1, 2) or "internal error" in err or "Traceback" in err:
+                    failures.append((number, name, " ".join(command[:2]), code, err[-400:]))
+                    if keep is not None:
+                        shutil.copytree(save, keep / f"{target}-{seed}-{number}", dirs_exist_ok=True)
+    return tally, failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", choices=["metadata", "rewrite", "values", "args", "data"], default="metadata")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--count", type=int, default=100)
+    parser.add_argument("--keep", type=Path, help="copy each failing case's tree here")
+    options = parser.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    tally, failures = fuzz(options.target, options.seed, options.count, options.keep)
+    print(f"{options.target} seed {options.seed}: {options.count} mutants, {len(failures)} failing runs")
+    print("  " + ", ".join(f"{cmd} exit {code}: {n}" for (cmd, code), n in sorted(tally.items(), key=str)))
+    for failure in failures[:20]:
+        print(f"  mutant {failure[0]} of {failure[1]}: {failure[2]} -> {failure[3]}: {failure[4].strip()}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
