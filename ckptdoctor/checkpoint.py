@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
-from ckptdoctor.formats import BACKENDS, guess_backend, has_common_pt, index_file, read_index, torch_dist
+from ckptdoctor.formats import (
+    BACKEND_TORCH_DIST,
+    BACKEND_ZARR,
+    BACKENDS,
+    guess_backend,
+    has_common_pt,
+    index_file,
+    read_index,
+    torch_dist,
+)
 from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.formats.dcp_index import CHUNK_STORAGE, STORAGE_LENGTH
 from ckptdoctor.formats.files import list_names, read_json
@@ -335,6 +344,18 @@ def _read_metadata_json(location: CheckpointLocation, names: set[str], problems:
             )
         )
         return None
+    files_say = guess_backend(directory, names)
+    if files_say != backend and (backend == BACKEND_TORCH_DIST or ".metadata" in names):
+        held = "zarr arrays and no .metadata" if files_say == BACKEND_ZARR else "a DCP .metadata and no zarr array"
+        problems.append(
+            Problem(
+                METADATA_JSON_INVALID,
+                path,
+                f"sharded_backend {backend!r}, but the dir holds {held}: Megatron picks its loader by this field "
+                f"and would find no tensor (read here as {files_say})",
+            )
+        )
+        return files_say
     return str(backend)
 
 

@@ -12,7 +12,10 @@ values swapped for other types: ``None``, strings, empty shapes, ...) and it is 
 * ``values``: check --deep, diff --values, show --stats on the mutated ``.metadata``;
 * ``args``: the saved args of ``common.pt`` set to values of the wrong type or range (check, inspect, fix-args,
   can-load, diff, strip-frozen);
-* ``data``: bytes of a data file or ``common.pt`` flipped, cut or inserted (check --deep, diff --values, show).
+* ``data``: bytes of a data file or ``common.pt`` flipped, cut or inserted (check --deep, diff --values, show);
+* ``tree``: the save dir damaged as a filesystem is (a file removed, emptied, cut, replaced by a dir or a dangling
+  or looping symlink, junk files and dirs added, the tracker or ``metadata.json`` garbled, a second iteration):
+  check, inspect, latest-good, seal, repair and ``repair --write --in-place``.
 
     python scripts/fuzz_semantic.py --target metadata --seed 1 --count 300 [--keep DIR]
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import random
 import shutil
 import signal
@@ -94,6 +98,14 @@ def _commands(target: str, save: Path, original: Path, out: Path) -> list[list[s
             ["can-load", s, "--target", "tp=2,pp=1"],
             ["diff", s, o],
             ["strip-frozen", s, "-o", str(out / "stripped")],
+        ],
+        "tree": [
+            ["check", "--isolated", str(save.parent)],
+            ["inspect", str(save.parent)],
+            ["latest-good", str(save.parent)],
+            ["seal", "--force", s],
+            ["repair", str(save.parent)],
+            ["repair", str(save.parent), "--write", "--in-place"],
         ],
     }.get(target) or [
         ["check", "--isolated", "--deep", "--jobs", "1", s],
@@ -210,6 +222,54 @@ def _mutate_data(rng: random.Random, iteration_dir: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _damage_tree(rng: random.Random, save_dir: Path, outside: Path) -> None:
+    """One to three filesystem-level damages to a save dir (``save_dir``/iter_*/...). Symlinks point into the
+    scratch dir only (``outside``: a file beside the save dir that no command may change)."""
+    iteration_dir = save_dir / ITER
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        with contextlib.suppress(OSError):  # an earlier damage made this one impossible
+            _damage_once(rng, save_dir, iteration_dir, outside)
+
+
+def _damage_once(rng: random.Random, save_dir: Path, iteration_dir: Path, outside: Path) -> None:
+    files = [p for p in sorted(save_dir.rglob("*")) if p.is_file() and not p.is_symlink()]
+    if not files:
+        return
+    path = rng.choice(files)
+    roll = rng.randrange(9)
+    if roll == 0:
+        path.unlink()
+    elif roll == 1:
+        path.write_bytes(b"")
+    elif roll == 2:
+        size = path.stat().st_size
+        os.truncate(path, rng.randrange(size) if size else 0)
+    elif roll == 3:
+        path.unlink()
+        path.mkdir()
+    elif roll == 4:
+        path.unlink()
+        path.symlink_to(rng.choice(["missing-target", path.name, str(outside), ".."]))
+    elif roll == 5:
+        junk = iteration_dir / rng.choice(["__9_0.distcp", ".metadata.tmp", "extra.bin", "sub"])
+        if not junk.exists():
+            junk.mkdir() if junk.name == "sub" else junk.write_bytes(rng.randbytes(rng.randrange(64)))
+    elif roll == 6:
+        tracker = save_dir / "latest_checkpointed_iteration.txt"
+        if tracker.is_symlink() or tracker.is_dir():
+            return
+        tracker.write_bytes(rng.choice([b"", b"abc", b"-1", b"99999999999999999999", b"20", b"release", b"10\n\x00"]))
+    elif roll == 7:
+        meta = iteration_dir / "metadata.json"
+        if meta.is_symlink() or meta.is_dir():
+            return
+        meta.write_bytes(rng.choice([b"", b"{", b"[]", b'{"sharded_backend": 1}', b'{"sharded_backend": "zarr"}']))
+    else:
+        other = save_dir / "iter_0000020"
+        if not other.exists():
+            shutil.copytree(iteration_dir, other, symlinks=True)
+
+
 # --- running -----------------------------------------------------------------------------------------------------
 
 
@@ -244,7 +304,15 @@ def fuzz(target: str, seed: int, count: int, keep: Path | None = None) -> tuple[
             save = work / "src"
             shutil.rmtree(save, ignore_errors=True)
             shutil.copytree(FIXTURES / name, save)
-            if target == "args":
+            if target == "tree":  # a save dir (the fixture's), commands on the iteration dir inside it
+                root = work / "tree"
+                shutil.rmtree(root, ignore_errors=True)
+                shutil.copytree(FIXTURES / name, root / "save", symlinks=True)
+                save = root / "save" / ITER
+                outside = root / "outside.bin"
+                outside.write_bytes(b"not part of any checkpoint")
+                _damage_tree(rng, root / "save", outside)
+            elif target == "args":
                 _mutate_args(rng, save)
             elif target == "data":
                 _mutate_data(rng, save / ITER)
@@ -254,6 +322,8 @@ def fuzz(target: str, seed: int, count: int, keep: Path | None = None) -> tuple[
                 shutil.rmtree(work / "out", ignore_errors=True)
                 code, err = _run(command)
                 tally[(command[0], code if code in (0, 1, 2) else "failed")] += 1
+                if target == "tree" and (work / "tree" / "outside.bin").read_bytes() != b"not part of any checkpoint":
+                    code, err = "wrote outside the checkpoint", err + " (through a symlink: outside.bin changed)"
                 if code not in (0, 1, 2) or "internal error" in err or "Traceback" in err:
                     failures.append((number, name, " ".join(command[:2]), code, err[-400:]))
                     if keep is not None:
@@ -263,7 +333,9 @@ def fuzz(target: str, seed: int, count: int, keep: Path | None = None) -> tuple[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", choices=["metadata", "rewrite", "values", "args", "data"], default="metadata")
+    parser.add_argument(
+        "--target", choices=["metadata", "rewrite", "values", "args", "data", "tree"], default="metadata"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--keep", type=Path, help="copy each failing case's tree here")

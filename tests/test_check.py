@@ -641,3 +641,23 @@ def test_torch_refuses_the_plan_part_check_refuses(copy_fixture):
     _plan_item_with_state(save / ITER, [1, 2, 3])
     with pytest.raises(Exception, match="state is not a dictionary"):
         FileSystemReader(str(save / ITER)).read_metadata()
+
+
+@pytest.mark.parametrize(
+    "name,label,held",
+    [
+        ("core015_tp2", "zarr", "a DCP .metadata and no zarr array"),  # common.pt: the zarr reading found 0 keys
+        ("core019_tp2", "zarr", "a DCP .metadata and no zarr array"),
+        ("core014_zarr_tp2", "torch_dist", "zarr arrays and no .metadata"),
+    ],
+)
+def test_a_backend_the_files_are_not_is_an_error(capsys, copy_fixture, name, label, held):
+    """metadata.json picks Megatron's loader: a backend the files contradict stops the load. It passed check when
+    the zarr reading of a DCP dir with common.pt found nothing to check (found by scripts/fuzz_semantic.py)."""
+    save = copy_fixture(name)
+    (save / ITER / "metadata.json").write_text(json.dumps({"sharded_backend": label}))
+    rc, found = _json(capsys, str(save))
+    assert rc == 1 and [f["code"] for f in found["findings"]] == ["CKD102"], found
+    assert f"sharded_backend '{label}', but the dir holds {held}" in found["findings"][0]["message"]
+    assert main(["inspect", str(save)]) == 2
+    assert held in capsys.readouterr().err

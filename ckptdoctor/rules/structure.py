@@ -45,8 +45,9 @@ METADATA_JSON_INVALID = _rule(
     problems.METADATA_JSON_INVALID,
     "metadata-json-invalid",
     ERROR,
-    "metadata.json is not valid JSON with a sharded_backend",
-    "Megatron reads sharded_backend from metadata.json to pick the loader; a torn or edited file stops the load.",
+    "metadata.json is not valid JSON with a sharded_backend, or names a backend the files are not",
+    "Megatron reads sharded_backend from metadata.json to pick the loader; a torn or edited file stops the load, "
+    "and so does a backend the dir's files are not (zarr over a DCP .metadata, torch_dist over zarr arrays).",
 )
 UNSUPPORTED_FORMAT = _rule(
     problems.UNSUPPORTED_FORMAT,
