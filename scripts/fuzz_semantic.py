@@ -8,7 +8,8 @@ the readers behind it are never reached). These mutants stay valid pickles of th
 values swapped for other types: ``None``, strings, empty shapes, ...) and it is pickled back unchecked. Targets:
 
 * ``metadata``: metadata-only commands (check, inspect --keys, diff, can-load, show, edit/strip-frozen --dry-run);
-* ``rewrite``: the writers (edit, edit --compact --rename, strip-frozen --force) and check of their output;
+* ``rewrite``: the writers (edit, edit --compact --rename, strip-frozen --force); where check passes the mutated
+  source, it must pass what they wrote;
 * ``values``: check --deep, diff --values, show --stats on the mutated ``.metadata``;
 * ``args``: the saved args of ``common.pt`` set to values of the wrong type or range (check, inspect, fix-args,
   can-load, diff, strip-frozen);
@@ -318,10 +319,17 @@ def fuzz(target: str, seed: int, count: int, keep: Path | None = None) -> tuple[
                 _mutate_data(rng, save / ITER)
             else:
                 _mutate_metadata(rng, save / ITER)
+            # a rewrite of a source check passes must pass check too (its own output, read back in full)
+            source_clean = target == "rewrite" and _run(["check", "--isolated", str(save)])[0] == 0
+            tally[("source passes check", source_clean)] += target == "rewrite"
             for command in _commands(target, save, FIXTURES / name, work / "out"):
                 shutil.rmtree(work / "out", ignore_errors=True)
                 code, err = _run(command)
                 tally[(command[0], code if code in (0, 1, 2) else "failed")] += 1
+                if source_clean and code == 0:
+                    written, report = _run(["check", "--isolated", command[command.index("-o") + 1]])
+                    if written != 0:
+                        code, err = f"wrote a checkpoint check refuses ({written})", err + report
                 if target == "tree" and (work / "tree" / "outside.bin").read_bytes() != b"not part of any checkpoint":
                     code, err = "wrote outside the checkpoint", err + " (through a symlink: outside.bin changed)"
                 if code not in (0, 1, 2) or "internal error" in err or "Traceback" in err:
