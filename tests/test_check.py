@@ -21,6 +21,7 @@ from ckptdoctor.formats.torch_dist import (
     dump_metadata_object,
     index_fqn,
     load_metadata_object,
+    record_attr,
     set_storage,
     storage_items,
 )
@@ -661,3 +662,26 @@ def test_a_backend_the_files_are_not_is_an_error(capsys, copy_fixture, name, lab
     assert f"sharded_backend '{label}', but the dir holds {held}" in found["findings"][0]["message"]
     assert main(["inspect", str(save)]) == 2
     assert held in capsys.readouterr().err
+
+
+def test_an_index_without_model_tensors_is_an_error(capsys, copy_fixture):
+    """A .metadata that lists no model tensor (emptied, or another save's) left only unreferenced-file warnings,
+    and latest-good took the iteration as good: CKD116 makes it an error."""
+    save = copy_fixture("core016_tp1")
+    metadata = load_metadata_object(save / ITER / ".metadata")
+    state_dict = record_attr(metadata, "state_dict_metadata")
+    for key in [k for k in state_dict if not k.startswith(("optimizer.", "rng_state"))]:
+        del state_dict[key]
+    storage = storage_items(metadata)
+    for index in [i for i in storage if index_fqn(i) not in state_dict]:
+        del storage[index]
+    (save / ITER / ".metadata").write_bytes(dump_metadata_object(metadata))
+    rc, found = _json(capsys, str(save))
+    assert rc == 1 and "CKD116" in _codes(found), found
+    message = next(f["message"] for f in found["findings"] if f["code"] == "CKD116")
+    assert f"no model tensor among its {len(state_dict)} keys" in message
+    assert main(["latest-good", str(save)]) == 1
+    capsys.readouterr()
+    for name in NAMES:  # every real save holds model tensors
+        rc, found = _json(capsys, str(FIXTURES / name))
+        assert "CKD116" not in _codes(found), name

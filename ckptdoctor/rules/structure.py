@@ -101,6 +101,14 @@ DATA_FILE_UNREFERENCED = _rule(
     "Left over from another save into the same dir (or a .metadata from a different save): wasted space at "
     "best, a sign that .metadata and the data do not belong together at worst.",
 )
+NO_MODEL_TENSORS = _rule(
+    "CKD116",
+    "no-model-tensors",
+    ERROR,
+    "the index lists no tensor of the model section",
+    "Every Megatron save holds the model's parameters (a --save-trainable-params-only save, its trainable ones); "
+    "an index without any is empty or belongs to another save, and a load finds nothing to restore.",
+)
 TRACKER_INVALID = _rule(
     "CKD120",
     "tracker-invalid",
@@ -155,6 +163,7 @@ RULES = [
     DATA_FILE_MISSING,
     DATA_FILE_TRUNCATED,
     DATA_FILE_UNREFERENCED,
+    NO_MODEL_TENSORS,
     TRACKER_INVALID,
     TRACKER_TARGET_MISSING,
     TRACKER_MISSING,
@@ -237,6 +246,16 @@ def scan_iteration(directory: Path, shown: Path) -> tuple[Scanned, list[Finding]
     if result.index_known:
         on_disk, state.bad_files = storage_problems(state.checkpoint)
         findings += [_finding(problem, directory, shown) for problem in on_disk]
+        if not any(entry.kind == "tensor" for entry in state.checkpoint.section_entries("model")):
+            index = shown / ".metadata" if state.checkpoint.dcp is not None else shown
+            keys = len(state.checkpoint.entries)
+            findings.append(
+                finding(
+                    NO_MODEL_TENSORS,
+                    index,
+                    f"no model tensor among its {keys} key{'s' if keys != 1 else ''}: a load finds nothing to restore",
+                )
+            )
     _check_common(state, index_known=result.index_known, findings=findings)
     return state, findings
 
