@@ -108,12 +108,13 @@ def _commands(target: str, save: Path, original: Path, out: Path) -> list[list[s
             ["repair", str(save.parent)],
             ["repair", str(save.parent), "--write", "--in-place"],
         ],
-    }.get(target) or [
-        ["check", "--isolated", "--deep", "--jobs", "1", s],
-        ["diff", s, o, "--values", "--jobs", "1"],
-        ["show", s, "output_layer.weight", "--stats"],
-        ["inspect", s],
-    ]
+        "data": [
+            ["check", "--isolated", "--deep", "--jobs", "1", s],
+            ["diff", s, o, "--values", "--jobs", "1"],
+            ["show", s, "output_layer.weight", "--stats"],
+            ["inspect", s],
+        ],
+    }[target]
 
 
 # --- mutations ---------------------------------------------------------------------------------------------------
