@@ -1,15 +1,15 @@
 /* Compact index records, for ckptdoctor._dcp_index (see _dcp_index.h). */
 #include "_dcp_index.h"
 
-static PyTypeObject *compact_keys_type; /* stand_ins.CompactKeys: the field names of a compact record */
+static PyTypeObject *compact_keys_type; /* index_records.CompactKeys: the field names of a compact record */
 static PyObject *compact_keys_interned; /* tuple of names -> CompactKeys, one per distinct set of fields */
 
 /*
- * An index-only record (stand_ins.IndexRecord, a list) whose one BUILD gave an exact dict of str keys holds
+ * An index-only record (index_records.IndexRecord, a list) whose one BUILD gave an exact dict of str keys holds
  * [CompactKeys(names), value, ...] instead of [state]: the state dict (~200 B) is not kept, which is most of the
  * memory of reading .metadata (three records per chunk). compact_setstate is those records' __setstate__; any
  * other state (not a dict, other keys, a second BUILD) is appended as before, after turning a compact record
- * back into [dict]. stand_ins.index_record_fields reads both forms. */
+ * back into [dict]. index_records.index_record_fields reads both forms. */
 
 #define MAX_COMPACT_FIELDS 16
 #define MAX_COMPACT_KEY_SETS 4096

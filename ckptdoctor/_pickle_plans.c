@@ -1,7 +1,7 @@
 /* Save plans left out of index-only reads, for the memo pruning of ckptdoctor._pickle_scan (see _pickle_prune.c).
  *
  * megatron-core keeps every rank's SavePlan in .metadata (all_local_plans): a WriteItem, a TensorWriteData and a
- * MetadataIndex per chunk. An index-only read builds each plan part as the one DROPPED object (stand_ins.
+ * MetadataIndex per chunk. An index-only read builds each plan part as the one DROPPED object (index_records.
  * DroppedRecord: its NEWOBJ gives DROPPED, its BUILD keeps nothing), but the pickle still builds their states, and
  * those read the chunk and properties records of state_dict_metadata through the memo: the memo then holds every
  * such record until the load returns, and the index cannot replace them while the load goes on (prebuild in
@@ -44,7 +44,7 @@ enum { ROLE_DROP, ROLE_DROP_OUTER, ROLE_STAND_IN, ROLE_RECORD, ROLE_SIZE };
 
 /* The classes (as safe_globals resolves them in index-only reads, see tests/test_plan_drops.py): the parts of
  * safe_globals.PLAN_PARTS build DROPPED; WriteItemType is a generic stand-in; MetadataIndex, TensorProperties,
- * ChunkStorageMetadata and BytesStorageMetadata index records (stand_ins.index_record_class); torch.Size
+ * ChunkStorageMetadata and BytesStorageMetadata index records (index_records.index_record_class); torch.Size
  * safe_globals.index_size. MCoreSavePlan only as the part whose bytes are left out (its class push stays), never
  * inside one. TensorStorageMetadata is not one: its BUILD may replace what its chunks list holds (prebuild). */
 static const struct {
@@ -258,7 +258,7 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
                 if (n - 2 < lo) return 0;
                 int target = stack[n - 2], state = stack[n - 1];
                 if (target != K_DROPPED && target != K_OBJECT && target != K_RECORD) return 0;
-                /* DROPPED refuses a state the real class's BUILD would (stand_ins.DroppedRecord): only a dict is
+                /* DROPPED refuses a state the real class's BUILD would (index_records.DroppedRecord): only a dict is
                  * left out unread. An index record's BUILD with a dict holding "chunks" or "properties" may replace
                  * objects outside the part (prebuild in _dcp_compact.c): not left out; nor with a dict the part did
                  * not make. */

@@ -7,17 +7,12 @@ Tensor bytes are never read here; :mod:`ckptdoctor.values.read` streams them whe
 from __future__ import annotations
 
 import io
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
 from ckptdoctor.formats import (
-    BACKEND_TORCH_DIST,
-    BACKEND_ZARR,
-    BACKENDS,
-    guess_backend,
     has_common_pt,
     index_file,
     read_index,
@@ -25,18 +20,16 @@ from ckptdoctor.formats import (
 )
 from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.formats.dcp_index import CHUNK_STORAGE, STORAGE_LENGTH
-from ckptdoctor.formats.files import list_names, read_json
+from ckptdoctor.formats.files import list_names
 from ckptdoctor.formats.legacy_torch import check_te_extra_state
 from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
-from ckptdoctor.locate import CheckpointLocation, iteration_location, locate
+from ckptdoctor.locate import CheckpointLocation, iteration_location, locate, read_backend
 from ckptdoctor.pickle_limits import current_limits
 from ckptdoctor.problems import (
     ARCHIVE_ANOMALY,
     INDEX_MISSING,
     INDEX_UNREADABLE,
-    METADATA_JSON_INVALID,
-    METADATA_JSON_MISSING,
     PICKLE_LIMIT,
     UNSAFE_PICKLE,
     UNSUPPORTED_FORMAT,
@@ -288,7 +281,7 @@ def scan(location: CheckpointLocation, for_rewrite: bool = False) -> Scan:
             )
         )
         return Scan(location, None, problems)
-    backend = _read_metadata_json(location, names, problems)
+    backend = read_backend(location, names, problems)
     if backend is None:
         return Scan(location, None, problems)
     location.backend = backend
@@ -309,54 +302,6 @@ def scan(location: CheckpointLocation, for_rewrite: bool = False) -> Scan:
         return Scan(location, Checkpoint(location, {}, {}), problems)
     checkpoint = Checkpoint(location, index.items, index.data_files, dcp=index.dcp)
     return Scan(location, checkpoint, problems, index.metadata)
-
-
-def _read_metadata_json(location: CheckpointLocation, names: set[str], problems: list[Problem]) -> str | None:
-    """The backend to read the dir as (guessed when metadata.json cannot tell), or None: not one we read."""
-    directory = location.iteration_dir
-    if "metadata.json" not in names:
-        problems.append(
-            Problem(METADATA_JSON_MISSING, directory, "metadata.json missing (incomplete save: rank 0 writes it last)")
-        )
-        return guess_backend(directory, names)
-    path = directory / "metadata.json"
-    try:
-        data: Any = read_json(path)
-    except OSError as exc:  # a FIFO, a dir, no permission: unreadable, whatever it holds
-        problems.append(Problem(METADATA_JSON_INVALID, path, f"cannot read ({exc.strerror})"))
-        return guess_backend(directory, names)
-    except json.JSONDecodeError as exc:  # read_json reports bad UTF-8 as one too
-        problems.append(Problem(METADATA_JSON_INVALID, path, f"not valid JSON ({exc})"))
-        return guess_backend(directory, names)
-    if not isinstance(data, dict) or "sharded_backend" not in data:
-        problems.append(
-            Problem(METADATA_JSON_INVALID, path, "no 'sharded_backend' field; not a Megatron dist checkpoint")
-        )
-        return guess_backend(directory, names)
-    location.metadata_json = data
-    backend = data["sharded_backend"]
-    if backend not in BACKENDS:
-        problems.append(
-            Problem(
-                UNSUPPORTED_FORMAT,
-                path,
-                f"sharded_backend {backend!r} is not supported (ckptdoctor reads {' and '.join(BACKENDS)})",
-            )
-        )
-        return None
-    files_say = guess_backend(directory, names)
-    if files_say != backend and (backend == BACKEND_TORCH_DIST or ".metadata" in names):
-        held = "zarr arrays and no .metadata" if files_say == BACKEND_ZARR else "a DCP .metadata and no zarr array"
-        problems.append(
-            Problem(
-                METADATA_JSON_INVALID,
-                path,
-                f"sharded_backend {backend!r}, but the dir holds {held}: Megatron picks its loader by this field "
-                f"and would find no tensor (read here as {files_say})",
-            )
-        )
-        return files_say
-    return str(backend)
 
 
 def _refusal_code(error: CkptError) -> str:

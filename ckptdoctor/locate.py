@@ -8,14 +8,17 @@ checkpoint dir whose ``weights/`` subdir is the distributed checkpoint; each as 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import BACKEND_TORCH_DIST, era
+from ckptdoctor.formats import BACKEND_TORCH_DIST, BACKEND_ZARR, BACKENDS, era, guess_backend
 from ckptdoctor.formats.files import list_names, open_regular, read_json
 from ckptdoctor.formats.storage import as_path
+from ckptdoctor.problems import METADATA_JSON_INVALID, METADATA_JSON_MISSING, UNSUPPORTED_FORMAT, Problem
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 NEMO_WEIGHTS_DIR = "weights"
@@ -27,7 +30,8 @@ ITER_DIR_RE = re.compile(r"^iter_([0-9]{7,})\Z")
 class CheckpointLocation:
     """Where a checkpoint lives on disk and what wrote it (no tensor data read).
 
-    :func:`locate` fills in where; :func:`ckptdoctor.checkpoint.scan` what wrote it (backend, metadata.json)."""
+    :func:`locate` fills in where; :func:`read_backend` (called by :func:`ckptdoctor.checkpoint.scan`) what wrote it
+    (backend, metadata.json)."""
 
     input_path: Path
     iteration_dir: Path
@@ -204,3 +208,53 @@ def _enclosing_iteration_dir(file_path: Path) -> Path:
         if looks_like_iteration_dir(parent) or (parent / TRACKER_NAME).is_file():
             return parent
     return file_path.parent
+
+
+def read_backend(location: CheckpointLocation, names: set[str], problems: list[Problem]) -> str | None:
+    """The backend to read ``location``'s iteration dir (holding ``names``) as: metadata.json's, checked against the
+    files (guessed from them when metadata.json cannot tell or contradicts them), or None: not one we read. Fills in
+    ``location.metadata_json``; what is wrong goes to ``problems``."""
+    directory = location.iteration_dir
+    if "metadata.json" not in names:
+        problems.append(
+            Problem(METADATA_JSON_MISSING, directory, "metadata.json missing (incomplete save: rank 0 writes it last)")
+        )
+        return guess_backend(directory, names)
+    path = directory / "metadata.json"
+    try:
+        data: Any = read_json(path)
+    except OSError as exc:  # a FIFO, a dir, no permission: unreadable, whatever it holds
+        problems.append(Problem(METADATA_JSON_INVALID, path, f"cannot read ({exc.strerror})"))
+        return guess_backend(directory, names)
+    except json.JSONDecodeError as exc:  # read_json reports bad UTF-8 as one too
+        problems.append(Problem(METADATA_JSON_INVALID, path, f"not valid JSON ({exc})"))
+        return guess_backend(directory, names)
+    if not isinstance(data, dict) or "sharded_backend" not in data:
+        problems.append(
+            Problem(METADATA_JSON_INVALID, path, "no 'sharded_backend' field; not a Megatron dist checkpoint")
+        )
+        return guess_backend(directory, names)
+    location.metadata_json = data
+    backend = data["sharded_backend"]
+    if backend not in BACKENDS:
+        problems.append(
+            Problem(
+                UNSUPPORTED_FORMAT,
+                path,
+                f"sharded_backend {backend!r} is not supported (ckptdoctor reads {' and '.join(BACKENDS)})",
+            )
+        )
+        return None
+    files_say = guess_backend(directory, names)
+    if files_say != backend and (backend == BACKEND_TORCH_DIST or ".metadata" in names):
+        held = "zarr arrays and no .metadata" if files_say == BACKEND_ZARR else "a DCP .metadata and no zarr array"
+        problems.append(
+            Problem(
+                METADATA_JSON_INVALID,
+                path,
+                f"sharded_backend {backend!r}, but the dir holds {held}: Megatron picks its loader by this field "
+                f"and would find no tensor (read here as {files_say})",
+            )
+        )
+        return files_say
+    return str(backend)

@@ -37,17 +37,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
+from ckptdoctor.index_records import DroppedRecord, index_record_class
 from ckptdoctor.pickle_limits import DEFAULT_LIMITS, current_limits
-from ckptdoctor.stand_ins import (
-    RECORD_BASES,
-    STAND_IN_TYPES,
-    DroppedRecord,
-    Record,
-    index_record_class,
-    record_class,
-    stand_in_class,
-    valid_global_name,
-)
+from ckptdoctor.stand_ins import RECORD_BASES, STAND_IN_TYPES, Record, record_class, stand_in_class, valid_global_name
 from ckptdoctor.torch_stand_ins import (
     DTYPE_ALIASES,
     INDEX_SIZE,
@@ -332,7 +324,7 @@ def hash_safe_global(module: str, name: str) -> bool:
 
 
 # The classes of megatron-core's all_local_plans (each rank's SavePlan, kept in .metadata for cached saves): no part
-# of the index, so an index-only read drops them (stand_ins.DroppedRecord). Rewrites read them faithfully.
+# of the index, so an index-only read drops them (index_records.DroppedRecord). Rewrites read them faithfully.
 _PLANNER = "torch.distributed.checkpoint.planner"
 PLAN_PARTS: frozenset[tuple[str, str]] = frozenset(
     {
@@ -346,10 +338,10 @@ PLAN_PARTS: frozenset[tuple[str, str]] = frozenset(
 
 def index_only(obj: Any) -> Any:
     """What a resolved global builds when ``.metadata`` is read for its index only: DCP records become
-    :class:`~ckptdoctor.stand_ins.IndexRecord` lists and ``torch.Size`` the plain argument tuple (both at C
+    :class:`~ckptdoctor.index_records.IndexRecord` lists and ``torch.Size`` the plain argument tuple (both at C
     speed, with no second copy of any state; with the C extension, one tuple per distinct size of ints within a
     load, see :func:`forget_index_sizes`); the parts of megatron-core's plans (:data:`PLAN_PARTS`) the one
-    :data:`~ckptdoctor.stand_ins.DROPPED` object; anything else is itself. Hashing is unchanged (records and
+    :data:`~ckptdoctor.index_records.DROPPED` object; anything else is itself. Hashing is unchanged (records and
     plan parts by identity, sizes as tuples: the pre-pass counts them as it counts ``Size``)."""
     if obj is Size:
         return index_size

@@ -3,7 +3,8 @@
 * :class:`StandIn`: any third-party global (megatron, transformer_engine, nemo, numpy, ...). Calling it only
   records the arguments; BUILD records the state.
 * :class:`Record`: the DCP metadata dataclasses, built at C speed (one per chunk in a large checkpoint).
-* torch objects live in :mod:`ckptdoctor.torch_stand_ins`.
+* torch objects live in :mod:`ckptdoctor.torch_stand_ins`; the lighter records of index-only reads in
+  :mod:`ckptdoctor.index_records`.
 
 Each is registered under an alias in a private module so that the C pickler can write it back
 (``safe_pickle.dumps`` swaps the alias for the original global reference).
@@ -12,7 +13,6 @@ Each is registered under an alias in a private module so that the C pickler can 
 from __future__ import annotations
 
 import copyreg
-import pickle
 import re
 import secrets
 import sys
@@ -268,136 +268,3 @@ def record_class(module: str, name: str) -> type[Record]:
 
 
 STAND_IN_TYPES = (StandIn, Record)
-
-
-# --- index-only records ---------------------------------------------------------------------------------
-# A command that only reads ``.metadata`` builds its index from these and then drops them, so they need not
-# pickle back: one list per record whose items are the states pickle's BUILD gave it (``list.append`` is the
-# ``__setstate__``, so BUILD runs at C speed). Where the C extension ``_dcp_index`` was built, the
-# ``__setstate__`` is its ``compact_setstate``: a first BUILD with a dict of str keys (every record DCP writes)
-# leaves ``[CompactKeys(names), value, ...]`` and the state dict is not kept (with the pickle's unread memo entries
-# pruned, nothing else holds it: two thirds of a record's memory); any other state is appended as before. Same
-# names, same allowlist, same hashing (by identity) as the :class:`Record` they replace.
-
-
-class CompactKeys(tuple):
-    """The field names of a compact index record (``record[0]``); made only by ``_dcp_index.compact_setstate``
-    (never by a pickle: not on the allowlist), one per distinct set of names."""
-
-    __slots__ = ()
-
-
-_compact_setstate: Any = None
-try:
-    from ckptdoctor import _dcp_index
-
-    _compact_setstate = _dcp_index.compact_setstate(CompactKeys)
-except ImportError:  # built without a compiler: list.append
-    pass
-
-
-class IndexRecord(list):
-    """Index-only stand-in of a DCP metadata record (see :func:`index_record_class`); read it with
-    :func:`index_record_fields`."""
-
-    __slots__ = ()
-    __ckd_global__: tuple[str, str] = ("", "")
-    __setstate__ = list.append
-    __hash__ = object.__hash__  # type: ignore[assignment]
-    __eq__ = object.__eq__  # type: ignore[assignment]
-    __ne__ = object.__ne__  # type: ignore[assignment]
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # only reached if a pickle *calls* the class
-        list.append(self, {"_ckd_args": args})
-
-    def __repr__(self) -> str:
-        return f"<{self.__ckd_global__[1]} index record>"
-
-
-class IndexTupleStateRecord(IndexRecord):
-    """:class:`IndexRecord` of a record whose state may be a tuple (``TensorProperties``)."""
-
-    __slots__ = ()
-
-
-class DroppedRecord:
-    """What an index-only read builds for each part of megatron-core's ``all_local_plans`` (see
-    ``safe_globals.index_only``): always the one :data:`DROPPED` object, which keeps nothing it is given. Every rank's
-    plan holds a write item, its tensor data and its index per chunk (about as many records as the index itself,
-    built at the peak of the read), and the index reads none of them: each is let go at its BUILD."""
-
-    __slots__ = ()
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> DroppedRecord:  # NEWOBJ, or a pickle calling the class
-        return DROPPED
-
-    def __setstate__(self, state: Any) -> None:
-        """BUILD: the state is not kept, but refused where the real class's BUILD fails. The plan parts are frozen
-        dataclasses without ``__setstate__``: torch's loader (a plain ``pickle.load``) accepts only a dict (or None)
-        as their state and no slot state, so an index-only read (``check``) refuses what megatron-core could not
-        read either."""
-        if isinstance(state, tuple) and len(state) == 2:
-            state, slots = state
-            if slots is not None and not isinstance(slots, dict):
-                raise pickle.UnpicklingError("slot state is not a dictionary")
-            if slots:  # setattr on a frozen dataclass
-                raise pickle.UnpicklingError("a save plan's record is a frozen dataclass: no slot state")
-        if state is not None and not isinstance(state, dict):
-            raise pickle.UnpicklingError(_STATE_NOT_DICT)
-
-    def __reduce__(self) -> Any:
-        raise TypeError("an index-only read's dropped plan records are never written back")
-
-    def __repr__(self) -> str:
-        return "<dropped plan record>"
-
-
-DROPPED: DroppedRecord = object.__new__(DroppedRecord)
-
-
-_STATE_NOT_DICT = "state is not a dictionary"
-
-
-def index_record_fields(record: IndexRecord) -> dict:
-    """The attributes an :class:`IndexRecord` would have as a :class:`Record` (the states of its BUILDs
-    applied in order, as the C unpickler applies them to a Record); raises ``pickle.UnpicklingError`` where
-    a Record's BUILD would have (so a crafted ``.metadata`` is refused with the same message)."""
-    if len(record) == 1 and type(record[0]) is dict:  # one BUILD with a dict (list.append)
-        return record[0]
-    if record and type(record[0]) is CompactKeys:  # the same, compact (see CompactKeys)
-        return dict(zip(record[0], record[1:]))
-    fields: dict = {}
-    tuple_state = isinstance(record, IndexTupleStateRecord)
-    for state in record:
-        if isinstance(state, dict):
-            fields.update(state)
-        elif tuple_state:
-            fields["_ckd_state"] = state
-        elif isinstance(state, tuple) and len(state) == 2:
-            plain, slots = state
-            if plain is not None and not isinstance(plain, dict):
-                raise pickle.UnpicklingError(_STATE_NOT_DICT)
-            if slots is not None and not isinstance(slots, dict):
-                raise pickle.UnpicklingError("slot state is not a dictionary")
-            fields.update(plain or {})
-            fields.update(slots or {})
-        elif state is not None:
-            raise pickle.UnpicklingError(_STATE_NOT_DICT)
-    return fields
-
-
-_INDEX_RECORD_CLASSES: dict[type, type[IndexRecord]] = {}
-
-
-def index_record_class(record: type[Record]) -> type[IndexRecord]:
-    """The (cached) index-only class standing in for the record class ``record``."""
-    cls = _INDEX_RECORD_CLASSES.get(record)
-    if cls is None:
-        base = IndexTupleStateRecord if issubclass(record, TupleStateRecord) else IndexRecord
-        module, name = record.__ckd_global__
-        namespace = {"__slots__": (), "__ckd_global__": (module, name), "__module__": module}
-        if _compact_setstate is not None:
-            namespace["__setstate__"] = _compact_setstate
-        cls = type(name, (base,), namespace)
-        _INDEX_RECORD_CLASSES[record] = cls
-    return cls

@@ -20,11 +20,12 @@ from typing import Any
 
 import pytest
 
-from ckptdoctor import safe_pickle, stand_ins
+from ckptdoctor import index_records, safe_pickle
 from ckptdoctor.formats import dcp_index
 from ckptdoctor.formats.dcp_index import DcpItem
 from ckptdoctor.formats.torch_dist import record_attr
-from ckptdoctor.stand_ins import CompactKeys, IndexRecord, Record, index_record_fields
+from ckptdoctor.index_records import CompactKeys, IndexRecord, index_record_fields
+from ckptdoctor.stand_ins import Record
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 METADATA = sorted(FIXTURES.glob("*/iter_*/.metadata"))
@@ -379,12 +380,12 @@ def test_compact_records_read_as_the_states_they_were_built_from():
     (state, slots) pairs), ``index_record_fields`` gives the same fields or the same error."""
     import pickle
 
-    from ckptdoctor.stand_ins import IndexTupleStateRecord, index_record_fields
+    from ckptdoctor.index_records import IndexTupleStateRecord, index_record_fields
 
     rng = random.Random(5)
-    compact_plain = type("Plain", (IndexRecord,), {"__slots__": (), "__setstate__": stand_ins._compact_setstate})
+    compact_plain = type("Plain", (IndexRecord,), {"__slots__": (), "__setstate__": index_records._compact_setstate})
     compact_tuple = type(
-        "Props", (IndexTupleStateRecord,), {"__slots__": (), "__setstate__": stand_ins._compact_setstate}
+        "Props", (IndexTupleStateRecord,), {"__slots__": (), "__setstate__": index_records._compact_setstate}
     )
     loose_plain = type("Plain", (IndexRecord,), {"__slots__": ()})
     loose_tuple = type("Props", (IndexTupleStateRecord,), {"__slots__": ()})
@@ -433,8 +434,8 @@ def test_fixture_indexes_with_and_without_compact_records(monkeypatch, path):
     compact = _outcome(monkeypatch, True, *_records(data, True), True)
     sample = next(iter(_records(data, True)[0].values()))
     assert _compact(sample)  # the records DCP writes are read compact
-    monkeypatch.setattr(stand_ins, "_compact_setstate", None)
-    monkeypatch.setattr(stand_ins, "_INDEX_RECORD_CLASSES", {})
+    monkeypatch.setattr(index_records, "_compact_setstate", None)
+    monkeypatch.setattr(index_records, "_INDEX_RECORD_CLASSES", {})
     records = _records(data, True)
     assert not _compact(next(iter(records[0].values())))
     assert _outcome(monkeypatch, True, *records, True) == compact
@@ -704,7 +705,7 @@ def test_an_index_only_read_drops_megatron_plans_and_indexes_the_same(path):
     the index is the one the faithful read (every plan record built) gives."""
     from hostile_corpus import call
 
-    from ckptdoctor.stand_ins import DROPPED
+    from ckptdoctor.index_records import DROPPED
 
     data = path.read_bytes()
     metadata = safe_pickle.loads(data, index_only=True)
@@ -731,7 +732,7 @@ def test_an_index_only_read_drops_megatron_plans_and_indexes_the_same(path):
 def test_a_plan_record_where_a_metadata_record_belongs_is_named(monkeypatch, c):
     """A crafted ``.metadata`` may put a plan part (built as DROPPED by an index-only read) where a tensor record or
     a storage entry belongs: the index refuses it with a message that says so, in C as in Python."""
-    from ckptdoctor.stand_ins import DROPPED, DroppedRecord
+    from ckptdoctor.index_records import DROPPED, DroppedRecord
 
     other = object.__new__(DroppedRecord)  # what copyreg._reconstructor would make of the class
     for state_dict_metadata, storage_data in (({"k": DROPPED}, {}), ({}, {DROPPED: DROPPED}), ({"k": other}, {})):

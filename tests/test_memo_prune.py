@@ -22,9 +22,9 @@ from test_pickle_scan_accel import _mutants, _seeds
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import PickleLimitError
 from ckptdoctor.formats.dcp_index import DcpChunk
+from ckptdoctor.index_records import CompactKeys, IndexRecord, IndexTupleStateRecord
 from ckptdoctor.pickle_scan import scan
 from ckptdoctor.safe_globals import hash_safe_global
-from ckptdoctor.stand_ins import CompactKeys, IndexRecord, IndexTupleStateRecord
 from ckptdoctor.torch_stand_ins import StorageRef
 
 prune_memo: Any

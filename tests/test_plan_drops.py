@@ -25,8 +25,8 @@ from test_memo_prune import _outcome, _passes_scan, needs_c, prune_memo, pruned_
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import UnsafePickleError
 from ckptdoctor.formats import torch_dist
+from ckptdoctor.index_records import DROPPED
 from ckptdoctor.safe_globals import PLAN_PARTS
-from ckptdoctor.stand_ins import DROPPED
 
 pytestmark = needs_c
 

@@ -277,7 +277,7 @@ def test_size_of_a_tuple_reads_in_both_readings():
 
 def test_index_only_reading_keeps_the_allowlist_and_limits(tmp_path):
     """The index-only reading changes what DCP records and ``torch.Size`` build, nothing of what is refused."""
-    from ckptdoctor.stand_ins import IndexRecord, index_record_fields
+    from ckptdoctor.index_records import IndexRecord, index_record_fields
 
     marker = tmp_path / "pwned"
     for name, payload in _malicious_payloads(marker).items():

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ckptdoctor.stand_ins import DroppedRecord, IndexRecord, IndexTupleStateRecord, index_record_fields
+from ckptdoctor.index_records import DroppedRecord, IndexRecord, IndexTupleStateRecord, index_record_fields
 from ckptdoctor.torch_stand_ins import DtypeRef
 
 

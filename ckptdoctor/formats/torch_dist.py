@@ -28,8 +28,9 @@ from ckptdoctor.formats.dcp_index import inside_path as inside_path
 from ckptdoctor.formats.dcp_index import int64_dims as int64_dims
 from ckptdoctor.formats.files import open_regular, read_releasable
 from ckptdoctor.gc_pause import gc_paused
+from ckptdoctor.index_records import IndexRecord, index_record_fields
 from ckptdoctor.pickle_limits import current_limits
-from ckptdoctor.stand_ins import STAND_IN_TYPES, IndexRecord, StandIn, index_record_fields
+from ckptdoctor.stand_ins import STAND_IN_TYPES, StandIn
 
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
