@@ -254,6 +254,47 @@ PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nar
     return the_equal_one(args[0], 0); /* a tuple of anything but int64 ints is kept as it is */
 }
 
+/* torch.Size in a faithful read (a rewrite's .metadata; safe_globals.faithful): cls(dims), but one object for
+ * equal tuples of int64 ints within a load, from its own table (sizes_seen: keyed as tuples_seen is, holding cls
+ * objects, not tuples). Sizes are immutable, so records that share one pickle back to the same torch.Size values;
+ * the pickler then writes each distinct size once and a memo read for the others (four sizes per chunk, few
+ * distinct ones: less memory while the records are held, fewer objects for the pickler's memo, a smaller
+ * .metadata). Anything else (another form of call, more than MAX_SIZE_DIMS dims, an item that is not an exact
+ * int64 int) is cls(*args) as it is, unshared. Emptied with the other tables by forget_index_sizes(). */
+static PyObject *sizes_seen; /* tuple_key -> the one cls(dims) of this load */
+
+PyObject *dcp_faithful_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "faithful_size(cls, *args) needs the class");
+        return NULL;
+    }
+    PyObject *cls = args[0];
+    if (nargs != 2 || !PyTuple_CheckExact(args[1]) || PyTuple_GET_SIZE(args[1]) > MAX_SIZE_DIMS)
+        return PyObject_Vectorcall(cls, args + 1, (size_t)(nargs - 1), NULL);
+    PyObject *key = tuple_key(args[1], 0);
+    if (key == NULL)
+        return PyErr_Occurred() ? NULL : PyObject_Vectorcall(cls, args + 1, 1, NULL);
+    if (sizes_seen == NULL && (sizes_seen = PyDict_New()) == NULL) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    PyObject *known = PyDict_GetItemWithError(sizes_seen, key);
+    if (known != NULL && Py_TYPE(known) == (PyTypeObject *)cls) {
+        Py_DECREF(key);
+        return Py_NewRef(known);
+    }
+    if (PyErr_Occurred()) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    PyObject *made = PyObject_Vectorcall(cls, args + 1, 1, NULL);
+    if (made != NULL && known == NULL && PyDict_GET_SIZE(sizes_seen) < MAX_SIZES_SEEN &&
+        PyDict_SetItem(sizes_seen, key, made) < 0)
+        Py_CLEAR(made);
+    Py_DECREF(key);
+    return made;
+}
+
 /* A first BUILD's tuple state (TensorProperties pickles (dtype, layout, requires_grad, memory_format,
  * pin_memory), one per key, nearly all equal): the one already seen in this load with the same ints and the same
  * other objects, from the same table as the sizes (equal tuples are interchangeable in a read-only index). Only
@@ -356,6 +397,7 @@ static void prebuild(PyObject *record) {
 
 PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *Py_UNUSED(ignored)) {
     Py_CLEAR(tuples_seen);
+    Py_CLEAR(sizes_seen);
     Py_CLEAR(records_seen);
     Py_RETURN_NONE;
 }

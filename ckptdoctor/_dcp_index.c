@@ -370,6 +370,8 @@ static PyMethodDef methods[] = {
     {"tiles_once", dcp_tiles_once, METH_VARARGS, "Whether chunks are one grid's cells over shape, each once."},
     {"index_size", (PyCFunction)(void (*)(void))dcp_index_size, METH_FASTCALL,
      "What torch.Size builds in an index-only read: ().__add__(dims), one object per equal tuple of ints."},
+    {"faithful_size", (PyCFunction)(void (*)(void))dcp_faithful_size, METH_FASTCALL,
+     "What torch.Size builds in a faithful read: cls(dims), one object per equal tuple of ints."},
     {"forget_index_sizes", dcp_forget_index_sizes, METH_NOARGS, "Empty the table of shared tuples (around a load)."},
     {NULL, NULL, 0, NULL},
 };

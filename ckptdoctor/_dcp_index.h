@@ -51,6 +51,7 @@ int dcp_is_compact(PyObject *record);                                   /* [Comp
 PyObject *dcp_compact_value(PyObject *record, PyObject *name);          /* borrowed; NULL (no error): none */
 PyObject *dcp_make_compact_setstate(PyObject *module, PyObject *keys_type); /* compact_setstate(CompactKeys) */
 PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* index_size(dims) */
+PyObject *dcp_faithful_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* (cls, dims) */
 PyObject *dcp_dims_key(PyObject *dims); /* a flood-proof dict key (bytes) of a tuple of int64 ints; NULL: none */
 PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *ignored);         /* forget_index_sizes() */
 

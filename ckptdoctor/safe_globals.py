@@ -52,11 +52,16 @@ from ckptdoctor.torch_stand_ins import (
 )
 
 index_size: Callable[..., Any]
+faithful_size: Callable[..., Any]
 forget_index_sizes: Callable[[], None]
-try:  # torch.Size in index-only reads: one tuple per distinct size within a load (ckptdoctor/_dcp_compact.c)
+try:  # torch.Size: one object per distinct size within a load, in both kinds of read (ckptdoctor/_dcp_compact.c)
+    from ckptdoctor._dcp_index import faithful_size as _shared_size
     from ckptdoctor._dcp_index import forget_index_sizes, index_size
-except ImportError:  # built without a compiler: the argument tuple itself
+
+    faithful_size = functools.partial(_shared_size, Size)
+except ImportError:  # built without a compiler: the argument tuple itself, and a Size per call
     index_size = INDEX_SIZE
+    faithful_size = Size
 
     def forget_index_sizes() -> None:
         pass
@@ -334,6 +339,14 @@ PLAN_PARTS: frozenset[tuple[str, str]] = frozenset(
         (f"{_MCORE}.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
     }
 )
+
+
+def faithful(obj: Any) -> Any:
+    """What a resolved global builds in a faithful read (a rewrite's, written back): ``torch.Size`` one
+    :class:`~ckptdoctor.torch_stand_ins.Size` per distinct size of ints within a load (:data:`faithful_size`:
+    sizes are immutable, so records may share one, and the pickle written back then holds each distinct size once);
+    anything else is itself."""
+    return faithful_size if obj is Size else obj
 
 
 def index_only(obj: Any) -> Any:

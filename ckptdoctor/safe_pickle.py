@@ -19,6 +19,7 @@ from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.pickle_limits import PickleLimits
 from ckptdoctor.pickle_scan import scan
 from ckptdoctor.safe_globals import (
+    faithful,
     forget_index_sizes,
     hash_safe_global,
     index_only,
@@ -64,11 +65,9 @@ class SafeUnpickler(pickle.Unpickler):
         self.unlisted: list[str] = []
 
     def load(self) -> Any:
-        """``pickle.Unpickler.load``; an index-only load shares equal sizes within itself only (the table of
-        ``safe_globals.index_size`` is emptied before and after it), so what one load builds never depends on
-        another."""
-        if not self._index_only:
-            return super().load()
+        """``pickle.Unpickler.load``; a load shares equal sizes within itself only (the tables of
+        ``safe_globals.index_size`` and ``faithful_size`` are emptied before and after it), so what one load builds
+        never depends on another."""
         forget_index_sizes()
         try:
             return super().load()
@@ -79,7 +78,7 @@ class SafeUnpickler(pickle.Unpickler):
         if (module, name) in _LOAD_FROM_BYTES and self._nested_saves is not None:
             return self._record_nested_save
         obj = resolve_global(module, name, self.unlisted)
-        return index_only(obj) if self._index_only else obj
+        return index_only(obj) if self._index_only else faithful(obj)
 
     def _record_nested_save(self, data: Any) -> StorageRef:
         """``torch.storage._load_from_bytes(data)``, which a real load answers with ``torch.load(data,

@@ -219,6 +219,9 @@ class Record(metaclass=_FrozenClass):
         return short_repr(self)
 
 
+_NO_STATE = object()
+
+
 class TupleStateRecord(Record):
     """A record whose pickled state is a tuple (``TensorProperties``: dtype, layout, requires_grad, ...)."""
 
@@ -229,7 +232,9 @@ class TupleStateRecord(Record):
             self.__dict__["_ckd_state"] = state
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
-        state = self.__dict__.get("_ckd_state", self.stand_in_state)
+        state = self.__dict__.get("_ckd_state", _NO_STATE)
+        if state is _NO_STATE:  # a dict of the attributes only then (a default argument was built for each record)
+            state = self.stand_in_state
         return (copyreg.__newobj__, (type(self),), state)  # type: ignore[attr-defined]
 
 

@@ -485,8 +485,9 @@ def test_an_index_only_load_shares_equal_sizes_and_forgets_them(monkeypatch):
     monkeypatch.setattr(safe_globals, "forget_index_sizes", lambda: seen.append(1))
     monkeypatch.setattr(safe_pickle, "forget_index_sizes", lambda: seen.append(1))
     safe_pickle.loads(data, index_only=True)
-    safe_pickle.loads(data)  # a faithful read: nothing to forget
     assert seen == [1, 1]  # before the index-only load and after it
+    safe_pickle.loads(data)  # a faithful read shares its sizes too (test_a_faithful_load_shares_...)
+    assert seen == [1, 1, 1, 1]
     monkeypatch.undo()
     # a load never shares with another, however it is started (here an unpickler of its own)
     first = safe_pickle.SafeUnpickler(io.BytesIO(data), index_only=True).load()
@@ -501,6 +502,36 @@ def test_an_index_only_load_shares_equal_sizes_and_forgets_them(monkeypatch):
     plain = dcp_index.index_items(*_records(data, True), DcpItem, True)
     monkeypatch.undo()
     assert dcp_index.index_items(*_records(data, True), DcpItem, True) == plain
+
+
+@needs_c
+def test_a_faithful_load_shares_equal_sizes_as_torch_sizes_and_pickles_each_once():
+    from ckptdoctor.torch_stand_ins import Size
+
+    data = METADATA[0].read_bytes()
+    state_dict_metadata, storage_data = _records(data, False)
+    sizes = [record_attr(meta, "size") for meta in state_dict_metadata.values() if record_attr(meta, "chunks")]
+    sizes += [record_attr(index, "offset") for index in storage_data]
+    assert sizes and all(type(size) is Size for size in sizes if size is not None)
+    by_value: dict[tuple, set[int]] = {}
+    for size in filter(None, sizes):
+        by_value.setdefault(tuple(size), set()).add(id(size))
+    assert len(sizes) > len(by_value) and all(len(ids) == 1 for ids in by_value.values())
+    # no two loads share one
+    again = [record_attr(index, "offset") for index in _records(data, False)[1]]
+    assert again == sizes[-len(again) :] and not {id(s) for s in again if s} & {id(s) for s in sizes if s}
+    # a size that is not of int64 ints is built as it is, unshared (and one of a list refused, as before)
+    odd = [Size((2**70, 1)), Size((2**70, 1)), Size((1.5,)), Size((1.5,)), Size((True,)), Size((1,))]
+    made = safe_pickle.loads(safe_pickle.dumps(odd))
+    assert made == odd and [type(s) for s in made] == [Size] * 6
+    assert len({id(s) for s in made}) == 6 and type(made[4][0]) is bool
+    with pytest.raises(TypeError):
+        safe_pickle.loads(safe_pickle.dumps([Size((1,))]).replace(b"K\x01\x85", b"]K\x01a"))
+    # written back, each distinct size is pickled once: the same values in a smaller pickle than unshared sizes
+    written = safe_pickle.dumps(safe_pickle.loads(data))
+    unshared = [Size(tuple(s)) for s in sizes if s is not None]
+    assert safe_pickle.loads(written) == safe_pickle.loads(data)
+    assert len(safe_pickle.dumps(unshared)) > len(safe_pickle.dumps([s for s in sizes if s is not None]))
 
 
 @needs_c
