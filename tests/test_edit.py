@@ -26,7 +26,7 @@ from ckptdoctor.formats.torch_dist import (
     set_storage,
     storage_items,
 )
-from ckptdoctor.ops.edit import PRESETS
+from ckptdoctor.ops.edit_presets import preset_renames
 
 ITER = "iter_0000010"
 WEIGHTS_ONLY = ["--drop-section", "optimizer", "--drop-section", "rng", "--drop-section", "rerun"]
@@ -387,20 +387,66 @@ def test_second_writer_fails_at_once(copy_fixture):
     assert not any("_extra_state" in k for k in open_checkpoint(save).entries)
 
 
-def test_presets_are_inverse():
-    import re
+def _renamed(preset: str, keys: list[str]) -> list[str]:
+    renames = preset_renames(preset, keys)
+    return [renames.get(k, k) for k in keys]
 
-    for key in [
+
+def test_presets_are_inverse_in_dense_layers():
+    te = [
         "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+        "decoder.layers.self_attention.linear_qkv.weight",
         "decoder.layers.mlp.linear_fc1.layer_norm_bias",
-    ]:
-        there = key
-        for pattern, replacement in PRESETS["te-to-local"]:
-            there = re.sub(pattern, replacement, there)
-        back = there
-        for pattern, replacement in PRESETS["local-to-te"]:
-            back = re.sub(pattern, replacement, back)
-        assert there != key and back == key
+        "decoder.layers.mlp.linear_fc1.weight",
+        "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.layer_norm_bias",
+    ]
+    local = _renamed("te-to-local", te)
+    assert local == [
+        "decoder.layers.input_layernorm.weight",
+        "decoder.layers.self_attention.linear_qkv.weight",
+        "decoder.layers.pre_mlp_layernorm.bias",
+        "decoder.layers.mlp.linear_fc1.weight",
+        "optimizer.state.exp_avg.decoder.layers.pre_mlp_layernorm.bias",  # follows its model key
+    ]
+    assert _renamed("local-to-te", local) == te
+    assert preset_renames("te-to-local", local) == {} and preset_renames("local-to-te", te) == {}
+
+
+def test_local_to_te_names_each_layers_norms_as_the_te_spec_does():
+    """The TE spec keeps a MoE layer's pre-MLP norm as a module (pre_mlp_layernorm.*), fuses a dense layer's into
+    linear_fc1, and fuses the input norm only into a linear_qkv (tests/test_edit_mcore.py checks the rule against
+    megatron-core's TE spec itself)."""
+    keys = [
+        # a dense layer and a MoE layer of one per-layer model, with module names (te-to-local's output)
+        "decoder.layers.0.input_layernorm.weight",
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        "decoder.layers.0.pre_mlp_layernorm.weight",
+        "decoder.layers.0.mlp.linear_fc1.weight",
+        "decoder.layers.1.input_layernorm.weight",
+        "decoder.layers.1.self_attention.linear_qkv.weight",
+        "decoder.layers.1.pre_mlp_layernorm.weight",
+        "decoder.layers.1.mlp.router.weight",
+        # a MoE layer saved by the local spec's keys map: its pre-MLP norm under the fused name
+        "decoder.layers.2.mlp.linear_fc1.layer_norm_weight",
+        "decoder.layers.2.mlp.router.weight",
+        # an MLA layer: no linear_qkv, its input norm stays a module
+        "decoder.layers.3.input_layernorm.weight",
+        "decoder.layers.3.self_attention.linear_q_proj.weight",
+        # optimizer states follow their model keys, whether or not the layer's other states are there
+        "optimizer.state.exp_avg.decoder.layers.1.pre_mlp_layernorm.weight",
+        "optimizer.state.exp_avg.decoder.layers.0.pre_mlp_layernorm.weight",
+        # a norm of no known layer is left alone
+        "encoder.pre_mlp_layernorm.weight",
+    ]
+    assert preset_renames("local-to-te", keys) == {
+        "decoder.layers.0.input_layernorm.weight": "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+        "decoder.layers.0.pre_mlp_layernorm.weight": "decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+        "decoder.layers.1.input_layernorm.weight": "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight",
+        "decoder.layers.2.mlp.linear_fc1.layer_norm_weight": "decoder.layers.2.pre_mlp_layernorm.weight",
+        "optimizer.state.exp_avg.decoder.layers.0.pre_mlp_layernorm.weight": (
+            "optimizer.state.exp_avg.decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+        ),
+    }
 
 
 def test_release_checkpoint_needs_no_load_flag_for_dropped_optimizer(capsys, tmp_path):

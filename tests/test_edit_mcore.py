@@ -177,3 +177,50 @@ def test_removed_extra_state_and_spec_presets_load(capsys, tmp_path):
     assert not any("_extra_state" in k for k in requested["no-extra"])
     assert {"decoder.layers.input_layernorm.weight", "decoder.layers.pre_mlp_layernorm.weight"} <= requested["local"]
     assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in requested["te"]
+
+
+def _te_spec_key(key: str, keys: set[str], spec: dict[str, dict[str, str]]) -> str:
+    """The name megatron-core's TE layer spec gives a local-spec module-name key: a norm the spec makes an
+    IdentityOp lives in the one LayerNorm-fused linear of the submodule after it (TransformerLayer's order:
+    input_layernorm -> self_attention, pre_mlp_layernorm -> mlp), as Transformer Engine's LayerNormLinear names its
+    parameters (layer_norm_weight, layer_norm_bias); a norm the spec keeps as a module keeps its name."""
+    match = re.fullmatch(r"(.*\.|)(input_layernorm|pre_mlp_layernorm)\.(weight|bias)", key)
+    if match is None:
+        return key
+    layer, norm, param = match.groups()
+    submodules = spec["moe" if f"{layer}mlp.router.weight" in keys else "dense"]
+    if submodules[norm] != "IdentityOp":
+        return key
+    after = "self_attention." if norm == "input_layernorm" else "mlp."
+    fused = [path for path, name in submodules.items() if path.startswith(after) and "LayerNorm" in name]
+    assert len(fused) == 1 and submodules[fused[0]] == "TELayerNormColumnParallelLinear", fused
+    return f"{layer}{fused[0]}.layer_norm_{param}"
+
+
+def test_local_to_te_gives_the_keys_of_megatron_cores_te_spec(capsys, tmp_path):
+    """local-to-te against megatron-core 0.19.2's Transformer Engine GPT layer spec itself (built without TE by
+    tests/mcore_te_spec.py), dense, MoE and a model of both (per-layer keys); te-to-local gives the module names."""
+    require_mcore()
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "mcore_te_spec.py")], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spec = json.loads(proc.stdout)
+    assert spec["dense"]["pre_mlp_layernorm"] == "IdentityOp" and spec["moe"]["pre_mlp_layernorm"] != "IdentityOp"
+
+    def model_keys(directory: Path) -> set[str]:
+        return {k for k, e in open_checkpoint(directory).entries.items() if e.section == "model"}
+
+    for fixture in ("core019_tp2", "core019_moe_ep2", "core019_moe_mixed_shared_ep2"):
+        local, te = tmp_path / fixture / "local", tmp_path / fixture / "te"
+        _edit(capsys, FIXTURES / fixture, local, "--preset", "te-to-local")
+        _edit(capsys, local, te, "--preset", "local-to-te")
+        local_keys = model_keys(local)
+        assert any("pre_mlp_layernorm" in k for k in local_keys) and not any("layer_norm_" in k for k in local_keys)
+        expected = {_te_spec_key(k, local_keys, spec) for k in local_keys}
+        assert model_keys(te) == expected, (fixture, model_keys(te) ^ expected)
+        if fixture == "core019_tp2":  # a dense model saved by the local spec's keys map has the TE names already
+            assert expected == model_keys(FIXTURES / fixture)
+        else:  # the MoE layers' pre-MLP norm, which that map saves as mlp.linear_fc1.layer_norm_weight
+            assert any(k.endswith("pre_mlp_layernorm.weight") for k in expected)
+            assert expected != model_keys(FIXTURES / fixture)

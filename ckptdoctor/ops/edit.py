@@ -27,24 +27,12 @@ from typing import Any
 
 from ckptdoctor.checkpoint import Checkpoint, section_of
 from ckptdoctor.errors import CkptError
+from ckptdoctor.ops.edit_presets import PRESET_NAMES, preset_renames
 from ckptdoctor.ops.strip import dir_bytes
 
 SCHEMA = "ckptdoctor.edit/1"
 SECTIONS = ("optimizer", "rng", "rerun")
 
-# Norm keys of megatron-core's GPT layer specs (gpt_layer_specs.py, core 0.19.2). With Transformer Engine the
-# input norm is fused into linear_qkv and the pre-MLP norm into linear_fc1 (TELayerNormColumnParallelLinear:
-# parameters layer_norm_weight / layer_norm_bias); the local spec's modules are input_layernorm and
-# pre_mlp_layernorm (weight / bias). A local-spec layer built with sharded_state_dict_keys_map saves the
-# TE names; one without it (MLA, older or third-party code) saves and requests the module names.
-_NORMS = [  # (TE spec name, local spec module name)
-    ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
-    ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
-]
-PRESETS: dict[str, list[tuple[str, str]]] = {
-    "te-to-local": [(rf"(^|\.){re.escape(te)}(weight|bias)$", rf"\g<1>{local}\g<2>") for te, local in _NORMS],
-    "local-to-te": [(rf"(^|\.){re.escape(local)}(weight|bias)$", rf"\g<1>{te}\g<2>") for te, local in _NORMS],
-}
 _SHARD_SUFFIX_RE = re.compile(r"/shard_[0-9.]+_[0-9.]+$")
 
 
@@ -112,8 +100,6 @@ def _compile(pattern: str, option: str) -> re.Pattern[str]:
 
 def _rename_rules(request: EditRequest) -> list[tuple[re.Pattern[str], str, str]]:
     rules = [(_compile(p, "--rename"), r, f"--rename {p} {r}") for p, r in request.renames]
-    if request.preset:
-        rules += [(re.compile(p), r, f"--preset {request.preset}") for p, r in PRESETS[request.preset]]
     for pattern, replacement, option in rules:
         try:
             pattern.sub(replacement, "")  # a bad group reference in the replacement fails here, not mid-plan
@@ -196,13 +182,14 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
         raise CkptError(
             f"--drop-section {bad[0]}: not a section that can be dropped (choose from {', '.join(SECTIONS)})"
         )
-    if request.preset is not None and request.preset not in PRESETS:
-        raise CkptError(f"--preset {request.preset}: unknown preset (choose from {', '.join(PRESETS)})")
+    if request.preset is not None and request.preset not in PRESET_NAMES:
+        raise CkptError(f"--preset {request.preset}: unknown preset (choose from {', '.join(PRESET_NAMES)})")
     removes = [(_compile(p, "--remove"), f"--remove {p}") for p in request.removes]
     rules = _rename_rules(request)
     removed: list[KeyChange] = []
     renamed: list[KeyChange] = []
     kept: set[str] = set()
+    new_names: dict[str, tuple[str, list[str]]] = {}  # kept key -> its name after the --rename rules, and theirs
     for key in sorted(checkpoint.entries):
         entry = checkpoint.entries[key]
         why = _removal_reason(key, entry.section, entry.is_extra_state, request, removes)
@@ -212,8 +199,15 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
             removed.append(KeyChange(key, "remove", entry.section, entry.kind, entry.nbytes, reason=why))
             continue
         kept.add(key)
-        new, used = _new_name(key, rules)
+        new_names[key] = _new_name(key, rules) if rules else (key, [])
+    # the preset, after the --rename rules, sees the kept keys' names as they then are (its renames depend on
+    # which other keys a layer has: edit_presets)
+    presets = preset_renames(request.preset, (n for n, _ in new_names.values())) if request.preset else {}
+    for key, (new, used) in new_names.items():
+        if new in presets:
+            new, used = presets[new], [*used, f"--preset {request.preset}"]
         if new != key:
+            entry = checkpoint.entries[key]
             _check_rename(key, new, entry.kind)
             renamed.append(KeyChange(key, "rename", entry.section, entry.kind, entry.nbytes, new, ", ".join(used)))
     _check_collisions(renamed, kept)
