@@ -140,6 +140,33 @@ def test_megatron_extras_list_only_kept_keys(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["core019_peft_full_tp1", "core016_peft_full_tp1"])
+def test_the_write_lets_the_source_index_go_before_pickling(tmp_path, monkeypatch, name):
+    """The source's index is released before the new .metadata is pickled (not held beside the records that are);
+    the common state the write changes was made from it before."""
+    from ckptdoctor.checkpoint import open_for_rewrite
+    from ckptdoctor.ops import key_write
+    from ckptdoctor.ops.strip_write import strip_frozen
+
+    source, metadata = open_for_rewrite(FIXTURES / name)
+    assert source.entries
+    seen: list[int] = []
+    pickle_metadata = key_write._new_metadata
+
+    def spy(held, edit, stage):
+        seen.append(len(source.entries))
+        return pickle_metadata(held, edit, stage)
+
+    monkeypatch.setattr(key_write, "_new_metadata", spy)
+    report = strip_frozen(source, output=tmp_path / "out", metadata=metadata)
+    assert seen == [0] and report.result is not None
+    stripped = open_checkpoint(tmp_path / "out")
+    assert stripped.args.save_trainable_params_only is True
+    assert {k for k, e in stripped.entries.items() if e.section == "model"} == {
+        d.key for d in report.plan.kept if d.section == "model"
+    }
+
+
+@pytest.mark.parametrize("name", ["core019_peft_full_tp1", "core016_peft_full_tp1"])
 def test_saved_args_say_trainable_params_only(capsys, tmp_path, name):
     """The output's args say what Megatron's --save-trainable-params-only run saves; --keep-args opts out."""
     src = open_checkpoint(FIXTURES / name)

@@ -39,18 +39,19 @@ def common_rewriter(
     """The ``KeyEdit.common`` hook that writes the edited common state into the staging dir: a new ``common.pt``,
     or (core >= 0.19, the common state a ``.metadata`` item) a new data file ``file_name`` that the ``.metadata``
     object is repointed to before it is pickled; Megatron-Bridge's ``run_config.yaml`` kept in step with the args.
-    None where nothing changes."""
+    None where nothing changes. The new common state is made here, from the checkpoint's index, so the write may
+    release that index before it pickles the new ``.metadata`` (:meth:`Checkpoint.release_entries`)."""
     if not changes:
         return None
+    common = _new_common(checkpoint, changes)
+    source = checkpoint.common_source
 
     def rewrite(metadata: Any, stage: Path) -> list[str]:
         from ckptdoctor.formats.torch_zip import dump_torch_zip
         from ckptdoctor.ops.fix_args import ArgChange
         from ckptdoctor.ops.fix_args_write import RUN_CONFIG, read_run_config, updated_run_config
 
-        common = _new_common(checkpoint, changes)
         written = []
-        source = checkpoint.common_source
         if source == "common.pt":
             atomic.write_atomic(stage / "common.pt", dump_torch_zip(common))
             written.append("common.pt")

@@ -72,7 +72,8 @@ def edit(
 
     ``metadata``: the source's ``.metadata`` object from the same read as ``checkpoint``
     (:func:`ckptdoctor.checkpoint.open_for_rewrite`), taken by the write (which edits it); read again when
-    not given."""
+    not given. A write releases ``checkpoint``'s index (its ``entries`` are empty afterwards) before it pickles
+    the new ``.metadata``."""
     if checkpoint.dcp is None:
         raise CkptError(
             f"{checkpoint.iteration_dir}: not a torch_dist checkpoint (no DCP .metadata to rewrite); "
@@ -108,6 +109,7 @@ def edit(
         if progress is not None and copying:
             kept = plan.keep_keys(checkpoint)
             progress.start("copying kept items", sum(e.nbytes for k, e in checkpoint.entries.items() if k in kept))
+        checkpoint.release_entries()  # read for the last time above: not held beside the records being pickled
         try:
             advance = progress.advance if progress is not None and copying else None
             result = write_keys(checkpoint, key_edit, output, in_place, force, keep_backup, advance)

@@ -65,7 +65,8 @@ def strip_frozen(
 
     Every refusal (damaged source, bad target, empty selection) happens before anything is written.
     ``metadata``: the source's ``.metadata`` object when the caller read it with the checkpoint
-    (:func:`~ckptdoctor.checkpoint.open_for_rewrite`), taken by the write; else the write reads it.
+    (:func:`~ckptdoctor.checkpoint.open_for_rewrite`), taken by the write; else the write reads it. A write
+    releases ``checkpoint``'s index (its ``entries`` are empty afterwards) before it pickles the new ``.metadata``.
     """
     from ckptdoctor.ops.strip import check_integrity
 
@@ -139,6 +140,7 @@ def _plan_and_write(
             metadata=metadata,
             jobs=jobs,
         )
+        checkpoint.release_entries()  # read for the last time above: not held beside the records being pickled
         result = write_keys(checkpoint, key_edit, output, in_place, force, keep_backup, advance)
         result.args_changed = [{"arg": c.name, "old": c.old, "new": c.new} for c in changes]
     finally:
