@@ -33,6 +33,7 @@ _NORM_RE = re.compile(
     r"|(?P<local>input_layernorm\.|pre_mlp_layernorm\.))(?P<param>weight|bias)\Z"
 )
 _LAYER_RE = re.compile(r"(?:^|\.)(?=(?:self_attention|mlp)\.)")
+_PARTS = ("self_attention.linear_qkv", "mlp.linear_fc1", "mlp.router")  # a layer is known by one of their weights
 
 
 def _norm_of(name: str) -> str:
@@ -65,9 +66,6 @@ class _Layers:
 
     def has(self, layer: str, part: str) -> bool:
         return f"{layer}{part}.weight" in self.keys
-
-
-_PARTS = ("self_attention.linear_qkv", "mlp.linear_fc1", "mlp.router")
 
 
 def _to_te(norm: str, layer: str | None, layers: _Layers) -> str | None:
