@@ -4,7 +4,6 @@ leftovers and sets args, ``strip-frozen`` sets ``save_trainable_params_only``.""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,10 @@ from ckptdoctor.ops.edit import CommonChange
 
 
 def _new_common(checkpoint: Checkpoint, changes: list[CommonChange]) -> dict:
-    common = dict(checkpoint.common_state())
+    from ckptdoctor.ops.fix_args import common_with_args
+
+    values = {change.name: change.new for change in changes if change.what == "set-arg"}
+    common = common_with_args(checkpoint.common_state(), values) if values else dict(checkpoint.common_state())
     for change in changes:
         if change.what == "drop":
             common.pop(change.name, None)
@@ -26,10 +28,6 @@ def _new_common(checkpoint: Checkpoint, changes: list[CommonChange]) -> dict:
             content = dict(common.get("content_metadata") or {})
             content.pop(change.name, None)
             common["content_metadata"] = content
-        elif change.what == "set-arg":
-            args = argparse.Namespace(**vars(common["args"]))
-            setattr(args, change.name, change.new)
-            common["args"] = args
     return common
 
 

@@ -179,11 +179,18 @@ def build_report(
     )
 
 
+def common_with_args(common: dict, values: dict[str, Any]) -> dict:
+    """A copy of a common state whose args (a copy too) carry ``values``; every other key and arg is kept as is.
+    The one way fix-args and the key rewrites (``edit``, ``strip-frozen``: ops/common_write.py) change saved args."""
+    changed = dict(common)
+    args = argparse.Namespace(**vars(common["args"]))
+    for name, value in values.items():
+        setattr(args, name, value)
+    changed["args"] = args
+    return changed
+
+
 def fixed_common_state(checkpoint: Checkpoint, changes: list[ArgChange]) -> dict:
     """A copy of the common state whose args carry the changes; every other key and arg is kept as is."""
-    common = dict(checkpoint.common_state())
-    args = argparse.Namespace(**vars(saved_args(checkpoint)))
-    for change in changes:
-        setattr(args, change.arg, change.new)
-    common["args"] = args
-    return common
+    saved_args(checkpoint)  # refuses a common state without an argparse.Namespace
+    return common_with_args(checkpoint.common_state(), {change.arg: change.new for change in changes})
