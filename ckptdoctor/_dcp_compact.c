@@ -65,6 +65,33 @@ static PyObject *compact_dict(PyObject *record) {
 static PyObject *shared_state(PyObject *state); /* below, beside index_size */
 static void prebuild(PyObject *record);          /* below */
 
+/* -1 with pickle.UnpicklingError set where the C unpickler's BUILD refuses state for an object without
+ * __setstate__ (a DCP dataclass), as index_records.build_state says: a state that is not a dict (or None), or a
+ * (state, slot state) pair whose state is not a dict (or None) or whose slot state is not a dict. Checked at each BUILD of a record whose state must be
+ * a dict, so a record the index never reads (one inside a kept save plan part) is refused as torch refuses it. */
+static int refuse_build_state(PyObject *state) {
+    static PyObject *unpickling_error;
+    PyObject *slots = NULL;
+    if (PyTuple_Check(state) && PyTuple_GET_SIZE(state) == 2) {
+        slots = PyTuple_GET_ITEM(state, 1);
+        state = PyTuple_GET_ITEM(state, 0);
+    }
+    const char *refused = state != Py_None && !PyDict_Check(state)                      ? "state is not a dictionary"
+                          : slots != NULL && !PyDict_Check(slots) ? "slot state is not a dictionary"
+                                                                  : NULL;
+    if (refused == NULL)
+        return 0;
+    if (unpickling_error == NULL) {
+        PyObject *pickle = PyImport_ImportModule("pickle");
+        unpickling_error = pickle == NULL ? NULL : PyObject_GetAttrString(pickle, "UnpicklingError");
+        Py_XDECREF(pickle);
+        if (unpickling_error == NULL)
+            return -1;
+    }
+    PyErr_SetString(unpickling_error, refused);
+    return -1;
+}
+
 /* __setstate__ of index records (bound through an instancemethod: args are the record and the state). */
 static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyList_Check(args[0])) {
@@ -72,6 +99,11 @@ static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ss
         return NULL;
     }
     PyObject *record = args[0], *state = args[1];
+    /* a TensorProperties record (IndexTupleStateRecord) takes a tuple state: torch's class has a __setstate__
+     * (before setup() names that class, nothing is refused here: index_record_fields still checks what it reads) */
+    if (dcp_tuple_state_record_type != NULL && !PyObject_TypeCheck(record, dcp_tuple_state_record_type) &&
+        refuse_build_state(state) < 0)
+        return NULL;
     if (PyList_GET_SIZE(record) == 0 && PyDict_CheckExact(state)) {
         PyObject *keys = compact_keys(state);
         if (keys == NULL && PyErr_Occurred())

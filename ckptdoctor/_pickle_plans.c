@@ -14,7 +14,7 @@
  *    there: ASCII strings, ints, None, bools, floats, bytes; memo reads of existing entries; containers made in the
  *    part and filled with hashable keys; tuples; STACK_GLOBAL or GLOBAL of the classes below (all allowlisted, so
  *    find_class only returns them) and their NEWOBJ / REDUCE / BUILD, each in a form that cannot raise in an
- *    index-only read (a plan part's own BUILD only with a dict, as torch's needs); memo writes of the next entry above the fence. Nothing outside the part is changed (only
+ *    index-only read (a plan part's or index record's BUILD only with a dict, a TensorProperties record's also with a tuple, as torch's needs); memo writes of the next entry above the fence. Nothing outside the part is changed (only
  *    objects made in the part are filled or built), no mark outlives it, and the part ends with the BUILD of the
  *    DROPPED object itself. Anything else, and any doubt, leaves the bytes as they are;
  *  - an entry written in a left-out region and read from code that stays makes the region live (translated as it
@@ -40,7 +40,7 @@ static const char *const NAMES[] = {
 #define N_NAMES ((int)(sizeof(NAMES) / sizeof(NAMES[0])))
 _Static_assert(sizeof(NAMES) / sizeof(NAMES[0]) + K_NAME_FIRST <= K_INT, "names are kinds below K_INT");
 
-enum { ROLE_DROP, ROLE_DROP_OUTER, ROLE_STAND_IN, ROLE_RECORD, ROLE_SIZE };
+enum { ROLE_DROP, ROLE_DROP_OUTER, ROLE_STAND_IN, ROLE_RECORD, ROLE_TUPLE_RECORD, ROLE_SIZE };
 
 /* The classes (as safe_globals resolves them in index-only reads, see tests/test_plan_drops.py): the parts of
  * safe_globals.PLAN_PARTS build DROPPED; WriteItemType is a generic stand-in; MetadataIndex, TensorProperties,
@@ -51,7 +51,7 @@ static const struct {
     int module, name, role;
 } CLASSES[] = {
     {2, 6, ROLE_DROP},  {2, 7, ROLE_DROP},   {2, 8, ROLE_DROP},   {5, 9, ROLE_DROP_OUTER},
-    {2, 10, ROLE_STAND_IN}, {3, 11, ROLE_RECORD}, {4, 12, ROLE_SIZE}, {3, 13, ROLE_RECORD},
+    {2, 10, ROLE_STAND_IN}, {3, 11, ROLE_RECORD}, {4, 12, ROLE_SIZE}, {3, 13, ROLE_TUPLE_RECORD},
     {3, 14, ROLE_RECORD},   {3, 15, ROLE_RECORD},
 };
 #define N_CLASSES ((int)(sizeof(CLASSES) / sizeof(CLASSES[0])))
@@ -249,6 +249,7 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
                 if (role == ROLE_DROP) push = K_DROPPED;
                 else if (role == ROLE_STAND_IN) push = K_OBJECT;
                 else if (role == ROLE_RECORD && op == 0x81 && args == K_EMPTY_TUPLE) push = K_RECORD;
+                else if (role == ROLE_TUPLE_RECORD && op == 0x81 && args == K_EMPTY_TUPLE) push = K_TUPLE_RECORD;
                 else if (role == ROLE_SIZE && op == 'R' && args == K_SIZE_ARGS) push = K_TUPLE;
                 else return 0;
                 n -= 2;
@@ -257,13 +258,16 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
             case 'b': { /* BUILD of an object made in the part, with a state it cannot refuse */
                 if (n - 2 < lo) return 0;
                 int target = stack[n - 2], state = stack[n - 1];
-                if (target != K_DROPPED && target != K_OBJECT && target != K_RECORD) return 0;
-                /* DROPPED refuses a state the real class's BUILD would (index_records.DroppedRecord): only a dict is
-                 * left out unread. An index record's BUILD with a dict holding "chunks" or "properties" may replace
-                 * objects outside the part (prebuild in _dcp_compact.c): not left out; nor with a dict the part did
-                 * not make. */
-                if (target == K_DROPPED && !is_dict(state)) return 0;
-                if (target == K_RECORD && (state == K_DICT_PREBUILD || state == K_OTHER)) return 0;
+                if (target != K_DROPPED && target != K_OBJECT && target != K_RECORD && target != K_TUPLE_RECORD)
+                    return 0;
+                /* DROPPED and the index records refuse a state the real class's BUILD would (index_records.
+                 * DroppedRecord, compact_setstate in _dcp_compact.c): only a dict is left out unread (a tuple too for
+                 * TensorProperties, whose class takes one). An index record's BUILD with a dict holding "chunks" or
+                 * "properties" may replace objects outside the part (prebuild in _dcp_compact.c): not left out; nor
+                 * with a dict the part did not make. */
+                if ((target == K_DROPPED || target == K_RECORD) && !is_dict(state)) return 0;
+                if ((target == K_RECORD || target == K_TUPLE_RECORD) && (state == K_DICT_PREBUILD || state == K_OTHER))
+                    return 0;
                 n -= 1;
                 if (n == 1 && n_marks == 0) { /* the part's own BUILD: the region ends here */
                     out->end = end;

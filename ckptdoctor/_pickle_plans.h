@@ -89,7 +89,8 @@ enum {
     K_DICT_PREBUILD, /* a dict made in the part with a key "chunks" or "properties" (see K_RECORD's BUILD) */
     K_DROPPED,
     K_OBJECT,        /* a generic stand-in made in the part */
-    K_RECORD,        /* an index record made in the part */
+    K_RECORD,        /* an index record made in the part, whose state must be a dict (as torch's BUILD needs) */
+    K_TUPLE_RECORD,  /* a TensorProperties index record made in the part (a tuple state too: its __setstate__) */
     K_OTHER,         /* something the part must not change */
     K_CLASS_FIRST = 64, /* 64..: CLASSES[k - 64] */
 };

@@ -72,9 +72,15 @@ class DroppedRecord:
         """BUILD: the state is not kept, but refused where the real class's BUILD fails. The plan parts are frozen
         dataclasses without ``__setstate__``: torch's loader (a plain ``pickle.load``) accepts only a dict (or None)
         as their state and no slot state, so an index-only read (``check``) refuses what megatron-core could not
-        read either."""
-        if build_state(state)[1]:  # setattr on a frozen dataclass
+        read either. The records the state holds (a write item's index, its tensor data's chunk) are checked as
+        torch's BUILD checks theirs: the index never reads them (the C extension checks them at their own BUILD;
+        this covers a build without it)."""
+        plain, slots = build_state(state)
+        if slots:  # setattr on a frozen dataclass
             raise pickle.UnpicklingError("a save plan's record is a frozen dataclass: no slot state")
+        for value in (plain or {}).values():
+            if isinstance(value, IndexRecord):
+                index_record_fields(value)
 
     def __reduce__(self) -> Any:
         raise TypeError("an index-only read's dropped plan records are never written back")
@@ -88,16 +94,19 @@ DROPPED: DroppedRecord = object.__new__(DroppedRecord)
 
 def build_state(state: Any) -> tuple[dict | None, dict | None]:
     """The (state, slot state) that pickle's BUILD applies to an object without ``__setstate__`` (a dataclass),
-    refused with the C unpickler's messages where it refuses them: a state that is not a dict (or None), or a
-    (state, slot state) pair with either not a dict."""
-    slots = None
+    refused with the C unpickler's messages where it refuses them (``load_build``): a state that is not a dict (or
+    None), or a (state, slot state) pair whose state is not a dict (or None) or whose slot state is not a dict
+    (None included: torch's own loader refuses ``({}, None)`` for every DCP dataclass)."""
     if isinstance(state, tuple) and len(state) == 2:
         state, slots = state
+        if state is not None and not isinstance(state, dict):
+            raise pickle.UnpicklingError("state is not a dictionary")
+        if not isinstance(slots, dict):
+            raise pickle.UnpicklingError("slot state is not a dictionary")
+        return state, slots
     if state is not None and not isinstance(state, dict):
         raise pickle.UnpicklingError("state is not a dictionary")
-    if slots is not None and not isinstance(slots, dict):
-        raise pickle.UnpicklingError("slot state is not a dictionary")
-    return state, slots
+    return state, None
 
 
 def index_record_fields(record: IndexRecord) -> dict:

@@ -644,6 +644,50 @@ def test_torch_refuses_the_plan_part_check_refuses(copy_fixture):
         FileSystemReader(str(save / ITER)).read_metadata()
 
 
+def _plan_index_with_state(iteration_dir: Path, state: object) -> None:
+    """Rewrite .metadata with the index record (MetadataIndex) of its first plan's first write item pickled with
+    ``state`` as its BUILD state: a record inside a plan part, which the index never reads."""
+    from ckptdoctor import safe_pickle
+    from ckptdoctor.formats.torch_dist import record_attr
+    from ckptdoctor.stand_ins import stand_in_class
+
+    path = iteration_dir / ".metadata"
+    metadata = load_metadata_object(path)
+    cls = stand_in_class("torch.distributed.checkpoint.metadata", "MetadataIndex")
+    index = cls.__new__(cls)
+    index.__setstate__(state)
+    record_attr(record_attr(metadata, "all_local_plans")[0], "items")[0].__dict__["index"] = index
+    path.write_bytes(safe_pickle._pickled(metadata, None))
+
+
+@pytest.mark.parametrize("state", [[1, 2, 3], ({"fqn": "x"}, None)])
+def test_a_record_inside_a_save_plan_part_torch_cannot_build_is_corrupt_metadata(capsys, copy_fixture, state):
+    """The records inside a plan part (a write item's MetadataIndex) are built by torch's loader too, which refuses a
+    BUILD with anything but a dict (and a (dict, None) pair): check reports CKD111, edit refuses to rewrite it."""
+    save = copy_fixture("core019_tp2")
+    _plan_index_with_state(save / ITER, state)
+    rc, out, _ = _check(capsys, str(save))
+    assert rc == 1 and "CKD111" in out and "is not a dictionary" in out, out
+    assert main(["edit", str(save), "--remove", "^optimizer\\.", "-o", str(save.parent / "edited")]) == 2
+    assert "is not a dictionary" in capsys.readouterr().err
+    fine = copy_fixture("core019_tp1")
+    _plan_index_with_state(fine / ITER, {"fqn": "x", "offset": None, "index": None})  # a dict: what torch accepts
+    assert _check(capsys, str(fine))[0] == 0
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("state", [[1, 2, 3], ({"fqn": "x"}, None)])
+def test_torch_refuses_the_record_inside_a_plan_part_check_refuses(copy_fixture, state):
+    """The premise of the test above, checked against torch's own reader."""
+    pytest.importorskip("torch")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    save = copy_fixture("core019_tp2")
+    _plan_index_with_state(save / ITER, state)
+    with pytest.raises(Exception, match="is not a dictionary"):
+        FileSystemReader(str(save / ITER)).read_metadata()
+
+
 @pytest.mark.parametrize(
     "name,label,held",
     [

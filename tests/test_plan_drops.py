@@ -414,6 +414,7 @@ def test_the_plan_memory_stays_under_the_input_size():
         (b"K\x07", "state is not a dictionary"),  # an int
         (b"N}(\x8c\x01aK\x01u\x86", "no slot state"),  # (None, {"a": 1}): setattr on a frozen dataclass
         (b"NK\x01\x86", "slot state is not a dictionary"),  # (None, 1)
+        (b"}N\x86", "slot state is not a dictionary"),  # ({}, None): torch's load_build wants a dict there too
     ],
 )
 def test_a_plan_part_built_with_a_state_torch_refuses_is_kept_and_refused(state, error):
@@ -431,10 +432,57 @@ def test_a_plan_part_built_with_a_state_torch_refuses_is_kept_and_refused(state,
     assert b"state-marker" in pruned
     outcome = _outcome(data, True)
     assert outcome[0] == "UnpicklingError" and error in outcome[1], outcome
-    for good in (b"}", b"N", b"}N\x86", b"N}\x86"):  # a dict, None, (dict, None), (None, {}): as torch accepts
+    for good in (b"}", b"N", b"N}\x86"):  # a dict, None, (None, {}): as torch accepts
         ok = _Pickle()
         ok_cls = ok.cls(PLANNER, "WriteItem")
         ok.get(ok_cls).add(b")\x81")
         ok.put()
         ok.add(good + b"b")
         assert _outcome(ok.bytes(), True)[0] == "ok"
+
+
+_REFUSED_STATES = [
+    (b"](K\x01K\x02e", "state is not a dictionary"),  # a list
+    (b"K\x07", "state is not a dictionary"),  # an int
+    (b"NK\x01\x86", "slot state is not a dictionary"),  # (None, 1)
+    (b"}N\x86", "slot state is not a dictionary"),  # ({}, None)
+    (b"(K\x01K\x02K\x03t", "state is not a dictionary"),  # a 3-tuple
+]
+
+
+def _part_holding_record(record: str, state: bytes) -> bytes:
+    """A write item whose state holds (under "index") a record of class ``record`` built with ``state``."""
+    p = _Pickle()
+    part = p.cls(PLANNER, "WriteItem")
+    cls = p.cls(DCP_METADATA, record)
+    p.open_part(part)
+    p.string("index")
+    p.get(cls).add(b")\x81")
+    p.put()
+    p.add(state + b"b")
+    p.string("marker")
+    p.add(_STATE)  # long enough for the part to be worth leaving out
+    p.add(b"ub")
+    return p.bytes()
+
+
+@pytest.mark.parametrize("record", ["MetadataIndex", "ChunkStorageMetadata", "BytesStorageMetadata"])
+@pytest.mark.parametrize("state,error", _REFUSED_STATES)
+def test_a_record_inside_a_plan_part_built_with_a_state_torch_refuses_is_refused(record, state, error):
+    """The index never reads the records inside a plan part, but torch's loader builds them and refuses a BUILD with
+    anything but a dict (the messages are torch's own, tests/test_interop.py): an index-only read (check) refuses
+    them too, and the recognizer does not leave such a part out unread."""
+    data = _part_holding_record(record, state)
+    assert _passes_scan(data)
+    assert b"state-of-a-part" in _alike(data)  # kept
+    assert _outcome(data, True)[:2] == ("UnpicklingError", error)
+    assert _outcome(data, False)[:2] == ("UnpicklingError", error)  # a faithful read: the C unpickler's own BUILD
+
+
+def test_records_inside_a_plan_part_with_states_torch_takes_are_left_out():
+    """A dict for the dataclass records, a tuple for TensorProperties (its class has a __setstate__): the part is
+    still left out unread, so reading megatron-core's plans costs nothing."""
+    for record, state in [("MetadataIndex", b"}"), ("ChunkStorageMetadata", b"}"), ("TensorProperties", b"(K\x01t")]:
+        data = _part_holding_record(record, state)
+        assert b"state-of-a-part" not in _alike(data), record
+        assert _outcome(data, True)[0] == "ok"
