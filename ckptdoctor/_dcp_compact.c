@@ -65,31 +65,45 @@ static PyObject *compact_dict(PyObject *record) {
 static PyObject *shared_state(PyObject *state); /* below, beside index_size */
 static void prebuild(PyObject *record);          /* below */
 
+/* -1 with pickle.UnpicklingError(message) set. */
+static int unpickling_error(const char *message) {
+    static PyObject *error;
+    if (error == NULL) {
+        PyObject *pickle = PyImport_ImportModule("pickle");
+        error = pickle == NULL ? NULL : PyObject_GetAttrString(pickle, "UnpicklingError");
+        Py_XDECREF(pickle);
+        if (error == NULL)
+            return -1;
+    }
+    PyErr_SetString(error, message);
+    return -1;
+}
+
 /* -1 with pickle.UnpicklingError set where the C unpickler's BUILD refuses state for an object without
- * __setstate__ (a DCP dataclass), as index_records.build_state says: a state that is not a dict (or None), or a
- * (state, slot state) pair whose state is not a dict (or None) or whose slot state is not a dict. Checked at each BUILD of a record whose state must be
- * a dict, so a record the index never reads (one inside a kept save plan part) is refused as torch refuses it. */
+ * __setstate__ (a DCP dataclass), as stand_ins.build_state says: a state that is not a dict (or None), or a
+ * (state, slot state) pair whose state is not a dict (or None) or whose slot state is not a dict. Checked at each
+ * BUILD of a record whose state must be a dict, so a record the index never reads (one inside a kept save plan
+ * part) is refused as torch refuses it. */
 static int refuse_build_state(PyObject *state) {
-    static PyObject *unpickling_error;
     PyObject *slots = NULL;
     if (PyTuple_Check(state) && PyTuple_GET_SIZE(state) == 2) {
         slots = PyTuple_GET_ITEM(state, 1);
         state = PyTuple_GET_ITEM(state, 0);
     }
-    const char *refused = state != Py_None && !PyDict_Check(state)                      ? "state is not a dictionary"
-                          : slots != NULL && !PyDict_Check(slots) ? "slot state is not a dictionary"
-                                                                  : NULL;
-    if (refused == NULL)
-        return 0;
-    if (unpickling_error == NULL) {
-        PyObject *pickle = PyImport_ImportModule("pickle");
-        unpickling_error = pickle == NULL ? NULL : PyObject_GetAttrString(pickle, "UnpicklingError");
-        Py_XDECREF(pickle);
-        if (unpickling_error == NULL)
-            return -1;
-    }
-    PyErr_SetString(unpickling_error, refused);
-    return -1;
+    if (state != Py_None && !PyDict_Check(state))
+        return unpickling_error("state is not a dictionary");
+    if (slots != NULL && !PyDict_Check(slots))
+        return unpickling_error("slot state is not a dictionary");
+    return 0;
+}
+
+/* A TensorProperties state other than a dict, as stand_ins.check_properties_state checks it (the same message):
+ * five values (a tuple or a list), as torch's __setstate__ unpacks them. */
+int dcp_refuse_properties_state(PyObject *state) {
+    if (!(PyTuple_Check(state) || PyList_Check(state)) || PySequence_Fast_GET_SIZE(state) != 5)
+        return unpickling_error(
+            "TensorProperties state is not 5 values (dtype, layout, requires_grad, memory format, pin_memory)");
+    return 0;
 }
 
 /* __setstate__ of index records (bound through an instancemethod: args are the record and the state). */
@@ -99,11 +113,13 @@ static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ss
         return NULL;
     }
     PyObject *record = args[0], *state = args[1];
-    /* a TensorProperties record (IndexTupleStateRecord) takes a tuple state: torch's class has a __setstate__
+    /* a TensorProperties record (IndexTupleStateRecord) takes a tuple state too: torch's class has a __setstate__
      * (before setup() names that class, nothing is refused here: index_record_fields still checks what it reads) */
-    if (dcp_tuple_state_record_type != NULL && !PyObject_TypeCheck(record, dcp_tuple_state_record_type) &&
-        refuse_build_state(state) < 0)
-        return NULL;
+    if (dcp_tuple_state_record_type != NULL) {
+        int properties = PyObject_TypeCheck(record, dcp_tuple_state_record_type);
+        if (properties ? !PyDict_Check(state) && dcp_refuse_properties_state(state) < 0 : refuse_build_state(state) < 0)
+            return NULL;
+    }
     if (PyList_GET_SIZE(record) == 0 && PyDict_CheckExact(state)) {
         PyObject *keys = compact_keys(state);
         if (keys == NULL && PyErr_Occurred())

@@ -211,6 +211,8 @@ static PyObject *record_dtype(PyObject *properties) {
     if (PyObject_TypeCheck(properties, dcp_tuple_state_record_type) && PyList_GET_SIZE(properties) == 1 &&
         PyTuple_CheckExact(PyList_GET_ITEM(properties, 0))) {  /* fields would be {"_ckd_state": state} */
         PyObject *state = PyList_GET_ITEM(properties, 0), *dtype = Py_None;
+        if (dcp_refuse_properties_state(state) < 0)  /* as index_record_fields checks it (records changed since) */
+            return NULL;
         if (PyTuple_GET_SIZE(state) > 0)
             dtype = PyTuple_GET_ITEM(state, 0);
         Py_INCREF(dtype);

@@ -14,7 +14,7 @@
  *    there: ASCII strings, ints, None, bools, floats, bytes; memo reads of existing entries; containers made in the
  *    part and filled with hashable keys; tuples; STACK_GLOBAL or GLOBAL of the classes below (all allowlisted, so
  *    find_class only returns them) and their NEWOBJ / REDUCE / BUILD, each in a form that cannot raise in an
- *    index-only read (a plan part's or index record's BUILD only with a dict, a TensorProperties record's also with a tuple, as torch's needs); memo writes of the next entry above the fence. Nothing outside the part is changed (only
+ *    index-only read (a plan part's or index record's BUILD only with a dict, a TensorProperties record's also with a tuple of five, as torch's needs); memo writes of the next entry above the fence. Nothing outside the part is changed (only
  *    objects made in the part are filled or built), no mark outlives it, and the part ends with the BUILD of the
  *    DROPPED object itself. Anything else, and any doubt, leaves the bytes as they are;
  *  - an entry written in a left-out region and read from code that stays makes the region live (translated as it
@@ -214,7 +214,7 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
                     if (op == 'e' ? stack[x - 1] != K_LIST : !is_dict(stack[x - 1])) return 0;
                     if (prebuild_keys) stack[x - 1] = K_DICT_PREBUILD;
                 } else {
-                    push = op == 't' ? (n == x ? K_EMPTY_TUPLE : K_TUPLE)
+                    push = op == 't' ? (n == x ? K_EMPTY_TUPLE : n - x == 5 ? K_TUPLE5 : K_TUPLE)
                            : op == 'l' ? K_LIST
                                        : (prebuild_keys ? K_DICT_PREBUILD : K_DICT);
                 }
@@ -261,11 +261,12 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
                 if (target != K_DROPPED && target != K_OBJECT && target != K_RECORD && target != K_TUPLE_RECORD)
                     return 0;
                 /* DROPPED and the index records refuse a state the real class's BUILD would (index_records.
-                 * DroppedRecord, compact_setstate in _dcp_compact.c): only a dict is left out unread (a tuple too for
-                 * TensorProperties, whose class takes one). An index record's BUILD with a dict holding "chunks" or
+                 * DroppedRecord, compact_setstate in _dcp_compact.c): only a dict is left out unread (a tuple of five too
+                 * for TensorProperties, whose class unpacks one). An index record's BUILD with a dict holding "chunks" or
                  * "properties" may replace objects outside the part (prebuild in _dcp_compact.c): not left out; nor
                  * with a dict the part did not make. */
                 if ((target == K_DROPPED || target == K_RECORD) && !is_dict(state)) return 0;
+                if (target == K_TUPLE_RECORD && !is_dict(state) && state != K_TUPLE5) return 0;
                 if ((target == K_RECORD || target == K_TUPLE_RECORD) && (state == K_DICT_PREBUILD || state == K_OTHER))
                     return 0;
                 n -= 1;

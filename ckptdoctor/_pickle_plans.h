@@ -82,6 +82,7 @@ enum {
     K_INT = 32,
     K_SCALAR,        /* None, a bool, a float or bytes: hashable, immutable */
     K_TUPLE,
+    K_TUPLE5,        /* a tuple of five items (a TensorProperties state, see K_TUPLE_RECORD's BUILD) */
     K_EMPTY_TUPLE,
     K_SIZE_ARGS,     /* a 1-tuple of a tuple (torch.Size's REDUCE arguments) */
     K_LIST,          /* made in the part (only those are filled) */
@@ -90,7 +91,7 @@ enum {
     K_DROPPED,
     K_OBJECT,        /* a generic stand-in made in the part */
     K_RECORD,        /* an index record made in the part, whose state must be a dict (as torch's BUILD needs) */
-    K_TUPLE_RECORD,  /* a TensorProperties index record made in the part (a tuple state too: its __setstate__) */
+    K_TUPLE_RECORD,  /* a TensorProperties index record made in the part (a 5-tuple state too: its __setstate__) */
     K_OTHER,         /* something the part must not change */
     K_CLASS_FIRST = 64, /* 64..: CLASSES[k - 64] */
 };
@@ -132,7 +133,9 @@ int plans_op_named(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_s
 int plans_after_push(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py_ssize_t end, Py_ssize_t memo);
 
 static inline int plan_kind_is_str(int k) { return k >= K_STR && k < K_INT; }
-static inline int plan_kind_is_tuple(int k) { return k == K_TUPLE || k == K_EMPTY_TUPLE || k == K_SIZE_ARGS; }
+static inline int plan_kind_is_tuple(int k) {
+    return k == K_TUPLE || k == K_TUPLE5 || k == K_EMPTY_TUPLE || k == K_SIZE_ARGS;
+}
 static inline int plan_kind_is_hashable(int k) { return plan_kind_is_str(k) || k == K_INT || k == K_SCALAR; }
 
 /* What a memo read of idx pushes, as a part may use it: objects that could be changed are K_OTHER. */

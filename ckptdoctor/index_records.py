@@ -14,7 +14,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from ckptdoctor.stand_ins import Record, TupleStateRecord
+from ckptdoctor.stand_ins import Record, TupleStateRecord, build_state, check_properties_state
 
 
 class CompactKeys(tuple):
@@ -92,23 +92,6 @@ class DroppedRecord:
 DROPPED: DroppedRecord = object.__new__(DroppedRecord)
 
 
-def build_state(state: Any) -> tuple[dict | None, dict | None]:
-    """The (state, slot state) that pickle's BUILD applies to an object without ``__setstate__`` (a dataclass),
-    refused with the C unpickler's messages where it refuses them (``load_build``): a state that is not a dict (or
-    None), or a (state, slot state) pair whose state is not a dict (or None) or whose slot state is not a dict
-    (None included: torch's own loader refuses ``({}, None)`` for every DCP dataclass)."""
-    if isinstance(state, tuple) and len(state) == 2:
-        state, slots = state
-        if state is not None and not isinstance(state, dict):
-            raise pickle.UnpicklingError("state is not a dictionary")
-        if not isinstance(slots, dict):
-            raise pickle.UnpicklingError("slot state is not a dictionary")
-        return state, slots
-    if state is not None and not isinstance(state, dict):
-        raise pickle.UnpicklingError("state is not a dictionary")
-    return state, None
-
-
 def index_record_fields(record: IndexRecord) -> dict:
     """The attributes an :class:`IndexRecord` would have as a :class:`Record` (the states of its BUILDs
     applied in order, as the C unpickler applies them to a Record); raises ``pickle.UnpicklingError`` where
@@ -121,6 +104,7 @@ def index_record_fields(record: IndexRecord) -> dict:
     tuple_state = isinstance(record, IndexTupleStateRecord)
     for state in record:
         if tuple_state and not isinstance(state, dict):
+            check_properties_state(state)
             fields["_ckd_state"] = state
         else:
             plain, slots = build_state(state)

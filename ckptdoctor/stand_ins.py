@@ -13,6 +13,7 @@ Each is registered under an alias in a private module so that the C pickler can 
 from __future__ import annotations
 
 import copyreg
+import pickle
 import re
 import secrets
 import sys
@@ -33,6 +34,34 @@ class _FrozenClass(type):
 
     def __delattr__(cls, name: str) -> None:
         raise AttributeError(f"stand-in class {cls.__qualname__} is read-only")
+
+
+def build_state(state: Any) -> tuple[dict | None, dict | None]:
+    """The (state, slot state) that pickle's BUILD applies to an object without ``__setstate__`` (a dataclass),
+    refused with the C unpickler's messages where it refuses them (``load_build``): a state that is not a dict (or
+    None), or a (state, slot state) pair whose state is not a dict (or None) or whose slot state is not a dict
+    (None included: torch's own loader refuses ``({}, None)`` for every DCP dataclass)."""
+    if isinstance(state, tuple) and len(state) == 2:
+        state, slots = state
+        if state is not None and not isinstance(state, dict):
+            raise pickle.UnpicklingError("state is not a dictionary")
+        if not isinstance(slots, dict):
+            raise pickle.UnpicklingError("slot state is not a dictionary")
+        return state, slots
+    if state is not None and not isinstance(state, dict):
+        raise pickle.UnpicklingError("state is not a dictionary")
+    return state, None
+
+
+# DCP dataclasses that reads keep as generic stand-ins (no __setstate__ in torch or megatron-core), -> frozen: their
+# BUILD is checked as the C unpickler's load_build checks it (a frozen one takes no slot state: setattr fails), so
+# that `check` refuses what torch's loader refuses. (The records of RECORD_BASES are checked by the C unpickler
+# itself, or by index_records in index-only reads.)
+BUILD_CHECKED: dict[tuple[str, str], bool] = {
+    ("torch.distributed.checkpoint.metadata", "Metadata"): False,
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"): False,
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"): True,
+}
 
 
 class StandIn(metaclass=_FrozenClass):
@@ -56,6 +85,11 @@ class StandIn(metaclass=_FrozenClass):
         self.__dict__["_ckd_via"] = "call"
 
     def __setstate__(self, state: Any) -> None:
+        frozen = BUILD_CHECKED.get(self.__ckd_global__)
+        if frozen is not None:
+            slots = build_state(state)[1]  # refused where torch's BUILD refuses it
+            if frozen and slots:
+                raise pickle.UnpicklingError(f"{self.__ckd_global__[1]} is a frozen dataclass: no slot state")
         if isinstance(state, dict):
             self.__dict__.update(state)
             self.__dict__["_ckd_state_kind"] = "dict"
@@ -220,6 +254,18 @@ class Record(metaclass=_FrozenClass):
 
 
 _NO_STATE = object()
+PROPERTIES_NOT_FIVE = "TensorProperties state is not 5 values (dtype, layout, requires_grad, memory format, pin_memory)"
+
+
+def check_properties_state(state: Any) -> None:
+    """A ``TensorProperties`` state other than a dict, as torch's ``TensorProperties.__setstate__`` unpacks it: five
+    values (a tuple, or a list); anything else fails there (ValueError, TypeError) and is refused here with
+    ``pickle.UnpicklingError``, as ``compact_setstate`` in ``_dcp_compact.c`` refuses it in index-only reads (and the
+    C recognizer of plan parts sees it: a tuple of five). Not checked: that the fourth value is a
+    ``_MEM_FORMAT_ENCODING`` member (torch raises RuntimeError otherwise); a dict (an older torch's dataclass state)
+    is left to the readers."""
+    if not isinstance(state, (tuple, list)) or len(state) != 5:
+        raise pickle.UnpicklingError(PROPERTIES_NOT_FIVE)
 
 
 class TupleStateRecord(Record):
@@ -229,6 +275,7 @@ class TupleStateRecord(Record):
         if isinstance(state, dict):
             self.__dict__.update(state)
         else:
+            check_properties_state(state)
             self.__dict__["_ckd_state"] = state
 
     def __reduce_ex__(self, protocol: Any) -> tuple:

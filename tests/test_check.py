@@ -688,6 +688,59 @@ def test_torch_refuses_the_record_inside_a_plan_part_check_refuses(copy_fixture,
         FileSystemReader(str(save / ITER)).read_metadata()
 
 
+def _metadata_part_with_state(iteration_dir: Path, part: str, state: object) -> None:
+    """Rewrite .metadata with its ``storage_meta`` (a StorageMeta) or one tensor's ``properties`` (a TensorProperties)
+    pickled with ``state`` as its BUILD state (set on the object directly: the readers refuse to build either)."""
+    from ckptdoctor import safe_pickle
+    from ckptdoctor.formats.torch_dist import record_attr
+    from ckptdoctor.stand_ins import stand_in_class
+
+    path = iteration_dir / ".metadata"
+    metadata = load_metadata_object(path)
+    if part == "storage_meta":
+        cls = stand_in_class("torch.distributed.checkpoint.metadata", "StorageMeta")
+        meta = cls.__new__(cls)
+        meta.__dict__.update(_ckd_state=state, _ckd_state_kind="raw")  # pickled back as this BUILD state
+        metadata.__dict__["storage_meta"] = meta
+    else:
+        tensor = next(m for m in record_attr(metadata, "state_dict_metadata").values() if "properties" in m.__dict__)
+        tensor.__dict__["properties"].__dict__["_ckd_state"] = state
+    path.write_bytes(safe_pickle._pickled(metadata, None))
+
+
+_BAD_METADATA_PARTS = [
+    ("storage_meta", [1, 2], "state is not a dictionary"),
+    ("storage_meta", ({"save_id": "x"}, None), "slot state is not a dictionary"),
+    ("properties", (1,), "is not 5 values"),
+    ("properties", 7, "is not 5 values"),
+]
+
+
+@pytest.mark.parametrize("part,state,error", _BAD_METADATA_PARTS)
+def test_metadata_parts_torch_cannot_build_are_corrupt_metadata(capsys, copy_fixture, part, state, error):
+    """A StorageMeta built with a state torch's BUILD refuses, a TensorProperties state its __setstate__ cannot
+    unpack: megatron-core cannot load the file; check reports CKD111 and edit refuses to rewrite it."""
+    save = copy_fixture("core019_tp2")
+    _metadata_part_with_state(save / ITER, part, state)
+    rc, out, _ = _check(capsys, str(save))
+    assert rc == 1 and "CKD111" in out and error in out, out
+    assert main(["edit", str(save), "--remove", "^optimizer\\.", "-o", str(save.parent / "edited")]) == 2
+    assert error in capsys.readouterr().err
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("part,state,error", _BAD_METADATA_PARTS)
+def test_torch_refuses_the_metadata_parts_check_refuses(copy_fixture, part, state, error):
+    """The premise of the test above, checked against torch's own reader."""
+    pytest.importorskip("torch")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    save = copy_fixture("core019_tp2")
+    _metadata_part_with_state(save / ITER, part, state)
+    with pytest.raises(Exception):  # noqa: B017 - UnpicklingError, ValueError or TypeError, as torch raises them
+        FileSystemReader(str(save / ITER)).read_metadata()
+
+
 @pytest.mark.parametrize(
     "name,label,held",
     [

@@ -451,8 +451,12 @@ _REFUSED_STATES = [
 
 
 def _part_holding_record(record: str, state: bytes) -> bytes:
-    """A write item whose state holds (under "index") a record of class ``record`` built with ``state``."""
+    """A write item whose state holds (under "index") a record of class ``record`` built with ``state``; memo entry
+    3 holds ``_MEM_FORMAT_ENCODING(0)``, made before the part (as a plan's properties are made before it)."""
     p = _Pickle()
+    code_cls = p.cls(DCP_METADATA, "_MEM_FORMAT_ENCODING")
+    p.get(code_cls).add(b"K\x00\x85R")
+    assert p.put() == 3
     part = p.cls(PLANNER, "WriteItem")
     cls = p.cls(DCP_METADATA, record)
     p.open_part(part)
@@ -482,7 +486,53 @@ def test_a_record_inside_a_plan_part_built_with_a_state_torch_refuses_is_refused
 def test_records_inside_a_plan_part_with_states_torch_takes_are_left_out():
     """A dict for the dataclass records, a tuple for TensorProperties (its class has a __setstate__): the part is
     still left out unread, so reading megatron-core's plans costs nothing."""
-    for record, state in [("MetadataIndex", b"}"), ("ChunkStorageMetadata", b"}"), ("TensorProperties", b"(K\x01t")]:
+    properties = b"(NN\x89h\x03\x89t"  # (dtype, layout, requires_grad, _MEM_FORMAT_ENCODING(0), pin_memory)
+    for record, state in [("MetadataIndex", b"}"), ("ChunkStorageMetadata", b"}"), ("TensorProperties", properties)]:
         data = _part_holding_record(record, state)
         assert b"state-of-a-part" not in _alike(data), record
         assert _outcome(data, True)[0] == "ok"
+
+
+@pytest.mark.parametrize(
+    "state,error",
+    [
+        (b"(K\x01t", "is not 5 values"),  # a 1-tuple: torch's __setstate__ cannot unpack it (ValueError)
+        (b"K\x07", "is not 5 values"),  # an int (TypeError there)
+        (b"}N\x86", "is not 5 values"),  # a (dict, None) pair
+        (b"(NN\x89h\x03t", "is not 5 values"),  # four values (ValueError there)
+    ],
+)
+def test_a_tensor_properties_state_torch_cannot_take_is_refused(state, error):
+    """TensorProperties.__setstate__ unpacks five values: any other state fails torch's load, and is refused by both
+    reads, inside a plan part or not (the C recognizer does not leave such a part out)."""
+    data = _part_holding_record("TensorProperties", state)
+    assert _passes_scan(data)
+    for index_only in (True, False):
+        outcome = _outcome(data, index_only)
+        assert outcome[0] == "UnpicklingError" and error in outcome[1], (index_only, outcome)
+
+
+@pytest.mark.parametrize(
+    "module,name,state,error",
+    [
+        (DCP_METADATA, "Metadata", b"](K\x01e", "state is not a dictionary"),
+        (DCP_METADATA, "StorageMeta", b"}N\x86", "slot state is not a dictionary"),
+        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan", b"N}(\x8c\x01aK\x01u\x86", "frozen"),
+    ],
+)
+def test_dataclasses_read_as_stand_ins_refuse_what_torch_refuses(module, name, state, error):
+    """Metadata, StorageMeta and megatron-core's MCoreSavePlan are generic stand-ins in a faithful read (and the first
+    two in an index-only one): their BUILD is checked as torch's is (a frozen dataclass takes no slot state)."""
+    p = _Pickle()
+    cls = p.cls(module, name)
+    p.get(cls).add(b")\x81")
+    p.put()
+    p.add(state + b"b")
+    outcome = _outcome(p.bytes(), False)
+    assert outcome[0] == "UnpicklingError" and error in outcome[1], outcome
+    good = _Pickle()
+    good_cls = good.cls(module, name)
+    good.get(good_cls).add(b")\x81")
+    good.put()
+    good.add(b"}(\x8c\x01aK\x01ub")
+    assert _outcome(good.bytes(), False)[0] == "ok"
