@@ -339,7 +339,14 @@ class LayoutName(str):
 
 
 class MemoryFormatCode(int):
-    """DCP's ``_MEM_FORMAT_ENCODING(n)`` enum value (once per tensor); pickles back to the same call."""
+    """DCP's ``_MEM_FORMAT_ENCODING(n)`` enum value (once per tensor); pickles back to the same call. Only the
+    enum's values (0, 1, 2, as torch's lookup compares them) are built: torch's loader raises ValueError for any
+    other, so a read refuses it too (``check``: corrupt DCP metadata)."""
+
+    def __new__(cls, value: Any = 0) -> MemoryFormatCode:
+        if not isinstance(value, (int, float)) or value not in (0, 1, 2):
+            raise ValueError(f"{ascii(value)[:40]} is not a valid _MEM_FORMAT_ENCODING")
+        return int.__new__(cls, value)
 
     def __reduce__(self) -> tuple:
         return (MemoryFormatCode, (int(self),))

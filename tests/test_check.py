@@ -704,7 +704,13 @@ def _metadata_part_with_state(iteration_dir: Path, part: str, state: object) -> 
         metadata.__dict__["storage_meta"] = meta
     else:
         tensor = next(m for m in record_attr(metadata, "state_dict_metadata").values() if "properties" in m.__dict__)
-        tensor.__dict__["properties"].__dict__["_ckd_state"] = state
+        properties = tensor.__dict__["properties"].__dict__
+        if part == "memory_format":  # the fourth value: _MEM_FORMAT_ENCODING(state), which no read builds
+            from ckptdoctor.torch_stand_ins import MemoryFormatCode
+
+            old = properties["_ckd_state"]
+            state = (*old[:3], int.__new__(MemoryFormatCode, state), *old[4:])
+        properties["_ckd_state"] = state
     path.write_bytes(safe_pickle._pickled(metadata, None))
 
 
@@ -713,13 +719,15 @@ _BAD_METADATA_PARTS = [
     ("storage_meta", ({"save_id": "x"}, None), "slot state is not a dictionary"),
     ("properties", (1,), "is not 5 values"),
     ("properties", 7, "is not 5 values"),
+    ("memory_format", 3, "is not a valid _MEM_FORMAT_ENCODING"),
 ]
 
 
 @pytest.mark.parametrize("part,state,error", _BAD_METADATA_PARTS)
 def test_metadata_parts_torch_cannot_build_are_corrupt_metadata(capsys, copy_fixture, part, state, error):
     """A StorageMeta built with a state torch's BUILD refuses, a TensorProperties state its __setstate__ cannot
-    unpack: megatron-core cannot load the file; check reports CKD111 and edit refuses to rewrite it."""
+    unpack, a memory format code the enum does not have: megatron-core cannot load the file; check reports CKD111
+    and edit refuses to rewrite it."""
     save = copy_fixture("core019_tp2")
     _metadata_part_with_state(save / ITER, part, state)
     rc, out, _ = _check(capsys, str(save))
