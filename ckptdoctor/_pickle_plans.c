@@ -40,10 +40,11 @@ static const char *const NAMES[] = {
 #define N_NAMES ((int)(sizeof(NAMES) / sizeof(NAMES[0])))
 _Static_assert(sizeof(NAMES) / sizeof(NAMES[0]) + K_NAME_FIRST <= K_INT, "names are kinds below K_INT");
 
-enum { ROLE_DROP, ROLE_DROP_OUTER, ROLE_STAND_IN, ROLE_RECORD, ROLE_TUPLE_RECORD, ROLE_SIZE };
+enum { ROLE_DROP, ROLE_DROP_OUTER, ROLE_ITEM_TYPE, ROLE_RECORD, ROLE_TUPLE_RECORD, ROLE_SIZE };
 
 /* The classes (as safe_globals resolves them in index-only reads, see tests/test_plan_drops.py): the parts of
- * safe_globals.PLAN_PARTS build DROPPED; WriteItemType is a generic stand-in; MetadataIndex, TensorProperties,
+ * safe_globals.PLAN_PARTS build DROPPED; WriteItemType a torch_stand_ins.WriteItemTypeCode (REDUCE of 1..3 only:
+ * it refuses other values); MetadataIndex, TensorProperties,
  * ChunkStorageMetadata and BytesStorageMetadata index records (index_records.index_record_class); torch.Size
  * safe_globals.index_size. MCoreSavePlan only as the part whose bytes are left out (its class push stays), never
  * inside one. TensorStorageMetadata is not one: its BUILD may replace what its chunks list holds (prebuild). */
@@ -51,7 +52,7 @@ static const struct {
     int module, name, role;
 } CLASSES[] = {
     {2, 6, ROLE_DROP},  {2, 7, ROLE_DROP},   {2, 8, ROLE_DROP},   {5, 9, ROLE_DROP_OUTER},
-    {2, 10, ROLE_STAND_IN}, {3, 11, ROLE_RECORD}, {4, 12, ROLE_SIZE}, {3, 13, ROLE_TUPLE_RECORD},
+    {2, 10, ROLE_ITEM_TYPE}, {3, 11, ROLE_RECORD}, {4, 12, ROLE_SIZE}, {3, 13, ROLE_TUPLE_RECORD},
     {3, 14, ROLE_RECORD},   {3, 15, ROLE_RECORD},
 };
 #define N_CLASSES ((int)(sizeof(CLASSES) / sizeof(CLASSES[0])))
@@ -170,7 +171,7 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
                 push = K_SCALAR;
                 break;
             case 'K': case 'M': case 'J':
-                push = K_INT;
+                push = op == 'K' && buf[q + 1] >= 1 && buf[q + 1] <= 3 ? K_INT_ITEM_TYPE : K_INT;
                 break;
             case 0x8c: case 'X': case 0x8d: {
                 Py_ssize_t length;
@@ -194,7 +195,9 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
             case 0x85: case 0x86: case 0x87: { /* TUPLE1..3 */
                 Py_ssize_t k = op - 0x84;
                 if (n - k < (lo > 1 ? lo : 1)) return 0;
-                push = k == 1 && plan_kind_is_tuple(stack[n - 1]) ? K_SIZE_ARGS : K_TUPLE;
+                push = k == 1 && plan_kind_is_tuple(stack[n - 1])  ? K_SIZE_ARGS
+                       : k == 1 && stack[n - 1] == K_INT_ITEM_TYPE ? K_ITEM_TYPE_ARGS
+                                                                   : K_TUPLE;
                 n -= k;
                 break;
             }
@@ -247,7 +250,7 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
                 if (n - 2 < (lo > 1 ? lo : 1) || !is_class(stack[n - 2]) || !plan_kind_is_tuple(stack[n - 1])) return 0;
                 int role = role_of(stack[n - 2]), args = stack[n - 1];
                 if (role == ROLE_DROP) push = K_DROPPED;
-                else if (role == ROLE_STAND_IN) push = K_OBJECT;
+                else if (role == ROLE_ITEM_TYPE && op == 'R' && args == K_ITEM_TYPE_ARGS) push = K_OBJECT;
                 else if (role == ROLE_RECORD && op == 0x81 && args == K_EMPTY_TUPLE) push = K_RECORD;
                 else if (role == ROLE_TUPLE_RECORD && op == 0x81 && args == K_EMPTY_TUPLE) push = K_TUPLE_RECORD;
                 else if (role == ROLE_SIZE && op == 'R' && args == K_SIZE_ARGS) push = K_TUPLE;
@@ -258,8 +261,7 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
             case 'b': { /* BUILD of an object made in the part, with a state it cannot refuse */
                 if (n - 2 < lo) return 0;
                 int target = stack[n - 2], state = stack[n - 1];
-                if (target != K_DROPPED && target != K_OBJECT && target != K_RECORD && target != K_TUPLE_RECORD)
-                    return 0;
+                if (target != K_DROPPED && target != K_RECORD && target != K_TUPLE_RECORD) return 0;
                 /* DROPPED and the index records refuse a state the real class's BUILD would (index_records.
                  * DroppedRecord, compact_setstate in _dcp_compact.c): only a dict is left out unread (a tuple of five too
                  * for TensorProperties, whose class unpacks one). An index record's BUILD with a dict holding "chunks" or

@@ -83,13 +83,15 @@ enum {
     K_SCALAR,        /* None, a bool, a float or bytes: hashable, immutable */
     K_TUPLE,
     K_TUPLE5,        /* a tuple of five items (a TensorProperties state, see K_TUPLE_RECORD's BUILD) */
+    K_INT_ITEM_TYPE, /* an int of 1..3 (BININT1): a WriteItemType value */
+    K_ITEM_TYPE_ARGS, /* a 1-tuple of such an int: WriteItemType's REDUCE arguments */
     K_EMPTY_TUPLE,
     K_SIZE_ARGS,     /* a 1-tuple of a tuple (torch.Size's REDUCE arguments) */
     K_LIST,          /* made in the part (only those are filled) */
     K_DICT,
     K_DICT_PREBUILD, /* a dict made in the part with a key "chunks" or "properties" (see K_RECORD's BUILD) */
     K_DROPPED,
-    K_OBJECT,        /* a generic stand-in made in the part */
+    K_OBJECT,        /* a WriteItemType value made in the part (never BUILT there) */
     K_RECORD,        /* an index record made in the part, whose state must be a dict (as torch's BUILD needs) */
     K_TUPLE_RECORD,  /* a TensorProperties index record made in the part (a 5-tuple state too: its __setstate__) */
     K_OTHER,         /* something the part must not change */
@@ -134,9 +136,11 @@ int plans_after_push(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
 
 static inline int plan_kind_is_str(int k) { return k >= K_STR && k < K_INT; }
 static inline int plan_kind_is_tuple(int k) {
-    return k == K_TUPLE || k == K_TUPLE5 || k == K_EMPTY_TUPLE || k == K_SIZE_ARGS;
+    return k == K_TUPLE || k == K_TUPLE5 || k == K_EMPTY_TUPLE || k == K_SIZE_ARGS || k == K_ITEM_TYPE_ARGS;
 }
-static inline int plan_kind_is_hashable(int k) { return plan_kind_is_str(k) || k == K_INT || k == K_SCALAR; }
+static inline int plan_kind_is_hashable(int k) {
+    return plan_kind_is_str(k) || k == K_INT || k == K_INT_ITEM_TYPE || k == K_SCALAR;
+}
 
 /* What a memo read of idx pushes, as a part may use it: objects that could be changed are K_OTHER. */
 static inline int plan_read_kind(const PlanDrops *d, Py_ssize_t idx) {

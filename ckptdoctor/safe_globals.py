@@ -224,7 +224,6 @@ KNOWN_STAND_INS: frozenset[tuple[str, str]] = frozenset(
         ("torch._C", "Generator"),
         ("torch.distributed.checkpoint.metadata", "Metadata"),
         ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-        ("torch.distributed.checkpoint.planner", "WriteItemType"),
     }
 )
 

@@ -352,9 +352,24 @@ class MemoryFormatCode(int):
         return (MemoryFormatCode, (int(self),))
 
 
+class WriteItemTypeCode(int):
+    """A save plan's ``WriteItemType(n)`` enum value (megatron-core's plans: once per file, then memo reads); pickles
+    back to the same call. Only the enum's values (1, 2, 3) are built: torch's loader raises ValueError for any
+    other (the C recognizer of plan parts leaves a part out unread only where its value is one of them)."""
+
+    def __new__(cls, value: Any = 1) -> WriteItemTypeCode:
+        if not isinstance(value, (int, float)) or value not in (1, 2, 3):
+            raise ValueError(f"{ascii(value)[:40]} is not a valid WriteItemType")
+        return int.__new__(cls, value)
+
+    def __reduce__(self) -> tuple:
+        return (WriteItemTypeCode, (int(self),))
+
+
 for _cls, _module, _name in (
     (LayoutName, "torch.serialization", "_get_layout"),
     (MemoryFormatCode, "torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    (WriteItemTypeCode, "torch.distributed.checkpoint.planner", "WriteItemType"),
 ):
     _cls.__qualname__ = register_alias(_cls, _module, _name)
     _cls.__module__ = ALIAS_MODULE
@@ -362,4 +377,5 @@ for _cls, _module, _name in (
 TORCH_VALUE_CLASSES: dict[tuple[str, str], type] = {
     ("torch.serialization", "_get_layout"): LayoutName,
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): MemoryFormatCode,
+    ("torch.distributed.checkpoint.planner", "WriteItemType"): WriteItemTypeCode,
 }

@@ -702,6 +702,11 @@ def _metadata_part_with_state(iteration_dir: Path, part: str, state: object) -> 
         meta = cls.__new__(cls)
         meta.__dict__.update(_ckd_state=state, _ckd_state_kind="raw")  # pickled back as this BUILD state
         metadata.__dict__["storage_meta"] = meta
+    elif part == "write_item_type":  # the first write item's type: WriteItemType(state), which no read builds
+        from ckptdoctor.torch_stand_ins import WriteItemTypeCode
+
+        item = record_attr(record_attr(metadata, "all_local_plans")[0], "items")[0]
+        item.__dict__["type"] = int.__new__(WriteItemTypeCode, state)
     else:
         tensor = next(m for m in record_attr(metadata, "state_dict_metadata").values() if "properties" in m.__dict__)
         properties = tensor.__dict__["properties"].__dict__
@@ -720,14 +725,15 @@ _BAD_METADATA_PARTS = [
     ("properties", (1,), "is not 5 values"),
     ("properties", 7, "is not 5 values"),
     ("memory_format", 3, "is not a valid _MEM_FORMAT_ENCODING"),
+    ("write_item_type", 4, "is not a valid WriteItemType"),
 ]
 
 
 @pytest.mark.parametrize("part,state,error", _BAD_METADATA_PARTS)
 def test_metadata_parts_torch_cannot_build_are_corrupt_metadata(capsys, copy_fixture, part, state, error):
     """A StorageMeta built with a state torch's BUILD refuses, a TensorProperties state its __setstate__ cannot
-    unpack, a memory format code the enum does not have: megatron-core cannot load the file; check reports CKD111
-    and edit refuses to rewrite it."""
+    unpack, a memory format or write item type the enum does not have: megatron-core cannot load the file; check
+    reports CKD111 and edit refuses to rewrite it."""
     save = copy_fixture("core019_tp2")
     _metadata_part_with_state(save / ITER, part, state)
     rc, out, _ = _check(capsys, str(save))

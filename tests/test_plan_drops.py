@@ -536,3 +536,27 @@ def test_dataclasses_read_as_stand_ins_refuse_what_torch_refuses(module, name, s
     good.put()
     good.add(b"}(\x8c\x01aK\x01ub")
     assert _outcome(good.bytes(), False)[0] == "ok"
+
+
+@pytest.mark.parametrize("value,kept", [(b"K\x01", False), (b"K\x03", False), (b"K\x04", True), (b"K\x00", True)])
+def test_a_write_item_type_is_left_out_only_where_torch_takes_its_value(value, kept):
+    """WriteItemType(n) (1..3: TENSOR, SHARD, BYTE_IO) is built as torch_stand_ins.WriteItemTypeCode, which refuses
+    any other value as torch's enum does; the recognizer leaves a part holding it out unread only where it is one of
+    them, so a read refuses a bad one inside a plan part too."""
+    p = _Pickle()
+    item_type = p.cls(PLANNER, "WriteItemType")
+    part = p.cls(PLANNER, "WriteItem")
+    p.open_part(part)
+    p.string("type")
+    p.get(item_type).add(value + b"\x85R")
+    p.string("marker")
+    p.add(_STATE)
+    p.add(b"ub")
+    data = p.bytes()
+    assert (b"state-of-a-part" in _alike(data)) == kept
+    for index_only in (True, False):
+        outcome = _outcome(data, index_only)
+        if kept:
+            assert outcome[0] == "ValueError" and "is not a valid WriteItemType" in outcome[1], outcome
+        else:
+            assert outcome[0] == "ok", outcome
