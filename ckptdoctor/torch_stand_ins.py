@@ -338,32 +338,34 @@ class LayoutName(str):
         return (LayoutName, (str(self),))
 
 
-class MemoryFormatCode(int):
-    """DCP's ``_MEM_FORMAT_ENCODING(n)`` enum value (once per tensor); pickles back to the same call. Only the
-    enum's values (0, 1, 2, as torch's lookup compares them) are built: torch's loader raises ValueError for any
-    other, so a read refuses it too (``check``: corrupt DCP metadata)."""
+class EnumValue(int):
+    """A torch enum's member as DCP pickles it (a REDUCE of the enum class with its value); pickles back to the
+    same call. Only the enum's ``VALUES`` are built (compared as torch's lookup compares them): torch's loader raises
+    ValueError for any other, so a read refuses it too (``check``: corrupt DCP metadata)."""
 
-    def __new__(cls, value: Any = 0) -> MemoryFormatCode:
-        if not isinstance(value, (int, float)) or value not in (0, 1, 2):
-            raise ValueError(f"{ascii(value)[:40]} is not a valid _MEM_FORMAT_ENCODING")
+    ENUM = ""
+    VALUES: tuple[int, ...] = ()
+
+    def __new__(cls, value: Any = None) -> EnumValue:
+        if not isinstance(value, (int, float)) or value not in cls.VALUES:
+            raise ValueError(f"{ascii(value)[:40]} is not a valid {cls.ENUM}")
         return int.__new__(cls, value)
 
     def __reduce__(self) -> tuple:
-        return (MemoryFormatCode, (int(self),))
+        return (type(self), (int(self),))
 
 
-class WriteItemTypeCode(int):
-    """A save plan's ``WriteItemType(n)`` enum value (megatron-core's plans: once per file, then memo reads); pickles
-    back to the same call. Only the enum's values (1, 2, 3) are built: torch's loader raises ValueError for any
-    other (the C recognizer of plan parts leaves a part out unread only where its value is one of them)."""
+class MemoryFormatCode(EnumValue):
+    """DCP's ``_MEM_FORMAT_ENCODING(n)`` (a TensorProperties state's fourth value)."""
 
-    def __new__(cls, value: Any = 1) -> WriteItemTypeCode:
-        if not isinstance(value, (int, float)) or value not in (1, 2, 3):
-            raise ValueError(f"{ascii(value)[:40]} is not a valid WriteItemType")
-        return int.__new__(cls, value)
+    ENUM, VALUES = "_MEM_FORMAT_ENCODING", (0, 1, 2)
 
-    def __reduce__(self) -> tuple:
-        return (WriteItemTypeCode, (int(self),))
+
+class WriteItemTypeCode(EnumValue):
+    """A save plan's ``WriteItemType(n)`` (megatron-core's plans: once per file, then memo reads; the C recognizer
+    of plan parts leaves a part out unread only where its value is one of these)."""
+
+    ENUM, VALUES = "WriteItemType", (1, 2, 3)
 
 
 for _cls, _module, _name in (
