@@ -65,47 +65,6 @@ static PyObject *compact_dict(PyObject *record) {
 static PyObject *shared_state(PyObject *state); /* below, beside index_size */
 static void prebuild(PyObject *record);          /* below */
 
-/* -1 with pickle.UnpicklingError(message) set. */
-static int unpickling_error(const char *message) {
-    static PyObject *error;
-    if (error == NULL) {
-        PyObject *pickle = PyImport_ImportModule("pickle");
-        error = pickle == NULL ? NULL : PyObject_GetAttrString(pickle, "UnpicklingError");
-        Py_XDECREF(pickle);
-        if (error == NULL)
-            return -1;
-    }
-    PyErr_SetString(error, message);
-    return -1;
-}
-
-/* -1 with pickle.UnpicklingError set where the C unpickler's BUILD refuses state for an object without
- * __setstate__ (a DCP dataclass), as stand_ins.build_state says: a state that is not a dict (or None), or a
- * (state, slot state) pair whose state is not a dict (or None) or whose slot state is not a dict. Checked at each
- * BUILD of a record whose state must be a dict, so a record the index never reads (one inside a kept save plan
- * part) is refused as torch refuses it. */
-static int refuse_build_state(PyObject *state) {
-    PyObject *slots = NULL;
-    if (PyTuple_Check(state) && PyTuple_GET_SIZE(state) == 2) {
-        slots = PyTuple_GET_ITEM(state, 1);
-        state = PyTuple_GET_ITEM(state, 0);
-    }
-    if (state != Py_None && !PyDict_Check(state))
-        return unpickling_error("state is not a dictionary");
-    if (slots != NULL && !PyDict_Check(slots))
-        return unpickling_error("slot state is not a dictionary");
-    return 0;
-}
-
-/* A TensorProperties state other than a dict, as stand_ins.check_properties_state checks it (the same message):
- * five values (a tuple or a list), as torch's __setstate__ unpacks them. */
-int dcp_refuse_properties_state(PyObject *state) {
-    if (!(PyTuple_Check(state) || PyList_Check(state)) || PySequence_Fast_GET_SIZE(state) != 5)
-        return unpickling_error(
-            "TensorProperties state is not 5 values (dtype, layout, requires_grad, memory format, pin_memory)");
-    return 0;
-}
-
 /* __setstate__ of index records (bound through an instancemethod: args are the record and the state). */
 static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyList_Check(args[0])) {
@@ -117,7 +76,7 @@ static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ss
      * (before setup() names that class, nothing is refused here: index_record_fields still checks what it reads) */
     if (dcp_tuple_state_record_type != NULL) {
         int properties = PyObject_TypeCheck(record, dcp_tuple_state_record_type);
-        if (properties ? !PyDict_Check(state) && dcp_refuse_properties_state(state) < 0 : refuse_build_state(state) < 0)
+        if (properties ? !PyDict_Check(state) && dcp_refuse_properties_state(state) < 0 : dcp_refuse_build_state(state) < 0)
             return NULL;
     }
     if (PyList_GET_SIZE(record) == 0 && PyDict_CheckExact(state)) {

@@ -52,9 +52,12 @@ PyObject *dcp_compact_value(PyObject *record, PyObject *name);          /* borro
 PyObject *dcp_make_compact_setstate(PyObject *module, PyObject *keys_type); /* compact_setstate(CompactKeys) */
 PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* index_size(dims) */
 PyObject *dcp_faithful_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* (cls, dims) */
-int dcp_refuse_properties_state(PyObject *state); /* -1, UnpicklingError: not a state TensorProperties takes */
 PyObject *dcp_dims_key(PyObject *dims); /* a flood-proof dict key (bytes) of a tuple of int64 ints; NULL: none */
 PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *ignored);         /* forget_index_sizes() */
+
+/* _dcp_states.c: -1 with pickle.UnpicklingError set where torch's loader refuses the state */
+int dcp_refuse_build_state(PyObject *state);      /* a dataclass's BUILD state (load_build) */
+int dcp_refuse_properties_state(PyObject *state); /* a TensorProperties state other than a dict */
 
 /* _dcp_coverage.c */
 PyObject *dcp_tiles_once(PyObject *module, PyObject *args); /* tiles_once(shape, chunks) -> bool */
