@@ -62,6 +62,9 @@ _Static_assert(sizeof(CLASSES) / sizeof(CLASSES[0]) + K_CLASS_FIRST <= 256, "kin
 #define MAX_MARKS 64
 
 static int is_name(int k) { return k >= K_NAME_FIRST && k < K_INT; } /* a str with the text of one of NAMES */
+static int is_int(int k) { return k == K_INT || k == K_INT_ITEM_TYPE; } /* BININT1, BININT2, BININT: in int64 */
+/* What torch.Size takes (a tuple of ints; the 1-tuple of an int 1..3 too): a Size's REDUCE argument only then */
+static int is_int_tuple(int k) { return k == K_INT_TUPLE || k == K_ITEM_TYPE_ARGS || k == K_EMPTY_TUPLE; }
 static int is_dict(int k) { return k == K_DICT || k == K_DICT_PREBUILD; }
 static int is_class(int k) { return k >= K_CLASS_FIRST; } /* only CLASSES' kinds are made */
 static int role_of(int k) { return CLASSES[k - K_CLASS_FIRST].role; }
@@ -195,8 +198,11 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
             case 0x85: case 0x86: case 0x87: { /* TUPLE1..3 */
                 Py_ssize_t k = op - 0x84;
                 if (n - k < (lo > 1 ? lo : 1)) return 0;
-                push = k == 1 && plan_kind_is_tuple(stack[n - 1])  ? K_SIZE_ARGS
+                int ints = 1;
+                for (Py_ssize_t i = n - k; i < n; i++) ints &= is_int(stack[i]);
+                push = k == 1 && is_int_tuple(stack[n - 1])        ? K_SIZE_ARGS
                        : k == 1 && stack[n - 1] == K_INT_ITEM_TYPE ? K_ITEM_TYPE_ARGS
+                       : ints                                      ? K_INT_TUPLE
                                                                    : K_TUPLE;
                 n -= k;
                 break;
@@ -217,7 +223,9 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
                     if (op == 'e' ? stack[x - 1] != K_LIST : !is_dict(stack[x - 1])) return 0;
                     if (prebuild_keys) stack[x - 1] = K_DICT_PREBUILD;
                 } else {
-                    push = op == 't' ? (n == x ? K_EMPTY_TUPLE : n - x == 5 ? K_TUPLE5 : K_TUPLE)
+                    int ints = 1;
+                    for (Py_ssize_t i = x; i < n; i++) ints &= is_int(stack[i]);
+                    push = op == 't' ? (n == x ? K_EMPTY_TUPLE : n - x == 5 ? K_TUPLE5 : ints ? K_INT_TUPLE : K_TUPLE)
                            : op == 'l' ? K_LIST
                                        : (prebuild_keys ? K_DICT_PREBUILD : K_DICT);
                 }

@@ -84,6 +84,7 @@ enum {
     K_TUPLE,
     K_TUPLE5,        /* a tuple of five items (a TensorProperties state, see K_TUPLE_RECORD's BUILD) */
     K_INT_ITEM_TYPE, /* an int of 1..3 (BININT1): a WriteItemType value */
+    K_INT_TUPLE,     /* a tuple of 1 to 4 ints (what torch.Size takes; five items are K_TUPLE5) */
     K_ITEM_TYPE_ARGS, /* a 1-tuple of such an int: WriteItemType's REDUCE arguments */
     K_EMPTY_TUPLE,
     K_SIZE_ARGS,     /* a 1-tuple of a tuple (torch.Size's REDUCE arguments) */
@@ -136,7 +137,8 @@ int plans_after_push(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
 
 static inline int plan_kind_is_str(int k) { return k >= K_STR && k < K_INT; }
 static inline int plan_kind_is_tuple(int k) {
-    return k == K_TUPLE || k == K_TUPLE5 || k == K_EMPTY_TUPLE || k == K_SIZE_ARGS || k == K_ITEM_TYPE_ARGS;
+    return k == K_TUPLE || k == K_TUPLE5 || k == K_INT_TUPLE || k == K_EMPTY_TUPLE || k == K_SIZE_ARGS ||
+           k == K_ITEM_TYPE_ARGS;
 }
 static inline int plan_kind_is_hashable(int k) {
     return plan_kind_is_str(k) || k == K_INT || k == K_INT_ITEM_TYPE || k == K_SCALAR;

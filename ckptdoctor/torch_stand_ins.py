@@ -152,6 +152,7 @@ class Size(tuple):
     def __new__(cls, dims: tuple = ()) -> Size:
         if not isinstance(dims, tuple):
             raise TypeError(f"torch.Size of a {type(dims).__name__}, not a tuple")
+        check_size_items(dims)
         return tuple.__new__(cls, dims)
 
     def __reduce__(self) -> tuple:
@@ -161,9 +162,28 @@ class Size(tuple):
 Size.__qualname__ = register_alias(Size, "torch", "Size")
 Size.__module__ = ALIAS_MODULE
 
-# What ``torch.Size`` builds when ``.metadata`` is read for its index only (never written back): the argument
-# tuple itself, at C speed and without a copy (``() + t`` is ``t`` for a tuple, a TypeError for anything else).
-INDEX_SIZE = ().__add__
+
+def check_size_items(dims: tuple) -> None:
+    """Refuse what ``torch.Size(dims)`` refuses, with its messages: an item that is not an int (bools are), or
+    one outside int64 (torch's loader fails on such a ``.metadata``; so does a read, and ``check`` says so). The
+    C extension's ``index_size`` and ``faithful_size`` check alike."""
+    for i, item in enumerate(dims):
+        if not isinstance(item, int):
+            raise TypeError(f"torch.Size() takes an iterable of 'int' (item {i} is '{type(item).__name__}')")
+        if not -(2**63) <= item < 2**63:  # torch: "Overflow when unpacking long long"
+            raise ValueError(f"torch.Size item {i} is an int of {item.bit_length()} bits, not an int64")
+
+
+def _index_size_py(*args: Any) -> tuple:
+    """What ``torch.Size`` builds when ``.metadata`` is read for its index only (never written back), without the
+    C extension: the argument tuple itself, as ``().__add__`` gives it (the same result or the same error), its
+    items checked as torch checks them."""
+    if len(args) == 1 and isinstance(args[0], tuple):
+        check_size_items(args[0])
+    return ().__add__(*args)
+
+
+INDEX_SIZE = _index_size_py
 
 
 class StorageRef:

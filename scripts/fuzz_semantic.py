@@ -157,7 +157,8 @@ def _garbage(rng: random.Random, old: Any) -> Any:
             items = items[:-1]
         else:
             items.append(rng.choice([0, 1, 5]))
-        return Size(tuple(items)) if isinstance(old, Size) else tuple(items)
+        # built as a pickle would have it: Size() itself refuses what torch.Size refuses (2**63 here)
+        return tuple.__new__(Size, tuple(items)) if isinstance(old, Size) else tuple(items)
     if isinstance(old, list) and old and roll < 6:
         items = list(old)
         if rng.random() < 0.5:

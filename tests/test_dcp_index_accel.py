@@ -445,8 +445,10 @@ def test_fixture_indexes_with_and_without_compact_records(monkeypatch, path):
 @needs_c
 def test_index_sizes_are_shared_within_a_load_and_otherwise_what_the_tuple_add_makes():
     """torch.Size in an index-only read (``_dcp_index.index_size``): one object per equal tuple of ints within a
-    load, the table emptied after it; anything else is exactly what ``().__add__`` makes of it."""
+    load, the table emptied after it; items torch.Size refuses (not ints, outside int64) refused with its errors;
+    anything else exactly what the Python fallback (``().__add__``, items checked) makes of it."""
     from ckptdoctor import safe_globals
+    from ckptdoctor.torch_stand_ins import INDEX_SIZE
 
     index_size = safe_globals.index_size
     assert index_size is dcp_index._dcp_index.index_size
@@ -454,13 +456,21 @@ def test_index_sizes_are_shared_within_a_load_and_otherwise_what_the_tuple_add_m
     assert a is not b and index_size(a) is a and index_size(b) is a  # the first one seen
     safe_globals.forget_index_sizes()
     assert index_size(b) is b  # a new load starts a new table
-    mixed = (1, "x")
-    assert index_size(mixed) is mixed and index_size(()) == ()
-    record = IndexRecord()
-    assert index_size((record,))[0] is record  # unhashable items: passed through, never hashed
-    for args in ([1, 2], ("a",), (), ((1,), (2,)), (None,)):
+    flags = (True, 2)
+    assert index_size(flags) is flags and index_size(()) == ()  # bools are ints to torch.Size: kept as they are
+    with pytest.raises(TypeError, match=r"takes an iterable of 'int' \(item 1 is 'str'\)"):
+        index_size((1, "x"))
+    with pytest.raises(TypeError, match="item 0 is 'IndexRecord'"):
+        index_size((IndexRecord(),))  # never hashed
+    with pytest.raises(ValueError, match="item 1 is an int of 64 bits, not an int64"):
+        index_size((1, 2**63))
+    long_dims = tuple(range(70))  # more dims than the table keys: checked all the same
+    assert index_size(long_dims) is long_dims
+    with pytest.raises(TypeError):
+        index_size((*long_dims, 0.5))
+    for args in ([1, 2], ("a",), (), ((1,), (2,)), (None,), (-(2**63), 2**63 - 1), (1.0,), (2**64,)):
         try:
-            expected: Any = ("value", ().__add__(*args))
+            expected: Any = ("value", INDEX_SIZE(*args))
         except Exception as exc:  # noqa: BLE001 - the point is which one
             expected = (type(exc).__name__, str(exc))
         try:
@@ -521,13 +531,15 @@ def test_a_faithful_load_shares_equal_sizes_as_torch_sizes_and_pickles_each_once
     # no two loads share one
     again = [record_attr(index, "offset") for index in _records(data, False)[1]]
     assert again == sizes[-len(again) :] and not {id(s) for s in again if s} & {id(s) for s in sizes if s}
-    # a size that is not of int64 ints is built as it is, unshared (and one of a list refused, as before)
-    odd = [Size((2**70, 1)), Size((2**70, 1)), Size((1.5,)), Size((1.5,)), Size((True,)), Size((1,))]
+    # a size of bools (ints to torch.Size) is built as it is, unshared; one torch.Size refuses is refused alike
+    odd = [Size((True, 2)), Size((True, 2)), Size((1, 2))]
     made = safe_pickle.loads(safe_pickle.dumps(odd))
-    assert made == odd and [type(s) for s in made] == [Size] * 6
-    assert len({id(s) for s in made}) == 6 and type(made[4][0]) is bool
-    with pytest.raises(TypeError):
+    assert made == odd and [type(s) for s in made] == [Size] * 3
+    assert len({id(s) for s in made}) == 3 and type(made[0][0]) is bool
+    with pytest.raises(TypeError):  # of a list
         safe_pickle.loads(safe_pickle.dumps([Size((1,))]).replace(b"K\x01\x85", b"]K\x01a"))
+    with pytest.raises(TypeError, match="item 0 is 'float'"):
+        safe_pickle.loads(safe_pickle.dumps([Size((1,))]).replace(b"K\x01\x85", b"G?\xf8" + bytes(6) + b"\x85"))
     # written back, each distinct size is pickled once: the same values in a smaller pickle than unshared sizes
     written = safe_pickle.dumps(safe_pickle.loads(data))
     unshared = [Size(tuple(s)) for s in sizes if s is not None]

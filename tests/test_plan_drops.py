@@ -538,25 +538,52 @@ def test_dataclasses_read_as_stand_ins_refuse_what_torch_refuses(module, name, s
     assert _outcome(good.bytes(), False)[0] == "ok"
 
 
+def _part_reducing(module: str, name: str, field: str, args: bytes) -> bytes:
+    """A write item whose state holds, under ``field``, a REDUCE of ``module.name`` with the argument tuple ``args``
+    (raw opcodes), and a long marker (so that the part is worth leaving out)."""
+    p = _Pickle()
+    cls = p.cls(module, name)
+    part = p.cls(PLANNER, "WriteItem")
+    p.open_part(part)
+    p.string(field)
+    p.get(cls).add(args + b"R")
+    p.string("marker")
+    p.add(_STATE)
+    p.add(b"ub")
+    return p.bytes()
+
+
+def _reads_alike(data: bytes, kept: bool, error: tuple[str, str] | None) -> None:
+    """The part is kept (or left out) as said, and both reads end alike: ok, or the error (type, text in it)."""
+    assert (b"state-of-a-part" in _alike(data)) == kept
+    for index_only in (True, False):
+        outcome = _outcome(data, index_only)
+        if error is None:
+            assert outcome[0] == "ok", outcome
+        else:
+            assert outcome[0] == error[0] and error[1] in outcome[1], outcome
+
+
 @pytest.mark.parametrize("value,kept", [(b"K\x01", False), (b"K\x03", False), (b"K\x04", True), (b"K\x00", True)])
 def test_a_write_item_type_is_left_out_only_where_torch_takes_its_value(value, kept):
     """WriteItemType(n) (1..3: TENSOR, SHARD, BYTE_IO) is built as torch_stand_ins.WriteItemTypeCode, which refuses
     any other value as torch's enum does; the recognizer leaves a part holding it out unread only where it is one of
     them, so a read refuses a bad one inside a plan part too."""
-    p = _Pickle()
-    item_type = p.cls(PLANNER, "WriteItemType")
-    part = p.cls(PLANNER, "WriteItem")
-    p.open_part(part)
-    p.string("type")
-    p.get(item_type).add(value + b"\x85R")
-    p.string("marker")
-    p.add(_STATE)
-    p.add(b"ub")
-    data = p.bytes()
-    assert (b"state-of-a-part" in _alike(data)) == kept
-    for index_only in (True, False):
-        outcome = _outcome(data, index_only)
-        if kept:
-            assert outcome[0] == "ValueError" and "is not a valid WriteItemType" in outcome[1], outcome
-        else:
-            assert outcome[0] == "ok", outcome
+    data = _part_reducing(PLANNER, "WriteItemType", "type", value + b"\x85")
+    _reads_alike(data, kept, ("ValueError", "is not a valid WriteItemType") if kept else None)
+
+
+@pytest.mark.parametrize(
+    "dims,kept,error",
+    [
+        (b"K\x00K\x04\x86", False, None),  # ints: left out unread
+        (b"(K\x01K\x02K\x03K\x04t", False, None),
+        (b"K\x00G?\xf8" + bytes(6) + b"\x86", True, "item 1 is 'float'"),  # torch.Size refuses a float
+        (b"\x8c\x01a\x85", True, "item 0 is 'str'"),
+    ],
+)
+def test_a_size_inside_a_plan_part_is_left_out_only_where_torch_takes_its_items(dims, kept, error):
+    """torch.Size takes ints only: a size of anything else inside a plan part keeps the part, and both reads refuse
+    it with torch's message; a size of ints is left out unread as before."""
+    data = _part_reducing("torch", "Size", "size", dims + b"\x85")
+    _reads_alike(data, kept, None if error is None else ("TypeError", error))
