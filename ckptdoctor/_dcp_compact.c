@@ -247,33 +247,6 @@ static PyObject *the_equal_one(PyObject *t, int by_identity) {
     return status < 0 ? NULL : Py_NewRef(t);
 }
 
-/* -1 with torch.Size's own error where it refuses dims (torch_stand_ins.check_size_items, the same messages): an
- * item that is not an int (bools are), or one outside int64. */
-static int refuse_size_items(PyObject *dims) {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dims); i++) {
-        PyObject *item = PyTuple_GET_ITEM(dims, i);
-        if (!PyLong_Check(item)) {
-            PyObject *name = PyObject_GetAttrString((PyObject *)Py_TYPE(item), "__name__");
-            if (name != NULL)
-                PyErr_Format(PyExc_TypeError, "torch.Size() takes an iterable of 'int' (item %zd is '%U')", i, name);
-            Py_XDECREF(name);
-            return -1;
-        }
-        int overflow;
-        long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
-        if (overflow) { /* torch: "Overflow when unpacking long long" */
-            PyObject *bits = PyObject_CallMethod(item, "bit_length", NULL);
-            if (bits != NULL)
-                PyErr_Format(PyExc_ValueError, "torch.Size item %zd is an int of %S bits, not an int64", i, bits);
-            Py_XDECREF(bits);
-            return -1;
-        }
-        if (value == -1 && PyErr_Occurred())
-            return -1;
-    }
-    return 0;
-}
-
 PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (size_add == NULL) {
         PyObject *empty = PyTuple_New(0);
@@ -283,7 +256,7 @@ PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nar
         }
         Py_DECREF(empty);
     }
-    if (nargs == 1 && PyTuple_Check(args[0]) && refuse_size_items(args[0]) < 0)
+    if (nargs == 1 && PyTuple_Check(args[0]) && dcp_refuse_size_items(args[0]) < 0)
         return NULL;
     if (nargs != 1 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) > MAX_SIZE_DIMS)
         return PyObject_Vectorcall(size_add, args, (size_t)nargs, NULL);

@@ -58,6 +58,7 @@ PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *ignored);         /
 /* _dcp_states.c: -1 with pickle.UnpicklingError set where torch's loader refuses the state */
 int dcp_refuse_build_state(PyObject *state);      /* a dataclass's BUILD state (load_build) */
 int dcp_refuse_properties_state(PyObject *state); /* a TensorProperties state other than a dict */
+int dcp_refuse_size_items(PyObject *dims);         /* a torch.Size's dims (a tuple) */
 
 /* _dcp_coverage.c */
 PyObject *dcp_tiles_once(PyObject *module, PyObject *args); /* tiles_once(shape, chunks) -> bool */

@@ -1,7 +1,8 @@
 /* The BUILD states torch's loader refuses, for ckptdoctor._dcp_index (see _dcp_index.h): what the C unpickler's
- * load_build refuses for a DCP dataclass (no __setstate__), and what TensorProperties.__setstate__ cannot unpack.
- * The same checks and messages as stand_ins.build_state and stand_ins.check_properties_state, for the index records'
- * __setstate__ (compact_setstate in _dcp_compact.c) and the index loop (_dcp_index.c). */
+ * load_build refuses for a DCP dataclass (no __setstate__), what TensorProperties.__setstate__ cannot unpack, and
+ * the dims torch.Size refuses. The same checks and messages as stand_ins.build_state, stand_ins.check_properties_state
+ * and torch_stand_ins.check_size_items, for the index records' __setstate__ (compact_setstate in _dcp_compact.c),
+ * the index loop (_dcp_index.c) and index_size (_dcp_compact.c). */
 #include "_dcp_index.h"
 
 /* -1 with pickle.UnpicklingError(message) set. */
@@ -42,5 +43,32 @@ int dcp_refuse_properties_state(PyObject *state) {
     if (!(PyTuple_Check(state) || PyList_Check(state)) || PySequence_Fast_GET_SIZE(state) != 5)
         return unpickling_error(
             "TensorProperties state is not 5 values (dtype, layout, requires_grad, memory format, pin_memory)");
+    return 0;
+}
+
+/* -1 with torch.Size's own error where it refuses dims (torch_stand_ins.check_size_items, the same messages): an
+ * item that is not an int (bools are), or one outside int64. */
+int dcp_refuse_size_items(PyObject *dims) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dims); i++) {
+        PyObject *item = PyTuple_GET_ITEM(dims, i);
+        if (!PyLong_Check(item)) {
+            PyObject *name = PyObject_GetAttrString((PyObject *)Py_TYPE(item), "__name__");
+            if (name != NULL)
+                PyErr_Format(PyExc_TypeError, "torch.Size() takes an iterable of 'int' (item %zd is '%U')", i, name);
+            Py_XDECREF(name);
+            return -1;
+        }
+        int overflow;
+        long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow) { /* torch: "Overflow when unpacking long long" */
+            PyObject *bits = PyObject_CallMethod(item, "bit_length", NULL);
+            if (bits != NULL)
+                PyErr_Format(PyExc_ValueError, "torch.Size item %zd is an int of %S bits, not an int64", i, bits);
+            Py_XDECREF(bits);
+            return -1;
+        }
+        if (value == -1 && PyErr_Occurred())
+            return -1;
+    }
     return 0;
 }
