@@ -702,6 +702,11 @@ def _metadata_part_with_state(iteration_dir: Path, part: str, state: object) -> 
         meta = cls.__new__(cls)
         meta.__dict__.update(_ckd_state=state, _ckd_state_kind="raw")  # pickled back as this BUILD state
         metadata.__dict__["storage_meta"] = meta
+    elif part == "plan_size":  # the first write item's tensor size: torch.Size(state), which no read builds
+        from ckptdoctor.torch_stand_ins import Size
+
+        item = record_attr(record_attr(metadata, "all_local_plans")[0], "items")[0]
+        record_attr(item, "tensor_data").__dict__["size"] = tuple.__new__(Size, state)
     elif part == "write_item_type":  # the first write item's type: WriteItemType(state), which no read builds
         from ckptdoctor.torch_stand_ins import WriteItemTypeCode
 
@@ -726,6 +731,7 @@ _BAD_METADATA_PARTS = [
     ("properties", 7, "is not 5 values"),
     ("memory_format", 3, "is not a valid _MEM_FORMAT_ENCODING"),
     ("write_item_type", 4, "is not a valid WriteItemType"),
+    ("plan_size", (4, 1.5), "item 1 is 'float'"),
 ]
 
 
