@@ -543,7 +543,10 @@ def test_a_faithful_load_shares_equal_sizes_as_torch_sizes_and_pickles_each_once
     # written back, each distinct size is pickled once: the same values in a smaller pickle than unshared sizes
     written = safe_pickle.dumps(safe_pickle.loads(data))
     unshared = [Size(tuple(s)) for s in sizes if s is not None]
-    assert safe_pickle.loads(written) == safe_pickle.loads(data)
+    # the same index (keys, dtypes, shapes, chunks, locations; real torch reads equal objects: tests/test_interop.py)
+    assert dcp_index.index_items(*_records(written, True), DcpItem, True) == dcp_index.index_items(
+        *_records(data, True), DcpItem, True
+    )
     assert len(safe_pickle.dumps(unshared)) > len(safe_pickle.dumps([s for s in sizes if s is not None]))
 
 
