@@ -43,7 +43,7 @@ _Static_assert(sizeof(NAMES) / sizeof(NAMES[0]) + K_NAME_FIRST <= K_INT, "names 
 enum { ROLE_DROP, ROLE_DROP_OUTER, ROLE_ITEM_TYPE, ROLE_RECORD, ROLE_TUPLE_RECORD, ROLE_SIZE };
 
 /* The classes (as safe_globals resolves them in index-only reads, see tests/test_plan_drops.py): the parts of
- * safe_globals.PLAN_PARTS build DROPPED; WriteItemType a torch_stand_ins.WriteItemTypeCode (REDUCE of 1..3 only:
+ * safe_globals.PLAN_PARTS build DROPPED; WriteItemType a torch_values.WriteItemTypeCode (REDUCE of 1..3 only:
  * it refuses other values); MetadataIndex, TensorProperties,
  * ChunkStorageMetadata and BytesStorageMetadata index records (index_records.index_record_class); torch.Size
  * safe_globals.index_size. MCoreSavePlan only as the part whose bytes are left out (its class push stays), never

@@ -45,11 +45,11 @@ from ckptdoctor.torch_stand_ins import (
     INDEX_SIZE,
     TORCH_DTYPES,
     TORCH_FUNCS,
-    TORCH_VALUE_CLASSES,
     DtypeRef,
     Size,
     StorageTypeRef,
 )
+from ckptdoctor.torch_values import TORCH_VALUE_CLASSES
 
 index_size: Callable[..., Any]
 faithful_size: Callable[..., Any]

@@ -262,7 +262,7 @@ def check_properties_state(state: Any) -> None:
     values (a tuple, or a list); anything else fails there (ValueError, TypeError) and is refused here with
     ``pickle.UnpicklingError``, as ``compact_setstate`` in ``_dcp_compact.c`` refuses it in index-only reads (and the
     C recognizer of plan parts sees it: a tuple of five). A ``_MEM_FORMAT_ENCODING`` of a value the enum lacks is
-    refused where it is built (``torch_stand_ins.MemoryFormatCode``); not checked: that the fourth value is one at
+    refused where it is built (``torch_values.MemoryFormatCode``); not checked: that the fourth value is one at
     all (torch raises RuntimeError otherwise). A dict (an older torch's dataclass state) is left to the readers."""
     if not isinstance(state, (tuple, list)) or len(state) != 5:
         raise pickle.UnpicklingError(PROPERTIES_NOT_FIVE)

@@ -708,7 +708,7 @@ def _metadata_part_with_state(iteration_dir: Path, part: str, state: object) -> 
         item = record_attr(record_attr(metadata, "all_local_plans")[0], "items")[0]
         record_attr(item, "tensor_data").__dict__["size"] = tuple.__new__(Size, state)
     elif part == "write_item_type":  # the first write item's type: WriteItemType(state), which no read builds
-        from ckptdoctor.torch_stand_ins import WriteItemTypeCode
+        from ckptdoctor.torch_values import WriteItemTypeCode
 
         item = record_attr(record_attr(metadata, "all_local_plans")[0], "items")[0]
         item.__dict__["type"] = int.__new__(WriteItemTypeCode, state)
@@ -716,7 +716,7 @@ def _metadata_part_with_state(iteration_dir: Path, part: str, state: object) -> 
         tensor = next(m for m in record_attr(metadata, "state_dict_metadata").values() if "properties" in m.__dict__)
         properties = tensor.__dict__["properties"].__dict__
         if part == "memory_format":  # the fourth value: _MEM_FORMAT_ENCODING(state), which no read builds
-            from ckptdoctor.torch_stand_ins import MemoryFormatCode
+            from ckptdoctor.torch_values import MemoryFormatCode
 
             old = properties["_ckd_state"]
             state = (*old[:3], int.__new__(MemoryFormatCode, state), *old[4:])

@@ -566,7 +566,7 @@ def _reads_alike(data: bytes, kept: bool, error: tuple[str, str] | None) -> None
 
 @pytest.mark.parametrize("value,kept", [(b"K\x01", False), (b"K\x03", False), (b"K\x04", True), (b"K\x00", True)])
 def test_a_write_item_type_is_left_out_only_where_torch_takes_its_value(value, kept):
-    """WriteItemType(n) (1..3: TENSOR, SHARD, BYTE_IO) is built as torch_stand_ins.WriteItemTypeCode, which refuses
+    """WriteItemType(n) (1..3: TENSOR, SHARD, BYTE_IO) is built as torch_values.WriteItemTypeCode, which refuses
     any other value as torch's enum does; the recognizer leaves a part holding it out unread only where it is one of
     them, so a read refuses a bad one inside a plan part too."""
     data = _part_reducing(PLANNER, "WriteItemType", "type", value + b"\x85")
