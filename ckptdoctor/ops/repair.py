@@ -39,13 +39,15 @@ from ckptdoctor.locate import (
     iteration_dir_name,
     list_iteration_dirs,
     looks_like_iteration_dir,
+    read_tracker,
 )
 from ckptdoctor.ops import fix_args
 from ckptdoctor.ops import repair_metadata_json as metadata_json
 from ckptdoctor.ops.check import CheckOptions, scan_and_check
-from ckptdoctor.ops.latest_good import LatestGoodReport, find_latest_good
+from ckptdoctor.ops.latest_good import LatestGoodReport, find_latest_good, iteration_value
+from ckptdoctor.ops.repair_bridge import plan_bridge
 from ckptdoctor.ops.repair_report import SCHEMA, Action, Refusal, RepairReport
-from ckptdoctor.rules import ERROR, Finding, leftovers, structure
+from ckptdoctor.rules import ERROR, Finding, bridge, leftovers, structure
 from ckptdoctor.rules.integrity import INTEGRITY_NAME, LISTED_FILE_MISSING
 
 TRACKER_CODES = (structure.TRACKER_INVALID.code, structure.TRACKER_TARGET_MISSING.code, structure.TRACKER_MISSING.code)
@@ -64,6 +66,7 @@ class RepairWork:
     save_dir: Path | None
     candidate: Path | None
     tracker_value: str | None = None  # the new tracker value (tracker action)
+    bridge_value: str | None = None  # the step Megatron-Bridge's tracker is to name (bridge-tracker action)
     metadata_json: dict | None = None
     orphans: list[str] = field(default_factory=list)
     leftovers: list[Path] = field(default_factory=list)  # CKD151 paths (inside or beside the iteration dir)
@@ -88,8 +91,11 @@ def _resolve(path: Path, iteration: str | None) -> tuple[Path | None, Path | Non
             if not candidate.is_dir():
                 raise CkptError(f"{candidate}: --iteration points to an iteration dir that does not exist")
             return path, candidate, tracker_findings
-        tracker_broken = any(f.code in TRACKER_CODES for f in tracker_findings)
-        return path, (chosen[0] if chosen and not tracker_broken else None), tracker_findings
+        if any(f.code in TRACKER_CODES for f in tracker_findings):
+            return path, None, tracker_findings
+        # the text tracker's dir (Megatron-Bridge's tracker may name another: repair follows the text one)
+        tracked = path / iteration_dir_name(read_tracker(path / TRACKER_NAME))
+        return path, (tracked if tracked in chosen else None), tracker_findings
     if iteration is not None:
         raise CkptError(f"{path}: --iteration needs a save dir")
     if looks_like_iteration_dir(path):
@@ -116,7 +122,7 @@ def plan(
     if candidate is not None:
         target_broken = _plan_iteration(candidate, options, report, work)
     for f in tracker_findings:
-        if f.code not in TRACKER_CODES:
+        if f.code not in TRACKER_CODES and f.code not in bridge.TRACKER_CODES:
             report.untouched.append(f)
     tracker_codes = [f.code for f in tracker_findings if f.code in TRACKER_CODES]
     latest: LatestGoodReport | None = None
@@ -172,6 +178,11 @@ def plan(
                     "no iteration dir of the save dir passes check: nothing to point it to",
                 )
             )
+    if save_dir is not None:  # Megatron-Bridge's tracker follows the text one (ops/repair_bridge.py)
+        moved = work.tracker_value is not None
+        good = candidate is not None and not target_broken
+        text_value = work.tracker_value if moved else (iteration_value(candidate) if good else None)  # type: ignore[arg-type]
+        work.bridge_value = plan_bridge(save_dir, tracker_findings, text_value, moved, report)
     if report.unrepairable:
         report.way_out = _way_out(save_dir, latest)
     return report, work

@@ -33,6 +33,7 @@ from ckptdoctor.atomic import (
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.files import read_json
+from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME
 from ckptdoctor.locate import (
     TRACKER_NAME,
     iteration_dir_name,
@@ -49,8 +50,10 @@ from ckptdoctor.ops.repair import (
     plan,
     recorded_hash,
 )
+from ckptdoctor.ops.repair_bridge import bridge_tracker_bytes, write_bridge_tracker
 from ckptdoctor.ops.repair_report import RepairReport, RepairWrite
 from ckptdoctor.rules import leftovers
+from ckptdoctor.rules.bridge import has_bridge_tracker
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
 
 
@@ -141,6 +144,9 @@ def _write_in_place(report: RepairReport, work: RepairWork) -> RepairWrite:
                 fault_point("repair:tracker-backup")
             write_atomic(tracker, work.tracker_value.encode())
             result.written.append(str(tracker))
+    if work.bridge_value is not None and work.save_dir is not None:
+        with locking.checkpoint_lock(work.save_dir):
+            write_bridge_tracker(work.save_dir, work.bridge_value, stamp, result)
     return result
 
 
@@ -250,6 +256,10 @@ def _fill_output(chosen: Path, work: RepairWork, output: Path, result: RepairWri
         for backup in written.backups:  # the source is the backup of a new output
             Path(backup).unlink()
     if work.save_dir is not None:
+        if has_bridge_tracker(work.save_dir):  # Megatron-Bridge's tracker, as Bridge writes it after a save
+            bridge_tracker = output / BRIDGE_TRACKER_NAME
+            write_atomic(bridge_tracker, bridge_tracker_bytes(chosen))
+            result.written.append(str(bridge_tracker))
         tracker = output / TRACKER_NAME
         write_atomic(tracker, (work.tracker_value or iteration_value(chosen)).encode())
         result.written.append(str(tracker))

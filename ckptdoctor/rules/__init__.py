@@ -3,6 +3,7 @@
 One module per family (codes are never reused or renumbered, so configs and CI logs stay meaningful):
 
 * :mod:`.structure`   CKD1xx  files present, parseable, in range; tracker; common state
+  (:mod:`.bridge`: Megatron-Bridge's tracker ``latest_train_state.pt`` and ``train_state.pt``, CKD123-125, CKD133)
 * :mod:`.leftovers`   CKD15x  staging dirs, temp files and journals of an interrupted ckptdoctor write
 * :mod:`.consistency` CKD2xx  args vs chunk layout (the :mod:`ckptdoctor.arg_rules` table), chunk coverage
 * :mod:`.integrity`   CKD3xx  ``integrity.json`` hashes; the ``--deep`` rules (decoding: :mod:`.deep_decode`)
@@ -83,9 +84,9 @@ def with_fix(f: Finding, checkpoint: object) -> Finding:
 
 def all_rules() -> list[RuleInfo]:
     """Every rule, in code order (imports the families lazily: they are small and torch-free)."""
-    from ckptdoctor.rules import consistency, integrity, leftovers, safety, structure
+    from ckptdoctor.rules import bridge, consistency, integrity, leftovers, safety, structure
 
-    rules = [*structure.RULES, *leftovers.RULES, *consistency.RULES, *integrity.RULES, *safety.RULES]
+    rules = [*structure.RULES, *bridge.RULES, *leftovers.RULES, *consistency.RULES, *integrity.RULES, *safety.RULES]
     return sorted((dataclasses.replace(r, fix=fix_command(r.code)) for r in rules), key=lambda r: r.code)
 
 

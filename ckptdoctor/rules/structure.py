@@ -16,9 +16,10 @@ from ckptdoctor.checkpoint import Checkpoint, scan_iteration_dir
 from ckptdoctor.data_files import storage_problems
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
 from ckptdoctor.formats.archive import ArchiveError
+from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME
 from ckptdoctor.locate import TRACKER_NAME, iteration_dir_name, list_iteration_dirs, read_tracker
 from ckptdoctor.problems import Problem
-from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
+from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, bridge, finding
 from ckptdoctor.rules.safety import ARCHIVE_ANOMALY, PICKLE_LIMIT, UNSAFE_PICKLE, refused_pickle, unlisted_globals
 
 
@@ -196,11 +197,13 @@ class Scanned:
 
 
 def check_save_dir(save_dir: Path, shown: Path, all_iterations: bool) -> tuple[list[Path], list[Finding]]:
-    """Tracker findings, and the iteration dirs to check: the tracker's (else the newest), or all of them."""
+    """Tracker findings (Megatron-LM's and Megatron-Bridge's), and the iteration dirs to check: each tracker's
+    (else the newest), or all of them."""
     findings: list[Finding] = []
     iterations = list_iteration_dirs(save_dir)
     tracker = save_dir / TRACKER_NAME
     chosen: Path | None = None
+    text_value: str | None = None
     if tracker.is_file():
         try:
             value = read_tracker(tracker)
@@ -209,7 +212,7 @@ def check_save_dir(save_dir: Path, shown: Path, all_iterations: bool) -> tuple[l
         else:
             target = save_dir / iteration_dir_name(value)
             if target.is_dir():
-                chosen = target
+                chosen, text_value = target, value
             else:
                 newest = f"newest present: {iterations[-1].name}" if iterations else "no iteration dirs present"
                 findings.append(
@@ -219,15 +222,22 @@ def check_save_dir(save_dir: Path, shown: Path, all_iterations: bool) -> tuple[l
                         f"tracker says {value} but {target.name} does not exist ({newest})",
                     )
                 )
-    elif iterations:
-        findings.append(
-            finding(TRACKER_MISSING, shown, f"no {TRACKER_NAME}; Megatron would not resume from {iterations[-1].name}")
+    bridge_target, bridge_findings = bridge.check_bridge_tracker(save_dir, shown, text_value, iterations)
+    if not tracker.is_file() and iterations:
+        also = (
+            f" (Megatron-Bridge resumes from {bridge_target.name}: {BRIDGE_TRACKER_NAME})"
+            if bridge_target is not None
+            else ""
         )
+        message = f"no {TRACKER_NAME}; Megatron would not resume from {iterations[-1].name}{also}"
+        findings.append(finding(TRACKER_MISSING, shown, message))
+    findings += bridge_findings
     if all_iterations:
         return iterations, findings
     if chosen is None and iterations:
         chosen = iterations[-1]  # the tracker cannot be followed: check what a user would fall back to
-    return ([chosen] if chosen is not None else []), findings
+    resumed = {p for p in (chosen, bridge_target) if p is not None}  # both where Megatron-LM and Bridge disagree
+    return sorted(resumed, key=lambda p: (p.name == "release", p.name)), findings
 
 
 # --- one iteration dir ----------------------------------------------------------------------------------
@@ -257,6 +267,7 @@ def scan_iteration(directory: Path, shown: Path) -> tuple[Scanned, list[Finding]
                 )
             )
     _check_common(state, index_known=result.index_known, findings=findings)
+    findings += bridge.check_train_state(directory, shown)
     return state, findings
 
 

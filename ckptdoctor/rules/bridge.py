@@ -1,0 +1,105 @@
+"""Megatron-Bridge's train state (structure family): its tracker ``latest_train_state.pt``, ``iter_*/train_state.pt``.
+
+Bridge resumes from the step in ``<save>/latest_train_state.pt`` and reads ``latest_checkpointed_iteration.txt``
+only where that file does not exist (:mod:`ckptdoctor.formats.train_state`). A save dir holding both can therefore
+resume from two different iteration dirs, Megatron-LM's and Bridge's, and a torn or stale Bridge tracker fails a
+Bridge resume while the text tracker looks fine. Findings about the text tracker stay in :mod:`.structure`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckptdoctor.errors import CkptError, without_path
+from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, TRAIN_STATE_NAME, read_train_state_step
+from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, iteration_dir_name
+from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
+
+
+def _rule(code: str, name: str, severity: str, summary: str, rationale: str) -> RuleInfo:
+    return RuleInfo(code, name, "structure", severity, summary, rationale)
+
+
+BRIDGE_TRACKER_INVALID = _rule(
+    "CKD123",
+    "bridge-tracker-invalid",
+    ERROR,
+    "latest_train_state.pt (Megatron-Bridge's tracker) is unreadable or holds no usable step",
+    "Megatron-Bridge reads this file before latest_checkpointed_iteration.txt; a torn copy (Bridge writes it "
+    "with a plain copy after every save) or a wrong content fails the resume even though the text tracker is fine.",
+)
+BRIDGE_TRACKER_TARGET_MISSING = _rule(
+    "CKD124",
+    "bridge-tracker-target-missing",
+    ERROR,
+    "latest_train_state.pt names a step whose iteration dir does not exist",
+    "Megatron-Bridge resumes from iter_<step> of this file; the dir was deleted, not copied along, or never written.",
+)
+TRACKERS_DISAGREE = _rule(
+    "CKD125",
+    "trackers-disagree",
+    WARNING,
+    "latest_train_state.pt and latest_checkpointed_iteration.txt name different iteration dirs",
+    "Megatron-Bridge resumes from the first, Megatron-LM from the second: editing or repairing only the text "
+    "tracker (a usual roll-back) does not move a Bridge run.",
+)
+TRAIN_STATE_INVALID = _rule(
+    "CKD133",
+    "train-state-invalid",
+    ERROR,
+    "the iteration dir's train_state.pt is unreadable or its step differs from the dir name",
+    "Megatron-Bridge restores its step and sample counters from this file where it exists: a corrupt one fails "
+    "the resume, a mismatched one resumes the schedule at the wrong step.",
+)
+
+RULES = [BRIDGE_TRACKER_INVALID, BRIDGE_TRACKER_TARGET_MISSING, TRACKERS_DISAGREE, TRAIN_STATE_INVALID]
+TRACKER_CODES = (BRIDGE_TRACKER_INVALID.code, BRIDGE_TRACKER_TARGET_MISSING.code, TRACKERS_DISAGREE.code)
+
+
+def has_bridge_tracker(save_dir: Path) -> bool:
+    """Whether the save dir holds Bridge's tracker in any state (a file, a broken link, something else)."""
+    tracker = save_dir / BRIDGE_TRACKER_NAME
+    return tracker.exists() or tracker.is_symlink()
+
+
+def check_bridge_tracker(
+    save_dir: Path, shown: Path, text_value: str | None, iterations: list[Path]
+) -> tuple[Path | None, list[Finding]]:
+    """(the iteration dir Bridge resumes from, if it exists; findings). ``text_value``: the text tracker's value
+    where it reads and its dir exists (None otherwise: its own findings cover it)."""
+    if not has_bridge_tracker(save_dir):
+        return None, []
+    tracker = save_dir / BRIDGE_TRACKER_NAME
+    try:
+        step = read_train_state_step(tracker)
+    except CkptError as exc:
+        return None, [finding(BRIDGE_TRACKER_INVALID, shown / BRIDGE_TRACKER_NAME, without_path(exc, tracker))]
+    target = save_dir / iteration_dir_name(step)
+    if not target.is_dir():
+        newest = f"newest present: {iterations[-1].name}" if iterations else "no iteration dirs present"
+        message = f"says step {step} but {target.name} does not exist ({newest}): Megatron-Bridge cannot resume"
+        return None, [finding(BRIDGE_TRACKER_TARGET_MISSING, shown / BRIDGE_TRACKER_NAME, message)]
+    if text_value is not None and iteration_dir_name(text_value) != target.name:
+        message = (
+            f"says step {step} (Megatron-Bridge resumes from {target.name}) but {TRACKER_NAME} says {text_value} "
+            f"(Megatron-LM resumes from {iteration_dir_name(text_value)})"
+        )
+        return target, [finding(TRACKERS_DISAGREE, shown / BRIDGE_TRACKER_NAME, message)]
+    return target, []
+
+
+def check_train_state(iteration_dir: Path, shown: Path) -> list[Finding]:
+    """CKD133 for an iteration dir's ``train_state.pt`` (none where it has none: Bridge then rebuilds the counters
+    from the checkpoint)."""
+    path = iteration_dir / TRAIN_STATE_NAME
+    if not (path.exists() or path.is_symlink()):
+        return []
+    try:
+        step = read_train_state_step(path)
+    except CkptError as exc:
+        return [finding(TRAIN_STATE_INVALID, shown / TRAIN_STATE_NAME, f"unreadable: {without_path(exc, path)}")]
+    match = ITER_DIR_RE.match(iteration_dir.name)
+    if match is not None and int(match.group(1)) != step:
+        message = f"says step {step}, the dir name {int(match.group(1))}: Megatron-Bridge would resume at step {step}"
+        return [finding(TRAIN_STATE_INVALID, shown / TRAIN_STATE_NAME, message)]
+    return []
