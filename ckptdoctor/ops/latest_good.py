@@ -8,11 +8,13 @@ never disqualify a checkpoint. Numbered iterations come first (newest to oldest)
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.storage import as_path
+from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, read_train_state_step
 from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, list_dir, list_iteration_dirs, read_tracker
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
 from ckptdoctor.progress import Progress
@@ -38,6 +40,7 @@ class LatestGoodReport:
     iteration: str | None  # its number ("10") or "release"
     skipped: list[Skipped] = field(default_factory=list)
     checked: int = 0
+    bridge_tracker: str | None = None  # the step of Megatron-Bridge's latest_train_state.pt, None when none reads
 
     @property
     def found(self) -> bool:
@@ -86,6 +89,9 @@ def find_latest_good(
         except CkptError:
             tracker = None
     report = LatestGoodReport(SCHEMA, str(path), tracker, None, None)
+    if (path / BRIDGE_TRACKER_NAME).is_file():
+        with contextlib.suppress(CkptError):
+            report.bridge_tracker = str(read_train_state_step(path / BRIDGE_TRACKER_NAME))
     for directory in dirs:
         report.checked += 1
         try:
