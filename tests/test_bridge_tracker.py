@@ -262,3 +262,15 @@ def test_bridge_files_are_read_without_torch(tmp_path):
     result = run_cli("check", str(save), "--format", "json", block=("torch", "megatron"))
     assert result.returncode == 1, result.stderr
     assert "CKD125" in result.stdout and "IMPORTED:\n" in result.stderr
+
+
+def test_inspect_names_the_bridge_tracker_where_it_differs(capsys, tmp_path):
+    save = _bridge_save(tmp_path, with_20=True)
+    rc, out, _ = _run(capsys, "inspect", save)
+    assert rc == 0 and "(tracker says 10)" in out  # they agree: nothing more said
+    shutil.copy(save / "iter_0000020" / "train_state.pt", save / BRIDGE)
+    rc, out, _ = _run(capsys, "inspect", save)
+    assert rc == 0 and "(tracker says 10; Megatron-Bridge's latest_train_state.pt says 20)" in out
+    (save / BRIDGE).write_bytes(b"torn")
+    rc, out, _ = _run(capsys, "inspect", save, "--format", "json")
+    assert rc == 0 and json.loads(out)["tracker"]["bridge"] == "unreadable"

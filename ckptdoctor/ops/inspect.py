@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ckptdoctor.arg_rules import check_args
 from ckptdoctor.args import args_as_dict, summarize_args
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, read_train_state_step
+from ckptdoctor.locate import CheckpointLocation
 from ckptdoctor.ops.diff_items import logical_key
 from ckptdoctor.parallelism import infer_layout
 
@@ -77,9 +81,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filt
         path=str(location.input_path),
         iteration_dir=str(location.iteration_dir),
         save_dir=None if location.save_dir is None else str(location.save_dir),
-        tracker=None
-        if location.tracker_path is None
-        else {"path": str(location.tracker_path), "value": location.tracker_value},
+        tracker=_tracker(location),
         iteration=location.iteration if location.iteration is not None else common.get("iteration"),
         release=location.release,
         format={
@@ -119,3 +121,19 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filt
             if pattern is None or pattern.search(e.key)
         ]
     return report
+
+
+def _tracker(location: CheckpointLocation) -> dict | None:
+    """The text tracker's path and value; ``bridge``: the step of Megatron-Bridge's ``latest_train_state.pt`` where
+    the save dir has one (Bridge resumes from it, not from the text tracker), ``"unreadable"`` where it does not
+    read."""
+    if location.tracker_path is None:
+        return None
+    tracker: dict = {"path": str(location.tracker_path), "value": location.tracker_value}
+    bridge = location.save_dir / BRIDGE_TRACKER_NAME if isinstance(location.save_dir, Path) else None
+    if bridge is not None and (bridge.exists() or bridge.is_symlink()):
+        try:
+            tracker["bridge"] = str(read_train_state_step(bridge))
+        except CkptError:
+            tracker["bridge"] = "unreadable"
+    return tracker

@@ -51,6 +51,9 @@ def render_inspect(report: InspectReport) -> str:
     lines = [f"checkpoint      {report.iteration_dir}"]
     if report.save_dir:
         tracker = f"tracker says {report.tracker['value']}" if report.tracker else "no tracker"
+        bridge = (report.tracker or {}).get("bridge")
+        if bridge is not None and bridge != report.tracker["value"]:  # type: ignore[index]
+            tracker += f"; Megatron-Bridge's latest_train_state.pt says {bridge}"
         lines.append(f"save dir        {report.save_dir} ({tracker})")
     meta = ", ".join(f"{k}={v}" for k, v in fmt["metadata_json"].items())
     lines.append(f"format          {fmt['era']}")
