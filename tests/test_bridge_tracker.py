@@ -274,3 +274,28 @@ def test_inspect_names_the_bridge_tracker_where_it_differs(capsys, tmp_path):
     (save / BRIDGE).write_bytes(b"torn")
     rc, out, _ = _run(capsys, "inspect", save, "--format", "json")
     assert rc == 0 and json.loads(out)["tracker"]["bridge"] == "unreadable"
+
+
+@pytest.mark.parametrize(
+    "fixture, command",
+    [
+        ("core019_peft_full_tp1", ["strip-frozen", "--preset", "lora", "-o"]),
+        ("core019_tp2", ["edit", "--drop-section", "optimizer", "-o"]),
+        ("core019_convert_tp4", ["fix-args", "--write", "--output"]),
+    ],
+)
+def test_rewritten_save_dirs_carry_the_bridge_tracker(capsys, tmp_path, fixture, command):
+    save = tmp_path / "save"
+    shutil.copytree(FIXTURES / fixture, save)
+    shutil.copy(STATES / "train_state_step10.pt", save / ITER / "train_state.pt")
+    shutil.copy(save / ITER / "train_state.pt", save / BRIDGE)
+    out_dir = tmp_path / "out"
+    rc, out, err = _run(capsys, command[0], save, *command[1:], out_dir)
+    assert rc == 0, out + err
+    assert (out_dir / BRIDGE).read_bytes() == (STATES / "train_state_step10.pt").read_bytes()
+    assert (out_dir / ITER / "train_state.pt").is_file() and _codes(out_dir) == []
+    (save / BRIDGE).unlink()  # a save dir without Bridge's tracker gets none
+    shutil.rmtree(out_dir)
+    rc, out, err = _run(capsys, command[0], save, *command[1:], out_dir)
+    assert rc == 0, out + err
+    assert not (out_dir / BRIDGE).exists()

@@ -91,3 +91,29 @@ def _integer_item(ref: TensorRef, path: Path) -> int:
 def read_train_state_bytes(path: Path) -> bytes:
     """The bytes of a train state file as a regular file within the cap, for a copy (CkptError naming it)."""
     return read_small_file(path, MAX_TRAIN_STATE_BYTES)
+
+
+def bridge_tracker_bytes(iteration_dir: Path) -> bytes:
+    """The checked bytes of ``iteration_dir``'s train state, as Bridge copies them to ``latest_train_state.pt``
+    (CkptError naming the file where it does not read or its step is not the dir's)."""
+    source = iteration_dir / TRAIN_STATE_NAME
+    data = read_train_state_bytes(source)
+    step = read_train_state_step(source, data)
+    if iteration_dir.name != f"iter_{step:07d}":
+        raise CkptError(f"{source}: says step {step}, not the iteration of {iteration_dir.name}")
+    return data
+
+
+def output_bridge_tracker(source_save_dir: object, iteration_dir: Path) -> bytes | None:
+    """What a save dir written from ``iteration_dir`` holds as ``latest_train_state.pt``: a copy of its train state
+    where the source save dir has a Bridge tracker and that copy is usable; None otherwise (Bridge then resumes from
+    the text tracker, which every written save dir has)."""
+    if not isinstance(source_save_dir, Path):
+        return None
+    tracker = source_save_dir / BRIDGE_TRACKER_NAME
+    if not (tracker.exists() or tracker.is_symlink()):
+        return None
+    try:
+        return bridge_tracker_bytes(iteration_dir)
+    except CkptError:
+        return None

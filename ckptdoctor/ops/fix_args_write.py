@@ -52,6 +52,7 @@ from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.files import read_json, read_small_file
 from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.torch_zip import dump_torch_zip
+from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.fix_args import ArgChange, FixArgsReport, diagnose, fixed_common_state
 from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
@@ -353,6 +354,10 @@ def _write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path
         value = "release" if location.release else str(location.iteration)
         write_atomic(output / TRACKER_NAME, value.encode())
         result.written.append(str(output / TRACKER_NAME))
+        bridge_tracker = output_bridge_tracker(location.save_dir, location.iteration_dir)  # Megatron-Bridge's
+        if bridge_tracker is not None:
+            write_atomic(output / BRIDGE_TRACKER_NAME, bridge_tracker)
+            result.written.append(str(output / BRIDGE_TRACKER_NAME))
     return result
 
 

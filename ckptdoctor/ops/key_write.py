@@ -32,6 +32,7 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import dcp_keys, dcp_writer, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
 from ckptdoctor.formats.storage import refuse_remote_write
+from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.seal import write_manifest
@@ -281,6 +282,9 @@ def _write_locked(
             location = checkpoint.location
             value = "release" if location.release else str(location.iteration)
             atomic.write_atomic(staging / TRACKER_NAME, value.encode())
+            bridge_tracker = output_bridge_tracker(location.save_dir, src_iter)  # Megatron-Bridge's, where it had one
+            if bridge_tracker is not None:
+                atomic.write_atomic(staging / BRIDGE_TRACKER_NAME, bridge_tracker)
         result.output_bytes = _dir_bytes(stage_iter)
         atomic.fault_point(f"{edit.step}:before-swap")
         if in_place:

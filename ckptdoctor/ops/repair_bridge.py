@@ -17,7 +17,7 @@ from ckptdoctor.errors import CkptError, without_path
 from ckptdoctor.formats.train_state import (
     BRIDGE_TRACKER_NAME,
     TRAIN_STATE_NAME,
-    read_train_state_bytes,
+    bridge_tracker_bytes,
     read_train_state_step,
 )
 from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, iteration_dir_name
@@ -90,18 +90,6 @@ def _refusal(save_dir: Path, value: str) -> str | None:
     if step != int(value):
         return f"{name}/{TRAIN_STATE_NAME} says step {step}, not {int(value)}"
     return None
-
-
-def bridge_tracker_bytes(iteration_dir: Path) -> bytes:
-    """The checked bytes of ``iteration_dir``'s train state, for ``latest_train_state.pt`` (CkptError if its step
-    is not the dir's: the plan checked it, the write checks the bytes it copies)."""
-    source = iteration_dir / TRAIN_STATE_NAME
-    data = read_train_state_bytes(source)
-    match = ITER_DIR_RE.match(iteration_dir.name)
-    step = read_train_state_step(source, data)
-    if match is None or step != int(match.group(1)):
-        raise CkptError(f"{source}: says step {step}, not the iteration of {iteration_dir.name}; not copied")
-    return data
 
 
 def write_bridge_tracker(save_dir: Path, value: str, stamp: str, result: RepairWrite) -> None:

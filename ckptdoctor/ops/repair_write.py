@@ -33,7 +33,7 @@ from ckptdoctor.atomic import (
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.files import read_json
-from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME
+from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
 from ckptdoctor.locate import (
     TRACKER_NAME,
     iteration_dir_name,
@@ -50,10 +50,9 @@ from ckptdoctor.ops.repair import (
     plan,
     recorded_hash,
 )
-from ckptdoctor.ops.repair_bridge import bridge_tracker_bytes, write_bridge_tracker
+from ckptdoctor.ops.repair_bridge import write_bridge_tracker
 from ckptdoctor.ops.repair_report import RepairReport, RepairWrite
 from ckptdoctor.rules import leftovers
-from ckptdoctor.rules.bridge import has_bridge_tracker
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
 
 
@@ -256,10 +255,10 @@ def _fill_output(chosen: Path, work: RepairWork, output: Path, result: RepairWri
         for backup in written.backups:  # the source is the backup of a new output
             Path(backup).unlink()
     if work.save_dir is not None:
-        if has_bridge_tracker(work.save_dir):  # Megatron-Bridge's tracker, as Bridge writes it after a save
-            bridge_tracker = output / BRIDGE_TRACKER_NAME
-            write_atomic(bridge_tracker, bridge_tracker_bytes(chosen))
-            result.written.append(str(bridge_tracker))
+        bridge_tracker = output_bridge_tracker(work.save_dir, chosen)  # Megatron-Bridge's, as Bridge writes it
+        if bridge_tracker is not None:
+            write_atomic(output / BRIDGE_TRACKER_NAME, bridge_tracker)
+            result.written.append(str(output / BRIDGE_TRACKER_NAME))
         tracker = output / TRACKER_NAME
         write_atomic(tracker, (work.tracker_value or iteration_value(chosen)).encode())
         result.written.append(str(tracker))
