@@ -21,6 +21,7 @@ from ckptdoctor.formats.storage import as_path
 from ckptdoctor.problems import METADATA_JSON_INVALID, METADATA_JSON_MISSING, UNSUPPORTED_FORMAT, Problem
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
+BRIDGE_TRACKER_NAME = "latest_train_state.pt"  # Megatron-Bridge's (formats.train_state reads it)
 NEMO_WEIGHTS_DIR = "weights"
 # ASCII digits only and no trailing newline (``$`` would allow one): Megatron writes ``iter_{:07d}``.
 ITER_DIR_RE = re.compile(r"^iter_([0-9]{7,})\Z")
@@ -178,13 +179,23 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
             tracker_value = read_tracker(tracker_path)
     else:
         iters = list_iteration_dirs(candidate) if candidate.is_dir() else []
-        if iters:
+        bridge = candidate / BRIDGE_TRACKER_NAME
+        if iters and bridge.is_file():  # Megatron-Bridge resumes from its own tracker where the text one is missing
+            from ckptdoctor.formats.train_state import read_train_state_step  # only such save dirs need the reader
+
+            save_dir, tracker_path, tracker_value = candidate, bridge, str(read_train_state_step(bridge))
+            iteration_dir = save_dir / iteration_dir_name(tracker_value)
+            if not iteration_dir.is_dir():
+                what = f"Megatron-Bridge's tracker {bridge}"
+                raise CkptError(f"{iteration_dir}: {what} points to an iteration dir that does not exist")
+        elif iters:
             names = ", ".join(p.name for p in iters[-5:])
             # Megatron, too, reads the tracker only when it is a regular file (os.path.isfile)
             tracker = candidate / TRACKER_NAME
             what = f"whose {TRACKER_NAME} is not a regular file" if tracker.exists() else f"without {TRACKER_NAME}"
             raise CkptError(f"{candidate}: save dir {what}; choose one with --iteration N ({names})")
-        raise CkptError(f"{candidate}: not a Megatron checkpoint (no metadata.json, .metadata or tracker)")
+        else:
+            raise CkptError(f"{candidate}: not a Megatron checkpoint (no metadata.json, .metadata or tracker)")
 
     location = iteration_location(iteration_dir, input_path)
     location.save_dir, location.tracker_path, location.tracker_value = save_dir, tracker_path, tracker_value

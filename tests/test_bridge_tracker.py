@@ -299,3 +299,26 @@ def test_rewritten_save_dirs_carry_the_bridge_tracker(capsys, tmp_path, fixture,
     rc, out, err = _run(capsys, command[0], save, *command[1:], out_dir)
     assert rc == 0, out + err
     assert not (out_dir / BRIDGE).exists()
+
+
+def test_save_dir_with_only_the_bridge_tracker_is_followed(capsys, tmp_path):
+    """Without the text tracker every command follows Bridge's, as Bridge's resume does."""
+    save = _bridge_save(tmp_path)
+    (save / TRACKER).unlink()
+    rc, out, _ = _run(capsys, "inspect", save)
+    assert rc == 0 and f"checkpoint      {save / ITER}" in out
+    assert "(Megatron-Bridge's tracker says 10, no latest_checkpointed_iteration.txt)" in out
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    assert rc == 0 and [a["kind"] for a in json.loads(out)["actions"]] == ["tracker"]
+    assert (save / TRACKER).read_text() == "10" and not list(save.glob(f"{BRIDGE}.bak-*"))
+    (save / TRACKER).unlink()
+    (save / BRIDGE).write_bytes(b"torn")
+    rc, out, err = _run(capsys, "inspect", save)
+    assert (
+        rc == 2
+        and err.strip()
+        == f"ckptdoctor: error: {save / BRIDGE}: not a readable torch.save file (too short for a zip archive)"
+    )
+    shutil.copy(STATES / "train_state_step20.pt", save / BRIDGE)
+    rc, out, err = _run(capsys, "inspect", save)
+    assert rc == 2 and "Megatron-Bridge's tracker" in err and "iter_0000020" in err and "Traceback" not in err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.plain import to_plain
 from ckptdoctor.text_safety import text_safe
 
@@ -51,6 +52,8 @@ def render_inspect(report: InspectReport) -> str:
     lines = [f"checkpoint      {report.iteration_dir}"]
     if report.save_dir:
         tracker = f"tracker says {report.tracker['value']}" if report.tracker else "no tracker"
+        if report.tracker and not report.tracker["path"].endswith(TRACKER_NAME):  # Megatron-Bridge's, the only one
+            tracker = f"Megatron-Bridge's tracker says {report.tracker['value']}, no {TRACKER_NAME}"
         bridge = (report.tracker or {}).get("bridge")
         if bridge is not None and bridge != report.tracker["value"]:  # type: ignore[index]
             tracker += f"; Megatron-Bridge's latest_train_state.pt says {bridge}"
