@@ -17,6 +17,9 @@ values swapped for other types: ``None``, strings, empty shapes, ...) and it is 
 * ``tree``: the save dir damaged as a filesystem is (a file removed, emptied, cut, replaced by a dir or a dangling
   or looping symlink, junk files and dirs added, the tracker or ``metadata.json`` garbled, a second iteration):
   check, inspect, latest-good, seal, repair and ``repair --write --in-place``.
+* ``bridge``: a Megatron-Bridge save dir (``iter_*/train_state.pt``, ``latest_train_state.pt``) whose train state
+  files are mutated as pickles (fields deleted, values swapped for other types, tensors of other dtypes or shapes),
+  damaged as files, or disagree with the text tracker: the ``tree`` commands and ``strip-frozen -o``.
 
     python scripts/fuzz_semantic.py --target metadata --seed 1 --count 300 [--keep DIR]
 
@@ -106,6 +109,14 @@ def _commands(target: str, save: Path, original: Path, out: Path) -> list[list[s
             ["latest-good", str(save.parent)],
             ["seal", "--force", s],
             ["repair", str(save.parent)],
+            ["repair", str(save.parent), "--write", "--in-place"],
+        ],
+        "bridge": [
+            ["check", "--isolated", str(save.parent)],
+            ["inspect", str(save.parent)],
+            ["latest-good", str(save.parent), "--format", "json"],
+            ["repair", str(save.parent)],
+            ["strip-frozen", str(save.parent), "--force", "-o", str(out / "stripped")],
             ["repair", str(save.parent), "--write", "--in-place"],
         ],
         "data": [
@@ -273,6 +284,60 @@ def _damage_once(rng: random.Random, save_dir: Path, iteration_dir: Path, outsid
             shutil.copytree(iteration_dir, other, symlinks=True)
 
 
+def _damage_bridge(rng: random.Random, save_dir: Path, outside: Path) -> None:
+    """A Bridge save dir: train state files in place, then one to three mutations of them (or of the tree)."""
+    from ckptdoctor.errors import CkptError
+
+    states = FIXTURES / "bridge_train_state"
+    shutil.copy(states / "train_state_step10.pt", save_dir / ITER / "train_state.pt")
+    shutil.copy(states / "train_state_step10.pt", save_dir / "latest_train_state.pt")
+    if rng.random() < 0.4:
+        shutil.copytree(save_dir / ITER, save_dir / "iter_0000020")
+        shutil.copy(states / "train_state_step20.pt", save_dir / "iter_0000020" / "train_state.pt")
+        for name in rng.sample(["latest_train_state.pt", "latest_checkpointed_iteration.txt"], rng.randrange(3)):
+            if name.endswith(".pt"):
+                shutil.copy(states / "train_state_step20.pt", save_dir / name)
+            else:
+                (save_dir / name).write_text("20")
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        with contextlib.suppress(OSError, CkptError):  # a damage an earlier one made impossible or our writer refuses
+            roll = rng.random()
+            if roll < 0.5:
+                _mutate_train_state(
+                    rng, rng.choice([save_dir / "latest_train_state.pt", *save_dir.glob("iter_*/train_state.pt")])
+                )
+            elif roll < 0.75:
+                _damage_once(rng, save_dir, save_dir / ITER, outside)
+            else:
+                path = rng.choice([save_dir / "latest_train_state.pt", *save_dir.glob("iter_*/train_state.pt")])
+                data = path.read_bytes()
+                path.write_bytes(
+                    rng.choice([b"", data[: rng.randrange(len(data) + 1)], rng.randbytes(64), data + b"x"])
+                )
+
+
+def _mutate_train_state(rng: random.Random, path: Path) -> None:
+    from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
+
+    loaded = load_torch_zip(path, str(path))
+    if not isinstance(loaded, dict) or not loaded:  # an earlier mutation wrapped or emptied it
+        return
+    state = dict(loaded)
+    key = rng.choice(sorted(state))
+    roll = rng.random()
+    if roll < 0.15:
+        del state[key]
+    elif roll < 0.4:
+        state[key] = state[rng.choice(sorted(state))]  # another field's tensor: float, bool, another step
+    elif roll < 0.6 and hasattr(state[key], "size"):
+        ref = state[key]
+        ref.size, ref.stride = rng.choice([((2,), (1,)), ((), ()), ((0,), (1,)), ((1, 1), (1, 1))])
+        ref.storage_offset = rng.choice([ref.storage_offset, 1, -1, 2**40])
+    else:
+        state[key] = _garbage(rng, state[key])
+    path.write_bytes(dump_torch_zip(state if rng.random() > 0.05 else [state]))
+
+
 # --- running -----------------------------------------------------------------------------------------------------
 
 
@@ -307,14 +372,17 @@ def fuzz(target: str, seed: int, count: int, keep: Path | None = None) -> tuple[
             save = work / "src"
             shutil.rmtree(save, ignore_errors=True)
             shutil.copytree(FIXTURES / name, save)
-            if target == "tree":  # a save dir (the fixture's), commands on the iteration dir inside it
+            if target in ("tree", "bridge"):  # a save dir (the fixture's), commands on the iteration dir inside it
                 root = work / "tree"
                 shutil.rmtree(root, ignore_errors=True)
                 shutil.copytree(FIXTURES / name, root / "save", symlinks=True)
                 save = root / "save" / ITER
                 outside = root / "outside.bin"
                 outside.write_bytes(b"not part of any checkpoint")
-                _damage_tree(rng, root / "save", outside)
+                if target == "tree":
+                    _damage_tree(rng, root / "save", outside)
+                else:
+                    _damage_bridge(rng, root / "save", outside)
             elif target == "args":
                 _mutate_args(rng, save)
             elif target == "data":
@@ -333,7 +401,15 @@ def fuzz(target: str, seed: int, count: int, keep: Path | None = None) -> tuple[
                     written, report = _run(["check", "--isolated", command[command.index("-o") + 1]])
                     if written != 0:
                         code, err = f"wrote a checkpoint check refuses ({written})", err + report
-                if target == "tree" and (work / "tree" / "outside.bin").read_bytes() != b"not part of any checkpoint":
+                if target == "bridge" and "--write" in command and code == 0:  # a repair that says it worked
+                    _, report = _run(["check", "--isolated", "--format", "json", str(save.parent)])
+                    left = [c for c in ("CKD123", "CKD124", "CKD125") if f'"code": "{c}"' in report]
+                    if left:
+                        code, err = f"repair left {', '.join(left)}", err + report[-300:]
+                if (
+                    target in ("tree", "bridge")
+                    and (work / "tree" / "outside.bin").read_bytes() != b"not part of any checkpoint"
+                ):
                     code, err = "wrote outside the checkpoint", err + " (through a symlink: outside.bin changed)"
                 if code not in (0, 1, 2) or "internal error" in err or "Traceback" in err:
                     failures.append((number, name, " ".join(command[:2]), code, err[-400:]))
@@ -345,7 +421,7 @@ def fuzz(target: str, seed: int, count: int, keep: Path | None = None) -> tuple[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--target", choices=["metadata", "rewrite", "values", "args", "data", "tree"], default="metadata"
+        "--target", choices=["metadata", "rewrite", "values", "args", "data", "tree", "bridge"], default="metadata"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--count", type=int, default=100)

@@ -12,7 +12,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import fuzz_semantic  # noqa: E402
 
 
-@pytest.mark.parametrize("target", ["metadata", "rewrite", "values", "args", "data", "tree"])
+@pytest.mark.parametrize("target", ["metadata", "rewrite", "values", "args", "data", "tree", "bridge"])
 def test_a_few_mutants_of_each_target_end_cleanly(target):
     tally, failures = fuzz_semantic.fuzz(target, seed=7, count=3)
     assert not failures, failures
