@@ -322,3 +322,19 @@ def test_save_dir_with_only_the_bridge_tracker_is_followed(capsys, tmp_path):
     shutil.copy(STATES / "train_state_step20.pt", save / BRIDGE)
     rc, out, err = _run(capsys, "inspect", save)
     assert rc == 2 and "Megatron-Bridge's tracker" in err and "iter_0000020" in err and "Traceback" not in err
+
+
+def test_pre_commit_passes_bridge_files(capsys, tmp_path):
+    """The hook's file pattern takes Bridge's files; each leads to its save dir or iteration dir."""
+    from ckptdoctor.ops.check import CHECKPOINT_FILE_RE
+
+    save = _bridge_save(tmp_path)
+    assert CHECKPOINT_FILE_RE.search(str(save / BRIDGE)) and CHECKPOINT_FILE_RE.search(
+        str(save / ITER / "train_state.pt")
+    )
+    (save / BRIDGE).write_bytes(b"torn")
+    rc, out, _ = _run(capsys, "check", "--isolated", save / BRIDGE)
+    assert rc == 1 and "CKD123" in out
+    shutil.copy(STATES / "train_state_step20.pt", save / ITER / "train_state.pt")
+    rc, out, _ = _run(capsys, "check", "--isolated", save / ITER / "train_state.pt")
+    assert rc == 1 and "CKD133" in out and "CKD123" not in out  # the iteration dir alone

@@ -18,7 +18,14 @@ from pathlib import Path
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.storage import as_path
 from ckptdoctor.gc_pause import gc_paused
-from ckptdoctor.locate import NEMO_WEIGHTS_DIR, TRACKER_NAME, list_dir, list_iteration_dirs, looks_like_iteration_dir
+from ckptdoctor.locate import (
+    BRIDGE_TRACKER_NAME,
+    NEMO_WEIGHTS_DIR,
+    TRACKER_NAME,
+    list_dir,
+    list_iteration_dirs,
+    looks_like_iteration_dir,
+)
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import (
     Finding,
@@ -53,7 +60,7 @@ class CheckOptions:
 # The files pre-commit passes to the hook (.pre-commit-hooks.yaml `files:`): one that belongs to no checkpoint
 # is skipped quietly; any other file that belongs to none is a user naming the wrong thing.
 CHECKPOINT_FILE_RE = re.compile(
-    r"(^|/)(latest_checkpointed_iteration\.txt|metadata\.json|\.metadata|common\.pt|integrity\.json|__\d+_\d+\.distcp)$"
+    r"(^|/)(latest_checkpointed_iteration\.txt|(latest_)?train_state\.pt|metadata\.json|\.metadata|common\.pt|integrity\.json|__\d+_\d+\.distcp)$"
 )
 
 
@@ -256,7 +263,7 @@ def _discover(directory: Path, targets: _Targets, seen: set[Path]) -> None:
 
 
 def _add_file(path: Path, targets: _Targets) -> None:
-    if path.name == TRACKER_NAME:
+    if path.name in (TRACKER_NAME, BRIDGE_TRACKER_NAME):  # a save dir's tracker, Megatron-LM's or Megatron-Bridge's
         targets.save_dirs.setdefault(path.parent.resolve(), path.parent)
         return
     parent = path.parent
