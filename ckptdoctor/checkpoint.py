@@ -30,6 +30,7 @@ from ckptdoctor.problems import (
     ARCHIVE_ANOMALY,
     INDEX_MISSING,
     INDEX_UNREADABLE,
+    METADATA_JSON_MISSING,
     PICKLE_LIMIT,
     UNSAFE_PICKLE,
     UNSUPPORTED_FORMAT,
@@ -301,7 +302,28 @@ def scan(location: CheckpointLocation, for_rewrite: bool = False) -> Scan:
     if index is None:
         return Scan(location, Checkpoint(location, {}, {}), problems)
     checkpoint = Checkpoint(location, index.items, index.data_files, dcp=index.dcp)
+    if any(p.code == METADATA_JSON_MISSING for p in problems) and _megatron_lm_dcp(checkpoint):
+        problems = [p for p in problems if p.code != METADATA_JSON_MISSING]
+        problems.append(Problem(UNSUPPORTED_FORMAT, directory, TORCH_DCP_MESSAGE))
+        return Scan(location, None, problems)
     return Scan(location, checkpoint, problems, index.metadata)
+
+
+TORCH_DCP_MESSAGE = (
+    "Megatron-LM --ckpt-format torch_dcp (or fsdp_dtensor) checkpoint: plain PyTorch DCP whose state dict holds args "
+    "and iteration, without metadata.json, which Megatron loads with torch.distributed.checkpoint; ckptdoctor reads "
+    "torch_dist and zarr checkpoints (a metadata.json added here would make Megatron read it as torch_dist)"
+)
+
+
+def _megatron_lm_dcp(checkpoint: Checkpoint) -> bool:
+    """Whether an index without metadata.json is Megatron-LM's torch_dcp / fsdp_dtensor save, not an interrupted
+    torch_dist one: those keep ``args`` and ``iteration`` as top-level items of the DCP state dict (flattened, so
+    the model is ``model.<name>``), where torch_dist keeps them in its common state (common.pt or a common_state
+    item)."""
+    entries = checkpoint.entries
+    top = [entries.get(name) for name in ("args", "iteration")]
+    return all(e is not None and e.kind == "bytes" for e in top) and checkpoint.common_source is None
 
 
 def _refusal_code(error: CkptError) -> str:

@@ -52,6 +52,8 @@ from ckptdoctor.rules.integrity import INTEGRITY_NAME, LISTED_FILE_MISSING
 
 TRACKER_CODES = (structure.TRACKER_INVALID.code, structure.TRACKER_TARGET_MISSING.code, structure.TRACKER_MISSING.code)
 METADATA_JSON_CODE = structure.METADATA_JSON_MISSING.code
+UNSUPPORTED_CODE = structure.UNSUPPORTED_FORMAT.code
+UNSUPPORTED_WAY_OUT = "not a format ckptdoctor repairs (see CKD103): nothing is changed, and no data is lost by that"
 ORPHAN_CODE = structure.DATA_FILE_UNREFERENCED.code
 INTERRUPTED_CODE = leftovers.INTERRUPTED_WRITE.code
 LEFTOVER_CODE = leftovers.WRITE_LEFTOVER.code
@@ -121,6 +123,9 @@ def plan(
     target_broken = False
     if candidate is not None:
         target_broken = _plan_iteration(candidate, options, report, work)
+    unsupported = bool(report.unrepairable) and all(f.code == UNSUPPORTED_CODE for f in report.unrepairable)
+    if unsupported:  # a format ckptdoctor does not read (legacy torch, torch_dcp): not a reason to move the tracker
+        target_broken = False
     for f in tracker_findings:
         if f.code not in TRACKER_CODES and f.code not in bridge.TRACKER_CODES:
             report.untouched.append(f)
@@ -184,7 +189,7 @@ def plan(
         text_value = work.tracker_value if moved else (iteration_value(candidate) if good else None)  # type: ignore[arg-type]
         work.bridge_value = plan_bridge(save_dir, tracker_findings, text_value, moved, report)
     if report.unrepairable:
-        report.way_out = _way_out(save_dir, latest)
+        report.way_out = UNSUPPORTED_WAY_OUT if unsupported else _way_out(save_dir, latest)
     return report, work
 
 
