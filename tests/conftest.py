@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import json
 import locale
@@ -107,6 +108,24 @@ def require_exchange(directory: Path) -> None:
 def exchange_supported(tmp_path) -> None:
     """Skip the test where tmp_path's filesystem lacks ``renameat2(RENAME_EXCHANGE)``."""
     require_exchange(tmp_path)
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    """Every file under ``directory`` (hidden ones too, relative path) -> sha256: a tree compared before and after."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def run_main(capsys: pytest.CaptureFixture, *args: object) -> tuple[int, str, str]:
+    """``ckptdoctor`` in this process: (exit code, stdout, stderr)."""
+    from ckptdoctor.cli import main
+
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, REPO, run_cli
+from conftest import FIXTURES, REPO, run_cli, run_main
 
 from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE
 from ckptdoctor.cli import main
@@ -24,12 +24,6 @@ ITER = "iter_0000010"
 TRACKER = "latest_checkpointed_iteration.txt"
 BRIDGE = "latest_train_state.pt"
 STATES = FIXTURES / "bridge_train_state"
-
-
-def _run(capsys, *args):
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def _codes(path: Path) -> list[str]:
@@ -52,7 +46,7 @@ def _bridge_save(tmp_path: Path, with_20: bool = False) -> Path:
 def test_a_bridge_save_dir_passes(capsys, tmp_path):
     save = _bridge_save(tmp_path)
     assert _codes(save) == []
-    rc, out, _ = _run(capsys, "repair", save)
+    rc, out, _ = run_main(capsys, "repair", save)
     assert rc == 0 and "repairs" not in out
 
 
@@ -60,9 +54,9 @@ def test_torn_bridge_tracker_is_found_and_repaired_in_place(capsys, tmp_path):
     save = _bridge_save(tmp_path)
     torn = (save / BRIDGE).read_bytes()[:900]  # Bridge writes it with shutil.copy: a crash can cut it
     (save / BRIDGE).write_bytes(torn)
-    rc, out, _ = _run(capsys, "check", save)
+    rc, out, _ = run_main(capsys, "check", save)
     assert rc == 1 and f"{save / BRIDGE}: CKD123 [error]" in out and "fix: ckptdoctor repair" in out
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place", "--format", "json")
     report = json.loads(out)
     assert rc == 0, out
     assert [(a["kind"], a["fixes"], a["value"]) for a in report["actions"]] == [("bridge-tracker", ["CKD123"], "10")]
@@ -75,9 +69,9 @@ def test_torn_bridge_tracker_is_found_and_repaired_in_place(capsys, tmp_path):
 def test_bridge_tracker_naming_a_missing_dir(capsys, tmp_path):
     save = _bridge_save(tmp_path)
     shutil.copy(STATES / "train_state_step20.pt", save / BRIDGE)
-    rc, out, _ = _run(capsys, "check", save)
+    rc, out, _ = run_main(capsys, "check", save)
     assert rc == 1 and "CKD124" in out and "says step 20 but iter_0000020 does not exist" in out
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place")
     assert rc == 0, out
     assert (save / BRIDGE).read_bytes() == (STATES / "train_state_step10.pt").read_bytes()
     assert _codes(save) == []
@@ -94,7 +88,7 @@ def test_disagreeing_trackers_bridge_follows_the_text_one(capsys, tmp_path):
     message = next(f.message for f in report.findings if f.code == "CKD125")
     assert "Megatron-Bridge resumes from iter_0000020" in message and "Megatron-LM resumes from iter_0000010" in message
     iter_20 = sorted(p.read_bytes() for p in (save / "iter_0000020").iterdir())
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place", "--format", "json")
     assert rc == 0, out
     assert [a["kind"] for a in json.loads(out)["actions"]] == ["bridge-tracker"]
     assert (save / BRIDGE).read_bytes() == (STATES / "train_state_step10.pt").read_bytes()
@@ -109,7 +103,7 @@ def test_text_tracker_moved_and_bridge_tracker_follows(capsys, tmp_path):
     (save / TRACKER).write_text("20")
     shutil.copy(save / "iter_0000020" / "train_state.pt", save / BRIDGE)
     (save / "iter_0000020" / "__1_0.distcp").unlink()
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place", "--format", "json")
     report = json.loads(out)
     assert rc == 0, out
     assert [(a["kind"], a["value"]) for a in report["actions"]] == [("tracker", "10"), ("bridge-tracker", "10")]
@@ -121,7 +115,7 @@ def test_text_tracker_moved_and_bridge_tracker_follows(capsys, tmp_path):
 def test_text_tracker_repaired_bridge_tracker_already_right(capsys, tmp_path):
     save = _bridge_save(tmp_path)
     (save / TRACKER).write_text("99")
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place", "--format", "json")
     assert rc == 0, out
     assert [a["kind"] for a in json.loads(out)["actions"]] == ["tracker"]
     assert not list(save.glob(f"{BRIDGE}.bak-*"))  # untouched: it already names iter 10
@@ -142,7 +136,7 @@ def test_train_state_of_the_wrong_step_and_no_copy_from_it(capsys, tmp_path):
     findings = {(f.code, f.message) for f in check_paths([str(save)]).findings}
     assert ("CKD133", "says step 20, the dir name 10: Megatron-Bridge would resume at step 20") in findings
     assert "CKD123" in {code for code, _ in findings}
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place")
     assert rc == 1 and "CKD133" in out
     assert (save / BRIDGE).read_bytes() == b"" and not list(save.glob("*.bak-*"))  # nothing written
 
@@ -152,7 +146,7 @@ def test_iteration_without_train_state_cannot_feed_the_bridge_tracker(capsys, tm
     (save / ITER / "train_state.pt").unlink()  # Bridge then rebuilds its counters: not an error
     (save / BRIDGE).write_bytes(b"garbage")
     assert _codes(save) == ["CKD123"]
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place")
     assert rc == 1 and "refused [CKD123]" in out and "has no train_state.pt to copy" in out
     assert (save / BRIDGE).read_bytes() == b"garbage"
 
@@ -169,11 +163,11 @@ def _hostile_train_state(marker: Path) -> bytes:
 
 
 @pytest.mark.parametrize("where", [BRIDGE, f"{ITER}/train_state.pt"])
-def test_hostile_train_state_is_refused_not_run(capsys, tmp_path, where):
+def test_hostile_train_state_is_refused_notrun_main(capsys, tmp_path, where):
     save = _bridge_save(tmp_path)
     marker = tmp_path / "executed"
     (save / where).write_bytes(_hostile_train_state(marker))
-    rc, out, err = _run(capsys, "check", save)
+    rc, out, err = run_main(capsys, "check", save)
     assert rc == 1 and "posix.system" in out and "nothing was executed" in out and "Traceback" not in out + err
     assert not marker.exists()
 
@@ -182,9 +176,9 @@ def test_bridge_tracker_that_is_a_fifo_or_a_dir(capsys, tmp_path):
     save = _bridge_save(tmp_path)
     (save / BRIDGE).unlink()
     os.mkfifo(save / BRIDGE)
-    rc, out, _ = _run(capsys, "check", save)  # never blocks on the FIFO
+    rc, out, _ = run_main(capsys, "check", save)  # never blocks on the FIFO
     assert rc == 1 and "CKD123" in out and "not a regular file" in out
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place")
     assert rc == 0, out
     backups = list(save.glob(f"{BRIDGE}.bak-*"))
     assert len(backups) == 1 and backups[0].is_fifo()  # moved aside, not lost
@@ -198,7 +192,7 @@ def test_repair_to_an_output_writes_both_trackers(capsys, tmp_path):
     (save / "iter_0000020" / "__1_0.distcp").unlink()
     before = sorted((p.name, p.read_bytes()) for p in save.rglob("*") if p.is_file())
     out_dir = tmp_path / "out"
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--output", out_dir)
+    rc, out, _ = run_main(capsys, "repair", save, "--write", "--output", out_dir)
     assert rc == 0, out
     assert sorted((p.name, p.read_bytes()) for p in save.rglob("*") if p.is_file()) == before  # source untouched
     assert (out_dir / TRACKER).read_text() == "10"
@@ -249,10 +243,10 @@ def test_repaired_bridge_tracker_reads_with_torch_as_bridge_reads_it(capsys, tmp
 
 def test_latest_good_reports_the_bridge_tracker(capsys, tmp_path):
     save = _bridge_save(tmp_path)
-    rc, out, _ = _run(capsys, "latest-good", save, "--format", "json")
+    rc, out, _ = run_main(capsys, "latest-good", save, "--format", "json")
     assert rc == 0 and json.loads(out)["bridge_tracker"] == "10"
     (save / BRIDGE).write_bytes(b"torn")
-    rc, out, _ = _run(capsys, "latest-good", save, "--format", "json")
+    rc, out, _ = run_main(capsys, "latest-good", save, "--format", "json")
     assert rc == 0 and json.loads(out)["bridge_tracker"] is None
 
 
@@ -266,13 +260,13 @@ def test_bridge_files_are_read_without_torch(tmp_path):
 
 def test_inspect_names_the_bridge_tracker_where_it_differs(capsys, tmp_path):
     save = _bridge_save(tmp_path, with_20=True)
-    rc, out, _ = _run(capsys, "inspect", save)
+    rc, out, _ = run_main(capsys, "inspect", save)
     assert rc == 0 and "(tracker says 10)" in out  # they agree: nothing more said
     shutil.copy(save / "iter_0000020" / "train_state.pt", save / BRIDGE)
-    rc, out, _ = _run(capsys, "inspect", save)
+    rc, out, _ = run_main(capsys, "inspect", save)
     assert rc == 0 and "(tracker says 10; Megatron-Bridge's latest_train_state.pt says 20)" in out
     (save / BRIDGE).write_bytes(b"torn")
-    rc, out, _ = _run(capsys, "inspect", save, "--format", "json")
+    rc, out, _ = run_main(capsys, "inspect", save, "--format", "json")
     assert rc == 0 and json.loads(out)["tracker"]["bridge"] == "unreadable"
 
 
@@ -290,13 +284,13 @@ def test_rewritten_save_dirs_carry_the_bridge_tracker(capsys, tmp_path, fixture,
     shutil.copy(STATES / "train_state_step10.pt", save / ITER / "train_state.pt")
     shutil.copy(save / ITER / "train_state.pt", save / BRIDGE)
     out_dir = tmp_path / "out"
-    rc, out, err = _run(capsys, command[0], save, *command[1:], out_dir)
+    rc, out, err = run_main(capsys, command[0], save, *command[1:], out_dir)
     assert rc == 0, out + err
     assert (out_dir / BRIDGE).read_bytes() == (STATES / "train_state_step10.pt").read_bytes()
     assert (out_dir / ITER / "train_state.pt").is_file() and _codes(out_dir) == []
     (save / BRIDGE).unlink()  # a save dir without Bridge's tracker gets none
     shutil.rmtree(out_dir)
-    rc, out, err = _run(capsys, command[0], save, *command[1:], out_dir)
+    rc, out, err = run_main(capsys, command[0], save, *command[1:], out_dir)
     assert rc == 0, out + err
     assert not (out_dir / BRIDGE).exists()
 
@@ -305,22 +299,22 @@ def test_save_dir_with_only_the_bridge_tracker_is_followed(capsys, tmp_path):
     """Without the text tracker every command follows Bridge's, as Bridge's resume does."""
     save = _bridge_save(tmp_path)
     (save / TRACKER).unlink()
-    rc, out, _ = _run(capsys, "inspect", save)
+    rc, out, _ = run_main(capsys, "inspect", save)
     assert rc == 0 and f"checkpoint      {save / ITER}" in out
     assert "(Megatron-Bridge's tracker says 10, no latest_checkpointed_iteration.txt)" in out
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place", "--format", "json")
     assert rc == 0 and [a["kind"] for a in json.loads(out)["actions"]] == ["tracker"]
     assert (save / TRACKER).read_text() == "10" and not list(save.glob(f"{BRIDGE}.bak-*"))
     (save / TRACKER).unlink()
     (save / BRIDGE).write_bytes(b"torn")
-    rc, out, err = _run(capsys, "inspect", save)
+    rc, out, err = run_main(capsys, "inspect", save)
     assert (
         rc == 2
         and err.strip()
         == f"ckptdoctor: error: {save / BRIDGE}: not a readable torch.save file (too short for a zip archive)"
     )
     shutil.copy(STATES / "train_state_step20.pt", save / BRIDGE)
-    rc, out, err = _run(capsys, "inspect", save)
+    rc, out, err = run_main(capsys, "inspect", save)
     assert rc == 2 and "Megatron-Bridge's tracker" in err and "iter_0000020" in err and "Traceback" not in err
 
 
@@ -333,8 +327,8 @@ def test_pre_commit_passes_bridge_files(capsys, tmp_path):
         str(save / ITER / "train_state.pt")
     )
     (save / BRIDGE).write_bytes(b"torn")
-    rc, out, _ = _run(capsys, "check", "--isolated", save / BRIDGE)
+    rc, out, _ = run_main(capsys, "check", "--isolated", save / BRIDGE)
     assert rc == 1 and "CKD123" in out
     shutil.copy(STATES / "train_state_step20.pt", save / ITER / "train_state.pt")
-    rc, out, _ = _run(capsys, "check", "--isolated", save / ITER / "train_state.pt")
+    rc, out, _ = run_main(capsys, "check", "--isolated", save / ITER / "train_state.pt")
     assert rc == 1 and "CKD133" in out and "CKD123" not in out  # the iteration dir alone

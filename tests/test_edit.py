@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, REPO, run_cli
+from conftest import FIXTURES, REPO, file_digests, run_cli
 from hostile_corpus import torch_zip
 
 from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE, FAULT_MODE_ENV
@@ -42,14 +42,6 @@ def _edit_json(capsys, source, *args):
     rc, out, err = _run(capsys, "edit", source, *args, "--format", "json")
     assert rc == 0, err
     return json.loads(out)
-
-
-def _tree(directory: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
 
 
 def _metadata_keys(iteration_dir: Path) -> dict[str, set[str]]:
@@ -86,7 +78,7 @@ def _grid(iteration_dir: Path) -> dict[str, tuple]:
 
 def test_weights_only_edit_links_data_and_updates_common_state(capsys, tmp_path):
     src = FIXTURES / "core019_tp2"
-    before = _tree(src)
+    before = file_digests(src)
     report = _edit_json(capsys, src, *WEIGHTS_ONLY, "--output", tmp_path / "out")
     source = open_checkpoint(src)
     out = open_checkpoint(tmp_path / "out")
@@ -104,7 +96,7 @@ def test_weights_only_edit_links_data_and_updates_common_state(capsys, tmp_path)
     assert common["iteration"] == source.common_state()["iteration"]
     assert report["plan"]["load_flags"] == ["--no-load-optim"]
     assert report["plan"]["dropped_sections"] == ["optimizer", "rng", "rerun"]
-    assert _tree(src) == before  # the source is untouched
+    assert file_digests(src) == before  # the source is untouched
     # every tensor still reads the bytes it read before (the storage entries point to the same ranges)
     for key, entry in out.entries.items():
         if entry.section == "model":
@@ -224,7 +216,7 @@ def test_usage_errors(capsys, tmp_path):
 
 def test_dry_run_lists_every_change_in_text_and_json(capsys, tmp_path):
     src = FIXTURES / "core019_tp2"
-    before = _tree(src)
+    before = file_digests(src)
     args = ["--drop-extra-state", "--remove", "^output_layer", "--preset", "te-to-local", "--dry-run"]
     rc, text, err = _run(capsys, "edit", src, *args)
     assert rc == 0, err
@@ -245,7 +237,7 @@ def test_dry_run_lists_every_change_in_text_and_json(capsys, tmp_path):
     assert report["plan"]["kept_keys"] == len(source.entries) - len(removed)
     assert report["plan"]["load_flags"] == []
     assert any("model keys removed" in n for n in report["plan"]["load_notes"])
-    assert _tree(src) == before
+    assert file_digests(src) == before
 
 
 # --- --compact --------------------------------------------------------------------------------------------
@@ -286,10 +278,10 @@ def test_compact_holds_exactly_the_kept_bytes(capsys, tmp_path):
 
 def test_in_place_keeps_a_backup(capsys, copy_fixture):
     save = copy_fixture("core019_tp2")
-    before = _tree(save / ITER)
+    before = file_digests(save / ITER)
     report = _edit_json(capsys, save, "--drop-extra-state", "--in-place")
     backup = Path(report["result"]["backup"])
-    assert backup.parent == save and _tree(backup) == before
+    assert backup.parent == save and file_digests(backup) == before
     assert not any("_extra_state" in k for k in open_checkpoint(save).entries)
     rc, _, err = _run(capsys, "check", save)
     assert rc == 0, err
@@ -348,10 +340,10 @@ def _cli(*args, env=None) -> subprocess.CompletedProcess:
 )
 def test_killed_in_place_edit_leaves_the_source_loadable(copy_fixture, step):
     save = copy_fixture("core019_tp2")
-    before = _tree(save / ITER)
+    before = file_digests(save / ITER)
     proc = _cli("edit", save, *WEIGHTS_ONLY, "--in-place", env=dict(os.environ, **{FAULT_ENV: step}))
     assert proc.returncode == FAULT_EXIT_CODE, proc.stderr
-    assert _tree(save / ITER) == before  # the original is still under its name, byte for byte
+    assert file_digests(save / ITER) == before  # the original is still under its name, byte for byte
     check = _cli("check", save)
     assert "CKD" in check.stdout  # the leftover staging dir is reported, with what to do about it
     again = _cli("edit", save, *WEIGHTS_ONLY, "--in-place")

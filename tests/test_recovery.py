@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, REPO, require_mcore
+from conftest import FIXTURES, REPO, file_digests, require_mcore
 
 from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE
 from ckptdoctor.cli import main
@@ -25,14 +25,6 @@ def _run(capsys, *args):
     rc = main([str(a) for a in args])
     out, err = capsys.readouterr()
     return rc, out, err
-
-
-def _tree(directory: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
 
 
 def _codes(path: Path) -> set[str]:
@@ -217,7 +209,7 @@ def test_repair_tracker_pointing_to_an_incomplete_iteration(capsys, copy_fixture
     with open(broken / "__1_0.distcp", "r+b") as f:
         f.truncate(5000)
     (save / TRACKER).write_text("20")
-    before = _tree(broken)
+    before = file_digests(broken)
     rc, out, _ = _run(capsys, "repair", save)
     assert rc == 1
     assert "refused [CKD101]" in out and "must stay incomplete" in out and "CKD114" in out
@@ -225,7 +217,7 @@ def test_repair_tracker_pointing_to_an_incomplete_iteration(capsys, copy_fixture
     rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
     assert rc == 0, out
     assert (save / TRACKER).read_text() == "10"
-    assert _tree(broken) == before  # the incomplete save stays as it was: incomplete
+    assert file_digests(broken) == before  # the incomplete save stays as it was: incomplete
     assert _codes(save) == set()
 
 
@@ -234,10 +226,10 @@ def test_repair_missing_metadata_json_of_a_complete_save(capsys, copy_fixture, t
     save = copy_fixture(name)
     original = (save / ITER / "metadata.json").read_bytes()
     (save / ITER / "metadata.json").unlink()
-    source = _tree(save)
+    source = file_digests(save)
     rc, out, _ = _run(capsys, "repair", save, "--write", "--output", tmp_path / "out")
     assert rc == 0, out
-    assert _tree(save) == source  # --output leaves the source untouched
+    assert file_digests(save) == source  # --output leaves the source untouched
     assert (tmp_path / "out" / ITER / "metadata.json").read_bytes() == original  # what Megatron wrote, per era
     assert (tmp_path / "out" / TRACKER).read_text() == "10"
     rc, out, _ = _run(capsys, "repair", save / ITER, "--write", "--in-place")
@@ -251,12 +243,12 @@ def test_repair_refuses_metadata_json_of_an_incomplete_save(capsys, copy_fixture
     iteration_dir = save / ITER
     (iteration_dir / "metadata.json").unlink()
     (iteration_dir / "__1_0.distcp").unlink()  # rank 1 never wrote its data
-    before = _tree(save)
+    before = file_digests(save)
     rc, out, _ = _run(capsys, "repair", iteration_dir, "--write", "--in-place")
     assert rc == 1
     assert "refused [CKD101]" in out and "CKD113" in out and "must stay incomplete" in out
     assert "latest-good" in out
-    assert _tree(save) == before
+    assert file_digests(save) == before
     rc, out, _ = _run(capsys, "repair", save, "--format", "json")  # from the save dir: nothing passes check
     report = json.loads(out)
     assert rc == 1 and report["latest_good"] is None and not report["actions"]
@@ -272,10 +264,10 @@ def test_repair_refuses_metadata_json_of_an_incomplete_zarr_save(capsys, copy_fi
         if not p.name.startswith(".")
     )
     chunk.write_bytes(chunk.read_bytes()[:-4])  # a rank died mid-write: one element short
-    before = _tree(save)
+    before = file_digests(save)
     rc, out, _ = _run(capsys, "repair", iteration_dir, "--write", "--in-place")
     assert rc == 1 and "refused [CKD101]" in out, out
-    assert _tree(save) == before
+    assert file_digests(save) == before
 
 
 def test_repair_quarantines_orphans_and_keeps_integrity(capsys, copy_fixture):
@@ -351,7 +343,7 @@ def test_repair_in_place_killed_at_every_step(copy_fixture, step):
     assert main(["seal", str(save)]) == 0
     (iteration_dir / "metadata.json").unlink()
     (save / TRACKER).write_text("99")  # tracker broken too: repair from the iteration dir, then the save dir
-    data = {k: v for k, v in _tree(iteration_dir).items() if k.endswith(".distcp")}
+    data = {k: v for k, v in file_digests(iteration_dir).items() if k.endswith(".distcp")}
     before = {f.code for f in check_paths([str(iteration_dir)]).findings}
     cmd = [sys.executable, "-m", "ckptdoctor", "repair", "--write", "--in-place"]
     target = iteration_dir
@@ -369,7 +361,7 @@ def test_repair_in_place_killed_at_every_step(copy_fixture, step):
     assert result.returncode == FAULT_EXIT_CODE, result.stderr
     # nothing lost: every data file is in the dir or in the quarantine dir, byte for byte
     moved = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in save.glob(f"{ITER}.quarantine-*/*.distcp")}
-    now = {k: v for k, v in _tree(iteration_dir).items() if k.endswith(".distcp")}
+    now = {k: v for k, v in file_digests(iteration_dir).items() if k.endswith(".distcp")}
     assert {**now, **moved} == data
     after = check_paths([str(iteration_dir)]).findings
     assert not {f.code for f in after if f.severity == "error"} - before  # no new error
@@ -438,13 +430,13 @@ def _assert_resealed(iteration_dir: Path) -> None:
 
 def test_strip_frozen_reseals_a_sealed_checkpoint(capsys, copy_fixture, tmp_path):
     save = _sealed_peft(capsys, copy_fixture)
-    source = _tree(save)
+    source = file_digests(save)
     rc, out, _ = _run(
         capsys, "strip-frozen", save, "--preset", "lora", "--output", tmp_path / "out", "--format", "json"
     )
     assert rc == 0, out
     assert json.loads(out)["result"]["resealed"] is True
-    assert _tree(save) == source
+    assert file_digests(save) == source
     _assert_resealed(tmp_path / "out" / ITER)
     assert _codes(tmp_path / "out") == set()
     rc, out, _ = _run(capsys, "strip-frozen", save, "--preset", "lora", "--in-place")
@@ -459,7 +451,7 @@ def test_strip_frozen_reseals_a_sealed_checkpoint(capsys, copy_fixture, tmp_path
         k: v for k, v in in_place_files.items() if k.startswith("__")
     }
     backup = next(save.glob(f"{ITER}.bak-*"))
-    assert _tree(backup) == {k[len(ITER) + 1 :]: v for k, v in source.items() if k.startswith(ITER + "/")}
+    assert file_digests(backup) == {k[len(ITER) + 1 :]: v for k, v in source.items() if k.startswith(ITER + "/")}
 
 
 def test_strip_frozen_without_a_manifest_writes_none(capsys, copy_fixture, tmp_path):
@@ -480,19 +472,19 @@ def test_strip_frozen_refuses_a_source_that_fails_its_manifest(capsys, copy_fixt
         byte = f.read(1)
         f.seek(data.stat().st_size // 2)
         f.write(bytes([byte[0] ^ 0x01]))
-    before = _tree(save)
+    before = file_digests(save)
     rc, _, err = _run(capsys, "strip-frozen", save, "--preset", "lora", "--output", tmp_path / "out")
     assert rc == 2 and f"{data.name}: sha256 differs from integrity.json" in err
     assert not (tmp_path / "out").exists()
     rc, _, err = _run(capsys, "strip-frozen", save, "--preset", "lora", "--in-place")
     assert rc == 2 and "refusing to strip" in err
-    assert _tree(save) == before and not list(save.glob(f"{ITER}.bak-*"))
+    assert file_digests(save) == before and not list(save.glob(f"{ITER}.bak-*"))
 
 
 @pytest.mark.parametrize("step", ["strip-frozen:resealed", "atomic:before-replace:integrity.json"])
 def test_strip_frozen_killed_while_resealing_leaves_no_stale_manifest(capsys, copy_fixture, step):
     save = _sealed_peft(capsys, copy_fixture)
-    before = _tree(save)
+    before = file_digests(save)
     result = subprocess.run(
         [sys.executable, "-m", "ckptdoctor", "strip-frozen", str(save), "--preset", "lora", "--in-place"],
         cwd=REPO,
@@ -502,7 +494,7 @@ def test_strip_frozen_killed_while_resealing_leaves_no_stale_manifest(capsys, co
         env=dict(os.environ, **{FAULT_ENV: step}),
     )
     assert result.returncode == FAULT_EXIT_CODE, result.stderr
-    assert _tree(save / ITER) == {k[len(ITER) + 1 :]: v for k, v in before.items() if k.startswith(ITER + "/")}
+    assert file_digests(save / ITER) == {k[len(ITER) + 1 :]: v for k, v in before.items() if k.startswith(ITER + "/")}
     assert {f.code for f in check_paths([str(save)]).findings} == {"CKD151"}  # the unfinished staging dir
 
 
@@ -553,15 +545,15 @@ def _with_write_leftovers(copy_fixture) -> tuple[Path, list[Path]]:
 
 def test_repair_quarantines_write_leftovers(capsys, copy_fixture, tmp_path):
     save, left = _with_write_leftovers(copy_fixture)
-    contents = {p.name: _tree(p) if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest() for p in left}
+    contents = {p.name: file_digests(p) if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest() for p in left}
     rc, out, _ = _run(capsys, "repair", save)
     assert rc == 1 and "[CKD151] move 2 leftover(s) of an interrupted ckptdoctor write" in out
     assert all(p.exists() for p in left)  # report only
     # --output: the source keeps its leftovers, the output has none
-    source = _tree(save)
+    source = file_digests(save)
     rc, out, _ = _run(capsys, "repair", save, "--write", "--output", tmp_path / "out")
     assert rc == 0, out
-    assert _tree(save) == source and all(p.exists() for p in left)
+    assert file_digests(save) == source and all(p.exists() for p in left)
     assert _codes(tmp_path / "out") == set()
     assert not list((tmp_path / "out").rglob("*ckptdoctor*"))
     rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place", "--format", "json")
@@ -570,7 +562,9 @@ def test_repair_quarantines_write_leftovers(capsys, copy_fixture, tmp_path):
     assert [a["kind"] for a in report["actions"]] == ["quarantine-leftovers"]
     assert not any(p.exists() for p in left)
     (qdir,) = save.glob(f"{ITER}.quarantine-*")
-    moved = {p.name: _tree(p) if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest() for p in qdir.iterdir()}
+    moved = {
+        p.name: file_digests(p) if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest() for p in qdir.iterdir()
+    }
     assert moved == contents  # moved, never deleted
     assert _codes(save) == set()
     rc, out, _ = _run(capsys, "strip-frozen", save, "--preset", "lora", "--in-place")  # no longer blocked
@@ -610,13 +604,13 @@ def test_repair_leaves_an_interrupted_write_to_the_user(capsys, copy_fixture):
     (journal,) = iteration_dir.glob(".ckptdoctor-fixargs-*.json")
     (restore,) = [f.message for f in check_paths([str(save)]).findings if f.code == "CKD150"]
     restore = restore.split("restore the original: ", 1)[1]
-    before = _tree(save)
+    before = file_digests(save)
     rc, out, _ = _run(capsys, "repair", save)
     assert rc == 1 and "refused [CKD150]" in out and restore in out and "then run repair again" in out
     assert "refused [CKD115]" in out and "repairs" not in out
     rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
     assert rc == 1 and "nothing to write" in out
-    assert _tree(save) == before and journal.exists() and not list(save.glob(f"{ITER}.quarantine-*"))
+    assert file_digests(save) == before and journal.exists() and not list(save.glob(f"{ITER}.quarantine-*"))
     subprocess.run(["bash", "-c", restore], check=True)  # the user restores, then repair does the rest
     rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
     assert rc == 0, out
@@ -655,14 +649,14 @@ def test_repair_quarantining_leftovers_killed_at_every_step(copy_fixture, step):
         },
     }
     (iteration_dir / "integrity.json").write_text(json.dumps(manifest, indent=2))  # the temp file listed too
-    everything = {**_tree(save)}
+    everything = {**file_digests(save)}
     assert _codes(save) == {"CKD151"}
     cmd = [sys.executable, "-m", "ckptdoctor", "repair", str(save), "--write", "--in-place"]
     result = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ, **{FAULT_ENV: step})
     )
     assert result.returncode == FAULT_EXIT_CODE, result.stderr
-    now = _tree(save)
+    now = file_digests(save)
     for name, digest in everything.items():  # every file is where it was or in the quarantine dir
         if name == f"{ITER}/integrity.json":
             continue

@@ -4,49 +4,33 @@ then read the dir as torch_dist. The fixture is written by fixtures/generate.py 
 
 from __future__ import annotations
 
-import hashlib
 import shutil
-from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, file_digests, run_cli, run_main
 
-from ckptdoctor.cli import main
 from ckptdoctor.ops.check import check_paths
 
 TORCH_DCP = FIXTURES / "unsupported" / "core019_mlm_torch_dcp_tp1"
 ITER = "iter_0000010"
 
 
-def _run(capsys, *args):
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def _tree(directory: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-        for p in directory.rglob("*")
-    }
-
-
 def test_check_names_the_format(capsys):
     findings = check_paths([str(TORCH_DCP)]).findings
     assert [f.code for f in findings] == ["CKD103"]
     assert "--ckpt-format torch_dcp" in findings[0].message and "without metadata.json" in findings[0].message
-    rc, out, _ = _run(capsys, "check", TORCH_DCP)
+    rc, out, _ = run_main(capsys, "check", TORCH_DCP)
     assert rc == 1 and "fix:" not in out  # no repair suggested
 
 
 def test_repair_writes_nothing(capsys, tmp_path):
     save = tmp_path / "save"
     shutil.copytree(TORCH_DCP, save)
-    before = _tree(save)
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    before = file_digests(save)
+    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place")
     assert rc == 1 and "not a format ckptdoctor repairs" in out and "data above is lost" not in out
     assert "point latest_checkpointed_iteration.txt" not in out and "refused" not in out
-    assert _tree(save) == before and not (save / ITER / "metadata.json").exists()
+    assert file_digests(save) == before and not (save / ITER / "metadata.json").exists()
 
 
 def test_other_commands_refuse_in_one_line(capsys):
@@ -56,7 +40,7 @@ def test_other_commands_refuse_in_one_line(capsys):
         ["edit", "--drop-section", "optimizer", "--dry-run"],
         ["strip-frozen", "--dry-run"],
     ):
-        rc, out, err = _run(capsys, command[0], TORCH_DCP, *command[1:])
+        rc, out, err = run_main(capsys, command[0], TORCH_DCP, *command[1:])
         assert rc == 2 and "torch_dcp" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 

@@ -5,7 +5,6 @@ overwritten; failures are one-line errors. Fast: no torch or megatron-core is ne
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, require_exchange, run_ckptdoctor
+from conftest import REPO, file_digests, require_exchange, run_ckptdoctor
 
 from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE, FAULT_MODE_ENV, FAULT_SLEEP_ENV
 from ckptdoctor.cli import main
@@ -46,15 +45,6 @@ def _fault_env(step: str, mode: str = "exit", **extra: str) -> dict:
 
 def _expected_rc(mode: str) -> int:
     return {"exit": FAULT_EXIT_CODE, "sigint": 130, "sigterm": 143}[mode]  # SIGTERM: a batch scheduler's stop
-
-
-def _tree(directory: Path) -> dict[str, str]:
-    """Every file under ``directory`` (hidden ones too) -> sha256."""
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
 
 
 def _leftover_findings(*paths: Path):
@@ -142,7 +132,7 @@ def test_fix_args_in_place_interrupted(capsys, copy_fixture, case, mode):
     name, step = case
     save = copy_fixture(name)
     it = save / ITER
-    before = _tree(it)
+    before = file_digests(it)
     result = _cli("fix-args", save, "--write", "--in-place", "--set", "seq_length=77", env=_fault_env(step, mode))
     assert result.returncode == _expected_rc(mode), result.stderr
     assert "Traceback" not in result.stderr
@@ -161,20 +151,20 @@ def test_fix_args_in_place_interrupted(capsys, copy_fixture, case, mode):
             assert "ln -f" in journal_finding.message
         _assert_next_writers_refuse(capsys, save)
     stamps = _stamps(it)
-    if _tree(it) != before:
+    if file_digests(it) != before:
         assert stamps, "the checkpoint changed but nothing says how to restore it"
     for stamp in stamps:
         _readme_restore(it, stamp)  # the README procedure, literally, in whatever state the kill left
     for part in parts:
         _bash(_command(next(f.message for f in found if f.path == str(part)), "delete it"))
-    assert _tree(it) == before  # byte-identical, no extra file left
+    assert file_digests(it) == before  # byte-identical, no extra file left
 
 
 def test_fix_args_in_place_finding_restores_too(copy_fixture):
     """The restore commands in the CKD150 message (computed from the disk) work as well as the README's."""
     save = copy_fixture("core019_tp1")
     it = save / ITER
-    before = _tree(it)
+    before = file_digests(it)
     result = _cli(
         "fix-args",
         save,
@@ -191,20 +181,20 @@ def test_fix_args_in_place_finding_restores_too(copy_fixture):
     for leftover in _leftover_findings(it):  # the temp file of the interrupted .metadata write
         assert leftover.code == "CKD151"
         _bash(_command(leftover.message, "delete it"))
-    assert _tree(it) == before and not _leftover_findings(it)
+    assert file_digests(it) == before and not _leftover_findings(it)
 
 
 @pytest.mark.parametrize("name", ["core019_tp1", "core016_tp1"])
 def test_readme_restore_after_a_completed_run(capsys, copy_fixture, name):
     save = copy_fixture(name)
     it = save / ITER
-    before = _tree(it)
+    before = file_digests(it)
     rc, out, err = _run(capsys, "fix-args", save, "--write", "--in-place", "--set", "seq_length=77")
     assert rc == 0, err
     assert not _leftover_findings(save) and not list(it.glob(".ckptdoctor-*"))
     (stamp,) = _stamps(it)
     _readme_restore(it, stamp)
-    assert _tree(it) == before
+    assert file_digests(it) == before
 
 
 # --- fix-args --write --output ------------------------------------------------------------------------------
@@ -216,11 +206,11 @@ FIX_OUTPUT = ["links", "write:common_state", "atomic:before-replace:.metadata", 
 @pytest.mark.parametrize("step", FIX_OUTPUT)
 def test_fix_args_output_interrupted(copy_fixture, tmp_path, step, mode):
     save = copy_fixture("core019_tp1")
-    before = _tree(save)
+    before = file_digests(save)
     out = tmp_path / "out"
     result = _cli("fix-args", save, "--write", "--output", out, "--set", "seq_length=77", env=_fault_env(step, mode))
     assert result.returncode == _expected_rc(mode), result.stderr
-    assert _tree(save) == before  # the source is byte-identical (no lock file, no leftover in it)
+    assert file_digests(save) == before  # the source is byte-identical (no lock file, no leftover in it)
     assert not _leftover_findings(save)
     if mode != "exit":
         assert not out.exists()  # the half-written output was removed
@@ -266,7 +256,7 @@ def _assert_strip_in_place_restorable(capsys, save: Path, before: dict[str, str]
     for f in found:
         if f.code == "CKD151" and Path(f.path).exists():
             _bash(_command(f.message, "delete it"))
-    if not errors and _tree(it) != before:  # completed: the original is the backup (README table)
+    if not errors and file_digests(it) != before:  # completed: the original is the backup (README table)
         backups = sorted(save.glob(f"{ITER}.bak-*"))
         if no_backup:
             assert not backups  # --no-backup was asked for: the stripped checkpoint is complete
@@ -276,7 +266,7 @@ def _assert_strip_in_place_restorable(capsys, save: Path, before: dict[str, str]
             f"mv {shlex.quote(str(it))} {shlex.quote(str(it))}.stripped && "
             f"mv {shlex.quote(str(backups[0]))} {shlex.quote(str(it))}"
         )
-    assert _tree(it) == before
+    assert file_digests(it) == before
     assert not [p for p in save.iterdir() if p.name.startswith(".")]
 
 
@@ -287,7 +277,7 @@ def test_strip_in_place_interrupted(capsys, copy_fixture, case, mode):
     save = copy_fixture("core019_peft_full_tp1")
     if step in NEEDS_EXCHANGE or (step in BACKUP_RENAME and not no_backup):
         require_exchange(save)  # without renameat2 exchange these fault points are never reached
-    before = _tree(save / ITER)
+    before = file_digests(save / ITER)
     result = _cli(
         "strip-frozen", save, "--in-place", *(["--no-backup"] if no_backup else []), env=_fault_env(step, mode)
     )
@@ -305,7 +295,7 @@ def test_strip_in_place_old_tree_survives_a_failing_backup_rename(capsys, copy_f
     from ckptdoctor import atomic
 
     save = copy_fixture("core019_peft_full_tp1")
-    before = _tree(save / ITER)
+    before = file_digests(save / ITER)
     real = atomic.rename_noreplace
 
     def failing(src: Path, dst: Path) -> None:
@@ -317,7 +307,7 @@ def test_strip_in_place_old_tree_survives_a_failing_backup_rename(capsys, copy_f
     rc, _, err = _run(capsys, "strip-frozen", save, "--in-place")
     assert rc == 2 and err.count("\n") == 1 and "No space left on device" in err, err
     (staging,) = [p for p in save.iterdir() if ".ckptdoctor-swap-" in p.name]
-    assert str(staging) in err and _tree(staging) == before  # the original, complete, named in the message
+    assert str(staging) in err and file_digests(staging) == before  # the original, complete, named in the message
     monkeypatch.undo()
     _assert_strip_in_place_restorable(capsys, save, before, no_backup=False)
 
@@ -337,11 +327,11 @@ STRIP_OUTPUT = [
 @pytest.mark.parametrize("step", STRIP_OUTPUT)
 def test_strip_output_interrupted(copy_fixture, tmp_path, step, mode):
     save = copy_fixture("core019_peft_full_tp1")
-    before = _tree(save)
+    before = file_digests(save)
     out = tmp_path / "out"
     result = _cli("strip-frozen", save, "--output", out, env=_fault_env(step, mode))
     assert result.returncode == _expected_rc(mode), result.stderr
-    assert _tree(save) == before
+    assert file_digests(save) == before
     staging = [p for p in tmp_path.iterdir() if p.name.startswith(".out.ckptdoctor-")]
     if staging:  # killed before the rename: `check OUT` reports the unfinished output and how to remove it
         found = _leftover_findings(out)
@@ -449,7 +439,7 @@ def test_strip_swap_keeps_the_name_locked(copy_fixture):
     """Paused right after the atomic swap: the name now holds the staging tree, which is locked too."""
     save = copy_fixture("core019_peft_full_tp1")
     require_exchange(save)
-    before = _tree(save / ITER)
+    before = file_digests(save / ITER)
     first = _start_paused(["strip-frozen", save, "--in-place"], "strip-frozen:after-exchange")
     try:
         second = _cli("fix-args", save, "--write", "--in-place", "--set", "seq_length=88")
@@ -458,7 +448,7 @@ def test_strip_swap_keeps_the_name_locked(copy_fixture):
         _, err = first.communicate(timeout=60)
     assert first.returncode == 0, err
     (backup,) = save.glob(f"{ITER}.bak-*")
-    assert _tree(backup) == before
+    assert file_digests(backup) == before
     assert not [p for p in save.iterdir() if p.name.startswith(".")]
 
 
@@ -467,13 +457,13 @@ def test_sigint_during_the_swap_is_deferred(copy_fixture):
     rename first, then stops with exit 130."""
     save = copy_fixture("core019_peft_full_tp1")
     require_exchange(save)
-    before = _tree(save / ITER)
+    before = file_digests(save / ITER)
     proc = _start_paused(["strip-frozen", save, "--in-place"], "strip-frozen:after-exchange", seconds=2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     (backup,) = save.glob(f"{ITER}.bak-*")
-    assert _tree(backup) == before
+    assert file_digests(backup) == before
     assert not [p for p in save.iterdir() if p.name.startswith(".")]
 
 
@@ -509,11 +499,11 @@ def test_a_symlink_planted_as_the_lock_file_is_not_followed(capsys, copy_fixture
     victim = tmp_path / "victim"
     lock = save / f".{ITER}.ckptdoctor.lock"
     lock.symlink_to(victim)
-    before = _tree(save)
+    before = file_digests(save)
     rc, _, err = _run(capsys, "fix-args", save, "--write", "--in-place", "--set", "seq_length=78")
     assert rc == 2 and f"{lock}: the lock file is a symlink" in err, err
     assert not victim.exists()
-    assert lock.is_symlink() and _tree(save) == before
+    assert lock.is_symlink() and file_digests(save) == before
 
 
 # --- failures are one line naming the file, and leave nothing half-done ----------------------------------------
@@ -526,7 +516,7 @@ def test_fix_args_in_place_failure_rolls_back(capsys, copy_fixture, monkeypatch,
     save = copy_fixture("core019_tp1")
     it = save / ITER
     (it / "integrity.json").write_text(json.dumps({"algorithm": "sha256", "files": {}}))
-    before = _tree(it)
+    before = file_digests(it)
     real = fix_args_write.write_atomic
 
     def full_disk(path: Path, data: bytes) -> None:
@@ -540,7 +530,7 @@ def test_fix_args_in_place_failure_rolls_back(capsys, copy_fixture, monkeypatch,
     assert "nothing was changed" in err and "common_state.fixargs-" in err
     if fail_on != "common_state":
         assert ".metadata.bak-" in err  # the backup it made is named (and removed again)
-    assert _tree(it) == before  # no orphan data file, no backup, no journal
+    assert file_digests(it) == before  # no orphan data file, no backup, no journal
     assert not _leftover_findings(save)
 
 
@@ -549,11 +539,11 @@ def test_symlinked_iteration_dir_no_backup_is_refused(capsys, copy_fixture, tmp_
     real = tmp_path / "real_iter"
     (save / ITER).rename(real)
     (save / ITER).symlink_to(real)
-    before = _tree(real)
+    before = file_digests(real)
     rc, _, err = _run(capsys, "strip-frozen", save, "--in-place", "--no-backup")
     assert rc == 2 and err.count("\n") == 1 and "symbolic link" in err and str(save / ITER) in err, err
     assert "internal error" not in err
-    assert (save / ITER).is_symlink() and _tree(real) == before
+    assert (save / ITER).is_symlink() and file_digests(real) == before
     assert sorted(p.name for p in save.iterdir()) == [ITER, "latest_checkpointed_iteration.txt"]
 
 
@@ -605,11 +595,11 @@ def test_permission_error_creating_the_output_is_one_line(capsys, copy_fixture, 
 @pytest.mark.parametrize("where", ["save", "iter", "inside"])
 def test_fix_args_output_in_the_source_is_refused(capsys, copy_fixture, where):
     save = copy_fixture("core019_tp1")
-    before = _tree(save)
+    before = file_digests(save)
     output = {"save": save, "iter": save / ITER, "inside": save / ITER / "out"}[where]
     rc, _, err = _run(capsys, "fix-args", save, "--write", "--output", output, "--force", "--set", "seq_length=77")
     assert rc == 2 and err.count("\n") == 1 and "source checkpoint" in err, err
-    assert _tree(save) == before and not (save / ITER / "out").exists()
+    assert file_digests(save) == before and not (save / ITER / "out").exists()
 
 
 def test_leftover_check_finding_and_refusal(capsys, copy_fixture):
@@ -617,7 +607,7 @@ def test_leftover_check_finding_and_refusal(capsys, copy_fixture):
     the next writer refuses with one line until it is resolved; afterwards writing works again."""
     save = copy_fixture("core019_peft_full_tp1")
     require_exchange(save)
-    before = _tree(save / ITER)
+    before = file_digests(save / ITER)
     result = _cli("strip-frozen", save, "--in-place", env=_fault_env("strip-frozen:after-exchange"))
     assert result.returncode == FAULT_EXIT_CODE
     rc, out, _ = _run(capsys, "check", save)
@@ -627,7 +617,7 @@ def test_leftover_check_finding_and_refusal(capsys, copy_fixture):
     _assert_next_writers_refuse(capsys, save)
     (finding,) = _leftover_findings(save)
     _bash(_command(finding.message, "restore the original"))
-    assert _tree(save / ITER) == before
+    assert file_digests(save / ITER) == before
     rc, _, err = _run(capsys, "strip-frozen", save, "--in-place")  # resolved: the next run goes ahead
     assert rc == 0, err
 
