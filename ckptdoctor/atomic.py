@@ -139,6 +139,19 @@ def backup_file(path: Path, stamp: str) -> Path:
     return backup
 
 
+def keep_previous(path: Path, stamp: str) -> Path | None:
+    """Keep what ``path`` holds before it is replaced, as ``<name>.bak-<stamp>``: a regular file hard-linked
+    (:func:`backup_file`), anything else there (a FIFO, a dir, a link) moved to that name; None where nothing is."""
+    if path.is_file() and not path.is_symlink():
+        return backup_file(path, stamp)
+    if not (path.exists() or path.is_symlink()):
+        return None
+    backup = backup_name(path, stamp)
+    rename_noreplace(path, backup)
+    fsync_dir(path.parent)
+    return backup
+
+
 def _copy_exclusive(src: Path, dst: Path, what: str = "backup") -> None:
     """Copy ``src`` to a new file ``dst`` (fails if ``dst`` exists, never follows a link there), fsynced; a
     partial copy is removed. ``what`` names ``dst`` in errors."""

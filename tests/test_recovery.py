@@ -669,3 +669,22 @@ def test_repair_quarantining_leftovers_killed_at_every_step(copy_fixture, step):
     assert _codes(save) == set()
     assert len(list(save.glob(f"{ITER}.quarantine-*/.common.pt.ckptdoctor-part-0123abcd"))) == 1
     assert len(list(save.glob(f"{ITER}.quarantine-*/.{ITER}.ckptdoctor-tmp-*/__0_0.distcp"))) == 1
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir"])
+def test_repair_moves_a_tracker_that_is_not_a_file_aside(capsys, copy_fixture, kind):
+    """A FIFO or a dir in the tracker's place is kept under the backup name, never replaced or deleted."""
+    save = copy_fixture("core019_tp1")
+    tracker = save / TRACKER
+    tracker.unlink()
+    if kind == "fifo":
+        os.mkfifo(tracker)
+    else:
+        tracker.mkdir()
+        (tracker / "note").write_text("keep me")
+    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    assert rc == 0, out
+    assert tracker.read_text() == "10"
+    (backup,) = save.glob(f"{TRACKER}.bak-*")
+    assert backup.is_fifo() if kind == "fifo" else (backup / "note").read_text() == "keep me"
+    assert _codes(save) == set()

@@ -98,6 +98,8 @@ def test_tracker_that_is_not_a_regular_file_is_named_as_such(capsys, copy_fixtur
     assert rc == 2 and out == ""
     line = _one_error_line(err)
     assert f"{save}: save dir whose {TRACKER} is not a regular file" in line and ITER in line
+    rc, out, _ = _run(capsys, "check", "--isolated", save)  # the warning says so too (it said "no tracker")
+    assert rc == 1 and f"{save}: CKD122 [warning] {TRACKER} is not a regular file; Megatron would not resume" in out
     tracker.rmdir() if kind == "dir" else tracker.unlink()
     rc, out, err = _run(capsys, "inspect", save)
     assert f"{save}: save dir without {TRACKER}" in _one_error_line(err)

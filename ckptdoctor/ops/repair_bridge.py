@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptdoctor.atomic import backup_file, backup_name, fault_point, rename_noreplace, write_atomic
+from ckptdoctor.atomic import fault_point, keep_previous, write_atomic
 from ckptdoctor.errors import CkptError, without_path
 from ckptdoctor.formats.train_state import (
     BRIDGE_TRACKER_NAME,
@@ -97,11 +97,8 @@ def write_bridge_tracker(save_dir: Path, value: str, stamp: str, result: RepairW
     the old one is kept as a backup (a hard link, or the thing itself moved aside where it is not a regular file)."""
     data = bridge_tracker_bytes(save_dir / iteration_dir_name(value))
     tracker = save_dir / BRIDGE_TRACKER_NAME
-    if tracker.is_file() and not tracker.is_symlink():
-        result.backups.append(str(backup_file(tracker, stamp)))
-    elif tracker.exists() or tracker.is_symlink():
-        backup = backup_name(tracker, stamp)
-        rename_noreplace(tracker, backup)
+    backup = keep_previous(tracker, stamp)
+    if backup is not None:
         result.backups.append(str(backup))
     fault_point("repair:bridge-tracker-backup")
     write_atomic(tracker, data)

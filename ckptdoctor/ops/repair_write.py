@@ -19,9 +19,9 @@ from pathlib import Path
 from ckptdoctor import locking
 from ckptdoctor.atomic import (
     PART_MARK,
-    backup_file,
     fault_point,
     fsync_dir,
+    keep_previous,
     link_or_copy,
     prepare_output_dir,
     refuse_overlap,
@@ -138,8 +138,9 @@ def _write_in_place(report: RepairReport, work: RepairWork) -> RepairWrite:
     if work.tracker_value is not None and work.save_dir is not None:
         with locking.checkpoint_lock(work.save_dir):
             tracker = work.save_dir / TRACKER_NAME
-            if tracker.is_file():
-                result.backups.append(str(backup_file(tracker, stamp)))
+            backup = keep_previous(tracker, stamp)  # a FIFO or a dir there too is moved aside, never replaced
+            if backup is not None:
+                result.backups.append(str(backup))
                 fault_point("repair:tracker-backup")
             write_atomic(tracker, work.tracker_value.encode())
             result.written.append(str(tracker))

@@ -230,7 +230,12 @@ def check_save_dir(save_dir: Path, shown: Path, all_iterations: bool) -> tuple[l
             if bridge_target is not None
             else ""
         )
-        message = f"no {TRACKER_NAME}; Megatron would not resume from {iterations[-1].name}{also}"
+        what = (
+            f"{TRACKER_NAME} is not a regular file"
+            if tracker.exists() or tracker.is_symlink()
+            else f"no {TRACKER_NAME}"
+        )
+        message = f"{what}; Megatron would not resume from {iterations[-1].name}{also}"
         findings.append(finding(TRACKER_MISSING, shown, message))
     findings += bridge_findings
     if all_iterations:
