@@ -56,3 +56,14 @@ def test_an_interrupted_torch_dist_save_stays_one(tmp_path, name):
 def test_read_without_torch():
     result = run_cli("check", str(TORCH_DCP), block=("torch", "megatron"))
     assert result.returncode == 1 and "CKD103" in result.stdout and "IMPORTED:\n" in result.stderr
+
+
+def test_repair_of_an_unsupported_save_dir_leaves_its_bridge_tracker_too(capsys, tmp_path):
+    """Nothing changes in a save dir whose checkpoint ckptdoctor does not read, Megatron-Bridge's tracker included."""
+    save = tmp_path / "save"
+    shutil.copytree(TORCH_DCP, save)
+    shutil.copy(FIXTURES / "bridge_train_state" / "train_state_step10.pt", save / ITER / "train_state.pt")
+    (save / "latest_train_state.pt").write_bytes(b"torn")
+    before = file_digests(save)
+    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place")
+    assert rc == 1 and "not a format ckptdoctor repairs" in out and file_digests(save) == before

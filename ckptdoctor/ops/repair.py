@@ -185,7 +185,7 @@ def plan(
             )
     if save_dir is not None:  # Megatron-Bridge's tracker follows the text one (ops/repair_bridge.py)
         moved = work.tracker_value is not None
-        good = candidate is not None and not target_broken
+        good = candidate is not None and not target_broken and not unsupported  # nothing changes in CKD103's
         text_value = work.tracker_value if moved else (iteration_value(candidate) if good else None)  # type: ignore[arg-type]
         work.bridge_value = plan_bridge(save_dir, tracker_findings, text_value, moved, report)
     if report.unrepairable:
