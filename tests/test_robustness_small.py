@@ -493,11 +493,11 @@ def test_check_escapes_file_names(capsys, copy_fixture):
 
 def test_strip_frozen_escapes_file_names(capsys, copy_fixture, tmp_path):
     save = copy_fixture("core019_peft_full_tp1")
-    (save / ITER / "notes\x1b]0;pwned\x07\nFAKE").mkdir()
+    os.mkfifo(save / ITER / "notes\x1b]0;pwned\x07\nFAKE")  # a special file: named in a "not carried" line
     rc, out, err = _run(capsys, "strip-frozen", save, "--output", tmp_path / "out")
     assert rc == 0, err
     _assert_terminal_safe(out)
-    assert "not carried     notes\\x1b]0;pwned\\x07\\nFAKE: not a plain file" in out
+    assert "not carried     notes\\x1b]0;pwned\\x07\\nFAKE: a special file" in out
 
 
 def test_error_lines_are_escaped(capsys, tmp_path):

@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, REPO, free_port, manifest, require_exchange, require_mcore, run_cli
+from conftest import FIXTURES, REPO, free_port, manifest, require_exchange, require_mcore, run_cli, run_main
 
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.cli import main
 from ckptdoctor.formats import torch_dist
+from ckptdoctor.ops.check import check_paths
 
 FULL = ["core019_peft_full_tp1", "core019_peft_full_tp2", "core016_peft_full_tp1"]
 REFERENCE = {
@@ -693,3 +694,34 @@ def test_compact_copy_progress_failure_raised_after_the_copy(tmp_path):
     ):
         copy.result()
     assert len(list(dst.iterdir())) == 5  # the copy itself completed
+
+
+ITER = "iter_0000010"
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_subdirs_of_the_iteration_dir_are_carried(capsys, copy_fixture, tmp_path, in_place):
+    """ModelOpt's nested modelopt_state checkpoint and Megatron-Bridge's tokenizer dir go along, file by file
+    (hard links), a symlink inside as the same link; in place with --no-backup nothing of them is lost."""
+    save = copy_fixture("core019_peft_full_tp1")
+    src = save / ITER
+    shutil.copytree(FIXTURES / "core019_tp1" / ITER, src / "modelopt_state")
+    (src / "tokenizer").mkdir()
+    (src / "tokenizer" / "tokenizer.json").write_text('{"model": "bpe"}')
+    (src / "tokenizer" / "vocab").symlink_to("../../../shared/vocab.json")  # dangling here: carried as is
+    nested = _nested_files(src)
+    assert len(nested) == 4  # modelopt_state: .metadata, metadata.json, __0_0.distcp; tokenizer.json
+    target = ["--in-place", "--no-backup"] if in_place else ["-o", tmp_path / "out"]
+    rc, out, err = run_main(capsys, "strip-frozen", save, "--preset", "lora", *target)
+    assert rc == 0, out + err
+    result = src if in_place else tmp_path / "out" / ITER
+    assert {
+        p.relative_to(result): p.read_bytes() for p in result.rglob("*") if p.is_file() and p.parent != result
+    } == nested
+    assert os.readlink(result / "tokenizer" / "vocab") == "../../../shared/vocab.json"
+    assert "not carried" not in out
+    assert [f.code for f in check_paths([str(result.parent)]).findings] == []
+
+
+def _nested_files(iteration_dir: Path) -> dict[Path, bytes]:
+    return {p.relative_to(iteration_dir): p.read_bytes() for p in iteration_dir.rglob("*/*") if p.is_file()}

@@ -199,11 +199,7 @@ def _fill_iteration_dir(
         name = path.name
         if name in _REBUILT or name in rebuilt or name.endswith(".distcp") or name.startswith("."):
             continue
-        if not path.is_file():
-            result.skipped[name] = "not a plain file (a nested checkpoint or dir is not carried)"
-        else:
-            atomic.link_or_copy(path, stage / name)
-            result.carried.append(name)
+        _carry(path, stage / name, name, result)
     # Last, as Megatron does: a dir without metadata.json is an incomplete checkpoint to every reader.
     atomic.write_atomic(stage / "metadata.json", (src / "metadata.json").read_bytes())
     if (src / INTEGRITY_NAME).is_file():
@@ -212,6 +208,26 @@ def _fill_iteration_dir(
         result.resealed = True
         atomic.fault_point(f"{edit.step}:resealed")
     atomic.fsync_dir(stage)
+
+
+def _carry(path: Path, dest: Path, name: str, result: StripResult, nested: bool = False) -> None:
+    """Link (or copy) what the rewrite does not change into the staged dir: a file (at the top, through a symlink
+    too, as before), a dir (ModelOpt's nested ``modelopt_state`` checkpoint, Megatron-Bridge's ``tokenizer``) file
+    by file, a symlink inside it, or one at the top to a dir or to nothing, as the same link (never followed). An
+    in-place rewrite swaps the whole iteration dir, so what is not carried would be left in the backup only (and
+    deleted with ``--no-backup``); only special files (FIFOs, sockets, devices) are not, and the report names them."""
+    if path.is_symlink() and (nested or not path.is_file()):
+        os.symlink(os.readlink(path), dest)
+        result.carried.append(name)
+    elif path.is_file():
+        atomic.link_or_copy(path, dest)
+        result.carried.append(name)
+    elif path.is_dir():
+        dest.mkdir()
+        for child in sorted(path.iterdir()):
+            _carry(child, dest / child.name, f"{name}/{child.name}", result, nested=True)
+    else:
+        result.skipped[name] = "a special file (FIFO, socket or device): not carried"
 
 
 def write_keys(
