@@ -725,3 +725,20 @@ def test_subdirs_of_the_iteration_dir_are_carried(capsys, copy_fixture, tmp_path
 
 def _nested_files(iteration_dir: Path) -> dict[Path, bytes]:
     return {p.relative_to(iteration_dir): p.read_bytes() for p in iteration_dir.rglob("*/*") if p.is_file()}
+
+
+def test_a_dir_nested_deeper_than_the_recursion_limit_is_carried(capsys, copy_fixture, tmp_path):
+    save = copy_fixture("core019_tp1")
+    deep = save / ITER / "d"
+    parts = ["a"] * (sys.getrecursionlimit() + 200)
+    fd = os.open(save / ITER, os.O_RDONLY)
+    try:  # made relative to a dir fd: the absolute path is past what one syscall takes
+        os.mkdir("d", dir_fd=fd)
+        for depth in range(1, len(parts) + 1):
+            os.mkdir(os.path.join("d", *parts[:depth]), dir_fd=fd)
+    finally:
+        os.close(fd)
+    rc, out, err = run_main(capsys, "edit", save, "--drop-section", "optimizer", "-o", tmp_path / "out")
+    assert rc == 0 and "Traceback" not in err, out + err
+    found = subprocess.run(["find", str(tmp_path / "out" / ITER / "d"), "-type", "d"], capture_output=True, text=True)
+    assert deep.is_dir() and len(found.stdout.splitlines()) == len(parts) + 1  # every level carried

@@ -210,24 +210,28 @@ def _fill_iteration_dir(
     atomic.fsync_dir(stage)
 
 
-def _carry(path: Path, dest: Path, name: str, result: StripResult, nested: bool = False) -> None:
+def _carry(path: Path, dest: Path, name: str, result: StripResult) -> None:
     """Link (or copy) what the rewrite does not change into the staged dir: a file (at the top, through a symlink
     too, as before), a dir (ModelOpt's nested ``modelopt_state`` checkpoint, Megatron-Bridge's ``tokenizer``) file
     by file, a symlink inside it, or one at the top to a dir or to nothing, as the same link (never followed). An
     in-place rewrite swaps the whole iteration dir, so what is not carried would be left in the backup only (and
-    deleted with ``--no-backup``); only special files (FIFOs, sockets, devices) are not, and the report names them."""
-    if path.is_symlink() and (nested or not path.is_file()):
-        os.symlink(os.readlink(path), dest)
-        result.carried.append(name)
-    elif path.is_file():
-        atomic.link_or_copy(path, dest)
-        result.carried.append(name)
-    elif path.is_dir():
-        dest.mkdir()
-        for child in sorted(path.iterdir()):
-            _carry(child, dest / child.name, f"{name}/{child.name}", result, nested=True)
-    else:
-        result.skipped[name] = "a special file (FIFO, socket or device): not carried"
+    deleted with ``--no-backup``); only special files (FIFOs, sockets, devices) are not, and the report names them.
+    Iterative: a hostile dir nesting thousands deep costs no recursion."""
+    pending = [(path, dest, name, False)]
+    while pending:
+        path, dest, name, nested = pending.pop()
+        if path.is_symlink() and (nested or not path.is_file()):
+            os.symlink(os.readlink(path), dest)
+            result.carried.append(name)
+        elif path.is_file():
+            atomic.link_or_copy(path, dest)
+            result.carried.append(name)
+        elif path.is_dir():
+            dest.mkdir()
+            children = sorted(path.iterdir(), reverse=True)  # popped in name order
+            pending += [(child, dest / child.name, f"{name}/{child.name}", True) for child in children]
+        else:
+            result.skipped[name] = "a special file (FIFO, socket or device): not carried"
 
 
 def write_keys(
