@@ -742,3 +742,6 @@ def test_a_dir_nested_deeper_than_the_recursion_limit_is_carried(capsys, copy_fi
     assert rc == 0 and "Traceback" not in err, out + err
     found = subprocess.run(["find", str(tmp_path / "out" / ITER / "d"), "-type", "d"], capture_output=True, text=True)
     assert deep.is_dir() and len(found.stdout.splitlines()) == len(parts) + 1  # every level carried
+    rc, out, err = run_main(capsys, "edit", save, "--drop-section", "optimizer", "--in-place", "--no-backup")
+    assert rc == 0 and "error" not in err, out + err  # the old dir, deep tree and all, is deleted without recursion
+    assert sorted(p.name for p in save.iterdir()) == [ITER, "latest_checkpointed_iteration.txt"]

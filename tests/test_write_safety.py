@@ -665,3 +665,34 @@ def test_a_symlinked_data_file_is_linked_as_its_target_not_as_the_symlink(copy_f
     written = out / "iter_0000010" / data.name
     assert not written.is_symlink() and written.read_bytes() == shared.read_bytes()
     assert run_ckptdoctor("check", str(out)).returncode == 0
+
+
+def test_remove_tree_without_recursion_or_path_limits(tmp_path):
+    """atomic.remove_tree: a dir nested past the recursion limit and past PATH_MAX goes; a symlink inside is removed,
+    not followed (what it names stays)."""
+    from ckptdoctor.atomic import remove_tree
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("kept")
+    root = tmp_path / "tree"
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY)
+    depth = max(sys.getrecursionlimit() + 100, 2100)  # 2-byte names: ~4,200 bytes of path, past PATH_MAX
+    try:
+        for level in range(depth):
+            os.mkdir("aa", dir_fd=fd)
+            inner = os.open("aa", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+            if level % 500 == 0:
+                os.symlink(str(outside), "link", dir_fd=fd)
+                with open(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as f:
+                    f.write("x")
+    finally:
+        os.close(fd)
+    remove_tree(root)
+    assert not root.exists() and (outside / "keep").read_text() == "kept"
+    remove_tree(tmp_path / "missing", ignore_errors=True)
+    with pytest.raises(FileNotFoundError):
+        remove_tree(tmp_path / "missing")

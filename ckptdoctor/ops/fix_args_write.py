@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from ckptdoctor.atomic import (
     link_or_copy,
     prepare_output_dir,
     refuse_overlap,
+    remove_tree,
     restore_from_backup,
     timestamp,
     token,
@@ -307,7 +307,7 @@ def write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path,
                         for child in list(output.iterdir()):
                             _remove(child)
                     else:
-                        shutil.rmtree(output, ignore_errors=True)
+                        remove_tree(output, ignore_errors=True)
                 if isinstance(exc, OSError):
                     raise CkptError(f"{exc.filename or output}: cannot write ({exc.strerror})") from None
                 raise
@@ -315,7 +315,7 @@ def write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path,
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path, ignore_errors=True)
     else:
         with contextlib.suppress(OSError):
             path.unlink()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -314,7 +313,7 @@ def _write_locked(
             swap_output(target, staging, swap, edit.step)
     except BaseException as exc:
         if staging is not None and not swap.done:  # only new data there: remove it (the source was not touched)
-            shutil.rmtree(staging, ignore_errors=True)
+            atomic.remove_tree(staging, ignore_errors=True)
         if isinstance(exc, OSError):
             raise CkptError(f"{exc.filename or staging}: cannot write ({exc.strerror})") from None
         raise

@@ -9,11 +9,11 @@ uploaded, in Megatron's own order: data and common state first, then each iterat
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckptdoctor.atomic import remove_tree
 from ckptdoctor.errors import CkptError
 from ckptdoctor.locate import TRACKER_NAME
 
@@ -90,4 +90,4 @@ class RemoteOutput:
         return text.replace(str(self.local), self.url)
 
     def cleanup(self) -> None:
-        shutil.rmtree(self.local.parent, ignore_errors=True)
+        remove_tree(self.local.parent, ignore_errors=True)

@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from ckptdoctor.atomic import (
     link_or_copy,
     prepare_output_dir,
     refuse_overlap,
+    remove_tree,
     rename_noreplace,
     timestamp,
     token,
@@ -213,9 +213,9 @@ def _write_output(report: RepairReport, work: RepairWork, output: Path, force: b
                 if was_empty:  # everything in it is ours: leave no half-written checkpoint behind
                     if existed:
                         for child in list(output.iterdir()):
-                            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
+                            remove_tree(child, ignore_errors=True) if child.is_dir() else child.unlink()
                     else:
-                        shutil.rmtree(output, ignore_errors=True)
+                        remove_tree(output, ignore_errors=True)
                 if isinstance(exc, OSError):
                     raise CkptError(f"{exc.filename or output}: cannot write ({exc.strerror})") from None
                 raise

@@ -8,7 +8,6 @@ points are named ``<step>:<where>`` after the calling command (tests stop a run 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 from ckptdoctor import atomic, locking
@@ -50,7 +49,7 @@ def swap_output(output: Path, staging: Path, swap: SwapState, step: str) -> None
         atomic.fault_point(f"{step}:output-renamed")
         atomic.fsync_dir(output.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        atomic.remove_tree(old, ignore_errors=True)
 
 
 def swap_in_place(iteration_dir: Path, staging: Path, keep_backup: bool, swap: SwapState, step: str) -> Path | None:
@@ -99,7 +98,7 @@ def swap_in_place(iteration_dir: Path, staging: Path, keep_backup: bool, swap: S
         return backup
     atomic.fault_point(f"{step}:before-delete")
     try:
-        shutil.rmtree(kept)
+        atomic.remove_tree(kept)
     except OSError as exc:
         raise CkptError(
             f"{iteration_dir}: the new checkpoint is in place, but deleting the old one ({kept}) "
