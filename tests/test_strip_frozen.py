@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, REPO, free_port, manifest, require_exchange, require_mcore, run_cli, run_main
 
+from ckptdoctor.atomic import remove_tree
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.cli import main
 from ckptdoctor.formats import torch_dist
@@ -728,6 +729,14 @@ def _nested_files(iteration_dir: Path) -> dict[Path, bytes]:
 
 
 def test_a_dir_nested_deeper_than_the_recursion_limit_is_carried(capsys, copy_fixture, tmp_path):
+    try:
+        _deep_dir_is_carried(capsys, copy_fixture, tmp_path)
+    finally:  # pytest's own clean-up of old tmp dirs uses shutil.rmtree, which recurses: leave no deep tree
+        for child in tmp_path.iterdir():
+            remove_tree(child, ignore_errors=True)
+
+
+def _deep_dir_is_carried(capsys, copy_fixture, tmp_path):
     save = copy_fixture("core019_tp1")
     deep = save / ITER / "d"
     parts = ["a"] * (sys.getrecursionlimit() + 200)
