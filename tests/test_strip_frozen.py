@@ -710,8 +710,11 @@ def test_subdirs_of_the_iteration_dir_are_carried(capsys, copy_fixture, tmp_path
     (src / "tokenizer").mkdir()
     (src / "tokenizer" / "tokenizer.json").write_text('{"model": "bpe"}')
     (src / "tokenizer" / "vocab").symlink_to("../../../shared/vocab.json")  # dangling here: carried as is
+    (src / ".hydra").mkdir()  # hidden names are the user's too (only ckptdoctor's own temp and lock names are not)
+    (src / ".hydra" / "config.yaml").write_text("model: gpt\n")
+    (src / ".gitattributes").write_text("*.distcp filter=lfs\n")
     nested = _nested_files(src)
-    assert len(nested) == 4  # modelopt_state: .metadata, metadata.json, __0_0.distcp; tokenizer.json
+    assert len(nested) == 5  # modelopt_state: .metadata, metadata.json, __0_0.distcp; tokenizer.json; config.yaml
     target = ["--in-place", "--no-backup"] if in_place else ["-o", tmp_path / "out"]
     rc, out, err = run_main(capsys, "strip-frozen", save, "--preset", "lora", *target)
     assert rc == 0, out + err
@@ -720,6 +723,7 @@ def test_subdirs_of_the_iteration_dir_are_carried(capsys, copy_fixture, tmp_path
         p.relative_to(result): p.read_bytes() for p in result.rglob("*") if p.is_file() and p.parent != result
     } == nested
     assert os.readlink(result / "tokenizer" / "vocab") == "../../../shared/vocab.json"
+    assert (result / ".gitattributes").read_text() == "*.distcp filter=lfs\n"
     assert "not carried" not in out
     assert [f.code for f in check_paths([str(result.parent)]).findings] == []
 

@@ -31,7 +31,6 @@ from typing import Any
 
 from ckptdoctor import locking, safe_pickle
 from ckptdoctor.atomic import (
-    PART_MARK,
     backup_file,
     backup_name,
     defer_sigint,
@@ -56,6 +55,7 @@ from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tr
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.fix_args import ArgChange, FixArgsReport, diagnose, fixed_common_state
 from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
+from ckptdoctor.ops.staging import not_carried
 from ckptdoctor.rules import leftovers
 
 RUN_CONFIG = "run_config.yaml"
@@ -284,11 +284,6 @@ def _roll_back(
     return f"{reason}; nothing was changed{undone}"
 
 
-def _skip_on_copy(name: str) -> bool:
-    """Lock files and leftovers of interrupted runs are not part of the checkpoint: never carried over."""
-    return locking.is_lock_name(name) or PART_MARK in name or bool(leftovers.JOURNAL_RE.match(name))
-
-
 def write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path, force: bool = False) -> WriteResult:
     location = checkpoint.location
     source = location.save_dir or location.iteration_dir
@@ -337,7 +332,7 @@ def _write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path
     completeness_marker = location.iteration_dir / "metadata.json"
     for path in sorted(p for p in location.iteration_dir.rglob("*") if p.is_file()):
         relative = path.relative_to(location.iteration_dir)
-        if str(relative) in files or path == completeness_marker or _skip_on_copy(path.name):
+        if str(relative) in files or path == completeness_marker or not_carried(path.name):
             continue
         dest = iteration_dir / relative
         dest.parent.mkdir(parents=True, exist_ok=True)

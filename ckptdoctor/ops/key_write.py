@@ -36,7 +36,7 @@ from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.seal import write_manifest
 from ckptdoctor.ops.staged_integrity import carried_hashes
-from ckptdoctor.ops.staging import SwapState, swap_in_place, swap_output
+from ckptdoctor.ops.staging import SwapState, not_carried, swap_in_place, swap_output
 from ckptdoctor.rules import leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
 
@@ -196,7 +196,7 @@ def _fill_iteration_dir(
         atomic.link_or_copy(src / "common.pt", stage / "common.pt")
     for path in sorted(src.iterdir()):
         name = path.name
-        if name in _REBUILT or name in rebuilt or name.endswith(".distcp") or name.startswith("."):
+        if name in _REBUILT or name in rebuilt or name.endswith(".distcp") or not_carried(name):
             continue
         _carry(path, stage / name, name, result)
     # Last, as Megatron does: a dir without metadata.json is an incomplete checkpoint to every reader.

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from ckptdoctor import locking
 from ckptdoctor.atomic import (
-    PART_MARK,
     fault_point,
     fsync_dir,
     keep_previous,
@@ -52,6 +51,7 @@ from ckptdoctor.ops.repair import (
 )
 from ckptdoctor.ops.repair_bridge import write_bridge_tracker
 from ckptdoctor.ops.repair_report import RepairReport, RepairWrite
+from ckptdoctor.ops.staging import not_carried
 from ckptdoctor.rules import leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
 
@@ -185,10 +185,6 @@ def _refuse_if_displaced(iteration_dir: Path) -> None:
         )
 
 
-def _skip_on_copy(name: str) -> bool:
-    return locking.is_lock_name(name) or PART_MARK in name or bool(leftovers.JOURNAL_RE.match(name))
-
-
 def _write_output(report: RepairReport, work: RepairWork, output: Path, force: bool) -> RepairWrite:
     save_dir, candidate = work.save_dir, work.candidate
     if work.tracker_value is not None:
@@ -229,7 +225,7 @@ def _fill_output(chosen: Path, work: RepairWork, output: Path, result: RepairWri
     skip = set(work.orphans) | {"metadata.json"}
     for path in sorted(p for p in chosen.rglob("*") if p.is_file()):
         relative = path.relative_to(chosen)
-        if str(relative) in skip or _skip_on_copy(path.name):
+        if str(relative) in skip or not_carried(path.name):
             continue
         dest = out_iter / relative
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,13 @@ class SwapState:
     done = False
 
 
+def not_carried(name: str) -> bool:
+    """Names in an iteration dir that are ckptdoctor's own, never part of the checkpoint: lock files and the
+    leftovers of interrupted runs (temp files of atomic writes, fix-args journals). A write carries everything
+    else it does not rebuild, hidden names included (a Hydra ``.hydra/`` dir, a ``.gitattributes``)."""
+    return locking.is_lock_name(name) or atomic.PART_MARK in name or bool(leftovers.JOURNAL_RE.match(name))
+
+
 def aside(directory: Path, mark: str) -> Path:
     """A new unique hidden name beside ``directory`` (not created)."""
     while True:
