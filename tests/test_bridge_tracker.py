@@ -13,6 +13,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import jsonschema
 import pytest
 from conftest import FIXTURES, REPO, run_cli, run_main
 
@@ -268,6 +269,7 @@ def test_inspect_names_the_bridge_tracker_where_it_differs(capsys, tmp_path):
     (save / BRIDGE).write_bytes(b"torn")
     rc, out, _ = run_main(capsys, "inspect", save, "--format", "json")
     assert rc == 0 and json.loads(out)["tracker"]["bridge"] == "unreadable"
+    jsonschema.validate(json.loads(out), json.loads((REPO / "docs" / "inspect.schema.json").read_text()))
 
 
 @pytest.mark.parametrize(
