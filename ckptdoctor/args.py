@@ -1,4 +1,5 @@
-"""Saved Megatron-LM args: grouping and plain-value views shared by inspect, diff, fix-args and check."""
+"""Saved Megatron-LM args: grouping and plain-value views shared by inspect, diff, fix-args and check; and, for
+Megatron-Bridge checkpoints (no args saved), their ``run_config.yaml`` model section in their place."""
 
 from __future__ import annotations
 
@@ -86,3 +87,25 @@ def summarize_args(args: Any) -> dict[str, dict[str, Any]]:
         for group, names in ARG_GROUPS.items()
         if group != "training"
     }
+
+
+def saved_config(common: dict | None, iteration_dir: object) -> tuple[dict[str, Any], str | None]:
+    """The saved config the arg rules check, and where it is: Megatron-LM's ``args`` (``"args"``), else, where the
+    common state holds none, Megatron-Bridge's ``run_config.yaml`` model section (``"run_config.yaml"``: Bridge's
+    resume reads its parallel sizes), else ``({}, None)``. A run_config.yaml that cannot be read is none."""
+    from pathlib import Path
+
+    from ckptdoctor.errors import CkptError
+    from ckptdoctor.formats.run_config import RUN_CONFIG, model_config, read_run_config
+
+    args = (common or {}).get("args")
+    if isinstance(args, argparse.Namespace):
+        return args_as_dict(args), "args"
+    if not isinstance(iteration_dir, Path):
+        return {}, None
+    try:
+        text = read_run_config(iteration_dir)
+    except CkptError:
+        return {}, None
+    config = model_config(text) if text is not None else {}
+    return (config, RUN_CONFIG) if config else ({}, None)

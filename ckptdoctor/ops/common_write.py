@@ -45,9 +45,10 @@ def common_rewriter(
     source = checkpoint.common_source
 
     def rewrite(metadata: Any, stage: Path) -> list[str]:
+        from ckptdoctor.formats.run_config import RUN_CONFIG, read_run_config
         from ckptdoctor.formats.torch_zip import dump_torch_zip
         from ckptdoctor.ops.fix_args import ArgChange
-        from ckptdoctor.ops.fix_args_write import RUN_CONFIG, read_run_config, updated_run_config
+        from ckptdoctor.ops.fix_args_write import updated_run_config
 
         written = []
         if source == "common.pt":

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.arg_rules import ERROR, ArgFinding, check_args, compare_with_source
-from ckptdoctor.args import ARG_GROUPS, args_as_dict
+from ckptdoctor.args import ARG_GROUPS, saved_config
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.run_config import RUN_CONFIG
 from ckptdoctor.parallelism import infer_layout
 
 if TYPE_CHECKING:
@@ -66,17 +67,29 @@ def saved_args(checkpoint: Checkpoint) -> argparse.Namespace:
     args = checkpoint.args
     if not isinstance(args, argparse.Namespace):
         where = checkpoint.common_source or "common state"
-        raise CkptError(f"{checkpoint.iteration_dir}: {where} holds no argparse.Namespace 'args' to check")
+        raise CkptError(
+            f"{checkpoint.iteration_dir}: {where} holds no argparse.Namespace 'args' to check "
+            f"(and there is no {RUN_CONFIG} with a model section, as Megatron-Bridge saves its config)"
+        )
     return args
+
+
+def checked_config(checkpoint: Checkpoint) -> tuple[dict[str, Any], str]:
+    """The saved config fix-args checks and changes, and where it lives: Megatron-LM's args (``"args"``), or
+    Megatron-Bridge's ``run_config.yaml`` model section where no args are saved (:func:`args.saved_config`)."""
+    config, where = saved_config(checkpoint.common_state(), checkpoint.iteration_dir)
+    if where is None:
+        saved_args(checkpoint)  # raises: neither is there
+    return config, where or "args"
 
 
 def diagnose(checkpoint: Checkpoint, source: Checkpoint | None = None) -> tuple[list[ArgFinding], list[InheritedArg]]:
     """Inconsistent args, and (with a source) the derived args that were carried over from it."""
-    args = args_as_dict(saved_args(checkpoint))
+    args, _ = checked_config(checkpoint)
     findings = check_args(args, infer_layout(checkpoint))
     inherited: list[InheritedArg] = []
     if source is not None:
-        source_args = args_as_dict(saved_args(source))
+        source_args, _ = checked_config(source)
         findings = compare_with_source(findings, source_args)
         wrong = {f.arg for f in findings}
         parallelism_differs = any(
@@ -145,7 +158,7 @@ def plan_changes(
     checkpoint: Checkpoint, findings: list[ArgFinding], sets: list[str], apply_fixes: bool = True, force: bool = False
 ) -> list[ArgChange]:
     """The arg edits to write: each finding's correct value, then --set edits (which win)."""
-    args = args_as_dict(saved_args(checkpoint))
+    args, where = checked_config(checkpoint)
     planned: dict[str, ArgChange] = {}
     if apply_fixes:
         for finding in findings:
@@ -153,6 +166,8 @@ def plan_changes(
                 planned[finding.arg] = ArgChange(finding.arg, finding.saved, finding.correct, "fix")
     for name, text in parse_sets(sets):
         exists = name in args
+        if not exists and where == RUN_CONFIG:  # its lines are edited in place: there is none to set
+            raise CkptError(f"--set {name}: {RUN_CONFIG}'s model section has no '{name}' (only existing lines change)")
         if not exists and not force:
             close = difflib.get_close_matches(name, list(args), n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else ""

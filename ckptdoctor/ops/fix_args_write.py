@@ -48,17 +48,17 @@ from ckptdoctor.atomic import (
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist
-from ckptdoctor.formats.files import read_json, read_small_file
+from ckptdoctor.formats.files import read_json
+from ckptdoctor.formats.run_config import RUN_CONFIG, model_field_lines, read_run_config
 from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.torch_zip import dump_torch_zip
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
 from ckptdoctor.locate import TRACKER_NAME
-from ckptdoctor.ops.fix_args import ArgChange, FixArgsReport, diagnose, fixed_common_state
+from ckptdoctor.ops.fix_args import ArgChange, FixArgsReport, checked_config, diagnose, fixed_common_state
 from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.ops.staging import not_carried
 from ckptdoctor.rules import leftovers
 
-RUN_CONFIG = "run_config.yaml"
 INTEGRITY = "integrity.json"
 
 
@@ -82,36 +82,24 @@ def _yaml_scalar(value: Any) -> str:
     return str(value)
 
 
-MAX_RUN_CONFIG_BYTES = 16 << 20  # Megatron-Bridge writes a few KB
-
-
-def read_run_config(iteration_dir: Path) -> str | None:
-    """The text of the iteration dir's ``run_config.yaml`` (None when there is none), read as a regular file of
-    at most 16 MiB and UTF-8; else :class:`CkptError` naming it (the args cannot be kept in step with it)."""
-    path = iteration_dir / RUN_CONFIG
-    if not path.is_file():
-        return None
-    raw = read_small_file(path, MAX_RUN_CONFIG_BYTES)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CkptError(f"{path}: not UTF-8 text (byte {exc.start}); cannot keep it in step with the args") from None
-
-
-def updated_run_config(text: str, changes: list[ArgChange]) -> tuple[str, list[str]]:
+def updated_run_config(text: str, changes: list[ArgChange], model_only: bool = False) -> tuple[str, list[str]]:
     """``run_config.yaml`` with each changed arg's ``name: old`` lines set to the new value.
 
     Line-based on purpose: no YAML dependency, and comments, order and formatting survive. Only lines
-    whose current value equals the saved arg are touched.
+    whose current value equals the saved arg are touched; with ``model_only`` (the model section is the config
+    checked: Megatron-Bridge), only the model section's own fields.
     """
     updated: list[str] = []
     lines = text.splitlines(keepends=True)
+    eligible = model_field_lines(text) if model_only else None
     for change in changes:
         # greedy and matching at the first try (a lazy value before optional spaces backtracked quadratically:
         # a line of 100,000 spaces took minutes); no newline after the colon (``lr:`` got its value on the next line)
         pattern = re.compile(rf"^(\s*{re.escape(change.arg)}:[ \t]*)([^#\n]*)(#.*)?(\r?\n)?$")
         old_values = {_yaml_scalar(change.old)} | ({"~", ""} if change.old is None else set())
         for i, line in enumerate(lines):
+            if eligible is not None and i not in eligible:
+                continue
             match = pattern.match(line)
             value = match.group(2).rstrip() if match else ""
             if match and value.strip("'\"") in old_values:
@@ -126,6 +114,15 @@ def updated_run_config(text: str, changes: list[ArgChange]) -> tuple[str, list[s
 def _new_files(checkpoint: Checkpoint, changes: list[ArgChange], stamp: str) -> tuple[dict[str, bytes], str]:
     """Relative path -> new content for every file the fix replaces or adds; and the new data file (if any)."""
     refuse_unsafe_pickles(checkpoint)  # the other items are linked or copied unchanged
+    if checked_config(checkpoint)[1] == RUN_CONFIG:  # Megatron-Bridge: only run_config.yaml changes (_side_files)
+        text = read_run_config(checkpoint.iteration_dir) or ""
+        missed = sorted({c.arg for c in changes} - set(updated_run_config(text, changes, model_only=True)[1]))
+        if missed:  # a line-based edit touches existing "name: value" lines only: say so rather than skip one
+            raise CkptError(
+                f"{checkpoint.iteration_dir / RUN_CONFIG}: no line 'NAME: VALUE' holding the saved value of "
+                f"{', '.join(missed)} to change (ckptdoctor edits existing lines of run_config.yaml only)"
+            )
+        return {}, ""
     common = fixed_common_state(checkpoint, changes)
     files: dict[str, bytes] = {}
     new_data_file = ""
@@ -153,11 +150,13 @@ def _new_files(checkpoint: Checkpoint, changes: list[ArgChange], stamp: str) -> 
     return files, new_data_file
 
 
-def _side_files(iteration_dir: Path, changes: list[ArgChange], files: dict[str, bytes], result: WriteResult) -> None:
-    """run_config.yaml and integrity.json updates, computed from the new file contents."""
+def _side_files(checkpoint: Checkpoint, changes: list[ArgChange], files: dict[str, bytes], result: WriteResult) -> None:
+    """run_config.yaml and integrity.json updates of the source's, computed from the new file contents."""
+    iteration_dir = checkpoint.iteration_dir
     text = read_run_config(iteration_dir)
     if text is not None:
-        new_text, updated = updated_run_config(text, changes)
+        model_only = checked_config(checkpoint)[1] == RUN_CONFIG  # Megatron-Bridge: its model section only
+        new_text, updated = updated_run_config(text, changes, model_only)
         if updated:
             files[RUN_CONFIG] = new_text.encode("utf-8")
             result.run_config_args = updated
@@ -218,7 +217,7 @@ def write_in_place(checkpoint: Checkpoint, changes: list[ArgChange]) -> WriteRes
         stamp = _free_run_stamp(iteration_dir)
         result = WriteResult("in-place", str(iteration_dir))
         files, _ = _new_files(checkpoint, changes, stamp)
-        _side_files(iteration_dir, changes, files, result)
+        _side_files(checkpoint, changes, files, result)
         order = _ordered(files)
         replaced = [n for n in order if (iteration_dir / n).exists()]
         created = [n for n in order if n not in replaced]
@@ -325,7 +324,7 @@ def _write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path
         iteration_dir = output
     result = WriteResult("output", str(iteration_dir))
     files, _ = _new_files(checkpoint, changes, timestamp())
-    _side_files(location.iteration_dir, changes, files, result)
+    _side_files(checkpoint, changes, files, result)
 
     # Unchanged files first, then the new ones, then metadata.json and the tracker: Megatron's own
     # completeness markers come last, so an interrupted write never looks like a complete checkpoint.

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.arg_rules import check_args
-from ckptdoctor.args import args_as_dict, summarize_args
+from ckptdoctor.args import saved_config, summarize_args
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.run_config import RUN_CONFIG
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, read_train_state_step
 from ckptdoctor.locate import CheckpointLocation
 from ckptdoctor.ops.diff_items import logical_key
@@ -48,6 +48,8 @@ class InspectReport:
     keys: list[KeyRow] | None = field(default=None)
     # saved args that contradict the checkpoint's parallelism (the rule table fix-args and check use)
     arg_findings: list[dict] = field(default_factory=list)
+    # "run_config.yaml" where no args are saved and ``args`` shows Megatron-Bridge's model config instead
+    args_source: str | None = None
 
 
 def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filter: str | None = None) -> InspectReport:
@@ -73,6 +75,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filt
 
     common = checkpoint.common_state()
     args = common.get("args")
+    config, where = saved_config(common, checkpoint.iteration_dir)
     saved = infer_layout(checkpoint)
     layout = saved.as_dict()
     dcp = checkpoint.dcp
@@ -96,10 +99,11 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filt
         data_files={"count": len(checkpoint.data_files), "bytes": sum(checkpoint.data_files.values())},
         sections=sections,
         layout=layout,
-        args=summarize_args(args) if args is not None else None,
+        args=summarize_args(config) if where == RUN_CONFIG else summarize_args(args) if args is not None else None,
+        args_source=where if where == RUN_CONFIG else None,
         common_state_keys=sorted(str(k) for k in common),
     )
-    if isinstance(args, argparse.Namespace):
+    if where is not None:  # the saved args, or Megatron-Bridge's run_config.yaml model section in their place
         report.arg_findings = [
             {
                 "code": f.code,
@@ -109,7 +113,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filt
                 "severity": f.severity,
                 "reason": f.reason,
             }
-            for f in check_args(args_as_dict(args), saved)
+            for f in check_args(config, saved)
         ]
     if with_keys:
         pattern = re.compile(key_filter) if key_filter else None

@@ -84,7 +84,10 @@ def render_inspect(report: InspectReport) -> str:
     )
     if report.args is not None:
         lines.append("")
-        lines.append("args")
+        if getattr(report, "args_source", None):
+            lines.append(f"args            (none saved; Megatron-Bridge's {report.args_source}, model section)")
+        else:
+            lines.append("args")
         for group, values in report.args.items():
             if values:
                 shown = "  ".join(f"{k}={short_value(v)}" for k, v in values.items())

@@ -12,9 +12,10 @@ import itertools
 import math
 
 from ckptdoctor import arg_rules
-from ckptdoctor.args import args_as_dict
+from ckptdoctor.args import saved_config
 from ckptdoctor.checkpoint import Checkpoint, Entry
 from ckptdoctor.formats.dcp_index import grid_tiled_once
+from ckptdoctor.formats.run_config import RUN_CONFIG
 from ckptdoctor.parallelism import infer_layout
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo
 from ckptdoctor.rules.structure import Scanned
@@ -95,13 +96,16 @@ def check(state: Scanned) -> list[Finding]:
 def _check_args(state: Scanned, checkpoint: Checkpoint) -> list[Finding]:
     if state.common is None or not checkpoint.entries:
         return []  # no args to check, or no chunks to check them against
-    args = args_as_dict(state.common.get("args"))
+    args, where = saved_config(state.common, checkpoint.iteration_dir)
+    path = str(state.common_path()) if where != RUN_CONFIG else str(state.shown / RUN_CONFIG)
     out = []
     for f in arg_rules.check_args(args, infer_layout(checkpoint)):
         text = f.reason if f.correct is None else f"{f.reason}; correct value: {f.correct!r}"
+        if where == RUN_CONFIG:  # Megatron-Bridge: no args saved, its resume reads this file's model section
+            text = f"model section (Megatron-Bridge's config; no args saved): {text}"
         if f.megatron_error:
             text += f"; megatron-core: {f.megatron_error}"
-        out.append(Finding(f.code, str(state.common_path()), text, f.severity))
+        out.append(Finding(f.code, path, text, f.severity))
     return out
 
 
