@@ -4,7 +4,11 @@ Megatron-Bridge checkpoints (no args saved), their ``run_config.yaml`` model sec
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
+
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.run_config import RUN_CONFIG, model_config, read_run_config
 
 ARG_GROUPS: dict[str, tuple[str, ...]] = {
     "parallelism": (
@@ -93,11 +97,6 @@ def saved_config(common: dict | None, iteration_dir: object) -> tuple[dict[str, 
     """The saved config the arg rules check, and where it is: Megatron-LM's ``args`` (``"args"``), else, where the
     common state holds none, Megatron-Bridge's ``run_config.yaml`` model section (``"run_config.yaml"``: Bridge's
     resume reads its parallel sizes), else ``({}, None)``. A run_config.yaml that cannot be read is none."""
-    from pathlib import Path
-
-    from ckptdoctor.errors import CkptError
-    from ckptdoctor.formats.run_config import RUN_CONFIG, model_config, read_run_config
-
     args = (common or {}).get("args")
     if isinstance(args, argparse.Namespace):
         return args_as_dict(args), "args"
