@@ -34,6 +34,7 @@ import contextlib
 import io
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -117,6 +118,8 @@ def _commands(target: str, save: Path, original: Path, out: Path) -> list[list[s
             ["latest-good", str(save.parent), "--format", "json"],
             ["repair", str(save.parent)],
             ["strip-frozen", str(save.parent), "--force", "-o", str(out / "stripped")],
+            ["fix-args", str(save.parent)],
+            ["fix-args", str(save.parent), "--write", "--output", str(out / "fixed")],
             ["repair", str(save.parent), "--write", "--in-place"],
         ],
         "data": [
@@ -299,6 +302,9 @@ def _damage_bridge(rng: random.Random, save_dir: Path, outside: Path) -> None:
                 shutil.copy(states / "train_state_step20.pt", save_dir / name)
             else:
                 (save_dir / name).write_text("20")
+    common = save_dir / ITER / "common.pt"
+    if common.is_file() and rng.random() < 0.6:  # Bridge saves no args: run_config.yaml's model section instead
+        _bridge_config(rng, save_dir / ITER, common)
     for _ in range(rng.choice([1, 1, 2, 3])):
         with contextlib.suppress(OSError, CkptError):  # a damage an earlier one made impossible or our writer refuses
             roll = rng.random()
@@ -314,6 +320,45 @@ def _damage_bridge(rng: random.Random, save_dir: Path, outside: Path) -> None:
                 path.write_bytes(
                     rng.choice([b"", data[: rng.randrange(len(data) + 1)], rng.randbytes(64), data + b"x"])
                 )
+
+
+def _bridge_config(rng: random.Random, iteration_dir: Path, common: Path) -> None:
+    """No args in common.pt and a run_config.yaml whose model section is mutated line by line."""
+    from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
+
+    state = dict(load_torch_zip(common, str(common)))
+    state.pop("args", None)
+    common.write_bytes(dump_torch_zip(state))
+    lines = [
+        "model:",
+        "  _target_: megatron.bridge.models.gpt_provider.GPTModelProvider",
+        f"  tensor_model_parallel_size: {rng.choice([1, 2, 4, 8])}",
+        f"  pipeline_model_parallel_size: {rng.choice([1, 2])}",
+        f"  tensor_parallel_num_weight_shards: {rng.choice([1, 2, 4])}",
+        "  num_layers: 2",
+        "  nested:",
+        "    tensor_model_parallel_size: 1",
+        "checkpoint:",
+        "  save_rng: true",
+    ]
+    junk = [
+        "",
+        "model:",
+        "  - 1",
+        "  x: [1, {a: 2}",
+        "\t  y: 3",
+        "  tensor_model_parallel_size: 1e309",
+        "  : 4",
+        "  tensor_model_parallel_size: -3",
+        "  tensor_model_parallel_size: '2'",
+        "  z: " + "9" * 5000,
+        "\udcff",
+    ]
+    for _ in range(rng.randrange(4)):
+        lines.insert(rng.randrange(len(lines) + 1), rng.choice(junk))
+    text = "\n".join(lines) + "\n"
+    data = text.encode("utf-8", "surrogateescape") if rng.random() > 0.05 else rng.randbytes(200)
+    (iteration_dir / "run_config.yaml").write_bytes(data)
 
 
 def _mutate_train_state(rng: random.Random, path: Path) -> None:
@@ -401,7 +446,12 @@ def fuzz(target: str, seed: int, count: int, keep: Path | None = None) -> tuple[
                     written, report = _run(["check", "--isolated", command[command.index("-o") + 1]])
                     if written != 0:
                         code, err = f"wrote a checkpoint check refuses ({written})", err + report
-                if target == "bridge" and "--write" in command and code == 0:  # a repair that says it worked
+                if target == "bridge" and command[0] == "fix-args" and "--write" in command and code == 0:
+                    _, report = _run(["check", "--isolated", "--format", "json", str(work / "out" / "fixed")])
+                    left = sorted(set(re.findall(r'"code": "(CKD2[01][0-9])"', report)))
+                    if left:  # fix-args said the args are consistent now: check must agree
+                        code, err = f"fix-args left {', '.join(left)}", err + report[-300:]
+                if target == "bridge" and command[0] == "repair" and "--write" in command and code == 0:
                     _, report = _run(["check", "--isolated", "--format", "json", str(save.parent)])
                     left = [c for c in ("CKD123", "CKD124", "CKD125") if f'"code": "{c}"' in report]
                     if left:
