@@ -135,3 +135,14 @@ def test_inspect_shows_the_run_config_in_place_of_args(capsys, tmp_path):
     assert report["args_source"] == "run_config.yaml"
     assert report["args"]["parallelism"] == {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
     assert [f["code"] for f in report["arg_findings"]] == ["CKD201", "CKD210"]
+
+
+def test_diff_compares_run_configs_where_no_args_are_saved(capsys, tmp_path):
+    stale = _bridge_converted(tmp_path / "a")
+    fixed = _bridge_converted(tmp_path / "b")
+    assert run_main(capsys, "fix-args", fixed, "--write", "--in-place")[0] == 0
+    rc, out, _ = run_main(capsys, "diff", fixed, stale, "--format", "json")
+    report = json.loads(out)
+    changes = {d["name"]: (d["a"], d["b"]) for group in report["args"]["groups"].values() for d in group}
+    assert changes == {"tensor_model_parallel_size": (4, 1), "tensor_parallel_num_weight_shards": (4, 1)}
+    assert {(f["side"], f["code"]) for f in report["args"]["flags"]} == {("b", "CKD201"), ("b", "CKD210")}
