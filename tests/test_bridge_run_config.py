@@ -56,6 +56,10 @@ def test_check_reads_the_run_config_where_no_args_are_saved(tmp_path):
 def test_fix_args_rewrites_only_the_run_config(capsys, tmp_path):
     save = _bridge_converted(tmp_path)
     before = file_digests(save / ITER)
+    rc, out, _ = run_main(capsys, "fix-args", save, "--format", "json")
+    report = json.loads(out)
+    jsonschema.validate(report, json.loads((REPO / "docs" / "fix-args.schema.json").read_text()))
+    assert rc == 1 and report["config_source"] == "run_config.yaml"
     rc, out, err = run_main(capsys, "fix-args", save, "--write", "--in-place")
     assert rc == 0, out + err
     after = file_digests(save / ITER)

@@ -57,6 +57,8 @@ class FixArgsReport:
     # after --write: the written checkpoint re-read and re-checked (None when nothing was written);
     # ``findings`` keep what was wrong before the fix
     remaining: list[ArgFinding] | None = None
+    # "run_config.yaml": no args saved, Megatron-Bridge's model section checked and changed in their place
+    config_source: str = "args"
 
     @property
     def has_errors(self) -> bool:
@@ -182,7 +184,7 @@ def build_report(
 ) -> FixArgsReport:
     findings, inherited = diagnose(checkpoint, source)
     changes = plan_changes(checkpoint, findings, sets, apply_fixes=apply_fixes, force=force)
-    return FixArgsReport(
+    report = FixArgsReport(
         schema=SCHEMA,
         checkpoint=str(checkpoint.iteration_dir),
         era=checkpoint.location.era,
@@ -192,6 +194,8 @@ def build_report(
         inherited=inherited,
         changes=changes,
     )
+    report.config_source = checked_config(checkpoint)[1]
+    return report
 
 
 def common_with_args(common: dict, values: dict[str, Any]) -> dict:

@@ -150,6 +150,8 @@ def render_fix_args(report: FixArgsReport) -> str:
     """Report mode: the findings, then what --write would change. Write mode leads with what was wrong and
     what was changed, then what was written and the re-check of the written checkpoint."""
     lines = [f"{report.checkpoint}: saved layout {report.layout}; {report.era}"]
+    if report.config_source != "args":
+        lines.append(f"no args saved: Megatron-Bridge's {report.config_source} (model section) checked in their place")
     if report.source:
         lines.append(f"source: {report.source}")
     written = report.written
