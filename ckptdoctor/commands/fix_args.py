@@ -60,7 +60,8 @@ def command(
     only_set: bool,
     output_format: str,
 ) -> int:
-    """Find saved args that contradict CHECKPOINT's own parallelism, and fix them.
+    """Find saved args that contradict CHECKPOINT's own parallelism, and fix them (a Megatron-Bridge checkpoint,
+    which saves no args: its run_config.yaml model section).
 
     Reports each inconsistent arg (saved value, correct value, the error megatron-core would raise).
     Exit code: 0 consistent (or, with --write, none left after writing), 1 inconsistencies found (or

@@ -41,8 +41,9 @@ def command(
     output_format: str,
 ) -> int:
     """Repair what `check` finds in CHECKPOINT (a save dir or an iteration dir), each repair only when it is
-    provably safe: the tracker (to the latest good iteration), a missing metadata.json of a complete save,
-    unreferenced data files (quarantined), inconsistent args (as fix-args).
+    provably safe: the tracker (to the latest good iteration; Megatron-Bridge's latest_train_state.pt with it), a
+    missing metadata.json of a complete save, unreferenced data files (quarantined), inconsistent args (as
+    fix-args; Megatron-Bridge's run_config.yaml where no args are saved).
 
     Reports by default. Exit code: 0 nothing to repair (or, with --write, every repaired finding gone),
     1 findings remain, 2 error.
