@@ -102,6 +102,8 @@ def test_seal_writes_megatrons_manifest(capsys, copy_fixture):
     rc, out, _ = _run(capsys, "seal", save, "--force", "--jobs", "4", "--format", "json")
     assert rc == 0 and json.loads(out)["replaced"] is True and json.loads(out)["jobs"] == 4
     assert (iteration_dir / "integrity.json").read_bytes() == single  # parallel hashing: the same manifest
+    (kept,) = save.glob(f"{ITER}.quarantine-*/integrity.json.bak-*")  # the replaced one is kept, beside the dir
+    assert kept.read_bytes() == single and str(kept) in json.loads(out)["notes"][-1]
     assert _codes(save) == set()
     with open(iteration_dir / "__1_0.distcp", "r+b") as f:  # one payload byte flipped
         f.seek(600)

@@ -47,6 +47,7 @@ from ckptdoctor.ops.check import CheckOptions, scan_and_check
 from ckptdoctor.ops.latest_good import LatestGoodReport, find_latest_good, iteration_value
 from ckptdoctor.ops.repair_bridge import plan_bridge
 from ckptdoctor.ops.repair_report import SCHEMA, Action, Refusal, RepairReport
+from ckptdoctor.ops.staging import QUARANTINE_MARK
 from ckptdoctor.rules import ERROR, Finding, bridge, leftovers, structure
 from ckptdoctor.rules.integrity import INTEGRITY_NAME, LISTED_FILE_MISSING
 
@@ -58,7 +59,6 @@ ORPHAN_CODE = structure.DATA_FILE_UNREFERENCED.code
 INTERRUPTED_CODE = leftovers.INTERRUPTED_WRITE.code
 LEFTOVER_CODE = leftovers.WRITE_LEFTOVER.code
 ARG_CODES = frozenset({r.code for r in arg_rules.RULES} | {"CKD204"})
-QUARANTINE_MARK = ".quarantine-"
 
 
 @dataclass

@@ -8,10 +8,8 @@ leaves at most an unlisted file (a warning), never a listed file missing.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,14 +42,13 @@ from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.ops.repair import (
     INTERRUPTED_CODE,
     LEFTOVER_CODE,
-    QUARANTINE_MARK,
     RepairWork,
     plan,
     recorded_hash,
 )
 from ckptdoctor.ops.repair_bridge import write_bridge_tracker
 from ckptdoctor.ops.repair_report import RepairReport, RepairWrite
-from ckptdoctor.ops.staging import not_carried
+from ckptdoctor.ops.staging import not_carried, quarantine_dir
 from ckptdoctor.rules import leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
 
@@ -72,21 +69,6 @@ def _updated_manifest(iteration_dir: Path, drop: list[str], add: dict[str, bytes
     return json.dumps(manifest, indent=2).encode("utf-8")
 
 
-def _quarantine_dir(candidate: Path) -> Path:
-    while True:
-        path = candidate.parent / f"{candidate.name}{QUARANTINE_MARK}{timestamp()}"
-        if not os.path.lexists(path):
-            try:
-                path.mkdir()
-                return path
-            except FileExistsError:
-                pass
-        path = candidate.parent / f"{candidate.name}{QUARANTINE_MARK}{timestamp()}-{token()}"
-        with contextlib.suppress(FileExistsError):
-            path.mkdir()
-            return path
-
-
 def _write_in_place(report: RepairReport, work: RepairWork) -> RepairWrite:
     candidate = work.candidate
     result = RepairWrite("in-place", str(work.save_dir or candidate))
@@ -98,7 +80,7 @@ def _write_in_place(report: RepairReport, work: RepairWork) -> RepairWrite:
 
             def quarantine() -> Path:  # beside the dir, so that check sees no new file inside it
                 if not qdir:
-                    qdir.append(_quarantine_dir(candidate))
+                    qdir.append(quarantine_dir(candidate))
                 return qdir[0]
 
             def replace_manifest(data: bytes | None) -> None:

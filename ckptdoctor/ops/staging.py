@@ -7,6 +7,7 @@ points are named ``<step>:<where>`` after the calling command (tests stop a run 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -19,6 +20,27 @@ class SwapState:
     """Whether the staging dir was renamed into place (from then on it never holds only new data)."""
 
     done = False
+
+
+QUARANTINE_MARK = ".quarantine-"
+
+
+def quarantine_dir(iteration_dir: Path) -> Path:
+    """A new ``<iter>.quarantine-<stamp>/`` beside the iteration dir: where a write moves what it takes out of the
+    dir (unreferenced data files, leftovers, a replaced manifest), so that nothing is deleted and ``check`` of the
+    dir sees no new file inside it."""
+    while True:
+        path = iteration_dir.parent / f"{iteration_dir.name}{QUARANTINE_MARK}{atomic.timestamp()}"
+        if not os.path.lexists(path):
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                pass
+        path = iteration_dir.parent / f"{iteration_dir.name}{QUARANTINE_MARK}{atomic.timestamp()}-{atomic.token()}"
+        with contextlib.suppress(FileExistsError):
+            path.mkdir()
+            return path
 
 
 def not_carried(name: str) -> bool:
