@@ -4,18 +4,17 @@ Bridge writes them (fixtures/bridge_train_state/make_train_state.py)."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import jsonschema
 import pytest
 from conftest import FIXTURES, REPO, run_cli, run_main
+from hostile_corpus import torch_zip
 
 from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE
 from ckptdoctor.cli import main
@@ -155,12 +154,7 @@ def test_iteration_without_train_state_cannot_feed_the_bridge_tracker(capsys, tm
 def _hostile_train_state(marker: Path) -> bytes:
     """A torch.save-shaped zip whose pickle would run a shell command if unpickled by a plain loader."""
     payload = f"cposix\nsystem\n(S'touch {marker}'\ntR.".encode()
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        z.writestr("archive/data.pkl", payload)
-        z.writestr("archive/byteorder", "little")
-        z.writestr("archive/version", "3\n")
-    return buf.getvalue()
+    return torch_zip(payload, (("archive/byteorder", b"little"),))
 
 
 @pytest.mark.parametrize("where", [BRIDGE, f"{ITER}/train_state.pt"])

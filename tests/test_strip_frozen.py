@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, REPO, free_port, manifest, require_exchange, require_mcore, run_cli, run_main
 
-from ckptdoctor.atomic import remove_tree
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.cli import main
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.ops.check import check_paths
+from ckptdoctor.tree_removal import remove_tree
 
 FULL = ["core019_peft_full_tp1", "core019_peft_full_tp2", "core016_peft_full_tp1"]
 REFERENCE = {

@@ -668,9 +668,9 @@ def test_a_symlinked_data_file_is_linked_as_its_target_not_as_the_symlink(copy_f
 
 
 def test_remove_tree_without_recursion_or_path_limits(tmp_path):
-    """atomic.remove_tree: a dir nested past the recursion limit and past PATH_MAX goes; a symlink inside is removed,
-    not followed (what it names stays)."""
-    from ckptdoctor.atomic import remove_tree
+    """tree_removal.remove_tree: a dir nested past the recursion limit and past PATH_MAX goes; a symlink inside is
+    removed, not followed (what it names stays)."""
+    from ckptdoctor.tree_removal import remove_tree
 
     outside = tmp_path / "outside"
     outside.mkdir()

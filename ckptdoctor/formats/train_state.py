@@ -104,14 +104,17 @@ def bridge_tracker_bytes(iteration_dir: Path) -> bytes:
     return data
 
 
+def has_bridge_tracker(save_dir: Path) -> bool:
+    """Whether the save dir holds Bridge's tracker in any state (a file, a broken link, something else)."""
+    tracker = save_dir / BRIDGE_TRACKER_NAME
+    return tracker.exists() or tracker.is_symlink()
+
+
 def output_bridge_tracker(source_save_dir: object, iteration_dir: Path) -> bytes | None:
     """What a save dir written from ``iteration_dir`` holds as ``latest_train_state.pt``: a copy of its train state
     where the source save dir has a Bridge tracker and that copy is usable; None otherwise (Bridge then resumes from
     the text tracker, which every written save dir has)."""
-    if not isinstance(source_save_dir, Path):
-        return None
-    tracker = source_save_dir / BRIDGE_TRACKER_NAME
-    if not (tracker.exists() or tracker.is_symlink()):
+    if not isinstance(source_save_dir, Path) or not has_bridge_tracker(source_save_dir):
         return None
     try:
         return bridge_tracker_bytes(iteration_dir)

@@ -39,7 +39,6 @@ from ckptdoctor.atomic import (
     link_or_copy,
     prepare_output_dir,
     refuse_overlap,
-    remove_tree,
     restore_from_backup,
     timestamp,
     token,
@@ -58,6 +57,7 @@ from ckptdoctor.ops.fix_args import ArgChange, FixArgsReport, checked_config, di
 from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.ops.staging import not_carried
 from ckptdoctor.rules import leftovers
+from ckptdoctor.tree_removal import remove_tree
 
 INTEGRITY = "integrity.json"
 
@@ -115,13 +115,6 @@ def _new_files(checkpoint: Checkpoint, changes: list[ArgChange], stamp: str) -> 
     """Relative path -> new content for every file the fix replaces or adds; and the new data file (if any)."""
     refuse_unsafe_pickles(checkpoint)  # the other items are linked or copied unchanged
     if checked_config(checkpoint)[1] == RUN_CONFIG:  # Megatron-Bridge: only run_config.yaml changes (_side_files)
-        text = read_run_config(checkpoint.iteration_dir) or ""
-        missed = sorted({c.arg for c in changes} - set(updated_run_config(text, changes, model_only=True)[1]))
-        if missed:  # a line-based edit touches existing "name: value" lines only: say so rather than skip one
-            raise CkptError(
-                f"{checkpoint.iteration_dir / RUN_CONFIG}: no line 'NAME: VALUE' holding the saved value of "
-                f"{', '.join(missed)} to change (ckptdoctor edits existing lines of run_config.yaml only)"
-            )
         return {}, ""
     common = fixed_common_state(checkpoint, changes)
     files: dict[str, bytes] = {}
@@ -157,6 +150,12 @@ def _side_files(checkpoint: Checkpoint, changes: list[ArgChange], files: dict[st
     if text is not None:
         model_only = checked_config(checkpoint)[1] == RUN_CONFIG  # Megatron-Bridge: its model section only
         new_text, updated = updated_run_config(text, changes, model_only)
+        missed = sorted({c.arg for c in changes} - set(updated)) if model_only else []
+        if missed:  # the changes live only here: a line-based edit of existing lines says so rather than skip one
+            raise CkptError(
+                f"{iteration_dir / RUN_CONFIG}: no line 'NAME: VALUE' holding the saved value of "
+                f"{', '.join(missed)} to change (ckptdoctor edits existing lines of run_config.yaml only)"
+            )
         if updated:
             files[RUN_CONFIG] = new_text.encode("utf-8")
             result.run_config_args = updated

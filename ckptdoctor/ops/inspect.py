@@ -11,7 +11,7 @@ from ckptdoctor.args import saved_config, summarize_args
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.run_config import RUN_CONFIG
-from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, read_train_state_step
+from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, has_bridge_tracker, read_train_state_step
 from ckptdoctor.locate import CheckpointLocation
 from ckptdoctor.ops.diff_items import logical_key
 from ckptdoctor.parallelism import infer_layout
@@ -134,10 +134,12 @@ def _tracker(location: CheckpointLocation) -> dict | None:
     if location.tracker_path is None:
         return None
     tracker: dict = {"path": str(location.tracker_path), "value": location.tracker_value}
-    bridge = location.save_dir / BRIDGE_TRACKER_NAME if isinstance(location.save_dir, Path) else None
-    if bridge is not None and (bridge.exists() or bridge.is_symlink()):
+    save_dir = location.save_dir
+    if location.tracker_path.name == BRIDGE_TRACKER_NAME:  # the one followed (no text tracker): read already
+        tracker["bridge"] = location.tracker_value
+    elif isinstance(save_dir, Path) and has_bridge_tracker(save_dir):
         try:
-            tracker["bridge"] = str(read_train_state_step(bridge))
+            tracker["bridge"] = str(read_train_state_step(save_dir / BRIDGE_TRACKER_NAME))
         except CkptError:
             tracker["bridge"] = "unreadable"
     return tracker

@@ -39,6 +39,7 @@ from ckptdoctor.ops.staged_integrity import carried_hashes
 from ckptdoctor.ops.staging import SwapState, not_carried, swap_in_place, swap_output
 from ckptdoctor.rules import leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
+from ckptdoctor.tree_removal import remove_tree
 
 # Files of an iteration dir rebuilt (not copied) by strip-frozen. Megatron's integrity.json is not carried (its
 # sha256s are those of the unstripped files): a source that has one gets a fresh one, written as `seal` does.
@@ -217,6 +218,7 @@ def _carry(path: Path, dest: Path, name: str, result: StripResult) -> None:
     deleted with ``--no-backup``); only special files (FIFOs, sockets, devices) are not, and the report names them.
     Iterative: a hostile dir nesting thousands deep costs no recursion."""
     pending = [(path, dest, name, False)]
+    made: list[Path] = []  # dirs created here: fsynced once filled (the staging dir itself is fsynced last)
     while pending:
         path, dest, name, nested = pending.pop()
         if path.is_symlink() and (nested or not path.is_file()):
@@ -227,10 +229,13 @@ def _carry(path: Path, dest: Path, name: str, result: StripResult) -> None:
             result.carried.append(name)
         elif path.is_dir():
             dest.mkdir()
+            made.append(dest)
             children = sorted(path.iterdir(), reverse=True)  # popped in name order
             pending += [(child, dest / child.name, f"{name}/{child.name}", True) for child in children]
         else:
             result.skipped[name] = "a special file (FIFO, socket or device): not carried"
+    for directory in reversed(made):
+        atomic.fsync_dir(directory)
 
 
 def write_keys(
@@ -313,7 +318,7 @@ def _write_locked(
             swap_output(target, staging, swap, edit.step)
     except BaseException as exc:
         if staging is not None and not swap.done:  # only new data there: remove it (the source was not touched)
-            atomic.remove_tree(staging, ignore_errors=True)
+            remove_tree(staging, ignore_errors=True)
         if isinstance(exc, OSError):
             raise CkptError(f"{exc.filename or staging}: cannot write ({exc.strerror})") from None
         raise

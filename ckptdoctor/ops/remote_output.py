@@ -13,9 +13,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptdoctor.atomic import remove_tree
 from ckptdoctor.errors import CkptError
 from ckptdoctor.locate import TRACKER_NAME
+from ckptdoctor.tree_removal import remove_tree
 
 _COMPLETES = "metadata.json"
 

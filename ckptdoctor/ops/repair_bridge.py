@@ -18,6 +18,7 @@ from ckptdoctor.formats.train_state import (
     BRIDGE_TRACKER_NAME,
     TRAIN_STATE_NAME,
     bridge_tracker_bytes,
+    has_bridge_tracker,
     read_train_state_step,
 )
 from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, iteration_dir_name
@@ -32,7 +33,7 @@ def plan_bridge(
 
     ``findings``: the save dir's tracker findings; ``text_value``: where the text tracker will point (repair's new
     value when ``moved``, else its current one where its checkpoint passes check; None where there is none)."""
-    if not bridge.has_bridge_tracker(save_dir):
+    if not has_bridge_tracker(save_dir):
         return None
     own = [f for f in findings if f.code in bridge.TRACKER_CODES]
     if not own and not moved:

@@ -21,7 +21,6 @@ from ckptdoctor.atomic import (
     link_or_copy,
     prepare_output_dir,
     refuse_overlap,
-    remove_tree,
     rename_noreplace,
     timestamp,
     token,
@@ -51,6 +50,7 @@ from ckptdoctor.ops.repair_report import RepairReport, RepairWrite
 from ckptdoctor.ops.staging import not_carried, quarantine_dir
 from ckptdoctor.rules import leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
+from ckptdoctor.tree_removal import remove_tree
 
 
 def _updated_manifest(iteration_dir: Path, drop: list[str], add: dict[str, bytes]) -> bytes | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from ckptdoctor import atomic, locking
 from ckptdoctor.errors import CkptError
 from ckptdoctor.rules import leftovers
+from ckptdoctor.tree_removal import remove_tree
 
 
 class SwapState:
@@ -78,7 +79,7 @@ def swap_output(output: Path, staging: Path, swap: SwapState, step: str) -> None
         atomic.fault_point(f"{step}:output-renamed")
         atomic.fsync_dir(output.parent)
     if old is not None:
-        atomic.remove_tree(old, ignore_errors=True)
+        remove_tree(old, ignore_errors=True)
 
 
 def swap_in_place(iteration_dir: Path, staging: Path, keep_backup: bool, swap: SwapState, step: str) -> Path | None:
@@ -127,7 +128,7 @@ def swap_in_place(iteration_dir: Path, staging: Path, keep_backup: bool, swap: S
         return backup
     atomic.fault_point(f"{step}:before-delete")
     try:
-        atomic.remove_tree(kept)
+        remove_tree(kept)
     except OSError as exc:
         raise CkptError(
             f"{iteration_dir}: the new checkpoint is in place, but deleting the old one ({kept}) "

@@ -11,7 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError, without_path
-from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, TRAIN_STATE_NAME, read_train_state_step
+from ckptdoctor.formats.train_state import (
+    BRIDGE_TRACKER_NAME,
+    TRAIN_STATE_NAME,
+    has_bridge_tracker,
+    read_train_state_step,
+)
 from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, iteration_dir_name
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
 
@@ -54,12 +59,6 @@ TRAIN_STATE_INVALID = _rule(
 
 RULES = [BRIDGE_TRACKER_INVALID, BRIDGE_TRACKER_TARGET_MISSING, TRACKERS_DISAGREE, TRAIN_STATE_INVALID]
 TRACKER_CODES = (BRIDGE_TRACKER_INVALID.code, BRIDGE_TRACKER_TARGET_MISSING.code, TRACKERS_DISAGREE.code)
-
-
-def has_bridge_tracker(save_dir: Path) -> bool:
-    """Whether the save dir holds Bridge's tracker in any state (a file, a broken link, something else)."""
-    tracker = save_dir / BRIDGE_TRACKER_NAME
-    return tracker.exists() or tracker.is_symlink()
 
 
 def check_bridge_tracker(
