@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ckptdoctor.errors import CkptError
@@ -35,6 +35,16 @@ class RuleInfo:
     summary: str
     rationale: str
     fix: str | None = None  # the command that fixes it (``CKPT`` stands for the checkpoint), from FIX_COMMANDS
+
+
+def family_rule(family: str) -> Callable[[str, str, str, str, str], RuleInfo]:
+    """The rule maker of one family: ``_rule = family_rule("structure")``, then ``_rule(code, name, severity,
+    summary, rationale)`` (the fix hint comes from FIX_COMMANDS)."""
+
+    def rule(code: str, name: str, severity: str, summary: str, rationale: str) -> RuleInfo:
+        return RuleInfo(code, name, family, severity, summary, rationale)
+
+    return rule
 
 
 @dataclass(frozen=True)

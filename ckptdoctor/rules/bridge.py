@@ -18,11 +18,9 @@ from ckptdoctor.formats.train_state import (
     read_train_state_step,
 )
 from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, iteration_dir_name
-from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
+from ckptdoctor.rules import ERROR, WARNING, Finding, family_rule, finding
 
-
-def _rule(code: str, name: str, severity: str, summary: str, rationale: str) -> RuleInfo:
-    return RuleInfo(code, name, "structure", severity, summary, rationale)
+_rule = family_rule("structure")
 
 
 BRIDGE_TRACKER_INVALID = _rule(

@@ -12,15 +12,14 @@ from pathlib import Path
 
 from ckptdoctor.errors import CkptError, without_path
 from ckptdoctor.formats.files import file_sizes, open_regular, read_json
-from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
+from ckptdoctor.rules import ERROR, WARNING, Finding, family_rule, finding
 from ckptdoctor.rules.structure import Scanned
 
 INTEGRITY_NAME = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME
 _READ_SIZE = 1 << 20
 
 
-def _rule(code: str, name: str, severity: str, summary: str, rationale: str) -> RuleInfo:
-    return RuleInfo(code, name, "integrity", severity, summary, rationale)
+_rule = family_rule("integrity")
 
 
 HASH_MISMATCH = _rule(

@@ -19,12 +19,10 @@ from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME
 from ckptdoctor.locate import TRACKER_NAME, iteration_dir_name, list_iteration_dirs, read_tracker
 from ckptdoctor.problems import Problem
-from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, bridge, finding
+from ckptdoctor.rules import ERROR, WARNING, Finding, bridge, family_rule, finding
 from ckptdoctor.rules.safety import ARCHIVE_ANOMALY, PICKLE_LIMIT, UNSAFE_PICKLE, refused_pickle, unlisted_globals
 
-
-def _rule(code: str, name: str, severity: str, summary: str, rationale: str) -> RuleInfo:
-    return RuleInfo(code, name, "structure", severity, summary, rationale)
+_rule = family_rule("structure")
 
 
 NOT_A_CHECKPOINT = _rule(
