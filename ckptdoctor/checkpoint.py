@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptdoctor.args import saved_config
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
 from ckptdoctor.formats import (
     has_common_pt,
@@ -146,6 +147,7 @@ class Checkpoint:
     _common: Any = field(default=None, repr=False)
     _common_loaded: bool = field(default=False, repr=False)
     common_unlisted: list[str] = field(default_factory=list, repr=False)  # CKD402 globals of the common state
+    _config: tuple[dict[str, Any], str | None] | None = field(default=None, repr=False)
 
     @property
     def iteration_dir(self) -> Path:
@@ -192,6 +194,14 @@ class Checkpoint:
         if not isinstance(state, dict):
             raise CkptError(f"{where}: common state is a {type(state).__name__}, expected a dict")
         return state
+
+    def saved_config(self) -> tuple[dict[str, Any], str | None]:
+        """The saved config the arg rules check and where it is: Megatron-LM's args, else Megatron-Bridge's
+        ``run_config.yaml`` model section (:func:`ckptdoctor.args.saved_config`); read once, so every caller
+        of one run sees the same file."""
+        if self._config is None:
+            self._config = saved_config(self.common_state(), self.iteration_dir)
+        return self._config
 
     @property
     def args(self) -> Any:

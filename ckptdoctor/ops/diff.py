@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.arg_rules import check_args
-from ckptdoctor.args import ARG_GROUPS, arg_group, saved_config
+from ckptdoctor.args import ARG_GROUPS, arg_group
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
 from ckptdoctor.ops.diff_items import KIND_TENSOR, Item, is_common_state_item, logical_items
 from ckptdoctor.ops.diff_report import (
@@ -270,8 +270,8 @@ def diff_checkpoints(
         args_diff = common = None
         if key_filter.includes_common_state:
             # each side's saved args, or Megatron-Bridge's run_config.yaml model section where it saves none
-            config_a = saved_config(a.common_state(), a.iteration_dir)[0]
-            config_b = saved_config(b.common_state(), b.iteration_dir)[0]
+            config_a = a.saved_config()[0]
+            config_b = b.saved_config()[0]
             args_diff = compare_args(saved_a, saved_b, config_a, config_b, ignore_args)
             common = compare_common(a, b, era_common)
         report = DiffReport(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.arg_rules import ERROR, ArgFinding, check_args, compare_with_source
-from ckptdoctor.args import ARG_GROUPS, saved_config
+from ckptdoctor.args import ARG_GROUPS
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.run_config import RUN_CONFIG
@@ -79,7 +79,7 @@ def saved_args(checkpoint: Checkpoint) -> argparse.Namespace:
 def checked_config(checkpoint: Checkpoint) -> tuple[dict[str, Any], str]:
     """The saved config fix-args checks and changes, and where it lives: Megatron-LM's args (``"args"``), or
     Megatron-Bridge's ``run_config.yaml`` model section where no args are saved (:func:`args.saved_config`)."""
-    config, where = saved_config(checkpoint.common_state(), checkpoint.iteration_dir)
+    config, where = checkpoint.saved_config()
     if where is None:
         saved_args(checkpoint)  # raises: neither is there
     return config, where or "args"

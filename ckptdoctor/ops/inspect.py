@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.arg_rules import check_args
-from ckptdoctor.args import saved_config, summarize_args
+from ckptdoctor.args import summarize_args
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.run_config import RUN_CONFIG
@@ -75,7 +75,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filt
 
     common = checkpoint.common_state()
     args = common.get("args")
-    config, where = saved_config(common, checkpoint.iteration_dir)
+    config, where = checkpoint.saved_config()
     saved = infer_layout(checkpoint)
     layout = saved.as_dict()
     dcp = checkpoint.dcp
