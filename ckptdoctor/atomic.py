@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
@@ -81,13 +81,31 @@ def _exclusive_temp(path: Path) -> tuple[Path, int]:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the complete new one, never a mix."""
+
+    def fill(fd: int) -> bool:
+        with memoryview(data) as view:
+            while view:
+                view = view[os.write(fd, view) :]
+        return True
+
+    write_atomic_with(path, fill)
+
+
+def write_atomic_with(path: Path, fill: Callable[[int], bool], check: Callable[[Path], bool] | None = None) -> bool:
+    """:func:`write_atomic` of what ``fill`` writes to the descriptor it is given (a writer that streams), kept only
+    where ``fill`` and then ``check`` (of the complete, fsynced temp file) answer True; False (nothing left) else."""
     tmp: Path | None = None
     try:
         tmp, fd = _exclusive_temp(path)
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            keep = fill(fd)
+            if keep:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if not keep or (check is not None and not check(tmp)):
+            tmp.unlink()
+            return False
         fault_point(f"atomic:before-replace:{path.name}")
         os.replace(tmp, path)
     except OSError as exc:
@@ -101,6 +119,7 @@ def write_atomic(path: Path, data: bytes) -> None:
                 tmp.unlink()
         raise
     fsync_dir(path.parent)
+    return True
 
 
 def timestamp() -> str:

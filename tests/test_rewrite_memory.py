@@ -51,16 +51,34 @@ def test_dealiased_is_the_substitution(between):
 
 @pytest.mark.parametrize(
     "command",
-    [["strip-frozen", "--force"], ["edit", "--remove", r"^optimizer\."], ["edit", "--compact", "--drop-extra-state"]],
+    [
+        ["strip-frozen", "--force"],
+        ["edit", "--remove", r"^optimizer\."],
+        ["edit", "--compact", "--drop-extra-state"],
+        ["edit", "--rename", r"^decoder\.final_layernorm\.", "decoder.final_norm."],  # read with the index
+    ],
 )
 def test_read_back_runs_without_the_source_object(monkeypatch, tmp_path, capsys, command):
+    """The object rewrite (the filter declined, or renames): the source's objects are gone when the new pickle is
+    read back."""
+    monkeypatch.setenv("CKPTDOCTOR_NO_METADATA_FILTER", "1")
     taken: list[weakref.ref] = []
     alive_at_check: list[bool] = []  # at each read-back of a .metadata pickle (not of the common state's)
     checking: list[bool] = []
-    take, dumps_taken, verify = HeldMetadata.take, safe_pickle.dumps_taken, safe_pickle._verify_written
+    take, load, dumps_taken, verify = (
+        HeldMetadata.take,
+        torch_dist.load_metadata_object,
+        safe_pickle.dumps_taken,
+        safe_pickle._verify_written,
+    )
 
     def recording_take(self):
         metadata = take(self)
+        taken.append(weakref.ref(metadata))
+        return metadata
+
+    def recording_load(path):
+        metadata = load(path)
         taken.append(weakref.ref(metadata))
         return metadata
 
@@ -77,6 +95,7 @@ def test_read_back_runs_without_the_source_object(monkeypatch, tmp_path, capsys,
         return verify(data)
 
     monkeypatch.setattr(HeldMetadata, "take", recording_take)
+    monkeypatch.setattr(torch_dist, "load_metadata_object", recording_load)
     monkeypatch.setattr(safe_pickle, "dumps_taken", recording_dumps_taken)
     monkeypatch.setattr(safe_pickle, "_verify_written", recording_verify)
     rc = main([command[0], str(SOURCE), *command[1:], "--output", str(tmp_path / "out")])

@@ -71,7 +71,7 @@ def command(
     the common state, and the report names the Megatron-LM load flags the result needs. Exit code: 0 written
     (or planned), 2 error (bad regex, an edit that changes nothing, a damaged or unsafe source).
     """
-    from ckptdoctor.checkpoint import open_for_rewrite
+    from ckptdoctor.checkpoint import open_checkpoint, open_for_rewrite
     from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.exit_codes import EXIT_OK
     from ckptdoctor.ops.edit import EditRequest
@@ -90,7 +90,12 @@ def command(
     )
     if not (request.removes or request.renames or request.drop_sections or drop_extra_state or preset):
         raise click.UsageError("nothing to do: give --remove, --rename, --drop-section, --drop-extra-state or --preset")
-    ckpt, metadata = open_for_rewrite(checkpoint, iteration)
+    # renames edit the .metadata objects: read them with the index, in one pass; other edits are written from the
+    # source's bytes (formats/metadata_filter.py) and need the index only
+    if request.renames or preset:
+        ckpt, metadata = open_for_rewrite(checkpoint, iteration)
+    else:
+        ckpt, metadata = open_checkpoint(checkpoint, iteration), None
     with remote_output(output, force, not dry_run) as remote:
         report = edit(
             ckpt,

@@ -32,14 +32,34 @@ class CopiedFile:
 
 
 def kept_storage(metadata: Any, keep: set[str]) -> dict[str, list[tuple[Any, Any]]]:
-    """Source data file -> [(MetadataIndex, _StorageInfo)] of kept items, in source byte order."""
+    """Source data file -> [(MetadataIndex, _StorageInfo)] of kept items, in :func:`layout_order`."""
     by_file: dict[str, list[tuple[Any, Any]]] = {}
     for index, info in torch_dist.storage_items(metadata).items():
         if torch_dist.index_fqn(index) in keep:
             by_file.setdefault(str(torch_dist.record_attr(info, "relative_path")), []).append((index, info))
     for items in by_file.values():
-        items.sort(key=lambda pair: int(torch_dist.record_attr(pair[1], "offset")))
+        items.sort(key=lambda pair: _range_of(pair[1]))
     return dict(sorted(by_file.items()))
+
+
+def kept_ranges(entries: dict[str, Any], keep: Iterable[str]) -> dict[str, list[tuple[int, int]]]:
+    """Source data file -> the (offset, length) of every kept chunk and bytes item, from the index (the entries of
+    :class:`~ckptdoctor.checkpoint.Checkpoint`), in :func:`layout_order`: what :func:`kept_storage` gives for a
+    ``.metadata`` whose storage entries are those the index lists."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for key in keep:
+        entry = entries.get(key)
+        for chunk in entry.chunks if entry is not None else ():
+            if chunk.storage is not None:
+                path, offset, length = chunk.storage
+                by_file.setdefault(path, []).append((offset, length))
+    for ranges in by_file.values():
+        ranges.sort()
+    return dict(sorted(by_file.items()))
+
+
+def _range_of(info: Any) -> tuple[int, int]:
+    return int(torch_dist.record_attr(info, "offset")), int(torch_dist.record_attr(info, "length"))
 
 
 @dataclass
@@ -52,28 +72,39 @@ class FileCopy:
     bytes: int
 
 
-def plan_copies(by_file: dict[str, list[tuple[Any, Any]]]) -> list[FileCopy]:
-    """Lay out the new data files and repoint every kept ``_StorageInfo`` stand-in to its place in them.
-
-    Each source file's kept items go, in source byte order, back to back into a new file of the same name;
-    items that are adjacent in the source become one range (one kernel copy instead of one per item: the
-    bytes written are the same). The storage is repointed before a byte is copied, so the new ``.metadata``
-    can be built while the copy runs.
-    """
+def layout(by_file: dict[str, list[tuple[int, int]]]) -> list[FileCopy]:
+    """The new data files of a compacted copy: each source file's kept items (offset, length), in (offset, length)
+    order, back to back into a new file of the same name (an item's new offset is the lengths before it; equal
+    ranges get equal bytes, so their order among themselves does not matter). Items adjacent in the source become
+    one range (one kernel copy instead of one per item: the bytes written are the same). The same order is the
+    one ``_metadata_filter.c`` gives the storage offsets it writes."""
     copies = []
     for name, items in by_file.items():
         ranges: list[tuple[int, int]] = []
         position = 0
-        for _index, info in items:
-            offset, length = int(torch_dist.record_attr(info, "offset")), int(torch_dist.record_attr(info, "length"))
+        for offset, length in items:
             if ranges and sum(ranges[-1]) == offset:
                 ranges[-1] = (ranges[-1][0], ranges[-1][1] + length)
             elif length:
                 ranges.append((offset, length))
-            torch_dist.set_storage(info, StorageLocation(name, position, length))
             position += length
         copies.append(FileCopy(name, len(items), ranges, position))
     return copies
+
+
+def plan_copies(by_file: dict[str, list[tuple[Any, Any]]]) -> list[FileCopy]:
+    """:func:`layout` of :func:`kept_storage`'s items, each kept ``_StorageInfo`` stand-in repointed to its place.
+
+    The storage is repointed before a byte is copied, so the new ``.metadata`` can be built while the copy runs.
+    """
+    ranges = {name: [_range_of(info) for _index, info in items] for name, items in by_file.items()}
+    for name, items in by_file.items():
+        position = 0
+        for _index, info in items:
+            length = _range_of(info)[1]
+            torch_dist.set_storage(info, StorageLocation(name, position, length))
+            position += length
+    return layout(ranges)
 
 
 class BackgroundCopy:

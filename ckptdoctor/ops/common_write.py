@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from ckptdoctor import atomic
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.ops.edit import CommonChange
+from ckptdoctor.ops.key_write import CommonWrite
 
 
 def _new_common(checkpoint: Checkpoint, changes: list[CommonChange]) -> dict:
@@ -33,7 +32,7 @@ def _new_common(checkpoint: Checkpoint, changes: list[CommonChange]) -> dict:
 
 def common_rewriter(
     checkpoint: Checkpoint, changes: list[CommonChange], file_name: str
-) -> Callable[[Any, Path], list[str]] | None:
+) -> Callable[[Path], CommonWrite] | None:
     """The ``KeyEdit.common`` hook that writes the edited common state into the staging dir: a new ``common.pt``,
     or (core >= 0.19, the common state a ``.metadata`` item) a new data file ``file_name`` that the ``.metadata``
     object is repointed to before it is pickled; Megatron-Bridge's ``run_config.yaml`` kept in step with the args.
@@ -44,31 +43,30 @@ def common_rewriter(
     common = _new_common(checkpoint, changes)
     source = checkpoint.common_source
 
-    def rewrite(metadata: Any, stage: Path) -> list[str]:
+    def rewrite(stage: Path) -> CommonWrite:
         from ckptdoctor.formats.run_config import RUN_CONFIG, read_run_config
         from ckptdoctor.formats.torch_zip import dump_torch_zip
         from ckptdoctor.ops.fix_args import ArgChange
         from ckptdoctor.ops.fix_args_write import updated_run_config
 
-        written = []
+        done = CommonWrite([])
         if source == "common.pt":
             atomic.write_atomic(stage / "common.pt", dump_torch_zip(common))
-            written.append("common.pt")
+            done.written.append("common.pt")
+        elif source is None:
+            raise CkptError(f"{checkpoint.iteration_dir}: no common state to rewrite")
         else:
             payload = dump_torch_zip([common])  # Megatron writes a ShardedObject as torch.save([obj])
-            entries = [i for i in torch_dist.storage_items(metadata).items() if torch_dist.index_fqn(i[0]) == source]
-            if len(entries) != 1:
-                raise CkptError(f"{checkpoint.iteration_dir / '.metadata'}: expected one storage entry for {source}")
             atomic.write_atomic(stage / file_name, payload)
-            torch_dist.set_storage(entries[0][1], StorageLocation(file_name, 0, len(payload)))
-            written.append(file_name)
+            done.repoint = (source, StorageLocation(file_name, 0, len(payload)))
+            done.written.append(file_name)
         arg_changes = [ArgChange(c.name, c.old, c.new, "set") for c in changes if c.what == "set-arg"]
         run_config = read_run_config(checkpoint.iteration_dir) if arg_changes else None
         if run_config is not None:  # Megatron-Bridge's copy of the args, kept in step
             text, updated = updated_run_config(run_config, arg_changes)
             if updated:
                 atomic.write_atomic(stage / RUN_CONFIG, text.encode("utf-8"))
-                written.append(RUN_CONFIG)
-        return written
+                done.written.append(RUN_CONFIG)
+        return done
 
     return rewrite

@@ -109,7 +109,6 @@ def edit(
         if progress is not None and copying:
             kept = plan.keep_keys(checkpoint)
             progress.start("copying kept items", sum(e.nbytes for k, e in checkpoint.entries.items() if k in kept))
-        checkpoint.release_entries()  # read for the last time above: not held beside the records being pickled
         try:
             advance = progress.advance if progress is not None and copying else None
             result = write_keys(checkpoint, key_edit, output, in_place, force, keep_backup, advance)

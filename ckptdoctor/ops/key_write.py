@@ -28,9 +28,11 @@ from typing import Any
 from ckptdoctor import atomic, locking, safe_pickle
 from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import dcp_keys, dcp_writer, torch_dist
+from ckptdoctor.formats import dcp_keys, dcp_writer, metadata_filter, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
+from ckptdoctor.formats.metadata_filter import Expected, write_filtered
 from ckptdoctor.formats.storage import refuse_remote_write
+from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.locate import TRACKER_NAME
@@ -40,6 +42,8 @@ from ckptdoctor.ops.staging import SwapState, not_carried, swap_in_place, swap_o
 from ckptdoctor.rules import leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
 from ckptdoctor.tree_removal import remove_tree
+
+Progress = Callable[[int], None] | None
 
 # Files of an iteration dir rebuilt (not copied) by strip-frozen. Megatron's integrity.json is not carried (its
 # sha256s are those of the unstripped files): a source that has one gets a fresh one, written as `seal` does.
@@ -60,6 +64,8 @@ class StripResult:
     carried: list[str] = field(default_factory=list)  # other files linked or copied over
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why it was not carried
     resealed: bool = False  # the source had integrity.json: the output got a fresh one (sha256 of its own files)
+    # how the new .metadata was made: "filtered" from the source's bytes, or "declined: <why>" and edited as objects
+    metadata_filter: str | None = None
     # the saved args rewritten in the output (save_trainable_params_only -> true); empty with --keep-args
     args_changed: list[dict] = field(default_factory=list)
     seconds: float = 0.0
@@ -119,6 +125,28 @@ def check_target(
 
 
 @dataclass
+class CommonWrite:
+    """What the common-state rewrite of a key edit wrote into the staging dir, and where the new ``.metadata``
+    must point the common-state item (core >= 0.19 keeps the common state as a ``.metadata`` item: its new bytes
+    are a new data file)."""
+
+    written: list[str]
+    repoint: tuple[str, StorageLocation] | None = None  # (key, its new place)
+
+    def apply(self, metadata: Any, where: Path) -> None:
+        """Point the common-state item of a ``.metadata`` object (stand-ins) at its new place."""
+        if self.repoint is None:
+            return
+        key, location = self.repoint
+        entries = [
+            info for index, info in torch_dist.storage_items(metadata).items() if torch_dist.index_fqn(index) == key
+        ]
+        if len(entries) != 1:
+            raise CkptError(f"{where}: expected one storage entry for {key}")
+        torch_dist.set_storage(entries[0], location)
+
+
+@dataclass
 class KeyEdit:
     """What a staged rewrite does to the source's keys; one writer for ``strip-frozen`` and ``edit``.
 
@@ -134,7 +162,7 @@ class KeyEdit:
     renames: dict[str, str] = field(default_factory=dict)
     compact: bool = True
     step: str = "strip-frozen"
-    common: Callable[[Any, Path], list[str]] | None = None
+    common: Callable[[Path], CommonWrite] | None = None
     rewritten: set[str] = field(default_factory=set)
     # the source's .metadata object when the caller has read it already; the write takes it (and edits it)
     metadata: HeldMetadata | None = None
@@ -158,20 +186,17 @@ def _new_metadata(held: list, edit: KeyEdit, stage: Path) -> tuple[list[str], by
     it and let go once pickled, so the read-back check reuses its memory."""
     metadata = held[0]
     dcp_keys.edit_metadata(metadata, edit.keep, edit.renames)
-    rebuilt = edit.common(metadata, stage) if edit.common is not None else []
+    common = edit.common(stage) if edit.common is not None else CommonWrite([])
+    common.apply(metadata, stage / ".metadata")
     del metadata
     with gc_paused():
         payload = safe_pickle.dumps_taken(held)  # stand-ins become the torch classes again
-    return rebuilt, payload
+    return common.written, payload
 
 
-def _fill_iteration_dir(
-    checkpoint: Checkpoint,
-    edit: KeyEdit,
-    stage: Path,
-    progress: Callable[[int], None] | None,
-    result: StripResult,
-) -> None:
+def _edited(checkpoint: Checkpoint, edit: KeyEdit, stage: Path, progress: Progress, result: StripResult) -> list[str]:
+    """The new ``.metadata`` from the source's objects, edited and pickled again, and the data files; the names the
+    common rewrite wrote."""
     src = checkpoint.iteration_dir
     # The one reference to the source's .metadata object (see _new_metadata); the cyclic GC is paused by the load
     if edit.metadata is not None:
@@ -193,6 +218,59 @@ def _fill_iteration_dir(
         rebuilt, payload = _new_metadata(held, edit, stage)
     atomic.write_atomic(stage / ".metadata", payload)
     result.metadata_bytes = len(payload)
+    return rebuilt
+
+
+def _filtered(
+    checkpoint: Checkpoint, edit: KeyEdit, stage: Path, progress: Progress, result: StripResult
+) -> list[str] | None:
+    """The new ``.metadata`` written from the source's bytes (:mod:`ckptdoctor.formats.metadata_filter`: no record
+    of it is built), then the data files, laid out from the index; the names the common rewrite wrote. None (no
+    ``.metadata`` or data file written) where the filter declines: the caller edits the objects instead. The
+    source's index is let go before the filter reads the pickle."""
+    src, entries = checkpoint.iteration_dir, checkpoint.entries
+    kept_keys = [key for key in edit.keep if key in entries]
+    chunks = sum(1 for key in kept_keys for chunk in entries[key].chunks if chunk.storage is not None)
+    # compacted: the kept items' new places (from the index, as the filter lays them out); else the files to link
+    ranges = dcp_writer.kept_ranges(entries, edit.keep - edit.rewritten if edit.compact else edit.keep)
+    copies = dcp_writer.layout(ranges)
+    expected = Expected(len(kept_keys), chunks, ranges if edit.compact else None, copies if edit.compact else None)
+    expected.chunks = chunks
+    del kept_keys, ranges
+    common = edit.common(stage) if edit.common is not None else CommonWrite([])
+    checkpoint.release_entries()
+    outcome = write_filtered(src / ".metadata", stage / ".metadata", edit.keep, expected, common.repoint)
+    if outcome.reason is not None:
+        result.metadata_filter = f"declined: {outcome.reason}"
+        return None
+    result.metadata_filter = "filtered"
+    result.metadata_bytes = outcome.metadata_bytes
+    if edit.compact:
+        with dcp_writer.BackgroundCopy(src, stage, copies, progress, edit.jobs) as copy:
+            result.files = copy.result()
+        result.bytes_copied = sum(f.bytes for f in result.files)
+    else:
+        for copied in copies:
+            atomic.link_or_copy(src / copied.name, stage / copied.name)
+            result.files.append(CopiedFile(copied.name, copied.items, (stage / copied.name).stat().st_size))
+    atomic.fault_point(f"{edit.step}:data-written")
+    return common.written
+
+
+def _fill_iteration_dir(
+    checkpoint: Checkpoint,
+    edit: KeyEdit,
+    stage: Path,
+    progress: Progress,
+    result: StripResult,
+) -> None:
+    src = checkpoint.iteration_dir
+    rebuilt = None
+    if edit.metadata is None and not edit.renames and not metadata_filter.disabled():
+        rebuilt = _filtered(checkpoint, edit, stage, progress, result)
+    checkpoint.release_entries()  # not held beside the records of the source's .metadata
+    if rebuilt is None:
+        rebuilt = _edited(checkpoint, edit, stage, progress, result)
     if checkpoint.location.has_common_pt and "common.pt" not in rebuilt:
         atomic.link_or_copy(src / "common.pt", stage / "common.pt")
     for path in sorted(src.iterdir()):

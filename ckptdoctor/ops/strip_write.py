@@ -140,7 +140,6 @@ def _plan_and_write(
             metadata=metadata,
             jobs=jobs,
         )
-        checkpoint.release_entries()  # read for the last time above: not held beside the records being pickled
         result = write_keys(checkpoint, key_edit, output, in_place, force, keep_backup, advance)
         result.args_changed = [{"arg": c.name, "old": c.old, "new": c.new} for c in changes]
     finally:
