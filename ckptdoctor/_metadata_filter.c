@@ -29,9 +29,49 @@
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "_pickle_plans.h"
+
+/* Large tables live in their own anonymous maps: given back to the system when freed, whatever the allocator's
+ * thresholds, so the memory of the rest of the run is not taken by what the filter used. NULL on failure. */
+static void *big_realloc(void *p, size_t old_bytes, size_t new_bytes) {
+#if defined(__linux__)
+    void *q = p == NULL ? mmap(NULL, new_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+                        : mremap(p, old_bytes, new_bytes, MREMAP_MAYMOVE);
+    return q == MAP_FAILED ? NULL : q;
+#else
+    void *q = PyMem_RawRealloc(p, new_bytes);
+    if (q != NULL && new_bytes > old_bytes) memset((char *)q + old_bytes, 0, new_bytes - old_bytes);
+    return q;
+#endif
+}
+
+static void big_free(void *p, size_t bytes) {
+    if (p == NULL) return;
+#if defined(__linux__)
+    munmap(p, bytes);
+#else
+    (void)bytes;
+    PyMem_RawFree(p);
+#endif
+}
+
+/* Room for n + 1 items of size item in *arr (capacity *cap items, zero-filled); 0, or -1 with a Python error. */
+static int grow(void **arr, Py_ssize_t n, Py_ssize_t *cap, size_t item) {
+    if (n < *cap) return 0;
+    Py_ssize_t new_cap = *cap ? *cap * 2 : 1024;
+    void *grown = big_realloc(*arr, (size_t)*cap * item, (size_t)new_cap * item);
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *arr = grown;
+    *cap = new_cap;
+    return 0;
+}
 
 /* ---------------------------------------------------------------------------------------------------------------- */
 /* Names: the module, class and field names the filter recognises (strings compared by content). */
@@ -121,16 +161,14 @@ typedef struct {
     Py_ssize_t n, cap;
 } ByteSet;
 
-static uint64_t hash_bytes(const unsigned char *s, Py_ssize_t n) {
-    uint64_t h = 1469598103934665603ULL;
-    for (Py_ssize_t i = 0; i < n; i++) h = (h ^ s[i]) * 1099511628211ULL;
-    return h ^ (h >> 29);
-}
+/* Python's own keyed hash of bytes (SipHash, a secret per process): strings from a stranger's pickle cannot be
+ * made to collide in these tables. */
+static uint64_t hash_bytes(const unsigned char *s, Py_ssize_t n) { return (uint64_t)_Py_HashBytes(s, n); }
 
 static void byteset_clear(ByteSet *b) {
-    PyMem_Free(b->arena);
-    PyMem_Free(b->slots);
-    PyMem_Free(b->hashes);
+    big_free(b->arena, (size_t)b->arena_cap);
+    big_free(b->slots, (size_t)b->cap * sizeof(Py_ssize_t));
+    big_free(b->hashes, (size_t)b->cap * sizeof(uint64_t));
     memset(b, 0, sizeof(*b));
 }
 
@@ -155,11 +193,11 @@ static Py_ssize_t byteset_find(const ByteSet *b, const unsigned char *s, Py_ssiz
 
 static int byteset_grow(ByteSet *b) {
     Py_ssize_t cap = b->cap ? b->cap * 2 : 1024;
-    Py_ssize_t *slots = PyMem_Calloc((size_t)cap, sizeof(Py_ssize_t));
-    uint64_t *hashes = PyMem_Calloc((size_t)cap, sizeof(uint64_t));
+    Py_ssize_t *slots = big_realloc(NULL, 0, (size_t)cap * sizeof(Py_ssize_t));
+    uint64_t *hashes = big_realloc(NULL, 0, (size_t)cap * sizeof(uint64_t));
     if (slots == NULL || hashes == NULL) {
-        PyMem_Free(slots);
-        PyMem_Free(hashes);
+        big_free(slots, (size_t)cap * sizeof(Py_ssize_t));
+        big_free(hashes, (size_t)cap * sizeof(uint64_t));
         PyErr_NoMemory();
         return -1;
     }
@@ -170,8 +208,8 @@ static int byteset_grow(ByteSet *b) {
         slots[j] = b->slots[i];
         hashes[j] = b->hashes[i];
     }
-    PyMem_Free(b->slots);
-    PyMem_Free(b->hashes);
+    big_free(b->slots, (size_t)b->cap * sizeof(Py_ssize_t));
+    big_free(b->hashes, (size_t)b->cap * sizeof(uint64_t));
     b->slots = slots;
     b->hashes = hashes;
     b->cap = cap;
@@ -188,7 +226,7 @@ static Py_ssize_t byteset_add(ByteSet *b, const unsigned char *s, Py_ssize_t n) 
     if (b->arena_used + need > b->arena_cap) {
         Py_ssize_t cap = b->arena_cap ? b->arena_cap : 1 << 16;
         while (cap < b->arena_used + need) cap *= 2;
-        char *arena = PyMem_Realloc(b->arena, (size_t)cap);
+        char *arena = big_realloc(b->arena, (size_t)b->arena_cap, (size_t)cap);
         if (arena == NULL) {
             PyErr_NoMemory();
             return -1;
@@ -210,17 +248,67 @@ static Py_ssize_t byteset_add(ByteSet *b, const unsigned char *s, Py_ssize_t n) 
     return id;
 }
 
+/* The kept keys as their hashes only (8 bytes a key, not the key): a string of the pickle not kept whose hash is a
+ * kept key's (a chance of 2**-64 per pair, under a secret key) is counted as kept, and then the counts the caller
+ * checks (keys and storage items kept, from its index) differ: nothing is written. */
+typedef struct {
+    uint64_t *slots; /* hash | 1 (0: empty) */
+    Py_ssize_t n, cap;
+} HashSet;
+
+static void hashset_clear(HashSet *h) {
+    big_free(h->slots, (size_t)h->cap * sizeof(uint64_t));
+    memset(h, 0, sizeof(*h));
+}
+
+static int hashset_contains(const HashSet *h, uint64_t x) {
+    if (h->cap == 0) return 0;
+    x |= 1;
+    for (Py_ssize_t i = (Py_ssize_t)((x >> 1) & (uint64_t)(h->cap - 1));; i = (i + 1) & (h->cap - 1)) {
+        if (h->slots[i] == x) return 1;
+        if (h->slots[i] == 0) return 0;
+    }
+}
+
+static int hashset_add(HashSet *h, uint64_t x) {
+    x |= 1;
+    if ((h->n + 1) * 2 > h->cap) {
+        Py_ssize_t cap = h->cap ? h->cap * 2 : 1024;
+        uint64_t *slots = big_realloc(NULL, 0, (size_t)cap * sizeof(uint64_t));
+        if (slots == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < h->cap; i++) {
+            if (h->slots[i] == 0) continue;
+            Py_ssize_t j = (Py_ssize_t)((h->slots[i] >> 1) & (uint64_t)(cap - 1));
+            while (slots[j] != 0) j = (j + 1) & (cap - 1);
+            slots[j] = h->slots[i];
+        }
+        big_free(h->slots, (size_t)h->cap * sizeof(uint64_t));
+        h->slots = slots;
+        h->cap = cap;
+    }
+    Py_ssize_t i = (Py_ssize_t)((x >> 1) & (uint64_t)(h->cap - 1));
+    while (h->slots[i] != 0 && h->slots[i] != x) i = (i + 1) & (h->cap - 1);
+    if (h->slots[i] == 0) {
+        h->slots[i] = x;
+        h->n++;
+    }
+    return 0;
+}
+
 /* The UTF-8 bytes of a str as pickle writes them (surrogates passed through), added to b. */
-static int byteset_add_str(ByteSet *b, PyObject *str) {
+static int hashset_add_str(HashSet *h, PyObject *str) {
     if (!PyUnicode_Check(str)) {
         PyErr_SetString(PyExc_TypeError, "filter_metadata: keys must be str");
         return -1;
     }
     PyObject *encoded = PyUnicode_AsEncodedString(str, "utf-8", "surrogatepass");
     if (encoded == NULL) return -1;
-    Py_ssize_t id = byteset_add(b, (const unsigned char *)PyBytes_AS_STRING(encoded), PyBytes_GET_SIZE(encoded));
+    int r = hashset_add(h, hash_bytes((const unsigned char *)PyBytes_AS_STRING(encoded), PyBytes_GET_SIZE(encoded)));
     Py_DECREF(encoded);
-    return id < 0 ? -1 : 0;
+    return r;
 }
 
 /* ---------------------------------------------------------------------------------------------------------------- */
@@ -264,9 +352,10 @@ typedef struct {
     int candidate;                 /* a batch into one of the containers the filter edits */
 } Mark;
 
+/* Positions and memo entries of these tables fit 32 bits (the filter declines a pickle of 4 GiB or more). */
 typedef struct {
-    Py_ssize_t start, end, single; /* the item's bytes; the SETITEM / APPEND taking it alone (-1: in a batch) */
-    Py_ssize_t memo0, memo1;       /* memo entries written inside */
+    uint32_t start, end, single;   /* the item's bytes; the SETITEM / APPEND taking it alone (UINT32_MAX: in a batch) */
+    uint32_t memo0, memo1;         /* memo entries written inside */
     uint8_t pops, live;            /* objects it pushes; kept as garbage (built and popped) */
 } Dropped;
 
@@ -277,30 +366,41 @@ typedef struct {
 enum { E_INT, E_INT_AFTER, E_STR, E_STR_AFTER };
 
 typedef struct {
-    Py_ssize_t pos, end; /* the value's opcode [pos, end) (E_INT, E_STR), or where to insert (the *_AFTER kinds) */
-    int kind;
-    Py_ssize_t kept;     /* the kept storage item whose new offset it writes (-1: value below) */
-    int64_t value;
+    uint32_t pos, end; /* the value's opcode [pos, end) (E_INT, E_STR), or where to insert (the *_AFTER kinds) */
+    int32_t kept;      /* the kept storage item whose new offset it writes (-1: the repointed item's new values) */
+    uint8_t kind;
+    uint8_t field;     /* of the repointed item: 1 path, 2 offset, 4 length */
 } Edit;
 
 typedef struct {
+    int64_t offset, length; /* offset: the source's, then (compact_layout) the new one */
     int32_t file;
-    int64_t offset, length, new_offset;
 } KeptStorage;
 
+/* The source pickle, read through a window (both passes read it front to back, each byte once): the memory of the
+ * filter does not grow with the pickle. Each pass hashes every byte of the file in order; the passes must agree. */
 typedef struct {
-    Py_buffer view;
-    const unsigned char *buf;
-    Py_ssize_t size;
-    ByteSet keep, files;
+    int fd;
+    Py_ssize_t size;          /* of the file */
+    unsigned char *win;
+    Py_ssize_t win_cap, win_start, win_len;
+    uint64_t hash;
+} Source;
+
+typedef struct {
+    Source src;
+    const unsigned char *base; /* base[p] is the byte at p of the opcode being looked at (in the window) */
+    Py_ssize_t size;           /* the pickle's end (past its STOP) */
+    HashSet keep;
+    ByteSet files;
     const unsigned char *repoint_key; /* UTF-8 of the repointed key (NULL: none) */
     Py_ssize_t repoint_key_len;
     PyObject *repoint_path;           /* bytes */
     int64_t repoint_length;
     int compact;
     /* pass 1 */
-    uint32_t *memo_info, *memo_item;
-    Py_ssize_t n_memo, memo_cap;
+    uint32_t *memo_info; /* per memo entry: what it holds (M_*); in pass 2, its new number */
+    Py_ssize_t memo_cap, n_memo; /* n_memo: the memo writes pass 1 met */
     Slot *stack;
     Py_ssize_t height, stack_cap;
     Mark *marks;
@@ -322,34 +422,24 @@ typedef struct {
     const char *why; /* why it declines */
 } Filter;
 
-#define GROW(f, arr, n, cap, type)                                                                            \
-    do {                                                                                                      \
-        if ((n) >= (cap)) {                                                                                   \
-            Py_ssize_t new_cap = (cap) ? (cap) * 2 : 256;                                                     \
-            type *grown = PyMem_Realloc((arr), (size_t)new_cap * sizeof(type));                               \
-            if (grown == NULL) {                                                                              \
-                PyErr_NoMemory();                                                                             \
-                return -1;                                                                                    \
-            }                                                                                                 \
-            (arr) = grown;                                                                                    \
-            (cap) = new_cap;                                                                                  \
-        }                                                                                                     \
+#define GROW(arr, n, cap)                                                  \
+    do {                                                                   \
+        if (grow((void **)&(arr), (n), &(cap), sizeof(*(arr))) < 0) return -1; \
     } while (0)
 
 static void filter_clear(Filter *f) {
-    if (f->view.obj != NULL) PyBuffer_Release(&f->view);
-    byteset_clear(&f->keep);
+    hashset_clear(&f->keep);
     byteset_clear(&f->files);
     Py_CLEAR(f->repoint_path);
-    PyMem_Free(f->memo_info);
-    PyMem_Free(f->memo_item);
-    PyMem_Free(f->stack);
-    PyMem_Free(f->marks);
-    PyMem_Free(f->dropped);
-    PyMem_Free(f->pending);
-    PyMem_Free(f->edges);
-    PyMem_Free(f->edits);
-    PyMem_Free(f->kept);
+    big_free(f->src.win, (size_t)f->src.win_cap);
+    big_free(f->memo_info, (size_t)f->memo_cap * sizeof(uint32_t));
+    big_free(f->stack, (size_t)f->stack_cap * sizeof(Slot));
+    big_free(f->marks, (size_t)f->marks_cap * sizeof(Mark));
+    big_free(f->dropped, (size_t)f->dropped_cap * sizeof(Dropped));
+    big_free(f->pending, (size_t)f->pending_cap * sizeof(PendingRead));
+    big_free(f->edges, (size_t)f->edges_cap * sizeof(Py_ssize_t));
+    big_free(f->edits, (size_t)f->edits_cap * sizeof(Edit));
+    big_free(f->kept, (size_t)f->kept_cap * sizeof(KeptStorage));
     memset(f, 0, sizeof(*f));
 }
 
@@ -363,6 +453,112 @@ static void filter_clear(Filter *f) {
 static inline int64_t read_i32(const unsigned char *b) { return (int64_t)(int32_t)read_u32(b); }
 
 /* ---------------------------------------------------------------------------------------------------------------- */
+/* The source, through its window. */
+
+#define WINDOW (8 << 20)
+
+static void hash_bytes_into(uint64_t *h, const unsigned char *b, Py_ssize_t n) {
+    uint64_t x = *h;
+    for (Py_ssize_t i = 0; i < n; i++) x = (x ^ b[i]) * 1099511628211ULL;
+    *h = x;
+}
+
+/* Read [from, to) of the file into the window at offset at (hashed); 0, or -1 with a Python error. */
+static int source_read(Source *s, Py_ssize_t at, Py_ssize_t from, Py_ssize_t to) {
+    while (from < to) {
+        ssize_t n = pread(s->fd, s->win + at, (size_t)(to - from), (off_t)from);
+        if (n < 0 && errno == EINTR) {
+            if (PyErr_CheckSignals() < 0) return -1;
+            continue;
+        }
+        if (n < 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        if (n == 0) {
+            PyErr_SetString(PyExc_ValueError, "the file shrank while it was read");
+            return -1;
+        }
+        hash_bytes_into(&s->hash, s->win + at, n);
+        at += n;
+        from += n;
+    }
+    return 0;
+}
+
+/* A pointer base with base[p .. p + need) in the window (need clipped at the end of the file); the window moves
+ * forward only, every byte passed is read (and hashed) once. NULL with a Python error. */
+static const unsigned char *source_at(Source *s, Py_ssize_t p, Py_ssize_t need) {
+    Py_ssize_t want = p + need > s->size ? s->size : p + need, old_end = s->win_start + s->win_len;
+    if (p >= s->win_start && want <= old_end) return s->win - s->win_start;
+    Py_ssize_t len = want - p > WINDOW ? want - p : WINDOW;
+    if (len > s->size - p) len = s->size - p;
+    if (len > s->win_cap) {
+        size_t cap = (size_t)len + 4096;
+        unsigned char *win = big_realloc(s->win, (size_t)s->win_cap, cap);
+        if (win == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        s->win = win;
+        s->win_cap = (Py_ssize_t)cap;
+    }
+    while (old_end < p) { /* a span skipped whole: read for the hash only */
+        Py_ssize_t chunk = p - old_end < s->win_cap ? p - old_end : s->win_cap;
+        if (source_read(s, 0, old_end, old_end + chunk) < 0) return NULL;
+        old_end += chunk;
+        s->win_start = old_end;
+        s->win_len = 0;
+    }
+    Py_ssize_t kept = old_end > p ? old_end - p : 0;
+    if (kept) memmove(s->win, s->win + (p - s->win_start), (size_t)kept);
+    if (source_read(s, kept, p + kept, p + len) < 0) return NULL;
+    s->win_start = p;
+    s->win_len = len;
+    return s->win - p;
+}
+
+/* Back to the start for the next pass; the hash of the pass that ended (the rest of the file read to its end). */
+static int source_rewind(Source *s, uint64_t *hash) {
+    if (source_at(s, s->size, 0) == NULL) return -1;
+    struct stat st;
+    if (fstat(s->fd, &st) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    if ((Py_ssize_t)st.st_size != s->size) {
+        PyErr_SetString(PyExc_ValueError, "the file changed size while it was read");
+        return -1;
+    }
+    *hash = s->hash;
+    s->hash = 1469598103934665603ULL;
+    s->win_start = s->win_len = 0;
+    return 0;
+}
+
+/* The opcode at p (see prune_op) with the window over it; f->base set. -2 with a Python error. */
+static int next_op(Filter *f, Py_ssize_t p, Py_ssize_t *end) {
+    for (Py_ssize_t need = 1 << 16;; need *= 4) {
+        const unsigned char *base = source_at(&f->src, p, need);
+        if (base == NULL) return -2;
+        Py_ssize_t avail = f->src.win_start + f->src.win_len;
+        int kind = prune_op(base, avail, p, end);
+        f->base = base;
+        if (kind != OP_REFUSE || avail >= f->src.size) return kind; /* else it may run past the window */
+    }
+}
+
+/* The item left out whose memo entries include idx, or -1 (dropped items are in memo order). */
+static Py_ssize_t dropped_of_entry(const Filter *f, Py_ssize_t idx) {
+    Py_ssize_t lo = 0, hi = f->n_dropped;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (f->dropped[mid].memo0 <= idx) lo = mid + 1; else hi = mid;
+    }
+    return lo > 0 && idx < f->dropped[lo - 1].memo1 ? lo - 1 : -1;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------- */
 /* Pass 1: the simulation. Each function returns 1 to go on, 0 to decline (f->why), -1 with a Python error. */
 
 static int is_filtered_role(int role) {
@@ -372,7 +568,7 @@ static int is_filtered_role(int role) {
 static int our_class(int cls) { return cls != C_NONE && cls != C_OTHER; }
 
 static int push(Filter *f, const Slot *s) {
-    GROW(f, f->stack, f->height, f->stack_cap, Slot);
+    GROW(f->stack, f->height, f->stack_cap);
     f->stack[f->height++] = *s;
     return 1;
 }
@@ -415,13 +611,14 @@ static int take_mark(Filter *f, Py_ssize_t *height, Py_ssize_t *pos, Py_ssize_t 
 
 /* A string opcode at p: its info (name, kept or not, the repointed key, a data file). */
 static int string_info(Filter *f, Py_ssize_t p, uint32_t *info) {
-    unsigned char op = f->buf[p];
+    const unsigned char *buf = f->base;
+    unsigned char op = buf[p];
     Py_ssize_t width = op == 0x8c ? 1 : op == 'X' ? 4 : 8;
-    const unsigned char *s = f->buf + p + 1 + width;
-    Py_ssize_t n = op == 0x8c ? f->buf[p + 1] : op == 'X' ? (Py_ssize_t)read_u32(f->buf + p + 1)
-                                                          : (Py_ssize_t)read_u64(f->buf + p + 1);
+    const unsigned char *s = buf + p + 1 + width;
+    Py_ssize_t n = op == 0x8c ? buf[p + 1] : op == 'X' ? (Py_ssize_t)read_u32(buf + p + 1)
+                                                      : (Py_ssize_t)read_u64(buf + p + 1);
     uint32_t bits = M_STR | (uint32_t)name_of(s, n);
-    bits |= byteset_find(&f->keep, s, n, hash_bytes(s, n)) ? M_KEPT : M_DROP;
+    bits |= hashset_contains(&f->keep, hash_bytes(s, n)) ? M_KEPT : M_DROP;
     if (f->repoint_key != NULL && n == f->repoint_key_len && memcmp(s, f->repoint_key, (size_t)n) == 0)
         bits |= M_REPOINT;
     if (n > 7 && memcmp(s + n - 7, ".distcp", 7) == 0) {
@@ -467,23 +664,24 @@ static int role_at_push(Filter *f, Py_ssize_t i, int kind, uint8_t *state_of) {
     return R_NONE;
 }
 
-static int add_edit(Filter *f, int kind, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t kept, int64_t value) {
-    GROW(f, f->edits, f->n_edits, f->edits_cap, Edit);
+static int add_edit(Filter *f, int kind, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t kept, int field) {
+    GROW(f->edits, f->n_edits, f->edits_cap);
     Edit *e = &f->edits[f->n_edits++];
-    e->kind = kind;
-    e->pos = pos;
-    e->end = end;
-    e->kept = kept;
-    e->value = value;
+    e->kind = (uint8_t)kind;
+    e->pos = (uint32_t)pos;
+    e->end = (uint32_t)end;
+    e->kept = (int32_t)kept;
+    e->field = (uint8_t)field;
     return 1;
 }
 
 /* An edit of a plain value: in place, or (where the value was also written to the memo, whose readers must get
- * the old one) popped after its memo write and the new one pushed. */
-static int edit_value(Filter *f, const Span *span, int is_str, Py_ssize_t kept, int64_t value) {
+ * the old one) popped after its memo write and the new one pushed. kept: the kept storage item whose new offset
+ * it writes, or -1 and field: which of the repointed item's values. */
+static int edit_value(Filter *f, const Span *span, int is_str, Py_ssize_t kept, int field) {
     if (span->memo_end)
-        return add_edit(f, is_str ? E_STR_AFTER : E_INT_AFTER, span->memo_end, span->memo_end, kept, value);
-    return add_edit(f, is_str ? E_STR : E_INT, span->start, span->end, kept, value);
+        return add_edit(f, is_str ? E_STR_AFTER : E_INT_AFTER, span->memo_end, span->memo_end, kept, field);
+    return add_edit(f, is_str ? E_STR : E_INT, span->start, span->end, kept, field);
 }
 
 /* The fields of a MetadataIndex, _StorageInfo or WriteItem state dict from one key and value. */
@@ -579,18 +777,17 @@ static int storage_edits(Filter *f, const Slot *key, const Slot *value) {
         DECLINE(f, "a kept storage item is not a plain _StorageInfo");
     if (repoint) {
         f->n_repointed++;
-        if (edit_value(f, &value->path_span, 1, -1, 0) <= 0 || edit_value(f, &value->offset_span, 0, -1, 0) <= 0 ||
-            edit_value(f, &value->length_span, 0, -1, f->repoint_length) <= 0)
+        if (edit_value(f, &value->path_span, 1, -1, 1) <= 0 || edit_value(f, &value->offset_span, 0, -1, 2) <= 0 ||
+            edit_value(f, &value->length_span, 0, -1, 4) <= 0)
             return PyErr_Occurred() ? -1 : 0;
         return 1;
     }
     if (value->file <= 0) DECLINE(f, "a kept storage item's file is not a .distcp name");
-    GROW(f, f->kept, f->n_kept, f->kept_cap, KeptStorage);
+    GROW(f->kept, f->n_kept, f->kept_cap);
     KeptStorage *k = &f->kept[f->n_kept++];
     k->file = value->file;
     k->offset = value->offset;
     k->length = value->length;
-    k->new_offset = -1;
     return edit_value(f, &value->offset_span, 0, f->n_kept - 1, 0);
 }
 
@@ -622,26 +819,18 @@ static int filter_items(Filter *f, int role, Py_ssize_t first, int w, Py_ssize_t
             if (role == R_SD) r = storage_edits(f, s, &f->stack[j + 1]);
             continue;
         }
-        if (f->n_dropped >= f->dropped_cap) {
-            Py_ssize_t cap = f->dropped_cap ? f->dropped_cap * 2 : 256;
-            Dropped *grown = PyMem_Realloc(f->dropped, (size_t)cap * sizeof(Dropped));
-            if (grown == NULL) {
-                PyErr_NoMemory();
-                r = -1;
-                break;
-            }
-            f->dropped = grown;
-            f->dropped_cap = cap;
+        if (grow((void **)&f->dropped, f->n_dropped, &f->dropped_cap, sizeof(Dropped)) < 0) {
+            r = -1;
+            break;
         }
         Dropped *d = &f->dropped[f->n_dropped];
         d->start = s->start;
         d->end = next < f->height ? f->stack[next].start : op;
-        d->single = single ? op : -1;
+        d->single = single ? (uint32_t)op : UINT32_MAX;
         d->memo0 = s->memo0;
         d->memo1 = next < f->height ? f->stack[next].memo0 : memo_now;
         d->pops = (uint8_t)w;
         d->live = 0;
-        for (Py_ssize_t e = d->memo0; e < d->memo1; e++) f->memo_item[e] = (uint32_t)(f->n_dropped + 1);
         ids[i] = f->n_dropped++;
     }
     /* reads made inside the batch: of entries of its own items, or of items left out before */
@@ -666,16 +855,9 @@ static int filter_items(Filter *f, int role, Py_ssize_t first, int w, Py_ssize_t
         if (reader_id < 0) {
             f->dropped[writer_id].live = 1;
         } else {
-            if (f->n_edges + 2 > f->edges_cap) {
-                Py_ssize_t cap = f->edges_cap ? f->edges_cap * 2 : 1024;
-                Py_ssize_t *grown = PyMem_Realloc(f->edges, (size_t)cap * sizeof(Py_ssize_t));
-                if (grown == NULL) {
-                    PyErr_NoMemory();
-                    r = -1;
-                    break;
-                }
-                f->edges = grown;
-                f->edges_cap = cap;
+            if (grow((void **)&f->edges, f->n_edges + 1, &f->edges_cap, sizeof(Py_ssize_t)) < 0) {
+                r = -1;
+                break;
             }
             f->edges[f->n_edges++] = reader_id;
             f->edges[f->n_edges++] = writer_id;
@@ -753,30 +935,31 @@ static int memo_read(Filter *f, Py_ssize_t idx, Py_ssize_t p, Py_ssize_t end, Py
     if (info & M_STR) s.kind = S_STR;
     else if (info & M_CLASS) s.kind = S_CLASS, s.cls = (uint8_t)(info & M_NAME_MASK);
     else if (info & M_MINDEX) s.kind = S_OBJ, s.cls = C_MINDEX;
-    uint32_t item = f->memo_item[idx];
+    Py_ssize_t item = f->n_dropped ? dropped_of_entry(f, idx) : -1;
     int in_batch = f->cand_mark >= 0;
-    if (item != 0 || (in_batch && idx >= f->marks[f->cand_mark].memo0)) {
+    if (item >= 0 || (in_batch && idx >= f->marks[f->cand_mark].memo0)) {
         if (in_batch) {
-            GROW(f, f->pending, f->n_pending, f->pending_cap, PendingRead);
+            GROW(f->pending, f->n_pending, f->pending_cap);
             PendingRead *pr = &f->pending[f->n_pending++];
             pr->pos = p;
             pr->entry = idx;
-            pr->item = item ? (Py_ssize_t)item - 1 : -1;
+            pr->item = item;
         } else {
-            f->dropped[item - 1].live = 1;
+            f->dropped[item].live = 1;
         }
     }
     return push(f, &s);
 }
 
 static int pass1(Filter *f) {
-    const unsigned char *buf = f->buf;
-    Py_ssize_t size = f->size, p = 0, memo = 0;
+    Py_ssize_t p = 0, memo = 0;
     f->cand_mark = -1;
-    while (p < size) {
+    while (p < f->src.size) {
         Py_ssize_t end;
-        int kind = prune_op(buf, size, p, &end);
+        int kind = next_op(f, p, &end);
+        if (kind == -2) return -1;
         if (kind == OP_REFUSE) DECLINE(f, "an opcode the filter does not take");
+        const unsigned char *buf = f->base;
         unsigned char op = buf[p];
         if (p == 0 && op != 0x80) DECLINE(f, "not a protocol 2+ pickle"); /* no PROTO: protocol 0 or 1 */
         Slot s = new_slot(S_OTHER, p, end, memo);
@@ -793,9 +976,10 @@ static int pass1(Filter *f) {
             case '.':
                 if (f->height != 1 || f->n_marks) DECLINE(f, "STOP with more than one object");
                 f->size = end; /* bytes after the STOP are not copied */
+                f->n_memo = memo;
                 return 1;
             case '(': { /* MARK: a batch into a container the filter edits, when right above one */
-                GROW(f, f->marks, f->n_marks, f->marks_cap, Mark);
+                GROW(f->marks, f->n_marks, f->marks_cap);
                 Mark *m = &f->marks[f->n_marks];
                 m->height = f->height;
                 m->pos = p;
@@ -888,7 +1072,8 @@ static int pass1(Filter *f) {
                 if (op != 0x94 && (op == 'q' ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1)) != memo)
                     DECLINE(f, "a memo write out of sequence");
                 if (f->height == 0 || f->height <= mark_height(f)) DECLINE(f, "a memo write of nothing");
-                if (memo >= f->n_memo) DECLINE(f, "more memo writes than counted");
+                if (memo >= (Py_ssize_t)UINT32_MAX - 1) DECLINE(f, "too many memo entries");
+                GROW(f->memo_info, memo, f->memo_cap);
                 Slot *top = &f->stack[f->height - 1];
                 uint32_t info = top->info;
                 if (top->role != R_NONE || (top->kind == S_OBJ && our_class(top->cls))) info |= M_GUARDED;
@@ -1042,7 +1227,7 @@ static int compact_layout(Filter *f, PyObject *expected, PyObject *sizes) {
                 r = 0;
                 break;
             }
-            order[j]->new_offset = position;
+            order[j]->offset = position; /* compared above: from here on the new offset */
             position += order[j]->length;
         }
         if (r > 0 && j - i != n_pairs) {
@@ -1075,7 +1260,7 @@ typedef struct {
     int fd;
     int framed;
     unsigned char *frame; /* the open frame's bytes */
-    Py_ssize_t frame_len, frame_cap;
+    Py_ssize_t frame_len;
     unsigned char *out;   /* bytes ready for the file */
     Py_ssize_t out_len, out_cap;
     Py_ssize_t written;
@@ -1199,13 +1384,13 @@ static int emit_edit(Filter *f, Out *o, const Edit *e) {
         PyMem_Free(s);
         return r;
     }
-    int64_t value = e->kept >= 0 ? f->kept[e->kept].new_offset : e->value;
+    int64_t value = e->kept >= 0 ? f->kept[e->kept].offset : e->field == 4 ? f->repoint_length : 0;
     n += int_opcode(value, b + n);
     return emit(o, b, n);
 }
 
+/* 0 written; 1 declined (f->why: what pass 1 found is not there: the file changed); -1 with a Python error. */
 static int pass2(Filter *f, Out *o) {
-    const unsigned char *buf = f->buf;
     uint32_t *map = f->memo_info; /* reused: old memo entry -> new one */
     Py_ssize_t p = 0, old = 0, di = 0, ei = 0, pops_at = -1, skip_single = -1;
     uint32_t fresh_memo = 0;
@@ -1224,14 +1409,18 @@ static int pass2(Filter *f, Out *o) {
         if (di < f->n_dropped && f->dropped[di].start == p) {
             const Dropped *d = &f->dropped[di++];
             if (!d->live) {
+                if (old != d->memo0 || d->memo1 > f->n_memo) {
+                    f->why = "the second pass met other memo writes than the first";
+                    return 1;
+                }
                 for (Py_ssize_t e = d->memo0; e < d->memo1; e++) map[e] = UINT32_MAX;
                 old = d->memo1;
-                p = d->single >= 0 ? d->single + 1 : d->end;
+                p = d->single != UINT32_MAX ? (Py_ssize_t)d->single + 1 : (Py_ssize_t)d->end;
                 continue;
             }
             pops_at = d->end;
             pops = d->pops;
-            skip_single = d->single;
+            skip_single = d->single != UINT32_MAX ? (Py_ssize_t)d->single : -1;
         }
         if (ei < f->n_edits && f->edits[ei].pos == p) {
             const Edit *e = &f->edits[ei++];
@@ -1242,14 +1431,20 @@ static int pass2(Filter *f, Out *o) {
             }
         }
         Py_ssize_t end;
-        int kind = prune_op(buf, f->size, p, &end);
+        int kind = next_op(f, p, &end);
+        if (kind == -2) return -1;
+        const unsigned char *buf = f->base;
         unsigned char op = buf[p];
         if (kind == OP_REFUSE) {
-            PyErr_SetString(PyExc_RuntimeError, "filter_metadata: the second pass met an opcode the first took");
-            return -1;
+            f->why = "the second pass met an opcode the first did not";
+            return 1;
         }
         if (op == 0x95) { /* FRAME: rebuilt */
         } else if (op == 0x94 || op == 'q' || op == 'r') {
+            if (old >= f->n_memo) {
+                f->why = "the second pass met more memo writes than the first";
+                return 1;
+            }
             map[old++] = fresh_memo;
             if (op == 0x94) {
                 if (emit(o, &op, 1) < 0) return -1;
@@ -1259,9 +1454,9 @@ static int pass2(Filter *f, Out *o) {
             fresh_memo++;
         } else if (op == 'h' || op == 'j') {
             Py_ssize_t idx = op == 'h' ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1);
-            if (map[idx] == UINT32_MAX) {
-                PyErr_SetString(PyExc_RuntimeError, "filter_metadata: a read of an entry left out");
-                return -1;
+            if (idx >= old || map[idx] == UINT32_MAX) {
+                f->why = "the second pass met a read of an entry left out";
+                return 1;
             }
             if (emit_memo_op(o, 'h', 'j', map[idx]) < 0) return -1;
         } else if (op == 0x80) {
@@ -1277,125 +1472,111 @@ static int pass2(Filter *f, Out *o) {
 
 /* ---------------------------------------------------------------------------------------------------------------- */
 
-static Py_ssize_t count_memo_writes(const unsigned char *buf, Py_ssize_t size) {
-    Py_ssize_t p = 0, n = 0;
-    while (p < size) {
-        Py_ssize_t end;
-        int kind = prune_op(buf, size, p, &end);
-        if (kind == OP_REFUSE) return -1;
-        if (kind == OP_MEMOIZE || kind == OP_PUT) n++;
-        if (kind == OP_STOP) break;
-        p = end;
-    }
-    return n;
-}
-
 static PyObject *declined(const char *why) { return Py_BuildValue("{s:s}", "declined", why); }
 
+/* The arguments into f: the kept keys, the repointed key. 0, or -1 with a Python error. */
+static int filter_setup(Filter *f, int src_fd, PyObject *keep, PyObject *repoint, PyObject **key_bytes) {
+    struct stat st;
+    if (fstat(src_fd, &st) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    f->src.fd = src_fd;
+    f->src.size = (Py_ssize_t)st.st_size;
+    f->src.hash = 1469598103934665603ULL;
+    PyObject *iter = PyObject_GetIter(keep), *item;
+    if (iter == NULL) return -1;
+    while ((item = PyIter_Next(iter)) != NULL) {
+        int r = hashset_add_str(&f->keep, item);
+        Py_DECREF(item);
+        if (r < 0) break;
+    }
+    Py_DECREF(iter);
+    if (PyErr_Occurred()) return -1;
+    if (repoint == Py_None) return 0;
+    PyObject *rkey, *rpath;
+    long long rlength;
+    if (!PyArg_ParseTuple(repoint, "UUL:repoint", &rkey, &rpath, &rlength)) return -1;
+    *key_bytes = PyUnicode_AsEncodedString(rkey, "utf-8", "surrogatepass");
+    f->repoint_path = PyUnicode_AsEncodedString(rpath, "utf-8", "surrogatepass");
+    if (*key_bytes == NULL || f->repoint_path == NULL) return -1;
+    f->repoint_key = (const unsigned char *)PyBytes_AS_STRING(*key_bytes);
+    f->repoint_key_len = PyBytes_GET_SIZE(*key_bytes);
+    f->repoint_length = rlength;
+    return 0;
+}
+
+/* Pass 1 and what follows it: 1 to write, 0 declined (f->why), -1 with a Python error. */
+static int plan(Filter *f, PyObject *expected, PyObject *sizes, int repointing) {
+    int r = pass1(f);
+    if (r <= 0) return r;
+    if (f->n_meta != 1 || f->n_sdm != 1 || f->n_sd != 1)
+        DECLINE(f, "not one Metadata object with one state_dict_metadata and one storage_data");
+    if (repointing && f->n_repointed != 1) DECLINE(f, "the repointed key has not exactly one storage item");
+    settle_liveness(f);
+    qsort(f->edits, (size_t)f->n_edits, sizeof(Edit), cmp_edit);
+    for (Py_ssize_t i = 1; i < f->n_edits; i++)
+        if (f->edits[i].pos < f->edits[i - 1].end || f->edits[i].pos == f->edits[i - 1].pos) DECLINE(f, "edits overlap");
+    return f->compact ? compact_layout(f, expected, sizes) : 1;
+}
+
 static PyObject *filter_metadata(PyObject *Py_UNUSED(module), PyObject *args) {
-    PyObject *data, *keep, *expected, *repoint;
-    int fd;
-    if (!PyArg_ParseTuple(args, "OOOOi:filter_metadata", &data, &keep, &expected, &repoint, &fd)) return NULL;
+    PyObject *keep, *expected, *repoint;
+    int src_fd, out_fd;
+    if (!PyArg_ParseTuple(args, "iOOOi:filter_metadata", &src_fd, &keep, &expected, &repoint, &out_fd)) return NULL;
     if (expected != Py_None && !PyDict_Check(expected)) {
         PyErr_SetString(PyExc_TypeError, "filter_metadata: expected must be a dict or None");
         return NULL;
     }
     Filter f;
     memset(&f, 0, sizeof(f));
-    PyObject *result = NULL, *sizes = NULL, *key_bytes = NULL;
-    if (PyObject_GetBuffer(data, &f.view, PyBUF_SIMPLE) < 0) return NULL;
-    f.buf = f.view.buf;
-    f.size = f.view.len;
     f.compact = expected != Py_None;
-    if (f.size > (Py_ssize_t)UINT32_MAX) {
-        result = declined("larger than 4 GiB");
+    PyObject *result = NULL, *sizes = PyDict_New(), *key_bytes = NULL;
+    Out o;
+    memset(&o, 0, sizeof(o));
+    uint64_t hash1, hash2;
+    if (sizes == NULL || filter_setup(&f, src_fd, keep, repoint, &key_bytes) < 0) goto done;
+    if (f.src.size >= (Py_ssize_t)UINT32_MAX) { /* positions are kept in 32 bits */
+        result = declined("4 GiB or more");
         goto done;
     }
-    PyObject *iter = PyObject_GetIter(keep), *item;
-    if (iter == NULL) goto done;
-    while ((item = PyIter_Next(iter)) != NULL) {
-        int r = byteset_add_str(&f.keep, item);
-        Py_DECREF(item);
-        if (r < 0) break;
-    }
-    Py_DECREF(iter);
-    if (PyErr_Occurred()) goto done;
-    if (repoint != Py_None) {
-        PyObject *rkey, *rpath;
-        long long rlength;
-        if (!PyArg_ParseTuple(repoint, "UUL:repoint", &rkey, &rpath, &rlength)) goto done;
-        key_bytes = PyUnicode_AsEncodedString(rkey, "utf-8", "surrogatepass");
-        f.repoint_path = PyUnicode_AsEncodedString(rpath, "utf-8", "surrogatepass");
-        if (key_bytes == NULL || f.repoint_path == NULL) goto done;
-        f.repoint_key = (const unsigned char *)PyBytes_AS_STRING(key_bytes);
-        f.repoint_key_len = PyBytes_GET_SIZE(key_bytes);
-        f.repoint_length = rlength;
-    }
-    Py_ssize_t n_memo = count_memo_writes(f.buf, f.size);
-    if (n_memo < 0 || n_memo >= (Py_ssize_t)UINT32_MAX) {
-        result = declined("an opcode the filter does not take");
-        goto done;
-    }
-    f.n_memo = n_memo;
-    f.memo_info = PyMem_Calloc((size_t)(n_memo ? n_memo : 1), sizeof(uint32_t));
-    f.memo_item = PyMem_Calloc((size_t)(n_memo ? n_memo : 1), sizeof(uint32_t));
-    if (f.memo_info == NULL || f.memo_item == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    int r = pass1(&f);
-    if (r < 0) goto done;
-    if (r > 0 && (f.n_meta != 1 || f.n_sdm != 1 || f.n_sd != 1)) {
-        f.why = "not one Metadata object with one state_dict_metadata and one storage_data";
-        r = 0;
-    }
-    if (r > 0 && repoint != Py_None && f.n_repointed != 1) {
-        f.why = "the repointed key has not exactly one storage item";
-        r = 0;
-    }
-    PyMem_Free(f.memo_item); /* pass 2 needs only the renumbering */
-    f.memo_item = NULL;
-    sizes = PyDict_New();
-    if (sizes == NULL) goto done;
-    if (r > 0) {
-        settle_liveness(&f);
-        qsort(f.edits, (size_t)f.n_edits, sizeof(Edit), cmp_edit);
-        for (Py_ssize_t i = 1; i < f.n_edits && r > 0; i++)
-            if (f.edits[i].pos < f.edits[i - 1].end || f.edits[i].pos == f.edits[i - 1].pos) {
-                f.why = "edits overlap";
-                r = 0;
-            }
-        if (r > 0 && f.compact) r = compact_layout(&f, expected, sizes);
-        if (r < 0) goto done;
-    }
+    int r = plan(&f, expected, sizes, repoint != Py_None);
+    if (r < 0 || source_rewind(&f.src, &hash1) < 0) goto done;
     if (r == 0) {
         result = declined(f.why ? f.why : "declined");
         goto done;
     }
-    Out o;
-    memset(&o, 0, sizeof(o));
-    o.fd = fd;
+    if (out_fd < 0) /* counts only (a check of a pickle the filter wrote) */
+        goto counts;
+    o.fd = out_fd;
     o.framed = f.proto >= 4;
-    o.frame_cap = FRAME_TARGET;
     o.out_cap = 1 << 20;
-    o.frame = PyMem_Malloc((size_t)o.frame_cap);
+    o.frame = PyMem_Malloc(FRAME_TARGET);
     o.out = PyMem_Malloc((size_t)o.out_cap);
     if (o.frame == NULL || o.out == NULL) {
         PyErr_NoMemory();
-    } else {
-        int w = pass2(&f, &o);
-        if (w == 0) {
-            Py_ssize_t live = 0;
-            for (Py_ssize_t i = 0; i < f.n_dropped; i++) live += f.dropped[i].live;
-            result = Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:O}", "bytes", o.written, "keys_kept", f.sdm_kept,
-                                   "keys_dropped", f.sdm_dropped, "storage_kept", f.sd_kept, "storage_dropped",
-                                   f.sd_dropped, "other_dropped", f.other_dropped, "garbage_items", live,
-                                   "repointed", f.n_repointed, "file_sizes", sizes);
-        }
+        goto done;
     }
+    r = pass2(&f, &o);
+    if (r < 0 || source_rewind(&f.src, &hash2) < 0) goto done;
+    if (r == 0 && hash1 != hash2) {
+        f.why = "the file changed between the passes";
+        r = 1;
+    }
+    if (r == 1) {
+        result = declined(f.why);
+        goto done;
+    }
+counts:;
+    Py_ssize_t live = 0;
+    for (Py_ssize_t i = 0; i < f.n_dropped; i++) live += f.dropped[i].live;
+    result = Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:O}", "bytes", o.written, "keys_kept", f.sdm_kept,
+                           "keys_dropped", f.sdm_dropped, "storage_kept", f.sd_kept, "storage_dropped", f.sd_dropped,
+                           "other_dropped", f.other_dropped, "garbage_items", live, "repointed", f.n_repointed,
+                           "file_sizes", sizes);
+done:
     PyMem_Free(o.frame);
     PyMem_Free(o.out);
-done:
     Py_XDECREF(sizes);
     Py_XDECREF(key_bytes);
     filter_clear(&f);
@@ -1404,9 +1585,10 @@ done:
 
 static PyMethodDef methods[] = {
     {"filter_metadata", filter_metadata, METH_VARARGS,
-     "filter_metadata(data, keep, expected, repoint, fd): write data (a .metadata pickle) to fd with only the keys "
-     "in keep; expected: {file: int64 (offset, length) pairs} to compact storage offsets, or None; repoint: (key, "
-     "path, length) or None. Returns the counts written, or {'declined': why} having written nothing."},
+     "filter_metadata(src_fd, keep, expected, repoint, out_fd): write the .metadata pickle read from src_fd to "
+     "out_fd with only the keys in keep; expected: {file: int64 (offset, length) pairs} to compact storage offsets, "
+     "or None; repoint: (key, path, length) or None; out_fd -1: the counts only, nothing written. Returns the counts, "
+     "or {'declined': why} (what was written to out_fd, if anything, is not to be used)."},
     {NULL, NULL, 0, NULL},
 };
 

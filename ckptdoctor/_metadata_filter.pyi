@@ -1,12 +1,11 @@
-import mmap
 from collections.abc import Iterable
 from typing import Any
 
 def filter_metadata(
-    data: bytes | mmap.mmap,
+    src_fd: int,
     keep: Iterable[str],
     expected: dict[str, bytes] | None,
     repoint: tuple[str, str, int] | None,
-    fd: int,
+    out_fd: int,
     /,
 ) -> dict[str, Any]: ...

@@ -3,9 +3,8 @@ the source is built, so a rewrite of 200k keys holds the pickle and a few tables
 
 The filter writes only where it recognises every place a key is listed (see the C source); otherwise, and where the
 extension is not built, :func:`write_filtered` answers None and the caller edits the objects as before. What it
-wrote is kept only if its counts are the caller's (keys and storage items kept, each data file's compacted size)
-and if the file reads back as every reader reads a ``.metadata`` (the safety pre-pass, the allowlist, the index)
-with the same keys and chunks.
+wrote is kept only if its counts are the caller's (keys and storage items kept, each data file's compacted size);
+see :func:`write_filtered` for why what it writes needs no second read through the allowlist.
 """
 
 from __future__ import annotations
@@ -19,11 +18,9 @@ from typing import Any
 
 from ckptdoctor import atomic
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.dcp_writer import FileCopy
-from ckptdoctor.formats.files import open_regular, read_releasable
+from ckptdoctor.formats.files import open_regular, stat_identity
 from ckptdoctor.formats.torch_dist import StorageLocation
-from ckptdoctor.pickle_limits import current_limits
 
 _filter: Callable[..., dict[str, Any]] | None
 try:
@@ -35,13 +32,18 @@ except ImportError:  # no C compiler at install time: the object rewrite does it
 @dataclass
 class Expected:
     """What the written ``.metadata`` must hold, from the source's index: the kept keys and storage items, and for a
-    compacted copy each data file's kept ranges (``copies``) in the order :func:`dcp_writer.layout` gives them."""
+    compacted copy each data file's kept (offset, length) ranges, :func:`packed`, and the new files."""
 
     keys: int
     storage_items: int
-    ranges: dict[str, list[tuple[int, int]]] | None = None
+    ranges: dict[str, bytes] | None = None
     copies: list[FileCopy] | None = None
-    chunks: int = 0  # chunks with a storage location, for the read-back
+
+
+def packed(ranges: dict[str, list[tuple[int, int]]]) -> dict[str, bytes]:
+    """Each file's ranges, in the order :func:`dcp_writer.layout` lays them out, as native int64 pairs (the filter
+    compares them with its own): 16 bytes a range instead of a tuple of two ints."""
+    return {name: array.array("q", [v for pair in pairs for v in pair]).tobytes() for name, pairs in ranges.items()}
 
 
 @dataclass
@@ -51,37 +53,59 @@ class Filtered:
     reason: str | None = None  # why it did not write (None: it did)
 
 
+@dataclass
+class Source:
+    """The ``.metadata`` to filter as the index read it: its identity then (:func:`files.file_identity`) and the
+    globals outside the allowlist it named (tolerated in a read, refused in what is written)."""
+
+    path: Path
+    identity: tuple[int, ...] | None
+    unlisted: tuple[str, ...] = ()
+
+
 def write_filtered(
-    source: Path, dest: Path, keep: set[str], expected: Expected, repoint: tuple[str, StorageLocation] | None
+    source: Source, dest: Path, keep: set[str], expected: Expected, repoint: tuple[str, StorageLocation] | None
 ) -> Filtered:
     """Write ``dest`` (atomically) from ``source`` with only the ``keep`` keys; storage offsets compacted where
     ``expected.ranges`` is given, and ``repoint``'s key pointed at a new place. ``reason`` is set (and nothing
-    written) where the filter declines or what it wrote is not what ``expected`` says."""
+    written) where the filter declines or what it wrote is not what ``expected`` says.
+
+    What is written holds only bytes of the source, except the new offsets, lengths and path: the same globals,
+    read back in the same places. So it is written only from the file the index read, unchanged since (its
+    identity before the read and after the filter's second pass; the filter's two passes hash every byte and must
+    agree), and only where that read met no global outside the allowlist. The pickle written is then read by the
+    filter's first pass again: one Metadata object, the expected keys and storage items, nothing left out."""
     if _filter is None:
         return Filtered(0, 0, "the C extension is not built")
-    try:
-        with open_regular(source) as f:
-            data = read_releasable(f, current_limits().max_bytes)
-    except OSError as exc:
-        raise CkptError(f"{source}: cannot read ({exc.strerror})") from None
-    packed = None
-    if expected.ranges is not None:
-        packed = {
-            name: array.array("q", [v for pair in pairs for v in pair]).tobytes()
-            for name, pairs in expected.ranges.items()
-        }
+    if source.unlisted:
+        return Filtered(0, 0, "the source names globals outside the allowlist")
+    if source.identity is None:
+        return Filtered(0, 0, "not a local file read by the index")
     target = None if repoint is None else (repoint[0], repoint[1].relative_path, repoint[1].length)
     outcome: dict = {}
+    try:
+        source_file = open_regular(source.path)
+    except OSError as exc:
+        raise CkptError(f"{source.path}: cannot read ({exc.strerror})") from None
+
+    def unchanged() -> bool:
+        return stat_identity(os.fstat(source_file.fileno())) == source.identity
 
     def fill(fd: int) -> bool:
         try:
-            outcome.update(_filter(data, keep, packed, target, fd))
-        finally:
-            if hasattr(data, "close"):
-                data.close()
+            outcome.update(_filter(source_file.fileno(), keep, expected.ranges, target, fd))
+        except ValueError as exc:  # the file changed size while read: the object rewrite reads it again
+            outcome["declined"] = str(exc)
+        except OSError as exc:
+            raise CkptError(f"{source.path}: cannot read ({exc.strerror})") from None
+        if "declined" not in outcome and not unchanged():
+            outcome["declined"] = "the file changed since the index read it"
         return "declined" not in outcome and _as_expected(outcome, expected, repoint) is None
 
-    written = atomic.write_atomic_with(dest, fill, check=lambda path: _reads_back(path, expected))
+    with source_file:
+        if not unchanged():
+            return Filtered(0, 0, "the file changed since the index read it")
+        written = atomic.write_atomic_with(dest, fill, check=lambda path: _reads_back(path, keep, expected))
     if not written:
         reason = outcome.get("declined") or _as_expected(outcome, expected, repoint) or "it does not read back"
         return Filtered(0, 0, reason)
@@ -104,15 +128,16 @@ def _as_expected(outcome: dict, expected: Expected, repoint: tuple[str, StorageL
     return None
 
 
-def _reads_back(path: Path, expected: Expected) -> bool:
-    """The written file read as every command reads a ``.metadata`` (pre-pass, allowlist, index-only records):
-    the same number of keys and of chunks with a place."""
-    try:
-        index = torch_dist.read_metadata(path)
-    except (CkptError, OSError):
-        return False
-    chunks = sum(1 for item in index.items.values() for chunk in item.chunks if chunk.storage is not None)
-    return len(index.items) == expected.keys and chunks == expected.chunks
+def _reads_back(path: Path, keep: set[str], expected: Expected) -> bool:
+    """The pickle written, walked again by the filter's first pass: every key and storage item kept, none left out."""
+    assert _filter is not None
+    with open_regular(path) as written:
+        again = _filter(written.fileno(), keep, None, None, -1)
+    return (
+        "declined" not in again
+        and again["keys_dropped"] == again["storage_dropped"] == again["other_dropped"] == 0
+        and (again["keys_kept"], again["storage_kept"]) == (expected.keys, expected.storage_items)
+    )
 
 
 def disabled() -> bool:

@@ -30,7 +30,7 @@ from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import dcp_keys, dcp_writer, metadata_filter, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
-from ckptdoctor.formats.metadata_filter import Expected, write_filtered
+from ckptdoctor.formats.metadata_filter import Expected, Source, packed, write_filtered
 from ckptdoctor.formats.storage import refuse_remote_write
 from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
@@ -228,18 +228,22 @@ def _filtered(
     of it is built), then the data files, laid out from the index; the names the common rewrite wrote. None (no
     ``.metadata`` or data file written) where the filter declines: the caller edits the objects instead. The
     source's index is let go before the filter reads the pickle."""
-    src, entries = checkpoint.iteration_dir, checkpoint.entries
+    src, entries, dcp = checkpoint.iteration_dir, checkpoint.entries, checkpoint.dcp
+    if dcp is None:  # no .metadata (legacy zarr)
+        return None
+    source = Source(src / ".metadata", dcp.source_identity, dcp.unlisted)
     kept_keys = [key for key in edit.keep if key in entries]
     chunks = sum(1 for key in kept_keys for chunk in entries[key].chunks if chunk.storage is not None)
     # compacted: the kept items' new places (from the index, as the filter lays them out); else the files to link
     ranges = dcp_writer.kept_ranges(entries, edit.keep - edit.rewritten if edit.compact else edit.keep)
     copies = dcp_writer.layout(ranges)
-    expected = Expected(len(kept_keys), chunks, ranges if edit.compact else None, copies if edit.compact else None)
-    expected.chunks = chunks
+    expected = Expected(len(kept_keys), chunks)
+    if edit.compact:
+        expected.ranges, expected.copies = packed(ranges), copies
     del kept_keys, ranges
     common = edit.common(stage) if edit.common is not None else CommonWrite([])
     checkpoint.release_entries()
-    outcome = write_filtered(src / ".metadata", stage / ".metadata", edit.keep, expected, common.repoint)
+    outcome = write_filtered(source, stage / ".metadata", edit.keep, expected, common.repoint)
     if outcome.reason is not None:
         result.metadata_filter = f"declined: {outcome.reason}"
         return None
