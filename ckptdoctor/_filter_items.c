@@ -193,6 +193,11 @@ static int filter_items(Filter *f, int role, Py_ssize_t first, int w, Py_ssize_t
         if (reader_id < 0) {
             f->dropped[writer_id].live = 1;
         } else {
+            if (f->n_edges >= MAX_EDGES) {
+                f->why = "more reads between items left out than the filter takes";
+                r = 0;
+                break;
+            }
             if (grow((void **)&f->edges, f->n_edges + 1, &f->edges_cap, sizeof(Py_ssize_t)) < 0) {
                 r = -1;
                 break;

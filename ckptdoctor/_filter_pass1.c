@@ -3,6 +3,7 @@
 #include "_metadata_filter.h"
 
 static int push(Filter *f, const Slot *s) {
+    if (f->height >= MAX_STACK) DECLINE(f, "a stack deeper than the filter takes");
     GROW(f->stack, f->height, f->stack_cap);
     f->stack[f->height++] = *s;
     return 1;

@@ -77,6 +77,13 @@ typedef struct {
 
 /* What the simulation knows of a memo entry (memo_info) or a stack item (Slot.info). */
 
+/* Bounds on what a pickle may make the filter hold (a stranger's pickle of a few MB could otherwise ask for GBs):
+ * Python's pickler never stacks more than a batch of 1,000 items per level of nesting, and items left out read
+ * one another's memo entries a few times each. Beyond them the filter declines (the object rewrite, with its own
+ * limits, takes over). */
+#define MAX_STACK (1 << 16)
+#define MAX_EDGES (1 << 24)
+
 #define M_NAME_MASK 0x1fu /* a string's N_* name, a class's C_* */
 #define M_STR (1u << 5)
 #define M_CLASS (1u << 6)

@@ -155,6 +155,8 @@ def test_it_declines_what_it_cannot_edit_for_certain():
     assert "sequence" in _declined(data[: second_put + 1] + b"\xc8" + data[second_put + 2 :])
     assert "protocol" in _declined(pickle.dumps(pickle.loads(source.read_bytes()), protocol=1))
     assert "Metadata" in _declined(b"\x80\x04N.")
+    # a batch of 100k items on the stack (Python's pickler batches 1,000): declined before it takes GBs
+    assert "deeper" in _declined(b"\x80\x04(" + b"N" * 100_000 + b"l.")
 
 
 def test_a_build_through_a_memo_read_is_declined():
