@@ -225,9 +225,9 @@ def _filtered(
     checkpoint: Checkpoint, edit: KeyEdit, stage: Path, progress: Progress, result: StripResult
 ) -> list[str] | None:
     """The new ``.metadata`` written from the source's bytes (:mod:`ckptdoctor.formats.metadata_filter`: no record
-    of it is built), then the data files, laid out from the index; the names the common rewrite wrote. None (no
-    ``.metadata`` or data file written) where the filter declines: the caller edits the objects instead. The
-    source's index is let go before the filter reads the pickle."""
+    of it is built) and the data files, laid out from the index (a compacted copy runs while the filter writes);
+    the names the common rewrite wrote. None (no ``.metadata`` or data file left) where the filter declines: the
+    caller edits the objects instead. The source's index is let go before the filter reads the pickle."""
     src, entries, dcp = checkpoint.iteration_dir, checkpoint.entries, checkpoint.dcp
     if dcp is None:  # no .metadata (legacy zarr)
         return None
@@ -243,15 +243,25 @@ def _filtered(
     del kept_keys, ranges
     common = edit.common(stage) if edit.common is not None else CommonWrite([])
     checkpoint.release_entries()
-    outcome = write_filtered(source, stage / ".metadata", edit.keep, expected, common.repoint)
+    if edit.compact:
+        # the layout is the index's: the copy runs (in a helper process) while the filter writes the .metadata
+        with dcp_writer.BackgroundCopy(src, stage, copies, progress, edit.jobs) as copy:
+            outcome = write_filtered(source, stage / ".metadata", edit.keep, expected, common.repoint)
+            if outcome.reason is None:
+                result.files = copy.result()
+            else:
+                copy.stop()
+        if outcome.reason is not None:  # the object rewrite copies again (its files are created afresh)
+            for copied in copies:
+                (stage / copied.name).unlink(missing_ok=True)
+    else:
+        outcome = write_filtered(source, stage / ".metadata", edit.keep, expected, common.repoint)
     if outcome.reason is not None:
         result.metadata_filter = f"declined: {outcome.reason}"
         return None
     result.metadata_filter = "filtered"
     result.metadata_bytes = outcome.metadata_bytes
     if edit.compact:
-        with dcp_writer.BackgroundCopy(src, stage, copies, progress, edit.jobs) as copy:
-            result.files = copy.result()
         result.bytes_copied = sum(f.bytes for f in result.files)
     else:
         for copied in copies:
