@@ -2,7 +2,8 @@
 the source is built, so a rewrite of 200k keys holds the pickle and a few tables instead of every record.
 
 The filter writes only where it recognises every place a key is listed (see the C source); otherwise, and where the
-extension is not built, :func:`write_filtered` answers None and the caller edits the objects as before. What it
+extension is not built, :func:`write_filtered` says why it did not (``Filtered.reason``) and the caller edits the
+objects as before. What it
 wrote is kept only if its counts are the caller's (keys and storage items kept, each data file's compacted size);
 see :func:`write_filtered` for why what it writes needs no second read through the allowlist.
 """
