@@ -49,8 +49,13 @@ _NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
 def to_plain(value: Any, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH) -> Any:
     """Plain JSON values: dataclasses become dicts, stand-ins and dtypes their readable form; a walk past
-    ``max_nodes`` nodes or ``max_depth`` levels shows ``"..."`` where it stopped."""
-    budget = [max_nodes]
+    ``max_nodes`` nodes or ``max_depth`` levels shows ``"..."`` where it stopped.
+
+    Dataclasses are ckptdoctor's own (reports and their rows: the unpickler never builds one), as many as the
+    checkpoint has keys: they cost nothing, and each of their fields is walked with a budget of its own. So a report
+    lists every one of 200k keys, and a value read from the checkpoint in one field is bounded there without
+    starving the fields after it."""
+    budget = [max_nodes, max_nodes]  # left, and what each dataclass field starts with
     return _plain(value, budget, max_depth)
 
 
@@ -61,11 +66,15 @@ def _plain(value: Any, budget: list[int], depth: int) -> Any:
             # names json.dumps would have written, as strings
             return _NON_FINITE[repr(value)]
         return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if depth <= 0:
+            return ELIDED
+        return {
+            f.name: _plain(getattr(value, f.name), [budget[1], budget[1]], depth - 1) for f in dataclasses.fields(value)
+        }
     budget[0] -= 1
     if budget[0] < 0 or depth <= 0:
         return ELIDED
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name), budget, depth - 1) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
         out: dict[str, Any] = {}
         for k, v in value.items():

@@ -1,4 +1,4 @@
-"""plain.fingerprint / same_value: equality of unpickled objects (records, stand-ins) that never raises."""
+"""plain: fingerprint / same_value (equality of unpickled objects that never raises) and to_plain's bounds."""
 
 from __future__ import annotations
 
@@ -24,3 +24,31 @@ def test_fingerprints_of_equal_metadata_are_equal_at_every_call():
     chunk = record_attr(tensor, "chunks")[0]
     chunk.__dict__["offsets"] = (*record_attr(chunk, "offsets")[:-1], 1)  # one value changed deep inside
     assert not any(plain.same_value(first, again) for _ in range(10)), key
+
+
+def test_a_report_lists_every_row_and_bounds_a_bomb_in_one_field_only():
+    """JSON of 30k report rows (a 30k-key inspect --keys) is whole; a shared-reference bomb read from a checkpoint
+    is cut where it stands, and the fields after it are still there."""
+    import dataclasses
+
+    from ckptdoctor.plain import ELIDED, MAX_NODES, to_plain
+
+    @dataclasses.dataclass
+    class Row:
+        key: str
+        shape: tuple
+
+    @dataclasses.dataclass
+    class Report:
+        rows: list
+        args: dict
+        after: list
+
+    bomb: list = [1]
+    for _ in range(40):  # 2**40 nodes expanded
+        bomb = [bomb, bomb]
+    plain = to_plain(Report([Row(f"k{i}", (4, 8)) for i in range(30_000)], {"x": bomb}, [1, 2, 3]))
+    assert [r["key"] for r in plain["rows"]] == [f"k{i}" for i in range(30_000)]
+    assert all(r["shape"] == [4, 8] for r in plain["rows"])
+    assert plain["after"] == [1, 2, 3]
+    assert ELIDED in repr(plain["args"]) and len(repr(plain["args"])) < 40 * MAX_NODES
