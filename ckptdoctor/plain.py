@@ -20,6 +20,8 @@ import math
 import pathlib
 import types
 import uuid
+from collections.abc import Iterator
+from json.encoder import encode_basestring_ascii as _quoted
 from typing import Any
 
 from ckptdoctor.stand_ins import Record, StandIn
@@ -96,6 +98,83 @@ def _plain(value: Any, budget: list[int], depth: int) -> Any:
     if isinstance(value, (DtypeRef, enum.Enum)):
         return str(value)
     return short_repr(value)
+
+
+def iter_json(value: Any, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH) -> Iterator[str]:
+    """``json.dumps(to_plain(value), indent=2)``, in pieces, without the plain tree: a report of 200k rows is
+    written as it is walked (the tree of its rows was ~4x the size of the text)."""
+    yield from _json(value, [max_nodes, max_nodes], max_depth, 0)
+
+
+def _dumped(plain: Any, level: int) -> str:
+    """``json.dumps(plain, indent=2)`` nested at ``level``. Not json.dumps itself: with an indent it makes a new
+    encoder whose closures reference each other, garbage that stays when the CLI has paused the cyclic GC (once a
+    row of a 200k-key report, that was GBs)."""
+    if plain is None:
+        return "null"
+    if plain is True:
+        return "true"
+    if plain is False:
+        return "false"
+    if isinstance(plain, str):
+        return _quoted(plain)
+    if isinstance(plain, (int, float)):
+        return repr(plain) if isinstance(plain, float) else int.__repr__(plain)
+    pad, inner = "\n" + "  " * level, "\n" + "  " * (level + 1)
+    if isinstance(plain, dict):
+        if not plain:
+            return "{}"
+        items = (f"{inner}{_quoted(k)}: {_dumped(v, level + 1)}" for k, v in plain.items())
+        return "{" + ",".join(items) + pad + "}"
+    if not plain:
+        return "[]"
+    return "[" + ",".join(f"{inner}{_dumped(v, level + 1)}" for v in plain) + pad + "]"
+
+
+def _json(value: Any, budget: list[int], depth: int, level: int) -> Iterator[str]:
+    """The pieces of one value at nesting ``level``, with :func:`_plain`'s budget and depth, item by item."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if depth <= 0:
+            yield _dumped(ELIDED, level)
+            return
+        pairs = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+        yield from _json_items(((name, v, [budget[1], budget[1]]) for name, v in pairs), len(pairs), depth, level)
+        return
+    if not isinstance(value, (list, tuple, set, frozenset, collections.deque)):  # dicts whole: keys can collide
+        yield _dumped(_plain(value, budget, depth), level)
+        return
+    budget[0] -= 1
+    if budget[0] < 0 or depth <= 0:
+        yield _dumped(ELIDED, level)
+        return
+    pad, inner = "  " * level, "  " * (level + 1)
+    if not value:
+        yield "[]"
+        return
+    yield "["
+    count = 0
+    for v in value:
+        yield ("\n" if count == 0 else ",\n") + inner
+        if budget[0] <= 0:
+            yield _dumped(f"{ELIDED} {len(value) - count} more", level + 1)
+            count += 1
+            break
+        yield from _json(v, budget, depth - 1, level + 1)
+        count += 1
+    yield "\n" + pad + "]"
+
+
+def _json_items(pairs: Iterator[tuple[str, Any, list[int]]], n: int, depth: int, level: int) -> Iterator[str]:
+    """A dataclass's fields, each with a budget of its own (see :func:`to_plain`)."""
+    pad, inner = "  " * level, "  " * (level + 1)
+    if n == 0:
+        yield "{}"
+        return
+    yield "{"
+    for i, (name, v, budget) in enumerate(pairs):
+        yield ("\n" if i == 0 else ",\n") + inner + _quoted(name) + ": "
+        yield from _json(v, budget, depth - 1, level + 1)
+    yield "\n" + pad + "}"
 
 
 def short_repr(value: Any, limit: int = 200) -> str:

@@ -79,7 +79,7 @@ def command(
     from ckptdoctor.ops.can_load import predict
     from ckptdoctor.ops.can_load_run import LoadRun, model_args_from, parse_sets
     from ckptdoctor.render.can_load import render_can_load
-    from ckptdoctor.render.common import to_json
+    from ckptdoctor.render.common import echo_json
 
     run = LoadRun(
         finetune=finetune,
@@ -94,5 +94,8 @@ def command(
     ckpt = open_checkpoint(checkpoint, iteration)
     model_args = model_args_from(args_from) if args_from else None
     report = predict(ckpt, target, run, model_args)
-    click.echo(to_json(report) if output_format == "json" else render_can_load(report))
+    if output_format == "json":
+        echo_json(report)
+    else:
+        click.echo(render_can_load(report))
     return EXIT_OK if report.will_load else EXIT_FINDINGS

@@ -120,7 +120,7 @@ def command(
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.gc_pause import gc_paused, hold_until_exit
     from ckptdoctor.ops.diff import KeyFilter, diff_checkpoints
-    from ckptdoctor.render.common import to_json
+    from ckptdoctor.render.common import echo_json
     from ckptdoctor.render.diff import render_diff, render_name_only, render_stat
 
     if stat and name_only:
@@ -180,7 +180,7 @@ def command(
     if quiet:
         pass
     elif output_format == "json":
-        click.echo(to_json(report))
+        echo_json(report)
     elif stat:
         click.echo(render_stat(report))
     elif name_only:

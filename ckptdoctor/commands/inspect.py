@@ -30,7 +30,7 @@ def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter:
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.gc_pause import hold_until_exit
     from ckptdoctor.ops.inspect import inspect_checkpoint
-    from ckptdoctor.render.common import render_inspect, to_json
+    from ckptdoctor.render.common import echo_json, render_inspect
 
     if key_filter is not None:
         try:
@@ -40,5 +40,8 @@ def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter:
     ckpt = open_checkpoint(checkpoint, iteration)
     hold_until_exit(ckpt)
     report = inspect_checkpoint(ckpt, with_keys=with_keys or key_filter is not None, key_filter=key_filter)
-    click.echo(to_json(report) if output_format == "json" else render_inspect(report))
+    if output_format == "json":
+        echo_json(report)
+    else:
+        click.echo(render_inspect(report))
     return 0

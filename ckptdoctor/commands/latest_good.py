@@ -39,7 +39,7 @@ def command(
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.check import CheckOptions
     from ckptdoctor.ops.latest_good import find_latest_good
-    from ckptdoctor.render.common import to_json
+    from ckptdoctor.render.common import echo_json
     from ckptdoctor.render.recovery import render_skipped
     from ckptdoctor.rules import validate_selectors
     from ckptdoctor.text_safety import escape
@@ -51,7 +51,7 @@ def command(
     )
     report = find_latest_good(save_dir, options)
     if output_format == "json":
-        click.echo(to_json(report))
+        echo_json(report)
     else:
         skipped = render_skipped(report)
         if skipped:

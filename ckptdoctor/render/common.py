@@ -7,10 +7,11 @@ from a checkpoint are escaped, so a checkpoint cannot drive the terminal. JSON n
 from __future__ import annotations
 
 import json
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.locate import TRACKER_NAME
-from ckptdoctor.plain import to_plain
+from ckptdoctor.plain import iter_json, to_plain
 from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
@@ -27,7 +28,16 @@ def jsonable(value: Any) -> Any:
 
 
 def to_json(report: Any) -> str:
-    return json.dumps(jsonable(report), indent=2, sort_keys=False)
+    return "".join(iter_json(report))
+
+
+def echo_json(report: Any) -> None:
+    """Print a report as JSON, piece by piece (a 200k-key report is never held as a tree of plain values)."""
+    out = sys.stdout  # looked up now, as click.echo does (tests capture it)
+    for piece in iter_json(report):
+        out.write(piece)
+    out.write("\n")
+    out.flush()
 
 
 def human_bytes(n: int) -> str:
