@@ -146,19 +146,19 @@ def test_the_write_lets_the_source_index_go_before_pickling(tmp_path, monkeypatc
     """The source's index is released before the new .metadata is pickled (not held beside the records that are);
     the common state the write changes was made from it before."""
     from ckptdoctor.checkpoint import open_for_rewrite
-    from ckptdoctor.ops import key_write
+    from ckptdoctor.ops import metadata_write
     from ckptdoctor.ops.strip_write import strip_frozen
 
     source, metadata = open_for_rewrite(FIXTURES / name)
     assert source.entries
     seen: list[int] = []
-    pickle_metadata = key_write._new_metadata
+    pickle_metadata = metadata_write._new_metadata
 
     def spy(held, edit, stage):
         seen.append(len(source.entries))
         return pickle_metadata(held, edit, stage)
 
-    monkeypatch.setattr(key_write, "_new_metadata", spy)
+    monkeypatch.setattr(metadata_write, "_new_metadata", spy)
     report = strip_frozen(source, output=tmp_path / "out", metadata=metadata)
     assert seen == [0] and report.result is not None
     stripped = open_checkpoint(tmp_path / "out")

@@ -12,7 +12,7 @@ from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.ops.edit import CommonChange
-from ckptdoctor.ops.key_write import CommonWrite
+from ckptdoctor.ops.key_edit import CommonWrite
 
 
 def _new_common(checkpoint: Checkpoint, changes: list[CommonChange]) -> dict:

@@ -19,7 +19,8 @@ from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
 from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.common_write import common_rewriter
 from ckptdoctor.ops.edit import EditPlan, EditRequest, plan_edit
-from ckptdoctor.ops.key_write import KeyEdit, StripResult, check_target, write_keys
+from ckptdoctor.ops.key_edit import KeyEdit, StripResult
+from ckptdoctor.ops.key_write import check_target, write_keys
 from ckptdoctor.ops.staged_integrity import verify_source_manifest
 from ckptdoctor.ops.strip import check_integrity
 from ckptdoctor.progress import Progress

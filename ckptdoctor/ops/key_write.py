@@ -21,21 +21,17 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from ckptdoctor import atomic, locking, safe_pickle
-from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
+from ckptdoctor import atomic, locking
+from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import dcp_keys, dcp_writer, metadata_filter, torch_dist
-from ckptdoctor.formats.dcp_writer import CopiedFile
-from ckptdoctor.formats.metadata_filter import Expected, Source, packed, write_filtered
+from ckptdoctor.formats import metadata_filter
 from ckptdoctor.formats.storage import refuse_remote_write
-from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
-from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.locate import TRACKER_NAME
+from ckptdoctor.ops import metadata_write
+from ckptdoctor.ops.key_edit import KeyEdit, Progress, StripResult
 from ckptdoctor.ops.seal import write_manifest
 from ckptdoctor.ops.staged_integrity import carried_hashes
 from ckptdoctor.ops.staging import SwapState, not_carried, swap_in_place, swap_output
@@ -43,32 +39,9 @@ from ckptdoctor.rules import leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
 from ckptdoctor.tree_removal import remove_tree
 
-Progress = Callable[[int], None] | None
-
 # Files of an iteration dir rebuilt (not copied) by strip-frozen. Megatron's integrity.json is not carried (its
 # sha256s are those of the unstripped files): a source that has one gets a fresh one, written as `seal` does.
 _REBUILT = {".metadata", "metadata.json", "common.pt", INTEGRITY_NAME}
-
-
-@dataclass
-class StripResult:
-    output: str  # the dir written: a save dir (tracker + iteration dir) or an iteration dir
-    iteration_dir: str
-    in_place: bool
-    backup: str | None
-    files: list[CopiedFile]
-    bytes_copied: int
-    metadata_bytes: int
-    output_bytes: int  # every file of the new iteration dir
-    source_bytes: int  # every file of the source iteration dir
-    carried: list[str] = field(default_factory=list)  # other files linked or copied over
-    skipped: dict[str, str] = field(default_factory=dict)  # name -> why it was not carried
-    resealed: bool = False  # the source had integrity.json: the output got a fresh one (sha256 of its own files)
-    # how the new .metadata was made: "filtered" from the source's bytes, or "declined: <why>" and edited as objects
-    metadata_filter: str | None = None
-    # the saved args rewritten in the output (save_trainable_params_only -> true); empty with --keep-args
-    args_changed: list[dict] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 def input_was_save_dir(checkpoint: Checkpoint) -> bool:
@@ -124,153 +97,6 @@ def check_target(
         )
 
 
-@dataclass
-class CommonWrite:
-    """What the common-state rewrite of a key edit wrote into the staging dir, and where the new ``.metadata``
-    must point the common-state item (core >= 0.19 keeps the common state as a ``.metadata`` item: its new bytes
-    are a new data file)."""
-
-    written: list[str]
-    repoint: tuple[str, StorageLocation] | None = None  # (key, its new place)
-
-    def apply(self, metadata: Any, where: Path) -> None:
-        """Point the common-state item of a ``.metadata`` object (stand-ins) at its new place."""
-        if self.repoint is None:
-            return
-        key, location = self.repoint
-        entries = [
-            info for index, info in torch_dist.storage_items(metadata).items() if torch_dist.index_fqn(index) == key
-        ]
-        if len(entries) != 1:
-            raise CkptError(f"{where}: expected one storage entry for {key}")
-        torch_dist.set_storage(entries[0], location)
-
-
-@dataclass
-class KeyEdit:
-    """What a staged rewrite does to the source's keys; one writer for ``strip-frozen`` and ``edit``.
-
-    ``compact``: byte-copy only the kept items into new data files (strip-frozen, ``edit --compact``);
-    otherwise hard-link (or copy) the data files that still hold a kept item and write only a new
-    ``.metadata`` (O(metadata); removed items stay in the files, unreferenced). ``common`` rewrites the common
-    state in the staging dir (given the ``.metadata`` object before it is written) and returns the names of the
-    files it wrote there; ``rewritten`` are the kept keys it writes afresh (not copied when compacting).
-    ``step`` names the fault points (``<step>:data-written``, ...).
-    """
-
-    keep: set[str]
-    renames: dict[str, str] = field(default_factory=dict)
-    compact: bool = True
-    step: str = "strip-frozen"
-    common: Callable[[Path], CommonWrite] | None = None
-    rewritten: set[str] = field(default_factory=set)
-    # the source's .metadata object when the caller has read it already; the write takes it (and edits it)
-    metadata: HeldMetadata | None = None
-    jobs: int = 1  # threads copying data files when compacting (the output is the same for any number)
-
-
-def _link_data_files(src: Path, stage: Path, metadata: Any, keep: set[str]) -> list[CopiedFile]:
-    """Hard-link (or copy) every data file that holds a kept item; returns them with their kept items."""
-    files = []
-    for name, items in dcp_writer.kept_storage(metadata, keep).items():
-        atomic.link_or_copy(src / name, stage / name)
-        files.append(CopiedFile(name, len(items), (stage / name).stat().st_size))
-    return files
-
-
-def _new_metadata(held: list, edit: KeyEdit, stage: Path) -> tuple[list[str], bytes]:
-    """The edited ``.metadata`` pickled (and read back through the allowlist); the common state rewritten into
-    the staging dir first when the edit changes it. Returns the names the common rewrite wrote and the pickle.
-
-    ``held``: a list holding the source's ``.metadata`` object, its only reference; the object is taken out of
-    it and let go once pickled, so the read-back check reuses its memory."""
-    metadata = held[0]
-    dcp_keys.edit_metadata(metadata, edit.keep, edit.renames)
-    common = edit.common(stage) if edit.common is not None else CommonWrite([])
-    common.apply(metadata, stage / ".metadata")
-    del metadata
-    with gc_paused():
-        payload = safe_pickle.dumps_taken(held)  # stand-ins become the torch classes again
-    return common.written, payload
-
-
-def _edited(checkpoint: Checkpoint, edit: KeyEdit, stage: Path, progress: Progress, result: StripResult) -> list[str]:
-    """The new ``.metadata`` from the source's objects, edited and pickled again, and the data files; the names the
-    common rewrite wrote."""
-    src = checkpoint.iteration_dir
-    # The one reference to the source's .metadata object (see _new_metadata); the cyclic GC is paused by the load
-    if edit.metadata is not None:
-        held = [edit.metadata.take()]
-    else:
-        held = [torch_dist.load_metadata_object(src / ".metadata")]
-    if edit.compact:
-        # The new layout is known before a byte moves: the copy runs in a helper process (threads where none can
-        # start; see dcp_writer.BackgroundCopy) while this process builds, pickles and checks the new .metadata.
-        copies = dcp_writer.plan_copies(dcp_writer.kept_storage(held[0], edit.keep - edit.rewritten))
-        with dcp_writer.BackgroundCopy(src, stage, copies, progress, edit.jobs) as copy:
-            rebuilt, payload = _new_metadata(held, edit, stage)
-            result.files = copy.result()
-        result.bytes_copied = sum(f.bytes for f in result.files)
-        atomic.fault_point(f"{edit.step}:data-written")
-    else:
-        result.files = _link_data_files(src, stage, held[0], edit.keep)
-        atomic.fault_point(f"{edit.step}:data-written")
-        rebuilt, payload = _new_metadata(held, edit, stage)
-    atomic.write_atomic(stage / ".metadata", payload)
-    result.metadata_bytes = len(payload)
-    return rebuilt
-
-
-def _filtered(
-    checkpoint: Checkpoint, edit: KeyEdit, stage: Path, progress: Progress, result: StripResult
-) -> list[str] | None:
-    """The new ``.metadata`` written from the source's bytes (:mod:`ckptdoctor.formats.metadata_filter`: no record
-    of it is built) and the data files, laid out from the index (a compacted copy runs while the filter writes);
-    the names the common rewrite wrote. None (no ``.metadata`` or data file left) where the filter declines: the
-    caller edits the objects instead. The source's index is let go before the filter reads the pickle."""
-    src, entries, dcp = checkpoint.iteration_dir, checkpoint.entries, checkpoint.dcp
-    if dcp is None:  # no .metadata (legacy zarr)
-        return None
-    source = Source(src / ".metadata", dcp.source_identity, dcp.unlisted)
-    kept_keys = [key for key in edit.keep if key in entries]
-    chunks = sum(1 for key in kept_keys for chunk in entries[key].chunks if chunk.storage is not None)
-    # compacted: the kept items' new places (from the index, as the filter lays them out); else the files to link
-    ranges = dcp_writer.kept_ranges(entries, edit.keep - edit.rewritten if edit.compact else edit.keep)
-    copies = dcp_writer.layout(ranges)
-    expected = Expected(len(kept_keys), chunks)
-    if edit.compact:
-        expected.ranges, expected.copies = packed(ranges), copies
-    del kept_keys, ranges
-    common = edit.common(stage) if edit.common is not None else CommonWrite([])
-    checkpoint.release_entries()
-    if edit.compact:
-        # the layout is the index's: the copy runs (in a helper process) while the filter writes the .metadata
-        with dcp_writer.BackgroundCopy(src, stage, copies, progress, edit.jobs) as copy:
-            outcome = write_filtered(source, stage / ".metadata", edit.keep, expected, common.repoint)
-            if outcome.reason is None:
-                result.files = copy.result()
-            else:
-                copy.stop()
-        if outcome.reason is not None:  # the object rewrite copies again (its files are created afresh)
-            for copied in copies:
-                (stage / copied.name).unlink(missing_ok=True)
-    else:
-        outcome = write_filtered(source, stage / ".metadata", edit.keep, expected, common.repoint)
-    if outcome.reason is not None:
-        result.metadata_filter = f"declined: {outcome.reason}"
-        return None
-    result.metadata_filter = "filtered"
-    result.metadata_bytes = outcome.metadata_bytes
-    if edit.compact:
-        result.bytes_copied = sum(f.bytes for f in result.files)
-    else:
-        for copied in copies:
-            atomic.link_or_copy(src / copied.name, stage / copied.name)
-            result.files.append(CopiedFile(copied.name, copied.items, (stage / copied.name).stat().st_size))
-    atomic.fault_point(f"{edit.step}:data-written")
-    return common.written
-
-
 def _fill_iteration_dir(
     checkpoint: Checkpoint,
     edit: KeyEdit,
@@ -281,10 +107,10 @@ def _fill_iteration_dir(
     src = checkpoint.iteration_dir
     rebuilt = None
     if edit.metadata is None and not edit.renames and not metadata_filter.disabled():
-        rebuilt = _filtered(checkpoint, edit, stage, progress, result)
+        rebuilt = metadata_write.filtered(checkpoint, edit, stage, progress, result)
     checkpoint.release_entries()  # not held beside the records of the source's .metadata
     if rebuilt is None:
-        rebuilt = _edited(checkpoint, edit, stage, progress, result)
+        rebuilt = metadata_write.edited(checkpoint, edit, stage, progress, result)
     if checkpoint.location.has_common_pt and "common.pt" not in rebuilt:
         atomic.link_or_copy(src / "common.pt", stage / "common.pt")
     for path in sorted(src.iterdir()):

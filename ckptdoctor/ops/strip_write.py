@@ -16,7 +16,8 @@ from ckptdoctor import locking
 from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
 from ckptdoctor.ops.common_write import common_rewriter
 from ckptdoctor.ops.edit import CommonChange
-from ckptdoctor.ops.key_write import KeyEdit, StripResult, check_target, write_keys
+from ckptdoctor.ops.key_edit import KeyEdit, StripResult
+from ckptdoctor.ops.key_write import check_target, write_keys
 from ckptdoctor.ops.staged_integrity import verify_source_manifest
 from ckptdoctor.ops.strip import StripPlan
 from ckptdoctor.progress import Progress
