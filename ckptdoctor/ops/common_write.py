@@ -34,8 +34,9 @@ def common_rewriter(
     checkpoint: Checkpoint, changes: list[CommonChange], file_name: str
 ) -> Callable[[Path], CommonWrite] | None:
     """The ``KeyEdit.common`` hook that writes the edited common state into the staging dir: a new ``common.pt``,
-    or (core >= 0.19, the common state a ``.metadata`` item) a new data file ``file_name`` that the ``.metadata``
-    object is repointed to before it is pickled; Megatron-Bridge's ``run_config.yaml`` kept in step with the args.
+    or (core >= 0.19, the common state a ``.metadata`` item) a new data file ``file_name`` that the new
+    ``.metadata`` points the item to (``CommonWrite.repoint``: written in by the metadata filter, or applied to the
+    objects); Megatron-Bridge's ``run_config.yaml`` kept in step with the args.
     None where nothing changes. The new common state is made here, from the checkpoint's index, so the write may
     release that index before it pickles the new ``.metadata`` (:meth:`Checkpoint.release_entries`)."""
     if not changes:

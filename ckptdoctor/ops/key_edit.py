@@ -68,8 +68,9 @@ class KeyEdit:
     ``compact``: byte-copy only the kept items into new data files (strip-frozen, ``edit --compact``);
     otherwise hard-link (or copy) the data files that still hold a kept item and write only a new
     ``.metadata`` (O(metadata); removed items stay in the files, unreferenced). ``common`` rewrites the common
-    state in the staging dir (given the ``.metadata`` object before it is written) and returns the names of the
-    files it wrote there; ``rewritten`` are the kept keys it writes afresh (not copied when compacting).
+    state into the staging dir before the ``.metadata`` is written and says what it wrote and where the common-state
+    item now points (:class:`CommonWrite`); ``rewritten`` are the kept keys it writes afresh (not copied when
+    compacting).
     ``step`` names the fault points (``<step>:data-written``, ...).
     """
 
