@@ -139,13 +139,14 @@ def free_stamp(directory: Path, names: list[str] | set[str]) -> str:
     return stamp
 
 
-def backup_file(path: Path, stamp: str) -> Path:
-    """Keep the current ``path`` as ``<name>.bak-<stamp>`` (a hard link: instant, no bytes copied).
+def backup_file(path: Path, stamp: str, into: Path | None = None) -> Path:
+    """Keep the current ``path`` as ``<name>.bak-<stamp>`` beside it (or in the dir ``into``): a hard link,
+    instant, no bytes copied.
 
     Never overwrites anything: an existing backup name is an error, and the copy used where hard links are
     not supported is created with O_EXCL.
     """
-    backup = backup_name(path, stamp)
+    backup = _backup_path(path, stamp, into)
     try:
         os.link(path, backup)
     except FileExistsError:
@@ -154,20 +155,28 @@ def backup_file(path: Path, stamp: str) -> Path:
         if link_error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
             raise CkptError(f"{path}: cannot back up to {backup.name} ({link_error.strerror})") from None
         _copy_exclusive(path, backup)
-    fsync_dir(path.parent)
+    fsync_dir(backup.parent)
     return backup
 
 
-def keep_previous(path: Path, stamp: str) -> Path | None:
-    """Keep what ``path`` holds before it is replaced, as ``<name>.bak-<stamp>``: a regular file hard-linked
-    (:func:`backup_file`), anything else there (a FIFO, a dir, a link) moved to that name; None where nothing is."""
+def _backup_path(path: Path, stamp: str, into: Path | None) -> Path:
+    backup = backup_name(path, stamp)
+    return backup if into is None else into / backup.name
+
+
+def keep_previous(path: Path, stamp: str, into: Path | None = None) -> Path | None:
+    """Keep what ``path`` holds before it is replaced, as ``<name>.bak-<stamp>`` beside it (or in the dir
+    ``into``): a regular file hard-linked (:func:`backup_file`), anything else there (a FIFO, a dir, a link) moved
+    to that name; None where nothing is."""
     if path.is_file() and not path.is_symlink():
-        return backup_file(path, stamp)
+        return backup_file(path, stamp, into)
     if not (path.exists() or path.is_symlink()):
         return None
-    backup = backup_name(path, stamp)
+    backup = _backup_path(path, stamp, into)
     rename_noreplace(path, backup)
     fsync_dir(path.parent)
+    if into is not None:
+        fsync_dir(into)
     return backup
 
 

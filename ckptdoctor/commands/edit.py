@@ -77,7 +77,6 @@ def command(
     from ckptdoctor.ops.edit import EditRequest
     from ckptdoctor.ops.edit_write import edit
     from ckptdoctor.parallel import default_jobs
-    from ckptdoctor.render.common import echo_json, to_json
     from ckptdoctor.render.edit import render_edit
 
     check_write_target(output, in_place, no_backup, dry_run)
@@ -112,8 +111,5 @@ def command(
         )
         if remote is not None:
             remote.upload()
-        if output_format == "json" and remote is None:  # streamed: a 200k-key report is never one string
-            echo_json(report)
-        else:
-            echo_written(to_json(report) if output_format == "json" else render_edit(report), remote, output_format)
+        echo_written(report, render_edit, remote, output_format)
     return EXIT_OK

@@ -72,7 +72,7 @@ def command(
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.fix_args import build_report
     from ckptdoctor.ops.fix_args_write import write_fix
-    from ckptdoctor.render.common import echo_json, render_fix_args, to_json
+    from ckptdoctor.render.common import render_fix_args
 
     if write and (output is None) == (not in_place):
         raise click.UsageError("--write needs exactly one of --output DIR or --in-place")
@@ -86,10 +86,7 @@ def command(
             write_fix(report, ckpt, None if in_place else (remote.local if remote else output), force=force)
         if remote is not None:
             remote.upload()
-        if output_format == "json" and remote is None:  # streamed: a 200k-key report is never one string
-            echo_json(report)
-        else:
-            echo_written(to_json(report) if output_format == "json" else render_fix_args(report), remote, output_format)
+        echo_written(report, render_fix_args, remote, output_format)
     if write and report.remaining is not None:
         return EXIT_FINDINGS if report.remaining else EXIT_OK
     return EXIT_FINDINGS if report.findings else EXIT_OK

@@ -50,7 +50,6 @@ def command(
     """
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.repair_write import repair
-    from ckptdoctor.render.common import echo_json, to_json
     from ckptdoctor.render.recovery import render_repair
 
     if write and (output is None) == (not in_place):
@@ -62,8 +61,5 @@ def command(
         report = repair(checkpoint, iteration, write=write, output=target, in_place=in_place, force=force)
         if remote is not None:
             remote.upload()
-        if output_format == "json" and remote is None:  # streamed: a 200k-key report is never one string
-            echo_json(report)
-        else:
-            echo_written(to_json(report) if output_format == "json" else render_repair(report), remote, output_format)
+        echo_written(report, render_repair, remote, output_format)
     return EXIT_OK if report.ok else EXIT_FINDINGS

@@ -78,7 +78,7 @@ def command(
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.strip_write import strip_frozen
     from ckptdoctor.parallel import default_jobs
-    from ckptdoctor.render.common import echo_json, render_strip, to_json
+    from ckptdoctor.render.common import render_strip
 
     check_write_target(output, in_place, no_backup, dry_run)
     # the index only: the new .metadata is written from the source's bytes (formats/metadata_filter.py), or, where
@@ -108,8 +108,5 @@ def command(
                 bars.finish()
         if remote is not None:
             remote.upload()
-        if output_format == "json" and remote is None:  # streamed: a 200k-key report is never one string
-            echo_json(report)
-        else:
-            echo_written(to_json(report) if output_format == "json" else render_strip(report), remote, output_format)
+        echo_written(report, render_strip, remote, output_format)
     return EXIT_FINDINGS if report.nothing_frozen and not force else EXIT_OK

@@ -63,13 +63,21 @@ def remote_output(output: Path | None, force: bool, writing: bool = True) -> Ite
         remote.cleanup()
 
 
-def echo_written(text: str, remote: RemoteOutput | None, output_format: str) -> None:
-    """Print a write command's report; with a remote ``--output`` the staging dir is named by its URL, and
-    the upload is summed up on stderr (text output)."""
+def echo_written(
+    report: Any, render_text: Callable[[Any], str], remote: RemoteOutput | None, output_format: str
+) -> None:
+    """Print a write command's report: JSON streamed as it is walked (a 200k-key report is never one string), or
+    ``render_text``'s text; with a remote ``--output`` the staging dir is named by its URL, and the upload is summed
+    up on stderr (text output)."""
+    from ckptdoctor.render.common import echo_json, to_json
+
     if remote is None:
-        click.echo(text)
+        if output_format == "json":
+            echo_json(report)
+        else:
+            click.echo(render_text(report))
         return
-    click.echo(remote.shown(text))
+    click.echo(remote.shown(to_json(report) if output_format == "json" else render_text(report)))
     if remote.uploaded and output_format == "text":
         click.echo(
             f"uploaded {len(remote.uploaded)} objects ({remote.bytes} bytes) to {remote.url}, metadata.json last",

@@ -50,7 +50,6 @@ def packed(ranges: dict[str, list[tuple[int, int]]]) -> dict[str, bytes]:
 @dataclass
 class Filtered:
     metadata_bytes: int
-    garbage_items: int  # items left out of their containers but kept in the pickle (their objects are read later)
     reason: str | None = None  # why it did not write (None: it did)
 
 
@@ -77,11 +76,11 @@ def write_filtered(
     agree), and only where that read met no global outside the allowlist. The pickle written is then read by the
     filter's first pass again: one Metadata object, the expected keys and storage items, nothing left out."""
     if _filter is None:
-        return Filtered(0, 0, "the C extension is not built")
+        return Filtered(0, "the C extension is not built")
     if source.unlisted:
-        return Filtered(0, 0, "the source names globals outside the allowlist")
+        return Filtered(0, "the source names globals outside the allowlist")
     if source.identity is None:
-        return Filtered(0, 0, "not a local file read by the index")
+        return Filtered(0, "not a local file read by the index")
     target = None if repoint is None else (repoint[0], repoint[1].relative_path, repoint[1].length)
     outcome: dict = {}
     try:
@@ -105,12 +104,12 @@ def write_filtered(
 
     with source_file:
         if not unchanged():
-            return Filtered(0, 0, "the file changed since the index read it")
+            return Filtered(0, "the file changed since the index read it")
         written = atomic.write_atomic_with(dest, fill, check=lambda path: _reads_back(path, keep, expected))
     if not written:
         reason = outcome.get("declined") or _as_expected(outcome, expected, repoint) or "it does not read back"
-        return Filtered(0, 0, reason)
-    return Filtered(int(outcome["bytes"]), int(outcome["garbage_items"]))
+        return Filtered(0, reason)
+    return Filtered(int(outcome["bytes"]))
 
 
 def _as_expected(outcome: dict, expected: Expected, repoint: tuple[str, StorageLocation] | None) -> str | None:

@@ -184,7 +184,7 @@ def build_report(
 ) -> FixArgsReport:
     findings, inherited = diagnose(checkpoint, source)
     changes = plan_changes(checkpoint, findings, sets, apply_fixes=apply_fixes, force=force)
-    report = FixArgsReport(
+    return FixArgsReport(
         schema=SCHEMA,
         checkpoint=str(checkpoint.iteration_dir),
         era=checkpoint.location.era,
@@ -193,9 +193,8 @@ def build_report(
         findings=findings,
         inherited=inherited,
         changes=changes,
+        config_source=checked_config(checkpoint)[1],
     )
-    report.config_source = checked_config(checkpoint)[1]
-    return report
 
 
 def common_with_args(common: dict, values: dict[str, Any]) -> dict:

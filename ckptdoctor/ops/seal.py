@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor import dist, locking, parallel
-from ckptdoctor.atomic import fsync_dir, link_or_copy, rename_noreplace, timestamp, write_atomic
+from ckptdoctor.atomic import keep_previous, timestamp, write_atomic
 from ckptdoctor.errors import CkptError
 from ckptdoctor.locate import locate
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
@@ -153,18 +153,13 @@ def seal(
         if speaks:
             if existed:  # the manifest --force replaces is the record of the old hashes: kept beside, never lost
                 kept = _keep_previous_manifest(iteration_dir, manifest)
-                notes.append(f"the previous manifest is kept as {kept}")
+                if kept is not None:
+                    notes.append(f"the previous manifest is kept as {kept}")
             write_manifest(iteration_dir, hashes)
     return SealResult(SCHEMA, str(iteration_dir), str(manifest), len(hashes), total, jobs, seconds, existed, notes)
 
 
-def _keep_previous_manifest(iteration_dir: Path, manifest: Path) -> Path:
-    """Hard-link (or copy) the manifest about to be replaced into ``<iter>.quarantine-<stamp>/`` beside the dir (so
-    the new manifest need not list it); one that is not a regular file is moved there instead."""
-    kept = quarantine_dir(iteration_dir) / f"{INTEGRITY_NAME}.bak-{timestamp()}"
-    if manifest.is_file() and not manifest.is_symlink():
-        link_or_copy(manifest, kept)
-    else:
-        rename_noreplace(manifest, kept)
-    fsync_dir(kept.parent)
-    return kept
+def _keep_previous_manifest(iteration_dir: Path, manifest: Path) -> Path | None:
+    """The manifest about to be replaced, kept in ``<iter>.quarantine-<stamp>/`` beside the dir (so the new manifest
+    need not list it): hard-linked, or moved there where it is not a regular file."""
+    return keep_previous(manifest, timestamp(), into=quarantine_dir(iteration_dir))
