@@ -37,6 +37,7 @@ from ckptdoctor.problems import (
     UNSUPPORTED_FORMAT,
     Problem,
 )
+from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.torch_stand_ins import DtypeRef
 
 SECTIONS = ("model", "optimizer", "rng", "rerun", "common", "other")
@@ -146,7 +147,9 @@ class Checkpoint:
     dcp: DcpIndex | None = None
     _common: Any = field(default=None, repr=False)
     _common_loaded: bool = field(default=False, repr=False)
-    common_unlisted: list[str] = field(default_factory=list, repr=False)  # CKD402 globals of the common state
+    common_unlisted: list[UnlistedGlobal] = field(
+        default_factory=list, repr=False
+    )  # CKD402 globals of the common state
     _config: tuple[dict[str, Any], str | None] | None = field(default=None, repr=False)
 
     @property
@@ -208,7 +211,7 @@ class Checkpoint:
         """The saved ``argparse.Namespace`` (or None when the common state holds no args)."""
         return self.common_state().get("args")
 
-    def read_bytes_item(self, key: str, unlisted: list[str] | None = None) -> Any:
+    def read_bytes_item(self, key: str, unlisted: list[UnlistedGlobal] | None = None) -> Any:
         """Decode a bytes item (ShardedObject, ``_extra_state``, ``common_state``) through the safe unpickler."""
         data, where = self.bytes_item_data(key)
         return decode_object_bytes(data, where, unlisted)
@@ -223,7 +226,7 @@ class Checkpoint:
         return torch_dist.read_range(self.iteration_dir, location, entry.max_range_bytes(entry.chunks[0])), where
 
 
-def decode_object_bytes(data: bytes, where: str, unlisted: list[str] | None = None) -> Any:
+def decode_object_bytes(data: bytes, where: str, unlisted: list[UnlistedGlobal] | None = None) -> Any:
     """A Megatron ShardedObject's bytes: ``torch.save([obj])`` (or of a BytesIO holding that), unwrapped."""
     if not is_torch_zip(data):
         return data

@@ -64,6 +64,9 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
 )
 def cli(max_pickle_bytes: int | None) -> None:
     """Diagnose and repair Megatron-Core distributed checkpoints offline (no GPU, no Megatron)."""
+    loaded = sys.modules.get("ckptdoctor.safe_globals")
+    if loaded is not None:  # an earlier command in this process (tests): its --trust-global ends with it
+        loaded.set_trusted(frozenset())
     if max_pickle_bytes is not None:
         import dataclasses
 

@@ -2,10 +2,16 @@
 
 Lets a repository pin its ``check`` policy (``select``, ``ignore``, ...) once, for the CLI and the
 pre-commit hook alike. Command-line options override it.
+
+Settings never come from inside a checkpoint: a ``pyproject.toml`` in a save dir or an iteration dir, or anywhere
+below one, is passed over (a downloaded checkpoint must not configure the tool that checks it; ``cd model &&
+ckptdoctor check .`` reads the repository's config above it, if any). No config can deselect the safety rules
+either (:func:`ckptdoctor.rules.validate_selectors`).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,20 +38,57 @@ CHECK_KEYS: dict[str, type | tuple[type, ...]] = {
 OTHER_TABLES = ("diff",)
 
 
-def find_pyproject(start: Path) -> Path | None:
+def find_pyproject(start: Path, passed_over: list[Path] | None = None) -> Path | None:
+    """The nearest ``pyproject.toml`` at or above ``start`` that is not in or below a checkpoint dir (those are
+    appended to ``passed_over``)."""
     for directory in (start, *start.parents):
         candidate = directory / "pyproject.toml"
         if candidate.is_file():
+            if _in_checkpoint(directory):
+                if passed_over is not None:
+                    passed_over.append(candidate)
+                continue
             return candidate
     return None
+
+
+def _in_checkpoint(directory: Path) -> bool:
+    """``directory`` is a save dir, an iteration dir (NeMo 2's checkpoint dir included), or lies below one."""
+    from ckptdoctor.locate import BRIDGE_TRACKER_NAME, NEMO_WEIGHTS_DIR, TRACKER_NAME, looks_like_iteration_dir
+
+    for d in (directory, *directory.parents):
+        try:
+            if looks_like_iteration_dir(d) or looks_like_iteration_dir(d / NEMO_WEIGHTS_DIR):
+                return True
+            if (d / TRACKER_NAME).exists() or (d / BRIDGE_TRACKER_NAME).exists():
+                return True
+            if d != d.parent and any(
+                looks_like_iteration_dir(d / name) for name in _iteration_names(d)
+            ):  # a save dir whose tracker is missing
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _iteration_names(directory: Path) -> list[str]:
+    from ckptdoctor.locate import ITER_DIR_RE
+
+    try:
+        return [e.name for e in os.scandir(directory) if ITER_DIR_RE.match(e.name) or e.name == "release"]
+    except OSError:
+        return []
 
 
 MAX_CONFIG_BYTES = 4 << 20  # a pyproject.toml is a few KB
 
 
-def load_tool_config(start: Path | None = None) -> tuple[dict[str, Any], Path | None]:
-    """The ``[tool.ckptdoctor]`` table of the nearest pyproject.toml (empty if none), and that file."""
-    path = find_pyproject((start or Path.cwd()).resolve())
+def load_tool_config(
+    start: Path | None = None, passed_over: list[Path] | None = None
+) -> tuple[dict[str, Any], Path | None]:
+    """The ``[tool.ckptdoctor]`` table of the nearest pyproject.toml outside any checkpoint dir (empty if none), and
+    that file; the files passed over (in or below a checkpoint dir) are appended to ``passed_over``."""
+    path = find_pyproject((start or Path.cwd()).resolve(), passed_over)
     if path is None:
         return {}, None
     from ckptdoctor.formats.files import read_small_file

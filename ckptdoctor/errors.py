@@ -12,6 +12,13 @@ class CkptError(Exception):
     exit_code = 2
 
 
+class GateRefusal(CkptError):
+    """A write refused because its output would carry something that runs code in the next loader (a global off
+    the allowlist, an unsafe ``_target_``): a finding about the checkpoint, so exit 1, not a usage error."""
+
+    exit_code = 1
+
+
 class UnsafePickleError(CkptError):
     """A pickle referenced a callable outside the allowlist; nothing was executed."""
 

@@ -61,6 +61,20 @@ def to_plain(value: Any, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH)
     return _plain(value, budget, max_depth)
 
 
+OMIT_NONE = {"omit_none": True}  # dataclasses.field(metadata=OMIT_NONE): left out of the JSON while it is None
+
+
+def _fields(value: Any) -> list[tuple[str, Any]]:
+    """A dataclass's (name, value) pairs as JSON shows them (fields marked :data:`OMIT_NONE` only when set)."""
+    pairs = []
+    for f in dataclasses.fields(value):
+        v = getattr(value, f.name)
+        if v is None and f.metadata.get("omit_none"):
+            continue
+        pairs.append((f.name, v))
+    return pairs
+
+
 def _plain(value: Any, budget: list[int], depth: int) -> Any:
     if isinstance(value, _SCALARS):
         if isinstance(value, float) and not math.isfinite(value):
@@ -71,9 +85,7 @@ def _plain(value: Any, budget: list[int], depth: int) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         if depth <= 0:
             return ELIDED
-        return {
-            f.name: _plain(getattr(value, f.name), [budget[1], budget[1]], depth - 1) for f in dataclasses.fields(value)
-        }
+        return {name: _plain(v, [budget[1], budget[1]], depth - 1) for name, v in _fields(value)}
     budget[0] -= 1
     if budget[0] < 0 or depth <= 0:
         return ELIDED
@@ -137,7 +149,7 @@ def _json(value: Any, budget: list[int], depth: int, level: int) -> Iterator[str
         if depth <= 0:
             yield _dumped(ELIDED, level)
             return
-        pairs = [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+        pairs = _fields(value)
         yield from _json_items(((name, v, [budget[1], budget[1]]) for name, v in pairs), len(pairs), depth, level)
         return
     if not isinstance(value, (list, tuple, set, frozenset, collections.deque)):  # dicts whole: keys can collide

@@ -12,8 +12,12 @@ megatron-core 0.14-0.19, PyTorch DCP, Transformer Engine and Megatron-Bridge wri
   metadata is read without importing torch;
 * megatron / Transformer Engine / numpy classes on the list become inert stand-ins: calling one only records
   its arguments, and it pickles back (``safe_pickle.dumps``) to the same global reference;
-* an unlisted class from the megatron, transformer_engine or nemo namespaces is read as an inert stand-in too
-  but reported (``SafeUnpickler.unlisted``), so a new Megatron release shows up as a warning, not as silence;
+* an unlisted global of the megatron, transformer_engine or nemo namespaces is read as an inert stand-in too
+  (so ``inspect``/``show``/``diff`` can still show a strange checkpoint) but recorded as an
+  :class:`UnlistedGlobal`: the gate (``check``, every write) fails on it, because the next loader imports the
+  real object and megatron-core ships helpers that import and call a name given as data;
+* a name the user trusts on the command line (``--trust-global``, :func:`trusting`) is read as an inert stand-in
+  and recorded as trusted (reported, never a failure);
 * everything else (``os.system``, ``torch.os.system``, dotted names, names that are not identifiers,
   unlisted torch or numpy callables) is refused with :class:`UnsafePickleError` before anything is called.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import _compat_pickle
 import argparse
 import collections
+import contextlib
 import datetime
 import functools
 import io
@@ -33,7 +38,8 @@ import pathlib
 import signal
 import types
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
@@ -227,12 +233,88 @@ KNOWN_STAND_INS: frozenset[tuple[str, str]] = frozenset(
     }
 )
 
-# Namespaces whose unlisted classes are read (as inert stand-ins) but reported, not refused.
+# Namespaces whose unlisted globals are read (as inert stand-ins) and recorded: a gate failure, not a refusal to read.
 TOLERATED_NAMESPACES = ("megatron", "transformer_engine", "nemo")
 
 _TORCH_STORAGE_NAMES = frozenset(
     {storage for _, storage in TORCH_DTYPES.values() if storage} | {"UntypedStorage", "TypedStorage"}
 )
+
+
+@dataclass
+class UnlistedGlobal:
+    """A global of one read that is not on the allowlist but was read as an inert stand-in: an unlisted name of a
+    tolerated namespace, or one the user trusts (``trusted``). How the pickle used it is counted as the
+    unpickler builds (``SafeUnpickler``): ``calls`` (REDUCE: ``obj(*args)``), ``instances`` (NEWOBJ:
+    ``cls.__new__(cls, *args)``, only a class does that), ``builds`` (BUILD: state given to what it made)."""
+
+    name: str  # module.name
+    trusted: bool = False
+    calls: int = 0
+    instances: int = 0
+    builds: int = 0
+
+    @property
+    def use(self) -> str:
+        """How the pickle uses the name, in words (never found by importing it)."""
+        if self.calls:
+            what = "a called object (REDUCE: a real load imports it and calls it with the pickle's arguments)"
+        elif self.instances:
+            what = "an instantiated class (NEWOBJ: a real load imports it and creates an instance)"
+        else:
+            what = "a referenced global (a real load imports it and hands it to the rest of the pickle)"
+        return what[:-1] + ", then applies BUILD state to the result)" if self.builds else what
+
+
+def merged_unlisted(entries: Iterable[UnlistedGlobal]) -> list[UnlistedGlobal]:
+    """One entry per distinct (name, trusted), uses summed, in name order (a pickle may name a global often)."""
+    out: dict[tuple[str, bool], UnlistedGlobal] = {}
+    for entry in entries:
+        kept = out.setdefault((entry.name, entry.trusted), UnlistedGlobal(entry.name, entry.trusted))
+        kept.calls += entry.calls
+        kept.instances += entry.instances
+        kept.builds += entry.builds
+    return [out[key] for key in sorted(out)]
+
+
+# --- trusted names (--trust-global) -------------------------------------------------------------------
+_trusted: frozenset[tuple[str, str]] = frozenset()
+
+
+def parse_trusted(names: Iterable[str]) -> frozenset[tuple[str, str]]:
+    """``MODULE.NAME`` strings as (module, name) pairs; a name that is not a dotted identifier is refused."""
+    out = set()
+    for raw in names:
+        module, _, name = str(raw).strip().rpartition(".")
+        if not module or not valid_global_name(module, name):
+            raise CkptError(
+                f"--trust-global: {str(raw)[:80]!r} is not MODULE.NAME (e.g. megatron.core.enums.ModelType)"
+            )
+        out.add(_canonical(module, name))
+    return frozenset(out)
+
+
+def set_trusted(pairs: frozenset[tuple[str, str]]) -> None:
+    """Trust these globals for this process (the CLI does, from ``--trust-global``; never from a file)."""
+    global _trusted
+    _trusted = pairs
+    hash_safe_global.cache_clear()
+
+
+def trusted_names() -> list[str]:
+    """The trusted globals in force, as ``module.name``, sorted."""
+    return sorted(f"{module}.{name}" for module, name in _trusted)
+
+
+@contextlib.contextmanager
+def trusting(names: Iterable[str]) -> Iterator[frozenset[tuple[str, str]]]:
+    """Trust ``names`` (``MODULE.NAME``) inside the block, as ``--trust-global`` does for a command."""
+    previous = _trusted
+    set_trusted(parse_trusted(names))
+    try:
+        yield _trusted
+    finally:
+        set_trusted(previous)
 
 
 def check_global_name(module: str, name: str) -> None:
@@ -246,14 +328,16 @@ def check_global_name(module: str, name: str) -> None:
 
 
 def classify_global(module: str, name: str) -> str:
-    """``"allowed"``, ``"unlisted"`` (tolerated namespace, reported) or ``"refused"`` for a global."""
+    """``"allowed"``, ``"trusted"`` (``--trust-global``), ``"unlisted"`` (tolerated namespace: read, but a gate
+    failure) or ``"refused"`` for a global."""
     try:
         resolve_global(module, name)
     except UnsafePickleError:
         return "refused"
     module, name = _canonical(module, name)
-    top = module.split(".", 1)[0]
-    return "unlisted" if top in TOLERATED_NAMESPACES and not _listed(module, name) else "allowed"
+    if _listed(module, name):
+        return "allowed"
+    return "trusted" if (module, name) in _trusted else "unlisted"
 
 
 def _canonical(module: str, name: str) -> tuple[str, str]:
@@ -266,10 +350,11 @@ def _listed(module: str, name: str) -> bool:
     return key in _ALLOWED or key in KNOWN_STAND_INS or _torch_value(module, name) is not None
 
 
-def resolve_global(module: str, name: str, unlisted: list[str] | None = None) -> Any:
+def resolve_global(module: str, name: str, unlisted: list[UnlistedGlobal] | None = None) -> Any:
     """What ``module.name`` resolves to when a checkpoint pickle asks for it (the allowlist policy).
 
-    An unlisted class of a tolerated namespace is appended to ``unlisted`` (as ``module.name``).
+    A global read as a stand-in though not on the allowlist (a tolerated namespace's, or a trusted one) is
+    appended to ``unlisted``.
     """
     check_global_name(module, name)
     module, name = _canonical(module, name)
@@ -281,9 +366,10 @@ def resolve_global(module: str, name: str, unlisted: list[str] | None = None) ->
         return torch_value
     if key in KNOWN_STAND_INS:
         return stand_in_class(module, name)
-    if module.split(".", 1)[0] in TOLERATED_NAMESPACES:
+    trusted = key in _trusted
+    if trusted or module.split(".", 1)[0] in TOLERATED_NAMESPACES:
         if unlisted is not None:
-            unlisted.append(f"{module}.{name}")
+            unlisted.append(UnlistedGlobal(f"{module}.{name}", trusted))
         return stand_in_class(module, name)
     raise UnsafePickleError(module, name)
 

@@ -15,17 +15,20 @@ import re
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
+from ckptdoctor.errors import CkptError, GateRefusal, PickleLimitError, UnsafePickleError
 from ckptdoctor.pickle_limits import PickleLimits
 from ckptdoctor.pickle_scan import scan
+from ckptdoctor.problems import UNLISTED_GLOBAL
 from ckptdoctor.safe_globals import (
+    UnlistedGlobal,
     faithful,
     forget_index_sizes,
     hash_safe_global,
     index_only,
+    merged_unlisted,
     resolve_global,
 )
-from ckptdoctor.stand_ins import ALIAS_MODULE, ALIAS_TARGETS
+from ckptdoctor.stand_ins import ALIAS_MODULE, ALIAS_TARGETS, StandIn
 from ckptdoctor.torch_stand_ins import StorageRef
 
 __all__ = ["SafeUnpickler", "dumps", "dumps_taken", "loads", "loads_prefix"]
@@ -47,7 +50,8 @@ class SafeUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` whose globals go through :func:`resolve_global`.
 
     ``persistent_load`` (for torch zip storages) is supplied by the caller; without one, a pickle that
-    uses persistent ids is refused. ``unlisted`` collects tolerated but unlisted globals of this read.
+    uses persistent ids is refused. ``unlisted`` collects the globals of this read that are not on the allowlist
+    but read as stand-ins (a tolerated namespace's, or trusted), with how the pickle used each.
     ``index_only``: the result is read, never written back (see :func:`ckptdoctor.safe_globals.index_only`).
     """
 
@@ -62,7 +66,7 @@ class SafeUnpickler(pickle.Unpickler):
         self._persistent_load = persistent_load
         self._index_only = index_only
         self._nested_saves = nested_saves
-        self.unlisted: list[str] = []
+        self.unlisted: list[UnlistedGlobal] = []
 
     def load(self) -> Any:
         """``pickle.Unpickler.load``; a load shares equal sizes within itself only (the tables of
@@ -77,8 +81,12 @@ class SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle API
         if (module, name) in _LOAD_FROM_BYTES and self._nested_saves is not None:
             return self._record_nested_save
+        before = len(self.unlisted)
         obj = resolve_global(module, name, self.unlisted)
-        return index_only(obj) if self._index_only else faithful(obj)
+        obj = index_only(obj) if self._index_only else faithful(obj)
+        if len(self.unlisted) > before and not self.unlisted[-1].trusted:
+            return _recording_uses(obj, self.unlisted[-1])
+        return obj
 
     def _record_nested_save(self, data: Any) -> StorageRef:
         """``torch.storage._load_from_bytes(data)``, which a real load answers with ``torch.load(data,
@@ -95,15 +103,47 @@ class SafeUnpickler(pickle.Unpickler):
         return self._persistent_load(pid)
 
 
+def _recording_uses(cls: type[StandIn], entry: UnlistedGlobal) -> type[StandIn]:
+    """A subclass of an unlisted global's stand-in, made for one ``find_class``, that counts how the pickle uses it
+    (``entry.calls``, ``instances``, ``builds``): the gate's message says what a real load would do with the name.
+    REDUCE (``cls(*args)``) runs ``__new__`` and ``__init__``, NEWOBJ only ``__new__``. Never written back: an
+    untrusted unlisted global fails the gate before any write."""
+
+    def __new__(sub: type[StandIn], *args: Any, **kwargs: Any) -> StandIn:
+        entry.instances += 1
+        return StandIn.__new__(sub, *args, **kwargs)
+
+    def __init__(self: StandIn, *args: Any, **kwargs: Any) -> None:
+        entry.instances -= 1  # a call: __new__ counted it first
+        entry.calls += 1
+        StandIn.__init__(self, *args, **kwargs)
+
+    def __setstate__(self: StandIn, state: Any) -> None:
+        entry.builds += 1
+        StandIn.__setstate__(self, state)
+
+    namespace = {
+        "__new__": __new__,
+        "__init__": __init__,
+        "__setstate__": __setstate__,
+        "__ckd_global__": cls.__ckd_global__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+    }
+    maker: Any = type(cls)  # the stand-ins' read-only metaclass
+    return maker(cls.__name__, (cls,), namespace)  # type: ignore[no-any-return]
+
+
 def loads(
     data: bytes | bytearray | memoryview | mmap.mmap,
     persistent_load: Callable[[Any], Any] | None = None,
     limits: PickleLimits | None = None,
-    unlisted: list[str] | None = None,
+    unlisted: list[UnlistedGlobal] | None = None,
     index_only: bool = False,
     _ours: bool = False,
 ) -> Any:
-    """Unpickle ``data`` under the allowlist and the limits. Tolerated unlisted globals go to ``unlisted``.
+    """Unpickle ``data`` under the allowlist and the limits. Globals read as stand-ins though not on the allowlist
+    go to ``unlisted`` (see :class:`~ckptdoctor.safe_globals.UnlistedGlobal`).
 
     Raises :class:`UnsafePickleError` (a refused global), :class:`PickleLimitError` (a limit) or whatever
     a corrupt pickle raises (callers turn that into a message naming the file). ``index_only``: DCP records
@@ -122,7 +162,7 @@ def loads(
 def loads_prefix(
     data: bytes | bytearray | memoryview,
     persistent_load: Callable[[Any], Any] | None = None,
-    unlisted: list[str] | None = None,
+    unlisted: list[UnlistedGlobal] | None = None,
     nested_saves: list[bytes] | None = None,
 ) -> tuple[Any, int]:
     """:func:`loads` of the first pickle in ``data`` and where it ends (torch's legacy save format is several
@@ -135,7 +175,7 @@ def _load(
     data: bytes | bytearray | memoryview | mmap.mmap,
     persistent_load: Callable[[Any], Any] | None,
     limits: PickleLimits | None,
-    unlisted: list[str] | None,
+    unlisted: list[UnlistedGlobal] | None,
     index_only: bool,
     ours: bool,
     nested_saves: list[bytes] | None = None,
@@ -251,9 +291,16 @@ def _verify_written(data: bytes) -> None:
     (its nesting by the recursion limit, its memo by the objects it holds), which held objects we read
     through that pre-pass.
     """
+    unlisted: list[UnlistedGlobal] = []
     try:
-        loads(data, persistent_load=lambda pid: StorageRef("0", None, "cpu", 0), index_only=True, _ours=True)
+        loads(data, lambda pid: StorageRef("0", None, "cpu", 0), None, unlisted, index_only=True, _ours=True)
     except (UnsafePickleError, PickleLimitError) as exc:
         raise CkptError(f"refusing to write a pickle that does not read back safely: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - any failure to read back means we made something wrong
         raise CkptError(f"refusing to write a pickle that does not read back ({type(exc).__name__}: {exc})") from None
+    failing = [entry for entry in merged_unlisted(unlisted) if not entry.trusted]
+    if failing:  # read as a stand-in here, but the next loader imports it: the gate fails on it
+        raise GateRefusal(
+            f"{UNLISTED_GLOBAL} refusing to write a pickle that references {failing[0].name}, "
+            f"{failing[0].use}; it is not on the allowlist (--trust-global {failing[0].name} overrides)"
+        )

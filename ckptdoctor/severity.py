@@ -2,3 +2,4 @@
 
 ERROR = "error"  # megatron-core refuses to load / validate it, or data is lost
 WARNING = "warning"  # loads, but something is silently changed, wasted or misleading
+OVERRIDDEN = "overridden"  # a safety finding about a global the user trusts (--trust-global): listed, not counted

@@ -517,14 +517,16 @@ def test_malicious_metadata_reported_never_executed(capsys, copy_fixture, tmp_pa
     assert not marker.exists()
 
 
-def test_malicious_bytes_item_under_deep(capsys, copy_fixture, tmp_path):
+def test_malicious_bytes_item_with_and_without_deep(capsys, copy_fixture, tmp_path):
+    """The gate reads every bytes item's pickle in plain check (a ShardedObject is what megatron-core's load
+    unpickles); --deep reports the same finding once."""
     marker = tmp_path / "marker"
     save = copy_fixture("core019_tp2")
     _append_blob(save / ITER, f"{QKV}._extra_state/shard_0_2", _malicious_zip(marker))
-    rc, report = _json(capsys, str(save))
-    assert rc == 0  # not read without --deep
-    rc, report = _json(capsys, "--deep", str(save))
-    assert rc == 1 and _codes(report) == ["CKD401"] and "os.system" in report["findings"][0]["message"]
+    for extra in ((), ("--deep",)):
+        rc, report = _json(capsys, *extra, str(save))
+        assert rc == 1 and _codes(report) == ["CKD401"] and "os.system" in report["findings"][0]["message"]
+        assert report["safe_for_loaders"] is False and report["findings"][0]["subject"] == "os.system"
     assert not marker.exists()
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.options import format_option, trust_global_option
 from ckptdoctor.ops.can_load_run import SHARDING_TYPES, STRICTNESS
 
 
 @click.command("can-load")
+@trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
 @click.option(

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
 
 from ckptdoctor.commands import complete_rule_codes
-from ckptdoctor.commands.options import format_option, jobs_option, normalize_format
+from ckptdoctor.commands.options import format_option, jobs_option, normalize_format, trust_global_option
 
 _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete_rule_codes}
 
 
 @click.command("check")
+@trust_global_option
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--select", **_MULTI, help="Only these rule codes or prefixes (e.g. CKD1,CKD220). Default: all.")
 @click.option("--ignore", **_MULTI, help="Skip these rule codes or prefixes.")
@@ -74,19 +76,32 @@ def command(
     pre-commit passes them), or a directory holding checkpoints below it (searched recursively; hidden
     dirs skipped); every iteration dir is checked once. A PATH that does not exist is reported on stderr
     after the others are checked (exit 2). Defaults come from [tool.ckptdoctor] in the nearest
-    pyproject.toml. `ckptdoctor rules` lists the rule codes and what fixes them.
+    pyproject.toml that is not inside a checkpoint dir. The safety rules (CKD4xx) are always on: exit 0
+    means nothing checked runs code when Megatron or PyTorch loads it; --trust-global is the only
+    override. `ckptdoctor rules` lists the rule codes and what fixes them.
     """
     from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.config import check_defaults, load_tool_config
     from ckptdoctor.exit_codes import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK
-    from ckptdoctor.ops.check import CheckOptions, check_paths
+    from ckptdoctor.ops.check import CheckOptions, ConfigUse, check_paths
     from ckptdoctor.render.check import FORMATS, render_check, render_github, render_sarif
     from ckptdoctor.render.common import jsonable
     from ckptdoctor.rules import validate_selectors
     from ckptdoctor.text_safety import escape
 
-    table, config_path = ({}, None) if isolated else load_tool_config()
+    passed_over: list[Path] = []
+    table, config_path = ({}, None) if isolated else load_tool_config(passed_over=passed_over)
     config = check_defaults(table, config_path)
+    cli_values = {
+        "select": select,
+        "ignore": ignore,
+        "deep": deep,
+        "all-iterations": all_iterations,
+        "verify-integrity": verify_integrity,
+        "format": output_format,
+        "recursive": recursive,
+    }
+    changed = {key: value for key, value in config.items() if cli_values.get(key) in (None, ())}
 
     def pick(cli_value: Any, key: str, default: Any) -> Any:
         return cli_value if cli_value not in (None, ()) else config.get(key, default)
@@ -121,6 +136,10 @@ def command(
         raise click.BadParameter("--statistics goes with --format text or json", param_hint="--statistics")
     show_bar = options.deep and not quiet and output_format == "text" and sys.stderr.isatty()
     report = check_paths(list(paths), options, progress_bar(show_bar), missing_ok=True)
+    if not isolated:
+        report.config = ConfigUse(
+            str(config_path) if config_path is not None else None, changed, [str(p) for p in passed_over]
+        )
     only_missing = report.missing and not report.checked and not report.findings
     if only_missing:
         pass  # nothing but errors to say (on stderr, below)

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option, jobs_option
+from ckptdoctor.commands.options import format_option, jobs_option, trust_global_option
 from ckptdoctor.commands.write_target import check_write_target, echo_written, remote_output, write_target_options
 
 SECTION_CHOICES = ["optimizer", "rng", "rerun"]
@@ -15,6 +15,7 @@ PRESET_CHOICES = ["te-to-local", "local-to-te"]
 
 
 @click.command("edit")
+@trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
 @click.option("--remove", "removes", metavar="REGEX", multiple=True, help="Remove keys matching REGEX (repeatable).")

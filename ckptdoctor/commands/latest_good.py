@@ -7,12 +7,13 @@ import sys
 import click
 
 from ckptdoctor.commands import complete_rule_codes
-from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.options import format_option, trust_global_option
 
 _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete_rule_codes}
 
 
 @click.command("latest-good")
+@trust_global_option
 @click.argument("save_dir", type=click.Path(path_type=str))
 @click.option("--select", **_MULTI, help="Only these rule codes or prefixes decide (as in check). Default: all.")
 @click.option("--ignore", **_MULTI, help="These rule codes or prefixes never disqualify a checkpoint.")

@@ -49,3 +49,30 @@ def jobs_option(what: str) -> Callable[[Any], Any]:
         default=None,
         help=f"Parallel workers ({what}) [default: the available cores; under torchrun, per rank].",
     )
+
+
+def _trust(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    from ckptdoctor.errors import CkptError
+    from ckptdoctor.safe_globals import parse_trusted, set_trusted
+
+    try:
+        set_trusted(parse_trusted(value))
+    except CkptError as exc:
+        raise click.BadParameter(str(exc).split(": ", 1)[-1]) from None
+    return value
+
+
+def trust_global_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--trust-global MODULE.NAME`` (repeatable): the gate's only override, command line only (no config file, and
+    nothing inside a checkpoint, can trust a name). Set for the process before any read; not passed on."""
+    return click.option(
+        "--trust-global",
+        "trust_global",
+        multiple=True,
+        metavar="MODULE.NAME",
+        callback=_trust,
+        expose_value=False,
+        is_eager=True,
+        help="Trust this exact global (repeatable): a pickle naming it passes the gate; it is read as an inert "
+        "stand-in here and listed as trusted in the output. The only override of the safety rules (CKD4xx).",
+    )(command)

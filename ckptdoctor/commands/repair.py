@@ -7,11 +7,12 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.options import format_option, trust_global_option
 from ckptdoctor.commands.write_target import echo_written, remote_output
 
 
 @click.command("repair")
+@trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
 @click.option("--write", is_flag=True, help="Apply the repairs; needs --output or --in-place.")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option, jobs_option
+from ckptdoctor.commands.options import format_option, jobs_option, trust_global_option
 
 
 @click.command("seal")
+@trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
 @jobs_option("threads hashing files")

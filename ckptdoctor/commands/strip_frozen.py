@@ -7,13 +7,14 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option, jobs_option
+from ckptdoctor.commands.options import format_option, jobs_option, trust_global_option
 from ckptdoctor.commands.write_target import check_write_target, echo_written, remote_output, write_target_options
 
 PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
 
 
 @click.command("strip-frozen")
+@trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
 @write_target_options(

@@ -26,6 +26,7 @@ from typing import Any
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.pickle_limits import PickleLimits, current_limits
+from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -328,7 +329,9 @@ def _storage_ref_factory(archive: TorchArchive) -> Callable[[Any], StorageRef]:
     return persistent_load
 
 
-def load_archive(blob: Blob, where: str, limits: PickleLimits | None = None, unlisted: list[str] | None = None) -> Any:
+def load_archive(
+    blob: Blob, where: str, limits: PickleLimits | None = None, unlisted: list[UnlistedGlobal] | None = None
+) -> Any:
     """Unpickle a ``torch.save`` archive held in memory into plain objects and stand-ins.
 
     Tensors come back as :class:`~ckptdoctor.torch_stand_ins.TensorRef` whose bytes are read only on demand.
@@ -344,7 +347,7 @@ def unpickle(
     where: str,
     persistent_load: Callable[[Any], Any] | None = None,
     limits: PickleLimits | None = None,
-    unlisted: list[str] | None = None,
+    unlisted: list[UnlistedGlobal] | None = None,
     what: str = "pickle",
     index_only: bool = False,
 ) -> Any:

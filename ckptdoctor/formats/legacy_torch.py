@@ -17,6 +17,7 @@ from typing import Any
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import PickleLimitError, UnsafePickleError
 from ckptdoctor.formats.archive import ArchiveError, storage_ref
+from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.torch_stand_ins import StorageRef, TensorRef
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch.serialization's MAGIC_NUMBER, the first pickle of a legacy save
@@ -27,7 +28,7 @@ MAX_NESTED_SAVES = 10_000  # a real FP8 state holds a few tensors per module
 MAX_PAYLOAD = 16 << 20
 
 
-def check_legacy_save(data: bytes, where: str, unlisted: list[str] | None = None) -> None:
+def check_legacy_save(data: bytes, where: str, unlisted: list[UnlistedGlobal] | None = None) -> None:
     """Every pickle of a legacy save through the safe unpickler (the allowlist and the limits); raises what
     :func:`ckptdoctor.safe_pickle.loads` raises, or :class:`ArchiveError` where ``data`` is no legacy save."""
     view = memoryview(data)
@@ -52,7 +53,7 @@ def _legacy_storage(pid: Any, where: str) -> StorageRef:
     return storage_ref(pid, where)
 
 
-def check_te_extra_state(obj: Any, where: str, unlisted: list[str] | None = None) -> None:
+def check_te_extra_state(obj: Any, where: str, unlisted: list[UnlistedGlobal] | None = None) -> None:
     """If ``obj`` (a decoded ``_extra_state`` item) is a Transformer Engine 2.x state, a non-empty uint8 tensor
     of pickled bytes, check that pickle and every legacy save nested in it (see the module doc)."""
     if not isinstance(obj, TensorRef) or obj.dtype is None or obj.dtype.name != "uint8" or not obj.numel:

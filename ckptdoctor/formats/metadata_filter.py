@@ -22,6 +22,7 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.dcp_writer import FileCopy
 from ckptdoctor.formats.files import open_regular, stat_identity
 from ckptdoctor.formats.torch_dist import StorageLocation
+from ckptdoctor.safe_globals import UnlistedGlobal
 
 _filter: Callable[..., dict[str, Any]] | None
 try:
@@ -60,7 +61,7 @@ class Source:
 
     path: Path
     identity: tuple[int, ...] | None
-    unlisted: tuple[str, ...] = ()
+    unlisted: tuple[UnlistedGlobal, ...] = ()
 
 
 def write_filtered(

@@ -30,6 +30,7 @@ from ckptdoctor.formats.files import file_identity, open_regular, read_releasabl
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.index_records import IndexRecord, index_record_fields
 from ckptdoctor.pickle_limits import current_limits
+from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.stand_ins import STAND_IN_TYPES, StandIn
 
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -57,7 +58,7 @@ class DcpIndex:
     # names of the other attributes of the metadata object (mcore_data, all_local_plans, ...); their values
     # are not kept (all_local_plans holds a record per chunk and rank: a second copy of the index)
     extra: tuple[str, ...] = ()
-    unlisted: tuple[str, ...] = ()  # tolerated globals not on the allowlist (CKD402)
+    unlisted: tuple[UnlistedGlobal, ...] = ()  # tolerated globals not on the allowlist (CKD402)
     # the local .metadata's identity when it was read (see files.file_identity): a rewrite that reads the file
     # again uses it only where it is still the same file, unchanged
     source_identity: tuple[int, ...] | None = None
@@ -92,7 +93,7 @@ def read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
 _WHAT = "DCP metadata"
 
 
-def _load_metadata_pickle(path: Path, unlisted: list[str] | None = None, index_only: bool = False) -> Any:
+def _load_metadata_pickle(path: Path, unlisted: list[UnlistedGlobal] | None = None, index_only: bool = False) -> Any:
     try:
         with open_regular(path) as f:
             data = read_releasable(f, current_limits().max_bytes)
@@ -106,7 +107,7 @@ def _corrupt(path: Path, exc: Exception) -> CkptError:
 
 
 def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
-    unlisted: list[str] = []
+    unlisted: list[UnlistedGlobal] = []
     identity = file_identity(path)  # before the read: a change from here on changes it
     metadata = _load_metadata_pickle(path, unlisted, index_only=True)
     index = _index_from_object(metadata, path, item_class, unlisted, consume=True)
@@ -123,7 +124,7 @@ def read_metadata_for_rewrite(path: Path, item_class: type[DcpItem] = DcpItem) -
 
 
 def _index_from_object(
-    metadata: Any, path: Path, item_class: type[DcpItem], unlisted: list[str], consume: bool
+    metadata: Any, path: Path, item_class: type[DcpItem], unlisted: list[UnlistedGlobal], consume: bool
 ) -> DcpIndex:
     """The index of an unpickled metadata object; ``consume``: empty its dicts while reading them, so that
     each record is freed as soon as its part of the index exists (peak memory: about the larger of the two)."""

@@ -18,6 +18,7 @@ from ckptdoctor.errors import CkptError, PickleLimitError
 from ckptdoctor.formats.archive import ZIP_MAGIC, is_torch_zip, load_archive
 from ckptdoctor.formats.files import open_regular, read_capped
 from ckptdoctor.pickle_limits import PickleLimits, current_limits
+from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
 
 __all__ = ["ZIP_MAGIC", "dump_torch_zip", "is_torch_zip", "load_torch_zip"]
@@ -27,7 +28,7 @@ def load_torch_zip(
     source: bytes | bytearray | memoryview | str | os.PathLike,
     where: str,
     limits: PickleLimits | None = None,
-    unlisted: list[str] | None = None,
+    unlisted: list[UnlistedGlobal] | None = None,
 ) -> Any:
     """Unpickle a ``torch.save`` archive (bytes or a path) into plain objects and stand-ins.
 

@@ -33,11 +33,15 @@ from ckptdoctor.rules import (
     deep_decode,
     finding,
     integrity,
+    is_safety,
     is_selected,
     leftovers,
+    safety,
     structure,
     with_fix,
 )
+from ckptdoctor.safe_globals import trusted_names
+from ckptdoctor.severity import OVERRIDDEN
 
 SCHEMA = "ckptdoctor.check/1"
 
@@ -65,6 +69,30 @@ CHECKPOINT_FILE_RE = re.compile(
 
 
 @dataclass
+class Gate:
+    """What the gate found: every safety finding (CKD4xx) is a failure, none deselectable; the only override is a
+    global trusted on the command line (``--trust-global``), whose findings are listed as overridden."""
+
+    failing: list[Finding]  # the safety findings reported (each an error)
+    trusted: list[str]  # the globals trusted on the command line (module.name)
+    overridden: list[Finding]  # safety findings about trusted globals: not reported as findings, not counted
+
+    @property
+    def safe(self) -> bool:
+        return not self.failing
+
+
+@dataclass
+class ConfigUse:
+    """Where ``check``'s settings came from besides the command line (JSON ``config``; a text line when it changed
+    anything)."""
+
+    path: str | None  # the pyproject.toml whose [tool.ckptdoctor] was read, None when none
+    changed: dict[str, object]  # the settings it set that the command line did not
+    not_read: list[str]  # pyproject.toml files passed over: in or below a checkpoint dir being checked
+
+
+@dataclass
 class CheckReport:
     schema: str
     checked: list[str]  # iteration dirs checked, as named from the given paths
@@ -72,6 +100,9 @@ class CheckReport:
     findings: list[Finding]
     counts: dict[str, int]  # findings by severity ("error", "warning")
     missing: list[str] = field(default_factory=list)  # given paths that do not exist (only with missing_ok)
+    safe_for_loaders: bool = True  # no safety finding: nothing here runs code when a loader reads it
+    gate: Gate = field(default_factory=lambda: Gate([], [], []))
+    config: ConfigUse | None = None
 
     @property
     def clean(self) -> bool:
@@ -120,16 +151,27 @@ def check_paths(
     for shown in iteration_dirs.values():  # keyed by resolved path (each once), read as named (messages match)
         for f in check_iteration_dir(shown, shown, options, progress):
             found.setdefault(f, shown)
+    overridden = [f for f in found if f.severity == OVERRIDDEN]
     kept = [
         f if ckpt is None else with_fix(f, ckpt)
         for f, ckpt in found.items()
-        if is_selected(f.code, options.select, options.ignore) and not _path_ignored(f, options)
+        if f.severity != OVERRIDDEN
+        and is_selected(f.code, options.select, options.ignore)
+        and (is_safety(f.code) or not _path_ignored(f, options))
     ]
     counts = {"error": 0, "warning": 0}
     for f in kept:
         counts[f.severity] = counts.get(f.severity, 0) + 1
+    gate = Gate([f for f in kept if is_safety(f.code)], trusted_names(), overridden)
     return CheckReport(
-        SCHEMA, [str(s) for s in iteration_dirs.values()], targets.skipped, kept, counts, targets.missing
+        SCHEMA,
+        [str(s) for s in iteration_dirs.values()],
+        targets.skipped,
+        kept,
+        counts,
+        targets.missing,
+        gate.safe,
+        gate,
     )
 
 
@@ -170,6 +212,8 @@ def scan_and_check(
     # ~10 small objects per chunk, none cyclic: the collector's repeated scans of them cost more than the work.
     with gc_paused():
         state, findings = structure.scan_iteration(directory, shown)
+        if state.checkpoint is not None:  # the gate on every bytes item's pickle (the common state: above)
+            findings += safety.check_items(state.checkpoint, shown, state.bad_files)
         findings += leftovers.check_iteration_dir(directory, shown)
         findings += consistency.check(state)
         findings += integrity.check_manifest(state, verify_hashes=options.verify_integrity)

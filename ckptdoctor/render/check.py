@@ -39,8 +39,13 @@ def render_check(report: CheckReport, quiet: bool = False, statistics: bool = Fa
                 lines.append(f"    fix: {f.fix}")
     if quiet:
         return "\n".join(lines)
+    lines += _config_lines(report)
     n = len(report.checked)
     where = _plural(n, "checkpoint")
+    overridden = len(report.gate.overridden)
+    if report.gate.trusted:
+        lines.append(f"Trusted globals (--trust-global): {', '.join(report.gate.trusted)}.")
+        where += f"; {_plural(overridden, 'safety finding')} overridden by --trust-global"
     if report.findings:
         errors, warnings = report.counts.get("error", 0), report.counts.get("warning", 0)
         fixable = sum(1 for f in report.findings if f.fix)
@@ -55,6 +60,20 @@ def render_check(report: CheckReport, quiet: bool = False, statistics: bool = Fa
     else:
         lines.append(f"All checks passed ({where}).")
     return "\n".join(lines)
+
+
+def _config_lines(report: CheckReport) -> list[str]:
+    """Where settings came from, when a config file changed anything or one was passed over."""
+    config = report.config
+    if config is None:
+        return []
+    lines = []
+    if config.path is not None and config.changed:
+        settings = ", ".join(f"{key}={json.dumps(value)}" for key, value in config.changed.items())
+        lines.append(f"Config: {config.path} [tool.ckptdoctor] set {settings}.")
+    for passed in config.not_read:
+        lines.append(f"Config: {passed} not read (inside a checkpoint dir: a checkpoint never configures its check).")
+    return lines
 
 
 def statistics(report: CheckReport) -> list[dict[str, Any]]:

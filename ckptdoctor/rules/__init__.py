@@ -17,9 +17,10 @@ from __future__ import annotations
 import dataclasses
 import shlex
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.plain import OMIT_NONE
 from ckptdoctor.severity import ERROR as ERROR  # re-exported: rules and renderers import it from here
 from ckptdoctor.severity import WARNING as WARNING
 
@@ -56,6 +57,16 @@ class Finding:
     message: str
     severity: str
     fix: str | None = None  # the command that fixes it, for this checkpoint (see FIX_COMMANDS); None: no fixer
+    # the global (module.name) or config target a safety finding is about; absent from JSON elsewhere
+    subject: str | None = field(default=None, metadata=OMIT_NONE)
+
+
+# The gate: safety findings (CKD4xx) are always reported; no --select/--ignore or config can deselect them.
+SAFETY_PREFIX = "CKD4"
+
+
+def is_safety(code: str) -> bool:
+    return code.startswith(SAFETY_PREFIX)
 
 
 # Which command fixes which finding: code or code prefix -> command template (``{ckpt}``: the checkpoint
@@ -119,12 +130,20 @@ def validate_selectors(selectors: Iterable[str], option: str) -> list[str]:
                 continue
             if sel != "ALL" and not any(code.startswith(sel) for code in codes):
                 raise CkptError(f"{option}: {part.strip()!r} matches no rule code (see `ckptdoctor rules`)")
+            if sel.startswith(SAFETY_PREFIX):
+                raise CkptError(
+                    f"{option}: {part.strip()!r} names a safety rule (CKD4xx): the gate is always on and cannot be "
+                    "selected or ignored; the only override is --trust-global MODULE.NAME on the command line"
+                )
             out.append(sel)
     return out
 
 
 def is_selected(code: str, select: list[str], ignore: list[str]) -> bool:
-    """A code is reported when a ``select`` prefix matches it and no ``ignore`` prefix does."""
+    """A code is reported when a ``select`` prefix matches it and no ``ignore`` prefix does; a safety code always
+    (CKD4xx: the gate cannot be deselected, see :func:`validate_selectors`)."""
+    if is_safety(code):
+        return True
 
     def matches(selectors: list[str]) -> bool:
         return any(s == "ALL" or code.startswith(s) for s in selectors)

@@ -21,8 +21,10 @@ from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
 from ckptdoctor.rules import Finding, finding
 from ckptdoctor.rules.integrity import BLOB_SIZE, BLOB_UNDECODABLE, ITEM_UNDECODABLE, NON_FINITE
 from ckptdoctor.rules.non_finite import NonFinite
-from ckptdoctor.rules.safety import refused_pickle, unlisted_globals
+from ckptdoctor.rules.safety import item_findings, refused_pickle, unlisted_globals
 from ckptdoctor.rules.structure import Scanned
+from ckptdoctor.safe_globals import UnlistedGlobal
+from ckptdoctor.severity import OVERRIDDEN
 from ckptdoctor.torch_stand_ins import StorageRef, TensorRef
 
 NON_FINITE_SECTIONS = ("model", "optimizer")
@@ -150,6 +152,7 @@ class _Verdict:
     size_problem: str | None = None  # a CKD311 reason
     record: str | None = None  # the storage record's key
     record_bytes: int = 0  # numel x itemsize the record must hold
+    unlisted: tuple[UnlistedGlobal, ...] = ()  # globals read as stand-ins though not on the allowlist (the gate)
 
 
 class _ChunkDecoder:
@@ -186,12 +189,15 @@ class _ChunkDecoder:
 
 
 def _decide(pickled: bytes, entry: Entry, chunk: DcpChunk) -> _Verdict:
+    unlisted: list[UnlistedGlobal] = []
     try:
-        ref = safe_pickle.loads(pickled, _persistent_load)
+        ref = safe_pickle.loads(pickled, _persistent_load, None, unlisted)
     except (UnsafePickleError, PickleLimitError) as exc:
         return _Verdict(refused=exc)
     except Exception as exc:  # a corrupt pickle can raise almost anything
         return _Verdict(problem=f"corrupt pickle ({type(exc).__name__}: {exc})")
+    if any(not entry.trusted for entry in unlisted):
+        return _Verdict(unlisted=tuple(unlisted))
     if not isinstance(ref, TensorRef):
         return _Verdict(problem=f"expected a tensor, found {type(ref).__name__}")
     problem = _metadata_problem(ref, entry, chunk)
@@ -232,6 +238,8 @@ def _check_chunk(
         verdict = decoder.verdict(bytes(pickled), entry, chunk)
         if verdict.refused is not None:
             return refused_pickle(verdict.refused, path, what)
+        if verdict.unlisted:
+            return next(f for f in unlisted_globals(list(verdict.unlisted), path, what) if f.severity != OVERRIDDEN)
         if verdict.problem is not None:
             return finding(BLOB_UNDECODABLE, path, f"{what}: {verdict.problem}")
         if verdict.size_problem is not None:
@@ -280,11 +288,13 @@ def _check_item(entry: Entry, blob: memoryview, path: Path) -> Finding | None:
     if not is_torch_zip(blob):  # DCP saves every bytes item with torch.save and torch.load()s it back
         why = f"not a torch.save archive ({len(blob)} bytes, starting {bytes(blob[:8])!r})"
         return finding(ITEM_UNDECODABLE, path, f"{what}: {why}")
-    unlisted: list[str] = []
+    gate = [f for f in item_findings(entry.key, bytes(blob), path) if f.severity != OVERRIDDEN]
+    if gate:  # the finding plain check reports too (the same one: reported once)
+        return gate[0]
     try:
-        decode_object_bytes(bytes(blob), what, unlisted)
-    except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
-        return refused_pickle(exc, path, what)
+        decode_object_bytes(bytes(blob), what)
     except CkptError as exc:
+        if isinstance(exc, (UnsafePickleError, PickleLimitError, ArchiveError)):
+            return None  # trusted (--trust-global): the gate above said what it is
         return finding(ITEM_UNDECODABLE, path, f"{what}: {without_path(exc, what)}")
-    return unlisted_globals(unlisted, path, what)[0] if unlisted else None
+    return None

@@ -1,18 +1,31 @@
-"""Safety rules (CKD4xx): pickles and archives that a real load would execute, or that attack the reader.
+"""Safety rules (CKD4xx), the gate: pickles, archives and configs that a real load would execute, or that attack
+the reader.
 
-PyTorch DCP reads ``.metadata`` with plain ``pickle.load`` and Megatron reads the common state and sharded
-objects with ``weights_only=False``: a global in those pickles is code that runs on load. Every pickle
-ckptdoctor reads goes through :mod:`ckptdoctor.safe_pickle` (an exact allowlist, refused before anything
-runs) after :mod:`ckptdoctor.pickle_scan` (resource limits), and every archive through
-:mod:`ckptdoctor.formats.archive`; these rules turn the refusals into findings naming the file, so a check
-carries on.
+PyTorch DCP reads ``.metadata`` with plain ``pickle.load``, Megatron reads the common state and sharded objects
+with ``weights_only=False``, Transformer Engine before 2.18 ``pickle.loads`` its extra state, and Megatron-Bridge
+instantiates ``_target_`` entries of ``run_config.yaml``: a global in those pickles, or a target in that file, is
+code that runs on load. Every pickle ckptdoctor reads goes through :mod:`ckptdoctor.safe_pickle` (an exact
+allowlist, refused before anything runs) after :mod:`ckptdoctor.pickle_scan` (resource limits), and every archive
+through :mod:`ckptdoctor.formats.archive`; these rules turn the refusals, and the globals read as inert stand-ins
+though not on the allowlist, into findings naming the file, so a check carries on. Every safety finding is an
+error, and none can be deselected (:func:`ckptdoctor.rules.is_selected`): the only override is a global the user
+trusts on the command line (``--trust-global``), whose finding is reported as overridden.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from ckptdoctor import problems
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
-from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
+from ckptdoctor.rules import ERROR, Finding, RuleInfo, finding
+from ckptdoctor.safe_globals import UnlistedGlobal, merged_unlisted
+from ckptdoctor.severity import OVERRIDDEN
+
+if TYPE_CHECKING:
+    from ckptdoctor.checkpoint import Checkpoint
 
 UNSAFE_PICKLE = RuleInfo(
     problems.UNSAFE_PICKLE,
@@ -28,13 +41,16 @@ UNSAFE_PICKLE = RuleInfo(
     "is replaced.",
 )
 UNLISTED_GLOBAL = RuleInfo(
-    "CKD402",
-    "unlisted-class",
+    problems.UNLISTED_GLOBAL,
+    "unlisted-global",
     "safety",
-    WARNING,
-    "a pickle references a megatron / transformer_engine / nemo class that is not on the allowlist",
-    "ckptdoctor reads it as an inert stand-in (nothing runs), but a real load imports and calls it. A new "
-    "Megatron release can add classes to its checkpoints: check that the name is one you expect.",
+    ERROR,
+    "a pickle references a megatron / transformer_engine / nemo global that is not on the allowlist",
+    "ckptdoctor reads it as an inert stand-in (nothing runs here, so inspect, show and diff still work), but a "
+    "real load imports the real object and calls it, instantiates it or hands it on, as the pickle says; "
+    "megatron-core ships helpers that import a name given as data and call it. The message says how the pickle "
+    "uses the name. A new Megatron release can add names to its checkpoints: if you know the name and its "
+    "code, pass --trust-global MODULE.NAME (command line only); no --ignore or config deselects this rule.",
 )
 PICKLE_LIMIT = RuleInfo(
     problems.PICKLE_LIMIT,
@@ -57,7 +73,19 @@ ARCHIVE_ANOMALY = RuleInfo(
     "archives with several prefixes and member names that leave the archive directory.",
 )
 
-RULES = [UNSAFE_PICKLE, UNLISTED_GLOBAL, PICKLE_LIMIT, ARCHIVE_ANOMALY]
+UNSAFE_CONFIG_TARGET = RuleInfo(
+    problems.UNSAFE_CONFIG_TARGET,
+    "unsafe-config-target",
+    "safety",
+    ERROR,
+    "run_config.yaml names a _target_ that is not an allowlisted Megatron-Bridge config or provider class",
+    "Megatron-Bridge's load and convert paths instantiate run_config.yaml's model (and tokenizer) sections from "
+    "their _target_ entries: any importable dotted path, called with arguments from the file. Only the "
+    "Megatron-Bridge provider and config classes (and functions referenced with _call_: false) are data; "
+    "anything else, or a _target_ the line scanner cannot attribute for certain, fails the gate.",
+)
+
+RULES = [UNSAFE_PICKLE, UNLISTED_GLOBAL, PICKLE_LIMIT, ARCHIVE_ANOMALY, UNSAFE_CONFIG_TARGET]
 
 
 def refused_pickle(error: CkptError, path: object, what: str) -> Finding:
@@ -66,8 +94,11 @@ def refused_pickle(error: CkptError, path: object, what: str) -> Finding:
 
     if isinstance(error, UnsafePickleError):
         why = error.detail or "not on the allowlist"
-        return finding(
-            UNSAFE_PICKLE, path, f"{what}: pickle references {error.global_name}, {why} (refused, nothing executed)"
+        return _about(
+            finding(
+                UNSAFE_PICKLE, path, f"{what}: pickle references {error.global_name}, {why} (refused, nothing executed)"
+            ),
+            error.global_name,
         )
     if isinstance(error, PickleLimitError):
         return finding(PICKLE_LIMIT, path, f"{what}: {_without_place(str(error))}")
@@ -76,21 +107,102 @@ def refused_pickle(error: CkptError, path: object, what: str) -> Finding:
     return finding(UNSAFE_PICKLE, path, f"{what}: {error}")
 
 
+def gate_findings(read: Callable[[list[UnlistedGlobal]], object], path: object, what: str) -> list[Finding]:
+    """The gate's findings about one pickle (or a chain of them: an archive, its nested saves): ``read(unlisted)``
+    reads it through the one unpickler, collecting the globals read as stand-ins though not on the allowlist. A
+    refusal is one finding (what was read before it is reported too); damage (any other :class:`CkptError`) is
+    raised for the caller's own rules."""
+    unlisted: list[UnlistedGlobal] = []
+    from ckptdoctor.formats.archive import ArchiveError
+
+    try:
+        read(unlisted)
+    except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
+        return [refused_pickle(exc, path, what), *unlisted_globals(unlisted, path, what)]
+    return unlisted_globals(unlisted, path, what)
+
+
+def item_findings(key: str, data: bytes, path: object) -> list[Finding]:
+    """The gate on one bytes item (a ShardedObject: rng state, ``_extra_state``, optimizer leftovers), as megatron-core
+    loads it with ``torch.load(weights_only=False)``: a ``torch.save`` archive's pickle (its storages only where a
+    loader unpickles them: Transformer Engine's extra state), or, for bytes that are no zip archive, the pickles
+    torch's legacy reader unpickles from the first byte. Damage is not the gate's business (``check --deep``
+    reports it): [] then, with whatever the pickles read before it named."""
+    from ckptdoctor.checkpoint import decode_object_bytes
+    from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
+    from ckptdoctor.formats.legacy_torch import check_legacy_save
+
+    what = f"item {key}"
+    legacy = bool(data) and not is_torch_zip(data)
+    seen: list[UnlistedGlobal] = []
+
+    def read(unlisted: list[UnlistedGlobal]) -> None:
+        try:
+            if legacy:
+                check_legacy_save(data, what, unlisted)
+            else:
+                decode_object_bytes(data, what, unlisted)
+        except (UnsafePickleError, PickleLimitError):
+            raise
+        except ArchiveError:
+            if not legacy:
+                raise
+            seen.extend(unlisted)  # no legacy save: torch.load fails on it after at most what was read (damage)
+            raise CkptError(what) from None
+        except CkptError:
+            seen.extend(unlisted)
+            raise
+
+    try:
+        return gate_findings(read, path, what)
+    except CkptError:
+        return unlisted_globals(seen, path, what)
+
+
+def check_items(checkpoint: Checkpoint, shown: Path, skip_files: Collection[str] = ()) -> list[Finding]:
+    """The gate on every bytes item but the common state (checked as such), in plain ``check``: each item's pickle
+    is read (a few KB each), never a tensor chunk (``--deep``). Items in ``skip_files`` (missing or truncated data
+    files, reported by the structure rules) and items that cannot be read are left to those rules."""
+    out: list[Finding] = []
+    common = checkpoint.common_source
+    for entry in checkpoint.entries.values():
+        location = entry.chunks[0].storage if entry.chunks else None
+        if entry.kind == "tensor" or entry.key == common or location is None:
+            continue
+        if location.relative_path in skip_files:
+            continue
+        try:
+            data, _ = checkpoint.bytes_item_data(entry.key)
+        except CkptError:
+            continue
+        out += item_findings(entry.key, data, shown / location.relative_path)
+    return out
+
+
 def unsafe_pickle(error: UnsafePickleError, path: object, what: str) -> Finding:
     """CKD401 for a refused global found in ``what``."""
     return refused_pickle(error, path, what)
 
 
-def unlisted_globals(names: list[str], path: object, what: str) -> list[Finding]:
-    """CKD402, once per distinct unlisted global of one pickle."""
-    return [
-        finding(
-            UNLISTED_GLOBAL,
-            path,
-            f"{what}: pickle references {name}, a class not on the allowlist (read as an inert stand-in)",
+def unlisted_globals(entries: list[UnlistedGlobal], path: object, what: str) -> list[Finding]:
+    """CKD402, once per distinct global of one pickle read as a stand-in though not on the allowlist, saying how
+    the pickle uses it; a trusted one (``--trust-global``) as an overridden finding (listed, never counted)."""
+    out = []
+    for entry in merged_unlisted(entries):
+        if entry.trusted:
+            message = f"{what}: pickle references {entry.name}, not on the allowlist, trusted by --trust-global"
+            out.append(Finding(UNLISTED_GLOBAL.code, str(path), message, OVERRIDDEN, subject=entry.name))
+            continue
+        message = (
+            f"{what}: pickle references {entry.name}, {entry.use}; not on the allowlist (ckptdoctor read it as an "
+            "inert stand-in, nothing ran here)"
         )
-        for name in sorted(set(names))
-    ]
+        out.append(_about(finding(UNLISTED_GLOBAL, path, message), entry.name))
+    return out
+
+
+def _about(f: Finding, subject: str) -> Finding:
+    return Finding(f.code, f.path, f.message, f.severity, f.fix, subject)
 
 
 def _without_place(message: str) -> str:
