@@ -106,8 +106,8 @@ class SafeUnpickler(pickle.Unpickler):
 def _recording_uses(cls: type[StandIn], entry: UnlistedGlobal) -> type[StandIn]:
     """A subclass of an unlisted global's stand-in, made for one ``find_class``, that counts how the pickle uses it
     (``entry.calls``, ``instances``, ``builds``): the gate's message says what a real load would do with the name.
-    REDUCE (``cls(*args)``) runs ``__new__`` and ``__init__``, NEWOBJ only ``__new__``. Never written back: an
-    untrusted unlisted global fails the gate before any write."""
+    REDUCE (``cls(*args)``) runs ``__new__`` and ``__init__``, NEWOBJ only ``__new__``. It pickles back as the
+    global (``__reduce__``), where the write's read-back then refuses it (:func:`_verify_written`)."""
 
     def __new__(sub: type[StandIn], *args: Any, **kwargs: Any) -> StandIn:
         entry.instances += 1
@@ -122,7 +122,14 @@ def _recording_uses(cls: type[StandIn], entry: UnlistedGlobal) -> type[StandIn]:
         entry.builds += 1
         StandIn.__setstate__(self, state)
 
+    def __reduce__(self: StandIn) -> tuple:  # pickled back as the global itself (a --trust-global write)
+        reduced = StandIn.__reduce__(self)
+        if reduced[0] is type(self):
+            return (cls, *reduced[1:])
+        return (reduced[0], (cls, *reduced[1][1:]), *reduced[2:])
+
     namespace = {
+        "__reduce__": __reduce__,
         "__new__": __new__,
         "__init__": __init__,
         "__setstate__": __setstate__,

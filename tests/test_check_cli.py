@@ -142,7 +142,18 @@ def test_json_report_shape(capsys):
     report = json.loads(out)
     jsonschema.validate(report, json.loads((REPO / "docs/check.schema.json").read_text()))
     assert report["schema"] == "ckptdoctor.check/1"
-    assert set(report) == {"schema", "checked", "skipped", "findings", "counts", "missing"}
+    assert set(report) == {
+        "schema",
+        "checked",
+        "skipped",
+        "findings",
+        "counts",
+        "missing",
+        "safe_for_loaders",
+        "gate",
+        "config",
+    }
+    assert report["safe_for_loaders"] is True and report["config"] is None  # --isolated: no config looked for
     for f in report["findings"]:
         assert set(f) == {"code", "path", "message", "severity", "fix"} and f["severity"] in ("error", "warning")
     assert sum(report["counts"].values()) == len(report["findings"])

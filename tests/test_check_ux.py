@@ -218,7 +218,8 @@ def test_misspelled_config_key(tmp_path):
     assert f"{path}: [tool.ckptdoctor] unknown key 'ignor' (did you mean 'ignore'?" in result.stderr
     _write_config(tmp_path, 'ignore = ["CKD203"]\n\n[tool.ckptdoctor.diff]\nignore-layout = true')  # other tables
     result = run_cli("check", str(CONVERTED), cwd=tmp_path)
-    assert result.returncode == 1 and "CKD203" not in result.stdout and "CKD210" in result.stdout
+    assert result.returncode == 1 and ": CKD203" not in result.stdout and ": CKD210" in result.stdout
+    assert f'Config: {path} [tool.ckptdoctor] set ignore=["CKD203"].' in result.stdout  # what the config changed
 
 
 def test_unknown_code_in_config_is_blamed_on_the_file(tmp_path):

@@ -30,6 +30,7 @@ from hostile_corpus import (
 )
 
 from ckptdoctor import safe_pickle
+from ckptdoctor.safe_globals import trusting
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats.torch_dist import (
     StorageLocation,
@@ -154,17 +155,18 @@ def test_every_written_pickle_is_read_back_through_the_allowlist(monkeypatch):
         safe_pickle.dumps(value)
 
 
-def test_unlisted_megatron_class_is_a_warning_not_an_error(save_dir):
+def test_unlisted_megatron_global_fails_the_gate_but_inspect_reads_it(save_dir):
     save = save_dir()
     path = save / ITER / "common.pt"
     state = load_torch_zip(path, str(path))
-    state["extra"] = safe_pickle.loads(call("megatron.core.brand_new", "FutureConfig", "x"))
-    path.write_bytes(dump_torch_zip(state))
+    with trusting(["megatron.core.brand_new.FutureConfig"]):  # our writer refuses it otherwise
+        state["extra"] = safe_pickle.loads(call("megatron.core.brand_new", "FutureConfig", "x"))
+        path.write_bytes(dump_torch_zip(state))
     rc, report = check_json(save)
-    assert rc == 1 and codes(report) == ["CKD402"], report  # a finding, even a warning, fails check
-    assert report["findings"][0]["severity"] == "warning"
-    assert "megatron.core.brand_new.FutureConfig" in report["findings"][0]["message"]
-    assert run_limited("inspect", str(save)).returncode == 0
+    assert rc == 1 and codes(report) == ["CKD402"], report  # the next loader imports and calls it
+    assert report["findings"][0]["severity"] == "error" and report["safe_for_loaders"] is False
+    assert "megatron.core.brand_new.FutureConfig, a called object" in report["findings"][0]["message"]
+    assert run_limited("inspect", str(save)).returncode == 0  # still read (as an inert stand-in) to look at
 
 
 # --- resources ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from ckptdoctor.formats.files import read_small_file
 from ckptdoctor.formats.torch_zip import load_torch_zip
 from ckptdoctor.locate import BRIDGE_TRACKER_NAME as BRIDGE_TRACKER_NAME  # re-exported: one name, in locate
 from ckptdoctor.pickle_limits import current_limits
+from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.torch_stand_ins import TensorRef
 
 TRAIN_STATE_NAME = "train_state.pt"
@@ -39,19 +40,19 @@ MAX_TRAIN_STATE_BYTES = 1 << 20  # Bridge's is ~3.5 KB
 _INT_FORMATS = {"int64": "<q", "int32": "<i", "int16": "<h", "int8": "<b", "uint8": "<B"}
 
 
-def read_train_state_step(path: Path, data: bytes | None = None) -> int:
+def read_train_state_step(path: Path, data: bytes | None = None, unlisted: list[UnlistedGlobal] | None = None) -> int:
     """The ``step`` of a Bridge train state file (``data``: its bytes, already read), checked as Bridge's resume
     uses it.
 
     Raises :class:`~ckptdoctor.errors.CkptError` naming ``path`` where Bridge's load would fail (not a
     ``torch.save`` archive of a dict holding the eight one-element tensors) or resume from nowhere (a step that is
     not a non-negative integer); refusals of the safe unpickler (:class:`UnsafePickleError`, limits, archive
-    anomalies) pass through as they are.
+    anomalies) pass through as they are; globals read as stand-ins though not on the allowlist go to ``unlisted``.
     """
     limits = current_limits()
     capped = dataclasses.replace(limits, max_bytes=min(limits.max_bytes, MAX_TRAIN_STATE_BYTES))
     try:
-        state = load_torch_zip(path if data is None else data, str(path), capped)
+        state = load_torch_zip(path if data is None else data, str(path), capped, unlisted)
     except PickleLimitError as exc:
         if str(exc).startswith(f"{path}: larger than the limit"):  # the cap, not --max-pickle-bytes
             raise CkptError(f"{path}: larger than {MAX_TRAIN_STATE_BYTES} bytes: not a train state file") from None

@@ -28,17 +28,20 @@ from typing import Any
 
 from ckptdoctor.args import args_as_dict
 from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.errors import PickleLimitError, UnsafePickleError
 from ckptdoctor.formats import read_by_current_megatron
+from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.ops.can_load_args import args_problem
 from ckptdoctor.ops.can_load_keys import SWIGLU_FC1, KeyPlan, model_plan
 from ckptdoctor.ops.can_load_optim import optimizer_verdict
 from ckptdoctor.ops.can_load_run import Layout, LoadRun, parse_target, run_args, saved_layout
 from ckptdoctor.ops.can_load_shapes import VOCAB_KEYS
+from ckptdoctor.ops.pickle_gate import gate_failures
 from ckptdoctor.parallelism import infer_layout
 
 SCHEMA = "ckptdoctor.can-load/1"
 LOADS, RESHARDS, SKIPPED, FAILS = "loads", "reshards", "skipped", "fails"
-SECTION_ORDER = ("format", "args", "common", "model", "optimizer", "rng", "rerun")
+SECTION_ORDER = ("safety", "format", "args", "common", "model", "optimizer", "rng", "rerun")
 _RAISING = ("raise_unexpected", "raise_all")
 _DROPPING = ("log_unexpected", "log_all", "ignore_all", "return_unexpected", "return_all")
 UNEXPECTED_TITLE = "Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict."
@@ -272,6 +275,23 @@ def _args_verdict(ctx: _Context) -> SectionVerdict:
     return SectionVerdict("args", FAILS, problem.why, problem.error, problem.fix)
 
 
+def _safety_verdict(ckpt: Checkpoint) -> SectionVerdict | None:
+    """Fails where the gate fails on anything the load reads (``.metadata``, the common state, the sharded objects,
+    Bridge's files): the load would run code, whatever else it does."""
+    failures = gate_failures(ckpt)
+    if not failures:
+        return None
+    first = failures[0]
+    more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+    return SectionVerdict(
+        "safety",
+        FAILS,
+        f"unsafe: loading runs code: {first.path}: {first.code} {first.message}{more}",
+        None,
+        "do not load it; `ckptdoctor check` lists every finding (--trust-global MODULE.NAME for a global you know)",
+    )
+
+
 def _format_verdict(ctx: _Context) -> SectionVerdict | None:
     if not read_by_current_megatron(ctx.ckpt.location.backend):
         where = ctx.ckpt.iteration_dir / ".metadata"
@@ -289,7 +309,13 @@ def _format_verdict(ctx: _Context) -> SectionVerdict | None:
 def predict(
     ckpt: Checkpoint, target_spec: str, run: LoadRun, model_args: dict[str, Any] | None = None
 ) -> CanLoadReport:
-    common = ckpt.common_state()
+    safety = _safety_verdict(ckpt)
+    try:
+        common = ckpt.common_state()
+    except (UnsafePickleError, PickleLimitError, ArchiveError):
+        if safety is None:
+            raise
+        common = {}  # refused by the gate: the safety section says so, the rest is predicted without it
     saved_args = args_as_dict(common.get("args"))
     layout = infer_layout(ckpt)
     saved = saved_layout(saved_args, layout.tp, layout.pp)
@@ -300,7 +326,7 @@ def predict(
     ctx.warnings += [
         f"--set {name}: not an arg of the checkpoint (a new arg, or a typo?)" for name in run.sets if name not in base
     ]
-    sections: list[SectionVerdict] = []
+    sections: list[SectionVerdict] = [safety] if safety is not None else []
     fmt = _format_verdict(ctx)
     if fmt is not None:
         sections.append(fmt)

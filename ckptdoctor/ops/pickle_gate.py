@@ -1,66 +1,85 @@
-"""The gate every write command passes before copying a checkpoint's pickles to a new place.
+"""The gate every write command passes before its output can carry a checkpoint's pickles to a new place.
 
-Write commands hard-link or copy bytes items (rng state, ``_extra_state``, optimizer leftovers) unchanged;
-Megatron unpickles them with ``weights_only=False`` on load. A bytes item holding a global outside the
-allowlist (or breaking a limit, or an archive torch would read differently) is never carried to the next
-loader: the write is refused, naming the file, the item and the global. ``--force`` does not override it.
+Write commands hard-link or copy bytes items (rng state, ``_extra_state``, optimizer leftovers), ``common.pt``,
+``.metadata`` and Megatron-Bridge's train state files unchanged; the next loader unpickles them (plain
+``pickle.load``, ``torch.load(weights_only=False)``) and instantiates ``run_config.yaml``'s targets. A pickle
+naming a global outside the exact allowlist (refused, or read here as an inert stand-in), breaking a limit, or
+an archive torch would read differently is never carried: the write is refused with exit 1 and one line naming
+the file, the item, the global and the code. ``--force`` does not override it; ``--trust-global MODULE.NAME`` does,
+for that name. What a write makes anew (a rewritten ``.metadata`` or common state) is read back through the same
+gate before its rename (``safe_pickle.dumps``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
-from ckptdoctor.checkpoint import Checkpoint, decode_object_bytes
-from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
+from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.errors import CkptError, GateRefusal
 from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
 from ckptdoctor.formats.files import open_regular
+from ckptdoctor.rules import Finding
+from ckptdoctor.rules.bridge import bridge_gate
+from ckptdoctor.rules.safety import gate_findings, item_findings, run_config_findings, unlisted_globals
+from ckptdoctor.severity import OVERRIDDEN
 
 
-def refuse_unsafe_pickles(checkpoint: Checkpoint, keys: Collection[str] | None = None) -> None:
-    """Decode every bytes item (of ``keys``, when given: the items a write carries over) through the safe
-    unpickler; raise :class:`CkptError` at the first refusal.
-
-    Damaged archives are not this gate's business (torch reads nothing of a damaged zip); only refusals stop it,
-    and an item that is no zip archive at all (torch.load unpickles it as a legacy-format save).
-    The ``.metadata`` is read through the same unpickler before any write anyway; so is a ``common.pt``, here
-    (``edit`` links it unchanged, reading it only when it changes args).
-    """
+def gate_failures(
+    checkpoint: Checkpoint, keys: Collection[str] | None = None, metadata_carried: bool = True
+) -> list[Finding]:
+    """The gate's failures in what a write carries of ``checkpoint`` unchanged: the bytes items (of ``keys``, when
+    given), ``common.pt``, the ``.metadata`` (unless the write makes it anew: ``metadata_carried``), the iteration
+    dir's Bridge files. Damage is not the gate's business (torch reads nothing of a damaged zip)."""
+    directory = checkpoint.iteration_dir
+    found: list[Finding] = []
+    if metadata_carried and checkpoint.dcp is not None:
+        found += unlisted_globals(list(checkpoint.dcp.unlisted), directory / ".metadata", "DCP metadata")
     if checkpoint.common_source == "common.pt":
-        _refuse_unsafe_common_pt(checkpoint)
+        found += _common_pt(checkpoint)
     for entry in checkpoint.entries.values():
-        if keys is not None and entry.key not in keys:
-            continue
         location = entry.chunks[0].storage if entry.chunks else None
-        if entry.kind == "tensor" or location is None:
+        if entry.kind == "tensor" or location is None or (keys is not None and entry.key not in keys):
             continue
         try:
-            data, where = checkpoint.bytes_item_data(entry.key)
-            if data and not is_torch_zip(data):
-                # torch.load reads it as a legacy save: pickle.load from its first byte, which runs what the
-                # pickle names before anything checks the format (even where the rest is garbage)
-                raise ArchiveError(f"{where}: not a torch.save archive, which torch.load unpickles as a legacy save")
-            decode_object_bytes(data, where)
-        except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
-            path = checkpoint.iteration_dir / location.relative_path
-            detail = str(exc).split(": ", 2)[-1] if ": " in str(exc) else str(exc)
-            raise CkptError(
-                f"{path}: item {entry.key}: {detail}; refusing to copy a pickle that a real load "
-                "would execute or choke on (--force does not override this)"
-            ) from None
+            data, _ = checkpoint.bytes_item_data(entry.key)
         except CkptError:
             continue
+        found += item_findings(entry.key, data, directory / location.relative_path)
+    found += bridge_gate(directory)
+    found += run_config_findings(directory, directory)
+    return [f for f in found if f.severity != OVERRIDDEN]
 
 
-def _refuse_unsafe_common_pt(checkpoint: Checkpoint) -> None:
+def refusal(failure: Finding) -> GateRefusal:
+    """The one line a write refuses with: file, item, global and code (exit 1)."""
+    override = f"--trust-global {failure.subject} overrides it" if failure.code == "CKD402" else "nothing overrides it"
+    return GateRefusal(
+        f"{failure.path}: {failure.code} {failure.message}; refusing to write an output that carries it: a real load "
+        f"would run code or choke on it ({override}; --force does not)"
+    )
+
+
+def refuse_unsafe_pickles(
+    checkpoint: Checkpoint, keys: Collection[str] | None = None, metadata_carried: bool = True
+) -> None:
+    """Raise :class:`GateRefusal` at the first of :func:`gate_failures`."""
+    failures = gate_failures(checkpoint, keys, metadata_carried)
+    if failures:
+        raise refusal(failures[0])
+
+
+def _common_pt(checkpoint: Checkpoint) -> list[Finding]:
     path = checkpoint.iteration_dir / "common.pt"
-    try:
+
+    def read(unlisted: list) -> None:
         with open_regular(path) as f:
             head = f.read(4)
-        if head and not is_torch_zip(head):  # torch.load unpickles it as a legacy save, as a bytes item above
+        if head and not is_torch_zip(head):  # torch.load unpickles it as a legacy save, as a bytes item
             raise ArchiveError(f"{path}: not a torch.save archive, which torch.load unpickles as a legacy save")
         checkpoint.common_state()
-    except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
-        why = "not copied: a real load would execute or choke on it (--force does not override this)"
-        raise CkptError(f"{exc}; {why}") from None
+        unlisted.extend(checkpoint.common_unlisted)
+
+    try:
+        return gate_findings(read, path, "common state")
     except CkptError:
-        return
+        return []

@@ -37,7 +37,7 @@ from ckptdoctor.locate import (
 from ckptdoctor.ops import fix_args_write
 from ckptdoctor.ops.check import CheckOptions, check_paths
 from ckptdoctor.ops.latest_good import iteration_value
-from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
+from ckptdoctor.ops.pickle_gate import refusal, refuse_unsafe_pickles
 from ckptdoctor.ops.repair import (
     INTERRUPTED_CODE,
     LEFTOVER_CODE,
@@ -48,7 +48,7 @@ from ckptdoctor.ops.repair import (
 from ckptdoctor.ops.repair_bridge import write_bridge_tracker
 from ckptdoctor.ops.repair_report import RepairReport, RepairWrite
 from ckptdoctor.ops.staging import not_carried, quarantine_dir
-from ckptdoctor.rules import leftovers
+from ckptdoctor.rules import is_safety, leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
 from ckptdoctor.tree_removal import remove_tree
 
@@ -257,11 +257,14 @@ def repair(
     report, work = plan(path, iteration, options)
     if not write:
         return report
+    gate = [f for f in report.findings if is_safety(f.code)]
+    if gate:  # whatever it would write, the save dir keeps (or --output copies) a pickle that runs code on load
+        raise refusal(gate[0])
     if not report.actions:
         report.notes.append("nothing to write: no finding can be repaired safely")
         return report
-    # what the write completes (metadata.json) or copies (--output) holds no pickle a real load would execute:
-    # check sees bytes items only with --deep
+    # what the write completes (metadata.json) or copies (--output) holds no pickle a real load would execute
+    # (the tracker's target, where --output copies it)
     if output is not None and work.tracker_value is not None:
         refuse_unsafe_pickles(open_checkpoint(work.save_dir / iteration_dir_name(work.tracker_value)))  # type: ignore[operator]
     elif work.tracker_value is None and work.checkpoint is not None:

@@ -27,10 +27,11 @@ from ckptdoctor.atomic import keep_previous, timestamp, write_atomic
 from ckptdoctor.errors import CkptError
 from ckptdoctor.locate import locate
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
+from ckptdoctor.ops.pickle_gate import refusal
 from ckptdoctor.ops.staging import quarantine_dir
 from ckptdoctor.parallel import default_jobs
 from ckptdoctor.progress import Progress
-from ckptdoctor.rules import ERROR, leftovers
+from ckptdoctor.rules import ERROR, is_safety, leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME, sha256_file
 
 SCHEMA = "ckptdoctor.seal/1"
@@ -122,6 +123,9 @@ def seal(
         # Never seal a checkpoint that fails check: the manifest would vouch for a broken save.
         found = check_iteration_dir(iteration_dir, iteration_dir, CheckOptions(verify_integrity=True))
         errors = [f for f in found if f.severity == ERROR and not (existed and f.code in _MANIFEST_CODES)]
+        gate = [f for f in errors if is_safety(f.code)]
+        if gate:  # a manifest would vouch for a pickle that runs code in the next loader
+            raise refusal(gate[0])
         if errors:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
             raise CkptError(

@@ -93,13 +93,14 @@ def structural_problems(checkpoint: Checkpoint) -> list[str]:
 
 
 def check_integrity(checkpoint: Checkpoint, verb: str = "strip", carried: Collection[str] | None = None) -> None:
-    """Refuse a structurally damaged checkpoint, and one whose bytes items (``carried``: those the write keeps)
-    hold a pickle a real load would refuse or execute."""
+    """Refuse a structurally damaged checkpoint, and one whose bytes items (``carried``: those the write keeps),
+    ``common.pt`` or Bridge files hold a pickle a real load would refuse or execute (the ``.metadata`` is written
+    anew and read back through the gate)."""
     problems = structural_problems(checkpoint)
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise CkptError(f"{problems[0]}{more}; refusing to {verb} a damaged checkpoint")
-    refuse_unsafe_pickles(checkpoint, carried)
+    refuse_unsafe_pickles(checkpoint, carried, metadata_carried=False)
 
 
 # --- trainable selection ---------------------------------------------------------------------------

@@ -119,8 +119,10 @@ def finding(rule: RuleInfo, path: object, message: str) -> Finding:
     return Finding(rule.code, str(path), message, rule.severity)
 
 
-def validate_selectors(selectors: Iterable[str], option: str) -> list[str]:
-    """Normalize ``--select``/``--ignore`` values (codes or prefixes, comma separated); unknown ones are errors."""
+def validate_selectors(selectors: Iterable[str], option: str, listing: bool = False) -> list[str]:
+    """Normalize ``--select``/``--ignore`` values (codes or prefixes, comma separated); unknown ones are errors, and
+    so is one naming a safety rule (the gate is always on), unless the selectors only pick rules to list
+    (``listing``: ``ckptdoctor rules CKD4``)."""
     codes = [r.code for r in all_rules()]
     out: list[str] = []
     for raw in selectors:
@@ -130,7 +132,7 @@ def validate_selectors(selectors: Iterable[str], option: str) -> list[str]:
                 continue
             if sel != "ALL" and not any(code.startswith(sel) for code in codes):
                 raise CkptError(f"{option}: {part.strip()!r} matches no rule code (see `ckptdoctor rules`)")
-            if sel.startswith(SAFETY_PREFIX):
+            if sel.startswith(SAFETY_PREFIX) and not listing:
                 raise CkptError(
                     f"{option}: {part.strip()!r} names a safety rule (CKD4xx): the gate is always on and cannot be "
                     "selected or ignored; the only override is --trust-global MODULE.NAME on the command line"

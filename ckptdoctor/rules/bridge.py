@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptdoctor.errors import CkptError, without_path
+from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
+from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.formats.train_state import (
     BRIDGE_TRACKER_NAME,
     TRAIN_STATE_NAME,
@@ -19,6 +20,9 @@ from ckptdoctor.formats.train_state import (
 )
 from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, iteration_dir_name
 from ckptdoctor.rules import ERROR, WARNING, Finding, family_rule, finding
+from ckptdoctor.rules.safety import gate_findings
+from ckptdoctor.safe_globals import UnlistedGlobal
+from ckptdoctor.severity import OVERRIDDEN
 
 _rule = family_rule("structure")
 
@@ -67,22 +71,43 @@ def check_bridge_tracker(
     if not has_bridge_tracker(save_dir):
         return None, []
     tracker = save_dir / BRIDGE_TRACKER_NAME
-    try:
-        step = read_train_state_step(tracker)
-    except CkptError as exc:
-        return None, [finding(BRIDGE_TRACKER_INVALID, shown / BRIDGE_TRACKER_NAME, without_path(exc, tracker))]
+    step, gate, damage = _read_step(tracker, shown / BRIDGE_TRACKER_NAME, BRIDGE_TRACKER_NAME)
+    if damage is not None:
+        gate.append(finding(BRIDGE_TRACKER_INVALID, shown / BRIDGE_TRACKER_NAME, without_path(damage, tracker)))
+    if step is None:
+        return None, gate
     target = save_dir / iteration_dir_name(step)
     if not target.is_dir():
         newest = f"newest present: {iterations[-1].name}" if iterations else "no iteration dirs present"
         message = f"says step {step} but {target.name} does not exist ({newest}): Megatron-Bridge cannot resume"
-        return None, [finding(BRIDGE_TRACKER_TARGET_MISSING, shown / BRIDGE_TRACKER_NAME, message)]
+        return None, [*gate, finding(BRIDGE_TRACKER_TARGET_MISSING, shown / BRIDGE_TRACKER_NAME, message)]
     if text_value is not None and iteration_dir_name(text_value) != target.name:
         message = (
             f"says step {step} (Megatron-Bridge resumes from {target.name}) but {TRACKER_NAME} says {text_value} "
             f"(Megatron-LM resumes from {iteration_dir_name(text_value)})"
         )
-        return target, [finding(TRACKERS_DISAGREE, shown / BRIDGE_TRACKER_NAME, message)]
-    return target, []
+        return target, [*gate, finding(TRACKERS_DISAGREE, shown / BRIDGE_TRACKER_NAME, message)]
+    return target, gate
+
+
+def _read_step(path: Path, shown: Path, what: str) -> tuple[int | None, list[Finding], CkptError | None]:
+    """(the step, the gate's findings, damage) of a Bridge train state file, read through the one unpickler: torch
+    loads it with ``weights_only=False``, so an unsafe pickle there is a safety finding (CKD4xx), not damage."""
+    steps: list[int] = []
+    damage: list[CkptError] = []
+
+    def read(unlisted: list[UnlistedGlobal]) -> None:
+        try:
+            steps.append(read_train_state_step(path, unlisted=unlisted))
+        except (UnsafePickleError, PickleLimitError, ArchiveError):
+            raise
+        except CkptError as exc:
+            damage.append(exc)
+
+    gate = gate_findings(read, shown, what)
+    if any(f.severity != OVERRIDDEN for f in gate):
+        steps.clear()  # a pickle that fails the gate is not followed
+    return (steps[0] if steps else None), gate, (damage[0] if damage else None)
 
 
 def check_train_state(iteration_dir: Path, shown: Path) -> list[Finding]:
@@ -91,12 +116,23 @@ def check_train_state(iteration_dir: Path, shown: Path) -> list[Finding]:
     path = iteration_dir / TRAIN_STATE_NAME
     if not (path.exists() or path.is_symlink()):
         return []
-    try:
-        step = read_train_state_step(path)
-    except CkptError as exc:
-        return [finding(TRAIN_STATE_INVALID, shown / TRAIN_STATE_NAME, f"unreadable: {without_path(exc, path)}")]
+    step, gate, damage = _read_step(path, shown / TRAIN_STATE_NAME, TRAIN_STATE_NAME)
+    if damage is not None:
+        message = f"unreadable: {without_path(damage, path)}"
+        gate.append(finding(TRAIN_STATE_INVALID, shown / TRAIN_STATE_NAME, message))
+    if step is None:
+        return gate
     match = ITER_DIR_RE.match(iteration_dir.name)
     if match is not None and int(match.group(1)) != step:
         message = f"says step {step}, the dir name {int(match.group(1))}: Megatron-Bridge would resume at step {step}"
-        return [finding(TRAIN_STATE_INVALID, shown / TRAIN_STATE_NAME, message)]
-    return []
+        return [*gate, finding(TRAIN_STATE_INVALID, shown / TRAIN_STATE_NAME, message)]
+    return gate
+
+
+def bridge_gate(iteration_dir: Path) -> list[Finding]:
+    """The gate on an iteration dir's ``train_state.pt`` (what a write carries; the save dir's tracker is a copy
+    of one): its safety findings only."""
+    path = iteration_dir / TRAIN_STATE_NAME
+    if not path.is_file():
+        return []
+    return _read_step(path, path, TRAIN_STATE_NAME)[1]
