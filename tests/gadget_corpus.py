@@ -22,6 +22,15 @@ The megatron-core 0.19.2 helpers used (its wheel also ships ``megatron.training`
 Carriers (:func:`plant`): ``metadata``, ``common_state_item``, ``common_pt``, ``sharded_object``, ``extra_state``,
 ``train_state``, ``latest_train_state``, ``tensor_chunk`` (only ``check --deep`` reads chunk blobs; a real DCP load
 reads them with ``weights_only=True``) and ``run_config`` (``_target_`` gadgets only).
+
+What the real loaders do with them (megatron-core 0.19.2, torch 2.13, confirmed by tests/mcore_load_gadget.py):
+``.metadata``: ``pickle.load`` (runs); ``common_state/shard_0_1`` and every ShardedObject (``rng_state/...``):
+DCP's ``DefaultLoadPlanner.load_bytes``, ``torch.load(weights_only=False)`` (runs, and the load then succeeds:
+the spliced original object comes back); a legacy ``common.pt``: core 0.19.2's ``load_common`` calls ``torch.load``
+with torch's default, ``weights_only=True`` since torch 2.6 (refused there; runs on older torch or with
+``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``); ``_extra_state``'s uint8 tensor: Transformer Engine < 2.18's ``pickle.loads``
+(not installed here). megatron-core also replaces ``torch.storage._load_from_bytes`` with a ``weights_only=True``
+one when imported, so the nested gadget runs only under plain torch.
 """
 
 from __future__ import annotations
