@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptdoctor.args import saved_config
-from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
+from ckptdoctor.errors import CkptError, PickleLimitError, UnlistedGlobalError, UnsafePickleError, without_path
 from ckptdoctor.formats import (
     has_common_pt,
     index_file,
@@ -33,11 +33,13 @@ from ckptdoctor.problems import (
     INDEX_UNREADABLE,
     METADATA_JSON_MISSING,
     PICKLE_LIMIT,
+    UNLISTED_GLOBAL,
     UNSAFE_PICKLE,
     UNSUPPORTED_FORMAT,
     Problem,
 )
 from ckptdoctor.safe_globals import UnlistedGlobal
+from ckptdoctor.safe_pickle import refuse_unlisted
 from ckptdoctor.torch_stand_ins import DtypeRef
 
 SECTIONS = ("model", "optimizer", "rng", "rerun", "common", "other")
@@ -195,7 +197,9 @@ class Checkpoint:
             state = self.read_bytes_item(source, self.common_unlisted)
             where = f"{self.iteration_dir}: item {source}"
         if not isinstance(state, dict):
-            raise CkptError(f"{where}: common state is a {type(state).__name__}, expected a dict")
+            error = CkptError(f"{where}: common state is a {type(state).__name__}, expected a dict")
+            refuse_unlisted(self.common_unlisted, error)
+            raise error
         return state
 
     def saved_config(self) -> tuple[dict[str, Any], str | None]:
@@ -340,6 +344,8 @@ def _megatron_lm_dcp(checkpoint: Checkpoint) -> bool:
 
 
 def _refusal_code(error: CkptError) -> str:
+    if isinstance(error, UnlistedGlobalError):
+        return UNLISTED_GLOBAL
     if isinstance(error, PickleLimitError):
         return PICKLE_LIMIT
     if isinstance(error, ArchiveError):

@@ -45,6 +45,17 @@ class UnsafePickleError(CkptError):
         return UnsafePickleError(self.module, self.name, where, self.detail)
 
 
+class UnlistedGlobalError(UnsafePickleError):
+    """A pickle that names a global off the allowlist (read as an inert stand-in) and then fails to read: the
+    failure is the stand-in's, the real object would have run. A gate failure (CKD402), not damage."""
+
+    def __init__(self, module: str, name: str, where: str = "", detail: str = "") -> None:
+        super().__init__(module, name, where, detail)
+
+    def located(self, where: str) -> UnlistedGlobalError:
+        return UnlistedGlobalError(self.module, self.name, where, self.detail)
+
+
 class MissingExtraError(CkptError):
     """An optional dependency (torch, zarr, megatron-core) is needed for this operation."""
 

@@ -30,9 +30,14 @@ class PickleLimits:
 
     def check_size(self, size: int) -> None:
         if size > self.max_bytes:
-            raise PickleLimitError(
-                f"pickle of {size} bytes exceeds the limit of {self.max_bytes} bytes (raise it with --max-pickle-bytes)"
-            )
+            raise self.size_refusal(size)
+
+    def size_refusal(self, size: int) -> PickleLimitError:
+        """The refusal of a pickle of ``size`` bytes: what :meth:`check_size` raises, and what a reader raises that
+        learns a file's size before reading it (``formats.files.TooLarge``: nothing of it read)."""
+        return PickleLimitError(
+            f"pickle of {size} bytes exceeds the limit of {self.max_bytes} bytes (raise it with --max-pickle-bytes)"
+        )
 
 
 DEFAULT_LIMITS = PickleLimits()

@@ -79,14 +79,25 @@ _MAX_ALLOC = DEFAULT_LIMITS.max_string
 
 
 def _sized(kind: type) -> Callable[..., Any]:
-    """``bytes`` / ``bytearray`` that refuse a size argument larger than the string limit."""
+    """``bytes`` / ``bytearray`` that refuse a size argument larger than the string limit, and an encoding or
+    error handler other than the plain text codecs (``bytes(str, encoding)`` imports ``encodings.<name>``, a
+    module the pickle chooses)."""
 
     def make(*args: Any) -> Any:
         if args and isinstance(args[0], int) and not isinstance(args[0], bool) and args[0] > _MAX_ALLOC:
             raise PickleLimitError(f"{kind.__name__}({args[0]}) exceeds the limit of {_MAX_ALLOC} bytes")
+        if len(args) > 1 and not (_text_codec(args[1]) and (len(args) < 3 or args[2] == "strict") and len(args) < 4):
+            raise UnsafePickleError("builtins", kind.__name__, detail=f"with codec arguments {args[1:]!r}"[:200])
         return kind(*args)
 
     return make
+
+
+_TEXT_CODECS = ("latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii")
+
+
+def _text_codec(encoding: Any) -> bool:
+    return isinstance(encoding, str) and encoding.lower().replace("_", "-") in _TEXT_CODECS
 
 
 def _hashing(kind: type) -> Callable[..., Any]:
@@ -117,7 +128,9 @@ _DEFAULT_FACTORIES = (None, list, dict, set, int, float, collections.OrderedDict
 
 
 def _defaultdict(factory: Any = None, *rest: Any) -> collections.defaultdict:
-    # The factory runs whenever a missing key is read: only plain containers and numbers may be one.
+    # The factory runs whenever a missing key is read: only plain containers and numbers may be one (a pickle names
+    # dict, set or OrderedDict through their bounded wrappers here: the real type is the factory).
+    factory = _REAL_TYPE.get(id(factory), factory)
     if factory not in _DEFAULT_FACTORIES:
         raise UnsafePickleError("collections", "defaultdict", detail=f"with factory {factory!r}")
     return collections.defaultdict(factory, *rest)
@@ -142,11 +155,7 @@ def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
 def _codecs_encode(text: str, encoding: str = "utf-8") -> bytes:
     # Protocol-2 pickles spell bytes as _codecs.encode(str, "latin1"); only text codecs are allowed,
     # so a crafted codec name cannot reach anything but a text encoder.
-    if (
-        not isinstance(text, str)
-        or not isinstance(encoding, str)
-        or encoding.lower().replace("_", "-") not in ("latin1", "latin-1", "iso-8859-1", "utf-8", "utf8", "ascii")
-    ):
+    if not isinstance(text, str) or not _text_codec(encoding):
         raise UnsafePickleError("_codecs", "encode", detail=f"with codec {encoding!r}")
     return text.encode(encoding)
 
@@ -182,7 +191,10 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("signal", "Signals"): signal.Signals,
 }
 
-_REAL_TYPE = {id(_ALLOWED[("builtins", t.__name__)]): t for t in (set, frozenset, dict)}
+_REAL_TYPE = {
+    **{id(_ALLOWED[("builtins", t.__name__)]): t for t in (set, frozenset, dict)},
+    **{id(_ALLOWED[("collections", t.__name__)]): t for t in (collections.OrderedDict, collections.Counter)},
+}
 
 # Classes read as inert stand-ins: what megatron-core, Transformer Engine and numpy put in checkpoints.
 _MCORE = "megatron.core"
@@ -222,8 +234,6 @@ KNOWN_STAND_INS: frozenset[tuple[str, str]] = frozenset(
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
         ("numpy.dtypes", "UInt32DType"),
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
         ("numpy.core.multiarray", "scalar"),
         ("numpy._core.multiarray", "scalar"),
         ("torch", "device"),
@@ -232,6 +242,25 @@ KNOWN_STAND_INS: frozenset[tuple[str, str]] = frozenset(
         ("torch.distributed.checkpoint.metadata", "StorageMeta"),
     }
 )
+
+
+def _numpy_reconstruct(module: str) -> Callable[..., Any]:
+    """``numpy.core.multiarray._reconstruct(subtype, shape, dtype)`` (how numpy pickles an array) as a stand-in
+    call, for ``numpy.ndarray`` only: the real one runs ``ndarray.__new__(subtype, ...)`` of whatever class the
+    pickle names (a subclass's ``__array_finalize__``, ``numpy.memmap`` opening a file)."""
+    made = stand_in_class(module, "_reconstruct")
+    ndarray = stand_in_class("numpy", "ndarray")
+
+    def reconstruct(subtype: Any, *args: Any) -> Any:
+        if subtype is not ndarray:
+            raise UnsafePickleError(module, "_reconstruct", detail=f"of {subtype!r}: only numpy.ndarray is data")
+        return made(subtype, *args)
+
+    return reconstruct
+
+
+_RECONSTRUCT = {(m, "_reconstruct"): _numpy_reconstruct(m) for m in ("numpy.core.multiarray", "numpy._core.multiarray")}
+
 
 # Namespaces whose unlisted globals are read (as inert stand-ins) and recorded: a gate failure, not a refusal to read.
 TOLERATED_NAMESPACES = ("megatron", "transformer_engine", "nemo")
@@ -347,7 +376,7 @@ def _canonical(module: str, name: str) -> tuple[str, str]:
 
 def _listed(module: str, name: str) -> bool:
     key = (module, name)
-    return key in _ALLOWED or key in KNOWN_STAND_INS or _torch_value(module, name) is not None
+    return key in _ALLOWED or key in KNOWN_STAND_INS or key in _RECONSTRUCT or _torch_value(module, name) is not None
 
 
 def resolve_global(module: str, name: str, unlisted: list[UnlistedGlobal] | None = None) -> Any:
@@ -364,6 +393,8 @@ def resolve_global(module: str, name: str, unlisted: list[UnlistedGlobal] | None
     torch_value = _torch_value(module, name)
     if torch_value is not None:
         return torch_value
+    if key in _RECONSTRUCT:
+        return _RECONSTRUCT[key]
     if key in KNOWN_STAND_INS:
         return stand_in_class(module, name)
     trusted = key in _trusted

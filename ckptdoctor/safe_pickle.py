@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from ckptdoctor.errors import CkptError, GateRefusal, PickleLimitError, UnsafePickleError
+from ckptdoctor.errors import CkptError, GateRefusal, PickleLimitError, UnlistedGlobalError, UnsafePickleError
 from ckptdoctor.pickle_limits import PickleLimits
 from ckptdoctor.pickle_scan import scan
 from ckptdoctor.problems import UNLISTED_GLOBAL
@@ -213,10 +213,27 @@ def _load(
         raise PickleLimitError("pickle nests too deeply to decode") from None
     except MemoryError:
         raise PickleLimitError("pickle needs more memory than is available") from None
-
-    if unlisted is not None:
-        unlisted.extend(unpickler.unlisted)
+    except (UnsafePickleError, PickleLimitError):
+        raise
+    except Exception as exc:  # a failure after an unlisted global: the stand-in's, not the real load's
+        refuse_unlisted(unpickler.unlisted, exc)
+        raise
+    finally:
+        if unlisted is not None:
+            unlisted.extend(unpickler.unlisted)
     return obj, -1 if pruned is not None else stream.tell()
+
+
+def refuse_unlisted(unlisted: list[UnlistedGlobal], error: Exception) -> None:
+    """Raise :class:`UnlistedGlobalError` for the first untrusted global in ``unlisted``, if any: ``error`` (a read
+    that failed, or a result of the wrong shape) came after a global read as an inert stand-in, which a real load
+    imports and runs instead: the gate fails on the global, whatever the stand-in then broke."""
+    failing = [entry for entry in merged_unlisted(unlisted) if not entry.trusted]
+    if failing:
+        module, _, name = failing[0].name.rpartition(".")
+        why = f"{type(error).__name__}: {error}" if not isinstance(error, CkptError) else str(error)
+        detail = f"not on the allowlist, {failing[0].use}; the rest fails with ckptdoctor's inert stand-in ({why})"
+        raise UnlistedGlobalError(module, name, detail=detail[:600]) from None
 
 
 # --- writing back ------------------------------------------------------------------------------------

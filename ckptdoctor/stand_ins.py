@@ -212,13 +212,51 @@ def register_alias(obj: Any, module: str, name: str) -> str:
 _STAND_IN_CLASSES: dict[tuple[str, str], type[StandIn]] = {}
 
 
+# Globals that are data only in the form real checkpoints use: what the real object does with another use is
+# refused where the stand-in sees it (before anything of the pickle's reaches a loader that trusts the name).
+def _refuse_call(cls: type, *args: Any, **kwargs: Any) -> Any:
+    from ckptdoctor.errors import UnsafePickleError
+
+    module, name = cls.__ckd_global__  # type: ignore[attr-defined]
+    detail = (
+        "called or instantiated: numpy.ndarray(shape, object dtype, buffer) makes object pointers of the pickle's "
+        "bytes (a loader crashes on the first access); real pickles only pass it to _reconstruct"
+    )
+    raise UnsafePickleError(module, name, detail=detail)
+
+
+def _generator_state(self: StandIn, state: Any) -> None:
+    """``torch._C.Generator.__setstate__`` reads three items of its state without checking what the state is (a
+    list or a short tuple crashes the loader): only the (seed, offset, uint8 state tensor) torch writes is data."""
+    tensor = state[2] if isinstance(state, tuple) and len(state) == 3 else None
+    dtype = getattr(getattr(tensor, "dtype", None), "name", None)
+    if (
+        tensor is None
+        or not isinstance(state[0], int)
+        or not (state[1] is None or isinstance(state[1], int))
+        or dtype != "uint8"
+    ):
+        from ckptdoctor.errors import UnsafePickleError
+
+        detail = "with a state other than (seed, offset, uint8 state tensor), which torch's __setstate__ crashes on"
+        raise UnsafePickleError("torch._C", "Generator", detail=detail)
+    StandIn.__setstate__(self, state)
+
+
+_GUARDS: dict[tuple[str, str], dict[str, Any]] = {
+    ("numpy", "ndarray"): {"__new__": _refuse_call},
+    ("torch._C", "Generator"): {"__setstate__": _generator_state},
+}
+
+
 def stand_in_class(module: str, name: str) -> type[StandIn]:
     """The (cached) inert stand-in class for the global ``module.name``."""
     key = (module, name)
     cls = _STAND_IN_CLASSES.get(key)
     if cls is None:
         short = name.rsplit(".", 1)[-1]
-        cls = type(short, (StandIn,), {"__ckd_global__": key, "__module__": module, "__qualname__": name})
+        namespace = {"__ckd_global__": key, "__module__": module, "__qualname__": name, **_GUARDS.get(key, {})}
+        cls = type(short, (StandIn,), namespace)
         cls.__qualname__ = register_alias(cls, module, name)
         cls.__module__ = ALIAS_MODULE
         cls._ckd_frozen = True

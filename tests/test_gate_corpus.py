@@ -22,8 +22,6 @@ import pytest
 from conftest import REPO, require_mcore, run_main
 from gadget_corpus import ALL_GADGETS, GADGET, GADGETS, Gadget, pairs, plant
 
-pytestmark = pytest.mark.xfail(reason="gate issue #33 in progress", strict=False)
-
 SAFETY = re.compile(r"CKD40[1235]")
 ALL_PAIRS = pairs()
 # The contract beyond check's verdict, on a sample: every carrier with one megatron helper gadget (a refused
@@ -33,7 +31,9 @@ SAMPLE = sorted(
     | {(g.name, c) for g, c in ALL_PAIRS if c in ("metadata", "common_state_item", "run_config")},
     key=lambda p: (p[1], p[0]),
 )
-WRITE_SAMPLE = [p for p in SAMPLE if p[1] != "tensor_chunk"]  # chunk blobs: read only by check --deep
+# chunk blobs: read only by check --deep; the save dir's latest_train_state.pt: no write of an iteration carries it
+# (a written save dir's Bridge tracker is a copy of the iteration's train_state.pt)
+WRITE_SAMPLE = [p for p in SAMPLE if p[1] not in ("tensor_chunk", "latest_train_state")]
 # latest_train_state.pt is the save dir's, in no iteration: latest-good's verdict is about iterations
 ITERATION_SAMPLE = [p for p in SAMPLE if p[1] != "latest_train_state"]
 TRUSTABLE = [
@@ -61,8 +61,17 @@ def _names_a_global(gadget: Gadget, text: str) -> bool:
     return any(name in text for name in gadget.globals)
 
 
+# The pre-pass refuses a BUILD or item assignment on a class before the unpickler names it: the finding gives the
+# byte, not the global (the scanner tracks what a stack item is, not which global it came from).
+MUTATION = re.compile(r"CKD403 .*(BUILD on a class|item assignment on a class)")
+
+
 def _safety_lines(gadget: Gadget, out: str) -> list[str]:
-    return [line for line in out.splitlines() if SAFETY.search(line) and _names_a_global(gadget, line)]
+    return [
+        line
+        for line in out.splitlines()
+        if (SAFETY.search(line) and _names_a_global(gadget, line)) or (gadget.mutates and MUTATION.search(line))
+    ]
 
 
 @pytest.mark.parametrize("planted", [(g.name, c) for g, c in ALL_PAIRS], ids=_id, indirect=True)
@@ -74,16 +83,24 @@ def test_check_refuses_the_gadget(capsys, planted, tmp_path):
     rc, out, err = run_main(capsys, "check", p.save_dir, *_deep(p.carrier), "--format", "json")
     report = json.loads(out)
     assert rc == 1 and report["safe_for_loaders"] is False, out
-    assert _names_a_global(gadget, out), out
+    mutation = any(f["code"] == "CKD403" and "on a class" in f["message"] for f in report["gate"]["failing"])
+    assert _names_a_global(gadget, out) or (gadget.mutates and mutation), out
     assert not (tmp_path / "marker").exists()
 
 
 @pytest.mark.parametrize("planted", SAMPLE, ids=_id, indirect=True)
-@pytest.mark.parametrize("flags", [["--ignore", "CKD402"], ["--select", "CKD1"], ["--ignore", "CKD4"]], ids=str)
+@pytest.mark.parametrize("flags", [["--ignore", "CKD402"], ["--select", "CKD401"], ["--ignore", "CKD4"]], ids=str)
 def test_safety_codes_cannot_be_ignored(capsys, planted, flags):
     _, p = planted
     rc, out, err = run_main(capsys, "check", p.save_dir, *_deep(p.carrier), *flags)
-    assert rc == 2, out + err
+    assert rc == 2 and "names a safety rule (CKD4xx)" in err, out + err
+
+
+@pytest.mark.parametrize("planted", SAMPLE, ids=_id, indirect=True)
+def test_selecting_other_rules_keeps_the_gate(capsys, planted):
+    gadget, p = planted
+    rc, out, err = run_main(capsys, "check", p.save_dir, *_deep(p.carrier), "--select", "CKD1")
+    assert rc == 1 and _safety_lines(gadget, out), out + err
 
 
 @pytest.mark.parametrize("planted", SAMPLE, ids=_id, indirect=True)
@@ -120,12 +137,19 @@ def test_write_commands_refuse(capsys, planted, command, tmp_path):
     gadget, p = planted
     out_dir = tmp_path / "out"
     rc, out, err = run_main(capsys, *_write_commands(p, out_dir)[command])
+    assert not (tmp_path / "marker").exists()
+    if rc == 0 and command in ("strip-frozen", "edit") and p.carrier == "metadata":
+        # the .metadata is written anew from its objects: a gadget spliced beside the Metadata (built, then
+        # popped) is not one of them, so the output carries nothing of it, and the gate says so
+        rc, out, err = run_main(capsys, "check", out_dir, "--format", "json")
+        assert rc == 0 and json.loads(out)["safe_for_loaders"] is True, out + err
+        return
     assert rc == 1, out + err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and _names_a_global(gadget, lines[0]), err
+    assert len(lines) == 1 and (_names_a_global(gadget, lines[0]) or MUTATION.search(lines[0])), err
+    assert re.search(r"CKD40[12345]", lines[0]), lines[0]
     assert not out_dir.exists()
     assert not (p.iter_dir / "integrity.json").exists()
-    assert not (tmp_path / "marker").exists()
 
 
 @pytest.mark.parametrize("planted", [(g.name, "metadata") for g in TRUSTABLE], ids=_id, indirect=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option, jobs_option, trust_global_option
+from ckptdoctor.commands.options import format_option, gate_refusals, jobs_option, trust_global_option
 from ckptdoctor.commands.write_target import check_write_target, echo_written, remote_output, write_target_options
 
 SECTION_CHOICES = ["optimizer", "rng", "rerun"]
@@ -48,6 +48,7 @@ PRESET_CHOICES = ["te-to-local", "local-to-te"]
 @click.option("--dry-run", is_flag=True, help="List every change; write nothing.")
 @format_option(help="Output format; the JSON schema is in the README.")
 @jobs_option("--compact: threads copying kept items")
+@gate_refusals
 def command(
     checkpoint: str,
     iteration: str | None,

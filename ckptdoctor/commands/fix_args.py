@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option, trust_global_option
+from ckptdoctor.commands.options import format_option, gate_refusals, trust_global_option
 from ckptdoctor.commands.write_target import echo_written, remote_output
 
 
@@ -48,6 +48,7 @@ from ckptdoctor.commands.write_target import echo_written, remote_output
 )
 @click.option("--only-set", is_flag=True, help="With --write: apply only the --set edits, not the fixes.")
 @format_option(help="Output format; the JSON schema is docs/fix-args.schema.json.")
+@gate_refusals
 def command(
     checkpoint: str,
     iteration: str | None,

@@ -76,3 +76,25 @@ def trust_global_option(command: Callable[..., Any]) -> Callable[..., Any]:
         help="Trust this exact global (repeatable): a pickle naming it passes the gate; it is read as an inert "
         "stand-in here and listed as trusted in the output. The only override of the safety rules (CKD4xx).",
     )(command)
+
+
+def gate_refusals(command: Callable[..., Any]) -> Callable[..., Any]:
+    """A write command's body, its source's refused pickles (met while reading it) turned into the gate's one-line
+    refusal with exit 1 (a finding about the checkpoint, not a usage error)."""
+    import functools
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from ckptdoctor.errors import GateRefusal, PickleLimitError, UnsafePickleError
+        from ckptdoctor.formats.archive import ArchiveError
+
+        try:
+            return command(*args, **kwargs)
+        except GateRefusal:
+            raise
+        except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
+            from ckptdoctor.ops.pickle_gate import as_refusal
+
+            raise as_refusal(exc) from None
+
+    return run

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option, trust_global_option
+from ckptdoctor.commands.options import format_option, gate_refusals, trust_global_option
 from ckptdoctor.commands.write_target import echo_written, remote_output
 
 
@@ -32,6 +32,7 @@ from ckptdoctor.commands.write_target import echo_written, remote_output
 )
 @click.option("--force", is_flag=True, help="Write into a non-empty --output dir.")
 @format_option()
+@gate_refusals
 def command(
     checkpoint: str,
     iteration: str | None,

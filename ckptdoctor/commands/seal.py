@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option, jobs_option, trust_global_option
+from ckptdoctor.commands.options import format_option, gate_refusals, jobs_option, trust_global_option
 
 
 @click.command("seal")
@@ -15,6 +15,7 @@ from ckptdoctor.commands.options import format_option, jobs_option, trust_global
 @jobs_option("threads hashing files")
 @click.option("--force", is_flag=True, help="Re-seal a checkpoint that already has an integrity.json.")
 @format_option()
+@gate_refusals
 def command(checkpoint: str, iteration: str | None, jobs: int | None, force: bool, output_format: str) -> int:
     """Write integrity.json (Megatron's format: sha256 of every file) so later `check` runs and Megatron's
     --verify-integrity load detect any changed byte.

@@ -46,16 +46,38 @@ def open_regular(path: str | os.PathLike | RemotePath, buffering: int = -1) -> B
     return os.fdopen(fd, "rb", buffering=buffering)
 
 
-def read_capped(f: BinaryIO, max_bytes: int) -> bytes:
-    """At most ``max_bytes + 1`` bytes of ``f`` (so the caller can tell a file over the limit), without reserving
-    more memory than the file holds: ``read(n)`` allocates ``n`` up front, and a 1 GiB pickle limit must not cost
-    a 7 MB ``.metadata`` a 1 GiB allocation (which an address-space limit refuses)."""
+class TooLarge(Exception):
+    """A file whose size, known before any byte of it is read (``fstat``, or a remote object's listed size), is over
+    the limit a reader was given: refused with nothing read. Each reader words the refusal as its own (see its
+    callers); a file that only grows past the limit while it is read comes back as ``max_bytes + 1`` bytes instead."""
+
+    def __init__(self, size: int, max_bytes: int) -> None:
+        super().__init__(f"{size} bytes, over the limit of {max_bytes} bytes")
+        self.size = size
+        self.max_bytes = max_bytes
+
+
+def _known_size(f: BinaryIO) -> int | None:
+    """The size of an open file before reading it: a local file's ``fstat``, a remote file's from the stat it was
+    opened with; None where neither is known."""
     try:
-        size = os.fstat(f.fileno()).st_size
+        return os.fstat(f.fileno()).st_size
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        return f.read(max_bytes + 1)  # an object store's handle reads what there is
-    if size >= max_bytes:
+        size = getattr(f, "size", None)  # formats.remote.RemoteFile
+        return size if isinstance(size, int) else None
+
+
+def read_capped(f: BinaryIO, max_bytes: int) -> bytes:
+    """At most ``max_bytes + 1`` bytes of ``f`` (so the caller can tell a file that grew over the limit while it was
+    read), without reserving more memory than the file holds: ``read(n)`` allocates ``n`` up front, and a 1 GiB
+    pickle limit must not cost a 7 MB ``.metadata`` a 1 GiB allocation (which an address-space limit refuses).
+    Raises :class:`TooLarge` where the file's size is over ``max_bytes`` before anything is read: a 2 GB file is
+    refused on its size, not after the first GiB of it was read into memory."""
+    size = _known_size(f)
+    if size is None:
         return f.read(max_bytes + 1)
+    if size > max_bytes:
+        raise TooLarge(size, max_bytes)
     data = f.read(size + 1)
     if len(data) <= size:
         return data
@@ -69,12 +91,14 @@ def read_releasable(f: BinaryIO, max_bytes: int) -> bytes | mmap.mmap:
     """:func:`read_capped`, but a large regular file (:data:`RELEASABLE_MIN_BYTES` up to ``max_bytes``) comes in
     an anonymous memory map of its own, exactly as long as what was read, which nothing else sees: the memo pruning
     reader may give its pages back to the system as it translates them (``release``), so that a large
-    ``.metadata`` is not held whole while its objects are built. Anything else (small, over the limit, not a plain
-    file, changed in size while read) is :func:`read_capped`'s bytes."""
+    ``.metadata`` is not held whole while its objects are built. Anything else (small, not a plain file, changed in
+    size while read) is :func:`read_capped`'s bytes; a file over the limit is :class:`TooLarge`, nothing read."""
     try:
         size = os.fstat(f.fileno()).st_size
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        size = -1
+        return read_capped(f, max_bytes)  # a remote file: refused on its listed size there
+    if size > max_bytes:
+        raise TooLarge(size, max_bytes)
     if not max(1, RELEASABLE_MIN_BYTES) <= size < max_bytes:  # (an empty map is an error)
         return read_capped(f, max_bytes)
     start = f.tell()
@@ -121,7 +145,9 @@ def read_small_file(path: str | os.PathLike, max_bytes: int) -> bytes:
             raw = read_capped(f, max_bytes)
     except OSError as exc:
         raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
-    if len(raw) > max_bytes:
+    except TooLarge:
+        raise CkptError(f"{path}: larger than {max_bytes} bytes; not read") from None
+    if len(raw) > max_bytes:  # it grew over the limit while read
         raise CkptError(f"{path}: larger than {max_bytes} bytes; not read")
     return raw
 
@@ -143,7 +169,9 @@ def read_json(path: str | os.PathLike | RemotePath, max_bytes: int = MAX_JSON_BY
             raw = read_capped(f, max_bytes)
     except CkptError as exc:
         raise OSError(errno.EINVAL, str(exc).rsplit("(", 1)[-1].rstrip(")")) from None
-    if len(raw) > max_bytes:
+    except TooLarge:
+        raise json.JSONDecodeError(f"larger than {max_bytes} bytes", "", 0) from None
+    if len(raw) > max_bytes:  # it grew over the limit while read
         raise json.JSONDecodeError(f"larger than {max_bytes} bytes", "", 0)
     try:
         return json.loads(raw.decode("utf-8"), parse_int=_json_int)

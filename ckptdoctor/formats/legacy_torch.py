@@ -16,7 +16,7 @@ from typing import Any
 
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import PickleLimitError, UnsafePickleError
-from ckptdoctor.formats.archive import ArchiveError, storage_ref
+from ckptdoctor.formats.archive import ArchiveError, is_torch_zip, load_archive, storage_ref
 from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.torch_stand_ins import StorageRef, TensorRef
 
@@ -73,5 +73,8 @@ def check_te_extra_state(obj: Any, where: str, unlisted: list[UnlistedGlobal] | 
         raise ArchiveError(f"{where}: a uint8 tensor that is no pickle ({type(exc).__name__})") from None
     if len(nested) > MAX_NESTED_SAVES:
         raise PickleLimitError(f"{where}: extra state nests more than {MAX_NESTED_SAVES} torch saves")
-    for data in nested:
-        check_legacy_save(data, where, unlisted)
+    for data in nested:  # torch.load(data): a zip archive's pickle, or a legacy save's five
+        if is_torch_zip(data):
+            load_archive(data, where, None, unlisted)
+        else:
+            check_legacy_save(data, where, unlisted)

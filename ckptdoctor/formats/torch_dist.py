@@ -26,11 +26,12 @@ from ckptdoctor.formats.dcp_index import StorageLocation as StorageLocation
 from ckptdoctor.formats.dcp_index import index_items
 from ckptdoctor.formats.dcp_index import inside_path as inside_path
 from ckptdoctor.formats.dcp_index import int64_dims as int64_dims
-from ckptdoctor.formats.files import file_identity, open_regular, read_releasable
+from ckptdoctor.formats.files import TooLarge, file_identity, open_regular, read_releasable
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.index_records import IndexRecord, index_record_fields
 from ckptdoctor.pickle_limits import current_limits
 from ckptdoctor.safe_globals import UnlistedGlobal
+from ckptdoctor.safe_pickle import refuse_unlisted
 from ckptdoctor.stand_ins import STAND_IN_TYPES, StandIn
 
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -94,11 +95,14 @@ _WHAT = "DCP metadata"
 
 
 def _load_metadata_pickle(path: Path, unlisted: list[UnlistedGlobal] | None = None, index_only: bool = False) -> Any:
+    limits = current_limits()
     try:
         with open_regular(path) as f:
-            data = read_releasable(f, current_limits().max_bytes)
+            data = read_releasable(f, limits.max_bytes)
     except OSError as exc:
         raise CkptError(f"{path}: cannot read ({exc.strerror})") from None
+    except TooLarge as exc:  # refused on its size, nothing read: the refusal the unpickler gives a pickle that long
+        raise limits.size_refusal(exc.size).located(str(path)) from None
     return unpickle(data, str(path), unlisted=unlisted, what=_WHAT, index_only=index_only)
 
 
@@ -110,7 +114,11 @@ def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
     unlisted: list[UnlistedGlobal] = []
     identity = file_identity(path)  # before the read: a change from here on changes it
     metadata = _load_metadata_pickle(path, unlisted, index_only=True)
-    index = _index_from_object(metadata, path, item_class, unlisted, consume=True)
+    try:
+        index = _index_from_object(metadata, path, item_class, unlisted, consume=True)
+    except CkptError as exc:  # not a Metadata after an unlisted global: the gate fails on the global
+        refuse_unlisted(unlisted, exc)
+        raise
     index.source_identity = identity
     return index
 

@@ -16,7 +16,7 @@ from typing import Any
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError
 from ckptdoctor.formats.archive import ZIP_MAGIC, is_torch_zip, load_archive
-from ckptdoctor.formats.files import open_regular, read_capped
+from ckptdoctor.formats.files import TooLarge, open_regular, read_capped
 from ckptdoctor.pickle_limits import PickleLimits, current_limits
 from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
@@ -44,11 +44,15 @@ def load_torch_zip(
             blob = read_capped(f, max_bytes)
     except OSError as exc:
         raise CkptError(f"{where}: cannot read ({exc.strerror})") from None
-    if len(blob) > max_bytes:
-        raise PickleLimitError(
-            f"{where}: larger than the limit of {max_bytes} bytes (raise it with --max-pickle-bytes)"
-        )
+    except TooLarge:  # refused on its size, nothing read
+        raise _too_large(where, max_bytes) from None
+    if len(blob) > max_bytes:  # it grew over the limit while read
+        raise _too_large(where, max_bytes)
     return load_archive(blob, where, limits, unlisted)
+
+
+def _too_large(where: str, max_bytes: int) -> PickleLimitError:
+    return PickleLimitError(f"{where}: larger than the limit of {max_bytes} bytes (raise it with --max-pickle-bytes)")
 
 
 def dump_torch_zip(obj: Any, archive_name: str = "archive") -> bytes:

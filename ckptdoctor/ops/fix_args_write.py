@@ -366,6 +366,7 @@ def write_fix(
     from ckptdoctor.checkpoint import open_checkpoint
 
     if not report.changes:
+        refuse_unsafe_pickles(checkpoint)  # --write of a checkpoint failing the gate: refused, as every write
         # As every write: a leftover of an interrupted write is resolved first (a run killed after replacing its
         # last file, before removing its journal, leaves consistent args: its rerun found nothing to change and
         # exited 0 with check still reporting CKD150, whose restore steps undo that run).

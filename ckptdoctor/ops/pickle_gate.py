@@ -59,6 +59,20 @@ def refusal(failure: Finding) -> GateRefusal:
     )
 
 
+def as_refusal(error: CkptError) -> GateRefusal:
+    """A refusal of the one unpickler met while a write command reads its source (a ``.metadata`` naming
+    ``os.system``, say), as the write's one-line refusal with its code (exit 1)."""
+    from ckptdoctor.rules.safety import refused_pickle
+
+    failure = refused_pickle(error, "", "")
+    detail = str(error)
+    override = f"--trust-global {failure.subject} overrides it" if failure.code == "CKD402" else "nothing overrides it"
+    return GateRefusal(
+        f"{failure.code} {detail}; refusing to write an output that carries it: a real load would run code or choke "
+        f"on it ({override}; --force does not)"
+    )
+
+
 def refuse_unsafe_pickles(
     checkpoint: Checkpoint, keys: Collection[str] | None = None, metadata_carried: bool = True
 ) -> None:

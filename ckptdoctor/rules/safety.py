@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptdoctor import problems
-from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
+from ckptdoctor.errors import CkptError, PickleLimitError, UnlistedGlobalError, UnsafePickleError
 from ckptdoctor.rules import ERROR, Finding, RuleInfo, finding
 from ckptdoctor.safe_globals import UnlistedGlobal, merged_unlisted
 from ckptdoctor.severity import OVERRIDDEN
@@ -92,6 +92,9 @@ def refused_pickle(error: CkptError, path: object, what: str) -> Finding:
     """The CKD4xx finding for a refusal raised while reading ``what`` (e.g. "common state", "item <key>")."""
     from ckptdoctor.formats.archive import ArchiveError
 
+    if isinstance(error, UnlistedGlobalError):
+        message = f"{what}: pickle references {error.global_name}, {error.detail}"
+        return _about(finding(UNLISTED_GLOBAL, path, message), error.global_name)
     if isinstance(error, UnsafePickleError):
         why = error.detail or "not on the allowlist"
         return _about(

@@ -20,7 +20,14 @@ from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME
 from ckptdoctor.locate import TRACKER_NAME, iteration_dir_name, list_iteration_dirs, read_tracker
 from ckptdoctor.problems import Problem
 from ckptdoctor.rules import ERROR, WARNING, Finding, bridge, family_rule, finding
-from ckptdoctor.rules.safety import ARCHIVE_ANOMALY, PICKLE_LIMIT, UNSAFE_PICKLE, refused_pickle, unlisted_globals
+from ckptdoctor.rules.safety import (
+    ARCHIVE_ANOMALY,
+    PICKLE_LIMIT,
+    UNLISTED_GLOBAL,
+    UNSAFE_PICKLE,
+    refused_pickle,
+    unlisted_globals,
+)
 
 _rule = family_rule("structure")
 
@@ -172,7 +179,7 @@ RULES = [
     ITERATION_MISMATCH,
 ]
 _RULES_BY_CODE = {rule.code: rule for rule in RULES}
-_REFUSAL_CODES = frozenset({UNSAFE_PICKLE.code, PICKLE_LIMIT.code, ARCHIVE_ANOMALY.code})
+_REFUSAL_CODES = frozenset({UNSAFE_PICKLE.code, UNLISTED_GLOBAL.code, PICKLE_LIMIT.code, ARCHIVE_ANOMALY.code})
 
 
 @dataclass

@@ -1,0 +1,1369 @@
+"""The code in a Megatron-Bridge ``run_config.yaml``: every ``_target_`` it holds, judged against an allowlist.
+
+Bridge dumps its ``ConfigContainer`` with ``yaml.safe_dump`` (``to_yaml``: dataclasses as mappings led by
+``_target_: <module>.<class>``, functions and dtypes as ``{_target_: <name>, _call_: false}``, partials with
+``_partial_: true``, enums with ``_args_: [<value>]``) and reads it back with ``yaml.safe_load``. Its load and
+convert paths then hand sections to a Hydra-style ``instantiate`` (``load_model_config`` the ``model`` section,
+``load_tokenizer`` the ``tokenizer`` section): ``_target_`` is imported by its dotted name and called with the
+sibling keys as arguments (``_partial_: true`` makes a ``functools.partial``, ``_call_: false`` only imports it);
+every release also imports each ``_target_``'s module while reading the file (``apply_run_config_backward_compat``),
+and a ``model`` mapping with ``_builder_`` is rebuilt by ``ModelConfig.from_dict`` and its builder class imported.
+So ``_target_: os.system`` with an argument runs a command on whoever loads the checkpoint: see
+``docs/run_config_targets.md`` for the Bridge files this follows.
+
+:func:`scan_targets` finds every ``_target_`` and ``_builder_`` in the text, at any depth, in block or flow
+style, with the ``_call_`` / ``_partial_`` siblings that decide how it is used, and judges each against
+:data:`ALLOWLIST` (exact names, each with the uses it may have and why that use runs nothing the file names).
+It reads the text with a linear line scanner, never a YAML library: whatever it cannot attribute with certainty
+(a tag, an anchor, an alias, a merge key, a complex key, a tab, a multi-line value of a special key, an OmegaConf
+interpolation, ``_target_`` inside a string, a second document) is itself a finding. A text with no findings
+holds only allowed targets, each found where a YAML loader finds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+from collections.abc import Mapping
+from typing import Literal
+
+from ckptdoctor.text_safety import escape
+
+Use = Literal["call", "partial", "reference", "builder"]
+FindingKind = Literal["refused", "unreadable", "duplicate"]
+
+MAX_TEXT_CHARS = 16 << 20  # run_config.py's MAX_RUN_CONFIG_BYTES: the reader refuses a larger file
+MAX_FINDINGS = 1000  # then the scan stops: the file is refused anyway
+MAX_TARGETS = 10000  # Bridge writes ~50
+MAX_DEPTH = 64  # nested mappings, lists and flow collections together; Bridge writes ~6
+_SHOWN = 200  # characters of a target or a path kept in a finding
+_KEY_SHOWN = 64  # characters of one key in a path
+
+_USE_WORDS: dict[str, str] = {
+    "call": "called",
+    "partial": "made a functools.partial",
+    "reference": "referenced (_call_: false)",
+    "builder": "a model builder (_builder_)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AllowedTarget:
+    """One allowlisted name: the uses it may have and why each runs nothing the file chooses."""
+
+    target: str
+    uses: frozenset[Use]
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetUse:
+    """A ``_target_`` (or ``_builder_``) found in the text: 1-based line, key path, the name, how it is used."""
+
+    line: int
+    path: str
+    target: str
+    use: Use
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetFinding:
+    """Something that makes the file unsafe to hand to Bridge: a refused target or a part that cannot be checked.
+
+    ``target`` is the target's name (refused, duplicate) or the text that could not be read (unreadable); ``use``
+    is None where it cannot be told."""
+
+    line: int
+    path: str
+    target: str | None
+    use: Use | None
+    kind: FindingKind
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetScan:
+    """What :func:`scan_targets` saw. ``truncated``: it stopped early (too many findings or targets, too deep)."""
+
+    targets: tuple[TargetUse, ...]
+    findings: tuple[TargetFinding, ...]
+    truncated: bool
+
+    @property
+    def refused(self) -> bool:
+        """True where the file may not be handed to Bridge's instantiate."""
+        return bool(self.findings) or self.truncated
+
+
+# --- the allowlist -------------------------------------------------------------------------------------------
+# Collected from Megatron-Bridge's sources (every release tag v0.1.0a0..v0.6.0 and main of 2026-08-22, 067f987)
+# and Megatron-LM's main of the same day (d98e8a6): the classes and functions Bridge's dump writes as _target_.
+
+_CALL: frozenset[Use] = frozenset({"call"})
+_REFERENCE: frozenset[Use] = frozenset({"reference"})
+_CALL_OR_REFERENCE: frozenset[Use] = frozenset({"call", "reference"})
+_PARTIAL_OR_REFERENCE: frozenset[Use] = frozenset({"partial", "reference"})
+_BUILDER: frozenset[Use] = frozenset({"builder"})
+
+_WHY_PROVIDER = (
+    "Megatron-Bridge model provider: a dataclass (a TransformerConfig); constructing it stores and validates "
+    "fields and imports or calls nothing the file names"
+)
+_WHY_MODEL_CONFIG = (
+    "Megatron model/transformer config dataclass: construction stores and validates fields, imports or calls "
+    "nothing the file names"
+)
+_WHY_CONFIG = (
+    "Megatron-Bridge / Megatron-LM training config dataclass: construction stores and validates fields; "
+    "nothing is imported or called by a name from the file"
+)
+_WHY_ENUM = "enum class: calling it with _args_ looks a member up by value; nothing else runs"
+_WHY_DTYPE = "torch dtype object: only referenced (not callable); importing torch runs nothing the file chooses"
+_WHY_ACTIVATION = (
+    "activation function: only referenced; Megatron calls it on activation tensors, never with the file's values"
+)
+_WHY_INIT = (
+    "torch.nn.init weight initialiser: a partial keeps the file's numbers (mean, std) and Megatron calls it on "
+    "a weight tensor; it imports and calls nothing else"
+)
+_WHY_SPEC = (
+    "layer-spec builder: only referenced (or a partial of plain options); Bridge calls it with the model config "
+    "when it builds the model and it returns module specs; it imports nothing the file names"
+)
+_WHY_RUNTIME = "Megatron runtime hook recorded by a training run: only referenced; imported, never called from the file"
+_WHY_BUILDER = (
+    "Megatron model builder named by _builder_: Bridge imports it and builds the model with it, its purpose; "
+    "it imports or calls nothing the file names"
+)
+
+
+def _group(module: str, names: str, uses: frozenset[Use], why: str) -> list[AllowedTarget]:
+    return [AllowedTarget(f"{module}.{name}", uses, why) for name in names.split()]
+
+
+_PROVIDERS = (
+    ("megatron.bridge.diffusion.models.flux.flux_provider", "FluxProvider"),
+    ("megatron.bridge.diffusion.models.llada15.llada15_provider", "LLaDA15ModelProvider"),
+    (
+        "megatron.bridge.diffusion.models.nemotron_labs_diffusion.nemotron_labs_diffusion_provider",
+        "NemotronLabsDiffusionModelProvider",
+    ),
+    ("megatron.bridge.diffusion.models.wan.wan_provider", "WanModelProvider WanModelProvider14B WanModelProvider1_3B"),
+    (
+        "megatron.bridge.models.deepseek.deepseek_provider",
+        "DeepSeekModelProvider DeepSeekProvider DeepSeekV2LiteModelProvider DeepSeekV2LiteProvider "
+        "DeepSeekV2ModelProvider DeepSeekV2Provider DeepSeekV3ModelProvider DeepSeekV3Provider "
+        "MoonlightModelProvider16B MoonlightProvider",
+    ),
+    ("megatron.bridge.models.distillation_provider", "DistillationProvider"),
+    ("megatron.bridge.models.ernie_vl.ernie45_vl_provider", "Ernie45VLModelProvider"),
+    ("megatron.bridge.models.exaone.exaone45.exaone45_provider", "Exaone45ModelProvider"),
+    ("megatron.bridge.models.exaone.exaone_moe.exaone_moe_provider", "ExaoneMoeModelProvider"),
+    ("megatron.bridge.models.falcon_h1.falconh1_provider", "FalconH1ModelProvider"),
+    (
+        "megatron.bridge.models.gemma.gemma2_provider",
+        "Gemma2ModelProvider Gemma2ModelProvider27B Gemma2ModelProvider2B Gemma2ModelProvider9B",
+    ),
+    (
+        "megatron.bridge.models.gemma.gemma3_provider",
+        "Gemma3ModelProvider Gemma3ModelProvider12B Gemma3ModelProvider1B Gemma3ModelProvider27B Gemma3ModelProvider4B",
+    ),
+    ("megatron.bridge.models.gemma.gemma4_provider", "Gemma4DenseProvider Gemma4ModelProvider"),
+    (
+        "megatron.bridge.models.gemma.gemma_provider",
+        "CodeGemmaModelProvider2B CodeGemmaModelProvider7B GemmaModelProvider GemmaModelProvider2B "
+        "GemmaModelProvider7B",
+    ),
+    ("megatron.bridge.models.gemma_vl.gemma3_vl_provider", "Gemma3VLModelProvider"),
+    ("megatron.bridge.models.gemma_vl.gemma4_vl_provider", "Gemma4DenseVLProvider Gemma4VLModelProvider"),
+    (
+        "megatron.bridge.models.glm.glm45_provider",
+        "GLM45AirModelProvider106B GLM45ModelProvider355B GLMMoEModelProvider",
+    ),
+    ("megatron.bridge.models.glm_vl.glm_45v_provider", "GLM45VModelProvider"),
+    ("megatron.bridge.models.gpt_oss.gpt_oss_provider", "GPTOSSProvider GPTOSSProvider120B GPTOSSProvider20B"),
+    (
+        "megatron.bridge.models.gpt_provider",
+        "GPTDistillationProvider GPTModelProvider GPTProvider126M GPTProvider175B GPTProvider20B GPTProvider40B "
+        "GPTProvider5B GPTProvider7B",
+    ),
+    ("megatron.bridge.models.hybrid.hybrid_provider", "HybridModelProvider"),
+    ("megatron.bridge.models.kimi.kimi_k3_provider", "KimiK3ModelProvider"),
+    ("megatron.bridge.models.kimi.kimi_provider", "KimiK2Provider"),
+    ("megatron.bridge.models.kimi_vl.kimi_k25_vl_provider", "KimiK25VLModelProvider"),
+    (
+        "megatron.bridge.models.llama.llama_provider",
+        "CodeLlamaModelProvider13B CodeLlamaModelProvider34B CodeLlamaModelProvider70B CodeLlamaModelProvider7B "
+        "Llama2ModelProvider13B Llama2ModelProvider70B Llama2ModelProvider7B Llama31ModelProvider "
+        "Llama31ModelProvider405B Llama31ModelProvider70B Llama31ModelProvider8B Llama32ModelProvider1B "
+        "Llama32ModelProvider3B Llama3ModelProvider Llama3ModelProvider70B Llama3ModelProvider8B "
+        "Llama4Experts128ModelProvider Llama4Experts16ModelProvider Llama4ModelProvider LlamaModelProvider",
+    ),
+    (
+        "megatron.bridge.models.llama_nemotron.llama_nemotron_provider",
+        "Llama31Nemotron70BProvider Llama31NemotronNano8BProvider Llama31NemotronUltra253BProvider "
+        "Llama33NemotronSuper49BProvider LlamaNemotronHeterogeneousProvider",
+    ),
+    (
+        "megatron.bridge.models.mamba.mamba_provider",
+        "MambaModelProvider MambaModelProvider130M MambaModelProvider1P3B MambaModelProvider2P7B "
+        "MambaModelProvider370M MambaModelProvider780M MambaProvider MambaProvider130M MambaProvider1_3B "
+        "MambaProvider2_7B MambaProvider370M MambaProvider780M NVIDIAMambaHybridModelProvider8B "
+        "NVIDIAMambaHybridProvider8B NVIDIAMambaModelProvider8B NVIDIAMambaProvider8B",
+    ),
+    (
+        "megatron.bridge.models.mamba.nemotron_h_provider",
+        "NemotronHModel47BProvider NemotronHModel4BProvider NemotronHModel56BProvider NemotronHModel8BProvider "
+        "NemotronHModelProvider NemotronNano12Bv2Provider NemotronNano9Bv2Provider",
+    ),
+    ("megatron.bridge.models.megatron_mimo.llava_provider", "LlavaMegatronMIMOProvider"),
+    ("megatron.bridge.models.megatron_mimo.megatron_mimo_provider", "MegatronMIMOProvider"),
+    ("megatron.bridge.models.mimo.llava_provider", "LlavaMimoProvider"),
+    ("megatron.bridge.models.mimo.mimo_provider", "MimoModelProvider"),
+    ("megatron.bridge.models.mimo_v2_flash.mimo_v2_flash_provider", "MiMoV2FlashModelProvider"),
+    ("megatron.bridge.models.minimax_m3.minimax_m3_bridge", "MiniMaxM3ModelProvider MiniMaxM3VLModelProvider"),
+    (
+        "megatron.bridge.models.ministral3.ministral3_provider",
+        "Ministral3ModelProvider Ministral3ModelProvider14B Ministral3ModelProvider3B Ministral3ModelProvider8B",
+    ),
+    ("megatron.bridge.models.mistral.mistral_provider", "MistralModelProvider MistralSmall3ModelProvider24B"),
+    ("megatron.bridge.models.mla_provider", "MLAModelProvider"),
+    (
+        "megatron.bridge.models.nemotron.nemotron_provider",
+        "Nemotron3ModelProvider22B Nemotron3ModelProvider4B Nemotron3ModelProvider8B Nemotron4ModelProvider15B "
+        "Nemotron4ModelProvider340B NemotronModelProvider",
+    ),
+    (
+        "megatron.bridge.models.nemotron_omni.nemotron_omni_provider",
+        "NemotronOmniLlavaModelProvider NemotronOmniModelProvider NemotronVLModelProvider",
+    ),
+    (
+        "megatron.bridge.models.nemotron_vl.nemotron_vl_provider",
+        "NemotronNano12Bv2VLModelProvider NemotronVLModelProvider",
+    ),
+    (
+        "megatron.bridge.models.nemotronh.nemotron_h_provider",
+        "Nemotron3NanoProvider NemotronHModel47BProvider NemotronHModel4BProvider NemotronHModel56BProvider "
+        "NemotronHModel8BProvider NemotronHModelProvider NemotronHModelProvider47B NemotronHModelProvider4B "
+        "NemotronHModelProvider56B NemotronHModelProvider8B NemotronNano12Bv2Provider NemotronNano9Bv2Provider "
+        "NemotronNanoModelProvider12Bv2 NemotronNanoModelProvider9Bv2",
+    ),
+    ("megatron.bridge.models.olmoe.olmoe_provider", "OlMoEModelProvider"),
+    (
+        "megatron.bridge.models.qwen.qwen2_provider",
+        "Qwen25ModelProvider14B Qwen25ModelProvider1P5B Qwen25ModelProvider32B Qwen25ModelProvider3B "
+        "Qwen25ModelProvider500M Qwen25ModelProvider72B Qwen25ModelProvider7B Qwen2ModelProvider "
+        "Qwen2ModelProvider1P5B Qwen2ModelProvider500M Qwen2ModelProvider72B Qwen2ModelProvider7B",
+    ),
+    (
+        "megatron.bridge.models.qwen.qwen_provider",
+        "Qwen25ModelProvider14B Qwen25ModelProvider1P5B Qwen25ModelProvider32B Qwen25ModelProvider3B "
+        "Qwen25ModelProvider500M Qwen25ModelProvider72B Qwen25ModelProvider7B Qwen2ModelProvider "
+        "Qwen2ModelProvider1P5B Qwen2ModelProvider500M Qwen2ModelProvider72B Qwen2ModelProvider7B "
+        "Qwen3MoEModelProvider Qwen3MoEModelProvider235B_A22B Qwen3MoEModelProvider30B_A3B Qwen3ModelProvider "
+        "Qwen3ModelProvider14B Qwen3ModelProvider1P7B Qwen3ModelProvider32B Qwen3ModelProvider4B "
+        "Qwen3ModelProvider600M Qwen3ModelProvider8B Qwen3NextModelProvider Qwen3NextModelProvider80B_A3B",
+    ),
+    ("megatron.bridge.models.qwen3_asr.qwen3_asr_provider", "Qwen3ASRModelProvider"),
+    ("megatron.bridge.models.qwen_audio.qwen2_audio_provider", "Qwen2AudioModelProvider"),
+    ("megatron.bridge.models.qwen_omni.qwen25_omni_provider", "Qwen25OmniModelProvider"),
+    ("megatron.bridge.models.qwen_omni.qwen3_omni_provider", "Qwen3OmniModelProvider"),
+    ("megatron.bridge.models.qwen_vl.qwen25_vl_provider", "Qwen25VLModelProvider"),
+    (
+        "megatron.bridge.models.qwen_vl.qwen35_vl_provider",
+        "Qwen35TokenClassificationModelProvider Qwen35VLMoEModelProvider Qwen35VLModelProvider",
+    ),
+    ("megatron.bridge.models.qwen_vl.qwen3_vl_provider", "Qwen3VLMoEModelProvider Qwen3VLModelProvider"),
+    ("megatron.bridge.models.qwen_vl.qwen_vl_provider", "Qwen25VLModelProvider"),
+    ("megatron.bridge.models.sarvam.sarvam_provider", "SarvamMLAModelProvider SarvamMoEModelProvider"),
+    ("megatron.bridge.models.stepfun.step35_provider", "Step35ModelProvider"),
+    ("megatron.bridge.models.stepfun.step37_provider", "Step37ModelProvider"),
+    ("megatron.bridge.models.t5_provider", "T5ModelProvider"),
+)
+
+_MODEL_CONFIGS = (
+    ("megatron.bridge.models.gpt.gpt_builder", "GPTModelConfig"),
+    ("megatron.bridge.models.gpt.model_config", "BridgeGPTModelConfig"),
+    ("megatron.bridge.models.hybrid.hybrid_builder", "HybridModelConfig"),
+    ("megatron.bridge.models.mamba.mamba_builder", "MambaModelConfig"),
+    ("megatron.training.models.gpt", "GPTModelConfig"),
+    ("megatron.training.models.hybrid", "HybridModelConfig"),
+    (
+        "megatron.bridge.models.transformer_config",
+        "TransformerConfig MLATransformerConfig HeterogeneousTransformerConfig",
+    ),
+    ("megatron.core.transformer.transformer_config", "TransformerConfig MLATransformerConfig"),
+    ("megatron.bridge.models.ernie_vl.modeling_ernie45_vl.vision_transformer_config", "ErnieVisionTransformerConfig"),
+    ("megatron.bridge.models.exaone.exaone45.modelling_exaone45.transformer_config", "Exaone45TransformerConfig"),
+    ("megatron.bridge.models.falcon_h1.modeling_falconh1.falconh1_model", "FalconH1Config"),
+    ("megatron.bridge.models.gemma_vl.modeling_gemma3_vl", "Gemma3VLMultimodalProjectorConfig"),
+    ("megatron.bridge.models.qwen3_asr.modeling_qwen3_asr.transformer_config", "Qwen3ASRTransformerConfig"),
+    ("megatron.bridge.models.qwen_omni.modeling_qwen25_omni.transformer_config", "Qwen25OmniTransformerConfig"),
+    ("megatron.bridge.models.qwen_omni.modeling_qwen3_omni.transformer_config", "Qwen3OmniTransformerConfig"),
+    ("megatron.bridge.models.qwen_vl.modelling_qwen3_vl.transformer_config", "Qwen3VLTransformerConfig"),
+    ("megatron.bridge.models.stepfun.modelling_step37.transformer_config", "Step37TransformerConfig"),
+)
+
+_CONFIGS = (
+    (
+        "megatron.bridge.training.config",
+        "ConfigContainer CheckpointConfig DataloaderConfig DistributedDataParallelConfig DistributedInitConfig "
+        "FaultToleranceConfig FinetuningDatasetConfig GPTDatasetConfig GPTFIMDatasetConfig InProcessRestartConfig "
+        "LoggerConfig MockGPTDatasetConfig NVRxStragglerDetectionConfig OptimizerConfig ProfilingConfig RNGConfig "
+        "RerunStateMachineConfig SchedulerConfig StragglerDetectionConfig TensorInspectConfig TrainingConfig "
+        "ValidationConfig",
+    ),
+    ("megatron.bridge.training.mixed_precision", "MixedPrecisionConfig"),
+    (
+        "megatron.bridge.training.comm_overlap",
+        "CommOverlapConfig TransformerLayerTPOverlapCfg BulkOverlapCfg PipelineOverlapCfg RingExchangeOverlapCfg",
+    ),
+    ("megatron.bridge.training.tokenizers.config", "TokenizerConfig"),
+    ("megatron.training.config.common_config", "RNGConfig ProfilingConfig DistributedInitConfig"),
+    (
+        "megatron.training.config.training_config",
+        "TrainingConfig ValidationConfig SchedulerConfig LoggerConfig CheckpointConfig TokenizerConfig",
+    ),
+    ("megatron.training.config.resilience_config", "RerunStateMachineConfig StragglerDetectionConfig"),
+    ("megatron.bridge.peft.lora", "LoRA VLMLoRA"),
+    ("megatron.bridge.peft.dora", "DoRA"),
+    ("megatron.bridge.peft.canonical_lora", "CanonicalLoRA"),
+    ("megatron.bridge.peft.multi_lora", "MultiLoRA"),
+    ("megatron.bridge.data.base", "DataloaderConfig"),
+    ("megatron.bridge.data.builders.gpt_sft", "GPTSFTDatasetConfig FinetuningDatasetConfig"),
+    ("megatron.bridge.data.builders.hf_dataset", "HFDatasetConfig"),
+    ("megatron.bridge.data.builders.direct_hf_sft", "DirectHFSFTDatasetConfig"),
+    ("megatron.bridge.data.builders.mock_vlm_sft", "MockVLMSFTDatasetConfig"),
+    ("megatron.bridge.data.builders.energon", "EnergonDatasetConfig"),
+    ("megatron.bridge.data.datasets.packed_sequence", "PackedSequenceSpecs"),
+    ("megatron.bridge.data.packing.config", "PackedSequenceSpecs"),
+    ("megatron.bridge.data.energon.energon_provider", "EnergonProvider"),
+    (
+        "megatron.bridge.data.vlm_datasets.hf_provider",
+        "HFDatasetConversationProvider",
+    ),
+    ("megatron.bridge.data.vlm_datasets.mock_provider", "MockVLMConversationProvider"),
+    ("megatron.bridge.data.vlm_datasets.preloaded_provider", "PreloadedVLMConversationProvider"),
+    ("megatron.core.quantization.quant_config", "RecipeConfig GlobMatcher"),
+)
+
+_ENUMS = (
+    (
+        "megatron.core.transformer.enums",
+        "ModelType LayerType AttnType AttnMaskType AttnBackend CudaGraphModule CudaGraphScope InferenceCudaGraphScope",
+    ),
+    ("megatron.core.enums", "ModelType Fp8Recipe Fp4Recipe"),
+    ("signal", "Signals"),
+)
+
+_DTYPES = (
+    "float32 float16 bfloat16 float64 int8 uint8 int16 int32 int64 bool complex64 complex128 float8_e4m3fn "
+    "float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
+)
+
+_ACTIVATIONS = (
+    ("torch.nn.functional", "silu gelu relu sigmoid"),
+    ("torch._C._nn", "gelu"),  # F.gelu's __module__: what Bridge's function representer writes for it
+    ("torch", "tanh"),
+    ("megatron.core.activations", "fast_gelu squared_relu quick_gelu"),
+    ("megatron.core.fusions.fused_bias_geglu", "quick_gelu"),
+    ("megatron.core.transformer.utils", "openai_gelu erf_gelu"),
+)
+
+_INITS = (
+    "normal_ uniform_ trunc_normal_ xavier_normal_ xavier_uniform_ kaiming_normal_ kaiming_uniform_ zeros_ ones_ "
+    "constant_ orthogonal_"
+)
+
+_SPECS = (
+    (
+        "megatron.bridge.models.gpt_provider",
+        "default_layer_spec local_layer_spec transformer_engine_layer_spec transformer_engine_full_layer_spec "
+        "quantization_layer_spec modelopt_transformer_layer_spec mtp_block_spec",
+    ),
+    (
+        "megatron.bridge.models.gpt.gpt_builder",
+        "default_layer_spec local_layer_spec transformer_engine_layer_spec transformer_engine_full_layer_spec "
+        "modelopt_transformer_layer_spec mtp_block_spec",
+    ),
+    ("megatron.bridge.models.t5_provider", "local_layer_spec transformer_engine_layer_spec"),
+    (
+        "megatron.bridge.models.mamba.mamba_provider",
+        "get_default_mamba_stack_spec modelopt_mamba_stack_spec transformer_engine_mamba_stack_spec",
+    ),
+    (
+        "megatron.bridge.models.mamba.mamba_builder",
+        "get_default_mamba_stack_spec modelopt_mamba_stack_spec transformer_engine_mamba_stack_spec",
+    ),
+    (
+        "megatron.bridge.models.hybrid.hybrid_provider",
+        "get_default_hybrid_stack_spec modelopt_hybrid_stack_spec transformer_engine_hybrid_stack_spec",
+    ),
+    (
+        "megatron.bridge.models.hybrid.hybrid_builder",
+        "get_default_hybrid_stack_spec modelopt_hybrid_stack_spec transformer_engine_hybrid_stack_spec",
+    ),
+    ("megatron.bridge.models.gemma.gemma2_provider", "gemma2_layer_spec"),
+    ("megatron.bridge.models.gemma.gemma3_provider", "gemma3_layer_spec"),
+    ("megatron.bridge.models.gemma.modeling_gemma4", "gemma4_block_spec get_gemma4_layer_spec"),
+    ("megatron.bridge.models.olmoe.olmoe_provider", "olmoe_layer_spec"),
+    ("megatron.bridge.models.ministral3.ministral3_provider", "ministral_layer_spec"),
+    ("megatron.bridge.models.llama.llama4_utils", "get_llama4_layer_spec"),
+    ("megatron.bridge.models.llama_nemotron.llama_nemotron_provider", "heterogeneous_layer_spec"),
+    ("megatron.bridge.models.falcon_h1.falconh1_provider", "get_default_falconh1_stack_spec"),
+    ("megatron.bridge.models.exaone.exaone4.exaone4_provider", "exaone4_layer_spec"),
+    (
+        "megatron.bridge.models.exaone.exaone45.exaone45_provider",
+        "exaone_45_transformer_layer_spec exaone_45_mtp_block_spec",
+    ),
+    ("megatron.bridge.models.exaone.exaone_moe.exaone_moe_provider", "build_exaone_moe_layer_spec"),
+    ("megatron.bridge.models.mimo_v2_flash.modeling_mimo_v2_flash", "mimo_v2_flash_layer_spec"),
+    ("megatron.bridge.models.minimax_m2.minimax_m2_provider", "minimax_m2_layer_spec"),
+    (
+        "megatron.bridge.models.ernie_vl.modeling_ernie45_vl.ernie_decoder_layer_spec",
+        "get_ernie45_vl_decoder_block_spec",
+    ),
+    (
+        "megatron.core.models.gpt.gpt_layer_specs",
+        "get_gpt_decoder_block_spec get_gpt_layer_with_transformer_engine_spec get_gpt_layer_local_spec "
+        "get_gpt_mtp_block_spec",
+    ),
+    (
+        "megatron.core.models.gpt.experimental_attention_variant_module_specs",
+        "get_transformer_block_with_experimental_attention_variant_spec",
+    ),
+)
+
+_RUNTIME = (
+    ("megatron.core.distributed.finalize_model_grads", "finalize_model_grads"),
+    ("megatron.core.optimizer.optimizer.MegatronOptimizer", "scale_loss"),
+    (
+        "megatron.core.distributed.distributed_data_parallel.DistributedDataParallel",
+        "start_grad_sync start_param_sync no_sync",
+    ),
+    ("megatron.core.distributed.fsdp.mcore_fsdp_adapter.FullyShardedDataParallel", "start_grad_sync start_param_sync"),
+)
+
+_BUILDERS = (
+    ("megatron.bridge.models.gpt.gpt_builder", "GPTModelBuilder"),
+    ("megatron.bridge.models.hybrid", "HybridModelBuilder"),
+    ("megatron.bridge.models.hybrid.hybrid_builder", "HybridModelBuilder"),
+    ("megatron.bridge.models.mamba", "MambaModelBuilder"),
+    ("megatron.bridge.models.mamba.mamba_builder", "MambaModelBuilder"),
+    ("megatron.training.models.gpt", "GPTModelBuilder"),
+    ("megatron.training.models.hybrid", "HybridModelBuilder"),
+)
+
+_ONE_OFFS = (
+    AllowedTarget(
+        "megatron.bridge.models.gemma.modeling_gemma4._gemma4_block_spec",
+        _PARTIAL_OR_REFERENCE,
+        "the Gemma 4 block-spec builder under its former private name (Bridge allows it by name): " + _WHY_SPEC,
+    ),
+    AllowedTarget(
+        "transformers.generation.configuration_utils.GenerationConfig.from_dict",
+        _CALL,
+        "builds a transformers GenerationConfig from a dict of generation settings: stores them (its sub-configs "
+        "come from transformers' fixed classes); no download, no import by a name from the file",
+    ),
+    AllowedTarget(
+        "megatron.core.timers.Timers",
+        _CALL,
+        "Megatron's timer registry (a training run's runtime object): construction stores the log level and "
+        "option; Bridge's reader replaces it with None",
+    ),
+    AllowedTarget(
+        "megatron.bridge.training.tokenizers.tokenizer._NullTokenizer",
+        _CALL,
+        "the null tokenizer object a mock-data run records: construction stores a vocabulary size; no file, no "
+        "download (other tokenizer classes are refused: they load files or remote code)",
+    ),
+)
+
+
+def _build_allowlist() -> dict[str, AllowedTarget]:
+    entries: list[AllowedTarget] = []
+    for module, names in _PROVIDERS:
+        entries += _group(module, names, _CALL, _WHY_PROVIDER)
+    for module, names in _MODEL_CONFIGS:
+        entries += _group(module, names, _CALL, _WHY_MODEL_CONFIG)
+    for module, names in _CONFIGS:
+        entries += _group(module, names, _CALL, _WHY_CONFIG)
+    for module, names in _ENUMS:
+        entries += _group(module, names, _CALL_OR_REFERENCE, _WHY_ENUM)
+    entries += _group("torch", _DTYPES, _REFERENCE, _WHY_DTYPE)
+    for module, names in _ACTIVATIONS:
+        entries += _group(module, names, _REFERENCE, _WHY_ACTIVATION)
+    entries += _group("torch.nn.init", _INITS, _PARTIAL_OR_REFERENCE, _WHY_INIT)
+    for module, names in _SPECS:
+        entries += _group(module, names, _PARTIAL_OR_REFERENCE, _WHY_SPEC)
+    for module, names in _RUNTIME:
+        entries += _group(module, names, _REFERENCE, _WHY_RUNTIME)
+    for module, names in _BUILDERS:
+        entries += _group(module, names, _BUILDER, _WHY_BUILDER)
+    entries += _ONE_OFFS
+    table: dict[str, AllowedTarget] = {}
+    for entry in entries:
+        if entry.target in table:  # a name listed twice must not widen its uses by accident
+            raise AssertionError(f"allowlist: {entry.target} listed twice")
+        table[entry.target] = entry
+    return table
+
+
+ALLOWLIST: Mapping[str, AllowedTarget] = types.MappingProxyType(_build_allowlist())
+
+
+def allowed_uses(target: str) -> frozenset[Use]:
+    """The uses :data:`ALLOWLIST` grants ``target`` (empty where it is not listed)."""
+    entry = ALLOWLIST.get(target)
+    return entry.uses if entry is not None else frozenset()
+
+
+# --- messages ---------------------------------------------------------------------------------------------------
+
+
+def describe(finding: TargetFinding) -> str:
+    """One terminal-safe line for ``finding``: where, what, how it is used, why it is refused."""
+    where = f"line {finding.line}" + (f", {escape(finding.path)}" if finding.path else "")
+    what = ""
+    if finding.target is not None:
+        what = f" {escape(repr(finding.target))}"
+        if finding.use is not None:
+            what += f" ({_USE_WORDS[finding.use]})"
+    label = {"refused": "refused", "unreadable": "cannot be checked", "duplicate": "duplicated"}[finding.kind]
+    return f"run_config.yaml {where}:{what} {label}: {escape(finding.reason)}"
+
+
+def summarize(scan: TargetScan, limit: int = 5) -> str:
+    """A short message for a whole scan: how many targets, how many findings, the first ``limit`` described."""
+    if not scan.refused:
+        return f"run_config.yaml: {len(scan.targets)} _target_ entries, all on the allowlist"
+    lines = [
+        f"run_config.yaml: {len(scan.findings)} finding(s) among {len(scan.targets)} _target_ entries"
+        + (" (scan stopped early)" if scan.truncated else "")
+    ]
+    lines += ["  " + describe(finding) for finding in scan.findings[:limit]]
+    if len(scan.findings) > limit:
+        lines.append(f"  ... and {len(scan.findings) - limit} more")
+    return "\n".join(lines)
+
+
+# --- the scanner --------------------------------------------------------------------------------------------------
+
+_SPECIAL = frozenset({"_target_", "_builder_", "_call_", "_partial_"})
+_MENTIONS = ("_target_", "_builder_", "${")
+_TRUE = frozenset({"true", "True", "TRUE"})
+_FALSE = frozenset({"false", "False", "FALSE"})
+# What YAML loaders refuse or read differently: C0/C1 controls but tab, LF and CR (PyYAML refuses them), the YAML
+# 1.1 line breaks NEL, LS and PS (text to YAML 1.2), a BOM past the start, surrogates and non-characters.
+_BAD_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029\ufeff\ud800-\udfff\ufffe\uffff]")
+_NOT_BLANK = re.compile("[^ \n]")
+_DQ_STOP = re.compile(r'["\\]')
+_FLOW_STOP = re.compile(r"[,\[\]{}:#]")
+_NEVER_PLAIN = frozenset("{[&*!|>%@`,]}#'\"")  # a plain scalar cannot start with these
+_ESCAPES = {
+    "0": "\0",
+    "a": "\a",
+    "b": "\b",
+    "t": "\t",
+    "\t": "\t",
+    "n": "\n",
+    "v": "\v",
+    "f": "\f",
+    "r": "\r",
+    "e": "\x1b",
+    " ": " ",
+    '"': '"',
+    "/": "/",
+    "\\": "\\",
+    "N": "\x85",
+    "_": "\xa0",
+    "L": "\u2028",
+    "P": "\u2029",
+}
+_HEX_WIDTH = {"x": 2, "u": 4, "U": 8}
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+_OPEN, _ESCAPED_BREAK = -1, -2  # quoted_scan's end when the string goes on over the line break
+
+
+class _Stop(Exception):
+    """The scan ends early: too many findings or targets, or structure it can no longer follow."""
+
+
+def _show(text: str, limit: int = _SHOWN) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _join(path: str, key: str) -> str:
+    key = _show(key, _KEY_SHOWN)
+    return f"{path}.{key}" if path else key
+
+
+def _comment_at(text: str) -> int:
+    """Where a comment starts in ``text`` read as plain (a ``#`` first or after a space); len(text) where none."""
+    if text.startswith("#"):
+        return 0
+    index = text.find(" #")
+    return len(text) if index < 0 else index
+
+
+def _indicator(text: str, chars: str) -> bool:
+    """``text`` starts with one of ``chars`` used as an indicator (followed by a space or the end)."""
+    return bool(text) and text[0] in chars and (len(text) == 1 or text[1] == " ")
+
+
+def _is_dash(text: str) -> bool:
+    return _indicator(text, "-")
+
+
+@dataclasses.dataclass
+class _Value:
+    """A value as far as judging needs it: one line of text (decoded), or what it is instead."""
+
+    kind: Literal["scalar", "multiline", "node", "null", "bad"]
+    text: str = ""
+    quoted: bool = False
+
+
+@dataclasses.dataclass
+class _Collector:
+    """One mapping (block or flow): its special keys, judged when the mapping ends."""
+
+    path: str
+    entries: dict[str, list[tuple[int, _Value]]] = dataclasses.field(default_factory=dict)
+
+    def add(self, key: str, line: int, value: _Value) -> None:
+        if key in _SPECIAL:
+            self.entries.setdefault(key, []).append((line, value))
+
+
+@dataclasses.dataclass
+class _Slot:
+    """Where a value goes: ``key`` of ``collector``, or (no collector) the list item at ``path``."""
+
+    path: str
+    line: int
+    collector: _Collector | None = None
+    key: str = ""
+
+
+@dataclasses.dataclass
+class _Frame:
+    """An open block mapping or list: its indentation, and a key or an item still waiting for its value."""
+
+    kind: Literal["map", "seq"]
+    indent: int
+    path: str
+    collector: _Collector | None = None
+    pending: _Slot | None = None
+    count: int = 0
+
+
+@dataclasses.dataclass
+class _Plain:
+    """A plain value that may go on over lines indented deeper than ``indent``."""
+
+    indent: int
+    slot: _Slot
+
+
+@dataclasses.dataclass
+class _Quoted:
+    """A quoted value going on over lines."""
+
+    double: bool
+    slot: _Slot
+    pieces: list[str]
+    joined: bool  # the line ended in an escaped line break
+    reported: bool = False
+
+
+@dataclasses.dataclass
+class _Block:
+    """A ``|`` / ``>`` block scalar: every line indented past ``parent`` (or empty) is its text."""
+
+    parent: int
+    explicit: int
+    slot: _Slot
+    content: int | None = None
+
+
+@dataclasses.dataclass
+class _FlowNode:
+    """One open ``{...}`` or ``[...]``; ``pair``: a list entry that became a one-pair mapping (``[k: v]``)."""
+
+    kind: Literal["map", "seq"]
+    path: str
+    collector: _Collector | None
+    state: Literal["key", "colon", "value", "after"] = "key"
+    key: _Value | None = None
+    key_line: int = 0
+    value: _Value | None = None
+    pair: bool = False
+    count: int = 0
+
+
+@dataclasses.dataclass
+class _Flow:
+    """Open flow collections, innermost last (they may go on over lines)."""
+
+    stack: list[_FlowNode]
+
+
+class _Scanner:
+    def __init__(self) -> None:
+        self.findings: list[TargetFinding] = []
+        self.targets: list[TargetUse] = []
+        self.truncated = False
+        self.frames: list[_Frame] = []
+        self.mode: _Plain | _Quoted | _Block | _Flow | None = None
+        self.lineno = 0
+        self.started = False  # content seen: a "---" is only allowed before it
+        self.root_done = False
+
+    # -- findings
+
+    def finding(
+        self,
+        kind: FindingKind,
+        reason: str,
+        path: str = "",
+        target: str | None = None,
+        use: Use | None = None,
+        line: int | None = None,
+    ) -> None:
+        shown = None if target is None else _show(target.strip())
+        self.findings.append(TargetFinding(line or self.lineno, _show(path), shown, use, kind, reason))
+        if len(self.findings) >= MAX_FINDINGS:
+            self.truncated = True
+            raise _Stop
+
+    def unreadable(self, reason: str, text: str | None = None, path: str = "") -> None:
+        self.finding("unreadable", reason, path, text)
+
+    def fatal(self, reason: str, text: str | None = None, path: str = "") -> None:
+        self.unreadable(reason + "; the rest of the file is not read", text, path)
+        raise _Stop
+
+    def check_string(self, text: str, path: str) -> bool:
+        """A string value: text to a YAML loader, but a target named in it, or an interpolation, may not stay text."""
+        if "${" in text:
+            self.unreadable(
+                "an OmegaConf interpolation: instantiate resolves it (${oc.decode:...} parses YAML) before it "
+                "reads _target_, so what it becomes cannot be checked here",
+                text,
+                path,
+            )
+            return True
+        for name in _MENTIONS[:2]:
+            if name in text:
+                self.unreadable(
+                    f"a string value holds {name}: text to a YAML loader, refused as a string parsed again "
+                    "(an OmegaConf resolver, a JSON or YAML field) becomes a target",
+                    text,
+                    path,
+                )
+                return True
+        return False
+
+    # -- lines
+
+    def run(self, text: str) -> None:
+        if len(text) > MAX_TEXT_CHARS:
+            self.lineno = 1
+            self.fatal(f"longer than {MAX_TEXT_CHARS} characters")
+        if text.startswith("\ufeff"):
+            text = text[1:]
+        if "\r" in text:
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        pos, end = 0, len(text)
+        while pos < end:
+            match = _NOT_BLANK.search(text, pos)  # runs of blank lines: skipped at C speed
+            if match is None:
+                break
+            start = text.rfind("\n", pos, match.start()) + 1
+            if start > pos:
+                self.lineno += text.count("\n", pos, start)
+                pos = start
+            newline = text.find("\n", pos)
+            if newline < 0:
+                newline = end
+            self.lineno += 1
+            self.line(text[pos:newline])
+            pos = newline + 1
+        self.finish()
+
+    def line(self, raw: str) -> None:
+        if _BAD_CHARS.search(raw):
+            self.unreadable(
+                "a control character, a Unicode line or paragraph separator or a BOM: YAML loaders refuse it or "
+                "read it differently",
+                raw,
+            )
+        mode = self.mode
+        if isinstance(mode, _Block) and self.block_line(mode, raw):
+            return
+        marker = raw.startswith(("---", "...")) and (len(raw) == 3 or raw[3] in " \t")
+        if marker and raw.startswith("---") and not self.started and not raw[3:].strip(" \t"):
+            return
+        if marker:
+            self.fatal("a YAML document marker: a second document, or a document with properties", raw)
+        if isinstance(mode, _Quoted):
+            self.quoted_line(mode, raw)
+            return
+        if "\t" in raw:
+            self.unreadable("a tab outside a multi-line string: YAML loaders disagree on tabs", raw)
+        stripped = raw.lstrip(" \t")
+        if not stripped:
+            return
+        if isinstance(mode, _Flow):
+            self.flow_text(mode, raw, 0)
+            return
+        indent = len(raw) - len(stripped)
+        if stripped.startswith("#"):
+            if isinstance(mode, _Plain):
+                self.mode = None  # a comment ends a plain value
+            return
+        if isinstance(mode, _Plain):
+            if indent > mode.indent:
+                self.plain_more(mode, stripped)
+                return
+            self.mode = None
+        if indent == 0 and stripped.startswith("%"):
+            self.fatal("a YAML directive (%YAML, %TAG): it changes how the document is read", raw)
+        self.started = True
+        self.content(indent, stripped)
+
+    def content(self, indent: int, text: str) -> None:
+        """A line of block structure at column ``indent``."""
+        while self.frames:
+            top = self.frames[-1]
+            if indent < top.indent or (indent == top.indent and top.kind == "seq" and not _is_dash(text)):
+                self.close_frame()
+            else:
+                break
+        if not self.frames:
+            if self.root_done:
+                self.unreadable("text after the end of the document's top-level node", text)
+                self.check_string(text, "")
+                return
+            self.root_done = True
+            self.node(-1, _Slot("", self.lineno), indent, text)
+            return
+        top = self.frames[-1]
+        if indent > top.indent or (top.kind == "map" and top.pending is not None and _is_dash(text)):
+            slot = top.pending  # a value on lines of its own, or "key:" then "- item" at the key's column
+            if slot is None:
+                self.unreadable("a line indented deeper than its mapping or list that belongs to nothing", text)
+                self.check_string(text, top.path)
+                return
+            top.pending = None
+            self.node(top.indent, slot, indent, text)
+        elif top.kind == "map":
+            self.resolve_pending(top)
+            self.map_entry(top, indent, text)
+        else:
+            self.resolve_pending(top)
+            self.seq_item(top, indent, text)
+
+    def node(self, owner: int, slot: _Slot, indent: int, text: str) -> None:
+        """A node that starts a line: a block list, a block mapping or a value (``owner``: its parent's column)."""
+        if _is_dash(text):
+            self.record(slot, _Value("node"))
+            self.seq_item(self.push(_Frame("seq", indent, slot.path)), indent, text)
+        elif self.split_key(text) is not None:
+            self.record(slot, _Value("node"))
+            self.map_entry(self.push(_Frame("map", indent, slot.path, _Collector(slot.path))), indent, text)
+        else:
+            self.value(owner, slot, text)
+
+    def push(self, frame: _Frame) -> _Frame:
+        if len(self.frames) >= MAX_DEPTH:
+            self.truncated = True
+            self.fatal(f"nested deeper than {MAX_DEPTH} levels", path=frame.path)
+        self.frames.append(frame)
+        return frame
+
+    def close_frame(self) -> None:
+        frame = self.frames.pop()
+        self.resolve_pending(frame)
+        if frame.collector is not None:
+            self.judge(frame.collector)
+
+    def resolve_pending(self, frame: _Frame) -> None:
+        if frame.pending is not None:
+            self.record(frame.pending, _Value("null"))
+            frame.pending = None
+
+    def map_entry(self, frame: _Frame, indent: int, text: str) -> None:
+        split = self.split_key(text)
+        if split is None:
+            if text[0] in "\"'" and self.quoted_once(text) is None:
+                self.fatal("a quoted string going on over lines where a mapping key is expected", text, frame.path)
+            reason = "a line in a mapping that is not 'key: value'"
+            if _indicator(text, "?"):
+                reason = "a complex key ('? key'): the key can be anything"
+            elif text[0] in "&*!":
+                reason = "a key with an anchor, an alias or a tag"
+            elif text[0] in "[{":
+                reason = "a flow collection as a mapping key"
+            self.unreadable(reason, text, frame.path)
+            self.check_string(text, frame.path)
+            return
+        key, rest = split
+        slot = _Slot(_join(frame.path, key), self.lineno, frame.collector, key)
+        if key == "<<":
+            self.unreadable("a merge key ('<<'): it copies another mapping's keys, _target_ included", text, slot.path)
+        if not rest or rest.startswith("#"):
+            frame.pending = slot
+        else:
+            self.value(frame.indent, slot, rest)
+
+    def seq_item(self, frame: _Frame, indent: int, text: str) -> None:
+        while True:  # "- - x": a list in a list, on one line
+            slot = _Slot(f"{frame.path}[{frame.count}]", self.lineno)
+            frame.count += 1
+            rest = text[1:].lstrip(" ")
+            column = indent + len(text) - len(rest)
+            if not rest or rest.startswith("#"):
+                frame.pending = slot
+                return
+            if _is_dash(rest):
+                frame = self.push(_Frame("seq", column, slot.path))
+                indent, text = column, rest
+                continue
+            if self.split_key(rest) is not None:  # "- key: value" opens a mapping at the key's column
+                self.map_entry(self.push(_Frame("map", column, slot.path, _Collector(slot.path))), column, rest)
+            else:
+                self.value(frame.indent, slot, rest)
+            return
+
+    def value(self, owner: int, slot: _Slot, text: str) -> None:
+        """A value that is not a block collection, at the start of ``text``."""
+        first = text[0]
+        if first in "{[":
+            self.record(slot, _Value("node"))
+            flow = _Flow([])
+            self.mode = flow
+            self.open_flow(flow, first, slot.path)
+            self.flow_text(flow, text, 1)
+        elif first in "\"'":
+            pieces: list[str] = []
+            end = self.quoted_scan(text, 1, first == '"', pieces)
+            if end < 0:
+                self.mode = _Quoted(first == '"', slot, pieces, end == _ESCAPED_BREAK)
+                return
+            decoded = "".join(pieces)
+            rest = text[end:].lstrip(" ")
+            if rest and not rest.startswith("#"):
+                self.unreadable("text after a quoted string", text, slot.path)
+            self.record(slot, _Value("scalar", decoded, quoted=True))
+            self.check_string(decoded, slot.path)
+        elif first in "|>":
+            self.block_start(owner, slot, text)
+        elif first in "&*!":
+            self.unreadable("an anchor, an alias or a tag: it can copy or retype a value", text, slot.path)
+            self.record(slot, _Value("bad", text))
+        elif first in _NEVER_PLAIN or _indicator(text, "-?:"):
+            self.unreadable("a value that is no YAML node here", text, slot.path)
+            self.record(slot, _Value("bad", text))
+        else:
+            cut = _comment_at(text)
+            body = text[:cut].rstrip(" \t")
+            if ": " in body or ":\t" in body or body.endswith(":"):
+                self.unreadable("': ' inside a plain value (a second key on one line)", text, slot.path)
+            self.record(slot, _Value("scalar", body))
+            self.check_string(body, slot.path)
+            if cut == len(text):
+                self.mode = _Plain(owner, slot)
+
+    def plain_more(self, mode: _Plain, text: str) -> None:
+        """A deeper line going on with a plain value (folded into it by a YAML loader)."""
+        cut = _comment_at(text)
+        body = text[:cut].rstrip(" \t")
+        self.record(mode.slot, _Value("multiline", body), replace=True)
+        if ": " in body or ":\t" in body or body.endswith(":"):
+            self.unreadable("': ' in a plain value going on over lines (a key where none may be)", text, mode.slot.path)
+        self.check_string(body, mode.slot.path)
+        if cut < len(text):
+            self.mode = None
+
+    def record(self, slot: _Slot, value: _Value, replace: bool = False) -> None:
+        collector = slot.collector
+        if collector is None or slot.key not in _SPECIAL:
+            return
+        entries = collector.entries.setdefault(slot.key, [])
+        if replace and entries:
+            entries[-1] = (entries[-1][0], value)
+        else:
+            entries.append((slot.line, value))
+
+    # -- keys and quoted strings
+
+    def split_key(self, text: str) -> tuple[str, str] | None:
+        """``(key, rest)`` where ``text`` is ``key: rest`` in block style (the key decoded); else None."""
+        if text[0] in "\"'":
+            once = self.quoted_once(text)
+            if once is None:
+                return None
+            key, end = once
+            rest = text[end:].lstrip(" ")
+            if _indicator(rest, ":") or rest.startswith(":\t"):
+                return key, rest[1:].lstrip(" \t")
+            return None
+        if text[0] in _NEVER_PLAIN or _indicator(text, "-?:"):
+            return None
+        body = text[: _comment_at(text)]
+        colon = body.find(": ")
+        tab = body.find(":\t")
+        if tab >= 0 and (colon < 0 or tab < colon):
+            colon = tab
+        if colon < 0:
+            trimmed = body.rstrip(" \t")
+            if not trimmed.endswith(":"):
+                return None
+            colon = len(trimmed) - 1
+        key = body[:colon].rstrip(" \t")
+        if not key:
+            return None
+        return key, text[colon + 1 :].lstrip(" \t")
+
+    def quoted_once(self, text: str) -> tuple[str, int] | None:
+        """A quoted scalar closed on this line: (decoded, index past it); None where it goes on."""
+        pieces: list[str] = []
+        end = self.quoted_scan(text, 1, text[0] == '"', pieces)
+        return None if end < 0 else ("".join(pieces), end)
+
+    def quoted_scan(self, text: str, pos: int, double: bool, pieces: list[str]) -> int:
+        """Decode a quoted scalar from ``pos`` into ``pieces``: the index past its closing quote, or _OPEN /
+        _ESCAPED_BREAK where it goes on over the line break."""
+        if not double:
+            while True:
+                close = text.find("'", pos)
+                if close < 0:
+                    pieces.append(text[pos:])
+                    return _OPEN
+                pieces.append(text[pos:close])
+                if not text.startswith("''", close):
+                    return close + 1
+                pieces.append("'")
+                pos = close + 2
+        while True:
+            match = _DQ_STOP.search(text, pos)
+            if match is None:
+                pieces.append(text[pos:])
+                return _OPEN
+            at = match.start()
+            pieces.append(text[pos:at])
+            if text[at] == '"':
+                return at + 1
+            if at + 1 == len(text):
+                return _ESCAPED_BREAK
+            code = text[at + 1]
+            pos = at + 2
+            if code in _ESCAPES:
+                pieces.append(_ESCAPES[code])
+                continue
+            width = _HEX_WIDTH.get(code, 0)
+            digits = text[pos : pos + width]
+            if width and len(digits) == width and all(c in _HEX_DIGITS for c in digits):
+                number = int(digits, 16)
+                pieces.append(chr(number) if number <= 0x10FFFF else "\ufffd")
+                pos += width
+                if number > 0x10FFFF or 0xD800 <= number <= 0xDFFF:
+                    self.unreadable("an escape that is no Unicode character", text)
+                continue
+            self.unreadable("an unknown escape in a double-quoted string", text)
+
+    def quoted_line(self, mode: _Quoted, raw: str) -> None:
+        pieces = mode.pieces
+        text = raw.lstrip(" \t")
+        if not mode.joined:
+            if pieces:
+                pieces[-1] = pieces[-1].rstrip(" \t")
+            pieces.append(" ")  # a line break folds into a space
+        end = self.quoted_scan(text, 0, mode.double, pieces)
+        if end < 0:
+            mode.joined = end == _ESCAPED_BREAK
+            if len(pieces) > 4096:  # bounded: check what is there, keep a tail a name could go on from
+                joined = "".join(pieces)
+                mode.reported = mode.reported or self.check_string(joined, mode.slot.path)
+                pieces[:] = [joined[-16:]]
+            return
+        self.mode = None
+        decoded = "".join(pieces)
+        rest = text[end:].lstrip(" ")
+        if _indicator(rest, ":"):
+            self.unreadable("a quoted key going on over lines", raw, mode.slot.path)
+        elif rest and not rest.startswith("#"):
+            self.unreadable("text after a quoted string", raw, mode.slot.path)
+        self.record(mode.slot, _Value("multiline", decoded))
+        if not mode.reported:
+            self.check_string(decoded, mode.slot.path)
+
+    # -- block scalars
+
+    def block_start(self, owner: int, slot: _Slot, text: str) -> None:
+        header = text[1 : _comment_at(text)].rstrip(" \t")
+        explicit = 0
+        good = len(header) <= 2
+        for char in header:
+            if char in "123456789" and not explicit:
+                explicit = int(char)
+            elif char not in "+-":
+                good = False
+        if not good:
+            self.unreadable("a block scalar header that is not |, >, a chomping sign and a digit", text, slot.path)
+        self.record(slot, _Value("multiline"))
+        self.mode = _Block(max(owner, 0), explicit, slot)
+
+    def block_line(self, mode: _Block, raw: str) -> bool:
+        """True where ``raw`` is text of the block scalar; False where the scalar ended before it."""
+        stripped = raw.lstrip(" ")
+        if not stripped.strip(" \t"):
+            return True
+        indent = len(raw) - len(stripped)
+        if mode.content is None:
+            if mode.explicit:
+                mode.content = mode.parent + mode.explicit
+            elif indent > mode.parent:
+                mode.content = indent
+        if mode.content is not None and indent >= mode.content:
+            self.check_string(raw[mode.content :], mode.slot.path)
+            return True
+        self.mode = None
+        return False
+
+    # -- flow collections
+
+    def open_flow(self, flow: _Flow, bracket: str, path: str) -> None:
+        if len(self.frames) + len(flow.stack) >= MAX_DEPTH:
+            self.truncated = True
+            self.fatal(f"nested deeper than {MAX_DEPTH} levels", path=path)
+        if bracket == "{":
+            flow.stack.append(_FlowNode("map", path, _Collector(path)))
+        else:
+            flow.stack.append(_FlowNode("seq", path, None))
+
+    def flow_text(self, flow: _Flow, text: str, pos: int) -> None:
+        """Read ``text`` from ``pos`` inside open flow collections; the mode ends with the outermost one."""
+        end = len(text)
+        while pos < end:
+            char = text[pos]
+            if char in " \t":
+                pos += 1
+                continue
+            if char == "#" and (pos == 0 or text[pos - 1] in " \t"):
+                return
+            node = flow.stack[-1]
+            if char in "}]":
+                if (char == "}") != (node.kind == "map"):
+                    self.fatal("a flow collection closed by the other bracket", text, node.path)
+                self.flow_entry_end(node)
+                flow.stack.pop()
+                if node.collector is not None:
+                    self.judge(node.collector)
+                pos += 1
+                if not flow.stack:
+                    self.mode = None
+                    rest = text[pos:].lstrip(" \t")
+                    if rest and not rest.startswith("#"):
+                        self.fatal("text after a flow collection (a complex key, or a second value)", text, node.path)
+                    return
+            elif char == ",":
+                self.flow_entry_end(node)
+                pos += 1
+            elif char == ":" and node.state == "colon":
+                node.state = "value"
+                node.pair = node.kind == "seq"
+                pos += 1
+            elif char in "{[":
+                if node.state != "value" and not (node.kind == "seq" and node.state == "key"):
+                    self.fatal("a flow collection as a key, or where ',' is expected", text, node.path)
+                path = self.flow_path(node)
+                node.value, node.state = _Value("node"), "after"
+                self.open_flow(flow, char, path)
+                pos += 1
+            elif char in "\"'":
+                pieces: list[str] = []
+                after = self.quoted_scan(text, pos + 1, char == '"', pieces)
+                if after < 0:
+                    self.fatal("a quoted string going on over lines inside a flow collection", text, node.path)
+                pos = after
+                self.flow_scalar(node, _Value("scalar", "".join(pieces), quoted=True), text)
+            elif char in "&*!|>%@`:?" or _indicator(text[pos:], "-"):
+                self.fatal("an anchor, alias, tag or indicator in a flow collection", text, node.path)
+            else:
+                stop = self.flow_plain_end(text, pos)
+                plain = text[pos:stop].rstrip(" \t")
+                if "?" in plain or ":" in plain:
+                    self.fatal("'?' or ':' inside a plain scalar in a flow collection (loaders disagree)", text)
+                pos = stop
+                self.flow_scalar(node, _Value("scalar", plain), text)
+
+    @staticmethod
+    def flow_plain_end(text: str, pos: int) -> int:
+        """Where a plain scalar in a flow collection ends: a flow indicator, ': ', ':' before one, or ' #'."""
+        end = len(text)
+        while True:
+            match = _FLOW_STOP.search(text, pos)
+            if match is None:
+                return end
+            stop = match.start()
+            char = text[stop]
+            if char == ":":
+                if stop + 1 == end or text[stop + 1] in " \t,[]{}":
+                    return stop
+            elif char == "#":
+                if text[stop - 1] in " \t":
+                    return stop
+            else:
+                return stop
+            pos = stop + 1
+
+    def flow_path(self, node: _FlowNode) -> str:
+        """The path of the value being read in ``node``."""
+        if node.kind == "seq":
+            item = f"{node.path}[{node.count}]"
+            return _join(item, node.key.text) if node.pair and node.key is not None else item
+        return _join(node.path, node.key.text if node.key is not None else "")
+
+    def flow_scalar(self, node: _FlowNode, value: _Value, line: str) -> None:
+        if node.state == "key":
+            node.key, node.key_line, node.state = value, self.lineno, "colon"
+        elif node.state == "value":
+            node.value, node.state = value, "after"
+            self.check_string(value.text, self.flow_path(node))
+        else:
+            self.fatal("a scalar where ',' or the end is expected (a plain scalar over lines?)", line, node.path)
+
+    def flow_entry_end(self, node: _FlowNode) -> None:
+        """One entry of ``node`` is complete (at ',' or its closing bracket)."""
+        key = node.key
+        if node.kind == "map" or node.pair:
+            value = node.value or _Value("null")
+            if key is None:
+                if node.state == "value":
+                    self.fatal("a flow mapping entry with no key", None, node.path)
+            else:
+                path = _join(f"{node.path}[{node.count}]", key.text) if node.pair else _join(node.path, key.text)
+                if key.text == "<<":
+                    self.unreadable("a merge key ('<<'): it copies another mapping's keys", key.text, path)
+                collector = node.collector
+                if node.pair:
+                    collector = _Collector(f"{node.path}[{node.count}]")
+                assert collector is not None
+                collector.add(key.text, node.key_line, value)
+                if node.pair:
+                    self.judge(collector)
+        elif key is not None:  # a list item read as a would-be key: a plain or quoted scalar
+            self.check_string(key.text, f"{node.path}[{node.count}]")
+        if node.kind == "seq" and node.state != "key":
+            node.count += 1
+        node.state, node.key, node.value, node.pair = "key", None, None, False
+
+    # -- judging a mapping
+
+    def judge(self, collector: _Collector) -> None:
+        entries = collector.entries
+        targets = entries.get("_target_", [])
+        builders = entries.get("_builder_", [])
+        if not targets and not builders:
+            return
+        for name in ("_target_", "_builder_", "_call_", "_partial_"):
+            found = entries.get(name, [])
+            if len(found) > 1:
+                line, value = found[-1]
+                self.finding(
+                    "duplicate",
+                    f"{len(found)} {name} keys in one mapping: YAML loaders keep the last, another reader may not",
+                    _join(collector.path, name),
+                    value.text if value.kind == "scalar" else None,
+                    line=line,
+                )
+        use = self.use_of(collector)
+        for line, value in targets:
+            self.judge_one(line, _join(collector.path, "_target_"), value, use)
+        for line, value in builders:
+            self.judge_one(line, _join(collector.path, "_builder_"), value, "builder")
+
+    def use_of(self, collector: _Collector) -> Use:
+        """How Bridge's instantiate uses the mapping's target: ``_call_: false`` first, then ``_partial_: true``."""
+        call = self.flag(collector, "_call_")
+        if call is False:
+            return "reference"
+        return "partial" if self.flag(collector, "_partial_") is True else "call"
+
+    def flag(self, collector: _Collector, name: str) -> bool | None:
+        """The last ``name`` of the mapping as a plain true or false; None where absent or anything else."""
+        found = collector.entries.get(name)
+        if not found:
+            return None
+        line, value = found[-1]
+        text = value.text if value.kind == "scalar" and not value.quoted else None
+        if text in _TRUE or text in _FALSE:
+            return text in _TRUE
+        self.finding(
+            "unreadable",
+            f"{name} is not a plain true or false (a string, a number, or yes/no/on/off that YAML 1.1 and 1.2 "
+            "read differently): judged as called",
+            _join(collector.path, name),
+            value.text if value.kind == "scalar" else None,
+            line=line,
+        )
+        return None
+
+    def judge_one(self, line: int, path: str, value: _Value, use: Use) -> None:
+        if value.kind != "scalar":
+            what = {"multiline": "a string over lines", "node": "a mapping or a list", "null": "empty"}
+            self.finding(
+                "unreadable",
+                f"its value is {what.get(value.kind, 'unreadable')}, not a name on one line",
+                path,
+                value.text or None,
+                use,
+                line,
+            )
+            return
+        target = value.text
+        if len(self.targets) >= MAX_TARGETS:
+            self.truncated = True
+            self.fatal(f"more than {MAX_TARGETS} targets", path=path)
+        self.targets.append(TargetUse(line, _show(path), _show(target), use))
+        uses = allowed_uses(target)
+        if use in uses:
+            return
+        if uses:
+            reason = "on the allowlist only " + " or ".join(_USE_WORDS[u] for u in sorted(uses))
+        else:
+            reason = "not on the allowlist of Megatron-Bridge config targets"
+        self.finding("refused", reason, path, target, use, line)
+
+    # -- the end
+
+    def finish(self) -> None:
+        mode, self.mode = self.mode, None
+        if isinstance(mode, _Quoted):
+            self.unreadable("a quoted string never closed", None, mode.slot.path)
+        elif isinstance(mode, _Flow):
+            self.unreadable("a flow collection never closed", None, mode.stack[0].path)
+            while mode.stack:
+                node = mode.stack.pop()
+                if node.collector is not None:
+                    self.judge(node.collector)
+        while self.frames:
+            self.close_frame()
+
+
+def scan_targets(text: str) -> TargetScan:
+    """Every ``_target_`` / ``_builder_`` in a ``run_config.yaml`` text, judged; and what could not be checked.
+
+    Linear in the text (at most :data:`MAX_TEXT_CHARS` characters), no YAML library, no recursion; it stops at
+    :data:`MAX_FINDINGS` findings or :data:`MAX_DEPTH` levels (``truncated``)."""
+    scanner = _Scanner()
+    try:
+        scanner.run(text)
+    except _Stop:
+        pass
+    return TargetScan(tuple(scanner.targets), tuple(scanner.findings), scanner.truncated)
