@@ -1,12 +1,15 @@
 """ckptdoctor: diagnose and repair Megatron-Core distributed checkpoints offline."""
 
+# The C module under ``signal``, which the interpreter loaded at its start: importing ``signal`` itself builds its
+# enums (and imports ``enum`` where nothing did yet), milliseconds in which a Ctrl-C was a KeyboardInterrupt traceback.
+import _signal  # type: ignore[import-not-found]
 import os
-import signal
 import sys
 
-__version__ = "0.1.0"
-
 _PENDING_SIGNALS: list[int] = []  # SIGINTs and SIGTERMs that arrived while the CLI process was still importing
+
+# What ``python -m <module>`` runs of this package as the CLI (``ckptdoctor.cli`` ends in ``run()`` too).
+_CLI_MODULES = ("ckptdoctor", "ckptdoctor.__main__", "ckptdoctor.cli")
 
 
 def _defer_signal(signum: int, frame: object) -> None:
@@ -19,18 +22,40 @@ def _under_torchrun() -> bool:
 
 
 def _is_cli_process() -> bool:
-    """This package is being imported by the ``ckptdoctor`` console script or ``python -m ckptdoctor``."""
+    """This package is being imported by the ``ckptdoctor`` console script or ``python -m ckptdoctor`` (torchrun
+    starts each rank as ``python -u -m ckptdoctor``)."""
     argv0 = sys.argv[0] if sys.argv else ""
     name, parent = os.path.basename(argv0), os.path.basename(os.path.dirname(argv0))
     if name in ("ckptdoctor", "ckptdoctor.exe") or (name == "__main__.py" and parent == "ckptdoctor"):
         return True
-    if argv0 != "-m":  # argv[0] is "-m" only while runpy imports the package of ``python -m <module>``
-        return False
-    orig = getattr(sys, "orig_argv", [])
-    for i, arg in enumerate(orig[1:], 1):
-        if arg.startswith("-m"):  # the interpreter's options end at -m
-            return (arg[2:] or (orig[i + 1] if i + 1 < len(orig) else "")) == "ckptdoctor"
-    return False
+    # argv[0] is "-m" only while runpy imports the package of ``python -m <module>``
+    return argv0 == "-m" and _module_of_dash_m(getattr(sys, "orig_argv", [])) in _CLI_MODULES
+
+
+def _module_of_dash_m(argv: list[str]) -> str | None:
+    """The module of an interpreter command line ``python [options] -m <module> ...``, or None. Options may be
+    clustered (``-um mod``, ``-Wignore``); -W and -X take a value, and so does --check-hash-based-pycs."""
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg == "--check-hash-based-pycs":
+            i += 1
+        elif arg.startswith("--"):
+            continue
+        elif not arg.startswith("-") or arg == "-":  # a script, or stdin: the interpreter's options ended
+            return None
+        else:
+            for k, flag in enumerate(arg[1:], 2):
+                if flag in "cmWX":  # the rest of the argument, or the next one, is its value
+                    value = arg[k:]
+                    if not value:
+                        value = argv[i] if i < len(argv) else ""
+                        i += 1
+                    if flag in "cm":
+                        return value if flag == "m" else None
+                    break
+    return None
 
 
 # First thing in the process that is ours (``python -m ckptdoctor`` imports this package before its
@@ -38,9 +63,14 @@ def _is_cli_process() -> bool:
 # the job) from here on while the CLI starts is remembered and answered by ckptdoctor.cli.run() like any other
 # interrupt, not a KeyboardInterrupt traceback. Signals the parent ignores (nohup) stay ignored, and so does
 # SIGTERM under torchrun: its agent ends the other ranks with it once one rank exits non-zero (exit 1, findings,
-# is one), a teardown of a run whose outcome the failing rank already reports.
+# is one), a teardown of a run whose outcome the failing rank already reports. What runs before this line is out
+# of our reach: the interpreter's start (SIGINT kills the process, as Ctrl-C does a C program), its ``site``
+# import with the .pth files of site-packages (a KeyboardInterrupt there is "Fatal Python error:
+# init_import_site", exit 1), and runpy or the console script finding this package.
 if _is_cli_process():
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _defer_signal)
-    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and not _under_torchrun():
-        signal.signal(signal.SIGTERM, _defer_signal)
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+        _signal.signal(_signal.SIGINT, _defer_signal)
+    if _signal.getsignal(_signal.SIGTERM) == _signal.SIG_DFL and not _under_torchrun():
+        _signal.signal(_signal.SIGTERM, _defer_signal)
+
+__version__ = "0.1.0"

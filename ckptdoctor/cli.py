@@ -160,16 +160,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     SIGTERM)."""
     from ckptdoctor import dist
 
-    with _signals_raise_interrupted():
-        try:
-            if dist.under_torchrun():  # one rank of a torchrun job: rank 0 prints, all agree on the exit code
-                return dist.run_main(lambda: _main(argv))
-            code = _main(argv)
-            if _PENDING_SIGNALS:  # one that Python lost where it was raised (see _signals_raise_interrupted)
-                raise _Interrupted(_PENDING_SIGNALS.pop(0))
-            return code
-        except (_Interrupted, KeyboardInterrupt) as exc:  # also when it lands while an error is being reported
-            return _interrupted(getattr(exc, "signum", signal.SIGINT))
+    try:
+        with _signals_raise_interrupted():
+            try:
+                if dist.under_torchrun():  # one rank of a torchrun job: rank 0 prints, all agree on the exit code
+                    return dist.run_main(lambda: _main(argv))
+                code = _main(argv)
+                if _PENDING_SIGNALS:  # one that Python lost where it was raised (see _signals_raise_interrupted)
+                    raise _Interrupted(_PENDING_SIGNALS.pop(0))
+                return code
+            except (_Interrupted, KeyboardInterrupt) as exc:  # also when it lands while an error is being reported
+                return _interrupted(getattr(exc, "signum", signal.SIGINT))
+    except _Interrupted as exc:  # while the block armed or restored its handlers, outside its try
+        return _interrupted(exc.signum)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -225,18 +228,22 @@ def run() -> None:
     """
     code = EXIT_ERROR
     short_lived_process()
-    with gc_paused(), _signals_raise_interrupted():
-        try:
-            if _PENDING_SIGNALS:  # interrupted while starting
-                raise _Interrupted(_PENDING_SIGNALS[0])
-            code = main()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except _Interrupted as exc:
-            code = _interrupted(exc.signum)
-        except (BrokenPipeError, OSError):
-            code = code or EXIT_ERROR
-        os._exit(code)  # inside the block: the signals stay handled (or ignored, once seen) up to the exit
+    try:
+        with gc_paused(), _signals_raise_interrupted():
+            try:
+                if _PENDING_SIGNALS:  # interrupted while starting
+                    raise _Interrupted(_PENDING_SIGNALS[0])
+                code = main()
+                sys.stdout.flush()
+                sys.stderr.flush()
+            except _Interrupted as exc:
+                code = _interrupted(exc.signum)
+            except (BrokenPipeError, OSError):
+                code = code or EXIT_ERROR
+            os._exit(code)  # inside the block: the signals stay handled (or ignored, once seen) up to the exit
+    except _Interrupted as exc:  # raised while the block armed its handlers, before its try: was a traceback, exit 1
+        code = _interrupted(exc.signum)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -330,10 +330,10 @@ def test_inspect_and_diff_count_keys_alike(capsys, name):
 @pytest.mark.parametrize(
     "words, cword, expected",
     [
-        ("ckptdoctor check --select CKD40", 3, {"CKD401", "CKD402", "CKD403", "CKD404"}),
+        ("ckptdoctor check --select CKD40", 3, set()),  # the gate's codes cannot be selected: not offered
         ("ckptdoctor latest-good --ignore CKD15", 3, {"CKD150", "CKD151"}),
-        ("ckptdoctor rules ckd40", 2, {"CKD401", "CKD402", "CKD403", "CKD404"}),
-        ("ckptdoctor check --ignore CKD115,CKD40", 3, {f"CKD115,CKD40{i}" for i in range(1, 5)}),
+        ("ckptdoctor rules ckd40", 2, {"CKD401", "CKD402", "CKD403", "CKD404", "CKD405"}),
+        ("ckptdoctor check --ignore CKD115,CKD40", 3, set()),
     ],
 )
 def test_shell_completion_of_rule_codes(words, cword, expected):

@@ -319,7 +319,7 @@ def test_unsafe_pickle_is_refused_unless_the_edit_removes_it(capsys, copy_fixtur
     set_storage(info, StorageLocation(info.relative_path, offset, len(blob)))
     path.write_bytes(dump_metadata_object(metadata))
     rc, _, err = _run(capsys, "edit", save, "--drop-extra-state", "-o", tmp_path / "o")
-    assert rc == 2 and "refusing" in err and "rng_state" in err, err
+    assert rc == 1 and "refusing" in err and "rng_state" in err and "CKD401" in err, err  # the gate: exit 1
     assert not (tmp_path / "o").exists()
     # removing the unsafe item is what the user may want: only the items the output keeps are gated
     for extra in ([], ["--compact"]):

@@ -50,10 +50,13 @@ def complete_rule_codes(ctx: click.Context, param: click.Parameter, incomplete: 
     """Shell completion of rule codes (``--select``/``--ignore``, ``rules CODE``); the last of a comma list."""
     from click.shell_completion import CompletionItem
 
-    from ckptdoctor.rules import all_rules
+    from ckptdoctor.rules import all_rules, is_safety
 
     head, _, last = incomplete.rpartition(",")
     prefix = f"{head}," if head else ""
+    selecting = param.name in ("select", "ignore")  # the gate's codes cannot be selected or ignored: not offered
     return [
-        CompletionItem(prefix + r.code, help=r.summary) for r in all_rules() if r.code.startswith(last.strip().upper())
+        CompletionItem(prefix + r.code, help=r.summary)
+        for r in all_rules()
+        if r.code.startswith(last.strip().upper()) and not (selecting and is_safety(r.code))
     ]

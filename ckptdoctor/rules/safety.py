@@ -129,8 +129,9 @@ def item_findings(key: str, data: bytes, path: object) -> list[Finding]:
     """The gate on one bytes item (a ShardedObject: rng state, ``_extra_state``, optimizer leftovers), as megatron-core
     loads it with ``torch.load(weights_only=False)``: a ``torch.save`` archive's pickle (its storages only where a
     loader unpickles them: Transformer Engine's extra state), or, for bytes that are no zip archive, the pickles
-    torch's legacy reader unpickles from the first byte. Damage is not the gate's business (``check --deep``
-    reports it): [] then, with whatever the pickles read before it named."""
+    torch's legacy reader unpickles from the first byte (bytes that are neither: an archive anomaly, CKD404: the gate
+    cannot vouch for them). Damage of an archive is not the gate's business (``check --deep`` reports it): [] then,
+    with whatever the pickles read before it named."""
     from ckptdoctor.checkpoint import decode_object_bytes
     from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
     from ckptdoctor.formats.legacy_torch import check_legacy_save
@@ -150,8 +151,12 @@ def item_findings(key: str, data: bytes, path: object) -> list[Finding]:
         except ArchiveError:
             if not legacy:
                 raise
-            seen.extend(unlisted)  # no legacy save: torch.load fails on it after at most what was read (damage)
-            raise CkptError(what) from None
+            # no legacy pickle stream either: torch.load reads such bytes as its legacy tar format (pickles
+            # ckptdoctor does not read) or fails on them; the gate cannot vouch for what it has not read
+            raise ArchiveError(
+                f"{what}: neither a torch.save archive nor a legacy save ckptdoctor can read ({len(data)} bytes); "
+                "torch.load reads such bytes as a legacy tar or pickle stream"
+            ) from None
         except CkptError:
             seen.extend(unlisted)
             raise
@@ -164,21 +169,34 @@ def item_findings(key: str, data: bytes, path: object) -> list[Finding]:
 
 def check_items(checkpoint: Checkpoint, shown: Path, skip_files: Collection[str] = ()) -> list[Finding]:
     """The gate on every bytes item but the common state (checked as such), in plain ``check``: each item's pickle
-    is read (a few KB each), never a tensor chunk (``--deep``). Items in ``skip_files`` (missing or truncated data
-    files, reported by the structure rules) and items that cannot be read are left to those rules."""
+    is read (a few KB each; the ranges of one data file together, front to back), never a tensor chunk
+    (``--deep``). Items in ``skip_files`` (missing or truncated data files, reported by the structure rules) and
+    ranges that cannot be read are left to those rules."""
+    from ckptdoctor.formats.stream import read_ranges
+    from ckptdoctor.formats.torch_dist import check_range_length
+
     out: list[Finding] = []
     common = checkpoint.common_source
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
     for entry in checkpoint.entries.values():
         location = entry.chunks[0].storage if entry.chunks else None
         if entry.kind == "tensor" or entry.key == common or location is None:
             continue
         if location.relative_path in skip_files:
             continue
-        try:
-            data, _ = checkpoint.bytes_item_data(entry.key)
-        except CkptError:
+        data_file = checkpoint.iteration_dir / location.relative_path
+        try:  # a range longer than a pickle may be is never read (a hostile .metadata could name 100 GB)
+            check_range_length(data_file, location, entry.max_range_bytes(entry.chunks[0]))
+        except PickleLimitError as exc:
+            out.append(refused_pickle(exc, shown / location.relative_path, f"item {entry.key}"))
             continue
-        out += item_findings(entry.key, data, shown / location.relative_path)
+        by_file.setdefault(location.relative_path, []).append((location.offset, location.length, entry.key))
+    files = [(checkpoint.iteration_dir / rel, sorted(ranges)) for rel, ranges in sorted(by_file.items())]
+    shown_of = {checkpoint.iteration_dir / rel: shown / rel for rel in by_file}
+    for data_file, key, blob in read_ranges(files):
+        if isinstance(blob, CkptError) or key is None:
+            continue  # unreadable: the structure rules (and --deep) report it
+        out += item_findings(key, bytes(blob), shown_of[data_file])
     return out
 
 
