@@ -20,7 +20,13 @@ from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
 from ckptdoctor.formats.files import open_regular
 from ckptdoctor.rules import Finding
 from ckptdoctor.rules.bridge import bridge_gate
-from ckptdoctor.rules.safety import gate_findings, item_findings, run_config_findings, unlisted_globals
+from ckptdoctor.rules.safety import (
+    gate_findings,
+    item_findings,
+    run_config_findings,
+    saved_spec_findings,
+    unlisted_globals,
+)
 from ckptdoctor.severity import OVERRIDDEN
 
 
@@ -45,6 +51,10 @@ def gate_failures(
         except CkptError:
             continue
         found += item_findings(entry.key, data, directory / location.relative_path)
+    try:
+        found += saved_spec_findings(checkpoint.common_state().get("args"), directory, "common state")
+    except CkptError:
+        pass  # an unreadable common state: its refusal is above, damage is not the gate's business
     found += bridge_gate(directory)
     found += run_config_findings(directory, directory)
     return [f for f in found if f.severity != OVERRIDDEN]

@@ -232,6 +232,40 @@ def _without_place(message: str) -> str:
     return rest if sep and ("/" in head or head.startswith("item ")) else message
 
 
+# Where Megatron-LM's saved args name code: with --use-checkpoint-args, load_args_from_checkpoint copies the saved
+# ``spec`` into the run (megatron/training/checkpointing.py, ``_set_arg('spec', force=True)``), and the model
+# provider imports it (megatron/training/argument_utils.py: ``import_module(args.spec)``: ``__import__`` of the
+# module, then one of its names). Megatron's own layer specs live in these packages.
+SPEC_MODULE_PREFIXES = ("megatron.core.models.", "megatron.core.transformer.")
+
+
+def saved_spec_findings(args: object, path: object, what: str) -> list[Finding]:
+    """CKD405 for a saved ``args.spec`` outside Megatron's own spec modules (``--trust-global MODULE.NAME`` trusts
+    one): Megatron-LM imports it by name when it loads with ``--use-checkpoint-args``."""
+    from ckptdoctor.safe_globals import trusted_names
+    from ckptdoctor.stand_ins import valid_global_name
+
+    spec = getattr(args, "spec", None) if args is not None and not isinstance(args, dict) else None
+    if isinstance(args, dict):
+        spec = args.get("spec")
+    if spec is None:
+        return []
+    parts = list(spec) if isinstance(spec, (list, tuple)) else None
+    named = (
+        parts is not None and len(parts) == 2 and all(isinstance(p, str) for p in parts) and valid_global_name(*parts)
+    )
+    name = f"{parts[0]}.{parts[1]}" if named and parts is not None else None
+    if name is not None and (name.startswith(SPEC_MODULE_PREFIXES) or name in trusted_names()):
+        return []
+    shown = name or repr(spec)[:120]
+    message = (
+        f"{what}: saved args.spec names {shown}, which Megatron-LM imports by name (__import__, then the name) when "
+        "it loads with --use-checkpoint-args; only Megatron's own spec modules (megatron.core.models.*, "
+        "megatron.core.transformer.*) are data"
+    )
+    return [_about(finding(UNSAFE_CONFIG_TARGET, path, message), shown)]
+
+
 def run_config_findings(iteration_dir: Path, shown: Path) -> list[Finding]:
     """CKD405 for each ``_target_`` of the iteration dir's Megatron-Bridge ``run_config.yaml`` that the gate refuses."""
     return []

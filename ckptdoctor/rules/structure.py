@@ -26,6 +26,7 @@ from ckptdoctor.rules.safety import (
     UNLISTED_GLOBAL,
     UNSAFE_PICKLE,
     refused_pickle,
+    saved_spec_findings,
     unlisted_globals,
 )
 
@@ -312,6 +313,7 @@ def _check_common(state: Scanned, index_known: bool, findings: list[Finding]) ->
     try:
         state.common = checkpoint.common_state()
         findings.extend(unlisted_globals(checkpoint.common_unlisted, path, what))
+        findings.extend(saved_spec_findings(state.common.get("args"), path, what))
     except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
         findings.append(refused_pickle(exc, path, what))
         return
