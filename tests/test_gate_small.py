@@ -94,7 +94,7 @@ def test_every_capped_reader_refuses_on_the_size_before_reading(tmp_path):
                 reader(f, 1 << 20)
             assert (refused.value.size, refused.value.max_bytes, f.tell()) == (HUGE, 1 << 20, 0)
         with pytest.raises(files.TooLarge):
-            reader(_RemoteLike(HUGE), 1 << 20)  # type: ignore[arg-type]
+            reader(_RemoteLike(HUGE), 1 << 20)
 
     it = tmp_path / ITER
     it.mkdir()
