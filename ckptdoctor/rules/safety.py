@@ -129,9 +129,9 @@ def item_findings(key: str, data: bytes, path: object) -> list[Finding]:
     """The gate on one bytes item (a ShardedObject: rng state, ``_extra_state``, optimizer leftovers), as megatron-core
     loads it with ``torch.load(weights_only=False)``: a ``torch.save`` archive's pickle (its storages only where a
     loader unpickles them: Transformer Engine's extra state), or, for bytes that are no zip archive, the pickles
-    torch's legacy reader unpickles from the first byte (bytes that are neither: an archive anomaly, CKD404: the gate
-    cannot vouch for them). Damage of an archive is not the gate's business (``check --deep`` reports it): [] then,
-    with whatever the pickles read before it named."""
+    torch's legacy reader unpickles from the first byte (a tar archive, torch's legacy tar format, is an archive
+    anomaly, CKD404: the gate cannot vouch for it). Damage is not the gate's business (``check --deep`` reports it):
+    [] then, with whatever the pickles read before it named."""
     from ckptdoctor.checkpoint import decode_object_bytes
     from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
     from ckptdoctor.formats.legacy_torch import check_legacy_save
@@ -151,12 +151,13 @@ def item_findings(key: str, data: bytes, path: object) -> list[Finding]:
         except ArchiveError:
             if not legacy:
                 raise
-            # no legacy pickle stream either: torch.load reads such bytes as its legacy tar format (pickles
-            # ckptdoctor does not read) or fails on them; the gate cannot vouch for what it has not read
-            raise ArchiveError(
-                f"{what}: neither a torch.save archive nor a legacy save ckptdoctor can read ({len(data)} bytes); "
-                "torch.load reads such bytes as a legacy tar or pickle stream"
-            ) from None
+            if _is_tar(data):  # torch.load's legacy tar format: pickles ckptdoctor does not read, cannot vouch for
+                raise ArchiveError(
+                    f"{what}: a tar archive, which torch.load reads as its legacy tar format (pickles ckptdoctor "
+                    "does not read)"
+                ) from None
+            seen.extend(unlisted)  # no pickle stream either: torch.load fails where ckptdoctor did (damage)
+            raise CkptError(what) from None
         except CkptError:
             seen.extend(unlisted)
             raise
@@ -165,6 +166,17 @@ def item_findings(key: str, data: bytes, path: object) -> list[Finding]:
         return gate_findings(read, path, what)
     except CkptError:
         return unlisted_globals(seen, path, what)
+
+
+def _is_tar(data: bytes) -> bool:
+    """A tar header (its checksum valid) at the start: what torch's legacy reader opens with ``tarfile``."""
+    import tarfile
+
+    try:
+        tarfile.TarInfo.frombuf(data[:512], "utf-8", "surrogateescape")
+    except (tarfile.HeaderError, ValueError):
+        return False
+    return True
 
 
 def check_items(checkpoint: Checkpoint, shown: Path, skip_files: Collection[str] = ()) -> list[Finding]:
