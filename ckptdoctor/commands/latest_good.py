@@ -57,6 +57,8 @@ def command(
         skipped = render_skipped(report)
         if skipped:
             click.echo(skipped, err=True)
+        if report.trusted:
+            click.echo(escape(f"trusted globals (--trust-global): {', '.join(report.trusted)}"), err=True)
         if report.found:
             click.echo(escape(report.iteration if iteration_only else report.iteration_dir))  # type: ignore[arg-type]
         else:

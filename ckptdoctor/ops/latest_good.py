@@ -19,6 +19,7 @@ from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, list_dir, list_iteratio
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import ERROR, Finding, finding, is_selected, leftovers, structure
+from ckptdoctor.safe_globals import trusted_names
 
 SCHEMA = "ckptdoctor.latest-good/1"
 
@@ -41,6 +42,7 @@ class LatestGoodReport:
     skipped: list[Skipped] = field(default_factory=list)
     checked: int = 0
     bridge_tracker: str | None = None  # the step of Megatron-Bridge's latest_train_state.pt, None when none reads
+    trusted: list[str] = field(default_factory=trusted_names)  # globals the gate trusted (--trust-global)
 
     @property
     def found(self) -> bool:
