@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptdoctor import problems
-from ckptdoctor.errors import CkptError, PickleLimitError, UnlistedGlobalError, UnsafePickleError
+from ckptdoctor.errors import CkptError, PickleLimitError, UnlistedGlobalError, UnsafePickleError, without_path
 from ckptdoctor.rules import ERROR, Finding, RuleInfo, finding
 from ckptdoctor.safe_globals import UnlistedGlobal, merged_unlisted
 from ckptdoctor.severity import OVERRIDDEN
@@ -279,5 +279,32 @@ def saved_spec_findings(args: object, path: object, what: str) -> list[Finding]:
 
 
 def run_config_findings(iteration_dir: Path, shown: Path) -> list[Finding]:
-    """CKD405 for each ``_target_`` of the iteration dir's Megatron-Bridge ``run_config.yaml`` that the gate refuses."""
-    return []
+    """CKD405 for each ``_target_`` of the iteration dir's Megatron-Bridge ``run_config.yaml`` that the gate refuses
+    (:mod:`ckptdoctor.formats.run_config_targets`: the allowlist, and what its line scanner cannot vouch for); a
+    target trusted with ``--trust-global`` passes. A file too large or not text to read is one finding: what the
+    gate has not read it cannot vouch for."""
+    from ckptdoctor.formats.run_config import RUN_CONFIG, read_run_config
+    from ckptdoctor.formats.run_config_targets import describe, scan_targets
+    from ckptdoctor.safe_globals import trusted_names
+
+    path = shown / RUN_CONFIG
+    try:
+        text = read_run_config(iteration_dir)
+    except CkptError as exc:
+        message = f"cannot be checked: {without_path(exc, iteration_dir / RUN_CONFIG)}"
+        return [_about(finding(UNSAFE_CONFIG_TARGET, path, message), RUN_CONFIG)]
+    if text is None:
+        return []
+    scan = scan_targets(text)
+    trusted = set(trusted_names())
+    out = []
+    for found in scan.findings:
+        message = describe(found).removeprefix("run_config.yaml ")
+        if found.kind == "refused" and found.target in trusted:
+            out.append(Finding(UNSAFE_CONFIG_TARGET.code, str(path), message, OVERRIDDEN, subject=found.target))
+            continue
+        out.append(_about(finding(UNSAFE_CONFIG_TARGET, path, message), found.target or found.path or RUN_CONFIG))
+    if scan.truncated and not any(f.severity != OVERRIDDEN for f in out):
+        message = "cannot be checked: too many _target_ entries or nesting too deep for the scanner"
+        out.append(_about(finding(UNSAFE_CONFIG_TARGET, path, message), RUN_CONFIG))
+    return out

@@ -26,6 +26,7 @@ from ckptdoctor.rules.safety import (
     UNLISTED_GLOBAL,
     UNSAFE_PICKLE,
     refused_pickle,
+    run_config_findings,
     saved_spec_findings,
     unlisted_globals,
 )
@@ -280,6 +281,7 @@ def scan_iteration(directory: Path, shown: Path) -> tuple[Scanned, list[Finding]
             )
     _check_common(state, index_known=result.index_known, findings=findings)
     findings += bridge.check_train_state(directory, shown)
+    findings += run_config_findings(directory, shown)  # Megatron-Bridge instantiates its _target_ entries
     return state, findings
 
 
