@@ -218,3 +218,16 @@ def test_forms_that_are_not_data_are_refused(data, name):
     with pytest.raises(UnsafePickleError) as info:
         safe_pickle.loads(data)
     assert name in info.value.global_name
+
+
+def test_inspect_reads_a_strange_checkpoint_and_says_so(capsys, copy_fixture):
+    save = copy_fixture("core019_tp2")
+    _metadata_gadget(save, CALLED)
+    rc, out, _ = run_main(capsys, "inspect", save)
+    assert rc == 0 and f"not allowlisted {HELPER_NAME}: read as inert stand-ins here" in out
+    rc, out, _ = run_main(capsys, "inspect", "--format", "json", save)
+    report = json.loads(out)
+    jsonschema.validate(report, json.loads((REPO / "docs/inspect.schema.json").read_text()))
+    assert rc == 0 and report["stand_ins_read"] == [HELPER_NAME]
+    rc, out, _ = run_main(capsys, "inspect", "--format", "json", REPO / "fixtures/core019_tp2")
+    assert "stand_ins_read" not in json.loads(out)  # absent where there are none: outputs unchanged

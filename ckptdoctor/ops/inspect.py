@@ -15,6 +15,8 @@ from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, has_bridge_track
 from ckptdoctor.locate import CheckpointLocation
 from ckptdoctor.ops.diff_items import logical_key
 from ckptdoctor.parallelism import infer_layout
+from ckptdoctor.plain import OMIT_NONE
+from ckptdoctor.safe_globals import merged_unlisted
 
 SCHEMA = "ckptdoctor.inspect/1"
 
@@ -50,6 +52,9 @@ class InspectReport:
     arg_findings: list[dict] = field(default_factory=list)
     # "run_config.yaml" where no args are saved and ``args`` shows Megatron-Bridge's model config instead
     args_source: str | None = None
+    # globals of .metadata and the common state off the allowlist, read here as inert stand-ins (check's gate fails
+    # on them; absent from JSON where there are none)
+    stand_ins_read: list[str] | None = field(default=None, metadata=OMIT_NONE)
 
 
 def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filter: str | None = None) -> InspectReport:
@@ -103,6 +108,9 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filt
         args_source=where if where == RUN_CONFIG else None,
         common_state_keys=sorted(str(k) for k in common),
     )
+    unlisted = merged_unlisted([*(dcp.unlisted if dcp is not None else ()), *checkpoint.common_unlisted])
+    if any(not u.trusted for u in unlisted):
+        report.stand_ins_read = [u.name for u in unlisted if not u.trusted]
     if where is not None:  # the saved args, or Megatron-Bridge's run_config.yaml model section in their place
         report.arg_findings = [
             {

@@ -79,6 +79,9 @@ def render_inspect(report: InspectReport) -> str:
     files = report.data_files
     lines.append(f"data files      {files['count']} files, {human_bytes(files['bytes'])}")
     lines.append(f"saved layout    {report.layout['summary']}")
+    if report.stand_ins_read:
+        names = ", ".join(report.stand_ins_read)
+        lines.append(f"not allowlisted {names}: read as inert stand-ins here; a real load runs them (check: CKD402)")
     lines.append("")
     rows = [
         [name, t["keys"], t["tensors"], t["bytes_items"], t["entries"], f"{t['parameters']:,}", human_bytes(t["bytes"])]
