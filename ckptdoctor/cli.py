@@ -44,14 +44,12 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
     __version__,
     "--version",
     prog_name="ckptdoctor",
-    # Which pickle pre-pass, index loops and .metadata rewrite run: the C extensions are optional (built at install
-    # where a compiler was found); without them the Python reference runs.
+    # Which pickle pre-pass and index loops run: the C extensions are optional (built at install where a compiler
+    # was found); without them the Python reference runs.
     message="%(prog)s, version %(version)s (pickle pre-pass: "
     + ("C" if importlib.util.find_spec("ckptdoctor._pickle_scan") else "Python, the C extension was not built")
     + "; index loops: "
     + ("C" if importlib.util.find_spec("ckptdoctor._dcp_index") else "Python, the C extension was not built")
-    + "; .metadata rewrites: "
-    + ("filtered in C" if importlib.util.find_spec("ckptdoctor._metadata_filter") else "as objects, not built")
     + ")",
 )
 @click.option(

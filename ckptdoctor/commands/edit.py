@@ -91,9 +91,8 @@ def command(
     )
     if not (request.removes or request.renames or request.drop_sections or drop_extra_state or preset):
         raise click.UsageError("nothing to do: give --remove, --rename, --drop-section, --drop-extra-state or --preset")
-    # renames edit the .metadata objects: read them with the index, in one pass; other edits are written from the
-    # source's bytes (formats/metadata_filter.py) and need the index only
-    if request.renames or preset:
+    # a write rewrites the .metadata objects: read them with the index, in one pass (a dry run needs the index only)
+    if request.renames or preset or not dry_run:
         ckpt, metadata = open_for_rewrite(checkpoint, iteration)
     else:
         ckpt, metadata = open_checkpoint(checkpoint, iteration), None

@@ -75,7 +75,7 @@ def command(
     never re-encoded. Exit code: 0 written (or planned), 1 no frozen parameter (nothing written; --force
     writes anyway), 2 error.
     """
-    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.checkpoint import open_checkpoint, open_for_rewrite
     from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.strip_write import strip_frozen
@@ -83,9 +83,10 @@ def command(
     from ckptdoctor.render.common import render_strip
 
     check_write_target(output, in_place, no_backup, dry_run)
-    # the index only: the new .metadata is written from the source's bytes (formats/metadata_filter.py), or, where
-    # that declines, from its objects, read then
-    ckpt, metadata = open_checkpoint(checkpoint, iteration), None
+    # a write rewrites .metadata: read it once, for the plan and the rewrite (a dry run needs the index only)
+    ckpt, metadata = (
+        (open_checkpoint(checkpoint, iteration), None) if dry_run else open_for_rewrite(checkpoint, iteration)
+    )
     base = open_checkpoint(base_path, base_iteration) if base_path else None
     bars = progress_bar()
     with remote_output(output, force, not dry_run) as remote:

@@ -42,22 +42,6 @@ def kept_storage(metadata: Any, keep: set[str]) -> dict[str, list[tuple[Any, Any
     return dict(sorted(by_file.items()))
 
 
-def kept_ranges(entries: dict[str, Any], keep: Iterable[str]) -> dict[str, list[tuple[int, int]]]:
-    """Source data file -> the (offset, length) of every kept chunk and bytes item, from the index (the entries of
-    :class:`~ckptdoctor.checkpoint.Checkpoint`), in :func:`layout_order`: what :func:`kept_storage` gives for a
-    ``.metadata`` whose storage entries are those the index lists."""
-    by_file: dict[str, list[tuple[int, int]]] = {}
-    for key in keep:
-        entry = entries.get(key)
-        for chunk in entry.chunks if entry is not None else ():
-            if chunk.storage is not None:
-                path, offset, length = chunk.storage
-                by_file.setdefault(path, []).append((offset, length))
-    for ranges in by_file.values():
-        ranges.sort()
-    return dict(sorted(by_file.items()))
-
-
 def _range_of(info: Any) -> tuple[int, int]:
     return int(torch_dist.record_attr(info, "offset")), int(torch_dist.record_attr(info, "length"))
 
@@ -76,8 +60,7 @@ def layout(by_file: dict[str, list[tuple[int, int]]]) -> list[FileCopy]:
     """The new data files of a compacted copy: each source file's kept items (offset, length), in (offset, length)
     order, back to back into a new file of the same name (an item's new offset is the lengths before it; equal
     ranges get equal bytes, so their order among themselves does not matter). Items adjacent in the source become
-    one range (one kernel copy instead of one per item: the bytes written are the same). The same order is the
-    one ``_metadata_filter.c`` gives the storage offsets it writes."""
+    one range (one kernel copy instead of one per item: the bytes written are the same)."""
     copies = []
     for name, items in by_file.items():
         ranges: list[tuple[int, int]] = []

@@ -122,21 +122,6 @@ def read_releasable(f: BinaryIO, max_bytes: int) -> bytes | mmap.mmap:
     return read_capped(f, max_bytes)
 
 
-def file_identity(path: str | os.PathLike | RemotePath) -> tuple[int, ...] | None:
-    """A local file's device, inode, size, mtime and ctime: equal later only if the file was not replaced or written
-    in between (the kernel sets ctime on every change; no call sets it back). None for a remote or missing file."""
-    if isinstance(path, RemotePath):
-        return None
-    try:
-        return stat_identity(os.stat(path))
-    except OSError:
-        return None
-
-
-def stat_identity(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 def read_small_file(path: str | os.PathLike, max_bytes: int) -> bytes:
     """The whole of a small text file (a config, a run config), read only as a regular file (a FIFO is an error,
     never a hang) of at most ``max_bytes``; else :class:`CkptError` naming it."""

@@ -26,7 +26,7 @@ from ckptdoctor.formats.dcp_index import StorageLocation as StorageLocation
 from ckptdoctor.formats.dcp_index import index_items
 from ckptdoctor.formats.dcp_index import inside_path as inside_path
 from ckptdoctor.formats.dcp_index import int64_dims as int64_dims
-from ckptdoctor.formats.files import TooLarge, file_identity, open_regular, read_releasable
+from ckptdoctor.formats.files import TooLarge, open_regular, read_releasable
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.index_records import IndexRecord, index_record_fields
 from ckptdoctor.pickle_limits import current_limits
@@ -60,9 +60,6 @@ class DcpIndex:
     # are not kept (all_local_plans holds a record per chunk and rank: a second copy of the index)
     extra: tuple[str, ...] = ()
     unlisted: tuple[UnlistedGlobal, ...] = ()  # tolerated globals not on the allowlist (CKD402)
-    # the local .metadata's identity when it was read (see files.file_identity): a rewrite that reads the file
-    # again uses it only where it is still the same file, unchanged
-    source_identity: tuple[int, ...] | None = None
 
 
 @functools.lru_cache(maxsize=65536)  # called per chunk (tens of thousands) on a few thousand file names
@@ -112,15 +109,12 @@ def _corrupt(path: Path, exc: Exception) -> CkptError:
 
 def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
     unlisted: list[UnlistedGlobal] = []
-    identity = file_identity(path)  # before the read: a change from here on changes it
     metadata = _load_metadata_pickle(path, unlisted, index_only=True)
     try:
-        index = _index_from_object(metadata, path, item_class, unlisted, consume=True)
+        return _index_from_object(metadata, path, item_class, unlisted, consume=True)
     except CkptError as exc:  # not a Metadata after an unlisted global: the gate fails on the global
         refuse_unlisted(unlisted, exc)
         raise
-    index.source_identity = identity
-    return index
 
 
 def read_metadata_for_rewrite(path: Path, item_class: type[DcpItem] = DcpItem) -> tuple[DcpIndex, Any]:

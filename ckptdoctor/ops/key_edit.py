@@ -1,5 +1,5 @@
 """What a key rewrite (``strip-frozen``, ``edit``) is asked to do and what it wrote: the data types shared by the
-staged write (:mod:`ckptdoctor.ops.key_write`), the two ways its ``.metadata`` and data files are made
+staged write (:mod:`ckptdoctor.ops.key_write`), the making of its ``.metadata`` and data files
 (:mod:`ckptdoctor.ops.metadata_write`) and the common-state hook (:mod:`ckptdoctor.ops.common_write`)."""
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ class StripResult:
     carried: list[str] = field(default_factory=list)  # other files linked or copied over
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why it was not carried
     resealed: bool = False  # the source had integrity.json: the output got a fresh one (sha256 of its own files)
-    # how the new .metadata was made: "filtered" from the source's bytes, or "declined: <why>" and edited as objects
-    metadata_filter: str | None = None
     # the saved args rewritten in the output (save_trainable_params_only -> true); empty with --keep-args
     args_changed: list[dict] = field(default_factory=list)
     seconds: float = 0.0

@@ -26,7 +26,6 @@ from pathlib import Path
 from ckptdoctor import atomic, locking
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import metadata_filter
 from ckptdoctor.formats.storage import refuse_remote_write
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
 from ckptdoctor.locate import TRACKER_NAME
@@ -105,12 +104,8 @@ def _fill_iteration_dir(
     result: StripResult,
 ) -> None:
     src = checkpoint.iteration_dir
-    rebuilt = None
-    if edit.metadata is None and not edit.renames and not metadata_filter.disabled():
-        rebuilt = metadata_write.filtered(checkpoint, edit, stage, progress, result)
     checkpoint.release_entries()  # not held beside the records of the source's .metadata
-    if rebuilt is None:
-        rebuilt = metadata_write.edited(checkpoint, edit, stage, progress, result)
+    rebuilt = metadata_write.edited(checkpoint, edit, stage, progress, result)
     if checkpoint.location.has_common_pt and "common.pt" not in rebuilt:
         atomic.link_or_copy(src / "common.pt", stage / "common.pt")
     for path in sorted(src.iterdir()):

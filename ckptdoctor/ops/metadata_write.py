@@ -1,7 +1,6 @@
-"""The new ``.metadata`` and data files of a key rewrite, one of two ways: written from the source pickle's bytes
-(:mod:`ckptdoctor.formats.metadata_filter`, where it recognises everything) or from the source's objects, edited and
-pickled again (everything else: renames, held objects, a filter that declines). Both lay the data out the same way
-(:func:`ckptdoctor.formats.dcp_writer.layout`) and give the same result; the staged write around them is
+"""The new ``.metadata`` and data files of a key rewrite: the source's ``.metadata`` objects, edited and pickled
+again through :func:`ckptdoctor.safe_pickle.dumps_taken` (read back through the allowlist before it is written), the
+data files linked or laid out by :func:`ckptdoctor.formats.dcp_writer.plan_copies`. The staged write around them is
 :mod:`ckptdoctor.ops.key_write`."""
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from ckptdoctor import atomic, safe_pickle
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.formats import dcp_keys, dcp_writer, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
-from ckptdoctor.formats.metadata_filter import Expected, Source, packed, write_filtered
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.ops.key_edit import CommonWrite, KeyEdit, Progress, StripResult
 
@@ -68,53 +66,3 @@ def edited(checkpoint: Checkpoint, edit: KeyEdit, stage: Path, progress: Progres
     atomic.write_atomic(stage / ".metadata", payload)
     result.metadata_bytes = len(payload)
     return rebuilt
-
-
-def filtered(
-    checkpoint: Checkpoint, edit: KeyEdit, stage: Path, progress: Progress, result: StripResult
-) -> list[str] | None:
-    """The new ``.metadata`` written from the source's bytes (:mod:`ckptdoctor.formats.metadata_filter`: no record
-    of it is built) and the data files, laid out from the index (a compacted copy runs while the filter writes);
-    the names the common rewrite wrote. None (no ``.metadata`` or data file left) where the filter declines: the
-    caller edits the objects instead. The source's index is let go before the filter reads the pickle."""
-    src, entries, dcp = checkpoint.iteration_dir, checkpoint.entries, checkpoint.dcp
-    if dcp is None:  # no .metadata (legacy zarr)
-        return None
-    source = Source(src / ".metadata", dcp.source_identity, dcp.unlisted)
-    kept_keys = [key for key in edit.keep if key in entries]
-    chunks = sum(1 for key in kept_keys for chunk in entries[key].chunks if chunk.storage is not None)
-    # compacted: the kept items' new places (from the index, as the filter lays them out); else the files to link
-    ranges = dcp_writer.kept_ranges(entries, edit.keep - edit.rewritten if edit.compact else edit.keep)
-    copies = dcp_writer.layout(ranges)
-    expected = Expected(len(kept_keys), chunks)
-    if edit.compact:
-        expected.ranges, expected.copies = packed(ranges), copies
-    del kept_keys, ranges
-    common = edit.common(stage) if edit.common is not None else CommonWrite([])
-    checkpoint.release_entries()
-    if edit.compact:
-        # the layout is the index's: the copy runs (in a helper process) while the filter writes the .metadata
-        with dcp_writer.BackgroundCopy(src, stage, copies, progress, edit.jobs) as copy:
-            outcome = write_filtered(source, stage / ".metadata", edit.keep, expected, common.repoint)
-            if outcome.reason is None:
-                result.files = copy.result()
-            else:
-                copy.stop()
-        if outcome.reason is not None:  # the object rewrite copies again (its files are created afresh)
-            for copied in copies:
-                (stage / copied.name).unlink(missing_ok=True)
-    else:
-        outcome = write_filtered(source, stage / ".metadata", edit.keep, expected, common.repoint)
-    if outcome.reason is not None:
-        result.metadata_filter = f"declined: {outcome.reason}"
-        return None
-    result.metadata_filter = "filtered"
-    result.metadata_bytes = outcome.metadata_bytes
-    if edit.compact:
-        result.bytes_copied = sum(f.bytes for f in result.files)
-    else:
-        for copied in copies:
-            atomic.link_or_copy(src / copied.name, stage / copied.name)
-            result.files.append(CopiedFile(copied.name, copied.items, (stage / copied.name).stat().st_size))
-    atomic.fault_point(f"{edit.step}:data-written")
-    return common.written
