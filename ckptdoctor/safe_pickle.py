@@ -67,6 +67,7 @@ class SafeUnpickler(pickle.Unpickler):
         self._index_only = index_only
         self._nested_saves = nested_saves
         self.unlisted: list[UnlistedGlobal] = []
+        self._recorders: dict[tuple[str, str], Any] = {}  # the stand-ins of this read's unlisted or trusted names
 
     def load(self) -> Any:
         """``pickle.Unpickler.load``; a load shares equal sizes within itself only (the tables of
@@ -81,11 +82,17 @@ class SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle API
         if (module, name) in _LOAD_FROM_BYTES and self._nested_saves is not None:
             return self._record_nested_save
+        recorder = self._recorders.get((module, name))
+        if recorder is not None:  # one class and one entry per name and read, however often the pickle names it
+            return recorder
         before = len(self.unlisted)
         obj = resolve_global(module, name, self.unlisted)
         obj = index_only(obj) if self._index_only else faithful(obj)
-        if len(self.unlisted) > before and not self.unlisted[-1].trusted:
-            return _recording_uses(obj, self.unlisted[-1])
+        if len(self.unlisted) > before:
+            if self.unlisted[-1].trusted:
+                self._recorders[(module, name)] = obj
+            else:
+                obj = self._recorders[(module, name)] = _recording_uses(obj, self.unlisted[-1])
         return obj
 
     def _record_nested_save(self, data: Any) -> StorageRef:
