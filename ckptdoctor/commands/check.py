@@ -137,9 +137,8 @@ def command(
     show_bar = options.deep and not quiet and output_format == "text" and sys.stderr.isatty()
     report = check_paths(list(paths), options, progress_bar(show_bar), missing_ok=True)
     if not isolated:
-        report.config = ConfigUse(
-            str(config_path) if config_path is not None else None, changed, [str(p) for p in passed_over]
-        )
+        in_use = str(config_path) if config_path is not None and table else None  # a file without the table: none
+        report.config = ConfigUse(in_use, changed, [str(p) for p in passed_over])
     only_missing = report.missing and not report.checked and not report.findings
     if only_missing:
         pass  # nothing but errors to say (on stderr, below)
