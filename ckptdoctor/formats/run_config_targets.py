@@ -6,8 +6,8 @@ Bridge dumps its ``ConfigContainer`` with ``yaml.safe_dump`` (``to_yaml``: datac
 convert paths then hand sections to a Hydra-style ``instantiate`` (``load_model_config`` the ``model`` section,
 ``load_tokenizer`` the ``tokenizer`` section): ``_target_`` is imported by its dotted name and called with the
 sibling keys as arguments (``_partial_: true`` makes a ``functools.partial``, ``_call_: false`` only imports it);
-every release also imports each ``_target_``'s module while reading the file (``apply_run_config_backward_compat``),
-and a ``model`` mapping with ``_builder_`` is rebuilt by ``ModelConfig.from_dict`` and its builder class imported.
+from 0.3 every read of the file also imports each ``_target_``'s module (``apply_run_config_backward_compat``), and
+a ``model`` mapping with ``_builder_`` is rebuilt by ``ModelConfig.from_dict`` and its builder class imported.
 So ``_target_: os.system`` with an argument runs a command on whoever loads the checkpoint: see
 ``docs/run_config_targets.md`` for the Bridge files this follows.
 
@@ -23,6 +23,7 @@ holds only allowed targets, each found where a YAML loader finds it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 from collections.abc import Mapping
@@ -34,17 +35,19 @@ Use = Literal["call", "partial", "reference", "builder"]
 FindingKind = Literal["refused", "unreadable", "duplicate"]
 
 MAX_TEXT_CHARS = 16 << 20  # run_config.py's MAX_RUN_CONFIG_BYTES: the reader refuses a larger file
+MAX_LINES = 500_000  # Bridge writes under 2,000: a longer file is refused unread (the scan stays seconds)
 MAX_FINDINGS = 1000  # then the scan stops: the file is refused anyway
 MAX_TARGETS = 10000  # Bridge writes ~50
 MAX_DEPTH = 64  # nested mappings, lists and flow collections together; Bridge writes ~6
+MAX_ESCAPES = 200_000  # backslash escapes in double-quoted strings, all together; Bridge writes a few
 _SHOWN = 200  # characters of a target or a path kept in a finding
 _KEY_SHOWN = 64  # characters of one key in a path
 
 _USE_WORDS: dict[str, str] = {
     "call": "called",
     "partial": "made a functools.partial",
-    "reference": "referenced (_call_: false)",
-    "builder": "a model builder (_builder_)",
+    "reference": "referenced with _call_: false",
+    "builder": "named by _builder_",
 }
 
 
@@ -552,14 +555,37 @@ def summarize(scan: TargetScan, limit: int = 5) -> str:
 # --- the scanner --------------------------------------------------------------------------------------------------
 
 _SPECIAL = frozenset({"_target_", "_builder_", "_call_", "_partial_"})
-_MENTIONS = ("_target_", "_builder_", "${")
 _TRUE = frozenset({"true", "True", "TRUE"})
 _FALSE = frozenset({"false", "False", "FALSE"})
 # What YAML loaders refuse or read differently: C0/C1 controls but tab, LF and CR (PyYAML refuses them), the YAML
 # 1.1 line breaks NEL, LS and PS (text to YAML 1.2), a BOM past the start, surrogates and non-characters.
 _BAD_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029\ufeff\ud800-\udfff\ufffe\uffff]")
 _NOT_BLANK = re.compile("[^ \n]")
-_DQ_STOP = re.compile(r'["\\]')
+# Fast paths over runs of plain lines (C speed; each stops at a line it cannot vouch for, the slow path reads it).
+_COMMENTS = re.compile(r"(?:[ ]*#[^\n]*\n)+")  # comment-only lines
+# The lookaheads sit only on "_" and "$" (unrolled loops: every character matches one way, no backtracking blowup).
+_SAFE_MARK = r"(?:_(?!target_|builder_)|\$(?!\{))"  # a "_" or "$" that starts no special name or interpolation
+
+
+def _safe(chars: str) -> str:
+    """Any run of ``chars`` (a class body without "_" and "$") and of safe "_" / "$"."""
+    return rf"[{chars}]*(?:{_SAFE_MARK}[{chars}]*)*"
+
+
+_WORD = rf"(?:[A-Za-z0-9.+/]|{_SAFE_MARK}){_safe('A-Za-z0-9.+/-')}"  # a word: no "-" first, no ': ', no ' #'
+_KEY = rf"[A-Za-z0-9]{_safe('A-Za-z0-9.+/-')}"  # a plain key that is not special (nor "<<")
+_SINGLE = "'" + _safe("^'\n_$") + "'"  # one line, no doubled quote
+_DOUBLE = '"' + _safe('^"\\\\\n_$') + '"'  # one line, no escape
+_QUOTED = f"{_SINGLE}|{_DOUBLE}"
+_ANY_VALUE = rf"(?:{_WORD}|{_QUOTED})"
+_ITEM, _ENTRY = rf"[ ]*{_ANY_VALUE}[ ]*,", rf"[ ]*{_KEY}: [ ]*{_ANY_VALUE}[ ]*,"
+_FLOW_RUNS = (re.compile(rf"(?:{_ITEM})+"), re.compile(rf"(?:{_ENTRY})+"))  # within a line
+_FLOW_LINES = (re.compile(rf"(?:{_ITEM}\n?)+"), re.compile(rf"(?:{_ENTRY}\n?)+"))  # over lines
+# A line going on with a plain value: no tab, no ': ', no ' #', not ending in ':', not a comment.
+_BLOCK_TEXT = _safe("^\n_$")
+_MORE_TAIL = r"[^\n\t:# _$]*(?:(?: (?!#)|:(?! )|#|" + _SAFE_MARK + r")[^\n\t:# _$]*)*(?<!:)\n"
+_SQ_BODY = re.compile(r"[^']*(?:''[^']*)*")  # a single-quoted string's text up to its quote
+_DQ_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*')  # a double-quoted string's text up to its quote
 _FLOW_STOP = re.compile(r"[,\[\]{}:#]")
 _NEVER_PLAIN = frozenset("{[&*!|>%@`,]}#'\"")  # a plain scalar cannot start with these
 _ESCAPES = {
@@ -632,10 +658,6 @@ class _Collector:
 
     path: str
     entries: dict[str, list[tuple[int, _Value]]] = dataclasses.field(default_factory=dict)
-
-    def add(self, key: str, line: int, value: _Value) -> None:
-        if key in _SPECIAL:
-            self.entries.setdefault(key, []).append((line, value))
 
 
 @dataclasses.dataclass
@@ -711,6 +733,27 @@ class _Flow:
     stack: list[_FlowNode]
 
 
+# Lines inside a quoted string that do not close it (escapes, escaped line breaks and doubled quotes included).
+_DQ_LINES = re.compile(r'(?:(?!---|\.\.\.)[^"\\\n]*(?:\\[^\n][^"\\\n]*)*(?:\\)?\n)+')
+_SQ_LINES = re.compile(r"(?:(?!---|\.\.\.)[^'\n]*(?:''[^'\n]*)*\n)+")
+
+
+@functools.lru_cache(maxsize=256)
+def _runs(kind: str, indent: int) -> re.Pattern[str]:
+    """Runs of lines the scanner passes at C speed, at ``indent``: plain ``key: word`` entries of a mapping,
+    plain ``- word`` items of a list, lines going on with a plain value, lines of a block scalar."""
+    margin = f"[ ]{{{indent}}}"  # a count, not the spaces: an indentation can be megabytes
+    if kind == "map":
+        line = rf"{margin}{_KEY}: {_ANY_VALUE}\n"
+    elif kind == "seq":
+        line = rf"{margin}- {_ANY_VALUE}\n"
+    elif kind == "more":
+        line = rf"{margin} *(?:[^ \n\t#:_$]|:(?! )|{_SAFE_MARK}){_MORE_TAIL}"
+    else:
+        line = rf"[ ]*\n|{margin}{_BLOCK_TEXT}\n"
+    return re.compile(rf"(?:{line})+")
+
+
 class _Scanner:
     def __init__(self) -> None:
         self.findings: list[TargetFinding] = []
@@ -720,6 +763,7 @@ class _Scanner:
         self.mode: _Plain | _Quoted | _Block | _Flow | None = None
         self.lineno = 0
         self.started = False  # content seen: a "---" is only allowed before it
+        self.escapes = 0
         self.root_done = False
 
     # -- findings
@@ -756,7 +800,7 @@ class _Scanner:
                 path,
             )
             return True
-        for name in _MENTIONS[:2]:
+        for name in ("_target_", "_builder_"):
             if name in text:
                 self.unreadable(
                     f"a string value holds {name}: text to a YAML loader, refused as a string parsed again "
@@ -770,37 +814,124 @@ class _Scanner:
     # -- lines
 
     def run(self, text: str) -> None:
+        self.lineno = 1
         if len(text) > MAX_TEXT_CHARS:
-            self.lineno = 1
             self.fatal(f"longer than {MAX_TEXT_CHARS} characters")
+        if text.count("\n") + text.count("\r") >= MAX_LINES:
+            self.truncated = True
+            self.fatal(f"more than {MAX_LINES} lines, where Bridge writes a few thousand")
+        self.lineno = 0
         if text.startswith("\ufeff"):
             text = text[1:]
         if "\r" in text:
             text = text.replace("\r\n", "\n").replace("\r", "\n")
+        self.bad_characters(text)
         pos, end = 0, len(text)
         while pos < end:
-            match = _NOT_BLANK.search(text, pos)  # runs of blank lines: skipped at C speed
-            if match is None:
-                break
-            start = text.rfind("\n", pos, match.start()) + 1
-            if start > pos:
-                self.lineno += text.count("\n", pos, start)
-                pos = start
+            skipped = self.fast(text, pos)
+            if skipped > pos:
+                self.lineno += text.count("\n", pos, skipped)
+                pos = skipped
+                continue
             newline = text.find("\n", pos)
             if newline < 0:
                 newline = end
             self.lineno += 1
             self.line(text[pos:newline])
             pos = newline + 1
+        self.lineno = text.count("\n") + 1
         self.finish()
 
+    def bad_characters(self, text: str) -> None:
+        """Characters YAML loaders refuse or read as line breaks, anywhere (comments included): one finding a line."""
+        line, counted, last = 1, 0, 0
+        for match in _BAD_CHARS.finditer(text):
+            line += text.count("\n", counted, match.start())
+            counted = match.start()
+            if line != last:
+                last = line
+                self.finding(
+                    "unreadable",
+                    f"character U+{ord(match.group()):04X}: a control character, a Unicode line or paragraph "
+                    "separator or a BOM, that YAML loaders refuse or read as a line break",
+                    line=line,
+                )
+
+    def fast(self, text: str, pos: int) -> int:
+        """Past the run of lines from ``pos`` that need no reading one by one (``pos`` where there is none)."""
+        mode = self.mode
+        if mode is None or isinstance(mode, (_Plain, _Flow)):
+            match = _NOT_BLANK.search(text, pos)
+            if match is None:
+                return len(text)
+            start = text.rfind("\n", pos, match.start()) + 1
+            if start > pos:
+                return start  # blank lines
+            if text[match.start()] == "#":
+                comments = _COMMENTS.match(text, pos)
+                if comments is not None:
+                    if isinstance(mode, _Plain):
+                        self.mode = None  # a comment ends a plain value
+                    return comments.end()
+        if isinstance(mode, _Plain) and mode.indent >= 0 and mode.slot.key not in _SPECIAL:
+            match = _runs("more", mode.indent + 1).match(text, pos)
+            if match is not None:
+                return match.end()
+        if isinstance(mode, _Flow):
+            return self.flow_items(mode.stack[-1], text, pos, _FLOW_LINES)
+        if (mode is None or isinstance(mode, _Plain)) and self.frames:
+            top = self.frames[-1]
+            if mode is not None and mode.indent != top.indent:
+                return pos
+            match = _runs(top.kind, top.indent).match(text, pos)
+            if match is None:
+                return pos
+            self.resolve_pending(top)
+            lines = text.count("\n", pos, match.end())
+            last = text[max(pos, text.rfind("\n", pos, match.end() - 1) + 1) : match.end() - 1].lstrip(" ")
+            if top.kind == "map":
+                slot = _Slot(_join(top.path, last.split(":", 1)[0]), self.lineno + lines)
+            else:
+                top.count += lines
+                slot = _Slot(f"{top.path}[{top.count - 1}]", self.lineno + lines)
+            self.started = True
+            self.mode = None if last.endswith(("'", '"')) else _Plain(top.indent, slot)  # quoted: nothing goes on
+            return match.end()
+        if isinstance(mode, _Block) and mode.content is not None:
+            match = _runs("block", mode.content).match(text, pos)
+            return pos if match is None else match.end()
+        if isinstance(mode, _Quoted):
+            match = (_DQ_LINES if mode.double else _SQ_LINES).match(text, pos)
+            if match is None:
+                return pos
+            span = text[pos : match.end() - 1]
+            joined, mode.joined = mode.joined, False
+            if joined:
+                span = span.lstrip(" \t")
+            elif mode.pieces:
+                mode.pieces[-1] = mode.pieces[-1].rstrip(" \t")
+            if mode.double:
+                trailing = len(span) - len(span.rstrip("\\"))
+                mode.joined = trailing % 2 == 1  # the run's last line ends in an escaped line break
+                span = self.unescape(span[:-1] if mode.joined else span, self.lineno + 1)
+            else:
+                span = span.replace("''", "'")
+            mode.pieces.append(span if joined else " " + span)
+            return match.end()
+        return pos
+
+    def flow_items(self, node: _FlowNode, text: str, pos: int, runs: tuple[re.Pattern[str], re.Pattern[str]]) -> int:
+        """Past a run of plain ``word,`` items (a list) or ``word: word,`` entries (a mapping) of ``node``."""
+        if node.state != "key":
+            return pos
+        match = runs[node.kind == "map"].match(text, pos)
+        if match is None:
+            return pos
+        if node.kind == "seq":
+            node.count += text.count(",", pos, match.end())
+        return match.end()
+
     def line(self, raw: str) -> None:
-        if _BAD_CHARS.search(raw):
-            self.unreadable(
-                "a control character, a Unicode line or paragraph separator or a BOM: YAML loaders refuse it or "
-                "read it differently",
-                raw,
-            )
         mode = self.mode
         if isinstance(mode, _Block) and self.block_line(mode, raw):
             return
@@ -812,11 +943,11 @@ class _Scanner:
         if isinstance(mode, _Quoted):
             self.quoted_line(mode, raw)
             return
-        if "\t" in raw:
-            self.unreadable("a tab outside a multi-line string: YAML loaders disagree on tabs", raw)
         stripped = raw.lstrip(" \t")
         if not stripped:
             return
+        if "\t" in raw and not stripped.startswith("#"):  # a tab in a comment is nothing
+            self.unreadable("a tab outside a multi-line string or a comment: YAML loaders disagree on tabs", raw)
         if isinstance(mode, _Flow):
             self.flow_text(mode, raw, 0)
             return
@@ -872,9 +1003,9 @@ class _Scanner:
         if _is_dash(text):
             self.record(slot, _Value("node"))
             self.seq_item(self.push(_Frame("seq", indent, slot.path)), indent, text)
-        elif self.split_key(text) is not None:
+        elif (split := self.split_key(text)) is not None:
             self.record(slot, _Value("node"))
-            self.map_entry(self.push(_Frame("map", indent, slot.path, _Collector(slot.path))), indent, text)
+            self.map_entry(self.push(_Frame("map", indent, slot.path, _Collector(slot.path))), indent, text, split)
         else:
             self.value(owner, slot, text)
 
@@ -896,8 +1027,9 @@ class _Scanner:
             self.record(frame.pending, _Value("null"))
             frame.pending = None
 
-    def map_entry(self, frame: _Frame, indent: int, text: str) -> None:
-        split = self.split_key(text)
+    def map_entry(self, frame: _Frame, indent: int, text: str, split: tuple[str, str] | None = None) -> None:
+        if split is None:
+            split = self.split_key(text)
         if split is None:
             if text[0] in "\"'" and self.quoted_once(text) is None:
                 self.fatal("a quoted string going on over lines where a mapping key is expected", text, frame.path)
@@ -933,8 +1065,10 @@ class _Scanner:
                 frame = self.push(_Frame("seq", column, slot.path))
                 indent, text = column, rest
                 continue
-            if self.split_key(rest) is not None:  # "- key: value" opens a mapping at the key's column
-                self.map_entry(self.push(_Frame("map", column, slot.path, _Collector(slot.path))), column, rest)
+            split = self.split_key(rest)
+            if split is not None:  # "- key: value" opens a mapping at the key's column
+                frame = self.push(_Frame("map", column, slot.path, _Collector(slot.path)))
+                self.map_entry(frame, column, rest, split)
             else:
                 self.value(frame.indent, slot, rest)
             return
@@ -965,7 +1099,10 @@ class _Scanner:
         elif first in "&*!":
             self.unreadable("an anchor, an alias or a tag: it can copy or retype a value", text, slot.path)
             self.record(slot, _Value("bad", text))
-        elif first in _NEVER_PLAIN or _indicator(text, "-?:"):
+        elif _indicator(text, "?"):
+            self.unreadable("a complex key ('? key'): the key can be anything", text, slot.path)
+            self.record(slot, _Value("bad", text))
+        elif first in _NEVER_PLAIN or _indicator(text, "-:"):
             self.unreadable("a value that is no YAML node here", text, slot.path)
             self.record(slot, _Value("bad", text))
         else:
@@ -993,11 +1130,26 @@ class _Scanner:
         collector = slot.collector
         if collector is None or slot.key not in _SPECIAL:
             return
-        entries = collector.entries.setdefault(slot.key, [])
+        entries = collector.entries.get(slot.key)
         if replace and entries:
             entries[-1] = (entries[-1][0], value)
         else:
-            entries.append((slot.line, value))
+            self.add_entry(collector, slot.key, slot.line, value)
+
+    def add_entry(self, collector: _Collector, key: str, line: int, value: _Value) -> None:
+        """A special key of a mapping; a second one is a finding at once (a file of them stops the scan early)."""
+        if key not in _SPECIAL:
+            return
+        entries = collector.entries.setdefault(key, [])
+        entries.append((line, value))
+        if len(entries) > 1:
+            self.finding(
+                "duplicate",
+                f"a second {key} key in one mapping: YAML loaders keep the last, another reader may not",
+                _join(collector.path, key),
+                value.text if value.kind == "scalar" else None,
+                line=line,
+            )
 
     # -- keys and quoted strings
 
@@ -1039,42 +1191,64 @@ class _Scanner:
         """Decode a quoted scalar from ``pos`` into ``pieces``: the index past its closing quote, or _OPEN /
         _ESCAPED_BREAK where it goes on over the line break."""
         if not double:
-            while True:
-                close = text.find("'", pos)
-                if close < 0:
-                    pieces.append(text[pos:])
-                    return _OPEN
-                pieces.append(text[pos:close])
-                if not text.startswith("''", close):
-                    return close + 1
-                pieces.append("'")
-                pos = close + 2
-        while True:
-            match = _DQ_STOP.search(text, pos)
-            if match is None:
-                pieces.append(text[pos:])
-                return _OPEN
-            at = match.start()
-            pieces.append(text[pos:at])
-            if text[at] == '"':
-                return at + 1
-            if at + 1 == len(text):
-                return _ESCAPED_BREAK
-            code = text[at + 1]
-            pos = at + 2
+            quoted = _SQ_BODY.match(text, pos)
+            assert quoted is not None  # it matches the empty string
+            after = quoted.end()
+            pieces.append(text[pos:after].replace("''", "'"))
+            return after + 1 if after < len(text) else _OPEN
+        body = _DQ_BODY.match(text, pos)
+        assert body is not None  # it matches the empty string
+        after = body.end()
+        pieces.append(self.unescape(text[pos:after]) if text.find("\\", pos, after) >= 0 else text[pos:after])
+        if after == len(text):
+            return _OPEN
+        return after + 1 if text[after] == '"' else _ESCAPED_BREAK  # else a backslash ends the line
+
+    def unescape(self, body: str, first_line: int | None = None) -> str:
+        """A double-quoted string's text with YAML's escapes decoded (unknown ones are findings, on their line
+        where ``body`` spans lines from ``first_line``)."""
+        parts = body.split("\\")
+        self.escapes += len(parts) - 1
+        if self.escapes > MAX_ESCAPES:
+            self.truncated = True
+            self.fatal(f"more than {MAX_ESCAPES} escapes in double-quoted strings, where Bridge writes a few")
+        out = [parts[0]]
+        index, offset = 1, len(parts[0])  # offset: where the backslash before parts[index] is in body
+        line, counted = first_line or self.lineno, 0
+        while index < len(parts):
+            part, at = parts[index], offset
+            index += 1
+            offset += 1 + len(part)
+            if not part:  # an escaped backslash: the text after the pair is plain text
+                out.append("\\")
+                if index < len(parts):
+                    out.append(parts[index])
+                    offset += 1 + len(parts[index])
+                    index += 1
+                continue
+            code = part[0]
+            if code == "\n":  # an escaped line break: the next line's leading blanks go
+                out.append(part[1:].lstrip(" \t"))
+                continue
             if code in _ESCAPES:
-                pieces.append(_ESCAPES[code])
+                out += (_ESCAPES[code], part[1:])
                 continue
             width = _HEX_WIDTH.get(code, 0)
-            digits = text[pos : pos + width]
-            if width and len(digits) == width and all(c in _HEX_DIGITS for c in digits):
+            digits = part[1 : 1 + width]
+            line += body.count("\n", counted, at)
+            counted = at
+            if width and len(digits) == width and _HEX_DIGITS.issuperset(digits):
                 number = int(digits, 16)
-                pieces.append(chr(number) if number <= 0x10FFFF else "\ufffd")
-                pos += width
                 if number > 0x10FFFF or 0xD800 <= number <= 0xDFFF:
-                    self.unreadable("an escape that is no Unicode character", text)
+                    self.finding(
+                        "unreadable", "an escape that is no Unicode character", "", "\\" + part[: 1 + width], line=line
+                    )
+                    number = 0xFFFD
+                out += (chr(number), part[1 + width :])
                 continue
-            self.unreadable("an unknown escape in a double-quoted string", text)
+            self.finding("unreadable", "an unknown escape in a double-quoted string", "", "\\" + part[:1], line=line)
+            out.append(part)
+        return "".join(out)
 
     def quoted_line(self, mode: _Quoted, raw: str) -> None:
         pieces = mode.pieces
@@ -1157,6 +1331,11 @@ class _Scanner:
             if char == "#" and (pos == 0 or text[pos - 1] in " \t"):
                 return
             node = flow.stack[-1]
+            if node.state == "key" and char not in "}]":
+                skipped = self.flow_items(node, text, pos, _FLOW_RUNS)
+                if skipped > pos:
+                    pos = skipped
+                    continue
             if char in "}]":
                 if (char == "}") != (node.kind == "map"):
                     self.fatal("a flow collection closed by the other bracket", text, node.path)
@@ -1192,7 +1371,7 @@ class _Scanner:
                     self.fatal("a quoted string going on over lines inside a flow collection", text, node.path)
                 pos = after
                 self.flow_scalar(node, _Value("scalar", "".join(pieces), quoted=True), text)
-            elif char in "&*!|>%@`:?" or _indicator(text[pos:], "-"):
+            elif char in "&*!|>%@`:?" or (char == "-" and (pos + 1 == end or text[pos + 1] == " ")):
                 self.fatal("an anchor, alias, tag or indicator in a flow collection", text, node.path)
             else:
                 stop = self.flow_plain_end(text, pos)
@@ -1254,7 +1433,7 @@ class _Scanner:
                 if node.pair:
                     collector = _Collector(f"{node.path}[{node.count}]")
                 assert collector is not None
-                collector.add(key.text, node.key_line, value)
+                self.add_entry(collector, key.text, node.key_line, value)
                 if node.pair:
                     self.judge(collector)
         elif key is not None:  # a list item read as a would-be key: a plain or quoted scalar
@@ -1271,17 +1450,6 @@ class _Scanner:
         builders = entries.get("_builder_", [])
         if not targets and not builders:
             return
-        for name in ("_target_", "_builder_", "_call_", "_partial_"):
-            found = entries.get(name, [])
-            if len(found) > 1:
-                line, value = found[-1]
-                self.finding(
-                    "duplicate",
-                    f"{len(found)} {name} keys in one mapping: YAML loaders keep the last, another reader may not",
-                    _join(collector.path, name),
-                    value.text if value.kind == "scalar" else None,
-                    line=line,
-                )
         use = self.use_of(collector)
         for line, value in targets:
             self.judge_one(line, _join(collector.path, "_target_"), value, use)
@@ -1366,4 +1534,6 @@ def scan_targets(text: str) -> TargetScan:
         scanner.run(text)
     except _Stop:
         pass
-    return TargetScan(tuple(scanner.targets), tuple(scanner.findings), scanner.truncated)
+    targets = sorted(scanner.targets, key=lambda target: target.line)
+    findings = sorted(scanner.findings, key=lambda finding: finding.line)  # stable: a line's findings keep order
+    return TargetScan(tuple(targets), tuple(findings), scanner.truncated)
