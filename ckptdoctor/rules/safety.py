@@ -281,9 +281,9 @@ def saved_spec_findings(args: object, path: object, what: str) -> list[Finding]:
 def run_config_findings(iteration_dir: Path, shown: Path) -> list[Finding]:
     """CKD405 for each ``_target_`` of the iteration dir's Megatron-Bridge ``run_config.yaml`` that the gate refuses
     (:mod:`ckptdoctor.formats.run_config_targets`: the allowlist, and what its line scanner cannot vouch for); a
-    target trusted with ``--trust-global`` passes. A file too large or not text to read is one finding: what the
-    gate has not read it cannot vouch for."""
-    from ckptdoctor.formats.run_config import RUN_CONFIG, read_run_config
+    target trusted with ``--trust-global`` passes. A file too large to read is one finding (what the gate has not
+    read it cannot vouch for); one that is no text is damage (Bridge's ``yaml.safe_load`` fails on it too)."""
+    from ckptdoctor.formats.run_config import MAX_RUN_CONFIG_BYTES, RUN_CONFIG, read_run_config
     from ckptdoctor.formats.run_config_targets import describe, scan_targets
     from ckptdoctor.safe_globals import trusted_names
 
@@ -291,6 +291,12 @@ def run_config_findings(iteration_dir: Path, shown: Path) -> list[Finding]:
     try:
         text = read_run_config(iteration_dir)
     except CkptError as exc:
+        try:
+            too_large = (iteration_dir / RUN_CONFIG).stat().st_size > MAX_RUN_CONFIG_BYTES
+        except OSError:
+            too_large = False
+        if not too_large:  # not text, not a regular file: yaml.safe_load fails on it too (damage, not code)
+            return []
         message = f"cannot be checked: {without_path(exc, iteration_dir / RUN_CONFIG)}"
         return [_about(finding(UNSAFE_CONFIG_TARGET, path, message), RUN_CONFIG)]
     if text is None:
