@@ -231,3 +231,22 @@ def test_inspect_reads_a_strange_checkpoint_and_says_so(capsys, copy_fixture):
     assert rc == 0 and report["stand_ins_read"] == [HELPER_NAME]
     rc, out, _ = run_main(capsys, "inspect", "--format", "json", REPO / "fixtures/core019_tp2")
     assert "stand_ins_read" not in json.loads(out)  # absent where there are none: outputs unchanged
+
+
+def test_a_run_config_too_large_to_read_fails_the_gate_one_not_text_does_not(capsys, copy_fixture, tmp_path):
+    save = copy_fixture("core019_tp2")
+    path = save / ITER / "run_config.yaml"
+    with path.open("wb") as f:  # sparse: larger than the 16 MiB the scanner reads
+        f.write(b"model:\n  _target_: megatron.bridge.models.gpt_provider.GPTModelProvider\n")
+        f.truncate(17 << 20)
+    rc, report = _check(capsys, save)
+    assert [f["code"] for f in report["gate"]["failing"]] == ["CKD405"]
+    assert "cannot be checked" in report["gate"]["failing"][0]["message"]
+    path.write_bytes(b"model:\n  \xff\xfe: 1\n")  # not UTF-8: Bridge's yaml.safe_load fails on it, nothing runs
+    rc, report = _check(capsys, save)
+    assert report["safe_for_loaders"] is True
+    path.write_text("model:\n  _target_: os.system\n  _args_: [touch x]\n")
+    rc, report = _check(capsys, save)
+    assert rc == 1 and report["gate"]["failing"][0]["subject"] == "os.system"
+    rc, report = _check(capsys, "--trust-global", "os.system", save)
+    assert report["safe_for_loaders"] is True and report["gate"]["overridden"][0]["code"] == "CKD405"
