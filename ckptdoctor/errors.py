@@ -72,11 +72,16 @@ class MissingExtraError(CkptError):
 
 
 class PickleLimitError(CkptError):
-    """A pickle broke a resource or shape limit (nesting, memo, string size, opcode); nothing was built."""
+    """A pickle broke a resource or shape limit (nesting, memo, string size, opcode); nothing was built.
+    ``global_name``: the global a refused BUILD or item assignment would have changed, where known."""
+
+    global_name: str | None = None
 
     def located(self, where: str) -> PickleLimitError:
         """The same refusal, naming the file it came from."""
-        return PickleLimitError(f"{where}: {self}")
+        error = PickleLimitError(f"{where}: {self}")
+        error.global_name = self.global_name
+        return error
 
 
 def without_path(error: Exception | str, *paths: object) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import pickle
+import re
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -128,6 +129,82 @@ def scan(
     limits.check_size(len(data))
     # an anonymous map (a large .metadata, see files.read_releasable) is scanned in place: no second copy
     buf = data if isinstance(data, (bytes, mmap.mmap)) else bytes(data)
+    try:
+        _scan(buf, limits, safe_hash)
+    except PickleLimitError as exc:
+        raise _naming_the_global(exc, buf) from None
+
+
+_MUTATION = re.compile(r"(BUILD|item assignment) on a class or function.* at byte (\d+)\Z")
+_STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"})
+_GET_OPS, _PUT_OPS = frozenset({"GET", "BINGET", "LONG_BINGET"}), frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _naming_the_global(error: PickleLimitError, buf: bytes | mmap.mmap) -> PickleLimitError:
+    """A refused BUILD or item assignment on a class or function, its message naming that global: the walk above
+    knows only that a stack item is a global. Only on this refusal, the opcodes up to it are walked again with
+    pickletools (names of globals and strings kept, any other object None) to find which one."""
+    match = _MUTATION.search(str(error))
+    if match is None:
+        return error
+    name = _mutated_global(bytes(buf[: int(match.group(2)) + 9]), int(match.group(2)) - 1)
+    if name is None:
+        return error
+    named = PickleLimitError(f"{error}: the global {name}")
+    named.global_name = name
+    return named
+
+
+class _Global(str):
+    """A global's ``module.name`` on the naming walk's stack (strings are plain ``str``)."""
+
+
+def _mutated_global(buf: bytes, position: int) -> str | None:
+    import pickletools
+
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[Any, Any] = {}
+    try:
+        for op, arg, pos in pickletools.genops(buf):
+            name = op.name
+            if pos is not None and pos >= position:
+                if name == "BUILD":
+                    target = stack[-2]
+                elif name in ("SETITEM", "APPEND"):
+                    target = stack[-3 if name == "SETITEM" else -2]
+                else:  # SETITEMS, APPENDS, ADDITEMS: the object below the mark
+                    target = stack[marks[-1] - 1]
+                return str(target) if isinstance(target, _Global) else None
+            if name == "GLOBAL":
+                stack.append(_Global(str(arg).replace(" ", ".")))
+            elif name == "STACK_GLOBAL":
+                module, item = stack[-2:]
+                del stack[-2:]
+                stack.append(_Global(f"{module}.{item}") if isinstance(module, str) and isinstance(item, str) else None)
+            elif name in _STRING_OPS:
+                stack.append(str(arg))
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif name in _PUT_OPS:
+                memo[arg] = stack[-1]
+            elif name in _GET_OPS:
+                stack.append(memo.get(arg))
+            elif name == "MARK":
+                marks.append(len(stack))
+            elif pickletools.markobject in op.stack_before:
+                below = op.stack_before.index(pickletools.markobject)
+                del stack[marks.pop() - below :]
+                stack.extend([None] * len(op.stack_after))
+            else:
+                del stack[len(stack) - len(op.stack_before) :]
+                stack.extend([None] * len(op.stack_after))
+    except Exception:  # noqa: BLE001 - a damaged pickle: the refusal stands without the name
+        return None
+    return None
+
+
+def _scan(buf: bytes | mmap.mmap, limits: PickleLimits, safe_hash: Callable[[str, str], bool] | None) -> None:
     if _scan_c is not None:
         try:
             verdict = _scan_c(

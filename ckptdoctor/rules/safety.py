@@ -104,7 +104,8 @@ def refused_pickle(error: CkptError, path: object, what: str) -> Finding:
             error.global_name,
         )
     if isinstance(error, PickleLimitError):
-        return finding(PICKLE_LIMIT, path, f"{what}: {_without_place(str(error))}")
+        limit = finding(PICKLE_LIMIT, path, f"{what}: {_without_place(str(error))}")
+        return limit if error.global_name is None else _about(limit, error.global_name)
     if isinstance(error, ArchiveError):
         return finding(ARCHIVE_ANOMALY, path, f"{what}: {_without_place(str(error))}")
     return finding(UNSAFE_PICKLE, path, f"{what}: {error}")
