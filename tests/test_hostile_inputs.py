@@ -11,8 +11,8 @@ import io
 import json
 import os
 import pickle
-import shutil
 import re
+import shutil
 import subprocess
 import zipfile
 from pathlib import Path
@@ -31,7 +31,6 @@ from hostile_corpus import (
 )
 
 from ckptdoctor import safe_pickle
-from ckptdoctor.safe_globals import trusting
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats.torch_dist import (
     StorageLocation,
@@ -42,6 +41,7 @@ from ckptdoctor.formats.torch_dist import (
     storage_items,
 )
 from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
+from ckptdoctor.safe_globals import trusting
 from ckptdoctor.torch_stand_ins import DtypeRef
 
 COMMON_ERA = "core016_tp1"  # common state in common.pt
