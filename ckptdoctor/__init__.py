@@ -74,3 +74,35 @@ if _is_cli_process():
         _signal.signal(_signal.SIGTERM, _defer_signal)
 
 __version__ = "0.1.0"
+
+
+# Test hook (the one environment switch that changes what runs; README "Test hooks"): CKPTDOCTOR_NO_EXTENSIONS=1 makes
+# the optional C extensions unimportable, so the pure-Python path runs as on a machine without a compiler
+# (scripts/test.sh runs the fast tier once that way).
+NATIVE_MODULES = ("ckptdoctor._pickle_scan", "ckptdoctor._dcp_index")
+
+
+class _NoExtensions:
+    """A meta path finder that refuses the native modules (``find_spec`` raising ImportError is what a missing
+    build looks like to ``import``)."""
+
+    @staticmethod
+    def find_spec(name: str, path: object = None, target: object = None) -> None:
+        if name in NATIVE_MODULES:
+            raise ImportError(f"{name}: blocked by CKPTDOCTOR_NO_EXTENSIONS")
+        return None
+
+
+if os.environ.get("CKPTDOCTOR_NO_EXTENSIONS"):
+    sys.meta_path.insert(0, _NoExtensions)  # type: ignore[arg-type]
+
+
+def native(name: str) -> bool:
+    """Whether the native module ``name`` (``ckptdoctor._pickle_scan``, ...) was built and may be used here (found,
+    not loaded: ``--version`` asks at every start)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # blocked (CKPTDOCTOR_NO_EXTENSIONS)
+        return False

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import sys
@@ -14,7 +13,7 @@ import click
 
 # A Ctrl-C or SIGTERM while the CLI process starts (click is most of it) was deferred by the package's __init__,
 # before any of these imports: _defer_signal collects it in _PENDING_SIGNALS, which run() answers.
-from ckptdoctor import _PENDING_SIGNALS, __version__, _defer_signal, _under_torchrun
+from ckptdoctor import _PENDING_SIGNALS, __version__, _defer_signal, _under_torchrun, native
 from ckptdoctor.commands import LazyGroup
 from ckptdoctor.errors import CkptError
 from ckptdoctor.exit_codes import EXIT_ERROR
@@ -47,9 +46,9 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
     # Which pickle pre-pass and index loops run: the C extensions are optional (built at install where a compiler
     # was found); without them the Python reference runs.
     message="%(prog)s, version %(version)s (pickle pre-pass: "
-    + ("C" if importlib.util.find_spec("ckptdoctor._pickle_scan") else "Python, the C extension was not built")
+    + ("C" if native("ckptdoctor._pickle_scan") else "Python, the C extension was not built or is blocked")
     + "; index loops: "
-    + ("C" if importlib.util.find_spec("ckptdoctor._dcp_index") else "Python, the C extension was not built")
+    + ("C" if native("ckptdoctor._dcp_index") else "Python, the C extension was not built or is blocked")
     + ")",
 )
 @click.option(

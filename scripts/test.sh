@@ -43,3 +43,21 @@ dist=()
 [ "$jobs" = 0 ] || dist=(--dist loadgroup)
 # REQUIRE_C_SCAN: the optional C pre-pass must have been built here (its tests would skip otherwise).
 CKPTDOCTOR_REQUIRE_MCORE=1 CKPTDOCTOR_REQUIRE_C_SCAN=1 .venv/bin/python -m pytest -q -n "$jobs" "${dist[@]}" "$@"
+# The pure-Python path (a machine without a compiler): the fast tier again with the C extensions blocked, unless
+# the first pass was given its own -m/-k/paths (a developer's selection) or CKPTDOCTOR_TEST_ONE_PASS=1.
+if [ -z "${CKPTDOCTOR_TEST_ONE_PASS:-}" ]; then
+    only_fast=1
+    previous=
+    for arg in "$@"; do
+        if [ "$previous" = "-m" ] && [ "$arg" = "not mcore" ]; then
+            :
+        elif [ "$arg" != "-m" ]; then
+            only_fast=0
+        fi
+        previous=$arg
+    done
+    if [ "$only_fast" = 1 ]; then
+        echo "== the fast tier without the C extensions (CKPTDOCTOR_NO_EXTENSIONS=1)"
+        CKPTDOCTOR_NO_EXTENSIONS=1 .venv/bin/python -m pytest -q -n 2 --dist loadgroup -m "not mcore" -p no:cacheprovider
+    fi
+fi
