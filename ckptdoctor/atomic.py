@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.storage import refuse_remote_write
+from ckptdoctor.write_guard import refuse_remote_write
 
 FAULT_ENV = "CKPTDOCTOR_FAULT_AT"
 FAULT_MODE_ENV = "CKPTDOCTOR_FAULT_MODE"  # "exit" (default: like SIGKILL), "sigint" (Ctrl-C), "sigterm", "sleep"

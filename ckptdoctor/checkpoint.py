@@ -21,7 +21,6 @@ from ckptdoctor.formats import (
 )
 from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.formats.dcp_index import CHUNK_STORAGE, STORAGE_LENGTH
-from ckptdoctor.formats.files import list_names
 from ckptdoctor.formats.legacy_torch import check_te_extra_state
 from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
@@ -40,6 +39,7 @@ from ckptdoctor.problems import (
 )
 from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.safe_pickle import refuse_unlisted
+from ckptdoctor.storage.files import list_names
 from ckptdoctor.torch_stand_ins import DtypeRef
 
 SECTIONS = ("model", "optimizer", "rng", "rerun", "common", "other")

@@ -91,7 +91,7 @@ def load_tool_config(
     path = find_pyproject((start or Path.cwd()).resolve(), passed_over)
     if path is None:
         return {}, None
-    from ckptdoctor.formats.files import read_small_file
+    from ckptdoctor.storage.files import read_small_file
 
     raw = read_small_file(path, MAX_CONFIG_BYTES)  # a FIFO is an error, never a hang (check is a pre-commit hook)
     try:

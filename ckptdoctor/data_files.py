@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckptdoctor.checkpoint import Checkpoint
-from ckptdoctor.formats.files import check_regular
 from ckptdoctor.problems import (
     DATA_FILE_MISSING,
     DATA_FILE_TRUNCATED,
@@ -14,6 +13,7 @@ from ckptdoctor.problems import (
     STORAGE_ENTRY_MISSING,
     Problem,
 )
+from ckptdoctor.storage.files import check_regular
 
 
 def storage_problems(checkpoint: Checkpoint) -> tuple[list[Problem], set[str]]:

@@ -3,7 +3,7 @@
 Accepted: a save dir holding ``latest_checkpointed_iteration.txt`` (followed, or overridden by
 ``iteration``), an iteration dir (``iter_0000010`` or ``release``), any file inside one, or a NeMo 2 style
 checkpoint dir whose ``weights/`` subdir is the distributed checkpoint; each as a local path or a URL
-(``s3://...``, ``msc://profile/...``: :func:`ckptdoctor.formats.storage.as_path` chooses the storage).
+(``s3://...``, ``msc://profile/...``: :func:`ckptdoctor.storage.dispatch.as_path` chooses the storage).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import BACKEND_TORCH_DIST, BACKEND_ZARR, BACKENDS, era, guess_backend
-from ckptdoctor.formats.files import list_names, open_regular, read_json
-from ckptdoctor.formats.storage import as_path
 from ckptdoctor.problems import METADATA_JSON_INVALID, METADATA_JSON_MISSING, UNSUPPORTED_FORMAT, Problem
+from ckptdoctor.storage.dispatch import as_path
+from ckptdoctor.storage.files import list_names, open_regular, read_json
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 BRIDGE_TRACKER_NAME = "latest_train_state.pt"  # Megatron-Bridge's (formats.train_state reads it)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.storage import refuse_remote_write
+from ckptdoctor.write_guard import refuse_remote_write
 
 try:
     import fcntl

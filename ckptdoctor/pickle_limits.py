@@ -34,7 +34,7 @@ class PickleLimits:
 
     def size_refusal(self, size: int) -> PickleLimitError:
         """The refusal of a pickle of ``size`` bytes: what :meth:`check_size` raises, and what a reader raises that
-        learns a file's size before reading it (``formats.files.TooLarge``: nothing of it read)."""
+        learns a file's size before reading it (``storage.files.TooLarge``: nothing of it read)."""
         return PickleLimitError(
             f"pickle of {size} bytes exceeds the limit of {self.max_bytes} bytes (raise it with --max-pickle-bytes)"
         )

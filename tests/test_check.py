@@ -537,8 +537,8 @@ def test_read_ranges_matches_read_range(copy_fixture):
     """Every chunk of a real checkpoint, through windows smaller and larger than chunks, equals read_range;
     a file cut short yields one error; a stream can be stopped early."""
     from ckptdoctor.checkpoint import open_checkpoint
-    from ckptdoctor.formats.stream import read_ranges
     from ckptdoctor.formats.torch_dist import read_range
+    from ckptdoctor.storage.stream import read_ranges
 
     save = copy_fixture("core019_tp2")
     ckpt = open_checkpoint(save)

@@ -64,7 +64,7 @@ def test_an_oversized_common_pt_is_refused_on_its_size_before_it_is_read(copy_fi
 
 
 class _RemoteLike(io.RawIOBase):
-    """A file the way formats.remote.RemoteFile is one: no descriptor, the size it was listed with."""
+    """A file the way storage.remote.RemoteFile is one: no descriptor, the size it was listed with."""
 
     def __init__(self, size: int) -> None:
         super().__init__()
@@ -83,7 +83,8 @@ def test_every_capped_reader_refuses_on_the_size_before_reading(tmp_path):
     refused the file. They refuse on the size now, nothing read (the file's position is where it was), each with the
     message it had."""
     from ckptdoctor.errors import CkptError
-    from ckptdoctor.formats import files, run_config, train_state
+    from ckptdoctor.formats import run_config, train_state
+    from ckptdoctor.storage import files
 
     path = tmp_path / "big"
     path.write_bytes(b"{}")

@@ -243,7 +243,7 @@ def test_an_interrupt_python_wraps_in_another_exception_is_answered(copy_fixture
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="names the descriptor through /proc/self/fd")
 @pytest.mark.parametrize("mode", ["sigint", "sigterm"])
 def test_an_interrupt_right_after_a_file_is_opened_closes_it_once(copy_fixture, tmp_path, mode):
-    """formats.files.open_regular closed its descriptor on any exception, also when one was handled right after
+    """storage.files.open_regular closed its descriptor on any exception, also when one was handled right after
     ``os.fdopen`` returned: the new file object, freed as the exception left, had closed it already, so the close
     failed and ``fix-args --write --output`` answered a SIGTERM during its proof read with ``common.pt: cannot read
     (Bad file descriptor)``, exit 2 (campaign: 1 of 255 SIGTERMs; with threads it could close another file). The

@@ -408,7 +408,7 @@ def test_release_gives_back_the_pages_already_translated():
 
 
 def test_a_large_file_is_read_into_a_map_of_its_own(tmp_path, monkeypatch):
-    from ckptdoctor.formats import files
+    from ckptdoctor.storage import files
 
     path = tmp_path / "big"
     payload = bytes(range(256)) * 4096  # 1 MiB

@@ -21,9 +21,9 @@ from conftest import FIXTURES, free_port, run_cli
 
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.cli import main
-from ckptdoctor.formats import storage
-from ckptdoctor.formats.ranges import coalesce
-from ckptdoctor.formats.storage import as_path
+from ckptdoctor.storage import interface
+from ckptdoctor.storage.dispatch import as_path
+from ckptdoctor.storage.ranges import coalesce
 
 # One moto server for the file: under pytest-xdist (``--dist loadgroup``) the file runs on one worker.
 pytestmark = pytest.mark.xdist_group("s3")
@@ -56,15 +56,15 @@ def remote(server, monkeypatch):
     """The environment a user sets (AWS variables, MSC_CONFIG); a fresh store cache per test."""
     for name, value in server.env(server.msc_file).items():
         monkeypatch.setenv(name, value)
-    storage.forget_stores()
+    interface.forget_stores()
     server.log.clear()
     yield server
-    storage.forget_stores()
+    interface.forget_stores()
 
 
 def ckd(capsys, *args: str) -> tuple[int, str, str]:
     """The CLI in this process, with a fresh listing cache (so each command's requests are its own)."""
-    storage.forget_stores()
+    interface.forget_stores()
     capsys.readouterr()
     rc = main(list(args))
     out, err = capsys.readouterr()
@@ -214,11 +214,11 @@ def test_metadata_commands_transfer_no_tensor_bytes(remote, capsys, command):
     transferred = {}
     for prefix in ("core019_tp1", "padded/core019_tp1"):
         remote.log.clear()
-        counted = storage.TRANSFERS.bytes
+        counted = interface.TRANSFERS.bytes
         rc, out, err = ckd(capsys, name, f"{PREFIXES['s3']}{prefix}", *local_args(tuple(rest)))
         assert rc in (0, 1) and "error" not in err, err
         transferred[prefix] = remote.log.get_bytes()
-        assert storage.TRANSFERS.bytes - counted == transferred[prefix]  # our own count agrees with the wire
+        assert interface.TRANSFERS.bytes - counted == transferred[prefix]  # our own count agrees with the wire
         assert len({(r.key, r.range) for r in remote.log.gets()}) == len(remote.log.gets())  # nothing twice
     assert transferred["core019_tp1"] == transferred["padded/core019_tp1"]  # flat in data size (+8 MiB a file)
     assert 0 < transferred["core019_tp1"] <= _metadata_bytes("core019_tp1", gate=name == "check")
@@ -284,16 +284,16 @@ def test_missing_object_is_one_line_naming_the_url(remote, capsys):
 
 @pytest.mark.parametrize("command", ["inspect", "check", "diff"])
 def test_server_gone_mid_run_is_exit_2_naming_the_url(remote, capsys, monkeypatch, command):
-    monkeypatch.setattr(storage, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(interface, "BACKOFF_S", 0.01)
     url = f"{PREFIXES['s3']}core019_tp1"
-    real_list = storage.ObjectStore.list
+    real_list = interface.ObjectStore.list
 
     def list_then_drop(self, key):  # the server goes away once the dir has been listed
         result = real_list(self, key)
         remote.proxy.drop = True
         return result
 
-    monkeypatch.setattr(storage.ObjectStore, "list", list_then_drop)
+    monkeypatch.setattr(interface.ObjectStore, "list", list_then_drop)
     try:
         args = [command, url] + ([url] if command == "diff" else [])
         rc, out, err = ckd(capsys, *args)
@@ -307,9 +307,9 @@ def test_server_gone_mid_run_is_exit_2_naming_the_url(remote, capsys, monkeypatc
 def test_no_server_at_all(capsys, monkeypatch):
     for name, value in {**s3_server.CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(storage, "BACKOFF_S", 0.01)  # the 4 attempts, without 1.4 s of backoff
+    monkeypatch.setattr(interface, "BACKOFF_S", 0.01)  # the 4 attempts, without 1.4 s of backoff
     rc, out, err = ckd(capsys, "inspect", "s3://ckpt/core019_tp1")
-    storage.forget_stores()
+    interface.forget_stores()
     assert rc == 2 and out == "", err
     assert err.startswith("ckptdoctor: error: s3://ckpt") and err.count("\n") == 1, err
     assert "cannot read after 4 attempts" in err and "internal error" not in err, err

@@ -89,7 +89,7 @@ def read_index(backend: str, iteration_dir: Path, item_class: type[DcpItem], for
         entries, sizes = zarr_meta.read_index(iteration_dir)
         return BackendIndex({key: item_class(*fields) for key, fields in entries.items()}, sizes)
     from ckptdoctor.formats import torch_dist
-    from ckptdoctor.formats.files import file_sizes
+    from ckptdoctor.storage.files import file_sizes
 
     path = iteration_dir / ".metadata"
     metadata = None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.files import read_small_file
+from ckptdoctor.storage.files import read_small_file
 
 RUN_CONFIG = "run_config.yaml"
 MAX_RUN_CONFIG_BYTES = 16 << 20  # Megatron-Bridge writes a few KB

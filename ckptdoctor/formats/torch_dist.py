@@ -26,13 +26,13 @@ from ckptdoctor.formats.dcp_index import StorageLocation as StorageLocation
 from ckptdoctor.formats.dcp_index import index_items
 from ckptdoctor.formats.dcp_index import inside_path as inside_path
 from ckptdoctor.formats.dcp_index import int64_dims as int64_dims
-from ckptdoctor.formats.files import TooLarge, open_regular, read_releasable
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.index_records import IndexRecord, index_record_fields
 from ckptdoctor.pickle_limits import current_limits
 from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.safe_pickle import refuse_unlisted
 from ckptdoctor.stand_ins import STAND_IN_TYPES, StandIn
+from ckptdoctor.storage.files import TooLarge, open_regular, read_releasable
 
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 

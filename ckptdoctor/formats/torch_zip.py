@@ -16,9 +16,9 @@ from typing import Any
 from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError
 from ckptdoctor.formats.archive import ZIP_MAGIC, is_torch_zip, load_archive
-from ckptdoctor.formats.files import TooLarge, open_regular, read_capped
 from ckptdoctor.pickle_limits import PickleLimits, current_limits
 from ckptdoctor.safe_globals import UnlistedGlobal
+from ckptdoctor.storage.files import TooLarge, open_regular, read_capped
 from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
 
 __all__ = ["ZIP_MAGIC", "dump_torch_zip", "is_torch_zip", "load_torch_zip"]

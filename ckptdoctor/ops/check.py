@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.storage import as_path
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.locate import (
     BRIDGE_TRACKER_NAME,
@@ -42,6 +41,7 @@ from ckptdoctor.rules import (
 )
 from ckptdoctor.safe_globals import trusted_names
 from ckptdoctor.severity import OVERRIDDEN
+from ckptdoctor.storage.dispatch import as_path
 
 SCHEMA = "ckptdoctor.check/1"
 

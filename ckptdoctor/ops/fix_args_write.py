@@ -47,7 +47,6 @@ from ckptdoctor.atomic import (
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist
-from ckptdoctor.formats.files import read_json
 from ckptdoctor.formats.run_config import RUN_CONFIG, model_field_lines, read_run_config
 from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.torch_zip import dump_torch_zip
@@ -57,6 +56,7 @@ from ckptdoctor.ops.fix_args import ArgChange, FixArgsReport, checked_config, di
 from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.ops.staging import not_carried
 from ckptdoctor.rules import leftovers
+from ckptdoctor.storage.files import read_json
 from ckptdoctor.tree_removal import remove_tree
 
 INTEGRITY = "integrity.json"

@@ -26,7 +26,6 @@ from pathlib import Path
 from ckptdoctor import atomic, locking
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.storage import refuse_remote_write
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops import metadata_write
@@ -37,6 +36,7 @@ from ckptdoctor.ops.staging import SwapState, not_carried, swap_in_place, swap_o
 from ckptdoctor.rules import leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
 from ckptdoctor.tree_removal import remove_tree
+from ckptdoctor.write_guard import refuse_remote_write
 
 # Files of an iteration dir rebuilt (not copied) by strip-frozen. Megatron's integrity.json is not carried (its
 # sha256s are those of the unstripped files): a source that has one gets a fresh one, written as `seal` does.

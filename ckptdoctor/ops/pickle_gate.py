@@ -17,7 +17,6 @@ from collections.abc import Collection
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError, GateRefusal
 from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
-from ckptdoctor.formats.files import open_regular
 from ckptdoctor.rules import Finding
 from ckptdoctor.rules.bridge import bridge_gate
 from ckptdoctor.rules.safety import (
@@ -28,6 +27,7 @@ from ckptdoctor.rules.safety import (
     unlisted_globals,
 )
 from ckptdoctor.severity import OVERRIDDEN
+from ckptdoctor.storage.files import open_regular
 
 
 def gate_failures(

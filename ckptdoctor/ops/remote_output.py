@@ -24,7 +24,7 @@ def output_url(output: Path | str | None) -> str | None:
     """The URL ``--output`` names (click's Path turns ``s3://b/k`` into ``s3:/b/k``), or None for a local dir."""
     if output is None:
         return None
-    from ckptdoctor.formats.storage import mangled_url
+    from ckptdoctor.write_guard import mangled_url
 
     text = str(output)
     return text if "://" in text else mangled_url(text)
@@ -55,7 +55,7 @@ class RemoteOutput:
         if url is None:
             return None
         url = url.rstrip("/")
-        from ckptdoctor.formats.storage import store_for
+        from ckptdoctor.storage.dispatch import store_for
 
         store_for(url)  # an unknown scheme or a missing backend: one line now, before any work
         staging = Path(tempfile.mkdtemp(prefix="ckptdoctor-upload-"))
@@ -63,7 +63,7 @@ class RemoteOutput:
 
     def refuse_existing(self, force: bool) -> None:
         """An ``--output`` URL that already holds objects is refused (as a non-empty local dir is)."""
-        from ckptdoctor.formats.storage import store_for
+        from ckptdoctor.storage.dispatch import store_for
 
         store, key = store_for(self.url)
         try:
@@ -74,7 +74,7 @@ class RemoteOutput:
             raise CkptError(f"{self.url}: already holds objects; choose a new --output (or --force to write over them)")
 
     def upload(self) -> None:
-        from ckptdoctor.formats.storage import store_for
+        from ckptdoctor.storage.dispatch import store_for
 
         if not self.local.exists():  # the command wrote nothing (nothing to fix, a refusal)
             return

@@ -31,8 +31,6 @@ from pathlib import Path
 from ckptdoctor import arg_rules
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.files import read_json
-from ckptdoctor.formats.storage import as_path
 from ckptdoctor.locate import (
     NEMO_WEIGHTS_DIR,
     TRACKER_NAME,
@@ -50,6 +48,8 @@ from ckptdoctor.ops.repair_report import SCHEMA, Action, Refusal, RepairReport
 from ckptdoctor.ops.staging import QUARANTINE_MARK
 from ckptdoctor.rules import ERROR, Finding, bridge, leftovers, structure
 from ckptdoctor.rules.integrity import INTEGRITY_NAME, LISTED_FILE_MISSING
+from ckptdoctor.storage.dispatch import as_path
+from ckptdoctor.storage.files import read_json
 
 TRACKER_CODES = (structure.TRACKER_INVALID.code, structure.TRACKER_TARGET_MISSING.code, structure.TRACKER_MISSING.code)
 METADATA_JSON_CODE = structure.METADATA_JSON_MISSING.code

@@ -28,7 +28,6 @@ from ckptdoctor.atomic import (
 )
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.files import read_json
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
 from ckptdoctor.locate import (
     TRACKER_NAME,
@@ -50,6 +49,7 @@ from ckptdoctor.ops.repair_report import RepairReport, RepairWrite
 from ckptdoctor.ops.staging import not_carried, quarantine_dir
 from ckptdoctor.rules import is_safety, leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
+from ckptdoctor.storage.files import read_json
 from ckptdoctor.tree_removal import remove_tree
 
 

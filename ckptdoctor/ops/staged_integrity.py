@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.files import read_json
 from ckptdoctor.ops.seal import default_jobs, hash_files, manifest_files
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
+from ckptdoctor.storage.files import read_json
 
 
 def carried_hashes(src: Path, stage: Path) -> dict[str, str]:

@@ -16,7 +16,6 @@ from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
 from ckptdoctor.formats.archive import ArchiveError, chunk_limits, is_torch_zip, storage_ref
-from ckptdoctor.formats.stream import read_ranges
 from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
 from ckptdoctor.rules import Finding, finding
 from ckptdoctor.rules.integrity import BLOB_SIZE, BLOB_UNDECODABLE, ITEM_UNDECODABLE, NON_FINITE
@@ -25,6 +24,7 @@ from ckptdoctor.rules.safety import item_findings, refused_pickle, unlisted_glob
 from ckptdoctor.rules.structure import Scanned
 from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.severity import OVERRIDDEN
+from ckptdoctor.storage.stream import read_ranges
 from ckptdoctor.torch_stand_ins import StorageRef, TensorRef
 
 NON_FINITE_SECTIONS = ("model", "optimizer")

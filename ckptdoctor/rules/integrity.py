@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError, without_path
-from ckptdoctor.formats.files import file_sizes, open_regular, read_json
 from ckptdoctor.rules import ERROR, WARNING, Finding, family_rule, finding
 from ckptdoctor.rules.structure import Scanned
+from ckptdoctor.storage.files import file_sizes, open_regular, read_json
 
 INTEGRITY_NAME = "integrity.json"  # megatron.core.dist_checkpointing.validation.INTEGRITY_FNAME
 _READ_SIZE = 1 << 20

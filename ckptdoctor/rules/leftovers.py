@@ -28,8 +28,8 @@ import stat
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.files import list_names, read_json
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo, finding
+from ckptdoctor.storage.files import list_names, read_json
 
 INTERRUPTED_WRITE = RuleInfo(
     "CKD150",

@@ -185,8 +185,8 @@ def check_items(checkpoint: Checkpoint, shown: Path, skip_files: Collection[str]
     is read (a few KB each; the ranges of one data file together, front to back), never a tensor chunk
     (``--deep``). Items in ``skip_files`` (missing or truncated data files, reported by the structure rules) and
     ranges that cannot be read are left to those rules."""
-    from ckptdoctor.formats.stream import read_ranges
     from ckptdoctor.formats.torch_dist import check_range_length
+    from ckptdoctor.storage.stream import read_ranges
 
     out: list[Finding] = []
     common = checkpoint.common_source

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.files import open_handle
-from ckptdoctor.formats.remote import RemotePath
 from ckptdoctor.formats.torch_dist import check_range_length
+from ckptdoctor.storage.files import open_handle
+from ckptdoctor.storage.remote import RemotePath
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint, Entry
@@ -41,7 +41,7 @@ class Files:
     MAX_OPEN = max(64, min(1024, _soft_fd_limit() // 4))
 
     def __init__(self) -> None:
-        self.fds: OrderedDict[tuple[int, str], Any] = OrderedDict()  # handles from formats.files.open_handle
+        self.fds: OrderedDict[tuple[int, str], Any] = OrderedDict()  # handles from storage.files.open_handle
         self.plans: dict[tuple[int, str], list[tuple[int, int]]] = {}
 
     def plan(self, ckpt: Checkpoint, entries: Iterable[Entry]) -> None:

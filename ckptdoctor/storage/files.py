@@ -2,7 +2,7 @@
 
 A name in a checkpoint dir can be a FIFO, a device or a directory; ``open()`` on a FIFO blocks until a writer
 appears (a hang), and reading a device can return endless bytes. Every reader opens through here, and lists
-through here: a URL's :class:`~ckptdoctor.formats.remote.RemotePath` is opened as a file of ranged reads.
+through here: a URL's :class:`~ckptdoctor.storage.remote.RemotePath` is opened as a file of ranged reads.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.remote import RemotePath
+from ckptdoctor.storage.remote import RemotePath
 
 
 def open_regular(path: str | os.PathLike | RemotePath, buffering: int = -1) -> BinaryIO:
@@ -63,7 +63,7 @@ def _known_size(f: BinaryIO) -> int | None:
     try:
         return os.fstat(f.fileno()).st_size
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        size = getattr(f, "size", None)  # formats.remote.RemoteFile
+        size = getattr(f, "size", None)  # storage.remote.RemoteFile
         return size if isinstance(size, int) else None
 
 

@@ -1,11 +1,10 @@
-"""One storage interface for checkpoint files: local paths, fsspec URLs (``s3://``, ``gs://``, ...) and
-multi-storage-client profiles (``msc://profile/path``).
+"""The storage interface: what a remote backend answers (:class:`Storage`), the shared part of every backend
+(:class:`ObjectStore`), and the one store per backend in a process (:func:`shared_store`).
 
-Readers never ask which backend holds a file: a local path is a :class:`pathlib.Path` read with ``os.pread``
-as always; a URL becomes a :class:`~ckptdoctor.formats.remote.RemotePath`, which answers the same questions
-(``is_file``, ``iterdir``, ``stat``, ``/``) from an :class:`ObjectStore`, and which
-:func:`ckptdoctor.formats.files.open_regular` opens as a file reading byte ranges. :func:`as_path` is the one
-place a user's string becomes one or the other.
+A URL's :class:`~ckptdoctor.storage.remote.RemotePath` asks its store; the backends
+(:mod:`~ckptdoctor.storage.fsspec_store`, :mod:`~ckptdoctor.storage.msc_store`) subclass :class:`ObjectStore` and
+import nothing of ckptdoctor but this module and :mod:`ckptdoctor.errors`; the dispatcher
+(:mod:`~ckptdoctor.storage.dispatch`) picks one for a URL.
 
 An object store has no directories: a "directory" is a key prefix with objects below it. Each listing is made
 once per run (one LIST per directory, cached: a read-only command sees one snapshot), and every size and
@@ -20,18 +19,15 @@ from __future__ import annotations
 import builtins
 import errno
 import os
-import re
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from ckptdoctor.errors import CkptError
 
-URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 RETRIES = 4  # attempts per request: 1 + 3 retries
 BACKOFF_S = 0.2  # first retry after 0.2 s, then 0.4, 0.8
 
@@ -101,11 +97,15 @@ class ObjectStore(ABC):
     """The shared part of the remote backends: listing cache, retries with backoff, error wording."""
 
     scheme: str
+    args: tuple[str, ...]  # what :func:`shared_store` made it from: a worker process makes its own from these
 
     def __init__(self) -> None:
         self._listings: dict[str, dict[str, Stat] | None] = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a worker process uses (or makes) its own store of the same name
+        return (shared_store, (type(self), *self.args))
 
     @abstractmethod
     def _connect(self) -> None:
@@ -235,67 +235,20 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
-# --- from a user's string to a path ---------------------------------------------------------------------
+# --- one store per backend and name, per process ---------------------------------------------------------
 
-_STORES: dict[str, ObjectStore] = {}
+_STORES: dict[tuple[Callable[..., ObjectStore], tuple[str, ...]], ObjectStore] = {}
 _STORES_LOCK = threading.Lock()
 
 
-def is_url(text: str | os.PathLike) -> bool:
-    return isinstance(text, str) and URL_RE.match(text) is not None
-
-
-def as_path(raw: str | os.PathLike) -> Path:
-    """A local :class:`~pathlib.Path`, or for a URL a :class:`~ckptdoctor.formats.remote.RemotePath` (``file://``
-    is local).
-
-    Typed as ``Path``: a RemotePath answers the part of the Path API readers use, so the code above ``formats/``
-    handles both without asking which it holds; the few ``os`` calls are in :mod:`ckptdoctor.formats.files`.
-    """
-    from ckptdoctor.formats.remote import RemotePath
-
-    if isinstance(raw, RemotePath) or not is_url(raw):
-        return raw if isinstance(raw, RemotePath) else Path(raw)  # type: ignore[return-value]
-    text = str(raw)
-    if text[:7].lower() == "file://":
-        return Path(text[len("file://") :])
-    store, key = store_for(text)
-    return cast(Path, RemotePath(store, key))
-
-
-_MANGLED_URL_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):/(?!/)")  # what Path("s3://b/k") makes of a URL
-
-
-def mangled_url(path: str | os.PathLike) -> str | None:
-    """The URL a path option held before ``Path`` folded its ``//`` (``s3:/b/k`` -> ``s3://b/k``), or None for a
-    real local path (one that exists, or does not look like a folded URL)."""
-    text = str(path)
-    if _MANGLED_URL_RE.match(text) and not Path(text).exists():
-        return _MANGLED_URL_RE.sub(r"\1://", text, count=1)
-    return None
-
-
-def refuse_remote_write(path: Path, in_place: bool) -> None:
-    """Writes are local only: a checkpoint on object storage is never changed in place (no atomic rename, no
-    lock there), and an ``--output`` URL is not written to; one clear :class:`CkptError` each."""
-    from ckptdoctor.formats.remote import RemotePath
-
-    if isinstance(path, RemotePath):
-        if in_place:
-            raise CkptError(
-                f"{path}: cannot be changed in place on object storage (no atomic rename or lock there); "
-                "write a fixed copy to a local dir with --output DIR and upload it (metadata.json last)"
-            )
-        raise CkptError(
-            f"{path}: writing a copy of a checkpoint on object storage is not supported; download it "
-            "(e.g. aws s3 cp --recursive, or msc sync) and run on the local copy"
-        )
-    url = mangled_url(path)
-    if url is not None:
-        raise CkptError(
-            f"{url}: --output to object storage is not supported; write to a local dir and upload it "
-            "(metadata.json last: it marks the checkpoint complete)"
-        )
+def shared_store(kind: Callable[..., ObjectStore], *args: str) -> ObjectStore:
+    """The store ``kind(*args)`` of this process (one per scheme, or per MSC profile), made on first use: every
+    path of it shares its listing cache and its client."""
+    with _STORES_LOCK:
+        store = _STORES.get((kind, args))
+        if store is None:
+            store = _STORES[(kind, args)] = kind(*args)
+        return store
 
 
 def forget_stores() -> None:
@@ -303,28 +256,3 @@ def forget_stores() -> None:
     process whose credentials or endpoint changed; tests that start a server per test)."""
     with _STORES_LOCK:
         _STORES.clear()
-
-
-def store_for(url: str) -> tuple[ObjectStore, str]:
-    """The store serving ``url`` (one per scheme, or per MSC profile) and the key below its root."""
-    scheme, rest = url.split("://", 1)
-    scheme = scheme.lower()
-    if scheme == "msc":
-        profile, _, key = rest.partition("/")
-        name = f"msc://{profile}"
-    else:
-        key, name = rest, f"{scheme}://"
-    key = "/".join(part for part in key.split("/") if part not in ("", "."))
-    with _STORES_LOCK:
-        store = _STORES.get(name)
-        if store is None:
-            if scheme == "msc":
-                from ckptdoctor.formats.msc_store import MscStore
-
-                store = MscStore(profile)
-            else:
-                from ckptdoctor.formats.fsspec_store import FsspecStore
-
-                store = FsspecStore(scheme)
-            _STORES[name] = store
-    return store, key

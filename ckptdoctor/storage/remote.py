@@ -3,7 +3,8 @@
 :class:`RemotePath` has the subset of the ``Path`` API the readers use (``/``, ``name``, ``parent``,
 ``is_file``, ``iterdir``, ``stat``, ...), answered from cached listings of its :class:`ObjectStore`; its
 ``str()`` is the URL, so every message names the URL the user gave. It has no ``__fspath__``: an ``os``
-function handed one fails loudly rather than reading a local file of the same name.
+function handed one fails loudly rather than reading a local file of the same name, and
+:func:`ckptdoctor.write_guard.refuse_remote_write` tells it from a local path by that (it is no ``os.PathLike``).
 
 :class:`RemoteFile` is a read-only, seekable raw file over ranged GETs. Given the ranges a reader will need
 (:meth:`RemoteFile.will_read`), it coalesces them and fetches ahead concurrently (:mod:`.ranges`).
@@ -18,8 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckptdoctor.formats.ranges import PlannedReads, Prefetcher
-from ckptdoctor.formats.storage import ObjectStore, store_for
+from ckptdoctor.storage.interface import ObjectStore
+from ckptdoctor.storage.ranges import PlannedReads, Prefetcher
 
 SEQUENTIAL_STEP = 1 << 20  # a sequential reader's reads are planned in steps of at least this
 
@@ -48,8 +49,8 @@ class RemotePath:
     def __repr__(self) -> str:
         return f"RemotePath({str(self)!r})"
 
-    def __reduce__(self) -> tuple[Any, ...]:  # worker processes rebuild the store from the URL
-        return (_from_url, (str(self),))
+    def __reduce__(self) -> tuple[Any, ...]:  # a worker process uses its own store of the same name
+        return (RemotePath, (self.store, self.key))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RemotePath) and other.store is self.store and other.key == self.key
@@ -165,11 +166,6 @@ class RemotePath:
 
     def read_text(self, encoding: str = "utf-8") -> str:
         return self.read_bytes().decode(encoding)
-
-
-def _from_url(url: str) -> RemotePath:
-    store, key = store_for(url)
-    return RemotePath(store, key)
 
 
 class RemoteFile(io.RawIOBase):

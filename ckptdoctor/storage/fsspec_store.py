@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.storage import ObjectStore, Stat
+from ckptdoctor.storage.interface import ObjectStore, Stat
 
 _PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 _EXTRAS = {"s3fs": "ckptdoctor[s3]"}
@@ -28,6 +28,7 @@ class FsspecStore(ObjectStore):
     def __init__(self, scheme: str) -> None:
         super().__init__()
         self.scheme = scheme
+        self.args = (scheme,)
         package = _PACKAGES.get(scheme, "fsspec")
         try:
             import fsspec

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.files import open_regular
+from ckptdoctor.storage.files import open_regular
 
 T = TypeVar("T")
 DEFAULT_WINDOW = 1 << 20  # one syscall per MiB; a reused buffer, so no page faults per read

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    from ckptdoctor.formats.storage import ObjectStore
+    from ckptdoctor.storage.interface import ObjectStore
 
 MAX_GAP = 256 << 10  # bytes between two ranges read rather than paid for with a second request
 MAX_REQUEST = 16 << 20

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.storage import ObjectStore, Stat, StorageUnavailable
+from ckptdoctor.storage.interface import ObjectStore, Stat, StorageUnavailable
 
 
 class MscStore(ObjectStore):
@@ -21,6 +21,7 @@ class MscStore(ObjectStore):
     def __init__(self, profile: str) -> None:
         super().__init__()
         self.profile = profile
+        self.args = (profile,)
         try:
             import multistorageclient
             from multistorageclient.types import Range

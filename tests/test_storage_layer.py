@@ -1,0 +1,52 @@
+"""The storage layer's seams: the write guard tells a URL's path from a local one without importing the storage
+layer, a remote path crosses to a worker process onto that process's one store, and the primitives below
+storage import nothing above them."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptdoctor.errors import CkptError
+from ckptdoctor.storage.dispatch import as_path
+from ckptdoctor.storage.interface import forget_stores
+from ckptdoctor.write_guard import refuse_remote_write
+
+
+def test_the_write_guard_refuses_a_remote_path_and_a_folded_url(tmp_path):
+    remote = as_path("memory://bucket/ckpt/iter_0000010")
+    assert not isinstance(remote, os.PathLike)  # what the guard tells it by
+    with pytest.raises(CkptError, match="cannot be changed in place on object storage"):
+        refuse_remote_write(remote, in_place=True)
+    with pytest.raises(CkptError, match="writing a copy of a checkpoint on object storage is not supported"):
+        refuse_remote_write(remote, in_place=False)
+    with pytest.raises(CkptError, match=r"^s3://b/k: --output to object storage"):
+        refuse_remote_write(Path("s3:/b/k"), in_place=False)
+    refuse_remote_write(tmp_path, in_place=True)  # a local dir: no refusal
+
+
+def test_a_pickled_remote_path_lands_on_the_store_of_its_process():
+    forget_stores()
+    path = as_path("memory://bucket/a/b")
+    back = pickle.loads(pickle.dumps(path))
+    assert back == path and back.store is path.store and str(back) == "memory://bucket/a/b"
+    forget_stores()
+    again = pickle.loads(pickle.dumps(path))  # a process without the store makes its own from the scheme
+    assert again.store is not path.store and str(again) == str(path)
+    forget_stores()
+
+
+def test_the_primitives_import_nothing_above_them():
+    code = (
+        "import sys, ckptdoctor.atomic, ckptdoctor.locking\n"
+        "print(sorted(m for m in sys.modules if m.startswith('ckptdoctor.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    below = ["ckptdoctor.atomic", "ckptdoctor.errors", "ckptdoctor.locking", "ckptdoctor.write_guard"]
+    assert ast.literal_eval(out) == below
