@@ -16,12 +16,13 @@ from typing import Any
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import BACKEND_TORCH_DIST, BACKEND_ZARR, BACKENDS, era, guess_backend
+from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME as BRIDGE_TRACKER_NAME  # re-exported
+from ckptdoctor.formats.train_state import read_train_state_step
 from ckptdoctor.problems import METADATA_JSON_INVALID, METADATA_JSON_MISSING, UNSUPPORTED_FORMAT, Problem
 from ckptdoctor.storage.dispatch import as_path
 from ckptdoctor.storage.files import list_names, open_regular, read_json
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
-BRIDGE_TRACKER_NAME = "latest_train_state.pt"  # Megatron-Bridge's (formats.train_state reads it)
 NEMO_WEIGHTS_DIR = "weights"
 # ASCII digits only and no trailing newline (``$`` would allow one): Megatron writes ``iter_{:07d}``.
 ITER_DIR_RE = re.compile(r"^iter_([0-9]{7,})\Z")
@@ -181,8 +182,6 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
         iters = list_iteration_dirs(candidate) if candidate.is_dir() else []
         bridge = candidate / BRIDGE_TRACKER_NAME
         if iters and bridge.is_file():  # Megatron-Bridge resumes from its own tracker where the text one is missing
-            from ckptdoctor.formats.train_state import read_train_state_step  # only such save dirs need the reader
-
             save_dir, tracker_path, tracker_value = candidate, bridge, str(read_train_state_step(bridge))
             iteration_dir = save_dir / iteration_dir_name(tracker_value)
             if not iteration_dir.is_dir():

@@ -570,9 +570,9 @@ def test_read_ranges_matches_read_range(copy_fixture):
 def test_coverage_shortcut_for_one_chunk_per_cell_agrees_with_the_cell_mapping(monkeypatch):
     """coverage_problem answers a grid of one chunk per cell without mapping cells; on random layouts (tilings,
     overlaps, gaps, chunks spanning cells, duplicates) it says what the full mapping says."""
+    from ckptdoctor import coverage
     from ckptdoctor.checkpoint import Entry
     from ckptdoctor.formats.torch_dist import DcpChunk
-    from ckptdoctor.rules import consistency
 
     def layouts(rng: random.Random):
         for _ in range(3000):
@@ -597,9 +597,9 @@ def test_coverage_shortcut_for_one_chunk_per_cell_agrees_with_the_cell_mapping(m
             yield Entry("k", "tensor", "torch.float32", shape, [DcpChunk(o, s, None) for o, s in chunks])
 
     entries = list(layouts(random.Random(7)))
-    fast = [consistency.coverage_problem(e) for e in entries]
-    monkeypatch.setattr(consistency, "_one_chunk_per_cell", lambda chunks, cuts: False)
-    assert fast == [consistency.coverage_problem(e) for e in entries]
+    fast = [coverage.coverage_problem(e) for e in entries]
+    monkeypatch.setattr(coverage, "_one_chunk_per_cell", lambda chunks, cuts: False)
+    assert fast == [coverage.coverage_problem(e) for e in entries]
     assert sum(p is None for p in fast) > 500 and sum(p is not None for p in fast) > 500
 
 

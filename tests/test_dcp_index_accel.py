@@ -317,9 +317,9 @@ def test_coverage_in_c_agrees_with_the_python_rule(monkeypatch):
     not ints) its verdict is the Python rule's."""
     import itertools
 
+    from ckptdoctor import coverage
     from ckptdoctor.checkpoint import Entry
     from ckptdoctor.formats.dcp_index import DcpChunk
-    from ckptdoctor.rules import consistency
 
     rng = random.Random(11)
     hostile = [-1, 0, 2**63, 2**64 + 3, 1.0, True, "1", None]
@@ -358,15 +358,15 @@ def test_coverage_in_c_agrees_with_the_python_rule(monkeypatch):
     with_c = []
     for entry in entries:
         try:
-            with_c.append(consistency.coverage_problem(entry))
+            with_c.append(coverage.coverage_problem(entry))
         except Exception as exc:  # noqa: BLE001 - hostile values may make the Python steps raise: compared too
             with_c.append((type(exc).__name__, str(exc)))
-    decided_in_c = sum(consistency._tiled_in_c(e.shape, e.chunks) for e in entries)
-    monkeypatch.setattr(consistency, "grid_tiled_once", None)
+    decided_in_c = sum(coverage._tiled_in_c(e.shape, e.chunks) for e in entries)
+    monkeypatch.setattr(coverage, "grid_tiled_once", None)
     without = []
     for entry in entries:
         try:
-            without.append(consistency.coverage_problem(entry))
+            without.append(coverage.coverage_problem(entry))
         except Exception as exc:  # noqa: BLE001
             without.append((type(exc).__name__, str(exc)))
     assert with_c == without

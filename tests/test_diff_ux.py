@@ -167,7 +167,7 @@ def test_text_limit_says_how_many_left_out(capsys):
 
 def test_one_definition_of_a_key(capsys):
     from ckptdoctor.checkpoint import open_checkpoint
-    from ckptdoctor.ops.diff_items import logical_items
+    from ckptdoctor.logical_items import logical_items
 
     rc, report = _json(capsys, str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp2"))
     layout = report["layout"]

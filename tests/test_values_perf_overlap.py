@@ -11,7 +11,7 @@ from conftest import FIXTURES
 
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.errors import CkptError
-from ckptdoctor.ops.diff_items import KIND_TENSOR, is_common_state_item, logical_items
+from ckptdoctor.logical_items import KIND_TENSOR, is_common_state_item, logical_items
 from ckptdoctor.values.diff import compare_values
 
 pytest.importorskip("torch")

@@ -52,16 +52,8 @@ def command(
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.errors import CkptError
-    from ckptdoctor.ops.show import (
-        describe,
-        find_entry,
-        render_show,
-        save_tensor,
-        slice_values,
-        statistics,
-        take_slice,
-        to_json_text,
-    )
+    from ckptdoctor.ops.show import describe, find_entry, save_tensor, slice_values, statistics, take_slice
+    from ckptdoctor.render.show import render_show, to_json_text
     from ckptdoctor.values.read import read_tensor, require_torch
 
     ckpt = open_checkpoint(checkpoint, iteration)

@@ -18,11 +18,12 @@ from pathlib import Path
 
 from ckptdoctor.errors import CkptError, PickleLimitError
 from ckptdoctor.formats.torch_zip import load_torch_zip
-from ckptdoctor.locate import BRIDGE_TRACKER_NAME as BRIDGE_TRACKER_NAME  # re-exported: one name, in locate
 from ckptdoctor.pickle_limits import current_limits
 from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.storage.files import read_small_file
 from ckptdoctor.torch_stand_ins import TensorRef
+
+BRIDGE_TRACKER_NAME = "latest_train_state.pt"  # Megatron-Bridge's tracker in a save dir (locate follows it)
 
 TRAIN_STATE_NAME = "train_state.pt"
 # TrainState.state_dict()'s keys; load_state_dict reads every one (a KeyError fails Bridge's resume)

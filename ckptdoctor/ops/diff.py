@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdoctor.arg_rules import check_args
 from ckptdoctor.args import ARG_GROUPS, arg_group
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
-from ckptdoctor.ops.diff_items import KIND_TENSOR, Item, is_common_state_item, logical_items
+from ckptdoctor.logical_items import KIND_TENSOR, Item, is_common_state_item, logical_items
 from ckptdoctor.ops.diff_report import (
     SCHEMA,
     ArgDifference,

@@ -23,7 +23,7 @@ class Side:
     era: str
     common_source: str | None
     iteration: int | None
-    keys: int  # logical keys: tensors, and ShardedObjects counted once by base key (see diff_items)
+    keys: int  # logical keys: tensors, and ShardedObjects counted once by base key (see logical_items)
     entries: int  # DCP items (a ShardedObject counts once per shard)
     data_files: dict
     layout: dict

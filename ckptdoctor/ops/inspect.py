@@ -13,7 +13,7 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.run_config import RUN_CONFIG
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, has_bridge_tracker, read_train_state_step
 from ckptdoctor.locate import CheckpointLocation
-from ckptdoctor.ops.diff_items import logical_key
+from ckptdoctor.logical_items import logical_key
 from ckptdoctor.parallelism import infer_layout
 from ckptdoctor.plain import OMIT_NONE
 from ckptdoctor.safe_globals import merged_unlisted

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import difflib
 import io
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,79 +242,3 @@ def save_tensor(tensor: Any, path: Path, force: bool) -> str | None:
     except OSError as exc:
         raise CkptError(f"{exc.filename or path}: cannot write ({exc.strerror})") from None
     return note
-
-
-def to_json_text(report: ShowReport) -> str:
-    from ckptdoctor.render.common import jsonable
-
-    return json.dumps(jsonable(report), indent=2)
-
-
-def _num(value: Any) -> str:
-    return "-" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
-
-
-def _render(report: ShowReport) -> str:
-    from ckptdoctor.render.common import human_bytes, tabulate
-
-    shape = "-" if report.shape is None else "x".join(map(str, report.shape)) or "()"
-    lines = [
-        f"checkpoint      {report.checkpoint}",
-        f"key             {report.key}",
-        f"section         {report.section}   kind {report.kind}",
-        f"dtype           {report.dtype or '-'}",
-        f"global shape    {shape}   ({report.numel:,} elements)",
-        f"on disk         {human_bytes(report.bytes)} in {len(report.chunks)} chunk(s)",
-    ]
-    if report.grid is not None:
-        lines.append(f"chunk grid      {' x '.join(map(str, report.grid)) or '1'} (chunks per axis)")
-    rows = [
-        [
-            i,
-            "(" + ", ".join(map(str, c.offsets)) + ")",
-            "x".join(map(str, c.sizes)) or "()",
-            c.file or "-",
-            "-" if c.offset is None else c.offset,
-            "-" if c.length is None else c.length,
-        ]
-        for i, c in enumerate(report.chunks[:TEXT_CHUNK_LIMIT])
-    ]
-    lines.append("")
-    lines.append(tabulate(rows, headers=["chunk", "offsets", "sizes", "file", "at", "bytes"]))
-    if len(report.chunks) > TEXT_CHUNK_LIMIT:
-        lines.append(f"... {len(report.chunks) - TEXT_CHUNK_LIMIT} more chunk(s) (all in --format json)")
-    if report.stats is not None:
-        s = report.stats
-        lines.append("")
-        lines.append(
-            f"min {_num(s['min'])}   max {_num(s['max'])}   mean {_num(s['mean'])}   std {_num(s['std'])}"
-            f"   (over {s['finite']:,} finite values)"
-        )
-        lines.append(f"nan {s['nan']:,}   +inf {s['posinf']:,}   -inf {s['neginf']:,}")
-    if report.slice is not None:
-        sl = report.slice
-        lines.append("")
-        lines.append(f"slice [{sl['spec']}]  shape {'x'.join(map(str, sl['shape'])) or '()'}")
-        lines.append(json.dumps(sl["values"]) if not isinstance(sl["values"], list) else _matrix(sl["values"]))
-    if report.saved:
-        lines.append("")
-        lines.append(f"saved           {report.saved}")
-    lines.extend(report.notes)
-    return "\n".join(lines)
-
-
-def _matrix(values: list) -> str:
-    """Nested lists one innermost row per line."""
-    if not values or not isinstance(values[0], list):
-        return "[" + ", ".join(_num(v) for v in values) + "]"
-    return (
-        "\n".join(_matrix(v) for v in values)
-        if not isinstance(values[0][0], list)
-        else "\n\n".join(_matrix(v) for v in values)
-    )
-
-
-def render_show(report: ShowReport) -> str:
-    from ckptdoctor.text_safety import text_safe
-
-    return text_safe(_render)(report)

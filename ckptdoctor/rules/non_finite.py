@@ -16,12 +16,12 @@ result) and merges them in file order.
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
 from ckptdoctor.checkpoint import Entry
 from ckptdoctor.formats.torch_dist import DcpChunk
+from ckptdoctor.numpy_lazy import numpy_or_none
 from ckptdoctor.rules import Finding, RuleInfo, finding
 
 # IEEE floating-point dtypes: itemsize, and the exponent bits in the last two bytes of a little-endian element
@@ -47,18 +47,6 @@ _TABLES = {mask: _flags(mask) for _, high, low in _FLOAT_EXPONENT.values() for m
 
 # The bits of +Inf per itemsize and exponent width: an element is NaN or Inf iff (bits & ~sign) >= +Inf's bits.
 _INF_BITS = {(2, 0x7C): 0x7C00, (2, 0x7F): 0x7F80, 4: 0x7F800000, 8: 0x7FF0000000000000}
-_NUMPY: list[Any] = []  # [numpy module or None], imported on the first scan
-
-
-def numpy_or_none() -> Any:
-    """numpy where installed (it comes with torch), else None (check --deep and diff --values need neither numpy
-    nor torch: their pure-Python and torch paths); imported once."""
-    if not _NUMPY:
-        try:
-            _NUMPY.append(importlib.import_module("numpy"))
-        except ImportError:
-            _NUMPY.append(None)
-    return _NUMPY[0]
 
 
 def _inf_bits(size: int, high_mask: int) -> int:

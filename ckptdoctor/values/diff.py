@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckptdoctor.ops.diff_items import KIND_TENSOR, Item
+from ckptdoctor.logical_items import KIND_TENSOR, Item
 from ckptdoctor.progress import Progress
 from ckptdoctor.values.accumulate import SLAB_ELEMENTS, Accumulator, finite
 from ckptdoctor.values.io import Context, InFlight, ReadCounter, Torch

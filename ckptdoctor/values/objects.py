@@ -13,7 +13,7 @@ from ckptdoctor.values.report import ValueDiff
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint
-    from ckptdoctor.ops.diff_items import Item
+    from ckptdoctor.logical_items import Item
 
 
 def compare_objects(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, ctx: Context) -> ValueDiff:

@@ -14,7 +14,7 @@ from ckptdoctor.errors import CkptError, MissingExtraError
 from ckptdoctor.formats import BACKEND_ZARR, raw_chunk_ref, torch_dist
 from ckptdoctor.formats.archive import chunk_limits, parse_archive, storage_ref, unpickle
 from ckptdoctor.formats.torch_zip import load_torch_zip
-from ckptdoctor.rules.non_finite import numpy_or_none
+from ckptdoctor.numpy_lazy import numpy_or_none
 from ckptdoctor.torch_stand_ins import DtypeRef, TensorRef
 from ckptdoctor.values import archive_memo
 
@@ -88,7 +88,7 @@ def read_tensor(checkpoint: Checkpoint, key: str) -> Any:
     entry = checkpoint.entries[key]
     if entry.kind != "tensor" or entry.shape is None or entry.dtype is None:
         raise CkptError(f"{checkpoint.iteration_dir}: {key} is a bytes item, not a tensor")
-    from ckptdoctor.rules.consistency import coverage_problem
+    from ckptdoctor.coverage import coverage_problem
 
     # chunks outside the shape fail to assign; a gap would show torch.empty's leftover memory as values
     why = coverage_problem(entry)

@@ -1,4 +1,4 @@
-"""Logical items of a checkpoint for ``diff``: tensors by key, ShardedObjects by their base key.
+"""Logical items of a checkpoint (``diff``, ``inspect``): tensors by key, ShardedObjects by their base key.
 
 A Megatron ShardedObject is saved as one DCP bytes item per shard, keyed
 ``<key>/shard_<offsets joined by .>_<global shape joined by .>`` (``rng_state/shard_0.1_1.2``). The shard
