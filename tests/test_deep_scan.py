@@ -8,6 +8,7 @@ import struct
 
 import pytest
 
+from ckptdoctor import numpy_lazy
 from ckptdoctor.rules import non_finite
 
 # dtype: (itemsize, exponent bits, mantissa bits)
@@ -48,9 +49,9 @@ def _edge_patterns(dtype: str) -> list[int]:
 def scan_path(request, monkeypatch):
     if request.param == "numpy":
         pytest.importorskip("numpy")
-        monkeypatch.setattr(non_finite, "_NUMPY", [])
+        monkeypatch.setattr(numpy_lazy, "_NUMPY", [])
     else:
-        monkeypatch.setattr(non_finite, "_NUMPY", [None])
+        monkeypatch.setattr(numpy_lazy, "_NUMPY", [None])
     return request.param
 
 
@@ -175,9 +176,9 @@ def test_diff_values_same_with_and_without_numpy(capsys, monkeypatch, pair, extr
     from conftest import FIXTURES
 
     paths = [str(FIXTURES / name) for name in pair]
-    monkeypatch.setattr(non_finite, "_NUMPY", [])
+    monkeypatch.setattr(numpy_lazy, "_NUMPY", [])
     with_numpy = _values_json(capsys, *extra, *paths)
-    monkeypatch.setattr(non_finite, "_NUMPY", [None])
+    monkeypatch.setattr(numpy_lazy, "_NUMPY", [None])
     assert _values_json(capsys, *extra, *paths) == with_numpy
 
 

@@ -25,13 +25,13 @@ def _saved(tensor) -> bytes:
 
 @pytest.fixture(autouse=True)
 def _fresh_memos(monkeypatch):
-    from ckptdoctor.rules import non_finite
+    from ckptdoctor import numpy_lazy
     from ckptdoctor.values import archive_memo, read
 
     monkeypatch.setattr(archive_memo, "_LAYOUTS", {})
     monkeypatch.setattr(archive_memo, "_COUNT", [0])
     monkeypatch.setattr(read, "_PLAIN", {})
-    monkeypatch.setattr(non_finite, "_NUMPY", [])
+    monkeypatch.setattr(numpy_lazy, "_NUMPY", [])
 
 
 def _chunk(blob: bytes, sizes: tuple[int, ...]) -> DcpChunk:
