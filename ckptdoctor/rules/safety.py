@@ -213,11 +213,6 @@ def check_items(checkpoint: Checkpoint, shown: Path, skip_files: Collection[str]
     return out
 
 
-def unsafe_pickle(error: UnsafePickleError, path: object, what: str) -> Finding:
-    """CKD401 for a refused global found in ``what``."""
-    return refused_pickle(error, path, what)
-
-
 def unlisted_globals(entries: list[UnlistedGlobal], path: object, what: str) -> list[Finding]:
     """CKD402, once per distinct global of one pickle read as a stand-in though not on the allowlist, saying how
     the pickle uses it; a trusted one (``--trust-global``) as an overridden finding (listed, never counted)."""
