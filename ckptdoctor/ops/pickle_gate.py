@@ -20,8 +20,8 @@ from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
 from ckptdoctor.rules import Finding
 from ckptdoctor.rules.bridge import bridge_gate
 from ckptdoctor.rules.safety import (
+    check_items,
     gate_findings,
-    item_findings,
     run_config_findings,
     saved_spec_findings,
     unlisted_globals,
@@ -42,15 +42,7 @@ def gate_failures(
         found += unlisted_globals(list(checkpoint.dcp.unlisted), directory / ".metadata", "DCP metadata")
     if checkpoint.common_source == "common.pt":
         found += _common_pt(checkpoint)
-    for entry in checkpoint.entries.values():
-        location = entry.chunks[0].storage if entry.chunks else None
-        if entry.kind == "tensor" or location is None or (keys is not None and entry.key not in keys):
-            continue
-        try:
-            data, _ = checkpoint.bytes_item_data(entry.key)
-        except CkptError:
-            continue
-        found += item_findings(entry.key, data, directory / location.relative_path)
+    found += check_items(checkpoint, directory, keys=keys, with_common=True)
     try:
         found += saved_spec_findings(checkpoint.common_state().get("args"), directory, "common state")
     except CkptError:
@@ -62,11 +54,7 @@ def gate_failures(
 
 def refusal(failure: Finding) -> GateRefusal:
     """The one line a write refuses with: file, item, global and code (exit 1)."""
-    override = f"--trust-global {failure.subject} overrides it" if failure.code == "CKD402" else "nothing overrides it"
-    return GateRefusal(
-        f"{failure.path}: {failure.code} {failure.message}; refusing to write an output that carries it: a real load "
-        f"would run code or choke on it ({override}; --force does not)"
-    )
+    return _refusing(f"{failure.path}: {failure.code} {failure.message}", failure)
 
 
 def as_refusal(error: CkptError) -> GateRefusal:
@@ -75,11 +63,23 @@ def as_refusal(error: CkptError) -> GateRefusal:
     from ckptdoctor.rules.safety import refused_pickle
 
     failure = refused_pickle(error, "", "")
-    detail = str(error)
-    override = f"--trust-global {failure.subject} overrides it" if failure.code == "CKD402" else "nothing overrides it"
+    return _refusing(f"{failure.code} {error}", failure)
+
+
+# The codes a trusted name overrides (a global or target named by the finding); limits and archives: nothing does
+_TRUSTABLE = frozenset({"CKD401", "CKD402", "CKD405"})
+
+
+def _refusing(what: str, failure: Finding) -> GateRefusal:
+    trustable = (
+        failure.subject is not None
+        and failure.code in _TRUSTABLE
+        and "not a valid dotted Python name" not in failure.message  # refused before any trust is asked
+    )
+    override = f"--trust-global {failure.subject} overrides it" if trustable else "nothing overrides it"
     return GateRefusal(
-        f"{failure.code} {detail}; refusing to write an output that carries it: a real load would run code or choke "
-        f"on it ({override}; --force does not)"
+        f"{what}; refusing to write an output that carries it: a real load would run code or choke on it "
+        f"({override}; --force does not)"
     )
 
 

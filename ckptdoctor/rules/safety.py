@@ -180,22 +180,29 @@ def _is_tar(data: bytes) -> bool:
     return True
 
 
-def check_items(checkpoint: Checkpoint, shown: Path, skip_files: Collection[str] = ()) -> list[Finding]:
-    """The gate on every bytes item but the common state (checked as such), in plain ``check``: each item's pickle
-    is read (a few KB each; the ranges of one data file together, front to back), never a tensor chunk
-    (``--deep``). Items in ``skip_files`` (missing or truncated data files, reported by the structure rules) and
-    ranges that cannot be read are left to those rules."""
+def check_items(
+    checkpoint: Checkpoint,
+    shown: Path,
+    skip_files: Collection[str] = (),
+    keys: Collection[str] | None = None,
+    with_common: bool = False,
+) -> list[Finding]:
+    """The gate on every bytes item (of ``keys``, when given: what a write carries), the common state item only
+    ``with_common`` (plain ``check`` gates it as the common state): each item's pickle is read (a few KB each; the
+    ranges of one data file together, front to back), never a tensor chunk (``--deep``). Items in ``skip_files``
+    (missing or truncated data files, reported by the structure rules) and ranges that cannot be read are left to
+    those rules."""
     from ckptdoctor.formats.torch_dist import check_range_length
     from ckptdoctor.storage.stream import read_ranges
 
     out: list[Finding] = []
-    common = checkpoint.common_source
+    common = None if with_common else checkpoint.common_source
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for entry in checkpoint.entries.values():
         location = entry.chunks[0].storage if entry.chunks else None
         if entry.kind == "tensor" or entry.key == common or location is None:
             continue
-        if location.relative_path in skip_files:
+        if location.relative_path in skip_files or (keys is not None and entry.key not in keys):
             continue
         data_file = checkpoint.iteration_dir / location.relative_path
         try:  # a range longer than a pickle may be is never read (a hostile .metadata could name 100 GB)
