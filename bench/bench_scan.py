@@ -1,9 +1,9 @@
-"""The pickle pre-pass alone (``ckptdoctor.pickle_scan.scan``), this tree against another, in one process.
+"""The pickle pre-pass alone (``ckptdoctor.pickle.scanner.scan``), this tree against another, in one process.
 
 Each ``.metadata`` is read once; then, round by round (one untimed warm-up round first, the order rotating
 each round), the scanner of ``--code`` (default: this checkout: ``after``, its C walk where the extension is
 built, and ``after_python``, its Python walk ``scan_python`` where the tree has one) and the one of ``--before
-TREE`` (its ``ckptdoctor/pickle_scan.py`` loaded as a separate module, beside the current package's limits and
+TREE`` (its ``ckptdoctor/pickle/scanner.py`` loaded as a separate module, beside the current package's limits and
 allowlist) scan the same bytes with the same ``safe_hash`` callback. CPU seconds per scan
 (``time.process_time``), the ratios to ``before`` per round, and ns per opcode (the opcode count from
 ``pickletools.genops``, once).
@@ -30,9 +30,13 @@ import harness  # noqa: E402
 
 def load_scanner(tree: Path, name: str) -> ModuleType:
     harness.build_extension(tree)
-    spec = importlib.util.spec_from_file_location(name, tree / "ckptdoctor" / "pickle_scan.py")
+    # trees before the one pickle engine (issue #34) kept the scanner at ckptdoctor/pickle_scan.py
+    path = next(
+        (p for p in (tree / "ckptdoctor/pickle/scanner.py", tree / "ckptdoctor/pickle_scan.py") if p.exists()), None
+    )
+    spec = importlib.util.spec_from_file_location(name, path) if path else None
     if spec is None or spec.loader is None:
-        raise SystemExit(f"{tree}: no ckptdoctor/pickle_scan.py")
+        raise SystemExit(f"{tree}: no ckptdoctor/pickle/scanner.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -49,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     harness.use_code(args.code)
     recorder = harness.Recorder("scan", argv)
     sys.path.insert(0, str(harness.CODE))
-    from ckptdoctor.pickle_limits import current_limits
-    from ckptdoctor.safe_globals import hash_safe_global
+    from ckptdoctor.pickle.limits import current_limits
+    from ckptdoctor.pickle.policy import hash_safe_global
 
     after, before = load_scanner(harness.CODE, "scan_after"), load_scanner(args.before, "scan_before")
     scanners = {"after": after.scan, "before": before.scan}

@@ -25,7 +25,10 @@ from ckptdoctor.formats.legacy_torch import check_te_extra_state
 from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
 from ckptdoctor.locate import CheckpointLocation, iteration_location, locate, read_backend
-from ckptdoctor.pickle_limits import current_limits
+from ckptdoctor.pickle.limits import current_limits
+from ckptdoctor.pickle.policy import UnlistedGlobal
+from ckptdoctor.pickle.torch_stand_ins import DtypeRef
+from ckptdoctor.pickle.unpickler import refuse_unlisted
 from ckptdoctor.problems import (
     ARCHIVE_ANOMALY,
     INDEX_MISSING,
@@ -37,10 +40,7 @@ from ckptdoctor.problems import (
     UNSUPPORTED_FORMAT,
     Problem,
 )
-from ckptdoctor.safe_globals import UnlistedGlobal
-from ckptdoctor.safe_pickle import refuse_unlisted
 from ckptdoctor.storage.files import list_names
-from ckptdoctor.torch_stand_ins import DtypeRef
 
 SECTIONS = ("model", "optimizer", "rng", "rerun", "common", "other")
 _SECTION_PREFIXES = (
@@ -371,7 +371,7 @@ def open_checkpoint(path: str | Path, iteration: str | int | None = None) -> Che
 class HeldMetadata:
     """The ``.metadata`` object (stand-ins) of a checkpoint about to be rewritten, passed on by reference and
     taken once by the writer (:meth:`take`), which then holds the only reference: it lets the stand-ins go as
-    soon as the new pickle exists (:func:`ckptdoctor.safe_pickle.dumps_taken`), so that reading that pickle back
+    soon as the new pickle exists (:func:`ckptdoctor.pickle.unpickler.dumps_taken`), so that reading that pickle back
     reuses their memory (they are the largest thing a rewrite holds, ~1.4 KB per chunk)."""
 
     __slots__ = ("_metadata",)

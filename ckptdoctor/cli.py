@@ -61,15 +61,15 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
 )
 def cli(max_pickle_bytes: int | None) -> None:
     """Diagnose and repair Megatron-Core distributed checkpoints offline (no GPU, no Megatron)."""
-    loaded = sys.modules.get("ckptdoctor.safe_globals")
+    loaded = sys.modules.get("ckptdoctor.pickle.policy")
     if loaded is not None:  # an earlier command in this process (tests): its --trust-global ends with it
         loaded.set_trusted(frozenset())
     if max_pickle_bytes is not None:
         import dataclasses
 
-        from ckptdoctor import pickle_limits
+        from ckptdoctor.pickle import limits
 
-        pickle_limits.set_limits(dataclasses.replace(pickle_limits.DEFAULT_LIMITS, max_bytes=max_pickle_bytes))
+        limits.set_limits(dataclasses.replace(limits.DEFAULT_LIMITS, max_bytes=max_pickle_bytes))
 
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process killed by Ctrl-C

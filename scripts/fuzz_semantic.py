@@ -137,7 +137,7 @@ def _commands(target: str, save: Path, original: Path, out: Path) -> list[list[s
 def _slots(obj: Any, depth: int, out: list, seen: set[int]) -> None:
     """Every (container, key) of the object graph down to ``depth`` levels: dict entries, list items and the fields
     of stand-ins."""
-    from ckptdoctor.stand_ins import STAND_IN_TYPES
+    from ckptdoctor.pickle.stand_ins import STAND_IN_TYPES
 
     if depth > 7 or id(obj) in seen:
         return
@@ -158,7 +158,7 @@ def _slots(obj: Any, depth: int, out: list, seen: set[int]) -> None:
 
 
 def _garbage(rng: random.Random, old: Any) -> Any:
-    from ckptdoctor.torch_stand_ins import Size
+    from ckptdoctor.pickle.torch_stand_ins import Size
 
     roll = rng.randrange(20)
     if isinstance(old, int) and not isinstance(old, bool) and roll < 8:
@@ -187,8 +187,8 @@ def _garbage(rng: random.Random, old: Any) -> Any:
 
 
 def _mutate_metadata(rng: random.Random, iteration_dir: Path) -> None:
-    from ckptdoctor import safe_pickle
     from ckptdoctor.formats.torch_dist import load_metadata_object
+    from ckptdoctor.pickle import unpickler
 
     path = iteration_dir / ".metadata"
     metadata = load_metadata_object(path)
@@ -201,7 +201,7 @@ def _mutate_metadata(rng: random.Random, iteration_dir: Path) -> None:
                 del container[key]
             else:
                 container[key] = _garbage(rng, container[key])
-    path.write_bytes(safe_pickle._pickled(metadata, None))  # unchecked: ckptdoctor's own writer may refuse it
+    path.write_bytes(unpickler._pickled(metadata, None))  # unchecked: ckptdoctor's own writer may refuse it
 
 
 def _mutate_args(rng: random.Random, save: Path) -> None:

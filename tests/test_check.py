@@ -606,9 +606,9 @@ def test_coverage_shortcut_for_one_chunk_per_cell_agrees_with_the_cell_mapping(m
 def _plan_item_with_state(iteration_dir: Path, state: object) -> None:
     """Rewrite .metadata with its first plan's first write item pickled with ``state`` as its BUILD state (a
     crafted file: ckptdoctor's own writer refuses to write it, so the unchecked pickler is used)."""
-    from ckptdoctor import safe_pickle
     from ckptdoctor.formats.torch_dist import record_attr
-    from ckptdoctor.stand_ins import stand_in_class
+    from ckptdoctor.pickle import unpickler
+    from ckptdoctor.pickle.stand_ins import stand_in_class
 
     path = iteration_dir / ".metadata"
     metadata = load_metadata_object(path)
@@ -616,7 +616,7 @@ def _plan_item_with_state(iteration_dir: Path, state: object) -> None:
     item = cls.__new__(cls)  # NEWOBJ, as DCP pickles it
     item.__setstate__(state)  # a generic stand-in keeps any state as it is and pickles it back
     record_attr(record_attr(metadata, "all_local_plans")[0], "items")[0] = item
-    path.write_bytes(safe_pickle._pickled(metadata, None))
+    path.write_bytes(unpickler._pickled(metadata, None))
 
 
 def test_a_save_plan_part_torch_cannot_build_is_corrupt_metadata(capsys, copy_fixture):
@@ -649,9 +649,9 @@ def test_torch_refuses_the_plan_part_check_refuses(copy_fixture):
 def _plan_index_with_state(iteration_dir: Path, state: object) -> None:
     """Rewrite .metadata with the index record (MetadataIndex) of its first plan's first write item pickled with
     ``state`` as its BUILD state: a record inside a plan part, which the index never reads."""
-    from ckptdoctor import safe_pickle
     from ckptdoctor.formats.torch_dist import record_attr
-    from ckptdoctor.stand_ins import stand_in_class
+    from ckptdoctor.pickle import unpickler
+    from ckptdoctor.pickle.stand_ins import stand_in_class
 
     path = iteration_dir / ".metadata"
     metadata = load_metadata_object(path)
@@ -659,7 +659,7 @@ def _plan_index_with_state(iteration_dir: Path, state: object) -> None:
     index = cls.__new__(cls)
     index.__setstate__(state)
     record_attr(record_attr(metadata, "all_local_plans")[0], "items")[0].__dict__["index"] = index
-    path.write_bytes(safe_pickle._pickled(metadata, None))
+    path.write_bytes(unpickler._pickled(metadata, None))
 
 
 @pytest.mark.parametrize("state", [[1, 2, 3], ({"fqn": "x"}, None)])
@@ -693,9 +693,9 @@ def test_torch_refuses_the_record_inside_a_plan_part_check_refuses(copy_fixture,
 def _metadata_part_with_state(iteration_dir: Path, part: str, state: object) -> None:
     """Rewrite .metadata with its ``storage_meta`` (a StorageMeta) or one tensor's ``properties`` (a TensorProperties)
     pickled with ``state`` as its BUILD state (set on the object directly: the readers refuse to build either)."""
-    from ckptdoctor import safe_pickle
     from ckptdoctor.formats.torch_dist import record_attr
-    from ckptdoctor.stand_ins import stand_in_class
+    from ckptdoctor.pickle import unpickler
+    from ckptdoctor.pickle.stand_ins import stand_in_class
 
     path = iteration_dir / ".metadata"
     metadata = load_metadata_object(path)
@@ -705,12 +705,12 @@ def _metadata_part_with_state(iteration_dir: Path, part: str, state: object) -> 
         meta.__dict__.update(_ckd_state=state, _ckd_state_kind="raw")  # pickled back as this BUILD state
         metadata.__dict__["storage_meta"] = meta
     elif part == "plan_size":  # the first write item's tensor size: torch.Size(state), which no read builds
-        from ckptdoctor.torch_stand_ins import Size
+        from ckptdoctor.pickle.torch_stand_ins import Size
 
         item = record_attr(record_attr(metadata, "all_local_plans")[0], "items")[0]
         record_attr(item, "tensor_data").__dict__["size"] = tuple.__new__(Size, state)
     elif part == "write_item_type":  # the first write item's type: WriteItemType(state), which no read builds
-        from ckptdoctor.torch_values import WriteItemTypeCode
+        from ckptdoctor.pickle.torch_values import WriteItemTypeCode
 
         item = record_attr(record_attr(metadata, "all_local_plans")[0], "items")[0]
         item.__dict__["type"] = int.__new__(WriteItemTypeCode, state)
@@ -718,12 +718,12 @@ def _metadata_part_with_state(iteration_dir: Path, part: str, state: object) -> 
         tensor = next(m for m in record_attr(metadata, "state_dict_metadata").values() if "properties" in m.__dict__)
         properties = tensor.__dict__["properties"].__dict__
         if part == "memory_format":  # the fourth value: _MEM_FORMAT_ENCODING(state), which no read builds
-            from ckptdoctor.torch_values import MemoryFormatCode
+            from ckptdoctor.pickle.torch_values import MemoryFormatCode
 
             old = properties["_ckd_state"]
             state = (*old[:3], int.__new__(MemoryFormatCode, state), *old[4:])
         properties["_ckd_state"] = state
-    path.write_bytes(safe_pickle._pickled(metadata, None))
+    path.write_bytes(unpickler._pickled(metadata, None))
 
 
 _BAD_METADATA_PARTS = [

@@ -35,10 +35,10 @@ def test_version(capsys):
 
     rc, out, _ = _run(capsys, "--version")
     assert rc == 0 and __version__ in out
-    from ckptdoctor import pickle_scan
     from ckptdoctor.formats import dcp_index
+    from ckptdoctor.pickle import scanner
 
-    assert ("pickle pre-pass: C;" in out) == (pickle_scan._scan_c is not None)  # which walk runs, said
+    assert ("pickle pre-pass: C;" in out) == (scanner._scan_c is not None)  # which walk runs, said
     assert ("index loops: C)" in out) == (dcp_index._dcp_index is not None)
     assert "rewrites" not in out  # every .metadata is written as objects: nothing to say
 

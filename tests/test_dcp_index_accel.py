@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
-from ckptdoctor import index_records, safe_pickle
 from ckptdoctor.formats import dcp_index
 from ckptdoctor.formats.dcp_index import DcpItem
 from ckptdoctor.formats.torch_dist import record_attr
-from ckptdoctor.index_records import CompactKeys, IndexRecord, index_record_fields
-from ckptdoctor.stand_ins import Record
+from ckptdoctor.pickle import index_records, unpickler
+from ckptdoctor.pickle.index_records import CompactKeys, IndexRecord, index_record_fields
+from ckptdoctor.pickle.stand_ins import Record
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 METADATA = sorted(FIXTURES.glob("*/iter_*/.metadata"))
@@ -40,7 +40,7 @@ def _loops(c: bool) -> tuple[Callable, Callable]:
 
 
 def _records(data: bytes, index_only: bool) -> tuple[dict, dict]:
-    metadata = safe_pickle.loads(data, index_only=index_only)
+    metadata = unpickler.loads(data, index_only=index_only)
     return record_attr(metadata, "state_dict_metadata"), record_attr(metadata, "storage_data")
 
 
@@ -381,7 +381,7 @@ def test_compact_records_read_as_the_states_they_were_built_from():
     record's own BUILD raises where a state is one torch's BUILD refuses)."""
     import pickle
 
-    from ckptdoctor.index_records import IndexTupleStateRecord, index_record_fields
+    from ckptdoctor.pickle.index_records import IndexTupleStateRecord, index_record_fields
 
     rng = random.Random(5)
     compact_plain = type("Plain", (IndexRecord,), {"__slots__": (), "__setstate__": index_records._compact_setstate})
@@ -447,14 +447,14 @@ def test_index_sizes_are_shared_within_a_load_and_otherwise_what_the_tuple_add_m
     """torch.Size in an index-only read (``_dcp_index.index_size``): one object per equal tuple of ints within a
     load, the table emptied after it; items torch.Size refuses (not ints, outside int64) refused with its errors;
     anything else exactly what the Python fallback (``().__add__``, items checked) makes of it."""
-    from ckptdoctor import safe_globals
-    from ckptdoctor.torch_stand_ins import INDEX_SIZE
+    from ckptdoctor.pickle import policy
+    from ckptdoctor.pickle.torch_stand_ins import INDEX_SIZE
 
-    index_size = safe_globals.index_size
+    index_size = policy.index_size
     assert index_size is dcp_index._dcp_index.index_size
     a, b = (4096, 11008), tuple([4096, 11008])
     assert a is not b and index_size(a) is a and index_size(b) is a  # the first one seen
-    safe_globals.forget_index_sizes()
+    policy.forget_index_sizes()
     assert index_size(b) is b  # a new load starts a new table
     flags = (True, 2)
     assert index_size(flags) is flags and index_size(()) == ()  # bools are ints to torch.Size: kept as they are
@@ -478,12 +478,12 @@ def test_index_sizes_are_shared_within_a_load_and_otherwise_what_the_tuple_add_m
         except Exception as exc:  # noqa: BLE001
             got = (type(exc).__name__, str(exc))
         assert got == expected, args
-    safe_globals.forget_index_sizes()
+    policy.forget_index_sizes()
 
 
 @needs_c
 def test_an_index_only_load_shares_equal_sizes_and_forgets_them(monkeypatch):
-    from ckptdoctor import safe_globals
+    from ckptdoctor.pickle import policy
 
     data = METADATA[0].read_bytes()
     state_dict_metadata, _ = _records(data, True)
@@ -493,23 +493,23 @@ def test_an_index_only_load_shares_equal_sizes_and_forgets_them(monkeypatch):
         by_value.setdefault(tuple(shape), set()).add(id(shape))
     assert len(shapes) > len(by_value) and all(len(ids) == 1 for ids in by_value.values())
     seen: list[int] = []
-    monkeypatch.setattr(safe_globals, "forget_index_sizes", lambda: seen.append(1))
-    monkeypatch.setattr(safe_pickle, "forget_index_sizes", lambda: seen.append(1))
-    safe_pickle.loads(data, index_only=True)
+    monkeypatch.setattr(policy, "forget_index_sizes", lambda: seen.append(1))
+    monkeypatch.setattr(unpickler, "forget_index_sizes", lambda: seen.append(1))
+    unpickler.loads(data, index_only=True)
     assert seen == [1, 1]  # before the index-only load and after it
-    safe_pickle.loads(data)  # a faithful read shares its sizes too (test_a_faithful_load_shares_...)
+    unpickler.loads(data)  # a faithful read shares its sizes too (test_a_faithful_load_shares_...)
     assert seen == [1, 1, 1, 1]
     monkeypatch.undo()
     # a load never shares with another, however it is started (here an unpickler of its own)
-    first = safe_pickle.SafeUnpickler(io.BytesIO(data), index_only=True).load()
-    second = safe_pickle.SafeUnpickler(io.BytesIO(data), index_only=True).load()
+    first = unpickler.SafeUnpickler(io.BytesIO(data), index_only=True).load()
+    second = unpickler.SafeUnpickler(io.BytesIO(data), index_only=True).load()
     first_shapes = [record_attr(m, "size") for m in record_attr(first, "state_dict_metadata").values()]
     second_shapes = [record_attr(m, "size") for m in record_attr(second, "state_dict_metadata").values()]
     assert first_shapes == second_shapes
     shared = {id(s) for s in first_shapes if s} & {id(s) for s in second_shapes if s}  # () is one object anyway
     assert not shared
     # the same index with sharing and without it
-    monkeypatch.setattr(safe_globals, "index_size", ().__add__)
+    monkeypatch.setattr(policy, "index_size", ().__add__)
     plain = dcp_index.index_items(*_records(data, True), DcpItem, True)
     monkeypatch.undo()
     assert dcp_index.index_items(*_records(data, True), DcpItem, True) == plain
@@ -517,7 +517,7 @@ def test_an_index_only_load_shares_equal_sizes_and_forgets_them(monkeypatch):
 
 @needs_c
 def test_a_faithful_load_shares_equal_sizes_as_torch_sizes_and_pickles_each_once():
-    from ckptdoctor.torch_stand_ins import Size
+    from ckptdoctor.pickle.torch_stand_ins import Size
 
     data = METADATA[0].read_bytes()
     state_dict_metadata, storage_data = _records(data, False)
@@ -533,21 +533,21 @@ def test_a_faithful_load_shares_equal_sizes_as_torch_sizes_and_pickles_each_once
     assert again == sizes[-len(again) :] and not {id(s) for s in again if s} & {id(s) for s in sizes if s}
     # a size of bools (ints to torch.Size) is built as it is, unshared; one torch.Size refuses is refused alike
     odd = [Size((True, 2)), Size((True, 2)), Size((1, 2))]
-    made = safe_pickle.loads(safe_pickle.dumps(odd))
+    made = unpickler.loads(unpickler.dumps(odd))
     assert made == odd and [type(s) for s in made] == [Size] * 3
     assert len({id(s) for s in made}) == 3 and type(made[0][0]) is bool
     with pytest.raises(TypeError):  # of a list
-        safe_pickle.loads(safe_pickle.dumps([Size((1,))]).replace(b"K\x01\x85", b"]K\x01a"))
+        unpickler.loads(unpickler.dumps([Size((1,))]).replace(b"K\x01\x85", b"]K\x01a"))
     with pytest.raises(TypeError, match="item 0 is 'float'"):
-        safe_pickle.loads(safe_pickle.dumps([Size((1,))]).replace(b"K\x01\x85", b"G?\xf8" + bytes(6) + b"\x85"))
+        unpickler.loads(unpickler.dumps([Size((1,))]).replace(b"K\x01\x85", b"G?\xf8" + bytes(6) + b"\x85"))
     # written back, each distinct size is pickled once: the same values in a smaller pickle than unshared sizes
-    written = safe_pickle.dumps(safe_pickle.loads(data))
+    written = unpickler.dumps(unpickler.loads(data))
     unshared = [Size(tuple(s)) for s in sizes if s is not None]
     # the same index (keys, dtypes, shapes, chunks, locations; real torch reads equal objects: tests/test_interop.py)
     assert dcp_index.index_items(*_records(written, True), DcpItem, True) == dcp_index.index_items(
         *_records(data, True), DcpItem, True
     )
-    assert len(safe_pickle.dumps(unshared)) > len(safe_pickle.dumps([s for s in sizes if s is not None]))
+    assert len(unpickler.dumps(unshared)) > len(unpickler.dumps([s for s in sizes if s is not None]))
 
 
 @needs_c
@@ -692,9 +692,9 @@ def _hand_made_metadata(rebuild_chunk: bool) -> bytes:
 def _without_plans(path: Path) -> bytes:
     """A fixture's ``.metadata`` as plain DCP writes it: without megatron-core's ``all_local_plans``, whose write
     items hold (memo references to) the same chunk and properties records as ``state_dict_metadata``."""
-    metadata = safe_pickle.loads(path.read_bytes())
+    metadata = unpickler.loads(path.read_bytes())
     assert metadata.__dict__.pop("all_local_plans", None)
-    return safe_pickle.dumps(metadata)
+    return unpickler.dumps(metadata)
 
 
 @needs_c
@@ -718,7 +718,7 @@ def test_an_index_only_read_makes_chunk_records_into_chunks_and_shares_propertie
     with_plans, _ = _records(METADATA[-1].read_bytes(), True)
     assert all(type(c) is dcp_index.DcpChunk for item in with_plans.values() for c in _read(item).get("chunks", []))
 
-    unpruned = safe_pickle.SafeUnpickler(io.BytesIO(data), None, True).load()
+    unpruned = unpickler.SafeUnpickler(io.BytesIO(data), None, True).load()
     kept = record_attr(unpruned, "state_dict_metadata")
     assert all(isinstance(chunk, IndexRecord) for item in kept.values() for chunk in _read(item).get("chunks", []))
     pruned_index = dcp_index.index_items(*_records(data, True), DcpItem, True)
@@ -731,7 +731,7 @@ def test_a_chunk_record_the_pickle_can_reach_again_is_left_as_a_record(monkeypat
     """A chunk record the memo holds may be BUILT again later in the pickle: it is not replaced, and the index has
     its last state, as the Python loops over plain records give it."""
     for rebuild, sizes in ((False, (8,)), (True, (4,))):
-        metadata = safe_pickle.loads(_hand_made_metadata(rebuild), index_only=True)
+        metadata = unpickler.loads(_hand_made_metadata(rebuild), index_only=True)
         state_dict_metadata, storage_data = (
             record_attr(metadata, "state_dict_metadata"),
             record_attr(metadata, "storage_data"),
@@ -752,13 +752,13 @@ def test_an_index_only_read_drops_megatron_plans_and_indexes_the_same(path):
     the index is the one the faithful read (every plan record built) gives."""
     from hostile_corpus import call
 
-    from ckptdoctor.index_records import DROPPED
+    from ckptdoctor.pickle.index_records import DROPPED
 
     data = path.read_bytes()
-    metadata = safe_pickle.loads(data, index_only=True)
+    metadata = unpickler.loads(data, index_only=True)
     plans = record_attr(metadata, "all_local_plans")
     assert plans and all(plan is DROPPED for plan in plans)
-    faithful = safe_pickle.loads(data)
+    faithful = unpickler.loads(data)
     assert all(len(record_attr(plan, "items")) > 1 for plan in record_attr(faithful, "all_local_plans"))
     index = dcp_index.index_items(
         record_attr(metadata, "state_dict_metadata"), record_attr(metadata, "storage_data"), DcpItem, True
@@ -767,7 +767,7 @@ def test_an_index_only_read_drops_megatron_plans_and_indexes_the_same(path):
         record_attr(faithful, "state_dict_metadata"), record_attr(faithful, "storage_data"), DcpItem, False
     )
     # called with arguments, given any state: still the one object, holding nothing; never pickled back
-    called = safe_pickle.loads(call("torch.distributed.checkpoint.planner", "WriteItem", "x", "y"), index_only=True)
+    called = unpickler.loads(call("torch.distributed.checkpoint.planner", "WriteItem", "x", "y"), index_only=True)
     assert called is DROPPED and not hasattr(DROPPED, "__dict__")
     with pytest.raises(TypeError):
         import pickle
@@ -779,7 +779,7 @@ def test_an_index_only_read_drops_megatron_plans_and_indexes_the_same(path):
 def test_a_plan_record_where_a_metadata_record_belongs_is_named(monkeypatch, c):
     """A crafted ``.metadata`` may put a plan part (built as DROPPED by an index-only read) where a tensor record or
     a storage entry belongs: the index refuses it with a message that says so, in C as in Python."""
-    from ckptdoctor.index_records import DROPPED, DroppedRecord
+    from ckptdoctor.pickle.index_records import DROPPED, DroppedRecord
 
     other = object.__new__(DroppedRecord)  # what copyreg._reconstructor would make of the class
     for state_dict_metadata, storage_data in (({"k": DROPPED}, {}), ({}, {DROPPED: DROPPED}), ({"k": other}, {})):

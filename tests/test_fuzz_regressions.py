@@ -238,7 +238,7 @@ def test_a_chunk_without_its_tensors_dims_is_a_finding_not_an_internal_error(tmp
     """A stacked layer key whose chunk has no sizes (a semantic fuzz of the stand-ins, then pickled back): the
     layout inference of inspect, check and diff indexed its sizes by the layer axis (IndexError)."""
     from ckptdoctor.formats.torch_dist import dump_metadata_object, load_metadata_object, record_attr
-    from ckptdoctor.torch_stand_ins import Size
+    from ckptdoctor.pickle.torch_stand_ins import Size
 
     save = tmp_path / name
     shutil.copytree(FIXTURES / name, save)
@@ -260,7 +260,7 @@ def test_a_zero_dim_stacked_tensor_is_no_internal_error_in_can_load(tmp_path):
     """A stacked layer key saved with an empty global shape (a semantic fuzz): can-load's target shape indexed its
     layer axis (IndexError); check reports the key's chunks as not fitting it."""
     from ckptdoctor.formats.torch_dist import dump_metadata_object, load_metadata_object, record_attr
-    from ckptdoctor.torch_stand_ins import Size
+    from ckptdoctor.pickle.torch_stand_ins import Size
 
     save = tmp_path / "core019_tp1"
     shutil.copytree(FIXTURES / "core019_tp1", save)

@@ -17,11 +17,11 @@ import torch
 from conftest import REPO, run_main
 from hostile_corpus import su
 
-from ckptdoctor import safe_pickle
 from ckptdoctor.errors import UnsafePickleError
 from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
-from ckptdoctor.safe_globals import UnlistedGlobal, trusting
-from ckptdoctor.stand_ins import StandIn
+from ckptdoctor.pickle import unpickler
+from ckptdoctor.pickle.policy import UnlistedGlobal, trusting
+from ckptdoctor.pickle.stand_ins import StandIn
 
 ITER = "iter_0000010"
 HELPER = ("megatron.core.transformer.spec_utils", "build_module")
@@ -71,10 +71,10 @@ def test_the_finding_says_how_the_pickle_uses_the_name(capsys, copy_fixture, gad
 
 def test_usage_is_counted_without_importing_anything():
     unlisted: list[UnlistedGlobal] = []
-    safe_pickle.loads(b"\x80\x04" + CALLED + b".", unlisted=unlisted)
+    unpickler.loads(b"\x80\x04" + CALLED + b".", unlisted=unlisted)
     assert [(u.name, u.calls, u.instances, u.builds) for u in unlisted] == [(HELPER_NAME, 1, 0, 0)]
     unlisted.clear()
-    safe_pickle.loads(b"\x80\x04" + INSTANTIATED + b"}b.", unlisted=unlisted)
+    unpickler.loads(b"\x80\x04" + INSTANTIATED + b"}b.", unlisted=unlisted)
     assert [(u.calls, u.instances, u.builds) for u in unlisted] == [(0, 1, 1)]
     assert "then applies BUILD state" in unlisted[0].use
 
@@ -101,7 +101,7 @@ def test_trusted_global_is_written_back_and_untrusted_refused(capsys, copy_fixtu
     path = save / ITER / "common.pt"
     state = load_torch_zip(path, str(path))
     with trusting([HELPER_NAME]):
-        state["extra"] = safe_pickle.loads(b"\x80\x04" + CALLED + b".")
+        state["extra"] = unpickler.loads(b"\x80\x04" + CALLED + b".")
         path.write_bytes(dump_torch_zip(state))
     rc, _, err = run_main(capsys, "fix-args", save, "--set", "seed=3", "--write", "--output", tmp_path / "o")
     assert rc == 1 and "CKD402" in err and HELPER_NAME in err and not (tmp_path / "o").exists()
@@ -189,15 +189,15 @@ def test_saved_args_spec_is_code_with_use_checkpoint_args(capsys, copy_fixture, 
 
 
 def test_real_numpy_arrays_and_generators_still_read():
-    array = safe_pickle.loads(pickle.dumps(np.arange(6, dtype=np.float32).reshape(2, 3), protocol=2))
+    array = unpickler.loads(pickle.dumps(np.arange(6, dtype=np.float32).reshape(2, 3), protocol=2))
     assert isinstance(array, StandIn)
     buf = io.BytesIO()
     torch.save([torch.Generator().manual_seed(3)], buf)
     (generator,) = load_torch_zip(buf.getvalue(), "x")
     assert generator.stand_in_state[0] == 3
-    assert safe_pickle.loads(pickle.dumps(collections.defaultdict(dict, {1: {}}), protocol=2)) == {1: {}}
-    assert safe_pickle.loads(pickle.dumps(collections.defaultdict(collections.OrderedDict), protocol=2)) == {}
-    assert safe_pickle.loads(pickle.dumps(bytearray(b"\xff"), protocol=2)) == bytearray(b"\xff")
+    assert unpickler.loads(pickle.dumps(collections.defaultdict(dict, {1: {}}), protocol=2)) == {1: {}}
+    assert unpickler.loads(pickle.dumps(collections.defaultdict(collections.OrderedDict), protocol=2)) == {}
+    assert unpickler.loads(pickle.dumps(bytearray(b"\xff"), protocol=2)) == bytearray(b"\xff")
 
 
 @pytest.mark.parametrize(
@@ -216,7 +216,7 @@ def test_real_numpy_arrays_and_generators_still_read():
 )
 def test_forms_that_are_not_data_are_refused(data, name):
     with pytest.raises(UnsafePickleError) as info:
-        safe_pickle.loads(data)
+        unpickler.loads(data)
     assert name in info.value.global_name
 
 

@@ -30,7 +30,6 @@ from hostile_corpus import (
     torch_zip,
 )
 
-from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats.torch_dist import (
     StorageLocation,
@@ -41,8 +40,9 @@ from ckptdoctor.formats.torch_dist import (
     storage_items,
 )
 from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
-from ckptdoctor.safe_globals import trusting
-from ckptdoctor.torch_stand_ins import DtypeRef
+from ckptdoctor.pickle import unpickler
+from ckptdoctor.pickle.policy import trusting
+from ckptdoctor.pickle.torch_stand_ins import DtypeRef
 
 COMMON_ERA = "core016_tp1"  # common state in common.pt
 ITER = "iter_0000010"
@@ -142,25 +142,25 @@ def test_unsafe_common_state_is_ckd401(save_dir, tmp_path, case):
 def test_newline_name_never_reaches_a_written_pickle():
     # Reading refuses it; and even a stand-in made for such a name cannot be written back.
     with pytest.raises(UnsafePickleError, match="not a valid dotted Python name"):
-        safe_pickle.loads(b"\x80\x04" + stack_global("torch", "Size\ncposix\nsystem") + b".")
+        unpickler.loads(b"\x80\x04" + stack_global("torch", "Size\ncposix\nsystem") + b".")
     with pytest.raises(UnsafePickleError):
-        safe_pickle.loads(b"\x80\x04" + stack_global("megatron.core\nx", "Enum") + b".")
-    from ckptdoctor.stand_ins import stand_in_class
+        unpickler.loads(b"\x80\x04" + stack_global("megatron.core\nx", "Enum") + b".")
+    from ckptdoctor.pickle.stand_ins import stand_in_class
 
     with pytest.raises(ValueError):
         stand_in_class("torch", "Size\ncposix\nsystem")
 
 
 def test_every_written_pickle_is_read_back_through_the_allowlist(monkeypatch):
-    from ckptdoctor import stand_ins
+    from ckptdoctor.pickle import stand_ins
 
     value = stand_ins.stand_in_class("megatron.core.enums", "ModelType")(1)
-    assert safe_pickle.loads(safe_pickle.dumps(value)) == value
+    assert unpickler.loads(unpickler.dumps(value)) == value
     # Corrupt the alias table as a bug would: the written bytes now name os.system, and dumps refuses them.
     alias = next(k for k, v in stand_ins.ALIAS_TARGETS.items() if v == b"megatron.core.enums\nModelType\n")
     monkeypatch.setitem(stand_ins.ALIAS_TARGETS, alias, b"os\nsystem\n")
     with pytest.raises(CkptError, match="os.system"):
-        safe_pickle.dumps(value)
+        unpickler.dumps(value)
 
 
 def test_unlisted_megatron_global_fails_the_gate_but_inspect_reads_it(save_dir):
@@ -168,7 +168,7 @@ def test_unlisted_megatron_global_fails_the_gate_but_inspect_reads_it(save_dir):
     path = save / ITER / "common.pt"
     state = load_torch_zip(path, str(path))
     with trusting(["megatron.core.brand_new.FutureConfig"]):  # our writer refuses it otherwise
-        state["extra"] = safe_pickle.loads(call("megatron.core.brand_new", "FutureConfig", "x"))
+        state["extra"] = unpickler.loads(call("megatron.core.brand_new", "FutureConfig", "x"))
         path.write_bytes(dump_torch_zip(state))
     rc, report = check_json(save)
     assert rc == 1 and codes(report) == ["CKD402"], report  # the next loader imports and calls it
@@ -308,7 +308,7 @@ def test_sizes_that_are_no_int64_are_refused_by_the_reader(save_dir, sizes, why)
 
     item.__dict__["size"] = size(sizes)
     item.chunks[0].__dict__.update(sizes=size(sizes), offsets=size((0,) * len(sizes)))
-    path.write_bytes(safe_pickle._pickled(metadata, None))  # unchecked: ckptdoctor's own writer refuses to write it
+    path.write_bytes(unpickler._pickled(metadata, None))  # unchecked: ckptdoctor's own writer refuses to write it
     rc, report = check_json(save)
     found = [f for f in report["findings"] if f["code"] == "CKD111"]
     assert rc == 1 and found and why in found[0]["message"], report
@@ -467,8 +467,8 @@ def test_shared_stand_ins_are_read_only():
     with pytest.raises(AttributeError):
         dtype.name = "int8"
     with pytest.raises(PickleLimitError):
-        safe_pickle.loads(RESOURCE_CASES["BUILD on a shared torch function"])
-    from ckptdoctor.stand_ins import stand_in_class
+        unpickler.loads(RESOURCE_CASES["BUILD on a shared torch function"])
+    from ckptdoctor.pickle.stand_ins import stand_in_class
 
     cls = stand_in_class("megatron.core.enums", "ModelType")
     with pytest.raises(AttributeError):

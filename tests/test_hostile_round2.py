@@ -103,7 +103,7 @@ def test_a_dtype_that_is_no_torch_dtype_is_refused_by_the_reader(copy_fixture, d
 def _storage_bomb(numel: int) -> bytes:
     """A torch.save archive of a one-element view of a ``numel``-element float32 storage of zeros, deflated."""
     from ckptdoctor.formats.torch_zip import dump_torch_zip
-    from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, TensorRef
+    from ckptdoctor.pickle.torch_stand_ins import DtypeRef, StorageRef, TensorRef
 
     storage = StorageRef("0", DtypeRef.get("float32"), "cpu", numel)
     storage.set_data(bytes(4 * numel))

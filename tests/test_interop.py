@@ -68,14 +68,14 @@ def test_common_state_round_trips_to_real_megatron_objects(tmp_path, name):
 METADATA_ROUND_TRIP = """
 import sys
 from pathlib import Path
-from ckptdoctor import safe_pickle
+from ckptdoctor.pickle import unpickler
 from ckptdoctor.formats import torch_dist
-from ckptdoctor.stand_ins import Record
+from ckptdoctor.pickle.stand_ins import Record
 metadata = torch_dist.load_metadata_object(Path(sys.argv[1]))
 plans = torch_dist.record_attr(metadata, "all_local_plans")
 item = torch_dist.record_attr(plans[0], "items")[0]
 assert isinstance(item, Record) and isinstance(torch_dist.record_attr(item, "tensor_data"), Record)
-Path(sys.argv[2]).write_bytes(safe_pickle.dumps(metadata))
+Path(sys.argv[2]).write_bytes(unpickler.dumps(metadata))
 assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]
 """
 

@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 from test_pickle_scan_accel import _mutants, _seeds
 
-from ckptdoctor import safe_pickle
 from ckptdoctor.errors import PickleLimitError
 from ckptdoctor.formats.dcp_index import DcpChunk
-from ckptdoctor.index_records import CompactKeys, IndexRecord, IndexTupleStateRecord
-from ckptdoctor.pickle_scan import scan
-from ckptdoctor.safe_globals import hash_safe_global
-from ckptdoctor.torch_stand_ins import StorageRef
+from ckptdoctor.pickle import unpickler
+from ckptdoctor.pickle.index_records import CompactKeys, IndexRecord, IndexTupleStateRecord
+from ckptdoctor.pickle.policy import hash_safe_global
+from ckptdoctor.pickle.scanner import scan
+from ckptdoctor.pickle.torch_stand_ins import StorageRef
 
 prune_memo: Any
 pruned_reader: Any
@@ -121,14 +121,14 @@ def _outcome(data: bytes | Any, index_only: bool) -> tuple:
     """What unpickling ``data`` (bytes, or a file to read them from) gives: a dump of the object, or the
     exception."""
     file = io.BytesIO(data) if isinstance(data, bytes) else data
-    unpickler = safe_pickle.SafeUnpickler(file, _persistent_load, index_only)
+    reader = unpickler.SafeUnpickler(file, _persistent_load, index_only)
     try:
-        obj = unpickler.load()
+        obj = reader.load()
     except RecursionError:
         return ("RecursionError",)
     except Exception as exc:  # noqa: BLE001 - the differential compares whatever the unpickler raises
         return (type(exc).__name__, _ADDRESS.sub("at 0x?", str(exc)))  # a repr in the message names an address
-    return ("ok", _dump(obj, index_only), unpickler.unlisted)
+    return ("ok", _dump(obj, index_only), reader.unlisted)
 
 
 def _passes_scan(data: bytes) -> bool:
@@ -151,8 +151,8 @@ def _read_out(reader: Any, rng: random.Random) -> bytes:
 
 def _differential(data: bytes) -> bool:
     """Pruned and unpruned read alike (index-only and faithful), the pruned pickle read from the reader that
-    ``safe_pickle.loads`` uses; True where pruning changed the bytes. Only pickles the pre-pass accepts reach
-    the unpickler (as in ``safe_pickle.loads``). With ``drop_plans`` (the states of save plan parts left out,
+    ``unpickler.loads`` uses; True where pruning changed the bytes. Only pickles the pre-pass accepts reach
+    the unpickler (as in ``unpickler.loads``). With ``drop_plans`` (the states of save plan parts left out,
     ``ckptdoctor/_pickle_plans.c``), only index-only reads are compared: a faithful read would keep them."""
     if not _passes_scan(data):
         return False
@@ -359,24 +359,24 @@ def test_loads_reads_the_pruned_pickle(monkeypatch):
     data = pickle.dumps(_shared_value(), protocol=4)
     readers = []
     monkeypatch.setattr(
-        safe_pickle,
+        unpickler,
         "_pruned_reader",
         lambda b, release, share, drop: readers.append(pruned_reader(b, release, share, drop)) or readers[-1],
     )
-    assert safe_pickle.loads(data) == _shared_value()
+    assert unpickler.loads(data) == _shared_value()
     assert len(readers) == 1 and readers[0] is not None and readers[0].read() == b""  # read to the STOP
     readers.clear()
-    assert safe_pickle.loads_prefix(data + b"trailing")[1] == len(data)  # where the pickle ends: not pruned
+    assert unpickler.loads_prefix(data + b"trailing")[1] == len(data)  # where the pickle ends: not pruned
     assert readers == []
 
 
 def test_without_the_c_extension_nothing_is_pruned(monkeypatch):
-    monkeypatch.setattr(safe_pickle, "_pruned_reader", None)
+    monkeypatch.setattr(unpickler, "_pruned_reader", None)
     data = pickle.dumps(_shared_value(), protocol=4)
     seen = []
     real_bytes_io = io.BytesIO
-    monkeypatch.setattr(safe_pickle.io, "BytesIO", lambda b: seen.append(bytes(b)) or real_bytes_io(b))
-    assert safe_pickle.loads(data) == _shared_value()
+    monkeypatch.setattr(unpickler.io, "BytesIO", lambda b: seen.append(bytes(b)) or real_bytes_io(b))
+    assert unpickler.loads(data) == _shared_value()
     assert seen == [data]
 
 
@@ -399,7 +399,7 @@ def test_release_gives_back_the_pages_already_translated():
         mapped = _mapped(data)
         reader = pruned_reader(mapped, release)
         assert reader is not None
-        assert safe_pickle.SafeUnpickler(reader).load() == value
+        assert unpickler.SafeUnpickler(reader).load() == value
         head = mapped[: 1 << 20]
         assert (head == bytes(len(head))) is release, release
         assert mapped[-(1 << 20) :] == data[-(1 << 20) :]  # the part read last (less than a step) is kept
@@ -444,9 +444,9 @@ def test_equal_strings_are_read_as_one_object_where_asked():
     assert value[0] is not value[1] and data.count(key.encode()) == 3
     shared = prune_memo(data, True)
     assert shared is not None and shared.count(key.encode()) == 1 and len(shared) < len(prune_memo(data))
-    for read in (safe_pickle.loads(data, index_only=True), pickle.loads(shared)):
+    for read in (unpickler.loads(data, index_only=True), pickle.loads(shared)):
         assert read == value and read[0] is read[1] is next(iter(read[4])) and read[2] is not read[3]
-    faithful = safe_pickle.loads(data)
+    faithful = unpickler.loads(data)
     assert faithful == value and faithful[0] is faithful[1] and faithful[2] is not faithful[3]
     unshared = pickle.loads(prune_memo(data) or data)  # not asked: kept apart
     assert unshared == value and unshared[0] is not unshared[1]

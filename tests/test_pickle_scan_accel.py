@@ -1,6 +1,6 @@
 """The pre-pass in C (``ckptdoctor/_pickle_scan.c``) gives the Python walk's verdict, message included.
 
-``pickle_scan.scan`` trusts the C walk's verdict, so every pickle here goes through both walks and the
+``scanner.scan`` trusts the C walk's verdict, so every pickle here goes through both walks and the
 outcomes (accepted, or the exception type and its message with the byte position) must be identical: the
 fixtures' real pickles, the hostile corpus, pickles of every protocol, and seeded mutations of all of them,
 each under the default limits, tight limits (so that every limit is reached somewhere) and without the
@@ -19,16 +19,16 @@ from pathlib import Path
 import hostile_corpus
 import pytest
 
-from ckptdoctor import pickle_scan
 from ckptdoctor.errors import PickleLimitError
-from ckptdoctor.pickle_limits import DEFAULT_LIMITS, PickleLimits
-from ckptdoctor.safe_globals import hash_safe_global
+from ckptdoctor.pickle import scanner
+from ckptdoctor.pickle.limits import DEFAULT_LIMITS, PickleLimits
+from ckptdoctor.pickle.policy import hash_safe_global
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 TIGHT = PickleLimits(max_tuple_depth=2, max_string=12, max_hashed_keys=3, max_int_bytes=2)
 LIMITS = (DEFAULT_LIMITS, TIGHT)
 
-needs_c = pytest.mark.skipif(pickle_scan._scan_c is None, reason="the C pre-pass was not built")
+needs_c = pytest.mark.skipif(scanner._scan_c is None, reason="the C pre-pass was not built")
 
 
 def _outcome(walk, data: bytes, limits: PickleLimits, safe_hash) -> tuple[str, str]:
@@ -41,7 +41,7 @@ def _outcome(walk, data: bytes, limits: PickleLimits, safe_hash) -> tuple[str, s
 
 def _c_walk(data: bytes, limits: PickleLimits, safe_hash) -> None:
     """``scan`` with the C walk only: a pickle the C walk leaves to Python counts as its own outcome."""
-    verdict = pickle_scan._scan_c(
+    verdict = scanner._scan_c(
         data, limits.max_tuple_depth, limits.max_string, limits.max_int_bytes, limits.max_hashed_keys, safe_hash
     )
     if verdict == -1:
@@ -64,7 +64,7 @@ def _compare(data: bytes) -> int:
                 got = _outcome(_c_walk, data, limits, safe_hash)
             except _LeftToPython:
                 continue
-            want = _outcome(pickle_scan.scan_python, data, limits, safe_hash)
+            want = _outcome(scanner.scan_python, data, limits, safe_hash)
             assert got == want, (data[:200], limits, safe_hash)
             compared += 1
     return compared
@@ -170,7 +170,7 @@ def test_the_c_walk_gives_the_python_verdict_on_mutants(seed):
     for data in seeds:
         for mutant in _mutants(data, rng, 12):
             compared += _compare(mutant)
-            outcomes.add(_outcome(pickle_scan.scan_python, mutant, DEFAULT_LIMITS, hash_safe_global)[1][:12])
+            outcomes.add(_outcome(scanner.scan_python, mutant, DEFAULT_LIMITS, hash_safe_global)[1][:12])
     assert compared > 1000
     assert len(outcomes) > 5  # the mutants reach accepted, limit and several kinds of damage
 
@@ -178,20 +178,20 @@ def test_the_c_walk_gives_the_python_verdict_on_mutants(seed):
 @needs_c
 def test_scan_uses_the_c_walk_and_hands_protocol_0_memo_opcodes_to_python(monkeypatch):
     calls = []
-    monkeypatch.setattr(pickle_scan, "scan_python", lambda *a: calls.append(a))
-    pickle_scan.scan(pickle.dumps([1, 2], protocol=4))
+    monkeypatch.setattr(scanner, "scan_python", lambda *a: calls.append(a))
+    scanner.scan(pickle.dumps([1, 2], protocol=4))
     assert calls == []  # the C walk answered
-    pickle_scan.scan(pickle.dumps([[1], [1]], protocol=0))  # protocol 0 memo: PUT 'p' ... GET 'g'
+    scanner.scan(pickle.dumps([[1], [1]], protocol=0))  # protocol 0 memo: PUT 'p' ... GET 'g'
     assert len(calls) == 1
 
 
 def test_scan_refuses_alike_without_the_c_walk(monkeypatch):
-    monkeypatch.setattr(pickle_scan, "_scan_c", None)
+    monkeypatch.setattr(scanner, "_scan_c", None)
     with pytest.raises(PickleLimitError, match="tuples nest deeper than 2"):
-        pickle_scan.scan(b"\x80\x02)\x85\x85\x85.", TIGHT)
+        scanner.scan(b"\x80\x02)\x85\x85\x85.", TIGHT)
     with pytest.raises(pickle.UnpicklingError, match="no STOP"):
-        pickle_scan.scan(b"\x80\x02N")
-    pickle_scan.scan(pickle.dumps({"a": (1, 2)}, protocol=2))
+        scanner.scan(b"\x80\x02N")
+    scanner.scan(pickle.dumps({"a": (1, 2)}, protocol=2))
 
 
 def test_the_c_walk_is_built_where_ci_requires_it():
@@ -199,4 +199,4 @@ def test_the_c_walk_is_built_where_ci_requires_it():
     must fail the run, not skip the tests above."""
     if os.environ.get("CKPTDOCTOR_REQUIRE_C_SCAN") != "1":
         pytest.skip("CKPTDOCTOR_REQUIRE_C_SCAN is not set")
-    assert pickle_scan._scan_c is not None
+    assert scanner._scan_c is not None

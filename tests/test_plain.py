@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptdoctor import plain, safe_pickle
 from ckptdoctor.formats.torch_dist import record_attr
+from ckptdoctor.pickle import plain, unpickler
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -15,8 +15,8 @@ def test_fingerprints_of_equal_metadata_are_equal_at_every_call():
     the same id once the first was freed took the first's digest, so equal objects compared unequal (or unequal
     ones equal) from one call to the next (6 calls in 20 on this fixture). Now every call gives one digest."""
     data = next((FIXTURES / "core019_moe_ep2").glob("iter_*/.metadata")).read_bytes()
-    first = safe_pickle.loads(data)
-    again = safe_pickle.loads(safe_pickle.dumps(safe_pickle.loads(data)))  # written back: equal, shared otherwise
+    first = unpickler.loads(data)
+    again = unpickler.loads(unpickler.dumps(unpickler.loads(data)))  # written back: equal, shared otherwise
     digests = {plain.fingerprint(first) for _ in range(10)} | {plain.fingerprint(again) for _ in range(10)}
     assert len(digests) == 1
     assert all(plain.same_value(first, again) for _ in range(10))
@@ -31,7 +31,7 @@ def test_a_report_lists_every_row_and_bounds_a_bomb_in_one_field_only():
     is cut where it stands, and the fields after it are still there."""
     import dataclasses
 
-    from ckptdoctor.plain import ELIDED, MAX_NODES, to_plain
+    from ckptdoctor.pickle.plain import ELIDED, MAX_NODES, to_plain
 
     @dataclasses.dataclass
     class Row:
@@ -63,7 +63,7 @@ def test_iter_json_writes_what_json_dumps_writes_of_to_plain_and_leaves_no_garba
     import json
     import random
 
-    from ckptdoctor.plain import iter_json, to_plain
+    from ckptdoctor.pickle.plain import iter_json, to_plain
 
     @dataclasses.dataclass
     class Row:

@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 from test_memo_prune import _outcome, _passes_scan, needs_c, prune_memo, pruned_reader
 
-from ckptdoctor import safe_pickle
 from ckptdoctor.errors import UnsafePickleError
 from ckptdoctor.formats import torch_dist
-from ckptdoctor.index_records import DROPPED
-from ckptdoctor.safe_globals import PLAN_PARTS
+from ckptdoctor.pickle import unpickler
+from ckptdoctor.pickle.index_records import DROPPED
+from ckptdoctor.pickle.policy import PLAN_PARTS
 
 pytestmark = needs_c
 
@@ -121,7 +121,7 @@ def test_every_fixture_reads_alike_with_its_plan_states_left_out():
 def test_the_index_of_every_fixture_is_the_same_with_and_without_left_out_plans(monkeypatch):
     for path in METADATA:
         with_drops = torch_dist.read_metadata(path)
-        monkeypatch.setattr(safe_pickle, "_pruned_reader", lambda d, r, s, _drop: pruned_reader(d, r, s, False))
+        monkeypatch.setattr(unpickler, "_pruned_reader", lambda d, r, s, _drop: pruned_reader(d, r, s, False))
         without = torch_dist.read_metadata(path)
         monkeypatch.undo()
         assert with_drops == without, path
@@ -133,13 +133,13 @@ _STATE = b"\x8c\x2d" + b"state-of-a-part, long enough to be left out..."[:45]
 
 @pytest.mark.parametrize("module,name", sorted(PLAN_PARTS))
 def test_each_plan_class_is_left_out_and_no_other(module, name):
-    """The C recognizer's classes are safe_globals.PLAN_PARTS (what an index-only read builds as DROPPED)."""
+    """The C recognizer's classes are policy.PLAN_PARTS (what an index-only read builds as DROPPED)."""
     p = _Pickle()
     cls = p.cls(module, name)
     p.part(cls, ("marker", _STATE))
     pruned = _alike(p.bytes())
     assert b"state-of-a-part" not in pruned
-    assert safe_pickle.loads(p.bytes(), index_only=True) is DROPPED
+    assert unpickler.loads(p.bytes(), index_only=True) is DROPPED
 
     other = _Pickle()
     cls = other.cls(DCP_METADATA, "Metadata")  # a record, not a plan part: its state is the index
@@ -291,7 +291,7 @@ def test_a_part_holding_a_global_outside_the_known_classes_is_kept(module, name)
     assert b"global-marker" in _alike(data)
     unlisted: list = []
     try:
-        safe_pickle.loads(data, index_only=True, unlisted=unlisted)
+        unpickler.loads(data, index_only=True, unlisted=unlisted)
     except (pickle.UnpicklingError, UnsafePickleError):
         assert name == "system"
         return
@@ -316,10 +316,10 @@ def test_hostile_nested_parts_keep_the_recognizer_linear():
 def test_faithful_reads_keep_the_plans():
     """Rewrites (edit, strip-frozen) read faithfully: safe_pickle asks for drop_plans only in index-only reads."""
     data = METADATA[0].read_bytes()
-    faithful = safe_pickle.loads(data)
+    faithful = unpickler.loads(data)
     plans = torch_dist.record_attr(faithful, "all_local_plans")
     assert plans and all(type(plan) is not type(DROPPED) for plan in plans)
-    index_only = safe_pickle.loads(data, index_only=True)
+    index_only = unpickler.loads(data, index_only=True)
     assert all(plan is DROPPED for plan in torch_dist.record_attr(index_only, "all_local_plans"))
 
 

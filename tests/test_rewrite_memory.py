@@ -9,27 +9,27 @@ import weakref
 import pytest
 from conftest import FIXTURES
 
-from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import HeldMetadata
 from ckptdoctor.cli import main
 from ckptdoctor.formats import torch_dist
+from ckptdoctor.pickle import unpickler
 
 SOURCE = FIXTURES / "core019_peft_full_tp1"
 METADATA = SOURCE / "iter_0000010" / ".metadata"
 
 
 def test_dumps_taken_writes_what_dumps_writes_and_lets_the_object_go():
-    expected = safe_pickle.dumps(torch_dist.load_metadata_object(METADATA))
+    expected = unpickler.dumps(torch_dist.load_metadata_object(METADATA))
     held = [torch_dist.load_metadata_object(METADATA)]
     gone = weakref.ref(held[0])
-    assert safe_pickle.dumps_taken(held) == expected
+    assert unpickler.dumps_taken(held) == expected
     assert held == []
     assert gone() is None  # freed by its reference count alone (the CLI pauses the cyclic GC)
 
 
 def test_dumps_taken_needs_one_object():
     with pytest.raises(ValueError):
-        safe_pickle.dumps_taken([])
+        unpickler.dumps_taken([])
 
 
 def test_held_metadata_is_taken_once():
@@ -41,12 +41,12 @@ def test_held_metadata_is_taken_once():
 
 @pytest.mark.parametrize("between", [b"", b"x" * 5, b"c" + b"\n" * 3])
 def test_dealiased_is_the_substitution(between):
-    alias, target = next(iter(safe_pickle.ALIAS_TARGETS.items()))
-    aliased = b"c" + safe_pickle.ALIAS_MODULE.encode() + b"\n" + alias + b"\n"
+    alias, target = next(iter(unpickler.ALIAS_TARGETS.items()))
+    aliased = b"c" + unpickler.ALIAS_MODULE.encode() + b"\n" + alias + b"\n"
     raw = b"\x80\x02" + aliased + between + aliased + b"q\x00" + between + b"."
     expected = re.sub(re.escape(aliased), b"c" + target, raw)
-    assert safe_pickle._dealiased(raw) == expected
-    assert safe_pickle._dealiased(b"\x80\x02N.") == b"\x80\x02N."
+    assert unpickler._dealiased(raw) == expected
+    assert unpickler._dealiased(b"\x80\x02N.") == b"\x80\x02N."
 
 
 @pytest.mark.parametrize(
@@ -66,8 +66,8 @@ def test_read_back_runs_without_the_source_object(monkeypatch, tmp_path, capsys,
     take, load, dumps_taken, verify = (
         HeldMetadata.take,
         torch_dist.load_metadata_object,
-        safe_pickle.dumps_taken,
-        safe_pickle._verify_written,
+        unpickler.dumps_taken,
+        unpickler._verify_written,
     )
 
     def recording_take(self):
@@ -94,8 +94,8 @@ def test_read_back_runs_without_the_source_object(monkeypatch, tmp_path, capsys,
 
     monkeypatch.setattr(HeldMetadata, "take", recording_take)
     monkeypatch.setattr(torch_dist, "load_metadata_object", recording_load)
-    monkeypatch.setattr(safe_pickle, "dumps_taken", recording_dumps_taken)
-    monkeypatch.setattr(safe_pickle, "_verify_written", recording_verify)
+    monkeypatch.setattr(unpickler, "dumps_taken", recording_dumps_taken)
+    monkeypatch.setattr(unpickler, "_verify_written", recording_verify)
     rc = main([command[0], str(SOURCE), *command[1:], "--output", str(tmp_path / "out")])
     assert rc == 0, capsys.readouterr().err
     assert len(taken) == 1

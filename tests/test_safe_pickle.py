@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from ckptdoctor import safe_pickle
 from ckptdoctor.errors import UnsafePickleError
-from ckptdoctor.pickle_limits import current_limits
-from ckptdoctor.stand_ins import StandIn
-from ckptdoctor.torch_stand_ins import DtypeRef, Size
+from ckptdoctor.pickle import unpickler
+from ckptdoctor.pickle.limits import current_limits
+from ckptdoctor.pickle.stand_ins import StandIn
+from ckptdoctor.pickle.torch_stand_ins import DtypeRef, Size
 
 
 class _Reduce:
@@ -49,33 +49,33 @@ def test_malicious_pickle_is_refused_and_never_executed(tmp_path, name):
     marker = tmp_path / "marker"
     data = _malicious_payloads(marker)[name]
     with pytest.raises(UnsafePickleError) as info:
-        safe_pickle.loads(data)
+        unpickler.loads(data)
     assert "not on the allowlist" in str(info.value)
     assert not marker.exists()
 
 
 def test_codecs_encode_only_allows_text_codecs():
     # protocol-2 bytes: _codecs.encode(text, "latin1") is allowed; other codecs are refused
-    assert safe_pickle.loads(pickle.dumps(b"\x00\xffab", protocol=2)) == b"\x00\xffab"
+    assert unpickler.loads(pickle.dumps(b"\x00\xffab", protocol=2)) == b"\x00\xffab"
     with pytest.raises(UnsafePickleError):
-        safe_pickle.loads(b"c_codecs\nencode\n(S'abc'\nS'zlib_codec'\ntR.")
+        unpickler.loads(b"c_codecs\nencode\n(S'abc'\nS'zlib_codec'\ntR.")
 
 
 def test_plain_data_resolves_to_real_objects():
     obj = {"ns": argparse.Namespace(a=1, b=[1, 2]), "t": (1.5, None), "s": {1, 2}}
-    assert safe_pickle.loads(pickle.dumps(obj)) == obj
+    assert unpickler.loads(pickle.dumps(obj)) == obj
 
 
 def test_unknown_third_party_class_becomes_inert_stand_in():
     data = b"cmegatron.core.enums\nModelType\n(I1\ntR."
-    value = safe_pickle.loads(data)
+    value = unpickler.loads(data)
     assert isinstance(value, StandIn)
     assert type(value).qualified_name() == "megatron.core.enums.ModelType"
     assert value.stand_in_args == (1,)
     # pickles back to the same global reference and arguments
-    again = safe_pickle.loads(safe_pickle.dumps(value))
+    again = unpickler.loads(unpickler.dumps(value))
     assert again == value
-    assert b"megatron.core.enums\nModelType" in safe_pickle.dumps(value)
+    assert b"megatron.core.enums\nModelType" in unpickler.dumps(value)
 
 
 def test_stand_in_calls_record_arguments_only(tmp_path):
@@ -83,7 +83,7 @@ def test_stand_in_calls_record_arguments_only(tmp_path):
     marker = tmp_path / "marker"
     data = f'cmegatron.training.utils\nrunstring\n(S\'open("{marker}","w")\'\n(dtR.'.encode()
     unlisted: list[str] = []
-    value = safe_pickle.loads(data, unlisted=unlisted)
+    value = unpickler.loads(data, unlisted=unlisted)
     assert isinstance(value, StandIn) and not marker.exists()
     assert [(u.name, u.calls, u.trusted) for u in unlisted] == [("megatron.training.utils.runstring", 1, False)]
 
@@ -92,23 +92,23 @@ def test_unlisted_numpy_callable_is_refused(tmp_path):
     marker = tmp_path / "marker"
     data = f'cnumpy.testing._private.utils\nrunstring\n(S\'open("{marker}","w")\'\n(dtR.'.encode()
     with pytest.raises(UnsafePickleError, match="numpy.testing._private.utils.runstring"):
-        safe_pickle.loads(data)
+        unpickler.loads(data)
     assert not marker.exists()
 
 
 def test_torch_names_map_to_light_stand_ins():
-    assert safe_pickle.loads(b"ctorch\nbfloat16\n.") is DtypeRef.get("bfloat16")
-    size = safe_pickle.loads(b"ctorch\nSize\n((I2\nI3\nttR.")
+    assert unpickler.loads(b"ctorch\nbfloat16\n.") is DtypeRef.get("bfloat16")
+    size = unpickler.loads(b"ctorch\nSize\n((I2\nI3\nttR.")
     assert isinstance(size, Size) and size == (2, 3)
-    assert b"torch\nSize" in safe_pickle.dumps(size)
+    assert b"torch\nSize" in unpickler.dumps(size)
 
 
 def test_reading_never_imports_torch_or_megatron():
     code = (
         "import sys, pickle\n"
-        "from ckptdoctor import safe_pickle\n"
-        "safe_pickle.loads(b'cmegatron.core.enums\\nModelType\\n(I1\\ntR.')\n"
-        "safe_pickle.loads(b'ctorch\\nfloat32\\n.')\n"
+        "from ckptdoctor.pickle import unpickler\n"
+        "unpickler.loads(b'cmegatron.core.enums\\nModelType\\n(I1\\ntR.')\n"
+        "unpickler.loads(b'ctorch\\nfloat32\\n.')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'numpy')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -177,11 +177,11 @@ def test_garbage_pickle_gives_clean_error(tmp_path):
 
 
 def test_bytesio_round_trip():
-    value = safe_pickle.loads(pickle.dumps(io.BytesIO(b"abc"), protocol=2))
+    value = unpickler.loads(pickle.dumps(io.BytesIO(b"abc"), protocol=2))
     assert isinstance(value, io.BytesIO) and value.getvalue() == b"abc"
 
 
-# --- hash flooding and key counts (pickle_scan with safe_globals.hash_safe_global) --------------------------
+# --- hash flooding and key counts (scanner with policy.hash_safe_global) --------------------------
 
 
 def _short_str(text: str) -> bytes:
@@ -212,7 +212,7 @@ def test_a_checkpoint_with_more_chunks_than_the_flood_limit_reads():
     # DCP's storage_data has one MetadataIndex key per chunk: a 200k-chunk checkpoint is legitimate (stand-ins
     # hash by identity, so they cannot be made to collide); it was refused as "hash flooding".
     limit = current_limits().max_hashed_keys
-    loaded = safe_pickle.loads(_dict_pickle(limit + 10_000, _METADATA_INDEX_KEY))
+    loaded = unpickler.loads(_dict_pickle(limit + 10_000, _METADATA_INDEX_KEY))
     assert len(loaded) == limit + 10_000 and type(next(iter(loaded))).__name__ == "MetadataIndex"
 
 
@@ -220,9 +220,9 @@ def test_torch_size_keys_count_as_tuples_for_the_flood_limit():
     from ckptdoctor.errors import PickleLimitError
 
     limit = current_limits().max_hashed_keys
-    assert len(safe_pickle.loads(_dict_pickle(1000, _SIZE_KEY))) == 1000
+    assert len(unpickler.loads(_dict_pickle(1000, _SIZE_KEY))) == 1000
     with pytest.raises(PickleLimitError, match="hash flooding"):
-        safe_pickle.loads(_dict_pickle(limit + 1, _SIZE_KEY))
+        unpickler.loads(_dict_pickle(limit + 1, _SIZE_KEY))
 
 
 def test_torch_size_nested_through_newobj_ex_is_bounded():
@@ -237,7 +237,7 @@ def test_torch_size_nested_through_newobj_ex_is_bounded():
         [
             sys.executable,
             "-c",
-            "import sys; from ckptdoctor import safe_pickle; safe_pickle.loads(sys.stdin.buffer.read())",
+            "import sys; from ckptdoctor.pickle import unpickler; unpickler.loads(sys.stdin.buffer.read())",
         ],
         input=ops,
         capture_output=True,
@@ -257,10 +257,10 @@ def _nested_sizes(depth: int) -> bytes:
 def test_size_of_a_list_is_refused_not_a_crash(index_only):
     """A ``Size`` of a list holding a ``Size`` of a list ... (1.2 MB) crashed the interpreter when hashed."""
     code = (
-        "import sys\nfrom ckptdoctor import safe_pickle\n"
+        "import sys\nfrom ckptdoctor.pickle import unpickler\n"
         f"data = sys.stdin.buffer.read()\n"
         "try:\n"
-        f"    hash(safe_pickle.loads(data, index_only={index_only}))\n"
+        f"    hash(unpickler.loads(data, index_only={index_only}))\n"
         "except TypeError as exc:\n"
         "    print('refused', exc)\n"
     )
@@ -269,26 +269,26 @@ def test_size_of_a_list_is_refused_not_a_crash(index_only):
 
 
 def test_size_of_a_tuple_reads_in_both_readings():
-    data = safe_pickle.dumps(Size((2, 3)))
-    assert safe_pickle.loads(data) == (2, 3) and type(safe_pickle.loads(data)) is Size
-    assert type(safe_pickle.loads(data, index_only=True)) is tuple
-    assert safe_pickle.loads(data, index_only=True) == (2, 3)
+    data = unpickler.dumps(Size((2, 3)))
+    assert unpickler.loads(data) == (2, 3) and type(unpickler.loads(data)) is Size
+    assert type(unpickler.loads(data, index_only=True)) is tuple
+    assert unpickler.loads(data, index_only=True) == (2, 3)
 
 
 def test_index_only_reading_keeps_the_allowlist_and_limits(tmp_path):
     """The index-only reading changes what DCP records and ``torch.Size`` build, nothing of what is refused."""
-    from ckptdoctor.index_records import IndexRecord, index_record_fields
+    from ckptdoctor.pickle.index_records import IndexRecord, index_record_fields
 
     marker = tmp_path / "pwned"
     for name, payload in _malicious_payloads(marker).items():
         with pytest.raises(UnsafePickleError):
-            safe_pickle.loads(payload, index_only=True)
+            unpickler.loads(payload, index_only=True)
         assert not marker.exists(), name
     record = (
         b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadataIndex\nq\x00)\x81q\x01}q\x02"
         b"(X\x03\x00\x00\x00fqnq\x03X\x01\x00\x00\x00wq\x04ub."
     )
-    faithful, lean = safe_pickle.loads(record), safe_pickle.loads(record, index_only=True)
+    faithful, lean = unpickler.loads(record), unpickler.loads(record, index_only=True)
     assert faithful.__dict__ == {"fqn": "w"}
     assert isinstance(lean, IndexRecord) and index_record_fields(lean) == {"fqn": "w"}
-    assert hash(lean) == object.__hash__(lean) and lean != safe_pickle.loads(record, index_only=True)
+    assert hash(lean) == object.__hash__(lean) and lean != unpickler.loads(record, index_only=True)

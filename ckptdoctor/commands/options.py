@@ -53,7 +53,7 @@ def jobs_option(what: str) -> Callable[[Any], Any]:
 
 def _trust(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
     from ckptdoctor.errors import CkptError
-    from ckptdoctor.safe_globals import parse_trusted, set_trusted
+    from ckptdoctor.pickle.policy import parse_trusted, set_trusted
 
     try:
         set_trusted(parse_trusted(value))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ckptdoctor.formats.torch_dist import DcpIndex, DcpItem
-    from ckptdoctor.torch_stand_ins import TensorRef
+    from ckptdoctor.pickle.torch_stand_ins import TensorRef
 
 BACKEND_TORCH_DIST = "torch_dist"
 BACKEND_ZARR = "zarr"

@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
-from ckptdoctor.pickle_limits import PickleLimits, current_limits
-from ckptdoctor.safe_globals import UnlistedGlobal
-from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
+from ckptdoctor.pickle import unpickler
+from ckptdoctor.pickle.limits import PickleLimits, current_limits
+from ckptdoctor.pickle.policy import UnlistedGlobal
+from ckptdoctor.pickle.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
 
 ZIP_MAGIC = b"PK\x03\x04"
 MAX_INFLATED = 64 << 20  # the most a compressed storage record may inflate to (torch.save compresses nothing)
@@ -334,7 +334,7 @@ def load_archive(
 ) -> Any:
     """Unpickle a ``torch.save`` archive held in memory into plain objects and stand-ins.
 
-    Tensors come back as :class:`~ckptdoctor.torch_stand_ins.TensorRef` whose bytes are read only on demand.
+    Tensors come back as :class:`~ckptdoctor.pickle.torch_stand_ins.TensorRef` whose bytes are read only on demand.
     ``where`` names the file (and item) in every error.
     """
     archive = parse_archive(blob, where)
@@ -351,9 +351,9 @@ def unpickle(
     what: str = "pickle",
     index_only: bool = False,
 ) -> Any:
-    """:func:`safe_pickle.loads` with every failure turned into an error naming ``where`` (and ``what``)."""
+    """:func:`unpickler.loads` with every failure turned into an error naming ``where`` (and ``what``)."""
     try:
-        return safe_pickle.loads(pickled, persistent_load, limits, unlisted, index_only)
+        return unpickler.loads(pickled, persistent_load, limits, unlisted, index_only)
     except (UnsafePickleError, PickleLimitError) as exc:
         raise exc.located(where) from None
     except CkptError:

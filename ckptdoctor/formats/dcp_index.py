@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ckptdoctor.index_records import DroppedRecord, IndexRecord, IndexTupleStateRecord, index_record_fields
-from ckptdoctor.torch_stand_ins import DtypeRef
+from ckptdoctor.pickle.index_records import DroppedRecord, IndexRecord, IndexTupleStateRecord, index_record_fields
+from ckptdoctor.pickle.torch_stand_ins import DtypeRef
 
 
 class IndexValueError(ValueError):

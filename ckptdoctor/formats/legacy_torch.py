@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptdoctor import safe_pickle
 from ckptdoctor.errors import PickleLimitError, UnsafePickleError
 from ckptdoctor.formats.archive import ArchiveError, is_torch_zip, load_archive, storage_ref
-from ckptdoctor.safe_globals import UnlistedGlobal
-from ckptdoctor.torch_stand_ins import StorageRef, TensorRef
+from ckptdoctor.pickle import unpickler
+from ckptdoctor.pickle.policy import UnlistedGlobal
+from ckptdoctor.pickle.torch_stand_ins import StorageRef, TensorRef
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch.serialization's MAGIC_NUMBER, the first pickle of a legacy save
 _PICKLES = 5  # magic number, protocol version, sys info, the object, the storage keys
@@ -30,13 +30,13 @@ MAX_PAYLOAD = 16 << 20
 
 def check_legacy_save(data: bytes, where: str, unlisted: list[UnlistedGlobal] | None = None) -> None:
     """Every pickle of a legacy save through the safe unpickler (the allowlist and the limits); raises what
-    :func:`ckptdoctor.safe_pickle.loads` raises, or :class:`ArchiveError` where ``data`` is no legacy save."""
+    :func:`ckptdoctor.pickle.unpickler.loads` raises, or :class:`ArchiveError` where ``data`` is no legacy save."""
     view = memoryview(data)
     position = 0
     for index in range(_PICKLES):
         load = (lambda pid: _legacy_storage(pid, where)) if index == 3 else None
         try:
-            obj, used = safe_pickle.loads_prefix(view[position:], load, unlisted)
+            obj, used = unpickler.loads_prefix(view[position:], load, unlisted)
         except (UnsafePickleError, PickleLimitError) as exc:
             raise exc.located(where) from None
         except Exception as exc:  # a corrupt pickle can raise almost anything: torch.load would fail on it too
@@ -66,7 +66,7 @@ def check_te_extra_state(obj: Any, where: str, unlisted: list[UnlistedGlobal] | 
     nested: list[bytes] = []
     where = f"{where}: Transformer Engine extra state"
     try:
-        safe_pickle.loads_prefix(payload, None, unlisted, nested_saves=nested)
+        unpickler.loads_prefix(payload, None, unlisted, nested_saves=nested)
     except (UnsafePickleError, PickleLimitError) as exc:
         raise exc.located(where) from None
     except Exception as exc:  # a corrupt pickle can raise almost anything: TE's pickle.loads would fail too

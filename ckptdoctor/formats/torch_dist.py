@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError
 from ckptdoctor.formats.archive import unpickle
 
@@ -27,11 +26,12 @@ from ckptdoctor.formats.dcp_index import index_items
 from ckptdoctor.formats.dcp_index import inside_path as inside_path
 from ckptdoctor.formats.dcp_index import int64_dims as int64_dims
 from ckptdoctor.gc_pause import gc_paused
-from ckptdoctor.index_records import IndexRecord, index_record_fields
-from ckptdoctor.pickle_limits import current_limits
-from ckptdoctor.safe_globals import UnlistedGlobal
-from ckptdoctor.safe_pickle import refuse_unlisted
-from ckptdoctor.stand_ins import STAND_IN_TYPES, StandIn
+from ckptdoctor.pickle import unpickler
+from ckptdoctor.pickle.index_records import IndexRecord, index_record_fields
+from ckptdoctor.pickle.limits import current_limits
+from ckptdoctor.pickle.policy import UnlistedGlobal
+from ckptdoctor.pickle.stand_ins import STAND_IN_TYPES, StandIn
+from ckptdoctor.pickle.unpickler import refuse_unlisted
 from ckptdoctor.storage.files import TooLarge, open_regular, read_releasable
 
 DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -81,7 +81,7 @@ def read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
     """Parse a DCP ``.metadata`` file into a :class:`DcpIndex` (no data file is opened).
 
     ``item_class`` (a :class:`DcpItem` subclass) lets the Checkpoint model get its entries built directly.
-    The records are read index-only (see ``safe_globals.index_only``) and dropped while the index is built,
+    The records are read index-only (see ``policy.index_only``) and dropped while the index is built,
     so the index is all that stays in memory.
     """
     with gc_paused():
@@ -200,7 +200,7 @@ def load_metadata_object(path: Path) -> Any:
 
 def dump_metadata_object(metadata: Any) -> bytes:
     """Pickle a (possibly edited) ``.metadata`` object back; stand-ins become the original torch classes."""
-    return safe_pickle.dumps(metadata)
+    return unpickler.dumps(metadata)
 
 
 def storage_items(metadata: Any) -> dict[Any, Any]:

@@ -13,13 +13,13 @@ import os
 import zipfile
 from typing import Any
 
-from ckptdoctor import safe_pickle
 from ckptdoctor.errors import CkptError, PickleLimitError
 from ckptdoctor.formats.archive import ZIP_MAGIC, is_torch_zip, load_archive
-from ckptdoctor.pickle_limits import PickleLimits, current_limits
-from ckptdoctor.safe_globals import UnlistedGlobal
+from ckptdoctor.pickle import unpickler
+from ckptdoctor.pickle.limits import PickleLimits, current_limits
+from ckptdoctor.pickle.policy import UnlistedGlobal
+from ckptdoctor.pickle.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
 from ckptdoctor.storage.files import TooLarge, open_regular, read_capped
-from ckptdoctor.torch_stand_ins import DtypeRef, StorageRef, StorageTypeRef
 
 __all__ = ["ZIP_MAGIC", "dump_torch_zip", "is_torch_zip", "load_torch_zip"]
 
@@ -71,7 +71,7 @@ def dump_torch_zip(obj: Any, archive_name: str = "archive") -> bytes:
             return ("storage", storage_type, value.key, value.location, value.numel)
         return None
 
-    pickled = safe_pickle.dumps(obj, persistent_id=persistent_id)
+    pickled = unpickler.dumps(obj, persistent_id=persistent_id)
     buf = io.BytesIO()
 
     def member(name: str) -> zipfile.ZipInfo:  # a fixed date: the same object gives the same bytes

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from ckptdoctor.errors import CkptError, PickleLimitError
 from ckptdoctor.formats.torch_zip import load_torch_zip
-from ckptdoctor.pickle_limits import current_limits
-from ckptdoctor.safe_globals import UnlistedGlobal
+from ckptdoctor.pickle.limits import current_limits
+from ckptdoctor.pickle.policy import UnlistedGlobal
+from ckptdoctor.pickle.torch_stand_ins import TensorRef
 from ckptdoctor.storage.files import read_small_file
-from ckptdoctor.torch_stand_ins import TensorRef
 
 BRIDGE_TRACKER_NAME = "latest_train_state.pt"  # Megatron-Bridge's tracker in a save dir (locate follows it)
 

@@ -14,8 +14,8 @@ from typing import TypeGuard
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.torch_dist import INT64, DcpChunk, StorageLocation
+from ckptdoctor.pickle.torch_stand_ins import TORCH_DTYPES, DtypeRef, StorageRef, TensorRef
 from ckptdoctor.storage.files import file_sizes, list_tree, read_json
-from ckptdoctor.torch_stand_ins import TORCH_DTYPES, DtypeRef, StorageRef, TensorRef
 
 # numpy type strings as zarr writes them -> torch dtype names; Megatron patches bfloat16 in by name.
 _ZARR_DTYPES = {

@@ -25,6 +25,7 @@ from ckptdoctor.locate import (
     list_iteration_dirs,
     looks_like_iteration_dir,
 )
+from ckptdoctor.pickle.policy import trusted_names
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import (
     Finding,
@@ -39,7 +40,6 @@ from ckptdoctor.rules import (
     structure,
     with_fix,
 )
-from ckptdoctor.safe_globals import trusted_names
 from ckptdoctor.severity import OVERRIDDEN
 from ckptdoctor.storage.dispatch import as_path
 

@@ -39,7 +39,7 @@ from ckptdoctor.ops.diff_report import (
     Side,
 )
 from ckptdoctor.parallelism import SavedLayout, infer_layout
-from ckptdoctor.plain import same_value
+from ckptdoctor.pickle.plain import same_value
 
 if TYPE_CHECKING:
     from ckptdoctor.progress import Progress

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor import locking, safe_pickle
+from ckptdoctor import locking
 from ckptdoctor.atomic import (
     backup_file,
     backup_name,
@@ -55,6 +55,7 @@ from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.fix_args import ArgChange, FixArgsReport, checked_config, diagnose, fixed_common_state
 from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.ops.staging import not_carried
+from ckptdoctor.pickle import unpickler
 from ckptdoctor.rules import leftovers
 from ckptdoctor.storage.files import read_json
 from ckptdoctor.tree_removal import remove_tree
@@ -137,7 +138,7 @@ def _new_files(checkpoint: Checkpoint, changes: list[ArgChange], stamp: str) -> 
                 f"{checkpoint.iteration_dir / '.metadata'}: expected one storage entry for {source}, found {repointed}"
             )
         files[new_data_file] = payload
-        files[".metadata"] = safe_pickle.dumps_taken(held)  # let go once pickled, before the read-back
+        files[".metadata"] = unpickler.dumps_taken(held)  # let go once pickled, before the read-back
     else:
         raise CkptError(f"{checkpoint.iteration_dir}: no common state to rewrite")
     return files, new_data_file

@@ -15,8 +15,8 @@ from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, has_bridge_track
 from ckptdoctor.locate import CheckpointLocation
 from ckptdoctor.logical_items import logical_key
 from ckptdoctor.parallelism import infer_layout
-from ckptdoctor.plain import OMIT_NONE
-from ckptdoctor.safe_globals import merged_unlisted
+from ckptdoctor.pickle.plain import OMIT_NONE
+from ckptdoctor.pickle.policy import merged_unlisted
 
 SCHEMA = "ckptdoctor.inspect/1"
 

@@ -16,9 +16,9 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, read_train_state_step
 from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, list_dir, list_iteration_dirs, read_tracker
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
+from ckptdoctor.pickle.policy import trusted_names
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import ERROR, Finding, finding, is_selected, leftovers, structure
-from ckptdoctor.safe_globals import trusted_names
 from ckptdoctor.storage.dispatch import as_path
 
 SCHEMA = "ckptdoctor.latest-good/1"

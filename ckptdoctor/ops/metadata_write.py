@@ -1,19 +1,20 @@
 """The new ``.metadata`` and data files of a key rewrite: the source's ``.metadata`` objects, edited and pickled
-again through :func:`ckptdoctor.safe_pickle.dumps_taken` (read back through the allowlist before it is written), the
-data files linked or laid out by :func:`ckptdoctor.formats.dcp_writer.plan_copies`. The staged write around them is
-:mod:`ckptdoctor.ops.key_write`."""
+again through :func:`ckptdoctor.pickle.unpickler.dumps_taken` (read back through the allowlist before it is
+written), the data files linked or laid out by :func:`ckptdoctor.formats.dcp_writer.plan_copies`. The staged
+write around them is :mod:`ckptdoctor.ops.key_write`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor import atomic, safe_pickle
+from ckptdoctor import atomic
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.formats import dcp_keys, dcp_writer, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.ops.key_edit import CommonWrite, KeyEdit, Progress, StripResult
+from ckptdoctor.pickle import unpickler
 
 
 def _link_data_files(src: Path, stage: Path, metadata: Any, keep: set[str]) -> list[CopiedFile]:
@@ -37,7 +38,7 @@ def _new_metadata(held: list, edit: KeyEdit, stage: Path) -> tuple[list[str], by
     common.apply(metadata, stage / ".metadata")
     del metadata
     with gc_paused():
-        payload = safe_pickle.dumps_taken(held)  # stand-ins become the torch classes again
+        payload = unpickler.dumps_taken(held)  # stand-ins become the torch classes again
     return common.written, payload
 
 

@@ -7,7 +7,7 @@ naming a global outside the exact allowlist (refused, or read here as an inert s
 an archive torch would read differently is never carried: the write is refused with exit 1 and one line naming
 the file, the item, the global and the code. ``--force`` does not override it; ``--trust-global MODULE.NAME`` does,
 for that name. What a write makes anew (a rewritten ``.metadata`` or common state) is read back through the same
-gate before its rename (``safe_pickle.dumps``).
+gate before its rename (``unpickler.dumps``).
 """
 
 from __future__ import annotations

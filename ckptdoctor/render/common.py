@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.locate import TRACKER_NAME
-from ckptdoctor.plain import iter_json, to_plain
+from ckptdoctor.pickle.plain import iter_json, to_plain
 from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def jsonable(value: Any) -> Any:
     """Plain JSON values; dataclasses become dicts, stand-ins and dtypes their readable form (bounded:
-    see :mod:`ckptdoctor.plain`, a checkpoint's values can expand exponentially)."""
+    see :mod:`ckptdoctor.pickle.plain`, a checkpoint's values can expand exponentially)."""
     return to_plain(value)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.plain import OMIT_NONE
+from ckptdoctor.pickle.plain import OMIT_NONE
 from ckptdoctor.severity import ERROR as ERROR  # re-exported: rules and renderers import it from here
 from ckptdoctor.severity import WARNING as WARNING
 

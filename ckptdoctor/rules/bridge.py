@@ -19,9 +19,9 @@ from ckptdoctor.formats.train_state import (
     read_train_state_step,
 )
 from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, iteration_dir_name
+from ckptdoctor.pickle.policy import UnlistedGlobal
 from ckptdoctor.rules import ERROR, WARNING, Finding, family_rule, finding
 from ckptdoctor.rules.safety import gate_findings
-from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.severity import OVERRIDDEN
 
 _rule = family_rule("structure")

@@ -1,7 +1,7 @@
 """``check --deep``: decode every tensor chunk and bytes item of a checkpoint (CKD310-313).
 
 Streams one chunk's byte range at a time (memory stays bounded by the largest chunk) and needs no torch: chunks
-decode to :class:`~ckptdoctor.stand_ins.TensorRef` through the safe unpickler. Each data file is one unit of
+decode to :class:`~ckptdoctor.pickle.stand_ins.TensorRef` through the safe unpickler. Each data file is one unit of
 :func:`ckptdoctor.parallel.map_units` (``--jobs`` processes, or torchrun ranks); CKD313's NaN/Inf counting is
 :mod:`ckptdoctor.rules.non_finite`. The rules themselves are in the family's table, :mod:`.integrity`.
 """
@@ -12,20 +12,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptdoctor import safe_pickle
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
 from ckptdoctor.formats.archive import ArchiveError, chunk_limits, is_torch_zip, storage_ref
 from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
+from ckptdoctor.pickle import unpickler
+from ckptdoctor.pickle.policy import UnlistedGlobal
+from ckptdoctor.pickle.torch_stand_ins import StorageRef, TensorRef
 from ckptdoctor.rules import Finding, finding
 from ckptdoctor.rules.integrity import BLOB_SIZE, BLOB_UNDECODABLE, ITEM_UNDECODABLE, NON_FINITE
 from ckptdoctor.rules.non_finite import NonFinite
 from ckptdoctor.rules.safety import item_findings, refused_pickle, unlisted_globals
 from ckptdoctor.rules.structure import Scanned
-from ckptdoctor.safe_globals import UnlistedGlobal
 from ckptdoctor.severity import OVERRIDDEN
 from ckptdoctor.storage.stream import read_ranges
-from ckptdoctor.torch_stand_ins import StorageRef, TensorRef
 
 NON_FINITE_SECTIONS = ("model", "optimizer")
 # The distributed optimizer's flat buckets (dp_reshardable: optimizer.distributed.dp_group_idx_*.gbuf_idx_*...
@@ -191,7 +191,7 @@ class _ChunkDecoder:
 def _decide(pickled: bytes, entry: Entry, chunk: DcpChunk) -> _Verdict:
     unlisted: list[UnlistedGlobal] = []
     try:
-        ref = safe_pickle.loads(pickled, _persistent_load, None, unlisted)
+        ref = unpickler.loads(pickled, _persistent_load, None, unlisted)
     except (UnsafePickleError, PickleLimitError) as exc:
         return _Verdict(refused=exc)
     except Exception as exc:  # a corrupt pickle can raise almost anything

@@ -4,8 +4,8 @@ the reader.
 PyTorch DCP reads ``.metadata`` with plain ``pickle.load``, Megatron reads the common state and sharded objects
 with ``weights_only=False``, Transformer Engine before 2.18 ``pickle.loads`` its extra state, and Megatron-Bridge
 instantiates ``_target_`` entries of ``run_config.yaml``: a global in those pickles, or a target in that file, is
-code that runs on load. Every pickle ckptdoctor reads goes through :mod:`ckptdoctor.safe_pickle` (an exact
-allowlist, refused before anything runs) after :mod:`ckptdoctor.pickle_scan` (resource limits), and every archive
+code that runs on load. Every pickle ckptdoctor reads goes through :mod:`ckptdoctor.pickle.unpickler` (an exact
+allowlist, refused before anything runs) after :mod:`ckptdoctor.pickle.scanner` (resource limits), and every archive
 through :mod:`ckptdoctor.formats.archive`; these rules turn the refusals, and the globals read as inert stand-ins
 though not on the allowlist, into findings naming the file, so a check carries on. Every safety finding is an
 error, and none can be deselected (:func:`ckptdoctor.rules.is_selected`): the only override is a global the user
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from ckptdoctor import problems
 from ckptdoctor.errors import CkptError, PickleLimitError, UnlistedGlobalError, UnsafePickleError, without_path
+from ckptdoctor.pickle.policy import UnlistedGlobal, merged_unlisted
 from ckptdoctor.rules import ERROR, Finding, RuleInfo, finding
-from ckptdoctor.safe_globals import UnlistedGlobal, merged_unlisted
 from ckptdoctor.severity import OVERRIDDEN
 
 if TYPE_CHECKING:
@@ -257,8 +257,8 @@ SPEC_MODULE_PREFIXES = ("megatron.core.models.", "megatron.core.transformer.")
 def saved_spec_findings(args: object, path: object, what: str) -> list[Finding]:
     """CKD405 for a saved ``args.spec`` outside Megatron's own spec modules (``--trust-global MODULE.NAME`` trusts
     one): Megatron-LM imports it by name when it loads with ``--use-checkpoint-args``."""
-    from ckptdoctor.safe_globals import trusted_names
-    from ckptdoctor.stand_ins import valid_global_name
+    from ckptdoctor.pickle.policy import trusted_names
+    from ckptdoctor.pickle.stand_ins import valid_global_name
 
     spec = getattr(args, "spec", None) if args is not None and not isinstance(args, dict) else None
     if isinstance(args, dict):
@@ -288,7 +288,7 @@ def run_config_findings(iteration_dir: Path, shown: Path) -> list[Finding]:
     read it cannot vouch for); one that is no text is damage (Bridge's ``yaml.safe_load`` fails on it too)."""
     from ckptdoctor.formats.run_config import MAX_RUN_CONFIG_BYTES, RUN_CONFIG, read_run_config
     from ckptdoctor.formats.run_config_targets import describe, scan_targets
-    from ckptdoctor.safe_globals import trusted_names
+    from ckptdoctor.pickle.policy import trusted_names
 
     path = shown / RUN_CONFIG
     try:

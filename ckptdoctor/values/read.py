@@ -15,7 +15,7 @@ from ckptdoctor.formats import BACKEND_ZARR, raw_chunk_ref, torch_dist
 from ckptdoctor.formats.archive import chunk_limits, parse_archive, storage_ref, unpickle
 from ckptdoctor.formats.torch_zip import load_torch_zip
 from ckptdoctor.numpy_lazy import numpy_or_none
-from ckptdoctor.torch_stand_ins import DtypeRef, TensorRef
+from ckptdoctor.pickle.torch_stand_ins import DtypeRef, TensorRef
 from ckptdoctor.values import archive_memo
 
 if TYPE_CHECKING:

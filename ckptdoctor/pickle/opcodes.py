@@ -1,4 +1,4 @@
-"""The pickle opcodes :mod:`ckptdoctor.pickle_scan` accepts: each opcode's kind (what the scanner does with the
+"""The pickle opcodes :mod:`ckptdoctor.pickle.scanner` accepts: each opcode's kind (what the scanner does with the
 stack) and the width of its argument. ``ckptdoctor/_pickle_scan.c`` switches on the same opcodes."""
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from json.encoder import encode_basestring_ascii as _quoted
 from typing import Any
 
-from ckptdoctor.stand_ins import Record, StandIn
-from ckptdoctor.torch_stand_ins import DtypeRef, StorageTypeRef, TensorRef
+from ckptdoctor.pickle.stand_ins import Record, StandIn
+from ckptdoctor.pickle.torch_stand_ins import DtypeRef, StorageTypeRef, TensorRef
 
 # Types whose repr is short and cannot recurse into pickled data.
 _SAFE_REPR = (

@@ -1,7 +1,7 @@
 """The one unpickler ckptdoctor uses for every pickle it reads, and the one pickler it writes with.
 
-What a global resolves to is the allowlist of :mod:`ckptdoctor.safe_globals` (the policy is described there).
-Before the unpickler runs, :mod:`ckptdoctor.pickle_scan` enforces the resource limits (nesting, memo, string
+What a global resolves to is the allowlist of :mod:`ckptdoctor.pickle.policy` (the policy is described there).
+Before the unpickler runs, :mod:`ckptdoctor.pickle.scanner` enforces the resource limits (nesting, memo, string
 sizes, opcodes that mutate a shared global). Nothing here is shared between reads: stand-in classes and
 torch stand-ins are immutable.
 """
@@ -16,10 +16,8 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from ckptdoctor.errors import CkptError, GateRefusal, PickleLimitError, UnlistedGlobalError, UnsafePickleError
-from ckptdoctor.pickle_limits import PickleLimits
-from ckptdoctor.pickle_scan import scan
-from ckptdoctor.problems import UNLISTED_GLOBAL
-from ckptdoctor.safe_globals import (
+from ckptdoctor.pickle.limits import PickleLimits
+from ckptdoctor.pickle.policy import (
     UnlistedGlobal,
     faithful,
     forget_index_sizes,
@@ -28,8 +26,10 @@ from ckptdoctor.safe_globals import (
     merged_unlisted,
     resolve_global,
 )
-from ckptdoctor.stand_ins import ALIAS_MODULE, ALIAS_TARGETS, StandIn
-from ckptdoctor.torch_stand_ins import StorageRef
+from ckptdoctor.pickle.scanner import scan
+from ckptdoctor.pickle.stand_ins import ALIAS_MODULE, ALIAS_TARGETS, StandIn
+from ckptdoctor.pickle.torch_stand_ins import StorageRef
+from ckptdoctor.problems import UNLISTED_GLOBAL
 
 __all__ = ["SafeUnpickler", "dumps", "dumps_taken", "loads", "loads_prefix"]
 
@@ -52,7 +52,7 @@ class SafeUnpickler(pickle.Unpickler):
     ``persistent_load`` (for torch zip storages) is supplied by the caller; without one, a pickle that
     uses persistent ids is refused. ``unlisted`` collects the globals of this read that are not on the allowlist
     but read as stand-ins (a tolerated namespace's, or trusted), with how the pickle used each.
-    ``index_only``: the result is read, never written back (see :func:`ckptdoctor.safe_globals.index_only`).
+    ``index_only``: the result is read, never written back (see :func:`ckptdoctor.pickle.policy.index_only`).
     """
 
     def __init__(
@@ -71,7 +71,7 @@ class SafeUnpickler(pickle.Unpickler):
 
     def load(self) -> Any:
         """``pickle.Unpickler.load``; a load shares equal sizes within itself only (the tables of
-        ``safe_globals.index_size`` and ``faithful_size`` are emptied before and after it), so what one load builds
+        ``policy.index_size`` and ``faithful_size`` are emptied before and after it), so what one load builds
         never depends on another."""
         forget_index_sizes()
         try:
@@ -157,7 +157,7 @@ def loads(
     _ours: bool = False,
 ) -> Any:
     """Unpickle ``data`` under the allowlist and the limits. Globals read as stand-ins though not on the allowlist
-    go to ``unlisted`` (see :class:`~ckptdoctor.safe_globals.UnlistedGlobal`).
+    go to ``unlisted`` (see :class:`~ckptdoctor.pickle.policy.UnlistedGlobal`).
 
     Raises :class:`UnsafePickleError` (a refused global), :class:`PickleLimitError` (a limit) or whatever
     a corrupt pickle raises (callers turn that into a message naming the file). ``index_only``: DCP records

@@ -1,7 +1,7 @@
 """DCP's per-tensor enum and layout values as C-speed value classes: ``int`` and ``str`` subclasses the unpickler
 builds without a Python call per tensor, each pickling back to the torch call that made it.
 
-Split from :mod:`ckptdoctor.torch_stand_ins` (the object stand-ins); :mod:`ckptdoctor.safe_globals` resolves the
+Split from :mod:`ckptdoctor.pickle.torch_stand_ins` (the object stand-ins); :mod:`ckptdoctor.pickle.policy` resolves the
 torch names of :data:`TORCH_VALUE_CLASSES` to them.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptdoctor.stand_ins import ALIAS_MODULE, register_alias
+from ckptdoctor.pickle.stand_ins import ALIAS_MODULE, register_alias
 
 
 class LayoutName(str):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from ckptdoctor.stand_ins import Record, TupleStateRecord, build_state, check_properties_state
+from ckptdoctor.pickle.stand_ins import Record, TupleStateRecord, build_state, check_properties_state
 
 
 class CompactKeys(tuple):
@@ -59,7 +59,7 @@ class IndexTupleStateRecord(IndexRecord):
 
 class DroppedRecord:
     """What an index-only read builds for each part of megatron-core's ``all_local_plans`` (see
-    ``safe_globals.index_only``): always the one :data:`DROPPED` object, which keeps nothing it is given. Every rank's
+    ``policy.index_only``): always the one :data:`DROPPED` object, which keeps nothing it is given. Every rank's
     plan holds a write item, its tensor data and its index per chunk (about as many records as the index itself,
     built at the peak of the read), and the index reads none of them: each is let go at its BUILD."""
 

@@ -6,7 +6,7 @@ when it is hashed (SIGSEGV), a ``LONG_BINPUT`` of index 2**31 allocates a memo o
 class object changes that class for every later read. This scanner walks the opcode stream once, tracking for
 each stack item only whether it is a global (a class or function) and how deeply tuples nest in it, and
 refuses what the limits forbid *before* the real unpickler runs. Names of globals are checked by the
-unpickler itself (``safe_globals.resolve_global``), which sees every GLOBAL and STACK_GLOBAL.
+unpickler itself (``policy.resolve_global``), which sees every GLOBAL and STACK_GLOBAL.
 
 Tuples are the only containers whose hash recurses in C without a recursion check; every other path that
 could build deep nesting (``builtins.tuple``, ``copyreg._reconstructor`` with a tuple base, ...) is off the
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptdoctor.errors import PickleLimitError
-from ckptdoctor.pickle_limits import PickleLimits, current_limits
-from ckptdoctor.pickle_opcodes import (
+from ckptdoctor.pickle.limits import PickleLimits, current_limits
+from ckptdoctor.pickle.opcodes import (
     ADDITEMS,
     APPEND1,
     ARG_WIDTH,

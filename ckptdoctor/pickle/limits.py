@@ -1,6 +1,6 @@
 """Resource limits for every pickle ckptdoctor reads: the defaults, or what the command line set.
 
-:mod:`ckptdoctor.pickle_scan` enforces them before the unpickler runs; readers that size a read by the limit
+:mod:`ckptdoctor.pickle.scanner` enforces them before the unpickler runs; readers that size a read by the limit
 (``.metadata``, bytes items) ask :func:`current_limits`.
 """
 

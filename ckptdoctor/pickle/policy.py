@@ -11,7 +11,7 @@ megatron-core 0.14-0.19, PyTorch DCP, Transformer Engine and Megatron-Bridge wri
 * torch names resolve to light stand-ins (dtypes, ``torch.Size``, storages, tensors, DCP records), so
   metadata is read without importing torch;
 * megatron / Transformer Engine / numpy classes on the list become inert stand-ins: calling one only records
-  its arguments, and it pickles back (``safe_pickle.dumps``) to the same global reference;
+  its arguments, and it pickles back (``unpickler.dumps``) to the same global reference;
 * an unlisted global of the megatron, transformer_engine or nemo namespaces is read as an inert stand-in too
   (so ``inspect``/``show``/``diff`` can still show a strange checkpoint) but recorded as an
   :class:`UnlistedGlobal`: the gate (``check``, every write) fails on it, because the next loader imports the
@@ -43,10 +43,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
-from ckptdoctor.index_records import DroppedRecord, index_record_class
-from ckptdoctor.pickle_limits import DEFAULT_LIMITS, current_limits
-from ckptdoctor.stand_ins import RECORD_BASES, STAND_IN_TYPES, Record, record_class, stand_in_class, valid_global_name
-from ckptdoctor.torch_stand_ins import (
+from ckptdoctor.pickle.index_records import DroppedRecord, index_record_class
+from ckptdoctor.pickle.limits import DEFAULT_LIMITS, current_limits
+from ckptdoctor.pickle.stand_ins import (
+    RECORD_BASES,
+    STAND_IN_TYPES,
+    Record,
+    record_class,
+    stand_in_class,
+    valid_global_name,
+)
+from ckptdoctor.pickle.torch_stand_ins import (
     DTYPE_ALIASES,
     INDEX_SIZE,
     TORCH_DTYPES,
@@ -55,7 +62,7 @@ from ckptdoctor.torch_stand_ins import (
     Size,
     StorageTypeRef,
 )
-from ckptdoctor.torch_values import TORCH_VALUE_CLASSES
+from ckptdoctor.pickle.torch_values import TORCH_VALUE_CLASSES
 
 index_size: Callable[..., Any]
 faithful_size: Callable[..., Any]
@@ -459,7 +466,7 @@ PLAN_PARTS: frozenset[tuple[str, str]] = frozenset(
 
 def faithful(obj: Any) -> Any:
     """What a resolved global builds in a faithful read (a rewrite's, written back): ``torch.Size`` one
-    :class:`~ckptdoctor.torch_stand_ins.Size` per distinct size of ints within a load (:data:`faithful_size`:
+    :class:`~ckptdoctor.pickle.torch_stand_ins.Size` per distinct size of ints within a load (:data:`faithful_size`:
     sizes are immutable, so records may share one, and the pickle written back then holds each distinct size once);
     anything else is itself."""
     return faithful_size if obj is Size else obj
@@ -467,10 +474,10 @@ def faithful(obj: Any) -> Any:
 
 def index_only(obj: Any) -> Any:
     """What a resolved global builds when ``.metadata`` is read for its index only: DCP records become
-    :class:`~ckptdoctor.index_records.IndexRecord` lists and ``torch.Size`` the plain argument tuple (both at C
+    :class:`~ckptdoctor.pickle.index_records.IndexRecord` lists and ``torch.Size`` the plain argument tuple (both at C
     speed, with no second copy of any state; with the C extension, one tuple per distinct size of ints within a
     load, see :func:`forget_index_sizes`); the parts of megatron-core's plans (:data:`PLAN_PARTS`) the one
-    :data:`~ckptdoctor.index_records.DROPPED` object; anything else is itself. Hashing is unchanged (records and
+    :data:`~ckptdoctor.pickle.index_records.DROPPED` object; anything else is itself. Hashing is unchanged (records and
     plan parts by identity, sizes as tuples: the pre-pass counts them as it counts ``Size``)."""
     if obj is Size:
         return index_size

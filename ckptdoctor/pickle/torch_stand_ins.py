@@ -2,7 +2,7 @@
 
 dtypes (:class:`DtypeRef`), ``torch.Size`` (:class:`Size`), typed-storage classes (:class:`StorageTypeRef`),
 storages of ``torch.save`` archives (:class:`StorageRef`), tensors (:class:`TensorRef`), the tensor rebuild
-functions. Each pickles back to its torch global (DCP's enum and layout values: :mod:`ckptdoctor.torch_values`).
+functions. Each pickles back to its torch global (DCP's enum and layout values: :mod:`ckptdoctor.pickle.torch_values`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-from ckptdoctor.stand_ins import ALIAS_MODULE, register_alias
+from ckptdoctor.pickle.stand_ins import ALIAS_MODULE, register_alias
 
 # --- torch stand-ins ---------------------------------------------------------------------------------
 

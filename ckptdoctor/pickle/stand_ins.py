@@ -3,11 +3,11 @@
 * :class:`StandIn`: any third-party global (megatron, transformer_engine, nemo, numpy, ...). Calling it only
   records the arguments; BUILD records the state.
 * :class:`Record`: the DCP metadata dataclasses, built at C speed (one per chunk in a large checkpoint).
-* torch objects live in :mod:`ckptdoctor.torch_stand_ins`; the lighter records of index-only reads in
-  :mod:`ckptdoctor.index_records`.
+* torch objects live in :mod:`ckptdoctor.pickle.torch_stand_ins`; the lighter records of index-only reads in
+  :mod:`ckptdoctor.pickle.index_records`.
 
 Each is registered under an alias in a private module so that the C pickler can write it back
-(``safe_pickle.dumps`` swaps the alias for the original global reference).
+(``unpickler.dumps`` swaps the alias for the original global reference).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class StandIn(metaclass=_FrozenClass):
     def __eq__(self, other: object) -> bool:
         if type(self) is not type(other):
             return False
-        from ckptdoctor.plain import fingerprint
+        from ckptdoctor.pickle.plain import fingerprint
 
         return fingerprint(self) == fingerprint(other)
 
@@ -158,12 +158,12 @@ class StandIn(metaclass=_FrozenClass):
         # From a collision-resistant digest of the class, recorded args and state (shared references digested
         # once): a per-class constant made DCP's storage_data quadratic to load, and a hash of the args tuple
         # could be made to collide at will by a pickle (ints hash alike in every process: hash flooding).
-        from ckptdoctor.plain import fingerprint
+        from ckptdoctor.pickle.plain import fingerprint
 
         return int.from_bytes(fingerprint(self)[:8], "little", signed=True)
 
     def __repr__(self) -> str:
-        from ckptdoctor.plain import short_repr  # bounded: pickled args can expand exponentially
+        from ckptdoctor.pickle.plain import short_repr  # bounded: pickled args can expand exponentially
 
         return short_repr(self)
 
@@ -286,7 +286,7 @@ class Record(metaclass=_FrozenClass):
         return f"{module}.{name}"
 
     def __repr__(self) -> str:
-        from ckptdoctor.plain import short_repr  # bounded, like StandIn
+        from ckptdoctor.pickle.plain import short_repr  # bounded, like StandIn
 
         return short_repr(self)
 
