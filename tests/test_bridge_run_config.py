@@ -60,7 +60,7 @@ def test_fix_args_rewrites_only_the_run_config(capsys, tmp_path):
     report = json.loads(out)
     jsonschema.validate(report, json.loads((REPO / "docs" / "fix-args.schema.json").read_text()))
     assert rc == 1 and report["config_source"] == "run_config.yaml"
-    rc, out, err = run_main(capsys, "fix-args", save, "--write", "--in-place")
+    rc, out, err = run_main(capsys, "fix-args", save, "--in-place")
     assert rc == 0, out + err
     after = file_digests(save / ITER)
     changed = {name for name in before if before[name] != after.get(name)}
@@ -79,7 +79,7 @@ def test_fix_args_rewrites_only_the_run_config(capsys, tmp_path):
 
 def test_set_refuses_a_name_the_run_config_lacks(capsys, tmp_path):
     save = _bridge_converted(tmp_path)
-    rc, _, err = run_main(capsys, "fix-args", save, "--set", "foo=3", "--force", "--write", "--in-place")
+    rc, _, err = run_main(capsys, "fix-args", save, "--set", "foo=3", "--force", "--in-place")
     assert rc == 2 and "run_config.yaml's model section has no 'foo'" in err
     assert (save / ITER / "run_config.yaml").read_text() == RUN_CONFIG
 
@@ -144,7 +144,7 @@ def test_inspect_shows_the_run_config_in_place_of_args(capsys, tmp_path):
 def test_diff_compares_run_configs_where_no_args_are_saved(capsys, tmp_path):
     stale = _bridge_converted(tmp_path / "a")
     fixed = _bridge_converted(tmp_path / "b")
-    assert run_main(capsys, "fix-args", fixed, "--write", "--in-place")[0] == 0
+    assert run_main(capsys, "fix-args", fixed, "--in-place")[0] == 0
     rc, out, _ = run_main(capsys, "diff", fixed, stale, "--format", "json")
     report = json.loads(out)
     changes = {d["name"]: (d["a"], d["b"]) for group in report["args"]["groups"].values() for d in group}

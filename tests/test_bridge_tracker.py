@@ -56,7 +56,7 @@ def test_torn_bridge_tracker_is_found_and_repaired_in_place(capsys, tmp_path):
     (save / BRIDGE).write_bytes(torn)
     rc, out, _ = run_main(capsys, "check", save)
     assert rc == 1 and f"{save / BRIDGE}: CKD123 [error]" in out and "fix: ckptdoctor repair" in out
-    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    rc, out, _ = run_main(capsys, "repair", save, "--in-place", "--format", "json")
     report = json.loads(out)
     assert rc == 0, out
     assert [(a["kind"], a["fixes"], a["value"]) for a in report["actions"]] == [("bridge-tracker", ["CKD123"], "10")]
@@ -71,7 +71,7 @@ def test_bridge_tracker_naming_a_missing_dir(capsys, tmp_path):
     shutil.copy(STATES / "train_state_step20.pt", save / BRIDGE)
     rc, out, _ = run_main(capsys, "check", save)
     assert rc == 1 and "CKD124" in out and "says step 20 but iter_0000020 does not exist" in out
-    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = run_main(capsys, "repair", save, "--in-place")
     assert rc == 0, out
     assert (save / BRIDGE).read_bytes() == (STATES / "train_state_step10.pt").read_bytes()
     assert _codes(save) == []
@@ -88,7 +88,7 @@ def test_disagreeing_trackers_bridge_follows_the_text_one(capsys, tmp_path):
     message = next(f.message for f in report.findings if f.code == "CKD125")
     assert "Megatron-Bridge resumes from iter_0000020" in message and "Megatron-LM resumes from iter_0000010" in message
     iter_20 = sorted(p.read_bytes() for p in (save / "iter_0000020").iterdir())
-    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    rc, out, _ = run_main(capsys, "repair", save, "--in-place", "--format", "json")
     assert rc == 0, out
     assert [a["kind"] for a in json.loads(out)["actions"]] == ["bridge-tracker"]
     assert (save / BRIDGE).read_bytes() == (STATES / "train_state_step10.pt").read_bytes()
@@ -103,7 +103,7 @@ def test_text_tracker_moved_and_bridge_tracker_follows(capsys, tmp_path):
     (save / TRACKER).write_text("20")
     shutil.copy(save / "iter_0000020" / "train_state.pt", save / BRIDGE)
     (save / "iter_0000020" / "__1_0.distcp").unlink()
-    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    rc, out, _ = run_main(capsys, "repair", save, "--in-place", "--format", "json")
     report = json.loads(out)
     assert rc == 0, out
     assert [(a["kind"], a["value"]) for a in report["actions"]] == [("tracker", "10"), ("bridge-tracker", "10")]
@@ -115,7 +115,7 @@ def test_text_tracker_moved_and_bridge_tracker_follows(capsys, tmp_path):
 def test_text_tracker_repaired_bridge_tracker_already_right(capsys, tmp_path):
     save = _bridge_save(tmp_path)
     (save / TRACKER).write_text("99")
-    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    rc, out, _ = run_main(capsys, "repair", save, "--in-place", "--format", "json")
     assert rc == 0, out
     assert [a["kind"] for a in json.loads(out)["actions"]] == ["tracker"]
     assert not list(save.glob(f"{BRIDGE}.bak-*"))  # untouched: it already names iter 10
@@ -136,7 +136,7 @@ def test_train_state_of_the_wrong_step_and_no_copy_from_it(capsys, tmp_path):
     findings = {(f.code, f.message) for f in check_paths([str(save)]).findings}
     assert ("CKD133", "says step 20, the dir name 10: Megatron-Bridge would resume at step 20") in findings
     assert "CKD123" in {code for code, _ in findings}
-    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = run_main(capsys, "repair", save, "--in-place")
     assert rc == 1 and "CKD133" in out
     assert (save / BRIDGE).read_bytes() == b"" and not list(save.glob("*.bak-*"))  # nothing written
 
@@ -146,7 +146,7 @@ def test_iteration_without_train_state_cannot_feed_the_bridge_tracker(capsys, tm
     (save / ITER / "train_state.pt").unlink()  # Bridge then rebuilds its counters: not an error
     (save / BRIDGE).write_bytes(b"garbage")
     assert _codes(save) == ["CKD123"]
-    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = run_main(capsys, "repair", save, "--in-place")
     assert rc == 1 and "refused [CKD123]" in out and "has no train_state.pt to copy" in out
     assert (save / BRIDGE).read_bytes() == b"garbage"
 
@@ -174,7 +174,7 @@ def test_bridge_tracker_that_is_a_fifo_or_a_dir(capsys, tmp_path):
     os.mkfifo(save / BRIDGE)
     rc, out, _ = run_main(capsys, "check", save)  # never blocks on the FIFO
     assert rc == 1 and "CKD123" in out and "not a regular file" in out
-    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = run_main(capsys, "repair", save, "--in-place")
     assert rc == 0, out
     backups = list(save.glob(f"{BRIDGE}.bak-*"))
     assert len(backups) == 1 and backups[0].is_fifo()  # moved aside, not lost
@@ -188,7 +188,7 @@ def test_repair_to_an_output_writes_both_trackers(capsys, tmp_path):
     (save / "iter_0000020" / "__1_0.distcp").unlink()
     before = sorted((p.name, p.read_bytes()) for p in save.rglob("*") if p.is_file())
     out_dir = tmp_path / "out"
-    rc, out, _ = run_main(capsys, "repair", save, "--write", "--output", out_dir)
+    rc, out, _ = run_main(capsys, "repair", save, "--output", out_dir)
     assert rc == 0, out
     assert sorted((p.name, p.read_bytes()) for p in save.rglob("*") if p.is_file()) == before  # source untouched
     assert (out_dir / TRACKER).read_text() == "10"
@@ -200,7 +200,7 @@ def test_killed_between_backup_and_write_then_rerun(tmp_path):
     save = _bridge_save(tmp_path)
     torn = (save / BRIDGE).read_bytes()[:500]
     (save / BRIDGE).write_bytes(torn)
-    cmd = [sys.executable, "-m", "ckptdoctor", "repair", str(save), "--write", "--in-place"]
+    cmd = [sys.executable, "-m", "ckptdoctor", "repair", str(save), "--in-place"]
     env = dict(os.environ, **{FAULT_ENV: "repair:bridge-tracker-backup"})
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == FAULT_EXIT_CODE, result.stderr
@@ -228,7 +228,7 @@ print("iter_{:07d}".format(values["step"]))
 def test_repaired_bridge_tracker_reads_with_torch_as_bridge_reads_it(capsys, tmp_path):
     save = _bridge_save(tmp_path)
     (save / BRIDGE).write_bytes(b"PK\x03\x04 torn")
-    assert main(["repair", str(save), "--write", "--in-place"]) == 0
+    assert main(["repair", str(save), "--in-place"]) == 0
     capsys.readouterr()
     result = subprocess.run(
         [sys.executable, "-c", _BRIDGE_READ, str(save / BRIDGE)], capture_output=True, text=True, timeout=120
@@ -272,7 +272,7 @@ def test_inspect_names_the_bridge_tracker_where_it_differs(capsys, tmp_path):
     [
         ("core019_peft_full_tp1", ["strip-frozen", "--preset", "lora", "-o"]),
         ("core019_tp2", ["edit", "--drop-section", "optimizer", "-o"]),
-        ("core019_convert_tp4", ["fix-args", "--write", "--output"]),
+        ("core019_convert_tp4", ["fix-args", "--output"]),
     ],
 )
 def test_rewritten_save_dirs_carry_the_bridge_tracker(capsys, tmp_path, fixture, command):
@@ -299,7 +299,7 @@ def test_save_dir_with_only_the_bridge_tracker_is_followed(capsys, tmp_path):
     rc, out, _ = run_main(capsys, "inspect", save)
     assert rc == 0 and f"checkpoint      {save / ITER}" in out
     assert "(Megatron-Bridge's tracker says 10, no latest_checkpointed_iteration.txt)" in out
-    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    rc, out, _ = run_main(capsys, "repair", save, "--in-place", "--format", "json")
     assert rc == 0 and [a["kind"] for a in json.loads(out)["actions"]] == ["tracker"]
     assert (save / TRACKER).read_text() == "10" and not list(save.glob(f"{BRIDGE}.bak-*"))
     (save / TRACKER).unlink()

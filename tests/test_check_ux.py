@@ -111,22 +111,22 @@ def test_text_shows_severity_and_fix(capsys):
     lines = out.splitlines()
     assert rc == 1
     assert lines[0].startswith(f"{CONVERTED / ITER}: CKD203 [warning] ")
-    assert lines[1] == f"    fix: ckptdoctor fix-args {CONVERTED / ITER} --write --in-place"
+    assert lines[1] == f"    fix: ckptdoctor fix-args {CONVERTED / ITER} --in-place"
     assert f"{CONVERTED / ITER}: CKD210 [error] tensor_parallel_num_weight_shards=1" in out
     assert lines[-1] == "Found 3 problems (1 error, 2 warnings) in 1 checkpoint; 3 fixable (see the fix: lines)."
 
 
 def test_fix_in_json_and_repair_hints(capsys, copy_fixture):
     rc, report = _json(capsys, str(CONVERTED))
-    assert {f["fix"] for f in report["findings"]} == {f"ckptdoctor fix-args {CONVERTED / ITER} --write --in-place"}
+    assert {f["fix"] for f in report["findings"]} == {f"ckptdoctor fix-args {CONVERTED / ITER} --in-place"}
     save = copy_fixture("core019_tp2")
     (save / ITER / "metadata.json").unlink()
     shutil.copy(save / ITER / "__0_0.distcp", save / ITER / "__5_0.distcp")
     (save / "latest_checkpointed_iteration.txt").write_text("30")
     rc, report = _json(capsys, "--all-iterations", str(save))
     fixes = {f["code"]: f["fix"] for f in report["findings"]}
-    assert fixes["CKD101"] == fixes["CKD115"] == f"ckptdoctor repair {save / ITER} --write --in-place"
-    assert fixes["CKD121"] == f"ckptdoctor repair {save} --write --in-place"  # the tracker: the save dir
+    assert fixes["CKD101"] == fixes["CKD115"] == f"ckptdoctor repair {save / ITER} --in-place"
+    assert fixes["CKD121"] == f"ckptdoctor repair {save} --in-place"  # the tracker: the save dir
     (save / ITER / "__0_0.distcp").write_bytes(b"x")
     rc, report = _json(capsys, str(save / ITER))
     assert {f["fix"] for f in report["findings"] if f["code"] == "CKD114"} == {None}  # nothing fixes lost data
@@ -136,13 +136,13 @@ def test_fix_table_is_the_one_source(capsys):
     for rule in all_rules():
         assert rule.fix == fix_command(rule.code)
     assert all(any(r.code.startswith(prefix) for r in all_rules()) for prefix in FIX_COMMANDS)
-    assert fix_command("CKD210", "my ckpt") == "ckptdoctor fix-args 'my ckpt' --write --in-place"
+    assert fix_command("CKD210", "my ckpt") == "ckptdoctor fix-args 'my ckpt' --in-place"
     rc, out, _ = _run(capsys, "rules", "CKD210")
-    assert rc == 0 and "fix: ckptdoctor fix-args CKPT --write --in-place" in out
+    assert rc == 0 and "fix: ckptdoctor fix-args CKPT --in-place" in out
     rc, out, _ = _run(capsys, "rules", "CKD113")
     assert "fix: none (no automatic fix)" in out
     rc, out, _ = _run(capsys, "rules", "--format", "json", "CKD12")
-    assert {r["fix"] for r in json.loads(out)["rules"]} == {"ckptdoctor repair CKPT --write --in-place"}
+    assert {r["fix"] for r in json.loads(out)["rules"]} == {"ckptdoctor repair CKPT --in-place"}
 
 
 # --- 6. --statistics, github, sarif ------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def test_github_annotations(capsys, copy_fixture):
     assert rc == 1 and len(lines) == 3
     assert lines[0].startswith(f"::warning file={CONVERTED / ITER},title=CKD203::CKD203 no experts")
     assert lines[1].startswith(f"::error file={CONVERTED / ITER},title=CKD210::CKD210 ")
-    assert lines[1].endswith(f"(fix: ckptdoctor fix-args {CONVERTED / ITER} --write --in-place)")
+    assert lines[1].endswith(f"(fix: ckptdoctor fix-args {CONVERTED / ITER} --in-place)")
     save = copy_fixture("core019_tp1")
     odd = save / ITER / "__7_0,x:%\nFAKE.distcp"  # reserved characters in a property and the message
     odd.write_bytes(b"x")  # an empty unreferenced file is no finding

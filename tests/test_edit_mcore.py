@@ -111,7 +111,7 @@ def test_weights_only_edit_loads_at_tp2_same_layout_without_rng_flags(weights_on
     assert "--no-load-rng" not in flags
     control = tmp_path / "control"
     proc = subprocess.run(
-        [sys.executable, "-m", "ckptdoctor", "fix-args", str(tp2), "--write", "--output", str(control)]
+        [sys.executable, "-m", "ckptdoctor", "fix-args", str(tp2), "--output", str(control)]
         + ["--set", "no_save_rng=false", "--only-set"],
         cwd=REPO,
         capture_output=True,

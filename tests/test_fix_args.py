@@ -87,7 +87,7 @@ def test_consistent_checkpoints_report_nothing(capsys, name):
 def test_write_output_loads_in_megatron(capsys, tmp_path, target, source):
     before = _hashes(FIXTURES / target)
     out_dir = tmp_path / "fixed"
-    rc, out, _ = _run(capsys, "fix-args", FIXTURES / target, "--write", "--output", out_dir, "--format", "json")
+    rc, out, _ = _run(capsys, "fix-args", FIXTURES / target, "--output", out_dir, "--format", "json")
     assert rc == 0
     report = json.loads(out)
     assert report["written"]["mode"] == "output" and report["remaining"] == []
@@ -121,7 +121,7 @@ def test_write_in_place_keeps_backups_and_restores(capsys, copy_fixture):
     iteration_dir = save / "iter_0000010"
     original_metadata = (iteration_dir / ".metadata").read_bytes()
     data_before = {k: v for k, v in _hashes(iteration_dir).items() if k.endswith(".distcp")}
-    rc, out, _ = _run(capsys, "fix-args", save, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "fix-args", save, "--in-place")
     assert rc == 0 and "backup:" in out
     backups = list(iteration_dir.glob(".metadata.bak-*"))
     assert len(backups) == 1 and backups[0].read_bytes() == original_metadata
@@ -142,7 +142,7 @@ def test_write_in_place_common_pt_era(capsys, copy_fixture):
     save = copy_fixture("core016_convert_tp4")
     iteration_dir = save / "iter_0000010"
     metadata_before = (iteration_dir / ".metadata").read_bytes()
-    rc, _, _ = _run(capsys, "fix-args", save, "--write", "--in-place")
+    rc, _, _ = _run(capsys, "fix-args", save, "--in-place")
     assert rc == 0
     assert (iteration_dir / ".metadata").read_bytes() == metadata_before  # only common.pt is replaced
     assert len(list(iteration_dir.glob("common.pt.bak-*"))) == 1
@@ -167,7 +167,7 @@ def test_crash_between_write_steps_leaves_source_loadable(copy_fixture, tmp_path
     target = ["--in-place"] if mode == "in-place" else ["--output", str(tmp_path / "out")]
     env = dict(os.environ, **{FAULT_ENV: step})
     result = subprocess.run(
-        [sys.executable, "-m", "ckptdoctor", "fix-args", str(save), "--write", *target],
+        [sys.executable, "-m", "ckptdoctor", "fix-args", str(save), *target],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -213,7 +213,6 @@ def test_set_unknown_with_force_loads_in_megatron(capsys, tmp_path):
         "--set",
         "no_such_arg=3",
         "--force",
-        "--write",
         "--output",
         out_dir,
         "--format",
@@ -228,15 +227,16 @@ def test_output_refuses_non_empty_dir(capsys, tmp_path):
     out_dir = tmp_path / "busy"
     out_dir.mkdir()
     (out_dir / "x").write_text("keep me")
-    rc, _, err = _run(capsys, "fix-args", FIXTURES / "core019_convert_tp4", "--write", "--output", out_dir)
+    rc, _, err = _run(capsys, "fix-args", FIXTURES / "core019_convert_tp4", "--output", out_dir)
     assert rc == 2 and "not empty" in err and (out_dir / "x").read_text() == "keep me"
 
 
-def test_usage_errors(capsys):
-    rc, _, err = _run(capsys, "fix-args", FIXTURES / "core019_convert_tp4", "--write")
-    assert rc == 2 and "--output" in err
-    rc, _, err = _run(capsys, "fix-args", FIXTURES / "core019_convert_tp4", "--in-place")
-    assert rc == 2
+def test_usage_errors(capsys, tmp_path):
+    src = FIXTURES / "core019_convert_tp4"
+    rc, _, err = _run(capsys, "fix-args", src, "--write")
+    assert rc == 2 and "--write needs -o/--output DIR or --in-place" in err and "deprecated" in err
+    rc, _, err = _run(capsys, "fix-args", src, "-o", tmp_path / "o", "--in-place")
+    assert rc == 2 and "not both" in err and not (tmp_path / "o").exists()
 
 
 @pytest.mark.mcore
@@ -253,7 +253,7 @@ def test_run_config_and_integrity_kept_consistent(capsys, copy_fixture, tmp_path
         f"save_integrity_manifest({str(iteration_dir)!r})"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
-    rc, out, _ = _run(capsys, "fix-args", save, "--write", "--output", tmp_path / "out")
+    rc, out, _ = _run(capsys, "fix-args", save, "--output", tmp_path / "out")
     assert rc == 0 and "run_config.yaml updated" in out and "integrity.json updated" in out
     fixed = tmp_path / "out" / "iter_0000010"
     text = (fixed / "run_config.yaml").read_text()
@@ -267,7 +267,7 @@ def test_a_run_config_that_is_not_utf8_is_one_error_naming_it(capsys, copy_fixtu
     save = copy_fixture("core019_convert_tp4")
     run_config = save / "iter_0000010" / "run_config.yaml"
     run_config.write_bytes(b"model:\n  tensor_parallel_num_weight_shards: 1\n\xff\xfe\n")
-    rc, _, err = _run(capsys, "fix-args", save, "--write", "--output", tmp_path / "out")
+    rc, _, err = _run(capsys, "fix-args", save, "--output", tmp_path / "out")
     assert rc == 2 and f"{run_config}: not UTF-8 text" in err and "internal error" not in err, err
     assert not (tmp_path / "out").exists()
 
@@ -277,13 +277,13 @@ def test_a_run_config_that_is_not_utf8_is_one_error_naming_it(capsys, copy_fixtu
 
 def test_write_leads_with_what_was_wrong_and_json_keeps_findings(capsys, tmp_path):
     target = FIXTURES / "core019_convert_tp4"
-    rc, out, _ = _run(capsys, "fix-args", target, "--write", "--output", tmp_path / "a")
+    rc, out, _ = _run(capsys, "fix-args", target, "--output", tmp_path / "a")
     assert rc == 0
     assert out.index("was wrong (3 inconsistent args)") < out.index("changed:") < out.index("wrote ")
     assert "tensor_parallel_num_weight_shards: 1 -> 4 (fix)" in out
     assert out.rstrip().endswith("after writing: the args are consistent with the checkpoint's parallelism")
     assert "args are consistent" not in out.splitlines()[1]
-    rc, out, _ = _run(capsys, "fix-args", target, "--write", "--output", tmp_path / "b", "--format", "json")
+    rc, out, _ = _run(capsys, "fix-args", target, "--output", tmp_path / "b", "--format", "json")
     assert rc == 0
     report = json.loads(out)
     jsonschema.validate(report, SCHEMA)
@@ -319,7 +319,6 @@ def test_world_size_derived_from_data_parallel_size(capsys, tmp_path):
         FIXTURES / "core019_tp2_dp2",
         "--set",
         "world_size=3",
-        "--write",
         "--only-set",
         "--output",
         bad,
@@ -336,7 +335,7 @@ def test_world_size_derived_from_data_parallel_size(capsys, tmp_path):
     (finding,) = json.loads(out)["findings"]
     assert finding["arg"] == "world_size" and finding["saved"] == 3 and finding["correct"] == 4
     assert "TP x PP x CP x DP = 4" in finding["reason"]
-    rc, out, _ = _run(capsys, "fix-args", bad, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "fix-args", bad, "--in-place")
     assert rc == 0 and "world_size: 3 -> 4 (fix)" in out
 
 
@@ -345,7 +344,6 @@ def test_write_exits_1_when_findings_remain_text(capsys, tmp_path):
         capsys,
         "fix-args",
         FIXTURES / "core019_convert_tp4",
-        "--write",
         "--output",
         tmp_path / "o",
         "--set",

@@ -103,9 +103,9 @@ def test_trusted_global_is_written_back_and_untrusted_refused(capsys, copy_fixtu
     with trusting([HELPER_NAME]):
         state["extra"] = unpickler.loads(b"\x80\x04" + CALLED + b".")
         path.write_bytes(dump_torch_zip(state))
-    rc, _, err = run_main(capsys, "fix-args", save, "--set", "seed=3", "--write", "--output", tmp_path / "o")
+    rc, _, err = run_main(capsys, "fix-args", save, "--set", "seed=3", "--output", tmp_path / "o")
     assert rc == 1 and "CKD402" in err and HELPER_NAME in err and not (tmp_path / "o").exists()
-    args = ("fix-args", save, "--set", "seed=3", "--write", "--output", tmp_path / "o", "--trust-global", HELPER_NAME)
+    args = ("fix-args", save, "--set", "seed=3", "--output", tmp_path / "o", "--trust-global", HELPER_NAME)
     rc, _, err = run_main(capsys, *args)
     assert rc == 0, err
     rc, report = _check(capsys, "--trust-global", HELPER_NAME, tmp_path / "o")

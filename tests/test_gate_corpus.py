@@ -116,7 +116,7 @@ def _write_commands(p, out: Path) -> dict[str, list]:
     return {
         "strip-frozen": ["strip-frozen", p.iter_dir, "--output", out, "--trainable", "linear_proj"],
         "edit": ["edit", p.iter_dir, "--output", out, "--remove", r"decoder\.final_layernorm\.weight"],
-        "fix-args": ["fix-args", p.save_dir, "--write", "--output", out],
+        "fix-args": ["fix-args", p.save_dir, "--output", out],
         "seal": ["seal", p.iter_dir],
     }
 

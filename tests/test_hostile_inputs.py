@@ -489,9 +489,9 @@ def test_write_commands_refuse_to_copy_an_unsafe_bytes_item(save_dir, tmp_path, 
     assert rc == 1 and "CKD401" in codes(report), report
     before = {p.name: p.read_bytes() for p in it.iterdir() if p.is_file()}
     commands = [
-        ["fix-args", "--write", "--output", str(tmp_path / "out-fix"), "--set", "seed=2"],
-        ["fix-args", "--write", "--in-place", "--set", "seed=2"],
-        ["fix-args", "--write", "--in-place", "--force", "--set", "seed=2"],
+        ["fix-args", "--output", str(tmp_path / "out-fix"), "--set", "seed=2"],
+        ["fix-args", "--in-place", "--set", "seed=2"],
+        ["fix-args", "--in-place", "--force", "--set", "seed=2"],
     ]
     if name == "core019_peft_full_tp1":
         commands += [
@@ -591,7 +591,7 @@ def test_json_bombs_are_one_clean_line(save_dir, name, target):
     rc, report = check_json(save)
     assert rc == 1 and report["findings"], report
     assert any(Path(target).name in f["path"] or Path(target).name in f["message"] for f in report["findings"])
-    for command in (["inspect"], ["fix-args", "--write", "--output", str(save.parent / "out"), "--set", "seed=3"]):
+    for command in (["inspect"], ["fix-args", "--output", str(save.parent / "out"), "--set", "seed=3"]):
         proc = run_limited(*command[:1], str(save), *command[1:])
         assert proc.returncode in (0, 2) and "internal error" not in proc.stderr, proc.stderr
 

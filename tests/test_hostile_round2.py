@@ -379,7 +379,7 @@ def test_write_commands_refuse_to_carry_a_bytes_item_that_is_no_zip_archive(copy
     key = "rng_state/shard_0.0_1.1"
     _point_item_at(save, key, blob)
     for command in (
-        ["fix-args", save, "--write", "--output", tmp_path / "fa", "--set", "seed=3"],
+        ["fix-args", save, "--output", tmp_path / "fa", "--set", "seed=3"],
         ["edit", save, "--rename", "final", "FINAL", "-o", tmp_path / "ed"],
         ["edit", save, "--remove", "^optimizer", "--compact", "-o", tmp_path / "edc"],
         ["strip-frozen", save, "--force", "-o", tmp_path / "sf"],
@@ -422,7 +422,7 @@ def test_repair_refuses_to_complete_or_copy_a_checkpoint_with_an_unsafe_bytes_it
     _point_item_at(save, "rng_state/shard_0.0_1.1", torch_zip(payload) if layout == "zip" else payload)
     (save / ITER / "metadata.json").unlink()
     for command in (["--output", tmp_path / "out"], ["--in-place"]):
-        assert_one_line_error(run_limited("repair", save, "--write", *command), "rng_state/shard_0.0_1.1")
+        assert_one_line_error(run_limited("repair", save, *command), "rng_state/shard_0.0_1.1")
     assert not (save / ITER / "metadata.json").exists() and not (tmp_path / "out").exists()
     assert not (tmp_path / "marker").exists()
 
@@ -453,7 +453,7 @@ def test_a_run_config_line_of_many_spaces_is_rewritten_in_linear_time(copy_fixtu
     save = copy_fixture("core019_tp1")
     (save / ITER / "run_config.yaml").write_text("seed: 1234\nseed: x" + " " * 200_000 + "y\n")
     proc = run_ckptdoctor(
-        "fix-args", save, "--write", "--output", tmp_path / "out", "--set", "seed=3", timeout=60,
+        "fix-args", save, "--output", tmp_path / "out", "--set", "seed=3", timeout=60,
         memory_headroom=MEMORY_LIMIT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -475,6 +475,6 @@ def test_an_empty_run_config_value_gets_its_new_value_on_its_own_line():
 def test_fix_args_write_refuses_an_integrity_manifest_whose_files_is_no_object(copy_fixture, tmp_path):
     save = copy_fixture("core019_tp1")
     (save / ITER / "integrity.json").write_text('{"files": [1, 2, 3]}')
-    proc = run_limited("fix-args", save, "--write", "--output", tmp_path / "out", "--set", "seed=3")
+    proc = run_limited("fix-args", save, "--output", tmp_path / "out", "--set", "seed=3")
     assert_one_line_error(proc, "integrity.json")
     assert not (tmp_path / "out" / ITER).exists()

@@ -83,12 +83,12 @@ def test_fix_args_output_force_after_a_killed_run_finishes_the_output(copy_fixtu
     ``__0_0.distcp: cannot copy to OUT/.../__0_0.distcp (None)`` (the link existed: copy2 onto itself)."""
     save = copy_fixture("core019_convert_tp4")
     out = tmp_path / "out"
-    killed = run_ckptdoctor("fix-args", save, "--write", "--output", out, env=_fault_env("write:.metadata"))
+    killed = run_ckptdoctor("fix-args", save, "--output", out, env=_fault_env("write:.metadata"))
     assert killed.returncode == FAULT_EXIT_CODE, killed.stderr
     assert (out / "iter_0000010" / "__0_0.distcp").exists() and not (out / "iter_0000010" / "metadata.json").exists()
-    refused = run_ckptdoctor("fix-args", save, "--write", "--output", out)
+    refused = run_ckptdoctor("fix-args", save, "--output", out)
     assert refused.returncode == 2 and "use --force" in refused.stderr
-    rerun = run_ckptdoctor("fix-args", save, "--write", "--output", out, "--force")
+    rerun = run_ckptdoctor("fix-args", save, "--output", out, "--force")
     assert rerun.returncode == 0, rerun.stderr
     report = check_paths([str(out)])
     assert report.counts["error"] == 0, report.findings
@@ -118,7 +118,7 @@ def test_fix_args_rerun_after_a_kill_before_the_journal_is_removed_refuses(copy_
     same command run again found nothing to change and exited 0, while check kept reporting CKD150 (whose
     restore steps undo that run). Like any write on a checkpoint with a leftover, it now refuses with one line."""
     save = copy_fixture("core019_convert_tp4")
-    args = ["fix-args", save, "--write", "--in-place"]
+    args = ["fix-args", save, "--in-place"]
     killed = run_ckptdoctor(*args, env=_fault_env("write:.metadata"))
     assert killed.returncode == FAULT_EXIT_CODE, killed.stderr
     assert "CKD150" in {f.code for f in check_paths([str(save)]).findings}
@@ -262,6 +262,6 @@ def test_an_interrupt_right_after_a_file_is_opened_closes_it_once(copy_fixture, 
         "    return (real(fd, *args, **kwargs), signal.pthread_sigmask(signal.SIG_UNBLOCK, held))[0]\n"
         "os.fdopen = fdopen_interrupted\n"
         "from ckptdoctor.cli import main\n"
-        f"sys.exit(main(['fix-args', {str(save)!r}, '--write', '--output', {str(out)!r}]))\n"
+        f"sys.exit(main(['fix-args', {str(save)!r}, '--output', {str(out)!r}]))\n"
     )
     _answered(child, _fault_env("open:common.pt", mode), mode)

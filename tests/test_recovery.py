@@ -186,7 +186,7 @@ def test_repair_tracker_pointing_nowhere(capsys, copy_fixture):
     rc, out, _ = _run(capsys, "repair", save)
     assert rc == 1 and "[CKD121] point latest_checkpointed_iteration.txt to 10" in out
     assert (save / TRACKER).read_text() == "99"  # report only
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "repair", save, "--in-place")
     assert rc == 0 and "the repaired findings are gone" in out
     assert (save / TRACKER).read_text() == "10"
     assert [p.read_text() for p in save.glob(f"{TRACKER}.bak-*")] == ["99"]
@@ -197,7 +197,7 @@ def test_repair_tracker_garbage_and_release(capsys, copy_fixture):
     save = copy_fixture("core019_tp1")
     (save / ITER).rename(save / "release")
     (save / TRACKER).write_text("garbage")
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    rc, out, _ = _run(capsys, "repair", save, "--in-place", "--format", "json")
     report = json.loads(out)
     assert rc == 0 and report["actions"][0]["fixes"] == ["CKD120"] and report["actions"][0]["value"] == "release"
     assert (save / TRACKER).read_text() == "release"
@@ -216,7 +216,7 @@ def test_repair_tracker_pointing_to_an_incomplete_iteration(capsys, copy_fixture
     assert rc == 1
     assert "refused [CKD101]" in out and "must stay incomplete" in out and "CKD114" in out
     assert "not repairable" in out and "key(s) cut off" in out and f"latest good one: {save / ITER}" in out
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "repair", save, "--in-place")
     assert rc == 0, out
     assert (save / TRACKER).read_text() == "10"
     assert file_digests(broken) == before  # the incomplete save stays as it was: incomplete
@@ -229,12 +229,12 @@ def test_repair_missing_metadata_json_of_a_complete_save(capsys, copy_fixture, t
     original = (save / ITER / "metadata.json").read_bytes()
     (save / ITER / "metadata.json").unlink()
     source = file_digests(save)
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--output", tmp_path / "out")
+    rc, out, _ = _run(capsys, "repair", save, "--output", tmp_path / "out")
     assert rc == 0, out
     assert file_digests(save) == source  # --output leaves the source untouched
     assert (tmp_path / "out" / ITER / "metadata.json").read_bytes() == original  # what Megatron wrote, per era
     assert (tmp_path / "out" / TRACKER).read_text() == "10"
-    rc, out, _ = _run(capsys, "repair", save / ITER, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "repair", save / ITER, "--in-place")
     assert rc == 0, out
     assert (save / ITER / "metadata.json").read_bytes() == original
     assert _codes(save) == set()
@@ -246,7 +246,7 @@ def test_repair_refuses_metadata_json_of_an_incomplete_save(capsys, copy_fixture
     (iteration_dir / "metadata.json").unlink()
     (iteration_dir / "__1_0.distcp").unlink()  # rank 1 never wrote its data
     before = file_digests(save)
-    rc, out, _ = _run(capsys, "repair", iteration_dir, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "repair", iteration_dir, "--in-place")
     assert rc == 1
     assert "refused [CKD101]" in out and "CKD113" in out and "must stay incomplete" in out
     assert "latest-good" in out
@@ -267,7 +267,7 @@ def test_repair_refuses_metadata_json_of_an_incomplete_zarr_save(capsys, copy_fi
     )
     chunk.write_bytes(chunk.read_bytes()[:-4])  # a rank died mid-write: one element short
     before = file_digests(save)
-    rc, out, _ = _run(capsys, "repair", iteration_dir, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "repair", iteration_dir, "--in-place")
     assert rc == 1 and "refused [CKD101]" in out, out
     assert file_digests(save) == before
 
@@ -282,7 +282,7 @@ def test_repair_quarantines_orphans_and_keeps_integrity(capsys, copy_fixture):
     assert "__7_0.distcp" in json.loads((iteration_dir / "integrity.json").read_text())["files"]
     rc, out, _ = _run(capsys, "repair", save)
     assert rc == 1 and "[CKD115] move 1 unreferenced data file(s) (__7_0.distcp)" in out
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "repair", save, "--in-place")
     assert rc == 0, out
     assert not orphan.exists()
     quarantined = list(save.glob(f"{ITER}.quarantine-*/__7_0.distcp"))
@@ -297,7 +297,7 @@ def test_repair_metadata_json_of_a_sealed_checkpoint(capsys, copy_fixture):
     save = copy_fixture("core019_tp1")
     assert _run(capsys, "seal", save)[0] == 0
     (save / ITER / "metadata.json").unlink()
-    rc, out, _ = _run(capsys, "repair", save / ITER, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "repair", save / ITER, "--in-place")
     assert rc == 0, out
     assert _codes(save) == set()  # the manifest lists metadata.json with the hash of the file written
 
@@ -309,7 +309,7 @@ def test_repair_delegates_args_to_fix_args(capsys, tmp_path):
     (action,) = report["actions"]
     assert action["kind"] == "fix-args" and "CKD2" in action["fixes"][0]
     assert {c["arg"] for c in action["value"]} >= {"tensor_parallel_num_weight_shards"}
-    rc, out, _ = _run(capsys, "repair", FIXTURES / "core019_convert_tp4", "--write", "--output", tmp_path / "out")
+    rc, out, _ = _run(capsys, "repair", FIXTURES / "core019_convert_tp4", "--output", tmp_path / "out")
     assert rc == 0, out
     assert not list((tmp_path / "out" / ITER).glob("*.bak-*"))  # the source is the backup of a new output
     assert not [c for c in _codes(tmp_path / "out") if c.startswith("CKD2")]
@@ -318,9 +318,9 @@ def test_repair_delegates_args_to_fix_args(capsys, tmp_path):
 def test_repair_usage_and_overlap(capsys, copy_fixture):
     save = copy_fixture("core019_tp1")
     rc, _, err = _run(capsys, "repair", save, "--write")
-    assert rc == 2 and "--output" in err
+    assert rc == 2 and "--write needs -o/--output DIR or --in-place" in err
     (save / ITER / "metadata.json").unlink()
-    rc, _, err = _run(capsys, "repair", save, "--write", "--output", save / "inside")
+    rc, _, err = _run(capsys, "repair", save, "--output", save / "inside")
     assert rc == 2 and "inside the source" in err
     rc, out, _ = _run(capsys, "repair", FIXTURES / "core019_tp1")
     assert rc == 0 and "nothing to repair" in out
@@ -347,7 +347,7 @@ def test_repair_in_place_killed_at_every_step(copy_fixture, step):
     (save / TRACKER).write_text("99")  # tracker broken too: repair from the iteration dir, then the save dir
     data = {k: v for k, v in file_digests(iteration_dir).items() if k.endswith(".distcp")}
     before = {f.code for f in check_paths([str(iteration_dir)]).findings}
-    cmd = [sys.executable, "-m", "ckptdoctor", "repair", "--write", "--in-place"]
+    cmd = [sys.executable, "-m", "ckptdoctor", "repair", "--in-place"]
     target = iteration_dir
     if "tracker" in step or TRACKER in step:  # the iteration dir first (the save dir has no good one yet)
         assert subprocess.run([*cmd, str(iteration_dir)], cwd=REPO, capture_output=True, timeout=120).returncode == 0
@@ -402,8 +402,8 @@ def test_megatron_loads_repaired_checkpoints(capsys, copy_fixture, name):
     assert _run(capsys, "seal", save)[0] == 0
     (iteration_dir / "metadata.json").unlink()
     (save / TRACKER).write_text("42")
-    assert _run(capsys, "repair", iteration_dir, "--write", "--in-place")[0] == 0
-    assert _run(capsys, "repair", save, "--write", "--in-place")[0] == 0
+    assert _run(capsys, "repair", iteration_dir, "--in-place")[0] == 0
+    assert _run(capsys, "repair", save, "--in-place")[0] == 0
     assert (save / TRACKER).read_text() == "10"
     repaired = _probe(iteration_dir)
     assert repaired["tensors"] == original["tensors"] and len(repaired["tensors"]) > 5
@@ -553,12 +553,12 @@ def test_repair_quarantines_write_leftovers(capsys, copy_fixture, tmp_path):
     assert all(p.exists() for p in left)  # report only
     # --output: the source keeps its leftovers, the output has none
     source = file_digests(save)
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--output", tmp_path / "out")
+    rc, out, _ = _run(capsys, "repair", save, "--output", tmp_path / "out")
     assert rc == 0, out
     assert file_digests(save) == source and all(p.exists() for p in left)
     assert _codes(tmp_path / "out") == set()
     assert not list((tmp_path / "out").rglob("*ckptdoctor*"))
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place", "--format", "json")
+    rc, out, _ = _run(capsys, "repair", save, "--in-place", "--format", "json")
     report = json.loads(out)
     assert rc == 0, out
     assert [a["kind"] for a in report["actions"]] == ["quarantine-leftovers"]
@@ -586,10 +586,10 @@ def test_repair_leftover_listed_in_the_manifest_is_unlisted_first(capsys, copy_f
     }
     (iteration_dir / "integrity.json").write_text(json.dumps(manifest, indent=2))  # as megatron would list it
     assert _codes(save) == {"CKD151"}
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--output", tmp_path / "out")
+    rc, out, _ = _run(capsys, "repair", save, "--output", tmp_path / "out")
     assert rc == 0, out  # not carried over, and unlisted from the output's manifest
     assert _codes(tmp_path / "out") == set() and not (tmp_path / "out" / ITER / part.name).exists()
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "repair", save, "--in-place")
     assert rc == 0, out
     assert part.name not in json.loads((iteration_dir / "integrity.json").read_text())["files"]
     assert len(list(save.glob(f"{ITER}.quarantine-*/{part.name}"))) == 1
@@ -602,7 +602,7 @@ def test_repair_leaves_an_interrupted_write_to_the_user(capsys, copy_fixture):
     save = copy_fixture("core019_tp1")
     iteration_dir = save / ITER
     shutil.copy(iteration_dir / "__0_0.distcp", iteration_dir / "__7_0.distcp")  # CKD115, repairable alone
-    _killed("fix-args", save, "--write", "--in-place", "--set", "seq_length=77", step="journal")
+    _killed("fix-args", save, "--in-place", "--set", "seq_length=77", step="journal")
     (journal,) = iteration_dir.glob(".ckptdoctor-fixargs-*.json")
     (restore,) = [f.message for f in check_paths([str(save)]).findings if f.code == "CKD150"]
     restore = restore.split("restore the original: ", 1)[1]
@@ -610,11 +610,11 @@ def test_repair_leaves_an_interrupted_write_to_the_user(capsys, copy_fixture):
     rc, out, _ = _run(capsys, "repair", save)
     assert rc == 1 and "refused [CKD150]" in out and restore in out and "then run repair again" in out
     assert "refused [CKD115]" in out and "repairs" not in out
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "repair", save, "--in-place")
     assert rc == 1 and "nothing to write" in out
     assert file_digests(save) == before and journal.exists() and not list(save.glob(f"{ITER}.quarantine-*"))
     subprocess.run(["bash", "-c", restore], check=True)  # the user restores, then repair does the rest
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "repair", save, "--in-place")
     assert rc == 0, out
     assert _codes(save) == set()
 
@@ -629,7 +629,7 @@ def test_repair_does_not_point_the_tracker_away_from_a_displaced_iteration(capsy
     (save / f".{ITER}.ckptdoctor-swap-{inode}-{stamp}-0123abcd").mkdir()
     (save / ITER).rename(save / f"{ITER}.bak-{stamp}")
     assert "CKD150" in _codes(save)
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "repair", save, "--in-place")
     assert rc == 1 and "refused [CKD150]" in out and "the tracker is not changed" in out
     assert (save / TRACKER).read_text() == "10"
 
@@ -653,7 +653,7 @@ def test_repair_quarantining_leftovers_killed_at_every_step(copy_fixture, step):
     (iteration_dir / "integrity.json").write_text(json.dumps(manifest, indent=2))  # the temp file listed too
     everything = {**file_digests(save)}
     assert _codes(save) == {"CKD151"}
-    cmd = [sys.executable, "-m", "ckptdoctor", "repair", str(save), "--write", "--in-place"]
+    cmd = [sys.executable, "-m", "ckptdoctor", "repair", str(save), "--in-place"]
     result = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=dict(os.environ, **{FAULT_ENV: step})
     )
@@ -684,7 +684,7 @@ def test_repair_moves_a_tracker_that_is_not_a_file_aside(capsys, copy_fixture, k
     else:
         tracker.mkdir()
         (tracker / "note").write_text("keep me")
-    rc, out, _ = _run(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = _run(capsys, "repair", save, "--in-place")
     assert rc == 0, out
     assert tracker.read_text() == "10"
     (backup,) = save.glob(f"{TRACKER}.bak-*")

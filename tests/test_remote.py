@@ -355,9 +355,9 @@ IN_PLACE = "cannot be changed in place on object storage"
     "args, expected",
     [
         (("strip-frozen", "--force", "--in-place", "@s3:core019_tp1"), IN_PLACE),
-        (("fix-args", "--write", "--in-place", "@s3:core019_convert_tp4"), IN_PLACE),
+        (("fix-args", "--in-place", "@s3:core019_convert_tp4"), IN_PLACE),
         (("seal", "@msc:core019_tp1"), IN_PLACE),
-        (("fix-args", "--write", "--output", "{tmp}/out", "@s3:core019_convert_tp4"), "writing a copy of a checkpoint"),
+        (("fix-args", "--output", "{tmp}/out", "@s3:core019_convert_tp4"), "writing a copy of a checkpoint"),
     ],
 )
 def test_writes_to_object_storage_are_refused_clearly(remote, capsys, tmp_path, args, expected):
@@ -381,7 +381,7 @@ _BYTES = re.compile(r'("\w*bytes\w*": )\d+|(\d{8})T\d{6}')  # byte counts; fix-a
 WRITES = [
     ("strip-frozen", "--force", "@core019_tp1"),
     ("edit", "--drop-section", "optimizer", "@core019_tp2"),
-    ("fix-args", "--write", "@core019_convert_tp4"),
+    ("fix-args", "@core019_convert_tp4"),
 ]
 
 

@@ -400,7 +400,6 @@ def hostile(capsys, copy_fixture):
         "--set",
         f"{HOSTILE_NAME}=x\x1b[5mblink",
         "--force",
-        "--write",
         "--in-place",
     )
     assert rc == 0, err

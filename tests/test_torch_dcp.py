@@ -27,7 +27,7 @@ def test_repair_writes_nothing(capsys, tmp_path):
     save = tmp_path / "save"
     shutil.copytree(TORCH_DCP, save)
     before = file_digests(save)
-    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = run_main(capsys, "repair", save, "--in-place")
     assert rc == 1 and "not a format ckptdoctor repairs" in out and "data above is lost" not in out
     assert "point latest_checkpointed_iteration.txt" not in out and "refused" not in out
     assert file_digests(save) == before and not (save / ITER / "metadata.json").exists()
@@ -65,5 +65,5 @@ def test_repair_of_an_unsupported_save_dir_leaves_its_bridge_tracker_too(capsys,
     shutil.copy(FIXTURES / "bridge_train_state" / "train_state_step10.pt", save / ITER / "train_state.pt")
     (save / "latest_train_state.pt").write_bytes(b"torn")
     before = file_digests(save)
-    rc, out, _ = run_main(capsys, "repair", save, "--write", "--in-place")
+    rc, out, _ = run_main(capsys, "repair", save, "--in-place")
     assert rc == 1 and "not a format ckptdoctor repairs" in out and file_digests(save) == before

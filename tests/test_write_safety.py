@@ -76,7 +76,7 @@ def _command(message: str, verb: str) -> str:
 def _assert_next_writers_refuse(capsys, save: Path) -> None:
     """With a leftover present, both write commands stop with one line before doing anything."""
     for args in (
-        ["fix-args", save, "--write", "--in-place", "--set", "seq_length=99"],
+        ["fix-args", save, "--in-place", "--set", "seq_length=99"],
         ["strip-frozen", save, "--in-place"],
     ):
         before = {p.name for p in save.iterdir()}
@@ -133,7 +133,7 @@ def test_fix_args_in_place_interrupted(capsys, copy_fixture, case, mode):
     save = copy_fixture(name)
     it = save / ITER
     before = file_digests(it)
-    result = _cli("fix-args", save, "--write", "--in-place", "--set", "seq_length=77", env=_fault_env(step, mode))
+    result = _cli("fix-args", save, "--in-place", "--set", "seq_length=77", env=_fault_env(step, mode))
     assert result.returncode == _expected_rc(mode), result.stderr
     assert "Traceback" not in result.stderr
     found = _leftover_findings(save)
@@ -168,7 +168,6 @@ def test_fix_args_in_place_finding_restores_too(copy_fixture):
     result = _cli(
         "fix-args",
         save,
-        "--write",
         "--in-place",
         "--set",
         "seq_length=77",
@@ -189,7 +188,7 @@ def test_readme_restore_after_a_completed_run(capsys, copy_fixture, name):
     save = copy_fixture(name)
     it = save / ITER
     before = file_digests(it)
-    rc, out, err = _run(capsys, "fix-args", save, "--write", "--in-place", "--set", "seq_length=77")
+    rc, out, err = _run(capsys, "fix-args", save, "--in-place", "--set", "seq_length=77")
     assert rc == 0, err
     assert not _leftover_findings(save) and not list(it.glob(".ckptdoctor-*"))
     (stamp,) = _stamps(it)
@@ -208,7 +207,7 @@ def test_fix_args_output_interrupted(copy_fixture, tmp_path, step, mode):
     save = copy_fixture("core019_tp1")
     before = file_digests(save)
     out = tmp_path / "out"
-    result = _cli("fix-args", save, "--write", "--output", out, "--set", "seq_length=77", env=_fault_env(step, mode))
+    result = _cli("fix-args", save, "--output", out, "--set", "seq_length=77", env=_fault_env(step, mode))
     assert result.returncode == _expected_rc(mode), result.stderr
     assert file_digests(save) == before  # the source is byte-identical (no lock file, no leftover in it)
     assert not _leftover_findings(save)
@@ -381,12 +380,12 @@ def test_second_writer_fails_at_once_and_first_backup_survives(copy_fixture):
     save = copy_fixture("core019_tp1")
     it = save / ITER
     original = (it / ".metadata").read_bytes()
-    first = _start_paused(["fix-args", save, "--write", "--in-place", "--set", "seq_length=77"], "backup:.metadata")
+    first = _start_paused(["fix-args", save, "--in-place", "--set", "seq_length=77"], "backup:.metadata")
     try:
         started = time.monotonic()
         for args in (
-            ["fix-args", save, "--write", "--in-place", "--set", "seq_length=88"],
-            ["fix-args", it, "--write", "--in-place", "--set", "seq_length=88"],
+            ["fix-args", save, "--in-place", "--set", "seq_length=88"],
+            ["fix-args", it, "--in-place", "--set", "seq_length=88"],
             ["strip-frozen", save, "--in-place", "--preset", "lora"],
         ):
             second = _cli(*args)
@@ -414,7 +413,6 @@ def test_writers_started_together_never_destroy_a_backup(copy_fixture):
                 "ckptdoctor",
                 "fix-args",
                 str(save),
-                "--write",
                 "--in-place",
                 "--set",
                 f"seq_length={n}",
@@ -442,7 +440,7 @@ def test_strip_swap_keeps_the_name_locked(copy_fixture):
     before = file_digests(save / ITER)
     first = _start_paused(["strip-frozen", save, "--in-place"], "strip-frozen:after-exchange")
     try:
-        second = _cli("fix-args", save, "--write", "--in-place", "--set", "seq_length=88")
+        second = _cli("fix-args", save, "--in-place", "--set", "seq_length=88")
         assert second.returncode == 2 and LOCK_MESSAGE in second.stderr, second.stderr
     finally:
         _, err = first.communicate(timeout=60)
@@ -474,10 +472,10 @@ def test_lock_files_are_not_findings_and_not_copied(capsys, copy_fixture, tmp_pa
     (save / ITER / ".stale.ckptdoctor.lock").write_text("pid 1\n")
     report = check_paths([str(save)])
     assert not report.findings
-    rc, _, err = _run(capsys, "fix-args", save, "--write", "--output", tmp_path / "out", "--set", "seq_length=77")
+    rc, _, err = _run(capsys, "fix-args", save, "--output", tmp_path / "out", "--set", "seq_length=77")
     assert rc == 0, err
     assert not list((tmp_path / "out").rglob("*.lock"))
-    rc, _, err = _run(capsys, "fix-args", save, "--write", "--in-place", "--set", "seq_length=78")
+    rc, _, err = _run(capsys, "fix-args", save, "--in-place", "--set", "seq_length=78")
     assert rc == 0, err
 
 
@@ -500,7 +498,7 @@ def test_a_symlink_planted_as_the_lock_file_is_not_followed(capsys, copy_fixture
     lock = save / f".{ITER}.ckptdoctor.lock"
     lock.symlink_to(victim)
     before = file_digests(save)
-    rc, _, err = _run(capsys, "fix-args", save, "--write", "--in-place", "--set", "seq_length=78")
+    rc, _, err = _run(capsys, "fix-args", save, "--in-place", "--set", "seq_length=78")
     assert rc == 2 and f"{lock}: the lock file is a symlink" in err, err
     assert not victim.exists()
     assert lock.is_symlink() and file_digests(save) == before
@@ -525,7 +523,7 @@ def test_fix_args_in_place_failure_rolls_back(capsys, copy_fixture, monkeypatch,
         real(path, data)
 
     monkeypatch.setattr(fix_args_write, "write_atomic", full_disk)
-    rc, _, err = _run(capsys, "fix-args", save, "--write", "--in-place", "--set", "seq_length=77")
+    rc, _, err = _run(capsys, "fix-args", save, "--in-place", "--set", "seq_length=77")
     assert rc == 2 and err.count("\n") == 1 and "No space left on device" in err, err
     assert "nothing was changed" in err and "common_state.fixargs-" in err
     if fail_on != "common_state":
@@ -547,7 +545,7 @@ def test_symlinked_iteration_dir_no_backup_is_refused(capsys, copy_fixture, tmp_
     assert sorted(p.name for p in save.iterdir()) == [ITER, "latest_checkpointed_iteration.txt"]
 
 
-@pytest.mark.parametrize("command", [["fix-args", "--write", "--set", "seq_length=77"], ["strip-frozen"]])
+@pytest.mark.parametrize("command", [["fix-args", "--set", "seq_length=77"], ["strip-frozen"]])
 def test_output_under_a_file_is_one_line(capsys, copy_fixture, tmp_path, command):
     name = "core019_tp1" if command[0] == "fix-args" else "core019_peft_full_tp1"
     save = copy_fixture(name)
@@ -558,7 +556,7 @@ def test_output_under_a_file_is_one_line(capsys, copy_fixture, tmp_path, command
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
-@pytest.mark.parametrize("command", [["fix-args", "--write", "--set", "seq_length=77"], ["strip-frozen"]])
+@pytest.mark.parametrize("command", [["fix-args", "--set", "seq_length=77"], ["strip-frozen"]])
 def test_unwritable_output_parent_is_one_line(capsys, copy_fixture, tmp_path, command):
     name = "core019_tp1" if command[0] == "fix-args" else "core019_peft_full_tp1"
     save = copy_fixture(name)
@@ -572,7 +570,7 @@ def test_unwritable_output_parent_is_one_line(capsys, copy_fixture, tmp_path, co
     assert rc == 2 and err.count("\n") == 1 and str(parent) in err and "internal error" not in err, err
 
 
-@pytest.mark.parametrize("command", [["fix-args", "--write", "--set", "seq_length=77"], ["strip-frozen"]])
+@pytest.mark.parametrize("command", [["fix-args", "--set", "seq_length=77"], ["strip-frozen"]])
 def test_permission_error_creating_the_output_is_one_line(capsys, copy_fixture, tmp_path, monkeypatch, command):
     """PermissionError from mkdir (what a non-root user gets in a read-only dir) names the path, exit 2."""
     name = "core019_tp1" if command[0] == "fix-args" else "core019_peft_full_tp1"
@@ -597,7 +595,7 @@ def test_fix_args_output_in_the_source_is_refused(capsys, copy_fixture, where):
     save = copy_fixture("core019_tp1")
     before = file_digests(save)
     output = {"save": save, "iter": save / ITER, "inside": save / ITER / "out"}[where]
-    rc, _, err = _run(capsys, "fix-args", save, "--write", "--output", output, "--force", "--set", "seq_length=77")
+    rc, _, err = _run(capsys, "fix-args", save, "--output", output, "--force", "--set", "seq_length=77")
     assert rc == 2 and err.count("\n") == 1 and "source checkpoint" in err, err
     assert file_digests(save) == before and not (save / ITER / "out").exists()
 

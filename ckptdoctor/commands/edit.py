@@ -8,7 +8,7 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option, gate_refusals, jobs_option, trust_global_option
-from ckptdoctor.commands.write_target import check_write_target, echo_written, remote_output, write_target_options
+from ckptdoctor.commands.write_target import echo_written, remote_output, write_target_options, writing
 
 SECTION_CHOICES = ["optimizer", "rng", "rerun"]
 PRESET_CHOICES = ["te-to-local", "local-to-te"]
@@ -41,11 +41,13 @@ PRESET_CHOICES = ["te-to-local", "local-to-te"]
     default=None,
     help="Rename the norm keys between megatron-core's Transformer Engine and local GPT layer spec names.",
 )
-@write_target_options(force_help="Replace an --output dir that exists and is not empty.")
+@write_target_options(
+    force_help="Replace an --output dir that exists and is not empty.",
+    dry_run_help="List every change; write nothing (as with no -o/--in-place).",
+)
 @click.option(
     "--compact", is_flag=True, help="Byte-copy only the kept items into new data files (default: hard links)."
 )
-@click.option("--dry-run", is_flag=True, help="List every change; write nothing.")
 @format_option(help="Output format; the JSON schema is in the README.")
 @jobs_option("--compact: threads copying kept items")
 @gate_refusals
@@ -61,6 +63,7 @@ def command(
     in_place: bool,
     no_backup: bool,
     force: bool,
+    write_flag: bool,
     compact: bool,
     dry_run: bool,
     output_format: str,
@@ -81,7 +84,7 @@ def command(
     from ckptdoctor.parallel import default_jobs
     from ckptdoctor.render.edit import render_edit
 
-    check_write_target(output, in_place, no_backup, dry_run)
+    dry_run = not writing(output, in_place, dry_run, write_flag, no_backup)
     request = EditRequest(
         removes=list(removes),
         renames=[(a, b) for a, b in renames],

@@ -8,7 +8,7 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option, gate_refusals, trust_global_option
-from ckptdoctor.commands.write_target import echo_written, remote_output
+from ckptdoctor.commands.write_target import echo_written, remote_output, write_target_options, writing
 
 
 @click.command("fix-args")
@@ -23,7 +23,6 @@ from ckptdoctor.commands.write_target import echo_written, remote_output
     help="The checkpoint this one was converted from: marks wrong values equal to the source's.",
 )
 @click.option("--source-iteration", default=None, help="Iteration of SRC (default: its tracker's).")
-@click.option("--write", is_flag=True, help="Apply the fixes (and --set edits); needs --output or --in-place.")
 @click.option(
     "--set",
     "sets",
@@ -31,22 +30,14 @@ from ckptdoctor.commands.write_target import echo_written, remote_output
     multiple=True,
     help="Set an arg by hand (repeatable); VALUE takes the saved value's type.",
 )
-@click.option(
-    "--force",
-    is_flag=True,
-    help="Allow --set of args the checkpoint does not have; write into a non-empty --output dir.",
+@write_target_options(
+    force_help="Allow --set of args the checkpoint does not have; write into a non-empty --output dir.",
+    output_help="Write a new checkpoint dir; unchanged files are hard-linked (or copied), never modified.",
+    in_place_help="Rewrite CKPT itself, keeping each replaced file as <name>.bak-<timestamp>.",
+    dry_run_help="Report what would change; write nothing (as with no -o/--in-place).",
+    no_backup=False,
 )
-@click.option(
-    "--output",
-    "output",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Write a new checkpoint dir; unchanged files are hard-linked (or copied), never modified.",
-)
-@click.option(
-    "--in-place", is_flag=True, help="Rewrite CKPT itself, keeping each replaced file as <name>.bak-<timestamp>."
-)
-@click.option("--only-set", is_flag=True, help="With --write: apply only the --set edits, not the fixes.")
+@click.option("--only-set", is_flag=True, help="Apply only the --set edits, not the fixes.")
 @format_option(help="Output format; the JSON schema is docs/fix-args.schema.json.")
 @gate_refusals
 def command(
@@ -54,21 +45,22 @@ def command(
     iteration: str | None,
     source_path: str | None,
     source_iteration: str | None,
-    write: bool,
     sets: tuple[str, ...],
-    force: bool,
     output: Path | None,
     in_place: bool,
+    dry_run: bool,
+    force: bool,
+    write_flag: bool,
     only_set: bool,
     output_format: str,
 ) -> int:
     """Find saved args that contradict CHECKPOINT's own parallelism, and fix them (a Megatron-Bridge checkpoint,
     which saves no args: its run_config.yaml model section).
 
-    Reports each inconsistent arg (saved value, correct value, the error megatron-core would raise).
-    Exit code: 0 consistent (or, with --write, none left after writing), 1 inconsistencies found (or
-    left after writing), 2 error. No tensor data is read or
-    rewritten; writing is O(metadata).
+    Reports each inconsistent arg (saved value, correct value, the error megatron-core would raise); -o DIR or
+    --in-place writes the fixes. Exit code: 0 consistent (or, when writing, none left after writing), 1
+    inconsistencies found (or left after writing), 2 error. No tensor data is read or rewritten; writing is
+    O(metadata).
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
@@ -76,10 +68,7 @@ def command(
     from ckptdoctor.ops.fix_args_write import write_fix
     from ckptdoctor.render.common import render_fix_args
 
-    if write and (output is None) == (not in_place):
-        raise click.UsageError("--write needs exactly one of --output DIR or --in-place")
-    if not write and (output is not None or in_place):
-        raise click.UsageError("--output/--in-place only apply with --write")
+    write = writing(output, in_place, dry_run, write_flag)
     ckpt = open_checkpoint(checkpoint, iteration)
     source = open_checkpoint(source_path, source_iteration) if source_path else None
     report = build_report(ckpt, source, list(sets), force=force, apply_fixes=not only_set)

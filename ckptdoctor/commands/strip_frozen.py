@@ -8,7 +8,7 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option, gate_refusals, jobs_option, trust_global_option
-from ckptdoctor.commands.write_target import check_write_target, echo_written, remote_output, write_target_options
+from ckptdoctor.commands.write_target import echo_written, remote_output, write_target_options, writing
 
 PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
 
@@ -18,7 +18,8 @@ PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
 @write_target_options(
-    force_help="Replace an --output dir that exists and is not empty; write even when no model parameter is frozen."
+    force_help="Replace an --output dir that exists and is not empty; write even when no model parameter is frozen.",
+    dry_run_help="List kept and dropped keys and sizes; write nothing (as with no -o/--in-place).",
 )
 @click.option(
     "--keep-args",
@@ -47,7 +48,6 @@ PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
     help="Model tensors bitwise equal to this checkpoint's are frozen (streamed compare).",
 )
 @click.option("--base-iteration", default=None, help="Iteration of BASE_CKPT when it is a save dir.")
-@click.option("--dry-run", is_flag=True, help="List kept and dropped keys and sizes; write nothing.")
 @format_option(help="Output format; the JSON schema is in the README.")
 @jobs_option("threads copying kept items")
 @gate_refusals
@@ -58,6 +58,7 @@ def command(
     in_place: bool,
     no_backup: bool,
     force: bool,
+    write_flag: bool,
     patterns: tuple[str, ...],
     preset: str | None,
     base_path: str | None,
@@ -82,7 +83,7 @@ def command(
     from ckptdoctor.parallel import default_jobs
     from ckptdoctor.render.common import render_strip
 
-    check_write_target(output, in_place, no_backup, dry_run)
+    dry_run = not writing(output, in_place, dry_run, write_flag, no_backup)
     # a write rewrites .metadata: read it once, for the plan and the rewrite (a dry run needs the index only)
     ckpt, metadata = (
         (open_checkpoint(checkpoint, iteration), None) if dry_run else open_for_rewrite(checkpoint, iteration)

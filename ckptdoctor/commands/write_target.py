@@ -1,4 +1,5 @@
-"""Options of the commands that write a new checkpoint dir (``strip-frozen``, ``edit``), defined once."""
+"""The write model of every command that writes a checkpoint (``fix-args``, ``repair``, ``strip-frozen``, ``edit``),
+defined once: its options, the one decision whether to write, the remote ``--output``, the printed result."""
 
 from __future__ import annotations
 
@@ -13,21 +14,38 @@ if TYPE_CHECKING:
     from ckptdoctor.ops.remote_output import RemoteOutput
 
 
-def write_target_options(force_help: str) -> Callable[[Any], Any]:
-    """``--output/-o DIR``, ``--in-place``, ``--no-backup`` and ``--force`` (its help names what it overrides)."""
+DRY_RUN_HELP = "Print what would be written; write nothing."
+WRITE_DEPRECATED = (
+    "ckptdoctor: --write is deprecated and goes in 0.2: -o/--output DIR or --in-place writes, --dry-run plans"
+)
+
+
+def write_target_options(
+    force_help: str,
+    output_help: str = "New checkpoint dir to write (a save dir when CHECKPOINT is one).",
+    in_place_help: str = "Replace the iteration dir (new dir + atomic rename; backup kept).",
+    dry_run_help: str = DRY_RUN_HELP,
+    no_backup: bool = True,
+) -> Callable[[Any], Any]:
+    """The one write model of every command that writes a checkpoint: ``-o/--output DIR`` or ``--in-place``
+    (exactly one) writes, ``--dry-run`` plans and writes nothing, neither prints the plan or report; ``--force``
+    (its help names what it overrides), ``--no-backup`` where an in-place write keeps a whole backup dir, and the
+    deprecated ``--write`` (hidden; :func:`writing` says so on stderr)."""
     options = [
-        click.option(
-            "--output",
-            "-o",
-            type=click.Path(path_type=Path),
-            default=None,
-            help="New checkpoint dir to write (a save dir when CHECKPOINT is one).",
+        click.option("--output", "-o", type=click.Path(path_type=Path), default=None, help=output_help),
+        click.option("--in-place", is_flag=True, help=in_place_help),
+        *(
+            [
+                click.option(
+                    "--no-backup", is_flag=True, help="With --in-place: delete the old iteration dir after the swap."
+                )
+            ]
+            if no_backup
+            else []
         ),
-        click.option(
-            "--in-place", is_flag=True, help="Replace the iteration dir (new dir + atomic rename; backup kept)."
-        ),
-        click.option("--no-backup", is_flag=True, help="With --in-place: delete the old iteration dir after the swap."),
+        click.option("--dry-run", is_flag=True, help=dry_run_help),
         click.option("--force", is_flag=True, help=force_help),
+        click.option("--write", "write_flag", is_flag=True, hidden=True, help="Deprecated: -o/--in-place writes."),
     ]
 
     def apply(function: Any) -> Any:
@@ -38,12 +56,20 @@ def write_target_options(force_help: str) -> Callable[[Any], Any]:
     return apply
 
 
-def check_write_target(output: Path | None, in_place: bool, no_backup: bool, dry_run: bool) -> None:
-    """Usage errors (exit 2) of the write-target options, before any checkpoint is opened."""
-    if not dry_run and in_place == (output is not None):
-        raise click.UsageError("give exactly one of --output DIR and --in-place (or --dry-run)")
+def writing(output: Path | None, in_place: bool, dry_run: bool, write_flag: bool, no_backup: bool = False) -> bool:
+    """Whether the command writes, from the write-target options; usage errors (exit 2) before any checkpoint is
+    opened. ``--write`` still works with a target, with one deprecation line on stderr."""
+    if output is not None and in_place:
+        raise click.UsageError("give one of -o/--output DIR and --in-place, not both")
     if no_backup and not in_place:
         raise click.UsageError("--no-backup only applies to --in-place")
+    if write_flag:
+        click.echo(WRITE_DEPRECATED, err=True)
+        if dry_run:
+            raise click.UsageError("--dry-run writes nothing: drop --write")
+        if output is None and not in_place:
+            raise click.UsageError("--write needs -o/--output DIR or --in-place")
+    return not dry_run and (output is not None or in_place)
 
 
 @contextlib.contextmanager

@@ -117,7 +117,7 @@ def render_inspect(report: InspectReport) -> str:
             lines.append(
                 f"  {f['code']} [{f['severity']}] {f['arg']}={short_value(f['saved'])}{correct}: {f['reason']}"
             )
-        lines.append(f"  fix: ckptdoctor fix-args {report.iteration_dir} --write --output DIR (or --in-place)")
+        lines.append(f"  fix: ckptdoctor fix-args {report.iteration_dir} -o DIR (or --in-place)")
     lines.append("")
     lines.append("common state keys: " + ", ".join(report.common_state_keys))
     if report.keys is not None:
@@ -160,7 +160,7 @@ def _fix_args_table(findings: list[Any]) -> list[str]:
 
 @text_safe
 def render_fix_args(report: FixArgsReport) -> str:
-    """Report mode: the findings, then what --write would change. Write mode leads with what was wrong and
+    """Report mode: the findings, then what a write would change. Write mode leads with what was wrong and
     what was changed, then what was written and the re-check of the written checkpoint."""
     lines = [f"{report.checkpoint}: saved layout {report.layout}; {report.era}"]
     if report.config_source != "args":
@@ -193,7 +193,7 @@ def render_fix_args(report: FixArgsReport) -> str:
         lines.append(f"inherited from the source but consistent (kept): {shown}")
     if report.changes and not written:
         lines.append("")
-        lines.append("would change (use --write with --output DIR or --in-place):")
+        lines.append("would change (write with -o DIR or --in-place):")
         lines.extend(f"  {c.arg}: {short_value(c.old)} -> {short_value(c.new)} ({c.why})" for c in report.changes)
     if written:
         w = written

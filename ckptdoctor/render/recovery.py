@@ -49,7 +49,7 @@ def render_repair(report: RepairReport) -> str:
     if not report.findings:
         lines.append("check finds nothing to repair")
     if report.actions:
-        lines.append("repairs" + ("" if report.written else " (run with --write and --output DIR or --in-place)"))
+        lines.append("repairs" + ("" if report.written else " (write them with -o DIR or --in-place)"))
         for action in report.actions:
             lines.append(f"  [{', '.join(action.fixes)}] {action.description}")
     for refusal in report.refused:

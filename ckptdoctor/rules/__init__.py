@@ -73,12 +73,12 @@ def is_safety(code: str) -> bool:
 # checked, the save dir for tracker findings). The one place `check` and `rules` take fix hints from; a code
 # missing here has no automatic fix (truncated or missing data, unsafe pickles: the report says what is lost).
 FIX_COMMANDS: dict[str, str] = {
-    "CKD101": "ckptdoctor repair {ckpt} --write --in-place",  # metadata.json of a complete save
-    "CKD115": "ckptdoctor repair {ckpt} --write --in-place",  # unreferenced .distcp quarantined
-    "CKD12": "ckptdoctor repair {ckpt} --write --in-place",  # tracker -> latest good
-    "CKD151": "ckptdoctor repair {ckpt} --write --in-place",  # leftovers quarantined
-    "CKD20": "ckptdoctor fix-args {ckpt} --write --in-place",  # args vs parallelism (arg_rules table)
-    "CKD21": "ckptdoctor fix-args {ckpt} --write --in-place",
+    "CKD101": "ckptdoctor repair {ckpt} --in-place",  # metadata.json of a complete save
+    "CKD115": "ckptdoctor repair {ckpt} --in-place",  # unreferenced .distcp quarantined
+    "CKD12": "ckptdoctor repair {ckpt} --in-place",  # tracker -> latest good
+    "CKD151": "ckptdoctor repair {ckpt} --in-place",  # leftovers quarantined
+    "CKD20": "ckptdoctor fix-args {ckpt} --in-place",  # args vs parallelism (arg_rules table)
+    "CKD21": "ckptdoctor fix-args {ckpt} --in-place",
 }
 
 
