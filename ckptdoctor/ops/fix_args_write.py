@@ -222,7 +222,7 @@ def write_in_place(checkpoint: Checkpoint, changes: list[ArgChange]) -> WriteRes
         replaced = [n for n in order if (iteration_dir / n).exists()]
         created = [n for n in order if n not in replaced]
         journal = iteration_dir / leftovers.journal_name(stamp)
-        record = {"command": "fix-args --write --in-place", "stamp": stamp, "replaced": replaced, "created": created}
+        record = {"command": "fix-args --in-place", "stamp": stamp, "replaced": replaced, "created": created}
         backups: dict[str, Path] = {}
         written: list[str] = []
         with defer_sigint():  # O(metadata): Ctrl-C waits for the few steps to finish

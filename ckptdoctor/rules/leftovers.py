@@ -264,7 +264,7 @@ def _journal(directory: Path, shown: Path, name: str, stamp: str) -> Finding:
     return finding(
         INTERRUPTED_WRITE,
         shown / name,
-        f"fix-args --write --in-place (backups .bak-{stamp}) was interrupted; some files may be "
+        f"fix-args --in-place (backups .bak-{stamp}) was interrupted; some files may be "
         f"rewritten; restore the original: {restore_commands(directory, shown, stamp, replaced, created)}",
     )
 
