@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -172,12 +173,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _interrupted(exc.signum)
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def _asks_json(argv: Sequence[str]) -> tuple[str | None, bool]:
+    """The command named in ``argv`` and whether it asked for ``--format json`` (read from the words alone: an
+    error can come before click has parsed them)."""
+    command = next((word for word in argv if not word.startswith("-")), None)
+    for i, word in enumerate(argv):
+        if word == "--":
+            break
+        name, _, value = word.partition("=")
+        if (
+            name in ("--format", "--output-format")
+            and (value or (argv[i + 1] if i + 1 < len(argv) else "")).lower() == "json"
+        ):
+            return command, True
+    return command, False
+
+
+def _json_error(argv: Sequence[str], message: str, code: int) -> None:
+    """In ``--format json`` mode an error is also one JSON object on stdout, so that a pipeline reading stdout
+    sees what happened, not nothing."""
+    command, json_mode = _asks_json(argv)
+    if not json_mode:
+        return
+    error = {"schema": "ckptdoctor.error/1", "command": command, "error": message, "exit_code": code}
+    try:
+        click.echo(json.dumps(error))
+    except OSError:
+        pass
+
+
+def _main(words: Sequence[str] | None) -> int:
+    argv = list(words) if words is not None else sys.argv[1:]
     try:
         # Commands return their exit code (0 clean, 1 findings); errors raise CkptError (exit 2).
-        result = cli.main(args=list(argv) if argv is not None else None, prog_name="ckptdoctor", standalone_mode=False)
+        result = cli.main(args=argv, prog_name="ckptdoctor", standalone_mode=False)
     except CkptError as exc:
         _say(f"ckptdoctor: error: {exc}")
+        _json_error(argv, escape(str(exc)), exc.exit_code)
         return exc.exit_code
     except click.exceptions.Abort as exc:
         if isinstance(exc.__context__, (KeyboardInterrupt, _Interrupted)):  # click wraps a KeyboardInterrupt
@@ -186,6 +218,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_ERROR
     except click.ClickException as exc:
         exc.show()
+        _json_error(argv, exc.format_message(), EXIT_ERROR)
         return EXIT_ERROR
     except click.exceptions.Exit as exc:
         return exc.exit_code
@@ -195,21 +228,23 @@ def _main(argv: Sequence[str] | None) -> int:
         # An I/O error no reader turned into a CkptError (a dir that cannot be listed, a file that cannot be
         # opened): the file and the reason, like every other error.
         if os.environ.get("CKPTDOCTOR_DEBUG") or exc.filename is None:
-            return _internal_error(exc)
+            return _internal_error(exc, argv)
         _say(f"ckptdoctor: error: {exc.filename}: {exc.strerror or exc}")
+        _json_error(argv, escape(f"{exc.filename}: {exc.strerror or exc}"), EXIT_ERROR)
         return EXIT_ERROR
     except Exception as exc:
         if isinstance(exc.__cause__, _Interrupted):  # wrapped by Python (3.11: a __set_name__ in a class statement)
             return _interrupted(exc.__cause__.signum)
-        return _internal_error(exc)
+        return _internal_error(exc, argv)
     return result if isinstance(result, int) else 0
 
 
-def _internal_error(exc: Exception) -> int:
+def _internal_error(exc: Exception, argv: Sequence[str]) -> int:
     """Last resort: a one-line message, the traceback only on request."""
     if os.environ.get("CKPTDOCTOR_DEBUG"):
         raise exc
     _say(f"ckptdoctor: internal error: {type(exc).__name__}: {exc} (set CKPTDOCTOR_DEBUG=1 for a traceback)")
+    _json_error(argv, escape(f"internal error: {type(exc).__name__}: {exc}"), EXIT_ERROR)
     return EXIT_ERROR
 
 

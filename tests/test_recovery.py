@@ -59,7 +59,7 @@ def test_latest_good_picks_the_oldest_of_three(capsys, tmp_path):
     assert rc == 0 and out.strip() == "10"
     rc, out, _ = _run(capsys, "latest-good", save, "--ignore", "CKD132", "--format", "json")
     report = json.loads(out)
-    assert report["iteration"] == "10" and report["tracker"] == "30"
+    assert report["iteration"] == 10 and report["tracker"] == "30"
     assert [Path(s["iteration_dir"]).name for s in report["skipped"]] == ["iter_0000030", "iter_0000020"]
     assert {e["code"] for e in report["skipped"][0]["errors"]} == {"CKD101", "CKD114"}
 

@@ -140,8 +140,8 @@ def command(
         in_use = str(config_path) if config_path is not None and table else None  # a file without the table: none
         report.config = ConfigUse(in_use, changed, [str(p) for p in passed_over])
     only_missing = report.missing and not report.checked and not report.findings
-    if only_missing:
-        pass  # nothing but errors to say (on stderr, below)
+    if only_missing and output_format != "json":
+        pass  # nothing but errors to say (on stderr, below); JSON says it in "missing"
     elif output_format == "json":
         plain = jsonable(report)
         if statistics:

@@ -60,7 +60,7 @@ def command(
         if report.trusted:
             click.echo(escape(f"trusted globals (--trust-global): {', '.join(report.trusted)}"), err=True)
         if report.found:
-            click.echo(escape(report.iteration if iteration_only else report.iteration_dir))  # type: ignore[arg-type]
+            click.echo(escape(report.tracker_value if iteration_only else report.iteration_dir))  # type: ignore[arg-type]
         else:
             click.echo(f"no iteration dir of {escape(report.save_dir)} passes check", err=True)
     sys.stdout.flush()

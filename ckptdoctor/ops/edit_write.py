@@ -11,14 +11,14 @@ through :func:`ckptdoctor.ops.key_write.write_keys`: staging dir, fsync, atomic 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor import locking
 from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
 from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.common_write import common_rewriter
-from ckptdoctor.ops.edit import EditPlan, EditRequest, plan_edit
+from ckptdoctor.ops.edit import SCHEMA, EditPlan, EditRequest, plan_edit
 from ckptdoctor.ops.key_edit import KeyEdit, StripResult
 from ckptdoctor.ops.key_write import check_target, write_keys
 from ckptdoctor.ops.staged_integrity import verify_source_manifest
@@ -29,6 +29,7 @@ from ckptdoctor.rules import leftovers
 
 @dataclass
 class EditReport:
+    schema: str = field(init=False, default=SCHEMA)  # top level, as in every command's JSON
     plan: EditPlan
     result: StripResult | None  # None for --dry-run
     dry_run: bool

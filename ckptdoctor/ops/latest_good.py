@@ -38,15 +38,23 @@ class LatestGoodReport:
     save_dir: str
     tracker: str | None  # the tracker's value, None when missing or unreadable
     iteration_dir: str | None  # the newest good iteration dir, None when none passes
-    iteration: str | None  # its number ("10") or "release"
+    iteration: int | None  # its number; None for release (and when none passes), as inspect has it
+    release: bool = False  # the good dir is the release dir
     skipped: list[Skipped] = field(default_factory=list)
-    checked: int = 0
+    checked: list[str] = field(default_factory=list)  # the iteration dirs checked, newest first
     bridge_tracker: str | None = None  # the step of Megatron-Bridge's latest_train_state.pt, None when none reads
     trusted: list[str] = field(default_factory=trusted_names)  # globals the gate trusted (--trust-global)
 
     @property
     def found(self) -> bool:
         return self.iteration_dir is not None
+
+    @property
+    def tracker_value(self) -> str | None:
+        """What a tracker naming the good dir holds ("10" or "release")."""
+        if self.iteration_dir is None:
+            return None
+        return "release" if self.release else str(self.iteration)
 
 
 def candidates(save_dir: Path) -> list[Path]:
@@ -95,14 +103,16 @@ def find_latest_good(
         with contextlib.suppress(CkptError):
             report.bridge_tracker = str(read_train_state_step(path / BRIDGE_TRACKER_NAME))
     for directory in dirs:
-        report.checked += 1
+        report.checked.append(str(directory))
         try:
             errors = errors_of(directory, options, progress)
         except CkptError as exc:  # a dir that cannot even be listed
             errors = [finding(structure.NOT_A_CHECKPOINT, directory, str(exc))]
         if not errors:
             report.iteration_dir = str(directory)
-            report.iteration = iteration_value(directory)
+            value = iteration_value(directory)
+            report.release = value == "release"
+            report.iteration = None if report.release else int(value)
             return report
         report.skipped.append(Skipped(str(directory), errors))
     return report

@@ -152,7 +152,7 @@ def plan(
         report.latest_good = latest.iteration_dir
         if latest.found:
             fixes = tracker_codes or sorted({f.code for f in report.unrepairable})
-            work.tracker_value = latest.iteration
+            work.tracker_value = latest.tracker_value
             why = (
                 "its checkpoint fails check"
                 if not tracker_codes
@@ -163,9 +163,9 @@ def plan(
                     "tracker",
                     fixes,
                     str(save_dir / TRACKER_NAME),
-                    f"point {TRACKER_NAME} to {latest.iteration} ({Path(latest.iteration_dir).name}, the newest "  # type: ignore[arg-type]
+                    f"point {TRACKER_NAME} to {latest.tracker_value} ({Path(latest.iteration_dir).name}, the newest "  # type: ignore[arg-type]
                     f"iteration dir that passes check): {why}",
-                    latest.iteration,
+                    latest.tracker_value,
                 )
             )
             report.notes += [

@@ -9,7 +9,7 @@ interrupted run.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor import locking
@@ -19,7 +19,7 @@ from ckptdoctor.ops.edit import CommonChange
 from ckptdoctor.ops.key_edit import KeyEdit, StripResult
 from ckptdoctor.ops.key_write import check_target, write_keys
 from ckptdoctor.ops.staged_integrity import verify_source_manifest
-from ckptdoctor.ops.strip import StripPlan
+from ckptdoctor.ops.strip import SCHEMA, StripPlan
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
 
@@ -39,6 +39,7 @@ def _trainable_only_arg(checkpoint: Checkpoint) -> list[CommonChange]:
 
 @dataclass
 class StripReport:
+    schema: str = field(init=False, default=SCHEMA)  # top level, as in every command's JSON
     plan: StripPlan
     result: StripResult | None  # None for --dry-run (and when refused: nothing frozen)
     dry_run: bool
