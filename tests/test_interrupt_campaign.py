@@ -152,7 +152,7 @@ def test_a_signal_right_after_the_staging_dir_is_made_removes_it(copy_fixture, t
     args = [str(save), "--drop-section", "optimizer", mode] + ([str(tmp_path / "out")] if mode == "--output" else [])
     child = (
         "import os, signal, sys\n"
-        "import ckptdoctor.ops.key_write as key_write\n"
+        "import ckptdoctor.ops.rewrite.write as key_write\n"
         "real = key_write._dir_bytes\n"
         "def interrupted(path):\n"
         f"    os.kill(os.getpid(), signal.{signum})\n"

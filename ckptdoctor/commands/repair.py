@@ -51,7 +51,7 @@ def command(
     1 findings remain, 2 error.
     """
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
-    from ckptdoctor.ops.repair_write import repair
+    from ckptdoctor.ops.repair.write import repair
     from ckptdoctor.render.recovery import render_repair
 
     if write and (output is None) == (not in_place):

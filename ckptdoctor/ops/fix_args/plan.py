@@ -1,7 +1,7 @@
 """``ckptdoctor fix-args``: find saved args that contradict the checkpoint's own parallelism, plan the fix.
 
 Diagnosis uses the rule table in :mod:`ckptdoctor.arg_rules`; writing lives in
-:mod:`ckptdoctor.ops.fix_args_write`. Nothing here reads tensor bytes.
+:mod:`ckptdoctor.ops.fix_args.write`. Nothing here reads tensor bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ckptdoctor.formats.run_config import RUN_CONFIG
 from ckptdoctor.parallelism import infer_layout
 
 if TYPE_CHECKING:
-    from ckptdoctor.ops.fix_args_write import WriteResult
+    from ckptdoctor.ops.fix_args.write import WriteResult
 
 SCHEMA = "ckptdoctor.fix-args/1"
 DERIVED_ARGS = ARG_GROUPS["parallelism-derived"]
@@ -199,7 +199,8 @@ def build_report(
 
 def common_with_args(common: dict, values: dict[str, Any]) -> dict:
     """A copy of a common state whose args (a copy too) carry ``values``; every other key and arg is kept as is.
-    The one way fix-args and the key rewrites (``edit``, ``strip-frozen``: ops/common_write.py) change saved args."""
+    The one way fix-args and the key rewrites (``edit``, ``strip-frozen``: ops/rewrite/common_state.py) change
+    saved args."""
     changed = dict(common)
     args = argparse.Namespace(**vars(common["args"]))
     for name, value in values.items():

@@ -52,7 +52,7 @@ from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.torch_zip import dump_torch_zip
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
 from ckptdoctor.locate import TRACKER_NAME
-from ckptdoctor.ops.fix_args import ArgChange, FixArgsReport, checked_config, diagnose, fixed_common_state
+from ckptdoctor.ops.fix_args.plan import ArgChange, FixArgsReport, checked_config, diagnose, fixed_common_state
 from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.ops.staging import not_carried
 from ckptdoctor.pickle import unpickler
