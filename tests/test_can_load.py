@@ -18,8 +18,9 @@ from conftest import FIXTURES, REPO, require_mcore, run_cli
 
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.errors import CkptError
+from ckptdoctor.ops.can_load.args_from import load_yaml_args
 from ckptdoctor.ops.can_load.predict import CanLoadReport, predict
-from ckptdoctor.ops.can_load.run import Layout, LoadRun, load_yaml_args, parse_target
+from ckptdoctor.ops.can_load.run import Layout, LoadRun, parse_target
 from ckptdoctor.render.common import to_json
 
 MATRIX = REPO / "tests" / "can_load_matrix.jsonl"

@@ -36,27 +36,16 @@ from ckptdoctor.ops.can_load.keys import SWIGLU_FC1, KeyPlan, model_plan
 from ckptdoctor.ops.can_load.optim import optimizer_verdict
 from ckptdoctor.ops.can_load.run import Layout, LoadRun, parse_target, run_args, saved_layout
 from ckptdoctor.ops.can_load.shapes import VOCAB_KEYS
+from ckptdoctor.ops.can_load.verdict import FAILS, LOADS, RESHARDS, SKIPPED, SectionVerdict
 from ckptdoctor.ops.pickle_gate import gate_failures
 from ckptdoctor.parallelism import infer_layout
 
 SCHEMA = "ckptdoctor.can-load/1"
-LOADS, RESHARDS, SKIPPED, FAILS = "loads", "reshards", "skipped", "fails"
 SECTION_ORDER = ("safety", "format", "args", "common", "model", "optimizer", "rng", "rerun")
 _RAISING = ("raise_unexpected", "raise_all")
 _DROPPING = ("log_unexpected", "log_all", "ignore_all", "return_unexpected", "return_all")
 UNEXPECTED_TITLE = "Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict."
 MISSING_TITLE = "Some keys found in the checkpoint are missing in the provided sharded state dict."
-
-
-@dataclass
-class SectionVerdict:
-    section: str
-    verdict: str  # loads / reshards / skipped / fails
-    why: str
-    error: str | None = None  # megatron's wording of the failure
-    fix: str | None = None
-    requested: int = 0  # keys the run requests from this section
-    present: int = 0  # keys of this section in the checkpoint
 
 
 @dataclass
