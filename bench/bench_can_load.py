@@ -26,8 +26,8 @@ TARGETS: tuple[tuple[str, ...], ...] = (
 _PREDICT_ONLY = """
 import sys, time
 from ckptdoctor.checkpoint import open_checkpoint
-from ckptdoctor.ops.can_load import LoadRun, predict
-from ckptdoctor.ops.can_load_run import parse_sets
+from ckptdoctor.ops.can_load.predict import LoadRun, predict
+from ckptdoctor.ops.can_load.run import parse_sets
 save, target, *extra = sys.argv[1:]
 sets = parse_sets(extra[1:2]) if extra[:1] == ["--set"] else {}
 strictness = extra[1] if extra[:1] == ["--strictness"] else "assume_ok_unexpected"

@@ -82,7 +82,7 @@ ENGINE = """
 import inspect, json, sys, time
 import torch
 from ckptdoctor.checkpoint import open_checkpoint
-from ckptdoctor.ops.diff import diff_checkpoints
+from ckptdoctor.ops.diff.compare import diff_checkpoints
 import ckptdoctor.values.diff as values_diff
 measured = {}
 inner = values_diff.compare_values

@@ -6,7 +6,7 @@ pre-commit hook alike. Command-line options override it.
 Settings never come from inside a checkpoint: a ``pyproject.toml`` in a save dir or an iteration dir, or anywhere
 below one, is passed over (a downloaded checkpoint must not configure the tool that checks it; ``cd model &&
 ckptdoctor check .`` reads the repository's config above it, if any). No config can deselect the safety rules
-either (:func:`ckptdoctor.rules.validate_selectors`).
+either (:func:`ckptdoctor.rules.registry.validate_selectors`).
 """
 
 from __future__ import annotations

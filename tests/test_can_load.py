@@ -18,8 +18,9 @@ from conftest import FIXTURES, REPO, require_mcore, run_cli
 
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.errors import CkptError
-from ckptdoctor.ops.can_load import CanLoadReport, predict
-from ckptdoctor.ops.can_load_run import Layout, LoadRun, load_yaml_args, parse_target
+from ckptdoctor.ops.can_load.args_from import load_yaml_args
+from ckptdoctor.ops.can_load.predict import CanLoadReport, predict
+from ckptdoctor.ops.can_load.run import Layout, LoadRun, parse_target
 from ckptdoctor.render.common import to_json
 
 MATRIX = REPO / "tests" / "can_load_matrix.jsonl"
@@ -244,7 +245,7 @@ def test_release_checkpoint_loads_model_only(tmp_path):
 
 
 def test_sharding_type_without_content_metadata():
-    from ckptdoctor.ops.can_load_optim import sharding_type
+    from ckptdoctor.ops.can_load.optim import sharding_type
 
     typed = {"content_metadata": {"distrib_optim_sharding_type": "fully_reshardable"}}
     assert sharding_type(typed, {}, LoadRun()) == "fully_reshardable"

@@ -15,7 +15,7 @@ from conftest import FIXTURES, REPO, run_cli
 
 from ckptdoctor import arg_rules
 from ckptdoctor.cli import main
-from ckptdoctor.rules import all_rules
+from ckptdoctor.rules.registry import all_rules
 
 ITER = "iter_0000010"
 CONVERTED = FIXTURES / "core019_convert_tp4"  # real converter-style re-shard: inherited weight-shard args

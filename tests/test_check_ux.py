@@ -14,7 +14,8 @@ from conftest import FIXTURES, REPO, run_cli
 
 from ckptdoctor.cli import main
 from ckptdoctor.ops.check import CHECKPOINT_FILE_RE
-from ckptdoctor.rules import FIX_COMMANDS, all_rules, fix_command
+from ckptdoctor.rules import FIX_COMMANDS, fix_command
+from ckptdoctor.rules.registry import all_rules
 
 ITER = "iter_0000010"
 CONVERTED = FIXTURES / "core019_convert_tp4"  # CKD203, CKD210, CKD212: fixed by fix-args

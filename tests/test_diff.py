@@ -74,7 +74,7 @@ def test_each_chunk_is_read_once_across_layouts(capsys):
     """Streaming: every chunk of A and of B is read exactly once, even where one B chunk spans many A chunks."""
     pytest.importorskip("torch")
     from ckptdoctor.checkpoint import open_checkpoint
-    from ckptdoctor.ops.diff import KeyFilter, diff_checkpoints
+    from ckptdoctor.ops.diff.compare import KeyFilter, diff_checkpoints
 
     a = open_checkpoint(FIXTURES / "core019_convert_tp4")
     b = open_checkpoint(FIXTURES / "core019_convert_src_tp1")

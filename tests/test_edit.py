@@ -26,7 +26,7 @@ from ckptdoctor.formats.torch_dist import (
     set_storage,
     storage_items,
 )
-from ckptdoctor.ops.edit_presets import preset_renames
+from ckptdoctor.ops.edit.presets import preset_renames
 
 ITER = "iter_0000010"
 WEIGHTS_ONLY = ["--drop-section", "optimizer", "--drop-section", "rng", "--drop-section", "rerun"]

@@ -462,8 +462,8 @@ def test_a_run_config_line_of_many_spaces_is_rewritten_in_linear_time(copy_fixtu
 
 def test_an_empty_run_config_value_gets_its_new_value_on_its_own_line():
     """``lr:`` (a null) took its new value after the newline, onto the next line: ``lr:\\n0.5seed: 1``."""
-    from ckptdoctor.ops.fix_args import ArgChange
-    from ckptdoctor.ops.fix_args_write import updated_run_config
+    from ckptdoctor.ops.fix_args.plan import ArgChange
+    from ckptdoctor.ops.fix_args.write import updated_run_config
 
     text, updated = updated_run_config("lr:\nseed: 1 # keep\r\n", [ArgChange("lr", None, 0.5, "set")])
     assert (text, updated) == ("lr: 0.5\nseed: 1 # keep\r\n", ["lr"])

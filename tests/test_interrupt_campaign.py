@@ -122,7 +122,7 @@ def test_fix_args_rerun_after_a_kill_before_the_journal_is_removed_refuses(copy_
     killed = run_ckptdoctor(*args, env=_fault_env("write:.metadata"))
     assert killed.returncode == FAULT_EXIT_CODE, killed.stderr
     assert "CKD150" in {f.code for f in check_paths([str(save)]).findings}
-    rerun_args = args if mode == "--in-place" else [*args[:3], "--output", tmp_path / "out"]
+    rerun_args = args if mode == "--in-place" else [*args[:2], "--output", tmp_path / "out"]
     rerun = run_ckptdoctor(*rerun_args)
     assert rerun.returncode == 2, rerun.stdout
     assert "an interrupted ckptdoctor write left" in rerun.stderr and rerun.stderr.count("\n") == 1
@@ -152,7 +152,7 @@ def test_a_signal_right_after_the_staging_dir_is_made_removes_it(copy_fixture, t
     args = [str(save), "--drop-section", "optimizer", mode] + ([str(tmp_path / "out")] if mode == "--output" else [])
     child = (
         "import os, signal, sys\n"
-        "import ckptdoctor.ops.key_write as key_write\n"
+        "import ckptdoctor.ops.rewrite.write as key_write\n"
         "real = key_write._dir_bytes\n"
         "def interrupted(path):\n"
         f"    os.kill(os.getpid(), signal.{signum})\n"

@@ -146,8 +146,8 @@ def test_the_write_lets_the_source_index_go_before_pickling(tmp_path, monkeypatc
     """The source's index is released before the new .metadata is pickled (not held beside the records that are);
     the common state the write changes was made from it before."""
     from ckptdoctor.checkpoint import open_for_rewrite
-    from ckptdoctor.ops import metadata_write
-    from ckptdoctor.ops.strip_write import strip_frozen
+    from ckptdoctor.ops.rewrite import metadata as metadata_write
+    from ckptdoctor.ops.strip.write import strip_frozen
 
     source, metadata = open_for_rewrite(FIXTURES / name)
     assert source.entries
@@ -334,7 +334,7 @@ def test_base_equal_everywhere_keeps_nothing(capsys, tmp_path):
 
 def test_base_compare_is_bitwise(tmp_path):
     """A one-ulp change in one base chunk makes that tensor 'trainable'; same-layout path, no torch needed."""
-    from ckptdoctor.ops.strip import trainable_from_base
+    from ckptdoctor.ops.strip.plan import trainable_from_base
 
     base = tmp_path / "base"
     shutil.copytree(FIXTURES / "core019_peft_full_tp2", base)

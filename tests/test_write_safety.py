@@ -509,7 +509,7 @@ def test_a_symlink_planted_as_the_lock_file_is_not_followed(capsys, copy_fixture
 
 @pytest.mark.parametrize("fail_on", ["common_state", ".metadata", "integrity.json"])
 def test_fix_args_in_place_failure_rolls_back(capsys, copy_fixture, monkeypatch, fail_on):
-    from ckptdoctor.ops import fix_args_write
+    from ckptdoctor.ops.fix_args import write as fix_args_write
 
     save = copy_fixture("core019_tp1")
     it = save / ITER

@@ -50,7 +50,8 @@ def complete_rule_codes(ctx: click.Context, param: click.Parameter, incomplete: 
     """Shell completion of rule codes (``--select``/``--ignore``, ``rules CODE``); the last of a comma list."""
     from click.shell_completion import CompletionItem
 
-    from ckptdoctor.rules import all_rules, is_safety
+    from ckptdoctor.rules import is_safety
+    from ckptdoctor.rules.registry import all_rules
 
     head, _, last = incomplete.rpartition(",")
     prefix = f"{head}," if head else ""

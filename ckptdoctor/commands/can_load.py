@@ -6,7 +6,7 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option, trust_global_option
-from ckptdoctor.ops.can_load_run import SHARDING_TYPES, STRICTNESS
+from ckptdoctor.ops.can_load.run import SHARDING_TYPES, STRICTNESS
 
 
 @click.command("can-load")
@@ -77,8 +77,9 @@ def command(
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
-    from ckptdoctor.ops.can_load import predict
-    from ckptdoctor.ops.can_load_run import LoadRun, model_args_from, parse_sets
+    from ckptdoctor.ops.can_load.args_from import model_args_from
+    from ckptdoctor.ops.can_load.predict import predict
+    from ckptdoctor.ops.can_load.run import LoadRun, parse_sets
     from ckptdoctor.render.can_load import render_can_load
     from ckptdoctor.render.common import echo_json
 

@@ -86,7 +86,7 @@ def command(
     from ckptdoctor.ops.check import CheckOptions, ConfigUse, check_paths
     from ckptdoctor.render.check import FORMATS, render_check, render_github, render_sarif
     from ckptdoctor.render.common import jsonable
-    from ckptdoctor.rules import validate_selectors
+    from ckptdoctor.rules.registry import validate_selectors
     from ckptdoctor.text_safety import escape
 
     passed_over: list[Path] = []

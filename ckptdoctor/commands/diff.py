@@ -119,7 +119,7 @@ def command(
     from ckptdoctor.config import diff_defaults, load_tool_config
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.gc_pause import gc_paused, hold_until_exit
-    from ckptdoctor.ops.diff import KeyFilter, diff_checkpoints
+    from ckptdoctor.ops.diff.compare import KeyFilter, diff_checkpoints
     from ckptdoctor.render.common import echo_json
     from ckptdoctor.render.diff import render_diff, render_name_only, render_stat
 

@@ -79,8 +79,8 @@ def command(
     from ckptdoctor.checkpoint import open_checkpoint, open_for_rewrite
     from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.exit_codes import EXIT_OK
-    from ckptdoctor.ops.edit import EditRequest
-    from ckptdoctor.ops.edit_write import edit
+    from ckptdoctor.ops.edit.plan import EditRequest
+    from ckptdoctor.ops.edit.write import edit
     from ckptdoctor.parallel import default_jobs
     from ckptdoctor.render.edit import render_edit
 

@@ -64,8 +64,8 @@ def command(
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
-    from ckptdoctor.ops.fix_args import build_report
-    from ckptdoctor.ops.fix_args_write import write_fix
+    from ckptdoctor.ops.fix_args.plan import build_report
+    from ckptdoctor.ops.fix_args.write import write_fix
     from ckptdoctor.render.common import render_fix_args
 
     write = writing(output, in_place, dry_run, write_flag)

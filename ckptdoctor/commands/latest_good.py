@@ -42,7 +42,7 @@ def command(
     from ckptdoctor.ops.latest_good import find_latest_good
     from ckptdoctor.render.common import echo_json
     from ckptdoctor.render.recovery import render_skipped
-    from ckptdoctor.rules import validate_selectors
+    from ckptdoctor.rules.registry import validate_selectors
     from ckptdoctor.text_safety import escape
 
     options = CheckOptions(

@@ -45,7 +45,7 @@ def command(
     writing, every repaired finding gone), 1 findings remain, 2 error.
     """
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
-    from ckptdoctor.ops.repair_write import repair
+    from ckptdoctor.ops.repair.write import repair
     from ckptdoctor.render.recovery import render_repair
 
     write = writing(output, in_place, dry_run, write_flag)

@@ -14,7 +14,7 @@ from ckptdoctor.commands.options import format_option
 def command(codes: tuple[str, ...], output_format: str) -> int:
     """List the rules of `ckptdoctor check` (only those matching CODES, codes or prefixes, if given)."""
     from ckptdoctor.render.common import render_rules, to_json
-    from ckptdoctor.rules import all_rules, validate_selectors
+    from ckptdoctor.rules.registry import all_rules, validate_selectors
 
     select = validate_selectors(codes, "CODES", listing=True) if codes else ["ALL"]
     rules = [r for r in all_rules() if any(s == "ALL" or r.code.startswith(s) for s in select)]

@@ -79,7 +79,7 @@ def command(
     from ckptdoctor.checkpoint import open_checkpoint, open_for_rewrite
     from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
-    from ckptdoctor.ops.strip_write import strip_frozen
+    from ckptdoctor.ops.strip.write import strip_frozen
     from ckptdoctor.parallel import default_jobs
     from ckptdoctor.render.common import render_strip
 

@@ -24,10 +24,8 @@ from collections.abc import Iterator
 from json.encoder import encode_basestring_ascii as _quoted
 from typing import Any
 
-from ckptdoctor.pickle.stand_ins import Record, StandIn
-from ckptdoctor.pickle.torch_stand_ins import DtypeRef, StorageTypeRef, TensorRef
-
-# Types whose repr is short and cannot recurse into pickled data.
+# Types whose repr is short and cannot recurse into pickled data (and the classes that declare the view "repr" or
+# "dtype", below).
 _SAFE_REPR = (
     datetime.date,
     datetime.time,
@@ -37,9 +35,6 @@ _SAFE_REPR = (
     pathlib.PurePath,
     io.BytesIO,
     complex,
-    TensorRef,
-    DtypeRef,
-    StorageTypeRef,
 )
 
 MAX_NODES = 10_000
@@ -47,6 +42,15 @@ MAX_DEPTH = 32
 ELIDED = "..."
 _SCALARS = (bool, int, float, str, type(None))
 _NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def _view(value: Any) -> str | None:
+    """How the walks show an object of ckptdoctor's own pickle classes, as its class declares it (``__ckd_view__``):
+    ``"stand-in"`` (:class:`~ckptdoctor.pickle.stand_ins.StandIn`: its global's name, args and state), ``"record"``
+    (:class:`~ckptdoctor.pickle.stand_ins.Record`: its global's name and fields), ``"repr"`` (a short repr of its
+    own: ``TensorRef``, ``StorageTypeRef``) and ``"dtype"`` (``DtypeRef``: its repr, its str in JSON). Those classes
+    sit above this module: their ``__repr__``, ``__eq__`` and ``__hash__`` are these walks."""
+    return getattr(type(value), "__ckd_view__", None)
 
 
 def to_plain(value: Any, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH) -> Any:
@@ -107,7 +111,7 @@ def _plain(value: Any, budget: list[int], depth: int) -> Any:
         return items
     if isinstance(value, (bytes, bytearray)):
         return f"<{len(value)} bytes>"
-    if isinstance(value, (DtypeRef, enum.Enum)):
+    if isinstance(value, enum.Enum) or _view(value) == "dtype":
         return str(value)
     return short_repr(value)
 
@@ -192,17 +196,18 @@ def _json_items(pairs: Iterator[tuple[str, Any, list[int]]], n: int, depth: int,
 def short_repr(value: Any, limit: int = 200) -> str:
     """``repr`` that never expands more than a few levels or ``limit`` characters (objects from a pickle
     can hold shared references whose full ``repr`` is exponentially long)."""
-    if isinstance(value, (StandIn, Record, argparse.Namespace, types.SimpleNamespace)):
-        if isinstance(value, StandIn):
+    view = _view(value)
+    if view in ("stand-in", "record") or isinstance(value, (argparse.Namespace, types.SimpleNamespace)):
+        if view == "stand-in":
             name, args = type(value).__ckd_global__[1], list(value.stand_in_args[:8])
             state = value.stand_in_state
             parts = [_brief(a) for a in args] + ([] if state is None else [f"state={_brief(state)}"])
         else:
-            name = type(value).__ckd_global__[1] if isinstance(value, Record) else type(value).__name__
-            fields = value.stand_in_state if isinstance(value, Record) else vars(value)
+            name = type(value).__ckd_global__[1] if view == "record" else type(value).__name__
+            fields = value.stand_in_state if view == "record" else vars(value)
             parts = [f"{k}={_brief(v)}" for k, v in list(fields.items())[:16]]
         text = f"{name}({', '.join(parts)})"
-    elif isinstance(value, _SAFE_REPR):
+    elif view in ("repr", "dtype") or isinstance(value, _SAFE_REPR):
         text = repr(value)
     else:
         text = _brief(value)
@@ -211,14 +216,13 @@ def short_repr(value: Any, limit: int = 200) -> str:
 
 def _brief(value: Any) -> str:
     """A short, bounded text of a value nested in another one."""
-    if isinstance(value, (StandIn, Record, argparse.Namespace, types.SimpleNamespace)):
-        name = type(value).__ckd_global__[1] if isinstance(value, (StandIn, Record)) else type(value).__name__
+    view = _view(value)
+    if view in ("stand-in", "record") or isinstance(value, (argparse.Namespace, types.SimpleNamespace)):
+        name = type(value).__ckd_global__[1] if view in ("stand-in", "record") else type(value).__name__
         return f"{name}(...)"
-    if isinstance(value, (*_SAFE_REPR, *_SCALARS)):
+    if view in ("repr", "dtype") or isinstance(value, (*_SAFE_REPR, *_SCALARS)):
         text = repr(value)
-    elif isinstance(
-        value, (dict, list, tuple, set, frozenset, collections.deque, bytes, bytearray, DtypeRef, enum.Enum)
-    ):
+    elif isinstance(value, (dict, list, tuple, set, frozenset, collections.deque, bytes, bytearray, enum.Enum)):
         plain = to_plain(value, max_nodes=50, max_depth=3)
         text = plain if isinstance(plain, str) else repr(plain)
     else:
@@ -254,7 +258,7 @@ def _digest(value: Any, memo: dict[int, bytes], depth: int) -> bytes:
             h.update(part)
     elif isinstance(value, (bytes, bytearray)):
         h.update(bytes(value))
-    elif isinstance(value, StandIn):
+    elif _view(value) == "stand-in":
         h.update(type(value).qualified_name().encode())
         h.update(_digest(value.stand_in_args, memo, depth - 1))
         h.update(_fresh_digest(value.stand_in_state, memo, depth - 1))

@@ -20,6 +20,9 @@ import sys
 import types
 from typing import Any
 
+from ckptdoctor.errors import UnsafePickleError
+from ckptdoctor.pickle.plain import fingerprint, short_repr
+
 # --- stand-ins ---------------------------------------------------------------------------------------
 
 
@@ -72,6 +75,7 @@ class StandIn(metaclass=_FrozenClass):
     """
 
     __ckd_global__: tuple[str, str] = ("", "")
+    __ckd_view__ = "stand-in"  # how ckptdoctor.pickle.plain's walks show it: args and state
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StandIn:
         obj = object.__new__(cls)
@@ -150,22 +154,16 @@ class StandIn(metaclass=_FrozenClass):
     def __eq__(self, other: object) -> bool:
         if type(self) is not type(other):
             return False
-        from ckptdoctor.pickle.plain import fingerprint
-
         return fingerprint(self) == fingerprint(other)
 
     def __hash__(self) -> int:
         # From a collision-resistant digest of the class, recorded args and state (shared references digested
         # once): a per-class constant made DCP's storage_data quadratic to load, and a hash of the args tuple
         # could be made to collide at will by a pickle (ints hash alike in every process: hash flooding).
-        from ckptdoctor.pickle.plain import fingerprint
-
         return int.from_bytes(fingerprint(self)[:8], "little", signed=True)
 
     def __repr__(self) -> str:
-        from ckptdoctor.pickle.plain import short_repr  # bounded: pickled args can expand exponentially
-
-        return short_repr(self)
+        return short_repr(self)  # bounded: pickled args can expand exponentially
 
 
 # --- aliases for writing back ---------------------------------------------------------------------------
@@ -215,8 +213,6 @@ _STAND_IN_CLASSES: dict[tuple[str, str], type[StandIn]] = {}
 # Globals that are data only in the form real checkpoints use: what the real object does with another use is
 # refused where the stand-in sees it (before anything of the pickle's reaches a loader that trusts the name).
 def _refuse_call(cls: type, *args: Any, **kwargs: Any) -> Any:
-    from ckptdoctor.errors import UnsafePickleError
-
     module, name = cls.__ckd_global__  # type: ignore[attr-defined]
     detail = (
         "called or instantiated: numpy.ndarray(shape, object dtype, buffer) makes object pointers of the pickle's "
@@ -236,8 +232,6 @@ def _generator_state(self: StandIn, state: Any) -> None:
         or not (state[1] is None or isinstance(state[1], int))
         or dtype != "uint8"
     ):
-        from ckptdoctor.errors import UnsafePickleError
-
         detail = "with a state other than (seed, offset, uint8 state tensor), which torch's __setstate__ crashes on"
         raise UnsafePickleError("torch._C", "Generator", detail=detail)
     StandIn.__setstate__(self, state)
@@ -272,6 +266,7 @@ class Record(metaclass=_FrozenClass):
     """
 
     __ckd_global__: tuple[str, str] = ("", "")
+    __ckd_view__ = "record"  # how ckptdoctor.pickle.plain's walks show it: its fields
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # only reached if a pickle *calls* the class
         self.__dict__["_ckd_args"] = args
@@ -286,9 +281,7 @@ class Record(metaclass=_FrozenClass):
         return f"{module}.{name}"
 
     def __repr__(self) -> str:
-        from ckptdoctor.pickle.plain import short_repr  # bounded, like StandIn
-
-        return short_repr(self)
+        return short_repr(self)  # bounded, like StandIn
 
 
 _NO_STATE = object()

@@ -73,6 +73,8 @@ _STORAGE_TO_DTYPE = {storage: dtype for dtype, (_, storage) in TORCH_DTYPES.item
 class DtypeRef(_Frozen):
     """Stand-in for a ``torch.dtype``; pickles back to the global ``torch.<name>``."""
 
+    __ckd_view__ = "dtype"  # ckptdoctor.pickle.plain shows its repr, and its str in JSON
+
     _cache: dict[str, DtypeRef] = {}
 
     def __init__(self, name: str) -> None:
@@ -105,6 +107,8 @@ class DtypeRef(_Frozen):
 
 class StorageTypeRef(_Frozen):
     """Stand-in for a typed-storage class such as ``torch.FloatStorage``."""
+
+    __ckd_view__ = "repr"  # short, and nothing of the pickle's inside: ckptdoctor.pickle.plain shows it as is
 
     _cache: dict[str, StorageTypeRef] = {}
 
@@ -212,6 +216,8 @@ class StorageRef:
 
 class TensorRef:
     """Stand-in for a ``torch.Tensor`` inside a pickle: storage, offset, size and stride; no torch needed."""
+
+    __ckd_view__ = "repr"  # short, and nothing of the pickle's inside: ckptdoctor.pickle.plain shows it as is
 
     def __init__(
         self,

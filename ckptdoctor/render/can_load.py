@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
-    from ckptdoctor.ops.can_load import CanLoadReport
+    from ckptdoctor.ops.can_load.predict import CanLoadReport
 
 
 def _layout(layout: dict) -> str:

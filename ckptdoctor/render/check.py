@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptdoctor import __version__
+from ckptdoctor.rules.registry import all_rules, rule_by_code
 from ckptdoctor.text_safety import escape, text_safe
 
 if TYPE_CHECKING:
@@ -78,8 +80,6 @@ def _config_lines(report: CheckReport) -> list[str]:
 
 def statistics(report: CheckReport) -> list[dict[str, Any]]:
     """Findings counted per code (most frequent first, then by code), with the rule's name and fix command."""
-    from ckptdoctor.rules import rule_by_code
-
     rules = rule_by_code()
     counts: dict[str, dict[str, Any]] = {}
     for f in report.findings:
@@ -152,9 +152,6 @@ def _uri(path: str) -> str:
 
 def sarif(report: CheckReport) -> dict[str, Any]:
     """A minimal valid SARIF 2.1.0 log: every rule in ``tool.driver.rules`` and one result per finding."""
-    from ckptdoctor import __version__
-    from ckptdoctor.rules import all_rules
-
     rules = all_rules()
     index = {r.code: i for i, r in enumerate(rules)}
     driver_rules = []

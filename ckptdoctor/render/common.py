@@ -15,9 +15,9 @@ from ckptdoctor.pickle.plain import iter_json, to_plain
 from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
-    from ckptdoctor.ops.fix_args import FixArgsReport
+    from ckptdoctor.ops.fix_args.plan import FixArgsReport
     from ckptdoctor.ops.inspect import InspectReport
-    from ckptdoctor.ops.strip_write import StripReport
+    from ckptdoctor.ops.strip.write import StripReport
     from ckptdoctor.rules import RuleInfo
 
 

@@ -11,7 +11,7 @@ from ckptdoctor.render.common import human_bytes, short_value
 from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
-    from ckptdoctor.ops.diff_report import DiffReport
+    from ckptdoctor.ops.diff.report import DiffReport
     from ckptdoctor.values.diff import ValuesReport
 
 

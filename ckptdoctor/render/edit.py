@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckptdoctor.ops.edit_write import EditReport
+from ckptdoctor.ops.edit.write import EditReport
 from ckptdoctor.render.common import human_bytes, short_value, tabulate
 from ckptdoctor.text_safety import text_safe
 

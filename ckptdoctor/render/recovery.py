@@ -13,7 +13,7 @@ from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
     from ckptdoctor.ops.latest_good import LatestGoodReport
-    from ckptdoctor.ops.repair_report import RepairReport
+    from ckptdoctor.ops.repair.report import RepairReport
     from ckptdoctor.ops.seal import SealResult
 
 

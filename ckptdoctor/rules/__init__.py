@@ -9,6 +9,8 @@ One module per family (codes are never reused or renumbered, so configs and CI l
 * :mod:`.integrity`   CKD3xx  ``integrity.json`` hashes; the ``--deep`` rules (decoding: :mod:`.deep_decode`)
 * :mod:`.safety`      CKD4xx  pickles referencing callables outside the allowlist
 
+Here: :class:`RuleInfo`, :class:`Finding`, the fix commands and the selectors, which every family imports;
+:mod:`.registry` (above the families) lists every rule and validates ``--select``/``--ignore``.
 This package is pure: it returns :class:`Finding` objects and never prints.
 """
 
@@ -16,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ckptdoctor.errors import CkptError
 from ckptdoctor.pickle.plain import OMIT_NONE
 from ckptdoctor.severity import ERROR as ERROR  # re-exported: rules and renderers import it from here
 from ckptdoctor.severity import WARNING as WARNING
@@ -103,47 +104,13 @@ def with_fix(f: Finding, checkpoint: object) -> Finding:
     return f if fix is None or f.fix is not None else dataclasses.replace(f, fix=fix)
 
 
-def all_rules() -> list[RuleInfo]:
-    """Every rule, in code order (imports the families lazily: they are small and torch-free)."""
-    from ckptdoctor.rules import bridge, consistency, integrity, leftovers, safety, structure
-
-    rules = [*structure.RULES, *bridge.RULES, *leftovers.RULES, *consistency.RULES, *integrity.RULES, *safety.RULES]
-    return sorted((dataclasses.replace(r, fix=fix_command(r.code)) for r in rules), key=lambda r: r.code)
-
-
-def rule_by_code() -> dict[str, RuleInfo]:
-    return {r.code: r for r in all_rules()}
-
-
 def finding(rule: RuleInfo, path: object, message: str) -> Finding:
     return Finding(rule.code, str(path), message, rule.severity)
 
 
-def validate_selectors(selectors: Iterable[str], option: str, listing: bool = False) -> list[str]:
-    """Normalize ``--select``/``--ignore`` values (codes or prefixes, comma separated); unknown ones are errors, and
-    so is one naming a safety rule (the gate is always on), unless the selectors only pick rules to list
-    (``listing``: ``ckptdoctor rules CKD4``)."""
-    codes = [r.code for r in all_rules()]
-    out: list[str] = []
-    for raw in selectors:
-        for part in str(raw).split(","):
-            sel = part.strip().upper()
-            if not sel:
-                continue
-            if sel != "ALL" and not any(code.startswith(sel) for code in codes):
-                raise CkptError(f"{option}: {part.strip()!r} matches no rule code (see `ckptdoctor rules`)")
-            if sel.startswith(SAFETY_PREFIX) and not listing:
-                raise CkptError(
-                    f"{option}: {part.strip()!r} names a safety rule (CKD4xx): the gate is always on and cannot be "
-                    "selected or ignored; the only override is --trust-global MODULE.NAME on the command line"
-                )
-            out.append(sel)
-    return out
-
-
 def is_selected(code: str, select: list[str], ignore: list[str]) -> bool:
     """A code is reported when a ``select`` prefix matches it and no ``ignore`` prefix does; a safety code always
-    (CKD4xx: the gate cannot be deselected, see :func:`validate_selectors`)."""
+    (CKD4xx: the gate cannot be deselected, see :func:`ckptdoctor.rules.registry.validate_selectors`)."""
     if is_safety(code):
         return True
 

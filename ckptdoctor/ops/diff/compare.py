@@ -10,7 +10,7 @@ diff costs the same for 1 GB and 10 TB. Differences are classified so that users
 * args that are equal on both sides but contradict their own checkpoint's layout are flagged with the rule
   table of :mod:`ckptdoctor.arg_rules` (the same rules ``fix-args`` applies).
 
-The report this builds is :class:`~ckptdoctor.ops.diff_report.DiffReport`.
+The report this builds is :class:`~ckptdoctor.ops.diff.report.DiffReport`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ckptdoctor.arg_rules import check_args
 from ckptdoctor.args import ARG_GROUPS, arg_group
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
 from ckptdoctor.logical_items import KIND_TENSOR, Item, is_common_state_item, logical_items
-from ckptdoctor.ops.diff_report import (
+from ckptdoctor.ops.diff.report import (
     SCHEMA,
     ArgDifference,
     ArgFlag,

@@ -1,6 +1,6 @@
 """What ``ckptdoctor repair`` reports (schema ``ckptdoctor.repair/1``): the findings before, the actions planned
-(or done, with ``--write``), the refusals and what no repair fixes; filled by :mod:`ckptdoctor.ops.repair` (plan)
-and :mod:`ckptdoctor.ops.repair_write` (write and re-check)."""
+(or done, with ``--write``), the refusals and what no repair fixes; filled by :mod:`ckptdoctor.ops.repair.plan` (plan)
+and :mod:`ckptdoctor.ops.repair.write` (write and re-check)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Default: O(metadata). A new ``.metadata`` (keys removed and renamed everywhere it names them) beside hard links
 to the source's data files (copies across filesystems); removed items stay in the linked files, unreferenced.
 ``--compact``: the kept items byte-copied into new data files, exactly as ``strip-frozen`` writes them. Both go
-through :func:`ckptdoctor.ops.key_write.write_keys`: staging dir, fsync, atomic rename or exchange, backup for
+through :func:`ckptdoctor.ops.rewrite.write.write_keys`: staging dir, fsync, atomic rename or exchange, backup for
 ``--in-place``, fault points ``edit:<step>``. Dropping a whole section also rewrites the common state (a new
 ``common.pt``, or a small new data file the ``.metadata`` entry of ``common_state/shard_0_1`` points to).
 """
@@ -17,12 +17,12 @@ from pathlib import Path
 from ckptdoctor import locking
 from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
 from ckptdoctor.errors import CkptError
-from ckptdoctor.ops.common_write import common_rewriter
-from ckptdoctor.ops.edit import SCHEMA, EditPlan, EditRequest, plan_edit
-from ckptdoctor.ops.key_edit import KeyEdit, StripResult
-from ckptdoctor.ops.key_write import check_target, write_keys
+from ckptdoctor.ops.edit.plan import SCHEMA, EditPlan, EditRequest, plan_edit
+from ckptdoctor.ops.rewrite.common_state import common_rewriter
+from ckptdoctor.ops.rewrite.request import KeyEdit, StripResult
+from ckptdoctor.ops.rewrite.write import check_target, write_keys
 from ckptdoctor.ops.staged_integrity import verify_source_manifest
-from ckptdoctor.ops.strip import check_integrity
+from ckptdoctor.ops.strip.plan import check_integrity
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
 

@@ -28,8 +28,8 @@ from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
 from ckptdoctor.locate import TRACKER_NAME
-from ckptdoctor.ops import metadata_write
-from ckptdoctor.ops.key_edit import KeyEdit, Progress, StripResult
+from ckptdoctor.ops.rewrite import metadata as metadata_write
+from ckptdoctor.ops.rewrite.request import KeyEdit, Progress, StripResult
 from ckptdoctor.ops.seal import write_manifest
 from ckptdoctor.ops.staged_integrity import carried_hashes
 from ckptdoctor.ops.staging import SwapState, not_carried, swap_in_place, swap_output
@@ -52,7 +52,7 @@ def input_was_save_dir(checkpoint: Checkpoint) -> bool:
 
 
 def _dir_bytes(directory: Path) -> int:
-    from ckptdoctor.ops.strip import dir_bytes
+    from ckptdoctor.ops.strip.plan import dir_bytes
 
     return dir_bytes(directory)
 

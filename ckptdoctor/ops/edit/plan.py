@@ -27,8 +27,8 @@ from typing import Any
 
 from ckptdoctor.checkpoint import Checkpoint, section_of
 from ckptdoctor.errors import CkptError
-from ckptdoctor.ops.edit_presets import PRESET_NAMES, preset_renames
-from ckptdoctor.ops.strip import dir_bytes
+from ckptdoctor.ops.edit.presets import PRESET_NAMES, preset_renames
+from ckptdoctor.ops.strip.plan import dir_bytes
 
 SCHEMA = "ckptdoctor.edit/1"
 SECTIONS = ("optimizer", "rng", "rerun")

@@ -1,5 +1,5 @@
 """What ``ckptdoctor diff`` reports (schema ``ckptdoctor.diff/1``, ``docs/diff.schema.json``): typed dataclasses
-the renderers read, filled by :mod:`ckptdoctor.ops.diff` (values: :mod:`ckptdoctor.values.diff`)."""
+the renderers read, filled by :mod:`ckptdoctor.ops.diff.compare` (values: :mod:`ckptdoctor.values.diff`)."""
 
 from __future__ import annotations
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ckptdoctor.ops.can_load_keys import KeyPlan, logical
+from ckptdoctor.ops.can_load.keys import KeyPlan, logical
+from ckptdoctor.ops.can_load.verdict import FAILS, SKIPPED, SectionVerdict
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint
-    from ckptdoctor.ops.can_load import SectionVerdict
-    from ckptdoctor.ops.can_load_run import Layout, LoadRun
+    from ckptdoctor.ops.can_load.run import Layout, LoadRun
 
 FULLY_RESHARDABLE = ("fully_reshardable", "fully_sharded_model_space", "fsdp_dtensor")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -58,8 +58,6 @@ def optimizer_verdict(
     model: KeyPlan,
 ) -> tuple[SectionVerdict | None, KeyPlan | None]:
     """(a final verdict, None) or (None, the key plan whose strictness check decides)."""
-    from ckptdoctor.ops.can_load import FAILS, SKIPPED, SectionVerdict
-
     entries = ckpt.section_entries("optimizer")
     present = {logical(e.key, e.kind): tuple(e.shape) if e.shape else None for e in entries}
     if run.finetune or run.no_load_optim or ckpt.location.release:

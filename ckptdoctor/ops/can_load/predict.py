@@ -10,7 +10,7 @@ Models ``megatron/training/checkpointing.py: load_checkpoint`` and ``megatron/co
   the saved state passes ``validate_state_dict``.
 * optimizer: requested unless ``--finetune``/``--no-load-optim``/saved ``no_save_optim``; when requested from a
   checkpoint without one, ``optimizer.load_state_dict`` raises KeyError 'optimizer'. Distributed optimizer
-  formats, a (TP, PP) change and the expert param groups are in :mod:`ckptdoctor.ops.can_load_optim`.
+  formats, a (TP, PP) change and the expert param groups are in :mod:`ckptdoctor.ops.can_load.optim`.
 * Keys: "unexpected" = requested but absent (``assume_ok_unexpected``: a KeyError for a tensor, "Missing key in
   checkpoint state_dict" for an object; ``raise_*``: raised before the load; ``log_*``/``ignore_all``: dropped,
   the param stays at its initial value, unless a dropped key is a SwiGLU ``linear_fc1`` factory, whose merge then
@@ -31,32 +31,21 @@ from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import PickleLimitError, UnsafePickleError
 from ckptdoctor.formats import read_by_current_megatron
 from ckptdoctor.formats.archive import ArchiveError
-from ckptdoctor.ops.can_load_args import args_problem
-from ckptdoctor.ops.can_load_keys import SWIGLU_FC1, KeyPlan, model_plan
-from ckptdoctor.ops.can_load_optim import optimizer_verdict
-from ckptdoctor.ops.can_load_run import Layout, LoadRun, parse_target, run_args, saved_layout
-from ckptdoctor.ops.can_load_shapes import VOCAB_KEYS
+from ckptdoctor.ops.can_load.args import args_problem
+from ckptdoctor.ops.can_load.keys import SWIGLU_FC1, KeyPlan, model_plan
+from ckptdoctor.ops.can_load.optim import optimizer_verdict
+from ckptdoctor.ops.can_load.run import Layout, LoadRun, parse_target, run_args, saved_layout
+from ckptdoctor.ops.can_load.shapes import VOCAB_KEYS
+from ckptdoctor.ops.can_load.verdict import FAILS, LOADS, RESHARDS, SKIPPED, SectionVerdict
 from ckptdoctor.ops.pickle_gate import gate_failures
 from ckptdoctor.parallelism import infer_layout
 
 SCHEMA = "ckptdoctor.can-load/1"
-LOADS, RESHARDS, SKIPPED, FAILS = "loads", "reshards", "skipped", "fails"
 SECTION_ORDER = ("safety", "format", "args", "common", "model", "optimizer", "rng", "rerun")
 _RAISING = ("raise_unexpected", "raise_all")
 _DROPPING = ("log_unexpected", "log_all", "ignore_all", "return_unexpected", "return_all")
 UNEXPECTED_TITLE = "Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict."
 MISSING_TITLE = "Some keys found in the checkpoint are missing in the provided sharded state dict."
-
-
-@dataclass
-class SectionVerdict:
-    section: str
-    verdict: str  # loads / reshards / skipped / fails
-    why: str
-    error: str | None = None  # megatron's wording of the failure
-    fix: str | None = None
-    requested: int = 0  # keys the run requests from this section
-    present: int = 0  # keys of this section in the checkpoint
 
 
 @dataclass

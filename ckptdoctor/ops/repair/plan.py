@@ -5,7 +5,7 @@
 * CKD101 ``metadata.json`` missing: written only when ``.metadata`` reads, every referenced data file is present
   and long enough, and the common state reads; content follows the era (core <= 0.18 with ``common.pt``: four
   fields; core >= 0.19: the two ``sharded_backend`` fields). An incomplete save stays incomplete
-  (:mod:`ckptdoctor.ops.repair_metadata_json`).
+  (:mod:`ckptdoctor.ops.repair.metadata_json`).
 * CKD115 unreferenced ``.distcp`` files: moved into ``<iter>.quarantine-<stamp>/`` beside the iteration dir,
   never deleted.
 * CKD151 leftovers of an interrupted ckptdoctor write (unfinished staging dirs beside the iteration dir, temp
@@ -13,12 +13,12 @@
   over). Each is classified again under the lock just before it is moved. CKD150 (the original displaced or
   partly rewritten) is never touched: the report repeats check's restore commands and nothing else is written
   to that iteration dir until it is resolved.
-* CKD2xx args findings: delegated to fix-args (:mod:`ckptdoctor.ops.fix_args`, :mod:`.fix_args_write`).
+* CKD2xx args findings: delegated to fix-args (:mod:`ckptdoctor.ops.fix_args`).
 * Anything else (truncated or missing data, garbage ``.metadata``): not repairable; the report says what is lost
   and names the latest good checkpoint.
 
-This module plans (reads only); :mod:`ckptdoctor.ops.repair_write` writes, by fix-args' rules. The report
-they fill is :class:`~ckptdoctor.ops.repair_report.RepairReport`.
+This module plans (reads only); :mod:`ckptdoctor.ops.repair.write` writes, by fix-args' rules. The report
+they fill is :class:`~ckptdoctor.ops.repair.report.RepairReport`.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from ckptdoctor.locate import (
     looks_like_iteration_dir,
     read_tracker,
 )
-from ckptdoctor.ops import fix_args
-from ckptdoctor.ops import repair_metadata_json as metadata_json
 from ckptdoctor.ops.check import CheckOptions, scan_and_check
+from ckptdoctor.ops.fix_args import plan as fix_args
 from ckptdoctor.ops.latest_good import LatestGoodReport, find_latest_good, iteration_value
-from ckptdoctor.ops.repair_bridge import plan_bridge
-from ckptdoctor.ops.repair_report import SCHEMA, Action, Refusal, RepairReport
+from ckptdoctor.ops.repair import metadata_json
+from ckptdoctor.ops.repair.bridge import plan_bridge
+from ckptdoctor.ops.repair.report import SCHEMA, Action, Refusal, RepairReport
 from ckptdoctor.ops.staging import QUARANTINE_MARK
 from ckptdoctor.rules import ERROR, Finding, bridge, leftovers, structure
 from ckptdoctor.rules.integrity import INTEGRITY_NAME, LISTED_FILE_MISSING
@@ -183,7 +183,7 @@ def plan(
                     "no iteration dir of the save dir passes check: nothing to point it to",
                 )
             )
-    if save_dir is not None:  # Megatron-Bridge's tracker follows the text one (ops/repair_bridge.py)
+    if save_dir is not None:  # Megatron-Bridge's tracker follows the text one (ops/repair/bridge.py)
         moved = work.tracker_value is not None
         good = candidate is not None and not target_broken and not unsupported  # nothing changes in CKD103's
         text_value = work.tracker_value if moved else (iteration_value(candidate) if good else None)  # type: ignore[arg-type]

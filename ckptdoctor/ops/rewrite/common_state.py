@@ -1,5 +1,5 @@
 """The common state (``common.pt`` or Megatron's ``common_state`` item) of a key rewrite, changed as one step of
-the staged write (:class:`ckptdoctor.ops.key_write.KeyEdit`'s ``common`` hook): ``edit --drop-section`` drops
+the staged write (:class:`ckptdoctor.ops.rewrite.write.KeyEdit`'s ``common`` hook): ``edit --drop-section`` drops
 leftovers and sets args, ``strip-frozen`` sets ``save_trainable_params_only``."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from ckptdoctor import atomic
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.torch_dist import StorageLocation
-from ckptdoctor.ops.edit import CommonChange
-from ckptdoctor.ops.key_edit import CommonWrite
+from ckptdoctor.ops.edit.plan import CommonChange
+from ckptdoctor.ops.rewrite.request import CommonWrite
 
 
 def _new_common(checkpoint: Checkpoint, changes: list[CommonChange]) -> dict:
-    from ckptdoctor.ops.fix_args import common_with_args
+    from ckptdoctor.ops.fix_args.plan import common_with_args
 
     values = {change.name: change.new for change in changes if change.what == "set-arg"}
     common = common_with_args(checkpoint.common_state(), values) if values else dict(checkpoint.common_state())
@@ -47,8 +47,8 @@ def common_rewriter(
     def rewrite(stage: Path) -> CommonWrite:
         from ckptdoctor.formats.run_config import RUN_CONFIG, read_run_config
         from ckptdoctor.formats.torch_zip import dump_torch_zip
-        from ckptdoctor.ops.fix_args import ArgChange
-        from ckptdoctor.ops.fix_args_write import updated_run_config
+        from ckptdoctor.ops.fix_args.plan import ArgChange
+        from ckptdoctor.ops.fix_args.write import updated_run_config
 
         done = CommonWrite([])
         if source == "common.pt":

@@ -22,7 +22,7 @@ from ckptdoctor.formats.train_state import (
     read_train_state_step,
 )
 from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, iteration_dir_name
-from ckptdoctor.ops.repair_report import Action, Refusal, RepairReport, RepairWrite
+from ckptdoctor.ops.repair.report import Action, Refusal, RepairReport, RepairWrite
 from ckptdoctor.rules import Finding, bridge
 
 

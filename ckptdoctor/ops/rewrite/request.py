@@ -1,6 +1,6 @@
 """What a key rewrite (``strip-frozen``, ``edit``) is asked to do and what it wrote: the data types shared by the
-staged write (:mod:`ckptdoctor.ops.key_write`), the making of its ``.metadata`` and data files
-(:mod:`ckptdoctor.ops.metadata_write`) and the common-state hook (:mod:`ckptdoctor.ops.common_write`)."""
+staged write (:mod:`ckptdoctor.ops.rewrite.write`), the making of its ``.metadata`` and data files
+(:mod:`ckptdoctor.ops.rewrite.metadata`) and the common-state hook (:mod:`ckptdoctor.ops.rewrite.common_state`)."""
 
 from __future__ import annotations
 

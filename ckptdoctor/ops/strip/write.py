@@ -1,5 +1,5 @@
 """``ckptdoctor strip-frozen``, writing half: integrity check, trainable selection, plan, then the staged write of
-the kept keys (:func:`ckptdoctor.ops.key_write.write_keys`), with the saved args set as a
+the kept keys (:func:`ckptdoctor.ops.rewrite.write.write_keys`), with the saved args set as a
 ``--save-trainable-params-only`` run writes them.
 
 The run holds the checkpoint lock (:mod:`ckptdoctor.locking`) and refuses a checkpoint with leftovers of an
@@ -14,12 +14,12 @@ from pathlib import Path
 
 from ckptdoctor import locking
 from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
-from ckptdoctor.ops.common_write import common_rewriter
-from ckptdoctor.ops.edit import CommonChange
-from ckptdoctor.ops.key_edit import KeyEdit, StripResult
-from ckptdoctor.ops.key_write import check_target, write_keys
+from ckptdoctor.ops.edit.plan import CommonChange
+from ckptdoctor.ops.rewrite.common_state import common_rewriter
+from ckptdoctor.ops.rewrite.request import KeyEdit, StripResult
+from ckptdoctor.ops.rewrite.write import check_target, write_keys
 from ckptdoctor.ops.staged_integrity import verify_source_manifest
-from ckptdoctor.ops.strip import SCHEMA, StripPlan
+from ckptdoctor.ops.strip.plan import SCHEMA, StripPlan
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
 
@@ -29,7 +29,7 @@ COMMON_FILE = "common_state.strip-frozen.distcp"  # the rewritten common state (
 def _trainable_only_arg(checkpoint: Checkpoint) -> list[CommonChange]:
     """The saved arg as Megatron's --save-trainable-params-only run writes it (``save_trainable_params_only:
     true``); none where it is already so or the common state holds no args. Written with the kept keys, as
-    ``edit`` writes its common-state changes (:mod:`ckptdoctor.ops.common_write`)."""
+    ``edit`` writes its common-state changes (:mod:`ckptdoctor.ops.rewrite.common_state`)."""
     args = checkpoint.args
     name = "save_trainable_params_only"
     if not isinstance(args, argparse.Namespace) or getattr(args, name, None) is True:
@@ -70,7 +70,7 @@ def strip_frozen(
     (:func:`~ckptdoctor.checkpoint.open_for_rewrite`), taken by the write; else the write reads it. A write
     releases ``checkpoint``'s index (its ``entries`` are empty afterwards) before it pickles the new ``.metadata``.
     """
-    from ckptdoctor.ops.strip import check_integrity
+    from ckptdoctor.ops.strip.plan import check_integrity
 
     check_integrity(checkpoint)
     if dry_run:
@@ -114,7 +114,7 @@ def _plan_and_write(
     jobs: int = 1,
     metadata: HeldMetadata | None = None,
 ) -> StripReport:
-    from ckptdoctor.ops.strip import model_parameters, plan_strip, select_trainable
+    from ckptdoctor.ops.strip.plan import model_parameters, plan_strip, select_trainable
 
     comparing = progress is not None and base is not None
     if progress is not None and comparing:

@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,7 @@ from ckptdoctor.atomic import (
     token,
     write_atomic,
 )
-from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.checkpoint import Checkpoint, open_checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.run_config import RUN_CONFIG, model_field_lines, read_run_config
@@ -52,7 +51,14 @@ from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.torch_zip import dump_torch_zip
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
 from ckptdoctor.locate import TRACKER_NAME
-from ckptdoctor.ops.fix_args import ArgChange, FixArgsReport, checked_config, diagnose, fixed_common_state
+from ckptdoctor.ops.fix_args.plan import (
+    ArgChange,
+    FixArgsReport,
+    WriteResult,
+    checked_config,
+    diagnose,
+    fixed_common_state,
+)
 from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.ops.staging import not_carried
 from ckptdoctor.pickle import unpickler
@@ -61,18 +67,6 @@ from ckptdoctor.storage.files import read_json
 from ckptdoctor.tree_removal import remove_tree
 
 INTEGRITY = "integrity.json"
-
-
-@dataclass
-class WriteResult:
-    mode: str  # "output" or "in-place"
-    iteration_dir: str
-    written: list[str] = field(default_factory=list)
-    backups: list[str] = field(default_factory=list)
-    linked: int = 0
-    copied: int = 0
-    run_config_args: list[str] = field(default_factory=list)
-    integrity_updated: bool = False
 
 
 def _yaml_scalar(value: Any) -> str:
@@ -364,8 +358,6 @@ def write_fix(
     The written checkpoint is re-read and re-diagnosed by our own reader before anyone is told it worked:
     ``report.remaining`` holds what is still wrong there (``report.findings`` keep what was wrong before).
     """
-    from ckptdoctor.checkpoint import open_checkpoint
-
     if not report.changes:
         refuse_unsafe_pickles(checkpoint)  # --write of a checkpoint failing the gate: refused, as every write
         # As every write: a leftover of an interrupted write is resolved first (a run killed after replacing its

@@ -1,7 +1,7 @@
 """``ckptdoctor fix-args``: find saved args that contradict the checkpoint's own parallelism, plan the fix.
 
 Diagnosis uses the rule table in :mod:`ckptdoctor.arg_rules`; writing lives in
-:mod:`ckptdoctor.ops.fix_args_write`. Nothing here reads tensor bytes.
+:mod:`ckptdoctor.ops.fix_args.write`. Nothing here reads tensor bytes.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptdoctor.arg_rules import ERROR, ArgFinding, check_args, compare_with_source
 from ckptdoctor.args import ARG_GROUPS
@@ -17,9 +17,6 @@ from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.run_config import RUN_CONFIG
 from ckptdoctor.parallelism import infer_layout
-
-if TYPE_CHECKING:
-    from ckptdoctor.ops.fix_args_write import WriteResult
 
 SCHEMA = "ckptdoctor.fix-args/1"
 DERIVED_ARGS = ARG_GROUPS["parallelism-derived"]
@@ -40,6 +37,20 @@ class InheritedArg:
     arg: str
     value: Any
     consistent: bool
+
+
+@dataclass
+class WriteResult:
+    """What a ``--write`` wrote (:mod:`.write`), part of the report."""
+
+    mode: str  # "output" or "in-place"
+    iteration_dir: str
+    written: list[str] = field(default_factory=list)
+    backups: list[str] = field(default_factory=list)
+    linked: int = 0
+    copied: int = 0
+    run_config_args: list[str] = field(default_factory=list)
+    integrity_updated: bool = False
 
 
 @dataclass
@@ -199,7 +210,8 @@ def build_report(
 
 def common_with_args(common: dict, values: dict[str, Any]) -> dict:
     """A copy of a common state whose args (a copy too) carry ``values``; every other key and arg is kept as is.
-    The one way fix-args and the key rewrites (``edit``, ``strip-frozen``: ops/common_write.py) change saved args."""
+    The one way fix-args and the key rewrites (``edit``, ``strip-frozen``: ops/rewrite/common_state.py) change
+    saved args."""
     changed = dict(common)
     args = argparse.Namespace(**vars(common["args"]))
     for name, value in values.items():

@@ -1,4 +1,4 @@
-"""``ckptdoctor repair --write``: apply the plan of :mod:`ckptdoctor.ops.repair` and re-check the result.
+"""``ckptdoctor repair --write``: apply the plan of :mod:`ckptdoctor.ops.repair.plan` and re-check the result.
 
 Writing follows fix-args' rules: the checkpoint lock, atomic writes, ``<name>.bak-<stamp>`` backups of replaced
 files with ``--in-place``, an ``--output`` never inside the source, no tensor byte rewritten. An existing
@@ -33,19 +33,19 @@ from ckptdoctor.locate import (
     TRACKER_NAME,
     iteration_dir_name,
 )
-from ckptdoctor.ops import fix_args_write
 from ckptdoctor.ops.check import CheckOptions, check_paths
+from ckptdoctor.ops.fix_args import write as fix_args_write
 from ckptdoctor.ops.latest_good import iteration_value
 from ckptdoctor.ops.pickle_gate import refusal, refuse_unsafe_pickles
-from ckptdoctor.ops.repair import (
+from ckptdoctor.ops.repair.bridge import write_bridge_tracker
+from ckptdoctor.ops.repair.plan import (
     INTERRUPTED_CODE,
     LEFTOVER_CODE,
     RepairWork,
     plan,
     recorded_hash,
 )
-from ckptdoctor.ops.repair_bridge import write_bridge_tracker
-from ckptdoctor.ops.repair_report import RepairReport, RepairWrite
+from ckptdoctor.ops.repair.report import RepairReport, RepairWrite
 from ckptdoctor.ops.staging import not_carried, quarantine_dir
 from ckptdoctor.rules import is_safety, leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME

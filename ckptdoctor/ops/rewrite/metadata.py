@@ -1,7 +1,7 @@
 """The new ``.metadata`` and data files of a key rewrite: the source's ``.metadata`` objects, edited and pickled
 again through :func:`ckptdoctor.pickle.unpickler.dumps_taken` (read back through the allowlist before it is
 written), the data files linked or laid out by :func:`ckptdoctor.formats.dcp_writer.plan_copies`. The staged
-write around them is :mod:`ckptdoctor.ops.key_write`."""
+write around them is :mod:`ckptdoctor.ops.rewrite.write`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.formats import dcp_keys, dcp_writer, torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
 from ckptdoctor.gc_pause import gc_paused
-from ckptdoctor.ops.key_edit import CommonWrite, KeyEdit, Progress, StripResult
+from ckptdoctor.ops.rewrite.request import CommonWrite, KeyEdit, Progress, StripResult
 from ckptdoctor.pickle import unpickler
 
 

@@ -6,11 +6,11 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptdoctor.ops.can_load_shapes import VOCAB_KEYS, dims_of, layer_index, padded_vocab, target_shape
+from ckptdoctor.ops.can_load.shapes import VOCAB_KEYS, dims_of, layer_index, padded_vocab, target_shape
+from ckptdoctor.ops.can_load.verdict import FAILS, SectionVerdict
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint
-    from ckptdoctor.ops.can_load import SectionVerdict
 
 SHAPE_ARGS = (
     "num_layers",
@@ -67,8 +67,6 @@ def changed_args(saved: dict[str, Any], run: dict[str, Any]) -> list[str]:
 def model_plan(
     ckpt: Checkpoint, saved_args: dict[str, Any], args: dict[str, Any], saved_tp: int, target_tp: int, vocab_set: bool
 ) -> KeyPlan:
-    from ckptdoctor.ops.can_load import FAILS, SectionVerdict
-
     plan = KeyPlan()
     saved_dims = dims_of(saved_args, padded_vocab(saved_args, saved_tp, True))
     run_dims = dims_of(args, padded_vocab(args, target_tp, vocab_set))
