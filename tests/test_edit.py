@@ -217,7 +217,7 @@ def test_usage_errors(capsys, tmp_path):
 def test_dry_run_lists_every_change_in_text_and_json(capsys, tmp_path):
     src = FIXTURES / "core019_tp2"
     before = file_digests(src)
-    args = ["--drop-extra-state", "--remove", "^output_layer", "--preset", "te-to-local", "--dry-run"]
+    args = ["--drop-extra-state", "--remove", "^output_layer", "--preset", "te-to-local", "--dry-run", "--keys"]
     rc, text, err = _run(capsys, "edit", src, *args)
     assert rc == 0, err
     report = _edit_json(capsys, src, *args)

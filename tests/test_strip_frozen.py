@@ -373,7 +373,7 @@ def _flip_first_bit(blob: bytes) -> bytes:
 
 def test_dry_run_lists_keys_and_sizes_and_writes_nothing(capsys, tmp_path):
     rc, out, err = _run(
-        capsys, "strip-frozen", FIXTURES / "core019_peft_full_tp2", "--dry-run", "--output", tmp_path / "out"
+        capsys, "strip-frozen", FIXTURES / "core019_peft_full_tp2", "--dry-run", "--keys", "--output", tmp_path / "out"
     )
     assert rc == 0, err
     assert re.search(r"^keep\s+decoder\.layers\.mlp\.linear_fc1\.adapter\.linear_in\.weight", out, re.M)

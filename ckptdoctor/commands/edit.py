@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import click
@@ -48,6 +49,7 @@ PRESET_CHOICES = ["te-to-local", "local-to-te"]
 @click.option(
     "--compact", is_flag=True, help="Byte-copy only the kept items into new data files (default: hard links)."
 )
+@click.option("--keys", "all_keys", is_flag=True, help="List every key of the plan, not the summary by reason.")
 @format_option(help="Output format; the JSON schema is in the README.")
 @jobs_option("--compact: threads copying kept items")
 @gate_refusals
@@ -67,6 +69,7 @@ def command(
     compact: bool,
     dry_run: bool,
     output_format: str,
+    all_keys: bool,
     jobs: int | None,
 ) -> int:
     """Remove, rename or drop keys of CHECKPOINT in O(metadata): a new .metadata, data files hard-linked.
@@ -115,5 +118,5 @@ def command(
         )
         if remote is not None:
             remote.upload()
-        echo_written(report, render_edit, remote, output_format)
+        echo_written(report, functools.partial(render_edit, all_keys=all_keys), remote, output_format)
     return EXIT_OK

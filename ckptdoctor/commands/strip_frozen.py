@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import click
@@ -48,6 +49,7 @@ PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
     help="Model tensors bitwise equal to this checkpoint's are frozen (streamed compare).",
 )
 @click.option("--base-iteration", default=None, help="Iteration of BASE_CKPT when it is a save dir.")
+@click.option("--keys", "all_keys", is_flag=True, help="List every key of the plan, not the summary by reason.")
 @format_option(help="Output format; the JSON schema is in the README.")
 @jobs_option("threads copying kept items")
 @gate_refusals
@@ -65,6 +67,7 @@ def command(
     base_iteration: str | None,
     dry_run: bool,
     output_format: str,
+    all_keys: bool,
     jobs: int | None,
     keep_args: bool,
 ) -> int:
@@ -112,5 +115,5 @@ def command(
                 bars.finish()
         if remote is not None:
             remote.upload()
-        echo_written(report, render_strip, remote, output_format)
+        echo_written(report, functools.partial(render_strip, all_keys=all_keys), remote, output_format)
     return EXIT_FINDINGS if report.nothing_frozen and not force else EXIT_OK

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from ckptdoctor.logical_items import logical_key
 from ckptdoctor.ops.edit.write import EditReport
-from ckptdoctor.render.common import human_bytes, short_value, tabulate
+from ckptdoctor.render.common import columns, count_keys, human_bytes, short_value, summary_rows
 from ckptdoctor.text_safety import text_safe
 
 
@@ -16,19 +17,29 @@ def _common_line(what: str, name: str, old: object, new: object, reason: str) ->
 
 
 @text_safe
-def render_edit(report: EditReport) -> str:
+def render_edit(report: EditReport, all_keys: bool = False) -> str:
+    """Text for ``edit``: the changes counted in logical keys (DCP entries beside them), by reason on a dry run
+    (every key with ``all_keys``), the load flags the result needs, what was written."""
     plan, result = report.plan, report.result
     lines = [
         f"checkpoint      {plan.iteration_dir}",
-        f"changes         {len(plan.removed)} keys removed ({human_bytes(sum(c.bytes for c in plan.removed))}), "
-        f"{len(plan.renamed)} renamed, {plan.kept_keys} kept",
+        f"changes         {count_keys(plan.removed)} removed ({human_bytes(sum(c.bytes for c in plan.removed))}), "
+        f"{count_keys(plan.renamed)} renamed, {plan.kept_keys:,} entries kept",
     ]
     if plan.dropped_sections:
         lines.append(f"sections        dropped: {', '.join(plan.dropped_sections)}")
-    if report.dry_run:
+    if report.dry_run and all_keys:
         rows = [["remove", c.key, "", human_bytes(c.bytes), c.reason] for c in plan.removed]
         rows += [["rename", c.key, c.new_key or "", human_bytes(c.bytes), c.reason] for c in plan.renamed]
-        lines += ["", tabulate(rows, headers=["", "key", "new key", "size", "why"]), ""]
+        lines += ["", columns(rows, ["", "key", "new key", "size", "why"]), ""]
+    elif report.dry_run and (plan.removed or plan.renamed):
+        groups: dict[tuple[str, str], tuple[set[str], int, int]] = {}
+        for action, changes in (("remove", plan.removed), ("rename", plan.renamed)):
+            for c in changes:
+                keys, entries, size = groups.get((action, c.reason), (set(), 0, 0))
+                keys.add(logical_key(c.key, c.kind))
+                groups[(action, c.reason)] = (keys, entries + 1, size + c.bytes)
+        lines += ["", columns(summary_rows(groups), ["", "keys", "size", "why"]), "(--keys lists every key)", ""]
     for change in plan.common_changes:
         lines.append(_common_line(change.what, change.name, change.old, change.new, change.reason))
     flags = " ".join(plan.load_flags) if plan.load_flags else "none" if plan.load_notes else "none (a plain load works)"

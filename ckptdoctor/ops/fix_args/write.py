@@ -337,7 +337,9 @@ def _write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path
         write_atomic(iteration_dir / name, files[name])
         result.written.append(str(iteration_dir / name))
         fault_point(f"write:{_step(name)}")
-    link_or_copy(completeness_marker, iteration_dir / "metadata.json", replace=True)
+    how = link_or_copy(completeness_marker, iteration_dir / "metadata.json", replace=True)
+    result.linked += how == "linked"  # counted as every other carried file (it is one, linked last)
+    result.copied += how == "copied"
     if location.save_dir is not None:
         value = "release" if location.release else str(location.iteration)
         write_atomic(output / TRACKER_NAME, value.encode())
