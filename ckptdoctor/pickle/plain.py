@@ -68,14 +68,21 @@ def to_plain(value: Any, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH)
 OMIT_NONE = {"omit_none": True}  # dataclasses.field(metadata=OMIT_NONE): left out of the JSON while it is None
 
 
+_FIELD_NAMES: dict[type, tuple[tuple[str, bool], ...]] = {}  # dataclass -> (name, omit when None) per field
+
+
 def _fields(value: Any) -> list[tuple[str, Any]]:
     """A dataclass's (name, value) pairs as JSON shows them (fields marked :data:`OMIT_NONE` only when set)."""
+    names = _FIELD_NAMES.get(type(value))
+    if names is None:  # once per class: a report has 200k rows of one class
+        names = tuple((f.name, bool(f.metadata.get("omit_none"))) for f in dataclasses.fields(value))
+        _FIELD_NAMES[type(value)] = names
     pairs = []
-    for f in dataclasses.fields(value):
-        v = getattr(value, f.name)
-        if v is None and f.metadata.get("omit_none"):
+    for name, omit_none in names:
+        v = getattr(value, name)
+        if v is None and omit_none:
             continue
-        pairs.append((f.name, v))
+        pairs.append((name, v))
     return pairs
 
 
@@ -154,6 +161,9 @@ def _json(value: Any, budget: list[int], depth: int, level: int) -> Iterator[str
             yield _dumped(ELIDED, level)
             return
         pairs = _fields(value)
+        if all(isinstance(v, _SCALARS) for _, v in pairs):  # a row of a report: one piece, not one per field
+            yield _dumped({name: _plain(v, budget, depth - 1) for name, v in pairs}, level)
+            return
         yield from _json_items(((name, v, [budget[1], budget[1]]) for name, v in pairs), len(pairs), depth, level)
         return
     if not isinstance(value, (list, tuple, set, frozenset, collections.deque)):  # dicts whole: keys can collide
