@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.locate import BRIDGE_TRACKER_NAME, ITER_DIR_RE, NEMO_WEIGHTS_DIR, TRACKER_NAME, looks_like_iteration_dir
+from ckptdoctor.storage.files import read_small_file
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,8 +56,6 @@ def find_pyproject(start: Path, passed_over: list[Path] | None = None) -> Path |
 
 def _in_checkpoint(directory: Path) -> bool:
     """``directory`` is a save dir, an iteration dir (NeMo 2's checkpoint dir included), or lies below one."""
-    from ckptdoctor.locate import BRIDGE_TRACKER_NAME, NEMO_WEIGHTS_DIR, TRACKER_NAME, looks_like_iteration_dir
-
     for d in (directory, *directory.parents):
         try:
             if looks_like_iteration_dir(d) or looks_like_iteration_dir(d / NEMO_WEIGHTS_DIR):
@@ -72,8 +72,6 @@ def _in_checkpoint(directory: Path) -> bool:
 
 
 def _iteration_names(directory: Path) -> list[str]:
-    from ckptdoctor.locate import ITER_DIR_RE
-
     try:
         return [e.name for e in os.scandir(directory) if ITER_DIR_RE.match(e.name) or e.name == "release"]
     except OSError:
@@ -91,8 +89,6 @@ def load_tool_config(
     path = find_pyproject((start or Path.cwd()).resolve(), passed_over)
     if path is None:
         return {}, None
-    from ckptdoctor.storage.files import read_small_file
-
     raw = read_small_file(path, MAX_CONFIG_BYTES)  # a FIFO is an error, never a hang (check is a pre-commit hook)
     try:
         data = tomllib.loads(raw.decode("utf-8"))

@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from ckptdoctor import _under_torchrun
+from ckptdoctor.errors import CkptError, MissingExtraError
 
 _GROUP: Group | None = None
 TIMEOUT_ENV = "CKPTDOCTOR_DIST_TIMEOUT"  # seconds a rank waits for the others in one exchange (default 1800)
@@ -85,8 +86,6 @@ def _init() -> Group:
     try:
         import torch.distributed as td
     except ImportError:
-        from ckptdoctor.errors import MissingExtraError
-
         raise MissingExtraError("torch", "torch", "running under torchrun") from None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "1800")))
@@ -97,8 +96,6 @@ def _init() -> Group:
 def run_main(main: Callable[[], int]) -> int:
     """``main()`` as one rank of a torchrun job (see the module doc); returns the agreed exit code."""
     global _GROUP
-    from ckptdoctor.errors import CkptError
-
     try:
         _GROUP = own = _init()
     except (CkptError, RuntimeError, ValueError) as exc:

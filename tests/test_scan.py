@@ -14,7 +14,7 @@ from ckptdoctor.checkpoint import open_checkpoint, scan_iteration_dir, scan_path
 from ckptdoctor.cli import main
 from ckptdoctor.data_files import storage_problems
 from ckptdoctor.errors import CkptError, UnsafePickleError
-from ckptdoctor.ops.strip.plan import structural_problems
+from ckptdoctor.ops.rewrite.write import structural_problems
 
 ITER = "iter_0000010"
 

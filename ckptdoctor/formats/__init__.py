@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptdoctor.formats import torch_dist, zarr_meta
+from ckptdoctor.storage.files import file_sizes
+
 if TYPE_CHECKING:
     from ckptdoctor.formats.torch_dist import DcpIndex, DcpItem
     from ckptdoctor.pickle.torch_stand_ins import TensorRef
@@ -84,13 +87,8 @@ def read_index(backend: str, iteration_dir: Path, item_class: type[DcpItem], for
     """The backend's index of ``iteration_dir``; raises :class:`ckptdoctor.errors.CkptError` (or a pickle
     refusal) naming the file when it cannot be read. ``for_rewrite`` also keeps the unpickled DCP metadata."""
     if backend == BACKEND_ZARR:
-        from ckptdoctor.formats import zarr_meta
-
         entries, sizes = zarr_meta.read_index(iteration_dir)
         return BackendIndex({key: item_class(*fields) for key, fields in entries.items()}, sizes)
-    from ckptdoctor.formats import torch_dist
-    from ckptdoctor.storage.files import file_sizes
-
     path = iteration_dir / ".metadata"
     metadata = None
     if for_rewrite:
@@ -104,8 +102,6 @@ def read_index(backend: str, iteration_dir: Path, item_class: type[DcpItem], for
 def raw_chunk_ref(backend: str, dtype: str | None, sizes: tuple[int, ...], blob: bytes, where: str) -> TensorRef | None:
     """The tensor of a chunk stored as raw elements (legacy zarr); None where chunks are ``torch.save``
     records (torch_dist), which the archive reader decodes."""
-    from ckptdoctor.formats import zarr_meta
-
     if backend != BACKEND_ZARR:
         return None
     return zarr_meta.chunk_ref(dtype, sizes, blob, where)

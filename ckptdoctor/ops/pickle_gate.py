@@ -22,6 +22,7 @@ from ckptdoctor.rules.bridge import bridge_gate
 from ckptdoctor.rules.safety import (
     check_items,
     gate_findings,
+    refused_pickle,
     run_config_findings,
     saved_spec_findings,
     unlisted_globals,
@@ -60,8 +61,6 @@ def refusal(failure: Finding) -> GateRefusal:
 def as_refusal(error: CkptError) -> GateRefusal:
     """A refusal of the one unpickler met while a write command reads its source (a ``.metadata`` naming
     ``os.system``, say), as the write's one-line refusal with its code (exit 1)."""
-    from ckptdoctor.rules.safety import refused_pickle
-
     failure = refused_pickle(error, "", "")
     return _refusing(f"{failure.code} {error}", failure)
 

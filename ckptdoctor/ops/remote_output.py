@@ -15,7 +15,9 @@ from pathlib import Path
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.locate import TRACKER_NAME
+from ckptdoctor.storage.dispatch import store_for
 from ckptdoctor.tree_removal import remove_tree
+from ckptdoctor.write_guard import mangled_url
 
 _COMPLETES = "metadata.json"
 
@@ -24,8 +26,6 @@ def output_url(output: Path | str | None) -> str | None:
     """The URL ``--output`` names (click's Path turns ``s3://b/k`` into ``s3:/b/k``), or None for a local dir."""
     if output is None:
         return None
-    from ckptdoctor.write_guard import mangled_url
-
     text = str(output)
     return text if "://" in text else mangled_url(text)
 
@@ -55,16 +55,12 @@ class RemoteOutput:
         if url is None:
             return None
         url = url.rstrip("/")
-        from ckptdoctor.storage.dispatch import store_for
-
         store_for(url)  # an unknown scheme or a missing backend: one line now, before any work
         staging = Path(tempfile.mkdtemp(prefix="ckptdoctor-upload-"))
         return cls(url, staging / url.rpartition("/")[2])
 
     def refuse_existing(self, force: bool) -> None:
         """An ``--output`` URL that already holds objects is refused (as a non-empty local dir is)."""
-        from ckptdoctor.storage.dispatch import store_for
-
         store, key = store_for(self.url)
         try:
             present = store.list(key)
@@ -74,8 +70,6 @@ class RemoteOutput:
             raise CkptError(f"{self.url}: already holds objects; choose a new --output (or --force to write over them)")
 
     def upload(self) -> None:
-        from ckptdoctor.storage.dispatch import store_for
-
         if not self.local.exists():  # the command wrote nothing (nothing to fix, a refusal)
             return
         store, key = store_for(self.url)

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptdoctor.atomic import write_atomic
 from ckptdoctor.checkpoint import Checkpoint, Entry
 from ckptdoctor.errors import CkptError
+from ckptdoctor.values.read import iter_chunks, require_torch
 
 SCHEMA = "ckptdoctor.show/1"
 TEXT_CHUNK_LIMIT = 20
@@ -95,8 +97,6 @@ def _finite(x: float) -> float | None:
 
 def statistics(checkpoint: Checkpoint, entry: Entry) -> dict:
     """min/max/mean/std over the finite values and NaN/Inf counts, streamed one chunk at a time."""
-    from ckptdoctor.values.read import iter_chunks, require_torch
-
     torch = require_torch("tensor statistics")
     n = nan = posinf = neginf = 0
     total = total_sq = 0.0
@@ -221,8 +221,6 @@ def npy_bytes(tensor: Any) -> tuple[bytes, str | None]:
 
 def save_tensor(tensor: Any, path: Path, force: bool) -> str | None:
     """Write ``tensor`` to ``path`` (.pt: torch.save; .npy: numpy format); returns a note or None."""
-    from ckptdoctor.atomic import write_atomic
-
     suffix = path.suffix.lower()
     if suffix not in (".pt", ".npy"):
         raise CkptError(f"--save {path}: give a .pt or .npy file name")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptdoctor import parallel
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
 from ckptdoctor.formats.archive import ArchiveError, chunk_limits, is_torch_zip, storage_ref
@@ -26,6 +27,7 @@ from ckptdoctor.rules.safety import item_findings, refused_pickle, unlisted_glob
 from ckptdoctor.rules.structure import Scanned
 from ckptdoctor.severity import OVERRIDDEN
 from ckptdoctor.storage.stream import read_ranges
+from ckptdoctor.values.archive_memo import parse, plain_key
 
 NON_FINITE_SECTIONS = ("model", "optimizer")
 # The distributed optimizer's flat buckets (dp_reshardable: optimizer.distributed.dp_group_idx_*.gbuf_idx_*...
@@ -71,8 +73,6 @@ def check_deep(
 
     Data files are the units of :func:`ckptdoctor.parallel.map_units` (``jobs`` processes, or the ranks of a
     torchrun job); their findings are merged in file order, so the result does not depend on ``jobs``."""
-    from ckptdoctor import parallel
-
     checkpoint = state.checkpoint
     out: list[Finding] = []
     work = _work(state)
@@ -170,8 +170,6 @@ class _ChunkDecoder:
         self._cache: dict[tuple, _Verdict] = {}
         # parse_archive, or the same validation from a remembered directory layout (archives of equal chunks
         # differ only in CRC-32s: values.archive_memo), imported here so that metadata-only checks never load it
-        from ckptdoctor.values.archive_memo import parse, plain_key
-
         self.parse = parse
         self.plain_key = plain_key
         # (layout, data.pkl, sizes, dtype, pickle limit) -> (start, size) of the storage record of a chunk that

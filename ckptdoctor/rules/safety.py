@@ -19,10 +19,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptdoctor import problems
+from ckptdoctor.checkpoint import decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnlistedGlobalError, UnsafePickleError, without_path
-from ckptdoctor.pickle.policy import UnlistedGlobal, merged_unlisted
+from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
+from ckptdoctor.formats.legacy_torch import check_legacy_save
+from ckptdoctor.formats.run_config import MAX_RUN_CONFIG_BYTES, RUN_CONFIG, read_run_config
+from ckptdoctor.formats.run_config_targets import describe, scan_targets
+from ckptdoctor.formats.torch_dist import check_range_length
+from ckptdoctor.pickle.policy import UnlistedGlobal, merged_unlisted, trusted_names
+from ckptdoctor.pickle.stand_ins import valid_global_name
 from ckptdoctor.rules import ERROR, Finding, RuleInfo, finding
 from ckptdoctor.severity import OVERRIDDEN
+from ckptdoctor.storage.stream import read_ranges
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint
@@ -90,8 +98,6 @@ RULES = [UNSAFE_PICKLE, UNLISTED_GLOBAL, PICKLE_LIMIT, ARCHIVE_ANOMALY, UNSAFE_C
 
 def refused_pickle(error: CkptError, path: object, what: str) -> Finding:
     """The CKD4xx finding for a refusal raised while reading ``what`` (e.g. "common state", "item <key>")."""
-    from ckptdoctor.formats.archive import ArchiveError
-
     if isinstance(error, UnlistedGlobalError):
         message = f"{what}: pickle references {error.global_name}, {error.detail}"
         return _about(finding(UNLISTED_GLOBAL, path, message), error.global_name)
@@ -117,8 +123,6 @@ def gate_findings(read: Callable[[list[UnlistedGlobal]], object], path: object, 
     refusal is one finding (what was read before it is reported too); damage (any other :class:`CkptError`) is
     raised for the caller's own rules."""
     unlisted: list[UnlistedGlobal] = []
-    from ckptdoctor.formats.archive import ArchiveError
-
     try:
         read(unlisted)
     except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
@@ -133,10 +137,6 @@ def item_findings(key: str, data: bytes, path: object) -> list[Finding]:
     torch's legacy reader unpickles from the first byte (a tar archive, torch's legacy tar format, is an archive
     anomaly, CKD404: the gate cannot vouch for it). Damage is not the gate's business (``check --deep`` reports it):
     [] then, with whatever the pickles read before it named."""
-    from ckptdoctor.checkpoint import decode_object_bytes
-    from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
-    from ckptdoctor.formats.legacy_torch import check_legacy_save
-
     what = f"item {key}"
     legacy = bool(data) and not is_torch_zip(data)
     seen: list[UnlistedGlobal] = []
@@ -192,9 +192,6 @@ def check_items(
     ranges of one data file together, front to back), never a tensor chunk (``--deep``). Items in ``skip_files``
     (missing or truncated data files, reported by the structure rules) and ranges that cannot be read are left to
     those rules."""
-    from ckptdoctor.formats.torch_dist import check_range_length
-    from ckptdoctor.storage.stream import read_ranges
-
     out: list[Finding] = []
     common = None if with_common else checkpoint.common_source
     by_file: dict[str, list[tuple[int, int, str]]] = {}
@@ -257,9 +254,6 @@ SPEC_MODULE_PREFIXES = ("megatron.core.models.", "megatron.core.transformer.")
 def saved_spec_findings(args: object, path: object, what: str) -> list[Finding]:
     """CKD405 for a saved ``args.spec`` outside Megatron's own spec modules (``--trust-global MODULE.NAME`` trusts
     one): Megatron-LM imports it by name when it loads with ``--use-checkpoint-args``."""
-    from ckptdoctor.pickle.policy import trusted_names
-    from ckptdoctor.pickle.stand_ins import valid_global_name
-
     spec = getattr(args, "spec", None) if args is not None and not isinstance(args, dict) else None
     if isinstance(args, dict):
         spec = args.get("spec")
@@ -286,10 +280,6 @@ def run_config_findings(iteration_dir: Path, shown: Path) -> list[Finding]:
     (:mod:`ckptdoctor.formats.run_config_targets`: the allowlist, and what its line scanner cannot vouch for); a
     target trusted with ``--trust-global`` passes. A file too large to read is one finding (what the gate has not
     read it cannot vouch for); one that is no text is damage (Bridge's ``yaml.safe_load`` fails on it too)."""
-    from ckptdoctor.formats.run_config import MAX_RUN_CONFIG_BYTES, RUN_CONFIG, read_run_config
-    from ckptdoctor.formats.run_config_targets import describe, scan_targets
-    from ckptdoctor.pickle.policy import trusted_names
-
     path = shown / RUN_CONFIG
     try:
         text = read_run_config(iteration_dir)

@@ -23,11 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ckptdoctor import dist, parallel
 from ckptdoctor.logical_items import KIND_TENSOR, Item
 from ckptdoctor.progress import Progress
 from ckptdoctor.values.accumulate import SLAB_ELEMENTS, Accumulator, finite
 from ckptdoctor.values.io import Context, InFlight, ReadCounter, Torch
 from ckptdoctor.values.objects import compare_objects
+from ckptdoctor.values.read import numpy_or_none
 from ckptdoctor.values.report import ValueDiff, ValuesReport
 from ckptdoctor.values.tensor import Side, compare_entries, numel
 
@@ -219,8 +221,6 @@ def compare_values(
     the forked workers read (after the first run is back), else (one process, torchrun) before reading. Its
     errors come first either way: when a run fails before it has run, it runs, and its error is the one raised.
     """
-    from ckptdoctor import dist, parallel
-
     start = time.perf_counter()
     ordered, weights = _order(pairs)
     total = sum(weights)
@@ -232,8 +232,6 @@ def compare_values(
     if not inline:
         # once, before the workers fork (each would import it again); with numpy, keys of one dtype are compared
         # as bit patterns and torch is imported only where values differ
-        from ckptdoctor.values.read import numpy_or_none
-
         numpy = numpy_or_none() is not None
         if any(_needs_torch(p) for p in ordered if not numpy or p[0].dtype != p[1].dtype):  # a tensor's dtype
             torch.get()

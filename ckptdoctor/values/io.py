@@ -15,6 +15,7 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.torch_dist import check_range_length
 from ckptdoctor.storage.files import open_handle
 from ckptdoctor.storage.remote import RemotePath
+from ckptdoctor.values import read
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint, Entry
@@ -136,9 +137,7 @@ class Torch:
     def get(self) -> Any:
         with self.lock:
             if self.torch is None:
-                from ckptdoctor.values.read import require_torch
-
-                torch = require_torch("comparing tensor values")
+                torch = read.require_torch("comparing tensor values")
                 self.threads = torch.get_num_threads()
                 torch.set_num_threads(1)
                 self.torch = torch

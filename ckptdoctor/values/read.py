@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ckptdoctor.coverage import coverage_problem
 from ckptdoctor.errors import CkptError, MissingExtraError
 from ckptdoctor.formats import BACKEND_ZARR, raw_chunk_ref, torch_dist
 from ckptdoctor.formats.archive import chunk_limits, parse_archive, storage_ref, unpickle
@@ -88,8 +89,6 @@ def read_tensor(checkpoint: Checkpoint, key: str) -> Any:
     entry = checkpoint.entries[key]
     if entry.kind != "tensor" or entry.shape is None or entry.dtype is None:
         raise CkptError(f"{checkpoint.iteration_dir}: {key} is a bytes item, not a tensor")
-    from ckptdoctor.coverage import coverage_problem
-
     # chunks outside the shape fail to assign; a gap would show torch.empty's leftover memory as values
     why = coverage_problem(entry)
     if why is not None:

@@ -32,7 +32,7 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.dcp_index import dims_key
 from ckptdoctor.formats.torch_dist import chunk_overlap
 from ckptdoctor.values.accumulate import Accumulator, Different
-from ckptdoctor.values.io import Context
+from ckptdoctor.values.io import Context, InFlight, ReadCounter, Torch
 from ckptdoctor.values.read import chunk_bits, numpy_or_none, read_chunk_view
 
 if TYPE_CHECKING:
@@ -317,8 +317,6 @@ def compare_entries(a: Side, b: Side, acc: Accumulator, ctx: Context) -> int:
 def tensors_bitwise_equal(a: Checkpoint, ea: Entry, b: Checkpoint, eb: Entry) -> bool:
     """Whether tensor ``ea`` of ``a`` and ``eb`` of ``b`` hold byte-identical values (same shape and dtype),
     stopping at the first difference (``strip-frozen --base``)."""
-    from ckptdoctor.values.io import InFlight, ReadCounter, Torch
-
     if ea.shape != eb.shape or ea.dtype != eb.dtype:
         return False
     torch = Torch()

@@ -40,6 +40,7 @@ from ckptdoctor.ops.diff.report import (
 )
 from ckptdoctor.parallelism import SavedLayout, infer_layout
 from ckptdoctor.pickle.plain import same_value
+from ckptdoctor.values.diff import compare_values
 
 if TYPE_CHECKING:
     from ckptdoctor.progress import Progress
@@ -296,8 +297,6 @@ def diff_checkpoints(
 
     values_report = None
     if values:
-        from ckptdoctor.values.diff import compare_values
-
         # compare_keys' keys in both, in its order
         both = [k for k in sorted(items_a.keys() & items_b.keys()) if not (era_common and is_common_state_item(k))]
         comparable = [

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from ckptdoctor.checkpoint import Checkpoint, section_of
 from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.edit.presets import PRESET_NAMES, preset_renames
-from ckptdoctor.ops.strip.plan import dir_bytes
+from ckptdoctor.ops.rewrite.request import CommonChange, dir_bytes
 
 SCHEMA = "ckptdoctor.edit/1"
 SECTIONS = ("optimizer", "rng", "rerun")
@@ -53,17 +52,6 @@ class KeyChange:
     kind: str
     bytes: int
     new_key: str | None = None
-    reason: str = ""
-
-
-@dataclass
-class CommonChange:
-    """One change to the common state (``common.pt`` or ``common_state/shard_0_1``)."""
-
-    what: str  # "drop" | "set-arg" | "drop-content-metadata"
-    name: str
-    old: Any = None
-    new: Any = None
     reason: str = ""
 
 

@@ -20,9 +20,8 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.edit.plan import SCHEMA, EditPlan, EditRequest, plan_edit
 from ckptdoctor.ops.rewrite.common_state import common_rewriter
 from ckptdoctor.ops.rewrite.request import KeyEdit, StripResult
-from ckptdoctor.ops.rewrite.write import check_target, write_keys
+from ckptdoctor.ops.rewrite.write import check_integrity, check_target, write_keys
 from ckptdoctor.ops.staged_integrity import verify_source_manifest
-from ckptdoctor.ops.strip.plan import check_integrity
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
 

@@ -10,14 +10,15 @@ from pathlib import Path
 from ckptdoctor import atomic
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.run_config import RUN_CONFIG, read_run_config
 from ckptdoctor.formats.torch_dist import StorageLocation
-from ckptdoctor.ops.edit.plan import CommonChange
-from ckptdoctor.ops.rewrite.request import CommonWrite
+from ckptdoctor.formats.torch_zip import dump_torch_zip
+from ckptdoctor.ops.fix_args.plan import ArgChange, common_with_args
+from ckptdoctor.ops.fix_args.write import updated_run_config
+from ckptdoctor.ops.rewrite.request import CommonChange, CommonWrite
 
 
 def _new_common(checkpoint: Checkpoint, changes: list[CommonChange]) -> dict:
-    from ckptdoctor.ops.fix_args.plan import common_with_args
-
     values = {change.name: change.new for change in changes if change.what == "set-arg"}
     common = common_with_args(checkpoint.common_state(), values) if values else dict(checkpoint.common_state())
     for change in changes:
@@ -45,11 +46,6 @@ def common_rewriter(
     source = checkpoint.common_source
 
     def rewrite(stage: Path) -> CommonWrite:
-        from ckptdoctor.formats.run_config import RUN_CONFIG, read_run_config
-        from ckptdoctor.formats.torch_zip import dump_torch_zip
-        from ckptdoctor.ops.fix_args.plan import ArgChange
-        from ckptdoctor.ops.fix_args.write import updated_run_config
-
         done = CommonWrite([])
         if source == "common.pt":
             atomic.write_atomic(stage / "common.pt", dump_torch_zip(common))

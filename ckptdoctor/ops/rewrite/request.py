@@ -81,3 +81,22 @@ class KeyEdit:
     # the source's .metadata object when the caller has read it already; the write takes it (and edits it)
     metadata: HeldMetadata | None = None
     jobs: int = 1  # threads copying data files when compacting (the output is the same for any number)
+
+
+@dataclass
+class CommonChange:
+    """One change to the common state (``common.pt`` or ``common_state/shard_0_1``)."""
+
+    what: str  # "drop" | "set-arg" | "drop-content-metadata"
+    name: str
+    old: Any = None
+    new: Any = None
+    reason: str = ""
+
+
+def dir_bytes(directory: Path, data: bool = True) -> int:
+    """The size of a checkpoint dir as strip-frozen reports it: every plain file directly in it (data files,
+    ``.metadata``, ``common.pt``, ``metadata.json``, ...); ``data=False``: all but the ``.distcp`` data files."""
+    return sum(
+        p.stat().st_size for p in directory.iterdir() if p.is_file() and (data or not p.name.endswith(".distcp"))
+    )

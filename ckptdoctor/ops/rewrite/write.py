@@ -20,16 +20,18 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from ckptdoctor import atomic, locking
 from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.data_files import storage_problems
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
 from ckptdoctor.locate import TRACKER_NAME
+from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.ops.rewrite import metadata as metadata_write
-from ckptdoctor.ops.rewrite.request import KeyEdit, Progress, StripResult
+from ckptdoctor.ops.rewrite.request import KeyEdit, Progress, StripResult, dir_bytes
 from ckptdoctor.ops.seal import write_manifest
 from ckptdoctor.ops.staged_integrity import carried_hashes
 from ckptdoctor.ops.staging import SwapState, not_carried, swap_in_place, swap_output
@@ -52,8 +54,6 @@ def input_was_save_dir(checkpoint: Checkpoint) -> bool:
 
 
 def _dir_bytes(directory: Path) -> int:
-    from ckptdoctor.ops.strip.plan import dir_bytes
-
     return dir_bytes(directory)
 
 
@@ -71,6 +71,24 @@ def _check_output(checkpoint: Checkpoint, output: Path, force: bool) -> None:
         raise CkptError(f"{exc.filename or output}: cannot use as output ({exc.strerror})") from None
     if parent is not None and not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
         raise CkptError(f"{parent}: not a writable directory; cannot write {output}")
+
+
+def structural_problems(checkpoint: Checkpoint) -> list[str]:
+    """What check reports as errors about the storage (CKD112-114: chunks without a storage entry, missing,
+    unreadable or truncated data files), one line each naming the file; an unreferenced file is no problem here."""
+    problems, _ = storage_problems(checkpoint)
+    return [f"{p.path}: {p.code} {p.detail}" for p in problems if p.fatal]
+
+
+def check_integrity(checkpoint: Checkpoint, verb: str = "strip", carried: Collection[str] | None = None) -> None:
+    """Refuse a structurally damaged checkpoint, and one whose bytes items (``carried``: those the write keeps),
+    ``common.pt`` or Bridge files hold a pickle a real load would refuse or execute (the ``.metadata`` is written
+    anew and read back through the gate)."""
+    problems = structural_problems(checkpoint)
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise CkptError(f"{problems[0]}{more}; refusing to {verb} a damaged checkpoint")
+    refuse_unsafe_pickles(checkpoint, carried, metadata_carried=False)
 
 
 def check_target(

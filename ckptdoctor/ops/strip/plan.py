@@ -16,13 +16,13 @@ Planning reads metadata only (and, with ``--base``, tensor bytes one chunk at a 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ckptdoctor.checkpoint import Checkpoint, Entry
 from ckptdoctor.errors import CkptError
-from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
+from ckptdoctor.ops.rewrite.request import dir_bytes
+from ckptdoctor.values.tensor import tensors_bitwise_equal
 
 SCHEMA = "ckptdoctor.strip-frozen/1"
 
@@ -78,29 +78,6 @@ class StripPlan:
     @property
     def keep_keys(self) -> set[str]:
         return {d.key for d in self.kept}
-
-
-# --- structural integrity (metadata + file sizes, no tensor reads) -------------------------------------
-
-
-def structural_problems(checkpoint: Checkpoint) -> list[str]:
-    """What check reports as errors about the storage (CKD112-114: chunks without a storage entry, missing,
-    unreadable or truncated data files), one line each naming the file; an unreferenced file is no problem here."""
-    from ckptdoctor.data_files import storage_problems
-
-    problems, _ = storage_problems(checkpoint)
-    return [f"{p.path}: {p.code} {p.detail}" for p in problems if p.fatal]
-
-
-def check_integrity(checkpoint: Checkpoint, verb: str = "strip", carried: Collection[str] | None = None) -> None:
-    """Refuse a structurally damaged checkpoint, and one whose bytes items (``carried``: those the write keeps),
-    ``common.pt`` or Bridge files hold a pickle a real load would refuse or execute (the ``.metadata`` is written
-    anew and read back through the gate)."""
-    problems = structural_problems(checkpoint)
-    if problems:
-        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
-        raise CkptError(f"{problems[0]}{more}; refusing to {verb} a damaged checkpoint")
-    refuse_unsafe_pickles(checkpoint, carried, metadata_carried=False)
 
 
 # --- trainable selection ---------------------------------------------------------------------------
@@ -160,8 +137,6 @@ def trainable_from_base(
     checkpoint: Checkpoint, base: Checkpoint, progress: Callable[[int], None] | None = None
 ) -> TrainableSelection:
     """Model tensors that differ from (or are absent in) ``base``; bitwise, streamed one chunk at a time."""
-    from ckptdoctor.values.tensor import tensors_bitwise_equal
-
     keys: set[str] = set()
     compared: dict[str, str] = {}
     for key, entry in model_parameters(checkpoint).items():
@@ -181,14 +156,6 @@ def trainable_from_base(
 
 
 # --- the plan ---------------------------------------------------------------------------------------
-
-
-def dir_bytes(directory: Path, data: bool = True) -> int:
-    """The size of a checkpoint dir as strip-frozen reports it: every plain file directly in it (data files,
-    ``.metadata``, ``common.pt``, ``metadata.json``, ...); ``data=False``: all but the ``.distcp`` data files."""
-    return sum(
-        p.stat().st_size for p in directory.iterdir() if p.is_file() and (data or not p.name.endswith(".distcp"))
-    )
 
 
 def plan_strip(checkpoint: Checkpoint, selection: TrainableSelection) -> StripPlan:

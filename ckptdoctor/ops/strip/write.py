@@ -14,12 +14,11 @@ from pathlib import Path
 
 from ckptdoctor import locking
 from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
-from ckptdoctor.ops.edit.plan import CommonChange
 from ckptdoctor.ops.rewrite.common_state import common_rewriter
-from ckptdoctor.ops.rewrite.request import KeyEdit, StripResult
-from ckptdoctor.ops.rewrite.write import check_target, write_keys
+from ckptdoctor.ops.rewrite.request import CommonChange, KeyEdit, StripResult
+from ckptdoctor.ops.rewrite.write import check_integrity, check_target, write_keys
 from ckptdoctor.ops.staged_integrity import verify_source_manifest
-from ckptdoctor.ops.strip.plan import SCHEMA, StripPlan
+from ckptdoctor.ops.strip.plan import SCHEMA, StripPlan, model_parameters, plan_strip, select_trainable
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
 
@@ -70,8 +69,6 @@ def strip_frozen(
     (:func:`~ckptdoctor.checkpoint.open_for_rewrite`), taken by the write; else the write reads it. A write
     releases ``checkpoint``'s index (its ``entries`` are empty afterwards) before it pickles the new ``.metadata``.
     """
-    from ckptdoctor.ops.strip.plan import check_integrity
-
     check_integrity(checkpoint)
     if dry_run:
         return _plan_and_write(
@@ -114,8 +111,6 @@ def _plan_and_write(
     jobs: int = 1,
     metadata: HeldMetadata | None = None,
 ) -> StripReport:
-    from ckptdoctor.ops.strip.plan import model_parameters, plan_strip, select_trainable
-
     comparing = progress is not None and base is not None
     if progress is not None and comparing:
         progress.start("comparing with base", sum(e.nbytes for e in model_parameters(checkpoint).values()))
