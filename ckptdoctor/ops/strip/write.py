@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ckptdoctor import locking
 from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
+from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.ops.rewrite.common_state import common_rewriter
 from ckptdoctor.ops.rewrite.request import CommonChange, KeyEdit, StripResult
 from ckptdoctor.ops.rewrite.write import check_integrity, check_target, write_keys
@@ -69,7 +70,7 @@ def strip_frozen(
     (:func:`~ckptdoctor.checkpoint.open_for_rewrite`), taken by the write; else the write reads it. A write
     releases ``checkpoint``'s index (its ``entries`` are empty afterwards) before it pickles the new ``.metadata``.
     """
-    check_integrity(checkpoint)
+    check_integrity(checkpoint, carried=())  # the bytes items are gated once the plan says which are carried
     if dry_run:
         return _plan_and_write(
             checkpoint, output, in_place, patterns, preset, base, True, force, keep_backup, progress, keep_args, jobs
@@ -121,6 +122,9 @@ def _plan_and_write(
         if progress is not None and comparing:
             progress.finish()
     plan = plan_strip(checkpoint, selection)
+    # what the output carries is gated, as edit gates it: an unsafe item it drops (a model _extra_state) is never
+    # read again
+    refuse_unsafe_pickles(checkpoint, plan.keep_keys, metadata_carried=False)
     nothing_frozen = plan.dropped_model_params == 0
     if dry_run or (nothing_frozen and not force):
         return StripReport(plan, None, dry_run, nothing_frozen)
