@@ -136,6 +136,10 @@ def command(
         raise click.BadParameter("--statistics goes with --format text or json", param_hint="--statistics")
     show_bar = options.deep and not quiet and output_format == "text" and sys.stderr.isatty()
     report = check_paths(list(paths), options, progress_bar(show_bar), missing_ok=True)
+    if any(f.fix for f in report.findings):  # the fixers' plans are imported and made only then
+        from ckptdoctor.ops.fixes import verified_fixes
+
+        report = verified_fixes(report)
     if not isolated:
         in_use = str(config_path) if config_path is not None and table else None  # a file without the table: none
         report.config = ConfigUse(in_use, changed, [str(p) for p in passed_over])
