@@ -223,6 +223,55 @@ def test_repair_tracker_pointing_to_an_incomplete_iteration(capsys, copy_fixture
     assert _codes(save) == set()
 
 
+def _damaged(save: Path, damage: str) -> None:
+    if damage in ("data-file", "tracker"):
+        (save / ITER / "__1_0.distcp").unlink()
+    if damage == "tracker":
+        (save / TRACKER).write_text("99")
+    if damage == "unsafe-pickle":  # .metadata references os.system (a list holding the global; nothing runs)
+        metadata = save / ITER / ".metadata"
+        original = metadata.read_bytes()
+        metadata.write_bytes(original[:2] + b"]\x8c\x02os\x8c\x06system\x93a0" + original[2:])
+
+
+@pytest.mark.parametrize(
+    "damage, lost",
+    [
+        ("data-file", "the data of CKD113 is lost from this checkpoint"),
+        ("tracker", None),  # the tracker and its dir: nothing lost by the tracker
+        ("unsafe-pickle", None),
+    ],
+)
+def test_repair_refusals_name_what_check_found_and_lose_only_lost_data(capsys, copy_fixture, damage, lost):
+    """Issue #35 point 5: a refusal names a code check found (it said "refused [CKD121]" where check found only
+    CKD113 or CKD401), and "lost" is said of data that is (it followed a tracker line and an unsafe pickle)."""
+    save = copy_fixture("core019_tp2")
+    _damaged(save, damage)
+    found = _codes(save)
+    runs = [[save], [save, "--format", "json"]] + ([[save / ITER]] if damage != "tracker" else [])  # its dir lost data
+    for args in runs:
+        rc, out, _ = _run(capsys, "repair", *args)
+        assert rc == 1, out
+        if "--format" in args:
+            report = json.loads(out)
+            assert {r["code"] for r in report["refused"]} <= found, (found, report["refused"])
+            text = report["way_out"]
+        else:
+            refused = {line.split("]")[0].removeprefix("refused [") for line in out.splitlines() if "refused [" in line}
+            assert refused <= found, (found, out)
+            assert "the data above is lost" not in out
+            text = out
+        if lost is not None:
+            assert lost in text, text
+        else:
+            assert "is lost" not in text.replace("no data is lost", ""), text
+    if damage == "unsafe-pickle":
+        assert "CKD401: no data is lost, but loading it would run the code the gate refused" in text
+    if damage == "tracker":
+        rc, out, _ = _run(capsys, "repair", save)
+        assert "CKD121: the tracker loses no data" in out and "latest-good skipped iter_0000010: CKD113" in out
+
+
 @pytest.mark.parametrize("name", ["core019_tp2", "core016_tp2", "core014_zarr_tp2"])
 def test_repair_missing_metadata_json_of_a_complete_save(capsys, copy_fixture, tmp_path, name):
     save = copy_fixture(name)
