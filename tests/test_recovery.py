@@ -97,8 +97,6 @@ def test_seal_writes_megatrons_manifest(capsys, copy_fixture):
     for name, digest in manifest["files"].items():
         assert hashlib.sha256((iteration_dir / name).read_bytes()).hexdigest() == digest
     single = (iteration_dir / "integrity.json").read_bytes()
-    rc, _, err = _run(capsys, "seal", save)
-    assert rc == 2 and "already sealed" in err
     rc, out, _ = _run(capsys, "seal", save, "--force", "--jobs", "4", "--format", "json")
     assert rc == 0 and json.loads(out)["replaced"] is True and json.loads(out)["jobs"] == 4
     assert (iteration_dir / "integrity.json").read_bytes() == single  # parallel hashing: the same manifest
@@ -111,6 +109,36 @@ def test_seal_writes_megatrons_manifest(capsys, copy_fixture):
         f.seek(600)
         f.write(bytes([byte[0] ^ 0xFF]))
     assert "CKD301" in _codes(save)
+
+
+def test_seal_of_a_sealed_checkpoint_is_unchanged_exit_0(capsys, copy_fixture):
+    """Issue #35 point 9: "seal if not sealed" in a pipeline. A second seal exits 0, `already sealed, unchanged`,
+    hashes and writes nothing (text and JSON); a manifest that does not describe the dir is refused, naming
+    --force; --force re-seals."""
+    save = copy_fixture("core019_tp2")
+    iteration_dir = save / ITER
+    assert _run(capsys, "seal", save)[0] == 0
+    manifest = iteration_dir / "integrity.json"
+    before = (manifest.read_bytes(), manifest.stat().st_mtime_ns, sorted(p.name for p in save.iterdir()))
+    rc, out, err = _run(capsys, "seal", save)
+    assert (rc, err) == (0, "") and out.startswith(f"already sealed, unchanged: {iteration_dir}"), out + err
+    rc, out, err = _run(capsys, "seal", save / ITER, "--format", "json")
+    result = json.loads(out)
+    assert rc == 0 and result["unchanged"] is True and result["replaced"] is False and result["bytes"] == 0
+    assert result["files"] == 4 and "already sealed, unchanged" in result["notes"][0]
+    assert (manifest.read_bytes(), manifest.stat().st_mtime_ns, sorted(p.name for p in save.iterdir())) == before
+    metadata = iteration_dir / ".metadata"
+    original = metadata.read_bytes()
+    metadata.write_bytes(original[:2] + b"]\x8c\x02os\x8c\x06system\x93a0" + original[2:])  # listed, unsafe now
+    rc, out, err = _run(capsys, "seal", save)
+    assert rc == 1 and "CKD401" in err and "os.system" in err, out + err  # the gate, as for every write command
+    metadata.write_bytes(original)
+    (iteration_dir / "notes.txt").write_text("added after the seal\n")  # CKD304: the manifest no longer lists all
+    rc, out, err = _run(capsys, "seal", save)
+    assert rc == 2 and out == "" and "CKD304" in err and "--force" in err and err.count("\n") == 1, err
+    rc, out, _ = _run(capsys, "seal", save, "--force", "--format", "json")
+    assert rc == 0 and json.loads(out)["replaced"] is True and json.loads(out)["unchanged"] is False
+    assert "notes.txt" in json.loads(manifest.read_text())["files"]
 
 
 def test_seal_refuses_a_checkpoint_that_fails_check(capsys, copy_fixture):
