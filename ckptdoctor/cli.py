@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -153,13 +154,78 @@ def _interrupted(signum: int = signal.SIGINT) -> int:
     return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
 
 
+class _QuietPipe(io.RawIOBase):
+    """The file descriptor under ``sys.stdout`` or ``sys.stderr`` while a command runs: once the reader closes the
+    pipe (``ckptdoctor inspect CKPT | head -c 100``), the rest of the output is discarded quietly, as ``cat`` ends on
+    SIGPIPE, and the command finishes with its own exit code (it prints only after its work is done). Every write
+    of every command reaches the descriptor here: the one place a broken pipe is handled. Below the text and
+    buffer layers (both C), so only the buffer's flushes (8 KiB each) pass through Python."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+        self.gone = False
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        return os.isatty(self._fd)
+
+    def write(self, data: Any) -> int:
+        size = len(memoryview(data).cast("B"))
+        if self.gone:
+            return size
+        try:
+            return os.write(self._fd, data)
+        except BrokenPipeError:
+            self.gone = True
+            return size
+
+    def close(self) -> None:  # the descriptor stays open: it is the interpreter's stdout or stderr
+        super().close()
+
+
+def _quiet_on_broken_pipe(stream: Any) -> Any:
+    """``stream`` written through :class:`_QuietPipe`, or as it is when it has no descriptor (a test's capture)."""
+    try:
+        fd = stream.fileno()
+        stream.flush()
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both an OSError and a ValueError
+        return stream
+    return io.TextIOWrapper(
+        io.BufferedWriter(_QuietPipe(fd)),
+        encoding=stream.encoding,
+        errors=stream.errors,
+        line_buffering=stream.line_buffering,
+        write_through=getattr(stream, "write_through", False),
+    )
+
+
+@contextmanager
+def _broken_pipes_quiet() -> Iterator[None]:
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _quiet_on_broken_pipe(sys.stdout), _quiet_on_broken_pipe(sys.stderr)
+    try:
+        yield
+    finally:
+        quiet = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = saved
+        for stream, original in zip(quiet, saved):
+            if stream is not original:
+                stream.flush()  # never a broken pipe; an interrupt here is answered as any other
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: runs the CLI and turns every failure into one line and exit code 2 (130 for SIGINT, 143 for
-    SIGTERM)."""
+    SIGTERM). A reader that closes the pipe early ends the output, not the command (:class:`_QuietPipe`)."""
     from ckptdoctor import dist
 
     try:
-        with _signals_raise_interrupted():
+        with _signals_raise_interrupted(), _broken_pipes_quiet():
             try:
                 if dist.under_torchrun():  # one rank of a torchrun job: rank 0 prints, all agree on the exit code
                     return dist.run_main(lambda: _main(argv))

@@ -193,6 +193,10 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
             tracker = candidate / TRACKER_NAME
             what = f"whose {TRACKER_NAME} is not a regular file" if tracker.exists() else f"without {TRACKER_NAME}"
             raise CkptError(f"{candidate}: save dir {what}; choose one with --iteration N ({names})")
+        elif candidate != input_path:  # a file in no checkpoint dir: the file is named, not the dir it is in
+            raise CkptError(
+                f"{input_path}: not a Megatron checkpoint file (no metadata.json, .metadata or tracker beside it)"
+            )
         else:
             raise CkptError(f"{candidate}: not a Megatron checkpoint (no metadata.json, .metadata or tracker)")
 

@@ -53,10 +53,13 @@ class SavedLayout:
         def show(value: int | None) -> str:
             return "?" if value is None else str(value)
 
+        n = len(self.writer_ranks)
+        if not n and self.pp is None:  # zarr: chunk files named by their index, not by the rank that wrote them
+            parts = [f"TP={show(self.tp)}"] + ([f"EP={self.ep}"] if self.ep is not None else [])
+            return " ".join(parts) + " (PP not known: no data file names the rank that wrote it)"
         parts = [f"TP={show(self.tp)}", f"PP={show(self.pp)}"]
         if self.ep is not None:
             parts.append(f"EP={self.ep}")
-        n = len(self.writer_ranks)
         parts.append(f"({n} writer{'s' if n != 1 else ''})")
         return " ".join(parts)
 

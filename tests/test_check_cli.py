@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -243,15 +244,17 @@ def _git(cwd: Path, *args: str) -> None:
     )
 
 
-@pytest.mark.network
-def test_pre_commit_hook_for_real(tmp_path):
-    """`pre-commit try-repo` installs the hook from a copy of this repo (uncommitted work included) into its
-    own virtualenv (pip: click, tabulate from PyPI) and runs it on a repo holding a real fixture."""
-    pre_commit = shutil.which("pre-commit", path=str(Path(sys.executable).parent)) or shutil.which("pre-commit")
-    if pre_commit is None:
+def _pre_commit() -> str:
+    found = shutil.which("pre-commit", path=str(Path(sys.executable).parent)) or shutil.which("pre-commit")
+    if found is None:
         pytest.skip("pre-commit not installed (pip install 'ckptdoctor[test]')")
-    # try-repo needs a git repo; commit the working tree in a scratch copy, never in this checkout.
-    hook_repo = tmp_path / "hook-repo"
+    return found
+
+
+@pytest.fixture(scope="module")
+def hook_repo(tmp_path_factory) -> Path:
+    """A committed copy of this repo (uncommitted work included): pre-commit installs hooks from a git repo."""
+    hook_repo = tmp_path_factory.mktemp("hooks") / "hook-repo"
     shutil.copytree(
         REPO,
         hook_repo,
@@ -262,12 +265,31 @@ def test_pre_commit_hook_for_real(tmp_path):
     _git(hook_repo, "init", "-q")
     _git(hook_repo, "add", "-A")
     _git(hook_repo, "commit", "-q", "-m", "hook under test")
+    return hook_repo
+
+
+@pytest.fixture(scope="module")
+def pre_commit_home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pre-commit-home")
+
+
+def _skip_without_hook_env(proc: subprocess.CompletedProcess) -> None:
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0 and "CKD" not in out and ("pip" in out or "Errno" in out):
+        pytest.skip(f"pre-commit could not build the hook environment (no network?): {out[-400:]}")
+
+
+@pytest.mark.network
+def test_pre_commit_hook_for_real(tmp_path, hook_repo, pre_commit_home):
+    """`pre-commit try-repo` installs the hook from a copy of this repo (uncommitted work included) into its
+    own virtualenv (pip: click, tabulate from PyPI) and runs it on a repo holding a real fixture."""
+    pre_commit = _pre_commit()
     user = tmp_path / "user-repo"
     user.mkdir()
     shutil.copytree(FIXTURES / "core019_tp2", user / "ckpt")
     _git(user, "init", "-q")
     _git(user, "add", "-A")
-    env = {**os.environ, "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-home")}
+    env = {**os.environ, "PRE_COMMIT_HOME": str(pre_commit_home)}
 
     def try_repo() -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -280,8 +302,7 @@ def test_pre_commit_hook_for_real(tmp_path):
         )
 
     clean = try_repo()
-    if clean.returncode != 0 and "CKD" not in clean.stdout and ("pip" in clean.stdout or "Errno" in clean.stdout):
-        pytest.skip(f"pre-commit could not build the hook environment (no network?): {clean.stdout[-400:]}")
+    _skip_without_hook_env(clean)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert "Passed" in clean.stdout
     (user / "ckpt" / ITER / "__1_0.distcp").unlink()
@@ -289,3 +310,100 @@ def test_pre_commit_hook_for_real(tmp_path):
     broken = try_repo()
     assert broken.returncode == 1, broken.stdout
     assert "Failed" in broken.stdout and "CKD113 [error] __1_0.distcp missing" in broken.stdout
+
+
+def _commit(repo: Path, env: dict[str, str], message: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["git", "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-q", "-m", message],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+
+
+def _user_repo_with_hooks(root: Path, hook_repo: Path, pre_commit: str, env: dict[str, str]) -> None:
+    """``root`` (holding a checkpoint) as a git repo whose commits run both hooks, as a user installs them."""
+    rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=hook_repo, capture_output=True, text=True, check=True)
+    (root / ".pre-commit-config.yaml").write_text(
+        f"repos:\n  - repo: {hook_repo}\n    rev: {rev.stdout.strip()}\n    hooks:\n"
+        "      - id: ckptdoctor-check\n      - id: ckptdoctor-check-staged\n"
+    )
+    _git(root, "init", "-q")
+    subprocess.run([pre_commit, "install"], cwd=root, capture_output=True, check=True, env=env)
+
+
+@pytest.mark.network
+def test_pre_commit_staged_hook_catches_deletions(tmp_path, hook_repo, pre_commit_home):
+    """Real pre-commit, real ``git commit`` (issue #35 point 2): deleting a data file, metadata.json or the tracker's
+    iteration dir is refused by ckptdoctor-check-staged (ckptdoctor-check had "no files to check"); deleting a whole
+    checkpoint, or committing no checkpoint path, passes; a pyproject.toml inside a checkpoint dir configures
+    nothing, even where the repository is the checkpoint."""
+    pre_commit = _pre_commit()
+    env = {**os.environ, "PRE_COMMIT_HOME": str(pre_commit_home)}
+    user = tmp_path / "user-repo"
+    user.mkdir()
+    shutil.copytree(FIXTURES / "core019_tp2", user / "ckpt")
+    (user / "README.md").write_text("runs\n")
+    _user_repo_with_hooks(user, hook_repo, pre_commit, env)
+    _git(user, "add", "-A")
+    first = _commit(user, env, "checkpoint")
+    _skip_without_hook_env(first)
+    assert first.returncode == 0, first.stdout + first.stderr
+
+    refused = {
+        f"ckpt/{ITER}/__1_0.distcp": "CKD113 [error] __1_0.distcp missing",
+        f"ckpt/{ITER}/metadata.json": "CKD101 [error] metadata.json missing",
+        f"ckpt/{ITER}": "CKD121 [error] tracker says 10 but iter_0000010 does not exist",
+    }
+    for deleted, expected in refused.items():
+        _git(user, "rm", "-r", "-q", deleted)
+        proc = _commit(user, env, f"delete {deleted}")
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1 and expected in out, out
+        assert re.search(r"ckptdoctor check \(Megatron.*\(no files to check\)Skipped", out), out  # the old hook
+        assert re.search(r"ckptdoctor check --staged.*Failed", out), out
+        _git(user, "reset", "-q", "--hard")
+
+    (user / "README.md").write_text("runs, documented\n")
+    _git(user, "add", "README.md")
+    readme = _commit(user, env, "no checkpoint path")
+    assert readme.returncode == 0, readme.stdout + readme.stderr
+    _git(user, "rm", "-r", "-q", "ckpt")
+    gone = _commit(user, env, "a whole checkpoint deleted")
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+
+    # the repository is the save dir: its pyproject.toml is inside a checkpoint and is never read
+    repo_ckpt = tmp_path / "ckpt-repo"
+    shutil.copytree(FIXTURES / "core019_tp2", repo_ckpt)
+    (repo_ckpt / "pyproject.toml").write_text('[tool.ckptdoctor]\nignore = ["CKD1"]\n')
+    _user_repo_with_hooks(repo_ckpt, hook_repo, pre_commit, env)
+    _git(repo_ckpt, "add", "-A")
+    assert _commit(repo_ckpt, env, "checkpoint").returncode == 0
+    _git(repo_ckpt, "rm", "-q", f"{ITER}/__0_0.distcp")
+    proc = _commit(repo_ckpt, env, "delete a data file")
+    assert proc.returncode == 1 and "CKD113 [error] __0_0.distcp missing" in proc.stdout + proc.stderr
+
+
+def test_check_staged_without_pre_commit(capsys, tmp_path, monkeypatch):
+    """``check --staged`` itself (no network): what git has staged, deletions included; not in a git repo: exit 2."""
+    repo = tmp_path / "repo"
+    shutil.copytree(FIXTURES / "core016_tp1", repo / "runs" / "a")
+    (repo / "notes.txt").write_text("x\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "init")
+    monkeypatch.chdir(repo / "runs")  # paths are named from the working directory
+    rc, out, err = _run(capsys, "check", "--staged", "--format", "json")
+    assert rc == 0 and json.loads(out)["checked"] == [], err
+    _git(repo, "rm", "-q", f"runs/a/{ITER}/common.pt", "notes.txt")
+    rc, out, err = _run(capsys, "check", "--staged", "--format", "json")
+    report = json.loads(out)
+    assert rc == 1 and report["checked"] == [f"a/{ITER}"], err
+    assert [f["code"] for f in report["findings"]] == ["CKD130"]
+    rc, out, err = _run(capsys, "check", "--staged", "a")
+    assert rc == 2 and "not both" in err
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _run(capsys, "check", "--staged")
+    assert rc == 2 and "--staged: git rev-parse failed" in err and err.count("\n") == 1, err

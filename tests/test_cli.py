@@ -341,3 +341,77 @@ def test_shell_completion_of_rule_codes(words, cword, expected):
     proc = subprocess.run([sys.executable, "-m", "ckptdoctor"], env=env, capture_output=True, text=True, timeout=60)
     got = {line.split(",", 1)[1] for line in proc.stdout.splitlines() if line.startswith("plain,")}
     assert got == expected, proc.stdout + proc.stderr
+
+
+# --- issue #35 point 11 ------------------------------------------------------------------------------------
+
+
+def test_a_file_of_no_checkpoint_is_named_not_its_dir(capsys, tmp_path):
+    """`inspect /etc/passwd` blamed `/etc`: the file given is named."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint\n")
+    for path in [notes] + ([Path("/etc/passwd")] if Path("/etc/passwd").is_file() else []):
+        for command in (["inspect"], ["show", "--format", "json"], ["can-load", "--target", "tp=1"]):
+            argv = [command[0], str(path), *(["output_layer.weight"] if command[0] == "show" else []), *command[1:]]
+            rc, out, err = _run(capsys, *argv)
+            assert rc == 2 and out == "", (argv, out)
+            why = "not a Megatron checkpoint file (no metadata.json, .metadata or tracker beside it)"
+            assert err == f"ckptdoctor: error: {path}: {why}\n", argv
+
+
+def test_zarr_layout_says_what_is_known(capsys):
+    """A zarr checkpoint's chunk files name no writer rank: no "PP=? (0 writers)", the TP it shows and why PP is
+    not known (text and JSON, inspect and diff)."""
+    zarr = str(FIXTURES / "core014_zarr_tp2")
+    rc, out, _ = _run(capsys, "inspect", zarr)
+    expected = "TP=2 (PP not known: no data file names the rank that wrote it)"
+    assert rc == 0 and f"saved layout    {expected}\n" in out and "writers" not in out
+    rc, out, _ = _run(capsys, "inspect", zarr, "--format", "json")
+    assert json.loads(out)["layout"]["summary"] == expected
+    rc, out, _ = _run(capsys, "diff", zarr, str(FIXTURES / "core016_tp2"))
+    assert f"layout  A: {expected}  B: TP=2 PP=1 (2 writers)" in out and "0 writers" not in out
+
+
+@pytest.mark.parametrize(
+    "args, code",
+    [
+        (["inspect", "--keys", "@core019_moe_mixed_shared_ep2"], 0),
+        (["inspect", "--keys", "--format", "json", "@core019_moe_mixed_shared_ep2"], 0),
+        (["diff", "--all", "@core019_tp1", "@core019_tp2"], 1),
+        (["check", "@core019_convert_tp4"], 1),  # findings: the exit code stands, the pipe closed or not
+        (["latest-good", "@core019_tp2"], 0),
+    ],
+)
+def test_a_reader_that_closes_the_pipe_ends_the_output_quietly(args, code):
+    """`ckptdoctor inspect CKPT | head -c 100` with more than a pipe's 64 KiB of output: head exits, the next write
+    fails with EPIPE. A pipe whose reader is already gone fails the first write the same way: the command exits
+    with its own code (0 for inspect, as cat ends) and nothing on stderr, for every command (cli.py)."""
+    argv = [str(FIXTURES / a[1:]) if a.startswith("@") else a for a in args]
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first byte
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ckptdoctor", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            cwd=REPO,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+        )
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr.decode()) == (code, "")
+
+
+def test_head_c_100_of_inspect_exits_0_quietly(tmp_path):
+    """The shell pipeline of the issue, with pipefail: ckptdoctor's own exit code is 0 and stderr empty."""
+    cmd = f"set -o pipefail; {sys.executable} -m ckptdoctor inspect --keys {FIXTURES / 'core019_moe_mixed_shared_ep2'}"
+    proc = subprocess.run(
+        ["bash", "-c", cmd + " | head -c 100 > /dev/null"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert (proc.returncode, proc.stderr) == (0, "")

@@ -63,7 +63,8 @@ def test_ignore_arg_makes_two_runs_equal(capsys, other_run):
     assert rc == 1 and "args: 2 differ" in out
     rc, report = _json(capsys, base, other_run, "--ignore-arg", "save|load")
     assert rc == 0 and report["identical"] and report["args"]["ignored"] == ["load", "save"]
-    assert report["ignored"] == {"layout": False, "args": ["save|load"]} and report["summary"]["args"] == 0
+    assert report["ignored"] == {"layout": False, "args": ["save|load"], "strict_args": False}
+    assert report["summary"]["args"] == 0
 
 
 def test_ignore_arg_invalid_regex_exits_2(capsys, other_run):
@@ -287,3 +288,63 @@ def test_library_warnings_silenced(capsys, monkeypatch):
         rc, out, err = _run(capsys, SRC, TP4, "--section", "model", "--values")
     assert rc == 1 and "values (bitwise)" in out
     assert not [w for w in seen if "NumPy" in str(w.message)] and "NumPy" not in err
+
+
+# --- issue #35 point 12: args one side's core never saved ---------------------------------------------------
+
+GTP_ARGS = [
+    "expert_gtp_weight_remat_size",
+    "expert_tensor_parallel_num_weight_shards",
+    "gtp_weight_remat_size",
+    "tensor_parallel_num_weight_shards",
+]
+ERA_ARGS = sorted([*GTP_ARGS, "cuda_graph_modules", "inference_cuda_graph_scope"])
+
+
+def _rewrite_args(save, **changes) -> None:
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.formats.torch_zip import dump_torch_zip
+
+    common = open_checkpoint(save).common_state()
+    for name, value in changes.items():
+        if value is None:
+            delattr(common["args"], name)
+        else:
+            setattr(common["args"], name, value)
+    (save / "iter_0000010" / "common.pt").write_bytes(dump_torch_zip(common))
+
+
+@pytest.fixture
+def saved_by_016_and_019(copy_fixture, tmp_path):
+    """One training state saved by core 0.16 and by core 0.19. The 0.16 side's args as Megatron-LM 0.16 saves them
+    (no GTP weight-shard args: they came with core 0.19); the 0.19 side without its rerun state (0.16 saves none)."""
+    old = copy_fixture("core016_tp1")
+    _rewrite_args(old, **dict.fromkeys(GTP_ARGS))
+    new = tmp_path / "core019_tp1"
+    assert main(["edit", "--drop-section", "rerun", str(FIXTURES / "core019_tp1"), "-o", str(new)]) == 0
+    return old, new
+
+
+def test_args_one_sides_core_never_saved_do_not_decide_the_exit_status(capsys, saved_by_016_and_019):
+    old, new = saved_by_016_and_019
+    same = ("--ignore-arg", "save|load")  # the runs' own dirs
+    for a, b, has, lacks in ((old, new, "B", "A"), (new, old, "A", "B")):
+        rc, out, _ = _run(capsys, str(a), str(b), *same)
+        assert rc == 0, out
+        assert f"tensor_parallel_num_weight_shards: 1 (only in {has}; era: {lacks}'s core never saved it)" in out
+        assert f"args {', '.join(ERA_ARGS)} only in {has}: first saved by core 0.19, and {lacks}'s core" in out
+        assert "args: 0 differ; 2 ignored (load, save); 6 only in the side whose core saves them" in out
+        verdict = "no differences (ignored: 2 args, 6 args one side's core never saved (--strict-args))"
+        assert out.rstrip().endswith(verdict)
+        rc, report = _json(capsys, str(a), str(b), *same)
+        assert rc == 0 and report["identical"] and report["args"]["count"] == report["summary"]["args"] == 0
+        assert report["args"]["era"] == ERA_ARGS and report["ignored"]["strict_args"] is False
+        assert sorted(d["name"] for g in report["args"]["groups"].values() for d in g if d["era"]) == ERA_ARGS
+        rc, out, _ = _run(capsys, str(a), str(b), *same, "--strict-args")
+        assert rc == 1 and "differences: 6 args differ" in out and "counted as differences (--strict-args)" in out
+        rc, report = _json(capsys, str(a), str(b), *same, "--strict-args")
+        assert rc == 1 and report["args"]["count"] == 6 and report["ignored"]["strict_args"] is True
+    # an arg absent for another reason (not in the era table) still counts
+    _rewrite_args(old, seed=None)
+    rc, out, _ = _run(capsys, str(old), str(new), *same)
+    assert rc == 1 and "seed: 1234 (only in B)" in out and "differences: 1 args differ" in out

@@ -97,8 +97,6 @@ def test_seal_writes_megatrons_manifest(capsys, copy_fixture):
     for name, digest in manifest["files"].items():
         assert hashlib.sha256((iteration_dir / name).read_bytes()).hexdigest() == digest
     single = (iteration_dir / "integrity.json").read_bytes()
-    rc, _, err = _run(capsys, "seal", save)
-    assert rc == 2 and "already sealed" in err
     rc, out, _ = _run(capsys, "seal", save, "--force", "--jobs", "4", "--format", "json")
     assert rc == 0 and json.loads(out)["replaced"] is True and json.loads(out)["jobs"] == 4
     assert (iteration_dir / "integrity.json").read_bytes() == single  # parallel hashing: the same manifest
@@ -111,6 +109,36 @@ def test_seal_writes_megatrons_manifest(capsys, copy_fixture):
         f.seek(600)
         f.write(bytes([byte[0] ^ 0xFF]))
     assert "CKD301" in _codes(save)
+
+
+def test_seal_of_a_sealed_checkpoint_is_unchanged_exit_0(capsys, copy_fixture):
+    """Issue #35 point 9: "seal if not sealed" in a pipeline. A second seal exits 0, `already sealed, unchanged`,
+    hashes and writes nothing (text and JSON); a manifest that does not describe the dir is refused, naming
+    --force; --force re-seals."""
+    save = copy_fixture("core019_tp2")
+    iteration_dir = save / ITER
+    assert _run(capsys, "seal", save)[0] == 0
+    manifest = iteration_dir / "integrity.json"
+    before = (manifest.read_bytes(), manifest.stat().st_mtime_ns, sorted(p.name for p in save.iterdir()))
+    rc, out, err = _run(capsys, "seal", save)
+    assert (rc, err) == (0, "") and out.startswith(f"already sealed, unchanged: {iteration_dir}"), out + err
+    rc, out, err = _run(capsys, "seal", save / ITER, "--format", "json")
+    result = json.loads(out)
+    assert rc == 0 and result["unchanged"] is True and result["replaced"] is False and result["bytes"] == 0
+    assert result["files"] == 4 and "already sealed, unchanged" in result["notes"][0]
+    assert (manifest.read_bytes(), manifest.stat().st_mtime_ns, sorted(p.name for p in save.iterdir())) == before
+    metadata = iteration_dir / ".metadata"
+    original = metadata.read_bytes()
+    metadata.write_bytes(original[:2] + b"]\x8c\x02os\x8c\x06system\x93a0" + original[2:])  # listed, unsafe now
+    rc, out, err = _run(capsys, "seal", save)
+    assert rc == 1 and "CKD401" in err and "os.system" in err, out + err  # the gate, as for every write command
+    metadata.write_bytes(original)
+    (iteration_dir / "notes.txt").write_text("added after the seal\n")  # CKD304: the manifest no longer lists all
+    rc, out, err = _run(capsys, "seal", save)
+    assert rc == 2 and out == "" and "CKD304" in err and "--force" in err and err.count("\n") == 1, err
+    rc, out, _ = _run(capsys, "seal", save, "--force", "--format", "json")
+    assert rc == 0 and json.loads(out)["replaced"] is True and json.loads(out)["unchanged"] is False
+    assert "notes.txt" in json.loads(manifest.read_text())["files"]
 
 
 def test_seal_refuses_a_checkpoint_that_fails_check(capsys, copy_fixture):
@@ -221,6 +249,55 @@ def test_repair_tracker_pointing_to_an_incomplete_iteration(capsys, copy_fixture
     assert (save / TRACKER).read_text() == "10"
     assert file_digests(broken) == before  # the incomplete save stays as it was: incomplete
     assert _codes(save) == set()
+
+
+def _damaged(save: Path, damage: str) -> None:
+    if damage in ("data-file", "tracker"):
+        (save / ITER / "__1_0.distcp").unlink()
+    if damage == "tracker":
+        (save / TRACKER).write_text("99")
+    if damage == "unsafe-pickle":  # .metadata references os.system (a list holding the global; nothing runs)
+        metadata = save / ITER / ".metadata"
+        original = metadata.read_bytes()
+        metadata.write_bytes(original[:2] + b"]\x8c\x02os\x8c\x06system\x93a0" + original[2:])
+
+
+@pytest.mark.parametrize(
+    "damage, lost",
+    [
+        ("data-file", "the data of CKD113 is lost from this checkpoint"),
+        ("tracker", None),  # the tracker and its dir: nothing lost by the tracker
+        ("unsafe-pickle", None),
+    ],
+)
+def test_repair_refusals_name_what_check_found_and_lose_only_lost_data(capsys, copy_fixture, damage, lost):
+    """Issue #35 point 5: a refusal names a code check found (it said "refused [CKD121]" where check found only
+    CKD113 or CKD401), and "lost" is said of data that is (it followed a tracker line and an unsafe pickle)."""
+    save = copy_fixture("core019_tp2")
+    _damaged(save, damage)
+    found = _codes(save)
+    runs = [[save], [save, "--format", "json"]] + ([[save / ITER]] if damage != "tracker" else [])  # its dir lost data
+    for args in runs:
+        rc, out, _ = _run(capsys, "repair", *args)
+        assert rc == 1, out
+        if "--format" in args:
+            report = json.loads(out)
+            assert {r["code"] for r in report["refused"]} <= found, (found, report["refused"])
+            text = report["way_out"]
+        else:
+            refused = {line.split("]")[0].removeprefix("refused [") for line in out.splitlines() if "refused [" in line}
+            assert refused <= found, (found, out)
+            assert "the data above is lost" not in out
+            text = out
+        if lost is not None:
+            assert lost in text, text
+        else:
+            assert "is lost" not in text.replace("no data is lost", ""), text
+    if damage == "unsafe-pickle":
+        assert "CKD401: no data is lost, but loading it would run the code the gate refused" in text
+    if damage == "tracker":
+        rc, out, _ = _run(capsys, "repair", save)
+        assert "CKD121: the tracker loses no data" in out and "latest-good skipped iter_0000010: CKD113" in out
 
 
 @pytest.mark.parametrize("name", ["core019_tp2", "core016_tp2", "core014_zarr_tp2"])

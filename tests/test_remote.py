@@ -128,6 +128,66 @@ def test_remote_output_equals_local(remote, capsys, command):
             assert remote.log.gets(), f"{backend}: no request reached the server"
 
 
+@pytest.fixture(scope="session")
+def runs_tree(server, tmp_path_factory):
+    """A folder of runs (issue #35 point 1), local and uploaded under ``runs/``: save dirs at two depths, one with a
+    damaged newer iteration (latest-good walks back past it), a dir of notes, and a hidden dir (not entered)."""
+    runs = tmp_path_factory.mktemp("tree") / "runs"
+    shutil.copytree(FIXTURES / "core019_tp1", runs / "core019_tp1")
+    shutil.copytree(FIXTURES / "core014_zarr_tp2", runs / "old" / "core014_zarr_tp2")
+    two = runs / "team" / "core016_tp2"
+    shutil.copytree(FIXTURES / "core016_tp2", two)
+    shutil.copytree(two / "iter_0000010", two / "iter_0000020")
+    (two / "iter_0000020" / "__1_0.distcp").unlink()
+    (two / "latest_checkpointed_iteration.txt").write_text("20")
+    shutil.copytree(FIXTURES / "core019_tp2", runs / ".trash" / "core019_tp2")
+    (runs / "notes").mkdir()
+    (runs / "notes" / "readme.txt").write_text("not a checkpoint\n")
+    server.upload_tree(runs, "runs")
+    return runs
+
+
+TREE_WALKS = [
+    ("check", "@runs"),  # recursion is the default: every save dir below, not the hidden one
+    ("check", "--all-iterations", "@runs"),
+    ("check", "--all-iterations", "@runs/team/core016_tp2"),
+    ("check", "--no-recursive", "@runs"),
+    ("latest-good", "@runs/team/core016_tp2"),  # walks back from the tracker's damaged iteration
+    ("inspect", "@runs/team/core016_tp2/iter_0000010"),
+    ("inspect", "@runs"),  # no checkpoint: one error naming the URL
+    ("diff", "@runs/core019_tp1", "@runs/team/core016_tp2/iter_0000010"),
+    ("can-load", "@runs/old/core014_zarr_tp2", "--target", "tp=1"),
+    ("fix-args", "@runs/team/core016_tp2/iter_0000010"),
+    ("repair", "@runs/team/core016_tp2"),
+    ("show", "@runs/core019_tp1", "output_layer.weight"),
+    ("strip-frozen", "--dry-run", "@runs/core019_tp1"),
+    ("edit", "--remove", "output_layer.weight", "--dry-run", "@runs/old/core014_zarr_tp2"),
+    ("seal", "@runs/core019_tp1"),  # refused: a write on object storage
+]
+
+
+@pytest.mark.parametrize("command", TREE_WALKS, ids=lambda c: "-".join(a.lstrip("@-") for a in c[:3]))
+def test_tree_walk_on_a_url_equals_local(remote, runs_tree, capsys, command):
+    """Every command's walk of a tree (a folder of runs, a save dir's iterations) on s3:// and msc://: the local
+    output, the URL where the path was (``check s3://bucket/runs`` was an internal error)."""
+    name, *rest = command
+    local = [str(runs_tree.parent / a[1:]) if a.startswith("@") else a for a in rest]
+    for fmt in ("text", "json"):
+        extra = ["--format", "json"] if fmt == "json" and name not in ("strip-frozen", "seal") else []
+        rc_local, out_local, err_local = ckd(capsys, name, *extra, *local)
+        for backend, prefix in PREFIXES.items():
+            argv = [f"{prefix}{a[1:]}" if a.startswith("@") else a for a in rest]
+            rc, out, err = ckd(capsys, name, *extra, *argv)
+            assert "internal error" not in err, (backend, err)
+            if name == "seal":
+                assert rc == 2 and IN_PLACE in err, err
+                continue
+            got = (rc, out.replace(prefix, f"{runs_tree.parent}/"), err.replace(prefix, f"{runs_tree.parent}/"))
+            assert got == (rc_local, out_local, err_local), (backend, fmt)
+    if command[:2] == ("check", "@runs"):
+        assert rc_local == 1 and ".trash" not in out_local and "core016_tp2/iter_0000020" in out_local
+
+
 def test_diff_local_against_remote(remote, capsys):
     args = ("diff", "--values", "@core019_tp1", "@core019_tp2")
     rc_local, out_local, _ = ckd(capsys, *local_args(args))

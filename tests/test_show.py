@@ -6,6 +6,8 @@ import io
 import json
 import math
 import struct
+import subprocess
+import sys
 import zipfile
 import zlib
 
@@ -117,3 +119,50 @@ def test_errors(capsys):
     assert rc == 0 and "kind bytes" in out
     rc, _, err = _run(capsys, "show", CKPT, extra, "--slice", "0")
     assert rc == 2 and "not a tensor" in err
+
+
+# --- issue #35 point 11 ------------------------------------------------------------------------------------
+
+
+def test_logical_keys_diff_prints_are_shown(capsys):
+    """`diff` and `inspect` name a ShardedObject by its logical key (`rng_state`); `show` takes that key too."""
+    rc, out, _ = _run(capsys, "diff", FIXTURES / "core019_tp1", CKPT)
+    assert "rng_state: 1 shard of [1, 1] -> 2 shards of [1, 2]" in out
+    rc, out, err = _run(capsys, "show", CKPT, "rng_state")
+    assert rc == 0 and err == "", err
+    assert "key             rng_state" in out and "kind object" in out and "shard grid      1x2" in out
+    assert "rng_state/shard_0.0_1.2, rng_state/shard_0.1_1.2" in out and "in 2 shard(s)" in out
+    rc, out, _ = _run(capsys, "show", CKPT, "rng_state", "--format", "json")
+    report = json.loads(out)
+    assert rc == 0 and report["kind"] == "object" and report["shape"] == [1, 2]
+    assert [c["offsets"] for c in report["chunks"]] == [[0, 0], [0, 1]]
+    assert all(c["file"].endswith(".distcp") and c["length"] > 0 for c in report["chunks"])
+    rc, _, err = _run(capsys, "show", CKPT, "rng_state", "--stats")
+    assert rc == 2 and "rng_state is a sharded object, not a tensor" in err
+
+
+def test_a_key_suffix_suggests_the_keys_it_ends(capsys):
+    rc, _, err = _run(capsys, "show", CKPT, "linear_qkv.weight")
+    assert rc == 2 and err.count("\n") == 1
+    assert f"did you mean '{KEY}', 'optimizer.state.exp_avg.{KEY}', 'optimizer.state.exp_avg_sq.{KEY}'?" in err
+    rc, _, err = _run(capsys, "show", CKPT, "weight")
+    assert rc == 2 and "did you mean 'output_layer.weight'" in err and "more ending so" in err
+
+
+def test_torchs_numpy_warning_is_not_shown(tmp_path):
+    """torch warns "Failed to initialize NumPy" when numpy is missing; `diff` hid it, `show` printed it."""
+    pytest.importorskip("torch")
+    code = (
+        "import sys\n"
+        "class NoNumpy:\n"  # numpy not installed, as torch sees it (ModuleNotFoundError)
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'numpy':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoNumpy())\n"
+        "from ckptdoctor.cli import main\n"
+        "raise SystemExit(main(sys.argv[1:]))\n"
+    )
+    for args in (["show", str(CKPT), KEY], ["show", str(CKPT), KEY, "--save", str(tmp_path / "t.pt")]):
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and "min " in proc.stdout, proc.stderr
+        assert "NumPy" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr

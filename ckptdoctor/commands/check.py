@@ -17,7 +17,7 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete
 
 @click.command("check")
 @trust_global_option
-@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.argument("paths", nargs=-1, type=click.Path(path_type=str))
 @click.option("--select", **_MULTI, help="Only these rule codes or prefixes (e.g. CKD1,CKD220). Default: all.")
 @click.option("--ignore", **_MULTI, help="Skip these rule codes or prefixes.")
 @format_option(
@@ -56,6 +56,12 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete
 @jobs_option("--deep reads data files")
 @click.option("--quiet", "-q", is_flag=True, help="Findings only: no summary line, no progress bar.")
 @click.option("--isolated", is_flag=True, help="Ignore [tool.ckptdoctor] in pyproject.toml.")
+@click.option(
+    "--staged",
+    is_flag=True,
+    help="Instead of PATHS: the checkpoint dirs of every path staged in git (git diff --cached), deletions "
+    "included (the ckptdoctor-check-staged pre-commit hook).",
+)
 def command(
     paths: tuple[str, ...],
     select: tuple[str, ...],
@@ -69,6 +75,7 @@ def command(
     jobs: int | None,
     quiet: bool,
     isolated: bool,
+    staged: bool,
 ) -> int:
     """Check checkpoints for missing or truncated files, inconsistent args and chunks, unsafe pickles.
 
@@ -78,17 +85,20 @@ def command(
     after the others are checked (exit 2). Defaults come from [tool.ckptdoctor] in the nearest
     pyproject.toml that is not inside a checkpoint dir. The safety rules (CKD4xx) are always on: exit 0
     means nothing checked runs code when Megatron or PyTorch loads it; --trust-global is the only
-    override. `ckptdoctor rules` lists the rule codes and what fixes them.
+    override. `ckptdoctor rules` lists the rule codes and what fixes them. With --staged (no PATHS), the
+    checkpoint dirs of the paths staged in git are checked, deleted files included; none staged: exit 0.
     """
     from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.config import check_defaults, load_tool_config
     from ckptdoctor.exit_codes import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK
-    from ckptdoctor.ops.check import CheckOptions, ConfigUse, check_paths
+    from ckptdoctor.ops.check import CheckOptions, ConfigUse, check_paths, staged_checkpoint_dirs
     from ckptdoctor.render.check import FORMATS, render_check, render_github, render_sarif
     from ckptdoctor.render.common import jsonable
     from ckptdoctor.rules.registry import validate_selectors
     from ckptdoctor.text_safety import escape
 
+    if staged == bool(paths):
+        raise click.UsageError("give PATHS or --staged (the checkpoint dirs of what git has staged), not both")
     passed_over: list[Path] = []
     table, config_path = ({}, None) if isolated else load_tool_config(passed_over=passed_over)
     config = check_defaults(table, config_path)
@@ -135,6 +145,8 @@ def command(
     if statistics and output_format not in ("text", "json"):
         raise click.BadParameter("--statistics goes with --format text or json", param_hint="--statistics")
     show_bar = options.deep and not quiet and output_format == "text" and sys.stderr.isatty()
+    if staged:
+        paths = tuple(staged_checkpoint_dirs())
     report = check_paths(list(paths), options, progress_bar(show_bar), missing_ok=True)
     if any(f.fix for f in report.findings):  # the fixers' plans are imported and made only then
         from ckptdoctor.ops.fixes import verified_fixes
@@ -167,6 +179,8 @@ def command(
         click.echo(escape(f"ckptdoctor: error: {missing}: no such file or directory"), err=True)
     if report.missing:
         return EXIT_ERROR
+    if staged and not paths:
+        return EXIT_OK  # no staged path belongs to a checkpoint
     if report.nothing_found:
         click.echo(escape(f"ckptdoctor: no checkpoint found under {', '.join(paths)}"), err=True)
         return EXIT_FINDINGS

@@ -84,6 +84,12 @@ def quiet_library_warnings() -> Iterator[None]:
     metavar="REGEX",
     help="Leave out saved args whose name fully matches REGEX (repeatable), e.g. 'save|load'.",
 )
+@click.option(
+    "--strict-args",
+    is_flag=True,
+    help="Count an arg absent on one side because that side's core version never saved it (see the era notes) "
+    "as a difference; by default it is reported, not counted.",
+)
 @jobs_option("--values reads chunks")
 @click.option("--stat", "stat", is_flag=True, help="Only the counts per section.")
 @click.option("--name-only", is_flag=True, help="Only the differing keys, one per line.")
@@ -103,6 +109,7 @@ def command(
     show_all: bool,
     ignore_layout: bool | None,
     ignore_args: tuple[str, ...],
+    strict_args: bool,
     jobs: int | None,
     stat: bool,
     name_only: bool,
@@ -111,6 +118,8 @@ def command(
     """Compare two checkpoints: keys, dtypes and shapes, layout, args, common state and, with --values, values.
 
     A and B may differ in TP/PP, Megatron era (core 0.16 common.pt vs core 0.19 common_state) and backend.
+    An arg absent on one side because that side's core never saved it (named in the era notes) is reported but
+    does not decide the exit status, unless --strict-args.
     Exit status: 0 no differences, 1 differences, 2 error. Defaults for --ignore-arg and --ignore-layout come
     from [tool.ckptdoctor.diff] (ignore-args, ignore-layout) of the nearest pyproject.toml.
     """
@@ -173,6 +182,7 @@ def command(
                 ignore_args=all_ignored,
                 report_mismatches=report_n,
                 jobs=jobs,
+                strict_args=strict_args,
             )
     finally:
         if progress is not None:

@@ -50,19 +50,44 @@ def command(
 
     Exit code: 0 shown, 2 error (unknown key: the closest names are suggested).
     """
-    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.commands.diff import quiet_library_warnings
+
+    with quiet_library_warnings():  # torch's "Failed to initialize NumPy", as diff hides it
+        return _show(checkpoint, key, iteration, stats, slice_spec, save_path, force, output_format)
+
+
+def _show(
+    checkpoint: str,
+    key: str,
+    iteration: str | None,
+    stats: bool | None,
+    slice_spec: str | None,
+    save_path: Path | None,
+    force: bool,
+    output_format: str,
+) -> int:
+    from ckptdoctor.checkpoint import Entry, open_checkpoint
     from ckptdoctor.errors import CkptError
-    from ckptdoctor.ops.show import describe, find_entry, save_tensor, slice_values, statistics, take_slice
+    from ckptdoctor.ops.show import (
+        describe,
+        describe_object,
+        find_entry,
+        save_tensor,
+        slice_values,
+        statistics,
+        take_slice,
+    )
     from ckptdoctor.render.show import render_show, to_json_text
     from ckptdoctor.values.read import read_tensor, require_torch
 
     ckpt = open_checkpoint(checkpoint, iteration)
     entry = find_entry(ckpt, key)
-    report = describe(ckpt, entry)
+    report = describe(ckpt, entry) if isinstance(entry, Entry) else describe_object(ckpt, entry)
     wants_values = stats or slice_spec is not None or save_path is not None
-    if entry.kind != "tensor":
+    if not isinstance(entry, Entry) or entry.kind != "tensor":
         if wants_values:
-            raise CkptError(f"{ckpt.iteration_dir}: {key} is a bytes item, not a tensor: no statistics, slice or save")
+            what = "a bytes item" if isinstance(entry, Entry) else "a sharded object"
+            raise CkptError(f"{ckpt.iteration_dir}: {key} is {what}, not a tensor: no statistics, slice or save")
     else:
         if wants_values:
             require_torch("show --stats/--slice/--save")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -304,6 +305,53 @@ def _discover(directory: Path, targets: _Targets, seen: set[Path]) -> None:
         if not _add_checkpoint_dir(child, targets):
             targets.findings += leftovers.scan_beside(child, child)
             stack.append((child, resolved, iter(below)))
+
+
+def staged_checkpoint_dirs(cwd: Path | None = None) -> list[str]:
+    """The checkpoint dirs that the paths staged in git belong to, deletions included (``check --staged``, the
+    ``ckptdoctor-check-staged`` pre-commit hook): pre-commit passes a hook only files that still exist, so a commit
+    deleting ``__1_0.distcp`` or ``metadata.json`` passed ``ckptdoctor-check`` unchecked. Each staged path maps to
+    the iteration dir it lies in, or the save dir (a deleted iteration dir, a tracker); a path of no checkpoint (a
+    deleted checkpoint as a whole among them) maps to none. Named relative to ``cwd`` where below it, in name order.
+    """
+    cwd = cwd or Path.cwd()
+    top = Path(_git(cwd, "rev-parse", "--show-toplevel").rstrip("\n"))
+    # --no-renames: a rename is its deletion and its addition; no external diff or textconv (name-only runs neither)
+    names = _git(cwd, "diff", "--cached", "--name-only", "-z", "--no-renames", "--no-ext-diff", "--no-textconv")
+    found: dict[Path, str] = {}
+    for name in filter(None, names.split("\0")):
+        directory = _checkpoint_dir_of(top / name)
+        if directory is not None and directory.resolve() not in found:
+            shown = os.path.relpath(directory, cwd)
+            found[directory.resolve()] = directory.as_posix() if shown.startswith("..") else Path(shown).as_posix()
+    return sorted(found.values())
+
+
+def _git(cwd: Path, *args: str) -> str:
+    try:
+        proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, check=False)
+    except OSError as exc:
+        raise CkptError(f"--staged runs git: {exc.strerror or exc}") from None
+    if proc.returncode != 0:
+        why = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise CkptError(f"--staged: git {args[0]} failed: {why[-1] if why else f'exit {proc.returncode}'}")
+    return proc.stdout.decode("utf-8", "surrogateescape")
+
+
+def _checkpoint_dir_of(path: Path) -> Path | None:
+    """The iteration dir or save dir ``path`` (which may no longer exist) belongs to, or None."""
+    existing = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
+    if existing is None:
+        return None
+    start = existing if existing.is_dir() and not existing.is_symlink() else existing.parent
+    if looks_like_iteration_dir(start):
+        return start
+    if (start / TRACKER_NAME).exists() or (start / BRIDGE_TRACKER_NAME).exists() or list_iteration_dirs(start):
+        return start  # a save dir: a tracker staged, an iteration dir deleted
+    for parent in list(start.parents)[:2]:  # a zarr array dir, NeMo 2's weights/ below its checkpoint dir
+        if looks_like_iteration_dir(parent):
+            return parent
+    return None
 
 
 def _add_file(path: Path, targets: _Targets) -> None:

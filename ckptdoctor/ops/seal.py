@@ -1,4 +1,5 @@
-"""``ckptdoctor seal``: write Megatron's ``integrity.json`` for a checkpoint that has none.
+"""``ckptdoctor seal``: write Megatron's ``integrity.json`` for a checkpoint that has none (one that has a manifest
+listing its files is left unchanged, exit 0; ``force`` re-seals it).
 
 The manifest is exactly what megatron-core's ``save_integrity_manifest``
 (``megatron/core/dist_checkpointing/validation.py``) writes and ``verify_integrity_manifest`` reads:
@@ -52,6 +53,7 @@ class SealResult:
     seconds: float
     replaced: bool  # an existing integrity.json was replaced (--force)
     notes: list[str] = field(default_factory=list)
+    unchanged: bool = False  # already sealed (a manifest listing every file), nothing written or hashed
 
 
 def manifest_files(iteration_dir: Path) -> list[Path]:
@@ -118,8 +120,8 @@ def seal(
     with locking.checkpoint_lock(iteration_dir) if speaks else contextlib.nullcontext():
         leftovers.refuse_if_interrupted(iteration_dir)
         existed = manifest.exists() or manifest.is_symlink()  # a dangling link too (CKD303)
-        if existed and not force:
-            raise CkptError(f"{manifest}: the checkpoint is already sealed (use --force to re-seal it)")
+        if existed and not force:  # "seal if not sealed": done, unless the manifest does not describe the dir
+            return _already_sealed(iteration_dir, manifest, jobs)
         # Never seal a checkpoint that fails check: the manifest would vouch for a broken save.
         found = check_iteration_dir(iteration_dir, iteration_dir, CheckOptions(verify_integrity=True))
         errors = [f for f in found if f.severity == ERROR and not (existed and f.code in _MANIFEST_CODES)]
@@ -161,6 +163,26 @@ def seal(
                     notes.append(f"the previous manifest is kept as {kept}")
             write_manifest(iteration_dir, hashes)
     return SealResult(SCHEMA, str(iteration_dir), str(manifest), len(hashes), total, jobs, seconds, existed, notes)
+
+
+def _already_sealed(iteration_dir: Path, manifest: Path, jobs: int) -> SealResult:
+    """The result for a checkpoint whose ``integrity.json`` is a manifest listing exactly its files: unchanged, no
+    file hashed (``check`` verifies the hashes). A manifest that does not parse or lists other files is refused,
+    naming --force; a checkpoint that fails the gate is refused as by every write command."""
+    found = check_iteration_dir(iteration_dir, iteration_dir, CheckOptions(verify_integrity=False))
+    gate = [f for f in found if f.severity == ERROR and is_safety(f.code)]
+    if gate:  # as every write command: a checkpoint that fails the gate is refused, sealed or not
+        raise refusal(gate[0])
+    wrong = [f for f in found if f.code in _MANIFEST_CODES]
+    if wrong:
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise CkptError(
+            f"{manifest}: the checkpoint holds a manifest that does not describe it: {wrong[0].code} "
+            f"{wrong[0].message}{more}; use --force to re-seal it"
+        )
+    files = len(manifest_files(iteration_dir))
+    note = "already sealed, unchanged (--force re-seals it; `ckptdoctor check` verifies the hashes)"
+    return SealResult(SCHEMA, str(iteration_dir), str(manifest), files, 0, jobs, 0.0, False, [note], unchanged=True)
 
 
 def _keep_previous_manifest(iteration_dir: Path, manifest: Path) -> Path | None:

@@ -18,6 +18,7 @@ from typing import Any
 from ckptdoctor.atomic import write_atomic
 from ckptdoctor.checkpoint import Checkpoint, Entry
 from ckptdoctor.errors import CkptError
+from ckptdoctor.logical_items import KIND_OBJECT, Item, logical_items
 from ckptdoctor.values.read import iter_chunks, require_torch
 
 SCHEMA = "ckptdoctor.show/1"
@@ -52,14 +53,62 @@ class ShowReport:
     notes: list[str] = field(default_factory=list)
 
 
-def find_entry(checkpoint: Checkpoint, key: str) -> Entry:
+SUGGESTIONS = 5  # names suggested for an unknown key
+
+
+def find_entry(checkpoint: Checkpoint, key: str) -> Entry | Item:
+    """The saved item ``key`` names: a DCP entry by its own key, or a ShardedObject by the logical key ``diff`` and
+    ``inspect`` print (``rng_state`` for its ``rng_state/shard_*`` entries). Unknown: the keys it is the end of
+    (``linear_qkv.weight``), then the closest names, are suggested."""
     entry = checkpoint.entries.get(key)
     if entry is not None:
         entry.require_chunk_ranks(checkpoint.iteration_dir)
         return entry
-    close = difflib.get_close_matches(key, list(checkpoint.entries), n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    items = logical_items(checkpoint)
+    item = items.get(key)
+    if item is not None and item.kind == KIND_OBJECT:
+        return item
+    names = list(dict.fromkeys([*checkpoint.entries, *items]))
+    dotted = key.strip(".")
+    ends = sorted((n for n in names if dotted and n.endswith("." + dotted)), key=lambda n: (n.count("."), n))
+    close = ends[:SUGGESTIONS] or difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    more = f" (and {len(ends) - SUGGESTIONS} more ending so)" if len(ends) > SUGGESTIONS else ""
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}{more}?" if close else ""
     raise CkptError(f"{checkpoint.iteration_dir}: no saved item '{key}'{hint} (`ckptdoctor inspect --keys` lists them)")
+
+
+def describe_object(checkpoint: Checkpoint, item: Item) -> ShowReport:
+    """A ShardedObject by its logical key: one row per shard (its offsets in the shard grid, where it is stored)."""
+    rows = []
+    for suffix, entry in sorted(item.entries.items()):
+        offsets = [int(x) for x in suffix.split("_")[1].split(".")]
+        storage = [c.storage for c in entry.chunks if c.storage is not None]
+        first = storage[0] if storage else None
+        rows.append(
+            ChunkRow(
+                offsets,
+                [1] * len(offsets),
+                None if first is None else first.relative_path,
+                None if first is None else first.offset,
+                None if first is None else first.length,
+            )
+        )
+    report = ShowReport(
+        SCHEMA,
+        str(checkpoint.iteration_dir),
+        item.key,
+        item.section,
+        item.kind,
+        None,
+        None if item.shape is None else list(item.shape),
+        0,
+        item.nbytes,
+        None,
+        rows,
+    )
+    names = ", ".join(f"{item.key}/{suffix}" for suffix in sorted(item.entries))
+    report.notes.append(f"a sharded object saved as {len(rows)} shard(s): {names}")
+    return report
 
 
 def describe(checkpoint: Checkpoint, entry: Entry) -> ShowReport:

@@ -79,17 +79,26 @@ def render_diff(report: DiffReport) -> str:
             "",
             f"args: {args.count} differ"
             + ("" if args.compared else " (args missing on one side)")
-            + (f"; {len(args.ignored)} ignored ({', '.join(args.ignored)})" if args.ignored else ""),
+            + (f"; {len(args.ignored)} ignored ({', '.join(args.ignored)})" if args.ignored else "")
+            + (
+                f"; {len(args.era)} only in the side whose core saves them (era, "
+                + ("counted" if report.ignored.get("strict_args") else "not counted")
+                + ")"
+                if args.era
+                else ""
+            ),
         ]
         for group, changes in args.groups.items():
             if not changes:
                 continue
             lines.append(f"  {group}:")
             for c in changes:
+                era = "; era: B's core never saved it" if c.era and c.change == "only_a" else ""
+                era = "; era: A's core never saved it" if c.era and c.change == "only_b" else era
                 if c.change == "only_a":
-                    lines.append(f"    {c.name}: {_short(c.a)} (only in A)")
+                    lines.append(f"    {c.name}: {_short(c.a)} (only in A{era})")
                 elif c.change == "only_b":
-                    lines.append(f"    {c.name}: {_short(c.b)} (only in B)")
+                    lines.append(f"    {c.name}: {_short(c.b)} (only in B{era})")
                 else:
                     lines.append(f"    {c.name}: {_short(c.a)} -> {_short(c.b)}")
         if args.flags:
@@ -219,6 +228,8 @@ def _verdict(report: DiffReport) -> str:
         ignored.append(f"layout ({report.layout.count} keys chunked differently)" if report.layout.count else "layout")
     if report.args is not None and report.args.ignored:
         ignored.append(f"{len(report.args.ignored)} args")
+    if report.args is not None and report.args.era and not report.ignored.get("strict_args"):
+        ignored.append(f"{len(report.args.era)} args one side's core never saved (--strict-args)")
     suffix = f" (ignored: {', '.join(ignored)})" if ignored else ""
     if report.identical:
         return "no differences" + suffix

@@ -30,6 +30,11 @@ def render_skipped(report: LatestGoodReport) -> str:
 
 @text_safe
 def render_seal(result: SealResult) -> str:
+    if result.unchanged:
+        return (
+            f"already sealed, unchanged: {result.iteration_dir}: {result.manifest} lists {result.files} file(s) "
+            "(--force re-seals it; `ckptdoctor check` verifies the hashes)"
+        )
     verb = "re-sealed" if result.replaced else "sealed"
     rate = result.bytes / result.seconds / (1 << 20) if result.seconds > 0 else 0.0
     lines = [

@@ -21,13 +21,14 @@ def _num(value: Any) -> str:
 
 def _render(report: ShowReport) -> str:
     shape = "-" if report.shape is None else "x".join(map(str, report.shape)) or "()"
+    unit = "shard" if report.kind == "object" else "chunk"  # a sharded object: its shard grid
     lines = [
         f"checkpoint      {report.checkpoint}",
         f"key             {report.key}",
         f"section         {report.section}   kind {report.kind}",
         f"dtype           {report.dtype or '-'}",
-        f"global shape    {shape}   ({report.numel:,} elements)",
-        f"on disk         {human_bytes(report.bytes)} in {len(report.chunks)} chunk(s)",
+        f"shard grid      {shape}" if unit == "shard" else f"global shape    {shape}   ({report.numel:,} elements)",
+        f"on disk         {human_bytes(report.bytes)} in {len(report.chunks)} {unit}(s)",
     ]
     if report.grid is not None:
         lines.append(f"chunk grid      {' x '.join(map(str, report.grid)) or '1'} (chunks per axis)")
@@ -43,9 +44,9 @@ def _render(report: ShowReport) -> str:
         for i, c in enumerate(report.chunks[:TEXT_CHUNK_LIMIT])
     ]
     lines.append("")
-    lines.append(tabulate(rows, headers=["chunk", "offsets", "sizes", "file", "at", "bytes"]))
+    lines.append(tabulate(rows, headers=[unit, "offsets", "sizes", "file", "at", "bytes"]))
     if len(report.chunks) > TEXT_CHUNK_LIMIT:
-        lines.append(f"... {len(report.chunks) - TEXT_CHUNK_LIMIT} more chunk(s) (all in --format json)")
+        lines.append(f"... {len(report.chunks) - TEXT_CHUNK_LIMIT} more {unit}(s) (all in --format json)")
     if report.stats is not None:
         s = report.stats
         lines.append("")

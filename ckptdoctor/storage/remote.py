@@ -119,6 +119,14 @@ class RemotePath:
             raise ValueError(f"{self} is not below {other}")
         return self.key[len(other.key) + 1 :]
 
+    def is_relative_to(self, other: RemotePath) -> bool:
+        """``other`` is this path or a prefix above it, in the same store (``Path.is_relative_to``)."""
+        return (
+            isinstance(other, RemotePath)
+            and other.store is self.store
+            and (not other.key or self.key == other.key or self.key.startswith(other.key + "/"))
+        )
+
     # --- questions answered from listings ---
     def exists(self) -> bool:
         return self.store.stat(self.key) is not None

@@ -49,6 +49,21 @@ if TYPE_CHECKING:
 ARG_GROUP_ORDER = (*ARG_GROUPS, "other")
 # metadata.json keys core <= 0.18 writes and core >= 0.19 dropped with common.pt
 _ERA_METADATA_KEYS = ("common_backend", "common_backend_version")
+# Saved args that Megatron-LM writes from the core >= 0.19 era on (the common state in the DCP, no common.pt): the GTP
+# weight-shard args (megatron/core/model_parallel_config.py resolve_tensor_parallel_weight_shards, core_v0.19.0) and
+# the CUDA-graph enums that replaced cuda_graph_scope. A checkpoint of an older era (common.pt, zarr) lacks them
+# because its core never saved them, not because the runs differ. The one table of this knowledge: the era notes
+# name what it explains (era_absent_args) and compare_args leaves those out of the count (unless --strict-args).
+ARGS_SINCE_CORE_019 = frozenset(
+    {
+        "tensor_parallel_num_weight_shards",
+        "gtp_weight_remat_size",
+        "expert_tensor_parallel_num_weight_shards",
+        "expert_gtp_weight_remat_size",
+        "cuda_graph_modules",
+        "inference_cuda_graph_scope",
+    }
+)
 
 
 @dataclass
@@ -145,11 +160,36 @@ def compare_keys(
     return sections, changed, layout, both
 
 
-def compare_args(a: SavedLayout, b: SavedLayout, args_a: dict, args_b: dict, ignore: tuple[str, ...] = ()) -> ArgsDiff:
+def era_absent_args(a: Checkpoint, b: Checkpoint, args_a: dict, args_b: dict) -> dict[str, str]:
+    """Saved args absent on one side because that side's core version never saved them (:data:`ARGS_SINCE_CORE_019`):
+    name -> the side that has it (``"a"``/``"b"``). Only where both sides saved args and their eras differ so."""
+    if not args_a or not args_b:
+        return {}
+    out: dict[str, str] = {}
+    for side, mine, other, new, old in (("a", args_a, args_b, a, b), ("b", args_b, args_a, b, a)):
+        if new.location.has_common_pt or not old.location.has_common_pt:
+            continue  # not a core >= 0.19 side against an older one
+        for name in sorted(ARGS_SINCE_CORE_019 & mine.keys()):
+            if name not in other:
+                out[name] = side
+    return out
+
+
+def compare_args(
+    a: SavedLayout,
+    b: SavedLayout,
+    args_a: dict,
+    args_b: dict,
+    ignore: tuple[str, ...] = (),
+    era_absent: dict[str, str] | None = None,
+    strict: bool = False,
+) -> ArgsDiff:
     """Differing args by group, and args contradicting their own checkpoint's layout (``a``/``b``).
 
     Args whose name fully matches a regex of ``ignore`` are not compared (listed in ``ignored`` when they differ).
+    Args of ``era_absent`` (:func:`era_absent_args`) are listed, marked ``era``, and counted only when ``strict``.
     """
+    era_absent = era_absent or {}
     groups: dict[str, list[ArgDifference]] = {g: [] for g in ARG_GROUP_ORDER}
     patterns = [re.compile(p) for p in ignore]
     ignored: list[str] = []
@@ -159,9 +199,11 @@ def compare_args(a: SavedLayout, b: SavedLayout, args_a: dict, args_b: dict, ign
                 ignored.append(name)
             continue
         if name not in args_b:
-            groups[arg_group(name)].append(ArgDifference(name, arg_group(name), "only_a", args_a[name], None))
+            era = name in era_absent
+            groups[arg_group(name)].append(ArgDifference(name, arg_group(name), "only_a", args_a[name], None, era))
         elif name not in args_a:
-            groups[arg_group(name)].append(ArgDifference(name, arg_group(name), "only_b", None, args_b[name]))
+            era = name in era_absent
+            groups[arg_group(name)].append(ArgDifference(name, arg_group(name), "only_b", None, args_b[name], era))
         elif not same_value(args_a[name], args_b[name]):
             groups[arg_group(name)].append(ArgDifference(name, arg_group(name), "changed", args_a[name], args_b[name]))
     flags: list[ArgFlag] = []
@@ -171,8 +213,9 @@ def compare_args(a: SavedLayout, b: SavedLayout, args_a: dict, args_b: dict, ign
             flags.append(
                 ArgFlag(side, f.code, f.arg, f.saved, f.correct, f.severity, f.reason, f.megatron_error, equal)
             )
-    count = sum(len(v) for v in groups.values())
-    return ArgsDiff(bool(args_a) and bool(args_b), count, groups, flags, ignored)
+    era_listed = sorted(d.name for v in groups.values() for d in v if d.era)
+    count = sum(len(v) for v in groups.values()) - (0 if strict else len(era_listed))
+    return ArgsDiff(bool(args_a) and bool(args_b), count, groups, flags, ignored, era_listed)
 
 
 def compare_common(a: Checkpoint, b: Checkpoint, era_common: bool) -> CommonDiff:
@@ -202,8 +245,11 @@ def compare_common(a: Checkpoint, b: Checkpoint, era_common: bool) -> CommonDiff
     return CommonDiff(len(items), items)
 
 
-def era_notes(a: Checkpoint, b: Checkpoint) -> list[str]:
-    """Differences in how the checkpoints are stored (Megatron era, backend) that are not content."""
+def era_notes(
+    a: Checkpoint, b: Checkpoint, era_absent: dict[str, str] | None = None, strict: bool = False
+) -> list[str]:
+    """Differences in how the checkpoints are stored (Megatron era, backend) that are not content; with
+    ``era_absent`` (:func:`era_absent_args`), the saved args one side's core never saved."""
     la, lb = a.location, b.location
     notes: list[str] = []
     if la.backend != lb.backend:
@@ -219,6 +265,14 @@ def era_notes(a: Checkpoint, b: Checkpoint) -> list[str]:
     if (ka != kb) and la.has_common_pt != lb.has_common_pt:
         side = "A" if ka else "B"
         notes.append(f"metadata.json: {', '.join(ka or kb)} only in {side} (written by core <= 0.18 only)")
+    for side in ("a", "b"):
+        names = [n for n, holder in (era_absent or {}).items() if holder == side]
+        if names:
+            counted = "counted as differences (--strict-args)" if strict else "not counted (--strict-args counts them)"
+            notes.append(
+                f"args {', '.join(names)} only in {side.upper()}: first saved by core 0.19, and "
+                f"{'B' if side == 'a' else 'A'}'s core (<= 0.18) never saved them; {counted}"
+            )
     if a.dcp and b.dcp and a.dcp.metadata_class != b.dcp.metadata_class:
         notes.append(f"DCP metadata class: A {a.dcp.metadata_class}, B {b.dcp.metadata_class}")
     if a.dcp and b.dcp and a.dcp.version != b.dcp.version:
@@ -239,12 +293,14 @@ def diff_checkpoints(
     ignore_args: tuple[str, ...] = (),
     report_mismatches: int = 0,
     jobs: int | None = None,
+    strict_args: bool = False,
 ) -> DiffReport:
     """Compare two checkpoints; values are read (streamed, chunk by chunk) only when ``values`` is set, by
     ``jobs`` worker processes (default: the available cores) or the ranks of a torchrun job.
 
     ``ignore_layout``: layout differences are reported but are not differences (``identical`` may be true);
     ``ignore_args``: arg-name regexes (full match) left out of the args comparison;
+    ``strict_args``: an arg absent on one side because that side's core never saved it counts as a difference;
     ``report_mismatches``: with ``values``, the first N mismatching elements of each differing tensor.
     """
     key_filter = key_filter or KeyFilter()
@@ -269,11 +325,14 @@ def diff_checkpoints(
             layout_changes if limit is None else layout_changes[:limit],
         )
         args_diff = common = None
+        era_absent: dict[str, str] = {}
         if key_filter.includes_common_state:
             # each side's saved args, or Megatron-Bridge's run_config.yaml model section where it saves none
             config_a = a.saved_config()[0]
             config_b = b.saved_config()[0]
-            args_diff = compare_args(saved_a, saved_b, config_a, config_b, ignore_args)
+            era_absent = era_absent_args(a, b, config_a, config_b)
+            args_diff = compare_args(saved_a, saved_b, config_a, config_b, ignore_args, era_absent, strict_args)
+            era_absent = {n: s for n, s in era_absent.items() if n in args_diff.era}  # not those --ignore-arg took
             common = compare_common(a, b, era_common)
         report = DiffReport(
             schema=SCHEMA,
@@ -290,8 +349,8 @@ def diff_checkpoints(
             layout=layout,
             args=args_diff,
             common=common,
-            era=era_notes(a, b),
-            ignored={"layout": ignore_layout, "args": list(ignore_args)},
+            era=era_notes(a, b, era_absent, strict_args),
+            ignored={"layout": ignore_layout, "args": list(ignore_args), "strict_args": strict_args},
         )
         parts.extend((report, sections, changed, layout_changes, args_diff, common, layout))
 

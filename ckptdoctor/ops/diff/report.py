@@ -81,6 +81,7 @@ class ArgDifference:
     change: str  # "changed" | "only_a" | "only_b"
     a: Any
     b: Any
+    era: bool = False  # absent on one side because that side's core version never saved it (see the era notes)
 
 
 @dataclass
@@ -105,6 +106,9 @@ class ArgsDiff:
     groups: dict[str, list[ArgDifference]]
     flags: list[ArgFlag]
     ignored: list[str] = field(default_factory=list)  # differing args left out by --ignore-arg / ignore-args
+    # args absent on one side because that side's core version never saved them: listed, counted only with
+    # --strict-args
+    era: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -135,6 +139,7 @@ class DiffReport:
     common: CommonDiff | None
     era: list[str]
     values: ValuesReport | None = None  # with --values
-    ignored: dict = field(default_factory=dict)  # {"layout": bool, "args": [regex]}: not counted as differences
+    # {"layout": bool, "args": [regex], "strict_args": bool}: what is not counted as a difference
+    ignored: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     identical: bool = True

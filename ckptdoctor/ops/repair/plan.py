@@ -46,7 +46,7 @@ from ckptdoctor.ops.repair import metadata_json
 from ckptdoctor.ops.repair.bridge import plan_bridge
 from ckptdoctor.ops.repair.report import SCHEMA, Action, Refusal, RepairReport
 from ckptdoctor.ops.staging import QUARANTINE_MARK
-from ckptdoctor.rules import ERROR, Finding, bridge, leftovers, structure
+from ckptdoctor.rules import ERROR, Finding, bridge, is_safety, leftovers, structure
 from ckptdoctor.rules.integrity import INTEGRITY_NAME, LISTED_FILE_MISSING
 from ckptdoctor.storage.dispatch import as_path
 from ckptdoctor.storage.files import read_json
@@ -168,43 +168,65 @@ def plan(
                     latest.tracker_value,
                 )
             )
-            report.notes += [
-                f"latest-good skipped {Path(s.iteration_dir).name}: {s.errors[0].code} {s.errors[0].message}"
-                for s in latest.skipped
-            ]
         else:
             for f in tracker_findings:
                 if f.code in TRACKER_CODES:
                     report.unrepairable.append(f)
+            # the code of a finding check made: the tracker's own, or the first that fails its iteration dir
+            code = tracker_codes[0] if tracker_codes else sorted({f.code for f in report.unrepairable})[0]
+            what = "nothing to point it to" if tracker_codes else "nothing to point it to instead of the failing one"
             report.refused.append(
-                Refusal(
-                    tracker_codes[0] if tracker_codes else "CKD121",
-                    str(save_dir / TRACKER_NAME),
-                    "no iteration dir of the save dir passes check: nothing to point it to",
-                )
+                Refusal(code, str(save_dir / TRACKER_NAME), f"no iteration dir of the save dir passes check: {what}")
             )
+        report.notes += [
+            f"latest-good skipped {Path(s.iteration_dir).name}: {s.errors[0].code} {s.errors[0].message}"
+            for s in latest.skipped
+        ]
     if save_dir is not None:  # Megatron-Bridge's tracker follows the text one (ops/repair/bridge.py)
         moved = work.tracker_value is not None
         good = candidate is not None and not target_broken and not unsupported  # nothing changes in CKD103's
         text_value = work.tracker_value if moved else (iteration_value(candidate) if good else None)  # type: ignore[arg-type]
         work.bridge_value = plan_bridge(save_dir, tracker_findings, text_value, moved, report)
     if report.unrepairable:
-        report.way_out = UNSUPPORTED_WAY_OUT if unsupported else _way_out(save_dir, latest)
+        report.way_out = UNSUPPORTED_WAY_OUT if unsupported else _way_out(report.unrepairable, save_dir, latest)
     return report, work
 
 
-def _way_out(save_dir: Path | None, latest: LatestGoodReport | None) -> str:
-    if latest is not None and latest.found:
-        return (
-            f"the data above is lost from this checkpoint; resume from the latest good one: "
-            f"{latest.iteration_dir} (`ckptdoctor latest-good {save_dir}`)"
+# What no repair fixes, by what it means for the data: missing or damaged bytes are lost; a tracker or an unsafe
+# pickle loses nothing (the data is all there), and other findings are said to be unfixed, no more.
+LOST_CODES = frozenset(
+    {"CKD101", "CKD110", "CKD111", "CKD112", "CKD113", "CKD114", "CKD116", "CKD130", "CKD131", "CKD220"}
+    | {"CKD301", "CKD302", "CKD310", "CKD311", "CKD312", "CKD313"}
+)
+
+
+def _way_out(unrepairable: list[Finding], save_dir: Path | None, latest: LatestGoodReport | None) -> str:
+    """What the unrepairable findings mean and where to go from here: "lost" only for data that is."""
+    codes = sorted({f.code for f in unrepairable})
+    lost = [c for c in codes if c in LOST_CODES]
+    tracker = [c for c in codes if c in TRACKER_CODES or c in bridge.TRACKER_CODES]
+    unsafe = [c for c in codes if is_safety(c)]
+    other = [c for c in codes if c not in lost and c not in tracker and c not in unsafe]
+    said = []
+    if lost:
+        said.append(f"the data of {', '.join(lost)} is lost from this checkpoint")
+    if unsafe:
+        said.append(
+            f"{', '.join(unsafe)}: no data is lost, but loading it would run the code the gate refused "
+            "(no repair rewrites a pickle)"
         )
-    if save_dir is not None:
-        return "the data above is lost and no iteration dir of the save dir passes check"
-    return (
-        "the data above is lost from this checkpoint; resume from an older one "
-        "(`ckptdoctor latest-good SAVE_DIR` finds the newest that passes check)"
-    )
+    if tracker:
+        said.append(f"{', '.join(tracker)}: the tracker loses no data")
+    if other:
+        said.append(f"{', '.join(other)}: no repair fixes this")
+    if latest is not None and latest.found:
+        where = f"resume from the latest good one: {latest.iteration_dir} (`ckptdoctor latest-good {save_dir}`)"
+    elif save_dir is not None:
+        notes = " (see the notes)" if latest is not None and latest.skipped else ""
+        where = f"no iteration dir of the save dir passes check{notes}"
+    else:
+        where = "resume from an older one (`ckptdoctor latest-good SAVE_DIR` finds the newest that passes check)"
+    return "; ".join([*said, where])
 
 
 def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport, work: RepairWork) -> bool:
