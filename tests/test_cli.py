@@ -354,8 +354,11 @@ def test_a_file_of_no_checkpoint_is_named_not_its_dir(capsys, tmp_path):
         for command in (["inspect"], ["show", "--format", "json"], ["can-load", "--target", "tp=1"]):
             argv = [command[0], str(path), *(["output_layer.weight"] if command[0] == "show" else []), *command[1:]]
             rc, out, err = _run(capsys, *argv)
-            assert rc == 2 and out == "", (argv, out)
             why = "not a Megatron checkpoint file (no metadata.json, .metadata or tracker beside it)"
+            # text: nothing on stdout; --format json: the same error as a JSON object
+            assert rc == 2 and out == ("" if "json" not in argv else out), (argv, out)
+            if "json" in argv:
+                assert json.loads(out)["error"] == f"{path}: {why}"
             assert err == f"ckptdoctor: error: {path}: {why}\n", argv
 
 
