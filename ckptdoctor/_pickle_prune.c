@@ -25,9 +25,9 @@
  * The output is never longer than the input: a read (a BINPUT) of rank r < 256 is a BINGET (a BINPUT), else a
  * LONG_BINGET (a LONG_BINPUT); a MEMOIZE stays a MEMOIZE.
  *
- * Two options, for index-only reads only (their results are read, never written back): share_strings reads equal
- * strings as one object (_pickle_strings.c); drop_plans leaves out the states of megatron-core's save plan parts,
- * which an index-only read builds as DROPPED, where that provably changes nothing but the memo (_pickle_plans.c).
+ * One option, for index-only reads only (their results are read, never written back): drop_plans leaves out the
+ * states of megatron-core's save plan parts, which an index-only read builds as DROPPED, where that provably
+ * changes nothing but the memo (_pickle_plans.c).
  * With drop_plans the pruned pickle builds the same objects except what only those states held, or fails at the
  * same operation. */
 
@@ -64,13 +64,13 @@ static int bit_is_set(const Bitmap *b, Py_ssize_t i) {
 
 /* The first pass: which entries to keep (into kept) and where the pickle ends (*stop_end); 1 to prune,
  * 0 to leave the bytes alone, -1 with a Python error set. With plans (drop_plans), opcodes in a region of a plan
- * part (see _pickle_plans.c) neither keep entries nor share strings here: keep_live_regions does it for the
+ * part (see _pickle_plans.c) keep no entries here: keep_live_regions does it for the
  * regions that stay. */
 #if defined(__GNUC__)
 __attribute__((always_inline)) /* made twice (prune_plan): with plans NULL the loop is the one without them */
 #endif
 static inline int prune_plan_with(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, Py_ssize_t *n_memo,
-                                  Py_ssize_t *stop_end, StringShares *strings, PlanDrops *plans) {
+                                  Py_ssize_t *stop_end, PlanDrops *plans) {
     Py_ssize_t p = 0, frame_end = -1, memo = 0;
     int pushed = 0; /* the last opcode (FRAMEs and MEMOIZEs aside) leaves an object on the stack */
     while (p < size) {
@@ -115,14 +115,7 @@ static inline int prune_plan_with(const unsigned char *buf, Py_ssize_t size, Bit
                 return 1;
             default:
                 pushed = kind == OP_PUSHES;
-                if (region >= 0) break;
-                if (strings != NULL && (buf[p] == 0x8c || buf[p] == 'X' || buf[p] == 0x8d)) {
-                    Py_ssize_t offset = p + 1 + (buf[p] == 0x8c ? 1 : buf[p] == 'X' ? 4 : 8), shared;
-                    int memoized = end < size && buf[end] == 0x94; /* a FRAME would start with 0x95 */
-                    if (strings_note(strings, buf, p, offset, end - offset, memo, memoized, &shared) < 0) return -1;
-                    if (shared >= 0 && bitmap_set(kept, shared) < 0) return -1;
-                }
-                if (plans != NULL && plans_op(plans, buf, size, p, end, memo, pushed) < 0) return -1;
+                if (region < 0 && plans != NULL && plans_op(plans, buf, size, p, end, memo, pushed) < 0) return -1;
         }
         p = end;
         if (p == frame_end) frame_end = -1;
@@ -131,9 +124,9 @@ static inline int prune_plan_with(const unsigned char *buf, Py_ssize_t size, Bit
 }
 
 static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, Py_ssize_t *n_memo,
-                      Py_ssize_t *stop_end, StringShares *strings, PlanDrops *plans) {
-    if (plans == NULL) return prune_plan_with(buf, size, kept, n_memo, stop_end, strings, NULL);
-    return prune_plan_with(buf, size, kept, n_memo, stop_end, strings, plans);
+                      Py_ssize_t *stop_end, PlanDrops *plans) {
+    if (plans == NULL) return prune_plan_with(buf, size, kept, n_memo, stop_end, NULL);
+    return prune_plan_with(buf, size, kept, n_memo, stop_end, plans);
 }
 
 /* The regions that stay (read from code that stays, see plans_settle) keep what prune_plan would have kept in
@@ -163,7 +156,6 @@ static int keep_live_regions(const unsigned char *buf, Py_ssize_t size, const Pl
 
 
 void pruner_clear(Pruner *s) {
-    strings_clear(&s->strings);
     plans_clear(&s->plans);
     PyMem_Free(s->kept.bits);
     PyMem_Free(s->rank);
@@ -172,15 +164,12 @@ void pruner_clear(Pruner *s) {
     if (s->view.obj != NULL) PyBuffer_Release(&s->view);
 }
 
-int pruner_init(Pruner *s, PyObject *data, int share_strings, int drop_plans) {
+int pruner_init(Pruner *s, PyObject *data, int drop_plans) {
     memset(s, 0, sizeof *s);
     if (PyObject_GetBuffer(data, &s->view, PyBUF_SIMPLE) < 0) return -1;
     Py_ssize_t n_memo = 0;
-    strings_expect(&s->strings, s->view.len);
     drop_plans = drop_plans && plans_start(&s->plans, s->view.buf, s->view.len);
-    int plan = prune_plan(s->view.buf, s->view.len, &s->kept, &n_memo, &s->stop_end,
-                          share_strings ? &s->strings : NULL, drop_plans ? &s->plans : NULL);
-    strings_end_plan(&s->strings);
+    int plan = prune_plan(s->view.buf, s->view.len, &s->kept, &n_memo, &s->stop_end, drop_plans ? &s->plans : NULL);
     if (plan > 0) {
         plans_settle(&s->plans);
         if (keep_live_regions(s->view.buf, s->view.len, &s->plans, &s->kept) < 0) plan = -1;
@@ -197,8 +186,8 @@ int pruner_init(Pruner *s, PyObject *data, int share_strings, int drop_plans) {
                 s->rank[w] = (uint32_t)n_kept;
                 n_kept += w < s->kept.n_words ? popcount64(s->kept.bits[w]) : 0;
             }
-            if (n_kept == n_memo && s->strings.n == 0 && !plans_any_dropped(&s->plans))
-                plan = 0; /* nothing to drop or share */
+            if (n_kept == n_memo && !plans_any_dropped(&s->plans))
+                plan = 0; /* nothing to drop */
         }
     }
     if (plan <= 0) pruner_clear(s);
@@ -231,16 +220,11 @@ static ALWAYS_INLINE Py_ssize_t emit_op(Pruner *s, unsigned char *o, int plans) 
     }
     int kind = prune_op(buf, s->view.len, p, &end);
     s->p = end;
-    StringShares *strings = &s->strings;
-    if (strings->next < strings->n && strings->shares[strings->next].position == p) {
-        kind = OP_GET; /* a string equal to the one memo entry idx holds: read from there */
-        idx = strings->shares[strings->next++].memo;
-    } else if (kind != OP_MEMOIZE && kind != OP_PUT && kind != OP_GET) {
+    if (kind != OP_MEMOIZE && kind != OP_PUT && kind != OP_GET) {
         memcpy(o, buf + p, (size_t)(end - p));
         return end - p;
-    } else {
-        idx = kind == OP_MEMOIZE ? s->memo : end - p == 2 ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1);
     }
+    idx = kind == OP_MEMOIZE ? s->memo : end - p == 2 ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1);
     if (kind != OP_GET) s->memo++;
     if (!bit_is_set(&s->kept, idx)) return 0; /* a memo write never read: dropped */
     uint64_t below = s->kept.bits[idx >> 6] & ((((uint64_t)1) << (idx & 63)) - 1);
@@ -279,10 +263,10 @@ Py_ssize_t emit_unit(Pruner *s, unsigned char *o) {
 
 PyObject *pickle_prune_memo(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *arg;
-    int share_strings = 0, drop_plans = 0;
-    if (!PyArg_ParseTuple(args, "O|pp:prune_memo", &arg, &share_strings, &drop_plans)) return NULL;
+    int drop_plans = 0;
+    if (!PyArg_ParseTuple(args, "O|p:prune_memo", &arg, &drop_plans)) return NULL;
     Pruner s;
-    int plan = pruner_init(&s, arg, share_strings, drop_plans);
+    int plan = pruner_init(&s, arg, drop_plans);
     if (plan <= 0) {
         if (plan < 0) return NULL;
         Py_RETURN_NONE;

@@ -3,7 +3,6 @@
 #define CKPTDOCTOR_PICKLE_PRUNE_H
 
 #include "_pickle_plans.h"
-#include "_pickle_strings.h"
 
 #if defined(__GNUC__)
 #pragma GCC visibility push(hidden)
@@ -20,13 +19,12 @@ typedef struct {
     Bitmap kept;
     uint32_t *rank; /* kept entries below each word of the bitmap */
     Py_ssize_t stop_end, p, memo; /* the end of the pickle (past its STOP); the next opcode; memo writes so far */
-    StringShares strings;         /* string opcodes read as memo reads (share_strings; see _pickle_strings.c) */
     PlanDrops plans;              /* plan parts left out (drop_plans; see _pickle_plans.c) */
 } Pruner;
 
 void pruner_clear(Pruner *s);
 /* Plan the pruning of data into s: 1 to prune, 0 to leave it alone (s cleared), -1 with a Python error set. */
-int pruner_init(Pruner *s, PyObject *data, int share_strings, int drop_plans);
+int pruner_init(Pruner *s, PyObject *data, int drop_plans);
 /* The input bytes of the next unit (an opcode outside frames, or a whole frame), and its translation into o (the
  * bytes written, never more than the unit's input bytes). */
 Py_ssize_t unit_length(const Pruner *s);

@@ -143,15 +143,15 @@ static PyTypeObject PrunedReaderType = {
 
 PyObject *pickle_pruned_reader(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *arg;
-    int release = 0, share_strings = 0, drop_plans = 0;
-    if (!PyArg_ParseTuple(args, "O|ppp:pruned_reader", &arg, &release, &share_strings, &drop_plans)) return NULL;
+    int release = 0, drop_plans = 0;
+    if (!PyArg_ParseTuple(args, "O|pp:pruned_reader", &arg, &release, &drop_plans)) return NULL;
     PrunedReader *self = PyObject_New(PrunedReader, &PrunedReaderType);
     if (self == NULL) return NULL;
     self->out = NULL;
     self->pos = self->len = self->cap = 0;
     self->release = release;
     self->released = 0;
-    int plan = pruner_init(&self->s, arg, share_strings, drop_plans);
+    int plan = pruner_init(&self->s, arg, drop_plans);
     if (plan <= 0) {
         Py_DECREF(self);
         if (plan < 0) return NULL;

@@ -33,7 +33,7 @@ from ckptdoctor.problems import UNLISTED_GLOBAL
 
 __all__ = ["SafeUnpickler", "dumps", "dumps_taken", "loads", "loads_prefix"]
 
-_pruned_reader: Callable[[bytes | bytearray | memoryview | mmap.mmap, bool, bool, bool], BinaryIO | None] | None
+_pruned_reader: Callable[[bytes | bytearray | memoryview | mmap.mmap, bool, bool], BinaryIO | None] | None
 try:  # built with the C pre-pass (ckptdoctor/_pickle_scan.c); without it, pickles are read as they are
     from ckptdoctor._pickle_scan import pruned_reader as _pruned_reader
 except ImportError:
@@ -204,11 +204,9 @@ def _load(
     # An anonymous map (files.read_releasable: a large .metadata) is ours alone: the reader may give back its
     # pages as it goes. Read as it is, it is its own file (BytesIO would copy it).
     mapped = isinstance(data, mmap.mmap)
-    # Equal strings are read as one object (a key's name is written once per storage entry; share_strings in
-    # ckptdoctor/_pickle_strings.c): strings are immutable, so only memory changes (and a rewrite pickles each
-    # once). An index-only read also leaves out the states of megatron-core's save plans, which it builds as
-    # DROPPED anyway (drop_plans, ckptdoctor/_pickle_plans.c); a faithful read keeps them, to write them back.
-    pruned = _pruned_reader(data, mapped, True, index_only) if prune and _pruned_reader is not None else None
+    # An index-only read also leaves out the states of megatron-core's save plans, which it builds as DROPPED
+    # anyway (drop_plans, ckptdoctor/_pickle_plans.c); a faithful read keeps them, to write them back.
+    pruned = _pruned_reader(data, mapped, index_only) if prune and _pruned_reader is not None else None
     stream: Any = pruned
     if pruned is None:
         stream = io.BytesIO(data) if not mapped else data
