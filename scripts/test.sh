@@ -16,7 +16,7 @@ python=${PYTHON:-python3}
 # Install only when this script, pyproject.toml or a C extension changed since the last successful install
 # (the package is installed editable, so Python changes need no reinstall; the install builds the C extension).
 stamp=.venv/.ckptdoctor-test-deps
-want=$(cat scripts/test.sh pyproject.toml ckptdoctor/*.c ckptdoctor/*.h | sha256sum | cut -d' ' -f1)
+want=$(find scripts/test.sh pyproject.toml ckptdoctor -name '*.[ch]' -o -name test.sh -o -name pyproject.toml | sort | xargs cat | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
     "${pip[@]}" torch==2.13.0

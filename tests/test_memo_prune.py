@@ -1,4 +1,4 @@
-"""Memo pruning (``prune_memo`` in ``ckptdoctor/_pickle_scan.c``): the unpickler reads a pickle without the
+"""Memo pruning (``prune_memo`` in ``ckptdoctor/pickle/_prune.c``): the unpickler reads a pickle without the
 MEMOIZE opcodes whose entries are never read. The pruned pickle must build the same object graph (same
 types, values and sharing) or fail with the same exception, on the fixtures' pickles, the hostile corpus,
 hand-made edge cases and seeded mutants of all of them; where pruning would not be certain to be exact it
@@ -30,7 +30,7 @@ from ckptdoctor.pickle.torch_stand_ins import StorageRef
 prune_memo: Any
 pruned_reader: Any
 try:
-    from ckptdoctor._pickle_scan import prune_memo, pruned_reader
+    from ckptdoctor.pickle._native import prune_memo, pruned_reader
 except ImportError:
     prune_memo = pruned_reader = None
 

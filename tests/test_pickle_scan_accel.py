@@ -1,4 +1,4 @@
-"""The pre-pass in C (``ckptdoctor/_pickle_scan.c``) gives the Python walk's verdict, message included.
+"""The pre-pass in C (``ckptdoctor/pickle/_scan.c``) gives the Python walk's verdict, message included.
 
 ``scanner.scan`` trusts the C walk's verdict, so every pickle here goes through both walks and the
 outcomes (accepted, or the exception type and its message with the byte position) must be identical: the

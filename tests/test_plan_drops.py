@@ -303,7 +303,7 @@ def test_hostile_nested_parts_keep_the_recognizer_linear():
     a bound, 0.15 s with it): the recognizer's budget (the pickle's size in opcodes) keeps the whole plan linear.
     Run in a child with a time limit, as a guard against a hang, not a speed target."""
     code = (
-        "from ckptdoctor._pickle_scan import prune_memo\n"
+        "from ckptdoctor.pickle._native import prune_memo\n"
         "p = bytearray(b'\\x80\\x04\\x8c$torch.distributed.checkpoint.planner\\x94\\x8c\\tWriteItem\\x94\\x93\\x94')\n"
         "p += b'h\\x02)\\x81}' + b'h\\x02)\\x81}' * 1_000_000 + b'.'\n"
         "prune_memo(bytes(p), True)\n"

@@ -1,7 +1,7 @@
-/* The pickle pre-pass of ckptdoctor.pickle_scan, in C: the same walk over the opcodes, the same stack of ints,
+/* The pickle pre-pass of ckptdoctor.pickle.scanner, in C: the same walk over the opcodes, the same stack of ints,
  * the same limits and the same messages, at ~2 ns per opcode instead of ~115 ns in Python.
  *
- * ckptdoctor.pickle_scan.scan calls this first and the Python scanner (the reference) only where this one
+ * ckptdoctor.pickle.scanner.scan calls this first and the Python scanner (the reference) only where this one
  * answers FALLBACK: for the protocol 0 memo opcodes (GET 'g', PUT 'p', text memo indices parsed by int()),
  * whose number syntax is Python's. Every other opcode is handled here exactly as the Python scanner handles
  * it, down to the byte position in a message; tests/test_pickle_scan_accel.py compares the two verdicts on
@@ -13,15 +13,12 @@
  *   (2, message)     damage: the caller raises pickle.UnpicklingError(message),
  *   -1               FALLBACK: the caller runs the Python scanner on the same bytes.
  * The input is read only within [0, size); every array grows by doubling and is freed on every exit.
- *
- * prune_memo and pruned_reader (memo pruning) are in _pickle_prune.c and _pickle_reader.c, part of the same
- * extension module.
  */
-#include "_pickle_scan.h"
+#include "_native.h"
 
 #include <string.h>
 
-/* Stack item codes, as in pickle_scan.py. */
+/* Stack item codes, as in scanner.py. */
 #define GLOBAL_REF (-1)
 #define NUMBER (-2)
 #define GLOBAL_SAFE_HASH (-3)
@@ -545,7 +542,7 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
     return corrupt(s, "malformed pickle: no STOP"); /* the bytes ended (or an argument ran past them) first */
 }
 
-static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
+PyObject *native_scan(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_buffer view;
     long long max_depth, max_string, max_int, max_hashed_keys;
     PyObject *safe_hash;
@@ -591,25 +588,4 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
             return Py_BuildValue("(iN)", CORRUPT, message);
         }
     }
-}
-
-static PyMethodDef methods[] = {
-    {"scan", scan, METH_VARARGS, "The pickle pre-pass (see ckptdoctor.pickle_scan); None, (kind, message) or -1."},
-    {"prune_memo", pickle_prune_memo, METH_VARARGS,
-     "prune_memo(data, share_strings=False, drop_plans=False): the pickle without its unread memo entries, or None "
-     "(see the C source)."},
-    {"pruned_reader", pickle_pruned_reader, METH_VARARGS,
-     "pruned_reader(data, release=False, share_strings=False, drop_plans=False): prune_memo(data, share_strings, "
-     "drop_plans) as a file to read from (read, readline), or None."},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "ckptdoctor._pickle_scan", "ckptdoctor.pickle_scan's pre-pass in C.", -1, methods,
-    NULL, NULL, NULL, NULL,
-};
-
-PyMODINIT_FUNC PyInit__pickle_scan(void) {
-    if (pickle_prune_ready() < 0) return NULL;
-    return PyModule_Create(&module_def);
 }
