@@ -77,15 +77,15 @@ _BUILT: set[Path] = set()
 
 
 def build_extension(tree: Path) -> None:
-    """Build ``tree``'s C pre-pass in place (``ckptdoctor/_pickle_scan.c``, once per tree and run) where it has one
+    """Build ``tree``'s C extensions in place (once per tree and run) where it has them
     and no extension at least as new: a bare git worktree has none, and without it the tree would run its Python
     walk, ~50x slower, and the benchmark would not measure that commit as installed."""
     tree = tree.resolve()
-    source = tree / "ckptdoctor" / "_pickle_scan.c"
-    if tree in _BUILT or not source.exists():
+    sources = [*(tree / "ckptdoctor").rglob("*.c"), *(tree / "ckptdoctor").rglob("*.h")]
+    if tree in _BUILT or not sources:
         return
-    built = list((tree / "ckptdoctor").glob("_pickle_scan*.so"))
-    if not built or min(p.stat().st_mtime for p in built) < source.stat().st_mtime:
+    built = list((tree / "ckptdoctor").rglob("*.so"))
+    if not built or min(p.stat().st_mtime for p in built) < max(p.stat().st_mtime for p in sources):
         script = "from setuptools import setup; setup(script_args=['-q', 'build_ext', '--inplace'])"
         proc = subprocess.run([PYTHON, "-c", script], cwd=tree, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -48,7 +48,7 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
     # Which pickle pre-pass and index loops run: the C extensions are optional (built at install where a compiler
     # was found); without them the Python reference runs.
     message="%(prog)s, version %(version)s (pickle pre-pass: "
-    + ("C" if native("ckptdoctor._pickle_scan") else "Python, the C extension was not built or is blocked")
+    + ("C" if native("ckptdoctor.pickle._native") else "Python, the C extension was not built or is blocked")
     + "; index loops: "
     + ("C" if native("ckptdoctor._dcp_index") else "Python, the C extension was not built or is blocked")
     + ")",

@@ -1,4 +1,4 @@
-"""Memo pruning (``prune_memo`` in ``ckptdoctor/_pickle_scan.c``): the unpickler reads a pickle without the
+"""Memo pruning (``prune_memo`` in ``ckptdoctor/pickle/_prune.c``): the unpickler reads a pickle without the
 MEMOIZE opcodes whose entries are never read. The pruned pickle must build the same object graph (same
 types, values and sharing) or fail with the same exception, on the fixtures' pickles, the hostile corpus,
 hand-made edge cases and seeded mutants of all of them; where pruning would not be certain to be exact it
@@ -30,7 +30,7 @@ from ckptdoctor.pickle.torch_stand_ins import StorageRef
 prune_memo: Any
 pruned_reader: Any
 try:
-    from ckptdoctor._pickle_scan import prune_memo, pruned_reader
+    from ckptdoctor.pickle._native import prune_memo, pruned_reader
 except ImportError:
     prune_memo = pruned_reader = None
 
@@ -157,18 +157,18 @@ def _differential(data: bytes) -> bool:
     if not _passes_scan(data):
         return False
     changed = False
-    # share_strings: equal strings read as one; drop_plans: plan states left out (both: index-only reads)
-    for share, drop in ((False, False), (True, False), (True, True)):
-        pruned = prune_memo(data, share, drop)
+    # drop_plans: plan states left out (index-only reads)
+    for drop in (False, True):
+        pruned = prune_memo(data, drop)
         if pruned is None:
-            assert pruned_reader(data, False, share, drop) is None
+            assert pruned_reader(data, False, drop) is None
             continue
         changed = True
         assert len(pruned) <= len(data)
-        assert _read_out(pruned_reader(data, False, share, drop), random.Random(len(data))) == pruned
+        assert _read_out(pruned_reader(data, False, drop), random.Random(len(data))) == pruned
         for index_only in (True,) if drop else (False, True):
-            outcome = _outcome(pruned_reader(data, False, share, drop), index_only)
-            assert outcome == _outcome(data, index_only), (data[:120], index_only, share, drop)
+            outcome = _outcome(pruned_reader(data, False, drop), index_only)
+            assert outcome == _outcome(data, index_only), (data[:120], index_only, drop)
     return changed
 
 
@@ -361,7 +361,7 @@ def test_loads_reads_the_pruned_pickle(monkeypatch):
     monkeypatch.setattr(
         unpickler,
         "_pruned_reader",
-        lambda b, release, share, drop: readers.append(pruned_reader(b, release, share, drop)) or readers[-1],
+        lambda b, release, drop: readers.append(pruned_reader(b, release, drop)) or readers[-1],
     )
     assert unpickler.loads(data) == _shared_value()
     assert len(readers) == 1 and readers[0] is not None and readers[0].read() == b""  # read to the STOP
@@ -428,30 +428,3 @@ def test_a_large_file_is_read_into_a_map_of_its_own(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "RELEASABLE_MIN_BYTES", 0)
     with files.open_regular(tmp_path / "empty") as f:
         assert files.read_releasable(f, 64 << 20) == b""
-
-
-@needs_c
-def test_equal_strings_are_read_as_one_object_where_asked():
-    """share_strings (index-only reads): a string opcode whose bytes equal those of an earlier memoized string is read
-    as a memo read of it: the same value, one object (a key's name is written once per storage entry of it). Only
-    strings of 8 bytes or more, only from a string a MEMOIZE stored, and only when asked (safe_pickle asks in every
-    read: faithful reads too, whose rewrites then pickle each string once)."""
-    from hostile_corpus import su
-
-    key = "decoder.layers.0.self_attention.linear_qkv.weight"
-    value = [key, key[:-1] + key[-1], "short1", "short1"[:-1] + "1", {key[:-2] + key[-2:]: 1}]
-    data = pickle.dumps(value, protocol=4)
-    assert value[0] is not value[1] and data.count(key.encode()) == 3
-    shared = prune_memo(data, True)
-    assert shared is not None and shared.count(key.encode()) == 1 and len(shared) < len(prune_memo(data))
-    for read in (unpickler.loads(data, index_only=True), pickle.loads(shared)):
-        assert read == value and read[0] is read[1] is next(iter(read[4])) and read[2] is not read[3]
-    faithful = unpickler.loads(data)
-    assert faithful == value and faithful[0] is faithful[1] and faithful[2] is not faithful[3]
-    unshared = pickle.loads(prune_memo(data) or data)  # not asked: kept apart
-    assert unshared == value and unshared[0] is not unshared[1]
-    # a string no MEMOIZE stored is not a source; the next equal one that is memoized becomes it
-    hand_made = b"\x80\x04(" + su(key) + su(key) + b"\x94" + su(key) + b"l."
-    assert pickle.loads(prune_memo(hand_made, True)) == [key] * 3
-    read = pickle.loads(prune_memo(hand_made, True))
-    assert read[0] is not read[1] and read[1] is read[2]

@@ -1,4 +1,4 @@
-"""The pre-pass in C (``ckptdoctor/_pickle_scan.c``) gives the Python walk's verdict, message included.
+"""The pre-pass in C (``ckptdoctor/pickle/_scan.c``) gives the Python walk's verdict, message included.
 
 ``scanner.scan`` trusts the C walk's verdict, so every pickle here goes through both walks and the
 outcomes (accepted, or the exception type and its message with the byte position) must be identical: the
@@ -200,3 +200,17 @@ def test_the_c_walk_is_built_where_ci_requires_it():
     if os.environ.get("CKPTDOCTOR_REQUIRE_C_SCAN") != "1":
         pytest.skip("CKPTDOCTOR_REQUIRE_C_SCAN is not set")
     assert scanner._scan_c is not None
+
+
+def test_the_native_opcode_header_is_generated_from_pickletools():
+    """ckptdoctor/pickle/_opcodes.h (the opcodes and their argument widths for the native module) is what
+    scripts/gen_opcodes.py makes of ``pickletools.opcodes``, the table ``ckptdoctor/pickle/opcodes.py`` reads."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("gen_opcodes", root / "scripts" / "gen_opcodes.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (root / "ckptdoctor" / "pickle" / "_opcodes.h").read_text() == gen.render()

@@ -97,12 +97,12 @@ class _Pickle:
 
 
 def _alike(data: bytes) -> bytes:
-    """The pickle with plan states left out (prune_memo with sharing and drop_plans), after checking that it
+    """The pickle with plan states left out (prune_memo with drop_plans), after checking that it
     reads as the original does in an index-only read, from both forms of the pruning."""
     assert _passes_scan(data)
-    pruned = prune_memo(data, True, True)
+    pruned = prune_memo(data, True)
     assert pruned is not None
-    assert pruned_reader(data, False, True, True).read() == pruned
+    assert pruned_reader(data, False, True).read() == pruned
     assert _outcome(pruned, True) == _outcome(data, True)
     return pruned
 
@@ -115,13 +115,13 @@ def test_every_fixture_reads_alike_with_its_plan_states_left_out():
         pruned = _alike(data)
         # only each rank's SavePlan (or MCoreSavePlan) class push, EMPTY_TUPLE and NEWOBJ stay
         assert b"WriteItem" not in pruned and b"TensorWriteData" not in pruned, path
-        assert len(pruned) < 0.75 * len(prune_memo(data, True, False)), path
+        assert len(pruned) < 0.75 * len(prune_memo(data, False)), path
 
 
 def test_the_index_of_every_fixture_is_the_same_with_and_without_left_out_plans(monkeypatch):
     for path in METADATA:
         with_drops = torch_dist.read_metadata(path)
-        monkeypatch.setattr(unpickler, "_pruned_reader", lambda d, r, s, _drop: pruned_reader(d, r, s, False))
+        monkeypatch.setattr(unpickler, "_pruned_reader", lambda d, r, _drop: pruned_reader(d, r, False))
         without = torch_dist.read_metadata(path)
         monkeypatch.undo()
         assert with_drops == without, path
@@ -144,7 +144,7 @@ def test_each_plan_class_is_left_out_and_no_other(module, name):
     other = _Pickle()
     cls = other.cls(DCP_METADATA, "Metadata")  # a record, not a plan part: its state is the index
     other.part(cls, ("marker", _STATE))
-    assert b"state-of-a-part" in (prune_memo(other.bytes(), True, True) or other.bytes())
+    assert b"state-of-a-part" in (prune_memo(other.bytes(), True) or other.bytes())
 
 
 def _write_item(p: _Pickle, cls: int, marker: str) -> int:
@@ -303,10 +303,10 @@ def test_hostile_nested_parts_keep_the_recognizer_linear():
     a bound, 0.15 s with it): the recognizer's budget (the pickle's size in opcodes) keeps the whole plan linear.
     Run in a child with a time limit, as a guard against a hang, not a speed target."""
     code = (
-        "from ckptdoctor._pickle_scan import prune_memo\n"
+        "from ckptdoctor.pickle._native import prune_memo\n"
         "p = bytearray(b'\\x80\\x04\\x8c$torch.distributed.checkpoint.planner\\x94\\x8c\\tWriteItem\\x94\\x93\\x94')\n"
         "p += b'h\\x02)\\x81}' + b'h\\x02)\\x81}' * 1_000_000 + b'.'\n"
-        "prune_memo(bytes(p), True, True)\n"
+        "prune_memo(bytes(p), True)\n"
         "print('done')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
@@ -355,7 +355,7 @@ def test_a_reader_that_may_release_gives_back_the_left_out_pages_at_once():
     middle = data.index(b"item-00020000")
     for release in (True, False):
         mapped = _mapped(data)
-        reader = pruned_reader(mapped, release, True, True)
+        reader = pruned_reader(mapped, release, True)
         page = mapped[middle - 4096 : middle + 4096]
         assert (page == bytes(len(page))) is release
         assert reader.read() == pruned
@@ -377,7 +377,7 @@ def test_the_plan_memory_stays_under_the_input_size():
             tiny.add(b"e(")
     tiny.add(b"e")
     data = tiny.bytes()
-    assert len(_alike(data)) == len(prune_memo(data, True, False) or data)  # nothing left out
+    assert len(_alike(data)) == len(prune_memo(data, False) or data)  # nothing left out
 
     def readers(n_reads: int) -> bytes:
         p = _Pickle()

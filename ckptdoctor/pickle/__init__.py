@@ -8,7 +8,7 @@ Public interface (what the layers above use):
 - :func:`refuse_unlisted` and :class:`~.policy.UnlistedGlobal` records: the same read for the gate (``check``
   and every write), which fails on a name a real loader would import.
 - :func:`dumps` / :func:`dumps_taken`: the one writer; what it returns was read back through the gate.
-- :func:`scan`: the opcode pre-pass (:mod:`.scanner`, C in ``_pickle_scan`` where it was built, the same
+- :func:`scan`: the opcode pre-pass (:mod:`.scanner`, C in ``_native`` where it was built, the same
   verdicts in Python).
 
 Inside: :mod:`.policy` (the allowlist and the read's per-call state), :mod:`.opcodes` (the one opcode table,

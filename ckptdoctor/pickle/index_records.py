@@ -33,13 +33,23 @@ except ImportError:  # built without a compiler: list.append
     pass
 
 
+def _checked_append(record: list, state: Any) -> None:
+    """BUILD of an index record without the native module: the state is refused where torch's BUILD refuses it (as
+    ``compact_setstate`` refuses it, at the same opcode), else appended."""
+    if isinstance(record, IndexTupleStateRecord) and not isinstance(state, dict):
+        check_properties_state(state)
+    else:
+        build_state(state)
+    list.append(record, state)
+
+
 class IndexRecord(list):
     """Index-only stand-in of a DCP metadata record (see :func:`index_record_class`); read it with
     :func:`index_record_fields`."""
 
     __slots__ = ()
     __ckd_global__: tuple[str, str] = ("", "")
-    __setstate__ = list.append
+    __setstate__ = _checked_append
     __hash__ = object.__hash__  # type: ignore[assignment]
     __eq__ = object.__eq__  # type: ignore[assignment]
     __ne__ = object.__ne__  # type: ignore[assignment]

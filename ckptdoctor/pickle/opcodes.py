@@ -1,5 +1,5 @@
 """The pickle opcodes :mod:`ckptdoctor.pickle.scanner` accepts: each opcode's kind (what the scanner does with the
-stack) and the width of its argument. ``ckptdoctor/_pickle_scan.c`` switches on the same opcodes."""
+stack) and the width of its argument. ``_scan.c`` switches on the same opcodes."""
 
 from __future__ import annotations
 

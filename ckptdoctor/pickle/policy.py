@@ -67,14 +67,19 @@ from ckptdoctor.pickle.torch_values import TORCH_VALUE_CLASSES
 index_size: Callable[..., Any]
 faithful_size: Callable[..., Any]
 forget_index_sizes: Callable[[], None]
-try:  # torch.Size: one object per distinct size within a load, in both kinds of read (ckptdoctor/_dcp_compact.c)
+# torch.Size: one object per distinct size within a load, in both kinds of read (ckptdoctor/_dcp_compact.c). A
+# partial either way, with or without the native module: a pickle that uses the global as an object (NEWOBJ on it,
+# a result of that type) meets the same object type, and so the same errors, in both builds.
+try:
     from ckptdoctor._dcp_index import faithful_size as _shared_size
-    from ckptdoctor._dcp_index import forget_index_sizes, index_size
+    from ckptdoctor._dcp_index import forget_index_sizes
+    from ckptdoctor._dcp_index import index_size as _index_size
 
     faithful_size = functools.partial(_shared_size, Size)
+    index_size = functools.partial(_index_size)
 except ImportError:  # built without a compiler: the argument tuple itself, and a Size per call
-    index_size = INDEX_SIZE
-    faithful_size = Size
+    index_size = functools.partial(INDEX_SIZE)
+    faithful_size = functools.partial(Size)
 
     def forget_index_sizes() -> None:
         pass

@@ -73,7 +73,7 @@ __all__ = ["scan", "scan_python"]
 
 _scan_c: Callable[..., None | int | tuple[int, str]] | None
 try:  # the same walk in C, built at install where a C compiler was found (optional: see pyproject.toml)
-    from ckptdoctor._pickle_scan import scan as _scan_c
+    from ckptdoctor.pickle._native import scan as _scan_c
 except ImportError:
     _scan_c = None
 _FALLBACK = -1  # the C walk's answer for a pickle it leaves to the Python walk
@@ -121,7 +121,7 @@ def scan(
     ``MetadataIndex`` key per chunk, hundreds of thousands in a large checkpoint). Without it every object built
     from a tuple is counted, as a tuple would be.
 
-    The walk runs in C where the extension was built (``ckptdoctor/_pickle_scan.c``: the same walk, ~50x
+    The walk runs in C where the extension was built (``ckptdoctor/pickle/_scan.c``: the same walk, ~50x
     faster), else in Python (:func:`scan_python`, the reference); the C walk hands a pickle to the Python one
     where it meets a protocol 0 memo opcode, whose index is parsed by Python's ``int()``.
     """

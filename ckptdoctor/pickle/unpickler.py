@@ -33,9 +33,9 @@ from ckptdoctor.problems import UNLISTED_GLOBAL
 
 __all__ = ["SafeUnpickler", "dumps", "dumps_taken", "loads", "loads_prefix"]
 
-_pruned_reader: Callable[[bytes | bytearray | memoryview | mmap.mmap, bool, bool, bool], BinaryIO | None] | None
-try:  # built with the C pre-pass (ckptdoctor/_pickle_scan.c); without it, pickles are read as they are
-    from ckptdoctor._pickle_scan import pruned_reader as _pruned_reader
+_pruned_reader: Callable[[bytes | bytearray | memoryview | mmap.mmap, bool, bool], BinaryIO | None] | None
+try:  # the native module (ckptdoctor/pickle/_prune.c); without it, pickles are read as they are
+    from ckptdoctor.pickle._native import pruned_reader as _pruned_reader
 except ImportError:
     _pruned_reader = None
 
@@ -166,7 +166,7 @@ def loads(
     pickler that wrote it; the resource pre-pass is skipped, never the allowlist.
 
     Where the C extension is built, the unpickler reads the pickle without its unread memo entries
-    (``prune_memo`` in ``ckptdoctor/_pickle_scan.c``, after the pre-pass has checked the original): the same
+    (``prune_memo`` in ``ckptdoctor/pickle/_prune.c``, after the pre-pass has checked the original): the same
     objects, or the same failure, in less memory. A DCP ``.metadata`` memoizes ~15 objects per chunk and reads a
     few hundred in all; the C unpickler would keep every memoized object alive until the load returns.
     """
@@ -204,11 +204,9 @@ def _load(
     # An anonymous map (files.read_releasable: a large .metadata) is ours alone: the reader may give back its
     # pages as it goes. Read as it is, it is its own file (BytesIO would copy it).
     mapped = isinstance(data, mmap.mmap)
-    # Equal strings are read as one object (a key's name is written once per storage entry; share_strings in
-    # ckptdoctor/_pickle_strings.c): strings are immutable, so only memory changes (and a rewrite pickles each
-    # once). An index-only read also leaves out the states of megatron-core's save plans, which it builds as
-    # DROPPED anyway (drop_plans, ckptdoctor/_pickle_plans.c); a faithful read keeps them, to write them back.
-    pruned = _pruned_reader(data, mapped, True, index_only) if prune and _pruned_reader is not None else None
+    # An index-only read also leaves out the states of megatron-core's save plans, which it builds as DROPPED
+    # anyway (drop_plans, ckptdoctor/pickle/_plans.c); a faithful read keeps them, to write them back.
+    pruned = _pruned_reader(data, mapped, index_only) if prune and _pruned_reader is not None else None
     stream: Any = pruned
     if pruned is None:
         stream = io.BytesIO(data) if not mapped else data

@@ -22,7 +22,7 @@
  * The work is bounded: the recognizer looks at no more opcodes in all than the pickle has bytes (plus a margin).
  * So is the memory of the plan: a kind byte per memo entry, regions only for parts of 40 bytes or more (one record
  * each), and edges up to half the input's size, beyond which every region is kept. */
-#include "_pickle_plans.h"
+#include "_plans.h"
 
 #include <string.h>
 

@@ -1,79 +1,14 @@
-/* Save plans dropped from index-only reads, for the memo pruning (see _pickle_plans.c). */
+/* Save plans dropped from index-only reads, for the memo pruning (see _plans.c). */
 #ifndef CKPTDOCTOR_PICKLE_PLANS_H
 #define CKPTDOCTOR_PICKLE_PLANS_H
 
-#include "_pickle_scan.h"
+#include "_native.h"
 
-/* Functions shared by the sources of the extension, not exported: called directly, not through the PLT (and
- * prune_op, called for every opcode, can be inlined in its own source). */
 #if defined(__GNUC__)
 #pragma GCC visibility push(hidden)
 #endif
 
-/* The opcode classes of the memo pruning (prune_op, below). */
-enum { OP_PLAIN, OP_PUSHES, OP_MEMOIZE, OP_PUT, OP_GET, OP_FRAME, OP_STOP, OP_REFUSE };
-
-/* The class of the opcode at buf[p] and where it ends (past its argument), as the unpickler reads it; OP_REFUSE
- * for what pruning leaves alone (memo writes with indices, text reads, invalid opcodes, damaged arguments). */
-static inline int prune_op(const unsigned char *buf, Py_ssize_t size, Py_ssize_t p, Py_ssize_t *end) {
-    *end = size; /* where an opcode pruning refuses ends, for a caller that walks on: nowhere */
-    unsigned char op = buf[p++];
-    Py_ssize_t width = 0; /* a fixed argument */
-    int lenw = 0;         /* the width of a length prefix */
-    int lines = 0;        /* text arguments, each ending at a newline */
-    int kind = OP_PUSHES;
-    switch (op) {
-        case 0x94: kind = OP_MEMOIZE; break;
-        case 'h': kind = OP_GET; width = 1; break;
-        case 'j': kind = OP_GET; width = 4; break;
-        case 'q': kind = OP_PUT; width = 1; break;
-        case 'r': kind = OP_PUT; width = 4; break;
-        case 0x95: kind = OP_FRAME; width = 8; break;
-        case '.': kind = OP_STOP; break;
-        case 0x80: kind = OP_PLAIN; width = 1; break; /* PROTO */
-        case '(': case '0': case '1': case 's': case 'u': case 'a': case 'e': case 0x90:
-            kind = OP_PLAIN; /* MARK, POP, POP_MARK, and the item assignments: no MEMOIZE is dropped after them */
-            break;
-        case 'N': case 0x88: case 0x89: case ']': case '}': case 0x8f: case ')': case 0x85: case 0x86: case 0x87:
-        case 't': case 'l': case 'd': case 0x91: case 'b': case 'R': case 0x81: case 0x92: case 0x93: case '2':
-        case 'Q': case 'o':
-            break;
-        case 'K': width = 1; break;
-        case 'M': width = 2; break;
-        case 'J': width = 4; break;
-        case 'G': width = 8; break;
-        case 'U': case 'C': case 0x8c: case 0x8a: lenw = 1; break;
-        case 'B': case 'X': lenw = 4; break;
-        case 'T': case 0x8b: lenw = -4; break; /* signed: a negative length is an error */
-        case 0x8e: case 0x8d: case 0x96: lenw = 8; break;
-        case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': lines = 1; break;
-        case 'c': case 'i': lines = 2; break;
-        default: return OP_REFUSE; /* the text PUT and GET, EXT*, buffers, invalid opcodes */
-    }
-    if (lenw != 0) {
-        Py_ssize_t w = lenw < 0 ? -lenw : lenw;
-        if (w > size - p) return OP_REFUSE;
-        uint64_t length = w == 1 ? buf[p] : w == 4 ? read_u32(buf + p) : read_u64(buf + p);
-        if (lenw < 0 && length > INT32_MAX) return OP_REFUSE;
-        p += w;
-        if (length > (uint64_t)(size - p)) return OP_REFUSE;
-        p += (Py_ssize_t)length;
-    } else if (width > size - p) {
-        return OP_REFUSE;
-    } else {
-        p += width;
-    }
-    for (; lines > 0; lines--) {
-        const unsigned char *nl = p < size ? memchr(buf + p, '\n', (size_t)(size - p)) : NULL;
-        if (nl == NULL) return OP_REFUSE;
-        p = (Py_ssize_t)(nl - buf) + 1;
-    }
-    *end = p;
-    return kind;
-}
-
-
-/* What a memo entry or a simulated stack item holds (see _pickle_plans.c). Names are strings with the text of one
+/* What a memo entry or a simulated stack item holds (see _plans.c). Names are strings with the text of one
  * of its NAMES. */
 enum {
     K_UNKNOWN = 0,

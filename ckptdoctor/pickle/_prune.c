@@ -1,6 +1,13 @@
-#include "_pickle_prune.h"
+#include "_plans.h"
 
-/* Memo pruning, for ckptdoctor._pickle_scan (see _pickle_scan.h).
+#include <string.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
+/* Memo pruning, for ckptdoctor.pickle._native (see _native.h): prune_memo, and pruned_reader (its output as a
+ * file to read).
  *
  * prune_memo(data) returns the pickle with the memo writes (MEMOIZE, BINPUT, LONG_BINPUT) whose entry is never
  * read dropped and the others and the reads (BINGET, LONG_BINGET) renumbered, or None where it leaves the bytes
@@ -25,12 +32,26 @@
  * The output is never longer than the input: a read (a BINPUT) of rank r < 256 is a BINGET (a BINPUT), else a
  * LONG_BINGET (a LONG_BINPUT); a MEMOIZE stays a MEMOIZE.
  *
- * Two options, for index-only reads only (their results are read, never written back): share_strings reads equal
- * strings as one object (_pickle_strings.c); drop_plans leaves out the states of megatron-core's save plan parts,
- * which an index-only read builds as DROPPED, where that provably changes nothing but the memo (_pickle_plans.c).
+ * One option, for index-only reads only (their results are read, never written back): drop_plans leaves out the
+ * states of megatron-core's save plan parts, which an index-only read builds as DROPPED, where that provably
+ * changes nothing but the memo (_plans.c).
  * With drop_plans the pruned pickle builds the same objects except what only those states held, or fails at the
  * same operation. */
 
+
+typedef struct {
+    uint64_t *bits; /* memo entries kept: read somewhere, or a MEMOIZE that is not safe to drop */
+    Py_ssize_t n_words;
+} Bitmap;
+
+/* A pickle being pruned: the plan of prune_plan, and how far the translation got. */
+typedef struct {
+    Py_buffer view; /* the original pickle */
+    Bitmap kept;
+    uint32_t *rank; /* kept entries below each word of the bitmap */
+    Py_ssize_t stop_end, p, memo; /* the end of the pickle (past its STOP); the next opcode; memo writes so far */
+    PlanDrops plans;              /* plan parts left out (drop_plans; see _pickle_plans.c) */
+} Pruner;
 
 static int bitmap_set(Bitmap *b, Py_ssize_t i) {
     Py_ssize_t word = i >> 6;
@@ -64,13 +85,13 @@ static int bit_is_set(const Bitmap *b, Py_ssize_t i) {
 
 /* The first pass: which entries to keep (into kept) and where the pickle ends (*stop_end); 1 to prune,
  * 0 to leave the bytes alone, -1 with a Python error set. With plans (drop_plans), opcodes in a region of a plan
- * part (see _pickle_plans.c) neither keep entries nor share strings here: keep_live_regions does it for the
+ * part (see _plans.c) keep no entries here: keep_live_regions does it for the
  * regions that stay. */
 #if defined(__GNUC__)
 __attribute__((always_inline)) /* made twice (prune_plan): with plans NULL the loop is the one without them */
 #endif
 static inline int prune_plan_with(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, Py_ssize_t *n_memo,
-                                  Py_ssize_t *stop_end, StringShares *strings, PlanDrops *plans) {
+                                  Py_ssize_t *stop_end, PlanDrops *plans) {
     Py_ssize_t p = 0, frame_end = -1, memo = 0;
     int pushed = 0; /* the last opcode (FRAMEs and MEMOIZEs aside) leaves an object on the stack */
     while (p < size) {
@@ -115,14 +136,7 @@ static inline int prune_plan_with(const unsigned char *buf, Py_ssize_t size, Bit
                 return 1;
             default:
                 pushed = kind == OP_PUSHES;
-                if (region >= 0) break;
-                if (strings != NULL && (buf[p] == 0x8c || buf[p] == 'X' || buf[p] == 0x8d)) {
-                    Py_ssize_t offset = p + 1 + (buf[p] == 0x8c ? 1 : buf[p] == 'X' ? 4 : 8), shared;
-                    int memoized = end < size && buf[end] == 0x94; /* a FRAME would start with 0x95 */
-                    if (strings_note(strings, buf, p, offset, end - offset, memo, memoized, &shared) < 0) return -1;
-                    if (shared >= 0 && bitmap_set(kept, shared) < 0) return -1;
-                }
-                if (plans != NULL && plans_op(plans, buf, size, p, end, memo, pushed) < 0) return -1;
+                if (region < 0 && plans != NULL && plans_op(plans, buf, size, p, end, memo, pushed) < 0) return -1;
         }
         p = end;
         if (p == frame_end) frame_end = -1;
@@ -131,9 +145,9 @@ static inline int prune_plan_with(const unsigned char *buf, Py_ssize_t size, Bit
 }
 
 static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, Py_ssize_t *n_memo,
-                      Py_ssize_t *stop_end, StringShares *strings, PlanDrops *plans) {
-    if (plans == NULL) return prune_plan_with(buf, size, kept, n_memo, stop_end, strings, NULL);
-    return prune_plan_with(buf, size, kept, n_memo, stop_end, strings, plans);
+                      Py_ssize_t *stop_end, PlanDrops *plans) {
+    if (plans == NULL) return prune_plan_with(buf, size, kept, n_memo, stop_end, NULL);
+    return prune_plan_with(buf, size, kept, n_memo, stop_end, plans);
 }
 
 /* The regions that stay (read from code that stays, see plans_settle) keep what prune_plan would have kept in
@@ -162,8 +176,7 @@ static int keep_live_regions(const unsigned char *buf, Py_ssize_t size, const Pl
 }
 
 
-void pruner_clear(Pruner *s) {
-    strings_clear(&s->strings);
+static void pruner_clear(Pruner *s) {
     plans_clear(&s->plans);
     PyMem_Free(s->kept.bits);
     PyMem_Free(s->rank);
@@ -172,15 +185,12 @@ void pruner_clear(Pruner *s) {
     if (s->view.obj != NULL) PyBuffer_Release(&s->view);
 }
 
-int pruner_init(Pruner *s, PyObject *data, int share_strings, int drop_plans) {
+static int pruner_init(Pruner *s, PyObject *data, int drop_plans) {
     memset(s, 0, sizeof *s);
     if (PyObject_GetBuffer(data, &s->view, PyBUF_SIMPLE) < 0) return -1;
     Py_ssize_t n_memo = 0;
-    strings_expect(&s->strings, s->view.len);
     drop_plans = drop_plans && plans_start(&s->plans, s->view.buf, s->view.len);
-    int plan = prune_plan(s->view.buf, s->view.len, &s->kept, &n_memo, &s->stop_end,
-                          share_strings ? &s->strings : NULL, drop_plans ? &s->plans : NULL);
-    strings_end_plan(&s->strings);
+    int plan = prune_plan(s->view.buf, s->view.len, &s->kept, &n_memo, &s->stop_end, drop_plans ? &s->plans : NULL);
     if (plan > 0) {
         plans_settle(&s->plans);
         if (keep_live_regions(s->view.buf, s->view.len, &s->plans, &s->kept) < 0) plan = -1;
@@ -197,8 +207,8 @@ int pruner_init(Pruner *s, PyObject *data, int share_strings, int drop_plans) {
                 s->rank[w] = (uint32_t)n_kept;
                 n_kept += w < s->kept.n_words ? popcount64(s->kept.bits[w]) : 0;
             }
-            if (n_kept == n_memo && s->strings.n == 0 && !plans_any_dropped(&s->plans))
-                plan = 0; /* nothing to drop or share */
+            if (n_kept == n_memo && !plans_any_dropped(&s->plans))
+                plan = 0; /* nothing to drop */
         }
     }
     if (plan <= 0) pruner_clear(s);
@@ -206,7 +216,7 @@ int pruner_init(Pruner *s, PyObject *data, int share_strings, int drop_plans) {
 }
 
 /* The input bytes of the next unit: an opcode outside frames, or a whole frame (prune_plan checked both). */
-Py_ssize_t unit_length(const Pruner *s) {
+static Py_ssize_t unit_length(const Pruner *s) {
     const unsigned char *buf = s->view.buf;
     Py_ssize_t end;
     int kind = prune_op(buf, s->view.len, s->p, &end);
@@ -231,16 +241,11 @@ static ALWAYS_INLINE Py_ssize_t emit_op(Pruner *s, unsigned char *o, int plans) 
     }
     int kind = prune_op(buf, s->view.len, p, &end);
     s->p = end;
-    StringShares *strings = &s->strings;
-    if (strings->next < strings->n && strings->shares[strings->next].position == p) {
-        kind = OP_GET; /* a string equal to the one memo entry idx holds: read from there */
-        idx = strings->shares[strings->next++].memo;
-    } else if (kind != OP_MEMOIZE && kind != OP_PUT && kind != OP_GET) {
+    if (kind != OP_MEMOIZE && kind != OP_PUT && kind != OP_GET) {
         memcpy(o, buf + p, (size_t)(end - p));
         return end - p;
-    } else {
-        idx = kind == OP_MEMOIZE ? s->memo : end - p == 2 ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1);
     }
+    idx = kind == OP_MEMOIZE ? s->memo : end - p == 2 ? buf[p + 1] : (Py_ssize_t)read_u32(buf + p + 1);
     if (kind != OP_GET) s->memo++;
     if (!bit_is_set(&s->kept, idx)) return 0; /* a memo write never read: dropped */
     uint64_t below = s->kept.bits[idx >> 6] & ((((uint64_t)1) << (idx & 63)) - 1);
@@ -273,16 +278,16 @@ static ALWAYS_INLINE Py_ssize_t emit_unit_with(Pruner *s, unsigned char *o, int 
 }
 
 /* emit_unit_with, made twice: the loop of a pickle with no plan part left out has no check for one */
-Py_ssize_t emit_unit(Pruner *s, unsigned char *o) {
+static Py_ssize_t emit_unit(Pruner *s, unsigned char *o) {
     return s->plans.n > 0 ? emit_unit_with(s, o, 1) : emit_unit_with(s, o, 0);
 }
 
-PyObject *pickle_prune_memo(PyObject *Py_UNUSED(module), PyObject *args) {
+PyObject *native_prune_memo(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *arg;
-    int share_strings = 0, drop_plans = 0;
-    if (!PyArg_ParseTuple(args, "O|pp:prune_memo", &arg, &share_strings, &drop_plans)) return NULL;
+    int drop_plans = 0;
+    if (!PyArg_ParseTuple(args, "O|p:prune_memo", &arg, &drop_plans)) return NULL;
     Pruner s;
-    int plan = pruner_init(&s, arg, share_strings, drop_plans);
+    int plan = pruner_init(&s, arg, drop_plans);
     if (plan <= 0) {
         if (plan < 0) return NULL;
         Py_RETURN_NONE;
@@ -297,3 +302,161 @@ PyObject *pickle_prune_memo(PyObject *Py_UNUSED(module), PyObject *args) {
     pruner_clear(&s);
     return out;
 }
+
+/* The pruned pickle as a file to read. */
+/* PrunedReader(data): a file the unpickler reads the pruned pickle from (read, readline), translated a frame
+ * at a time as it is read: the same bytes as prune_memo(data), without a second copy of the pickle. */
+typedef struct {
+    PyObject_HEAD
+    Pruner s;
+    unsigned char *out; /* translated bytes not yet read: out[pos:len] */
+    Py_ssize_t pos, len, cap;
+    int release;          /* give the pages of the input already translated back to the system (see release_read) */
+    Py_ssize_t released;  /* input bytes [0, released) given back */
+} PrunedReader;
+
+static PyTypeObject PrunedReaderType;
+
+static void reader_dealloc(PrunedReader *self) {
+    pruner_clear(&self->s);
+    PyMem_Free(self->out);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Where the caller asked for it (release: data is an anonymous private mapping of its own, read by nothing
+ * else), the whole pages of input below the translation point go back to the system (MADV_DONTNEED): only
+ * prune_plan and emit_unit read the input, each strictly forwards, and the output is a copy. A large .metadata
+ * is then not held whole while the unpickler builds its objects (138 MB at 10^6 chunks). Every 4 MiB. */
+#define RELEASE_STEP ((Py_ssize_t)4 << 20)
+
+static void release_read(PrunedReader *self) {
+#if defined(MADV_DONTNEED)
+    if (!self->release || self->s.p - self->released < RELEASE_STEP) return;
+    long page_size = sysconf(_SC_PAGESIZE);
+    if (page_size <= 0) return;
+    uintptr_t base = (uintptr_t)self->s.view.buf, page = (uintptr_t)page_size;
+    uintptr_t start = (base + (uintptr_t)self->released + page - 1) & ~(page - 1);
+    uintptr_t end = (base + (uintptr_t)self->s.p) & ~(page - 1);
+    if (end > start) madvise((void *)start, (size_t)(end - start), MADV_DONTNEED); /* advice: a failure is harmless */
+    self->released = self->s.p;
+#else
+    (void)self;
+#endif
+}
+
+/* With release, the whole pages of the plan parts left out go back to the system as soon as the plan is made:
+ * the translation jumps over them (emit_op) and nothing else reads them again. */
+static void release_left_out(PrunedReader *self) {
+#if defined(MADV_DONTNEED)
+    long page_size = sysconf(_SC_PAGESIZE);
+    if (!self->release || page_size <= 0) return;
+    uintptr_t base = (uintptr_t)self->s.view.buf, page = (uintptr_t)page_size;
+    for (Py_ssize_t i = 0; i < self->s.plans.n; i++) {
+        const PlanRegion *r = &self->s.plans.regions[i];
+        if (r->live) continue;
+        uintptr_t start = (base + (uintptr_t)r->start + page - 1) & ~(page - 1);
+        uintptr_t end = (base + (uintptr_t)r->end) & ~(page - 1);
+        if (end > start) madvise((void *)start, (size_t)(end - start), MADV_DONTNEED); /* advice: harmless if refused */
+    }
+#else
+    (void)self;
+#endif
+}
+
+/* Translate one more unit into the buffer; 0, or -1 with a Python error set. */
+static int reader_fill(PrunedReader *self) {
+    Py_ssize_t pending = self->len - self->pos, need = pending + unit_length(&self->s);
+    if (self->pos > 0) {
+        memmove(self->out, self->out + self->pos, (size_t)pending);
+        self->pos = 0;
+        self->len = pending;
+    }
+    if (need > self->cap) {
+        Py_ssize_t cap = self->cap ? self->cap : 1 << 16;
+        while (cap < need) cap *= 2;
+        unsigned char *out = PyMem_Realloc(self->out, (size_t)cap);
+        if (out == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->out = out;
+        self->cap = cap;
+    }
+    self->len += emit_unit(&self->s, self->out + self->len);
+    release_read(self);
+    return 0;
+}
+
+static PyObject *reader_take(PrunedReader *self, Py_ssize_t n) {
+    PyObject *out = PyBytes_FromStringAndSize((const char *)self->out + self->pos, n);
+    if (out != NULL) self->pos += n;
+    return out;
+}
+
+static PyObject *reader_read(PrunedReader *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t n = -1;
+    if (nargs > 1) {
+        PyErr_SetString(PyExc_TypeError, "read() takes at most one argument");
+        return NULL;
+    }
+    if (nargs == 1 && args[0] != Py_None) {
+        n = PyNumber_AsSsize_t(args[0], PyExc_OverflowError);
+        if (n == -1 && PyErr_Occurred()) return NULL;
+    }
+    while ((n < 0 || self->len - self->pos < n) && self->s.p < self->s.stop_end)
+        if (reader_fill(self) < 0) return NULL;
+    Py_ssize_t available = self->len - self->pos;
+    return reader_take(self, n < 0 || n > available ? available : n);
+}
+
+static PyObject *reader_readline(PrunedReader *self, PyObject *Py_UNUSED(ignored)) {
+    Py_ssize_t scanned = 0;
+    for (;;) {
+        Py_ssize_t available = self->len - self->pos;
+        const unsigned char *nl = available > scanned
+                                      ? memchr(self->out + self->pos + scanned, '\n', (size_t)(available - scanned))
+                                      : NULL;
+        if (nl != NULL) return reader_take(self, (Py_ssize_t)(nl - (self->out + self->pos)) + 1);
+        if (self->s.p >= self->s.stop_end) return reader_take(self, available);
+        scanned = available;
+        if (reader_fill(self) < 0) return NULL;
+    }
+}
+
+static PyMethodDef reader_methods[] = {
+    {"read", (PyCFunction)(void (*)(void))reader_read, METH_FASTCALL, "read(n=-1): up to n bytes (all: -1)."},
+    {"readline", (PyCFunction)reader_readline, METH_NOARGS, "readline(): up to and with the next newline."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject PrunedReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0) /* the comma is in the macro */
+    .tp_name = "ckptdoctor.pickle._native.PrunedReader",
+    .tp_basicsize = sizeof(PrunedReader),
+    .tp_dealloc = (destructor)reader_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The pruned pickle as a file to read (see pruned_reader).",
+    .tp_methods = reader_methods,
+};
+
+PyObject *native_pruned_reader(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *arg;
+    int release = 0, drop_plans = 0;
+    if (!PyArg_ParseTuple(args, "O|pp:pruned_reader", &arg, &release, &drop_plans)) return NULL;
+    PrunedReader *self = PyObject_New(PrunedReader, &PrunedReaderType);
+    if (self == NULL) return NULL;
+    self->out = NULL;
+    self->pos = self->len = self->cap = 0;
+    self->release = release;
+    self->released = 0;
+    int plan = pruner_init(&self->s, arg, drop_plans);
+    if (plan <= 0) {
+        Py_DECREF(self);
+        if (plan < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    release_left_out(self);
+    return (PyObject *)self;
+}
+
+int native_prune_ready(void) { return PyType_Ready(&PrunedReaderType); }

@@ -1,7 +1,7 @@
-/* The pickle pre-pass of ckptdoctor.pickle_scan, in C: the same walk over the opcodes, the same stack of ints,
+/* The pickle pre-pass of ckptdoctor.pickle.scanner, in C: the same walk over the opcodes, the same stack of ints,
  * the same limits and the same messages, at ~2 ns per opcode instead of ~115 ns in Python.
  *
- * ckptdoctor.pickle_scan.scan calls this first and the Python scanner (the reference) only where this one
+ * ckptdoctor.pickle.scanner.scan calls this first and the Python scanner (the reference) only where this one
  * answers FALLBACK: for the protocol 0 memo opcodes (GET 'g', PUT 'p', text memo indices parsed by int()),
  * whose number syntax is Python's. Every other opcode is handled here exactly as the Python scanner handles
  * it, down to the byte position in a message; tests/test_pickle_scan_accel.py compares the two verdicts on
@@ -13,15 +13,12 @@
  *   (2, message)     damage: the caller raises pickle.UnpicklingError(message),
  *   -1               FALLBACK: the caller runs the Python scanner on the same bytes.
  * The input is read only within [0, size); every array grows by doubling and is freed on every exit.
- *
- * prune_memo and pruned_reader (memo pruning) are in _pickle_prune.c and _pickle_reader.c, part of the same
- * extension module.
  */
-#include "_pickle_scan.h"
+#include "_native.h"
 
 #include <string.h>
 
-/* Stack item codes, as in pickle_scan.py. */
+/* Stack item codes, as in scanner.py. */
 #define GLOBAL_REF (-1)
 #define NUMBER (-2)
 #define GLOBAL_SAFE_HASH (-3)
@@ -161,11 +158,11 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
     while (s->p < size) {
         unsigned char op = buf[s->p++];
         switch (op) {
-            case 0x94: /* MEMOIZE */
+            case PK_MEMOIZE:
                 NEED(1);
                 PUSH(s->memo, stack->items[stack->len - 1]);
                 break;
-            case 'h': { /* BINGET */
+            case PK_BINGET: {
                 if (s->p >= size) {
                     s->p = size;
                     MALFORMED();
@@ -175,7 +172,7 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 PUSH(*stack, s->memo.items[idx]);
                 break;
             }
-            case 'j': { /* LONG_BINGET */
+            case PK_LONG_BINGET: {
                 if (s->p + 4 > size) MALFORMED();
                 uint32_t idx = read_u32(buf + s->p);
                 if ((Py_ssize_t)idx >= s->memo.len) MALFORMED();
@@ -183,15 +180,15 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 s->p += 4;
                 break;
             }
-            case 'R':    /* REDUCE */
-            case 0x81: { /* NEWOBJ */
+            case PK_REDUCE:
+            case PK_NEWOBJ: {
                 NEED(2);
                 int32_t args = stack->items[--stack->len];
                 int32_t *top = &stack->items[stack->len - 1];
                 *top = (args > 0 && *top != GLOBAL_SAFE_HASH) ? args : 0;
                 break;
             }
-            case 'K': /* BININT1 */
+            case PK_BININT1:
                 if (s->p >= size) {
                     s->p = size;
                     MALFORMED();
@@ -199,27 +196,27 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 s->p++;
                 PUSH(*stack, NUMBER);
                 break;
-            case 'N':
-            case 0x88: /* NEWTRUE */
-            case 0x89: /* NEWFALSE */
-            case ']':  /* EMPTY_LIST */
-            case '}':  /* EMPTY_DICT */
-            case 0x8f: /* EMPTY_SET */
+            case PK_NONE:
+            case PK_NEWTRUE:
+            case PK_NEWFALSE:
+            case PK_EMPTY_LIST:
+            case PK_EMPTY_DICT:
+            case PK_EMPTY_SET:
                 PUSH(*stack, 0);
                 break;
-            case '(': /* MARK */
+            case PK_MARK:
                 PUSH(s->marks, (int32_t)stack->len);
                 break;
-            case ')': /* EMPTY_TUPLE */
+            case PK_EMPTY_TUPLE:
                 PUSH(*stack, 1);
                 break;
-            case 'b': /* BUILD */
+            case PK_BUILD:
                 NEED(2);
                 stack->len--;
                 if (is_global(stack->items[stack->len - 1]))
                     return fail(s, "BUILD on a class or function (would change it for every later read)");
                 break;
-            case 0x85: { /* TUPLE1 */
+            case PK_TUPLE1: {
                 NEED(1);
                 int32_t *top = &stack->items[stack->len - 1];
                 int32_t depth = *top > 0 ? *top + 1 : 1;
@@ -227,7 +224,7 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 *top = depth;
                 break;
             }
-            case 0x86: { /* TUPLE2 */
+            case PK_TUPLE2: {
                 NEED(2);
                 int32_t depth = stack->items[--stack->len];
                 int32_t other = stack->items[stack->len - 1];
@@ -237,18 +234,18 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 stack->items[stack->len - 1] = depth;
                 break;
             }
-            case 'M': /* BININT2 */
-            case 'J': /* BININT */
-            case 'G': { /* BINFLOAT */
-                Py_ssize_t width = op == 'M' ? 2 : op == 'J' ? 4 : 8;
+            case PK_BININT2:
+            case PK_BININT:
+            case PK_BINFLOAT: {
+                Py_ssize_t width = PK_ARG[op];
                 if (s->p + width > size) return corrupt(s, "truncated");
                 s->p += width;
                 PUSH(*stack, NUMBER);
                 break;
             }
-            case 'u':    /* SETITEMS */
-            case 0x90:   /* ADDITEMS */
-            case 0x91: { /* FROZENSET */
+            case PK_SETITEMS:
+            case PK_ADDITEMS:
+            case PK_FROZENSET: {
                 if (s->marks.len == 0) MALFORMED();
                 Py_ssize_t mark = s->marks.items[--s->marks.len];
                 if (mark > stack->len) mark = stack->len;
@@ -267,7 +264,7 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 if (op == 0x91) PUSH(*stack, 0);
                 break;
             }
-            case 0x87: { /* TUPLE3 */
+            case PK_TUPLE3: {
                 if (stack->len < 3) {
                     stack->len = 0;
                     return corrupt(s, "stack underflow");
@@ -277,7 +274,7 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 PUSH(*stack, depth);
                 break;
             }
-            case 'e': /* APPENDS */
+            case PK_APPENDS:
                 if (s->marks.len == 0) MALFORMED();
                 {
                     Py_ssize_t mark = s->marks.items[--s->marks.len];
@@ -286,7 +283,7 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 NEED(1);
                 if (is_global(stack->items[stack->len - 1])) return fail(s, "item assignment on a class or function");
                 break;
-            case 's': /* SETITEM */
+            case PK_SETITEM:
                 NEED(2);
                 if (is_hashed_key(stack->items[stack->len - 2])) {
                     keys_left--;
@@ -296,25 +293,23 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 NEED(1);
                 if (is_global(stack->items[stack->len - 1])) return fail(s, "item assignment on a class or function");
                 break;
-            case 'a': /* APPEND */
+            case PK_APPEND:
                 if (stack->len > 0) stack->len--;
                 NEED(1);
                 if (is_global(stack->items[stack->len - 1])) return fail(s, "item assignment on a class or function");
                 break;
-            case 'U':  /* SHORT_BINSTRING */
-            case 'C':  /* SHORT_BINBYTES */
-            case 0x8c: /* SHORT_BINUNICODE */
-            case 0x8a: /* LONG1 */
-            case 'T':  /* BINSTRING */
-            case 'B':  /* BINBYTES */
-            case 'X':  /* BINUNICODE */
-            case 0x8b: /* LONG4 */
-            case 0x8e: /* BINBYTES8 */
-            case 0x8d: /* BINUNICODE8 */
-            case 0x96: /* BYTEARRAY8 */ {
-                Py_ssize_t width = (op == 'U' || op == 'C' || op == 0x8c || op == 0x8a) ? 1
-                                   : (op == 0x8e || op == 0x8d || op == 0x96)           ? 8
-                                                                                        : 4;
+            case PK_SHORT_BINSTRING:
+            case PK_SHORT_BINBYTES:
+            case PK_SHORT_BINUNICODE:
+            case PK_LONG1:
+            case PK_BINSTRING:
+            case PK_BINBYTES:
+            case PK_BINUNICODE:
+            case PK_LONG4:
+            case PK_BINBYTES8:
+            case PK_BINUNICODE8:
+            case PK_BYTEARRAY8: {
+                Py_ssize_t width = PK_ARG[op] == PK_ARG_LEN1 ? 1 : PK_ARG[op] == PK_ARG_LEN8 ? 8 : 4;
                 if (s->p + width > size) MALFORMED();
                 uint64_t length = width == 1   ? buf[s->p]
                                   : width == 4 ? read_u32(buf + s->p)
@@ -357,7 +352,7 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 }
                 break;
             }
-            case 't': { /* TUPLE */
+            case PK_TUPLE: {
                 if (s->marks.len == 0) MALFORMED();
                 Py_ssize_t mark = s->marks.items[--s->marks.len];
                 if (mark > stack->len) mark = stack->len;
@@ -366,9 +361,9 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 PUSH(*stack, depth);
                 break;
             }
-            case 'q':   /* BINPUT */
-            case 'r': { /* LONG_BINPUT */
-                Py_ssize_t width = op == 'q' ? 1 : 4;
+            case PK_BINPUT:
+            case PK_LONG_BINPUT: {
+                Py_ssize_t width = PK_ARG[op];
                 if (s->p + width > size) MALFORMED();
                 uint64_t idx = width == 1 ? buf[s->p] : read_u32(buf + s->p);
                 s->p += width;
@@ -385,8 +380,8 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 }
                 break;
             }
-            case 'l':   /* LIST */
-            case 'd': { /* DICT */
+            case PK_LIST:
+            case PK_DICT: {
                 if (s->marks.len == 0) MALFORMED();
                 Py_ssize_t mark = s->marks.items[--s->marks.len];
                 if (mark > stack->len) mark = stack->len;
@@ -401,7 +396,7 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 PUSH(*stack, 0);
                 break;
             }
-            case 0x93: { /* STACK_GLOBAL */
+            case PK_STACK_GLOBAL: {
                 NEED(2);
                 int32_t module_item = stack->items[stack->len - 2], name_item = stack->items[stack->len - 1];
                 stack->len -= 2;
@@ -415,7 +410,7 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 PUSH(*stack, item);
                 break;
             }
-            case 'c': { /* GLOBAL */
+            case PK_GLOBAL: {
                 Py_ssize_t module_end = find_newline(s, s->p);
                 if (module_end < 0) MALFORMED();
                 Py_ssize_t name_end = find_newline(s, module_end + 1);
@@ -428,11 +423,11 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 s->p = name_end + 1;
                 break;
             }
-            case 'S':   /* STRING */
-            case 'V':   /* UNICODE */
-            case 'I':   /* INT */
-            case 'L':   /* LONG */
-            case 'F': { /* FLOAT */
+            case PK_STRING:
+            case PK_UNICODE:
+            case PK_INT:
+            case PK_LONG:
+            case PK_FLOAT: {
                 Py_ssize_t end = find_newline(s, s->p);
                 if (end < 0) MALFORMED();
                 unsigned long long n = (unsigned long long)(end - s->p);
@@ -450,7 +445,7 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 PUSH(*stack, number ? NUMBER : 0);
                 break;
             }
-            case '0': /* POP */
+            case PK_POP:
                 if (s->marks.len > 0 && s->marks.items[s->marks.len - 1] == stack->len)
                     s->marks.len--;
                 else {
@@ -458,18 +453,18 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                     stack->len--;
                 }
                 break;
-            case '1': /* POP_MARK */
+            case PK_POP_MARK:
                 if (s->marks.len == 0) MALFORMED();
                 {
                     Py_ssize_t mark = s->marks.items[--s->marks.len];
                     if (mark < stack->len) stack->len = mark;
                 }
                 break;
-            case '2': /* DUP */
+            case PK_DUP:
                 NEED(1);
                 PUSH(*stack, stack->items[stack->len - 1]);
                 break;
-            case 0x92: { /* NEWOBJ_EX */
+            case PK_NEWOBJ_EX: {
                 NEED(2);
                 int32_t args = stack->items[stack->len - 2];
                 stack->len -= 2;
@@ -478,28 +473,28 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 *top = (args > 0 && *top != GLOBAL_SAFE_HASH) ? args : 0;
                 break;
             }
-            case 0x95: /* FRAME */
+            case PK_FRAME:
                 s->p = s->p + 8 > size ? size : s->p + 8;
                 break;
-            case 0x80: /* PROTO */
+            case PK_PROTO:
                 if (s->p >= size) {
                     s->p = size;
                     MALFORMED();
                 }
                 s->p++;
                 break;
-            case 'Q': /* BINPERSID */
+            case PK_BINPERSID:
                 NEED(1);
                 stack->items[stack->len - 1] = 0;
                 break;
-            case 'P': { /* PERSID */
+            case PK_PERSID: {
                 Py_ssize_t end = find_newline(s, s->p);
                 if (end < 0) MALFORMED();
                 s->p = end + 1;
                 PUSH(*stack, 0);
                 break;
             }
-            case 'o': /* OBJ */
+            case PK_OBJ:
                 if (s->marks.len == 0) MALFORMED();
                 {
                     Py_ssize_t mark = s->marks.items[--s->marks.len];
@@ -507,7 +502,7 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 }
                 PUSH(*stack, 0);
                 break;
-            case 'i': { /* INST */
+            case PK_INST: {
                 Py_ssize_t module_end = find_newline(s, s->p);
                 if (module_end < 0) MALFORMED();
                 Py_ssize_t name_end = find_newline(s, module_end + 1);
@@ -519,21 +514,21 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
                 PUSH(*stack, 0);
                 break;
             }
-            case '.': /* STOP */
+            case PK_STOP:
                 return ACCEPT;
-            case 'g': /* GET, PUT: memo index as text, parsed by Python's int() */
-            case 'p':
+            case PK_GET: /* memo index as text, parsed by Python's int() */
+            case PK_PUT:
                 return FALLBACK;
-            case 0x82:
-            case 0x83:
-            case 0x84:
-            case 0x97:
-            case 0x98: {
-                const char *name = op == 0x82   ? "EXT1"
-                                   : op == 0x83 ? "EXT2"
-                                   : op == 0x84 ? "EXT4"
-                                   : op == 0x97 ? "NEXT_BUFFER"
-                                                : "READONLY_BUFFER";
+            case PK_EXT1:
+            case PK_EXT2:
+            case PK_EXT4:
+            case PK_NEXT_BUFFER:
+            case PK_READONLY_BUFFER: {
+                const char *name = op == PK_EXT1   ? "EXT1"
+                                   : op == PK_EXT2 ? "EXT2"
+                                   : op == PK_EXT4 ? "EXT4"
+                                   : op == PK_NEXT_BUFFER ? "NEXT_BUFFER"
+                                                          : "READONLY_BUFFER";
                 char what[64];
                 snprintf(what, sizeof what, "opcode %s is not accepted", name);
                 return fail(s, what);
@@ -545,7 +540,7 @@ static int run(Scan *s, long max_depth, unsigned long long max_string, unsigned 
     return corrupt(s, "malformed pickle: no STOP"); /* the bytes ended (or an argument ran past them) first */
 }
 
-static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
+PyObject *native_scan(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_buffer view;
     long long max_depth, max_string, max_int, max_hashed_keys;
     PyObject *safe_hash;
@@ -591,25 +586,4 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
             return Py_BuildValue("(iN)", CORRUPT, message);
         }
     }
-}
-
-static PyMethodDef methods[] = {
-    {"scan", scan, METH_VARARGS, "The pickle pre-pass (see ckptdoctor.pickle_scan); None, (kind, message) or -1."},
-    {"prune_memo", pickle_prune_memo, METH_VARARGS,
-     "prune_memo(data, share_strings=False, drop_plans=False): the pickle without its unread memo entries, or None "
-     "(see the C source)."},
-    {"pruned_reader", pickle_pruned_reader, METH_VARARGS,
-     "pruned_reader(data, release=False, share_strings=False, drop_plans=False): prune_memo(data, share_strings, "
-     "drop_plans) as a file to read from (read, readline), or None."},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "ckptdoctor._pickle_scan", "ckptdoctor.pickle_scan's pre-pass in C.", -1, methods,
-    NULL, NULL, NULL, NULL,
-};
-
-PyMODINIT_FUNC PyInit__pickle_scan(void) {
-    if (pickle_prune_ready() < 0) return NULL;
-    return PyModule_Create(&module_def);
 }

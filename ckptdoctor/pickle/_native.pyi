@@ -11,13 +11,10 @@ def scan(
     safe_hash: Callable[[str, str], bool] | None,
     /,
 ) -> None | int | tuple[int, str]: ...
-def prune_memo(
-    data: bytes | bytearray | memoryview, share_strings: bool = False, drop_plans: bool = False, /
-) -> bytes | None: ...
+def prune_memo(data: bytes | bytearray | memoryview, drop_plans: bool = False, /) -> bytes | None: ...
 def pruned_reader(
     data: bytes | bytearray | memoryview | mmap.mmap,
     release: bool = False,
-    share_strings: bool = False,
     drop_plans: bool = False,
     /,
 ) -> BinaryIO | None: ...

@@ -1,0 +1,24 @@
+/* The module ckptdoctor.pickle._native (see _native.h): its functions, each in the source of its part. */
+#include "_native.h"
+
+static PyMethodDef methods[] = {
+    {"scan", native_scan, METH_VARARGS,
+     "scan(data, max_depth, max_string, max_int, max_hashed_keys, safe_hash): the pre-pass of scanner.py; None, "
+     "(kind, message) or -1 (the Python walk decides)."},
+    {"prune_memo", native_prune_memo, METH_VARARGS,
+     "prune_memo(data, drop_plans=False): the pickle without its unread memo entries, or None (see _prune.c)."},
+    {"pruned_reader", native_pruned_reader, METH_VARARGS,
+     "pruned_reader(data, release=False, drop_plans=False): prune_memo(data, drop_plans) as a file to read from "
+     "(read, readline), or None."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "ckptdoctor.pickle._native", "The pickle engine's native module (see _native.h).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (native_prune_ready() < 0) return NULL;
+    return PyModule_Create(&module_def);
+}

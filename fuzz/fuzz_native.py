@@ -1,0 +1,275 @@
+"""Differential fuzzing of the native modules against the pure Python (issue #34 §6; run by scripts/sanitize.sh).
+
+A seeded, structure-aware mutation loop over the fixtures' pickles (every ``.metadata``, and the ``data.pkl`` of
+every torch zip such as ``common.pt``): byte flips, truncations, opcode splices, length-field edits, range
+deletions and duplications. Each mutant goes to two worker processes, one with the native modules and one with
+them blocked (``CKPTDOCTOR_NO_EXTENSIONS=1``), which each answer one line per mutant:
+
+- the resource pre-pass (``ckptdoctor.pickle.scanner.scan``): passes, or the exception class and message;
+- where it passes, the faithful read (``unpickler.loads``, memo pruning in C), as a structural dump or the error;
+- for ``.metadata`` mutants, the index-only read and the DCP index built from it (compact records, index_size,
+  the index loops in C), as the index's items or the error.
+
+Any difference, or a worker that dies (a sanitizer report aborts it), fails the run with the mutant saved for
+reproduction. ``--seconds`` bounds the run (the mutants are the same for a given ``--seed``, their number depends
+on the machine's speed).
+
+    python fuzz/fuzz_native.py --seconds 120 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import functools
+import hashlib
+import os
+import pickletools
+import random
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OPCODE_BYTES = [op.code.encode("latin-1") for op in pickletools.opcodes]
+MAX_SEED_BYTES = 400_000
+
+
+def seeds() -> list[tuple[str, bytes]]:
+    """(kind, pickle) of every fixture: "metadata" for a DCP ``.metadata``, "pickle" for a torch zip's data.pkl."""
+    out: list[tuple[str, bytes]] = []
+    fixtures = ROOT / "fixtures"
+    for path in sorted(fixtures.rglob(".metadata")):
+        data = path.read_bytes()
+        if len(data) <= MAX_SEED_BYTES:
+            out.append(("metadata", data))
+    for path in sorted(fixtures.rglob("*.pt")):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                for name in archive.namelist():
+                    if name.endswith("data.pkl") and archive.getinfo(name).file_size <= MAX_SEED_BYTES:
+                        out.append(("pickle", archive.read(name)))
+        except zipfile.BadZipFile:
+            continue
+    return out
+
+
+def _ops(data: bytes) -> list[tuple[Any, Any, int]]:
+    ops = []
+    try:
+        for op, arg, pos in pickletools.genops(data):
+            ops.append((op, arg, pos))
+    except Exception:  # noqa: BLE001 - a mutant of a mutant: the opcodes up to the damage
+        pass
+    return ops
+
+
+def mutate(data: bytes, rng: random.Random) -> bytes:
+    """One to three structure-aware edits of ``data``."""
+    buf = bytearray(data)
+    for _ in range(rng.randint(1, 3)):
+        if not buf:
+            buf += rng.choice(OPCODE_BYTES)
+            continue
+        choice = rng.randrange(7)
+        at = rng.randrange(len(buf))
+        if choice == 0:  # byte flip
+            buf[at] ^= 1 << rng.randrange(8)
+        elif choice == 1:  # truncation
+            del buf[at:]
+        elif choice == 2:  # opcode splice: an opcode with a few argument bytes, at an opcode boundary if known
+            ops = _ops(bytes(buf))
+            if ops:
+                at = rng.choice(ops)[2]
+            argument = bytes(rng.randrange(256) for _ in range(rng.choice((0, 1, 2, 4, 8))))
+            buf[at:at] = rng.choice(OPCODE_BYTES) + argument
+        elif choice == 3:  # a length field or a memo index edited: the bytes after a length-prefixed opcode
+            ops = [o for o in _ops(bytes(buf)) if o[0].arg is not None and o[0].arg.n != 0]
+            if ops:
+                op, _, pos = rng.choice(ops)
+                width = min(abs(op.arg.n) if op.arg.n > 0 else 4, 8)
+                value = rng.choice((0, 1, 255, 256, 65535, 1 << 31, (1 << 32) - 1, rng.randrange(1 << 16)))
+                field = value.to_bytes(8, "little")[:width]
+                buf[pos + 1 : pos + 1 + width] = field
+        elif choice == 4:  # a range deleted
+            del buf[at : at + rng.randint(1, 64)]
+        elif choice == 5:  # a range duplicated (memo writes out of sequence, marks unbalanced, ...)
+            piece = buf[at : at + rng.randint(1, 64)]
+            buf[at:at] = piece
+        else:  # an opcode replaced by another of the same argument kind
+            ops = _ops(bytes(buf))
+            if ops:
+                op, _, pos = rng.choice(ops)
+                same = [o for o in pickletools.opcodes if o.arg is op.arg]
+                buf[pos] = ord(rng.choice(same).code)
+    return bytes(buf)
+
+
+# --- the worker ------------------------------------------------------------------------------------------
+
+
+def _error(exc: BaseException) -> str:
+    from ckptdoctor.pickle.stand_ins import ALIAS_MODULE  # random per process
+
+    return f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}".replace(ALIAS_MODULE, "<alias>")
+
+
+def _dump(obj: Any, limit: int = 20000) -> str:
+    """Types and values, depth first, without object identity (which the native modules may share more); a cycle
+    is written as one; at most ``limit`` nodes."""
+    out: list[str] = []
+    todo: list[tuple[Any, frozenset]] = [(obj, frozenset())]
+    while todo and len(out) < limit:
+        x, path = todo.pop()
+        if isinstance(x, (int, float, complex, bytes, bytearray, str, bool, type(None))):
+            out.append(f"{type(x).__qualname__}:{x!r}")
+            continue
+        if id(x) in path:
+            out.append("cycle")
+            continue
+        path = path | {id(x)}
+        if isinstance(x, functools.partial):  # torch.Size as an object: the function inside differs
+            out.append("partial")
+            continue
+        out.append(f"{type(x).__module__}.{type(x).__qualname__}")
+        children: list[Any] = []
+        if isinstance(x, dict):
+            children = [c for kv in x.items() for c in kv]
+        elif isinstance(x, (list, tuple)):
+            children = list(x)
+        elif isinstance(x, (set, frozenset)):
+            out.append(str(len(x)))
+        state = getattr(x, "__dict__", None)
+        if isinstance(state, dict):
+            children += [c for kv in state.items() for c in kv]
+        out.append(str(len(children)))
+        todo.extend((c, path) for c in reversed(children))
+    from ckptdoctor.pickle.stand_ins import ALIAS_MODULE  # random per process
+
+    return hashlib.sha256("\n".join(out).replace(ALIAS_MODULE, "<alias>").encode()).hexdigest()[:16]
+
+
+def outcome(kind: str, data: bytes) -> str:
+    from ckptdoctor.formats.dcp_index import DcpItem
+    from ckptdoctor.formats.torch_dist import _index_from_object
+    from ckptdoctor.pickle import scanner, unpickler
+    from ckptdoctor.pickle.torch_stand_ins import StorageRef
+
+    parts = []
+    try:
+        scanner.scan(data)
+        parts.append("scan ok")
+    except Exception as exc:  # noqa: BLE001
+        return "scan " + _error(exc)
+    try:
+        obj = unpickler.loads(data, lambda pid: StorageRef(repr(pid)[:40], None, "cpu", 0))
+        parts.append("faithful " + _dump(obj))
+        del obj
+    except Exception as exc:  # noqa: BLE001
+        parts.append("faithful " + _error(exc))
+    if kind == "metadata":
+        try:
+            obj = unpickler.loads(data, lambda pid: StorageRef(repr(pid)[:40], None, "cpu", 0), index_only=True)
+            index = _index_from_object(obj, Path("m"), DcpItem, [], consume=True)
+            del obj
+            rows = [(k, i.kind, i.dtype, i.shape, [tuple(c) for c in i.chunks]) for k, i in index.items.items()]
+            parts.append("index " + hashlib.sha256(repr(rows).encode()).hexdigest()[:16])
+        except Exception as exc:  # noqa: BLE001
+            parts.append("index " + _error(exc))
+    return " | ".join(parts)
+
+
+def worker() -> None:
+    sys.setrecursionlimit(10000)
+    for line in sys.stdin:
+        kind, _, encoded = line.rstrip("\n").partition(" ")
+        answer = outcome(kind, base64.b64decode(encoded))
+        sys.stdout.write(answer.replace("\n", "\\n") + "\n")
+        sys.stdout.flush()
+
+
+# --- the parent ------------------------------------------------------------------------------------------
+
+
+def _start(native: bool) -> subprocess.Popen:
+    env = dict(os.environ)
+    if native:
+        env.pop("CKPTDOCTOR_NO_EXTENSIONS", None)
+    else:
+        env["CKPTDOCTOR_NO_EXTENSIONS"] = "1"
+    return subprocess.Popen(
+        [sys.executable, __file__, "--worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=120.0, help="stop after this long (default 120)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("fuzz-failure.bin"), help="where a failing mutant is saved")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    o = p.parse_args(argv)
+    if o.worker:
+        worker()
+        return 0
+    corpus = seeds()
+    if not corpus:
+        print("fuzz_native: no seeds under fixtures/", file=sys.stderr)
+        return 2
+    rng = random.Random(o.seed)
+    native, python = _start(True), _start(False)
+    check = subprocess.run(
+        [sys.executable, "-c", "import ckptdoctor.pickle._native, ckptdoctor.formats.dcp_index as d; print(1)"],
+        capture_output=True,
+        text=True,
+    )
+    if check.returncode != 0:
+        print(f"fuzz_native: the native modules do not import:\n{check.stderr}", file=sys.stderr)
+        return 2
+    deadline = time.monotonic() + o.seconds
+    count = differences = 0
+    try:
+        while time.monotonic() < deadline:
+            kind, seed = rng.choice(corpus)
+            mutant = mutate(seed, rng) if count % 8 else seed  # the seeds themselves now and then
+            line = f"{kind} {base64.b64encode(mutant).decode()}\n"
+            answers = []
+            for proc in (native, python):
+                assert proc.stdin is not None
+                proc.stdin.write(line)
+                proc.stdin.flush()
+            for name, proc in (("native", native), ("python", python)):
+                assert proc.stdout is not None
+                answer = proc.stdout.readline()
+                if not answer:
+                    o.out.write_bytes(mutant)
+                    died = f"the {name} worker died (exit {proc.wait()})"
+                    print(f"fuzz_native: {died} on mutant {count}, saved to {o.out}")
+                    return 1
+                answers.append(answer.rstrip("\n"))
+            if answers[0] != answers[1]:
+                differences += 1
+                o.out.write_bytes(mutant)
+                print(f"fuzz_native: C and Python differ on mutant {count} ({kind}, saved to {o.out}):")
+                print(f"  native: {answers[0][:400]}\n  python: {answers[1][:400]}")
+                return 1
+            count += 1
+    finally:
+        for proc in (native, python):
+            if proc.poll() is None:
+                assert proc.stdin is not None
+                proc.stdin.close()
+                proc.wait()
+    print(f"fuzz_native: {count} mutants of {len(corpus)} seeds, C and Python alike ({o.seconds:.0f} s, seed {o.seed})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
