@@ -25,8 +25,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "${pip[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2
     echo "$want" > "$stamp"
 fi
-.venv/bin/ruff check ckptdoctor tests bench scripts
-.venv/bin/ruff format --check ckptdoctor tests bench scripts
+.venv/bin/ruff check ckptdoctor tests bench scripts fuzz
+.venv/bin/ruff format --check ckptdoctor tests bench scripts fuzz
 .venv/bin/mypy
 .venv/bin/lint-imports  # the layer contract in pyproject.toml (docs/architecture.md)
 jobs=${CKPTDOCTOR_TEST_JOBS:-}
