@@ -1,8 +1,10 @@
 """Args checks of a loading run: what fails at startup (before any load) and after the load.
 
-Startup: the ``fix-args`` rule table (:mod:`ckptdoctor.arg_rules`, megatron-core's
-``resolve_tensor_parallel_weight_shards``) evaluated at the target layout, and the divisibility checks of
-``TransformerConfig.__post_init__``, ``TransformerBlock`` and ``MoELayer``. After the load (not with
+Startup, in the order a Megatron-LM launch meets them: the ``fix-args`` rule table (:mod:`ckptdoctor.arg_rules`,
+megatron-core's ``resolve_tensor_parallel_weight_shards``) evaluated at the target layout, ``validate_args``'s
+layout checks (world size by TP x PP x CP, EP only with experts), ``initialize_model_parallel``'s (world size by
+EP x ETP x PP, dense models too), and the divisibility checks of ``TransformerConfig.__post_init__``,
+``TransformerBlock`` and ``MoELayer``. After the load (not with
 ``--finetune``): Megatron-LM's ``check_checkpoint_args``, which compares num_layers, hidden_size and
 num_attention_heads with the saved ones.
 
@@ -30,6 +32,38 @@ class StartupCheck:
     args: tuple[str, ...]  # the args a --set can fix
     fails: Callable[[dict[str, Any]], str | None]
     fix: str | None = None  # default: choose a target layout that divides the args
+    why: str = "the model cannot be built at the target layout"
+
+
+def _world(args: dict[str, Any]) -> str | None:
+    """Megatron-LM ``validate_args``: the world size is a multiple of TP x PP x CP (x the GTP remat size)."""
+    world = _int(args, "world_size")
+    size = _int(args, "tensor_model_parallel_size", 1) * _int(args, "pipeline_model_parallel_size", 1)
+    size *= _int(args, "context_parallel_size", 1) * max(1, _int(args, "gtp_weight_remat_size", 1))
+    if world and world % size:
+        return f"AssertionError: world size ({world}) is not divisible by total_model_size (total_model_size={size})"
+    return None
+
+
+def _ep_without_experts(args: dict[str, Any]) -> str | None:
+    """Megatron-LM ``validate_args``: EP > 1 needs experts (num_experts 0 reads as None)."""
+    if _int(args, "expert_model_parallel_size", 1) > 1 and not _int(args, "num_experts"):
+        return "AssertionError: num_experts must be non None to use expert model parallelism"
+    return None
+
+
+def _expert_world(args: dict[str, Any]) -> str | None:
+    """megatron-core ``initialize_model_parallel`` (dense models too): the world size is a multiple of
+    ETP x EP x PP (x the expert GTP remat size); ETP is TP where the run sets none."""
+    world, tp = _int(args, "world_size"), _int(args, "tensor_model_parallel_size", 1)
+    size = _int(args, "expert_tensor_parallel_size", tp) * _int(args, "expert_model_parallel_size", 1)
+    size *= _int(args, "pipeline_model_parallel_size", 1) * max(1, _int(args, "expert_gtp_weight_remat_size", 1))
+    if world and world % size:
+        return (
+            f"RuntimeError: world_size ({world}) is not divisible by expert_tensor_model_pipeline_parallel size "
+            f"({size})"
+        )
+    return None
 
 
 def _heads(args: dict[str, Any]) -> str | None:
@@ -99,7 +133,23 @@ def _moe_pattern(args: dict[str, Any]) -> str | None:
     return None
 
 
+_LAYOUT_REFUSED = "megatron refuses the target layout at startup"
 STARTUP_CHECKS: list[StartupCheck] = [
+    StartupCheck(
+        (), _world, "a --target world=N that TP x PP x CP divides (or dp=N)", "validate_args: " + _LAYOUT_REFUSED
+    ),
+    StartupCheck(
+        ("num_experts",),
+        _ep_without_experts,
+        "--target ep=1 (the model has no experts to spread)",
+        "validate_args: expert parallelism without experts",
+    ),
+    StartupCheck(
+        (),
+        _expert_world,
+        "a --target whose EP x ETP x PP divides the world size (etp=N, ep=N, dp=N or world=N)",
+        "initialize_model_parallel: " + _LAYOUT_REFUSED,
+    ),
     StartupCheck(("num_attention_heads",), _heads),
     StartupCheck(("num_query_groups",), _groups),
     StartupCheck(("num_layers",), _layers),
@@ -138,7 +188,7 @@ def args_problem(saved: dict[str, Any], args: dict[str, Any], finetune: bool, ke
         error = check.fails(args)
         if error:
             return ArgsProblem(
-                "the model cannot be built at the target layout",
+                check.why,
                 error,
                 check.fix or f"choose a target layout that divides {', '.join(check.args)}",
             )

@@ -174,7 +174,8 @@ def _section_from_plan(section: str, plan: KeyPlan, ctx: _Context, changed: str 
 
 
 def _layout_change(ctx: _Context) -> str | None:
-    fields = ("tp", "pp", "ep", "etp")  # what cuts model tensors (DP and CP replicate them)
+    # What cuts model tensors (DP and CP replicate them; ETP cuts experts only).
+    fields = ("tp", "pp", "ep", "etp") if ctx.args.get("num_experts") else ("tp", "pp", "ep")
     changes = [
         f"{f.upper()} {getattr(ctx.saved, f)}->{getattr(ctx.target, f)}"
         for f in fields
@@ -308,7 +309,8 @@ def predict(
     saved_args = args_as_dict(common.get("args"))
     layout = infer_layout(ckpt)
     saved = saved_layout(saved_args, layout.tp, layout.pp)
-    target = parse_target(target_spec, saved)
+    experts = bool(_arg(saved_args, "num_experts", 0)) or layout.ep is not None
+    target = parse_target(target_spec, saved, experts)
     args = run_args(saved_args, model_args, target, run)
     ctx = _Context(ckpt, saved_args, args, saved, target, run, common, [])
     base = {**saved_args, **(model_args or {})}

@@ -56,10 +56,11 @@ class Layout:
     etp: int
     cp: int
     dp: int
+    world_size: int | None = None  # a --target world=N that TP x PP x CP does not divide (megatron refuses it)
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
+        return self.world_size or self.tp * self.pp * self.cp * self.dp
 
     def summary(self) -> str:
         return f"TP={self.tp} PP={self.pp} EP={self.ep} ETP={self.etp} CP={self.cp} DP={self.dp} (world {self.world})"
@@ -101,9 +102,12 @@ def saved_layout(args: dict[str, Any], chunk_tp: int | None, chunk_pp: int | Non
     )
 
 
-def parse_target(spec: str, saved: Layout) -> Layout:
-    """``tp=4,pp=2[,ep=..,etp=..,cp=..,dp=..|world=..]``; omitted fields default to the saved layout (ETP to the
-    target TP when the saved ETP equalled the saved TP). Raises CkptError (exit 2) on a bad spec."""
+def parse_target(spec: str, saved: Layout, experts: bool = True) -> Layout:
+    """``tp=4,pp=2[,ep=..,etp=..,cp=..,dp=..|world=..]``; omitted fields default to the saved layout, except ETP:
+    the target TP (what Megatron-LM sets when its command line gives none: it never takes ETP from a checkpoint),
+    unless ``experts`` were saved at an ETP other than TP (the experts' cut is kept, as an omitted EP is).
+    Raises CkptError (exit 2) on a spec that names no layout; a layout megatron refuses (a world that TP x PP x CP
+    or EP x ETP x PP does not divide) is returned: its failure is a prediction (section ``args``)."""
     values: dict[str, int] = {}
     for part in spec.split(","):
         match = _TARGET_RE.match(part)
@@ -122,17 +126,16 @@ def parse_target(spec: str, saved: Layout) -> Layout:
     if "dp" in values and "world" in values:
         raise CkptError("--target: give dp or world, not both")
     tp, pp, cp = values.get("tp", saved.tp), values.get("pp", saved.pp), values.get("cp", saved.cp)
+    world_size = None
     if "world" in values:
+        dp = max(1, values["world"] // (tp * pp * cp))
         if values["world"] % (tp * pp * cp):
-            raise CkptError(f"--target: world={values['world']} is not a multiple of TP x PP x CP = {tp * pp * cp}")
-        dp = values["world"] // (tp * pp * cp)
+            world_size = values["world"]  # validate_args refuses it (args section)
     else:
         dp = values.get("dp", saved.dp)
-    etp = values.get("etp", tp if saved.etp == saved.tp else saved.etp)
-    ep = values.get("ep", saved.ep)
-    if (tp * pp * cp * dp) % (etp * ep * pp):
-        raise CkptError(f"--target: EP x ETP x PP = {ep * etp * pp} does not divide the world size {tp * pp * cp * dp}")
-    return Layout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, dp=dp)
+    keep_etp = experts and saved.etp != saved.tp
+    etp = values.get("etp", saved.etp if keep_etp else tp)
+    return Layout(tp=tp, pp=pp, ep=values.get("ep", saved.ep), etp=etp, cp=cp, dp=dp, world_size=world_size)
 
 
 def parse_value(text: str) -> Any:
