@@ -18,7 +18,8 @@ from ckptdoctor.ops.can_load.run import SHARDING_TYPES, STRICTNESS
     "target",
     required=True,
     metavar="tp=N,pp=N[,ep=N,etp=N,cp=N,dp=N|world=N]",
-    help="The loading run's layout; omitted fields keep the saved layout.",
+    help="The loading run's layout; omitted fields keep the saved layout (ETP defaults to the target TP, as "
+    "Megatron-LM's does).",
 )
 @click.option("--finetune", is_flag=True, help="The run loads with --finetune (model only, iteration 0).")
 @click.option("--no-load-optim", is_flag=True, help="The run loads with --no-load-optim.")
