@@ -155,7 +155,7 @@ def _interrupted(signum: int = signal.SIGINT) -> int:
 
 
 class _QuietPipe(io.RawIOBase):
-    """The file descriptor under ``sys.stdout`` or ``sys.stderr`` while a command runs: once the reader closes the
+    """The file descriptor under ``sys.stdout`` while a command runs: once the reader closes the
     pipe (``ckptdoctor inspect CKPT | head -c 100``), the rest of the output is discarded quietly, as ``cat`` ends on
     SIGPIPE, and the command finishes with its own exit code (it prints only after its work is done). Every write
     of every command reaches the descriptor here: the one place a broken pipe is handled. Below the text and
@@ -208,7 +208,7 @@ def _quiet_on_broken_pipe(stream: Any) -> Any:
 @contextmanager
 def _broken_pipes_quiet() -> Iterator[None]:
     saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _quiet_on_broken_pipe(sys.stdout), _quiet_on_broken_pipe(sys.stderr)
+    sys.stdout = _quiet_on_broken_pipe(sys.stdout)  # stderr stays as it is: its lines are unbuffered
     try:
         yield
     finally:

@@ -255,8 +255,8 @@ def test_a_key_with_a_lone_surrogate_is_shown_escaped(save_dir):
     for command in (
         ["inspect", "--keys", str(save)],
         ["diff", str(save), str(FIXTURES / "core019_tp1")],
-        ["edit", str(save), "--rename", "final_", "FINAL_", "--dry-run"],
-        ["strip-frozen", str(save), "--dry-run"],
+        ["edit", str(save), "--rename", "final_", "FINAL_", "--dry-run", "--keys"],
+        ["strip-frozen", str(save), "--dry-run", "--keys"],
         ["show", str(save), "decoder.final_"],
     ):
         proc = run_limited(*command)
