@@ -1,0 +1,112 @@
+"""The documentation's examples are current: every ``$ ckptdoctor ...`` example of README.md and docs/ that runs
+against a fixture is run, and its shown output must be what the command prints today.
+
+An example is a fenced block whose first line is ``$ ckptdoctor ARGS`` (a ``# comment`` after the command is
+dropped), followed by the output. In the shown output a line ``...`` stands for any number of lines, and ``...``
+inside a line for any text (an example may shorten long output). Trailing whitespace is not compared. Examples
+naming a path outside ``fixtures/`` (``/ckpt/run7``, ``ckpt``) are illustrative and not run; a path under
+``/tmp/`` is an output the command writes: it is moved to a fresh temporary dir. Also: the rules reference
+(docs/rules.md) is the output of its generator, and the pre-commit snippet lists hooks that exist.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_main
+
+DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+FENCE = re.compile(r"^```[a-z]*\n(\$ ckptdoctor [^\n]*)\n(.*?)^```\n", re.M | re.S)
+
+
+def _examples() -> list[tuple[str, str, str]]:
+    found = []
+    for doc in DOC_FILES:
+        for match in FENCE.finditer(doc.read_text(encoding="utf-8")):
+            argv = shlex.split(match.group(1)[len("$ ckptdoctor ") :], comments=True)
+            paths = [a for a in argv if "/" in a or a in ("ckpt",)]
+            if not any(a.startswith("fixtures/") for a in argv):
+                continue  # illustrative: a checkpoint that is not in the repository
+            if any(not (a.startswith(("fixtures/", "/tmp/")) or "=" in a) for a in paths):
+                continue
+            found.append((str(doc.relative_to(REPO)), match.group(1), match.group(2)))
+    return found
+
+
+EXAMPLES = _examples()
+
+
+def _pattern(shown: str) -> re.Pattern[str]:
+    parts = []
+    for line in shown.rstrip("\n").split("\n"):
+        line = line.rstrip()
+        if line == "...":
+            parts.append(r"(?:[^\n]*\n)*?")
+        else:
+            parts.append(".*".join(re.escape(piece) for piece in line.split("...")) + r"[ \t]*\n")
+    return re.compile("".join(parts), re.S)
+
+
+def test_examples_found():
+    """The README's quick start examples are among those run (the extraction did not silently find nothing)."""
+    readme = [command for doc, command, _ in EXAMPLES if doc == "README.md"]
+    assert len(readme) >= 5, readme
+    assert len(EXAMPLES) >= 12, [command for _, command, _ in EXAMPLES]
+
+
+@pytest.mark.parametrize("doc, command, shown", EXAMPLES, ids=[f"{d}:{c[2:60]}" for d, c, _ in EXAMPLES])
+def test_example_output_is_current(doc, command, shown, capsys, monkeypatch, tmp_path):
+    argv = shlex.split(command[len("$ ckptdoctor ") :], comments=True)
+    out_dir = f"{tmp_path}/"
+    argv = [a.replace("/tmp/", out_dir) for a in argv]
+    shown = shown.replace("/tmp/", out_dir)
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("COLUMNS", "200")
+    _, out, err = run_main(capsys, *argv)
+    out = "\n".join(line.rstrip() for line in out.split("\n"))
+    both = "\n".join(line.rstrip() for line in (out + err).split("\n"))
+    pattern = _pattern(shown)
+    assert pattern.fullmatch(out) or pattern.fullmatch(both), f"{doc}: `{command}` prints today:\n{out}{err}"
+
+
+def test_rules_reference_is_generated():
+    """docs/rules.md is what scripts/gen_rules_doc.py writes from the rule registry."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gen_rules_doc.py"), "--check"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_rule_and_command_has_its_page():
+    from ckptdoctor.commands import COMMAND_MODULES
+    from ckptdoctor.rules.registry import all_rules
+
+    rules_page = (REPO / "docs" / "rules.md").read_text(encoding="utf-8")
+    assert all(f"### {r.code}\n" in rules_page for r in all_rules())
+    for name in COMMAND_MODULES:
+        assert (REPO / "docs" / "commands" / f"{name}.md").is_file(), name
+
+
+def test_readme_is_short():
+    assert len((REPO / "README.md").read_text(encoding="utf-8").splitlines()) <= 250
+
+
+def test_documented_hooks_exist():
+    hooks = set(re.findall(r"^- id: (\S+)$", (REPO / ".pre-commit-hooks.yaml").read_text(), re.M))
+    documented = set(re.findall(r"- id: (ckptdoctor-[a-z-]+)", (REPO / "docs" / "pre-commit.md").read_text()))
+    assert documented and documented <= hooks
+
+
+def _paths(doc: Path) -> list[str]:
+    return [p for p in re.findall(r"`((?:docs|bench|fixtures|scripts|tests)/[\w./-]+)`", doc.read_text()) if "*" not in p]
+
+
+def test_repository_paths_named_in_docs_exist():
+    """A path of this repository that a page names in code (`bench/README.md`) exists: a renamed file fails here."""
+    missing = sorted({(str(d.relative_to(REPO)), p) for d in DOC_FILES for p in _paths(d) if not (REPO / p).exists()})
+    assert not missing, missing
