@@ -103,7 +103,8 @@ def test_documented_hooks_exist():
 
 
 def _paths(doc: Path) -> list[str]:
-    return [p for p in re.findall(r"`((?:docs|bench|fixtures|scripts|tests)/[\w./-]+)`", doc.read_text()) if "*" not in p]
+    named = re.findall(r"`((?:docs|bench|fixtures|scripts|tests)/[\w./-]+)`", doc.read_text(encoding="utf-8"))
+    return [p for p in named if "*" not in p and "<" not in p]
 
 
 def test_repository_paths_named_in_docs_exist():
