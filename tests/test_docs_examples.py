@@ -21,20 +21,40 @@ import pytest
 from conftest import REPO, run_main
 
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-FENCE = re.compile(r"^```[a-z]*\n(\$ ckptdoctor [^\n]*)\n(.*?)^```\n", re.M | re.S)
+FENCE = re.compile(r"^```[a-z]*\n(\$ [^\n]*\n.*?)^```\n", re.M | re.S)
+PROMPT = "$ "
 
 
-def _examples() -> list[tuple[str, str, str]]:
+def _steps(block: str) -> list[tuple[str, str]]:
+    """A block's ``$ command`` lines, each with the output shown below it."""
+    steps: list[tuple[str, list[str]]] = []
+    for line in block.splitlines():
+        if line.startswith(PROMPT):
+            steps.append((line[len(PROMPT) :], []))
+        else:
+            steps[-1][1].append(line)
+    return [(command, "".join(f"{line}\n" for line in shown)) for command, shown in steps]
+
+
+def _runs_here(steps: list[tuple[str, str]]) -> bool:
+    """Every path a ckptdoctor command names is a fixture or a /tmp/ output, and a fixture is named."""
+    if "fixtures/" not in "".join(command for command, _ in steps):
+        return False  # illustrative: a checkpoint that is not in the repository
+    for command, _ in steps:
+        if command.startswith("ckptdoctor "):
+            argv = shlex.split(command, comments=True)[1:]
+            if any(("/" in a or a == "ckpt") and not a.startswith(("fixtures/", "/tmp/")) for a in argv):
+                return False
+    return True
+
+
+def _examples() -> list[tuple[str, list[tuple[str, str]]]]:
     found = []
     for doc in DOC_FILES:
         for match in FENCE.finditer(doc.read_text(encoding="utf-8")):
-            argv = shlex.split(match.group(1)[len("$ ckptdoctor ") :], comments=True)
-            paths = [a for a in argv if "/" in a or a in ("ckpt",)]
-            if not any(a.startswith("fixtures/") for a in argv):
-                continue  # illustrative: a checkpoint that is not in the repository
-            if any(not (a.startswith(("fixtures/", "/tmp/")) or "=" in a) for a in paths):
-                continue
-            found.append((str(doc.relative_to(REPO)), match.group(1), match.group(2)))
+            steps = _steps(match.group(1))
+            if _runs_here(steps):
+                found.append((str(doc.relative_to(REPO)), steps))
     return found
 
 
@@ -54,24 +74,33 @@ def _pattern(shown: str) -> re.Pattern[str]:
 
 def test_examples_found():
     """The README's quick start examples are among those run (the extraction did not silently find nothing)."""
-    readme = [command for doc, command, _ in EXAMPLES if doc == "README.md"]
-    assert len(readme) >= 5, readme
-    assert len(EXAMPLES) >= 12, [command for _, command, _ in EXAMPLES]
+    readme = [steps[0][0] for doc, steps in EXAMPLES if doc == "README.md"]
+    assert len(readme) >= 6, readme
+    assert len(EXAMPLES) >= 14, [steps[0][0] for _, steps in EXAMPLES]
 
 
-@pytest.mark.parametrize("doc, command, shown", EXAMPLES, ids=[f"{d}:{c[2:60]}" for d, c, _ in EXAMPLES])
-def test_example_output_is_current(doc, command, shown, capsys, monkeypatch, tmp_path):
-    argv = shlex.split(command[len("$ ckptdoctor ") :], comments=True)
+def _normalised(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.split("\n"))
+
+
+@pytest.mark.parametrize("doc, steps", EXAMPLES, ids=[f"{d}:{s[-1][0][:60]}" for d, s in EXAMPLES])
+def test_example_output_is_current(doc, steps, capsys, monkeypatch, tmp_path):
+    """Each step in order: a ckptdoctor command runs in this process and prints what is shown below it; another
+    command (``cp -r fixtures/... /tmp/run7``: the set-up of an example) runs in bash and must succeed."""
     out_dir = f"{tmp_path}/"
-    argv = [a.replace("/tmp/", out_dir) for a in argv]
-    shown = shown.replace("/tmp/", out_dir)
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("COLUMNS", "200")
-    _, out, err = run_main(capsys, *argv)
-    out = "\n".join(line.rstrip() for line in out.split("\n"))
-    both = "\n".join(line.rstrip() for line in (out + err).split("\n"))
-    pattern = _pattern(shown)
-    assert pattern.fullmatch(out) or pattern.fullmatch(both), f"{doc}: `{command}` prints today:\n{out}{err}"
+    for command, shown in steps:
+        command = command.replace("/tmp/", out_dir)
+        if not command.startswith("ckptdoctor "):
+            subprocess.run(["bash", "-c", command], cwd=REPO, check=True)
+            continue
+        capsys.readouterr()
+        _, out, err = run_main(capsys, *shlex.split(command, comments=True)[1:])
+        pattern = _pattern(shown.replace("/tmp/", out_dir))
+        assert pattern.fullmatch(_normalised(out)) or pattern.fullmatch(_normalised(out + err)), (
+            f"{doc}: `{command}` prints today:\n{out}{err}"
+        )
 
 
 def test_rules_reference_is_generated():
