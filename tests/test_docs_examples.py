@@ -87,6 +87,8 @@ def _normalised(text: str) -> str:
 def test_example_output_is_current(doc, steps, capsys, monkeypatch, tmp_path):
     """Each step in order: a ckptdoctor command runs in this process and prints what is shown below it; another
     command (``cp -r fixtures/... /tmp/run7``: the set-up of an example) runs in bash and must succeed."""
+    if any(c.startswith("ckptdoctor show ") or " --values" in c for c, _ in steps):
+        pytest.importorskip("torch")  # statistics and values need torch (the test environment has it)
     out_dir = f"{tmp_path}/"
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("COLUMNS", "200")
