@@ -9,6 +9,7 @@ tests/test_docs_examples.py fails when the committed page differs from this scri
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -37,8 +38,13 @@ reports whose data is lost and names the latest good checkpoint
 """
 
 
+# Identifiers with underscores (tensor_model_parallel_size, _target_, __call__) as code: Markdown would read a
+# pair of underscores as emphasis.
+IDENTIFIER = re.compile(r"(?<![`\w])(\w[\w.]*_[\w.]*\w|_\w+_)(?![`\w])")
+
+
 def _one_line(text: str) -> str:
-    return " ".join(text.split())
+    return IDENTIFIER.sub(r"`\1`", " ".join(text.split()))
 
 
 def render() -> str:
