@@ -5,7 +5,8 @@
 # 3.11, so it goes in without its dependency resolution, next to the few packages it imports.
 #   ./scripts/test.sh                  everything (what CI runs, .ci/run)
 #   ./scripts/test.sh -m "not mcore"   fast tier: no megatron-core and no torch child processes
-# Before the tests: ruff check, ruff format --check, mypy and lint-imports (the layer contract) on the package (each fails the run).
+# Before the tests: ruff check, ruff format --check, mypy, lint-imports (the layer contract) and mkdocs build --strict
+# (the documentation site) (each fails the run).
 # Everything (CI) runs in one process: the megatron-core and torchrun tests are heavy and the Ctrl-C and kill
 # tests time signals. The fast tier (a -m expression with "not mcore") runs on 2 pytest-xdist workers, the
 # object-storage tests together on one (one moto server). CKPTDOCTOR_TEST_JOBS=N|auto|0 chooses (0: one process).
@@ -29,6 +30,10 @@ fi
 .venv/bin/ruff format --check ckptdoctor tests bench scripts fuzz
 .venv/bin/mypy
 .venv/bin/lint-imports  # the layer contract in pyproject.toml (docs/architecture.md)
+# The documentation site: --strict fails on a broken link, a missing page or a command mkdocs-click cannot render.
+docs_site=$(mktemp -d)
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet -d "$docs_site"
+rm -rf "$docs_site"
 jobs=${CKPTDOCTOR_TEST_JOBS:-}
 if [ -z "$jobs" ]; then
     jobs=0

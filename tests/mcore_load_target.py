@@ -9,7 +9,8 @@ after adding a cell; tests/test_can_load.py runs ``--matrix`` and compares). The
 
     python tests/mcore_load_target.py CELLS.json RESULTS.json
 
-takes cells of one world size (target given as a dict); ``--readme-table`` prints the matrix as README's table.
+takes cells of one world size (target given as a dict); ``--readme-table`` prints the matrix as the table of
+docs/can-load-matrix.md.
 Each
 cell builds the loading run the way a fresh launch at the target layout would: Megatron-LM's default args,
 overlaid with the checkpoint's saved args (or all of them except the layout ones with ``use_checkpoint_args``),
@@ -287,7 +288,7 @@ def run_matrix(out: Path, record: bool, only: list[str]) -> None:
 
 
 def readme_table() -> str:
-    """The matrix as README's markdown table (``--readme-table``)."""
+    """The matrix as docs/can-load-matrix.md's markdown table (``--readme-table``)."""
     lines = ["| cell | checkpoint | target | loading run | real load (megatron-core 0.19.2) |", "|---|---|---|---|---|"]
     for row in (json.loads(line) for line in MATRIX.read_text().splitlines() if line.strip()):
         flags = [f"`--{k.replace('_', '-')}`" for k in ("finetune", "no_load_optim", "no_load_rng") if row.get(k)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -323,13 +324,23 @@ def _commit(repo: Path, env: dict[str, str], message: str) -> subprocess.Complet
     )
 
 
+def _docs_snippet(variant: str) -> str:
+    """The ``.pre-commit-config.yaml`` of docs/pre-commit.md: ``"rev"`` the one installing from a repository (with a
+    ``rev:``), ``"local"`` the ``repo: local`` one."""
+    text = (REPO / "docs" / "pre-commit.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```yaml\n(.*?)^```", text, re.M | re.S)
+    (block,) = [b for b in blocks if ("- repo: local" in b) == (variant == "local")]
+    return block
+
+
 def _user_repo_with_hooks(root: Path, hook_repo: Path, pre_commit: str, env: dict[str, str]) -> None:
-    """``root`` (holding a checkpoint) as a git repo whose commits run both hooks, as a user installs them."""
+    """``root`` (holding a checkpoint) as a git repo whose commits run the hooks as docs/pre-commit.md says, with only
+    ``repo:`` and ``rev:`` replaced by the clone under test and its HEAD."""
     rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=hook_repo, capture_output=True, text=True, check=True)
-    (root / ".pre-commit-config.yaml").write_text(
-        f"repos:\n  - repo: {hook_repo}\n    rev: {rev.stdout.strip()}\n    hooks:\n"
-        "      - id: ckptdoctor-check\n      - id: ckptdoctor-check-staged\n"
-    )
+    config, repos = re.subn(r"^(\s*- repo: ).*$", rf"\g<1>{hook_repo}", _docs_snippet("rev"), flags=re.M)
+    config, revs = re.subn(r"^(\s*rev: ).*$", rf"\g<1>{rev.stdout.strip()}", config, flags=re.M)
+    assert repos == revs == 1 and re.search(r"^\s*rev: [0-9a-f]{40}\s", _docs_snippet("rev"), re.M)
+    (root / ".pre-commit-config.yaml").write_text(config)
     _git(root, "init", "-q")
     subprocess.run([pre_commit, "install"], cwd=root, capture_output=True, check=True, env=env)
 
@@ -384,6 +395,37 @@ def test_pre_commit_staged_hook_catches_deletions(tmp_path, hook_repo, pre_commi
     _git(repo_ckpt, "rm", "-q", f"{ITER}/__0_0.distcp")
     proc = _commit(repo_ckpt, env, "delete a data file")
     assert proc.returncode == 1 and "CKD113 [error] __0_0.distcp missing" in proc.stdout + proc.stderr
+
+
+def test_pre_commit_local_variant_from_docs(tmp_path, pre_commit_home):
+    """docs/pre-commit.md's ``repo: local`` config, as written, with the ckptdoctor of this environment on PATH (no
+    network): a commit of a checkpoint passes, a commit deleting one of its data files is refused."""
+    pre_commit = _pre_commit()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "ckptdoctor"
+    shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m ckptdoctor "$@"\n')
+    shim.chmod(0o755)
+    python_path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {
+        **os.environ,
+        "PRE_COMMIT_HOME": str(pre_commit_home),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": python_path,
+    }
+    user = tmp_path / "user-repo"
+    user.mkdir()
+    shutil.copytree(FIXTURES / "core019_tp2", user / "ckpt")
+    (user / ".pre-commit-config.yaml").write_text(_docs_snippet("local"))
+    _git(user, "init", "-q")
+    subprocess.run([pre_commit, "install"], cwd=user, capture_output=True, check=True, env=env)
+    _git(user, "add", "-A")
+    first = _commit(user, env, "checkpoint")
+    assert first.returncode == 0, first.stdout + first.stderr
+    _git(user, "rm", "-q", f"ckpt/{ITER}/__1_0.distcp")
+    refused = _commit(user, env, "delete a data file")
+    out = refused.stdout + refused.stderr
+    assert refused.returncode == 1 and "CKD113 [error] __1_0.distcp missing" in out, out
 
 
 def test_check_staged_without_pre_commit(capsys, tmp_path, monkeypatch):

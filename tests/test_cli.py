@@ -284,8 +284,8 @@ def test_values_without_torch_names_the_extra(tmp_path):
 
 
 def test_shell_completion_documented_and_working():
-    """README's completion recipe (click's _CKPTDOCTOR_COMPLETE) produces a bash script."""
-    readme = (REPO / "README.md").read_text()
+    """docs/install.md's completion recipe (click's _CKPTDOCTOR_COMPLETE) produces a bash script."""
+    readme = (REPO / "docs" / "install.md").read_text()
     for shell in ("bash", "zsh", "fish"):
         assert f"_CKPTDOCTOR_COMPLETE={shell}_source ckptdoctor" in readme
     env = dict(os.environ, _CKPTDOCTOR_COMPLETE="bash_source")

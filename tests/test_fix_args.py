@@ -129,7 +129,7 @@ def test_write_in_place_keeps_backups_and_restores(capsys, copy_fixture):
     assert all(after[k] == v for k, v in data_before.items())  # no tensor file rewritten
     rc, _, _ = _run(capsys, "fix-args", save)
     assert rc == 0
-    # README's restore recipe: move the backup back, drop the new common-state file
+    # docs/commands/fix-args.md's restore recipe: move the backup back, drop the new common-state file
     backups[0].replace(iteration_dir / ".metadata")
     for new_file in iteration_dir.glob("common_state.fixargs-*.distcp"):
         new_file.unlink()

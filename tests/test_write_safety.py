@@ -1,5 +1,5 @@
 """Write safety (issue #9): every write command killed or interrupted at every step leaves the original
-byte-identical or restorable exactly as the README / ``check`` says; one writer at a time; backups are never
+byte-identical or restorable exactly as docs/recovery.md / ``check`` says; one writer at a time; backups are never
 overwritten; failures are one-line errors. Fast: no torch or megatron-core is needed (all children run the CLI).
 """
 
@@ -86,15 +86,15 @@ def _assert_next_writers_refuse(capsys, save: Path) -> None:
 
 
 def _readme_restore_block() -> str:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("### Interrupted writes, locks and backups", 1)[1].split("\n## ", 1)[0]
+    text = (REPO / "docs" / "recovery.md").read_text(encoding="utf-8")
+    section = text.split("## An interrupted ckptdoctor write", 1)[1].split("\n## ", 1)[0]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     assert "cd ckpt/iter_0000010\n" in block and re.search(r"^stamp=\S+$", block, re.M)
     return block
 
 
 def _readme_restore(iteration_dir: Path, stamp: str) -> None:
-    """Run the README's fix-args restore procedure literally (only the dir and the stamp substituted)."""
+    """Run the docs' fix-args restore procedure literally (only the dir and the stamp substituted)."""
     block = _readme_restore_block().replace("cd ckpt/iter_0000010\n", f"cd {shlex.quote(str(iteration_dir))}\n")
     block = re.sub(r"^stamp=\S+$", f"stamp={stamp}", block, flags=re.M)
     _bash(block)
@@ -154,14 +154,14 @@ def test_fix_args_in_place_interrupted(capsys, copy_fixture, case, mode):
     if file_digests(it) != before:
         assert stamps, "the checkpoint changed but nothing says how to restore it"
     for stamp in stamps:
-        _readme_restore(it, stamp)  # the README procedure, literally, in whatever state the kill left
+        _readme_restore(it, stamp)  # the docs' procedure (docs/recovery.md), literally, in whatever state the kill left
     for part in parts:
         _bash(_command(next(f.message for f in found if f.path == str(part)), "delete it"))
     assert file_digests(it) == before  # byte-identical, no extra file left
 
 
 def test_fix_args_in_place_finding_restores_too(copy_fixture):
-    """The restore commands in the CKD150 message (computed from the disk) work as well as the README's."""
+    """The restore commands in the CKD150 message (computed from the disk) work as well as the docs'."""
     save = copy_fixture("core019_tp1")
     it = save / ITER
     before = file_digests(it)
@@ -255,7 +255,7 @@ def _assert_strip_in_place_restorable(capsys, save: Path, before: dict[str, str]
     for f in found:
         if f.code == "CKD151" and Path(f.path).exists():
             _bash(_command(f.message, "delete it"))
-    if not errors and file_digests(it) != before:  # completed: the original is the backup (README table)
+    if not errors and file_digests(it) != before:  # completed: the original is the backup (docs/recovery.md table)
         backups = sorted(save.glob(f"{ITER}.bak-*"))
         if no_backup:
             assert not backups  # --no-backup was asked for: the stripped checkpoint is complete
