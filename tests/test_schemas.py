@@ -275,3 +275,12 @@ def test_errors_in_json_mode_validate_against_the_error_schema(capsys, tmp_path,
 def test_check_reports_missing_paths_in_its_own_schema(capsys, tmp_path):
     doc = _run_json(capsys, "check", "--isolated", tmp_path / "missing", codes=(2,))
     assert doc["missing"] == [str(tmp_path / "missing")]
+
+
+def test_the_error_object_names_the_command_after_the_group_options(capsys, tmp_path):
+    from ckptdoctor.cli import _GROUP_OPTIONS_WITH_VALUE
+
+    valued = {name for p in cli.params if isinstance(p, click.Option) and not p.is_flag for name in p.opts}
+    assert valued == set(_GROUP_OPTIONS_WITH_VALUE)  # every option of the group that takes a value is skipped
+    doc = _run_json(capsys, "--max-pickle-bytes", "4GiB", "inspect", tmp_path / "missing", expect="error", codes=(2,))
+    assert doc["command"] == "inspect"
