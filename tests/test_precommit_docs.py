@@ -70,6 +70,7 @@ def test_the_remote_snippet_pins_a_full_commit_sha_and_no_placeholder_url():
 
 
 @pytest.mark.network
+@pytest.mark.mcore  # the slow tier: pre-commit builds a hook environment (~40 s)
 def test_the_remote_snippet_runs_with_only_repo_and_rev_replaced(tmp_path, hook_repo, pre_commit_home):  # noqa: F811
     """pre-commit builds the hook's environment from the clone (pip: click and tabulate from PyPI)."""
     pre_commit = _pre_commit()
