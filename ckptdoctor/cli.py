@@ -239,10 +239,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _interrupted(exc.signum)
 
 
+_GROUP_OPTIONS_WITH_VALUE = ("--max-pickle-bytes",)  # before the command name: its value is not the command
+
+
 def _asks_json(argv: Sequence[str]) -> tuple[str | None, bool]:
     """The command named in ``argv`` and whether it asked for ``--format json`` (read from the words alone: an
     error can come before click has parsed them)."""
-    command = next((word for word in argv if not word.startswith("-")), None)
+    command = None
+    words = iter(argv)
+    for word in words:  # the first word that is not an option of the group (or the value of one)
+        if word in _GROUP_OPTIONS_WITH_VALUE:
+            next(words, None)
+        elif not word.startswith("-"):
+            command = word
+            break
     for i, word in enumerate(argv):
         if word == "--":
             break

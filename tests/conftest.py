@@ -35,6 +35,14 @@ def manifest(name: str) -> dict:
     return json.loads((MANIFESTS / f"{name}.json").read_text())
 
 
+@functools.cache
+def shipped_schema(name: str) -> dict:
+    """Command ``name``'s ``--format json`` schema, as the package ships it (``ckptdoctor schema NAME``)."""
+    from ckptdoctor.commands.schema import schema_text
+
+    return json.loads(schema_text(name))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # A runner started in the background by a non-interactive shell (`./scripts/test.sh &`, nohup under a
     # subshell) inherits SIGINT ignored, and so would every child it starts: the Ctrl-C tests need it delivered.

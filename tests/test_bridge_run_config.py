@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from conftest import FIXTURES, REPO, file_digests, run_main
+from conftest import FIXTURES, file_digests, run_main, shipped_schema
 
 from ckptdoctor.formats.run_config import model_config
 from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
@@ -58,7 +58,7 @@ def test_fix_args_rewrites_only_the_run_config(capsys, tmp_path):
     before = file_digests(save / ITER)
     rc, out, _ = run_main(capsys, "fix-args", save, "--format", "json")
     report = json.loads(out)
-    jsonschema.validate(report, json.loads((REPO / "docs" / "fix-args.schema.json").read_text()))
+    jsonschema.validate(report, shipped_schema("fix-args"))
     assert rc == 1 and report["config_source"] == "run_config.yaml"
     rc, out, err = run_main(capsys, "fix-args", save, "--in-place")
     assert rc == 0, out + err
@@ -135,7 +135,7 @@ def test_inspect_shows_the_run_config_in_place_of_args(capsys, tmp_path):
     assert "CKD201 [warning] tensor_model_parallel_size=1 (should be 4)" in out
     rc, out, _ = run_main(capsys, "inspect", save, "--format", "json")
     report = json.loads(out)
-    jsonschema.validate(report, json.loads((REPO / "docs" / "inspect.schema.json").read_text()))
+    jsonschema.validate(report, shipped_schema("inspect"))
     assert report["args_source"] == "run_config.yaml"
     assert report["args"]["parallelism"] == {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
     assert [f["code"] for f in report["arg_findings"]] == ["CKD201", "CKD210"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, REPO, run_cli, run_main
+from conftest import FIXTURES, REPO, run_cli, run_main, shipped_schema
 from hostile_corpus import torch_zip
 
 from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE
@@ -264,7 +264,7 @@ def test_inspect_names_the_bridge_tracker_where_it_differs(capsys, tmp_path):
     (save / BRIDGE).write_bytes(b"torn")
     rc, out, _ = run_main(capsys, "inspect", save, "--format", "json")
     assert rc == 0 and json.loads(out)["tracker"]["bridge"] == "unreadable"
-    jsonschema.validate(json.loads(out), json.loads((REPO / "docs" / "inspect.schema.json").read_text()))
+    jsonschema.validate(json.loads(out), shipped_schema("inspect"))
 
 
 @pytest.mark.parametrize(

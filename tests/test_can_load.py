@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, REPO, require_mcore, run_cli
+from conftest import FIXTURES, REPO, require_mcore, run_cli, shipped_schema
 
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.errors import CkptError
@@ -25,7 +25,7 @@ from ckptdoctor.render.common import to_json
 
 MATRIX = REPO / "tests" / "can_load_matrix.jsonl"
 ROWS = [json.loads(line) for line in MATRIX.read_text().splitlines() if line.strip()]
-SCHEMA = json.loads((REPO / "docs" / "can-load.schema.json").read_text())
+SCHEMA = shipped_schema("can-load")
 
 
 def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, REPO, run_cli
+from conftest import FIXTURES, REPO, run_cli, shipped_schema
 
 from ckptdoctor.cli import main
 from ckptdoctor.ops.check import CHECKPOINT_FILE_RE
@@ -19,7 +19,7 @@ from ckptdoctor.rules.registry import all_rules
 
 ITER = "iter_0000010"
 CONVERTED = FIXTURES / "core019_convert_tp4"  # CKD203, CKD210, CKD212: fixed by fix-args
-SCHEMA = json.loads((REPO / "docs/check.schema.json").read_text())
+SCHEMA = shipped_schema("check")
 
 
 def _run(capsys, *args: str) -> tuple[int, str, str]:

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, REPO, fixture_names, manifest, run_ckptdoctor, run_cli_each
+from conftest import FIXTURES, REPO, fixture_names, manifest, run_ckptdoctor, run_cli_each, shipped_schema
 
 from ckptdoctor.cli import main
 
 NAMES = fixture_names()
-SCHEMA = json.loads((REPO / "docs/inspect.schema.json").read_text())
+SCHEMA = shipped_schema("inspect")
 
 # 512 random bytes, fixed: random garbage sometimes starts with an opcode we refuse by policy (CKD403)
 # rather than damage (CKD111); a fixed draw keeps the test deterministic.

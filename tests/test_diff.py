@@ -9,11 +9,11 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, REPO, manifest, run_cli
+from conftest import FIXTURES, manifest, run_cli, shipped_schema
 
 from ckptdoctor.cli import main
 
-SCHEMA = json.loads((REPO / "docs/diff.schema.json").read_text())
+SCHEMA = shipped_schema("diff")
 # Same weights, different TP: the TP=4/TP=1 pairs were made by loading the TP=1 save into a TP=4 model and
 # saving (fixtures/generate.py --convert-from); core019_tp1/_tp2 are same-seed runs whose model weights are
 # identical after one step (the optimizer state differs by ~1e-9, reduction order).

@@ -10,11 +10,11 @@ import warnings
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, REPO
+from conftest import FIXTURES, shipped_schema
 
 from ckptdoctor.cli import main
 
-SCHEMA = json.loads((REPO / "docs/diff.schema.json").read_text())
+SCHEMA = shipped_schema("diff")
 SRC, TP4 = str(FIXTURES / "core019_convert_src_tp1"), str(FIXTURES / "core019_convert_tp4")
 
 

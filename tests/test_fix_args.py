@@ -11,13 +11,13 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, REPO, free_port, require_mcore
+from conftest import FIXTURES, REPO, free_port, require_mcore, shipped_schema
 
 from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE
 from ckptdoctor.cli import main
 
 PAIRS = [("core019_convert_tp4", "core019_convert_src_tp1"), ("core016_convert_tp4", "core016_convert_src_tp1")]
-SCHEMA = json.loads((REPO / "docs/fix-args.schema.json").read_text())
+SCHEMA = shipped_schema("fix-args")
 DERIVED = (
     "tensor_parallel_num_weight_shards",
     "gtp_weight_remat_size",
@@ -375,14 +375,3 @@ def test_inspect_marks_inconsistent_args_and_points_to_fix_args(capsys):
     assert codes == ["CKD203", "CKD210", "CKD212"]
     rc, out, _ = _run(capsys, "inspect", FIXTURES / "core019_tp2")
     assert rc == 0 and "inconsistent args" not in out
-
-
-def test_schema_ships_in_the_wheel_with_the_others():
-    import fnmatch
-
-    import tomllib
-
-    data_files = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["data-files"]
-    patterns = [p for files in data_files.values() for p in files]
-    for name in ("fix-args", "inspect", "diff", "check"):
-        assert any(fnmatch.fnmatch(f"docs/{name}.schema.json", p) for p in patterns), name

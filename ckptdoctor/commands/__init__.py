@@ -26,6 +26,7 @@ COMMAND_MODULES: dict[str, str] = {
     "seal": "seal",
     "repair": "repair",
     "can-load": "can_load",
+    "schema": "schema",
 }
 
 

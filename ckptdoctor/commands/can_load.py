@@ -9,7 +9,7 @@ from ckptdoctor.commands.options import format_option, trust_global_option
 from ckptdoctor.ops.can_load.run import SHARDING_TYPES, STRICTNESS
 
 
-@click.command("can-load")
+@click.command("can-load", short_help="Predict whether Megatron loads a checkpoint at a layout.")
 @trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
@@ -56,7 +56,7 @@ from ckptdoctor.ops.can_load.run import SHARDING_TYPES, STRICTNESS
     is_flag=True,
     help="The run keeps every saved arg except the layout ones (as converters do), GTP weight shards included.",
 )
-@format_option(help="Output format; the JSON schema is docs/can-load.schema.json.")
+@format_option(schema="can-load")
 def command(
     checkpoint: str,
     iteration: str | None,

@@ -15,7 +15,7 @@ from ckptdoctor.commands.options import format_option, jobs_option, normalize_fo
 _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete_rule_codes}
 
 
-@click.command("check")
+@click.command("check", short_help="Check checkpoints for damage, bad args, unsafe pickles.")
 @trust_global_option
 @click.argument("paths", nargs=-1, type=click.Path(path_type=str))
 @click.option("--select", **_MULTI, help="Only these rule codes or prefixes (e.g. CKD1,CKD220). Default: all.")
@@ -25,7 +25,7 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete
     "sarif",
     default=None,
     aliases=("--output-format",),
-    help="Output format (default text): json (schema in the README), github (workflow "
+    help="Output format (default text): json (`ckptdoctor schema check` prints its schema), github (workflow "
     "annotations), sarif (SARIF 2.1.0, for code scanning).",
 )
 @click.option(

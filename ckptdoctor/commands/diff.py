@@ -34,7 +34,7 @@ def quiet_library_warnings() -> Iterator[None]:
         yield
 
 
-@click.command("diff")
+@click.command("diff", short_help="Compare two checkpoints: keys, shapes, layout and args.")
 @click.argument("checkpoint_a", type=click.Path(path_type=str))
 @click.argument("checkpoint_b", type=click.Path(path_type=str))
 @click.option(
@@ -46,7 +46,7 @@ def quiet_library_warnings() -> Iterator[None]:
 )
 @click.option("--key", "keys", multiple=True, metavar="REGEX", help="Only keys matching REGEX (repeatable: any).")
 @click.option("--exclude", multiple=True, metavar="REGEX", help="Leave out keys matching REGEX (repeatable).")
-@format_option(help="Output format; the JSON schema is docs/diff.schema.json.")
+@format_option(schema="diff")
 @click.option(
     "--values",
     "with_values",

@@ -15,7 +15,7 @@ SECTION_CHOICES = ["optimizer", "rng", "rerun"]
 PRESET_CHOICES = ["te-to-local", "local-to-te"]
 
 
-@click.command("edit")
+@click.command("edit", short_help="Remove, rename or drop keys without copying tensors.")
 @trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
@@ -50,7 +50,7 @@ PRESET_CHOICES = ["te-to-local", "local-to-te"]
     "--compact", is_flag=True, help="Byte-copy only the kept items into new data files (default: hard links)."
 )
 @click.option("--keys", "all_keys", is_flag=True, help="List every key of the plan, not the summary by reason.")
-@format_option(help="Output format; the JSON schema is in the README.")
+@format_option(schema="edit")
 @jobs_option("--compact: threads copying kept items")
 @gate_refusals
 def command(

@@ -11,7 +11,7 @@ from ckptdoctor.commands.options import format_option, gate_refusals, trust_glob
 from ckptdoctor.commands.write_target import echo_written, remote_output, write_target_options, writing
 
 
-@click.command("fix-args")
+@click.command("fix-args", short_help="Find and fix saved args that contradict the layout.")
 @trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
@@ -38,7 +38,7 @@ from ckptdoctor.commands.write_target import echo_written, remote_output, write_
     no_backup=False,
 )
 @click.option("--only-set", is_flag=True, help="Apply only the --set edits, not the fixes.")
-@format_option(help="Output format; the JSON schema is docs/fix-args.schema.json.")
+@format_option(schema="fix-args")
 @gate_refusals
 def command(
     checkpoint: str,

@@ -10,7 +10,7 @@ from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option
 
 
-@click.command("inspect")
+@click.command("inspect", short_help="Show a checkpoint's format, layout, sections and args.")
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
 @click.option("--keys", "with_keys", is_flag=True, help="Also print the key table.")
@@ -21,7 +21,7 @@ from ckptdoctor.commands.options import format_option
     default=None,
     help="Only keys matching REGEX in the key table (implies --keys).",
 )
-@format_option(help="Output format; the JSON schema is in the README.")
+@format_option(schema="inspect")
 def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter: str | None, output_format: str) -> int:
     """Show what CHECKPOINT is: format, era, layout, sections, args (metadata only).
 

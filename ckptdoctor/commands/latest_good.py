@@ -12,7 +12,7 @@ from ckptdoctor.commands.options import format_option, trust_global_option
 _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete_rule_codes}
 
 
-@click.command("latest-good")
+@click.command("latest-good", short_help="Print the newest iteration dir that passes `check`.")
 @trust_global_option
 @click.argument("save_dir", type=click.Path(path_type=str))
 @click.option("--select", **_MULTI, help="Only these rule codes or prefixes decide (as in check). Default: all.")
@@ -23,7 +23,7 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete
     is_flag=True,
     help="Print only the iteration number (or 'release'), e.g. for Megatron's --ckpt-step.",
 )
-@format_option()
+@format_option(schema="latest-good")
 def command(
     save_dir: str,
     select: tuple[str, ...],

@@ -25,10 +25,22 @@ def normalize_format(value: str) -> str:
     return FORMAT_ALIASES.get(value.lower(), value)
 
 
+def schema_help(name: str) -> str:
+    """Where ``--help`` sends a reader for the JSON output of command ``name``: the installed schema."""
+    return f"the JSON schema: `ckptdoctor schema {name}`"
+
+
 def format_option(
-    *extra: str, help: str = "Output format.", default: str | None = "text", aliases: tuple[str, ...] = ()
+    *extra: str,
+    help: str | None = None,
+    default: str | None = "text",
+    aliases: tuple[str, ...] = (),
+    schema: str | None = None,
 ) -> Callable[[Any], Any]:
-    """``--format text|json[|extra...]`` stored as ``output_format``; ``aliases`` are further option names."""
+    """``--format text|json[|extra...]`` stored as ``output_format``; ``aliases`` are further option names.
+    ``schema``: the command whose JSON schema the help names (``ckptdoctor schema NAME``)."""
+    if help is None:
+        help = "Output format." if schema is None else f"Output format; {schema_help(schema)}."
     return click.option(
         "--format",
         *aliases,

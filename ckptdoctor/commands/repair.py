@@ -11,7 +11,7 @@ from ckptdoctor.commands.options import format_option, gate_refusals, trust_glob
 from ckptdoctor.commands.write_target import echo_written, remote_output, write_target_options, writing
 
 
-@click.command("repair")
+@click.command("repair", short_help="Repair what `check` finds, where provably safe.")
 @trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
@@ -24,7 +24,7 @@ from ckptdoctor.commands.write_target import echo_written, remote_output, write_
     dry_run_help="Report the repairs that would be made; write nothing (as with no -o/--in-place).",
     no_backup=False,
 )
-@format_option()
+@format_option(schema="repair")
 @gate_refusals
 def command(
     checkpoint: str,

@@ -8,9 +8,9 @@ from ckptdoctor.commands import complete_rule_codes
 from ckptdoctor.commands.options import format_option
 
 
-@click.command("rules")
+@click.command("rules", short_help="List the rules of `check`, with codes and rationale.")
 @click.argument("codes", nargs=-1, shell_complete=complete_rule_codes)
-@format_option(help="Output format.")
+@format_option(schema="rules")
 def command(codes: tuple[str, ...], output_format: str) -> int:
     """List the rules of `ckptdoctor check` (only those matching CODES, codes or prefixes, if given)."""
     from ckptdoctor.render.common import render_rules, to_json

@@ -8,7 +8,7 @@ from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option, gate_refusals, jobs_option, trust_global_option
 
 
-@click.command("seal")
+@click.command("seal", short_help="Write integrity.json: the sha256 of every file.")
 @trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
@@ -16,7 +16,7 @@ from ckptdoctor.commands.options import format_option, gate_refusals, jobs_optio
 @click.option(
     "--force", is_flag=True, help="Re-seal a checkpoint that already has an integrity.json (else left unchanged)."
 )
-@format_option()
+@format_option(schema="seal")
 @gate_refusals
 def command(checkpoint: str, iteration: str | None, jobs: int | None, force: bool, output_format: str) -> int:
     """Write integrity.json (Megatron's format: sha256 of every file) so later `check` runs and Megatron's

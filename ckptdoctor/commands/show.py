@@ -10,7 +10,7 @@ from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option
 
 
-@click.command("show")
+@click.command("show", short_help="Show one saved item: metadata, chunk grid, statistics.")
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.argument("key")
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
@@ -34,7 +34,7 @@ from ckptdoctor.commands.options import format_option
     help="Export the tensor (or its --slice) to a .pt (torch.save) or .npy file (needs torch).",
 )
 @click.option("--force", is_flag=True, help="Replace an existing --save file.")
-@format_option()
+@format_option(schema="show")
 def command(
     checkpoint: str,
     key: str,

@@ -14,7 +14,7 @@ from ckptdoctor.commands.write_target import echo_written, remote_output, write_
 PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
 
 
-@click.command("strip-frozen")
+@click.command("strip-frozen", short_help="Drop the frozen weights of a full PEFT checkpoint.")
 @trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
@@ -50,7 +50,7 @@ PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
 )
 @click.option("--base-iteration", default=None, help="Iteration of BASE_CKPT when it is a save dir.")
 @click.option("--keys", "all_keys", is_flag=True, help="List every key of the plan, not the summary by reason.")
-@format_option(help="Output format; the JSON schema is in the README.")
+@format_option(schema="strip-frozen")
 @jobs_option("threads copying kept items")
 @gate_refusals
 def command(

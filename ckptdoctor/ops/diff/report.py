@@ -1,4 +1,4 @@
-"""What ``ckptdoctor diff`` reports (schema ``ckptdoctor.diff/1``, ``docs/diff.schema.json``): typed dataclasses
+"""What ``ckptdoctor diff`` reports (schema ``ckptdoctor.diff/1``: ``ckptdoctor schema diff``): typed dataclasses
 the renderers read, filled by :mod:`ckptdoctor.ops.diff.compare` (values: :mod:`ckptdoctor.values.diff`)."""
 
 from __future__ import annotations
