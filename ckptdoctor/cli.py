@@ -185,9 +185,6 @@ class _QuietPipe(io.RawIOBase):
             self.gone = True
             return size
 
-    def close(self) -> None:  # the descriptor stays open: it is the interpreter's stdout or stderr
-        super().close()
-
 
 def _quiet_on_broken_pipe(stream: Any) -> Any:
     """``stream`` written through :class:`_QuietPipe`, or as it is when it has no descriptor (a test's capture)."""
@@ -205,10 +202,17 @@ def _quiet_on_broken_pipe(stream: Any) -> Any:
     )
 
 
+# The wrapping streams of every run, never collected before the process ends: no finalizer of ours runs where an
+# interrupt would be lost (a SIGINT in a __del__ is unraisable), and closing one would not close its descriptor.
+_QUIET_STREAMS: list[Any] = []
+
+
 @contextmanager
 def _broken_pipes_quiet() -> Iterator[None]:
     saved = sys.stdout, sys.stderr
-    sys.stdout = _quiet_on_broken_pipe(sys.stdout)  # stderr stays as it is: its lines are unbuffered
+    sys.stdout = _quiet_on_broken_pipe(sys.stdout)  # stderr stays as it is: unbuffered, in order with signals' lines
+    if sys.stdout is not saved[0]:
+        _QUIET_STREAMS.append(sys.stdout)
     try:
         yield
     finally:
