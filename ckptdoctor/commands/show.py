@@ -54,6 +54,7 @@ def command(
     from ckptdoctor.errors import CkptError
     from ckptdoctor.ops.show import describe, find_entry, save_tensor, slice_values, statistics, take_slice
     from ckptdoctor.render.show import render_show, to_json_text
+    from ckptdoctor.render.wrap import output_width
     from ckptdoctor.values.read import read_tensor, require_torch
 
     ckpt = open_checkpoint(checkpoint, iteration)
@@ -90,5 +91,5 @@ def command(
                 report.saved = str(save_path)
                 if note:
                     report.notes.append(note)
-    click.echo(to_json_text(report) if output_format == "json" else render_show(report))
+    click.echo(to_json_text(report) if output_format == "json" else render_show(report, width=output_width()))
     return 0
