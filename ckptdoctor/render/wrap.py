@@ -66,7 +66,8 @@ def wrap_block(
 
     With ``sep`` (e.g. two spaces between ``key=value`` pairs) lines break only at runs of ``sep``; an item wider
     than a line by itself is broken at its spaces. A piece wider than the width stays whole on a line of its own.
-    The first ``head`` characters of ``text`` (a finding's ``path: CODE [severity]``) are never broken apart.
+    A line never starts with ``fix:`` after a break (it would read as a fix line). The first ``head`` characters
+    of ``text`` (a finding's ``path: CODE [severity]``) are never broken apart.
     ``width`` None leaves ``text`` as it is.
     """
     if width is None or len(text) <= width and "\n" not in text:
@@ -109,7 +110,7 @@ def wrap_block(
         if not started:
             line += piece
             started = True
-        elif not breakable or len(line) + len(gap) + len(piece) <= width:
+        elif not breakable or piece == "fix:" or len(line) + len(gap) + len(piece) <= width:
             line += gap + piece
         else:
             lines.append(line)
