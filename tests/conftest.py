@@ -132,6 +132,11 @@ def unwrapped(text: str, indent: str = "    ", keep: tuple[str, ...] = ("    fix
     return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
 
 
+def squash(text: str) -> str:
+    """``text`` with every run of whitespace one space: a phrase found whatever the width wrapped it to."""
+    return " ".join(text.split())
+
+
 def file_digests(directory: Path) -> dict[str, str]:
     """Every file under ``directory`` (hidden ones too, relative path) -> sha256: a tree compared before and after."""
     return {

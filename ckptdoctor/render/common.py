@@ -127,7 +127,7 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
     if report.stand_ins_read:
         names = ", ".join(report.stand_ins_read)
         lines.append(f"not allowlisted {names}: read as inert stand-ins here; a real load runs them (check: CKD402)")
-    lines = [wrap_block(line, width, LABEL_INDENT) for line in lines]
+    lines = wrap_lines(lines, width, LABEL_INDENT)
     lines.append("")
     rows = [
         [name, t["keys"], t["tensors"], t["bytes_items"], t["entries"], f"{t['parameters']:,}", human_bytes(t["bytes"])]

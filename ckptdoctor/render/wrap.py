@@ -119,9 +119,12 @@ def wrap_block(
     return "\n".join(lines)
 
 
-def wrap_lines(lines: list[str], width: int | None, indent: str | None = None) -> list[str]:
+LABEL_HEAD = 17  # a "label           value" line keeps its label with the value's first piece
+
+
+def wrap_lines(lines: list[str], width: int | None, indent: str | None = None, head: int = LABEL_HEAD) -> list[str]:
     """Each line of ``lines`` through :func:`wrap_block`; an element holding several lines (a table) is left as
     it is."""
     if width is None:
         return lines
-    return [line if "\n" in line else wrap_block(line, width, indent) for line in lines]
+    return [line if "\n" in line else wrap_block(line, width, indent, head=head) for line in lines]
