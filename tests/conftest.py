@@ -50,6 +50,15 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(autouse=True)
+def _output_not_a_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Text output is wrapped to COLUMNS where it is set (render/wrap.py), else to 100 columns off a terminal. GNU
+    readline, once imported (pdb imports it under pytest), puts the terminal's COLUMNS into the C environment that
+    subprocesses inherit though os.environ never shows it: each test starts without it (a test may set it)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    os.unsetenv("COLUMNS")
+
+
 _CURRENT_TEST: list[pytest.Item] = []
 
 
@@ -116,6 +125,24 @@ def require_exchange(directory: Path) -> None:
 def exchange_supported(tmp_path) -> None:
     """Skip the test where tmp_path's filesystem lacks ``renameat2(RENAME_EXCHANGE)``."""
     require_exchange(tmp_path)
+
+
+def unwrapped(text: str, indent: str = "    ", keep: tuple[str, ...] = ("    fix: ",)) -> str:
+    """``text`` with each block's continuation lines (those starting with ``indent``, other than the ``keep`` ones:
+    check's fix lines) joined back to the line they continue: the lines as they were before wrapping to the width
+    (render/wrap.py), which depends on the length of a test's tmp path."""
+    lines: list[str] = []
+    for line in text.splitlines():
+        if lines and line.startswith(indent) and not line.startswith(keep):
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line)
+    return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
+
+
+def squash(text: str) -> str:
+    """``text`` with every run of whitespace one space: a phrase found whatever the width wrapped it to."""
+    return " ".join(text.split())
 
 
 def file_digests(directory: Path) -> dict[str, str]:

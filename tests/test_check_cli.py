@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, REPO, run_cli, shipped_schema
+from conftest import FIXTURES, REPO, run_cli, shipped_schema, unwrapped
 
 from ckptdoctor import arg_rules
 from ckptdoctor.cli import main
@@ -49,7 +49,7 @@ def test_tracker_file_checks_the_save_dir(capsys, copy_fixture):
     save = copy_fixture("core016_tp1")
     (save / "latest_checkpointed_iteration.txt").write_text("30")
     rc, out, _ = _run(capsys, "check", "--isolated", str(save / "latest_checkpointed_iteration.txt"))
-    assert rc == 1 and f"{save / 'latest_checkpointed_iteration.txt'}: CKD121 [error] tracker says 30" in out
+    assert rc == 1 and f"{save / 'latest_checkpointed_iteration.txt'}: CKD121 [error] tracker says 30" in unwrapped(out)
 
 
 def test_missing_path_is_a_usage_error(capsys):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, REPO, run_cli, shipped_schema
+from conftest import FIXTURES, REPO, run_cli, shipped_schema, unwrapped
 
 from ckptdoctor.cli import main
 from ckptdoctor.ops.check import CHECKPOINT_FILE_RE
@@ -65,7 +65,7 @@ def test_no_recursive_and_a_folder_without_checkpoints(capsys, tmp_path):
     rc, out, _ = _run(capsys, "check", "--isolated", "--no-recursive", str(runs))
     assert rc == 1 and f"{runs}: CKD100 [error] no tracker" in out
     rc, out, _ = _run(capsys, "check", "--isolated", str(runs / "notes"))
-    assert rc == 1 and f"{runs / 'notes'}: CKD100 [error] no checkpoint found under it" in out
+    assert rc == 1 and f"{runs / 'notes'}: CKD100 [error] no checkpoint found under it" in unwrapped(out)
 
 
 # --- 2. zero checkpoints is no green ------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def test_missing_path_reported_after_checking_the_others(capsys, copy_fixture):
     missing = str(bad.parent / "nonexistent")
     rc, out, err = _run(capsys, "check", "--isolated", str(good), str(bad), missing)
     assert rc == 2
-    assert "CKD113 [error] __1_0.distcp missing" in out and "in 2 checkpoints" in out
+    assert "CKD113 [error] __1_0.distcp missing" in unwrapped(out) and "in 2 checkpoints" in out
     assert err.splitlines() == [f"ckptdoctor: error: {missing}: no such file or directory"]
     rc, report = _json(capsys, str(good), missing)
     assert rc == 2 and report["missing"] == [missing] and report["checked"] == [str(good / ITER)]
@@ -109,11 +109,11 @@ def test_missing_path_reported_after_checking_the_others(capsys, copy_fixture):
 
 def test_text_shows_severity_and_fix(capsys):
     rc, out, _ = _run(capsys, "check", "--isolated", str(CONVERTED))
-    lines = out.splitlines()
+    lines = unwrapped(out).splitlines()  # each finding's continuation lines joined back to it
     assert rc == 1
     assert lines[0].startswith(f"{CONVERTED / ITER}: CKD203 [warning] ")
     assert lines[1] == f"    fix: ckptdoctor fix-args {CONVERTED / ITER} --in-place"
-    assert f"{CONVERTED / ITER}: CKD210 [error] tensor_parallel_num_weight_shards=1" in out
+    assert f"{CONVERTED / ITER}: CKD210 [error] tensor_parallel_num_weight_shards=1" in lines[2]
     assert lines[-1] == "Found 3 problems (1 error, 2 warnings) in 1 checkpoint; 3 fixable (see the fix: lines)."
 
 
@@ -222,7 +222,7 @@ def test_misspelled_config_key(tmp_path):
     _write_config(tmp_path, 'ignore = ["CKD203"]\n\n[tool.ckptdoctor.diff]\nignore-layout = true')  # other tables
     result = run_cli("check", str(CONVERTED), cwd=tmp_path)
     assert result.returncode == 1 and ": CKD203" not in result.stdout and ": CKD210" in result.stdout
-    assert f'Config: {path} [tool.ckptdoctor] set ignore=["CKD203"].' in result.stdout  # what the config changed
+    assert f'Config: {path} [tool.ckptdoctor] set ignore=["CKD203"].' in unwrapped(result.stdout)  # what it changed
 
 
 def test_unknown_code_in_config_is_blamed_on_the_file(tmp_path):
@@ -286,7 +286,7 @@ def test_deep_flags_non_finite_values(capsys, copy_fixture):
     rc, out, err = _run(capsys, "check", "--isolated", "--deep", str(save))
     data = save / ITER / "__0_0.distcp"
     assert rc == 1 and err == "", err
-    assert out.splitlines() == [
+    assert unwrapped(out).splitlines() == [
         f"{data}: CKD313 [error] decoder.layers.mlp.linear_fc1.weight: 2 NaN and 2 Inf value(s) in 2 of 8 chunk(s) "
         "(first: chunk at [0, 0, 0])",
         f"{data}: CKD313 [error] optimizer.state.exp_avg_sq.output_layer.weight: 5 NaN and 0 Inf value(s) in 1 of 2 "

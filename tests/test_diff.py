@@ -324,7 +324,7 @@ def test_text_output_sections(capsys):
     assert "parallelism:\n    tensor_model_parallel_size: 1 -> 4" in out
     assert "B CKD210 error: tensor_parallel_num_weight_shards=1" in out
     assert "more (--limit N, --all)" in out
-    assert out.rstrip().splitlines()[-1].startswith("differences: ")
+    assert out.rstrip().split("\n\n")[-1].startswith("differences: ")  # the verdict, last (wrapped to the width)
 
 
 def test_key_filters(capsys):

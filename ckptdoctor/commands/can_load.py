@@ -83,6 +83,7 @@ def command(
     from ckptdoctor.ops.can_load.run import LoadRun, parse_sets
     from ckptdoctor.render.can_load import render_can_load
     from ckptdoctor.render.common import echo_json
+    from ckptdoctor.render.wrap import output_width
 
     run = LoadRun(
         finetune=finetune,
@@ -100,5 +101,5 @@ def command(
     if output_format == "json":
         echo_json(report)
     else:
-        click.echo(render_can_load(report))
+        click.echo(render_can_load(report, width=output_width()))
     return EXIT_OK if report.will_load else EXIT_FINDINGS

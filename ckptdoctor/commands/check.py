@@ -94,6 +94,7 @@ def command(
     from ckptdoctor.ops.check import CheckOptions, ConfigUse, check_paths, staged_checkpoint_dirs
     from ckptdoctor.render.check import FORMATS, render_check, render_github, render_sarif
     from ckptdoctor.render.common import jsonable
+    from ckptdoctor.render.wrap import output_width
     from ckptdoctor.rules.registry import validate_selectors
     from ckptdoctor.text_safety import escape
 
@@ -172,7 +173,7 @@ def command(
         if text:
             click.echo(text)
     else:
-        text = render_check(report, quiet=quiet, statistics=statistics)
+        text = render_check(report, quiet=quiet, statistics=statistics, width=output_width())
         if text:
             click.echo(text)
     for missing in report.missing:

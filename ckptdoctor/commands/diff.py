@@ -131,6 +131,7 @@ def command(
     from ckptdoctor.ops.diff.compare import KeyFilter, diff_checkpoints
     from ckptdoctor.render.common import echo_json
     from ckptdoctor.render.diff import render_diff, render_name_only, render_stat
+    from ckptdoctor.render.wrap import output_width
 
     if stat and name_only:
         raise click.UsageError("--stat and --name-only are exclusive")
@@ -198,5 +199,5 @@ def command(
         if out:
             click.echo(out)
     else:
-        click.echo(render_diff(report))
+        click.echo(render_diff(report, width=output_width()))
     return EXIT_OK if report.identical else EXIT_FINDINGS

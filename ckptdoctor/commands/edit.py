@@ -86,6 +86,7 @@ def command(
     from ckptdoctor.ops.edit.write import edit
     from ckptdoctor.parallel import default_jobs
     from ckptdoctor.render.edit import render_edit
+    from ckptdoctor.render.wrap import output_width
 
     dry_run = not writing(output, in_place, dry_run, write_flag, no_backup)
     request = EditRequest(
@@ -118,5 +119,6 @@ def command(
         )
         if remote is not None:
             remote.upload()
-        echo_written(report, functools.partial(render_edit, all_keys=all_keys), remote, output_format)
+        render_text = functools.partial(render_edit, all_keys=all_keys, width=output_width())
+        echo_written(report, render_text, remote, output_format)
     return EXIT_OK

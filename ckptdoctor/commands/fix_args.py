@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import click
@@ -67,6 +68,7 @@ def command(
     from ckptdoctor.ops.fix_args.plan import build_report
     from ckptdoctor.ops.fix_args.write import write_fix
     from ckptdoctor.render.common import render_fix_args
+    from ckptdoctor.render.wrap import output_width
 
     write = writing(output, in_place, dry_run, write_flag)
     ckpt = open_checkpoint(checkpoint, iteration)
@@ -77,7 +79,7 @@ def command(
             write_fix(report, ckpt, None if in_place else (remote.local if remote else output), force=force)
         if remote is not None:
             remote.upload()
-        echo_written(report, render_fix_args, remote, output_format)
+        echo_written(report, functools.partial(render_fix_args, width=output_width()), remote, output_format)
     if write and report.remaining is not None:
         return EXIT_FINDINGS if report.remaining else EXIT_OK
     return EXIT_FINDINGS if report.findings else EXIT_OK

@@ -31,6 +31,7 @@ def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter:
     from ckptdoctor.gc_pause import hold_until_exit
     from ckptdoctor.ops.inspect import inspect_checkpoint
     from ckptdoctor.render.common import echo_json, render_inspect
+    from ckptdoctor.render.wrap import output_width
 
     if key_filter is not None:
         try:
@@ -43,5 +44,5 @@ def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter:
     if output_format == "json":
         echo_json(report)
     else:
-        click.echo(render_inspect(report))
+        click.echo(render_inspect(report, width=output_width()))
     return 0

@@ -42,6 +42,7 @@ def command(
     from ckptdoctor.ops.latest_good import find_latest_good
     from ckptdoctor.render.common import echo_json
     from ckptdoctor.render.recovery import render_skipped
+    from ckptdoctor.render.wrap import output_width
     from ckptdoctor.rules.registry import validate_selectors
     from ckptdoctor.text_safety import escape
 
@@ -54,7 +55,7 @@ def command(
     if output_format == "json":
         echo_json(report)
     else:
-        skipped = render_skipped(report)
+        skipped = render_skipped(report, width=output_width(sys.stderr))
         if skipped:
             click.echo(skipped, err=True)
         if report.trusted:

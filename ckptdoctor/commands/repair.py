@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import click
@@ -47,6 +48,7 @@ def command(
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.repair.write import repair
     from ckptdoctor.render.recovery import render_repair
+    from ckptdoctor.render.wrap import output_width
 
     write = writing(output, in_place, dry_run, write_flag)
     with remote_output(output, force, write and not in_place) as remote:
@@ -61,5 +63,5 @@ def command(
         )
         if remote is not None:
             remote.upload()
-        echo_written(report, render_repair, remote, output_format)
+        echo_written(report, functools.partial(render_repair, width=output_width()), remote, output_format)
     return EXIT_OK if report.ok else EXIT_FINDINGS

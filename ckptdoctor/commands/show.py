@@ -78,6 +78,7 @@ def _show(
         take_slice,
     )
     from ckptdoctor.render.show import render_show, to_json_text
+    from ckptdoctor.render.wrap import output_width
     from ckptdoctor.values.read import read_tensor, require_torch
 
     ckpt = open_checkpoint(checkpoint, iteration)
@@ -115,5 +116,5 @@ def _show(
                 report.saved = str(save_path)
                 if note:
                     report.notes.append(note)
-    click.echo(to_json_text(report) if output_format == "json" else render_show(report))
+    click.echo(to_json_text(report) if output_format == "json" else render_show(report, width=output_width()))
     return 0

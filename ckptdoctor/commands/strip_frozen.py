@@ -85,6 +85,7 @@ def command(
     from ckptdoctor.ops.strip.write import strip_frozen
     from ckptdoctor.parallel import default_jobs
     from ckptdoctor.render.common import render_strip
+    from ckptdoctor.render.wrap import output_width
 
     dry_run = not writing(output, in_place, dry_run, write_flag, no_backup)
     # a write rewrites .metadata: read it once, for the plan and the rewrite (a dry run needs the index only)
@@ -115,5 +116,6 @@ def command(
                 bars.finish()
         if remote is not None:
             remote.upload()
-        echo_written(report, functools.partial(render_strip, all_keys=all_keys), remote, output_format)
+        render_text = functools.partial(render_strip, all_keys=all_keys, width=output_width())
+        echo_written(report, render_text, remote, output_format)
     return EXIT_FINDINGS if report.nothing_frozen and not force else EXIT_OK

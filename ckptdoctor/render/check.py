@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor import __version__
+from ckptdoctor.render.wrap import wrap_block
 from ckptdoctor.rules.registry import all_rules, rule_by_code
 from ckptdoctor.text_safety import escape, text_safe
 
@@ -28,20 +29,25 @@ def _plural(n: int, word: str) -> str:
 
 
 @text_safe
-def render_check(report: CheckReport, quiet: bool = False, statistics: bool = False) -> str:
+def render_check(report: CheckReport, quiet: bool = False, statistics: bool = False, width: int | None = None) -> str:
     """``<path>: <code> [<severity>] <message>`` per finding, its fix command indented below when one fixes it
-    (or, with ``statistics``, counts per code), then a one-line summary (unless ``quiet``)."""
+    (or, with ``statistics``, counts per code), then a one-line summary (unless ``quiet``).
+
+    A finding longer than ``width`` (None: not wrapped) continues on lines indented as its fix line; the fix
+    line itself, a command, is never broken (nor is the ``--statistics`` table)."""
     if statistics:
         lines = _statistics_lines(report)
     else:
         lines = []
         for f in report.findings:
-            lines.append(f"{f.path}: {f.code} [{f.severity}] {f.message}")
+            head = f"{f.path}: {f.code} [{f.severity}]"
+            lines.append(wrap_block(f"{head} {f.message}", width, head=len(head)))
             if f.fix:
                 lines.append(f"    fix: {f.fix}")
     if quiet:
         return "\n".join(lines)
-    lines += _config_lines(report)
+    lines += [wrap_block(line, width) for line in _config_lines(report)]
+    summary = len(lines)
     n = len(report.checked)
     where = _plural(n, "checkpoint")
     overridden = len(report.gate.overridden)
@@ -61,6 +67,7 @@ def render_check(report: CheckReport, quiet: bool = False, statistics: bool = Fa
         lines.append(f"No checkpoint checked{skipped}.")
     else:
         lines.append(f"All checks passed ({where}).")
+    lines[summary:] = [wrap_block(line, width) for line in lines[summary:]]
     return "\n".join(lines)
 
 

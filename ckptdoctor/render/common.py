@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.logical_items import logical_key
 from ckptdoctor.pickle.plain import iter_json, to_plain
+from ckptdoctor.render.wrap import wrap_block, wrap_lines
 from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
@@ -96,8 +97,12 @@ def summary_rows(groups: dict[tuple[str, str], tuple[set[str], int, int]]) -> li
     ]
 
 
+LABEL_INDENT = " " * 16  # continuation lines of a "label           value" line start under the value
+
+
 @text_safe
-def render_inspect(report: InspectReport) -> str:
+def render_inspect(report: InspectReport, width: int | None = None) -> str:
+    """Text of ``inspect``; prose lines wrapped to ``width`` (None: not wrapped), tables and the fix line never."""
     fmt = report.format
     lines = [f"checkpoint      {report.iteration_dir}"]
     if report.save_dir:
@@ -122,6 +127,7 @@ def render_inspect(report: InspectReport) -> str:
     if report.stand_ins_read:
         names = ", ".join(report.stand_ins_read)
         lines.append(f"not allowlisted {names}: read as inert stand-ins here; a real load runs them (check: CKD402)")
+    lines = wrap_lines(lines, width, LABEL_INDENT)
     lines.append("")
     rows = [
         [name, t["keys"], t["tensors"], t["bytes_items"], t["entries"], f"{t['parameters']:,}", human_bytes(t["bytes"])]
@@ -138,28 +144,30 @@ def render_inspect(report: InspectReport) -> str:
     if report.args is not None:
         lines.append("")
         if getattr(report, "args_source", None):
-            lines.append(f"args            (none saved; Megatron-Bridge's {report.args_source}, model section)")
+            none_saved = f"args            (none saved; Megatron-Bridge's {report.args_source}, model section)"
+            lines.append(wrap_block(none_saved, width, LABEL_INDENT))
         else:
             lines.append("args")
         for group, values in report.args.items():
             if values:
                 shown = "  ".join(f"{k}={short_value(v)}" for k, v in values.items())
-                lines.append(f"  {group}: {shown}")
+                lines.append(wrap_block(f"  {group}: {shown}", width, " " * (len(group) + 4), sep="  "))
     else:
         lines.append("")
         lines.append("args            (none saved in the common state)")
     findings = getattr(report, "arg_findings", None) or []
     if findings:
         lines.append("")
-        lines.append(f"inconsistent args ({len(findings)}): the saved args contradict the checkpoint's parallelism")
+        head = f"inconsistent args ({len(findings)}): the saved args contradict the checkpoint's parallelism"
+        lines.append(wrap_block(head, width))
         for f in findings:
             correct = "" if f["correct"] is None else f" (should be {short_value(f['correct'])})"
-            lines.append(
-                f"  {f['code']} [{f['severity']}] {f['arg']}={short_value(f['saved'])}{correct}: {f['reason']}"
-            )
+            finding = f"  {f['code']} [{f['severity']}] {f['arg']}={short_value(f['saved'])}{correct}: {f['reason']}"
+            lines.append(wrap_block(finding, width))
         lines.append(f"  fix: ckptdoctor fix-args {report.iteration_dir} -o DIR (or --in-place)")
     lines.append("")
-    lines.append("common state keys: " + ", ".join(report.common_state_keys))
+    common_keys = "common state keys: " + ", ".join(report.common_state_keys)
+    lines.append(wrap_block(common_keys, width, " " * len("common state keys: ")))
     if report.keys is not None:
         lines.append("")
         rows = [
@@ -184,12 +192,24 @@ def short_value(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _fix_args_table(findings: list[Any]) -> list[str]:
+def _fix_args_table(findings: list[Any], width: int | None) -> list[str]:
+    """The findings as a table (one element of the list: a table is never wrapped), the errors megatron-core would
+    raise below. Where the table is wider than ``width`` (None: never), the free-text "why" column leaves it:
+    each finding's why is its row's continuation, wrapped under the arg column, so a finding stays one block."""
     rows = []
     for f in findings:
         inherited = {True: "yes", False: "no", None: "-"}[f.inherited]
         rows.append([f.code, f.arg, short_value(f.saved), short_value(f.correct), f.severity, inherited, f.reason])
-    lines = [tabulate(rows, headers=["code", "arg", "saved", "correct", "severity", "inherited", "why"])]
+    headers = ["code", "arg", "saved", "correct", "severity", "inherited", "why"]
+    table = tabulate(rows, headers=headers)
+    if width is not None and max(map(len, table.split("\n"))) > width:
+        head, rule, *row_lines = tabulate([row[:-1] for row in rows], headers=headers[:-1]).split("\n")
+        indent = " " * (rule.index(" ") + 2)  # under the arg column
+        blocks = [head, rule]
+        for row, line in zip(rows, row_lines):  # one line per row: values are single lines (text_safe)
+            blocks += [line, wrap_block(indent + row[-1], width, indent)]
+        table = "\n".join(blocks)
+    lines = [table]
     errors = [f for f in findings if f.megatron_error]
     if errors:
         lines.append("")
@@ -199,9 +219,10 @@ def _fix_args_table(findings: list[Any]) -> list[str]:
 
 
 @text_safe
-def render_fix_args(report: FixArgsReport) -> str:
+def render_fix_args(report: FixArgsReport, width: int | None = None) -> str:
     """Report mode: the findings, then what a write would change. Write mode leads with what was wrong and
-    what was changed, then what was written and the re-check of the written checkpoint."""
+    what was changed, then what was written and the re-check of the written checkpoint. Lines are wrapped to
+    ``width`` (None: not wrapped); the tables are not."""
     lines = [f"{report.checkpoint}: saved layout {report.layout}; {report.era}"]
     if report.config_source != "args":
         lines.append(f"no args saved: Megatron-Bridge's {report.config_source} (model section) checked in their place")
@@ -216,7 +237,7 @@ def render_fix_args(report: FixArgsReport) -> str:
             if written
             else f"{n} inconsistent arg{'s' if n != 1 else ''}:"
         )
-        lines.extend(_fix_args_table(report.findings))
+        lines.extend(_fix_args_table(report.findings, width))
     else:
         lines.append(
             "args were consistent with the checkpoint's parallelism"
@@ -253,20 +274,25 @@ def render_fix_args(report: FixArgsReport) -> str:
         if report.remaining:
             n = len(report.remaining)
             lines.append(f"after writing: {n} inconsistent arg{'s' if n != 1 else ''} remain{'s' if n == 1 else ''}:")
-            lines.extend(_fix_args_table(report.remaining))
+            lines.extend(_fix_args_table(report.remaining, width))
         else:
             lines.append("after writing: the args are consistent with the checkpoint's parallelism")
     lines.extend(report.notes)
-    return "\n".join(lines)
+    return "\n".join(wrap_lines(lines, width))
 
 
 # --- strip-frozen ------------------------------------------------------------------------------------------
 
 
 @text_safe
-def render_strip(report: StripReport, all_keys: bool = False) -> str:
+def render_strip(report: StripReport, all_keys: bool = False, width: int | None = None) -> str:
     """Text for ``strip-frozen``: the source used, kept/dropped logical keys (and DCP entries beside them), the
-    plan by reason (every key with ``all_keys``) on a dry run, or what was written; sizes before/after."""
+    plan by reason (every key with ``all_keys``) on a dry run, or what was written; sizes before/after. Lines
+    are wrapped to ``width`` (None: not wrapped), the tables are not."""
+    return "\n".join(wrap_lines(_strip_lines(report, all_keys, width), width, LABEL_INDENT))
+
+
+def _strip_lines(report: StripReport, all_keys: bool, width: int | None) -> list[str]:
     plan, result = report.plan, report.result
     model_kept = [d for d in plan.kept if d.section == "model"]
     other_kept = [d for d in plan.kept if d.section != "model"]
@@ -278,13 +304,15 @@ def render_strip(report: StripReport, all_keys: bool = False) -> str:
         f"other sections  {count_keys(other_kept)} kept untouched",
     ]
     if report.nothing_frozen:
-        lines.append(
+        nothing = (
             f"no frozen parameters: every model parameter is trainable ({plan.trainable_source}), "
             "so there is nothing to strip"
         )
+        lines.append(wrap_block(nothing, width))
         if report.result is None and not report.dry_run:
-            lines.append("nothing written (use --force to write anyway: it drops only the model _extra_state)")
-            return "\n".join(lines)
+            not_written = "nothing written (use --force to write anyway: it drops only the model _extra_state)"
+            lines.append(wrap_block(not_written, width))
+            return lines
     if report.dry_run:
         lines.append("")
         if all_keys:
@@ -307,9 +335,9 @@ def render_strip(report: StripReport, all_keys: bool = False) -> str:
             f"size after      ~{human_bytes(plan.bytes_after)} ({plan.bytes_after} bytes, {ratio:.1%}; "
             "estimate; dry run, nothing written)"
         )
-        return "\n".join(lines)
+        return lines
     if result is None:  # no dry run and nothing written: only the nothing-frozen refusal above ends so
-        return "\n".join(lines)
+        return lines
     lines.append(f"written         {result.output}" + (" (in place)" if result.in_place else ""))
     if result.backup:
         lines.append(f"backup          {result.backup}")
@@ -329,7 +357,7 @@ def render_strip(report: StripReport, all_keys: bool = False) -> str:
     ratio = result.output_bytes / result.source_bytes if result.source_bytes else 0.0
     lines.append(f"size before     {human_bytes(result.source_bytes)} ({result.source_bytes} bytes)")
     lines.append(f"size after      {human_bytes(result.output_bytes)} ({result.output_bytes} bytes, {ratio:.1%})")
-    return "\n".join(lines)
+    return lines
 
 
 # --- rules (check's own output: render/check.py) ---------------------------------------------

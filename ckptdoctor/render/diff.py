@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.render.common import human_bytes, short_value
+from ckptdoctor.render.wrap import wrap_lines
 from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
@@ -32,7 +33,9 @@ def _shape(meta: dict) -> str:
 
 
 @text_safe
-def render_diff(report: DiffReport) -> str:
+def render_diff(report: DiffReport, width: int | None = None) -> str:
+    """The differences, section by section; each line wrapped to ``width`` (None: not wrapped) under its own
+    text."""
     a, b = report.a, report.b
     lines = [f"A  {a.iteration_dir}  [{a.era}]", f"B  {b.iteration_dir}  [{b.era}]"]
     filters = {k: v for k, v in report.filters.items() if v}
@@ -127,7 +130,7 @@ def render_diff(report: DiffReport) -> str:
     if left_out:
         lines += ["", f"{left_out} more not listed (at most {report.limit} per list; --limit N, --all)"]
     lines += ["", _verdict(report)]
-    return "\n".join(lines)
+    return "\n".join(wrap_lines(lines, width))
 
 
 def _left_out(report: DiffReport) -> int:

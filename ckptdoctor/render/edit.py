@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ckptdoctor.logical_items import logical_key
 from ckptdoctor.ops.edit.write import EditReport
-from ckptdoctor.render.common import columns, count_keys, human_bytes, short_value, summary_rows
+from ckptdoctor.render.common import LABEL_INDENT, columns, count_keys, human_bytes, short_value, summary_rows
+from ckptdoctor.render.wrap import wrap_block, wrap_lines
 from ckptdoctor.text_safety import text_safe
 
 
@@ -17,9 +18,14 @@ def _common_line(what: str, name: str, old: object, new: object, reason: str) ->
 
 
 @text_safe
-def render_edit(report: EditReport, all_keys: bool = False) -> str:
+def render_edit(report: EditReport, all_keys: bool = False, width: int | None = None) -> str:
     """Text for ``edit``: the changes counted in logical keys (DCP entries beside them), by reason on a dry run
-    (every key with ``all_keys``), the load flags the result needs, what was written."""
+    (every key with ``all_keys``), the load flags the result needs, what was written. Lines are wrapped to
+    ``width`` (None: not wrapped), the tables are not."""
+    return "\n".join(wrap_lines(_edit_lines(report, all_keys, width), width, LABEL_INDENT))
+
+
+def _edit_lines(report: EditReport, all_keys: bool, width: int | None) -> list[str]:
     plan, result = report.plan, report.result
     lines = [
         f"checkpoint      {plan.iteration_dir}",
@@ -44,12 +50,12 @@ def render_edit(report: EditReport, all_keys: bool = False) -> str:
         lines.append(_common_line(change.what, change.name, change.old, change.new, change.reason))
     flags = " ".join(plan.load_flags) if plan.load_flags else "none" if plan.load_notes else "none (a plain load works)"
     lines.append(f"load flags      {flags}")
-    lines += [f"                {note}" for note in plan.load_notes]
+    lines += [wrap_block(f"{LABEL_INDENT}{note}", width, LABEL_INDENT + "  ") for note in plan.load_notes]
     if report.dry_run or result is None:
         how = "kept items byte-copied (--compact)" if report.compact else "new .metadata, data files hard-linked"
         lines.append(f"size after      ~{human_bytes(plan.bytes_kept)} of data referenced ({how})")
         lines.append("dry run         nothing written")
-        return "\n".join(lines)
+        return lines
     lines.append(f"written         {result.output}" + (" (in place)" if result.in_place else ""))
     if result.backup:
         lines.append(f"backup          {result.backup}")
@@ -66,4 +72,4 @@ def render_edit(report: EditReport, all_keys: bool = False) -> str:
         + ("" if report.compact else "; linked files share the source's blocks")
         + ")"
     )
-    return "\n".join(lines)
+    return lines

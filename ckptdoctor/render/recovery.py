@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ckptdoctor.render.common import human_bytes
+from ckptdoctor.render.wrap import wrap_lines
 from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
@@ -18,14 +19,14 @@ if TYPE_CHECKING:
 
 
 @text_safe
-def render_skipped(report: LatestGoodReport) -> str:
-    """Why each newer iteration dir was skipped (for stderr)."""
+def render_skipped(report: LatestGoodReport, width: int | None = None) -> str:
+    """Why each newer iteration dir was skipped (for stderr), each wrapped to ``width`` (None: not wrapped)."""
     lines = []
     for skipped in report.skipped:
         first = skipped.errors[0]
         more = f" (and {len(skipped.errors) - 1} more error(s))" if len(skipped.errors) > 1 else ""
         lines.append(f"skipped {skipped.iteration_dir}: {first.code} {first.message}{more}")
-    return "\n".join(lines)
+    return "\n".join(wrap_lines(lines, width))
 
 
 @text_safe
@@ -47,7 +48,9 @@ def render_seal(result: SealResult) -> str:
 
 
 @text_safe
-def render_repair(report: RepairReport) -> str:
+def render_repair(report: RepairReport, width: int | None = None) -> str:
+    """What repair does (or would do), refuses and leaves; each line wrapped to ``width`` (None: not wrapped)
+    under its own text (a ``rm -rf``/``mv`` command or a backquoted one stays on one line)."""
     lines = [f"checkpoint      {report.checkpoint}"]
     if report.iteration_dir and report.iteration_dir != report.checkpoint:
         lines.append(f"iteration dir   {report.iteration_dir}")
@@ -81,4 +84,4 @@ def render_repair(report: RepairReport) -> str:
         else:
             lines.append("after writing: the repaired findings are gone")
     lines += [f"note: {n}" for n in report.notes]
-    return "\n".join(lines)
+    return "\n".join(wrap_lines(lines, width))

@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 from ckptdoctor.ops.show import TEXT_CHUNK_LIMIT, ShowReport
-from ckptdoctor.render.common import human_bytes, jsonable, tabulate
+from ckptdoctor.render.common import LABEL_INDENT, human_bytes, jsonable, tabulate
+from ckptdoctor.render.wrap import wrap_block, wrap_lines
 from ckptdoctor.text_safety import text_safe
 
 
@@ -19,7 +20,7 @@ def _num(value: Any) -> str:
     return "-" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
-def _render(report: ShowReport) -> str:
+def _render(report: ShowReport, width: int | None = None) -> str:
     shape = "-" if report.shape is None else "x".join(map(str, report.shape)) or "()"
     unit = "shard" if report.kind == "object" else "chunk"  # a sharded object: its shard grid
     lines = [
@@ -30,6 +31,7 @@ def _render(report: ShowReport) -> str:
         f"shard grid      {shape}" if unit == "shard" else f"global shape    {shape}   ({report.numel:,} elements)",
         f"on disk         {human_bytes(report.bytes)} in {len(report.chunks)} {unit}(s)",
     ]
+    lines = wrap_lines(lines, width, LABEL_INDENT)
     if report.grid is not None:
         lines.append(f"chunk grid      {' x '.join(map(str, report.grid)) or '1'} (chunks per axis)")
     rows = [
@@ -62,8 +64,8 @@ def _render(report: ShowReport) -> str:
         lines.append(json.dumps(sl["values"]) if not isinstance(sl["values"], list) else _matrix(sl["values"]))
     if report.saved:
         lines.append("")
-        lines.append(f"saved           {report.saved}")
-    lines.extend(report.notes)
+        lines.append(wrap_block(f"saved           {report.saved}", width, LABEL_INDENT))
+    lines.extend(wrap_block(note, width) for note in report.notes)
     return "\n".join(lines)
 
 
@@ -78,6 +80,7 @@ def _matrix(values: list) -> str:
     )
 
 
-def render_show(report: ShowReport) -> str:
-
-    return text_safe(_render)(report)
+def render_show(report: ShowReport, width: int | None = None) -> str:
+    """Text of ``show``: its label lines and notes wrapped to ``width`` (None: not wrapped); the chunk table and
+    the values of a slice never."""
+    return text_safe(_render)(report, width)
