@@ -10,7 +10,7 @@ import warnings
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, REPO, shipped_schema, squash
+from conftest import FIXTURES, shipped_schema, squash
 
 from ckptdoctor.cli import main
 
