@@ -271,6 +271,8 @@ def scale_commands(save: Path, scratch: Path, tag: str) -> dict[str, tuple[list[
     # the rewrites: every key kept (--force: no parameter of the synthetic is frozen), or the optimizer removed
     strip = ckptdoctor("strip-frozen", str(save), "--force", "--output", str(out))
     edit = ckptdoctor("edit", str(save), "--remove", r"^optimizer\.", "--output", str(out))
+    # the plan of a rewrite as a user reads it (issue #35 item 14): text (summarised by reason) and JSON (every key)
+    plan = ckptdoctor("strip-frozen", str(save), "--force", "--dry-run")
     return {
         "inspect": (ckptdoctor("inspect", str(save), "--format", "json"), None),
         "check": (ckptdoctor("check", "--isolated", "-q", str(save)), None),
@@ -278,6 +280,8 @@ def scale_commands(save: Path, scratch: Path, tag: str) -> dict[str, tuple[list[
         "fix-args": (fix, clean),
         "strip-frozen": (strip, clean),
         "edit": (edit, clean),
+        "strip-frozen-plan": (plan, None),
+        "strip-frozen-plan-json": ([*plan, "--format", "json"], None),
     }
 
 
@@ -476,7 +480,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--before", type=Path, default=None, help="scale: also run every case from this source tree")
     p.add_argument("--results-name", default=None, help="results file name (default: the benchmark's name)")
-    p.add_argument("--scale-commands", default="inspect,check,diff,fix-args", help="also: strip-frozen (--force), edit")
+    p.add_argument(
+        "--scale-commands",
+        default="inspect,check,diff,fix-args",
+        help="also: strip-frozen (--force), edit, strip-frozen-plan (--dry-run, text), strip-frozen-plan-json",
+    )
     p.add_argument("--scale-repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300, help="seconds before a run is killed")
     o = p.parse_args(argv)
