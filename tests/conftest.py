@@ -50,13 +50,16 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+UNWRAPPED_COLUMNS = "100000"  # a width no line reaches: text as the renderers build it, before wrapping
+
+
 @pytest.fixture(autouse=True)
-def _output_not_a_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Text output is wrapped to COLUMNS where it is set (render/wrap.py), else to 100 columns off a terminal. GNU
-    readline, once imported (pdb imports it under pytest), puts the terminal's COLUMNS into the C environment that
-    subprocesses inherit though os.environ never shows it: each test starts without it (a test may set it)."""
-    monkeypatch.delenv("COLUMNS", raising=False)
-    os.unsetenv("COLUMNS")
+def _output_unwrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests read a command's text line by line (a finding, a global's name, a fix line): they run it unwrapped,
+    COLUMNS set wider than any line, in this process and in the children it starts. The wrapping itself is
+    tests/test_wrap.py's, which sets or unsets COLUMNS per run. (Set explicitly: GNU readline, once imported, puts
+    the terminal's COLUMNS into the C environment that subprocesses inherit though os.environ never shows it.)"""
+    monkeypatch.setenv("COLUMNS", UNWRAPPED_COLUMNS)
 
 
 _CURRENT_TEST: list[pytest.Item] = []

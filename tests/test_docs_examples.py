@@ -91,7 +91,7 @@ def test_example_output_is_current(doc, steps, capsys, monkeypatch, tmp_path):
         pytest.importorskip("torch")  # statistics and values need torch (the test environment has it)
     out_dir = f"{tmp_path}/"
     monkeypatch.chdir(REPO)
-    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setenv("COLUMNS", "100000")  # the docs show lines whole (a terminal wraps them at its width)
     for command, shown in steps:
         command = command.replace("/tmp/", out_dir)
         if not command.startswith("ckptdoctor "):
