@@ -19,14 +19,14 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, REPO, free_port, require_mcore
+from conftest import FIXTURES, REPO, free_port, require_mcore, shipped_schema
 
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.cli import main
 from ckptdoctor.ops.can_load.predict import predict
 from ckptdoctor.ops.can_load.run import Layout, LoadRun, parse_target
 
-SCHEMA = json.loads((REPO / "docs" / "can-load.schema.json").read_text())
+SCHEMA = shipped_schema("can-load")
 EXPERT_WORLD = "RuntimeError: world_size ({}) is not divisible by expert_tensor_model_pipeline_parallel size ({})"
 
 
