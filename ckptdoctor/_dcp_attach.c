@@ -67,7 +67,7 @@ static PyObject *table_positions(PyObject *tables, PyObject *fqn, PyObject *chun
                 PyErr_SetString(PyExc_TypeError, "attach: an item's chunks are not the ones items() made");
                 return NULL;
             }
-            PyObject *offsets_key = dcp_dims_key(PyTuple_GET_ITEM(chunk, 0));
+            PyObject *offsets_key = dcp_records->dims_key(PyTuple_GET_ITEM(chunk, 0));
             if (offsets_key == NULL) {
                 if (PyErr_Occurred())
                     return NULL;
@@ -83,7 +83,7 @@ static PyObject *table_positions(PyObject *tables, PyObject *fqn, PyObject *chun
                 return NULL;
         }
     }
-    PyObject *offset_key = dcp_dims_key(offset);
+    PyObject *offset_key = dcp_records->dims_key(offset);
     if (offset_key == NULL)
         return PyErr_Occurred() ? NULL : Py_NewRef(dcp_empty_tuple);
     PyObject *positions = PyDict_GetItemWithError(table, offset_key);

@@ -7,12 +7,11 @@
  * helpers (fields, int64_dims, inside_path) or the generic object protocol the Python code would use.
  * tests/test_dcp_index_accel.py compares both on the fixtures, on hostile records and on mutants of both.
  *
- * setup(IndexRecord, IndexTupleStateRecord, fields, int64_dims, inside_path, dtype_name, DcpChunk,
- *       StorageLocation)  once, at import
+ * setup(fields, int64_dims, inside_path, dtype_name, DcpChunk, StorageLocation)  once, at import (the records'
+ *       types come from ckptdoctor.pickle._native's capsule, pickle/_records.h)
  * items(state_dict_metadata, shared, counted, item_class, consume, dtype_names) -> {key: item}, chunks unplaced
  * attach(storage_data, items, consume, shared) -> None: each chunk's StorageLocation set from storage_data
  *                                      (_dcp_attach.c)
- * compact_setstate(CompactKeys) -> the __setstate__ of index records (_dcp_compact.c)
  * tiles_once(shape, chunks) -> bool   True: the chunks are the cells of one grid over shape, each once (check's
  *                                      coverage rule answers None); False: the rule's Python mapping decides
  *                                      (_dcp_coverage.c)
@@ -21,7 +20,7 @@
 
 PyTypeObject *dcp_chunk_type, *dcp_location_type;
 PyObject *dcp_int64_dims_fn, *dcp_inside_path_fn, *dcp_empty_tuple;
-PyTypeObject *dcp_index_record_type, *dcp_tuple_state_record_type;
+const RecordsApi *dcp_records;
 static PyObject *fields_fn, *dtype_name_fn;
 static PyObject *s_offsets, *s_sizes, *s_get, *s_items, *s_what_offsets, *s_what_sizes, *s_what_shape, *s_chunks,
     *s_clear, *s_properties, *s_ckd_state, *s_dtype, *s_size, *s_bytes, *s_tensor;
@@ -29,13 +28,13 @@ static PyObject *s_offsets, *s_sizes, *s_get, *s_items, *s_what_offsets, *s_what
 int dcp_record_fields(PyObject *record, DcpFields *fields) {
     fields->dict = NULL;
     fields->record = NULL;
-    if (PyObject_TypeCheck(record, dcp_index_record_type)) {
+    if (PyObject_TypeCheck(record, *dcp_records->index_record)) {
         if (PyList_GET_SIZE(record) == 1 && PyDict_CheckExact(PyList_GET_ITEM(record, 0))) {
             fields->dict = PyList_GET_ITEM(record, 0);
             Py_INCREF(fields->dict);
             return 0;
         }
-        if (dcp_is_compact(record)) {
+        if (dcp_records->is_compact(record)) {
             fields->record = record;
             return 0;
         }
@@ -52,7 +51,7 @@ void dcp_fields_clear(DcpFields *fields) {
 /* fields[name] (new reference). */
 PyObject *dcp_field(DcpFields *fields, PyObject *name) {
     if (fields->record != NULL) {
-        PyObject *value = dcp_compact_value(fields->record, name);
+        PyObject *value = dcp_records->compact_value(fields->record, name);
         if (value == NULL) {
             PyErr_SetObject(PyExc_KeyError, name);
             return NULL;
@@ -77,7 +76,7 @@ PyObject *dcp_field(DcpFields *fields, PyObject *name) {
 PyObject *dcp_field_or_none(DcpFields *fields, PyObject *name) {
     PyObject *value;
     if (fields->record != NULL) {
-        value = dcp_compact_value(fields->record, name);
+        value = dcp_records->compact_value(fields->record, name);
     } else if (PyDict_CheckExact(fields->dict)) {
         value = PyDict_GetItemWithError(fields->dict, name);
         if (value == NULL && PyErr_Occurred())
@@ -95,8 +94,8 @@ PyObject *dcp_shared_dims(PyObject *cache, PyObject *raw, PyObject *key, PyObjec
     PyObject *dims = PySequence_Tuple(raw), *dims_key = NULL, *checked = NULL, *kept = NULL;
     if (dims == NULL)
         return NULL;
-    /* keyed by dcp_dims_key (bytes): a tuple's own hash can be made to collide (see _dcp_compact.c) */
-    if ((dims_key = dcp_dims_key(dims)) == NULL && PyErr_Occurred())
+    /* keyed by dims_key (bytes): a tuple's own hash can be made to collide (see pickle/_records.c) */
+    if ((dims_key = dcp_records->dims_key(dims)) == NULL && PyErr_Occurred())
         goto done;
     if (dims_key != NULL) {
         kept = PyDict_GetItemWithError(cache, dims_key);
@@ -147,13 +146,12 @@ void dcp_trim_list(PyObject *list) {
     }
 }
 
-/* A chunk record, or a DcpChunk made from one while the pickle was read (prebuilt_chunks in _dcp_compact.c), as
- * a DcpChunk with checked, shared dims and no location yet; a prebuilt one whose dims are already the shared
- * ones is itself (nothing else holds it). */
+/* A chunk record, or the ChunkDims made from one while the pickle was read (prebuilt_chunks in
+ * pickle/_records.c), as a DcpChunk with checked, shared dims and no location yet. */
 static PyObject *one_chunk(PyObject *chunk, PyObject *key, PyObject *shared, PyObject *counted) {
     DcpFields fields = {NULL, NULL};
     PyObject *raw = NULL, *offsets = NULL, *sizes = NULL, *result = NULL;
-    int prebuilt = Py_IS_TYPE(chunk, dcp_chunk_type) && PyTuple_GET_SIZE(chunk) == 3;
+    int prebuilt = Py_IS_TYPE(chunk, *dcp_records->chunk_dims) && PyTuple_GET_SIZE(chunk) == 2;
     if (prebuilt)
         raw = Py_NewRef(PyTuple_GET_ITEM(chunk, 0));
     else if (dcp_record_fields(chunk, &fields) < 0 || (raw = dcp_field(&fields, s_offsets)) == NULL)
@@ -164,11 +162,7 @@ static PyObject *one_chunk(PyObject *chunk, PyObject *key, PyObject *shared, PyO
     raw = prebuilt ? Py_NewRef(PyTuple_GET_ITEM(chunk, 1)) : dcp_field(&fields, s_sizes);
     if (raw == NULL || (sizes = dcp_shared_dims(counted, raw, key, s_what_sizes, 1)) == NULL)
         goto done;
-    if (prebuilt && offsets == PyTuple_GET_ITEM(chunk, 0) && sizes == PyTuple_GET_ITEM(chunk, 1) &&
-        PyTuple_GET_ITEM(chunk, 2) == Py_None)
-        result = Py_NewRef(chunk);
-    else
-        result = dcp_new_triple(dcp_chunk_type, offsets, sizes, Py_None);  /* its location comes from attach() */
+    result = dcp_new_triple(dcp_chunk_type, offsets, sizes, Py_None);  /* its location comes from attach() */
 done:
     dcp_fields_clear(&fields);
     Py_XDECREF(raw);
@@ -208,10 +202,10 @@ fail:
 static PyObject *record_dtype(PyObject *properties) {
     if (properties == Py_None)
         Py_RETURN_NONE;  /* fields = {}: no state, no dtype */
-    if (PyObject_TypeCheck(properties, dcp_tuple_state_record_type) && PyList_GET_SIZE(properties) == 1 &&
+    if (PyObject_TypeCheck(properties, *dcp_records->tuple_state_record) && PyList_GET_SIZE(properties) == 1 &&
         PyTuple_CheckExact(PyList_GET_ITEM(properties, 0))) {  /* fields would be {"_ckd_state": state} */
         PyObject *state = PyList_GET_ITEM(properties, 0), *dtype = Py_None;
-        if (dcp_refuse_properties_state(state) < 0)  /* as index_record_fields checks it (records changed since) */
+        if (dcp_records->refuse_properties_state(state) < 0)  /* as index_record_fields checks it */
             return NULL;
         if (PyTuple_GET_SIZE(state) > 0)
             dtype = PyTuple_GET_ITEM(state, 0);
@@ -327,23 +321,20 @@ fail:
 }
 
 static PyObject *setup(PyObject *module, PyObject *args) {
-    PyObject *record, *tuple_record, *fields, *dims, *inside, *dtype_name, *chunk, *location;
-    if (!PyArg_ParseTuple(args, "O!O!OOOOO!O!:setup", &PyType_Type, &record, &PyType_Type, &tuple_record, &fields,
-                          &dims, &inside, &dtype_name, &PyType_Type, &chunk, &PyType_Type, &location))
+    PyObject *fields, *dims, *inside, *dtype_name, *chunk, *location;
+    if (!PyArg_ParseTuple(args, "OOOOO!O!:setup", &fields, &dims, &inside, &dtype_name, &PyType_Type, &chunk,
+                          &PyType_Type, &location))
         return NULL;
-    if (!PyType_IsSubtype((PyTypeObject *)record, &PyList_Type) ||
-        !PyType_IsSubtype((PyTypeObject *)tuple_record, (PyTypeObject *)record) ||
-        !PyType_IsSubtype((PyTypeObject *)chunk, &PyTuple_Type) ||
+    if (!PyType_IsSubtype((PyTypeObject *)chunk, &PyTuple_Type) ||
         !PyType_IsSubtype((PyTypeObject *)location, &PyTuple_Type) ||
         ((PyTypeObject *)chunk)->tp_basicsize != PyTuple_Type.tp_basicsize ||
         ((PyTypeObject *)location)->tp_basicsize != PyTuple_Type.tp_basicsize) {
-        PyErr_SetString(PyExc_TypeError, "setup: two list subclasses and two slot-less tuple subclasses expected");
+        PyErr_SetString(PyExc_TypeError, "setup: two slot-less tuple subclasses expected");
         return NULL;
     }
-    PyObject **slots[] = {(PyObject **)&dcp_index_record_type, (PyObject **)&dcp_tuple_state_record_type, &fields_fn,
-                          &dcp_int64_dims_fn, &dcp_inside_path_fn, &dtype_name_fn, (PyObject **)&dcp_chunk_type,
-                          (PyObject **)&dcp_location_type};
-    PyObject *values[] = {record, tuple_record, fields, dims, inside, dtype_name, chunk, location};
+    PyObject **slots[] = {&fields_fn, &dcp_int64_dims_fn, &dcp_inside_path_fn, &dtype_name_fn,
+                          (PyObject **)&dcp_chunk_type, (PyObject **)&dcp_location_type};
+    PyObject *values[] = {fields, dims, inside, dtype_name, chunk, location};
     for (size_t i = 0; i < sizeof(values) / sizeof(values[0]); i++) {
         Py_INCREF(values[i]);
         Py_XSETREF(*slots[i], values[i]);
@@ -357,24 +348,20 @@ static PyObject *not_set_up(PyObject *module, PyObject *args) {
 }
 
 static PyObject *checked_attach(PyObject *module, PyObject *args) {
-    return dcp_index_record_type == NULL ? not_set_up(module, args) : dcp_attach(module, args);
+    return dcp_chunk_type == NULL || *dcp_records->index_record == NULL ? not_set_up(module, args)
+                                                                         : dcp_attach(module, args);
 }
 
 static PyObject *checked_items(PyObject *module, PyObject *args) {
-    return dcp_index_record_type == NULL ? not_set_up(module, args) : items(module, args);
+    return dcp_chunk_type == NULL || *dcp_records->index_record == NULL ? not_set_up(module, args)
+                                                                         : items(module, args);
 }
 
 static PyMethodDef methods[] = {
     {"setup", setup, METH_VARARGS, "Give the Python helpers and types the loops use (once, at import)."},
     {"attach", checked_attach, METH_VARARGS, "Set each chunk's StorageLocation from storage_data."},
     {"items", checked_items, METH_VARARGS, "state_dict_metadata -> {key: item_class(...)}."},
-    {"compact_setstate", dcp_make_compact_setstate, METH_O, "The __setstate__ of index records (an instancemethod)."},
     {"tiles_once", dcp_tiles_once, METH_VARARGS, "Whether chunks are one grid's cells over shape, each once."},
-    {"index_size", (PyCFunction)(void (*)(void))dcp_index_size, METH_FASTCALL,
-     "What torch.Size builds in an index-only read: ().__add__(dims), one object per equal tuple of ints."},
-    {"faithful_size", (PyCFunction)(void (*)(void))dcp_faithful_size, METH_FASTCALL,
-     "What torch.Size builds in a faithful read: cls(dims), one object per equal tuple of ints."},
-    {"forget_index_sizes", dcp_forget_index_sizes, METH_NOARGS, "Empty the table of shared tuples (around a load)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -397,7 +384,9 @@ PyMODINIT_FUNC PyInit__dcp_index(void) {
     }
     if (dcp_empty_tuple == NULL && (dcp_empty_tuple = PyTuple_New(0)) == NULL)
         return NULL;
-    if (dcp_attach_init() < 0 || dcp_compact_init() < 0)
-        return NULL;
+    PyObject *records = PyImport_ImportModule("ckptdoctor.pickle._native"); /* (PyCapsule_Import of 3.11 does not) */
+    Py_XDECREF(records);  /* sys.modules holds it */
+    if (dcp_attach_init() < 0 || records == NULL || (dcp_records = PyCapsule_Import(RECORDS_API_NAME, 0)) == NULL)
+        return NULL;  /* ImportError where the pickle engine's native module was not built: the Python loops run */
     return PyModule_Create(&module_def);
 }

@@ -1,8 +1,7 @@
 /* ckptdoctor._dcp_index: one extension module from three sources.
  *   _dcp_index.c     the module, setup(), the record field readers and the loop over keys (items)
  *   _dcp_attach.c    the storage pass: storage_data entries set on the chunks they name (attach)
- *   _dcp_compact.c   compact index records: the __setstate__ of index-only DCP records and reading them;
- *                    index_size, what torch.Size builds in an index-only read
+ * It reads the index records through the capsule of ckptdoctor.pickle._native (pickle/_records.h).
  *   _dcp_coverage.c  check's coverage test for chunks that are the cells of one grid (tiles_once)
  */
 #ifndef CKPTDOCTOR_DCP_INDEX_H
@@ -11,6 +10,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include "pickle/_records.h"
 
 /* type(value) is int and 0 <= value < 2**63: its value, else -1 (nothing raised: the caller decides). */
 static inline int64_t dcp_int64_size(PyObject *value) {
@@ -31,7 +31,7 @@ typedef struct {           /* the fields of a record, as a view: its one state d
     PyObject *record;      /* or NULL for a compact record, whose values are read from record (borrowed) */
 } DcpFields;
 extern PyTypeObject *dcp_chunk_type, *dcp_location_type;           /* DcpChunk, StorageLocation */
-extern PyTypeObject *dcp_index_record_type, *dcp_tuple_state_record_type; /* IndexRecord, IndexTupleStateRecord */
+extern const RecordsApi *dcp_records;                              /* the records' capsule (pickle/_records.h) */
 extern PyObject *dcp_int64_dims_fn, *dcp_inside_path_fn, *dcp_empty_tuple; /* dcp_index.int64_dims, inside_path, () */
 int dcp_record_fields(PyObject *record, DcpFields *fields);           /* 0, or -1 with an error */
 void dcp_fields_clear(DcpFields *fields);
@@ -44,21 +44,6 @@ void dcp_trim_list(PyObject *list); /* an exact list's item array cut to its len
 /* _dcp_attach.c */
 int dcp_attach_init(void);                              /* its interned names, at module init */
 PyObject *dcp_attach(PyObject *module, PyObject *args); /* attach(storage_data, items, consume, shared) -> None */
-
-/* _dcp_compact.c */
-int dcp_compact_init(void);                                             /* its interned names, at module init */
-int dcp_is_compact(PyObject *record);                                   /* [CompactKeys(names), values...] */
-PyObject *dcp_compact_value(PyObject *record, PyObject *name);          /* borrowed; NULL (no error): none */
-PyObject *dcp_make_compact_setstate(PyObject *module, PyObject *keys_type); /* compact_setstate(CompactKeys) */
-PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* index_size(dims) */
-PyObject *dcp_faithful_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* (cls, dims) */
-PyObject *dcp_dims_key(PyObject *dims); /* a flood-proof dict key (bytes) of a tuple of int64 ints; NULL: none */
-PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *ignored);         /* forget_index_sizes() */
-
-/* _dcp_states.c: -1 with pickle.UnpicklingError set where torch's loader refuses the state */
-int dcp_refuse_build_state(PyObject *state);      /* a dataclass's BUILD state (load_build) */
-int dcp_refuse_properties_state(PyObject *state); /* a TensorProperties state other than a dict */
-int dcp_refuse_size_items(PyObject *dims);         /* a torch.Size's dims (a tuple) */
 
 /* _dcp_coverage.c */
 PyObject *dcp_tiles_once(PyObject *module, PyObject *args); /* tiles_once(shape, chunks) -> bool */

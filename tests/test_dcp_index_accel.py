@@ -24,7 +24,7 @@ from ckptdoctor.formats import dcp_index
 from ckptdoctor.formats.dcp_index import DcpItem
 from ckptdoctor.formats.torch_dist import record_attr
 from ckptdoctor.pickle import index_records, unpickler
-from ckptdoctor.pickle.index_records import CompactKeys, IndexRecord, index_record_fields
+from ckptdoctor.pickle.index_records import ChunkDims, CompactKeys, IndexRecord, index_record_fields
 from ckptdoctor.pickle.stand_ins import Record
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -107,11 +107,11 @@ def _mutate(rng: random.Random, state_dict_metadata: dict, storage_data: dict) -
     kind, record = targets[rng.randrange(len(targets))]
     state = _state(record)
     op = rng.randrange(9)
-    if kind == "chunk" and type(record) is dcp_index.DcpChunk and op <= 4:  # made while unpickling: hostile dims
+    if kind == "chunk" and type(record) is ChunkDims and op <= 4:  # made while unpickling: hostile dims
         tuples = [alien for alien in _aliens() if type(alien) is tuple]
-        dims = [record.offsets, record.sizes]
+        dims = list(record)
         dims[rng.randrange(2)] = tuples[rng.randrange(len(tuples))]
-        _replace(state_dict_metadata, storage_data, record, tuple.__new__(dcp_index.DcpChunk, (*dims, None)))
+        _replace(state_dict_metadata, storage_data, record, ChunkDims(dims))
     elif kind == "properties" and isinstance(record, IndexRecord):  # TensorProperties' tuple state, or not
         aliens = _aliens()
         record[:] = rng.choice(
@@ -375,7 +375,7 @@ def test_coverage_in_c_agrees_with_the_python_rule(monkeypatch):
 
 @needs_c
 def test_compact_records_read_as_the_states_they_were_built_from():
-    """A compact record (``_dcp_index.compact_setstate``) reads as the list of states ``list.append`` keeps would:
+    """A compact record (the native ``compact_setstate``) reads as the list of states ``list.append`` keeps would:
     for every sequence of BUILD states (dicts of str keys, empty, of other keys, too many keys; tuples, None,
     (state, slots) pairs), ``index_record_fields`` gives the same fields or the same error (which the compact
     record's own BUILD raises where a state is one torch's BUILD refuses)."""
@@ -444,14 +444,16 @@ def test_fixture_indexes_with_and_without_compact_records(monkeypatch, path):
 
 @needs_c
 def test_index_sizes_are_shared_within_a_load_and_otherwise_what_the_tuple_add_makes():
-    """torch.Size in an index-only read (``_dcp_index.index_size``): one object per equal tuple of ints within a
+    """torch.Size in an index-only read (``pickle._native.index_size``): one object per equal tuple of ints within a
     load, the table emptied after it; items torch.Size refuses (not ints, outside int64) refused with its errors;
     anything else exactly what the Python fallback (``().__add__``, items checked) makes of it."""
     from ckptdoctor.pickle import policy
     from ckptdoctor.pickle.torch_stand_ins import INDEX_SIZE
 
     index_size = policy.index_size
-    assert index_size.func is dcp_index._dcp_index.index_size  # a partial in both builds (see policy)
+    from ckptdoctor.pickle import _native
+
+    assert index_size.func is _native.index_size  # a partial in both builds (see policy)
     a, b = (4096, 11008), tuple([4096, 11008])
     assert a is not b and index_size(a) is a and index_size(b) is a  # the first one seen
     policy.forget_index_sizes()
@@ -660,7 +662,7 @@ def test_a_consuming_build_lets_each_key_records_go_as_soon_as_its_item_exists(c
     assert set(released_before) == {0} and all(value is not None for value in state_dict_metadata.values())
 
 
-# --- what an index-only read makes of the records while it unpickles (prebuild in _dcp_compact.c) ----------------
+# --- what an index-only read makes of the records while it unpickles (prebuild in pickle/_records.c) ------------
 
 _DCP = "torch.distributed.checkpoint.metadata"
 
@@ -699,7 +701,7 @@ def _without_plans(path: Path) -> bytes:
 
 @needs_c
 def test_an_index_only_read_makes_chunk_records_into_chunks_and_shares_properties():
-    """While an index-only read unpickles, chunk records that only their list holds become DcpChunks, the lists are
+    """While an index-only read unpickles, chunk records that only their list holds become ChunkDims, the lists are
     cut to their length and properties records that only their tensor record holds are one per distinct state: the
     peak of a read (the end of the unpickling) is ~15% lower at one chunk per key. The index is the same as from the
     records an unpruned read keeps (its memo holds every record, so nothing is replaced there)."""
@@ -709,14 +711,14 @@ def test_an_index_only_read_makes_chunk_records_into_chunks_and_shares_propertie
     state_dict_metadata, _ = _records(data, True)
     tensors = [_read(item) for item in state_dict_metadata.values() if "chunks" in _read(item)]
     chunk_lists = [fields["chunks"] for fields in tensors]
-    assert tensors and all(type(chunk) is dcp_index.DcpChunk for chunks in chunk_lists for chunk in chunks)
+    assert tensors and all(type(chunk) is ChunkDims for chunks in chunk_lists for chunk in chunks)
     assert all(sys.getsizeof(chunks) == sys.getsizeof([None] * len(chunks)) for chunks in chunk_lists)
     properties = {id(fields["properties"]): fields["properties"][0] for fields in tensors}
     assert len(properties) == len(set(properties.values())) < len(tensors)
     # megatron-core's plans read every chunk record, but an index-only read leaves their states out (drop_plans,
     # _pickle_plans.c): the memo does not hold the records for them, so they are replaced there too
     with_plans, _ = _records(METADATA[-1].read_bytes(), True)
-    assert all(type(c) is dcp_index.DcpChunk for item in with_plans.values() for c in _read(item).get("chunks", []))
+    assert all(type(c) is ChunkDims for item in with_plans.values() for c in _read(item).get("chunks", []))
 
     unpruned = unpickler.SafeUnpickler(io.BytesIO(data), None, True).load()
     kept = record_attr(unpruned, "state_dict_metadata")
@@ -737,7 +739,7 @@ def test_a_chunk_record_the_pickle_can_reach_again_is_left_as_a_record(monkeypat
             record_attr(metadata, "storage_data"),
         )
         (chunk,) = _read(state_dict_metadata["w"])["chunks"]
-        assert (type(chunk) is dcp_index.DcpChunk) is not rebuild
+        assert (type(chunk) is ChunkDims) is not rebuild
         (result, _) = _outcome(monkeypatch, c, state_dict_metadata, storage_data, True)
         (made,) = result["w"].chunks
         assert (made.offsets, made.sizes, made.storage) == ((0,), sizes, ("__0_0.distcp", 0, 16))

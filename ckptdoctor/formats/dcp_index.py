@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ckptdoctor.pickle.index_records import DroppedRecord, IndexRecord, IndexTupleStateRecord, index_record_fields
+from ckptdoctor.pickle.index_records import ChunkDims, DroppedRecord, IndexRecord, index_record_fields
 from ckptdoctor.pickle.torch_stand_ins import DtypeRef
 
 
@@ -205,7 +205,7 @@ def _chunks_py(chunks_meta: Any, key: str, shared: dict, counted: dict) -> list:
     :func:`_attach_py`). The reference of ``_dcp_index.items``' chunk loop."""
     chunks = []
     for chunk in chunks_meta:
-        if type(chunk) is DcpChunk:  # made from a chunk record while the pickle was read (C: prebuild)
+        if type(chunk) is ChunkDims:  # made from a chunk record while the pickle was read (C: prebuild)
             raw_offsets, raw_sizes = chunk[0], chunk[1]
         else:
             chunk_fields = chunk[0] if type(chunk) in _ONE_STATE and len(chunk) == 1 else _fields(chunk)
@@ -276,9 +276,7 @@ _items: Callable[[dict, dict, dict, type[DcpItem], bool, dict], dict[str, DcpIte
 # check's coverage rule: whether a tensor's chunks are the cells of one grid, each once (C only; None without it)
 grid_tiled_once: Callable[[tuple, list], bool] | None = None
 if _dcp_index is not None:
-    _dcp_index.setup(
-        IndexRecord, IndexTupleStateRecord, _fields, int64_dims, inside_path, _dtype_name, DcpChunk, StorageLocation
-    )
+    _dcp_index.setup(_fields, int64_dims, inside_path, _dtype_name, DcpChunk, StorageLocation)
     _attach, _items = _dcp_index.attach, _dcp_index.items
     grid_tiled_once = _dcp_index.tiles_once
 
