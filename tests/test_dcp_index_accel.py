@@ -1,4 +1,4 @@
-"""The index loops in C (``ckptdoctor/_dcp_index.c``) give the Python loops' result, or the same error.
+"""The index loops in C (``ckptdoctor/formats/_dcp_index.c``) give the Python loops' result, or the same error.
 
 ``dcp_index.index_items`` runs the C loops where the extension was built, and a crafted ``.metadata`` reaches
 them with whatever records the safe unpickler built: so every outcome here comes from both implementations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import os
 import random
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,7 @@ from ckptdoctor.pickle.stand_ins import Record
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 METADATA = sorted(FIXTURES.glob("*/iter_*/.metadata"))
 
-needs_c = pytest.mark.skipif(dcp_index._dcp_index is None, reason="the C index loops were not built")
-
-
-def _loops(c: bool) -> tuple[Callable, Callable]:
-    if c:
-        return dcp_index._dcp_index.attach, dcp_index._dcp_index.items
-    return dcp_index._attach_py, dcp_index._items_py
+needs_c = pytest.mark.skipif(not dcp_index._use_c, reason="the C index loops were not built")
 
 
 def _records(data: bytes, index_only: bool) -> tuple[dict, dict]:
@@ -45,9 +38,7 @@ def _records(data: bytes, index_only: bool) -> tuple[dict, dict]:
 
 
 def _outcome(monkeypatch, c: bool, state_dict_metadata: Any, storage_data: Any, consume: bool) -> tuple:
-    attach, items = _loops(c)
-    monkeypatch.setattr(dcp_index, "_attach", attach)
-    monkeypatch.setattr(dcp_index, "_items", items)
+    monkeypatch.setattr(dcp_index, "_use_c", c)
     try:
         result: Any = dcp_index.index_items(state_dict_metadata, storage_data, DcpItem, consume)
     except Exception as exc:  # noqa: BLE001 - the point is which one
@@ -214,31 +205,6 @@ def test_fixture_indexes_are_identical(monkeypatch, path):
 
 
 @needs_c
-def test_chunks_and_locations_built_in_c_are_whole_objects():
-    """The C loops allocate DcpChunk and StorageLocation at their exact size (no unused trailing item): each must
-    still be a tracked, comparable, hashable, picklable and copyable NamedTuple, as one built in Python."""
-    import copy
-    import gc
-    import pickle
-
-    index = dcp_index.index_items(*_records(METADATA[0].read_bytes(), True), DcpItem, True)
-    chunks = [chunk for item in index.values() for chunk in item.chunks]
-    locations = [chunk.storage for chunk in chunks if chunk.storage is not None]
-    assert chunks and locations
-    for made in (chunks[0], locations[0]):
-        rebuilt = tuple.__new__(type(made), tuple(made))
-        assert gc.is_tracked(made) and made == rebuilt and hash(made) == hash(rebuilt)
-        assert pickle.loads(pickle.dumps(made)) == made and copy.deepcopy(made) == made
-        assert made.__sizeof__() == rebuilt.__sizeof__() and len(made) == 3 and made[-1] == rebuilt[-1]
-    assert all(type(chunk) is dcp_index.DcpChunk for chunk in chunks)
-    assert {chunk.storage.relative_path for chunk in chunks if chunk.storage} <= {
-        loc.relative_path for loc in locations
-    }
-    del index, chunks, locations
-    gc.collect()
-
-
-@needs_c
 @pytest.mark.parametrize("path", METADATA[::4], ids=lambda p: p.parent.parent.name)
 @pytest.mark.parametrize("plans", ["plans", "no-plans"])
 def test_mutants_give_identical_outcomes(monkeypatch, path, plans):
@@ -276,13 +242,24 @@ def test_storage_data_of_the_wrong_shape(monkeypatch):
     assert outcome[0] == ("AttributeError", "'tuple' object has no attribute 'clear'")
 
 
+@needs_c
+@pytest.mark.parametrize("index_only", [True, False])
+def test_the_c_loops_read_every_fixture_to_the_end(index_only):
+    """The C loops stop at any record they do not read (the Python loops go on from there): on what DCP writes,
+    index-only or faithfully read, they do the whole work, so the comparisons above compare C, not Python twice."""
+    for path in METADATA:
+        state_dict_metadata, storage_data = _records(path.read_bytes(), index_only)
+        rows, stop, _ = dcp_index._c_items(state_dict_metadata, {}, {}, False)
+        assert stop is None and len(rows) == len(state_dict_metadata), path
+        assert dcp_index._c_attach(storage_data, rows, False, {}) is None, path
+
+
 def test_the_c_loops_are_built_where_ci_requires_it():
     """CI (scripts/test.sh) builds the extensions and sets CKPTDOCTOR_REQUIRE_C_SCAN=1: a failed build there
     must fail the run, not skip the comparisons above."""
     if os.environ.get("CKPTDOCTOR_REQUIRE_C_SCAN") != "1":
         pytest.skip("CKPTDOCTOR_REQUIRE_C_SCAN is not set")
-    assert dcp_index._dcp_index is not None
-    assert dcp_index._attach is dcp_index._dcp_index.attach
+    assert dcp_index._use_c
 
 
 def test_a_command_index_is_held_only_in_the_short_lived_process(monkeypatch):
@@ -651,14 +628,21 @@ def test_a_consuming_build_lets_each_key_records_go_as_soon_as_its_item_exists(c
             released_before.append(sum(value is None for value in state_dict_metadata.values()))
             super().__init__(*args)
 
-    _, items = _loops(c)
-    index = items(state_dict_metadata, {}, {}, Seen, True, {})
+    if c:  # the C loop sets them as it makes each key's row (its items are made from the rows after it)
+        rows, stop, _ = dcp_index._c_items(state_dict_metadata, {}, {}, True)
+        assert stop is None and len(rows) == len(state_dict_metadata) > 1
+        assert all(value is None for value in state_dict_metadata.values())
+        state_dict_metadata, _ = _records(METADATA[0].read_bytes(), True)
+        dcp_index._c_items(state_dict_metadata, {}, {}, False)
+        assert all(value is not None for value in state_dict_metadata.values())
+        return
+    index = dcp_index._items_py(state_dict_metadata, {}, {}, Seen, True, {})
     assert len(index) == len(state_dict_metadata) > 1
     assert released_before == list(range(len(index)))
     assert all(value is None for value in state_dict_metadata.values())
     state_dict_metadata, _ = _records(METADATA[0].read_bytes(), True)
     released_before.clear()
-    items(state_dict_metadata, {}, {}, Seen, False, {})
+    dcp_index._items_py(state_dict_metadata, {}, {}, Seen, False, {})
     assert set(released_before) == {0} and all(value is not None for value in state_dict_metadata.values())
 
 
@@ -777,7 +761,7 @@ def test_an_index_only_read_drops_megatron_plans_and_indexes_the_same(path):
         pickle.dumps(DROPPED)
 
 
-@pytest.mark.parametrize("c", [True, False] if dcp_index._dcp_index is not None else [False])
+@pytest.mark.parametrize("c", [True, False] if dcp_index._use_c else [False])
 def test_a_plan_record_where_a_metadata_record_belongs_is_named(monkeypatch, c):
     """A crafted ``.metadata`` may put a plan part (built as DROPPED by an index-only read) where a tensor record or
     a storage entry belongs: the index refuses it with a message that says so, in C as in Python."""

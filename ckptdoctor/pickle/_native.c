@@ -11,7 +11,7 @@ static PyMethodDef methods[] = {
      "pruned_reader(data, release=False, drop_plans=False): prune_memo(data, drop_plans) as a file to read from "
      "(read, readline), or None."},
     {"records_setup", native_records_setup, METH_VARARGS,
-     "records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, ChunkDims): the __setstate__ of index records "
+     "records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, ChunkDims, Record): the __setstate__ of index records "
      "(an instancemethod; see _records.c)."},
     {"index_size", (PyCFunction)(void (*)(void))native_index_size, METH_FASTCALL,
      "What torch.Size builds in an index-only read: ().__add__(dims), one object per equal tuple of ints."},

@@ -4,8 +4,9 @@
 #include "_records.h"
 
 /* index_records' types, given once by records_setup: CompactKeys (the field names of a compact record),
- * IndexRecord, IndexTupleStateRecord and ChunkDims (what a chunk record only its list holds becomes) */
-static PyTypeObject *compact_keys_type, *index_record_type, *tuple_state_record_type, *chunk_dims_type;
+ * IndexRecord, IndexTupleStateRecord, ChunkDims (what a chunk record only its list holds becomes), and
+ * stand_ins.Record (a faithful read's records, for the DCP index's C) */
+static PyTypeObject *compact_keys_type, *index_record_type, *tuple_state_record_type, *chunk_dims_type, *record_type;
 static PyObject *compact_keys_interned; /* tuple of names -> CompactKeys, one per distinct set of fields */
 
 /*
@@ -219,16 +220,17 @@ static PyTypeObject *slotless_subtype(PyObject *type, PyTypeObject *base) {
     return (PyTypeObject *)Py_NewRef(type);
 }
 
-/* records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, ChunkDims) -> the __setstate__ of index record
+/* records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, ChunkDims, Record) -> the __setstate__ of index record
  * classes (an instancemethod); once, by index_records. */
 PyObject *native_records_setup(PyObject *module, PyObject *args) {
-    PyObject *keys, *record, *tuple_state, *chunk;
-    if (!PyArg_ParseTuple(args, "OOOO:records_setup", &keys, &record, &tuple_state, &chunk))
+    PyObject *keys, *record, *tuple_state, *chunk, *faithful;
+    if (!PyArg_ParseTuple(args, "OOOOO!:records_setup", &keys, &record, &tuple_state, &chunk, &PyType_Type, &faithful))
         return NULL;
     Py_CLEAR(compact_keys_type);  /* a second call (a reload of index_records) replaces the types */
     Py_CLEAR(index_record_type);
     Py_CLEAR(tuple_state_record_type);
     Py_CLEAR(chunk_dims_type);
+    Py_XSETREF(record_type, (PyTypeObject *)Py_NewRef(faithful));
     Py_XSETREF(compact_keys_interned, PyDict_New());
     if (compact_keys_interned == NULL ||
         (compact_keys_type = slotless_subtype(keys, &PyTuple_Type)) == NULL ||
@@ -311,10 +313,6 @@ static PyObject *tuple_key(PyObject *t, int by_identity) {
         memcpy(out + 9 * i + 1, &value, 8);
     }
     return key;
-}
-
-static PyObject *dims_key(PyObject *dims) {
-    return PyTuple_CheckExact(dims) ? tuple_key(dims, 0) : NULL;
 }
 
 /* The tuple of this load equal to exact tuple t (items compared as tuple_key says), t itself the first time or
@@ -511,8 +509,8 @@ PyObject *native_forget_index_sizes(PyObject *module, PyObject *Py_UNUSED(ignore
 }
 
 /* What the DCP index's C reads of the records (see _records.h). */
-static const RecordsApi records_api = {&index_record_type, &tuple_state_record_type, &chunk_dims_type, is_compact,
-                                       compact_value, dims_key, refuse_properties_state};
+static const RecordsApi records_api = {&index_record_type, &tuple_state_record_type, &chunk_dims_type, &record_type,
+                                       is_compact, compact_value, refuse_properties_state};
 
 int native_records_ready(PyObject *module) {
     if (records_names() < 0)

@@ -104,7 +104,7 @@ _compact_setstate: Any = None
 try:
     from ckptdoctor.pickle import _native
 
-    _compact_setstate = _native.records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, ChunkDims)
+    _compact_setstate = _native.records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, ChunkDims, Record)
 except ImportError:  # built without a compiler: list.append
     pass
 
