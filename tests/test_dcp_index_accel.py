@@ -254,6 +254,33 @@ def test_the_c_loops_read_every_fixture_to_the_end(index_only):
         assert dcp_index._c_attach(storage_data, rows, False, {}) is None, path
 
 
+@needs_c
+@pytest.mark.parametrize("consume", [True, False])
+def test_where_the_c_loops_stop_the_python_loops_go_on(monkeypatch, consume):
+    """A record C does not read (here a chunk's offsets as a list, which tuple() takes, and a storage entry's path
+    as a str subclass) stops the C loop at that key or entry; the Python loop goes on from it: the same index."""
+
+    class Name(str):
+        __slots__ = ()
+
+    def records() -> tuple[dict, dict]:
+        state_dict_metadata, storage_data = _records(METADATA[0].read_bytes(), False)
+        tensors = [key for key, item in state_dict_metadata.items() if item.__dict__.get("chunks")]
+        chunk = state_dict_metadata[tensors[len(tensors) // 2]].__dict__["chunks"][0]
+        chunk.__dict__["offsets"] = list(chunk.__dict__["offsets"])
+        info = list(storage_data.values())[len(storage_data) // 2]
+        info.__dict__["relative_path"] = Name(info.__dict__["relative_path"])
+        return state_dict_metadata, storage_data
+
+    state_dict_metadata, storage_data = records()
+    rows, stop, _ = dcp_index._c_items(state_dict_metadata, {}, {}, False)
+    assert stop is not None and 0 < stop < len(state_dict_metadata)
+    rows, stop, _ = dcp_index._c_items(*records()[:1], {}, {}, False)
+    assert dcp_index._c_attach(records()[1], {}, False, {})[0] > 0  # stops at the str subclass, past entries
+    outcomes = [_outcome(monkeypatch, c, *records(), consume) for c in (True, False)]
+    assert isinstance(outcomes[0][0], dict) and outcomes[0] == outcomes[1]
+
+
 def test_the_c_loops_are_built_where_ci_requires_it():
     """CI (scripts/test.sh) builds the extensions and sets CKPTDOCTOR_REQUIRE_C_SCAN=1: a failed build there
     must fail the run, not skip the comparisons above."""

@@ -248,9 +248,13 @@ PyMODINIT_FUNC PyInit__dcp_index(void) {
     if ((empty_tuple == NULL && (empty_tuple = PyTuple_New(0)) == NULL) ||
         (no_fields == NULL && (no_fields = PyDict_New()) == NULL))
         return NULL;
-    PyObject *records = PyImport_ImportModule("ckptdoctor.pickle._native"); /* (PyCapsule_Import of 3.11 does not) */
-    Py_XDECREF(records);  /* sys.modules holds it */
-    if (dcp_attach_init() < 0 || records == NULL || (dcp_records = PyCapsule_Import(RECORDS_API_NAME, 0)) == NULL)
-        return NULL;  /* ImportError where the pickle engine's native module was not built: the Python loops run */
+    /* the records' module (which gives the native module their types) and the native module itself (which
+     * PyCapsule_Import of 3.11 does not import): ImportError where it was not built, and the Python loops run */
+    PyObject *records = PyImport_ImportModule("ckptdoctor.pickle.index_records");
+    PyObject *native = records == NULL ? NULL : PyImport_ImportModule("ckptdoctor.pickle._native");
+    Py_XDECREF(records);  /* sys.modules holds them */
+    Py_XDECREF(native);
+    if (dcp_attach_init() < 0 || native == NULL || (dcp_records = PyCapsule_Import(RECORDS_API_NAME, 0)) == NULL)
+        return NULL;
     return PyModule_Create(&module_def);
 }

@@ -316,10 +316,11 @@ def _index_c(
     if stop is None and type(storage_data) is dict:
         stopped = _c_attach(storage_data, rows, consume, shared)
     items: dict[str, DcpItem] = {}
+    new_chunk, new_location = _new_chunk, _new_location  # (locals: one row per key, 10^6 in a large checkpoint)
     for key, (dtype, shape, chunks) in rows.items():
         if len(chunks) == 1:  # (most keys: inline)
             offsets, sizes, location = chunks[0]
-            chunks[0] = _new_chunk((offsets, sizes, location and _new_location(location)))
+            chunks[0] = new_chunk((offsets, sizes, location and new_location(location)))
         else:
             _located(chunks)
         if shape is None:
