@@ -50,7 +50,11 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
     message="%(prog)s, version %(version)s (pickle pre-pass: "
     + ("C" if native("ckptdoctor.pickle._native") else "Python, the C extension was not built or is blocked")
     + "; index loops: "
-    + ("C" if native("ckptdoctor._dcp_index") else "Python, the C extension was not built or is blocked")
+    + (
+        "C"  # (its C reads the records through the pickle engine's native module)
+        if native("ckptdoctor.formats._dcp_index") and native("ckptdoctor.pickle._native")
+        else "Python, the C extension was not built or is blocked"
+    )
     + ")",
 )
 @click.option(

@@ -7,8 +7,8 @@ them blocked (``CKPTDOCTOR_NO_EXTENSIONS=1``), which each answer one line per mu
 
 - the resource pre-pass (``ckptdoctor.pickle.scanner.scan``): passes, or the exception class and message;
 - where it passes, the faithful read (``unpickler.loads``, memo pruning in C), as a structural dump or the error;
-- for ``.metadata`` mutants, the index-only read and the DCP index built from it (compact records, index_size,
-  the index loops in C), as the index's items or the error.
+- for ``.metadata`` mutants, the DCP index built from the index-only read (compact records, index_size, the
+  index loops in C) and from the faithful read, as the index's items or the error.
 
 Any difference, or a worker that dies (a sanitizer report aborts it), fails the run with the mutant saved for
 reproduction. ``--seconds`` bounds the run (the mutants are the same for a given ``--seed``, their number depends
@@ -164,21 +164,28 @@ def outcome(kind: str, data: bytes) -> str:
         parts.append("scan ok")
     except Exception as exc:  # noqa: BLE001
         return "scan " + _error(exc)
+    faithful: Any = None
     try:
-        obj = unpickler.loads(data, lambda pid: StorageRef(repr(pid)[:40], None, "cpu", 0))
-        parts.append("faithful " + _dump(obj))
-        del obj
+        faithful = unpickler.loads(data, lambda pid: StorageRef(repr(pid)[:40], None, "cpu", 0))
+        parts.append("faithful " + _dump(faithful))
     except Exception as exc:  # noqa: BLE001
         parts.append("faithful " + _error(exc))
     if kind == "metadata":
-        try:
-            obj = unpickler.loads(data, lambda pid: StorageRef(repr(pid)[:40], None, "cpu", 0), index_only=True)
-            index = _index_from_object(obj, Path("m"), DcpItem, [], consume=True)
-            del obj
-            rows = [(k, i.kind, i.dtype, i.shape, [tuple(c) for c in i.chunks]) for k, i in index.items.items()]
-            parts.append("index " + hashlib.sha256(repr(rows).encode()).hexdigest()[:16])
-        except Exception as exc:  # noqa: BLE001
-            parts.append("index " + _error(exc))
+        # the index of both reads (the C loops read index-only records and a faithful read's Records)
+        for name, index_only in (("index", True), ("faithful index", False)):
+            try:
+                if index_only:
+                    obj = unpickler.loads(data, lambda pid: StorageRef(repr(pid)[:40], None, "cpu", 0), index_only=True)
+                else:
+                    obj, faithful = faithful, None
+                    if obj is None:
+                        continue
+                index = _index_from_object(obj, Path("m"), DcpItem, [], consume=index_only)
+                del obj
+                rows = [(k, i.kind, i.dtype, i.shape, [tuple(c) for c in i.chunks]) for k, i in index.items.items()]
+                parts.append(f"{name} " + hashlib.sha256(repr(rows).encode()).hexdigest()[:16])
+            except Exception as exc:  # noqa: BLE001
+                parts.append(f"{name} " + _error(exc))
     return " | ".join(parts)
 
 

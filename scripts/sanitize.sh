@@ -29,8 +29,9 @@ flags="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recove
 }
 built=0
 for so in $(find "$tmp/ckptdoctor" -name '*.so'); do
-    nm -D "$so" | grep -q __asan_ || { echo "sanitize.sh: $so is not instrumented" >&2; exit 2; }
-    nm -D "$so" | grep -q __ubsan_ || { echo "sanitize.sh: $so has no UBSan checks" >&2; exit 2; }
+    syms=$(nm -D "$so")  # (not piped into grep -q: nm killed by SIGPIPE fails the pipeline under pipefail)
+    grep -q __asan_ <<<"$syms" || { echo "sanitize.sh: $so is not instrumented" >&2; exit 2; }
+    grep -q __ubsan_ <<<"$syms" || { echo "sanitize.sh: $so has no UBSan checks" >&2; exit 2; }
     built=$((built + 1))
 done
 [ "$built" -gt 0 ] || { echo "sanitize.sh: no native module was built" >&2; exit 2; }

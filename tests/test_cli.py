@@ -39,7 +39,7 @@ def test_version(capsys):
     from ckptdoctor.pickle import scanner
 
     assert ("pickle pre-pass: C;" in out) == (scanner._scan_c is not None)  # which walk runs, said
-    assert ("index loops: C)" in out) == (dcp_index._dcp_index is not None)
+    assert ("index loops: C)" in out) == dcp_index._use_c
     assert "rewrites" not in out  # every .metadata is written as objects: nothing to say
 
 

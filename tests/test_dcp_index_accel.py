@@ -1,4 +1,4 @@
-"""The index loops in C (``ckptdoctor/_dcp_index.c``) give the Python loops' result, or the same error.
+"""The index loops in C (``ckptdoctor/formats/_dcp_index.c``) give the Python loops' result, or the same error.
 
 ``dcp_index.index_items`` runs the C loops where the extension was built, and a crafted ``.metadata`` reaches
 them with whatever records the safe unpickler built: so every outcome here comes from both implementations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import os
 import random
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +23,13 @@ from ckptdoctor.formats import dcp_index
 from ckptdoctor.formats.dcp_index import DcpItem
 from ckptdoctor.formats.torch_dist import record_attr
 from ckptdoctor.pickle import index_records, unpickler
-from ckptdoctor.pickle.index_records import CompactKeys, IndexRecord, index_record_fields
+from ckptdoctor.pickle.index_records import ChunkDims, CompactKeys, IndexRecord, index_record_fields
 from ckptdoctor.pickle.stand_ins import Record
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 METADATA = sorted(FIXTURES.glob("*/iter_*/.metadata"))
 
-needs_c = pytest.mark.skipif(dcp_index._dcp_index is None, reason="the C index loops were not built")
-
-
-def _loops(c: bool) -> tuple[Callable, Callable]:
-    if c:
-        return dcp_index._dcp_index.attach, dcp_index._dcp_index.items
-    return dcp_index._attach_py, dcp_index._items_py
+needs_c = pytest.mark.skipif(not dcp_index._use_c, reason="the C index loops were not built")
 
 
 def _records(data: bytes, index_only: bool) -> tuple[dict, dict]:
@@ -45,9 +38,7 @@ def _records(data: bytes, index_only: bool) -> tuple[dict, dict]:
 
 
 def _outcome(monkeypatch, c: bool, state_dict_metadata: Any, storage_data: Any, consume: bool) -> tuple:
-    attach, items = _loops(c)
-    monkeypatch.setattr(dcp_index, "_attach", attach)
-    monkeypatch.setattr(dcp_index, "_items", items)
+    monkeypatch.setattr(dcp_index, "_use_c", c)
     try:
         result: Any = dcp_index.index_items(state_dict_metadata, storage_data, DcpItem, consume)
     except Exception as exc:  # noqa: BLE001 - the point is which one
@@ -107,11 +98,11 @@ def _mutate(rng: random.Random, state_dict_metadata: dict, storage_data: dict) -
     kind, record = targets[rng.randrange(len(targets))]
     state = _state(record)
     op = rng.randrange(9)
-    if kind == "chunk" and type(record) is dcp_index.DcpChunk and op <= 4:  # made while unpickling: hostile dims
+    if kind == "chunk" and type(record) is ChunkDims and op <= 4:  # made while unpickling: hostile dims
         tuples = [alien for alien in _aliens() if type(alien) is tuple]
-        dims = [record.offsets, record.sizes]
+        dims = list(record)
         dims[rng.randrange(2)] = tuples[rng.randrange(len(tuples))]
-        _replace(state_dict_metadata, storage_data, record, tuple.__new__(dcp_index.DcpChunk, (*dims, None)))
+        _replace(state_dict_metadata, storage_data, record, ChunkDims(dims))
     elif kind == "properties" and isinstance(record, IndexRecord):  # TensorProperties' tuple state, or not
         aliens = _aliens()
         record[:] = rng.choice(
@@ -214,31 +205,6 @@ def test_fixture_indexes_are_identical(monkeypatch, path):
 
 
 @needs_c
-def test_chunks_and_locations_built_in_c_are_whole_objects():
-    """The C loops allocate DcpChunk and StorageLocation at their exact size (no unused trailing item): each must
-    still be a tracked, comparable, hashable, picklable and copyable NamedTuple, as one built in Python."""
-    import copy
-    import gc
-    import pickle
-
-    index = dcp_index.index_items(*_records(METADATA[0].read_bytes(), True), DcpItem, True)
-    chunks = [chunk for item in index.values() for chunk in item.chunks]
-    locations = [chunk.storage for chunk in chunks if chunk.storage is not None]
-    assert chunks and locations
-    for made in (chunks[0], locations[0]):
-        rebuilt = tuple.__new__(type(made), tuple(made))
-        assert gc.is_tracked(made) and made == rebuilt and hash(made) == hash(rebuilt)
-        assert pickle.loads(pickle.dumps(made)) == made and copy.deepcopy(made) == made
-        assert made.__sizeof__() == rebuilt.__sizeof__() and len(made) == 3 and made[-1] == rebuilt[-1]
-    assert all(type(chunk) is dcp_index.DcpChunk for chunk in chunks)
-    assert {chunk.storage.relative_path for chunk in chunks if chunk.storage} <= {
-        loc.relative_path for loc in locations
-    }
-    del index, chunks, locations
-    gc.collect()
-
-
-@needs_c
 @pytest.mark.parametrize("path", METADATA[::4], ids=lambda p: p.parent.parent.name)
 @pytest.mark.parametrize("plans", ["plans", "no-plans"])
 def test_mutants_give_identical_outcomes(monkeypatch, path, plans):
@@ -276,13 +242,51 @@ def test_storage_data_of_the_wrong_shape(monkeypatch):
     assert outcome[0] == ("AttributeError", "'tuple' object has no attribute 'clear'")
 
 
+@needs_c
+@pytest.mark.parametrize("index_only", [True, False])
+def test_the_c_loops_read_every_fixture_to_the_end(index_only):
+    """The C loops stop at any record they do not read (the Python loops go on from there): on what DCP writes,
+    index-only or faithfully read, they do the whole work, so the comparisons above compare C, not Python twice."""
+    for path in METADATA:
+        state_dict_metadata, storage_data = _records(path.read_bytes(), index_only)
+        rows, stop, _ = dcp_index._c_items(state_dict_metadata, {}, {}, False)
+        assert stop is None and len(rows) == len(state_dict_metadata), path
+        assert dcp_index._c_attach(storage_data, rows, False, {}) is None, path
+
+
+@needs_c
+@pytest.mark.parametrize("consume", [True, False])
+def test_where_the_c_loops_stop_the_python_loops_go_on(monkeypatch, consume):
+    """A record C does not read (here a chunk's offsets as a list, which tuple() takes, and a storage entry's path
+    as a str subclass) stops the C loop at that key or entry; the Python loop goes on from it: the same index."""
+
+    class Name(str):
+        __slots__ = ()
+
+    def records() -> tuple[dict, dict]:
+        state_dict_metadata, storage_data = _records(METADATA[0].read_bytes(), False)
+        tensors = [key for key, item in state_dict_metadata.items() if item.__dict__.get("chunks")]
+        chunk = state_dict_metadata[tensors[len(tensors) // 2]].__dict__["chunks"][0]
+        chunk.__dict__["offsets"] = list(chunk.__dict__["offsets"])
+        info = list(storage_data.values())[len(storage_data) // 2]
+        info.__dict__["relative_path"] = Name(info.__dict__["relative_path"])
+        return state_dict_metadata, storage_data
+
+    state_dict_metadata, storage_data = records()
+    rows, stop, _ = dcp_index._c_items(state_dict_metadata, {}, {}, False)
+    assert stop is not None and 0 < stop < len(state_dict_metadata)
+    rows, stop, _ = dcp_index._c_items(*records()[:1], {}, {}, False)
+    assert dcp_index._c_attach(records()[1], {}, False, {})[0] > 0  # stops at the str subclass, past entries
+    outcomes = [_outcome(monkeypatch, c, *records(), consume) for c in (True, False)]
+    assert isinstance(outcomes[0][0], dict) and outcomes[0] == outcomes[1]
+
+
 def test_the_c_loops_are_built_where_ci_requires_it():
     """CI (scripts/test.sh) builds the extensions and sets CKPTDOCTOR_REQUIRE_C_SCAN=1: a failed build there
     must fail the run, not skip the comparisons above."""
     if os.environ.get("CKPTDOCTOR_REQUIRE_C_SCAN") != "1":
         pytest.skip("CKPTDOCTOR_REQUIRE_C_SCAN is not set")
-    assert dcp_index._dcp_index is not None
-    assert dcp_index._attach is dcp_index._dcp_index.attach
+    assert dcp_index._use_c
 
 
 def test_a_command_index_is_held_only_in_the_short_lived_process(monkeypatch):
@@ -375,7 +379,7 @@ def test_coverage_in_c_agrees_with_the_python_rule(monkeypatch):
 
 @needs_c
 def test_compact_records_read_as_the_states_they_were_built_from():
-    """A compact record (``_dcp_index.compact_setstate``) reads as the list of states ``list.append`` keeps would:
+    """A compact record (the native ``compact_setstate``) reads as the list of states ``list.append`` keeps would:
     for every sequence of BUILD states (dicts of str keys, empty, of other keys, too many keys; tuples, None,
     (state, slots) pairs), ``index_record_fields`` gives the same fields or the same error (which the compact
     record's own BUILD raises where a state is one torch's BUILD refuses)."""
@@ -444,14 +448,16 @@ def test_fixture_indexes_with_and_without_compact_records(monkeypatch, path):
 
 @needs_c
 def test_index_sizes_are_shared_within_a_load_and_otherwise_what_the_tuple_add_makes():
-    """torch.Size in an index-only read (``_dcp_index.index_size``): one object per equal tuple of ints within a
+    """torch.Size in an index-only read (``pickle._native.index_size``): one object per equal tuple of ints within a
     load, the table emptied after it; items torch.Size refuses (not ints, outside int64) refused with its errors;
     anything else exactly what the Python fallback (``().__add__``, items checked) makes of it."""
     from ckptdoctor.pickle import policy
     from ckptdoctor.pickle.torch_stand_ins import INDEX_SIZE
 
     index_size = policy.index_size
-    assert index_size.func is dcp_index._dcp_index.index_size  # a partial in both builds (see policy)
+    from ckptdoctor.pickle import _native
+
+    assert index_size.func is _native.index_size  # a partial in both builds (see policy)
     a, b = (4096, 11008), tuple([4096, 11008])
     assert a is not b and index_size(a) is a and index_size(b) is a  # the first one seen
     policy.forget_index_sizes()
@@ -649,18 +655,25 @@ def test_a_consuming_build_lets_each_key_records_go_as_soon_as_its_item_exists(c
             released_before.append(sum(value is None for value in state_dict_metadata.values()))
             super().__init__(*args)
 
-    _, items = _loops(c)
-    index = items(state_dict_metadata, {}, {}, Seen, True, {})
+    if c:  # the C loop sets them as it makes each key's row (its items are made from the rows after it)
+        rows, stop, _ = dcp_index._c_items(state_dict_metadata, {}, {}, True)
+        assert stop is None and len(rows) == len(state_dict_metadata) > 1
+        assert all(value is None for value in state_dict_metadata.values())
+        state_dict_metadata, _ = _records(METADATA[0].read_bytes(), True)
+        dcp_index._c_items(state_dict_metadata, {}, {}, False)
+        assert all(value is not None for value in state_dict_metadata.values())
+        return
+    index = dcp_index._items_py(state_dict_metadata, {}, {}, Seen, True, {})
     assert len(index) == len(state_dict_metadata) > 1
     assert released_before == list(range(len(index)))
     assert all(value is None for value in state_dict_metadata.values())
     state_dict_metadata, _ = _records(METADATA[0].read_bytes(), True)
     released_before.clear()
-    items(state_dict_metadata, {}, {}, Seen, False, {})
+    dcp_index._items_py(state_dict_metadata, {}, {}, Seen, False, {})
     assert set(released_before) == {0} and all(value is not None for value in state_dict_metadata.values())
 
 
-# --- what an index-only read makes of the records while it unpickles (prebuild in _dcp_compact.c) ----------------
+# --- what an index-only read makes of the records while it unpickles (prebuild in pickle/_records.c) ------------
 
 _DCP = "torch.distributed.checkpoint.metadata"
 
@@ -699,7 +712,7 @@ def _without_plans(path: Path) -> bytes:
 
 @needs_c
 def test_an_index_only_read_makes_chunk_records_into_chunks_and_shares_properties():
-    """While an index-only read unpickles, chunk records that only their list holds become DcpChunks, the lists are
+    """While an index-only read unpickles, chunk records that only their list holds become ChunkDims, the lists are
     cut to their length and properties records that only their tensor record holds are one per distinct state: the
     peak of a read (the end of the unpickling) is ~15% lower at one chunk per key. The index is the same as from the
     records an unpruned read keeps (its memo holds every record, so nothing is replaced there)."""
@@ -709,14 +722,14 @@ def test_an_index_only_read_makes_chunk_records_into_chunks_and_shares_propertie
     state_dict_metadata, _ = _records(data, True)
     tensors = [_read(item) for item in state_dict_metadata.values() if "chunks" in _read(item)]
     chunk_lists = [fields["chunks"] for fields in tensors]
-    assert tensors and all(type(chunk) is dcp_index.DcpChunk for chunks in chunk_lists for chunk in chunks)
+    assert tensors and all(type(chunk) is ChunkDims for chunks in chunk_lists for chunk in chunks)
     assert all(sys.getsizeof(chunks) == sys.getsizeof([None] * len(chunks)) for chunks in chunk_lists)
     properties = {id(fields["properties"]): fields["properties"][0] for fields in tensors}
     assert len(properties) == len(set(properties.values())) < len(tensors)
     # megatron-core's plans read every chunk record, but an index-only read leaves their states out (drop_plans,
     # _pickle_plans.c): the memo does not hold the records for them, so they are replaced there too
     with_plans, _ = _records(METADATA[-1].read_bytes(), True)
-    assert all(type(c) is dcp_index.DcpChunk for item in with_plans.values() for c in _read(item).get("chunks", []))
+    assert all(type(c) is ChunkDims for item in with_plans.values() for c in _read(item).get("chunks", []))
 
     unpruned = unpickler.SafeUnpickler(io.BytesIO(data), None, True).load()
     kept = record_attr(unpruned, "state_dict_metadata")
@@ -737,7 +750,7 @@ def test_a_chunk_record_the_pickle_can_reach_again_is_left_as_a_record(monkeypat
             record_attr(metadata, "storage_data"),
         )
         (chunk,) = _read(state_dict_metadata["w"])["chunks"]
-        assert (type(chunk) is dcp_index.DcpChunk) is not rebuild
+        assert (type(chunk) is ChunkDims) is not rebuild
         (result, _) = _outcome(monkeypatch, c, state_dict_metadata, storage_data, True)
         (made,) = result["w"].chunks
         assert (made.offsets, made.sizes, made.storage) == ((0,), sizes, ("__0_0.distcp", 0, 16))
@@ -775,7 +788,7 @@ def test_an_index_only_read_drops_megatron_plans_and_indexes_the_same(path):
         pickle.dumps(DROPPED)
 
 
-@pytest.mark.parametrize("c", [True, False] if dcp_index._dcp_index is not None else [False])
+@pytest.mark.parametrize("c", [True, False] if dcp_index._use_c else [False])
 def test_a_plan_record_where_a_metadata_record_belongs_is_named(monkeypatch, c):
     """A crafted ``.metadata`` may put a plan part (built as DROPPED by an index-only read) where a tensor record or
     a storage entry belongs: the index refuses it with a message that says so, in C as in Python."""

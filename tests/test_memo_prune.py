@@ -20,9 +20,8 @@ import pytest
 from test_pickle_scan_accel import _mutants, _seeds
 
 from ckptdoctor.errors import PickleLimitError
-from ckptdoctor.formats.dcp_index import DcpChunk
 from ckptdoctor.pickle import unpickler
-from ckptdoctor.pickle.index_records import CompactKeys, IndexRecord, IndexTupleStateRecord
+from ckptdoctor.pickle.index_records import ChunkDims, CompactKeys, IndexRecord, IndexTupleStateRecord
 from ckptdoctor.pickle.policy import hash_safe_global
 from ckptdoctor.pickle.scanner import scan
 from ckptdoctor.pickle.torch_stand_ins import StorageRef
@@ -42,10 +41,10 @@ _ADDRESS = re.compile(r"at 0x[0-9a-f]+")
 
 
 def _as_chunk(x: Any) -> tuple | None:
-    """(offsets, sizes) of a chunk as the index reads it: a compact chunk record, or the DcpChunk an index-only
-    read made of one that only its list held (``prebuild`` in ``ckptdoctor/_dcp_compact.c``); else None."""
-    if type(x) is DcpChunk and x.storage is None:
-        return x.offsets, x.sizes
+    """(offsets, sizes) of a chunk as the index reads it: a compact chunk record, or the ChunkDims an index-only
+    read made of one that only its list held (``prebuild`` in ``ckptdoctor/pickle/_records.c``); else None."""
+    if type(x) is ChunkDims:
+        return x[0], x[1]
     if (
         isinstance(x, IndexRecord)
         and len(x) == 3
@@ -63,7 +62,7 @@ def _dump(obj: Any, index_view: bool = False) -> list:
     before is written as a reference to its first appearance). Iterative: hostile pickles nest deeply.
 
     ``index_view``: an index-only read replaces objects that only one record holds by equal ones (prebuild in
-    ``_dcp_compact.c``: chunk records by DcpChunks, properties records by the first equal one), which only the
+    ``pickle/_records.c``: chunk records by ChunkDims, properties records by the first equal one), which only the
     pruned read can do (the unpruned memo holds every record): chunks and one-state properties records are
     written by value, as the index reads them."""
     seen: dict[int, int] = {}

@@ -2,15 +2,18 @@
 :class:`StorageLocation`) and the loops that build them from the safe unpickler's objects.
 
 The two loops (over the keys with each key's chunk records, then over ``storage_data``) run once per chunk, up to
-millions in a large checkpoint: where the optional extension ``ckptdoctor/_dcp_index.c`` was built they run in C
-(the same steps in the same order, so a malformed record raises the same error with the same message:
-``tests/test_dcp_index_accel.py`` compares both), else :func:`_items_py` and :func:`_attach_py`, the
-reference, run.
+millions in a large checkpoint: :func:`_items_py` and :func:`_attach_py`. Where the optional extension
+``ckptdoctor.formats._dcp_index`` was built (``formats/_dcp_index.c``, ``_dcp_attach.c``), C does their work on
+the records DCP writes, one way: it is given only the records and the tables, returns rows of plain values and
+stops at anything else; :func:`_index_c` names the dtypes, makes the rows into items and lets these loops go on
+from where C stopped, so the results and the first error are theirs (``tests/test_dcp_index_accel.py`` and
+``fuzz/fuzz_native.py`` compare both).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 import struct
@@ -18,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ckptdoctor.pickle.index_records import DroppedRecord, IndexRecord, IndexTupleStateRecord, index_record_fields
+from ckptdoctor.pickle.index_records import ChunkDims, DroppedRecord, IndexRecord, index_record_fields
 from ckptdoctor.pickle.torch_stand_ins import DtypeRef
 
 
@@ -147,14 +150,15 @@ _new_chunk = functools.partial(tuple.__new__, DcpChunk)
 _new_location = functools.partial(tuple.__new__, StorageLocation)
 
 
-def _attach_py(storage_data: dict, items: dict, consume: bool, shared: dict) -> None:
+def _attach_py(storage_data: dict, items: dict, consume: bool, shared: dict, pairs: Any = None) -> None:
     """Point each chunk of ``items`` at its entry of ``storage_data`` ({MetadataIndex: _StorageInfo}): the
     entry whose fqn is the key and whose offsets are the chunk's (None for a bytes item), every chunk with those
     offsets (a chunk listed twice gets the same one). Every entry is checked, whether a chunk names it or not.
     Of a key stored twice the last entry is kept, as a dict keeps it: ``consume`` pops the entries newest first
     (each freed once used) and keeps the first it sees. No (key, offsets) map is built: it was ~120 bytes per
-    chunk at the peak of a read. The reference of ``_dcp_index.attach``."""
-    pairs: Any = _drain(storage_data) if consume else storage_data.items()
+    chunk at the peak of a read. ``pairs``: the entries from where the C pass stopped (``_index_c``)."""
+    if pairs is None:
+        pairs = _drain(storage_data) if consume else storage_data.items()
     tables: dict[Any, dict] = {}  # key -> {offsets: [positions]}, for keys of more than one chunk
     for index, info in pairs:
         # inline fast path of _fields: an index-only record BUILT once with a dict (every record DCP writes)
@@ -202,10 +206,10 @@ def _attach_py(storage_data: dict, items: dict, consume: bool, shared: dict) -> 
 
 def _chunks_py(chunks_meta: Any, key: str, shared: dict, counted: dict) -> list:
     """The chunks of one key from its chunk records, each without its storage location yet (see
-    :func:`_attach_py`). The reference of ``_dcp_index.items``' chunk loop."""
+    :func:`_attach_py`)."""
     chunks = []
     for chunk in chunks_meta:
-        if type(chunk) is DcpChunk:  # made from a chunk record while the pickle was read (C: prebuild)
+        if type(chunk) is ChunkDims:  # made from a chunk record while the pickle was read (C: prebuild)
             raw_offsets, raw_sizes = chunk[0], chunk[1]
         else:
             chunk_fields = chunk[0] if type(chunk) in _ONE_STATE and len(chunk) == 1 else _fields(chunk)
@@ -233,15 +237,18 @@ def _items_py(
     item_class: type[DcpItem],
     consume: bool,
     dtype_names: dict,
+    items: dict | None = None,
+    start: int = 0,
 ) -> dict[str, DcpItem]:
-    """One ``item_class`` per key of ``state_dict_metadata``, with its chunks (their locations come after, from
-    :func:`_attach_py`); ``consume`` empties each key's chunk list once read. The reference of
-    ``_dcp_index.items``."""
-    items: dict[str, DcpItem] = {}
+    """One ``item_class`` per key of ``state_dict_metadata`` (from its ``start``-th, added to ``items``: where the C
+    loop stopped, see ``_index_c``), with its chunks (their locations come after, from :func:`_attach_py`);
+    ``consume`` empties each key's chunk list once read."""
+    items = {} if items is None else items
     # consume: each key's records go as soon as its item exists (its value set to None: no key added or removed,
     # so the iteration goes on), not when the whole dict is cleared: the index reuses their memory
     release = consume and type(state_dict_metadata) is dict
-    for key, item_meta in state_dict_metadata.items():
+    pairs: Any = state_dict_metadata.items()
+    for key, item_meta in itertools.islice(pairs, start, None) if start else pairs:
         item_fields = _fields(item_meta)
         chunks_meta = item_fields.get("chunks")
         if chunks_meta is None:  # BytesStorageMetadata
@@ -266,21 +273,73 @@ def _items_py(
     return items
 
 
-_dcp_index: Any
-try:
-    from ckptdoctor import _dcp_index
-except ImportError:  # built without a compiler: the Python loops run
-    _dcp_index = None
-_attach: Callable[[dict, dict, bool, dict], None] = _attach_py
-_items: Callable[[dict, dict, dict, type[DcpItem], bool, dict], dict[str, DcpItem]] = _items_py
 # check's coverage rule: whether a tensor's chunks are the cells of one grid, each once (C only; None without it)
-grid_tiled_once: Callable[[tuple, list], bool] | None = None
-if _dcp_index is not None:
-    _dcp_index.setup(
-        IndexRecord, IndexTupleStateRecord, _fields, int64_dims, inside_path, _dtype_name, DcpChunk, StorageLocation
-    )
-    _attach, _items = _dcp_index.attach, _dcp_index.items
-    grid_tiled_once = _dcp_index.tiles_once
+grid_tiled_once: Callable[[tuple, list], bool] | None
+_c_items: Any
+_c_attach: Any
+try:
+    from ckptdoctor.formats._dcp_index import attach as _c_attach
+    from ckptdoctor.formats._dcp_index import items as _c_items
+    from ckptdoctor.formats._dcp_index import tiles_once as grid_tiled_once
+except ImportError:  # built without a compiler (or ckptdoctor.pickle._native not built): the Python loops run
+    _c_attach = _c_items = grid_tiled_once = None
+_use_c = _c_items is not None  # (a test hook: the tests compare both)
+
+
+def _located(chunks: list) -> None:
+    """The chunks of a C row, ``(offsets, sizes, (path, offset, length) or None)``, made :class:`DcpChunk` in
+    place; chunks that share a location (one entry) share its :class:`StorageLocation`, as in :func:`_attach_py`."""
+    made: dict[int, tuple] = {}  # id(location) -> (location, StorageLocation): the location kept alive
+    for i, (offsets, sizes, location) in enumerate(chunks):
+        if location is not None:
+            known = made.get(id(location))
+            if known is None:
+                known = made[id(location)] = (location, _new_location(location))
+            location = known[1]
+        chunks[i] = _new_chunk((offsets, sizes, location))
+
+
+def _index_c(
+    state_dict_metadata: dict, storage_data: dict, item_class: type[DcpItem], consume: bool, shared: dict, counted: dict
+) -> dict[str, DcpItem]:
+    """:func:`_items_py` then :func:`_attach_py`, with the C loops doing what they can: they read the records DCP
+    writes and stop at anything else, returning plain rows; here their dtypes are checked and named (in order, as
+    the Python loop would, before the storage pass), the rows made into items, and the Python loops go on from
+    where C stopped. The same result and the same first error as the Python loops by construction."""
+    rows: dict[Any, Any]
+    rows, stop, dtypes = _c_items(state_dict_metadata, shared, counted, consume)
+    dtype_names: dict = {}
+    for key, dtype in dtypes:
+        if dtype not in dtype_names:
+            dtype_names[dtype] = _dtype_name(dtype, key)
+    stopped: Any = (0, None)
+    if stop is None and type(storage_data) is dict:
+        stopped = _c_attach(storage_data, rows, consume, shared)
+    items: dict[str, DcpItem] = {}
+    new_chunk, new_location = _new_chunk, _new_location  # (locals: one row per key, 10^6 in a large checkpoint)
+    for key, (dtype, shape, chunks) in rows.items():
+        if len(chunks) == 1:  # (most keys: inline)
+            offsets, sizes, location = chunks[0]
+            chunks[0] = new_chunk((offsets, sizes, location and new_location(location)))
+        else:
+            _located(chunks)
+        if shape is None:
+            items[key] = item_class(key, "bytes", None, None, chunks)
+        else:
+            items[key] = item_class(key, "tensor", dtype_names[dtype], shape, chunks)
+        rows[key] = None  # its row goes now (a value set: the iteration goes on)
+    if stop is not None:
+        _items_py(state_dict_metadata, shared, counted, item_class, consume, dtype_names, items, stop)
+    if consume:
+        state_dict_metadata.clear()
+    if stopped is not None:  # the storage pass from the entry C stopped at (popped by it with consume)
+        done, pair = stopped
+        if consume:
+            rest: Any = _drain(storage_data) if pair is None else itertools.chain([pair], _drain(storage_data))
+        else:
+            rest = itertools.islice(storage_data.items(), done, None) if done else None
+        _attach_py(storage_data, items, consume, shared, rest)
+    return items
 
 
 def index_items(
@@ -293,8 +352,11 @@ def index_items(
     offset and length ints remain. ``consume`` empties the records' dicts and chunk lists as it goes."""
     shared: dict[Any, Any] = {}  # one object per distinct offsets tuple or relative path (each checked once)
     counted: dict[tuple, tuple] = {}  # the same for sizes and shapes, whose element count is checked too
-    items = _items(state_dict_metadata, shared, counted, item_class, consume, {})
-    if consume:
-        state_dict_metadata.clear()
-    _attach(storage_data, items, consume, shared)
+    if _use_c:
+        items = _index_c(state_dict_metadata, storage_data, item_class, consume, shared, counted)
+    else:
+        items = _items_py(state_dict_metadata, shared, counted, item_class, consume, {})
+        if consume:
+            state_dict_metadata.clear()
+        _attach_py(storage_data, items, consume, shared)
     return items

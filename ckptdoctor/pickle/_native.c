@@ -10,6 +10,14 @@ static PyMethodDef methods[] = {
     {"pruned_reader", native_pruned_reader, METH_VARARGS,
      "pruned_reader(data, release=False, drop_plans=False): prune_memo(data, drop_plans) as a file to read from "
      "(read, readline), or None."},
+    {"records_setup", native_records_setup, METH_VARARGS,
+     "records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, ChunkDims, Record): the __setstate__ of index records "
+     "(an instancemethod; see _records.c)."},
+    {"index_size", (PyCFunction)(void (*)(void))native_index_size, METH_FASTCALL,
+     "What torch.Size builds in an index-only read: ().__add__(dims), one object per equal tuple of ints."},
+    {"faithful_size", (PyCFunction)(void (*)(void))native_faithful_size, METH_FASTCALL,
+     "What torch.Size builds in a faithful read: cls(dims), one object per equal tuple of ints."},
+    {"forget_index_sizes", native_forget_index_sizes, METH_NOARGS, "Empty the tables of shared tuples (around a load)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -20,5 +28,7 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (native_prune_ready() < 0) return NULL;
-    return PyModule_Create(&module_def);
+    PyObject *module = PyModule_Create(&module_def);
+    if (module != NULL && native_records_ready(module) < 0) Py_CLEAR(module);
+    return module;
 }

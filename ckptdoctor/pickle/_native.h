@@ -5,8 +5,9 @@
  *   _scan.c     the resource pre-pass (scan; scanner.py)
  *   _prune.c    memo pruning (prune_memo, pruned_reader; unpickler.py)
  *   _plans.c    megatron-core's save plans left out of index-only reads (their drop_plans option)
- *   _records.c  index records: their BUILD (compact_setstate) and torch.Size (index_size, faithful_size;
- *               index_records.py, policy.py)
+ *   _records.c  index records: their BUILD (records_setup gives compact_setstate), what it refuses as torch
+ *               does, torch.Size (index_size, faithful_size; index_records.py, policy.py); _records.h: the
+ *               capsule through which the DCP index's C (ckptdoctor.formats._dcp_index) reads the records
  *   _opcodes.h  the opcodes, generated from pickletools by scripts/gen_opcodes.py
  */
 #ifndef CKPTDOCTOR_PICKLE_NATIVE_H
@@ -87,6 +88,12 @@ PyObject *native_scan(PyObject *module, PyObject *args);
 PyObject *native_prune_memo(PyObject *module, PyObject *args);    /* prune_memo(data, drop_plans) -> bytes, None */
 PyObject *native_pruned_reader(PyObject *module, PyObject *args); /* pruned_reader(data, release, drop_plans) */
 int native_prune_ready(void);                                    /* PyType_Ready of the reader type */
+/* _records.c */
+PyObject *native_records_setup(PyObject *module, PyObject *args); /* records_setup(CompactKeys, ...) */
+PyObject *native_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs);    /* index_size(dims) */
+PyObject *native_faithful_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* (cls, dims) */
+PyObject *native_forget_index_sizes(PyObject *module, PyObject *ignored);                 /* forget_index_sizes() */
+int native_records_ready(PyObject *module); /* its names and the records_api capsule (_records.h) */
 
 #if defined(__GNUC__)
 #pragma GCC visibility pop

@@ -1,6 +1,6 @@
 import mmap
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 def scan(
     data: bytes | mmap.mmap,
@@ -18,3 +18,11 @@ def pruned_reader(
     drop_plans: bool = False,
     /,
 ) -> BinaryIO | None: ...
+def records_setup(
+    keys_type: type, index_record_type: type, tuple_state_type: type, chunk_type: type, record_type: type, /
+) -> object: ...
+def index_size(*args: Any) -> tuple: ...
+def faithful_size(cls: type, /, *args: Any) -> Any: ...
+def forget_index_sizes() -> None: ...
+
+records_api: object  # a capsule: what the DCP index's C reads of the records (_records.h)

@@ -2,8 +2,8 @@
 
 A command that only reads ``.metadata`` builds its index from these and then drops them, so they need not
 pickle back: one list per record whose items are the states pickle's BUILD gave it (``list.append`` is the
-``__setstate__``, so BUILD runs at C speed). Where the C extension ``_dcp_index`` was built, the
-``__setstate__`` is its ``compact_setstate``: a first BUILD with a dict of str keys (every record DCP writes)
+``__setstate__``, so BUILD runs at C speed). Where the native module ``_native`` was built, the ``__setstate__``
+is its ``compact_setstate`` (``_records.c``): a first BUILD with a dict of str keys (every record DCP writes)
 leaves ``[CompactKeys(names), value, ...]`` and the state dict is not kept (with the pickle's unread memo entries
 pruned, nothing else holds it: two thirds of a record's memory); any other state is appended as before. Same
 names, same allowlist, same hashing (by identity) as the :class:`Record` they replace.
@@ -18,19 +18,18 @@ from ckptdoctor.pickle.stand_ins import Record, TupleStateRecord, build_state, c
 
 
 class CompactKeys(tuple):
-    """The field names of a compact index record (``record[0]``); made only by ``_dcp_index.compact_setstate``
+    """The field names of a compact index record (``record[0]``); made only by the native ``compact_setstate``
     (never by a pickle: not on the allowlist), one per distinct set of names."""
 
     __slots__ = ()
 
 
-_compact_setstate: Any = None
-try:
-    from ckptdoctor import _dcp_index
+class ChunkDims(tuple):
+    """``(offsets, sizes)`` of a compact chunk record that only its chunks list held, made in its place by the
+    native ``compact_setstate`` at its tensor record's BUILD (never by a pickle: not on the allowlist); the index
+    reads and checks its dims as a record's."""
 
-    _compact_setstate = _dcp_index.compact_setstate(CompactKeys)
-except ImportError:  # built without a compiler: list.append
-    pass
+    __slots__ = ()
 
 
 def _checked_append(record: list, state: Any) -> None:
@@ -100,6 +99,14 @@ class DroppedRecord:
 
 
 DROPPED: DroppedRecord = object.__new__(DroppedRecord)
+
+_compact_setstate: Any = None
+try:
+    from ckptdoctor.pickle import _native
+
+    _compact_setstate = _native.records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, ChunkDims, Record)
+except ImportError:  # built without a compiler: list.append
+    pass
 
 
 def index_record_fields(record: IndexRecord) -> dict:

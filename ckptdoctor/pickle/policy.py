@@ -67,13 +67,13 @@ from ckptdoctor.pickle.torch_values import TORCH_VALUE_CLASSES
 index_size: Callable[..., Any]
 faithful_size: Callable[..., Any]
 forget_index_sizes: Callable[[], None]
-# torch.Size: one object per distinct size within a load, in both kinds of read (ckptdoctor/_dcp_compact.c). A
+# torch.Size: one object per distinct size within a load, in both kinds of read (pickle/_records.c). A
 # partial either way, with or without the native module: a pickle that uses the global as an object (NEWOBJ on it,
 # a result of that type) meets the same object type, and so the same errors, in both builds.
 try:
-    from ckptdoctor._dcp_index import faithful_size as _shared_size
-    from ckptdoctor._dcp_index import forget_index_sizes
-    from ckptdoctor._dcp_index import index_size as _index_size
+    from ckptdoctor.pickle._native import faithful_size as _shared_size
+    from ckptdoctor.pickle._native import forget_index_sizes
+    from ckptdoctor.pickle._native import index_size as _index_size
 
     faithful_size = functools.partial(_shared_size, Size)
     index_size = functools.partial(_index_size)

@@ -291,7 +291,7 @@ PROPERTIES_NOT_FIVE = "TensorProperties state is not 5 values (dtype, layout, re
 def check_properties_state(state: Any) -> None:
     """A ``TensorProperties`` state other than a dict, as torch's ``TensorProperties.__setstate__`` unpacks it: five
     values (a tuple, or a list); anything else fails there (ValueError, TypeError) and is refused here with
-    ``pickle.UnpicklingError``, as ``compact_setstate`` in ``_dcp_compact.c`` refuses it in index-only reads (and the
+    ``pickle.UnpicklingError``, as ``compact_setstate`` in ``pickle/_records.c`` refuses it in index-only reads (and the
     C recognizer of plan parts sees it: a tuple of five). A ``_MEM_FORMAT_ENCODING`` of a value the enum lacks is
     refused where it is built (``torch_values.MemoryFormatCode``); not checked: that the fourth value is one at
     all (torch raises RuntimeError otherwise). A dict (an older torch's dataclass state) is left to the readers."""

@@ -1,4 +1,4 @@
-/* check's coverage test for chunks that are the cells of one grid, for ckptdoctor._dcp_index (see _dcp_index.h). */
+/* check's coverage test for chunks that are the cells of one grid, for ckptdoctor.formats._dcp_index (see _dcp_index.h). */
 #include "_dcp_index.h"
 
 #include <stdint.h>

@@ -1,7 +1,12 @@
-/* Compact index records, for ckptdoctor._dcp_index (see _dcp_index.h). */
-#include "_dcp_index.h"
+/* Index records (index_records.py) and torch.Size (policy.py) in the native module (see _native.h): the BUILD of
+ * index-only records (compact_setstate), what it refuses as torch refuses it, and the sizes shared within a load. */
+#include "_native.h"
+#include "_records.h"
 
-static PyTypeObject *compact_keys_type; /* index_records.CompactKeys: the field names of a compact record */
+/* index_records' types, given once by records_setup: CompactKeys (the field names of a compact record),
+ * IndexRecord, IndexTupleStateRecord, ChunkDims (what a chunk record only its list holds becomes), and
+ * stand_ins.Record (a faithful read's records, for the DCP index's C) */
+static PyTypeObject *compact_keys_type, *index_record_type, *tuple_state_record_type, *chunk_dims_type, *record_type;
 static PyObject *compact_keys_interned; /* tuple of names -> CompactKeys, one per distinct set of fields */
 
 /*
@@ -11,10 +16,78 @@ static PyObject *compact_keys_interned; /* tuple of names -> CompactKeys, one pe
  * other state (not a dict, other keys, a second BUILD) is appended as before, after turning a compact record
  * back into [dict]. index_records.index_record_fields reads both forms. */
 
+/* -1 with pickle.UnpicklingError(message) set. */
+static int unpickling_error(const char *message) {
+    static PyObject *error;
+    if (error == NULL) {
+        PyObject *pickle = PyImport_ImportModule("pickle");
+        error = pickle == NULL ? NULL : PyObject_GetAttrString(pickle, "UnpicklingError");
+        Py_XDECREF(pickle);
+        if (error == NULL)
+            return -1;
+    }
+    PyErr_SetString(error, message);
+    return -1;
+}
+
+/* -1 with pickle.UnpicklingError set where the C unpickler's BUILD refuses state for an object without
+ * __setstate__ (a DCP dataclass), as stand_ins.build_state says: a state that is not a dict (or None), or a
+ * (state, slot state) pair whose state is not a dict (or None) or whose slot state is not a dict. Checked at each
+ * BUILD of a record whose state must be a dict, so a record the index never reads (one inside a kept save plan
+ * part) is refused as torch refuses it. */
+static int refuse_build_state(PyObject *state) {
+    PyObject *slots = NULL;
+    if (PyTuple_Check(state) && PyTuple_GET_SIZE(state) == 2) {
+        slots = PyTuple_GET_ITEM(state, 1);
+        state = PyTuple_GET_ITEM(state, 0);
+    }
+    if (state != Py_None && !PyDict_Check(state))
+        return unpickling_error("state is not a dictionary");
+    if (slots != NULL && !PyDict_Check(slots))
+        return unpickling_error("slot state is not a dictionary");
+    return 0;
+}
+
+/* A TensorProperties state other than a dict, as stand_ins.check_properties_state checks it (the same message):
+ * five values (a tuple or a list), as torch's __setstate__ unpacks them. */
+static int refuse_properties_state(PyObject *state) {
+    if (!(PyTuple_Check(state) || PyList_Check(state)) || PySequence_Fast_GET_SIZE(state) != 5)
+        return unpickling_error(
+            "TensorProperties state is not 5 values (dtype, layout, requires_grad, memory format, pin_memory)");
+    return 0;
+}
+
+/* -1 with torch.Size's own error where it refuses dims (torch_stand_ins.check_size_items, the same messages): an
+ * item that is not an int (bools are), or one outside int64. */
+static int refuse_size_items(PyObject *dims) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(dims); i++) {
+        PyObject *item = PyTuple_GET_ITEM(dims, i);
+        if (!PyLong_Check(item)) {
+            PyObject *name = PyObject_GetAttrString((PyObject *)Py_TYPE(item), "__name__");
+            if (name != NULL)
+                PyErr_Format(PyExc_TypeError, "torch.Size() takes an iterable of 'int' (item %zd is '%U')", i, name);
+            Py_XDECREF(name);
+            return -1;
+        }
+        int overflow;
+        long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow) { /* torch: "Overflow when unpacking long long" */
+            PyObject *bits = PyObject_CallMethod(item, "bit_length", NULL);
+            if (bits != NULL)
+                PyErr_Format(PyExc_ValueError, "torch.Size item %zd is an int of %S bits, not an int64", i, bits);
+            Py_XDECREF(bits);
+            return -1;
+        }
+        if (value == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
 #define MAX_COMPACT_FIELDS 16
 #define MAX_COMPACT_KEY_SETS 4096
 
-int dcp_is_compact(PyObject *record) {
+static int is_compact(PyObject *record) {
     if (compact_keys_type == NULL || !PyList_Check(record) || PyList_GET_SIZE(record) < 1)
         return 0;
     PyObject *keys = PyList_GET_ITEM(record, 0);
@@ -72,13 +145,14 @@ static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ss
         return NULL;
     }
     PyObject *record = args[0], *state = args[1];
-    /* a TensorProperties record (IndexTupleStateRecord) takes a tuple state too: torch's class has a __setstate__
-     * (before setup() names that class, nothing is refused here: index_record_fields still checks what it reads) */
-    if (dcp_tuple_state_record_type != NULL) {
-        int properties = PyObject_TypeCheck(record, dcp_tuple_state_record_type);
-        if (properties ? !PyDict_Check(state) && dcp_refuse_properties_state(state) < 0 : dcp_refuse_build_state(state) < 0)
-            return NULL;
+    if (tuple_state_record_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "records_setup did not finish");
+        return NULL;
     }
+    /* a TensorProperties record (IndexTupleStateRecord) takes a tuple state too: torch's class has a __setstate__ */
+    int properties = PyObject_TypeCheck(record, tuple_state_record_type);
+    if (properties ? !PyDict_Check(state) && refuse_properties_state(state) < 0 : refuse_build_state(state) < 0)
+        return NULL;
     if (PyList_GET_SIZE(record) == 0 && PyDict_CheckExact(state)) {
         PyObject *keys = compact_keys(state);
         if (keys == NULL && PyErr_Occurred())
@@ -109,7 +183,7 @@ static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ss
             Py_RETURN_NONE;
         }
     }
-    if (dcp_is_compact(record)) {  /* a second BUILD: back to the states in order, the first as its dict */
+    if (is_compact(record)) {  /* a second BUILD: back to the states in order, the first as its dict */
         PyObject *first = compact_dict(record);
         if (first == NULL)
             return NULL;
@@ -135,19 +209,35 @@ static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ss
 }
 
 static PyMethodDef compact_setstate_def = {"__setstate__", (PyCFunction)(void (*)(void))compact_setstate,
-                                           METH_FASTCALL, "BUILD of an index record (see _dcp_index.c)."};
+                                           METH_FASTCALL, "BUILD of an index record (see _records.c)."};
 
-/* compact_setstate(CompactKeys) -> the __setstate__ for index record classes (an instancemethod). */
-PyObject *dcp_make_compact_setstate(PyObject *module, PyObject *keys_type) {
-    if (!PyType_Check(keys_type) || !PyType_IsSubtype((PyTypeObject *)keys_type, &PyTuple_Type) ||
-        ((PyTypeObject *)keys_type)->tp_basicsize != PyTuple_Type.tp_basicsize) {
-        PyErr_SetString(PyExc_TypeError, "compact_setstate: a slot-less tuple subclass expected");
+static PyTypeObject *slotless_subtype(PyObject *type, PyTypeObject *base) {
+    if (!PyType_Check(type) || !PyType_IsSubtype((PyTypeObject *)type, base) ||
+        ((PyTypeObject *)type)->tp_basicsize != base->tp_basicsize) {
+        PyErr_Format(PyExc_TypeError, "records_setup: a slot-less %s subclass expected", base->tp_name);
         return NULL;
     }
-    if (compact_keys_interned == NULL && (compact_keys_interned = PyDict_New()) == NULL)
+    return (PyTypeObject *)Py_NewRef(type);
+}
+
+/* records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, ChunkDims, Record) -> the __setstate__ of index record
+ * classes (an instancemethod); once, by index_records. */
+PyObject *native_records_setup(PyObject *module, PyObject *args) {
+    PyObject *keys, *record, *tuple_state, *chunk, *faithful;
+    if (!PyArg_ParseTuple(args, "OOOOO!:records_setup", &keys, &record, &tuple_state, &chunk, &PyType_Type, &faithful))
         return NULL;
-    Py_INCREF(keys_type);
-    Py_XSETREF(compact_keys_type, (PyTypeObject *)keys_type);
+    Py_CLEAR(compact_keys_type);  /* a second call (a reload of index_records) replaces the types */
+    Py_CLEAR(index_record_type);
+    Py_CLEAR(tuple_state_record_type);
+    Py_CLEAR(chunk_dims_type);
+    Py_XSETREF(record_type, (PyTypeObject *)Py_NewRef(faithful));
+    Py_XSETREF(compact_keys_interned, PyDict_New());
+    if (compact_keys_interned == NULL ||
+        (compact_keys_type = slotless_subtype(keys, &PyTuple_Type)) == NULL ||
+        (index_record_type = slotless_subtype(record, &PyList_Type)) == NULL ||
+        (tuple_state_record_type = slotless_subtype(tuple_state, index_record_type)) == NULL ||
+        (chunk_dims_type = slotless_subtype(chunk, &PyTuple_Type)) == NULL)
+        return NULL;
     PyObject *function = PyCFunction_New(&compact_setstate_def, NULL);
     if (function == NULL)
         return NULL;
@@ -168,7 +258,7 @@ static Py_ssize_t compact_slot(PyObject *record, PyObject *name) {
 }
 
 /* A compact record's value of name, borrowed; NULL (no error) where it has none. */
-PyObject *dcp_compact_value(PyObject *record, PyObject *name) {
+static PyObject *compact_value(PyObject *record, PyObject *name) {
     Py_ssize_t slot = compact_slot(record, name);
     return slot < 0 ? NULL : PyList_GET_ITEM(record, slot);
 }
@@ -225,10 +315,6 @@ static PyObject *tuple_key(PyObject *t, int by_identity) {
     return key;
 }
 
-PyObject *dcp_dims_key(PyObject *dims) {
-    return PyTuple_CheckExact(dims) ? tuple_key(dims, 0) : NULL;
-}
-
 /* The tuple of this load equal to exact tuple t (items compared as tuple_key says), t itself the first time or
  * where it has no key: new reference. */
 static PyObject *the_equal_one(PyObject *t, int by_identity) {
@@ -247,7 +333,7 @@ static PyObject *the_equal_one(PyObject *t, int by_identity) {
     return status < 0 ? NULL : Py_NewRef(t);
 }
 
-PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *native_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (size_add == NULL) {
         PyObject *empty = PyTuple_New(0);
         if (empty == NULL || (size_add = PyObject_GetAttrString(empty, "__add__")) == NULL) {
@@ -256,7 +342,7 @@ PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nar
         }
         Py_DECREF(empty);
     }
-    if (nargs == 1 && PyTuple_Check(args[0]) && dcp_refuse_size_items(args[0]) < 0)
+    if (nargs == 1 && PyTuple_Check(args[0]) && refuse_size_items(args[0]) < 0)
         return NULL;
     if (nargs != 1 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) > MAX_SIZE_DIMS)
         return PyObject_Vectorcall(size_add, args, (size_t)nargs, NULL);
@@ -272,7 +358,7 @@ PyObject *dcp_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nar
  * int64 int) is cls(*args) as it is, unshared. Emptied with the other tables by forget_index_sizes(). */
 static PyObject *sizes_seen; /* tuple_key -> the one cls(dims) of this load */
 
-PyObject *dcp_faithful_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *native_faithful_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1) {
         PyErr_SetString(PyExc_TypeError, "faithful_size(cls, *args) needs the class");
         return NULL;
@@ -321,8 +407,8 @@ static PyObject *shared_state(PyObject *state) {
  * that record can reach is made into what the index will hold, while the load goes on. The peak of a read is the
  * end of the unpickling, when the records of every key are alive (~1 KB per key at one chunk per key):
  *  - each chunk record that only the chunks list holds, compact with exactly "offsets" and "sizes" (exact tuples),
- *    becomes DcpChunk(offsets, sizes, None): 64 bytes instead of 96 (a record and its item array); items() checks
- *    its dims as it checks a record's, and keeps the object;
+ *    becomes ChunkDims(offsets, sizes): 64 bytes instead of 96 (a record and its item array); the index checks
+ *    its dims as it checks a record's;
  *  - the chunks list's item array is cut to its length (APPEND leaves room for 4 chunks);
  *  - a TensorProperties record (one tuple state, shared per load by shared_state) that only this record holds is
  *    replaced by the first such record of the same class and state in this load: one per distinct state instead
@@ -335,7 +421,7 @@ static PyObject *shared_state(PyObject *state) {
 static PyObject *records_seen; /* (class, state) addresses -> the first properties record of this load */
 static PyObject *s_chunks, *s_properties, *s_offsets, *s_sizes;
 
-int dcp_compact_init(void) {
+static int records_names(void) {
     struct {
         PyObject **slot;
         const char *text;
@@ -346,19 +432,25 @@ int dcp_compact_init(void) {
     return 0;
 }
 
-/* The DcpChunk of a chunk record only its list holds (new reference), or NULL without an error. */
+/* The ChunkDims of a chunk record only its list holds (new reference), or NULL without an error. */
 static PyObject *prebuilt_chunk(PyObject *chunk) {
-    if (Py_REFCNT(chunk) != 1 || !PyObject_TypeCheck(chunk, dcp_index_record_type) || !dcp_is_compact(chunk) ||
+    if (Py_REFCNT(chunk) != 1 || !PyObject_TypeCheck(chunk, index_record_type) || !is_compact(chunk) ||
         PyList_GET_SIZE(chunk) != 3)
         return NULL;
     /* two names, both found: exactly these two */
-    PyObject *offsets = dcp_compact_value(chunk, s_offsets), *sizes = dcp_compact_value(chunk, s_sizes);
+    PyObject *offsets = compact_value(chunk, s_offsets), *sizes = compact_value(chunk, s_sizes);
     if (offsets == NULL || sizes == NULL || !PyTuple_CheckExact(offsets) || !PyTuple_CheckExact(sizes))
         return NULL;
-    PyObject *made = dcp_new_triple(dcp_chunk_type, offsets, sizes, Py_None);
-    if (made == NULL)
+    /* allocated at its exact size, as an exact tuple is (tp_alloc reserves one more item for a subclass) */
+    PyTupleObject *made = PyObject_GC_NewVar(PyTupleObject, chunk_dims_type, 2);
+    if (made == NULL) {
         PyErr_Clear();  /* out of memory: the record stays, as it was */
-    return made;
+        return NULL;
+    }
+    PyTuple_SET_ITEM(made, 0, Py_NewRef(offsets));
+    PyTuple_SET_ITEM(made, 1, Py_NewRef(sizes));
+    PyObject_GC_Track(made);
+    return (PyObject *)made;
 }
 
 static void prebuilt_chunks(PyObject *chunks) {
@@ -369,13 +461,20 @@ static void prebuilt_chunks(PyObject *chunks) {
         if (made != NULL)
             Py_SETREF(((PyListObject *)chunks)->ob_item[i], made);  /* the record is freed: only the list held it */
     }
-    dcp_trim_list(chunks);
+    PyListObject *list = (PyListObject *)chunks;  /* its item array cut to its length */
+    PyObject **items = list->allocated > Py_SIZE(list) && Py_SIZE(list) > 0
+                           ? PyMem_Realloc(list->ob_item, (size_t)Py_SIZE(list) * sizeof(PyObject *))
+                           : NULL;
+    if (items != NULL) {  /* else the list keeps its larger array, as it was */
+        list->ob_item = items;
+        list->allocated = Py_SIZE(list);
+    }
 }
 
 /* The first properties record of this load with the class and the state of properties (new reference), or NULL
  * without an error where it is not one to share. Held here are the record itself and the state dict it came in. */
 static PyObject *shared_properties(PyObject *properties) {
-    if (Py_REFCNT(properties) != 2 || !PyObject_TypeCheck(properties, dcp_tuple_state_record_type) ||
+    if (Py_REFCNT(properties) != 2 || !PyObject_TypeCheck(properties, tuple_state_record_type) ||
         PyList_GET_SIZE(properties) != 1 || !PyTuple_CheckExact(PyList_GET_ITEM(properties, 0)))
         return NULL;
     if (records_seen == NULL && (records_seen = PyDict_New()) == NULL) {
@@ -394,8 +493,6 @@ static PyObject *shared_properties(PyObject *properties) {
 }
 
 static void prebuild(PyObject *record) {
-    if (dcp_chunk_type == NULL || dcp_index_record_type == NULL)  /* setup() not called: records stay */
-        return;
     Py_ssize_t chunks = compact_slot(record, s_chunks), properties = compact_slot(record, s_properties);
     if (chunks > 0)
         prebuilt_chunks(PyList_GET_ITEM(record, chunks));
@@ -404,9 +501,20 @@ static void prebuild(PyObject *record) {
         Py_SETREF(((PyListObject *)record)->ob_item[properties], kept);
 }
 
-PyObject *dcp_forget_index_sizes(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+PyObject *native_forget_index_sizes(PyObject *module, PyObject *Py_UNUSED(ignored)) {
     Py_CLEAR(tuples_seen);
     Py_CLEAR(sizes_seen);
     Py_CLEAR(records_seen);
     Py_RETURN_NONE;
+}
+
+/* What the DCP index's C reads of the records (see _records.h). */
+static const RecordsApi records_api = {&index_record_type, &tuple_state_record_type, &chunk_dims_type, &record_type,
+                                       is_compact, compact_value, refuse_properties_state};
+
+int native_records_ready(PyObject *module) {
+    if (records_names() < 0)
+        return -1;
+    PyObject *capsule = PyCapsule_New((void *)&records_api, RECORDS_API_NAME, NULL);
+    return capsule == NULL ? -1 : PyModule_AddObject(module, "records_api", capsule) < 0 ? (Py_DECREF(capsule), -1) : 0;
 }
