@@ -75,11 +75,12 @@ def render(doc: dict) -> str:
         cpu = [r["cpu_s"] for r in case["runs"]]
         cpu_median = sorted(cpu)[len(cpu) // 2] if cpu else float("nan")
         lines.append(f"| {tree} ({doc['trees'][tree]}) | {label} | {fmt_spread(wall, '.0f')} | {cpu_median:.0f} |")
+        t = totals.setdefault(tree, {"wall": 0.0, "cpu": 0.0, "passes": 0})
         if wall:
-            t = totals.setdefault(tree, {"wall": 0.0, "cpu": 0.0})
+            t["passes"] += 1
             t["wall"] += wall["median"]
             t["cpu"] += cpu_median
-    if set(totals) == {"old", "new"}:
+    if set(totals) == {"old", "new"} and all(t["passes"] == len(PASSES) for t in totals.values()):
         lines += [
             "",
             f"Both passes: old {totals['old']['wall']:.0f} s wall / {totals['old']['cpu']:.0f} s CPU, new "
@@ -87,6 +88,8 @@ def render(doc: dict) -> str:
             f"{totals['new']['wall'] / totals['old']['wall']:.2f} (wall), "
             f"{totals['new']['cpu'] / totals['old']['cpu']:.2f} (CPU); budget <= 1.2.",
         ]
+    else:
+        lines += ["", "A pass failed (see its row): no ratio of both passes."]
     return "\n".join(lines)
 
 
