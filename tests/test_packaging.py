@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.mcore, pytest.mark.xdist_group("packaging")]  # one bu
 NOT_COPIED = shutil.ignore_patterns(
     ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", "*.so", "fixtures", "bench", "fuzz", ".*_cache"
 )
-C_MODULES = ("ckptdoctor/pickle/_native", "ckptdoctor/_dcp_index")
+C_MODULES = ("ckptdoctor/pickle/_native", "ckptdoctor/formats/_dcp_index")
 # The wheel has the C extensions where a compiler is found (CI: CKPTDOCTOR_REQUIRE_C_SCAN says it must be).
 HAVE_CC = bool(os.environ.get("CKPTDOCTOR_REQUIRE_C_SCAN")) or bool(
     shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0])
@@ -116,7 +116,7 @@ def test_build_makes_an_sdist_and_a_wheel_with_the_schemas_and_the_c_extensions(
             whl.read(f"ckptdoctor-{__version__}.dist-info/METADATA").decode("utf-8")
         )
     assert {f"ckptdoctor/schemas/{n}.schema.json" for n in schema_names()} <= set(names)
-    assert {"ckptdoctor/py.typed", "ckptdoctor/pickle/_native.pyi", "ckptdoctor/_dcp_index.pyi"} <= set(names)
+    assert {"ckptdoctor/py.typed", "ckptdoctor/pickle/_native.pyi", "ckptdoctor/formats/_dcp_index.pyi"} <= set(names)
     assert not [n for n in names if n.startswith(("tests/", "fixtures/", "docs/", "bench/"))]
     for module in C_MODULES:  # built from the sdist's sources and headers
         assert any(n.startswith(module) and n.endswith(".so") for n in names) == HAVE_CC, (module, names)
@@ -125,8 +125,13 @@ def test_build_makes_an_sdist_and_a_wheel_with_the_schemas_and_the_c_extensions(
     assert metadata.get_all("Project-URL") is None and "<org>" not in str(metadata)
     with tarfile.open(built["sdist"]) as sdist:
         members = {m.name.split("/", 1)[1] for m in sdist.getmembers() if "/" in m.name}
-    headers = {"ckptdoctor/pickle/_native.h", "ckptdoctor/pickle/_opcodes.h", "ckptdoctor/pickle/_plans.h"}
-    assert headers | {"ckptdoctor/_dcp_index.h", "ckptdoctor/schemas/error.schema.json", "LICENSE"} <= members
+    headers = {
+        "ckptdoctor/pickle/_native.h",
+        "ckptdoctor/pickle/_opcodes.h",
+        "ckptdoctor/pickle/_plans.h",
+        "ckptdoctor/pickle/_records.h",
+    }
+    assert headers | {"ckptdoctor/formats/_dcp_index.h", "ckptdoctor/schemas/error.schema.json", "LICENSE"} <= members
 
 
 def _check_installed(bin_dir: Path, cwd: Path, c_built: bool) -> None:
