@@ -59,6 +59,7 @@ from ckptdoctor.pickle.torch_stand_ins import (
     TORCH_DTYPES,
     TORCH_FUNCS,
     DtypeRef,
+    FaithfulSizes,
     Size,
     StorageTypeRef,
 )
@@ -77,12 +78,11 @@ try:
 
     faithful_size = functools.partial(_shared_size, Size)
     index_size = functools.partial(_index_size)
-except ImportError:  # built without a compiler: the argument tuple itself, and a Size per call
+except ImportError:  # built without a compiler: the argument tuple itself; sizes shared as the C shares them
+    _faithful_sizes = FaithfulSizes()
     index_size = functools.partial(INDEX_SIZE)
-    faithful_size = functools.partial(Size)
-
-    def forget_index_sizes() -> None:
-        pass
+    faithful_size = functools.partial(_faithful_sizes, Size)
+    forget_index_sizes = _faithful_sizes.forget
 
 
 # --- the allowlist -----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ functions. Each pickles back to its torch global (DCP's enum and layout values: 
 from __future__ import annotations
 
 import collections
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -188,6 +189,39 @@ def _index_size_py(*args: Any) -> tuple:
 
 
 INDEX_SIZE = _index_size_py
+
+_MAX_SIZES_SEEN = 1 << 20  # as pickle/_records.c: MAX_SIZES_SEEN, MAX_SIZE_DIMS
+_MAX_SIZE_DIMS = 64
+
+
+class FaithfulSizes:
+    """``torch.Size`` in a faithful read (a rewrite's ``.metadata``) without the C extension, as its
+    ``faithful_size`` builds it: ``cls(dims)``, but one object for equal tuples of int64 ints within a load. The
+    pickler writes a shared size once and a memo read for the others, so the ``.metadata`` a rewrite writes is the
+    same bytes with and without the extension. Keyed by the packed ints (a bytes hash is keyed per process, where a
+    tuple's is not: equal-hash offsets would flood the table); anything else is ``cls(*args)`` as it is."""
+
+    def __init__(self) -> None:
+        self._seen: dict[bytes, Any] = {}
+
+    def __call__(self, cls: Any, *args: Any) -> Any:
+        if len(args) != 1 or type(args[0]) is not tuple or len(args[0]) > _MAX_SIZE_DIMS:
+            return cls(*args)
+        dims = args[0]
+        if not all(type(item) is int and -(2**63) <= item < 2**63 for item in dims):
+            return cls(*args)
+        key = struct.pack(f"<{len(dims)}q", *dims)
+        known = self._seen.get(key)
+        if known is not None and type(known) is cls:
+            return known
+        made = cls(dims)
+        if known is None and len(self._seen) < _MAX_SIZES_SEEN:
+            self._seen[key] = made
+        return made
+
+    def forget(self) -> None:
+        """Empty the table (before and after each load, as ``forget_index_sizes``)."""
+        self._seen.clear()
 
 
 class StorageRef:
