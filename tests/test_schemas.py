@@ -157,6 +157,12 @@ def test_read_only_outputs_validate_on_every_fixture(capsys, fixture):
         (FIXTURES / "core019_tp2", "decoder.layers.mlp.linear_fc1.weight", "--no-stats"),
         (FIXTURES / "core019_moe_ep2", "optimizer.state.exp_avg.decoder.final_layernorm.weight", "--no-stats"),
         (FIXTURES / "core014_zarr_tp2", "decoder.final_layernorm.weight", "--no-stats"),
+        (TP1, "args"),
+        (FIXTURES / "core016_tp1", "args.lr"),
+        (TP1, "common.optimizer.param_groups[0]"),
+        (TP1, "common"),
+        (TP1, "rng_state", "--decode", "--no-stats"),
+        (TP1, "common_state/shard_0_1", "--decode"),
     ],
 )
 def test_show_validates(capsys, args):
