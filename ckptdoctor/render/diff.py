@@ -113,14 +113,21 @@ def render_diff(report: DiffReport, width: int | None = None) -> str:
                     f"(should be {_short(f.correct)}{same}): {f.reason}"
                 )
     if report.common is not None:
-        lines += ["", f"common state and metadata.json: {report.common.count} differ"]
+        fields = sum(item.fields_count for item in report.common.items)
+        detail = f" ({fields} fields)" if fields != report.common.count else ""
+        lines += ["", f"common state and metadata.json: {report.common.count} differ{detail}"]
         for item in report.common.items:
-            if item.change == "only_a":
-                lines.append(f"  {item.field}: only in A: {_short(item.a)}")
-            elif item.change == "only_b":
-                lines.append(f"  {item.field}: only in B: {_short(item.b)}")
-            else:
-                lines.append(f"  {item.field}: {_short(item.a)} -> {_short(item.b)}")
+            # each differing field by its path, not the two values of the whole key
+            for change in item.fields:
+                if change.change == "only_a":
+                    lines.append(f"  {change.path}: only in A: {_short(change.a)}")
+                elif change.change == "only_b":
+                    lines.append(f"  {change.path}: only in B: {_short(change.b)}")
+                else:
+                    lines.append(f"  {change.path}: {_short(change.a)} -> {_short(change.b)}")
+            lines += _more(len(item.fields), item.fields_count)
+            if not item.fields_complete:
+                lines.append(f"    ... {item.field}: not compared further (node or depth limit)")
     if report.era:
         lines += ["", "era (not content differences):"]
         lines += [f"  {note}" for note in report.era]
@@ -137,6 +144,8 @@ def _left_out(report: DiffReport) -> int:
     """Entries the lists leave out under ``limit`` (the counts above them are complete)."""
     n = sum(k.only_a.count - len(k.only_a.keys) + k.only_b.count - len(k.only_b.keys) for k in report.keys.values())
     n += report.summary["changed"] - len(report.changed) + report.layout.count - len(report.layout.keys)
+    if report.common is not None:
+        n += sum(item.fields_count - len(item.fields) for item in report.common.items)
     v = report.values
     if v is not None:
         n += v.different - len(v.different_keys) + v.not_compared - len(v.not_compared_keys)
