@@ -118,13 +118,13 @@ def render_diff(report: DiffReport, width: int | None = None) -> str:
         lines += ["", f"common state and metadata.json: {report.common.count} differ{detail}"]
         for item in report.common.items:
             # each differing field by its path, not the two values of the whole key
-            for change in item.fields:
-                if change.change == "only_a":
-                    lines.append(f"  {change.path}: only in A: {_short(change.a)}")
-                elif change.change == "only_b":
-                    lines.append(f"  {change.path}: only in B: {_short(change.b)}")
+            for differing in item.fields:
+                if differing.change == "only_a":
+                    lines.append(f"  {differing.path}: only in A: {_short(differing.a)}")
+                elif differing.change == "only_b":
+                    lines.append(f"  {differing.path}: only in B: {_short(differing.b)}")
                 else:
-                    lines.append(f"  {change.path}: {_short(change.a)} -> {_short(change.b)}")
+                    lines.append(f"  {differing.path}: {_short(differing.a)} -> {_short(differing.b)}")
             lines += _more(len(item.fields), item.fields_count)
             if not item.fields_complete:
                 lines.append(f"    ... {item.field}: not compared further (node or depth limit)")

@@ -3,6 +3,7 @@ the renderers read, filled by :mod:`ckptdoctor.ops.diff.compare` (values: :mod:`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -122,7 +123,7 @@ class CommonChange:
     a: Any
     b: Any
     # the differing fields under it, by path (optimizer.param_groups[0].lr), at most the diff's limit of them
-    fields: list[FieldChange] = field(default_factory=list)
+    fields: list[FieldChange] = dataclasses.field(default_factory=list)  # (``field`` is the name above)
     fields_count: int = 0  # differing fields found (fields lists at most limit of them)
     fields_complete: bool = True  # False: the walk stopped at its node or depth limit; there may be more
 
