@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from conftest import FIXTURES, run_main
 
 from ckptdoctor.checkpoint import open_checkpoint
@@ -111,3 +112,28 @@ def test_a_value_that_expands_exponentially_is_walked_within_bounds(capsys, copy
     assert item["fields"][0] == {"path": "bomb" + "[0]" * 21, "change": "changed", "a": 1, "b": 2}
     rc, out = _diff(capsys, *sides)
     assert rc == 1 and "    ... bomb: not compared further (node or depth limit)" in out.splitlines()
+
+
+def test_values_name_the_differing_fields_of_bytes_items(capsys):
+    """``--values``: rng states of two runs differ; the report names the field by path under the key."""
+    pytest.importorskip("torch")
+    a, b = FIXTURES / "core019_tp1", FIXTURES / "core019_peft_full_tp1"
+    rc, out = _diff(capsys, a, b, "--values", "--key", "rng_state", "--format", "json", "--jobs", "1")
+    (rng,) = json.loads(out)["values"]["different_keys"]
+    assert rng["key"] == "rng_state" and rng["fields_count"] == len(rng["fields"]) > 0
+    for f in rng["fields"]:
+        assert f["path"].startswith("rng_state[0].") and f["change"] == "changed"
+        # the field is what `show --decode` shows under that path, on both sides
+        shown_a, shown_b = (_shown_decoded(capsys, ckpt, "rng_state", f["path"]) for ckpt in (a, b))
+        assert (shown_a, shown_b) == (f["a"], f["b"])
+    rc, out = _diff(capsys, a, b, "--values", "--key", "rng_state", "--jobs", "1")
+    assert rc == 1 and f"    {rng['fields'][0]['path']}: " in out
+
+
+def _shown_decoded(capsys, ckpt, key: str, path: str):
+    rc, out, err = run_main(capsys, "show", ckpt, key, "--decode", "--no-stats", "--format", "json")
+    assert rc == 0, err
+    value = json.loads(out)["decoded"]
+    for step in re.findall(r"\.(\w+)|\[(\d+)\]", path.removeprefix(key)):
+        value = value[step[0]] if step[0] else value[int(step[1])]
+    return value

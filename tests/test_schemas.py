@@ -192,6 +192,15 @@ def test_diff_validates(capsys, a, b):
     _run_json(capsys, "diff", FIXTURES / a, FIXTURES / b)
 
 
+def test_diff_fields_validate(capsys):
+    """The common state's and a bytes item's differing fields by path (issue #37 point 2)."""
+    doc = _run_json(capsys, "diff", TP1, FIXTURES / "core019_moe_ep2", "--limit", "2")
+    assert any(item["fields"] for item in doc["common"]["items"])
+    pytest.importorskip("torch")
+    doc = _run_json(capsys, "diff", TP1, FIXTURES / "core019_peft_full_tp1", "--values", "--key", "rng_state")
+    assert doc["values"]["different_keys"][0]["fields"]
+
+
 def test_rules_validate(capsys):
     assert len(_run_json(capsys, "rules")["rules"]) > 40
     assert {r["family"] for r in _run_json(capsys, "rules", "CKD4")["rules"]} == {"safety"}

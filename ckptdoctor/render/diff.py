@@ -223,6 +223,13 @@ def _render_values(v: ValuesReport) -> list[str]:
         lines.append(f"  differs  {r.key}: " + "; ".join(parts))
         for m in r.mismatches or ():
             lines.append(f"    [{', '.join(map(str, m['index']))}]  A {_num(m['a'])}  B {_num(m['b'])}")
+        for f in r.fields or ():  # a bytes item's differing fields by path
+            if f.change == "changed":
+                lines.append(f"    {f.path}: {_short(f.a)} -> {_short(f.b)}")
+            else:
+                lines.append(f"    {f.path}: only in {'A' if f.change == 'only_a' else 'B'}: {_short(f.a or f.b)}")
+        if r.fields is not None and r.fields_count is not None:
+            lines += [line[2:] for line in _more(len(r.fields), r.fields_count)]
     lines += _more(len(v.different_keys), v.different)
     for r in v.not_compared_keys:
         lines.append(f"  not compared  {r.key}: {r.note}")
