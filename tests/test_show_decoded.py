@@ -11,6 +11,9 @@ import sys
 import pytest
 from conftest import FIXTURES, run_cli, run_cli_each, run_main
 
+from ckptdoctor.checkpoint import open_checkpoint
+from ckptdoctor.formats.torch_zip import dump_torch_zip
+
 CKPT = FIXTURES / "core019_tp2"  # core 0.19: the common state is the DCP item common_state/shard_0_1
 OLD = FIXTURES / "core016_tp1"  # core 0.16: common.pt
 
@@ -145,3 +148,28 @@ def test_every_arg_torch_load_sees_is_shown(capsys):
     shown = _json(capsys, OLD, "args")["value"]
     assert list(shown) == list(real)
     assert {k: v for k, v in shown.items() if real[k] is not None} == {k: v for k, v in real.items() if v is not None}
+
+
+def test_diff_of_the_common_state_needs_no_torch():
+    result = run_cli(
+        "diff", str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_moe_ep2"), block=("torch", "megatron")
+    )
+    assert result.returncode == 1, result.stderr
+    assert "IMPORTED:\n" in result.stderr and "opt_param_scheduler.num_steps: " in result.stdout
+
+
+def test_a_value_that_expands_exponentially_is_shown_within_bounds(capsys, copy_fixture):
+    save = copy_fixture("core016_tp1")
+    common = open_checkpoint(save).common_state()
+    node: object = [1]
+    for _ in range(20):
+        node = [node] * 10  # 10**20 leaves in a small pickle
+    common["bomb"] = node
+    (save / "iter_0000010" / "common.pt").write_bytes(dump_torch_zip(common))
+    rc, out, _ = run_main(capsys, "show", save, "common.bomb")
+    lines = out.splitlines()
+    assert rc == 0 and lines[-1].startswith("  ... ") and lines[-1].endswith(" more field(s) (all in --format json)")
+    assert len(lines) < 220
+    doc = _json(capsys, save, "common.bomb")
+    assert "..." in json.dumps(doc["value"])  # the JSON walk stopped where its limits are
+    assert _json(capsys, save, "common.bomb" + "[9]" * 20 + "[0]")["value"] == 1
