@@ -157,6 +157,12 @@ def test_read_only_outputs_validate_on_every_fixture(capsys, fixture):
         (FIXTURES / "core019_tp2", "decoder.layers.mlp.linear_fc1.weight", "--no-stats"),
         (FIXTURES / "core019_moe_ep2", "optimizer.state.exp_avg.decoder.final_layernorm.weight", "--no-stats"),
         (FIXTURES / "core014_zarr_tp2", "decoder.final_layernorm.weight", "--no-stats"),
+        (TP1, "args"),
+        (FIXTURES / "core016_tp1", "args.lr"),
+        (TP1, "common.optimizer.param_groups[0]"),
+        (TP1, "common"),
+        (TP1, "rng_state", "--decode", "--no-stats"),
+        (TP1, "common_state/shard_0_1", "--decode"),
     ],
 )
 def test_show_validates(capsys, args):
@@ -184,6 +190,15 @@ def test_show_values_validate(capsys, tmp_path):
 )
 def test_diff_validates(capsys, a, b):
     _run_json(capsys, "diff", FIXTURES / a, FIXTURES / b)
+
+
+def test_diff_fields_validate(capsys):
+    """The common state's and a bytes item's differing fields by path (issue #37 point 2)."""
+    doc = _run_json(capsys, "diff", TP1, FIXTURES / "core019_moe_ep2", "--limit", "2")
+    assert any(item["fields"] for item in doc["common"]["items"])
+    pytest.importorskip("torch")
+    doc = _run_json(capsys, "diff", TP1, FIXTURES / "core019_peft_full_tp1", "--values", "--key", "rng_state")
+    assert doc["values"]["different_keys"][0]["fields"]
 
 
 def test_rules_validate(capsys):

@@ -34,6 +34,12 @@ from ckptdoctor.commands.options import format_option
     help="Export the tensor (or its --slice) to a .pt (torch.save) or .npy file (needs torch).",
 )
 @click.option("--force", is_flag=True, help="Replace an existing --save file.")
+@click.option(
+    "--decode",
+    is_flag=True,
+    help="Decode a bytes item or sharded object (rng_state, _extra_state, common_state) through the safe "
+    "unpickler and show its fields.",
+)
 @format_option(schema="show")
 def command(
     checkpoint: str,
@@ -43,17 +49,21 @@ def command(
     slice_spec: str | None,
     save_path: Path | None,
     force: bool,
+    decode: bool,
     output_format: str,
 ) -> int:
     """Show one saved item KEY of CHECKPOINT: metadata and chunk grid (no torch needed), and with torch its
-    statistics, a slice and an export.
+    statistics, a slice and an export; with --decode a bytes item's decoded fields.
 
-    Exit code: 0 shown, 2 error (unknown key: the closest names are suggested).
+    KEY `args` shows every saved arg, `args.NAME` one; `common` the common state, `common.PATH` a field of it
+    (`common.optimizer.param_groups[0].lr`). Decoded through the safe unpickler, no torch needed.
+
+    Exit code: 0 shown, 2 error (unknown key, arg or field: the closest names are suggested).
     """
     from ckptdoctor.commands.diff import quiet_library_warnings
 
     with quiet_library_warnings():  # torch's "Failed to initialize NumPy", as diff hides it
-        return _show(checkpoint, key, iteration, stats, slice_spec, save_path, force, output_format)
+        return _show(checkpoint, key, iteration, stats, slice_spec, save_path, force, decode, output_format)
 
 
 def _show(
@@ -64,27 +74,44 @@ def _show(
     slice_spec: str | None,
     save_path: Path | None,
     force: bool,
+    decode: bool,
     output_format: str,
 ) -> int:
     from ckptdoctor.checkpoint import Entry, open_checkpoint
     from ckptdoctor.errors import CkptError
+    from ckptdoctor.logical_items import KIND_OBJECT, logical_items
     from ckptdoctor.ops.show import (
+        decode_item,
         describe,
         describe_object,
         find_entry,
+        is_value_path,
         save_tensor,
+        show_value,
         slice_values,
         statistics,
         take_slice,
     )
-    from ckptdoctor.render.show import render_show, to_json_text
+    from ckptdoctor.render.show import render_show, render_value, to_json_text
     from ckptdoctor.render.wrap import output_width
     from ckptdoctor.values.read import read_tensor, require_torch
 
     ckpt = open_checkpoint(checkpoint, iteration)
+    wants_values = stats or slice_spec is not None or save_path is not None
+    if is_value_path(key) and not (  # a saved item of that name (Megatron saves none) comes first
+        key in ckpt.entries or getattr(logical_items(ckpt).get(key), "kind", None) == KIND_OBJECT
+    ):
+        if wants_values:
+            raise CkptError(f"{ckpt.iteration_dir}: {key} is no tensor: no statistics, slice or save")
+        value = show_value(ckpt, key)
+        click.echo(to_json_text(value) if output_format == "json" else render_value(value, width=output_width()))
+        return 0
     entry = find_entry(ckpt, key)
     report = describe(ckpt, entry) if isinstance(entry, Entry) else describe_object(ckpt, entry)
-    wants_values = stats or slice_spec is not None or save_path is not None
+    if decode:
+        if isinstance(entry, Entry) and entry.kind == "tensor":
+            raise CkptError(f"{ckpt.iteration_dir}: {key} is a tensor, not a bytes item: nothing to decode")
+        report.decoded = decode_item(ckpt, entry)
     if not isinstance(entry, Entry) or entry.kind != "tensor":
         if wants_values:
             what = "a bytes item" if isinstance(entry, Entry) else "a sharded object"

@@ -1,5 +1,6 @@
 """``ckptdoctor show``: one saved item: metadata and chunk grid (no torch), and with torch its statistics,
-a slice, and an export (``.pt`` / ``.npy``).
+a slice, and an export (``.pt`` / ``.npy``); a bytes item decoded (``--decode``); and the saved args and common
+state by path (``args``, ``args.lr``, ``common.optimizer.param_groups[0].lr``), decoded through the safe unpickler.
 
 Statistics are streamed one chunk at a time (memory bounded by the largest chunk); a slice and an export
 assemble the global tensor (:func:`ckptdoctor.values.read.read_tensor`).
@@ -15,10 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptdoctor.args import args_as_dict
 from ckptdoctor.atomic import write_atomic
 from ckptdoctor.checkpoint import Checkpoint, Entry
 from ckptdoctor.errors import CkptError
 from ckptdoctor.logical_items import KIND_OBJECT, Item, logical_items
+from ckptdoctor.pickle.paths import PathError, lookup, type_name
+from ckptdoctor.pickle.plain import OMIT_NONE
 from ckptdoctor.values.read import iter_chunks, require_torch
 
 SCHEMA = "ckptdoctor.show/1"
@@ -51,9 +55,35 @@ class ShowReport:
     slice: dict | None = None  # --slice: {spec, shape, values}
     saved: str | None = None  # --save: the file written
     notes: list[str] = field(default_factory=list)
+    # --decode: the bytes item (of an object: {shard: value}) as the safe unpickler reads it
+    decoded: Any = field(default=None, metadata=OMIT_NONE)
+
+
+ARGS = "args"  # show CKPT args[.NAME]: the saved args
+COMMON = "common"  # show CKPT common[.PATH]: the common state
+
+
+@dataclass
+class ValueReport:
+    """``show CKPT args[.NAME]`` / ``show CKPT common[.PATH]``: a value of the saved args or common state."""
+
+    schema: str
+    checkpoint: str
+    key: str  # as asked
+    kind: str  # ARGS | COMMON
+    source: str  # where it was decoded from: common.pt or the common_state item's key
+    path: str  # the value's path ("args", "args.lr", "common.optimizer.param_groups[0].lr")
+    type: str  # its type: a Python type's name, or a stand-in's global (megatron.core.enums.ModelType)
+    value: Any
+    notes: list[str] = field(default_factory=list)
 
 
 SUGGESTIONS = 5  # names suggested for an unknown key
+
+
+def is_value_path(key: str) -> bool:
+    """``args``, ``args.lr``, ``common``, ``common.optimizer...``: a path into the saved args or common state."""
+    return any(key == root or key.startswith((root + ".", root + "[")) for root in (ARGS, COMMON))
 
 
 def find_entry(checkpoint: Checkpoint, key: str) -> Entry | Item:
@@ -68,13 +98,72 @@ def find_entry(checkpoint: Checkpoint, key: str) -> Entry | Item:
     item = items.get(key)
     if item is not None and item.kind == KIND_OBJECT:
         return item
-    names = list(dict.fromkeys([*checkpoint.entries, *items]))
+    names = list(dict.fromkeys([*checkpoint.entries, *items, ARGS, COMMON]))
     dotted = key.strip(".")
     ends = sorted((n for n in names if dotted and n.endswith("." + dotted)), key=lambda n: (n.count("."), n))
     close = ends[:SUGGESTIONS] or difflib.get_close_matches(key, names, n=3, cutoff=0.6)
     more = f" (and {len(ends) - SUGGESTIONS} more ending so)" if len(ends) > SUGGESTIONS else ""
     hint = f"; did you mean {', '.join(repr(c) for c in close)}{more}?" if close else ""
-    raise CkptError(f"{checkpoint.iteration_dir}: no saved item '{key}'{hint} (`ckptdoctor inspect --keys` lists them)")
+    raise CkptError(
+        f"{checkpoint.iteration_dir}: no saved item '{key}'{hint} (`ckptdoctor inspect --keys` lists them; "
+        f"`{ARGS}` and `{COMMON}` show the saved args and common state)"
+    )
+
+
+def _close(wanted: str, names: list[str]) -> list[str]:
+    """Names that contain ``wanted``, then the closest ones: the suggestions for a name that is not there."""
+    within = [n for n in names if wanted and wanted.lower() in n.lower()]
+    close = difflib.get_close_matches(wanted, names, n=SUGGESTIONS, cutoff=0.6)
+    return list(dict.fromkeys([*close, *sorted(within, key=len)]))[:SUGGESTIONS]
+
+
+def _common_source(checkpoint: Checkpoint) -> str:
+    source = checkpoint.common_source
+    if source is None:
+        raise CkptError(f"{checkpoint.iteration_dir}: no common state (neither common.pt nor a common_state item)")
+    return source
+
+
+def show_value(checkpoint: Checkpoint, key: str) -> ValueReport:
+    """The saved args (``args``), one of them (``args.lr``, ``args.cuda_graph_modules[0]``), or a path into the
+    common state (``common``, ``common.opt_param_scheduler``); unknown names are errors that suggest the close
+    ones."""
+    root, rest = (ARGS, key[len(ARGS) :]) if key.startswith(ARGS) else (COMMON, key[len(COMMON) :])
+    source = _common_source(checkpoint)
+    where = f"{checkpoint.iteration_dir}: {source}"
+    if root == ARGS:
+        if checkpoint.args is None:
+            raise CkptError(
+                f"{where}: the common state holds no saved args (a Megatron-Bridge checkpoint keeps its config in "
+                "run_config.yaml); `ckptdoctor show CKPT common` lists what it holds"
+            )
+        base: Any = args_as_dict(checkpoint.args)
+    else:
+        base = checkpoint.common_state()
+    try:
+        value, path = lookup(base, rest.removeprefix("."), root) if rest else (base, root)
+    except ValueError as exc:
+        raise CkptError(f"{key}: {exc}") from None
+    except PathError as exc:
+        what = "saved arg" if root == ARGS and exc.at == ARGS else "field"
+        close = _close(exc.step, exc.choices)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        listing = f"`ckptdoctor show CKPT {exc.at}` lists them" if exc.choices else f"{exc.at} has no fields"
+        raise CkptError(f"{where}: no {what} '{exc.step}' in {exc.at}{hint} ({listing})") from None
+    kind = type_name(checkpoint.args if path == ARGS else value)  # the args are a Namespace, read as a dict
+    report = ValueReport(SCHEMA, str(checkpoint.iteration_dir), key, root, source, path, kind, value)
+    if root == ARGS and path == ARGS:
+        report.notes.append(f"{len(base)} saved args")
+    return report
+
+
+def decode_item(checkpoint: Checkpoint, entry: Entry | Item) -> Any:
+    """A bytes item as the safe unpickler reads it; a sharded object's shards as ``{shard: value}`` (one shard:
+    its value)."""
+    if isinstance(entry, Entry):
+        return checkpoint.read_bytes_item(entry.key)
+    shards = {suffix: checkpoint.read_bytes_item(e.key) for suffix, e in sorted(entry.entries.items())}
+    return next(iter(shards.values())) if len(shards) == 1 else shards
 
 
 def describe_object(checkpoint: Checkpoint, item: Item) -> ShowReport:

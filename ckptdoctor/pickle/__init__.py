@@ -13,6 +13,7 @@ Public interface (what the layers above use):
 
 Inside: :mod:`.policy` (the allowlist and the read's per-call state), :mod:`.opcodes` (the one opcode table,
 from :mod:`pickletools`), :mod:`.plain` (bounded views of what was read: JSON-able form, short text, equality),
+:mod:`.paths` (paths into what was read: lookup, leaves, the field-level diff of ``show`` and ``diff``),
 :mod:`.index_records` (the compact records an index-only read of ``.metadata`` builds), :mod:`.torch_stand_ins`
 and :mod:`.torch_values` (torch's classes without torch).
 """

@@ -246,6 +246,12 @@ def fingerprint(value: Any) -> bytes:
     return _digest(value, {}, MAX_DEPTH * 8)
 
 
+def digest_with_memo(value: Any, memo: dict[int, bytes]) -> bytes:
+    """:func:`fingerprint` with a memo the caller keeps across calls, for a walk that digests the subtrees of one
+    tree (each shared node once in all); the tree must stay alive while the memo is used (it is keyed by ``id``)."""
+    return _digest(value, memo, MAX_DEPTH * 8)
+
+
 def _digest(value: Any, memo: dict[int, bytes], depth: int) -> bytes:
     if isinstance(value, _SCALARS):
         return hashlib.blake2b(f"{type(value).__name__}:{value!r}".encode(), digest_size=16).digest()

@@ -113,14 +113,21 @@ def render_diff(report: DiffReport, width: int | None = None) -> str:
                     f"(should be {_short(f.correct)}{same}): {f.reason}"
                 )
     if report.common is not None:
-        lines += ["", f"common state and metadata.json: {report.common.count} differ"]
+        fields = sum(item.fields_count for item in report.common.items)
+        detail = f" ({fields} fields)" if fields != report.common.count else ""
+        lines += ["", f"common state and metadata.json: {report.common.count} differ{detail}"]
         for item in report.common.items:
-            if item.change == "only_a":
-                lines.append(f"  {item.field}: only in A: {_short(item.a)}")
-            elif item.change == "only_b":
-                lines.append(f"  {item.field}: only in B: {_short(item.b)}")
-            else:
-                lines.append(f"  {item.field}: {_short(item.a)} -> {_short(item.b)}")
+            # each differing field by its path, not the two values of the whole key
+            for differing in item.fields:
+                if differing.change == "only_a":
+                    lines.append(f"  {differing.path}: only in A: {_short(differing.a)}")
+                elif differing.change == "only_b":
+                    lines.append(f"  {differing.path}: only in B: {_short(differing.b)}")
+                else:
+                    lines.append(f"  {differing.path}: {_short(differing.a)} -> {_short(differing.b)}")
+            lines += _more(len(item.fields), item.fields_count)
+            if not item.fields_complete:
+                lines.append(f"    ... {item.field}: not compared further (node or depth limit)")
     if report.era:
         lines += ["", "era (not content differences):"]
         lines += [f"  {note}" for note in report.era]
@@ -137,6 +144,8 @@ def _left_out(report: DiffReport) -> int:
     """Entries the lists leave out under ``limit`` (the counts above them are complete)."""
     n = sum(k.only_a.count - len(k.only_a.keys) + k.only_b.count - len(k.only_b.keys) for k in report.keys.values())
     n += report.summary["changed"] - len(report.changed) + report.layout.count - len(report.layout.keys)
+    if report.common is not None:
+        n += sum(item.fields_count - len(item.fields) for item in report.common.items)
     v = report.values
     if v is not None:
         n += v.different - len(v.different_keys) + v.not_compared - len(v.not_compared_keys)
@@ -214,6 +223,13 @@ def _render_values(v: ValuesReport) -> list[str]:
         lines.append(f"  differs  {r.key}: " + "; ".join(parts))
         for m in r.mismatches or ():
             lines.append(f"    [{', '.join(map(str, m['index']))}]  A {_num(m['a'])}  B {_num(m['b'])}")
+        for f in r.fields or ():  # a bytes item's differing fields by path
+            if f.change == "changed":
+                lines.append(f"    {f.path}: {_short(f.a)} -> {_short(f.b)}")
+            else:
+                lines.append(f"    {f.path}: only in {'A' if f.change == 'only_a' else 'B'}: {_short(f.a or f.b)}")
+        if r.fields is not None and r.fields_count is not None:
+            lines += [line[2:] for line in _more(len(r.fields), r.fields_count)]
     lines += _more(len(v.different_keys), v.different)
     for r in v.not_compared_keys:
         lines.append(f"  not compared  {r.key}: {r.note}")

@@ -1,19 +1,81 @@
-"""Output of ``ckptdoctor show``: text (a table of the chunks, values and statistics asked for) and JSON of
-:class:`~ckptdoctor.ops.show.ShowReport`."""
+"""Output of ``ckptdoctor show``: text (a table of the chunks, values and statistics asked for; decoded fields one
+``path  value`` line each) and JSON of :class:`~ckptdoctor.ops.show.ShowReport` and
+:class:`~ckptdoctor.ops.show.ValueReport`."""
 
 from __future__ import annotations
 
+import enum
 import json
 from typing import Any
 
-from ckptdoctor.ops.show import TEXT_CHUNK_LIMIT, ShowReport
-from ckptdoctor.render.common import LABEL_INDENT, human_bytes, jsonable, tabulate
+from ckptdoctor.args import ARG_GROUPS, arg_group
+from ckptdoctor.ops.show import ARGS, TEXT_CHUNK_LIMIT, ShowReport, ValueReport
+from ckptdoctor.pickle.paths import leaves
+from ckptdoctor.pickle.plain import ELIDED
+from ckptdoctor.render.common import LABEL_INDENT, human_bytes, jsonable, short_value, tabulate
 from ckptdoctor.render.wrap import wrap_block, wrap_lines
 from ckptdoctor.text_safety import text_safe
 
+TEXT_FIELD_LIMIT = 200  # decoded fields listed in text (JSON has the whole value, within the walks' bounds)
 
-def to_json_text(report: ShowReport) -> str:
+
+def to_json_text(report: ShowReport | ValueReport) -> str:
     return json.dumps(jsonable(report), indent=2)
+
+
+def _text(value: Any) -> str:
+    """A decoded value in one line: an enum by its name (``Signals.SIGTERM``, not 15), else as JSON shows it."""
+    return f"{type(value).__name__}.{value.name}" if isinstance(value, enum.Enum) else short_value(value)
+
+
+def _field_lines(value: Any, prefix: str = "") -> list[str]:
+    """One aligned ``path  value`` line per leaf of a decoded value (at most :data:`TEXT_FIELD_LIMIT`)."""
+    rows: list[tuple[str, str]] = []
+    more = 0
+    for path, leaf in leaves(value, prefix):
+        if len(rows) >= TEXT_FIELD_LIMIT:
+            more += 1
+            continue
+        text = "... (not walked further: node or depth limit)" if leaf is ELIDED else _text(leaf)
+        rows.append((path or "(value)", text))
+    width = max((len(p) for p, _ in rows), default=0)
+    lines = [f"  {p:<{width}}  {v}" for p, v in rows]
+    if more:
+        lines.append(f"  ... {more} more field(s) (all in --format json)")
+    return lines
+
+
+def _render_value(report: ValueReport, width: int | None = None) -> str:
+    lines = [
+        f"checkpoint      {report.checkpoint}",
+        f"source          {report.source}",
+        f"path            {report.path}   ({report.type})",
+    ]
+    lines = wrap_lines(lines, width, LABEL_INDENT)
+    lines.append("")
+    if report.kind == ARGS and report.path == ARGS:
+        values: dict[str, Any] = report.value
+        name_width = max((len(n) for n in values), default=0)
+        for group in (*ARG_GROUPS, "other"):
+            names = [n for n in values if arg_group(n) == group]
+            if names:
+                lines.append(group)
+                lines.extend(f"  {n:<{name_width}}  {_text(values[n])}" for n in names)
+    else:
+        fields = _field_lines(report.value)
+        if len(fields) == 1 and fields[0].startswith("  (value)"):
+            fields = [f"value           {_text(report.value)}"]
+        lines.extend(fields or ["  (empty)"])
+    if report.notes:
+        lines.append("")
+    lines.extend(wrap_block(note, width) for note in report.notes)
+    return "\n".join(lines)
+
+
+def render_value(report: ValueReport, width: int | None = None) -> str:
+    """Text of ``show CKPT args[.NAME]`` / ``common[.PATH]``: every saved arg by group, or the value's fields one
+    line each; label lines and notes wrapped to ``width`` (None: not wrapped), field lines never."""
+    return text_safe(_render_value)(report, width)
 
 
 def _num(value: Any) -> str:
@@ -62,6 +124,10 @@ def _render(report: ShowReport, width: int | None = None) -> str:
         lines.append("")
         lines.append(f"slice [{sl['spec']}]  shape {'x'.join(map(str, sl['shape'])) or '()'}")
         lines.append(json.dumps(sl["values"]) if not isinstance(sl["values"], list) else _matrix(sl["values"]))
+    if report.decoded is not None:
+        lines.append("")
+        lines.append("decoded (safe unpickler)")
+        lines.extend(_field_lines(report.decoded))
     if report.saved:
         lines.append("")
         lines.append(wrap_block(f"saved           {report.saved}", width, LABEL_INDENT))

@@ -200,6 +200,13 @@ def _summary(found: list[ValueDiff], twins: int, counter: ReadCounter, peak: int
     return _Run(different, skipped, equal + len(different), equal, top, texts, counter.a, counter.b, peak)
 
 
+def _fields_limited(result: ValueDiff, limit: int) -> ValueDiff:
+    """A differing bytes item with at most ``limit`` of its differing fields listed (``fields_count`` says all)."""
+    if result.fields is not None:
+        result.fields = result.fields[:limit]
+    return result
+
+
 def compare_values(
     a: Checkpoint,
     b: Checkpoint,
@@ -305,7 +312,7 @@ def compare_values(
         seconds=round(time.perf_counter() - start, 3),
         workers=1 if inline else max(1, min(jobs, len(runs))),
         peak_in_flight=max((p.peak for p in parts), default=0),
-        different_keys=different if limit is None else different[:limit],
+        different_keys=different if limit is None else [_fields_limited(r, limit) for r in different[:limit]],
         not_compared_keys=skipped if limit is None else skipped[:limit],
     )
 

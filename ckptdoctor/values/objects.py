@@ -1,6 +1,7 @@
 """``diff --values`` of bytes items (ShardedObjects: rng state, ``_extra_state``, rerun state): compared by the
 sha256 of their raw bytes; when the bytes differ, both are decoded (safe unpickler) and compared as objects,
-because torch.save archives of equal objects can differ in serialization details."""
+because torch.save archives of equal objects can differ in serialization details. Objects that differ are
+compared field by field (:func:`ckptdoctor.pickle.paths.diff_fields`): the report names the differing paths."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import hashlib
 from typing import TYPE_CHECKING
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.pickle.paths import FieldChange, diff_fields, join
+from ckptdoctor.pickle.plain import to_plain
 from ckptdoctor.values.io import Context
 from ckptdoctor.values.report import ValueDiff
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint
     from ckptdoctor.logical_items import Item
+
+
+FIELDS_KEPT = 1000  # differing fields a worker sends back per key (the report lists at most the diff's limit)
 
 
 def compare_objects(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, ctx: Context) -> ValueDiff:
@@ -49,19 +55,34 @@ def compare_objects(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, ctx: Conte
         return ValueDiff(ia.key, ia.section, ia.kind, True, None, None, None, None, *single)
     decoded_equal = True
     reason = None
+    fields: list[FieldChange] = []
     for suffix in differing:
         key_a, key_b = ia.entries[suffix].key, ib.entries[suffix].key
         try:
-            if a.read_bytes_item(key_a) != b.read_bytes_item(key_b):
-                decoded_equal = False
-                break
+            value_a, value_b = a.read_bytes_item(key_a), b.read_bytes_item(key_b)
         except CkptError as exc:
             decoded_equal, reason = False, f"cannot decode to compare objects: {exc}"
             break
+        if value_a != value_b:
+            decoded_equal = False
+            # the differing fields by path under the key (and the shard, where there are several)
+            prefix = ia.key if len(hashes) == 1 else join(ia.key, suffix)
+            found = diff_fields(value_a, value_b, prefix)
+            fields += found.changes
+            if not found.complete:
+                reason = "walk stopped at its node or depth limit: there may be more differing fields"
     n = len(differing)
     what = f"{n} of {len(hashes)} shard{'s' if len(hashes) != 1 else ''}"
     if decoded_equal:
         note = f"serialized bytes differ in {what}, decoded objects are equal"
     else:
-        note = reason or f"bytes and decoded objects differ in {what}"
-    return ValueDiff(ia.key, ia.section, ia.kind, decoded_equal, None, None, None, note, *single)
+        note = f"bytes and decoded objects differ in {what}"
+        if reason:
+            note = f"{note}; {reason}" if fields else reason
+    result = ValueDiff(ia.key, ia.section, ia.kind, decoded_equal, None, None, None, note, *single)
+    if fields:
+        # plain values: a worker process sends its results back pickled, and stand-ins are this process's classes
+        kept = fields[:FIELDS_KEPT]
+        result.fields = [FieldChange(f.path, f.change, to_plain(f.a), to_plain(f.b)) for f in kept]
+        result.fields_count = len(fields)
+    return result

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ckptdoctor.pickle.paths import FieldChange
+from ckptdoctor.pickle.plain import OMIT_NONE
+
 
 @dataclass
 class ValueDiff:
@@ -21,6 +24,10 @@ class ValueDiff:
     max_rel_diff: float | str | None = None  # tensors: max |a - b| / |b| over differing elements (inf where b = 0)
     norm_diff: float | str | None = None  # tensors: L2 norm of a - b (NaN positions left out)
     mismatches: list[dict] | None = None  # --report N: first N mismatching elements {index, a, b} (global index)
+    # bytes items whose decoded objects differ: the differing fields by path (rng_state[0].random_rng_state[1][5]),
+    # their values plain JSON; at most the diff's limit of them, of fields_count found
+    fields: list[FieldChange] | None = field(default=None, metadata=OMIT_NONE)
+    fields_count: int | None = field(default=None, metadata=OMIT_NONE)
 
 
 @dataclass

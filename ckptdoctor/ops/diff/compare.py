@@ -39,6 +39,7 @@ from ckptdoctor.ops.diff.report import (
     Side,
 )
 from ckptdoctor.parallelism import SavedLayout, infer_layout
+from ckptdoctor.pickle.paths import FieldChange, FieldDiff, diff_fields, join
 from ckptdoctor.pickle.plain import same_value
 from ckptdoctor.values.diff import compare_values
 
@@ -218,8 +219,9 @@ def compare_args(
     return ArgsDiff(bool(args_a) and bool(args_b), count, groups, flags, ignored, era_listed)
 
 
-def compare_common(a: Checkpoint, b: Checkpoint, era_common: bool) -> CommonDiff:
-    """Common-state keys other than args, and metadata.json (era keys excluded)."""
+def compare_common(a: Checkpoint, b: Checkpoint, era_common: bool, limit: int | None = None) -> CommonDiff:
+    """Common-state keys other than args, and metadata.json (era keys excluded); each differing key with its
+    differing fields by path (``optimizer.param_groups[0].lr``), at most ``limit`` of them listed per key."""
     state_a = {k: v for k, v in a.common_state().items() if k != "args"}
     state_b = {k: v for k, v in b.common_state().items() if k != "args"}
     items: list[CommonChange] = []
@@ -228,11 +230,22 @@ def compare_common(a: Checkpoint, b: Checkpoint, era_common: bool) -> CommonDiff
         for name in sorted(da.keys() | db.keys(), key=str):
             label = f"{prefix}{name}"
             if name not in db:
-                items.append(CommonChange(label, "only_a", da[name], None))
+                change = CommonChange(label, "only_a", da[name], None)
             elif name not in da:
-                items.append(CommonChange(label, "only_b", None, db[name]))
+                change = CommonChange(label, "only_b", None, db[name])
             elif not same_value(da[name], db[name]):
-                items.append(CommonChange(label, "changed", da[name], db[name]))
+                change = CommonChange(label, "changed", da[name], db[name])
+            else:
+                continue
+            found = (
+                diff_fields(change.a, change.b, join("", name) if not prefix else label)
+                if change.change == "changed"
+                else FieldDiff([FieldChange(label, change.change, change.a, change.b)])
+            )
+            change.fields = found.changes if limit is None else found.changes[:limit]
+            change.fields_count = len(found.changes)
+            change.fields_complete = found.complete
+            items.append(change)
 
     add("", state_a, state_b)
     meta_a, meta_b = dict(a.location.metadata_json), dict(b.location.metadata_json)
@@ -333,7 +346,7 @@ def diff_checkpoints(
             era_absent = era_absent_args(a, b, config_a, config_b)
             args_diff = compare_args(saved_a, saved_b, config_a, config_b, ignore_args, era_absent, strict_args)
             era_absent = {n: s for n, s in era_absent.items() if n in args_diff.era}  # not those --ignore-arg took
-            common = compare_common(a, b, era_common)
+            common = compare_common(a, b, era_common, limit)
         report = DiffReport(
             schema=SCHEMA,
             a=_side(a, layout_a, len(all_a)),

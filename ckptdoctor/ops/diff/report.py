@@ -3,8 +3,11 @@ the renderers read, filled by :mod:`ckptdoctor.ops.diff.compare` (values: :mod:`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from ckptdoctor.pickle.paths import FieldChange
 
 if TYPE_CHECKING:
     from ckptdoctor.values.diff import ValuesReport
@@ -113,10 +116,16 @@ class ArgsDiff:
 
 @dataclass
 class CommonChange:
+    """A common-state key (or ``metadata.json:<key>``) that differs, and its differing fields."""
+
     field: str  # a common-state key, or "metadata.json:<key>"
     change: str  # "changed" | "only_a" | "only_b"
     a: Any
     b: Any
+    # the differing fields under it, by path (optimizer.param_groups[0].lr), at most the diff's limit of them
+    fields: list[FieldChange] = dataclasses.field(default_factory=list)  # (``field`` is the name above)
+    fields_count: int = 0  # differing fields found (fields lists at most limit of them)
+    fields_complete: bool = True  # False: the walk stopped at its node or depth limit; there may be more
 
 
 @dataclass
