@@ -17,7 +17,6 @@ from ckptdoctor.problems import (
 )
 from ckptdoctor.storage.files import check_regular
 
-
 # relative data file -> (range end, key, offsets, sizes) of each chunk stored there
 _ChunksByFile = dict[str, list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]]
 
