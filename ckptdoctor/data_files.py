@@ -11,9 +11,14 @@ from ckptdoctor.problems import (
     DATA_FILE_TRUNCATED,
     DATA_FILE_UNREFERENCED,
     STORAGE_ENTRY_MISSING,
+    LostChunk,
     Problem,
+    lost_summary,
 )
 from ckptdoctor.storage.files import check_regular
+
+# relative data file -> (range end, key, offsets, sizes) of each chunk stored there
+_ChunksByFile = dict[str, list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]]
 
 
 def storage_problems(checkpoint: Checkpoint) -> tuple[list[Problem], set[str]]:
@@ -43,7 +48,7 @@ def storage_problems(checkpoint: Checkpoint) -> tuple[list[Problem], set[str]]:
                 f"{len(unplaced)} chunk(s) have no storage entry: {example}",
             )
         )
-    by_file: dict[str, list[tuple[int, str]]] | None = None
+    by_file: _ChunksByFile | None = None
     bad: set[str] = set()
     sizes = checkpoint.data_files
     for relative, end in sorted(ends.items()):
@@ -51,15 +56,16 @@ def storage_problems(checkpoint: Checkpoint) -> tuple[list[Problem], set[str]]:
         why = _unreadable(directory / relative, size)
         if why is not None:
             bad.add(relative)
-            by_file = by_file or _keys_by_file(checkpoint)
-            keys = _keys_in(by_file, relative)
+            by_file = by_file or _chunks_by_file(checkpoint)
+            lost = _lost_in(by_file, relative)
             problems.append(
                 Problem(
                     DATA_FILE_MISSING,
                     directory if why == "missing" else directory / relative,
-                    f"{relative} missing: {len(keys)} key(s) stored there (e.g. {keys[0]})"
+                    f"{relative} missing: {lost_summary(lost)}"
                     if why == "missing"
-                    else f"unreadable ({why}): {len(keys)} key(s) stored there (e.g. {keys[0]})",
+                    else f"unreadable ({why}): {lost_summary(lost)}",
+                    lost=lost,
                 )
             )
             continue
@@ -67,14 +73,14 @@ def storage_problems(checkpoint: Checkpoint) -> tuple[list[Problem], set[str]]:
             size = _size(directory / relative)
         if end > size:
             bad.add(relative)
-            by_file = by_file or _keys_by_file(checkpoint)
-            lost = _keys_in(by_file, relative, past=size)
+            by_file = by_file or _chunks_by_file(checkpoint)
+            lost = _lost_in(by_file, relative, past=size)
             problems.append(
                 Problem(
                     DATA_FILE_TRUNCATED,
                     directory / relative,
-                    f"truncated: {size} bytes, but .metadata places data up to byte {end}; "
-                    f"{len(lost)} key(s) cut off (e.g. {lost[0]})",
+                    f"truncated: {size} bytes, but .metadata places data up to byte {end}; {lost_summary(lost)}",
+                    lost=lost,
                 )
             )
     if checkpoint.dcp is None:  # legacy zarr: a chunk file is the raw elements, its size is all there is to check
@@ -107,6 +113,7 @@ def _zarr_chunk_sizes(checkpoint: Checkpoint, bad: set[str]) -> list[Problem]:
                     checkpoint.iteration_dir / storage.relative_path,
                     f"{'truncated' if storage.length < need else 'too long'}: {storage.length} bytes, but the chunk "
                     f"of {entry.key} at {list(chunk.offsets)} ({list(chunk.sizes)} of {entry.dtype}) needs {need}",
+                    lost=(_lost_chunk(entry.key, chunk.offsets, chunk.sizes, storage.relative_path),),
                 )
             )
     return problems
@@ -131,16 +138,28 @@ def _size(path: Path) -> int:
         return -1  # vanished since it was opened: every range is past its end
 
 
-def _keys_by_file(checkpoint: Checkpoint) -> dict[str, list[tuple[int, str]]]:
-    """relative data file -> (range end, key) for each chunk stored there (built only when a file is bad)."""
-    by_file: dict[str, list[tuple[int, str]]] = {}
+def _chunks_by_file(checkpoint: Checkpoint) -> _ChunksByFile:
+    """Each data file's chunks (built only when a file is bad)."""
+    by_file: _ChunksByFile = {}
     for entry in checkpoint.entries.values():
         for c in entry.chunks:
             if c.storage is not None:
-                by_file.setdefault(c.storage.relative_path, []).append((c.storage.offset + c.storage.length, entry.key))
+                by_file.setdefault(c.storage.relative_path, []).append(
+                    (c.storage.offset + c.storage.length, entry.key, c.offsets, c.sizes)
+                )
     return by_file
 
 
-def _keys_in(by_file: dict[str, list[tuple[int, str]]], relative: str, past: int = -1) -> list[str]:
-    """Keys with a chunk in ``relative`` whose byte range ends after ``past``."""
-    return sorted({key for end, key in by_file.get(relative, ()) if end > past})
+def _lost_in(by_file: _ChunksByFile, relative: str, past: int = -1) -> tuple[LostChunk, ...]:
+    """The chunks stored in ``relative`` whose byte range ends after ``past`` (all of them by default: a missing
+    file), by key and then offsets."""
+    lost = [
+        _lost_chunk(key, offsets, sizes, relative)
+        for end, key, offsets, sizes in by_file.get(relative, ())
+        if end > past
+    ]
+    return tuple(sorted(lost, key=lambda chunk: (chunk.key, chunk.offsets)))
+
+
+def _lost_chunk(key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], relative: str) -> LostChunk:
+    return LostChunk(key, tuple(map(int, offsets)), tuple(map(int, sizes)), relative)

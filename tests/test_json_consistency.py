@@ -24,6 +24,7 @@ COMMANDS = {
     "fix-args": ("fix-args", FIXTURES / "core019_convert_tp4"),
     "repair": ("repair", TP1),
     "latest-good": ("latest-good", TP1),
+    "history": ("history", TP1),
     "strip-frozen": ("strip-frozen", FIXTURES / "core019_peft_full_tp1"),
     "edit": ("edit", FIXTURES / "core019_tp2", "--remove", r"^optimizer\."),
     "can-load": ("can-load", TP1, "--target", "tp=1"),

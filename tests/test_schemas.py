@@ -142,6 +142,7 @@ def test_read_only_outputs_validate_on_every_fixture(capsys, fixture):
     _run_json(capsys, "check", "--isolated", path)
     _run_json(capsys, "check", "--isolated", "--statistics", path)
     _run_json(capsys, "latest-good", path)
+    _run_json(capsys, "history", path, "--jobs", "1")
     _run_json(capsys, "repair", path)
     _run_json(capsys, "fix-args", path)
     for target in ("tp=1", "tp=2,pp=2"):
@@ -271,6 +272,7 @@ ERROR_CASES = {
     "fix-args": ("fix-args", FIXTURES / "bridge_train_state"),
     "repair": ("repair", "{missing}"),
     "latest-good": ("latest-good", FIXTURES / "bridge_train_state"),
+    "history": ("history", "{missing}"),
     "seal": ("seal", "{missing}"),
     "strip-frozen": ("strip-frozen", TP1, "--trainable", "("),
     "edit": ("edit", TP1),

@@ -23,6 +23,7 @@ COMMAND_MODULES: dict[str, str] = {
     "check": "check",
     "rules": "rules",
     "latest-good": "latest_good",
+    "history": "history",
     "seal": "seal",
     "repair": "repair",
     "can-load": "can_load",

@@ -71,20 +71,25 @@ def iteration_value(directory: Path) -> str:
     return str(int(match.group(1))) if match else "release"
 
 
+def findings_of(directory: Path, options: CheckOptions, progress: Progress | None = None) -> list[Finding]:
+    """The selected findings of one iteration dir (with leftovers of interrupted writes beside it); a dir that
+    cannot even be listed is one CKD100 error. ``history`` shows them all, ``latest-good`` decides on the errors."""
+    try:
+        found = check_iteration_dir(directory, directory, options, progress)
+        found += leftovers.scan_beside(directory.parent, directory.parent, directory.name)
+    except CkptError as exc:
+        return [finding(structure.NOT_A_CHECKPOINT, directory, str(exc))]
+    return [f for f in dict.fromkeys(found) if is_selected(f.code, options.select, options.ignore)]
+
+
 def errors_of(directory: Path, options: CheckOptions, progress: Progress | None = None) -> list[Finding]:
-    """The selected error findings of one iteration dir (with leftovers of interrupted writes beside it)."""
-    found = check_iteration_dir(directory, directory, options, progress)
-    found += leftovers.scan_beside(directory.parent, directory.parent, directory.name)
-    return [
-        f for f in dict.fromkeys(found) if f.severity == ERROR and is_selected(f.code, options.select, options.ignore)
-    ]
+    """The selected error findings of one iteration dir (see :func:`findings_of`)."""
+    return [f for f in findings_of(directory, options, progress) if f.severity == ERROR]
 
 
-def find_latest_good(
-    save_dir: str | Path, options: CheckOptions | None = None, progress: Progress | None = None
-) -> LatestGoodReport:
-    """Check the iteration dirs of ``save_dir`` newest first; stop at the first one without errors."""
-    options = options or CheckOptions()
+def save_dir_of(save_dir: str | Path) -> tuple[Path, list[Path]]:
+    """``save_dir`` as a path and its iteration dirs (:func:`candidates`: newest first, ``release`` last); refuses
+    (:class:`CkptError`) a path that is no dir or holds no iteration dir."""
     path = as_path(save_dir)
     if not path.is_dir():
         raise CkptError(f"{path}: no such directory" if not path.exists() else f"{path}: not a directory")
@@ -92,22 +97,34 @@ def find_latest_good(
     dirs = candidates(path)
     if not dirs:
         raise CkptError(f"{path}: not a save dir (no iter_NNNNNNN or release dirs)")
+    return path, dirs
+
+
+def read_trackers(save_dir: Path) -> tuple[str | None, str | None]:
+    """What the save dir's trackers name: Megatron-LM's text tracker and Megatron-Bridge's
+    ``latest_train_state.pt`` (each None when missing or unreadable; ``check`` reports why)."""
     tracker: str | None = None
-    if (path / TRACKER_NAME).is_file():
-        try:
-            tracker = read_tracker(path / TRACKER_NAME)
-        except CkptError:
-            tracker = None
-    report = LatestGoodReport(SCHEMA, str(path), tracker, None, None)
-    if (path / BRIDGE_TRACKER_NAME).is_file():
+    if (save_dir / TRACKER_NAME).is_file():
         with contextlib.suppress(CkptError):
-            report.bridge_tracker = str(read_train_state_step(path / BRIDGE_TRACKER_NAME))
+            tracker = read_tracker(save_dir / TRACKER_NAME)
+    bridge: str | None = None
+    if (save_dir / BRIDGE_TRACKER_NAME).is_file():
+        with contextlib.suppress(CkptError):
+            bridge = str(read_train_state_step(save_dir / BRIDGE_TRACKER_NAME))
+    return tracker, bridge
+
+
+def find_latest_good(
+    save_dir: str | Path, options: CheckOptions | None = None, progress: Progress | None = None
+) -> LatestGoodReport:
+    """Check the iteration dirs of ``save_dir`` newest first; stop at the first one without errors."""
+    options = options or CheckOptions()
+    path, dirs = save_dir_of(save_dir)
+    tracker, bridge = read_trackers(path)
+    report = LatestGoodReport(SCHEMA, str(path), tracker, None, None, bridge_tracker=bridge)
     for directory in dirs:
         report.checked.append(str(directory))
-        try:
-            errors = errors_of(directory, options, progress)
-        except CkptError as exc:  # a dir that cannot even be listed
-            errors = [finding(structure.NOT_A_CHECKPOINT, directory, str(exc))]
+        errors = errors_of(directory, options, progress)
         if not errors:
             report.iteration_dir = str(directory)
             value = iteration_value(directory)

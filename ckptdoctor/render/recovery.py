@@ -1,4 +1,4 @@
-"""Text rendering of the recovery commands: ``latest-good``, ``seal`` and ``repair``.
+"""Text rendering of the recovery commands: ``latest-good``, ``history``, ``seal`` and ``repair``.
 
 Kept apart from :mod:`ckptdoctor.render.common` so the recovery commands can change without touching it; every
 renderer is :func:`~ckptdoctor.text_safety.text_safe` (values read from a checkpoint are escaped).
@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ckptdoctor.render.common import human_bytes
-from ckptdoctor.render.wrap import wrap_lines
+from ckptdoctor.render.wrap import wrap_block, wrap_lines
 from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
+    from ckptdoctor.ops.history import HistoryReport, IterationStatus
     from ckptdoctor.ops.latest_good import LatestGoodReport
     from ckptdoctor.ops.repair.report import RepairReport
     from ckptdoctor.ops.seal import SealResult
@@ -27,6 +28,71 @@ def render_skipped(report: LatestGoodReport, width: int | None = None) -> str:
         more = f" (and {len(skipped.errors) - 1} more error(s))" if len(skipped.errors) > 1 else ""
         lines.append(f"skipped {skipped.iteration_dir}: {first.code} {first.message}{more}")
     return "\n".join(wrap_lines(lines, width))
+
+
+HISTORY_HEADER = ("iteration", "status", "size", "sealed", "tracker", "why")
+
+
+@text_safe
+def render_history(report: HistoryReport, width: int | None = None) -> str:
+    """One row per iteration dir (newest first): iteration, status, size, sealed, which tracker names it, and why
+    (the first error, else the first warning); then the save dir's own findings and a summary. The why column
+    wraps to ``width`` (None: not wrapped) under itself."""
+    rows = [HISTORY_HEADER] + [_history_row(line) for line in report.iterations]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HISTORY_HEADER) - 1)]
+    lines = []
+    for row in rows:
+        head = "  ".join(cell.ljust(w) for cell, w in zip(row, widths))
+        lines.append(wrap_block(f"{head}  {row[-1]}".rstrip(), width, " " * (len(head) + 2), head=len(head)))
+    for f in report.findings:
+        lines.append(wrap_block(f"{f.path}: {f.code} [{f.severity}] {f.message}", width))
+    lines.append(wrap_block(_history_summary(report), width))
+    return "\n".join(lines)
+
+
+def _history_row(line: IterationStatus) -> tuple[str, ...]:
+    markers = [name for name, named in (("tracker", line.tracker), ("bridge", line.bridge_tracker)) if named]
+    why = ""
+    if line.top is not None:
+        more = line.errors + line.warnings - 1
+        inside = line.iteration_dir.rstrip("/") + "/"
+        where = line.top.path[len(inside) :] if line.top.path.startswith(inside) else ""  # the file it is about
+        why = f"{line.top.code} {where + ': ' if where else ''}{line.top.message}" + (
+            f" (and {more} more finding{'s' if more != 1 else ''})" if more else ""
+        )
+    return (
+        "release" if line.release else str(line.iteration),
+        line.status,
+        human_bytes(line.bytes),
+        "yes" if line.sealed else "no",
+        ",".join(markers) or "-",
+        why,
+    )
+
+
+def _history_summary(report: HistoryReport) -> str:
+    counts = {status: sum(1 for line in report.iterations if line.status == status) for status in _STATUSES}
+    n = len(report.iterations)
+    said = f"{n} iteration dir{'s' if n != 1 else ''}: " + ", ".join(
+        f"{counts[s]} {'with warnings' if s == 'warnings' else s}" for s in _STATUSES
+    )
+    tracked = next((line for line in report.iterations if line.tracker), None)
+    if tracked is not None:
+        said += f"; the tracker names {_name(tracked)} ({tracked.status})"
+    elif report.tracker is not None:
+        said += f"; the tracker names {report.tracker}, which is not here"
+    else:
+        said += "; no tracker that reads"
+    good = next((line for line in report.iterations if line.status != "broken"), None)
+    said += f"; latest good: {_name(good)}" if good is not None else "; none passes check"
+    return said + "."
+
+
+_STATUSES = ("good", "warnings", "broken")
+
+
+def _name(line: IterationStatus) -> str:
+    return "release" if line.release else str(line.iteration)
 
 
 @text_safe

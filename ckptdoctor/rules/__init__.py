@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptdoctor.pickle.plain import OMIT_NONE
+from ckptdoctor.problems import LostChunk
 from ckptdoctor.severity import ERROR as ERROR  # re-exported: rules and renderers import it from here
 from ckptdoctor.severity import WARNING as WARNING
 
@@ -60,6 +61,9 @@ class Finding:
     fix: str | None = None  # the command that fixes it, for this checkpoint (see FIX_COMMANDS); None: no fixer
     # the global (module.name) or config target a safety finding is about; absent from JSON elsewhere
     subject: str | None = field(default=None, metadata=OMIT_NONE)
+    # CKD113/CKD114: every chunk whose bytes are gone (the message summarises them); absent from JSON elsewhere.
+    # Not compared: the message already tells two such findings apart, and a lost list can be 10^5 chunks long.
+    lost: tuple[LostChunk, ...] | None = field(default=None, metadata=OMIT_NONE, compare=False)
 
 
 # The gate: safety findings (CKD4xx) are always reported; no --select/--ignore or config can deselect them.

@@ -8,6 +8,7 @@ the other families with whatever could be read. Metadata only: no tensor bytes a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -293,7 +294,8 @@ def _finding(problem: Problem, directory: Path, shown: Path) -> Finding:
         path = problem.path
     if problem.error is not None and problem.code in _REFUSAL_CODES:
         return refused_pickle(problem.error, path, "DCP metadata")
-    return finding(_RULES_BY_CODE[problem.code], path, problem.detail)
+    made = finding(_RULES_BY_CODE[problem.code], path, problem.detail)
+    return dataclasses.replace(made, lost=problem.lost) if problem.lost else made
 
 
 def _check_common(state: Scanned, index_known: bool, findings: list[Finding]) -> None:

@@ -233,6 +233,33 @@ def file_sizes(directory: Path | RemotePath) -> dict[str, int]:
     return files
 
 
+def tree_bytes(directory: Path | RemotePath) -> tuple[int, int]:
+    """The total size and the number of the regular files under ``directory``, subdirs included (no opens: one
+    scandir per dir, or the listings of a remote prefix). A symlinked file counts as its target; a symlinked dir
+    is not entered (it is another tree's)."""
+    total = count = 0
+    if isinstance(directory, RemotePath):
+        list_tree(directory)
+        stack = [directory]
+        while stack:
+            below = stack.pop()
+            for name, (size, is_dir) in below.sizes().items():
+                if is_dir:
+                    stack.append(below / name)
+                else:
+                    total, count = total + size, count + 1
+        return total, count
+    local = [directory]
+    while local:
+        with os.scandir(local.pop()) as it:
+            for dirent in it:
+                if dirent.is_dir(follow_symlinks=False):
+                    local.append(Path(dirent.path))
+                elif dirent.is_file():
+                    total, count = total + dirent.stat().st_size, count + 1
+    return total, count
+
+
 def check_regular(path: Path | RemotePath) -> None:
     """Raise ``OSError`` unless ``path`` can be opened as a regular file (``FileNotFoundError`` when missing);
     never blocks on a FIFO."""

@@ -46,6 +46,7 @@ from ckptdoctor.ops.repair import metadata_json
 from ckptdoctor.ops.repair.bridge import plan_bridge
 from ckptdoctor.ops.repair.report import SCHEMA, Action, Refusal, RepairReport
 from ckptdoctor.ops.staging import QUARANTINE_MARK
+from ckptdoctor.problems import lost_count
 from ckptdoctor.rules import ERROR, Finding, bridge, is_safety, leftovers, structure
 from ckptdoctor.rules.integrity import INTEGRITY_NAME, LISTED_FILE_MISSING
 from ckptdoctor.storage.dispatch import as_path
@@ -209,7 +210,10 @@ def _way_out(unrepairable: list[Finding], save_dir: Path | None, latest: LatestG
     other = [c for c in codes if c not in lost and c not in tracker and c not in unsafe]
     said = []
     if lost:
-        said.append(f"the data of {', '.join(lost)} is lost from this checkpoint")
+        # the chunks the data-file findings list (their JSON ``lost``; each finding's message names the keys)
+        chunks = [chunk for f in unrepairable for chunk in f.lost or ()]
+        summary = f" ({lost_count(chunks)})" if chunks else ""
+        said.append(f"the data of {', '.join(lost)} is lost from this checkpoint{summary}")
     if unsafe:
         said.append(
             f"{', '.join(unsafe)}: no data is lost, but loading it would run the code the gate refused "
