@@ -23,7 +23,7 @@ from ckptdoctor.formats import dcp_index
 from ckptdoctor.formats.dcp_index import DcpItem
 from ckptdoctor.formats.torch_dist import record_attr
 from ckptdoctor.pickle import index_records, unpickler
-from ckptdoctor.pickle.index_records import ChunkDims, CompactKeys, IndexRecord, index_record_fields
+from ckptdoctor.pickle.index_records import CompactKeys, IndexRecord, index_record_fields
 from ckptdoctor.pickle.stand_ins import Record
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -98,12 +98,7 @@ def _mutate(rng: random.Random, state_dict_metadata: dict, storage_data: dict) -
     kind, record = targets[rng.randrange(len(targets))]
     state = _state(record)
     op = rng.randrange(9)
-    if kind == "chunk" and type(record) is ChunkDims and op <= 4:  # made while unpickling: hostile dims
-        tuples = [alien for alien in _aliens() if type(alien) is tuple]
-        dims = list(record)
-        dims[rng.randrange(2)] = tuples[rng.randrange(len(tuples))]
-        _replace(state_dict_metadata, storage_data, record, ChunkDims(dims))
-    elif kind == "properties" and isinstance(record, IndexRecord):  # TensorProperties' tuple state, or not
+    if kind == "properties" and isinstance(record, IndexRecord):  # TensorProperties' tuple state, or not
         aliens = _aliens()
         record[:] = rng.choice(
             [[()], [(aliens[rng.randrange(len(aliens))], "layout")], [{"dtype": aliens[rng.randrange(len(aliens))]}],
@@ -312,69 +307,6 @@ def test_a_command_index_is_held_only_in_the_short_lived_process(monkeypatch):
     gc_pause.hold_until_exit(console)
     del console
     assert ref() is not None
-
-
-@needs_c
-def test_coverage_in_c_agrees_with_the_python_rule(monkeypatch):
-    """check's coverage rule answers a grid of one chunk per cell in C; on random layouts (tilings, overlaps, gaps,
-    chunks spanning cells, duplicates) and on hostile chunk values (negative, past int64, zero sizes, wrong dims,
-    not ints) its verdict is the Python rule's."""
-    import itertools
-
-    from ckptdoctor import coverage
-    from ckptdoctor.checkpoint import Entry
-    from ckptdoctor.formats.dcp_index import DcpChunk
-
-    rng = random.Random(11)
-    hostile = [-1, 0, 2**63, 2**64 + 3, 1.0, True, "1", None]
-
-    def layouts():
-        for _ in range(4000):
-            shape = tuple(rng.randint(1, 7) for _ in range(rng.randint(1, 3)))
-            cuts = [sorted({0, d, *rng.sample(range(1, d + 1), rng.randint(0, d - 1))}) for d in shape]
-            grid = [[(a[i], a[i + 1] - a[i]) for i in range(len(a) - 1)] for a in cuts]
-            chunks = [tuple(tuple(x) for x in zip(*cell)) for cell in itertools.product(*grid)]
-            rng.shuffle(chunks)
-            for _ in range(rng.choice((0, 0, 1, 2, 3))):
-                i = rng.randrange(len(chunks))
-                offsets, sizes = chunks[i]
-                kind = rng.randrange(7)
-                if kind == 0 and len(chunks) > 1:
-                    chunks.pop(i)
-                elif kind == 1:
-                    chunks.append(chunks[i])
-                elif kind == 2:
-                    chunks[i] = (offsets, tuple(s + 1 if type(s) is int else s for s in sizes))
-                elif kind == 3:
-                    chunks[i] = (tuple(max(0, o - 1) if type(o) is int else o for o in offsets), sizes)
-                elif kind == 4 and offsets and len(offsets) == len(sizes):  # a hostile value in one place
-                    axis = rng.randrange(len(offsets))
-                    field = list(rng.choice((offsets, sizes)))
-                    field[axis] = rng.choice(hostile)
-                    chunks[i] = (tuple(field), sizes) if rng.random() < 0.5 else (offsets, tuple(field))
-                elif kind == 5 and offsets:  # a chunk of other dims
-                    chunks[i] = (offsets + (0,), sizes + (1,)) if rng.random() < 0.5 else (offsets[:-1], sizes[:-1])
-                elif all(type(s) is int for s in sizes):  # a chunk halved: a gap in its cell
-                    chunks[i] = (offsets, tuple(max(1, s // 2) for s in sizes))
-            yield Entry("k", "tensor", "torch.float32", shape, [DcpChunk(o, s, None) for o, s in chunks])
-
-    entries = list(layouts())
-    with_c = []
-    for entry in entries:
-        try:
-            with_c.append(coverage.coverage_problem(entry))
-        except Exception as exc:  # noqa: BLE001 - hostile values may make the Python steps raise: compared too
-            with_c.append((type(exc).__name__, str(exc)))
-    decided_in_c = sum(coverage._tiled_in_c(e.shape, e.chunks) for e in entries)
-    monkeypatch.setattr(coverage, "grid_tiled_once", None)
-    without = []
-    for entry in entries:
-        try:
-            without.append(coverage.coverage_problem(entry))
-        except Exception as exc:  # noqa: BLE001
-            without.append((type(exc).__name__, str(exc)))
-    assert with_c == without
-    assert decided_in_c > 800 and sum(p is not None for p in without) > 1000
 
 
 @needs_c
@@ -673,7 +605,7 @@ def test_a_consuming_build_lets_each_key_records_go_as_soon_as_its_item_exists(c
     assert set(released_before) == {0} and all(value is not None for value in state_dict_metadata.values())
 
 
-# --- what an index-only read makes of the records while it unpickles (prebuild in pickle/_records.c) ------------
+# --- a chunk record BUILT again after its tensor record's BUILD ----------------------------------------------------
 
 _DCP = "torch.distributed.checkpoint.metadata"
 
@@ -711,46 +643,16 @@ def _without_plans(path: Path) -> bytes:
 
 
 @needs_c
-def test_an_index_only_read_makes_chunk_records_into_chunks_and_shares_properties():
-    """While an index-only read unpickles, chunk records that only their list holds become ChunkDims, the lists are
-    cut to their length and properties records that only their tensor record holds are one per distinct state: the
-    peak of a read (the end of the unpickling) is ~15% lower at one chunk per key. The index is the same as from the
-    records an unpruned read keeps (its memo holds every record, so nothing is replaced there)."""
-    import sys
-
-    data = _without_plans(METADATA[-1])
-    state_dict_metadata, _ = _records(data, True)
-    tensors = [_read(item) for item in state_dict_metadata.values() if "chunks" in _read(item)]
-    chunk_lists = [fields["chunks"] for fields in tensors]
-    assert tensors and all(type(chunk) is ChunkDims for chunks in chunk_lists for chunk in chunks)
-    assert all(sys.getsizeof(chunks) == sys.getsizeof([None] * len(chunks)) for chunks in chunk_lists)
-    properties = {id(fields["properties"]): fields["properties"][0] for fields in tensors}
-    assert len(properties) == len(set(properties.values())) < len(tensors)
-    # megatron-core's plans read every chunk record, but an index-only read leaves their states out (drop_plans,
-    # _pickle_plans.c): the memo does not hold the records for them, so they are replaced there too
-    with_plans, _ = _records(METADATA[-1].read_bytes(), True)
-    assert all(type(c) is ChunkDims for item in with_plans.values() for c in _read(item).get("chunks", []))
-
-    unpruned = unpickler.SafeUnpickler(io.BytesIO(data), None, True).load()
-    kept = record_attr(unpruned, "state_dict_metadata")
-    assert all(isinstance(chunk, IndexRecord) for item in kept.values() for chunk in _read(item).get("chunks", []))
-    pruned_index = dcp_index.index_items(*_records(data, True), DcpItem, True)
-    assert pruned_index == dcp_index.index_items(kept, record_attr(unpruned, "storage_data"), DcpItem, True)
-
-
-@needs_c
 @pytest.mark.parametrize("c", [True, False])
 def test_a_chunk_record_the_pickle_can_reach_again_is_left_as_a_record(monkeypatch, c):
-    """A chunk record the memo holds may be BUILT again later in the pickle: it is not replaced, and the index has
-    its last state, as the Python loops over plain records give it."""
+    """A chunk record the memo holds may be BUILT again later in the pickle: the index has its last state, as the
+    Python loops over plain records give it."""
     for rebuild, sizes in ((False, (8,)), (True, (4,))):
         metadata = unpickler.loads(_hand_made_metadata(rebuild), index_only=True)
         state_dict_metadata, storage_data = (
             record_attr(metadata, "state_dict_metadata"),
             record_attr(metadata, "storage_data"),
         )
-        (chunk,) = _read(state_dict_metadata["w"])["chunks"]
-        assert (type(chunk) is ChunkDims) is not rebuild
         (result, _) = _outcome(monkeypatch, c, state_dict_metadata, storage_data, True)
         (made,) = result["w"].chunks
         assert (made.offsets, made.sizes, made.storage) == ((0,), sizes, ("__0_0.distcp", 0, 16))

@@ -1,4 +1,4 @@
-"""Memo pruning (``prune_memo`` in ``ckptdoctor/pickle/_prune.c``): the unpickler reads a pickle without the
+"""Memo pruning (``pruned_reader`` in ``ckptdoctor/pickle/_prune.c``): the unpickler reads a pickle without the
 MEMOIZE opcodes whose entries are never read. The pruned pickle must build the same object graph (same
 types, values and sharing) or fail with the same exception, on the fixtures' pickles, the hostile corpus,
 hand-made edge cases and seeded mutants of all of them; where pruning would not be certain to be exact it
@@ -21,19 +21,24 @@ from test_pickle_scan_accel import _mutants, _seeds
 
 from ckptdoctor.errors import PickleLimitError
 from ckptdoctor.pickle import unpickler
-from ckptdoctor.pickle.index_records import ChunkDims, CompactKeys, IndexRecord, IndexTupleStateRecord
+from ckptdoctor.pickle.index_records import CompactKeys, IndexRecord, IndexTupleStateRecord
 from ckptdoctor.pickle.policy import hash_safe_global
 from ckptdoctor.pickle.scanner import scan
 from ckptdoctor.pickle.torch_stand_ins import StorageRef
 
-prune_memo: Any
 pruned_reader: Any
 try:
-    from ckptdoctor.pickle._native import prune_memo, pruned_reader
+    from ckptdoctor.pickle._native import pruned_reader
 except ImportError:
-    prune_memo = pruned_reader = None
+    pruned_reader = None
 
-needs_c = pytest.mark.skipif(prune_memo is None, reason="the C extension was not built")
+needs_c = pytest.mark.skipif(pruned_reader is None, reason="the C extension was not built")
+
+
+def prune_memo(data: bytes, drop_plans: bool = False) -> bytes | None:
+    """The pruned pickle whole, as the unpickler reads it (``pruned_reader``), or None where it is left alone."""
+    reader = pruned_reader(data, False, drop_plans)
+    return None if reader is None else reader.read()
 
 
 _ATOMS = (int, float, complex, bytes, str, bool, type(None))
@@ -41,10 +46,7 @@ _ADDRESS = re.compile(r"at 0x[0-9a-f]+")
 
 
 def _as_chunk(x: Any) -> tuple | None:
-    """(offsets, sizes) of a chunk as the index reads it: a compact chunk record, or the ChunkDims an index-only
-    read made of one that only its list held (``prebuild`` in ``ckptdoctor/pickle/_records.c``); else None."""
-    if type(x) is ChunkDims:
-        return x[0], x[1]
+    """(offsets, sizes) of a chunk as the index reads it: a compact chunk record; else None."""
     if (
         isinstance(x, IndexRecord)
         and len(x) == 3

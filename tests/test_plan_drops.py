@@ -1,4 +1,4 @@
-"""Save plans left out of index-only reads (``drop_plans`` of ``prune_memo`` / ``pruned_reader``,
+"""Save plans left out of index-only reads (``drop_plans`` of ``pruned_reader``,
 ``ckptdoctor/_pickle_plans.c``).
 
 megatron-core keeps every rank's ``SavePlan`` in ``.metadata``; an index-only read builds each plan part as the one
@@ -206,7 +206,7 @@ def test_parts_read_through_a_chain_of_parts_are_kept_only_if_the_chain_ends_in_
     assert b"written-in-part-A" in kept and b"b-key" in kept
 
 
-def test_parts_that_would_change_objects_made_outside_them_are_kept():
+def test_parts_that_would_change_objects_made_outside_them_are_kept_and_records_made_inside_are_not():
     p = _Pickle()
     outside = p.open_list()
     cls = p.cls(PLANNER, "WriteItem")
@@ -225,14 +225,14 @@ def test_parts_that_would_change_objects_made_outside_them_are_kept():
     record.get(cls).add(b")\x81}(")
     record.string("chunk")
     record.get(chunk_cls).add(b")\x81}(")
-    record.string("chunks")  # a record BUILT with "chunks" may replace what that list holds (prebuild)
+    record.string("chunks")  # an index record BUILT in the part changes nothing outside it
     record.add(b"]")
     record.string("properties")
     record.add(b"N")
     record.add(b"ub")  # the record's BUILD
     record.add(b"ub")
     record.add(b"e")
-    assert b"chunks" in _alike(record.bytes())
+    assert b"chunks" not in _alike(record.bytes())  # left out, and read alike
 
 
 @pytest.mark.parametrize(
@@ -303,10 +303,10 @@ def test_hostile_nested_parts_keep_the_recognizer_linear():
     a bound, 0.15 s with it): the recognizer's budget (the pickle's size in opcodes) keeps the whole plan linear.
     Run in a child with a time limit, as a guard against a hang, not a speed target."""
     code = (
-        "from ckptdoctor.pickle._native import prune_memo\n"
+        "from ckptdoctor.pickle._native import pruned_reader\n"
         "p = bytearray(b'\\x80\\x04\\x8c$torch.distributed.checkpoint.planner\\x94\\x8c\\tWriteItem\\x94\\x93\\x94')\n"
         "p += b'h\\x02)\\x81}' + b'h\\x02)\\x81}' * 1_000_000 + b'.'\n"
-        "prune_memo(bytes(p), True)\n"
+        "pruned_reader(bytes(p), False, True).read()\n"
         "print('done')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)

@@ -6,7 +6,7 @@
  *   the dtype as the record holds it. stop: None, or how many keys were done where a key is one C does not read
  *   (nothing of that key changed: dcp_index.py goes on from it). dtypes: (key, dtype) where a dtype object is
  *   first met, in order (dcp_index.py checks and names them).
- * attach(storage_data, rows, consume, shared) (_dcp_attach.c), tiles_once(shape, chunks) (_dcp_coverage.c).
+ * attach(storage_data, rows, consume, shared) (_dcp_attach.c).
  */
 #include "_dcp_index.h"
 
@@ -104,10 +104,7 @@ static PyObject *chunk_list(PyObject *chunks_meta, PyObject *shared, PyObject *c
     for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
         PyObject *chunk = PyList_GET_ITEM(chunks_meta, i), *raw_offsets, *raw_sizes, *offsets = NULL, *sizes = NULL;
         DcpFields fields;
-        if (Py_IS_TYPE(chunk, *dcp_records->chunk_dims) && PyTuple_GET_SIZE(chunk) == 2) {
-            raw_offsets = PyTuple_GET_ITEM(chunk, 0);
-            raw_sizes = PyTuple_GET_ITEM(chunk, 1);
-        } else if (dcp_record_fields(chunk, &fields) < 0 || (raw_offsets = dcp_field(&fields, s_offsets)) == NULL ||
+        if (dcp_record_fields(chunk, &fields) < 0 || (raw_offsets = dcp_field(&fields, s_offsets)) == NULL ||
                    (raw_sizes = dcp_field(&fields, s_sizes)) == NULL) {
             Py_CLEAR(result);
             break;
@@ -227,7 +224,6 @@ static PyObject *items(PyObject *module, PyObject *args) {
 static PyMethodDef methods[] = {
     {"items", items, METH_VARARGS, "state_dict_metadata -> (rows, stop, dtypes): see _dcp_index.c."},
     {"attach", dcp_attach, METH_VARARGS, "Set the rows' chunk locations from storage_data; None, or where it stopped."},
-    {"tiles_once", dcp_tiles_once, METH_VARARGS, "Whether chunks are one grid's cells over shape, each once."},
     {NULL, NULL, 0, NULL},
 };
 

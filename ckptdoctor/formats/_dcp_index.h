@@ -6,7 +6,6 @@
  * results and errors are theirs by construction (tests/test_dcp_index_accel.py and fuzz/fuzz_native.py compare).
  *   _dcp_index.c     the module, the record readers, the loop over keys (items)
  *   _dcp_attach.c    the storage pass (attach)
- *   _dcp_coverage.c  check's coverage test for chunks that are the cells of one grid (tiles_once)
  */
 #ifndef CKPTDOCTOR_DCP_INDEX_H
 #define CKPTDOCTOR_DCP_INDEX_H
@@ -46,8 +45,5 @@ PyObject *dcp_triple(PyObject *a, PyObject *b, PyObject *c); /* a new exact tupl
 /* _dcp_attach.c */
 int dcp_attach_init(void);                              /* its interned names, at module init */
 PyObject *dcp_attach(PyObject *module, PyObject *args); /* attach(storage_data, rows, consume, shared) */
-
-/* _dcp_coverage.c */
-PyObject *dcp_tiles_once(PyObject *module, PyObject *args); /* tiles_once(shape, chunks) -> bool */
 
 #endif

@@ -1,4 +1,4 @@
-# The optional C extension built from _dcp_index.c, _dcp_attach.c and _dcp_coverage.c (see
+# The optional C extension built from _dcp_index.c and _dcp_attach.c (see
 # ckptdoctor.formats.dcp_index, which falls back to its Python loops where it was not built).
 from typing import Any
 
@@ -6,4 +6,3 @@ def items(
     state_dict_metadata: Any, shared: dict, counted: dict, consume: bool, /
 ) -> tuple[dict[Any, tuple[Any, tuple | None, list]], int | None, list[tuple[Any, Any]]]: ...
 def attach(storage_data: dict, rows: dict, consume: bool, shared: dict, /) -> tuple[int, Any] | None: ...
-def tiles_once(shape: tuple, chunks: list, /) -> bool: ...

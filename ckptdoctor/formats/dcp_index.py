@@ -17,11 +17,11 @@ import itertools
 import math
 import operator
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ckptdoctor.pickle.index_records import ChunkDims, DroppedRecord, IndexRecord, index_record_fields
+from ckptdoctor.pickle.index_records import DroppedRecord, IndexRecord, index_record_fields
 from ckptdoctor.pickle.torch_stand_ins import DtypeRef
 
 
@@ -209,14 +209,11 @@ def _chunks_py(chunks_meta: Any, key: str, shared: dict, counted: dict) -> list:
     :func:`_attach_py`)."""
     chunks = []
     for chunk in chunks_meta:
-        if type(chunk) is ChunkDims:  # made from a chunk record while the pickle was read (C: prebuild)
-            raw_offsets, raw_sizes = chunk[0], chunk[1]
-        else:
-            chunk_fields = chunk[0] if type(chunk) in _ONE_STATE and len(chunk) == 1 else _fields(chunk)
-            if type(chunk_fields) is not dict:
-                chunk_fields = _fields(chunk)
-            raw_offsets = chunk_fields["offsets"]
-            raw_sizes = chunk_fields["sizes"]
+        chunk_fields = chunk[0] if type(chunk) in _ONE_STATE and len(chunk) == 1 else _fields(chunk)
+        if type(chunk_fields) is not dict:
+            chunk_fields = _fields(chunk)
+        raw_offsets = chunk_fields["offsets"]
+        raw_sizes = chunk_fields["sizes"]
         offsets = _shared_dims(shared, tuple(raw_offsets), key, "offsets")
         sizes = _shared_dims(counted, tuple(raw_sizes), key, "sizes", True)
         chunks.append(_new_chunk((offsets, sizes, None)))
@@ -273,16 +270,13 @@ def _items_py(
     return items
 
 
-# check's coverage rule: whether a tensor's chunks are the cells of one grid, each once (C only; None without it)
-grid_tiled_once: Callable[[tuple, list], bool] | None
 _c_items: Any
 _c_attach: Any
 try:
     from ckptdoctor.formats._dcp_index import attach as _c_attach
     from ckptdoctor.formats._dcp_index import items as _c_items
-    from ckptdoctor.formats._dcp_index import tiles_once as grid_tiled_once
 except ImportError:  # built without a compiler (or ckptdoctor.pickle._native not built): the Python loops run
-    _c_attach = _c_items = grid_tiled_once = None
+    _c_attach = _c_items = None
 _use_c = _c_items is not None  # (a test hook: the tests compare both)
 
 
@@ -313,7 +307,7 @@ def _index_c(
         if dtype not in dtype_names:
             dtype_names[dtype] = _dtype_name(dtype, key)
     stopped: Any = (0, None)
-    if stop is None and type(storage_data) is dict:
+    if stop is None and type(storage_data) is dict and _c_attach is not None:
         stopped = _c_attach(storage_data, rows, consume, shared)
     items: dict[str, DcpItem] = {}
     new_chunk, new_location = _new_chunk, _new_location  # (locals: one row per key, 10^6 in a large checkpoint)

@@ -5,13 +5,11 @@ static PyMethodDef methods[] = {
     {"scan", native_scan, METH_VARARGS,
      "scan(data, max_depth, max_string, max_int, max_hashed_keys, safe_hash): the pre-pass of scanner.py; None, "
      "(kind, message) or -1 (the Python walk decides)."},
-    {"prune_memo", native_prune_memo, METH_VARARGS,
-     "prune_memo(data, drop_plans=False): the pickle without its unread memo entries, or None (see _prune.c)."},
     {"pruned_reader", native_pruned_reader, METH_VARARGS,
-     "pruned_reader(data, release=False, drop_plans=False): prune_memo(data, drop_plans) as a file to read from "
-     "(read, readline), or None."},
+     "pruned_reader(data, release=False, drop_plans=False): the pickle without its unread memo entries as a file to "
+     "read from (read, readline), or None where it is left alone (see _prune.c)."},
     {"records_setup", native_records_setup, METH_VARARGS,
-     "records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, ChunkDims, Record): the __setstate__ of index records "
+     "records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, Record): the __setstate__ of index records "
      "(an instancemethod; see _records.c)."},
     {"index_size", (PyCFunction)(void (*)(void))native_index_size, METH_FASTCALL,
      "What torch.Size builds in an index-only read: ().__add__(dims), one object per equal tuple of ints."},

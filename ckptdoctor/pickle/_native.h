@@ -3,7 +3,7 @@
  * test_dcp_index_accel.py and fuzz/fuzz_native.py compare them).
  *   _native.c   the module
  *   _scan.c     the resource pre-pass (scan; scanner.py)
- *   _prune.c    memo pruning (prune_memo, pruned_reader; unpickler.py)
+ *   _prune.c    memo pruning (pruned_reader; unpickler.py)
  *   _plans.c    megatron-core's save plans left out of index-only reads (their drop_plans option)
  *   _records.c  index records: their BUILD (records_setup gives compact_setstate), what it refuses as torch
  *               does, torch.Size (index_size, faithful_size; index_records.py, policy.py); _records.h: the
@@ -85,7 +85,6 @@ static inline int prune_op(const unsigned char *buf, Py_ssize_t size, Py_ssize_t
 /* _scan.c */
 PyObject *native_scan(PyObject *module, PyObject *args);
 /* _prune.c */
-PyObject *native_prune_memo(PyObject *module, PyObject *args);    /* prune_memo(data, drop_plans) -> bytes, None */
 PyObject *native_pruned_reader(PyObject *module, PyObject *args); /* pruned_reader(data, release, drop_plans) */
 int native_prune_ready(void);                                    /* PyType_Ready of the reader type */
 /* _records.c */

@@ -1,11 +1,10 @@
-/* Save plans left out of index-only reads, for the memo pruning of ckptdoctor._pickle_scan (see _pickle_prune.c).
+/* Save plans left out of index-only reads, for the memo pruning of pickle._native (see _prune.c).
  *
  * megatron-core keeps every rank's SavePlan in .metadata (all_local_plans): a WriteItem, a TensorWriteData and a
  * MetadataIndex per chunk. An index-only read builds each plan part as the one DROPPED object (index_records.
  * DroppedRecord: its NEWOBJ gives DROPPED, its BUILD keeps nothing), but the pickle still builds their states, and
  * those read the chunk and properties records of state_dict_metadata through the memo: the memo then holds every
- * such record until the load returns, and the index cannot replace them while the load goes on (prebuild in
- * _dcp_compact.c). With drop_plans, the bytes after a plan part's NEWOBJ through its BUILD (its memo writes, its
+ * such record until the load returns. With drop_plans, the bytes after a plan part's NEWOBJ through its BUILD (its memo writes, its
  * state, the BUILD) are left out where that provably changes nothing but the memo:
  *  - the class pushed before is a plan class by its module and name (STACK_GLOBAL of two strings, a GLOBAL, or a
  *    memo read of an entry written just after one); that push, the EMPTY_TUPLE and the NEWOBJ stay, so the same
@@ -33,10 +32,7 @@ static const char *const NAMES[] = {
     "megatron.core.dist_checkpointing.strategies.torch", /* 5 */
     "SavePlan", "WriteItem", "TensorWriteData", "MCoreSavePlan", "WriteItemType", "MetadataIndex", "Size", /* 6.. */
     "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",                                  /* 13.. */
-    "chunks", "properties",                                                                              /* 16.. */
 };
-#define K_NAME_CHUNKS 16
-#define K_NAME_PROPERTIES 17
 #define N_NAMES ((int)(sizeof(NAMES) / sizeof(NAMES[0])))
 _Static_assert(sizeof(NAMES) / sizeof(NAMES[0]) + K_NAME_FIRST <= K_INT, "names are kinds below K_INT");
 
@@ -47,7 +43,7 @@ enum { ROLE_DROP, ROLE_DROP_OUTER, ROLE_ITEM_TYPE, ROLE_RECORD, ROLE_TUPLE_RECOR
  * it refuses other values); MetadataIndex, TensorProperties,
  * ChunkStorageMetadata and BytesStorageMetadata index records (index_records.index_record_class); torch.Size
  * safe_globals.index_size. MCoreSavePlan only as the part whose bytes are left out (its class push stays), never
- * inside one. TensorStorageMetadata is not one: its BUILD may replace what its chunks list holds (prebuild). */
+ * inside one. */
 static const struct {
     int module, name, role;
 } CLASSES[] = {
@@ -65,7 +61,7 @@ static int is_name(int k) { return k >= K_NAME_FIRST && k < K_INT; } /* a str wi
 static int is_int(int k) { return k == K_INT || k == K_INT_ITEM_TYPE; } /* BININT1, BININT2, BININT: in int64 */
 /* What torch.Size takes (a tuple of ints; the 1-tuple of an int 1..3 too): a Size's REDUCE argument only then */
 static int is_int_tuple(int k) { return k == K_INT_TUPLE || k == K_ITEM_TYPE_ARGS || k == K_EMPTY_TUPLE; }
-static int is_dict(int k) { return k == K_DICT || k == K_DICT_PREBUILD; }
+static int is_dict(int k) { return k == K_DICT; }
 static int is_class(int k) { return k >= K_CLASS_FIRST; } /* only CLASSES' kinds are made */
 static int role_of(int k) { return CLASSES[k - K_CLASS_FIRST].role; }
 
@@ -210,24 +206,20 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
             case 't': case 'l': case 'd': case 'e': case 'u': { /* to the mark */
                 if (n_marks == 0) return 0;
                 Py_ssize_t x = marks[--n_marks], fence = n_marks ? marks[n_marks - 1] : 0;
-                int prebuild_keys = 0;
                 if (op == 'd' || op == 'u') {
                     if ((n - x) % 2 != 0) return 0;
-                    for (Py_ssize_t i = x; i < n; i += 2) {
+                    for (Py_ssize_t i = x; i < n; i += 2)
                         if (!plan_kind_is_hashable(stack[i])) return 0;
-                        prebuild_keys |= stack[i] == K_NAME_CHUNKS || stack[i] == K_NAME_PROPERTIES;
-                    }
                 }
                 if (op == 'e' || op == 'u') { /* into the list or dict below the mark, made in the part */
                     if (x - 1 < (fence > 1 ? fence : 1)) return 0;
                     if (op == 'e' ? stack[x - 1] != K_LIST : !is_dict(stack[x - 1])) return 0;
-                    if (prebuild_keys) stack[x - 1] = K_DICT_PREBUILD;
                 } else {
                     int ints = 1;
                     for (Py_ssize_t i = x; i < n; i++) ints &= is_int(stack[i]);
                     push = op == 't' ? (n == x ? K_EMPTY_TUPLE : n - x == 5 ? K_TUPLE5 : ints ? K_INT_TUPLE : K_TUPLE)
                            : op == 'l' ? K_LIST
-                                       : (prebuild_keys ? K_DICT_PREBUILD : K_DICT);
+                                       : K_DICT;
                 }
                 n = x;
                 break;
@@ -239,7 +231,6 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
             case 's': /* SETITEM */
                 if (n - 3 < (lo > 1 ? lo : 1) || !is_dict(stack[n - 3]) || !plan_kind_is_hashable(stack[n - 2]))
                     return 0;
-                if (stack[n - 2] == K_NAME_CHUNKS || stack[n - 2] == K_NAME_PROPERTIES) stack[n - 3] = K_DICT_PREBUILD;
                 n -= 2;
                 break;
             case 0x93: { /* STACK_GLOBAL of two names */
@@ -271,13 +262,11 @@ static int recognize(PlanDrops *d, const unsigned char *buf, Py_ssize_t size, Py
                 int target = stack[n - 2], state = stack[n - 1];
                 if (target != K_DROPPED && target != K_RECORD && target != K_TUPLE_RECORD) return 0;
                 /* DROPPED and the index records refuse a state the real class's BUILD would (index_records.
-                 * DroppedRecord, compact_setstate in _dcp_compact.c): only a dict is left out unread (a tuple of five too
-                 * for TensorProperties, whose class unpacks one). An index record's BUILD with a dict holding "chunks" or
-                 * "properties" may replace objects outside the part (prebuild in _dcp_compact.c): not left out; nor
-                 * with a dict the part did not make. */
+                 * DroppedRecord, compact_setstate in _records.c): only a dict is left out unread (a tuple of five too
+                 * for TensorProperties, whose class unpacks one), and not with a dict the part did not make. */
                 if ((target == K_DROPPED || target == K_RECORD) && !is_dict(state)) return 0;
                 if (target == K_TUPLE_RECORD && !is_dict(state) && state != K_TUPLE5) return 0;
-                if ((target == K_RECORD || target == K_TUPLE_RECORD) && (state == K_DICT_PREBUILD || state == K_OTHER))
+                if ((target == K_RECORD || target == K_TUPLE_RECORD) && state == K_OTHER)
                     return 0;
                 n -= 1;
                 if (n == 1 && n_marks == 0) { /* the part's own BUILD: the region ends here */

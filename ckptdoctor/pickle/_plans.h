@@ -25,7 +25,6 @@ enum {
     K_SIZE_ARGS,     /* a 1-tuple of a tuple (torch.Size's REDUCE arguments) */
     K_LIST,          /* made in the part (only those are filled) */
     K_DICT,
-    K_DICT_PREBUILD, /* a dict made in the part with a key "chunks" or "properties" (see K_RECORD's BUILD) */
     K_DROPPED,
     K_OBJECT,        /* a WriteItemType value made in the part (never BUILT there) */
     K_RECORD,        /* an index record made in the part, whose state must be a dict (as torch's BUILD needs) */

@@ -6,10 +6,9 @@
 #include <unistd.h>
 #endif
 
-/* Memo pruning, for ckptdoctor.pickle._native (see _native.h): prune_memo, and pruned_reader (its output as a
- * file to read).
+/* Memo pruning, for ckptdoctor.pickle._native (see _native.h): pruned_reader.
  *
- * prune_memo(data) returns the pickle with the memo writes (MEMOIZE, BINPUT, LONG_BINPUT) whose entry is never
+ * pruned_reader(data) gives, as a file to read, the pickle with the memo writes (MEMOIZE, BINPUT, LONG_BINPUT) whose entry is never
  * read dropped and the others and the reads (BINGET, LONG_BINGET) renumbered, or None where it leaves the bytes
  * as they are. The C unpickler keeps every
  * memoized object alive until load() returns (DCP's pickler memoizes every dict, tuple and string: ~15 entries
@@ -282,30 +281,8 @@ static Py_ssize_t emit_unit(Pruner *s, unsigned char *o) {
     return s->plans.n > 0 ? emit_unit_with(s, o, 1) : emit_unit_with(s, o, 0);
 }
 
-PyObject *native_prune_memo(PyObject *Py_UNUSED(module), PyObject *args) {
-    PyObject *arg;
-    int drop_plans = 0;
-    if (!PyArg_ParseTuple(args, "O|p:prune_memo", &arg, &drop_plans)) return NULL;
-    Pruner s;
-    int plan = pruner_init(&s, arg, drop_plans);
-    if (plan <= 0) {
-        if (plan < 0) return NULL;
-        Py_RETURN_NONE;
-    }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, s.stop_end);
-    if (out != NULL) {
-        unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
-        Py_ssize_t q = 0;
-        while (s.p < s.stop_end) q += emit_unit(&s, o + q);
-        _PyBytes_Resize(&out, q); /* NULL (an error set) if it fails */
-    }
-    pruner_clear(&s);
-    return out;
-}
-
-/* The pruned pickle as a file to read. */
 /* PrunedReader(data): a file the unpickler reads the pruned pickle from (read, readline), translated a frame
- * at a time as it is read: the same bytes as prune_memo(data), without a second copy of the pickle. */
+ * at a time as it is read, without a second copy of the pickle. */
 typedef struct {
     PyObject_HEAD
     Pruner s;

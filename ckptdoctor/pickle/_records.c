@@ -4,9 +4,8 @@
 #include "_records.h"
 
 /* index_records' types, given once by records_setup: CompactKeys (the field names of a compact record),
- * IndexRecord, IndexTupleStateRecord, ChunkDims (what a chunk record only its list holds becomes), and
- * stand_ins.Record (a faithful read's records, for the DCP index's C) */
-static PyTypeObject *compact_keys_type, *index_record_type, *tuple_state_record_type, *chunk_dims_type, *record_type;
+ * IndexRecord, IndexTupleStateRecord and stand_ins.Record (a faithful read's records, for the DCP index's C) */
+static PyTypeObject *compact_keys_type, *index_record_type, *tuple_state_record_type, *record_type;
 static PyObject *compact_keys_interned; /* tuple of names -> CompactKeys, one per distinct set of fields */
 
 /*
@@ -136,7 +135,6 @@ static PyObject *compact_dict(PyObject *record) {
 }
 
 static PyObject *shared_state(PyObject *state); /* below, beside index_size */
-static void prebuild(PyObject *record);          /* below */
 
 /* __setstate__ of index records (bound through an instancemethod: args are the record and the state). */
 static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -179,7 +177,6 @@ static PyObject *compact_setstate(PyObject *module, PyObject *const *args, Py_ss
             list->ob_item = items;
             list->allocated = n;
             Py_SET_SIZE(list, i);  /* i == n: the dict has the n - 1 values its names were read from */
-            prebuild(record);
             Py_RETURN_NONE;
         }
     }
@@ -220,23 +217,21 @@ static PyTypeObject *slotless_subtype(PyObject *type, PyTypeObject *base) {
     return (PyTypeObject *)Py_NewRef(type);
 }
 
-/* records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, ChunkDims, Record) -> the __setstate__ of index record
+/* records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, Record) -> the __setstate__ of index record
  * classes (an instancemethod); once, by index_records. */
 PyObject *native_records_setup(PyObject *module, PyObject *args) {
-    PyObject *keys, *record, *tuple_state, *chunk, *faithful;
-    if (!PyArg_ParseTuple(args, "OOOOO!:records_setup", &keys, &record, &tuple_state, &chunk, &PyType_Type, &faithful))
+    PyObject *keys, *record, *tuple_state, *faithful;
+    if (!PyArg_ParseTuple(args, "OOOO!:records_setup", &keys, &record, &tuple_state, &PyType_Type, &faithful))
         return NULL;
     Py_CLEAR(compact_keys_type);  /* a second call (a reload of index_records) replaces the types */
     Py_CLEAR(index_record_type);
     Py_CLEAR(tuple_state_record_type);
-    Py_CLEAR(chunk_dims_type);
     Py_XSETREF(record_type, (PyTypeObject *)Py_NewRef(faithful));
     Py_XSETREF(compact_keys_interned, PyDict_New());
     if (compact_keys_interned == NULL ||
         (compact_keys_type = slotless_subtype(keys, &PyTuple_Type)) == NULL ||
         (index_record_type = slotless_subtype(record, &PyList_Type)) == NULL ||
-        (tuple_state_record_type = slotless_subtype(tuple_state, index_record_type)) == NULL ||
-        (chunk_dims_type = slotless_subtype(chunk, &PyTuple_Type)) == NULL)
+        (tuple_state_record_type = slotless_subtype(tuple_state, index_record_type)) == NULL)
         return NULL;
     PyObject *function = PyCFunction_New(&compact_setstate_def, NULL);
     if (function == NULL)
@@ -402,119 +397,17 @@ static PyObject *shared_state(PyObject *state) {
     return the_equal_one(state, 1); /* ints by value, other items by identity: no object's hash or == runs */
 }
 
-/*
- * At the first BUILD of a tensor record (DCP's TensorStorageMetadata: fields "chunks" and "properties"), what only
- * that record can reach is made into what the index will hold, while the load goes on. The peak of a read is the
- * end of the unpickling, when the records of every key are alive (~1 KB per key at one chunk per key):
- *  - each chunk record that only the chunks list holds, compact with exactly "offsets" and "sizes" (exact tuples),
- *    becomes ChunkDims(offsets, sizes): 64 bytes instead of 96 (a record and its item array); the index checks
- *    its dims as it checks a record's;
- *  - the chunks list's item array is cut to its length (APPEND leaves room for 4 chunks);
- *  - a TensorProperties record (one tuple state, shared per load by shared_state) that only this record holds is
- *    replaced by the first such record of the same class and state in this load: one per distinct state instead
- *    of one per key (96 bytes each).
- * Only objects that nothing else holds are replaced: no later opcode can reach them (the pickle's memo would hold
- * a reference), so no later BUILD can change them and the index reads the same values from what replaced them.
- * The table of kept properties records lives per load, as tuples_seen does (forget_index_sizes).
- */
-#define MAX_RECORDS_SEEN ((Py_ssize_t)1 << 16)
-static PyObject *records_seen; /* (class, state) addresses -> the first properties record of this load */
-static PyObject *s_chunks, *s_properties, *s_offsets, *s_sizes;
-
-static int records_names(void) {
-    struct {
-        PyObject **slot;
-        const char *text;
-    } names[] = {{&s_chunks, "chunks"}, {&s_properties, "properties"}, {&s_offsets, "offsets"}, {&s_sizes, "sizes"}};
-    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
-        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
-            return -1;
-    return 0;
-}
-
-/* The ChunkDims of a chunk record only its list holds (new reference), or NULL without an error. */
-static PyObject *prebuilt_chunk(PyObject *chunk) {
-    if (Py_REFCNT(chunk) != 1 || !PyObject_TypeCheck(chunk, index_record_type) || !is_compact(chunk) ||
-        PyList_GET_SIZE(chunk) != 3)
-        return NULL;
-    /* two names, both found: exactly these two */
-    PyObject *offsets = compact_value(chunk, s_offsets), *sizes = compact_value(chunk, s_sizes);
-    if (offsets == NULL || sizes == NULL || !PyTuple_CheckExact(offsets) || !PyTuple_CheckExact(sizes))
-        return NULL;
-    /* allocated at its exact size, as an exact tuple is (tp_alloc reserves one more item for a subclass) */
-    PyTupleObject *made = PyObject_GC_NewVar(PyTupleObject, chunk_dims_type, 2);
-    if (made == NULL) {
-        PyErr_Clear();  /* out of memory: the record stays, as it was */
-        return NULL;
-    }
-    PyTuple_SET_ITEM(made, 0, Py_NewRef(offsets));
-    PyTuple_SET_ITEM(made, 1, Py_NewRef(sizes));
-    PyObject_GC_Track(made);
-    return (PyObject *)made;
-}
-
-static void prebuilt_chunks(PyObject *chunks) {
-    if (!PyList_CheckExact(chunks))
-        return;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(chunks); i++) {
-        PyObject *made = prebuilt_chunk(PyList_GET_ITEM(chunks, i));
-        if (made != NULL)
-            Py_SETREF(((PyListObject *)chunks)->ob_item[i], made);  /* the record is freed: only the list held it */
-    }
-    PyListObject *list = (PyListObject *)chunks;  /* its item array cut to its length */
-    PyObject **items = list->allocated > Py_SIZE(list) && Py_SIZE(list) > 0
-                           ? PyMem_Realloc(list->ob_item, (size_t)Py_SIZE(list) * sizeof(PyObject *))
-                           : NULL;
-    if (items != NULL) {  /* else the list keeps its larger array, as it was */
-        list->ob_item = items;
-        list->allocated = Py_SIZE(list);
-    }
-}
-
-/* The first properties record of this load with the class and the state of properties (new reference), or NULL
- * without an error where it is not one to share. Held here are the record itself and the state dict it came in. */
-static PyObject *shared_properties(PyObject *properties) {
-    if (Py_REFCNT(properties) != 2 || !PyObject_TypeCheck(properties, tuple_state_record_type) ||
-        PyList_GET_SIZE(properties) != 1 || !PyTuple_CheckExact(PyList_GET_ITEM(properties, 0)))
-        return NULL;
-    if (records_seen == NULL && (records_seen = PyDict_New()) == NULL) {
-        PyErr_Clear();
-        return NULL;
-    }
-    void *addresses[2] = {(void *)Py_TYPE(properties), (void *)PyList_GET_ITEM(properties, 0)};
-    PyObject *key = PyBytes_FromStringAndSize((const char *)addresses, sizeof(addresses)); /* flood-proof hash */
-    PyObject *kept = key == NULL ? NULL : PyDict_GetItemWithError(records_seen, key);
-    if (kept == NULL && key != NULL && !PyErr_Occurred() && PyDict_GET_SIZE(records_seen) < MAX_RECORDS_SEEN &&
-        PyDict_SetItem(records_seen, key, properties) == 0)
-        kept = properties;  /* the first: kept, so its state (and so the key's address) stays alive */
-    Py_XDECREF(key);
-    PyErr_Clear();
-    return kept == NULL || kept == properties ? NULL : Py_NewRef(kept);
-}
-
-static void prebuild(PyObject *record) {
-    Py_ssize_t chunks = compact_slot(record, s_chunks), properties = compact_slot(record, s_properties);
-    if (chunks > 0)
-        prebuilt_chunks(PyList_GET_ITEM(record, chunks));
-    PyObject *kept = properties > 0 ? shared_properties(PyList_GET_ITEM(record, properties)) : NULL;
-    if (kept != NULL)
-        Py_SETREF(((PyListObject *)record)->ob_item[properties], kept);
-}
-
 PyObject *native_forget_index_sizes(PyObject *module, PyObject *Py_UNUSED(ignored)) {
     Py_CLEAR(tuples_seen);
     Py_CLEAR(sizes_seen);
-    Py_CLEAR(records_seen);
     Py_RETURN_NONE;
 }
 
 /* What the DCP index's C reads of the records (see _records.h). */
-static const RecordsApi records_api = {&index_record_type, &tuple_state_record_type, &chunk_dims_type, &record_type,
+static const RecordsApi records_api = {&index_record_type, &tuple_state_record_type, &record_type,
                                        is_compact, compact_value, refuse_properties_state};
 
 int native_records_ready(PyObject *module) {
-    if (records_names() < 0)
-        return -1;
     PyObject *capsule = PyCapsule_New((void *)&records_api, RECORDS_API_NAME, NULL);
     return capsule == NULL ? -1 : PyModule_AddObject(module, "records_api", capsule) < 0 ? (Py_DECREF(capsule), -1) : 0;
 }

@@ -6,8 +6,8 @@
 #define RECORDS_API_NAME "ckptdoctor.pickle._native.records_api"
 
 typedef struct {
-    PyTypeObject **index_record, **tuple_state_record, **chunk_dims, **record; /* index_records' types and
-                                                              stand_ins.Record (NULL: not set up) */
+    PyTypeObject **index_record, **tuple_state_record, **record; /* index_records' types and stand_ins.Record
+                                                                 (NULL: not set up) */
     int (*is_compact)(PyObject *record);                       /* [CompactKeys(names), values...] */
     PyObject *(*compact_value)(PyObject *record, PyObject *name); /* borrowed; NULL (no error): none */
     int (*refuse_properties_state)(PyObject *state); /* -1 with torch's error for a TensorProperties tuple state */

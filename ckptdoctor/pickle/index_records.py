@@ -24,14 +24,6 @@ class CompactKeys(tuple):
     __slots__ = ()
 
 
-class ChunkDims(tuple):
-    """``(offsets, sizes)`` of a compact chunk record that only its chunks list held, made in its place by the
-    native ``compact_setstate`` at its tensor record's BUILD (never by a pickle: not on the allowlist); the index
-    reads and checks its dims as a record's."""
-
-    __slots__ = ()
-
-
 def _checked_append(record: list, state: Any) -> None:
     """BUILD of an index record without the native module: the state is refused where torch's BUILD refuses it (as
     ``compact_setstate`` refuses it, at the same opcode), else appended."""
@@ -104,7 +96,7 @@ _compact_setstate: Any = None
 try:
     from ckptdoctor.pickle import _native
 
-    _compact_setstate = _native.records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, ChunkDims, Record)
+    _compact_setstate = _native.records_setup(CompactKeys, IndexRecord, IndexTupleStateRecord, Record)
 except ImportError:  # built without a compiler: list.append
     pass
 

@@ -166,7 +166,7 @@ def loads(
     pickler that wrote it; the resource pre-pass is skipped, never the allowlist.
 
     Where the C extension is built, the unpickler reads the pickle without its unread memo entries
-    (``prune_memo`` in ``ckptdoctor/pickle/_prune.c``, after the pre-pass has checked the original): the same
+    (``pruned_reader`` in ``ckptdoctor/pickle/_prune.c``, after the pre-pass has checked the original): the same
     objects, or the same failure, in less memory. A DCP ``.metadata`` memoizes ~15 objects per chunk and reads a
     few hundred in all; the C unpickler would keep every memoized object alive until the load returns.
     """

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ckptdoctor import arg_rules
 from ckptdoctor.args import saved_config
 from ckptdoctor.checkpoint import Checkpoint
-from ckptdoctor.coverage import coverage_problem
+from ckptdoctor.coverage import coverage_problems
 from ckptdoctor.formats.run_config import RUN_CONFIG
 from ckptdoctor.parallelism import infer_layout
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo
@@ -79,11 +79,9 @@ def check(state: Scanned) -> list[Finding]:
         return []
     findings = _check_args(state, checkpoint)
     shown = str(state.shown / ".metadata") if checkpoint.dcp is not None else str(state.shown)
-    for entry in checkpoint.entries.values():
-        if entry.kind == "tensor" and entry.shape is not None:
-            problem = coverage_problem(entry)
-            if problem:
-                findings.append(Finding(CHUNK_COVERAGE.code, shown, f"{entry.key}: {problem}", ERROR))
+    tensors = (entry for entry in checkpoint.entries.values() if entry.kind == "tensor" and entry.shape is not None)
+    for entry, problem in coverage_problems(tensors):
+        findings.append(Finding(CHUNK_COVERAGE.code, shown, f"{entry.key}: {problem}", ERROR))
     findings.extend(_orphan_extra_state(checkpoint, shown))
     return findings
 
