@@ -11,6 +11,8 @@ tests/test_docs_examples.py fails when the committed page differs from this scri
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import re
 import shlex
@@ -25,6 +27,9 @@ PAGE = REPO / "docs" / "rules.md"
 sys.path.insert(0, str(REPO))
 
 from rule_examples import EXAMPLES, Example  # noqa: E402  (beside this script)
+
+from ckptdoctor.cli import main  # noqa: E402
+from ckptdoctor.rules.registry import all_rules  # noqa: E402
 
 FAMILIES = {
     "CKD1": "Structure (CKD1xx): files present, parseable, in range; trackers; common state; leftovers of a write",
@@ -71,11 +76,18 @@ def _shown(output: str, tmp: str) -> list[str]:
     return output.rstrip("\n").split("\n")
 
 
+def _ckptdoctor(argv: list[str]) -> tuple[int, str]:
+    """``ckptdoctor ARGV`` in this process, as tests/test_docs_examples.py runs it: (exit code, stdout + stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue() + err.getvalue()
+
+
 def _run_example(example: Example) -> str:
     """The example's block: its steps (all when shell steps make the damage, else the check alone), each
     ckptdoctor step followed by what it prints, run in a fresh temporary dir that the page calls ``/tmp/``."""
     tmp = tempfile.mkdtemp(prefix="ckd-rule-example-")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "100000"}
     lines = []
     try:
         for i, step in enumerate(example.steps):
@@ -86,13 +98,12 @@ def _run_example(example: Example) -> str:
             if example.damage is None or last:
                 lines.append(f"$ {step}")
             if not step.startswith("ckptdoctor "):
-                subprocess.run(["bash", "-c", command], cwd=REPO, env=env, check=True)
+                subprocess.run(["bash", "-c", command], cwd=REPO, check=True)
                 continue
-            argv = [sys.executable, "-m", "ckptdoctor", *shlex.split(command)[1:]]
-            proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
-            if proc.returncode not in (0, 1):
-                raise SystemExit(f"{step}: exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
-            lines.extend(_shown(proc.stdout + proc.stderr, tmp))
+            rc, output = _ckptdoctor(shlex.split(command)[1:])
+            if rc not in (0, 1):
+                raise SystemExit(f"{step}: exit {rc}\n{output}")
+            lines.extend(_shown(output, tmp))
     finally:
         shutil.rmtree(tmp)
     return "```console\n" + "\n".join(line.rstrip() for line in lines) + "\n```\n"
@@ -112,8 +123,6 @@ def _example_text(code: str, example: Example) -> str:
 
 
 def render() -> str:
-    from ckptdoctor.rules.registry import all_rules
-
     out = [HEADER]
     family = None
     rows = ["| code | name | severity | what it finds |", "|---|---|---|---|"]
@@ -145,7 +154,9 @@ def render() -> str:
     return "\n".join(out)
 
 
-def main() -> int:
+def generate() -> int:
+    os.chdir(REPO)  # the examples name fixtures/ relative to the repository root
+    os.environ["COLUMNS"] = "100000"  # lines whole, as the docs show them
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare, do not write")
     text = render()
@@ -159,4 +170,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(generate())
