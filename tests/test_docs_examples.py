@@ -113,6 +113,23 @@ def test_rules_reference_is_generated():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_every_rule_has_an_example_that_reports_it():
+    """Each code of the registry has an example (scripts/rule_examples.py), and its entry in docs/rules.md shows
+    `ckptdoctor check` reporting that code (the page being the generator's output: see above)."""
+    from ckptdoctor.rules.registry import all_rules
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from rule_examples import EXAMPLES
+
+    codes = [r.code for r in all_rules()]
+    assert sorted(EXAMPLES) == codes
+    entries = re.split(r"^### ", (REPO / "docs" / "rules.md").read_text(encoding="utf-8"), flags=re.M)[1:]
+    shown = {entry.split("\n", 1)[0]: entry.split("**Example.**", 1)[-1].split("**Fix.**", 1)[0] for entry in entries}
+    assert sorted(shown) == codes
+    missing = [code for code in codes if "```console\n$ " not in shown[code] or f": {code} [" not in shown[code]]
+    assert not missing, missing
+
+
 def test_every_rule_and_command_has_its_page():
     from ckptdoctor.commands import COMMAND_MODULES
     from ckptdoctor.rules.registry import all_rules
