@@ -180,3 +180,42 @@ def run_args(saved: dict[str, Any], model_args: dict[str, Any] | None, target: L
         args["use_distributed_optimizer"] = run.use_distributed_optimizer
     args.update(run.sets)
     return args
+
+
+def target_spec(layout: Layout, saved: Layout, experts: bool) -> str:
+    """The ``--target`` that :func:`parse_target` reads back as ``layout`` (every field it needs named; ETP and
+    EP only where they can differ from what an omitted field gives: an MoE checkpoint, or an EP not the saved)."""
+    fields = [("tp", layout.tp), ("pp", layout.pp)]
+    if experts or layout.ep != saved.ep:
+        fields.append(("ep", layout.ep))
+    if experts:
+        fields.append(("etp", layout.etp))
+    fields += [("cp", layout.cp), ("dp", layout.dp)]
+    return ",".join(f"{name}={value}" for name, value in fields)
+
+
+def _flag_value(value: Any) -> str:
+    """A ``--set`` value as :func:`parse_value` reads it back."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return value if isinstance(value, str) else repr(value)
+
+
+def load_flags(run: LoadRun) -> list[str]:
+    """The can-load flags (Megatron-LM's spelling) that describe ``run``: those not at their defaults."""
+    flags = [
+        f"--{name.replace('_', '-')}" for name in ("finetune", "no_load_optim", "no_load_rng") if getattr(run, name)
+    ]
+    if run.strictness != LoadRun.strictness:
+        flags += ["--strictness", run.strictness]
+    if run.use_distributed_optimizer is not None:
+        flags.append(f"--{'' if run.use_distributed_optimizer else 'no-'}use-distributed-optimizer")
+    if run.dist_optim_sharding_type:
+        flags += ["--dist-optim-sharding-type", run.dist_optim_sharding_type]
+    if run.use_checkpoint_args:
+        flags.append("--use-checkpoint-args")
+    for name, value in run.sets.items():
+        flags += ["--set", f"{name}={_flag_value(value)}"]
+    return flags
