@@ -149,6 +149,15 @@ def test_nothing_loads_is_exit_1_and_says_why(capsys):
     assert code == 1 and "verdict: WILL NOT LOAD at any layout of world size 3" in out
 
 
+def test_a_failure_no_layout_changes_is_not_searched(capsys):
+    """Legacy zarr: megatron-core 0.19 cannot read it at any layout, with any flags."""
+    path = FIXTURES / "core014_zarr_tp2"
+    doc = suggest(capsys, path, rc=1)
+    assert doc["blocked"] == ["format"] and doc["search"]["layouts"] == 0 and doc["suggestions"] == []
+    code, out, _ = run_main(capsys, "can-load", path, "--suggest")
+    assert code == 1 and "not searched: a format failure holds at every layout, whatever the flags" in out
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

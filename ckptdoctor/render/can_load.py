@@ -71,22 +71,32 @@ def render_suggestions(report: SuggestReport, width: int | None = None) -> str:
         lines += [wrap_block(f"{indent}warning: {w}", width, indent + " " * len("warning: ")) for w in s.warnings]
     if report.more:
         lines.append(f"  ... and {report.more} more (--limit 0 lists them all)")
+    if report.suggestions:
+        lines.append("")
     search = report.search
-    searched = (
-        f"searched {search.layouts} layout{'s' if search.layouts != 1 else ''} of world size {report.world_size}: "
-        f"{search.refused_at_startup} refused at startup, {search.predictions} predictions"
-    )
-    if not search.complete:
-        searched += " (stopped at the search bound: farther layouts not searched)"
-    lines += ["", wrap_block(searched, width)]
+    if report.blocked:
+        lines.append(
+            wrap_block(
+                f"not searched: a {', '.join(report.blocked)} failure holds at every layout, whatever the flags", width
+            )
+        )
+    else:
+        searched = (
+            f"searched {search.layouts} layout{'s' if search.layouts != 1 else ''} of world size "
+            f"{report.world_size}: {search.refused_at_startup} refused at startup, {search.predictions} predictions"
+        )
+        if not search.complete:
+            searched += " (stopped at the search bound: farther layouts not searched)"
+        lines.append(wrap_block(searched, width))
     if report.will_load:
         lines.append(f"verdict: LOADS ({report.loading} candidate{'s' if report.loading != 1 else ''})")
     else:
         failing = ", ".join(report.as_saved_failing) or "none"
         lines.append(
             wrap_block(
-                f"verdict: WILL NOT LOAD at any layout of world size {report.world_size} with these flags "
-                f"(at the saved layout it fails: {failing}; `can-load --target` says why)",
+                f"verdict: WILL NOT LOAD at any layout of world size {report.world_size}, with or without "
+                f"--no-load-optim, --no-load-rng or another --strictness (at the saved layout it fails: {failing}; "
+                "`can-load --target` says why)",
                 width,
             )
         )

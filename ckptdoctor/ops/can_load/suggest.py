@@ -83,6 +83,7 @@ class SuggestReport:
     more: int  # found but not listed (--limit)
     suggestions: list[Suggestion]
     as_saved_failing: list[str]  # the saved layout's failing sections with the run's flags (empty: it loads)
+    blocked: list[str]  # failing sections no layout or load flag changes (safety, format): nothing searched
     search: SearchStats
 
 
@@ -195,7 +196,7 @@ def suggest(
     stats = SearchStats()
     as_saved = predict_at(state, saved, run)
     found: list[tuple[tuple[Any, ...], Suggestion]] = []
-    blocked = {s for s in as_saved.failing_sections if s in ("safety", "format")}  # no layout or flag changes them
+    blocked = [s for s in as_saved.failing_sections if s in ("safety", "format")]  # no layout or flag changes them
     if not blocked:
         for layout in _layouts(saved, experts, world):
             if stats.layouts >= MAX_LAYOUTS or stats.predictions >= MAX_PREDICTIONS:
@@ -239,6 +240,7 @@ def suggest(
         more=len(found) - len(listed),
         suggestions=listed,
         as_saved_failing=as_saved.failing_sections,
+        blocked=blocked,
         search=stats,
     )
 
