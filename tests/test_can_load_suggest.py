@@ -114,7 +114,7 @@ def test_load_flags_come_before_layout_changes_and_are_minimal(capsys):
     first = strict["suggestions"][0]
     assert first["layout_changes"] == 0 and first["flag_changes"] == 1
     assert first["flags"] == ["--strictness", "assume_ok_unexpected"]  # megatron's default: argv names none
-    assert first["argv"] == ["--target", first["spec"]] and first["changes"] == ["--strictness assume_ok_unexpected"]
+    assert first["argv"] == ["--target", first["spec"]] and first["changes"] == ["--strictness=assume_ok_unexpected"]
     keys = order_keys(strict)
     assert keys == sorted(keys) and keys[-1][0] > 0
     for suggestion in strict["suggestions"]:

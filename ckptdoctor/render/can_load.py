@@ -65,7 +65,7 @@ def render_suggestions(report: SuggestReport, width: int | None = None) -> str:
     for n, s in enumerate(report.suggestions, 1):
         layout = " ".join(f"{k.upper()}={s.target[k]}" for k in ("tp", "pp", "ep", "etp", "cp", "dp"))
         changes = ", ".join(s.changes) or "as saved"
-        lines.append(wrap_block(f"  {n:>{number_width}}  {layout}  {changes}", width, indent + "  ", ", "))
+        lines.append(wrap_block(f"  {n:>{number_width}}  {layout}  {changes}", width, indent + "  "))
         command = shlex.join(["ckptdoctor", "can-load", report.path, *s.argv])
         lines.append(wrap_block(f"{indent}{command}", width, indent + "    "))
         lines += [wrap_block(f"{indent}warning: {w}", width, indent + " " * len("warning: ")) for w in s.warnings]

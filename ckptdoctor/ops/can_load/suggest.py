@@ -284,7 +284,7 @@ def _suggestion(
         spec=spec,
         flags=flags,
         changes=[f"{name.upper()} {old}->{new}" for name, old, new in layout_changes]
-        + [" ".join(change.flags) for change in added],
+        + ["=".join(change.flags) for change in added],  # --strictness=MODE: one piece
         layout_changes=len(layout_changes),
         flag_changes=len(added),
         argv=["--target", spec, *load_flags(_apply(run, added)), *extra_flags],
