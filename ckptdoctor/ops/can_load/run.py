@@ -102,6 +102,12 @@ def saved_layout(args: dict[str, Any], chunk_tp: int | None, chunk_pp: int | Non
     )
 
 
+def default_etp(saved: Layout, experts: bool, tp: int) -> int:
+    """ETP of a run whose command line names none: its TP (Megatron-LM's default), unless an MoE checkpoint's
+    experts were saved at an ETP other than TP (then that cut is kept, as an omitted EP is)."""
+    return saved.etp if experts and saved.etp != saved.tp else tp
+
+
 def parse_target(spec: str, saved: Layout, experts: bool = True) -> Layout:
     """``tp=4,pp=2[,ep=..,etp=..,cp=..,dp=..|world=..]``; omitted fields default to the saved layout, except ETP:
     the target TP (what Megatron-LM sets when its command line gives none: it never takes ETP from a checkpoint),
@@ -133,8 +139,7 @@ def parse_target(spec: str, saved: Layout, experts: bool = True) -> Layout:
             world_size = values["world"]  # validate_args refuses it (args section)
     else:
         dp = values.get("dp", saved.dp)
-    keep_etp = experts and saved.etp != saved.tp
-    etp = values.get("etp", saved.etp if keep_etp else tp)
+    etp = values.get("etp", default_etp(saved, experts, tp))
     return Layout(tp=tp, pp=pp, ep=values.get("ep", saved.ep), etp=etp, cp=cp, dp=dp, world_size=world_size)
 
 

@@ -28,7 +28,15 @@ from typing import Any
 
 from ckptdoctor.ops.can_load.args import args_problem
 from ckptdoctor.ops.can_load.predict import CanLoadReport, SavedCheckpoint, predict_at
-from ckptdoctor.ops.can_load.run import Layout, LoadRun, load_flags, parse_target, run_args, target_spec
+from ckptdoctor.ops.can_load.run import (
+    Layout,
+    LoadRun,
+    default_etp,
+    load_flags,
+    parse_target,
+    run_args,
+    target_spec,
+)
 
 SCHEMA = "ckptdoctor.can-load/1"
 ORDERING = (
@@ -104,12 +112,6 @@ def _divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _default_etp(saved: Layout, experts: bool, tp: int) -> int:
-    """ETP when the run names none (parse_target): the target TP, unless an MoE checkpoint's experts were saved
-    at an ETP other than TP."""
-    return saved.etp if experts and saved.etp != saved.tp else tp
-
-
 def _changes(layout: Layout, saved: Layout, experts: bool) -> list[tuple[str, int, int]]:
     fields = ("tp", "pp", "cp", "ep", "etp") if experts else ("tp", "pp", "cp", "ep")
     out = []
@@ -126,29 +128,36 @@ def _distance(changes: list[tuple[str, int, int]]) -> float:
     return sum(abs(math.log2(new / old)) for _, old, new in changes)
 
 
+def _kept_etps(saved: Layout, experts: bool, tp: int) -> list[int]:
+    """The ETPs that are no change at ``tp``: the saved one, and the one Megatron picks when none is named (TP,
+    where the experts followed TP)."""
+    return sorted({saved.etp, default_etp(saved, experts, tp)})
+
+
 def _layouts(saved: Layout, experts: bool, world: int) -> Iterator[Layout]:
-    """Every layout of ``world`` GPUs, by number of changed fields, then nearest first."""
+    """Every layout of ``world`` GPUs, by number of changed fields, then nearest first; at most
+    :data:`MAX_LAYOUTS`."""
     divisors = _divisors(world)
     fields = ("tp", "pp", "cp", "ep", "etp") if experts else ("tp", "pp", "cp")
     generated = 0
     for count in range(len(fields) + 1):
         shell: list[tuple[float, tuple[int, ...], Layout]] = []
         for changed in combinations(fields, count):
-            choices = [
-                [d for d in divisors if d != getattr(saved, f)] if f in changed else [getattr(saved, f)] for f in fields
-            ]
+            choices = [[d for d in divisors if d != getattr(saved, f)] if f in changed else [0] for f in fields]
             for values in product(*choices):
-                picked = dict(zip(fields, values, strict=True))
+                picked = {f: v if f in changed else getattr(saved, f) for f, v in zip(fields, values, strict=True)}
                 tp, pp, cp = picked["tp"], picked["pp"], picked["cp"]
                 if world % (tp * pp * cp):
                     continue  # DP = world / (TP x PP x CP)
-                etp = picked["etp"] if "etp" in changed else _default_etp(saved, experts, tp)
-                layout = Layout(tp=tp, pp=pp, ep=picked.get("ep", saved.ep), etp=etp, cp=cp, dp=world // (tp * pp * cp))
-                changes = _changes(layout, saved, experts)
-                if len(changes) != count:
-                    continue  # an ETP that is the default: the layout is in a smaller shell
-                shell.append((_distance(changes), values, layout))
-                generated += 1
+                etps = [picked["etp"]] if "etp" in changed else _kept_etps(saved, experts, tp)
+                for etp in etps:
+                    ep = picked.get("ep", saved.ep)
+                    layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, dp=world // (tp * pp * cp))
+                    changes = _changes(layout, saved, experts)
+                    if len(changes) != count:
+                        continue  # an ETP that is no change (kept, or following TP): in a smaller shell
+                    shell.append((_distance(changes), (tp, pp, cp, ep, etp), layout))
+                    generated += 1
                 if generated >= MAX_LAYOUTS:
                     break
             if generated >= MAX_LAYOUTS:
@@ -205,21 +214,13 @@ def suggest(
             stats.layouts += 1
             spec = target_spec(layout, saved, experts)
             target = parse_target(spec, saved, experts)  # what `--target SPEC` gives: the same layout
-            if (
-                args_problem(
-                    state.saved_args,
-                    run_args(state.saved_args, state.model_args, target, run),
-                    run.finetune,
-                    run.use_checkpoint_args,
-                )
-                is not None
-            ):
+            if _refused_at_startup(state, target, run):
                 stats.refused_at_startup += 1
                 continue
             hit = _first_loading(state, target, run, stats)
             if hit is not None:
                 report, added = hit
-                found.append(_suggestion(report, spec, added, saved, experts, run, extra_flags))
+                found.append(_suggestion(report, target, spec, added, state, run, extra_flags))
     if stats.layouts >= MAX_LAYOUTS:
         stats.complete = False
     found.sort(key=lambda item: item[0])
@@ -245,6 +246,13 @@ def suggest(
     )
 
 
+def _refused_at_startup(state: SavedCheckpoint, target: Layout, run: LoadRun) -> bool:
+    """The predictor's args check (what megatron refuses before any key is read): no load flag changes it, so the
+    layout needs no full prediction."""
+    args = run_args(state.saved_args, state.model_args, target, run)
+    return args_problem(state.saved_args, args, run.finetune, run.use_checkpoint_args) is not None
+
+
 def _first_loading(
     state: SavedCheckpoint, target: Layout, run: LoadRun, stats: SearchStats
 ) -> tuple[CanLoadReport, tuple[_Change, ...]] | None:
@@ -268,21 +276,19 @@ def _first_loading(
 
 def _suggestion(
     report: CanLoadReport,
+    target: Layout,
     spec: str,
     added: tuple[_Change, ...],
-    saved: Layout,
-    experts: bool,
+    state: SavedCheckpoint,
     run: LoadRun,
     extra_flags: tuple[str, ...],
 ) -> tuple[tuple[Any, ...], Suggestion]:
-    t = report.target
-    layout = Layout(tp=t["tp"], pp=t["pp"], ep=t["ep"], etp=t["etp"], cp=t["cp"], dp=t["dp"])
-    layout_changes = _changes(layout, saved, experts)
-    flags = [flag for change in added for flag in change.flags]
+    """The candidate, and its place in the order: (layout changes, added flags, distance, the layout)."""
+    layout_changes = _changes(target, state.saved, state.experts)
     suggestion = Suggestion(
         target=dict(report.target),
         spec=spec,
-        flags=flags,
+        flags=[flag for change in added for flag in change.flags],
         changes=[f"{name.upper()} {old}->{new}" for name, old, new in layout_changes]
         + ["=".join(change.flags) for change in added],  # --strictness=MODE: one piece
         layout_changes=len(layout_changes),
@@ -291,6 +297,5 @@ def _suggestion(
         sections={s.section: s.verdict for s in report.sections},
         warnings=list(report.warnings),
     )
-    fields = ("tp", "pp", "cp", "ep", "etp")
-    key = (len(layout_changes), len(added), _distance(layout_changes), tuple(getattr(layout, f) for f in fields))
-    return key, suggestion
+    values = tuple(getattr(target, f) for f in ("tp", "pp", "cp", "ep", "etp"))
+    return (len(layout_changes), len(added), _distance(layout_changes), values), suggestion
