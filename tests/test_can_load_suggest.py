@@ -121,6 +121,18 @@ def test_load_flags_come_before_layout_changes_and_are_minimal(capsys):
         assert repeat(capsys, path, suggestion)[0] == 0
 
 
+def test_moe_etp_kept_or_following_tp_is_no_change(capsys):
+    """core019_moe_ep2 (TP=ETP=1, EP=2): TP 1->2 with the experts' ETP kept at 1, or following TP to 2, is one
+    change each (--target names etp, so either repeats); an ETP of its own is a change of its own."""
+    doc = suggest(capsys, FIXTURES / "core019_moe_ep2", "--limit", "0")
+    by_change = {}
+    for s in doc["suggestions"]:
+        by_change.setdefault(tuple(s["changes"]), []).append(s["target"])
+    assert {"tp": 2, "pp": 1, "ep": 2, "etp": 1, "cp": 1, "dp": 1, "world": 2} in by_change[("TP 1->2",)]
+    assert all(f",etp={s['target']['etp']}," in s["spec"] for s in doc["suggestions"])
+    assert any(change.startswith("ETP 1->2") for s in doc["suggestions"] for change in s["changes"])
+
+
 def test_limit_says_how_many_more_and_text_says_the_order(capsys):
     path = FIXTURES / "core019_moe_ep2"
     full = suggest(capsys, path, "--limit", "0")

@@ -129,9 +129,9 @@ def _distance(changes: list[tuple[str, int, int]]) -> float:
 
 
 def _kept_etps(saved: Layout, experts: bool, tp: int) -> list[int]:
-    """The ETPs that are no change at ``tp``: the saved one, and the one Megatron picks when none is named (TP,
-    where the experts followed TP)."""
-    return sorted({saved.etp, default_etp(saved, experts, tp)})
+    """The ETPs that are no change at ``tp``: the one Megatron picks when none is named, and for an MoE checkpoint
+    the saved one too (a dense run's ETP is always its TP: --target names none)."""
+    return sorted({saved.etp, default_etp(saved, experts, tp)}) if experts else [tp]
 
 
 def _layouts(saved: Layout, experts: bool, world: int) -> Iterator[Layout]:
