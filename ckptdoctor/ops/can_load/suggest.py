@@ -12,8 +12,8 @@ flag first, then two, ...: ``--no-load-rng`` (rng), ``--no-load-optim`` (optimiz
 (any key section); the first set that loads is its candidate (one per layout).
 
 Order: by how little changes. Load flags alone (the saved layout) before any layout change; then layouts by how
-many of TP, PP, CP, EP, ETP change (DP follows from the world size; ETP that follows TP, megatron's default, is
-no change); among those, fewest added flags first, then the nearest (the smallest factor of change).
+many of TP, PP, CP, EP, ETP change (DP follows from the world size; an ETP kept as saved, or following TP as
+megatron's default does, is no change); among those, fewest added flags first, then the nearest (the smallest factor of change).
 The search is bounded (:data:`MAX_LAYOUTS` layouts, :data:`MAX_PREDICTIONS` predictions, nearest first); the
 report says when it stopped early.
 """
