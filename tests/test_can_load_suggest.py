@@ -161,6 +161,16 @@ def test_nothing_loads_is_exit_1_and_says_why(capsys):
     assert code == 1 and "verdict: WILL NOT LOAD at any layout of world size 3" in out
 
 
+def test_argv_carries_the_iteration_and_args_from(capsys):
+    """Flags that are not load flags stay in each candidate's command, so it predicts the same run."""
+    path = FIXTURES / "core019_tp2"
+    doc = suggest(capsys, path, "--iteration", "10", "--args-from", FIXTURES / "core019_tp1", "--limit", "0")
+    for suggestion in doc["suggestions"]:
+        assert suggestion["argv"][-4:] == ["--iteration", "10", "--args-from", str(FIXTURES / "core019_tp1")]
+        code, repeated = repeat(capsys, path, suggestion)
+        assert code == 0 and repeated["target"] == suggestion["target"]
+
+
 def test_a_failure_no_layout_changes_is_not_searched(capsys):
     """Legacy zarr: megatron-core 0.19 cannot read it at any layout, with any flags."""
     path = FIXTURES / "core014_zarr_tp2"

@@ -126,7 +126,8 @@ def command(
     ckpt = open_checkpoint(checkpoint, iteration)
     model_args = model_args_from(args_from) if args_from else None
     if suggest:
-        extra = ("--args-from", args_from) if args_from else ()
+        # flags LoadRun does not hold, echoed in each candidate's command
+        extra = (*(("--iteration", iteration) if iteration else ()), *(("--args-from", args_from) if args_from else ()))
         found = suggest_layouts(read_saved(ckpt, model_args), run, world_size, limit, extra)
         if output_format == "json":
             echo_json(found)

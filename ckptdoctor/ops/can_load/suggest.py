@@ -13,9 +13,9 @@ flag first, then two, ...: ``--no-load-rng`` (rng), ``--no-load-optim`` (optimiz
 
 Order: by how little changes. Load flags alone (the saved layout) before any layout change; then layouts by how
 many of TP, PP, CP, EP, ETP change (DP follows from the world size; an ETP kept as saved, or following TP as
-megatron's default does, is no change); among those, fewest added flags first, then the nearest (the smallest factor of change).
-The search is bounded (:data:`MAX_LAYOUTS` layouts, :data:`MAX_PREDICTIONS` predictions, nearest first); the
-report says when it stopped early.
+megatron's default does, is no change); among those, fewest added flags first, then the nearest (the smallest
+factor of change). The search is bounded (:data:`MAX_LAYOUTS` layouts, :data:`MAX_PREDICTIONS` predictions,
+nearest first); the report says when it stopped early.
 """
 
 from __future__ import annotations
