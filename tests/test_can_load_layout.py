@@ -141,6 +141,7 @@ def test_predicted_layout_errors_are_megatrons(tmp_path, dense_etp2):
         (FIXTURES / "core019_moe_ep2", "world=1"),
         (FIXTURES / "core019_tp2_dp2", "tp=3,world=4"),
         (FIXTURES / "core019_tp1", "ep=2,dp=2"),
+        (FIXTURES / "core019_tp1", "cp=32,dp=1"),  # seq_length 32: not a multiple of 2 x CP
     ]
     cases, predicted = [], []
     for path, target in cells:
@@ -160,3 +161,13 @@ def test_predicted_layout_errors_are_megatrons(tmp_path, dense_etp2):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     real = json.loads(proc.stdout.strip().splitlines()[-1])
     assert real == predicted, list(zip(cells, real, predicted, strict=True))
+
+
+def test_context_parallel_that_does_not_split_the_sequence_fails_validate_args(capsys):
+    """validate_args: seq_length (32) a multiple of 2 x CP. Was predicted to load."""
+    rc, doc, err = cli(capsys, "can-load", FIXTURES / "core019_tp1", "--target", "cp=32,dp=1", "--format", "json")
+    assert rc == 1, err
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["failing_sections"] == ["args"]
+    assert _args(doc)["error"].startswith("AssertionError: seq-length should be a multiple of 2 * context-parallel")
+    assert cli(capsys, "can-load", FIXTURES / "core019_tp1", "--target", "cp=16,dp=1")[0] == 0

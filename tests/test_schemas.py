@@ -147,6 +147,7 @@ def test_read_only_outputs_validate_on_every_fixture(capsys, fixture):
     _run_json(capsys, "fix-args", path)
     for target in ("tp=1", "tp=2,pp=2"):
         _run_json(capsys, "can-load", path, "--target", target)
+    _run_json(capsys, "can-load", path, "--suggest")
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ CASES = {
     "inspect": (["inspect", "fixtures/core019_moe_ep2"], True),
     "check": (["check", "--isolated", "fixtures/core016_convert_tp4"], True),
     "can-load": (["can-load", "fixtures/core019_tp2_dp2", "--target", "tp=2,pp=2"], True),
+    "can-load --suggest": (["can-load", "fixtures/core019_moe_ep2", "--suggest"], True),
     "fix-args": (["fix-args", "fixtures/core016_convert_tp4"], True),
     "repair": (["repair", "fixtures/core016_convert_tp4"], True),
     "diff": (["diff", "fixtures/core016_convert_src_tp1", "fixtures/core016_convert_tp4"], True),

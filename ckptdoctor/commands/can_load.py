@@ -16,10 +16,29 @@ from ckptdoctor.ops.can_load.run import SHARDING_TYPES, STRICTNESS
 @click.option(
     "--target",
     "target",
-    required=True,
+    default=None,
     metavar="tp=N,pp=N[,ep=N,etp=N,cp=N,dp=N|world=N]",
     help="The loading run's layout; omitted fields keep the saved layout (ETP defaults to the target TP, as "
-    "Megatron-LM's does).",
+    "Megatron-LM's does). Give --target or --suggest.",
+)
+@click.option(
+    "--suggest",
+    is_flag=True,
+    help="Instead of one --target: list the layouts (TP/PP/CP/EP/ETP, DP the rest of the world size) and load "
+    "flags under which it loads, fewest changes first (load flags before layout changes, nearest layouts first).",
+)
+@click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --suggest: the world size the layouts fill (default: the saved one).",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=10,
+    show_default=True,
+    help="With --suggest: list at most N candidates (0: all); the output says how many more load.",
 )
 @click.option("--finetune", is_flag=True, help="The run loads with --finetune (model only, iteration 0).")
 @click.option("--no-load-optim", is_flag=True, help="The run loads with --no-load-optim.")
@@ -60,7 +79,10 @@ from ckptdoctor.ops.can_load.run import SHARDING_TYPES, STRICTNESS
 def command(
     checkpoint: str,
     iteration: str | None,
-    target: str,
+    target: str | None,
+    suggest: bool,
+    world_size: int | None,
+    limit: int,
     finetune: bool,
     no_load_optim: bool,
     no_load_rng: bool,
@@ -72,19 +94,25 @@ def command(
     use_checkpoint_args: bool,
     output_format: str,
 ) -> int:
-    """Predict whether Megatron will load CHECKPOINT at the --target layout, section by section (metadata only).
+    """Predict whether Megatron will load CHECKPOINT at the --target layout, section by section (metadata only);
+    with --suggest, list the layouts and load flags under which it loads.
 
-    Exit 0: it loads; 1: it will not; 2: bad input.
+    Exit 0: it loads (--suggest: at some candidate); 1: it will not; 2: bad input.
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.can_load.args_from import model_args_from
-    from ckptdoctor.ops.can_load.predict import predict
+    from ckptdoctor.ops.can_load.predict import predict, read_saved
     from ckptdoctor.ops.can_load.run import LoadRun, parse_sets
-    from ckptdoctor.render.can_load import render_can_load
+    from ckptdoctor.ops.can_load.suggest import suggest as suggest_layouts
+    from ckptdoctor.render.can_load import render_can_load, render_suggestions
     from ckptdoctor.render.common import echo_json
     from ckptdoctor.render.wrap import output_width
 
+    if suggest == (target is not None):
+        raise click.UsageError("give --target LAYOUT or --suggest (one of them)")
+    if not suggest and world_size is not None:
+        raise click.UsageError("--world-size goes with --suggest (with --target: world=N)")
     run = LoadRun(
         finetune=finetune,
         no_load_optim=no_load_optim,
@@ -97,6 +125,16 @@ def command(
     )
     ckpt = open_checkpoint(checkpoint, iteration)
     model_args = model_args_from(args_from) if args_from else None
+    if suggest:
+        # flags LoadRun does not hold, echoed in each candidate's command
+        extra = (*(("--iteration", iteration) if iteration else ()), *(("--args-from", args_from) if args_from else ()))
+        found = suggest_layouts(read_saved(ckpt, model_args), run, world_size, limit, extra)
+        if output_format == "json":
+            echo_json(found)
+        else:
+            click.echo(render_suggestions(found, width=output_width()))
+        return EXIT_OK if found.will_load else EXIT_FINDINGS
+    assert target is not None
     report = predict(ckpt, target, run, model_args)
     if output_format == "json":
         echo_json(report)

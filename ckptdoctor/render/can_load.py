@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import TYPE_CHECKING
 
 from ckptdoctor.render.wrap import wrap_block
@@ -9,6 +10,7 @@ from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
     from ckptdoctor.ops.can_load.predict import CanLoadReport
+    from ckptdoctor.ops.can_load.suggest import SuggestReport
 
 
 def _layout(layout: dict) -> str:
@@ -41,4 +43,61 @@ def render_can_load(report: CanLoadReport, width: int | None = None) -> str:
     else:
         failing = f"verdict: WILL NOT LOAD (fails: {', '.join(report.failing_sections)})"
         lines.append(wrap_block(failing, width))
+    return "\n".join(lines)
+
+
+@text_safe
+def render_suggestions(report: SuggestReport, width: int | None = None) -> str:
+    """The candidates that load, one block each (layout, what changes, the can-load command that repeats it,
+    warnings), the ordering, how many more, and what was searched."""
+    where = "the saved one" if report.world_source == "saved" else "--world-size"
+    lines = [
+        f"checkpoint: {report.iteration_dir} ({report.era or report.backend})",
+        f"saved:  {_layout(report.saved)} (from {report.saved['source']})",
+        f"world size: {report.world_size} ({where})",
+        "",
+    ]
+    lines = [wrap_block(line, width) for line in lines]
+    if report.suggestions:
+        lines.append(wrap_block(f"it loads with ({report.ordering}):", width))
+    number_width = len(str(len(report.suggestions)))
+    indent = " " * (2 + number_width + 2)
+    for n, s in enumerate(report.suggestions, 1):
+        layout = " ".join(f"{k.upper()}={s.target[k]}" for k in ("tp", "pp", "ep", "etp", "cp", "dp"))
+        changes = ", ".join(s.changes) or "as saved"
+        lines.append(wrap_block(f"  {n:>{number_width}}  {layout}  {changes}", width, indent + "  "))
+        command = shlex.join(["ckptdoctor", "can-load", report.path, *s.argv])
+        lines.append(wrap_block(f"{indent}{command}", width, indent + "    "))
+        lines += [wrap_block(f"{indent}warning: {w}", width, indent + " " * len("warning: ")) for w in s.warnings]
+    if report.more:
+        lines.append(f"  ... and {report.more} more (--limit 0 lists them all)")
+    if report.suggestions:
+        lines.append("")
+    search = report.search
+    if report.blocked:
+        lines.append(
+            wrap_block(
+                f"not searched: a {', '.join(report.blocked)} failure holds at every layout, whatever the flags", width
+            )
+        )
+    else:
+        searched = (
+            f"searched {search.layouts} layout{'s' if search.layouts != 1 else ''} of world size "
+            f"{report.world_size}: {search.refused_at_startup} refused at startup, {search.predictions} predictions"
+        )
+        if not search.complete:
+            searched += " (stopped at the search bound: farther layouts not searched)"
+        lines.append(wrap_block(searched, width))
+    if report.will_load:
+        lines.append(f"verdict: LOADS ({report.loading} candidate{'s' if report.loading != 1 else ''})")
+    else:
+        failing = ", ".join(report.as_saved_failing) or "none"
+        lines.append(
+            wrap_block(
+                f"verdict: WILL NOT LOAD at any layout of world size {report.world_size}, with or without "
+                f"--no-load-optim, --no-load-rng or another --strictness (at the saved layout it fails: {failing}; "
+                "`can-load --target` says why)",
+                width,
+            )
+        )
     return "\n".join(lines)

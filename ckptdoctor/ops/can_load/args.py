@@ -45,6 +45,16 @@ def _world(args: dict[str, Any]) -> str | None:
     return None
 
 
+def _context_parallel_seq(args: dict[str, Any]) -> str | None:
+    """Megatron-LM ``validate_args``: with CP > 1 the sequence splits into 2 x CP chunks."""
+    seq, cp = _int(args, "seq_length"), _int(args, "context_parallel_size", 1)
+    if seq and cp > 1 and seq % (2 * cp):
+        return (
+            "AssertionError: seq-length should be a multiple of 2 * context-parallel-size if context-parallel-size > 1."
+        )
+    return None
+
+
 def _ep_without_experts(args: dict[str, Any]) -> str | None:
     """Megatron-LM ``validate_args``: EP > 1 needs experts (num_experts 0 reads as None)."""
     if _int(args, "expert_model_parallel_size", 1) > 1 and not _int(args, "num_experts"):
@@ -137,6 +147,12 @@ _LAYOUT_REFUSED = "megatron refuses the target layout at startup"
 STARTUP_CHECKS: list[StartupCheck] = [
     StartupCheck(
         (), _world, "a --target world=N that TP x PP x CP divides (or dp=N)", "validate_args: " + _LAYOUT_REFUSED
+    ),
+    StartupCheck(
+        ("seq_length",),
+        _context_parallel_seq,
+        "a --target cp=N whose 2 x N divides seq_length",
+        "validate_args: the sequence does not split over context parallelism",
     ),
     StartupCheck(
         ("num_experts",),

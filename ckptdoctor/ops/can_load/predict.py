@@ -296,9 +296,20 @@ def _format_verdict(ctx: _Context) -> SectionVerdict | None:
     return None
 
 
-def predict(
-    ckpt: Checkpoint, target_spec: str, run: LoadRun, model_args: dict[str, Any] | None = None
-) -> CanLoadReport:
+@dataclass
+class SavedCheckpoint:
+    """What a prediction reads from the checkpoint once, whatever the target (``--suggest`` predicts many)."""
+
+    ckpt: Checkpoint
+    safety: SectionVerdict | None
+    common: dict[str, Any]
+    saved_args: dict[str, Any]
+    saved: Layout
+    experts: bool  # an MoE checkpoint (saved num_experts, or expert chunks)
+    model_args: dict[str, Any] | None = None  # --args-from
+
+
+def read_saved(ckpt: Checkpoint, model_args: dict[str, Any] | None = None) -> SavedCheckpoint:
     safety = _safety_verdict(ckpt)
     try:
         common = ckpt.common_state()
@@ -310,7 +321,20 @@ def predict(
     layout = infer_layout(ckpt)
     saved = saved_layout(saved_args, layout.tp, layout.pp)
     experts = bool(_arg(saved_args, "num_experts", 0)) or layout.ep is not None
-    target = parse_target(target_spec, saved, experts)
+    return SavedCheckpoint(ckpt, safety, common, saved_args, saved, experts, model_args)
+
+
+def predict(
+    ckpt: Checkpoint, target_spec: str, run: LoadRun, model_args: dict[str, Any] | None = None
+) -> CanLoadReport:
+    state = read_saved(ckpt, model_args)
+    return predict_at(state, parse_target(target_spec, state.saved, state.experts), run)
+
+
+def predict_at(state: SavedCheckpoint, target: Layout, run: LoadRun) -> CanLoadReport:
+    """The prediction at ``target`` (a layout :func:`parse_target` made) for the loading run ``run``."""
+    ckpt, safety, common, saved_args = state.ckpt, state.safety, state.common, state.saved_args
+    saved, model_args = state.saved, state.model_args
     args = run_args(saved_args, model_args, target, run)
     ctx = _Context(ckpt, saved_args, args, saved, target, run, common, [])
     base = {**saved_args, **(model_args or {})}

@@ -102,6 +102,12 @@ def saved_layout(args: dict[str, Any], chunk_tp: int | None, chunk_pp: int | Non
     )
 
 
+def default_etp(saved: Layout, experts: bool, tp: int) -> int:
+    """ETP of a run whose command line names none: its TP (Megatron-LM's default), unless an MoE checkpoint's
+    experts were saved at an ETP other than TP (then that cut is kept, as an omitted EP is)."""
+    return saved.etp if experts and saved.etp != saved.tp else tp
+
+
 def parse_target(spec: str, saved: Layout, experts: bool = True) -> Layout:
     """``tp=4,pp=2[,ep=..,etp=..,cp=..,dp=..|world=..]``; omitted fields default to the saved layout, except ETP:
     the target TP (what Megatron-LM sets when its command line gives none: it never takes ETP from a checkpoint),
@@ -133,8 +139,7 @@ def parse_target(spec: str, saved: Layout, experts: bool = True) -> Layout:
             world_size = values["world"]  # validate_args refuses it (args section)
     else:
         dp = values.get("dp", saved.dp)
-    keep_etp = experts and saved.etp != saved.tp
-    etp = values.get("etp", saved.etp if keep_etp else tp)
+    etp = values.get("etp", default_etp(saved, experts, tp))
     return Layout(tp=tp, pp=pp, ep=values.get("ep", saved.ep), etp=etp, cp=cp, dp=dp, world_size=world_size)
 
 
@@ -180,3 +185,42 @@ def run_args(saved: dict[str, Any], model_args: dict[str, Any] | None, target: L
         args["use_distributed_optimizer"] = run.use_distributed_optimizer
     args.update(run.sets)
     return args
+
+
+def target_spec(layout: Layout, saved: Layout, experts: bool) -> str:
+    """The ``--target`` that :func:`parse_target` reads back as ``layout`` (every field it needs named; ETP and
+    EP only where they can differ from what an omitted field gives: an MoE checkpoint, or an EP not the saved)."""
+    fields = [("tp", layout.tp), ("pp", layout.pp)]
+    if experts or layout.ep != saved.ep:
+        fields.append(("ep", layout.ep))
+    if experts:
+        fields.append(("etp", layout.etp))
+    fields += [("cp", layout.cp), ("dp", layout.dp)]
+    return ",".join(f"{name}={value}" for name, value in fields)
+
+
+def _flag_value(value: Any) -> str:
+    """A ``--set`` value as :func:`parse_value` reads it back."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return value if isinstance(value, str) else repr(value)
+
+
+def load_flags(run: LoadRun) -> list[str]:
+    """The can-load flags (Megatron-LM's spelling) that describe ``run``: those not at their defaults."""
+    flags = [
+        f"--{name.replace('_', '-')}" for name in ("finetune", "no_load_optim", "no_load_rng") if getattr(run, name)
+    ]
+    if run.strictness != LoadRun.strictness:
+        flags += ["--strictness", run.strictness]
+    if run.use_distributed_optimizer is not None:
+        flags.append(f"--{'' if run.use_distributed_optimizer else 'no-'}use-distributed-optimizer")
+    if run.dist_optim_sharding_type:
+        flags += ["--dist-optim-sharding-type", run.dist_optim_sharding_type]
+    if run.use_checkpoint_args:
+        flags.append("--use-checkpoint-args")
+    for name, value in run.sets.items():
+        flags += ["--set", f"{name}={_flag_value(value)}"]
+    return flags
