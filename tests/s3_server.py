@@ -2,7 +2,8 @@
 
 ``moto`` in server mode listens on a free port; a counting proxy in front of it records every request (method,
 object key, Range header, response body bytes, request body bytes, the ``x-amz-copy-source`` of a server-side
-copy), so tests assert what was transferred on the wire rather than what ckptdoctor says it read or wrote. The proxy can also be told to drop connections (a server gone mid-run).
+copy), so tests assert what was transferred on the wire rather than what ckptdoctor says it read or wrote.
+The proxy can also be told to drop connections (a server gone mid-run).
 """
 
 from __future__ import annotations
@@ -146,23 +147,26 @@ class S3Server:
             env["MSC_CONFIG"] = str(msc_config)
         return env
 
-    def msc_config(self, path: Path, profile: str = "s3test") -> Path:
-        """An MSC config file with one profile over the bucket (endpoint and credentials in the profile)."""
-        path.write_text(
-            "profiles:\n"
-            f"  {profile}:\n"
-            "    storage_provider:\n"
-            "      type: s3\n"
-            "      options:\n"
-            f"        base_path: {BUCKET}\n"
-            f"        endpoint_url: {self.endpoint}\n"
-            "        region_name: us-east-1\n"
-            "    credentials_provider:\n"
-            "      type: S3Credentials\n"
-            "      options:\n"
-            f"        access_key: {CREDENTIALS['AWS_ACCESS_KEY_ID']}\n"
-            f"        secret_key: {CREDENTIALS['AWS_SECRET_ACCESS_KEY']}\n"
-        )
+    def msc_config(self, path: Path, profiles: dict[str, str] | None = None) -> Path:
+        """An MSC config file with one profile per bucket (default: ``s3test`` over :data:`BUCKET`), endpoint and
+        credentials in each profile."""
+        text = "profiles:\n"
+        for profile, bucket in (profiles or {"s3test": BUCKET}).items():
+            text += (
+                f"  {profile}:\n"
+                "    storage_provider:\n"
+                "      type: s3\n"
+                "      options:\n"
+                f"        base_path: {bucket}\n"
+                f"        endpoint_url: {self.endpoint}\n"
+                "        region_name: us-east-1\n"
+                "    credentials_provider:\n"
+                "      type: S3Credentials\n"
+                "      options:\n"
+                f"        access_key: {CREDENTIALS['AWS_ACCESS_KEY_ID']}\n"
+                f"        secret_key: {CREDENTIALS['AWS_SECRET_ACCESS_KEY']}\n"
+            )
+        path.write_text(text)
         return path
 
     def client(self):  # boto3, straight to moto (uploads are not counted)

@@ -90,15 +90,15 @@ def command(
     (or planned), 2 error (bad regex, an edit that changes nothing, a damaged or unsafe source).
     """
     from ckptdoctor.checkpoint import open_checkpoint, open_for_rewrite
-    from ckptdoctor.errors import CkptError
-    from ckptdoctor.storage.dispatch import is_url
     from ckptdoctor.commands.progress_bar import progress_bar
+    from ckptdoctor.errors import CkptError
     from ckptdoctor.exit_codes import EXIT_OK
     from ckptdoctor.ops.edit.plan import EditRequest
     from ckptdoctor.ops.edit.write import edit
     from ckptdoctor.parallel import default_jobs
     from ckptdoctor.render.edit import render_edit
     from ckptdoctor.render.wrap import output_width
+    from ckptdoctor.storage.dispatch import is_url
 
     dry_run = not writing(output, in_place, dry_run, write_flag, no_backup)
     request = EditRequest(

@@ -24,7 +24,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Protocol
+from typing import IO, Any, Protocol
 
 from ckptdoctor.errors import CkptError
 
@@ -226,7 +226,7 @@ class ObjectStore(ABC):
         self._retrying(dst, lambda: self._copy(src, dst), "write")
         self._forget(dst)
 
-    def download(self, key: str, size: int, out: BinaryIO, advance: Callable[[int], None] | None = None) -> None:
+    def download(self, key: str, size: int, out: IO[bytes], advance: Callable[[int], None] | None = None) -> None:
         """Stream the object ``key`` (``size`` bytes) into ``out`` in ranged GETs of :data:`STREAM_BLOCK` bytes:
         memory stays bounded however large the object; ``advance`` is told each block's bytes."""
         offset = 0
