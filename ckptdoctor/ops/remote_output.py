@@ -23,7 +23,6 @@ beside it and renamed into place at the end. The private copies are removed in e
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +47,7 @@ _COMPLETES = "metadata.json"
 _INDEX = ".metadata"
 _DATA_SUFFIX = ".distcp"
 _STEP = "deliver"
+_FETCHES = 8  # concurrent requests filling a remote source's local copy (small files, bytes items' ranges)
 
 
 def output_url(output: Path | str | None) -> str | None:
@@ -122,15 +122,23 @@ class SourceCopy:
                     if chunk.storage is not None:
                         where = chunk.storage
                         items.setdefault(where.relative_path, []).append((where.offset, where.length))
+        tasks = []
         for relative, size in store.find(iteration_dir.key):
             dest = local_iter / relative
             dest.parent.mkdir(parents=True, exist_ok=True)
-            remote = iteration_dir / relative
-            if relative in checkpoint.data_files or relative.endswith(_DATA_SUFFIX):
-                self._stand_in(remote, size, dest, items.get(relative, []))
-            else:
-                self._download(remote, size, dest)
+            # torch_dist's data files only: a legacy zarr chunk or .pt file is read as a file, so it is downloaded
+            sparse = checkpoint.dcp is not None and relative.endswith(_DATA_SUFFIX)
+            tasks.append((iteration_dir / relative, size, dest, items.get(relative, []) if sparse else None))
+        with ThreadPoolExecutor(max_workers=_FETCHES) as pool:
+            for _ in pool.map(lambda task: self._fetch(*task), tasks):
+                pass
         self._check_links(local_iter)
+
+    def _fetch(self, remote: RemotePath, size: int, dest: Path, ranges: list[tuple[int, int]] | None) -> None:
+        if ranges is None:
+            self._download(remote, size, dest)
+        else:
+            self._stand_in(remote, size, dest, ranges)
 
     def _download(self, remote: RemotePath, size: int, dest: Path) -> None:
         carry_object(remote, size, dest)
@@ -365,7 +373,7 @@ class StagedOutput:
             self._transfer_data(files, lambda relative: staging / relative, jobs, progress)
             for path, origin in files:
                 if origin is None or not origin.sparse:
-                    shutil.copyfile(path, staging / self._relative(path))
+                    atomic.link_or_copy(path, staging / self._relative(path))  # a copy is fsynced
             for directory in sorted({p.parent for p in staging.rglob("*")}, reverse=True):
                 atomic.fsync_dir(directory)
             swap_output(output, staging, swap, _STEP)
