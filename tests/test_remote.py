@@ -611,3 +611,20 @@ def test_a_stopped_delivery_leaves_no_metadata_json(remote, tmp_path):
     assert any(n.endswith(".distcp") for n in names) and "metadata.json" not in names and ".metadata" not in names
     proc = run_cli("check", "--isolated", url, env=remote.env(remote.msc_file))
     assert proc.returncode != 0 and "metadata.json" in proc.stdout
+
+
+def test_a_write_from_object_storage_passes_the_gate(remote, capsys, tmp_path):
+    """A pickle that would run code (os.system in the .metadata) is refused by every write from object storage
+    as from a local dir (exit 1, CKD401), before anything is written there."""
+    bad = tmp_path / "bad"
+    shutil.copytree(FIXTURES / "core019_tp2", bad)
+    metadata = bad / "iter_0000010" / ".metadata"
+    original = metadata.read_bytes()
+    metadata.write_bytes(original[:2] + b"]\x8c\x02os\x8c\x06system\x93a0" + original[2:])  # listed, unsafe
+    remote.upload_tree(bad, "unsafe/core019_tp2")
+    source = f"{PREFIXES['s3']}unsafe/core019_tp2"
+    for command in (("fix-args", "--set", "lr=0.5"), ("edit", "--remove", "output_layer.weight"), ("seal",)):
+        remote.log.clear()
+        rc, out, err = ckd(capsys, *command, source, "-o", f"{PREFIXES['s3']}unsafe-out")
+        assert rc == 1 and "CKD401" in err and "os.system" in err, (command, out + err)
+        assert not [r for r in remote.log.requests if r.method in ("PUT", "POST", "DELETE")], command
