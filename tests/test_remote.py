@@ -449,6 +449,7 @@ WRITES = [
     ("strip-frozen", "--force", "@core019_tp1"),
     ("edit", "--drop-section", "optimizer", "@core019_tp2"),
     ("fix-args", "@core019_convert_tp4"),
+    ("seal", "@core019_tp1"),
 ]
 
 

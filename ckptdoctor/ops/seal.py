@@ -184,6 +184,8 @@ def seal_copy(
     files are carried from the source objects when the copy is delivered). A source whose manifest already lists
     its files is refused without ``force`` (copy it as it is). Given the save dir, ``output`` is a save dir too
     (iteration dir and tracker)."""
+    if dist.group() is not None:  # one writer of the copy: the ranks would race for the output
+        raise CkptError("seal -o runs in one process, not under torchrun (use --jobs for parallel hashing)")
     location = locate(path, iteration)
     iteration_dir = location.iteration_dir
     jobs = jobs or default_jobs()
