@@ -425,6 +425,7 @@ IN_PLACE = "cannot be changed in place on object storage"
         (("edit", "--in-place", "--drop-extra-state", "@msc:core019_tp1"), IN_PLACE),
         (("strip-frozen", "--force", "--output", "{tmp}/out", "@s3:core019_tp1"), "rewrites tensor data"),
         (("edit", "--compact", "--drop-extra-state", "-o", "{tmp}/out", "@s3:core019_tp1"), "rewrites tensor bytes"),
+        (("fix-args", "-o", "@s3:core019_convert_tp4/fixed", "@s3:core019_convert_tp4"), "lies inside the source"),
     ],
 )
 def test_writes_to_object_storage_are_refused_clearly(remote, capsys, tmp_path, args, expected):

@@ -87,6 +87,7 @@ class SourceCopy:
 
     base: RemotePath  # the save dir, or the iteration dir's parent
     local: Path  # its local copy
+    checkpoint: RemotePath  # the save dir, or the iteration dir: what no output may overlap
     origins: dict[tuple[int, int], Origin] = field(default_factory=dict)  # (st_dev, st_ino) of a copied file
 
     @classmethod
@@ -98,7 +99,7 @@ class SourceCopy:
         if not isinstance(base, RemotePath) or not isinstance(iteration_dir, RemotePath):
             raise CkptError(f"{iteration_dir}: not on object storage")
         root = Path(tempfile.mkdtemp(prefix="ckptdoctor-source-"))
-        copy = cls(base, root / (base.name or "source"))
+        copy = cls(base, root / (base.name or "source"), base if location.save_dir is not None else iteration_dir)
         try:
             copy._fill(checkpoint, iteration_dir)
         except BaseException:
@@ -238,12 +239,12 @@ class StagedOutput:
         that is, holds or lies inside the source."""
         destination = as_path(self.target)
         if self.source is not None:
-            base = self.source.base
+            source = self.source.checkpoint
             if isinstance(destination, RemotePath) and (
-                destination.is_relative_to(base) or base.is_relative_to(destination)
+                destination.is_relative_to(source) or source.is_relative_to(destination)
             ):
                 raise CkptError(
-                    f"{self.target}: is, contains or lies inside the source checkpoint {base}; choose another "
+                    f"{self.target}: is, contains or lies inside the source checkpoint {source}; choose another "
                     "--output (a checkpoint on object storage is not changed in place)"
                 )
         if isinstance(destination, RemotePath):
