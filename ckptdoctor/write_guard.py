@@ -33,8 +33,8 @@ def mangled_url(path: str | os.PathLike) -> str | None:
 
 def refuse_remote_write(path: Path, in_place: bool) -> None:
     """Writers write local files only: a checkpoint on object storage is never changed in place (no atomic rename,
-    no lock there: a stopped run could leave it half written), and a writer handed a remote path (a write that
-    reads or rewrites tensor data there) stops; one clear :class:`CkptError` each. The O(metadata) writes from
+    no lock there: a stopped run could leave it half written), and a writer handed a remote path (strip-frozen,
+    repair, edit --compact) stops; one clear :class:`CkptError` each. The O(metadata) writes from
     object storage (fix-args, edit without --compact, seal -o) write a local copy and deliver it
     (:mod:`ckptdoctor.ops.remote_output`), so they never reach this refusal with a remote path."""
     if not is_local(path):
@@ -45,8 +45,8 @@ def refuse_remote_write(path: Path, in_place: bool) -> None:
                 "files on the server, another URL or a local dir streams them"
             )
         raise CkptError(
-            f"{path}: this write reads or rewrites tensor data, which is not done on object storage; download it "
-            "(e.g. aws s3 cp --recursive, or msc sync) and run on the local copy"
+            f"{path}: this command does not write from object storage (fix-args, edit without --compact and "
+            "seal -o do); download it (e.g. aws s3 cp --recursive, or msc sync) and run on the local copy"
         )
     url = mangled_url(path)
     if url is not None:

@@ -4,7 +4,9 @@
 Every read command gives the same output for the uploaded fixtures as for the local copies (the checkpoint's
 name aside: the URL where the local path was); metadata-only commands GET only ``.metadata``,
 ``metadata.json``, the tracker and the common state, however large the data files; ``diff --values`` GETs each
-byte range once; a server gone mid-run or a missing object is one line naming the URL, exit 2.
+byte range once; a server gone mid-run or a missing object is one line naming the URL, exit 2. Writes: an
+``--output`` URL is uploaded with ``metadata.json`` last; from a URL (fix-args, edit, seal -o) the data files are
+copied on the server within one bucket or MSC profile (the proxy counts each CopyObject) and streamed elsewhere.
 """
 
 from __future__ import annotations
@@ -423,7 +425,7 @@ IN_PLACE = "cannot be changed in place on object storage"
         (("fix-args", "--in-place", "@s3:core019_convert_tp4"), IN_PLACE),
         (("seal", "@msc:core019_tp1"), IN_PLACE),
         (("edit", "--in-place", "--drop-extra-state", "@msc:core019_tp1"), IN_PLACE),
-        (("strip-frozen", "--force", "--output", "{tmp}/out", "@s3:core019_tp1"), "rewrites tensor data"),
+        (("strip-frozen", "--force", "--output", "{tmp}/out", "@s3:core019_tp1"), "does not write from object storage"),
         (("edit", "--compact", "--drop-extra-state", "-o", "{tmp}/out", "@s3:core019_tp1"), "rewrites tensor bytes"),
         (("fix-args", "-o", "@s3:core019_convert_tp4/fixed", "@s3:core019_convert_tp4"), "lies inside the source"),
     ],
