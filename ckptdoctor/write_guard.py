@@ -1,4 +1,4 @@
-"""Writes are local only: the one refusal of a write whose target is on object storage.
+"""Writers write local files only: the one refusal of a write whose target is on object storage.
 
 A primitive beside :mod:`ckptdoctor.atomic` and :mod:`ckptdoctor.locking` (which call it first), importing only
 :mod:`ckptdoctor.errors` and the standard library. It tells a remote path from a local one without knowing the
@@ -32,17 +32,21 @@ def mangled_url(path: str | os.PathLike) -> str | None:
 
 
 def refuse_remote_write(path: Path, in_place: bool) -> None:
-    """Writes are local only: a checkpoint on object storage is never changed in place (no atomic rename, no
-    lock there), and an ``--output`` URL is not written to; one clear :class:`CkptError` each."""
+    """Writers write local files only: a checkpoint on object storage is never changed in place (no atomic rename,
+    no lock there: a stopped run could leave it half written), and a writer handed a remote path (strip-frozen,
+    repair, edit --compact) stops; one clear :class:`CkptError` each. The O(metadata) writes from
+    object storage (fix-args, edit without --compact, seal -o) write a local copy and deliver it
+    (:mod:`ckptdoctor.ops.remote_output`), so they never reach this refusal with a remote path."""
     if not is_local(path):
         if in_place:
             raise CkptError(
                 f"{path}: cannot be changed in place on object storage (no atomic rename or lock there); "
-                "write a fixed copy to a local dir with --output DIR and upload it (metadata.json last)"
+                "write a fixed copy with -o/--output: a URL in the same bucket or MSC profile copies the data "
+                "files on the server, another URL or a local dir streams them"
             )
         raise CkptError(
-            f"{path}: writing a copy of a checkpoint on object storage is not supported; download it "
-            "(e.g. aws s3 cp --recursive, or msc sync) and run on the local copy"
+            f"{path}: this command does not write from object storage (fix-args, edit without --compact and "
+            "seal -o do); download it (e.g. aws s3 cp --recursive, or msc sync) and run on the local copy"
         )
     url = mangled_url(path)
     if url is not None:

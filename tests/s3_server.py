@@ -1,8 +1,9 @@
 """A real S3-compatible server on loopback for the remote-storage tests (and bench/bench_remote.py).
 
 ``moto`` in server mode listens on a free port; a counting proxy in front of it records every request (method,
-object key, Range header, response body bytes), so tests assert what was transferred on the wire rather than
-what ckptdoctor says it read. The proxy can also be told to drop connections (a server gone mid-run).
+object key, Range header, response body bytes, request body bytes, the ``x-amz-copy-source`` of a server-side
+copy), so tests assert what was transferred on the wire rather than what ckptdoctor says it read or wrote.
+The proxy can also be told to drop connections (a server gone mid-run).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class Request:
     key: str  # object key below the bucket ("" for a bucket-level request such as a listing)
     range: str | None
     body_bytes: int
+    sent_bytes: int = 0  # the request's body (an upload's bytes)
+    copy_source: str | None = None  # a server-side copy (CopyObject, UploadPartCopy): ``bucket/key`` copied
 
 
 @dataclass
@@ -52,6 +55,19 @@ class RequestLog:
 
     def get_bytes(self) -> int:
         return sum(r.body_bytes for r in self.gets())
+
+    def copies(self) -> list[Request]:
+        """The server-side copies: no byte of the object passed through the client."""
+        with self.lock:
+            return [r for r in self.requests if r.copy_source is not None]
+
+    def uploads(self) -> list[Request]:
+        """The writes that carried bytes from the client (PutObject, UploadPart)."""
+        with self.lock:
+            return [r for r in self.requests if r.method == "PUT" and r.copy_source is None and r.key]
+
+    def upload_bytes(self) -> int:
+        return sum(r.sent_bytes for r in self.uploads())
 
 
 class _Proxy(BaseHTTPRequestHandler):
@@ -81,7 +97,17 @@ class _Proxy(BaseHTTPRequestHandler):
         path = unquote(urlsplit(self.path).path).lstrip("/")
         key = path.split("/", 1)[1] if "/" in path else ""
         with server.log.lock:
-            server.log.requests.append(Request(self.command, key, self.headers.get("Range"), len(data)))
+            copied = self.headers.get("x-amz-copy-source")
+            server.log.requests.append(
+                Request(
+                    self.command,
+                    key,
+                    self.headers.get("Range"),
+                    len(data),
+                    len(body or b""),
+                    unquote(copied).lstrip("/") if copied else None,
+                )
+            )
         self.send_response(response.status)
         for name, value in response.getheaders():
             if name.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
@@ -121,23 +147,26 @@ class S3Server:
             env["MSC_CONFIG"] = str(msc_config)
         return env
 
-    def msc_config(self, path: Path, profile: str = "s3test") -> Path:
-        """An MSC config file with one profile over the bucket (endpoint and credentials in the profile)."""
-        path.write_text(
-            "profiles:\n"
-            f"  {profile}:\n"
-            "    storage_provider:\n"
-            "      type: s3\n"
-            "      options:\n"
-            f"        base_path: {BUCKET}\n"
-            f"        endpoint_url: {self.endpoint}\n"
-            "        region_name: us-east-1\n"
-            "    credentials_provider:\n"
-            "      type: S3Credentials\n"
-            "      options:\n"
-            f"        access_key: {CREDENTIALS['AWS_ACCESS_KEY_ID']}\n"
-            f"        secret_key: {CREDENTIALS['AWS_SECRET_ACCESS_KEY']}\n"
-        )
+    def msc_config(self, path: Path, profiles: dict[str, str] | None = None) -> Path:
+        """An MSC config file with one profile per bucket (default: ``s3test`` over :data:`BUCKET`), endpoint and
+        credentials in each profile."""
+        text = "profiles:\n"
+        for profile, bucket in (profiles or {"s3test": BUCKET}).items():
+            text += (
+                f"  {profile}:\n"
+                "    storage_provider:\n"
+                "      type: s3\n"
+                "      options:\n"
+                f"        base_path: {bucket}\n"
+                f"        endpoint_url: {self.endpoint}\n"
+                "        region_name: us-east-1\n"
+                "    credentials_provider:\n"
+                "      type: S3Credentials\n"
+                "      options:\n"
+                f"        access_key: {CREDENTIALS['AWS_ACCESS_KEY_ID']}\n"
+                f"        secret_key: {CREDENTIALS['AWS_SECRET_ACCESS_KEY']}\n"
+            )
+        path.write_text(text)
         return path
 
     def client(self):  # boto3, straight to moto (uploads are not counted)

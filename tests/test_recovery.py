@@ -155,6 +155,28 @@ def test_seal_refuses_a_checkpoint_that_fails_check(capsys, copy_fixture):
     assert not (save2 / ITER / "integrity.json").exists()
 
 
+def test_seal_output_writes_a_sealed_copy_and_leaves_the_source(capsys, copy_fixture, tmp_path):
+    """``seal -o DIR`` (issue #37 point 6, the form object storage needs): a new save dir whose files are the
+    source's (hard links) plus Megatron's manifest over them; the source is not changed. A sealed source is
+    refused without --force, and so is a non-empty output."""
+    save = copy_fixture("core019_tp2")
+    before = file_digests(save)
+    out = tmp_path / "sealed"
+    rc, text, err = _run(capsys, "seal", save, "-o", out, "--jobs", "2")
+    assert rc == 0 and text.startswith(f"sealed {out / ITER}: "), text + err
+    assert file_digests(save) == before  # the source: no integrity.json, nothing else changed
+    manifest = json.loads((out / ITER / "integrity.json").read_text())
+    expected = {Path(n).name: d for n, d in before.items() if n.startswith(f"{ITER}/")}
+    assert manifest == {"algorithm": "sha256", "files": expected}
+    for name in manifest["files"]:  # the copy's files are the source's own
+        assert os.stat(out / ITER / name).st_ino == os.stat(save / ITER / name).st_ino
+    assert (out / TRACKER).read_text() == "10" and _codes(out) == set()
+    rc, _, err = _run(capsys, "seal", out, "-o", tmp_path / "again")
+    assert rc == 2 and "already sealed" in err and "--force" in err and not (tmp_path / "again").exists()
+    rc, _, err = _run(capsys, "seal", save, "-o", out)
+    assert rc == 2 and "not empty" in err
+
+
 _MEGATRON_VERIFY = """
 import sys
 from megatron.core.dist_checkpointing.validation import verify_integrity_manifest

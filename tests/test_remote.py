@@ -4,7 +4,9 @@
 Every read command gives the same output for the uploaded fixtures as for the local copies (the checkpoint's
 name aside: the URL where the local path was); metadata-only commands GET only ``.metadata``,
 ``metadata.json``, the tracker and the common state, however large the data files; ``diff --values`` GETs each
-byte range once; a server gone mid-run or a missing object is one line naming the URL, exit 2.
+byte range once; a server gone mid-run or a missing object is one line naming the URL, exit 2. Writes: an
+``--output`` URL is uploaded with ``metadata.json`` last; from a URL (fix-args, edit, seal -o) the data files are
+copied on the server within one bucket or MSC profile (the proxy counts each CopyObject) and streamed elsewhere.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ pytestmark = pytest.mark.xdist_group("s3")
 
 NAMES = ["core019_tp1", "core019_tp2", "core016_tp2", "core014_zarr_tp2", "core019_convert_tp4"]
 PREFIXES = {"s3": f"s3://{s3_server.BUCKET}/", "msc": "msc://s3test/"}
+OTHER_BUCKET = "other"
+OTHER_PREFIXES = {"s3": f"s3://{OTHER_BUCKET}/", "msc": "msc://s3other/"}
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +49,10 @@ def server(tmp_path_factory):
             with open(data_file, "ab") as f:
                 f.write(b"\0" * (8 << 20))
         srv.upload_tree(padded, "padded/core019_tp1")
-        srv.msc_file = srv.msc_config(tmp_path_factory.mktemp("msc") / "msc.yaml")  # type: ignore[attr-defined]
+        srv.client().create_bucket(Bucket=OTHER_BUCKET)  # a second bucket (and MSC profile): outputs elsewhere
+        srv.msc_file = srv.msc_config(  # type: ignore[attr-defined]
+            tmp_path_factory.mktemp("msc") / "msc.yaml", {"s3test": s3_server.BUCKET, "s3other": OTHER_BUCKET}
+        )
         yield srv
     finally:
         srv.stop()
@@ -417,7 +424,10 @@ IN_PLACE = "cannot be changed in place on object storage"
         (("strip-frozen", "--force", "--in-place", "@s3:core019_tp1"), IN_PLACE),
         (("fix-args", "--in-place", "@s3:core019_convert_tp4"), IN_PLACE),
         (("seal", "@msc:core019_tp1"), IN_PLACE),
-        (("fix-args", "--output", "{tmp}/out", "@s3:core019_convert_tp4"), "writing a copy of a checkpoint"),
+        (("edit", "--in-place", "--drop-extra-state", "@msc:core019_tp1"), IN_PLACE),
+        (("strip-frozen", "--force", "--output", "{tmp}/out", "@s3:core019_tp1"), "does not write from object storage"),
+        (("edit", "--compact", "--drop-extra-state", "-o", "{tmp}/out", "@s3:core019_tp1"), "rewrites tensor bytes"),
+        (("fix-args", "-o", "@s3:core019_convert_tp4/fixed", "@s3:core019_convert_tp4"), "lies inside the source"),
     ],
 )
 def test_writes_to_object_storage_are_refused_clearly(remote, capsys, tmp_path, args, expected):
@@ -442,6 +452,7 @@ WRITES = [
     ("strip-frozen", "--force", "@core019_tp1"),
     ("edit", "--drop-section", "optimizer", "@core019_tp2"),
     ("fix-args", "@core019_convert_tp4"),
+    ("seal", "@core019_tp1"),
 ]
 
 
@@ -481,3 +492,143 @@ def test_output_to_object_storage_is_uploaded_metadata_json_last(remote, capsys,
     rc, out, err = ckd(capsys, *local_args(command), "--output", url)
     assert rc == 2 and "already holds objects" in err and err.count("\n") == 1
     assert not [r for r in remote.log.requests if r.method in ("PUT", "POST", "DELETE")]
+
+
+# --- O(metadata) writes from object storage: server-side copy in one bucket or profile, streamed elsewhere ------
+
+
+def _data_files(name: str) -> dict[str, int]:
+    """The fixture's data files (relative to its save dir) and their sizes."""
+    root = FIXTURES / name
+    return {p.relative_to(root).as_posix(): p.stat().st_size for p in root.rglob("*.distcp")}
+
+
+def _gets_of_data(remote, prefix: str) -> int:
+    """Bytes GET from the source's data files: only ranges (bytes items), never an object whole."""
+    gets = [r for r in remote.log.gets() if r.key.startswith(f"{prefix}/") and r.key.endswith(".distcp")]
+    assert all(r.range for r in gets), [r.key for r in gets if not r.range]
+    return sum(r.body_bytes for r in gets)
+
+
+FROM_REMOTE = [
+    ("fix-args", "@core019_convert_tp4"),
+    ("edit", "--drop-section", "optimizer", "@core016_tp2"),
+    ("seal", "@core019_tp1"),
+]
+
+
+@pytest.mark.parametrize("backend", ["s3", "msc"])
+@pytest.mark.parametrize("command", FROM_REMOTE, ids=lambda c: c[0])
+def test_write_from_object_storage_to_the_same_bucket_copies_data_on_the_server(
+    remote, capsys, tmp_path, backend, command
+):
+    """fix-args, edit and seal -o from a URL to a URL in the same bucket (or MSC profile): every data file is a
+    server-side copy (CopyObject), not one of their bytes is uploaded or downloaded, only the files the write
+    changed are uploaded, metadata.json after every data file; the result passes check and equals the local
+    write."""
+    name = command[-1][1:]
+    url = f"{PREFIXES[backend]}from-remote/{command[0]}-{backend}"
+    local = tmp_path / "local"
+    rc_local, out_local, _ = ckd(capsys, *local_args(command), "-o", str(local), "--format", "json")
+    remote.log.clear()
+    rc, out, err = ckd(capsys, *remote_args(command, PREFIXES[backend]), "-o", url, "--format", "json")
+    assert rc == rc_local == 0, err
+    where = "the same MSC profile" if backend == "msc" else "the same bucket"
+    assert f"server-side: source and output are in {where}" in err.splitlines()[0]
+    data = _data_files(name)
+    copied = {r.copy_source: r.key for r in remote.log.copies()}
+    for relative in data:  # each data file copied on the server from the source's object, to the output
+        assert copied.get(f"{s3_server.BUCKET}/{name}/{relative}", "").endswith(relative), (relative, copied)
+    uploaded = {r.key.rpartition("/")[2]: r.sent_bytes for r in remote.log.uploads()}
+    assert not any(n in uploaded for n in (Path(d).name for d in data))  # no source data file re-uploaded
+    assert sum(uploaded.values()) < sum(data.values()) / 4  # only small files went up
+    assert _gets_of_data(remote, name) < sum(data.values()) / 4 or command[0] == "seal"  # seal hashes every byte
+    writes = [r.key for r in remote.log.requests if r.method == "PUT"]
+    completes = max(i for i, k in enumerate(writes) if k.endswith("/metadata.json"))
+    assert all(i < completes for i, k in enumerate(writes) if k.endswith(".distcp"))
+    # the output: the local write's report (paths, stamps and byte counts aside), and it passes check
+    shown = out.replace(url, str(local)).replace(f"{PREFIXES[backend]}{name}", str(FIXTURES / name))
+    assert normalized(_BYTES.sub(r"\1#", shown), "") == normalized(_BYTES.sub(r"\1#", out_local), "")
+    assert ckd(capsys, "check", "--isolated", url)[0] == 0
+    _, remote_inspect, _ = ckd(capsys, "inspect", url, "--format", "json")
+    _, local_inspect, _ = ckd(capsys, "inspect", str(local), "--format", "json")
+    assert _BYTES.sub(r"\1#", remote_inspect.replace(url, str(local))) == _BYTES.sub(r"\1#", local_inspect)
+    if command[0] == "fix-args":  # the args changed: the output is consistent, the source still is not
+        assert ckd(capsys, "fix-args", url)[0] == 0 and ckd(capsys, "fix-args", f"{PREFIXES[backend]}{name}")[0] == 1
+
+
+@pytest.mark.parametrize("backend", ["s3", "msc"])
+def test_write_from_object_storage_to_another_bucket_streams_and_says_so(remote, capsys, backend):
+    """Another bucket (or MSC profile): the data files are streamed (read and uploaded), one line up front says
+    so; the output is complete and passes check."""
+    name = "core019_convert_tp4"
+    url = f"{OTHER_PREFIXES[backend]}from-remote/fix-args-{backend}"
+    rc, out, err = ckd(capsys, "fix-args", f"{PREFIXES[backend]}{name}", "-o", url, "-j", "2")
+    assert rc == 0, err
+    data = _data_files(name)
+    why = "different MSC profiles" if backend == "msc" else "different buckets"
+    line = f"copying {len(data)} data files (220.2 KB) by streaming: source and output are in {why}"
+    assert line in err.splitlines()[0]
+    assert not remote.log.copies()
+    uploaded = {r.key.rpartition("/")[2]: r.sent_bytes for r in remote.log.uploads()}
+    assert {Path(d).name: s for d, s in data.items()}.items() <= uploaded.items()  # every data file, whole
+    assert f"streamed {len(data)} data files" in err and url in out
+    assert ckd(capsys, "check", "--isolated", url)[0] == 0
+    assert ckd(capsys, "fix-args", url)[0] == 0
+
+
+@pytest.mark.parametrize("backend", ["s3", "msc"])
+@pytest.mark.parametrize("command", FROM_REMOTE, ids=lambda c: c[0])
+def test_write_from_object_storage_to_a_local_dir(remote, capsys, tmp_path, backend, command):
+    """To a local dir: the data files streamed down, byte-identical to the source's; the output equals the
+    local write and passes check; nothing is written to object storage."""
+    name = command[-1][1:]
+    out_dir, local = tmp_path / "out", tmp_path / "local"
+    rc, out, err = ckd(capsys, *remote_args(command, PREFIXES[backend]), "-o", str(out_dir))
+    assert rc == 0, err
+    assert "by streaming: the output is a local dir" in err.splitlines()[0]
+    assert not [r for r in remote.log.requests if r.method in ("PUT", "POST", "DELETE")]
+    assert ckd(capsys, *local_args(command), "-o", str(local))[0] == 0
+    for relative in _data_files(name):  # the source's data files, byte for byte
+        assert (out_dir / relative).read_bytes() == (FIXTURES / name / relative).read_bytes()
+    stamp = re.compile(r"\d{8}T\d{6}")
+    listing = sorted(stamp.sub("#", p.relative_to(out_dir).as_posix()) for p in out_dir.rglob("*"))
+    assert listing == sorted(stamp.sub("#", p.relative_to(local).as_posix()) for p in local.rglob("*"))
+    assert ckd(capsys, "check", "--isolated", str(out_dir))[0] == 0
+    assert not list(tmp_path.glob(".*ckptdoctor*"))  # no staging dir left beside the output
+
+
+def test_a_stopped_delivery_leaves_no_metadata_json(remote, tmp_path):
+    """Killed after the data files were copied: objects under the output, but no metadata.json, so every
+    loader and check read it as an incomplete save; the source is untouched."""
+    url = f"{PREFIXES['s3']}from-remote/stopped"
+    env = {**remote.env(remote.msc_file), "CKPTDOCTOR_FAULT_AT": "deliver:data", "TMPDIR": str(tmp_path)}
+    proc = run_cli("edit", "--drop-extra-state", f"{PREFIXES['s3']}core019_tp1", "-o", url, env=env)
+    assert proc.returncode != 0
+    keys = [
+        k
+        for k in remote.client()
+        .list_objects_v2(Bucket=s3_server.BUCKET, Prefix="from-remote/stopped/")
+        .get("Contents", [])
+    ]
+    names = [k["Key"].rpartition("/")[2] for k in keys]
+    assert any(n.endswith(".distcp") for n in names) and "metadata.json" not in names and ".metadata" not in names
+    proc = run_cli("check", "--isolated", url, env=remote.env(remote.msc_file))
+    assert proc.returncode != 0 and "metadata.json" in proc.stdout
+
+
+def test_a_write_from_object_storage_passes_the_gate(remote, capsys, tmp_path):
+    """A pickle that would run code (os.system in the .metadata) is refused by every write from object storage
+    as from a local dir (exit 1, CKD401), before anything is written there."""
+    bad = tmp_path / "bad"
+    shutil.copytree(FIXTURES / "core019_tp2", bad)
+    metadata = bad / "iter_0000010" / ".metadata"
+    original = metadata.read_bytes()
+    metadata.write_bytes(original[:2] + b"]\x8c\x02os\x8c\x06system\x93a0" + original[2:])  # listed, unsafe
+    remote.upload_tree(bad, "unsafe/core019_tp2")
+    source = f"{PREFIXES['s3']}unsafe/core019_tp2"
+    for command in (("fix-args", "--set", "lr=0.5"), ("edit", "--remove", "output_layer.weight"), ("seal",)):
+        remote.log.clear()
+        rc, out, err = ckd(capsys, *command, source, "-o", f"{PREFIXES['s3']}unsafe-out")
+        assert rc == 1 and "CKD401" in err and "os.system" in err, (command, out + err)
+        assert not [r for r in remote.log.requests if r.method in ("PUT", "POST", "DELETE")], command

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -9,7 +10,14 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option, gate_refusals, jobs_option, trust_global_option
-from ckptdoctor.commands.write_target import echo_written, remote_output, write_target_options, writing
+from ckptdoctor.commands.write_target import (
+    deliver,
+    echo_written,
+    local_source,
+    staged_output,
+    write_target_options,
+    writing,
+)
 
 SECTION_CHOICES = ["optimizer", "rng", "rerun"]
 PRESET_CHOICES = ["te-to-local", "local-to-te"]
@@ -51,7 +59,7 @@ PRESET_CHOICES = ["te-to-local", "local-to-te"]
 )
 @click.option("--keys", "all_keys", is_flag=True, help="List every key of the plan, not the summary by reason.")
 @format_option(schema="edit")
-@jobs_option("--compact: threads copying kept items")
+@jobs_option("--compact: threads copying kept items; from object storage: threads copying data files")
 @gate_refusals
 def command(
     checkpoint: str,
@@ -76,17 +84,21 @@ def command(
 
     Renames are checked before anything is written (no two keys to one, no collision with a key that stays,
     bytes items keep their /shard_ suffix, keys stay in their section). Dropping a whole section also updates
-    the common state, and the report names the Megatron-LM load flags the result needs. Exit code: 0 written
+    the common state, and the report names the Megatron-LM load flags the result needs. From object storage
+    (without --compact), -o URL in the same bucket or MSC profile copies the data files on the server and uploads
+    only the changed files; another bucket, profile or a local dir streams them. Exit code: 0 written
     (or planned), 2 error (bad regex, an edit that changes nothing, a damaged or unsafe source).
     """
     from ckptdoctor.checkpoint import open_checkpoint, open_for_rewrite
     from ckptdoctor.commands.progress_bar import progress_bar
+    from ckptdoctor.errors import CkptError
     from ckptdoctor.exit_codes import EXIT_OK
     from ckptdoctor.ops.edit.plan import EditRequest
     from ckptdoctor.ops.edit.write import edit
     from ckptdoctor.parallel import default_jobs
     from ckptdoctor.render.edit import render_edit
     from ckptdoctor.render.wrap import output_width
+    from ckptdoctor.storage.dispatch import is_url
 
     dry_run = not writing(output, in_place, dry_run, write_flag, no_backup)
     request = EditRequest(
@@ -98,12 +110,22 @@ def command(
     )
     if not (request.removes or request.renames or request.drop_sections or drop_extra_state or preset):
         raise click.UsageError("nothing to do: give --remove, --rename, --drop-section, --drop-extra-state or --preset")
-    # a write rewrites the .metadata objects: read them with the index, in one pass (a dry run needs the index only)
-    if request.renames or preset or not dry_run:
-        ckpt, metadata = open_for_rewrite(checkpoint, iteration)
-    else:
-        ckpt, metadata = open_checkpoint(checkpoint, iteration), None
-    with remote_output(output, force, not dry_run) as remote:
+    with contextlib.ExitStack() as stack:
+        local = None
+        if not dry_run and is_url(checkpoint):  # O(metadata) from object storage: the write runs on a local copy
+            if compact:
+                raise CkptError(
+                    f"{checkpoint}: edit --compact rewrites tensor bytes, which stay on object storage; run it on "
+                    "a local copy, or drop --compact (the data files are then copied as they are)"
+                )
+            local = stack.enter_context(local_source(open_checkpoint(checkpoint, iteration), True, in_place))
+        source = local.local_path(checkpoint) if local is not None else checkpoint
+        # a write rewrites the .metadata objects: read them with the index, in one pass (a dry run needs the index)
+        if request.renames or preset or not dry_run:
+            ckpt, metadata = open_for_rewrite(source, iteration)
+        else:
+            ckpt, metadata = open_checkpoint(source, iteration), None
+        remote = stack.enter_context(staged_output(output, force, not dry_run, local))
         report = edit(
             ckpt,
             request,
@@ -117,8 +139,7 @@ def command(
             metadata=metadata,
             jobs=jobs or default_jobs(),
         )
-        if remote is not None:
-            remote.upload()
+        deliver(remote, jobs, output_format)
         render_text = functools.partial(render_edit, all_keys=all_keys, width=output_width())
         echo_written(report, render_text, remote, output_format)
     return EXIT_OK

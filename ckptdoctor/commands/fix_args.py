@@ -8,8 +8,15 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option, gate_refusals, trust_global_option
-from ckptdoctor.commands.write_target import echo_written, remote_output, write_target_options, writing
+from ckptdoctor.commands.options import format_option, gate_refusals, jobs_option, trust_global_option
+from ckptdoctor.commands.write_target import (
+    deliver,
+    echo_written,
+    local_source,
+    staged_output,
+    write_target_options,
+    writing,
+)
 
 
 @click.command("fix-args", short_help="Find and fix saved args that contradict the layout.")
@@ -40,6 +47,7 @@ from ckptdoctor.commands.write_target import echo_written, remote_output, write_
 )
 @click.option("--only-set", is_flag=True, help="Apply only the --set edits, not the fixes.")
 @format_option(schema="fix-args")
+@jobs_option("threads copying data files from object storage to another bucket or a local dir")
 @gate_refusals
 def command(
     checkpoint: str,
@@ -54,6 +62,7 @@ def command(
     write_flag: bool,
     only_set: bool,
     output_format: str,
+    jobs: int | None,
 ) -> int:
     """Find saved args that contradict CHECKPOINT's own parallelism, and fix them (a Megatron-Bridge checkpoint,
     which saves no args: its run_config.yaml model section).
@@ -61,7 +70,8 @@ def command(
     Reports each inconsistent arg (saved value, correct value, the error megatron-core would raise); -o DIR or
     --in-place writes the fixes. Exit code: 0 consistent (or, when writing, none left after writing), 1
     inconsistencies found (or left after writing), 2 error. No tensor data is read or rewritten; writing is
-    O(metadata).
+    O(metadata). From object storage, -o URL in the same bucket or MSC profile copies the data files on the
+    server and uploads only the changed files; another bucket, profile or a local dir streams them.
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
@@ -72,14 +82,16 @@ def command(
 
     write = writing(output, in_place, dry_run, write_flag)
     ckpt = open_checkpoint(checkpoint, iteration)
-    source = open_checkpoint(source_path, source_iteration) if source_path else None
-    report = build_report(ckpt, source, list(sets), force=force, apply_fixes=not only_set)
-    with remote_output(output, force, write and not in_place) as remote:
-        if write:
-            write_fix(report, ckpt, None if in_place else (remote.local if remote else output), force=force)
-        if remote is not None:
-            remote.upload()
-        echo_written(report, functools.partial(render_fix_args, width=output_width()), remote, output_format)
+    with local_source(ckpt, write, in_place) as local:
+        if local is not None:  # on object storage: the write reads and links a local copy (its data files sparse)
+            ckpt = open_checkpoint(local.local_path(checkpoint), iteration)
+        source = open_checkpoint(source_path, source_iteration) if source_path else None
+        report = build_report(ckpt, source, list(sets), force=force, apply_fixes=not only_set)
+        with staged_output(output, force, write and not in_place, local) as staged:
+            if write:
+                write_fix(report, ckpt, None if in_place else (staged.local if staged else output), force=force)
+            deliver(staged, jobs, output_format)
+            echo_written(report, functools.partial(render_fix_args, width=output_width()), staged, output_format)
     if write and report.remaining is not None:
         return EXIT_FINDINGS if report.remaining else EXIT_OK
     return EXIT_FINDINGS if report.findings else EXIT_OK

@@ -9,7 +9,7 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option, gate_refusals, trust_global_option
-from ckptdoctor.commands.write_target import echo_written, remote_output, write_target_options, writing
+from ckptdoctor.commands.write_target import deliver, echo_written, staged_output, write_target_options, writing
 
 
 @click.command("repair", short_help="Repair what `check` finds, where provably safe.")
@@ -51,7 +51,7 @@ def command(
     from ckptdoctor.render.wrap import output_width
 
     write = writing(output, in_place, dry_run, write_flag)
-    with remote_output(output, force, write and not in_place) as remote:
+    with staged_output(output, force, write and not in_place) as remote:
         target = remote.local if remote else output
         report = repair(
             checkpoint,
@@ -61,7 +61,6 @@ def command(
             in_place=in_place and write,
             force=force,
         )
-        if remote is not None:
-            remote.upload()
+        deliver(remote, None, output_format)
         echo_written(report, functools.partial(render_repair, width=output_width()), remote, output_format)
     return EXIT_OK if report.ok else EXIT_FINDINGS

@@ -9,7 +9,7 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option, gate_refusals, jobs_option, trust_global_option
-from ckptdoctor.commands.write_target import echo_written, remote_output, write_target_options, writing
+from ckptdoctor.commands.write_target import deliver, echo_written, staged_output, write_target_options, writing
 
 PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
 
@@ -94,7 +94,7 @@ def command(
     )
     base = open_checkpoint(base_path, base_iteration) if base_path else None
     bars = progress_bar()
-    with remote_output(output, force, not dry_run) as remote:
+    with staged_output(output, force, not dry_run) as remote:
         try:
             report = strip_frozen(
                 ckpt,
@@ -114,8 +114,7 @@ def command(
         finally:
             if bars is not None:
                 bars.finish()
-        if remote is not None:
-            remote.upload()
+        deliver(remote, jobs, output_format)
         render_text = functools.partial(render_strip, all_keys=all_keys, width=output_width())
         echo_written(report, render_text, remote, output_format)
     return EXIT_FINDINGS if report.nothing_frozen and not force else EXIT_OK

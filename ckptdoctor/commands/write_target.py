@@ -1,5 +1,6 @@
 """The write model of every command that writes a checkpoint (``fix-args``, ``repair``, ``strip-frozen``, ``edit``),
-defined once: its options, the one decision whether to write, the remote ``--output``, the printed result."""
+defined once: its options, the one decision whether to write, object storage (a remote source's local copy, a
+staged ``--output`` delivered last), the printed result."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 if TYPE_CHECKING:
-    from ckptdoctor.ops.remote_output import RemoteOutput
+    from ckptdoctor.checkpoint import Checkpoint
+    from ckptdoctor.ops.remote_output import SourceCopy, StagedOutput
 
 
 DRY_RUN_HELP = "Print what would be written; write nothing."
@@ -73,39 +75,84 @@ def writing(output: Path | None, in_place: bool, dry_run: bool, write_flag: bool
 
 
 @contextlib.contextmanager
-def remote_output(output: Path | None, force: bool, writing: bool = True) -> Iterator[RemoteOutput | None]:
-    """For an ``--output`` URL: a local staging dir to write instead (``.local``), uploaded by the caller with
-    ``.upload()`` once the write succeeded and removed here in every case; None for a local ``--output``."""
-    from ckptdoctor.ops.remote_output import RemoteOutput
+def local_source(checkpoint: Checkpoint, writing: bool, in_place: bool) -> Iterator[SourceCopy | None]:
+    """For a write from a checkpoint on object storage: its local copy (metadata files downloaded, data files as
+    sparse stand-ins; see :mod:`ckptdoctor.ops.remote_output`) for the writer to read, removed here in every case;
+    None for a local source or no write. In place on object storage is refused: no atomic rename or lock there."""
+    from ckptdoctor.ops.remote_output import SourceCopy
+    from ckptdoctor.write_guard import is_local, refuse_remote_write
 
-    remote = RemoteOutput.of(output) if writing else None
-    if remote is None:
+    if not writing or is_local(checkpoint.iteration_dir):
+        yield None
+        return
+    if in_place:
+        refuse_remote_write(checkpoint.iteration_dir, in_place=True)
+    source = SourceCopy.of(checkpoint)
+    try:
+        yield source
+    finally:
+        source.cleanup()
+
+
+@contextlib.contextmanager
+def staged_output(
+    output: Path | None, force: bool, writing: bool = True, source: SourceCopy | None = None
+) -> Iterator[StagedOutput | None]:
+    """For an ``--output`` URL, or any ``--output`` of a source on object storage (``source``): a local staging dir
+    to write instead (``.local``), delivered by the caller with ``.deliver()`` once the write succeeded and removed
+    here in every case; None where the writer writes ``--output`` itself."""
+    from ckptdoctor.ops.remote_output import StagedOutput
+
+    staged = StagedOutput.of(output, source) if writing else None
+    if staged is None:
         yield None
         return
     try:
-        remote.refuse_existing(force)
-        yield remote
+        staged.refuse_existing(force)
+        yield staged
     finally:
-        remote.cleanup()
+        staged.cleanup()
+
+
+def deliver(staged: StagedOutput | None, jobs: int | None, output_format: str) -> None:
+    """Deliver a staged write to its ``--output``, with a progress bar (text, on a terminal) and the line saying
+    how the data files travel (server-side copy or streaming) on stderr first."""
+    from ckptdoctor.commands.progress_bar import progress_bar
+    from ckptdoctor.parallel import default_jobs
+
+    if staged is None:
+        return
+    staged.deliver(
+        jobs or default_jobs(),
+        progress_bar(output_format == "text"),
+        lambda line: click.echo(f"ckptdoctor: {line}", err=True),
+    )
 
 
 def echo_written(
-    report: Any, render_text: Callable[[Any], str], remote: RemoteOutput | None, output_format: str
+    report: Any, render_text: Callable[[Any], str], staged: StagedOutput | None, output_format: str
 ) -> None:
     """Print a write command's report: JSON streamed as it is walked (a 200k-key report is never one string), or
-    ``render_text``'s text; with a remote ``--output`` the staging dir is named by its URL, and the upload is summed
-    up on stderr (text output)."""
+    ``render_text``'s text; with a staged ``--output`` the staging dir is named by the output (and a remote source's
+    local copy by its URL), and the delivery is summed up on stderr (text output)."""
     from ckptdoctor.render.common import echo_json, to_json
 
-    if remote is None:
+    if staged is None:
         if output_format == "json":
             echo_json(report)
         else:
             click.echo(render_text(report))
         return
-    click.echo(remote.shown(to_json(report) if output_format == "json" else render_text(report)))
-    if remote.uploaded and output_format == "text":
-        click.echo(
-            f"uploaded {len(remote.uploaded)} objects ({remote.bytes} bytes) to {remote.url}, metadata.json last",
-            err=True,
-        )
+    click.echo(staged.shown(to_json(report) if output_format == "json" else render_text(report)))
+    done = staged.delivered
+    if output_format != "text" or not (done.uploaded or done.server_side or done.streamed):
+        return
+    parts = []
+    if done.server_side:
+        parts.append(f"copied {done.server_side} objects on the server")
+    if done.streamed:
+        parts.append(f"streamed {done.streamed} data files ({done.streamed_bytes} bytes)")
+    if done.uploaded:
+        parts.append(f"uploaded {len(done.uploaded)} objects ({done.bytes} bytes)")
+    last = ", metadata.json last" if staged.remote else ""
+    click.echo(f"{'; '.join(parts)} to {staged.target}{last}", err=True)

@@ -24,16 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor import dist, locking, parallel
-from ckptdoctor.atomic import keep_previous, timestamp, write_atomic
+from ckptdoctor.atomic import fsync_dir, keep_previous, link_or_copy, make_unique_dir, timestamp, write_atomic
 from ckptdoctor.errors import CkptError
-from ckptdoctor.locate import locate
+from ckptdoctor.locate import TRACKER_NAME, locate
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
 from ckptdoctor.ops.pickle_gate import refusal
-from ckptdoctor.ops.staging import quarantine_dir
+from ckptdoctor.ops.staging import SwapState, not_carried, quarantine_dir, swap_output
 from ckptdoctor.parallel import default_jobs
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import ERROR, is_safety, leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME, sha256_file
+from ckptdoctor.tree_removal import remove_tree
 
 SCHEMA = "ckptdoctor.seal/1"
 ALGORITHM = "sha256"  # megatron.core.dist_checkpointing.validation._HASH_ALGORITHM
@@ -163,6 +164,96 @@ def seal(
                     notes.append(f"the previous manifest is kept as {kept}")
             write_manifest(iteration_dir, hashes)
     return SealResult(SCHEMA, str(iteration_dir), str(manifest), len(hashes), total, jobs, seconds, existed, notes)
+
+
+def seal_copy(
+    path: str | Path,
+    iteration: str | None,
+    output: Path,
+    *,
+    files_from: Path | None = None,
+    jobs: int | None = None,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> SealResult:
+    """Write a sealed copy of the checkpoint ``path`` names to the new dir ``output``: every file of its iteration
+    dir hard-linked (or copied) there and an ``integrity.json`` over them; the source is not changed (``seal -o``).
+
+    The source is checked and hashed where it is (on object storage: streamed, nothing downloaded whole);
+    ``files_from`` is the local stand-in of its iteration dir to link from (a source on object storage, whose data
+    files are carried from the source objects when the copy is delivered). A source whose manifest already lists
+    its files is refused without ``force`` (copy it as it is). Given the save dir, ``output`` is a save dir too
+    (iteration dir and tracker)."""
+    if dist.group() is not None:  # one writer of the copy: the ranks would race for the output
+        raise CkptError("seal -o runs in one process, not under torchrun (use --jobs for parallel hashing)")
+    location = locate(path, iteration)
+    iteration_dir = location.iteration_dir
+    jobs = jobs or default_jobs()
+    existed = (iteration_dir / INTEGRITY_NAME).is_file()
+    if existed and not force:
+        raise CkptError(
+            f"{iteration_dir / INTEGRITY_NAME}: the checkpoint is already sealed; copy it as it is, "
+            "or use --force to re-seal the copy"
+        )
+    found = check_iteration_dir(iteration_dir, iteration_dir, CheckOptions(verify_integrity=True))
+    errors = [f for f in found if f.severity == ERROR and not (existed and f.code in _MANIFEST_CODES)]
+    gate = [f for f in errors if is_safety(f.code)]
+    if gate:
+        raise refusal(gate[0])
+    if errors:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise CkptError(
+            f"{iteration_dir}: refusing to seal a checkpoint that fails check: {errors[0].path}: "
+            f"{errors[0].code} {errors[0].message}{more}"
+        )
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
+        raise CkptError(f"{output}: exists and is not empty (use --force to replace it)")
+    files = manifest_files(iteration_dir)
+    total = sum(p.stat().st_size for p in files)
+    if progress is not None:
+        progress.start("hashing", total)
+    start = time.perf_counter()
+    try:
+        hashes = hash_files(files, jobs, progress.advance if progress is not None else None)
+    finally:
+        if progress is not None:
+            progress.finish()
+    seconds = time.perf_counter() - start
+    save_dir = location.save_dir
+    given = str(location.input_path).rstrip("/")
+    given_save_dir = save_dir is not None and given in (str(save_dir), str(save_dir / TRACKER_NAME))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = make_unique_dir(output.parent, f".{output.name}{leftovers.TMP_MARK}")
+    swap = SwapState()
+    try:
+        stage_iter = staging / iteration_dir.name if given_save_dir else staging
+        stage_iter.mkdir(exist_ok=True)
+        source = files_from or iteration_dir
+        for item in sorted(source.rglob("*")):
+            relative = item.relative_to(source)
+            if not_carried(item.name):
+                continue
+            if item.is_dir():
+                (stage_iter / relative).mkdir(exist_ok=True)
+            elif item.name != INTEGRITY_NAME or item.parent != source:
+                link_or_copy(item, stage_iter / relative)
+        write_manifest(stage_iter, hashes)
+        if given_save_dir:
+            value = "release" if location.release else str(location.iteration)
+            write_atomic(staging / TRACKER_NAME, value.encode())
+        fsync_dir(stage_iter)
+        swap_output(output, staging, swap, "seal")
+    except BaseException as exc:
+        if not swap.done:
+            remove_tree(staging, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise CkptError(f"{exc.filename or staging}: cannot write ({exc.strerror})") from None
+        raise
+    written = output / iteration_dir.name if given_save_dir else output
+    notes = ["the source's previous manifest is not carried: the copy has a fresh one"] if existed else []
+    return SealResult(
+        SCHEMA, str(written), str(written / INTEGRITY_NAME), len(hashes), total, jobs, seconds, existed, notes
+    )
 
 
 def _already_sealed(iteration_dir: Path, manifest: Path, jobs: int) -> SealResult:

@@ -67,6 +67,13 @@ class FsspecStore(ObjectStore):
     def _put(self, local: str, key: str) -> None:
         self.fs.put_file(local, key)
 
+    def _copy(self, src: str, dst: str) -> None:
+        self.fs.cp_file(src, dst)  # S3: CopyObject (UploadPartCopy past 5 GB), no byte through this process
+
+    def copies_to(self, src: str, other: ObjectStore, dst: str) -> bool:
+        """One bucket only: a copy across buckets may cross accounts or regions the credentials do not reach."""
+        return other is self and src.split("/", 1)[0] == dst.split("/", 1)[0]
+
     def _ls(self, key: str) -> list[Stat]:
         if not key:
             return []  # not the list of every bucket

@@ -24,11 +24,12 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from ckptdoctor.errors import CkptError
 
 RETRIES = 4  # attempts per request: 1 + 3 retries
+STREAM_BLOCK = 16 << 20  # a streamed copy's ranged GET: large enough for throughput, small enough for memory
 BACKOFF_S = 0.2  # first retry after 0.2 s, then 0.4, 0.8
 
 
@@ -133,6 +134,15 @@ class ObjectStore(ABC):
     def _put(self, local: str, key: str) -> None:
         """Upload one local file to ``key`` (one object, replaced whole)."""
 
+    def _copy(self, src: str, dst: str) -> None:
+        """Copy the object ``src`` to ``dst`` on the server (no byte passes through this process)."""
+        raise NotImplementedError
+
+    def copies_to(self, src: str, other: ObjectStore, dst: str) -> bool:
+        """Whether ``src`` here can be copied to ``dst`` of ``other`` on the server: the same store (one MSC
+        profile; for fsspec, one bucket) and a backend that has a copy. Anywhere else the bytes are streamed."""
+        return other is self and type(self)._copy is not ObjectStore._copy
+
     def _classify(self, exc: BaseException) -> str | None:
         """A permanent failure's wording (no retry), or None for a transient one. Backends add their own."""
         if isinstance(exc, PermissionError):
@@ -209,6 +219,49 @@ class ObjectStore(ABC):
     def put_file(self, local: str, key: str) -> None:
         """Upload ``local`` to ``key``, with the read path's retries and one-line errors."""
         self._retrying(key, lambda: self._put(local, key), "write")
+        self._forget(key)
+
+    def copy(self, src: str, dst: str) -> None:
+        """Server-side copy of ``src`` to ``dst`` (see :meth:`copies_to`), with retries and one-line errors."""
+        self._retrying(dst, lambda: self._copy(src, dst), "write")
+        self._forget(dst)
+
+    def download(self, key: str, size: int, out: IO[bytes], advance: Callable[[int], None] | None = None) -> None:
+        """Stream the object ``key`` (``size`` bytes) into ``out`` in ranged GETs of :data:`STREAM_BLOCK` bytes:
+        memory stays bounded however large the object; ``advance`` is told each block's bytes."""
+        offset = 0
+        while offset < size:
+            block = self.read_range(key, offset, min(STREAM_BLOCK, size - offset))
+            if not block:
+                raise OSError(errno.EIO, f"object ended at byte {offset} of {size}", self.url(key))
+            out.write(block)
+            offset += len(block)
+            if advance is not None:
+                advance(len(block))
+
+    def find(self, key: str) -> builtins.list[tuple[str, int]]:
+        """Every object below ``key``: (path relative to it, size), sorted; one recursive listing where the
+        backend has one, else a walk of the cached listings."""
+        if type(self)._find is not ObjectStore._find:
+            return sorted(self._retrying(key, lambda: self._find(key)))
+        out: builtins.list[tuple[str, int]] = []
+        pending = [""]
+        while pending:
+            relative = pending.pop()
+            for name, found in self.list(f"{key}/{relative}".rstrip("/") if relative else key).items():
+                below = f"{relative}/{name}" if relative else name
+                if found.is_dir:
+                    pending.append(below)
+                else:
+                    out.append((below, found.size))
+        return sorted(out)
+
+    def _forget(self, key: str) -> None:
+        """Drop the cached listings a new object at ``key`` changes (its parent prefixes)."""
+        with self._lock:
+            parts = key.split("/")
+            for depth in range(len(parts)):
+                self._listings.pop("/".join(parts[:depth]), None)
 
     def _retrying(self, key: str, call: Callable[[], Any], verb: str = "read") -> Any:
         self._in_this_process()

@@ -49,6 +49,9 @@ class MscStore(ObjectStore):
     def _put(self, local: str, key: str) -> None:
         self.client.upload_file(remote_path=key, local_path=local)
 
+    def _copy(self, src: str, dst: str) -> None:
+        self.client.copy(src, dst)  # the profile's provider copies on the server (S3: CopyObject)
+
     def _ls(self, key: str) -> list[Stat]:
         prefix = f"{key}/" if key else ""
         out = []
