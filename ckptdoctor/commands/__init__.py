@@ -27,6 +27,7 @@ COMMAND_MODULES: dict[str, str] = {
     "seal": "seal",
     "repair": "repair",
     "can-load": "can_load",
+    "verify-export": "verify_export",
     "schema": "schema",
 }
 

@@ -1,0 +1,102 @@
+"""A Hugging Face model dir as files: ``config.json``, the weight index and every shard's safetensors header.
+
+Reads no tensor data and needs neither torch nor transformers. The weights are ``model.safetensors.index.json``
+(its ``weight_map``: tensor name -> shard file) with its shards, or one ``model.safetensors``. A shard whose header
+cannot be read is kept as its error, so that one bad shard does not hide the state of the others. A
+``pytorch_model*.bin`` export is refused in one line (its pickles would be the safe unpickler's to read; convert it
+to safetensors first).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.safetensors_header import SafetensorsHeader, read_header
+from ckptdoctor.storage.files import list_names, read_json
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+MAX_INDEX_BYTES = 256 << 20  # an index of a million tensors is ~100 MB
+MAX_CONFIG_BYTES = 16 << 20
+
+
+@dataclass
+class HfExport:
+    path: str
+    config: dict[str, Any]
+    index: dict[str, str] | None  # weight_map; None for a single model.safetensors
+    shards: dict[str, SafetensorsHeader]  # shard file -> header, of the shards that were read
+    missing_shards: list[str] = field(default_factory=list)  # named by the index, not in the dir
+    unreadable: dict[str, str] = field(default_factory=dict)  # shard file -> why its header was refused
+    unindexed_files: list[str] = field(default_factory=list)  # *.safetensors in the dir the index never names
+
+    def holder(self) -> dict[str, str]:
+        """Tensor name -> the shard that holds it (the first, where two do)."""
+        held: dict[str, str] = {}
+        for shard, header in sorted(self.shards.items()):
+            for name in header.tensors:
+                held.setdefault(name, shard)
+        return held
+
+
+def _json(path: Path, limit: int, what: str) -> Any:
+    try:
+        return read_json(path, limit)
+    except OSError as exc:
+        raise CkptError(f"{path}: cannot read {what} ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise CkptError(f"{path}: {what} is not JSON ({exc.msg})") from None
+
+
+def read_export(directory: str | Path) -> HfExport:
+    """The HF model dir's config, index and shard headers; :class:`CkptError` for a dir that is not one."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise CkptError(f"{root}: not a directory (expected a Hugging Face model dir)")
+    names = set(list_names(root))
+    if CONFIG not in names:
+        bins = sorted(n for n in names if n.startswith("pytorch_model") and n.endswith(".bin"))
+        what = f"; it holds {bins[0]}" if bins else ""
+        raise CkptError(f"{root}: not a Hugging Face model dir (no {CONFIG}{what})")
+    config = _json(root / CONFIG, MAX_CONFIG_BYTES, CONFIG)
+    if not isinstance(config, dict):
+        raise CkptError(f"{root / CONFIG}: not a JSON object")
+    index: dict[str, str] | None = None
+    if INDEX in names:
+        doc = _json(root / INDEX, MAX_INDEX_BYTES, "the weight index")
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CkptError(f"{root / INDEX}: no weight_map of tensor names to shard files")
+        index = weight_map
+        wanted = sorted(set(weight_map.values()))
+    elif SINGLE in names:
+        wanted = [SINGLE]
+    else:
+        bins = sorted(n for n in names if n.startswith("pytorch_model") and n.endswith(".bin"))
+        if bins:
+            raise CkptError(
+                f"{root}: a pytorch_model*.bin export ({bins[0]}); only safetensors exports are verified "
+                "(convert it to safetensors first)"
+            )
+        raise CkptError(f"{root}: no weights ({INDEX} or {SINGLE})")
+    export = HfExport(str(root), config, index, {})
+    for shard in wanted:
+        if "/" in shard or shard in ("", ".", ".."):
+            export.unreadable[shard] = "the index names a path outside the dir"
+        elif shard not in names:
+            export.missing_shards.append(shard)
+        else:
+            try:
+                export.shards[shard] = read_header(root / shard)
+            except CkptError as exc:
+                export.unreadable[shard] = str(exc)
+    if index is not None:
+        export.unindexed_files = sorted(n for n in names if n.endswith(".safetensors") and n not in set(wanted))
+    return export

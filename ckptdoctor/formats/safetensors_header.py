@@ -1,0 +1,186 @@
+"""The header of a ``.safetensors`` file, read by the format's own rules without the ``safetensors`` library.
+
+A file is ``N`` (8 bytes, little-endian unsigned), then ``N`` bytes of UTF-8 JSON, then the byte buffer. The JSON is
+an object: ``"__metadata__"`` (optional, strings to strings) and one entry per tensor,
+``{"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}``, offsets relative to the buffer. The library
+refuses a header over 100 MB, a dtype it does not know, ``end - begin`` other than the shape's bytes, and tensors
+that overlap or leave holes in the buffer; these are refusals here too (:class:`SafetensorsError`, one line). A
+header whose last offset runs past the file (a truncated shard, or a header that lies about its data) is read,
+and its ``buffer_bytes`` is less than ``data_bytes``: the caller reports it against the tensors it cuts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptdoctor.errors import CkptError
+from ckptdoctor.storage.files import open_regular
+
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on N
+MAX_DIMS = 64
+
+# safetensors dtype -> (torch dtype name, bytes per element; 0 for sub-byte types counted in bits below)
+DTYPES: dict[str, tuple[str, int]] = {
+    "BOOL": ("bool", 1),
+    "U8": ("uint8", 1),
+    "I8": ("int8", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
+    "I16": ("int16", 2),
+    "U16": ("uint16", 2),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I32": ("int32", 4),
+    "U32": ("uint32", 4),
+    "F32": ("float32", 4),
+    "I64": ("int64", 8),
+    "U64": ("uint64", 8),
+    "F64": ("float64", 8),
+    "C64": ("complex64", 8),
+}
+_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}  # sub-byte dtypes: bytes = ceil(numel * bits / 8)
+
+
+class SafetensorsError(CkptError):
+    """A ``.safetensors`` file that is not one (a header the format's rules refuse)."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # the safetensors name ("F32", "BF16")
+    shape: tuple[int, ...]
+    begin: int  # offsets into the byte buffer (after the header)
+    end: int
+
+    @property
+    def torch_dtype(self) -> str:
+        return DTYPES[self.dtype][0] if self.dtype in DTYPES else self.dtype.lower()
+
+
+@dataclass
+class SafetensorsHeader:
+    path: str
+    header_bytes: int  # N
+    file_bytes: int
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def data_start(self) -> int:
+        """Where the byte buffer starts in the file."""
+        return 8 + self.header_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The bytes the file holds after its header."""
+        return max(0, self.file_bytes - self.data_start)
+
+    @property
+    def data_bytes(self) -> int:
+        """The bytes the header says its buffer holds."""
+        return max((t.end for t in self.tensors.values()), default=0)
+
+    def cut_tensors(self) -> list[str]:
+        """The tensors whose bytes run past the end of the file."""
+        return sorted(t.name for t in self.tensors.values() if t.end > self.buffer_bytes)
+
+
+def element_bytes(dtype: str, numel: int) -> int:
+    if dtype in _BITS:
+        return -(-numel * _BITS[dtype] // 8)
+    return numel * DTYPES[dtype][1]
+
+
+def read_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """The header of one ``.safetensors`` file (reads ``8 + N`` bytes, never the data)."""
+    where = str(path)
+    with open_regular(path) as f:
+        file_bytes = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise SafetensorsError(f"{where}: {len(prefix)} bytes, too short for a safetensors header length")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > MAX_HEADER_BYTES:
+            raise SafetensorsError(f"{where}: header length {n} over the format's limit of {MAX_HEADER_BYTES} bytes")
+        if n > file_bytes - 8:
+            raise SafetensorsError(f"{where}: header length {n} runs past the end of the file ({file_bytes} bytes)")
+        raw = f.read(n)  # n is at most the file size and the format limit (checked above)
+    return parse_header(raw, file_bytes, where)
+
+
+def parse_header(raw: bytes, file_bytes: int, where: str) -> SafetensorsHeader:
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise SafetensorsError(f"{where}: header is not UTF-8") from None
+    except (ValueError, RecursionError) as exc:
+        raise SafetensorsError(f"{where}: header is not JSON ({str(exc).split(':')[0]})") from None
+    if not isinstance(doc, dict):
+        raise SafetensorsError(f"{where}: header is a JSON {type(doc).__name__}, not an object")
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SafetensorsError(f"{where}: __metadata__ is not a map of strings")
+    tensors = {name: _tensor(name, spec, where) for name, spec in doc.items()}
+    _check_buffer_layout(tensors, where)
+    return SafetensorsHeader(where, len(raw), file_bytes, tensors, metadata)
+
+
+def _tensor(name: str, spec: object, where: str) -> TensorInfo:
+    if not isinstance(spec, dict):
+        raise SafetensorsError(f"{where}: tensor {name!r}: entry is not an object")
+    dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+    if not isinstance(dtype, str) or (dtype not in DTYPES and dtype not in _BITS):
+        raise SafetensorsError(f"{where}: tensor {name!r}: unknown dtype {dtype!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise SafetensorsError(f"{where}: tensor {name!r}: shape {shape!r} is not a list of sizes")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+        or offsets[1] < offsets[0]
+    ):
+        raise SafetensorsError(f"{where}: tensor {name!r}: data_offsets {offsets!r} are not [begin, end]")
+    numel = 1
+    for d in shape:
+        numel *= d
+    expected = element_bytes(dtype, numel)
+    if offsets[1] - offsets[0] != expected:
+        raise SafetensorsError(
+            f"{where}: tensor {name!r}: data_offsets span {offsets[1] - offsets[0]} bytes, "
+            f"its {dtype} shape {shape} needs {expected}"
+        )
+    return TensorInfo(name, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _check_buffer_layout(tensors: dict[str, TensorInfo], where: str) -> None:
+    """The tensors tile the buffer from 0 with no overlap and no hole (the format's rule)."""
+    at = 0
+    for info in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if info.begin < at:
+            raise SafetensorsError(f"{where}: tensor {info.name!r} overlaps the one before it (offset {info.begin})")
+        if info.begin > at:
+            raise SafetensorsError(
+                f"{where}: a hole in the data buffer before tensor {info.name!r} ({at}..{info.begin})"
+            )
+        at = info.end
+
+
+def read_tensor_bytes(header: SafetensorsHeader, name: str) -> bytes:
+    """One tensor's bytes (for ``--values``); the header was read from this file."""
+    info = header.tensors[name]
+    with open_regular(Path(header.path)) as f:
+        f.seek(header.data_start + info.begin)
+        data = f.read(info.end - info.begin)
+    if len(data) != info.end - info.begin:
+        raise SafetensorsError(f"{header.path}: tensor {name!r} runs past the end of the file")
+    return data

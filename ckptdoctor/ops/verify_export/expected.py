@@ -1,0 +1,151 @@
+"""What a Megatron checkpoint's model section should be in Hugging Face names: each HF tensor, its shape, and the
+Megatron slice it equals (for ``--values``), derived from the global shapes, the saved args and the family's
+mapping."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ckptdoctor.checkpoint import Checkpoint, Entry
+from ckptdoctor.ops.verify_export.mapping import Mapping, Rule
+
+_LAYER_KEY = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)\Z")
+
+
+@dataclass(frozen=True)
+class Expected:
+    """One HF tensor as the Megatron checkpoint says it should be."""
+
+    hf_name: str
+    megatron_key: str
+    transform: str
+    part: int  # which piece of the transform (q=0, k=1, v=2; gate=0, up=1)
+    shape: tuple[int, ...]
+    dtype: str  # the Megatron tensor's dtype ("float32")
+    layer: int | None
+    expert: int | None
+    index: tuple[int, ...]  # the leading (layer, expert) indices into the Megatron global tensor
+
+
+@dataclass
+class Unmapped:
+    megatron_key: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The args the transforms need."""
+
+    heads: int | None
+    groups: int | None
+    kv_channels: int | None
+    vocab_rows: int | None  # config.json's vocab_size where it fits in the padded rows
+
+    @staticmethod
+    def from_args(args: dict[str, Any], config: dict[str, Any]) -> Dims:
+        heads = _int(args.get("num_attention_heads"))
+        groups = _int(args.get("num_query_groups")) if args.get("group_query_attention") else heads
+        kv = _int(args.get("kv_channels"))
+        if kv is None and heads and _int(args.get("hidden_size")):
+            kv = args["hidden_size"] // heads
+        return Dims(heads, groups, kv, _int(config.get("vocab_size")))
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def derived_args(args: dict[str, Any]) -> dict[str, Any]:
+    """The saved args with the values config.json states differently (:data:`mapping.DERIVED`)."""
+    values = dict(args)
+    heads = args.get("num_attention_heads")
+    values["num_key_value_heads"] = args.get("num_query_groups") if args.get("group_query_attention") else heads
+    if "untie_embeddings_and_output_weights" in args:
+        values["tie_word_embeddings"] = not args["untie_embeddings_and_output_weights"]
+    if values.get("kv_channels") is None and isinstance(heads, int) and heads and args.get("hidden_size"):
+        values["kv_channels"] = args["hidden_size"] // heads
+    return values
+
+
+def _split_shape(rule: Rule, shape: tuple[int, ...], dims: Dims, key: str) -> list[tuple[int, ...]] | str:
+    """The HF shapes of one Megatron tensor (one layer, one expert), or why they cannot be derived."""
+    if rule.transform == "copy":
+        return [shape]
+    if not shape:
+        return f"a {rule.transform} tensor with no dims"
+    rows, rest = shape[0], shape[1:]
+    if rule.transform == "gate_up":
+        if rows % 2:
+            return f"{rows} rows do not split into gate and up"
+        return [(rows // 2, *rest), (rows // 2, *rest)]
+    if rule.transform == "vocab":
+        if dims.vocab_rows is not None and dims.vocab_rows <= rows:
+            return [(dims.vocab_rows, *rest)]
+        return [shape]
+    heads, groups, kv = dims.heads, dims.groups, dims.kv_channels
+    if heads is None or groups is None or kv is None:
+        return "the saved args lack num_attention_heads / num_query_groups / kv_channels"
+    if heads % groups or rows != (heads + 2 * groups) * kv:
+        return f"{rows} rows are not (heads {heads} + 2 x groups {groups}) x kv_channels {kv}"
+    return [(heads * kv, *rest), (groups * kv, *rest), (groups * kv, *rest)]
+
+
+def expected_tensors(checkpoint: Checkpoint, mapping: Mapping, dims: Dims) -> tuple[list[Expected], list[Unmapped]]:
+    """Every HF tensor the model section maps to, and the model tensors the mapping does not know."""
+    expected: list[Expected] = []
+    unmapped: list[Unmapped] = []
+    for key, entry in sorted(checkpoint.entries.items()):
+        if entry.section != "model" or entry.kind != "tensor" or entry.is_extra_state:
+            continue
+        rule, layers = _rule_for(key, entry, mapping)
+        if rule is None:
+            unmapped.append(Unmapped(key, f"no rule of family {mapping.family} for it"))
+            continue
+        expected.extend(_expand(key, entry, rule, layers, dims, unmapped))
+    return expected, unmapped
+
+
+def _rule_for(key: str, entry: Entry, mapping: Mapping) -> tuple[Rule | None, list[tuple[int | None, bool]]]:
+    """The rule of a key and its layers: ``(layer, stacked)`` per layer it holds (``None``: not a layer key)."""
+    if key in mapping.global_rules:
+        return mapping.global_rules[key], [(None, False)]
+    match = _LAYER_KEY.match(key)
+    if match is None or match.group(2) not in mapping.layer_rules:
+        return None, []
+    rule = mapping.layer_rules[match.group(2)]
+    if match.group(1) is not None:
+        return rule, [(int(match.group(1)), False)]
+    count = entry.shape[0] if entry.shape else 0
+    return rule, [(i, True) for i in range(count)]
+
+
+def _expand(
+    key: str, entry: Entry, rule: Rule, layers: list[tuple[int | None, bool]], dims: Dims, unmapped: list[Unmapped]
+) -> list[Expected]:
+    out: list[Expected] = []
+    dtype = (entry.dtype or "").removeprefix("torch.")
+    shape = tuple(entry.shape or ())
+    for layer, stacked in layers:
+        layer_shape = shape[1:] if stacked else shape
+        head: tuple[int, ...] = (layer,) if stacked and layer is not None else ()
+        experts: list[int | None] = [None]
+        piece = layer_shape
+        if rule.per_expert:
+            if not layer_shape:
+                unmapped.append(Unmapped(key, "a per-expert rule for a tensor with no expert axis"))
+                return out
+            experts = list(range(layer_shape[0]))
+            piece = layer_shape[1:]
+        shapes = _split_shape(rule, piece, dims, key)
+        if isinstance(shapes, str):
+            unmapped.append(Unmapped(key, shapes))
+            return out
+        for expert in experts:
+            index = head + ((expert,) if expert is not None else ())
+            for part, (template, hf_shape) in enumerate(zip(rule.hf, shapes)):
+                name = template.format(layer=layer, expert=expert)
+                out.append(Expected(name, key, rule.transform, part, hf_shape, dtype, layer, expert, index))
+    return out

@@ -1,0 +1,131 @@
+"""``verify-export --values``: each HF tensor against the checkpoint slice it should equal (torch).
+
+One checkpoint tensor at a time: its global tensor is assembled from its chunks, each layer / expert slice is cut
+by the transform (q/k/v of the per-group fused QKV, gate/up of ``linear_fc1``, the first ``vocab_size`` rows), and
+each HF tensor is read from its shard's byte range and compared. Memory: the largest checkpoint tensor and one HF
+tensor. Equal dtypes must match exactly; a dtype change is compared within the narrower dtype's rounding. A wrong
+piece that equals another piece of the same fused tensor is named as swapped; one of all zeros, as zeroed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.formats.hf_export import HfExport
+from ckptdoctor.formats.safetensors_header import read_tensor_bytes
+from ckptdoctor.ops.verify_export.expected import Expected
+from ckptdoctor.ops.verify_export.report import ExportFinding, ExportTensor
+from ckptdoctor.progress import Progress
+from ckptdoctor.severity import ERROR
+from ckptdoctor.values.read import read_tensor, require_torch
+
+
+def _pieces(torch: Any, whole: Any, want: Expected, dims: tuple[int, int, int] | None) -> list[Any]:
+    """The transform's pieces of one layer / expert slice of the checkpoint tensor."""
+    piece = whole[want.index] if want.index else whole
+    if want.transform == "copy":
+        return [piece]
+    if want.transform == "vocab":
+        return [piece[: want.shape[0]]]
+    if want.transform == "gate_up":
+        return list(piece.chunk(2))
+    assert dims is not None
+    heads, groups, kv = dims
+    per = heads // groups
+    grouped = piece.reshape(groups, (per + 2) * kv, *piece.shape[1:])
+    q = grouped[:, : per * kv].reshape(heads * kv, *piece.shape[1:])
+    k = grouped[:, per * kv : (per + 1) * kv].reshape(groups * kv, *piece.shape[1:])
+    v = grouped[:, (per + 1) * kv :].reshape(groups * kv, *piece.shape[1:])
+    return [q, k, v]
+
+
+def _tolerance(torch: Any, a: Any, b: Any) -> float:
+    """0 for the same dtype; else the narrower float dtype's rounding at the values' scale."""
+    if a.dtype == b.dtype:
+        return 0.0
+    narrow = min((a.dtype, b.dtype), key=lambda d: torch.finfo(d).bits if d.is_floating_point else 64)
+    eps = torch.finfo(narrow).eps if narrow.is_floating_point else 0.0
+    scale = float(a.abs().max()) if a.numel() else 0.0
+    return eps * max(scale, 1.0)
+
+
+def compare_values(
+    checkpoint: Checkpoint,
+    export: HfExport,
+    expected: list[Expected],
+    tensors: list[ExportTensor],
+    progress: Progress | None = None,
+) -> tuple[int, list[ExportFinding]]:
+    torch = require_torch("verify-export --values")
+    held = export.holder()
+    rows = {t.name: t for t in tensors}
+    by_key: dict[str, list[Expected]] = defaultdict(list)
+    for want in expected:
+        info = export.shards[held[want.hf_name]].tensors.get(want.hf_name) if want.hf_name in held else None
+        if info is not None and info.shape == want.shape and info.end <= export.shards[held[want.hf_name]].buffer_bytes:
+            by_key[want.megatron_key].append(want)
+    args = checkpoint.args
+    heads = getattr(args, "num_attention_heads", None)
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
+    kv = getattr(args, "kv_channels", None) or (args.hidden_size // heads if heads else None)
+    dims = (heads, groups, kv) if heads and groups and kv else None
+    findings: list[ExportFinding] = []
+    compared = 0
+    if progress is not None:
+        infos = [export.shards[held[w.hf_name]].tensors[w.hf_name] for v in by_key.values() for w in v]
+        total = sum(info.end - info.begin for info in infos)
+        progress.start("comparing values", total)
+    for key, wants in sorted(by_key.items()):
+        whole = read_tensor(checkpoint, key)
+        for want in wants:
+            pieces = _pieces(torch, whole, want, dims)
+            source = pieces[want.part] if want.transform in ("qkv", "gate_up") else pieces[0]
+            header = export.shards[held[want.hf_name]]
+            info = header.tensors[want.hf_name]
+            dtype = getattr(torch, info.torch_dtype)
+            data = bytearray(read_tensor_bytes(header, want.hf_name))
+            got = (
+                torch.frombuffer(data, dtype=dtype).reshape(info.shape)
+                if data
+                else torch.empty(info.shape, dtype=dtype)
+            )
+            diff = _max_abs_diff(torch, source, got)
+            rows[want.hf_name].max_abs_diff = diff
+            compared += 1
+            if progress is not None:
+                progress.advance(len(data))
+            if diff <= _tolerance(torch, source, got):
+                continue
+            findings.append(_wrong(torch, want, source, got, pieces, diff))
+        del whole
+    if progress is not None:
+        progress.finish()
+    return compared, findings
+
+
+def _max_abs_diff(torch: Any, a: Any, b: Any) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return float((a.to(torch.float64) - b.to(torch.float64)).abs().max())
+
+
+def _finding(code: str, want: Expected, message: str) -> ExportFinding:
+    return ExportFinding(
+        code, ERROR, message, hf_name=want.hf_name, megatron_key=want.megatron_key, layer=want.layer, expert=want.expert
+    )
+
+
+def _wrong(torch: Any, want: Expected, source: Any, got: Any, pieces: list[Any], diff: float) -> ExportFinding:
+    where = f"{want.megatron_key}" + (f" layer {want.layer}" if want.layer is not None else "")
+    where += f" expert {want.expert}" if want.expert is not None else ""
+    if got.numel() and not bool(got.any()) and bool(source.any()):
+        return _finding("zeroed", want, f"{want.hf_name}: all zeros; {where} is not")
+    names = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}.get(want.transform)
+    if names is not None:
+        for part, other in enumerate(pieces):
+            if part != want.part and other.shape == got.shape and _max_abs_diff(torch, other, got) == 0.0:
+                message = f"{want.hf_name}: holds the {names[part]} piece of {where}, not the {names[want.part]} piece"
+                return _finding("swapped", want, message)
+    return _finding("value", want, f"{want.hf_name}: max abs diff {diff:.6g} from {where}")

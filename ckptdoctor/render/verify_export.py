@@ -1,0 +1,61 @@
+"""Output of ``ckptdoctor verify-export``: text (the findings, a per layer / expert summary of what is missing,
+``--stat`` counts, and a verdict line) or ``--name-only`` (the HF tensor names of the findings)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from ckptdoctor.render.common import plural
+from ckptdoctor.text_safety import escape_output
+
+if TYPE_CHECKING:
+    from ckptdoctor.ops.verify_export.report import VerifyExportReport
+
+MAX_LISTED = 200  # findings listed in text; JSON has them all
+
+
+def render_verify_export(report: VerifyExportReport, stat: bool = False) -> str:
+    lines = [
+        f"checkpoint  {report.checkpoint}",
+        f"export      {report.hf_dir} ({report.model_type}, family {report.family}; "
+        f"{plural(report.shards, 'shard')}, {plural(report.hf_tensors, 'tensor')})",
+    ]
+    shown = [f for f in report.findings if f.severity != "info" or stat]
+    for finding in shown[:MAX_LISTED]:
+        lines.append(f"{finding.severity:<8} {finding.code:<16} {finding.message}")
+    if len(shown) > MAX_LISTED:
+        lines.append(f"... and {len(shown) - MAX_LISTED} more (--format json lists them all)")
+    missing = Counter((f.layer, f.expert) for f in report.findings if f.code == "missing" and f.layer is not None)
+    if missing:
+        lines.append("missing by layer / expert:")
+        for (layer, expert), n in sorted(
+            missing.items(), key=lambda x: (x[0][0] or 0, -1 if x[0][1] is None else x[0][1])
+        ):
+            where = f"layer {layer}" + (f" expert {expert}" if expert is not None else "")
+            lines.append(f"  {where}: {plural(n, 'tensor')}")
+    if stat:
+        by_code = Counter(f.code for f in report.findings)
+        lines.append("findings by code: " + (", ".join(f"{c} {n}" for c, n in sorted(by_code.items())) or "none"))
+        if report.values_compared:
+            worst = max((t.max_abs_diff or 0.0 for t in report.tensors), default=0.0)
+            lines.append(f"values: {plural(report.values_compared, 'tensor')} compared, largest abs diff {worst:.6g}")
+    counts = report.counts
+    values = f", values of {plural(report.values_compared, 'tensor')} compared" if report.values_compared else ""
+    lines.append(
+        f"{report.verdict}: {report.expected_tensors} expected tensors{values}; "
+        f"{plural(counts['errors'], 'error')}, {plural(counts['warnings'], 'warning')}"
+    )
+    return escape_output("\n".join(lines))
+
+
+def render_names(report: VerifyExportReport) -> str:
+    """The HF tensor names (else the checkpoint key, else the shard) of the error and warning findings, once each."""
+    names: list[str] = []
+    for f in report.findings:
+        if f.severity == "info":
+            continue
+        name = f.hf_name or f.megatron_key or f.shard
+        if name and name not in names:
+            names.append(name)
+    return escape_output("\n".join(names))
