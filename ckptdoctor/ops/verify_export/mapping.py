@@ -207,7 +207,7 @@ def builtin_mappings() -> dict[str, Mapping]:
 def choose_mapping(mappings: dict[str, Mapping], config: dict[str, Any], family: str | None) -> Mapping:
     """The family ``--family`` names, else the one whose ``model_types`` has config.json's ``model_type``."""
     known = ", ".join(sorted(mappings))
-    how = "pass --family NAME, or --mapping FILE with a table for it (docs/commands/verify-export.md)"
+    how = "pass --family NAME, or --mapping FILE with a table for it"
     if family is not None:
         if family not in mappings:
             raise CkptError(f"unknown family {family!r}; known families: {known}; {how}")

@@ -1,0 +1,432 @@
+"""``ckptdoctor verify-export CKPT HF_DIR`` (issue #39): Hugging Face exports of the Megatron fixtures, written by
+``transformers`` (config.json) and ``safetensors`` (the shards) in ``fixtures/make_hf_exports.py``, verify clean;
+copies damaged with the ``safetensors`` library get the right finding naming the right tensor, shard, layer or
+expert."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import jsonschema
+import pytest
+from conftest import FIXTURES, run_main, shipped_schema
+
+HF = FIXTURES / "hf"
+EXPORTS = sorted(p.name for p in HF.iterdir() if (p / "config.json").exists())
+INDEX = "model.safetensors.index.json"
+
+
+def _verify(capsys, ckpt: str | Path, hf: Path, *extra: str) -> tuple[int, dict, str]:
+    """verify-export with --format json: exit code, the report (valid against its schema) and stderr."""
+    rc, out, err = run_main(
+        capsys, "verify-export", ckpt if isinstance(ckpt, Path) else FIXTURES / ckpt, hf, *extra, "--format", "json"
+    )
+    if rc == 2:
+        return rc, {}, err
+    report = json.loads(out)
+    jsonschema.Draft202012Validator(shipped_schema("verify-export")).validate(report)
+    return rc, report, err
+
+
+def _codes(report: dict, severity: str = "error") -> dict[str, list[dict]]:
+    found: dict[str, list[dict]] = {}
+    for f in report["findings"]:
+        if f["severity"] == severity:
+            found.setdefault(f["code"], []).append(f)
+    return found
+
+
+@pytest.fixture
+def export_copy(tmp_path):
+    def _copy(name: str) -> Path:
+        dest = tmp_path / f"hf_{name}"
+        shutil.copytree(HF / name, dest)
+        return dest
+
+    return _copy
+
+
+def _index(hf: Path) -> dict:
+    return json.loads((hf / INDEX).read_text())
+
+
+def _write_index(hf: Path, index: dict) -> None:
+    (hf / INDEX).write_text(json.dumps(index))
+
+
+def _shard_of(hf: Path, name: str) -> Path:
+    if (hf / INDEX).exists():
+        return hf / _index(hf)["weight_map"][name]
+    return hf / "model.safetensors"
+
+
+def _rewrite(hf: Path, shard: Path, change) -> None:
+    """Rewrite one shard with the safetensors library after ``change(tensors)``; the index follows what it holds
+    (an exporter that wrote what it had)."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    tensors = safetensors_torch.load_file(str(shard))
+    change(tensors)
+    safetensors_torch.save_file(tensors, str(shard), metadata={"format": "pt"})
+    if (hf / INDEX).exists():
+        index = _index(hf)
+        weight_map = {n: s for n, s in index["weight_map"].items() if s != shard.name}
+        weight_map.update(dict.fromkeys(tensors, shard.name))
+        index["weight_map"] = weight_map
+        _write_index(hf, index)
+
+
+# --- clean exports -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", EXPORTS)
+def test_each_fixture_export_matches_its_checkpoint(capsys, name):
+    rc, report, _ = _verify(capsys, name, HF / name)
+    assert rc == 0, report["findings"]
+    assert report["verdict"] == "match" and report["counts"] == {"errors": 0, "warnings": 0, "infos": 0}
+    assert report["hf_tensors"] == report["expected_tensors"] > 0
+    assert all(t["megatron_key"] for t in report["tensors"])
+    rc, out, _ = run_main(capsys, "verify-export", FIXTURES / name, HF / name)
+    assert rc == 0 and out.splitlines()[-1].startswith("match: ")
+
+
+@pytest.mark.parametrize("name", EXPORTS)
+def test_values_of_each_fixture_export_equal_the_checkpoint_slices(capsys, name):
+    pytest.importorskip("torch")
+    rc, report, _ = _verify(capsys, name, HF / name, "--values")
+    assert rc == 0, report["findings"]
+    assert report["values_compared"] == report["expected_tensors"]
+    assert {t["max_abs_diff"] for t in report["tensors"]} == {0.0}
+
+
+def test_the_families_come_from_config_json(capsys):
+    families = {name: _verify(capsys, name, HF / name)[1]["family"] for name in EXPORTS}
+    assert families == {
+        "core019_gqa_qkln_tp2": "llama",  # qwen3: q/k norm in the dense table
+        "core019_moe_ep2": "mixtral",
+        "core019_moe_mixed_shared_ep2": "qwen_moe",
+        "core019_tied_pp2": "llama",
+        "core019_tp1": "llama",
+    }
+
+
+def test_the_export_of_another_checkpoint_does_not_match(capsys):
+    rc, report, _ = _verify(capsys, "core019_tp1", HF / "core019_gqa_qkln_tp2")
+    assert rc == 1 and report["verdict"] == "mismatch"
+    found = _codes(report)
+    assert {f["hf_name"] for f in found["shape"]} == {
+        f"model.layers.{i}.self_attn.{p}_proj.weight" for i in (0, 1) for p in "kv"
+    }
+    assert {f["hf_name"] for f in found["extra"]} == {
+        f"model.layers.{i}.self_attn.{p}_norm.weight" for i in (0, 1) for p in "qk"
+    }
+    assert any("num_key_value_heads = 2" in f["message"] for f in found["config"])
+
+
+# --- the export's own files ----------------------------------------------------------------------------------------
+
+
+def test_a_missing_shard_is_named_with_the_tensors_it_held(capsys, export_copy):
+    hf = export_copy("core019_tp1")
+    index = _index(hf)
+    gone = "model-00002-of-00003.safetensors"
+    (hf / gone).unlink()
+    rc, report, _ = _verify(capsys, "core019_tp1", hf)
+    assert rc == 1
+    found = _codes(report)
+    assert [f["shard"] for f in found["shard-missing"]] == [gone]
+    held = {n for n, s in index["weight_map"].items() if s == gone}
+    assert {f["hf_name"] for f in found["missing"]} == held
+    rc, out, _ = run_main(capsys, "verify-export", FIXTURES / "core019_tp1", hf)
+    assert rc == 1 and f"{gone}: named by the index, not in the dir" in out
+    assert out.splitlines()[-1].startswith("mismatch: ")
+
+
+def test_a_ghost_entry_in_the_index(capsys, export_copy):
+    hf = export_copy("core019_tp1")
+    index = _index(hf)
+    index["weight_map"]["model.layers.7.mlp.up_proj.weight"] = "model-00001-of-00003.safetensors"
+    _write_index(hf, index)
+    rc, report, _ = _verify(capsys, "core019_tp1", hf)
+    assert rc == 1
+    assert [f["hf_name"] for f in _codes(report)["ghost"]] == ["model.layers.7.mlp.up_proj.weight"]
+
+
+def test_an_orphan_tensor_in_a_shard(capsys, export_copy):
+    torch = pytest.importorskip("torch")
+    hf = export_copy("core019_tp1")
+    index = _index(hf)
+    shard = hf / "model-00003-of-00003.safetensors"
+    _rewrite(hf, shard, lambda t: t.update({"model.layers.0.mlp.extra_proj.weight": torch.ones(4, 4)}))
+    _write_index(hf, index)  # the index as the exporter wrote it before: it does not list the new tensor
+    rc, report, _ = _verify(capsys, "core019_tp1", hf)
+    found = _codes(report)
+    assert rc == 1
+    assert [(f["hf_name"], f["shard"]) for f in found["orphan"]] == [
+        ("model.layers.0.mlp.extra_proj.weight", shard.name)
+    ]
+    assert [f["hf_name"] for f in found["extra"]] == ["model.layers.0.mlp.extra_proj.weight"]
+
+
+def test_a_truncated_shard_is_a_header_that_claims_more_than_the_file(capsys, export_copy):
+    hf = export_copy("core019_tp1")
+    shard = hf / "model-00001-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    rc, report, _ = _verify(capsys, "core019_tp1", hf)
+    assert rc == 1
+    [finding] = _codes(report)["truncated"]
+    assert finding["shard"] == shard.name and "tensor(s) cut" in finding["message"]
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (b"{not json", "header is not JSON"),
+        (b"[1, 2]", "header is a JSON list, not an object"),
+        (b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}', "data_offsets span 4 bytes"),
+        (b'{"w": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 1]}}', "unknown dtype 'Q7'"),
+        (
+            b'{"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},'
+            b' "b": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}',
+            "overlaps",
+        ),
+    ],
+)
+def test_a_header_the_format_refuses_makes_the_shard_unreadable(capsys, export_copy, header, message):
+    hf = export_copy("core019_tied_pp2")
+    (hf / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
+    rc, report, _ = _verify(capsys, "core019_tied_pp2", hf)
+    assert rc == 1
+    [finding] = _codes(report)["shard-unreadable"]
+    assert message in finding["message"] and finding["shard"] == "model.safetensors"
+    assert report["hf_tensors"] == 0 and len(_codes(report)["missing"]) == report["expected_tensors"]
+
+
+def test_a_header_length_over_the_format_limit_is_refused_without_reading_it(capsys, export_copy):
+    hf = export_copy("core019_tied_pp2")
+    (hf / "model.safetensors").write_bytes(struct.pack("<Q", 200_000_000) + b"{}")
+    rc, report, _ = _verify(capsys, "core019_tied_pp2", hf)
+    assert rc == 1
+    [finding] = _codes(report)["shard-unreadable"]
+    assert "header length 200000000 over the format's limit" in finding["message"]
+
+
+def test_the_header_reader_agrees_with_the_safetensors_library():
+    safetensors = pytest.importorskip("safetensors")
+    from ckptdoctor.formats.safetensors_header import read_header
+
+    for shard in sorted(HF.glob("*/*.safetensors")):
+        header = read_header(shard)
+        with safetensors.safe_open(str(shard), framework="pt") as f:
+            assert sorted(header.tensors) == sorted(f.keys())
+            assert header.metadata == f.metadata()
+            for name in sorted(header.tensors):
+                piece = f.get_slice(name)
+                assert list(header.tensors[name].shape) == piece.get_shape()
+                assert header.tensors[name].dtype == piece.get_dtype()
+        assert header.data_bytes == header.buffer_bytes
+
+
+# --- coverage: layers, experts, lm_head, dtypes ----------------------------------------------------------------------
+
+
+def test_a_missing_layer_is_reported_per_layer(capsys, export_copy):
+    hf = export_copy("core019_tied_pp2")
+    _rewrite(hf, hf / "model.safetensors", lambda t: [t.pop(n) for n in list(t) if n.startswith("model.layers.1.")])
+    rc, report, _ = _verify(capsys, "core019_tied_pp2", hf)
+    assert rc == 1
+    missing = _codes(report)["missing"]
+    assert {f["layer"] for f in missing} == {1} and len(missing) == 9
+    rc, out, _ = run_main(capsys, "verify-export", FIXTURES / "core019_tied_pp2", hf)
+    assert "missing by layer / expert:\n  layer 1: 9 tensors" in out
+
+
+def test_a_missing_expert_is_named_by_layer_and_expert(capsys, export_copy):
+    hf = export_copy("core019_moe_ep2")
+    prefix = "model.layers.1.block_sparse_moe.experts.2."
+    shard = _shard_of(hf, prefix + "w1.weight")
+    _rewrite(hf, shard, lambda t: [t.pop(n) for n in list(t) if n.startswith(prefix)])
+    rc, report, _ = _verify(capsys, "core019_moe_ep2", hf)
+    assert rc == 1
+    missing = _codes(report)["missing"]
+    assert {(f["layer"], f["expert"]) for f in missing} == {(1, 2)}
+    assert {f["megatron_key"] for f in missing} >= {"decoder.layers.mlp.experts.experts.linear_fc1.weight"}
+
+
+def test_a_missing_lm_head_of_an_untied_model(capsys, export_copy):
+    hf = export_copy("core019_tp1")
+    _rewrite(hf, _shard_of(hf, "lm_head.weight"), lambda t: t.pop("lm_head.weight"))
+    rc, report, _ = _verify(capsys, "core019_tp1", hf)
+    assert rc == 1
+    [finding] = _codes(report)["missing"]
+    assert finding["hf_name"] == "lm_head.weight" and finding["megatron_key"] == "output_layer.weight"
+
+
+def test_a_dtype_change_is_a_warning_and_a_mismatch_with_strict(capsys, export_copy):
+    torch = pytest.importorskip("torch")
+    hf = export_copy("core019_tied_pp2")
+    name = "model.layers.0.mlp.down_proj.weight"
+    _rewrite(hf, hf / "model.safetensors", lambda t: t.update({name: t[name].to(torch.bfloat16)}))
+    rc, report, _ = _verify(capsys, "core019_tied_pp2", hf)
+    assert rc == 0 and report["verdict"] == "match"
+    [finding] = _codes(report, "warning")["dtype"]
+    assert finding["hf_name"] == name and "bfloat16" in finding["message"] and "float32" in finding["message"]
+    rc, report, _ = _verify(capsys, "core019_tied_pp2", hf, "--strict")
+    assert rc == 1 and report["verdict"] == "mismatch"
+    rc, report, _ = _verify(capsys, "core019_tied_pp2", hf, "--values")  # within bfloat16's rounding
+    assert rc == 0 and "value" not in _codes(report)
+
+
+def test_config_drift_names_each_field(capsys, export_copy):
+    hf = export_copy("core019_gqa_qkln_tp2")
+    config = json.loads((hf / "config.json").read_text())
+    config.update(num_key_value_heads=4, rms_norm_eps=1e-6, tie_word_embeddings=True, vocab_size=256)
+    config["rope_parameters"]["rope_theta"] = 500000.0
+    (hf / "config.json").write_text(json.dumps(config))
+    rc, report, _ = _verify(capsys, "core019_gqa_qkln_tp2", hf)
+    assert rc == 1
+    messages = sorted(f["message"] for f in _codes(report)["config"])
+    assert messages == [
+        "config.json num_key_value_heads = 4, the saved args' num_key_value_heads = 2",
+        "config.json rms_norm_eps = 1e-06, the saved args' norm_epsilon = 1e-05",
+        "config.json rope_theta = 500000.0, the saved args' rotary_base = 10000",
+        "config.json tie_word_embeddings = True, the saved args' tie_word_embeddings = False",
+        "config.json vocab_size 256 > the checkpoint's padded_vocab_size 128",
+    ]
+
+
+def test_vocab_smaller_than_the_padded_rows_is_the_first_rows(capsys):
+    rc, report, _ = _verify(capsys, "core019_tp1", HF / "core019_tp1")
+    embed = next(t for t in report["tensors"] if t["name"] == "model.embed_tokens.weight")
+    assert rc == 0 and embed["shape"] == [100, 32]  # padded_vocab_size 128, config.json vocab_size 100
+
+
+# --- values ----------------------------------------------------------------------------------------------------------
+
+
+def test_swapped_k_and_v_and_gate_and_up(capsys, export_copy):
+    pytest.importorskip("torch")
+    hf = export_copy("core019_gqa_qkln_tp2")
+    a = "model.layers.1.self_attn."
+    m = "model.layers.0.mlp."
+
+    def swap(t, x, y):
+        if x in t and y in t:
+            t[x], t[y] = t[y], t[x]
+
+    assert _shard_of(hf, a + "k_proj.weight") == _shard_of(hf, a + "v_proj.weight")
+    assert _shard_of(hf, m + "gate_proj.weight") == _shard_of(hf, m + "up_proj.weight")
+    _rewrite(hf, _shard_of(hf, a + "k_proj.weight"), lambda t: swap(t, a + "k_proj.weight", a + "v_proj.weight"))
+    _rewrite(hf, _shard_of(hf, m + "gate_proj.weight"), lambda t: swap(t, m + "gate_proj.weight", m + "up_proj.weight"))
+    rc, report, _ = _verify(capsys, "core019_gqa_qkln_tp2", hf)
+    assert rc == 0  # names and shapes are all right: only the values tell
+    rc, report, _ = _verify(capsys, "core019_gqa_qkln_tp2", hf, "--values")
+    assert rc == 1
+    swapped = {f["hf_name"]: f["message"] for f in _codes(report)["swapped"]}
+    assert set(swapped) == {a + "k_proj.weight", a + "v_proj.weight", m + "gate_proj.weight", m + "up_proj.weight"}
+    assert "holds the v piece" in swapped[a + "k_proj.weight"]
+    assert "holds the up piece" in swapped[m + "gate_proj.weight"]
+    assert set(_codes(report)) == {"swapped"}
+
+
+def test_a_zeroed_and_a_reinitialised_expert(capsys, export_copy):
+    torch = pytest.importorskip("torch")
+    hf = export_copy("core019_moe_ep2")
+    zeroed = "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+    redrawn = "model.layers.1.block_sparse_moe.experts.3.w1.weight"
+    gen = torch.Generator().manual_seed(0)
+    _rewrite(hf, _shard_of(hf, zeroed), lambda t: t.update({zeroed: torch.zeros_like(t[zeroed])}))
+    _rewrite(
+        hf,
+        _shard_of(hf, redrawn),
+        lambda t: t.update({redrawn: torch.randn(t[redrawn].shape, generator=gen) * 0.02}),
+    )
+    rc, report, _ = _verify(capsys, "core019_moe_ep2", hf, "--values")
+    assert rc == 1
+    found = _codes(report)
+    assert [(f["hf_name"], f["layer"], f["expert"]) for f in found["zeroed"]] == [(zeroed, 0, 1)]
+    assert [(f["hf_name"], f["layer"], f["expert"]) for f in found["value"]] == [(redrawn, 1, 3)]
+    row = next(t for t in report["tensors"] if t["name"] == redrawn)
+    assert row["max_abs_diff"] > 0
+
+
+# --- input the command refuses; options -------------------------------------------------------------------------------
+
+
+def test_a_dir_that_is_not_an_hf_model_is_one_line(capsys, tmp_path):
+    rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tp1", tmp_path)
+    assert (
+        rc == 2
+        and out == ""
+        and err.strip() == f"ckptdoctor: error: {tmp_path}: not a Hugging Face model dir (no config.json)"
+    )
+
+
+def test_a_pytorch_bin_export_is_refused_in_one_line(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"PK\x03\x04")
+    rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tp1", tmp_path)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "pytorch_model.bin" in err and "only safetensors exports are verified" in err
+
+
+def test_an_unknown_family_names_the_known_ones_and_the_mapping_option(capsys, export_copy):
+    hf = export_copy("core019_tied_pp2")
+    config = json.loads((hf / "config.json").read_text())
+    config["model_type"] = "deepseek_v3"
+    (hf / "config.json").write_text(json.dumps(config))
+    rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tied_pp2", hf)
+    assert rc == 2 and out == ""
+    assert "'deepseek_v3' is not a family ckptdoctor knows (llama, mixtral, qwen_moe)" in err and "--mapping" in err
+    rc, report, _ = _verify(capsys, "core019_tied_pp2", hf, "--family", "llama")
+    assert rc == 0 and report["family"] == "llama"
+    rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tied_pp2", hf, "--family", "gpt9")
+    assert rc == 2 and "unknown family 'gpt9'" in err
+
+
+def test_a_mapping_file_adds_a_family(capsys, export_copy, tmp_path):
+    hf = export_copy("core019_tied_pp2")
+    config = json.loads((hf / "config.json").read_text())
+    config["model_type"] = "my_llama"
+    (hf / "config.json").write_text(json.dumps(config))
+    mapping = tmp_path / "mapping.toml"
+    layer = "model.layers.{layer}."
+    copy = '{transform = "copy", hf = '
+    mapping.write_text(
+        "[mine]\n"
+        'model_types = ["my_llama"]\n'
+        "[mine.global]\n"
+        '"embedding.word_embeddings.weight" = {transform = "vocab", hf = ["model.embed_tokens.weight"]}\n'
+        '"decoder.final_layernorm.weight" = {transform = "copy", hf = ["model.norm.weight"]}\n'
+        "[mine.layer]\n"
+        f'"self_attention.linear_qkv.layer_norm_weight" = {copy}["{layer}input_layernorm.weight"]}}\n'
+        f'"self_attention.linear_qkv.weight" = {{transform = "qkv", hf = ["{layer}self_attn.q_proj.weight", '
+        f'"{layer}self_attn.k_proj.weight", "{layer}self_attn.v_proj.weight"]}}\n'
+        f'"self_attention.linear_proj.weight" = {{transform = "copy", hf = ["{layer}self_attn.o_proj.weight"]}}\n'
+        f'"mlp.linear_fc1.layer_norm_weight" = {copy}["{layer}post_attention_layernorm.weight"]}}\n'
+        f'"mlp.linear_fc1.weight" = {{transform = "gate_up", hf = ["{layer}mlp.gate_proj.weight", '
+        f'"{layer}mlp.up_proj.weight"]}}\n'
+        "[mine.config]\n"
+        'hidden_size = "hidden_size"\n'
+    )
+    rc, report, _ = _verify(capsys, "core019_tied_pp2", hf, "--mapping", mapping)
+    assert rc == 1 and report["family"] == "mine"
+    # the file's table has no rule for linear_fc2: that checkpoint tensor is unmapped, its HF tensors extra
+    assert {f["megatron_key"] for f in _codes(report, "warning")["unmapped"]} == {
+        "decoder.layers.mlp.linear_fc2.weight"
+    }
+    assert {f["hf_name"] for f in _codes(report)["extra"]} == {f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)}
+    mapping.write_text('[mine]\nmodel_types = ["my_llama"]\n[mine.layer]\n"x" = {transform = "split3", hf = ["a"]}\n')
+    rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tied_pp2", hf, "--mapping", mapping)
+    assert rc == 2 and "transform 'split3' is not one of copy, qkv, gate_up, vocab" in err
+
+
+def test_name_only_and_stat(capsys, export_copy):
+    hf = export_copy("core019_tp1")
+    _rewrite(hf, _shard_of(hf, "lm_head.weight"), lambda t: t.pop("lm_head.weight"))
+    rc, out, _ = run_main(capsys, "verify-export", FIXTURES / "core019_tp1", hf, "--name-only")
+    assert rc == 1 and out == "lm_head.weight\n"
+    rc, out, _ = run_main(capsys, "verify-export", FIXTURES / "core019_tp1", hf, "--stat")
+    assert rc == 1 and "findings by code: missing 1" in out
