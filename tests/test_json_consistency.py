@@ -28,6 +28,7 @@ COMMANDS = {
     "strip-frozen": ("strip-frozen", FIXTURES / "core019_peft_full_tp1"),
     "edit": ("edit", FIXTURES / "core019_tp2", "--remove", r"^optimizer\."),
     "can-load": ("can-load", TP1, "--target", "tp=1"),
+    "verify-export": ("verify-export", TP1, FIXTURES / "hf" / "core019_tp1"),
     "rules": ("rules",),
 }
 
