@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, run_main, shipped_schema
+from conftest import FIXTURES, REPO, run_main, shipped_schema
 
 HF = FIXTURES / "hf"
 EXPORTS = sorted(p.name for p in HF.iterdir() if (p / "config.json").exists())
@@ -430,3 +432,19 @@ def test_name_only_and_stat(capsys, export_copy):
     assert rc == 1 and out == "lm_head.weight\n"
     rc, out, _ = run_main(capsys, "verify-export", FIXTURES / "core019_tp1", hf, "--stat")
     assert rc == 1 and "findings by code: missing 1" in out
+
+
+def test_metadata_only_verification_imports_no_torch(export_copy):
+    hf = export_copy("core019_moe_mixed_shared_ep2")
+    (hf / "config.json").write_text(
+        (hf / "config.json").read_text().replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": 1e-06')
+    )
+    code = (
+        "import sys; from ckptdoctor.cli import main; "
+        f"rc = main(['verify-export', {str(FIXTURES / 'core019_moe_mixed_shared_ep2')!r}, {str(hf)!r}]); "
+        "print('torch loaded' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    assert "config.json rms_norm_eps = 1e-06, the saved args' norm_epsilon = 1e-05" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "no torch"

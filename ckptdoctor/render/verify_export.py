@@ -40,6 +40,7 @@ def render_verify_export(report: VerifyExportReport, stat: bool = False) -> str:
         if report.values_compared:
             worst = max((t.max_abs_diff or 0.0 for t in report.tensors), default=0.0)
             lines.append(f"values: {plural(report.values_compared, 'tensor')} compared, largest abs diff {worst:.6g}")
+    lines.extend(f"note: {note}" for note in report.notes)
     counts = report.counts
     values = f", values of {plural(report.values_compared, 'tensor')} compared" if report.values_compared else ""
     lines.append(

@@ -15,14 +15,14 @@ from typing import Any
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.formats.hf_export import HfExport
 from ckptdoctor.formats.safetensors_header import read_tensor_bytes
-from ckptdoctor.ops.verify_export.expected import Expected
+from ckptdoctor.ops.verify_export.expected import Dims, Expected
 from ckptdoctor.ops.verify_export.report import ExportFinding, ExportTensor
 from ckptdoctor.progress import Progress
 from ckptdoctor.severity import ERROR
 from ckptdoctor.values.read import read_tensor, require_torch
 
 
-def _pieces(torch: Any, whole: Any, want: Expected, dims: tuple[int, int, int] | None) -> list[Any]:
+def _pieces(torch: Any, whole: Any, want: Expected, dims: Dims) -> list[Any]:
     """The transform's pieces of one layer / expert slice of the checkpoint tensor."""
     piece = whole[want.index] if want.index else whole
     if want.transform == "copy":
@@ -31,8 +31,8 @@ def _pieces(torch: Any, whole: Any, want: Expected, dims: tuple[int, int, int] |
         return [piece[: want.shape[0]]]
     if want.transform == "gate_up":
         return list(piece.chunk(2))
-    assert dims is not None
-    heads, groups, kv = dims
+    heads, groups, kv = dims.heads, dims.groups, dims.kv_channels
+    assert heads and groups and kv  # a qkv tensor is expected only where the args give them
     per = heads // groups
     grouped = piece.reshape(groups, (per + 2) * kv, *piece.shape[1:])
     q = grouped[:, : per * kv].reshape(heads * kv, *piece.shape[1:])
@@ -56,21 +56,26 @@ def compare_values(
     export: HfExport,
     expected: list[Expected],
     tensors: list[ExportTensor],
+    dims: Dims,
     progress: Progress | None = None,
-) -> tuple[int, list[ExportFinding]]:
+) -> tuple[int, list[ExportFinding], list[str]]:
+    """(tensors compared, findings, notes on tensors not compared)."""
     torch = require_torch("verify-export --values")
     held = export.holder()
     rows = {t.name: t for t in tensors}
     by_key: dict[str, list[Expected]] = defaultdict(list)
+    notes: list[str] = []
     for want in expected:
-        info = export.shards[held[want.hf_name]].tensors.get(want.hf_name) if want.hf_name in held else None
-        if info is not None and info.shape == want.shape and info.end <= export.shards[held[want.hf_name]].buffer_bytes:
-            by_key[want.megatron_key].append(want)
-    args = checkpoint.args
-    heads = getattr(args, "num_attention_heads", None)
-    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
-    kv = getattr(args, "kv_channels", None) or (args.hidden_size // heads if heads else None)
-    dims = (heads, groups, kv) if heads and groups and kv else None
+        if want.hf_name not in held:
+            continue  # missing: reported by the coverage pass
+        header = export.shards[held[want.hf_name]]
+        info = header.tensors[want.hf_name]
+        if info.shape != want.shape or info.end > header.buffer_bytes:
+            continue  # a wrong shape or a cut tensor: reported already
+        if not isinstance(getattr(torch, info.torch_dtype, None), torch.dtype):
+            notes.append(f"{want.hf_name}: values not compared (torch has no {info.dtype} dtype)")
+            continue
+        by_key[want.megatron_key].append(want)
     findings: list[ExportFinding] = []
     compared = 0
     if progress is not None:
@@ -102,7 +107,7 @@ def compare_values(
         del whole
     if progress is not None:
         progress.finish()
-    return compared, findings
+    return compared, findings, notes
 
 
 def _max_abs_diff(torch: Any, a: Any, b: Any) -> float:

@@ -50,7 +50,8 @@ def verify_export(
     if not args:
         raise CkptError(f"{checkpoint.iteration_dir}: no saved args; the shapes cannot be derived")
     findings = file_findings(export)
-    expected, unmapped = expected_tensors(checkpoint, mapping, Dims.from_args(args, export.config))
+    dims = Dims.from_args(args, export.config)
+    expected, unmapped = expected_tensors(checkpoint, mapping, dims)
     for item in unmapped:
         findings.append(
             ExportFinding("unmapped", WARNING, f"{item.megatron_key}: {item.reason}", megatron_key=item.megatron_key)
@@ -59,8 +60,9 @@ def verify_export(
     findings.extend(coverage)
     findings.extend(config_findings(export.config, derived_args(args), mapping))
     compared = 0
+    notes: list[str] = []
     if options.values:
-        compared, value_findings = compare_values(checkpoint, export, expected, tensors, progress)
+        compared, value_findings, notes = compare_values(checkpoint, export, expected, tensors, dims, progress)
         findings.extend(value_findings)
     counts = {
         "errors": sum(f.severity == ERROR for f in findings),
@@ -82,6 +84,7 @@ def verify_export(
         counts=counts,
         findings=findings,
         tensors=tensors,
+        notes=notes,
     )
 
 
