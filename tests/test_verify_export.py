@@ -448,3 +448,21 @@ def test_metadata_only_verification_imports_no_torch(export_copy):
     assert proc.returncode == 1, proc.stderr
     assert "config.json rms_norm_eps = 1e-06, the saved args' norm_epsilon = 1e-05" in proc.stdout
     assert proc.stdout.splitlines()[-1] == "no torch"
+
+
+def test_a_tensor_in_two_shards_and_a_shard_the_index_never_names(capsys, export_copy):
+    hf = export_copy("core019_tp1")
+    index = _index(hf)
+    first, third = hf / "model-00001-of-00003.safetensors", hf / "model-00003-of-00003.safetensors"
+    name = next(n for n, s in sorted(index["weight_map"].items()) if s == first.name)
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    value = safetensors_torch.load_file(str(first))[name]
+    _rewrite(hf, third, lambda t: t.update({name: value}))
+    _write_index(hf, index)  # the index still says the first shard
+    shutil.copy(first, hf / "model-extra.safetensors")
+    rc, report, _ = _verify(capsys, "core019_tp1", hf)
+    assert rc == 1
+    found = _codes(report)
+    assert [(f["hf_name"], f["shard"]) for f in found["duplicate"]] == [(name, third.name)]
+    assert [(f["hf_name"], f["shard"]) for f in found["orphan"]] == [(name, third.name)]
+    assert [f["shard"] for f in _codes(report, "warning")["unindexed-file"]] == ["model-extra.safetensors"]

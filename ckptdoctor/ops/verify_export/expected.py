@@ -12,6 +12,9 @@ from ckptdoctor.checkpoint import Checkpoint, Entry
 from ckptdoctor.ops.verify_export.mapping import Mapping, Rule
 
 _LAYER_KEY = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)\Z")
+# one expert's own key: SequentialMLP with singleton local shards (``experts.experts.<e>.``, the global index) and
+# the module names of a non-distributed save (``experts.local_experts.<e>.``); the rule is the stacked key's
+_EXPERT_KEY = re.compile(r"(.*\.experts\.)(?:experts|local_experts)\.(\d+)\.(.+)\Z")
 
 
 @dataclass(frozen=True)
@@ -100,30 +103,45 @@ def expected_tensors(checkpoint: Checkpoint, mapping: Mapping, dims: Dims) -> tu
     for key, entry in sorted(checkpoint.entries.items()):
         if entry.section != "model" or entry.kind != "tensor" or entry.is_extra_state:
             continue
-        rule, layers = _rule_for(key, entry, mapping)
+        rule, layers, expert = _rule_for(key, entry, mapping)
         if rule is None:
             unmapped.append(Unmapped(key, f"no rule of family {mapping.family} for it"))
             continue
-        expected.extend(_expand(key, entry, rule, layers, dims, unmapped))
+        expected.extend(_expand(key, entry, rule, layers, expert, dims, unmapped))
     return expected, unmapped
 
 
-def _rule_for(key: str, entry: Entry, mapping: Mapping) -> tuple[Rule | None, list[tuple[int | None, bool]]]:
-    """The rule of a key and its layers: ``(layer, stacked)`` per layer it holds (``None``: not a layer key)."""
+def _rule_for(
+    key: str, entry: Entry, mapping: Mapping
+) -> tuple[Rule | None, list[tuple[int | None, bool]], int | None]:
+    """The rule of a key, its layers (``(layer, stacked)`` per layer it holds; ``None``: not a layer key) and, for
+    one expert's own key, that expert."""
     if key in mapping.global_rules:
-        return mapping.global_rules[key], [(None, False)]
+        return mapping.global_rules[key], [(None, False)], None
     match = _LAYER_KEY.match(key)
-    if match is None or match.group(2) not in mapping.layer_rules:
-        return None, []
-    rule = mapping.layer_rules[match.group(2)]
+    if match is None:
+        return None, [], None
+    name, expert = match.group(2), None
+    own = _EXPERT_KEY.match(name)
+    if own is not None:
+        name, expert = f"{own.group(1)}experts.{own.group(3)}", int(own.group(2))
+    rule = mapping.layer_rules.get(name)
+    if rule is None or (expert is not None and not rule.per_expert):
+        return None, [], None
     if match.group(1) is not None:
-        return rule, [(int(match.group(1)), False)]
+        return rule, [(int(match.group(1)), False)], expert
     count = entry.shape[0] if entry.shape else 0
-    return rule, [(i, True) for i in range(count)]
+    return rule, [(i, True) for i in range(count)], expert
 
 
 def _expand(
-    key: str, entry: Entry, rule: Rule, layers: list[tuple[int | None, bool]], dims: Dims, unmapped: list[Unmapped]
+    key: str,
+    entry: Entry,
+    rule: Rule,
+    layers: list[tuple[int | None, bool]],
+    own_expert: int | None,
+    dims: Dims,
+    unmapped: list[Unmapped],
 ) -> list[Expected]:
     out: list[Expected] = []
     dtype = (entry.dtype or "").removeprefix("torch.")
@@ -133,7 +151,9 @@ def _expand(
         head: tuple[int, ...] = (layer,) if stacked and layer is not None else ()
         experts: list[int | None] = [None]
         piece = layer_shape
-        if rule.per_expert:
+        if own_expert is not None:
+            experts = [own_expert]
+        elif rule.per_expert:
             if not layer_shape:
                 unmapped.append(Unmapped(key, "a per-expert rule for a tensor with no expert axis"))
                 return out
@@ -144,7 +164,7 @@ def _expand(
             unmapped.append(Unmapped(key, shapes))
             return out
         for expert in experts:
-            index = head + ((expert,) if expert is not None else ())
+            index = head + ((expert,) if expert is not None and own_expert is None else ())
             for part, (template, hf_shape) in enumerate(zip(rule.hf, shapes)):
                 name = template.format(layer=layer, expert=expert)
                 out.append(Expected(name, key, rule.transform, part, hf_shape, dtype, layer, expert, index))

@@ -84,9 +84,6 @@ def _experts(block: str, gate: str, up: str, down: str) -> dict[str, Any]:
         "mlp.router.weight": _r("copy", _L + block + ".gate.weight"),
         "mlp.experts.experts.linear_fc1.weight": _r("gate_up", e + gate + ".weight", e + up + ".weight"),
         "mlp.experts.experts.linear_fc2.weight": _r("copy", e + down + ".weight"),
-        # TEGroupedMLP's torch_dist keys (expert axis as SequentialMLP's)
-        "mlp.experts.linear_fc1.weight": _r("gate_up", e + gate + ".weight", e + up + ".weight"),
-        "mlp.experts.linear_fc2.weight": _r("copy", e + down + ".weight"),
     }
     return rules
 
