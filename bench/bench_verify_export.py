@@ -8,8 +8,8 @@ is written here with the ``safetensors`` library (shards of --per-shard tensors 
 ``config.json``), its tensors named and cut from the checkpoint's by the qwen_moe mapping (the values are the
 checkpoint's, so ``--values`` compares equal tensors end to end). Cases, one alternating group of ``harness.py``:
 ``ckptdoctor verify-export CKPT HF`` (metadata only), a Python loop of ``safe_open`` + ``keys()`` + ``get_slice``
-(shape and dtype; numpy framework: no torch import) over every shard, ``verify-export --values``, and ``cat`` of the checkpoint's data files and the
-export's shards. Writes bench/results/verify-export.json.
+(shape and dtype; numpy framework: no torch import) over every shard, ``verify-export --values``, and ``cat`` of
+the checkpoint's data files and the export's shards. Writes bench/results/verify-export.json.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
-from harness import PYTHON, REPO, Case, alternate, ckptdoctor, fmt_spread  # noqa: E402
+from harness import PYTHON, Case, alternate, ckptdoctor, fmt_spread  # noqa: E402
 
 SAFE_OPEN_LOOP = """
 import sys, time
@@ -52,8 +52,8 @@ def write_export(save: Path, out: Path, per_shard: int) -> int:
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.ops.verify_export.expected import Dims, expected_tensors
     from ckptdoctor.ops.verify_export.mapping import builtin_mappings
-    from ckptdoctor.ops.verify_export.values import _pieces
-    from ckptdoctor.values.read import read_tensor
+    from ckptdoctor.ops.verify_export.values import pieces_of
+    from ckptdoctor.values.read import read_region
 
     checkpoint = open_checkpoint(save)
     args = args_as_dict(checkpoint.args)
@@ -73,9 +73,9 @@ def write_export(save: Path, out: Path, per_shard: int) -> int:
     }
     dims = Dims.from_args(args, config)
     expected, _ = expected_tensors(checkpoint, builtin_mappings()["qwen_moe"], dims)
-    by_key = defaultdict(list)
+    by_slice = defaultdict(list)
     for want in expected:
-        by_key[want.megatron_key].append(want)
+        by_slice[want.megatron_key, want.index].append(want)
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     weight_map: dict[str, str] = {}
@@ -90,10 +90,10 @@ def write_export(save: Path, out: Path, per_shard: int) -> int:
             weight_map.update(dict.fromkeys(shard, name))
             shard = {}
 
-    for key, wants in sorted(by_key.items()):
-        whole = read_tensor(checkpoint, key)
+    for (key, index), wants in sorted(by_slice.items()):
+        region = read_region(checkpoint, key, index)
         for want in wants:
-            pieces = _pieces(torch, whole, want, dims)
+            pieces = pieces_of(region, want, dims)
             shard[want.hf_name] = pieces[want.part].contiguous().clone()
             count += 1
             if len(shard) >= per_shard:

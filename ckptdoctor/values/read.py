@@ -100,6 +100,31 @@ def read_tensor(checkpoint: Checkpoint, key: str) -> Any:
     return out
 
 
+def read_region(checkpoint: Checkpoint, key: str, index: tuple[int, ...]) -> Any:
+    """``global_tensor[index]`` for leading indices (a layer of a stacked key, an expert of it), assembled from the
+    chunks that hold it only: memory is that slice and one chunk, not the global tensor (a stacked MoE key holds every
+    layer's experts)."""
+    torch = require_torch("assembling tensor values")
+    entry = checkpoint.entries[key]
+    if entry.kind != "tensor" or entry.shape is None or entry.dtype is None:
+        raise CkptError(f"{checkpoint.iteration_dir}: {key} is a bytes item, not a tensor")
+    why = coverage_problem(entry)
+    if why is not None:
+        raise CkptError(f"{checkpoint.iteration_dir / '.metadata'}: {key}: {why}")
+    lead = len(index)
+    if lead > len(entry.shape) or any(not 0 <= i < n for i, n in zip(index, entry.shape)):
+        raise CkptError(f"{checkpoint.iteration_dir}: {key}: index {list(index)} outside its shape {entry.shape}")
+    out = torch.empty(entry.shape[lead:], dtype=getattr(torch, entry.dtype.removeprefix("torch.")))
+    for number, chunk in enumerate(entry.chunks):
+        if not all(o <= i < o + s for i, o, s in zip(index, chunk.offsets, chunk.sizes)):
+            continue
+        value = read_chunk(checkpoint, key, number)
+        inner = tuple(i - o for i, o in zip(index, chunk.offsets))
+        place = tuple(slice(o, o + s) for o, s in zip(chunk.offsets[lead:], chunk.sizes[lead:]))
+        out[place] = value[inner]
+    return out
+
+
 # --- zero-copy chunk reads (diff --values and other bulk readers) -----------------------------------------
 
 _VIEW_CACHE: dict[bytes, tuple] = {}  # data.pkl bytes -> (storage key, dtype name, numel, offset, size, stride)

@@ -1,10 +1,11 @@
 """``verify-export --values``: each HF tensor against the checkpoint slice it should equal (torch).
 
-One checkpoint tensor at a time: its global tensor is assembled from its chunks, each layer / expert slice is cut
-by the transform (q/k/v of the per-group fused QKV, gate/up of ``linear_fc1``, the first ``vocab_size`` rows), and
-each HF tensor is read from its shard's byte range and compared. Memory: the largest checkpoint tensor and one HF
-tensor. Equal dtypes must match exactly; a dtype change is compared within the narrower dtype's rounding. A wrong
-piece that equals another piece of the same fused tensor is named as swapped; one of all zeros, as zeroed.
+One layer / expert slice of a checkpoint tensor at a time, assembled from the chunks that hold it, is cut by the
+transform (q/k/v of the per-group fused QKV, gate/up of ``linear_fc1``, the first ``vocab_size`` rows), and
+each HF tensor is read from its shard's byte range and compared. Memory: one slice, one chunk and one HF tensor,
+never a whole stacked tensor. Equal dtypes must match exactly; a dtype change is compared within the narrower
+dtype's rounding. A wrong piece that equals another piece of the same fused tensor is named as swapped; one of all
+zeros, as zeroed.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from ckptdoctor.ops.verify_export.expected import Dims, Expected
 from ckptdoctor.ops.verify_export.report import ExportFinding, ExportTensor
 from ckptdoctor.progress import Progress
 from ckptdoctor.severity import ERROR
-from ckptdoctor.values.read import read_tensor, require_torch
+from ckptdoctor.values.read import read_region, require_torch
 
 
-def _pieces(torch: Any, whole: Any, want: Expected, dims: Dims) -> list[Any]:
-    """The transform's pieces of one layer / expert slice of the checkpoint tensor."""
-    piece = whole[want.index] if want.index else whole
+def pieces_of(piece: Any, want: Expected, dims: Dims) -> list[Any]:
+    """The transform's pieces of one layer / expert slice of the checkpoint tensor (``global[want.index]``)."""
     if want.transform == "copy":
         return [piece]
     if want.transform == "vocab":
@@ -63,7 +63,7 @@ def compare_values(
     torch = require_torch("verify-export --values")
     held = export.holder()
     rows = {t.name: t for t in tensors}
-    by_key: dict[str, list[Expected]] = defaultdict(list)
+    by_slice: dict[tuple[str, tuple[int, ...]], list[Expected]] = defaultdict(list)
     notes: list[str] = []
     for want in expected:
         if want.hf_name not in held:
@@ -75,18 +75,18 @@ def compare_values(
         if not isinstance(getattr(torch, info.torch_dtype, None), torch.dtype):
             notes.append(f"{want.hf_name}: values not compared (torch has no {info.dtype} dtype)")
             continue
-        by_key[want.megatron_key].append(want)
+        by_slice[want.megatron_key, want.index].append(want)
     findings: list[ExportFinding] = []
     compared = 0
     if progress is not None:
-        infos = [export.shards[held[w.hf_name]].tensors[w.hf_name] for v in by_key.values() for w in v]
+        infos = [export.shards[held[w.hf_name]].tensors[w.hf_name] for v in by_slice.values() for w in v]
         total = sum(info.end - info.begin for info in infos)
         progress.start("comparing values", total)
-    for key, wants in sorted(by_key.items()):
-        whole = read_tensor(checkpoint, key)
+    for (key, index), wants in sorted(by_slice.items()):
+        region = read_region(checkpoint, key, index)
         for want in wants:
-            pieces = _pieces(torch, whole, want, dims)
-            source = pieces[want.part] if want.transform in ("qkv", "gate_up") else pieces[0]
+            pieces = pieces_of(region, want, dims)
+            source = pieces[want.part]
             header = export.shards[held[want.hf_name]]
             info = header.tensors[want.hf_name]
             dtype = getattr(torch, info.torch_dtype)
@@ -104,7 +104,7 @@ def compare_values(
             if diff <= _tolerance(torch, source, got):
                 continue
             findings.append(_wrong(torch, want, source, got, pieces, diff))
-        del whole
+        del region
     if progress is not None:
         progress.finish()
     return compared, findings, notes
