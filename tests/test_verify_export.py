@@ -466,3 +466,27 @@ def test_a_tensor_in_two_shards_and_a_shard_the_index_never_names(capsys, export
     assert [(f["hf_name"], f["shard"]) for f in found["duplicate"]] == [(name, third.name)]
     assert [(f["hf_name"], f["shard"]) for f in found["orphan"]] == [(name, third.name)]
     assert [f["shard"] for f in _codes(report, "warning")["unindexed-file"]] == ["model-extra.safetensors"]
+
+
+def test_a_header_length_past_the_end_of_the_file_and_a_shard_path_outside_the_dir(capsys, export_copy):
+    hf = export_copy("core019_tp1")
+    shard = hf / "model-00002-of-00003.safetensors"
+    shard.write_bytes(struct.pack("<Q", 4096) + b'{"a": 1}')
+    index = _index(hf)
+    index["weight_map"]["model.layers.0.mlp.up_proj.weight"] = "../core019_tp1/model-00001-of-00003.safetensors"
+    _write_index(hf, index)
+    rc, report, _ = _verify(capsys, "core019_tp1", hf)
+    assert rc == 1
+    unreadable = {f["shard"]: f["message"] for f in _codes(report)["shard-unreadable"]}
+    assert "header length 4096 runs past the end of the file (16 bytes)" in unreadable[shard.name]
+    assert unreadable["../core019_tp1/model-00001-of-00003.safetensors"] == "the index names a path outside the dir"
+
+
+def test_an_index_without_a_weight_map_is_one_line(capsys, export_copy):
+    hf = export_copy("core019_tp1")
+    _write_index(hf, {"metadata": {}})
+    rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tp1", hf)
+    assert rc == 2 and out == "" and "no weight_map of tensor names to shard files" in err
+    (hf / INDEX).write_text("{not json")
+    rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tp1", hf)
+    assert rc == 2 and "the weight index is not JSON" in err
