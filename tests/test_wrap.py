@@ -31,6 +31,7 @@ CASES = {
     "show": (["show", "fixtures/core019_tp1", "embedding.word_embeddings.weight", "--no-stats"], False),
     "strip-frozen": (["strip-frozen", "fixtures/core016_peft_full_tp1", "--dry-run"], True),
     "edit": (["edit", "fixtures/core014_tp1", "--drop-section", "optimizer", "--dry-run"], True),
+    "verify-export": (["verify-export", "fixtures/core019_tp1", "fixtures/hf/core019_tied_pp2"], True),
 }
 
 

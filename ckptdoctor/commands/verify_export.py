@@ -65,6 +65,7 @@ def command(
     from ckptdoctor.ops.verify_export.verify import VerifyOptions, verify_export
     from ckptdoctor.render.common import echo_json
     from ckptdoctor.render.verify_export import render_names, render_verify_export
+    from ckptdoctor.render.wrap import output_width
 
     options = VerifyOptions(family=family, mapping_file=mapping_file, values=values, strict=strict)
     progress = progress_bar(values and output_format == "text")
@@ -81,5 +82,5 @@ def command(
         if names:
             click.echo(names)
     else:
-        click.echo(render_verify_export(report, stat=stat))
+        click.echo(render_verify_export(report, stat=stat, width=output_width()))
     return EXIT_OK if report.verdict == "match" else EXIT_FINDINGS

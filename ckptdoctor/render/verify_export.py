@@ -7,6 +7,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from ckptdoctor.render.common import plural
+from ckptdoctor.render.wrap import wrap_block
 from ckptdoctor.text_safety import escape_output
 
 if TYPE_CHECKING:
@@ -15,15 +16,19 @@ if TYPE_CHECKING:
 MAX_LISTED = 200  # findings listed in text; JSON has them all
 
 
-def render_verify_export(report: VerifyExportReport, stat: bool = False) -> str:
-    lines = [
-        f"checkpoint  {report.checkpoint}",
+_FINDING_HEAD = 26  # "severity code" columns: a finding's continuation lines start under its message
+
+
+def render_verify_export(report: VerifyExportReport, stat: bool = False, width: int | None = None) -> str:
+    export = (
         f"export      {report.hf_dir} ({report.model_type}, family {report.family}; "
-        f"{plural(report.shards, 'shard')}, {plural(report.hf_tensors, 'tensor')})",
-    ]
+        f"{plural(report.shards, 'shard')}, {plural(report.hf_tensors, 'tensor')})"
+    )
+    lines = [f"checkpoint  {report.checkpoint}", wrap_block(export, width, " " * 12)]
     shown = [f for f in report.findings if f.severity != "info" or stat]
     for finding in shown[:MAX_LISTED]:
-        lines.append(f"{finding.severity:<8} {finding.code:<16} {finding.message}")
+        line = f"{finding.severity:<8} {finding.code:<16} {finding.message}"
+        lines.append(wrap_block(line, width, " " * _FINDING_HEAD, head=_FINDING_HEAD))
     if len(shown) > MAX_LISTED:
         lines.append(f"... and {len(shown) - MAX_LISTED} more (--format json lists them all)")
     missing = Counter((f.layer, f.expert) for f in report.findings if f.code == "missing" and f.layer is not None)
@@ -40,13 +45,14 @@ def render_verify_export(report: VerifyExportReport, stat: bool = False) -> str:
         if report.values_compared:
             worst = max((t.max_abs_diff or 0.0 for t in report.tensors), default=0.0)
             lines.append(f"values: {plural(report.values_compared, 'tensor')} compared, largest abs diff {worst:.6g}")
-    lines.extend(f"note: {note}" for note in report.notes)
+    lines.extend(wrap_block(f"note: {note}", width, "      ") for note in report.notes)
     counts = report.counts
     values = f", values of {plural(report.values_compared, 'tensor')} compared" if report.values_compared else ""
-    lines.append(
+    verdict = (
         f"{report.verdict}: {report.expected_tensors} expected tensors{values}; "
         f"{plural(counts['errors'], 'error')}, {plural(counts['warnings'], 'warning')}"
     )
+    lines.append(wrap_block(verdict, width))
     return escape_output("\n".join(lines))
 
 
