@@ -50,7 +50,7 @@ class Dims:
     @staticmethod
     def from_args(args: dict[str, Any], config: dict[str, Any]) -> Dims:
         heads = _int(args.get("num_attention_heads"))
-        groups = _int(args.get("num_query_groups")) if args.get("group_query_attention") else heads
+        groups = _int(_query_groups(args)) or heads
         kv = _int(args.get("kv_channels"))
         if kv is None and heads and _int(args.get("hidden_size")):
             kv = args["hidden_size"] // heads
@@ -61,13 +61,24 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def _query_groups(args: dict[str, Any]) -> Any:
+    """The KV heads: Megatron-LM's ``num_query_groups`` counts only with ``group_query_attention`` (else one group
+    per head); a Megatron-Bridge model config has no such flag and sets ``num_query_groups`` itself."""
+    heads = args.get("num_attention_heads")
+    if "group_query_attention" in args and not args["group_query_attention"]:
+        return heads
+    return args.get("num_query_groups") or heads
+
+
 def derived_args(args: dict[str, Any]) -> dict[str, Any]:
     """The saved args with the values config.json states differently (:data:`mapping.DERIVED`)."""
     values = dict(args)
     heads = args.get("num_attention_heads")
-    values["num_key_value_heads"] = args.get("num_query_groups") if args.get("group_query_attention") else heads
+    values["num_key_value_heads"] = _query_groups(args)
     if "untie_embeddings_and_output_weights" in args:
         values["tie_word_embeddings"] = not args["untie_embeddings_and_output_weights"]
+    elif "share_embeddings_and_output_weights" in args:  # Megatron-Bridge's model config
+        values["tie_word_embeddings"] = bool(args["share_embeddings_and_output_weights"])
     if values.get("kv_channels") is None and isinstance(heads, int) and heads and args.get("hidden_size"):
         values["kv_channels"] = args["hidden_size"] // heads
     return values

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor.args import args_as_dict
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.hf_export import HfExport, read_export
@@ -46,9 +45,11 @@ def verify_export(
     if options.mapping_file is not None:
         mappings.update(load_mapping_file(options.mapping_file))
     mapping = choose_mapping(mappings, export.config, options.family)
-    args = args_as_dict(checkpoint.args)
-    if not args:
-        raise CkptError(f"{checkpoint.iteration_dir}: no saved args; the shapes cannot be derived")
+    args, source = checkpoint.saved_config()  # Megatron-LM's args, else Megatron-Bridge's run_config.yaml model
+    if source is None:
+        raise CkptError(
+            f"{checkpoint.iteration_dir}: no saved args (nor run_config.yaml); the shapes cannot be derived"
+        )
     findings = file_findings(export)
     dims = Dims.from_args(args, export.config)
     expected, unmapped = expected_tensors(checkpoint, mapping, dims)
@@ -161,7 +162,7 @@ def coverage_findings(
         tensors.append(
             ExportTensor(name, shard, info.torch_dtype, list(info.shape), want.megatron_key if want else None)
         )
-    tied = not args.get("untie_embeddings_and_output_weights", True)
+    tied = bool(derived_args(args).get("tie_word_embeddings"))
     for want in expected:
         if want.hf_name not in held:
             findings.append(
