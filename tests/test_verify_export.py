@@ -490,3 +490,17 @@ def test_an_index_without_a_weight_map_is_one_line(capsys, export_copy):
     (hf / INDEX).write_text("{not json")
     rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tp1", hf)
     assert rc == 2 and "the weight index is not JSON" in err
+
+
+def test_the_json_is_the_document_the_generic_walk_writes(capsys, export_copy):
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.ops.verify_export.verify import VerifyOptions, verify_export
+    from ckptdoctor.render.common import to_json
+    from ckptdoctor.render.verify_export import to_json_text
+
+    hf = export_copy("core019_tp1")
+    _rewrite(hf, _shard_of(hf, "lm_head.weight"), lambda t: t.pop("lm_head.weight"))
+    for values in (False, True):
+        report = verify_export(open_checkpoint(FIXTURES / "core019_tp1"), hf, VerifyOptions(values=values))
+        assert report.findings and report.tensors
+        assert to_json_text(report) == to_json(report)

@@ -63,8 +63,7 @@ def command(
     from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.verify_export.verify import VerifyOptions, verify_export
-    from ckptdoctor.render.common import echo_json
-    from ckptdoctor.render.verify_export import render_names, render_verify_export
+    from ckptdoctor.render.verify_export import render_names, render_verify_export, to_json_text
     from ckptdoctor.render.wrap import output_width
 
     options = VerifyOptions(family=family, mapping_file=mapping_file, values=values, strict=strict)
@@ -76,7 +75,7 @@ def command(
             if progress is not None:
                 progress.finish()
     if output_format == "json":
-        echo_json(report)
+        click.echo(to_json_text(report))
     elif name_only:
         names = render_names(report)
         if names:

@@ -12,10 +12,12 @@ and its ``buffer_bytes`` is less than ``data_bytes``: the caller reports it agai
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeGuard
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.storage.files import open_regular
@@ -131,35 +133,34 @@ def parse_header(raw: bytes, file_bytes: int, where: str) -> SafetensorsHeader:
     return SafetensorsHeader(where, len(raw), file_bytes, tensors, metadata)
 
 
+def _sizes(value: object, length: int | None = None) -> TypeGuard[list[int]]:
+    """A JSON list of non-negative ints (``type is int``: no bools), of ``length`` items when given."""
+    return (
+        type(value) is list
+        and (len(value) == length if length is not None else len(value) <= MAX_DIMS)
+        and all(type(n) is int and n >= 0 for n in value)
+    )
+
+
 def _tensor(name: str, spec: object, where: str) -> TensorInfo:
-    if not isinstance(spec, dict):
+    # once per tensor of every shard (100k in a large export): type checks, not isinstance chains
+    if type(spec) is not dict:
         raise SafetensorsError(f"{where}: tensor {name!r}: entry is not an object")
     dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-    if not isinstance(dtype, str) or (dtype not in DTYPES and dtype not in _BITS):
+    if dtype not in DTYPES and dtype not in _BITS:
         raise SafetensorsError(f"{where}: tensor {name!r}: unknown dtype {dtype!r}")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-    ):
+    if not _sizes(shape):
         raise SafetensorsError(f"{where}: tensor {name!r}: shape {shape!r} is not a list of sizes")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
-        or offsets[1] < offsets[0]
-    ):
+    if not _sizes(offsets, 2) or offsets[1] < offsets[0]:
         raise SafetensorsError(f"{where}: tensor {name!r}: data_offsets {offsets!r} are not [begin, end]")
-    numel = 1
-    for d in shape:
-        numel *= d
-    expected = element_bytes(dtype, numel)
-    if offsets[1] - offsets[0] != expected:
+    begin, end = offsets
+    expected = element_bytes(dtype, math.prod(shape))
+    if end - begin != expected:
         raise SafetensorsError(
-            f"{where}: tensor {name!r}: data_offsets span {offsets[1] - offsets[0]} bytes, "
+            f"{where}: tensor {name!r}: data_offsets span {end - begin} bytes, "
             f"its {dtype} shape {shape} needs {expected}"
         )
-    return TensorInfo(name, dtype, tuple(shape), offsets[0], offsets[1])
+    return TensorInfo(name, dtype, tuple(shape), begin, end)
 
 
 def _check_buffer_layout(tensors: dict[str, TensorInfo], where: str) -> None:

@@ -10,6 +10,7 @@ zeros, as zeroed.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -97,7 +98,7 @@ def compare_values(
                 else torch.empty(info.shape, dtype=dtype)
             )
             diff = _max_abs_diff(torch, source, got)
-            rows[want.hf_name].max_abs_diff = diff
+            rows[want.hf_name].max_abs_diff = diff if math.isfinite(diff) else None
             compared += 1
             if progress is not None:
                 progress.advance(len(data))
@@ -111,9 +112,15 @@ def compare_values(
 
 
 def _max_abs_diff(torch: Any, a: Any, b: Any) -> float:
+    """The largest absolute difference; equal non-finite values (NaN and NaN, inf and inf) count as equal, a
+    non-finite value against anything else as an infinite difference."""
     if a.numel() == 0:
         return 0.0
-    return float((a.to(torch.float64) - b.to(torch.float64)).abs().max())
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    diff = (a64 - b64).abs()
+    diff[(a64 == b64) | (a64.isnan() & b64.isnan())] = 0.0
+    diff[diff.isnan()] = math.inf
+    return float(diff.max())
 
 
 def _finding(code: str, want: Expected, message: str) -> ExportFinding:
