@@ -7,7 +7,8 @@ The checkpoint is a cached synthetic MoE save (``make_synthetic.py``, per-layer 
 is written here with the ``safetensors`` library (shards of --per-shard tensors and an index, a qwen2_moe
 ``config.json``), its tensors named and cut from the checkpoint's by the qwen_moe mapping (the values are the
 checkpoint's, so ``--values`` compares equal tensors end to end). Cases, one alternating group of ``harness.py``:
-``ckptdoctor verify-export CKPT HF`` (metadata only), a Python loop of ``safe_open`` + ``keys()`` + ``get_slice``
+``ckptdoctor verify-export CKPT HF`` (metadata only; text and JSON), ``ckptdoctor inspect CKPT`` (the checkpoint's
+``.metadata`` alone, a floor), a Python loop of ``safe_open`` + ``keys()`` + ``get_slice``
 (shape and dtype; numpy framework: no torch import) over every shard, ``verify-export --values``, and ``cat`` of
 the checkpoint's data files and the export's shards. Writes bench/results/verify-export.json.
 """
@@ -126,10 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         tensors = write_export(save, hf, opts.per_shard)
         shards = sorted(p.name for p in hf.glob("*.safetensors"))
         hf_bytes = sum((hf / s).stat().st_size for s in shards)
-        verify = ckptdoctor("verify-export", str(save), str(hf), "--format", "json")
+        verify = ckptdoctor("verify-export", str(save), str(hf))
         both = f"cd {iteration} && cat {' '.join(names)} > /dev/null && cd {hf} && cat {' '.join(shards)} > /dev/null"
         cases = {
             "verify-export (metadata only)": Case(verify),
+            "verify-export --format json (metadata only)": Case(verify + ["--format", "json"]),
+            "ckptdoctor inspect (reading the checkpoint alone)": Case(ckptdoctor("inspect", str(save))),
             "safe_open loop (headers only)": Case([PYTHON, "-c", SAFE_OPEN_LOOP, str(hf)]),
             "verify-export --values": Case(verify + ["--values"]),
             "cat checkpoint + export": Case(["sh", "-c", both]),
