@@ -46,13 +46,14 @@ DTYPES: dict[str, tuple[str, int]] = {
     "C64": ("complex64", 8),
 }
 _BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}  # sub-byte dtypes: bytes = ceil(numel * bits / 8)
+_TORCH_NAMES = {name: torch_name for name, (torch_name, _) in DTYPES.items()}
 
 
 class SafetensorsError(CkptError):
     """A ``.safetensors`` file that is not one (a header the format's rules refuse)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per tensor of every shard: not frozen, whose __init__ is slower
 class TensorInfo:
     name: str
     dtype: str  # the safetensors name ("F32", "BF16")
@@ -62,7 +63,7 @@ class TensorInfo:
 
     @property
     def torch_dtype(self) -> str:
-        return DTYPES[self.dtype][0] if self.dtype in DTYPES else self.dtype.lower()
+        return _TORCH_NAMES.get(self.dtype) or self.dtype.lower()
 
 
 @dataclass

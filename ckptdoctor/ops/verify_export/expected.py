@@ -17,7 +17,7 @@ _LAYER_KEY = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)\Z")
 _EXPERT_KEY = re.compile(r"(.*\.experts\.)(?:experts|local_experts)\.(\d+)\.(.+)\Z")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # one per HF tensor (100k in a large export): not frozen, whose __init__ is slower
 class Expected:
     """One HF tensor as the Megatron checkpoint says it should be."""
 
@@ -111,9 +111,12 @@ def expected_tensors(checkpoint: Checkpoint, mapping: Mapping, dims: Dims) -> tu
     """Every HF tensor the model section maps to, and the model tensors the mapping does not know."""
     expected: list[Expected] = []
     unmapped: list[Unmapped] = []
-    for key, entry in sorted(checkpoint.entries.items()):
-        if entry.section != "model" or entry.kind != "tensor" or entry.is_extra_state:
-            continue
+    model = [
+        (key, entry)
+        for key, entry in checkpoint.entries.items()
+        if entry.section == "model" and entry.kind == "tensor" and not entry.is_extra_state
+    ]
+    for key, entry in sorted(model):
         rule, layers, expert = _rule_for(key, entry, mapping)
         if rule is None:
             unmapped.append(Unmapped(key, f"no rule of family {mapping.family} for it"))

@@ -19,7 +19,7 @@ A table (built in here, or a TOML file given with ``--mapping``, the same schema
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -134,10 +134,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
 class Rule:
     transform: str
     hf: tuple[str, ...]
+    per_expert: bool = field(init=False)  # an hf name takes {expert}: the key's next axis is the expert axis
 
-    @property
-    def per_expert(self) -> bool:
-        return any("{expert}" in name for name in self.hf)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "per_expert", any("{expert}" in name for name in self.hf))
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ class ExportFinding:
     expert: int | None = field(default=None, metadata=OMIT_NONE)
 
 
-@dataclass
+@dataclass(slots=True)
 class ExportTensor:
     """One tensor of the export as its shard header states it."""
 

@@ -153,15 +153,13 @@ def coverage_findings(
 ) -> tuple[list[ExportTensor], list[ExportFinding]]:
     """Every expected HF tensor present with its shape; every HF tensor accounted for."""
     held = export.holder()
-    by_name = {e.hf_name: e for e in expected}
+    infos = {name: export.shards[shard].tensors[name] for name, shard in held.items()}
+    by_name = {e.hf_name: e.megatron_key for e in expected}
     findings: list[ExportFinding] = []
-    tensors: list[ExportTensor] = []
-    for name, shard in sorted(held.items()):
-        info = export.shards[shard].tensors[name]
-        want = by_name.get(name)
-        tensors.append(
-            ExportTensor(name, shard, info.torch_dtype, list(info.shape), want.megatron_key if want else None)
-        )
+    tensors = [
+        ExportTensor(name, held[name], info.torch_dtype, list(info.shape), by_name.get(name))
+        for name, info in sorted(infos.items())
+    ]
     tied = bool(derived_args(args).get("tie_word_embeddings"))
     for want in expected:
         if want.hf_name not in held:
@@ -178,7 +176,7 @@ def coverage_findings(
             )
             continue
         shard = held[want.hf_name]
-        info = export.shards[shard].tensors[want.hf_name]
+        info = infos[want.hf_name]
         if info.shape != want.shape:
             findings.append(
                 ExportFinding(
