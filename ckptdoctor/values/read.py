@@ -115,10 +115,10 @@ def read_region(checkpoint: Checkpoint, key: str, index: tuple[int, ...]) -> Any
     if lead > len(entry.shape) or any(not 0 <= i < n for i, n in zip(index, entry.shape)):
         raise CkptError(f"{checkpoint.iteration_dir}: {key}: index {list(index)} outside its shape {entry.shape}")
     out = torch.empty(entry.shape[lead:], dtype=getattr(torch, entry.dtype.removeprefix("torch.")))
-    for number, chunk in enumerate(entry.chunks):
+    for chunk in entry.chunks:
         if not all(o <= i < o + s for i, o, s in zip(index, chunk.offsets, chunk.sizes)):
             continue
-        value = read_chunk(checkpoint, key, number)
+        value, _ = read_chunk_view(checkpoint, entry, chunk)  # a view over the chunk's bytes, copied into out
         inner = tuple(i - o for i, o in zip(index, chunk.offsets))
         place = tuple(slice(o, o + s) for o, s in zip(chunk.offsets[lead:], chunk.sizes[lead:]))
         out[place] = value[inner]
