@@ -504,3 +504,56 @@ def test_the_json_is_the_document_the_generic_walk_writes(capsys, export_copy):
         report = verify_export(open_checkpoint(FIXTURES / "core019_tp1"), hf, VerifyOptions(values=values))
         assert report.findings and report.tensors
         assert to_json_text(report) == to_json(report)
+
+
+@pytest.mark.mcore  # make_synthetic.py writes the checkpoint with torch DCP in a child process
+def test_per_expert_keys_of_a_dcp_written_moe_checkpoint(capsys, tmp_path):
+    """A MoE checkpoint keyed per layer and per expert (``decoder.layers.<i>.mlp.experts.local_experts.<e>.``,
+    written by real DCP through bench/make_synthetic.py) against an export whose names and shapes this test
+    derives by hand from the saved dims."""
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    save = tmp_path / "moe"
+    cmd = [sys.executable, str(REPO / "bench" / "make_synthetic.py"), "--out", str(save)]
+    cmd += ["--total-bytes", "2M", "--keys", "300", "--files", "4"]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    rc, out, _ = run_main(capsys, "show", save, "args", "--format", "json")
+    args = json.loads(out)["value"]
+    hidden, layers, experts = args["hidden_size"], args["num_layers"], args["num_experts"]
+    heads, ffn, vocab = args["num_attention_heads"], args["moe_ffn_hidden_size"], args["padded_vocab_size"]
+    kv = hidden // heads
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "lm_head.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)}
+        shapes |= {p + f"self_attn.{x}_proj.weight": (heads * kv, hidden) for x in "qkvo"}
+        shapes[p + "mlp.gate.weight"] = (experts, hidden)
+        for e in range(experts):
+            x = p + f"mlp.experts.{e}."
+            shapes |= {x + "gate_proj.weight": (ffn, hidden), x + "up_proj.weight": (ffn, hidden)}
+            shapes[x + "down_proj.weight"] = (hidden, ffn)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(
+        json.dumps(
+            {"model_type": "qwen2_moe", "hidden_size": hidden, "num_hidden_layers": layers, "num_experts": experts}
+        )
+    )
+    weights = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+    safetensors_torch.save_file(weights, str(hf / "model.safetensors"))
+    rc, report, _ = _verify(capsys, save, hf)
+    assert rc == 0, report["findings"]
+    assert report["expected_tensors"] == len(shapes)
+    expert_rows = [t for t in report["tensors"] if ".mlp.experts.1.up_proj" in t["name"]]
+    assert {t["megatron_key"] for t in expert_rows} == {
+        f"decoder.layers.{i}.mlp.experts.local_experts.1.linear_fc1.weight" for i in range(layers)
+    }
+    gone = {n for n in shapes if n.startswith("model.layers.3.mlp.experts.1.")}
+    safetensors_torch.save_file({n: w for n, w in weights.items() if n not in gone}, str(hf / "model.safetensors"))
+    rc, report, _ = _verify(capsys, save, hf)
+    assert rc == 1
+    assert {(f["hf_name"], f["layer"], f["expert"]) for f in _codes(report)["missing"]} == {(n, 3, 1) for n in gone}
