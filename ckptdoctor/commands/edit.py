@@ -140,6 +140,7 @@ def command(
             jobs=jobs or default_jobs(),
         )
         deliver(remote, jobs, output_format)
-        render_text = functools.partial(render_edit, all_keys=all_keys, width=output_width())
+        carried = remote.delivered.data_files_how() if remote is not None else None
+        render_text = functools.partial(render_edit, all_keys=all_keys, width=output_width(), carried=carried)
         echo_written(report, render_text, remote, output_format)
     return EXIT_OK
