@@ -247,7 +247,12 @@ def _copy_expert_zero(iteration_dir: Path, layers: tuple[int, ...]) -> None:
     moved = {}
     for index, info in items.items():
         fqn = index_fqn(index)
-        if not fqn.endswith("weight") or "experts.experts." not in fqn or _offset(index)[0] not in layers or _offset(index)[1] == 0:
+        if (
+            not fqn.endswith("weight")
+            or "experts.experts." not in fqn
+            or _offset(index)[0] not in layers
+            or _offset(index)[1] == 0
+        ):
             continue
         ref = load_torch_zip(source[(fqn, _offset(index)[0], *_offset(index)[2:])], fqn)
         path = iteration_dir / info.relative_path
