@@ -13,9 +13,11 @@ Order independence is by exact arithmetic, not by a fixed order: an IEEE value i
 order); squares use the limbs' pairwise products. The totals are Python integers, so chunks merge in any order,
 in any worker, to the same bits: mean, std and the L2 norm are computed once from them, correctly rounded.
 
-The fingerprint is the sum mod 2^64 of splitmix64 hashes of (index in the slice, value bits): equal slices have
-equal fingerprints wherever their chunks lie, and one changed value changes it (with probability 1 - 2^-64).
-A key's fingerprint combines its slices' fingerprints with their indices.
+The fingerprint is the sum mod 2^64 of ``c^i * h(bits)`` over the elements (``i`` the index in the slice, ``c``
+odd, ``h`` one-to-one: :func:`_value_hashes`): equal slices have equal fingerprints wherever their chunks lie,
+and one changed value always changes it (``c^i`` is odd, so a different hash changes the sum). A key's
+fingerprint combines its slices' fingerprints with their indices. One- and two-byte dtypes (bfloat16, float16)
+are counted by bit pattern: one ``bincount`` over the elements, the sums then over the 2^16 patterns.
 """
 
 from __future__ import annotations
@@ -260,57 +262,169 @@ def _slabs(part: Any, origin: tuple[int, ...]) -> Any:
         yield from _slabs(sub, tuple(o + (start if i == dim else 0) for i, o in enumerate(origin)))
 
 
+_HISTOGRAM_MIN = 1 << 12  # elements from which 2-byte dtypes are counted by bit pattern (one bincount; 1-byte: always)
+_SPLIT = 26  # float64 holds a significand below 2^26, and its square split at 2^26, with room for 2^22 additions
+
+
 def _add(np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...]) -> None:
     """Add the elements ``bits`` (unsigned, at ``origin`` of a slice of ``shape``) to ``moments``."""
     n = int(bits.size)
     if not n:
         return
     moments.count += n
-    moments.fingerprint = (moments.fingerprint + _fingerprint(np, bits, origin, shape)) & _MASK64
+    moments.fingerprint = (moments.fingerprint + _fingerprint(np, kind, bits, origin, shape)) & _MASK64
     flat = bits.reshape(-1)
+    if kind.itemsize == 1 or (kind.itemsize == 2 and n >= _HISTOGRAM_MIN):
+        part = _by_histogram(np, kind, flat)
+    else:
+        part = _by_element(np, kind, flat)
+    if part.finite:
+        moments.low = part.low if moments.low is None else min(moments.low, part.low)  # type: ignore[type-var]
+        moments.high = part.high if moments.high is None else max(moments.high, part.high)  # type: ignore[type-var]
+    moments.finite += part.finite
+    moments.zeros += part.zeros
+    moments.nan += part.nan
+    moments.inf += part.inf
+    moments.total += part.total
+    moments.total_sq += part.total_sq
+
+
+@dataclass
+class _Part:
+    """One slab's counts and exact sums (see :class:`Moments`)."""
+
+    finite: int = 0
+    zeros: int = 0
+    nan: int = 0
+    inf: int = 0
+    low: float | int | None = None
+    high: float | int | None = None
+    total: int = 0
+    total_sq: int = 0
+
+
+_TABLES: dict[_Kind, tuple[Any, Any]] = {}  # kind -> (value of each bit pattern, whether it is finite)
+
+
+def _pattern_table(np: Any, kind: _Kind) -> tuple[Any, Any]:
+    """Every bit pattern of a 1- or 2-byte dtype: its value (float64 or int64) and whether it is finite."""
+    table = _TABLES.get(kind)
+    if table is None:
+        patterns = np.arange(1 << (8 * kind.itemsize), dtype=np.uint64).astype(f"<u{kind.itemsize}")
+        if kind.is_float:
+            with np.errstate(invalid="ignore"):  # NaN patterns widen to NaN
+                values = _float_values(np, kind, patterns).astype(np.float64)
+            table = (values, np.isfinite(values))
+        else:
+            values = patterns.view(f"<i{kind.itemsize}") if kind.signed else patterns
+            table = (values.astype(np.int64), np.ones(len(values), dtype=bool))
+        _TABLES[kind] = table
+    return table
+
+
+def _by_histogram(np: Any, kind: _Kind, flat: Any) -> _Part:
+    """A 1- or 2-byte dtype's slab from the count of each bit pattern: one pass over the elements, then work on the
+    2^8 or 2^16 patterns. Exact in int64: every sum is at most 2^22 elements times a square below 2^44."""
+    values, finite_mask = _pattern_table(np, kind)
+    counts = np.bincount(flat, minlength=len(values))
+    part = _Part()
+    present = (counts > 0) & finite_mask
+    if kind.is_float:
+        eb, fb = kind.exponent_bits, kind.fraction_bits
+        grid = counts.reshape(2, 1 << eb, 1 << fb)  # sign, exponent, fraction
+        top = (1 << eb) - 1
+        part.inf = int(grid[:, top, 0].sum())
+        part.nan = int(grid[:, top, 1:].sum())
+        part.zeros = int(grid[:, 0, 0].sum())
+        significand = np.arange(1 << fb, dtype=np.int64)[None, :] + (np.arange(top, dtype=np.int64)[:, None] > 0) * (
+            1 << fb
+        )
+        finite = grid[:, :top, :]
+        sums = (finite * significand).sum(axis=2)  # (sign, exponent)
+        squares = (finite * significand * significand).sum(axis=2)
+        for exponent in np.flatnonzero(sums.any(axis=0) | squares.any(axis=0)):
+            shift = max(int(exponent), 1) - 1
+            part.total += (int(sums[0, exponent]) - int(sums[1, exponent])) << shift
+            part.total_sq += (int(squares[0, exponent]) + int(squares[1, exponent])) << (2 * shift)
+    else:
+        part.zeros = int(counts[0])
+        part.total = int((counts * values).sum())
+        part.total_sq = int((counts * values * values).sum())
+    part.finite = int(counts.sum()) - part.nan - part.inf
+    if part.finite:
+        shown = values[present]
+        low, high = shown.min(), shown.max()
+        part.low, part.high = (float(low), float(high)) if kind.is_float else (int(low), int(high))
+    return part
+
+
+def _by_element(np: Any, kind: _Kind, flat: Any) -> _Part:
+    """A slab element by element: sums per exponent by ``numpy.bincount`` (see the module doc)."""
+    part = _Part()
     width = kind.itemsize * 8
     sign_bit = 1 << (width - 1)
+    buckets = None
     if kind.is_float:
-        exponent_all = (1 << kind.exponent_bits) - 1
-        exponent = ((flat >> kind.fraction_bits) & exponent_all).astype(np.intp)
-        non_finite = exponent == exponent_all
+        top = (1 << kind.exponent_bits) - 1
+        exponent = (flat >> kind.fraction_bits) & top
+        non_finite = exponent == top
         bad = int(np.count_nonzero(non_finite))
         if bad:
-            fraction = flat[non_finite] & ((1 << kind.fraction_bits) - 1)
-            nan = int(np.count_nonzero(fraction))
-            moments.nan += nan
-            moments.inf += bad - nan
+            nan = int(np.count_nonzero(flat[non_finite] & ((1 << kind.fraction_bits) - 1)))
+            part.nan, part.inf = nan, bad - nan
             keep = ~non_finite
             flat, exponent = flat[keep], exponent[keep]
-        magnitude = flat & (sign_bit - 1)
+        part.finite = int(flat.size)
+        part.zeros = part.finite - int(np.count_nonzero(flat & (sign_bit - 1)))
         negative = flat >= sign_bit
-        significand = (flat & ((1 << kind.fraction_bits) - 1)).astype(np.int64)
-        significand += (exponent > 0).astype(np.int64) << kind.fraction_bits
-        buckets = np.maximum(exponent, 1) - 1  # the value is ±significand * 2^(bucket - scale)
-        nonzero = int(np.count_nonzero(magnitude))
+        buckets = exponent.astype(np.intp)
+        np.maximum(buckets, 1, out=buckets)
+        buckets -= 1  # the value is ±significand * 2^(bucket - scale)
         values = _float_values(np, kind, flat)
+        if kind.significand_bits <= _SPLIT:
+            significand = (flat & ((1 << kind.fraction_bits) - 1)).astype(np.float64)
+            np.add(significand, float(1 << kind.fraction_bits), out=significand, where=exponent > 0)
+        else:
+            significand = (flat & ((1 << kind.fraction_bits) - 1)).astype(np.int64)
+            significand += (exponent > 0).astype(np.int64) << kind.fraction_bits
     else:
+        part.finite = int(flat.size)
+        part.zeros = part.finite - int(np.count_nonzero(flat))
         if kind.signed:
             signed = flat.view(f"<i{kind.itemsize}")
             negative = signed < 0
             significand = np.abs(signed.astype(np.int64)) if kind.itemsize < 8 else _abs64(np, signed)
+            values = signed
         else:
             negative = np.zeros(flat.shape, dtype=bool)
             significand = flat.astype(np.uint64 if kind.itemsize == 8 else np.int64)
-        buckets = None
-        nonzero = int(np.count_nonzero(flat))
-        values = flat.view(f"<i{kind.itemsize}") if kind.signed else flat
-    finite = int(flat.size)
-    moments.finite += finite
-    moments.zeros += finite - nonzero
-    if finite:
+            values = flat
+    if part.finite:
         low, high = values.min(), values.max()
-        low, high = (float(low), float(high)) if kind.is_float else (int(low), int(high))
-        moments.low = low if moments.low is None else min(moments.low, low)
-        moments.high = high if moments.high is None else max(moments.high, high)
-        total, total_sq = _exact_sums(np, kind, significand, negative, buckets)
-        moments.total += total
-        moments.total_sq += total_sq
+        part.low, part.high = (float(low), float(high)) if kind.is_float else (int(low), int(high))
+        if significand.dtype == np.float64:
+            part.total, part.total_sq = _split_sums(np, kind, significand, negative, buckets)
+        else:
+            part.total, part.total_sq = _exact_sums(np, kind, significand, negative, buckets)
+    return part
+
+
+def _split_sums(np: Any, kind: _Kind, significand: Any, negative: Any, buckets: Any) -> tuple[int, int]:
+    """(Σ ±m 2^bucket, Σ m² 2^(2 bucket)) for significands below 2^26 held in float64: three weighted bincounts,
+    the squares (exact below 2^52) split at 2^26, so every bucket's sum of at most 2^22 stays below 2^53."""
+    length = 1 << kind.exponent_bits
+    square = significand * significand
+    high = np.floor(square * (1.0 / (1 << _SPLIT)))
+    low = square - high * float(1 << _SPLIT)
+    np.negative(significand, out=significand, where=negative)
+    sums = np.bincount(buckets, weights=significand, minlength=length)
+    highs = np.bincount(buckets, weights=high, minlength=length)
+    lows = np.bincount(buckets, weights=low, minlength=length)
+    total = total_sq = 0
+    for bucket in np.flatnonzero(highs + lows):
+        total += int(sums[bucket]) << int(bucket)
+        total_sq += ((int(highs[bucket]) << _SPLIT) + int(lows[bucket])) << (2 * int(bucket))
+    return total, total_sq
 
 
 def _abs64(np: Any, signed: Any) -> Any:
@@ -320,14 +434,15 @@ def _abs64(np: Any, signed: Any) -> Any:
 
 
 def _float_values(np: Any, kind: _Kind, bits: Any) -> Any:
-    """The finite elements as numpy floats (bfloat16 widened to float32 by its bits), for min and max."""
+    """The elements as numpy floats (bfloat16 widened to float32 by its bits), for min and max."""
     if kind.itemsize == 2 and kind.exponent_bits == 8:
         return (bits.astype(np.uint32) << 16).view(np.float32)
     return bits.view({2: np.float16, 4: np.float32, 8: np.float64}[kind.itemsize])
 
 
 def _exact_sums(np: Any, kind: _Kind, significand: Any, negative: Any, buckets: Any) -> tuple[int, int]:
-    """(Σ ±m 2^bucket, Σ m² 2^(2 bucket)) as exact integers: bincounts of 12-bit limbs (see the module doc)."""
+    """(Σ ±m 2^bucket, Σ m² 2^(2 bucket)) as exact integers for wide significands (float64, 32- and 64-bit
+    integers): bincounts of 12-bit limbs and of their pairwise products (see the module doc)."""
     limbs = []
     remaining = significand
     mask = (1 << _LIMB) - 1
@@ -358,27 +473,53 @@ def _exact_sums(np: Any, kind: _Kind, significand: Any, negative: Any, buckets: 
     return total, total_sq
 
 
-# splitmix64 constants: the golden-ratio increment and the two finaliser multipliers
+# splitmix64's constants: the golden-ratio increment (also the fingerprint's odd base) and the finaliser multipliers
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
+_HASHES: list[Any] = []  # splitmix64 of every 16-bit pattern: 1- and 2-byte elements hash by one lookup
 
 
-def _fingerprint(np: Any, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    """Σ splitmix64(index * golden + bits) mod 2^64 over the elements ``bits`` at ``origin`` of ``shape``."""
-    index = np.zeros(bits.shape, dtype=np.uint64)
-    stride = 1
-    for dim in range(len(shape) - 1, -1, -1):
-        positions = np.arange(origin[dim], origin[dim] + bits.shape[dim], dtype=np.uint64) * np.uint64(stride)
-        index += positions.reshape((-1,) + (1,) * (len(shape) - 1 - dim))
-        stride *= shape[dim]
-    x = index * np.uint64(_GOLDEN) + bits.astype(np.uint64)
+def _value_hashes(np: Any, kind: _Kind, bits: Any) -> Any:
+    """A hash of each element's bits, one-to-one (distinct bits, distinct hashes): splitmix64 by table lookup for
+    1- and 2-byte elements and computed for 8-byte ones; for 4-byte ones a 32-bit multiply-xorshift (a bijection,
+    at a third of splitmix64's cost on uint64)."""
+    if kind.itemsize <= 2:
+        if not _HASHES:
+            _HASHES.append(_splitmix(np, np.arange(1 << 16, dtype=np.uint64)))
+        return _HASHES[0][bits]
+    if kind.itemsize == 4:
+        x = bits * np.uint32(0x9E3779B1)
+        x ^= x >> np.uint32(16)
+        return x
+    return _splitmix(np, bits.astype(np.uint64))
+
+
+def _splitmix(np: Any, x: Any) -> Any:
+    """splitmix64 of each element of the uint64 array ``x`` (in place)."""
+    x += np.uint64(_GOLDEN)
     x ^= x >> np.uint64(30)
     x *= np.uint64(_M1)
     x ^= x >> np.uint64(27)
     x *= np.uint64(_M2)
     x ^= x >> np.uint64(31)
-    return int(x.sum(dtype=np.uint64))
+    return x
+
+
+def _fingerprint(np: Any, kind: _Kind, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """Σ c^i h(v_i) mod 2^64 over the elements ``bits`` at ``origin`` of a slice of ``shape`` (``i`` the index in
+    the slice, row-major; ``c`` odd; ``h`` splitmix64 of the bits). ``c^i`` is the product over dims of
+    ``(c^stride)^position``, so the sum contracts one axis at a time with a vector of powers: two passes."""
+    acc = _value_hashes(np, kind, bits)
+    stride = 1
+    for dim in range(len(shape) - 1, -1, -1):
+        base = pow(_GOLDEN, stride, 1 << 64)
+        powers = np.full(bits.shape[dim], base, dtype=np.uint64)
+        powers[0] = pow(base, origin[dim], 1 << 64)
+        np.multiply.accumulate(powers, out=powers)
+        acc = (acc.astype(np.uint64, copy=False) * powers).sum(axis=-1, dtype=np.uint64)
+        stride *= shape[dim]
+    return int(acc)
 
 
 @dataclass(frozen=True)
