@@ -8,11 +8,13 @@ import json
 import math
 import struct
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 
 from ckptdoctor import numpy_lazy
+from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.cli import main
 from ckptdoctor.formats.torch_dist import (
     StorageLocation,
@@ -24,9 +26,11 @@ from ckptdoctor.formats.torch_dist import (
     storage_items,
 )
 from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
+from ckptdoctor.values.health import KINDS, HealthScan, summarise
+from ckptdoctor.values.read import read_tensor
 from tests.conftest import FIXTURES, fixture_names
 
-pytest.importorskip("numpy")
+np = pytest.importorskip("numpy")
 
 ITER = "iter_0000010"
 EXPERT_FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
@@ -140,9 +144,6 @@ def test_statistics_do_not_depend_on_jobs(capsys):
 def test_statistics_match_torch(capsys):
     """count, zeros, min, max, mean, std and L2 norm against torch's float64 on the assembled tensors."""
     torch = pytest.importorskip("torch")
-    from ckptdoctor.checkpoint import open_checkpoint
-    from ckptdoctor.values.read import read_tensor
-
     path = FIXTURES / "core019_tp2"
     _, report = _check(capsys, "--health", str(path))
     stats = _stats(report)
@@ -292,3 +293,84 @@ def _offset(index: object) -> tuple[int, ...]:
 def _where(index: object) -> tuple:
     """A storage index as a plain key (the key, the chunk's offsets): the same across two reads of .metadata."""
     return index_fqn(index), _offset(index)
+
+
+# --- the engine: exact, whatever the chunking and whichever path -------------------------------------------------
+
+_DTYPES = {
+    "torch.bfloat16": "<u2",
+    "torch.float16": "<u2",
+    "torch.float32": "<u4",
+    "torch.float64": "<u8",
+    "torch.int8": "<u1",
+    "torch.int32": "<u4",
+    "torch.int64": "<u8",
+    "torch.uint8": "<u1",
+}
+
+
+def _exact_value(dtype: str, bits: int) -> Fraction | None:
+    """One element's value from its bits by the IEEE definition (None: NaN or Inf), or as an integer."""
+    kind = KINDS[dtype]
+    width = kind.itemsize * 8
+    if not kind.is_float:
+        return Fraction(bits - (1 << width) if kind.signed and bits >> (width - 1) else bits)
+    fraction = bits & ((1 << kind.fraction_bits) - 1)
+    exponent = (bits >> kind.fraction_bits) & ((1 << kind.exponent_bits) - 1)
+    if exponent == (1 << kind.exponent_bits) - 1:
+        return None
+    bias = (1 << (kind.exponent_bits - 1)) - 1
+    significand = fraction + ((1 << kind.fraction_bits) if exponent else 0)
+    value = Fraction(significand) * Fraction(2) ** (max(exponent, 1) - bias - kind.fraction_bits)
+    return -value if bits >> (width - 1) else value
+
+
+def _scan_in_chunks(dtype: str, bits, rows_per_chunk: int):
+    """A [4, 3, N] key (a stacked layer axis) fed in chunks of ``rows_per_chunk`` rows of its last axis."""
+    scan = HealthScan()
+    layers, rows, _ = bits.shape
+    for layer in range(layers):
+        for start in range(0, rows, rows_per_chunk):
+            part = np.ascontiguousarray(bits[layer : layer + 1, start : start + rows_per_chunk])
+            scan.scan("decoder.layers.x.weight", dtype, bits.shape, (layer, start, 0), part.shape, part.tobytes())
+    return scan.keys["decoder.layers.x.weight"]
+
+
+@pytest.mark.parametrize("dtype", sorted(_DTYPES))
+@pytest.mark.parametrize("size", [7, 4100])  # below and above the bit-pattern count's threshold
+def test_engine_exact_and_layout_independent(dtype, size):
+    """Random bit patterns (NaN, Inf, subnormals, -0 among them): the exact sums equal the sums of the IEEE values
+    as fractions, and every figure is the same for chunks cut along other rows."""
+    kind = KINDS[dtype]
+    rng = np.random.default_rng(size)
+    bits = rng.integers(0, 1 << (8 * kind.itemsize), size=(4, 3, size), dtype=np.uint64, endpoint=False)
+    bits = bits.astype(_DTYPES[dtype])
+    bits[0, 0, :3] = [0, 1 << (8 * kind.itemsize - 1), 1][: min(3, size)]  # +0, -0, the smallest subnormal
+    whole = _scan_in_chunks(dtype, bits, 3)
+    for rows in (1, 2):
+        assert _scan_in_chunks(dtype, bits, rows).slices == whole.slices
+    for layer in range(4):
+        values = [_exact_value(dtype, int(b)) for b in bits[layer].reshape(-1)]
+        finite = [v for v in values if v is not None]
+        moments = whole.slices[(layer,)]
+        scale = Fraction(2) ** kind.scale
+        assert moments.finite == len(finite) and moments.count == len(values)
+        assert Fraction(moments.total) / scale == sum(finite)
+        assert Fraction(moments.total_sq) / scale**2 == sum(v * v for v in finite)
+        assert moments.zeros == sum(1 for v in finite if v == 0)
+        if finite:
+            assert Fraction(moments.low) == min(finite) and Fraction(moments.high) == max(finite)
+    summarise("decoder.layers.x.weight", whole)  # mean, std, L2 from the totals: no overflow, no error
+
+
+def test_fingerprint_tells_slices_apart():
+    """Equal slices: equal fingerprints at different positions; one changed element or two swapped ones: another."""
+    rng = np.random.default_rng(0)
+    layer = rng.integers(0, 1 << 16, size=(3, 64), dtype=np.uint64).astype("<u2")
+    bits = np.stack([layer, layer, layer, layer])
+    bits[2, 1, 5] ^= 1
+    bits[3, 0, [3, 4]] = bits[3, 0, [4, 3]]
+    assert bits[3, 0, 3] != bits[3, 0, 4]
+    stats = _scan_in_chunks("torch.bfloat16", bits, 2)
+    prints = [stats.slices[(i,)].fingerprint for i in range(4)]
+    assert prints[0] == prints[1] and len(set(prints[1:])) == 3
