@@ -153,15 +153,17 @@ def _rewrite_tensor(key: str, change: Callable[[bytes], bytes]) -> Callable[[Pat
     return damage
 
 
-def _rewrite_every(select: Callable[[str], bool], change: Callable[[bytes], bytes]) -> Callable[[Path], None]:
-    """Every chunk of every tensor key ``select`` picks re-saved with ``change`` applied to its storage bytes."""
+def _rewrite_every(
+    select: Callable[[str, tuple[int, ...]], bool], change: Callable[[bytes], bytes]
+) -> Callable[[Path], None]:
+    """Every chunk ``select`` picks (by key and offsets) re-saved with ``change`` applied to its storage bytes."""
 
     def damage(save: Path) -> None:
         iteration_dir = save / ITER
         moved = {}
         for index, info in storage_items(load_metadata_object(iteration_dir / ".metadata")).items():
             key = index_fqn(index)
-            if not select(key):
+            if not select(key, tuple(record_attr(index, "offset") or ())):
                 continue
             path = iteration_dir / info.relative_path
             ref = load_torch_zip(path.read_bytes()[info.offset : info.offset + info.length], key)
@@ -382,15 +384,24 @@ EXAMPLES: dict[str, Example] = {
         _experts_copied_in_layer_0,
         "re-saves every expert of layer 0 as a copy of its expert 0; layer 1's experts are left as saved",
     ),
+    "CKD505": Example(
+        _copy("core019_tp1", check="ckptdoctor check --health /tmp/run"),
+        _rewrite_every(
+            lambda key, offset: key == "decoder.layers.self_attention.linear_qkv.layer_norm_weight" and offset[0] == 0,
+            lambda data: b"\x00\x00\x81\x3f" * 32,
+        ),
+        "re-saves layer 0's slice of `decoder.layers.self_attention.linear_qkv.layer_norm_weight` as 1.0078125: "
+        "layer 0 moved, layer 1 is left as initialised",
+    ),
     "CKD510": Example(
         _copy("core019_tp1", check="ckptdoctor check --health /tmp/run"),
-        _rewrite_every(lambda key: key.startswith("optimizer.state.exp_avg"), lambda data: bytes(len(data))),
+        _rewrite_every(lambda key, _: key.startswith("optimizer.state.exp_avg"), lambda data: bytes(len(data))),
         "re-saves every `optimizer.state.exp_avg.*` and `optimizer.state.exp_avg_sq.*` tensor with zeros",
     ),
     "CKD511": Example(
         _copy("core019_tp1", check="ckptdoctor check --health /tmp/run"),
         _rewrite_every(
-            lambda key: key == "optimizer.state.exp_avg_sq.decoder.final_layernorm.weight",
+            lambda key, _: key == "optimizer.state.exp_avg_sq.decoder.final_layernorm.weight",
             lambda data: b"\x00\x00\x80\xbf" + data[4:],
         ),
         "re-saves `optimizer.state.exp_avg_sq.decoder.final_layernorm.weight` with its first value -1.0",

@@ -60,12 +60,15 @@ def _edit_metadata(iteration_dir: Path, edit: Callable[[object], None]) -> None:
     path.write_bytes(dump_metadata_object(metadata))
 
 
-def _rewrite_tensor(iteration_dir: Path, key: str, change: Callable[[bytes], bytes]) -> None:
-    """Re-save every chunk of ``key`` with ``change`` applied to its storage bytes (appended to its data file)."""
+def _rewrite_tensor(
+    iteration_dir: Path, key: str, change: Callable[[bytes], bytes], chunk: tuple[int, ...] | None = None
+) -> None:
+    """Re-save every chunk of ``key`` (or the one at offsets ``chunk``) with ``change`` applied to its storage bytes
+    (appended to its data file)."""
     metadata = load_metadata_object(iteration_dir / ".metadata")
     moved = {}
     for index, info in storage_items(metadata).items():
-        if index_fqn(index) != key:
+        if index_fqn(index) != key or (chunk is not None and _offset(index) != chunk):
             continue
         path = iteration_dir / info.relative_path
         ref = load_torch_zip(path.read_bytes()[info.offset : info.offset + info.length], key)
@@ -169,6 +172,19 @@ def test_fingerprint_changes_with_one_value(capsys, copy_fixture):
     assert a[key]["fingerprint"] != b[key]["fingerprint"]
     assert a[key]["count"] == b[key]["count"]
     assert all(a[k] == b[k] for k in a if k != key)
+
+
+def test_one_layer_at_init_while_the_other_moved(capsys, copy_fixture):
+    """Layer 0's qkv norm scale re-saved as 1.0078125 (moved); layer 1 left exactly as initialised: CKD505 for
+    layer 1. The fixtures themselves (every layer at its initialisation) get none: nothing moved."""
+    save = copy_fixture("core019_tp1")
+    key = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"  # [2, 32], a chunk per layer
+    _rewrite_tensor(save / ITER, key, lambda data: struct.pack("<32f", *[1.0078125] * 32), chunk=(0, 0))
+    rc, report = _check(capsys, "--health", str(save))
+    assert rc == 1 and _health_codes(report) == ["CKD505"]
+    assert report["findings"][0]["message"] == (
+        "layer 1: every norm scale exactly 1 and every bias 0, as initialised, while layer(s) 0 moved (never trained?)"
+    )
 
 
 # --- optimizer rules on re-saved copies ---------------------------------------------------------------------

@@ -51,6 +51,15 @@ EXPERTS_EQUAL_IN_LAYER = _rule(
     "Training moves every layer's experts apart alike; one layer whose experts are all copies of one was "
     "overwritten (a conversion broadcasting one expert, a load that fell back to one shard).",
 )
+LAYER_AT_INIT = _rule(
+    "CKD505",
+    "layer-at-init",
+    WARNING,
+    "--health: a layer's norm scales are exactly one (and its biases zero) while other layers' have moved",
+    "Megatron initialises norm scales to one and biases to zero; training moves them in every layer. One layer "
+    "still exactly at those values beside layers that moved was never trained, or was replaced by a fresh "
+    "initialisation (a conversion that skipped it, a partial load).",
+)
 MOMENTS_ZERO = _rule(
     "CKD510",
     "optimizer-moments-zero",
@@ -81,6 +90,7 @@ RULES = [
     DUPLICATE_EXPERTS,
     EXPERTS_ALL_EQUAL,
     EXPERTS_EQUAL_IN_LAYER,
+    LAYER_AT_INIT,
     MOMENTS_ZERO,
     SECOND_MOMENT_NEGATIVE,
     MOMENT_MISSING,
@@ -89,6 +99,8 @@ RULES = [
 _MODEL_SPACE_MOMENT = re.compile(r"^optimizer\.state\.(exp_avg|exp_avg_sq)\.(.+)$")
 _BUCKET_MOMENT = re.compile(r"^optimizer\.distributed\..*\.bucket_idx_\d+\.(exp_avg|exp_avg_sq)$")
 _MAY_BE_ZERO = re.compile(r"(bias$|_bias$|\.adapter\.(.+\.)?linear_out\.weight$)")
+_NORM_SCALE = re.compile(r"(norm\.weight|norm_weight)$")  # input_layernorm.weight, linear_qkv.layer_norm_weight, ...
+_LAYER_IN_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def check_health(state: Scanned, scan: HealthScan) -> list[Finding]:
@@ -99,6 +111,7 @@ def check_health(state: Scanned, scan: HealthScan) -> list[Finding]:
     model = {k: s for k, s in scan.keys.items() if state.checkpoint.entries[k].section == "model"}
     out = _zero_weights(path, model)
     out += _equal_experts(path, model)
+    out += _layers_at_init(path, model)
     out += _optimizer(state, scan)
     return out
 
@@ -168,6 +181,45 @@ def _equal_experts(path: Path, model: dict[str, KeyStats]) -> list[Finding]:
                 names = ", ".join(map(str, members))
                 out.append(finding(DUPLICATE_EXPERTS, path, f"{where}: experts {names} are equal in every tensor"))
     return out
+
+
+def _layers_at_init(path: Path, model: dict[str, KeyStats]) -> list[Finding]:
+    """Layers whose every norm scale is exactly one and every bias exactly zero, where other layers' norm scales
+    are not all one (a model at its initialisation throughout is not flagged: nothing moved)."""
+    # layer -> whether each of its norm-scale slices is all one, each of its bias slices all zero
+    scales: dict[int, list[bool]] = {}
+    biases: dict[int, list[bool]] = {}
+    for key, stats in model.items():
+        norm, bias = _NORM_SCALE.search(key) is not None, key.endswith("bias")
+        if not (norm or bias) or "expert" in stats.axes:
+            continue
+        per_key = _LAYER_IN_KEY.search(key)
+        for index, moments in stats.slices.items():
+            if stats.axes[:1] == ("layer",):
+                layer = index[0]
+            elif per_key is not None:
+                layer = int(per_key.group(1))
+            else:
+                continue  # not a layer's (final_layernorm)
+            if norm:
+                ones = moments.finite == moments.count > 0 and moments.low == moments.high == 1
+                scales.setdefault(layer, []).append(ones)
+            else:
+                biases.setdefault(layer, []).append(moments.all_zero)
+    at_init = sorted(layer for layer, ones in scales.items() if all(ones) and all(biases.get(layer, [])))
+    moved = sorted(layer for layer, ones in scales.items() if not all(ones))
+    if not at_init or not moved:
+        return []
+    names = ", ".join(map(str, moved[:8])) + (f" and {len(moved) - 8} more" if len(moved) > 8 else "")
+    return [
+        finding(
+            LAYER_AT_INIT,
+            path,
+            f"layer {layer}: every norm scale exactly 1 and every bias 0, as initialised, while layer(s) {names} "
+            "moved (never trained?)",
+        )
+        for layer in at_init
+    ]
 
 
 def _signature(moments: Moments) -> tuple:
