@@ -174,6 +174,17 @@ def test_fingerprint_changes_with_one_value(capsys, copy_fixture):
     assert all(a[k] == b[k] for k in a if k != key)
 
 
+def test_zero_padded_vocab_rows_are_not_flagged(capsys, copy_fixture):
+    """Rows of the embedding and output layer zeroed (as padded vocab rows are): not a zero weight, the tensor as a
+    whole is not zero."""
+    save = copy_fixture("core019_tp1")
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):  # [128, 32]: the last 28 rows zeroed
+        _rewrite_tensor(save / ITER, key, lambda data: data[: 100 * 32 * 4] + bytes(28 * 32 * 4))
+    rc, report = _check(capsys, "--health", "--select", "CKD5", str(save))
+    assert rc == 0 and report["findings"] == []
+    assert _stats(report)["output_layer.weight"]["zeros"] == 28 * 32
+
+
 def test_one_layer_at_init_while_the_other_moved(capsys, copy_fixture):
     """Layer 0's qkv norm scale re-saved as 1.0078125 (moved); layer 1 left exactly as initialised: CKD505 for
     layer 1. The fixtures themselves (every layer at its initialisation) get none: nothing moved."""
