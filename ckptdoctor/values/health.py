@@ -17,7 +17,8 @@ The fingerprint is the sum mod 2^64 of ``c^i * h(bits)`` over the elements (``i`
 odd, ``h`` one-to-one: :func:`_value_hashes`): equal slices have equal fingerprints wherever their chunks lie,
 and one changed value always changes it (``c^i`` is odd, so a different hash changes the sum). A key's
 fingerprint combines its slices' fingerprints with their indices. One- and two-byte dtypes (bfloat16, float16)
-are counted by bit pattern: one ``bincount`` over the elements, the sums then over the 2^16 patterns.
+are counted by bit pattern: one ``bincount`` over the elements, the sums then over the 2^16 patterns; float32 by
+its upper halves (:func:`_by_upper_half`).
 """
 
 from __future__ import annotations
@@ -276,6 +277,10 @@ def _add(np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, .
     flat = bits.reshape(-1)
     if kind.itemsize == 1 or (kind.itemsize == 2 and n >= _HISTOGRAM_MIN):
         part = _by_histogram(np, kind, flat)
+    elif kind == KINDS["torch.float32"] and n >= _HISTOGRAM_MIN:
+        part = _Part()
+        for start in range(0, n, _UPPER_HALF_SLAB):
+            _merge_part(part, _by_upper_half(np, flat[start : start + _UPPER_HALF_SLAB]))
     else:
         part = _by_element(np, kind, flat)
     if part.finite:
@@ -301,6 +306,62 @@ class _Part:
     high: float | int | None = None
     total: int = 0
     total_sq: int = 0
+
+
+def _merge_part(part: _Part, other: _Part) -> None:
+    if other.finite:
+        part.low = other.low if part.low is None else min(part.low, other.low)  # type: ignore[type-var]
+        part.high = other.high if part.high is None else max(part.high, other.high)  # type: ignore[type-var]
+    part.finite += other.finite
+    part.zeros += other.zeros
+    part.nan += other.nan
+    part.inf += other.inf
+    part.total += other.total
+    part.total_sq += other.total_sq
+
+
+_UPPER_HALF_SLAB = 1 << 20  # float32 elements at once: the low halves' squares (< 2^32) sum below 2^52
+
+
+def _by_upper_half(np: Any, flat: Any) -> _Part:
+    """float32 by the count of each upper half (sign, exponent, 7 fraction bits: 2^16 bins), with the sums of the
+    lower halves ``l`` and of their squares per bin: each value is ``±(a 2^16 + l) 2^bucket`` with ``a`` fixed by
+    the bin, so a bin's sum is ``c a 2^16 + Σl`` and its sum of squares ``c a² 2^32 + 2 a Σl 2^16 + Σl²``. Three
+    bincounts over the elements; the rest over the bins, in int64 (every term below 2^53)."""
+    part = _Part()
+    upper = (flat >> np.uint32(16)).astype(np.intp)
+    lower = (flat & np.uint32(0xFFFF)).astype(np.float64)
+    counts = np.bincount(upper, minlength=1 << 16).reshape(2, 256, 128)  # sign, exponent, upper fraction
+    lows = np.bincount(upper, weights=lower, minlength=1 << 16).astype(np.int64).reshape(2, 256, 128)
+    lower *= lower
+    squares = np.bincount(upper, weights=lower, minlength=1 << 16).astype(np.int64).reshape(2, 256, 128)
+    bad = int(counts[:, 255, :].sum())
+    values = flat.view(np.float32)
+    if bad:  # NaN or Inf (rare): counted element-wise, left out of the sums
+        fraction = flat[(flat & np.uint32(0x7F800000)) == np.uint32(0x7F800000)] & np.uint32(0x7FFFFF)
+        part.nan = int(np.count_nonzero(fraction))
+        part.inf = bad - part.nan
+        values = values[np.isfinite(values)]
+    part.finite = int(flat.size) - bad
+    part.zeros = int(flat.size) - int(np.count_nonzero(flat & np.uint32(0x7FFFFFFF)))
+    if not part.finite:
+        return part
+    part.low, part.high = float(values.min()), float(values.max())
+    upper_fraction = np.arange(128, dtype=np.int64)[None, :] + (np.arange(255, dtype=np.int64)[:, None] > 0) * 128
+    c, low_sums, low_squares = counts[:, :255, :], lows[:, :255, :], squares[:, :255, :]
+    sums_a = (c * upper_fraction).sum(axis=2)  # Σ c a per (sign, exponent)
+    sums_l = low_sums.sum(axis=2)
+    squares_a = (c * upper_fraction * upper_fraction).sum(axis=2)
+    cross = (low_sums * upper_fraction).sum(axis=2)
+    squares_l = low_squares.sum(axis=2)
+    for exponent in np.flatnonzero(c.sum(axis=(0, 2))):
+        shift = max(int(exponent), 1) - 1
+        for sign, factor in ((0, 1), (1, -1)):
+            total = (int(sums_a[sign, exponent]) << 16) + int(sums_l[sign, exponent])
+            square = (int(squares_a[sign, exponent]) << 32) + (int(cross[sign, exponent]) << 17)
+            part.total += factor * (total << shift)
+            part.total_sq += (square + int(squares_l[sign, exponent])) << (2 * shift)
+    return part
 
 
 _TABLES: dict[_Kind, tuple[Any, Any]] = {}  # kind -> (value of each bit pattern, whether it is finite)
