@@ -347,20 +347,21 @@ def _by_upper_half(np: Any, flat: Any) -> _Part:
     if not part.finite:
         return part
     part.low, part.high = float(values.min()), float(values.max())
-    upper_fraction = np.arange(128, dtype=np.int64)[None, :] + (np.arange(255, dtype=np.int64)[:, None] > 0) * 128
-    c, low_sums, low_squares = counts[:, :255, :], lows[:, :255, :], squares[:, :255, :]
+    rows = np.flatnonzero(counts[:, :255, :].sum(axis=(0, 2)))  # the exponents present (a few dozen, not 255)
+    upper_fraction = np.arange(128, dtype=np.int64)[None, :] + (rows[:, None] > 0) * 128
+    c, low_sums, low_squares = counts[:, rows, :], lows[:, rows, :], squares[:, rows, :]
     sums_a = (c * upper_fraction).sum(axis=2)  # Σ c a per (sign, exponent)
     sums_l = low_sums.sum(axis=2)
     squares_a = (c * upper_fraction * upper_fraction).sum(axis=2)
     cross = (low_sums * upper_fraction).sum(axis=2)
     squares_l = low_squares.sum(axis=2)
-    for exponent in np.flatnonzero(c.sum(axis=(0, 2))):
+    for row, exponent in enumerate(rows):
         shift = max(int(exponent), 1) - 1
         for sign, factor in ((0, 1), (1, -1)):
-            total = (int(sums_a[sign, exponent]) << 16) + int(sums_l[sign, exponent])
-            square = (int(squares_a[sign, exponent]) << 32) + (int(cross[sign, exponent]) << 17)
+            total = (int(sums_a[sign, row]) << 16) + int(sums_l[sign, row])
+            square = (int(squares_a[sign, row]) << 32) + (int(cross[sign, row]) << 17)
             part.total += factor * (total << shift)
-            part.total_sq += (square + int(squares_l[sign, exponent])) << (2 * shift)
+            part.total_sq += (square + int(squares_l[sign, row])) << (2 * shift)
     return part
 
 
@@ -397,16 +398,15 @@ def _by_histogram(np: Any, kind: _Kind, flat: Any) -> _Part:
         part.inf = int(grid[:, top, 0].sum())
         part.nan = int(grid[:, top, 1:].sum())
         part.zeros = int(grid[:, 0, 0].sum())
-        significand = np.arange(1 << fb, dtype=np.int64)[None, :] + (np.arange(top, dtype=np.int64)[:, None] > 0) * (
-            1 << fb
-        )
-        finite = grid[:, :top, :]
+        rows = np.flatnonzero(grid[:, :top, :].sum(axis=(0, 2)))  # the exponents present
+        significand = np.arange(1 << fb, dtype=np.int64)[None, :] + (rows[:, None] > 0) * (1 << fb)
+        finite = grid[:, rows, :]
         sums = (finite * significand).sum(axis=2)  # (sign, exponent)
         squares = (finite * significand * significand).sum(axis=2)
-        for exponent in np.flatnonzero(sums.any(axis=0) | squares.any(axis=0)):
+        for row, exponent in enumerate(rows):
             shift = max(int(exponent), 1) - 1
-            part.total += (int(sums[0, exponent]) - int(sums[1, exponent])) << shift
-            part.total_sq += (int(squares[0, exponent]) + int(squares[1, exponent])) << (2 * shift)
+            part.total += (int(sums[0, row]) - int(sums[1, row])) << shift
+            part.total_sq += (int(squares[0, row]) + int(squares[1, row])) << (2 * shift)
     else:
         part.zeros = int(counts[0])
         part.total = int((counts * values).sum())
