@@ -215,6 +215,23 @@ def test_optimizer_moments_all_zero_at_iteration_10(capsys, copy_fixture):
     assert "at iteration 10 (optimizer re-initialised?)" in report["findings"][0]["message"]
 
 
+def test_distributed_optimizer_buckets_all_zero_at_iteration_10(capsys, copy_fixture):
+    """The dp_reshardable buckets (optimizer.distributed...bucket_idx_*.exp_avg/exp_avg_sq) re-saved as zeros."""
+    save = copy_fixture("core019_tp2_dp2")
+    metadata = load_metadata_object(save / ITER / ".metadata")
+    keys = [
+        k
+        for k in record_attr(metadata, "state_dict_metadata")
+        if ".bucket_idx_" in k and k.endswith(("exp_avg", "exp_avg_sq"))
+    ]
+    assert keys
+    for key in keys:
+        _rewrite_tensor(save / ITER, key, lambda data: bytes(len(data)))
+    rc, report = _check(capsys, "--health", str(save))
+    assert rc == 1 and _health_codes(report) == ["CKD510"]
+    assert report["findings"][0]["message"].startswith(f"all {len(keys)} exp_avg/exp_avg_sq tensors are zero")
+
+
 def test_negative_second_moment(capsys, copy_fixture):
     save = copy_fixture("core019_tp1")
     key = "optimizer.state.exp_avg_sq.decoder.final_layernorm.weight"
