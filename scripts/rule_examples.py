@@ -153,6 +153,92 @@ def _rewrite_tensor(key: str, change: Callable[[bytes], bytes]) -> Callable[[Pat
     return damage
 
 
+def _rewrite_every(
+    select: Callable[[str, tuple[int, ...]], bool], change: Callable[[bytes], bytes]
+) -> Callable[[Path], None]:
+    """Every chunk ``select`` picks (by key and offsets) re-saved with ``change`` applied to its storage bytes."""
+
+    def damage(save: Path) -> None:
+        iteration_dir = save / ITER
+        moved = {}
+        for index, info in storage_items(load_metadata_object(iteration_dir / ".metadata")).items():
+            key = index_fqn(index)
+            if not select(key, tuple(record_attr(index, "offset") or ())):
+                continue
+            path = iteration_dir / info.relative_path
+            ref = load_torch_zip(path.read_bytes()[info.offset : info.offset + info.length], key)
+            ref.storage.set_data(change(ref.storage.data()))
+            new = dump_torch_zip(ref)
+            offset = path.stat().st_size
+            with open(path, "ab") as f:
+                f.write(new)
+            moved[(key, tuple(record_attr(index, "offset") or ()))] = StorageLocation(
+                info.relative_path, offset, len(new)
+            )
+
+        def edit(metadata: object) -> None:
+            for index, info in storage_items(metadata).items():
+                where = (index_fqn(index), tuple(record_attr(index, "offset") or ()))
+                if where in moved:
+                    set_storage(info, moved[where])
+
+        _edit_metadata(iteration_dir, edit)
+
+    return damage
+
+
+def _experts_copied(save: Path, layers: tuple[int, ...] = (0, 1)) -> None:
+    """Every expert chunk of ``layers`` re-saved with the bytes of that layer's expert 0 (experts.experts.*)."""
+    iteration_dir = save / ITER
+    items = storage_items(load_metadata_object(iteration_dir / ".metadata"))
+    source: dict[tuple, bytes] = {}
+    chunks = []
+    for index, info in items.items():
+        key, offset = index_fqn(index), tuple(record_attr(index, "offset") or ())
+        if "experts.experts." not in key or not key.endswith("weight"):
+            continue
+        if offset[0] not in layers:
+            continue
+        if offset[1] == 0:
+            blob = (iteration_dir / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+            source[(key, offset[0], *offset[2:])] = blob
+        else:
+            chunks.append((key, offset, info.relative_path))
+    moved = {}
+    for key, offset, relative in chunks:
+        path = iteration_dir / relative
+        new = dump_torch_zip(load_torch_zip(source[(key, offset[0], *offset[2:])], key))
+        start = path.stat().st_size
+        with open(path, "ab") as f:
+            f.write(new)
+        moved[(key, offset)] = StorageLocation(relative, start, len(new))
+
+    def edit(metadata: object) -> None:
+        for index, info in storage_items(metadata).items():
+            where = (index_fqn(index), tuple(record_attr(index, "offset") or ()))
+            if where in moved:
+                set_storage(info, moved[where])
+
+    _edit_metadata(iteration_dir, edit)
+
+
+def _experts_copied_in_layer_0(save: Path) -> None:
+    _experts_copied(save, layers=(0,))
+
+
+def _drop_key(key: str) -> Callable[[Path], None]:
+    def damage(save: Path) -> None:
+        def edit(metadata: object) -> None:
+            del record_attr(metadata, "state_dict_metadata")[key]
+            storage = storage_items(metadata)
+            for index in [i for i in storage if index_fqn(i) == key]:
+                del storage[index]
+
+        _edit_metadata(save / ITER, edit)
+
+    return damage
+
+
 def _unlisted_megatron_global(save: Path) -> None:
     """``megatron.core.brand_new.FutureConfig("x")`` called at the start of .metadata's pickle."""
 
@@ -285,6 +371,45 @@ EXAMPLES: dict[str, Example] = {
         _copy("core019_tp2", check="ckptdoctor check --deep /tmp/run"),
         _rewrite_tensor("decoder.final_layernorm.weight", lambda data: b"\xff" * 4 + data[4:]),
         "re-saves `decoder.final_layernorm.weight` with its first 4 bytes set to `0xff`: a NaN",
+    ),
+    "CKD501": Example(("ckptdoctor check --health fixtures/core019_moe_zero_expert_ep2",)),
+    "CKD502": Example(("ckptdoctor check --health fixtures/core019_moe_dup_expert_ep2",)),
+    "CKD503": Example(
+        _copy("core019_moe_ep2", check="ckptdoctor check --health /tmp/run"),
+        _experts_copied,
+        "re-saves every expert of both layers as a copy of that layer's expert 0",
+    ),
+    "CKD504": Example(
+        _copy("core019_moe_ep2", check="ckptdoctor check --health /tmp/run"),
+        _experts_copied_in_layer_0,
+        "re-saves every expert of layer 0 as a copy of its expert 0; layer 1's experts are left as saved",
+    ),
+    "CKD505": Example(
+        _copy("core019_tp1", check="ckptdoctor check --health /tmp/run"),
+        _rewrite_every(
+            lambda key, offset: key == "decoder.layers.self_attention.linear_qkv.layer_norm_weight" and offset[0] == 0,
+            lambda data: b"\x00\x00\x81\x3f" * 32,
+        ),
+        "re-saves layer 0's slice of `decoder.layers.self_attention.linear_qkv.layer_norm_weight` as 1.0078125: "
+        "layer 0 moved, layer 1 is left as initialised",
+    ),
+    "CKD510": Example(
+        _copy("core019_tp1", check="ckptdoctor check --health /tmp/run"),
+        _rewrite_every(lambda key, _: key.startswith("optimizer.state.exp_avg"), lambda data: bytes(len(data))),
+        "re-saves every `optimizer.state.exp_avg.*` and `optimizer.state.exp_avg_sq.*` tensor with zeros",
+    ),
+    "CKD511": Example(
+        _copy("core019_tp1", check="ckptdoctor check --health /tmp/run"),
+        _rewrite_every(
+            lambda key, _: key == "optimizer.state.exp_avg_sq.decoder.final_layernorm.weight",
+            lambda data: b"\x00\x00\x80\xbf" + data[4:],
+        ),
+        "re-saves `optimizer.state.exp_avg_sq.decoder.final_layernorm.weight` with its first value -1.0",
+    ),
+    "CKD512": Example(
+        _copy("core019_tp1", check="ckptdoctor check --health /tmp/run"),
+        _drop_key("optimizer.state.exp_avg_sq.output_layer.weight"),
+        "removes `optimizer.state.exp_avg_sq.output_layer.weight` from `.metadata`",
     ),
     "CKD401": Example(_copy("core019_tp2", f"printf 'cos\\nsystem\\n(S\"echo pwned\"\\ntR.' > {IT}/.metadata")),
     "CKD402": Example(

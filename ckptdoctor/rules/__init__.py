@@ -8,6 +8,8 @@ One module per family (codes are never reused or renumbered, so configs and CI l
 * :mod:`.consistency` CKD2xx  args vs chunk layout (the :mod:`ckptdoctor.arg_rules` table), chunk coverage
 * :mod:`.integrity`   CKD3xx  ``integrity.json`` hashes; the ``--deep`` rules (decoding: :mod:`.deep_decode`)
 * :mod:`.safety`      CKD4xx  pickles referencing callables outside the allowlist
+* :mod:`.health`      CKD5xx  ``check --health``: all-zero weights, equal experts, optimizer moments (statistics:
+  :mod:`ckptdoctor.values.health`)
 
 Here: :class:`RuleInfo`, :class:`Finding`, the fix commands and the selectors, which every family imports;
 :mod:`.registry` (above the families) lists every rule and validates ``--select``/``--ignore``.
