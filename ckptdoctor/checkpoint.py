@@ -14,6 +14,7 @@ from typing import Any
 from ckptdoctor.args import saved_config
 from ckptdoctor.errors import CkptError, PickleLimitError, UnlistedGlobalError, UnsafePickleError, without_path
 from ckptdoctor.formats import (
+    BACKEND_DCP,
     has_common_pt,
     index_file,
     read_index,
@@ -22,6 +23,8 @@ from ckptdoctor.formats import (
 from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.formats.dcp_index import CHUNK_STORAGE, STORAGE_LENGTH
 from ckptdoctor.formats.legacy_torch import check_te_extra_state
+from ckptdoctor.formats.plain_dcp import FLAVOUR_NAMES, MEGATRON_COMMON_ITEMS, flavour_of, is_megatron
+from ckptdoctor.formats.plain_dcp import section_of as dcp_section_of
 from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
 from ckptdoctor.locate import CheckpointLocation, iteration_location, locate, read_backend
@@ -169,8 +172,16 @@ class Checkpoint:
         return [e for e in self.entries.values() if e.section == section]
 
     @property
+    def flavour(self) -> str | None:
+        """Plain DCP only: whose conventions the state dict follows (:mod:`ckptdoctor.formats.plain_dcp`)."""
+        return self.location.flavour
+
+    @property
     def common_source(self) -> str | None:
-        """Where the common (non-sharded) state lives: ``common.pt`` or the DCP bytes item's key."""
+        """Where the common (non-sharded) state lives: ``common.pt`` or the DCP bytes item's key; for a Megatron-LM
+        plain DCP save, its top-level ``args`` item (``iteration`` and the others beside it)."""
+        if self.location.backend == BACKEND_DCP:
+            return "args" if is_megatron(self.flavour) else None
         if self.location.has_common_pt:
             return "common.pt"
         for key, entry in self.entries.items():
@@ -186,6 +197,8 @@ class Checkpoint:
         return self._common
 
     def _load_common(self) -> dict:
+        if self.location.backend == BACKEND_DCP:
+            return self._plain_dcp_common()
         source = self.common_source
         if source is None:
             raise CkptError(f"{self.iteration_dir}: no common state (neither common.pt nor a common_state item)")
@@ -201,6 +214,17 @@ class Checkpoint:
             refuse_unlisted(self.common_unlisted, error)
             raise error
         return state
+
+    def _plain_dcp_common(self) -> dict:
+        """A plain DCP save's counterpart of the common state: Megatron-LM's top-level items (``args``,
+        ``iteration``, ...), each decoded through the safe unpickler; empty for the other flavours."""
+        if not is_megatron(self.flavour):
+            return {}
+        return {
+            name: self.read_bytes_item(name, self.common_unlisted)
+            for name in MEGATRON_COMMON_ITEMS
+            if name in self.entries and self.entries[name].kind == "bytes"
+        }
 
     def saved_config(self) -> tuple[dict[str, Any], str | None]:
         """The saved config the arg rules check and where it is: Megatron-LM's args, else Megatron-Bridge's
@@ -319,28 +343,30 @@ def scan(location: CheckpointLocation, for_rewrite: bool = False) -> Scan:
     if index is None:
         return Scan(location, Checkpoint(location, {}, {}), problems)
     checkpoint = Checkpoint(location, index.items, index.data_files, dcp=index.dcp)
-    if any(p.code == METADATA_JSON_MISSING for p in problems) and _megatron_lm_dcp(checkpoint):
+    if any(p.code == METADATA_JSON_MISSING for p in problems) and _plain_dcp(checkpoint):
         problems = [p for p in problems if p.code != METADATA_JSON_MISSING]
-        problems.append(Problem(UNSUPPORTED_FORMAT, directory, TORCH_DCP_MESSAGE))
-        return Scan(location, None, problems)
+        location.backend = BACKEND_DCP
+        location.flavour = flavour_of({key: entry.kind for key, entry in checkpoint.entries.items()})
+        for entry in checkpoint.entries.values():
+            entry.section = dcp_section_of(entry.key, location.flavour)
     return Scan(location, checkpoint, problems, index.metadata)
 
 
-TORCH_DCP_MESSAGE = (
-    "Megatron-LM --ckpt-format torch_dcp (or fsdp_dtensor) checkpoint: plain PyTorch DCP whose state dict holds args "
-    "and iteration, without metadata.json, which Megatron loads with torch.distributed.checkpoint; ckptdoctor reads "
-    "torch_dist and zarr checkpoints (a metadata.json added here would make Megatron read it as torch_dist)"
-)
-
-
-def _megatron_lm_dcp(checkpoint: Checkpoint) -> bool:
-    """Whether an index without metadata.json is Megatron-LM's torch_dcp / fsdp_dtensor save, not an interrupted
-    torch_dist one: those keep ``args`` and ``iteration`` as top-level items of the DCP state dict (flattened, so
-    the model is ``model.<name>``), where torch_dist keeps them in its common state (common.pt or a common_state
-    item)."""
+def _plain_dcp(checkpoint: Checkpoint) -> bool:
+    """Whether an index without metadata.json is a plain PyTorch DCP save (Megatron-LM torch_dcp / fsdp_dtensor,
+    FSDP2, TorchTitan, any ``dcp.save``), not an interrupted torch_dist one: no common state (common.pt or a
+    common_state item, which every torch_dist save has), and either DCP's default planner's flattening map in
+    ``.metadata`` (torch_dist saves unflattened) or Megatron-LM's top-level ``args`` and ``iteration`` items."""
+    if checkpoint.common_source is not None:
+        return False
     entries = checkpoint.entries
-    top = [entries.get(name) for name in ("args", "iteration")]
-    return all(e is not None and e.kind == "bytes" for e in top) and checkpoint.common_source is None
+    megatron = all((e := entries.get(name)) is not None and e.kind == "bytes" for name in ("args", "iteration"))
+    return megatron or (checkpoint.dcp is not None and checkpoint.dcp.flattened)
+
+
+def plain_dcp_name(checkpoint: Checkpoint) -> str:
+    """How a refusal names a plain DCP checkpoint: its flavour."""
+    return FLAVOUR_NAMES.get(checkpoint.flavour or "", "plain PyTorch DCP")
 
 
 def _refusal_code(error: CkptError) -> str:
