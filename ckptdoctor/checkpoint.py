@@ -364,9 +364,17 @@ def _plain_dcp(checkpoint: Checkpoint) -> bool:
     return megatron or (checkpoint.dcp is not None and checkpoint.dcp.flattened)
 
 
-def plain_dcp_name(checkpoint: Checkpoint) -> str:
-    """How a refusal names a plain DCP checkpoint: its flavour."""
-    return FLAVOUR_NAMES.get(checkpoint.flavour or "", "plain PyTorch DCP")
+def refuse_plain_dcp(
+    checkpoint: Checkpoint, command: str, does: str = "writes Megatron torch_dist checkpoints only; nothing was changed"
+) -> Checkpoint:
+    """``checkpoint``, or one :class:`CkptError` line naming its flavour where it is a plain DCP save, which the
+    write commands (their outputs are Megatron torch_dist: metadata.json, common state) do not write."""
+    if checkpoint.location.backend == BACKEND_DCP:
+        name = FLAVOUR_NAMES.get(checkpoint.flavour or "", "plain PyTorch DCP")
+        raise CkptError(
+            f"{checkpoint.iteration_dir}: {name} checkpoint (plain PyTorch DCP, no metadata.json): {command} {does}"
+        )
+    return checkpoint
 
 
 def _refusal_code(error: CkptError) -> str:
@@ -389,9 +397,11 @@ def scan_iteration_dir(iteration_dir: Path) -> Scan:
     return scan(iteration_location(iteration_dir))
 
 
-def open_checkpoint(path: str | Path, iteration: str | int | None = None) -> Checkpoint:
-    """Locate and index a checkpoint from metadata; the one entry point operations use."""
-    return scan_path(path, iteration).raise_fatal()
+def open_checkpoint(path: str | Path, iteration: str | int | None = None, writer: str | None = None) -> Checkpoint:
+    """Locate and index a checkpoint from metadata; the one entry point operations use. ``writer``: the write
+    command that will change it (a plain DCP save is then refused, :func:`refuse_plain_dcp`)."""
+    checkpoint = scan_path(path, iteration).raise_fatal()
+    return checkpoint if writer is None else refuse_plain_dcp(checkpoint, writer)
 
 
 class HeldMetadata:
@@ -412,11 +422,13 @@ class HeldMetadata:
         return metadata
 
 
-def open_for_rewrite(path: str | Path, iteration: str | int | None = None) -> tuple[Checkpoint, HeldMetadata | None]:
+def open_for_rewrite(
+    path: str | Path, iteration: str | int | None = None, writer: str = "this command"
+) -> tuple[Checkpoint, HeldMetadata | None]:
     """:func:`open_checkpoint` for a command that rewrites ``.metadata``: also the metadata object, from the same
     read (one pass of the safety scan instead of two), held for the writer to take; None where there is no
-    ``.metadata`` (legacy zarr)."""
+    ``.metadata`` (legacy zarr). A plain DCP save is refused (:func:`refuse_plain_dcp`)."""
     result = scan_path(path, iteration, for_rewrite=True)
-    checkpoint = result.raise_fatal()
+    checkpoint = refuse_plain_dcp(result.raise_fatal(), writer)
     metadata, result.metadata = result.metadata, None
     return checkpoint, None if metadata is None else HeldMetadata(metadata)

@@ -99,7 +99,7 @@ def command(
 
     Exit 0: it loads (--suggest: at some candidate); 1: it will not; 2: bad input.
     """
-    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.checkpoint import open_checkpoint, refuse_plain_dcp
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.can_load.args_from import model_args_from
     from ckptdoctor.ops.can_load.predict import predict, read_saved
@@ -123,7 +123,8 @@ def command(
         use_checkpoint_args=use_checkpoint_args,
         sets=parse_sets(sets),
     )
-    ckpt = open_checkpoint(checkpoint, iteration)
+    # Megatron's load rules do not apply to a plain DCP save (DCP reshards by global shape)
+    ckpt = refuse_plain_dcp(open_checkpoint(checkpoint, iteration), "can-load", "predicts Megatron torch_dist loads")
     model_args = model_args_from(args_from) if args_from else None
     if suggest:
         # flags LoadRun does not hold, echoed in each candidate's command

@@ -115,10 +115,17 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
         lines.append(f"save dir        {report.save_dir} ({tracker})")
     meta = ", ".join(f"{k}={v}" for k, v in fmt["metadata_json"].items())
     lines.append(f"format          {fmt['era']}")
+    if fmt.get("flavour") is not None:  # plain DCP: Megatron would read a metadata.json here as torch_dist
+        meta = "none (plain PyTorch DCP: loaded with torch.distributed.checkpoint)"
     lines.append(f"metadata.json   {meta}")
     if fmt["dcp_version"] is not None or fmt["metadata_class"]:
         lines.append(f"DCP metadata    version {fmt['dcp_version']}, {fmt['metadata_class']}")
-    lines.append(f"common state    {fmt['common_source']}")
+    if fmt.get("flavour") is not None and fmt["common_source"] is not None:
+        lines.append(f"common state    top-level items of the state dict ({fmt['common_source']}, iteration, ...)")
+    elif fmt.get("flavour") is not None:
+        lines.append("common state    none (the state dict is all there is)")
+    else:
+        lines.append(f"common state    {fmt['common_source']}")
     iteration = "release" if report.release else report.iteration
     lines.append(f"iteration       {iteration}   checkpoint_version {fmt['checkpoint_version']}")
     files = report.data_files

@@ -65,9 +65,9 @@ UNSUPPORTED_FORMAT = _rule(
     "unsupported-format",
     ERROR,
     "not a distributed checkpoint ckptdoctor can check",
-    "Legacy mp_rank_* checkpoints, Megatron-LM's torch_dcp / fsdp_dtensor saves (plain DCP without metadata.json) "
-    "and backends other than torch_dist and zarr have a different layout; the other rules would report nonsense "
-    "for them.",
+    "Legacy mp_rank_* checkpoints and backends other than torch_dist and zarr named by metadata.json have a "
+    "different layout; the other rules would report nonsense for them. (Plain PyTorch DCP saves without "
+    "metadata.json, Megatron-LM torch_dcp / fsdp_dtensor, FSDP2, TorchTitan, are read as the dcp backend.)",
 )
 DCP_METADATA_MISSING = _rule(
     problems.INDEX_MISSING,
