@@ -43,7 +43,7 @@ class SavedLayout:
 
     def as_dict(self) -> dict[str, Any]:
         """The layout as reports show it (inspect and diff JSON): each degree, the writer ranks, the summary."""
-        shown = {
+        shown: dict[str, Any] = {
             "tp": self.tp,
             "pp": self.pp,
             "layers": self.layers,

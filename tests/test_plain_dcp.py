@@ -1,0 +1,164 @@
+"""Plain PyTorch DCP checkpoints (no metadata.json) are read as the ``dcp`` backend, their flavour named:
+Megatron-LM ``--ckpt-format torch_dcp`` (fixtures/generate.py --backend torch_dcp), FSDP2 / TorchTitan
+(fixtures/make_plain_dcp.py: ``fully_shard`` on 2 gloo ranks, ``step-N`` dirs, and the same state saved from one
+rank). They are never taken for an interrupted torch_dist save whose metadata.json repair would write (Megatron-LM
+would then read the dir as torch_dist): the write commands refuse them in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jsonschema
+import pytest
+from conftest import FIXTURES, file_digests, run_cli, run_main, shipped_schema
+
+from ckptdoctor.ops.check import check_paths
+
+DCP = FIXTURES / "dcp"
+TORCH_DCP = DCP / "core019_mlm_torch_dcp_tp1"
+ITER = "iter_0000010"
+TITAN = DCP / "fsdp2_titan_ws2"  # step-5 and step-10, world size 2
+TITAN_WS1 = DCP / "fsdp2_titan_ws1" / "step-10"  # the step-10 state saved from one rank
+
+
+def _json(capsys, *args: object) -> dict:
+    rc, out, err = run_main(capsys, *args, "--format", "json")
+    assert rc in (0, 1), err
+    doc = json.loads(out)
+    jsonschema.Draft202012Validator(shipped_schema(args[0])).validate(doc)
+    return doc
+
+
+def test_inspect_names_the_fsdp2_flavour_and_its_uneven_shards(capsys):
+    rc, out, _ = run_main(capsys, "inspect", TITAN)
+    assert rc == 0
+    assert "format          FSDP2 / TorchTitan (plain PyTorch DCP, no metadata.json)" in out
+    assert f"checkpoint      {TITAN / 'step-10'}" in out  # the newest step of the save dir
+    assert "saved layout    world size 2: 27 tensors sharded on dim 0, 9 whole; 12 uneven (model.norm.bias 3+2" in out
+    doc = _json(capsys, "inspect", TITAN)
+    assert doc["format"]["backend"] == "dcp" and doc["format"]["flavour"] == "fsdp2"
+    assert doc["iteration"] == 10 and doc["layout"]["writer_ranks"] == [0, 1]
+    sharding = doc["layout"]["sharding"]
+    assert sharding["world_size"] == 2 and sharding["shard_dims"] == {"0": 27}
+    assert {"key": "model.proj.weight", "dim": 0, "sizes": [3, 2]} in sharding["uneven"]
+    assert {"key": "model.layers.0.weight", "dim": 0, "sizes": [4, 4]} not in sharding["uneven"]
+    sections = doc["sections"]
+    assert sections["model"]["tensors"] == 9 and sections["optimizer"]["keys"] == 40
+    assert sections["other"]["keys"] == 11  # train_state, lr_scheduler, one dataloader entry per rank
+
+
+def test_inspect_of_one_rank_and_of_megatron_torch_dcp(capsys):
+    doc = _json(capsys, "inspect", TITAN_WS1)
+    assert doc["layout"]["sharding"] == {"world_size": 1, "sharded": 0, "whole": 36, "shard_dims": {}, "uneven": []}
+    rc, out, _ = run_main(capsys, "inspect", TORCH_DCP)
+    assert rc == 0 and "format          Megatron-LM torch_dcp (plain PyTorch DCP, no metadata.json)" in out
+    assert "tensor_model_parallel_size=1" in out and "ckpt_format=torch_dcp" in out  # args read from the state dict
+    doc = _json(capsys, "inspect", TORCH_DCP)
+    assert doc["format"]["flavour"] == "torch_dcp" and doc["format"]["common_source"] == "args"
+    assert doc["iteration"] == 10 and doc["format"]["checkpoint_version"] == 3.0
+    assert doc["sections"]["rng"]["keys"] == 7 and doc["sections"]["model"]["tensors"] == 15
+
+
+@pytest.mark.parametrize("path", [TITAN, TITAN / "step-5", TITAN_WS1, TORCH_DCP])
+def test_check_passes_clean_saves(capsys, path):
+    rc, out, _ = run_main(capsys, "check", "--deep", path)
+    assert rc == 0 and "All checks passed" in out, out
+
+
+def test_check_all_steps_and_no_tracker_finding(capsys):
+    rc, out, _ = run_main(capsys, "check", "--all-iterations", TITAN)
+    assert rc == 0 and "All checks passed (2 checkpoints)" in out  # TorchTitan keeps no tracker: no CKD122
+
+
+@pytest.mark.parametrize(
+    ("damage", "code"),
+    [("missing", "CKD113"), ("truncated", "CKD114")],
+)
+def test_check_finds_a_lost_data_file(capsys, tmp_path, damage, code):
+    save = tmp_path / "titan"
+    shutil.copytree(TITAN, save)
+    data = save / "step-10" / "__1_0.distcp"
+    if damage == "missing":
+        data.unlink()
+    else:
+        os.truncate(data, data.stat().st_size - 4096)
+    findings = check_paths([str(save)]).findings
+    assert code in [f.code for f in findings]
+    assert any(f.code == code and "__1_0.distcp" in f"{f.path} {f.message}" for f in findings)
+    rc, out, _ = run_main(capsys, "check", save)
+    assert rc == 1 and code in out
+
+
+def test_diff_across_world_sizes(capsys):
+    rc, out, _ = run_main(capsys, "diff", TITAN, TITAN_WS1)
+    assert rc == 1
+    assert "only in A  dataloader.dp_rank_1" in out  # TorchTitan's per-rank dataloader state
+    assert "model.proj.weight: 2 chunks -> 1 chunk of [5, 8]" in out
+    assert "layout  A: world size 2: 27 tensors sharded on dim 0" in out
+    doc = _json(capsys, "diff", "--values", TITAN, TITAN_WS1)
+    values = doc["values"]
+    assert values["compared"] > 0 and values["different"] == 0 and values["equal"] == values["compared"]
+
+
+def test_show_a_sharded_key_and_a_saved_arg(capsys):
+    rc, out, _ = run_main(capsys, "show", TITAN, "model.proj.weight")
+    assert rc == 0 and "global shape    5x8" in out and "chunk grid      2 x 1" in out
+    assert "(3, 0)     2x8      __1_0.distcp" in out
+    rc, out, _ = run_main(capsys, "show", TORCH_DCP, "args.lr")
+    assert rc == 0 and "value           0.001" in out
+
+
+def test_latest_good_and_history_over_step_dirs(capsys, tmp_path):
+    rc, out, _ = run_main(capsys, "latest-good", TITAN)
+    assert rc == 0 and out.strip() == str(TITAN / "step-10")
+    rc, out, _ = run_main(capsys, "history", TITAN)
+    assert rc == 0 and "2 iteration dirs: 2 good" in out and "latest good: 10" in out
+    save = tmp_path / "titan"
+    shutil.copytree(TITAN, save)
+    (save / "step-10" / "__0_0.distcp").unlink()
+    rc, out, _ = run_main(capsys, "latest-good", save)
+    assert rc == 0 and out.strip() == str(save / "step-5")
+    doc = _json(capsys, "history", save)
+    assert [(row["iteration"], row["status"]) for row in doc["iterations"]] == [(10, "broken"), (5, "good")]
+
+
+def test_iteration_option_picks_a_step_dir(capsys):
+    doc = _json(capsys, "inspect", TITAN, "--iteration", "5")
+    assert doc["iteration_dir"] == str(TITAN / "step-5") and doc["iteration"] == 5
+
+
+@pytest.mark.parametrize("path", [TORCH_DCP, TITAN])
+def test_write_commands_refuse_in_one_line(capsys, tmp_path, path):
+    save = tmp_path / "save"
+    shutil.copytree(path, save)
+    before = file_digests(save)
+    for command in (
+        ["edit", "--drop-section", "optimizer", "--dry-run"],
+        ["edit", "--drop-section", "optimizer", "--in-place"],
+        ["strip-frozen", "--dry-run"],
+        ["fix-args", "--in-place"],
+        ["seal"],
+        ["repair", "--in-place"],
+        ["can-load", "--target", "tp=1"],
+    ):
+        rc, out, err = run_main(capsys, command[0], save, *command[1:])
+        assert rc == 2 and "(plain PyTorch DCP, no metadata.json)" in err, (command, out, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert file_digests(save) == before and not list(save.rglob("metadata.json"))
+
+
+@pytest.mark.parametrize("name", ["core019_tp2", "core016_tp2"])
+def test_an_interrupted_torch_dist_save_stays_one(tmp_path, name):
+    """Without metadata.json a torch_dist save (common state in a common_state item or common.pt) is still CKD101."""
+    save = tmp_path / name
+    shutil.copytree(FIXTURES / name, save)
+    (save / ITER / "metadata.json").unlink()
+    assert [f.code for f in check_paths([str(save)]).findings] == ["CKD101"]
+
+
+def test_read_without_torch():
+    for path in (TORCH_DCP, TITAN):
+        result = run_cli("check", str(path), block=("torch", "megatron"))
+        assert result.returncode == 0 and "All checks passed" in result.stdout and "IMPORTED:\n" in result.stderr
