@@ -184,6 +184,7 @@ EXAMPLES: dict[str, Example] = {
             "ckptdoctor check /tmp/legacy/iter_0000010",
         )
     ),
+    "CKD222": Example(("ckptdoctor check fixtures/dcp/core019_mlm_torch_dcp_tp2_local",)),
     "CKD110": Example(_copy("core019_tp2", f"rm {IT}/.metadata")),
     "CKD111": Example(_copy("core019_tp2", f"truncate -s 100 {IT}/.metadata")),
     "CKD112": Example(

@@ -162,3 +162,33 @@ def test_read_without_torch():
     for path in (TORCH_DCP, TITAN):
         result = run_cli("check", str(path), block=("torch", "megatron"))
         assert result.returncode == 0 and "All checks passed" in result.stdout and "IMPORTED:\n" in result.stderr
+
+
+def test_check_names_the_tensors_a_local_tensor_save_lost(capsys):
+    """TP=2 torch_dcp of per-rank local tensors (fixtures/generate.py past Megatron-LM's refusal): each split model
+    tensor keeps one rank's shard; the saved args say what the whole tensor is (CKD222)."""
+    local = DCP / "core019_mlm_torch_dcp_tp2_local"
+    findings = check_paths([str(local)]).findings
+    assert {f.code for f in findings} == {"CKD222"}
+    lost = sorted(f.message.split(":", 1)[0] for f in findings)
+    assert lost == sorted(
+        [
+            "model.embedding.word_embeddings.weight",
+            "model.output_layer.weight",
+            *(
+                f"model.decoder.layers.{i}.{name}.weight"
+                for i in (0, 1)
+                for name in (
+                    "self_attention.linear_qkv",
+                    "self_attention.linear_proj",
+                    "mlp.linear_fc1",
+                    "mlp.linear_fc2",
+                )
+            ),
+        ]
+    )
+    qkv = next(f for f in findings if f.message.startswith("model.decoder.layers.0.self_attention.linear_qkv.weight"))
+    assert "saved shape [48, 32], the args imply [96, 32] (dim 0: 48 of 96)" in qkv.message
+    rc, out, _ = run_main(capsys, "check", local)
+    assert rc == 1 and "CKD222" in out
+    assert [f.code for f in check_paths([str(TORCH_DCP)]).findings] == []  # the TP=1 save holds whole tensors
