@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor.args import saved_config
+from ckptdoctor.args import args_as_dict, saved_config
 from ckptdoctor.errors import CkptError, PickleLimitError, UnlistedGlobalError, UnsafePickleError, without_path
 from ckptdoctor.formats import (
     BACKEND_DCP,
@@ -23,7 +23,13 @@ from ckptdoctor.formats import (
 from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.formats.dcp_index import CHUNK_STORAGE, STORAGE_LENGTH
 from ckptdoctor.formats.legacy_torch import check_te_extra_state
-from ckptdoctor.formats.plain_dcp import FLAVOUR_NAMES, MEGATRON_COMMON_ITEMS, flavour_of, is_megatron
+from ckptdoctor.formats.plain_dcp import (
+    FLAVOUR_NAMES,
+    MEGATRON_COMMON_ITEMS,
+    flavour_of,
+    is_megatron,
+    megatron_flavour,
+)
 from ckptdoctor.formats.plain_dcp import section_of as dcp_section_of
 from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
@@ -218,13 +224,15 @@ class Checkpoint:
     def _plain_dcp_common(self) -> dict:
         """A plain DCP save's counterpart of the common state: Megatron-LM's top-level items (``args``,
         ``iteration``, ...), each decoded through the safe unpickler; empty for the other flavours."""
-        if not is_megatron(self.flavour):
+        if self.flavour is None or not is_megatron(self.flavour):
             return {}
-        return {
+        state = {
             name: self.read_bytes_item(name, self.common_unlisted)
             for name in MEGATRON_COMMON_ITEMS
             if name in self.entries and self.entries[name].kind == "bytes"
         }
+        self.location.flavour = megatron_flavour(self.flavour, args_as_dict(state.get("args")))
+        return state
 
     def saved_config(self) -> tuple[dict[str, Any], str | None]:
         """The saved config the arg rules check and where it is: Megatron-LM's args, else Megatron-Bridge's

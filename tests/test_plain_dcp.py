@@ -192,3 +192,46 @@ def test_check_names_the_tensors_a_local_tensor_save_lost(capsys):
     rc, out, _ = run_main(capsys, "check", local)
     assert rc == 1 and "CKD222" in out
     assert [f.code for f in check_paths([str(TORCH_DCP)]).findings] == []  # the TP=1 save holds whole tensors
+
+
+def _dcp_save(directory, state: dict) -> None:
+    """``torch.distributed.checkpoint.save`` of ``state`` from one process (the writer every flavour uses)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(directory), no_dist=True)
+
+
+def test_fsdp_dtensor_flavour_from_its_swiglu_split_keys_and_from_its_args(capsys, tmp_path):
+    """Megatron-FSDP's fsdp_dtensor (megatron-core's fsdp_dtensor_checkpoint.handle_swiglu_in_state_dict splits
+    SwiGLU fc1 into ``<name>_w``/``<name>_v``); Megatron-FSDP needs CUDA, so the state dict follows its key
+    conventions and is saved by torch's own DCP writer."""
+    import argparse
+
+    import torch
+
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
+    model = {
+        f"{fc1}_w": torch.ones(4, 8),
+        f"{fc1}_v": torch.ones(4, 8),
+        "decoder.layers.0.mlp.linear_fc2.weight": torch.ones(8, 4),
+    }
+    args = argparse.Namespace(hidden_size=8, swiglu=True, ckpt_format="torch_dist")
+    _dcp_save(tmp_path / "split" / ITER, {"args": args, "iteration": 10, "model": model})
+    doc = _json(capsys, "inspect", tmp_path / "split" / ITER)
+    assert doc["format"]["flavour"] == "fsdp_dtensor" and doc["iteration"] == 10
+    assert "Megatron-FSDP fsdp_dtensor" in doc["format"]["era"] and doc["sections"]["model"]["tensors"] == 3
+    args = argparse.Namespace(hidden_size=8, swiglu=False, ckpt_format="fsdp_dtensor")
+    plain = {"decoder.layers.0.mlp.linear_fc1.weight": torch.ones(4, 8)}
+    _dcp_save(tmp_path / "args" / ITER, {"args": args, "iteration": 10, "model": plain})
+    assert _json(capsys, "inspect", tmp_path / "args" / ITER)["format"]["flavour"] == "fsdp_dtensor"
+
+
+def test_a_generic_dcp_save(capsys, tmp_path):
+    import torch
+
+    _dcp_save(tmp_path / "ckpt", {"encoder": {"weight": torch.ones(3, 2)}, "epoch": 4})
+    doc = _json(capsys, "inspect", tmp_path / "ckpt")
+    assert doc["format"]["flavour"] == "generic" and doc["format"]["backend"] == "dcp"
+    assert doc["sections"]["model"]["keys"] == 2  # no model. prefix: every key is the model's
+    rc, out, _ = run_main(capsys, "check", "--deep", tmp_path / "ckpt")
+    assert rc == 0, out

@@ -65,6 +65,16 @@ def flavour_of(kinds: dict[str, str]) -> str:
     return FLAVOUR_GENERIC
 
 
+def megatron_flavour(flavour: str, args: dict) -> str:
+    """A Megatron-LM flavour told from keys, corrected by the saved args: a Megatron-FSDP save without SwiGLU has
+    no ``_w``/``_v`` keys, but its args say ``ckpt_format='fsdp_dtensor'`` (or ``use_megatron_fsdp``)."""
+    if args.get("ckpt_format") == FLAVOUR_FSDP_DTENSOR or args.get("use_megatron_fsdp") is True:
+        return FLAVOUR_FSDP_DTENSOR
+    if args.get("ckpt_format") == FLAVOUR_TORCH_DCP:
+        return FLAVOUR_TORCH_DCP
+    return flavour
+
+
 def section_of(key: str, flavour: str) -> str:
     """A flattened key's section: ``model.`` (``model<i>.``) is the model, ``optimizer.`` the optimizer, the RNG and
     rerun states theirs, and the rest (train state, dataloader, scheduler, args) ``other``; in a generic save
