@@ -141,7 +141,7 @@ def test_write_commands_refuse_in_one_line(capsys, tmp_path, path):
         ["fix-args", "--in-place"],
         ["seal"],
         ["repair", "--in-place"],
-        ["can-load", "--target", "tp=1"],
+        ["can-load", "--suggest"],
     ):
         rc, out, err = run_main(capsys, command[0], save, *command[1:])
         assert rc == 2 and "(plain PyTorch DCP, no metadata.json)" in err, (command, out, err)
@@ -235,3 +235,36 @@ def test_a_generic_dcp_save(capsys, tmp_path):
     assert doc["sections"]["model"]["keys"] == 2  # no model. prefix: every key is the model's
     rc, out, _ = run_main(capsys, "check", "--deep", tmp_path / "ckpt")
     assert rc == 0, out
+
+
+def test_can_load_at_another_world_size_follows_dcp_resharding(capsys):
+    """DCP reads any world size by global shape (the uneven 3 + 2 shards too); TorchTitan's per-rank dataloader
+    entries do not reshard."""
+    doc = _json(capsys, "can-load", TITAN, "--target", "world=4")
+    assert doc["will_load"] and doc["backend"] == "dcp" and doc["saved"]["world"] == 2 and doc["target"]["world"] == 4
+    verdicts = {s["section"]: s["verdict"] for s in doc["sections"]}
+    assert verdicts == {"model": "reshards", "optimizer": "reshards", "other": "skipped"}
+    assert any("ranks 2..3 find no entry" in w for w in doc["warnings"])
+    doc = _json(capsys, "can-load", TITAN, "--target", "world=2")
+    assert {s["verdict"] for s in doc["sections"]} == {"loads"} and not doc["warnings"]
+    rc, out, _ = run_main(capsys, "can-load", TITAN_WS1, "--target", "world=2")
+    assert rc == 0 and "model      reshards" in out and "verdict: LOADS" in out
+    rc, _, err = run_main(capsys, "can-load", TITAN, "--target", "tp=2")
+    assert rc == 2 and "a plain DCP save takes world=N" in err
+
+
+def test_can_load_fails_where_the_chunks_lost_a_part(capsys, tmp_path):
+    """A chunk dropped from .metadata (one rank's plan lost) leaves a tensor no world size can read whole."""
+    from ckptdoctor.formats.torch_dist import dump_metadata_object, load_metadata_object, record_attr
+
+    save = tmp_path / "titan"
+    shutil.copytree(TITAN, save)
+    metadata_path = save / "step-10" / ".metadata"
+    metadata = load_metadata_object(metadata_path)
+    proj = record_attr(metadata, "state_dict_metadata")["model.proj.weight"]
+    record_attr(proj, "chunks").pop()
+    metadata_path.write_bytes(dump_metadata_object(metadata))
+    doc = _json(capsys, "can-load", save, "--target", "world=1")
+    assert not doc["will_load"] and doc["failing_sections"] == ["model"]
+    model = next(s for s in doc["sections"] if s["section"] == "model")
+    assert model["why"].startswith("model.proj.weight:")
