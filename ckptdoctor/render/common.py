@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptdoctor.formats.plain_dcp import STEP_DIR_RE
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.logical_items import logical_key
 from ckptdoctor.pickle.plain import iter_json, to_plain
@@ -107,6 +109,8 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
     lines = [f"checkpoint      {report.iteration_dir}"]
     if report.save_dir:
         tracker = f"tracker says {report.tracker['value']}" if report.tracker else "no tracker"
+        if not report.tracker and STEP_DIR_RE.match(Path(report.iteration_dir).name):
+            tracker = "no tracker; TorchTitan resumes from the newest step-N"
         if report.tracker and not report.tracker["path"].endswith(TRACKER_NAME):  # Megatron-Bridge's, the only one
             tracker = f"Megatron-Bridge's tracker says {report.tracker['value']}, no {TRACKER_NAME}"
         bridge = (report.tracker or {}).get("bridge")
