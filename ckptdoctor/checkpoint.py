@@ -431,12 +431,15 @@ class HeldMetadata:
 
 
 def open_for_rewrite(
-    path: str | Path, iteration: str | int | None = None, writer: str = "this command"
+    path: str | Path, iteration: str | int | None = None, writer: str | None = "this command"
 ) -> tuple[Checkpoint, HeldMetadata | None]:
     """:func:`open_checkpoint` for a command that rewrites ``.metadata``: also the metadata object, from the same
     read (one pass of the safety scan instead of two), held for the writer to take; None where there is no
-    ``.metadata`` (legacy zarr). A plain DCP save is refused (:func:`refuse_plain_dcp`)."""
+    ``.metadata`` (legacy zarr). A plain DCP save is refused (:func:`refuse_plain_dcp`) unless ``writer`` is None
+    (a command that writes plain DCP too: edit)."""
     result = scan_path(path, iteration, for_rewrite=True)
-    checkpoint = refuse_plain_dcp(result.raise_fatal(), writer)
+    checkpoint = result.raise_fatal()
+    if writer is not None:
+        refuse_plain_dcp(checkpoint, writer)
     metadata, result.metadata = result.metadata, None
     return checkpoint, None if metadata is None else HeldMetadata(metadata)

@@ -135,8 +135,6 @@ def test_write_commands_refuse_in_one_line(capsys, tmp_path, path):
     shutil.copytree(path, save)
     before = file_digests(save)
     for command in (
-        ["edit", "--drop-section", "optimizer", "--dry-run"],
-        ["edit", "--drop-section", "optimizer", "--in-place"],
         ["strip-frozen", "--dry-run"],
         ["fix-args", "--in-place"],
         ["seal"],
@@ -268,3 +266,48 @@ def test_can_load_fails_where_the_chunks_lost_a_part(capsys, tmp_path):
     assert not doc["will_load"] and doc["failing_sections"] == ["model"]
     model = next(s for s in doc["sections"] if s["section"] == "model")
     assert model["why"].startswith("model.proj.weight:")
+
+
+def test_edit_writes_plain_dcp_that_torch_loads(capsys, tmp_path):
+    """edit on a plain DCP save: O(metadata), no metadata.json and no tracker written (Megatron would read the dir
+    as torch_dist; TorchTitan keeps none), renamed keys unflatten to their new path, and torch's own DCP reads it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    rc, out, err = run_main(capsys, "edit", TITAN, "--drop-section", "optimizer", "-o", tmp_path / "noopt")
+    assert rc == 0, err
+    written = tmp_path / "noopt" / "step-10"
+    assert sorted(p.name for p in (tmp_path / "noopt").iterdir()) == ["step-10"]
+    assert not (written / "metadata.json").exists() and "load flags      none" in out
+    doc = _json(capsys, "inspect", written)
+    assert doc["format"]["flavour"] == "fsdp2" and doc["sections"]["optimizer"]["keys"] == 0
+    assert doc["layout"]["sharding"]["world_size"] == 2
+    # torch reads the edited 2-rank save from one process (resharded) and finds the 1-rank save's values
+    model = {k: torch.empty(v) for k, v in _shapes(TITAN_WS1).items() if k.startswith("model.")}
+    state = {"model": {k.removeprefix("model."): v for k, v in model.items()}}
+    dcp.load(state, checkpoint_id=str(written), no_dist=True)
+    whole = _torch_save(dcp_to_torch_save, TITAN_WS1, tmp_path / "ws1.pt")
+    assert all(torch.equal(state["model"][k], v) for k, v in whole["model"].items())
+
+    rc, _, err = run_main(
+        capsys, "edit", TITAN_WS1, "--rename", r"^model\.proj\.", "model.head.", "-o", tmp_path / "ren"
+    )
+    assert rc == 0, err
+    renamed = _torch_save(dcp_to_torch_save, tmp_path / "ren", tmp_path / "ren.pt")
+    assert torch.equal(renamed["model"]["head.weight"], whole["model"]["proj.weight"])
+    assert "proj.weight" not in renamed["model"]
+
+
+def _shapes(path) -> dict:
+    from ckptdoctor.checkpoint import open_checkpoint
+
+    return {k: tuple(e.shape) for k, e in open_checkpoint(path).entries.items() if e.kind == "tensor" and e.shape}
+
+
+def _torch_save(convert, source, target) -> dict:
+    """torch's own ``dcp_to_torch_save`` of a save ckptdoctor wrote or read, loaded back (values only)."""
+    import torch
+
+    convert(str(source), str(target))
+    return torch.load(target, weights_only=True)
