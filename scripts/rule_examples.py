@@ -263,7 +263,14 @@ EXAMPLES: dict[str, Example] = {
     "CKD100": Example(("mkdir /tmp/notes", "echo hi > /tmp/notes/notes.txt", "ckptdoctor check /tmp/notes")),
     "CKD101": Example(_copy("core019_tp2", f"rm {IT}/metadata.json")),
     "CKD102": Example(_copy("core019_tp2", f'echo \'{{"sharded_backend": "torch_di\' > {IT}/metadata.json')),
-    "CKD103": Example(("ckptdoctor check fixtures/unsupported/core019_mlm_torch_dcp_tp1",)),
+    "CKD103": Example(
+        (
+            "mkdir -p /tmp/legacy/iter_0000010/mp_rank_00",
+            "echo x > /tmp/legacy/iter_0000010/mp_rank_00/model_optim_rng.pt",
+            "ckptdoctor check /tmp/legacy/iter_0000010",
+        )
+    ),
+    "CKD222": Example(("ckptdoctor check fixtures/dcp/core019_mlm_torch_dcp_tp2_local",)),
     "CKD110": Example(_copy("core019_tp2", f"rm {IT}/.metadata")),
     "CKD111": Example(_copy("core019_tp2", f"truncate -s 100 {IT}/.metadata")),
     "CKD112": Example(

@@ -99,9 +99,11 @@ def command(
 
     Exit 0: it loads (--suggest: at some candidate); 1: it will not; 2: bad input.
     """
-    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.checkpoint import open_checkpoint, refuse_plain_dcp
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
+    from ckptdoctor.formats import BACKEND_DCP
     from ckptdoctor.ops.can_load.args_from import model_args_from
+    from ckptdoctor.ops.can_load.plain_dcp import predict_plain_dcp
     from ckptdoctor.ops.can_load.predict import predict, read_saved
     from ckptdoctor.ops.can_load.run import LoadRun, parse_sets
     from ckptdoctor.ops.can_load.suggest import suggest as suggest_layouts
@@ -124,6 +126,15 @@ def command(
         sets=parse_sets(sets),
     )
     ckpt = open_checkpoint(checkpoint, iteration)
+    if ckpt.location.backend == BACKEND_DCP and not suggest:  # DCP's own resharding, not Megatron's load rules
+        assert target is not None
+        report = predict_plain_dcp(ckpt, target, run)
+        if output_format == "json":
+            echo_json(report)
+        else:
+            click.echo(render_can_load(report, width=output_width()))
+        return EXIT_OK if report.will_load else EXIT_FINDINGS
+    ckpt = refuse_plain_dcp(ckpt, "can-load --suggest", "lists Megatron layouts")
     model_args = model_args_from(args_from) if args_from else None
     if suggest:
         # flags LoadRun does not hold, echoed in each candidate's command

@@ -122,7 +122,7 @@ def command(
         source = local.local_path(checkpoint) if local is not None else checkpoint
         # a write rewrites the .metadata objects: read them with the index, in one pass (a dry run needs the index)
         if request.renames or preset or not dry_run:
-            ckpt, metadata = open_for_rewrite(source, iteration)
+            ckpt, metadata = open_for_rewrite(source, iteration, None)
         else:
             ckpt, metadata = open_checkpoint(source, iteration), None
         remote = stack.enter_context(staged_output(output, force, not dry_run, local))

@@ -100,6 +100,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filt
             "metadata_class": None if dcp is None else dcp.metadata_class,
             "common_source": checkpoint.common_source,
             "checkpoint_version": common.get("checkpoint_version"),
+            "flavour": location.flavour,
         },
         data_files={"count": len(checkpoint.data_files), "bytes": sum(checkpoint.data_files.values())},
         sections=sections,

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptdoctor.formats.plain_dcp import STEP_DIR_RE
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.logical_items import logical_key
 from ckptdoctor.pickle.plain import iter_json, to_plain
@@ -107,6 +109,8 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
     lines = [f"checkpoint      {report.iteration_dir}"]
     if report.save_dir:
         tracker = f"tracker says {report.tracker['value']}" if report.tracker else "no tracker"
+        if not report.tracker and STEP_DIR_RE.match(Path(report.iteration_dir).name):
+            tracker = "no tracker; TorchTitan resumes from the newest step-N"
         if report.tracker and not report.tracker["path"].endswith(TRACKER_NAME):  # Megatron-Bridge's, the only one
             tracker = f"Megatron-Bridge's tracker says {report.tracker['value']}, no {TRACKER_NAME}"
         bridge = (report.tracker or {}).get("bridge")
@@ -115,10 +119,17 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
         lines.append(f"save dir        {report.save_dir} ({tracker})")
     meta = ", ".join(f"{k}={v}" for k, v in fmt["metadata_json"].items())
     lines.append(f"format          {fmt['era']}")
+    if fmt.get("flavour") is not None:  # plain DCP: Megatron would read a metadata.json here as torch_dist
+        meta = "none (plain PyTorch DCP: loaded with torch.distributed.checkpoint)"
     lines.append(f"metadata.json   {meta}")
     if fmt["dcp_version"] is not None or fmt["metadata_class"]:
         lines.append(f"DCP metadata    version {fmt['dcp_version']}, {fmt['metadata_class']}")
-    lines.append(f"common state    {fmt['common_source']}")
+    if fmt.get("flavour") is not None and fmt["common_source"] is not None:
+        lines.append(f"common state    top-level items of the state dict ({fmt['common_source']}, iteration, ...)")
+    elif fmt.get("flavour") is not None:
+        lines.append("common state    none (the state dict is all there is)")
+    else:
+        lines.append(f"common state    {fmt['common_source']}")
     iteration = "release" if report.release else report.iteration
     lines.append(f"iteration       {iteration}   checkpoint_version {fmt['checkpoint_version']}")
     files = report.data_files

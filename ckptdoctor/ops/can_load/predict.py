@@ -265,7 +265,7 @@ def _args_verdict(ctx: _Context) -> SectionVerdict:
     return SectionVerdict("args", FAILS, problem.why, problem.error, problem.fix)
 
 
-def _safety_verdict(ckpt: Checkpoint) -> SectionVerdict | None:
+def safety_verdict(ckpt: Checkpoint) -> SectionVerdict | None:
     """Fails where the gate fails on anything the load reads (``.metadata``, the common state, the sharded objects,
     Bridge's files): the load would run code, whatever else it does."""
     failures = gate_failures(ckpt)
@@ -310,7 +310,7 @@ class SavedCheckpoint:
 
 
 def read_saved(ckpt: Checkpoint, model_args: dict[str, Any] | None = None) -> SavedCheckpoint:
-    safety = _safety_verdict(ckpt)
+    safety = safety_verdict(ckpt)
     try:
         common = ckpt.common_state()
     except (UnsafePickleError, PickleLimitError, ArchiveError):

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 from ckptdoctor.checkpoint import Checkpoint, section_of
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats import BACKEND_DCP
+from ckptdoctor.formats.plain_dcp import is_megatron
 from ckptdoctor.ops.edit.presets import PRESET_NAMES, preset_renames
 from ckptdoctor.ops.rewrite.request import CommonChange, dir_bytes
 
@@ -248,6 +250,8 @@ def common_changes(checkpoint: Checkpoint, dropped: list[str]) -> list[CommonCha
     """The common state as Megatron-LM saves it without the dropped sections (``generate_state_dict``:
     no ``optimizer`` / ``opt_param_scheduler`` under ``--no-save-optim``, no ``rng_state`` under
     ``--no-save-rng``, no ``rerun_state_machine`` without rerun state), args recording it."""
+    if checkpoint.location.backend == BACKEND_DCP:  # no common state to rewrite: the state dict is all there is
+        return []
     common = _common(checkpoint)
     args = common.get("args")
     changes: list[CommonChange] = []
@@ -284,6 +288,8 @@ def load_flags(checkpoint: Checkpoint, removed: list[KeyChange], dropped: list[s
     """The Megatron-LM load flags the edited checkpoint needs, and why (megatron/training/checkpointing.py)."""
     flags: list[str] = []
     notes: list[str] = []
+    if checkpoint.location.backend == BACKEND_DCP and not is_megatron(checkpoint.flavour):
+        return flags, notes  # FSDP2 / TorchTitan: the loader asks only for what its state dict holds
     sections = {c.section for c in removed}
     if checkpoint.location.release and sections & {"optimizer", "rng"}:
         # load_checkpoint requests neither the optimizer nor the rng state of a release checkpoint
