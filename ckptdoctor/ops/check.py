@@ -32,6 +32,7 @@ from ckptdoctor.rules import (
     Finding,
     consistency,
     deep_decode,
+    extra_state,
     finding,
     integrity,
     is_safety,
@@ -217,6 +218,7 @@ def scan_and_check(
             findings += safety.check_items(state.checkpoint, shown, state.bad_files)
         findings += leftovers.check_iteration_dir(directory, shown)
         findings += consistency.check(state)
+        findings += extra_state.check(state)
         findings += integrity.check_manifest(state, verify_hashes=options.verify_integrity)
         if options.deep:
             if progress is not None:
