@@ -224,3 +224,21 @@ def test_local_to_te_gives_the_keys_of_megatron_cores_te_spec(capsys, tmp_path):
         else:  # the MoE layers' pre-MLP norm, which that map saves as mlp.linear_fc1.layer_norm_weight
             assert any(k.endswith("pre_mlp_layernorm.weight") for k in expected)
             assert expected != model_keys(FIXTURES / fixture)
+
+
+def test_dropped_redundant_extra_state_loads_with_the_reported_strictness(capsys, tmp_path):
+    """edit --drop-redundant-extra-state keeps only the items with delayed-scaling state (the TE 1.x BytesIO of
+    core019_te_mixed); megatron-core 0.19.2 still requests the dropped ones: the default strictness fails, the
+    strictness the report names loads every parameter."""
+    require_mcore()
+    src = FIXTURES / "core019_te_mixed"
+    report = _edit(capsys, src, tmp_path / "lean", "--drop-redundant-extra-state")
+    assert any("log_unexpected" in note for note in report["plan"]["load_notes"])
+    left = {k for k in open_checkpoint(tmp_path / "lean").entries if "_extra_state" in k}
+    assert left == {f"decoder.layers.self_attention.linear_proj._extra_state/shard_{i}_2" for i in range(2)}
+    _load(
+        [
+            _case("lean-default", tmp_path / "lean", "core019_te_mixed", [], "_extra_state", via="dist"),
+            _case("lean-log", tmp_path / "lean", "core019_te_mixed", [], via="dist", strictness="log_unexpected"),
+        ]
+    )

@@ -221,7 +221,7 @@ def _grouped(read: list[tuple[str, te.ExtraState]], shown: str) -> list[Finding]
     for key, s in read:
         base, _, shard = key.partition("/")
         parts = shard.split("_")
-        if ".experts." not in base or len(parts) != 3:
+        if ".experts.linear_fc" not in base or ".experts.experts." in base or len(parts) != 3:  # TEGroupedLinear only
             continue
         offsets = parts[1].split(".")
         if len(offsets) < 2 or not offsets[-1].isdigit():

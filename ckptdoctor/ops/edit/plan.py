@@ -3,7 +3,8 @@
 Operations, applied to every key of the source ``.metadata``:
 
 * removals: ``--remove REGEX`` (``re.search`` on the key), ``--drop-section optimizer|rng|rerun``,
-  ``--drop-extra-state`` (every ``_extra_state`` item);
+  ``--drop-extra-state`` (every ``_extra_state`` item), ``--drop-redundant-extra-state`` (the ``_extra_state``
+  items without delayed-scaling state, Megatron-LM #5552's rule: read, a few KB each);
 * renames: ``--rename REGEX REPLACEMENT`` (``re.sub``, applied in the order given, each to the result of the
   one before, like ``sed -e ... -e ...``) and the presets below; removed keys are not renamed.
 
@@ -28,6 +29,7 @@ from ckptdoctor.checkpoint import Checkpoint, section_of
 from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.edit.presets import PRESET_NAMES, preset_renames
 from ckptdoctor.ops.rewrite.request import CommonChange, dir_bytes
+from ckptdoctor.rules.extra_state import census
 
 SCHEMA = "ckptdoctor.edit/1"
 SECTIONS = ("optimizer", "rng", "rerun")
@@ -41,6 +43,7 @@ class EditRequest:
     renames: list[tuple[str, str]] = field(default_factory=list)
     drop_sections: list[str] = field(default_factory=list)
     drop_extra_state: bool = False
+    drop_redundant_extra_state: bool = False
     preset: str | None = None
 
 
@@ -96,17 +99,34 @@ def _rename_rules(request: EditRequest) -> list[tuple[re.Pattern[str], str, str]
     return rules
 
 
+_REDUNDANT = "--drop-redundant-extra-state"
+
+
+def redundant_extra_state(checkpoint: Checkpoint) -> set[str]:
+    """The ``_extra_state`` items Megatron-LM's ``--ckpt-drop-redundant-extra-state`` would not save: none of
+    ``amax_history_fwd``, ``scale_fwd``, ``scale_bwd`` in them (no FP8, stateless recipes, Megatron's local spec).
+    An item that cannot be read is kept (the write gate refuses a hostile one)."""
+    return {item.key for item in census(checkpoint) if item.state is not None and not item.state.needed}
+
+
 _DROP_REASONS = {section: f"--drop-section {section}" for section in SECTIONS}
 
 
 def _removal_reason(
-    key: str, section: str, is_extra: bool, request: EditRequest, removes: list[tuple[re.Pattern[str], str]]
+    key: str,
+    section: str,
+    is_extra: bool,
+    request: EditRequest,
+    removes: list[tuple[re.Pattern[str], str]],
+    redundant: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> str | None:
     """Why ``key`` is removed (None: it is not); one string per reason, shared by every key it removes."""
     if section in request.drop_sections:
         return _DROP_REASONS[section]
     if request.drop_extra_state and is_extra:
         return "--drop-extra-state"
+    if key in redundant:
+        return _REDUNDANT
     for pattern, reason in removes:
         if pattern.search(key):
             return reason
@@ -174,13 +194,14 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
         raise CkptError(f"--preset {request.preset}: unknown preset (choose from {', '.join(PRESET_NAMES)})")
     removes = [(_compile(p, "--remove"), f"--remove {p}") for p in request.removes]
     rules = _rename_rules(request)
+    redundant = redundant_extra_state(checkpoint) if request.drop_redundant_extra_state else set()
     removed: list[KeyChange] = []
     renamed: list[KeyChange] = []
     kept: set[str] = set()
     new_names: dict[str, tuple[str, list[str]]] = {}  # kept key -> its name after the --rename rules, and theirs
     for key in sorted(checkpoint.entries):
         entry = checkpoint.entries[key]
-        why = _removal_reason(key, entry.section, entry.is_extra_state, request, removes)
+        why = _removal_reason(key, entry.section, entry.is_extra_state, request, removes, redundant)
         if why is not None:
             if entry.section == "common":
                 raise CkptError(f"{why} would remove the common state {key!r} (args, iteration); nothing written")
@@ -302,6 +323,13 @@ def load_flags(checkpoint: Checkpoint, removed: list[KeyChange], dropped: list[s
         notes.append("rng state dropped: the saved args say no_save_rng, so a load neither requests nor restores it")
     if "rerun" in sections and "rerun" not in dropped:
         notes.append("part of the rerun state was removed: load at another world size or with --finetune")
+    if any(c.reason == _REDUNDANT for c in removed):
+        notes.append(
+            "redundant _extra_state items dropped (no delayed-scaling FP8 state in them: a module loads the same "
+            "without them, under the run's own recipe): megatron-core 0.19.2 still requests every _extra_state at load, so load with "
+            "--dist-ckpt-strictness log_unexpected (or a Megatron-LM whose load accepts the missing non-persistent "
+            "extra state of --ckpt-drop-redundant-extra-state)"
+        )
     if "model" in sections:
         notes.append(
             "model keys removed: a model whose load requests them fails under the default strictness; load "
