@@ -326,9 +326,9 @@ def load_flags(checkpoint: Checkpoint, removed: list[KeyChange], dropped: list[s
     if any(c.reason == _REDUNDANT for c in removed):
         notes.append(
             "redundant _extra_state items dropped (no delayed-scaling FP8 state in them: a module loads the same "
-            "without them, under the run's own recipe): megatron-core 0.19.2 still requests every _extra_state at load, so load with "
-            "--dist-ckpt-strictness log_unexpected (or a Megatron-LM whose load accepts the missing non-persistent "
-            "extra state of --ckpt-drop-redundant-extra-state)"
+            "without them, under the run's own recipe): megatron-core 0.19.2 still requests every _extra_state "
+            "at load, so load with --dist-ckpt-strictness log_unexpected (or a Megatron-LM whose load accepts "
+            "the missing non-persistent extra state of --ckpt-drop-redundant-extra-state)"
         )
     if "model" in sections:
         notes.append(
