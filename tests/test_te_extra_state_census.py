@@ -113,7 +113,7 @@ def test_check_warns_of_te_2_18_refusals_with_the_env_var_and_the_fix():
     found = _json("check", str(FIXTURES / "core019_te_delayed"))["findings"]
     refused = [f for f in found if f["code"] == "CKD230"]
     assert len(refused) == 1 and refused[0]["severity"] == "warning"
-    assert "refuse these 8 _extra_state items unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in refused[0]["message"]
+    assert "refuse 8 _extra_state items unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in refused[0]["message"]
     assert "--drop-extra-state" in refused[0]["fix"]
     assert {f["code"] for f in found} == {"CKD230"}  # one recipe, one generation, args say FP8 hybrid
 
@@ -122,7 +122,7 @@ def test_check_reports_mixed_generations_and_fp8_state_the_args_deny():
     found = _findings("core019_te_mixed")
     assert "2 TE 1.x BytesIO" in found["CKD230"][0]
     assert any("generations that never saved together" in m for m in found["CKD231"])
-    assert "hold delayed-scaling FP8 state but the saved args say fp8=None" in found["CKD232"][0]
+    assert "with delayed-scaling FP8 state, but the saved args say fp8=None" in found["CKD232"][0]
 
 
 def test_check_reports_fp8_args_without_delayed_state(copy_fixture):

@@ -151,7 +151,7 @@ def _refused(read: list[tuple[str, te.ExtraState]], shown: str) -> list[Finding]
     )
     what = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
     message = (
-        f"TE >= 2.18 will refuse these {len(refused)} _extra_state items unless "
+        f"TE >= 2.18 will refuse {_items(len(refused))} unless "
         f"{te.UNSAFE_PICKLE_ENV}=1 ({what}): {_examples([k for k, _ in refused])}; for a trusted checkpoint set "
         f"{te.UNSAFE_PICKLE_ENV}=1 at load, or drop the extra state (FP8 scaling restarts)"
     )
@@ -194,7 +194,7 @@ def _fp8_args(read: list[tuple[str, te.ExtraState]], args: dict, shown: str) -> 
             Finding(
                 FP8_ARGS.code,
                 shown,
-                f"{len(delayed)} _extra_state items hold delayed-scaling FP8 state but the saved args say fp8=None: "
+                f"{_items(len(delayed))} with delayed-scaling FP8 state, but the saved args say fp8=None: "
                 f"{_examples(delayed)}",
                 FP8_ARGS.severity,
             )
@@ -237,13 +237,17 @@ def _grouped(read: list[tuple[str, te.ExtraState]], shown: str) -> list[Finding]
             Finding(
                 GROUPED.code,
                 shown,
-                f"{module} (layer offset {layer}): experts {_indices(holding)} hold FP8 state, experts "
-                f"{_indices(empty)} are empty: a rank whose first local expert is empty drops the others' FP8 "
+                f"{module} (layer offset {layer}): FP8 state in expert(s) {_indices(holding)}, empty in "
+                f"expert(s) {_indices(empty)}: a rank whose first local expert is empty drops the others' FP8 "
                 "state at load; one whose first holds state fails the merge on the empty ones",
                 GROUPED.severity,
             )
         )
     return out
+
+
+def _items(count: int) -> str:
+    return f"{count} _extra_state item{'' if count == 1 else 's'}"
 
 
 def _indices(indices: Iterable[int]) -> str:
