@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 from conftest import run_ckptdoctor
-from test_hostile_round2 import _point_item_at
+from test_hostile_round2 import _edit_metadata, _point_item_at
+
+from ckptdoctor.checkpoint import open_checkpoint
+from ckptdoctor.formats.torch_dist import StorageLocation, index_fqn, set_storage, storage_items
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TE_VERDICT = {"unsafe_load": "refuse", "ignore": "ignore"}  # TE's _PickledExtraStateAction -> ckptdoctor's words
@@ -229,3 +232,29 @@ def test_a_custom_recipe_is_refused_and_its_factory_named(copy_fixture, monkeypa
     state = _json("show", str(save), KEY)["extra_state"][0]["state"]
     assert state["recipe"] == "CustomRecipe" and state["custom_factory"] == "mypkg.quant.make_quantizer"
     assert state["te_2_18"] == "ignore"  # TE >= 2.18 ignores a payload naming CustomRecipe (policy "dynamic")
+
+
+def test_grouped_experts_with_fp8_state_in_some_experts_only(copy_fixture, tmp_path):
+    """TEGroupedLinear's keys (one _extra_state per linear, a shard per expert): sequential experts' keys renamed to
+    them, and expert 0 of layer 0 given a real delayed-scaling state (core019_te_delayed's item bytes)."""
+    save = copy_fixture("core019_moe_ep2")
+    proc = run_ckptdoctor("edit", str(save), "--rename", r"experts\.experts\.", "experts.", "--in-place", "--no-backup")
+    assert proc.returncode == 0, proc.stderr
+    assert "CKD233" not in _findings(str(save))  # all empty: nothing to merge
+    source = open_checkpoint(FIXTURES / "core019_te_delayed")
+    blob, _ = source.bytes_item_data("decoder.layers.mlp.linear_fc1._extra_state/shard_0_2")
+    key = "decoder.layers.mlp.experts.linear_fc1._extra_state/shard_0.0_2.4"
+    location = open_checkpoint(save).entries[key].chunks[0].storage
+    data_file = save / "iter_0000010" / location.relative_path
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(blob)
+
+    def edit(metadata) -> None:
+        for index, info in storage_items(metadata).items():
+            if index_fqn(index) == key:
+                set_storage(info, StorageLocation(info.relative_path, offset, len(blob)))
+
+    _edit_metadata(save, edit)
+    (message,) = _findings(str(save))["CKD233"]
+    assert "FP8 state in expert(s) 0, empty in expert(s) 1, 2, 3" in message
