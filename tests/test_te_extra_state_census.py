@@ -258,3 +258,31 @@ def test_grouped_experts_with_fp8_state_in_some_experts_only(copy_fixture, tmp_p
     _edit_metadata(save, edit)
     (message,) = _findings(str(save))["CKD233"]
     assert "FP8 state in expert(s) 0, empty in expert(s) 1, 2, 3" in message
+
+
+# --- can-load: TE's refusal as a load failure -----------------------------------------------------------------
+
+
+def _sections(*args: str) -> dict[str, dict]:
+    report = _json("can-load", *args)
+    return {s["section"]: s for s in report["sections"]}
+
+
+def test_can_load_predicts_tes_refusal_with_the_env_var_as_the_fix():
+    ckpt = str(FIXTURES / "core019_te_delayed")
+    section = _sections(ckpt, "--target", "tp=1", "--no-load-optim")["extra_state"]
+    assert section["verdict"] == "fails" and "TE 2.20 refuses 8 of the 8" in section["why"]
+    assert "Refusing to load pickled Transformer Engine extra state" in section["error"]
+    assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in section["fix"] and "--drop-extra-state" in section["fix"]
+    proc = run_ckptdoctor("can-load", ckpt, "--target", "tp=1", "--no-load-optim")
+    assert proc.returncode == 1
+    older = _sections(ckpt, "--target", "tp=1", "--no-load-optim", "--te-version", "2.17")["extra_state"]
+    assert older["verdict"] == "loads" and "8 of them pickled states that TE >= 2.18 refuses" in older["why"]
+    allowed = run_ckptdoctor("can-load", ckpt, "--target", "tp=1", "--no-load-optim", "--te-unsafe-pickle")
+    assert allowed.returncode == 0, allowed.stdout
+
+
+def test_can_load_counts_only_what_te_refuses_and_says_nothing_without_te_state():
+    mixed = _sections(str(FIXTURES / "core019_te_mixed"), "--target", "tp=1", "--te-version", "2.18")["extra_state"]
+    assert mixed["verdict"] == "fails" and "refuses 2 of the 8" in mixed["why"]
+    assert "extra_state" not in _sections(str(FIXTURES / "core019_tp1"), "--target", "tp=2")
