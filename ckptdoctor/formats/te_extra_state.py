@@ -148,6 +148,8 @@ def describe(obj: Any, where: str, unlisted: list[UnlistedGlobal] | None = None)
 
 
 def _read_state(out: ExtraState, state: Any) -> None:
+    if state is None:  # TE 1.x with FP8 off: torch.save(None)
+        return
     if not isinstance(state, dict):
         out.note = f"a state that is no dict: {type(state).__name__}"
         return

@@ -102,11 +102,26 @@ def _rename_rules(request: EditRequest) -> list[tuple[re.Pattern[str], str, str]
 _REDUNDANT = "--drop-redundant-extra-state"
 
 
-def redundant_extra_state(checkpoint: Checkpoint) -> set[str]:
+def redundant_extra_state(checkpoint: Checkpoint) -> tuple[set[str], list[str]]:
     """The ``_extra_state`` items Megatron-LM's ``--ckpt-drop-redundant-extra-state`` would not save: none of
-    ``amax_history_fwd``, ``scale_fwd``, ``scale_bwd`` in them (no FP8, stateless recipes, Megatron's local spec).
-    An item that cannot be read is kept (the write gate refuses a hostile one)."""
-    return {item.key for item in census(checkpoint) if item.state is not None and not item.state.needed}
+    ``amax_history_fwd``, ``scale_fwd``, ``scale_bwd`` in them (no FP8, stateless recipes, Megatron's local spec);
+    and the logical keys kept whole because some of their shards are needed. A ShardedObject is dropped whole or
+    not at all: megatron-core 0.19.2 drops an unexpected key from the load request only when none of its shards
+    is saved (a key with shard_0_2 saved and shard_1_2 dropped fails "Missing key in checkpoint state_dict"
+    under every strictness; verified in tests/test_edit_mcore.py). An item that cannot be read counts as needed
+    (the write gate refuses a hostile one)."""
+    shards: dict[str, list[tuple[str, bool]]] = {}
+    for item in census(checkpoint):
+        redundant = item.state is not None and not item.state.needed
+        shards.setdefault(item.key.split("/", 1)[0], []).append((item.key, redundant))
+    drop: set[str] = set()
+    partial: list[str] = []
+    for key, items in sorted(shards.items()):
+        if all(redundant for _, redundant in items):
+            drop.update(k for k, _ in items)
+        elif any(redundant for _, redundant in items):
+            partial.append(key)
+    return drop, partial
 
 
 _DROP_REASONS = {section: f"--drop-section {section}" for section in SECTIONS}
@@ -194,7 +209,7 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
         raise CkptError(f"--preset {request.preset}: unknown preset (choose from {', '.join(PRESET_NAMES)})")
     removes = [(_compile(p, "--remove"), f"--remove {p}") for p in request.removes]
     rules = _rename_rules(request)
-    redundant = redundant_extra_state(checkpoint) if request.drop_redundant_extra_state else set()
+    redundant, partial = redundant_extra_state(checkpoint) if request.drop_redundant_extra_state else (set(), [])
     removed: list[KeyChange] = []
     renamed: list[KeyChange] = []
     kept: set[str] = set()
@@ -228,6 +243,12 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
         raise CkptError(f"{where}: the edit removes every model key; nothing written")
     dropped = _whole_sections(checkpoint, removed)
     flags, notes = load_flags(checkpoint, removed, dropped)
+    if partial:
+        notes.append(
+            f"--drop-redundant-extra-state kept {len(partial)} _extra_state key(s) whole whose other shards hold "
+            f"delayed-scaling state ({', '.join(partial[:3])}{' ...' if len(partial) > 3 else ''}): a key with some "
+            "shards dropped does not load"
+        )
     return EditPlan(
         schema=SCHEMA,
         source=str(checkpoint.location.input_path),
