@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -286,3 +287,46 @@ def test_can_load_counts_only_what_te_refuses_and_says_nothing_without_te_state(
     mixed = _sections(str(FIXTURES / "core019_te_mixed"), "--target", "tp=1", "--te-version", "2.18")["extra_state"]
     assert mixed["verdict"] == "fails" and "refuses 2 of the 8" in mixed["why"]
     assert "extra_state" not in _sections(str(FIXTURES / "core019_tp1"), "--target", "tp=2")
+
+
+# --- diff --values: Transformer Engine state compared as state, not as its pickle ---------------------------------
+
+
+def _payload_of(save: Path) -> bytes:
+    obj = open_checkpoint(save).read_bytes_item(KEY)
+    return bytes(obj.storage.data()[obj.storage_offset : obj.storage_offset + obj.numel])
+
+
+def _values(a: Path, b: Path) -> dict:
+    return _json("diff", str(a), str(b), "--values")["values"]
+
+
+def test_diff_values_compares_extra_state_as_tes_state(tmp_path):
+    """An item re-pickled without its unused memo entries (pickletools.optimize: other bytes, the same objects) is
+    equal; one whose scale_fwd data changed differs at tensor_data.scale_fwd."""
+    import pickletools
+
+    from ckptdoctor.pickle import unpickler
+
+    source = FIXTURES / "core019_te_delayed"
+    payload = _payload_of(source)
+    same = tmp_path / "same"
+    shutil.copytree(source, same)
+    optimized = pickletools.optimize(payload)
+    assert optimized != payload
+    _point_item_at(same, KEY, _uint8_item(optimized))
+    values = _values(source, same)
+    assert values["different"] == 0 and values["equal"] == values["compared"], values
+
+    nested: list[bytes] = []
+    unpickler.loads_prefix(payload, None, None, nested_saves=nested)
+    start = payload.find(nested[0])  # scale_fwd's storage, the first tensor pickled: its data ends the save
+    changed = bytearray(payload)
+    changed[start + len(nested[0]) - 4 : start + len(nested[0])] = b"\x00\x00\x00\x40"  # its last 1.0 -> 2.0
+    other = tmp_path / "other"
+    shutil.copytree(source, other)
+    _point_item_at(other, KEY, _uint8_item(bytes(changed)))
+    values = _values(source, other)
+    assert values["different"] == 1 and values["different_keys"][0]["key"] == KEY.split("/")[0], values
+    fields = [f["path"] for f in values["different_keys"][0]["fields"]]
+    assert any(path.endswith("tensor_data.scale_fwd") for path in fields), fields

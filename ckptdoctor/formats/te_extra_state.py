@@ -20,6 +20,8 @@ pickle opcodes before unpickling it and refuses the ones that need a real unpick
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import io
 import pickletools
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from typing import Any
 
 from ckptdoctor.errors import PickleLimitError, UnsafePickleError
 from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
-from ckptdoctor.formats.legacy_torch import MAX_PAYLOAD
+from ckptdoctor.formats.legacy_torch import MAX_NESTED_SAVES, MAX_PAYLOAD, check_legacy_save
 from ckptdoctor.formats.torch_zip import load_torch_zip
 from ckptdoctor.pickle import unpickler
 from ckptdoctor.pickle.policy import UnlistedGlobal
@@ -101,10 +103,49 @@ def module_of(key: str) -> str:
 def describe_item(data: bytes, where: str, unlisted: list[UnlistedGlobal] | None = None) -> ExtraState:
     """:func:`describe` of a stored ``_extra_state`` item's bytes (``torch.save([obj])``, unwrapped here, so that
     a payload the gate refuses is still described: a CustomRecipe's factory)."""
+    return describe(_unwrap(data, where, unlisted), where, unlisted)
+
+
+def _unwrap(data: bytes, where: str, unlisted: list[UnlistedGlobal] | None) -> Any:
     obj: Any = load_torch_zip(data, where, unlisted=unlisted) if is_torch_zip(data) else data
-    if isinstance(obj, list) and len(obj) == 1:
-        obj = obj[0]
-    return describe(obj, where, unlisted)
+    return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
+
+
+def comparable(data: bytes, where: str) -> dict[str, Any]:
+    """An item as ``diff --values`` compares it: what :func:`describe` reads (not the payload's length) and a
+    sha256 of each tensor's bytes, so two items that differ only in how they were pickled compare equal. Raises
+    what the safe unpickler raises (the gate: a hostile item is never compared)."""
+    obj = _unwrap(data, where, None)
+    state = describe(obj, where)
+    view = dataclasses.asdict(state)
+    del view["payload_bytes"]
+    view["tensor_data"] = _tensor_digests(obj, where)
+    return view
+
+
+def _tensor_digests(obj: Any, where: str) -> dict[str, str]:
+    """sha256 of each tensor of the state by its key: the storage bytes of a TE 1.x archive, the raw data of
+    the legacy save nested for each tensor of a TE 2.x pickle (in pickling order, the state's key order)."""
+    if isinstance(obj, io.BytesIO):
+        data = obj.getvalue()
+        state = load_torch_zip(data, where) if is_torch_zip(data[:4]) else None
+        if not isinstance(state, dict):
+            return {}
+        return {
+            str(k): hashlib.sha256(v.storage.data()).hexdigest() for k, v in state.items() if isinstance(v, TensorRef)
+        }
+    if not isinstance(obj, TensorRef) or obj.dtype is None or obj.dtype.name != "uint8" or not obj.numel:
+        return {}
+    payload = bytes(obj.storage.data()[obj.storage_offset : obj.storage_offset + obj.numel])
+    nested: list[bytes] = []
+    state, _ = unpickler.loads_prefix(payload, None, None, nested_saves=nested)
+    if len(nested) > MAX_NESTED_SAVES:
+        raise PickleLimitError(f"{where}: extra state nests more than {MAX_NESTED_SAVES} torch saves")
+    raw = [hashlib.sha256(save[check_legacy_save(save, where) :]).hexdigest() for save in nested]
+    names = [str(k) for k, v in state.items() if isinstance(v, TensorRef)] if isinstance(state, dict) else []
+    if len(names) != len(raw):  # shared or nested storages: compared as one list
+        return {f"storage {i}": digest for i, digest in enumerate(raw)}
+    return dict(zip(names, raw))
 
 
 def describe(obj: Any, where: str, unlisted: list[UnlistedGlobal] | None = None) -> ExtraState:
