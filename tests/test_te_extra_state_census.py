@@ -330,3 +330,24 @@ def test_diff_values_compares_extra_state_as_tes_state(tmp_path):
     assert values["different"] == 1 and values["different_keys"][0]["key"] == KEY.split("/")[0], values
     fields = [f["path"] for f in values["different_keys"][0]["fields"]]
     assert any(path.endswith("tensor_data.scale_fwd") for path in fields), fields
+
+
+@pytest.mark.mcore
+def test_te_module_families_are_megatron_cores_te_spec():
+    """CKD221 names the TE module at a path as megatron-core 0.19.2's TE layer spec builds it (dense and shared
+    experts; grouped experts need TE itself to be chosen, so they are read from the spec's source, not checked)."""
+    import subprocess
+
+    from conftest import require_mcore
+
+    from ckptdoctor.formats.te_extra_state import TE_MODULE_FAMILIES
+
+    require_mcore()
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "mcore_te_spec.py")], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    spec = json.loads(proc.stdout)
+    built = {path: name for layer in spec.values() for path, name in layer.items() if name.startswith("TE")}
+    checked = {path: family for path, family in TE_MODULE_FAMILIES.items() if not path.startswith("mlp.experts.")}
+    assert {path: built.get(path) for path in checked} == checked

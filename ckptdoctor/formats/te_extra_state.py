@@ -88,6 +88,30 @@ class ExtraState:
     note: str | None = None
 
 
+# The Transformer Engine module megatron-core's TE layer specs build at each module path (megatron-core 0.19.2,
+# gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec; grouped experts with moe_grouped_gemm): the family
+# whose get_extra_state wrote an item at that path.
+TE_MODULE_FAMILIES = {
+    "self_attention.linear_qkv": "TELayerNormColumnParallelLinear",
+    "self_attention.linear_proj": "TERowParallelLinear",
+    "self_attention.core_attention": "TEDotProductAttention",
+    "mlp.linear_fc1": "TELayerNormColumnParallelLinear",
+    "mlp.linear_fc2": "TERowParallelLinear",
+    "mlp.shared_experts.linear_fc1": "TEColumnParallelLinear",
+    "mlp.shared_experts.linear_fc2": "TERowParallelLinear",
+    "mlp.experts.linear_fc1": "TEColumnParallelGroupedLinear",
+    "mlp.experts.linear_fc2": "TERowParallelGroupedLinear",
+}
+
+
+def module_family(module: str) -> str | None:
+    """The TE module class megatron-core's TE spec puts at ``module`` (a path), or None where it builds none."""
+    for suffix, family in TE_MODULE_FAMILIES.items():
+        if module == suffix or module.endswith(f".{suffix}"):
+            return family
+    return None
+
+
 def is_extra_state_key(key: str) -> bool:
     """A key (logical or ``.../shard_*``) of a TE ``_extra_state`` object; grouped linear saves ``_extra_state{i}``."""
     tail = key.split("/", 1)[0].rsplit(".", 1)[-1]

@@ -12,6 +12,7 @@ from ckptdoctor.args import saved_config
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.coverage import coverage_problems
 from ckptdoctor.formats.run_config import RUN_CONFIG
+from ckptdoctor.formats.te_extra_state import module_family
 from ckptdoctor.parallelism import infer_layout
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo
 from ckptdoctor.rules.structure import Scanned
@@ -117,11 +118,13 @@ def _orphan_extra_state(checkpoint: Checkpoint, shown: str) -> list[Finding]:
         if module in modules_with_tensors or module in seen or module.rsplit(".", 1)[-1] in _WEIGHTLESS_MODULES:
             continue
         seen.add(module)
+        family = module_family(module)
+        what = f" (a {family} in megatron-core's Transformer Engine spec)" if family else ""
         out.append(
             Finding(
                 ORPHAN_EXTRA_STATE.code,
                 shown,
-                f"{entry.key}: _extra_state kept but no weight of {module} is saved",
+                f"{entry.key}: _extra_state kept but no weight of {module}{what} is saved",
                 ERROR,
             )
         )
