@@ -131,7 +131,11 @@ def describe_item(data: bytes, where: str, unlisted: list[UnlistedGlobal] | None
 
 
 def _unwrap(data: bytes, where: str, unlisted: list[UnlistedGlobal] | None) -> Any:
+    """The object of a ShardedObject's bytes: ``torch.save([obj])``, or (PyTorch DCP re-saving what it loaded) a
+    ``torch.save`` of a BytesIO holding that; TE 1.x's own BytesIO is the ``obj`` inside the list."""
     obj: Any = load_torch_zip(data, where, unlisted=unlisted) if is_torch_zip(data) else data
+    if isinstance(obj, io.BytesIO) and is_torch_zip(obj.getvalue()[:4]):
+        obj = load_torch_zip(obj.getvalue(), where, unlisted=unlisted)
     return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
 
 
