@@ -10,6 +10,8 @@ what the command prints: the generator runs every example (``/tmp/`` stands for 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,6 +95,43 @@ def _drop_qkv_weights(save: Path) -> None:
             del state_dict[key]
 
     _edit_metadata(save / ITER, edit)
+
+
+def _item_bytes(iteration_dir: Path, key: str) -> bytes:
+    location = _location(iteration_dir, key)
+    with open(iteration_dir / location.relative_path, "rb") as f:
+        f.seek(location.offset)
+        return f.read(location.length)
+
+
+def _fp8_expert_state(save: Path) -> None:
+    """Expert 0's state in layer 0 of the grouped linear_fc1 becomes the delayed-scaling state of a real TE 2.x item
+    (core019_te_delayed's), appended to its data file; the other experts keep their empty state."""
+    renamed = subprocess.run(
+        [sys.executable, "-m", "ckptdoctor", "edit", str(save), "--rename", r"experts\.experts\.", "experts."]
+        + ["--in-place", "--no-backup"],
+        capture_output=True,
+        text=True,
+    )
+    if renamed.returncode != 0:
+        raise SystemExit(renamed.stderr)
+    key = "decoder.layers.mlp.experts.linear_fc1._extra_state/shard_0.0_2.4"
+    blob = _item_bytes(
+        Path("fixtures/core019_te_delayed") / ITER, "decoder.layers.mlp.linear_fc1._extra_state/shard_0_2"
+    )
+    iteration_dir = save / ITER
+    location = _location(iteration_dir, key)
+    data_file = iteration_dir / location.relative_path
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(blob)
+
+    def edit(metadata: object) -> None:
+        for index, info in storage_items(metadata).items():
+            if index_fqn(index) == key:
+                set_storage(info, StorageLocation(info.relative_path, offset, len(blob)))
+
+    _edit_metadata(iteration_dir, edit)
 
 
 def _set_args(**values: object) -> Callable[[Path], None]:
@@ -348,6 +387,16 @@ EXAMPLES: dict[str, Example] = {
         _copy("core019_tp1"),
         _drop_qkv_weights,
         f"deletes `{QKV}`'s weights from `.metadata` and keeps its `_extra_state`",
+    ),
+    "CKD230": Example(("ckptdoctor check fixtures/core019_te_delayed",)),
+    "CKD231": Example(("ckptdoctor check fixtures/core019_te_mixed",)),
+    "CKD232": Example(("ckptdoctor check fixtures/core019_te_mixed",)),
+    "CKD233": Example(
+        _copy("core019_moe_ep2"),
+        _fp8_expert_state,
+        "names the sequential experts' keys as TEGroupedLinear's (`experts.experts.` to `experts.`, with "
+        "`ckptdoctor edit --rename --in-place`) and gives expert 0 of layer 0 the delayed-scaling state of a real "
+        "TE 2.x item (from `core019_te_delayed`)",
     ),
     "CKD301": Example(
         _copy(

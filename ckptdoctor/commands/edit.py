@@ -45,6 +45,12 @@ PRESET_CHOICES = ["te-to-local", "local-to-te"]
 )
 @click.option("--drop-extra-state", is_flag=True, help="Remove every _extra_state item.")
 @click.option(
+    "--drop-redundant-extra-state",
+    is_flag=True,
+    help="Remove the _extra_state items that hold no delayed-scaling FP8 state (no amax_history_fwd, scale_fwd or "
+    "scale_bwd), as Megatron-LM's --ckpt-drop-redundant-extra-state saves them; reads each item (a few KB).",
+)
+@click.option(
     "--preset",
     type=click.Choice(PRESET_CHOICES),
     default=None,
@@ -68,6 +74,7 @@ def command(
     renames: tuple[tuple[str, str], ...],
     drop_sections: tuple[str, ...],
     drop_extra_state: bool,
+    drop_redundant_extra_state: bool,
     preset: str | None,
     output: Path | None,
     in_place: bool,
@@ -106,10 +113,15 @@ def command(
         renames=[(a, b) for a, b in renames],
         drop_sections=list(dict.fromkeys(drop_sections)),
         drop_extra_state=drop_extra_state,
+        drop_redundant_extra_state=drop_redundant_extra_state,
         preset=preset,
     )
-    if not (request.removes or request.renames or request.drop_sections or drop_extra_state or preset):
-        raise click.UsageError("nothing to do: give --remove, --rename, --drop-section, --drop-extra-state or --preset")
+    wanted = request.removes or request.renames or request.drop_sections or drop_extra_state or preset
+    if not (wanted or drop_redundant_extra_state):
+        raise click.UsageError(
+            "nothing to do: give --remove, --rename, --drop-section, --drop-extra-state, "
+            "--drop-redundant-extra-state or --preset"
+        )
     with contextlib.ExitStack() as stack:
         local = None
         if not dry_run and is_url(checkpoint):  # O(metadata) from object storage: the write runs on a local copy

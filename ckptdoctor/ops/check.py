@@ -33,6 +33,7 @@ from ckptdoctor.rules import (
     Finding,
     consistency,
     deep_decode,
+    extra_state,
     finding,
     health,
     integrity,
@@ -243,6 +244,7 @@ def scan_and_check(
             findings += safety.check_items(state.checkpoint, shown, state.bad_files)
         findings += leftovers.check_iteration_dir(directory, shown)
         findings += consistency.check(state)
+        findings += extra_state.check(state)
         findings += integrity.check_manifest(state, verify_hashes=options.verify_integrity)
         if options.deep or options.health:
             stats = HealthScan() if options.health else None

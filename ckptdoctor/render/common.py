@@ -176,6 +176,8 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
             finding = f"  {f['code']} [{f['severity']}] {f['arg']}={short_value(f['saved'])}{correct}: {f['reason']}"
             lines.append(wrap_block(finding, width))
         lines.append(f"  fix: ckptdoctor fix-args {report.iteration_dir} -o DIR (or --in-place)")
+    if report.extra_state is not None:
+        lines.extend(_extra_state_census_lines(report.extra_state, width))
     lines.append("")
     common_keys = "common state keys: " + ", ".join(report.common_state_keys)
     lines.append(wrap_block(common_keys, width, " " * len("common state keys: ")))
@@ -194,6 +196,48 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
         ]
         lines.append(tabulate(rows, headers=["key", "kind", "dtype", "global shape", "chunks", "size"]))
     return "\n".join(lines)
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
+
+
+def _extra_state_census_lines(census: Any, width: int | None) -> list[str]:
+    lines = ["", f"Transformer Engine extra state ({census.items} items)"]
+    if census.unreadable:
+        lines.append(f"  unreadable      {census.unreadable} (refused by the gate or damaged: see check)")
+    lines.append(wrap_block(f"  generations     {_counts(census.generations)}", width, " " * 18))
+    lines.append(wrap_block(f"  recipes         {_counts(census.recipes)}", width, " " * 18))
+    lines.append(f"  FP8             {census.fp8_on} on, {census.fp8_off} off")
+    if census.te_2_18_refused:
+        lines.append(
+            wrap_block(
+                f"  TE >= 2.18      refuses {census.te_2_18_refused} at load unless "
+                "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (check: CKD230)",
+                width,
+                " " * 18,
+            )
+        )
+    lines.append(f"  redundant       {census.redundant} (no delayed-scaling state: --drop-redundant-extra-state)")
+    if census.rows:
+        rows = [
+            [
+                r.module,
+                r.generation,
+                r.form,
+                r.recipe or "-",
+                "on" if r.fp8 else "off",
+                "-" if r.amax_history_len is None else r.amax_history_len,
+                r.te_2_18,
+                r.count,
+            ]
+            for r in census.rows
+        ]
+        lines.append("")
+        lines.append(
+            tabulate(rows, headers=["module", "generation", "form", "recipe", "FP8", "history", "TE>=2.18", "items"])
+        )
+    return lines
 
 
 def short_value(value: Any, limit: int = 200) -> str:

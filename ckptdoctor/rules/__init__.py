@@ -86,6 +86,7 @@ FIX_COMMANDS: dict[str, str] = {
     "CKD151": "ckptdoctor repair {ckpt} --in-place",  # leftovers quarantined
     "CKD20": "ckptdoctor fix-args {ckpt} --in-place",  # args vs parallelism (arg_rules table)
     "CKD21": "ckptdoctor fix-args {ckpt} --in-place",
+    "CKD230": "ckptdoctor edit {ckpt} --drop-extra-state --in-place",  # or NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1
 }
 
 

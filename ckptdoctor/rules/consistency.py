@@ -14,6 +14,7 @@ from ckptdoctor.coverage import coverage_problems
 from ckptdoctor.formats import BACKEND_DCP
 from ckptdoctor.formats.plain_dcp import is_megatron
 from ckptdoctor.formats.run_config import RUN_CONFIG
+from ckptdoctor.formats.te_extra_state import module_family
 from ckptdoctor.gpt_shapes import expected_shape
 from ckptdoctor.parallelism import infer_layout
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo
@@ -160,11 +161,13 @@ def _orphan_extra_state(checkpoint: Checkpoint, shown: str) -> list[Finding]:
         if module in modules_with_tensors or module in seen or module.rsplit(".", 1)[-1] in _WEIGHTLESS_MODULES:
             continue
         seen.add(module)
+        family = module_family(module)
+        what = f" (a {family} in megatron-core's Transformer Engine spec)" if family else ""
         out.append(
             Finding(
                 ORPHAN_EXTRA_STATE.code,
                 shown,
-                f"{entry.key}: _extra_state kept but no weight of {module} is saved",
+                f"{entry.key}: _extra_state kept but no weight of {module}{what} is saved",
                 ERROR,
             )
         )
