@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor.args import saved_config
+from ckptdoctor.args import args_as_dict, saved_config
 from ckptdoctor.errors import CkptError, PickleLimitError, UnlistedGlobalError, UnsafePickleError, without_path
 from ckptdoctor.formats import (
+    BACKEND_DCP,
     has_common_pt,
     index_file,
     read_index,
@@ -22,6 +23,14 @@ from ckptdoctor.formats import (
 from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.formats.dcp_index import CHUNK_STORAGE, STORAGE_LENGTH
 from ckptdoctor.formats.legacy_torch import check_te_extra_state
+from ckptdoctor.formats.plain_dcp import (
+    FLAVOUR_NAMES,
+    MEGATRON_COMMON_ITEMS,
+    flavour_of,
+    is_megatron,
+    megatron_flavour,
+)
+from ckptdoctor.formats.plain_dcp import section_of as dcp_section_of
 from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
 from ckptdoctor.locate import CheckpointLocation, iteration_location, locate, read_backend
@@ -169,8 +178,16 @@ class Checkpoint:
         return [e for e in self.entries.values() if e.section == section]
 
     @property
+    def flavour(self) -> str | None:
+        """Plain DCP only: whose conventions the state dict follows (:mod:`ckptdoctor.formats.plain_dcp`)."""
+        return self.location.flavour
+
+    @property
     def common_source(self) -> str | None:
-        """Where the common (non-sharded) state lives: ``common.pt`` or the DCP bytes item's key."""
+        """Where the common (non-sharded) state lives: ``common.pt`` or the DCP bytes item's key; for a Megatron-LM
+        plain DCP save, its top-level ``args`` item (``iteration`` and the others beside it)."""
+        if self.location.backend == BACKEND_DCP:
+            return "args" if is_megatron(self.flavour) else None
         if self.location.has_common_pt:
             return "common.pt"
         for key, entry in self.entries.items():
@@ -186,6 +203,8 @@ class Checkpoint:
         return self._common
 
     def _load_common(self) -> dict:
+        if self.location.backend == BACKEND_DCP:
+            return self._plain_dcp_common()
         source = self.common_source
         if source is None:
             raise CkptError(f"{self.iteration_dir}: no common state (neither common.pt nor a common_state item)")
@@ -200,6 +219,19 @@ class Checkpoint:
             error = CkptError(f"{where}: common state is a {type(state).__name__}, expected a dict")
             refuse_unlisted(self.common_unlisted, error)
             raise error
+        return state
+
+    def _plain_dcp_common(self) -> dict:
+        """A plain DCP save's counterpart of the common state: Megatron-LM's top-level items (``args``,
+        ``iteration``, ...), each decoded through the safe unpickler; empty for the other flavours."""
+        if self.flavour is None or not is_megatron(self.flavour):
+            return {}
+        state = {
+            name: self.read_bytes_item(name, self.common_unlisted)
+            for name in MEGATRON_COMMON_ITEMS
+            if name in self.entries and self.entries[name].kind == "bytes"
+        }
+        self.location.flavour = megatron_flavour(self.flavour, args_as_dict(state.get("args")))
         return state
 
     def saved_config(self) -> tuple[dict[str, Any], str | None]:
@@ -319,28 +351,38 @@ def scan(location: CheckpointLocation, for_rewrite: bool = False) -> Scan:
     if index is None:
         return Scan(location, Checkpoint(location, {}, {}), problems)
     checkpoint = Checkpoint(location, index.items, index.data_files, dcp=index.dcp)
-    if any(p.code == METADATA_JSON_MISSING for p in problems) and _megatron_lm_dcp(checkpoint):
+    if any(p.code == METADATA_JSON_MISSING for p in problems) and _plain_dcp(checkpoint):
         problems = [p for p in problems if p.code != METADATA_JSON_MISSING]
-        problems.append(Problem(UNSUPPORTED_FORMAT, directory, TORCH_DCP_MESSAGE))
-        return Scan(location, None, problems)
+        location.backend = BACKEND_DCP
+        location.flavour = flavour_of({key: entry.kind for key, entry in checkpoint.entries.items()})
+        for entry in checkpoint.entries.values():
+            entry.section = dcp_section_of(entry.key, location.flavour)
     return Scan(location, checkpoint, problems, index.metadata)
 
 
-TORCH_DCP_MESSAGE = (
-    "Megatron-LM --ckpt-format torch_dcp (or fsdp_dtensor) checkpoint: plain PyTorch DCP whose state dict holds args "
-    "and iteration, without metadata.json, which Megatron loads with torch.distributed.checkpoint; ckptdoctor reads "
-    "torch_dist and zarr checkpoints (a metadata.json added here would make Megatron read it as torch_dist)"
-)
-
-
-def _megatron_lm_dcp(checkpoint: Checkpoint) -> bool:
-    """Whether an index without metadata.json is Megatron-LM's torch_dcp / fsdp_dtensor save, not an interrupted
-    torch_dist one: those keep ``args`` and ``iteration`` as top-level items of the DCP state dict (flattened, so
-    the model is ``model.<name>``), where torch_dist keeps them in its common state (common.pt or a common_state
-    item)."""
+def _plain_dcp(checkpoint: Checkpoint) -> bool:
+    """Whether an index without metadata.json is a plain PyTorch DCP save (Megatron-LM torch_dcp / fsdp_dtensor,
+    FSDP2, TorchTitan, any ``dcp.save``), not an interrupted torch_dist one: no common state (common.pt or a
+    common_state item, which every torch_dist save has), and either DCP's default planner's flattening map in
+    ``.metadata`` (torch_dist saves unflattened) or Megatron-LM's top-level ``args`` and ``iteration`` items."""
+    if checkpoint.common_source is not None:
+        return False
     entries = checkpoint.entries
-    top = [entries.get(name) for name in ("args", "iteration")]
-    return all(e is not None and e.kind == "bytes" for e in top) and checkpoint.common_source is None
+    megatron = all((e := entries.get(name)) is not None and e.kind == "bytes" for name in ("args", "iteration"))
+    return megatron or (checkpoint.dcp is not None and checkpoint.dcp.flattened)
+
+
+def refuse_plain_dcp(
+    checkpoint: Checkpoint, command: str, does: str = "writes Megatron torch_dist checkpoints only; nothing was changed"
+) -> Checkpoint:
+    """``checkpoint``, or one :class:`CkptError` line naming its flavour where it is a plain DCP save, which the
+    write commands (their outputs are Megatron torch_dist: metadata.json, common state) do not write."""
+    if checkpoint.location.backend == BACKEND_DCP:
+        name = FLAVOUR_NAMES.get(checkpoint.flavour or "", "plain PyTorch DCP")
+        raise CkptError(
+            f"{checkpoint.iteration_dir}: {name} checkpoint (plain PyTorch DCP, no metadata.json): {command} {does}"
+        )
+    return checkpoint
 
 
 def _refusal_code(error: CkptError) -> str:
@@ -363,9 +405,11 @@ def scan_iteration_dir(iteration_dir: Path) -> Scan:
     return scan(iteration_location(iteration_dir))
 
 
-def open_checkpoint(path: str | Path, iteration: str | int | None = None) -> Checkpoint:
-    """Locate and index a checkpoint from metadata; the one entry point operations use."""
-    return scan_path(path, iteration).raise_fatal()
+def open_checkpoint(path: str | Path, iteration: str | int | None = None, writer: str | None = None) -> Checkpoint:
+    """Locate and index a checkpoint from metadata; the one entry point operations use. ``writer``: the write
+    command that will change it (a plain DCP save is then refused, :func:`refuse_plain_dcp`)."""
+    checkpoint = scan_path(path, iteration).raise_fatal()
+    return checkpoint if writer is None else refuse_plain_dcp(checkpoint, writer)
 
 
 class HeldMetadata:
@@ -386,11 +430,16 @@ class HeldMetadata:
         return metadata
 
 
-def open_for_rewrite(path: str | Path, iteration: str | int | None = None) -> tuple[Checkpoint, HeldMetadata | None]:
+def open_for_rewrite(
+    path: str | Path, iteration: str | int | None = None, writer: str | None = "this command"
+) -> tuple[Checkpoint, HeldMetadata | None]:
     """:func:`open_checkpoint` for a command that rewrites ``.metadata``: also the metadata object, from the same
     read (one pass of the safety scan instead of two), held for the writer to take; None where there is no
-    ``.metadata`` (legacy zarr)."""
+    ``.metadata`` (legacy zarr). A plain DCP save is refused (:func:`refuse_plain_dcp`) unless ``writer`` is None
+    (a command that writes plain DCP too: edit)."""
     result = scan_path(path, iteration, for_rewrite=True)
     checkpoint = result.raise_fatal()
+    if writer is not None:
+        refuse_plain_dcp(checkpoint, writer)
     metadata, result.metadata = result.metadata, None
     return checkpoint, None if metadata is None else HeldMetadata(metadata)

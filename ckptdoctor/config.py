@@ -30,6 +30,7 @@ CHECK_KEYS: dict[str, type | tuple[type, ...]] = {
     "select": list,
     "ignore": list,
     "deep": bool,
+    "health": bool,
     "all-iterations": bool,
     "verify-integrity": bool,
     "format": str,

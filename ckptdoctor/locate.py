@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import BACKEND_TORCH_DIST, BACKEND_ZARR, BACKENDS, era, guess_backend
+from ckptdoctor.formats import BACKEND_DCP, BACKEND_TORCH_DIST, BACKEND_ZARR, BACKENDS, ERA_DCP, era, guess_backend
+from ckptdoctor.formats.plain_dcp import FLAVOUR_NAMES, STEP_DIR_RE, step_number
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME as BRIDGE_TRACKER_NAME  # re-exported
 from ckptdoctor.formats.train_state import read_train_state_step
 from ckptdoctor.problems import METADATA_JSON_INVALID, METADATA_JSON_MISSING, UNSUPPORTED_FORMAT, Problem
@@ -45,9 +46,12 @@ class CheckpointLocation:
     backend: str = BACKEND_TORCH_DIST
     metadata_json: dict = field(default_factory=dict)
     has_common_pt: bool = False
+    flavour: str | None = None  # plain DCP only: whose conventions its state dict follows (formats.plain_dcp)
 
     @property
     def era(self) -> str:
+        if self.backend == BACKEND_DCP and self.flavour is not None:
+            return f"{FLAVOUR_NAMES[self.flavour]} ({ERA_DCP})"
         return era(self.backend, self.has_common_pt)
 
     @property
@@ -109,15 +113,28 @@ def list_dir(directory: Path) -> list[str]:
         raise CkptError(f"{directory}: cannot list ({exc.strerror or exc})") from None
 
 
+def iteration_number(name: str) -> int | None:
+    """The iteration of a checkpoint dir's name: Megatron's ``iter_0000010`` or TorchTitan's ``step-10``."""
+    match = ITER_DIR_RE.match(name)
+    return int(match.group(1)) if match else step_number(name)
+
+
+def is_iteration_dir_name(name: str) -> bool:
+    return iteration_number(name) is not None or name == "release"
+
+
 def list_iteration_dirs(save_dir: Path) -> list[Path]:
-    """Iteration dirs in a save dir, oldest first (``release`` last)."""
-    found = [save_dir / n for n in list_dir(save_dir) if ITER_DIR_RE.match(n) or n == "release"]
-    return sorted((p for p in found if p.is_dir()), key=lambda p: (p.name == "release", p.name))
+    """Iteration dirs in a save dir (Megatron's ``iter_*`` and ``release``, TorchTitan's ``step-N``), oldest
+    first (``release`` last)."""
+    found = [save_dir / n for n in list_dir(save_dir) if is_iteration_dir_name(n)]
+    return sorted(
+        (p for p in found if p.is_dir()), key=lambda p: (p.name == "release", iteration_number(p.name) or 0, p.name)
+    )
 
 
 def looks_like_iteration_dir(directory: Path) -> bool:
     """An iteration dir by name, or by holding checkpoint files (a bare metadata.json must name a backend)."""
-    if ITER_DIR_RE.match(directory.name) or directory.name == "release":
+    if is_iteration_dir_name(directory.name):
         return True
     try:
         names = list_names(directory)
@@ -169,6 +186,8 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
             tracker_value = read_tracker(tracker_path)
         chosen = str(iteration) if iteration is not None else tracker_value
         iteration_dir = save_dir / iteration_dir_name(chosen)  # type: ignore[arg-type]
+        if not iteration_dir.is_dir() and (save_dir / f"step-{chosen}").is_dir():  # TorchTitan's step-N
+            iteration_dir = save_dir / f"step-{chosen}"
         if not iteration_dir.is_dir():
             what = "--iteration" if iteration is not None else f"tracker {tracker_path}"
             raise CkptError(f"{iteration_dir}: {what} points to an iteration dir that does not exist")
@@ -187,6 +206,8 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
             if not iteration_dir.is_dir():
                 what = f"Megatron-Bridge's tracker {bridge}"
                 raise CkptError(f"{iteration_dir}: {what} points to an iteration dir that does not exist")
+        elif iters and all(STEP_DIR_RE.match(p.name) for p in iters):  # TorchTitan: no tracker, the newest step
+            save_dir, iteration_dir = candidate, iters[-1]
         elif iters:
             names = ", ".join(p.name for p in iters[-5:])
             # Megatron, too, reads the tracker only when it is a regular file (os.path.isfile)
@@ -207,11 +228,10 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
 
 def iteration_location(iteration_dir: Path, input_path: Path | None = None) -> CheckpointLocation:
     """The location of one iteration dir, its iteration number read from the name (None for ``release``)."""
-    match = ITER_DIR_RE.match(iteration_dir.name)
     return CheckpointLocation(
         input_path=iteration_dir if input_path is None else input_path,
         iteration_dir=iteration_dir,
-        iteration=int(match.group(1)) if match else None,
+        iteration=iteration_number(iteration_dir.name),
         release=iteration_dir.name == "release",
     )
 

@@ -18,8 +18,10 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckptdoctor.formats import BACKEND_DCP
 from ckptdoctor.formats.dcp_index import CHUNK_STORAGE, STORAGE_PATH
 from ckptdoctor.formats.torch_dist import writer_rank
+from ckptdoctor.shard_grid import ShardGrid, shard_grid
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint, Entry
@@ -37,10 +39,11 @@ class SavedLayout:
     layers: int | None  # transformer layers seen (stacked axis length or per-layer keys)
     ep: int | None  # expert-parallel degree shown by expert tensors; None without experts
     writer_ranks: list[int]  # ranks that wrote data files (from __<rank>_<n>.distcp names)
+    sharding: ShardGrid | None = None  # plain DCP: the chunk grid's sharding (its TP/PP/EP are not Megatron's)
 
     def as_dict(self) -> dict[str, Any]:
         """The layout as reports show it (inspect and diff JSON): each degree, the writer ranks, the summary."""
-        return {
+        shown: dict[str, Any] = {
             "tp": self.tp,
             "pp": self.pp,
             "layers": self.layers,
@@ -48,12 +51,17 @@ class SavedLayout:
             "writer_ranks": self.writer_ranks,
             "summary": self.summary(),
         }
+        if self.sharding is not None:
+            shown["sharding"] = self.sharding.as_dict()
+        return shown
 
     def summary(self) -> str:
         def show(value: int | None) -> str:
             return "?" if value is None else str(value)
 
         n = len(self.writer_ranks)
+        if self.sharding is not None:
+            return self.sharding.summary()
         if not n and self.pp is None:  # zarr: chunk files named by their index, not by the rank that wrote them
             parts = [f"TP={show(self.tp)}"] + ([f"EP={self.ep}"] if self.ep is not None else [])
             return " ".join(parts) + " (PP not known: no data file names the rank that wrote it)"
@@ -140,6 +148,10 @@ def _collect_expert_ranks(
 
 
 def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
+    if checkpoint.location.backend == BACKEND_DCP:  # no Megatron layout: DTensor shards over one mesh
+        grid = shard_grid(checkpoint)
+        ranks = sorted({r for name in checkpoint.data_files if (r := writer_rank(name)) is not None})
+        return SavedLayout(tp=None, pp=None, layers=None, ep=None, writer_ranks=ranks, sharding=grid)
     split_counts: list[int] = []
     fc1_counts: list[int] = []
     layer_ranks: dict[int, set[int]] = {}

@@ -36,6 +36,7 @@ FAMILIES = {
     "CKD2": "Consistency (CKD2xx): saved args against the chunk layout; chunk coverage",
     "CKD3": "Integrity (CKD3xx): `integrity.json` hashes; what `check --deep` decodes",
     "CKD4": "Safety (CKD4xx): the gate; always on, never deselected",
+    "CKD5": "Health (CKD5xx): `check --health` on the values: zero weights, equal experts, optimizer moments",
 }
 
 HEADER = """# Rules reference

@@ -10,6 +10,8 @@ what the command prints: the generator runs every example (``/tmp/`` stands for 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,6 +97,43 @@ def _drop_qkv_weights(save: Path) -> None:
     _edit_metadata(save / ITER, edit)
 
 
+def _item_bytes(iteration_dir: Path, key: str) -> bytes:
+    location = _location(iteration_dir, key)
+    with open(iteration_dir / location.relative_path, "rb") as f:
+        f.seek(location.offset)
+        return f.read(location.length)
+
+
+def _fp8_expert_state(save: Path) -> None:
+    """Expert 0's state in layer 0 of the grouped linear_fc1 becomes the delayed-scaling state of a real TE 2.x item
+    (core019_te_delayed's), appended to its data file; the other experts keep their empty state."""
+    renamed = subprocess.run(
+        [sys.executable, "-m", "ckptdoctor", "edit", str(save), "--rename", r"experts\.experts\.", "experts."]
+        + ["--in-place", "--no-backup"],
+        capture_output=True,
+        text=True,
+    )
+    if renamed.returncode != 0:
+        raise SystemExit(renamed.stderr)
+    key = "decoder.layers.mlp.experts.linear_fc1._extra_state/shard_0.0_2.4"
+    blob = _item_bytes(
+        Path("fixtures/core019_te_delayed") / ITER, "decoder.layers.mlp.linear_fc1._extra_state/shard_0_2"
+    )
+    iteration_dir = save / ITER
+    location = _location(iteration_dir, key)
+    data_file = iteration_dir / location.relative_path
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(blob)
+
+    def edit(metadata: object) -> None:
+        for index, info in storage_items(metadata).items():
+            if index_fqn(index) == key:
+                set_storage(info, StorageLocation(info.relative_path, offset, len(blob)))
+
+    _edit_metadata(iteration_dir, edit)
+
+
 def _set_args(**values: object) -> Callable[[Path], None]:
     def damage(save: Path) -> None:
         path = save / ITER / "common.pt"
@@ -153,6 +192,92 @@ def _rewrite_tensor(key: str, change: Callable[[bytes], bytes]) -> Callable[[Pat
     return damage
 
 
+def _rewrite_every(
+    select: Callable[[str, tuple[int, ...]], bool], change: Callable[[bytes], bytes]
+) -> Callable[[Path], None]:
+    """Every chunk ``select`` picks (by key and offsets) re-saved with ``change`` applied to its storage bytes."""
+
+    def damage(save: Path) -> None:
+        iteration_dir = save / ITER
+        moved = {}
+        for index, info in storage_items(load_metadata_object(iteration_dir / ".metadata")).items():
+            key = index_fqn(index)
+            if not select(key, tuple(record_attr(index, "offset") or ())):
+                continue
+            path = iteration_dir / info.relative_path
+            ref = load_torch_zip(path.read_bytes()[info.offset : info.offset + info.length], key)
+            ref.storage.set_data(change(ref.storage.data()))
+            new = dump_torch_zip(ref)
+            offset = path.stat().st_size
+            with open(path, "ab") as f:
+                f.write(new)
+            moved[(key, tuple(record_attr(index, "offset") or ()))] = StorageLocation(
+                info.relative_path, offset, len(new)
+            )
+
+        def edit(metadata: object) -> None:
+            for index, info in storage_items(metadata).items():
+                where = (index_fqn(index), tuple(record_attr(index, "offset") or ()))
+                if where in moved:
+                    set_storage(info, moved[where])
+
+        _edit_metadata(iteration_dir, edit)
+
+    return damage
+
+
+def _experts_copied(save: Path, layers: tuple[int, ...] = (0, 1)) -> None:
+    """Every expert chunk of ``layers`` re-saved with the bytes of that layer's expert 0 (experts.experts.*)."""
+    iteration_dir = save / ITER
+    items = storage_items(load_metadata_object(iteration_dir / ".metadata"))
+    source: dict[tuple, bytes] = {}
+    chunks = []
+    for index, info in items.items():
+        key, offset = index_fqn(index), tuple(record_attr(index, "offset") or ())
+        if "experts.experts." not in key or not key.endswith("weight"):
+            continue
+        if offset[0] not in layers:
+            continue
+        if offset[1] == 0:
+            blob = (iteration_dir / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+            source[(key, offset[0], *offset[2:])] = blob
+        else:
+            chunks.append((key, offset, info.relative_path))
+    moved = {}
+    for key, offset, relative in chunks:
+        path = iteration_dir / relative
+        new = dump_torch_zip(load_torch_zip(source[(key, offset[0], *offset[2:])], key))
+        start = path.stat().st_size
+        with open(path, "ab") as f:
+            f.write(new)
+        moved[(key, offset)] = StorageLocation(relative, start, len(new))
+
+    def edit(metadata: object) -> None:
+        for index, info in storage_items(metadata).items():
+            where = (index_fqn(index), tuple(record_attr(index, "offset") or ()))
+            if where in moved:
+                set_storage(info, moved[where])
+
+    _edit_metadata(iteration_dir, edit)
+
+
+def _experts_copied_in_layer_0(save: Path) -> None:
+    _experts_copied(save, layers=(0,))
+
+
+def _drop_key(key: str) -> Callable[[Path], None]:
+    def damage(save: Path) -> None:
+        def edit(metadata: object) -> None:
+            del record_attr(metadata, "state_dict_metadata")[key]
+            storage = storage_items(metadata)
+            for index in [i for i in storage if index_fqn(i) == key]:
+                del storage[index]
+
+        _edit_metadata(save / ITER, edit)
+
+    return damage
+
+
 def _unlisted_megatron_global(save: Path) -> None:
     """``megatron.core.brand_new.FutureConfig("x")`` called at the start of .metadata's pickle."""
 
@@ -177,7 +302,14 @@ EXAMPLES: dict[str, Example] = {
     "CKD100": Example(("mkdir /tmp/notes", "echo hi > /tmp/notes/notes.txt", "ckptdoctor check /tmp/notes")),
     "CKD101": Example(_copy("core019_tp2", f"rm {IT}/metadata.json")),
     "CKD102": Example(_copy("core019_tp2", f'echo \'{{"sharded_backend": "torch_di\' > {IT}/metadata.json')),
-    "CKD103": Example(("ckptdoctor check fixtures/unsupported/core019_mlm_torch_dcp_tp1",)),
+    "CKD103": Example(
+        (
+            "mkdir -p /tmp/legacy/iter_0000010/mp_rank_00",
+            "echo x > /tmp/legacy/iter_0000010/mp_rank_00/model_optim_rng.pt",
+            "ckptdoctor check /tmp/legacy/iter_0000010",
+        )
+    ),
+    "CKD222": Example(("ckptdoctor check fixtures/dcp/core019_mlm_torch_dcp_tp2_local",)),
     "CKD110": Example(_copy("core019_tp2", f"rm {IT}/.metadata")),
     "CKD111": Example(_copy("core019_tp2", f"truncate -s 100 {IT}/.metadata")),
     "CKD112": Example(
@@ -256,6 +388,16 @@ EXAMPLES: dict[str, Example] = {
         _drop_qkv_weights,
         f"deletes `{QKV}`'s weights from `.metadata` and keeps its `_extra_state`",
     ),
+    "CKD230": Example(("ckptdoctor check fixtures/core019_te_delayed",)),
+    "CKD231": Example(("ckptdoctor check fixtures/core019_te_mixed",)),
+    "CKD232": Example(("ckptdoctor check fixtures/core019_te_mixed",)),
+    "CKD233": Example(
+        _copy("core019_moe_ep2"),
+        _fp8_expert_state,
+        "names the sequential experts' keys as TEGroupedLinear's (`experts.experts.` to `experts.`, with "
+        "`ckptdoctor edit --rename --in-place`) and gives expert 0 of layer 0 the delayed-scaling state of a real "
+        "TE 2.x item (from `core019_te_delayed`)",
+    ),
     "CKD301": Example(
         _copy(
             "core019_tp2",
@@ -285,6 +427,45 @@ EXAMPLES: dict[str, Example] = {
         _copy("core019_tp2", check="ckptdoctor check --deep /tmp/run"),
         _rewrite_tensor("decoder.final_layernorm.weight", lambda data: b"\xff" * 4 + data[4:]),
         "re-saves `decoder.final_layernorm.weight` with its first 4 bytes set to `0xff`: a NaN",
+    ),
+    "CKD501": Example(("ckptdoctor check --health fixtures/core019_moe_zero_expert_ep2",)),
+    "CKD502": Example(("ckptdoctor check --health fixtures/core019_moe_dup_expert_ep2",)),
+    "CKD503": Example(
+        _copy("core019_moe_ep2", check="ckptdoctor check --health /tmp/run"),
+        _experts_copied,
+        "re-saves every expert of both layers as a copy of that layer's expert 0",
+    ),
+    "CKD504": Example(
+        _copy("core019_moe_ep2", check="ckptdoctor check --health /tmp/run"),
+        _experts_copied_in_layer_0,
+        "re-saves every expert of layer 0 as a copy of its expert 0; layer 1's experts are left as saved",
+    ),
+    "CKD505": Example(
+        _copy("core019_tp1", check="ckptdoctor check --health /tmp/run"),
+        _rewrite_every(
+            lambda key, offset: key == "decoder.layers.self_attention.linear_qkv.layer_norm_weight" and offset[0] == 0,
+            lambda data: b"\x00\x00\x81\x3f" * 32,
+        ),
+        "re-saves layer 0's slice of `decoder.layers.self_attention.linear_qkv.layer_norm_weight` as 1.0078125: "
+        "layer 0 moved, layer 1 is left as initialised",
+    ),
+    "CKD510": Example(
+        _copy("core019_tp1", check="ckptdoctor check --health /tmp/run"),
+        _rewrite_every(lambda key, _: key.startswith("optimizer.state.exp_avg"), lambda data: bytes(len(data))),
+        "re-saves every `optimizer.state.exp_avg.*` and `optimizer.state.exp_avg_sq.*` tensor with zeros",
+    ),
+    "CKD511": Example(
+        _copy("core019_tp1", check="ckptdoctor check --health /tmp/run"),
+        _rewrite_every(
+            lambda key, _: key == "optimizer.state.exp_avg_sq.decoder.final_layernorm.weight",
+            lambda data: b"\x00\x00\x80\xbf" + data[4:],
+        ),
+        "re-saves `optimizer.state.exp_avg_sq.decoder.final_layernorm.weight` with its first value -1.0",
+    ),
+    "CKD512": Example(
+        _copy("core019_tp1", check="ckptdoctor check --health /tmp/run"),
+        _drop_key("optimizer.state.exp_avg_sq.output_layer.weight"),
+        "removes `optimizer.state.exp_avg_sq.output_layer.weight` from `.metadata`",
     ),
     "CKD401": Example(_copy("core019_tp2", f"printf 'cos\\nsystem\\n(S\"echo pwned\"\\ntR.' > {IT}/.metadata")),
     "CKD402": Example(

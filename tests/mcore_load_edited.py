@@ -8,7 +8,8 @@ CASES_JSON is a list of cases, each loaded into a freshly built model (fixtures/
 * ``"via": "load_checkpoint"``: ``megatron.training.checkpointing.load_checkpoint`` with Megatron-LM's own
   argument defaults (``arguments.parse_args``), the checkpoint's saved args on top (as a resumed run has them),
   this run's layout and the case's ``flags`` (``--no-load-optim``, ``--no-load-rng``, ``--finetune``);
-* ``"via": "dist"``: ``dist_checkpointing.load`` of the model section only, default strictness; with
+* ``"via": "dist"``: ``dist_checkpointing.load`` of the model section only, default strictness (or the case's
+  ``strictness``, e.g. ``log_unexpected``: keys the checkpoint lacks stay fresh); with
   ``"no_extra_state": true`` the model's linear layers keep no extra state, so its load requests no
   ``_extra_state`` item (``torch.nn.Module`` leaves it out of ``state_dict`` when ``get_extra_state`` is the
   base class's).
@@ -135,8 +136,15 @@ def load_case(saved, case: dict) -> torch.nn.Module:
         request = {"model": gen.model_sharded_state_dict(model)}
         if case.get("print_keys") and dist.get_rank() == 0:
             say(f"KEYS {case['name']} {json.dumps(requested_keys(request))}")
-        loaded = dist_checkpointing.load(request, str(iteration_dir(case["ckpt"])))
-        model.load_state_dict(loaded["model"], strict=not case.get("no_extra_state", False))
+        strict = case.get("strictness")  # --dist-ckpt-strictness; default: megatron-core's (assume_ok_unexpected)
+        if strict is None:
+            loaded = dist_checkpointing.load(request, str(iteration_dir(case["ckpt"])))
+        else:
+            from megatron.core.dist_checkpointing.validation import StrictHandling
+
+            loaded = dist_checkpointing.load(request, str(iteration_dir(case["ckpt"])), strict=StrictHandling(strict))
+        # a key the checkpoint lacks stays fresh (log_unexpected drops it from the request, as Megatron-LM loads)
+        model.load_state_dict(loaded["model"], strict=not case.get("no_extra_state", False) and strict is None)
         return model
     from megatron.training.checkpointing import load_checkpoint
 

@@ -361,6 +361,7 @@ def test_orphan_extra_state(capsys, copy_fixture):
     assert rc == 1 and "CKD221" in _codes(report)
     (orphan,) = [f for f in report["findings"] if f["code"] == "CKD221"]
     assert orphan["message"].startswith(f"{QKV}._extra_state/") and f"no weight of {QKV}" in orphan["message"]
+    assert "(a TELayerNormColumnParallelLinear in megatron-core's Transformer Engine spec)" in orphan["message"]
     # the peft trainable-only fixtures dropped weights *and* extra state: no orphan there
     rc, report = _json(capsys, str(FIXTURES / "core019_peft_trainable_tp2"))
     assert "CKD221" not in _codes(report)

@@ -168,7 +168,7 @@ def test_rules_registry():
     rules = all_rules()
     codes = [r.code for r in rules]
     assert len(codes) == len(set(codes))
-    prefix = {"structure": "CKD1", "consistency": "CKD2", "integrity": "CKD3", "safety": "CKD4"}
+    prefix = {"structure": "CKD1", "consistency": "CKD2", "integrity": "CKD3", "safety": "CKD4", "health": "CKD5"}
     for rule in rules:
         assert rule.code.startswith(prefix[rule.family]) and rule.summary and rule.rationale
     # the fix-args rule table is listed, not re-implemented

@@ -224,3 +224,33 @@ def test_local_to_te_gives_the_keys_of_megatron_cores_te_spec(capsys, tmp_path):
         else:  # the MoE layers' pre-MLP norm, which that map saves as mlp.linear_fc1.layer_norm_weight
             assert any(k.endswith("pre_mlp_layernorm.weight") for k in expected)
             assert expected != model_keys(FIXTURES / fixture)
+
+
+def test_dropped_redundant_extra_state_loads_with_the_reported_strictness(capsys, tmp_path):
+    """edit --drop-redundant-extra-state keeps only the keys with delayed-scaling state (the TE 1.x BytesIO of
+    core019_te_mixed's layer 0, and with it layer 1's); megatron-core 0.19.2 still requests the dropped ones: the
+    default strictness fails, the strictness the report names loads every parameter. A key with one shard
+    dropped fails under that strictness too: why the edit keeps such keys whole."""
+    require_mcore()
+    src = FIXTURES / "core019_te_mixed"
+    report = _edit(capsys, src, tmp_path / "lean", "--drop-redundant-extra-state")
+    assert any("log_unexpected" in note for note in report["plan"]["load_notes"])
+    left = {k for k in open_checkpoint(tmp_path / "lean").entries if "_extra_state" in k}
+    # linear_proj: layer 0 holds FP8 state, layer 1 none; the key is kept whole, because a partial key fails
+    assert left == {f"decoder.layers.self_attention.linear_proj._extra_state/shard_{i}_2" for i in range(2)}
+    _edit(capsys, src, tmp_path / "partial", "--remove", r"linear_proj\._extra_state/shard_1_2")
+    _load(
+        [
+            _case("lean-default", tmp_path / "lean", "core019_te_mixed", [], "_extra_state", via="dist"),
+            _case("lean-log", tmp_path / "lean", "core019_te_mixed", [], via="dist", strictness="log_unexpected"),
+            _case(
+                "partial-log",
+                tmp_path / "partial",
+                "core019_te_mixed",
+                [],
+                "Missing key in checkpoint state_dict: decoder.layers.self_attention.linear_proj._extra_state/shard_1",
+                via="dist",
+                strictness="log_unexpected",
+            ),
+        ]
+    )

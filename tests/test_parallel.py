@@ -196,6 +196,17 @@ def test_torchrun_check_deep_equals_single_process(capsys, damaged, nproc, tmp_p
 
 
 @pytest.mark.mcore
+def test_torchrun_check_health_equals_single_process(capsys):
+    """check --health's statistics merged across torchrun ranks: the JSON of one process, key for key."""
+    pytest.importorskip("torch")
+    args = ["check", "--isolated", "--health", "--format", "json", str(FIXTURES / "core019_moe_dup_expert_ep2")]
+    rc, single, _ = _cli(capsys, *args)
+    run = _torchrun(2, *args)
+    assert (run.returncode, run.stdout) == (rc, single), run.stderr
+    assert rc == 1 and '"CKD502"' in single and '"health"' in single
+
+
+@pytest.mark.mcore
 def test_torchrun_diff_values_equals_single_process(capsys):
     pytest.importorskip("torch")
     args = ["diff", "--values", "--report", "2", "--format", "json", "--all"]

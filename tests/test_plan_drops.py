@@ -323,46 +323,6 @@ def test_faithful_reads_keep_the_plans():
     assert all(plan is DROPPED for plan in torch_dist.record_attr(index_only, "all_local_plans"))
 
 
-def test_a_reader_that_may_release_gives_back_the_left_out_pages_at_once():
-    """With ``release`` (an anonymous map of the caller's own, see files.read_releasable), the whole pages of the
-    parts left out go back to the system when the plan is made, before the unpickler reads anything: they are
-    never read again (the translation jumps over them), and they read as zeros afterwards."""
-    from test_memo_prune import _mapped
-
-    p = _Pickle()
-    item = p.cls(PLANNER, "WriteItem")
-    key = p.string("fqn")
-    p.add(b"00")  # both memoized, off the stack
-    p.open_list()
-    cls = p.cls(PLANNER, "SavePlan")
-    p.get(cls).add(b")\x81}(")
-    p.string("items")
-    p.add(b"]")
-    for i in range(50_000):
-        if i % 1000 == 0:  # APPENDS per 1,000 items, as Python's pickler batches them
-            p.add(b"(" if i == 0 else b"e(")
-        p.get(item).add(b")\x81}(")
-        p.get(key)
-        p.string(f"item-{i:08d}")
-        p.add(b"ub")
-    p.add(b"e")
-    p.add(b"ub")
-    p.add(b"e")
-    data = p.bytes()
-    assert len(data) > 1 << 20
-    pruned = _alike(data)
-    assert len(pruned) < 200  # the whole SavePlan's state
-    middle = data.index(b"item-00020000")
-    for release in (True, False):
-        mapped = _mapped(data)
-        reader = pruned_reader(mapped, release, True)
-        page = mapped[middle - 4096 : middle + 4096]
-        assert (page == bytes(len(page))) is release
-        assert reader.read() == pruned
-        del reader
-        mapped.close()
-
-
 def test_the_plan_memory_stays_under_the_input_size():
     """Hostile shapes for the plan's own memory: a part shorter than a region's record (40 bytes) gets none, and
     parts that read each other's entries without end make every part kept once their edges would pass half the

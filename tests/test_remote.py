@@ -557,6 +557,19 @@ def test_write_from_object_storage_to_the_same_bucket_copies_data_on_the_server(
         assert ckd(capsys, "fix-args", url)[0] == 0 and ckd(capsys, "fix-args", f"{PREFIXES[backend]}{name}")[0] == 1
 
 
+@pytest.mark.parametrize("prefixes", [PREFIXES, OTHER_PREFIXES], ids=["same-bucket", "other-bucket"])
+def test_edit_from_object_storage_says_how_its_data_files_travelled(remote, capsys, prefixes):
+    """edit's text names how the data files reached the output (a server-side copy or streaming), not the hard
+    links of its local staging dir, which are no blocks the output shares."""
+    url = f"{prefixes['s3']}from-remote/edit-text-{len(prefixes['s3'])}"
+    rc, out, err = ckd(capsys, "edit", "--drop-extra-state", f"{PREFIXES['s3']}core019_tp1", "-o", url)
+    assert rc == 0, err
+    how = "copied on the server" if prefixes is PREFIXES else "streamed"
+    data_line = next(line for line in out.splitlines() if line.startswith("data files"))
+    assert f"{len(_data_files('core019_tp1'))} {how}, 0 copied" in data_line
+    assert "hard-linked" not in out and "share the source's blocks" not in out
+
+
 @pytest.mark.parametrize("backend", ["s3", "msc"])
 def test_write_from_object_storage_to_another_bucket_streams_and_says_so(remote, capsys, backend):
     """Another bucket (or MSC profile): the data files are streamed (read and uploaded), one line up front says

@@ -141,6 +141,7 @@ def test_read_only_outputs_validate_on_every_fixture(capsys, fixture):
     _run_json(capsys, "inspect", path)
     _run_json(capsys, "check", "--isolated", path)
     _run_json(capsys, "check", "--isolated", "--statistics", path)
+    _run_json(capsys, "check", "--isolated", "--health", path)
     _run_json(capsys, "latest-good", path)
     _run_json(capsys, "history", path, "--jobs", "1")
     _run_json(capsys, "repair", path)

@@ -75,6 +75,18 @@ from ckptdoctor.ops.can_load.run import SHARDING_TYPES, STRICTNESS
     is_flag=True,
     help="The run keeps every saved arg except the layout ones (as converters do), GTP weight shards included.",
 )
+@click.option(
+    "--te-version",
+    metavar="MAJOR.MINOR",
+    default=None,
+    help="Transformer Engine of the loading run (default: 2.20, the newest modelled): TE >= 2.18 refuses pickled "
+    "delayed-scaling and TE 1.x _extra_state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1.",
+)
+@click.option(
+    "--te-unsafe-pickle",
+    is_flag=True,
+    help="The run sets NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (TE >= 2.18 then unpickles those states).",
+)
 @format_option(schema="can-load")
 def command(
     checkpoint: str,
@@ -92,6 +104,8 @@ def command(
     args_from: str | None,
     sets: tuple[str, ...],
     use_checkpoint_args: bool,
+    te_version: str | None,
+    te_unsafe_pickle: bool,
     output_format: str,
 ) -> int:
     """Predict whether Megatron will load CHECKPOINT at the --target layout, section by section (metadata only);
@@ -99,9 +113,11 @@ def command(
 
     Exit 0: it loads (--suggest: at some candidate); 1: it will not; 2: bad input.
     """
-    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.checkpoint import open_checkpoint, refuse_plain_dcp
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
+    from ckptdoctor.formats import BACKEND_DCP
     from ckptdoctor.ops.can_load.args_from import model_args_from
+    from ckptdoctor.ops.can_load.plain_dcp import predict_plain_dcp
     from ckptdoctor.ops.can_load.predict import predict, read_saved
     from ckptdoctor.ops.can_load.run import LoadRun, parse_sets
     from ckptdoctor.ops.can_load.suggest import suggest as suggest_layouts
@@ -122,8 +138,19 @@ def command(
         dist_optim_sharding_type=dist_optim_sharding_type,
         use_checkpoint_args=use_checkpoint_args,
         sets=parse_sets(sets),
+        te_version=_te_version(te_version),
+        te_unsafe_pickle=te_unsafe_pickle,
     )
     ckpt = open_checkpoint(checkpoint, iteration)
+    if ckpt.location.backend == BACKEND_DCP and not suggest:  # DCP's own resharding, not Megatron's load rules
+        assert target is not None
+        report = predict_plain_dcp(ckpt, target, run)
+        if output_format == "json":
+            echo_json(report)
+        else:
+            click.echo(render_can_load(report, width=output_width()))
+        return EXIT_OK if report.will_load else EXIT_FINDINGS
+    ckpt = refuse_plain_dcp(ckpt, "can-load --suggest", "lists Megatron layouts")
     model_args = model_args_from(args_from) if args_from else None
     if suggest:
         # flags LoadRun does not hold, echoed in each candidate's command
@@ -141,3 +168,12 @@ def command(
     else:
         click.echo(render_can_load(report, width=output_width()))
     return EXIT_OK if report.will_load else EXIT_FINDINGS
+
+
+def _te_version(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    parts = text.strip().split(".")
+    if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
+        raise click.BadParameter(f"{text!r}: give MAJOR.MINOR, e.g. 2.18", param_hint="--te-version")
+    return int(parts[0]), int(parts[1])

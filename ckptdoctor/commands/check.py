@@ -44,6 +44,12 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete
     help="Also read every chunk and item and decode it through the safe unpickler (reads all data).",
 )
 @click.option(
+    "--health/--no-health",
+    default=None,
+    help="Also (implies --deep) compute every model and optimizer tensor's statistics in the same pass and "
+    "apply the health rules (CKD5xx: all-zero weights, equal experts, optimizer moments); needs numpy.",
+)
+@click.option(
     "--all-iterations/--no-all-iterations",
     default=None,
     help="In a save dir, check every iteration dir, not only the tracker's.",
@@ -70,6 +76,7 @@ def command(
     statistics: bool,
     recursive: bool | None,
     deep: bool | None,
+    health: bool | None,
     all_iterations: bool | None,
     verify_integrity: bool | None,
     jobs: int | None,
@@ -107,6 +114,7 @@ def command(
         "select": select,
         "ignore": ignore,
         "deep": deep,
+        "health": health,
         "all-iterations": all_iterations,
         "verify-integrity": verify_integrity,
         "format": output_format,
@@ -136,6 +144,7 @@ def command(
         per_path_ignores=per_path,
         base_dir=config_path.parent if config_path is not None else None,
         jobs=jobs,
+        health=pick(health, "health", False),
     )
     output_format = normalize_format(str(pick(output_format, "format", "text")))
     if output_format not in FORMATS:
@@ -145,7 +154,7 @@ def command(
         )
     if statistics and output_format not in ("text", "json"):
         raise click.BadParameter("--statistics goes with --format text or json", param_hint="--statistics")
-    show_bar = options.deep and not quiet and output_format == "text" and sys.stderr.isatty()
+    show_bar = (options.deep or options.health) and not quiet and output_format == "text" and sys.stderr.isatty()
     if staged:
         paths = tuple(staged_checkpoint_dirs())
     report = check_paths(list(paths), options, progress_bar(show_bar), missing_ok=True)

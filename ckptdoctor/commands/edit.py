@@ -45,6 +45,12 @@ PRESET_CHOICES = ["te-to-local", "local-to-te"]
 )
 @click.option("--drop-extra-state", is_flag=True, help="Remove every _extra_state item.")
 @click.option(
+    "--drop-redundant-extra-state",
+    is_flag=True,
+    help="Remove the _extra_state items that hold no delayed-scaling FP8 state (no amax_history_fwd, scale_fwd or "
+    "scale_bwd), as Megatron-LM's --ckpt-drop-redundant-extra-state saves them; reads each item (a few KB).",
+)
+@click.option(
     "--preset",
     type=click.Choice(PRESET_CHOICES),
     default=None,
@@ -68,6 +74,7 @@ def command(
     renames: tuple[tuple[str, str], ...],
     drop_sections: tuple[str, ...],
     drop_extra_state: bool,
+    drop_redundant_extra_state: bool,
     preset: str | None,
     output: Path | None,
     in_place: bool,
@@ -106,10 +113,15 @@ def command(
         renames=[(a, b) for a, b in renames],
         drop_sections=list(dict.fromkeys(drop_sections)),
         drop_extra_state=drop_extra_state,
+        drop_redundant_extra_state=drop_redundant_extra_state,
         preset=preset,
     )
-    if not (request.removes or request.renames or request.drop_sections or drop_extra_state or preset):
-        raise click.UsageError("nothing to do: give --remove, --rename, --drop-section, --drop-extra-state or --preset")
+    wanted = request.removes or request.renames or request.drop_sections or drop_extra_state or preset
+    if not (wanted or drop_redundant_extra_state):
+        raise click.UsageError(
+            "nothing to do: give --remove, --rename, --drop-section, --drop-extra-state, "
+            "--drop-redundant-extra-state or --preset"
+        )
     with contextlib.ExitStack() as stack:
         local = None
         if not dry_run and is_url(checkpoint):  # O(metadata) from object storage: the write runs on a local copy
@@ -122,7 +134,7 @@ def command(
         source = local.local_path(checkpoint) if local is not None else checkpoint
         # a write rewrites the .metadata objects: read them with the index, in one pass (a dry run needs the index)
         if request.renames or preset or not dry_run:
-            ckpt, metadata = open_for_rewrite(source, iteration)
+            ckpt, metadata = open_for_rewrite(source, iteration, None)
         else:
             ckpt, metadata = open_checkpoint(source, iteration), None
         remote = stack.enter_context(staged_output(output, force, not dry_run, local))
@@ -140,6 +152,7 @@ def command(
             jobs=jobs or default_jobs(),
         )
         deliver(remote, jobs, output_format)
-        render_text = functools.partial(render_edit, all_keys=all_keys, width=output_width())
+        carried = remote.delivered.data_files_how() if remote is not None else None
+        render_text = functools.partial(render_edit, all_keys=all_keys, width=output_width(), carried=carried)
         echo_written(report, render_text, remote, output_format)
     return EXIT_OK

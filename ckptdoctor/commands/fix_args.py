@@ -81,7 +81,7 @@ def command(
     from ckptdoctor.render.wrap import output_width
 
     write = writing(output, in_place, dry_run, write_flag)
-    ckpt = open_checkpoint(checkpoint, iteration)
+    ckpt = open_checkpoint(checkpoint, iteration, "fix-args")
     with local_source(ckpt, write, in_place) as local:
         if local is not None:  # on object storage: the write reads and links a local copy (its data files sparse)
             ckpt = open_checkpoint(local.local_path(checkpoint), iteration)

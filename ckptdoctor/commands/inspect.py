@@ -21,15 +21,30 @@ from ckptdoctor.commands.options import format_option
     default=None,
     help="Only keys matching REGEX in the key table (implies --keys).",
 )
+@click.option(
+    "--extra-state",
+    "with_extra_state",
+    is_flag=True,
+    help="Also read every Transformer Engine _extra_state item (a few KB each) and count them: TE generation, "
+    "recipe, FP8 on/off, what TE >= 2.18 refuses at load, what is redundant.",
+)
 @format_option(schema="inspect")
-def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter: str | None, output_format: str) -> int:
-    """Show what CHECKPOINT is: format, era, layout, sections, args (metadata only).
+def command(
+    checkpoint: str,
+    iteration: str | None,
+    with_keys: bool,
+    key_filter: str | None,
+    with_extra_state: bool,
+    output_format: str,
+) -> int:
+    """Show what CHECKPOINT is: format, era, layout, sections, args (metadata only; --extra-state also reads the
+    Transformer Engine _extra_state items).
 
     CHECKPOINT is a save dir (the tracker is followed), an iteration dir, or a file inside one.
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.gc_pause import hold_until_exit
-    from ckptdoctor.ops.inspect import inspect_checkpoint
+    from ckptdoctor.ops.inspect import extra_state_census, inspect_checkpoint
     from ckptdoctor.render.common import echo_json, render_inspect
     from ckptdoctor.render.wrap import output_width
 
@@ -41,6 +56,8 @@ def command(checkpoint: str, iteration: str | None, with_keys: bool, key_filter:
     ckpt = open_checkpoint(checkpoint, iteration)
     hold_until_exit(ckpt)
     report = inspect_checkpoint(ckpt, with_keys=with_keys or key_filter is not None, key_filter=key_filter)
+    if with_extra_state:
+        report.extra_state = extra_state_census(ckpt)
     if output_format == "json":
         echo_json(report)
     else:

@@ -57,7 +57,7 @@ def command(
         result = seal(checkpoint, iteration, jobs=jobs, force=force, progress=progress)
         click.echo(to_json(result) if output_format == "json" else render_seal(result))
         return EXIT_OK
-    ckpt = open_checkpoint(checkpoint, iteration)
+    ckpt = open_checkpoint(checkpoint, iteration, "seal")
     with local_source(ckpt, True, False) as local, staged_output(output, force, True, local) as staged:
         ckpt.release_entries()
         result = seal_copy(

@@ -84,6 +84,7 @@ def _show(
         decode_item,
         describe,
         describe_object,
+        extra_state_views,
         find_entry,
         is_value_path,
         save_tensor,
@@ -108,6 +109,8 @@ def _show(
         return 0
     entry = find_entry(ckpt, key)
     report = describe(ckpt, entry) if isinstance(entry, Entry) else describe_object(ckpt, entry)
+    if not (isinstance(entry, Entry) and entry.kind == "tensor"):
+        report.extra_state = extra_state_views(ckpt, entry)
     if decode:
         if isinstance(entry, Entry) and entry.kind == "tensor":
             raise CkptError(f"{ckpt.iteration_dir}: {key} is a tensor, not a bytes item: nothing to decode")

@@ -90,7 +90,9 @@ def command(
     dry_run = not writing(output, in_place, dry_run, write_flag, no_backup)
     # a write rewrites .metadata: read it once, for the plan and the rewrite (a dry run needs the index only)
     ckpt, metadata = (
-        (open_checkpoint(checkpoint, iteration), None) if dry_run else open_for_rewrite(checkpoint, iteration)
+        (open_checkpoint(checkpoint, iteration, "strip-frozen"), None)
+        if dry_run
+        else open_for_rewrite(checkpoint, iteration, "strip-frozen")
     )
     base = open_checkpoint(base_path, base_iteration) if base_path else None
     bars = progress_bar()

@@ -1,4 +1,4 @@
-"""On-disk formats: torch_dist (PyTorch DCP), torch.save zip archives, legacy zarr.
+"""On-disk formats: torch_dist (PyTorch DCP), plain PyTorch DCP, torch.save zip archives, legacy zarr.
 
 Code outside this package does not branch on the backend: it asks the backend's reader through the functions
 here (and the index each reader builds for :class:`ckptdoctor.checkpoint.Checkpoint`).
@@ -19,17 +19,23 @@ if TYPE_CHECKING:
 
 BACKEND_TORCH_DIST = "torch_dist"
 BACKEND_ZARR = "zarr"
-BACKENDS = (BACKEND_TORCH_DIST, BACKEND_ZARR)
+# plain PyTorch DCP without Megatron's metadata.json (Megatron-LM torch_dcp / fsdp_dtensor, FSDP2, TorchTitan):
+# read from its files, never named by a metadata.json (Megatron would then read the dir as torch_dist)
+BACKEND_DCP = "dcp"
+BACKENDS = (BACKEND_TORCH_DIST, BACKEND_ZARR)  # what metadata.json's sharded_backend may name
 
 ERA_COMMON_PT = "torch_dist, common.pt (core <= 0.18)"
 ERA_COMMON_STATE = "torch_dist, common_state in DCP (core >= 0.19)"
 ERA_ZARR = "zarr (legacy, core <= 0.14)"
+ERA_DCP = "plain PyTorch DCP, no metadata.json"
 
 
 def era(backend: str, common_pt: bool) -> str:
     """Which Megatron releases wrote a checkpoint of this backend with (or without) ``common.pt``."""
     if backend == BACKEND_ZARR:
         return ERA_ZARR
+    if backend == BACKEND_DCP:
+        return ERA_DCP
     return ERA_COMMON_PT if common_pt else ERA_COMMON_STATE
 
 
@@ -59,13 +65,13 @@ class BackendIndex:
 
     items: dict[str, Any]  # key -> item (of the caller's item class)
     data_files: dict[str, int]  # relative data file -> size, of files present
-    dcp: DcpIndex | None = None  # the torch_dist index (None for zarr)
+    dcp: DcpIndex | None = None  # the DCP index (None for zarr)
     metadata: Any = field(default=None, repr=False)  # the unpickled DCP Metadata, for a rewrite
 
 
 def index_file(backend: str) -> str | None:
     """The file a backend keeps its index in (None: zarr spreads it over one ``.zarray`` per key)."""
-    return ".metadata" if backend == BACKEND_TORCH_DIST else None
+    return None if backend == BACKEND_ZARR else ".metadata"
 
 
 def has_common_pt(backend: str, names: set[str]) -> bool:
@@ -84,8 +90,9 @@ def guess_backend(directory: Path, names: set[str]) -> str:
 
 
 def read_index(backend: str, iteration_dir: Path, item_class: type[DcpItem], for_rewrite: bool = False) -> BackendIndex:
-    """The backend's index of ``iteration_dir``; raises :class:`ckptdoctor.errors.CkptError` (or a pickle
-    refusal) naming the file when it cannot be read. ``for_rewrite`` also keeps the unpickled DCP metadata."""
+    """The backend's index of ``iteration_dir`` (torch_dist and plain DCP: the same ``.metadata``); raises
+    :class:`ckptdoctor.errors.CkptError` (or a pickle refusal) naming the file when it cannot be read.
+    ``for_rewrite`` also keeps the unpickled DCP metadata."""
     if backend == BACKEND_ZARR:
         entries, sizes = zarr_meta.read_index(iteration_dir)
         return BackendIndex({key: item_class(*fields) for key, fields in entries.items()}, sizes)

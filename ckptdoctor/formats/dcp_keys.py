@@ -26,6 +26,21 @@ def _renamed_dict(mapping: dict, renames: dict[str, str]) -> None:
     mapping.update(items)
 
 
+def _renamed_paths(planner_data: Any, renames: dict[str, str]) -> None:
+    """A plain DCP save's flattening map (key -> its path in the nested state dict, which ``dcp_to_torch_save``
+    and ``_load_state_dict_from_keys`` unflatten by): a renamed key gets the path of its new name, under the same
+    top-level entry where the new name still starts with it (``model.a.w`` -> ``model.b.w``: ``('model', 'b.w')``),
+    else as a top-level entry of its own."""
+    if not isinstance(planner_data, dict):
+        return
+    for new in renames.values():
+        path = planner_data.get(new)
+        if not isinstance(path, tuple) or ".".join(map(str, path)) == new:
+            continue
+        head = path[0] if path and isinstance(path[0], str) else None
+        planner_data[new] = (head, new[len(head) + 1 :]) if head and new.startswith(f"{head}.") else (new,)
+
+
 def _rename_index(index: Any, renames: dict[str, str], seen: set[int]) -> None:
     """Rename one ``MetadataIndex`` record (shared records, once); records hash by identity, so a dict
     keyed by them stays valid."""
@@ -55,6 +70,7 @@ def rename_metadata(metadata: Any, renames: dict[str, str]) -> None:
             value = torch_dist.record_attr(holder, name)
             if isinstance(value, dict):
                 _renamed_dict(value, renames)
+    _renamed_paths(torch_dist.record_attr(metadata, "planner_data"), renames)
     for plan in _plans(metadata):
         items = torch_dist.record_attr(plan, "items")
         for item in items if isinstance(items, list) else []:

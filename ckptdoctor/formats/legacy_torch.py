@@ -28,9 +28,10 @@ MAX_NESTED_SAVES = 10_000  # a real FP8 state holds a few tensors per module
 MAX_PAYLOAD = 16 << 20
 
 
-def check_legacy_save(data: bytes, where: str, unlisted: list[UnlistedGlobal] | None = None) -> None:
+def check_legacy_save(data: bytes, where: str, unlisted: list[UnlistedGlobal] | None = None) -> int:
     """Every pickle of a legacy save through the safe unpickler (the allowlist and the limits); raises what
-    :func:`ckptdoctor.pickle.unpickler.loads` raises, or :class:`ArchiveError` where ``data`` is no legacy save."""
+    :func:`ckptdoctor.pickle.unpickler.loads` raises, or :class:`ArchiveError` where ``data`` is no legacy save.
+    Returns where the pickles end: the raw storage bytes follow (each an 8-byte element count and its data)."""
     view = memoryview(data)
     position = 0
     for index in range(_PICKLES):
@@ -44,6 +45,7 @@ def check_legacy_save(data: bytes, where: str, unlisted: list[UnlistedGlobal] | 
         if index == 0 and obj != LEGACY_MAGIC:
             raise ArchiveError(f"{where}: a nested torch save whose magic number is not torch's")
         position += used
+    return position
 
 
 def _legacy_storage(pid: Any, where: str) -> StorageRef:

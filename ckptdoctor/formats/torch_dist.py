@@ -25,6 +25,7 @@ from ckptdoctor.formats.dcp_index import StorageLocation as StorageLocation
 from ckptdoctor.formats.dcp_index import index_items
 from ckptdoctor.formats.dcp_index import inside_path as inside_path
 from ckptdoctor.formats.dcp_index import int64_dims as int64_dims
+from ckptdoctor.formats.plain_dcp import has_planner_mapping
 from ckptdoctor.gc_pause import gc_paused
 from ckptdoctor.pickle import unpickler
 from ckptdoctor.pickle.index_records import IndexRecord, index_record_fields
@@ -60,6 +61,8 @@ class DcpIndex:
     # are not kept (all_local_plans holds a record per chunk and rank: a second copy of the index)
     extra: tuple[str, ...] = ()
     unlisted: tuple[UnlistedGlobal, ...] = ()  # tolerated globals not on the allowlist (CKD402)
+    # planner_data is DCP's default planner's flattening map: a plain ``dcp.save`` (Megatron's torch_dist: None)
+    flattened: bool = False
 
 
 @functools.lru_cache(maxsize=65536)  # called per chunk (tens of thousands) on a few thousand file names
@@ -162,6 +165,7 @@ def _index_from_object(
         None if checkpoint_id is None else str(checkpoint_id),
         extra,
         tuple(unlisted),
+        has_planner_mapping(record_attr(metadata, "planner_data")),
     )
 
 

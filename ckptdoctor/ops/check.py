@@ -26,13 +26,16 @@ from ckptdoctor.locate import (
     list_iteration_dirs,
     looks_like_iteration_dir,
 )
+from ckptdoctor.pickle.plain import OMIT_NONE
 from ckptdoctor.pickle.policy import trusted_names
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import (
     Finding,
     consistency,
     deep_decode,
+    extra_state,
     finding,
+    health,
     integrity,
     is_safety,
     is_selected,
@@ -43,6 +46,7 @@ from ckptdoctor.rules import (
 )
 from ckptdoctor.severity import OVERRIDDEN
 from ckptdoctor.storage.dispatch import as_path
+from ckptdoctor.values.health import HealthScan, KeyHealth, require_numpy, summarise
 
 SCHEMA = "ckptdoctor.check/1"
 
@@ -60,6 +64,7 @@ class CheckOptions:
     per_path_ignores: list[tuple[str, list[str]]] = field(default_factory=list)
     base_dir: Path | None = None  # where per-path-ignores globs are relative to (the pyproject.toml's dir)
     jobs: int | None = None  # --deep: worker processes (None: the available cores; see ckptdoctor.parallel)
+    health: bool = False  # --health (implies deep): per-key statistics and the CKD5xx rules (needs numpy)
 
 
 # The files pre-commit passes to the hook (.pre-commit-hooks.yaml `files:`): one that belongs to no checkpoint
@@ -94,6 +99,14 @@ class ConfigUse:
 
 
 @dataclass
+class HealthReport:
+    """``check --health``: the statistics of every model and optimizer tensor of one checkpoint (JSON ``health``)."""
+
+    checkpoint: str  # the iteration dir, as named
+    keys: list[KeyHealth]
+
+
+@dataclass
 class CheckReport:
     schema: str
     checked: list[str]  # iteration dirs checked, as named from the given paths
@@ -104,6 +117,7 @@ class CheckReport:
     safe_for_loaders: bool = True  # no safety finding: nothing here runs code when a loader reads it
     gate: Gate = field(default_factory=lambda: Gate([], [], []))
     config: ConfigUse | None = None
+    health: list[HealthReport] | None = field(default=None, metadata=OMIT_NONE)  # only with --health
 
     @property
     def clean(self) -> bool:
@@ -133,7 +147,10 @@ def check_paths(
     """Run every selected rule on the checkpoints ``paths`` name. A path that does not exist raises
     :class:`CkptError`, or with ``missing_ok`` is listed in the report's ``missing`` (the others are checked)."""
     options = options or CheckOptions()
+    if options.health:
+        require_numpy()  # one clear error before any work
     targets = resolve_targets(paths, options.recursive, missing_ok)
+    reports: list[HealthReport] | None = [] if options.health else None
     # (finding, the checkpoint its fix command names); None: no checkpoint a fixer could take
     found: dict[Finding, Path | None] = dict.fromkeys(targets.findings)
     iteration_dirs: dict[Path, Path] = {}
@@ -150,7 +167,7 @@ def check_paths(
     for resolved, shown in targets.iteration_dirs.items():
         iteration_dirs.setdefault(resolved, shown)
     for shown in iteration_dirs.values():  # keyed by resolved path (each once), read as named (messages match)
-        for f in check_iteration_dir(shown, shown, options, progress):
+        for f in check_iteration_dir(shown, shown, options, progress, reports):
             found.setdefault(f, shown)
     overridden = [f for f in found if f.severity == OVERRIDDEN]
     kept = [
@@ -173,6 +190,7 @@ def check_paths(
         targets.missing,
         gate.safe,
         gate,
+        health=reports,
     )
 
 
@@ -200,14 +218,23 @@ def _path_ignored(f: Finding, options: CheckOptions) -> bool:
 
 
 def check_iteration_dir(
-    directory: Path, shown: Path, options: CheckOptions, progress: Progress | None = None
+    directory: Path,
+    shown: Path,
+    options: CheckOptions,
+    progress: Progress | None = None,
+    health_reports: list[HealthReport] | None = None,
 ) -> list[Finding]:
-    """Every rule family on one iteration dir; structure problems never stop the other families."""
-    return scan_and_check(directory, shown, options, progress)[1]
+    """Every rule family on one iteration dir; structure problems never stop the other families. With
+    ``options.health``, the dir's statistics are appended to ``health_reports``."""
+    return scan_and_check(directory, shown, options, progress, health_reports)[1]
 
 
 def scan_and_check(
-    directory: Path, shown: Path, options: CheckOptions, progress: Progress | None = None
+    directory: Path,
+    shown: Path,
+    options: CheckOptions,
+    progress: Progress | None = None,
+    health_reports: list[HealthReport] | None = None,
 ) -> tuple[structure.Scanned, list[Finding]]:
     """:func:`check_iteration_dir`, and what the scan could read (for a caller that plans on it: repair)."""
     # ~10 small objects per chunk, none cyclic: the collector's repeated scans of them cost more than the work.
@@ -217,16 +244,23 @@ def scan_and_check(
             findings += safety.check_items(state.checkpoint, shown, state.bad_files)
         findings += leftovers.check_iteration_dir(directory, shown)
         findings += consistency.check(state)
+        findings += extra_state.check(state)
         findings += integrity.check_manifest(state, verify_hashes=options.verify_integrity)
-        if options.deep:
+        if options.deep or options.health:
+            stats = HealthScan() if options.health else None
             if progress is not None:
                 progress.start(str(shown), deep_decode.deep_bytes(state))
             try:
                 advance = progress.advance if progress is not None else None
-                findings += deep_decode.check_deep(state, advance, _scan_values(options), options.jobs)
+                findings += deep_decode.check_deep(state, advance, _scan_values(options), options.jobs, stats)
             finally:
                 if progress is not None:
                     progress.finish()
+            if stats is not None:
+                findings += health.check_health(state, stats)
+                if health_reports is not None:
+                    keys = [summarise(key, stats.keys[key]) for key in sorted(stats.keys)]
+                    health_reports.append(HealthReport(str(shown), keys))
     return state, findings
 
 

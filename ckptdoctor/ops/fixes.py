@@ -13,6 +13,7 @@ import shlex
 from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.check import CheckReport
+from ckptdoctor.ops.edit.plan import EditRequest, plan_edit
 from ckptdoctor.ops.fix_args.plan import build_report
 from ckptdoctor.ops.pickle_gate import gate_failures
 from ckptdoctor.ops.repair.plan import plan as plan_repair
@@ -35,7 +36,8 @@ def verified_fixes(report: CheckReport) -> CheckReport:
 
 
 def _codes_fixed(command: str) -> set[str]:
-    """The finding codes ``command`` (``ckptdoctor repair|fix-args CKPT --in-place``) fixes when run."""
+    """The finding codes ``command`` (``ckptdoctor repair|fix-args CKPT --in-place``, ``ckptdoctor edit CKPT
+    --drop-extra-state --in-place``) fixes when run."""
     words = shlex.split(command)
     fixer, path = words[1], words[2]
     if is_url(path):  # an in-place write needs a rename and a lock: refused on object storage
@@ -46,9 +48,21 @@ def _codes_fixed(command: str) -> set[str]:
             return {code for action in repair.actions for code in action.fixes}
         if fixer == "fix-args":
             return _fix_args_codes(path)
+        if fixer == "edit" and "--drop-extra-state" in words:
+            return _drop_extra_state_codes(path)
     except CkptError:  # the fixer would refuse the checkpoint outright
         return set()
     return set()
+
+
+def _drop_extra_state_codes(path: str) -> set[str]:
+    """``edit --drop-extra-state --in-place`` removes every _extra_state item: what TE >= 2.18 refuses goes."""
+    checkpoint = open_checkpoint(path)
+    leftovers.refuse_if_interrupted(checkpoint.iteration_dir)
+    if gate_failures(checkpoint):
+        return set()
+    plan_edit(checkpoint, EditRequest(drop_extra_state=True))  # refuses an edit that would change nothing
+    return {"CKD230"}
 
 
 def _fix_args_codes(path: str) -> set[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,12 +12,14 @@ from ckptdoctor.args import summarize_args
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.run_config import RUN_CONFIG
+from ckptdoctor.formats.te_extra_state import module_of
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, has_bridge_tracker, read_train_state_step
 from ckptdoctor.locate import CheckpointLocation
 from ckptdoctor.logical_items import logical_key
 from ckptdoctor.parallelism import infer_layout
 from ckptdoctor.pickle.plain import OMIT_NONE
 from ckptdoctor.pickle.policy import merged_unlisted
+from ckptdoctor.rules.extra_state import census
 
 SCHEMA = "ckptdoctor.inspect/1"
 
@@ -55,6 +58,72 @@ class InspectReport:
     # globals of .metadata and the common state off the allowlist, read here as inert stand-ins (check's gate fails
     # on them; absent from JSON where there are none)
     stand_ins_read: list[str] | None = field(default=None, metadata=OMIT_NONE)
+    # --extra-state: the census of the Transformer Engine _extra_state items
+    extra_state: ExtraStateCensus | None = field(default=None, metadata=OMIT_NONE)
+
+
+@dataclass
+class ExtraStateRow:
+    """Items of one module (layers together) that agree in generation, form, recipe, FP8 and history length."""
+
+    module: str
+    generation: str
+    form: str
+    recipe: str | None
+    fp8: bool
+    amax_history_len: int | None
+    te_2_18: str
+    needed: bool
+    count: int
+
+
+@dataclass
+class ExtraStateCensus:
+    items: int
+    unreadable: int  # refused by the gate or damaged (check reports them)
+    generations: dict[str, int]
+    recipes: dict[str, int]
+    fp8_on: int
+    fp8_off: int
+    te_2_18_refused: int  # TE >= 2.18 refuses these without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1
+    redundant: int  # no amax_history_fwd / scale_fwd / scale_bwd: dropped by --drop-redundant-extra-state
+    rows: list[ExtraStateRow]
+
+
+def extra_state_census(checkpoint: Checkpoint) -> ExtraStateCensus:
+    """Every ``_extra_state`` item read (a few KB each) and counted: by generation, recipe, FP8 and module."""
+    items = census(checkpoint)
+    read = [(i.key, i.state) for i in items if i.state is not None]
+    rows: Counter[tuple[str, str, str, str | None, bool, int | None, str, bool]] = Counter()
+    for key, state in read:
+        history = state.recipe_fields.get("amax_history_len")
+        if history is None and "amax_history_fwd" in state.tensors:
+            history = state.tensors["amax_history_fwd"][0]
+        if not isinstance(history, int) or isinstance(history, bool):  # a field of a stranger's pickle
+            history = None
+        row = (
+            module_of(key),
+            state.generation,
+            state.form,
+            state.recipe,
+            state.fp8,
+            history,
+            state.te_2_18,
+            state.needed,
+        )
+        rows[row] += 1
+    states = [s for _, s in read]
+    return ExtraStateCensus(
+        items=len(items),
+        unreadable=len(items) - len(read),
+        generations=dict(sorted(Counter(s.generation for s in states).items())),
+        recipes=dict(sorted(Counter(s.recipe for s in states if s.recipe is not None).items())),
+        fp8_on=sum(s.fp8 for s in states),
+        fp8_off=sum(not s.fp8 for s in states),
+        te_2_18_refused=sum(s.te_2_18 == "refuse" for s in states),
+        redundant=sum(not s.needed for s in states),
+        rows=[ExtraStateRow(*row, n) for row, n in sorted(rows.items(), key=lambda kv: str(kv[0]))],
+    )
 
 
 def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filter: str | None = None) -> InspectReport:
@@ -100,6 +169,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filt
             "metadata_class": None if dcp is None else dcp.metadata_class,
             "common_source": checkpoint.common_source,
             "checkpoint_version": common.get("checkpoint_version"),
+            "flavour": location.flavour,
         },
         data_files={"count": len(checkpoint.data_files), "bytes": sum(checkpoint.data_files.values())},
         sections=sections,

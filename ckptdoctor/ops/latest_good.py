@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, read_train_state_step
-from ckptdoctor.locate import ITER_DIR_RE, TRACKER_NAME, list_dir, list_iteration_dirs, read_tracker
+from ckptdoctor.locate import TRACKER_NAME, iteration_number, list_dir, list_iteration_dirs, read_tracker
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
 from ckptdoctor.pickle.policy import trusted_names
 from ckptdoctor.progress import Progress
@@ -61,14 +61,14 @@ def candidates(save_dir: Path) -> list[Path]:
     """Iteration dirs of ``save_dir``, newest first, ``release`` last."""
     dirs = list_iteration_dirs(save_dir)
     numbered = [d for d in dirs if d.name != "release"]
-    numbered.sort(key=lambda d: int(ITER_DIR_RE.match(d.name).group(1)), reverse=True)  # type: ignore[union-attr]
+    numbered.sort(key=lambda d: iteration_number(d.name) or 0, reverse=True)
     return numbered + [d for d in dirs if d.name == "release"]
 
 
 def iteration_value(directory: Path) -> str:
-    """The tracker value naming ``directory`` ("10" for ``iter_0000010``, or "release")."""
-    match = ITER_DIR_RE.match(directory.name)
-    return str(int(match.group(1))) if match else "release"
+    """The tracker value naming ``directory`` ("10" for ``iter_0000010`` or ``step-10``, or "release")."""
+    number = iteration_number(directory.name)
+    return "release" if number is None else str(number)
 
 
 def findings_of(directory: Path, options: CheckOptions, progress: Progress | None = None) -> list[Finding]:
@@ -96,7 +96,7 @@ def save_dir_of(save_dir: str | Path) -> tuple[Path, list[Path]]:
     list_dir(path)
     dirs = candidates(path)
     if not dirs:
-        raise CkptError(f"{path}: not a save dir (no iter_NNNNNNN or release dirs)")
+        raise CkptError(f"{path}: not a save dir (no iter_NNNNNNN, step-N or release dirs)")
     return path, dirs
 
 

@@ -203,6 +203,14 @@ class Delivered:
     uploaded: list[str] = field(default_factory=list)
     bytes: int = 0  # bytes uploaded from local files
 
+    def data_files_how(self) -> str | None:
+        """How the source's data files reached the output (a writer's report says "hard-linked" of its staging
+        dir): copied on the server, streamed, or both; None where none was carried that way."""
+        ways = [
+            way for count, way in ((self.server_side, "copied on the server"), (self.streamed, "streamed")) if count
+        ]
+        return " or ".join(ways) or None
+
 
 @dataclass
 class StagedOutput:

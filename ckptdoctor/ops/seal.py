@@ -25,8 +25,9 @@ from pathlib import Path
 
 from ckptdoctor import dist, locking, parallel
 from ckptdoctor.atomic import fsync_dir, keep_previous, link_or_copy, make_unique_dir, timestamp, write_atomic
+from ckptdoctor.checkpoint import refuse_plain_dcp, scan_path
 from ckptdoctor.errors import CkptError
-from ckptdoctor.locate import TRACKER_NAME, locate
+from ckptdoctor.locate import TRACKER_NAME, CheckpointLocation
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
 from ckptdoctor.ops.pickle_gate import refusal
 from ckptdoctor.ops.staging import SwapState, not_carried, quarantine_dir, swap_output
@@ -101,6 +102,14 @@ def _snapshot(paths: list[Path]) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _sealable(path: str | Path, iteration: str | None) -> CheckpointLocation:
+    """Where the checkpoint ``path`` names is; a plain DCP save is refused (its manifest would be Megatron's)."""
+    scanned = scan_path(path, iteration)
+    if scanned.checkpoint is not None:
+        refuse_plain_dcp(scanned.checkpoint, "seal")
+    return scanned.location
+
+
 def seal(
     path: str | Path,
     iteration: str | None = None,
@@ -112,7 +121,7 @@ def seal(
 
     ``progress`` gets one "hashing" phase, advanced as files finish.
     """
-    location = locate(path, iteration)
+    location = _sealable(path, iteration)
     iteration_dir = location.iteration_dir
     jobs = jobs or default_jobs()
     manifest = iteration_dir / INTEGRITY_NAME
@@ -186,7 +195,7 @@ def seal_copy(
     (iteration dir and tracker)."""
     if dist.group() is not None:  # one writer of the copy: the ranks would race for the output
         raise CkptError("seal -o runs in one process, not under torchrun (use --jobs for parallel hashing)")
-    location = locate(path, iteration)
+    location = _sealable(path, iteration)
     iteration_dir = location.iteration_dir
     jobs = jobs or default_jobs()
     existed = (iteration_dir / INTEGRITY_NAME).is_file()

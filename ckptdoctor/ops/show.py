@@ -20,6 +20,8 @@ from ckptdoctor.args import args_as_dict
 from ckptdoctor.atomic import write_atomic
 from ckptdoctor.checkpoint import Checkpoint, Entry
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.archive import ArchiveError
+from ckptdoctor.formats.te_extra_state import ExtraState, describe_item, is_extra_state_key
 from ckptdoctor.logical_items import KIND_OBJECT, Item, logical_items
 from ckptdoctor.pickle.paths import PathError, lookup, type_name
 from ckptdoctor.pickle.plain import OMIT_NONE
@@ -57,6 +59,18 @@ class ShowReport:
     notes: list[str] = field(default_factory=list)
     # --decode: the bytes item (of an object: {shard: value}) as the safe unpickler reads it
     decoded: Any = field(default=None, metadata=OMIT_NONE)
+    # a Transformer Engine _extra_state item (of an object: one per shard): what TE wrote, read without TE
+    extra_state: list[ExtraStateView] | None = field(default=None, metadata=OMIT_NONE)
+
+
+@dataclass
+class ExtraStateView:
+    """One stored ``_extra_state`` item as :func:`ckptdoctor.formats.te_extra_state.describe` reads it; ``error``:
+    why it could not be read (refused by the gate, damaged)."""
+
+    item: str
+    state: ExtraState | None
+    error: str | None = None
 
 
 ARGS = "args"  # show CKPT args[.NAME]: the saved args
@@ -164,6 +178,21 @@ def decode_item(checkpoint: Checkpoint, entry: Entry | Item) -> Any:
         return checkpoint.read_bytes_item(entry.key)
     shards = {suffix: checkpoint.read_bytes_item(e.key) for suffix, e in sorted(entry.entries.items())}
     return next(iter(shards.values())) if len(shards) == 1 else shards
+
+
+def extra_state_views(checkpoint: Checkpoint, entry: Entry | Item) -> list[ExtraStateView] | None:
+    """A TE ``_extra_state`` item (each shard of an object) described; None for any other key."""
+    if not is_extra_state_key(entry.key):
+        return None
+    entries = [entry] if isinstance(entry, Entry) else [e for _, e in sorted(entry.entries.items())]
+    out = []
+    for item in entries:
+        try:
+            data, where = checkpoint.bytes_item_data(item.key)
+            out.append(ExtraStateView(item.key, describe_item(data, where)))
+        except (CkptError, ArchiveError) as exc:  # the gate's refusal or damage: said, not raised
+            out.append(ExtraStateView(item.key, None, str(exc)))
+    return out
 
 
 def describe_object(checkpoint: Checkpoint, item: Item) -> ShowReport:

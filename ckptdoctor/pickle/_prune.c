@@ -86,10 +86,7 @@ static int bit_is_set(const Bitmap *b, Py_ssize_t i) {
  * 0 to leave the bytes alone, -1 with a Python error set. With plans (drop_plans), opcodes in a region of a plan
  * part (see _plans.c) keep no entries here: keep_live_regions does it for the
  * regions that stay. */
-#if defined(__GNUC__)
-__attribute__((always_inline)) /* made twice (prune_plan): with plans NULL the loop is the one without them */
-#endif
-static inline int prune_plan_with(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, Py_ssize_t *n_memo,
+static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, Py_ssize_t *n_memo,
                                   Py_ssize_t *stop_end, PlanDrops *plans) {
     Py_ssize_t p = 0, frame_end = -1, memo = 0;
     int pushed = 0; /* the last opcode (FRAMEs and MEMOIZEs aside) leaves an object on the stack */
@@ -141,12 +138,6 @@ static inline int prune_plan_with(const unsigned char *buf, Py_ssize_t size, Bit
         if (p == frame_end) frame_end = -1;
     }
     return 0; /* no STOP */
-}
-
-static int prune_plan(const unsigned char *buf, Py_ssize_t size, Bitmap *kept, Py_ssize_t *n_memo,
-                      Py_ssize_t *stop_end, PlanDrops *plans) {
-    if (plans == NULL) return prune_plan_with(buf, size, kept, n_memo, stop_end, NULL);
-    return prune_plan_with(buf, size, kept, n_memo, stop_end, plans);
 }
 
 /* The regions that stay (read from code that stays, see plans_settle) keep what prune_plan would have kept in
@@ -223,16 +214,10 @@ static Py_ssize_t unit_length(const Pruner *s) {
 }
 
 /* Translate the opcode at s->p into o; the bytes written (at most its input length). */
-#if defined(__GNUC__)
-#define ALWAYS_INLINE __attribute__((always_inline)) inline
-#else
-#define ALWAYS_INLINE inline
-#endif
-
-static ALWAYS_INLINE Py_ssize_t emit_op(Pruner *s, unsigned char *o, int plans) {
+static Py_ssize_t emit_op(Pruner *s, unsigned char *o) {
     const unsigned char *buf = s->view.buf;
     Py_ssize_t p = s->p, end, q = 0, idx;
-    const PlanRegion *left_out = plans ? plans_left_out_at(&s->plans, p) : NULL;
+    const PlanRegion *left_out = s->plans.n > 0 ? plans_left_out_at(&s->plans, p) : NULL;
     if (left_out != NULL) { /* a plan part left out, not read again (its pages may be given back): past it */
         s->p = left_out->end;
         s->memo += left_out->memo_end - left_out->memo_start;
@@ -264,21 +249,16 @@ static ALWAYS_INLINE Py_ssize_t emit_op(Pruner *s, unsigned char *o, int plans) 
 /* Translate the next unit (unit_length input bytes) into o; the bytes written. A frame keeps its place and
  * gets the length of what it keeps. A plan part left out may end in a later frame: the translation goes on from
  * its end, outside frames up to the next FRAME (every opcode is still within one frame or outside all). */
-static ALWAYS_INLINE Py_ssize_t emit_unit_with(Pruner *s, unsigned char *o, int plans) {
+static Py_ssize_t emit_unit(Pruner *s, unsigned char *o) {
     const unsigned char *buf = s->view.buf;
-    if (buf[s->p] != 0x95) return emit_op(s, o, plans);
+    if (buf[s->p] != 0x95) return emit_op(s, o);
     Py_ssize_t frame_end = s->p + 9 + (Py_ssize_t)read_u64(buf + s->p + 1), q = 9;
     o[0] = 0x95;
     s->p += 9;
-    while (s->p < frame_end) q += emit_op(s, o + q, plans);
+    while (s->p < frame_end) q += emit_op(s, o + q);
     uint64_t length = (uint64_t)(q - 9);
     for (int i = 0; i < 8; i++) o[1 + i] = (unsigned char)(length >> (8 * i));
     return q;
-}
-
-/* emit_unit_with, made twice: the loop of a pickle with no plan part left out has no check for one */
-static Py_ssize_t emit_unit(Pruner *s, unsigned char *o) {
-    return s->plans.n > 0 ? emit_unit_with(s, o, 1) : emit_unit_with(s, o, 0);
 }
 
 /* PrunedReader(data): a file the unpickler reads the pruned pickle from (read, readline), translated a frame
@@ -316,25 +296,6 @@ static void release_read(PrunedReader *self) {
     uintptr_t end = (base + (uintptr_t)self->s.p) & ~(page - 1);
     if (end > start) madvise((void *)start, (size_t)(end - start), MADV_DONTNEED); /* advice: a failure is harmless */
     self->released = self->s.p;
-#else
-    (void)self;
-#endif
-}
-
-/* With release, the whole pages of the plan parts left out go back to the system as soon as the plan is made:
- * the translation jumps over them (emit_op) and nothing else reads them again. */
-static void release_left_out(PrunedReader *self) {
-#if defined(MADV_DONTNEED)
-    long page_size = sysconf(_SC_PAGESIZE);
-    if (!self->release || page_size <= 0) return;
-    uintptr_t base = (uintptr_t)self->s.view.buf, page = (uintptr_t)page_size;
-    for (Py_ssize_t i = 0; i < self->s.plans.n; i++) {
-        const PlanRegion *r = &self->s.plans.regions[i];
-        if (r->live) continue;
-        uintptr_t start = (base + (uintptr_t)r->start + page - 1) & ~(page - 1);
-        uintptr_t end = (base + (uintptr_t)r->end) & ~(page - 1);
-        if (end > start) madvise((void *)start, (size_t)(end - start), MADV_DONTNEED); /* advice: harmless if refused */
-    }
 #else
     (void)self;
 #endif
@@ -432,7 +393,6 @@ PyObject *native_pruned_reader(PyObject *Py_UNUSED(module), PyObject *args) {
         if (plan < 0) return NULL;
         Py_RETURN_NONE;
     }
-    release_left_out(self);
     return (PyObject *)self;
 }
 

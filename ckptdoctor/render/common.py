@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptdoctor.formats.plain_dcp import STEP_DIR_RE
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.logical_items import logical_key
 from ckptdoctor.pickle.plain import iter_json, to_plain
@@ -107,6 +109,8 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
     lines = [f"checkpoint      {report.iteration_dir}"]
     if report.save_dir:
         tracker = f"tracker says {report.tracker['value']}" if report.tracker else "no tracker"
+        if not report.tracker and STEP_DIR_RE.match(Path(report.iteration_dir).name):
+            tracker = "no tracker; TorchTitan resumes from the newest step-N"
         if report.tracker and not report.tracker["path"].endswith(TRACKER_NAME):  # Megatron-Bridge's, the only one
             tracker = f"Megatron-Bridge's tracker says {report.tracker['value']}, no {TRACKER_NAME}"
         bridge = (report.tracker or {}).get("bridge")
@@ -115,10 +119,17 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
         lines.append(f"save dir        {report.save_dir} ({tracker})")
     meta = ", ".join(f"{k}={v}" for k, v in fmt["metadata_json"].items())
     lines.append(f"format          {fmt['era']}")
+    if fmt.get("flavour") is not None:  # plain DCP: Megatron would read a metadata.json here as torch_dist
+        meta = "none (plain PyTorch DCP: loaded with torch.distributed.checkpoint)"
     lines.append(f"metadata.json   {meta}")
     if fmt["dcp_version"] is not None or fmt["metadata_class"]:
         lines.append(f"DCP metadata    version {fmt['dcp_version']}, {fmt['metadata_class']}")
-    lines.append(f"common state    {fmt['common_source']}")
+    if fmt.get("flavour") is not None and fmt["common_source"] is not None:
+        lines.append(f"common state    top-level items of the state dict ({fmt['common_source']}, iteration, ...)")
+    elif fmt.get("flavour") is not None:
+        lines.append("common state    none (the state dict is all there is)")
+    else:
+        lines.append(f"common state    {fmt['common_source']}")
     iteration = "release" if report.release else report.iteration
     lines.append(f"iteration       {iteration}   checkpoint_version {fmt['checkpoint_version']}")
     files = report.data_files
@@ -165,6 +176,8 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
             finding = f"  {f['code']} [{f['severity']}] {f['arg']}={short_value(f['saved'])}{correct}: {f['reason']}"
             lines.append(wrap_block(finding, width))
         lines.append(f"  fix: ckptdoctor fix-args {report.iteration_dir} -o DIR (or --in-place)")
+    if report.extra_state is not None:
+        lines.extend(_extra_state_census_lines(report.extra_state, width))
     lines.append("")
     common_keys = "common state keys: " + ", ".join(report.common_state_keys)
     lines.append(wrap_block(common_keys, width, " " * len("common state keys: ")))
@@ -183,6 +196,48 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
         ]
         lines.append(tabulate(rows, headers=["key", "kind", "dtype", "global shape", "chunks", "size"]))
     return "\n".join(lines)
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {name}" for name, n in counts.items()) or "none"
+
+
+def _extra_state_census_lines(census: Any, width: int | None) -> list[str]:
+    lines = ["", f"Transformer Engine extra state ({census.items} items)"]
+    if census.unreadable:
+        lines.append(f"  unreadable      {census.unreadable} (refused by the gate or damaged: see check)")
+    lines.append(wrap_block(f"  generations     {_counts(census.generations)}", width, " " * 18))
+    lines.append(wrap_block(f"  recipes         {_counts(census.recipes)}", width, " " * 18))
+    lines.append(f"  FP8             {census.fp8_on} on, {census.fp8_off} off")
+    if census.te_2_18_refused:
+        lines.append(
+            wrap_block(
+                f"  TE >= 2.18      refuses {census.te_2_18_refused} at load unless "
+                "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (check: CKD230)",
+                width,
+                " " * 18,
+            )
+        )
+    lines.append(f"  redundant       {census.redundant} (no delayed-scaling state: --drop-redundant-extra-state)")
+    if census.rows:
+        rows = [
+            [
+                r.module,
+                r.generation,
+                r.form,
+                r.recipe or "-",
+                "on" if r.fp8 else "off",
+                "-" if r.amax_history_len is None else r.amax_history_len,
+                r.te_2_18,
+                r.count,
+            ]
+            for r in census.rows
+        ]
+        lines.append("")
+        lines.append(
+            tabulate(rows, headers=["module", "generation", "form", "recipe", "FP8", "history", "TE>=2.18", "items"])
+        )
+    return lines
 
 
 def short_value(value: Any, limit: int = 200) -> str:

@@ -18,14 +18,17 @@ def _common_line(what: str, name: str, old: object, new: object, reason: str) ->
 
 
 @text_safe
-def render_edit(report: EditReport, all_keys: bool = False, width: int | None = None) -> str:
+def render_edit(
+    report: EditReport, all_keys: bool = False, width: int | None = None, carried: str | None = None
+) -> str:
     """Text for ``edit``: the changes counted in logical keys (DCP entries beside them), by reason on a dry run
     (every key with ``all_keys``), the load flags the result needs, what was written. Lines are wrapped to
-    ``width`` (None: not wrapped), the tables are not."""
-    return "\n".join(wrap_lines(_edit_lines(report, all_keys, width), width, LABEL_INDENT))
+    ``width`` (None: not wrapped), the tables are not. ``carried``: how the data files reached an output on
+    object storage or from it (the writer hard-linked them in its staging dir)."""
+    return "\n".join(wrap_lines(_edit_lines(report, all_keys, width, carried), width, LABEL_INDENT))
 
 
-def _edit_lines(report: EditReport, all_keys: bool, width: int | None) -> list[str]:
+def _edit_lines(report: EditReport, all_keys: bool, width: int | None, carried: str | None = None) -> list[str]:
     plan, result = report.plan, report.result
     lines = [
         f"checkpoint      {plan.iteration_dir}",
@@ -59,7 +62,8 @@ def _edit_lines(report: EditReport, all_keys: bool, width: int | None) -> list[s
     lines.append(f"written         {result.output}" + (" (in place)" if result.in_place else ""))
     if result.backup:
         lines.append(f"backup          {result.backup}")
-    data = f"{report.linked_files} hard-linked, {report.copied_files} copied ({human_bytes(result.bytes_copied)})"
+    linked = f"{report.linked_files} {carried or 'hard-linked'}"
+    data = f"{linked}, {report.copied_files} copied ({human_bytes(result.bytes_copied)})"
     lines.append(f"data files      {len(result.files)} files: {data}; written in {result.seconds:.2f} s")
     for name, why in result.skipped.items():
         lines.append(f"not carried     {name}: {why}")
@@ -69,7 +73,7 @@ def _edit_lines(report: EditReport, all_keys: bool, width: int | None) -> list[s
     lines.append(f"size before     {human_bytes(result.source_bytes)} ({result.source_bytes} bytes)")
     lines.append(
         f"size after      {human_bytes(result.output_bytes)} ({result.output_bytes} bytes"
-        + ("" if report.compact else "; linked files share the source's blocks")
+        + ("" if report.compact or carried else "; linked files share the source's blocks")
         + ")"
     )
     return lines

@@ -128,11 +128,48 @@ def _render(report: ShowReport, width: int | None = None) -> str:
         lines.append("")
         lines.append("decoded (safe unpickler)")
         lines.extend(_field_lines(report.decoded))
+    if report.extra_state is not None:
+        lines.append("")
+        lines.append("Transformer Engine extra state")
+        lines.extend(_extra_state_lines(report))
     if report.saved:
         lines.append("")
         lines.append(wrap_block(f"saved           {report.saved}", width, LABEL_INDENT))
     lines.extend(wrap_block(note, width) for note in report.notes)
     return "\n".join(lines)
+
+
+def _extra_state_lines(report: ShowReport) -> list[str]:
+    lines = []
+    for view in report.extra_state or []:
+        name = view.item.rpartition("/")[2] or view.item
+        state = view.state
+        if state is None:
+            lines.append(f"  {name}  unreadable: {view.error}")
+            continue
+        fp8 = "FP8 on" if state.fp8 else "FP8 off"
+        head = f"  {name}  {state.generation}  ({state.form}, {state.payload_bytes} bytes)  {fp8}"
+        lines.append(head)
+        if state.recipe is not None:
+            fields = ", ".join(f"{k}={v}" for k, v in state.recipe_fields.items())
+            factory = f", factory {state.custom_factory}: refused" if state.custom_factory else ""
+            lines.append(f"      recipe {state.recipe}" + (f"({fields})" if fields else "") + factory)
+        if state.tensors:
+            shapes = ", ".join(f"{k} {'x'.join(map(str, v)) or '()'}" for k, v in state.tensors.items())
+            lines.append(f"      tensors {shapes}")
+        if state.extra_fp8_variables:
+            extra = ", ".join(f"{k}={v}" for k, v in state.extra_fp8_variables.items())
+            lines.append(f"      extra_fp8_variables {extra}")
+        verdict = {
+            "refuse": "refused unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1",
+            "ignore": "ignored (never unpickled)",
+            "load": "loaded",
+        }[state.te_2_18]
+        needed = "needed (holds delayed-scaling state)" if state.needed else "redundant (no delayed-scaling state)"
+        lines.append(f"      TE >= 2.18 at load: {verdict}; {needed}")
+        if state.note:
+            lines.append(f"      {state.note}")
+    return lines
 
 
 def _matrix(values: list) -> str:

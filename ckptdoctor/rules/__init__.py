@@ -8,6 +8,8 @@ One module per family (codes are never reused or renumbered, so configs and CI l
 * :mod:`.consistency` CKD2xx  args vs chunk layout (the :mod:`ckptdoctor.arg_rules` table), chunk coverage
 * :mod:`.integrity`   CKD3xx  ``integrity.json`` hashes; the ``--deep`` rules (decoding: :mod:`.deep_decode`)
 * :mod:`.safety`      CKD4xx  pickles referencing callables outside the allowlist
+* :mod:`.health`      CKD5xx  ``check --health``: all-zero weights, equal experts, optimizer moments (statistics:
+  :mod:`ckptdoctor.values.health`)
 
 Here: :class:`RuleInfo`, :class:`Finding`, the fix commands and the selectors, which every family imports;
 :mod:`.registry` (above the families) lists every rule and validates ``--select``/``--ignore``.
@@ -84,6 +86,7 @@ FIX_COMMANDS: dict[str, str] = {
     "CKD151": "ckptdoctor repair {ckpt} --in-place",  # leftovers quarantined
     "CKD20": "ckptdoctor fix-args {ckpt} --in-place",  # args vs parallelism (arg_rules table)
     "CKD21": "ckptdoctor fix-args {ckpt} --in-place",
+    "CKD230": "ckptdoctor edit {ckpt} --drop-extra-state --in-place",  # or NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1
 }
 
 

@@ -11,7 +11,11 @@ from ckptdoctor import arg_rules
 from ckptdoctor.args import saved_config
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.coverage import coverage_problems
+from ckptdoctor.formats import BACKEND_DCP
+from ckptdoctor.formats.plain_dcp import is_megatron
 from ckptdoctor.formats.run_config import RUN_CONFIG
+from ckptdoctor.formats.te_extra_state import module_family
+from ckptdoctor.gpt_shapes import expected_shape
 from ckptdoctor.parallelism import infer_layout
 from ckptdoctor.rules import ERROR, WARNING, Finding, RuleInfo
 from ckptdoctor.rules.structure import Scanned
@@ -65,9 +69,19 @@ ORPHAN_EXTRA_STATE = RuleInfo(
     "_extra_state too: a ShardedObject kept beside a dropped weight makes the load request and the checkpoint "
     "disagree and the load fails.",
 )
+LOCAL_SHARDS = RuleInfo(
+    "CKD222",
+    "dcp-local-shards",
+    "consistency",
+    ERROR,
+    "a Megatron-LM plain DCP save holds a model tensor smaller than its saved args imply",
+    "A torch_dcp / fsdp_dtensor save made from per-rank local tensors (TP > 1, which Megatron-LM's argument "
+    "validation refuses for torch_dcp) stores every rank's shard under the same name; DCP keeps one of them and "
+    "the other ranks' parts are lost, with nothing in .metadata to say so. The saved args give the whole shape.",
+)
 
 _ARG_INFOS = [_arg_rule_info(r) for r in arg_rules.RULES]
-RULES = [*_ARG_INFOS, WORLD_SIZE, CHUNK_COVERAGE, ORPHAN_EXTRA_STATE]
+RULES = [*_ARG_INFOS, WORLD_SIZE, CHUNK_COVERAGE, ORPHAN_EXTRA_STATE, LOCAL_SHARDS]
 
 # Modules that carry TE FP8 metadata (_extra_state) but no weights of their own.
 _WEIGHTLESS_MODULES = ("core_attention",)
@@ -83,7 +97,37 @@ def check(state: Scanned) -> list[Finding]:
     for entry, problem in coverage_problems(tensors):
         findings.append(Finding(CHUNK_COVERAGE.code, shown, f"{entry.key}: {problem}", ERROR))
     findings.extend(_orphan_extra_state(checkpoint, shown))
+    findings.extend(_local_shards(state, checkpoint, shown))
     return findings
+
+
+def _local_shards(state: Scanned, checkpoint: Checkpoint, shown: str) -> list[Finding]:
+    """Model tensors of a Megatron-LM plain DCP save whose saved shape is smaller than the args imply."""
+    if checkpoint.location.backend != BACKEND_DCP or not is_megatron(checkpoint.flavour) or state.common is None:
+        return []
+    args, _ = saved_config(state.common, checkpoint.iteration_dir)
+    tp = args.get("tensor_model_parallel_size")
+    out = []
+    for entry in checkpoint.section_entries("model"):
+        if entry.kind != "tensor" or entry.shape is None:
+            continue
+        implied = expected_shape(entry.key, args)
+        if implied is None or len(implied) != len(entry.shape) or tuple(entry.shape) == implied:
+            continue
+        short = [d for d, (saved, whole) in enumerate(zip(entry.shape, implied)) if saved < whole]
+        if not short:
+            continue
+        parts = ", ".join(f"dim {d}: {entry.shape[d]} of {implied[d]}" for d in short)
+        out.append(
+            Finding(
+                LOCAL_SHARDS.code,
+                shown,
+                f"{entry.key}: saved shape {list(entry.shape)}, the args imply {list(implied)} ({parts}); one "
+                f"rank's local shard, the rest is lost (tensor_model_parallel_size={tp})",
+                ERROR,
+            )
+        )
+    return out
 
 
 def _check_args(state: Scanned, checkpoint: Checkpoint) -> list[Finding]:
@@ -117,11 +161,13 @@ def _orphan_extra_state(checkpoint: Checkpoint, shown: str) -> list[Finding]:
         if module in modules_with_tensors or module in seen or module.rsplit(".", 1)[-1] in _WEIGHTLESS_MODULES:
             continue
         seen.add(module)
+        family = module_family(module)
+        what = f" (a {family} in megatron-core's Transformer Engine spec)" if family else ""
         out.append(
             Finding(
                 ORPHAN_EXTRA_STATE.code,
                 shown,
-                f"{entry.key}: _extra_state kept but no weight of {module} is saved",
+                f"{entry.key}: _extra_state kept but no weight of {module}{what} is saved",
                 ERROR,
             )
         )

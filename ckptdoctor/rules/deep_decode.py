@@ -28,6 +28,7 @@ from ckptdoctor.rules.structure import Scanned
 from ckptdoctor.severity import OVERRIDDEN
 from ckptdoctor.storage.stream import read_ranges
 from ckptdoctor.values.archive_memo import parse, plain_key
+from ckptdoctor.values.health import HealthScan
 
 NON_FINITE_SECTIONS = ("model", "optimizer")
 # The distributed optimizer's flat buckets (dp_reshardable: optimizer.distributed.dp_group_idx_*.gbuf_idx_*...
@@ -66,10 +67,15 @@ def _work(state: Scanned) -> dict[str, list[tuple[Entry, DcpChunk]]]:
 
 
 def check_deep(
-    state: Scanned, progress: Progress | None = None, scan_values: bool = True, jobs: int | None = None
+    state: Scanned,
+    progress: Progress | None = None,
+    scan_values: bool = True,
+    jobs: int | None = None,
+    health: HealthScan | None = None,
 ) -> list[Finding]:
     """Decode every chunk and bytes item through the safe unpickler, reading each data file front to back;
-    with ``scan_values``, also count NaN/Inf in model and optimizer tensors (CKD313, no torch needed).
+    with ``scan_values``, also count NaN/Inf in model and optimizer tensors (CKD313, no torch needed); with
+    ``health``, add every model and optimizer tensor chunk's statistics to it (``check --health``, numpy).
 
     Data files are the units of :func:`ckptdoctor.parallel.map_units` (``jobs`` processes, or the ranks of a
     torchrun job); their findings are merged in file order, so the result does not depend on ``jobs``."""
@@ -98,15 +104,25 @@ def check_deep(
 
     decoder = _ChunkDecoder()  # one per process (forked workers inherit it empty): verdicts shared across files
 
-    def task(index: int) -> tuple[list[Finding], NonFinite | None]:
-        return _check_file(state, files[index], scan_values, progress if inline else None, decoder, path=shown[index])
+    def task(index: int) -> tuple[list[Finding], NonFinite | None, HealthScan | None]:
+        return _check_file(
+            state,
+            files[index],
+            scan_values,
+            progress if inline else None,
+            decoder,
+            path=shown[index],
+            health=health is not None,
+        )
 
     done = None if inline or progress is None else (lambda index: progress(weights[index]))
     non_finite = NonFinite() if scan_values else None
-    for found, counts in parallel.map_units(weights, task, jobs, done):
+    for found, counts, stats in parallel.map_units(weights, task, jobs, done):
         out += found
         if non_finite is not None and counts is not None:
             non_finite.merge(counts)
+        if health is not None and stats is not None:
+            health.merge(stats)
     if non_finite is not None:
         out += non_finite.findings(NON_FINITE)
     return out
@@ -120,12 +136,14 @@ def _check_file(
     decoder: _ChunkDecoder | None = None,
     *,
     path: Path,
-) -> tuple[list[Finding], NonFinite | None]:
-    """One data file read front to back (named ``path`` in findings): its findings and (``scan_values``) its
-    NaN/Inf counts."""
+    health: bool = False,
+) -> tuple[list[Finding], NonFinite | None, HealthScan | None]:
+    """One data file read front to back (named ``path`` in findings): its findings, (``scan_values``) its
+    NaN/Inf counts and (``health``) its chunks' statistics."""
     out: list[Finding] = []
     decoder = decoder or _ChunkDecoder()
     non_finite = NonFinite() if scan_values else None
+    stats = HealthScan() if health else None
     for file_path, tag, blob in read_ranges([file]):
         if isinstance(blob, CkptError):  # unreadable file (I/O error): the rest of it cannot be checked
             out.append(finding(BLOB_UNDECODABLE, path, without_path(blob, file_path)))
@@ -133,14 +151,15 @@ def _check_file(
         entry, chunk = tag  # type: ignore[misc]
         if entry.kind == "tensor":
             scan = non_finite if non_finite is not None and _values_scanned(entry) else None
-            problem = _check_chunk(decoder, entry, chunk, blob, path, scan)
+            measure = stats if stats is not None and entry.section in NON_FINITE_SECTIONS else None
+            problem = _check_chunk(decoder, entry, chunk, blob, path, scan, measure)
         else:
             problem = _check_item(entry, blob, path)
         if problem is not None:
             out.append(problem)
         if progress is not None:
             progress(len(blob))
-    return out, non_finite
+    return out, non_finite, stats
 
 
 @dataclass(frozen=True)
@@ -152,6 +171,7 @@ class _Verdict:
     size_problem: str | None = None  # a CKD311 reason
     record: str | None = None  # the storage record's key
     record_bytes: int = 0  # numel x itemsize the record must hold
+    view: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None  # storage offset, size, stride
     unlisted: tuple[UnlistedGlobal, ...] = ()  # globals read as stand-ins though not on the allowlist (the gate)
 
 
@@ -172,9 +192,9 @@ class _ChunkDecoder:
         # differ only in CRC-32s: values.archive_memo), imported here so that metadata-only checks never load it
         self.parse = parse
         self.plain_key = plain_key
-        # (layout, data.pkl, sizes, dtype, pickle limit) -> (start, size) of the storage record of a chunk that
+        # (layout, data.pkl, sizes, dtype, pickle limit) -> (start, size, view) of the storage record of a chunk that
         # decoded cleanly: a later archive with that directory layout and pickle decodes the same way
-        self.clean: dict[tuple, tuple[int, int]] = {}
+        self.clean: dict[tuple, tuple[int, int, tuple | None]] = {}
 
     def verdict(self, pickled: bytes, entry: Entry, chunk: DcpChunk) -> _Verdict:
         key = (pickled, chunk.sizes, entry.dtype)
@@ -207,7 +227,8 @@ def _decide(pickled: bytes, entry: Entry, chunk: DcpChunk) -> _Verdict:
     itemsize = ref.dtype.itemsize if ref.dtype is not None else None
     if itemsize is None:
         return _Verdict(problem=f"unknown dtype {ref.dtype}")
-    return _Verdict(record=ref.storage.key, record_bytes=ref.storage.numel * itemsize)
+    view = (ref.storage_offset, tuple(ref.size), tuple(ref.stride))
+    return _Verdict(record=ref.storage.key, record_bytes=ref.storage.numel * itemsize, view=view)
 
 
 def _persistent_load(pid: object) -> StorageRef:
@@ -221,13 +242,17 @@ def _check_chunk(
     blob: memoryview,
     path: Path,
     non_finite: NonFinite | None = None,
+    health: HealthScan | None = None,
 ) -> Finding | None:
     key = decoder.plain_key(blob, chunk.sizes, entry.dtype)  # an archive like one decoded before
     if key is not None:
         clean = decoder.clean.get(key)
         if clean is not None:  # decodes as that archive did: cleanly, its record at the same place
+            record_data = blob[clean[0] : clean[0] + clean[1]]
             if non_finite is not None:
-                non_finite.scan(entry, chunk, blob[clean[0] : clean[0] + clean[1]], path)
+                non_finite.scan(entry, chunk, record_data, path)
+            if health is not None:
+                _measure(health, entry, chunk, record_data, clean[2])
             return None
     what = f"{entry.key} chunk at {list(chunk.offsets)}"
     try:
@@ -252,17 +277,23 @@ def _check_chunk(
         if record.method or archive.general:  # inflate (bounded by what the tensor needs) and check the CRC
             data = archive.read(record.name, verdict.record_bytes)
         else:
-            if non_finite is not None:
+            if non_finite is not None or health is not None:
                 data = archive.read(record.name, verdict.record_bytes, verify_crc=False)  # a view, no copy
             if key is not None and len(decoder.clean) < decoder.MAX_VERDICTS:
-                decoder.clean[key] = (record.start, record.size)
+                decoder.clean[key] = (record.start, record.size, verdict.view)
         if non_finite is not None:
             non_finite.scan(entry, chunk, data, path)
+        if health is not None:
+            _measure(health, entry, chunk, data, verdict.view)
     except (ArchiveError, PickleLimitError) as exc:
         return refused_pickle(exc, path, what)
     except CkptError as exc:
         return finding(BLOB_UNDECODABLE, path, f"{what}: {without_path(exc, what)}")
     return None
+
+
+def _measure(health: HealthScan, entry: Entry, chunk: DcpChunk, data: object, view: object) -> None:
+    health.scan(entry.key, entry.dtype, entry.shape, tuple(chunk.offsets), tuple(chunk.sizes), data, view)  # type: ignore[arg-type]
 
 
 def _metadata_problem(ref: TensorRef, entry: Entry, chunk: DcpChunk) -> str | None:

@@ -12,7 +12,9 @@ from ckptdoctor.rules import (
     RuleInfo,
     bridge,
     consistency,
+    extra_state,
     fix_command,
+    health,
     integrity,
     leftovers,
     safety,
@@ -22,7 +24,16 @@ from ckptdoctor.rules import (
 
 def all_rules() -> list[RuleInfo]:
     """Every rule, in code order."""
-    rules = [*structure.RULES, *bridge.RULES, *leftovers.RULES, *consistency.RULES, *integrity.RULES, *safety.RULES]
+    rules = [
+        *structure.RULES,
+        *bridge.RULES,
+        *leftovers.RULES,
+        *consistency.RULES,
+        *extra_state.RULES,
+        *integrity.RULES,
+        *health.RULES,
+        *safety.RULES,
+    ]
     return sorted((dataclasses.replace(r, fix=fix_command(r.code)) for r in rules), key=lambda r: r.code)
 
 

@@ -16,7 +16,9 @@ from ckptdoctor import problems
 from ckptdoctor.checkpoint import Checkpoint, scan_iteration_dir
 from ckptdoctor.data_files import storage_problems
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
+from ckptdoctor.formats import BACKEND_DCP
 from ckptdoctor.formats.archive import ArchiveError
+from ckptdoctor.formats.plain_dcp import STEP_DIR_RE
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME
 from ckptdoctor.locate import TRACKER_NAME, iteration_dir_name, list_iteration_dirs, read_tracker
 from ckptdoctor.problems import Problem
@@ -63,9 +65,9 @@ UNSUPPORTED_FORMAT = _rule(
     "unsupported-format",
     ERROR,
     "not a distributed checkpoint ckptdoctor can check",
-    "Legacy mp_rank_* checkpoints, Megatron-LM's torch_dcp / fsdp_dtensor saves (plain DCP without metadata.json) "
-    "and backends other than torch_dist and zarr have a different layout; the other rules would report nonsense "
-    "for them.",
+    "Legacy mp_rank_* checkpoints and backends other than torch_dist and zarr named by metadata.json have a "
+    "different layout; the other rules would report nonsense for them. (Plain PyTorch DCP saves without "
+    "metadata.json, Megatron-LM torch_dcp / fsdp_dtensor, FSDP2, TorchTitan, are read as the dcp backend.)",
 )
 DCP_METADATA_MISSING = _rule(
     problems.INDEX_MISSING,
@@ -232,7 +234,8 @@ def check_save_dir(save_dir: Path, shown: Path, all_iterations: bool) -> tuple[l
                     )
                 )
     bridge_target, bridge_findings = bridge.check_bridge_tracker(save_dir, shown, text_value, iterations)
-    if not tracker.is_file() and iterations:
+    titan = bool(iterations) and all(STEP_DIR_RE.match(p.name) for p in iterations)  # resumes from the newest
+    if not tracker.is_file() and iterations and not titan:
         also = (
             f" (Megatron-Bridge resumes from {bridge_target.name}: {BRIDGE_TRACKER_NAME})"
             if bridge_target is not None
@@ -303,6 +306,8 @@ def _check_common(state: Scanned, index_known: bool, findings: list[Finding]) ->
     assert checkpoint is not None
     source = checkpoint.common_source
     if source is None:
+        if checkpoint.location.backend == BACKEND_DCP:  # FSDP2, TorchTitan, generic DCP: nothing but the state dict
+            return
         if index_known:  # without an index a common_state item cannot be ruled out
             findings.append(
                 finding(

@@ -1,7 +1,9 @@
 """``diff --values`` of bytes items (ShardedObjects: rng state, ``_extra_state``, rerun state): compared by the
 sha256 of their raw bytes; when the bytes differ, both are decoded (safe unpickler) and compared as objects,
 because torch.save archives of equal objects can differ in serialization details. Objects that differ are
-compared field by field (:func:`ckptdoctor.pickle.paths.diff_fields`): the report names the differing paths."""
+compared field by field (:func:`ckptdoctor.pickle.paths.diff_fields`): the report names the differing paths.
+A Transformer Engine ``_extra_state`` item is compared as TE's state (:func:`ckptdoctor.formats.te_extra_state.
+comparable`: form, generation, recipe and its fields, tensor shapes and bytes), not as its pickle."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import hashlib
 from typing import TYPE_CHECKING
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.te_extra_state import comparable, is_extra_state_key
 from ckptdoctor.pickle.paths import FieldChange, diff_fields, join
 from ckptdoctor.pickle.plain import to_plain
 from ckptdoctor.values.io import Context
@@ -59,8 +62,12 @@ def compare_objects(a: Checkpoint, ia: Item, b: Checkpoint, ib: Item, ctx: Conte
     for suffix in differing:
         key_a, key_b = ia.entries[suffix].key, ib.entries[suffix].key
         try:
-            value_a, value_b = a.read_bytes_item(key_a), b.read_bytes_item(key_b)
-        except CkptError as exc:
+            if is_extra_state_key(key_a):  # Transformer Engine's state, decoded: recipe, fields, tensor bytes
+                value_a = comparable(a.bytes_item_data(key_a)[0], f"{a.iteration_dir}: item {key_a}")
+                value_b = comparable(b.bytes_item_data(key_b)[0], f"{b.iteration_dir}: item {key_b}")
+            else:
+                value_a, value_b = a.read_bytes_item(key_a), b.read_bytes_item(key_b)
+        except CkptError as exc:  # refused by the gate or damaged (an ArchiveError is one too)
             decoded_equal, reason = False, f"cannot decode to compare objects: {exc}"
             break
         if value_a != value_b:

@@ -31,6 +31,13 @@ from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import PickleLimitError, UnsafePickleError
 from ckptdoctor.formats import read_by_current_megatron
 from ckptdoctor.formats.archive import ArchiveError
+from ckptdoctor.formats.te_extra_state import (
+    FORM_NONE,
+    FORM_OTHER,
+    NEWEST_MODELLED_TE,
+    REFUSING_TE,
+    UNSAFE_PICKLE_ENV,
+)
 from ckptdoctor.ops.can_load.args import args_problem
 from ckptdoctor.ops.can_load.keys import SWIGLU_FC1, KeyPlan, model_plan
 from ckptdoctor.ops.can_load.optim import optimizer_verdict
@@ -39,9 +46,10 @@ from ckptdoctor.ops.can_load.shapes import VOCAB_KEYS
 from ckptdoctor.ops.can_load.verdict import FAILS, LOADS, RESHARDS, SKIPPED, SectionVerdict
 from ckptdoctor.ops.pickle_gate import gate_failures
 from ckptdoctor.parallelism import infer_layout
+from ckptdoctor.rules.extra_state import census
 
 SCHEMA = "ckptdoctor.can-load/1"
-SECTION_ORDER = ("safety", "format", "args", "common", "model", "optimizer", "rng", "rerun")
+SECTION_ORDER = ("safety", "format", "args", "common", "model", "extra_state", "optimizer", "rng", "rerun")
 _RAISING = ("raise_unexpected", "raise_all")
 _DROPPING = ("log_unexpected", "log_all", "ignore_all", "return_unexpected", "return_all")
 UNEXPECTED_TITLE = "Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict."
@@ -265,7 +273,7 @@ def _args_verdict(ctx: _Context) -> SectionVerdict:
     return SectionVerdict("args", FAILS, problem.why, problem.error, problem.fix)
 
 
-def _safety_verdict(ckpt: Checkpoint) -> SectionVerdict | None:
+def safety_verdict(ckpt: Checkpoint) -> SectionVerdict | None:
     """Fails where the gate fails on anything the load reads (``.metadata``, the common state, the sharded objects,
     Bridge's files): the load would run code, whatever else it does."""
     failures = gate_failures(ckpt)
@@ -307,10 +315,13 @@ class SavedCheckpoint:
     saved: Layout
     experts: bool  # an MoE checkpoint (saved num_experts, or expert chunks)
     model_args: dict[str, Any] | None = None  # --args-from
+    # Transformer Engine _extra_state items (those TE wrote; read once): what TE >= 2.18 refuses, and how many
+    te_refused: list[str] = field(default_factory=list)
+    te_items: int = 0
 
 
 def read_saved(ckpt: Checkpoint, model_args: dict[str, Any] | None = None) -> SavedCheckpoint:
-    safety = _safety_verdict(ckpt)
+    safety = safety_verdict(ckpt)
     try:
         common = ckpt.common_state()
     except (UnsafePickleError, PickleLimitError, ArchiveError):
@@ -321,7 +332,43 @@ def read_saved(ckpt: Checkpoint, model_args: dict[str, Any] | None = None) -> Sa
     layout = infer_layout(ckpt)
     saved = saved_layout(saved_args, layout.tp, layout.pp)
     experts = bool(_arg(saved_args, "num_experts", 0)) or layout.ep is not None
-    return SavedCheckpoint(ckpt, safety, common, saved_args, saved, experts, model_args)
+    te_states = [i for i in census(ckpt) if i.state is not None and i.state.form not in (FORM_NONE, FORM_OTHER)]
+    refused = [i.key for i in te_states if i.state is not None and i.state.te_2_18 == "refuse"]
+    return SavedCheckpoint(ckpt, safety, common, saved_args, saved, experts, model_args, refused, len(te_states))
+
+
+def _extra_state_verdict(state: SavedCheckpoint, run: LoadRun) -> SectionVerdict | None:
+    """Transformer Engine's ``set_extra_state`` on the saved items (only where TE wrote some): TE >= 2.18 refuses
+    pickled delayed-scaling state and TE 1.x BytesIO state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1."""
+    if not state.te_items:
+        return None
+    version = run.te_version or NEWEST_MODELLED_TE
+    shown = ".".join(map(str, version))
+    refused, items = state.te_refused, state.te_items
+    if not refused or version < REFUSING_TE:
+        why = f"TE {shown} loads the {items} Transformer Engine _extra_state items"
+        if refused:  # an upgrade to TE >= 2.18 would fail: say so while it still loads
+            why += f" ({len(refused)} of them pickled states that TE >= 2.18 refuses without {UNSAFE_PICKLE_ENV}=1)"
+        return SectionVerdict("extra_state", LOADS, why, requested=items, present=items)
+    if run.te_unsafe_pickle:
+        why = (
+            f"TE {shown} unpickles {len(refused)} of the {items} _extra_state items because {UNSAFE_PICKLE_ENV}=1 "
+            "(check's gate has read every global in them)"
+        )
+        return SectionVerdict("extra_state", LOADS, why, requested=items, present=items)
+    examples = ", ".join(refused[:3]) + (f" and {len(refused) - 3} more" if len(refused) > 3 else "")
+    return SectionVerdict(
+        "extra_state",
+        FAILS,
+        f"TE {shown} refuses {len(refused)} of the {state.te_items} _extra_state items (pickled delayed-scaling "
+        f"state or TE 1.x BytesIO): {examples}",
+        "RuntimeError: Refusing to load pickled Transformer Engine extra state for <module>. ... To load it "
+        f"anyway, set {UNSAFE_PICKLE_ENV}=1.",
+        f"set {UNSAFE_PICKLE_ENV}=1 for a checkpoint you trust (--te-unsafe-pickle here), or drop the state: "
+        f"ckptdoctor edit {state.ckpt.iteration_dir} --drop-extra-state -o OUT",
+        requested=items,
+        present=items,
+    )
 
 
 def predict(
@@ -360,6 +407,9 @@ def predict_at(state: SavedCheckpoint, target: Layout, run: LoadRun) -> CanLoadR
     changed = _layout_change(ctx)
     plan = model_plan(ckpt, saved_args, args, saved.tp, target.tp, bool(run.sets and "padded_vocab_size" in run.sets))
     sections.append(_section_from_plan("model", plan, ctx, changed))
+    extra_state = _extra_state_verdict(state, run)
+    if extra_state is not None:
+        sections.append(extra_state)
     compare = replace(saved, tp=ctx.ckpt_tp_pp[0], pp=ctx.ckpt_tp_pp[1])
     optim, optim_plan = optimizer_verdict(ctx.ckpt, ctx.saved_args, ctx.args, compare, target, run, common, plan)
     if optim is None and optim_plan is not None:

@@ -3,7 +3,8 @@
 Operations, applied to every key of the source ``.metadata``:
 
 * removals: ``--remove REGEX`` (``re.search`` on the key), ``--drop-section optimizer|rng|rerun``,
-  ``--drop-extra-state`` (every ``_extra_state`` item);
+  ``--drop-extra-state`` (every ``_extra_state`` item), ``--drop-redundant-extra-state`` (the ``_extra_state``
+  items without delayed-scaling state, Megatron-LM #5552's rule: read, a few KB each);
 * renames: ``--rename REGEX REPLACEMENT`` (``re.sub``, applied in the order given, each to the result of the
   one before, like ``sed -e ... -e ...``) and the presets below; removed keys are not renamed.
 
@@ -26,8 +27,11 @@ from dataclasses import dataclass, field
 
 from ckptdoctor.checkpoint import Checkpoint, section_of
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats import BACKEND_DCP
+from ckptdoctor.formats.plain_dcp import is_megatron
 from ckptdoctor.ops.edit.presets import PRESET_NAMES, preset_renames
 from ckptdoctor.ops.rewrite.request import CommonChange, dir_bytes
+from ckptdoctor.rules.extra_state import census
 
 SCHEMA = "ckptdoctor.edit/1"
 SECTIONS = ("optimizer", "rng", "rerun")
@@ -41,6 +45,7 @@ class EditRequest:
     renames: list[tuple[str, str]] = field(default_factory=list)
     drop_sections: list[str] = field(default_factory=list)
     drop_extra_state: bool = False
+    drop_redundant_extra_state: bool = False
     preset: str | None = None
 
 
@@ -96,17 +101,49 @@ def _rename_rules(request: EditRequest) -> list[tuple[re.Pattern[str], str, str]
     return rules
 
 
+_REDUNDANT = "--drop-redundant-extra-state"
+
+
+def redundant_extra_state(checkpoint: Checkpoint) -> tuple[set[str], list[str]]:
+    """The ``_extra_state`` items Megatron-LM's ``--ckpt-drop-redundant-extra-state`` would not save: none of
+    ``amax_history_fwd``, ``scale_fwd``, ``scale_bwd`` in them (no FP8, stateless recipes, Megatron's local spec);
+    and the logical keys kept whole because some of their shards are needed. A ShardedObject is dropped whole or
+    not at all: megatron-core 0.19.2 drops an unexpected key from the load request only when none of its shards
+    is saved (a key with shard_0_2 saved and shard_1_2 dropped fails "Missing key in checkpoint state_dict"
+    under every strictness; verified in tests/test_edit_mcore.py). An item that cannot be read counts as needed
+    (the write gate refuses a hostile one)."""
+    shards: dict[str, list[tuple[str, bool]]] = {}
+    for item in census(checkpoint):
+        redundant = item.state is not None and not item.state.needed
+        shards.setdefault(item.key.split("/", 1)[0], []).append((item.key, redundant))
+    drop: set[str] = set()
+    partial: list[str] = []
+    for key, items in sorted(shards.items()):
+        if all(redundant for _, redundant in items):
+            drop.update(k for k, _ in items)
+        elif any(redundant for _, redundant in items):
+            partial.append(key)
+    return drop, partial
+
+
 _DROP_REASONS = {section: f"--drop-section {section}" for section in SECTIONS}
 
 
 def _removal_reason(
-    key: str, section: str, is_extra: bool, request: EditRequest, removes: list[tuple[re.Pattern[str], str]]
+    key: str,
+    section: str,
+    is_extra: bool,
+    request: EditRequest,
+    removes: list[tuple[re.Pattern[str], str]],
+    redundant: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> str | None:
     """Why ``key`` is removed (None: it is not); one string per reason, shared by every key it removes."""
     if section in request.drop_sections:
         return _DROP_REASONS[section]
     if request.drop_extra_state and is_extra:
         return "--drop-extra-state"
+    if key in redundant:
+        return _REDUNDANT
     for pattern, reason in removes:
         if pattern.search(key):
             return reason
@@ -174,13 +211,14 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
         raise CkptError(f"--preset {request.preset}: unknown preset (choose from {', '.join(PRESET_NAMES)})")
     removes = [(_compile(p, "--remove"), f"--remove {p}") for p in request.removes]
     rules = _rename_rules(request)
+    redundant, partial = redundant_extra_state(checkpoint) if request.drop_redundant_extra_state else (set(), [])
     removed: list[KeyChange] = []
     renamed: list[KeyChange] = []
     kept: set[str] = set()
     new_names: dict[str, tuple[str, list[str]]] = {}  # kept key -> its name after the --rename rules, and theirs
     for key in sorted(checkpoint.entries):
         entry = checkpoint.entries[key]
-        why = _removal_reason(key, entry.section, entry.is_extra_state, request, removes)
+        why = _removal_reason(key, entry.section, entry.is_extra_state, request, removes, redundant)
         if why is not None:
             if entry.section == "common":
                 raise CkptError(f"{why} would remove the common state {key!r} (args, iteration); nothing written")
@@ -207,6 +245,12 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
         raise CkptError(f"{where}: the edit removes every model key; nothing written")
     dropped = _whole_sections(checkpoint, removed)
     flags, notes = load_flags(checkpoint, removed, dropped)
+    if partial:
+        notes.append(
+            f"--drop-redundant-extra-state kept {len(partial)} _extra_state key(s) whole whose other shards hold "
+            f"delayed-scaling state ({', '.join(partial[:3])}{' ...' if len(partial) > 3 else ''}): a key with some "
+            "shards dropped does not load"
+        )
     return EditPlan(
         schema=SCHEMA,
         source=str(checkpoint.location.input_path),
@@ -248,6 +292,8 @@ def common_changes(checkpoint: Checkpoint, dropped: list[str]) -> list[CommonCha
     """The common state as Megatron-LM saves it without the dropped sections (``generate_state_dict``:
     no ``optimizer`` / ``opt_param_scheduler`` under ``--no-save-optim``, no ``rng_state`` under
     ``--no-save-rng``, no ``rerun_state_machine`` without rerun state), args recording it."""
+    if checkpoint.location.backend == BACKEND_DCP:  # no common state to rewrite: the state dict is all there is
+        return []
     common = _common(checkpoint)
     args = common.get("args")
     changes: list[CommonChange] = []
@@ -284,6 +330,8 @@ def load_flags(checkpoint: Checkpoint, removed: list[KeyChange], dropped: list[s
     """The Megatron-LM load flags the edited checkpoint needs, and why (megatron/training/checkpointing.py)."""
     flags: list[str] = []
     notes: list[str] = []
+    if checkpoint.location.backend == BACKEND_DCP and not is_megatron(checkpoint.flavour):
+        return flags, notes  # FSDP2 / TorchTitan: the loader asks only for what its state dict holds
     sections = {c.section for c in removed}
     if checkpoint.location.release and sections & {"optimizer", "rng"}:
         # load_checkpoint requests neither the optimizer nor the rng state of a release checkpoint
@@ -302,6 +350,13 @@ def load_flags(checkpoint: Checkpoint, removed: list[KeyChange], dropped: list[s
         notes.append("rng state dropped: the saved args say no_save_rng, so a load neither requests nor restores it")
     if "rerun" in sections and "rerun" not in dropped:
         notes.append("part of the rerun state was removed: load at another world size or with --finetune")
+    if any(c.reason == _REDUNDANT for c in removed):
+        notes.append(
+            "redundant _extra_state items dropped (no delayed-scaling FP8 state in them: a module loads the same "
+            "without them, under the run's own recipe): megatron-core 0.19.2 still requests every _extra_state "
+            "at load, so load with --dist-ckpt-strictness log_unexpected (or a Megatron-LM whose load accepts "
+            "the missing non-persistent extra state of --ckpt-drop-redundant-extra-state)"
+        )
     if "model" in sections:
         notes.append(
             "model keys removed: a model whose load requests them fails under the default strictness; load "

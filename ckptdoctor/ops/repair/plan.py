@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor import arg_rules
-from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.checkpoint import Checkpoint, refuse_plain_dcp
 from ckptdoctor.errors import CkptError
 from ckptdoctor.locate import (
     NEMO_WEIGHTS_DIR,
@@ -96,6 +96,8 @@ def _resolve(path: Path, iteration: str | None) -> tuple[Path | None, Path | Non
             return path, candidate, tracker_findings
         if any(f.code in TRACKER_CODES for f in tracker_findings):
             return path, None, tracker_findings
+        if not (path / TRACKER_NAME).is_file():  # TorchTitan's step-N dirs: no tracker, the newest is resumed
+            return path, chosen[-1] if chosen else None, tracker_findings
         # the text tracker's dir (Megatron-Bridge's tracker may name another: repair follows the text one)
         tracked = path / iteration_dir_name(read_tracker(path / TRACKER_NAME))
         return path, (tracked if tracked in chosen else None), tracker_findings
@@ -236,6 +238,8 @@ def _way_out(unrepairable: list[Finding], save_dir: Path | None, latest: LatestG
 def _plan_iteration(candidate: Path, options: CheckOptions, report: RepairReport, work: RepairWork) -> bool:
     """Plan the repairs of one iteration dir; True when it keeps errors no repair fixes."""
     state, found = scan_and_check(candidate, candidate, options)
+    if state.checkpoint is not None:
+        refuse_plain_dcp(state.checkpoint, "repair")
     work.checkpoint = state.checkpoint
     found += leftovers.scan_beside(candidate.parent, candidate.parent, candidate.name)
     found = list(dict.fromkeys(found))

@@ -27,6 +27,8 @@ from ckptdoctor import atomic, locking
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.data_files import storage_problems
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats import BACKEND_DCP
+from ckptdoctor.formats.plain_dcp import STEP_DIR_RE
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, output_bridge_tracker
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
@@ -131,8 +133,10 @@ def _fill_iteration_dir(
         if name in _REBUILT or name in rebuilt or name.endswith(".distcp") or not_carried(name):
             continue
         _carry(path, stage / name, name, result)
-    # Last, as Megatron does: a dir without metadata.json is an incomplete checkpoint to every reader.
-    atomic.write_atomic(stage / "metadata.json", (src / "metadata.json").read_bytes())
+    # Last, as Megatron does: a dir without metadata.json is an incomplete checkpoint to every reader. A plain
+    # DCP save has none (Megatron would then read it as torch_dist): its .metadata, written above, is its own.
+    if checkpoint.location.backend != BACKEND_DCP:
+        atomic.write_atomic(stage / "metadata.json", (src / "metadata.json").read_bytes())
     if (src / INTEGRITY_NAME).is_file():
         # Still in the staging dir: no run leaves a checkpoint under its name whose manifest lists other bytes.
         write_manifest(stage, None if edit.compact else carried_hashes(src, stage))
@@ -236,7 +240,8 @@ def _write_locked(
         if save_layout:
             location = checkpoint.location
             value = "release" if location.release else str(location.iteration)
-            atomic.write_atomic(staging / TRACKER_NAME, value.encode())
+            if not STEP_DIR_RE.match(src_iter.name):  # TorchTitan keeps no tracker: it resumes from the newest step
+                atomic.write_atomic(staging / TRACKER_NAME, value.encode())
             bridge_tracker = output_bridge_tracker(location.save_dir, src_iter)  # Megatron-Bridge's, where it had one
             if bridge_tracker is not None:
                 atomic.write_atomic(staging / BRIDGE_TRACKER_NAME, bridge_tracker)

@@ -1,0 +1,100 @@
+"""Benchmark ``ckptdoctor check --health`` against ``check --deep`` and ``cat`` of the same bytes (issue #38).
+
+Inputs: ``make_synthetic.py`` checkpoints (real PyTorch DCP writes), one bf16 and one fp32, cached in
+``bench/data`` (``harness.synthetic``). The commands (``cat`` of the files ``--deep`` reads, ``check`` without
+``--deep``, ``check --deep``, ``check --health``, each at ``--jobs 1``) are one alternating group per dtype
+(``harness.alternate``: each its own child process, one warm-up round, the order rotating per round). Ratios
+are per round, median [min-max].
+
+Goal (issue #38): ``check --health`` time within 1.25x of ``check --deep`` on the same checkpoint.
+
+    python bench/bench_health.py                      # 0.5G, 2000 keys, 16 files -> bench/results/health.json
+    python bench/bench_health.py --render             # the README table of the last results file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402  (no torch)
+from harness import RESULTS, Case, alternate, ckptdoctor, fmt_spread  # noqa: E402
+
+DTYPES = ("bf16", "fp32")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    harness.add_common_options(p)
+    p.add_argument("--size", default="0.5G")
+    p.add_argument("--keys", type=int, default=2000)
+    p.add_argument("--files", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--render", action="store_true", help="print the table of bench/results/health.json")
+    o = p.parse_args(argv)
+    harness.use_code(o.code)
+    if o.render:
+        print(render(json.loads((RESULTS / "health.json").read_text())))
+        return 0
+    recorder = harness.Recorder("health", argv)
+    groups, ratios, inputs, data_bytes = {}, {}, {}, {}
+    failures = False
+    for dtype in DTYPES:
+        save = harness.synthetic(o.size, o.keys, o.files, dtype=dtype)
+        inputs[dtype] = harness.synthetic_info(save)
+        iteration, names, data_bytes[dtype] = harness.iteration_files(save)
+        check = ("check", "--isolated", "-q", "--jobs", "1")
+        cases = {
+            f"cat {dtype}": Case(harness.cat_command(iteration, names)),
+            f"check {dtype}": Case(ckptdoctor(*check, str(save))),
+            f"check --deep {dtype}": Case(ckptdoctor(*check, "--deep", str(save))),
+            f"check --health {dtype}": Case(ckptdoctor(*check, "--health", str(save))),
+        }
+        group = alternate(cases, o.repeats, o.timeout)
+        failures = failures or bool(group.failures)
+        groups[dtype] = group.summary()
+        ratios[f"--health / --deep, {dtype}"] = group.ratio(f"check --health {dtype}", f"check --deep {dtype}")
+        ratios[f"--deep / cat, {dtype}"] = group.ratio(f"check --deep {dtype}", f"cat {dtype}")
+        ratios[f"health pass / deep pass (minus non-deep check), {dtype}"] = harness.spread(
+            [
+                (h - n) / (d - n)
+                for h, d, n in zip(
+                    group.per_round(f"check --health {dtype}"),
+                    group.per_round(f"check --deep {dtype}"),
+                    group.per_round(f"check {dtype}"),
+                )
+            ]
+        )
+    doc = recorder.write(
+        {"size": o.size, "inputs": inputs, "data_bytes": data_bytes, "groups": groups, "ratios": ratios}
+    )
+    print(harness.header(json.loads(doc.read_text())) + "\n")
+    print(render(json.loads(doc.read_text())))
+    return 1 if failures else 0
+
+
+def render(doc: dict) -> str:
+    lines = [
+        "| command | data | wall s, median [min–max] | CPU s (median) | peak RSS MB |",
+        "|---|---|---|---|---|",
+    ]
+    for dtype, group in doc["groups"].items():
+        gb = doc["data_bytes"][dtype] / 1e9
+        for label, c in group["cases"].items():
+            lines.append(
+                f"| `{label}` | {gb:.2f} GB | {fmt_spread(c['seconds'])} | {c['cpu_s']['median']:.3f} "
+                f"| {c['peak_rss_mb']:.0f} |"
+            )
+    lines += ["", "| ratio (wall, per round) | median [min–max] |", "|---|---|"]
+    for name, r in doc["ratios"].items():
+        lines.append(f"| {name} | {fmt_spread(r, spec='.2f')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Plain PyTorch DCP checkpoints (no Megatron ``metadata.json``): which writer's conventions a state dict follows.
+
+``torch.distributed.checkpoint.save`` with its default planner flattens the nested state dict into dotted keys and
+records the mapping in ``.metadata``'s ``planner_data`` (Megatron's torch_dist saves with
+``flatten_state_dict=False``: its ``planner_data`` is None). The flavours told apart here, from keys alone:
+
+- Megatron-LM ``--ckpt-format torch_dcp``: ``generate_state_dict``'s dict saved by DCP itself, so ``args`` and
+  ``iteration`` are top-level bytes items and the model is ``model.<name>`` (``model<i>.`` per VPP chunk).
+- Megatron-FSDP ``--ckpt-format fsdp_dtensor``: the same top-level items, with megatron-core's
+  ``fsdp_dtensor_checkpoint`` preprocessing: SwiGLU ``linear_fc1`` split into ``<name>_w``/``<name>_v`` halves
+  (``handle_swiglu_in_state_dict``), grouped experts as ``weight<E>``, MTP layers under ``mtp.layers``.
+- FSDP2 / TorchTitan: ``model.``/``optimizer.`` from ``get_model_state_dict``/``get_optimizer_state_dict``, and
+  TorchTitan's ``train_state``, ``dataloader.*`` (one entry per data-parallel rank) and ``lr_scheduler``.
+- generic: any other ``dcp.save``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+FLAVOUR_TORCH_DCP = "torch_dcp"
+FLAVOUR_FSDP_DTENSOR = "fsdp_dtensor"
+FLAVOUR_FSDP2 = "fsdp2"
+FLAVOUR_GENERIC = "generic"
+
+FLAVOUR_NAMES = {
+    FLAVOUR_TORCH_DCP: "Megatron-LM torch_dcp",
+    FLAVOUR_FSDP_DTENSOR: "Megatron-FSDP fsdp_dtensor",
+    FLAVOUR_FSDP2: "FSDP2 / TorchTitan",
+    FLAVOUR_GENERIC: "plain PyTorch DCP",
+}
+
+# the items Megatron-LM's generate_state_dict puts beside the model, which torch_dcp / fsdp_dtensor load first
+MEGATRON_TOP_ITEMS = ("args", "iteration")
+MEGATRON_COMMON_ITEMS = ("args", "checkpoint_version", "iteration", "num_floating_point_operations_so_far")
+# megatron-core's handle_swiglu_in_state_dict: fc1 weight (or bias) cut into its gate and up halves
+_SWIGLU_SPLIT_RE = re.compile(r"\.linear_fc1\.(weight|bias)[0-9]*_[wv]\Z")
+
+# TorchTitan names a checkpoint dir step-<N> under the save dir (CheckpointManager._create_checkpoint_id)
+STEP_DIR_RE = re.compile(r"^step-([0-9]+)\Z")
+
+_TOP_LEVEL_SECTIONS = (
+    ("optimizer.", "optimizer"),
+    ("optimizer_", "optimizer"),
+    ("rng_state", "rng"),
+    ("rerun_state_machine", "rerun"),
+)
+_FSDP2_MARKERS = ("model.", "optimizer.", "train_state", "dataloader.", "lr_scheduler")
+
+
+def is_megatron(flavour: str | None) -> bool:
+    """Whether a flavour is Megatron-LM's (its state dict holds args and iteration)."""
+    return flavour in (FLAVOUR_TORCH_DCP, FLAVOUR_FSDP_DTENSOR)
+
+
+def flavour_of(kinds: dict[str, str]) -> str:
+    """The flavour of a plain DCP state dict, given each flattened key's kind (``tensor`` or ``bytes``)."""
+    if all(kinds.get(name) == "bytes" for name in MEGATRON_TOP_ITEMS):
+        if any(_SWIGLU_SPLIT_RE.search(key) for key in kinds):
+            return FLAVOUR_FSDP_DTENSOR
+        return FLAVOUR_TORCH_DCP
+    if any(key.startswith(_FSDP2_MARKERS) for key in kinds):
+        return FLAVOUR_FSDP2
+    return FLAVOUR_GENERIC
+
+
+def megatron_flavour(flavour: str, args: dict) -> str:
+    """A Megatron-LM flavour told from keys, corrected by the saved args: a Megatron-FSDP save without SwiGLU has
+    no ``_w``/``_v`` keys, but its args say ``ckpt_format='fsdp_dtensor'`` (or ``use_megatron_fsdp``)."""
+    if args.get("ckpt_format") == FLAVOUR_FSDP_DTENSOR or args.get("use_megatron_fsdp") is True:
+        return FLAVOUR_FSDP_DTENSOR
+    if args.get("ckpt_format") == FLAVOUR_TORCH_DCP:
+        return FLAVOUR_TORCH_DCP
+    return flavour
+
+
+def section_of(key: str, flavour: str) -> str:
+    """A flattened key's section: ``model.`` (``model<i>.``) is the model, ``optimizer.`` the optimizer, the RNG and
+    rerun states theirs, and the rest (train state, dataloader, scheduler, args) ``other``; in a generic save
+    without a ``model.`` prefix every key but the optimizer's is a model key."""
+    for prefix, section in _TOP_LEVEL_SECTIONS:
+        if key.startswith(prefix):
+            return section
+    if flavour == FLAVOUR_GENERIC:
+        return "model"
+    head = key.split(".", 1)[0]
+    if head == "model" or (head.startswith("model") and head[5:].isdigit()):
+        return "model"
+    return "other"
+
+
+def has_planner_mapping(planner_data: object) -> bool:
+    """Whether ``.metadata``'s ``planner_data`` is the flattening map of DCP's default planner (plain DCP), not
+    Megatron torch_dist's None."""
+    return isinstance(planner_data, dict) and bool(planner_data)
+
+
+def step_number(name: str) -> int | None:
+    """The step of a TorchTitan ``step-<N>`` dir name; None for any other name."""
+    match = STEP_DIR_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def per_rank_keys(keys: Iterable[str]) -> list[str]:
+    """Keys that hold one rank's private state (TorchTitan's ``dataloader.dp_rank_<r>``): DCP loads them only at
+    the world size that wrote them."""
+    return [key for key in keys if key.startswith("dataloader.")]

@@ -1,0 +1,639 @@
+"""``check --health``: per-key statistics of tensor values, exact and the same at any layout of one saved state.
+
+Fed one chunk at a time during ``check --deep``'s streaming pass (the raw bytes of the chunk's storage record, no
+torch; numpy does the work), it keeps per key, and per slice of a stacked tensor (one layer of
+``decoder.layers.*``, one expert of ``experts.experts.*``): the element count, finite count, zeros, NaN, Inf,
+min, max, the sum and the sum of squares, and a fingerprint.
+
+Order independence is by exact arithmetic, not by a fixed order: an IEEE value is ``±m * 2^(E - bias - p)``
+(``m`` the significand with its implicit bit, ``E`` the biased exponent, at least 1), so the sum of a chunk is
+``Σ_E 2^(E-1) * Σ{±m of the elements with exponent E}`` scaled by one constant per dtype. The inner sums are
+``numpy.bincount`` over ``E`` of the significand cut in 12-bit limbs (weights below 2^24, at most
+:data:`SLAB_ELEMENTS` of them: every partial sum is an integer below 2^53, so float64 adds it exactly in any
+order); squares use the limbs' pairwise products. The totals are Python integers, so chunks merge in any order,
+in any worker, to the same bits: mean, std and the L2 norm are computed once from them, correctly rounded.
+
+The fingerprint is the sum mod 2^64 of ``c^i * h(bits)`` over the elements (``i`` the index in the slice, ``c``
+odd, ``h`` one-to-one: :func:`_value_hashes`): equal slices have equal fingerprints wherever their chunks lie,
+and one changed value always changes it (``c^i`` is odd, so a different hash changes the sum). A key's
+fingerprint combines its slices' fingerprints with their indices. One- and two-byte dtypes (bfloat16, float16)
+are counted by bit pattern: one ``bincount`` over the elements, the sums then over the 2^16 patterns; float32 by
+its upper halves (:func:`_by_upper_half`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptdoctor.errors import MissingExtraError
+from ckptdoctor.numpy_lazy import numpy_or_none
+
+SLAB_ELEMENTS = 1 << 22  # elements hashed and summed at once: exact sums need < 2^29, memory tens of MB
+_MASK64 = (1 << 64) - 1
+_LIMB = 12  # bits per significand limb: a product of two limbs is below 2^24
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How one dtype's elements decode: IEEE float (exponent and fraction bits) or integer (signed or not)."""
+
+    itemsize: int
+    exponent_bits: int = 0  # 0: an integer dtype
+    fraction_bits: int = 0
+    signed: bool = True
+
+    @property
+    def is_float(self) -> bool:
+        return self.exponent_bits > 0
+
+    @property
+    def scale(self) -> int:
+        """log2 of the factor that makes every finite value an integer (the smallest subnormal's exponent)."""
+        if not self.is_float:
+            return 0
+        bias = (1 << (self.exponent_bits - 1)) - 1
+        return bias + self.fraction_bits - 1
+
+    @property
+    def significand_bits(self) -> int:
+        return self.fraction_bits + 1 if self.is_float else self.itemsize * 8
+
+
+KINDS: dict[str, _Kind] = {
+    "torch.float16": _Kind(2, 5, 10),
+    "torch.bfloat16": _Kind(2, 8, 7),
+    "torch.float32": _Kind(4, 8, 23),
+    "torch.float64": _Kind(8, 11, 52),
+    "torch.int8": _Kind(1),
+    "torch.int16": _Kind(2),
+    "torch.int32": _Kind(4),
+    "torch.int64": _Kind(8),
+    "torch.uint8": _Kind(1, signed=False),
+    "torch.bool": _Kind(1, signed=False),
+}
+
+
+def require_numpy() -> Any:
+    """numpy, or the one clear error ``check --health`` gives without it."""
+    numpy = numpy_or_none()
+    if numpy is None:
+        raise MissingExtraError("numpy", "torch", "check --health (tensor statistics)")
+    return numpy
+
+
+@dataclass
+class Moments:
+    """Exact running statistics of one slice (or one key): plain integers and floats, merged in any order."""
+
+    count: int = 0
+    finite: int = 0
+    zeros: int = 0
+    nan: int = 0
+    inf: int = 0
+    total: int = 0  # sum of the finite values x 2^scale
+    total_sq: int = 0  # sum of their squares x 2^(2 scale)
+    low: float | None = None  # smallest finite value
+    high: float | None = None
+    fingerprint: int = 0  # sum mod 2^64 of the hashes of (index in the slice, value bits)
+
+    def merge(self, other: Moments) -> None:
+        self.count += other.count
+        self.finite += other.finite
+        self.zeros += other.zeros
+        self.nan += other.nan
+        self.inf += other.inf
+        self.total += other.total
+        self.total_sq += other.total_sq
+        if other.low is not None:
+            self.low = other.low if self.low is None else min(self.low, other.low)
+        if other.high is not None:
+            self.high = other.high if self.high is None else max(self.high, other.high)
+        self.fingerprint = (self.fingerprint + other.fingerprint) & _MASK64
+
+    @property
+    def all_zero(self) -> bool:
+        return self.count > 0 and self.zeros == self.count
+
+
+def stack_axes(key: str) -> tuple[str, ...]:
+    """The leading axes of a key that stack independent tensors: ``layer`` (``...layers.<not a number>...``, the
+    layer axis Megatron prepends) and then ``expert`` (``experts.experts.``: SequentialMLP's experts, global shape
+    ``[L, E, ...]`` or ``[E, ...]`` in per-layer keys). Optimizer keys in model space stack as their parameter."""
+    axes: list[str] = []
+    if re.search(r"(^|\.)layers\.(?!\d+\.)", key):
+        axes.append("layer")
+    if "experts.experts." in key:
+        axes.append("expert")
+    return tuple(axes)
+
+
+@dataclass
+class KeyStats:
+    """One key's statistics: per slice of its stacked axes (the whole key when it has none)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]  # the stacked axes, leading (``layer``, ``expert``)
+    slices: dict[tuple[int, ...], Moments] = field(default_factory=dict)
+
+    def merge(self, other: KeyStats) -> None:
+        for index, moments in other.slices.items():
+            mine = self.slices.get(index)
+            if mine is None:
+                self.slices[index] = moments
+            else:
+                mine.merge(moments)
+
+    def whole(self) -> Moments:
+        """The key's statistics: its slices merged, the fingerprint combining each slice's with its index."""
+        out = Moments()
+        fingerprint = 0
+        for index, moments in self.slices.items():
+            out.merge(moments)
+            flat = 0
+            for position, size in zip(index, self.shape):
+                flat = flat * size + position
+            fingerprint += _mix(flat ^ _mix(moments.fingerprint))
+        out.fingerprint = fingerprint & _MASK64
+        return out
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser on a Python integer."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class HealthScan:
+    """Statistics of every tensor chunk fed to :meth:`scan`; one per data file (a worker's partial result, plain
+    data to pickle back), merged with :meth:`merge`."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, KeyStats] = {}
+
+    def merge(self, other: HealthScan) -> None:
+        for key, stats in other.keys.items():
+            mine = self.keys.get(key)
+            if mine is None:
+                self.keys[key] = stats
+            else:
+                mine.merge(stats)
+
+    def scan(
+        self,
+        key: str,
+        dtype: str | None,
+        shape: tuple[int, ...] | None,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        data: Any,
+        view: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None,
+    ) -> None:
+        """Add one chunk: ``data`` holds its storage record's bytes, ``view`` its (storage offset, size, stride)
+        (None: the first elements in row-major order)."""
+        kind = KINDS.get(dtype or "")
+        if kind is None or shape is None or len(offsets) != len(shape):
+            return
+        np = require_numpy()
+        values = _chunk_array(np, kind, data, sizes, view)
+        if values is None:
+            return
+        stats = self.keys.get(key)
+        if stats is None:
+            axes = stack_axes(key)
+            if len(axes) >= len(shape):
+                axes = ()
+            stats = self.keys[key] = KeyStats(dtype or "", tuple(shape), axes)
+        k = len(stats.axes)
+        inner_shape = stats.shape[k:]
+        inner_origin = tuple(offsets[k:])
+        for local in itertools.product(*(range(n) for n in sizes[:k])):
+            index = tuple(o + i for o, i in zip(offsets[:k], local))
+            moments = stats.slices.get(index)
+            if moments is None:
+                moments = stats.slices[index] = Moments()
+            part = values[local] if k else values
+            for slab, origin in _slabs(part, inner_origin):
+                _add(np, kind, moments, slab, origin, inner_shape)
+
+
+def _chunk_array(np: Any, kind: _Kind, data: Any, sizes: tuple[int, ...], view: Any) -> Any:
+    """The chunk's elements as unsigned integers of the element's width (their bits), shaped ``sizes``."""
+    unsigned = np.dtype(f"<u{kind.itemsize}")
+    numel = math.prod(sizes)
+    nbytes = memoryview(data).nbytes
+    if view is None or (view[0] == 0 and _row_major(view[1], view[2])):
+        if numel * kind.itemsize > nbytes:
+            return None
+        return np.frombuffer(data, dtype=unsigned, count=numel).reshape(sizes)
+    offset, size, stride = view
+    flat = np.frombuffer(data, dtype=unsigned, count=nbytes // kind.itemsize)
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride)) if numel else offset
+    if offset < 0 or any(s < 0 for s in stride) or last >= len(flat):
+        return None
+    return np.lib.stride_tricks.as_strided(
+        flat[offset:], shape=tuple(size), strides=tuple(s * kind.itemsize for s in stride), writeable=False
+    )
+
+
+def _row_major(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    step = 1
+    for n, gap in zip(reversed(size), reversed(stride)):
+        if n != 1 and gap != step:
+            return False
+        step *= n
+    return True
+
+
+def _slabs(part: Any, origin: tuple[int, ...]) -> Any:
+    """Sub-arrays of ``part`` of at most :data:`SLAB_ELEMENTS` elements, each with its first element's index."""
+    if part.size <= SLAB_ELEMENTS or part.ndim == 0:
+        yield part, origin
+        return
+    dim = next(i for i, n in enumerate(part.shape) if n > 1)
+    step = max(1, SLAB_ELEMENTS // max(part.size // part.shape[dim], 1))
+    for start in range(0, part.shape[dim], step):
+        sub = part[(slice(None),) * dim + (slice(start, start + step),)]
+        yield from _slabs(sub, tuple(o + (start if i == dim else 0) for i, o in enumerate(origin)))
+
+
+_HISTOGRAM_MIN = 1 << 12  # elements from which 2-byte dtypes are counted by bit pattern (one bincount; 1-byte: always)
+_SPLIT = 26  # float64 holds a significand below 2^26, and its square split at 2^26, with room for 2^22 additions
+
+
+def _add(np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...]) -> None:
+    """Add the elements ``bits`` (unsigned, at ``origin`` of a slice of ``shape``) to ``moments``."""
+    n = int(bits.size)
+    if not n:
+        return
+    moments.count += n
+    moments.fingerprint = (moments.fingerprint + _fingerprint(np, kind, bits, origin, shape)) & _MASK64
+    flat = bits.reshape(-1)
+    if kind.itemsize == 1 or (kind.itemsize == 2 and n >= _HISTOGRAM_MIN):
+        part = _by_histogram(np, kind, flat)
+    elif kind == KINDS["torch.float32"] and n >= _HISTOGRAM_MIN:
+        part = _Part()
+        for start in range(0, n, _UPPER_HALF_SLAB):
+            _merge_part(part, _by_upper_half(np, flat[start : start + _UPPER_HALF_SLAB]))
+    else:
+        part = _by_element(np, kind, flat)
+    if part.finite:
+        moments.low = part.low if moments.low is None else min(moments.low, part.low)  # type: ignore[type-var]
+        moments.high = part.high if moments.high is None else max(moments.high, part.high)  # type: ignore[type-var]
+    moments.finite += part.finite
+    moments.zeros += part.zeros
+    moments.nan += part.nan
+    moments.inf += part.inf
+    moments.total += part.total
+    moments.total_sq += part.total_sq
+
+
+@dataclass
+class _Part:
+    """One slab's counts and exact sums (see :class:`Moments`)."""
+
+    finite: int = 0
+    zeros: int = 0
+    nan: int = 0
+    inf: int = 0
+    low: float | int | None = None
+    high: float | int | None = None
+    total: int = 0
+    total_sq: int = 0
+
+
+def _merge_part(part: _Part, other: _Part) -> None:
+    if other.finite:
+        part.low = other.low if part.low is None else min(part.low, other.low)  # type: ignore[type-var]
+        part.high = other.high if part.high is None else max(part.high, other.high)  # type: ignore[type-var]
+    part.finite += other.finite
+    part.zeros += other.zeros
+    part.nan += other.nan
+    part.inf += other.inf
+    part.total += other.total
+    part.total_sq += other.total_sq
+
+
+_UPPER_HALF_SLAB = 1 << 20  # float32 elements at once: the low halves' squares (< 2^32) sum below 2^52
+
+
+def _by_upper_half(np: Any, flat: Any) -> _Part:
+    """float32 by the count of each upper half (sign, exponent, 7 fraction bits: 2^16 bins), with the sums of the
+    lower halves ``l`` and of their squares per bin: each value is ``±(a 2^16 + l) 2^bucket`` with ``a`` fixed by
+    the bin, so a bin's sum is ``c a 2^16 + Σl`` and its sum of squares ``c a² 2^32 + 2 a Σl 2^16 + Σl²``. Three
+    bincounts over the elements; the rest over the bins, in int64 (every term below 2^53)."""
+    part = _Part()
+    upper = (flat >> np.uint32(16)).astype(np.intp)
+    lower = (flat & np.uint32(0xFFFF)).astype(np.float64)
+    counts = np.bincount(upper, minlength=1 << 16).reshape(2, 256, 128)  # sign, exponent, upper fraction
+    lows = np.bincount(upper, weights=lower, minlength=1 << 16).astype(np.int64).reshape(2, 256, 128)
+    lower *= lower
+    squares = np.bincount(upper, weights=lower, minlength=1 << 16).astype(np.int64).reshape(2, 256, 128)
+    bad = int(counts[:, 255, :].sum())
+    values = flat.view(np.float32)
+    if bad:  # NaN or Inf (rare): counted element-wise, left out of the sums
+        fraction = flat[(flat & np.uint32(0x7F800000)) == np.uint32(0x7F800000)] & np.uint32(0x7FFFFF)
+        part.nan = int(np.count_nonzero(fraction))
+        part.inf = bad - part.nan
+        values = values[np.isfinite(values)]
+    part.finite = int(flat.size) - bad
+    part.zeros = int(flat.size) - int(np.count_nonzero(flat & np.uint32(0x7FFFFFFF)))
+    if not part.finite:
+        return part
+    part.low, part.high = float(values.min()), float(values.max())
+    rows = np.flatnonzero(counts[:, :255, :].sum(axis=(0, 2)))  # the exponents present (a few dozen, not 255)
+    upper_fraction = np.arange(128, dtype=np.int64)[None, :] + (rows[:, None] > 0) * 128
+    c, low_sums, low_squares = counts[:, rows, :], lows[:, rows, :], squares[:, rows, :]
+    sums_a = (c * upper_fraction).sum(axis=2)  # Σ c a per (sign, exponent)
+    sums_l = low_sums.sum(axis=2)
+    squares_a = (c * upper_fraction * upper_fraction).sum(axis=2)
+    cross = (low_sums * upper_fraction).sum(axis=2)
+    squares_l = low_squares.sum(axis=2)
+    for row, exponent in enumerate(rows):
+        shift = max(int(exponent), 1) - 1
+        for sign, factor in ((0, 1), (1, -1)):
+            total = (int(sums_a[sign, row]) << 16) + int(sums_l[sign, row])
+            square = (int(squares_a[sign, row]) << 32) + (int(cross[sign, row]) << 17)
+            part.total += factor * (total << shift)
+            part.total_sq += (square + int(squares_l[sign, row])) << (2 * shift)
+    return part
+
+
+_TABLES: dict[_Kind, tuple[Any, Any]] = {}  # kind -> (value of each bit pattern, whether it is finite)
+
+
+def _pattern_table(np: Any, kind: _Kind) -> tuple[Any, Any]:
+    """Every bit pattern of a 1- or 2-byte dtype: its value (float64 or int64) and whether it is finite."""
+    table = _TABLES.get(kind)
+    if table is None:
+        patterns = np.arange(1 << (8 * kind.itemsize), dtype=np.uint64).astype(f"<u{kind.itemsize}")
+        if kind.is_float:
+            with np.errstate(invalid="ignore"):  # NaN patterns widen to NaN
+                values = _float_values(np, kind, patterns).astype(np.float64)
+            table = (values, np.isfinite(values))
+        else:
+            values = patterns.view(f"<i{kind.itemsize}") if kind.signed else patterns
+            table = (values.astype(np.int64), np.ones(len(values), dtype=bool))
+        _TABLES[kind] = table
+    return table
+
+
+def _by_histogram(np: Any, kind: _Kind, flat: Any) -> _Part:
+    """A 1- or 2-byte dtype's slab from the count of each bit pattern: one pass over the elements, then work on the
+    2^8 or 2^16 patterns. Exact in int64: every sum is at most 2^22 elements times a square below 2^44."""
+    values, finite_mask = _pattern_table(np, kind)
+    counts = np.bincount(flat, minlength=len(values))
+    part = _Part()
+    present = (counts > 0) & finite_mask
+    if kind.is_float:
+        eb, fb = kind.exponent_bits, kind.fraction_bits
+        grid = counts.reshape(2, 1 << eb, 1 << fb)  # sign, exponent, fraction
+        top = (1 << eb) - 1
+        part.inf = int(grid[:, top, 0].sum())
+        part.nan = int(grid[:, top, 1:].sum())
+        part.zeros = int(grid[:, 0, 0].sum())
+        rows = np.flatnonzero(grid[:, :top, :].sum(axis=(0, 2)))  # the exponents present
+        significand = np.arange(1 << fb, dtype=np.int64)[None, :] + (rows[:, None] > 0) * (1 << fb)
+        finite = grid[:, rows, :]
+        sums = (finite * significand).sum(axis=2)  # (sign, exponent)
+        squares = (finite * significand * significand).sum(axis=2)
+        for row, exponent in enumerate(rows):
+            shift = max(int(exponent), 1) - 1
+            part.total += (int(sums[0, row]) - int(sums[1, row])) << shift
+            part.total_sq += (int(squares[0, row]) + int(squares[1, row])) << (2 * shift)
+    else:
+        part.zeros = int(counts[0])
+        part.total = int((counts * values).sum())
+        part.total_sq = int((counts * values * values).sum())
+    part.finite = int(counts.sum()) - part.nan - part.inf
+    if part.finite:
+        shown = values[present]
+        low, high = shown.min(), shown.max()
+        part.low, part.high = (float(low), float(high)) if kind.is_float else (int(low), int(high))
+    return part
+
+
+def _by_element(np: Any, kind: _Kind, flat: Any) -> _Part:
+    """A slab element by element: sums per exponent by ``numpy.bincount`` (see the module doc)."""
+    part = _Part()
+    width = kind.itemsize * 8
+    sign_bit = 1 << (width - 1)
+    buckets = None
+    if kind.is_float:
+        top = (1 << kind.exponent_bits) - 1
+        exponent = (flat >> kind.fraction_bits) & top
+        non_finite = exponent == top
+        bad = int(np.count_nonzero(non_finite))
+        if bad:
+            nan = int(np.count_nonzero(flat[non_finite] & ((1 << kind.fraction_bits) - 1)))
+            part.nan, part.inf = nan, bad - nan
+            keep = ~non_finite
+            flat, exponent = flat[keep], exponent[keep]
+        part.finite = int(flat.size)
+        part.zeros = part.finite - int(np.count_nonzero(flat & (sign_bit - 1)))
+        negative = flat >= sign_bit
+        buckets = exponent.astype(np.intp)
+        np.maximum(buckets, 1, out=buckets)
+        buckets -= 1  # the value is ±significand * 2^(bucket - scale)
+        values = _float_values(np, kind, flat)
+        if kind.significand_bits <= _SPLIT:
+            significand = (flat & ((1 << kind.fraction_bits) - 1)).astype(np.float64)
+            np.add(significand, float(1 << kind.fraction_bits), out=significand, where=exponent > 0)
+        else:
+            significand = (flat & ((1 << kind.fraction_bits) - 1)).astype(np.int64)
+            significand += (exponent > 0).astype(np.int64) << kind.fraction_bits
+    else:
+        part.finite = int(flat.size)
+        part.zeros = part.finite - int(np.count_nonzero(flat))
+        if kind.signed:
+            signed = flat.view(f"<i{kind.itemsize}")
+            negative = signed < 0
+            significand = np.abs(signed.astype(np.int64)) if kind.itemsize < 8 else _abs64(np, signed)
+            values = signed
+        else:
+            negative = np.zeros(flat.shape, dtype=bool)
+            significand = flat.astype(np.uint64 if kind.itemsize == 8 else np.int64)
+            values = flat
+    if part.finite:
+        low, high = values.min(), values.max()
+        part.low, part.high = (float(low), float(high)) if kind.is_float else (int(low), int(high))
+        if significand.dtype == np.float64:
+            part.total, part.total_sq = _split_sums(np, kind, significand, negative, buckets)
+        else:
+            part.total, part.total_sq = _exact_sums(np, kind, significand, negative, buckets)
+    return part
+
+
+def _split_sums(np: Any, kind: _Kind, significand: Any, negative: Any, buckets: Any) -> tuple[int, int]:
+    """(Σ ±m 2^bucket, Σ m² 2^(2 bucket)) for significands below 2^26 held in float64: three weighted bincounts,
+    the squares (exact below 2^52) split at 2^26, so every bucket's sum of at most 2^22 stays below 2^53."""
+    length = 1 << kind.exponent_bits
+    square = significand * significand
+    high = np.floor(square * (1.0 / (1 << _SPLIT)))
+    low = square - high * float(1 << _SPLIT)
+    np.negative(significand, out=significand, where=negative)
+    sums = np.bincount(buckets, weights=significand, minlength=length)
+    highs = np.bincount(buckets, weights=high, minlength=length)
+    lows = np.bincount(buckets, weights=low, minlength=length)
+    total = total_sq = 0
+    for bucket in np.flatnonzero(highs + lows):
+        total += int(sums[bucket]) << int(bucket)
+        total_sq += ((int(highs[bucket]) << _SPLIT) + int(lows[bucket])) << (2 * int(bucket))
+    return total, total_sq
+
+
+def _abs64(np: Any, signed: Any) -> Any:
+    """|x| of int64 elements as uint64 (|-2^63| included)."""
+    unsigned = signed.view(np.uint64)
+    return np.where(signed < 0, (~unsigned) + np.uint64(1), unsigned)
+
+
+def _float_values(np: Any, kind: _Kind, bits: Any) -> Any:
+    """The elements as numpy floats (bfloat16 widened to float32 by its bits), for min and max."""
+    if kind.itemsize == 2 and kind.exponent_bits == 8:
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    return bits.view({2: np.float16, 4: np.float32, 8: np.float64}[kind.itemsize])
+
+
+def _exact_sums(np: Any, kind: _Kind, significand: Any, negative: Any, buckets: Any) -> tuple[int, int]:
+    """(Σ ±m 2^bucket, Σ m² 2^(2 bucket)) as exact integers for wide significands (float64, 32- and 64-bit
+    integers): bincounts of 12-bit limbs and of their pairwise products (see the module doc)."""
+    limbs = []
+    remaining = significand
+    mask = (1 << _LIMB) - 1
+    for _ in range(-(-kind.significand_bits // _LIMB)):
+        limbs.append((remaining & mask).astype(np.float64))
+        remaining = remaining >> _LIMB
+    sign = np.where(negative, -1.0, 1.0)
+    minlength = (1 << kind.exponent_bits) if kind.is_float else 1
+
+    def summed(weights: Any) -> list[int]:
+        if buckets is None:
+            return [int(weights.sum())]
+        return [int(x) for x in np.bincount(buckets, weights=weights, minlength=minlength)]
+
+    total = 0
+    for i, limb in enumerate(limbs):
+        for bucket, s in enumerate(summed(limb * sign)):
+            if s:
+                total += s << (bucket + _LIMB * i)
+    total_sq = 0
+    for i, a in enumerate(limbs):
+        for j in range(i, len(limbs)):
+            product = a * limbs[j]
+            factor = 1 if i == j else 2
+            for bucket, s in enumerate(summed(product)):
+                if s:
+                    total_sq += (factor * s) << (2 * bucket + _LIMB * (i + j))
+    return total, total_sq
+
+
+# splitmix64's constants: the golden-ratio increment (also the fingerprint's odd base) and the finaliser multipliers
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+_HASHES: list[Any] = []  # splitmix64 of every 16-bit pattern: 1- and 2-byte elements hash by one lookup
+
+
+def _value_hashes(np: Any, kind: _Kind, bits: Any) -> Any:
+    """A hash of each element's bits, one-to-one (distinct bits, distinct hashes): splitmix64 by table lookup for
+    1- and 2-byte elements and computed for 8-byte ones; for 4-byte ones a 32-bit multiply-xorshift (a bijection,
+    at a third of splitmix64's cost on uint64)."""
+    if kind.itemsize <= 2:
+        if not _HASHES:
+            _HASHES.append(_splitmix(np, np.arange(1 << 16, dtype=np.uint64)))
+        return _HASHES[0][bits]
+    if kind.itemsize == 4:
+        x = bits * np.uint32(0x9E3779B1)
+        x ^= x >> np.uint32(16)
+        return x
+    return _splitmix(np, bits.astype(np.uint64))
+
+
+def _splitmix(np: Any, x: Any) -> Any:
+    """splitmix64 of each element of the uint64 array ``x`` (in place)."""
+    x += np.uint64(_GOLDEN)
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(_M1)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(_M2)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def _fingerprint(np: Any, kind: _Kind, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """Σ c^i h(v_i) mod 2^64 over the elements ``bits`` at ``origin`` of a slice of ``shape`` (``i`` the index in
+    the slice, row-major; ``c`` odd; ``h`` splitmix64 of the bits). ``c^i`` is the product over dims of
+    ``(c^stride)^position``, so the sum contracts one axis at a time with a vector of powers: two passes."""
+    acc = _value_hashes(np, kind, bits)
+    stride = 1
+    for dim in range(len(shape) - 1, -1, -1):
+        base = pow(_GOLDEN, stride, 1 << 64)
+        powers = np.full(bits.shape[dim], base, dtype=np.uint64)
+        powers[0] = pow(base, origin[dim], 1 << 64)
+        np.multiply.accumulate(powers, out=powers)
+        acc = (acc.astype(np.uint64, copy=False) * powers).sum(axis=-1, dtype=np.uint64)
+        stride *= shape[dim]
+    return int(acc)
+
+
+@dataclass(frozen=True)
+class KeyHealth:
+    """One key's statistics as ``check --health`` reports them (JSON ``health[].keys[]``)."""
+
+    key: str
+    dtype: str
+    shape: list[int]
+    count: int
+    finite: int
+    zeros: int
+    nan: int
+    inf: int
+    min: float | int | None
+    max: float | int | None
+    mean: float | None
+    std: float | None
+    l2: float | None
+    fingerprint: str  # 16 hex digits
+
+
+def summarise(key: str, stats: KeyStats) -> KeyHealth:
+    """The reported statistics of one key, computed once from its exact totals (correctly rounded)."""
+    whole = stats.whole()
+    kind = KINDS[stats.dtype]
+    n, scale = whole.finite, kind.scale
+    mean = std = l2 = None
+    if n:
+        mean = _ratio(whole.total, n << scale)
+        variance = n * whole.total_sq - whole.total * whole.total  # n^2 2^(2 scale) times the variance
+        std = math.sqrt(_ratio(max(variance, 0), (n * n) << (2 * scale)))
+        l2 = math.sqrt(_ratio(whole.total_sq, 1 << (2 * scale)))
+    return KeyHealth(
+        key,
+        stats.dtype,
+        list(stats.shape),
+        whole.count,
+        whole.finite,
+        whole.zeros,
+        whole.nan,
+        whole.inf,
+        whole.low,
+        whole.high,
+        mean,
+        std,
+        l2,
+        f"{whole.fingerprint:016x}",
+    )
+
+
+def _ratio(numerator: int, denominator: int) -> float:
+    try:
+        return numerator / denominator  # Python's int division: correctly rounded
+    except OverflowError:
+        return math.inf if numerator > 0 else -math.inf

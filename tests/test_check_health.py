@@ -1,0 +1,420 @@
+"""``check --health``: exact per-key statistics and fingerprints in ``--deep``'s one pass, and the health rules
+(CKD5xx), on fixtures saved by real megatron-core (two of them damaged before the save) and on copies of
+fixtures whose tensors are re-saved with changed values."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Callable
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from ckptdoctor import numpy_lazy
+from ckptdoctor.checkpoint import open_checkpoint
+from ckptdoctor.cli import main
+from ckptdoctor.formats.torch_dist import (
+    StorageLocation,
+    dump_metadata_object,
+    index_fqn,
+    load_metadata_object,
+    record_attr,
+    set_storage,
+    storage_items,
+)
+from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
+from ckptdoctor.values.health import KINDS, HealthScan, summarise
+from ckptdoctor.values.read import read_tensor
+from tests.conftest import FIXTURES, fixture_names
+
+np = pytest.importorskip("numpy")
+
+ITER = "iter_0000010"
+EXPERT_FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+EXPERT_FC2 = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+DAMAGED = {"core019_moe_zero_expert_ep2", "core019_moe_dup_expert_ep2"}
+
+
+def _check(capsys, *args: str) -> tuple[int, dict]:
+    rc = main(["check", "--isolated", "--format", "json", *args])
+    out, _ = capsys.readouterr()
+    return rc, json.loads(out)
+
+
+def _health_codes(report: dict) -> list[str]:
+    return [f["code"] for f in report["findings"] if f["code"].startswith("CKD5")]
+
+
+def _stats(report: dict) -> dict[str, dict]:
+    (checkpoint,) = report["health"]
+    return {k["key"]: k for k in checkpoint["keys"]}
+
+
+def _edit_metadata(iteration_dir: Path, edit: Callable[[object], None]) -> None:
+    path = iteration_dir / ".metadata"
+    metadata = load_metadata_object(path)
+    edit(metadata)
+    path.write_bytes(dump_metadata_object(metadata))
+
+
+def _rewrite_tensor(
+    iteration_dir: Path, key: str, change: Callable[[bytes], bytes], chunk: tuple[int, ...] | None = None
+) -> None:
+    """Re-save every chunk of ``key`` (or the one at offsets ``chunk``) with ``change`` applied to its storage bytes
+    (appended to its data file)."""
+    metadata = load_metadata_object(iteration_dir / ".metadata")
+    moved = {}
+    for index, info in storage_items(metadata).items():
+        if index_fqn(index) != key or (chunk is not None and _offset(index) != chunk):
+            continue
+        path = iteration_dir / info.relative_path
+        ref = load_torch_zip(path.read_bytes()[info.offset : info.offset + info.length], key)
+        ref.storage.set_data(change(ref.storage.data()))
+        blob = dump_torch_zip(ref)
+        offset = path.stat().st_size
+        with open(path, "ab") as f:
+            f.write(blob)
+        moved[_where(index)] = StorageLocation(info.relative_path, offset, len(blob))
+    assert moved, key
+
+    def edit(metadata: object) -> None:
+        for index, info in storage_items(metadata).items():
+            if _where(index) in moved:
+                set_storage(info, moved[_where(index)])
+
+    _edit_metadata(iteration_dir, edit)
+
+
+# --- the rules on the damaged fixtures and the healthy ones --------------------------------------------------
+
+
+def test_zeroed_expert_is_an_error(capsys):
+    rc, report = _check(capsys, "--health", str(FIXTURES / "core019_moe_zero_expert_ep2"))
+    assert rc == 1 and _health_codes(report) == ["CKD501", "CKD501"]
+    messages = sorted(f["message"] for f in report["findings"])
+    assert messages == [
+        f"{EXPERT_FC1}: layer 0 expert 1 all zero (1 of 8 slices)",
+        f"{EXPERT_FC2}: layer 0 expert 1 all zero (1 of 8 slices)",
+    ]
+    assert {f["severity"] for f in report["findings"]} == {"error"}
+
+
+def test_duplicated_expert_is_a_warning(capsys):
+    rc, report = _check(capsys, "--health", str(FIXTURES / "core019_moe_dup_expert_ep2"))
+    assert rc == 1 and _health_codes(report) == ["CKD502"]
+    (f,) = report["findings"]
+    assert f["severity"] == "warning"
+    assert f["message"] == "decoder.layers.mlp.experts (layer 0): experts 0, 1 are equal in every tensor"
+
+
+def test_health_rules_need_health(capsys):
+    """--deep alone reads the same chunks but neither computes statistics nor applies CKD5xx."""
+    rc, report = _check(capsys, "--deep", str(FIXTURES / "core019_moe_zero_expert_ep2"))
+    assert rc == 0 and "health" not in report
+
+
+@pytest.mark.parametrize("fixture", sorted(set(fixture_names()) - DAMAGED))
+def test_healthy_fixtures_have_no_health_finding(capsys, fixture):
+    rc, report = _check(capsys, "--health", "--select", "CKD5", str(FIXTURES / fixture))
+    assert rc == 0 and report["findings"] == []
+
+
+# --- statistics: exact, the same at any layout of one saved state -----------------------------------------
+
+
+def test_statistics_equal_across_a_megatron_reshard(capsys):
+    """core019_convert_tp4 is core019_convert_src_tp1's model loaded by megatron-core at TP=4 and saved again:
+    every statistic and fingerprint of every model key agrees, bit for bit."""
+    _, source = _check(capsys, "--health", str(FIXTURES / "core019_convert_src_tp1"))
+    _, resharded = _check(capsys, "--health", str(FIXTURES / "core019_convert_tp4"))
+    a, b = _stats(source), _stats(resharded)
+    model_keys = [k for k in b if not k.startswith("optimizer.")]
+    assert len(model_keys) >= 8 and all(k in a for k in model_keys)
+    for key in model_keys:
+        assert a[key] == b[key], key
+
+
+def test_statistics_do_not_depend_on_jobs(capsys):
+    path = str(FIXTURES / "core019_moe_ep2")
+    _, one = _check(capsys, "--health", "--jobs", "1", path)
+    _, two = _check(capsys, "--health", "--jobs", "2", path)
+    assert one["health"][0]["keys"] == two["health"][0]["keys"]
+
+
+def test_statistics_match_torch(capsys):
+    """count, zeros, min, max, mean, std and L2 norm against torch's float64 on the assembled tensors."""
+    torch = pytest.importorskip("torch")
+    path = FIXTURES / "core019_tp2"
+    _, report = _check(capsys, "--health", str(path))
+    stats = _stats(report)
+    checkpoint = open_checkpoint(path)
+    for key in ("decoder.layers.self_attention.linear_qkv.weight", "optimizer.state.exp_avg_sq.output_layer.weight"):
+        values = read_tensor(checkpoint, key).to(torch.float64)
+        got = stats[key]
+        assert got["count"] == values.numel() and got["zeros"] == int((values == 0).sum())
+        assert got["min"] == float(values.min()) and got["max"] == float(values.max())
+        assert math.isclose(got["mean"], float(values.mean()), rel_tol=1e-12, abs_tol=1e-300)
+        assert math.isclose(got["std"], float(values.std(unbiased=False)), rel_tol=1e-12)
+        assert math.isclose(got["l2"], float(values.norm()), rel_tol=1e-12)
+
+
+def test_fingerprint_changes_with_one_value(capsys, copy_fixture):
+    save = copy_fixture("core019_tp1")
+    key = "decoder.final_layernorm.weight"
+    _, before = _check(capsys, "--health", str(save))
+    # the first element's lowest mantissa bit flipped: the smallest change a float32 can make
+    _rewrite_tensor(save / ITER, key, lambda data: bytes([data[0] ^ 1]) + data[1:])
+    _, after = _check(capsys, "--health", str(save))
+    a, b = _stats(before), _stats(after)
+    assert a[key]["fingerprint"] != b[key]["fingerprint"]
+    assert a[key]["count"] == b[key]["count"]
+    assert all(a[k] == b[k] for k in a if k != key)
+
+
+def test_zero_padded_vocab_rows_are_not_flagged(capsys, copy_fixture):
+    """Rows of the embedding and output layer zeroed (as padded vocab rows are): not a zero weight, the tensor as a
+    whole is not zero."""
+    save = copy_fixture("core019_tp1")
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):  # [128, 32]: the last 28 rows zeroed
+        _rewrite_tensor(save / ITER, key, lambda data: data[: 100 * 32 * 4] + bytes(28 * 32 * 4))
+    rc, report = _check(capsys, "--health", "--select", "CKD5", str(save))
+    assert rc == 0 and report["findings"] == []
+    assert _stats(report)["output_layer.weight"]["zeros"] == 28 * 32
+
+
+def test_one_layer_at_init_while_the_other_moved(capsys, copy_fixture):
+    """Layer 0's qkv norm scale re-saved as 1.0078125 (moved); layer 1 left exactly as initialised: CKD505 for
+    layer 1. The fixtures themselves (every layer at its initialisation) get none: nothing moved."""
+    save = copy_fixture("core019_tp1")
+    key = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"  # [2, 32], a chunk per layer
+    _rewrite_tensor(save / ITER, key, lambda data: struct.pack("<32f", *[1.0078125] * 32), chunk=(0, 0))
+    rc, report = _check(capsys, "--health", str(save))
+    assert rc == 1 and _health_codes(report) == ["CKD505"]
+    assert report["findings"][0]["message"] == (
+        "layer 1: every norm scale exactly 1 and every bias 0, as initialised, while layer(s) 0 moved (never trained?)"
+    )
+
+
+# --- optimizer rules on re-saved copies ---------------------------------------------------------------------
+
+
+def _moment_keys(iteration_dir: Path) -> list[str]:
+    metadata = load_metadata_object(iteration_dir / ".metadata")
+    return [k for k in record_attr(metadata, "state_dict_metadata") if k.startswith("optimizer.state.exp_avg")]
+
+
+def test_optimizer_moments_all_zero_at_iteration_10(capsys, copy_fixture):
+    save = copy_fixture("core019_tp1")
+    for key in _moment_keys(save / ITER):
+        _rewrite_tensor(save / ITER, key, lambda data: bytes(len(data)))
+    rc, report = _check(capsys, "--health", str(save))
+    assert rc == 1 and _health_codes(report) == ["CKD510"]
+    assert "at iteration 10 (optimizer re-initialised?)" in report["findings"][0]["message"]
+
+
+def test_distributed_optimizer_buckets_all_zero_at_iteration_10(capsys, copy_fixture):
+    """The dp_reshardable buckets (optimizer.distributed...bucket_idx_*.exp_avg/exp_avg_sq) re-saved as zeros."""
+    save = copy_fixture("core019_tp2_dp2")
+    metadata = load_metadata_object(save / ITER / ".metadata")
+    keys = [
+        k
+        for k in record_attr(metadata, "state_dict_metadata")
+        if ".bucket_idx_" in k and k.endswith(("exp_avg", "exp_avg_sq"))
+    ]
+    assert keys
+    for key in keys:
+        _rewrite_tensor(save / ITER, key, lambda data: bytes(len(data)))
+    rc, report = _check(capsys, "--health", str(save))
+    assert rc == 1 and _health_codes(report) == ["CKD510"]
+    assert report["findings"][0]["message"].startswith(f"all {len(keys)} exp_avg/exp_avg_sq tensors are zero")
+
+
+def test_negative_second_moment(capsys, copy_fixture):
+    save = copy_fixture("core019_tp1")
+    key = "optimizer.state.exp_avg_sq.decoder.final_layernorm.weight"
+    _rewrite_tensor(save / ITER, key, lambda data: struct.pack("<f", -1.0) + data[4:])
+    rc, report = _check(capsys, "--health", str(save))
+    assert rc == 1 and _health_codes(report) == ["CKD511"]
+    assert report["findings"][0]["message"] == f"{key}: negative values (smallest -1)"
+
+
+def test_moment_missing_for_a_parameter(capsys, copy_fixture):
+    save = copy_fixture("core019_tp1")
+    dropped = "optimizer.state.exp_avg_sq.output_layer.weight"
+
+    def edit(metadata: object) -> None:
+        del record_attr(metadata, "state_dict_metadata")[dropped]
+        storage = storage_items(metadata)
+        for index in [i for i in storage if index_fqn(i) == dropped]:
+            del storage[index]
+
+    _edit_metadata(save / ITER, edit)
+    rc, report = _check(capsys, "--health", str(save))
+    assert rc == 1 and _health_codes(report) == ["CKD512"]
+    assert report["findings"][0]["message"] == "output_layer.weight: optimizer.state.exp_avg without exp_avg_sq"
+
+
+def test_all_experts_equal_in_every_layer(capsys, copy_fixture):
+    """Every expert of every layer re-saved as a copy of that layer's expert 0: CKD503 per layer (a warning)."""
+    save = copy_fixture("core019_moe_ep2")
+    _copy_expert_zero(save / ITER, layers=(0, 1))
+    rc, report = _check(capsys, "--health", str(save))
+    assert rc == 1 and _health_codes(report) == ["CKD503", "CKD503"]
+    assert {f["severity"] for f in report["findings"]} == {"warning"}
+    assert report["findings"][0]["message"] == (
+        "decoder.layers.mlp.experts (layer 0): all 4 experts are equal in every tensor (upcycled or never trained?)"
+    )
+
+
+def test_all_experts_equal_in_one_layer(capsys, copy_fixture):
+    """Only layer 0's experts copies of its expert 0 while layer 1's differ: CKD504, an error."""
+    save = copy_fixture("core019_moe_ep2")
+    _copy_expert_zero(save / ITER, layers=(0,))
+    rc, report = _check(capsys, "--health", str(save))
+    assert rc == 1 and _health_codes(report) == ["CKD504"]
+    assert report["findings"][0]["severity"] == "error"
+    assert report["findings"][0]["message"].startswith("decoder.layers.mlp.experts (layer 0): all 4 experts")
+
+
+def _copy_expert_zero(iteration_dir: Path, layers: tuple[int, ...]) -> None:
+    """Every expert chunk of ``layers`` re-saved with the bytes of the same layer's expert 0 chunk (same offsets
+    otherwise): the experts' chunks are one expert each."""
+    metadata = load_metadata_object(iteration_dir / ".metadata")
+    items = storage_items(metadata)
+    source: dict[tuple, bytes] = {}
+    for index, info in items.items():
+        if index_fqn(index).endswith("weight") and "experts.experts." in index_fqn(index) and _offset(index)[1] == 0:
+            blob = (iteration_dir / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+            source[(index_fqn(index), _offset(index)[0], *_offset(index)[2:])] = blob
+    moved = {}
+    for index, info in items.items():
+        fqn = index_fqn(index)
+        if (
+            not fqn.endswith("weight")
+            or "experts.experts." not in fqn
+            or _offset(index)[0] not in layers
+            or _offset(index)[1] == 0
+        ):
+            continue
+        ref = load_torch_zip(source[(fqn, _offset(index)[0], *_offset(index)[2:])], fqn)
+        path = iteration_dir / info.relative_path
+        blob = dump_torch_zip(ref)
+        offset = path.stat().st_size
+        with open(path, "ab") as f:
+            f.write(blob)
+        moved[_where(index)] = StorageLocation(info.relative_path, offset, len(blob))
+
+    def edit(metadata: object) -> None:
+        for index, info in storage_items(metadata).items():
+            if _where(index) in moved:
+                set_storage(info, moved[_where(index)])
+
+    _edit_metadata(iteration_dir, edit)
+
+
+# --- without numpy --------------------------------------------------------------------------------------------
+
+
+def test_health_without_numpy_is_one_clear_line(capsys, monkeypatch):
+    monkeypatch.setattr(numpy_lazy, "_NUMPY", [None])
+    rc = main(["check", "--isolated", "--health", str(FIXTURES / "core019_tp1")])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines() == [
+        "ckptdoctor: error: check --health (tensor statistics) needs the 'numpy' package, which is not installed: "
+        "pip install 'ckptdoctor[torch]'"
+    ]
+
+
+def _offset(index: object) -> tuple[int, ...]:
+    offset = record_attr(index, "offset")
+    return () if offset is None else tuple(offset)
+
+
+def _where(index: object) -> tuple:
+    """A storage index as a plain key (the key, the chunk's offsets): the same across two reads of .metadata."""
+    return index_fqn(index), _offset(index)
+
+
+# --- the engine: exact, whatever the chunking and whichever path -------------------------------------------------
+
+_DTYPES = {
+    "torch.bfloat16": "<u2",
+    "torch.float16": "<u2",
+    "torch.float32": "<u4",
+    "torch.float64": "<u8",
+    "torch.int8": "<u1",
+    "torch.int32": "<u4",
+    "torch.int64": "<u8",
+    "torch.uint8": "<u1",
+}
+
+
+def _exact_value(dtype: str, bits: int) -> Fraction | None:
+    """One element's value from its bits by the IEEE definition (None: NaN or Inf), or as an integer."""
+    kind = KINDS[dtype]
+    width = kind.itemsize * 8
+    if not kind.is_float:
+        return Fraction(bits - (1 << width) if kind.signed and bits >> (width - 1) else bits)
+    fraction = bits & ((1 << kind.fraction_bits) - 1)
+    exponent = (bits >> kind.fraction_bits) & ((1 << kind.exponent_bits) - 1)
+    if exponent == (1 << kind.exponent_bits) - 1:
+        return None
+    bias = (1 << (kind.exponent_bits - 1)) - 1
+    significand = fraction + ((1 << kind.fraction_bits) if exponent else 0)
+    value = Fraction(significand) * Fraction(2) ** (max(exponent, 1) - bias - kind.fraction_bits)
+    return -value if bits >> (width - 1) else value
+
+
+def _scan_in_chunks(dtype: str, bits, rows_per_chunk: int):
+    """A [4, 3, N] key (a stacked layer axis) fed in chunks of ``rows_per_chunk`` rows of its last axis."""
+    scan = HealthScan()
+    layers, rows, _ = bits.shape
+    for layer in range(layers):
+        for start in range(0, rows, rows_per_chunk):
+            part = np.ascontiguousarray(bits[layer : layer + 1, start : start + rows_per_chunk])
+            scan.scan("decoder.layers.x.weight", dtype, bits.shape, (layer, start, 0), part.shape, part.tobytes())
+    return scan.keys["decoder.layers.x.weight"]
+
+
+@pytest.mark.parametrize("dtype", sorted(_DTYPES))
+@pytest.mark.parametrize("size", [7, 4100])  # below and above the bit-pattern count's threshold
+def test_engine_exact_and_layout_independent(dtype, size):
+    """Random bit patterns (NaN, Inf, subnormals, -0 among them): the exact sums equal the sums of the IEEE values
+    as fractions, and every figure is the same for chunks cut along other rows."""
+    kind = KINDS[dtype]
+    rng = np.random.default_rng(size)
+    bits = rng.integers(0, 1 << (8 * kind.itemsize), size=(4, 3, size), dtype=np.uint64, endpoint=False)
+    bits = bits.astype(_DTYPES[dtype])
+    bits[0, 0, :3] = [0, 1 << (8 * kind.itemsize - 1), 1][: min(3, size)]  # +0, -0, the smallest subnormal
+    whole = _scan_in_chunks(dtype, bits, 3)
+    for rows in (1, 2):
+        assert _scan_in_chunks(dtype, bits, rows).slices == whole.slices
+    for layer in range(4):
+        values = [_exact_value(dtype, int(b)) for b in bits[layer].reshape(-1)]
+        finite = [v for v in values if v is not None]
+        moments = whole.slices[(layer,)]
+        scale = Fraction(2) ** kind.scale
+        assert moments.finite == len(finite) and moments.count == len(values)
+        assert Fraction(moments.total) / scale == sum(finite)
+        assert Fraction(moments.total_sq) / scale**2 == sum(v * v for v in finite)
+        assert moments.zeros == sum(1 for v in finite if v == 0)
+        if finite:
+            assert Fraction(moments.low) == min(finite) and Fraction(moments.high) == max(finite)
+    summarise("decoder.layers.x.weight", whole)  # mean, std, L2 from the totals: no overflow, no error
+
+
+def test_fingerprint_tells_slices_apart():
+    """Equal slices: equal fingerprints at different positions; one changed element or two swapped ones: another."""
+    rng = np.random.default_rng(0)
+    layer = rng.integers(0, 1 << 16, size=(3, 64), dtype=np.uint64).astype("<u2")
+    bits = np.stack([layer, layer, layer, layer])
+    bits[2, 1, 5] ^= 1
+    bits[3, 0, [3, 4]] = bits[3, 0, [4, 3]]
+    assert bits[3, 0, 3] != bits[3, 0, 4]
+    stats = _scan_in_chunks("torch.bfloat16", bits, 2)
+    prints = [stats.slices[(i,)].fingerprint for i in range(4)]
+    assert prints[0] == prints[1] and len(set(prints[1:])) == 3
