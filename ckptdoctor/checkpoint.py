@@ -63,6 +63,7 @@ _SECTION_PREFIXES = (
 )
 _SECTION_FIRST_LETTERS = frozenset(prefix[0] for prefix, _ in _SECTION_PREFIXES)
 COMMON_STATE_PREFIX = "common_state"
+MAX_KEPT_ITEM_BYTES = 64 << 20  # Checkpoint.keep_item_bytes: bytes items kept for a second reader, in all
 
 
 def section_of(key: str) -> str:
@@ -162,6 +163,10 @@ class Checkpoint:
         default_factory=list, repr=False
     )  # CKD402 globals of the common state
     _config: tuple[dict[str, Any], str | None] | None = field(default=None, repr=False)
+    # bytes items already read (the gate's pass, which reads them coalesced per file), so that a later rule reading
+    # the same item (the extra-state census) makes no second request on object storage; bounded in total bytes
+    _item_bytes: dict[str, bytes] = field(default_factory=dict, repr=False)
+    _item_bytes_total: int = field(default=0, repr=False)
 
     @property
     def iteration_dir(self) -> Path:
@@ -252,11 +257,21 @@ class Checkpoint:
         data, where = self.bytes_item_data(key)
         return decode_object_bytes(data, where, unlisted)
 
+    def keep_item_bytes(self, key: str, data: bytes) -> None:
+        """Remember a bytes item's stored bytes, read by a pass over many items, for :meth:`bytes_item_data`; up to
+        :data:`MAX_KEPT_ITEM_BYTES` in all (beyond it an item is read again when asked for)."""
+        if key not in self._item_bytes and self._item_bytes_total + len(data) <= MAX_KEPT_ITEM_BYTES:
+            self._item_bytes[key] = data
+            self._item_bytes_total += len(data)
+
     def bytes_item_data(self, key: str) -> tuple[bytes, str]:
         """A bytes item's stored bytes (not decoded) and how messages name it."""
         entry = self.entries[key]
         location = entry.chunks[0].storage if entry.chunks else None
         where = f"{self.iteration_dir}: item {key}"
+        kept = self._item_bytes.get(key)
+        if kept is not None:
+            return kept, where
         if location is None:
             raise CkptError(f"{where}: no storage entry in .metadata")
         return torch_dist.read_range(self.iteration_dir, location, entry.max_range_bytes(entry.chunks[0])), where

@@ -25,6 +25,7 @@ from ckptdoctor.formats.archive import ArchiveError, is_torch_zip
 from ckptdoctor.formats.legacy_torch import check_legacy_save
 from ckptdoctor.formats.run_config import MAX_RUN_CONFIG_BYTES, RUN_CONFIG, read_run_config
 from ckptdoctor.formats.run_config_targets import describe, scan_targets
+from ckptdoctor.formats.te_extra_state import is_extra_state_key
 from ckptdoctor.formats.torch_dist import check_range_length
 from ckptdoctor.pickle.policy import UnlistedGlobal, merged_unlisted, trusted_names
 from ckptdoctor.pickle.stand_ins import valid_global_name
@@ -213,7 +214,10 @@ def check_items(
     for data_file, key, blob in read_ranges(files):
         if isinstance(blob, CkptError) or key is None:
             continue  # unreadable: the structure rules (and --deep) report it
-        out += item_findings(key, bytes(blob), shown_of[data_file])
+        data = bytes(blob)
+        if is_extra_state_key(key):  # the extra-state census (rules/extra_state) reads them again: no second request
+            checkpoint.keep_item_bytes(key, data)
+        out += item_findings(key, data, shown_of[data_file])
     return out
 
 
