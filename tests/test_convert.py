@@ -11,7 +11,7 @@ import re
 import pytest
 from conftest import FIXTURES, file_digests, run_cli
 
-from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE
+from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE, FAULT_MODE_ENV
 from ckptdoctor.cli import main
 
 torch = pytest.importorskip("torch")
@@ -124,6 +124,23 @@ def test_interrupted_convert_leaves_no_output(tmp_path, step):
     assert file_digests(source / ITER) == before
     # the killed run's staging dir is hidden beside the output and never takes the output's name
     assert all(p.name.startswith(".fsdp") for p in tmp_path.iterdir())
+
+
+def test_ctrl_c_while_converting_removes_the_staging_dir(tmp_path):
+    env = dict(os.environ, **{FAULT_ENV: "convert:chunk-written", FAULT_MODE_ENV: "sigint"})
+    proc = run_cli("convert", str(FIXTURES / "core019_tp1"), "--to", "fsdp_dtensor", "-o", str(tmp_path / "o"), env=env)
+    assert proc.returncode == 130, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_force_replaces_an_output_only_once_the_new_one_is_complete(capsys, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "old").write_text("x")
+    rc, _text, err = _run(capsys, "convert", FIXTURES / "core019_tp1", "--to", "fsdp_dtensor", "-o", out, "--force")
+    assert rc == 0, err
+    assert sorted(p.name for p in out.iterdir()) == [ITER, "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
 
 
 def test_dry_run_is_metadata_only():
