@@ -236,6 +236,8 @@ def test_convert_validates(capsys, tmp_path):
     assert doc["dry_run"] and doc["result"] is None and doc["plan"]["mappings"]
     doc = _run_json(capsys, "convert", TP1, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp")
     assert doc["result"]["chunks"] > 0 and doc["plan"]["not_carried"]
+    doc = _run_json(capsys, "convert", tmp_path / "fsdp", "--to", "torch_dist", "-o", tmp_path / "back")
+    assert doc["plan"]["source_format"] == "fsdp_dtensor" and doc["result"]["objects"] > 0
 
 
 def test_seal_validates(capsys, copy_fixture):

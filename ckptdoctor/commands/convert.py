@@ -1,4 +1,4 @@
-"""``ckptdoctor convert``: a torch_dist checkpoint rewritten as Megatron-FSDP's fsdp_dtensor, offline on CPU."""
+"""``ckptdoctor convert``: torch_dist <-> Megatron-FSDP's fsdp_dtensor, offline on CPU."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option, gate_refusals, trust_global_option
 
 
-@click.command("convert", short_help="Convert a torch_dist checkpoint to Megatron-FSDP's fsdp_dtensor format.")
+@click.command("convert", short_help="Convert between torch_dist and Megatron-FSDP's fsdp_dtensor format.")
 @trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
-@click.option("--to", "target", type=click.Choice(["fsdp_dtensor"]), required=True, help="The format to write.")
+@click.option(
+    "--to", "target", type=click.Choice(["fsdp_dtensor", "torch_dist"]), required=True, help="The format to write."
+)
 @click.option(
     "--output",
     "-o",
@@ -35,14 +37,15 @@ def command(
     force: bool,
     output_format: str,
 ) -> int:
-    """Convert CHECKPOINT (torch_dist) to Megatron-FSDP's fsdp_dtensor: a plain PyTorch DCP save.
+    """Convert CHECKPOINT (torch_dist) to Megatron-FSDP's fsdp_dtensor (a plain PyTorch DCP save), or back.
 
     Keys are renamed as Megatron-FSDP names them (model.module.<name>, optimizer states under
     optimizer.state.module.module.module.<name>.<stat>), stacked layers become one key per layer, and with SwiGLU
     each linear_fc1 weight is split into its _w and _v halves. Tensors stream chunk by chunk (memory holds one
     chunk); the common state becomes top-level items, args saying ckpt_format='fsdp_dtensor'. What the target has
-    no place for (extra state, RNG and rerun states, distributed optimizer buckets) is listed. The output is built
-    in a staging dir and renamed into place last. Exit code: 0 written (or planned), 2 error.
+    no place for (extra state, RNG and rerun states, distributed optimizer buckets) is listed. --to torch_dist
+    converts an fsdp_dtensor save back (layers stacked, halves joined, common.pt and metadata.json). The output is
+    built in a staging dir and renamed into place last. Exit code: 0 written (or planned), 2 error.
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.commands.progress_bar import progress_bar

@@ -2,9 +2,10 @@
 
 One data file ``__0_0.distcp`` (what DCP's ``FileSystemWriter`` names rank 0's file) holds each tensor chunk as
 one ``torch.save`` blob and each bytes item as its raw bytes, back to back; ``.metadata`` is DCP's own
-``Metadata`` object (tensor chunks, storage locations, the default planner's ``planner_data``), pickled as DCP
-pickles it. Chunks are written as they come: memory holds one chunk, never a tensor or the checkpoint. Like the
-reader (:mod:`ckptdoctor.values.read`), this module needs torch and is imported only when values are written.
+``Metadata`` object (tensor chunks, storage locations, the default planner's ``planner_data``, or None as
+Megatron's torch_dist saves it), pickled as DCP pickles it. Chunks are written as they come: memory holds one
+chunk, never a tensor or the checkpoint. Like the reader (:mod:`ckptdoctor.values.read`), this module needs
+torch and is imported only when values are written.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class DcpSaveWriter:
     bytes items, then :meth:`finish` (fsync, ``.metadata``). Use it as a context manager: the data file is closed
     on any exit; what was written stays for the caller's staging dir to remove."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, flattened: bool = True) -> None:
         self._torch = require_torch("writing tensor values")
         self._directory = directory
         self._file = open(directory / DATA_FILE, "xb")  # noqa: SIM115 - closed by finish() or __exit__
@@ -44,6 +45,8 @@ class DcpSaveWriter:
         self._tensors: dict[str, _Tensor] = {}
         self._bytes: dict[str, tuple[int, int]] = {}
         self._paths: dict[str, tuple[str, ...]] = {}
+        # DCP's default planner records each key's nested path; Megatron's torch_dist saves unflattened (None)
+        self._flattened = flattened
 
     def declare_tensor(self, key: str, shape: tuple[int, ...], dtype: str, path: tuple[str, ...] | None = None) -> None:
         if key in self._tensors or key in self._bytes:
@@ -113,7 +116,9 @@ class DcpSaveWriter:
         for key, (at, length) in self._bytes.items():
             state[key] = BytesStorageMetadata()
             storage[MetadataIndex(key)] = _StorageInfo(DATA_FILE, at, length)
-        return Metadata(state_dict_metadata=state, planner_data=dict(self._paths), storage_data=storage)
+        return Metadata(
+            state_dict_metadata=state, planner_data=dict(self._paths) if self._flattened else None, storage_data=storage
+        )
 
     def __enter__(self) -> DcpSaveWriter:
         return self

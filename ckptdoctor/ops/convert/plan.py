@@ -33,7 +33,7 @@ from ckptdoctor.formats import BACKEND_TORCH_DIST
 
 SCHEMA = "ckptdoctor.convert/1"
 TARGET_FSDP_DTENSOR = "fsdp_dtensor"
-TARGETS = (TARGET_FSDP_DTENSOR,)
+TARGETS = (TARGET_FSDP_DTENSOR, "torch_dist")
 
 # The prefixes Megatron-FSDP's state dict puts before a parameter name (the inspector's defaults)
 MODEL_PREFIX = "model.module"

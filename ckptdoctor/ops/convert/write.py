@@ -1,4 +1,4 @@
-"""``ckptdoctor convert``, writing half: the plan's tensors streamed chunk by chunk into a new plain DCP save.
+"""``ckptdoctor convert``, writing half: the plan's tensors streamed chunk by chunk into a new DCP save.
 
 Each source chunk is read alone (one byte range, decoded through the safe unpickler: :mod:`ckptdoctor.values.read`),
 cut where the plan cuts it (a stacked layer's slice, a SwiGLU half) and appended to the output
@@ -6,11 +6,14 @@ cut where the plan cuts it (a stacked layer's slice, a SwiGLU half) and appended
 dicts and lists flattened into dotted keys, as DCP's default planner flattens them), the args saying
 ``ckpt_format='fsdp_dtensor'``. The output is built in a hidden staging dir beside ``--output``, read back
 through the safe unpickler, and only then renamed into place (:func:`ckptdoctor.ops.staging.swap_output`): an
-interrupted run leaves the source untouched and no output. Fault points ``convert:<step>``.
+interrupted run leaves the source untouched and no output. Fault points ``convert:<step>``. ``--to torch_dist``
+writes the same way, the stacked keys' chunks placed back on the layer axis, then ``common.pt`` and
+``metadata.json`` last (:mod:`ckptdoctor.ops.convert.reverse`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,7 +23,6 @@ from typing import Any
 from ckptdoctor import atomic
 from ckptdoctor.checkpoint import Checkpoint, open_checkpoint
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.plain_dcp import FLAVOUR_FSDP_DTENSOR
 from ckptdoctor.formats.torch_zip import dump_torch_zip
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.convert.plan import (
@@ -36,6 +38,7 @@ from ckptdoctor.ops.convert.plan import (
     plan_convert,
     split_name,
 )
+from ckptdoctor.ops.convert.reverse import TARGET_TORCH_DIST, ReverseRule, plan_to_torch_dist, unflatten
 from ckptdoctor.ops.fix_args.plan import common_with_args
 from ckptdoctor.ops.rewrite.request import dir_bytes
 from ckptdoctor.ops.rewrite.write import check_integrity, check_target, input_was_save_dir
@@ -47,6 +50,8 @@ from ckptdoctor.values.dcp_save import DcpSaveWriter
 from ckptdoctor.values.read import read_chunk
 
 STEP = "convert"
+# megatron-core 0.19's metadata.json (older cores add the common backend, which they read as torch too)
+MCORE_METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
 
 @dataclass
@@ -133,11 +138,47 @@ def _fill(checkpoint: Checkpoint, plan: ConvertPlan, stage: Path, progress: Prog
     return result
 
 
-def _read_back(stage: Path) -> None:
+def _fill_torch_dist(
+    checkpoint: Checkpoint, plan: ConvertPlan, rules: dict[str, ReverseRule], stage: Path, progress: Progress | None
+) -> ConvertResult:
+    """The reverse: each fsdp_dtensor chunk placed in its stacked torch_dist key; the top-level bytes items
+    gathered into ``common.pt``; ``metadata.json`` last, as megatron-core writes it."""
+    result = ConvertResult("", "", len(plan.target_tensors), 0, 0, 0, 0)
+    with DcpSaveWriter(stage, flattened=False) as writer:
+        for target in plan.target_tensors:
+            writer.declare_tensor(target.key, target.shape, target.dtype)
+        for key, rule in sorted(rules.items()):
+            entry = checkpoint.entries[key]
+            for index, chunk in enumerate(entry.chunks):
+                value = read_chunk(checkpoint, key, index)
+                offsets = tuple(chunk.offsets)
+                offsets = (offsets[0] + rule.half, *offsets[1:])
+                if rule.layer is not None:
+                    offsets, value = (rule.layer, *offsets), value.unsqueeze(0)
+                writer.write_chunk(rule.target, offsets, value)
+                result.chunks += 1
+                del value
+                if progress is not None:
+                    progress.advance(entry.chunk_nbytes(chunk) or 0)
+                atomic.fault_point(f"{STEP}:chunk-written")
+        writer.finish()
+    items = {key: checkpoint.read_bytes_item(key) for key, e in checkpoint.entries.items() if e.kind == "bytes"}
+    result.objects = len(items)
+    common = unflatten(items)
+    if "args" in common:
+        common = common_with_args(common, plan.arg_changes)
+    atomic.write_atomic(stage / "common.pt", dump_torch_zip(common))
+    atomic.write_atomic(stage / "metadata.json", json.dumps(MCORE_METADATA_JSON).encode())
+    atomic.fsync_dir(stage)
+    return result
+
+
+def _read_back(stage: Path, target: str) -> None:
     """The new save read through the safe unpickler (its ``.metadata`` and index) as any later run reads it."""
     written = open_checkpoint(stage)
-    if written.flavour != FLAVOUR_FSDP_DTENSOR:
-        raise CkptError(f"{stage}: the converted save reads back as {written.flavour}, not fsdp_dtensor")
+    got = written.flavour or written.location.backend
+    if got != target:
+        raise CkptError(f"{stage}: the converted save reads back as {got}, not {target}")
 
 
 def convert(
@@ -150,9 +191,17 @@ def convert(
     progress: Progress | None = None,
 ) -> ConvertReport:
     """Plan the conversion and (unless ``dry_run``) write it to ``output``; every refusal comes before a write."""
-    plan = plan_convert(checkpoint, target)
-    common = {checkpoint.common_source} if checkpoint.common_source else set()
-    check_integrity(checkpoint, STEP, carried=common)
+    rules: dict[str, ReverseRule] = {}
+    if target == TARGET_TORCH_DIST:
+        plan, rules = plan_to_torch_dist(checkpoint)
+    else:
+        plan = plan_convert(checkpoint, target)
+    # the gate: every pickle the output carries on (the common state, or the fsdp_dtensor save's bytes items)
+    if target == TARGET_TORCH_DIST:
+        carried = {key for key, entry in checkpoint.entries.items() if entry.kind == "bytes"}
+    else:
+        carried = {checkpoint.common_source} if checkpoint.common_source else set()
+    check_integrity(checkpoint, STEP, carried=carried)
     if dry_run:
         return ConvertReport(plan, None, True)
     if output is None:
@@ -177,11 +226,14 @@ def convert(
         if progress is not None:
             progress.start("converting tensors", plan.tensor_bytes(checkpoint))
         try:
-            result = _fill(checkpoint, plan, stage_iter, progress)
+            if target == TARGET_TORCH_DIST:
+                result = _fill_torch_dist(checkpoint, plan, rules, stage_iter, progress)
+            else:
+                result = _fill(checkpoint, plan, stage_iter, progress)
         finally:
             if progress is not None:
                 progress.finish()
-        _read_back(stage_iter)
+        _read_back(stage_iter, target)
         if save_layout:
             value = "release" if checkpoint.location.release else str(checkpoint.location.iteration)
             atomic.write_atomic(staging / TRACKER_NAME, value.encode())
