@@ -7,6 +7,13 @@ from ckptdoctor.render.common import human_bytes
 from ckptdoctor.text_safety import text_safe
 
 
+def _swiglu_note(swiglu: bool, target: str) -> str:
+    if not swiglu:
+        return ""
+    how = "joined from" if target == "torch_dist" else "split into"
+    return f" (SwiGLU: linear_fc1 {how} _w/_v)"
+
+
 @text_safe
 def render_convert(report: ConvertReport) -> str:
     """The plan (every source key and the output keys it becomes, then what the output cannot carry and why),
@@ -16,7 +23,7 @@ def render_convert(report: ConvertReport) -> str:
     lines = [
         f"checkpoint      {plan.source}",
         f"conversion      {plan.source_format} -> {plan.target_format}"
-        f"{' (SwiGLU: linear_fc1 split into _w/_v)' if plan.swiglu else ''}",
+        f"{_swiglu_note(plan.swiglu, plan.target_format)}",
         f"keys            {len(plan.mappings)} source items -> {outputs} output keys, "
         f"{len(plan.not_carried)} not carried",
         "args            " + ", ".join(f"{name}={value!r}" for name, value in plan.arg_changes.items()),
