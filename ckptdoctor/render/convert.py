@@ -22,8 +22,7 @@ def render_convert(report: ConvertReport) -> str:
     outputs = sum(len(m.targets) for m in plan.mappings)
     lines = [
         f"checkpoint      {plan.source}",
-        f"conversion      {plan.source_format} -> {plan.target_format}"
-        f"{_swiglu_note(plan.swiglu, plan.target_format)}",
+        f"conversion      {plan.source_format} -> {plan.target_format}{_swiglu_note(plan.swiglu, plan.target_format)}",
         f"keys            {len(plan.mappings)} source items -> {outputs} output keys, "
         f"{len(plan.not_carried)} not carried",
         "args            " + ", ".join(f"{name}={value!r}" for name, value in plan.arg_changes.items()),
