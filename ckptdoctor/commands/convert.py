@@ -10,7 +10,7 @@ from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option, gate_refusals, trust_global_option
 
 
-@click.command("convert", short_help="Convert between torch_dist and Megatron-FSDP's fsdp_dtensor format.")
+@click.command("convert", short_help="Convert between torch_dist and Megatron-FSDP's fsdp_dtensor.")
 @trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
