@@ -136,6 +136,8 @@ def test_dry_run_lists_every_mapping_and_writes_nothing(capsys, tmp_path):
     rc, out, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor")
     assert rc == 0 and "decoder.layers.mlp.linear_fc1.weight" in out and "-> model.module.decoder.layers.1" in out
     assert "dry run" in out
+    rc, out, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", tmp_path / "o", "--dry-run")
+    assert rc == 0 and "dry run" in out and not (tmp_path / "o").exists(), err
 
 
 @pytest.mark.parametrize("step", ["convert:staging-created", "convert:chunk-written", "convert:before-swap"])

@@ -24,7 +24,7 @@ from ckptdoctor.commands.options import format_option, gate_refusals, trust_glob
     default=None,
     help="New checkpoint dir to write (a save dir when CHECKPOINT is one).",
 )
-@click.option("--dry-run", is_flag=True, help="List every key mapping; write nothing (as with no -o).")
+@click.option("--dry-run", is_flag=True, help="List every key mapping; write nothing (as with no -o/--output).")
 @click.option("--force", is_flag=True, help="Replace an --output dir that exists and is not empty.")
 @format_option(schema="convert")
 @gate_refusals
@@ -54,9 +54,7 @@ def command(
     from ckptdoctor.render.common import echo_json
     from ckptdoctor.render.convert import render_convert
 
-    if output is not None and dry_run:
-        raise click.UsageError("--dry-run writes nothing: drop -o/--output")
-    dry_run = output is None
+    dry_run = dry_run or output is None  # the write model: only -o writes, --dry-run plans even with it
     report = convert(
         open_checkpoint(checkpoint, iteration),
         target,
