@@ -27,6 +27,7 @@ COMMANDS = {
     "history": ("history", TP1),
     "strip-frozen": ("strip-frozen", FIXTURES / "core019_peft_full_tp1"),
     "edit": ("edit", FIXTURES / "core019_tp2", "--remove", r"^optimizer\."),
+    "convert": ("convert", FIXTURES / "core019_tp2", "--to", "fsdp_dtensor"),
     "can-load": ("can-load", TP1, "--target", "tp=1"),
     "verify-export": ("verify-export", TP1, FIXTURES / "hf" / "core019_tp1"),
     "rules": ("rules",),

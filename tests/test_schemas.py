@@ -231,6 +231,15 @@ def test_edit_validates(capsys, tmp_path, copy_fixture):
     assert doc["plan"]["renamed"] and doc["result"]["backup"]
 
 
+def test_convert_validates(capsys, tmp_path):
+    doc = _run_json(capsys, "convert", FIXTURES / "core019_tp2", "--to", "fsdp_dtensor")
+    assert doc["dry_run"] and doc["result"] is None and doc["plan"]["mappings"]
+    doc = _run_json(capsys, "convert", TP1, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp")
+    assert doc["result"]["chunks"] > 0 and doc["plan"]["not_carried"]
+    doc = _run_json(capsys, "convert", tmp_path / "fsdp", "--to", "torch_dist", "-o", tmp_path / "back")
+    assert doc["plan"]["source_format"] == "fsdp_dtensor" and doc["result"]["objects"] > 0
+
+
 def test_seal_validates(capsys, copy_fixture):
     save_dir = copy_fixture("core019_tp1")
     assert _run_json(capsys, "seal", save_dir)["unchanged"] is False
@@ -278,6 +287,7 @@ ERROR_CASES = {
     "seal": ("seal", "{missing}"),
     "strip-frozen": ("strip-frozen", TP1, "--trainable", "("),
     "edit": ("edit", TP1),
+    "convert": ("convert", "{missing}", "--to", "fsdp_dtensor"),
     "can-load": ("can-load", TP1, "--target", "tp=0"),
     "rules": ("rules", "CKD001"),
     "usage": ("inspect", TP1, "--no-such-option"),

@@ -20,6 +20,7 @@ COMMAND_MODULES: dict[str, str] = {
     "fix-args": "fix_args",
     "strip-frozen": "strip_frozen",
     "edit": "edit",
+    "convert": "convert",
     "check": "check",
     "rules": "rules",
     "latest-good": "latest_good",

@@ -1,0 +1,257 @@
+"""``ckptdoctor convert``, planning half: every source key's place in the target format, from metadata only.
+
+torch_dist -> fsdp_dtensor follows the conventions Megatron-FSDP loads (megatron-core's
+``transformer/fsdp_dtensor_checkpoint.py`` and Megatron-LM's checkpoint inspector):
+
+- a model tensor ``K`` becomes ``model.module.K``; an optimizer state ``optimizer.state.<stat>.K`` becomes
+  ``optimizer.state.module.module.module.K.<stat>`` (the wrappers' prefixes of the FSDP model's named params);
+- torch_dist stacks the layers of a transformer block on a leading axis (``decoder.layers.<name>``): each layer
+  becomes its own key ``decoder.layers.<i>.<name>``;
+- with SwiGLU, a ``linear_fc1`` weight (or bias) is the gate half over the up half on dim 0
+  (``apply_swiglu_sharded_factory``): it becomes ``<name>_w`` and ``<name>_v`` (``handle_swiglu_in_state_dict``);
+- the common state (``args`` saying ``ckpt_format='fsdp_dtensor'``, ``iteration``, the scheduler, the optimizer's
+  param groups, ...) becomes top-level bytes items, nested dicts and lists flattened into dotted keys as DCP's
+  default planner flattens Megatron-LM's ``generate_state_dict``; ``optimizer.optimizer.param_groups`` is
+  renamed ``optimizer.param_groups``, as the FSDP optimizer's state dict names it.
+
+What the target has no place for is listed, not converted: Transformer Engine ``_extra_state`` (Megatron-FSDP drops
+it), the per-rank RNG and rerun states (the inspector drops them too) and a distributed optimizer's flattened
+buckets. Nothing here reads a tensor or imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptdoctor.args import args_as_dict
+from ckptdoctor.checkpoint import Checkpoint, Entry
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats import BACKEND_TORCH_DIST
+
+SCHEMA = "ckptdoctor.convert/1"
+TARGET_FSDP_DTENSOR = "fsdp_dtensor"
+TARGETS = (TARGET_FSDP_DTENSOR, "torch_dist")
+
+# The prefixes Megatron-FSDP's state dict puts before a parameter name (the inspector's defaults)
+MODEL_PREFIX = "model.module"
+OPTIMIZER_STATE_PREFIX = "optimizer.state.module.module.module"
+
+_OPTIMIZER_STATE_RE = re.compile(r"\Aoptimizer\.state\.([A-Za-z0-9_]+)\.(.+)\Z")
+_LAYER_INDEX_RE = re.compile(r"layers\.[0-9]+\.")
+# megatron-core's is_swiglu_key, for the dense MLPs this converter handles (grouped experts are refused)
+_SWIGLU_RE = re.compile(r"\.mlp\.(shared_experts\.)?linear_fc1\.(weight|bias)\Z")
+_EXPERTS_RE = re.compile(r"\.experts\.")
+
+HOW_RENAME = "rename"
+HOW_LAYERS = "per-layer split"
+HOW_SWIGLU = "per-layer split, SwiGLU split"
+HOW_OBJECT = "common state item"
+
+
+@dataclass
+class TargetTensor:
+    """One tensor of the output: its global shape and dtype (``torch.float32``)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class KeyMapping:
+    """A source key and the output keys its values go to."""
+
+    source: str
+    targets: list[str]
+    how: str
+
+
+@dataclass
+class NotCarried:
+    key: str
+    why: str
+
+
+@dataclass
+class ConvertPlan:
+    schema: str = field(init=False, default=SCHEMA)
+    source: str
+    source_format: str
+    target_format: str
+    swiglu: bool
+    mappings: list[KeyMapping]
+    not_carried: list[NotCarried]
+    arg_changes: dict[str, str]  # arg -> new value, set in the output's saved args
+    target_tensors: list[TargetTensor] = field(default_factory=list, repr=False)
+
+    def tensor_bytes(self, checkpoint: Checkpoint) -> int:
+        sources = {m.source for m in self.mappings if m.how != HOW_OBJECT}
+        return sum(checkpoint.entries[k].nbytes for k in sources if k in checkpoint.entries)
+
+
+@dataclass(frozen=True)
+class ChunkRule:
+    """How one source tensor's chunks are placed: ``base`` is the output key (``{layer}`` stands for the layer
+    index of a stacked key), ``layered`` whether dim 0 is the stacked layer axis, ``swiglu`` the half size of
+    dim 0 (after the layer axis) where the key is cut into ``_w``/``_v``, else 0."""
+
+    base: str
+    layered: bool
+    swiglu: int
+
+
+def _layered_name(name: str) -> str | None:
+    """``decoder.layers.<name>`` -> ``decoder.layers.{layer}.<name>``; None when the key is not stacked."""
+    if ".layers." not in name or _LAYER_INDEX_RE.search(name):
+        return None
+    return name.replace(".layers.", ".layers.{layer}.", 1)
+
+
+def split_name(key: str, half: str) -> str:
+    """Megatron-FSDP's name of a SwiGLU half: ``<param>_w``/``<param>_v`` (before an optimizer stat's suffix)."""
+    if key.startswith(OPTIMIZER_STATE_PREFIX + "."):
+        param, _, stat = key.rpartition(".")
+        return f"{param}_{half}.{stat}"
+    return f"{key}_{half}"
+
+
+def target_param(key: str) -> tuple[str, str | None] | None:
+    """A tensor key's parameter name and optimizer stat (None for a model tensor); None outside both sections."""
+    match = _OPTIMIZER_STATE_RE.match(key)
+    if match:
+        return match.group(2), match.group(1)
+    if key.startswith("optimizer.") or key.startswith("rng_state") or key.startswith("rerun_state"):
+        return None
+    return key, None
+
+
+def chunk_rule(entry: Entry, swiglu: bool) -> ChunkRule:
+    """The :class:`ChunkRule` of a convertible tensor (see :func:`plan_convert` for which are)."""
+    named = target_param(entry.key)
+    assert named is not None and entry.shape is not None
+    param, stat = named
+    layered_param = _layered_name(param)
+    shape = entry.shape[1:] if layered_param is not None else entry.shape
+    name = layered_param or param
+    base = f"{MODEL_PREFIX}.{name}" if stat is None else f"{OPTIMIZER_STATE_PREFIX}.{name}.{stat}"
+    half = 0
+    if swiglu and _SWIGLU_RE.search(param) and shape and shape[0] % 2 == 0:
+        half = shape[0] // 2
+    return ChunkRule(base, layered_param is not None, half)
+
+
+def rule_targets(rule: ChunkRule, entry: Entry) -> list[TargetTensor]:
+    """Every output tensor one source tensor fills."""
+    assert entry.shape is not None and entry.dtype is not None
+    shape = entry.shape[1:] if rule.layered else entry.shape
+    layers = range(entry.shape[0]) if rule.layered else range(1)
+    out = []
+    for layer in layers:
+        key = rule.base.format(layer=layer) if rule.layered else rule.base
+        if rule.swiglu:
+            half_shape = (rule.swiglu, *shape[1:])
+            out += [TargetTensor(split_name(key, h), half_shape, entry.dtype) for h in ("w", "v")]
+        else:
+            out.append(TargetTensor(key, tuple(shape), entry.dtype))
+    return out
+
+
+def _why_not(entry: Entry, checkpoint: Checkpoint) -> str | None:
+    """Why a source item has no place in fsdp_dtensor (None: it is converted)."""
+    key = entry.key
+    if "_extra_state" in key:
+        return "Transformer Engine extra state: Megatron-FSDP drops it (handle_fp8_extra_state_case)"
+    if key.startswith("rng_state"):
+        return "per-rank RNG state: not converted (Megatron-LM's reference converter drops it too)"
+    if key.startswith("rerun_state"):
+        return "rerun state machine: not converted"
+    if key.startswith("common_state"):
+        return None  # its items are planned one by one
+    if entry.kind != "tensor" or entry.shape is None:
+        return "a bytes item with no place in fsdp_dtensor"
+    named = target_param(key)
+    if named is None:
+        return "distributed optimizer bucket (flattened per data-parallel group): not converted"
+    param, stat = named
+    if stat is not None:
+        model = checkpoint.entries.get(param)
+        if model is None or model.shape != entry.shape:
+            return "optimizer state in a layout other than its parameter's (distributed optimizer): not converted"
+    if _layered_name(param) is not None and any(c.sizes[0] != 1 for c in entry.chunks):
+        return "stacked layers whose chunks span several layers: not converted"
+    return None
+
+
+def flattened(obj: Any, path: tuple) -> Iterator[tuple[tuple, Any]]:
+    """(output path, value) of a common state item: DCP's default planner flattening (non-empty dicts and lists
+    become dotted keys), with the optimizer's param groups where the FSDP optimizer's state dict has them."""
+    if isinstance(obj, dict) and obj:
+        for name, value in obj.items():
+            yield from flattened(value, (*path, str(name)))
+    elif isinstance(obj, list) and obj:
+        for index, value in enumerate(obj):
+            yield from flattened(value, (*path, index))
+    elif path[:3] == ("optimizer", "optimizer", "param_groups"):
+        yield ("optimizer", *path[2:]), obj
+    else:
+        yield path, obj
+
+
+def dotted(path: tuple) -> str:
+    return ".".join(str(part) for part in path)
+
+
+def plan_convert(checkpoint: Checkpoint, target: str) -> ConvertPlan:
+    """Every source key's output keys, or why it has none; refuses what this converter cannot do."""
+    if target not in TARGETS:
+        raise CkptError(f"--to {target}: not supported (choose from {', '.join(TARGETS)})")
+    where = checkpoint.iteration_dir
+    if checkpoint.location.backend != BACKEND_TORCH_DIST:
+        raise CkptError(f"{where}: convert --to {target} reads a torch_dist checkpoint (metadata.json, DCP files)")
+    common = checkpoint.common_state()
+    args = args_as_dict(common.get("args"))
+    if not args:
+        raise CkptError(f"{where}: no saved args in the common state; convert needs them (swiglu, layers)")
+    if any(_EXPERTS_RE.search(key) for key in checkpoint.entries):
+        raise CkptError(f"{where}: MoE expert weights are not converted yet (convert handles dense models)")
+    swiglu = bool(args.get("swiglu"))
+    mappings: list[KeyMapping] = []
+    not_carried: list[NotCarried] = []
+    tensors: list[TargetTensor] = []
+    for key in sorted(checkpoint.entries):
+        entry = checkpoint.entries[key]
+        why = _why_not(entry, checkpoint)
+        if why is not None:
+            not_carried.append(NotCarried(key, why))
+            continue
+        if key.startswith("common_state"):
+            continue
+        rule = chunk_rule(entry, swiglu)
+        targets = rule_targets(rule, entry)
+        how = HOW_SWIGLU if rule.swiglu else HOW_LAYERS if rule.layered else HOW_RENAME
+        if rule.swiglu and not rule.layered:
+            how = "SwiGLU split"
+        mappings.append(KeyMapping(key, [t.key for t in targets], how))
+        tensors += targets
+    for name in sorted(common):
+        keys = [dotted(path) for path, _value in flattened(common[name], (name,))]
+        mappings.append(KeyMapping(f"common state: {name}", keys, HOW_OBJECT))
+    seen: dict[str, str] = {}
+    for mapping in mappings:
+        for out in mapping.targets:
+            if out in seen:
+                raise CkptError(f"{where}: {mapping.source} and {seen[out]} would both become {out}")
+            seen[out] = mapping.source
+    return ConvertPlan(
+        source=str(where),
+        source_format="torch_dist",
+        target_format=target,
+        swiglu=swiglu,
+        mappings=mappings,
+        not_carried=not_carried,
+        arg_changes={"ckpt_format": target},
+        target_tensors=tensors,
+    )

@@ -1,0 +1,253 @@
+"""``ckptdoctor convert``, writing half: the plan's tensors streamed chunk by chunk into a new DCP save.
+
+Each source chunk is read alone (one byte range, decoded through the safe unpickler: :mod:`ckptdoctor.values.read`),
+cut where the plan cuts it (a stacked layer's slice, a SwiGLU half) and appended to the output
+(:mod:`ckptdoctor.values.dcp_save`): memory holds one chunk. The common state items become bytes items (nested
+dicts and lists flattened into dotted keys, as DCP's default planner flattens them), the args saying
+``ckpt_format='fsdp_dtensor'``. The output is built in a hidden staging dir beside ``--output``, read back
+through the safe unpickler, and only then renamed into place (:func:`ckptdoctor.ops.staging.swap_output`): an
+interrupted run leaves the source untouched and no output. Fault points ``convert:<step>``. ``--to torch_dist``
+writes the same way, the stacked keys' chunks placed back on the layer axis, then ``common.pt`` and
+``metadata.json`` last (:mod:`ckptdoctor.ops.convert.reverse`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptdoctor import atomic
+from ckptdoctor.checkpoint import Checkpoint, open_checkpoint
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.torch_zip import dump_torch_zip
+from ckptdoctor.locate import TRACKER_NAME
+from ckptdoctor.ops.convert.plan import (
+    HOW_OBJECT,
+    MODEL_PREFIX,
+    OPTIMIZER_STATE_PREFIX,
+    SCHEMA,
+    ChunkRule,
+    ConvertPlan,
+    chunk_rule,
+    dotted,
+    flattened,
+    plan_convert,
+    split_name,
+)
+from ckptdoctor.ops.convert.reverse import TARGET_TORCH_DIST, ReverseRule, plan_to_torch_dist, unflatten
+from ckptdoctor.ops.fix_args.plan import common_with_args
+from ckptdoctor.ops.rewrite.request import dir_bytes
+from ckptdoctor.ops.rewrite.write import check_integrity, check_target, input_was_save_dir
+from ckptdoctor.ops.staging import SwapState, swap_output
+from ckptdoctor.progress import Progress
+from ckptdoctor.rules import leftovers
+from ckptdoctor.tree_removal import remove_tree
+from ckptdoctor.values.dcp_save import DcpSaveWriter
+from ckptdoctor.values.read import read_chunk
+
+STEP = "convert"
+# megatron-core 0.19's metadata.json (older cores add the common backend, which they read as torch too)
+MCORE_METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+
+
+@dataclass
+class ConvertResult:
+    output: str
+    iteration_dir: str
+    tensors: int  # output tensor keys
+    chunks: int  # chunks written
+    objects: int  # bytes items written
+    output_bytes: int
+    source_bytes: int
+    seconds: float = 0.0
+
+
+@dataclass
+class ConvertReport:
+    schema: str = field(init=False, default=SCHEMA)
+    plan: ConvertPlan
+    result: ConvertResult | None  # None for --dry-run
+    dry_run: bool
+
+
+def _planner_path(key: str) -> tuple[str, ...]:
+    """The nested path DCP's default planner records for an output key (Megatron-LM's state dict nests the model
+    under ``model`` and the optimizer states under ``optimizer``/``state``/param/stat)."""
+    if key.startswith(OPTIMIZER_STATE_PREFIX + "."):
+        param, _, stat = key[len("optimizer.state.") :].rpartition(".")
+        return ("optimizer", "state", param, stat)
+    if key.startswith(MODEL_PREFIX + "."):
+        return ("model", key[len("model.") :])
+    return (key,)
+
+
+def _pieces(rule: ChunkRule, offsets: tuple[int, ...], value: Any) -> Iterator[tuple[str, tuple, Any]]:
+    """(output key, offsets, tensor) of one source chunk, as the rule places it."""
+    if rule.layered:
+        key = rule.base.format(layer=offsets[0])
+        offsets, value = offsets[1:], value.reshape(tuple(value.shape[1:]))
+    else:
+        key = rule.base
+    if not rule.swiglu:
+        yield key, offsets, value
+        return
+    start, stop, half = offsets[0], offsets[0] + int(value.shape[0]), rule.swiglu
+    for name, low, high in (("w", 0, half), ("v", half, 2 * half)):
+        begin, end = max(start, low), min(stop, high)
+        if begin < end:
+            key_half = split_name(key, name)
+            yield key_half, (begin - low, *offsets[1:]), value.narrow(0, begin - start, end - begin)
+
+
+def _common_items(checkpoint: Checkpoint, plan: ConvertPlan) -> Iterator[tuple[str, tuple, bytes]]:
+    common = common_with_args(checkpoint.common_state(), plan.arg_changes)
+    for name in sorted(common):
+        for path, value in flattened(common[name], (name,)):
+            yield dotted(path), path, dump_torch_zip(value)
+
+
+def _fill(checkpoint: Checkpoint, plan: ConvertPlan, stage: Path, progress: Progress | None) -> ConvertResult:
+    result = ConvertResult("", "", 0, 0, 0, 0, 0)
+    with DcpSaveWriter(stage) as writer:
+        for target in plan.target_tensors:
+            writer.declare_tensor(target.key, target.shape, target.dtype, _planner_path(target.key))
+        result.tensors = len(plan.target_tensors)
+        for mapping in plan.mappings:
+            if mapping.how == HOW_OBJECT:
+                continue
+            entry = checkpoint.entries[mapping.source]
+            rule = chunk_rule(entry, plan.swiglu)
+            for index, chunk in enumerate(entry.chunks):
+                value = read_chunk(checkpoint, entry.key, index)
+                for key, offsets, piece in _pieces(rule, tuple(chunk.offsets), value):
+                    writer.write_chunk(key, offsets, piece)
+                    result.chunks += 1
+                del value
+                if progress is not None:
+                    progress.advance(entry.chunk_nbytes(chunk) or 0)
+                atomic.fault_point(f"{STEP}:chunk-written")
+        for key, path, payload in _common_items(checkpoint, plan):
+            writer.write_bytes(key, payload, path)
+            result.objects += 1
+        writer.finish()
+    atomic.fsync_dir(stage)
+    return result
+
+
+def _fill_torch_dist(
+    checkpoint: Checkpoint, plan: ConvertPlan, rules: dict[str, ReverseRule], stage: Path, progress: Progress | None
+) -> ConvertResult:
+    """The reverse: each fsdp_dtensor chunk placed in its stacked torch_dist key; the top-level bytes items
+    gathered into ``common.pt``; ``metadata.json`` last, as megatron-core writes it."""
+    result = ConvertResult("", "", len(plan.target_tensors), 0, 0, 0, 0)
+    with DcpSaveWriter(stage, flattened=False) as writer:
+        for target in plan.target_tensors:
+            writer.declare_tensor(target.key, target.shape, target.dtype)
+        for key, rule in sorted(rules.items()):
+            entry = checkpoint.entries[key]
+            for index, chunk in enumerate(entry.chunks):
+                value = read_chunk(checkpoint, key, index)
+                offsets = tuple(chunk.offsets)
+                offsets = (offsets[0] + rule.half, *offsets[1:])
+                if rule.layer is not None:
+                    offsets, value = (rule.layer, *offsets), value.unsqueeze(0)
+                writer.write_chunk(rule.target, offsets, value)
+                result.chunks += 1
+                del value
+                if progress is not None:
+                    progress.advance(entry.chunk_nbytes(chunk) or 0)
+                atomic.fault_point(f"{STEP}:chunk-written")
+        writer.finish()
+    items = {key: checkpoint.read_bytes_item(key) for key, e in checkpoint.entries.items() if e.kind == "bytes"}
+    result.objects = len(items)
+    common = unflatten(items)
+    if "args" in common:
+        common = common_with_args(common, plan.arg_changes)
+    atomic.write_atomic(stage / "common.pt", dump_torch_zip(common))
+    atomic.write_atomic(stage / "metadata.json", json.dumps(MCORE_METADATA_JSON).encode())
+    atomic.fsync_dir(stage)
+    return result
+
+
+def _read_back(stage: Path, target: str) -> None:
+    """The new save read through the safe unpickler (its ``.metadata`` and index) as any later run reads it."""
+    written = open_checkpoint(stage)
+    got = written.flavour or written.location.backend
+    if got != target:
+        raise CkptError(f"{stage}: the converted save reads back as {got}, not {target}")
+
+
+def convert(
+    checkpoint: Checkpoint,
+    target: str,
+    *,
+    output: Path | None,
+    dry_run: bool = False,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> ConvertReport:
+    """Plan the conversion and (unless ``dry_run``) write it to ``output``; every refusal comes before a write."""
+    rules: dict[str, ReverseRule] = {}
+    if target == TARGET_TORCH_DIST:
+        plan, rules = plan_to_torch_dist(checkpoint)
+    else:
+        plan = plan_convert(checkpoint, target)
+    # the gate: every pickle the output carries on (the common state, or the fsdp_dtensor save's bytes items)
+    if target == TARGET_TORCH_DIST:
+        carried = {key for key, entry in checkpoint.entries.items() if entry.kind == "bytes"}
+    else:
+        carried = {checkpoint.common_source} if checkpoint.common_source else set()
+    check_integrity(checkpoint, STEP, carried=carried)
+    if dry_run:
+        return ConvertReport(plan, None, True)
+    if output is None:
+        raise CkptError("give -o/--output DIR (or --dry-run)")
+    check_target(checkpoint, output, False, force)
+    started = time.perf_counter()
+    src_iter = checkpoint.iteration_dir
+    save_layout = input_was_save_dir(checkpoint)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CkptError(f"{exc.filename or output.parent}: cannot create ({exc.strerror})") from None
+    swap = SwapState()
+    staging: Path | None = None
+    try:
+        with atomic.defer_sigint():
+            staging = atomic.make_unique_dir(output.parent, f".{output.name}{leftovers.TMP_MARK}")
+        stage_iter = staging / src_iter.name if save_layout else staging
+        atomic.fault_point(f"{STEP}:staging-created")
+        if save_layout:
+            stage_iter.mkdir()
+        if progress is not None:
+            progress.start("converting tensors", plan.tensor_bytes(checkpoint))
+        try:
+            if target == TARGET_TORCH_DIST:
+                result = _fill_torch_dist(checkpoint, plan, rules, stage_iter, progress)
+            else:
+                result = _fill(checkpoint, plan, stage_iter, progress)
+        finally:
+            if progress is not None:
+                progress.finish()
+        _read_back(stage_iter, target)
+        if save_layout:
+            value = "release" if checkpoint.location.release else str(checkpoint.location.iteration)
+            atomic.write_atomic(staging / TRACKER_NAME, value.encode())
+        result.output = str(output)
+        result.iteration_dir = str(output / src_iter.name if save_layout else output)
+        result.output_bytes = dir_bytes(stage_iter)
+        result.source_bytes = dir_bytes(src_iter)
+        atomic.fault_point(f"{STEP}:before-swap")
+        swap_output(output, staging, swap, STEP)
+    except BaseException as exc:
+        if staging is not None and not swap.done:  # only new data there: the source was never written
+            remove_tree(staging, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise CkptError(f"{exc.filename or staging}: cannot write ({exc.strerror})") from None
+        raise
+    result.seconds = round(time.perf_counter() - started, 3)
+    return ConvertReport(plan, result, False)

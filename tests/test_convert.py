@@ -1,0 +1,187 @@
+"""convert --to fsdp_dtensor on the real torch_dist fixtures: the output is read by torch DCP's own ``dcp.load`` with
+the key set Megatron-FSDP requests (derived below from megatron-core's naming, independently of the converter),
+values equal to the source's; dry run lists every mapping; an interrupted write leaves no output."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+from conftest import FIXTURES, file_digests, run_cli
+
+from ckptdoctor.atomic import FAULT_ENV, FAULT_EXIT_CODE, FAULT_MODE_ENV
+from ckptdoctor.cli import main
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+ITER = "iter_0000010"
+
+
+def _run(capsys, *args):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _source_tensor(save, key):
+    """A torch_dist tensor loaded by torch DCP itself from the source (Megatron saves it unflattened)."""
+    metadata = dcp.FileSystemReader(str(save / ITER)).read_metadata()
+    md = metadata.state_dict_metadata[key]
+    value = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    dcp.load({key: value}, checkpoint_id=str(save / ITER), planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
+    return value
+
+
+def _fsdp_requests(save):
+    """The state dict Megatron-FSDP asks a fsdp_dtensor save for, per megatron-core's conventions: the model's
+    named params (``model.module.`` + one key per layer, SwiGLU fc1 as ``weight_w``/``weight_v``,
+    ``handle_swiglu_in_state_dict``) and Adam's ``exp_avg``/``exp_avg_sq`` under
+    ``optimizer.state.module.module.module.<param>``; each key -> (source key, layer or None, half or None)."""
+    metadata = dcp.FileSystemReader(str(save / ITER)).read_metadata()
+    requests = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not hasattr(md, "size") or key.startswith(("rng_state", "rerun_state", "common_state")):
+            continue
+        stat = None
+        param = key
+        match = re.match(r"optimizer\.state\.(exp_avg|exp_avg_sq)\.(.+)", key)
+        if match:
+            stat, param = match.group(1), match.group(2)
+        layers = range(md.size[0]) if ".layers." in param else [None]
+        for layer in layers:
+            name = param if layer is None else param.replace(".layers.", f".layers.{layer}.")
+            halves = ["w", "v"] if name.endswith("mlp.linear_fc1.weight") else [None]
+            for half in halves:
+                full = name if half is None else f"{name}_{half}"
+                out = f"model.module.{full}" if stat is None else f"optimizer.state.module.module.module.{full}.{stat}"
+                requests[out] = (key, layer, half)
+    return requests
+
+
+@pytest.mark.parametrize("fixture", ["core019_tp1", "core019_tp2"])
+def test_fsdp_dtensor_output_loads_with_torch_dcp_and_equals_the_source(capsys, tmp_path, fixture):
+    save = FIXTURES / fixture
+    out = tmp_path / "fsdp"
+    rc, text, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", out)
+    assert rc == 0, err
+    assert "written" in text
+    requests = _fsdp_requests(save)
+    assert any(k.endswith("linear_fc1.weight_w") for k in requests)
+    target = dcp.FileSystemReader(str(out / ITER)).read_metadata().state_dict_metadata
+    state = {}
+    for key in requests:
+        md = target[key]
+        state[key] = torch.full(tuple(md.size), float("nan"), dtype=md.properties.dtype)
+    state["args"] = None
+    state["iteration"] = None
+    dcp.load(state, checkpoint_id=str(out / ITER))
+    sources = {}
+    for key, (source, layer, half) in requests.items():
+        if source not in sources:
+            sources = {source: _source_tensor(save, source)}
+        expected = sources[source] if layer is None else sources[source][layer]
+        if half is not None:
+            expected = torch.chunk(expected, 2, dim=0)[0 if half == "w" else 1]
+        assert torch.equal(state[key], expected), key
+    assert state["iteration"] == 10
+    assert state["args"].ckpt_format == "fsdp_dtensor"
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "10"
+    # ckptdoctor reads it back as Megatron-FSDP's format
+    rc, text, err = _run(capsys, "inspect", out)
+    assert rc == 0 and "Megatron-FSDP fsdp_dtensor" in text, err
+
+
+@pytest.mark.parametrize("fixture", ["core019_tp1", "core019_tp2"])
+def test_round_trip_is_bit_identical_in_values(capsys, tmp_path, fixture):
+    save = FIXTURES / fixture
+    rc, _text, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp")
+    assert rc == 0, err
+    rc, text, err = _run(capsys, "convert", tmp_path / "fsdp", "--to", "torch_dist", "-o", tmp_path / "back")
+    assert rc == 0, err
+    assert "layers stacked, SwiGLU halves joined" in text
+    back = tmp_path / "back" / ITER
+    assert (back / "common.pt").is_file()
+    assert json.loads((back / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    # model and optimizer tensors bit-identical, args and the rest of the common state equal; what fsdp_dtensor
+    # cannot carry (extra state, per-rank RNG and rerun states) left out; the chunk grid is the writer's own
+    excluded = "_extra_state|rng_state|rerun_state_machine_state"
+    rc, text, err = _run(capsys, "diff", save, tmp_path / "back", "--values", "--exclude", excluded, "--ignore-layout")
+    assert rc == 0, text + err
+    assert " 0 differ" in text and "args: 0 differ" in text
+    rc, text, _err = _run(capsys, "diff", save, tmp_path / "back", "--values", "--ignore-layout")
+    assert rc == 1 and "_extra_state" in text  # without the exclusion the dropped items show
+
+
+def test_to_torch_dist_refuses_a_torch_dist_source(capsys):
+    rc, _out, err = _run(capsys, "convert", FIXTURES / "core019_tp1", "--to", "torch_dist")
+    assert rc == 2 and "fsdp_dtensor" in err
+
+
+def test_dry_run_lists_every_mapping_and_writes_nothing(capsys, tmp_path):
+    save = FIXTURES / "core019_tp2"
+    rc, out, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "--format", "json")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["schema"] == "ckptdoctor.convert/1" and report["dry_run"] and report["result"] is None
+    targets = {t for m in report["plan"]["mappings"] for t in m["targets"]}
+    assert set(_fsdp_requests(save)) <= targets
+    sources = {m["source"] for m in report["plan"]["mappings"]} | {n["key"] for n in report["plan"]["not_carried"]}
+    metadata = dcp.FileSystemReader(str(save / ITER)).read_metadata()
+    # every source key is either mapped or listed as not carried, with why
+    assert {k for k in metadata.state_dict_metadata if not k.startswith("common_state")} <= sources
+    assert any("_extra_state" in n["key"] for n in report["plan"]["not_carried"])
+    rc, out, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor")
+    assert rc == 0 and "decoder.layers.mlp.linear_fc1.weight" in out and "-> model.module.decoder.layers.1" in out
+    assert "dry run" in out
+    rc, out, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", tmp_path / "o", "--dry-run")
+    assert rc == 0 and "dry run" in out and not (tmp_path / "o").exists(), err
+
+
+@pytest.mark.parametrize("step", ["convert:staging-created", "convert:chunk-written", "convert:before-swap"])
+def test_interrupted_convert_leaves_no_output(tmp_path, step):
+    source = FIXTURES / "core019_tp1"
+    before = file_digests(source / ITER)
+    out = tmp_path / "fsdp"
+    env = dict(os.environ, **{FAULT_ENV: step})
+    proc = run_cli("convert", str(source), "--to", "fsdp_dtensor", "-o", str(out), env=env)
+    assert proc.returncode == FAULT_EXIT_CODE, proc.stderr
+    assert not out.exists()
+    assert file_digests(source / ITER) == before
+    # the killed run's staging dir is hidden beside the output and never takes the output's name
+    assert all(p.name.startswith(".fsdp") for p in tmp_path.iterdir())
+
+
+def test_ctrl_c_while_converting_removes_the_staging_dir(tmp_path):
+    env = dict(os.environ, **{FAULT_ENV: "convert:chunk-written", FAULT_MODE_ENV: "sigint"})
+    proc = run_cli("convert", str(FIXTURES / "core019_tp1"), "--to", "fsdp_dtensor", "-o", str(tmp_path / "o"), env=env)
+    assert proc.returncode == 130, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_force_replaces_an_output_only_once_the_new_one_is_complete(capsys, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "old").write_text("x")
+    rc, _text, err = _run(capsys, "convert", FIXTURES / "core019_tp1", "--to", "fsdp_dtensor", "-o", out, "--force")
+    assert rc == 0, err
+    assert sorted(p.name for p in out.iterdir()) == [ITER, "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
+def test_dry_run_is_metadata_only():
+    proc = run_cli("convert", str(FIXTURES / "core019_tp2"), "--to", "fsdp_dtensor", block=("torch", "megatron"))
+    assert proc.returncode == 0, proc.stderr
+    assert "-> model.module.decoder.layers.0.mlp.linear_fc1.weight_w" in proc.stdout
+    assert "IMPORTED:\n" in proc.stderr
+
+
+def test_refuses_a_non_torch_dist_source_and_an_existing_output(capsys, tmp_path):
+    rc, _out, err = _run(capsys, "convert", FIXTURES / "dcp" / "fsdp2_titan_ws1", "--to", "fsdp_dtensor")
+    assert rc == 2 and "torch_dist" in err
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "x").write_text("x")
+    rc, _out, err = _run(capsys, "convert", FIXTURES / "core019_tp1", "--to", "fsdp_dtensor", "-o", tmp_path / "o")
+    assert rc == 2 and "not empty" in err

@@ -1,0 +1,49 @@
+"""convert --to torch_dist of a converted fsdp_dtensor save, loaded by real megatron-core 0.19.2 on CPU
+(``dist_checkpointing.load`` of the model section, through tests/mcore_load_edited.py): every parameter equals
+what the source fixture loads. The round trip drops Transformer Engine ``_extra_state`` (Megatron-FSDP keeps
+none), so the loading model keeps no extra state either."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import FIXTURES, REPO, free_port, require_mcore
+
+from ckptdoctor.cli import main
+
+SCRIPT = REPO / "tests" / "mcore_load_edited.py"
+pytestmark = pytest.mark.mcore
+
+
+def _convert(capsys, source, out, target):
+    rc = main(["convert", str(source), "--to", target, "-o", str(out)])
+    _stdout, err = capsys.readouterr()
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize(("fixture", "nproc"), [("core019_tp1", 1), ("core019_tp2", 2)])
+def test_round_trip_torch_dist_loads_in_megatron_core(capsys, tmp_path, fixture, nproc):
+    require_mcore()
+    _convert(capsys, FIXTURES / fixture, tmp_path / "fsdp", "fsdp_dtensor")
+    _convert(capsys, tmp_path / "fsdp", tmp_path / "back", "torch_dist")
+    case = dict(
+        name="back",
+        via="dist",
+        ckpt=str(tmp_path / "back"),
+        reference=str(FIXTURES / fixture),
+        flags=[],
+        expect="ok",
+        no_extra_state=True,
+    )
+    command = [str(SCRIPT), json.dumps([case]), "--dp", "1"]
+    if nproc > 1:
+        command = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+        command += [str(SCRIPT), json.dumps([case]), "--dp", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("CASE back OK ") == nproc, proc.stdout[-3000:]
