@@ -283,15 +283,7 @@ def _add(np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, .
             _merge_part(part, _by_upper_half(np, flat[start : start + _UPPER_HALF_SLAB]))
     else:
         part = _by_element(np, kind, flat)
-    if part.finite:
-        moments.low = part.low if moments.low is None else min(moments.low, part.low)  # type: ignore[type-var]
-        moments.high = part.high if moments.high is None else max(moments.high, part.high)  # type: ignore[type-var]
-    moments.finite += part.finite
-    moments.zeros += part.zeros
-    moments.nan += part.nan
-    moments.inf += part.inf
-    moments.total += part.total
-    moments.total_sq += part.total_sq
+    _merge_part(moments, part)
 
 
 @dataclass
@@ -308,7 +300,8 @@ class _Part:
     total_sq: int = 0
 
 
-def _merge_part(part: _Part, other: _Part) -> None:
+def _merge_part(part: _Part | Moments, other: _Part) -> None:
+    """Add a slab's counts and sums to ``part`` (another slab's, or a slice's :class:`Moments`)."""
     if other.finite:
         part.low = other.low if part.low is None else min(part.low, other.low)  # type: ignore[type-var]
         part.high = other.high if part.high is None else max(part.high, other.high)  # type: ignore[type-var]

@@ -81,6 +81,20 @@ class LoadRun:
     te_version: tuple[int, int] | None = None  # Transformer Engine of the run (None: the newest modelled)
     te_unsafe_pickle: bool = False  # NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 in the run's environment
 
+    def report_options(self, use_distributed_optimizer: bool) -> dict[str, Any]:
+        """The run's options as a can-load report gives them (``use_distributed_optimizer`` as the run resolves
+        it: the saved args' unless set)."""
+        return {
+            "finetune": self.finetune,
+            "no_load_optim": self.no_load_optim,
+            "no_load_rng": self.no_load_rng,
+            "strictness": self.strictness,
+            "use_distributed_optimizer": use_distributed_optimizer,
+            "dist_optim_sharding_type": self.dist_optim_sharding_type,
+            "use_checkpoint_args": self.use_checkpoint_args,
+            "set": dict(self.sets),
+        }
+
 
 def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
