@@ -36,6 +36,7 @@ CHECK_KEYS: dict[str, type | tuple[type, ...]] = {
     "format": str,
     "recursive": bool,
     "per-path-ignores": dict,
+    "te-version": str,  # MAJOR.MINOR of the loading run's Transformer Engine (CKD230)
 }
 # sub-tables other commands read ([tool.ckptdoctor.diff]); any other key of [tool.ckptdoctor] is an error
 OTHER_TABLES = ("diff",)

@@ -122,6 +122,56 @@ def test_check_warns_of_te_2_18_refusals_with_the_env_var_and_the_fix():
     assert {f["code"] for f in found} == {"CKD230"}  # one recipe, one generation, args say FP8 hybrid
 
 
+def _refusal(*args: str, cwd: Path | None = None) -> tuple[int, dict, dict]:
+    """check's exit code, its JSON report and its one CKD230 finding on core019_te_delayed (8 pickled
+    delayed-scaling items, nothing else to report)."""
+    extra = {"cwd": cwd} if cwd is not None else {}
+    proc = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", *args, "--format", "json", **extra)
+    assert proc.returncode in (0, 1), proc.stderr
+    report = json.loads(proc.stdout)
+    (finding,) = [f for f in report["findings"] if f["code"] == "CKD230"]
+    return proc.returncode, report, finding
+
+
+def test_check_below_te_2_18_reports_the_refusal_as_info_and_passes():
+    rc, report, finding = _refusal("--te-version", "2.17")
+    assert rc == 0 and report["counts"] == {"error": 0, "warning": 0, "info": 1}
+    assert finding["severity"] == "info"
+    assert finding["message"].startswith("TE 2.17 loads 8 _extra_state items that an upgrade to TE >= 2.18 will refuse")
+    text = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17.1")
+    assert text.returncode == 0 and "CKD230 [info]" in text.stdout
+    assert "All checks passed (1 checkpoint; 1 info finding)." in text.stdout
+    github = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17", "--format", "github")
+    assert github.returncode == 0 and github.stdout.startswith("::notice ")
+
+
+@pytest.mark.parametrize("version", [(), ("--te-version", "2.18"), ("--te-version", "2.20")])
+def test_check_at_te_2_18_or_newer_warns_as_before(version):
+    rc, report, finding = _refusal(*version)
+    assert rc == 1 and finding["severity"] == "warning" and report["counts"]["warning"] == 1
+    assert finding["message"].startswith("TE >= 2.18 will refuse 8 _extra_state items")
+
+
+def test_check_takes_the_te_version_from_the_config_and_the_command_line_overrides_it(tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[tool.ckptdoctor]\nte-version = "2.16"\n')
+    rc, report, finding = _refusal(cwd=tmp_path)
+    assert rc == 0 and finding["severity"] == "info" and finding["message"].startswith("TE 2.16 loads")
+    assert report["config"]["changed"] == {"te-version": "2.16"}
+    rc, _, finding = _refusal("--te-version", "2.19", cwd=tmp_path)
+    assert rc == 1 and finding["severity"] == "warning"
+
+
+def test_check_refuses_a_te_version_that_is_no_major_minor(tmp_path):
+    proc = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2")
+    assert proc.returncode == 2 and "--te-version" in proc.stderr and "give MAJOR.MINOR" in proc.stderr
+    (tmp_path / "pyproject.toml").write_text('[tool.ckptdoctor]\nte_version = "two.eighteen"\n')
+    proc = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", cwd=tmp_path)
+    assert proc.returncode == 2 and "[tool.ckptdoctor] te-version" in proc.stderr, proc.stderr
+    (tmp_path / "pyproject.toml").write_text("[tool.ckptdoctor]\nte-version = 2.18\n")  # a float, not a string
+    proc = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", cwd=tmp_path)
+    assert proc.returncode == 2 and "te-version must be str" in proc.stderr, proc.stderr
+
+
 def test_check_reports_mixed_generations_and_fp8_state_the_args_deny():
     found = _findings("core019_te_mixed")
     assert "2 TE 1.x BytesIO" in found["CKD230"][0]

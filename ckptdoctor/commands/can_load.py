@@ -171,9 +171,11 @@ def command(
 
 
 def _te_version(text: str | None) -> tuple[int, int] | None:
+    from ckptdoctor.formats.te_extra_state import parse_te_version
+
     if text is None:
         return None
-    parts = text.strip().split(".")
-    if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
-        raise click.BadParameter(f"{text!r}: give MAJOR.MINOR, e.g. 2.18", param_hint="--te-version")
-    return int(parts[0]), int(parts[1])
+    try:
+        return parse_te_version(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--te-version") from None

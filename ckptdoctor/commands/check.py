@@ -59,6 +59,13 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete
     default=None,
     help="Hash files listed in integrity.json (default on; off checks only that they exist).",
 )
+@click.option(
+    "--te-version",
+    metavar="MAJOR.MINOR",
+    default=None,
+    help="Transformer Engine of the loading run (default: 2.20, the newest modelled): below 2.18, pickled "
+    "_extra_state loads, and CKD230 is info (what an upgrade will refuse) that does not fail the check.",
+)
 @jobs_option("--deep reads data files")
 @click.option("--quiet", "-q", is_flag=True, help="Findings only: no summary line, no progress bar.")
 @click.option("--isolated", is_flag=True, help="Ignore [tool.ckptdoctor] in pyproject.toml.")
@@ -79,6 +86,7 @@ def command(
     health: bool | None,
     all_iterations: bool | None,
     verify_integrity: bool | None,
+    te_version: str | None,
     jobs: int | None,
     quiet: bool,
     isolated: bool,
@@ -119,6 +127,7 @@ def command(
         "verify-integrity": verify_integrity,
         "format": output_format,
         "recursive": recursive,
+        "te-version": te_version,
     }
     changed = {key: value for key, value in config.items() if cli_values.get(key) in (None, ())}
 
@@ -145,6 +154,7 @@ def command(
         base_dir=config_path.parent if config_path is not None else None,
         jobs=jobs,
         health=pick(health, "health", False),
+        te_version=_te_version(te_version, config.get("te-version"), config_path),
     )
     output_format = normalize_format(str(pick(output_format, "format", "text")))
     if output_format not in FORMATS:
@@ -195,3 +205,16 @@ def command(
         click.echo(escape(f"ckptdoctor: no checkpoint found under {', '.join(paths)}"), err=True)
         return EXIT_FINDINGS
     return EXIT_OK if report.clean else EXIT_FINDINGS
+
+
+def _te_version(cli_value: str | None, configured: str | None, config_path: Path | None) -> tuple[int, int] | None:
+    """--te-version, else [tool.ckptdoctor] te-version (None: neither, the newest modelled release)."""
+    from ckptdoctor.formats.te_extra_state import parse_te_version
+
+    text, hint = (cli_value, "--te-version") if cli_value is not None else (configured, None)
+    if text is None:
+        return None
+    try:
+        return parse_te_version(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=hint or f"{config_path}: [tool.ckptdoctor] te-version") from None

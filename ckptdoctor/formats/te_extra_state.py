@@ -41,6 +41,21 @@ UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 REFUSING_TE = (2, 18)  # the first TE release whose set_extra_state refuses pickled state without the opt-in
 NEWEST_MODELLED_TE = (2, 20)
 
+
+def parse_te_version(text: str) -> tuple[int, int]:
+    """A Transformer Engine release as ``(major, minor)`` from ``MAJOR.MINOR`` (a patch level or suffix after the
+    minor is ignored: ``2.18.0``, ``2.19.0.dev0``). Raises ValueError naming the expected form."""
+    parts = text.strip().split(".")
+    if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
+        raise ValueError(f"{text!r}: give MAJOR.MINOR, e.g. 2.18")
+    return int(parts[0]), int(parts[1])
+
+
+def refuses_pickled(version: tuple[int, int] | None) -> bool:
+    """Whether TE ``version`` (None: the newest modelled) refuses pickled ``_extra_state`` without the opt-in."""
+    return (version or NEWEST_MODELLED_TE) >= REFUSING_TE
+
+
 # forms (what the item's object is)
 FORM_NONE = "none"  # None: no TE module saved it (Megatron's local spec)
 FORM_EMPTY = "empty"  # an empty uint8 tensor

@@ -44,7 +44,7 @@ from ckptdoctor.rules import (
     structure,
     with_fix,
 )
-from ckptdoctor.severity import OVERRIDDEN
+from ckptdoctor.severity import INFO, OVERRIDDEN
 from ckptdoctor.storage.dispatch import as_path
 from ckptdoctor.values.health import HealthScan, KeyHealth, require_numpy, summarise
 
@@ -65,6 +65,7 @@ class CheckOptions:
     base_dir: Path | None = None  # where per-path-ignores globs are relative to (the pyproject.toml's dir)
     jobs: int | None = None  # --deep: worker processes (None: the available cores; see ckptdoctor.parallel)
     health: bool = False  # --health (implies deep): per-key statistics and the CKD5xx rules (needs numpy)
+    te_version: tuple[int, int] | None = None  # --te-version: the loading run's Transformer Engine (None: newest)
 
 
 # The files pre-commit passes to the hook (.pre-commit-hooks.yaml `files:`): one that belongs to no checkpoint
@@ -112,7 +113,7 @@ class CheckReport:
     checked: list[str]  # iteration dirs checked, as named from the given paths
     skipped: list[str]  # given files that belong to no checkpoint
     findings: list[Finding]
-    counts: dict[str, int]  # findings by severity ("error", "warning")
+    counts: dict[str, int]  # findings by severity ("error", "warning"; "info" when there are some)
     missing: list[str] = field(default_factory=list)  # given paths that do not exist (only with missing_ok)
     safe_for_loaders: bool = True  # no safety finding: nothing here runs code when a loader reads it
     gate: Gate = field(default_factory=lambda: Gate([], [], []))
@@ -121,7 +122,8 @@ class CheckReport:
 
     @property
     def clean(self) -> bool:
-        return not self.findings
+        """No finding but info ones (what a newer release would refuse; they do not fail the check)."""
+        return all(f.severity == INFO for f in self.findings)
 
     @property
     def nothing_found(self) -> bool:
@@ -244,7 +246,7 @@ def scan_and_check(
             findings += safety.check_items(state.checkpoint, shown, state.bad_files)
         findings += leftovers.check_iteration_dir(directory, shown)
         findings += consistency.check(state)
-        findings += extra_state.check(state)
+        findings += extra_state.check(state, options.te_version)
         findings += integrity.check_manifest(state, verify_hashes=options.verify_integrity)
         if options.deep or options.health:
             stats = HealthScan() if options.health else None

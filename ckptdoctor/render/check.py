@@ -54,12 +54,15 @@ def render_check(report: CheckReport, quiet: bool = False, statistics: bool = Fa
     if report.gate.trusted:
         lines.append(f"Trusted globals (--trust-global): {', '.join(report.gate.trusted)}.")
         where += f"; {_plural(overridden, 'safety finding')} overridden by --trust-global"
-    if report.findings:
+    notes = report.counts.get("info", 0)
+    if notes:  # info findings (what a newer release would refuse) are no problems: they do not fail the check
+        where += f"; {_plural(notes, 'info finding')}"
+    if not report.clean:
         errors, warnings = report.counts.get("error", 0), report.counts.get("warning", 0)
         fixable = sum(1 for f in report.findings if f.fix)
         fix_note = f"; {fixable} fixable (see the fix: lines)" if fixable and not statistics else ""
         lines.append(
-            f"Found {_plural(len(report.findings), 'problem')} ({_plural(errors, 'error')}, "
+            f"Found {_plural(errors + warnings, 'problem')} ({_plural(errors, 'error')}, "
             f"{_plural(warnings, 'warning')}) in {where}{fix_note}."
         )
     elif n == 0:
@@ -115,7 +118,7 @@ def _statistics_lines(report: CheckReport) -> list[str]:
     name_width = max(len(r["name"]) for r in rows)
     lines = []
     for r in rows:
-        severity = "error" if not r["warning"] else "warning" if not r["error"] else "error/warning"
+        severity = "/".join(s for s in ("error", "warning", "info") if r.get(s)) or "error"
         fix = f"fix: {r['fix']}" if r["fix"] else ""
         lines.append(
             f"{r['count']:>{width}}  {r['code']}  {r['name']:<{name_width}}  {'[' + severity + ']':<15}{fix}".rstrip()
@@ -139,7 +142,7 @@ def render_github(report: CheckReport) -> str:
     message), shown by GitHub Actions on the run and the files of a pull request."""
     lines = []
     for f in report.findings:
-        level = "error" if f.severity == "error" else "warning"
+        level = {"error": "error", "info": "notice"}.get(f.severity, "warning")
         message = f.message + (f" (fix: {f.fix})" if f.fix else "")
         lines.append(
             f"::{level} file={_gh_property(f.path)},title={_gh_property(f.code)}::{_gh_data(f'{f.code} {message}')}"
@@ -178,7 +181,7 @@ def sarif(report: CheckReport) -> dict[str, Any]:
     for f in report.findings:
         result: dict[str, Any] = {
             "ruleId": f.code,
-            "level": "error" if f.severity == "error" else "warning",
+            "level": {"error": "error", "info": "note"}.get(f.severity, "warning"),
             "message": {"text": f.message + (f" (fix: {f.fix})" if f.fix else "")},
             "locations": [{"physicalLocation": {"artifactLocation": {"uri": _uri(f.path)}}}],
         }

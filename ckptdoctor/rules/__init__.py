@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from ckptdoctor.pickle.plain import OMIT_NONE
 from ckptdoctor.problems import LostChunk
 from ckptdoctor.severity import ERROR as ERROR  # re-exported: rules and renderers import it from here
+from ckptdoctor.severity import INFO as INFO
 from ckptdoctor.severity import WARNING as WARNING
 
 

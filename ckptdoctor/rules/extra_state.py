@@ -18,7 +18,7 @@ from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import te_extra_state as te
 from ckptdoctor.formats.archive import ArchiveError
-from ckptdoctor.rules import WARNING, Finding, RuleInfo
+from ckptdoctor.rules import INFO, WARNING, Finding, RuleInfo
 from ckptdoctor.rules.structure import Scanned
 
 REFUSED = RuleInfo(
@@ -32,7 +32,8 @@ REFUSED = RuleInfo(
     "state raise a RuntimeError ('Refusing to load pickled Transformer Engine extra state') unless the environment "
     "variable NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 is set. Set it for a checkpoint you trust (ckptdoctor's gate "
     "has read every global in these pickles), or drop the state (the FP8 scales and amax histories restart) with "
-    "`ckptdoctor edit CKPT --drop-extra-state`.",
+    "`ckptdoctor edit CKPT --drop-extra-state`. With `check --te-version` below 2.18 (the run's TE loads them) "
+    "the finding is info: it says what an upgrade to TE >= 2.18 will refuse, and does not fail the check.",
 )
 MIXED = RuleInfo(
     "CKD231",
@@ -113,7 +114,9 @@ def generation_range(state: te.ExtraState) -> tuple[tuple[int, int], tuple[int, 
     return None
 
 
-def check(state: Scanned) -> list[Finding]:
+def check(state: Scanned, te_version: tuple[int, int] | None = None) -> list[Finding]:
+    """The rules on one iteration dir; ``te_version`` is the loading run's Transformer Engine (None: the newest
+    modelled), which decides whether CKD230 is a warning (it refuses the items) or info (an upgrade will)."""
     checkpoint = state.checkpoint
     if checkpoint is None or checkpoint.dcp is None:
         return []
@@ -123,7 +126,7 @@ def check(state: Scanned) -> list[Finding]:
         return []
     shown = str(state.shown / ".metadata")
     out: list[Finding] = []
-    out += _refused(read, shown)
+    out += _refused(read, shown, te_version)
     out += _mixed(read, shown)
     out += _grouped(read, shown)
     if state.common is not None:
@@ -137,7 +140,7 @@ def _examples(keys: list[str], limit: int = 3) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def _refused(read: list[tuple[str, te.ExtraState]], shown: str) -> list[Finding]:
+def _refused(read: list[tuple[str, te.ExtraState]], shown: str, te_version: tuple[int, int] | None) -> list[Finding]:
     refused = [(k, s) for k, s in read if s.te_2_18 == "refuse"]
     if not refused:
         return []
@@ -150,12 +153,18 @@ def _refused(read: list[tuple[str, te.ExtraState]], shown: str) -> list[Finding]
         for _, s in refused
     )
     what = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+    refusing = te.refuses_pickled(te_version)
+    if refusing or te_version is None:
+        whose = f"TE >= 2.18 will refuse {_items(len(refused))}"
+    else:  # the run's TE loads them: say what an upgrade will refuse
+        shown_version = f"{te_version[0]}.{te_version[1]}"
+        whose = f"TE {shown_version} loads {_items(len(refused))} that an upgrade to TE >= 2.18 will refuse"
     message = (
-        f"TE >= 2.18 will refuse {_items(len(refused))} unless "
+        f"{whose} unless "
         f"{te.UNSAFE_PICKLE_ENV}=1 ({what}): {_examples([k for k, _ in refused])}; for a trusted checkpoint set "
         f"{te.UNSAFE_PICKLE_ENV}=1 at load, or drop the extra state (FP8 scaling restarts)"
     )
-    return [Finding(REFUSED.code, shown, message, REFUSED.severity)]
+    return [Finding(REFUSED.code, shown, message, REFUSED.severity if refusing else INFO)]
 
 
 def _mixed(read: list[tuple[str, te.ExtraState]], shown: str) -> list[Finding]:

@@ -35,8 +35,8 @@ from ckptdoctor.formats.te_extra_state import (
     FORM_NONE,
     FORM_OTHER,
     NEWEST_MODELLED_TE,
-    REFUSING_TE,
     UNSAFE_PICKLE_ENV,
+    refuses_pickled,
 )
 from ckptdoctor.ops.can_load.args import args_problem
 from ckptdoctor.ops.can_load.keys import SWIGLU_FC1, KeyPlan, model_plan
@@ -345,7 +345,7 @@ def _extra_state_verdict(state: SavedCheckpoint, run: LoadRun) -> SectionVerdict
     version = run.te_version or NEWEST_MODELLED_TE
     shown = ".".join(map(str, version))
     refused, items = state.te_refused, state.te_items
-    if not refused or version < REFUSING_TE:
+    if not refused or not refuses_pickled(version):
         why = f"TE {shown} loads the {items} Transformer Engine _extra_state items"
         if refused:  # an upgrade to TE >= 2.18 would fail: say so while it still loads
             why += f" ({len(refused)} of them pickled states that TE >= 2.18 refuses without {UNSAFE_PICKLE_ENV}=1)"
