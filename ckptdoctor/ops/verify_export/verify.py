@@ -21,9 +21,7 @@ from ckptdoctor.ops.verify_export.mapping import Mapping, builtin_mappings, choo
 from ckptdoctor.ops.verify_export.report import SCHEMA, ExportFinding, ExportTensor, VerifyExportReport
 from ckptdoctor.ops.verify_export.values import compare_values
 from ckptdoctor.progress import Progress
-from ckptdoctor.severity import ERROR, WARNING
-
-INFO = "info"
+from ckptdoctor.severity import ERROR, INFO, WARNING
 
 
 @dataclass
