@@ -143,6 +143,9 @@ def test_check_below_te_2_18_reports_the_refusal_as_info_and_passes():
     assert "All checks passed (1 checkpoint; 1 info finding)." in text.stdout
     github = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17", "--format", "github")
     assert github.returncode == 0 and github.stdout.startswith("::notice ")
+    sarif = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17", "--format", "sarif")
+    assert sarif.returncode == 0
+    assert [r["level"] for r in json.loads(sarif.stdout)["runs"][0]["results"]] == ["note"]
 
 
 @pytest.mark.parametrize("version", [(), ("--te-version", "2.18"), ("--te-version", "2.20")])
