@@ -204,6 +204,15 @@ def test_diff_fields_validate(capsys):
     assert doc["values"]["different_keys"][0]["fields"]
 
 
+def test_diff_stats_validate(capsys):
+    """Per-key and per-slice statistics side by side (issue #38 point 2), with a changed slice."""
+    pytest.importorskip("numpy")
+    doc = _run_json(
+        capsys, "diff", FIXTURES / "core019_moe_ep2", FIXTURES / "core019_moe_zero_expert_ep2", "--values", "--stats"
+    )
+    assert doc["stats"]["changed"] and any(row["slice"] for row in doc["stats"]["rows"])
+
+
 def test_rules_validate(capsys):
     assert len(_run_json(capsys, "rules")["rules"]) > 40
     assert {r["family"] for r in _run_json(capsys, "rules", "CKD4")["rules"]} == {"safety"}

@@ -66,6 +66,13 @@ def quiet_library_warnings() -> Iterator[None]:
     "both values), as h5diff --report; 0: off.",
 )
 @click.option(
+    "--stats",
+    "with_stats",
+    is_flag=True,
+    help="With --values: both sides' statistics (check --health's: count, zeros, min, max, mean, std, L2 norm, "
+    "fingerprint) per key and per layer / expert of stacked keys, with relative change (needs numpy).",
+)
+@click.option(
     "--limit",
     type=click.IntRange(min=0),
     default=None,
@@ -105,6 +112,7 @@ def command(
     atol: float | None,
     rtol: float | None,
     report_n: int,
+    with_stats: bool,
     limit: int | None,
     show_all: bool,
     ignore_layout: bool | None,
@@ -141,6 +149,12 @@ def command(
         )
     if report_n and not with_values:
         raise click.BadParameter("needs --values", param_hint="--report")
+    if with_stats:
+        if not with_values:
+            raise click.BadParameter("needs --values", param_hint="--stats")
+        from ckptdoctor.values.health import require_numpy
+
+        require_numpy("diff --stats (tensor statistics)")  # one clear error before any work
     config = diff_defaults(*load_tool_config())
     _check_regexes(keys, "--key")
     _check_regexes(exclude, "--exclude")
@@ -184,6 +198,7 @@ def command(
                 report_mismatches=report_n,
                 jobs=jobs,
                 strict_args=strict_args,
+                stats=with_stats,
             )
     finally:
         if progress is not None:

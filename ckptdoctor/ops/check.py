@@ -266,6 +266,24 @@ def scan_and_check(
     return state, findings
 
 
+def health_scan(directory: Path, shown: Path, jobs: int | None = None, progress: Progress | None = None) -> HealthScan:
+    """The statistics of every model and optimizer tensor of one iteration dir: ``check --health``'s streaming
+    pass (``deep_decode.check_deep`` filling a :class:`HealthScan`), without the rules (``diff --stats``)."""
+    require_numpy()
+    stats = HealthScan()
+    with gc_paused():
+        state, _ = structure.scan_iteration(directory, shown)
+        if progress is not None:
+            progress.start(str(shown), deep_decode.deep_bytes(state))
+        try:
+            advance = progress.advance if progress is not None else None
+            deep_decode.check_deep(state, advance, False, jobs, stats)
+        finally:
+            if progress is not None:
+                progress.finish()
+    return stats
+
+
 def resolve_targets(paths: list[str], recursive: bool = True, missing_ok: bool = False) -> _Targets:
     """Map each path to a save dir or an iteration dir (each once); non-checkpoint files are skipped; a dir
     that is no checkpoint is searched below (``recursive``) or is a CKD100 finding."""

@@ -12,7 +12,7 @@ from ckptdoctor.render.wrap import wrap_lines
 from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
-    from ckptdoctor.ops.diff.report import DiffReport
+    from ckptdoctor.ops.diff.report import DiffReport, StatsDiff, StatsRow
     from ckptdoctor.values.diff import ValuesReport
 
 
@@ -133,6 +133,8 @@ def render_diff(report: DiffReport, width: int | None = None) -> str:
         lines += [f"  {note}" for note in report.era]
     if report.values is not None:
         lines += [""] + _render_values(report.values)
+    if report.stats is not None:
+        lines += [""] + _render_stats(report.stats)
     left_out = _left_out(report)
     if left_out:
         lines += ["", f"{left_out} more not listed (at most {report.limit} per list; --limit N, --all)"]
@@ -149,6 +151,8 @@ def _left_out(report: DiffReport) -> int:
     v = report.values
     if v is not None:
         n += v.different - len(v.different_keys) + v.not_compared - len(v.not_compared_keys)
+    if report.stats is not None:
+        n += report.stats.count - len(report.stats.rows)
     return n
 
 
@@ -235,6 +239,46 @@ def _render_values(v: ValuesReport) -> list[str]:
         lines.append(f"  not compared  {r.key}: {r.note}")
     lines += _more(len(v.not_compared_keys), v.not_compared)
     return lines
+
+
+_STATS_HEADER = ("key", "slice", "L2 A", "L2 B", "L2 change", "std change", "mean change", "zeros A", "zeros B", "")
+
+
+def _render_stats(stats: StatsDiff) -> list[str]:
+    """A compact table, one row per key or per layer / expert of a stacked key, the largest change first."""
+    lines = [
+        f"stats (as check --health): {stats.keys} keys in {stats.count} rows (one per key or layer / expert), "
+        f"{stats.changed} changed; largest change first"
+    ]
+    table = [_STATS_HEADER] + [_stats_cells(row) for row in stats.rows]
+    widths = [max(len(cells[i]) for cells in table) for i in range(len(_STATS_HEADER))]
+    for cells in table:
+        left = [cells[0].ljust(widths[0]), cells[1].ljust(widths[1])]
+        lines.append(("  " + "  ".join(left + [c.rjust(w) for c, w in zip(cells[2:], widths[2:])])).rstrip())
+    lines += _more(len(stats.rows), stats.count)
+    return lines
+
+
+def _stats_cells(row: StatsRow) -> tuple[str, ...]:
+    where = " ".join(f"{axis} {index}" for axis, index in row.slice.items()) or "-"
+    return (
+        row.key,
+        where,
+        _num(row.a.l2),
+        _num(row.b.l2),
+        _change(row.l2_change, row.a.l2, row.b.l2),
+        _change(row.std_change, row.a.std, row.b.std),
+        _change(row.mean_change, row.a.mean, row.b.mean),
+        str(row.a.zeros),
+        str(row.b.zeros),
+        "same" if row.equal else "moved",
+    )
+
+
+def _change(change: float | None, a: float | None, b: float | None) -> str:
+    if change is None:
+        return "from 0" if a == 0 and b is not None else "-"
+    return "0" if change == 0 else f"{change * 100:+.3g}%"
 
 
 def _num(x: Any) -> str:

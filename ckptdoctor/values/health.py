@@ -77,11 +77,11 @@ KINDS: dict[str, _Kind] = {
 }
 
 
-def require_numpy() -> Any:
-    """numpy, or the one clear error ``check --health`` gives without it."""
+def require_numpy(purpose: str = "check --health (tensor statistics)") -> Any:
+    """numpy, or the one clear error ``check --health`` (or ``purpose``) gives without it."""
     numpy = numpy_or_none()
     if numpy is None:
-        raise MissingExtraError("numpy", "torch", "check --health (tensor statistics)")
+        raise MissingExtraError("numpy", "torch", purpose)
     return numpy
 
 
@@ -599,14 +599,7 @@ class KeyHealth:
 def summarise(key: str, stats: KeyStats) -> KeyHealth:
     """The reported statistics of one key, computed once from its exact totals (correctly rounded)."""
     whole = stats.whole()
-    kind = KINDS[stats.dtype]
-    n, scale = whole.finite, kind.scale
-    mean = std = l2 = None
-    if n:
-        mean = _ratio(whole.total, n << scale)
-        variance = n * whole.total_sq - whole.total * whole.total  # n^2 2^(2 scale) times the variance
-        std = math.sqrt(_ratio(max(variance, 0), (n * n) << (2 * scale)))
-        l2 = math.sqrt(_ratio(whole.total_sq, 1 << (2 * scale)))
+    mean, std, l2 = moment_values(whole, stats.dtype)
     return KeyHealth(
         key,
         stats.dtype,
@@ -623,6 +616,19 @@ def summarise(key: str, stats: KeyStats) -> KeyHealth:
         l2,
         f"{whole.fingerprint:016x}",
     )
+
+
+def moment_values(moments: Moments, dtype: str) -> tuple[float | None, float | None, float | None]:
+    """Mean, std and L2 norm of the finite values of a key or slice of ``dtype``, from its exact totals (correctly
+    rounded); None where it has no finite value."""
+    n, scale = moments.finite, KINDS[dtype].scale
+    if not n:
+        return None, None, None
+    mean = _ratio(moments.total, n << scale)
+    variance = n * moments.total_sq - moments.total * moments.total  # n^2 2^(2 scale) times the variance
+    std = math.sqrt(_ratio(max(variance, 0), (n * n) << (2 * scale)))
+    l2 = math.sqrt(_ratio(moments.total_sq, 1 << (2 * scale)))
+    return mean, std, l2
 
 
 def _ratio(numerator: int, denominator: int) -> float:

@@ -38,6 +38,7 @@ from ckptdoctor.ops.diff.report import (
     SectionKeys,
     Side,
 )
+from ckptdoctor.ops.diff.stats import compare_stats
 from ckptdoctor.parallelism import SavedLayout, infer_layout
 from ckptdoctor.pickle.paths import FieldChange, FieldDiff, diff_fields, join
 from ckptdoctor.pickle.plain import same_value
@@ -307,6 +308,7 @@ def diff_checkpoints(
     report_mismatches: int = 0,
     jobs: int | None = None,
     strict_args: bool = False,
+    stats: bool = False,
 ) -> DiffReport:
     """Compare two checkpoints; values are read (streamed, chunk by chunk) only when ``values`` is set, by
     ``jobs`` worker processes (default: the available cores) or the ranks of a torchrun job.
@@ -314,7 +316,8 @@ def diff_checkpoints(
     ``ignore_layout``: layout differences are reported but are not differences (``identical`` may be true);
     ``ignore_args``: arg-name regexes (full match) left out of the args comparison;
     ``strict_args``: an arg absent on one side because that side's core never saved it counts as a difference;
-    ``report_mismatches``: with ``values``, the first N mismatching elements of each differing tensor.
+    ``report_mismatches``: with ``values``, the first N mismatching elements of each differing tensor;
+    ``stats``: with ``values``, both sides' per-key and per-slice statistics (:mod:`ckptdoctor.ops.diff.stats`).
     """
     key_filter = key_filter or KeyFilter()
     all_a, all_b = logical_items(a), logical_items(b)
@@ -388,8 +391,13 @@ def diff_checkpoints(
         )
     else:
         structure()
+    stats_diff = None
+    if values and stats:
+        tensors = {k for k in items_a.keys() & items_b.keys() if items_a[k].kind == items_b[k].kind == KIND_TENSOR}
+        stats_diff = compare_stats(a, b, tensors, limit, jobs, progress)
     report, sections, changed, layout_changes, args_diff, common, layout = parts
     report.values = values_report
+    report.stats = stats_diff
     report.summary = {
         "only_a": sum(s.only_a.count for s in sections.values()),
         "only_b": sum(s.only_b.count for s in sections.values()),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.pickle.paths import FieldChange
+from ckptdoctor.pickle.plain import OMIT_NONE
 
 if TYPE_CHECKING:
     from ckptdoctor.values.diff import ValuesReport
@@ -148,7 +149,47 @@ class DiffReport:
     common: CommonDiff | None
     era: list[str]
     values: ValuesReport | None = None  # with --values
+    stats: StatsDiff | None = field(default=None, metadata=OMIT_NONE)  # with --values --stats
     # {"layout": bool, "args": [regex], "strict_args": bool}: what is not counted as a difference
     ignored: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     identical: bool = True
+
+
+@dataclass
+class SliceStats:
+    """One side's statistics of a key, or of one slice of a stacked key (``check --health``'s numbers)."""
+
+    count: int
+    zeros: int
+    min: float | int | None
+    max: float | int | None
+    mean: float | None
+    std: float | None
+    l2: float | None
+    fingerprint: str  # 16 hex digits: equal slices have equal fingerprints at any layout
+
+
+@dataclass
+class StatsRow:
+    """A key (or one layer / expert of a stacked key) in both checkpoints: both sides' statistics and their
+    relative change ``(b - a) / |a|`` (0 when equal; None where A is 0 and B is not, or either has no value)."""
+
+    key: str
+    slice: dict[str, int]  # the stacked axes' indices ({"layer": 3, "expert": 1}); {} for the whole key
+    a: SliceStats
+    b: SliceStats
+    equal: bool  # equal fingerprints: the same values
+    l2_change: float | None
+    std_change: float | None
+    mean_change: float | None
+
+
+@dataclass
+class StatsDiff:
+    """``diff --values --stats``: per-key and per-slice statistics side by side (rows: at most ``limit``)."""
+
+    keys: int  # tensor keys compared (model and optimizer tensors in both)
+    count: int  # rows: one per key, or per slice of a stacked key
+    changed: int  # rows whose fingerprints differ
+    rows: list[StatsRow]  # the largest relative change first, then in key and slice order
