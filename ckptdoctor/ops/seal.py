@@ -152,15 +152,7 @@ def seal(
         files = manifest_files(iteration_dir)
         before = _snapshot(files)
         total = sum(size for size, _ in before.values())
-        if progress is not None:
-            progress.start("hashing", total)
-        start = time.perf_counter()
-        try:
-            hashes = hash_files(files, jobs, progress.advance if progress is not None else None)
-        finally:
-            if progress is not None:
-                progress.finish()
-        seconds = time.perf_counter() - start
+        hashes, seconds = _hash_timed(files, total, jobs, progress)
         if speaks and (_snapshot(files) != before or [p.name for p in manifest_files(iteration_dir)] != list(hashes)):
             raise CkptError(
                 f"{iteration_dir}: files changed while they were hashed (is a job still writing "
@@ -219,15 +211,7 @@ def seal_copy(
         raise CkptError(f"{output}: exists and is not empty (use --force to replace it)")
     files = manifest_files(iteration_dir)
     total = sum(p.stat().st_size for p in files)
-    if progress is not None:
-        progress.start("hashing", total)
-    start = time.perf_counter()
-    try:
-        hashes = hash_files(files, jobs, progress.advance if progress is not None else None)
-    finally:
-        if progress is not None:
-            progress.finish()
-    seconds = time.perf_counter() - start
+    hashes, seconds = _hash_timed(files, total, jobs, progress)
     save_dir = location.save_dir
     given = str(location.input_path).rstrip("/")
     given_save_dir = save_dir is not None and given in (str(save_dir), str(save_dir / TRACKER_NAME))
@@ -289,3 +273,16 @@ def _keep_previous_manifest(iteration_dir: Path, manifest: Path) -> Path | None:
     """The manifest about to be replaced, kept in ``<iter>.quarantine-<stamp>/`` beside the dir (so the new manifest
     need not list it): hard-linked, or moved there where it is not a regular file."""
     return keep_previous(manifest, timestamp(), into=quarantine_dir(iteration_dir))
+
+
+def _hash_timed(files: list[Path], total: int, jobs: int, progress: Progress | None) -> tuple[dict[str, str], float]:
+    """The sha256 of each file (``hash_files``) with a "hashing" progress of ``total`` bytes, and the seconds taken."""
+    if progress is not None:
+        progress.start("hashing", total)
+    start = time.perf_counter()
+    try:
+        hashes = hash_files(files, jobs, progress.advance if progress is not None else None)
+    finally:
+        if progress is not None:
+            progress.finish()
+    return hashes, time.perf_counter() - start
