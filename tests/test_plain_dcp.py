@@ -21,6 +21,8 @@ TORCH_DCP = DCP / "core019_mlm_torch_dcp_tp1"
 ITER = "iter_0000010"
 TITAN = DCP / "fsdp2_titan_ws2"  # step-5 and step-10, world size 2
 TITAN_WS1 = DCP / "fsdp2_titan_ws1" / "step-10"  # the step-10 state saved from one rank
+# megatron-core's GPT under Megatron's torch-FSDP2 wrapper at DP=2, saved as Megatron-LM's torch_dcp saves it
+MLM_FSDP2 = DCP / "core019_mlm_torch_dcp_fsdp2_dp2"
 
 
 def _json(capsys, *args: object) -> dict:
@@ -61,7 +63,34 @@ def test_inspect_of_one_rank_and_of_megatron_torch_dcp(capsys):
     assert doc["sections"]["rng"]["keys"] == 7 and doc["sections"]["model"]["tensors"] == 15
 
 
-@pytest.mark.parametrize("path", [TITAN, TITAN / "step-5", TITAN_WS1, TORCH_DCP])
+def test_megatron_torch_fsdp2_save_at_dp2(capsys):
+    """Megatron-LM's torch_dcp save of a DP=2 torch-FSDP2 run: every parameter (and its Adam moments) a DTensor
+    sharded on dim 0 over the 2 ranks; the args say so; it reads back at world size 1; against the TP=1 one-rank
+    save of the same seed the keys and global shapes are equal and only the layout and the trained values differ
+    (each DP rank trained on its own micro-batch)."""
+    rc, out, _ = run_main(capsys, "inspect", MLM_FSDP2)
+    assert rc == 0 and "format          Megatron-LM torch_dcp (plain PyTorch DCP, no metadata.json)" in out
+    assert "saved layout    world size 2: 45 tensors sharded on dim 0, 20 whole" in out
+    assert "data_parallel_size=2" in out and "ckpt_format=torch_dcp" in out
+    doc = _json(capsys, "inspect", MLM_FSDP2)
+    assert doc["format"]["flavour"] == "torch_dcp" and doc["iteration"] == 10
+    sharding = doc["layout"]["sharding"]
+    assert sharding["world_size"] == 2 and sharding["shard_dims"] == {"0": 45} and sharding["uneven"] == []
+    assert doc["layout"]["writer_ranks"] == [0, 1]
+    rc, out, _ = run_main(capsys, "check", "--deep", MLM_FSDP2)
+    assert rc == 0 and "All checks passed" in out, out
+    doc = _json(capsys, "diff", "--values", TORCH_DCP, MLM_FSDP2)
+    assert all(not keys["only_a"]["count"] and not keys["only_b"]["count"] for keys in doc["keys"].values())
+    assert doc["values"]["different"] > 0 and doc["values"]["not_compared"] == 0
+    rc, out, _ = run_main(capsys, "diff", TORCH_DCP, MLM_FSDP2)
+    assert "model.decoder.layers.0.mlp.linear_fc1.weight: 1 chunk of [128, 32] -> 2 chunks of [64, 32]" in out
+    assert "data_parallel_size: 1 -> 2" in out and "use_torch_fsdp2: true (only in B)" in out
+    doc = _json(capsys, "can-load", MLM_FSDP2, "--target", "world=1")
+    assert doc["will_load"] and doc["saved"]["world"] == 2 and doc["target"]["world"] == 1
+    assert {s["section"]: s["verdict"] for s in doc["sections"]}["model"] == "reshards"
+
+
+@pytest.mark.parametrize("path", [TITAN, TITAN / "step-5", TITAN_WS1, TORCH_DCP, MLM_FSDP2])
 def test_check_passes_clean_saves(capsys, path):
     rc, out, _ = run_main(capsys, "check", "--deep", path)
     assert rc == 0 and "All checks passed" in out, out
