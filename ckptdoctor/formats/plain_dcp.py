@@ -48,6 +48,16 @@ _TOP_LEVEL_SECTIONS = (
 )
 _FSDP2_MARKERS = ("model.", "optimizer.", "train_state", "dataloader.", "lr_scheduler")
 
+# torch's optimizer state_dict flattened by DCP puts the state's name last: FSDP2's get_optimizer_state_dict keys
+# the state by parameter FQN (optimizer.state.layers.0.weight.exp_avg), Megatron-LM's torch_dcp by parameter index
+# (optimizer.state.3.exp_avg; optimizer.optimizer.state.3.exp_avg under Megatron's mixed-precision optimizer,
+# optimizer.<i>. per chained optimizer), Megatron-FSDP by the wrapped module's FQN (optimizer.state.module.module.
+# module.<name>.exp_avg)
+_ADAM_MOMENT_RE = re.compile(r"^optimizer\.(?:[0-9]+\.)?(?:optimizer\.)?state\.(.+)\.(exp_avg|exp_avg_sq)\Z")
+_WRAPPER_PREFIX_RE = re.compile(r"^(?:module\.)+")
+# Megatron-FSDP's per-parameter cuts: SwiGLU halves (weight_w, weight_v) and grouped experts (weight<E>)
+_CUT_PARAMETER_RE = re.compile(r"\.(weight|bias)[0-9]*(?:_[wv])?\Z")
+
 
 def is_megatron(flavour: str | None) -> bool:
     """Whether a flavour is Megatron-LM's (its state dict holds args and iteration)."""
@@ -106,3 +116,24 @@ def per_rank_keys(keys: Iterable[str]) -> list[str]:
     """Keys that hold one rank's private state (TorchTitan's ``dataloader.dp_rank_<r>``): DCP loads them only at
     the world size that wrote them."""
     return [key for key in keys if key.startswith("dataloader.")]
+
+
+def adam_moment(key: str, flavour: str) -> tuple[str, str] | None:
+    """``(moment, parameter)`` of a plain DCP key holding an Adam moment (``exp_avg`` or ``exp_avg_sq``) in the
+    flavour's naming, the parameter as the optimizer names it (FQN, or index for Megatron-LM's torch_dcp;
+    Megatron-FSDP's wrapper prefixes dropped); None for any other key."""
+    match = _ADAM_MOMENT_RE.match(key)
+    if match is None:
+        return None
+    parameter = match.group(1)
+    if flavour == FLAVOUR_FSDP_DTENSOR:
+        parameter = _WRAPPER_PREFIX_RE.sub("", parameter)
+    return match.group(2), parameter
+
+
+def parameter_name(key: str, flavour: str) -> str:
+    """A model key named as the parameter it holds, for telling weights from biases and norm scales: Megatron-FSDP
+    cuts ``linear_fc1.weight`` into ``weight_w``/``weight_v`` and grouped experts' weights into ``weight<E>``."""
+    if flavour != FLAVOUR_FSDP_DTENSOR:
+        return key
+    return _CUT_PARAMETER_RE.sub(lambda match: "." + match.group(1), key)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ckptdoctor.formats.plain_dcp import adam_moment, parameter_name
 from ckptdoctor.rules import ERROR, WARNING, Finding, family_rule, finding
 from ckptdoctor.rules.structure import Scanned
 from ckptdoctor.values.health import HealthScan, KeyStats, Moments
@@ -108,10 +109,11 @@ def check_health(state: Scanned, scan: HealthScan) -> list[Finding]:
     if state.checkpoint is None:
         return []
     path = state.shown
+    flavour = state.checkpoint.flavour  # plain DCP: keys named the flavour's way; None for torch_dist
     model = {k: s for k, s in scan.keys.items() if state.checkpoint.entries[k].section == "model"}
-    out = _zero_weights(path, model)
+    out = _zero_weights(path, model, flavour)
     out += _equal_experts(path, model)
-    out += _layers_at_init(path, model)
+    out += _layers_at_init(path, model, flavour)
     out += _optimizer(state, scan)
     return out
 
@@ -121,14 +123,28 @@ def _never_zero(key: str) -> bool:
     return key.endswith("weight") and not _MAY_BE_ZERO.search(key)
 
 
+def _parameter(key: str, flavour: str | None) -> str:
+    """The key as the parameter it holds (a plain DCP flavour's cut parameters by their parameter's name)."""
+    return key if flavour is None else parameter_name(key, flavour)
+
+
+def _moment(key: str, flavour: str | None) -> tuple[str, str] | None:
+    """``(moment, parameter)`` of a model-space Adam moment: torch_dist's ``optimizer.state.<moment>.<param>``,
+    or the plain DCP flavour's naming (the moment last)."""
+    if flavour is not None:
+        return adam_moment(key, flavour)
+    match = _MODEL_SPACE_MOMENT.match(key)
+    return (match.group(1), match.group(2)) if match else None
+
+
 def _slice_name(stats: KeyStats, index: tuple[int, ...]) -> str:
     return " ".join(f"{axis} {i}" for axis, i in zip(stats.axes, index))
 
 
-def _zero_weights(path: Path, model: dict[str, KeyStats]) -> list[Finding]:
+def _zero_weights(path: Path, model: dict[str, KeyStats], flavour: str | None) -> list[Finding]:
     out = []
     for key, stats in model.items():
-        if not _never_zero(key):
+        if not _never_zero(_parameter(key, flavour)):
             continue
         whole = stats.whole()
         if whole.all_zero:
@@ -183,14 +199,15 @@ def _equal_experts(path: Path, model: dict[str, KeyStats]) -> list[Finding]:
     return out
 
 
-def _layers_at_init(path: Path, model: dict[str, KeyStats]) -> list[Finding]:
+def _layers_at_init(path: Path, model: dict[str, KeyStats], flavour: str | None) -> list[Finding]:
     """Layers whose every norm scale is exactly one and every bias exactly zero, where other layers' norm scales
     are not all one (a model at its initialisation throughout is not flagged: nothing moved)."""
     # layer -> whether each of its norm-scale slices is all one, each of its bias slices all zero
     scales: dict[int, list[bool]] = {}
     biases: dict[int, list[bool]] = {}
     for key, stats in model.items():
-        norm, bias = _NORM_SCALE.search(key) is not None, key.endswith("bias")
+        name = _parameter(key, flavour)
+        norm, bias = _NORM_SCALE.search(name) is not None, name.endswith("bias")
         if not (norm or bias) or "expert" in stats.axes:
             continue
         per_key = _LAYER_IN_KEY.search(key)
@@ -230,19 +247,22 @@ def _optimizer(state: Scanned, scan: HealthScan) -> list[Finding]:
     assert state.checkpoint is not None
     path = state.shown
     out = []
+    flavour = state.checkpoint.flavour
     moments: dict[str, Moments] = {}
     for key, stats in scan.keys.items():
-        model_space = _MODEL_SPACE_MOMENT.match(key)
+        model_space = _moment(key, flavour)
         if model_space is None and _BUCKET_MOMENT.match(key) is None:
             continue
         whole = stats.whole()
         moments[key] = whole
-        kind = model_space.group(1) if model_space else key.rsplit(".", 1)[1]
+        kind = model_space[0] if model_space else key.rsplit(".", 1)[1]
         # a bucket's padding is never written (torch.empty): only model-space moments are read element-wise
         if model_space and kind == "exp_avg_sq" and whole.low is not None and whole.low < 0:
             negative = f"smallest {whole.low:g}"
             out.append(finding(SECOND_MOMENT_NEGATIVE, path, f"{key}: negative values ({negative})"))
     iteration = (state.common or {}).get("iteration")
+    if iteration is None and flavour is not None:  # FSDP2 / TorchTitan keep no Megatron items: the dir's step-<N>
+        iteration = state.checkpoint.location.iteration
     if moments and all(m.all_zero for m in moments.values()) and isinstance(iteration, int) and iteration > 0:
         out.append(
             finding(
@@ -259,15 +279,17 @@ def _optimizer(state: Scanned, scan: HealthScan) -> list[Finding]:
 def _missing_moments(state: Scanned) -> list[Finding]:
     """Model-space parameters with one Adam moment and not the other (from the keys: no values needed)."""
     assert state.checkpoint is not None
-    present: dict[str, set[str]] = {}
+    flavour = state.checkpoint.flavour
+    present: dict[str, dict[str, str]] = {}  # parameter -> moment -> key
     for key in state.checkpoint.entries:
-        match = _MODEL_SPACE_MOMENT.match(key)
+        match = _moment(key, flavour)
         if match is not None:
-            present.setdefault(match.group(2), set()).add(match.group(1))
+            present.setdefault(match[1], {})[match[0]] = key
     out = []
     for parameter, kinds in sorted(present.items()):
         if len(kinds) == 1:
-            (has,) = kinds
+            ((has, key),) = kinds.items()
             lacks = "exp_avg_sq" if has == "exp_avg" else "exp_avg"
-            out.append(finding(MOMENT_MISSING, state.shown, f"{parameter}: optimizer.state.{has} without {lacks}"))
+            held = f"optimizer.state.{has}" if flavour is None else key
+            out.append(finding(MOMENT_MISSING, state.shown, f"{parameter}: {held} without {lacks}"))
     return out
