@@ -340,3 +340,65 @@ def _torch_save(convert, source, target) -> dict:
 
     convert(str(source), str(target))
     return torch.load(target, weights_only=True)
+
+
+_TORCH_DCP_LOAD = """
+import sys, torch, torch.distributed.checkpoint as dcp
+source, edited = sys.argv[1], sys.argv[2]
+heads = []
+for path in (source, edited):  # Megatron-LM's torch_dcp load: args and iteration first
+    head = {"args": None, "iteration": None}
+    dcp.load(head, checkpoint_id=path, no_dist=True)
+    heads.append(head)
+(a, b) = (vars(h["args"]) for h in heads)
+assert heads[1]["iteration"] == heads[0]["iteration"] == 10
+assert b["no_save_optim"] is True and b["no_save_rng"] is True and a["no_save_optim"] is False
+assert {k: v for k, v in a.items() if k not in ("no_save_optim", "no_save_rng")} == {
+    k: v for k, v in b.items() if k not in ("no_save_optim", "no_save_rng")
+}
+reader = dcp.FileSystemReader(edited)
+meta = reader.read_metadata().state_dict_metadata
+tensors = {k: m for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
+model = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in tensors.items()}
+dcp.load(model, checkpoint_id=edited, no_dist=True)
+whole = {k: torch.empty_like(v) for k, v in model.items()}
+dcp.load(whole, checkpoint_id=source, no_dist=True)
+assert all(torch.equal(model[k], whole[k]) for k in model)
+assert not any(k.startswith(("optimizer.", "opt_param_scheduler.", "rng_state.")) for k in meta)
+print("loaded", len(model), "model tensors")
+"""
+
+
+@pytest.mark.mcore
+def test_edit_of_a_megatron_torch_dcp_save_rewrites_its_args(capsys, tmp_path):
+    """Dropping the optimizer and rng sections of a Megatron-LM torch_dcp save rewrites the state dict's ``args``
+    item (the one pickle writer fix-args uses) as a --no-save-optim --no-save-rng run saves it, and removes the
+    scheduler with the optimizer; torch's own DCP load reads the new args and the unchanged model."""
+    import subprocess
+    import sys
+
+    out_dir = tmp_path / "out"
+    rc, out, err = run_main(
+        capsys, "edit", TORCH_DCP, "--drop-section", "optimizer", "--drop-section", "rng", "-o", out_dir
+    )
+    assert rc == 0, err
+    assert "args.no_save_optim: false -> true" in out and "args.no_save_rng: false -> true" in out
+    assert "torch_dcp load asks DCP for optimizer, opt_param_scheduler and rng_state" in out
+    for arg in ("no_save_optim", "no_save_rng"):  # read back through the safe unpickler
+        rc, shown, _ = run_main(capsys, "show", out_dir, f"args.{arg}")
+        assert rc == 0 and "value           true" in shown
+    doc = _json(capsys, "inspect", out_dir)
+    assert doc["format"]["flavour"] == "torch_dcp" and doc["sections"]["optimizer"]["keys"] == 0
+    rc, checked, _ = run_main(capsys, "check", "--deep", out_dir)
+    assert rc == 0, checked
+    child = subprocess.run(
+        [sys.executable, "-c", _TORCH_DCP_LOAD, str(TORCH_DCP / ITER), str(out_dir / ITER)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr
+    assert "loaded 15 model tensors" in child.stdout
+    # the source is untouched
+    rc, shown, _ = run_main(capsys, "show", TORCH_DCP, "args.no_save_optim")
+    assert "value           false" in shown

@@ -216,9 +216,12 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
     renamed: list[KeyChange] = []
     kept: set[str] = set()
     new_names: dict[str, tuple[str, list[str]]] = {}  # kept key -> its name after the --rename rules, and theirs
+    scheduler_goes = "optimizer" in request.drop_sections and _megatron_plain_dcp(checkpoint)
     for key in sorted(checkpoint.entries):
         entry = checkpoint.entries[key]
         why = _removal_reason(key, entry.section, entry.is_extra_state, request, removes, redundant)
+        if why is None and scheduler_goes and key.split(".", 1)[0] == _SCHEDULER:
+            why = _DROP_REASONS["optimizer"]  # a --no-save-optim save has neither: generate_state_dict
         if why is not None:
             if entry.section == "common":
                 raise CkptError(f"{why} would remove the common state {key!r} (args, iteration); nothing written")
@@ -267,6 +270,16 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
     )
 
 
+_SCHEDULER = "opt_param_scheduler"
+_PLAIN_DCP_ARGS = "as a --no-save-{} run saves it, in the state dict's args item (read first by a torch_dcp load)"
+
+
+def _megatron_plain_dcp(checkpoint: Checkpoint) -> bool:
+    """Megatron-LM's torch_dcp / fsdp_dtensor save: args and the scheduler are top-level items of the DCP state
+    dict (no common state beside it)."""
+    return checkpoint.location.backend == BACKEND_DCP and is_megatron(checkpoint.flavour)
+
+
 def _whole_sections(checkpoint: Checkpoint, removed: list[KeyChange]) -> list[str]:
     """Sections (optimizer, rng, rerun) the edit removes entirely."""
     gone = {c.key for c in removed}
@@ -291,9 +304,11 @@ def _common(checkpoint: Checkpoint) -> dict:
 def common_changes(checkpoint: Checkpoint, dropped: list[str]) -> list[CommonChange]:
     """The common state as Megatron-LM saves it without the dropped sections (``generate_state_dict``:
     no ``optimizer`` / ``opt_param_scheduler`` under ``--no-save-optim``, no ``rng_state`` under
-    ``--no-save-rng``, no ``rerun_state_machine`` without rerun state), args recording it."""
-    if checkpoint.location.backend == BACKEND_DCP:  # no common state to rewrite: the state dict is all there is
-        return []
+    ``--no-save-rng``, no ``rerun_state_machine`` without rerun state), args recording it. In a Megatron-LM
+    plain DCP save (torch_dcp, fsdp_dtensor) only the args change: they are the state dict's ``args`` item, and
+    the scheduler's items go with the optimizer's (:func:`plan_edit`)."""
+    if checkpoint.location.backend == BACKEND_DCP and not is_megatron(checkpoint.flavour):
+        return []  # FSDP2 / TorchTitan, generic: no saved args, the state dict is all there is
     common = _common(checkpoint)
     args = common.get("args")
     changes: list[CommonChange] = []
@@ -317,9 +332,11 @@ def common_changes(checkpoint: Checkpoint, dropped: list[str]) -> list[CommonCha
                     "describes optimizer state that is no longer there",
                 )
             )
-        set_arg("no_save_optim", "as a --no-save-optim run saves it; load_checkpoint then builds no optimizer request")
+        why = "as a --no-save-optim run saves it; load_checkpoint then builds no optimizer request"
+        set_arg("no_save_optim", _PLAIN_DCP_ARGS.format("optim") if _megatron_plain_dcp(checkpoint) else why)
     if "rng" in dropped:
-        set_arg("no_save_rng", "as a --no-save-rng run saves it; a load then neither requests nor restores rng state")
+        why = "as a --no-save-rng run saves it; a load then neither requests nor restores rng state"
+        set_arg("no_save_rng", _PLAIN_DCP_ARGS.format("rng") if _megatron_plain_dcp(checkpoint) else why)
     if "rerun" in dropped and "rerun_state_machine" in common:
         why = "a load requests rerun state only when the common state has it"
         changes.append(CommonChange("drop", "rerun_state_machine", reason=why))
@@ -356,6 +373,12 @@ def load_flags(checkpoint: Checkpoint, removed: list[KeyChange], dropped: list[s
             "without them, under the run's own recipe): megatron-core 0.19.2 still requests every _extra_state "
             "at load, so load with --dist-ckpt-strictness log_unexpected (or a Megatron-LM whose load accepts "
             "the missing non-persistent extra state of --ckpt-drop-redundant-extra-state)"
+        )
+    if _megatron_plain_dcp(checkpoint) and sections & {"optimizer", "rng"}:
+        notes.append(
+            "Megatron-LM core_v0.19's torch_dcp load asks DCP for optimizer, opt_param_scheduler and rng_state "
+            "whatever the flags say (load_checkpoint's torch_dcp request), and DCP refuses a missing key: "
+            "load this save with a state dict that does not request them (torch.distributed.checkpoint.load)"
         )
     if "model" in sections:
         notes.append(

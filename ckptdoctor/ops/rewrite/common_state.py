@@ -1,6 +1,7 @@
 """The common state (``common.pt`` or Megatron's ``common_state`` item) of a key rewrite, changed as one step of
 the staged write (:class:`ckptdoctor.ops.rewrite.write.KeyEdit`'s ``common`` hook): ``edit --drop-section`` drops
-leftovers and sets args, ``strip-frozen`` sets ``save_trainable_params_only``."""
+leftovers and sets args, ``strip-frozen`` sets ``save_trainable_params_only``. In a Megatron-LM plain DCP save
+(torch_dcp, fsdp_dtensor) the args are the state dict's ``args`` item, rewritten alone."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from ckptdoctor import atomic
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats import BACKEND_DCP
 from ckptdoctor.formats.run_config import RUN_CONFIG, read_run_config
 from ckptdoctor.formats.torch_dist import StorageLocation
 from ckptdoctor.formats.torch_zip import dump_torch_zip
@@ -44,10 +46,18 @@ def common_rewriter(
         return None
     common = _new_common(checkpoint, changes)
     source = checkpoint.common_source
+    plain_dcp = checkpoint.location.backend == BACKEND_DCP
 
     def rewrite(stage: Path) -> CommonWrite:
         done = CommonWrite([])
-        if source == "common.pt":
+        if plain_dcp and source is not None:
+            # Megatron-LM torch_dcp / fsdp_dtensor: args is the state dict's own item, which DCP saved as
+            # torch.save(args); the other top-level items keep their bytes
+            payload = dump_torch_zip(common[source])
+            atomic.write_atomic(stage / file_name, payload)
+            done.repoint = (source, StorageLocation(file_name, 0, len(payload)))
+            done.written.append(file_name)
+        elif source == "common.pt":
             atomic.write_atomic(stage / "common.pt", dump_torch_zip(common))
             done.written.append("common.pt")
         elif source is None:
