@@ -271,7 +271,7 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
 
 
 _SCHEDULER = "opt_param_scheduler"
-_PLAIN_DCP_ARGS = "as a --no-save-{} run saves it, in the state dict's args item (read first by a torch_dcp load)"
+_PLAIN_DCP_ARGS = "as a --no-save-{} run saves it, in the state dict's args item, which a torch_dcp load reads first"
 
 
 def _megatron_plain_dcp(checkpoint: Checkpoint) -> bool:
