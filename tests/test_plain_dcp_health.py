@@ -119,3 +119,16 @@ def test_megatron_fsdp_swiglu_halves_are_weights(capsys, tmp_path):
     rc, found = _findings(capsys, damaged)
     assert rc == 1 and f"CKD501 {half}: all 2048 values are zero" in found
     assert any(f.startswith("CKD510 all ") and f.endswith("at iteration 10 (optimizer re-initialised?)") for f in found)
+
+
+def test_generic_save_weight_against_bias(capsys, tmp_path):
+    """A generic ``dcp.save`` (no ``model.`` prefix: every key is the model's): a zero weight is flagged, a zero
+    bias is not."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {"encoder": {"weight": torch.zeros(3, 2), "bias": torch.zeros(3)}, "head": {"weight": torch.ones(2, 3)}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    doc = json.loads(run_main(capsys, "inspect", tmp_path / "ckpt", "--format", "json")[1])
+    assert doc["format"]["flavour"] == "generic"
+    assert _findings(capsys, tmp_path / "ckpt") == (1, ["CKD501 encoder.weight: all 6 values are zero"])
