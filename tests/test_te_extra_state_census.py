@@ -133,40 +133,55 @@ def _refusal(*args: str, cwd: Path | None = None) -> tuple[int, dict, dict]:
     return proc.returncode, report, finding
 
 
-def test_check_below_te_2_18_reports_the_refusal_as_info_and_passes():
-    rc, report, finding = _refusal("--te-version", "2.17")
+def test_check_with_a_release_without_the_classifier_reports_the_refusal_as_info_and_passes():
+    rc, report, finding = _refusal("--te-version", "2.17.0")
     assert rc == 0 and report["counts"] == {"error": 0, "warning": 0, "info": 1}
     assert finding["severity"] == "info"
-    assert finding["message"].startswith("TE 2.17 loads 8 _extra_state items that an upgrade to TE >= 2.18 will refuse")
-    text = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17.1")
+    assert finding["message"].startswith(
+        "TE 2.17.0 loads 8 _extra_state items that an upgrade to TE 2.16.1, 2.17.1 and >= 2.18 will refuse"
+    )
+    text = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.15")
     assert text.returncode == 0 and "CKD230 [info]" in text.stdout
     assert "All checks passed (1 checkpoint; 1 info finding)." in text.stdout
-    github = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17", "--format", "github")
+    github = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.16.0", "--format", "github")
     assert github.returncode == 0 and github.stdout.startswith("::notice ")
-    sarif = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17", "--format", "sarif")
+    sarif = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17.0", "--format", "sarif")
     assert sarif.returncode == 0
     assert [r["level"] for r in json.loads(sarif.stdout)["runs"][0]["results"]] == ["note"]
 
 
-@pytest.mark.parametrize("version", [(), ("--te-version", "2.18"), ("--te-version", "2.20")])
-def test_check_at_te_2_18_or_newer_warns_as_before(version):
+@pytest.mark.parametrize(
+    ("version", "whose"),
+    [
+        ((), "TE 2.16.1, 2.17.1 and >= 2.18"),
+        (("--te-version", "2.18"), "TE 2.18.0"),
+        (("--te-version", "2.20.2"), "TE 2.20.2"),
+        # the classifier was backported to these patch releases (their .0 releases load the items)
+        (("--te-version", "2.17.1"), "TE 2.17.1"),
+        (("--te-version", "2.16.1"), "TE 2.16.1"),
+    ],
+)
+def test_check_with_a_refusing_release_warns(version, whose):
     rc, report, finding = _refusal(*version)
     assert rc == 1 and finding["severity"] == "warning" and report["counts"]["warning"] == 1
-    assert finding["message"].startswith("TE >= 2.18 will refuse 8 _extra_state items")
+    assert finding["message"].startswith(f"{whose} will refuse 8 _extra_state items")
 
 
 def test_check_takes_the_te_version_from_the_config_and_the_command_line_overrides_it(tmp_path):
-    (tmp_path / "pyproject.toml").write_text('[tool.ckptdoctor]\nte-version = "2.16"\n')
+    (tmp_path / "pyproject.toml").write_text('[tool.ckptdoctor]\nte-version = "2.16.0"\n')
     rc, report, finding = _refusal(cwd=tmp_path)
-    assert rc == 0 and finding["severity"] == "info" and finding["message"].startswith("TE 2.16 loads")
-    assert report["config"]["changed"] == {"te-version": "2.16"}
+    assert rc == 0 and finding["severity"] == "info" and finding["message"].startswith("TE 2.16.0 loads")
+    assert report["config"]["changed"] == {"te-version": "2.16.0"}
     rc, _, finding = _refusal("--te-version", "2.19", cwd=tmp_path)
     assert rc == 1 and finding["severity"] == "warning"
 
 
 def test_check_refuses_a_te_version_that_is_no_major_minor(tmp_path):
     proc = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2")
-    assert proc.returncode == 2 and "--te-version" in proc.stderr and "give MAJOR.MINOR" in proc.stderr
+    assert proc.returncode == 2 and "--te-version" in proc.stderr and "give MAJOR.MINOR[.PATCH]" in proc.stderr
+    # 2.17.0 loads what 2.17.1 refuses: the minor alone does not say
+    proc = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17")
+    assert proc.returncode == 2 and "2.17.0 loads pickled extra state, 2.17.1 and later refuse it" in proc.stderr
     (tmp_path / "pyproject.toml").write_text('[tool.ckptdoctor]\nte_version = "two.eighteen"\n')
     proc = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", cwd=tmp_path)
     assert proc.returncode == 2 and "[tool.ckptdoctor] te-version" in proc.stderr, proc.stderr
@@ -325,13 +340,18 @@ def _sections(*args: str) -> dict[str, dict]:
 def test_can_load_predicts_tes_refusal_with_the_env_var_as_the_fix():
     ckpt = str(FIXTURES / "core019_te_delayed")
     section = _sections(ckpt, "--target", "tp=1", "--no-load-optim")["extra_state"]
-    assert section["verdict"] == "fails" and "TE 2.20 refuses 8 of the 8" in section["why"]
+    assert section["verdict"] == "fails" and "TE 2.20.2 refuses 8 of the 8" in section["why"]
     assert "Refusing to load pickled Transformer Engine extra state" in section["error"]
     assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in section["fix"] and "--drop-extra-state" in section["fix"]
     proc = run_ckptdoctor("can-load", ckpt, "--target", "tp=1", "--no-load-optim")
     assert proc.returncode == 1
-    older = _sections(ckpt, "--target", "tp=1", "--no-load-optim", "--te-version", "2.17")["extra_state"]
-    assert older["verdict"] == "loads" and "8 of them pickled states that TE >= 2.18 refuses" in older["why"]
+    older = _sections(ckpt, "--target", "tp=1", "--no-load-optim", "--te-version", "2.17.0")["extra_state"]
+    assert (
+        older["verdict"] == "loads"
+        and "8 of them pickled states that TE 2.16.1, 2.17.1 and >= 2.18 refuse" in (older["why"])
+    )
+    patched = _sections(ckpt, "--target", "tp=1", "--no-load-optim", "--te-version", "2.17.1")["extra_state"]
+    assert patched["verdict"] == "fails" and "TE 2.17.1 refuses 8 of the 8" in patched["why"]
     allowed = run_ckptdoctor("can-load", ckpt, "--target", "tp=1", "--no-load-optim", "--te-unsafe-pickle")
     assert allowed.returncode == 0, allowed.stdout
 

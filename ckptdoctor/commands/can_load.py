@@ -77,15 +77,16 @@ from ckptdoctor.ops.can_load.run import SHARDING_TYPES, STRICTNESS
 )
 @click.option(
     "--te-version",
-    metavar="MAJOR.MINOR",
+    metavar="MAJOR.MINOR[.PATCH]",
     default=None,
-    help="Transformer Engine of the loading run (default: 2.20, the newest modelled): TE >= 2.18 refuses pickled "
-    "delayed-scaling and TE 1.x _extra_state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1.",
+    help="Transformer Engine of the loading run (default: 2.20.2, the newest modelled): TE 2.16.1, 2.17.1 and "
+    ">= 2.18 refuse pickled delayed-scaling and TE 1.x _extra_state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 "
+    "(2.16.0, 2.17.0 and older load it). 2.16 and 2.17 need the patch level.",
 )
 @click.option(
     "--te-unsafe-pickle",
     is_flag=True,
-    help="The run sets NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (TE >= 2.18 then unpickles those states).",
+    help="The run sets NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (a refusing TE release then unpickles those states).",
 )
 @format_option(schema="can-load")
 def command(
@@ -170,7 +171,7 @@ def command(
     return EXIT_OK if report.will_load else EXIT_FINDINGS
 
 
-def _te_version(text: str | None) -> tuple[int, int] | None:
+def _te_version(text: str | None) -> tuple[int, int, int] | None:
     from ckptdoctor.formats.te_extra_state import parse_te_version
 
     if text is None:

@@ -56,7 +56,8 @@ def _codes_fixed(command: str) -> set[str]:
 
 
 def _drop_extra_state_codes(path: str) -> set[str]:
-    """``edit --drop-extra-state --in-place`` removes every _extra_state item: what TE >= 2.18 refuses goes."""
+    """``edit --drop-extra-state --in-place`` removes every _extra_state item: what TE 2.16.1, 2.17.1 and >= 2.18
+    refuse goes."""
     checkpoint = open_checkpoint(path)
     leftovers.refuse_if_interrupted(checkpoint.iteration_dir)
     if gate_failures(checkpoint):

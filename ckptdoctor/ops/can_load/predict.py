@@ -35,7 +35,9 @@ from ckptdoctor.formats.te_extra_state import (
     FORM_NONE,
     FORM_OTHER,
     NEWEST_MODELLED_TE,
+    REFUSING_RELEASES,
     UNSAFE_PICKLE_ENV,
+    format_te_version,
     refuses_pickled,
 )
 from ckptdoctor.ops.can_load.args import args_problem
@@ -315,7 +317,8 @@ class SavedCheckpoint:
     saved: Layout
     experts: bool  # an MoE checkpoint (saved num_experts, or expert chunks)
     model_args: dict[str, Any] | None = None  # --args-from
-    # Transformer Engine _extra_state items (those TE wrote; read once): what TE >= 2.18 refuses, and how many
+    # Transformer Engine _extra_state items (those TE wrote; read once): what the refusing TE releases refuse, and
+    # how many
     te_refused: list[str] = field(default_factory=list)
     te_items: int = 0
 
@@ -338,17 +341,21 @@ def read_saved(ckpt: Checkpoint, model_args: dict[str, Any] | None = None) -> Sa
 
 
 def _extra_state_verdict(state: SavedCheckpoint, run: LoadRun) -> SectionVerdict | None:
-    """Transformer Engine's ``set_extra_state`` on the saved items (only where TE wrote some): TE >= 2.18 refuses
-    pickled delayed-scaling state and TE 1.x BytesIO state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1."""
+    """Transformer Engine's ``set_extra_state`` on the saved items (only where TE wrote some): TE 2.16.1, 2.17.1 and
+    >= 2.18 refuse pickled delayed-scaling state and TE 1.x BytesIO state unless
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1."""
     if not state.te_items:
         return None
     version = run.te_version or NEWEST_MODELLED_TE
-    shown = ".".join(map(str, version))
+    shown = format_te_version(version)
     refused, items = state.te_refused, state.te_items
     if not refused or not refuses_pickled(version):
         why = f"TE {shown} loads the {items} Transformer Engine _extra_state items"
-        if refused:  # an upgrade to TE >= 2.18 would fail: say so while it still loads
-            why += f" ({len(refused)} of them pickled states that TE >= 2.18 refuses without {UNSAFE_PICKLE_ENV}=1)"
+        if refused:  # an upgrade to a refusing release would fail: say so while it still loads
+            why += (
+                f" ({len(refused)} of them pickled states that {REFUSING_RELEASES} refuse without "
+                f"{UNSAFE_PICKLE_ENV}=1)"
+            )
         return SectionVerdict("extra_state", LOADS, why, requested=items, present=items)
     if run.te_unsafe_pickle:
         why = (

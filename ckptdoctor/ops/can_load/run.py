@@ -78,7 +78,7 @@ class LoadRun:
     dist_optim_sharding_type: str | None = None  # None: as the checkpoint's content metadata says
     use_checkpoint_args: bool = False
     sets: dict[str, Any] = field(default_factory=dict)
-    te_version: tuple[int, int] | None = None  # Transformer Engine of the run (None: the newest modelled)
+    te_version: tuple[int, int, int] | None = None  # Transformer Engine of the run (None: the newest modelled)
     te_unsafe_pickle: bool = False  # NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 in the run's environment
 
     def report_options(self, use_distributed_optimizer: bool) -> dict[str, Any]:
