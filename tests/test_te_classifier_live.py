@@ -28,7 +28,7 @@ from ckptdoctor.formats import te_extra_state as te
 from ckptdoctor.pickle.torch_stand_ins import TensorRef
 
 FIXTURES = REPO / "fixtures"
-TE_FIXTURES = ("core019_te_delayed", "core019_te_mixed")
+TE_FIXTURES = ("core019_te_delayed", "core019_te_mixed", "core019_te_v20")
 CLASSIFY = Path(__file__).resolve().parent / "te_classify.py"
 VERDICT = {"unsafe_load": "refuse", "ignore": "ignore"}  # TE's _PickledExtraStateAction -> ckptdoctor's word
 

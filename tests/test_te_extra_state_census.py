@@ -24,6 +24,7 @@ from ckptdoctor.formats.torch_dist import StorageLocation, index_fqn, set_storag
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 # TE's _PickledExtraStateAction -> ckptdoctor's words; None: a BytesIO, which set_extra_state refuses unclassified
 TE_VERDICT = {"unsafe_load": "refuse", "ignore": "ignore", None: "refuse"}
+TE_FIXTURES = ["core019_te_delayed", "core019_te_mixed", "core019_te_v20"]
 
 
 def _json(*args: str) -> dict:
@@ -36,12 +37,16 @@ def _manifest(name: str) -> dict:
     return json.loads((FIXTURES / "manifests" / f"{name}.te.json").read_text())["items"]
 
 
-@pytest.mark.parametrize("name", ["core019_te_delayed", "core019_te_mixed"])
-def test_the_te_2_18_prediction_equals_tes_own_classifier(name):
+@pytest.mark.parametrize("name", TE_FIXTURES)
+def test_the_prediction_equals_each_releases_own_classifier_as_recorded(name):
+    """The verdicts each release's classifier gave when the fixtures were made (tests/test_te_classifier_live.py
+    runs them live where the releases are installed)."""
     for item, expected in _manifest(name).items():
         (view,) = _json("show", str(FIXTURES / name), item)["extra_state"]
         assert view["error"] is None
-        assert view["state"]["te_2_18"] == TE_VERDICT[expected["te_2_20_classifier"]], (item, view)
+        assert set(expected["te_classifiers"]) == {"2.16.1", "2.17.1", "2.18.0", "2.19.0", "2.20.2"}
+        for version, verdict in expected["te_classifiers"].items():
+            assert view["state"]["te_2_18"] == TE_VERDICT[verdict], (item, version, view)
 
 
 FORMS = {
@@ -49,13 +54,14 @@ FORMS = {
     "te1_bytesio": ("bytesio", "TE 1.x", None, True, True),
     "te1_none": ("bytesio", "TE 1.x", None, False, False),
     "te2_delayed": ("pickle", "TE >= 2.0", "DelayedScaling", True, True),
+    "te20_delayed": ("pickle", "TE 2.0-2.1", "DelayedScaling", True, True),  # TE 2.0's own class: has interval
     "te2_current": ("pickle", "TE 2.0-2.17", "Float8CurrentScaling", True, False),
     "te20_none": ("pickled-none", "TE 2.0-2.3", None, False, False),
     "te24_empty": ("empty", "TE >= 2.4", None, False, False),
 }
 
 
-@pytest.mark.parametrize("name", ["core019_te_delayed", "core019_te_mixed"])
+@pytest.mark.parametrize("name", TE_FIXTURES)
 def test_show_decodes_each_generation(name):
     for item, expected in _manifest(name).items():
         form, generation, recipe, fp8, needed = FORMS[expected["payload"]]
@@ -86,6 +92,36 @@ def test_show_gives_recipe_fields_tensor_shapes_and_extra_variables():
     )
     assert "TE 1.x  (bytesio" in text.stdout and "scale_inv_fwd 3" in text.stdout
     assert "refused unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in text.stdout
+
+
+def test_te_2_0s_own_payloads_decode_and_are_judged():
+    """core019_te_v20: what TE 2.0's get_extra_state writes (its own DelayedScaling, from the v2.0 source: with the
+    interval field TE 2.2 removed), a delayed-scaling FP8 run whose last layer ran in BF16 (pickle.dumps(None))."""
+    ckpt = str(FIXTURES / "core019_te_v20")
+    state = _json("show", ckpt, "decoder.layers.mlp.linear_fc2._extra_state/shard_0_2")["extra_state"][0]["state"]
+    assert state["generation"] == "TE 2.0-2.1" and state["recipe"] == "DelayedScaling"
+    assert state["recipe_fields"]["interval"] == -1 and state["recipe_fields"]["amax_history_len"] == 16
+    assert state["tensors"]["amax_history_fwd"] == [16, 3] and state["te_2_18"] == "refuse"
+    census = _json("inspect", ckpt, "--extra-state")["extra_state"]
+    assert census["generations"] == {"TE 2.0-2.1": 4, "TE 2.0-2.3": 4} and census["te_2_18_refused"] == 4
+    found = _findings(ckpt)
+    assert set(found) == {"CKD230"}, found  # one generation (2.0-2.1 wrote both forms), FP8 args agree
+    assert "will refuse 4 _extra_state items" in found["CKD230"][0]
+    older = _sections(ckpt, "--target", "tp=1", "--te-version", "2.0")["extra_state"]
+    assert older["verdict"] == "loads"
+    newer = _sections(ckpt, "--target", "tp=1", "--te-version", "2.19.0")["extra_state"]
+    assert newer["verdict"] == "fails" and "TE 2.19.0 refuses 4 of the 8" in newer["why"]
+
+
+def test_a_te_2_0_state_beside_an_empty_one_is_mixed(copy_fixture):
+    """TE 2.0-2.1 never saved an empty tensor (TE >= 2.4 does): one beside the other is CKD231."""
+    torch = pytest.importorskip("torch")
+    save = copy_fixture("core019_te_v20")
+    buf = io.BytesIO()
+    torch.save([torch.empty(0, dtype=torch.uint8)], buf)
+    _point_item_at(save, "decoder.layers.mlp.linear_fc1._extra_state/shard_1_2", buf.getvalue())
+    (message,) = _findings(str(save))["CKD231"]
+    assert "never saved together" in message and "TE 2.0-2.1" in message and "TE >= 2.4" in message
 
 
 def test_a_local_spec_checkpoint_has_no_te_state_and_no_findings():

@@ -7,7 +7,8 @@ local spec saves None there. What ``obj`` is tells the TE generation that wrote 
 * TE 1.x: an ``io.BytesIO`` holding ``torch.save(state)``; ``state`` has the delayed-scaling tensors
   (``scale_fwd``, ``scale_inv_fwd``, ``amax_history_fwd`` and the ``_bwd`` three) and ``extra_fp8_variables``,
   no recipe (TE 1.x knew only delayed scaling).
-* TE 2.0-2.3: a uint8 tensor of ``pickle.dumps(state)``, ``state`` None when FP8 is off.
+* TE 2.0-2.3: a uint8 tensor of ``pickle.dumps(state)``, ``state`` None when FP8 is off. TE 2.0 and 2.1's
+  DelayedScaling still has an ``interval`` field (TE 2.2 removed it): its pickled state tells those two apart.
 * TE >= 2.4: an empty uint8 tensor when FP8 is off; otherwise ``pickle.dumps({"recipe": <recipe>, [the four
   delayed-scaling tensors,] "extra_fp8_variables": {...}})``.
 * TE 2.16.1, 2.17.1 and >= 2.18: an empty uint8 tensor for stateless recipes too (current scaling, MXFP8, block
@@ -90,6 +91,7 @@ FORM_OTHER = "other"  # none of TE's forms
 GEN_NONE = "no TE"
 GEN_TE1 = "TE 1.x"
 GEN_TE20 = "TE 2.0-2.3"
+GEN_TE20_21 = "TE 2.0-2.1"  # a DelayedScaling with its ``interval`` field, which TE 2.2 removed
 GEN_TE24 = "TE >= 2.4"
 # a pickled stateless recipe: the refusing releases (2.16.1, 2.17.1, >= 2.18) save an empty tensor instead
 GEN_TE2_STATELESS = "TE 2.0-2.17"
@@ -106,7 +108,7 @@ DELAYED_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"
 # Megatron-LM's --ckpt-drop-redundant-extra-state (#5552) keeps an item only where its bytes hold one of these
 NEEDED_KEYS = ("amax_history_fwd", "scale_fwd", "scale_bwd")
 _FORMATS = {(448, 448): "E4M3", (57344, 57344): "E5M2", (448, 57344): "HYBRID", (6, 6): "E2M1"}
-RECIPE_FIELDS = ("fp8_format", "margin", "amax_history_len", "amax_compute_algo", "fp8_dpa", "fp8_mha")
+RECIPE_FIELDS = ("fp8_format", "margin", "interval", "amax_history_len", "amax_compute_algo", "fp8_dpa", "fp8_mha")
 
 
 @dataclass
@@ -254,6 +256,8 @@ def describe(obj: Any, where: str, unlisted: list[UnlistedGlobal] | None = None)
     _read_state(out, state)
     if out.recipe in STATELESS_RECIPES:
         out.generation = GEN_TE2_STATELESS
+    elif out.recipe == DELAYED and "interval" in out.recipe_fields:
+        out.generation = GEN_TE20_21
     return out
 
 

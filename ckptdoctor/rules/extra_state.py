@@ -114,6 +114,8 @@ def generation_range(state: te.ExtraState) -> tuple[te.TeVersion, te.TeVersion] 
         return (2, 0, 0), (2, 4, 0)
     if state.form == te.FORM_EMPTY:
         return (2, 4, 0), forever
+    if state.form == te.FORM_PICKLE and state.generation == te.GEN_TE20_21:
+        return (2, 0, 0), (2, 2, 0)
     if state.form == te.FORM_PICKLE:
         return ((2, 0, 0), te.REFUSING_TE) if state.recipe in te.STATELESS_RECIPES else ((2, 0, 0), forever)
     return None
