@@ -460,3 +460,44 @@ def test_te_module_families_are_megatron_cores_te_spec():
     built = {path: name for layer in spec.values() for path, name in layer.items() if name.startswith("TE")}
     checked = {path: family for path, family in TE_MODULE_FAMILIES.items() if not path.startswith("mlp.experts.")}
     assert {path: built.get(path) for path in checked} == checked
+
+
+# --- can-load: a checkpoint whose redundant extra state was dropped (Megatron-LM #5552's load side) ---------------
+
+
+def test_can_load_says_which_strictness_and_megatron_accept_dropped_extra_state(tmp_path):
+    """megatron-core 0.19.2 requests every module's _extra_state: the dropped ones are missing under the default
+    strictness (test_edit_mcore.py loads it for real), load under a dropping strictness, and are not requested by
+    a run with Megatron-LM's --ckpt-drop-redundant-extra-state (PR #5552) unless it trains with delayed scaling."""
+    lean = tmp_path / "lean"
+    proc = run_ckptdoctor("edit", FIXTURES / "core019_te_mixed", "--drop-redundant-extra-state", "-o", lean)
+    assert proc.returncode == 0, proc.stderr
+    run = (str(lean), "--target", "tp=1", "--no-load-optim", "--te-unsafe-pickle")
+    model = _sections(*run)["model"]
+    assert model["verdict"] == "fails" and "requests 3 keys the checkpoint lacks" in model["why"]
+    assert model["error"].startswith("CheckpointException: Missing key in checkpoint state_dict: decoder.layers.mlp")
+    assert "--dist-ckpt-strictness log_unexpected" in model["fix"]
+    assert "--ckpt-drop-redundant-extra-state" in model["fix"] and "PR #5552" in model["fix"]
+    assert "not in megatron-core 0.19.x" in model["fix"]
+    for strictness in ("log_unexpected", "log_all", "ignore_all"):
+        report = _json("can-load", *run, "--strictness", strictness)
+        assert report["will_load"], (strictness, report["sections"])
+        assert any("dropped under strictness" in w for w in report["warnings"])
+    flagged = _json("can-load", *run, "--ckpt-drop-redundant-extra-state")
+    assert flagged["will_load"] and flagged["options"]["drop_redundant_extra_state"] is True
+    assert any("PR #5552" in w for w in flagged["warnings"])
+    (extra,) = [s for s in flagged["sections"] if s["section"] == "extra_state"]
+    assert extra["verdict"] == "loads" and "not requested" in extra["why"]
+    # without --te-unsafe-pickle too: TE never reads what the run does not request
+    assert _json("can-load", str(lean), "--target", "tp=1", "--no-load-optim", "--ckpt-drop-redundant-extra-state")[
+        "will_load"
+    ]
+    # a delayed-scaling run keeps its extra state persistent: requested, missing, as without the flag
+    delayed = _sections(*run, "--ckpt-drop-redundant-extra-state", "--set", "fp8=hybrid")["model"]
+    assert delayed["verdict"] == "fails" and "Missing key in checkpoint state_dict" in delayed["error"]
+    # the whole checkpoint, nothing dropped: loads as before, with or without the flag
+    assert _json("can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1")["will_load"]
+    assert _json("can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--ckpt-drop-redundant-extra-state")[
+        "will_load"
+    ]
+

@@ -88,6 +88,14 @@ from ckptdoctor.ops.can_load.run import SHARDING_TYPES, STRICTNESS
     is_flag=True,
     help="The run sets NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (a refusing TE release then unpickles those states).",
 )
+@click.option(
+    "--ckpt-drop-redundant-extra-state",
+    "drop_redundant_extra_state",
+    is_flag=True,
+    help="The run sets Megatron-LM's --ckpt-drop-redundant-extra-state (PR #5552; Megatron-LM main, not in "
+    "megatron-core 0.19.x): without delayed-scaling FP8 its load requests no _extra_state, so a checkpoint whose "
+    "redundant extra state was dropped loads at any strictness.",
+)
 @format_option(schema="can-load")
 def command(
     checkpoint: str,
@@ -107,6 +115,7 @@ def command(
     use_checkpoint_args: bool,
     te_version: str | None,
     te_unsafe_pickle: bool,
+    drop_redundant_extra_state: bool,
     output_format: str,
 ) -> int:
     """Predict whether Megatron will load CHECKPOINT at the --target layout, section by section (metadata only);
@@ -141,6 +150,7 @@ def command(
         sets=parse_sets(sets),
         te_version=_te_version(te_version),
         te_unsafe_pickle=te_unsafe_pickle,
+        drop_redundant_extra_state=drop_redundant_extra_state,
     )
     ckpt = open_checkpoint(checkpoint, iteration)
     if ckpt.location.backend == BACKEND_DCP and not suggest:  # DCP's own resharding, not Megatron's load rules
