@@ -288,7 +288,11 @@ def test_a_hostile_payload_in_extra_state_is_refused_by_the_gate_and_never_run(c
     save = copy_fixture("core019_te_delayed")
     payload = pickle.dumps({"recipe": None, "scale_fwd": _Reduce(__import__("os").system, (f"touch {marker}",))})
     _point_item_at(save, KEY, _uint8_item(payload))
-    assert "CKD401" in _findings(str(save))
+    found = _json("check", str(save))["findings"]
+    assert "CKD401" in {f["code"] for f in found}
+    # the other 7 items are still refused by TE, but the fix edit refuses this checkpoint at its gate: no fix line
+    (refused,) = [f for f in found if f["code"] == "CKD230"]
+    assert refused["fix"] is None
     view = _json("show", str(save), KEY)["extra_state"][0]
     assert view["state"] is None and "system" in view["error"]
     census = _json("inspect", str(save), "--extra-state")["extra_state"]
@@ -501,3 +505,37 @@ def test_can_load_says_which_strictness_and_megatron_accept_dropped_extra_state(
         "will_load"
     ]
 
+
+def test_check_reads_each_extra_state_item_once(monkeypatch, capsys, copy_fixture):
+    """check gates every bytes item, the census judges the _extra_state ones, and the fix line (edit
+    --drop-extra-state, CKD230) is verified: one read of each item for all three (the gate's ranged pass and the
+    single-item reads counted)."""
+    from collections import Counter
+
+    from ckptdoctor.cli import main
+    from ckptdoctor.formats import torch_dist
+    from ckptdoctor.rules import safety
+
+    save = copy_fixture("core019_te_delayed")
+    reads: Counter[str] = Counter()
+    ranged, single = safety.read_ranges, torch_dist.read_range
+
+    def counting_ranges(files):
+        for path, key, blob in ranged(files):
+            reads[key] += 1
+            yield path, key, blob
+
+    def counting_range(iteration_dir, location, max_length=None):
+        reads[(location.relative_path, location.offset)] += 1
+        return single(iteration_dir, location, max_length)
+
+    monkeypatch.setattr(safety, "read_ranges", counting_ranges)
+    monkeypatch.setattr(torch_dist, "read_range", counting_range)
+    assert main(["check", str(save), "--format", "json"]) == 1
+    (finding,) = json.loads(capsys.readouterr().out)["findings"]
+    assert finding["code"] == "CKD230" and "--drop-extra-state" in finding["fix"]  # the fix line was verified
+    checkpoint = open_checkpoint(save)
+    items = {k: e.chunks[0].storage for k, e in checkpoint.entries.items() if "_extra_state" in k}
+    assert len(items) == 8
+    for key, location in items.items():
+        assert reads[key] + reads[(location.relative_path, location.offset)] == 1, (key, reads)
