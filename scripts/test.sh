@@ -24,6 +24,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "${pip[@]}" -e '.[test]'
     "${pip[@]}" numpy packaging einops==0.8.2 triton==3.9.0 psutil
     "${pip[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2
+    # Transformer Engine's Python, one folder per release (tests/test_te_classifier_live.py runs each release's own
+    # extra-state classifier; the classifier shipped in 2.18.0 and the 2.16.1/2.17.1 patch releases, 2.17.0 is the
+    # last without it): --no-deps (its dependencies are CUDA builds; the tests need pydantic only, a test extra),
+    # and outside site-packages (megatron-core must not find a TE without its CUDA extension).
+    for te_release in 2.16.1 2.17.0 2.17.1 2.18.0 2.19.0 2.20.2; do
+        rm -rf ".venv/transformer-engine/$te_release"
+        "${pip[@]}" --no-deps --target ".venv/transformer-engine/$te_release" "transformer-engine==$te_release"
+    done
     echo "$want" > "$stamp"
 fi
 .venv/bin/ruff check ckptdoctor tests bench scripts fuzz
@@ -52,8 +60,9 @@ dist=()
 if [ $# -eq 0 ] && [ -z "${CKPTDOCTOR_TEST_ONE_PASS:-}" ]; then
     PYTHON=.venv/bin/python scripts/sanitize.sh --seconds 150
 fi
-# REQUIRE_C_SCAN: the optional C pre-pass must have been built here (its tests would skip otherwise).
-CKPTDOCTOR_REQUIRE_MCORE=1 CKPTDOCTOR_REQUIRE_C_SCAN=1 .venv/bin/python -m pytest -q -n "$jobs" "${dist[@]}" "$@"
+# REQUIRE_C_SCAN: the optional C pre-pass must have been built here (its tests would skip otherwise); REQUIRE_TE:
+# the Transformer Engine releases installed above must be found.
+CKPTDOCTOR_REQUIRE_MCORE=1 CKPTDOCTOR_REQUIRE_C_SCAN=1 CKPTDOCTOR_REQUIRE_TE=1 .venv/bin/python -m pytest -q -n "$jobs" "${dist[@]}" "$@"
 # The pure-Python path (a machine without a compiler): the fast tier again with the C extensions blocked, unless
 # the first pass was given its own -m/-k/paths (a developer's selection) or CKPTDOCTOR_TEST_ONE_PASS=1.
 if [ -z "${CKPTDOCTOR_TEST_ONE_PASS:-}" ]; then

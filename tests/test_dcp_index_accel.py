@@ -369,8 +369,8 @@ def test_fixture_indexes_with_and_without_compact_records(monkeypatch, path):
     """The index read from compact records is the index read from records that keep their state dicts."""
     data = path.read_bytes()
     compact = _outcome(monkeypatch, True, *_records(data, True), True)
-    sample = next(iter(_records(data, True)[0].values()))
-    assert _compact(sample)  # the records DCP writes are read compact
+    # the records DCP writes are read compact (a save's first record may be a bytes item's, which has no fields)
+    assert any(_compact(record) for record in _records(data, True)[0].values())
     monkeypatch.setattr(index_records, "_compact_setstate", None)
     monkeypatch.setattr(index_records, "_INDEX_RECORD_CLASSES", {})
     records = _records(data, True)

@@ -254,3 +254,9 @@ def test_dropped_redundant_extra_state_loads_with_the_reported_strictness(capsys
             ),
         ]
     )
+    # can-load predicts both outcomes of the real loads above (its model section; TE's refusal is another one)
+    for strictness, verdict in (("assume_ok_unexpected", "fails"), ("log_unexpected", "loads")):
+        capsys.readouterr()
+        main(["can-load", str(tmp_path / "lean"), "--target", "tp=1", "--format", "json", "--strictness", strictness])
+        sections = {s["section"]: s for s in json.loads(capsys.readouterr().out)["sections"]}
+        assert sections["model"]["verdict"] == verdict, (strictness, sections["model"])

@@ -24,6 +24,7 @@ from ckptdoctor.formats.torch_dist import StorageLocation, index_fqn, set_storag
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 # TE's _PickledExtraStateAction -> ckptdoctor's words; None: a BytesIO, which set_extra_state refuses unclassified
 TE_VERDICT = {"unsafe_load": "refuse", "ignore": "ignore", None: "refuse"}
+TE_FIXTURES = ["core019_te_delayed", "core019_te_mixed", "core019_te_v20"]
 
 
 def _json(*args: str) -> dict:
@@ -36,12 +37,16 @@ def _manifest(name: str) -> dict:
     return json.loads((FIXTURES / "manifests" / f"{name}.te.json").read_text())["items"]
 
 
-@pytest.mark.parametrize("name", ["core019_te_delayed", "core019_te_mixed"])
-def test_the_te_2_18_prediction_equals_tes_own_classifier(name):
+@pytest.mark.parametrize("name", TE_FIXTURES)
+def test_the_prediction_equals_each_releases_own_classifier_as_recorded(name):
+    """The verdicts each release's classifier gave when the fixtures were made (tests/test_te_classifier_live.py
+    runs them live where the releases are installed)."""
     for item, expected in _manifest(name).items():
         (view,) = _json("show", str(FIXTURES / name), item)["extra_state"]
         assert view["error"] is None
-        assert view["state"]["te_2_18"] == TE_VERDICT[expected["te_2_20_classifier"]], (item, view)
+        assert set(expected["te_classifiers"]) == {"2.16.1", "2.17.1", "2.18.0", "2.19.0", "2.20.2"}
+        for version, verdict in expected["te_classifiers"].items():
+            assert view["state"]["te_2_18"] == TE_VERDICT[verdict], (item, version, view)
 
 
 FORMS = {
@@ -49,13 +54,14 @@ FORMS = {
     "te1_bytesio": ("bytesio", "TE 1.x", None, True, True),
     "te1_none": ("bytesio", "TE 1.x", None, False, False),
     "te2_delayed": ("pickle", "TE >= 2.0", "DelayedScaling", True, True),
+    "te20_delayed": ("pickle", "TE 2.0-2.1", "DelayedScaling", True, True),  # TE 2.0's own class: has interval
     "te2_current": ("pickle", "TE 2.0-2.17", "Float8CurrentScaling", True, False),
     "te20_none": ("pickled-none", "TE 2.0-2.3", None, False, False),
     "te24_empty": ("empty", "TE >= 2.4", None, False, False),
 }
 
 
-@pytest.mark.parametrize("name", ["core019_te_delayed", "core019_te_mixed"])
+@pytest.mark.parametrize("name", TE_FIXTURES)
 def test_show_decodes_each_generation(name):
     for item, expected in _manifest(name).items():
         form, generation, recipe, fp8, needed = FORMS[expected["payload"]]
@@ -86,6 +92,36 @@ def test_show_gives_recipe_fields_tensor_shapes_and_extra_variables():
     )
     assert "TE 1.x  (bytesio" in text.stdout and "scale_inv_fwd 3" in text.stdout
     assert "refused unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in text.stdout
+
+
+def test_te_2_0s_own_payloads_decode_and_are_judged():
+    """core019_te_v20: what TE 2.0's get_extra_state writes (its own DelayedScaling, from the v2.0 source: with the
+    interval field TE 2.2 removed), a delayed-scaling FP8 run whose last layer ran in BF16 (pickle.dumps(None))."""
+    ckpt = str(FIXTURES / "core019_te_v20")
+    state = _json("show", ckpt, "decoder.layers.mlp.linear_fc2._extra_state/shard_0_2")["extra_state"][0]["state"]
+    assert state["generation"] == "TE 2.0-2.1" and state["recipe"] == "DelayedScaling"
+    assert state["recipe_fields"]["interval"] == -1 and state["recipe_fields"]["amax_history_len"] == 16
+    assert state["tensors"]["amax_history_fwd"] == [16, 3] and state["te_2_18"] == "refuse"
+    census = _json("inspect", ckpt, "--extra-state")["extra_state"]
+    assert census["generations"] == {"TE 2.0-2.1": 4, "TE 2.0-2.3": 4} and census["te_2_18_refused"] == 4
+    found = _findings(ckpt)
+    assert set(found) == {"CKD230"}, found  # one generation (2.0-2.1 wrote both forms), FP8 args agree
+    assert "will refuse 4 _extra_state items" in found["CKD230"][0]
+    older = _sections(ckpt, "--target", "tp=1", "--te-version", "2.0")["extra_state"]
+    assert older["verdict"] == "loads"
+    newer = _sections(ckpt, "--target", "tp=1", "--te-version", "2.19.0")["extra_state"]
+    assert newer["verdict"] == "fails" and "TE 2.19.0 refuses 4 of the 8" in newer["why"]
+
+
+def test_a_te_2_0_state_beside_an_empty_one_is_mixed(copy_fixture):
+    """TE 2.0-2.1 never saved an empty tensor (TE >= 2.4 does): one beside the other is CKD231."""
+    torch = pytest.importorskip("torch")
+    save = copy_fixture("core019_te_v20")
+    buf = io.BytesIO()
+    torch.save([torch.empty(0, dtype=torch.uint8)], buf)
+    _point_item_at(save, "decoder.layers.mlp.linear_fc1._extra_state/shard_1_2", buf.getvalue())
+    (message,) = _findings(str(save))["CKD231"]
+    assert "never saved together" in message and "TE 2.0-2.1" in message and "TE >= 2.4" in message
 
 
 def test_a_local_spec_checkpoint_has_no_te_state_and_no_findings():
@@ -133,40 +169,55 @@ def _refusal(*args: str, cwd: Path | None = None) -> tuple[int, dict, dict]:
     return proc.returncode, report, finding
 
 
-def test_check_below_te_2_18_reports_the_refusal_as_info_and_passes():
-    rc, report, finding = _refusal("--te-version", "2.17")
+def test_check_with_a_release_without_the_classifier_reports_the_refusal_as_info_and_passes():
+    rc, report, finding = _refusal("--te-version", "2.17.0")
     assert rc == 0 and report["counts"] == {"error": 0, "warning": 0, "info": 1}
     assert finding["severity"] == "info"
-    assert finding["message"].startswith("TE 2.17 loads 8 _extra_state items that an upgrade to TE >= 2.18 will refuse")
-    text = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17.1")
+    assert finding["message"].startswith(
+        "TE 2.17.0 loads 8 _extra_state items that an upgrade to TE 2.16.1, 2.17.1 and >= 2.18 will refuse"
+    )
+    text = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.15")
     assert text.returncode == 0 and "CKD230 [info]" in text.stdout
     assert "All checks passed (1 checkpoint; 1 info finding)." in text.stdout
-    github = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17", "--format", "github")
+    github = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.16.0", "--format", "github")
     assert github.returncode == 0 and github.stdout.startswith("::notice ")
-    sarif = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17", "--format", "sarif")
+    sarif = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17.0", "--format", "sarif")
     assert sarif.returncode == 0
     assert [r["level"] for r in json.loads(sarif.stdout)["runs"][0]["results"]] == ["note"]
 
 
-@pytest.mark.parametrize("version", [(), ("--te-version", "2.18"), ("--te-version", "2.20")])
-def test_check_at_te_2_18_or_newer_warns_as_before(version):
+@pytest.mark.parametrize(
+    ("version", "whose"),
+    [
+        ((), "TE 2.16.1, 2.17.1 and >= 2.18"),
+        (("--te-version", "2.18"), "TE 2.18.0"),
+        (("--te-version", "2.20.2"), "TE 2.20.2"),
+        # the classifier was backported to these patch releases (their .0 releases load the items)
+        (("--te-version", "2.17.1"), "TE 2.17.1"),
+        (("--te-version", "2.16.1"), "TE 2.16.1"),
+    ],
+)
+def test_check_with_a_refusing_release_warns(version, whose):
     rc, report, finding = _refusal(*version)
     assert rc == 1 and finding["severity"] == "warning" and report["counts"]["warning"] == 1
-    assert finding["message"].startswith("TE >= 2.18 will refuse 8 _extra_state items")
+    assert finding["message"].startswith(f"{whose} will refuse 8 _extra_state items")
 
 
 def test_check_takes_the_te_version_from_the_config_and_the_command_line_overrides_it(tmp_path):
-    (tmp_path / "pyproject.toml").write_text('[tool.ckptdoctor]\nte-version = "2.16"\n')
+    (tmp_path / "pyproject.toml").write_text('[tool.ckptdoctor]\nte-version = "2.16.0"\n')
     rc, report, finding = _refusal(cwd=tmp_path)
-    assert rc == 0 and finding["severity"] == "info" and finding["message"].startswith("TE 2.16 loads")
-    assert report["config"]["changed"] == {"te-version": "2.16"}
+    assert rc == 0 and finding["severity"] == "info" and finding["message"].startswith("TE 2.16.0 loads")
+    assert report["config"]["changed"] == {"te-version": "2.16.0"}
     rc, _, finding = _refusal("--te-version", "2.19", cwd=tmp_path)
     assert rc == 1 and finding["severity"] == "warning"
 
 
 def test_check_refuses_a_te_version_that_is_no_major_minor(tmp_path):
     proc = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2")
-    assert proc.returncode == 2 and "--te-version" in proc.stderr and "give MAJOR.MINOR" in proc.stderr
+    assert proc.returncode == 2 and "--te-version" in proc.stderr and "give MAJOR.MINOR[.PATCH]" in proc.stderr
+    # 2.17.0 loads what 2.17.1 refuses: the minor alone does not say
+    proc = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", "--te-version", "2.17")
+    assert proc.returncode == 2 and "2.17.0 loads pickled extra state, 2.17.1 and later refuse it" in proc.stderr
     (tmp_path / "pyproject.toml").write_text('[tool.ckptdoctor]\nte_version = "two.eighteen"\n')
     proc = run_ckptdoctor("check", FIXTURES / "core019_te_delayed", cwd=tmp_path)
     assert proc.returncode == 2 and "[tool.ckptdoctor] te-version" in proc.stderr, proc.stderr
@@ -237,7 +288,11 @@ def test_a_hostile_payload_in_extra_state_is_refused_by_the_gate_and_never_run(c
     save = copy_fixture("core019_te_delayed")
     payload = pickle.dumps({"recipe": None, "scale_fwd": _Reduce(__import__("os").system, (f"touch {marker}",))})
     _point_item_at(save, KEY, _uint8_item(payload))
-    assert "CKD401" in _findings(str(save))
+    found = _json("check", str(save))["findings"]
+    assert "CKD401" in {f["code"] for f in found}
+    # the other 7 items are still refused by TE, but the fix edit refuses this checkpoint at its gate: no fix line
+    (refused,) = [f for f in found if f["code"] == "CKD230"]
+    assert refused["fix"] is None
     view = _json("show", str(save), KEY)["extra_state"][0]
     assert view["state"] is None and "system" in view["error"]
     census = _json("inspect", str(save), "--extra-state")["extra_state"]
@@ -325,13 +380,18 @@ def _sections(*args: str) -> dict[str, dict]:
 def test_can_load_predicts_tes_refusal_with_the_env_var_as_the_fix():
     ckpt = str(FIXTURES / "core019_te_delayed")
     section = _sections(ckpt, "--target", "tp=1", "--no-load-optim")["extra_state"]
-    assert section["verdict"] == "fails" and "TE 2.20 refuses 8 of the 8" in section["why"]
+    assert section["verdict"] == "fails" and "TE 2.20.2 refuses 8 of the 8" in section["why"]
     assert "Refusing to load pickled Transformer Engine extra state" in section["error"]
     assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1" in section["fix"] and "--drop-extra-state" in section["fix"]
     proc = run_ckptdoctor("can-load", ckpt, "--target", "tp=1", "--no-load-optim")
     assert proc.returncode == 1
-    older = _sections(ckpt, "--target", "tp=1", "--no-load-optim", "--te-version", "2.17")["extra_state"]
-    assert older["verdict"] == "loads" and "8 of them pickled states that TE >= 2.18 refuses" in older["why"]
+    older = _sections(ckpt, "--target", "tp=1", "--no-load-optim", "--te-version", "2.17.0")["extra_state"]
+    assert (
+        older["verdict"] == "loads"
+        and "8 of them pickled states that TE 2.16.1, 2.17.1 and >= 2.18 refuse" in (older["why"])
+    )
+    patched = _sections(ckpt, "--target", "tp=1", "--no-load-optim", "--te-version", "2.17.1")["extra_state"]
+    assert patched["verdict"] == "fails" and "TE 2.17.1 refuses 8 of the 8" in patched["why"]
     allowed = run_ckptdoctor("can-load", ckpt, "--target", "tp=1", "--no-load-optim", "--te-unsafe-pickle")
     assert allowed.returncode == 0, allowed.stdout
 
@@ -404,3 +464,78 @@ def test_te_module_families_are_megatron_cores_te_spec():
     built = {path: name for layer in spec.values() for path, name in layer.items() if name.startswith("TE")}
     checked = {path: family for path, family in TE_MODULE_FAMILIES.items() if not path.startswith("mlp.experts.")}
     assert {path: built.get(path) for path in checked} == checked
+
+
+# --- can-load: a checkpoint whose redundant extra state was dropped (Megatron-LM #5552's load side) ---------------
+
+
+def test_can_load_says_which_strictness_and_megatron_accept_dropped_extra_state(tmp_path):
+    """megatron-core 0.19.2 requests every module's _extra_state: the dropped ones are missing under the default
+    strictness (test_edit_mcore.py loads it for real), load under a dropping strictness, and are not requested by
+    a run with Megatron-LM's --ckpt-drop-redundant-extra-state (PR #5552) unless it trains with delayed scaling."""
+    lean = tmp_path / "lean"
+    proc = run_ckptdoctor("edit", FIXTURES / "core019_te_mixed", "--drop-redundant-extra-state", "-o", lean)
+    assert proc.returncode == 0, proc.stderr
+    run = (str(lean), "--target", "tp=1", "--no-load-optim", "--te-unsafe-pickle")
+    model = _sections(*run)["model"]
+    assert model["verdict"] == "fails" and "requests 3 keys the checkpoint lacks" in model["why"]
+    assert model["error"].startswith("CheckpointException: Missing key in checkpoint state_dict: decoder.layers.mlp")
+    assert "--dist-ckpt-strictness log_unexpected" in model["fix"]
+    assert "--ckpt-drop-redundant-extra-state" in model["fix"] and "PR #5552" in model["fix"]
+    assert "not in megatron-core 0.19.x" in model["fix"]
+    for strictness in ("log_unexpected", "log_all", "ignore_all"):
+        report = _json("can-load", *run, "--strictness", strictness)
+        assert report["will_load"], (strictness, report["sections"])
+        assert any("dropped under strictness" in w for w in report["warnings"])
+    flagged = _json("can-load", *run, "--ckpt-drop-redundant-extra-state")
+    assert flagged["will_load"] and flagged["options"]["drop_redundant_extra_state"] is True
+    assert any("PR #5552" in w for w in flagged["warnings"])
+    (extra,) = [s for s in flagged["sections"] if s["section"] == "extra_state"]
+    assert extra["verdict"] == "loads" and "not requested" in extra["why"]
+    # without --te-unsafe-pickle too: TE never reads what the run does not request
+    assert _json("can-load", str(lean), "--target", "tp=1", "--no-load-optim", "--ckpt-drop-redundant-extra-state")[
+        "will_load"
+    ]
+    # a delayed-scaling run keeps its extra state persistent: requested, missing, as without the flag
+    delayed = _sections(*run, "--ckpt-drop-redundant-extra-state", "--set", "fp8=hybrid")["model"]
+    assert delayed["verdict"] == "fails" and "Missing key in checkpoint state_dict" in delayed["error"]
+    # the whole checkpoint, nothing dropped: loads as before, with or without the flag
+    assert _json("can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1")["will_load"]
+    assert _json("can-load", str(FIXTURES / "core019_tp1"), "--target", "tp=1", "--ckpt-drop-redundant-extra-state")[
+        "will_load"
+    ]
+
+
+def test_check_reads_each_extra_state_item_once(monkeypatch, capsys, copy_fixture):
+    """check gates every bytes item, the census judges the _extra_state ones, and the fix line (edit
+    --drop-extra-state, CKD230) is verified: one read of each item for all three (the gate's ranged pass and the
+    single-item reads counted)."""
+    from collections import Counter
+
+    from ckptdoctor.cli import main
+    from ckptdoctor.formats import torch_dist
+    from ckptdoctor.rules import safety
+
+    save = copy_fixture("core019_te_delayed")
+    reads: Counter[str] = Counter()
+    ranged, single = safety.read_ranges, torch_dist.read_range
+
+    def counting_ranges(files):
+        for path, key, blob in ranged(files):
+            reads[key] += 1
+            yield path, key, blob
+
+    def counting_range(iteration_dir, location, max_length=None):
+        reads[(location.relative_path, location.offset)] += 1
+        return single(iteration_dir, location, max_length)
+
+    monkeypatch.setattr(safety, "read_ranges", counting_ranges)
+    monkeypatch.setattr(torch_dist, "read_range", counting_range)
+    assert main(["check", str(save), "--format", "json"]) == 1
+    (finding,) = json.loads(capsys.readouterr().out)["findings"]
+    assert finding["code"] == "CKD230" and "--drop-extra-state" in finding["fix"]  # the fix line was verified
+    checkpoint = open_checkpoint(save)
+    items = {k: e.chunks[0].storage for k, e in checkpoint.entries.items() if "_extra_state" in k}
+    assert len(items) == 8
+    for key, location in items.items():
+        assert reads[key] + reads[(location.relative_path, location.offset)] == 1, (key, reads)

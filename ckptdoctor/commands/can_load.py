@@ -77,15 +77,24 @@ from ckptdoctor.ops.can_load.run import SHARDING_TYPES, STRICTNESS
 )
 @click.option(
     "--te-version",
-    metavar="MAJOR.MINOR",
+    metavar="MAJOR.MINOR[.PATCH]",
     default=None,
-    help="Transformer Engine of the loading run (default: 2.20, the newest modelled): TE >= 2.18 refuses pickled "
-    "delayed-scaling and TE 1.x _extra_state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1.",
+    help="Transformer Engine of the loading run (default: 2.20.2, the newest modelled): TE 2.16.1, 2.17.1 and "
+    ">= 2.18 refuse pickled delayed-scaling and TE 1.x _extra_state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 "
+    "(2.16.0, 2.17.0 and older load it). 2.16 and 2.17 need the patch level.",
 )
 @click.option(
     "--te-unsafe-pickle",
     is_flag=True,
-    help="The run sets NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (TE >= 2.18 then unpickles those states).",
+    help="The run sets NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (a refusing TE release then unpickles those states).",
+)
+@click.option(
+    "--ckpt-drop-redundant-extra-state",
+    "drop_redundant_extra_state",
+    is_flag=True,
+    help="The run sets Megatron-LM's --ckpt-drop-redundant-extra-state (PR #5552; Megatron-LM main, not in "
+    "megatron-core 0.19.x): without delayed-scaling FP8 its load requests no _extra_state, so a checkpoint whose "
+    "redundant extra state was dropped loads at any strictness.",
 )
 @format_option(schema="can-load")
 def command(
@@ -106,6 +115,7 @@ def command(
     use_checkpoint_args: bool,
     te_version: str | None,
     te_unsafe_pickle: bool,
+    drop_redundant_extra_state: bool,
     output_format: str,
 ) -> int:
     """Predict whether Megatron will load CHECKPOINT at the --target layout, section by section (metadata only);
@@ -140,6 +150,7 @@ def command(
         sets=parse_sets(sets),
         te_version=_te_version(te_version),
         te_unsafe_pickle=te_unsafe_pickle,
+        drop_redundant_extra_state=drop_redundant_extra_state,
     )
     ckpt = open_checkpoint(checkpoint, iteration)
     if ckpt.location.backend == BACKEND_DCP and not suggest:  # DCP's own resharding, not Megatron's load rules
@@ -170,7 +181,7 @@ def command(
     return EXIT_OK if report.will_load else EXIT_FINDINGS
 
 
-def _te_version(text: str | None) -> tuple[int, int] | None:
+def _te_version(text: str | None) -> tuple[int, int, int] | None:
     from ckptdoctor.formats.te_extra_state import parse_te_version
 
     if text is None:

@@ -61,10 +61,11 @@ _MULTI: dict = {"multiple": True, "metavar": "CODES", "shell_complete": complete
 )
 @click.option(
     "--te-version",
-    metavar="MAJOR.MINOR",
+    metavar="MAJOR.MINOR[.PATCH]",
     default=None,
-    help="Transformer Engine of the loading run (default: 2.20, the newest modelled): below 2.18, pickled "
-    "_extra_state loads, and CKD230 is info (what an upgrade will refuse) that does not fail the check.",
+    help="Transformer Engine of the loading run (default: 2.20.2, the newest modelled): a release without the "
+    "extra-state classifier (before 2.18, except 2.16.1 and 2.17.1) loads pickled _extra_state, and CKD230 is info "
+    "(what an upgrade will refuse) that does not fail the check. 2.16 and 2.17 need the patch level.",
 )
 @jobs_option("--deep reads data files")
 @click.option("--quiet", "-q", is_flag=True, help="Findings only: no summary line, no progress bar.")
@@ -207,7 +208,7 @@ def command(
     return EXIT_OK if report.clean else EXIT_FINDINGS
 
 
-def _te_version(cli_value: str | None, configured: str | None, config_path: Path | None) -> tuple[int, int] | None:
+def _te_version(cli_value: str | None, configured: str | None, config_path: Path | None) -> tuple[int, int, int] | None:
     """--te-version, else [tool.ckptdoctor] te-version (None: neither, the newest modelled release)."""
     from ckptdoctor.formats.te_extra_state import parse_te_version
 

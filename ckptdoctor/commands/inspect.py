@@ -26,7 +26,7 @@ from ckptdoctor.commands.options import format_option
     "with_extra_state",
     is_flag=True,
     help="Also read every Transformer Engine _extra_state item (a few KB each) and count them: TE generation, "
-    "recipe, FP8 on/off, what TE >= 2.18 refuses at load, what is redundant.",
+    "recipe, FP8 on/off, what TE 2.16.1, 2.17.1 and >= 2.18 refuse at load, what is redundant.",
 )
 @format_option(schema="inspect")
 def command(

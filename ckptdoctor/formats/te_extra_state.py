@@ -7,15 +7,21 @@ local spec saves None there. What ``obj`` is tells the TE generation that wrote 
 * TE 1.x: an ``io.BytesIO`` holding ``torch.save(state)``; ``state`` has the delayed-scaling tensors
   (``scale_fwd``, ``scale_inv_fwd``, ``amax_history_fwd`` and the ``_bwd`` three) and ``extra_fp8_variables``,
   no recipe (TE 1.x knew only delayed scaling).
-* TE 2.0-2.3: a uint8 tensor of ``pickle.dumps(state)``, ``state`` None when FP8 is off.
+* TE 2.0-2.3: a uint8 tensor of ``pickle.dumps(state)``, ``state`` None when FP8 is off. TE 2.0 and 2.1's
+  DelayedScaling still has an ``interval`` field (TE 2.2 removed it): its pickled state tells those two apart.
 * TE >= 2.4: an empty uint8 tensor when FP8 is off; otherwise ``pickle.dumps({"recipe": <recipe>, [the four
   delayed-scaling tensors,] "extra_fp8_variables": {...}})``.
-* TE >= 2.18: an empty uint8 tensor for stateless recipes too (current scaling, MXFP8, block scaling, NVFP4),
-  which 2.0-2.17 pickled as ``{recipe, extra_fp8_variables}``.
+* TE 2.16.1, 2.17.1 and >= 2.18: an empty uint8 tensor for stateless recipes too (current scaling, MXFP8, block
+  scaling, NVFP4), which 2.0-2.17 pickled as ``{recipe, extra_fp8_variables}``.
 
-TE >= 2.18 (``pytorch/_extra_state.py``, identical in 2.18, 2.19 and 2.20) classifies a uint8 payload by its
-pickle opcodes before unpickling it and refuses the ones that need a real unpickle unless
-``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (:func:`te_refuses`); a ``BytesIO`` it always refuses without it.
+TE PR #3123 (``pytorch/_extra_state.py``) classifies a uint8 payload by its pickle opcodes before unpickling it
+and refuses the ones that need a real unpickle unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``
+(:func:`te_refuses`); a ``BytesIO`` it always refuses without it. It shipped in 2.18.0 and was backported to the
+2.16.1 and 2.17.1 patch releases; 2.16.0 and 2.17.0 have no classifier. The released wheels 2.16.1, 2.17.1,
+2.18.0, 2.19.0 and 2.20.2 carry the same ``_extra_state.py`` byte for byte (sha256 580d8d32...) and the same
+``get_extra_state``/``set_extra_state``, and the file has one commit in TE's history, so one model covers every
+refusing release (:func:`refuses_pickled` decides which releases refuse); tests/test_te_classifier_live.py runs
+each release's own classifier against it.
 """
 
 from __future__ import annotations
@@ -38,22 +44,40 @@ from ckptdoctor.pickle.torch_stand_ins import TensorRef
 
 EXTRA_STATE_SUFFIX = "._extra_state"
 UNSAFE_PICKLE_ENV = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
-REFUSING_TE = (2, 18)  # the first TE release whose set_extra_state refuses pickled state without the opt-in
-NEWEST_MODELLED_TE = (2, 20)
+TeVersion = tuple[int, int, int]  # a Transformer Engine release: (major, minor, patch)
+REFUSING_TE: TeVersion = (2, 18, 0)  # from this release on, every set_extra_state refuses pickled state
+# Older minor releases whose patch release got the classifier (#3123 backported): minor -> first refusing patch
+REFUSING_PATCHES = {(2, 16): 1, (2, 17): 1}
+REFUSING_RELEASES = "TE 2.16.1, 2.17.1 and >= 2.18"  # how messages name them
+NEWEST_MODELLED_TE: TeVersion = (2, 20, 2)
 
 
-def parse_te_version(text: str) -> tuple[int, int]:
-    """A Transformer Engine release as ``(major, minor)`` from ``MAJOR.MINOR`` (a patch level or suffix after the
-    minor is ignored: ``2.18.0``, ``2.19.0.dev0``). Raises ValueError naming the expected form."""
+def parse_te_version(text: str) -> TeVersion:
+    """A Transformer Engine release from ``MAJOR.MINOR[.PATCH]`` (a suffix after the patch is ignored:
+    ``2.19.0.dev0``; a missing patch is 0). 2.16 and 2.17 need their patch level: their .1 releases refuse what
+    their .0 releases load. Raises ValueError naming the expected form."""
     parts = text.strip().split(".")
-    if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
-        raise ValueError(f"{text!r}: give MAJOR.MINOR, e.g. 2.18")
-    return int(parts[0]), int(parts[1])
+    if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]) or (len(parts) > 2 and not parts[2].isdigit()):
+        raise ValueError(f"{text!r}: give MAJOR.MINOR[.PATCH], e.g. 2.18 or 2.17.1")
+    major, minor = int(parts[0]), int(parts[1])
+    if len(parts) == 2 and (major, minor) in REFUSING_PATCHES:
+        first = REFUSING_PATCHES[(major, minor)]
+        raise ValueError(
+            f"{text!r}: give the patch release: {major}.{minor}.0 loads pickled extra state, "
+            f"{major}.{minor}.{first} and later refuse it"
+        )
+    return major, minor, int(parts[2]) if len(parts) > 2 else 0
 
 
-def refuses_pickled(version: tuple[int, int] | None) -> bool:
+def format_te_version(version: TeVersion) -> str:
+    return ".".join(str(part) for part in version)
+
+
+def refuses_pickled(version: TeVersion | None) -> bool:
     """Whether TE ``version`` (None: the newest modelled) refuses pickled ``_extra_state`` without the opt-in."""
-    return (version or NEWEST_MODELLED_TE) >= REFUSING_TE
+    major, minor, patch = version or NEWEST_MODELLED_TE
+    first_patch = REFUSING_PATCHES.get((major, minor))
+    return (major, minor, patch) >= REFUSING_TE or (first_patch is not None and patch >= first_patch)
 
 
 # forms (what the item's object is)
@@ -67,8 +91,10 @@ FORM_OTHER = "other"  # none of TE's forms
 GEN_NONE = "no TE"
 GEN_TE1 = "TE 1.x"
 GEN_TE20 = "TE 2.0-2.3"
+GEN_TE20_21 = "TE 2.0-2.1"  # a DelayedScaling with its ``interval`` field, which TE 2.2 removed
 GEN_TE24 = "TE >= 2.4"
-GEN_TE2_STATELESS = "TE 2.0-2.17"  # a pickled stateless recipe: TE >= 2.18 saves an empty tensor instead
+# a pickled stateless recipe: the refusing releases (2.16.1, 2.17.1, >= 2.18) save an empty tensor instead
+GEN_TE2_STATELESS = "TE 2.0-2.17"
 GEN_TE2 = "TE >= 2.0"
 GEN_UNKNOWN = "unknown"
 
@@ -76,13 +102,13 @@ _RECIPE_MODULE = "transformer_engine.common.recipe"
 DELAYED = "DelayedScaling"
 STATELESS_RECIPES = ("Float8CurrentScaling", "MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling")
 CUSTOM = "CustomRecipe"
-# TE >= 2.18's policy by recipe class: stateful (needs the unsafe load) or not
+# the classifier's policy by recipe class: stateful (needs the unsafe load) or not
 _POLICY = {DELAYED: "stateful", **{name: "stateless" for name in STATELESS_RECIPES}, CUSTOM: "dynamic"}
 DELAYED_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
 # Megatron-LM's --ckpt-drop-redundant-extra-state (#5552) keeps an item only where its bytes hold one of these
 NEEDED_KEYS = ("amax_history_fwd", "scale_fwd", "scale_bwd")
 _FORMATS = {(448, 448): "E4M3", (57344, 57344): "E5M2", (448, 57344): "HYBRID", (6, 6): "E2M1"}
-RECIPE_FIELDS = ("fp8_format", "margin", "amax_history_len", "amax_compute_algo", "fp8_dpa", "fp8_mha")
+RECIPE_FIELDS = ("fp8_format", "margin", "interval", "amax_history_len", "amax_compute_algo", "fp8_dpa", "fp8_mha")
 
 
 @dataclass
@@ -98,7 +124,9 @@ class ExtraState:
     tensors: dict[str, list[int]] = field(default_factory=dict)  # scale / amax / scale_inv shapes
     extra_fp8_variables: dict[str, Any] = field(default_factory=dict)
     needed: bool = False  # holds amax_history_fwd, scale_fwd or scale_bwd (Megatron-LM #5552's rule)
-    te_2_18: str = "load"  # TE >= 2.18's action: "load", "ignore" (never unpickled) or "refuse" (needs the env var)
+    # the refusing releases' action (TE 2.16.1, 2.17.1, >= 2.18; the name is the first minor that refuses):
+    # "load", "ignore" (never unpickled) or "refuse" (needs the env var)
+    te_2_18: str = "load"
     custom_factory: str | None = None  # a CustomRecipe's qfactory global: refused, never decoded
     note: str | None = None
 
@@ -228,6 +256,8 @@ def describe(obj: Any, where: str, unlisted: list[UnlistedGlobal] | None = None)
     _read_state(out, state)
     if out.recipe in STATELESS_RECIPES:
         out.generation = GEN_TE2_STATELESS
+    elif out.recipe == DELAYED and "interval" in out.recipe_fields:
+        out.generation = GEN_TE20_21
     return out
 
 
@@ -269,7 +299,7 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
-# --- TE >= 2.18's classifier, modelled ---------------------------------------------------------------
+# --- TE's classifier (#3123: 2.16.1, 2.17.1, >= 2.18), modelled ---------------------------------------
 
 
 def _opcodes(payload: bytes) -> tuple[list[str], list[tuple[str, str]]]:
@@ -290,8 +320,9 @@ def _opcodes(payload: bytes) -> tuple[list[str], list[tuple[str, str]]]:
 
 
 def te_refuses(payload: bytes) -> str:
-    """What TE >= 2.18's ``set_extra_state`` does with a uint8 payload without the opt-in: "ignore" (never
-    unpickled) or "refuse" (a RuntimeError naming NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE). Its rules: a payload it
+    """What a refusing TE release's ``set_extra_state`` (:data:`REFUSING_RELEASES`) does with a uint8 payload
+    without the opt-in: "ignore" (never unpickled) or "refuse" (a RuntimeError naming
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE). Its rules: a payload it
     cannot parse, one without a ``recipe`` string (TE 1.x's layout), one naming DelayedScaling or a delayed-scaling
     key, or one naming no known recipe needs the unsafe load; one that names no global and no delayed key, or a
     known stateless (or custom) recipe, is ignored."""

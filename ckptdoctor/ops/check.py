@@ -65,7 +65,7 @@ class CheckOptions:
     base_dir: Path | None = None  # where per-path-ignores globs are relative to (the pyproject.toml's dir)
     jobs: int | None = None  # --deep: worker processes (None: the available cores; see ckptdoctor.parallel)
     health: bool = False  # --health (implies deep): per-key statistics and the CKD5xx rules (needs numpy)
-    te_version: tuple[int, int] | None = None  # --te-version: the loading run's Transformer Engine (None: newest)
+    te_version: tuple[int, int, int] | None = None  # --te-version: the loading run's Transformer Engine (None: newest)
 
 
 # The files pre-commit passes to the hook (.pre-commit-hooks.yaml `files:`): one that belongs to no checkpoint

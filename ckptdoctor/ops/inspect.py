@@ -85,7 +85,7 @@ class ExtraStateCensus:
     recipes: dict[str, int]
     fp8_on: int
     fp8_off: int
-    te_2_18_refused: int  # TE >= 2.18 refuses these without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1
+    te_2_18_refused: int  # TE 2.16.1, 2.17.1, >= 2.18 refuse these without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1
     redundant: int  # no amax_history_fwd / scale_fwd / scale_bwd: dropped by --drop-redundant-extra-state
     rows: list[ExtraStateRow]
 

@@ -212,7 +212,7 @@ def _extra_state_census_lines(census: Any, width: int | None) -> list[str]:
     if census.te_2_18_refused:
         lines.append(
             wrap_block(
-                f"  TE >= 2.18      refuses {census.te_2_18_refused} at load unless "
+                f"  refused         {census.te_2_18_refused} at load by TE 2.16.1, 2.17.1 and >= 2.18 unless "
                 "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 (check: CKD230)",
                 width,
                 " " * 18,
@@ -235,7 +235,7 @@ def _extra_state_census_lines(census: Any, width: int | None) -> list[str]:
         ]
         lines.append("")
         lines.append(
-            tabulate(rows, headers=["module", "generation", "form", "recipe", "FP8", "history", "TE>=2.18", "items"])
+            tabulate(rows, headers=["module", "generation", "form", "recipe", "FP8", "history", "refusing TE", "items"])
         )
     return lines
 

@@ -166,7 +166,7 @@ def _extra_state_lines(report: ShowReport) -> list[str]:
             "load": "loaded",
         }[state.te_2_18]
         needed = "needed (holds delayed-scaling state)" if state.needed else "redundant (no delayed-scaling state)"
-        lines.append(f"      TE >= 2.18 at load: {verdict}; {needed}")
+        lines.append(f"      TE 2.16.1, 2.17.1, >= 2.18 at load: {verdict}; {needed}")
         if state.note:
             lines.append(f"      {state.note}")
     return lines

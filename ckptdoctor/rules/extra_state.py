@@ -26,14 +26,17 @@ REFUSED = RuleInfo(
     "te-refused-extra-state",
     "consistency",
     WARNING,
-    "_extra_state items that Transformer Engine >= 2.18 refuses at load unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1",
-    "TE 2.18 (transformer_engine/pytorch/_extra_state.py) classifies each pickled extra state by its opcodes before "
+    "_extra_state items that Transformer Engine 2.16.1, 2.17.1 and >= 2.18 refuse at load unless "
+    "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1",
+    "TE 2.18.0, and the 2.16.1 and 2.17.1 patch releases (transformer_engine/pytorch/_extra_state.py, the same file "
+    "in every one of them) classify each pickled extra state by its opcodes before "
     "unpickling it: pickled delayed-scaling FP8 state (scale_fwd, amax_history_fwd, ...) and every TE 1.x BytesIO "
     "state raise a RuntimeError ('Refusing to load pickled Transformer Engine extra state') unless the environment "
     "variable NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 is set. Set it for a checkpoint you trust (ckptdoctor's gate "
     "has read every global in these pickles), or drop the state (the FP8 scales and amax histories restart) with "
-    "`ckptdoctor edit CKPT --drop-extra-state`. With `check --te-version` below 2.18 (the run's TE loads them) "
-    "the finding is info: it says what an upgrade to TE >= 2.18 will refuse, and does not fail the check.",
+    "`ckptdoctor edit CKPT --drop-extra-state`. With `check --te-version` naming a release without the classifier "
+    "(2.16.0, 2.17.0 or older: the run's TE loads them) the finding is info: it says what an upgrade will refuse, "
+    "and does not fail the check.",
 )
 MIXED = RuleInfo(
     "CKD231",
@@ -45,7 +48,8 @@ MIXED = RuleInfo(
     "One training run saves every TE module's extra state with one TE release and one recipe. A TE 1.x BytesIO "
     "beside a TE 2.x uint8 state, a pickled None (TE 2.0-2.3) beside an empty tensor (TE >= 2.4), or two recipe "
     "classes mean the checkpoint was assembled from several runs or converted in part; a load then restores "
-    "some modules' FP8 state and not others, and TE >= 2.18 refuses the old forms (CKD230).",
+    "some modules' FP8 state and not others, and the refusing releases (TE 2.16.1, 2.17.1, >= 2.18) refuse the "
+    "old forms (CKD230).",
 )
 FP8_ARGS = RuleInfo(
     "CKD232",
@@ -100,21 +104,24 @@ def census(checkpoint: Checkpoint, skip_files: Collection[str] = ()) -> list[Cen
     return out
 
 
-def generation_range(state: te.ExtraState) -> tuple[tuple[int, int], tuple[int, int]] | None:
-    """The TE releases ``[lo, hi)`` that write this form (None: no TE form)."""
-    forever = (99, 0)
+def generation_range(state: te.ExtraState) -> tuple[te.TeVersion, te.TeVersion] | None:
+    """The TE releases ``[lo, hi)`` that write this form (None: no TE form). A pickled stateless recipe is
+    2.0-2.17's (2.16.1 and 2.17.1 save an empty tensor instead, inside the range: good enough for mixing)."""
+    forever = (99, 0, 0)
     if state.form == te.FORM_BYTESIO:
-        return (1, 0), (2, 0)
+        return (1, 0, 0), (2, 0, 0)
     if state.form == te.FORM_PICKLED_NONE:
-        return (2, 0), (2, 4)
+        return (2, 0, 0), (2, 4, 0)
     if state.form == te.FORM_EMPTY:
-        return (2, 4), forever
+        return (2, 4, 0), forever
+    if state.form == te.FORM_PICKLE and state.generation == te.GEN_TE20_21:
+        return (2, 0, 0), (2, 2, 0)
     if state.form == te.FORM_PICKLE:
-        return ((2, 0), te.REFUSING_TE) if state.recipe in te.STATELESS_RECIPES else ((2, 0), forever)
+        return ((2, 0, 0), te.REFUSING_TE) if state.recipe in te.STATELESS_RECIPES else ((2, 0, 0), forever)
     return None
 
 
-def check(state: Scanned, te_version: tuple[int, int] | None = None) -> list[Finding]:
+def check(state: Scanned, te_version: te.TeVersion | None = None) -> list[Finding]:
     """The rules on one iteration dir; ``te_version`` is the loading run's Transformer Engine (None: the newest
     modelled), which decides whether CKD230 is a warning (it refuses the items) or info (an upgrade will)."""
     checkpoint = state.checkpoint
@@ -140,7 +147,7 @@ def _examples(keys: list[str], limit: int = 3) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def _refused(read: list[tuple[str, te.ExtraState]], shown: str, te_version: tuple[int, int] | None) -> list[Finding]:
+def _refused(read: list[tuple[str, te.ExtraState]], shown: str, te_version: te.TeVersion | None) -> list[Finding]:
     refused = [(k, s) for k, s in read if s.te_2_18 == "refuse"]
     if not refused:
         return []
@@ -154,11 +161,15 @@ def _refused(read: list[tuple[str, te.ExtraState]], shown: str, te_version: tupl
     )
     what = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
     refusing = te.refuses_pickled(te_version)
-    if refusing or te_version is None:
-        whose = f"TE >= 2.18 will refuse {_items(len(refused))}"
+    if te_version is None:
+        whose = f"{te.REFUSING_RELEASES} will refuse {_items(len(refused))}"
+    elif refusing:
+        whose = f"TE {te.format_te_version(te_version)} will refuse {_items(len(refused))}"
     else:  # the run's TE loads them: say what an upgrade will refuse
-        shown_version = f"{te_version[0]}.{te_version[1]}"
-        whose = f"TE {shown_version} loads {_items(len(refused))} that an upgrade to TE >= 2.18 will refuse"
+        whose = (
+            f"TE {te.format_te_version(te_version)} loads {_items(len(refused))} that an upgrade to "
+            f"{te.REFUSING_RELEASES} will refuse"
+        )
     message = (
         f"{whose} unless "
         f"{te.UNSAFE_PICKLE_ENV}=1 ({what}): {_examples([k for k, _ in refused])}; for a trusted checkpoint set "

@@ -1,11 +1,12 @@
 """Safety rules (CKD4xx), the gate: pickles, archives and configs that a real load would execute, or that attack
 the reader.
 
-PyTorch DCP reads ``.metadata`` with plain ``pickle.load``, Megatron reads the common state and sharded objects
-with ``weights_only=False``, Transformer Engine before 2.18 ``pickle.loads`` its extra state, and Megatron-Bridge
-instantiates ``_target_`` entries of ``run_config.yaml``: a global in those pickles, or a target in that file, is
-code that runs on load. Every pickle ckptdoctor reads goes through :mod:`ckptdoctor.pickle.unpickler` (an exact
-allowlist, refused before anything runs) after :mod:`ckptdoctor.pickle.scanner` (resource limits), and every archive
+PyTorch DCP reads ``.metadata`` with plain ``pickle.load``, Megatron reads the common state and sharded objects with
+``weights_only=False``, Transformer Engine ``pickle.loads`` its extra state (after its classifier, in 2.16.1, 2.17.1 and
+>= 2.18), and Megatron-Bridge instantiates ``_target_`` entries of ``run_config.yaml``: a global in those pickles, or a
+target in that file, is code that runs on load. Every pickle ckptdoctor reads goes through
+:mod:`ckptdoctor.pickle.unpickler` (an exact allowlist, refused before anything runs) after
+:mod:`ckptdoctor.pickle.scanner` (resource limits), and every archive
 through :mod:`ckptdoctor.formats.archive`; these rules turn the refusals, and the globals read as inert stand-ins
 though not on the allowlist, into findings naming the file, so a check carries on. Every safety finding is an
 error, and none can be deselected (:func:`ckptdoctor.rules.is_selected`): the only override is a global the user

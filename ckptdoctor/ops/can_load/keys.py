@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ckptdoctor.formats.te_extra_state import is_extra_state_key, module_family
 from ckptdoctor.ops.can_load.shapes import VOCAB_KEYS, dims_of, layer_index, padded_vocab, target_shape
 from ckptdoctor.ops.can_load.verdict import FAILS, SectionVerdict
 
@@ -41,6 +42,18 @@ _EXPERT_KEYS = (
     "decoder.layers.mlp.experts.experts.linear_fc1.weight",
     "decoder.layers.mlp.experts.experts.linear_fc2.weight",
 )
+# Megatron-LM's --ckpt-drop-redundant-extra-state (PR #5552, commit 105445d, 2026-08-11; Megatron-LM main, core
+# 0.20.0 in development: no megatron-core release has it, 0.19.x neither): generate_state_dict wraps each
+# _extra_state whose freshly built value holds no delayed-scaling markers in a LocalNonpersistentObject, for the
+# save and for the load request alike, so its load does not request them.
+DROP_REDUNDANT_FLAG = "--ckpt-drop-redundant-extra-state"
+DROP_REDUNDANT_SINCE = "Megatron-LM main since PR #5552, core 0.20.0 in development; not in megatron-core 0.19.x"
+ABSENT_EXTRA_STATE_FIX = (
+    "the checkpoint lacks these modules' _extra_state (dropped as redundant: no delayed-scaling state): load with "
+    "--dist-ckpt-strictness log_unexpected (or log_all, ignore_all: the modules keep the state they are built "
+    f"with), or with Megatron-LM's {DROP_REDUNDANT_FLAG} and a run without delayed-scaling FP8 "
+    f"({DROP_REDUNDANT_SINCE}), whose load does not request non-persistent extra state"
+)
 
 
 @dataclass
@@ -49,6 +62,7 @@ class KeyPlan:
     present: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
     unexpected: set[str] = field(default_factory=set)  # requested, not saved
     unexpected_objects: dict[str, str] = field(default_factory=dict)  # object key -> one requested shard key
+    absent_extra_state: list[str] = field(default_factory=list)  # modules' _extra_state the checkpoint lacks
     ignored: set[str] = field(default_factory=set)  # saved, requested by no rank (the run's model lacks them)
     shape_failure: SectionVerdict | None = None
     why: str | None = None
@@ -65,8 +79,16 @@ def changed_args(saved: dict[str, Any], run: dict[str, Any]) -> list[str]:
 
 
 def model_plan(
-    ckpt: Checkpoint, saved_args: dict[str, Any], args: dict[str, Any], saved_tp: int, target_tp: int, vocab_set: bool
+    ckpt: Checkpoint,
+    saved_args: dict[str, Any],
+    args: dict[str, Any],
+    saved_tp: int,
+    target_tp: int,
+    vocab_set: bool,
+    extra_state_local: bool = False,
 ) -> KeyPlan:
+    """``extra_state_local``: the run keeps its modules' ``_extra_state`` local (Megatron-LM's
+    ``--ckpt-drop-redundant-extra-state`` with a recipe that saves no delayed-scaling state): none is requested."""
     plan = KeyPlan()
     saved_dims = dims_of(saved_args, padded_vocab(saved_args, saved_tp, True))
     run_dims = dims_of(args, padded_vocab(args, target_tp, vocab_set))
@@ -106,6 +128,7 @@ def model_plan(
     _qk_layernorm_flip(args, plan, run_dims.kv if run_dims else 0)
     _output_layer_flip(args, plan)
     _layer_keying_flip(saved_args, args, plan, run_layers)
+    _extra_state_requests(plan, saved_layers, extra_state_local)
     frozen = _frozen_base(saved_args, plan)
     changes = changed_args(saved_args, args)
     changes += [
@@ -115,6 +138,8 @@ def model_plan(
     ]
     if changes:
         plan.fix = f"the run's model args differ ({', '.join(changes)}): use the saved values"
+    elif plan.absent_extra_state and not extra_state_local:
+        plan.fix = ABSENT_EXTRA_STATE_FIX
     if mismatch is not None:
         key, shape, want = mismatch
         plan.shape_failure = SectionVerdict(
@@ -145,6 +170,26 @@ def _frozen_base(saved_args: dict[str, Any], plan: KeyPlan) -> str | None:
         plan.unexpected.add(key)
     plan.fix = "load with a filtered request (Megatron-Bridge PEFT), or pass the base checkpoint too"
     return f"trainable-params-only save: the frozen base ({len(absent)}+ keys) is not in it" if absent else None
+
+
+def _extra_state_requests(plan: KeyPlan, layers: int, local: bool) -> None:
+    """Each linear module whose weight is saved requests its ``_extra_state`` (Megatron's local spec saves None
+    there, TE's spec its get_extra_state): one the checkpoint lacks (``edit --drop-redundant-extra-state``,
+    Megatron-LM's ``--ckpt-drop-redundant-extra-state``) is requested and absent, unless the run keeps its extra
+    state local, which requests none, saved or not."""
+    modules = {k[: -len(".weight")] for k in plan.present if k.endswith(".weight")}
+    absent = sorted(
+        f"{m}._extra_state" for m in modules if module_family(m) and f"{m}._extra_state" not in plan.present
+    )
+    plan.absent_extra_state = absent
+    if local:
+        for key in [k for k in plan.requested if is_extra_state_key(k)]:
+            del plan.requested[key]
+        return
+    for key in absent:
+        plan.requested[key] = None
+        plan.unexpected.add(key)
+        plan.unexpected_objects[key] = f"{key}/shard_0_{layers or 1}"
 
 
 def _qk_layernorm_flip(args: dict[str, Any], plan: KeyPlan, kv: int) -> None:

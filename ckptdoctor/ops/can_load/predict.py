@@ -35,11 +35,13 @@ from ckptdoctor.formats.te_extra_state import (
     FORM_NONE,
     FORM_OTHER,
     NEWEST_MODELLED_TE,
+    REFUSING_RELEASES,
     UNSAFE_PICKLE_ENV,
+    format_te_version,
     refuses_pickled,
 )
 from ckptdoctor.ops.can_load.args import args_problem
-from ckptdoctor.ops.can_load.keys import SWIGLU_FC1, KeyPlan, model_plan
+from ckptdoctor.ops.can_load.keys import DROP_REDUNDANT_FLAG, DROP_REDUNDANT_SINCE, SWIGLU_FC1, KeyPlan, model_plan
 from ckptdoctor.ops.can_load.optim import optimizer_verdict
 from ckptdoctor.ops.can_load.run import Layout, LoadRun, parse_target, run_args, saved_layout
 from ckptdoctor.ops.can_load.shapes import VOCAB_KEYS
@@ -315,7 +317,8 @@ class SavedCheckpoint:
     saved: Layout
     experts: bool  # an MoE checkpoint (saved num_experts, or expert chunks)
     model_args: dict[str, Any] | None = None  # --args-from
-    # Transformer Engine _extra_state items (those TE wrote; read once): what TE >= 2.18 refuses, and how many
+    # Transformer Engine _extra_state items (those TE wrote; read once): what the refusing TE releases refuse, and
+    # how many
     te_refused: list[str] = field(default_factory=list)
     te_items: int = 0
 
@@ -337,18 +340,35 @@ def read_saved(ckpt: Checkpoint, model_args: dict[str, Any] | None = None) -> Sa
     return SavedCheckpoint(ckpt, safety, common, saved_args, saved, experts, model_args, refused, len(te_states))
 
 
-def _extra_state_verdict(state: SavedCheckpoint, run: LoadRun) -> SectionVerdict | None:
-    """Transformer Engine's ``set_extra_state`` on the saved items (only where TE wrote some): TE >= 2.18 refuses
-    pickled delayed-scaling state and TE 1.x BytesIO state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1."""
+def _delayed_fp8(args: dict[str, Any]) -> bool:
+    """The run trains in FP8 with delayed scaling (Megatron's --fp8-recipe defaults to delayed): its modules' extra
+    state is persistent, so --ckpt-drop-redundant-extra-state still requests it."""
+    return bool(args.get("fp8")) and (args.get("fp8_recipe") or "delayed") == "delayed"
+
+
+def _extra_state_verdict(state: SavedCheckpoint, run: LoadRun, local: bool = False) -> SectionVerdict | None:
+    """Transformer Engine's ``set_extra_state`` on the saved items (only where TE wrote some): TE 2.16.1, 2.17.1 and
+    >= 2.18 refuse pickled delayed-scaling state and TE 1.x BytesIO state unless
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1."""
     if not state.te_items:
         return None
+    items = state.te_items
+    if local:
+        why = (
+            f"the {items} saved _extra_state items are not requested: {DROP_REDUNDANT_FLAG} keeps a module's extra "
+            "state local where the run's recipe saves no delayed-scaling state, so TE reads none of them"
+        )
+        return SectionVerdict("extra_state", LOADS, why, requested=0, present=items)
     version = run.te_version or NEWEST_MODELLED_TE
-    shown = ".".join(map(str, version))
-    refused, items = state.te_refused, state.te_items
+    shown = format_te_version(version)
+    refused = state.te_refused
     if not refused or not refuses_pickled(version):
         why = f"TE {shown} loads the {items} Transformer Engine _extra_state items"
-        if refused:  # an upgrade to TE >= 2.18 would fail: say so while it still loads
-            why += f" ({len(refused)} of them pickled states that TE >= 2.18 refuses without {UNSAFE_PICKLE_ENV}=1)"
+        if refused:  # an upgrade to a refusing release would fail: say so while it still loads
+            why += (
+                f" ({len(refused)} of them pickled states that {REFUSING_RELEASES} refuse without "
+                f"{UNSAFE_PICKLE_ENV}=1)"
+            )
         return SectionVerdict("extra_state", LOADS, why, requested=items, present=items)
     if run.te_unsafe_pickle:
         why = (
@@ -405,9 +425,17 @@ def predict_at(state: SavedCheckpoint, target: Layout, run: LoadRun) -> CanLoadR
             )
         )
     changed = _layout_change(ctx)
-    plan = model_plan(ckpt, saved_args, args, saved.tp, target.tp, bool(run.sets and "padded_vocab_size" in run.sets))
+    local = run.drop_redundant_extra_state and not _delayed_fp8(args)
+    vocab_set = bool(run.sets and "padded_vocab_size" in run.sets)
+    plan = model_plan(ckpt, saved_args, args, saved.tp, target.tp, vocab_set, local)
     sections.append(_section_from_plan("model", plan, ctx, changed))
-    extra_state = _extra_state_verdict(state, run)
+    if plan.absent_extra_state and local:
+        ctx.warnings.append(
+            f"model: {len(plan.absent_extra_state)} module(s) without a saved _extra_state (e.g. "
+            f"{plan.absent_extra_state[0]}) load under {DROP_REDUNDANT_FLAG} without a dropping strictness: the run "
+            f"does not request non-persistent extra state ({DROP_REDUNDANT_SINCE})"
+        )
+    extra_state = _extra_state_verdict(state, run, local)
     if extra_state is not None:
         sections.append(extra_state)
     compare = replace(saved, tp=ctx.ckpt_tp_pp[0], pp=ctx.ckpt_tp_pp[1])

@@ -78,8 +78,9 @@ class LoadRun:
     dist_optim_sharding_type: str | None = None  # None: as the checkpoint's content metadata says
     use_checkpoint_args: bool = False
     sets: dict[str, Any] = field(default_factory=dict)
-    te_version: tuple[int, int] | None = None  # Transformer Engine of the run (None: the newest modelled)
+    te_version: tuple[int, int, int] | None = None  # Transformer Engine of the run (None: the newest modelled)
     te_unsafe_pickle: bool = False  # NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 in the run's environment
+    drop_redundant_extra_state: bool = False  # Megatron-LM's --ckpt-drop-redundant-extra-state (PR #5552)
 
     def report_options(self, use_distributed_optimizer: bool) -> dict[str, Any]:
         """The run's options as a can-load report gives them (``use_distributed_optimizer`` as the run resolves
@@ -93,6 +94,7 @@ class LoadRun:
             "dist_optim_sharding_type": self.dist_optim_sharding_type,
             "use_checkpoint_args": self.use_checkpoint_args,
             "set": dict(self.sets),
+            "drop_redundant_extra_state": self.drop_redundant_extra_state,
         }
 
 
