@@ -7,6 +7,9 @@ A table (built in here, or a TOML file given with ``--mapping``, the same schema
 * ``layer``: keys below ``decoder.layers.`` (torch_dist stacks the layers in the leading axis of one global
   tensor; per-layer keys ``decoder.layers.<i>.`` hold one layer) -> ``{transform, hf}``; an ``hf`` name with
   ``{expert}`` makes the key per expert (its next axis is the expert axis);
+* ``mtp`` (optional): keys below ``mtp.layers.<n>.`` (multi-token prediction layers, DeepSeek-V3 style) ->
+  ``{transform, hf}``; HF numbers MTP layer ``n`` as layer ``num_layers + n`` (``{layer}``), and the MTP layer's
+  own transformer layer (``mtp.layers.<n>.transformer_layer.``) follows the ``layer`` rules at that index;
 * ``config``: ``config.json`` fields -> the saved arg (or derived value, :data:`DERIVED`) each must equal.
 
 ``hf`` names take ``{layer}`` and ``{expert}``. The transforms undo what Megatron does to the layout:
@@ -31,7 +34,14 @@ TRANSFORMS = ("copy", "qkv", "gate_up", "vocab")
 PARTS = {"copy": 1, "qkv": 3, "gate_up": 2, "vocab": 1}
 
 # derived values a config field may be compared with (beside any saved arg by name)
-DERIVED = ("num_key_value_heads", "tie_word_embeddings", "vocab_size")
+DERIVED = (
+    "num_key_value_heads",
+    "tie_word_embeddings",
+    "vocab_size",
+    "mtp_num_layers",  # 0 where the args have none
+    "moe_shared_experts",  # moe_shared_expert_intermediate_size / moe_ffn_hidden_size (DeepSeek's n_shared_experts)
+    "moe_first_dense_layers",  # the dense layers before the first MoE one (DeepSeek's first_k_dense_replace)
+)
 
 _L = "model.layers.{layer}."
 
@@ -89,6 +99,41 @@ def _experts(block: str, gate: str, up: str, down: str) -> dict[str, Any]:
 
 
 _S = _L + "mlp.shared_expert."
+_DS = _L + "mlp.shared_experts."
+_A = _L + "self_attn."
+
+# DeepSeek-V2/V3 layers: multi-latent attention (the local spec's norms and the TE spec's fused ones), a dense MLP or
+# MoE with shared experts and the router's expert bias (sigmoid scores: e_score_correction_bias)
+_DEEPSEEK = {
+    "input_layernorm.weight": _r("copy", _L + "input_layernorm.weight"),
+    "self_attention.linear_q_proj.layer_norm_weight": _r("copy", _L + "input_layernorm.weight"),
+    "self_attention.linear_q_proj.weight": _r("copy", _A + "q_proj.weight"),  # q_lora_rank None
+    "self_attention.linear_q_down_proj.weight": _r("copy", _A + "q_a_proj.weight"),
+    "self_attention.q_layernorm.weight": _r("copy", _A + "q_a_layernorm.weight"),
+    "self_attention.linear_q_up_proj.layer_norm_weight": _r("copy", _A + "q_a_layernorm.weight"),
+    "self_attention.linear_q_up_proj.weight": _r("copy", _A + "q_b_proj.weight"),
+    "self_attention.linear_kv_down_proj.weight": _r("copy", _A + "kv_a_proj_with_mqa.weight"),
+    "self_attention.kv_layernorm.weight": _r("copy", _A + "kv_a_layernorm.weight"),
+    "self_attention.linear_kv_up_proj.layer_norm_weight": _r("copy", _A + "kv_a_layernorm.weight"),
+    "self_attention.linear_kv_up_proj.weight": _r("copy", _A + "kv_b_proj.weight"),
+    "self_attention.linear_proj.weight": _r("copy", _A + "o_proj.weight"),
+    "pre_mlp_layernorm.weight": _r("copy", _L + "post_attention_layernorm.weight"),
+    "mlp.linear_fc1.layer_norm_weight": _r("copy", _L + "post_attention_layernorm.weight"),
+    "mlp.linear_fc1.weight": _r("gate_up", _L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+    "mlp.linear_fc2.weight": _r("copy", _L + "mlp.down_proj.weight"),
+    **_experts("mlp", "gate_proj", "up_proj", "down_proj"),
+    "mlp.router.expert_bias": _r("copy", _L + "mlp.gate.e_score_correction_bias"),
+    "mlp.shared_experts.linear_fc1.weight": _r("gate_up", _DS + "gate_proj.weight", _DS + "up_proj.weight"),
+    "mlp.shared_experts.linear_fc2.weight": _r("copy", _DS + "down_proj.weight"),
+}
+
+# multi-token prediction layers' own modules (their transformer layer follows the family's layer rules)
+_MTP = {
+    "enorm.weight": _r("copy", _L + "enorm.weight"),
+    "hnorm.weight": _r("copy", _L + "hnorm.weight"),
+    "eh_proj.weight": _r("copy", _L + "eh_proj.weight"),  # [enorm(embedding); hnorm(hidden)] -> hidden, both
+    "final_layernorm.weight": _r("copy", _L + "shared_head.norm.weight"),
+}
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {
@@ -127,6 +172,28 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "num_experts_per_tok": "moe_router_topk",
         },
     },
+    "deepseek": {
+        "model_types": ["deepseek_v3", "deepseek_v2", "kimi_k2"],
+        "global": _GLOBAL,
+        "layer": _DEEPSEEK,
+        "mtp": _MTP,
+        "config": {
+            **{k: v for k, v in _CONFIG.items() if k != "head_dim"},  # HF's head_dim is qk_rope_head_dim
+            "intermediate_size": "ffn_hidden_size",
+            "moe_intermediate_size": "moe_ffn_hidden_size",
+            "n_routed_experts": "num_experts",
+            "n_shared_experts": "moe_shared_experts",
+            "num_experts_per_tok": "moe_router_topk",
+            "routed_scaling_factor": "moe_router_topk_scaling_factor",
+            "first_k_dense_replace": "moe_first_dense_layers",
+            "q_lora_rank": "q_lora_rank",
+            "kv_lora_rank": "kv_lora_rank",
+            "qk_nope_head_dim": "qk_head_dim",
+            "qk_rope_head_dim": "qk_pos_emb_head_dim",
+            "v_head_dim": "v_head_dim",
+            "num_nextn_predict_layers": "mtp_num_layers",
+        },
+    },
 }
 
 
@@ -147,6 +214,7 @@ class Mapping:
     global_rules: dict[str, Rule]
     layer_rules: dict[str, Rule]
     config: dict[str, str]
+    mtp_rules: dict[str, Rule] = field(default_factory=dict)  # below mtp.layers.<n>. (besides transformer_layer.)
 
 
 def _rules(table: Any, where: str) -> dict[str, Rule]:
@@ -180,6 +248,7 @@ def mapping_from_table(family: str, table: Any, where: str) -> Mapping:
         _rules(table.get("global", {}), f"{where}: {family}.global"),
         _rules(table.get("layer", {}), f"{where}: {family}.layer"),
         dict(config),
+        _rules(table.get("mtp", {}), f"{where}: {family}.mtp"),
     )
 
 
