@@ -106,6 +106,7 @@ def test_values_of_each_fixture_export_equal_the_checkpoint_slices(capsys, name)
 def test_the_families_come_from_config_json(capsys):
     families = {name: _verify(capsys, name, HF / name)[1]["family"] for name in EXPORTS}
     assert families == {
+        "core019_deepseek_mtp": "deepseek",  # deepseek_v3: MLA, expert bias, MTP layer
         "core019_gqa_qkln_tp2": "llama",  # qwen3: q/k norm in the dense table
         "core019_moe_ep2": "mixtral",
         "core019_moe_mixed_shared_ep2": "qwen_moe",
@@ -352,6 +353,110 @@ def test_a_zeroed_and_a_reinitialised_expert(capsys, export_copy):
     assert [(f["hf_name"], f["layer"], f["expert"]) for f in found["value"]] == [(redrawn, 1, 3)]
     row = next(t for t in report["tensors"] if t["name"] == redrawn)
     assert row["max_abs_diff"] > 0
+
+
+# --- DeepSeek: multi-latent attention, shared experts, expert bias, a multi-token prediction layer ------------------
+
+DEEPSEEK = "core019_deepseek_mtp"  # 2 layers (layer 0 dense, layer 1 MoE) + MTP layer 0 = HF's model.layers.2
+
+
+def test_the_deepseek_export_maps_mla_expert_bias_and_the_mtp_layer(capsys):
+    rc, report, _ = _verify(capsys, DEEPSEEK, HF / DEEPSEEK)
+    assert rc == 0, report["findings"]
+    keys = {t["name"]: t["megatron_key"] for t in report["tensors"]}
+    assert (
+        keys["model.layers.1.self_attn.kv_b_proj.weight"] == "decoder.layers.1.self_attention.linear_kv_up_proj.weight"
+    )
+    assert keys["model.layers.0.self_attn.q_a_layernorm.weight"] == "decoder.layers.0.self_attention.q_layernorm.weight"
+    assert keys["model.layers.1.mlp.gate.e_score_correction_bias"] == "decoder.layers.1.mlp.router.expert_bias"
+    assert keys["model.layers.2.eh_proj.weight"] == "mtp.layers.0.eh_proj.weight"
+    assert keys["model.layers.2.shared_head.norm.weight"] == "mtp.layers.0.final_layernorm.weight"
+    assert keys["model.layers.2.mlp.experts.3.up_proj.weight"] == (
+        "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight"
+    )
+
+
+def test_a_missing_mtp_layer_is_named_as_layer_num_layers_plus_n(capsys, export_copy):
+    hf = export_copy(DEEPSEEK)
+    for shard in sorted(set(_index(hf)["weight_map"].values())):
+        _rewrite(hf, hf / shard, lambda t: [t.pop(n) for n in list(t) if n.startswith("model.layers.2.")])
+    rc, report, out = _verify(capsys, DEEPSEEK, hf)
+    assert rc == 1
+    missing = _codes(report)["missing"]
+    assert {f["layer"] for f in missing} == {2}
+    keys = {f["megatron_key"] for f in missing}
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight"} <= keys
+    assert "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.weight" in keys
+    assert set(_codes(report)) == {"missing"}
+
+
+def test_a_missing_expert_bias_is_named(capsys, export_copy):
+    hf = export_copy(DEEPSEEK)
+    gone = "model.layers.1.mlp.gate.e_score_correction_bias"
+    _rewrite(hf, _shard_of(hf, gone), lambda t: t.pop(gone))
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf)
+    assert rc == 1
+    [finding] = _codes(report)["missing"]
+    assert (finding["hf_name"], finding["megatron_key"], finding["layer"]) == (
+        gone,
+        "decoder.layers.1.mlp.router.expert_bias",
+        1,
+    )
+
+
+def test_a_zeroed_and_a_reordered_kv_b_proj(capsys, export_copy):
+    """kv_b_proj rows are per head [nope; v]: an exporter that writes [v; nope] keeps names and shapes."""
+    torch = pytest.importorskip("torch")
+    hf = export_copy(DEEPSEEK)
+    zeroed = "model.layers.0.self_attn.kv_b_proj.weight"
+    reordered = "model.layers.2.self_attn.kv_b_proj.weight"  # the MTP layer's
+    config = json.loads((hf / "config.json").read_text())
+    heads, nope, v = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    assert nope == v  # the swap keeps the shape
+
+    def per_head_v_first(w):
+        per_head = w.reshape(heads, nope + v, -1)
+        return torch.cat([per_head[:, nope:], per_head[:, :nope]], dim=1).reshape(w.shape).contiguous()
+
+    _rewrite(hf, _shard_of(hf, zeroed), lambda t: t.update({zeroed: torch.zeros_like(t[zeroed])}))
+    _rewrite(hf, _shard_of(hf, reordered), lambda t: t.update({reordered: per_head_v_first(t[reordered])}))
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf)
+    assert rc == 0  # names and shapes are all right: only the values tell
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf, "--values")
+    assert rc == 1
+    found = _codes(report)
+    assert [(f["hf_name"], f["layer"]) for f in found["zeroed"]] == [(zeroed, 0)]
+    assert [(f["hf_name"], f["layer"], f["megatron_key"]) for f in found["value"]] == [
+        (reordered, 2, "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.weight")
+    ]
+    assert set(found) == {"zeroed", "value"}
+
+
+def test_deepseek_config_drift_names_each_field(capsys, export_copy):
+    hf = export_copy(DEEPSEEK)
+    config = json.loads((hf / "config.json").read_text())
+    drift = {
+        "num_nextn_predict_layers": 0,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 0,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "routed_scaling_factor": 1.0,
+    }
+    (hf / "config.json").write_text(json.dumps({**config, **drift}))
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf)
+    assert rc == 1
+    messages = [f["message"] for f in _codes(report)["config"]]
+    assert len(messages) == len(drift)
+    for field, arg in [
+        ("num_nextn_predict_layers", "mtp_num_layers = 1"),
+        ("n_shared_experts", "moe_shared_experts = 1"),
+        ("first_k_dense_replace", "moe_first_dense_layers = 1"),
+        ("kv_lora_rank", "kv_lora_rank = 16"),
+        ("qk_rope_head_dim", "qk_pos_emb_head_dim = 4"),
+        ("routed_scaling_factor", "moe_router_topk_scaling_factor = 2.5"),
+    ]:
+        assert any(m.startswith(f"config.json {field} = ") and m.endswith(arg) for m in messages), (field, messages)
 
 
 # --- input the command refuses; options -------------------------------------------------------------------------------
