@@ -432,6 +432,34 @@ def test_a_zeroed_and_a_reordered_kv_b_proj(capsys, export_copy):
     assert set(found) == {"zeroed", "value"}
 
 
+def test_deepseek_v3s_own_copies_of_embedding_and_head_in_the_mtp_layer(capsys, export_copy):
+    """DeepSeek-V3's checkpoints repeat embed_tokens and the head in each MTP layer; Megatron-Bridge writes neither:
+    both layouts verify, and a copy that is wrong is named."""
+    torch = pytest.importorskip("torch")
+    hf = export_copy(DEEPSEEK)
+    embed, head = "model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight"
+    shard = _shard_of(hf, "model.embed_tokens.weight")
+
+    def add_copies(t):
+        source = {**_load(hf, "model.embed_tokens.weight"), **_load(hf, "lm_head.weight")}
+        t[embed] = source["model.embed_tokens.weight"].clone()
+        t[head] = torch.zeros_like(source["lm_head.weight"])
+
+    _rewrite(hf, shard, add_copies)
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf)
+    assert rc == 0, report["findings"]
+    keys = {t["name"]: t["megatron_key"] for t in report["tensors"]}
+    assert (keys[embed], keys[head]) == ("embedding.word_embeddings.weight", "output_layer.weight")
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf, "--values")
+    assert rc == 1
+    assert [(f["hf_name"], f["layer"]) for f in _codes(report)["zeroed"]] == [(head, 2)]
+    assert set(_codes(report)) == {"zeroed"}
+
+
+def _load(hf: Path, name: str) -> dict:
+    return {name: pytest.importorskip("safetensors.torch").load_file(str(_shard_of(hf, name)))[name]}
+
+
 def test_deepseek_config_drift_names_each_field(capsys, export_copy):
     hf = export_copy(DEEPSEEK)
     config = json.loads((hf / "config.json").read_text())
@@ -482,11 +510,13 @@ def test_a_pytorch_bin_export_is_refused_in_one_line(capsys, tmp_path):
 def test_an_unknown_family_names_the_known_ones_and_the_mapping_option(capsys, export_copy):
     hf = export_copy("core019_tied_pp2")
     config = json.loads((hf / "config.json").read_text())
-    config["model_type"] = "deepseek_v3"
+    config["model_type"] = "gpt_oss"
     (hf / "config.json").write_text(json.dumps(config))
     rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tied_pp2", hf)
     assert rc == 2 and out == ""
-    assert "'deepseek_v3' is not a family ckptdoctor knows (llama, mixtral, qwen_moe)" in err and "--mapping" in err
+    assert (
+        "'gpt_oss' is not a family ckptdoctor knows (deepseek, llama, mixtral, qwen_moe)" in err and "--mapping" in err
+    )
     rc, report, _ = _verify(capsys, "core019_tied_pp2", hf, "--family", "llama")
     assert rc == 0 and report["family"] == "llama"
     rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tied_pp2", hf, "--family", "gpt9")

@@ -33,6 +33,7 @@ class Expected:
     layer: int | None
     expert: int | None
     index: tuple[int, ...]  # the leading (layer, expert) indices into the Megatron global tensor
+    optional: bool = False  # compared where the export has it, not missing where it does not (mtp_shared)
 
 
 @dataclass
@@ -137,7 +138,24 @@ def expected_tensors(checkpoint: Checkpoint, mapping: Mapping, dims: Dims) -> tu
             unmapped.append(Unmapped(key, f"no rule of family {mapping.family} for it"))
             continue
         expected.extend(_expand(key, entry, rule, layers, expert, dims, unmapped))
+    expected.extend(_mtp_shared(checkpoint, model, mapping, dims))
     return expected, unmapped
+
+
+def _mtp_shared(checkpoint: Checkpoint, model: list[tuple[str, Entry]], mapping: Mapping, dims: Dims) -> list[Expected]:
+    """The optional copies of shared keys (embedding, output layer) in each MTP layer the checkpoint has."""
+    if not mapping.mtp_shared_rules or dims.layers is None:
+        return []
+    indices = sorted({int(m.group(1)) for key, _ in model if (m := _MTP_KEY.match(key)) is not None})
+    out: list[Expected] = []
+    for key, rule in mapping.mtp_shared_rules.items():
+        entry = checkpoint.entries.get(key)
+        if entry is None or entry.section != "model" or entry.kind != "tensor":
+            continue
+        for want in _expand(key, entry, rule, [(dims.layers + n, False) for n in indices], None, dims, []):
+            want.optional = True
+            out.append(want)
+    return out
 
 
 def _rule_for(

@@ -10,6 +10,9 @@ A table (built in here, or a TOML file given with ``--mapping``, the same schema
 * ``mtp`` (optional): keys below ``mtp.layers.<n>.`` (multi-token prediction layers, DeepSeek-V3 style) ->
   ``{transform, hf}``; HF numbers MTP layer ``n`` as layer ``num_layers + n`` (``{layer}``), and the MTP layer's
   own transformer layer (``mtp.layers.<n>.transformer_layer.``) follows the ``layer`` rules at that index;
+* ``mtp_shared`` (optional): whole Megatron keys the MTP layers share with the model (the embedding, the output
+  layer) -> ``{transform, hf}`` in each MTP layer (``{layer}``): DeepSeek-V3's own checkpoints repeat them there,
+  exporters such as Megatron-Bridge's leave them out, so they are compared where present and never missing;
 * ``config``: ``config.json`` fields -> the saved arg (or derived value, :data:`DERIVED`) each must equal.
 
 ``hf`` names take ``{layer}`` and ``{expert}``. The transforms undo what Megatron does to the layout:
@@ -134,6 +137,10 @@ _MTP = {
     "eh_proj.weight": _r("copy", _L + "eh_proj.weight"),  # [enorm(embedding); hnorm(hidden)] -> hidden, both
     "final_layernorm.weight": _r("copy", _L + "shared_head.norm.weight"),
 }
+_MTP_SHARED = {
+    "embedding.word_embeddings.weight": _r("vocab", _L + "embed_tokens.weight"),
+    "output_layer.weight": _r("vocab", _L + "shared_head.head.weight"),
+}
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {
@@ -177,6 +184,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "global": _GLOBAL,
         "layer": _DEEPSEEK,
         "mtp": _MTP,
+        "mtp_shared": _MTP_SHARED,
         "config": {
             **{k: v for k, v in _CONFIG.items() if k != "head_dim"},  # HF's head_dim is qk_rope_head_dim
             "intermediate_size": "ffn_hidden_size",
@@ -215,6 +223,7 @@ class Mapping:
     layer_rules: dict[str, Rule]
     config: dict[str, str]
     mtp_rules: dict[str, Rule] = field(default_factory=dict)  # below mtp.layers.<n>. (besides transformer_layer.)
+    mtp_shared_rules: dict[str, Rule] = field(default_factory=dict)  # whole keys repeated in each MTP layer, optional
 
 
 def _rules(table: Any, where: str) -> dict[str, Rule]:
@@ -249,6 +258,7 @@ def mapping_from_table(family: str, table: Any, where: str) -> Mapping:
         _rules(table.get("layer", {}), f"{where}: {family}.layer"),
         dict(config),
         _rules(table.get("mtp", {}), f"{where}: {family}.mtp"),
+        _rules(table.get("mtp_shared", {}), f"{where}: {family}.mtp_shared"),
     )
 
 
