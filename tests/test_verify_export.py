@@ -300,6 +300,19 @@ def test_config_drift_names_each_field(capsys, export_copy):
     ]
 
 
+def test_a_router_that_does_not_renormalise_the_top_k_is_config_drift(capsys, export_copy):
+    """Megatron's default router takes the softmax after the top-k (the chosen weights sum to one); a Qwen2-MoE
+    config with norm_topk_prob false computes other weights from the same tensors."""
+    hf = export_copy("core019_moe_mixed_shared_ep2")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
+    rc, report, _ = _verify(capsys, "core019_moe_mixed_shared_ep2", hf)
+    assert rc == 1
+    assert [f["message"] for f in _codes(report)["config"]] == [
+        "config.json norm_topk_prob = False, the saved args' moe_topk_normalized = True"
+    ]
+
+
 def test_vocab_smaller_than_the_padded_rows_is_the_first_rows(capsys):
     rc, report, _ = _verify(capsys, "core019_tp1", HF / "core019_tp1")
     embed = next(t for t in report["tensors"] if t["name"] == "model.embed_tokens.weight")
@@ -470,6 +483,7 @@ def test_deepseek_config_drift_names_each_field(capsys, export_copy):
         "kv_lora_rank": 32,
         "qk_rope_head_dim": 8,
         "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False,  # Megatron renormalises the sigmoid top-k weights (top-k 2)
     }
     (hf / "config.json").write_text(json.dumps({**config, **drift}))
     rc, report, _ = _verify(capsys, DEEPSEEK, hf)
@@ -483,6 +497,7 @@ def test_deepseek_config_drift_names_each_field(capsys, export_copy):
         ("kv_lora_rank", "kv_lora_rank = 16"),
         ("qk_rope_head_dim", "qk_pos_emb_head_dim = 4"),
         ("routed_scaling_factor", "moe_router_topk_scaling_factor = 2.5"),
+        ("norm_topk_prob", "moe_topk_normalized = True"),
     ]:
         assert any(m.startswith(f"config.json {field} = ") and m.endswith(arg) for m in messages), (field, messages)
 

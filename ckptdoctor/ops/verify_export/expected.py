@@ -92,12 +92,27 @@ def derived_args(args: dict[str, Any]) -> dict[str, Any]:
         values["moe_shared_experts"] = shared / moe_ffn if shared % moe_ffn else shared // moe_ffn
     elif args.get("num_experts"):
         values["moe_shared_experts"] = 0
+    normalized = _topk_normalized(args)
+    if normalized is not None:
+        values["moe_topk_normalized"] = normalized
     freq = args.get("moe_layer_freq")
     if isinstance(freq, list) and args.get("num_experts"):
         values["moe_first_dense_layers"] = next((i for i, moe in enumerate(freq) if moe), len(freq))
     elif freq == 1 and args.get("num_experts"):
         values["moe_first_dense_layers"] = 0
     return values
+
+
+def _topk_normalized(args: dict[str, Any]) -> bool | None:
+    """Whether Megatron's router weights sum to one over the chosen experts (megatron-core's
+    ``topk_routing_with_score_function``): softmax after the top-k (``moe_router_pre_softmax`` off) does; a
+    softmax before it does not; sigmoid scores are renormalised when top-k > 1."""
+    if not args.get("num_experts"):
+        return None
+    if args.get("moe_router_score_function", "softmax") == "sigmoid":
+        topk = args.get("moe_router_topk")
+        return isinstance(topk, int) and topk > 1
+    return not args.get("moe_router_pre_softmax")
 
 
 def _split_shape(rule: Rule, shape: tuple[int, ...], dims: Dims, key: str) -> list[tuple[int, ...]] | str:

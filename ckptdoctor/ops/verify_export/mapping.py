@@ -44,6 +44,7 @@ DERIVED = (
     "mtp_num_layers",  # 0 where the args have none
     "moe_shared_experts",  # moe_shared_expert_intermediate_size / moe_ffn_hidden_size (DeepSeek's n_shared_experts)
     "moe_first_dense_layers",  # the dense layers before the first MoE one (DeepSeek's first_k_dense_replace)
+    "moe_topk_normalized",  # whether the router renormalises the top-k weights (HF's norm_topk_prob)
 )
 
 _L = "model.layers.{layer}."
@@ -177,6 +178,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
             "num_experts": "num_experts",
             "num_experts_per_tok": "moe_router_topk",
+            "norm_topk_prob": "moe_topk_normalized",
         },
     },
     "deepseek": {
@@ -192,6 +194,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "n_routed_experts": "num_experts",
             "n_shared_experts": "moe_shared_experts",
             "num_experts_per_tok": "moe_router_topk",
+            "norm_topk_prob": "moe_topk_normalized",
             "routed_scaling_factor": "moe_router_topk_scaling_factor",
             "first_k_dense_replace": "moe_first_dense_layers",
             "q_lora_rank": "q_lora_rank",
