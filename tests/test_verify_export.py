@@ -83,11 +83,17 @@ def _rewrite(hf: Path, shard: Path, change) -> None:
 # --- clean exports -------------------------------------------------------------------------------------------------
 
 
+# the exports whose HF model has a tensor the checkpoint cannot fill (a warning; see the test below)
+UNFILLED = {"core019_moe_mixed_shared_ep2": 1}
+
+
 @pytest.mark.parametrize("name", EXPORTS)
 def test_each_fixture_export_matches_its_checkpoint(capsys, name):
     rc, report, _ = _verify(capsys, name, HF / name)
     assert rc == 0, report["findings"]
-    assert report["verdict"] == "match" and report["counts"] == {"errors": 0, "warnings": 0, "infos": 0}
+    warnings = UNFILLED.get(name, 0)
+    assert report["verdict"] == "match" and report["counts"] == {"errors": 0, "warnings": warnings, "infos": 0}
+    assert [f["code"] for f in report["findings"]] == ["random-init"] * warnings
     assert report["hf_tensors"] == report["expected_tensors"] > 0
     assert all(t["megatron_key"] for t in report["tensors"])
     rc, out, _ = run_main(capsys, "verify-export", FIXTURES / name, HF / name)
@@ -298,6 +304,25 @@ def test_config_drift_names_each_field(capsys, export_copy):
         "config.json tie_word_embeddings = True, the saved args' tie_word_embeddings = False",
         "config.json vocab_size 256 > the checkpoint's padded_vocab_size 128",
     ]
+
+
+def test_a_shared_expert_without_a_gate_leaves_qwen2_moes_gate_to_random_init(capsys):
+    """Qwen2-MoE always gates its shared expert (sigmoid(shared_expert_gate(x))); the fixture's Megatron model has
+    no gate (moe_shared_expert_gate off): every tensor of the export is right, yet transformers draws that gate at
+    random, so the export is not the checkpoint's model (fixtures/forward_parity.py measures the difference)."""
+    name = "core019_moe_mixed_shared_ep2"
+    rc, report, _ = _verify(capsys, name, HF / name)
+    assert rc == 0
+    [finding] = report["findings"]
+    assert (finding["code"], finding["severity"], finding["hf_name"], finding["layer"]) == (
+        "random-init",
+        "warning",
+        "model.layers.1.mlp.shared_expert_gate.weight",
+        1,
+    )
+    assert "no mlp.shared_experts.gate_weight in layer 1" in finding["message"]
+    rc, report, _ = _verify(capsys, name, HF / name, "--strict")
+    assert rc == 1 and report["verdict"] == "mismatch"
 
 
 def test_a_router_that_does_not_renormalise_the_top_k_is_config_drift(capsys, export_copy):

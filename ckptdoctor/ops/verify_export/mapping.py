@@ -13,6 +13,9 @@ A table (built in here, or a TOML file given with ``--mapping``, the same schema
 * ``mtp_shared`` (optional): whole Megatron keys the MTP layers share with the model (the embedding, the output
   layer) -> ``{transform, hf}`` in each MTP layer (``{layer}``): DeepSeek-V3's own checkpoints repeat them there,
   exporters such as Megatron-Bridge's leave them out, so they are compared where present and never missing;
+* ``requires`` (optional): layer key -> layer key: where a layer has the first but not the second, the family's
+  HF model still has the second's tensors, which no checkpoint tensor fills (transformers initialises them at
+  random: the export cannot compute the checkpoint's model);
 * ``config``: ``config.json`` fields -> the saved arg (or derived value, :data:`DERIVED`) each must equal.
 
 ``hf`` names take ``{layer}`` and ``{expert}``. The transforms undo what Megatron does to the layout:
@@ -171,6 +174,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "mlp.shared_experts.linear_fc2.weight": _r("copy", _S + "down_proj.weight"),
             "mlp.shared_experts.gate_weight": _r("copy", _L + "mlp.shared_expert_gate.weight"),
         },
+        # Qwen2-MoE always gates its shared expert; Megatron does only with moe_shared_expert_gate
+        "requires": {"mlp.shared_experts.linear_fc1.weight": "mlp.shared_experts.gate_weight"},
         "config": {
             **_CONFIG,
             "intermediate_size": "ffn_hidden_size",
@@ -227,6 +232,7 @@ class Mapping:
     config: dict[str, str]
     mtp_rules: dict[str, Rule] = field(default_factory=dict)  # below mtp.layers.<n>. (besides transformer_layer.)
     mtp_shared_rules: dict[str, Rule] = field(default_factory=dict)  # whole keys repeated in each MTP layer, optional
+    requires: dict[str, str] = field(default_factory=dict)  # layer key -> the layer key the HF model always needs
 
 
 def _rules(table: Any, where: str) -> dict[str, Rule]:
@@ -251,6 +257,12 @@ def mapping_from_table(family: str, table: Any, where: str) -> Mapping:
     config = table.get("config", {})
     if not isinstance(config, dict) or not all(isinstance(v, str) for v in config.values()):
         raise CkptError(f"{where}: {family}.config must map config.json fields to arg names")
+    layer_rules = _rules(table.get("layer", {}), f"{where}: {family}.layer")
+    requires = table.get("requires", {})
+    if not isinstance(requires, dict) or not all(
+        isinstance(v, str) and k in layer_rules and v in layer_rules for k, v in requires.items()
+    ):
+        raise CkptError(f"{where}: {family}.requires must map layer keys to layer keys of {family}.layer")
     types = table.get("model_types", [])
     if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
         raise CkptError(f"{where}: {family}.model_types must be a list of strings")
@@ -258,10 +270,11 @@ def mapping_from_table(family: str, table: Any, where: str) -> Mapping:
         family,
         tuple(types),
         _rules(table.get("global", {}), f"{where}: {family}.global"),
-        _rules(table.get("layer", {}), f"{where}: {family}.layer"),
+        layer_rules,
         dict(config),
         _rules(table.get("mtp", {}), f"{where}: {family}.mtp"),
         _rules(table.get("mtp_shared", {}), f"{where}: {family}.mtp_shared"),
+        dict(requires),
     )
 
 
