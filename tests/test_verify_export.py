@@ -83,11 +83,17 @@ def _rewrite(hf: Path, shard: Path, change) -> None:
 # --- clean exports -------------------------------------------------------------------------------------------------
 
 
+# the exports whose HF model has a tensor the checkpoint cannot fill (a warning; see the test below)
+UNFILLED = {"core019_moe_mixed_shared_ep2": 1}
+
+
 @pytest.mark.parametrize("name", EXPORTS)
 def test_each_fixture_export_matches_its_checkpoint(capsys, name):
     rc, report, _ = _verify(capsys, name, HF / name)
     assert rc == 0, report["findings"]
-    assert report["verdict"] == "match" and report["counts"] == {"errors": 0, "warnings": 0, "infos": 0}
+    warnings = UNFILLED.get(name, 0)
+    assert report["verdict"] == "match" and report["counts"] == {"errors": 0, "warnings": warnings, "infos": 0}
+    assert [f["code"] for f in report["findings"]] == ["random-init"] * warnings
     assert report["hf_tensors"] == report["expected_tensors"] > 0
     assert all(t["megatron_key"] for t in report["tensors"])
     rc, out, _ = run_main(capsys, "verify-export", FIXTURES / name, HF / name)
@@ -106,6 +112,7 @@ def test_values_of_each_fixture_export_equal_the_checkpoint_slices(capsys, name)
 def test_the_families_come_from_config_json(capsys):
     families = {name: _verify(capsys, name, HF / name)[1]["family"] for name in EXPORTS}
     assert families == {
+        "core019_deepseek_mtp": "deepseek",  # deepseek_v3: MLA, expert bias, MTP layer
         "core019_gqa_qkln_tp2": "llama",  # qwen3: q/k norm in the dense table
         "core019_moe_ep2": "mixtral",
         "core019_moe_mixed_shared_ep2": "qwen_moe",
@@ -299,6 +306,38 @@ def test_config_drift_names_each_field(capsys, export_copy):
     ]
 
 
+def test_a_shared_expert_without_a_gate_leaves_qwen2_moes_gate_to_random_init(capsys):
+    """Qwen2-MoE always gates its shared expert (sigmoid(shared_expert_gate(x))); the fixture's Megatron model has
+    no gate (moe_shared_expert_gate off): every tensor of the export is right, yet transformers draws that gate at
+    random, so the export is not the checkpoint's model (fixtures/forward_parity.py measures the difference)."""
+    name = "core019_moe_mixed_shared_ep2"
+    rc, report, _ = _verify(capsys, name, HF / name)
+    assert rc == 0
+    [finding] = report["findings"]
+    assert (finding["code"], finding["severity"], finding["hf_name"], finding["layer"]) == (
+        "random-init",
+        "warning",
+        "model.layers.1.mlp.shared_expert_gate.weight",
+        1,
+    )
+    assert "no mlp.shared_experts.gate_weight in layer 1" in finding["message"]
+    rc, report, _ = _verify(capsys, name, HF / name, "--strict")
+    assert rc == 1 and report["verdict"] == "mismatch"
+
+
+def test_a_router_that_does_not_renormalise_the_top_k_is_config_drift(capsys, export_copy):
+    """Megatron's default router takes the softmax after the top-k (the chosen weights sum to one); a Qwen2-MoE
+    config with norm_topk_prob false computes other weights from the same tensors."""
+    hf = export_copy("core019_moe_mixed_shared_ep2")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
+    rc, report, _ = _verify(capsys, "core019_moe_mixed_shared_ep2", hf)
+    assert rc == 1
+    assert [f["message"] for f in _codes(report)["config"]] == [
+        "config.json norm_topk_prob = False, the saved args' moe_topk_normalized = True"
+    ]
+
+
 def test_vocab_smaller_than_the_padded_rows_is_the_first_rows(capsys):
     rc, report, _ = _verify(capsys, "core019_tp1", HF / "core019_tp1")
     embed = next(t for t in report["tensors"] if t["name"] == "model.embed_tokens.weight")
@@ -354,6 +393,140 @@ def test_a_zeroed_and_a_reinitialised_expert(capsys, export_copy):
     assert row["max_abs_diff"] > 0
 
 
+# --- DeepSeek: multi-latent attention, shared experts, expert bias, a multi-token prediction layer ------------------
+
+DEEPSEEK = "core019_deepseek_mtp"  # 2 layers (layer 0 dense, layer 1 MoE) + MTP layer 0 = HF's model.layers.2
+
+
+def test_the_deepseek_export_maps_mla_expert_bias_and_the_mtp_layer(capsys):
+    rc, report, _ = _verify(capsys, DEEPSEEK, HF / DEEPSEEK)
+    assert rc == 0, report["findings"]
+    keys = {t["name"]: t["megatron_key"] for t in report["tensors"]}
+    assert (
+        keys["model.layers.1.self_attn.kv_b_proj.weight"] == "decoder.layers.1.self_attention.linear_kv_up_proj.weight"
+    )
+    assert keys["model.layers.0.self_attn.q_a_layernorm.weight"] == "decoder.layers.0.self_attention.q_layernorm.weight"
+    assert keys["model.layers.1.mlp.gate.e_score_correction_bias"] == "decoder.layers.1.mlp.router.expert_bias"
+    assert keys["model.layers.2.eh_proj.weight"] == "mtp.layers.0.eh_proj.weight"
+    assert keys["model.layers.2.shared_head.norm.weight"] == "mtp.layers.0.final_layernorm.weight"
+    assert keys["model.layers.2.mlp.experts.3.up_proj.weight"] == (
+        "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight"
+    )
+
+
+def test_a_missing_mtp_layer_is_named_as_layer_num_layers_plus_n(capsys, export_copy):
+    hf = export_copy(DEEPSEEK)
+    for shard in sorted(set(_index(hf)["weight_map"].values())):
+        _rewrite(hf, hf / shard, lambda t: [t.pop(n) for n in list(t) if n.startswith("model.layers.2.")])
+    rc, report, out = _verify(capsys, DEEPSEEK, hf)
+    assert rc == 1
+    missing = _codes(report)["missing"]
+    assert {f["layer"] for f in missing} == {2}
+    keys = {f["megatron_key"] for f in missing}
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight"} <= keys
+    assert "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.weight" in keys
+    assert set(_codes(report)) == {"missing"}
+
+
+def test_a_missing_expert_bias_is_named(capsys, export_copy):
+    hf = export_copy(DEEPSEEK)
+    gone = "model.layers.1.mlp.gate.e_score_correction_bias"
+    _rewrite(hf, _shard_of(hf, gone), lambda t: t.pop(gone))
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf)
+    assert rc == 1
+    [finding] = _codes(report)["missing"]
+    assert (finding["hf_name"], finding["megatron_key"], finding["layer"]) == (
+        gone,
+        "decoder.layers.1.mlp.router.expert_bias",
+        1,
+    )
+
+
+def test_a_zeroed_and_a_reordered_kv_b_proj(capsys, export_copy):
+    """kv_b_proj rows are per head [nope; v]: an exporter that writes [v; nope] keeps names and shapes."""
+    torch = pytest.importorskip("torch")
+    hf = export_copy(DEEPSEEK)
+    zeroed = "model.layers.0.self_attn.kv_b_proj.weight"
+    reordered = "model.layers.2.self_attn.kv_b_proj.weight"  # the MTP layer's
+    config = json.loads((hf / "config.json").read_text())
+    heads, nope, v = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    assert nope == v  # the swap keeps the shape
+
+    def per_head_v_first(w):
+        per_head = w.reshape(heads, nope + v, -1)
+        return torch.cat([per_head[:, nope:], per_head[:, :nope]], dim=1).reshape(w.shape).contiguous()
+
+    _rewrite(hf, _shard_of(hf, zeroed), lambda t: t.update({zeroed: torch.zeros_like(t[zeroed])}))
+    _rewrite(hf, _shard_of(hf, reordered), lambda t: t.update({reordered: per_head_v_first(t[reordered])}))
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf)
+    assert rc == 0  # names and shapes are all right: only the values tell
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf, "--values")
+    assert rc == 1
+    found = _codes(report)
+    assert [(f["hf_name"], f["layer"]) for f in found["zeroed"]] == [(zeroed, 0)]
+    assert [(f["hf_name"], f["layer"], f["megatron_key"]) for f in found["value"]] == [
+        (reordered, 2, "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.weight")
+    ]
+    assert set(found) == {"zeroed", "value"}
+
+
+def test_deepseek_v3s_own_copies_of_embedding_and_head_in_the_mtp_layer(capsys, export_copy):
+    """DeepSeek-V3's checkpoints repeat embed_tokens and the head in each MTP layer; Megatron-Bridge writes neither:
+    both layouts verify, and a copy that is wrong is named."""
+    torch = pytest.importorskip("torch")
+    hf = export_copy(DEEPSEEK)
+    embed, head = "model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight"
+    shard = _shard_of(hf, "model.embed_tokens.weight")
+
+    def add_copies(t):
+        source = {**_load(hf, "model.embed_tokens.weight"), **_load(hf, "lm_head.weight")}
+        t[embed] = source["model.embed_tokens.weight"].clone()
+        t[head] = torch.zeros_like(source["lm_head.weight"])
+
+    _rewrite(hf, shard, add_copies)
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf)
+    assert rc == 0, report["findings"]
+    keys = {t["name"]: t["megatron_key"] for t in report["tensors"]}
+    assert (keys[embed], keys[head]) == ("embedding.word_embeddings.weight", "output_layer.weight")
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf, "--values")
+    assert rc == 1
+    assert [(f["hf_name"], f["layer"]) for f in _codes(report)["zeroed"]] == [(head, 2)]
+    assert set(_codes(report)) == {"zeroed"}
+
+
+def _load(hf: Path, name: str) -> dict:
+    return {name: pytest.importorskip("safetensors.torch").load_file(str(_shard_of(hf, name)))[name]}
+
+
+def test_deepseek_config_drift_names_each_field(capsys, export_copy):
+    hf = export_copy(DEEPSEEK)
+    config = json.loads((hf / "config.json").read_text())
+    drift = {
+        "num_nextn_predict_layers": 0,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 0,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False,  # Megatron renormalises the sigmoid top-k weights (top-k 2)
+    }
+    (hf / "config.json").write_text(json.dumps({**config, **drift}))
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf)
+    assert rc == 1
+    messages = [f["message"] for f in _codes(report)["config"]]
+    assert len(messages) == len(drift)
+    for field, arg in [
+        ("num_nextn_predict_layers", "mtp_num_layers = 1"),
+        ("n_shared_experts", "moe_shared_experts = 1"),
+        ("first_k_dense_replace", "moe_first_dense_layers = 1"),
+        ("kv_lora_rank", "kv_lora_rank = 16"),
+        ("qk_rope_head_dim", "qk_pos_emb_head_dim = 4"),
+        ("routed_scaling_factor", "moe_router_topk_scaling_factor = 2.5"),
+        ("norm_topk_prob", "moe_topk_normalized = True"),
+    ]:
+        assert any(m.startswith(f"config.json {field} = ") and m.endswith(arg) for m in messages), (field, messages)
+
+
 # --- input the command refuses; options -------------------------------------------------------------------------------
 
 
@@ -377,11 +550,13 @@ def test_a_pytorch_bin_export_is_refused_in_one_line(capsys, tmp_path):
 def test_an_unknown_family_names_the_known_ones_and_the_mapping_option(capsys, export_copy):
     hf = export_copy("core019_tied_pp2")
     config = json.loads((hf / "config.json").read_text())
-    config["model_type"] = "deepseek_v3"
+    config["model_type"] = "gpt_oss"
     (hf / "config.json").write_text(json.dumps(config))
     rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tied_pp2", hf)
     assert rc == 2 and out == ""
-    assert "'deepseek_v3' is not a family ckptdoctor knows (llama, mixtral, qwen_moe)" in err and "--mapping" in err
+    assert (
+        "'gpt_oss' is not a family ckptdoctor knows (deepseek, llama, mixtral, qwen_moe)" in err and "--mapping" in err
+    )
     rc, report, _ = _verify(capsys, "core019_tied_pp2", hf, "--family", "llama")
     assert rc == 0 and report["family"] == "llama"
     rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tied_pp2", hf, "--family", "gpt9")

@@ -12,6 +12,9 @@ from ckptdoctor.checkpoint import Checkpoint, Entry
 from ckptdoctor.ops.verify_export.mapping import Mapping, Rule
 
 _LAYER_KEY = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)\Z")
+# a multi-token prediction layer's key (per layer); its transformer layer's keys follow the layer rules
+_MTP_KEY = re.compile(r"mtp\.layers\.(\d+)\.(.+)\Z")
+_MTP_LAYER = "transformer_layer."
 # one expert's own key: SequentialMLP with singleton local shards (``experts.experts.<e>.``, the global index) and
 # the module names of a non-distributed save (``experts.local_experts.<e>.``); the rule is the stacked key's
 _EXPERT_KEY = re.compile(r"(.*\.experts\.)(?:experts|local_experts)\.(\d+)\.(.+)\Z")
@@ -30,6 +33,7 @@ class Expected:
     layer: int | None
     expert: int | None
     index: tuple[int, ...]  # the leading (layer, expert) indices into the Megatron global tensor
+    optional: bool = False  # compared where the export has it, not missing where it does not (mtp_shared)
 
 
 @dataclass
@@ -46,6 +50,7 @@ class Dims:
     groups: int | None
     kv_channels: int | None
     vocab_rows: int | None  # config.json's vocab_size where it fits in the padded rows
+    layers: int | None = None  # num_layers: HF numbers MTP layer n as layer num_layers + n
 
     @staticmethod
     def from_args(args: dict[str, Any], config: dict[str, Any]) -> Dims:
@@ -54,7 +59,7 @@ class Dims:
         kv = _int(args.get("kv_channels"))
         if kv is None and heads and _int(args.get("hidden_size")):
             kv = args["hidden_size"] // heads
-        return Dims(heads, groups, kv, _int(config.get("vocab_size")))
+        return Dims(heads, groups, kv, _int(config.get("vocab_size")), _int(args.get("num_layers")))
 
 
 def _int(value: Any) -> int | None:
@@ -81,7 +86,33 @@ def derived_args(args: dict[str, Any]) -> dict[str, Any]:
         values["tie_word_embeddings"] = bool(args["share_embeddings_and_output_weights"])
     if values.get("kv_channels") is None and isinstance(heads, int) and heads and args.get("hidden_size"):
         values["kv_channels"] = args["hidden_size"] // heads
+    values["mtp_num_layers"] = args.get("mtp_num_layers") or 0
+    shared, moe_ffn = _int(args.get("moe_shared_expert_intermediate_size")), _int(args.get("moe_ffn_hidden_size"))
+    if shared and moe_ffn:
+        values["moe_shared_experts"] = shared / moe_ffn if shared % moe_ffn else shared // moe_ffn
+    elif args.get("num_experts"):
+        values["moe_shared_experts"] = 0
+    normalized = _topk_normalized(args)
+    if normalized is not None:
+        values["moe_topk_normalized"] = normalized
+    freq = args.get("moe_layer_freq")
+    if isinstance(freq, list) and args.get("num_experts"):
+        values["moe_first_dense_layers"] = next((i for i, moe in enumerate(freq) if moe), len(freq))
+    elif freq == 1 and args.get("num_experts"):
+        values["moe_first_dense_layers"] = 0
     return values
+
+
+def _topk_normalized(args: dict[str, Any]) -> bool | None:
+    """Whether Megatron's router weights sum to one over the chosen experts (megatron-core's
+    ``topk_routing_with_score_function``): softmax after the top-k (``moe_router_pre_softmax`` off) does; a
+    softmax before it does not; sigmoid scores are renormalised when top-k > 1."""
+    if not args.get("num_experts"):
+        return None
+    if args.get("moe_router_score_function", "softmax") == "sigmoid":
+        topk = args.get("moe_router_topk")
+        return isinstance(topk, int) and topk > 1
+    return not args.get("moe_router_pre_softmax")
 
 
 def _split_shape(rule: Rule, shape: tuple[int, ...], dims: Dims, key: str) -> list[tuple[int, ...]] | str:
@@ -117,35 +148,77 @@ def expected_tensors(checkpoint: Checkpoint, mapping: Mapping, dims: Dims) -> tu
         if entry.section == "model" and entry.kind == "tensor" and not entry.is_extra_state
     ]
     for key, entry in sorted(model):
-        rule, layers, expert = _rule_for(key, entry, mapping)
+        rule, layers, expert = _rule_for(key, entry, mapping, dims)
         if rule is None:
             unmapped.append(Unmapped(key, f"no rule of family {mapping.family} for it"))
             continue
         expected.extend(_expand(key, entry, rule, layers, expert, dims, unmapped))
+    expected.extend(_mtp_shared(checkpoint, model, mapping, dims))
     return expected, unmapped
 
 
+def _mtp_shared(checkpoint: Checkpoint, model: list[tuple[str, Entry]], mapping: Mapping, dims: Dims) -> list[Expected]:
+    """The optional copies of shared keys (embedding, output layer) in each MTP layer the checkpoint has."""
+    if not mapping.mtp_shared_rules or dims.layers is None:
+        return []
+    indices = sorted({int(m.group(1)) for key, _ in model if (m := _MTP_KEY.match(key)) is not None})
+    out: list[Expected] = []
+    for key, rule in mapping.mtp_shared_rules.items():
+        entry = checkpoint.entries.get(key)
+        if entry is None or entry.section != "model" or entry.kind != "tensor":
+            continue
+        for want in _expand(key, entry, rule, [(dims.layers + n, False) for n in indices], None, dims, []):
+            want.optional = True
+            out.append(want)
+    return out
+
+
 def _rule_for(
-    key: str, entry: Entry, mapping: Mapping
+    key: str, entry: Entry, mapping: Mapping, dims: Dims
 ) -> tuple[Rule | None, list[tuple[int | None, bool]], int | None]:
     """The rule of a key, its layers (``(layer, stacked)`` per layer it holds; ``None``: not a layer key) and, for
     one expert's own key, that expert."""
     if key in mapping.global_rules:
         return mapping.global_rules[key], [(None, False)], None
+    mtp = _MTP_KEY.match(key)
+    if mtp is not None:
+        return _mtp_rule_for(int(mtp.group(1)), mtp.group(2), mapping, dims)
     match = _LAYER_KEY.match(key)
     if match is None:
         return None, [], None
-    name, expert = match.group(2), None
-    own = _EXPERT_KEY.match(name)
-    if own is not None:
-        name, expert = f"{own.group(1)}experts.{own.group(3)}", int(own.group(2))
-    rule = mapping.layer_rules.get(name)
-    if rule is None or (expert is not None and not rule.per_expert):
+    rule, expert = _layer_rule(match.group(2), mapping)
+    if rule is None:
         return None, [], None
     if match.group(1) is not None:
         return rule, [(int(match.group(1)), False)], expert
     count = entry.shape[0] if entry.shape else 0
     return rule, [(i, True) for i in range(count)], expert
+
+
+def _mtp_rule_for(
+    index: int, name: str, mapping: Mapping, dims: Dims
+) -> tuple[Rule | None, list[tuple[int | None, bool]], int | None]:
+    """MTP layer ``index``'s key below ``mtp.layers.<index>.``: HF's layer ``num_layers + index``."""
+    if dims.layers is None:
+        return None, [], None
+    layer: list[tuple[int | None, bool]] = [(dims.layers + index, False)]
+    if name.startswith(_MTP_LAYER):
+        rule, expert = _layer_rule(name.removeprefix(_MTP_LAYER), mapping)
+        return (rule, layer, expert) if rule is not None else (None, [], None)
+    rule = mapping.mtp_rules.get(name)
+    return (rule, layer, None) if rule is not None else (None, [], None)
+
+
+def _layer_rule(name: str, mapping: Mapping) -> tuple[Rule | None, int | None]:
+    """The layer rule of a key below ``decoder.layers.[<i>.]`` and, for one expert's own key, that expert."""
+    expert = None
+    own = _EXPERT_KEY.match(name)
+    if own is not None:
+        name, expert = f"{own.group(1)}experts.{own.group(3)}", int(own.group(2))
+    rule = mapping.layer_rules.get(name)
+    if rule is None or (expert is not None and not rule.per_expert):
+        return None, None
+    return rule, expert
 
 
 def _expand(

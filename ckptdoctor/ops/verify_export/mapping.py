@@ -7,6 +7,15 @@ A table (built in here, or a TOML file given with ``--mapping``, the same schema
 * ``layer``: keys below ``decoder.layers.`` (torch_dist stacks the layers in the leading axis of one global
   tensor; per-layer keys ``decoder.layers.<i>.`` hold one layer) -> ``{transform, hf}``; an ``hf`` name with
   ``{expert}`` makes the key per expert (its next axis is the expert axis);
+* ``mtp`` (optional): keys below ``mtp.layers.<n>.`` (multi-token prediction layers, DeepSeek-V3 style) ->
+  ``{transform, hf}``; HF numbers MTP layer ``n`` as layer ``num_layers + n`` (``{layer}``), and the MTP layer's
+  own transformer layer (``mtp.layers.<n>.transformer_layer.``) follows the ``layer`` rules at that index;
+* ``mtp_shared`` (optional): whole Megatron keys the MTP layers share with the model (the embedding, the output
+  layer) -> ``{transform, hf}`` in each MTP layer (``{layer}``): DeepSeek-V3's own checkpoints repeat them there,
+  exporters such as Megatron-Bridge's leave them out, so they are compared where present and never missing;
+* ``requires`` (optional): layer key -> layer key: where a layer has the first but not the second, the family's
+  HF model still has the second's tensors, which no checkpoint tensor fills (transformers initialises them at
+  random: the export cannot compute the checkpoint's model);
 * ``config``: ``config.json`` fields -> the saved arg (or derived value, :data:`DERIVED`) each must equal.
 
 ``hf`` names take ``{layer}`` and ``{expert}``. The transforms undo what Megatron does to the layout:
@@ -31,7 +40,15 @@ TRANSFORMS = ("copy", "qkv", "gate_up", "vocab")
 PARTS = {"copy": 1, "qkv": 3, "gate_up": 2, "vocab": 1}
 
 # derived values a config field may be compared with (beside any saved arg by name)
-DERIVED = ("num_key_value_heads", "tie_word_embeddings", "vocab_size")
+DERIVED = (
+    "num_key_value_heads",
+    "tie_word_embeddings",
+    "vocab_size",
+    "mtp_num_layers",  # 0 where the args have none
+    "moe_shared_experts",  # moe_shared_expert_intermediate_size / moe_ffn_hidden_size (DeepSeek's n_shared_experts)
+    "moe_first_dense_layers",  # the dense layers before the first MoE one (DeepSeek's first_k_dense_replace)
+    "moe_topk_normalized",  # whether the router renormalises the top-k weights (HF's norm_topk_prob)
+)
 
 _L = "model.layers.{layer}."
 
@@ -89,6 +106,45 @@ def _experts(block: str, gate: str, up: str, down: str) -> dict[str, Any]:
 
 
 _S = _L + "mlp.shared_expert."
+_DS = _L + "mlp.shared_experts."
+_A = _L + "self_attn."
+
+# DeepSeek-V2/V3 layers: multi-latent attention (the local spec's norms and the TE spec's fused ones), a dense MLP or
+# MoE with shared experts and the router's expert bias (sigmoid scores: e_score_correction_bias)
+_DEEPSEEK = {
+    "input_layernorm.weight": _r("copy", _L + "input_layernorm.weight"),
+    "self_attention.linear_q_proj.layer_norm_weight": _r("copy", _L + "input_layernorm.weight"),
+    "self_attention.linear_q_proj.weight": _r("copy", _A + "q_proj.weight"),  # q_lora_rank None
+    "self_attention.linear_q_down_proj.weight": _r("copy", _A + "q_a_proj.weight"),
+    "self_attention.q_layernorm.weight": _r("copy", _A + "q_a_layernorm.weight"),
+    "self_attention.linear_q_up_proj.layer_norm_weight": _r("copy", _A + "q_a_layernorm.weight"),
+    "self_attention.linear_q_up_proj.weight": _r("copy", _A + "q_b_proj.weight"),
+    "self_attention.linear_kv_down_proj.weight": _r("copy", _A + "kv_a_proj_with_mqa.weight"),
+    "self_attention.kv_layernorm.weight": _r("copy", _A + "kv_a_layernorm.weight"),
+    "self_attention.linear_kv_up_proj.layer_norm_weight": _r("copy", _A + "kv_a_layernorm.weight"),
+    "self_attention.linear_kv_up_proj.weight": _r("copy", _A + "kv_b_proj.weight"),
+    "self_attention.linear_proj.weight": _r("copy", _A + "o_proj.weight"),
+    "pre_mlp_layernorm.weight": _r("copy", _L + "post_attention_layernorm.weight"),
+    "mlp.linear_fc1.layer_norm_weight": _r("copy", _L + "post_attention_layernorm.weight"),
+    "mlp.linear_fc1.weight": _r("gate_up", _L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+    "mlp.linear_fc2.weight": _r("copy", _L + "mlp.down_proj.weight"),
+    **_experts("mlp", "gate_proj", "up_proj", "down_proj"),
+    "mlp.router.expert_bias": _r("copy", _L + "mlp.gate.e_score_correction_bias"),
+    "mlp.shared_experts.linear_fc1.weight": _r("gate_up", _DS + "gate_proj.weight", _DS + "up_proj.weight"),
+    "mlp.shared_experts.linear_fc2.weight": _r("copy", _DS + "down_proj.weight"),
+}
+
+# multi-token prediction layers' own modules (their transformer layer follows the family's layer rules)
+_MTP = {
+    "enorm.weight": _r("copy", _L + "enorm.weight"),
+    "hnorm.weight": _r("copy", _L + "hnorm.weight"),
+    "eh_proj.weight": _r("copy", _L + "eh_proj.weight"),  # [enorm(embedding); hnorm(hidden)] -> hidden, both
+    "final_layernorm.weight": _r("copy", _L + "shared_head.norm.weight"),
+}
+_MTP_SHARED = {
+    "embedding.word_embeddings.weight": _r("vocab", _L + "embed_tokens.weight"),
+    "output_layer.weight": _r("vocab", _L + "shared_head.head.weight"),
+}
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {
@@ -118,6 +174,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "mlp.shared_experts.linear_fc2.weight": _r("copy", _S + "down_proj.weight"),
             "mlp.shared_experts.gate_weight": _r("copy", _L + "mlp.shared_expert_gate.weight"),
         },
+        # Qwen2-MoE always gates its shared expert; Megatron does only with moe_shared_expert_gate
+        "requires": {"mlp.shared_experts.linear_fc1.weight": "mlp.shared_experts.gate_weight"},
         "config": {
             **_CONFIG,
             "intermediate_size": "ffn_hidden_size",
@@ -125,6 +183,31 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
             "num_experts": "num_experts",
             "num_experts_per_tok": "moe_router_topk",
+            "norm_topk_prob": "moe_topk_normalized",
+        },
+    },
+    "deepseek": {
+        "model_types": ["deepseek_v3", "deepseek_v2", "kimi_k2"],
+        "global": _GLOBAL,
+        "layer": _DEEPSEEK,
+        "mtp": _MTP,
+        "mtp_shared": _MTP_SHARED,
+        "config": {
+            **{k: v for k, v in _CONFIG.items() if k != "head_dim"},  # HF's head_dim is qk_rope_head_dim
+            "intermediate_size": "ffn_hidden_size",
+            "moe_intermediate_size": "moe_ffn_hidden_size",
+            "n_routed_experts": "num_experts",
+            "n_shared_experts": "moe_shared_experts",
+            "num_experts_per_tok": "moe_router_topk",
+            "norm_topk_prob": "moe_topk_normalized",
+            "routed_scaling_factor": "moe_router_topk_scaling_factor",
+            "first_k_dense_replace": "moe_first_dense_layers",
+            "q_lora_rank": "q_lora_rank",
+            "kv_lora_rank": "kv_lora_rank",
+            "qk_nope_head_dim": "qk_head_dim",
+            "qk_rope_head_dim": "qk_pos_emb_head_dim",
+            "v_head_dim": "v_head_dim",
+            "num_nextn_predict_layers": "mtp_num_layers",
         },
     },
 }
@@ -147,6 +230,9 @@ class Mapping:
     global_rules: dict[str, Rule]
     layer_rules: dict[str, Rule]
     config: dict[str, str]
+    mtp_rules: dict[str, Rule] = field(default_factory=dict)  # below mtp.layers.<n>. (besides transformer_layer.)
+    mtp_shared_rules: dict[str, Rule] = field(default_factory=dict)  # whole keys repeated in each MTP layer, optional
+    requires: dict[str, str] = field(default_factory=dict)  # layer key -> the layer key the HF model always needs
 
 
 def _rules(table: Any, where: str) -> dict[str, Rule]:
@@ -171,6 +257,12 @@ def mapping_from_table(family: str, table: Any, where: str) -> Mapping:
     config = table.get("config", {})
     if not isinstance(config, dict) or not all(isinstance(v, str) for v in config.values()):
         raise CkptError(f"{where}: {family}.config must map config.json fields to arg names")
+    layer_rules = _rules(table.get("layer", {}), f"{where}: {family}.layer")
+    requires = table.get("requires", {})
+    if not isinstance(requires, dict) or not all(
+        isinstance(v, str) and k in layer_rules and v in layer_rules for k, v in requires.items()
+    ):
+        raise CkptError(f"{where}: {family}.requires must map layer keys to layer keys of {family}.layer")
     types = table.get("model_types", [])
     if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
         raise CkptError(f"{where}: {family}.model_types must be a list of strings")
@@ -178,8 +270,11 @@ def mapping_from_table(family: str, table: Any, where: str) -> Mapping:
         family,
         tuple(types),
         _rules(table.get("global", {}), f"{where}: {family}.global"),
-        _rules(table.get("layer", {}), f"{where}: {family}.layer"),
+        layer_rules,
         dict(config),
+        _rules(table.get("mtp", {}), f"{where}: {family}.mtp"),
+        _rules(table.get("mtp_shared", {}), f"{where}: {family}.mtp_shared"),
+        dict(requires),
     )
 
 

@@ -51,12 +51,15 @@ def verify_export(
     findings = file_findings(export)
     dims = Dims.from_args(args, export.config)
     expected, unmapped = expected_tensors(checkpoint, mapping, dims)
+    held = export.holder()  # optional tensors (an MTP layer's copies of shared ones) count only where present
+    expected = [want for want in expected if not want.optional or want.hf_name in held]
     for item in unmapped:
         findings.append(
             ExportFinding("unmapped", WARNING, f"{item.megatron_key}: {item.reason}", megatron_key=item.megatron_key)
         )
     tensors, coverage = coverage_findings(export, expected, args)
     findings.extend(coverage)
+    findings.extend(unfilled_findings(expected, mapping))
     findings.extend(config_findings(export.config, derived_args(args), mapping))
     compared = 0
     notes: list[str] = []
@@ -220,6 +223,34 @@ def coverage_findings(
             ExportFinding("extra", ERROR, f"{name}: no checkpoint tensor maps to it", hf_name=name, shard=shard)
         )
     return tensors, findings
+
+
+def unfilled_findings(expected: list[Expected], mapping: Mapping) -> list[ExportFinding]:
+    """The HF model's tensors no checkpoint tensor fills (the family's ``requires``): transformers initialises them
+    at random, so the export, however complete, does not compute the checkpoint's model."""
+    names = {want.hf_name for want in expected}
+    layers = sorted({want.layer for want in expected if want.layer is not None})
+    findings: list[ExportFinding] = []
+    for have, needs in mapping.requires.items():
+        have_rule, needs_rule = mapping.layer_rules[have], mapping.layer_rules[needs]
+        for layer in layers:
+            if have_rule.hf[0].format(layer=layer, expert=0) not in names:
+                continue
+            wanted = [name.format(layer=layer, expert=0) for name in needs_rule.hf]
+            if any(name in names for name in wanted):
+                continue
+            findings.extend(
+                ExportFinding(
+                    "random-init",
+                    WARNING,
+                    f"{name}: the {mapping.family} model has it, the checkpoint has no {needs} in layer {layer} to "
+                    f"fill it (transformers initialises it at random: not the checkpoint's model)",
+                    hf_name=name,
+                    layer=layer,
+                )
+                for name in wanted
+            )
+    return findings
 
 
 def _where(want: Expected) -> str:
