@@ -31,16 +31,14 @@ from ckptdoctor.values.archive_memo import parse, plain_key
 from ckptdoctor.values.health import HealthScan
 
 NON_FINITE_SECTIONS = ("model", "optimizer")
-# The distributed optimizer's flat buckets (dp_reshardable: optimizer.distributed.dp_group_idx_*.gbuf_idx_*...
-# .bucket_idx_*.<param|exp_avg|exp_avg_sq>) hold padding that megatron-core never writes (torch.empty): a real
-# save carries arbitrary bits, NaN patterns included, there. They are not scanned.
-_FLAT_BUCKET_MARK = ".bucket_idx_"
 
 Progress = Callable[[int], None]  # called with the bytes just processed
 
 
 def _values_scanned(entry: Entry) -> bool:
-    return entry.section in NON_FINITE_SECTIONS and _FLAT_BUCKET_MARK not in entry.key
+    """Model and optimizer tensors, the distributed optimizer's flat buckets included (their padding chunks are
+    left out chunk by chunk: :func:`ckptdoctor.rules.non_finite.bucket_padding`)."""
+    return entry.section in NON_FINITE_SECTIONS
 
 
 def deep_bytes(state: Scanned) -> int:
