@@ -41,6 +41,7 @@ DAMAGED = {
     "core019_nan_weight_tp1",
     "core019_inf_exp_avg_sq_dp2",
     "core019_zero_moments_trained_tp1",
+    "core019_zero_moments_dp2",
     "core019_reinit_layer_trained_tp1",
     "core019_reinit_weights_trained_tp1",
 }
@@ -145,6 +146,7 @@ def test_healthy_fixtures_have_no_health_finding(capsys, fixture):
         ("core019_nan_weight_tp1", ["CKD313"]),
         ("core019_inf_exp_avg_sq_dp2", ["CKD313"]),
         ("core019_zero_moments_trained_tp1", ["CKD510"]),
+        ("core019_zero_moments_dp2", ["CKD510"]),
         ("core019_reinit_layer_trained_tp1", ["CKD505"]),
         ("core019_reinit_weights_trained_tp1", ["CKD505"]),
         ("core019_moe_zero_expert_ep2", ["CKD501", "CKD501"]),
@@ -222,11 +224,54 @@ def test_nan_in_a_bucket_parameter_chunk_is_found(capsys, copy_fixture):
     assert f["message"].startswith(f"{key}: 1 NaN and 0 Inf value(s) in elements [{start}, {start + size}) of ")
 
 
+def test_bucket_statistics_leave_the_padding_out(capsys):
+    """A bucket's statistics count its parameters' elements only: the padding chunks (garbage) are not measured."""
+    save = FIXTURES / "core019_tp2_dp2"
+    rc, report = _check(capsys, "--health", str(save))
+    stats = _stats(report)
+    for group in (0, 1):
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            key = BUCKET.format(group, kind)
+            chunks = _bucket_chunks(save, key)
+            written = sum(size for start, size in chunks if not (start % 64 and start + size <= -(-start // 64) * 64))
+            assert stats[key]["count"] == written < stats[key]["shape"][0]
+            assert stats[key]["nan"] == stats[key]["inf"] == 0
+    assert rc == 0
+
+
+def test_negative_second_moment_in_a_bucket(capsys, copy_fixture):
+    """With the padding left out, a bucket's exp_avg_sq is read element-wise like a model-space one: CKD511."""
+    save = copy_fixture("core019_tp2_dp2")
+    key = BUCKET.format(0, "exp_avg_sq")
+    start, _ = _bucket_chunks(save, key)[0]
+    _rewrite_tensor(save / ITER, key, lambda data: struct.pack("<f", -1.0) + data[4:], chunk=(start,))
+    rc, report = _check(capsys, "--health", str(save))
+    assert rc == 1 and _health_codes(report) == ["CKD511"]
+    assert report["findings"][0]["message"] == f"{key}: negative values (smallest -1)"
+
+
 def test_optimizer_moments_zeroed_before_a_real_save(capsys):
     rc, report = _check(capsys, "--health", str(FIXTURES / "core019_zero_moments_trained_tp1"))
     (f,) = report["findings"]
     assert f["severity"] == "warning"
     assert f["message"] == "all 18 exp_avg/exp_avg_sq tensors are zero at iteration 10 (optimizer re-initialised?)"
+
+
+def test_bucket_moments_zeroed_before_a_real_save(capsys):
+    """The distributed optimizer's moments zeroed before megatron-core's save: the buckets' padding holds what
+    torch.empty gave (not zero), and is not measured, so CKD510 still sees every moment zero."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    save = FIXTURES / "core019_zero_moments_dp2"
+    keys = [BUCKET.format(0, kind) for kind in ("exp_avg", "exp_avg_sq")]
+    state = {key: torch.zeros(sum(size for _, size in _bucket_chunks(save, key))) for key in keys}
+    load(state, storage_reader=FileSystemReader(str(save / ITER)), no_dist=True)
+    assert all(int(values.count_nonzero()) > 0 for values in state.values())  # the padding's garbage, on disk
+    rc, report = _check(capsys, "--health", str(save))
+    (f,) = report["findings"]
+    assert f["code"] == "CKD510"
+    assert f["message"] == "all 2 exp_avg/exp_avg_sq tensors are zero at iteration 10 (optimizer re-initialised?)"
 
 
 def test_layer_replaced_by_a_fresh_megatron_init(capsys):

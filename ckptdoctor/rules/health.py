@@ -357,8 +357,8 @@ def _optimizer(state: Scanned, keys: dict[str, KeyStats], settings: HealthSettin
         whole = stats.whole()
         moments[key] = whole
         kind = model_space.group(1) if model_space else key.rsplit(".", 1)[1]
-        # a bucket's padding is never written (torch.empty): only model-space moments are read element-wise
-        if model_space and kind == "exp_avg_sq" and whole.low is not None and whole.low < 0:
+        # a bucket's padding (never written: torch.empty) is not measured, so its exp_avg_sq is read like any other
+        if kind == "exp_avg_sq" and whole.low is not None and whole.low < 0:
             negative = f"smallest {whole.low:g}"
             out.append(finding(SECOND_MOMENT_NEGATIVE, path, f"{key}: negative values ({negative})"))
     iteration = (state.common or {}).get("iteration")
