@@ -296,6 +296,28 @@ def test_layer_weights_redrawn_by_megatron_init(capsys):
     )
 
 
+def _tripled(data: bytes) -> bytes:
+    return (np.frombuffer(data, dtype="<f4") * 3).astype("<f4").tobytes()
+
+
+@pytest.mark.parametrize("moved, flagged", [([0], []), ([1, 2], [0])])
+def test_layer_weights_at_init_beside_as_many_moved_layers(capsys, copy_fixture, moved, flagged):
+    """core019_pp2_uneven (3 layers, all at Megatron's init) with the linear_proj weights of some layers re-saved
+    tripled (std 3x its init): the layers left at init are flagged only where at least as many layers moved (one
+    moved layer beside two at init is an early checkpoint, not a layer left behind)."""
+    save = copy_fixture("core019_pp2_uneven")
+    for layer in moved:
+        _rewrite_tensor(save / ITER, "decoder.layers.self_attention.linear_proj.weight", _tripled, chunk=(layer, 0, 0))
+    rc, report = _check(capsys, "--health", str(save))
+    names = ", ".join(map(str, moved))
+    assert [f["message"] for f in report["findings"]] == [
+        f"layer {layer}: {LAYER_AT_INIT_BY_WEIGHTS.replace('0.01', '0.008165')}, as initialised, while layer(s) "
+        f"{names} moved (never trained?)"
+        for layer in flagged
+    ]
+    assert rc == (1 if flagged else 0)
+
+
 def test_trained_fixture_moved_every_layer():
     """core019_trained_tp1 (10 real Adam steps): every dense weight of every layer is away from its init (std
     beyond the default tolerance), and no norm scale is exactly one: the control for CKD505."""

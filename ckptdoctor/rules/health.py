@@ -70,7 +70,7 @@ LAYER_AT_INIT = _rule(
     "was replaced by a fresh initialisation (a conversion that skipped it, a partial load). The weights' test is "
     "statistical: each dense weight of the layer has a std within `init-std-tolerance` (relative, default 0.1) "
     "of its init std and a mean within `init-mean-tolerance` (x the init std, default 0.1) of zero, or five "
-    "standard errors where a small tensor needs more, while in some other layer a weight does not "
+    "standard errors where a small tensor needs more, while in at least as many other layers a weight does not "
     "([tool.ckptdoctor.health-rules]). A model at its initialisation throughout is not flagged: nothing moved. "
     "Skipped where the saved args use another init (use_mup, init_method_xavier_uniform); experts and LoRA "
     "adapters are not tested.",
@@ -311,8 +311,9 @@ def _norms_at_init(model: dict[str, KeyStats]) -> tuple[set[int], set[int]]:
 
 def _weights_at_init(model: dict[str, KeyStats], stds: InitStds, settings: HealthSettings) -> tuple[set[int], set[int]]:
     """(layers whose every dense weight (linear_qkv, linear_proj, linear_fc1, linear_fc2; not experts, not LoRA
-    adapters) has the mean and std of its Megatron init, layers where some does not); the first empty unless the
-    second is not."""
+    adapters) has the mean and std of its Megatron init, layers where some does not); both empty unless at least
+    as many layers moved as look at their init (an early checkpoint, where most layers have barely moved yet and a
+    few have, is no layer left behind)."""
     per_layer: dict[int, list[bool]] = {}
     for key, stats in model.items():
         match = _DENSE_WEIGHT.search(key)
@@ -326,7 +327,7 @@ def _weights_at_init(model: dict[str, KeyStats], stds: InitStds, settings: Healt
                 per_layer.setdefault(layer, []).append(_at_init(moments, stats.dtype, expected, settings))
     at_init = {layer for layer, flags in per_layer.items() if all(flags)}
     moved = {layer for layer, flags in per_layer.items() if not all(flags)}
-    return (at_init, moved) if at_init and moved else (set(), set())
+    return (at_init, moved) if at_init and len(moved) >= len(at_init) else (set(), set())
 
 
 def _at_init(moments: Moments, dtype: str, expected: float, settings: HealthSettings) -> bool:
