@@ -40,6 +40,7 @@ DAMAGED = {
     "core019_moe_dup_expert_ep2",
     "core019_nan_weight_tp1",
     "core019_inf_exp_avg_sq_dp2",
+    "core019_inf_exp_avg_sq_tp1",
     "core019_zero_moments_trained_tp1",
     "core019_zero_moments_dp2",
     "core019_reinit_layer_trained_tp1",
@@ -145,6 +146,7 @@ def test_healthy_fixtures_have_no_health_finding(capsys, fixture):
     [
         ("core019_nan_weight_tp1", ["CKD313"]),
         ("core019_inf_exp_avg_sq_dp2", ["CKD313"]),
+        ("core019_inf_exp_avg_sq_tp1", ["CKD313"]),
         ("core019_zero_moments_trained_tp1", ["CKD510"]),
         ("core019_zero_moments_dp2", ["CKD510"]),
         ("core019_reinit_layer_trained_tp1", ["CKD505"]),
@@ -179,6 +181,16 @@ def test_inf_in_a_distributed_optimizer_bucket(capsys):
             f"{BUCKET.format(0, 'exp_avg_sq')}: 0 NaN and 1 Inf value(s) in elements [0, 4096) of the distributed "
             "optimizer's bucket (1 of 15 chunk(s); 5 padding chunk(s) not scanned)"
         )
+
+
+def test_inf_in_a_model_space_exp_avg_sq(capsys):
+    rc, report = _check(capsys, "--health", str(FIXTURES / "core019_inf_exp_avg_sq_tp1"))
+    (f,) = report["findings"]
+    assert f["message"] == (
+        "optimizer.state.exp_avg_sq.embedding.word_embeddings.weight: 0 NaN and 1 Inf value(s) in 1 of 1 chunk(s) "
+        "(first: chunk at [0, 0])"
+    )
+    assert _stats(report)["optimizer.state.exp_avg_sq.embedding.word_embeddings.weight"]["inf"] == 1
 
 
 def _bucket_chunks(save: Path, key: str) -> list[tuple[int, int]]:
