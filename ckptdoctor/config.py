@@ -38,8 +38,9 @@ CHECK_KEYS: dict[str, type | tuple[type, ...]] = {
     "per-path-ignores": dict,
     "te-version": str,  # MAJOR.MINOR of the loading run's Transformer Engine (CKD230)
 }
-# sub-tables other commands read ([tool.ckptdoctor.diff]); any other key of [tool.ckptdoctor] is an error
-OTHER_TABLES = ("diff",)
+# sub-tables other commands read ([tool.ckptdoctor.diff]) and check's health rules' settings
+# ([tool.ckptdoctor.health-rules]: not ``health``, which is the --health default); any other key is an error
+OTHER_TABLES = ("diff", "health-rules")
 
 
 def find_pyproject(start: Path, passed_over: list[Path] | None = None) -> Path | None:
@@ -169,5 +170,36 @@ def diff_defaults(table: dict[str, Any], path: Path | None) -> dict[str, Any]:
         if bad_list or not isinstance(value, expected):
             kind = "a list of regexes" if expected is list else expected.__name__
             raise CkptError(f"{path}: [tool.ckptdoctor.diff] {raw_key} must be {kind}, got {value!r}")
+        out[key] = value
+    return out
+
+
+# [tool.ckptdoctor.health-rules]: key -> expected type (floats also accept integers)
+HEALTH_RULES_KEYS: dict[str, type] = {"ignore-keys": list, "init-std-tolerance": float, "init-mean-tolerance": float}
+
+
+def health_rules_defaults(table: dict[str, Any], path: Path | None) -> dict[str, Any]:
+    """The ``[tool.ckptdoctor.health-rules]`` table, type-checked: ``ignore-keys`` (fnmatch globs of checkpoint
+    keys the CKD5xx rules leave out) and the non-negative tolerances of CKD505's test for weights at their init.
+    Unknown keys are refused (a misspelled key would silently change nothing)."""
+    raw_table = table.get("health-rules", table.get("health_rules", {}))
+    if not isinstance(raw_table, dict):
+        raise CkptError(f"{path}: [tool.ckptdoctor] health-rules must be a table ([tool.ckptdoctor.health-rules])")
+    out: dict[str, Any] = {}
+    for raw_key, value in raw_table.items():
+        key = raw_key.replace("_", "-")
+        expected = HEALTH_RULES_KEYS.get(key)
+        where = f"{path}: [tool.ckptdoctor.health-rules]"
+        if expected is None:
+            raise CkptError(f"{where} unknown key {raw_key!r} (known: {', '.join(HEALTH_RULES_KEYS)})")
+        if expected is list:
+            if isinstance(value, str):
+                value = [value]
+            if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                raise CkptError(f"{where} {raw_key} must be a list of key globs, got {value!r}")
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise CkptError(f"{where} {raw_key} must be a non-negative number, got {value!r}")
+            value = float(value)
         out[key] = value
     return out

@@ -1,6 +1,6 @@
 """``check --health``: exact per-key statistics and fingerprints in ``--deep``'s one pass, and the health rules
-(CKD5xx), on fixtures saved by real megatron-core (two of them damaged before the save) and on copies of
-fixtures whose tensors are re-saved with changed values."""
+(CKD5xx, and CKD313 in the distributed optimizer's buckets), on fixtures saved by real megatron-core (seven of them
+damaged before the save) and on copies of fixtures whose tensors are re-saved with changed values."""
 
 from __future__ import annotations
 
@@ -35,7 +35,24 @@ np = pytest.importorskip("numpy")
 ITER = "iter_0000010"
 EXPERT_FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
 EXPERT_FC2 = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
-DAMAGED = {"core019_moe_zero_expert_ep2", "core019_moe_dup_expert_ep2"}
+DAMAGED = {
+    "core019_moe_zero_expert_ep2",
+    "core019_moe_dup_expert_ep2",
+    "core019_nan_weight_tp1",
+    "core019_inf_exp_avg_sq_dp2",
+    "core019_inf_exp_avg_sq_tp1",
+    "core019_zero_moments_trained_tp1",
+    "core019_zero_moments_dp2",
+    "core019_reinit_layer_trained_tp1",
+    "core019_reinit_weights_trained_tp1",
+}
+# What ``check --health`` adds to ``check``: the CKD5xx rules and CKD313 (NaN/Inf)
+HEALTH_SELECT = ("--select", "CKD5", "--select", "CKD313")
+BUCKET = "optimizer.distributed.dp_group_idx_{}.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.{}"
+LAYER_AT_INIT_BY_WEIGHTS = (
+    "every weight's mean and std those of Megatron's init for init_method_std 0.02 (normal(0, 0.02); linear_proj, "
+    "linear_fc2: normal(0, 0.01))"
+)
 
 
 def _check(capsys, *args: str) -> tuple[int, dict]:
@@ -118,8 +135,279 @@ def test_health_rules_need_health(capsys):
 
 @pytest.mark.parametrize("fixture", sorted(set(fixture_names()) - DAMAGED))
 def test_healthy_fixtures_have_no_health_finding(capsys, fixture):
-    rc, report = _check(capsys, "--health", "--select", "CKD5", str(FIXTURES / fixture))
+    """Every real fixture that is not damaged on purpose, the trained one and the one whose biases are all zero
+    included: no CKD5xx and no NaN/Inf (the distributed optimizer's buckets included) finding."""
+    rc, report = _check(capsys, "--health", *HEALTH_SELECT, str(FIXTURES / fixture))
     assert rc == 0 and report["findings"] == []
+
+
+@pytest.mark.parametrize(
+    "fixture, codes",
+    [
+        ("core019_nan_weight_tp1", ["CKD313"]),
+        ("core019_inf_exp_avg_sq_dp2", ["CKD313"]),
+        ("core019_inf_exp_avg_sq_tp1", ["CKD313"]),
+        ("core019_zero_moments_trained_tp1", ["CKD510"]),
+        ("core019_zero_moments_dp2", ["CKD510"]),
+        ("core019_reinit_layer_trained_tp1", ["CKD505"]),
+        ("core019_reinit_weights_trained_tp1", ["CKD505"]),
+        ("core019_moe_zero_expert_ep2", ["CKD501", "CKD501"]),
+        ("core019_moe_dup_expert_ep2", ["CKD502"]),
+    ],
+)
+def test_each_damaged_fixture_gets_exactly_its_finding(capsys, fixture, codes):
+    rc, report = _check(capsys, "--health", str(FIXTURES / fixture))
+    assert rc == 1 and [f["code"] for f in report["findings"]] == codes
+
+
+def test_nan_in_one_model_tensor(capsys):
+    rc, report = _check(capsys, "--health", str(FIXTURES / "core019_nan_weight_tp1"))
+    (f,) = report["findings"]
+    assert f["severity"] == "error" and f["path"].endswith("__0_0.distcp")
+    assert f["message"] == (
+        "decoder.layers.self_attention.linear_proj.weight: 1 NaN and 0 Inf value(s) in 1 of 2 chunk(s) "
+        "(first: chunk at [0, 0, 0])"
+    )
+
+
+def test_inf_in_a_distributed_optimizer_bucket(capsys):
+    """One +Inf in DP rank 0's first exp_avg_sq element: found inside the dp_reshardable bucket, named by the
+    bucket key and the element range of its chunk; the padding chunks (garbage) are not scanned."""
+    for jobs in ("1", "2"):  # one data file per DP rank: the counts of both files merged alike
+        rc, report = _check(capsys, "--deep", "--jobs", jobs, str(FIXTURES / "core019_inf_exp_avg_sq_dp2"))
+        (f,) = report["findings"]
+        assert rc == 1 and f["code"] == "CKD313" and f["severity"] == "error"
+        assert f["message"] == (
+            f"{BUCKET.format(0, 'exp_avg_sq')}: 0 NaN and 1 Inf value(s) in elements [0, 4096) of the distributed "
+            "optimizer's bucket (1 of 15 chunk(s); 5 padding chunk(s) not scanned)"
+        )
+
+
+def test_inf_in_a_model_space_exp_avg_sq(capsys):
+    rc, report = _check(capsys, "--health", str(FIXTURES / "core019_inf_exp_avg_sq_tp1"))
+    (f,) = report["findings"]
+    assert f["message"] == (
+        "optimizer.state.exp_avg_sq.embedding.word_embeddings.weight: 0 NaN and 1 Inf value(s) in 1 of 1 chunk(s) "
+        "(first: chunk at [0, 0])"
+    )
+    assert _stats(report)["optimizer.state.exp_avg_sq.embedding.word_embeddings.weight"]["inf"] == 1
+
+
+def _bucket_chunks(save: Path, key: str) -> list[tuple[int, int]]:
+    metadata = load_metadata_object(save / ITER / ".metadata")
+    chunks = record_attr(record_attr(metadata, "state_dict_metadata")[key], "chunks")
+    return sorted((record_attr(c, "offsets")[0], record_attr(c, "sizes")[0]) for c in chunks)
+
+
+def test_real_bucket_padding_holds_garbage_and_is_not_scanned(capsys):
+    """megatron-core saves the padding between a bucket's parameters from torch.empty: in core019_tp2_dp2 one
+    padding chunk of dp_group_idx_1's param bucket holds a NaN bit pattern. check --deep scans the bucket but not
+    its padding (chunks holding no multiple of 64, where DDP starts every parameter): no finding."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    save = FIXTURES / "core019_tp2_dp2"
+    key = BUCKET.format(1, "param")
+    chunks = _bucket_chunks(save, key)
+    padding = [(start, size) for start, size in chunks if start % 64 and start + size <= -(-start // 64) * 64]
+    assert padding and all(size < 64 for _, size in padding)
+    state = {key: torch.zeros(sum(size for _, size in chunks))}
+    load(state, storage_reader=FileSystemReader(str(save / ITER)), no_dist=True)
+    values = state[key]
+    in_padding = sum(int(values[start : start + size].isnan().sum()) for start, size in padding)
+    assert in_padding > 0 and int(values.isnan().sum()) == in_padding  # NaN only where nothing was written
+    rc, report = _check(capsys, "--deep", str(save))
+    assert rc == 0 and report["findings"] == []
+
+
+def test_nan_in_a_bucket_parameter_chunk_is_found(capsys, copy_fixture):
+    """A NaN re-saved into a parameter's chunk of a bucket (not padding) is CKD313, with its element range."""
+    save = copy_fixture("core019_tp2_dp2")
+    key = BUCKET.format(1, "exp_avg")
+    start, size = _bucket_chunks(save, key)[1]  # the second chunk: a parameter's (it starts at a multiple of 64)
+    assert start % 64 == 0
+
+    def one_nan(data: bytes) -> bytes:
+        return data[:4] + struct.pack("<f", math.nan) + data[8:]
+
+    _rewrite_tensor(save / ITER, key, one_nan, chunk=(start,))
+    rc, report = _check(capsys, "--deep", str(save))
+    (f,) = report["findings"]
+    assert rc == 1 and f["code"] == "CKD313"
+    assert f["message"].startswith(f"{key}: 1 NaN and 0 Inf value(s) in elements [{start}, {start + size}) of ")
+
+
+def test_bucket_statistics_leave_the_padding_out(capsys):
+    """A bucket's statistics count its parameters' elements only: the padding chunks (garbage) are not measured."""
+    save = FIXTURES / "core019_tp2_dp2"
+    rc, report = _check(capsys, "--health", str(save))
+    stats = _stats(report)
+    for group in (0, 1):
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            key = BUCKET.format(group, kind)
+            chunks = _bucket_chunks(save, key)
+            written = sum(size for start, size in chunks if not (start % 64 and start + size <= -(-start // 64) * 64))
+            assert stats[key]["count"] == written < stats[key]["shape"][0]
+            assert stats[key]["nan"] == stats[key]["inf"] == 0
+    assert rc == 0
+
+
+def test_negative_second_moment_in_a_bucket(capsys, copy_fixture):
+    """With the padding left out, a bucket's exp_avg_sq is read element-wise like a model-space one: CKD511."""
+    save = copy_fixture("core019_tp2_dp2")
+    key = BUCKET.format(0, "exp_avg_sq")
+    start, _ = _bucket_chunks(save, key)[0]
+    _rewrite_tensor(save / ITER, key, lambda data: struct.pack("<f", -1.0) + data[4:], chunk=(start,))
+    rc, report = _check(capsys, "--health", str(save))
+    assert rc == 1 and _health_codes(report) == ["CKD511"]
+    assert report["findings"][0]["message"] == f"{key}: negative values (smallest -1)"
+
+
+def test_optimizer_moments_zeroed_before_a_real_save(capsys):
+    rc, report = _check(capsys, "--health", str(FIXTURES / "core019_zero_moments_trained_tp1"))
+    (f,) = report["findings"]
+    assert f["severity"] == "warning"
+    assert f["message"] == "all 18 exp_avg/exp_avg_sq tensors are zero at iteration 10 (optimizer re-initialised?)"
+
+
+def test_bucket_moments_zeroed_before_a_real_save(capsys):
+    """The distributed optimizer's moments zeroed before megatron-core's save: the buckets' padding holds what
+    torch.empty gave (not zero), and is not measured, so CKD510 still sees every moment zero."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    save = FIXTURES / "core019_zero_moments_dp2"
+    keys = [BUCKET.format(0, kind) for kind in ("exp_avg", "exp_avg_sq")]
+    state = {key: torch.zeros(sum(size for _, size in _bucket_chunks(save, key))) for key in keys}
+    load(state, storage_reader=FileSystemReader(str(save / ITER)), no_dist=True)
+    assert all(int(values.count_nonzero()) > 0 for values in state.values())  # the padding's garbage, on disk
+    rc, report = _check(capsys, "--health", str(save))
+    (f,) = report["findings"]
+    assert f["code"] == "CKD510"
+    assert f["message"] == "all 2 exp_avg/exp_avg_sq tensors are zero at iteration 10 (optimizer re-initialised?)"
+
+
+def test_layer_replaced_by_a_fresh_megatron_init(capsys):
+    """Layer 1 re-initialised by the model's own init methods (norms 1, biases 0, weights drawn again) while layer 0
+    trained 10 steps: CKD505 by its norm scales and by its weights' statistics."""
+    rc, report = _check(capsys, "--health", str(FIXTURES / "core019_reinit_layer_trained_tp1"))
+    (f,) = report["findings"]
+    assert f["severity"] == "warning"
+    assert f["message"] == (
+        f"layer 1: every norm scale exactly 1 and every bias 0; {LAYER_AT_INIT_BY_WEIGHTS}, as initialised, while "
+        "layer(s) 0 moved (never trained?)"
+    )
+
+
+def test_layer_weights_redrawn_by_megatron_init(capsys):
+    """Only layer 1's weights drawn again (its norm scales kept as trained): found by the weights alone."""
+    rc, report = _check(capsys, "--health", str(FIXTURES / "core019_reinit_weights_trained_tp1"))
+    (f,) = report["findings"]
+    assert f["message"] == (
+        f"layer 1: {LAYER_AT_INIT_BY_WEIGHTS}, as initialised, while layer(s) 0 moved (never trained?)"
+    )
+
+
+def _tripled(data: bytes) -> bytes:
+    return (np.frombuffer(data, dtype="<f4") * 3).astype("<f4").tobytes()
+
+
+@pytest.mark.parametrize("moved, flagged", [([0], []), ([1, 2], [0])])
+def test_layer_weights_at_init_beside_as_many_moved_layers(capsys, copy_fixture, moved, flagged):
+    """core019_pp2_uneven (3 layers, all at Megatron's init) with the linear_proj weights of some layers re-saved
+    tripled (std 3x its init): the layers left at init are flagged only where at least as many layers moved (one
+    moved layer beside two at init is an early checkpoint, not a layer left behind)."""
+    save = copy_fixture("core019_pp2_uneven")
+    for layer in moved:
+        _rewrite_tensor(save / ITER, "decoder.layers.self_attention.linear_proj.weight", _tripled, chunk=(layer, 0, 0))
+    rc, report = _check(capsys, "--health", str(save))
+    names = ", ".join(map(str, moved))
+    assert [f["message"] for f in report["findings"]] == [
+        f"layer {layer}: {LAYER_AT_INIT_BY_WEIGHTS.replace('0.01', '0.008165')}, as initialised, while layer(s) "
+        f"{names} moved (never trained?)"
+        for layer in flagged
+    ]
+    assert rc == (1 if flagged else 0)
+
+
+def test_trained_fixture_moved_every_layer():
+    """core019_trained_tp1 (10 real Adam steps): every dense weight of every layer is away from its init (std
+    beyond the default tolerance), and no norm scale is exactly one: the control for CKD505."""
+    from ckptdoctor.ops.check import health_scan
+    from ckptdoctor.values.health import moment_values
+
+    save = FIXTURES / "core019_trained_tp1"
+    scan = health_scan(save / ITER, save / ITER)
+    init_stds = {
+        "decoder.layers.self_attention.linear_qkv.weight": 0.02,
+        "decoder.layers.self_attention.linear_proj.weight": 0.01,  # 0.02 / sqrt(2 num_layers)
+        "decoder.layers.mlp.linear_fc1.weight": 0.02,
+        "decoder.layers.mlp.linear_fc2.weight": 0.01,
+    }
+    for key, init_std in init_stds.items():
+        stats = scan.keys[key]
+        for layer in (0, 1):
+            _, std, _ = moment_values(stats.slices[(layer,)], stats.dtype)
+            assert std is not None and abs(std / init_std - 1) > 0.2, (key, layer, std)
+    norms = scan.keys["decoder.layers.self_attention.linear_qkv.layer_norm_weight"]
+    assert all(not (m.low == m.high == 1) for m in norms.slices.values())
+
+
+def test_untrained_fixture_with_all_zero_biases_is_healthy(capsys):
+    """core019_bias_tp1: every linear bias all zero, as Megatron initialises them; never a finding."""
+    rc, report = _check(capsys, "--health", str(FIXTURES / "core019_bias_tp1"))
+    (checkpoint,) = report["health"]
+    biases = [k for k in checkpoint["keys"] if k["key"].startswith("decoder.") and k["key"].endswith(".bias")]
+    assert biases and all(k["zeros"] == k["count"] for k in biases)
+    assert rc == 0 and report["findings"] == []
+
+
+# --- [tool.ckptdoctor.health-rules] ----------------------------------------------------------------------------
+
+
+def _check_with_config(capsys, monkeypatch, tmp_path: Path, body: str, *args: str) -> tuple[int, str, str]:
+    (tmp_path / "pyproject.toml").write_text(f"[tool.ckptdoctor.health-rules]\n{body}\n")
+    monkeypatch.chdir(tmp_path)
+    rc = main(["check", "--format", "json", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_config_ignore_keys(capsys, monkeypatch, tmp_path):
+    """ignore-keys: the CKD5xx rules leave the matching keys out (here every decoder layer's: no CKD505)."""
+    fixture = str(FIXTURES / "core019_reinit_layer_trained_tp1")
+    rc, out, _ = _check_with_config(
+        capsys, monkeypatch, tmp_path, 'ignore-keys = ["decoder.layers.*"]', "--health", fixture
+    )
+    assert rc == 0 and json.loads(out)["findings"] == []
+    rc, out, _ = _check_with_config(
+        capsys, monkeypatch, tmp_path, 'ignore-keys = ["output_layer.*"]', "--health", fixture
+    )
+    assert rc == 1 and [f["code"] for f in json.loads(out)["findings"]] == ["CKD505"]
+
+
+def test_config_init_tolerance(capsys, monkeypatch, tmp_path):
+    """init-std-tolerance: so wide that the trained layer 0 counts as at its init too: nothing moved, no finding;
+    the default finds layer 1."""
+    fixture = str(FIXTURES / "core019_reinit_weights_trained_tp1")
+    rc, out, _ = _check_with_config(capsys, monkeypatch, tmp_path, "init-std-tolerance = 5", "--health", fixture)
+    assert rc == 0 and json.loads(out)["findings"] == []
+    rc, out, _ = _check_with_config(capsys, monkeypatch, tmp_path, "init-mean-tolerance = 0.1", "--health", fixture)
+    assert rc == 1 and [f["code"] for f in json.loads(out)["findings"]] == ["CKD505"]
+
+
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        ("init-std-tolerance = -1", "init-std-tolerance must be a non-negative number, got -1"),
+        ("init-std-tolerance = 'wide'", "init-std-tolerance must be a non-negative number"),
+        ("ignore-keys = [1]", "ignore-keys must be a list of key globs"),
+        ("std-tolerance = 0.2", "unknown key 'std-tolerance'"),
+    ],
+)
+def test_bad_health_rules_config_is_a_usage_error(capsys, monkeypatch, tmp_path, body, why):
+    rc, _, err = _check_with_config(capsys, monkeypatch, tmp_path, body, "--health", str(FIXTURES / "core019_tp1"))
+    assert rc == 2 and "[tool.ckptdoctor.health-rules]" in err and why in err
 
 
 # --- statistics: exact, the same at any layout of one saved state -----------------------------------------

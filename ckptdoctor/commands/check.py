@@ -105,12 +105,13 @@ def command(
     checkpoint dirs of the paths staged in git are checked, deleted files included; none staged: exit 0.
     """
     from ckptdoctor.commands.progress_bar import progress_bar
-    from ckptdoctor.config import check_defaults, load_tool_config
+    from ckptdoctor.config import check_defaults, health_rules_defaults, load_tool_config
     from ckptdoctor.exit_codes import EXIT_ERROR, EXIT_FINDINGS, EXIT_OK
     from ckptdoctor.ops.check import CheckOptions, ConfigUse, check_paths, staged_checkpoint_dirs
     from ckptdoctor.render.check import FORMATS, render_check, render_github, render_sarif
     from ckptdoctor.render.common import jsonable
     from ckptdoctor.render.wrap import output_width
+    from ckptdoctor.rules.health import HealthSettings
     from ckptdoctor.rules.registry import validate_selectors
     from ckptdoctor.text_safety import escape
 
@@ -119,6 +120,7 @@ def command(
     passed_over: list[Path] = []
     table, config_path = ({}, None) if isolated else load_tool_config(passed_over=passed_over)
     config = check_defaults(table, config_path)
+    health_rules = health_rules_defaults(table, config_path)
     cli_values = {
         "select": select,
         "ignore": ignore,
@@ -155,6 +157,11 @@ def command(
         base_dir=config_path.parent if config_path is not None else None,
         jobs=jobs,
         health=pick(health, "health", False),
+        health_settings=HealthSettings(
+            ignore_keys=health_rules.get("ignore-keys", []),
+            init_std_tolerance=health_rules.get("init-std-tolerance", HealthSettings.init_std_tolerance),
+            init_mean_tolerance=health_rules.get("init-mean-tolerance", HealthSettings.init_mean_tolerance),
+        ),
         te_version=_te_version(te_version, config.get("te-version"), config_path),
     )
     output_format = normalize_format(str(pick(output_format, "format", "text")))

@@ -44,6 +44,7 @@ from ckptdoctor.rules import (
     structure,
     with_fix,
 )
+from ckptdoctor.rules.health import HealthSettings
 from ckptdoctor.severity import INFO, OVERRIDDEN
 from ckptdoctor.storage.dispatch import as_path
 from ckptdoctor.values.health import HealthScan, KeyHealth, require_numpy, summarise
@@ -65,6 +66,7 @@ class CheckOptions:
     base_dir: Path | None = None  # where per-path-ignores globs are relative to (the pyproject.toml's dir)
     jobs: int | None = None  # --deep: worker processes (None: the available cores; see ckptdoctor.parallel)
     health: bool = False  # --health (implies deep): per-key statistics and the CKD5xx rules (needs numpy)
+    health_settings: HealthSettings = field(default_factory=HealthSettings)  # [tool.ckptdoctor.health-rules]
     te_version: tuple[int, int, int] | None = None  # --te-version: the loading run's Transformer Engine (None: newest)
 
 
@@ -259,7 +261,7 @@ def scan_and_check(
                 if progress is not None:
                     progress.finish()
             if stats is not None:
-                findings += health.check_health(state, stats)
+                findings += health.check_health(state, stats, options.health_settings)
                 if health_reports is not None:
                     keys = [summarise(key, stats.keys[key]) for key in sorted(stats.keys)]
                     health_reports.append(HealthReport(str(shown), keys))

@@ -22,7 +22,7 @@ from ckptdoctor.pickle.policy import UnlistedGlobal
 from ckptdoctor.pickle.torch_stand_ins import StorageRef, TensorRef
 from ckptdoctor.rules import Finding, finding
 from ckptdoctor.rules.integrity import BLOB_SIZE, BLOB_UNDECODABLE, ITEM_UNDECODABLE, NON_FINITE
-from ckptdoctor.rules.non_finite import NonFinite
+from ckptdoctor.rules.non_finite import NonFinite, bucket_padding
 from ckptdoctor.rules.safety import item_findings, refused_pickle, unlisted_globals
 from ckptdoctor.rules.structure import Scanned
 from ckptdoctor.severity import OVERRIDDEN
@@ -31,16 +31,14 @@ from ckptdoctor.values.archive_memo import parse, plain_key
 from ckptdoctor.values.health import HealthScan
 
 NON_FINITE_SECTIONS = ("model", "optimizer")
-# The distributed optimizer's flat buckets (dp_reshardable: optimizer.distributed.dp_group_idx_*.gbuf_idx_*...
-# .bucket_idx_*.<param|exp_avg|exp_avg_sq>) hold padding that megatron-core never writes (torch.empty): a real
-# save carries arbitrary bits, NaN patterns included, there. They are not scanned.
-_FLAT_BUCKET_MARK = ".bucket_idx_"
 
 Progress = Callable[[int], None]  # called with the bytes just processed
 
 
 def _values_scanned(entry: Entry) -> bool:
-    return entry.section in NON_FINITE_SECTIONS and _FLAT_BUCKET_MARK not in entry.key
+    """Model and optimizer tensors, the distributed optimizer's flat buckets included (their padding chunks are
+    left out chunk by chunk: :func:`ckptdoctor.rules.non_finite.bucket_padding`)."""
+    return entry.section in NON_FINITE_SECTIONS
 
 
 def deep_bytes(state: Scanned) -> int:
@@ -151,7 +149,11 @@ def _check_file(
         entry, chunk = tag  # type: ignore[misc]
         if entry.kind == "tensor":
             scan = non_finite if non_finite is not None and _values_scanned(entry) else None
-            measure = stats if stats is not None and entry.section in NON_FINITE_SECTIONS else None
+            # a bucket's padding (never written: arbitrary bits) is no value of the model's or the optimizer's
+            measured = entry.section in NON_FINITE_SECTIONS and not bucket_padding(
+                entry.key, chunk.offsets, chunk.sizes
+            )
+            measure = stats if stats is not None and measured else None
             problem = _check_chunk(decoder, entry, chunk, blob, path, scan, measure)
         else:
             problem = _check_item(entry, blob, path)

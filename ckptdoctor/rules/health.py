@@ -5,17 +5,24 @@ They read the per-key and per-slice statistics of :mod:`ckptdoctor.values.health
 a stacked weight, experts of one layer equal to each other, optimizer moments that contradict the iteration.
 NaN and Inf stay CKD313. Padded vocab rows are never looked at alone: a weight is flagged only when a whole
 key or a whole slice (one layer, one expert) is zero.
+
+:class:`HealthSettings` holds what a repository may tune (``[tool.ckptdoctor.health-rules]``): keys the rules
+leave out and the tolerances of the test for weights at Megatron's initialisation.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import math
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckptdoctor.args import saved_config
 from ckptdoctor.formats.plain_dcp import adam_moment, parameter_name
 from ckptdoctor.rules import ERROR, WARNING, Finding, family_rule, finding
 from ckptdoctor.rules.structure import Scanned
-from ckptdoctor.values.health import HealthScan, KeyStats, Moments
+from ckptdoctor.values.health import KINDS, HealthScan, KeyStats, Moments, moment_values
 
 _rule = family_rule("health")
 
@@ -56,10 +63,18 @@ LAYER_AT_INIT = _rule(
     "CKD505",
     "layer-at-init",
     WARNING,
-    "--health: a layer's norm scales are exactly one (and its biases zero) while other layers' have moved",
-    "Megatron initialises norm scales to one and biases to zero; training moves them in every layer. One layer "
-    "still exactly at those values beside layers that moved was never trained, or was replaced by a fresh "
-    "initialisation (a conversion that skipped it, a partial load).",
+    "--health: a layer is as Megatron initialises one (norm scales exactly one and biases zero, or weights "
+    "matching its init for the saved init_method_std) while other layers have moved",
+    "Megatron initialises norm scales to one, biases to zero and weights from normal(0, init_method_std), the "
+    "output layers (linear_proj, linear_fc2) from normal(0, init_method_std / sqrt(2 num_layers)); training "
+    "moves them in every layer. One layer still at those values beside layers that moved was never trained, or "
+    "was replaced by a fresh initialisation (a conversion that skipped it, a partial load). The weights' test is "
+    "statistical: each dense weight of the layer has a std within `init-std-tolerance` (relative, default 0.1) "
+    "of its init std and a mean within `init-mean-tolerance` (x the init std, default 0.1) of zero, or five "
+    "standard errors where a small tensor needs more, while in at least as many other layers a weight does not "
+    "([tool.ckptdoctor.health-rules]). A model at its initialisation throughout is not flagged: nothing moved. "
+    "Skipped where the saved args use another init (use_mup, init_method_xavier_uniform); experts and LoRA "
+    "adapters are not tested.",
 )
 MOMENTS_ZERO = _rule(
     "CKD510",
@@ -102,20 +117,74 @@ _BUCKET_MOMENT = re.compile(r"^optimizer\.distributed\..*\.bucket_idx_\d+\.(exp_
 _MAY_BE_ZERO = re.compile(r"(bias$|_bias$|\.adapter\.(.+\.)?linear_out\.weight$)")
 _NORM_SCALE = re.compile(r"(norm\.weight|norm_weight)$")  # input_layernorm.weight, linear_qkv.layer_norm_weight, ...
 _LAYER_IN_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_DENSE_WEIGHT = re.compile(r"(?:^|\.)(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight$")
+_OUTPUT_LAYERS = ("linear_proj", "linear_fc2")  # drawn by TransformerConfig's output_layer_init_method
+# Megatron-LM's --init-method-std default (TransformerConfig.init_method_std), for args that do not name it
+DEFAULT_INIT_METHOD_STD = 0.02
+# A slice at its init is within this many standard errors of the init std and zero mean (small tensors)
+STANDARD_ERRORS = 5.0
 
 
-def check_health(state: Scanned, scan: HealthScan) -> list[Finding]:
-    """Every health rule on one iteration dir's statistics."""
+@dataclass(frozen=True)
+class HealthSettings:
+    """The CKD5xx rules' settings (``[tool.ckptdoctor.health-rules]``; never read from a checkpoint)."""
+
+    ignore_keys: list[str] = field(default_factory=list)  # fnmatch globs of checkpoint keys the rules leave out
+    init_std_tolerance: float = 0.1  # relative: |std / init std - 1| at most this is "at its init"
+    init_mean_tolerance: float = 0.1  # |mean| at most this times the init std is "at its init"
+
+    def ignored(self, key: str) -> bool:
+        return any(fnmatch.fnmatchcase(key, glob) for glob in self.ignore_keys)
+
+
+def check_health(state: Scanned, scan: HealthScan, settings: HealthSettings | None = None) -> list[Finding]:
+    """Every health rule on one iteration dir's statistics (keys matching ``settings.ignore_keys`` left out)."""
     if state.checkpoint is None:
         return []
+    settings = settings or HealthSettings()
     path = state.shown
+    kept = {k: s for k, s in scan.keys.items() if not settings.ignored(k)}
     flavour = state.checkpoint.flavour  # plain DCP: keys named the flavour's way; None for torch_dist
-    model = {k: s for k, s in scan.keys.items() if state.checkpoint.entries[k].section == "model"}
+    model = {k: s for k, s in kept.items() if state.checkpoint.entries[k].section == "model"}
     out = _zero_weights(path, model, flavour)
     out += _equal_experts(path, model)
-    out += _layers_at_init(path, model, flavour)
-    out += _optimizer(state, scan)
+    out += _layers_at_init(path, model, flavour, _init_stds(state), settings)
+    out += _optimizer(state, kept, settings)
     return out
+
+
+@dataclass(frozen=True)
+class InitStds:
+    """The std Megatron draws each dense weight from, for the saved args."""
+
+    weight: float  # init_method: normal(0, init_method_std)
+    output: float  # output_layer_init_method: normal(0, init_method_std / sqrt(multiplier num_layers))
+
+
+def _init_stds(state: Scanned) -> InitStds | None:
+    """From the saved args (TransformerConfig.__post_init__'s rule); None without args, or where they choose
+    another init than Megatron's normal ones."""
+    if state.common is None or state.checkpoint is None:
+        return None
+    args, _ = saved_config(state.common, state.checkpoint.iteration_dir)
+    num_layers = args.get("num_layers")
+    if not isinstance(num_layers, int) or num_layers < 1:
+        return None
+    if args.get("use_mup") or args.get("init_method_xavier_uniform"):
+        return None
+    std = args.get("init_method_std", DEFAULT_INIT_METHOD_STD)
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not std > 0:
+        return None
+    multiplier = 1.0 if args.get("hybrid_override_pattern") else 2.0  # is_hybrid_model: sqrt(num_layers)
+    return InitStds(float(std), float(std) / math.sqrt(multiplier * num_layers))
+
+
+def _layer_of(key: str, stats: KeyStats, index: tuple[int, ...]) -> int | None:
+    """The decoder layer of one slice: its stacked layer index, or the layer named in a per-layer key."""
+    if stats.axes[:1] == ("layer",):
+        return index[0]
+    per_key = _LAYER_IN_KEY.search(key)
+    return int(per_key.group(1)) if per_key is not None else None
 
 
 def _never_zero(key: str) -> bool:
@@ -199,9 +268,42 @@ def _equal_experts(path: Path, model: dict[str, KeyStats]) -> list[Finding]:
     return out
 
 
-def _layers_at_init(path: Path, model: dict[str, KeyStats], flavour: str | None) -> list[Finding]:
-    """Layers whose every norm scale is exactly one and every bias exactly zero, where other layers' norm scales
-    are not all one (a model at its initialisation throughout is not flagged: nothing moved)."""
+def _layers_at_init(
+    path: Path, model: dict[str, KeyStats], flavour: str | None, stds: InitStds | None, settings: HealthSettings
+) -> list[Finding]:
+    """Layers at Megatron's initialisation while other layers moved: by their norm scales and biases (exactly one
+    and zero), and by their dense weights' mean and std (``stds`` from the saved args). A model at its
+    initialisation throughout is not flagged: nothing moved."""
+    by_norms, norms_moved = _norms_at_init(model, flavour)
+    by_weights, weights_moved = _weights_at_init(model, flavour, stds, settings) if stds is not None else (set(), set())
+    out = []
+    for layer in sorted(by_norms | by_weights):
+        evidence = []
+        if layer in by_norms:
+            evidence.append("every norm scale exactly 1 and every bias 0")
+        if layer in by_weights:
+            assert stds is not None
+            evidence.append(
+                f"every weight's mean and std those of Megatron's init for init_method_std {stds.weight:g} "
+                f"(normal(0, {stds.weight:g}); linear_proj, linear_fc2: normal(0, {stds.output:.4g}))"
+            )
+        moved = sorted(
+            (norms_moved if layer in by_norms else set()) | (weights_moved if layer in by_weights else set())
+        )
+        names = ", ".join(map(str, moved[:8])) + (f" and {len(moved) - 8} more" if len(moved) > 8 else "")
+        out.append(
+            finding(
+                LAYER_AT_INIT,
+                path,
+                f"layer {layer}: {'; '.join(evidence)}, as initialised, while layer(s) {names} moved (never trained?)",
+            )
+        )
+    return out
+
+
+def _norms_at_init(model: dict[str, KeyStats], flavour: str | None) -> tuple[set[int], set[int]]:
+    """(layers whose every norm scale is exactly one and every bias exactly zero, layers whose norm scales are
+    not all one); the first empty unless the second is not."""
     # layer -> whether each of its norm-scale slices is all one, each of its bias slices all zero
     scales: dict[int, list[bool]] = {}
     biases: dict[int, list[bool]] = {}
@@ -210,54 +312,74 @@ def _layers_at_init(path: Path, model: dict[str, KeyStats], flavour: str | None)
         norm, bias = _NORM_SCALE.search(name) is not None, name.endswith("bias")
         if not (norm or bias) or "expert" in stats.axes:
             continue
-        per_key = _LAYER_IN_KEY.search(key)
         for index, moments in stats.slices.items():
-            if stats.axes[:1] == ("layer",):
-                layer = index[0]
-            elif per_key is not None:
-                layer = int(per_key.group(1))
-            else:
+            layer = _layer_of(key, stats, index)
+            if layer is None:
                 continue  # not a layer's (final_layernorm)
             if norm:
                 ones = moments.finite == moments.count > 0 and moments.low == moments.high == 1
                 scales.setdefault(layer, []).append(ones)
             else:
                 biases.setdefault(layer, []).append(moments.all_zero)
-    at_init = sorted(layer for layer, ones in scales.items() if all(ones) and all(biases.get(layer, [])))
-    moved = sorted(layer for layer, ones in scales.items() if not all(ones))
-    if not at_init or not moved:
-        return []
-    names = ", ".join(map(str, moved[:8])) + (f" and {len(moved) - 8} more" if len(moved) > 8 else "")
-    return [
-        finding(
-            LAYER_AT_INIT,
-            path,
-            f"layer {layer}: every norm scale exactly 1 and every bias 0, as initialised, while layer(s) {names} "
-            "moved (never trained?)",
-        )
-        for layer in at_init
-    ]
+    at_init = {layer for layer, ones in scales.items() if all(ones) and all(biases.get(layer, []))}
+    moved = {layer for layer, ones in scales.items() if not all(ones)}
+    return (at_init, moved) if at_init and moved else (set(), set())
+
+
+def _weights_at_init(
+    model: dict[str, KeyStats], flavour: str | None, stds: InitStds, settings: HealthSettings
+) -> tuple[set[int], set[int]]:
+    """(layers whose every dense weight (linear_qkv, linear_proj, linear_fc1, linear_fc2; not experts, not LoRA
+    adapters) has the mean and std of its Megatron init, layers where some does not); both empty unless at least
+    as many layers moved as look at their init (an early checkpoint, where most layers have barely moved yet and a
+    few have, is no layer left behind)."""
+    per_layer: dict[int, list[bool]] = {}
+    for key, stats in model.items():
+        match = _DENSE_WEIGHT.search(_parameter(key, flavour))
+        kind = KINDS.get(stats.dtype)
+        if match is None or "expert" in stats.axes or ".adapter." in key or kind is None or not kind.is_float:
+            continue  # experts, LoRA adapters, and FP8 bytes (uint8) are not drawn from a normal init
+        expected = stds.output if match.group(1) in _OUTPUT_LAYERS else stds.weight
+        for index, moments in stats.slices.items():
+            layer = _layer_of(key, stats, index)
+            if layer is not None and moments.count >= 2 and moments.finite == moments.count:  # NaN/Inf: CKD313's
+                per_layer.setdefault(layer, []).append(_at_init(moments, stats.dtype, expected, settings))
+    at_init = {layer for layer, flags in per_layer.items() if all(flags)}
+    moved = {layer for layer, flags in per_layer.items() if not all(flags)}
+    return (at_init, moved) if at_init and len(moved) >= len(at_init) else (set(), set())
+
+
+def _at_init(moments: Moments, dtype: str, expected: float, settings: HealthSettings) -> bool:
+    """Whether one slice's values look drawn from normal(0, expected): std and mean within the tolerances, or
+    within :data:`STANDARD_ERRORS` standard errors of a sample of its size where that is wider."""
+    n = moments.count
+    mean, std, _ = moment_values(moments, dtype)
+    if mean is None or std is None:
+        return False
+    std_tolerance = max(settings.init_std_tolerance, STANDARD_ERRORS / math.sqrt(2 * n))
+    mean_tolerance = max(settings.init_mean_tolerance, STANDARD_ERRORS / math.sqrt(n))
+    return abs(std / expected - 1) <= std_tolerance and abs(mean) <= mean_tolerance * expected
 
 
 def _signature(moments: Moments) -> tuple:
     return (moments.fingerprint, moments.count, moments.zeros, moments.total, moments.total_sq, moments.nan)
 
 
-def _optimizer(state: Scanned, scan: HealthScan) -> list[Finding]:
+def _optimizer(state: Scanned, keys: dict[str, KeyStats], settings: HealthSettings) -> list[Finding]:
     assert state.checkpoint is not None
     path = state.shown
     out = []
     flavour = state.checkpoint.flavour
     moments: dict[str, Moments] = {}
-    for key, stats in scan.keys.items():
+    for key, stats in keys.items():
         model_space = _moment(key, flavour)
         if model_space is None and _BUCKET_MOMENT.match(key) is None:
             continue
         whole = stats.whole()
         moments[key] = whole
         kind = model_space[0] if model_space else key.rsplit(".", 1)[1]
-        # a bucket's padding is never written (torch.empty): only model-space moments are read element-wise
-        if model_space and kind == "exp_avg_sq" and whole.low is not None and whole.low < 0:
+        # a bucket's padding (never written: torch.empty) is not measured, so its exp_avg_sq is read like any other
+        if kind == "exp_avg_sq" and whole.low is not None and whole.low < 0:
             negative = f"smallest {whole.low:g}"
             out.append(finding(SECOND_MOMENT_NEGATIVE, path, f"{key}: negative values ({negative})"))
     iteration = (state.common or {}).get("iteration")
@@ -272,18 +394,18 @@ def _optimizer(state: Scanned, scan: HealthScan) -> list[Finding]:
                 "(optimizer re-initialised?)",
             )
         )
-    out += _missing_moments(state)
+    out += _missing_moments(state, settings)
     return out
 
 
-def _missing_moments(state: Scanned) -> list[Finding]:
+def _missing_moments(state: Scanned, settings: HealthSettings) -> list[Finding]:
     """Model-space parameters with one Adam moment and not the other (from the keys: no values needed)."""
     assert state.checkpoint is not None
     flavour = state.checkpoint.flavour
     present: dict[str, dict[str, str]] = {}  # parameter -> moment -> key
     for key in state.checkpoint.entries:
         match = _moment(key, flavour)
-        if match is not None:
+        if match is not None and not settings.ignored(key):
             present.setdefault(match[1], {})[match[0]] = key
     out = []
     for parameter, kinds in sorted(present.items()):

@@ -84,7 +84,9 @@ NON_FINITE = _rule(
     "fp16 overflow or a flipped exponent byte leaves behind, and a resume from them trains on garbage. One "
     "finding per key with the NaN and Inf counts (IEEE float16/bfloat16/float32/float64, read without torch); "
     "`latest-good --deep` skips such a checkpoint. The distributed optimizer's flat buckets (keys with "
-    "`.bucket_idx_`) are not scanned: their padding is uninitialized memory, arbitrary bits in a real save.",
+    "`.bucket_idx_`) are scanned and named with the element ranges of their bad chunks; the padding between "
+    "their parameters is not (uninitialized memory, arbitrary bits in a real save: its chunks hold no element at "
+    "a multiple of 64, where DDP starts every parameter).",
 )
 
 RULES = [

@@ -12,6 +12,17 @@ Without numpy, the exponent bytes of each element are sliced out of the raw litt
 a ``bytes.translate`` table and combined as big integers (C speed, ~5x slower); only elements already known to
 be non-finite are looked at one by one. :class:`NonFinite` holds one data file's counts (a worker's partial
 result) and merges them in file order.
+
+The distributed optimizer's flat buckets (``dp_reshardable``: ``optimizer.distributed.dp_group_idx_*.gbuf_idx_*
+.dtype_*.bucket_idx_*.<param|exp_avg|exp_avg_sq>``) are scanned too, except their padding. megatron-core's
+``DistributedOptimizer.sharded_param_state_dp_reshardable`` saves each parameter's range of a bucket and each gap
+between parameters as a ShardedTensor of its own (one DCP chunk each), the gaps from ``torch.empty``: never
+written, so a real save holds arbitrary bits there (NaN patterns included: ``core019_tp2_dp2``'s
+``dp_group_idx_1`` ``param`` bucket has one at element 5216-5247). The gaps exist because DDP's buffer starts
+every parameter at a multiple of 64 elements (``pad_param_start``), so a gap chunk lies strictly between two
+multiples of 64 (it holds none of them), while every parameter's chunk starts at one, or at a DP rank's
+boundary. A finding names the bucket key and the element ranges of its chunks with NaN or Inf (mapping them to
+parameters is the layout of DDP's buffer, not read here).
 """
 
 from __future__ import annotations
@@ -112,6 +123,28 @@ def _count_python(data: Any, size: int, high_mask: int, low_mask: int) -> tuple[
     return total - inf, inf
 
 
+# DDP's buffer starts every parameter at a multiple of this many elements with the distributed optimizer
+# (megatron-core's ``optimizer.param_layout.pad_param_start``; 0.14-0.19).
+PARAM_START_ALIGNMENT = 64
+_BUCKET_MARK = ".bucket_idx_"
+
+
+def is_bucket(key: str) -> bool:
+    """A key of the distributed optimizer's flat buckets (``dp_reshardable``)."""
+    return key.startswith("optimizer.distributed.") and _BUCKET_MARK in key
+
+
+def bucket_padding(key: str, offsets: list[int] | tuple[int, ...], sizes: list[int] | tuple[int, ...]) -> bool:
+    """Whether a chunk of a flat bucket may be the padding between two parameters (never written): it holds no
+    element at a multiple of :data:`PARAM_START_ALIGNMENT`, where every parameter starts. (The tail piece of a
+    parameter cut at a DP rank's boundary, shorter than the distance to the next multiple, is also left out.)"""
+    if not is_bucket(key) or len(offsets) != 1 or len(sizes) != 1:
+        return False
+    start, end = offsets[0], offsets[0] + sizes[0]
+    next_aligned = -(-start // PARAM_START_ALIGNMENT) * PARAM_START_ALIGNMENT
+    return next_aligned >= end
+
+
 class NonFinite:
     """Counts NaN and Inf per key in the floating-point model and optimizer chunks that decoded cleanly.
 
@@ -123,8 +156,13 @@ class NonFinite:
         numpy_or_none()  # imported once, before check --deep forks its workers (not once in each)
         self.per_key: dict[str, list[int]] = {}  # key -> [nan, inf, chunks with some, chunks scanned]
         self.first: dict[str, tuple[str, list[int]]] = {}  # key -> (path, offsets) of its first bad chunk
+        self.ranges: dict[str, list[tuple[int, int]]] = {}  # bucket key -> element ranges of its bad chunks
+        self.padding: dict[str, int] = {}  # bucket key -> padding chunks not scanned
 
     def scan(self, entry: Entry, chunk: DcpChunk, data: Any, path: Path) -> None:
+        if bucket_padding(entry.key, chunk.offsets, chunk.sizes):
+            self.padding[entry.key] = self.padding.get(entry.key, 0) + 1
+            return
         counted = count_non_finite(data, entry.dtype)
         if counted is None:
             return
@@ -136,6 +174,9 @@ class NonFinite:
             counts[1] += inf
             counts[2] += 1
             self.first.setdefault(entry.key, (str(path), list(chunk.offsets)))
+            if is_bucket(entry.key):
+                start = chunk.offsets[0]
+                self.ranges.setdefault(entry.key, []).append((start, start + chunk.sizes[0]))
 
     def merge(self, other: NonFinite) -> None:
         for key, counts in other.per_key.items():
@@ -144,6 +185,10 @@ class NonFinite:
                 mine[i] += n
         for key, first in other.first.items():
             self.first.setdefault(key, first)
+        for key, ranges in other.ranges.items():
+            self.ranges.setdefault(key, []).extend(ranges)
+        for key, skipped in other.padding.items():
+            self.padding[key] = self.padding.get(key, 0) + skipped
 
     def findings(self, rule: RuleInfo) -> list[Finding]:
         """One ``rule`` finding per key with NaN or Inf, in the order the keys were first scanned."""
@@ -152,12 +197,16 @@ class NonFinite:
             if not bad:
                 continue
             path, offsets = self.first[key]
-            out.append(
-                finding(
-                    rule,
-                    path,
-                    f"{key}: {nan} NaN and {inf} Inf value(s) in {bad} of {scanned} "
-                    f"chunk(s) (first: chunk at {offsets})",
+            if key in self.ranges:  # a flat bucket: the element ranges (its padding chunks were not scanned)
+                ranges = sorted(self.ranges[key])
+                shown = ", ".join(f"[{start}, {end})" for start, end in ranges[:8])
+                more = f" and {len(ranges) - 8} more" if len(ranges) > 8 else ""
+                padding = self.padding.get(key, 0)
+                where = (
+                    f"elements {shown}{more} of the distributed optimizer's bucket ({bad} of {scanned} chunk(s); "
+                    f"{padding} padding chunk(s) not scanned)"
                 )
-            )
+            else:
+                where = f"{bad} of {scanned} chunk(s) (first: chunk at {offsets})"
+            out.append(finding(rule, path, f"{key}: {nan} NaN and {inf} Inf value(s) in {where}"))
         return out
