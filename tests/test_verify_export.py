@@ -349,9 +349,29 @@ def test_a_zeroed_and_a_reinitialised_expert(capsys, export_copy):
     assert rc == 1
     found = _codes(report)
     assert [(f["hf_name"], f["layer"], f["expert"]) for f in found["zeroed"]] == [(zeroed, 0, 1)]
-    assert [(f["hf_name"], f["layer"], f["expert"]) for f in found["value"]] == [(redrawn, 1, 3)]
+    assert [(f["hf_name"], f["layer"], f["expert"]) for f in found["reinitialised"]] == [(redrawn, 1, 3)]
+    assert "std 0.02" in found["reinitialised"][0]["message"]
+    assert "value" not in found
     row = next(t for t in report["tensors"] if t["name"] == redrawn)
     assert row["max_abs_diff"] > 0
+
+
+def test_a_perturbed_tensor_at_init_statistics_is_a_value_difference_not_reinitialised(capsys, export_copy):
+    """Noise added to the checkpoint's weights keeps init-like statistics but stays correlated with them: not a
+    fresh init."""
+    torch = pytest.importorskip("torch")
+    hf = export_copy("core019_moe_ep2")
+    nudged = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    gen = torch.Generator().manual_seed(1)
+    _rewrite(
+        hf,
+        _shard_of(hf, nudged),
+        lambda t: t.update({nudged: t[nudged] + torch.randn(t[nudged].shape, generator=gen) * 0.002}),
+    )
+    rc, report, _ = _verify(capsys, "core019_moe_ep2", hf, "--values")
+    assert rc == 1
+    assert [f["hf_name"] for f in _codes(report)["value"]] == [nudged]
+    assert "reinitialised" not in _codes(report)
 
 
 # --- input the command refuses; options -------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ class Dims:
     groups: int | None
     kv_channels: int | None
     vocab_rows: int | None  # config.json's vocab_size where it fits in the padded rows
+    # the std of a fresh normal init: Megatron's init_method_std, and its output-layer scaling by sqrt(2 layers)
+    init_stds: tuple[float, ...] = ()
 
     @staticmethod
     def from_args(args: dict[str, Any], config: dict[str, Any]) -> Dims:
@@ -54,7 +56,20 @@ class Dims:
         kv = _int(args.get("kv_channels"))
         if kv is None and heads and _int(args.get("hidden_size")):
             kv = args["hidden_size"] // heads
-        return Dims(heads, groups, kv, _int(config.get("vocab_size")))
+        return Dims(heads, groups, kv, _int(config.get("vocab_size")), _init_stds(args))
+
+
+DEFAULT_INIT_STD = 0.02  # Megatron-LM's and megatron-core's default init_method_std
+
+
+def _init_stds(args: dict[str, Any]) -> tuple[float, ...]:
+    """The stds a fresh init draws weights at: ``init_method_std`` (the default where the args leave it unset)
+    and the output layers' ``init_method_std / sqrt(2 num_layers)`` (megatron-core's scaled init)."""
+    std = args.get("init_method_std")
+    if not isinstance(std, int | float) or isinstance(std, bool) or std <= 0:
+        std = DEFAULT_INIT_STD
+    layers = _int(args.get("num_layers"))
+    return (float(std), float(std) / (2 * layers) ** 0.5) if layers else (float(std),)
 
 
 def _int(value: Any) -> int | None:

@@ -5,7 +5,9 @@ transform (q/k/v of the per-group fused QKV, gate/up of ``linear_fc1``, the firs
 each HF tensor is read from its shard's byte range and compared. Memory: one slice, one chunk and one HF tensor,
 never a whole stacked tensor. Equal dtypes must match exactly; a dtype change is compared within the narrower
 dtype's rounding. A wrong piece that equals another piece of the same fused tensor is named as swapped; one of all
-zeros, as zeroed.
+zeros, as zeroed; one whose statistics (``check --health``'s, :mod:`ckptdoctor.values.health`) are a fresh
+normal init's (mean about 0, std at ``init_method_std`` or its output-layer scaling) and which is unrelated to the
+checkpoint's slice (the difference's variance is the sum of the two variances: no correlation), as reinitialised.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ckptdoctor.ops.verify_export.expected import Dims, Expected
 from ckptdoctor.ops.verify_export.report import ExportFinding, ExportTensor
 from ckptdoctor.progress import Progress
 from ckptdoctor.severity import ERROR
+from ckptdoctor.values.health import KINDS, HealthScan, moment_values
 from ckptdoctor.values.read import read_region, require_torch
 
 
@@ -104,7 +107,7 @@ def compare_values(
                 progress.advance(len(data))
             if diff <= _tolerance(torch, source, got):
                 continue
-            findings.append(_wrong(torch, want, source, got, pieces, diff))
+            findings.append(_wrong(torch, want, source, got, pieces, diff, dims.init_stds))
         del region
     if progress is not None:
         progress.finish()
@@ -129,7 +132,15 @@ def _finding(code: str, want: Expected, message: str) -> ExportFinding:
     )
 
 
-def _wrong(torch: Any, want: Expected, source: Any, got: Any, pieces: list[Any], diff: float) -> ExportFinding:
+def _wrong(
+    torch: Any,
+    want: Expected,
+    source: Any,
+    got: Any,
+    pieces: list[Any],
+    diff: float,
+    init_stds: tuple[float, ...],
+) -> ExportFinding:
     where = f"{want.megatron_key}" + (f" layer {want.layer}" if want.layer is not None else "")
     where += f" expert {want.expert}" if want.expert is not None else ""
     if got.numel() and not bool(got.any()) and bool(source.any()):
@@ -140,4 +151,56 @@ def _wrong(torch: Any, want: Expected, source: Any, got: Any, pieces: list[Any],
             if part != want.part and other.shape == got.shape and _max_abs_diff(torch, other, got) == 0.0:
                 message = f"{want.hf_name}: holds the {names[part]} piece of {where}, not the {names[want.part]} piece"
                 return _finding("swapped", want, message)
+    reinit = _reinitialised(torch, source, got, init_stds)
+    if reinit is not None:
+        return _finding("reinitialised", want, f"{want.hf_name}: {reinit}, not {where}")
     return _finding("value", want, f"{want.hf_name}: max abs diff {diff:.6g} from {where}")
+
+
+INIT_STD_TOLERANCE = 0.2  # a fresh draw's std within 20% of the init std (a sample std's error is ~1/sqrt(2n))
+
+
+def _mean_std(torch: Any, tensor: Any) -> tuple[float, float, int] | None:
+    """Mean, std and element count of a tensor by the health statistics (None for a dtype they do not count)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    dtype = str(flat.dtype)
+    if dtype not in KINDS or not KINDS[dtype].is_float or not flat.numel():
+        return None
+    scan = HealthScan()
+    scan.scan("t", dtype, (flat.numel(),), (0,), (flat.numel(),), flat.view(torch.uint8).numpy())
+    stats = scan.keys.get("t")
+    if stats is None:
+        return None
+    whole = stats.whole()
+    mean, std, _ = moment_values(whole, dtype)
+    return (mean, std, whole.finite) if mean is not None and std is not None else None
+
+
+def _init_like(mean: float, std: float, count: int, init_stds: tuple[float, ...]) -> float | None:
+    """The init std whose fresh normal draw these statistics are (mean 0 within the sample's error), or None."""
+    if std <= 0 or abs(mean) > max(0.1, 4 / math.sqrt(count)) * std:
+        return None
+    return next((ref for ref in init_stds if abs(std - ref) <= INIT_STD_TOLERANCE * ref), None)
+
+
+def _reinitialised(torch: Any, source: Any, got: Any, init_stds: tuple[float, ...]) -> str | None:
+    """How ``got`` is a fresh init in place of ``source`` (its wording), or None where it is not one."""
+    if not init_stds or source.shape != got.shape:
+        return None
+    have, was = _mean_std(torch, got), _mean_std(torch, source)
+    delta = _mean_std(torch, got.to(torch.float64) - source.to(torch.float64))
+    if have is None or was is None or delta is None or not was[1]:
+        return None
+    ref = _init_like(*have, init_stds)
+    if ref is None:
+        return None
+    # an independent draw: var(got - source) = var(got) + var(source), i.e. no correlation between the two
+    correlation = (have[1] ** 2 + was[1] ** 2 - delta[1] ** 2) / (2 * have[1] * was[1])
+    if abs(correlation) > max(0.2, 4 / math.sqrt(have[2])):
+        return None
+    moved = _init_like(*was, init_stds) is None
+    state = "which has moved from init" if moved else "itself at init statistics"
+    return (
+        f"re-initialised (mean {have[0]:.2g}, std {have[1]:.3g}: a fresh init at std {ref:.3g}, uncorrelated with "
+        f"the checkpoint's slice of std {was[1]:.3g}, {state})"
+    )
