@@ -16,6 +16,7 @@ from typing import Any
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.safetensors_header import SafetensorsHeader, read_header
+from ckptdoctor.storage.dispatch import as_path
 from ckptdoctor.storage.files import list_names, read_json
 
 CONFIG = "config.json"
@@ -54,8 +55,9 @@ def _json(path: Path, limit: int, what: str) -> Any:
 
 
 def read_export(directory: str | Path) -> HfExport:
-    """The HF model dir's config, index and shard headers; :class:`CkptError` for a dir that is not one."""
-    root = Path(directory)
+    """The HF model dir's config, index and shard headers (a local dir or an object-storage URL, read through
+    :mod:`ckptdoctor.storage`); :class:`CkptError` for a dir that is not one."""
+    root = as_path(directory)  # a local dir, or an s3:// / msc:// URL's prefix
     if not root.is_dir():
         raise CkptError(f"{root}: not a directory (expected a Hugging Face model dir)")
     names = set(list_names(root))
