@@ -374,6 +374,29 @@ def test_a_perturbed_tensor_at_init_statistics_is_a_value_difference_not_reiniti
     assert "reinitialised" not in _codes(report)
 
 
+def test_values_give_the_same_report_at_any_jobs(capsys, export_copy):
+    """--jobs forks workers over runs of slices; the findings and every tensor's difference come back in order."""
+    torch = pytest.importorskip("torch")
+    hf = export_copy("core019_moe_mixed_shared_ep2")
+    names = json.loads((hf / INDEX).read_text())["weight_map"]
+    zeroed = sorted(n for n in names if ".experts." in n)[0]
+    _rewrite(hf, _shard_of(hf, zeroed), lambda t: t.update({zeroed: torch.zeros_like(t[zeroed])}))
+    reports = {}
+    for jobs in ("1", "2", "3"):
+        rc, reports[jobs], _ = _verify(capsys, "core019_moe_mixed_shared_ep2", hf, "--values", "--jobs", jobs)
+        assert rc == 1
+    assert reports["1"] == reports["2"] == reports["3"]
+    assert [f["hf_name"] for f in _codes(reports["2"])["zeroed"]] == [zeroed]
+    assert reports["2"]["values_compared"] == reports["2"]["expected_tensors"]
+    rc, text_1, _ = run_main(
+        capsys, "verify-export", FIXTURES / "core019_moe_mixed_shared_ep2", hf, "--values", "-j", "1"
+    )
+    rc, text_2, _ = run_main(
+        capsys, "verify-export", FIXTURES / "core019_moe_mixed_shared_ep2", hf, "--values", "-j", "2"
+    )
+    assert text_1 == text_2 and "zeroed" in text_2
+
+
 # --- input the command refuses; options -------------------------------------------------------------------------------
 
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from ckptdoctor import dist, parallel
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.formats.hf_export import HfExport
 from ckptdoctor.formats.safetensors_header import read_tensor_bytes
@@ -62,9 +65,14 @@ def compare_values(
     tensors: list[ExportTensor],
     dims: Dims,
     progress: Progress | None = None,
+    jobs: int | None = None,
 ) -> tuple[int, list[ExportFinding], list[str]]:
-    """(tensors compared, findings, notes on tensors not compared)."""
-    torch = require_torch("verify-export --values")
+    """(tensors compared, findings, notes on tensors not compared).
+
+    The slices, in key order, are cut into runs of about equal HF bytes, the units of
+    :func:`ckptdoctor.parallel.map_units` (``jobs`` forked workers, or the ranks under torchrun); the results come
+    back in run order, so the report is the same at any ``jobs``."""
+    torch = require_torch("verify-export --values")  # imported once, before the workers fork
     held = export.holder()
     rows = {t.name: t for t in tensors}
     by_slice: dict[tuple[str, tuple[int, ...]], list[Expected]] = defaultdict(list)
@@ -80,13 +88,65 @@ def compare_values(
             notes.append(f"{want.hf_name}: values not compared (torch has no {info.dtype} dtype)")
             continue
         by_slice[want.megatron_key, want.index].append(want)
+    slices = sorted(by_slice.items())
+    weights = [sum(_hf_bytes(export, held, w) for w in wants) for _, wants in slices]
+    jobs = jobs or parallel.default_jobs()
+    group = dist.group()
+    runs = parallel.consecutive_runs(weights, jobs * (group.world if group else 1) * 4)
+    inline = parallel.runs_inline(jobs, len(runs))
+
+    def task(index: int) -> _RunResult:
+        lo, hi = runs[index]
+        advance = progress.advance if inline and progress is not None else None
+        return _compare_slices(torch, checkpoint, export, held, slices[lo:hi], dims, advance)
+
+    def done(index: int) -> None:
+        if progress is not None:
+            progress.advance(sum(weights[runs[index][0] : runs[index][1]]))
+
+    if progress is not None:
+        progress.start("comparing values", sum(weights))
+    try:
+        results = parallel.map_units([sum(weights[lo:hi]) for lo, hi in runs], task, jobs, None if inline else done)
+    finally:
+        if progress is not None:
+            progress.finish()
     findings: list[ExportFinding] = []
     compared = 0
-    if progress is not None:
-        infos = [export.shards[held[w.hf_name]].tensors[w.hf_name] for v in by_slice.values() for w in v]
-        total = sum(info.end - info.begin for info in infos)
-        progress.start("comparing values", total)
-    for (key, index), wants in sorted(by_slice.items()):
+    for result in results:
+        compared += result.compared
+        findings.extend(result.findings)
+        for name, diff in result.diffs.items():
+            rows[name].max_abs_diff = diff
+    return compared, findings, notes
+
+
+@dataclass
+class _RunResult:
+    """One run of slices compared (plain data: pickled back from a worker)."""
+
+    compared: int = 0
+    findings: list[ExportFinding] = field(default_factory=list)
+    diffs: dict[str, float | None] = field(default_factory=dict)  # HF name -> max abs diff (None: not finite)
+
+
+def _hf_bytes(export: HfExport, held: dict[str, str], want: Expected) -> int:
+    info = export.shards[held[want.hf_name]].tensors[want.hf_name]
+    return info.end - info.begin
+
+
+def _compare_slices(
+    torch: Any,
+    checkpoint: Checkpoint,
+    export: HfExport,
+    held: dict[str, str],
+    slices: list[tuple[tuple[str, tuple[int, ...]], list[Expected]]],
+    dims: Dims,
+    advance: Callable[[int], None] | None,
+) -> _RunResult:
+    """Each slice of the run read once, each of its HF tensors read from its byte range and compared."""
+    result = _RunResult()
+    for (key, index), wants in slices:
         region = read_region(checkpoint, key, index)
         for want in wants:
             pieces = pieces_of(region, want, dims)
@@ -101,17 +161,14 @@ def compare_values(
                 else torch.empty(info.shape, dtype=dtype)
             )
             diff = _max_abs_diff(torch, source, got)
-            rows[want.hf_name].max_abs_diff = diff if math.isfinite(diff) else None
-            compared += 1
-            if progress is not None:
-                progress.advance(len(data))
-            if diff <= _tolerance(torch, source, got):
-                continue
-            findings.append(_wrong(torch, want, source, got, pieces, diff, dims.init_stds))
+            result.diffs[want.hf_name] = diff if math.isfinite(diff) else None
+            result.compared += 1
+            if advance is not None:
+                advance(len(data))
+            if diff > _tolerance(torch, source, got):
+                result.findings.append(_wrong(torch, want, source, got, pieces, diff, dims.init_stds))
         del region
-    if progress is not None:
-        progress.finish()
-    return compared, findings, notes
+    return result
 
 
 def _max_abs_diff(torch: Any, a: Any, b: Any) -> float:
