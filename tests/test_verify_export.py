@@ -409,12 +409,12 @@ def test_a_dir_that_is_not_an_hf_model_is_one_line(capsys, tmp_path):
     )
 
 
-def test_a_pytorch_bin_export_is_refused_in_one_line(capsys, tmp_path):
+def test_a_damaged_pytorch_bin_export_is_refused_in_one_line(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "pytorch_model.bin").write_bytes(b"PK\x03\x04")
     rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tp1", tmp_path)
     assert rc == 2 and len(err.strip().splitlines()) == 1
-    assert "pytorch_model.bin" in err and "only safetensors exports are verified" in err
+    assert "pytorch_model.bin" in err and "not a readable torch.save file" in err
 
 
 def test_an_unknown_family_names_the_known_ones_and_the_mapping_option(capsys, export_copy):

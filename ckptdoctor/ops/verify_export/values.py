@@ -21,13 +21,14 @@ from typing import Any
 from ckptdoctor import dist, parallel
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.formats.hf_export import HfExport
-from ckptdoctor.formats.safetensors_header import read_tensor_bytes
+from ckptdoctor.formats.safetensors_header import SafetensorsHeader, read_tensor_bytes
+from ckptdoctor.formats.torch_bin_shard import TorchBinShard
 from ckptdoctor.ops.verify_export.expected import Dims, Expected
 from ckptdoctor.ops.verify_export.report import ExportFinding, ExportTensor
 from ckptdoctor.progress import Progress
 from ckptdoctor.severity import ERROR
 from ckptdoctor.values.health import KINDS, HealthScan, moment_values
-from ckptdoctor.values.read import read_region, require_torch
+from ckptdoctor.values.read import read_region, require_torch, tensor_from_ref
 
 
 def pieces_of(piece: Any, want: Expected, dims: Dims) -> list[Any]:
@@ -130,6 +131,16 @@ class _RunResult:
     diffs: dict[str, float | None] = field(default_factory=dict)  # HF name -> max abs diff (None: not finite)
 
 
+def _hf_tensor(torch: Any, shard: SafetensorsHeader | TorchBinShard, name: str) -> Any:
+    """One HF tensor: a safetensors tensor's byte range, or a ``.bin`` tensor's storage record (its view)."""
+    if isinstance(shard, TorchBinShard):
+        return tensor_from_ref(shard.refs[name], f"{shard.path}: {name}")
+    info = shard.tensors[name]
+    dtype = getattr(torch, info.torch_dtype)
+    data = bytearray(read_tensor_bytes(shard, name))
+    return torch.frombuffer(data, dtype=dtype).reshape(info.shape) if data else torch.empty(info.shape, dtype=dtype)
+
+
 def _hf_bytes(export: HfExport, held: dict[str, str], want: Expected) -> int:
     info = export.shards[held[want.hf_name]].tensors[want.hf_name]
     return info.end - info.begin
@@ -153,18 +164,12 @@ def _compare_slices(
             source = pieces[want.part]
             header = export.shards[held[want.hf_name]]
             info = header.tensors[want.hf_name]
-            dtype = getattr(torch, info.torch_dtype)
-            data = bytearray(read_tensor_bytes(header, want.hf_name))
-            got = (
-                torch.frombuffer(data, dtype=dtype).reshape(info.shape)
-                if data
-                else torch.empty(info.shape, dtype=dtype)
-            )
+            got = _hf_tensor(torch, header, want.hf_name)
             diff = _max_abs_diff(torch, source, got)
             result.diffs[want.hf_name] = diff if math.isfinite(diff) else None
             result.compared += 1
             if advance is not None:
-                advance(len(data))
+                advance(info.end - info.begin)
             if diff > _tolerance(torch, source, got):
                 result.findings.append(_wrong(torch, want, source, got, pieces, diff, dims.init_stds))
         del region
