@@ -33,6 +33,7 @@ def server(tmp_path_factory):
         shutil.copytree(HF, broken)
         (broken / "model-00002-of-00002.safetensors").unlink()
         srv.upload_tree(broken, f"broken/{CKPT}")
+        srv.upload_tree(FIXTURES / "hf_bin" / "core019_tp1", "hf_bin/core019_tp1")
         srv.msc_file = srv.msc_config(  # type: ignore[attr-defined]
             tmp_path_factory.mktemp("msc") / "msc.yaml", {"s3test": s3_server.BUCKET}
         )
@@ -111,3 +112,13 @@ def test_an_hf_url_that_holds_nothing_is_one_line(remote, capsys):
     rc = main(["verify-export", str(FIXTURES / CKPT), f"{PREFIXES['s3']}nothing/here"])
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and "s3://" in err
+
+
+def test_a_bin_export_on_object_storage_is_refused_in_one_line(remote, capsys):
+    interface.forget_stores()
+    capsys.readouterr()
+    rc = main(["verify-export", str(FIXTURES / "core019_tp1"), f"{PREFIXES['s3']}hf_bin/core019_tp1"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "pytorch_model-00001-of-00003.bin" in err and "on object storage is not read" in err
+    assert not [r for r in remote.log.gets() if r.key.endswith(".bin")]  # not a byte of it fetched
