@@ -23,6 +23,7 @@ from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.formats.hf_export import HfExport
 from ckptdoctor.formats.safetensors_header import SafetensorsHeader, read_tensor_bytes
 from ckptdoctor.formats.torch_bin_shard import TorchBinShard
+from ckptdoctor.numpy_lazy import numpy_or_none
 from ckptdoctor.ops.verify_export.expected import Dims, Expected
 from ckptdoctor.ops.verify_export.report import ExportFinding, ExportTensor
 from ckptdoctor.progress import Progress
@@ -226,8 +227,8 @@ def _mean_std(torch: Any, tensor: Any) -> tuple[float, float, int] | None:
     """Mean, std and element count of a tensor by the health statistics (None for a dtype they do not count)."""
     flat = tensor.detach().contiguous().reshape(-1)
     dtype = str(flat.dtype)
-    if dtype not in KINDS or not KINDS[dtype].is_float or not flat.numel():
-        return None
+    if dtype not in KINDS or not KINDS[dtype].is_float or not flat.numel() or numpy_or_none() is None:
+        return None  # (the statistics count bits with numpy: without it, a wrong tensor is a plain value finding)
     scan = HealthScan()
     scan.scan("t", dtype, (flat.numel(),), (0,), (flat.numel(),), flat.view(torch.uint8).numpy())
     stats = scan.keys.get("t")
