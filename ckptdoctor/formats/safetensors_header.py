@@ -20,7 +20,7 @@ from typing import TypeGuard
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.storage.dispatch import as_path
-from ckptdoctor.storage.files import known_size, open_regular
+from ckptdoctor.storage.files import known_size, open_handle, open_regular
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on N
 MAX_DIMS = 64
@@ -183,12 +183,24 @@ def _check_buffer_layout(tensors: dict[str, TensorInfo], where: str) -> None:
         at = info.end
 
 
-def read_tensor_bytes(header: SafetensorsHeader, name: str) -> bytes:
-    """One tensor's bytes (for ``--values``); the header was read from this file."""
-    info = header.tensors[name]
-    with open_regular(as_path(header.path)) as f:
-        f.seek(header.data_start + info.begin)
-        data = f.read(info.end - info.begin)
-    if len(data) != info.end - info.begin:
-        raise SafetensorsError(f"{header.path}: tensor {name!r} runs past the end of the file")
-    return data
+class ShardTensors:
+    """Some tensors of one shard read one after another (``--values``): the file opened once and their byte ranges
+    planned ahead, so a remote shard is fetched in few coalesced ranged GETs, each byte once (a local one is read
+    with ``pread``). Close it when done."""
+
+    def __init__(self, header: SafetensorsHeader, names: list[str]) -> None:
+        self.header = header
+        infos = [header.tensors[name] for name in names]
+        ranges = [(header.data_start + t.begin, t.end - t.begin) for t in infos if t.end > t.begin]
+        self._handle = open_handle(as_path(header.path), ranges)
+
+    def read(self, name: str) -> bytes:
+        info = self.header.tensors[name]
+        length = info.end - info.begin
+        data = self._handle.pread(length, self.header.data_start + info.begin) if length else b""
+        if len(data) != length:
+            raise SafetensorsError(f"{self.header.path}: tensor {name!r} runs past the end of the file")
+        return data
+
+    def close(self) -> None:
+        self._handle.close()

@@ -21,7 +21,7 @@ from typing import Any
 from ckptdoctor import dist, parallel
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.formats.hf_export import HfExport
-from ckptdoctor.formats.safetensors_header import SafetensorsHeader, read_tensor_bytes
+from ckptdoctor.formats.safetensors_header import SafetensorsHeader, ShardTensors
 from ckptdoctor.formats.torch_bin_shard import TorchBinShard
 from ckptdoctor.numpy_lazy import numpy_or_none
 from ckptdoctor.ops.verify_export.expected import Dims, Expected
@@ -132,13 +132,14 @@ class _RunResult:
     diffs: dict[str, float | None] = field(default_factory=dict)  # HF name -> max abs diff (None: not finite)
 
 
-def _hf_tensor(torch: Any, shard: SafetensorsHeader | TorchBinShard, name: str) -> Any:
+def _hf_tensor(torch: Any, shard: SafetensorsHeader | TorchBinShard, name: str, reads: ShardTensors | None) -> Any:
     """One HF tensor: a safetensors tensor's byte range, or a ``.bin`` tensor's storage record (its view)."""
     if isinstance(shard, TorchBinShard):
         return tensor_from_ref(shard.refs[name], f"{shard.path}: {name}")
+    assert reads is not None  # every safetensors shard of the run was opened
     info = shard.tensors[name]
     dtype = getattr(torch, info.torch_dtype)
-    data = bytearray(read_tensor_bytes(shard, name))
+    data = bytearray(reads.read(name))
     return torch.frombuffer(data, dtype=dtype).reshape(info.shape) if data else torch.empty(info.shape, dtype=dtype)
 
 
@@ -158,6 +159,35 @@ def _compare_slices(
 ) -> _RunResult:
     """Each slice of the run read once, each of its HF tensors read from its byte range and compared."""
     result = _RunResult()
+    wanted: dict[str, list[str]] = defaultdict(list)  # safetensors shard -> the run's tensors in it
+    for _, wants in slices:
+        for want in wants:
+            if isinstance(export.shards[held[want.hf_name]], SafetensorsHeader):
+                wanted[held[want.hf_name]].append(want.hf_name)
+    reads: dict[str, ShardTensors] = {}
+    try:
+        for shard, names in wanted.items():
+            header = export.shards[shard]
+            assert isinstance(header, SafetensorsHeader)
+            reads[shard] = ShardTensors(header, names)
+        _compare_run(torch, checkpoint, export, held, slices, dims, advance, reads, result)
+    finally:
+        for opened in reads.values():
+            opened.close()
+    return result
+
+
+def _compare_run(
+    torch: Any,
+    checkpoint: Checkpoint,
+    export: HfExport,
+    held: dict[str, str],
+    slices: list[tuple[tuple[str, tuple[int, ...]], list[Expected]]],
+    dims: Dims,
+    advance: Callable[[int], None] | None,
+    reads: dict[str, ShardTensors],
+    result: _RunResult,
+) -> None:
     for (key, index), wants in slices:
         region = read_region(checkpoint, key, index)
         for want in wants:
@@ -165,7 +195,7 @@ def _compare_slices(
             source = pieces[want.part]
             header = export.shards[held[want.hf_name]]
             info = header.tensors[want.hf_name]
-            got = _hf_tensor(torch, header, want.hf_name)
+            got = _hf_tensor(torch, header, want.hf_name, reads.get(held[want.hf_name]))
             diff = _max_abs_diff(torch, source, got)
             result.diffs[want.hf_name] = diff if math.isfinite(diff) else None
             result.compared += 1
@@ -174,7 +204,6 @@ def _compare_slices(
             if diff > _tolerance(torch, source, got):
                 result.findings.append(_wrong(torch, want, source, got, pieces, diff, dims.init_stds))
         del region
-    return result
 
 
 def _max_abs_diff(torch: Any, a: Any, b: Any) -> float:
