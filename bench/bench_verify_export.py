@@ -9,8 +9,9 @@ is written here with the ``safetensors`` library (shards of --per-shard tensors 
 checkpoint's, so ``--values`` compares equal tensors end to end). Cases, one alternating group of ``harness.py``:
 ``ckptdoctor verify-export CKPT HF`` (metadata only; text and JSON), ``ckptdoctor inspect CKPT`` (the checkpoint's
 ``.metadata`` alone, a floor), a Python loop of ``safe_open`` + ``keys()`` + ``get_slice``
-(shape and dtype; numpy framework: no torch import) over every shard, ``verify-export --values``, and ``cat`` of
-the checkpoint's data files and the export's shards. Writes bench/results/verify-export.json.
+(shape and dtype; numpy framework: no torch import) over every shard, ``verify-export --values`` (default
+``--jobs``: the available cores) and with ``--jobs 1``, and ``cat`` of the checkpoint's data files and the
+export's shards. Writes bench/results/verify-export.json.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             "ckptdoctor inspect (reading the checkpoint alone)": Case(ckptdoctor("inspect", str(save))),
             "safe_open loop (headers only)": Case([PYTHON, "-c", SAFE_OPEN_LOOP, str(hf)]),
             "verify-export --values": Case(verify + ["--values"]),
+            "verify-export --values --jobs 1": Case(verify + ["--values", "--jobs", "1"]),
             "cat checkpoint + export": Case(["sh", "-c", both]),
         }
         group = alternate(cases, opts.repeats)

@@ -57,6 +57,23 @@ def shares(weights: Sequence[int], n: int) -> list[list[int]]:
     return [sorted(share) for share in out]
 
 
+def consecutive_runs(weights: Sequence[int], count: int) -> list[tuple[int, int]]:
+    """Consecutive (start, end) runs of the units, about ``count`` of them, of about equal weight each (units a
+    command compares in a fixed order: each run is one unit of :func:`map_units`)."""
+    total = sum(weights)
+    target = max(1, -(-total // max(1, count)))
+    out: list[tuple[int, int]] = []
+    lo = acc = 0
+    for i, w in enumerate(weights):
+        acc += w
+        if acc >= target:
+            out.append((lo, i + 1))
+            lo, acc = i + 1, 0
+    if lo < len(weights):
+        out.append((lo, len(weights)))
+    return out
+
+
 def runs_inline(jobs: int | None, units: int) -> bool:
     """Whether :func:`map_units` runs ``units`` units in this process (one job or one unit, no torchrun group)."""
     return dist.group() is None and min(jobs or default_jobs(), units) <= 1

@@ -388,7 +388,9 @@ def test_a_zeroed_and_a_reinitialised_expert(capsys, export_copy):
     assert rc == 1
     found = _codes(report)
     assert [(f["hf_name"], f["layer"], f["expert"]) for f in found["zeroed"]] == [(zeroed, 0, 1)]
-    assert [(f["hf_name"], f["layer"], f["expert"]) for f in found["value"]] == [(redrawn, 1, 3)]
+    assert [(f["hf_name"], f["layer"], f["expert"]) for f in found["reinitialised"]] == [(redrawn, 1, 3)]
+    assert "std 0.02" in found["reinitialised"][0]["message"]
+    assert "value" not in found
     row = next(t for t in report["tensors"] if t["name"] == redrawn)
     assert row["max_abs_diff"] > 0
 
@@ -527,6 +529,47 @@ def test_deepseek_config_drift_names_each_field(capsys, export_copy):
         assert any(m.startswith(f"config.json {field} = ") and m.endswith(arg) for m in messages), (field, messages)
 
 
+def test_a_perturbed_tensor_at_init_statistics_is_a_value_difference_not_reinitialised(capsys, export_copy):
+    """Noise added to the checkpoint's weights keeps init-like statistics but stays correlated with them: not a
+    fresh init."""
+    torch = pytest.importorskip("torch")
+    hf = export_copy("core019_moe_ep2")
+    nudged = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    gen = torch.Generator().manual_seed(1)
+    _rewrite(
+        hf,
+        _shard_of(hf, nudged),
+        lambda t: t.update({nudged: t[nudged] + torch.randn(t[nudged].shape, generator=gen) * 0.002}),
+    )
+    rc, report, _ = _verify(capsys, "core019_moe_ep2", hf, "--values")
+    assert rc == 1
+    assert [f["hf_name"] for f in _codes(report)["value"]] == [nudged]
+    assert "reinitialised" not in _codes(report)
+
+
+def test_values_give_the_same_report_at_any_jobs(capsys, export_copy):
+    """--jobs forks workers over runs of slices; the findings and every tensor's difference come back in order."""
+    torch = pytest.importorskip("torch")
+    hf = export_copy("core019_moe_mixed_shared_ep2")
+    names = json.loads((hf / INDEX).read_text())["weight_map"]
+    zeroed = sorted(n for n in names if ".experts." in n)[0]
+    _rewrite(hf, _shard_of(hf, zeroed), lambda t: t.update({zeroed: torch.zeros_like(t[zeroed])}))
+    reports = {}
+    for jobs in ("1", "2", "3"):
+        rc, reports[jobs], _ = _verify(capsys, "core019_moe_mixed_shared_ep2", hf, "--values", "--jobs", jobs)
+        assert rc == 1
+    assert reports["1"] == reports["2"] == reports["3"]
+    assert [f["hf_name"] for f in _codes(reports["2"])["zeroed"]] == [zeroed]
+    assert reports["2"]["values_compared"] == reports["2"]["expected_tensors"]
+    rc, text_1, _ = run_main(
+        capsys, "verify-export", FIXTURES / "core019_moe_mixed_shared_ep2", hf, "--values", "-j", "1"
+    )
+    rc, text_2, _ = run_main(
+        capsys, "verify-export", FIXTURES / "core019_moe_mixed_shared_ep2", hf, "--values", "-j", "2"
+    )
+    assert text_1 == text_2 and "zeroed" in text_2
+
+
 # --- input the command refuses; options -------------------------------------------------------------------------------
 
 
@@ -539,12 +582,12 @@ def test_a_dir_that_is_not_an_hf_model_is_one_line(capsys, tmp_path):
     )
 
 
-def test_a_pytorch_bin_export_is_refused_in_one_line(capsys, tmp_path):
+def test_a_damaged_pytorch_bin_export_is_refused_in_one_line(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "pytorch_model.bin").write_bytes(b"PK\x03\x04")
     rc, out, err = run_main(capsys, "verify-export", FIXTURES / "core019_tp1", tmp_path)
     assert rc == 2 and len(err.strip().splitlines()) == 1
-    assert "pytorch_model.bin" in err and "only safetensors exports are verified" in err
+    assert "pytorch_model.bin" in err and "not a readable torch.save file" in err
 
 
 def test_an_unknown_family_names_the_known_ones_and_the_mapping_option(capsys, export_copy):

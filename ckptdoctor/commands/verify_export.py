@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.options import format_option, jobs_option
 
 
 @click.command("verify-export", short_help="Verify a Hugging Face export against its Megatron checkpoint.")
@@ -32,6 +32,7 @@ from ckptdoctor.commands.options import format_option
     is_flag=True,
     help="Also compare each tensor's values with the checkpoint slice it should equal (needs torch).",
 )
+@jobs_option("--values compares runs of slices")
 @click.option("--strict", is_flag=True, help="Warnings (a dtype change, an unmapped tensor) make a mismatch (exit 1).")
 @click.option("--stat", is_flag=True, help="Add counts by finding code (and the largest value difference) to the text.")
 @click.option("--name-only", is_flag=True, help="Print only the names of the tensors with findings, one a line.")
@@ -43,6 +44,7 @@ def command(
     family: str | None,
     mapping_file: str | None,
     values: bool,
+    jobs: int | None,
     strict: bool,
     stat: bool,
     name_only: bool,
@@ -66,7 +68,7 @@ def command(
     from ckptdoctor.render.verify_export import render_names, render_verify_export, to_json_text
     from ckptdoctor.render.wrap import output_width
 
-    options = VerifyOptions(family=family, mapping_file=mapping_file, values=values, strict=strict)
+    options = VerifyOptions(family=family, mapping_file=mapping_file, values=values, strict=strict, jobs=jobs)
     progress = progress_bar(values and output_format == "text")
     with quiet_library_warnings():
         try:

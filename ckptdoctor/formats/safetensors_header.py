@@ -16,11 +16,11 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeGuard
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.storage.files import open_regular
+from ckptdoctor.storage.dispatch import as_path
+from ckptdoctor.storage.files import known_size, open_handle, open_regular
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on N
 MAX_DIMS = 64
@@ -101,10 +101,13 @@ def element_bytes(dtype: str, numel: int) -> int:
 
 
 def read_header(path: str | os.PathLike) -> SafetensorsHeader:
-    """The header of one ``.safetensors`` file (reads ``8 + N`` bytes, never the data)."""
+    """The header of one ``.safetensors`` file, local or on object storage (reads ``8 + N`` bytes, never the
+    data: two ranged GETs of a remote file)."""
     where = str(path)
-    with open_regular(path) as f:
-        file_bytes = os.fstat(f.fileno()).st_size
+    with open_regular(as_path(path)) as f:
+        file_bytes = known_size(f)
+        if file_bytes is None:
+            raise SafetensorsError(f"{where}: cannot read (its size is unknown)")
         prefix = f.read(8)
         if len(prefix) < 8:
             raise SafetensorsError(f"{where}: {len(prefix)} bytes, too short for a safetensors header length")
@@ -113,6 +116,9 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
             raise SafetensorsError(f"{where}: header length {n} over the format's limit of {MAX_HEADER_BYTES} bytes")
         if n > file_bytes - 8:
             raise SafetensorsError(f"{where}: header length {n} runs past the end of the file ({file_bytes} bytes)")
+        will_read = getattr(f, "will_read", None)
+        if will_read is not None:  # a remote file: this range only (reading on would fetch the data ahead)
+            will_read([(8, n)])
         raw = f.read(n)  # n is at most the file size and the format limit (checked above)
     return parse_header(raw, file_bytes, where)
 
@@ -177,12 +183,24 @@ def _check_buffer_layout(tensors: dict[str, TensorInfo], where: str) -> None:
         at = info.end
 
 
-def read_tensor_bytes(header: SafetensorsHeader, name: str) -> bytes:
-    """One tensor's bytes (for ``--values``); the header was read from this file."""
-    info = header.tensors[name]
-    with open_regular(Path(header.path)) as f:
-        f.seek(header.data_start + info.begin)
-        data = f.read(info.end - info.begin)
-    if len(data) != info.end - info.begin:
-        raise SafetensorsError(f"{header.path}: tensor {name!r} runs past the end of the file")
-    return data
+class ShardTensors:
+    """Some tensors of one shard read one after another (``--values``): the file opened once and their byte ranges
+    planned ahead, so a remote shard is fetched in few coalesced ranged GETs, each byte once (a local one is read
+    with ``pread``). Close it when done."""
+
+    def __init__(self, header: SafetensorsHeader, names: list[str]) -> None:
+        self.header = header
+        infos = [header.tensors[name] for name in names]
+        ranges = [(header.data_start + t.begin, t.end - t.begin) for t in infos if t.end > t.begin]
+        self._handle = open_handle(as_path(header.path), ranges)
+
+    def read(self, name: str) -> bytes:
+        info = self.header.tensors[name]
+        length = info.end - info.begin
+        data = self._handle.pread(length, self.header.data_start + info.begin) if length else b""
+        if len(data) != length:
+            raise SafetensorsError(f"{self.header.path}: tensor {name!r} runs past the end of the file")
+        return data
+
+    def close(self) -> None:
+        self._handle.close()

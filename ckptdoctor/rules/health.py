@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ckptdoctor.args import saved_config
 from ckptdoctor.formats.plain_dcp import adam_moment, parameter_name
+from ckptdoctor.init_std import InitStds, megatron_init_stds
 from ckptdoctor.rules import ERROR, WARNING, Finding, family_rule, finding
 from ckptdoctor.rules.structure import Scanned
 from ckptdoctor.values.health import KINDS, HealthScan, KeyStats, Moments, moment_values
@@ -119,8 +120,6 @@ _NORM_SCALE = re.compile(r"(norm\.weight|norm_weight)$")  # input_layernorm.weig
 _LAYER_IN_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _DENSE_WEIGHT = re.compile(r"(?:^|\.)(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight$")
 _OUTPUT_LAYERS = ("linear_proj", "linear_fc2")  # drawn by TransformerConfig's output_layer_init_method
-# Megatron-LM's --init-method-std default (TransformerConfig.init_method_std), for args that do not name it
-DEFAULT_INIT_METHOD_STD = 0.02
 # A slice at its init is within this many standard errors of the init std and zero mean (small tensors)
 STANDARD_ERRORS = 5.0
 
@@ -153,30 +152,12 @@ def check_health(state: Scanned, scan: HealthScan, settings: HealthSettings | No
     return out
 
 
-@dataclass(frozen=True)
-class InitStds:
-    """The std Megatron draws each dense weight from, for the saved args."""
-
-    weight: float  # init_method: normal(0, init_method_std)
-    output: float  # output_layer_init_method: normal(0, init_method_std / sqrt(multiplier num_layers))
-
-
 def _init_stds(state: Scanned) -> InitStds | None:
-    """From the saved args (TransformerConfig.__post_init__'s rule); None without args, or where they choose
-    another init than Megatron's normal ones."""
+    """Megatron's init stds for the saved args; None without args."""
     if state.common is None or state.checkpoint is None:
         return None
     args, _ = saved_config(state.common, state.checkpoint.iteration_dir)
-    num_layers = args.get("num_layers")
-    if not isinstance(num_layers, int) or num_layers < 1:
-        return None
-    if args.get("use_mup") or args.get("init_method_xavier_uniform"):
-        return None
-    std = args.get("init_method_std", DEFAULT_INIT_METHOD_STD)
-    if isinstance(std, bool) or not isinstance(std, (int, float)) or not std > 0:
-        return None
-    multiplier = 1.0 if args.get("hybrid_override_pattern") else 2.0  # is_hybrid_model: sqrt(num_layers)
-    return InitStds(float(std), float(std) / math.sqrt(multiplier * num_layers))
+    return megatron_init_stds(args)
 
 
 def _layer_of(key: str, stats: KeyStats, index: tuple[int, ...]) -> int | None:

@@ -57,7 +57,7 @@ class TooLarge(Exception):
         self.max_bytes = max_bytes
 
 
-def _known_size(f: BinaryIO) -> int | None:
+def known_size(f: BinaryIO) -> int | None:
     """The size of an open file before reading it: a local file's ``fstat``, a remote file's from the stat it was
     opened with; None where neither is known."""
     try:
@@ -73,7 +73,7 @@ def read_capped(f: BinaryIO, max_bytes: int) -> bytes:
     pickle limit must not cost a 7 MB ``.metadata`` a 1 GiB allocation (which an address-space limit refuses).
     Raises :class:`TooLarge` where the file's size is over ``max_bytes`` before anything is read: a 2 GB file is
     refused on its size, not after the first GiB of it was read into memory."""
-    size = _known_size(f)
+    size = known_size(f)
     if size is None:
         return f.read(max_bytes + 1)
     if size > max_bytes:

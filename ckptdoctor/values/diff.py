@@ -233,7 +233,7 @@ def compare_values(
     total = sum(weights)
     jobs = workers or parallel.default_jobs()
     group = dist.group()
-    runs = _runs(weights, jobs * (group.world if group else 1) * 4)
+    runs = parallel.consecutive_runs(weights, jobs * (group.world if group else 1) * 4)
     inline = parallel.runs_inline(jobs, len(runs))
     torch = Torch()
     if not inline:
@@ -315,22 +315,6 @@ def compare_values(
         different_keys=different if limit is None else [_fields_limited(r, limit) for r in different[:limit]],
         not_compared_keys=skipped if limit is None else skipped[:limit],
     )
-
-
-def _runs(weights: list[int], count: int) -> list[tuple[int, int]]:
-    """Consecutive (start, end) runs of the pairs, about ``count`` of them, of about equal bytes each."""
-    total = sum(weights)
-    target = max(1, -(-total // max(1, count)))
-    out: list[tuple[int, int]] = []
-    lo = acc = 0
-    for i, w in enumerate(weights):
-        acc += w
-        if acc >= target:
-            out.append((lo, i + 1))
-            lo, acc = i + 1, 0
-    if lo < len(weights):
-        out.append((lo, len(weights)))
-    return out
 
 
 def _compare_pair(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptdoctor.checkpoint import Checkpoint, Entry
+from ckptdoctor.init_std import megatron_init_stds
 from ckptdoctor.ops.verify_export.mapping import Mapping, Rule
 
 _LAYER_KEY = re.compile(r"decoder\.layers\.(?:(\d+)\.)?(.+)\Z")
@@ -51,6 +52,8 @@ class Dims:
     kv_channels: int | None
     vocab_rows: int | None  # config.json's vocab_size where it fits in the padded rows
     layers: int | None = None  # num_layers: HF numbers MTP layer n as layer num_layers + n
+    # the stds of a fresh normal init: Megatron's init_method_std, and its output layers' scaled std (none: unknown)
+    init_stds: tuple[float, ...] = ()
 
     @staticmethod
     def from_args(args: dict[str, Any], config: dict[str, Any]) -> Dims:
@@ -59,7 +62,15 @@ class Dims:
         kv = _int(args.get("kv_channels"))
         if kv is None and heads and _int(args.get("hidden_size")):
             kv = args["hidden_size"] // heads
-        return Dims(heads, groups, kv, _int(config.get("vocab_size")), _int(args.get("num_layers")))
+        stds = megatron_init_stds(args)
+        return Dims(
+            heads,
+            groups,
+            kv,
+            _int(config.get("vocab_size")),
+            _int(args.get("num_layers")),
+            stds.both() if stds is not None else (),
+        )
 
 
 def _int(value: Any) -> int | None:

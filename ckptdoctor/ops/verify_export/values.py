@@ -5,23 +5,31 @@ transform (q/k/v of the per-group fused QKV, gate/up of ``linear_fc1``, the firs
 each HF tensor is read from its shard's byte range and compared. Memory: one slice, one chunk and one HF tensor,
 never a whole stacked tensor. Equal dtypes must match exactly; a dtype change is compared within the narrower
 dtype's rounding. A wrong piece that equals another piece of the same fused tensor is named as swapped; one of all
-zeros, as zeroed.
+zeros, as zeroed; one whose statistics (``check --health``'s, :mod:`ckptdoctor.values.health`) are a fresh
+normal init's (mean about 0, std at ``init_method_std`` or its output-layer scaling) and which is unrelated to the
+checkpoint's slice (the difference's variance is the sum of the two variances: no correlation), as reinitialised.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from ckptdoctor import dist, parallel
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.formats.hf_export import HfExport
-from ckptdoctor.formats.safetensors_header import read_tensor_bytes
+from ckptdoctor.formats.safetensors_header import SafetensorsHeader, ShardTensors
+from ckptdoctor.formats.torch_bin_shard import TorchBinShard
+from ckptdoctor.numpy_lazy import numpy_or_none
 from ckptdoctor.ops.verify_export.expected import Dims, Expected
 from ckptdoctor.ops.verify_export.report import ExportFinding, ExportTensor
 from ckptdoctor.progress import Progress
 from ckptdoctor.severity import ERROR
-from ckptdoctor.values.read import read_region, require_torch
+from ckptdoctor.values.health import KINDS, HealthScan, moment_values
+from ckptdoctor.values.read import read_region, require_torch, tensor_from_ref
 
 
 def pieces_of(piece: Any, want: Expected, dims: Dims) -> list[Any]:
@@ -59,9 +67,14 @@ def compare_values(
     tensors: list[ExportTensor],
     dims: Dims,
     progress: Progress | None = None,
+    jobs: int | None = None,
 ) -> tuple[int, list[ExportFinding], list[str]]:
-    """(tensors compared, findings, notes on tensors not compared)."""
-    torch = require_torch("verify-export --values")
+    """(tensors compared, findings, notes on tensors not compared).
+
+    The slices, in key order, are cut into runs of about equal HF bytes, the units of
+    :func:`ckptdoctor.parallel.map_units` (``jobs`` forked workers, or the ranks under torchrun); the results come
+    back in run order, so the report is the same at any ``jobs``."""
+    torch = require_torch("verify-export --values")  # imported once, before the workers fork
     held = export.holder()
     rows = {t.name: t for t in tensors}
     by_slice: dict[tuple[str, tuple[int, ...]], list[Expected]] = defaultdict(list)
@@ -77,38 +90,120 @@ def compare_values(
             notes.append(f"{want.hf_name}: values not compared (torch has no {info.dtype} dtype)")
             continue
         by_slice[want.megatron_key, want.index].append(want)
+    slices = sorted(by_slice.items())
+    weights = [sum(_hf_bytes(export, held, w) for w in wants) for _, wants in slices]
+    jobs = jobs or parallel.default_jobs()
+    group = dist.group()
+    runs = parallel.consecutive_runs(weights, jobs * (group.world if group else 1) * 4)
+    inline = parallel.runs_inline(jobs, len(runs))
+
+    def task(index: int) -> _RunResult:
+        lo, hi = runs[index]
+        advance = progress.advance if inline and progress is not None else None
+        return _compare_slices(torch, checkpoint, export, held, slices[lo:hi], dims, advance)
+
+    def done(index: int) -> None:
+        if progress is not None:
+            progress.advance(sum(weights[runs[index][0] : runs[index][1]]))
+
+    if progress is not None:
+        progress.start("comparing values", sum(weights))
+    try:
+        results = parallel.map_units([sum(weights[lo:hi]) for lo, hi in runs], task, jobs, None if inline else done)
+    finally:
+        if progress is not None:
+            progress.finish()
     findings: list[ExportFinding] = []
     compared = 0
-    if progress is not None:
-        infos = [export.shards[held[w.hf_name]].tensors[w.hf_name] for v in by_slice.values() for w in v]
-        total = sum(info.end - info.begin for info in infos)
-        progress.start("comparing values", total)
-    for (key, index), wants in sorted(by_slice.items()):
+    for result in results:
+        compared += result.compared
+        findings.extend(result.findings)
+        for name, diff in result.diffs.items():
+            rows[name].max_abs_diff = diff
+    return compared, findings, notes
+
+
+@dataclass
+class _RunResult:
+    """One run of slices compared (plain data: pickled back from a worker)."""
+
+    compared: int = 0
+    findings: list[ExportFinding] = field(default_factory=list)
+    diffs: dict[str, float | None] = field(default_factory=dict)  # HF name -> max abs diff (None: not finite)
+
+
+def _hf_tensor(torch: Any, shard: SafetensorsHeader | TorchBinShard, name: str, reads: ShardTensors | None) -> Any:
+    """One HF tensor: a safetensors tensor's byte range, or a ``.bin`` tensor's storage record (its view)."""
+    if isinstance(shard, TorchBinShard):
+        return tensor_from_ref(shard.refs[name], f"{shard.path}: {name}")
+    assert reads is not None  # every safetensors shard of the run was opened
+    info = shard.tensors[name]
+    dtype = getattr(torch, info.torch_dtype)
+    data = bytearray(reads.read(name))
+    return torch.frombuffer(data, dtype=dtype).reshape(info.shape) if data else torch.empty(info.shape, dtype=dtype)
+
+
+def _hf_bytes(export: HfExport, held: dict[str, str], want: Expected) -> int:
+    info = export.shards[held[want.hf_name]].tensors[want.hf_name]
+    return info.end - info.begin
+
+
+def _compare_slices(
+    torch: Any,
+    checkpoint: Checkpoint,
+    export: HfExport,
+    held: dict[str, str],
+    slices: list[tuple[tuple[str, tuple[int, ...]], list[Expected]]],
+    dims: Dims,
+    advance: Callable[[int], None] | None,
+) -> _RunResult:
+    """Each slice of the run read once, each of its HF tensors read from its byte range and compared."""
+    result = _RunResult()
+    wanted: dict[str, list[str]] = defaultdict(list)  # safetensors shard -> the run's tensors in it
+    for _, wants in slices:
+        for want in wants:
+            if isinstance(export.shards[held[want.hf_name]], SafetensorsHeader):
+                wanted[held[want.hf_name]].append(want.hf_name)
+    reads: dict[str, ShardTensors] = {}
+    try:
+        for shard, names in wanted.items():
+            header = export.shards[shard]
+            assert isinstance(header, SafetensorsHeader)
+            reads[shard] = ShardTensors(header, names)
+        _compare_run(torch, checkpoint, export, held, slices, dims, advance, reads, result)
+    finally:
+        for opened in reads.values():
+            opened.close()
+    return result
+
+
+def _compare_run(
+    torch: Any,
+    checkpoint: Checkpoint,
+    export: HfExport,
+    held: dict[str, str],
+    slices: list[tuple[tuple[str, tuple[int, ...]], list[Expected]]],
+    dims: Dims,
+    advance: Callable[[int], None] | None,
+    reads: dict[str, ShardTensors],
+    result: _RunResult,
+) -> None:
+    for (key, index), wants in slices:
         region = read_region(checkpoint, key, index)
         for want in wants:
             pieces = pieces_of(region, want, dims)
             source = pieces[want.part]
             header = export.shards[held[want.hf_name]]
             info = header.tensors[want.hf_name]
-            dtype = getattr(torch, info.torch_dtype)
-            data = bytearray(read_tensor_bytes(header, want.hf_name))
-            got = (
-                torch.frombuffer(data, dtype=dtype).reshape(info.shape)
-                if data
-                else torch.empty(info.shape, dtype=dtype)
-            )
+            got = _hf_tensor(torch, header, want.hf_name, reads.get(held[want.hf_name]))
             diff = _max_abs_diff(torch, source, got)
-            rows[want.hf_name].max_abs_diff = diff if math.isfinite(diff) else None
-            compared += 1
-            if progress is not None:
-                progress.advance(len(data))
-            if diff <= _tolerance(torch, source, got):
-                continue
-            findings.append(_wrong(torch, want, source, got, pieces, diff))
+            result.diffs[want.hf_name] = diff if math.isfinite(diff) else None
+            result.compared += 1
+            if advance is not None:
+                advance(info.end - info.begin)
+            if diff > _tolerance(torch, source, got):
+                result.findings.append(_wrong(torch, want, source, got, pieces, diff, dims.init_stds))
         del region
-    if progress is not None:
-        progress.finish()
-    return compared, findings, notes
 
 
 def _max_abs_diff(torch: Any, a: Any, b: Any) -> float:
@@ -129,7 +224,15 @@ def _finding(code: str, want: Expected, message: str) -> ExportFinding:
     )
 
 
-def _wrong(torch: Any, want: Expected, source: Any, got: Any, pieces: list[Any], diff: float) -> ExportFinding:
+def _wrong(
+    torch: Any,
+    want: Expected,
+    source: Any,
+    got: Any,
+    pieces: list[Any],
+    diff: float,
+    init_stds: tuple[float, ...],
+) -> ExportFinding:
     where = f"{want.megatron_key}" + (f" layer {want.layer}" if want.layer is not None else "")
     where += f" expert {want.expert}" if want.expert is not None else ""
     if got.numel() and not bool(got.any()) and bool(source.any()):
@@ -140,4 +243,66 @@ def _wrong(torch: Any, want: Expected, source: Any, got: Any, pieces: list[Any],
             if part != want.part and other.shape == got.shape and _max_abs_diff(torch, other, got) == 0.0:
                 message = f"{want.hf_name}: holds the {names[part]} piece of {where}, not the {names[want.part]} piece"
                 return _finding("swapped", want, message)
+    if _same_values_reordered(torch, source, got):
+        return _finding("value", want, f"{want.hf_name}: the values of {where} in another order")
+    reinit = _reinitialised(torch, source, got, init_stds)
+    if reinit is not None:
+        return _finding("reinitialised", want, f"{want.hf_name}: {reinit}, not {where}")
     return _finding("value", want, f"{want.hf_name}: max abs diff {diff:.6g} from {where}")
+
+
+def _same_values_reordered(torch: Any, source: Any, got: Any) -> bool:
+    """Whether ``got`` holds exactly ``source``'s values, permuted (rows or heads written in the wrong order): never
+    a fresh init, however init-like a source at its init looks."""
+    if source.shape != got.shape or source.dtype != got.dtype or not got.numel():
+        return False
+    return bool(torch.equal(torch.sort(source.reshape(-1))[0], torch.sort(got.reshape(-1))[0]))
+
+
+INIT_STD_TOLERANCE = 0.2  # a fresh draw's std within 20% of the init std (a sample std's error is ~1/sqrt(2n))
+
+
+def _mean_std(torch: Any, tensor: Any) -> tuple[float, float, int] | None:
+    """Mean, std and element count of a tensor by the health statistics (None for a dtype they do not count)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    dtype = str(flat.dtype)
+    if dtype not in KINDS or not KINDS[dtype].is_float or not flat.numel() or numpy_or_none() is None:
+        return None  # (the statistics count bits with numpy: without it, a wrong tensor is a plain value finding)
+    scan = HealthScan()
+    scan.scan("t", dtype, (flat.numel(),), (0,), (flat.numel(),), flat.view(torch.uint8).numpy())
+    stats = scan.keys.get("t")
+    if stats is None:
+        return None
+    whole = stats.whole()
+    mean, std, _ = moment_values(whole, dtype)
+    return (mean, std, whole.finite) if mean is not None and std is not None else None
+
+
+def _init_like(mean: float, std: float, count: int, init_stds: tuple[float, ...]) -> float | None:
+    """The init std whose fresh normal draw these statistics are (mean 0 within the sample's error), or None."""
+    if std <= 0 or abs(mean) > max(0.1, 4 / math.sqrt(count)) * std:
+        return None
+    return next((ref for ref in init_stds if abs(std - ref) <= INIT_STD_TOLERANCE * ref), None)
+
+
+def _reinitialised(torch: Any, source: Any, got: Any, init_stds: tuple[float, ...]) -> str | None:
+    """How ``got`` is a fresh init in place of ``source`` (its wording), or None where it is not one."""
+    if not init_stds or source.shape != got.shape:
+        return None
+    have, was = _mean_std(torch, got), _mean_std(torch, source)
+    delta = _mean_std(torch, got.to(torch.float64) - source.to(torch.float64))
+    if have is None or was is None or delta is None or not was[1]:
+        return None
+    ref = _init_like(*have, init_stds)
+    if ref is None:
+        return None
+    # an independent draw: var(got - source) = var(got) + var(source), i.e. no correlation between the two
+    correlation = (have[1] ** 2 + was[1] ** 2 - delta[1] ** 2) / (2 * have[1] * was[1])
+    if abs(correlation) > max(0.2, 4 / math.sqrt(have[2])):
+        return None
+    moved = _init_like(*was, init_stds) is None
+    state = "which has moved from init" if moved else "itself at init statistics"
+    return (
+        f"re-initialised (mean {have[0]:.2g}, std {have[1]:.3g}: a fresh init at std {ref:.3g}, uncorrelated with "
+        f"the checkpoint's slice of std {was[1]:.3g}, {state})"
+    )

@@ -30,6 +30,7 @@ class VerifyOptions:
     mapping_file: str | None = None
     values: bool = False
     strict: bool = False  # warnings (a dtype change) make the verdict a mismatch
+    jobs: int | None = None  # --values workers (None: the available cores)
 
 
 def verify_export(
@@ -64,7 +65,9 @@ def verify_export(
     compared = 0
     notes: list[str] = []
     if options.values:
-        compared, value_findings, notes = compare_values(checkpoint, export, expected, tensors, dims, progress)
+        compared, value_findings, notes = compare_values(
+            checkpoint, export, expected, tensors, dims, progress, options.jobs
+        )
         findings.extend(value_findings)
     counts = {
         "errors": sum(f.severity == ERROR for f in findings),
