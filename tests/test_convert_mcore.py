@@ -47,3 +47,40 @@ def test_round_trip_torch_dist_loads_in_megatron_core(capsys, tmp_path, fixture,
     proc = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert proc.stdout.count("CASE back OK ") == nproc, proc.stdout[-3000:]
+
+
+MOE_LAYOUTS = {
+    "core019_moe_ep2": {"dp": 2, "ep": 2, "num_experts": 4},
+    "core019_moe_mixed_shared_ep2": {
+        "dp": 2,
+        "ep": 2,
+        "num_experts": 4,
+        "moe_layer_freq": [0, 1],
+        "moe_shared_expert": 32,
+    },
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(MOE_LAYOUTS))
+def test_moe_round_trip_torch_dist_loads_in_megatron_core_at_ep2(capsys, tmp_path, fixture):
+    """The MoE fixtures (SequentialMLP experts, EP=2) through fsdp_dtensor (one key per expert, global expert
+    index) and back: two gloo ranks, one expert-parallel rank each, load the result's model section and every
+    parameter equals what the source loads."""
+    require_mcore()
+    _convert(capsys, FIXTURES / fixture, tmp_path / "fsdp", "fsdp_dtensor")
+    _convert(capsys, tmp_path / "fsdp", tmp_path / "back", "torch_dist")
+    case = dict(
+        name="back",
+        via="dist",
+        ckpt=str(tmp_path / "back"),
+        reference=str(FIXTURES / fixture),
+        flags=[],
+        expect="ok",
+        no_extra_state=True,
+    )
+    command = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    command += [str(SCRIPT), json.dumps([case]), "--layout", json.dumps(MOE_LAYOUTS[fixture])]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("CASE back OK ") == 2, proc.stdout[-3000:]

@@ -36,9 +36,16 @@ from ckptdoctor.ops.convert.plan import (
     dotted,
     flattened,
     plan_convert,
+    rule_key,
     split_name,
 )
-from ckptdoctor.ops.convert.reverse import TARGET_TORCH_DIST, ReverseRule, plan_to_torch_dist, unflatten
+from ckptdoctor.ops.convert.reverse import (
+    TARGET_TORCH_DIST,
+    ReverseRule,
+    plan_to_torch_dist,
+    planner_paths,
+    unflatten,
+)
 from ckptdoctor.ops.fix_args.plan import common_with_args
 from ckptdoctor.ops.rewrite.request import dir_bytes
 from ckptdoctor.ops.rewrite.write import check_integrity, check_target, input_was_save_dir
@@ -87,11 +94,10 @@ def _planner_path(key: str) -> tuple[str, ...]:
 
 def _pieces(rule: ChunkRule, offsets: tuple[int, ...], value: Any) -> Iterator[tuple[str, tuple, Any]]:
     """(output key, offsets, tensor) of one source chunk, as the rule places it."""
-    if rule.layered:
-        key = rule.base.format(layer=offsets[0])
-        offsets, value = offsets[1:], value.reshape(tuple(value.shape[1:]))
-    else:
-        key = rule.base
+    lead = len(rule.axes)
+    key = rule_key(rule, offsets[:lead])
+    if lead:
+        offsets, value = offsets[lead:], value.reshape(tuple(value.shape[lead:]))
     if not rule.swiglu:
         yield key, offsets, value
         return
@@ -120,7 +126,7 @@ def _fill(checkpoint: Checkpoint, plan: ConvertPlan, stage: Path, progress: Prog
             if mapping.how == HOW_OBJECT:
                 continue
             entry = checkpoint.entries[mapping.source]
-            rule = chunk_rule(entry, plan.swiglu)
+            rule = chunk_rule(entry, plan.swiglu, plan.grouped_experts)
             for index, chunk in enumerate(entry.chunks):
                 value = read_chunk(checkpoint, entry.key, index)
                 for key, offsets, piece in _pieces(rule, tuple(chunk.offsets), value):
@@ -153,8 +159,9 @@ def _fill_torch_dist(
                 value = read_chunk(checkpoint, key, index)
                 offsets = tuple(chunk.offsets)
                 offsets = (offsets[0] + rule.half, *offsets[1:])
-                if rule.layer is not None:
-                    offsets, value = (rule.layer, *offsets), value.unsqueeze(0)
+                if rule.lead:  # one index on each stacked axis (layer, expert)
+                    offsets = (*rule.lead, *offsets)
+                    value = value.reshape((1,) * len(rule.lead) + tuple(value.shape))
                 writer.write_chunk(rule.target, offsets, value)
                 result.chunks += 1
                 del value
@@ -164,7 +171,7 @@ def _fill_torch_dist(
         writer.finish()
     items = {key: checkpoint.read_bytes_item(key) for key, e in checkpoint.entries.items() if e.kind == "bytes"}
     result.objects = len(items)
-    common = unflatten(items)
+    common = unflatten(items, planner_paths(checkpoint))
     if "args" in common:
         common = common_with_args(common, plan.arg_changes)
     atomic.write_atomic(stage / "common.pt", dump_torch_zip(common))
