@@ -291,3 +291,41 @@ def test_grouped_gemm_experts_are_named_weight_e(capsys, tmp_path):
     excluded = "_extra_state|rng_state|rerun_state_machine_state"
     rc, text, err = _run(capsys, "diff", save, tmp_path / "back", "--values", "--exclude", excluded, "--ignore-layout")
     assert rc == 0, text + err
+
+
+def test_fully_reshardable_optimizer_state_is_carried_and_round_trips(capsys, tmp_path):
+    """A fully_reshardable distributed optimizer saves per-parameter state (exp_avg, exp_avg_sq, the fp32 master
+    param): each goes under Megatron-FSDP's optimizer prefix, split as its parameter is, and comes back
+    bit-identical, param groups back under optimizer.optimizer where the distributed optimizer keeps them."""
+    save = FIXTURES / "core019_tp2_dp2_fully_reshardable"
+    rc, text, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp")
+    assert rc == 0, err
+    assert "optimizer.distributed" not in text and "dp_reshardable" not in text
+    state = _load_fsdp(
+        tmp_path / "fsdp",
+        [
+            "optimizer.state.module.module.module.decoder.layers.1.mlp.linear_fc1.weight_v.exp_avg",
+            "optimizer.state.module.module.module.decoder.layers.1.mlp.linear_fc1.weight_v.param",
+        ],
+    )
+    for stat in ("exp_avg", "param"):
+        expected = torch.chunk(
+            _source_tensor(save, f"optimizer.state.{stat}.decoder.layers.mlp.linear_fc1.weight")[1], 2
+        )[1]
+        got = state[f"optimizer.state.module.module.module.decoder.layers.1.mlp.linear_fc1.weight_v.{stat}"]
+        assert torch.equal(got, expected), stat
+    rc, _text, err = _run(capsys, "convert", tmp_path / "fsdp", "--to", "torch_dist", "-o", tmp_path / "back")
+    assert rc == 0, err
+    excluded = "_extra_state|rng_state|rerun_state_machine_state"
+    rc, text, err = _run(capsys, "diff", save, tmp_path / "back", "--values", "--exclude", excluded, "--ignore-layout")
+    assert rc == 0, text + err
+    assert "no differences" in text
+
+
+def test_dp_reshardable_buckets_are_listed_as_not_carried_with_why(capsys):
+    rc, out, err = _run(capsys, "convert", FIXTURES / "core019_tp2_dp2", "--to", "fsdp_dtensor", "--format", "json")
+    assert rc == 0, err
+    why = {n["key"]: n["why"] for n in json.loads(out)["plan"]["not_carried"]}
+    buckets = [k for k in why if k.startswith("optimizer.distributed.")]
+    assert len(buckets) == 12  # 2 DP groups x (exp_avg, exp_avg_sq, param, optimizer, per_bucket_numel(_unpadded))
+    assert all("dp_reshardable" in why[k] and "fully-reshardable" in why[k] for k in buckets)

@@ -22,9 +22,11 @@ torch_dist -> fsdp_dtensor follows the conventions Megatron-FSDP loads (megatron
   default planner flattens Megatron-LM's ``generate_state_dict``; ``optimizer.optimizer.param_groups`` is
   renamed ``optimizer.param_groups``, as the FSDP optimizer's state dict names it.
 
-What the target has no place for is listed, not converted: Transformer Engine ``_extra_state`` (Megatron-FSDP drops
-it), the per-rank RNG and rerun states (the inspector drops them too) and a distributed optimizer's flattened
-buckets. Nothing here reads a tensor or imports torch.
+A distributed optimizer saved ``fully_reshardable`` carries its per-parameter state (``exp_avg``, ``exp_avg_sq``
+and the fp32 master ``param``) like a model-space optimizer's, param groups included. What the target has no place
+for is listed, not converted: Transformer Engine ``_extra_state`` (Megatron-FSDP drops it), the per-rank RNG and
+rerun states (the inspector drops them too) and a ``dp_reshardable`` distributed optimizer's flat buckets (no
+parameter-to-offset map in the checkpoint). Nothing here reads a tensor or imports torch.
 """
 
 from __future__ import annotations
@@ -59,6 +61,16 @@ MTP_RE = re.compile(r"(\A|\.)mtp\.layers\.[0-9]+\.")
 MTP_TORCH_DIST_LAYER = ".transformer_layer."
 MTP_FSDP_LAYER = ".mtp_model_layer."
 
+# A dp_reshardable distributed optimizer saves each data-parallel group's state as flat buckets (the grad buffer's
+# layout: parameters in reverse registration order, padded per bucket) plus per-bucket sizes; the checkpoint holds
+# no parameter-to-offset map, which only the model that wrote it can rebuild (DistributedOptimizer's
+# _build_model_gbuf_param_range_map). fully_reshardable saves per-parameter optimizer.state.<stat>.<param>, which
+# maps as a model-space optimizer's state does.
+DP_RESHARDABLE_PREFIX = "optimizer.distributed."
+DP_RESHARDABLE_WHY = (
+    "dp_reshardable distributed optimizer state: flat per data-parallel bucket with no parameter-to-offset map in "
+    "the checkpoint, so not converted (re-save with --dist-ckpt-optim-fully-reshardable to carry optimizer state)"
+)
 HOW_RENAME = "rename"
 HOW_LAYERS = "per-layer split"
 HOW_EXPERTS = "per-expert split"
@@ -225,11 +237,13 @@ def _why_not(entry: Entry, checkpoint: Checkpoint) -> str | None:
         return "rerun state machine: not converted"
     if key.startswith("common_state"):
         return None  # its items are planned one by one
+    if key.startswith(DP_RESHARDABLE_PREFIX):
+        return DP_RESHARDABLE_WHY
     if entry.kind != "tensor" or entry.shape is None:
         return "a bytes item with no place in fsdp_dtensor"
     named = target_param(key)
     if named is None:
-        return "distributed optimizer bucket (flattened per data-parallel group): not converted"
+        return "an optimizer item outside optimizer.state.<stat>.<param>: no place in fsdp_dtensor"
     param, stat = named
     if stat is not None:
         model = checkpoint.entries.get(param)

@@ -226,6 +226,18 @@ def _listed(node: Any, where: tuple[str, ...], kinds: dict[tuple[str, ...], str]
     return out
 
 
+def distributed_optimizer_groups(common: dict) -> dict:
+    """A distributed optimizer's common state (it says ``param_state_sharding_type``) nests its param groups under
+    ``optimizer.optimizer``, where the forward conversion took them from (the FSDP optimizer names them
+    ``optimizer.param_groups``)."""
+    optimizer = common.get("optimizer")
+    if isinstance(optimizer, dict) and "param_state_sharding_type" in optimizer and "param_groups" in optimizer:
+        optimizer = dict(optimizer)
+        optimizer["optimizer"] = {"param_groups": optimizer.pop("param_groups")}
+        common = {**common, "optimizer": optimizer}
+    return common
+
+
 def plan_to_torch_dist(checkpoint: Checkpoint) -> tuple[ConvertPlan, dict[str, ReverseRule]]:
     where = checkpoint.iteration_dir
     if checkpoint.flavour != FLAVOUR_FSDP_DTENSOR:

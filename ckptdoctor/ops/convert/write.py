@@ -42,6 +42,7 @@ from ckptdoctor.ops.convert.plan import (
 from ckptdoctor.ops.convert.reverse import (
     TARGET_TORCH_DIST,
     ReverseRule,
+    distributed_optimizer_groups,
     plan_to_torch_dist,
     planner_paths,
     unflatten,
@@ -171,7 +172,7 @@ def _fill_torch_dist(
         writer.finish()
     items = {key: checkpoint.read_bytes_item(key) for key, e in checkpoint.entries.items() if e.kind == "bytes"}
     result.objects = len(items)
-    common = unflatten(items, planner_paths(checkpoint))
+    common = distributed_optimizer_groups(unflatten(items, planner_paths(checkpoint)))
     if "args" in common:
         common = common_with_args(common, plan.arg_changes)
     atomic.write_atomic(stage / "common.pt", dump_torch_zip(common))
