@@ -144,8 +144,7 @@ class DataFileWriter:
         if len(sizes) != len(tensor.shape) or any(o < 0 or o + s > g for o, s, g in zip(offsets, sizes, tensor.shape)):
             raise CkptError(f"{key}: chunk {list(sizes)} at {list(offsets)} outside {list(tensor.shape)}")
         buffer = io.BytesIO()
-        # a compact copy: torch.save of a view would store the whole storage it views
-        self._torch.save(value.contiguous().clone(), buffer)
+        self._torch.save(_compact(value), buffer)
         data = buffer.getbuffer()
         self._file.write(data)
         self.chunks.append(ChunkRecord(key, tuple(offsets), sizes, self._name, self._position, len(data)))
@@ -172,6 +171,15 @@ class DataFileWriter:
     def __exit__(self, *exc: object) -> None:
         if not self._file.closed:
             self._file.close()
+
+
+def _compact(value: Any) -> Any:
+    """``value`` itself when it is its whole storage, else a compact copy: ``torch.save`` of a view stores the
+    whole storage it views (a SwiGLU half would carry the other half along)."""
+    whole = value.numel() * value.element_size()
+    if value.is_contiguous() and value.storage_offset() == 0 and value.untyped_storage().nbytes() == whole:
+        return value
+    return value.contiguous().clone()
 
 
 def _numel(sizes: tuple[int, ...]) -> int:

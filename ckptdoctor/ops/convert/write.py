@@ -1,13 +1,16 @@
 """``ckptdoctor convert``, writing half: the plan's tensors streamed chunk by chunk into a new DCP save.
 
 Each source chunk is read alone (one byte range, decoded through the safe unpickler: :mod:`ckptdoctor.values.read`),
-cut where the plan cuts it (a stacked layer's slice, a SwiGLU half) and appended to the output
-(:mod:`ckptdoctor.values.dcp_save`): memory holds one chunk. The common state items become bytes items (nested
+cut where the plan cuts it (a stacked layer's or expert's slice, a SwiGLU half) and appended to the output
+(:mod:`ckptdoctor.values.dcp_save`): memory holds one chunk per worker. The source's chunks are cut into units (per
+source data file, in file order, every :data:`UNIT_BYTES`); with ``jobs`` > 1 worker processes
+(:func:`ckptdoctor.parallel.map_units`) write one output data file per unit, and ``.metadata`` joins their records
+in unit order, so the output does not depend on ``jobs``. The common state items become bytes items (nested
 dicts and lists flattened into dotted keys, as DCP's default planner flattens them), the args saying
 ``ckpt_format='fsdp_dtensor'``. The output is built in a hidden staging dir beside ``--output``, read back
 through the safe unpickler, and only then renamed into place (:func:`ckptdoctor.ops.staging.swap_output`): an
 interrupted run leaves the source untouched and no output. Fault points ``convert:<step>``. ``--to torch_dist``
-writes the same way, the stacked keys' chunks placed back on the layer axis, then ``common.pt`` and
+writes the same way, the chunks placed back on the stacked layer and expert axes, then ``common.pt`` and
 ``metadata.json`` last (:mod:`ckptdoctor.ops.convert.reverse`).
 """
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor import atomic, parallel
+from ckptdoctor import atomic, dist, parallel
 from ckptdoctor.checkpoint import Checkpoint, open_checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.torch_dist import DcpChunk
@@ -263,6 +266,8 @@ def convert(
     progress: Progress | None = None,
 ) -> ConvertReport:
     """Plan the conversion and (unless ``dry_run``) write it to ``output``; every refusal comes before a write."""
+    if dist.group() is not None and not dry_run:  # one writer of the output: the ranks would race for it
+        raise CkptError("convert runs in one process, not under torchrun (use --jobs for parallel workers)")
     rules: dict[str, ReverseRule] = {}
     if target == TARGET_TORCH_DIST:
         plan, rules = plan_to_torch_dist(checkpoint)
