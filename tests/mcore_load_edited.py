@@ -1,7 +1,10 @@
 """Load checkpoints written by ``ckptdoctor edit`` with real Megatron-LM code (megatron-core 0.19.2's wheel also
 ships ``megatron.training``), in a child process (single process, or ``torchrun`` for TP > 1):
 
-    python tests/mcore_load_edited.py CASES_JSON [--dp N]
+    python tests/mcore_load_edited.py CASES_JSON [--dp N] [--layout JSON]
+
+``--layout`` sets fixtures/generate.py's ``Layout`` fields the loading model is built with (e.g. a MoE fixture's
+``{"dp": 2, "ep": 2, "num_experts": 4}``), as the fixture was generated.
 
 CASES_JSON is a list of cases, each loaded into a freshly built model (fixtures/generate.py's tiny GPT):
 
@@ -172,6 +175,9 @@ def main() -> None:
     cases = json.loads(sys.argv[1])
     if "--dp" in sys.argv:
         gen.LAYOUT.dp = int(sys.argv[sys.argv.index("--dp") + 1])
+    if "--layout" in sys.argv:
+        for name, value in json.loads(sys.argv[sys.argv.index("--layout") + 1]).items():
+            setattr(gen.LAYOUT, name, value)
     gen.install_cpu_shims()
     # rng state on CPU: building a request reads a (Philox-shaped) CUDA state; restoring one is counted, not applied
     torch.cuda.get_rng_state = lambda *a, **k: gen._philox_state(0)

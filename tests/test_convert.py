@@ -185,3 +185,170 @@ def test_refuses_a_non_torch_dist_source_and_an_existing_output(capsys, tmp_path
     (tmp_path / "o" / "x").write_text("x")
     rc, _out, err = _run(capsys, "convert", FIXTURES / "core019_tp1", "--to", "fsdp_dtensor", "-o", tmp_path / "o")
     assert rc == 2 and "not empty" in err
+
+
+def _load_fsdp(out, keys):
+    """The listed tensors of a fsdp_dtensor save, loaded by torch DCP itself (NaN-filled first)."""
+    target = dcp.FileSystemReader(str(out / ITER)).read_metadata().state_dict_metadata
+    state = {k: torch.full(tuple(target[k].size), float("nan"), dtype=target[k].properties.dtype) for k in keys}
+    dcp.load(state, checkpoint_id=str(out / ITER))
+    return state
+
+
+def _expert_requests(save, grouped):
+    """Megatron-FSDP's per-expert parameter names (``get_global_unique_param_name`` with
+    ``handle_experts_in_state_dict``: the global expert index; ``weight<E>`` for TEGroupedMLP,
+    ``local_experts.<E>.`` for SequentialMLP; fc1 split in ``_w``/``_v``) for the source's stacked expert tensors:
+    output key -> (source key, leading indices, half)."""
+    metadata = dcp.FileSystemReader(str(save / ITER)).read_metadata()
+    requests = {}
+    for key, md in metadata.state_dict_metadata.items():
+        match = re.match(
+            r"(optimizer\.state\.(exp_avg|exp_avg_sq)\.)?(.+)\.experts\.experts\.(linear_fc[12])\.weight$", key
+        )
+        if not hasattr(md, "size") or not match:
+            continue
+        stat, head, fc = match.group(2), match.group(3), match.group(4)
+        stacked = ".layers." in head and not re.search(r"layers\.\d+\.", head)
+        layers = range(md.size[0]) if stacked else [None]
+        for layer in layers:
+            name = head if layer is None else head.replace(".layers.", f".layers.{layer}.")
+            for expert in range(md.size[1 if stacked else 0]):
+                param = (
+                    f"{name}.experts.{fc}.weight{expert}"
+                    if grouped
+                    else f"{name}.experts.local_experts.{expert}.{fc}.weight"
+                )
+                for half in ["w", "v"] if fc == "linear_fc1" else [None]:
+                    full = param if half is None else f"{param}_{half}"
+                    out = (
+                        f"model.module.{full}"
+                        if stat is None
+                        else f"optimizer.state.module.module.module.{full}.{stat}"
+                    )
+                    lead = (expert,) if layer is None else (layer, expert)
+                    requests[out] = (key, lead, half)
+    return requests
+
+
+def _check_requests(save, out, requests):
+    state = _load_fsdp(out, requests)
+    sources = {}
+    for key, (source, lead, half) in requests.items():
+        if source not in sources:
+            sources = {source: _source_tensor(save, source)}
+        expected = sources[source][lead]
+        if half is not None:
+            expected = torch.chunk(expected, 2, dim=0)[0 if half == "w" else 1]
+        assert torch.equal(state[key], expected), key
+
+
+@pytest.mark.parametrize("fixture", ["core019_moe_ep2", "core019_moe_mixed_shared_ep2"])
+def test_moe_experts_become_one_key_per_expert_and_round_trip_bit_identical(capsys, tmp_path, fixture):
+    save = FIXTURES / fixture
+    rc, text, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp")
+    assert rc == 0, err
+    assert "per-expert split, SwiGLU split" in text
+    requests = _expert_requests(save, grouped=False)
+    assert len(requests) >= 4 * 3 * 3  # 4 experts, fc1 halves and fc2, model and two Adam stats
+    _check_requests(save, tmp_path / "fsdp", requests)
+    # the dense layers and the shared expert are split as in a dense model
+    names = dcp.FileSystemReader(str(tmp_path / "fsdp" / ITER)).read_metadata().state_dict_metadata
+    if fixture == "core019_moe_mixed_shared_ep2":
+        assert "model.module.decoder.layers.1.mlp.shared_experts.linear_fc1.weight_v" in names
+        assert "model.module.decoder.layers.0.mlp.linear_fc1.weight_w" in names
+    rc, text, err = _run(capsys, "convert", tmp_path / "fsdp", "--to", "torch_dist", "-o", tmp_path / "back")
+    assert rc == 0, err
+    assert "experts stacked, SwiGLU halves joined" in text
+    excluded = "_extra_state|rng_state|rerun_state_machine_state"
+    rc, text, err = _run(capsys, "diff", save, tmp_path / "back", "--values", "--exclude", excluded, "--ignore-layout")
+    assert rc == 0, text + err
+    assert " 0 differ" in text and "no differences" in text
+    # a block of dense and MoE layers stays per layer (as torch_dist saves it); a uniform one is stacked again
+    back = dcp.FileSystemReader(str(tmp_path / "back" / ITER)).read_metadata().state_dict_metadata
+    assert set(back) >= {
+        k
+        for k in dcp.FileSystemReader(str(save / ITER)).read_metadata().state_dict_metadata
+        if "_extra_state" not in k and not k.startswith(("rng_state", "rerun", "common_state"))
+    }
+
+
+def test_grouped_gemm_experts_are_named_weight_e(capsys, tmp_path):
+    """With moe_grouped_gemm in the saved args the experts are TEGroupedMLP's ``linear_fc1.weight<E>``
+    (``weight<E>_w`` halves), and they come back to the same stacked torch_dist keys."""
+    save = tmp_path / "grouped"
+    rc, _text, err = _run(
+        capsys, "fix-args", FIXTURES / "core019_moe_ep2", "--set", "moe_grouped_gemm=true", "-o", save
+    )
+    assert rc in (0, 1), err
+    rc, _text, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp")
+    assert rc == 0, err
+    requests = _expert_requests(save, grouped=True)
+    assert "model.module.decoder.layers.1.mlp.experts.linear_fc1.weight3_v" in requests
+    _check_requests(save, tmp_path / "fsdp", requests)
+    rc, _text, err = _run(capsys, "convert", tmp_path / "fsdp", "--to", "torch_dist", "-o", tmp_path / "back")
+    assert rc == 0, err
+    excluded = "_extra_state|rng_state|rerun_state_machine_state"
+    rc, text, err = _run(capsys, "diff", save, tmp_path / "back", "--values", "--exclude", excluded, "--ignore-layout")
+    assert rc == 0, text + err
+
+
+def test_fully_reshardable_optimizer_state_is_carried_and_round_trips(capsys, tmp_path):
+    """A fully_reshardable distributed optimizer saves per-parameter state (exp_avg, exp_avg_sq, the fp32 master
+    param): each goes under Megatron-FSDP's optimizer prefix, split as its parameter is, and comes back
+    bit-identical, param groups back under optimizer.optimizer where the distributed optimizer keeps them."""
+    save = FIXTURES / "core019_tp2_dp2_fully_reshardable"
+    rc, text, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp")
+    assert rc == 0, err
+    assert "optimizer.distributed" not in text and "dp_reshardable" not in text
+    state = _load_fsdp(
+        tmp_path / "fsdp",
+        [
+            "optimizer.state.module.module.module.decoder.layers.1.mlp.linear_fc1.weight_v.exp_avg",
+            "optimizer.state.module.module.module.decoder.layers.1.mlp.linear_fc1.weight_v.param",
+        ],
+    )
+    for stat in ("exp_avg", "param"):
+        expected = torch.chunk(
+            _source_tensor(save, f"optimizer.state.{stat}.decoder.layers.mlp.linear_fc1.weight")[1], 2
+        )[1]
+        got = state[f"optimizer.state.module.module.module.decoder.layers.1.mlp.linear_fc1.weight_v.{stat}"]
+        assert torch.equal(got, expected), stat
+    rc, _text, err = _run(capsys, "convert", tmp_path / "fsdp", "--to", "torch_dist", "-o", tmp_path / "back")
+    assert rc == 0, err
+    excluded = "_extra_state|rng_state|rerun_state_machine_state"
+    rc, text, err = _run(capsys, "diff", save, tmp_path / "back", "--values", "--exclude", excluded, "--ignore-layout")
+    assert rc == 0, text + err
+    assert "no differences" in text
+
+
+def test_dp_reshardable_buckets_are_listed_as_not_carried_with_why(capsys):
+    rc, out, err = _run(capsys, "convert", FIXTURES / "core019_tp2_dp2", "--to", "fsdp_dtensor", "--format", "json")
+    assert rc == 0, err
+    why = {n["key"]: n["why"] for n in json.loads(out)["plan"]["not_carried"]}
+    buckets = [k for k in why if k.startswith("optimizer.distributed.")]
+    assert len(buckets) == 12  # 2 DP groups x (exp_avg, exp_avg_sq, param, optimizer, per_bucket_numel(_unpadded))
+    assert all("dp_reshardable" in why[k] and "fully-reshardable" in why[k] for k in buckets)
+
+
+def _tree_bytes(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("fixture", ["core019_tp2", "core019_moe_ep2"])
+def test_jobs_gives_the_same_bytes_both_ways(capsys, tmp_path, fixture):
+    """--jobs N spreads the source's data files over worker processes, each writing its own output file: the
+    output is byte for byte the same at any --jobs (units are cut by the source alone, records joined in order)."""
+    save = FIXTURES / fixture
+    outs = {}
+    for jobs in (1, 3):
+        out = tmp_path / f"fsdp{jobs}"
+        rc, _text, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", out, "--jobs", jobs)
+        assert rc == 0, err
+        back = tmp_path / f"back{jobs}"
+        rc, _text, err = _run(capsys, "convert", out, "--to", "torch_dist", "-o", back, "--jobs", jobs)
+        assert rc == 0, err
+        outs[jobs] = (_tree_bytes(out), _tree_bytes(back))
+    assert outs[1] == outs[3]
+    forward, _back = outs[1]
+    assert sum(name.endswith(".distcp") for name in forward) == 3  # two source data files, then the common items

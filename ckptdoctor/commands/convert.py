@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option, gate_refusals, trust_global_option
+from ckptdoctor.commands.options import format_option, gate_refusals, jobs_option, trust_global_option
 
 
 @click.command("convert", short_help="Convert between torch_dist and Megatron-FSDP's fsdp_dtensor.")
@@ -26,6 +26,7 @@ from ckptdoctor.commands.options import format_option, gate_refusals, trust_glob
 )
 @click.option("--dry-run", is_flag=True, help="List every key mapping; write nothing (as with no -o/--output).")
 @click.option("--force", is_flag=True, help="Replace an --output dir that exists and is not empty.")
+@jobs_option("each writes its own data files")
 @format_option(schema="convert")
 @gate_refusals
 def command(
@@ -35,6 +36,7 @@ def command(
     output: Path | None,
     dry_run: bool,
     force: bool,
+    jobs: int | None,
     output_format: str,
 ) -> int:
     """Convert CHECKPOINT (torch_dist) to Megatron-FSDP's fsdp_dtensor (a plain PyTorch DCP save), or back.
@@ -61,6 +63,7 @@ def command(
         output=output,
         dry_run=dry_run,
         force=force,
+        jobs=jobs,
         progress=progress_bar(not dry_run),
     )
     if output_format == "json":

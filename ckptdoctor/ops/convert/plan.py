@@ -7,20 +7,31 @@ torch_dist -> fsdp_dtensor follows the conventions Megatron-FSDP loads (megatron
   ``optimizer.state.module.module.module.K.<stat>`` (the wrappers' prefixes of the FSDP model's named params);
 - torch_dist stacks the layers of a transformer block on a leading axis (``decoder.layers.<name>``): each layer
   becomes its own key ``decoder.layers.<i>.<name>``;
-- with SwiGLU, a ``linear_fc1`` weight (or bias) is the gate half over the up half on dim 0
-  (``apply_swiglu_sharded_factory``): it becomes ``<name>_w`` and ``<name>_v`` (``handle_swiglu_in_state_dict``);
+- torch_dist stacks a MoE layer's experts on an expert axis (after the layer axis) under
+  ``mlp.experts.experts.linear_fc1.weight`` (SequentialMLP and TEGroupedMLP save the same keys): each expert
+  becomes the model's own parameter, ``mlp.experts.linear_fc1.weight<E>`` with grouped GEMM
+  (``moe_grouped_gemm``) or ``mlp.experts.local_experts.<E>.linear_fc1.weight`` without, ``E`` the global
+  expert index (``get_global_unique_param_name``: expert-parallel ranks' local experts numbered globally);
+- a multi-token prediction layer keeps its index (``mtp.layers.<i>.``, never stacked) and its transformer layer is
+  named as the module names it, ``mtp_model_layer`` (torch_dist keeps the older ``transformer_layer``);
+- with SwiGLU, a ``linear_fc1`` weight (or bias), dense, shared expert or per expert, is the gate half over the up
+  half on dim 0 (``apply_swiglu_sharded_factory``): it becomes ``<name>_w`` and ``<name>_v``
+  (``handle_swiglu_in_state_dict``);
 - the common state (``args`` saying ``ckpt_format='fsdp_dtensor'``, ``iteration``, the scheduler, the optimizer's
   param groups, ...) becomes top-level bytes items, nested dicts and lists flattened into dotted keys as DCP's
   default planner flattens Megatron-LM's ``generate_state_dict``; ``optimizer.optimizer.param_groups`` is
   renamed ``optimizer.param_groups``, as the FSDP optimizer's state dict names it.
 
-What the target has no place for is listed, not converted: Transformer Engine ``_extra_state`` (Megatron-FSDP drops
-it), the per-rank RNG and rerun states (the inspector drops them too) and a distributed optimizer's flattened
-buckets. Nothing here reads a tensor or imports torch.
+A distributed optimizer saved ``fully_reshardable`` carries its per-parameter state (``exp_avg``, ``exp_avg_sq``
+and the fp32 master ``param``) like a model-space optimizer's, param groups included. What the target has no place
+for is listed, not converted: Transformer Engine ``_extra_state`` (Megatron-FSDP drops it), the per-rank RNG and
+rerun states (the inspector drops them too) and a ``dp_reshardable`` distributed optimizer's flat buckets (no
+parameter-to-offset map in the checkpoint). Nothing here reads a tensor or imports torch.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,13 +52,28 @@ OPTIMIZER_STATE_PREFIX = "optimizer.state.module.module.module"
 
 _OPTIMIZER_STATE_RE = re.compile(r"\Aoptimizer\.state\.([A-Za-z0-9_]+)\.(.+)\Z")
 _LAYER_INDEX_RE = re.compile(r"layers\.[0-9]+\.")
-# megatron-core's is_swiglu_key, for the dense MLPs this converter handles (grouped experts are refused)
-_SWIGLU_RE = re.compile(r"\.mlp\.(shared_experts\.)?linear_fc1\.(weight|bias)\Z")
-_EXPERTS_RE = re.compile(r"\.experts\.")
+# megatron-core's is_swiglu_key, on the torch_dist name (its experts' fc1 stacked under experts.experts.)
+_SWIGLU_RE = re.compile(r"\.mlp\.(shared_experts\.|experts\.experts\.)?linear_fc1\.(weight|bias)\Z")
+# the experts' stacked tensors (SequentialMLP/TEGroupedMLP sharded_state_dict)
+_STACKED_EXPERTS_RE = re.compile(r"\.mlp\.experts\.experts\.(linear_fc[12])\.(weight|bias)\Z")
+# a multi-token prediction layer: its own index, never stacked; Megatron-FSDP names its layer mtp_model_layer
+MTP_RE = re.compile(r"(\A|\.)mtp\.layers\.[0-9]+\.")
+MTP_TORCH_DIST_LAYER = ".transformer_layer."
+MTP_FSDP_LAYER = ".mtp_model_layer."
 
+# A dp_reshardable distributed optimizer saves each data-parallel group's state as flat buckets (the grad buffer's
+# layout: parameters in reverse registration order, padded per bucket) plus per-bucket sizes; the checkpoint holds
+# no parameter-to-offset map, which only the model that wrote it can rebuild (DistributedOptimizer's
+# _build_model_gbuf_param_range_map). fully_reshardable saves per-parameter optimizer.state.<stat>.<param>, which
+# maps as a model-space optimizer's state does.
+DP_RESHARDABLE_PREFIX = "optimizer.distributed."
+DP_RESHARDABLE_WHY = (
+    "dp_reshardable distributed optimizer state: flat per data-parallel bucket with no parameter-to-offset map in "
+    "the checkpoint, so not converted (re-save with --dist-ckpt-optim-fully-reshardable to carry optimizer state)"
+)
 HOW_RENAME = "rename"
 HOW_LAYERS = "per-layer split"
-HOW_SWIGLU = "per-layer split, SwiGLU split"
+HOW_EXPERTS = "per-expert split"
 HOW_OBJECT = "common state item"
 
 
@@ -86,6 +112,7 @@ class ConvertPlan:
     not_carried: list[NotCarried]
     arg_changes: dict[str, str]  # arg -> new value, set in the output's saved args
     target_tensors: list[TargetTensor] = field(default_factory=list, repr=False)
+    grouped_experts: bool = field(default=False, repr=False)  # experts named weight<E> (moe_grouped_gemm)
 
     def tensor_bytes(self, checkpoint: Checkpoint) -> int:
         sources = {m.source for m in self.mappings if m.how != HOW_OBJECT}
@@ -94,20 +121,47 @@ class ConvertPlan:
 
 @dataclass(frozen=True)
 class ChunkRule:
-    """How one source tensor's chunks are placed: ``base`` is the output key (``{layer}`` stands for the layer
-    index of a stacked key), ``layered`` whether dim 0 is the stacked layer axis, ``swiglu`` the half size of
-    dim 0 (after the layer axis) where the key is cut into ``_w``/``_v``, else 0."""
+    """How one source tensor's chunks are placed: ``base`` is the output key (``{layer}`` and ``{expert}`` stand
+    for the indices of a stacked key's leading axes), ``axes`` the leading axes that are consumed (``layer``,
+    ``expert``, in that order), ``swiglu`` the half size of dim 0 (after those axes) where the key is cut into
+    ``_w``/``_v``, else 0."""
 
     base: str
-    layered: bool
+    axes: tuple[str, ...]
     swiglu: int
+
+    @property
+    def layered(self) -> bool:
+        return "layer" in self.axes
+
+
+def _is_mtp(name: str) -> bool:
+    return MTP_RE.search(name) is not None
 
 
 def _layered_name(name: str) -> str | None:
     """``decoder.layers.<name>`` -> ``decoder.layers.{layer}.<name>``; None when the key is not stacked."""
-    if ".layers." not in name or _LAYER_INDEX_RE.search(name):
+    if ".layers." not in name or _LAYER_INDEX_RE.search(name) or _is_mtp(name):
         return None
     return name.replace(".layers.", ".layers.{layer}.", 1)
+
+
+def expert_name(name: str, grouped: bool) -> str | None:
+    """``...mlp.experts.experts.linear_fc1.weight`` -> the per-expert parameter name with ``{expert}`` for its
+    global index (``weight{expert}`` with grouped GEMM, ``local_experts.{expert}.`` without); None otherwise."""
+    match = _STACKED_EXPERTS_RE.search(name)
+    if match is None:
+        return None
+    fc, kind = match.group(1), match.group(2)
+    tail = f".mlp.experts.{fc}.{kind}{{expert}}" if grouped else f".mlp.experts.local_experts.{{expert}}.{fc}.{kind}"
+    return name[: match.start()] + tail
+
+
+def mtp_name(name: str) -> str:
+    """A multi-token prediction layer's transformer layer under the module's name (``mtp_model_layer``)."""
+    if _is_mtp(name) and MTP_TORCH_DIST_LAYER in name:
+        return name.replace(MTP_TORCH_DIST_LAYER, MTP_FSDP_LAYER, 1)
+    return name
 
 
 def split_name(key: str, half: str) -> str:
@@ -128,29 +182,42 @@ def target_param(key: str) -> tuple[str, str | None] | None:
     return key, None
 
 
-def chunk_rule(entry: Entry, swiglu: bool) -> ChunkRule:
-    """The :class:`ChunkRule` of a convertible tensor (see :func:`plan_convert` for which are)."""
+def chunk_rule(entry: Entry, swiglu: bool, grouped: bool = False) -> ChunkRule:
+    """The :class:`ChunkRule` of a convertible tensor (see :func:`plan_convert` for which are); ``grouped``: the
+    model's experts are one grouped GEMM (``moe_grouped_gemm``), named ``weight<E>``."""
     named = target_param(entry.key)
     assert named is not None and entry.shape is not None
     param, stat = named
-    layered_param = _layered_name(param)
-    shape = entry.shape[1:] if layered_param is not None else entry.shape
-    name = layered_param or param
+    name = param
+    axes: tuple[str, ...] = ()
+    layered = _layered_name(name)
+    if layered is not None:
+        name, axes = layered, ("layer",)
+    per_expert = expert_name(name, grouped)
+    if per_expert is not None:
+        name, axes = per_expert, (*axes, "expert")
+    name = mtp_name(name)
+    shape = entry.shape[len(axes) :]
     base = f"{MODEL_PREFIX}.{name}" if stat is None else f"{OPTIMIZER_STATE_PREFIX}.{name}.{stat}"
     half = 0
     if swiglu and _SWIGLU_RE.search(param) and shape and shape[0] % 2 == 0:
         half = shape[0] // 2
-    return ChunkRule(base, layered_param is not None, half)
+    return ChunkRule(base, axes, half)
+
+
+def rule_key(rule: ChunkRule, indices: tuple[int, ...]) -> str:
+    """The output key for the stacked axes' ``indices`` (as many as ``rule.axes``)."""
+    return rule.base.format(**dict(zip(rule.axes, indices)))
 
 
 def rule_targets(rule: ChunkRule, entry: Entry) -> list[TargetTensor]:
     """Every output tensor one source tensor fills."""
     assert entry.shape is not None and entry.dtype is not None
-    shape = entry.shape[1:] if rule.layered else entry.shape
-    layers = range(entry.shape[0]) if rule.layered else range(1)
+    lead = len(rule.axes)
+    shape = entry.shape[lead:]
     out = []
-    for layer in layers:
-        key = rule.base.format(layer=layer) if rule.layered else rule.base
+    for indices in itertools.product(*(range(n) for n in entry.shape[:lead])):
+        key = rule_key(rule, indices)
         if rule.swiglu:
             half_shape = (rule.swiglu, *shape[1:])
             out += [TargetTensor(split_name(key, h), half_shape, entry.dtype) for h in ("w", "v")]
@@ -170,18 +237,23 @@ def _why_not(entry: Entry, checkpoint: Checkpoint) -> str | None:
         return "rerun state machine: not converted"
     if key.startswith("common_state"):
         return None  # its items are planned one by one
+    if key.startswith(DP_RESHARDABLE_PREFIX):
+        return DP_RESHARDABLE_WHY
     if entry.kind != "tensor" or entry.shape is None:
         return "a bytes item with no place in fsdp_dtensor"
     named = target_param(key)
     if named is None:
-        return "distributed optimizer bucket (flattened per data-parallel group): not converted"
+        return "an optimizer item outside optimizer.state.<stat>.<param>: no place in fsdp_dtensor"
     param, stat = named
     if stat is not None:
         model = checkpoint.entries.get(param)
         if model is None or model.shape != entry.shape:
             return "optimizer state in a layout other than its parameter's (distributed optimizer): not converted"
-    if _layered_name(param) is not None and any(c.sizes[0] != 1 for c in entry.chunks):
-        return "stacked layers whose chunks span several layers: not converted"
+    if ".experts.experts." in param and _STACKED_EXPERTS_RE.search(param) is None:
+        return "an expert tensor other than linear_fc1/linear_fc2 weight or bias: no known per-expert name"
+    lead = (_layered_name(param) is not None) + (_STACKED_EXPERTS_RE.search(param) is not None)
+    if any(size != 1 for c in entry.chunks for size in c.sizes[:lead]):
+        return "stacked layers or experts whose chunks span several of them: not converted"
     return None
 
 
@@ -204,6 +276,17 @@ def dotted(path: tuple) -> str:
     return ".".join(str(part) for part in path)
 
 
+def _how(rule: ChunkRule) -> str:
+    steps = []
+    if "layer" in rule.axes:
+        steps.append(HOW_LAYERS)
+    if "expert" in rule.axes:
+        steps.append(HOW_EXPERTS)
+    if rule.swiglu:
+        steps.append("SwiGLU split")
+    return ", ".join(steps) or HOW_RENAME
+
+
 def plan_convert(checkpoint: Checkpoint, target: str) -> ConvertPlan:
     """Every source key's output keys, or why it has none; refuses what this converter cannot do."""
     if target not in TARGETS:
@@ -215,9 +298,8 @@ def plan_convert(checkpoint: Checkpoint, target: str) -> ConvertPlan:
     args = args_as_dict(common.get("args"))
     if not args:
         raise CkptError(f"{where}: no saved args in the common state; convert needs them (swiglu, layers)")
-    if any(_EXPERTS_RE.search(key) for key in checkpoint.entries):
-        raise CkptError(f"{where}: MoE expert weights are not converted yet (convert handles dense models)")
     swiglu = bool(args.get("swiglu"))
+    grouped = bool(args.get("moe_grouped_gemm"))
     mappings: list[KeyMapping] = []
     not_carried: list[NotCarried] = []
     tensors: list[TargetTensor] = []
@@ -229,11 +311,9 @@ def plan_convert(checkpoint: Checkpoint, target: str) -> ConvertPlan:
             continue
         if key.startswith("common_state"):
             continue
-        rule = chunk_rule(entry, swiglu)
+        rule = chunk_rule(entry, swiglu, grouped)
         targets = rule_targets(rule, entry)
-        how = HOW_SWIGLU if rule.swiglu else HOW_LAYERS if rule.layered else HOW_RENAME
-        if rule.swiglu and not rule.layered:
-            how = "SwiGLU split"
+        how = _how(rule)
         mappings.append(KeyMapping(key, [t.key for t in targets], how))
         tensors += targets
     for name in sorted(common):
@@ -253,5 +333,6 @@ def plan_convert(checkpoint: Checkpoint, target: str) -> ConvertPlan:
         mappings=mappings,
         not_carried=not_carried,
         arg_changes={"ckpt_format": target},
+        grouped_experts=grouped,
         target_tensors=tensors,
     )

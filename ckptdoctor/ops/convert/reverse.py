@@ -2,10 +2,14 @@
 
 The inverse of :mod:`ckptdoctor.ops.convert.plan`: ``model.module.<name>`` loses its prefix, optimizer states go
 back to ``optimizer.state.<stat>.<name>``, per-layer keys ``decoder.layers.<i>.<name>`` are stacked again on a
-leading layer axis (megatron-core's ``prepend_axis_num=1``), and SwiGLU ``<name>_w``/``<name>_v`` halves are
-joined on dim 0 (gate half first, as ``apply_swiglu_sharded_factory`` lays ``linear_fc1`` out). The top-level
-bytes items are gathered back into the common state (dotted keys unflattened), written as ``common.pt`` with
-the args saying ``ckpt_format='torch_dist'``.
+leading layer axis (megatron-core's ``prepend_axis_num=1``) where the block's layers hold the same parameters (a
+block of dense and MoE layers keeps per-layer keys, as ``TransformerBlock.sharded_state_dict`` saves it),
+per-expert parameters (``weight<E>`` or ``local_experts.<E>.``) are stacked on the expert axis under
+``mlp.experts.experts.``, multi-token prediction layers keep their index and get their ``transformer_layer`` name
+back, and SwiGLU ``<name>_w``/``<name>_v`` halves are joined on dim 0 (gate half first, as
+``apply_swiglu_sharded_factory`` lays ``linear_fc1`` out). The top-level bytes items are gathered back into the
+common state (dotted keys unflattened along the paths DCP's planner recorded), written as ``common.pt`` with the
+args saying ``ckpt_format='torch_dist'``.
 Metadata only: nothing here reads a tensor or imports torch.
 """
 
@@ -17,10 +21,14 @@ from typing import Any
 
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.plain_dcp import FLAVOUR_FSDP_DTENSOR
 from ckptdoctor.ops.convert.plan import (
     HOW_OBJECT,
     MODEL_PREFIX,
+    MTP_FSDP_LAYER,
+    MTP_RE,
+    MTP_TORCH_DIST_LAYER,
     OPTIMIZER_STATE_PREFIX,
     ConvertPlan,
     KeyMapping,
@@ -30,20 +38,32 @@ from ckptdoctor.ops.convert.plan import (
 
 TARGET_TORCH_DIST = "torch_dist"
 HOW_MERGE = "layers stacked"
-HOW_MERGE_SWIGLU = "layers stacked, SwiGLU halves joined"
+HOW_MERGE_EXPERTS = "experts stacked"
+HOW_JOIN = "SwiGLU halves joined"
 
 _LAYER_RE = re.compile(r"\.layers\.([0-9]+)\.")
-_HALF_RE = re.compile(r"\.linear_fc1\.(weight|bias)_([wv])\Z")
+_HALF_RE = re.compile(r"\.linear_fc1\.((?:weight|bias)[0-9]*)_([wv])\Z")
+_GROUPED_EXPERT_RE = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.(weight|bias)([0-9]+)\Z")
+_LOCAL_EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.([0-9]+)\.(linear_fc[12])\.(weight|bias)\Z")
 
 
 @dataclass(frozen=True)
 class ReverseRule:
-    """Where one fsdp_dtensor tensor goes: ``target`` key, ``layer`` index on the stacked axis (None: not
-    stacked), ``half`` offset on dim 0 where a SwiGLU ``_v`` half starts (0 for ``_w`` and unsplit keys)."""
+    """Where one fsdp_dtensor tensor goes: ``target`` key, ``lead`` its indices on the target's stacked leading
+    axes (layer, then expert; empty: not stacked), ``half`` offset on dim 0 where a SwiGLU ``_v`` half starts
+    (0 for ``_w`` and unsplit keys)."""
 
     target: str
-    layer: int | None
+    lead: tuple[int, ...]
     half: int
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    stacked: str  # the torch_dist parameter name (layer and expert indices removed)
+    layer: int | None
+    expert: int | None
+    half: str | None
 
 
 def _source_param(key: str) -> tuple[str, str | None] | None:
@@ -55,68 +75,134 @@ def _source_param(key: str) -> tuple[str, str | None] | None:
     return None
 
 
-def _unsplit(param: str) -> tuple[str, str | None]:
+def _block_layer(param: str) -> re.Match[str] | None:
+    """The ``.layers.<i>.`` of a transformer block's layer (a multi-token prediction layer is not one)."""
+    match = _LAYER_RE.search(param)
+    if match is None or MTP_RE.search(param[: match.end()]):
+        return None
+    return match
+
+
+def _homogeneous_blocks(checkpoint: Checkpoint) -> set[str]:
+    """The blocks (the name before ``.layers.<i>.``) whose layers hold the same parameters: torch_dist stacks those
+    (``TransformerBlock.sharded_state_dict``), and keeps per-layer keys where layers differ (e.g. dense and MoE)."""
+    per_block: dict[str, dict[str, set[str]]] = {}
+    for key in checkpoint.entries:
+        if not key.startswith(MODEL_PREFIX + "."):
+            continue
+        param = key[len(MODEL_PREFIX) + 1 :]
+        match = _block_layer(param)
+        if match is not None:
+            layers = per_block.setdefault(param[: match.start()], {})
+            layers.setdefault(match.group(1), set()).add(param[match.end() :])
+    return {
+        block for block, layers in per_block.items() if all(s == next(iter(layers.values())) for s in layers.values())
+    }
+
+
+def _parse(param: str, stacked_blocks: set[str]) -> _Parsed:
+    """An fsdp_dtensor parameter name back to its torch_dist name and the indices it had there."""
+    if MTP_RE.search(param) and MTP_FSDP_LAYER in param:
+        param = param.replace(MTP_FSDP_LAYER, MTP_TORCH_DIST_LAYER, 1)
+    half = None
     match = _HALF_RE.search(param)
-    if match is None:
-        return param, None
-    return param[: match.start()] + f".linear_fc1.{match.group(1)}", match.group(2)
+    if match is not None:
+        half = match.group(2)
+        param = param[: match.start()] + f".linear_fc1.{match.group(1)}"
+    expert = None
+    grouped = _GROUPED_EXPERT_RE.search(param)
+    local = _LOCAL_EXPERT_RE.search(param)
+    if grouped is not None:
+        expert = int(grouped.group(3))
+        param = param[: grouped.start()] + f".mlp.experts.experts.{grouped.group(1)}.{grouped.group(2)}"
+    elif local is not None:
+        expert = int(local.group(1))
+        param = param[: local.start()] + f".mlp.experts.experts.{local.group(2)}.{local.group(3)}"
+    layer = None
+    block = _block_layer(param)
+    if block is not None and param[: block.start()] in stacked_blocks:
+        layer = int(block.group(1))
+        param = param[: block.start()] + ".layers." + param[block.end() :]
+    return _Parsed(param, layer, expert, half)
+
+
+def _indices(checkpoint: Checkpoint, target: str, found: set[int | None], what: str) -> list[int]:
+    indices = sorted(i for i in found if i is not None)
+    if indices and (None in found or indices != list(range(len(indices)))):
+        raise CkptError(f"{checkpoint.iteration_dir}: {target}: {what} {indices} are not 0..{len(indices) - 1}")
+    return indices
 
 
 def reverse_rules(checkpoint: Checkpoint) -> tuple[dict[str, ReverseRule], list[TargetTensor], list[KeyMapping]]:
     """Every convertible tensor's :class:`ReverseRule`, the output tensors and the key mappings."""
-    groups: dict[str, dict[tuple[int | None, str | None], str]] = {}
+    stacked_blocks = _homogeneous_blocks(checkpoint)
+    groups: dict[str, dict[tuple[int | None, int | None, str | None], str]] = {}
     dtypes: dict[str, str] = {}
     for key, entry in sorted(checkpoint.entries.items()):
         named = _source_param(key) if entry.kind == "tensor" and entry.shape is not None else None
         if named is None:
             continue
         param, stat = named
-        layer_match = _LAYER_RE.search(param)
-        layer = int(layer_match.group(1)) if layer_match else None
-        stacked = param
-        if layer_match is not None:
-            stacked = param[: layer_match.start()] + ".layers." + param[layer_match.end() :]
-        stacked, half = _unsplit(stacked)
-        target = stacked if stat is None else f"optimizer.state.{stat}.{stacked}"
-        groups.setdefault(target, {})[(layer, half)] = key
+        parsed = _parse(param, stacked_blocks)
+        target = parsed.stacked if stat is None else f"optimizer.state.{stat}.{parsed.stacked}"
+        groups.setdefault(target, {})[(parsed.layer, parsed.expert, parsed.half)] = key
         dtypes[target] = str(entry.dtype)
     rules: dict[str, ReverseRule] = {}
     tensors: list[TargetTensor] = []
     mappings: list[KeyMapping] = []
     for target, parts in sorted(groups.items()):
-        layers = sorted({layer for layer, _half in parts if layer is not None})
-        if layers and (len(layers) != len({layer for layer, _ in parts}) or layers != list(range(len(layers)))):
-            raise CkptError(f"{checkpoint.iteration_dir}: {target}: layers {layers} are not 0..{len(layers) - 1}")
-        halves = {half for _layer, half in parts}
+        layers = _indices(checkpoint, target, {layer for layer, _e, _h in parts}, "layers")
+        experts = _indices(checkpoint, target, {expert for _l, expert, _h in parts}, "experts")
+        halves = {half for _l, _e, half in parts}
         if halves not in ({None}, {"w", "v"}):
             raise CkptError(f"{checkpoint.iteration_dir}: {target}: SwiGLU halves {sorted(map(str, halves))} unpaired")
+        if len(parts) != max(len(layers), 1) * max(len(experts), 1) * len(halves):
+            raise CkptError(f"{checkpoint.iteration_dir}: {target}: some layers or experts lack a piece")
         first = checkpoint.entries[next(iter(parts.values()))]
         assert first.shape is not None
         inner = tuple(first.shape)
         half_size = inner[0] if halves == {"w", "v"} else 0
         if half_size:
             inner = (2 * half_size, *inner[1:])
-        for (layer, half), key in parts.items():
+        for (layer, expert, half), key in parts.items():
             shape = checkpoint.entries[key].shape
             if shape is None or tuple(shape[1:]) != inner[1:] or shape[0] != (half_size or inner[0]):
                 raise CkptError(f"{checkpoint.iteration_dir}: {key}: shape {shape} differs from its siblings'")
-            rules[key] = ReverseRule(target, layer, half_size if half == "v" else 0)
-        shape = (len(layers), *inner) if layers else inner
-        tensors.append(TargetTensor(target, shape, dtypes[target]))
-        how = (HOW_MERGE_SWIGLU if half_size else HOW_MERGE) if layers else "rename"
-        if half_size and not layers:
-            how = "SwiGLU halves joined"
+            lead = tuple(i for i in (layer, expert) if i is not None)
+            rules[key] = ReverseRule(target, lead, half_size if half == "v" else 0)
+        lead_shape = tuple(len(axis) for axis in (layers, experts) if axis)
+        tensors.append(TargetTensor(target, (*lead_shape, *inner), dtypes[target]))
+        steps = [HOW_MERGE] if layers else []
+        steps += [HOW_MERGE_EXPERTS] if experts else []
+        steps += [HOW_JOIN] if half_size else []
+        how = ", ".join(steps) or "rename"
         for key in sorted(parts.values()):
             mappings.append(KeyMapping(key, [target], how))
     return rules, tensors, mappings
 
 
-def unflatten(items: dict[str, Any]) -> dict:
-    """The common state from its dotted keys: a dict whose keys are exactly ``0..n-1`` becomes a list
-    (``optimizer.param_groups`` stays where megatron-core 0.19's common state has it)."""
+def planner_paths(checkpoint: Checkpoint) -> dict[str, tuple]:
+    """Each item's nested path as DCP's default planner recorded it in ``.metadata`` (``planner_data``): dict keys
+    as strings, list indices as ints; empty where the save recorded none."""
+    metadata = torch_dist.load_metadata_object(checkpoint.iteration_dir / ".metadata")
+    recorded = torch_dist.record_attr(metadata, "planner_data")
+    if not isinstance(recorded, dict):
+        return {}
+    return {key: tuple(path) for key, path in recorded.items() if isinstance(key, str) and isinstance(path, tuple)}
+
+
+def unflatten(items: dict[str, Any], paths: dict[str, tuple] | None = None) -> dict:
+    """The common state from its dotted keys. Where the planner's ``paths`` say, an int step is a list index and a
+    string step a dict key (digit keys back to ints: DCP writes a ChainedOptimizer's ``{0: ..., 1: ...}`` keys as
+    strings); without them a dict whose keys are exactly ``0..n-1`` becomes a list."""
     root: dict = {}
+    kinds: dict[tuple[str, ...], str] = {}  # dotted prefix -> "list" or "dict", from the recorded paths
     for key, value in items.items():
         parts = key.split(".")
+        path = (paths or {}).get(key)
+        if path is not None and len(path) == len(parts):
+            for depth in range(1, len(parts)):
+                kinds[tuple(parts[:depth])] = "list" if isinstance(path[depth], int) else "dict"
         node = root
         for part in parts[:-1]:
             child = node.setdefault(part, {})
@@ -124,16 +210,32 @@ def unflatten(items: dict[str, Any]) -> dict:
                 raise CkptError(f"{key}: {part} is both an item and a prefix of items")
             node = child
         node[parts[-1]] = value
-    return _listed(root)
+    return _listed(root, (), kinds)
 
 
-def _listed(node: Any) -> Any:
+def _listed(node: Any, where: tuple[str, ...], kinds: dict[tuple[str, ...], str]) -> Any:
     if not isinstance(node, dict):
         return node
-    out = {name: _listed(value) for name, value in node.items()}
-    if out and sorted(out) == sorted(str(i) for i in range(len(out))) and all(k.isdigit() for k in out):
+    out = {name: _listed(value, (*where, name), kinds) for name, value in node.items()}
+    digits = bool(out) and all(k.isdigit() for k in out)
+    kind = kinds.get(where)
+    if kind == "dict":
+        return {int(k) if digits else k: v for k, v in out.items()}
+    if digits and sorted(out) == sorted(str(i) for i in range(len(out))):
         return [out[str(i)] for i in range(len(out))]
     return out
+
+
+def distributed_optimizer_groups(common: dict) -> dict:
+    """A distributed optimizer's common state (it says ``param_state_sharding_type``) nests its param groups under
+    ``optimizer.optimizer``, where the forward conversion took them from (the FSDP optimizer names them
+    ``optimizer.param_groups``)."""
+    optimizer = common.get("optimizer")
+    if isinstance(optimizer, dict) and "param_state_sharding_type" in optimizer and "param_groups" in optimizer:
+        optimizer = dict(optimizer)
+        optimizer["optimizer"] = {"param_groups": optimizer.pop("param_groups")}
+        common = {**common, "optimizer": optimizer}
+    return common
 
 
 def plan_to_torch_dist(checkpoint: Checkpoint) -> tuple[ConvertPlan, dict[str, ReverseRule]]:
@@ -156,6 +258,7 @@ def plan_to_torch_dist(checkpoint: Checkpoint) -> tuple[ConvertPlan, dict[str, R
         source_format=FLAVOUR_FSDP_DTENSOR,
         target_format=TARGET_TORCH_DIST,
         swiglu=any(r.half for r in rules.values()),
+        grouped_experts=any(_GROUPED_EXPERT_RE.search(_HALF_RE.sub(r".linear_fc1.\1", key)) for key in rules),
         mappings=mappings,
         not_carried=not_carried,
         arg_changes={"ckpt_format": TARGET_TORCH_DIST},

@@ -1,13 +1,16 @@
 """``ckptdoctor convert``, writing half: the plan's tensors streamed chunk by chunk into a new DCP save.
 
 Each source chunk is read alone (one byte range, decoded through the safe unpickler: :mod:`ckptdoctor.values.read`),
-cut where the plan cuts it (a stacked layer's slice, a SwiGLU half) and appended to the output
-(:mod:`ckptdoctor.values.dcp_save`): memory holds one chunk. The common state items become bytes items (nested
+cut where the plan cuts it (a stacked layer's or expert's slice, a SwiGLU half) and appended to the output
+(:mod:`ckptdoctor.values.dcp_save`): memory holds one chunk per worker. The source's chunks are cut into units (per
+source data file, in file order, every :data:`UNIT_BYTES`); with ``jobs`` > 1 worker processes
+(:func:`ckptdoctor.parallel.map_units`) write one output data file per unit, and ``.metadata`` joins their records
+in unit order, so the output does not depend on ``jobs``. The common state items become bytes items (nested
 dicts and lists flattened into dotted keys, as DCP's default planner flattens them), the args saying
 ``ckpt_format='fsdp_dtensor'``. The output is built in a hidden staging dir beside ``--output``, read back
 through the safe unpickler, and only then renamed into place (:func:`ckptdoctor.ops.staging.swap_output`): an
 interrupted run leaves the source untouched and no output. Fault points ``convert:<step>``. ``--to torch_dist``
-writes the same way, the stacked keys' chunks placed back on the layer axis, then ``common.pt`` and
+writes the same way, the chunks placed back on the stacked layer and expert axes, then ``common.pt`` and
 ``metadata.json`` last (:mod:`ckptdoctor.ops.convert.reverse`).
 """
 
@@ -15,14 +18,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor import atomic
+from ckptdoctor import atomic, dist, parallel
 from ckptdoctor.checkpoint import Checkpoint, open_checkpoint
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.torch_dist import DcpChunk
 from ckptdoctor.formats.torch_zip import dump_torch_zip
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.convert.plan import (
@@ -36,9 +40,17 @@ from ckptdoctor.ops.convert.plan import (
     dotted,
     flattened,
     plan_convert,
+    rule_key,
     split_name,
 )
-from ckptdoctor.ops.convert.reverse import TARGET_TORCH_DIST, ReverseRule, plan_to_torch_dist, unflatten
+from ckptdoctor.ops.convert.reverse import (
+    TARGET_TORCH_DIST,
+    ReverseRule,
+    distributed_optimizer_groups,
+    plan_to_torch_dist,
+    planner_paths,
+    unflatten,
+)
 from ckptdoctor.ops.fix_args.plan import common_with_args
 from ckptdoctor.ops.rewrite.request import dir_bytes
 from ckptdoctor.ops.rewrite.write import check_integrity, check_target, input_was_save_dir
@@ -46,7 +58,7 @@ from ckptdoctor.ops.staging import SwapState, swap_output
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
 from ckptdoctor.tree_removal import remove_tree
-from ckptdoctor.values.dcp_save import DcpSaveWriter
+from ckptdoctor.values.dcp_save import ChunkRecord, DataFileWriter, DcpSaveLayout, data_file_name
 from ckptdoctor.values.read import read_chunk
 
 STEP = "convert"
@@ -87,11 +99,10 @@ def _planner_path(key: str) -> tuple[str, ...]:
 
 def _pieces(rule: ChunkRule, offsets: tuple[int, ...], value: Any) -> Iterator[tuple[str, tuple, Any]]:
     """(output key, offsets, tensor) of one source chunk, as the rule places it."""
-    if rule.layered:
-        key = rule.base.format(layer=offsets[0])
-        offsets, value = offsets[1:], value.reshape(tuple(value.shape[1:]))
-    else:
-        key = rule.base
+    lead = len(rule.axes)
+    key = rule_key(rule, offsets[:lead])
+    if lead:
+        offsets, value = offsets[lead:], value.reshape(tuple(value.shape[lead:]))
     if not rule.swiglu:
         yield key, offsets, value
         return
@@ -110,61 +121,124 @@ def _common_items(checkpoint: Checkpoint, plan: ConvertPlan) -> Iterator[tuple[s
             yield dotted(path), path, dump_torch_zip(value)
 
 
-def _fill(checkpoint: Checkpoint, plan: ConvertPlan, stage: Path, progress: Progress | None) -> ConvertResult:
-    result = ConvertResult("", "", 0, 0, 0, 0, 0)
-    with DcpSaveWriter(stage) as writer:
-        for target in plan.target_tensors:
-            writer.declare_tensor(target.key, target.shape, target.dtype, _planner_path(target.key))
-        result.tensors = len(plan.target_tensors)
-        for mapping in plan.mappings:
-            if mapping.how == HOW_OBJECT:
-                continue
-            entry = checkpoint.entries[mapping.source]
-            rule = chunk_rule(entry, plan.swiglu)
-            for index, chunk in enumerate(entry.chunks):
-                value = read_chunk(checkpoint, entry.key, index)
-                for key, offsets, piece in _pieces(rule, tuple(chunk.offsets), value):
-                    writer.write_chunk(key, offsets, piece)
-                    result.chunks += 1
+# One unit of parallel work: a run of source chunks from one data file, cut where it passes this many bytes. The
+# cut depends on the source only, so the output (one data file per unit) is the same at any --jobs.
+UNIT_BYTES = 256 << 20
+
+Placement = Callable[[str, DcpChunk, Any], Iterator[tuple[str, tuple, Any]]]
+
+
+def _units(checkpoint: Checkpoint, keys: list[str]) -> list[list[tuple[str, int]]]:
+    """The source chunks of ``keys`` as units: per source data file, in file order, cut at :data:`UNIT_BYTES`."""
+    by_file: dict[str, list[tuple[int, str, int]]] = {}
+    for key in keys:
+        for index, chunk in enumerate(checkpoint.entries[key].chunks):
+            where = chunk.storage
+            name, offset = (where.relative_path, where.offset) if where is not None else ("", 0)
+            by_file.setdefault(name, []).append((offset, key, index))
+    units: list[list[tuple[str, int]]] = []
+    for name in sorted(by_file):
+        unit: list[tuple[str, int]] = []
+        size = 0
+        for _offset, key, index in sorted(by_file[name]):
+            nbytes = checkpoint.entries[key].chunk_nbytes(checkpoint.entries[key].chunks[index]) or 0
+            if unit and size + nbytes > UNIT_BYTES:
+                units.append(unit)
+                unit, size = [], 0
+            unit.append((key, index))
+            size += nbytes
+        if unit:
+            units.append(unit)
+    return units
+
+
+def _write_units(
+    checkpoint: Checkpoint,
+    keys: list[str],
+    place: Placement,
+    layout: DcpSaveLayout,
+    stage: Path,
+    jobs: int | None,
+    progress: Progress | None,
+) -> tuple[list[ChunkRecord], int]:
+    """Every source chunk of ``keys`` read (the values engine, one chunk at a time), cut by ``place`` and written:
+    each unit to its own data file, units spread over ``jobs`` worker processes (:func:`ckptdoctor.parallel.map_units`),
+    the records joined in unit order. Returns the records and the number of data files written."""
+    units = _units(checkpoint, keys)
+    weights = [
+        sum(checkpoint.entries[k].chunk_nbytes(checkpoint.entries[k].chunks[i]) or 0 for k, i in u) for u in units
+    ]
+
+    def task(number: int) -> list[ChunkRecord]:
+        with DataFileWriter(stage, data_file_name(number), layout) as writer:
+            for key, index in units[number]:
+                value = read_chunk(checkpoint, key, index)
+                for out_key, offsets, piece in place(key, checkpoint.entries[key].chunks[index], value):
+                    writer.write_chunk(out_key, offsets, piece)
                 del value
-                if progress is not None:
-                    progress.advance(entry.chunk_nbytes(chunk) or 0)
-                atomic.fault_point(f"{STEP}:chunk-written")
+            writer.close()
+            return writer.chunks
+
+    def done(number: int) -> None:
+        if progress is not None:
+            progress.advance(weights[number])
+        atomic.fault_point(f"{STEP}:chunk-written")
+
+    parts = parallel.map_units(weights, task, jobs, done)
+    return [record for part in parts for record in part], len(units)
+
+
+def _fill(
+    checkpoint: Checkpoint, plan: ConvertPlan, stage: Path, jobs: int | None, progress: Progress | None
+) -> ConvertResult:
+    layout = DcpSaveLayout()
+    for target in plan.target_tensors:
+        layout.declare_tensor(target.key, target.shape, target.dtype, _planner_path(target.key))
+    sources = [m.source for m in plan.mappings if m.how != HOW_OBJECT]
+    rules = {key: chunk_rule(checkpoint.entries[key], plan.swiglu, plan.grouped_experts) for key in sources}
+
+    def place(key: str, chunk: DcpChunk, value: Any) -> Iterator[tuple[str, tuple, Any]]:
+        return _pieces(rules[key], tuple(chunk.offsets), value)
+
+    records, files = _write_units(checkpoint, sources, place, layout, stage, jobs, progress)
+    with DataFileWriter(stage, data_file_name(files), layout) as writer:
         for key, path, payload in _common_items(checkpoint, plan):
             writer.write_bytes(key, payload, path)
-            result.objects += 1
-        writer.finish()
+        writer.close()
+    layout.write_metadata(stage, records, writer.items)
     atomic.fsync_dir(stage)
-    return result
+    return ConvertResult("", "", len(plan.target_tensors), len(records), len(writer.items), 0, 0)
 
 
 def _fill_torch_dist(
-    checkpoint: Checkpoint, plan: ConvertPlan, rules: dict[str, ReverseRule], stage: Path, progress: Progress | None
+    checkpoint: Checkpoint,
+    plan: ConvertPlan,
+    rules: dict[str, ReverseRule],
+    stage: Path,
+    jobs: int | None,
+    progress: Progress | None,
 ) -> ConvertResult:
     """The reverse: each fsdp_dtensor chunk placed in its stacked torch_dist key; the top-level bytes items
     gathered into ``common.pt``; ``metadata.json`` last, as megatron-core writes it."""
-    result = ConvertResult("", "", len(plan.target_tensors), 0, 0, 0, 0)
-    with DcpSaveWriter(stage, flattened=False) as writer:
-        for target in plan.target_tensors:
-            writer.declare_tensor(target.key, target.shape, target.dtype)
-        for key, rule in sorted(rules.items()):
-            entry = checkpoint.entries[key]
-            for index, chunk in enumerate(entry.chunks):
-                value = read_chunk(checkpoint, key, index)
-                offsets = tuple(chunk.offsets)
-                offsets = (offsets[0] + rule.half, *offsets[1:])
-                if rule.layer is not None:
-                    offsets, value = (rule.layer, *offsets), value.unsqueeze(0)
-                writer.write_chunk(rule.target, offsets, value)
-                result.chunks += 1
-                del value
-                if progress is not None:
-                    progress.advance(entry.chunk_nbytes(chunk) or 0)
-                atomic.fault_point(f"{STEP}:chunk-written")
-        writer.finish()
+    layout = DcpSaveLayout(flattened=False)
+    for target in plan.target_tensors:
+        layout.declare_tensor(target.key, target.shape, target.dtype)
+
+    def place(key: str, chunk: DcpChunk, value: Any) -> Iterator[tuple[str, tuple, Any]]:
+        rule = rules[key]
+        offsets = tuple(chunk.offsets)
+        offsets = (offsets[0] + rule.half, *offsets[1:])
+        if rule.lead:  # one index on each stacked axis (layer, expert)
+            offsets = (*rule.lead, *offsets)
+            value = value.reshape((1,) * len(rule.lead) + tuple(value.shape))
+        yield rule.target, offsets, value
+
+    records, _files = _write_units(checkpoint, sorted(rules), place, layout, stage, jobs, progress)
+    layout.write_metadata(stage, records, [])
+    result = ConvertResult("", "", len(plan.target_tensors), len(records), 0, 0, 0)
     items = {key: checkpoint.read_bytes_item(key) for key, e in checkpoint.entries.items() if e.kind == "bytes"}
     result.objects = len(items)
-    common = unflatten(items)
+    common = distributed_optimizer_groups(unflatten(items, planner_paths(checkpoint)))
     if "args" in common:
         common = common_with_args(common, plan.arg_changes)
     atomic.write_atomic(stage / "common.pt", dump_torch_zip(common))
@@ -188,9 +262,12 @@ def convert(
     output: Path | None,
     dry_run: bool = False,
     force: bool = False,
+    jobs: int | None = None,
     progress: Progress | None = None,
 ) -> ConvertReport:
     """Plan the conversion and (unless ``dry_run``) write it to ``output``; every refusal comes before a write."""
+    if dist.group() is not None and not dry_run:  # one writer of the output: the ranks would race for it
+        raise CkptError("convert runs in one process, not under torchrun (use --jobs for parallel workers)")
     rules: dict[str, ReverseRule] = {}
     if target == TARGET_TORCH_DIST:
         plan, rules = plan_to_torch_dist(checkpoint)
@@ -206,7 +283,7 @@ def convert(
         return ConvertReport(plan, None, True)
     if output is None:
         raise CkptError("give -o/--output DIR (or --dry-run)")
-    check_target(checkpoint, output, False, force)
+    check_target(checkpoint, output, False, force, remote_source=True)  # the source is only read
     started = time.perf_counter()
     src_iter = checkpoint.iteration_dir
     save_layout = input_was_save_dir(checkpoint)
@@ -227,9 +304,9 @@ def convert(
             progress.start("converting tensors", plan.tensor_bytes(checkpoint))
         try:
             if target == TARGET_TORCH_DIST:
-                result = _fill_torch_dist(checkpoint, plan, rules, stage_iter, progress)
+                result = _fill_torch_dist(checkpoint, plan, rules, stage_iter, jobs, progress)
             else:
-                result = _fill(checkpoint, plan, stage_iter, progress)
+                result = _fill(checkpoint, plan, stage_iter, jobs, progress)
         finally:
             if progress is not None:
                 progress.finish()

@@ -40,7 +40,7 @@ from ckptdoctor.ops.staging import SwapState, not_carried, swap_in_place, swap_o
 from ckptdoctor.rules import leftovers
 from ckptdoctor.rules.integrity import INTEGRITY_NAME
 from ckptdoctor.tree_removal import remove_tree
-from ckptdoctor.write_guard import refuse_remote_write
+from ckptdoctor.write_guard import is_local, refuse_remote_write
 
 # Files of an iteration dir rebuilt (not copied) by strip-frozen. Megatron's integrity.json is not carried (its
 # sha256s are those of the unstripped files): a source that has one gets a fresh one, written as `seal` does.
@@ -51,6 +51,9 @@ def input_was_save_dir(checkpoint: Checkpoint) -> bool:
     location = checkpoint.location
     if location.save_dir is None:
         return False
+    if not is_local(location.save_dir):  # a URL: compared as given (nothing to resolve)
+        given_url = str(location.input_path).rstrip("/")
+        return given_url in (str(location.save_dir).rstrip("/"), str(location.save_dir / TRACKER_NAME))
     given = Path(location.input_path).resolve()
     return given in (location.save_dir.resolve(), (location.save_dir / TRACKER_NAME).resolve())
 
@@ -59,9 +62,10 @@ def _dir_bytes(directory: Path) -> int:
     return dir_bytes(directory)
 
 
-def _check_output(checkpoint: Checkpoint, output: Path, force: bool) -> None:
+def _check_output(checkpoint: Checkpoint, output: Path, force: bool, source_local: bool = True) -> None:
     source = checkpoint.location.save_dir or checkpoint.iteration_dir
-    atomic.refuse_overlap(output, [source, checkpoint.iteration_dir], "use --in-place to replace the source")
+    if source_local:  # a local output cannot lie inside a source on object storage
+        atomic.refuse_overlap(output, [source, checkpoint.iteration_dir], "use --in-place to replace the source")
     try:
         if output.exists():
             if not output.is_dir():
@@ -94,16 +98,25 @@ def check_integrity(checkpoint: Checkpoint, verb: str = "strip", carried: Collec
 
 
 def check_target(
-    checkpoint: Checkpoint, output: Path | None, in_place: bool, force: bool, keep_backup: bool = True
+    checkpoint: Checkpoint,
+    output: Path | None,
+    in_place: bool,
+    force: bool,
+    keep_backup: bool = True,
+    remote_source: bool = False,
 ) -> None:
-    """Refuse a bad target before any work is done (nothing is written by a refusal)."""
+    """Refuse a bad target before any work is done (nothing is written by a refusal). ``remote_source``: the
+    command reads a source on object storage chunk by chunk and writes a new local ``output`` (convert), so only
+    the output must be local."""
     if in_place == (output is not None):
         raise CkptError("give exactly one of --output DIR and --in-place")
-    refuse_remote_write(checkpoint.iteration_dir, in_place)  # writes are local only
+    source_local = is_local(checkpoint.iteration_dir)
+    if not (remote_source and output is not None and not source_local):
+        refuse_remote_write(checkpoint.iteration_dir, in_place)  # writes are local only
     if output is not None:
         refuse_remote_write(output, in_place=False)
     if output is not None:
-        _check_output(checkpoint, output, force)
+        _check_output(checkpoint, output, force, source_local)
         return
     iteration_dir = checkpoint.iteration_dir
     if not os.access(iteration_dir.parent, os.W_OK):
