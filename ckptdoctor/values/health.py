@@ -341,23 +341,29 @@ def _by_upper_half(np: Any, flat: Any) -> _Part:
     part.low, part.high = float(low), float(high)
     upper = np.empty(min(n, _BLOCK), dtype=np.intp)
     lower = np.empty(min(n, _BLOCK), dtype=np.float64)
-    counts = np.zeros(_BINS, dtype=np.intp)
-    lows = np.zeros(_BINS, dtype=np.float64)  # Σl < 2^22 * 2^16: exact
-    squares = np.zeros(_BINS, dtype=np.int64)
-    flushed = np.zeros(_BINS, dtype=np.float64)  # Σl² of up to _UPPER_HALF_FLUSH elements: below 2^52, exact
+    # the first block's bincounts are the running sums (a chunk of one block: no 2^16-bin array more)
+    counts = lows = squares = None  # Σl < 2^22 * 2^16 and Σl² over _UPPER_HALF_FLUSH elements < 2^52: exact
+    flushed = np.zeros(0, dtype=np.int64)  # Σl² of the elements before the last flush, in int64
     for start in range(0, n, _BLOCK):
         block = flat[start : start + _BLOCK]
         m = int(block.size)
         index, weight = upper[:m], lower[:m]
         np.right_shift(block, 16, out=index)
         np.bitwise_and(block, 0xFFFF, out=weight)
-        counts += np.bincount(index, minlength=_BINS)
-        lows += np.bincount(index, weights=weight, minlength=_BINS)
+        bins = np.bincount(index, minlength=_BINS)
+        low_bins = np.bincount(index, weights=weight, minlength=_BINS)
         np.multiply(weight, weight, out=weight)
-        flushed += np.bincount(index, weights=weight, minlength=_BINS)
-        if (start + m) % _UPPER_HALF_FLUSH == 0 or start + m == n:
-            squares += flushed.astype(np.int64)
-            flushed[:] = 0
+        square_bins = np.bincount(index, weights=weight, minlength=_BINS)
+        if counts is None or lows is None or squares is None:
+            counts, lows, squares = bins, low_bins, square_bins
+        else:
+            counts += bins
+            lows += low_bins
+            squares += square_bins
+        if (start + m) % _UPPER_HALF_FLUSH == 0 and start + m < n:
+            flushed = squares.astype(np.int64) + (flushed if flushed.size else 0)
+            squares[:] = 0
+    assert counts is not None and lows is not None and squares is not None
     # ±0 are the elements of bins 0 and 2^15 (upper half ±0) whose low half is 0: all of them when those bins' low
     # halves sum to 0 (the usual case: no subnormal below 2^-133), else counted
     if lows[0] == 0 and lows[1 << 15] == 0:
@@ -366,21 +372,24 @@ def _by_upper_half(np: Any, flat: Any) -> _Part:
         part.zeros = n - int(np.count_nonzero(values))  # -0.0 == 0
     rows = np.flatnonzero(counts.reshape(2, 256, 128)[:, :255, :].sum(axis=(0, 2)))  # the exponents present
     upper_fraction = np.arange(128, dtype=np.int64)[None, :] + (rows[:, None] > 0) * 128
-    c = counts.astype(np.int64).reshape(2, 256, 128)[:, rows, :]
-    low_sums = lows.astype(np.int64).reshape(2, 256, 128)[:, rows, :]
-    low_squares = squares.reshape(2, 256, 128)[:, rows, :]
-    sums_a = (c * upper_fraction).sum(axis=2)  # Σ c a per (sign, exponent)
-    sums_l = low_sums.sum(axis=2)
-    squares_a = (c * upper_fraction * upper_fraction).sum(axis=2)
-    cross = (low_sums * upper_fraction).sum(axis=2)
-    squares_l = low_squares.sum(axis=2)
-    for row, exponent in enumerate(rows):
-        shift = max(int(exponent), 1) - 1
+    c = counts.reshape(2, 256, 128)[:, rows, :].astype(np.int64)
+    low_sums = lows.reshape(2, 256, 128)[:, rows, :].astype(np.int64)
+    low_squares = squares.reshape(2, 256, 128)[:, rows, :].astype(np.int64)
+    if flushed.size:
+        low_squares += flushed.reshape(2, 256, 128)[:, rows, :]
+    # per (sign, exponent), as Python ints (tolist: no numpy scalar per term)
+    sums_a = (c * upper_fraction).sum(axis=2).tolist()  # Σ c a
+    sums_l = low_sums.sum(axis=2).tolist()
+    squares_a = (c * upper_fraction * upper_fraction).sum(axis=2).tolist()
+    cross = (low_sums * upper_fraction).sum(axis=2).tolist()
+    squares_l = low_squares.sum(axis=2).tolist()
+    for row, exponent in enumerate(rows.tolist()):
+        shift = max(exponent, 1) - 1
         for sign, factor in ((0, 1), (1, -1)):
-            total = (int(sums_a[sign, row]) << 16) + int(sums_l[sign, row])
-            square = (int(squares_a[sign, row]) << 32) + (int(cross[sign, row]) << 17)
+            total = (sums_a[sign][row] << 16) + sums_l[sign][row]
+            square = (squares_a[sign][row] << 32) + (cross[sign][row] << 17)
             part.total += factor * (total << shift)
-            part.total_sq += (square + int(squares_l[sign, row])) << (2 * shift)
+            part.total_sq += (square + squares_l[sign][row]) << (2 * shift)
     return part
 
 
@@ -427,10 +436,11 @@ def _by_histogram(np: Any, kind: _Kind, flat: Any) -> _Part:
         finite = grid[:, rows, :]
         sums = (finite * significand).sum(axis=2)  # (sign, exponent)
         squares = (finite * significand * significand).sum(axis=2)
-        for row, exponent in enumerate(rows):
-            shift = max(int(exponent), 1) - 1
-            part.total += (int(sums[0, row]) - int(sums[1, row])) << shift
-            part.total_sq += (int(squares[0, row]) + int(squares[1, row])) << (2 * shift)
+        sums, squares = sums.tolist(), squares.tolist()  # Python ints: no numpy scalar per term
+        for row, exponent in enumerate(rows.tolist()):
+            shift = max(exponent, 1) - 1
+            part.total += (sums[0][row] - sums[1][row]) << shift
+            part.total_sq += (squares[0][row] + squares[1][row]) << (2 * shift)
     else:
         part.zeros = int(counts[0])
         part.total = int((counts * values).sum())
