@@ -223,3 +223,32 @@ def test_two_checkpoints_csv(capsys):
 def test_all_iterations_and_csv_usage(capsys, save_dir, args, message):
     rc, out, err = run_main(capsys, "diff", save_dir, *[MOE if a == "B" else a for a in args])
     assert rc == 2 and message in err
+
+
+# --- one read: the value comparison measures what it reads -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [(MOE, ZERO_EXPERT), (TP1, TP4), (FIXTURES / "core019_tp2", FIXTURES / "core019_tp1")],
+)
+def test_stats_in_the_values_read_equal_check_health_pass(capsys, monkeypatch, a, b):
+    """--values --stats measures the chunks as the value comparison reads them: check --health's own pass is not
+    run, and every row equals what that pass gives (forced here by a tap that measures nothing)."""
+    from ckptdoctor.ops.diff import stats as diff_stats
+    from ckptdoctor.values.health_tap import HealthTap
+
+    real_scan = diff_stats.health_scan
+
+    def no_second_read(*args, **kwargs):
+        raise AssertionError("check --health's pass ran: the data was read twice")
+
+    monkeypatch.setattr(diff_stats, "health_scan", no_second_read)
+    one_read = _stats(capsys, a, b, "--jobs", "1")
+    monkeypatch.setattr(diff_stats, "health_scan", real_scan)
+
+    def missed(self, side, *args):
+        self.missed[side] = True
+
+    monkeypatch.setattr(HealthTap, "add", missed)
+    assert _stats(capsys, a, b, "--jobs", "1") == one_read

@@ -33,6 +33,7 @@ from ckptdoctor.ops.diff.report import (
 from ckptdoctor.ops.latest_good import iteration_value, save_dir_of
 from ckptdoctor.progress import Progress
 from ckptdoctor.values.health import KeyStats, Moments, moment_values
+from ckptdoctor.values.health_tap import HealthTap
 
 
 def compare_stats(
@@ -42,12 +43,20 @@ def compare_stats(
     limit: int | None = None,
     jobs: int | None = None,
     progress: Progress | None = None,
+    measured: HealthTap | None = None,
 ) -> StatsDiff:
     """Both checkpoints' statistics of the tensor ``keys`` (those in both that the filters kept), one row per key
     or per slice of a stacked key, the largest change first (then key and slice order); ``limit`` caps the rows
-    listed (counts are complete)."""
-    scan_a = health_scan(a.iteration_dir, a.iteration_dir, jobs, progress)
-    scan_b = health_scan(b.iteration_dir, b.iteration_dir, jobs, progress)
+    listed (counts are complete). ``measured``: what the value comparison measured as it read (its one read);
+    a side it could not measure whole is read again by ``check --health``'s pass."""
+    scan_a = scan_b = None
+    if measured is not None:
+        scan_a = None if measured.missed["a"] else measured.scans["a"]
+        scan_b = None if measured.missed["b"] else measured.scans["b"]
+    if scan_a is None:
+        scan_a = health_scan(a.iteration_dir, a.iteration_dir, jobs, progress)
+    if scan_b is None:
+        scan_b = health_scan(b.iteration_dir, b.iteration_dir, jobs, progress)
     rows: list[StatsRow] = []
     compared = 0
     for key in sorted(keys & scan_a.keys.keys() & scan_b.keys.keys()):
