@@ -18,7 +18,7 @@ odd, ``h`` one-to-one: :func:`_value_hashes`): equal slices have equal fingerpri
 and one changed value always changes it (``c^i`` is odd, so a different hash changes the sum). A key's
 fingerprint combines its slices' fingerprints with their indices. One- and two-byte dtypes (bfloat16, float16)
 are counted by bit pattern: one ``bincount`` over the elements, the sums then over the 2^16 patterns; float32 by
-its upper halves (:func:`_by_upper_half`).
+its upper 13 bits (:func:`_by_upper_bits`).
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def _add(np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, .
     if kind.itemsize == 1 or (kind.itemsize == 2 and n >= _HISTOGRAM_MIN):
         part = _by_histogram(np, kind, flat)
     elif kind == KINDS["torch.float32"] and n >= _HISTOGRAM_MIN:
-        part = _by_upper_half(np, flat)
+        part = _by_upper_bits(np, flat)
     else:
         part = _by_element(np, kind, flat)
     _merge_part(moments, part)
@@ -312,17 +312,19 @@ def _merge_part(part: _Part | Moments, other: _Part) -> None:
 
 
 _BLOCK = 1 << 17  # elements per step of the element-wise passes: their buffers stay in the core's cache
-_UPPER_HALF_FLUSH = 1 << 20  # float32 elements per float64 bin sum: the low halves' squares (< 2^32) stay below 2^52
-_BINS = 1 << 16
+_LOW_BITS = 19  # float32 split: the upper 13 bits (sign, exponent, 4 fraction bits) pick the bin
+_FRACTION_BINS = 1 << (23 - _LOW_BITS)  # bins per (sign, exponent)
+_BINS = 2 * 256 * _FRACTION_BINS  # 2^13: the bin arrays stay in the core's cache
+_SQUARES_BLOCK = 1 << 15  # float32 elements per float64 sum of squared low parts: (2^19)^2 * 2^15 < 2^53, exact
 
 
-def _by_upper_half(np: Any, flat: Any) -> _Part:
-    """float32 by the count of each upper half (sign, exponent, 7 fraction bits: 2^16 bins), with the sums of the
-    lower halves ``l`` and of their squares per bin: each value is ``±(a 2^16 + l) 2^bucket`` with ``a`` fixed by
-    the bin, so a bin's sum is ``c a 2^16 + Σl`` and its sum of squares ``c a² 2^32 + 2 a Σl 2^16 + Σl²``. Three
-    bincounts over the elements, in blocks of :data:`_BLOCK` through two reused buffers (bin index, low half);
-    the rest over the bins, in int64 (every term below 2^53). NaN and Inf show in min and max (rare: then
-    counted element-wise and left out)."""
+def _by_upper_bits(np: Any, flat: Any) -> _Part:
+    """float32 by the count of each upper part (sign, exponent, 4 fraction bits: 2^13 bins), with the sums of the
+    low 19 bits ``l`` and of their squares per bin: each value is ``±(a 2^19 + l) 2^bucket`` with ``a`` fixed by
+    the bin, so a bin's sum is ``c a 2^19 + Σl`` and its sum of squares ``c a² 2^38 + 2 a Σl 2^19 + Σl²``. Three
+    bincounts over the elements, in blocks through two reused buffers (bin index, low part); the squares summed
+    in float64 per :data:`_SQUARES_BLOCK` elements (exact) and then in int64; the rest over the bins, in Python
+    integers. NaN and Inf show in min and max (rare: then counted element-wise and left out)."""
     part = _Part()
     values = flat.view(np.float32)
     low, high = values.min(), values.max()
@@ -339,45 +341,36 @@ def _by_upper_half(np: Any, flat: Any) -> _Part:
     n = int(flat.size)
     part.finite = n
     part.low, part.high = float(low), float(high)
-    upper = np.empty(min(n, _BLOCK), dtype=np.intp)
-    lower = np.empty(min(n, _BLOCK), dtype=np.float64)
-    # the first block's bincounts are the running sums (a chunk of one block: no 2^16-bin array more)
-    counts = lows = squares = None  # Σl < 2^22 * 2^16 and Σl² over _UPPER_HALF_FLUSH elements < 2^52: exact
-    flushed = np.zeros(0, dtype=np.int64)  # Σl² of the elements before the last flush, in int64
-    for start in range(0, n, _BLOCK):
-        block = flat[start : start + _BLOCK]
+    step = min(n, _SQUARES_BLOCK)
+    upper = np.empty(step, dtype=np.intp)
+    lower = np.empty(step, dtype=np.float64)
+    counts = np.zeros(_BINS, dtype=np.intp)
+    lows = np.zeros(_BINS, dtype=np.float64)  # Σl < 2^22 * 2^19: exact
+    squares = np.zeros(_BINS, dtype=np.int64)
+    for start in range(0, n, step):
+        block = flat[start : start + step]
         m = int(block.size)
         index, weight = upper[:m], lower[:m]
-        np.right_shift(block, 16, out=index)
-        np.bitwise_and(block, 0xFFFF, out=weight)
-        bins = np.bincount(index, minlength=_BINS)
-        low_bins = np.bincount(index, weights=weight, minlength=_BINS)
+        np.right_shift(block, _LOW_BITS, out=index)
+        np.bitwise_and(block, (1 << _LOW_BITS) - 1, out=weight)
+        counts += np.bincount(index, minlength=_BINS)
+        lows += np.bincount(index, weights=weight, minlength=_BINS)
         np.multiply(weight, weight, out=weight)
-        square_bins = np.bincount(index, weights=weight, minlength=_BINS)
-        if counts is None or lows is None or squares is None:
-            counts, lows, squares = bins, low_bins, square_bins
-        else:
-            counts += bins
-            lows += low_bins
-            squares += square_bins
-        if (start + m) % _UPPER_HALF_FLUSH == 0 and start + m < n:
-            flushed = squares.astype(np.int64) + (flushed if flushed.size else 0)
-            squares[:] = 0
-    assert counts is not None and lows is not None and squares is not None
-    # ±0 are the elements of bins 0 and 2^15 (upper half ±0) whose low half is 0: all of them when those bins' low
-    # halves sum to 0 (the usual case: no subnormal below 2^-133), else counted
-    if lows[0] == 0 and lows[1 << 15] == 0:
-        part.zeros = int(counts[0] + counts[1 << 15])
+        squares += np.bincount(index, weights=weight, minlength=_BINS).astype(np.int64)
+    # ±0 are the elements of the two bins of upper part ±0 whose low part is 0: all of them when those bins' low
+    # parts sum to 0 (the usual case: no subnormal below 2^-130), else counted
+    negative_zero = _BINS // 2
+    if lows[0] == 0 and lows[negative_zero] == 0:
+        part.zeros = int(counts[0] + counts[negative_zero])
     else:
         part.zeros = n - int(np.count_nonzero(values))  # -0.0 == 0
-    rows = np.flatnonzero(counts.reshape(2, 256, 128)[:, :255, :].sum(axis=(0, 2)))  # the exponents present
-    upper_fraction = np.arange(128, dtype=np.int64)[None, :] + (rows[:, None] > 0) * 128
-    c = counts.reshape(2, 256, 128)[:, rows, :].astype(np.int64)
-    low_sums = lows.reshape(2, 256, 128)[:, rows, :].astype(np.int64)
-    low_squares = squares.reshape(2, 256, 128)[:, rows, :].astype(np.int64)
-    if flushed.size:
-        low_squares += flushed.reshape(2, 256, 128)[:, rows, :]
-    # per (sign, exponent), as Python ints (tolist: no numpy scalar per term)
+    grid = (2, 256, _FRACTION_BINS)  # sign, exponent, upper fraction bits
+    rows = np.flatnonzero(counts.reshape(grid)[:, :255, :].sum(axis=(0, 2)))  # the exponents present
+    upper_fraction = np.arange(_FRACTION_BINS, dtype=np.int64)[None, :] + (rows[:, None] > 0) * _FRACTION_BINS
+    c = counts.reshape(grid)[:, rows, :].astype(np.int64)
+    low_sums = lows.reshape(grid)[:, rows, :].astype(np.int64)
+    low_squares = squares.reshape(grid)[:, rows, :]
+    # per (sign, exponent), as Python ints (tolist: no numpy scalar per term); every int64 sum below 2^61
     sums_a = (c * upper_fraction).sum(axis=2).tolist()  # Σ c a
     sums_l = low_sums.sum(axis=2).tolist()
     squares_a = (c * upper_fraction * upper_fraction).sum(axis=2).tolist()
@@ -386,8 +379,8 @@ def _by_upper_half(np: Any, flat: Any) -> _Part:
     for row, exponent in enumerate(rows.tolist()):
         shift = max(exponent, 1) - 1
         for sign, factor in ((0, 1), (1, -1)):
-            total = (sums_a[sign][row] << 16) + sums_l[sign][row]
-            square = (squares_a[sign][row] << 32) + (cross[sign][row] << 17)
+            total = (sums_a[sign][row] << _LOW_BITS) + sums_l[sign][row]
+            square = (squares_a[sign][row] << (2 * _LOW_BITS)) + (cross[sign][row] << (_LOW_BITS + 1))
             part.total += factor * (total << shift)
             part.total_sq += (square + squares_l[sign][row]) << (2 * shift)
     return part
