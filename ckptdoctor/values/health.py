@@ -576,9 +576,9 @@ def _value_hashes(np: Any, kind: _Kind, bits: Any) -> Any:
         if not _HASHES:
             _HASHES.append(_splitmix(np, np.arange(1 << 16, dtype=np.uint64)))
         return _HASHES[0][bits]
-    if kind.itemsize == 4:
-        x = bits * np.uint32(0x9E3779B1)
-        x ^= x >> np.uint32(16)
+    if kind.itemsize == 4:  # in uint64 from the start: the matrix-vector product then casts nothing
+        x = np.multiply(bits, np.uint32(0x9E3779B1), dtype=np.uint32).astype(np.uint64)
+        x ^= x >> np.uint64(16)  # x < 2^32: as in uint32
         return x
     return _splitmix(np, bits.astype(np.uint64))
 
