@@ -8,7 +8,11 @@ are per round, median [min-max].
 
 Goal (issue #38): ``check --health`` time within 1.25x of ``check --deep`` on the same checkpoint.
 
+``--before TREE`` adds ``check --health`` of another source tree (a git worktree of the baseline commit) to each
+group, so a change is measured before/after in the same alternating rounds.
+
     python bench/bench_health.py                      # 0.5G, 2000 keys, 16 files -> bench/results/health.json
+    python bench/bench_health.py --before /tmp/base   # and the baseline tree's --health, alternating with them
     python bench/bench_health.py --render             # the README table of the last results file
 """
 
@@ -35,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--before", type=Path, default=None, help="baseline source tree: its --health joins each group")
     p.add_argument("--render", action="store_true", help="print the table of bench/results/health.json")
     o = p.parse_args(argv)
     harness.use_code(o.code)
@@ -55,10 +60,20 @@ def main(argv: list[str] | None = None) -> int:
             f"check --deep {dtype}": Case(ckptdoctor(*check, "--deep", str(save))),
             f"check --health {dtype}": Case(ckptdoctor(*check, "--health", str(save))),
         }
+        if o.before is not None:
+            before = o.before.resolve()
+            cases[f"check --health {dtype} (before)"] = Case(ckptdoctor(*check, "--health", str(save)), cwd=before)
         group = alternate(cases, o.repeats, o.timeout)
         failures = failures or bool(group.failures)
         groups[dtype] = group.summary()
         ratios[f"--health / --deep, {dtype}"] = group.ratio(f"check --health {dtype}", f"check --deep {dtype}")
+        if o.before is not None:
+            ratios[f"--health / --health before, {dtype}"] = group.ratio(
+                f"check --health {dtype}", f"check --health {dtype} (before)"
+            )
+            ratios[f"--health before / --deep, {dtype}"] = group.ratio(
+                f"check --health {dtype} (before)", f"check --deep {dtype}"
+            )
         ratios[f"--deep / cat, {dtype}"] = group.ratio(f"check --deep {dtype}", f"cat {dtype}")
         ratios[f"health pass / deep pass (minus non-deep check), {dtype}"] = harness.spread(
             [

@@ -706,3 +706,75 @@ def test_fingerprint_tells_slices_apart():
     stats = _scan_in_chunks("torch.bfloat16", bits, 2)
     prints = [stats.slices[(i,)].fingerprint for i in range(4)]
     assert prints[0] == prints[1] and len(set(prints[1:])) == 3
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _GOLDEN) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return x ^ (x >> 31)
+
+
+def _scaled_value(dtype: str, bits: int) -> int | None:
+    """:func:`_exact_value` times ``2^scale`` (an integer for every finite value), in integer arithmetic."""
+    kind = KINDS[dtype]
+    width = kind.itemsize * 8
+    if not kind.is_float:
+        return bits - (1 << width) if kind.signed and bits >> (width - 1) else bits
+    exponent = (bits >> kind.fraction_bits) & ((1 << kind.exponent_bits) - 1)
+    if exponent == (1 << kind.exponent_bits) - 1:
+        return None
+    significand = (bits & ((1 << kind.fraction_bits) - 1)) + ((1 << kind.fraction_bits) if exponent else 0)
+    value = significand << (max(exponent, 1) - 1)
+    return -value if bits >> (width - 1) else value
+
+
+def _reference_hash(dtype: str, bits: int) -> int:
+    """The fingerprint's hash of one element by its definition: a 32-bit multiply-xorshift for 4-byte elements,
+    splitmix64 for the others."""
+    if KINDS[dtype].itemsize == 4:
+        x = (bits * 0x9E3779B1) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+    return _splitmix64(bits)
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16", "torch.float64", "torch.int32"])
+def test_engine_blocks_agree_with_the_definitions(dtype):
+    """Rows longer than the engine's blocks and slabs of many rows (the blocked passes, their seams), with NaN,
+    Inf, -0, subnormals: every count and exact sum as the IEEE values define it, and the fingerprint as
+    ``Σ c^i h(v_i) mod 2^64`` over the row-major index, computed element by element."""
+    kind = KINDS[dtype]
+    rng = np.random.default_rng(38)
+    width = 8 * kind.itemsize
+    shape = (3, 140_001)
+    if kind.is_float and kind.itemsize == 4:  # trained-weight-like values, which take the float32 fast path
+        bits = (rng.standard_normal(shape) * 0.02).astype(np.float32).view(np.uint32)
+    else:
+        bits = rng.integers(0, 1 << width, size=shape, dtype=np.uint64, endpoint=False).astype(_DTYPES[dtype])
+    specials = [0, 1 << (width - 1), 1, (1 << (width - 1)) + 1]  # +0, -0, ±the smallest subnormal
+    if kind.is_float:
+        exponent = ((1 << kind.exponent_bits) - 1) << kind.fraction_bits
+        specials += [exponent, exponent | 1, exponent | (1 << (width - 1))]  # +Inf, a NaN, -Inf
+    bits[1, 131_070 : 131_070 + len(specials)] = specials  # across the 2^17-element seam
+    scan = HealthScan()
+    for row in range(shape[0]):  # one chunk per row; then rows 0-1 as one slab
+        part = np.ascontiguousarray(bits[row : row + 1])
+        scan.scan("x.weight", dtype, shape, (row, 0), part.shape, part.tobytes())
+    moments = scan.keys["x.weight"].slices[()]
+    flat = [int(b) for b in bits.reshape(-1)]
+    values = [_scaled_value(dtype, b) for b in flat]
+    finite = [v for v in values if v is not None]
+    assert (moments.count, moments.finite) == (len(values), len(finite))
+    assert moments.zeros == sum(1 for v in finite if v == 0)
+    assert moments.total == sum(finite)
+    assert moments.total_sq == sum(v * v for v in finite)
+    scale = Fraction(2) ** kind.scale
+    assert Fraction(moments.low) == min(finite) / scale and Fraction(moments.high) == max(finite) / scale
+    fingerprint, power = 0, 1
+    for b in flat:
+        fingerprint = (fingerprint + power * _reference_hash(dtype, b)) & ((1 << 64) - 1)
+        power = (power * _GOLDEN) & ((1 << 64) - 1)
+    assert moments.fingerprint == fingerprint

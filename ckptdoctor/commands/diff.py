@@ -6,11 +6,15 @@ import contextlib
 import re
 import warnings
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import click
 
 from ckptdoctor.checkpoint import SECTIONS
 from ckptdoctor.commands.options import format_option, jobs_option
+
+if TYPE_CHECKING:
+    from ckptdoctor.ops.diff.compare import KeyFilter
 
 
 def _check_regexes(values: tuple[str, ...], option: str) -> None:
@@ -36,7 +40,7 @@ def quiet_library_warnings() -> Iterator[None]:
 
 @click.command("diff", short_help="Compare two checkpoints: keys, shapes, layout and args.")
 @click.argument("checkpoint_a", type=click.Path(path_type=str))
-@click.argument("checkpoint_b", type=click.Path(path_type=str))
+@click.argument("checkpoint_b", type=click.Path(path_type=str), required=False)
 @click.option(
     "--section",
     "sections",
@@ -46,7 +50,7 @@ def quiet_library_warnings() -> Iterator[None]:
 )
 @click.option("--key", "keys", multiple=True, metavar="REGEX", help="Only keys matching REGEX (repeatable: any).")
 @click.option("--exclude", multiple=True, metavar="REGEX", help="Leave out keys matching REGEX (repeatable).")
-@format_option(schema="diff")
+@format_option("csv", schema="diff")
 @click.option(
     "--values",
     "with_values",
@@ -71,6 +75,12 @@ def quiet_library_warnings() -> Iterator[None]:
     is_flag=True,
     help="With --values: both sides' statistics (check --health's: count, zeros, min, max, mean, std, L2 norm, "
     "fingerprint) per key and per layer / expert of stacked keys, with relative change (needs numpy).",
+)
+@click.option(
+    "--all-iterations",
+    is_flag=True,
+    help="With --values --stats: CHECKPOINT_A is a save dir; the statistics of every iteration dir, oldest first, "
+    "each with the change from the one before, and a per-layer table (no CHECKPOINT_B).",
 )
 @click.option(
     "--limit",
@@ -103,7 +113,7 @@ def quiet_library_warnings() -> Iterator[None]:
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing; the exit status says whether they differ.")
 def command(
     checkpoint_a: str,
-    checkpoint_b: str,
+    checkpoint_b: str | None,
     sections: tuple[str, ...],
     keys: tuple[str, ...],
     exclude: tuple[str, ...],
@@ -113,6 +123,7 @@ def command(
     rtol: float | None,
     report_n: int,
     with_stats: bool,
+    all_iterations: bool,
     limit: int | None,
     show_all: bool,
     ignore_layout: bool | None,
@@ -124,6 +135,8 @@ def command(
     quiet: bool,
 ) -> int:
     """Compare two checkpoints: keys, dtypes and shapes, layout, args, common state and, with --values, values.
+
+    With --values --stats --all-iterations SAVE_DIR: the statistics of every iteration of a save dir side by side.
 
     A and B may differ in TP/PP, Megatron era (core 0.16 common.pt vs core 0.19 common_state) and backend.
     An arg absent on one side because that side's core never saved it (named in the era notes) is reported but
@@ -138,7 +151,7 @@ def command(
     from ckptdoctor.gc_pause import gc_paused, hold_until_exit
     from ckptdoctor.ops.diff.compare import KeyFilter, diff_checkpoints
     from ckptdoctor.render.common import echo_json
-    from ckptdoctor.render.diff import render_diff, render_name_only, render_stat
+    from ckptdoctor.render.diff import render_diff, render_name_only, render_stat, render_stats_csv
     from ckptdoctor.render.wrap import output_width
 
     if stat and name_only:
@@ -155,6 +168,19 @@ def command(
         from ckptdoctor.values.health import require_numpy
 
         require_numpy("diff --stats (tensor statistics)")  # one clear error before any work
+    if all_iterations:
+        if not with_stats:
+            raise click.BadParameter("needs --values --stats", param_hint="--all-iterations")
+        if checkpoint_b is not None:
+            raise click.UsageError("--all-iterations takes one save dir (CHECKPOINT_A), no CHECKPOINT_B")
+        if stat or name_only or report_n:
+            raise click.UsageError("--all-iterations shows statistics only (no --stat, --name-only, --report)")
+    elif checkpoint_b is None:
+        raise click.UsageError("Missing argument 'CHECKPOINT_B' (or --values --stats --all-iterations SAVE_DIR).")
+    if output_format == "csv" and not with_stats:
+        raise click.UsageError("--format csv is the statistics' table: it needs --values --stats")
+    if output_format == "csv" and (stat or name_only):
+        raise click.UsageError("--format csv holds the statistics only (no --stat, --name-only)")
     config = diff_defaults(*load_tool_config())
     _check_regexes(keys, "--key")
     _check_regexes(exclude, "--exclude")
@@ -175,6 +201,9 @@ def command(
     for name, value in (("--atol", atol), ("--rtol", rtol)):
         if value is not None and not value >= 0:
             raise click.BadParameter("must be >= 0", param_hint=name)
+    if all_iterations:
+        return _all_iterations(checkpoint_a, KeyFilter(sections, keys, exclude), output_format, limit, jobs, quiet)
+    assert checkpoint_b is not None
     progress = progress_bar(with_values and not quiet)
     # Two 20,000-key indexes are ~10^6 long-lived objects that the cyclic GC would re-walk on every allocation
     # burst (a third of a structural diff's time); nothing here makes cyclic garbage worth collecting.
@@ -207,6 +236,8 @@ def command(
         pass
     elif output_format == "json":
         echo_json(report)
+    elif output_format == "csv":
+        click.echo(render_stats_csv(report))
     elif stat:
         click.echo(render_stat(report))
     elif name_only:
@@ -216,3 +247,34 @@ def command(
     else:
         click.echo(render_diff(report, width=output_width()))
     return EXIT_OK if report.identical else EXIT_FINDINGS
+
+
+def _all_iterations(
+    save_dir: str, key_filter: KeyFilter, output_format: str, limit: int | None, jobs: int | None, quiet: bool
+) -> int:
+    """``--values --stats --all-iterations SAVE_DIR``: exit 0 when no row moved between iterations, else 1."""
+    from ckptdoctor.commands.progress_bar import progress_bar
+    from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK
+    from ckptdoctor.gc_pause import gc_paused
+    from ckptdoctor.ops.diff.stats import stats_series
+    from ckptdoctor.render.common import echo_json
+    from ckptdoctor.render.diff import render_stats_csv, render_stats_series
+
+    progress = progress_bar(not quiet)
+    try:
+        with gc_paused(), quiet_library_warnings():
+            series = stats_series(
+                save_dir, key_filter.accepts, None if output_format == "csv" else limit, jobs, progress
+            )
+    finally:
+        if progress is not None:
+            progress.finish()
+    if quiet:
+        pass
+    elif output_format == "json":
+        echo_json(series)
+    elif output_format == "csv":
+        click.echo(render_stats_csv(series))
+    else:
+        click.echo(render_stats_series(series))
+    return EXIT_FINDINGS if series.series.changed else EXIT_OK

@@ -5,6 +5,8 @@ Kept apart from render/common.py so that the diff's many sections do not crowd t
 
 from __future__ import annotations
 
+import csv
+import io
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.render.common import human_bytes, short_value
@@ -12,7 +14,7 @@ from ckptdoctor.render.wrap import wrap_lines
 from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
-    from ckptdoctor.ops.diff.report import DiffReport, StatsDiff, StatsRow
+    from ckptdoctor.ops.diff.report import DiffReport, SliceStats, StatsDiff, StatsRow, StatsSeries
     from ckptdoctor.values.diff import ValuesReport
 
 
@@ -272,6 +274,114 @@ def _stats_cells(row: StatsRow) -> tuple[str, ...]:
         str(row.a.zeros),
         str(row.b.zeros),
         "same" if row.equal else "moved",
+    )
+
+
+@text_safe
+def render_stats_series(report: StatsSeries) -> str:
+    """``--all-iterations``: the per-layer table (the model weights of each decoder layer together: L2 norm per
+    iteration, its change from the one before, the rows that moved), then one row per key or slice with its L2
+    norm per iteration and the change."""
+    its = report.iterations
+    series = report.series
+    lines = [
+        f"save dir {report.save_dir}: iterations {', '.join(map(str, its))}",
+        f"stats (as check --health): {series.keys} keys in {series.count} rows (one per key or layer / expert), "
+        f"{series.changed} moved; change: of the L2 norm from the iteration before",
+    ]
+    if series.layers:
+        lines += ["", "layers (model weights of each decoder layer together: L2 norm, change, rows moved)"]
+        header = ("layer", *(f"iter {it}" for it in its))
+        table = [header] + [
+            (
+                str(layer.layer),
+                *(
+                    _num(l2) if i == 0 else f"{_num(l2)} ({_change(change, prev, l2)}, {moved}/{layer.rows} moved)"
+                    for i, (l2, change, moved, prev) in enumerate(
+                        zip(layer.l2, layer.l2_change, layer.moved, [None, *layer.l2])
+                    )
+                ),
+            )
+            for layer in series.layers
+        ]
+        lines += _table(table, left=1)
+    lines += ["", "keys (L2 norm per iteration, change from the iteration before)"]
+    header = ("key", "slice", *(f"iter {it}" for it in its))
+    rows = []
+    for row in series.rows:
+        at = {p.iteration: p for p in row.points}
+        cells = []
+        for it in its:
+            point = at.get(it)
+            if point is None:
+                cells.append("-")
+            elif point.equal_previous is None:
+                cells.append(_num(point.stats.l2))
+            else:
+                cells.append(f"{_num(point.stats.l2)} ({'same' if point.equal_previous else _l2_change(point)})")
+        rows.append((row.key, " ".join(f"{axis} {index}" for axis, index in row.slice.items()) or "-", *cells))
+    lines += _table([header, *rows], left=2)
+    lines += _more(len(series.rows), series.count)
+    return "\n".join(lines)
+
+
+def _l2_change(point: Any) -> str:
+    change = point.l2_change
+    return "from 0" if change is None else "0" if change == 0 else f"{change * 100:+.3g}%"
+
+
+def _table(rows: list[tuple[str, ...]], left: int) -> list[str]:
+    """Aligned columns: the first ``left`` to the left, the others to the right."""
+    widths = [max(len(cells[i]) for cells in rows) for i in range(len(rows[0]))]
+    out = []
+    for cells in rows:
+        parts = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        out.append(("  " + "  ".join(parts)).rstrip())
+    return out
+
+
+CSV_HEADER = ("key", "layer", "expert", "iteration", "count", "zeros", "min", "max", "mean", "std", "l2", "rel_change")
+
+
+@text_safe
+def render_stats_csv(report: DiffReport | StatsSeries) -> str:
+    """``--format csv``: one row per key (or slice) per iteration (``--all-iterations``) or per side (``A``,
+    ``B``), for plotting; ``rel_change`` is the L2 norm's relative change from the iteration before (from A for
+    B), empty where there is none."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_HEADER)
+    stats = getattr(report, "stats", None)
+    if stats is not None:  # two checkpoints: A, then B with the change from A
+        for pair in stats.rows:
+            writer.writerow(_csv_cells(pair.key, pair.slice, "A", pair.a, None, first=True))
+            writer.writerow(_csv_cells(pair.key, pair.slice, "B", pair.b, pair.l2_change, first=False))
+    series = getattr(report, "series", None)
+    for row in series.rows if series is not None else []:
+        for i, point in enumerate(row.points):
+            writer.writerow(_csv_cells(row.key, row.slice, point.iteration, point.stats, point.l2_change, i == 0))
+    return out.getvalue().rstrip("\n")
+
+
+def _csv_cells(
+    key: str, where: dict[str, int], iteration: int | str, side: SliceStats, change: float | None, first: bool
+) -> tuple[Any, ...]:
+    def cell(x: Any) -> Any:
+        return "" if x is None else repr(x) if isinstance(x, float) else x
+
+    return (
+        key,
+        cell(where.get("layer")),
+        cell(where.get("expert")),
+        iteration,
+        side.count,
+        side.zeros,
+        cell(side.min),
+        cell(side.max),
+        cell(side.mean),
+        cell(side.std),
+        cell(side.l2),
+        "" if first or change is None else repr(change),
     )
 
 

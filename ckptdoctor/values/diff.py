@@ -27,6 +27,7 @@ from ckptdoctor import dist, parallel
 from ckptdoctor.logical_items import KIND_TENSOR, Item
 from ckptdoctor.progress import Progress
 from ckptdoctor.values.accumulate import SLAB_ELEMENTS, Accumulator, finite
+from ckptdoctor.values.health_tap import HealthTap
 from ckptdoctor.values.io import Context, InFlight, ReadCounter, Torch
 from ckptdoctor.values.objects import compare_objects
 from ckptdoctor.values.read import numpy_or_none
@@ -112,6 +113,8 @@ def _twins(a: Checkpoint, ea: Entry, b: Checkpoint, eb: Entry, ctx: Context) -> 
         return False
     ctx.inflight.acquire(len(blob) + len(twin))
     ctx.inflight.release(len(blob) + len(twin))
+    if ctx.health is not None:
+        ctx.health.add_twin(a, ea, ca, blob)
     ctx.read.add("a", len(blob))
     ctx.read.add("b", len(twin))
     return True
@@ -164,6 +167,7 @@ class _Run:
     a: int
     b: int
     peak: int
+    health: HealthTap | None = None  # with stats: the statistics of the chunks this run read
 
 
 def _compare_run(
@@ -218,6 +222,7 @@ def compare_values(
     workers: int | None = None,
     report: int = 0,
     meanwhile: Callable[[], None] | None = None,
+    health: HealthTap | None = None,
 ) -> ValuesReport:
     """Values of the key pairs (same logical key in A and B), in A's on-disk order for sequential reads.
 
@@ -227,6 +232,9 @@ def compare_values(
     ``meanwhile``: the caller's other work (``diff``'s structural comparison), run once in this process: while
     the forked workers read (after the first run is back), else (one process, torchrun) before reading. Its
     errors come first either way: when a run fails before it has run, it runs, and its error is the one raised.
+
+    ``health``: every chunk read is also measured as ``check --health`` measures it, into this tap (merged from
+    the runs), so ``diff --values --stats`` reads each byte once.
     """
     start = time.perf_counter()
     ordered, weights = _order(pairs)
@@ -247,13 +255,16 @@ def compare_values(
         lo, hi = runs[index]
         counter = ReadCounter(progress.advance if inline and progress is not None else None)
         ctx = Context(counter, InFlight(1 << 62), torch)  # a count only: each worker holds one key's chunks
+        ctx.health = HealthTap() if health is not None else None
         ctx.files.plan(a, (e for ia, _ in ordered[lo:hi] for e in ia.entries.values()))  # remote: few requests
         ctx.files.plan(b, (e for _, ib in ordered[lo:hi] for e in ib.entries.values()))
         try:
             found, twins = _compare_run(a, b, ordered[lo:hi], atol, rtol, ctx, report)
         finally:
             ctx.files.close()
-        return _summary(found, twins, counter, ctx.inflight.peak)
+        run = _summary(found, twins, counter, ctx.inflight.peak)
+        run.health = ctx.health
+        return run
 
     pending = [meanwhile] if meanwhile is not None else []
     deferred: list[Exception] = []  # what meanwhile raised while the workers ran (raised once they are done)
@@ -292,6 +303,10 @@ def compare_values(
         if progress is not None:
             progress.finish()
     run_meanwhile()  # not run yet: no run came back (no pairs)
+    if health is not None:
+        for part in parts:
+            if part.health is not None:
+                health.merge(part.health)
     different = sorted((r for part in parts for r in part.different), key=lambda r: r.key)
     skipped = sorted((r for part in parts for r in part.skipped), key=lambda r: r.key)
     finite_diffs = [part.top for part in parts if part.top is not None]

@@ -18,7 +18,7 @@ odd, ``h`` one-to-one: :func:`_value_hashes`): equal slices have equal fingerpri
 and one changed value always changes it (``c^i`` is odd, so a different hash changes the sum). A key's
 fingerprint combines its slices' fingerprints with their indices. One- and two-byte dtypes (bfloat16, float16)
 are counted by bit pattern: one ``bincount`` over the elements, the sums then over the 2^16 patterns; float32 by
-its upper halves (:func:`_by_upper_half`).
+its upper 13 bits (:func:`_by_upper_bits`).
 """
 
 from __future__ import annotations
@@ -278,9 +278,7 @@ def _add(np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, .
     if kind.itemsize == 1 or (kind.itemsize == 2 and n >= _HISTOGRAM_MIN):
         part = _by_histogram(np, kind, flat)
     elif kind == KINDS["torch.float32"] and n >= _HISTOGRAM_MIN:
-        part = _Part()
-        for start in range(0, n, _UPPER_HALF_SLAB):
-            _merge_part(part, _by_upper_half(np, flat[start : start + _UPPER_HALF_SLAB]))
+        part = _by_upper_bits(np, flat)
     else:
         part = _by_element(np, kind, flat)
     _merge_part(moments, part)
@@ -313,48 +311,78 @@ def _merge_part(part: _Part | Moments, other: _Part) -> None:
     part.total_sq += other.total_sq
 
 
-_UPPER_HALF_SLAB = 1 << 20  # float32 elements at once: the low halves' squares (< 2^32) sum below 2^52
+_BLOCK = 1 << 17  # elements per step of the element-wise passes: their buffers stay in the core's cache
+_LOW_BITS = 19  # float32 split: the upper 13 bits (sign, exponent, 4 fraction bits) pick the bin
+_FRACTION_BINS = 1 << (23 - _LOW_BITS)  # bins per (sign, exponent)
+_BINS = 2 * 256 * _FRACTION_BINS  # 2^13: the bin arrays stay in the core's cache
+_SQUARES_BLOCK = 1 << 15  # float32 elements per float64 sum of squared low parts: (2^19)^2 * 2^15 < 2^53, exact
 
 
-def _by_upper_half(np: Any, flat: Any) -> _Part:
-    """float32 by the count of each upper half (sign, exponent, 7 fraction bits: 2^16 bins), with the sums of the
-    lower halves ``l`` and of their squares per bin: each value is ``±(a 2^16 + l) 2^bucket`` with ``a`` fixed by
-    the bin, so a bin's sum is ``c a 2^16 + Σl`` and its sum of squares ``c a² 2^32 + 2 a Σl 2^16 + Σl²``. Three
-    bincounts over the elements; the rest over the bins, in int64 (every term below 2^53)."""
+def _by_upper_bits(np: Any, flat: Any) -> _Part:
+    """float32 by the count of each upper part (sign, exponent, 4 fraction bits: 2^13 bins), with the sums of the
+    low 19 bits ``l`` and of their squares per bin: each value is ``±(a 2^19 + l) 2^bucket`` with ``a`` fixed by
+    the bin, so a bin's sum is ``c a 2^19 + Σl`` and its sum of squares ``c a² 2^38 + 2 a Σl 2^19 + Σl²``. Three
+    bincounts over the elements, in blocks through two reused buffers (bin index, low part); the squares summed
+    in float64 per :data:`_SQUARES_BLOCK` elements (exact) and then in int64; the rest over the bins, in Python
+    integers. NaN and Inf show in min and max (rare: then counted element-wise and left out)."""
     part = _Part()
-    upper = (flat >> np.uint32(16)).astype(np.intp)
-    lower = (flat & np.uint32(0xFFFF)).astype(np.float64)
-    counts = np.bincount(upper, minlength=1 << 16).reshape(2, 256, 128)  # sign, exponent, upper fraction
-    lows = np.bincount(upper, weights=lower, minlength=1 << 16).astype(np.int64).reshape(2, 256, 128)
-    lower *= lower
-    squares = np.bincount(upper, weights=lower, minlength=1 << 16).astype(np.int64).reshape(2, 256, 128)
-    bad = int(counts[:, 255, :].sum())
     values = flat.view(np.float32)
-    if bad:  # NaN or Inf (rare): counted element-wise, left out of the sums
-        fraction = flat[(flat & np.uint32(0x7F800000)) == np.uint32(0x7F800000)] & np.uint32(0x7FFFFF)
-        part.nan = int(np.count_nonzero(fraction))
+    low, high = values.min(), values.max()
+    if not (np.isfinite(low) and np.isfinite(high)):
+        non_finite = (flat & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
+        bad = int(np.count_nonzero(non_finite))
+        part.nan = int(np.count_nonzero(flat[non_finite] & np.uint32(0x7FFFFF)))
         part.inf = bad - part.nan
-        values = values[np.isfinite(values)]
-    part.finite = int(flat.size) - bad
-    part.zeros = int(flat.size) - int(np.count_nonzero(flat & np.uint32(0x7FFFFFFF)))
-    if not part.finite:
-        return part
-    part.low, part.high = float(values.min()), float(values.max())
-    rows = np.flatnonzero(counts[:, :255, :].sum(axis=(0, 2)))  # the exponents present (a few dozen, not 255)
-    upper_fraction = np.arange(128, dtype=np.int64)[None, :] + (rows[:, None] > 0) * 128
-    c, low_sums, low_squares = counts[:, rows, :], lows[:, rows, :], squares[:, rows, :]
-    sums_a = (c * upper_fraction).sum(axis=2)  # Σ c a per (sign, exponent)
-    sums_l = low_sums.sum(axis=2)
-    squares_a = (c * upper_fraction * upper_fraction).sum(axis=2)
-    cross = (low_sums * upper_fraction).sum(axis=2)
-    squares_l = low_squares.sum(axis=2)
-    for row, exponent in enumerate(rows):
-        shift = max(int(exponent), 1) - 1
+        flat = flat[~non_finite]
+        values = flat.view(np.float32)
+        if not flat.size:
+            return part
+        low, high = values.min(), values.max()
+    n = int(flat.size)
+    part.finite = n
+    part.low, part.high = float(low), float(high)
+    step = min(n, _SQUARES_BLOCK)
+    upper = np.empty(step, dtype=np.intp)
+    lower = np.empty(step, dtype=np.float64)
+    counts = np.zeros(_BINS, dtype=np.intp)
+    lows = np.zeros(_BINS, dtype=np.float64)  # Σl < 2^22 * 2^19: exact
+    squares = np.zeros(_BINS, dtype=np.int64)
+    for start in range(0, n, step):
+        block = flat[start : start + step]
+        m = int(block.size)
+        index, weight = upper[:m], lower[:m]
+        np.right_shift(block, _LOW_BITS, out=index)
+        np.bitwise_and(block, (1 << _LOW_BITS) - 1, out=weight)
+        counts += np.bincount(index, minlength=_BINS)
+        lows += np.bincount(index, weights=weight, minlength=_BINS)
+        np.multiply(weight, weight, out=weight)
+        squares += np.bincount(index, weights=weight, minlength=_BINS).astype(np.int64)
+    # ±0 are the elements of the two bins of upper part ±0 whose low part is 0: all of them when those bins' low
+    # parts sum to 0 (the usual case: no subnormal below 2^-130), else counted
+    negative_zero = _BINS // 2
+    if lows[0] == 0 and lows[negative_zero] == 0:
+        part.zeros = int(counts[0] + counts[negative_zero])
+    else:
+        part.zeros = n - int(np.count_nonzero(values))  # -0.0 == 0
+    grid = (2, 256, _FRACTION_BINS)  # sign, exponent, upper fraction bits
+    rows = np.flatnonzero(counts.reshape(grid)[:, :255, :].sum(axis=(0, 2)))  # the exponents present
+    upper_fraction = np.arange(_FRACTION_BINS, dtype=np.int64)[None, :] + (rows[:, None] > 0) * _FRACTION_BINS
+    c = counts.reshape(grid)[:, rows, :].astype(np.int64)
+    low_sums = lows.reshape(grid)[:, rows, :].astype(np.int64)
+    low_squares = squares.reshape(grid)[:, rows, :]
+    # per (sign, exponent), as Python ints (tolist: no numpy scalar per term); every int64 sum below 2^61
+    sums_a = (c * upper_fraction).sum(axis=2).tolist()  # Σ c a
+    sums_l = low_sums.sum(axis=2).tolist()
+    squares_a = (c * upper_fraction * upper_fraction).sum(axis=2).tolist()
+    cross = (low_sums * upper_fraction).sum(axis=2).tolist()
+    squares_l = low_squares.sum(axis=2).tolist()
+    for row, exponent in enumerate(rows.tolist()):
+        shift = max(exponent, 1) - 1
         for sign, factor in ((0, 1), (1, -1)):
-            total = (int(sums_a[sign, row]) << 16) + int(sums_l[sign, row])
-            square = (int(squares_a[sign, row]) << 32) + (int(cross[sign, row]) << 17)
+            total = (sums_a[sign][row] << _LOW_BITS) + sums_l[sign][row]
+            square = (squares_a[sign][row] << (2 * _LOW_BITS)) + (cross[sign][row] << (_LOW_BITS + 1))
             part.total += factor * (total << shift)
-            part.total_sq += (square + int(squares_l[sign, row])) << (2 * shift)
+            part.total_sq += (square + squares_l[sign][row]) << (2 * shift)
     return part
 
 
@@ -381,7 +409,12 @@ def _by_histogram(np: Any, kind: _Kind, flat: Any) -> _Part:
     """A 1- or 2-byte dtype's slab from the count of each bit pattern: one pass over the elements, then work on the
     2^8 or 2^16 patterns. Exact in int64: every sum is at most 2^22 elements times a square below 2^44."""
     values, finite_mask = _pattern_table(np, kind)
-    counts = np.bincount(flat, minlength=len(values))
+    counts = np.zeros(len(values), dtype=np.intp)
+    index = np.empty(min(int(flat.size), _BLOCK), dtype=np.intp)  # bincount's own cast would be as large as flat
+    for start in range(0, int(flat.size), _BLOCK):
+        block = flat[start : start + _BLOCK]
+        np.copyto(index[: block.size], block)
+        counts += np.bincount(index[: block.size], minlength=len(values))
     part = _Part()
     present = (counts > 0) & finite_mask
     if kind.is_float:
@@ -396,10 +429,11 @@ def _by_histogram(np: Any, kind: _Kind, flat: Any) -> _Part:
         finite = grid[:, rows, :]
         sums = (finite * significand).sum(axis=2)  # (sign, exponent)
         squares = (finite * significand * significand).sum(axis=2)
-        for row, exponent in enumerate(rows):
-            shift = max(int(exponent), 1) - 1
-            part.total += (int(sums[0, row]) - int(sums[1, row])) << shift
-            part.total_sq += (int(squares[0, row]) + int(squares[1, row])) << (2 * shift)
+        sums, squares = sums.tolist(), squares.tolist()  # Python ints: no numpy scalar per term
+        for row, exponent in enumerate(rows.tolist()):
+            shift = max(exponent, 1) - 1
+            part.total += (sums[0][row] - sums[1][row]) << shift
+            part.total_sq += (squares[0][row] + squares[1][row]) << (2 * shift)
     else:
         part.zeros = int(counts[0])
         part.total = int((counts * values).sum())
@@ -542,9 +576,9 @@ def _value_hashes(np: Any, kind: _Kind, bits: Any) -> Any:
         if not _HASHES:
             _HASHES.append(_splitmix(np, np.arange(1 << 16, dtype=np.uint64)))
         return _HASHES[0][bits]
-    if kind.itemsize == 4:
-        x = bits * np.uint32(0x9E3779B1)
-        x ^= x >> np.uint32(16)
+    if kind.itemsize == 4:  # in uint64 from the start: the matrix-vector product then casts nothing
+        x = np.multiply(bits, np.uint32(0x9E3779B1), dtype=np.uint32).astype(np.uint64)
+        x ^= x >> np.uint64(16)  # x < 2^32: as in uint32
         return x
     return _splitmix(np, bits.astype(np.uint64))
 
@@ -560,18 +594,45 @@ def _splitmix(np: Any, x: Any) -> Any:
     return x
 
 
+_POWERS: list[Any] = []  # c^j mod 2^64 for j < _BLOCK: the weights of one block of a last axis
+
+
 def _fingerprint(np: Any, kind: _Kind, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...]) -> int:
     """Σ c^i h(v_i) mod 2^64 over the elements ``bits`` at ``origin`` of a slice of ``shape`` (``i`` the index in
-    the slice, row-major; ``c`` odd; ``h`` splitmix64 of the bits). ``c^i`` is the product over dims of
-    ``(c^stride)^position``, so the sum contracts one axis at a time with a vector of powers: two passes."""
-    acc = _value_hashes(np, kind, bits)
-    stride = 1
-    for dim in range(len(shape) - 1, -1, -1):
+    the slice, row-major; ``c`` odd; ``h``: :func:`_value_hashes`). ``c^i`` is the product over dims of
+    ``(c^stride)^position``, so the sum contracts one axis at a time with a vector of powers. The last axis, the
+    one as long as the data, goes in blocks of :data:`_BLOCK` columns and rows: its powers are the cached
+    ``c^j`` times one factor per block, and the contraction a uint64 matrix-vector product (wrapping, exact
+    mod 2^64) with no temporary as large as the slab."""
+    if not _POWERS:
+        powers = np.full(_BLOCK, _GOLDEN, dtype=np.uint64)
+        powers[0] = 1
+        _POWERS.append(np.multiply.accumulate(powers))
+    table = _POWERS[0]
+    if bits.ndim == 0:
+        return int(_value_hashes(np, kind, bits.reshape(1))[0])
+    columns = bits.shape[-1]
+    rows = bits.reshape(-1, columns)
+    acc = np.zeros(rows.shape[0], dtype=np.uint64)
+    step = max(1, _BLOCK // columns)
+    for first in range(0, rows.shape[0], step):
+        hashes = _value_hashes(np, kind, rows[first : first + step])
+        out = acc[first : first + step]
+        for column in range(0, columns, _BLOCK):
+            block = hashes[:, column : column + _BLOCK]
+            partial = np.matmul(block, table[: block.shape[1]])
+            factor = pow(_GOLDEN, origin[-1] + column, 1 << 64)
+            if factor != 1:
+                partial *= np.uint64(factor)
+            out += partial
+    acc = acc.reshape(bits.shape[:-1])
+    stride = shape[-1]
+    for dim in range(len(shape) - 2, -1, -1):
         base = pow(_GOLDEN, stride, 1 << 64)
         powers = np.full(bits.shape[dim], base, dtype=np.uint64)
         powers[0] = pow(base, origin[dim], 1 << 64)
         np.multiply.accumulate(powers, out=powers)
-        acc = (acc.astype(np.uint64, copy=False) * powers).sum(axis=-1, dtype=np.uint64)
+        acc = (acc * powers).sum(axis=-1, dtype=np.uint64)
         stride *= shape[dim]
     return int(acc)
 

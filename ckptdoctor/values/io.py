@@ -19,6 +19,7 @@ from ckptdoctor.values import read
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint, Entry
+    from ckptdoctor.values.health_tap import HealthTap
 
 
 def _soft_fd_limit() -> int:
@@ -158,3 +159,4 @@ class Context:
         self.files = Files()
         # byte ranges read ahead for the key being compared ((side, id(chunk)) -> bytes), taken by the first use
         self.preread: dict[tuple[str, int], bytes] = {}
+        self.health: HealthTap | None = None  # diff --values --stats: every chunk read is measured too

@@ -129,6 +129,8 @@ def _blob(side: Side, chunk: DcpChunk, ctx: Context) -> bytes:
         ctx.inflight.release(chunk.storage.length)
         raise
     ctx.read.add(side.name, len(data))
+    if ctx.health is not None:
+        ctx.health.add(side.name, ckpt, entry, chunk, data)
     return data
 
 

@@ -43,6 +43,7 @@ from ckptdoctor.parallelism import SavedLayout, infer_layout
 from ckptdoctor.pickle.paths import FieldChange, FieldDiff, diff_fields, join
 from ckptdoctor.pickle.plain import same_value
 from ckptdoctor.values.diff import compare_values
+from ckptdoctor.values.health_tap import HealthTap
 
 if TYPE_CHECKING:
     from ckptdoctor.progress import Progress
@@ -371,6 +372,7 @@ def diff_checkpoints(
         parts.extend((report, sections, changed, layout_changes, args_diff, common, layout))
 
     values_report = None
+    measured = HealthTap() if values and stats else None  # the statistics measured in the values' one read
     if values:
         # compare_keys' keys in both, in its order
         both = [k for k in sorted(items_a.keys() & items_b.keys()) if not (era_common and is_common_state_item(k))]
@@ -388,13 +390,14 @@ def diff_checkpoints(
             workers=jobs,
             report=report_mismatches,
             meanwhile=structure,
+            health=measured,
         )
     else:
         structure()
     stats_diff = None
     if values and stats:
         tensors = {k for k in items_a.keys() & items_b.keys() if items_a[k].kind == items_b[k].kind == KIND_TENSOR}
-        stats_diff = compare_stats(a, b, tensors, limit, jobs, progress)
+        stats_diff = compare_stats(a, b, tensors, limit, jobs, progress, measured)
     report, sections, changed, layout_changes, args_diff, common, layout = parts
     report.values = values_report
     report.stats = stats_diff

@@ -193,3 +193,58 @@ class StatsDiff:
     count: int  # rows: one per key, or per slice of a stacked key
     changed: int  # rows whose fingerprints differ
     rows: list[StatsRow]  # the largest relative change first, then in key and slice order
+
+
+@dataclass
+class SeriesPoint:
+    """One iteration's statistics of a key or slice, and the relative change of its L2 norm from the previous
+    iteration that has it (``(b - a) / |a|``; None for the first, or where the previous is 0 and this is not)."""
+
+    iteration: int
+    stats: SliceStats
+    l2_change: float | None
+    equal_previous: bool | None  # equal fingerprint to the previous iteration's; None for the first
+
+
+@dataclass
+class SeriesRow:
+    """A key, or one layer / expert of a stacked key, across the iterations of a save dir (those that have it)."""
+
+    key: str
+    slice: dict[str, int]
+    points: list[SeriesPoint]
+
+
+@dataclass
+class LayerRow:
+    """One transformer layer's model weights across the iterations: the L2 norm of all of them together
+    (``sqrt(Σ l2²)``), its relative change from the previous iteration, and how many of the layer's rows moved."""
+
+    layer: int
+    l2: list[float | None]  # one per iteration (StatsSeries.iterations); None where the layer has no value
+    l2_change: list[float | None]  # the first is None
+    moved: list[int]  # rows whose fingerprint differs from the previous iteration's (the first: 0)
+    rows: int  # the layer's rows (keys and slices of model weights)
+
+
+@dataclass
+class SeriesStats:
+    """The statistics of ``--all-iterations`` (JSON ``series``), as :class:`StatsDiff` has them for two."""
+
+    keys: int  # tensor keys (those the filters kept), in any iteration
+    count: int  # rows: one per key, or per slice of a stacked key
+    changed: int  # rows whose fingerprint differs between some two consecutive iterations
+    rows: list[SeriesRow]  # in key and slice order, at most ``limit``
+    layers: list[LayerRow]  # model weights of decoder layers, by layer number
+
+
+@dataclass
+class StatsSeries:
+    """``diff --values --stats --all-iterations SAVE_DIR``: check --health's statistics of every iteration of a
+    save dir, oldest first, with the change between consecutive iterations."""
+
+    schema: str
+    save_dir: str
+    iterations: list[int]  # the iteration dirs measured, oldest first (a release dir is left out)
+    limit: int | None
+    series: SeriesStats
