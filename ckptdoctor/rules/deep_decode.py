@@ -8,6 +8,7 @@ decode to :class:`~ckptdoctor.pickle.stand_ins.TensorRef` through the safe unpic
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from ckptdoctor.rules.structure import Scanned
 from ckptdoctor.severity import OVERRIDDEN
 from ckptdoctor.storage.stream import read_ranges
 from ckptdoctor.values.archive_memo import parse, plain_key
-from ckptdoctor.values.health import HealthScan
+from ckptdoctor.values.health import KINDS, HealthScan
 
 NON_FINITE_SECTIONS = ("model", "optimizer")
 
@@ -41,21 +42,23 @@ def _values_scanned(entry: Entry) -> bool:
     return entry.section in NON_FINITE_SECTIONS
 
 
-def deep_bytes(state: Scanned) -> int:
-    """Bytes ``--deep`` will read (for a progress bar's length)."""
-    return sum(c.storage.length for items in _work(state).values() for _, c in items if c.storage is not None)
+def deep_bytes(state: Scanned, values: bool = True) -> int:
+    """Bytes ``--deep`` will read (for a progress bar's length); ``values``: as :func:`check_deep` reads them."""
+    work = _work(state, values)
+    return sum(c.storage.length for items in work.values() for _, c in items if c.storage is not None)
 
 
-def _work(state: Scanned) -> dict[str, list[tuple[Entry, DcpChunk]]]:
-    """Every chunk and item in a readable data file, by file, in offset order (sequential reads)."""
+def _work(state: Scanned, values: bool) -> dict[str, list[tuple[Entry, DcpChunk]]]:
+    """Every chunk and item in a readable data file, by file, in offset order (sequential reads); a legacy zarr
+    checkpoint's tensor chunks only where their ``values`` are read (they hold raw elements: nothing to decode)."""
     checkpoint = state.checkpoint
     by_file: dict[str, list[tuple[Entry, DcpChunk]]] = {}
     if checkpoint is None:
         return by_file
     zarr = checkpoint.dcp is None
     for entry in checkpoint.entries.values():
-        if zarr and entry.kind == "tensor":
-            continue  # legacy zarr chunks are raw elements: their sizes are checked with the data files (CKD114)
+        if zarr and entry.kind == "tensor" and not (values and entry.section in NON_FINITE_SECTIONS):
+            continue  # their sizes are checked with the data files (CKD114)
         for chunk in entry.chunks:
             if chunk.storage is not None and chunk.storage.relative_path not in state.bad_files:
                 by_file.setdefault(chunk.storage.relative_path, []).append((entry, chunk))
@@ -79,7 +82,7 @@ def check_deep(
     torchrun job); their findings are merged in file order, so the result does not depend on ``jobs``."""
     checkpoint = state.checkpoint
     out: list[Finding] = []
-    work = _work(state)
+    work = _work(state, scan_values or health is not None)
     if checkpoint is None or not work:
         return out
     files: list[tuple[Path, list[tuple[int, int, tuple[Entry, DcpChunk]]]]] = []
@@ -154,7 +157,10 @@ def _check_file(
                 entry.key, chunk.offsets, chunk.sizes
             )
             measure = stats if stats is not None and measured else None
-            problem = _check_chunk(decoder, entry, chunk, blob, path, scan, measure)
+            if state.checkpoint is not None and state.checkpoint.dcp is None:
+                problem = _scan_zarr_chunk(entry, chunk, blob, path, scan, measure)
+            else:
+                problem = _check_chunk(decoder, entry, chunk, blob, path, scan, measure)
         else:
             problem = _check_item(entry, blob, path)
         if problem is not None:
@@ -291,6 +297,27 @@ def _check_chunk(
         return refused_pickle(exc, path, what)
     except CkptError as exc:
         return finding(BLOB_UNDECODABLE, path, f"{what}: {without_path(exc, what)}")
+    return None
+
+
+def _scan_zarr_chunk(
+    entry: Entry,
+    chunk: DcpChunk,
+    blob: memoryview,
+    path: Path,
+    non_finite: NonFinite | None,
+    health: HealthScan | None,
+) -> Finding | None:
+    """A legacy zarr chunk: its file is the chunk's raw row-major elements (no compressor, no filters, no edge
+    padding: zarr_meta refuses the rest); one whose size is not that is CKD114's (the data files' sizes), not
+    scanned."""
+    dtype = KINDS.get(entry.dtype or "")
+    if dtype is None or len(blob) != math.prod(chunk.sizes) * dtype.itemsize:
+        return None
+    if non_finite is not None:
+        non_finite.scan(entry, chunk, blob, path)
+    if health is not None:
+        _measure(health, entry, chunk, blob, None)
     return None
 
 
