@@ -116,6 +116,7 @@ def test_the_families_come_from_config_json(capsys):
         "core019_gqa_qkln_tp2": "llama",  # qwen3: q/k norm in the dense table
         "core019_moe_ep2": "mixtral",
         "core019_moe_mixed_shared_ep2": "qwen_moe",
+        "core019_moe_shared_gate_ep2": "qwen_moe",  # qwen2_moe with Megatron's shared expert gate
         "core019_tied_pp2": "llama",
         "core019_tp1": "llama",
     }
@@ -323,6 +324,55 @@ def test_a_shared_expert_without_a_gate_leaves_qwen2_moes_gate_to_random_init(ca
     assert "no mlp.shared_experts.gate_weight in layer 1" in finding["message"]
     rc, report, _ = _verify(capsys, name, HF / name, "--strict")
     assert rc == 1 and report["verdict"] == "mismatch"
+
+
+GATED = "core019_moe_shared_gate_ep2"  # core019_moe_mixed_shared_ep2 saved with moe_shared_expert_gate
+GATE = "model.layers.1.mlp.shared_expert_gate.weight"
+
+
+def test_megatrons_shared_expert_gate_is_qwen2_moes_shared_expert_gate(capsys):
+    rc, report, _ = _verify(capsys, GATED, HF / GATED, "--values")
+    assert rc == 0 and report["findings"] == []
+    [gate] = [t for t in report["tensors"] if t["name"] == GATE]
+    assert gate["megatron_key"] == "decoder.layers.1.mlp.shared_experts.gate_weight"
+    assert gate["shape"] == [1, 32] and gate["max_abs_diff"] == 0.0  # nn.Linear(hidden, 1): [1, hidden] both sides
+
+
+def test_a_missing_shared_expert_gate_is_named(capsys, export_copy):
+    hf = export_copy(GATED)
+    _rewrite(hf, _shard_of(hf, GATE), lambda t: t.pop(GATE))
+    rc, report, _ = _verify(capsys, GATED, hf)
+    assert rc == 1
+    [finding] = _codes(report)["missing"]
+    assert (finding["hf_name"], finding["megatron_key"], finding["layer"]) == (
+        GATE,
+        "decoder.layers.1.mlp.shared_experts.gate_weight",
+        1,
+    )
+    assert set(_codes(report)) == {"missing"} and not _codes(report, "warning")
+
+
+def test_a_transposed_shared_expert_gate_is_a_shape_error(capsys, export_copy):
+    hf = export_copy(GATED)
+    _rewrite(hf, _shard_of(hf, GATE), lambda t: t.update({GATE: t[GATE].t().contiguous()}))
+    rc, report, _ = _verify(capsys, GATED, hf)
+    assert rc == 1
+    [finding] = _codes(report)["shape"]
+    assert finding["hf_name"] == GATE and "[32, 1]" in finding["message"] and "[1, 32]" in finding["message"]
+
+
+def test_a_zeroed_shared_expert_gate_is_named(capsys, export_copy):
+    """A zero gate weight halves the shared expert (sigmoid(0) = 0.5): a wrong model with every tensor present."""
+    torch = pytest.importorskip("torch")
+    hf = export_copy(GATED)
+    _rewrite(hf, _shard_of(hf, GATE), lambda t: t.update({GATE: torch.zeros_like(t[GATE])}))
+    rc, report, _ = _verify(capsys, GATED, hf)
+    assert rc == 0  # metadata only: names and shapes are right
+    rc, report, _ = _verify(capsys, GATED, hf, "--values")
+    assert rc == 1
+    [finding] = _codes(report)["zeroed"]
+    assert (finding["hf_name"], finding["layer"]) == (GATE, 1)
+    assert set(_codes(report)) == {"zeroed"}
 
 
 def test_a_router_that_does_not_renormalise_the_top_k_is_config_drift(capsys, export_copy):
