@@ -579,6 +579,66 @@ def test_deepseek_config_drift_names_each_field(capsys, export_copy):
         assert any(m.startswith(f"config.json {field} = ") and m.endswith(arg) for m in messages), (field, messages)
 
 
+# DeepSeek's grouped routing against Megatron's router: the fixture routes without groups (moe_router_num_groups
+# unset: one group of all experts, all chosen), with the expert bias (noaux_tc) and sigmoid scores
+@pytest.mark.parametrize(
+    ("field", "value", "stated"),
+    [
+        ("n_group", 8, "config.json n_group = 8, the saved args' moe_router_groups = 1"),
+        ("topk_group", 4, "config.json topk_group = 4, the saved args' moe_router_groups_chosen = 1"),
+        (
+            "topk_method",
+            "group_limited_greedy",
+            "config.json topk_method = 'group_limited_greedy', the saved args' moe_router_topk_method = 'noaux_tc'",
+        ),
+        (
+            "scoring_func",
+            "softmax",
+            "config.json scoring_func = 'softmax', the saved args' moe_router_score_function = 'sigmoid'",
+        ),
+    ],
+)
+def test_deepseek_grouped_routing_drift_is_named(capsys, export_copy, field, value, stated):
+    """DeepSeek's own config.json states topk_method and scoring_func too (transformers' config class does not
+    write them): where the other routing fields say what Megatron's router does, only the drifted one is named."""
+    hf = export_copy(DEEPSEEK)
+    config = json.loads((hf / "config.json").read_text())
+    routing = {"n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    (hf / "config.json").write_text(json.dumps({**config, **routing, field: value}))
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf)
+    assert rc == 1 and report["verdict"] == "mismatch"
+    assert [f["message"] for f in report["findings"]] == [stated]
+
+
+def test_a_checkpoint_with_group_limited_routing_wants_its_groups_in_config_json(capsys, export_copy, tmp_path):
+    """The fixture's args given Megatron's group-limited routing (2 groups, 1 chosen; fix-args --set): the export
+    that routes over one group is drift; stating 2 groups, 1 chosen matches."""
+    grouped = tmp_path / "grouped"
+    rc, _, err = run_main(
+        capsys,
+        "fix-args",
+        FIXTURES / DEEPSEEK,
+        "--set",
+        "moe_router_num_groups=2",
+        "--set",
+        "moe_router_group_topk=1",
+        "--force",
+        "-o",
+        grouped,
+    )
+    assert rc == 0, err
+    hf = export_copy(DEEPSEEK)
+    rc, report, _ = _verify(capsys, grouped, hf)
+    assert rc == 1
+    assert [f["message"] for f in report["findings"]] == [
+        "config.json n_group = 1, the saved args' moe_router_groups = 2"
+    ]
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "n_group": 2, "topk_group": 1, "topk_method": "noaux_tc"}))
+    rc, report, _ = _verify(capsys, grouped, hf)
+    assert rc == 0 and report["findings"] == []
+
+
 def test_a_perturbed_tensor_at_init_statistics_is_a_value_difference_not_reinitialised(capsys, export_copy):
     """Noise added to the checkpoint's weights keeps init-like statistics but stays correlated with them: not a
     fresh init."""
