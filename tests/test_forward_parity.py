@@ -15,6 +15,7 @@ from conftest import FIXTURES, REPO, require_mcore
 SCRIPT = FIXTURES / "forward_parity.py"
 EXPORTS = sorted(p.name for p in (FIXTURES / "hf").iterdir() if (p / "config.json").exists())
 # Qwen2-MoE gates its shared expert with a tensor the Megatron fixture has no counterpart of: not the same model
+# (core019_moe_shared_gate_ep2, the same layout saved with moe_shared_expert_gate, is)
 NOT_EQUIVALENT = {"core019_moe_mixed_shared_ep2"}
 TOLERANCE = 1e-5  # fp32 on both sides; logits are O(0.5): reduction order only
 

@@ -116,6 +116,7 @@ def test_the_families_come_from_config_json(capsys):
         "core019_gqa_qkln_tp2": "llama",  # qwen3: q/k norm in the dense table
         "core019_moe_ep2": "mixtral",
         "core019_moe_mixed_shared_ep2": "qwen_moe",
+        "core019_moe_shared_gate_ep2": "qwen_moe",  # qwen2_moe with Megatron's shared expert gate
         "core019_tied_pp2": "llama",
         "core019_tp1": "llama",
     }
@@ -325,6 +326,55 @@ def test_a_shared_expert_without_a_gate_leaves_qwen2_moes_gate_to_random_init(ca
     assert rc == 1 and report["verdict"] == "mismatch"
 
 
+GATED = "core019_moe_shared_gate_ep2"  # core019_moe_mixed_shared_ep2 saved with moe_shared_expert_gate
+GATE = "model.layers.1.mlp.shared_expert_gate.weight"
+
+
+def test_megatrons_shared_expert_gate_is_qwen2_moes_shared_expert_gate(capsys):
+    rc, report, _ = _verify(capsys, GATED, HF / GATED, "--values")
+    assert rc == 0 and report["findings"] == []
+    [gate] = [t for t in report["tensors"] if t["name"] == GATE]
+    assert gate["megatron_key"] == "decoder.layers.1.mlp.shared_experts.gate_weight"
+    assert gate["shape"] == [1, 32] and gate["max_abs_diff"] == 0.0  # nn.Linear(hidden, 1): [1, hidden] both sides
+
+
+def test_a_missing_shared_expert_gate_is_named(capsys, export_copy):
+    hf = export_copy(GATED)
+    _rewrite(hf, _shard_of(hf, GATE), lambda t: t.pop(GATE))
+    rc, report, _ = _verify(capsys, GATED, hf)
+    assert rc == 1
+    [finding] = _codes(report)["missing"]
+    assert (finding["hf_name"], finding["megatron_key"], finding["layer"]) == (
+        GATE,
+        "decoder.layers.1.mlp.shared_experts.gate_weight",
+        1,
+    )
+    assert set(_codes(report)) == {"missing"} and not _codes(report, "warning")
+
+
+def test_a_transposed_shared_expert_gate_is_a_shape_error(capsys, export_copy):
+    hf = export_copy(GATED)
+    _rewrite(hf, _shard_of(hf, GATE), lambda t: t.update({GATE: t[GATE].t().contiguous()}))
+    rc, report, _ = _verify(capsys, GATED, hf)
+    assert rc == 1
+    [finding] = _codes(report)["shape"]
+    assert finding["hf_name"] == GATE and "[32, 1]" in finding["message"] and "[1, 32]" in finding["message"]
+
+
+def test_a_zeroed_shared_expert_gate_is_named(capsys, export_copy):
+    """A zero gate weight halves the shared expert (sigmoid(0) = 0.5): a wrong model with every tensor present."""
+    torch = pytest.importorskip("torch")
+    hf = export_copy(GATED)
+    _rewrite(hf, _shard_of(hf, GATE), lambda t: t.update({GATE: torch.zeros_like(t[GATE])}))
+    rc, report, _ = _verify(capsys, GATED, hf)
+    assert rc == 0  # metadata only: names and shapes are right
+    rc, report, _ = _verify(capsys, GATED, hf, "--values")
+    assert rc == 1
+    [finding] = _codes(report)["zeroed"]
+    assert (finding["hf_name"], finding["layer"]) == (GATE, 1)
+    assert set(_codes(report)) == {"zeroed"}
+
+
 def test_a_router_that_does_not_renormalise_the_top_k_is_config_drift(capsys, export_copy):
     """Megatron's default router takes the softmax after the top-k (the chosen weights sum to one); a Qwen2-MoE
     config with norm_topk_prob false computes other weights from the same tensors."""
@@ -527,6 +577,66 @@ def test_deepseek_config_drift_names_each_field(capsys, export_copy):
         ("norm_topk_prob", "moe_topk_normalized = True"),
     ]:
         assert any(m.startswith(f"config.json {field} = ") and m.endswith(arg) for m in messages), (field, messages)
+
+
+# DeepSeek's grouped routing against Megatron's router: the fixture routes without groups (moe_router_num_groups
+# unset: one group of all experts, all chosen), with the expert bias (noaux_tc) and sigmoid scores
+@pytest.mark.parametrize(
+    ("field", "value", "stated"),
+    [
+        ("n_group", 8, "config.json n_group = 8, the saved args' moe_router_groups = 1"),
+        ("topk_group", 4, "config.json topk_group = 4, the saved args' moe_router_groups_chosen = 1"),
+        (
+            "topk_method",
+            "group_limited_greedy",
+            "config.json topk_method = 'group_limited_greedy', the saved args' moe_router_topk_method = 'noaux_tc'",
+        ),
+        (
+            "scoring_func",
+            "softmax",
+            "config.json scoring_func = 'softmax', the saved args' moe_router_score_function = 'sigmoid'",
+        ),
+    ],
+)
+def test_deepseek_grouped_routing_drift_is_named(capsys, export_copy, field, value, stated):
+    """DeepSeek's own config.json states topk_method and scoring_func too (transformers' config class does not
+    write them): where the other routing fields say what Megatron's router does, only the drifted one is named."""
+    hf = export_copy(DEEPSEEK)
+    config = json.loads((hf / "config.json").read_text())
+    routing = {"n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    (hf / "config.json").write_text(json.dumps({**config, **routing, field: value}))
+    rc, report, _ = _verify(capsys, DEEPSEEK, hf)
+    assert rc == 1 and report["verdict"] == "mismatch"
+    assert [f["message"] for f in report["findings"]] == [stated]
+
+
+def test_a_checkpoint_with_group_limited_routing_wants_its_groups_in_config_json(capsys, export_copy, tmp_path):
+    """The fixture's args given Megatron's group-limited routing (2 groups, 1 chosen; fix-args --set): the export
+    that routes over one group is drift; stating 2 groups, 1 chosen matches."""
+    grouped = tmp_path / "grouped"
+    rc, _, err = run_main(
+        capsys,
+        "fix-args",
+        FIXTURES / DEEPSEEK,
+        "--set",
+        "moe_router_num_groups=2",
+        "--set",
+        "moe_router_group_topk=1",
+        "--force",
+        "-o",
+        grouped,
+    )
+    assert rc == 0, err
+    hf = export_copy(DEEPSEEK)
+    rc, report, _ = _verify(capsys, grouped, hf)
+    assert rc == 1
+    assert [f["message"] for f in report["findings"]] == [
+        "config.json n_group = 1, the saved args' moe_router_groups = 2"
+    ]
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "n_group": 2, "topk_group": 1, "topk_method": "noaux_tc"}))
+    rc, report, _ = _verify(capsys, grouped, hf)
+    assert rc == 0 and report["findings"] == []
 
 
 def test_a_perturbed_tensor_at_init_statistics_is_a_value_difference_not_reinitialised(capsys, export_copy):

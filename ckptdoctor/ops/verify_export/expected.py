@@ -103,6 +103,7 @@ def derived_args(args: dict[str, Any]) -> dict[str, Any]:
         values["moe_shared_experts"] = shared / moe_ffn if shared % moe_ffn else shared // moe_ffn
     elif args.get("num_experts"):
         values["moe_shared_experts"] = 0
+    values.update(_router_choice(args))
     normalized = _topk_normalized(args)
     if normalized is not None:
         values["moe_topk_normalized"] = normalized
@@ -112,6 +113,27 @@ def derived_args(args: dict[str, Any]) -> dict[str, Any]:
     elif freq == 1 and args.get("num_experts"):
         values["moe_first_dense_layers"] = 0
     return values
+
+
+def _router_choice(args: dict[str, Any]) -> dict[str, Any]:
+    """How Megatron's router chooses experts, in DeepSeek's config.json terms (n_group, topk_group, topk_method,
+    scoring_func). Group-limited routing (``moe_router_num_groups`` / ``moe_router_group_topk``, unset or absent:
+    off) is one group of every expert, all chosen; the expert bias (``moe_router_enable_expert_bias``) is
+    DeepSeek-V3's auxiliary-loss-free ``noaux_tc``; Megatron's score function defaults to softmax."""
+    if not args.get("num_experts"):
+        return {}
+    groups = _int(args.get("moe_router_num_groups"))
+    chosen = _int(args.get("moe_router_group_topk"))
+    if args.get("moe_router_enable_expert_bias"):
+        method = "noaux_tc"
+    else:
+        method = "group_limited_greedy" if groups and groups > 1 else "greedy"
+    return {
+        "moe_router_groups": groups or 1,
+        "moe_router_groups_chosen": chosen or 1,
+        "moe_router_topk_method": method,
+        "moe_router_score_function": args.get("moe_router_score_function") or "softmax",
+    }
 
 
 def _topk_normalized(args: dict[str, Any]) -> bool | None:

@@ -48,6 +48,10 @@ DERIVED = (
     "moe_shared_experts",  # moe_shared_expert_intermediate_size / moe_ffn_hidden_size (DeepSeek's n_shared_experts)
     "moe_first_dense_layers",  # the dense layers before the first MoE one (DeepSeek's first_k_dense_replace)
     "moe_topk_normalized",  # whether the router renormalises the top-k weights (HF's norm_topk_prob)
+    "moe_router_groups",  # moe_router_num_groups, 1 without group-limited routing (DeepSeek's n_group)
+    "moe_router_groups_chosen",  # moe_router_group_topk, 1 without group-limited routing (DeepSeek's topk_group)
+    "moe_router_topk_method",  # DeepSeek's topk_method: noaux_tc (expert bias), group_limited_greedy or greedy
+    "moe_router_score_function",  # the saved arg, else Megatron's default softmax (DeepSeek's scoring_func)
 )
 
 _L = "model.layers.{layer}."
@@ -172,6 +176,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
             **_experts("mlp", "gate_proj", "up_proj", "down_proj"),
             "mlp.shared_experts.linear_fc1.weight": _r("gate_up", _S + "gate_proj.weight", _S + "up_proj.weight"),
             "mlp.shared_experts.linear_fc2.weight": _r("copy", _S + "down_proj.weight"),
+            # moe_shared_expert_gate: sigmoid(x @ gate_weight^T) scales the shared expert; [1, hidden] on both sides
             "mlp.shared_experts.gate_weight": _r("copy", _L + "mlp.shared_expert_gate.weight"),
         },
         # Qwen2-MoE always gates its shared expert; Megatron does only with moe_shared_expert_gate
@@ -201,6 +206,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "num_experts_per_tok": "moe_router_topk",
             "norm_topk_prob": "moe_topk_normalized",
             "routed_scaling_factor": "moe_router_topk_scaling_factor",
+            "n_group": "moe_router_groups",
+            "topk_group": "moe_router_groups_chosen",
+            "topk_method": "moe_router_topk_method",
+            "scoring_func": "moe_router_score_function",
             "first_k_dense_replace": "moe_first_dense_layers",
             "q_lora_rank": "q_lora_rank",
             "kv_lora_rank": "kv_lora_rank",
