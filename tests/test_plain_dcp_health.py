@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -132,3 +133,95 @@ def test_generic_save_weight_against_bias(capsys, tmp_path):
     doc = json.loads(run_main(capsys, "inspect", tmp_path / "ckpt", "--format", "json")[1])
     assert doc["format"]["flavour"] == "generic"
     assert _findings(capsys, tmp_path / "ckpt") == (1, ["CKD501 encoder.weight: all 6 values are zero"])
+
+
+# Megatron-FSDP's per-expert keys of the MoE fixture (convert --to fsdp_dtensor of core019_moe_ep2: 2 layers, 4
+# experts, SwiGLU: fc1 cut into _w/_v halves)
+_EXPERT = "model.module.decoder.layers.{layer}.mlp.experts.local_experts.{expert}."
+_EXPERT_TENSORS = ("linear_fc1.weight_w", "linear_fc1.weight_v", "linear_fc2.weight")
+
+
+def _fsdp_dtensor(capsys, source: Path, target: Path) -> Path:
+    rc, _, err = run_main(capsys, "convert", source, "--to", "fsdp_dtensor", "-o", target)
+    assert rc == 0, err
+    return target / "iter_0000010"
+
+
+def _experts_named(finding: str) -> tuple[str, int, str]:
+    """(code, layer, expert or experts) of an expert finding: torch_dist names a stacked key's slice
+    (``layer 0 expert 1``, ``experts (layer 0): experts 0, 1``), a plain DCP save the per-layer key or module."""
+    code, message = finding.split(" ", 1)
+    zero = re.search(r"layer (\d+) expert (\d+)", message)
+    if zero is not None:
+        return code, int(zero[1]), zero[2]
+    equal = re.search(r"(?:layers\.(\d+)\.\S*|\(layer (\d+)\)): experts ([\d, ]+) are equal", message)
+    assert equal is not None, finding
+    return code, int(equal[1] or equal[2]), equal[3]
+
+
+def test_fsdp_dtensor_experts_zeroed_and_duplicated(capsys, tmp_path):
+    """Megatron-FSDP keeps each expert in keys of its own: a zeroed expert is CKD501 naming layer and expert, and
+    an expert overwritten by another one of its layer is CKD502, as torch_dist's stacked slices give them."""
+    converted = _fsdp_dtensor(capsys, FIXTURES / "core019_moe_ep2", tmp_path / "fd")
+    assert _findings(capsys, converted) == (0, [])
+
+    def damage(state: dict) -> None:
+        for tensor in _EXPERT_TENSORS:
+            state[_EXPERT.format(layer=1, expert=2) + tensor].zero_()
+            state[_EXPERT.format(layer=0, expert=3) + tensor].copy_(state[_EXPERT.format(layer=0, expert=0) + tensor])
+
+    damaged = _damaged_copy(converted, tmp_path / "bad" / "iter_0000010", damage)
+    rc, found = _findings(capsys, damaged)
+    assert rc == 1
+    assert found == sorted(
+        [
+            f"CKD501 {_EXPERT.format(layer=1, expert=2)}{t}: all 2048 values are zero (layer 1 expert 2)"
+            for t in _EXPERT_TENSORS
+        ]
+        + ["CKD502 model.module.decoder.layers.0.mlp.experts: experts 0, 3 are equal in every tensor"]
+    )
+
+
+@pytest.mark.parametrize("fixture", ["core019_moe_zero_expert_ep2", "core019_moe_dup_expert_ep2"])
+def test_fsdp_dtensor_conversion_names_the_experts_torch_dist_does(capsys, tmp_path, fixture):
+    """The real damaged MoE fixtures converted to fsdp_dtensor: the same rules name the same layer and experts
+    as on the torch_dist originals (a zeroed expert's fc1 halves are two keys, each its own CKD501)."""
+    rc, original = _findings(capsys, FIXTURES / fixture)
+    assert rc == 1 and original
+    rc, converted = _findings(capsys, _fsdp_dtensor(capsys, FIXTURES / fixture, tmp_path / "fd"))
+    assert rc == 1 and len(converted) >= len(original)
+    assert {_experts_named(f) for f in converted} == {_experts_named(f) for f in original}
+
+
+def test_fsdp_dtensor_experts_equal_in_one_layer_and_in_every_layer(capsys, tmp_path):
+    """Every expert of layer 1 a copy of its expert 0 while layer 0's differ: CKD504; then layer 0's too: CKD503
+    for each layer (upcycled, never trained)."""
+    converted = _fsdp_dtensor(capsys, FIXTURES / "core019_moe_ep2", tmp_path / "fd")
+
+    def copies_of_expert_0(layers: tuple[int, ...]) -> Callable[[dict], None]:
+        def damage(state: dict) -> None:
+            for layer in layers:
+                for expert in (1, 2, 3):
+                    for tensor in _EXPERT_TENSORS:
+                        first = state[_EXPERT.format(layer=layer, expert=0) + tensor]
+                        state[_EXPERT.format(layer=layer, expert=expert) + tensor].copy_(first)
+
+        return damage
+
+    one = _damaged_copy(converted, tmp_path / "one" / "iter_0000010", copies_of_expert_0((1,)))
+    assert _findings(capsys, one) == (
+        1,
+        [
+            "CKD504 model.module.decoder.layers.1.mlp.experts: all 4 experts are equal in every tensor while other "
+            "layers' experts differ"
+        ],
+    )
+    every = _damaged_copy(converted, tmp_path / "every" / "iter_0000010", copies_of_expert_0((0, 1)))
+    assert _findings(capsys, every) == (
+        1,
+        [
+            f"CKD503 model.module.decoder.layers.{layer}.mlp.experts: all 4 experts are equal in every tensor "
+            "(upcycled or never trained?)"
+            for layer in (0, 1)
+        ],
+    )
