@@ -225,3 +225,99 @@ def test_fsdp_dtensor_experts_equal_in_one_layer_and_in_every_layer(capsys, tmp_
             for layer in (0, 1)
         ],
     )
+
+
+def test_fsdp_dtensor_grouped_experts_weight_index(capsys, tmp_path):
+    """Megatron-FSDP with TEGroupedMLP names experts ``linear_fc1.weight<E>_w``, ``linear_fc2.weight<E>``
+    (megatron-core's get_expert_index_from_key): the expert index read from there."""
+    converted = _fsdp_dtensor(capsys, FIXTURES / "core019_moe_ep2", tmp_path / "fd")
+    sequential = re.compile(r"local_experts\.(\d+)\.(linear_fc\d\.weight)")
+
+    def grouped(state: dict) -> None:
+        renamed = {sequential.sub(r"\2\1", key): value for key, value in state.items()}
+        state.clear()
+        state.update(renamed)
+
+    def damage(state: dict) -> None:
+        grouped(state)
+        for suffix in ("1.weight2_w", "1.weight2_v", "2.weight2"):
+            state[f"model.module.decoder.layers.1.mlp.experts.linear_fc{suffix}"].zero_()
+        for first, copy in (("1.weight0_w", "1.weight3_w"), ("1.weight0_v", "1.weight3_v"), ("2.weight0", "2.weight3")):
+            layer0 = "model.module.decoder.layers.0.mlp.experts.linear_fc"
+            state[layer0 + copy].copy_(state[layer0 + first])
+
+    clean = _damaged_copy(converted, tmp_path / "grouped" / "iter_0000010", grouped)
+    keys = json.loads(run_main(capsys, "inspect", clean, "--keys", "--format", "json")[1])["keys"]
+    assert "model.module.decoder.layers.0.mlp.experts.linear_fc1.weight3_w" in {k["key"] for k in keys}
+    assert not any("local_experts" in k["key"] for k in keys)
+    assert _findings(capsys, clean) == (0, [])
+    damaged = _damaged_copy(converted, tmp_path / "bad" / "iter_0000010", damage)
+    rc, found = _findings(capsys, damaged)
+    assert rc == 1
+    zeroed = "CKD501 model.module.decoder.layers.1.mlp.experts.linear_{}: all 2048 values are zero (layer 1 expert 2)"
+    assert found == [zeroed.format(t) for t in ("fc1.weight2_v", "fc1.weight2_w", "fc2.weight2")] + [
+        "CKD502 model.module.decoder.layers.0.mlp.experts: experts 0, 3 are equal in every tensor"
+    ]
+
+
+def _titan_moe_state(seed: int = 0) -> dict:
+    """A TorchTitan MoE model's state (its GroupedExperts keep every expert of a layer in one [E, ...] parameter:
+    w1, w2, w3), with its train state."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    model: dict[str, object] = {"tok_embeddings.weight": normal(32, 8), "norm.weight": normal(8)}
+    for layer in (0, 1):
+        prefix = f"layers.{layer}."
+        model[prefix + "attention.wq.weight"] = normal(8, 8)
+        model[prefix + "attention_norm.weight"] = normal(8)
+        model[prefix + "moe.router.gate.weight"] = normal(4, 8)
+        model[prefix + "moe.experts.w1"] = normal(4, 12, 8)
+        model[prefix + "moe.experts.w2"] = normal(4, 8, 12)
+        model[prefix + "moe.experts.w3"] = normal(4, 12, 8)
+        model[prefix + "moe.shared_experts.w1.weight"] = normal(12, 8)
+    return {"model": model, "train_state": {"step": torch.tensor(10)}}
+
+
+def test_fsdp2_titan_stacked_experts(capsys, tmp_path):
+    """TorchTitan's experts are one [E, ...] tensor per layer and weight: its statistics kept per expert (dim 0),
+    compared as torch_dist's stacked experts are."""
+    import torch.distributed.checkpoint as dcp
+
+    clean = _titan_moe_state()
+    dcp.save(clean, checkpoint_id=str(tmp_path / "clean"), no_dist=True)
+    doc = json.loads(run_main(capsys, "inspect", tmp_path / "clean", "--format", "json")[1])
+    assert doc["format"]["flavour"] == "fsdp2"
+    assert _findings(capsys, tmp_path / "clean") == (0, [])
+
+    damaged = _titan_moe_state()
+    for weight in ("w1", "w2", "w3"):
+        damaged["model"][f"layers.0.moe.experts.{weight}"][2].zero_()
+        stacked = damaged["model"][f"layers.1.moe.experts.{weight}"]
+        stacked[3].copy_(stacked[1])
+    dcp.save(damaged, checkpoint_id=str(tmp_path / "bad"), no_dist=True)
+    rc, found = _findings(capsys, tmp_path / "bad")
+    assert rc == 1
+    assert found == [
+        f"CKD501 model.layers.0.moe.experts.{weight}: expert 2 all zero (1 of 4 slices)"
+        for weight in ("w1", "w2", "w3")
+    ] + ["CKD502 model.layers.1.moe.experts: experts 1, 3 are equal in every tensor"]
+
+    upcycled = _titan_moe_state()
+    for layer in (0, 1):
+        for weight in ("w1", "w2", "w3"):
+            stacked = upcycled["model"][f"layers.{layer}.moe.experts.{weight}"]
+            stacked[1:].copy_(stacked[0].expand_as(stacked[1:]))
+    dcp.save(upcycled, checkpoint_id=str(tmp_path / "upcycled"), no_dist=True)
+    assert _findings(capsys, tmp_path / "upcycled") == (
+        1,
+        [
+            f"CKD503 model.layers.{layer}.moe.experts: all 4 experts are equal in every tensor "
+            "(upcycled or never trained?)"
+            for layer in (0, 1)
+        ],
+    )
