@@ -321,3 +321,34 @@ def test_fsdp2_titan_stacked_experts(capsys, tmp_path):
             for layer in (0, 1)
         ],
     )
+
+
+def test_megatron_torch_dcp_grouped_experts(capsys, tmp_path):
+    """Megatron-LM torch_dcp saves Transformer Engine's GroupedLinear experts as ``linear_fc1.weight<E>``: a
+    zeroed ``weight2`` is a weight (named with its layer and expert) and two equal experts are CKD502. The real
+    torch_dcp save with grouped experts' keys added to each layer."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+
+    def damage(state: dict) -> None:
+        for layer in (0, 1):
+            experts = f"model.decoder.layers.{layer}.mlp.experts."
+            for expert in range(4):
+                state[f"{experts}linear_fc1.weight{expert}"] = torch.randn(128, 32, generator=generator)
+                state[f"{experts}linear_fc2.weight{expert}"] = torch.randn(32, 64, generator=generator)
+        for fc in ("fc1", "fc2"):
+            state[f"model.decoder.layers.1.mlp.experts.linear_{fc}.weight2"].zero_()
+            layer0 = f"model.decoder.layers.0.mlp.experts.linear_{fc}.weight"
+            state[layer0 + "3"].copy_(state[layer0 + "1"])
+
+    damaged = _damaged_copy(TORCH_DCP, tmp_path / "mlm" / "iter_0000010", damage)
+    doc = json.loads(run_main(capsys, "inspect", damaged, "--format", "json")[1])
+    assert doc["format"]["flavour"] == "torch_dcp"
+    rc, found = _findings(capsys, damaged)
+    assert rc == 1
+    assert found == [
+        "CKD501 model.decoder.layers.1.mlp.experts.linear_fc1.weight2: all 4096 values are zero (layer 1 expert 2)",
+        "CKD501 model.decoder.layers.1.mlp.experts.linear_fc2.weight2: all 2048 values are zero (layer 1 expert 2)",
+        "CKD502 model.decoder.layers.0.mlp.experts: experts 1, 3 are equal in every tensor",
+    ]
