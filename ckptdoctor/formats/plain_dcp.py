@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 FLAVOUR_TORCH_DCP = "torch_dcp"
 FLAVOUR_FSDP_DTENSOR = "fsdp_dtensor"
@@ -55,8 +56,18 @@ _FSDP2_MARKERS = ("model.", "optimizer.", "train_state", "dataloader.", "lr_sche
 # module.<name>.exp_avg)
 _ADAM_MOMENT_RE = re.compile(r"^optimizer\.(?:[0-9]+\.)?(?:optimizer\.)?state\.(.+)\.(exp_avg|exp_avg_sq)\Z")
 _WRAPPER_PREFIX_RE = re.compile(r"^(?:module\.)+")
-# Megatron-FSDP's per-parameter cuts: SwiGLU halves (weight_w, weight_v) and grouped experts (weight<E>)
+# Megatron-FSDP's per-parameter cuts: SwiGLU halves (weight_w, weight_v) and grouped experts (weight<E>, also
+# Megatron-LM torch_dcp's: Transformer Engine's GroupedLinear registers weight0..weight<E-1>)
 _CUT_PARAMETER_RE = re.compile(r"\.(weight|bias)[0-9]*(?:_[wv])?\Z")
+# One expert's tensor in its own key, the expert index in the name (megatron-core's get_expert_index_from_key:
+# SequentialMLP's local_experts.<E>., TEGroupedMLP's linear_fc<n>.weight<E> with fsdp_dtensor's _w/_v after it;
+# Hugging Face-style modules, as FSDP2 or a generic save name them: experts.<E>.)
+_SEQUENTIAL_EXPERT_RE = re.compile(r"^((?:.*\.)?experts)\.local_experts\.([0-9]+)\.(.+)\Z")
+_GROUPED_EXPERT_RE = re.compile(r"^((?:.*\.)?experts)\.(linear_fc[0-9]+\.(?:weight|bias))([0-9]+)((?:_[wv])?)\Z")
+_NUMBERED_EXPERT_RE = re.compile(r"^((?:.*\.)?experts)\.([0-9]+)\.(.+)\Z")
+# Every expert of a layer in one parameter, stacked on dim 0 ([E, ...]): TorchTitan's GroupedExperts (w1, w2, w3;
+# gate_proj, up_proj, down_proj in later releases, with their _bias)
+_STACKED_EXPERTS_RE = re.compile(r"^((?:.*\.)?experts)\.((?:w[123]|(?:gate|up|down|gate_up)_proj)(_bias)?)\Z")
 
 
 def is_megatron(flavour: str | None) -> bool:
@@ -133,7 +144,44 @@ def adam_moment(key: str, flavour: str) -> tuple[str, str] | None:
 
 def parameter_name(key: str, flavour: str) -> str:
     """A model key named as the parameter it holds, for telling weights from biases and norm scales: Megatron-FSDP
-    cuts ``linear_fc1.weight`` into ``weight_w``/``weight_v`` and grouped experts' weights into ``weight<E>``."""
-    if flavour != FLAVOUR_FSDP_DTENSOR:
-        return key
-    return _CUT_PARAMETER_RE.sub(lambda match: "." + match.group(1), key)
+    cuts ``linear_fc1.weight`` into ``weight_w``/``weight_v``, grouped experts' weights are ``weight<E>`` (both
+    Megatron flavours), and TorchTitan's stacked experts' weights are named ``w1`` (``.weight`` added here)."""
+    if is_megatron(flavour):
+        return _CUT_PARAMETER_RE.sub(lambda match: "." + match.group(1), key)
+    stacked = _STACKED_EXPERTS_RE.match(key)
+    if stacked is not None:
+        return key[: -len("_bias")] + ".bias" if stacked.group(3) else key + ".weight"
+    return key
+
+
+@dataclass(frozen=True)
+class ExpertKey:
+    """Where a key sits among a MoE layer's experts."""
+
+    module: str  # the layer's experts module (``model.module.decoder.layers.0.mlp.experts``)
+    tensor: str  # the tensor within one expert, the same name for every expert (``linear_fc1.weight_w``)
+    expert: int | None  # the expert the key holds; None: the key stacks every expert on dim 0
+
+
+def expert_key(key: str) -> ExpertKey | None:
+    """The experts module, tensor and expert of a plain DCP key holding one expert's tensor (Megatron's
+    ``experts.local_experts.<E>.<tensor>`` and ``experts.linear_fc<n>.weight<E>[_w|_v]``, the Hugging Face-style
+    ``experts.<E>.<tensor>``) or every expert's (TorchTitan's ``experts.w1`` ``[E, ...]``); None for any other key.
+    The flavours' namings do not overlap, so every key is parsed against all of them: a generic ``dcp.save`` of a
+    Megatron model names its experts Megatron's way."""
+    sequential = _SEQUENTIAL_EXPERT_RE.match(key) or _NUMBERED_EXPERT_RE.match(key)
+    if sequential is not None:
+        return ExpertKey(sequential.group(1), sequential.group(3), int(sequential.group(2)))
+    grouped = _GROUPED_EXPERT_RE.match(key)
+    if grouped is not None:
+        return ExpertKey(grouped.group(1), grouped.group(2) + grouped.group(4), int(grouped.group(3)))
+    stacked = _STACKED_EXPERTS_RE.match(key)
+    if stacked is not None:
+        return ExpertKey(stacked.group(1), stacked.group(2), None)
+    return None
+
+
+def stacks_experts(key: str) -> bool:
+    """Whether a key holds every expert of a layer stacked on dim 0 (TorchTitan's ``experts.w1``): its statistics
+    are kept per expert, as torch_dist's ``experts.experts.`` keys' are."""
+    return _STACKED_EXPERTS_RE.match(key) is not None

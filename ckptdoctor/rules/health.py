@@ -15,11 +15,12 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor.args import saved_config
-from ckptdoctor.formats.plain_dcp import adam_moment, parameter_name
+from ckptdoctor.formats.plain_dcp import adam_moment, expert_key, parameter_name
 from ckptdoctor.init_std import InitStds, megatron_init_stds
 from ckptdoctor.rules import ERROR, WARNING, Finding, family_rule, finding
 from ckptdoctor.rules.structure import Scanned
@@ -146,7 +147,7 @@ def check_health(state: Scanned, scan: HealthScan, settings: HealthSettings | No
     flavour = state.checkpoint.flavour  # plain DCP: keys named the flavour's way; None for torch_dist
     model = {k: s for k, s in kept.items() if state.checkpoint.entries[k].section == "model"}
     out = _zero_weights(path, model, flavour)
-    out += _equal_experts(path, model)
+    out += _equal_experts(path, _expert_tensors(model, flavour))
     out += _layers_at_init(path, model, flavour, _init_stds(state), settings)
     out += _optimizer(state, kept, settings)
     return out
@@ -166,6 +167,11 @@ def _layer_of(key: str, stats: KeyStats, index: tuple[int, ...]) -> int | None:
         return index[0]
     per_key = _LAYER_IN_KEY.search(key)
     return int(per_key.group(1)) if per_key is not None else None
+
+
+def _is_expert(key: str, stats: KeyStats, flavour: str | None) -> bool:
+    """Whether a key holds experts' tensors: stacked per expert, or one expert's in a plain DCP save."""
+    return "expert" in stats.axes or (flavour is not None and expert_key(key) is not None)
 
 
 def _never_zero(key: str) -> bool:
@@ -198,7 +204,9 @@ def _zero_weights(path: Path, model: dict[str, KeyStats], flavour: str | None) -
             continue
         whole = stats.whole()
         if whole.all_zero:
-            out.append(finding(ZERO_WEIGHT, path, f"{key}: all {whole.count} values are zero"))
+            out.append(
+                finding(ZERO_WEIGHT, path, f"{key}: all {whole.count} values are zero{_expert_in(key, flavour)}")
+            )
             continue
         zero = sorted(index for index, moments in stats.slices.items() if moments.all_zero and stats.axes)
         if zero:
@@ -210,31 +218,62 @@ def _zero_weights(path: Path, model: dict[str, KeyStats], flavour: str | None) -
     return out
 
 
-def _equal_experts(path: Path, model: dict[str, KeyStats]) -> list[Finding]:
+def _expert_in(key: str, flavour: str | None) -> str:
+    """`` (layer L expert E)`` for a plain DCP key holding one expert's tensor, as torch_dist's slices are named."""
+    parsed = expert_key(key) if flavour is not None else None
+    if parsed is None or parsed.expert is None:
+        return ""
+    layer = _LAYER_IN_KEY.search(key)
+    return f" (layer {layer.group(1)} expert {parsed.expert})" if layer else f" (expert {parsed.expert})"
+
+
+@dataclass(frozen=True)
+class _ExpertTensor:
+    """One expert's tensor: a slice of a stacked key (torch_dist's ``experts.experts.``, TorchTitan's ``[E, ...]``
+    parameters) or a plain DCP key of its own (Megatron's ``local_experts.<E>.``, ``weight<E>``)."""
+
+    module: str  # the experts module, as findings name it
+    layer: int | None
+    expert: int
+    tensor: str  # the same name for this tensor in every expert of the layer
+    moments: Moments
+
+
+def _expert_tensors(model: dict[str, KeyStats], flavour: str | None) -> Iterator[_ExpertTensor]:
+    """Every expert's tensors, each with the layer and expert it belongs to."""
+    for key, stats in sorted(model.items()):
+        if "expert" in stats.axes:
+            parsed = expert_key(key) if flavour is not None else None
+            module = parsed.module if parsed is not None else key.split("experts.experts.")[0] + "experts"
+            for index, moments in stats.slices.items():
+                yield _ExpertTensor(
+                    module, _layer_of(key, stats, index), index[stats.axes.index("expert")], key, moments
+                )
+        elif flavour is not None and (parsed := expert_key(key)) is not None and parsed.expert is not None:
+            # a per-expert key: its layer and expert from its name; fingerprinted as one slice, as its siblings
+            yield _ExpertTensor(parsed.module, _layer_of(key, stats, ()), parsed.expert, parsed.tensor, stats.whole())
+
+
+def _equal_experts(path: Path, tensors: Iterator[_ExpertTensor]) -> list[Finding]:
     """Experts compared per layer by every expert tensor's fingerprint (and count, zeros, sums: equal slices
     agree on all of them)."""
-    # (expert module, layer) -> expert -> [(key, signature, all zero)]
+    # (expert module, layer) -> expert -> [(tensor, signature, all zero)]
     groups: dict[tuple[str, int | None], dict[int, list[tuple[str, tuple, bool]]]] = {}
-    for key, stats in sorted(model.items()):
-        if "expert" not in stats.axes:
-            continue
-        module = key.split("experts.experts.")[0]
-        for index, moments in stats.slices.items():
-            layer = index[0] if stats.axes[0] == "layer" else None
-            expert = index[stats.axes.index("expert")]
-            tensors = groups.setdefault((module, layer), {}).setdefault(expert, [])
-            tensors.append((key, _signature(moments), moments.all_zero))
+    for one in tensors:
+        in_layer = groups.setdefault((one.module, one.layer), {}).setdefault(one.expert, [])
+        in_layer.append((one.tensor, _signature(one.moments), one.moments.all_zero))
     layers: dict[tuple[str, int | None], list[list[int]]] = {}  # the classes of equal experts of each layer
     for group, experts in groups.items():
         by_values: dict[tuple, list[int]] = {}
-        for expert, tensors in sorted(experts.items()):
-            if all(zero for _, _, zero in tensors):  # an all-zero expert: CKD501 says it
+        for expert, expert_tensors in sorted(experts.items()):
+            if all(zero for _, _, zero in expert_tensors):  # an all-zero expert: CKD501 says it
                 continue
-            by_values.setdefault(tuple(sorted(tensors)), []).append(expert)
+            by_values.setdefault(tuple(sorted(expert_tensors)), []).append(expert)
         layers[group] = list(by_values.values())
     out = []
     for (module, layer), classes in layers.items():
-        where = f"{module}experts (layer {layer})" if layer is not None else f"{module}experts"
+        named = layer is None or _LAYER_IN_KEY.search(module + ".") is not None  # a per-layer module names it
+        where = module if named else f"{module} (layer {layer})"
         count = sum(len(members) for members in classes)
         if len(classes) == 1 and count > 1:
             others_differ = any(len(c) > 1 for g, c in layers.items() if g != (module, layer))
@@ -291,7 +330,7 @@ def _norms_at_init(model: dict[str, KeyStats], flavour: str | None) -> tuple[set
     for key, stats in model.items():
         name = _parameter(key, flavour)
         norm, bias = _NORM_SCALE.search(name) is not None, name.endswith("bias")
-        if not (norm or bias) or "expert" in stats.axes:
+        if not (norm or bias) or _is_expert(key, stats, flavour):
             continue
         for index, moments in stats.slices.items():
             layer = _layer_of(key, stats, index)
@@ -318,7 +357,7 @@ def _weights_at_init(
     for key, stats in model.items():
         match = _DENSE_WEIGHT.search(_parameter(key, flavour))
         kind = KINDS.get(stats.dtype)
-        if match is None or "expert" in stats.axes or ".adapter." in key or kind is None or not kind.is_float:
+        if match is None or _is_expert(key, stats, flavour) or ".adapter." in key or kind is None or not kind.is_float:
             continue  # experts, LoRA adapters, and FP8 bytes (uint8) are not drawn from a normal init
         expected = stds.output if match.group(1) in _OUTPUT_LAYERS else stds.weight
         for index, moments in stats.slices.items():

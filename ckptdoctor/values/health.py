@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptdoctor.errors import MissingExtraError
+from ckptdoctor.formats.plain_dcp import stacks_experts
 from ckptdoctor.numpy_lazy import numpy_or_none
 
 SLAB_ELEMENTS = 1 << 22  # elements hashed and summed at once: exact sums need < 2^29, memory tens of MB
@@ -122,11 +123,12 @@ class Moments:
 def stack_axes(key: str) -> tuple[str, ...]:
     """The leading axes of a key that stack independent tensors: ``layer`` (``...layers.<not a number>...``, the
     layer axis Megatron prepends) and then ``expert`` (``experts.experts.``: SequentialMLP's experts, global shape
-    ``[L, E, ...]`` or ``[E, ...]`` in per-layer keys). Optimizer keys in model space stack as their parameter."""
+    ``[L, E, ...]`` or ``[E, ...]`` in per-layer keys; a plain DCP save's ``[E, ...]`` experts parameter, as
+    TorchTitan's ``experts.w1``). Optimizer keys in model space stack as their parameter."""
     axes: list[str] = []
     if re.search(r"(^|\.)layers\.(?!\d+\.)", key):
         axes.append("layer")
-    if "experts.experts." in key:
+    if "experts.experts." in key or stacks_experts(key):
         axes.append("expert")
     return tuple(axes)
 
