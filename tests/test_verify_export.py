@@ -885,3 +885,14 @@ def test_per_expert_keys_of_a_dcp_written_moe_checkpoint(capsys, tmp_path):
     rc, report, _ = _verify(capsys, save, hf)
     assert rc == 1
     assert {(f["hf_name"], f["layer"], f["expert"]) for f in _codes(report)["missing"]} == {(n, 3, 1) for n in gone}
+
+
+def test_the_help_and_the_schema_name_every_built_in_family(capsys):
+    from ckptdoctor.ops.verify_export.mapping import FAMILIES
+
+    rc, out, _ = run_main(capsys, "verify-export", "--help")
+    assert rc == 0
+    text = " ".join(out.split())
+    described = shipped_schema("verify-export")["properties"]["family"]["description"]
+    for family in FAMILIES:
+        assert family in text and family in described, family

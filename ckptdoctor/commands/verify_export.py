@@ -16,8 +16,8 @@ from ckptdoctor.commands.options import format_option, jobs_option
     "--family",
     default=None,
     metavar="NAME",
-    help="The model family's mapping (llama, mixtral, qwen_moe, or one of --mapping's). Default: from config.json's "
-    "model_type.",
+    help="The model family's mapping (llama, mixtral, qwen_moe, deepseek, or one of --mapping's). Default: from "
+    "config.json's model_type.",
 )
 @click.option(
     "--mapping",
