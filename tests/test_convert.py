@@ -354,7 +354,7 @@ def _tree_bytes(root):
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("fixture", ["core019_tp2", "core019_moe_ep2"])
+@pytest.mark.parametrize("fixture", ["core019_tp2", "core019_moe_ep2", "core019_bf16_dp2_fully_reshardable"])
 def test_jobs_gives_the_same_bytes_both_ways(capsys, tmp_path, fixture):
     """--jobs N spreads the source's data files over worker processes, each writing its own output file: the
     output is byte for byte the same at any --jobs (units are cut by the source alone, records joined in order)."""
@@ -460,5 +460,21 @@ def test_bf16_without_optimizer_state_casts_the_model_up(capsys, tmp_path):
         assert state[key].dtype == torch.float32 and torch.equal(state[key], expected), key
     rc, _text, err = _run(capsys, "convert", tmp_path / "fsdp", "--to", "torch_dist", "-o", tmp_path / "back")
     assert rc == 0, err
+    rc, text, err = _run(capsys, "diff", save, tmp_path / "back", "--values", "--exclude", EXCLUDED, "--ignore-layout")
+    assert rc == 0 and "no differences" in text, text + err
+
+
+def test_main_params_missing_from_a_fsdp_dtensor_save_come_from_its_model(capsys, tmp_path):
+    """Megatron-FSDP keeps no ``param`` optimizer state (its model holds the main params): a save without one,
+    whose args say the distributed optimizer, gets each parameter's ``optimizer.state.param`` from its fp32 model
+    tensor on the way back, as a fully_reshardable torch_dist save holds it; here identical to the source's."""
+    save = FIXTURES / "core019_tp2_dp2_fully_reshardable"
+    rc, _text, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp")
+    assert rc == 0, err
+    rc, _text, err = _run(capsys, "edit", tmp_path / "fsdp", "--remove", r"\.param$", "-o", tmp_path / "no_param")
+    assert rc == 0, err
+    rc, text, err = _run(capsys, "convert", tmp_path / "no_param", "--to", "torch_dist", "-o", tmp_path / "back")
+    assert rc == 0, err
+    assert "    -> optimizer.state.param.decoder.layers.mlp.linear_fc2.weight" in text
     rc, text, err = _run(capsys, "diff", save, tmp_path / "back", "--values", "--exclude", EXCLUDED, "--ignore-layout")
     assert rc == 0 and "no differences" in text, text + err

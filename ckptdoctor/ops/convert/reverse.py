@@ -17,7 +17,8 @@ main params (see :mod:`ckptdoctor.ops.convert.plan`), while torch_dist holds the
 model tensor is cast to the model's dtype (as Megatron's optimizer copies main params to model params: round to
 nearest), except the router's ``expert_bias``, which megatron-core keeps in fp32; and where the parameter has
 optimizer state but the save carries no ``param`` state for it, its fp32 values are also written as
-``optimizer.state.param.<name>``.
+``optimizer.state.param.<name>`` (so too for an fp32 model whose args say the distributed optimizer: its
+``fully_reshardable`` state has the main params as ``param``, which Megatron-FSDP keeps as the model).
 Metadata only: nothing here reads a tensor or imports torch.
 """
 
@@ -148,12 +149,12 @@ def _indices(checkpoint: Checkpoint, target: str, found: set[int | None], what: 
     return indices
 
 
-def saved_model_dtype(checkpoint: Checkpoint) -> str | None:
-    """The model's dtype under mixed precision, from the save's ``args`` item (None: not mixed precision)."""
+def saved_args(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The save's ``args`` item as a dict (empty without one)."""
     entry = checkpoint.entries.get("args")
     if entry is None or entry.kind != "bytes":
-        return None
-    return mixed_precision_dtype(args_as_dict(checkpoint.read_bytes_item("args")))
+        return {}
+    return args_as_dict(checkpoint.read_bytes_item("args"))
 
 
 def _model_target_dtype(target: str, dtype: str, model_dtype: str | None) -> str:
@@ -164,10 +165,12 @@ def _model_target_dtype(target: str, dtype: str, model_dtype: str | None) -> str
 
 
 def reverse_rules(
-    checkpoint: Checkpoint, model_dtype: str | None = None
+    checkpoint: Checkpoint, model_dtype: str | None = None, distributed: bool = False
 ) -> tuple[dict[str, ReverseRule], list[TargetTensor], list[KeyMapping]]:
     """Every convertible tensor's :class:`ReverseRule`, the output tensors and the key mappings; ``model_dtype``:
-    the model's dtype under mixed precision (fp32 model tensors are cast to it, their main params kept)."""
+    the model's dtype under mixed precision (fp32 model tensors are cast to it, their main params kept);
+    ``distributed``: the args say the distributed optimizer, whose torch_dist state has the main params as
+    ``param`` (written from the model tensor where the save has no ``param`` state)."""
     stacked_blocks = _homogeneous_blocks(checkpoint)
     groups: dict[str, dict[tuple[int | None, int | None, str | None], str]] = {}
     dtypes: dict[str, str] = {}
@@ -191,8 +194,9 @@ def reverse_rules(
             dtype = _model_target_dtype(target, dtypes[target], model_dtype)
             if dtype != dtypes[target]:
                 cast, dtypes[target] = dtype, dtype
-                if target in with_state and f"optimizer.state.{MAIN_PARAM_STAT}.{target}" not in groups:
-                    main = f"optimizer.state.{MAIN_PARAM_STAT}.{target}"
+            main_key = f"optimizer.state.{MAIN_PARAM_STAT}.{target}"
+            if (cast or distributed) and target in with_state and main_key not in groups:
+                main = main_key
         layers = _indices(checkpoint, target, {layer for layer, _e, _h in parts}, "layers")
         experts = _indices(checkpoint, target, {expert for _l, expert, _h in parts}, "experts")
         halves = {half for _l, _e, half in parts}
@@ -286,8 +290,9 @@ def plan_to_torch_dist(checkpoint: Checkpoint) -> tuple[ConvertPlan, dict[str, R
     where = checkpoint.iteration_dir
     if checkpoint.flavour != FLAVOUR_FSDP_DTENSOR:
         raise CkptError(f"{where}: convert --to torch_dist reads a Megatron-FSDP fsdp_dtensor save")
-    model_dtype = saved_model_dtype(checkpoint)
-    rules, tensors, mappings = reverse_rules(checkpoint, model_dtype)
+    args = saved_args(checkpoint)
+    model_dtype = mixed_precision_dtype(args)
+    rules, tensors, mappings = reverse_rules(checkpoint, model_dtype, bool(args.get("use_distributed_optimizer")))
     not_carried = []
     objects = []
     for key, entry in sorted(checkpoint.entries.items()):

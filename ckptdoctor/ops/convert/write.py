@@ -233,7 +233,7 @@ def _fill_torch_dist(
         if rule.lead:  # one index on each stacked axis (layer, expert)
             offsets = (*rule.lead, *offsets)
             value = value.reshape((1,) * len(rule.lead) + tuple(value.shape))
-        if rule.main is not None:  # mixed precision: the fp32 values are the main params too
+        if rule.main is not None:  # the fp32 values are the distributed optimizer's main params too
             yield rule.main, offsets, value
         yield rule.target, offsets, value
 
