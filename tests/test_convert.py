@@ -213,6 +213,8 @@ def _expert_requests(save, grouped):
         layers = range(md.size[0]) if stacked else [None]
         for layer in layers:
             name = head if layer is None else head.replace(".layers.", f".layers.{layer}.")
+            if name.startswith("mtp."):  # Megatron-FSDP's name of an MTP layer's transformer layer
+                name = name.replace(".transformer_layer.", ".mtp_model_layer.")
             for expert in range(md.size[1 if stacked else 0]):
                 param = (
                     f"{name}.experts.{fc}.weight{expert}"
@@ -243,20 +245,37 @@ def _check_requests(save, out, requests):
         assert torch.equal(state[key], expected), key
 
 
-@pytest.mark.parametrize("fixture", ["core019_moe_ep2", "core019_moe_mixed_shared_ep2"])
-def test_moe_experts_become_one_key_per_expert_and_round_trip_bit_identical(capsys, tmp_path, fixture):
+@pytest.mark.parametrize(
+    ("fixture", "expert_keys"),
+    [
+        ("core019_moe_ep2", 2 * 4 * 3 * 3),  # 2 layers x 4 experts x (fc1 halves, fc2) x (model, two Adam stats)
+        ("core019_moe_mixed_shared_ep2", 4 * 3 * 3),  # the MoE layer only
+        ("core019_deepseek_mtp", 2 * 4 * 3),  # the MoE layer and the MTP layer's, no optimizer state
+    ],
+)
+def test_moe_experts_become_one_key_per_expert_and_round_trip_bit_identical(capsys, tmp_path, fixture, expert_keys):
     save = FIXTURES / fixture
     rc, text, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp")
     assert rc == 0, err
     assert "per-expert split, SwiGLU split" in text
     requests = _expert_requests(save, grouped=False)
-    assert len(requests) >= 4 * 3 * 3  # 4 experts, fc1 halves and fc2, model and two Adam stats
+    assert len(requests) == expert_keys
     _check_requests(save, tmp_path / "fsdp", requests)
     # the dense layers and the shared expert are split as in a dense model
     names = dcp.FileSystemReader(str(tmp_path / "fsdp" / ITER)).read_metadata().state_dict_metadata
-    if fixture == "core019_moe_mixed_shared_ep2":
+    if fixture != "core019_moe_ep2":
         assert "model.module.decoder.layers.1.mlp.shared_experts.linear_fc1.weight_v" in names
         assert "model.module.decoder.layers.0.mlp.linear_fc1.weight_w" in names
+    if fixture == "core019_deepseek_mtp":
+        # DeepSeek-style: MLA projections renamed only, the sigmoid router's expert bias kept (fp32) in the
+        # decoder's and the MTP layer's MoE, whose experts are numbered as the decoder's
+        mtp = "model.module.mtp.layers.0.mtp_model_layer."
+        assert f"{mtp}mlp.experts.local_experts.3.linear_fc1.weight_v" in names
+        assert f"{mtp}mlp.shared_experts.linear_fc1.weight_w" in names
+        assert f"{mtp}self_attention.linear_kv_down_proj.weight" in names
+        for bias in ("model.module.decoder.layers.1.mlp.router.expert_bias", f"{mtp}mlp.router.expert_bias"):
+            assert names[bias].properties.dtype == torch.float32, bias
+        assert not any("transformer_layer" in k for k in names)
     rc, text, err = _run(capsys, "convert", tmp_path / "fsdp", "--to", "torch_dist", "-o", tmp_path / "back")
     assert rc == 0, err
     assert "experts stacked, SwiGLU halves joined" in text
@@ -335,7 +354,7 @@ def _tree_bytes(root):
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("fixture", ["core019_tp2", "core019_moe_ep2"])
+@pytest.mark.parametrize("fixture", ["core019_tp2", "core019_moe_ep2", "core019_bf16_dp2_fully_reshardable"])
 def test_jobs_gives_the_same_bytes_both_ways(capsys, tmp_path, fixture):
     """--jobs N spreads the source's data files over worker processes, each writing its own output file: the
     output is byte for byte the same at any --jobs (units are cut by the source alone, records joined in order)."""
@@ -352,3 +371,110 @@ def test_jobs_gives_the_same_bytes_both_ways(capsys, tmp_path, fixture):
     assert outs[1] == outs[3]
     forward, _back = outs[1]
     assert sum(name.endswith(".distcp") for name in forward) == 3  # two source data files, then the common items
+
+
+BF16 = "core019_bf16_dp2_fully_reshardable"
+EXCLUDED = "_extra_state|rng_state|rerun_state_machine_state"
+
+
+def _model_requests(save):
+    """:func:`_fsdp_requests`' model keys (``model.module.<param>``, one per layer, SwiGLU halves)."""
+    requests = _fsdp_requests(save).items()
+    return {k: v for k, v in requests if k.startswith("model.module.") and not k.startswith("model.module.optimizer.")}
+
+
+def test_bf16_model_module_holds_the_fp32_main_params(capsys, tmp_path):
+    """bf16 params with the distributed optimizer's fp32 main params: Megatron-FSDP's state dict holds the main
+    params under ``model.module.<name>`` (megatron_fsdp.py's state-dict pre-hook swaps in the optimizer's params,
+    built on the fp32 main-weight buffer) and keeps no ``param`` optimizer state. So the output's model keys are
+    the source's fp32 ``optimizer.state.param`` values, split as their parameter is; the bf16 model copy (the main
+    params rounded, as the fixture shows) is listed as not carried."""
+    save = FIXTURES / BF16
+    rc, text, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp")
+    assert rc == 0, err
+    assert "precision       torch.bfloat16 model, fp32 main params: model.module.* holds them, 9 from" in text
+    requests = _model_requests(save)
+    assert len(requests) == 17  # embedding, output layer, final norm, 2 layers x (qkv, proj, fc1 halves, fc2, 2 norms)
+    state = _load_fsdp(tmp_path / "fsdp", requests)
+    sources = {}
+    for key, (source, layer, half) in requests.items():
+        if source not in sources:
+            model = _source_tensor(save, source)
+            main = _source_tensor(save, f"optimizer.state.param.{source}")
+            assert model.dtype == torch.bfloat16 and main.dtype == torch.float32
+            assert torch.equal(main.to(torch.bfloat16), model), source  # the model copy is the main params rounded
+            sources = {source: main}
+        expected = sources[source] if layer is None else sources[source][layer]
+        if half is not None:
+            expected = torch.chunk(expected, 2, dim=0)[0 if half == "w" else 1]
+        assert state[key].dtype == torch.float32 and torch.equal(state[key], expected), key
+    names = dcp.FileSystemReader(str(tmp_path / "fsdp" / ITER)).read_metadata().state_dict_metadata
+    assert not any(k.endswith(".param") for k in names)  # the main params are model.module's, not optimizer state
+    assert "model.module.decoder.layers.1.mlp.linear_fc1.weight_v" in names
+    rc, out, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "--format", "json")
+    assert rc == 0, err
+    plan = json.loads(out)["plan"]
+    assert plan["model_dtype"] == "torch.bfloat16"
+    why = {n["key"]: n["why"] for n in plan["not_carried"]}
+    assert "fp32 main params" in why["decoder.layers.mlp.linear_fc2.weight"]
+    mains = {m["source"]: m["targets"] for m in plan["mappings"] if m["source"].startswith("optimizer.state.param.")}
+    assert mains["optimizer.state.param.decoder.layers.mlp.linear_fc2.weight"] == [
+        "model.module.decoder.layers.0.mlp.linear_fc2.weight",
+        "model.module.decoder.layers.1.mlp.linear_fc2.weight",
+    ]
+
+
+def test_bf16_round_trip_is_bit_identical_in_values_and_dtypes(capsys, tmp_path):
+    """Back to torch_dist, the model goes back to the dtype the args say (bf16: the fp32 values rounded to
+    nearest, as Megatron's optimizer copies main params to the model) and the fp32 values stay the optimizer's
+    ``param`` state: model and optimizer bit-identical to the source, every dtype as saved."""
+    save = FIXTURES / BF16
+    rc, _text, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp")
+    assert rc == 0, err
+    rc, text, err = _run(capsys, "convert", tmp_path / "fsdp", "--to", "torch_dist", "-o", tmp_path / "back")
+    assert rc == 0, err
+    assert "17 source keys cast to torch.bfloat16" in text
+    assert "model.module.decoder.layers.0.mlp.linear_fc2.weight  (layers stacked, cast to torch.bfloat16)" in text
+    rc, text, err = _run(capsys, "diff", save, tmp_path / "back", "--values", "--exclude", EXCLUDED, "--ignore-layout")
+    assert rc == 0, text + err
+    assert "kind/dtype/shape changes: 0" in text and "36 compared, 36 equal" in text and "no differences" in text
+
+
+def test_bf16_without_optimizer_state_casts_the_model_up(capsys, tmp_path):
+    """Saved without optimizer state there are no main params to take: the bf16 model is cast up to fp32 (the
+    main-weight buffer's dtype), which the round trip casts back without loss."""
+    save = tmp_path / "no_optim"
+    rc, _text, err = _run(capsys, "edit", FIXTURES / BF16, "--drop-section", "optimizer", "-o", save)
+    assert rc == 0, err
+    rc, text, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp")
+    assert rc == 0, err
+    assert "0 from optimizer.state.param, 9 cast up from the model copy" in text
+    assert "decoder.layers.mlp.linear_fc2.weight  (per-layer split, cast to torch.float32)" in text
+    requests = _model_requests(save)
+    state = _load_fsdp(tmp_path / "fsdp", requests)
+    for key, (source, layer, half) in requests.items():
+        expected = _source_tensor(save, source).float()
+        expected = expected if layer is None else expected[layer]
+        if half is not None:
+            expected = torch.chunk(expected, 2, dim=0)[0 if half == "w" else 1]
+        assert state[key].dtype == torch.float32 and torch.equal(state[key], expected), key
+    rc, _text, err = _run(capsys, "convert", tmp_path / "fsdp", "--to", "torch_dist", "-o", tmp_path / "back")
+    assert rc == 0, err
+    rc, text, err = _run(capsys, "diff", save, tmp_path / "back", "--values", "--exclude", EXCLUDED, "--ignore-layout")
+    assert rc == 0 and "no differences" in text, text + err
+
+
+def test_main_params_missing_from_a_fsdp_dtensor_save_come_from_its_model(capsys, tmp_path):
+    """Megatron-FSDP keeps no ``param`` optimizer state (its model holds the main params): a save without one,
+    whose args say the distributed optimizer, gets each parameter's ``optimizer.state.param`` from its fp32 model
+    tensor on the way back, as a fully_reshardable torch_dist save holds it; here identical to the source's."""
+    save = FIXTURES / "core019_tp2_dp2_fully_reshardable"
+    rc, _text, err = _run(capsys, "convert", save, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp")
+    assert rc == 0, err
+    rc, _text, err = _run(capsys, "edit", tmp_path / "fsdp", "--remove", r"\.param$", "-o", tmp_path / "no_param")
+    assert rc == 0, err
+    rc, text, err = _run(capsys, "convert", tmp_path / "no_param", "--to", "torch_dist", "-o", tmp_path / "back")
+    assert rc == 0, err
+    assert "    -> optimizer.state.param.decoder.layers.mlp.linear_fc2.weight" in text
+    rc, text, err = _run(capsys, "diff", save, tmp_path / "back", "--values", "--exclude", EXCLUDED, "--ignore-layout")
+    assert rc == 0 and "no differences" in text, text + err

@@ -49,6 +49,50 @@ def test_round_trip_torch_dist_loads_in_megatron_core(capsys, tmp_path, fixture,
     assert proc.stdout.count("CASE back OK ") == nproc, proc.stdout[-3000:]
 
 
+def test_deepseek_round_trip_torch_dist_loads_in_megatron_core(capsys, tmp_path):
+    """The DeepSeek-style fixture (MLA, a dense and a MoE layer with shared expert and expert bias, one MTP layer)
+    through fsdp_dtensor and back: megatron-core loads the result's model section into the same model, every
+    parameter equal to what the source loads."""
+    require_mcore()
+    fixture = "core019_deepseek_mtp"
+    _convert(capsys, FIXTURES / fixture, tmp_path / "fsdp", "fsdp_dtensor")
+    _convert(capsys, tmp_path / "fsdp", tmp_path / "back", "torch_dist")
+    case = dict(
+        name="back",
+        via="dist",
+        ckpt=str(tmp_path / "back"),
+        reference=str(FIXTURES / fixture),
+        flags=[],
+        expect="ok",
+        no_extra_state=True,
+    )
+    layout = {"num_experts": 4, "moe_layer_freq": [0, 1], "moe_shared_expert": 64, "mla": True, "mtp_layers": 1}
+    command = [str(SCRIPT), json.dumps([case]), "--layout", json.dumps(layout)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "CASE back OK " in proc.stdout, proc.stdout[-3000:]
+
+
+BF16_SCRIPT = REPO / "tests" / "mcore_load_bf16.py"
+
+
+def test_bf16_round_trip_loads_in_megatron_core_with_its_fp32_main_params(capsys, tmp_path):
+    """The bf16 fixture (fp32 main params in a fully_reshardable distributed optimizer) through fsdp_dtensor (the
+    main params as model.module) and back: megatron-core loads the result, model and optimizer, at DP=2 on two
+    gloo ranks, and each rank's bf16 parameters, fp32 main params and Adam moments equal what the source loads."""
+    require_mcore()
+    fixture = FIXTURES / "core019_bf16_dp2_fully_reshardable"
+    _convert(capsys, fixture, tmp_path / "fsdp", "fsdp_dtensor")
+    _convert(capsys, tmp_path / "fsdp", tmp_path / "back", "torch_dist")
+    command = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    command += [str(BF16_SCRIPT), str(fixture), str(tmp_path / "back")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("BF16 OK ") == 2 and "torch.bfloat16, torch.float32" in proc.stdout, proc.stdout[-3000:]
+
+
 MOE_LAYOUTS = {
     "core019_moe_ep2": {"dp": 2, "ep": 2, "num_experts": 4},
     "core019_moe_mixed_shared_ep2": {

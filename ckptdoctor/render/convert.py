@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ckptdoctor.ops.convert.plan import ConvertPlan
 from ckptdoctor.ops.convert.write import ConvertReport
 from ckptdoctor.render.common import human_bytes
 from ckptdoctor.text_safety import text_safe
@@ -12,6 +13,25 @@ def _swiglu_note(swiglu: bool, target: str) -> str:
         return ""
     how = "joined from" if target == "torch_dist" else "split into"
     return f" (SwiGLU: linear_fc1 {how} _w/_v)"
+
+
+def _precision_note(plan: ConvertPlan) -> str:
+    """What mixed precision changed: where the fp32 main params come from or go to, and what was cast."""
+    cast = sum(1 for m in plan.mappings if m.cast)
+    if plan.target_format == "torch_dist":
+        return (
+            f"{plan.model_dtype} model, fp32 main params: {cast} source keys cast to {plan.model_dtype}, "
+            "their fp32 values kept as optimizer.state.param where the parameter has optimizer state"
+        )
+    mains = sum(
+        1
+        for m in plan.mappings
+        if m.source.startswith("optimizer.state.param.") and m.targets and m.targets[0].startswith("model.")
+    )
+    return (
+        f"{plan.model_dtype} model, fp32 main params: model.module.* holds them, {mains} from optimizer.state.param, "
+        f"{cast} cast up from the model copy (no main params saved)"
+    )
 
 
 @text_safe
@@ -26,11 +46,13 @@ def render_convert(report: ConvertReport) -> str:
         f"keys            {len(plan.mappings)} source items -> {outputs} output keys, "
         f"{len(plan.not_carried)} not carried",
         "args            " + ", ".join(f"{name}={value!r}" for name, value in plan.arg_changes.items()),
-        "",
-        "key mapping",
     ]
+    if plan.model_dtype:
+        lines.append("precision       " + _precision_note(plan))
+    lines += ["", "key mapping"]
     for mapping in plan.mappings:
-        lines.append(f"  {mapping.source}  ({mapping.how})")
+        cast = f", cast to {mapping.cast}" if mapping.cast else ""
+        lines.append(f"  {mapping.source}  ({mapping.how}{cast})")
         lines += [f"    -> {target}" for target in mapping.targets]
     if plan.not_carried:
         lines += ["", "not carried (no place in the target format)"]

@@ -135,9 +135,12 @@ class DataFileWriter:
         self.chunks: list[ChunkRecord] = []
         self.items: list[BytesRecord] = []
 
-    def write_chunk(self, key: str, offsets: tuple[int, ...], value: Any) -> int:
-        """Append one chunk of a declared tensor at ``offsets``; returns the bytes written."""
+    def write_chunk(self, key: str, offsets: tuple[int, ...], value: Any, cast: bool = False) -> int:
+        """Append one chunk of a declared tensor at ``offsets``; returns the bytes written. ``cast``: the values are
+        converted to the declared dtype (else a chunk of another dtype is an error)."""
         tensor = self._layout.tensors[key]
+        if cast and str(value.dtype) != tensor.dtype:
+            value = value.to(getattr(self._torch, tensor.dtype.removeprefix("torch.")))
         if str(value.dtype) != tensor.dtype:
             raise CkptError(f"{key}: chunk dtype {value.dtype} differs from {tensor.dtype}")
         sizes = tuple(int(s) for s in value.shape)

@@ -23,10 +23,20 @@ torch_dist -> fsdp_dtensor follows the conventions Megatron-FSDP loads (megatron
   renamed ``optimizer.param_groups``, as the FSDP optimizer's state dict names it.
 
 A distributed optimizer saved ``fully_reshardable`` carries its per-parameter state (``exp_avg``, ``exp_avg_sq``
-and the fp32 master ``param``) like a model-space optimizer's, param groups included. What the target has no place
-for is listed, not converted: Transformer Engine ``_extra_state`` (Megatron-FSDP drops it), the per-rank RNG and
-rerun states (the inspector drops them too) and a ``dp_reshardable`` distributed optimizer's flat buckets (no
-parameter-to-offset map in the checkpoint). Nothing here reads a tensor or imports torch.
+and the fp32 main ``param``) like a model-space optimizer's, param groups included.
+
+Mixed precision (the saved args say ``bf16`` or ``fp16``): Megatron-FSDP's state dict holds its fp32 main params
+under ``model.module.<name>`` (a state-dict pre-hook swaps the module's parameters for the optimizer's DTensors,
+built on the main-weight buffer whenever ``main_params_dtype`` is set, fp32 by default), and its optimizer keeps
+no separate ``param`` state. So ``model.module.<name>`` takes the optimizer's fp32 ``optimizer.state.param.<name>``
+where the source has it (the bf16/fp16 model copy, which is that value rounded, is not carried), and is the model
+tensor cast up to fp32 where no main params were saved (no optimizer state); with main params saved, a parameter
+without one is frozen and stays in the model's dtype (Megatron-FSDP builds main weights only for parameters that
+require grad), and tensors the model keeps in fp32 (the router's ``expert_bias``) stay as they are.
+
+What the target has no place for is listed, not converted: Transformer Engine ``_extra_state`` (Megatron-FSDP
+drops it), the per-rank RNG and rerun states (the inspector drops them too) and a ``dp_reshardable`` distributed
+optimizer's flat buckets (no parameter-to-offset map in the checkpoint). Nothing here reads a tensor or imports torch.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from ckptdoctor.args import args_as_dict
 from ckptdoctor.checkpoint import Checkpoint, Entry
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import BACKEND_TORCH_DIST
+from ckptdoctor.pickle.plain import OMIT_NONE
 
 SCHEMA = "ckptdoctor.convert/1"
 TARGET_FSDP_DTENSOR = "fsdp_dtensor"
@@ -76,6 +87,11 @@ HOW_LAYERS = "per-layer split"
 HOW_EXPERTS = "per-expert split"
 HOW_OBJECT = "common state item"
 
+# Mixed precision: the args' flag and the model's dtype; the main params' dtype and their optimizer stat
+MIXED_PRECISION = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+MAIN_DTYPE = "torch.float32"
+MAIN_PARAM_STAT = "param"
+
 
 @dataclass
 class TargetTensor:
@@ -93,6 +109,7 @@ class KeyMapping:
     source: str
     targets: list[str]
     how: str
+    cast: str | None = field(default=None, metadata=OMIT_NONE)  # the dtype its values are cast to (None: as saved)
 
 
 @dataclass
@@ -113,6 +130,8 @@ class ConvertPlan:
     arg_changes: dict[str, str]  # arg -> new value, set in the output's saved args
     target_tensors: list[TargetTensor] = field(default_factory=list, repr=False)
     grouped_experts: bool = field(default=False, repr=False)  # experts named weight<E> (moe_grouped_gemm)
+    # mixed precision: the model's dtype (bf16/fp16 in the saved args), None otherwise
+    model_dtype: str | None = None
 
     def tensor_bytes(self, checkpoint: Checkpoint) -> int:
         sources = {m.source for m in self.mappings if m.how != HOW_OBJECT}
@@ -129,6 +148,7 @@ class ChunkRule:
     base: str
     axes: tuple[str, ...]
     swiglu: int
+    cast: str | None = None  # the output dtype where the values are cast (None: the source's)
 
     @property
     def layered(self) -> bool:
@@ -182,12 +202,39 @@ def target_param(key: str) -> tuple[str, str | None] | None:
     return key, None
 
 
-def chunk_rule(entry: Entry, swiglu: bool, grouped: bool = False) -> ChunkRule:
+def mixed_precision_dtype(args: dict) -> str | None:
+    """The model's dtype when the args say mixed precision (``bf16``/``fp16``), else None."""
+    for flag, dtype in MIXED_PRECISION.items():
+        if args.get(flag):
+            return dtype
+    return None
+
+
+def main_params(checkpoint: Checkpoint) -> set[str]:
+    """The parameters whose fp32 main params the optimizer saved per parameter (``optimizer.state.param.<name>``,
+    the shape of the model tensor ``<name>``)."""
+    found = set()
+    for key, entry in checkpoint.entries.items():
+        named = target_param(key)
+        if named is None or named[1] != MAIN_PARAM_STAT or entry.kind != "tensor":
+            continue
+        model = checkpoint.entries.get(named[0])
+        if model is not None and model.kind == "tensor" and model.shape == entry.shape:
+            found.add(named[0])
+    return found
+
+
+def chunk_rule(
+    entry: Entry, swiglu: bool, grouped: bool = False, as_model: bool = False, cast: str | None = None
+) -> ChunkRule:
     """The :class:`ChunkRule` of a convertible tensor (see :func:`plan_convert` for which are); ``grouped``: the
-    model's experts are one grouped GEMM (``moe_grouped_gemm``), named ``weight<E>``."""
+    model's experts are one grouped GEMM (``moe_grouped_gemm``), named ``weight<E>``; ``as_model``: an fp32 main
+    param that becomes the model tensor (mixed precision); ``cast``: the dtype the values are cast to."""
     named = target_param(entry.key)
     assert named is not None and entry.shape is not None
     param, stat = named
+    if as_model:
+        stat = None
     name = param
     axes: tuple[str, ...] = ()
     layered = _layered_name(name)
@@ -202,7 +249,39 @@ def chunk_rule(entry: Entry, swiglu: bool, grouped: bool = False) -> ChunkRule:
     half = 0
     if swiglu and _SWIGLU_RE.search(param) and shape and shape[0] % 2 == 0:
         half = shape[0] // 2
-    return ChunkRule(base, axes, half)
+    return ChunkRule(base, axes, half, cast)
+
+
+def precision_rule(
+    checkpoint: Checkpoint, key: str, model_dtype: str | None, mains: set[str]
+) -> tuple[bool, str | None]:
+    """(``as_model``, ``cast``) of a convertible tensor under mixed precision: an fp32 main param becomes its model
+    tensor; a model tensor in the model's dtype with no main param saved is cast up to fp32."""
+    if model_dtype is None:
+        return False, None
+    named = target_param(key)
+    assert named is not None
+    param, stat = named
+    if stat == MAIN_PARAM_STAT and param in mains:
+        return True, None
+    # no main params saved (no optimizer state): every parameter in the model's dtype is cast up, as Megatron-FSDP's
+    # main-weight buffer holds it; with main params saved, one without is frozen and Megatron-FSDP keeps it as is
+    if stat is None and not mains and checkpoint.entries[key].dtype == model_dtype:
+        return False, MAIN_DTYPE
+    return False, None
+
+
+def forward_rules(checkpoint: Checkpoint, plan: ConvertPlan) -> dict[str, ChunkRule]:
+    """The :class:`ChunkRule` of every tensor ``plan`` converts (as :func:`plan_convert` placed it)."""
+    mains = main_params(checkpoint) if plan.model_dtype else set()
+    rules = {}
+    for mapping in plan.mappings:
+        if mapping.how == HOW_OBJECT:
+            continue
+        as_model, cast = precision_rule(checkpoint, mapping.source, plan.model_dtype, mains)
+        entry = checkpoint.entries[mapping.source]
+        rules[mapping.source] = chunk_rule(entry, plan.swiglu, plan.grouped_experts, as_model, cast)
+    return rules
 
 
 def rule_key(rule: ChunkRule, indices: tuple[int, ...]) -> str:
@@ -220,9 +299,9 @@ def rule_targets(rule: ChunkRule, entry: Entry) -> list[TargetTensor]:
         key = rule_key(rule, indices)
         if rule.swiglu:
             half_shape = (rule.swiglu, *shape[1:])
-            out += [TargetTensor(split_name(key, h), half_shape, entry.dtype) for h in ("w", "v")]
+            out += [TargetTensor(split_name(key, h), half_shape, rule.cast or entry.dtype) for h in ("w", "v")]
         else:
-            out.append(TargetTensor(key, tuple(shape), entry.dtype))
+            out.append(TargetTensor(key, tuple(shape), rule.cast or entry.dtype))
     return out
 
 
@@ -300,6 +379,8 @@ def plan_convert(checkpoint: Checkpoint, target: str) -> ConvertPlan:
         raise CkptError(f"{where}: no saved args in the common state; convert needs them (swiglu, layers)")
     swiglu = bool(args.get("swiglu"))
     grouped = bool(args.get("moe_grouped_gemm"))
+    model_dtype = mixed_precision_dtype(args)
+    mains = main_params(checkpoint) if model_dtype else set()
     mappings: list[KeyMapping] = []
     not_carried: list[NotCarried] = []
     tensors: list[TargetTensor] = []
@@ -311,10 +392,14 @@ def plan_convert(checkpoint: Checkpoint, target: str) -> ConvertPlan:
             continue
         if key.startswith("common_state"):
             continue
-        rule = chunk_rule(entry, swiglu, grouped)
+        if key in mains:
+            not_carried.append(NotCarried(key, _main_copy_why(key, model_dtype)))
+            continue
+        as_model, cast = precision_rule(checkpoint, key, model_dtype, mains)
+        rule = chunk_rule(entry, swiglu, grouped, as_model, cast)
         targets = rule_targets(rule, entry)
         how = _how(rule)
-        mappings.append(KeyMapping(key, [t.key for t in targets], how))
+        mappings.append(KeyMapping(key, [t.key for t in targets], how, cast))
         tensors += targets
     for name in sorted(common):
         keys = [dotted(path) for path, _value in flattened(common[name], (name,))]
@@ -335,4 +420,13 @@ def plan_convert(checkpoint: Checkpoint, target: str) -> ConvertPlan:
         arg_changes={"ckpt_format": target},
         grouped_experts=grouped,
         target_tensors=tensors,
+        model_dtype=model_dtype,
+    )
+
+
+def _main_copy_why(key: str, model_dtype: str | None) -> str:
+    return (
+        f"the {model_dtype} model copy of the fp32 main params: Megatron-FSDP's {MODEL_PREFIX}.<name> holds the "
+        f"main params, taken from optimizer.state.{MAIN_PARAM_STAT}.{key} (the model copy is rounded from them "
+        "after every optimizer step)"
     )

@@ -10,6 +10,15 @@ back, and SwiGLU ``<name>_w``/``<name>_v`` halves are joined on dim 0 (gate half
 ``apply_swiglu_sharded_factory`` lays ``linear_fc1`` out). The top-level bytes items are gathered back into the
 common state (dotted keys unflattened along the paths DCP's planner recorded), written as ``common.pt`` with the
 args saying ``ckpt_format='torch_dist'``.
+
+Mixed precision (the saved args say ``bf16`` or ``fp16``): Megatron-FSDP's ``model.module.<name>`` holds the fp32
+main params (see :mod:`ckptdoctor.ops.convert.plan`), while torch_dist holds the model in its own dtype and a
+``fully_reshardable`` distributed optimizer its fp32 main params as ``optimizer.state.param.<name>``. So an fp32
+model tensor is cast to the model's dtype (as Megatron's optimizer copies main params to model params: round to
+nearest), except the router's ``expert_bias``, which megatron-core keeps in fp32; and where the parameter has
+optimizer state but the save carries no ``param`` state for it, its fp32 values are also written as
+``optimizer.state.param.<name>`` (so too for an fp32 model whose args say the distributed optimizer: its
+``fully_reshardable`` state has the main params as ``param``, which Megatron-FSDP keeps as the model).
 Metadata only: nothing here reads a tensor or imports torch.
 """
 
@@ -19,12 +28,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ckptdoctor.args import args_as_dict
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.plain_dcp import FLAVOUR_FSDP_DTENSOR
 from ckptdoctor.ops.convert.plan import (
     HOW_OBJECT,
+    MAIN_DTYPE,
+    MAIN_PARAM_STAT,
     MODEL_PREFIX,
     MTP_FSDP_LAYER,
     MTP_RE,
@@ -34,6 +46,7 @@ from ckptdoctor.ops.convert.plan import (
     KeyMapping,
     NotCarried,
     TargetTensor,
+    mixed_precision_dtype,
 )
 
 TARGET_TORCH_DIST = "torch_dist"
@@ -45,6 +58,8 @@ _LAYER_RE = re.compile(r"\.layers\.([0-9]+)\.")
 _HALF_RE = re.compile(r"\.linear_fc1\.((?:weight|bias)[0-9]*)_([wv])\Z")
 _GROUPED_EXPERT_RE = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.(weight|bias)([0-9]+)\Z")
 _LOCAL_EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.([0-9]+)\.(linear_fc[12])\.(weight|bias)\Z")
+# what megatron-core keeps in fp32 in a bf16/fp16 model (TopKRouter's _maintain_float32_expert_bias)
+_KEEP_FP32_RE = re.compile(r"(\A|\.)expert_bias\Z")
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,7 @@ class ReverseRule:
     target: str
     lead: tuple[int, ...]
     half: int
+    main: str | None = None  # mixed precision: the fp32 main param key its values are also written to
 
 
 @dataclass(frozen=True)
@@ -133,8 +149,28 @@ def _indices(checkpoint: Checkpoint, target: str, found: set[int | None], what: 
     return indices
 
 
-def reverse_rules(checkpoint: Checkpoint) -> tuple[dict[str, ReverseRule], list[TargetTensor], list[KeyMapping]]:
-    """Every convertible tensor's :class:`ReverseRule`, the output tensors and the key mappings."""
+def saved_args(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The save's ``args`` item as a dict (empty without one)."""
+    entry = checkpoint.entries.get("args")
+    if entry is None or entry.kind != "bytes":
+        return {}
+    return args_as_dict(checkpoint.read_bytes_item("args"))
+
+
+def _model_target_dtype(target: str, dtype: str, model_dtype: str | None) -> str:
+    """The dtype torch_dist holds a model tensor in: an fp32 main param goes back to the model's dtype."""
+    if model_dtype is None or dtype != MAIN_DTYPE or _KEEP_FP32_RE.search(target):
+        return dtype
+    return model_dtype
+
+
+def reverse_rules(
+    checkpoint: Checkpoint, model_dtype: str | None = None, distributed: bool = False
+) -> tuple[dict[str, ReverseRule], list[TargetTensor], list[KeyMapping]]:
+    """Every convertible tensor's :class:`ReverseRule`, the output tensors and the key mappings; ``model_dtype``:
+    the model's dtype under mixed precision (fp32 model tensors are cast to it, their main params kept);
+    ``distributed``: the args say the distributed optimizer, whose torch_dist state has the main params as
+    ``param`` (written from the model tensor where the save has no ``param`` state)."""
     stacked_blocks = _homogeneous_blocks(checkpoint)
     groups: dict[str, dict[tuple[int | None, int | None, str | None], str]] = {}
     dtypes: dict[str, str] = {}
@@ -150,7 +186,17 @@ def reverse_rules(checkpoint: Checkpoint) -> tuple[dict[str, ReverseRule], list[
     rules: dict[str, ReverseRule] = {}
     tensors: list[TargetTensor] = []
     mappings: list[KeyMapping] = []
+    with_state = {t.split(".", 3)[3] for t in groups if t.startswith("optimizer.state.") and t.count(".") >= 3}
     for target, parts in sorted(groups.items()):
+        cast = None
+        main = None
+        if not target.startswith("optimizer.state."):
+            dtype = _model_target_dtype(target, dtypes[target], model_dtype)
+            if dtype != dtypes[target]:
+                cast, dtypes[target] = dtype, dtype
+            main_key = f"optimizer.state.{MAIN_PARAM_STAT}.{target}"
+            if (cast or distributed) and target in with_state and main_key not in groups:
+                main = main_key
         layers = _indices(checkpoint, target, {layer for layer, _e, _h in parts}, "layers")
         experts = _indices(checkpoint, target, {expert for _l, expert, _h in parts}, "experts")
         halves = {half for _l, _e, half in parts}
@@ -169,15 +215,17 @@ def reverse_rules(checkpoint: Checkpoint) -> tuple[dict[str, ReverseRule], list[
             if shape is None or tuple(shape[1:]) != inner[1:] or shape[0] != (half_size or inner[0]):
                 raise CkptError(f"{checkpoint.iteration_dir}: {key}: shape {shape} differs from its siblings'")
             lead = tuple(i for i in (layer, expert) if i is not None)
-            rules[key] = ReverseRule(target, lead, half_size if half == "v" else 0)
+            rules[key] = ReverseRule(target, lead, half_size if half == "v" else 0, main)
         lead_shape = tuple(len(axis) for axis in (layers, experts) if axis)
         tensors.append(TargetTensor(target, (*lead_shape, *inner), dtypes[target]))
+        if main is not None:
+            tensors.append(TargetTensor(main, (*lead_shape, *inner), MAIN_DTYPE))
         steps = [HOW_MERGE] if layers else []
         steps += [HOW_MERGE_EXPERTS] if experts else []
         steps += [HOW_JOIN] if half_size else []
         how = ", ".join(steps) or "rename"
         for key in sorted(parts.values()):
-            mappings.append(KeyMapping(key, [target], how))
+            mappings.append(KeyMapping(key, [target] if main is None else [target, main], how, cast))
     return rules, tensors, mappings
 
 
@@ -242,7 +290,9 @@ def plan_to_torch_dist(checkpoint: Checkpoint) -> tuple[ConvertPlan, dict[str, R
     where = checkpoint.iteration_dir
     if checkpoint.flavour != FLAVOUR_FSDP_DTENSOR:
         raise CkptError(f"{where}: convert --to torch_dist reads a Megatron-FSDP fsdp_dtensor save")
-    rules, tensors, mappings = reverse_rules(checkpoint)
+    args = saved_args(checkpoint)
+    model_dtype = mixed_precision_dtype(args)
+    rules, tensors, mappings = reverse_rules(checkpoint, model_dtype, bool(args.get("use_distributed_optimizer")))
     not_carried = []
     objects = []
     for key, entry in sorted(checkpoint.entries.items()):
@@ -263,5 +313,6 @@ def plan_to_torch_dist(checkpoint: Checkpoint) -> tuple[ConvertPlan, dict[str, R
         not_carried=not_carried,
         arg_changes={"ckpt_format": TARGET_TORCH_DIST},
         target_tensors=tensors,
+        model_dtype=model_dtype,
     )
     return plan, rules

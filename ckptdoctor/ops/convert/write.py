@@ -30,15 +30,14 @@ from ckptdoctor.formats.torch_dist import DcpChunk
 from ckptdoctor.formats.torch_zip import dump_torch_zip
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.convert.plan import (
-    HOW_OBJECT,
     MODEL_PREFIX,
     OPTIMIZER_STATE_PREFIX,
     SCHEMA,
     ChunkRule,
     ConvertPlan,
-    chunk_rule,
     dotted,
     flattened,
+    forward_rules,
     plan_convert,
     rule_key,
     split_name,
@@ -125,7 +124,7 @@ def _common_items(checkpoint: Checkpoint, plan: ConvertPlan) -> Iterator[tuple[s
 # cut depends on the source only, so the output (one data file per unit) is the same at any --jobs.
 UNIT_BYTES = 256 << 20
 
-Placement = Callable[[str, DcpChunk, Any], Iterator[tuple[str, tuple, Any]]]
+Placement = Callable[[str, DcpChunk, Any], Iterator[tuple[str, tuple, Any]]]  # (output key, offsets, values)
 
 
 def _units(checkpoint: Checkpoint, keys: list[str]) -> list[list[tuple[str, int]]]:
@@ -160,10 +159,12 @@ def _write_units(
     stage: Path,
     jobs: int | None,
     progress: Progress | None,
+    casts: frozenset[str] = frozenset(),
 ) -> tuple[list[ChunkRecord], int]:
     """Every source chunk of ``keys`` read (the values engine, one chunk at a time), cut by ``place`` and written:
     each unit to its own data file, units spread over ``jobs`` worker processes (:func:`ckptdoctor.parallel.map_units`),
-    the records joined in unit order. Returns the records and the number of data files written."""
+    the records joined in unit order; the output keys in ``casts`` take their declared dtype (mixed precision).
+    Returns the records and the number of data files written."""
     units = _units(checkpoint, keys)
     weights = [
         sum(checkpoint.entries[k].chunk_nbytes(checkpoint.entries[k].chunks[i]) or 0 for k, i in u) for u in units
@@ -174,7 +175,7 @@ def _write_units(
             for key, index in units[number]:
                 value = read_chunk(checkpoint, key, index)
                 for out_key, offsets, piece in place(key, checkpoint.entries[key].chunks[index], value):
-                    writer.write_chunk(out_key, offsets, piece)
+                    writer.write_chunk(out_key, offsets, piece, cast=out_key in casts)
                 del value
             writer.close()
             return writer.chunks
@@ -194,13 +195,14 @@ def _fill(
     layout = DcpSaveLayout()
     for target in plan.target_tensors:
         layout.declare_tensor(target.key, target.shape, target.dtype, _planner_path(target.key))
-    sources = [m.source for m in plan.mappings if m.how != HOW_OBJECT]
-    rules = {key: chunk_rule(checkpoint.entries[key], plan.swiglu, plan.grouped_experts) for key in sources}
+    rules = forward_rules(checkpoint, plan)
+    sources = list(rules)
+    casts = frozenset(m_key for m in plan.mappings if m.cast for m_key in m.targets)
 
     def place(key: str, chunk: DcpChunk, value: Any) -> Iterator[tuple[str, tuple, Any]]:
         return _pieces(rules[key], tuple(chunk.offsets), value)
 
-    records, files = _write_units(checkpoint, sources, place, layout, stage, jobs, progress)
+    records, files = _write_units(checkpoint, sources, place, layout, stage, jobs, progress, casts)
     with DataFileWriter(stage, data_file_name(files), layout) as writer:
         for key, path, payload in _common_items(checkpoint, plan):
             writer.write_bytes(key, payload, path)
@@ -231,9 +233,12 @@ def _fill_torch_dist(
         if rule.lead:  # one index on each stacked axis (layer, expert)
             offsets = (*rule.lead, *offsets)
             value = value.reshape((1,) * len(rule.lead) + tuple(value.shape))
+        if rule.main is not None:  # the fp32 values are the distributed optimizer's main params too
+            yield rule.main, offsets, value
         yield rule.target, offsets, value
 
-    records, _files = _write_units(checkpoint, sorted(rules), place, layout, stage, jobs, progress)
+    casts = frozenset(m.targets[0] for m in plan.mappings if m.cast)
+    records, _files = _write_units(checkpoint, sorted(rules), place, layout, stage, jobs, progress, casts)
     layout.write_metadata(stage, records, [])
     result = ConvertResult("", "", len(plan.target_tensors), len(records), 0, 0, 0)
     items = {key: checkpoint.read_bytes_item(key) for key, e in checkpoint.entries.items() if e.kind == "bytes"}
