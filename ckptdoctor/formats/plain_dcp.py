@@ -9,9 +9,13 @@ records the mapping in ``.metadata``'s ``planner_data`` (Megatron's torch_dist s
 - Megatron-FSDP ``--ckpt-format fsdp_dtensor``: the same top-level items, with megatron-core's
   ``fsdp_dtensor_checkpoint`` preprocessing: SwiGLU ``linear_fc1`` split into ``<name>_w``/``<name>_v`` halves
   (``handle_swiglu_in_state_dict``), grouped experts as ``weight<E>``, MTP layers under ``mtp.layers``.
-- FSDP2 / TorchTitan: ``model.``/``optimizer.`` from ``get_model_state_dict``/``get_optimizer_state_dict``, and
-  TorchTitan's ``train_state``, ``dataloader.*`` (one entry per data-parallel rank) and ``lr_scheduler``.
-- generic: any other ``dcp.save``.
+- FSDP2 / TorchTitan: ``optimizer.`` from ``get_optimizer_state_dict`` and TorchTitan's ``train_state``,
+  ``dataloader.*`` (one entry per data-parallel rank) and ``lr_scheduler``, the model either under ``model.``
+  (``get_model_state_dict`` as one item; TorchTitan up to v0.1.0) or at the top level (TorchTitan since v0.2.0:
+  ``CheckpointManager._flattened_model_states_sd`` merges the model's keys into the state dict, and its optimizer
+  keys are ``optimizer.state.<fqn>.<state>``/``optimizer.param_groups.<fqn>.<option>``).
+- generic: any other ``dcp.save``, TorchTitan's model-only saves among them (its last step with
+  ``last_save_model_only``, its step-0 seed): the model's keys alone, nothing in them names the writer.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ _TOP_LEVEL_SECTIONS = (
     ("rerun_state_machine", "rerun"),
 )
 _FSDP2_MARKERS = ("model.", "optimizer.", "train_state", "dataloader.", "lr_scheduler")
+# TorchTitan's states beside the model (CheckpointManager's TRAIN_STATE, DATALOADER, LR_SCHEDULER): with the model
+# flattened to the top level, every other key is the model's
+_FSDP2_OTHER_STATES = ("train_state", "dataloader", "lr_scheduler")
 
 # torch's optimizer state_dict flattened by DCP puts the state's name last: FSDP2's get_optimizer_state_dict keys
 # the state by parameter FQN (optimizer.state.layers.0.weight.exp_avg), Megatron-LM's torch_dcp by parameter index
@@ -99,12 +106,16 @@ def megatron_flavour(flavour: str, args: dict) -> str:
 def section_of(key: str, flavour: str) -> str:
     """A flattened key's section: ``model.`` (``model<i>.``) is the model, ``optimizer.`` the optimizer, the RNG and
     rerun states theirs, and the rest (train state, dataloader, scheduler, args) ``other``; in a generic save
-    without a ``model.`` prefix every key but the optimizer's is a model key."""
+    without a ``model.`` prefix every key but the optimizer's is a model key, and in an FSDP2 / TorchTitan save
+    every key but the optimizer's and TorchTitan's other states' (its model at the top level or under ``model.``)."""
     for prefix, section in _TOP_LEVEL_SECTIONS:
         if key.startswith(prefix):
             return section
     if flavour == FLAVOUR_GENERIC:
         return "model"
+    if flavour == FLAVOUR_FSDP2:
+        # lr_scheduler_<i>: one item per scheduler in TorchTitan's early releases
+        return "other" if key.split(".", 1)[0].startswith(_FSDP2_OTHER_STATES) else "model"
     head = key.split(".", 1)[0]
     if head == "model" or (head.startswith("model") and head[5:].isdigit()):
         return "model"
