@@ -42,6 +42,8 @@ MEGATRON_COMMON_ITEMS = ("args", "checkpoint_version", "iteration", "num_floatin
 # megatron-core's handle_swiglu_in_state_dict: fc1 weight (or bias) cut into its gate and up halves
 _SWIGLU_SPLIT_RE = re.compile(r"\.linear_fc1\.(weight|bias)[0-9]*_[wv]\Z")
 
+# TorchTitan's ParallelAwareDataloader: its state under dp_rank_<r> (beside the replicated world_size of v0.2.0 on)
+_PER_RANK_DATALOADER_RE = re.compile(r"^dataloader\.dp_rank_[0-9]+(?:\.|\Z)")
 # TorchTitan names a checkpoint dir step-<N> under the save dir (CheckpointManager._create_checkpoint_id)
 STEP_DIR_RE = re.compile(r"^step-([0-9]+)\Z")
 
@@ -137,7 +139,7 @@ def step_number(name: str) -> int | None:
 def per_rank_keys(keys: Iterable[str]) -> list[str]:
     """Keys that hold one rank's private state (TorchTitan's ``dataloader.dp_rank_<r>``): DCP loads them only at
     the world size that wrote them."""
-    return [key for key in keys if key.startswith("dataloader.")]
+    return [key for key in keys if _PER_RANK_DATALOADER_RE.match(key)]
 
 
 def adam_moment(key: str, flavour: str) -> tuple[str, str] | None:

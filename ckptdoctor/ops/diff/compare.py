@@ -269,6 +269,9 @@ def era_notes(
     notes: list[str] = []
     if la.backend != lb.backend:
         notes.append(f"backends differ: A is {la.era}, B is {lb.era}; keys and values are compared by key")
+    elif la.era != lb.era and a.common_source is None and b.common_source is None:
+        # two plain DCP flavours (a TorchTitan full save and its model-only last step): no common state to move
+        notes.append(f"A is {la.era}, B is {lb.era}; keys and values are compared by key")
     elif la.era != lb.era:
         notes.append(
             f"A is {la.era}, B is {lb.era}: the common state moved from common.pt into the DCP item "
