@@ -393,3 +393,24 @@ def test_torchtitan_model_only_zeroed_weight(capsys, tmp_path):
 
     _damaged_copy(TITAN_FLAT / "step-10", tmp_path / "titan" / "step-10", damage)
     assert _findings(capsys, tmp_path / "titan") == (1, ["CKD501 proj.weight: all 40 values are zero"])
+
+
+def test_torchtitan_flattened_stacked_experts(capsys, tmp_path):
+    """TorchTitan since v0.2.0 saves the MoE model's keys at the top level: the stacked experts are still the
+    model's, measured per expert."""
+    import torch.distributed.checkpoint as dcp
+
+    state = _titan_moe_state()
+    flat = {**state.pop("model"), **state}
+    for weight in ("w1", "w2", "w3"):
+        flat[f"layers.0.moe.experts.{weight}"][2].zero_()
+        stacked = flat[f"layers.1.moe.experts.{weight}"]
+        stacked[3].copy_(stacked[1])
+    dcp.save(flat, checkpoint_id=str(tmp_path / "bad"), no_dist=True)
+    doc = json.loads(run_main(capsys, "inspect", tmp_path / "bad", "--format", "json")[1])
+    assert doc["format"]["flavour"] == "fsdp2" and doc["sections"]["other"]["keys"] == 1  # train_state.step
+    rc, found = _findings(capsys, tmp_path / "bad")
+    assert rc == 1
+    assert found == [
+        f"CKD501 layers.0.moe.experts.{weight}: expert 2 all zero (1 of 4 slices)" for weight in ("w1", "w2", "w3")
+    ] + ["CKD502 layers.1.moe.experts: experts 1, 3 are equal in every tensor"]
