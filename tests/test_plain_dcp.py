@@ -447,3 +447,14 @@ def test_torchtitan_flattened_save_loads_at_another_world_size(capsys):
     assert any(w.startswith("2 per-rank dataloader entries") and "ranks 2..2" in w for w in doc["warnings"])
     doc = _json(capsys, "can-load", TITAN_FLAT / "step-10", "--target", "world=1")
     assert doc["will_load"] and [s["verdict"] for s in doc["sections"]] == ["reshards"]
+
+
+def test_diff_across_torchtitans_two_layouts(capsys):
+    """The same run saved as TorchTitan up to v0.1.0 (``model.`` prefix) and since v0.2.0 (model at the top level):
+    the model keys are matched without the prefix, and model and moments hold equal values."""
+    doc = _json(capsys, "diff", TITAN / "step-5", TITAN_FLAT / "step-5", "--values", "--stats")
+    assert doc["keys"]["model"] == {"only_a": {"count": 0, "keys": []}, "only_b": {"count": 0, "keys": []}, "common": 9}
+    assert doc["values"]["compared"] == 47 and doc["values"]["different"] == 0  # model 9, optimizer 27, other 11
+    assert {row["key"] for row in doc["stats"]["rows"]} >= {"proj.weight", "tok_embeddings.weight"}
+    assert any(note.startswith("A keeps the model under model. (TorchTitan up to v0.1.0)") for note in doc["era"])
+    assert doc["keys"]["other"]["only_b"]["keys"] == ["dataloader.world_size"]

@@ -53,6 +53,7 @@ _TOP_LEVEL_SECTIONS = (
     ("rng_state", "rng"),
     ("rerun_state_machine", "rerun"),
 )
+MODEL_PREFIX = "model."
 _FSDP2_MARKERS = ("model.", "optimizer.", "train_state", "dataloader.", "lr_scheduler")
 # TorchTitan's states beside the model (CheckpointManager's TRAIN_STATE, DATALOADER, LR_SCHEDULER): with the model
 # flattened to the top level, every other key is the model's
@@ -122,6 +123,16 @@ def section_of(key: str, flavour: str) -> str:
     if head == "model" or (head.startswith("model") and head[5:].isdigit()):
         return "model"
     return "other"
+
+
+def model_under_prefix(model_keys: Iterable[str], flavour: str | None) -> bool | None:
+    """Whether an FSDP2 / TorchTitan or generic save keeps its model under ``model.`` (TorchTitan up to v0.1.0,
+    ``get_model_state_dict`` saved as one item: True) or at the top level (TorchTitan since v0.2.0 and its
+    model-only saves: False); None for the Megatron flavours, a torch_dist save, no model keys or a mix."""
+    if flavour not in (FLAVOUR_FSDP2, FLAVOUR_GENERIC):
+        return None
+    prefixed = {key.startswith(MODEL_PREFIX) for key in model_keys}
+    return prefixed.pop() if len(prefixed) == 1 else None
 
 
 def has_planner_mapping(planner_data: object) -> bool:
