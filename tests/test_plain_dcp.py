@@ -458,3 +458,21 @@ def test_diff_across_torchtitans_two_layouts(capsys):
     assert {row["key"] for row in doc["stats"]["rows"]} >= {"proj.weight", "tok_embeddings.weight"}
     assert any(note.startswith("A keeps the model under model. (TorchTitan up to v0.1.0)") for note in doc["era"])
     assert doc["keys"]["other"]["only_b"]["keys"] == ["dataloader.world_size"]
+
+
+def test_edit_moves_a_model_prefixed_save_to_torchtitans_flattened_layout(capsys, tmp_path):
+    """``edit --rename '^model\\.' ''`` turns a TorchTitan <= v0.1.0 full save into the layout v0.2.0 on loads:
+    equal to the run's own flattened save, and torch's ``dcp.load`` reads the model's top-level keys from it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    moved = tmp_path / "titan" / "step-5"
+    rc, _, err = run_main(capsys, "edit", TITAN / "step-5", "--rename", r"^model\.", "", "-o", moved)
+    assert rc == 0, err
+    doc = _json(capsys, "diff", moved, TITAN_FLAT / "step-5", "--values", "--section", "model")
+    assert doc["identical"] and doc["values"]["compared"] == 9 and doc["era"] == []
+    state = {"proj.weight": torch.empty(5, 8), "tok_embeddings.weight": torch.empty(16, 8)}
+    dcp.load(state, checkpoint_id=str(moved), no_dist=True)
+    reference = {key: torch.empty_like(value) for key, value in state.items()}
+    dcp.load(reference, checkpoint_id=str(TITAN_FLAT / "step-5"), no_dist=True)
+    assert all(torch.equal(state[key], reference[key]) for key in state)
