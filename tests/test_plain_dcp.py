@@ -402,3 +402,77 @@ def test_edit_of_a_megatron_torch_dcp_save_rewrites_its_args(capsys, tmp_path):
     # the source is untouched
     rc, shown, _ = run_main(capsys, "show", TORCH_DCP, "args.no_save_optim")
     assert "value           false" in shown
+
+
+# TorchTitan since v0.2.0: the model's keys at the top level beside optimizer.state.<fqn>.<state>, lr_scheduler,
+# dataloader and train_state (step-5); its last step saved model-only in export_dtype bfloat16 (step-10)
+TITAN_FLAT = DCP / "fsdp2_titan_flat"
+
+
+def test_torchtitan_flattened_model_keys_are_the_model_section(capsys):
+    doc = _json(capsys, "inspect", TITAN_FLAT / "step-5")
+    assert doc["format"]["flavour"] == "fsdp2" and doc["iteration"] == 5
+    sections = doc["sections"]
+    assert sections["model"]["keys"] == 9 and sections["model"]["tensors"] == 9
+    assert sections["optimizer"]["tensors"] == 18 + 9  # exp_avg, exp_avg_sq per parameter, and each one's step
+    assert sections["other"]["keys"] == 12 and sections["other"]["tensors"] == 0  # lr_scheduler, train_state, ...
+    assert {"key": "proj.weight", "dim": 0, "sizes": [3, 2]} in doc["layout"]["sharding"]["uneven"]
+    rc, out, _ = run_main(capsys, "inspect", TITAN_FLAT / "step-5")
+    assert rc == 0 and "format          FSDP2 / TorchTitan (plain PyTorch DCP, no metadata.json)" in out
+
+
+def test_torchtitan_model_only_last_step_is_a_generic_save_of_the_model(capsys):
+    """Nothing in a model-only save's keys names its writer: it is read as generic, every key the model's."""
+    doc = _json(capsys, "inspect", TITAN_FLAT)  # the save dir: its newest step
+    assert doc["iteration"] == 10 and doc["format"]["flavour"] == "generic"
+    assert {name for name, section in doc["sections"].items() if section["keys"]} == {"model"}
+    assert doc["sections"]["model"]["keys"] == 9
+    rc, out, _ = run_main(capsys, "check", "--deep", "--all-iterations", TITAN_FLAT)
+    assert rc == 0 and "All checks passed (2 checkpoints)" in out, out
+    doc = _json(capsys, "diff", TITAN_FLAT / "step-5", TITAN_FLAT / "step-10", "--section", "model")
+    changes = {c["key"]: (c["a"]["dtype"], c["b"]["dtype"]) for c in doc["changed"]}
+    assert len(changes) == 9 and changes["proj.weight"] == ("torch.float32", "torch.bfloat16")
+    assert doc["keys"]["model"]["common"] == 9
+    assert doc["era"] == [
+        "A is FSDP2 / TorchTitan (plain PyTorch DCP, no metadata.json), B is plain PyTorch DCP (plain PyTorch DCP, "
+        "no metadata.json); keys and values are compared by key"
+    ]
+
+
+def test_torchtitan_flattened_save_loads_at_another_world_size(capsys):
+    """The per-rank entries are dataloader.dp_rank_<r>; dataloader.world_size beside them is one replicated item."""
+    doc = _json(capsys, "can-load", TITAN_FLAT / "step-5", "--target", "world=3")
+    verdicts = {s["section"]: s["verdict"] for s in doc["sections"]}
+    assert doc["will_load"] and verdicts == {"model": "reshards", "optimizer": "reshards", "other": "skipped"}
+    assert any(w.startswith("2 per-rank dataloader entries") and "ranks 2..2" in w for w in doc["warnings"])
+    doc = _json(capsys, "can-load", TITAN_FLAT / "step-10", "--target", "world=1")
+    assert doc["will_load"] and [s["verdict"] for s in doc["sections"]] == ["reshards"]
+
+
+def test_diff_across_torchtitans_two_layouts(capsys):
+    """The same run saved as TorchTitan up to v0.1.0 (``model.`` prefix) and since v0.2.0 (model at the top level):
+    the model keys are matched without the prefix, and model and moments hold equal values."""
+    doc = _json(capsys, "diff", TITAN / "step-5", TITAN_FLAT / "step-5", "--values", "--stats")
+    assert doc["keys"]["model"] == {"only_a": {"count": 0, "keys": []}, "only_b": {"count": 0, "keys": []}, "common": 9}
+    assert doc["values"]["compared"] == 47 and doc["values"]["different"] == 0  # model 9, optimizer 27, other 11
+    assert {row["key"] for row in doc["stats"]["rows"]} >= {"proj.weight", "tok_embeddings.weight"}
+    assert any(note.startswith("A keeps the model under model. (TorchTitan up to v0.1.0)") for note in doc["era"])
+    assert doc["keys"]["other"]["only_b"]["keys"] == ["dataloader.world_size"]
+
+
+def test_edit_moves_a_model_prefixed_save_to_torchtitans_flattened_layout(capsys, tmp_path):
+    """``edit --rename '^model\\.' ''`` turns a TorchTitan <= v0.1.0 full save into the layout v0.2.0 on loads:
+    equal to the run's own flattened save, and torch's ``dcp.load`` reads the model's top-level keys from it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    moved = tmp_path / "titan" / "step-5"
+    rc, _, err = run_main(capsys, "edit", TITAN / "step-5", "--rename", r"^model\.", "", "-o", moved)
+    assert rc == 0, err
+    doc = _json(capsys, "diff", moved, TITAN_FLAT / "step-5", "--values", "--section", "model")
+    assert doc["identical"] and doc["values"]["compared"] == 9 and doc["era"] == []
+    state = {"proj.weight": torch.empty(5, 8), "tok_embeddings.weight": torch.empty(16, 8)}
+    dcp.load(state, checkpoint_id=str(moved), no_dist=True)
+    reference = {key: torch.empty_like(value) for key, value in state.items()}
+    dcp.load(reference, checkpoint_id=str(TITAN_FLAT / "step-5"), no_dist=True)
+    assert all(torch.equal(state[key], reference[key]) for key in state)

@@ -352,3 +352,65 @@ def test_megatron_torch_dcp_grouped_experts(capsys, tmp_path):
         "CKD501 model.decoder.layers.1.mlp.experts.linear_fc2.weight2: all 2048 values are zero (layer 1 expert 2)",
         "CKD502 model.decoder.layers.0.mlp.experts: experts 1, 3 are equal in every tensor",
     ]
+
+
+TITAN_FLAT = DCP / "fsdp2_titan_flat"  # TorchTitan since v0.2.0: model keys at the top level; step-10 model-only
+
+
+@pytest.mark.parametrize("step", ["step-5", "step-10"])
+def test_torchtitan_flattened_and_model_only_saves_have_no_findings(capsys, step):
+    assert _findings(capsys, TITAN_FLAT / step) == (0, [])
+    doc = json.loads(run_main(capsys, "check", "--health", TITAN_FLAT / step, "--format", "json")[1])
+    keys = {k["key"] for k in doc["health"][0]["keys"]}
+    assert "proj.weight" in keys  # the top-level model keys are measured as the model's
+
+
+def test_torchtitan_flattened_zeroed_weight_and_reinitialised_adam(capsys, tmp_path):
+    """Model keys at the top level: a zeroed one is a model weight; the moments (optimizer.state.<fqn>.<moment>)
+    all zero at step 5 is a re-initialised optimizer."""
+
+    def damage(state: dict) -> None:
+        state["layers.1.weight"].zero_()
+        for key, value in state.items():
+            if key.endswith((".exp_avg", ".exp_avg_sq")):
+                value.zero_()
+
+    _damaged_copy(TITAN_FLAT / "step-5", tmp_path / "titan" / "step-5", damage)
+    rc, found = _findings(capsys, tmp_path / "titan")
+    assert rc == 1
+    assert found == [
+        "CKD501 layers.1.weight: all 64 values are zero",
+        "CKD510 all 18 exp_avg/exp_avg_sq tensors are zero at iteration 5 (optimizer re-initialised?)",
+    ]
+
+
+def test_torchtitan_model_only_zeroed_weight(capsys, tmp_path):
+    """The model-only last step (bfloat16, no optimizer): a zeroed weight is found, a zeroed bias is not."""
+
+    def damage(state: dict) -> None:
+        state["proj.weight"].zero_()
+        state["proj.bias"].zero_()
+
+    _damaged_copy(TITAN_FLAT / "step-10", tmp_path / "titan" / "step-10", damage)
+    assert _findings(capsys, tmp_path / "titan") == (1, ["CKD501 proj.weight: all 40 values are zero"])
+
+
+def test_torchtitan_flattened_stacked_experts(capsys, tmp_path):
+    """TorchTitan since v0.2.0 saves the MoE model's keys at the top level: the stacked experts are still the
+    model's, measured per expert."""
+    import torch.distributed.checkpoint as dcp
+
+    state = _titan_moe_state()
+    flat = {**state.pop("model"), **state}
+    for weight in ("w1", "w2", "w3"):
+        flat[f"layers.0.moe.experts.{weight}"][2].zero_()
+        stacked = flat[f"layers.1.moe.experts.{weight}"]
+        stacked[3].copy_(stacked[1])
+    dcp.save(flat, checkpoint_id=str(tmp_path / "bad"), no_dist=True)
+    doc = json.loads(run_main(capsys, "inspect", tmp_path / "bad", "--format", "json")[1])
+    assert doc["format"]["flavour"] == "fsdp2" and doc["sections"]["other"]["keys"] == 1  # train_state.step
+    rc, found = _findings(capsys, tmp_path / "bad")
+    assert rc == 1
+    assert found == [
+        f"CKD501 layers.0.moe.experts.{weight}: expert 2 all zero (1 of 4 slices)" for weight in ("w1", "w2", "w3")
+    ] + ["CKD502 layers.1.moe.experts: experts 1, 3 are equal in every tensor"]

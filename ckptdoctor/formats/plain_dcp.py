@@ -9,9 +9,13 @@ records the mapping in ``.metadata``'s ``planner_data`` (Megatron's torch_dist s
 - Megatron-FSDP ``--ckpt-format fsdp_dtensor``: the same top-level items, with megatron-core's
   ``fsdp_dtensor_checkpoint`` preprocessing: SwiGLU ``linear_fc1`` split into ``<name>_w``/``<name>_v`` halves
   (``handle_swiglu_in_state_dict``), grouped experts as ``weight<E>``, MTP layers under ``mtp.layers``.
-- FSDP2 / TorchTitan: ``model.``/``optimizer.`` from ``get_model_state_dict``/``get_optimizer_state_dict``, and
-  TorchTitan's ``train_state``, ``dataloader.*`` (one entry per data-parallel rank) and ``lr_scheduler``.
-- generic: any other ``dcp.save``.
+- FSDP2 / TorchTitan: ``optimizer.`` from ``get_optimizer_state_dict`` and TorchTitan's ``train_state``,
+  ``dataloader.*`` (one entry per data-parallel rank) and ``lr_scheduler``, the model either under ``model.``
+  (``get_model_state_dict`` as one item; TorchTitan up to v0.1.0) or at the top level (TorchTitan since v0.2.0:
+  ``CheckpointManager._flattened_model_states_sd`` merges the model's keys into the state dict, and its optimizer
+  keys are ``optimizer.state.<fqn>.<state>``/``optimizer.param_groups.<fqn>.<option>``).
+- generic: any other ``dcp.save``, TorchTitan's model-only saves among them (its last step with
+  ``last_save_model_only``, its step-0 seed): the model's keys alone, nothing in them names the writer.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ MEGATRON_COMMON_ITEMS = ("args", "checkpoint_version", "iteration", "num_floatin
 # megatron-core's handle_swiglu_in_state_dict: fc1 weight (or bias) cut into its gate and up halves
 _SWIGLU_SPLIT_RE = re.compile(r"\.linear_fc1\.(weight|bias)[0-9]*_[wv]\Z")
 
+# TorchTitan's ParallelAwareDataloader: its state under dp_rank_<r> (beside the replicated world_size of v0.2.0 on)
+_PER_RANK_DATALOADER_RE = re.compile(r"^dataloader\.dp_rank_[0-9]+(?:\.|\Z)")
 # TorchTitan names a checkpoint dir step-<N> under the save dir (CheckpointManager._create_checkpoint_id)
 STEP_DIR_RE = re.compile(r"^step-([0-9]+)\Z")
 
@@ -47,7 +53,11 @@ _TOP_LEVEL_SECTIONS = (
     ("rng_state", "rng"),
     ("rerun_state_machine", "rerun"),
 )
+MODEL_PREFIX = "model."
 _FSDP2_MARKERS = ("model.", "optimizer.", "train_state", "dataloader.", "lr_scheduler")
+# TorchTitan's states beside the model (CheckpointManager's TRAIN_STATE, DATALOADER, LR_SCHEDULER): with the model
+# flattened to the top level, every other key is the model's
+_FSDP2_OTHER_STATES = ("train_state", "dataloader", "lr_scheduler")
 
 # torch's optimizer state_dict flattened by DCP puts the state's name last: FSDP2's get_optimizer_state_dict keys
 # the state by parameter FQN (optimizer.state.layers.0.weight.exp_avg), Megatron-LM's torch_dcp by parameter index
@@ -99,16 +109,30 @@ def megatron_flavour(flavour: str, args: dict) -> str:
 def section_of(key: str, flavour: str) -> str:
     """A flattened key's section: ``model.`` (``model<i>.``) is the model, ``optimizer.`` the optimizer, the RNG and
     rerun states theirs, and the rest (train state, dataloader, scheduler, args) ``other``; in a generic save
-    without a ``model.`` prefix every key but the optimizer's is a model key."""
+    without a ``model.`` prefix every key but the optimizer's is a model key, and in an FSDP2 / TorchTitan save
+    every key but the optimizer's and TorchTitan's other states' (its model at the top level or under ``model.``)."""
     for prefix, section in _TOP_LEVEL_SECTIONS:
         if key.startswith(prefix):
             return section
     if flavour == FLAVOUR_GENERIC:
         return "model"
+    if flavour == FLAVOUR_FSDP2:
+        # lr_scheduler_<i>: one item per scheduler in TorchTitan's early releases
+        return "other" if key.split(".", 1)[0].startswith(_FSDP2_OTHER_STATES) else "model"
     head = key.split(".", 1)[0]
     if head == "model" or (head.startswith("model") and head[5:].isdigit()):
         return "model"
     return "other"
+
+
+def model_under_prefix(model_keys: Iterable[str], flavour: str | None) -> bool | None:
+    """Whether an FSDP2 / TorchTitan or generic save keeps its model under ``model.`` (TorchTitan up to v0.1.0,
+    ``get_model_state_dict`` saved as one item: True) or at the top level (TorchTitan since v0.2.0 and its
+    model-only saves: False); None for the Megatron flavours, a torch_dist save, no model keys or a mix."""
+    if flavour not in (FLAVOUR_FSDP2, FLAVOUR_GENERIC):
+        return None
+    prefixed = {key.startswith(MODEL_PREFIX) for key in model_keys}
+    return prefixed.pop() if len(prefixed) == 1 else None
 
 
 def has_planner_mapping(planner_data: object) -> bool:
@@ -126,7 +150,7 @@ def step_number(name: str) -> int | None:
 def per_rank_keys(keys: Iterable[str]) -> list[str]:
     """Keys that hold one rank's private state (TorchTitan's ``dataloader.dp_rank_<r>``): DCP loads them only at
     the world size that wrote them."""
-    return [key for key in keys if key.startswith("dataloader.")]
+    return [key for key in keys if _PER_RANK_DATALOADER_RE.match(key)]
 
 
 def adam_moment(key: str, flavour: str) -> tuple[str, str] | None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdoctor.arg_rules import check_args
 from ckptdoctor.args import ARG_GROUPS, arg_group
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
+from ckptdoctor.formats.plain_dcp import MODEL_PREFIX, model_under_prefix
 from ckptdoctor.logical_items import KIND_TENSOR, Item, is_common_state_item, logical_items
 from ckptdoctor.ops.diff.report import (
     SCHEMA,
@@ -269,6 +270,9 @@ def era_notes(
     notes: list[str] = []
     if la.backend != lb.backend:
         notes.append(f"backends differ: A is {la.era}, B is {lb.era}; keys and values are compared by key")
+    elif la.era != lb.era and a.common_source is None and b.common_source is None:
+        # two plain DCP flavours (a TorchTitan full save and its model-only last step): no common state to move
+        notes.append(f"A is {la.era}, B is {lb.era}; keys and values are compared by key")
     elif la.era != lb.era:
         notes.append(
             f"A is {la.era}, B is {lb.era}: the common state moved from common.pt into the DCP item "
@@ -293,6 +297,30 @@ def era_notes(
     if a.dcp and b.dcp and a.dcp.version != b.dcp.version:
         notes.append(f"DCP metadata version: A {a.dcp.version}, B {b.dcp.version}")
     return notes
+
+
+def _align_model_prefix(
+    a: Checkpoint, b: Checkpoint, items_a: dict[str, Item], items_b: dict[str, Item]
+) -> tuple[dict[str, Item], dict[str, Item], list[str]]:
+    """TorchTitan's two layouts compared key by key: where one side keeps its model under ``model.`` (up to
+    v0.1.0) and the other at the top level (since v0.2.0, and its model-only saves), the prefixed side's model
+    keys are compared without the prefix (each item keeps its own key for reading), and an era note says so."""
+    under_a = model_under_prefix((k for k, item in items_a.items() if item.section == "model"), a.flavour)
+    under_b = model_under_prefix((k for k, item in items_b.items() if item.section == "model"), b.flavour)
+    if under_a is None or under_b is None or under_a == under_b:
+        return items_a, items_b, []
+
+    def unprefixed(items: dict[str, Item]) -> dict[str, Item]:
+        return {key[len(MODEL_PREFIX) :] if item.section == "model" else key: item for key, item in items.items()}
+
+    side, other = ("A", "B") if under_a else ("B", "A")
+    note = (
+        f"{side} keeps the model under model. (TorchTitan up to v0.1.0), {other} at the top level (TorchTitan "
+        f"since v0.2.0, or a model-only save): {side}'s model keys are compared without the prefix"
+    )
+    if under_a:
+        return unprefixed(items_a), items_b, [note]
+    return items_a, unprefixed(items_b), [note]
 
 
 def diff_checkpoints(
@@ -326,6 +354,7 @@ def diff_checkpoints(
     items_a = all_a if key_filter.accepts_all else {k: v for k, v in all_a.items() if key_filter.accepts(v)}
     items_b = all_b if key_filter.accepts_all else {k: v for k, v in all_b.items() if key_filter.accepts(v)}
     era_common = a.location.has_common_pt != b.location.has_common_pt
+    items_a, items_b, model_note = _align_model_prefix(a, b, items_a, items_b)
     parts: list = []
 
     def structure() -> None:  # everything but the values; run while value workers read (compare_values)
@@ -366,7 +395,7 @@ def diff_checkpoints(
             layout=layout,
             args=args_diff,
             common=common,
-            era=era_notes(a, b, era_absent, strict_args),
+            era=era_notes(a, b, era_absent, strict_args) + model_note,
             ignored={"layout": ignore_layout, "args": list(ignore_args), "strict_args": strict_args},
         )
         parts.extend((report, sections, changed, layout_changes, args_diff, common, layout))
@@ -396,7 +425,11 @@ def diff_checkpoints(
         structure()
     stats_diff = None
     if values and stats:
-        tensors = {k for k in items_a.keys() & items_b.keys() if items_a[k].kind == items_b[k].kind == KIND_TENSOR}
+        tensors = {
+            k: (items_a[k].key, items_b[k].key)
+            for k in items_a.keys() & items_b.keys()
+            if items_a[k].kind == items_b[k].kind == KIND_TENSOR
+        }
         stats_diff = compare_stats(a, b, tensors, limit, jobs, progress, measured)
     report, sections, changed, layout_changes, args_diff, common, layout = parts
     report.values = values_report

@@ -39,13 +39,14 @@ from ckptdoctor.values.health_tap import HealthTap
 def compare_stats(
     a: Checkpoint,
     b: Checkpoint,
-    keys: set[str],
+    keys: dict[str, tuple[str, str]],
     limit: int | None = None,
     jobs: int | None = None,
     progress: Progress | None = None,
     measured: HealthTap | None = None,
 ) -> StatsDiff:
-    """Both checkpoints' statistics of the tensor ``keys`` (those in both that the filters kept), one row per key
+    """Both checkpoints' statistics of the tensor ``keys`` (those in both that the filters kept, each compared name
+    with its key in A and in B: TorchTitan's two model layouts name one tensor two ways), one row per key
     or per slice of a stacked key, the largest change first (then key and slice order); ``limit`` caps the rows
     listed (counts are complete). ``measured``: what the value comparison measured as it read (its one read);
     a side it could not measure whole is read again by ``check --health``'s pass."""
@@ -59,8 +60,10 @@ def compare_stats(
         scan_b = health_scan(b.iteration_dir, b.iteration_dir, jobs, progress)
     rows: list[StatsRow] = []
     compared = 0
-    for key in sorted(keys & scan_a.keys.keys() & scan_b.keys.keys()):
-        stats_a, stats_b = scan_a.keys[key], scan_b.keys[key]
+    for key, (key_a, key_b) in sorted(keys.items()):
+        if key_a not in scan_a.keys or key_b not in scan_b.keys:
+            continue
+        stats_a, stats_b = scan_a.keys[key_a], scan_b.keys[key_b]
         if stats_a.dtype != stats_b.dtype or stats_a.shape != stats_b.shape:
             continue  # a kind, dtype or shape change: the structural diff reports it
         compared += 1
