@@ -31,12 +31,15 @@ class MscStore(ObjectStore):
                 "pip install 'ckptdoctor[msc]'"
             ) from None
         self._range = Range
-        self._resolve = multistorageclient.resolve_storage_client
+        self._client_for = multistorageclient.StorageClient
+        self._config_for = multistorageclient.StorageClientConfig.from_file
         self._connect()
 
     def _connect(self) -> None:
+        # a client of our own from the configuration as it is now, not resolve_storage_client's process-wide cache:
+        # forget_stores() promises the next URL reads the environment again (a changed MSC_CONFIG or endpoint)
         try:
-            self.client: Any = self._resolve(f"msc://{self.profile}/")[0]
+            self.client: Any = self._client_for(self._config_for(profile=self.profile))
         except Exception as exc:  # an unknown profile or a bad config: MSC raises various types
             raise StorageUnavailable(
                 f"msc://{self.profile}: cannot use this MSC profile "
