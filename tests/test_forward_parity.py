@@ -22,7 +22,12 @@ TOLERANCE = 1e-5  # fp32 on both sides; logits are O(0.5): reduction order only
 
 def _parity(name: str) -> dict:
     require_mcore()
-    pytest.importorskip("transformers")
+    try:
+        import transformers  # noqa: F401  (the HF side of the proof runs in a child process)
+    except ImportError as exc:
+        if os.environ.get("CKPTDOCTOR_REQUIRE_MCORE"):  # CI: the test extra installs it, a missing one fails
+            pytest.fail(f"CKPTDOCTOR_REQUIRE_MCORE is set but transformers does not import ({exc})", pytrace=False)
+        pytest.skip(f"transformers not installed ({exc})")
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--json", name],
         cwd=REPO,
