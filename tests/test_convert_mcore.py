@@ -93,6 +93,30 @@ def test_bf16_round_trip_loads_in_megatron_core_with_its_fp32_main_params(capsys
     assert proc.stdout.count("BF16 OK ") == 2 and "torch.bfloat16, torch.float32" in proc.stdout, proc.stdout[-3000:]
 
 
+NATIVE_SCRIPT = REPO / "tests" / "fsdp_native_groups.py"
+
+
+def test_megatron_fsdp_param_to_group_meta_becomes_torch_dist_param_groups(capsys, tmp_path):
+    """A save with the optimizer section Megatron-FSDP itself writes (``{"state", "param_to_group_meta"}``, built
+    with megatron-core's own state-dict functions on CPU by tests/fsdp_native_groups.py, not by a Megatron-FSDP run)
+    converts to a torch_dist save whose param groups megatron-core loads: at DP=2 every rank's bf16 parameters,
+    fp32 main params, Adam moments and param group fields (lr, step, ...) equal what the source fixture loads."""
+    require_mcore()
+    fixture = FIXTURES / "core019_bf16_dp2_fully_reshardable"
+    _convert(capsys, fixture, tmp_path / "fsdp", "fsdp_dtensor")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port())]
+    command += [str(NATIVE_SCRIPT), str(tmp_path / "fsdp" / "iter_0000010"), str(tmp_path / "native")]
+    proc = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0 and "NATIVE OK 2 groups" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+    _convert(capsys, tmp_path / "native", tmp_path / "back", "torch_dist")
+    command = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    command += [str(BF16_SCRIPT), str(fixture), str(tmp_path / "back")]
+    proc = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("2 param groups equal") == 2, proc.stdout[-3000:]
+
+
 MOE_LAYOUTS = {
     "core019_moe_ep2": {"dp": 2, "ep": 2, "num_experts": 4},
     "core019_moe_mixed_shared_ep2": {

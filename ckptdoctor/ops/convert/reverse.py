@@ -176,7 +176,7 @@ def reverse_rules(
     dtypes: dict[str, str] = {}
     for key, entry in sorted(checkpoint.entries.items()):
         named = _source_param(key) if entry.kind == "tensor" and entry.shape is not None else None
-        if named is None:
+        if named is None or named[1] == _STEP_STAT:
             continue
         param, stat = named
         parsed = _parse(param, stacked_blocks)
@@ -286,6 +286,41 @@ def distributed_optimizer_groups(common: dict) -> dict:
     return common
 
 
+GROUP_META_PREFIX = "optimizer.param_to_group_meta."
+# what a fully_reshardable distributed optimizer's torch_dist state holds per parameter (Megatron-FSDP's wrapped
+# torch Adam also keeps a per-parameter ``step``, which torch_dist keeps in the param groups)
+_STEP_STAT = "step"
+
+
+def param_groups_from_group_meta(items: dict[str, Any]) -> dict[str, Any]:
+    """Megatron-FSDP's own save keeps its param groups per parameter, ``optimizer.param_to_group_meta.<name>.<field>``
+    (``DistributedOptimizer._param_groups_to_param2group_meta``: each group's fields less ``params``, under each
+    of its parameters' names); torch_dist's distributed optimizer keeps the list ``optimizer.optimizer.param_groups``
+    without ``params`` and matches saved groups to its own by their identifier fields (``param_group_identifier_keys``)
+    on load. So the groups are rebuilt as the distinct field sets, in the order their first parameter was saved,
+    and flattened as the forward conversion writes them; the sharding type says ``fully_reshardable`` (the layout
+    the per-parameter state is written in). Items without group metadata come back unchanged."""
+    metas: dict[str, dict[str, Any]] = {}
+    rest: dict[str, Any] = {}
+    for key, value in items.items():
+        if key.startswith(GROUP_META_PREFIX):  # a parameter's name holds dots; a group's fields are flat
+            name, _, field = key[len(GROUP_META_PREFIX) :].rpartition(".")
+            metas.setdefault(name, {})[field] = value
+        else:
+            rest[key] = value
+    if not metas:
+        return items
+    groups: list[dict[str, Any]] = []
+    for meta in metas.values():
+        if meta not in groups:
+            groups.append(meta)
+    for index, group in enumerate(groups):
+        for field, value in group.items():
+            rest[f"optimizer.param_groups.{index}.{field}"] = value
+    rest.setdefault("optimizer.param_state_sharding_type", "fully_reshardable")
+    return rest
+
+
 def plan_to_torch_dist(checkpoint: Checkpoint) -> tuple[ConvertPlan, dict[str, ReverseRule]]:
     where = checkpoint.iteration_dir
     if checkpoint.flavour != FLAVOUR_FSDP_DTENSOR:
@@ -300,6 +335,9 @@ def plan_to_torch_dist(checkpoint: Checkpoint) -> tuple[ConvertPlan, dict[str, R
             continue
         if entry.kind == "bytes":
             objects.append(key)
+        elif key.startswith(OPTIMIZER_STATE_PREFIX + ".") and key.endswith("." + _STEP_STAT):
+            why = "a per-parameter Adam step: torch_dist keeps the step in the param groups (their saved metadata)"
+            not_carried.append(NotCarried(key, why))
         else:
             not_carried.append(NotCarried(key, "a tensor outside model.module. and the optimizer states"))
     mappings.append(KeyMapping("top-level bytes items", ["common.pt"], HOW_OBJECT))
