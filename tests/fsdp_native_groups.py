@@ -7,6 +7,9 @@ megatron-core 0.19.2's own state-dict functions (built on CPU, not by a Megatron
 - the per-parameter layout: ``DistributedOptimizer._param_groups_to_param2group_meta`` (what
   ``sharded_param_state_fsdp_dtensor`` saves as ``param_to_group_meta``), parameters named as Megatron-FSDP's
   ``_param_name`` names them (``module.module.module.<name>``, the prefix of the save's optimizer states);
+- no ``content_metadata`` (Megatron-LM's fsdp_dtensor save passes it to the optimizer only, never into the state
+  dict) and an ``rng_state`` keyed ``"(<pp>, <tp>)"`` as ``get_rng_state`` builds it for fsdp_dtensor, less
+  ``cuda_rng_state`` (``torch.cuda.get_rng_state`` needs CUDA) and with an empty tracker state;
 - saved with ``torch.distributed.checkpoint.save`` from the nested state dict, the optimizer section being
   ``{"state": ..., "param_to_group_meta": ...}`` only (no ``param_groups``, no ``param_state_sharding_type``).
 
@@ -17,6 +20,7 @@ writes OUTPUT_SAVE_DIR/iter_<iteration> and the tracker file, as Megatron-LM's s
 
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +28,8 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
 import generate as gen  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys  # noqa: E402
 
@@ -70,6 +76,10 @@ def main() -> None:
     stub = SimpleNamespace(_param_name=names.__getitem__)
     meta = DistributedOptimizer._param_groups_to_param2group_meta(stub, groups)  # type: ignore[arg-type]
     optimizer["param_to_group_meta"] = meta
+    del state["content_metadata"]
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state()}
+    rng |= {"torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}
+    state["rng_state"] = {"(0, 0)": [rng]}
     assert set(optimizer) == {"state", "param_to_group_meta"}  # what sharded_param_state_fsdp_dtensor returns
     iteration = int(state["iteration"])
     dcp.save(state, checkpoint_id=str(Path(output) / gen.ITERATION_DIR_FMT.format(iteration)), no_dist=True)

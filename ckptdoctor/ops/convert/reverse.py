@@ -287,6 +287,17 @@ def distributed_optimizer_groups(common: dict) -> dict:
 
 
 GROUP_META_PREFIX = "optimizer.param_to_group_meta."
+FULLY_RESHARDABLE = "fully_reshardable"
+CONTENT_METADATA = "content_metadata"
+# Megatron-LM's _build_sharded_state_dict_metadata for torch_dist with --dist-ckpt-optim-fully-reshardable
+_FULLY_RESHARDABLE_CONTENT = {
+    "distrib_optim_sharding_type": FULLY_RESHARDABLE,
+    "distrib_optim_fully_reshardable_mem_efficient": False,
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+}
+# Megatron-LM's get_rng_state for fsdp_dtensor: ``rng_state.(<pp>, <tp>).<dp>.<field>``, bytes and tensors
+RNG_PREFIX = "rng_state."
 # what a fully_reshardable distributed optimizer's torch_dist state holds per parameter (Megatron-FSDP's wrapped
 # torch Adam also keeps a per-parameter ``step``, which torch_dist keeps in the param groups)
 _STEP_STAT = "step"
@@ -299,7 +310,10 @@ def param_groups_from_group_meta(items: dict[str, Any]) -> dict[str, Any]:
     without ``params`` and matches saved groups to its own by their identifier fields (``param_group_identifier_keys``)
     on load. So the groups are rebuilt as the distinct field sets, in the order their first parameter was saved,
     and flattened as the forward conversion writes them; the sharding type says ``fully_reshardable`` (the layout
-    the per-parameter state is written in). Items without group metadata come back unchanged."""
+    the per-parameter state is written in), and so does the content metadata, which Megatron-FSDP's save has
+    none of (without it Megatron-LM's load assumes ``fully_sharded_model_space`` or ``dp_zero_gather_scatter``):
+    the fields ``_build_sharded_state_dict_metadata`` gives a ``--dist-ckpt-optim-fully-reshardable`` torch_dist
+    save. Items without group metadata come back unchanged."""
     metas: dict[str, dict[str, Any]] = {}
     rest: dict[str, Any] = {}
     for key, value in items.items():
@@ -317,7 +331,10 @@ def param_groups_from_group_meta(items: dict[str, Any]) -> dict[str, Any]:
     for index, group in enumerate(groups):
         for field, value in group.items():
             rest[f"optimizer.param_groups.{index}.{field}"] = value
-    rest.setdefault("optimizer.param_state_sharding_type", "fully_reshardable")
+    rest.setdefault("optimizer.param_state_sharding_type", FULLY_RESHARDABLE)
+    if rest.get(f"{CONTENT_METADATA}.distrib_optim_sharding_type") in (None, FLAVOUR_FSDP_DTENSOR):
+        for field, value in _FULLY_RESHARDABLE_CONTENT.items():
+            rest[f"{CONTENT_METADATA}.{field}"] = value
     return rest
 
 
@@ -333,7 +350,10 @@ def plan_to_torch_dist(checkpoint: Checkpoint) -> tuple[ConvertPlan, dict[str, R
     for key, entry in sorted(checkpoint.entries.items()):
         if key in rules:
             continue
-        if entry.kind == "bytes":
+        if key.startswith(RNG_PREFIX):
+            why = "per-rank RNG state: torch_dist keeps one ShardedObject per (pp, tp) rank; resume with --no-load-rng"
+            not_carried.append(NotCarried(key, why))
+        elif entry.kind == "bytes":
             objects.append(key)
         elif key.startswith(OPTIMIZER_STATE_PREFIX + ".") and key.endswith("." + _STEP_STAT):
             why = "a per-parameter Adam step: torch_dist keeps the step in the param groups (their saved metadata)"

@@ -43,6 +43,7 @@ from ckptdoctor.ops.convert.plan import (
     split_name,
 )
 from ckptdoctor.ops.convert.reverse import (
+    RNG_PREFIX,
     TARGET_TORCH_DIST,
     ReverseRule,
     distributed_optimizer_groups,
@@ -242,7 +243,11 @@ def _fill_torch_dist(
     records, _files = _write_units(checkpoint, sorted(rules), place, layout, stage, jobs, progress, casts)
     layout.write_metadata(stage, records, [])
     result = ConvertResult("", "", len(plan.target_tensors), len(records), 0, 0, 0)
-    items = {key: checkpoint.read_bytes_item(key) for key, e in checkpoint.entries.items() if e.kind == "bytes"}
+    items = {
+        key: checkpoint.read_bytes_item(key)
+        for key, e in checkpoint.entries.items()
+        if e.kind == "bytes" and not key.startswith(RNG_PREFIX)
+    }
     result.objects = len(items)
     common = distributed_optimizer_groups(unflatten(param_groups_from_group_meta(items), planner_paths(checkpoint)))
     if "args" in common:
