@@ -298,6 +298,22 @@ _FULLY_RESHARDABLE_CONTENT = {
 }
 # Megatron-LM's get_rng_state for fsdp_dtensor: ``rng_state.(<pp>, <tp>).<dp>.<field>``, bytes and tensors
 RNG_PREFIX = "rng_state."
+# ChainedOptimizer.sharded_state_dict with several sub-optimizers (e.g. expert parameters in their own):
+# ``{0: {"state", "param_to_group_meta"}, 1: ...}``
+_CHAINED_RE = re.compile(r"\Aoptimizer\.[0-9]+\.(state|param_to_group_meta)\.")
+
+
+def not_convertible(key: str) -> str | None:
+    """Why a Megatron-FSDP save's item has no place in the torch_dist save (``None``: it has one)."""
+    if key.startswith(RNG_PREFIX):
+        return "per-rank RNG state: torch_dist keeps one ShardedObject per (pp, tp) rank; resume with --no-load-rng"
+    if _CHAINED_RE.match(key):
+        return (
+            "a chained optimizer's sub-optimizer (several param-group sets): not rebuilt; resume with --no-load-optim"
+        )
+    return None
+
+
 # what a fully_reshardable distributed optimizer's torch_dist state holds per parameter (Megatron-FSDP's wrapped
 # torch Adam also keeps a per-parameter ``step``, which torch_dist keeps in the param groups)
 _STEP_STAT = "step"
@@ -350,9 +366,9 @@ def plan_to_torch_dist(checkpoint: Checkpoint) -> tuple[ConvertPlan, dict[str, R
     for key, entry in sorted(checkpoint.entries.items()):
         if key in rules:
             continue
-        if key.startswith(RNG_PREFIX):
-            why = "per-rank RNG state: torch_dist keeps one ShardedObject per (pp, tp) rank; resume with --no-load-rng"
-            not_carried.append(NotCarried(key, why))
+        reason = not_convertible(key)
+        if reason is not None:
+            not_carried.append(NotCarried(key, reason))
         elif entry.kind == "bytes":
             objects.append(key)
         elif key.startswith(OPTIMIZER_STATE_PREFIX + ".") and key.endswith("." + _STEP_STAT):

@@ -43,10 +43,10 @@ from ckptdoctor.ops.convert.plan import (
     split_name,
 )
 from ckptdoctor.ops.convert.reverse import (
-    RNG_PREFIX,
     TARGET_TORCH_DIST,
     ReverseRule,
     distributed_optimizer_groups,
+    not_convertible,
     param_groups_from_group_meta,
     plan_to_torch_dist,
     planner_paths,
@@ -246,7 +246,7 @@ def _fill_torch_dist(
     items = {
         key: checkpoint.read_bytes_item(key)
         for key, e in checkpoint.entries.items()
-        if e.kind == "bytes" and not key.startswith(RNG_PREFIX)
+        if e.kind == "bytes" and not_convertible(key) is None
     }
     result.objects = len(items)
     common = distributed_optimizer_groups(unflatten(param_groups_from_group_meta(items), planner_paths(checkpoint)))
