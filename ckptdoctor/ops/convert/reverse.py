@@ -299,8 +299,9 @@ _FULLY_RESHARDABLE_CONTENT = {
 # Megatron-LM's get_rng_state for fsdp_dtensor: ``rng_state.(<pp>, <tp>).<dp>.<field>``, bytes and tensors
 RNG_PREFIX = "rng_state."
 # ChainedOptimizer.sharded_state_dict with several sub-optimizers (e.g. expert parameters in their own):
-# ``{0: {"state", "param_to_group_meta"}, 1: ...}``
-_CHAINED_RE = re.compile(r"\Aoptimizer\.[0-9]+\.(state|param_to_group_meta)\.")
+# ``{0: {"state", "param_to_group_meta"}, 1: ...}``, its states keyed by Megatron-FSDP's parameter names
+# (a chained model-space optimizer's common state, ``optimizer.<i>.state.common_step``, is carried)
+_CHAINED_RE = re.compile(r"\Aoptimizer\.[0-9]+\.(state\.module\.|param_to_group_meta\.)")
 
 
 def not_convertible(key: str) -> str | None:
