@@ -1,10 +1,12 @@
 """Load two torch_dist checkpoints of the bf16 fixture's layout (bf16 params, distributed optimizer with fp32 main
 params, ``fully_reshardable``) with real megatron-core 0.19.2 on CPU, model and optimizer, and compare what each
-leaves in a freshly built model: the bf16 parameters, the optimizer's fp32 main params and Adam moments.
+leaves in a freshly built model: the bf16 parameters, the optimizer's fp32 main params and Adam moments, and its
+param groups' fields (``lr``, ``step``, ``wd_mult``, ...).
 
     torchrun --nproc_per_node 2 tests/mcore_load_bf16.py REFERENCE CANDIDATE
 
-Each rank prints ``BF16 OK rank <r>: <n> tensors equal`` when every value matches bit for bit.
+Each rank prints ``BF16 OK rank <r>: <n> tensors equal (...), <g> param groups equal`` when every value matches
+bit for bit.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def iteration_dir(path: str) -> Path:
     return p / gen.ITERATION_DIR_FMT.format(int(tracker.read_text())) if tracker.exists() else p
 
 
-def load(path: str) -> dict[str, torch.Tensor]:
+def load(path: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """A fresh model and optimizer (one step taken so the distributed optimizer can build its load request, as
     generate.py's verify does), the checkpoint loaded into both; their values, keyed as generate.py snapshots."""
     from megatron.core import dist_checkpointing
@@ -53,7 +55,8 @@ def load(path: str) -> dict[str, torch.Tensor]:
     model.load_state_dict(loaded["model"], strict=True)
     with torch.no_grad():  # distributed optimizer: fp32 main shards are views of the params
         optimizer.load_state_dict(loaded["optimizer"])
-    return gen.snapshot(model, optimizer)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.optimizer.param_groups]
+    return gen.snapshot(model, optimizer), groups
 
 
 def main() -> None:
@@ -66,14 +69,16 @@ def main() -> None:
     gen.install_cpu_shims()
     gen.init_distributed(1)
     gen.seed_everything(1234)
-    want = load(reference)
-    got = load(candidate)
+    want, want_groups = load(reference)
+    got, got_groups = load(candidate)
+    assert got_groups == want_groups, (got_groups, want_groups)
     assert set(got) == set(want), sorted(set(got) ^ set(want))
     for key, value in want.items():
         assert got[key].dtype == value.dtype, (key, got[key].dtype, value.dtype)
         assert torch.equal(got[key], value), f"{key} differs from the reference"
     dtypes = sorted({str(v.dtype) for v in want.values()})
-    sys.stdout.write(f"BF16 OK rank {dist.get_rank()}: {len(want)} tensors equal ({', '.join(dtypes)})\n")
+    equal = f"{len(want)} tensors equal ({', '.join(dtypes)}), {len(want_groups)} param groups equal"
+    sys.stdout.write(f"BF16 OK rank {dist.get_rank()}: {equal}\n")
     sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()

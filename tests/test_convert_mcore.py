@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -91,6 +92,39 @@ def test_bf16_round_trip_loads_in_megatron_core_with_its_fp32_main_params(capsys
     proc = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert proc.stdout.count("BF16 OK ") == 2 and "torch.bfloat16, torch.float32" in proc.stdout, proc.stdout[-3000:]
+
+
+NATIVE_SCRIPT = REPO / "tests" / "fsdp_native_groups.py"
+
+
+def test_megatron_fsdp_param_to_group_meta_becomes_torch_dist_param_groups(capsys, tmp_path):
+    """A save with the optimizer section Megatron-FSDP itself writes (``{"state", "param_to_group_meta"}``, built
+    with megatron-core's own state-dict functions on CPU by tests/fsdp_native_groups.py, not by a Megatron-FSDP run)
+    converts to a torch_dist save whose param groups megatron-core loads: at DP=2 every rank's bf16 parameters,
+    fp32 main params, Adam moments and param group fields (lr, step, ...) equal what the source fixture loads.
+    The save's content metadata (none, as Megatron-FSDP saves it) says fully_reshardable, and its RNG state is
+    listed as not carried, not left in common.pt."""
+    require_mcore()
+    fixture = FIXTURES / "core019_bf16_dp2_fully_reshardable"
+    _convert(capsys, fixture, tmp_path / "fsdp", "fsdp_dtensor")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port())]
+    command += [str(NATIVE_SCRIPT), str(tmp_path / "fsdp" / "iter_0000010"), str(tmp_path / "native")]
+    proc = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0 and "NATIVE OK 2 groups" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert main(["convert", str(tmp_path / "native"), "--to", "torch_dist", "-o", str(tmp_path / "back")]) == 0
+    out = capsys.readouterr().out
+    assert "rng_state.(0, 0).0.torch_rng_state: per-rank RNG state" in out, out
+    assert main(["show", str(tmp_path / "back"), "common"]) == 0
+    common = capsys.readouterr().out
+    assert "param_to_group_meta" not in common and "rng_state" not in common, common
+    for line in ("optimizer.param_state_sharding_type", "content_metadata.distrib_optim_sharding_type"):
+        assert re.search(rf"^  {re.escape(line)} +fully_reshardable$", common, re.M), common
+    command = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    command += [str(BF16_SCRIPT), str(fixture), str(tmp_path / "back")]
+    proc = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("2 param groups equal") == 2, proc.stdout[-3000:]
 
 
 MOE_LAYOUTS = {

@@ -176,7 +176,7 @@ def reverse_rules(
     dtypes: dict[str, str] = {}
     for key, entry in sorted(checkpoint.entries.items()):
         named = _source_param(key) if entry.kind == "tensor" and entry.shape is not None else None
-        if named is None:
+        if named is None or named[1] == _STEP_STAT:
             continue
         param, stat = named
         parsed = _parse(param, stacked_blocks)
@@ -286,6 +286,75 @@ def distributed_optimizer_groups(common: dict) -> dict:
     return common
 
 
+GROUP_META_PREFIX = "optimizer.param_to_group_meta."
+FULLY_RESHARDABLE = "fully_reshardable"
+CONTENT_METADATA = "content_metadata"
+# Megatron-LM's _build_sharded_state_dict_metadata for torch_dist with --dist-ckpt-optim-fully-reshardable
+_FULLY_RESHARDABLE_CONTENT = {
+    "distrib_optim_sharding_type": FULLY_RESHARDABLE,
+    "distrib_optim_fully_reshardable_mem_efficient": False,
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+}
+# Megatron-LM's get_rng_state for fsdp_dtensor: ``rng_state.(<pp>, <tp>).<dp>.<field>``, bytes and tensors
+RNG_PREFIX = "rng_state."
+# ChainedOptimizer.sharded_state_dict with several sub-optimizers (e.g. expert parameters in their own):
+# ``{0: {"state", "param_to_group_meta"}, 1: ...}``, its states keyed by Megatron-FSDP's parameter names
+# (a chained model-space optimizer's common state, ``optimizer.<i>.state.common_step``, is carried)
+_CHAINED_RE = re.compile(r"\Aoptimizer\.[0-9]+\.(state\.module\.|param_to_group_meta\.)")
+
+
+def not_convertible(key: str) -> str | None:
+    """Why a Megatron-FSDP save's item has no place in the torch_dist save (``None``: it has one)."""
+    if key.startswith(RNG_PREFIX):
+        return "per-rank RNG state: torch_dist keeps one ShardedObject per (pp, tp) rank; resume with --no-load-rng"
+    if _CHAINED_RE.match(key):
+        return (
+            "a chained optimizer's sub-optimizer (several param-group sets): not rebuilt; resume with --no-load-optim"
+        )
+    return None
+
+
+# what a fully_reshardable distributed optimizer's torch_dist state holds per parameter (Megatron-FSDP's wrapped
+# torch Adam also keeps a per-parameter ``step``, which torch_dist keeps in the param groups)
+_STEP_STAT = "step"
+
+
+def param_groups_from_group_meta(items: dict[str, Any]) -> dict[str, Any]:
+    """Megatron-FSDP's own save keeps its param groups per parameter, ``optimizer.param_to_group_meta.<name>.<field>``
+    (``DistributedOptimizer._param_groups_to_param2group_meta``: each group's fields less ``params``, under each
+    of its parameters' names); torch_dist's distributed optimizer keeps the list ``optimizer.optimizer.param_groups``
+    without ``params`` and matches saved groups to its own by their identifier fields (``param_group_identifier_keys``)
+    on load. So the groups are rebuilt as the distinct field sets, in the order their first parameter was saved,
+    and flattened as the forward conversion writes them; the sharding type says ``fully_reshardable`` (the layout
+    the per-parameter state is written in), and so does the content metadata, which Megatron-FSDP's save has
+    none of (without it Megatron-LM's load assumes ``fully_sharded_model_space`` or ``dp_zero_gather_scatter``):
+    the fields ``_build_sharded_state_dict_metadata`` gives a ``--dist-ckpt-optim-fully-reshardable`` torch_dist
+    save. Items without group metadata come back unchanged."""
+    metas: dict[str, dict[str, Any]] = {}
+    rest: dict[str, Any] = {}
+    for key, value in items.items():
+        if key.startswith(GROUP_META_PREFIX):  # a parameter's name holds dots; a group's fields are flat
+            name, _, field = key[len(GROUP_META_PREFIX) :].rpartition(".")
+            metas.setdefault(name, {})[field] = value
+        else:
+            rest[key] = value
+    if not metas:
+        return items
+    groups: list[dict[str, Any]] = []
+    for meta in metas.values():
+        if meta not in groups:
+            groups.append(meta)
+    for index, group in enumerate(groups):
+        for field, value in group.items():
+            rest[f"optimizer.param_groups.{index}.{field}"] = value
+    rest.setdefault("optimizer.param_state_sharding_type", FULLY_RESHARDABLE)
+    if rest.get(f"{CONTENT_METADATA}.distrib_optim_sharding_type") in (None, FLAVOUR_FSDP_DTENSOR):
+        for field, value in _FULLY_RESHARDABLE_CONTENT.items():
+            rest[f"{CONTENT_METADATA}.{field}"] = value
+    return rest
+
+
 def plan_to_torch_dist(checkpoint: Checkpoint) -> tuple[ConvertPlan, dict[str, ReverseRule]]:
     where = checkpoint.iteration_dir
     if checkpoint.flavour != FLAVOUR_FSDP_DTENSOR:
@@ -298,8 +367,14 @@ def plan_to_torch_dist(checkpoint: Checkpoint) -> tuple[ConvertPlan, dict[str, R
     for key, entry in sorted(checkpoint.entries.items()):
         if key in rules:
             continue
-        if entry.kind == "bytes":
+        reason = not_convertible(key)
+        if reason is not None:
+            not_carried.append(NotCarried(key, reason))
+        elif entry.kind == "bytes":
             objects.append(key)
+        elif key.startswith(OPTIMIZER_STATE_PREFIX + ".") and key.endswith("." + _STEP_STAT):
+            why = "a per-parameter Adam step: torch_dist keeps the step in the param groups (their saved metadata)"
+            not_carried.append(NotCarried(key, why))
         else:
             not_carried.append(NotCarried(key, "a tensor outside model.module. and the optimizer states"))
     mappings.append(KeyMapping("top-level bytes items", ["common.pt"], HOW_OBJECT))

@@ -46,6 +46,8 @@ from ckptdoctor.ops.convert.reverse import (
     TARGET_TORCH_DIST,
     ReverseRule,
     distributed_optimizer_groups,
+    not_convertible,
+    param_groups_from_group_meta,
     plan_to_torch_dist,
     planner_paths,
     unflatten,
@@ -241,9 +243,13 @@ def _fill_torch_dist(
     records, _files = _write_units(checkpoint, sorted(rules), place, layout, stage, jobs, progress, casts)
     layout.write_metadata(stage, records, [])
     result = ConvertResult("", "", len(plan.target_tensors), len(records), 0, 0, 0)
-    items = {key: checkpoint.read_bytes_item(key) for key, e in checkpoint.entries.items() if e.kind == "bytes"}
+    items = {
+        key: checkpoint.read_bytes_item(key)
+        for key, e in checkpoint.entries.items()
+        if e.kind == "bytes" and not_convertible(key) is None
+    }
     result.objects = len(items)
-    common = distributed_optimizer_groups(unflatten(items, planner_paths(checkpoint)))
+    common = distributed_optimizer_groups(unflatten(param_groups_from_group_meta(items), planner_paths(checkpoint)))
     if "args" in common:
         common = common_with_args(common, plan.arg_changes)
     atomic.write_atomic(stage / "common.pt", dump_torch_zip(common))
