@@ -67,10 +67,19 @@ _GLOBAL = {
     "decoder.final_layernorm.weight": _r("copy", "model.norm.weight"),
 }
 
-# Llama/Mistral/Qwen2/Qwen3 dense layers (q/k norm: Qwen3; the fused TE layer norms and the local spec's own)
-_DENSE = {
-    "self_attention.linear_qkv.layer_norm_weight": _r("copy", _L + "input_layernorm.weight"),
+# A layer's norms and dense MLP, every family alike (the fused TE layer norms and the local spec's own)
+_NORMS_AND_MLP = {
     "input_layernorm.weight": _r("copy", _L + "input_layernorm.weight"),
+    "pre_mlp_layernorm.weight": _r("copy", _L + "post_attention_layernorm.weight"),
+    "mlp.linear_fc1.layer_norm_weight": _r("copy", _L + "post_attention_layernorm.weight"),
+    "mlp.linear_fc1.weight": _r("gate_up", _L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+    "mlp.linear_fc2.weight": _r("copy", _L + "mlp.down_proj.weight"),
+}
+
+# Llama/Mistral/Qwen2/Qwen3 dense layers (q/k norm: Qwen3)
+_DENSE = {
+    **_NORMS_AND_MLP,
+    "self_attention.linear_qkv.layer_norm_weight": _r("copy", _L + "input_layernorm.weight"),
     "self_attention.linear_qkv.weight": _r(
         "qkv", _L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"
     ),
@@ -80,10 +89,6 @@ _DENSE = {
     "self_attention.linear_proj.weight": _r("copy", _L + "self_attn.o_proj.weight"),
     "self_attention.q_layernorm.weight": _r("copy", _L + "self_attn.q_norm.weight"),
     "self_attention.k_layernorm.weight": _r("copy", _L + "self_attn.k_norm.weight"),
-    "mlp.linear_fc1.layer_norm_weight": _r("copy", _L + "post_attention_layernorm.weight"),
-    "pre_mlp_layernorm.weight": _r("copy", _L + "post_attention_layernorm.weight"),
-    "mlp.linear_fc1.weight": _r("gate_up", _L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
-    "mlp.linear_fc2.weight": _r("copy", _L + "mlp.down_proj.weight"),
 }
 
 _CONFIG = {
@@ -116,7 +121,7 @@ _A = _L + "self_attn."
 # DeepSeek-V2/V3 layers: multi-latent attention (the local spec's norms and the TE spec's fused ones), a dense MLP or
 # MoE with shared experts and the router's expert bias (sigmoid scores: e_score_correction_bias)
 _DEEPSEEK = {
-    "input_layernorm.weight": _r("copy", _L + "input_layernorm.weight"),
+    **_NORMS_AND_MLP,
     "self_attention.linear_q_proj.layer_norm_weight": _r("copy", _L + "input_layernorm.weight"),
     "self_attention.linear_q_proj.weight": _r("copy", _A + "q_proj.weight"),  # q_lora_rank None
     "self_attention.linear_q_down_proj.weight": _r("copy", _A + "q_a_proj.weight"),
@@ -128,10 +133,6 @@ _DEEPSEEK = {
     "self_attention.linear_kv_up_proj.layer_norm_weight": _r("copy", _A + "kv_a_layernorm.weight"),
     "self_attention.linear_kv_up_proj.weight": _r("copy", _A + "kv_b_proj.weight"),
     "self_attention.linear_proj.weight": _r("copy", _A + "o_proj.weight"),
-    "pre_mlp_layernorm.weight": _r("copy", _L + "post_attention_layernorm.weight"),
-    "mlp.linear_fc1.layer_norm_weight": _r("copy", _L + "post_attention_layernorm.weight"),
-    "mlp.linear_fc1.weight": _r("gate_up", _L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
-    "mlp.linear_fc2.weight": _r("copy", _L + "mlp.down_proj.weight"),
     **_experts("mlp", "gate_proj", "up_proj", "down_proj"),
     "mlp.router.expert_bias": _r("copy", _L + "mlp.gate.e_score_correction_bias"),
     "mlp.shared_experts.linear_fc1.weight": _r("gate_up", _DS + "gate_proj.weight", _DS + "up_proj.weight"),
