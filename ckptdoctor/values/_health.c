@@ -1,0 +1,243 @@
+/* ckptdoctor.values._health: the per-element loop of `check --health` for float32, bfloat16 and float16 (see
+ * values/health.py, which computes the same numbers in numpy where this module was not built).
+ *
+ * floats(data, columns, exponent_bits, fraction_bits, parts, out) -> (zeros, nan, inf, low, high)
+ *   data: the elements, whole rows of `columns`, 4 bytes (exponent_bits 8, fraction_bits 23) or 2; at most
+ *   2^22 of them (health.SLAB_ELEMENTS), so every sum below fits in 64 bits.
+ *   out[r] (uint64 per row): the sum over the row's elements j of c^j h(bits_j) mod 2^64 (c = GOLDEN; h as
+ *   health._value_hashes: splitmix64 of a 2-byte pattern, a 32-bit multiply-xorshift of a 4-byte one).
+ *   parts (int64[5][2][256], added to), per sign and biased exponent E of the finite elements: for 2 bytes,
+ *   [0] the sum of the significands m and [1] of m^2; for float32, binned by the upper 13 bits as
+ *   health._by_upper_bits (upper significand a = implicit bit and 4 fraction bits, low 19 bits l): [0] sum of
+ *   a, [1] of a^2, [2] of l, [3] of a l, [4] of l^2.
+ *   low, high: the bits of the smallest and largest finite element (-1 without one); zeros counts ±0.
+ * The GIL is released for the loop. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+#define MAX_ELEMENTS (1 << 22)
+#define LOW_BITS 19 /* float32: bits below the bin (health._LOW_BITS); 2^13 bins of sign, exponent, 4 fraction bits */
+#define LANES 4
+#define STEP (GOLDEN * GOLDEN * GOLDEN * GOLDEN)
+
+static uint64_t pattern_hash[1 << 16]; /* splitmix64 of each 2-byte pattern (health._hash_table) */
+
+/* The loop over the rows of `v` (n elements, `columns` a row), setting each row's fingerprint (*row++). A row
+ * is summed from its last element to its first, Horner's way, in LANES interleaved sums held in registers (lane
+ * k: the elements j = k mod LANES, s_k = sum over t of c^(LANES t) h_(k + LANES t)): one multiplication per
+ * element, four independent chains. ELEMENT(j, s) does the element's own work and sets s = s c^LANES + h_j. */
+#define ROWS(ELEMENT)                                                                                           \
+    for (Py_ssize_t first = 0; first < n; first += columns, row++) {                                            \
+        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                                                \
+        Py_ssize_t j = columns;                                                                                 \
+        for (; j % LANES; j--) /* the last columns % LANES elements, each the first of its lane */              \
+            switch ((j - 1) % LANES) {                                                                          \
+            case 0: ELEMENT(first + j - 1, s0); break;                                                          \
+            case 1: ELEMENT(first + j - 1, s1); break;                                                          \
+            default: ELEMENT(first + j - 1, s2); break;                                                         \
+            }                                                                                                   \
+        for (j -= LANES; j >= 0; j -= LANES) {                                                                  \
+            ELEMENT(first + j, s0);                                                                             \
+            ELEMENT(first + j + 1, s1);                                                                         \
+            ELEMENT(first + j + 2, s2);                                                                         \
+            ELEMENT(first + j + 3, s3);                                                                         \
+        }                                                                                                       \
+        *row = s0 + GOLDEN * (s1 + GOLDEN * (s2 + GOLDEN * s3));                                                \
+    }
+
+typedef struct {
+    uint64_t zeros, nan, inf;
+    int found;              /* a finite element was seen: low and high hold the bits of the extremes */
+    uint32_t low, high;
+} Counts;
+
+/* Sign-magnitude bits in the order of their values (±0 tie). */
+static int64_t order(uint32_t bits, int width) {
+    int64_t magnitude = bits & ((1ULL << (width - 1)) - 1);
+    return bits >> (width - 1) ? -magnitude : magnitude;
+}
+
+static void extremes(Counts *c, uint32_t bits, int width) {
+    if (!c->found || order(bits, width) < order(c->low, width))
+        c->low = bits;
+    if (!c->found || order(bits, width) > order(c->high, width))
+        c->high = bits;
+    c->found = 1;
+}
+
+/* 2-byte floats: a histogram of the patterns, reduced per (sign, exponent) at the end. */
+static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb, int fb, int64_t *parts,
+                     uint64_t *row, Counts *c) {
+    uint32_t *count = calloc(1 << 16, sizeof *count);
+    if (count == NULL)
+        return -1;
+#define ELEMENT(at, lane)                                                                                       \
+    do {                                                                                                        \
+        uint16_t bits = v[at];                                                                                  \
+        count[bits]++;                                                                                          \
+        lane = lane * STEP + pattern_hash[bits];                                                                \
+    } while (0)
+    ROWS(ELEMENT);
+#undef ELEMENT
+    uint32_t top = (1u << eb) - 1;
+    for (uint32_t bits = 0; bits < 1 << 16; bits++) {
+        uint64_t k = count[bits];
+        uint32_t e = (bits >> fb) & top, f = bits & ((1u << fb) - 1), sign = bits >> 15;
+        if (k == 0)
+            continue;
+        if (e == top) {
+            *(f ? &c->nan : &c->inf) += k;
+            continue;
+        }
+        int64_t m = f | ((int64_t)(e != 0) << fb);
+        c->zeros += m == 0 ? k : 0;
+        parts[sign * 256 + e] += (int64_t)k * m;
+        parts[512 + sign * 256 + e] += (int64_t)k * m * m;
+        extremes(c, bits, 16);
+    }
+    free(count);
+    return 0;
+}
+
+/* float32: per element two sums into 2^13 bins, count and l packed in one (l sums below 2^41, the count from
+ * 2^42 up, moved to counts every 2^20 elements), reduced per (sign, exponent) at the end. No branch per element:
+ * ±0 are the elements of the two zero bins when those hold no low bits, and NaN and Inf fill only the bins of
+ * exponent 255; where either is not so (rare), one more pass counts them and finds the finite extremes. */
+static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_t *parts, uint64_t *row, Counts *c) {
+    enum { BINS = 1 << (32 - LOW_BITS), NEGATIVE = BINS / 2, TOP = 255 << (23 - LOW_BITS) };
+    uint64_t *packed = calloc(3 * BINS, sizeof *packed), *squares = packed + BINS, *counts = squares + BINS;
+    const uint64_t low_mask = ((uint64_t)1 << 42) - 1;
+    if (packed == NULL)
+        return -1;
+    float low = INFINITY, high = -INFINITY, value; /* NaN never compares below or above */
+    Py_ssize_t until_flush = 1 << 20;
+#define ELEMENT(at, lane)                                                                                       \
+    do {                                                                                                        \
+        uint32_t bits = v[at], hash = bits * 0x9E3779B1u;                                                       \
+        uint64_t l = bits & ((1u << LOW_BITS) - 1);                                                             \
+        lane = lane * STEP + (hash ^ (hash >> 16));                                                             \
+        packed[bits >> LOW_BITS] += ((uint64_t)1 << 42) + l;                                                    \
+        squares[bits >> LOW_BITS] += l * l;                                                                     \
+        memcpy(&value, &bits, sizeof value);                                                                    \
+        low = value < low ? value : low; /* minss, maxss: no branch */                                          \
+        high = value > high ? value : high;                                                                     \
+        if (--until_flush == 0) {                                                                               \
+            for (int u = 0; u < BINS; u++)                                                                      \
+                counts[u] += packed[u] >> 42, packed[u] &= low_mask;                                            \
+            until_flush = 1 << 20;                                                                              \
+        }                                                                                                       \
+    } while (0)
+    ROWS(ELEMENT);
+#undef ELEMENT
+    uint64_t special = (packed[0] | packed[NEGATIVE]) & low_mask;
+    for (int u = 0; u < BINS; u++) {
+        counts[u] += packed[u] >> 42, packed[u] &= low_mask;
+        special |= (u & TOP) == TOP ? counts[u] : 0;
+    }
+    if (special) {
+        low = INFINITY, high = -INFINITY;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t bits = v[i];
+            if ((bits & 0x7F800000) == 0x7F800000) {
+                *(bits & 0x7FFFFF ? &c->nan : &c->inf) += 1;
+                continue;
+            }
+            c->zeros += (bits << 1) == 0;
+            memcpy(&value, &bits, sizeof value);
+            low = value < low ? value : low;
+            high = value > high ? value : high;
+        }
+    } else
+        c->zeros += counts[0] + counts[NEGATIVE];
+    if (low <= high) {
+        uint32_t low_bits, high_bits;
+        memcpy(&low_bits, &low, sizeof low);
+        memcpy(&high_bits, &high, sizeof high);
+        extremes(c, low_bits, 32);
+        extremes(c, high_bits, 32);
+    }
+    for (int u = 0; u < BINS; u++) {
+        int sign = u >> 12, e = (u >> 4) & 0xFF, at = sign * 256 + e;
+        int64_t k = (int64_t)counts[u], a = (u & 15) | (e != 0) << 4, l = (int64_t)packed[u];
+        if (e == 255) /* NaN and Inf: not summed */
+            continue;
+        parts[at] += k * a;
+        parts[512 + at] += k * a * a;
+        parts[1024 + at] += l;
+        parts[1536 + at] += l * a;
+        parts[2048 + at] += (int64_t)squares[u];
+    }
+    free(packed);
+    return 0;
+}
+
+static PyObject *floats(PyObject *self, PyObject *args) {
+    PyObject *data_o, *parts_o, *out_o, *result = NULL;
+    Py_ssize_t columns;
+    int eb, fb, failed;
+    Py_buffer data, parts, out;
+    if (!PyArg_ParseTuple(args, "OniiOO", &data_o, &columns, &eb, &fb, &parts_o, &out_o))
+        return NULL;
+    int width = eb == 8 && fb == 23 ? 4 : 2;
+    if ((width == 2 && (eb < 1 || fb < 1 || eb + fb != 15)) || columns <= 0) {
+        PyErr_SetString(PyExc_ValueError, "not a float32, bfloat16 or float16 layout");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(data_o, &data, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(parts_o, &parts, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto release_data;
+    if (PyObject_GetBuffer(out_o, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto release_parts;
+    Py_ssize_t n = data.len / width;
+    if (data.len % width || n % columns || n > MAX_ELEMENTS || parts.len < 5 * 512 * 8 ||
+        out.len < (Py_ssize_t)sizeof(uint64_t) * (n / columns)) {
+        PyErr_SetString(PyExc_ValueError, "data, parts or out does not have the sizes floats() needs");
+        goto release_out;
+    }
+    Counts c = {0};
+    Py_BEGIN_ALLOW_THREADS
+    failed = width == 4 ? measure32(data.buf, n, columns, parts.buf, out.buf, &c)
+                        : measure16(data.buf, n, columns, eb, fb, parts.buf, out.buf, &c);
+    Py_END_ALLOW_THREADS
+    if (failed)
+        PyErr_NoMemory();
+    else if (!c.found)
+        result = Py_BuildValue("KKKii", c.zeros, c.nan, c.inf, -1, -1);
+    else
+        result = Py_BuildValue("KKKkk", c.zeros, c.nan, c.inf, (unsigned long)c.low, (unsigned long)c.high);
+release_out:
+    PyBuffer_Release(&out);
+release_parts:
+    PyBuffer_Release(&parts);
+release_data:
+    PyBuffer_Release(&data);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"floats", floats, METH_VARARGS,
+     "floats(data, columns, exponent_bits, fraction_bits, parts, out) -> (zeros, nan, inf, low, high): one slab of "
+     "float32, bfloat16 or float16 elements (see _health.c)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "ckptdoctor.values._health", "check --health's per-element loop (see _health.c).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__health(void) {
+    for (uint64_t bits = 0; bits < 1 << 16; bits++) { /* splitmix64, as health._splitmix */
+        uint64_t x = bits + GOLDEN;
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+        pattern_hash[bits] = x ^ (x >> 31);
+    }
+    return PyModule_Create(&module_def);
+}
