@@ -56,20 +56,6 @@ typedef struct {
     uint32_t low, high;
 } Counts;
 
-/* Sign-magnitude bits in the order of their values (±0 tie). */
-static int64_t order(uint32_t bits, int width) {
-    int64_t magnitude = bits & ((1ULL << (width - 1)) - 1);
-    return bits >> (width - 1) ? -magnitude : magnitude;
-}
-
-static void extremes(Counts *c, uint32_t bits, int width) {
-    if (!c->found || order(bits, width) < order(c->low, width))
-        c->low = bits;
-    if (!c->found || order(bits, width) > order(c->high, width))
-        c->high = bits;
-    c->found = 1;
-}
-
 /* 2-byte floats: a histogram of the patterns, reduced per (sign, exponent) at the end. */
 static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb, int fb, int64_t *parts,
                      uint64_t *row, Counts *c) {
@@ -84,22 +70,38 @@ static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb
     } while (0)
     ROWS(ELEMENT);
 #undef ELEMENT
-    uint32_t top = (1u << eb) - 1;
-    for (uint32_t bits = 0; bits < 1 << 16; bits++) {
-        uint64_t k = count[bits];
-        uint32_t e = (bits >> fb) & top, f = bits & ((1u << fb) - 1), sign = bits >> 15;
-        if (k == 0)
-            continue;
-        if (e == top) {
-            *(f ? &c->nan : &c->inf) += k;
-            continue;
+    uint32_t top = (1u << eb) - 1, fractions = 1u << fb;
+    uint64_t rows[2][256] = {{0}}; /* elements per sign and exponent */
+    for (uint32_t sign = 0; sign < 2; sign++)
+        for (uint32_t e = 0, at = sign * 256; e <= top; e++, at++) {
+            const uint32_t *k = count + (sign << 15) + (e << fb);
+            uint32_t implicit = e != 0 ? fractions : 0;
+            uint64_t total = 0, sum = 0, square = 0;
+            for (uint32_t f = 0; f < fractions; f++)
+                total += k[f];
+            for (uint32_t f = 0; total && f < fractions; f++) /* widening 32-bit products: vectorized */
+                sum += (uint64_t)k[f] * (f | implicit), square += (uint64_t)k[f] * ((f | implicit) * (f | implicit));
+            rows[sign][e] = total;
+            if (e < top)
+                parts[at] += (int64_t)sum, parts[512 + at] += (int64_t)square;
+            else
+                c->inf += k[0], c->nan += total - k[0];
         }
-        int64_t m = f | ((int64_t)(e != 0) << fb);
-        c->zeros += m == 0 ? k : 0;
-        parts[sign * 256 + e] += (int64_t)k * m;
-        parts[512 + sign * 256 + e] += (int64_t)k * m * m;
-        extremes(c, bits, 16);
+    c->zeros += count[0] + count[1u << 15];
+    /* the smallest: in the negative row of the largest exponent the largest fraction, else in the positive row of
+     * the smallest exponent the smallest fraction (-1: none); the largest likewise, signs swapped */
+    int64_t low = -1, high = -1;
+    for (int i = 0; i < 2 * (int)top && (low < 0 || high < 0); i++) {
+        int down = i < (int)top, e_low = down ? (int)top - 1 - i : i - (int)top, e_high = e_low;
+        const uint32_t *k_low = count + (down << 15) + (e_low << fb), *k_high = count + (!down << 15) + (e_high << fb);
+        for (int f = 0; low < 0 && rows[down][e_low] && f < (int)fractions; f++)
+            if (k_low[down ? (int)fractions - 1 - f : f])
+                low = ((int64_t)down << 15) + (e_low << fb) + (down ? (int)fractions - 1 - f : f);
+        for (int f = 0; high < 0 && rows[!down][e_high] && f < (int)fractions; f++)
+            if (k_high[down ? (int)fractions - 1 - f : f])
+                high = ((int64_t)!down << 15) + (e_high << fb) + (down ? (int)fractions - 1 - f : f);
     }
+    c->found = low >= 0, c->low = (uint32_t)low, c->high = (uint32_t)high;
     free(count);
     return 0;
 }
@@ -134,11 +136,9 @@ static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_
     } while (0)
     ROWS(ELEMENT);
 #undef ELEMENT
-    uint64_t special = (packed[0] | packed[NEGATIVE]) & low_mask;
-    for (int u = 0; u < BINS; u++) {
-        counts[u] += packed[u] >> 42, packed[u] &= low_mask;
-        special |= (u & TOP) == TOP ? counts[u] : 0;
-    }
+    uint64_t special = (packed[0] | packed[NEGATIVE]) & low_mask; /* low bits in a zero bin: not all ±0 */
+    for (int u = 0; u < BINS; u++)
+        counts[u] += packed[u] >> 42, packed[u] &= low_mask, special |= (u & TOP) == TOP ? counts[u] : 0;
     if (special) {
         low = INFINITY, high = -INFINITY;
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -154,23 +154,17 @@ static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_
         }
     } else
         c->zeros += counts[0] + counts[NEGATIVE];
-    if (low <= high) {
-        uint32_t low_bits, high_bits;
-        memcpy(&low_bits, &low, sizeof low);
-        memcpy(&high_bits, &high, sizeof high);
-        extremes(c, low_bits, 32);
-        extremes(c, high_bits, 32);
-    }
-    for (int u = 0; u < BINS; u++) {
-        int sign = u >> 12, e = (u >> 4) & 0xFF, at = sign * 256 + e;
-        int64_t k = (int64_t)counts[u], a = (u & 15) | (e != 0) << 4, l = (int64_t)packed[u];
-        if (e == 255) /* NaN and Inf: not summed */
-            continue;
-        parts[at] += k * a;
-        parts[512 + at] += k * a * a;
-        parts[1024 + at] += l;
-        parts[1536 + at] += l * a;
-        parts[2048 + at] += (int64_t)squares[u];
+    c->found = low <= high;
+    memcpy(&c->low, &low, sizeof low);
+    memcpy(&c->high, &high, sizeof high);
+    for (int at = 0; at < 512; at++) { /* sign and exponent; exponent 255 (NaN, Inf) not summed */
+        int64_t sums[5] = {0}, implicit = (at & 255) != 0 ? 16 : 0;
+        for (int u = at << 4, f = 0; f < 16 && (at & 255) != 255; u++, f++) {
+            int64_t k = (int64_t)counts[u], a = f | implicit, l = (int64_t)packed[u];
+            sums[0] += k * a, sums[1] += k * a * a, sums[2] += l, sums[3] += l * a, sums[4] += (int64_t)squares[u];
+        }
+        for (int i = 0; i < 5; i++)
+            parts[512 * i + at] += sums[i];
     }
     free(packed);
     return 0;
