@@ -1,9 +1,10 @@
 """``check --health``: per-key statistics of tensor values, exact and the same at any layout of one saved state.
 
 Fed one chunk at a time during ``check --deep``'s streaming pass (the raw bytes of the chunk's storage record, no
-torch; numpy does the work), it keeps per key, and per slice of a stacked tensor (one layer of
-``decoder.layers.*``, one expert of ``experts.experts.*``): the element count, finite count, zeros, NaN, Inf,
-min, max, the sum and the sum of squares, and a fingerprint.
+torch; float32, bfloat16 and float16 go through the C loop of ``_health.c`` where it was built, everything else
+and everything without it through numpy, with the same results), it keeps per key, and per slice of a stacked
+tensor (one layer of ``decoder.layers.*``, one expert of ``experts.experts.*``): the element count, finite count,
+zeros, NaN, Inf, min, max, the sum and the sum of squares, and a fingerprint.
 
 Order independence is by exact arithmetic, not by a fixed order: an IEEE value is ``±m * 2^(E - bias - p)``
 (``m`` the significand with its implicit bit, ``E`` the biased exponent, at least 1), so the sum of a chunk is
@@ -18,7 +19,8 @@ odd, ``h`` one-to-one: :func:`_value_hashes`): equal slices have equal fingerpri
 and one changed value always changes it (``c^i`` is odd, so a different hash changes the sum). A key's
 fingerprint combines its slices' fingerprints with their indices. One- and two-byte dtypes (bfloat16, float16)
 are counted by bit pattern: one ``bincount`` over the elements, the sums then over the 2^16 patterns; float32 by
-its upper 13 bits (:func:`_by_upper_bits`).
+its upper 13 bits (:func:`_by_upper_bits`). Both reduce to sums per sign and exponent (the C loop returns those,
+with each row's fingerprint sum), and :func:`_sum_parts` makes the exact totals of either.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from ckptdoctor.errors import MissingExtraError
 from ckptdoctor.formats.plain_dcp import stacks_experts
 from ckptdoctor.numpy_lazy import numpy_or_none
 
-try:  # the per-element loops in C (_health.c); without it numpy does the same work
+_native: Any
+try:  # the per-element loop in C (_health.c); without it numpy does the same work
     from ckptdoctor.values import _health as _native
 except ImportError:  # built without a compiler, or blocked (CKPTDOCTOR_NO_EXTENSIONS)
     _native = None
@@ -281,7 +284,8 @@ def _add(np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, .
         return
     moments.count += n
     if _native is not None and kind.is_float and kind.itemsize in (2, 4):
-        bits = np.ascontiguousarray(bits)  # a strided view (rare) once copied
+        if not bits.flags.c_contiguous:  # a strided view (rare) once copied (ascontiguousarray makes 0-d 1-d)
+            bits = bits.copy(order="C")
         rows = bits.reshape(-1, bits.shape[-1] if bits.ndim else 1)
         sums = np.empty(rows.shape[0], dtype=np.uint64)
         parts = np.zeros((5, 2, 256), dtype=np.int64)
@@ -399,9 +403,10 @@ def _bin_parts(np: Any, counts: Any, lows: Any, squares: Any) -> Any:
     19 bits and of their squares per bin), with ``a`` the bin's upper significand: Σ c a, Σ c a², Σl, Σ a l, Σl²
     (the ``parts`` of :func:`_sum_parts`; every sum below 2^61)."""
     grid = (2, 256, _FRACTION_BINS)  # sign, exponent, upper fraction bits
-    upper = np.arange(_FRACTION_BINS, dtype=np.int64)[None, None, :] + (
-        np.arange(256, dtype=np.int64)[None, :, None] > 0
-    ) * _FRACTION_BINS
+    upper = (
+        np.arange(_FRACTION_BINS, dtype=np.int64)[None, None, :]
+        + (np.arange(256, dtype=np.int64)[None, :, None] > 0) * _FRACTION_BINS
+    )
     c = counts.reshape(grid).astype(np.int64)
     low_sums = lows.reshape(grid)
     return np.stack(
@@ -435,7 +440,8 @@ def _sum_parts(np: Any, kind: _Kind, part: _Part, parts: Any) -> None:
             square = (square_a << (2 * _LOW_BITS)) + (cross << (_LOW_BITS + 1)) + square_l
             part.total_sq += square << (2 * shift)
     else:
-        for shift, total, square in zip(shifts, (positive[0] - negative[0]).tolist(), (positive[1] + negative[1]).tolist()):
+        totals, squares = (positive[0] - negative[0]).tolist(), (positive[1] + negative[1]).tolist()
+        for shift, total, square in zip(shifts, totals, squares):
             part.total += total << shift
             part.total_sq += square << (2 * shift)
 
