@@ -225,9 +225,7 @@ def health_slab(rng: Any) -> tuple[str, Any, tuple[int, ...], tuple[int, ...]]:
     kind = KINDS[dtype]
     width, fb, top = 8 * kind.itemsize, kind.fraction_bits, (1 << kind.exponent_bits) - 1
     unsigned = np.dtype(f"<u{kind.itemsize}")
-    # no 0-d slab: health._add's C path fails on one (IndexError in _contract; tests/test_health_native.py's
-    # test_zero_dimensional, xfail until fixed), which would stop every run here: add 0 back with the fix
-    ndim = int(rng.choice([1, 2, 2, 3, 4]))
+    ndim = int(rng.choice([0, 1, 2, 2, 3, 4]))
     budget = int(rng.choice([16, 600, 5000, 20000, 200000], p=[0.25, 0.3, 0.3, 0.13, 0.02]))
     block: list[int] = []
     for d in range(ndim):

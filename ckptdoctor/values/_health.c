@@ -178,7 +178,7 @@ static PyObject *floats(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OniiOO", &data_o, &columns, &eb, &fb, &parts_o, &out_o))
         return NULL;
     int width = eb == 8 && fb == 23 ? 4 : 2;
-    if ((width == 2 && (eb < 1 || fb < 1 || eb + fb != 15)) || columns <= 0) {
+    if ((width == 2 && (eb < 1 || eb > 8 || eb + fb != 15)) || columns <= 0) { /* parts hold 256 exponents */
         PyErr_SetString(PyExc_ValueError, "not a float32, bfloat16 or float16 layout");
         return NULL;
     }
