@@ -23,31 +23,46 @@
 #define MAX_ELEMENTS (1 << 22)
 #define LOW_BITS 19 /* float32: bits below the bin (health._LOW_BITS); 2^13 bins of sign, exponent, 4 fraction bits */
 #define LANES 4
-#define STEP (GOLDEN * GOLDEN * GOLDEN * GOLDEN)
 
 static uint64_t pattern_hash[1 << 16]; /* splitmix64 of each 2-byte pattern (health._hash_table) */
 
-/* The loop over the rows of `v` (n elements, `columns` a row), setting each row's fingerprint (*row++). A row
- * is summed from its last element to its first, Horner's way, in LANES interleaved sums held in registers (lane
- * k: the elements j = k mod LANES, s_k = sum over t of c^(LANES t) h_(k + LANES t)): one multiplication per
- * element, four independent chains. ELEMENT(j, s) does the element's own work and sets s = s c^LANES + h_j. */
+static uint64_t inverse_step; /* (c^LANES)^-1 mod 2^64: c is odd */
+
+static uint64_t power(uint64_t base, uint64_t exponent) {
+    uint64_t result = 1;
+    for (; exponent; exponent >>= 1, base *= base)
+        result *= exponent & 1 ? base : 1;
+    return result;
+}
+
+/* The loop over the rows of `v` (n elements, `columns` a row), setting each row's fingerprint (*row++), front to
+ * back (the order the hardware prefetches best). Horner's way in LANES interleaved sums held in registers, with
+ * the inverse base: lane k holds the T_k elements j = k + LANES t as s_k = sum over t of c^(-LANES (T_k - 1 - t)) h_j,
+ * so sum over t of c^(LANES t) h_j = c^(LANES (T_k - 1)) s_k, and the row's sum is sum over k of c^k of that:
+ * one multiplication per element, four independent chains. ELEMENT(j, s) does the element's own work and sets
+ * s = s c^-LANES + h_j. */
 #define ROWS(ELEMENT)                                                                                           \
+    uint64_t factor[LANES];                                                                                     \
+    for (int k = 0; k < LANES; k++) { /* every row has `columns` elements: T_k the same in each */              \
+        Py_ssize_t count = columns / LANES + (k < columns % LANES);                                             \
+        factor[k] = count ? power(GOLDEN, k + (uint64_t)LANES * (count - 1)) : 0;                               \
+    }                                                                                                           \
     for (Py_ssize_t first = 0; first < n; first += columns, row++) {                                            \
         uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                                                \
-        Py_ssize_t j = columns;                                                                                 \
-        for (; j % LANES; j--) /* the last columns % LANES elements, each the first of its lane */              \
-            switch ((j - 1) % LANES) {                                                                          \
-            case 0: ELEMENT(first + j - 1, s0); break;                                                          \
-            case 1: ELEMENT(first + j - 1, s1); break;                                                          \
-            default: ELEMENT(first + j - 1, s2); break;                                                         \
-            }                                                                                                   \
-        for (j -= LANES; j >= 0; j -= LANES) {                                                                  \
+        Py_ssize_t j = 0, whole = columns - columns % LANES;                                                    \
+        for (; j < whole; j += LANES) {                                                                         \
             ELEMENT(first + j, s0);                                                                             \
             ELEMENT(first + j + 1, s1);                                                                         \
             ELEMENT(first + j + 2, s2);                                                                         \
             ELEMENT(first + j + 3, s3);                                                                         \
         }                                                                                                       \
-        *row = s0 + GOLDEN * (s1 + GOLDEN * (s2 + GOLDEN * s3));                                                \
+        if (j < columns) /* the last columns % LANES elements, each the last of its lane */                     \
+            ELEMENT(first + j, s0);                                                                             \
+        if (j + 1 < columns)                                                                                    \
+            ELEMENT(first + j + 1, s1);                                                                         \
+        if (j + 2 < columns)                                                                                    \
+            ELEMENT(first + j + 2, s2);                                                                         \
+        *row = factor[0] * s0 + factor[1] * s1 + factor[2] * s2 + factor[3] * s3;                               \
     }
 
 typedef struct {
@@ -66,7 +81,7 @@ static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb
     do {                                                                                                        \
         uint16_t bits = v[at];                                                                                  \
         count[bits]++;                                                                                          \
-        lane = lane * STEP + pattern_hash[bits];                                                                \
+        lane = lane * inverse_step + pattern_hash[bits];                                                                \
     } while (0)
     ROWS(ELEMENT);
 #undef ELEMENT
@@ -122,7 +137,7 @@ static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_
     do {                                                                                                        \
         uint32_t bits = v[at], hash = bits * 0x9E3779B1u;                                                       \
         uint64_t l = bits & ((1u << LOW_BITS) - 1);                                                             \
-        lane = lane * STEP + (hash ^ (hash >> 16));                                                             \
+        lane = lane * inverse_step + (hash ^ (hash >> 16));                                                             \
         packed[bits >> LOW_BITS] += ((uint64_t)1 << 42) + l;                                                    \
         squares[bits >> LOW_BITS] += l * l;                                                                     \
         memcpy(&value, &bits, sizeof value);                                                                    \
@@ -227,6 +242,10 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC PyInit__health(void) {
+    uint64_t step = power(GOLDEN, LANES), inverse = step; /* Newton's iteration: each step doubles the bits right */
+    for (int i = 0; i < 6; i++)
+        inverse *= 2 - step * inverse;
+    inverse_step = inverse;
     for (uint64_t bits = 0; bits < 1 << 16; bits++) { /* splitmix64, as health._splitmix */
         uint64_t x = bits + GOLDEN;
         x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
