@@ -421,56 +421,52 @@ def test_chunkings_of_a_stacked_key(monkeypatch, dtype):
 F32, BF16, F16 = (8, 23), (8, 7), (5, 10)
 
 
-def _parts():
-    return np.zeros((5, 2, 256), dtype=np.int64)
-
-
 def _still_works():
     data = np.array([[0x3F80, 0xC000, 0x0000]], dtype=np.uint16)  # bfloat16 1, -2, 0
     out = np.zeros(1, dtype=np.uint64)
-    zeros, nan, inf, low, high = _health.floats(data, 3, *BF16, _parts(), out)
+    zeros, nan, inf, low, high, positive, negative, squares = _health.floats(data, 3, *BF16, out)
     assert (zeros, nan, inf, low, high) == (1, 0, 0, 0xC000, 0x3F80)
+    scale = 2 ** KINDS["torch.bfloat16"].scale  # the sums count units of the smallest subnormal
+    assert (int.from_bytes(positive, "little"), int.from_bytes(negative, "little")) == (1 * scale, 2 * scale)
+    assert int.from_bytes(squares, "little") == 5 * scale * scale
 
 
 @pytest.mark.parametrize(
-    "data, columns, layout, parts, rows",
+    "data, columns, layout, rows",
     [
-        pytest.param(np.zeros(10, np.uint16), 4, BF16, None, 3, id="not whole rows"),
-        pytest.param(np.zeros(10, np.uint32), 4, F32, None, 3, id="float32 not whole rows"),
-        pytest.param(bytes(7), 1, F16, None, 4, id="odd bytes for 2-byte elements"),
-        pytest.param(bytes(6), 1, F32, None, 2, id="bytes not whole float32 elements"),
-        pytest.param(np.zeros(8, np.uint16), 0, F16, None, 8, id="columns 0"),
-        pytest.param(np.zeros(8, np.uint16), -4, F16, None, 8, id="columns negative"),
-        pytest.param(np.zeros((1 << 22) + 1, np.uint16), 1, BF16, None, 1, id="2^22 + 1 elements"),
-        pytest.param(np.zeros((1 << 22) + 4, np.uint32), 4, F32, None, 1, id="float32 over 2^22 elements"),
-        pytest.param(np.zeros(8, np.uint16), 4, F16, np.zeros((5, 2, 255), np.int64), 2, id="parts too small"),
-        pytest.param(np.zeros(8, np.uint32), 4, F32, bytearray(5 * 512 * 8 - 1), 2, id="parts one byte short"),
-        pytest.param(np.zeros(12, np.uint16), 4, F16, None, 2, id="out too small"),
-        pytest.param(np.zeros(12, np.uint32), 1, F32, None, 0, id="out empty"),
-        pytest.param(np.zeros(8, np.uint32), 4, (11, 52), None, 2, id="float64 layout"),
-        pytest.param(np.zeros(8, np.uint16), 4, (5, 11), None, 2, id="16 bits of fields"),
-        pytest.param(np.zeros(8, np.uint16), 4, (0, 15), None, 2, id="no exponent"),
-        pytest.param(np.zeros(8, np.uint16), 4, (15, 0), None, 2, id="no fraction"),
-        pytest.param(np.zeros(8, np.uint16), 4, (16, -1), None, 2, id="negative fraction bits"),
-        pytest.param(np.zeros(8, np.uint16), 4, (-1, 16), None, 2, id="negative exponent bits"),
-        pytest.param(np.zeros(8, np.uint32), 4, (8, 24), None, 2, id="float32 with 24 fraction bits"),
-        pytest.param(np.zeros(8, np.uint32), 4, (7, 23), None, 2, id="float32 with 7 exponent bits"),
+        pytest.param(np.zeros(10, np.uint16), 4, BF16, 3, id="not whole rows"),
+        pytest.param(np.zeros(10, np.uint32), 4, F32, 3, id="float32 not whole rows"),
+        pytest.param(bytes(7), 1, F16, 4, id="odd bytes for 2-byte elements"),
+        pytest.param(bytes(6), 1, F32, 2, id="bytes not whole float32 elements"),
+        pytest.param(np.zeros(8, np.uint16), 0, F16, 8, id="columns 0"),
+        pytest.param(np.zeros(8, np.uint16), -4, F16, 8, id="columns negative"),
+        pytest.param(np.zeros((1 << 22) + 1, np.uint16), 1, BF16, 1, id="2^22 + 1 elements"),
+        pytest.param(np.zeros((1 << 22) + 4, np.uint32), 4, F32, 1, id="float32 over 2^22 elements"),
+        pytest.param(np.zeros(12, np.uint16), 4, F16, 2, id="out too small"),
+        pytest.param(np.zeros(12, np.uint32), 1, F32, 0, id="out empty"),
+        pytest.param(np.zeros(8, np.uint32), 4, (11, 52), 2, id="float64 layout"),
+        pytest.param(np.zeros(8, np.uint16), 4, (5, 11), 2, id="16 bits of fields"),
+        pytest.param(np.zeros(8, np.uint16), 4, (0, 15), 2, id="no exponent"),
+        pytest.param(np.zeros(8, np.uint16), 4, (15, 0), 2, id="no fraction"),
+        pytest.param(np.zeros(8, np.uint16), 4, (16, -1), 2, id="negative fraction bits"),
+        pytest.param(np.zeros(8, np.uint16), 4, (-1, 16), 2, id="negative exponent bits"),
+        pytest.param(np.zeros(8, np.uint32), 4, (8, 24), 2, id="float32 with 24 fraction bits"),
+        pytest.param(np.zeros(8, np.uint32), 4, (7, 23), 2, id="float32 with 7 exponent bits"),
     ],
 )
-def test_floats_rejects_wrong_sizes_and_layouts(data, columns, layout, parts, rows):
+def test_floats_rejects_wrong_sizes_and_layouts(data, columns, layout, rows):
     with pytest.raises(ValueError):
-        _health.floats(data, columns, *layout, _parts() if parts is None else parts, np.zeros(rows, np.uint64))
+        _health.floats(data, columns, *layout, np.zeros(rows, np.uint64))
     _still_works()
 
 
 def test_floats_accepts_the_limits():
     """Exactly 2^22 elements, and an empty slab (no finite element: low and high are -1)."""
     out = np.zeros(1, dtype=np.uint64)
-    parts = _parts()
-    zeros, nan, inf, low, high = _health.floats(np.zeros(1 << 22, np.uint16), 1 << 22, *F16, parts, out)
+    zeros, nan, inf, low, high, *sums = _health.floats(np.zeros(1 << 22, np.uint16), 1 << 22, *F16, out)
     assert (zeros, nan, inf, low, high) == (1 << 22, 0, 0, 0, 0)
-    assert parts[0].sum() == parts[1].sum() == 0
-    assert _health.floats(np.zeros(0, np.uint32), 5, *F32, _parts(), np.zeros(0, np.uint64)) == (0, 0, 0, -1, -1)
+    assert [int.from_bytes(total, "little") for total in sums] == [0, 0, 0]
+    assert _health.floats(np.zeros(0, np.uint32), 5, *F32, np.zeros(0, np.uint64))[:5] == (0, 0, 0, -1, -1)
 
 
 @pytest.mark.parametrize(
@@ -481,34 +477,28 @@ def test_floats_accepts_the_limits():
         pytest.param(lambda a: memoryview(a).toreadonly(), BufferError, id="read-only memoryview"),
     ],
 )
-@pytest.mark.parametrize("which", ["out", "parts"])
-def test_floats_refuses_read_only_buffers(read_only, error, which):
+def test_floats_refuses_read_only_buffers(read_only, error):
     """numpy refuses a writable buffer of a read-only array with ValueError; bytes and memoryview with BufferError."""
     data = np.array([[0x3C00, 0x4000]], dtype=np.uint16)  # float16 1, 2
-    out, parts = np.zeros(1, np.uint64), _parts()
-    if which == "out":
-        out = read_only(out)
-    else:
-        parts = read_only(parts)
     with pytest.raises(error):
-        _health.floats(data, 2, *F16, parts, out)
+        _health.floats(data, 2, *F16, read_only(np.zeros(1, np.uint64)))
     _still_works()
 
 
 def test_floats_refuses_non_contiguous_and_non_buffers():
     data = np.zeros((4, 6), np.uint16)[:, ::2]
     with pytest.raises(ValueError):  # numpy: "ndarray is not C-contiguous"
-        _health.floats(data, 3, *F16, _parts(), np.zeros(4, np.uint64))
+        _health.floats(data, 3, *F16, np.zeros(4, np.uint64))
     with pytest.raises(TypeError):
-        _health.floats([1, 2, 3], 3, *F16, _parts(), np.zeros(1, np.uint64))
+        _health.floats([1, 2, 3], 3, *F16, np.zeros(1, np.uint64))
     with pytest.raises(TypeError):
-        _health.floats(np.zeros(3, np.uint16), 3, *F16, _parts(), None)
+        _health.floats(np.zeros(3, np.uint16), 3, *F16, None)
     _still_works()
 
 
 @pytest.mark.parametrize("layout", [(12, 3), (14, 1), (9, 6)])
-def test_floats_rejects_exponents_wider_than_its_parts(layout):
-    parts = np.zeros(1 << 16, np.int64)  # room for where an unchecked write would land: the test corrupts nothing
+def test_floats_rejects_exponents_wider_than_its_sums(layout):
+    """Its sums per exponent hold 256 exponents: a 2-byte layout of 9 or more exponent bits is refused."""
     data = np.array([[0x7FF0, 0x3000, 0x0001]], dtype=np.uint16)
     with pytest.raises(ValueError):
-        _health.floats(data, 3, *layout, parts, np.zeros(1, np.uint64))
+        _health.floats(data, 3, *layout, np.zeros(1, np.uint64))

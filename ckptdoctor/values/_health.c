@@ -1,15 +1,18 @@
 /* ckptdoctor.values._health: the per-element loop of `check --health` for float32, bfloat16 and float16 (see
  * values/health.py, which computes the same numbers in numpy where this module was not built).
  *
- * floats(data, columns, exponent_bits, fraction_bits, parts, out) -> (zeros, nan, inf, low, high)
+ * floats(data, columns, exponent_bits, fraction_bits, out) -> (zeros, nan, inf, low, high, positive, negative,
+ *                                                             squares)
  *   data: the elements, whole rows of `columns`, 4 bytes (exponent_bits 8, fraction_bits 23) or 2; at most
- *   2^22 of them (health.SLAB_ELEMENTS), so every sum below fits in 64 bits.
+ *   2^22 of them (health.SLAB_ELEMENTS), so every sum per exponent fits in 64 bits.
  *   out[r] (uint64 per row): the sum over the row's elements j of c^j h(bits_j) mod 2^64 (c = GOLDEN; h as
  *   health._value_hashes: splitmix64 of a 2-byte pattern, a 32-bit multiply-xorshift of a 4-byte one).
- *   parts (int64[5][2][256], added to), per sign and biased exponent E of the finite elements: for 2 bytes,
- *   [0] the sum of the significands m and [1] of m^2; for float32, binned by the upper 13 bits as
- *   health._by_upper_bits (upper significand a = implicit bit and 4 fraction bits, low 19 bits l): [0] sum of
- *   a, [1] of a^2, [2] of l, [3] of a l, [4] of l^2.
+ *   positive, negative, squares: the exact sums of the positive and of the negative finite elements' magnitudes
+ *   and of all their squares, as little-endian unsigned integers (bytes) in units of the smallest subnormal
+ *   (squared for squares): health.Moments.total and total_sq. They are summed per sign and biased exponent E
+ *   first: for 2 bytes the significands m and m^2; for float32 binned by the upper 13 bits as
+ *   health._by_upper_bits (upper significand a = implicit bit and 4 fraction bits, low 19 bits l): sums of a,
+ *   a^2, l, a l and l^2, the significand being a 2^19 + l; then shifted by max(E, 1) - 1 and added.
  *   low, high: the bits of the smallest and largest finite element (-1 without one); zeros counts ±0.
  * The GIL is released for the loop. */
 #define PY_SSIZE_T_CLEAN
@@ -23,6 +26,8 @@
 #define MAX_ELEMENTS (1 << 22)
 #define LOW_BITS 19 /* float32: bits below the bin (health._LOW_BITS); 2^13 bins of sign, exponent, 4 fraction bits */
 #define LANES 4
+#define TOTAL_LIMBS 10  /* 32-bit digits of a sum: below 2^(48 + 253 + 8) */
+#define SQUARE_LIMBS 19 /* of a sum of squares: below 2^(73 + 506 + 8) */
 
 static uint64_t pattern_hash[1 << 16]; /* splitmix64 of each 2-byte pattern (health._hash_table) */
 
@@ -185,12 +190,31 @@ static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_
     return 0;
 }
 
+/* limbs += value 2^shift, in 32-bit digits held in 64 bits (room for the carries of every addition) */
+static void add_shifted(uint64_t *limbs, unsigned __int128 value, int shift) {
+    value <<= shift % 32; /* below 2^73 before: no bit lost */
+    for (int w = shift / 32; value; w++, value >>= 32)
+        limbs[w] += (uint32_t)value;
+}
+
+/* The limbs as a little-endian unsigned integer (bytes), the carries propagated. */
+static PyObject *integer(uint64_t *limbs, int count) {
+    unsigned char bytes[4 * SQUARE_LIMBS];
+    for (int w = 0; w < count; w++) {
+        if (w + 1 < count)
+            limbs[w + 1] += limbs[w] >> 32;
+        for (int b = 0; b < 4; b++)
+            bytes[4 * w + b] = (unsigned char)(limbs[w] >> (8 * b));
+    }
+    return PyBytes_FromStringAndSize((const char *)bytes, 4 * count);
+}
+
 static PyObject *floats(PyObject *self, PyObject *args) {
-    PyObject *data_o, *parts_o, *out_o, *result = NULL;
+    PyObject *data_o, *out_o, *result = NULL;
     Py_ssize_t columns;
     int eb, fb, failed;
-    Py_buffer data, parts, out;
-    if (!PyArg_ParseTuple(args, "OniiOO", &data_o, &columns, &eb, &fb, &parts_o, &out_o))
+    Py_buffer data, out;
+    if (!PyArg_ParseTuple(args, "OniiO", &data_o, &columns, &eb, &fb, &out_o))
         return NULL;
     int width = eb == 8 && fb == 23 ? 4 : 2;
     if ((width == 2 && (eb < 1 || eb > 8 || eb + fb != 15)) || columns <= 0) { /* parts hold 256 exponents */
@@ -199,31 +223,39 @@ static PyObject *floats(PyObject *self, PyObject *args) {
     }
     if (PyObject_GetBuffer(data_o, &data, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
-    if (PyObject_GetBuffer(parts_o, &parts, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-        goto release_data;
     if (PyObject_GetBuffer(out_o, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-        goto release_parts;
+        goto release_data;
     Py_ssize_t n = data.len / width;
-    if (data.len % width || n % columns || n > MAX_ELEMENTS || parts.len < 5 * 512 * 8 ||
-        out.len < (Py_ssize_t)sizeof(uint64_t) * (n / columns)) {
-        PyErr_SetString(PyExc_ValueError, "data, parts or out does not have the sizes floats() needs");
+    if (data.len % width || n % columns || n > MAX_ELEMENTS || out.len < (Py_ssize_t)sizeof(uint64_t) * (n / columns)) {
+        PyErr_SetString(PyExc_ValueError, "data or out does not have the sizes floats() needs");
         goto release_out;
     }
     Counts c = {0};
+    int64_t parts[5 * 512] = {0};
+    uint64_t limbs[2][TOTAL_LIMBS] = {{0}}, squares[SQUARE_LIMBS] = {0};
     Py_BEGIN_ALLOW_THREADS
-    failed = width == 4 ? measure32(data.buf, n, columns, parts.buf, out.buf, &c)
-                        : measure16(data.buf, n, columns, eb, fb, parts.buf, out.buf, &c);
+    failed = width == 4 ? measure32(data.buf, n, columns, parts, out.buf, &c)
+                        : measure16(data.buf, n, columns, eb, fb, parts, out.buf, &c);
+    for (int at = 0; !failed && at < 512; at++) { /* every part below 2^62: see measure16 and measure32 */
+        int sign = at >> 8, shift = (at & 255) > 1 ? (at & 255) - 1 : 0;
+        unsigned __int128 total = (uint64_t)parts[at], square = (uint64_t)parts[512 + at];
+        if (width == 4) { /* the significand a 2^19 + l */
+            total = (total << LOW_BITS) + (uint64_t)parts[1024 + at];
+            square = (square << (2 * LOW_BITS)) + ((unsigned __int128)(uint64_t)parts[1536 + at] << (LOW_BITS + 1)) +
+                     (uint64_t)parts[2048 + at];
+        }
+        add_shifted(limbs[sign], total, shift);
+        add_shifted(squares, square, 2 * shift);
+    }
     Py_END_ALLOW_THREADS
     if (failed)
         PyErr_NoMemory();
-    else if (!c.found)
-        result = Py_BuildValue("KKKii", c.zeros, c.nan, c.inf, -1, -1);
     else
-        result = Py_BuildValue("KKKkk", c.zeros, c.nan, c.inf, (unsigned long)c.low, (unsigned long)c.high);
+        result = Py_BuildValue("KKKLLNNN", c.zeros, c.nan, c.inf, c.found ? (long long)c.low : -1LL,
+                               c.found ? (long long)c.high : -1LL, integer(limbs[0], TOTAL_LIMBS),
+                               integer(limbs[1], TOTAL_LIMBS), integer(squares, SQUARE_LIMBS));
 release_out:
     PyBuffer_Release(&out);
-release_parts:
-    PyBuffer_Release(&parts);
 release_data:
     PyBuffer_Release(&data);
     return result;
@@ -231,8 +263,8 @@ release_data:
 
 static PyMethodDef methods[] = {
     {"floats", floats, METH_VARARGS,
-     "floats(data, columns, exponent_bits, fraction_bits, parts, out) -> (zeros, nan, inf, low, high): one slab of "
-     "float32, bfloat16 or float16 elements (see _health.c)."},
+     "floats(data, columns, exponent_bits, fraction_bits, out) -> (zeros, nan, inf, low, high, positive, negative, "
+     "squares): one slab of float32, bfloat16 or float16 elements (see _health.c)."},
     {NULL, NULL, 0, NULL},
 };
 

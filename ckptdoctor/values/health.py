@@ -19,8 +19,9 @@ odd, ``h`` one-to-one: :func:`_value_hashes`): equal slices have equal fingerpri
 and one changed value always changes it (``c^i`` is odd, so a different hash changes the sum). A key's
 fingerprint combines its slices' fingerprints with their indices. One- and two-byte dtypes (bfloat16, float16)
 are counted by bit pattern: one ``bincount`` over the elements, the sums then over the 2^16 patterns; float32 by
-its upper 13 bits (:func:`_by_upper_bits`). Both reduce to sums per sign and exponent (the C loop returns those,
-with each row's fingerprint sum), and :func:`_sum_parts` makes the exact totals of either.
+its upper 13 bits (:func:`_by_upper_bits`). Both reduce to sums per sign and exponent; the C loop adds those up
+into exact totals itself (returned as integers' bytes, with each row's fingerprint sum), numpy's path in
+:func:`_sum_parts`.
 """
 
 from __future__ import annotations
@@ -288,15 +289,15 @@ def _add(np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, .
             bits = bits.copy(order="C")
         rows = bits.reshape(-1, bits.shape[-1] if bits.ndim else 1)
         sums = np.empty(rows.shape[0], dtype=np.uint64)
-        parts = np.zeros((5, 2, 256), dtype=np.int64)
-        zeros, nan, inf, low, high = _native.floats(
-            rows, rows.shape[1], kind.exponent_bits, kind.fraction_bits, parts, sums
+        zeros, nan, inf, low, high, positive, negative, squares = _native.floats(
+            rows, rows.shape[1], kind.exponent_bits, kind.fraction_bits, sums
         )
         part = _Part(finite=n - nan - inf, zeros=zeros, nan=nan, inf=inf)
+        part.total = int.from_bytes(positive, "little") - int.from_bytes(negative, "little")
+        part.total_sq = int.from_bytes(squares, "little")
         if part.finite:
             extremes = _float_values(np, kind, np.array([low, high], dtype=f"<u{kind.itemsize}"))
             part.low, part.high = float(extremes[0]), float(extremes[1])
-        _sum_parts(np, kind, part, parts)
         fingerprint = _contract(np, sums, bits, origin, shape)
     else:
         fingerprint = _fingerprint(np, kind, bits, origin, shape)
