@@ -424,11 +424,12 @@ F32, BF16, F16 = (8, 23), (8, 7), (5, 10)
 def _still_works():
     data = np.array([[0x3F80, 0xC000, 0x0000]], dtype=np.uint16)  # bfloat16 1, -2, 0
     out = np.zeros(1, dtype=np.uint64)
-    zeros, nan, inf, low, high, positive, negative, squares = _health.floats(data, 3, *BF16, out)
+    zeros, nan, inf, low, high, positive, negative, squares, rows = _health.floats(data, 3, *BF16, out, 7)
     assert (zeros, nan, inf, low, high) == (1, 0, 0, 0xC000, 0x3F80)
     scale = 2 ** KINDS["torch.bfloat16"].scale  # the sums count units of the smallest subnormal
     assert (int.from_bytes(positive, "little"), int.from_bytes(negative, "little")) == (1 * scale, 2 * scale)
     assert int.from_bytes(squares, "little") == 5 * scale * scale
+    assert rows == int(out[0])  # one row: row_step^0 times its sum
 
 
 @pytest.mark.parametrize(
@@ -456,17 +457,17 @@ def _still_works():
 )
 def test_floats_rejects_wrong_sizes_and_layouts(data, columns, layout, rows):
     with pytest.raises(ValueError):
-        _health.floats(data, columns, *layout, np.zeros(rows, np.uint64))
+        _health.floats(data, columns, *layout, np.zeros(rows, np.uint64), 1)
     _still_works()
 
 
 def test_floats_accepts_the_limits():
     """Exactly 2^22 elements, and an empty slab (no finite element: low and high are -1)."""
     out = np.zeros(1, dtype=np.uint64)
-    zeros, nan, inf, low, high, *sums = _health.floats(np.zeros(1 << 22, np.uint16), 1 << 22, *F16, out)
+    zeros, nan, inf, low, high, *sums, rows = _health.floats(np.zeros(1 << 22, np.uint16), 1 << 22, *F16, out, 1)
     assert (zeros, nan, inf, low, high) == (1 << 22, 0, 0, 0, 0)
     assert [int.from_bytes(total, "little") for total in sums] == [0, 0, 0]
-    assert _health.floats(np.zeros(0, np.uint32), 5, *F32, np.zeros(0, np.uint64))[:5] == (0, 0, 0, -1, -1)
+    assert _health.floats(np.zeros(0, np.uint32), 5, *F32, np.zeros(0, np.uint64), 1)[:5] == (0, 0, 0, -1, -1)
 
 
 @pytest.mark.parametrize(
@@ -481,18 +482,18 @@ def test_floats_refuses_read_only_buffers(read_only, error):
     """numpy refuses a writable buffer of a read-only array with ValueError; bytes and memoryview with BufferError."""
     data = np.array([[0x3C00, 0x4000]], dtype=np.uint16)  # float16 1, 2
     with pytest.raises(error):
-        _health.floats(data, 2, *F16, read_only(np.zeros(1, np.uint64)))
+        _health.floats(data, 2, *F16, read_only(np.zeros(1, np.uint64)), 1)
     _still_works()
 
 
 def test_floats_refuses_non_contiguous_and_non_buffers():
     data = np.zeros((4, 6), np.uint16)[:, ::2]
     with pytest.raises(ValueError):  # numpy: "ndarray is not C-contiguous"
-        _health.floats(data, 3, *F16, np.zeros(4, np.uint64))
+        _health.floats(data, 3, *F16, np.zeros(4, np.uint64), 1)
     with pytest.raises(TypeError):
-        _health.floats([1, 2, 3], 3, *F16, np.zeros(1, np.uint64))
+        _health.floats([1, 2, 3], 3, *F16, np.zeros(1, np.uint64), 1)
     with pytest.raises(TypeError):
-        _health.floats(np.zeros(3, np.uint16), 3, *F16, None)
+        _health.floats(np.zeros(3, np.uint16), 3, *F16, None, 1)
     _still_works()
 
 
@@ -501,4 +502,4 @@ def test_floats_rejects_exponents_wider_than_its_sums(layout):
     """Its sums per exponent hold 256 exponents: a 2-byte layout of 9 or more exponent bits is refused."""
     data = np.array([[0x7FF0, 0x3000, 0x0001]], dtype=np.uint16)
     with pytest.raises(ValueError):
-        _health.floats(data, 3, *layout, np.zeros(1, np.uint64))
+        _health.floats(data, 3, *layout, np.zeros(1, np.uint64), 1)

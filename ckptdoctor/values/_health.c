@@ -1,8 +1,8 @@
 /* ckptdoctor.values._health: the per-element loop of `check --health` for float32, bfloat16 and float16 (see
  * values/health.py, which computes the same numbers in numpy where this module was not built).
  *
- * floats(data, columns, exponent_bits, fraction_bits, out) -> (zeros, nan, inf, low, high, positive, negative,
- *                                                             squares)
+ * floats(data, columns, exponent_bits, fraction_bits, out, row_step) -> (zeros, nan, inf, low, high, positive,
+ *                                                                       negative, squares, rows)
  *   data: the elements, whole rows of `columns`, 4 bytes (exponent_bits 8, fraction_bits 23) or 2; at most
  *   2^22 of them (health.SLAB_ELEMENTS), so every sum per exponent fits in 64 bits.
  *   out[r] (uint64 per row): the sum over the row's elements j of c^j h(bits_j) mod 2^64 (c = GOLDEN; h as
@@ -14,6 +14,8 @@
  *   health._by_upper_bits (upper significand a = implicit bit and 4 fraction bits, low 19 bits l): sums of a,
  *   a^2, l, a l and l^2, the significand being a 2^19 + l; then shifted by max(E, 1) - 1 and added.
  *   low, high: the bits of the smallest and largest finite element (-1 without one); zeros counts ±0.
+ *   rows: the sum over rows r of row_step^r out[r] mod 2^64 (with row_step c^columns-of-the-slice, a 2-d slab's
+ *   fingerprint up to one factor).
  * The GIL is released for the loop. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -214,7 +216,8 @@ static PyObject *floats(PyObject *self, PyObject *args) {
     Py_ssize_t columns;
     int eb, fb, failed;
     Py_buffer data, out;
-    if (!PyArg_ParseTuple(args, "OniiO", &data_o, &columns, &eb, &fb, &out_o))
+    unsigned long long row_step;
+    if (!PyArg_ParseTuple(args, "OniiOK", &data_o, &columns, &eb, &fb, &out_o, &row_step))
         return NULL;
     int width = eb == 8 && fb == 23 ? 4 : 2;
     if ((width == 2 && (eb < 1 || eb > 8 || eb + fb != 15)) || columns <= 0) { /* parts hold 256 exponents */
@@ -232,7 +235,7 @@ static PyObject *floats(PyObject *self, PyObject *args) {
     }
     Counts c = {0};
     int64_t parts[5 * 512] = {0};
-    uint64_t limbs[2][TOTAL_LIMBS] = {{0}}, squares[SQUARE_LIMBS] = {0};
+    uint64_t limbs[2][TOTAL_LIMBS] = {{0}}, squares[SQUARE_LIMBS] = {0}, rows = 0, step;
     Py_BEGIN_ALLOW_THREADS
     failed = width == 4 ? measure32(data.buf, n, columns, parts, out.buf, &c)
                         : measure16(data.buf, n, columns, eb, fb, parts, out.buf, &c);
@@ -247,13 +250,16 @@ static PyObject *floats(PyObject *self, PyObject *args) {
         add_shifted(limbs[sign], total, shift);
         add_shifted(squares, square, 2 * shift);
     }
+    step = 1; /* sum over rows r of row_step^r out[r] */
+    for (Py_ssize_t r = 0; r < n / columns; r++, step *= row_step)
+        rows += step * ((uint64_t *)out.buf)[r];
     Py_END_ALLOW_THREADS
     if (failed)
         PyErr_NoMemory();
     else
-        result = Py_BuildValue("KKKLLNNN", c.zeros, c.nan, c.inf, c.found ? (long long)c.low : -1LL,
+        result = Py_BuildValue("KKKLLNNNK", c.zeros, c.nan, c.inf, c.found ? (long long)c.low : -1LL,
                                c.found ? (long long)c.high : -1LL, integer(limbs[0], TOTAL_LIMBS),
-                               integer(limbs[1], TOTAL_LIMBS), integer(squares, SQUARE_LIMBS));
+                               integer(limbs[1], TOTAL_LIMBS), integer(squares, SQUARE_LIMBS), rows);
 release_out:
     PyBuffer_Release(&out);
 release_data:
@@ -263,8 +269,8 @@ release_data:
 
 static PyMethodDef methods[] = {
     {"floats", floats, METH_VARARGS,
-     "floats(data, columns, exponent_bits, fraction_bits, out) -> (zeros, nan, inf, low, high, positive, negative, "
-     "squares): one slab of float32, bfloat16 or float16 elements (see _health.c)."},
+     "floats(data, columns, exponent_bits, fraction_bits, out, row_step) -> (zeros, nan, inf, low, high, positive, "
+     "negative, squares, rows): one slab of float32, bfloat16 or float16 elements (see _health.c)."},
     {NULL, NULL, 0, NULL},
 };
 

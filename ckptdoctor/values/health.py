@@ -205,16 +205,21 @@ class HealthScan:
         sizes: tuple[int, ...],
         data: Any,
         view: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None,
-    ) -> None:
+    ) -> tuple[int, int] | None:
         """Add one chunk: ``data`` holds its storage record's bytes, ``view`` its (storage offset, size, stride)
-        (None: the first elements in row-major order)."""
+        (None: the first elements in row-major order). Returns the chunk's (NaN, Inf) counts where they are those of
+        every element of ``data`` (a float chunk whose record holds exactly its elements in row-major order), so
+        ``check --deep``'s NaN/Inf count need not read them again; else None."""
         kind = KINDS.get(dtype or "")
         if kind is None or shape is None or len(offsets) != len(shape):
-            return
+            return None
         np = require_numpy()
         values = _chunk_array(np, kind, data, sizes, view)
         if values is None:
-            return
+            return None
+        whole = kind.is_float and math.prod(sizes) * kind.itemsize == memoryview(data).nbytes
+        whole = whole and (view is None or (view[0] == 0 and _row_major(view[1], view[2])))
+        nan = inf = 0
         stats = self.keys.get(key)
         if stats is None:
             axes = stack_axes(key)
@@ -231,7 +236,9 @@ class HealthScan:
                 moments = stats.slices[index] = Moments()
             part = values[local] if k else values
             for slab, origin in _slabs(part, inner_origin):
-                _add(np, kind, moments, slab, origin, inner_shape)
+                slab_nan, slab_inf = _add(np, kind, moments, slab, origin, inner_shape)
+                nan, inf = nan + slab_nan, inf + slab_inf
+        return (nan, inf) if whole else None
 
 
 def _chunk_array(np: Any, kind: _Kind, data: Any, sizes: tuple[int, ...], view: Any) -> Any:
@@ -278,19 +285,23 @@ _HISTOGRAM_MIN = 1 << 12  # elements from which 2-byte dtypes are counted by bit
 _SPLIT = 26  # float64 holds a significand below 2^26, and its square split at 2^26, with room for 2^22 additions
 
 
-def _add(np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...]) -> None:
-    """Add the elements ``bits`` (unsigned, at ``origin`` of a slice of ``shape``) to ``moments``."""
+def _add(
+    np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...]
+) -> tuple[int, int]:
+    """Add the elements ``bits`` (unsigned, at ``origin`` of a slice of ``shape``) to ``moments``; their (NaN, Inf)
+    counts."""
     n = int(bits.size)
     if not n:
-        return
+        return 0, 0
     moments.count += n
     if _native is not None and kind.is_float and kind.itemsize in (2, 4):
         if not bits.flags.c_contiguous:  # a strided view (rare) once copied (ascontiguousarray makes 0-d 1-d)
             bits = bits.copy(order="C")
         rows = bits.reshape(-1, bits.shape[-1] if bits.ndim else 1)
         sums = np.empty(rows.shape[0], dtype=np.uint64)
-        zeros, nan, inf, low, high, positive, negative, squares = _native.floats(
-            rows, rows.shape[1], kind.exponent_bits, kind.fraction_bits, sums
+        row_step = pow(_GOLDEN, shape[-1], 1 << 64) if bits.ndim == 2 else 1
+        zeros, nan, inf, low, high, positive, negative, squares, combined = _native.floats(
+            rows, rows.shape[1], kind.exponent_bits, kind.fraction_bits, sums, row_step
         )
         part = _Part(finite=n - nan - inf, zeros=zeros, nan=nan, inf=inf)
         part.total = int.from_bytes(positive, "little") - int.from_bytes(negative, "little")
@@ -298,7 +309,11 @@ def _add(np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, .
         if part.finite:
             extremes = _float_values(np, kind, np.array([low, high], dtype=f"<u{kind.itemsize}"))
             part.low, part.high = float(extremes[0]), float(extremes[1])
-        fingerprint = _contract(np, sums, bits, origin, shape)
+        if bits.ndim in (1, 2):  # row r at index (origin[0] + r) shape[-1] + origin[-1] of the slice
+            start = origin[-1] + (origin[0] * shape[-1] if bits.ndim == 2 else 0)
+            fingerprint = pow(_GOLDEN, start, 1 << 64) * combined & _MASK64
+        else:
+            fingerprint = _contract(np, sums, bits, origin, shape)
     else:
         fingerprint = _fingerprint(np, kind, bits, origin, shape)
         flat = bits.reshape(-1)
@@ -310,6 +325,7 @@ def _add(np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, .
             part = _by_element(np, kind, flat)
     moments.fingerprint = (moments.fingerprint + fingerprint) & _MASK64
     _merge_part(moments, part)
+    return part.nan, part.inf
 
 
 @dataclass
