@@ -11,8 +11,13 @@ Goal (issue #38): ``check --health`` time within 1.25x of ``check --deep`` on th
 ``--before TREE`` adds ``check --health`` of another source tree (a git worktree of the baseline commit) to each
 group, so a change is measured before/after in the same alternating rounds.
 
+``--cold`` evicts the checkpoint's files from the page cache before every run (``harness.evict``), so each command
+reads them from the disk, as a checkpoint larger than memory is read; results go to ``health-cold.json``.
+``--jobs N`` runs every check with ``--jobs N`` (results ``health[-cold]-jobsN.json``).
+
     python bench/bench_health.py                      # 0.5G, 2000 keys, 16 files -> bench/results/health.json
     python bench/bench_health.py --before /tmp/base   # and the baseline tree's --health, alternating with them
+    python bench/bench_health.py --cold --size 1G     # each run from the disk -> bench/results/health-cold.json
     python bench/bench_health.py --render             # the README table of the last results file
 """
 
@@ -40,29 +45,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--before", type=Path, default=None, help="baseline source tree: its --health joins each group")
+    p.add_argument("--cold", action="store_true", help="evict the checkpoint from the page cache before every run")
+    p.add_argument("--jobs", type=int, default=1, help="ckptdoctor's --jobs for every check (default 1)")
     p.add_argument("--render", action="store_true", help="print the table of bench/results/health.json")
     o = p.parse_args(argv)
     harness.use_code(o.code)
     if o.render:
-        print(render(json.loads((RESULTS / "health.json").read_text())))
+        print(render(json.loads((RESULTS / ("health-cold.json" if o.cold else "health.json")).read_text())))
         return 0
-    recorder = harness.Recorder("health", argv)
+    name = ("health-cold" if o.cold else "health") + (f"-jobs{o.jobs}" if o.jobs != 1 else "")
+    recorder = harness.Recorder(name, argv)
     groups, ratios, inputs, data_bytes = {}, {}, {}, {}
     failures = False
     for dtype in DTYPES:
         save = harness.synthetic(o.size, o.keys, o.files, dtype=dtype)
         inputs[dtype] = harness.synthetic_info(save)
         iteration, names, data_bytes[dtype] = harness.iteration_files(save)
-        check = ("check", "--isolated", "-q", "--jobs", "1")
+        check = ("check", "--isolated", "-q", "--jobs", str(o.jobs))
+        evict = (lambda root=save: harness.evict(root)) if o.cold else None
         cases = {
-            f"cat {dtype}": Case(harness.cat_command(iteration, names)),
-            f"check {dtype}": Case(ckptdoctor(*check, str(save))),
-            f"check --deep {dtype}": Case(ckptdoctor(*check, "--deep", str(save))),
-            f"check --health {dtype}": Case(ckptdoctor(*check, "--health", str(save))),
+            f"cat {dtype}": Case(harness.cat_command(iteration, names), before=evict),
+            f"check {dtype}": Case(ckptdoctor(*check, str(save)), before=evict),
+            f"check --deep {dtype}": Case(ckptdoctor(*check, "--deep", str(save)), before=evict),
+            f"check --health {dtype}": Case(ckptdoctor(*check, "--health", str(save)), before=evict),
         }
         if o.before is not None:
             before = o.before.resolve()
-            cases[f"check --health {dtype} (before)"] = Case(ckptdoctor(*check, "--health", str(save)), cwd=before)
+            cases[f"check --health {dtype} (before)"] = Case(
+                ckptdoctor(*check, "--health", str(save)), cwd=before, before=evict
+            )
         group = alternate(cases, o.repeats, o.timeout)
         failures = failures or bool(group.failures)
         groups[dtype] = group.summary()
@@ -85,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
             ]
         )
-    doc = recorder.write(
-        {"size": o.size, "inputs": inputs, "data_bytes": data_bytes, "groups": groups, "ratios": ratios}
-    )
+    payload = {"size": o.size, "inputs": inputs, "data_bytes": data_bytes, "groups": groups, "ratios": ratios}
+    if o.cold:
+        payload["cache"] = "cold: the checkpoint's files evicted from the page cache before every run"
+    doc = recorder.write(payload)
     print(harness.header(json.loads(doc.read_text())) + "\n")
     print(render(json.loads(doc.read_text())))
     return 1 if failures else 0

@@ -417,6 +417,18 @@ def cat_command(directory: Path, names: Sequence[str]) -> list[str]:
     return ["sh", "-c", f"cd {shlex.quote(str(directory))} && cat {quoted} > /dev/null"]
 
 
+def evict(root: Path) -> None:
+    """Drop the files under ``root`` from the page cache (``posix_fadvise(DONTNEED)``: no root needed; their pages are
+    clean), so the next command reads them from the disk, as a checkpoint larger than memory is read."""
+    for path in sorted(Path(root).rglob("*")):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 class Recorder:
     """Load before/after and the command line of one benchmark run; ``write`` makes its results JSON."""
 

@@ -45,8 +45,8 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
     __version__,
     "--version",
     prog_name="ckptdoctor",
-    # Which pickle pre-pass and index loops run: the C extensions are optional (built at install where a compiler
-    # was found); without them the Python reference runs.
+    # Which pickle pre-pass, index loops and health statistics run: the C extensions are optional (built at
+    # install where a compiler was found); without them the Python (numpy) reference runs.
     message="%(prog)s, version %(version)s (pickle pre-pass: "
     + ("C" if native("ckptdoctor.pickle._native") else "Python, the C extension was not built or is blocked")
     + "; index loops: "
@@ -55,6 +55,8 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
         if native("ckptdoctor.formats._dcp_index") and native("ckptdoctor.pickle._native")
         else "Python, the C extension was not built or is blocked"
     )
+    + "; health statistics: "
+    + ("C" if native("ckptdoctor.values._health") else "numpy, the C extension was not built or is blocked")
     + ")",
 )
 @click.option(

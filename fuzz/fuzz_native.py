@@ -10,9 +10,18 @@ them blocked (``CKPTDOCTOR_NO_EXTENSIONS=1``), which each answer one line per mu
 - for ``.metadata`` mutants, the DCP index built from the index-only read (compact records, index_size, the
   index loops in C) and from the faithful read, as the index's items or the error.
 
+Interleaved with the mutants, a fixed share of the time (:data:`HEALTH_SHARE`) goes to ``check --health``'s
+per-element loop (``ckptdoctor.values._health``), in this process (under ASan with the rest, in
+scripts/sanitize.sh): seeded random slabs of float32, bfloat16 and float16 (1 to 4 dims, blocks at random origins
+of a larger slice, strided and transposed views now and then, sizes either side of the histogram threshold; bit
+patterns mixing normals of random scale, ±0, subnormals, NaN, ±Inf and random bits), each through ``health._add``
+with the C loop and with it set aside (``_native = None``); the ``Moments``, or the errors, must be identical.
+
 Any difference, or a worker that dies (a sanitizer report aborts it), fails the run with the mutant saved for
-reproduction. ``--seconds`` bounds the run (the mutants are the same for a given ``--seed``, their number depends
-on the machine's speed).
+reproduction (a health slab as ``<out>-health.npz``: its bits, dtype, origin and slice shape). A sanitizer report
+in the health loop aborts this process: the slabs are a sequence of their own, the same for a given ``--seed``, so
+the same command replays them. ``--seconds`` bounds the run (the mutants are the same for a given ``--seed``, their
+number depends on the machine's speed).
 
     python fuzz/fuzz_native.py --seconds 120 --seed 1
 """
@@ -23,6 +32,7 @@ import argparse
 import base64
 import functools
 import hashlib
+import math
 import os
 import pickletools
 import random
@@ -198,6 +208,105 @@ def worker() -> None:
         sys.stdout.flush()
 
 
+# --- check --health's loop, in process ----------------------------------------------------------------------
+
+HEALTH_SHARE = 0.25  # of the run's time, for the health slabs
+HEALTH_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
+
+
+def health_slab(rng: Any) -> tuple[str, Any, tuple[int, ...], tuple[int, ...]]:
+    """(dtype, bits, origin, slice shape) of one random slab; ``rng`` a numpy Generator. The bits may be a
+    non-contiguous view."""
+    import numpy as np
+
+    from ckptdoctor.values.health import KINDS
+
+    dtype = HEALTH_DTYPES[int(rng.integers(len(HEALTH_DTYPES)))]
+    kind = KINDS[dtype]
+    width, fb, top = 8 * kind.itemsize, kind.fraction_bits, (1 << kind.exponent_bits) - 1
+    unsigned = np.dtype(f"<u{kind.itemsize}")
+    ndim = int(rng.choice([0, 1, 2, 2, 3, 4]))
+    budget = int(rng.choice([16, 600, 5000, 20000, 200000], p=[0.25, 0.3, 0.3, 0.13, 0.02]))
+    block: list[int] = []
+    for d in range(ndim):
+        room = max(1, budget // max(1, math.prod(block)))
+        block.append(
+            int(rng.integers(1, min(room, 9000) + 1)) if d == ndim - 1 else int(rng.integers(1, min(room, 40) + 1))
+        )
+    block_shape = tuple(block)
+    n = math.prod(block_shape)
+    # one bit pattern source per element: normals of a random scale, ±0, subnormals, NaN and ±Inf, random bits
+    sign = rng.integers(0, 2, size=n, dtype=np.uint64) << np.uint64(width - 1)
+    scaled = rng.normal(size=n) * 10.0 ** rng.uniform(-40, 40)
+    with np.errstate(over="ignore"):  # beyond the dtype's range: ±Inf
+        if kind.itemsize == 2 and kind.exponent_bits == 5:
+            normals = scaled.astype(np.float16).view(np.uint16).astype(np.uint64)
+        else:
+            normals = scaled.astype(np.float32).view(np.uint32).astype(np.uint64)
+            if kind.itemsize == 2:  # bfloat16: the upper half
+                normals >>= np.uint64(16)
+    fraction = rng.integers(0, 1 << fb, size=n, dtype=np.uint64)
+    sources = [
+        normals,
+        sign,
+        sign | (fraction >> np.uint64(rng.integers(0, fb))),  # subnormals (and zeros), small ones in the zero bins
+        sign | np.uint64(top << fb) | (fraction * rng.integers(0, 2, size=n, dtype=np.uint64)),  # NaN and ±Inf
+        rng.integers(0, 1 << width, size=n, dtype=np.uint64),
+    ]
+    weights = rng.dirichlet(np.full(len(sources), 0.4))
+    pick = rng.choice(len(sources), size=n, p=weights)
+    flat = np.choose(pick, sources).astype(unsigned)
+    view = rng.random()
+    if ndim >= 2 and view < 0.15:  # a transposed view of the last two axes
+        bits = np.swapaxes(flat.reshape(block_shape[:-2] + block_shape[::-1][:2]), -1, -2)
+    elif ndim >= 1 and view < 0.3:  # every other element of a larger array
+        bits = np.repeat(flat, 2).reshape(block_shape[:-1] + (2 * block_shape[-1],))[..., ::2]
+    else:
+        bits = flat.reshape(block_shape)
+    shape = tuple(b + int(rng.integers(0, 5)) for b in bits.shape)
+    origin = tuple(int(rng.integers(0, s - b + 1)) for s, b in zip(shape, bits.shape))
+    return dtype, bits, origin, shape
+
+
+def health_outcome(dtype: str, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...], native: bool) -> str:
+    """One slab through ``health._add``, with the C loop or without: the Moments (floats by repr), or the error."""
+    import numpy as np
+
+    from ckptdoctor.values import health
+
+    saved = health._native
+    if not native:
+        health._native = None
+    try:
+        m = health.Moments()
+        health._add(np, health.KINDS[dtype], m, bits, origin, shape)
+        fields = (m.count, m.finite, m.zeros, m.nan, m.inf, m.total, m.total_sq, m.low, m.high, m.fingerprint)
+        return repr(fields)
+    except Exception as exc:  # noqa: BLE001 - an error is an outcome to compare
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        health._native = saved
+
+
+def health_round(rng: Any, count: int, out: Path) -> bool:
+    """One random slab through both paths; False (the slab saved to ``out``) where they differ."""
+    import numpy as np
+
+    dtype, bits, origin, shape = health_slab(rng)
+    answers = [health_outcome(dtype, bits, origin, shape, native) for native in (True, False)]
+    if answers[0] == answers[1]:
+        return True
+    np.savez(
+        out, bits=bits, dtype=dtype, origin=np.array(origin, dtype=np.int64), shape=np.array(shape, dtype=np.int64)
+    )
+    print(
+        f"fuzz_native: C and numpy health differ on slab {count} ({dtype}, {bits.shape} at {origin} of {shape},"
+        f" saved to {out}):"
+    )
+    print(f"  native: {answers[0][:400]}\n  python: {answers[1][:400]}")
+    return False
+
+
 # --- the parent ------------------------------------------------------------------------------------------
 
 
@@ -240,6 +349,20 @@ def main(argv: list[str] | None = None) -> int:
     if check.returncode != 0:
         print(f"fuzz_native: the native modules do not import:\n{check.stderr}", file=sys.stderr)
         return 2
+    import numpy as np
+
+    from ckptdoctor.values import health
+
+    if health._native is None:
+        print(
+            "fuzz_native: ckptdoctor.values._health does not import (built? CKPTDOCTOR_NO_EXTENSIONS?)", file=sys.stderr
+        )
+        return 2
+    health_rng = np.random.default_rng(o.seed)
+    health_out = o.out.with_name(o.out.stem + "-health.npz")
+    health_seconds = 0.0
+    slabs = 0
+    started = time.monotonic()
     deadline = time.monotonic() + o.seconds
     count = differences = 0
     try:
@@ -268,13 +391,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  native: {answers[0][:400]}\n  python: {answers[1][:400]}")
                 return 1
             count += 1
+            while health_seconds < HEALTH_SHARE * (time.monotonic() - started):  # the health loop's share
+                at = time.monotonic()
+                if not health_round(health_rng, slabs, health_out):
+                    return 1
+                slabs += 1
+                health_seconds += time.monotonic() - at
     finally:
         for proc in (native, python):
             if proc.poll() is None:
                 assert proc.stdin is not None
                 proc.stdin.close()
                 proc.wait()
-    print(f"fuzz_native: {count} mutants of {len(corpus)} seeds, C and Python alike ({o.seconds:.0f} s, seed {o.seed})")
+    print(
+        f"fuzz_native: {count} mutants of {len(corpus)} seeds and {slabs} health slabs, C and Python alike "
+        f"({o.seconds:.0f} s, seed {o.seed})"
+    )
     return 0
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from ckptdoctor import native as ckptdoctor_native
 from ckptdoctor.pickle import policy
 from ckptdoctor.pickle.torch_stand_ins import FaithfulSizes, Size
 
@@ -147,3 +148,51 @@ def test_the_engine_shares_sizes_in_a_faithful_read_in_either_build() -> None:
         policy.forget_index_sizes()
     assert policy.faithful_size((3, 5)) is not first  # a new load starts a new table
     policy.forget_index_sizes()
+
+
+_HEALTH = pytest.mark.skipif(not ckptdoctor_native("ckptdoctor.values._health"), reason="the C extension was not built")
+
+
+def _report(argv: list[str], blocked: bool) -> Any:
+    """The JSON report of a read-only command (no ``-o``), with the extensions or with them blocked."""
+    env = dict(os.environ)
+    env.pop("CKPTDOCTOR_NO_EXTENSIONS", None)
+    if blocked:
+        env["CKPTDOCTOR_NO_EXTENSIONS"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptdoctor", *argv, "--format", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode in (0, 1), result.stderr
+    return _without_timings(json.loads(result.stdout))
+
+
+@_HEALTH
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["check", "--isolated", "--health", str(FIXTURES / name)], id=name)
+        for name in ("core019_nan_weight_tp1", "core019_moe_dup_expert_ep2", "core019_inf_exp_avg_sq_dp2")
+    ]
+    + [
+        pytest.param(
+            [
+                "diff",
+                str(FIXTURES / "core019_trained_tp1"),
+                str(FIXTURES / "core019_reinit_layer_trained_tp1"),
+                "--values",
+                "--stats",
+            ],
+            id="diff-stats",
+        )
+    ],
+)
+def test_health_statistics_are_the_same_with_and_without_the_c_loop(argv: list[str]) -> None:
+    """``check --health``'s statistics and findings (and ``diff --values --stats``) from the C loop of
+    ``values/_health.c`` equal numpy's, key by key, fingerprints included."""
+    built = _report(argv, blocked=False)
+    assert built == _report(argv, blocked=True)
+    assert built.get("stats") or built["health"][0]["keys"]  # statistics were reported, not only compared

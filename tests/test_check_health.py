@@ -778,3 +778,19 @@ def test_engine_blocks_agree_with_the_definitions(dtype):
         fingerprint = (fingerprint + power * _reference_hash(dtype, b)) & ((1 << 64) - 1)
         power = (power * _GOLDEN) & ((1 << 64) - 1)
     assert moments.fingerprint == fingerprint
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["core019_nan_weight_tp1", "core019_inf_exp_avg_sq_tp1", "core019_inf_exp_avg_sq_dp2", "core019_trained_tp1"],
+)
+def test_health_counts_nan_and_inf_as_deep_does(capsys, name):
+    """With ``--health`` the NaN/Inf count (CKD313) comes from the statistics' own pass over a chunk that it reads
+    whole: the same findings, word for word, as ``--deep``'s count, in model tensors and distributed-optimizer
+    buckets (their padding chunks left out by both)."""
+    fixture = str(FIXTURES / name)
+    _, deep = _check(capsys, "--deep", "--select", "CKD313", fixture)
+    _, health = _check(capsys, "--health", "--select", "CKD313", fixture)
+    deep_findings = [(f["code"], f["message"]) for f in deep["findings"]]
+    assert deep_findings == [(f["code"], f["message"]) for f in health["findings"]]
+    assert bool(deep_findings) == (name != "core019_trained_tp1")

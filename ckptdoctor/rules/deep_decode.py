@@ -257,10 +257,7 @@ def _check_chunk(
         clean = decoder.clean.get(key)
         if clean is not None:  # decodes as that archive did: cleanly, its record at the same place
             record_data = blob[clean[0] : clean[0] + clean[1]]
-            if non_finite is not None:
-                non_finite.scan(entry, chunk, record_data, path)
-            if health is not None:
-                _measure(health, entry, chunk, record_data, clean[2])
+            _scan_values(non_finite, health, entry, chunk, record_data, clean[2], path)
             return None
     what = f"{entry.key} chunk at {list(chunk.offsets)}"
     try:
@@ -289,10 +286,8 @@ def _check_chunk(
                 data = archive.read(record.name, verdict.record_bytes, verify_crc=False)  # a view, no copy
             if key is not None and len(decoder.clean) < decoder.MAX_VERDICTS:
                 decoder.clean[key] = (record.start, record.size, verdict.view)
-        if non_finite is not None:
-            non_finite.scan(entry, chunk, data, path)
-        if health is not None:
-            _measure(health, entry, chunk, data, verdict.view)
+        if non_finite is not None or health is not None:
+            _scan_values(non_finite, health, entry, chunk, data, verdict.view, path)
     except (ArchiveError, PickleLimitError) as exc:
         return refused_pickle(exc, path, what)
     except CkptError as exc:
@@ -314,15 +309,29 @@ def _scan_zarr_chunk(
     dtype = KINDS.get(entry.dtype or "")
     if dtype is None or len(blob) != math.prod(chunk.sizes) * dtype.itemsize:
         return None
-    if non_finite is not None:
-        non_finite.scan(entry, chunk, blob, path)
-    if health is not None:
-        _measure(health, entry, chunk, blob, None)
+    _scan_values(non_finite, health, entry, chunk, blob, None, path)
     return None
 
 
-def _measure(health: HealthScan, entry: Entry, chunk: DcpChunk, data: object, view: object) -> None:
-    health.scan(entry.key, entry.dtype, entry.shape, tuple(chunk.offsets), tuple(chunk.sizes), data, view)  # type: ignore[arg-type]
+def _scan_values(
+    non_finite: NonFinite | None,
+    health: HealthScan | None,
+    entry: Entry,
+    chunk: DcpChunk,
+    data: object,
+    view: object,
+    path: Path,
+) -> None:
+    """A chunk's values: ``--health``'s statistics and the NaN/Inf count, in one pass where the statistics cover
+    every element of the record (their NaN and Inf counts are then the count's), else each its own."""
+    counted = None
+    if health is not None:
+        counted = health.scan(entry.key, entry.dtype, entry.shape, tuple(chunk.offsets), tuple(chunk.sizes), data, view)  # type: ignore[arg-type]
+    if non_finite is not None:
+        if counted is None:
+            non_finite.scan(entry, chunk, data, path)
+        else:
+            non_finite.add(entry, chunk, *counted, path)
 
 
 def _metadata_problem(ref: TensorRef, entry: Entry, chunk: DcpChunk) -> str | None:

@@ -164,9 +164,12 @@ class NonFinite:
             self.padding[entry.key] = self.padding.get(entry.key, 0) + 1
             return
         counted = count_non_finite(data, entry.dtype)
-        if counted is None:
-            return
-        nan, inf = counted
+        if counted is not None:
+            self.add(entry, chunk, *counted, path)
+
+    def add(self, entry: Entry, chunk: DcpChunk, nan: int, inf: int, path: Path) -> None:
+        """A chunk's NaN and Inf counts (every element of its record, not a bucket's padding), counted by
+        :meth:`scan` or by ``check --health``'s pass over the same elements."""
         counts = self.per_key.setdefault(entry.key, [0, 0, 0, 0])
         counts[3] += 1
         if nan or inf:

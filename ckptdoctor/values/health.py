@@ -1,9 +1,10 @@
 """``check --health``: per-key statistics of tensor values, exact and the same at any layout of one saved state.
 
 Fed one chunk at a time during ``check --deep``'s streaming pass (the raw bytes of the chunk's storage record, no
-torch; numpy does the work), it keeps per key, and per slice of a stacked tensor (one layer of
-``decoder.layers.*``, one expert of ``experts.experts.*``): the element count, finite count, zeros, NaN, Inf,
-min, max, the sum and the sum of squares, and a fingerprint.
+torch; float32, bfloat16 and float16 go through the C loop of ``_health.c`` where it was built, everything else
+and everything without it through numpy, with the same results), it keeps per key, and per slice of a stacked
+tensor (one layer of ``decoder.layers.*``, one expert of ``experts.experts.*``): the element count, finite count,
+zeros, NaN, Inf, min, max, the sum and the sum of squares, and a fingerprint.
 
 Order independence is by exact arithmetic, not by a fixed order: an IEEE value is ``±m * 2^(E - bias - p)``
 (``m`` the significand with its implicit bit, ``E`` the biased exponent, at least 1), so the sum of a chunk is
@@ -18,7 +19,9 @@ odd, ``h`` one-to-one: :func:`_value_hashes`): equal slices have equal fingerpri
 and one changed value always changes it (``c^i`` is odd, so a different hash changes the sum). A key's
 fingerprint combines its slices' fingerprints with their indices. One- and two-byte dtypes (bfloat16, float16)
 are counted by bit pattern: one ``bincount`` over the elements, the sums then over the 2^16 patterns; float32 by
-its upper 13 bits (:func:`_by_upper_bits`).
+its upper 13 bits (:func:`_by_upper_bits`). Both reduce to sums per sign and exponent; the C loop adds those up
+into exact totals itself (returned as integers' bytes, with each row's fingerprint sum), numpy's path in
+:func:`_sum_parts`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ from typing import Any
 from ckptdoctor.errors import MissingExtraError
 from ckptdoctor.formats.plain_dcp import stacks_experts
 from ckptdoctor.numpy_lazy import numpy_or_none
+
+_native: Any
+try:  # the per-element loop in C (_health.c); without it numpy does the same work
+    from ckptdoctor.values import _health as _native
+except ImportError:  # built without a compiler, or blocked (CKPTDOCTOR_NO_EXTENSIONS)
+    _native = None
 
 SLAB_ELEMENTS = 1 << 22  # elements hashed and summed at once: exact sums need < 2^29, memory tens of MB
 _MASK64 = (1 << 64) - 1
@@ -196,16 +205,21 @@ class HealthScan:
         sizes: tuple[int, ...],
         data: Any,
         view: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None,
-    ) -> None:
+    ) -> tuple[int, int] | None:
         """Add one chunk: ``data`` holds its storage record's bytes, ``view`` its (storage offset, size, stride)
-        (None: the first elements in row-major order)."""
+        (None: the first elements in row-major order). Returns the chunk's (NaN, Inf) counts where they are those of
+        every element of ``data`` (a float chunk whose record holds exactly its elements in row-major order), so
+        ``check --deep``'s NaN/Inf count need not read them again; else None."""
         kind = KINDS.get(dtype or "")
         if kind is None or shape is None or len(offsets) != len(shape):
-            return
+            return None
         np = require_numpy()
         values = _chunk_array(np, kind, data, sizes, view)
         if values is None:
-            return
+            return None
+        whole = kind.is_float and math.prod(sizes) * kind.itemsize == memoryview(data).nbytes
+        whole = whole and (view is None or (view[0] == 0 and _row_major(view[1], view[2])))
+        nan = inf = 0
         stats = self.keys.get(key)
         if stats is None:
             axes = stack_axes(key)
@@ -222,7 +236,9 @@ class HealthScan:
                 moments = stats.slices[index] = Moments()
             part = values[local] if k else values
             for slab, origin in _slabs(part, inner_origin):
-                _add(np, kind, moments, slab, origin, inner_shape)
+                slab_nan, slab_inf = _add(np, kind, moments, slab, origin, inner_shape)
+                nan, inf = nan + slab_nan, inf + slab_inf
+        return (nan, inf) if whole else None
 
 
 def _chunk_array(np: Any, kind: _Kind, data: Any, sizes: tuple[int, ...], view: Any) -> Any:
@@ -269,21 +285,47 @@ _HISTOGRAM_MIN = 1 << 12  # elements from which 2-byte dtypes are counted by bit
 _SPLIT = 26  # float64 holds a significand below 2^26, and its square split at 2^26, with room for 2^22 additions
 
 
-def _add(np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...]) -> None:
-    """Add the elements ``bits`` (unsigned, at ``origin`` of a slice of ``shape``) to ``moments``."""
+def _add(
+    np: Any, kind: _Kind, moments: Moments, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...]
+) -> tuple[int, int]:
+    """Add the elements ``bits`` (unsigned, at ``origin`` of a slice of ``shape``) to ``moments``; their (NaN, Inf)
+    counts."""
     n = int(bits.size)
     if not n:
-        return
+        return 0, 0
     moments.count += n
-    moments.fingerprint = (moments.fingerprint + _fingerprint(np, kind, bits, origin, shape)) & _MASK64
-    flat = bits.reshape(-1)
-    if kind.itemsize == 1 or (kind.itemsize == 2 and n >= _HISTOGRAM_MIN):
-        part = _by_histogram(np, kind, flat)
-    elif kind == KINDS["torch.float32"] and n >= _HISTOGRAM_MIN:
-        part = _by_upper_bits(np, flat)
+    if _native is not None and kind.is_float and kind.itemsize in (2, 4):
+        if not bits.flags.c_contiguous:  # a strided view (rare) once copied (ascontiguousarray makes 0-d 1-d)
+            bits = bits.copy(order="C")
+        rows = bits.reshape(-1, bits.shape[-1] if bits.ndim else 1)
+        sums = np.empty(rows.shape[0], dtype=np.uint64)
+        row_step = pow(_GOLDEN, shape[-1], 1 << 64) if bits.ndim == 2 else 1
+        zeros, nan, inf, low, high, positive, negative, squares, combined = _native.floats(
+            rows, rows.shape[1], kind.exponent_bits, kind.fraction_bits, sums, row_step
+        )
+        part = _Part(finite=n - nan - inf, zeros=zeros, nan=nan, inf=inf)
+        part.total = int.from_bytes(positive, "little") - int.from_bytes(negative, "little")
+        part.total_sq = int.from_bytes(squares, "little")
+        if part.finite:
+            extremes = _float_values(np, kind, np.array([low, high], dtype=f"<u{kind.itemsize}"))
+            part.low, part.high = float(extremes[0]), float(extremes[1])
+        if bits.ndim in (1, 2):  # row r at index (origin[0] + r) shape[-1] + origin[-1] of the slice
+            start = origin[-1] + (origin[0] * shape[-1] if bits.ndim == 2 else 0)
+            fingerprint = pow(_GOLDEN, start, 1 << 64) * combined & _MASK64
+        else:
+            fingerprint = _contract(np, sums, bits, origin, shape)
     else:
-        part = _by_element(np, kind, flat)
+        fingerprint = _fingerprint(np, kind, bits, origin, shape)
+        flat = bits.reshape(-1)
+        if kind.itemsize == 1 or (kind.itemsize == 2 and n >= _HISTOGRAM_MIN):
+            part = _by_histogram(np, kind, flat)
+        elif kind == KINDS["torch.float32"] and n >= _HISTOGRAM_MIN:
+            part = _by_upper_bits(np, flat)
+        else:
+            part = _by_element(np, kind, flat)
+    moments.fingerprint = (moments.fingerprint + fingerprint) & _MASK64
     _merge_part(moments, part)
+    return part.nan, part.inf
 
 
 @dataclass
@@ -303,8 +345,11 @@ class _Part:
 def _merge_part(part: _Part | Moments, other: _Part) -> None:
     """Add a slab's counts and sums to ``part`` (another slab's, or a slice's :class:`Moments`)."""
     if other.finite:
-        part.low = other.low if part.low is None else min(part.low, other.low)  # type: ignore[type-var]
-        part.high = other.high if part.high is None else max(part.high, other.high)  # type: ignore[type-var]
+        low, high = other.low, other.high
+        if isinstance(low, float):  # -0.0 is 0.0: which of the two a zero min or max shows depends on no layout
+            low, high = low + 0.0, high + 0.0  # type: ignore[operator]
+        part.low = low if part.low is None else min(part.low, low)  # type: ignore[type-var]
+        part.high = high if part.high is None else max(part.high, high)  # type: ignore[type-var]
     part.finite += other.finite
     part.zeros += other.zeros
     part.nan += other.nan
@@ -366,26 +411,56 @@ def _by_upper_bits(np: Any, flat: Any) -> _Part:
         part.zeros = int(counts[0] + counts[negative_zero])
     else:
         part.zeros = n - int(np.count_nonzero(values))  # -0.0 == 0
-    grid = (2, 256, _FRACTION_BINS)  # sign, exponent, upper fraction bits
-    rows = np.flatnonzero(counts.reshape(grid)[:, :255, :].sum(axis=(0, 2)))  # the exponents present
-    upper_fraction = np.arange(_FRACTION_BINS, dtype=np.int64)[None, :] + (rows[:, None] > 0) * _FRACTION_BINS
-    c = counts.reshape(grid)[:, rows, :].astype(np.int64)
-    low_sums = lows.reshape(grid)[:, rows, :].astype(np.int64)
-    low_squares = squares.reshape(grid)[:, rows, :]
-    # per (sign, exponent), as Python ints (tolist: no numpy scalar per term); every int64 sum below 2^61
-    sums_a = (c * upper_fraction).sum(axis=2).tolist()  # Σ c a
-    sums_l = low_sums.sum(axis=2).tolist()
-    squares_a = (c * upper_fraction * upper_fraction).sum(axis=2).tolist()
-    cross = (low_sums * upper_fraction).sum(axis=2).tolist()
-    squares_l = low_squares.sum(axis=2).tolist()
-    for row, exponent in enumerate(rows.tolist()):
-        shift = max(exponent, 1) - 1
-        for sign, factor in ((0, 1), (1, -1)):
-            total = (sums_a[sign][row] << _LOW_BITS) + sums_l[sign][row]
-            square = (squares_a[sign][row] << (2 * _LOW_BITS)) + (cross[sign][row] << (_LOW_BITS + 1))
-            part.total += factor * (total << shift)
-            part.total_sq += (square + squares_l[sign][row]) << (2 * shift)
+    _sum_parts(np, KINDS["torch.float32"], part, _bin_parts(np, counts, lows.astype(np.int64), squares))
     return part
+
+
+def _bin_parts(np: Any, counts: Any, lows: Any, squares: Any) -> Any:
+    """Per (sign, exponent) of float32 elements binned by their upper 13 bits (``counts``, and the sums of the low
+    19 bits and of their squares per bin), with ``a`` the bin's upper significand: Σ c a, Σ c a², Σl, Σ a l, Σl²
+    (the ``parts`` of :func:`_sum_parts`; every sum below 2^61)."""
+    grid = (2, 256, _FRACTION_BINS)  # sign, exponent, upper fraction bits
+    upper = (
+        np.arange(_FRACTION_BINS, dtype=np.int64)[None, None, :]
+        + (np.arange(256, dtype=np.int64)[None, :, None] > 0) * _FRACTION_BINS
+    )
+    c = counts.reshape(grid).astype(np.int64)
+    low_sums = lows.reshape(grid)
+    return np.stack(
+        [
+            (c * upper).sum(axis=2),
+            (c * upper * upper).sum(axis=2),
+            low_sums.sum(axis=2),
+            (low_sums * upper).sum(axis=2),
+            squares.reshape(grid).sum(axis=2),
+        ]
+    )
+
+
+def _sum_parts(np: Any, kind: _Kind, part: _Part, parts: Any) -> None:
+    """Add to ``part`` the exact sum and sum of squares of a slab's finite elements from their sums per (sign,
+    biased exponent E), ``parts[i][sign][E]``: for 1- and 2-byte floats the significands ``m`` and their squares
+    (the value is ``±m 2^(max(E, 1) - 1 - scale)``); for float32 the five sums of :func:`_bin_parts` (the
+    significand is ``a 2^19 + l``). The signs' sums are combined in int64 (every one below 2^62), the rest per
+    exponent present in Python integers."""
+    present = np.flatnonzero(parts.any(axis=(0, 1)))
+    if not present.size:
+        return
+    shifts = (np.maximum(present, 1) - 1).tolist()
+    positive, negative = parts[:, 0, present], parts[:, 1, present]
+    if kind.itemsize == 4:
+        net = ((positive[0] - negative[0]) << _LOW_BITS) + (positive[2] - negative[2])  # below 2^48
+        both = positive + negative
+        terms = zip(shifts, net.tolist(), both[1].tolist(), both[3].tolist(), both[4].tolist())
+        for shift, total, square_a, cross, square_l in terms:
+            part.total += total << shift
+            square = (square_a << (2 * _LOW_BITS)) + (cross << (_LOW_BITS + 1)) + square_l
+            part.total_sq += square << (2 * shift)
+    else:
+        totals, squares = (positive[0] - negative[0]).tolist(), (positive[1] + negative[1]).tolist()
+        for shift, total, square in zip(shifts, totals, squares):
+            part.total += total << shift
+            part.total_sq += square << (2 * shift)
 
 
 _TABLES: dict[_Kind, tuple[Any, Any]] = {}  # kind -> (value of each bit pattern, whether it is finite)
@@ -410,13 +485,19 @@ def _pattern_table(np: Any, kind: _Kind) -> tuple[Any, Any]:
 def _by_histogram(np: Any, kind: _Kind, flat: Any) -> _Part:
     """A 1- or 2-byte dtype's slab from the count of each bit pattern: one pass over the elements, then work on the
     2^8 or 2^16 patterns. Exact in int64: every sum is at most 2^22 elements times a square below 2^44."""
-    values, finite_mask = _pattern_table(np, kind)
-    counts = np.zeros(len(values), dtype=np.intp)
+    counts = np.zeros(1 << (8 * kind.itemsize), dtype=np.intp)
     index = np.empty(min(int(flat.size), _BLOCK), dtype=np.intp)  # bincount's own cast would be as large as flat
     for start in range(0, int(flat.size), _BLOCK):
         block = flat[start : start + _BLOCK]
         np.copyto(index[: block.size], block)
-        counts += np.bincount(index[: block.size], minlength=len(values))
+        counts += np.bincount(index[: block.size], minlength=len(counts))
+    return _from_counts(np, kind, counts)
+
+
+def _from_counts(np: Any, kind: _Kind, counts: Any) -> _Part:
+    """A slab's counts and sums from the number of elements of each bit pattern (``counts``, one per pattern)."""
+    values, finite_mask = _pattern_table(np, kind)
+    counts = counts.astype(np.int64, copy=False)
     part = _Part()
     present = (counts > 0) & finite_mask
     if kind.is_float:
@@ -426,16 +507,14 @@ def _by_histogram(np: Any, kind: _Kind, flat: Any) -> _Part:
         part.inf = int(grid[:, top, 0].sum())
         part.nan = int(grid[:, top, 1:].sum())
         part.zeros = int(grid[:, 0, 0].sum())
-        rows = np.flatnonzero(grid[:, :top, :].sum(axis=(0, 2)))  # the exponents present
-        significand = np.arange(1 << fb, dtype=np.int64)[None, :] + (rows[:, None] > 0) * (1 << fb)
-        finite = grid[:, rows, :]
-        sums = (finite * significand).sum(axis=2)  # (sign, exponent)
-        squares = (finite * significand * significand).sum(axis=2)
-        sums, squares = sums.tolist(), squares.tolist()  # Python ints: no numpy scalar per term
-        for row, exponent in enumerate(rows.tolist()):
-            shift = max(exponent, 1) - 1
-            part.total += (sums[0][row] - sums[1][row]) << shift
-            part.total_sq += (squares[0][row] + squares[1][row]) << (2 * shift)
+        significand = np.arange(1 << fb, dtype=np.int64)[None, None, :] + (
+            np.arange(top, dtype=np.int64)[None, :, None] > 0
+        ) * (1 << fb)
+        finite = grid[:, :top, :]
+        parts = np.zeros((2, 2, 256), dtype=np.int64)
+        parts[0, :, :top] = (finite * significand).sum(axis=2)  # (sign, exponent)
+        parts[1, :, :top] = (finite * significand * significand).sum(axis=2)
+        _sum_parts(np, kind, part, parts)
     else:
         part.zeros = int(counts[0])
         part.total = int((counts * values).sum())
@@ -570,14 +649,19 @@ _M2 = 0x94D049BB133111EB
 _HASHES: list[Any] = []  # splitmix64 of every 16-bit pattern: 1- and 2-byte elements hash by one lookup
 
 
+def _hash_table(np: Any) -> Any:
+    """splitmix64 of every 16-bit pattern (uint64[2^16])."""
+    if not _HASHES:
+        _HASHES.append(_splitmix(np, np.arange(1 << 16, dtype=np.uint64)))
+    return _HASHES[0]
+
+
 def _value_hashes(np: Any, kind: _Kind, bits: Any) -> Any:
     """A hash of each element's bits, one-to-one (distinct bits, distinct hashes): splitmix64 by table lookup for
     1- and 2-byte elements and computed for 8-byte ones; for 4-byte ones a 32-bit multiply-xorshift (a bijection,
     at a third of splitmix64's cost on uint64)."""
     if kind.itemsize <= 2:
-        if not _HASHES:
-            _HASHES.append(_splitmix(np, np.arange(1 << 16, dtype=np.uint64)))
-        return _HASHES[0][bits]
+        return _hash_table(np)[bits]
     if kind.itemsize == 4:  # in uint64 from the start: the matrix-vector product then casts nothing
         x = np.multiply(bits, np.uint32(0x9E3779B1), dtype=np.uint32).astype(np.uint64)
         x ^= x >> np.uint64(16)  # x < 2^32: as in uint32
@@ -601,18 +685,21 @@ _POWERS: list[Any] = []  # c^j mod 2^64 for j < _BLOCK: the weights of one block
 
 def _fingerprint(np: Any, kind: _Kind, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...]) -> int:
     """Σ c^i h(v_i) mod 2^64 over the elements ``bits`` at ``origin`` of a slice of ``shape`` (``i`` the index in
-    the slice, row-major; ``c`` odd; ``h``: :func:`_value_hashes`). ``c^i`` is the product over dims of
-    ``(c^stride)^position``, so the sum contracts one axis at a time with a vector of powers. The last axis, the
-    one as long as the data, goes in blocks of :data:`_BLOCK` columns and rows: its powers are the cached
-    ``c^j`` times one factor per block, and the contraction a uint64 matrix-vector product (wrapping, exact
-    mod 2^64) with no temporary as large as the slab."""
+    the slice, row-major; ``c`` odd; ``h``: :func:`_value_hashes`): :func:`_row_sums`, then :func:`_contract`."""
+    if bits.ndim == 0:
+        return int(_value_hashes(np, kind, bits.reshape(1))[0])
+    return _contract(np, _row_sums(np, kind, bits), bits, origin, shape)
+
+
+def _row_sums(np: Any, kind: _Kind, bits: Any) -> Any:
+    """Σ_j c^j h(v_j) mod 2^64 of each row (last axis) of ``bits``, as uint64. The last axis goes in blocks of
+    :data:`_BLOCK` columns and rows: its powers are the cached ``c^j`` times one factor per block, and the
+    contraction a uint64 matrix-vector product (wrapping, exact mod 2^64) with no temporary as large as the slab."""
     if not _POWERS:
         powers = np.full(_BLOCK, _GOLDEN, dtype=np.uint64)
         powers[0] = 1
         _POWERS.append(np.multiply.accumulate(powers))
     table = _POWERS[0]
-    if bits.ndim == 0:
-        return int(_value_hashes(np, kind, bits.reshape(1))[0])
     columns = bits.shape[-1]
     rows = bits.reshape(-1, columns)
     acc = np.zeros(rows.shape[0], dtype=np.uint64)
@@ -623,10 +710,19 @@ def _fingerprint(np: Any, kind: _Kind, bits: Any, origin: tuple[int, ...], shape
         for column in range(0, columns, _BLOCK):
             block = hashes[:, column : column + _BLOCK]
             partial = np.matmul(block, table[: block.shape[1]])
-            factor = pow(_GOLDEN, origin[-1] + column, 1 << 64)
-            if factor != 1:
-                partial *= np.uint64(factor)
+            if column:
+                partial *= np.uint64(pow(_GOLDEN, column, 1 << 64))
             out += partial
+    return acc
+
+
+def _contract(np: Any, sums: Any, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """The fingerprint of the elements ``bits`` from the sums of their rows (:func:`_row_sums`): ``c^i`` is the
+    product over dims of ``(c^stride)^position``, so the sum contracts one axis at a time with a vector of
+    powers."""
+    if bits.ndim == 0:
+        return int(sums[0])
+    acc = sums * np.uint64(pow(_GOLDEN, origin[-1], 1 << 64))
     acc = acc.reshape(bits.shape[:-1])
     stride = shape[-1]
     for dim in range(len(shape) - 2, -1, -1):

@@ -1,0 +1,294 @@
+/* ckptdoctor.values._health: the per-element loop of `check --health` for float32, bfloat16 and float16 (see
+ * values/health.py, which computes the same numbers in numpy where this module was not built).
+ *
+ * floats(data, columns, exponent_bits, fraction_bits, out, row_step) -> (zeros, nan, inf, low, high, positive,
+ *                                                                       negative, squares, rows)
+ *   data: the elements, whole rows of `columns`, 4 bytes (exponent_bits 8, fraction_bits 23) or 2; at most
+ *   2^22 of them (health.SLAB_ELEMENTS), so every sum per exponent fits in 64 bits.
+ *   out[r] (uint64 per row): the sum over the row's elements j of c^j h(bits_j) mod 2^64 (c = GOLDEN; h as
+ *   health._value_hashes: splitmix64 of a 2-byte pattern, a 32-bit multiply-xorshift of a 4-byte one).
+ *   positive, negative, squares: the exact sums of the positive and of the negative finite elements' magnitudes
+ *   and of all their squares, as little-endian unsigned integers (bytes) in units of the smallest subnormal
+ *   (squared for squares): health.Moments.total and total_sq. They are summed per sign and biased exponent E
+ *   first: for 2 bytes the significands m and m^2; for float32 binned by the upper 13 bits as
+ *   health._by_upper_bits (upper significand a = implicit bit and 4 fraction bits, low 19 bits l): sums of a,
+ *   a^2, l, a l and l^2, the significand being a 2^19 + l; then shifted by max(E, 1) - 1 and added.
+ *   low, high: the bits of the smallest and largest finite element (-1 without one); zeros counts ±0.
+ *   rows: the sum over rows r of row_step^r out[r] mod 2^64 (with row_step c^columns-of-the-slice, a 2-d slab's
+ *   fingerprint up to one factor).
+ * The GIL is released for the loop. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+#define MAX_ELEMENTS (1 << 22)
+#define LOW_BITS 19 /* float32: bits below the bin (health._LOW_BITS); 2^13 bins of sign, exponent, 4 fraction bits */
+#define LANES 4
+#define TOTAL_LIMBS 10  /* 32-bit digits of a sum: below 2^(48 + 253 + 8) */
+#define SQUARE_LIMBS 19 /* of a sum of squares: below 2^(73 + 506 + 8) */
+
+static uint64_t pattern_hash[1 << 16]; /* splitmix64 of each 2-byte pattern (health._hash_table) */
+
+static uint64_t inverse_step; /* (c^LANES)^-1 mod 2^64: c is odd */
+
+static uint64_t power(uint64_t base, uint64_t exponent) {
+    uint64_t result = 1;
+    for (; exponent; exponent >>= 1, base *= base)
+        result *= exponent & 1 ? base : 1;
+    return result;
+}
+
+/* The loop over the rows of `v` (n elements, `columns` a row), setting each row's fingerprint (*row++), front to
+ * back (the order the hardware prefetches best). Horner's way in LANES interleaved sums held in registers, with
+ * the inverse base: lane k holds the T_k elements j = k + LANES t as s_k = sum over t of c^(-LANES (T_k - 1 - t)) h_j,
+ * so sum over t of c^(LANES t) h_j = c^(LANES (T_k - 1)) s_k, and the row's sum is sum over k of c^k of that:
+ * one multiplication per element, four independent chains. ELEMENT(j, s) does the element's own work and sets
+ * s = s c^-LANES + h_j. */
+#define ROWS(ELEMENT)                                                                                           \
+    uint64_t factor[LANES];                                                                                     \
+    for (int k = 0; k < LANES; k++) { /* every row has `columns` elements: T_k the same in each */              \
+        Py_ssize_t count = columns / LANES + (k < columns % LANES);                                             \
+        factor[k] = count ? power(GOLDEN, k + (uint64_t)LANES * (count - 1)) : 0;                               \
+    }                                                                                                           \
+    for (Py_ssize_t first = 0; first < n; first += columns, row++) {                                            \
+        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                                                \
+        Py_ssize_t j = 0, whole = columns - columns % LANES;                                                    \
+        for (; j < whole; j += LANES) {                                                                         \
+            ELEMENT(first + j, s0);                                                                             \
+            ELEMENT(first + j + 1, s1);                                                                         \
+            ELEMENT(first + j + 2, s2);                                                                         \
+            ELEMENT(first + j + 3, s3);                                                                         \
+        }                                                                                                       \
+        if (j < columns) /* the last columns % LANES elements, each the last of its lane */                     \
+            ELEMENT(first + j, s0);                                                                             \
+        if (j + 1 < columns)                                                                                    \
+            ELEMENT(first + j + 1, s1);                                                                         \
+        if (j + 2 < columns)                                                                                    \
+            ELEMENT(first + j + 2, s2);                                                                         \
+        *row = factor[0] * s0 + factor[1] * s1 + factor[2] * s2 + factor[3] * s3;                               \
+    }
+
+typedef struct {
+    uint64_t zeros, nan, inf;
+    int found;              /* a finite element was seen: low and high hold the bits of the extremes */
+    uint32_t low, high;
+} Counts;
+
+/* 2-byte floats: a histogram of the patterns, reduced per (sign, exponent) at the end. */
+static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb, int fb, int64_t *parts,
+                     uint64_t *row, Counts *c) {
+    uint32_t *count = calloc(1 << 16, sizeof *count);
+    if (count == NULL)
+        return -1;
+#define ELEMENT(at, lane)                                                                                       \
+    do {                                                                                                        \
+        uint16_t bits = v[at];                                                                                  \
+        count[bits]++;                                                                                          \
+        lane = lane * inverse_step + pattern_hash[bits];                                                                \
+    } while (0)
+    ROWS(ELEMENT);
+#undef ELEMENT
+    uint32_t top = (1u << eb) - 1, fractions = 1u << fb;
+    uint64_t rows[2][256] = {{0}}; /* elements per sign and exponent */
+    for (uint32_t sign = 0; sign < 2; sign++)
+        for (uint32_t e = 0, at = sign * 256; e <= top; e++, at++) {
+            const uint32_t *k = count + (sign << 15) + (e << fb);
+            uint32_t implicit = e != 0 ? fractions : 0;
+            uint64_t total = 0, sum = 0, square = 0;
+            for (uint32_t f = 0; f < fractions; f++)
+                total += k[f];
+            for (uint32_t f = 0; total && f < fractions; f++) /* widening 32-bit products: vectorized */
+                sum += (uint64_t)k[f] * (f | implicit), square += (uint64_t)k[f] * ((f | implicit) * (f | implicit));
+            rows[sign][e] = total;
+            if (e < top)
+                parts[at] += (int64_t)sum, parts[512 + at] += (int64_t)square;
+            else
+                c->inf += k[0], c->nan += total - k[0];
+        }
+    c->zeros += count[0] + count[1u << 15];
+    /* the smallest: in the negative row of the largest exponent the largest fraction, else in the positive row of
+     * the smallest exponent the smallest fraction (-1: none); the largest likewise, signs swapped */
+    int64_t low = -1, high = -1;
+    for (int i = 0; i < 2 * (int)top && (low < 0 || high < 0); i++) {
+        int down = i < (int)top, e_low = down ? (int)top - 1 - i : i - (int)top, e_high = e_low;
+        const uint32_t *k_low = count + (down << 15) + (e_low << fb), *k_high = count + (!down << 15) + (e_high << fb);
+        for (int f = 0; low < 0 && rows[down][e_low] && f < (int)fractions; f++)
+            if (k_low[down ? (int)fractions - 1 - f : f])
+                low = ((int64_t)down << 15) + (e_low << fb) + (down ? (int)fractions - 1 - f : f);
+        for (int f = 0; high < 0 && rows[!down][e_high] && f < (int)fractions; f++)
+            if (k_high[down ? (int)fractions - 1 - f : f])
+                high = ((int64_t)!down << 15) + (e_high << fb) + (down ? (int)fractions - 1 - f : f);
+    }
+    c->found = low >= 0, c->low = (uint32_t)low, c->high = (uint32_t)high;
+    free(count);
+    return 0;
+}
+
+/* float32: per element two sums into 2^13 bins, count and l packed in one (l sums below 2^41, the count from
+ * 2^42 up, moved to counts every 2^20 elements), reduced per (sign, exponent) at the end. No branch per element:
+ * ±0 are the elements of the two zero bins when those hold no low bits, and NaN and Inf fill only the bins of
+ * exponent 255; where either is not so (rare), one more pass counts them and finds the finite extremes. */
+static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_t *parts, uint64_t *row, Counts *c) {
+    enum { BINS = 1 << (32 - LOW_BITS), NEGATIVE = BINS / 2, TOP = 255 << (23 - LOW_BITS) };
+    uint64_t *packed = calloc(3 * BINS, sizeof *packed), *squares = packed + BINS, *counts = squares + BINS;
+    const uint64_t low_mask = ((uint64_t)1 << 42) - 1;
+    if (packed == NULL)
+        return -1;
+    float low = INFINITY, high = -INFINITY, value; /* NaN never compares below or above */
+    Py_ssize_t until_flush = 1 << 20;
+#define ELEMENT(at, lane)                                                                                       \
+    do {                                                                                                        \
+        uint32_t bits = v[at], hash = bits * 0x9E3779B1u;                                                       \
+        uint64_t l = bits & ((1u << LOW_BITS) - 1);                                                             \
+        lane = lane * inverse_step + (hash ^ (hash >> 16));                                                             \
+        packed[bits >> LOW_BITS] += ((uint64_t)1 << 42) + l;                                                    \
+        squares[bits >> LOW_BITS] += l * l;                                                                     \
+        memcpy(&value, &bits, sizeof value);                                                                    \
+        low = value < low ? value : low; /* minss, maxss: no branch */                                          \
+        high = value > high ? value : high;                                                                     \
+        if (--until_flush == 0) {                                                                               \
+            for (int u = 0; u < BINS; u++)                                                                      \
+                counts[u] += packed[u] >> 42, packed[u] &= low_mask;                                            \
+            until_flush = 1 << 20;                                                                              \
+        }                                                                                                       \
+    } while (0)
+    ROWS(ELEMENT);
+#undef ELEMENT
+    uint64_t special = (packed[0] | packed[NEGATIVE]) & low_mask; /* low bits in a zero bin: not all ±0 */
+    for (int u = 0; u < BINS; u++)
+        counts[u] += packed[u] >> 42, packed[u] &= low_mask, special |= (u & TOP) == TOP ? counts[u] : 0;
+    if (special) {
+        low = INFINITY, high = -INFINITY;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint32_t bits = v[i];
+            if ((bits & 0x7F800000) == 0x7F800000) {
+                *(bits & 0x7FFFFF ? &c->nan : &c->inf) += 1;
+                continue;
+            }
+            c->zeros += (bits << 1) == 0;
+            memcpy(&value, &bits, sizeof value);
+            low = value < low ? value : low;
+            high = value > high ? value : high;
+        }
+    } else
+        c->zeros += counts[0] + counts[NEGATIVE];
+    c->found = low <= high;
+    memcpy(&c->low, &low, sizeof low);
+    memcpy(&c->high, &high, sizeof high);
+    for (int at = 0; at < 512; at++) { /* sign and exponent; exponent 255 (NaN, Inf) not summed */
+        int64_t sums[5] = {0}, implicit = (at & 255) != 0 ? 16 : 0;
+        for (int u = at << 4, f = 0; f < 16 && (at & 255) != 255; u++, f++) {
+            int64_t k = (int64_t)counts[u], a = f | implicit, l = (int64_t)packed[u];
+            sums[0] += k * a, sums[1] += k * a * a, sums[2] += l, sums[3] += l * a, sums[4] += (int64_t)squares[u];
+        }
+        for (int i = 0; i < 5; i++)
+            parts[512 * i + at] += sums[i];
+    }
+    free(packed);
+    return 0;
+}
+
+/* limbs += value 2^shift, in 32-bit digits held in 64 bits (room for the carries of every addition) */
+static void add_shifted(uint64_t *limbs, unsigned __int128 value, int shift) {
+    value <<= shift % 32; /* below 2^73 before: no bit lost */
+    for (int w = shift / 32; value; w++, value >>= 32)
+        limbs[w] += (uint32_t)value;
+}
+
+/* The limbs as a little-endian unsigned integer (bytes), the carries propagated. */
+static PyObject *integer(uint64_t *limbs, int count) {
+    unsigned char bytes[4 * SQUARE_LIMBS];
+    for (int w = 0; w < count; w++) {
+        if (w + 1 < count)
+            limbs[w + 1] += limbs[w] >> 32;
+        for (int b = 0; b < 4; b++)
+            bytes[4 * w + b] = (unsigned char)(limbs[w] >> (8 * b));
+    }
+    return PyBytes_FromStringAndSize((const char *)bytes, 4 * count);
+}
+
+static PyObject *floats(PyObject *self, PyObject *args) {
+    PyObject *data_o, *out_o, *result = NULL;
+    Py_ssize_t columns;
+    int eb, fb, failed;
+    Py_buffer data, out;
+    unsigned long long row_step;
+    if (!PyArg_ParseTuple(args, "OniiOK", &data_o, &columns, &eb, &fb, &out_o, &row_step))
+        return NULL;
+    int width = eb == 8 && fb == 23 ? 4 : 2;
+    if ((width == 2 && (eb < 1 || eb > 8 || eb + fb != 15)) || columns <= 0) { /* parts hold 256 exponents */
+        PyErr_SetString(PyExc_ValueError, "not a float32, bfloat16 or float16 layout");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(data_o, &data, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(out_o, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto release_data;
+    Py_ssize_t n = data.len / width;
+    if (data.len % width || n % columns || n > MAX_ELEMENTS || out.len < (Py_ssize_t)sizeof(uint64_t) * (n / columns)) {
+        PyErr_SetString(PyExc_ValueError, "data or out does not have the sizes floats() needs");
+        goto release_out;
+    }
+    Counts c = {0};
+    int64_t parts[5 * 512] = {0};
+    uint64_t limbs[2][TOTAL_LIMBS] = {{0}}, squares[SQUARE_LIMBS] = {0}, rows = 0, step;
+    Py_BEGIN_ALLOW_THREADS
+    failed = width == 4 ? measure32(data.buf, n, columns, parts, out.buf, &c)
+                        : measure16(data.buf, n, columns, eb, fb, parts, out.buf, &c);
+    for (int at = 0; !failed && at < 512; at++) { /* every part below 2^62: see measure16 and measure32 */
+        int sign = at >> 8, shift = (at & 255) > 1 ? (at & 255) - 1 : 0;
+        unsigned __int128 total = (uint64_t)parts[at], square = (uint64_t)parts[512 + at];
+        if (width == 4) { /* the significand a 2^19 + l */
+            total = (total << LOW_BITS) + (uint64_t)parts[1024 + at];
+            square = (square << (2 * LOW_BITS)) + ((unsigned __int128)(uint64_t)parts[1536 + at] << (LOW_BITS + 1)) +
+                     (uint64_t)parts[2048 + at];
+        }
+        add_shifted(limbs[sign], total, shift);
+        add_shifted(squares, square, 2 * shift);
+    }
+    step = 1; /* sum over rows r of row_step^r out[r] */
+    for (Py_ssize_t r = 0; r < n / columns; r++, step *= row_step)
+        rows += step * ((uint64_t *)out.buf)[r];
+    Py_END_ALLOW_THREADS
+    if (failed)
+        PyErr_NoMemory();
+    else
+        result = Py_BuildValue("KKKLLNNNK", c.zeros, c.nan, c.inf, c.found ? (long long)c.low : -1LL,
+                               c.found ? (long long)c.high : -1LL, integer(limbs[0], TOTAL_LIMBS),
+                               integer(limbs[1], TOTAL_LIMBS), integer(squares, SQUARE_LIMBS), rows);
+release_out:
+    PyBuffer_Release(&out);
+release_data:
+    PyBuffer_Release(&data);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"floats", floats, METH_VARARGS,
+     "floats(data, columns, exponent_bits, fraction_bits, out, row_step) -> (zeros, nan, inf, low, high, positive, "
+     "negative, squares, rows): one slab of float32, bfloat16 or float16 elements (see _health.c)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "ckptdoctor.values._health", "check --health's per-element loop (see _health.c).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__health(void) {
+    uint64_t step = power(GOLDEN, LANES), inverse = step; /* Newton's iteration: each step doubles the bits right */
+    for (int i = 0; i < 6; i++)
+        inverse *= 2 - step * inverse;
+    inverse_step = inverse;
+    for (uint64_t bits = 0; bits < 1 << 16; bits++) { /* splitmix64, as health._splitmix */
+        uint64_t x = bits + GOLDEN;
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+        pattern_hash[bits] = x ^ (x >> 31);
+    }
+    return PyModule_Create(&module_def);
+}

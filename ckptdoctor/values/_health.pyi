@@ -1,0 +1,7 @@
+# The optional C extension built from _health.c (see ckptdoctor.values.health, which computes the same numbers in
+# numpy where it was not built).
+from typing import Any
+
+def floats(
+    data: Any, columns: int, exponent_bits: int, fraction_bits: int, out: Any, row_step: int, /
+) -> tuple[int, int, int, int, int, bytes, bytes, bytes, int]: ...
