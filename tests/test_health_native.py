@@ -23,7 +23,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-_health = pytest.importorskip("ckptdoctor.values._health", reason="the C health loop was not built")
+_health = pytest.importorskip(
+    "ckptdoctor.values._health", reason="the C health loop was not built or is blocked", exc_type=ImportError
+)
 
 from ckptdoctor.values import health  # noqa: E402
 from ckptdoctor.values.health import KINDS, HealthScan, Moments  # noqa: E402
