@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,29 +150,46 @@ def _per_path_ignores(value: Any, path: Path | None) -> dict[str, list[str]]:
     raise CkptError(f"{path}: [tool.ckptdoctor] per-path-ignores must be a table of glob = [rule codes], got {value!r}")
 
 
+def _sub_table(
+    table: dict[str, Any], name: str, keys: dict[str, type], path: Path | None, check: Callable[[str, Any, str], Any]
+) -> dict[str, Any]:
+    """The ``[tool.ckptdoctor.<name>]`` table (``name`` also spelt with ``_``) with its keys in ``-`` spelling, each
+    value through ``check(key as written, value, where)``; unknown keys are refused (a misspelled key would
+    silently change nothing). A string where ``keys`` says list is a list of one."""
+    raw_table = table.get(name, table.get(name.replace("-", "_"), {}))
+    if not isinstance(raw_table, dict):
+        raise CkptError(f"{path}: [tool.ckptdoctor] {name} must be a table ([tool.ckptdoctor.{name}])")
+    where = f"{path}: [tool.ckptdoctor.{name}]"
+    out: dict[str, Any] = {}
+    for raw_key, value in raw_table.items():
+        key = raw_key.replace("_", "-")
+        if key not in keys:
+            raise CkptError(f"{where} unknown key {raw_key!r} (known: {', '.join(keys)})")
+        if isinstance(value, str) and keys[key] is list:
+            value = [value]
+        out[key] = check(raw_key, value, where)
+    return out
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
 DIFF_KEYS: dict[str, type] = {"ignore-args": list, "ignore-layout": bool}
 
 
 def diff_defaults(table: dict[str, Any], path: Path | None) -> dict[str, Any]:
     """The ``[tool.ckptdoctor.diff]`` table, type-checked: ``ignore-args`` (arg-name regexes, full match) and
-    ``ignore-layout``. Unknown keys are refused (a misspelled key would silently ignore nothing)."""
-    diff = table.get("diff", {})
-    if not isinstance(diff, dict):
-        raise CkptError(f"{path}: [tool.ckptdoctor] diff must be a table ([tool.ckptdoctor.diff])")
-    out: dict[str, Any] = {}
-    for raw_key, value in diff.items():
-        key = raw_key.replace("_", "-")
-        expected = DIFF_KEYS.get(key)
-        if expected is None:
-            raise CkptError(f"{path}: [tool.ckptdoctor.diff] unknown key {raw_key!r} (known: {', '.join(DIFF_KEYS)})")
-        if isinstance(value, str) and expected is list:
-            value = [value]
-        bad_list = expected is list and not (isinstance(value, list) and all(isinstance(v, str) for v in value))
-        if bad_list or not isinstance(value, expected):
+    ``ignore-layout``. Unknown keys are refused."""
+
+    def check(raw_key: str, value: Any, where: str) -> Any:
+        expected = DIFF_KEYS[raw_key.replace("_", "-")]
+        if (expected is list and not _strings(value)) or not isinstance(value, expected):
             kind = "a list of regexes" if expected is list else expected.__name__
-            raise CkptError(f"{path}: [tool.ckptdoctor.diff] {raw_key} must be {kind}, got {value!r}")
-        out[key] = value
-    return out
+            raise CkptError(f"{where} {raw_key} must be {kind}, got {value!r}")
+        return value
+
+    return _sub_table(table, "diff", DIFF_KEYS, path, check)
 
 
 # [tool.ckptdoctor.health-rules]: key -> expected type (floats also accept integers)
@@ -181,25 +199,15 @@ HEALTH_RULES_KEYS: dict[str, type] = {"ignore-keys": list, "init-std-tolerance":
 def health_rules_defaults(table: dict[str, Any], path: Path | None) -> dict[str, Any]:
     """The ``[tool.ckptdoctor.health-rules]`` table, type-checked: ``ignore-keys`` (fnmatch globs of checkpoint
     keys the CKD5xx rules leave out) and the non-negative tolerances of CKD505's test for weights at their init.
-    Unknown keys are refused (a misspelled key would silently change nothing)."""
-    raw_table = table.get("health-rules", table.get("health_rules", {}))
-    if not isinstance(raw_table, dict):
-        raise CkptError(f"{path}: [tool.ckptdoctor] health-rules must be a table ([tool.ckptdoctor.health-rules])")
-    out: dict[str, Any] = {}
-    for raw_key, value in raw_table.items():
-        key = raw_key.replace("_", "-")
-        expected = HEALTH_RULES_KEYS.get(key)
-        where = f"{path}: [tool.ckptdoctor.health-rules]"
-        if expected is None:
-            raise CkptError(f"{where} unknown key {raw_key!r} (known: {', '.join(HEALTH_RULES_KEYS)})")
-        if expected is list:
-            if isinstance(value, str):
-                value = [value]
-            if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+    Unknown keys are refused."""
+
+    def check(raw_key: str, value: Any, where: str) -> Any:
+        if HEALTH_RULES_KEYS[raw_key.replace("_", "-")] is list:
+            if not _strings(value):
                 raise CkptError(f"{where} {raw_key} must be a list of key globs, got {value!r}")
-        else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise CkptError(f"{where} {raw_key} must be a non-negative number, got {value!r}")
-            value = float(value)
-        out[key] = value
-    return out
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise CkptError(f"{where} {raw_key} must be a non-negative number, got {value!r}")
+        return float(value)
+
+    return _sub_table(table, "health-rules", HEALTH_RULES_KEYS, path, check)
