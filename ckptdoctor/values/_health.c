@@ -27,13 +27,29 @@
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 #define MAX_ELEMENTS (1 << 22)
 #define LOW_BITS 19 /* float32: bits below the bin (health._LOW_BITS); 2^13 bins of sign, exponent, 4 fraction bits */
-#define LANES 4
 #define TOTAL_LIMBS 10  /* 32-bit digits of a sum: below 2^(48 + 253 + 8) */
 #define SQUARE_LIMBS 19 /* of a sum of squares: below 2^(73 + 506 + 8) */
 
+/* The loops below are plain C written for the auto-vectoriser; where the compiler can, it also builds them for
+ * AVX2 and AVX-512 and picks one when the module loads (the results are the same integers on every path). */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define VECTOR_CLONES __attribute__((target_clones("default", "avx2", "arch=x86-64-v4")))
+#else
+#define VECTOR_CLONES
+#endif
+
+typedef uint64_t Pair __attribute__((vector_size(16))); /* a float32 bin's two sums, added in one instruction */
+
 static uint64_t pattern_hash[1 << 16]; /* splitmix64 of each 2-byte pattern (health._hash_table) */
 
-static uint64_t inverse_step; /* (c^LANES)^-1 mod 2^64: c is odd */
+static uint64_t inverse4, inverse64; /* (c^4)^-1 and (c^64)^-1 mod 2^64: c is odd */
+
+static uint64_t inverse(uint64_t odd) { /* Newton's iteration: each step doubles the bits right */
+    uint64_t x = odd;
+    for (int i = 0; i < 6; i++)
+        x *= 2 - odd * x;
+    return x;
+}
 
 static uint64_t power(uint64_t base, uint64_t exponent) {
     uint64_t result = 1;
@@ -43,33 +59,61 @@ static uint64_t power(uint64_t base, uint64_t exponent) {
 }
 
 /* The loop over the rows of `v` (n elements, `columns` a row), setting each row's fingerprint (*row++), front to
- * back (the order the hardware prefetches best). Horner's way in LANES interleaved sums held in registers, with
- * the inverse base: lane k holds the T_k elements j = k + LANES t as s_k = sum over t of c^(-LANES (T_k - 1 - t)) h_j,
- * so sum over t of c^(LANES t) h_j = c^(LANES (T_k - 1)) s_k, and the row's sum is sum over k of c^k of that:
+ * back (the order the hardware prefetches best). Horner's way in 4 interleaved sums held in registers, with
+ * the inverse base: lane k holds the T_k elements j = k + 4 t as s_k = sum over t of c^(-4 (T_k - 1 - t)) h_j,
+ * so sum over t of c^(4 t) h_j = c^(4 (T_k - 1)) s_k, and the row's sum is sum over k of c^k of that:
  * one multiplication per element, four independent chains. ELEMENT(j, s) does the element's own work and sets
- * s = s c^-LANES + h_j. */
-#define ROWS(ELEMENT)                                                                                           \
-    uint64_t factor[LANES];                                                                                     \
-    for (int k = 0; k < LANES; k++) { /* every row has `columns` elements: T_k the same in each */              \
-        Py_ssize_t count = columns / LANES + (k < columns % LANES);                                             \
-        factor[k] = count ? power(GOLDEN, k + (uint64_t)LANES * (count - 1)) : 0;                               \
+ * s = s c^-4 + h_j. */
+#define ROWS4(ELEMENT)                                                                                           \
+    uint64_t factor[4];                                                                                     \
+    for (int k = 0; k < 4; k++) { /* every row has `columns` elements: T_k the same in each */              \
+        Py_ssize_t count = columns / 4 + (k < columns % 4);                                             \
+        factor[k] = count ? power(GOLDEN, k + (uint64_t)4 * (count - 1)) : 0;                               \
     }                                                                                                           \
     for (Py_ssize_t first = 0; first < n; first += columns, row++) {                                            \
         uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                                                \
-        Py_ssize_t j = 0, whole = columns - columns % LANES;                                                    \
-        for (; j < whole; j += LANES) {                                                                         \
+        Py_ssize_t j = 0, whole = columns - columns % 4;                                                    \
+        for (; j < whole; j += 4) {                                                                         \
             ELEMENT(first + j, s0);                                                                             \
             ELEMENT(first + j + 1, s1);                                                                         \
             ELEMENT(first + j + 2, s2);                                                                         \
             ELEMENT(first + j + 3, s3);                                                                         \
         }                                                                                                       \
-        if (j < columns) /* the last columns % LANES elements, each the last of its lane */                     \
+        if (j < columns) /* the last columns % 4 elements, each the last of its lane */                     \
             ELEMENT(first + j, s0);                                                                             \
         if (j + 1 < columns)                                                                                    \
             ELEMENT(first + j + 1, s1);                                                                         \
         if (j + 2 < columns)                                                                                    \
             ELEMENT(first + j + 2, s2);                                                                         \
         *row = factor[0] * s0 + factor[1] * s1 + factor[2] * s2 + factor[3] * s3;                               \
+    }
+
+/* The walk over the rows of `v` (n elements, `columns` a row), setting each row's fingerprint (*row++), front to
+ * back, a block of up to LANES elements at a time. Horner's way in LANES interleaved sums with the inverse base:
+ * lane k holds the T_k elements j = k + LANES t as s_k = sum over t of c^(-LANES (T_k - 1 - t)) h_j, so sum over t
+ * of c^(LANES t) h_j = c^(LANES (T_k - 1)) s_k, and the row's sum is sum over k of c^k of that: one multiplication
+ * per element, LANES independent chains. BLOCK(at, m) does the work of elements at..at+m-1 and sets
+ * s[k] = s[k] c^-LANES + h for each. */
+#define ROWS(LANES, INVERSE, BLOCK)                                                                              \
+    uint64_t factor[LANES], s[LANES];                                                                           \
+    const uint64_t inverse = INVERSE;                                                                           \
+    int used = columns < LANES ? (int)columns : LANES;                                                          \
+    for (int k = 0; k < used; k++) { /* every row has `columns` elements: T_k the same in each */               \
+        Py_ssize_t count = columns / LANES + (k < columns % LANES);                                             \
+        factor[k] = power(GOLDEN, k + (uint64_t)LANES * (count - 1));                                           \
+    }                                                                                                           \
+    for (Py_ssize_t first = 0; first < n; first += columns, row++) {                                            \
+        for (int k = 0; k < used; k++)                                                                          \
+            s[k] = 0;                                                                                           \
+        Py_ssize_t j = 0;                                                                                       \
+        for (; j + LANES <= columns; j += LANES)                                                                \
+            BLOCK(first + j, LANES);                                                                            \
+        if (j < columns)                                                                                        \
+            BLOCK(first + j, (int)(columns - j));                                                               \
+        uint64_t sum = 0;                                                                                       \
+        for (int k = 0; k < used; k++)                                                                          \
+            sum += factor[k] * s[k];                                                                            \
+        *row = sum;                                                                                             \
     }
 
 typedef struct {
@@ -88,9 +132,9 @@ static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb
     do {                                                                                                        \
         uint16_t bits = v[at];                                                                                  \
         count[bits]++;                                                                                          \
-        lane = lane * inverse_step + pattern_hash[bits];                                                                \
+        lane = lane * inverse4 + pattern_hash[bits];                                                                \
     } while (0)
-    ROWS(ELEMENT);
+    ROWS4(ELEMENT);
 #undef ELEMENT
     uint32_t top = (1u << eb) - 1, fractions = 1u << fb;
     uint64_t rows[2][256] = {{0}}; /* elements per sign and exponent */
@@ -129,38 +173,56 @@ static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb
 }
 
 /* float32: per element two sums into 2^13 bins, count and l packed in one (l sums below 2^41, the count from
- * 2^42 up, moved to counts every 2^20 elements), reduced per (sign, exponent) at the end. No branch per element:
- * ±0 are the elements of the two zero bins when those hold no low bits, and NaN and Inf fill only the bins of
- * exponent 255; where either is not so (rare), one more pass counts them and finds the finite extremes. */
+ * 2^42 up, moved to counts every 2^20 elements) beside the sum of l^2, reduced per (sign, exponent) at the end.
+ * Per block, the vectorisable work first (the fingerprint, min and max per lane, each element's two addends), then
+ * the additions to the bins. No branch per element: ±0 are the elements of the two zero bins when those hold no
+ * low bits, and NaN and Inf fill only the bins of exponent 255; where either is not so (rare), one more pass counts
+ * them and finds the finite extremes. */
+VECTOR_CLONES
 static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_t *parts, uint64_t *row, Counts *c) {
     enum { BINS = 1 << (32 - LOW_BITS), NEGATIVE = BINS / 2, TOP = 255 << (23 - LOW_BITS) };
-    uint64_t *packed = calloc(3 * BINS, sizeof *packed), *squares = packed + BINS, *counts = squares + BINS;
+    Pair *bins = calloc(BINS, sizeof *bins); /* (count 2^42 + sum of l, sum of l^2) */
+    uint64_t *counts = calloc(BINS, sizeof *counts), *packed = (uint64_t *)bins;
     const uint64_t low_mask = ((uint64_t)1 << 42) - 1;
-    if (packed == NULL)
+    if (bins == NULL || counts == NULL) {
+        free(bins), free(counts);
         return -1;
-    float low = INFINITY, high = -INFINITY, value; /* NaN never compares below or above */
+    }
+    float lows[64], highs[64], low = INFINITY, high = -INFINITY, value; /* NaN never compares below or above */
+    for (int k = 0; k < 64; k++)
+        lows[k] = INFINITY, highs[k] = -INFINITY;
     Py_ssize_t until_flush = 1 << 20;
-#define ELEMENT(at, lane)                                                                                       \
+#define BLOCK(at, m)                                                                                            \
     do {                                                                                                        \
-        uint32_t bits = v[at], hash = bits * 0x9E3779B1u;                                                       \
-        uint64_t l = bits & ((1u << LOW_BITS) - 1);                                                             \
-        lane = lane * inverse_step + (hash ^ (hash >> 16));                                                             \
-        packed[bits >> LOW_BITS] += ((uint64_t)1 << 42) + l;                                                    \
-        squares[bits >> LOW_BITS] += l * l;                                                                     \
-        memcpy(&value, &bits, sizeof value);                                                                    \
-        low = value < low ? value : low; /* minss, maxss: no branch */                                          \
-        high = value > high ? value : high;                                                                     \
-        if (--until_flush == 0) {                                                                               \
+        const uint32_t *b = v + (at);                                                                           \
+        uint64_t addend[2 * 64] __attribute__((aligned(16)));                                                \
+        uint32_t bin[64];                                                                                      \
+        for (int k = 0; k < (m); k++) {                                                                         \
+            uint32_t bits = b[k], hash = bits * 0x9E3779B1u;                                                    \
+            uint64_t l = bits & ((1u << LOW_BITS) - 1);                                                         \
+            s[k] = s[k] * inverse + (hash ^ (hash >> 16));                                                      \
+            addend[2 * k] = ((uint64_t)1 << 42) + l, addend[2 * k + 1] = l * l, bin[k] = bits >> LOW_BITS;      \
+            memcpy(&value, &bits, sizeof value);                                                                \
+            lows[k] = value < lows[k] ? value : lows[k]; /* minps, maxps */                                     \
+            highs[k] = value > highs[k] ? value : highs[k];                                                     \
+        }                                                                                                       \
+        for (int k = 0; k < (m); k++)                                                                           \
+            bins[bin[k]] += *(Pair *)(addend + 2 * k);                                                          \
+        if ((until_flush -= (m)) <= 0) {                                                                        \
             for (int u = 0; u < BINS; u++)                                                                      \
-                counts[u] += packed[u] >> 42, packed[u] &= low_mask;                                            \
+                counts[u] += packed[2 * u] >> 42, packed[2 * u] &= low_mask;                                    \
             until_flush = 1 << 20;                                                                              \
         }                                                                                                       \
     } while (0)
-    ROWS(ELEMENT);
-#undef ELEMENT
-    uint64_t special = (packed[0] | packed[NEGATIVE]) & low_mask; /* low bits in a zero bin: not all ±0 */
+    ROWS(64, inverse64, BLOCK);
+#undef BLOCK
+    for (int k = 0; k < 64; k++) {
+        low = lows[k] < low ? lows[k] : low;
+        high = highs[k] > high ? highs[k] : high;
+    }
+    uint64_t special = (packed[0] | packed[2 * NEGATIVE]) & low_mask; /* low bits in a zero bin: not all ±0 */
     for (int u = 0; u < BINS; u++)
-        counts[u] += packed[u] >> 42, packed[u] &= low_mask, special |= (u & TOP) == TOP ? counts[u] : 0;
+        counts[u] += packed[2 * u] >> 42, packed[2 * u] &= low_mask, special |= (u & TOP) == TOP ? counts[u] : 0;
     if (special) {
         low = INFINITY, high = -INFINITY;
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -182,13 +244,13 @@ static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_
     for (int at = 0; at < 512; at++) { /* sign and exponent; exponent 255 (NaN, Inf) not summed */
         int64_t sums[5] = {0}, implicit = (at & 255) != 0 ? 16 : 0;
         for (int u = at << 4, f = 0; f < 16 && (at & 255) != 255; u++, f++) {
-            int64_t k = (int64_t)counts[u], a = f | implicit, l = (int64_t)packed[u];
-            sums[0] += k * a, sums[1] += k * a * a, sums[2] += l, sums[3] += l * a, sums[4] += (int64_t)squares[u];
+            int64_t k = (int64_t)counts[u], a = f | implicit, l = (int64_t)packed[2 * u];
+            sums[0] += k * a, sums[1] += k * a * a, sums[2] += l, sums[3] += l * a, sums[4] += (int64_t)packed[2 * u + 1];
         }
         for (int i = 0; i < 5; i++)
             parts[512 * i + at] += sums[i];
     }
-    free(packed);
+    free(bins), free(counts);
     return 0;
 }
 
@@ -280,10 +342,7 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC PyInit__health(void) {
-    uint64_t step = power(GOLDEN, LANES), inverse = step; /* Newton's iteration: each step doubles the bits right */
-    for (int i = 0; i < 6; i++)
-        inverse *= 2 - step * inverse;
-    inverse_step = inverse;
+    inverse4 = inverse(power(GOLDEN, 4)), inverse64 = inverse(power(GOLDEN, 64));
     for (uint64_t bits = 0; bits < 1 << 16; bits++) { /* splitmix64, as health._splitmix */
         uint64_t x = bits + GOLDEN;
         x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
