@@ -296,15 +296,42 @@ def test_zero_dimensional_tensor_scanned(monkeypatch, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_row_length(monkeypatch, dtype):
-    """Rows of 1 to 9 columns (every remainder of the C loop's four lanes) and rows longer than 4096."""
+    """Rows of 1 to 9 columns and around multiples of 64 (every remainder of the C loops' 4 and 64 lanes), and rows
+    longer than 4096."""
     kind = KINDS[dtype]
     rng = np.random.default_rng(11)
-    for columns in range(1, 10):
+    for columns in (*range(1, 10), 63, 64, 65, 127, 128, 129, 191, 200):
         for rows in (1, 3):
             _check(monkeypatch, kind, _mixed(rng, kind, (rows, columns)))
     for columns in (4097, 4098, 4099, 4100, 5003):
         _check(monkeypatch, kind, _mixed(rng, kind, (1, columns)))
     _check(monkeypatch, kind, _mixed(rng, kind, (2, 4099)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_slab_over_a_million_elements(monkeypatch, dtype):
+    """A slab of more than 2^20 elements (the float32 loop moves its bins' counts aside every 2^20 elements) with
+    values over many exponents, zeros, subnormals, NaN and Inf: C and numpy agree (the reference would take minutes)."""
+    kind = KINDS[dtype]
+    bits = _mixed(np.random.default_rng(19), kind, (257, 4099))
+    assert bits.size > 1 << 20
+    c = _add(monkeypatch, kind, bits, (0, 0), bits.shape, native=True)
+    assert _shown(c) == _shown(_add(monkeypatch, kind, bits, (0, 0), bits.shape, native=False))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", (1e-3, 1e20))
+def test_narrow_exponent_ranges(monkeypatch, dtype, scale):
+    """Slabs whose exponents span a few values (the float32 loop visits only the bins of the exponents it saw),
+    with and without zeros and subnormals beside them."""
+    kind = KINDS[dtype]
+    rng = np.random.default_rng(23)
+    narrow = _bits_from(kind, rng.uniform(1.0, 2.0, size=(9, 70)) * scale)
+    _check(monkeypatch, kind, narrow)
+    mixed = narrow.copy().reshape(-1)
+    mixed[::7] = _signed_zeros(rng, kind, mixed[::7].shape)
+    mixed[3::11] = _subnormals(rng, kind, mixed[3::11].shape)
+    _check(monkeypatch, kind, mixed.reshape(narrow.shape))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

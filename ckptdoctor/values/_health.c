@@ -98,10 +98,9 @@ static uint64_t power(uint64_t base, uint64_t exponent) {
     uint64_t factor[LANES], s[LANES];                                                                           \
     const uint64_t inverse = INVERSE;                                                                           \
     int used = columns < LANES ? (int)columns : LANES;                                                          \
-    for (int k = 0; k < used; k++) { /* every row has `columns` elements: T_k the same in each */               \
-        Py_ssize_t count = columns / LANES + (k < columns % LANES);                                             \
-        factor[k] = power(GOLDEN, k + (uint64_t)LANES * (count - 1));                                           \
-    }                                                                                                           \
+    uint64_t longer = power(GOLDEN, LANES * (uint64_t)(columns / LANES)), shorter = longer * inverse, ck = 1;     \
+    for (int k = 0; k < used; k++, ck *= GOLDEN) /* c^(k + LANES (T_k - 1)), T_k the same in every row */      \
+        factor[k] = ck * (k < columns % LANES ? longer : shorter);                                              \
     for (Py_ssize_t first = 0; first < n; first += columns, row++) {                                            \
         for (int k = 0; k < used; k++)                                                                          \
             s[k] = 0;                                                                                           \
@@ -181,12 +180,24 @@ static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb
 VECTOR_CLONES
 static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_t *parts, uint64_t *row, Counts *c) {
     enum { BINS = 1 << (32 - LOW_BITS), NEGATIVE = BINS / 2, TOP = 255 << (23 - LOW_BITS) };
-    Pair *bins = calloc(BINS, sizeof *bins); /* (count 2^42 + sum of l, sum of l^2) */
-    uint64_t *counts = calloc(BINS, sizeof *counts), *packed = (uint64_t *)bins;
+    Pair *bins = malloc(BINS * (sizeof *bins + sizeof(uint64_t))); /* (count 2^42 + sum of l, sum of l^2) */
+    uint64_t *packed = (uint64_t *)bins, *counts = packed + 2 * BINS;
     const uint64_t low_mask = ((uint64_t)1 << 42) - 1;
-    if (bins == NULL || counts == NULL) {
-        free(bins), free(counts);
+    if (bins == NULL)
         return -1;
+    uint32_t largest = 0, smallest = UINT32_MAX; /* of the magnitudes' bits shifted left, the zeros' not counted */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t magnitude = v[i] << 1;
+        largest = magnitude > largest ? magnitude : largest, smallest = magnitude - 1 < smallest ? magnitude - 1 : smallest;
+    }
+    /* the bins used: those of exponent 0 (the zeros) and of the exponents first..last, for either sign */
+    int first = (int)((smallest + 1) >> 24), last = (int)(largest >> 24);
+#define USED_BINS(u)                                                                                            \
+    for (int e = 0; e <= last; e = e < first ? first : e + 1)                                                   \
+        for (int sign = 0; sign < 2; sign++)                                                                    \
+            for (int u = sign * NEGATIVE + (e << 4), end = u + 16; u < end; u++)
+    USED_BINS(u) {
+        bins[u] = (Pair){0, 0}, counts[u] = 0;
     }
     float lows[64], highs[64], low = INFINITY, high = -INFINITY, value; /* NaN never compares below or above */
     for (int k = 0; k < 64; k++)
@@ -209,8 +220,9 @@ static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_
         for (int k = 0; k < (m); k++)                                                                           \
             bins[bin[k]] += *(Pair *)(addend + 2 * k);                                                          \
         if ((until_flush -= (m)) <= 0) {                                                                        \
-            for (int u = 0; u < BINS; u++)                                                                      \
+            USED_BINS(u) {                                                                                      \
                 counts[u] += packed[2 * u] >> 42, packed[2 * u] &= low_mask;                                    \
+            }                                                                                                   \
             until_flush = 1 << 20;                                                                              \
         }                                                                                                       \
     } while (0)
@@ -221,8 +233,9 @@ static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_
         high = highs[k] > high ? highs[k] : high;
     }
     uint64_t special = (packed[0] | packed[2 * NEGATIVE]) & low_mask; /* low bits in a zero bin: not all ±0 */
-    for (int u = 0; u < BINS; u++)
+    USED_BINS(u) {
         counts[u] += packed[2 * u] >> 42, packed[2 * u] &= low_mask, special |= (u & TOP) == TOP ? counts[u] : 0;
+    }
     if (special) {
         low = INFINITY, high = -INFINITY;
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -241,16 +254,18 @@ static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_
     c->found = low <= high;
     memcpy(&c->low, &low, sizeof low);
     memcpy(&c->high, &high, sizeof high);
-    for (int at = 0; at < 512; at++) { /* sign and exponent; exponent 255 (NaN, Inf) not summed */
-        int64_t sums[5] = {0}, implicit = (at & 255) != 0 ? 16 : 0;
-        for (int u = at << 4, f = 0; f < 16 && (at & 255) != 255; u++, f++) {
+    for (int e = 0; e <= last && e < 255; e = e < first ? first : e + 1) /* exponent 255 (NaN, Inf): not summed */
+      for (int at = e; at < 512; at += 256) { /* either sign */
+        int64_t sums[5] = {0}, implicit = e != 0 ? 16 : 0;
+        for (int u = at << 4, f = 0; f < 16; u++, f++) {
             int64_t k = (int64_t)counts[u], a = f | implicit, l = (int64_t)packed[2 * u];
             sums[0] += k * a, sums[1] += k * a * a, sums[2] += l, sums[3] += l * a, sums[4] += (int64_t)packed[2 * u + 1];
         }
         for (int i = 0; i < 5; i++)
             parts[512 * i + at] += sums[i];
     }
-    free(bins), free(counts);
+#undef USED_BINS
+    free(bins);
     return 0;
 }
 
