@@ -261,6 +261,31 @@ def test_slabs_match_numpy_and_reference(monkeypatch, dtype, case):
     _check(monkeypatch, kind, CASES[case](rng, kind))
 
 
+def _both_passes(bits: np.ndarray) -> None:
+    """float32 through ``floats``' vectorised pass (where this build and processor have it) and its portable one:
+    the same tuple and the same row fingerprints."""
+    rows = np.ascontiguousarray(bits).reshape(-1, bits.shape[-1] if bits.ndim else 1)
+    results = []
+    for portable in (False, True):
+        out = np.zeros(rows.shape[0], dtype=np.uint64)
+        results.append((_health.floats(rows, rows.shape[1], 8, 23, out, 12345, portable), out.tolist()))
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_float32_passes_agree(case):
+    kind = KINDS["torch.float32"]
+    _both_passes(CASES[case](np.random.default_rng(sorted(CASES).index(case)), kind))
+
+
+def test_float32_passes_agree_on_every_row_length():
+    kind = KINDS["torch.float32"]
+    rng = np.random.default_rng(29)
+    for columns in (*range(1, 10), 63, 64, 65, 127, 128, 129, 4099):
+        _both_passes(_mixed(rng, kind, (3, columns)))
+    _both_passes(_mixed(rng, kind, (257, 4099)))  # over 2^20 elements: the counts moved aside mid-slab
+
+
 def _scalars(kind) -> list[np.ndarray]:
     rng = np.random.default_rng(7)
     patterns = _mixed(rng, kind, (40,)).tolist() + [0, 1 << (kind.itemsize * 8 - 1)]

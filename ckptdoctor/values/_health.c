@@ -1,8 +1,8 @@
 /* ckptdoctor.values._health: the per-element loop of `check --health` for float32, bfloat16 and float16 (see
  * values/health.py, which computes the same numbers in numpy where this module was not built).
  *
- * floats(data, columns, exponent_bits, fraction_bits, out, row_step) -> (zeros, nan, inf, low, high, positive,
- *                                                                       negative, squares, rows)
+ * floats(data, columns, exponent_bits, fraction_bits, out, row_step[, portable]) -> (zeros, nan, inf, low, high,
+ *                                                                       positive, negative, squares, rows)
  *   data: the elements, whole rows of `columns`, 4 bytes (exponent_bits 8, fraction_bits 23) or 2; at most
  *   2^22 of them (health.SLAB_ELEMENTS), so every sum per exponent fits in 64 bits.
  *   out[r] (uint64 per row): the sum over the row's elements j of c^j h(bits_j) mod 2^64 (c = GOLDEN; h as
@@ -16,6 +16,7 @@
  *   low, high: the bits of the smallest and largest finite element (-1 without one); zeros counts ±0.
  *   rows: the sum over rows r of row_step^r out[r] mod 2^64 (with row_step c^columns-of-the-slice, a 2-d slab's
  *   fingerprint up to one factor).
+ *   portable: run float32 through the portable pass even where the vectorised one could run (for the tests).
  * The GIL is released for the loop. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,11 +31,14 @@
 #define TOTAL_LIMBS 10  /* 32-bit digits of a sum: below 2^(48 + 253 + 8) */
 #define SQUARE_LIMBS 19 /* of a sum of squares: below 2^(73 + 506 + 8) */
 
-/* The loops below are plain C written for the auto-vectoriser; where the compiler can, it also builds them for
- * AVX2 and AVX-512 and picks one when the module loads (the results are the same integers on every path). */
+/* float32 has a second pass written for the auto-vectoriser, built for AVX2 and AVX-512 where GCC can (x86-64
+ * Linux) and run where the processor has AVX2; elsewhere, and with floats(..., portable=True), the portable pass
+ * runs. Either gives the same integers. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define VECTOR_BLOCKS 1
 #define VECTOR_CLONES __attribute__((target_clones("default", "avx2", "arch=x86-64-v4")))
 #else
+#define VECTOR_BLOCKS 0
 #define VECTOR_CLONES
 #endif
 
@@ -171,71 +175,131 @@ static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb
     return 0;
 }
 
-/* float32: per element two sums into 2^13 bins, count and l packed in one (l sums below 2^41, the count from
- * 2^42 up, moved to counts every 2^20 elements) beside the sum of l^2, reduced per (sign, exponent) at the end.
- * Per block, the vectorisable work first (the fingerprint, min and max per lane, each element's two addends), then
- * the additions to the bins. No branch per element: ±0 are the elements of the two zero bins when those hold no
- * low bits, and NaN and Inf fill only the bins of exponent 255; where either is not so (rare), one more pass counts
- * them and finds the finite extremes. */
-VECTOR_CLONES
-static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_t *parts, uint64_t *row, Counts *c) {
-    enum { BINS = 1 << (32 - LOW_BITS), NEGATIVE = BINS / 2, TOP = 255 << (23 - LOW_BITS) };
-    Pair *bins = malloc(BINS * (sizeof *bins + sizeof(uint64_t))); /* (count 2^42 + sum of l, sum of l^2) */
-    uint64_t *packed = (uint64_t *)bins, *counts = packed + 2 * BINS;
-    const uint64_t low_mask = ((uint64_t)1 << 42) - 1;
-    if (bins == NULL)
-        return -1;
-    uint32_t largest = 0, smallest = UINT32_MAX; /* of the magnitudes' bits shifted left, the zeros' not counted */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t magnitude = v[i] << 1;
-        largest = magnitude > largest ? magnitude : largest, smallest = magnitude - 1 < smallest ? magnitude - 1 : smallest;
-    }
-    /* the bins used: those of exponent 0 (the zeros) and of the exponents first..last, for either sign */
-    int first = (int)((smallest + 1) >> 24), last = (int)(largest >> 24);
-#define USED_BINS(u)                                                                                            \
-    for (int e = 0; e <= last; e = e < first ? first : e + 1)                                                   \
+/* float32: per element two sums into 2^13 bins of 16 bytes: count and l packed in one (l sums below 2^41, the
+ * count from 2^42 up, moved to counts every 2^20 elements) beside the sum of l^2, reduced per (sign, exponent) at
+ * the end. Only the bins of the exponents the slab holds are cleared and read (a pass over the magnitudes finds
+ * them first): a slab of a few hundred elements costs as little as its elements. No branch per element: ±0 are
+ * the elements of the two zero bins when those hold no low bits, and NaN and Inf fill only the bins of exponent
+ * 255; where either is not so (rare), one more pass counts them and finds the finite extremes. */
+enum { BINS = 1 << (32 - LOW_BITS), NEGATIVE = BINS / 2, TOP = 255 << (23 - LOW_BITS) };
+#define COUNT_SHIFT 42
+#define ADDENDS(bits) ((Pair){((uint64_t)1 << COUNT_SHIFT) + ((bits) & ((1u << LOW_BITS) - 1)),                       \
+                              (uint64_t)((bits) & ((1u << LOW_BITS) - 1)) * ((bits) & ((1u << LOW_BITS) - 1))})
+
+typedef struct {
+    Pair *bins;       /* (count 2^42 + sum of l, sum of l^2) */
+    uint64_t *counts; /* the counts moved out of bins */
+    int first, last;  /* the bins used: those of exponent 0 (the zeros) and of the exponents first..last */
+} Bins32;
+
+#define USED_BINS(b, u)                                                                                         \
+    for (int e = 0; e <= (b)->last; e = e < (b)->first ? (b)->first : e + 1)                                   \
         for (int sign = 0; sign < 2; sign++)                                                                    \
             for (int u = sign * NEGATIVE + (e << 4), end = u + 16; u < end; u++)
-    USED_BINS(u) {
-        bins[u] = (Pair){0, 0}, counts[u] = 0;
+
+static void move_counts(Bins32 *b) {
+    USED_BINS(b, u) {
+        b->counts[u] += b->bins[u][0] >> COUNT_SHIFT;
+        b->bins[u][0] &= ((uint64_t)1 << COUNT_SHIFT) - 1;
     }
-    float lows[64], highs[64], low = INFINITY, high = -INFINITY, value; /* NaN never compares below or above */
+}
+
+/* The portable pass: an element at a time, the fingerprint in four lanes held in registers. */
+static void pass32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, Bins32 *b, uint64_t *row, float *low,
+                   float *high) {
+    Py_ssize_t until_move = 1 << 20;
+    Pair *bins = b->bins;
+    float value, smallest = *low, largest = *high;
+#define ELEMENT(at, lane)                                                                                       \
+    do {                                                                                                        \
+        uint32_t bits = v[at], hash = bits * 0x9E3779B1u;                                                       \
+        lane = lane * inverse4 + (hash ^ (hash >> 16));                                                         \
+        bins[bits >> LOW_BITS] += ADDENDS(bits);                                                                \
+        memcpy(&value, &bits, sizeof value);                                                                    \
+        smallest = value < smallest ? value : smallest; /* minss, maxss: no branch */                           \
+        largest = value > largest ? value : largest;                                                            \
+        if (--until_move == 0)                                                                                  \
+            move_counts(b), until_move = 1 << 20;                                                               \
+    } while (0)
+    ROWS4(ELEMENT);
+#undef ELEMENT
+    *low = smallest, *high = largest;
+}
+
+#if VECTOR_BLOCKS
+/* The pass for AVX2 and AVX-512 (the compiler's vectors): per block of 64 elements of a row, the vectorisable work
+ * first (the fingerprint in 64 lanes, min and max per lane, each element's addends), then one 16-byte addition per
+ * element to its bin. */
+VECTOR_CLONES
+static void pass32_blocks(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, Bins32 *b, uint64_t *row,
+                          float *low, float *high) {
+    float lows[64], highs[64], value; /* NaN never compares below or above */
     for (int k = 0; k < 64; k++)
         lows[k] = INFINITY, highs[k] = -INFINITY;
-    Py_ssize_t until_flush = 1 << 20;
+    Py_ssize_t until_move = 1 << 20;
+    Pair *bins = b->bins;
 #define BLOCK(at, m)                                                                                            \
     do {                                                                                                        \
-        const uint32_t *b = v + (at);                                                                           \
-        uint64_t addend[2 * 64] __attribute__((aligned(16)));                                                \
-        uint32_t bin[64];                                                                                      \
+        const uint32_t *block = v + (at);                                                                       \
+        uint64_t addends[2 * 64] __attribute__((aligned(16))); /* not Pairs: those would keep it scalar */       \
+        uint32_t bin[64];                                                                                       \
         for (int k = 0; k < (m); k++) {                                                                         \
-            uint32_t bits = b[k], hash = bits * 0x9E3779B1u;                                                    \
+            uint32_t bits = block[k], hash = bits * 0x9E3779B1u;                                                \
             uint64_t l = bits & ((1u << LOW_BITS) - 1);                                                         \
             s[k] = s[k] * inverse + (hash ^ (hash >> 16));                                                      \
-            addend[2 * k] = ((uint64_t)1 << 42) + l, addend[2 * k + 1] = l * l, bin[k] = bits >> LOW_BITS;      \
+            addends[2 * k] = ((uint64_t)1 << COUNT_SHIFT) + l, addends[2 * k + 1] = l * l, bin[k] = bits >> LOW_BITS; \
             memcpy(&value, &bits, sizeof value);                                                                \
             lows[k] = value < lows[k] ? value : lows[k]; /* minps, maxps */                                     \
             highs[k] = value > highs[k] ? value : highs[k];                                                     \
         }                                                                                                       \
         for (int k = 0; k < (m); k++)                                                                           \
-            bins[bin[k]] += *(Pair *)(addend + 2 * k);                                                          \
-        if ((until_flush -= (m)) <= 0) {                                                                        \
-            USED_BINS(u) {                                                                                      \
-                counts[u] += packed[2 * u] >> 42, packed[2 * u] &= low_mask;                                    \
-            }                                                                                                   \
-            until_flush = 1 << 20;                                                                              \
-        }                                                                                                       \
+            bins[bin[k]] += *(Pair *)(addends + 2 * k);                                                                      \
+        if ((until_move -= (m)) <= 0)                                                                           \
+            move_counts(b), until_move = 1 << 20;                                                               \
     } while (0)
     ROWS(64, inverse64, BLOCK);
 #undef BLOCK
     for (int k = 0; k < 64; k++) {
-        low = lows[k] < low ? lows[k] : low;
-        high = highs[k] > high ? highs[k] : high;
+        *low = lows[k] < *low ? lows[k] : *low;
+        *high = highs[k] > *high ? highs[k] : *high;
     }
-    uint64_t special = (packed[0] | packed[2 * NEGATIVE]) & low_mask; /* low bits in a zero bin: not all ±0 */
-    USED_BINS(u) {
-        counts[u] += packed[2 * u] >> 42, packed[2 * u] &= low_mask, special |= (u & TOP) == TOP ? counts[u] : 0;
+}
+#endif
+
+/* b->first and b->last: the smallest exponent of a nonzero element (0 where all are ±0) and the largest. */
+VECTOR_CLONES
+static void exponents(const uint32_t *v, Py_ssize_t n, Bins32 *b) {
+    uint32_t largest = 0, smallest = UINT32_MAX; /* of the magnitudes' bits shifted left, the zeros' not counted */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t magnitude = v[i] << 1;
+        largest = magnitude > largest ? magnitude : largest;
+        smallest = magnitude - 1 < smallest ? magnitude - 1 : smallest;
     }
+    b->first = (int)((smallest + 1) >> 24), b->last = (int)(largest >> 24);
+}
+
+static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int portable, int64_t *parts,
+                     uint64_t *row, Counts *c) {
+    Bins32 b = {malloc(BINS * (sizeof(Pair) + sizeof(uint64_t))), NULL, 0, 0};
+    if (b.bins == NULL)
+        return -1;
+    b.counts = (uint64_t *)(b.bins + BINS);
+    exponents(v, n, &b);
+    USED_BINS(&b, u) {
+        b.bins[u] = (Pair){0, 0}, b.counts[u] = 0;
+    }
+    float low = INFINITY, high = -INFINITY, value;
+#if VECTOR_BLOCKS
+    if (!portable && __builtin_cpu_supports("avx2"))
+        pass32_blocks(v, n, columns, &b, row, &low, &high);
+    else
+#endif
+        pass32(v, n, columns, &b, row, &low, &high);
+    move_counts(&b);
+    uint64_t special = (b.bins[0][0] | b.bins[NEGATIVE][0]); /* low bits in a zero bin: not all ±0 */
+    for (int sign = 0; b.last == 255 && sign < 2; sign++) /* NaN or Inf */
+        for (int f = 0; f < 16; f++)
+            special |= b.counts[sign * NEGATIVE + TOP + f];
     if (special) {
         low = INFINITY, high = -INFINITY;
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -250,22 +314,22 @@ static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int64_
             high = value > high ? value : high;
         }
     } else
-        c->zeros += counts[0] + counts[NEGATIVE];
+        c->zeros += b.counts[0] + b.counts[NEGATIVE];
     c->found = low <= high;
     memcpy(&c->low, &low, sizeof low);
     memcpy(&c->high, &high, sizeof high);
-    for (int e = 0; e <= last && e < 255; e = e < first ? first : e + 1) /* exponent 255 (NaN, Inf): not summed */
-      for (int at = e; at < 512; at += 256) { /* either sign */
-        int64_t sums[5] = {0}, implicit = e != 0 ? 16 : 0;
-        for (int u = at << 4, f = 0; f < 16; u++, f++) {
-            int64_t k = (int64_t)counts[u], a = f | implicit, l = (int64_t)packed[2 * u];
-            sums[0] += k * a, sums[1] += k * a * a, sums[2] += l, sums[3] += l * a, sums[4] += (int64_t)packed[2 * u + 1];
+    for (int e = 0; e <= b.last && e < 255; e = e < b.first ? b.first : e + 1) /* exponent 255: not summed */
+        for (int at = e; at < 512; at += 256) {                                    /* either sign */
+            int64_t sums[5] = {0}, implicit = e != 0 ? 16 : 0;
+            for (int u = at << 4, f = 0; f < 16; u++, f++) {
+                int64_t k = (int64_t)b.counts[u], a = f | implicit, l = (int64_t)b.bins[u][0];
+                sums[0] += k * a, sums[1] += k * a * a, sums[2] += l, sums[3] += l * a;
+                sums[4] += (int64_t)b.bins[u][1];
+            }
+            for (int i = 0; i < 5; i++)
+                parts[512 * i + at] += sums[i];
         }
-        for (int i = 0; i < 5; i++)
-            parts[512 * i + at] += sums[i];
-    }
-#undef USED_BINS
-    free(bins);
+    free(b.bins);
     return 0;
 }
 
@@ -291,10 +355,10 @@ static PyObject *integer(uint64_t *limbs, int count) {
 static PyObject *floats(PyObject *self, PyObject *args) {
     PyObject *data_o, *out_o, *result = NULL;
     Py_ssize_t columns;
-    int eb, fb, failed;
+    int eb, fb, failed, portable = 0;
     Py_buffer data, out;
     unsigned long long row_step;
-    if (!PyArg_ParseTuple(args, "OniiOK", &data_o, &columns, &eb, &fb, &out_o, &row_step))
+    if (!PyArg_ParseTuple(args, "OniiOK|p", &data_o, &columns, &eb, &fb, &out_o, &row_step, &portable))
         return NULL;
     int width = eb == 8 && fb == 23 ? 4 : 2;
     if ((width == 2 && (eb < 1 || eb > 8 || eb + fb != 15)) || columns <= 0) { /* parts hold 256 exponents */
@@ -314,7 +378,7 @@ static PyObject *floats(PyObject *self, PyObject *args) {
     int64_t parts[5 * 512] = {0};
     uint64_t limbs[2][TOTAL_LIMBS] = {{0}}, squares[SQUARE_LIMBS] = {0}, rows = 0, step;
     Py_BEGIN_ALLOW_THREADS
-    failed = width == 4 ? measure32(data.buf, n, columns, parts, out.buf, &c)
+    failed = width == 4 ? measure32(data.buf, n, columns, portable, parts, out.buf, &c)
                         : measure16(data.buf, n, columns, eb, fb, parts, out.buf, &c);
     for (int at = 0; !failed && at < 512; at++) { /* every part below 2^62: see measure16 and measure32 */
         int sign = at >> 8, shift = (at & 255) > 1 ? (at & 255) - 1 : 0;
@@ -346,7 +410,7 @@ release_data:
 
 static PyMethodDef methods[] = {
     {"floats", floats, METH_VARARGS,
-     "floats(data, columns, exponent_bits, fraction_bits, out, row_step) -> (zeros, nan, inf, low, high, positive, "
+     "floats(data, columns, exponent_bits, fraction_bits, out, row_step[, portable]) -> (zeros, nan, inf, low, high, positive, "
      "negative, squares, rows): one slab of float32, bfloat16 or float16 elements (see _health.c)."},
     {NULL, NULL, 0, NULL},
 };

@@ -3,5 +3,5 @@
 from typing import Any
 
 def floats(
-    data: Any, columns: int, exponent_bits: int, fraction_bits: int, out: Any, row_step: int, /
+    data: Any, columns: int, exponent_bits: int, fraction_bits: int, out: Any, row_step: int, portable: bool = False, /
 ) -> tuple[int, int, int, int, int, bytes, bytes, bytes, int]: ...
