@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,9 +298,10 @@ def _add(
     if _native is not None and kind.is_float and kind.itemsize in (2, 4):
         if not bits.flags.c_contiguous:  # a strided view (rare) once copied (ascontiguousarray makes 0-d 1-d)
             bits = bits.copy(order="C")
-        rows = bits.reshape(-1, bits.shape[-1] if bits.ndim else 1)
+        consecutive = bits.shape[1:] == tuple(shape[1:])  # whole trailing extents: one run of the slice's elements
+        rows = bits.reshape(1, -1) if consecutive else bits.reshape(-1, bits.shape[-1])
         sums = np.empty(rows.shape[0], dtype=np.uint64)
-        row_step = pow(_GOLDEN, shape[-1], 1 << 64) if bits.ndim == 2 else 1
+        row_step = pow(_GOLDEN, shape[-1], 1 << 64) if bits.ndim == 2 and not consecutive else 1
         zeros, nan, inf, low, high, positive, negative, squares, combined = _native.floats(
             rows, rows.shape[1], kind.exponent_bits, kind.fraction_bits, sums, row_step
         )
@@ -307,10 +309,11 @@ def _add(
         part.total = int.from_bytes(positive, "little") - int.from_bytes(negative, "little")
         part.total_sq = int.from_bytes(squares, "little")
         if part.finite:
-            extremes = _float_values(np, kind, np.array([low, high], dtype=f"<u{kind.itemsize}"))
-            part.low, part.high = float(extremes[0]), float(extremes[1])
-        if bits.ndim in (1, 2):  # row r at index (origin[0] + r) shape[-1] + origin[-1] of the slice
-            start = origin[-1] + (origin[0] * shape[-1] if bits.ndim == 2 else 0)
+            part.low, part.high = _FLOAT_PAIR[kind](low, high)
+        if consecutive or bits.ndim == 2:  # from the index of the run's first element (of row r's in 2-d)
+            start = 0
+            for position, size in zip(origin, shape):
+                start = start * size + position
             fingerprint = pow(_GOLDEN, start, 1 << 64) * combined & _MASK64
         else:
             fingerprint = _contract(np, sums, bits, origin, shape)
@@ -600,6 +603,20 @@ def _abs64(np: Any, signed: Any) -> Any:
     """|x| of int64 elements as uint64 (|-2^63| included)."""
     unsigned = signed.view(np.uint64)
     return np.where(signed < 0, (~unsigned) + np.uint64(1), unsigned)
+
+
+def _float_pair(unpack: str, shift: int) -> Any:
+    """Two elements' bits (bfloat16 shifted into float32's place) to Python floats, without numpy."""
+    pair = struct.Struct(unpack)
+    pack = struct.Struct(unpack.replace("e", "H").replace("f", "I")).pack
+    return lambda low, high: pair.unpack(pack(low << shift, high << shift))
+
+
+_FLOAT_PAIR = {
+    KINDS["torch.float32"]: _float_pair("<2f", 0),
+    KINDS["torch.bfloat16"]: _float_pair("<2f", 16),
+    KINDS["torch.float16"]: _float_pair("<2e", 0),
+}
 
 
 def _float_values(np: Any, kind: _Kind, bits: Any) -> Any:
