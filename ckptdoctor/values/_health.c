@@ -125,12 +125,35 @@ typedef struct {
     uint32_t low, high;
 } Counts;
 
+/* The exponents a slab holds: *first the smallest of a nonzero element (0 where all are ±0), *last the largest.
+ * Only the histogram entries and bins of exponent 0 (the zeros) and of first..last are cleared and read, so a slab
+ * of a few hundred elements costs about as little as its elements. */
+#define EXPONENTS(name, type, magnitude_mask)                                                                   \
+    VECTOR_CLONES static void name(const type *v, Py_ssize_t n, int fraction_bits, int *first, int *last) {     \
+        uint32_t largest = 0, smallest = UINT32_MAX; /* magnitude - 1 wraps for ±0: never the smallest */       \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                                    \
+            uint32_t magnitude = v[i] & (magnitude_mask);                                                       \
+            largest = magnitude > largest ? magnitude : largest;                                                \
+            smallest = magnitude - 1 < smallest ? magnitude - 1 : smallest;                                     \
+        }                                                                                                       \
+        *first = (int)((smallest + 1) >> fraction_bits), *last = (int)(largest >> fraction_bits);               \
+    }
+EXPONENTS(exponents16, uint16_t, 0x7FFFu)
+EXPONENTS(exponents32, uint32_t, 0x7FFFFFFFu)
+#define EACH_USED(e, first, last) for (int e = 0; e <= (last); e = e < (first) ? (first) : e + 1)
+
 /* 2-byte floats: a histogram of the patterns, reduced per (sign, exponent) at the end. */
 static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb, int fb, int64_t *parts,
                      uint64_t *row, Counts *c) {
-    uint32_t *count = calloc(1 << 16, sizeof *count);
+    uint32_t *count = malloc((1 << 16) * sizeof *count), fractions = 1u << fb, top = (1u << eb) - 1;
+    int first, last;
     if (count == NULL)
         return -1;
+    exponents16(v, n, fb, &first, &last);
+    EACH_USED(e, first, last) {
+        memset(count + (e << fb), 0, fractions * sizeof *count);
+        memset(count + (1 << 15) + (e << fb), 0, fractions * sizeof *count);
+    }
 #define ELEMENT(at, lane)                                                                                       \
     do {                                                                                                        \
         uint16_t bits = v[at];                                                                                  \
@@ -139,10 +162,10 @@ static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb
     } while (0)
     ROWS4(ELEMENT);
 #undef ELEMENT
-    uint32_t top = (1u << eb) - 1, fractions = 1u << fb;
-    uint64_t rows[2][256] = {{0}}; /* elements per sign and exponent */
+    uint64_t rows[2][256] = {{0}}; /* elements per sign and exponent: 0 for those not cleared (none) */
     for (uint32_t sign = 0; sign < 2; sign++)
-        for (uint32_t e = 0, at = sign * 256; e <= top; e++, at++) {
+        EACH_USED(e, first, last) {
+            uint32_t at = sign * 256 + e;
             const uint32_t *k = count + (sign << 15) + (e << fb);
             uint32_t implicit = e != 0 ? fractions : 0;
             uint64_t total = 0, sum = 0, square = 0;
@@ -151,7 +174,7 @@ static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb
             for (uint32_t f = 0; total && f < fractions; f++) /* widening 32-bit products: vectorized */
                 sum += (uint64_t)k[f] * (f | implicit), square += (uint64_t)k[f] * ((f | implicit) * (f | implicit));
             rows[sign][e] = total;
-            if (e < top)
+            if (e < (int)top)
                 parts[at] += (int64_t)sum, parts[512 + at] += (int64_t)square;
             else
                 c->inf += k[0], c->nan += total - k[0];
@@ -177,10 +200,9 @@ static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb
 
 /* float32: per element two sums into 2^13 bins of 16 bytes: count and l packed in one (l sums below 2^41, the
  * count from 2^42 up, moved to counts every 2^20 elements) beside the sum of l^2, reduced per (sign, exponent) at
- * the end. Only the bins of the exponents the slab holds are cleared and read (a pass over the magnitudes finds
- * them first): a slab of a few hundred elements costs as little as its elements. No branch per element: ±0 are
- * the elements of the two zero bins when those hold no low bits, and NaN and Inf fill only the bins of exponent
- * 255; where either is not so (rare), one more pass counts them and finds the finite extremes. */
+ * the end (only the bins of the exponents used: see EXPONENTS). No branch per element: ±0 are the elements of the
+ * two zero bins when those hold no low bits, and NaN and Inf fill only the bins of exponent 255; where either is
+ * not so (rare), one more pass counts them and finds the finite extremes. */
 enum { BINS = 1 << (32 - LOW_BITS), NEGATIVE = BINS / 2, TOP = 255 << (23 - LOW_BITS) };
 #define COUNT_SHIFT 42
 #define ADDENDS(bits) ((Pair){((uint64_t)1 << COUNT_SHIFT) + ((bits) & ((1u << LOW_BITS) - 1)),                       \
@@ -193,7 +215,7 @@ typedef struct {
 } Bins32;
 
 #define USED_BINS(b, u)                                                                                         \
-    for (int e = 0; e <= (b)->last; e = e < (b)->first ? (b)->first : e + 1)                                   \
+    EACH_USED(e, (b)->first, (b)->last)                                                                         \
         for (int sign = 0; sign < 2; sign++)                                                                    \
             for (int u = sign * NEGATIVE + (e << 4), end = u + 16; u < end; u++)
 
@@ -266,25 +288,13 @@ static void pass32_blocks(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, B
 }
 #endif
 
-/* b->first and b->last: the smallest exponent of a nonzero element (0 where all are ±0) and the largest. */
-VECTOR_CLONES
-static void exponents(const uint32_t *v, Py_ssize_t n, Bins32 *b) {
-    uint32_t largest = 0, smallest = UINT32_MAX; /* of the magnitudes' bits shifted left, the zeros' not counted */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t magnitude = v[i] << 1;
-        largest = magnitude > largest ? magnitude : largest;
-        smallest = magnitude - 1 < smallest ? magnitude - 1 : smallest;
-    }
-    b->first = (int)((smallest + 1) >> 24), b->last = (int)(largest >> 24);
-}
-
 static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int portable, int64_t *parts,
                      uint64_t *row, Counts *c) {
     Bins32 b = {malloc(BINS * (sizeof(Pair) + sizeof(uint64_t))), NULL, 0, 0};
     if (b.bins == NULL)
         return -1;
     b.counts = (uint64_t *)(b.bins + BINS);
-    exponents(v, n, &b);
+    exponents32(v, n, 23, &b.first, &b.last);
     USED_BINS(&b, u) {
         b.bins[u] = (Pair){0, 0}, b.counts[u] = 0;
     }
@@ -318,8 +328,8 @@ static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int po
     c->found = low <= high;
     memcpy(&c->low, &low, sizeof low);
     memcpy(&c->high, &high, sizeof high);
-    for (int e = 0; e <= b.last && e < 255; e = e < b.first ? b.first : e + 1) /* exponent 255: not summed */
-        for (int at = e; at < 512; at += 256) {                                    /* either sign */
+    EACH_USED(e, b.first, b.last)
+        for (int at = e; at < 512 && e < 255; at += 256) { /* either sign; exponent 255 (NaN, Inf) not summed */
             int64_t sums[5] = {0}, implicit = e != 0 ? 16 : 0;
             for (int u = at << 4, f = 0; f < 16; u++, f++) {
                 int64_t k = (int64_t)b.counts[u], a = f | implicit, l = (int64_t)b.bins[u][0];
