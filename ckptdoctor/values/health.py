@@ -215,11 +215,12 @@ class HealthScan:
         if kind is None or shape is None or len(offsets) != len(shape):
             return None
         np = require_numpy()
-        values = _chunk_array(np, kind, data, sizes, view)
+        nbytes = memoryview(data).nbytes
+        in_order = view is None or (view[0] == 0 and _row_major(view[1], view[2]))
+        values = _chunk_array(np, kind, data, nbytes, sizes, None if in_order else view)
         if values is None:
             return None
-        whole = kind.is_float and math.prod(sizes) * kind.itemsize == memoryview(data).nbytes
-        whole = whole and (view is None or (view[0] == 0 and _row_major(view[1], view[2])))
+        whole = kind.is_float and in_order and math.prod(sizes) * kind.itemsize == nbytes
         nan = inf = 0
         stats = self.keys.get(key)
         if stats is None:
@@ -230,7 +231,8 @@ class HealthScan:
         k = len(stats.axes)
         inner_shape = stats.shape[k:]
         inner_origin = tuple(offsets[k:])
-        for local in itertools.product(*(range(n) for n in sizes[:k])):
+        # each slice of the stacked axes the chunk covers (a key without them: the one slice ())
+        for local in itertools.product(*(range(n) for n in sizes[:k])) if k else ((),):
             index = tuple(o + i for o, i in zip(offsets[:k], local))
             moments = stats.slices.get(index)
             if moments is None:
@@ -242,12 +244,12 @@ class HealthScan:
         return (nan, inf) if whole else None
 
 
-def _chunk_array(np: Any, kind: _Kind, data: Any, sizes: tuple[int, ...], view: Any) -> Any:
-    """The chunk's elements as unsigned integers of the element's width (their bits), shaped ``sizes``."""
-    unsigned = np.dtype(f"<u{kind.itemsize}")
+def _chunk_array(np: Any, kind: _Kind, data: Any, nbytes: int, sizes: tuple[int, ...], view: Any) -> Any:
+    """The chunk's elements as unsigned integers of the element's width (their bits), shaped ``sizes``; ``view``
+    the record's (storage offset, size, stride), None where the chunk is its first elements in row-major order."""
+    unsigned = _UNSIGNED.get(kind.itemsize) or _UNSIGNED.setdefault(kind.itemsize, np.dtype(f"<u{kind.itemsize}"))
     numel = math.prod(sizes)
-    nbytes = memoryview(data).nbytes
-    if view is None or (view[0] == 0 and _row_major(view[1], view[2])):
+    if view is None:
         if numel * kind.itemsize > nbytes:
             return None
         return np.frombuffer(data, dtype=unsigned, count=numel).reshape(sizes)
@@ -259,6 +261,9 @@ def _chunk_array(np: Any, kind: _Kind, data: Any, sizes: tuple[int, ...], view: 
     return np.lib.stride_tricks.as_strided(
         flat[offset:], shape=tuple(size), strides=tuple(s * kind.itemsize for s in stride), writeable=False
     )
+
+
+_UNSIGNED: dict[int, Any] = {}  # itemsize -> numpy's little-endian unsigned dtype of that width
 
 
 def _row_major(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
