@@ -127,7 +127,8 @@ typedef struct {
 
 /* The exponents a slab holds: *first the smallest of a nonzero element (0 where all are ±0), *last the largest.
  * Only the histogram entries and bins of exponent 0 (the zeros) and of first..last are cleared and read, so a slab
- * of a few hundred elements costs about as little as its elements. */
+ * of a few hundred elements costs about as little as its elements (a slab of WHOLE_TABLE_FROM elements and more
+ * uses all of them, without this pass). */
 #define EXPONENTS(name, type, magnitude_mask)                                                                   \
     VECTOR_CLONES static void name(const type *v, Py_ssize_t n, int fraction_bits, int *first, int *last) {     \
         uint32_t largest = 0, smallest = UINT32_MAX; /* magnitude - 1 wraps for ±0: never the smallest */       \
@@ -140,6 +141,7 @@ typedef struct {
     }
 EXPONENTS(exponents16, uint16_t, 0x7FFFu)
 EXPONENTS(exponents32, uint32_t, 0x7FFFFFFFu)
+#define WHOLE_TABLE_FROM (1 << 18) /* elements from which clearing and reading every entry costs less than the pass */
 #define EACH_USED(e, first, last) for (int e = 0; e <= (last); e = e < (first) ? (first) : e + 1)
 
 /* 2-byte floats: a histogram of the patterns, reduced per (sign, exponent) at the end. */
@@ -149,7 +151,10 @@ static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb
     int first, last;
     if (count == NULL)
         return -1;
-    exponents16(v, n, fb, &first, &last);
+    if (n < WHOLE_TABLE_FROM)
+        exponents16(v, n, fb, &first, &last);
+    else
+        first = 0, last = (int)top;
     EACH_USED(e, first, last) {
         memset(count + (e << fb), 0, fractions * sizeof *count);
         memset(count + (1 << 15) + (e << fb), 0, fractions * sizeof *count);
@@ -294,7 +299,10 @@ static int measure32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, int po
     if (b.bins == NULL)
         return -1;
     b.counts = (uint64_t *)(b.bins + BINS);
-    exponents32(v, n, 23, &b.first, &b.last);
+    if (n < WHOLE_TABLE_FROM)
+        exponents32(v, n, 23, &b.first, &b.last);
+    else
+        b.first = 0, b.last = 255;
     USED_BINS(&b, u) {
         b.bins[u] = (Pair){0, 0}, b.counts[u] = 0;
     }
