@@ -14,6 +14,8 @@ group, so a change is measured before/after in the same alternating rounds.
 ``--cold`` evicts the checkpoint's files from the page cache before every run (``harness.evict``), so each command
 reads them from the disk, as a checkpoint larger than memory is read; results go to ``health-cold.json``.
 ``--jobs N`` runs every check with ``--jobs N`` (results ``health[-cold]-jobsN.json``).
+``--numpy`` adds ``check --health`` with the C extensions blocked (``CKPTDOCTOR_NO_EXTENSIONS=1``: numpy's
+statistics, as a build without a C compiler runs them); results ``health[-cold][-jobsN]-numpy.json``.
 
     python bench/bench_health.py                      # 0.5G, 2000 keys, 16 files -> bench/results/health.json
     python bench/bench_health.py --before /tmp/base   # and the baseline tree's --health, alternating with them
@@ -47,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before", type=Path, default=None, help="baseline source tree: its --health joins each group")
     p.add_argument("--cold", action="store_true", help="evict the checkpoint from the page cache before every run")
     p.add_argument("--jobs", type=int, default=1, help="ckptdoctor's --jobs for every check (default 1)")
+    p.add_argument(
+        "--numpy", action="store_true", help="add check --health without the C extensions (CKPTDOCTOR_NO_EXTENSIONS=1)"
+    )
     p.add_argument("--render", action="store_true", help="print the table of bench/results/health.json")
     o = p.parse_args(argv)
     harness.use_code(o.code)
@@ -54,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render(json.loads((RESULTS / ("health-cold.json" if o.cold else "health.json")).read_text())))
         return 0
     name = ("health-cold" if o.cold else "health") + (f"-jobs{o.jobs}" if o.jobs != 1 else "")
+    name += "-numpy" if o.numpy else ""
     recorder = harness.Recorder(name, argv)
     groups, ratios, inputs, data_bytes = {}, {}, {}, {}
     failures = False
@@ -74,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             cases[f"check --health {dtype} (before)"] = Case(
                 ckptdoctor(*check, "--health", str(save)), cwd=before, before=evict
             )
+        if o.numpy:  # what a build without a C compiler runs: numpy's statistics
+            cases[f"check --health {dtype} (numpy)"] = Case(
+                ["env", "CKPTDOCTOR_NO_EXTENSIONS=1", *ckptdoctor(*check, "--health", str(save))], before=evict
+            )
         group = alternate(cases, o.repeats, o.timeout)
         failures = failures or bool(group.failures)
         groups[dtype] = group.summary()
@@ -84,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             ratios[f"--health before / --deep, {dtype}"] = group.ratio(
                 f"check --health {dtype} (before)", f"check --deep {dtype}"
+            )
+        if o.numpy:
+            ratios[f"--health (numpy) / --deep, {dtype}"] = group.ratio(
+                f"check --health {dtype} (numpy)", f"check --deep {dtype}"
             )
         ratios[f"--deep / cat, {dtype}"] = group.ratio(f"check --deep {dtype}", f"cat {dtype}")
         ratios[f"health pass / deep pass (minus non-deep check), {dtype}"] = harness.spread(
