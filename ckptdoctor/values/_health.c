@@ -68,22 +68,22 @@ static uint64_t power(uint64_t base, uint64_t exponent) {
  * so sum over t of c^(4 t) h_j = c^(4 (T_k - 1)) s_k, and the row's sum is sum over k of c^k of that:
  * one multiplication per element, four independent chains. ELEMENT(j, s) does the element's own work and sets
  * s = s c^-4 + h_j. */
-#define ROWS4(ELEMENT)                                                                                           \
-    uint64_t factor[4];                                                                                     \
-    for (int k = 0; k < 4; k++) { /* every row has `columns` elements: T_k the same in each */              \
-        Py_ssize_t count = columns / 4 + (k < columns % 4);                                             \
-        factor[k] = count ? power(GOLDEN, k + (uint64_t)4 * (count - 1)) : 0;                               \
+#define ROWS4(ELEMENT)                                                                                          \
+    uint64_t factor[4];                                                                                         \
+    for (int k = 0; k < 4; k++) { /* every row has `columns` elements: T_k the same in each */                  \
+        Py_ssize_t count = columns / 4 + (k < columns % 4);                                                     \
+        factor[k] = count ? power(GOLDEN, k + (uint64_t)4 * (count - 1)) : 0;                                   \
     }                                                                                                           \
     for (Py_ssize_t first = 0; first < n; first += columns, row++) {                                            \
         uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                                                \
-        Py_ssize_t j = 0, whole = columns - columns % 4;                                                    \
-        for (; j < whole; j += 4) {                                                                         \
+        Py_ssize_t j = 0, whole = columns - columns % 4;                                                        \
+        for (; j < whole; j += 4) {                                                                             \
             ELEMENT(first + j, s0);                                                                             \
             ELEMENT(first + j + 1, s1);                                                                         \
             ELEMENT(first + j + 2, s2);                                                                         \
             ELEMENT(first + j + 3, s3);                                                                         \
         }                                                                                                       \
-        if (j < columns) /* the last columns % 4 elements, each the last of its lane */                     \
+        if (j < columns) /* the last columns % 4 elements, each the last of its lane */                         \
             ELEMENT(first + j, s0);                                                                             \
         if (j + 1 < columns)                                                                                    \
             ELEMENT(first + j + 1, s1);                                                                         \
@@ -98,12 +98,12 @@ static uint64_t power(uint64_t base, uint64_t exponent) {
  * of c^(LANES t) h_j = c^(LANES (T_k - 1)) s_k, and the row's sum is sum over k of c^k of that: one multiplication
  * per element, LANES independent chains. BLOCK(at, m) does the work of elements at..at+m-1 and sets
  * s[k] = s[k] c^-LANES + h for each. */
-#define ROWS(LANES, INVERSE, BLOCK)                                                                              \
+#define ROWS(LANES, INVERSE, BLOCK)                                                                             \
     uint64_t factor[LANES], s[LANES];                                                                           \
     const uint64_t inverse = INVERSE;                                                                           \
     int used = columns < LANES ? (int)columns : LANES;                                                          \
-    uint64_t longer = power(GOLDEN, LANES * (uint64_t)(columns / LANES)), shorter = longer * inverse, ck = 1;     \
-    for (int k = 0; k < used; k++, ck *= GOLDEN) /* c^(k + LANES (T_k - 1)), T_k the same in every row */      \
+    uint64_t longer = power(GOLDEN, LANES * (uint64_t)(columns / LANES)), shorter = longer * inverse, ck = 1;   \
+    for (int k = 0; k < used; k++, ck *= GOLDEN) /* c^(k + LANES (T_k - 1)), T_k the same in every row */       \
         factor[k] = ck * (k < columns % LANES ? longer : shorter);                                              \
     for (Py_ssize_t first = 0; first < n; first += columns, row++) {                                            \
         for (int k = 0; k < used; k++)                                                                          \
@@ -163,7 +163,7 @@ static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb
     do {                                                                                                        \
         uint16_t bits = v[at];                                                                                  \
         count[bits]++;                                                                                          \
-        lane = lane * inverse4 + pattern_hash[bits];                                                                \
+        lane = lane * inverse4 + pattern_hash[bits];                                                            \
     } while (0)
     ROWS4(ELEMENT);
 #undef ELEMENT
@@ -210,7 +210,7 @@ static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb
  * not so (rare), one more pass counts them and finds the finite extremes. */
 enum { BINS = 1 << (32 - LOW_BITS), NEGATIVE = BINS / 2, TOP = 255 << (23 - LOW_BITS) };
 #define COUNT_SHIFT 42
-#define ADDENDS(bits) ((Pair){((uint64_t)1 << COUNT_SHIFT) + ((bits) & ((1u << LOW_BITS) - 1)),                       \
+#define ADDENDS(bits) ((Pair){((uint64_t)1 << COUNT_SHIFT) + ((bits) & ((1u << LOW_BITS) - 1)),                 \
                               (uint64_t)((bits) & ((1u << LOW_BITS) - 1)) * ((bits) & ((1u << LOW_BITS) - 1))})
 
 typedef struct {
@@ -268,7 +268,7 @@ static void pass32_blocks(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, B
 #define BLOCK(at, m)                                                                                            \
     do {                                                                                                        \
         const uint32_t *block = v + (at);                                                                       \
-        uint64_t addends[2 * 64] __attribute__((aligned(16))); /* not Pairs: those would keep it scalar */       \
+        uint64_t addends[2 * 64] __attribute__((aligned(16))); /* not Pairs: those would keep it scalar */      \
         uint32_t bin[64];                                                                                       \
         for (int k = 0; k < (m); k++) {                                                                         \
             uint32_t bits = block[k], hash = bits * 0x9E3779B1u;                                                \
@@ -280,7 +280,7 @@ static void pass32_blocks(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, B
             highs[k] = value > highs[k] ? value : highs[k];                                                     \
         }                                                                                                       \
         for (int k = 0; k < (m); k++)                                                                           \
-            bins[bin[k]] += *(Pair *)(addends + 2 * k);                                                                      \
+            bins[bin[k]] += *(Pair *)(addends + 2 * k);                                                         \
         if ((until_move -= (m)) <= 0)                                                                           \
             move_counts(b), until_move = 1 << 20;                                                               \
     } while (0)
@@ -428,8 +428,8 @@ release_data:
 
 static PyMethodDef methods[] = {
     {"floats", floats, METH_VARARGS,
-     "floats(data, columns, exponent_bits, fraction_bits, out, row_step[, portable]) -> (zeros, nan, inf, low, high, positive, "
-     "negative, squares, rows): one slab of float32, bfloat16 or float16 elements (see _health.c)."},
+     "floats(data, columns, exponent_bits, fraction_bits, out, row_step[, portable]) -> (zeros, nan, inf, low, "
+     "high, positive, negative, squares, rows): one slab of float32, bfloat16 or float16 elements (see _health.c)."},
     {NULL, NULL, 0, NULL},
 };
 
