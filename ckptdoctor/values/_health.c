@@ -31,12 +31,16 @@
 #define TOTAL_LIMBS 10  /* 32-bit digits of a sum: below 2^(48 + 253 + 8) */
 #define SQUARE_LIMBS 19 /* of a sum of squares: below 2^(73 + 506 + 8) */
 
-/* float32 has a second pass written for the auto-vectoriser, built for AVX2 and AVX-512 where GCC can (x86-64
- * Linux) and run where the processor has AVX2; elsewhere, and with floats(..., portable=True), the portable pass
- * runs. Either gives the same integers. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+/* float32 has a second pass written for the auto-vectoriser, built for AVX2 (and AVX-512 from GCC 11) where GCC
+ * can (x86-64 with glibc: target_clones needs its ifunc) and run where the processor has AVX2; elsewhere, and with
+ * floats(..., portable=True), the portable pass runs. Either gives the same integers. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 6 && defined(__x86_64__) && defined(__GLIBC__)
 #define VECTOR_BLOCKS 1
+#if __GNUC__ >= 11
 #define VECTOR_CLONES __attribute__((target_clones("default", "avx2", "arch=x86-64-v4")))
+#else
+#define VECTOR_CLONES __attribute__((target_clones("default", "avx2")))
+#endif
 #else
 #define VECTOR_BLOCKS 0
 #define VECTOR_CLONES
