@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -142,6 +143,17 @@ def _outcome(proc: subprocess.Popen, out: str, err: str, complete: str) -> str |
         # shows 130 too); nothing of Python or ours has run
         return "killed before Python's handler"
     ours = {f for f in re.findall(r'File "([^"]+)"', err) if Path(f).is_relative_to(PACKAGE)}
+    if (
+        proc.returncode == 0
+        and out == complete
+        and err.startswith("Failed checking if argv[0] is an import path entry\n")
+        and err.rstrip().endswith("KeyboardInterrupt")
+        and not ours
+    ):
+        # in the interpreter's start, while it asks zipimport whether argv[0] (the console script) is an archive to
+        # import from: CPython prints that line and the traceback, drops the error and runs the script to its end
+        # (Modules/main.c, pymain_get_importer); nothing of the package had run
+        return "caught by the interpreter's start, then run"
     if err.rstrip().endswith("KeyboardInterrupt") and out == "" and ours <= {str(PACKAGE / "__init__.py")}:
         # before the package armed its deferral: in the interpreter's own start (site and the .pth files of
         # site-packages, runpy or the console script finding the package), out of the package's reach (a
@@ -303,3 +315,21 @@ def test_sigint_at_each_line_of_the_cli_start_exits_130_with_one_line(entry):
     assert len(trials) > 30 and finished["code"] == 0, finished  # the lines of run(), main() and the import: all met
     failed = [t for t in trials if (t["code"], t["stderr"]) != (130, INTERRUPTED)]
     assert not failed, "\n".join(f"SIGINT at {t['at']}: exit {t['code']}\n{t['stderr']}" for t in failed[:5])
+
+
+def test_outcome_of_an_interrupt_caught_by_the_interpreters_start():
+    """CPython reports a KeyboardInterrupt raised while it checks whether argv[0] is a zip to import from, then runs
+    the script to its end: that run is an answer (nothing of ours had run); the same report with a frame of the
+    package in it, or with an exit other than 0, is not."""
+    report = (
+        "Failed checking if argv[0] is an import path entry\n"
+        "Traceback (most recent call last):\n"
+        '  File "<frozen zipimport>", line 94, in __init__\n'
+        "KeyboardInterrupt\n"
+    )
+    finished = types.SimpleNamespace(returncode=0)
+    assert _outcome(finished, "complete\n", report, "complete\n") is not None  # type: ignore[arg-type]
+    failed = types.SimpleNamespace(returncode=1)
+    assert _outcome(failed, "complete\n", report, "complete\n") is None  # type: ignore[arg-type]
+    ours = report.replace("<frozen zipimport>", str(PACKAGE / "cli.py"))
+    assert _outcome(finished, "complete\n", ours, "complete\n") is None  # type: ignore[arg-type]
