@@ -214,8 +214,11 @@ static int measure16(const uint16_t *v, Py_ssize_t n, Py_ssize_t columns, int eb
  * not so (rare), one more pass counts them and finds the finite extremes. */
 enum { BINS = 1 << (32 - LOW_BITS), NEGATIVE = BINS / 2, TOP = 255 << (23 - LOW_BITS) };
 #define COUNT_SHIFT 42
-#define ADDENDS(bits) ((Pair){((uint64_t)1 << COUNT_SHIFT) + ((bits) & ((1u << LOW_BITS) - 1)),                 \
-                              (uint64_t)((bits) & ((1u << LOW_BITS) - 1)) * ((bits) & ((1u << LOW_BITS) - 1))})
+
+static inline Pair addends(uint32_t bits) { /* one element's (count and l, l^2) */
+    uint64_t l = bits & ((1u << LOW_BITS) - 1);
+    return (Pair){((uint64_t)1 << COUNT_SHIFT) + l, l * l};
+}
 
 typedef struct {
     Pair *bins;       /* (count 2^42 + sum of l, sum of l^2) */
@@ -245,7 +248,7 @@ static void pass32(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, Bins32 *
     do {                                                                                                        \
         uint32_t bits = v[at], hash = bits * 0x9E3779B1u;                                                       \
         lane = lane * inverse4 + (hash ^ (hash >> 16));                                                         \
-        bins[bits >> LOW_BITS] += ADDENDS(bits);                                                                \
+        bins[bits >> LOW_BITS] += addends(bits);                                                                \
         memcpy(&value, &bits, sizeof value);                                                                    \
         smallest = value < smallest ? value : smallest; /* minss, maxss: no branch */                           \
         largest = value > largest ? value : largest;                                                            \
@@ -272,19 +275,19 @@ static void pass32_blocks(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, B
 #define BLOCK(at, m)                                                                                            \
     do {                                                                                                        \
         const uint32_t *block = v + (at);                                                                       \
-        uint64_t addends[2 * 64] __attribute__((aligned(16))); /* not Pairs: those would keep it scalar */      \
+        uint64_t pairs[2 * 64] __attribute__((aligned(16))); /* addends(), but not Pairs: those keep it scalar */ \
         uint32_t bin[64];                                                                                       \
         for (int k = 0; k < (m); k++) {                                                                         \
             uint32_t bits = block[k], hash = bits * 0x9E3779B1u;                                                \
             uint64_t l = bits & ((1u << LOW_BITS) - 1);                                                         \
             s[k] = s[k] * inverse + (hash ^ (hash >> 16));                                                      \
-            addends[2 * k] = ((uint64_t)1 << COUNT_SHIFT) + l, addends[2 * k + 1] = l * l, bin[k] = bits >> LOW_BITS; \
+            pairs[2 * k] = ((uint64_t)1 << COUNT_SHIFT) + l, pairs[2 * k + 1] = l * l, bin[k] = bits >> LOW_BITS;   \
             memcpy(&value, &bits, sizeof value);                                                                \
             lows[k] = value < lows[k] ? value : lows[k]; /* minps, maxps */                                     \
             highs[k] = value > highs[k] ? value : highs[k];                                                     \
         }                                                                                                       \
         for (int k = 0; k < (m); k++)                                                                           \
-            bins[bin[k]] += *(Pair *)(addends + 2 * k);                                                         \
+            bins[bin[k]] += *(Pair *)(pairs + 2 * k);                                                           \
         if ((until_move -= (m)) <= 0)                                                                           \
             move_counts(b), until_move = 1 << 20;                                                               \
     } while (0)
