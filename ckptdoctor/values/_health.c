@@ -407,6 +407,8 @@ static PyObject *floats(PyObject *self, PyObject *args) {
                         : measure16(data.buf, n, columns, eb, fb, parts, out.buf, &c);
     for (int at = 0; !failed && at < 512; at++) { /* every part below 2^62: see measure16 and measure32 */
         int sign = at >> 8, shift = (at & 255) > 1 ? (at & 255) - 1 : 0;
+        if (!(parts[at] | parts[512 + at] | parts[1024 + at] | parts[1536 + at] | parts[2048 + at]))
+            continue; /* an exponent the slab does not hold (most of them): nothing to add */
         unsigned __int128 total = (uint64_t)parts[at], square = (uint64_t)parts[512 + at];
         if (width == 4) { /* the significand a 2^19 + l */
             total = (total << LOW_BITS) + (uint64_t)parts[1024 + at];
