@@ -4,8 +4,9 @@
 
 Each tree's pass runs as scripts/test.sh runs it: ``python -m pytest -q -n 2 --dist loadgroup -m "not mcore"
 -p no:cacheprovider`` from the tree (``PYTHONPATH`` the tree, so its own package and tests), then again with
-``CKPTDOCTOR_NO_EXTENSIONS=1``. The four commands are one alternating group of ``harness.py`` (no warm-up round:
-a pass is minutes long; the order rotates each round). Wall is what a developer waits; CPU (user + sys of pytest
+``CKPTDOCTOR_NO_EXTENSIONS=1``, both with ``PYTHONDONTWRITEBYTECODE=1`` (no caches written into the trees). The
+four commands are one alternating group of ``harness.py`` (no warm-up round: a pass is minutes long; the order
+rotates each round). Wall is what a developer waits; CPU (user + sys of pytest
 and its workers) is what other load on the machine inflates least. Issue #34's budget: the new tree's two passes
 together take at most 1.2x the old tree's. Writes bench/results/fast-tier.json.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -33,7 +33,7 @@ def cases(trees: dict[str, Path]) -> dict[str, Case]:
         harness.build_extension(tree)
         for label, extra in PASSES.items():
             # env: the tree's own package first (the venv's editable install points at one checkout)
-            cmd = ["env", f"PYTHONPATH={tree}", *extra, PYTHON, *PYTEST]
+            cmd = ["env", "PYTHONDONTWRITEBYTECODE=1", f"PYTHONPATH={tree}", *extra, PYTHON, *PYTEST]
             out[f"{name}, {label}"] = Case(cmd, cwd=tree)
     return out
 
@@ -94,5 +94,4 @@ def render(doc: dict) -> str:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     raise SystemExit(main())
