@@ -151,8 +151,11 @@ class KeyStats:
     shape: tuple[int, ...]
     axes: tuple[str, ...]  # the stacked axes, leading (``layer``, ``expert``)
     slices: dict[tuple[int, ...], Moments] = field(default_factory=dict)
+    # whole()'s result until a slice changes (merge, HealthScan.scan): the rules and the report each ask for it
+    cached_whole: Moments | None = field(default=None, init=False, repr=False, compare=False)
 
     def merge(self, other: KeyStats) -> None:
+        self.cached_whole = None
         for index, moments in other.slices.items():
             mine = self.slices.get(index)
             if mine is None:
@@ -161,7 +164,13 @@ class KeyStats:
                 mine.merge(moments)
 
     def whole(self) -> Moments:
-        """The key's statistics: its slices merged, the fingerprint combining each slice's with its index."""
+        """The key's statistics: its slices merged, the fingerprint combining each slice's with its index. Computed
+        once until the slices change; the same object to every caller, not to be changed."""
+        if self.cached_whole is None:
+            self.cached_whole = self._whole()
+        return self.cached_whole
+
+    def _whole(self) -> Moments:
         out = Moments()
         fingerprint = 0
         for index, moments in self.slices.items():
@@ -228,6 +237,7 @@ class HealthScan:
             if len(axes) >= len(shape):
                 axes = ()
             stats = self.keys[key] = KeyStats(dtype or "", tuple(shape), axes)
+        stats.cached_whole = None  # its slices change below
         k = len(stats.axes)
         inner_shape = stats.shape[k:]
         inner_origin = tuple(offsets[k:])
