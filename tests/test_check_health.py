@@ -26,7 +26,7 @@ from ckptdoctor.formats.torch_dist import (
     storage_items,
 )
 from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
-from ckptdoctor.values.health import KINDS, HealthScan, summarise
+from ckptdoctor.values.health import KINDS, HealthScan, KeyStats, summarise
 from ckptdoctor.values.read import read_tensor
 from tests.conftest import FIXTURES, fixture_names
 
@@ -706,6 +706,32 @@ def test_fingerprint_tells_slices_apart():
     stats = _scan_in_chunks("torch.bfloat16", bits, 2)
     prints = [stats.slices[(i,)].fingerprint for i in range(4)]
     assert prints[0] == prints[1] and len(set(prints[1:])) == 3
+
+
+def test_whole_is_computed_once_and_follows_later_chunks_and_merges():
+    """KeyStats.whole() is kept until the key's slices change: a chunk scanned or a partial result merged after it
+    was asked for gives the statistics of all of them."""
+    rng = np.random.default_rng(1)
+    bits = rng.integers(0, 1 << 32, size=(4, 3, 64), dtype=np.uint64).astype("<u4")
+    key = "decoder.layers.x.weight"
+    expected = _scan_in_chunks("torch.float32", bits, 3).whole()
+
+    def feed(scan: HealthScan, layers: range) -> KeyStats:
+        for layer in layers:
+            part = np.ascontiguousarray(bits[layer : layer + 1])
+            scan.scan(key, "torch.float32", bits.shape, (layer, 0, 0), part.shape, part.tobytes())
+        return scan.keys[key]
+
+    scan = HealthScan()
+    stats = feed(scan, range(2))
+    early = stats.whole()
+    assert stats.whole() is early and early != expected
+    assert feed(scan, range(2, 4)).whole() == expected
+    first, second = HealthScan(), HealthScan()
+    feed(first, range(2)).whole()
+    feed(second, range(2, 4)).whole()
+    first.merge(second)
+    assert first.keys[key].whole() == expected
 
 
 _GOLDEN = 0x9E3779B97F4A7C15

@@ -444,6 +444,49 @@ def test_large_reports_rows_are_escaped_wherever_the_control_character_is():
     assert escape_values(nested)[-1].reason == ["a\\x07"]
 
 
+def test_large_reports_rows_with_list_fields_take_the_fast_path_and_are_escaped():
+    """Rows whose fields hold lists or tuples of atoms (``check --health``'s ``shape``) are checked at C speed: clean
+    ones come back as the same list; an unsafe string inside a row's list, or beside the lists in the same field,
+    still gets escaped, and a deeper container takes the general path."""
+    from dataclasses import dataclass
+
+    from ckptdoctor import text_safety
+    from ckptdoctor.text_safety import escape_values
+
+    @dataclass(frozen=True)
+    class Row:
+        key: str
+        shape: list
+        dims: tuple
+        note: object
+
+    rows = [Row(f"decoder.layers.{i}.mlp.weight", [i, 4096], ("a", 2.5, None), None) for i in range(1000)]
+    assert text_safety._clean_rows(rows)
+    assert escape_values(rows) is rows
+
+    hostile = list(rows)
+    hostile[517] = Row("k", [1, "\x1b[31m"], (), None)
+    assert not text_safety._clean_rows(hostile)
+    out = escape_values(hostile)
+    assert out[517].shape == [1, "\\x1b[31m"] and out[516] is rows[516]
+
+    hostile = list(rows)
+    hostile[3] = Row("k", [1], ("x\ny",), None)
+    assert escape_values(hostile)[3].dims == ("x\\ny",)
+
+    mixed = list(rows)  # one field holding lists and strings: the strings are checked too
+    mixed[10] = Row("k", [1], (), [2, 3])
+    mixed[11] = Row("k", [1], (), "evil\x1b[2J")
+    assert escape_values(mixed)[11].note == "evil\\x1b[2J"
+    mixed[11] = Row("k", [1], (), "fine")
+    assert text_safety._clean_rows(mixed) and escape_values(mixed) is mixed
+
+    deeper = list(rows)
+    deeper[0] = Row("k", [[1, "\x07"]], (), None)
+    assert not text_safety._clean_rows(deeper)
+    assert escape_values(deeper)[0].shape == [[1, "\\x07"]]
+
+
 def test_inspect_escapes_arg_values_json_keeps_them(capsys, hostile):
     rc, out, _ = _run(capsys, "inspect", hostile)
     assert rc == 0

@@ -26,8 +26,10 @@ into exact totals itself (returned as integers' bytes, with each row's fingerpri
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import operator
 import re
 import struct
 from dataclasses import dataclass, field
@@ -136,11 +138,14 @@ def stack_axes(key: str) -> tuple[str, ...]:
     ``[L, E, ...]`` or ``[E, ...]`` in per-layer keys; a plain DCP save's ``[E, ...]`` experts parameter, as
     TorchTitan's ``experts.w1``). Optimizer keys in model space stack as their parameter."""
     axes: list[str] = []
-    if re.search(r"(^|\.)layers\.(?!\d+\.)", key):
+    if _STACKED_LAYERS.search(key):
         axes.append("layer")
-    if "experts.experts." in key or stacks_experts(key):
+    if "experts." in key and ("experts.experts." in key or stacks_experts(key)):  # both need "experts."
         axes.append("expert")
     return tuple(axes)
+
+
+_STACKED_LAYERS = re.compile(r"(?<![^.])layers\.(?!\d+\.)")  # "layers." at the start or after a dot, no number next
 
 
 @dataclass
@@ -151,8 +156,11 @@ class KeyStats:
     shape: tuple[int, ...]
     axes: tuple[str, ...]  # the stacked axes, leading (``layer``, ``expert``)
     slices: dict[tuple[int, ...], Moments] = field(default_factory=dict)
+    # whole()'s result until a slice changes (merge, HealthScan.scan): the rules and the report each ask for it
+    cached_whole: Moments | None = field(default=None, init=False, repr=False, compare=False)
 
     def merge(self, other: KeyStats) -> None:
+        self.cached_whole = None
         for index, moments in other.slices.items():
             mine = self.slices.get(index)
             if mine is None:
@@ -161,7 +169,13 @@ class KeyStats:
                 mine.merge(moments)
 
     def whole(self) -> Moments:
-        """The key's statistics: its slices merged, the fingerprint combining each slice's with its index."""
+        """The key's statistics: its slices merged, the fingerprint combining each slice's with its index. Computed
+        once until the slices change; the same object to every caller, not to be changed."""
+        if self.cached_whole is None:
+            self.cached_whole = self._whole()
+        return self.cached_whole
+
+    def _whole(self) -> Moments:
         out = Moments()
         fingerprint = 0
         for index, moments in self.slices.items():
@@ -228,12 +242,13 @@ class HealthScan:
             if len(axes) >= len(shape):
                 axes = ()
             stats = self.keys[key] = KeyStats(dtype or "", tuple(shape), axes)
+        stats.cached_whole = None  # its slices change below
         k = len(stats.axes)
         inner_shape = stats.shape[k:]
         inner_origin = tuple(offsets[k:])
         # each slice of the stacked axes the chunk covers (a key without them: the one slice ())
         for local in itertools.product(*(range(n) for n in sizes[:k])) if k else ((),):
-            index = tuple(o + i for o, i in zip(offsets[:k], local))
+            index = tuple(map(operator.add, offsets[:k], local))
             moments = stats.slices.get(index)
             if moments is None:
                 moments = stats.slices[index] = Moments()
@@ -306,34 +321,42 @@ def _add(
         consecutive = bits.shape[1:] == tuple(shape[1:])  # whole trailing extents: one run of the slice's elements
         rows = bits.reshape(1, -1) if consecutive else bits.reshape(-1, bits.shape[-1])
         sums = np.empty(rows.shape[0], dtype=np.uint64)
-        row_step = pow(_GOLDEN, shape[-1], 1 << 64) if bits.ndim == 2 and not consecutive else 1
+        row_step = _golden_power(shape[-1]) if bits.ndim == 2 and not consecutive else 1
         zeros, nan, inf, low, high, positive, negative, squares, combined = _native.floats(
             rows, rows.shape[1], kind.exponent_bits, kind.fraction_bits, sums, row_step
         )
-        part = _Part(finite=n - nan - inf, zeros=zeros, nan=nan, inf=inf)
-        part.total = int.from_bytes(positive, "little") - int.from_bytes(negative, "little")
-        part.total_sq = int.from_bytes(squares, "little")
-        if part.finite:
-            part.low, part.high = _FLOAT_PAIR[kind](low, high)
         if consecutive or bits.ndim == 2:  # from the index of the run's first element (of row r's in 2-d)
             start = 0
             for position, size in zip(origin, shape):
                 start = start * size + position
-            fingerprint = pow(_GOLDEN, start, 1 << 64) * combined & _MASK64
+            fingerprint = _golden_power(start) * combined & _MASK64
         else:
             fingerprint = _contract(np, sums, bits, origin, shape)
+        moments.fingerprint = (moments.fingerprint + fingerprint) & _MASK64
+        finite = n - nan - inf
+        if finite:
+            low, high = _FLOAT_PAIR[kind.itemsize, kind.exponent_bits](low, high)
+        total = int.from_bytes(positive, "little") - int.from_bytes(negative, "little")
+        _merge_counts(moments, finite, zeros, nan, inf, low, high, total, int.from_bytes(squares, "little"))
+        return nan, inf
+    fingerprint = _fingerprint(np, kind, bits, origin, shape)
+    flat = bits.reshape(-1)
+    if kind.itemsize == 1 or (kind.itemsize == 2 and n >= _HISTOGRAM_MIN):
+        part = _by_histogram(np, kind, flat)
+    elif kind == KINDS["torch.float32"] and n >= _HISTOGRAM_MIN:
+        part = _by_upper_bits(np, flat)
     else:
-        fingerprint = _fingerprint(np, kind, bits, origin, shape)
-        flat = bits.reshape(-1)
-        if kind.itemsize == 1 or (kind.itemsize == 2 and n >= _HISTOGRAM_MIN):
-            part = _by_histogram(np, kind, flat)
-        elif kind == KINDS["torch.float32"] and n >= _HISTOGRAM_MIN:
-            part = _by_upper_bits(np, flat)
-        else:
-            part = _by_element(np, kind, flat)
+        part = _by_element(np, kind, flat)
     moments.fingerprint = (moments.fingerprint + fingerprint) & _MASK64
     _merge_part(moments, part)
     return part.nan, part.inf
+
+
+@functools.lru_cache(maxsize=1024)
+def _golden_power(exponent: int) -> int:
+    """``c^exponent mod 2^64`` (``c`` the fingerprint's base): a chunk's weight from its first element's index, a few
+    microseconds each and the same few indices in every key of one shape and chunking."""
+    return pow(_GOLDEN, exponent, 1 << 64)
 
 
 @dataclass
@@ -352,18 +375,34 @@ class _Part:
 
 def _merge_part(part: _Part | Moments, other: _Part) -> None:
     """Add a slab's counts and sums to ``part`` (another slab's, or a slice's :class:`Moments`)."""
-    if other.finite:
-        low, high = other.low, other.high
+    _merge_counts(
+        part, other.finite, other.zeros, other.nan, other.inf, other.low, other.high, other.total, other.total_sq
+    )
+
+
+def _merge_counts(
+    part: _Part | Moments,
+    finite: int,
+    zeros: int,
+    nan: int,
+    inf: int,
+    low: float | int | None,
+    high: float | int | None,
+    total: int,
+    total_sq: int,
+) -> None:
+    """Add a slab's counts and sums (``low`` and ``high`` read only where ``finite``) to ``part``."""
+    if finite:
         if isinstance(low, float):  # -0.0 is 0.0: which of the two a zero min or max shows depends on no layout
             low, high = low + 0.0, high + 0.0  # type: ignore[operator]
         part.low = low if part.low is None else min(part.low, low)  # type: ignore[type-var]
         part.high = high if part.high is None else max(part.high, high)  # type: ignore[type-var]
-    part.finite += other.finite
-    part.zeros += other.zeros
-    part.nan += other.nan
-    part.inf += other.inf
-    part.total += other.total
-    part.total_sq += other.total_sq
+    part.finite += finite
+    part.zeros += zeros
+    part.nan += nan
+    part.inf += inf
+    part.total += total
+    part.total_sq += total_sq
 
 
 _BLOCK = 1 << 17  # elements per step of the element-wise passes: their buffers stay in the core's cache
@@ -617,10 +656,10 @@ def _float_pair(unpack: str, shift: int) -> Any:
     return lambda low, high: pair.unpack(pack(low << shift, high << shift))
 
 
-_FLOAT_PAIR = {
-    KINDS["torch.float32"]: _float_pair("<2f", 0),
-    KINDS["torch.bfloat16"]: _float_pair("<2f", 16),
-    KINDS["torch.float16"]: _float_pair("<2e", 0),
+_FLOAT_PAIR = {  # by (itemsize, exponent bits): a tuple of two ints hashes faster than a _Kind (a Python __hash__)
+    (4, 8): _float_pair("<2f", 0),  # float32
+    (2, 8): _float_pair("<2f", 16),  # bfloat16
+    (2, 5): _float_pair("<2e", 0),  # float16
 }
 
 
