@@ -276,18 +276,18 @@ static void pass32_blocks(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, B
     do {                                                                                                        \
         const uint32_t *block = v + (at);                                                                       \
         uint64_t pairs[2 * 64] __attribute__((aligned(16))); /* addends(), but not Pairs: those keep it scalar */ \
-        uint32_t bin[64];                                                                                       \
+        uint32_t at_byte[64]; /* the element's bin as a byte offset: no shift in the scatter below */          \
         for (int k = 0; k < (m); k++) {                                                                         \
             uint32_t bits = block[k], hash = bits * 0x9E3779B1u;                                                \
             uint64_t l = bits & ((1u << LOW_BITS) - 1);                                                         \
             s[k] = s[k] * inverse + (hash ^ (hash >> 16));                                                      \
-            pairs[2 * k] = ((uint64_t)1 << COUNT_SHIFT) + l, pairs[2 * k + 1] = l * l, bin[k] = bits >> LOW_BITS;   \
+            pairs[2 * k] = ((uint64_t)1 << COUNT_SHIFT) + l, pairs[2 * k + 1] = l * l, at_byte[k] = (bits >> LOW_BITS) * (uint32_t)sizeof(Pair); \
             memcpy(&value, &bits, sizeof value);                                                                \
             lows[k] = value < lows[k] ? value : lows[k]; /* minps, maxps */                                     \
             highs[k] = value > highs[k] ? value : highs[k];                                                     \
         }                                                                                                       \
-        for (int k = 0; k < (m); k++)                                                                           \
-            bins[bin[k]] += *(Pair *)(pairs + 2 * k);                                                           \
+        _Pragma("GCC unroll 4") for (int k = 0; k < (m); k++)                                                   \
+            *(Pair *)((char *)bins + at_byte[k]) += *(Pair *)(pairs + 2 * k);                                   \
         if ((until_move -= (m)) <= 0)                                                                           \
             move_counts(b), until_move = 1 << 20;                                                               \
     } while (0)
