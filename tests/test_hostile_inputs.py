@@ -7,6 +7,7 @@ and a timeout, so a case that balloons or hangs fails instead of taking the mach
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -292,7 +293,11 @@ def test_json_output_stays_strict_json_with_non_finite_floats(save_dir):
 
 @pytest.mark.parametrize(
     "sizes, why",
-    [((2**500,), "an int of 501 bits"), ((2**62, 4), "2**63 elements or more"), ((-1,), "-1, not an int64 size")],
+    [
+        ((2**500,), "an int of 501 bits"),
+        ((2**62, 4), "2**63 elements or more"),
+        ((-1,), "-1, not an int64 size"),
+    ],
 )
 def test_sizes_that_are_no_int64_are_refused_by_the_reader(save_dir, sizes, why):
     """A chunk's sizes and a global shape are int64 in torch; from a pickle they could be any int, and an
@@ -315,6 +320,23 @@ def test_sizes_that_are_no_int64_are_refused_by_the_reader(save_dir, sizes, why)
     for command in ("inspect", "diff"):
         args = [command, str(save)] + ([str(FIXTURES / "core019_tp1")] if command == "diff" else [])
         assert_one_line_error(run_limited(*args), why)
+
+
+def test_a_size_that_is_an_object_is_named_by_its_type():
+    """A reader-built object where a size belongs (a mutated pickle's callable, say) is named by its type, or by the
+    global a stand-in stands for: its repr would name the reader's internals, which differ between the C and the
+    Python reads, so the same file gave two messages."""
+    from ckptdoctor.formats.dcp_index import IndexValueError, int64_dims
+    from ckptdoctor.pickle.stand_ins import stand_in_class
+
+    for value, shown in (
+        (functools.partial(len, "x"), "a functools.partial object"),
+        (object.__new__(stand_in_class("fractions", "Fraction")), "a fractions.Fraction object"),
+        (1.5, "1.5"),
+    ):
+        with pytest.raises(IndexValueError) as raised:
+            int64_dims((3, value), "k", "sizes")
+        assert str(raised.value) == f"'k': sizes hold {shown}, not an int64 size"
 
 
 @pytest.mark.parametrize("shape, why", [([2**62, 4], "int64 sizes"), ([10**4000, 10**4000], "4001 digits")])

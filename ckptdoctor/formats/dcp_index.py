@@ -60,11 +60,23 @@ def int64_dims(dims: tuple, key: Any, what: str, counts: bool = False) -> tuple:
     more than 4,300 digits) and overflows every float it is turned into."""
     for dim in dims:
         if type(dim) is not int or not 0 <= dim < INT64:
-            shown = f"an int of {dim.bit_length()} bits" if type(dim) is int and dim >= INT64 else ascii(dim)[:40]
-            raise IndexValueError(f"{ascii(key)}: {what} hold {shown}, not an int64 size")
+            raise IndexValueError(f"{ascii(key)}: {what} hold {_shown(dim)}, not an int64 size")
     if counts and math.prod(dims) >= INT64:
         raise IndexValueError(f"{ascii(key)}: {what} of 2**63 elements or more")
     return dims
+
+
+def _shown(value: Any) -> str:
+    """A value that is no size, as a message shows it: a plain value's text (cut at 40 characters), an object's type
+    (the repr of an object the reader built for the pickle names the reader's internals, which differ between its C
+    and Python paths)."""
+    if type(value) is int:
+        return f"an int of {value.bit_length()} bits" if value >= INT64 else ascii(value)
+    if value is None or type(value) in (bool, float, str, bytes):
+        return ascii(value)[:40]
+    stands_for = getattr(type(value), "__ckd_global__", None)  # a stand-in: the global the pickle named
+    module, name = stands_for if stands_for is not None else (type(value).__module__, type(value).__qualname__)
+    return f"a {ascii(f'{module}.{name}')[1:-1][:80]} object"  # a stand-in's names come from the pickle
 
 
 # NamedTuples rather than frozen dataclasses: one of each per chunk, and a frozen dataclass's __init__
