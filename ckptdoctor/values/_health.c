@@ -281,7 +281,8 @@ static void pass32_blocks(const uint32_t *v, Py_ssize_t n, Py_ssize_t columns, B
             uint32_t bits = block[k], hash = bits * 0x9E3779B1u;                                                \
             uint64_t l = bits & ((1u << LOW_BITS) - 1);                                                         \
             s[k] = s[k] * inverse + (hash ^ (hash >> 16));                                                      \
-            pairs[2 * k] = ((uint64_t)1 << COUNT_SHIFT) + l, pairs[2 * k + 1] = l * l, at_byte[k] = (bits >> LOW_BITS) * (uint32_t)sizeof(Pair); \
+            pairs[2 * k] = ((uint64_t)1 << COUNT_SHIFT) + l, pairs[2 * k + 1] = l * l;                          \
+            at_byte[k] = (bits >> LOW_BITS) * (uint32_t)sizeof(Pair);                                           \
             memcpy(&value, &bits, sizeof value);                                                                \
             lows[k] = value < lows[k] ? value : lows[k]; /* minps, maxps */                                     \
             highs[k] = value > highs[k] ? value : highs[k];                                                     \
