@@ -153,12 +153,9 @@ def _clean_column(values: tuple | list, text: list[str], nested: bool) -> bool:
     if not types <= _ROW_FIELD_TYPES:
         if not nested or not types <= _ROW_FIELD_TYPES | _ROW_SEQUENCES:
             return False
-        only_sequences = types <= _ROW_SEQUENCES
-        sequences = values if only_sequences else [v for v in values if type(v) in _ROW_SEQUENCES]
+        sequences = [v for v in values if type(v) in _ROW_SEQUENCES]
         if not _clean_column(list(itertools.chain.from_iterable(sequences)), text, nested=False):
             return False
-        if only_sequences:
-            return True
     if str in types:
         text.extend([v for v in values if type(v) is str])
     return True
