@@ -409,15 +409,25 @@ def _chunkings(rows: int, columns: int) -> dict[str, list[tuple[tuple[int, int],
     }
 
 
-def _scan(key, dtype, tensor, chunks, shuffle_seed):
+def _scan(key, dtype, tensor, chunks, shuffle_seed, per_layer=False):
+    """``tensor``'s chunks (of its last two axes) scanned in a shuffled order; the leading axes whole, or with
+    ``per_layer`` each chunk cut per index of the leading axis (as Megatron saves a stacked key's layers)."""
     scan = HealthScan()
     chunks = list(chunks)
+    if per_layer:
+        chunks = [(layer, *chunk) for layer in range(tensor.shape[0]) for chunk in chunks]
+    else:
+        chunks = [(None, *chunk) for chunk in chunks]
     random.Random(shuffle_seed).shuffle(chunks)
     k = tensor.ndim - 2  # leading axes kept whole
-    for (r0, c0), (nr, nc), transposed in chunks:
+    for layer, (r0, c0), (nr, nc), transposed in chunks:
         block = tensor[..., r0 : r0 + nr, c0 : c0 + nc]
         offsets = (0,) * k + (r0, c0)
         sizes = tensor.shape[:k] + (nr, nc)
+        if layer is not None:
+            block = block[layer : layer + 1]
+            offsets = (layer,) + offsets[1:]
+            sizes = (1,) + sizes[1:]
         if transposed:  # the storage holds the block column-major: a strided view reads it
             data = np.ascontiguousarray(np.moveaxis(block, -1, -2)).tobytes()
             stride = tuple(math.prod(sizes[i + 1 :]) for i in range(k)) + (1, nr)
@@ -447,9 +457,11 @@ def test_chunkings_give_the_same_statistics(monkeypatch, dtype):
     assert len({shown for _, _, shown in seen}) == 1, seen
 
 
+@pytest.mark.parametrize("per_layer", [False, True], ids=["layers together", "a chunk per layer"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_chunkings_of_a_stacked_key(monkeypatch, dtype):
-    """A layer-stacked key: per-layer slices, each the same under every chunking of the other axes."""
+def test_chunkings_of_a_stacked_key(monkeypatch, dtype, per_layer):
+    """A layer-stacked key: per-layer slices, each the same under every chunking of the other axes, whether a
+    chunk holds every layer or one (the C loop's direct call)."""
     kind = KINDS[dtype]
     rng = np.random.default_rng(23)
     tensor = _mixed(rng, kind, (3, 24, 80))
@@ -462,7 +474,7 @@ def test_chunkings_of_a_stacked_key(monkeypatch, dtype):
             if not native:
                 patch.setattr(health, "_native", None)
             for name, chunks in _chunkings(24, 80).items():
-                stats = _scan(key, dtype, tensor, chunks, len(name))
+                stats = _scan(key, dtype, tensor, chunks, len(name), per_layer)
                 assert sorted(stats.slices) == sorted(refs)
                 for index, moments in stats.slices.items():
                     _matches_reference(kind, moments, refs[index])

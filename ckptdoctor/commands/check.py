@@ -170,6 +170,7 @@ def command(
             f"{output_format!r} is not one of {', '.join(map(repr, FORMATS))}",
             param_hint=f"{config_path}: [tool.ckptdoctor] format",
         )
+    options.health_statistics = output_format == "json"  # the other formats show the findings only
     if statistics and output_format not in ("text", "json"):
         raise click.BadParameter("--statistics goes with --format text or json", param_hint="--statistics")
     show_bar = (options.deep or options.health) and not quiet and output_format == "text" and sys.stderr.isatty()

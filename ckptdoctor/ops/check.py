@@ -67,6 +67,7 @@ class CheckOptions:
     jobs: int | None = None  # --deep: worker processes (None: the available cores; see ckptdoctor.parallel)
     health: bool = False  # --health (implies deep): per-key statistics and the CKD5xx rules (needs numpy)
     health_settings: HealthSettings = field(default_factory=HealthSettings)  # [tool.ckptdoctor.health-rules]
+    health_statistics: bool = True  # --health: the per-key statistics in the report (off: the findings only)
     te_version: tuple[int, int, int] | None = None  # --te-version: the loading run's Transformer Engine (None: newest)
 
 
@@ -154,7 +155,7 @@ def check_paths(
     if options.health:
         require_numpy()  # one clear error before any work
     targets = resolve_targets(paths, options.recursive, missing_ok)
-    reports: list[HealthReport] | None = [] if options.health else None
+    reports: list[HealthReport] | None = [] if options.health and options.health_statistics else None
     # (finding, the checkpoint its fix command names); None: no checkpoint a fixer could take
     found: dict[Finding, Path | None] = dict.fromkeys(targets.findings)
     iteration_dirs: dict[Path, Path] = {}

@@ -231,21 +231,41 @@ class HealthScan:
         np = require_numpy()
         nbytes = memoryview(data).nbytes
         in_order = view is None or (view[0] == 0 and _row_major(view[1], view[2]))
-        values = _chunk_array(np, kind, data, nbytes, sizes, None if in_order else view)
-        if values is None:
-            return None
-        whole = kind.is_float and in_order and math.prod(sizes) * kind.itemsize == nbytes
-        nan = inf = 0
+        numel = math.prod(sizes)
+        whole = kind.is_float and in_order and numel * kind.itemsize == nbytes
         stats = self.keys.get(key)
         if stats is None:
             axes = stack_axes(key)
-            if len(axes) >= len(shape):
-                axes = ()
-            stats = self.keys[key] = KeyStats(dtype or "", tuple(shape), axes)
-        stats.cached_whole = None  # its slices change below
+            stats = KeyStats(dtype or "", tuple(shape), () if len(axes) >= len(shape) else axes)
         k = len(stats.axes)
         inner_shape = stats.shape[k:]
         inner_origin = tuple(offsets[k:])
+        # the usual chunk, straight to the C loop (no numpy, no slabs): in one slice, one run of its elements or
+        # (a 2-d slice's column split) rows of one
+        consecutive = sizes[k + 1 :] == inner_shape[1:]  # whole trailing extents: one run of the slice's elements
+        if (
+            whole
+            and _native is not None
+            and kind.itemsize in (2, 4)
+            and 0 < numel <= SLAB_ELEMENTS
+            and (consecutive or len(inner_shape) == 2)
+            and all(n == 1 for n in sizes[:k])
+        ):
+            self.keys[key] = stats
+            stats.cached_whole = None  # its slice changes below
+            index = tuple(offsets[:k])
+            moments = stats.slices.get(index)
+            if moments is None:
+                moments = stats.slices[index] = Moments()
+            moments.count += numel
+            columns = numel if consecutive else sizes[-1]
+            return _add_native(kind, moments, data, numel, columns, inner_origin, inner_shape)
+        values = _chunk_array(np, kind, data, nbytes, sizes, None if in_order else view)
+        if values is None:
+            return None
+        self.keys[key] = stats
+        stats.cached_whole = None  # its slices change below
+        nan = inf = 0
         # each slice of the stacked axes the chunk covers (a key without them: the one slice ())
         for local in itertools.product(*(range(n) for n in sizes[:k])) if k else ((),):
             index = tuple(map(operator.add, offsets[:k], local))
@@ -322,23 +342,12 @@ def _add(
         rows = bits.reshape(1, -1) if consecutive else bits.reshape(-1, bits.shape[-1])
         sums = np.empty(rows.shape[0], dtype=np.uint64)
         row_step = _golden_power(shape[-1]) if bits.ndim == 2 and not consecutive else 1
-        zeros, nan, inf, low, high, positive, negative, squares, combined = _native.floats(
-            rows, rows.shape[1], kind.exponent_bits, kind.fraction_bits, sums, row_step
-        )
+        measured = _native.floats(rows, rows.shape[1], kind.exponent_bits, kind.fraction_bits, sums, row_step)
         if consecutive or bits.ndim == 2:  # from the index of the run's first element (of row r's in 2-d)
-            start = 0
-            for position, size in zip(origin, shape):
-                start = start * size + position
-            fingerprint = _golden_power(start) * combined & _MASK64
+            fingerprint = _golden_power(_flat_index(origin, shape)) * measured[-1] & _MASK64
         else:
             fingerprint = _contract(np, sums, bits, origin, shape)
-        moments.fingerprint = (moments.fingerprint + fingerprint) & _MASK64
-        finite = n - nan - inf
-        if finite:
-            low, high = _FLOAT_PAIR[kind.itemsize, kind.exponent_bits](low, high)
-        total = int.from_bytes(positive, "little") - int.from_bytes(negative, "little")
-        _merge_counts(moments, finite, zeros, nan, inf, low, high, total, int.from_bytes(squares, "little"))
-        return nan, inf
+        return _merge_native(kind, moments, n, measured, fingerprint)
     fingerprint = _fingerprint(np, kind, bits, origin, shape)
     flat = bits.reshape(-1)
     if kind.itemsize == 1 or (kind.itemsize == 2 and n >= _HISTOGRAM_MIN):
@@ -350,6 +359,40 @@ def _add(
     moments.fingerprint = (moments.fingerprint + fingerprint) & _MASK64
     _merge_part(moments, part)
     return part.nan, part.inf
+
+
+def _add_native(
+    kind: _Kind, moments: Moments, data: Any, n: int, columns: int, origin: tuple[int, ...], shape: tuple[int, ...]
+) -> tuple[int, int]:
+    """Add the ``n`` elements of ``data`` to ``moments`` (whose count the caller has added): 2- or 4-byte floats
+    from ``origin`` of a slice of ``shape``, either one run of its elements (``columns`` is ``n``) or (a 2-d slice)
+    rows of ``columns`` elements; their (NaN, Inf) counts. The C loop's call without numpy."""
+    run = n == columns
+    out = bytearray(8 if run else 8 * (n // columns))  # each row's fingerprint (scratch: their sum comes back)
+    row_step = 1 if run else _golden_power(shape[-1])  # the index step from one row to the next
+    measured = _native.floats(data, n if run else columns, kind.exponent_bits, kind.fraction_bits, out, row_step)
+    fingerprint = _golden_power(_flat_index(origin, shape)) * measured[-1] & _MASK64
+    return _merge_native(kind, moments, n, measured, fingerprint)
+
+
+def _merge_native(kind: _Kind, moments: Moments, n: int, measured: tuple, fingerprint: int) -> tuple[int, int]:
+    """Add what ``_health.floats`` measured of ``n`` elements, and their ``fingerprint``, to ``moments``."""
+    zeros, nan, inf, low, high, positive, negative, squares, _ = measured
+    moments.fingerprint = (moments.fingerprint + fingerprint) & _MASK64
+    finite = n - nan - inf
+    if finite:
+        low, high = _FLOAT_PAIR[kind.itemsize, kind.exponent_bits](low, high)
+    total = int.from_bytes(positive, "little") - int.from_bytes(negative, "little")
+    _merge_counts(moments, finite, zeros, nan, inf, low, high, total, int.from_bytes(squares, "little"))
+    return nan, inf
+
+
+def _flat_index(origin: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """The row-major index of the element at ``origin`` of an array of ``shape``."""
+    start = 0
+    for position, size in zip(origin, shape):
+        start = start * size + position
+    return start
 
 
 @functools.lru_cache(maxsize=1024)
