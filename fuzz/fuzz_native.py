@@ -15,7 +15,9 @@ per-element loop (``ckptdoctor.values._health``), in this process (under ASan wi
 scripts/sanitize.sh): seeded random slabs of float32, bfloat16 and float16 (1 to 4 dims, blocks at random origins
 of a larger slice, strided and transposed views now and then, sizes either side of the histogram threshold; bit
 patterns mixing normals of random scale, ±0, subnormals, NaN, ±Inf and random bits), each through ``health._add``
-with the C loop and with it set aside (``_native = None``); the ``Moments``, or the errors, must be identical.
+with the C loop (float32 by either pass), as bytes straight to the C loop (``health._add_native``, the call
+``HealthScan.scan`` makes for the usual chunk) and with the C loop set aside (``_native = None``); the ``Moments``,
+or the errors, must be identical.
 
 Any difference, or a worker that dies (a sanitizer report aborts it), fails the run with the mutant saved for
 reproduction (a health slab as ``<out>-health.npz``: its bits, dtype, origin and slice shape). A sanitizer report
@@ -272,7 +274,9 @@ def health_slab(rng: Any) -> tuple[str, Any, tuple[int, ...], tuple[int, ...]]:
     return dtype, bits, origin, shape
 
 
-HEALTH_PATHS = ("C", "C portable", "numpy")  # C: float32 by its vectorised pass where it runs; portable: by the other
+# C: float32 by its vectorised pass where it runs; portable: by the other; direct: a slab HealthScan.scan hands to the
+# C loop as bytes (a run of the slice's elements, or rows of a 2-d slice) through health._add_native, else as C
+HEALTH_PATHS = ("C", "C portable", "C direct", "numpy")
 
 
 def health_outcome(dtype: str, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...], path: str) -> str:
@@ -290,7 +294,14 @@ def health_outcome(dtype: str, bits: Any, origin: tuple[int, ...], shape: tuple[
         health._native = types.SimpleNamespace(floats=lambda *args: saved.floats(*args, True))
     try:
         m = health.Moments()
-        health._add(np, health.KINDS[dtype], m, bits, origin, shape)
+        kind = health.KINDS[dtype]
+        consecutive = bits.shape[1:] == tuple(shape[1:])
+        if path == "C direct" and saved is not None and bits.size and bits.ndim and (consecutive or len(shape) == 2):
+            m.count += bits.size
+            columns = bits.size if consecutive else bits.shape[-1]
+            health._add_native(kind, m, np.ascontiguousarray(bits).tobytes(), bits.size, columns, origin, shape)
+        else:
+            health._add(np, kind, m, bits, origin, shape)
         fields = (m.count, m.finite, m.zeros, m.nan, m.inf, m.total, m.total_sq, m.low, m.high, m.fingerprint)
         return repr(fields)
     except Exception as exc:  # noqa: BLE001 - an error is an outcome to compare
