@@ -13,7 +13,8 @@ group, so a change is measured before/after in the same alternating rounds.
 
 ``--cold`` evicts the checkpoint's files from the page cache before every run (``harness.evict``), so each command
 reads them from the disk, as a checkpoint larger than memory is read; results go to ``health-cold.json``.
-``--jobs N`` runs every check with ``--jobs N`` (results ``health[-cold]-jobsN.json``).
+``--jobs N`` runs every check with ``--jobs N`` (results ``health[-cold]-jobsN.json``); ``--tag TAG`` appends
+``-TAG`` to the results file's name (a second input size beside the first).
 ``--numpy`` adds ``check --health`` with the C extensions blocked (``CKPTDOCTOR_NO_EXTENSIONS=1``: numpy's
 statistics, as a build without a C compiler runs them); results ``health[-cold][-jobsN]-numpy.json``.
 
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--numpy", action="store_true", help="add check --health without the C extensions (CKPTDOCTOR_NO_EXTENSIONS=1)"
     )
+    p.add_argument("--tag", default="", help="appended to the results file's name (health[-cold][-jobsN]-TAG.json)")
     p.add_argument("--render", action="store_true", help="print the table of bench/results/health.json")
     o = p.parse_args(argv)
     harness.use_code(o.code)
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(render(json.loads((RESULTS / ("health-cold.json" if o.cold else "health.json")).read_text())))
         return 0
     name = ("health-cold" if o.cold else "health") + (f"-jobs{o.jobs}" if o.jobs != 1 else "")
-    name += "-numpy" if o.numpy else ""
+    name += ("-numpy" if o.numpy else "") + (f"-{o.tag}" if o.tag else "")
     recorder = harness.Recorder(name, argv)
     groups, ratios, inputs, data_bytes = {}, {}, {}, {}
     failures = False
