@@ -26,7 +26,7 @@ from ckptdoctor.formats.torch_dist import (
     storage_items,
 )
 from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
-from ckptdoctor.values.health import KINDS, HealthScan, KeyStats, summarise
+from ckptdoctor.values.health import KINDS, HealthScan, KeyStats, Moments, summarise
 from ckptdoctor.values.read import read_tensor
 from tests.conftest import FIXTURES, fixture_names
 
@@ -820,3 +820,46 @@ def test_health_counts_nan_and_inf_as_deep_does(capsys, name):
     deep_findings = [(f["code"], f["message"]) for f in deep["findings"]]
     assert deep_findings == [(f["code"], f["message"]) for f in health["findings"]]
     assert bool(deep_findings) == (name != "core019_trained_tp1")
+
+
+# --- many layers: the rules' work grows with the layers, not with their square ---------------------------------
+
+
+def _slice(low: float, high: float, fingerprint: int = 0) -> Moments:
+    return Moments(count=8, finite=8, low=low, high=high, total=1, total_sq=1, fingerprint=fingerprint)
+
+
+def test_many_layers_of_equal_experts():
+    """Thousands of layers (a hostile stacked shape) whose experts are equal: one finding a layer, each told whether
+    another layer's experts differ (there: the last layer's)."""
+    from ckptdoctor.rules import health as rules
+
+    layers = 4000
+    stats = KeyStats("torch.float32", (layers + 1, 2, 8), ("layer", "expert"))
+    for layer in range(layers + 1):
+        for expert in range(2):
+            stats.slices[(layer, expert)] = _slice(0.5, 1.5, fingerprint=expert if layer == layers else 7)
+    key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    found = rules._equal_experts(Path("ckpt"), rules._expert_tensors({key: stats}, None))
+    assert len(found) == layers
+    assert {f.code for f in found} == {rules.EXPERTS_EQUAL_IN_LAYER.code}
+    assert "decoder.layers.mlp.experts (layer 3999): all 2 experts are equal" in found[-1].message
+
+
+def test_many_layers_at_init_beside_many_moved():
+    """Half of thousands of layers with every norm scale exactly one, the other half moved: each of the first is a
+    finding naming the moved layers the same way."""
+    from ckptdoctor.rules import health as rules
+
+    layers = 4000
+    stats = KeyStats("torch.float32", (layers, 8), ("layer",))
+    for layer in range(layers):
+        stats.slices[(layer,)] = _slice(1.0, 1.0) if layer < layers // 2 else _slice(0.5, 1.5)
+    model = {"decoder.layers.self_attention.linear_qkv.layer_norm_weight": stats}
+    found = rules._layers_at_init(Path("ckpt"), model, None, None, rules.HealthSettings())
+    assert len(found) == layers // 2
+    assert {f.code for f in found} == {rules.LAYER_AT_INIT.code}
+    assert found[0].message.startswith("layer 0: every norm scale exactly 1 and every bias 0, as initialised,")
+    assert all(
+        "while layer(s) 2000, 2001, 2002, 2003, 2004, 2005, 2006, 2007 and 1992 more moved" in f.message for f in found
+    )

@@ -482,6 +482,33 @@ def test_chunkings_of_a_stacked_key(monkeypatch, dtype, per_layer):
     assert len(seen) == 1
 
 
+def test_slices_too_small_for_a_layer_are_one_key():
+    """A hostile stacked shape ([2^17, 1]: a slice per element) is measured whole, fast and in little memory, with
+    the statistics of the same values under an unstacked name; slices of MIN_SLICE_ELEMENTS stay slices."""
+    rows = 1 << 17
+    values = np.random.default_rng(3).standard_normal((rows, 1), dtype=np.float32)
+    stacked, plain = HealthScan(), HealthScan()
+    stacked.scan(
+        "decoder.layers.mlp.router.expert_bias", "torch.float32", (rows, 1), (0, 0), (rows, 1), values.tobytes()
+    )
+    plain.scan("output_layer.bias", "torch.float32", (rows, 1), (0, 0), (rows, 1), values.tobytes())
+    key = stacked.keys["decoder.layers.mlp.router.expert_bias"]
+    assert key.axes == () and list(key.slices) == [()]
+    assert _shown(key.whole()) == _shown(plain.keys["output_layer.bias"].whole())
+    width = health.MIN_SLICE_ELEMENTS
+    kept = HealthScan()
+    kept.scan(
+        "decoder.layers.mlp.router.expert_bias",
+        "torch.float32",
+        (3, width),
+        (0, 0),
+        (3, width),
+        values[: 3 * width].tobytes(),
+    )
+    assert kept.keys["decoder.layers.mlp.router.expert_bias"].axes == ("layer",)
+    assert sorted(kept.keys["decoder.layers.mlp.router.expert_bias"].slices) == [(0,), (1,), (2,)]
+
+
 # --- argument validation ------------------------------------------------------------------------------------
 
 F32, BF16, F16 = (8, 23), (8, 7), (5, 10)

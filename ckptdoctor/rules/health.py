@@ -271,12 +271,13 @@ def _equal_experts(path: Path, tensors: Iterator[_ExpertTensor]) -> list[Finding
             by_values.setdefault(tuple(sorted(expert_tensors)), []).append(expert)
         layers[group] = list(by_values.values())
     out = []
+    differing = sum(len(classes) > 1 for classes in layers.values())  # layers whose experts differ (counted once)
     for (module, layer), classes in layers.items():
         named = layer is None or _LAYER_IN_KEY.search(module + ".") is not None  # a per-layer module names it
         where = module if named else f"{module} (layer {layer})"
         count = sum(len(members) for members in classes)
         if len(classes) == 1 and count > 1:
-            others_differ = any(len(c) > 1 for g, c in layers.items() if g != (module, layer))
+            others_differ = differing > 0  # this layer, one class, is not among them
             rule = EXPERTS_EQUAL_IN_LAYER if others_differ else EXPERTS_ALL_EQUAL
             why = "while other layers' experts differ" if others_differ else "(upcycled or never trained?)"
             out.append(finding(rule, path, f"{where}: all {count} experts are equal in every tensor {why}"))
@@ -297,6 +298,7 @@ def _layers_at_init(
     by_norms, norms_moved = _norms_at_init(model, flavour)
     by_weights, weights_moved = _weights_at_init(model, flavour, stds, settings) if stds is not None else (set(), set())
     out = []
+    named: dict[tuple[bool, bool], str] = {}  # the layers that moved, as named, per kind of evidence (computed once)
     for layer in sorted(by_norms | by_weights):
         evidence = []
         if layer in by_norms:
@@ -307,10 +309,13 @@ def _layers_at_init(
                 f"every weight's mean and std those of Megatron's init for init_method_std {stds.weight:g} "
                 f"(normal(0, {stds.weight:g}); linear_proj, linear_fc2: normal(0, {stds.output:.4g}))"
             )
-        moved = sorted(
-            (norms_moved if layer in by_norms else set()) | (weights_moved if layer in by_weights else set())
-        )
-        names = ", ".join(map(str, moved[:8])) + (f" and {len(moved) - 8} more" if len(moved) > 8 else "")
+        kinds = (layer in by_norms, layer in by_weights)
+        names = named.get(kinds)
+        if names is None:
+            moved = sorted((norms_moved if kinds[0] else set()) | (weights_moved if kinds[1] else set()))
+            names = named[kinds] = ", ".join(map(str, moved[:8])) + (
+                f" and {len(moved) - 8} more" if len(moved) > 8 else ""
+            )
         out.append(
             finding(
                 LAYER_AT_INIT,

@@ -46,6 +46,10 @@ except ImportError:  # built without a compiler, or blocked (CKPTDOCTOR_NO_EXTEN
     _native = None
 
 SLAB_ELEMENTS = 1 << 22  # elements hashed and summed at once: exact sums need < 2^29, memory tens of MB
+# A stacked key is kept per slice only where each slice holds at least this many elements: the smallest real ones
+# (a layer's q/k norm scales: head_dim) hold more, and a hostile shape such as [2^21, 1] would otherwise make a
+# million slices (hundreds of bytes of statistics each) of a few MB of input.
+MIN_SLICE_ELEMENTS = 8
 _MASK64 = (1 << 64) - 1
 _LIMB = 12  # bits per significand limb: a product of two limbs is below 2^24
 
@@ -98,7 +102,7 @@ def require_numpy(purpose: str = "check --health (tensor statistics)") -> Any:
     return numpy
 
 
-@dataclass
+@dataclass(slots=True)  # one per slice: thousands a checkpoint
 class Moments:
     """Exact running statistics of one slice (or one key): plain integers and floats, merged in any order."""
 
@@ -236,7 +240,9 @@ class HealthScan:
         stats = self.keys.get(key)
         if stats is None:
             axes = stack_axes(key)
-            stats = KeyStats(dtype or "", tuple(shape), () if len(axes) >= len(shape) else axes)
+            if len(axes) >= len(shape) or math.prod(shape[len(axes) :]) < MIN_SLICE_ELEMENTS:
+                axes = ()  # measured whole: no slices, or slices too small to be a layer's or an expert's tensor
+            stats = KeyStats(dtype or "", tuple(shape), axes)
         k = len(stats.axes)
         inner_shape = stats.shape[k:]
         inner_origin = tuple(offsets[k:])
