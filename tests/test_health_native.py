@@ -509,6 +509,18 @@ def test_slices_too_small_for_a_layer_are_one_key():
     assert sorted(kept.keys["decoder.layers.mlp.router.expert_bias"].slices) == [(0,), (1,), (2,)]
 
 
+def test_integer_slices_need_more_elements():
+    """Integer tensors (numpy's path, tens of microseconds a slice) are kept per slice from MIN_INTEGER_SLICE_ELEMENTS
+    elements a slice: FP8 weights' bytes per layer, not a hostile [2^16, 8] of uint8."""
+    key = "decoder.layers.mlp.linear_fc1.weight"
+    for width, axes in ((8, ()), (health.MIN_INTEGER_SLICE_ELEMENTS, ("layer",))):
+        rows = 3 if axes else 1 << 16
+        scan = HealthScan()
+        scan.scan(key, "torch.uint8", (rows, width), (0, 0), (rows, width), bytes(range(256)) * (rows * width // 256))
+        assert scan.keys[key].axes == axes
+        assert len(scan.keys[key].slices) == (rows if axes else 1)
+
+
 # --- argument validation ------------------------------------------------------------------------------------
 
 F32, BF16, F16 = (8, 23), (8, 7), (5, 10)

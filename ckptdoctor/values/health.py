@@ -48,8 +48,10 @@ except ImportError:  # built without a compiler, or blocked (CKPTDOCTOR_NO_EXTEN
 SLAB_ELEMENTS = 1 << 22  # elements hashed and summed at once: exact sums need < 2^29, memory tens of MB
 # A stacked key is kept per slice only where each slice holds at least this many elements: the smallest real ones
 # (a layer's q/k norm scales: head_dim) hold more, and a hostile shape such as [2^21, 1] would otherwise make a
-# million slices (hundreds of bytes of statistics each) of a few MB of input.
+# million slices (hundreds of bytes of statistics each) of a few MB of input. Integer tensors (FP8 weights' bytes)
+# need more: numpy measures them, at tens of microseconds a slice, and the real ones are whole matrices.
 MIN_SLICE_ELEMENTS = 8
+MIN_INTEGER_SLICE_ELEMENTS = 256
 _MASK64 = (1 << 64) - 1
 _LIMB = 12  # bits per significand limb: a product of two limbs is below 2^24
 
@@ -240,7 +242,8 @@ class HealthScan:
         stats = self.keys.get(key)
         if stats is None:
             axes = stack_axes(key)
-            if len(axes) >= len(shape) or math.prod(shape[len(axes) :]) < MIN_SLICE_ELEMENTS:
+            smallest = MIN_SLICE_ELEMENTS if kind.is_float else MIN_INTEGER_SLICE_ELEMENTS
+            if len(axes) >= len(shape) or math.prod(shape[len(axes) :]) < smallest:
                 axes = ()  # measured whole: no slices, or slices too small to be a layer's or an expert's tensor
             stats = KeyStats(dtype or "", tuple(shape), axes)
         k = len(stats.axes)
