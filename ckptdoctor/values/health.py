@@ -249,26 +249,42 @@ class HealthScan:
         k = len(stats.axes)
         inner_shape = stats.shape[k:]
         inner_origin = tuple(offsets[k:])
-        # the usual chunk, straight to the C loop (no numpy, no slabs): in one slice, one run of its elements or
-        # (a 2-d slice's column split) rows of one
+        # the usual chunk, straight to the C loop (no numpy, no slabs): in each slice it covers (a stacked key's
+        # chunk may hold several layers; usually one), one run of the slice's elements or (a 2-d slice's column
+        # split) rows of one, the slice's part of the chunk a contiguous run of its bytes
         consecutive = sizes[k + 1 :] == inner_shape[1:]  # whole trailing extents: one run of the slice's elements
+        inner = math.prod(sizes[k:])  # the chunk's elements in each slice it covers
         if (
             whole
             and _native is not None
             and kind.itemsize in (2, 4)
-            and 0 < numel <= SLAB_ELEMENTS
+            and 0 < inner <= SLAB_ELEMENTS
             and (consecutive or len(inner_shape) == 2)
-            and all(n == 1 for n in sizes[:k])
         ):
             self.keys[key] = stats
-            stats.cached_whole = None  # its slice changes below
-            index = tuple(offsets[:k])
-            moments = stats.slices.get(index)
-            if moments is None:
-                moments = stats.slices[index] = Moments()
-            moments.count += numel
-            columns = numel if consecutive else sizes[-1]
-            return _add_native(kind, moments, data, numel, columns, inner_origin, inner_shape)
+            stats.cached_whole = None  # its slices change below
+            columns = inner if consecutive else sizes[-1]
+            if inner == numel:  # one slice: the whole record
+                index = tuple(offsets[:k])
+                moments = stats.slices.get(index)
+                if moments is None:
+                    moments = stats.slices[index] = Moments()
+                moments.count += numel
+                return _add_native(kind, moments, data, numel, columns, inner_origin, inner_shape)
+            raw = memoryview(data).cast("B")  # bytes, whatever the buffer's shape and format
+            part = inner * kind.itemsize
+            nan = inf = 0
+            for at, local in enumerate(itertools.product(*(range(extent) for extent in sizes[:k]))):
+                index = tuple(map(operator.add, offsets[:k], local))
+                moments = stats.slices.get(index)
+                if moments is None:
+                    moments = stats.slices[index] = Moments()
+                moments.count += inner
+                one = _add_native(
+                    kind, moments, raw[at * part : (at + 1) * part], inner, columns, inner_origin, inner_shape
+                )
+                nan, inf = nan + one[0], inf + one[1]
+            return nan, inf
         values = _chunk_array(np, kind, data, nbytes, sizes, None if in_order else view)
         if values is None:
             return None
