@@ -174,6 +174,14 @@ class KeyStats:
             else:
                 mine.merge(moments)
 
+    def changing(self, index: tuple[int, ...]) -> Moments:
+        """The statistics of slice ``index`` (new ones where it has none yet), which the caller is about to add to."""
+        self.cached_whole = None
+        moments = self.slices.get(index)
+        if moments is None:
+            moments = self.slices[index] = Moments()
+        return moments
+
     def whole(self) -> Moments:
         """The key's statistics: its slices merged, the fingerprint combining each slice's with its index. Computed
         once until the slices change; the same object to every caller, not to be changed."""
@@ -239,22 +247,12 @@ class HealthScan:
         in_order = view is None or (view[0] == 0 and _row_major(view[1], view[2]))
         numel = math.prod(sizes)
         whole = kind.is_float and in_order and numel * kind.itemsize == nbytes
-        stats = self.keys.get(key)
-        if stats is None:
-            axes = stack_axes(key)
-            smallest = MIN_SLICE_ELEMENTS if kind.is_float else MIN_INTEGER_SLICE_ELEMENTS
-            if len(axes) >= len(shape) or math.prod(shape[len(axes) :]) < smallest:
-                axes = ()  # measured whole: no slices, or slices too small to be a layer's or an expert's tensor
-            stats = KeyStats(dtype or "", tuple(shape), axes)
+        stats = self.keys.get(key) or _key_stats(key, kind, dtype or "", tuple(shape))
         k = len(stats.axes)
-        inner_shape = stats.shape[k:]
-        inner_origin = tuple(offsets[k:])
-        # the usual chunk, straight to the C loop (no numpy, no slabs): in each slice it covers (a stacked key's
-        # chunk may hold several layers; usually one), one run of the slice's elements or (a 2-d slice's column
-        # split) rows of one, the slice's part of the chunk a contiguous run of its bytes
+        inner_shape, inner_origin = stats.shape[k:], tuple(offsets[k:])
         consecutive = sizes[k + 1 :] == inner_shape[1:]  # whole trailing extents: one run of the slice's elements
         inner = math.prod(sizes[k:])  # the chunk's elements in each slice it covers
-        if (
+        if (  # the usual chunk: straight to the C loop (see _scan_native)
             whole
             and _native is not None
             and kind.itemsize in (2, 4)
@@ -262,46 +260,55 @@ class HealthScan:
             and (consecutive or len(inner_shape) == 2)
         ):
             self.keys[key] = stats
-            stats.cached_whole = None  # its slices change below
-            columns = inner if consecutive else sizes[-1]
-            if inner == numel:  # one slice: the whole record
-                index = tuple(offsets[:k])
-                moments = stats.slices.get(index)
-                if moments is None:
-                    moments = stats.slices[index] = Moments()
-                moments.count += numel
-                return _add_native(kind, moments, data, numel, columns, inner_origin, inner_shape)
-            raw = memoryview(data).cast("B")  # bytes, whatever the buffer's shape and format
-            part = inner * kind.itemsize
-            nan = inf = 0
-            for at, local in enumerate(itertools.product(*(range(extent) for extent in sizes[:k]))):
-                index = tuple(map(operator.add, offsets[:k], local))
-                moments = stats.slices.get(index)
-                if moments is None:
-                    moments = stats.slices[index] = Moments()
-                moments.count += inner
-                one = _add_native(
-                    kind, moments, raw[at * part : (at + 1) * part], inner, columns, inner_origin, inner_shape
-                )
-                nan, inf = nan + one[0], inf + one[1]
-            return nan, inf
+            return _scan_native(stats, kind, data, offsets, sizes, inner if consecutive else sizes[-1])
         values = _chunk_array(np, kind, data, nbytes, sizes, None if in_order else view)
         if values is None:
             return None
         self.keys[key] = stats
-        stats.cached_whole = None  # its slices change below
         nan = inf = 0
         # each slice of the stacked axes the chunk covers (a key without them: the one slice ())
         for local in itertools.product(*(range(n) for n in sizes[:k])) if k else ((),):
-            index = tuple(map(operator.add, offsets[:k], local))
-            moments = stats.slices.get(index)
-            if moments is None:
-                moments = stats.slices[index] = Moments()
+            moments = stats.changing(tuple(map(operator.add, offsets[:k], local)))
             part = values[local] if k else values
             for slab, origin in _slabs(part, inner_origin):
                 slab_nan, slab_inf = _add(np, kind, moments, slab, origin, inner_shape)
                 nan, inf = nan + slab_nan, inf + slab_inf
         return (nan, inf) if whole else None
+
+
+def _key_stats(key: str, kind: _Kind, dtype: str, shape: tuple[int, ...]) -> KeyStats:
+    """A key's empty statistics, kept per slice of its stacked axes where each slice holds at least
+    :data:`MIN_SLICE_ELEMENTS` elements (:data:`MIN_INTEGER_SLICE_ELEMENTS` for integers), else whole."""
+    axes = stack_axes(key)
+    smallest = MIN_SLICE_ELEMENTS if kind.is_float else MIN_INTEGER_SLICE_ELEMENTS
+    if len(axes) >= len(shape) or math.prod(shape[len(axes) :]) < smallest:
+        axes = ()  # no slices, or slices too small to be a layer's or an expert's tensor
+    return KeyStats(dtype, shape, axes)
+
+
+def _scan_native(
+    stats: KeyStats, kind: _Kind, data: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], columns: int
+) -> tuple[int, int]:
+    """A chunk of 2- or 4-byte floats, its record its elements in row-major order, through the C loop as bytes
+    (no numpy, no slabs): in each slice it covers (a stacked key's chunk may hold several layers; usually one),
+    its part a contiguous run of the record, either one run of the slice's elements (``columns`` all of them) or
+    (a 2-d slice's column split) rows of ``columns``. The chunk's (NaN, Inf) counts."""
+    k = len(stats.axes)
+    inner_shape, inner_origin = stats.shape[k:], tuple(offsets[k:])
+    inner = math.prod(sizes[k:])
+    if k == 0 or all(n == 1 for n in sizes[:k]):  # one slice: the whole record
+        moments = stats.changing(tuple(offsets[:k]))
+        moments.count += inner
+        return _add_native(kind, moments, data, inner, columns, inner_origin, inner_shape)
+    raw = memoryview(data).cast("B")  # bytes, whatever the buffer's shape and format
+    part = inner * kind.itemsize
+    nan = inf = 0
+    for at, local in enumerate(itertools.product(*(range(extent) for extent in sizes[:k]))):
+        moments = stats.changing(tuple(map(operator.add, offsets[:k], local)))
+        moments.count += inner
+        one = _add_native(kind, moments, raw[at * part : (at + 1) * part], inner, columns, inner_origin, inner_shape)
+        nan, inf = nan + one[0], inf + one[1]
+    return nan, inf
 
 
 def _chunk_array(np: Any, kind: _Kind, data: Any, nbytes: int, sizes: tuple[int, ...], view: Any) -> Any:
