@@ -371,15 +371,12 @@ def _add(
         if not bits.flags.c_contiguous:  # a strided view (rare) once copied (ascontiguousarray makes 0-d 1-d)
             bits = bits.copy(order="C")
         consecutive = bits.shape[1:] == tuple(shape[1:])  # whole trailing extents: one run of the slice's elements
-        rows = bits.reshape(1, -1) if consecutive else bits.reshape(-1, bits.shape[-1])
+        if consecutive or bits.ndim == 2:  # one run, or rows of a 2-d slice: the loop's fingerprint is the slab's
+            return _add_native(kind, moments, bits, n, n if consecutive else bits.shape[-1], origin, shape)
+        rows = bits.reshape(-1, bits.shape[-1])  # deeper: each row's sum, contracted with its index's powers
         sums = np.empty(rows.shape[0], dtype=np.uint64)
-        row_step = _golden_power(shape[-1]) if bits.ndim == 2 and not consecutive else 1
-        measured = _native.floats(rows, rows.shape[1], kind.exponent_bits, kind.fraction_bits, sums, row_step)
-        if consecutive or bits.ndim == 2:  # from the index of the run's first element (of row r's in 2-d)
-            fingerprint = _golden_power(_flat_index(origin, shape)) * measured[-1] & _MASK64
-        else:
-            fingerprint = _contract(np, sums, bits, origin, shape)
-        return _merge_native(kind, moments, n, measured, fingerprint)
+        measured = _native.floats(rows, rows.shape[1], kind.exponent_bits, kind.fraction_bits, sums, 1)
+        return _merge_native(kind, moments, n, measured, _contract(np, sums, bits, origin, shape))
     fingerprint = _fingerprint(np, kind, bits, origin, shape)
     flat = bits.reshape(-1)
     if kind.itemsize == 1 or (kind.itemsize == 2 and n >= _HISTOGRAM_MIN):
