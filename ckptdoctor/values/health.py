@@ -194,10 +194,7 @@ class KeyStats:
         fingerprint = 0
         for index, moments in self.slices.items():
             out.merge(moments)
-            flat = 0
-            for position, size in zip(index, self.shape):
-                flat = flat * size + position
-            fingerprint += _mix(flat ^ _mix(moments.fingerprint))
+            fingerprint += _mix(_flat_index(index, self.shape) ^ _mix(moments.fingerprint))
         out.fingerprint = fingerprint & _MASK64
         return out
 
@@ -296,10 +293,6 @@ def _scan_native(
     k = len(stats.axes)
     inner_shape, inner_origin = stats.shape[k:], tuple(offsets[k:])
     inner = math.prod(sizes[k:])
-    if k == 0 or all(n == 1 for n in sizes[:k]):  # one slice: the whole record
-        moments = stats.changing(tuple(offsets[:k]))
-        moments.count += inner
-        return _add_native(kind, moments, data, inner, columns, inner_origin, inner_shape)
     raw = memoryview(data).cast("B")  # bytes, whatever the buffer's shape and format
     part = inner * kind.itemsize
     nan = inf = 0
