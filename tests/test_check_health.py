@@ -869,3 +869,45 @@ def test_many_layers_at_init_beside_many_moved():
     assert all(
         "while layer(s) 2000, 2001, 2002, 2003, 2004, 2005, 2006, 2007 and 1992 more moved" in f.message for f in found
     )
+
+
+# --- small slices: a budget per checkpoint -----------------------------------------------------------------------
+
+
+def test_crowded_keys_keep_small_slices_within_a_budget(monkeypatch):
+    """Keys of slices under SMALL_SLICE_BYTES are kept per slice in key order while their slices fit the budget; one
+    that would pass it is measured whole, a later one that fits is kept; slices of SMALL_SLICE_BYTES and more, and
+    keys measured whole anyway, never count. The order the items come in does not matter."""
+    import random
+
+    monkeypatch.setattr(health, "MAX_SMALL_SLICES", 64)
+    bf16, fp32 = "torch.bfloat16", "torch.float32"
+    width = health.SMALL_SLICE_BYTES // 2  # bfloat16 elements of a slice just big enough to be free
+    items = [
+        ("a.layers.norm.weight", bf16, (40, 8)),  # 40 small slices: kept
+        ("b.layers.norm.weight", bf16, (40, 8)),  # 80 would pass 64: measured whole
+        ("c.layers.norm.weight", fp32, (24, width // 2 - 1)),  # 64: kept after b
+        ("d.layers.fc.weight", bf16, (10_000, width)),  # big enough slices: free
+        ("e.layers.experts.experts.scale", fp32, (2, 2, 4)),  # under MIN_SLICE_ELEMENTS: whole anyway
+        ("f.norm.weight", bf16, (10_000, 8)),  # not stacked
+        ("g.layers.experts.experts.bias", bf16, (4, 4, 8)),  # 16 slices of (layer, expert): 80 would pass 64
+        ("h.layers.norm.weight", "torch.int8", (1, 8)),  # no slices below MIN_INTEGER_SLICE_ELEMENTS
+        ("i.layers.norm.weight", None, (100, 8)),  # not a tensor dtype the statistics count
+    ]
+    assert health.crowded_keys(items) == {"b.layers.norm.weight", "g.layers.experts.experts.bias"}
+    random.Random(5).shuffle(items)
+    assert health.crowded_keys(items) == {"b.layers.norm.weight", "g.layers.experts.experts.bias"}
+
+
+def test_a_crowded_key_is_measured_whole():
+    """A crowded stacked key has the statistics of the same values under an unstacked name, in one slice."""
+    values = np.random.default_rng(2).standard_normal((40, 8), dtype=np.float32).tobytes()
+    crowded, plain = HealthScan(frozenset({"b.layers.norm.weight"})), HealthScan()
+    crowded.scan("b.layers.norm.weight", "torch.float32", (40, 8), (0, 0), (40, 8), values)
+    crowded.scan("a.layers.norm.weight", "torch.float32", (40, 8), (0, 0), (40, 8), values)
+    plain.scan("b.norm.weight", "torch.float32", (40, 8), (0, 0), (40, 8), values)
+    measured = crowded.keys["b.layers.norm.weight"]
+    assert measured.axes == () and list(measured.slices) == [()]
+    assert measured.whole() == plain.keys["b.norm.weight"].whole()
+    assert crowded.keys["a.layers.norm.weight"].axes == ("layer",)
+    assert len(crowded.keys["a.layers.norm.weight"].slices) == 40

@@ -252,3 +252,34 @@ def test_stats_in_the_values_read_equal_check_health_pass(capsys, monkeypatch, a
 
     monkeypatch.setattr(HealthTap, "add", missed)
     assert _stats(capsys, a, b, "--jobs", "1") == one_read
+
+
+def test_crowded_small_slices_are_measured_whole_in_both_reads(capsys, monkeypatch, tmp_path):
+    """Past the checkpoint's budget of small slices a stacked key is one row, and the value comparison's read and
+    check --health's pass (forked workers) agree on which keys: the budget is a function of the metadata."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from ckptdoctor.values import health
+    from ckptdoctor.values.health_tap import HealthTap
+
+    monkeypatch.setattr(health, "MAX_SMALL_SLICES", 64)
+    generator = torch.Generator().manual_seed(0)
+    state = {
+        f"decoder.layers.{name}.weight": torch.randn(40, 8, generator=generator).to(torch.bfloat16)
+        for name in ("input_layernorm", "pre_mlp_layernorm")  # 40 + 40 small slices: the second is crowded
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path / "a"), no_dist=True)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    one_read = _stats(capsys, tmp_path / "a", tmp_path / "b", "--jobs", "1")
+    rows: dict[str, list[dict]] = {}
+    for row in one_read["rows"]:
+        rows.setdefault(row["key"], []).append(row["slice"])
+    assert rows["decoder.layers.input_layernorm.weight"] == [{"layer": layer} for layer in range(40)]
+    assert rows["decoder.layers.pre_mlp_layernorm.weight"] == [{}]
+
+    def missed(self, side, *args):
+        self.missed[side] = True
+
+    monkeypatch.setattr(HealthTap, "add", missed)  # check --health's own pass instead, in two processes
+    assert _stats(capsys, tmp_path / "a", tmp_path / "b", "--jobs", "2") == one_read

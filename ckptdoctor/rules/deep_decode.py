@@ -29,7 +29,7 @@ from ckptdoctor.rules.structure import Scanned
 from ckptdoctor.severity import OVERRIDDEN
 from ckptdoctor.storage.stream import read_ranges
 from ckptdoctor.values.archive_memo import parse, plain_key
-from ckptdoctor.values.health import KINDS, HealthScan
+from ckptdoctor.values.health import KINDS, HealthScan, crowded_keys
 
 NON_FINITE_SECTIONS = ("model", "optimizer")
 
@@ -104,6 +104,12 @@ def check_deep(
     inline = parallel.runs_inline(jobs, len(files))
 
     decoder = _ChunkDecoder()  # one per process (forked workers inherit it empty): verdicts shared across files
+    # the stacked keys measured whole (the metadata's, once: each file's scan is given them)
+    crowded = (
+        crowded_keys((entry.key, entry.dtype, entry.shape) for entry in checkpoint.entries.values())
+        if health is not None
+        else frozenset()
+    )
 
     def task(index: int) -> tuple[list[Finding], NonFinite | None, HealthScan | None]:
         return _check_file(
@@ -114,6 +120,7 @@ def check_deep(
             decoder,
             path=shown[index],
             health=health is not None,
+            crowded=crowded,
         )
 
     done = None if inline or progress is None else (lambda index: progress(weights[index]))
@@ -138,13 +145,14 @@ def _check_file(
     *,
     path: Path,
     health: bool = False,
+    crowded: frozenset[str] = frozenset(),
 ) -> tuple[list[Finding], NonFinite | None, HealthScan | None]:
     """One data file read front to back (named ``path`` in findings): its findings, (``scan_values``) its
-    NaN/Inf counts and (``health``) its chunks' statistics."""
+    NaN/Inf counts and (``health``) its chunks' statistics (``crowded``: see :func:`crowded_keys`)."""
     out: list[Finding] = []
     decoder = decoder or _ChunkDecoder()
     non_finite = NonFinite() if scan_values else None
-    stats = HealthScan() if health else None
+    stats = HealthScan(crowded) if health else None
     for file_path, tag, blob in read_ranges([file]):
         if isinstance(blob, CkptError):  # unreadable file (I/O error): the rest of it cannot be checked
             out.append(finding(BLOB_UNDECODABLE, path, without_path(blob, file_path)))

@@ -32,6 +32,7 @@ import math
 import operator
 import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,12 @@ SLAB_ELEMENTS = 1 << 22  # elements hashed and summed at once: exact sums need <
 # need more: numpy measures them, at tens of microseconds a slice, and the real ones are whole matrices.
 MIN_SLICE_ELEMENTS = 8
 MIN_INTEGER_SLICE_ELEMENTS = 256
+# Slices of fewer bytes than SMALL_SLICE_BYTES cost more in statistics (about 400 bytes a slice) than their elements:
+# a checkpoint's keys of such slices are kept per slice, in key order, until their slices pass MAX_SMALL_SLICES
+# (about 25 MB); later ones are measured whole (crowded_keys). Real checkpoints hold a few thousand (a layer's q/k norm
+# scales, a Mamba layer's per-head parameters); a few MB of hostile keys of [2^18, 8] would hold millions.
+SMALL_SLICE_BYTES = 512
+MAX_SMALL_SLICES = 1 << 16
 _MASK64 = (1 << 64) - 1
 _LIMB = 12  # bits per significand limb: a product of two limbs is below 2^24
 
@@ -211,8 +218,9 @@ class HealthScan:
     """Statistics of every tensor chunk fed to :meth:`scan`; one per data file (a worker's partial result, plain
     data to pickle back), merged with :meth:`merge`."""
 
-    def __init__(self) -> None:
+    def __init__(self, crowded: frozenset[str] = frozenset()) -> None:
         self.keys: dict[str, KeyStats] = {}
+        self.crowded = crowded  # stacked keys measured whole: crowded_keys() of the checkpoint's
 
     def merge(self, other: HealthScan) -> None:
         for key, stats in other.keys.items():
@@ -244,7 +252,7 @@ class HealthScan:
         in_order = view is None or (view[0] == 0 and _row_major(view[1], view[2]))
         numel = math.prod(sizes)
         whole = kind.is_float and in_order and numel * kind.itemsize == nbytes
-        stats = self.keys.get(key) or _key_stats(key, kind, dtype or "", tuple(shape))
+        stats = self.keys.get(key) or _key_stats(key, kind, dtype or "", tuple(shape), key in self.crowded)
         k = len(stats.axes)
         inner_shape, inner_origin = stats.shape[k:], tuple(offsets[k:])
         consecutive = sizes[k + 1 :] == inner_shape[1:]  # whole trailing extents: one run of the slice's elements
@@ -273,14 +281,44 @@ class HealthScan:
         return (nan, inf) if whole else None
 
 
-def _key_stats(key: str, kind: _Kind, dtype: str, shape: tuple[int, ...]) -> KeyStats:
-    """A key's empty statistics, kept per slice of its stacked axes where each slice holds at least
-    :data:`MIN_SLICE_ELEMENTS` elements (:data:`MIN_INTEGER_SLICE_ELEMENTS` for integers), else whole."""
+def _key_stats(key: str, kind: _Kind, dtype: str, shape: tuple[int, ...], crowded: bool = False) -> KeyStats:
+    """A key's empty statistics, kept per slice of its stacked axes (unless ``crowded``: see :func:`crowded_keys`)."""
+    return KeyStats(dtype, shape, () if crowded else _slice_axes(key, kind, shape))
+
+
+def _slice_axes(key: str, kind: _Kind, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """The stacked axes a key is kept per slice of: :func:`stack_axes` where each slice holds at least
+    :data:`MIN_SLICE_ELEMENTS` elements (:data:`MIN_INTEGER_SLICE_ELEMENTS` for integers), else none."""
     axes = stack_axes(key)
     smallest = MIN_SLICE_ELEMENTS if kind.is_float else MIN_INTEGER_SLICE_ELEMENTS
     if len(axes) >= len(shape) or math.prod(shape[len(axes) :]) < smallest:
-        axes = ()  # no slices, or slices too small to be a layer's or an expert's tensor
-    return KeyStats(dtype, shape, axes)
+        return ()  # no slices, or slices too small to be a layer's or an expert's tensor
+    return axes
+
+
+def crowded_keys(entries: Iterable[tuple[str, str | None, tuple[int, ...] | None]]) -> frozenset[str]:
+    """Of a checkpoint's (key, dtype, global shape) items, the stacked keys to measure whole though their slices
+    are big enough: those of slices under :data:`SMALL_SLICE_BYTES`, in key order, from the one whose slices would
+    take the small slices kept past :data:`MAX_SMALL_SLICES` (one that fits after it is still kept). A function of
+    the metadata alone, so every worker, and every layout of one saved state, measures a key alike."""
+    small: list[tuple[str, int]] = []
+    for key, dtype, shape in entries:
+        kind = KINDS.get(dtype or "")
+        if kind is None or shape is None or len(shape) < 2:
+            continue
+        if math.prod(shape[2:] if len(shape) > 2 else shape[1:]) * kind.itemsize >= SMALL_SLICE_BYTES:
+            continue  # no slice of at most two stacked axes is small (most keys: no need for stack_axes)
+        axes = _slice_axes(key, kind, tuple(shape))
+        if axes and math.prod(shape[len(axes) :]) * kind.itemsize < SMALL_SLICE_BYTES:
+            small.append((key, math.prod(shape[: len(axes)])))
+    crowded: list[str] = []
+    kept = 0
+    for key, slices in sorted(small):
+        if kept + slices > MAX_SMALL_SLICES:
+            crowded.append(key)
+        else:
+            kept += slices
+    return frozenset(crowded)
 
 
 def _scan_native(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
-from ckptdoctor.values.health import HealthScan
+from ckptdoctor.values.health import HealthScan, crowded_keys
 from ckptdoctor.values.read import chunk_bits
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ class HealthTap:
         self.scans = {side: HealthScan() for side in SIDES}
         self.missed = dict.fromkeys(SIDES, False)
         self._seen: set[tuple[str, str, tuple[int, ...]]] = set()
+        self._planned: set[str] = set()  # the sides whose scan has its checkpoint's crowded keys
 
     def add(self, side: str, checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: Any) -> None:
         """One chunk's bytes (its storage range) as read for side ``side``."""
@@ -39,6 +40,10 @@ class HealthTap:
         if seen in self._seen or self.missed[side]:
             return
         self._seen.add(seen)
+        if side not in self._planned:  # check --health's plan for the side's checkpoint (crowded_keys)
+            self._planned.add(side)
+            entries = checkpoint.entries.values()
+            self.scans[side].crowded = crowded_keys((item.key, item.dtype, item.shape) for item in entries)
         bits = chunk_bits(checkpoint, entry, chunk, blob)
         if bits is None:
             self.missed[side] = True
@@ -61,4 +66,4 @@ class HealthTap:
             self.missed[side] = self.missed[side] or other.missed[side]
 
     def __getstate__(self) -> dict:
-        return {"scans": self.scans, "missed": self.missed, "_seen": set()}  # what a merge needs
+        return {"scans": self.scans, "missed": self.missed, "_seen": set(), "_planned": set()}  # what a merge needs
