@@ -7,8 +7,14 @@ also through its portable pass (``floats(..., portable=True)``: what runs withou
 ``--before TREE`` that tree's module. All in this process, alternating per round; each timing repeats a slab to
 about 8M elements and keeps the best of ``--repeats`` rounds (the loop's own speed, the machine's noise left out).
 
+With ``--reads``, instead, this tree's float32 loop over a page-cached file of ``--read-size`` bytes in chunks of 16
+MiB (the synthetic checkpoints' largest records): read as ``check --deep`` and ``--health`` read, into one reused
+buffer (``readinto``), against the file mapped (``mmap``: no copy); and the read alone. The difference is what the
+copy from the page cache costs the loop.
+
     python bench/bench_health_loop.py                    # -> bench/results/health-loop.json
     python bench/bench_health_loop.py --before /tmp/base # and a baseline tree's loop (built in place if needed)
+    python bench/bench_health_loop.py --reads            # the reads -> bench/results/health-reads.json
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     harness.add_common_options(p)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--before", type=Path, default=None, help="baseline source tree: its loop joins each round")
+    p.add_argument("--reads", action="store_true", help="instead, time the loop over a file read and mapped")
+    p.add_argument("--read-size", type=harness.parse_size, default=harness.parse_size("1G"), help="that file's size")
     o = p.parse_args(argv)
     harness.use_code(o.code)
     import numpy as np
@@ -54,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     recorder = harness.Recorder("health-loop", argv)
     loops: dict[str, tuple[Any, tuple]] = {}
     this = load(harness.CODE)
+    if o.reads:
+        case = f"float32, {o.read_size >> 20} MiB file, {READ_CHUNK >> 20} MiB chunks"
+        best_reads = {case: reads(this, o.read_size, o.repeats)}
+        doc = recorder.write({"ns_per_element_best": best_reads}, name="health-reads")
+        print(harness.header(json.loads(doc.read_text())) + "\n")
+        print(render(best_reads))
+        return 0
     loops["this tree"] = (this, ())
     loops["this tree, portable pass"] = (this, (True,))
     if o.before is not None:
@@ -86,6 +101,57 @@ def main(argv: list[str] | None = None) -> int:
     print(harness.header(json.loads(doc.read_text())) + "\n")
     print(render(best))
     return 0
+
+
+READ_CHUNK = 16 << 20
+
+
+def reads(module: Any, size: int, repeats: int) -> dict[str, float]:
+    """ns per float32 element of the loop over a page-cached file of ``size`` bytes, chunk by chunk: read into a
+    reused buffer, mapped, and the read alone (best of ``repeats`` alternating rounds)."""
+    import mmap
+    import tempfile
+
+    import numpy as np
+
+    size -= size % READ_CHUNK
+    columns = 4096
+    out = np.empty(READ_CHUNK // 4 // columns, dtype=np.uint64)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "float32.bin"
+        rng = np.random.default_rng(1)
+        with open(path, "wb") as f:  # written here: in the page cache
+            for _ in range(size // READ_CHUNK):
+                f.write(rng.standard_normal(READ_CHUNK // 4, dtype=np.float32).tobytes())
+
+        def read_into(loop: bool) -> None:
+            buffer = bytearray(READ_CHUNK)
+            with open(path, "rb", buffering=0) as f:
+                while f.readinto(buffer):
+                    if loop:
+                        module.floats(buffer, columns, 8, 23, out, 1)
+
+        def mapped() -> None:
+            with open(path, "rb") as f:
+                for offset in range(0, size, READ_CHUNK):
+                    with mmap.mmap(f.fileno(), READ_CHUNK, offset=offset, access=mmap.ACCESS_READ) as m:
+                        view = memoryview(m)
+                        module.floats(view, columns, 8, 23, out, 1)
+                        view.release()
+
+        timed = {
+            "read into a buffer + loop": lambda: read_into(True),
+            "mapped + loop": mapped,
+            "read alone": lambda: read_into(False),
+        }
+        best = dict.fromkeys(timed, float("inf"))
+        names = list(timed)
+        for round_ in range(repeats):
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                started = time.perf_counter()
+                timed[name]()
+                best[name] = min(best[name], (time.perf_counter() - started) / (size // 4) * 1e9)
+    return best
 
 
 def render(best: dict[str, dict[str, float]]) -> str:
