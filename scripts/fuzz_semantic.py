@@ -10,10 +10,11 @@ values swapped for other types: ``None``, strings, empty shapes, ...) and it is 
 * ``metadata``: metadata-only commands (check, inspect --keys, diff, can-load, show, edit/strip-frozen --dry-run);
 * ``rewrite``: the writers (edit, edit --compact --rename, strip-frozen --force); where check passes the mutated
   source, it must pass what they wrote;
-* ``values``: check --deep, diff --values, show --stats on the mutated ``.metadata``;
+* ``values``: check --deep and --health, diff --values (and --stats), show --stats on the mutated ``.metadata``;
 * ``args``: the saved args of ``common.pt`` set to values of the wrong type or range (check, inspect, fix-args,
   can-load, diff, strip-frozen);
-* ``data``: bytes of a data file or ``common.pt`` flipped, cut or inserted (check --deep, diff --values, show);
+* ``data``: bytes of a data file or ``common.pt`` flipped, cut or inserted (check --deep and --health, diff --values
+  and --stats, show);
 * ``tree``: the save dir damaged as a filesystem is (a file removed, emptied, cut, replaced by a dir or a dangling
   or looping symlink, junk files and dirs added, the tracker or ``metadata.json`` garbled, a second iteration):
   check, inspect, latest-good, seal, repair and ``repair --write --in-place``.
@@ -92,7 +93,9 @@ def _commands(target: str, save: Path, original: Path, out: Path) -> list[list[s
         ],
         "values": [
             ["check", "--isolated", "--deep", "--jobs", "1", s],
+            ["check", "--isolated", "--health", "--format", "json", "--jobs", "1", s],
             ["diff", s, o, "--values", "--jobs", "1"],
+            ["diff", s, o, "--values", "--stats", "--format", "json", "--jobs", "1"],
             ["show", s, "output_layer.weight", "--stats"],
         ],
         "args": [
@@ -124,7 +127,9 @@ def _commands(target: str, save: Path, original: Path, out: Path) -> list[list[s
         ],
         "data": [
             ["check", "--isolated", "--deep", "--jobs", "1", s],
+            ["check", "--isolated", "--health", "--format", "json", "--jobs", "1", s],
             ["diff", s, o, "--values", "--jobs", "1"],
+            ["diff", s, o, "--values", "--stats", "--format", "json", "--jobs", "1"],
             ["show", s, "output_layer.weight", "--stats"],
             ["inspect", s],
         ],
