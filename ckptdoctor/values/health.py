@@ -55,8 +55,8 @@ MIN_SLICE_ELEMENTS = 8
 MIN_INTEGER_SLICE_ELEMENTS = 256
 # Slices of fewer bytes than SMALL_SLICE_BYTES cost more in statistics (about 400 bytes a slice) than their elements:
 # a checkpoint's keys of such slices are kept per slice, in key order, until their slices pass MAX_SMALL_SLICES
-# (about 25 MB); later ones are measured whole (crowded_keys). Real checkpoints hold a few thousand (a layer's q/k norm
-# scales, a Mamba layer's per-head parameters); a few MB of hostile keys of [2^18, 8] would hold millions.
+# (about 25 MB); later ones are measured whole (crowded_keys). A real model holds hundreds (each layer's bfloat16 q/k
+# norm scales or per-head parameters; the fixtures at most 24); a few MB of hostile [2^18, 8] keys hold millions.
 SMALL_SLICE_BYTES = 512
 MAX_SMALL_SLICES = 1 << 16
 _MASK64 = (1 << 64) - 1
