@@ -84,25 +84,65 @@ def _distinct_offsets(entry: Entry, axis: int) -> int:
     return len({c.offsets[axis] for c in entry.chunks if len(c.offsets) > axis})
 
 
-def _count_groups(layer_ranks: dict[int, set[int]]) -> int:
-    """Connected groups of layers, two layers joined when a rank wrote chunks of both."""
-    parent: dict[int, int] = {}
+class _Coverage:
+    """Which writer ranks wrote which units (layers, or experts), as spans: each chunk's [start, end) along the
+    axis with its ranks. Kept as spans, not unit by unit: a hostile ``.metadata`` may give one chunk 2^40 layers
+    (a few bytes) that a dict per unit would take minutes and GBs to hold."""
 
-    def find(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, int, frozenset[int]]] = []
 
-    owner: dict[int, int] = {}
-    for layer, ranks in layer_ranks.items():
-        find(layer)
-        for rank in ranks:
-            if rank in owner:
-                parent[find(layer)] = find(owner[rank])
+    def add(self, start: int, end: int, ranks: set[int | None]) -> None:
+        if end > start:
+            self.spans.append((start, end, frozenset(r for r in ranks if r is not None)))
+
+    def __bool__(self) -> bool:
+        return bool(self.spans)
+
+    def units(self) -> int:
+        """The units some chunk covers."""
+        return _covered([(start, end) for start, end, _ in self.spans])
+
+    def groups(self) -> int:
+        """Connected groups of units, two units joined when a rank wrote chunks of both; a unit no named rank
+        wrote is a group of its own. The ranks are the nodes: those of one span, of spans that share a unit (an
+        overlapping run, sorted by start) and the same rank anywhere are one group."""
+        parent: dict[int, int] = {}
+
+        def find(x: int) -> int:
+            while parent.setdefault(x, x) != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        ranked = sorted((start, end, min(ranks), ranks) for start, end, ranks in self.spans if ranks)
+        block_end: int | None = None
+        block_rank = 0
+        for start, end, first, ranks in ranked:
+            for rank in ranks:
+                parent[find(rank)] = find(first)
+            if block_end is not None and start < block_end:  # shares a unit with the run before it
+                parent[find(first)] = find(block_rank)
+                block_end = max(block_end, end)
             else:
-                owner[rank] = layer
-    return len({find(layer) for layer in layer_ranks})
+                block_end, block_rank = end, first
+        named = len({find(rank) for _, _, _, ranks in ranked for rank in ranks})
+        unnamed = self.units() - _covered([(start, end) for start, end, _, _ in ranked])
+        return named + unnamed
+
+
+def _covered(spans: list[tuple[int, int]]) -> int:
+    """The length of the union of [start, end) spans."""
+    total = 0
+    reach: int | None = None
+    for start, end in sorted(spans):
+        if reach is None or start >= reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
 
 
 class _WriterRanks(dict[str, "int | None"]):
@@ -124,27 +164,19 @@ def _chunk_ranks(entry: Entry, rank_of: _WriterRanks) -> set[int | None]:
     return ranks
 
 
-def _add_ranks(index: dict[int, set[int]], at: int, ranks: set[int | None]) -> None:
-    known = index.setdefault(at, set())
-    known.update(ranks)  # type: ignore[arg-type]  # None is taken out below (it never belongs)
-    known.discard(None)  # type: ignore[arg-type]
-
-
-def _collect_expert_ranks(
-    entry: Entry, stacked: bool, expert_ranks: dict[int, set[int]], rank_of: _WriterRanks
-) -> None:
-    """Expert index -> writer ranks, from ``local_experts.<e>.`` keys or the expert axis of the chunks."""
+def _collect_expert_ranks(entry: Entry, stacked: bool, expert_ranks: _Coverage, rank_of: _WriterRanks) -> None:
+    """Experts -> writer ranks, from ``local_experts.<e>.`` keys or the expert axis of the chunks."""
     named = _LOCAL_EXPERT_RE.search(entry.key)
     if named:  # one expert for every chunk of the key
         if entry.chunks:
-            _add_ranks(expert_ranks, int(named.group(1)), _chunk_ranks(entry, rank_of))
+            expert = int(named.group(1))
+            expert_ranks.add(expert, expert + 1, _chunk_ranks(entry, rank_of))
         return
     axis = 1 if stacked else 0
     for chunk in entry.chunks:
         if len(chunk.offsets) > axis:
             rank = rank_of[chunk.storage.relative_path] if chunk.storage else None
-            for expert in range(chunk.offsets[axis], chunk.offsets[axis] + chunk.sizes[axis]):
-                _add_ranks(expert_ranks, expert, {rank})
+            expert_ranks.add(chunk.offsets[axis], chunk.offsets[axis] + chunk.sizes[axis], {rank})
 
 
 def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
@@ -154,8 +186,8 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
         return SavedLayout(tp=None, pp=None, layers=None, ep=None, writer_ranks=ranks, sharding=grid)
     split_counts: list[int] = []
     fc1_counts: list[int] = []
-    layer_ranks: dict[int, set[int]] = {}
-    expert_ranks: dict[int, set[int]] = {}
+    layer_ranks = _Coverage()
+    expert_ranks = _Coverage()
     ranks_known = True
     rank_of = _WriterRanks()
     for entry in checkpoint.section_entries("model"):
@@ -167,12 +199,12 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
             for chunk in entry.chunks:
                 rank = rank_of[chunk.storage.relative_path] if chunk.storage else None
                 ranks_known = ranks_known and rank is not None
-                for layer in range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]):
-                    _add_ranks(layer_ranks, layer, {rank})
+                layer_ranks.add(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0], {rank})
         elif indexed and entry.chunks:  # one layer for every chunk of the key
             chunk_ranks = _chunk_ranks(entry, rank_of)
             ranks_known = ranks_known and None not in chunk_ranks
-            _add_ranks(layer_ranks, int(indexed.group(1)), chunk_ranks)
+            layer = int(indexed.group(1))
+            layer_ranks.add(layer, layer + 1, chunk_ranks)
         first_split_axis = 1 if stacked else 0
         if is_expert_key(entry.key):
             _collect_expert_ranks(entry, stacked, expert_ranks, rank_of)
@@ -187,6 +219,6 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
         tp = 1 if all(c <= 2 for c in fc1_counts) else min(fc1_counts) // 2
     else:
         tp = None
-    pp = _count_groups(layer_ranks) if layer_ranks and ranks_known else None
-    ep = _count_groups(expert_ranks) if expert_ranks and ranks_known else None
-    return SavedLayout(tp=tp, pp=pp, layers=len(layer_ranks) or None, ep=ep, writer_ranks=ranks)
+    pp = layer_ranks.groups() if layer_ranks and ranks_known else None
+    ep = expert_ranks.groups() if expert_ranks and ranks_known else None
+    return SavedLayout(tp=tp, pp=pp, layers=layer_ranks.units() or None, ep=ep, writer_ranks=ranks)

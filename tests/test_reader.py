@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import random
+
 import pytest
 from conftest import FIXTURES, fixture_names, manifest
 
@@ -187,3 +190,57 @@ def test_index_only_reading_builds_the_index_the_rewrite_path_builds(name):
     assert len({id(s) for s in sizes}) == len(set(sizes))  # one tuple object per distinct value
     paths = [c.storage.relative_path for item in lean.items.values() for c in item.chunks if c.storage]
     assert len({id(p) for p in paths}) == len(set(paths))
+
+
+def _groups_unit_by_unit(spans: list[tuple[int, int, set]]) -> tuple[int, int]:
+    """(units, groups) of writer-rank spans the plain way: a set of ranks per unit, units joined by a shared rank."""
+    ranks_of: dict[int, set] = {}
+    for start, end, ranks in spans:
+        for unit in range(start, end):
+            ranks_of.setdefault(unit, set()).update(r for r in ranks if r is not None)
+    groups: list[tuple[set, set]] = []  # (units, ranks)
+    for unit, ranks in ranks_of.items():
+        joined = [g for g in groups if g[1] & ranks]
+        merged = ({unit} | set().union(*(g[0] for g in joined)), set(ranks).union(*(g[1] for g in joined)))
+        groups = [g for g in groups if not g[1] & ranks] + [merged]
+    return len(ranks_of), len(groups)
+
+
+def test_layer_and_expert_groups_by_spans_equal_unit_by_unit():
+    """infer_layout's pipeline stages (and expert groups) from chunk spans equal the unit-by-unit count: overlapping,
+    touching and disjoint spans, a rank on several spans, chunks without a named writer rank."""
+    from ckptdoctor.parallelism import _Coverage
+
+    rng = random.Random(11)
+    for _ in range(3000):
+        coverage, spans = _Coverage(), []
+        for _ in range(rng.randrange(1, 7)):
+            start = rng.randrange(-3, 12)
+            span = (start, start + rng.randrange(0, 5), set(rng.sample([0, 1, 2, 3, 4, None], rng.randrange(0, 3))))
+            spans.append(span)
+            coverage.add(*span)
+        units, groups = _groups_unit_by_unit(spans)
+        assert (coverage.units(), coverage.groups() if coverage else 0) == (units, groups if units else 0), spans
+
+
+def test_a_chunk_of_two_to_the_forty_layers_is_read_at_once(copy_fixture):
+    """A hostile .metadata giving one stacked chunk 2^40 layers (a few bytes): the layout is inferred from spans,
+    not layer by layer (which took 80 s and GBs in every command that shows the layout)."""
+    import subprocess
+    import sys
+
+    from ckptdoctor.formats.torch_dist import dump_metadata_object, load_metadata_object
+
+    save = copy_fixture("core015_tp2")
+    path = save / "iter_0000010" / ".metadata"
+    metadata = load_metadata_object(path)
+    item = metadata.state_dict_metadata["decoder.layers.mlp.linear_fc1.weight"]
+    chunk = item.chunks[-1]
+    chunk.__dict__["sizes"] = type(chunk.sizes)((1 << 40, *chunk.sizes[1:]))
+    item.__dict__["size"] = type(item.size)((chunk.offsets[0] + (1 << 40), *item.size[1:]))
+    path.write_bytes(dump_metadata_object(metadata))
+    command = [sys.executable, "-m", "ckptdoctor", "inspect", "--format", "json", str(save)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    layout = json.loads(proc.stdout)["layout"]
+    assert layout["layers"] == chunk.offsets[0] + (1 << 40) and layout["pp"] == 1
