@@ -896,3 +896,29 @@ def test_the_help_and_the_schema_name_every_built_in_family(capsys):
     described = shipped_schema("verify-export")["properties"]["family"]["description"]
     for family in FAMILIES:
         assert family in text and family in described, family
+
+
+def test_a_shape_naming_2_to_the_40_experts_is_unmapped_not_listed(tmp_path):
+    """A .metadata whose stacked expert key claims 2^40 experts (a few bytes) would name 2^42 HF tensors: that key is
+    unmapped with the count, the others are verified, in bounded memory and time (it was a MemoryError)."""
+    from conftest import run_ckptdoctor
+    from test_hostile_inputs import MEMORY_LIMIT
+
+    from ckptdoctor.formats.torch_dist import dump_metadata_object, load_metadata_object
+
+    save = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "core019_moe_ep2", save)
+    path = next(save.glob("iter_*")) / ".metadata"
+    metadata = load_metadata_object(path)
+    key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    item = metadata.state_dict_metadata[key]
+    item.__dict__["size"] = type(item.size)((item.size[0], 1 << 40, *item.size[2:]))
+    path.write_bytes(dump_metadata_object(metadata))
+    proc = run_ckptdoctor(
+        "verify-export", save, HF / "core019_moe_ep2", "--format", "json", timeout=60, memory_headroom=MEMORY_LIMIT
+    )
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    (unmapped,) = _codes(report, "warning")["unmapped"]
+    assert unmapped["megatron_key"] == key and "names 4,398,046,511,104 HF tensors" in unmapped["message"]
+    assert "extra" in _codes(report)  # the export's fc1 tensors: nothing maps to them now

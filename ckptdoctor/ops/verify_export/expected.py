@@ -5,6 +5,7 @@ mapping."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,9 @@ _MTP_LAYER = "transformer_layer."
 # one expert's own key: SequentialMLP with singleton local shards (``experts.experts.<e>.``, the global index) and
 # the module names of a non-distributed save (``experts.local_experts.<e>.``); the rule is the stacked key's
 _EXPERT_KEY = re.compile(r"(.*\.experts\.)(?:experts|local_experts)\.(\d+)\.(.+)\Z")
+# HF tensors one verification lists: a large MoE export has 100k; a .metadata's shapes (a few bytes of a stacked key
+# of 2^40 layers or experts) could name more than memory holds, so a key past it is unmapped, not expanded.
+MAX_EXPECTED = 1 << 20
 
 
 @dataclass(slots=True)  # one per HF tensor (100k in a large export): not frozen, whose __init__ is slower
@@ -185,6 +189,11 @@ def expected_tensors(checkpoint: Checkpoint, mapping: Mapping, dims: Dims) -> tu
         if rule is None:
             unmapped.append(Unmapped(key, f"no rule of family {mapping.family} for it"))
             continue
+        names = _names(entry, rule, layers, expert)
+        if len(expected) + names > MAX_EXPECTED:
+            why = f"its shape {list(entry.shape or ())} names {names:,} HF tensors, past the {MAX_EXPECTED:,} listed"
+            unmapped.append(Unmapped(key, why))
+            continue
         expected.extend(_expand(key, entry, rule, layers, expert, dims, unmapped))
     expected.extend(_mtp_shared(checkpoint, model, mapping, dims))
     return expected, unmapped
@@ -206,9 +215,33 @@ def _mtp_shared(checkpoint: Checkpoint, model: list[tuple[str, Entry]], mapping:
     return out
 
 
-def _rule_for(
-    key: str, entry: Entry, mapping: Mapping, dims: Dims
-) -> tuple[Rule | None, list[tuple[int | None, bool]], int | None]:
+@dataclass(frozen=True)
+class _StackedLayers:
+    """Layers 0..count-1 of a stacked key as ``(layer, True)``, without a list: ``count`` is a .metadata's."""
+
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[tuple[int | None, bool]]:
+        return ((layer, True) for layer in range(self.count))
+
+
+_Layers = list[tuple[int | None, bool]] | _StackedLayers
+
+
+def _names(entry: Entry, rule: Rule, layers: _Layers, own_expert: int | None) -> int:
+    """How many HF tensors :func:`_expand` makes of a key (counted from the shape, none made)."""
+    experts = 1
+    if own_expert is None and rule.per_expert:
+        shape = tuple(entry.shape or ())
+        layer_shape = shape[1:] if isinstance(layers, _StackedLayers) else shape
+        experts = layer_shape[0] if layer_shape else 1
+    return len(layers) * experts * len(rule.hf)
+
+
+def _rule_for(key: str, entry: Entry, mapping: Mapping, dims: Dims) -> tuple[Rule | None, _Layers, int | None]:
     """The rule of a key, its layers (``(layer, stacked)`` per layer it holds; ``None``: not a layer key) and, for
     one expert's own key, that expert."""
     if key in mapping.global_rules:
@@ -224,8 +257,7 @@ def _rule_for(
         return None, [], None
     if match.group(1) is not None:
         return rule, [(int(match.group(1)), False)], expert
-    count = entry.shape[0] if entry.shape else 0
-    return rule, [(i, True) for i in range(count)], expert
+    return rule, _StackedLayers(entry.shape[0] if entry.shape else 0), expert
 
 
 def _mtp_rule_for(
@@ -258,7 +290,7 @@ def _expand(
     key: str,
     entry: Entry,
     rule: Rule,
-    layers: list[tuple[int | None, bool]],
+    layers: _Layers,
     own_expert: int | None,
     dims: Dims,
     unmapped: list[Unmapped],
