@@ -6,6 +6,7 @@ is not the saved one."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -227,3 +228,34 @@ def test_first_suggested_new_layout_loads_in_megatron(capsys, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     (result,) = json.loads(out.read_text())
     assert result["outcome"] == "loads", result
+
+
+def test_a_large_world_size_is_searched_in_bounded_time(capsys, tmp_path):
+    """A world of 805M GPUs is searched (DP the rest of each layout); past the largest --target field it is a usage
+    error, and saved args past it one line (a saved world of 2^62 took 2^31 trial divisions: it hung)."""
+    from conftest import run_ckptdoctor
+
+    from ckptdoctor.ops.can_load.run import MAX_TARGET
+
+    path = FIXTURES / "core019_tp1"
+    world = 3 * 2**28  # under MAX_TARGET
+    proc = run_ckptdoctor("can-load", path, "--suggest", "--world-size", str(world), "--format", "json", timeout=120)
+    assert proc.returncode in (0, 1), proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["world_size"] == world
+    for suggestion in doc["suggestions"]:
+        target = suggestion["target"]
+        assert target["tp"] * target["pp"] * target["cp"] * target["dp"] == world
+    code, _, err = run_main(capsys, "can-load", path, "--suggest", "--world-size", str(MAX_TARGET + 1))
+    assert code == 2 and "--world-size" in err
+    from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
+
+    shutil.copytree(FIXTURES / "core016_tp1", tmp_path / "ckpt")  # its args in common.pt
+    common = tmp_path / "ckpt" / "iter_0000010" / "common.pt"
+    state = load_torch_zip(common, "common.pt")
+    state["args"].data_parallel_size = 2**62  # the saved world: TP x PP x CP x DP
+    common.write_bytes(dump_torch_zip(state))
+    code, _, err = run_main(capsys, "can-load", tmp_path / "ckpt", "--suggest")
+    assert code == 2 and err.strip().splitlines() == [
+        f"ckptdoctor: error: --suggest: the saved world size {2**62:,} is past {MAX_TARGET:,}: give --world-size"
+    ]

@@ -6,7 +6,7 @@ import click
 
 from ckptdoctor.commands import ITERATION_HELP
 from ckptdoctor.commands.options import format_option, trust_global_option
-from ckptdoctor.ops.can_load.run import SHARDING_TYPES, STRICTNESS
+from ckptdoctor.ops.can_load.run import MAX_TARGET, SHARDING_TYPES, STRICTNESS
 
 
 @click.command("can-load", short_help="Predict whether Megatron loads a checkpoint at a layout.")
@@ -29,7 +29,7 @@ from ckptdoctor.ops.can_load.run import SHARDING_TYPES, STRICTNESS
 )
 @click.option(
     "--world-size",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_TARGET),
     default=None,
     help="With --suggest: the world size the layouts fill (default: the saved one).",
 )

@@ -29,6 +29,7 @@ STRICTNESS = (
 )
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space", "dp_zero_gather_scatter")
 TARGET_FIELDS = ("tp", "pp", "ep", "etp", "cp", "dp", "world")
+MAX_TARGET = 10**9 - 1  # the largest value of a --target field (9 digits; Python refuses ints of over 4,300)
 LAYOUT_ARGS = {
     "tp": "tensor_model_parallel_size",
     "pp": "pipeline_model_parallel_size",
@@ -137,7 +138,7 @@ def parse_target(spec: str, saved: Layout, experts: bool = True) -> Layout:
         match = _TARGET_RE.match(part)
         if not match:
             raise CkptError(f"--target: {part.strip()!r} is not NAME=N (names: {', '.join(TARGET_FIELDS)})")
-        if len(match.group(2)) > 9:  # Python refuses ints of more than 4,300 digits; no layout nears 10**9
+        if len(match.group(2)) > len(str(MAX_TARGET)):  # no layout nears 10**9
             raise CkptError(f"--target: {match.group(1)}={match.group(2)[:12]}... is too large")
         name, number = match.group(1), int(match.group(2))
         if name not in TARGET_FIELDS:

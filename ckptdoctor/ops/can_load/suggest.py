@@ -26,9 +26,11 @@ from dataclasses import dataclass, field, replace
 from itertools import combinations, product
 from typing import Any
 
+from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.can_load.args import args_problem
 from ckptdoctor.ops.can_load.predict import CanLoadReport, SavedCheckpoint, predict_at
 from ckptdoctor.ops.can_load.run import (
+    MAX_TARGET,
     Layout,
     LoadRun,
     default_etp,
@@ -108,6 +110,7 @@ class _Change:
 
 
 def _divisors(n: int) -> list[int]:
+    """The divisors of ``n`` (at most :data:`~.run.MAX_TARGET`: trial division to its root, 31,623 steps)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
@@ -202,6 +205,8 @@ def suggest(
     of the run that :class:`LoadRun` does not hold (``--args-from PATH``), echoed in each candidate's argv."""
     saved, experts = state.saved, state.experts
     world = world_size or saved.world
+    if world > MAX_TARGET:  # every candidate is a --target, whose fields stop there
+        raise CkptError(f"--suggest: the saved world size {world:,} is past {MAX_TARGET:,}: give --world-size")
     stats = SearchStats()
     as_saved = predict_at(state, saved, run)
     found: list[tuple[tuple[Any, ...], Suggestion]] = []
