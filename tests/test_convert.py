@@ -478,3 +478,32 @@ def test_main_params_missing_from_a_fsdp_dtensor_save_come_from_its_model(capsys
     assert "    -> optimizer.state.param.decoder.layers.mlp.linear_fc2.weight" in text
     rc, text, err = _run(capsys, "diff", save, tmp_path / "back", "--values", "--exclude", EXCLUDED, "--ignore-layout")
     assert rc == 0 and "no differences" in text, text + err
+
+
+def test_a_stacked_shape_of_2_to_the_40_layers_is_not_expanded(tmp_path):
+    """A .metadata giving a stacked key 2^40 layers, two of them in chunks: listed as not converted with the count
+    (one output key per layer of a shape was a MemoryError); the other keys are planned."""
+    import shutil
+
+    from conftest import run_ckptdoctor
+    from test_hostile_inputs import MEMORY_LIMIT
+
+    from ckptdoctor.formats.torch_dist import dump_metadata_object, load_metadata_object
+
+    save = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "core019_tp1", save)
+    path = save / ITER / ".metadata"
+    metadata = load_metadata_object(path)
+    item = metadata.state_dict_metadata["decoder.layers.mlp.linear_fc2.weight"]
+    item.__dict__["size"] = type(item.size)((1 << 40, *item.size[1:]))
+    path.write_bytes(dump_metadata_object(metadata))
+    proc = run_ckptdoctor(
+        "convert", save, "--to", "fsdp_dtensor", "--format", "json", timeout=60, memory_headroom=MEMORY_LIMIT
+    )
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)["plan"]
+    why = {n["key"]: n["why"] for n in plan["not_carried"]}
+    assert why["decoder.layers.mlp.linear_fc2.weight"] == (
+        "stacked layers or experts of which the chunks hold 2 of 1,099,511,627,776: not converted"
+    )
+    assert "decoder.layers.mlp.linear_fc1.weight" in {m["source"] for m in plan["mappings"]}

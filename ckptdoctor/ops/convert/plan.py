@@ -42,6 +42,7 @@ optimizer's flat buckets (no parameter-to-offset map in the checkpoint). Nothing
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -333,6 +334,12 @@ def _why_not(entry: Entry, checkpoint: Checkpoint) -> str | None:
     lead = (_layered_name(param) is not None) + (_STACKED_EXPERTS_RE.search(param) is not None)
     if any(size != 1 for c in entry.chunks for size in c.sizes[:lead]):
         return "stacked layers or experts whose chunks span several of them: not converted"
+    # one output key per layer (and expert): each needs its chunk, and a .metadata's shape of 2^40 layers held
+    # by two chunks is never expanded into 2^40 keys
+    slots = math.prod(entry.shape[:lead])
+    covered = len({tuple(c.offsets[:lead]) for c in entry.chunks})
+    if covered < slots:
+        return f"stacked layers or experts of which the chunks hold {covered:,} of {slots:,}: not converted"
     return None
 
 
