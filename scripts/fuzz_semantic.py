@@ -12,7 +12,7 @@ values swapped for other types: ``None``, strings, empty shapes, ...) and it is 
   source, it must pass what they wrote;
 * ``values``: check --deep and --health, diff --values (and --stats), show --stats on the mutated ``.metadata``;
 * ``args``: the saved args of ``common.pt`` set to values of the wrong type or range (check, inspect, fix-args,
-  can-load, diff, strip-frozen);
+  can-load --target and --suggest, diff, strip-frozen);
 * ``data``: bytes of a data file or ``common.pt`` flipped, cut or inserted (check --deep and --health, diff --values
   and --stats, show);
 * ``tree``: the save dir damaged as a filesystem is (a file removed, emptied, cut, replaced by a dir or a dangling
@@ -104,6 +104,7 @@ def _commands(target: str, save: Path, original: Path, out: Path) -> list[list[s
             ["fix-args", s],
             ["fix-args", s, "--write", "--output", str(out / "fixed")],
             ["can-load", s, "--target", "tp=2,pp=1"],
+            ["can-load", s, "--suggest", "--limit", "2"],
             ["diff", s, o],
             ["strip-frozen", s, "-o", str(out / "stripped")],
         ],
