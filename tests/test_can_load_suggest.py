@@ -255,7 +255,7 @@ def test_a_large_world_size_is_searched_in_bounded_time(capsys, tmp_path):
     state = load_torch_zip(common, "common.pt")
     state["args"].data_parallel_size = 2**62  # the saved world: TP x PP x CP x DP
     common.write_bytes(dump_torch_zip(state))
-    code, _, err = run_main(capsys, "can-load", tmp_path / "ckpt", "--suggest")
-    assert code == 2 and err.strip().splitlines() == [
+    proc = run_ckptdoctor("can-load", tmp_path / "ckpt", "--suggest", timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"ckptdoctor: error: --suggest: the saved world size {2**62:,} is past {MAX_TARGET:,}: give --world-size"
     ]
