@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ckptdoctor.formats import BACKEND_DCP
 from ckptdoctor.formats.dcp_index import CHUNK_STORAGE, STORAGE_PATH
@@ -84,17 +84,30 @@ def _distinct_offsets(entry: Entry, axis: int) -> int:
     return len({c.offsets[axis] for c in entry.chunks if len(c.offsets) > axis})
 
 
+_NO_RANK = frozenset({None})
+
+
 class _Coverage:
     """Which writer ranks wrote which units (layers, or experts), as spans: each chunk's [start, end) along the
     axis with its ranks. Kept as spans, not unit by unit: a hostile ``.metadata`` may give one chunk 2^40 layers
     (a few bytes) that a dict per unit would take minutes and GBs to hold."""
 
     def __init__(self) -> None:
-        self.spans: list[tuple[int, int, frozenset[int]]] = []
+        self.spans: set[tuple[int, int, frozenset[int]]] = set()  # a million chunks hold a few thousand spans
+        self._one: dict[int | None, frozenset[int]] = {}  # each rank's set, made once
 
     def add(self, start: int, end: int, ranks: set[int | None]) -> None:
         if end > start:
-            self.spans.append((start, end, frozenset(r for r in ranks if r is not None)))
+            named = frozenset(ranks)
+            self.spans.add((start, end, cast("frozenset[int]", named - _NO_RANK if None in named else named)))
+
+    def add_one(self, start: int, end: int, rank: int | None) -> None:
+        """:meth:`add` of one chunk's writer rank (the most frequent call: one per chunk)."""
+        if end > start:
+            named = self._one.get(rank)
+            if named is None:
+                named = self._one[rank] = frozenset() if rank is None else frozenset((rank,))
+            self.spans.add((start, end, named))
 
     def __bool__(self) -> bool:
         return bool(self.spans)
@@ -176,7 +189,7 @@ def _collect_expert_ranks(entry: Entry, stacked: bool, expert_ranks: _Coverage, 
     for chunk in entry.chunks:
         if len(chunk.offsets) > axis:
             rank = rank_of[chunk.storage.relative_path] if chunk.storage else None
-            expert_ranks.add(chunk.offsets[axis], chunk.offsets[axis] + chunk.sizes[axis], {rank})
+            expert_ranks.add_one(chunk.offsets[axis], chunk.offsets[axis] + chunk.sizes[axis], rank)
 
 
 def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
@@ -199,7 +212,7 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
             for chunk in entry.chunks:
                 rank = rank_of[chunk.storage.relative_path] if chunk.storage else None
                 ranks_known = ranks_known and rank is not None
-                layer_ranks.add(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0], {rank})
+                layer_ranks.add_one(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0], rank)
         elif indexed and entry.chunks:  # one layer for every chunk of the key
             chunk_ranks = _chunk_ranks(entry, rank_of)
             ranks_known = ranks_known and None not in chunk_ranks

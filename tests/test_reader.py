@@ -218,7 +218,10 @@ def test_layer_and_expert_groups_by_spans_equal_unit_by_unit():
             start = rng.randrange(-3, 12)
             span = (start, start + rng.randrange(0, 5), set(rng.sample([0, 1, 2, 3, 4, None], rng.randrange(0, 3))))
             spans.append(span)
-            coverage.add(*span)
+            if len(span[2]) == 1:  # one chunk's writer rank (or None: no named rank)
+                coverage.add_one(span[0], span[1], next(iter(span[2])))
+            else:
+                coverage.add(*span)
         units, groups = _groups_unit_by_unit(spans)
         assert (coverage.units(), coverage.groups() if coverage else 0) == (units, groups if units else 0), spans
 
