@@ -50,3 +50,36 @@ def test_the_primitives_import_nothing_above_them():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     below = ["ckptdoctor.atomic", "ckptdoctor.errors", "ckptdoctor.locking", "ckptdoctor.write_guard"]
     assert ast.literal_eval(out) == below
+
+
+def test_a_file_removed_after_the_listing_is_left_out(tmp_path, monkeypatch):
+    """A checkpoint dir read while another writer renames its temp file into place: the temp file is listed, then
+    gone when its size is asked for. It is left out of the sizes (it was an uncaught FileNotFoundError: one of two
+    ``fix-args --in-place`` started together failed on the other's journal temp file)."""
+    from ckptdoctor.storage import files
+
+    (tmp_path / "__0_0.distcp").write_bytes(b"x" * 5)
+    (tmp_path / "..ckptdoctor-fixargs-1.json.ckptdoctor-part-1f").write_bytes(b"y")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "common.pt").write_bytes(b"zz")
+    real_scandir = os.scandir
+
+    class ListedThenRemoved:
+        """os.scandir whose temp files are removed once listed."""
+
+        def __init__(self, path):
+            self.entries = list(real_scandir(path))
+            for entry in self.entries:
+                if ".ckptdoctor-part-" in entry.name:
+                    os.unlink(entry.path)
+
+        def __enter__(self):
+            return iter(self.entries)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(os, "scandir", ListedThenRemoved)
+    assert files.file_sizes(tmp_path) == {"__0_0.distcp": 5}
+    (tmp_path / "..ckptdoctor-fixargs-2.json.ckptdoctor-part-2f").write_bytes(b"y")
+    assert files.tree_bytes(tmp_path) == (7, 2)

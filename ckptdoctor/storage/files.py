@@ -228,9 +228,21 @@ def file_sizes(directory: Path | RemotePath) -> dict[str, int]:
     files: dict[str, int] = {}
     with os.scandir(directory) as it:
         for dirent in it:
-            if dirent.is_file():
-                files[dirent.name] = dirent.stat().st_size
+            size = _listed_size(dirent)
+            if size is not None:
+                files[dirent.name] = size
     return files
+
+
+def _listed_size(dirent: os.DirEntry[str]) -> int | None:
+    """The size of a listed regular file; None for anything else, or for a file removed since the listing (another
+    writer's temp file renamed into place while a checkpoint is read: not an error of the reader's)."""
+    if not dirent.is_file():
+        return None
+    try:
+        return dirent.stat().st_size
+    except FileNotFoundError:
+        return None
 
 
 def tree_bytes(directory: Path | RemotePath) -> tuple[int, int]:
@@ -255,8 +267,8 @@ def tree_bytes(directory: Path | RemotePath) -> tuple[int, int]:
             for dirent in it:
                 if dirent.is_dir(follow_symlinks=False):
                     local.append(Path(dirent.path))
-                elif dirent.is_file():
-                    total, count = total + dirent.stat().st_size, count + 1
+                elif (listed := _listed_size(dirent)) is not None:
+                    total, count = total + listed, count + 1
     return total, count
 
 

@@ -14,6 +14,7 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.dcp_writer import CopiedFile
 from ckptdoctor.formats.torch_dist import StorageLocation
+from ckptdoctor.storage.files import file_sizes
 
 Progress = Callable[[int], None] | None
 
@@ -97,6 +98,4 @@ class CommonChange:
 def dir_bytes(directory: Path, data: bool = True) -> int:
     """The size of a checkpoint dir as strip-frozen reports it: every plain file directly in it (data files,
     ``.metadata``, ``common.pt``, ``metadata.json``, ...); ``data=False``: all but the ``.distcp`` data files."""
-    return sum(
-        p.stat().st_size for p in directory.iterdir() if p.is_file() and (data or not p.name.endswith(".distcp"))
-    )
+    return sum(size for name, size in file_sizes(directory).items() if data or not name.endswith(".distcp"))
