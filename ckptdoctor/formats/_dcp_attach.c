@@ -1,9 +1,10 @@
-/* The storage pass of the DCP index (dcp_index._attach_py), in C, one way (see _dcp_index.h):
+/* The storage pass of the DCP index (dcp_index._attach_py), in C, one way (see _dcp_index.c):
  * attach(storage_data, rows, consume, shared) checks each storage_data entry (MetadataIndex -> _StorageInfo) and
  * sets (path, offset, length) as the location of the row chunks it names (the chunks items() made: exact tuples
  * only the rows hold, set in place). Returns None, or where it stopped at an entry C does not read: the number
  * of entries done, and with consume the entry popped (dcp_index.py goes on from there). */
-#include "_dcp_index.h"
+#include "_dcp_attach.h"
+#include "_dcp_fields.h"
 
 static PyObject *s_fqn, *s_offset, *s_relative_path, *s_length;
 

@@ -1,5 +1,20 @@
-/* The module ckptdoctor.pickle._native (see _native.h): its functions, each in the source of its part. */
-#include "_native.h"
+/* ckptdoctor.pickle._native: the pickle engine's native module (optional; ckptdoctor/pickle/ has the Python twin of
+ * each part, which stays the reference: tests/test_pickle_scan_accel.py, test_memo_prune.py, test_plan_drops.py,
+ * test_dcp_index_accel.py and fuzz/fuzz_native.py compare them).
+ *   _native.c   the module (this file: its functions, each in the source of its part, which declares it in
+ *               its header: _scan.h, _prune.h, _records.h)
+ *   _scan.c     the resource pre-pass (scan; scanner.py)
+ *   _prune.c    memo pruning (pruned_reader; unpickler.py)
+ *   _plans.c    megatron-core's save plans left out of index-only reads (their drop_plans option)
+ *   _records.c  index records: their BUILD (records_setup gives compact_setstate), what it refuses as torch
+ *               does, torch.Size (index_size, faithful_size; index_records.py, policy.py); _records.h: the
+ *               capsule through which the DCP index's C (ckptdoctor.formats._dcp_index) reads the records
+ *   _opcode_read.h  reading one opcode (its arguments, its class and end), below every part; _opcodes.h, the
+ *               opcodes, generated from pickletools by scripts/gen_opcodes.py
+ */
+#include "_prune.h"
+#include "_records.h"
+#include "_scan.h"
 
 static PyMethodDef methods[] = {
     {"scan", native_scan, METH_VARARGS,
@@ -20,7 +35,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "ckptdoctor.pickle._native", "The pickle engine's native module (see _native.h).", -1,
+    PyModuleDef_HEAD_INIT, "ckptdoctor.pickle._native", "The pickle engine's native module (see _native.c).", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

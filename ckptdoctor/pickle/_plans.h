@@ -2,7 +2,7 @@
 #ifndef CKPTDOCTOR_PICKLE_PLANS_H
 #define CKPTDOCTOR_PICKLE_PLANS_H
 
-#include "_native.h"
+#include "_opcode_read.h"
 
 #if defined(__GNUC__)
 #pragma GCC visibility push(hidden)

@@ -1,4 +1,6 @@
+#include "_opcode_read.h"
 #include "_plans.h"
+#include "_prune.h"
 
 #include <string.h>
 #if defined(__unix__) || defined(__APPLE__)
@@ -6,7 +8,7 @@
 #include <unistd.h>
 #endif
 
-/* Memo pruning, for ckptdoctor.pickle._native (see _native.h): pruned_reader.
+/* Memo pruning, for ckptdoctor.pickle._native (see _native.c): pruned_reader.
  *
  * pruned_reader(data) gives, as a file to read, the pickle with the memo writes (MEMOIZE, BINPUT, LONG_BINPUT) whose entry is never
  * read dropped and the others and the reads (BINGET, LONG_BINGET) renumbered, or None where it leaves the bytes

@@ -1,6 +1,5 @@
-/* Index records (index_records.py) and torch.Size (policy.py) in the native module (see _native.h): the BUILD of
+/* Index records (index_records.py) and torch.Size (policy.py) in the native module (see _native.c): the BUILD of
  * index-only records (compact_setstate), what it refuses as torch refuses it, and the sizes shared within a load. */
-#include "_native.h"
 #include "_records.h"
 
 /* index_records' types, given once by records_setup: CompactKeys (the field names of a compact record),

@@ -14,7 +14,8 @@
  *   -1               FALLBACK: the caller runs the Python scanner on the same bytes.
  * The input is read only within [0, size); every array grows by doubling and is freed on every exit.
  */
-#include "_native.h"
+#include "_opcode_read.h"
+#include "_scan.h"
 
 #include <string.h>
 

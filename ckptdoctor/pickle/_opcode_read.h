@@ -1,24 +1,15 @@
-/* ckptdoctor.pickle._native: the pickle engine's native module (optional; ckptdoctor/pickle/ has the Python twin of
- * each part, which stays the reference: tests/test_pickle_scan_accel.py, test_memo_prune.py, test_plan_drops.py,
- * test_dcp_index_accel.py and fuzz/fuzz_native.py compare them).
- *   _native.c   the module
- *   _scan.c     the resource pre-pass (scan; scanner.py)
- *   _prune.c    memo pruning (pruned_reader; unpickler.py)
- *   _plans.c    megatron-core's save plans left out of index-only reads (their drop_plans option)
- *   _records.c  index records: their BUILD (records_setup gives compact_setstate), what it refuses as torch
- *               does, torch.Size (index_size, faithful_size; index_records.py, policy.py); _records.h: the
- *               capsule through which the DCP index's C (ckptdoctor.formats._dcp_index) reads the records
- *   _opcodes.h  the opcodes, generated from pickletools by scripts/gen_opcodes.py
- */
-#ifndef CKPTDOCTOR_PICKLE_NATIVE_H
-#define CKPTDOCTOR_PICKLE_NATIVE_H
+/* Reading one pickle opcode, for every part of ckptdoctor.pickle._native (the lowest of its headers: it includes
+ * only the generated opcode table, _opcodes.h): the little-endian fixed-width arguments (read_u32, read_u64) and,
+ * for the memo pruning and the save plans, an opcode's class and where it ends (prune_op). */
+#ifndef CKPTDOCTOR_PICKLE_OPCODE_READ_H
+#define CKPTDOCTOR_PICKLE_OPCODE_READ_H
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-/* Functions shared by the sources of the module, not exported (called directly, not through the PLT). */
+/* Shared by the sources of the module, not exported (called directly, not through the PLT). */
 #if defined(__GNUC__)
 #pragma GCC visibility push(hidden)
 #endif
@@ -81,18 +72,6 @@ static inline int prune_op(const unsigned char *buf, Py_ssize_t size, Py_ssize_t
     *end = p;
     return kind;
 }
-
-/* _scan.c */
-PyObject *native_scan(PyObject *module, PyObject *args);
-/* _prune.c */
-PyObject *native_pruned_reader(PyObject *module, PyObject *args); /* pruned_reader(data, release, drop_plans) */
-int native_prune_ready(void);                                    /* PyType_Ready of the reader type */
-/* _records.c */
-PyObject *native_records_setup(PyObject *module, PyObject *args); /* records_setup(CompactKeys, ...) */
-PyObject *native_index_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs);    /* index_size(dims) */
-PyObject *native_faithful_size(PyObject *module, PyObject *const *args, Py_ssize_t nargs); /* (cls, dims) */
-PyObject *native_forget_index_sizes(PyObject *module, PyObject *ignored);                 /* forget_index_sizes() */
-int native_records_ready(PyObject *module); /* its names and the records_api capsule (_records.h) */
 
 #if defined(__GNUC__)
 #pragma GCC visibility pop
