@@ -14,10 +14,10 @@ Interleaved with the mutants, a fixed share of the time (:data:`HEALTH_SHARE`) g
 per-element loop (``ckptdoctor.values._health``), in this process (under ASan with the rest, in
 scripts/sanitize.sh): seeded random slabs of float32, bfloat16 and float16 (1 to 4 dims, blocks at random origins
 of a larger slice, strided and transposed views now and then, sizes either side of the histogram threshold; bit
-patterns mixing normals of random scale, ±0, subnormals, NaN, ±Inf and random bits), each through ``health._add``
-with the C loop (float32 by either pass), as bytes straight to the C loop (``health._add_native``, the call
-``HealthScan.scan`` makes for the usual chunk) and with the C loop set aside (``_native = None``); the ``Moments``,
-or the errors, must be identical.
+patterns mixing normals of random scale, ±0, subnormals, NaN, ±Inf and random bits), each through
+``slab_stats.add_slab`` with the C loop (float32 by either pass), as bytes straight to the C loop
+(``slab_stats.add_native``, the call ``HealthScan.scan`` makes for the usual chunk) and with the C loop set aside
+(``slab_stats.native = None``); the ``Moments``, or the errors, must be identical.
 
 Any difference, or a worker that dies (a sanitizer report aborts it), fails the run with the mutant saved for
 reproduction (a health slab as ``<out>-health.npz``: its bits, dtype, origin and slice shape). A sanitizer report
@@ -225,7 +225,7 @@ def health_slab(rng: Any) -> tuple[str, Any, tuple[int, ...], tuple[int, ...]]:
     non-contiguous view."""
     import numpy as np
 
-    from ckptdoctor.values.health import KINDS
+    from ckptdoctor.values.moments import KINDS
 
     dtype = HEALTH_DTYPES[int(rng.integers(len(HEALTH_DTYPES)))]
     kind = KINDS[dtype]
@@ -275,39 +275,41 @@ def health_slab(rng: Any) -> tuple[str, Any, tuple[int, ...], tuple[int, ...]]:
 
 
 # C: float32 by its vectorised pass where it runs; portable: by the other; direct: a slab HealthScan.scan hands to the
-# C loop as bytes (a run of the slice's elements, or rows of a 2-d slice) through health._add_native, else as C
+# C loop as bytes (a run of the slice's elements, or rows of a 2-d slice) through slab_stats.add_native, else as C
 HEALTH_PATHS = ("C", "C portable", "C direct", "numpy")
 
 
 def health_outcome(dtype: str, bits: Any, origin: tuple[int, ...], shape: tuple[int, ...], path: str) -> str:
-    """One slab through ``health._add`` by one of :data:`HEALTH_PATHS`: the Moments (floats by repr), or the error."""
+    """One slab through ``slab_stats.add_slab`` by one of :data:`HEALTH_PATHS`: the Moments (floats by repr), or the
+    error."""
     import types
 
     import numpy as np
 
-    from ckptdoctor.values import health
+    from ckptdoctor.values import slab_stats
+    from ckptdoctor.values.moments import KINDS, Moments
 
-    saved = health._native
+    saved = slab_stats.native
     if path == "numpy":
-        health._native = None
+        slab_stats.native = None
     elif path == "C portable" and saved is not None:
-        health._native = types.SimpleNamespace(floats=lambda *args: saved.floats(*args, True))
+        slab_stats.native = types.SimpleNamespace(floats=lambda *args: saved.floats(*args, True))
     try:
-        m = health.Moments()
-        kind = health.KINDS[dtype]
+        m = Moments()
+        kind = KINDS[dtype]
         consecutive = bits.shape[1:] == tuple(shape[1:])
         if path == "C direct" and saved is not None and bits.size and bits.ndim and (consecutive or len(shape) == 2):
             m.count += bits.size
             columns = bits.size if consecutive else bits.shape[-1]
-            health._add_native(kind, m, np.ascontiguousarray(bits).tobytes(), bits.size, columns, origin, shape)
+            slab_stats.add_native(kind, m, np.ascontiguousarray(bits).tobytes(), bits.size, columns, origin, shape)
         else:
-            health._add(np, kind, m, bits, origin, shape)
+            slab_stats.add_slab(np, kind, m, bits, origin, shape)
         fields = (m.count, m.finite, m.zeros, m.nan, m.inf, m.total, m.total_sq, m.low, m.high, m.fingerprint)
         return repr(fields)
     except Exception as exc:  # noqa: BLE001 - an error is an outcome to compare
         return f"{type(exc).__name__}: {exc}"
     finally:
-        health._native = saved
+        slab_stats.native = saved
 
 
 def health_round(rng: Any, count: int, out: Path) -> bool:
@@ -374,9 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import numpy as np
 
-    from ckptdoctor.values import health
+    from ckptdoctor.values import slab_stats
 
-    if health._native is None:
+    if slab_stats.native is None:
         print(
             "fuzz_native: ckptdoctor.values._health does not import (built? CKPTDOCTOR_NO_EXTENSIONS?)", file=sys.stderr
         )

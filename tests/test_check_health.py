@@ -27,7 +27,8 @@ from ckptdoctor.formats.torch_dist import (
 )
 from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
 from ckptdoctor.values import health
-from ckptdoctor.values.health import KINDS, HealthScan, KeyStats, Moments, summarise
+from ckptdoctor.values.health import HealthScan, KeyStats, summarise
+from ckptdoctor.values.moments import KINDS, Moments
 from ckptdoctor.values.read import read_tensor
 from tests.conftest import FIXTURES, fixture_names
 
@@ -335,7 +336,7 @@ def test_trained_fixture_moved_every_layer():
     """core019_trained_tp1 (10 real Adam steps): every dense weight of every layer is away from its init (std
     beyond the default tolerance), and no norm scale is exactly one: the control for CKD505."""
     from ckptdoctor.ops.check import health_scan
-    from ckptdoctor.values.health import moment_values
+    from ckptdoctor.values.moments import moment_values
 
     save = FIXTURES / "core019_trained_tp1"
     scan = health_scan(save / ITER, save / ITER)

@@ -39,10 +39,10 @@ def test_version(capsys):
     from ckptdoctor.pickle import scanner
 
     assert ("pickle pre-pass: C;" in out) == (scanner._scan_c is not None)  # which walk runs, said
-    from ckptdoctor.values import health
+    from ckptdoctor.values import slab_stats
 
     assert ("index loops: C;" in out) == dcp_index._use_c
-    assert ("health statistics: C)" in out) == (health._native is not None)
+    assert ("health statistics: C)" in out) == (slab_stats.native is not None)
     assert "rewrites" not in out  # every .metadata is written as objects: nothing to say
 
 

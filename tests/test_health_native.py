@@ -1,7 +1,7 @@
 """The per-element loop of ``check --health`` in C (``ckptdoctor/values/_health.c``) gives numpy's statistics, exactly.
 
-``health._add`` runs ``_health.floats`` for float32, bfloat16 and float16 slabs where the extension was built and
-numpy (``_by_element``, ``_by_histogram``, ``_by_upper_bits``, ``_fingerprint``) where not, so every slab here goes
+``slab_stats.add_slab`` runs ``_health.floats`` for float32, bfloat16 and float16 slabs where the extension was built
+and numpy (``_by_element``, ``_by_histogram``, ``_by_upper_bits``, ``_fingerprint``) where not, so every slab here goes
 through both and the :class:`Moments` must be identical (counts, exact sums, min and max with their sign, the
 fingerprint), and both must equal an independent reference: each element decoded from its bits by the IEEE
 definition into a ``fractions.Fraction``, summed exactly, and the fingerprint as its definition says
@@ -27,8 +27,9 @@ _health = pytest.importorskip(
     "ckptdoctor.values._health", reason="the C health loop was not built or is blocked", exc_type=ImportError
 )
 
-from ckptdoctor.values import health  # noqa: E402
-from ckptdoctor.values.health import KINDS, HealthScan, Moments  # noqa: E402
+from ckptdoctor.values import health, slab_stats  # noqa: E402
+from ckptdoctor.values.health import HealthScan  # noqa: E402
+from ckptdoctor.values.moments import KINDS, Moments  # noqa: E402
 
 DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
 GOLDEN = 0x9E3779B97F4A7C15
@@ -86,7 +87,7 @@ def _decode(kind, bits: int):
 
 def _reference(kind, bits: np.ndarray, origin: tuple, shape: tuple) -> dict:
     flat = [int(b) for b in np.asarray(bits).reshape(-1)]
-    hashes = [int(h) for h in health._value_hashes(np, kind, np.asarray(bits).reshape(-1))]
+    hashes = [int(h) for h in slab_stats._value_hashes(np, kind, np.asarray(bits).reshape(-1))]
     ref = {"count": len(flat), "finite": 0, "zeros": 0, "nan": 0, "inf": 0}
     total = total_sq = Fraction(0)
     low = high = None
@@ -132,8 +133,8 @@ def _add(monkeypatch, kind, bits, origin, shape, native: bool) -> Moments:
     moments = Moments()
     with monkeypatch.context() as patch:
         if not native:
-            patch.setattr(health, "_native", None)
-        health._add(np, kind, moments, bits, origin, shape)
+            patch.setattr(slab_stats, "native", None)
+        slab_stats.add_slab(np, kind, moments, bits, origin, shape)
     return moments
 
 
@@ -157,7 +158,7 @@ def _check(monkeypatch, kind, bits, origin=None, shape=None) -> Moments:
     """Both paths on one slab: identical, and equal to the reference. The C path's Moments."""
     if origin is None:
         origin, shape = (0,) * bits.ndim, bits.shape
-    assert health._native is _health
+    assert slab_stats.native is _health
     c = _add(monkeypatch, kind, bits, origin, shape, native=True)
     python = _add(monkeypatch, kind, bits, origin, shape, native=False)
     assert _shown(c) == _shown(python)
@@ -170,7 +171,7 @@ def _normals(rng, kind, shape, scale):
 
 
 SMALL, LARGE = (37, 29), (70, 67)  # 1073 and 4690 elements: either side of _HISTOGRAM_MIN
-assert SMALL[0] * SMALL[1] < health._HISTOGRAM_MIN < LARGE[0] * LARGE[1]
+assert SMALL[0] * SMALL[1] < slab_stats._HISTOGRAM_MIN < LARGE[0] * LARGE[1]
 
 
 def _normals_case(rng, kind, *, scale, size):
@@ -246,8 +247,8 @@ CASES = {
     "zeros-and-tiny-small": lambda rng, kind: _zeros_and_tiny(rng, kind, SMALL),
     "zeros-and-tiny-large": lambda rng, kind: _zeros_and_tiny(rng, kind, LARGE),
     "mixed-large": lambda rng, kind: _mixed(rng, kind, LARGE),
-    "just-below-histogram": lambda rng, kind: _mixed(rng, kind, (health._HISTOGRAM_MIN - 1,)),
-    "just-at-histogram": lambda rng, kind: _mixed(rng, kind, (health._HISTOGRAM_MIN,)),
+    "just-below-histogram": lambda rng, kind: _mixed(rng, kind, (slab_stats._HISTOGRAM_MIN - 1,)),
+    "just-at-histogram": lambda rng, kind: _mixed(rng, kind, (slab_stats._HISTOGRAM_MIN,)),
     "single-element": lambda rng, kind: _normals(rng, kind, (1,), 1.0),
     "single-nan": lambda rng, kind: _pattern(kind, [0], (1 << kind.exponent_bits) - 1, [3]),
 }
@@ -447,7 +448,7 @@ def test_chunkings_give_the_same_statistics(monkeypatch, dtype):
     for native in (True, False):
         with monkeypatch.context() as patch:
             if not native:
-                patch.setattr(health, "_native", None)
+                patch.setattr(slab_stats, "native", None)
             for name, chunks in _chunkings(*tensor.shape).items():
                 for shuffle in range(2):
                     stats = _scan("model.embedding.weight", dtype, tensor, chunks, shuffle)
@@ -472,7 +473,7 @@ def test_chunkings_of_a_stacked_key(monkeypatch, dtype, per_layer):
     for native in (True, False):
         with monkeypatch.context() as patch:
             if not native:
-                patch.setattr(health, "_native", None)
+                patch.setattr(slab_stats, "native", None)
             for name, chunks in _chunkings(24, 80).items():
                 stats = _scan(key, dtype, tensor, chunks, len(name), per_layer)
                 assert sorted(stats.slices) == sorted(refs)

@@ -29,7 +29,8 @@ from ckptdoctor.rules.structure import Scanned
 from ckptdoctor.severity import OVERRIDDEN
 from ckptdoctor.storage.stream import read_ranges
 from ckptdoctor.values.archive_memo import parse, plain_key
-from ckptdoctor.values.health import KINDS, HealthScan, crowded_keys
+from ckptdoctor.values.health import HealthScan, crowded_keys
+from ckptdoctor.values.moments import KINDS
 
 NON_FINITE_SECTIONS = ("model", "optimizer")
 

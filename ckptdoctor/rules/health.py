@@ -24,7 +24,8 @@ from ckptdoctor.formats.plain_dcp import adam_moment, expert_key, parameter_name
 from ckptdoctor.init_std import InitStds, megatron_init_stds
 from ckptdoctor.rules import ERROR, WARNING, Finding, family_rule, finding
 from ckptdoctor.rules.structure import Scanned
-from ckptdoctor.values.health import KINDS, HealthScan, KeyStats, Moments, moment_values
+from ckptdoctor.values.health import HealthScan, KeyStats
+from ckptdoctor.values.moments import KINDS, Moments, moment_values
 
 _rule = family_rule("health")
 

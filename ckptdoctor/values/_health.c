@@ -1,17 +1,17 @@
 /* ckptdoctor.values._health: the per-element loop of `check --health` for float32, bfloat16 and float16 (see
- * values/health.py, which computes the same numbers in numpy where this module was not built).
+ * values/slab_stats.py, which computes the same numbers in numpy where this module was not built).
  *
  * floats(data, columns, exponent_bits, fraction_bits, out, row_step[, portable]) -> (zeros, nan, inf, low, high,
  *                                                                       positive, negative, squares, rows)
  *   data: the elements, whole rows of `columns`, 4 bytes (exponent_bits 8, fraction_bits 23) or 2; at most
- *   2^22 of them (health.SLAB_ELEMENTS), so every sum per exponent fits in 64 bits.
+ *   2^22 of them (slab_stats.SLAB_ELEMENTS), so every sum per exponent fits in 64 bits.
  *   out[r] (uint64 per row): the sum over the row's elements j of c^j h(bits_j) mod 2^64 (c = GOLDEN; h as
- *   health._value_hashes: splitmix64 of a 2-byte pattern, a 32-bit multiply-xorshift of a 4-byte one).
+ *   slab_stats._value_hashes: splitmix64 of a 2-byte pattern, a 32-bit multiply-xorshift of a 4-byte one).
  *   positive, negative, squares: the exact sums of the positive and of the negative finite elements' magnitudes
  *   and of all their squares, as little-endian unsigned integers (bytes) in units of the smallest subnormal
- *   (squared for squares): health.Moments.total and total_sq. They are summed per sign and biased exponent E
+ *   (squared for squares): moments.Moments.total and total_sq. They are summed per sign and biased exponent E
  *   first: for 2 bytes the significands m and m^2; for float32 binned by the upper 13 bits as
- *   health._by_upper_bits (upper significand a = implicit bit and 4 fraction bits, low 19 bits l): sums of a,
+ *   slab_stats._by_upper_bits (upper significand a = implicit bit and 4 fraction bits, low 19 bits l): sums of a,
  *   a^2, l, a l and l^2, the significand being a 2^19 + l; then shifted by max(E, 1) - 1 and added.
  *   low, high: the bits of the smallest and largest finite element (-1 without one); zeros counts ±0.
  *   rows: the sum over rows r of row_step^r out[r] mod 2^64 (with row_step c^columns-of-the-slice, a 2-d slab's
@@ -27,7 +27,7 @@
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 #define MAX_ELEMENTS (1 << 22)
-#define LOW_BITS 19 /* float32: bits below the bin (health._LOW_BITS); 2^13 bins of sign, exponent, 4 fraction bits */
+#define LOW_BITS 19 /* float32: bits below the bin (slab_stats._LOW_BITS); 2^13 bins of sign, exponent, 4 fraction bits */
 #define TOTAL_LIMBS 10  /* 32-bit digits of a sum: below 2^(48 + 253 + 8) */
 #define SQUARE_LIMBS 19 /* of a sum of squares: below 2^(73 + 506 + 8) */
 
@@ -48,7 +48,7 @@
 
 typedef uint64_t Pair __attribute__((vector_size(16))); /* a float32 bin's two sums, added in one instruction */
 
-static uint64_t pattern_hash[1 << 16]; /* splitmix64 of each 2-byte pattern (health._hash_table) */
+static uint64_t pattern_hash[1 << 16]; /* splitmix64 of each 2-byte pattern (slab_stats._hash_table) */
 
 static uint64_t inverse4, inverse64; /* (c^4)^-1 and (c^64)^-1 mod 2^64: c is odd */
 
@@ -450,7 +450,7 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__health(void) {
     inverse4 = inverse(power(GOLDEN, 4)), inverse64 = inverse(power(GOLDEN, 64));
-    for (uint64_t bits = 0; bits < 1 << 16; bits++) { /* splitmix64, as health._splitmix */
+    for (uint64_t bits = 0; bits < 1 << 16; bits++) { /* splitmix64, as slab_stats._splitmix */
         uint64_t x = bits + GOLDEN;
         x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
         x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;

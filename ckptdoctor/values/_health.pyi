@@ -1,4 +1,4 @@
-# The optional C extension built from _health.c (see ckptdoctor.values.health, which computes the same numbers in
+# The optional C extension built from _health.c (see ckptdoctor.values.slab_stats, which computes the same numbers in
 # numpy where it was not built).
 from typing import Any
 

@@ -32,8 +32,9 @@ from ckptdoctor.ops.diff.report import (
 )
 from ckptdoctor.ops.latest_good import iteration_value, save_dir_of
 from ckptdoctor.progress import Progress
-from ckptdoctor.values.health import KeyStats, Moments, moment_values
+from ckptdoctor.values.health import KeyStats
 from ckptdoctor.values.health_tap import HealthTap
+from ckptdoctor.values.moments import Moments, moment_values
 
 
 def compare_stats(

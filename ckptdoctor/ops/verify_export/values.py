@@ -28,7 +28,8 @@ from ckptdoctor.ops.verify_export.expected import Dims, Expected
 from ckptdoctor.ops.verify_export.report import ExportFinding, ExportTensor
 from ckptdoctor.progress import Progress
 from ckptdoctor.severity import ERROR
-from ckptdoctor.values.health import KINDS, HealthScan, moment_values
+from ckptdoctor.values.health import HealthScan
+from ckptdoctor.values.moments import KINDS, moment_values
 from ckptdoctor.values.read import read_region, require_torch, tensor_from_ref
 
 
