@@ -13,14 +13,13 @@ from typing import Any
 import pytest
 
 from ckptdoctor.formats import run_config_targets as targets_module
+from ckptdoctor.formats.run_config_allowlist import ALLOWLIST, allowed_uses
 from ckptdoctor.formats.run_config_targets import (
-    ALLOWLIST,
     MAX_DEPTH,
     MAX_FINDINGS,
     MAX_LINES,
     TargetFinding,
     TargetScan,
-    allowed_uses,
     describe,
     scan_targets,
     summarize,
