@@ -34,6 +34,7 @@ from ckptdoctor.formats.plain_dcp import section_of as dcp_section_of
 from ckptdoctor.formats.torch_dist import DcpChunk, DcpIndex, DcpItem
 from ckptdoctor.formats.torch_zip import is_torch_zip, load_torch_zip
 from ckptdoctor.locate import CheckpointLocation, iteration_location, locate, read_backend
+from ckptdoctor.optimizer_keys import chain_prefix
 from ckptdoctor.pickle.limits import current_limits
 from ckptdoctor.pickle.policy import UnlistedGlobal
 from ckptdoctor.pickle.torch_stand_ins import DtypeRef
@@ -61,20 +62,21 @@ _SECTION_PREFIXES = (
     ("train_state", "other"),
     ("modelopt_state", "other"),
 )
-_SECTION_FIRST_LETTERS = frozenset(prefix[0] for prefix, _ in _SECTION_PREFIXES)
+_SECTION_FIRST_LETTERS = frozenset(prefix[0] for prefix, _ in _SECTION_PREFIXES) | {"c"}  # chained_<i>.
 COMMON_STATE_PREFIX = "common_state"
 MAX_KEPT_ITEM_BYTES = 64 << 20  # Checkpoint.keep_item_bytes: bytes items kept for a second reader, in all
 
 
 def section_of(key: str) -> str:
-    """The checkpoint section a key belongs to; bare module keys (no prefix) are model keys."""
+    """The checkpoint section a key belongs to; bare module keys (no prefix) are model keys, a chained optimizer's
+    ``chained_<i>.optimizer.*`` items (:mod:`ckptdoctor.optimizer_keys`) optimizer keys."""
     # Runs for every key of a large checkpoint: most are model keys, rejected by their first letter.
     if key[:1] not in _SECTION_FIRST_LETTERS:
         return "model"
     for prefix, section in _SECTION_PREFIXES:
         if key.startswith(prefix):
             return section
-    return "model"
+    return "optimizer" if chain_prefix(key) else "model"
 
 
 _FRAMING_SLACK = 1 << 20

@@ -73,7 +73,12 @@ SECTION_PATTERNS = (
     ),
     ("rng", r"rng_state"),
     ("rerun", r"rerun_state_machine"),
-    ("model", r"(?<![\w.])(embedding|decoder|output_layer|mtp)\.|Global shape mismatch"),
+    # a shape mismatch is the model's unless its key is an optimizer item (a distributed optimizer's bucket)
+    (
+        "model",
+        r"(?<![\w.])(embedding|decoder|output_layer|mtp)\."
+        r"|Global shape mismatch(?!.* for key (chained_\d+\.)?optimizer\.)",
+    ),
 )
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception): .+")
 

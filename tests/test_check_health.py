@@ -45,6 +45,7 @@ DAMAGED = {
     "core019_inf_exp_avg_sq_tp1",
     "core019_zero_moments_trained_tp1",
     "core019_zero_moments_dp2",
+    "core019_moe_zero_moments_ep2_distopt",
     "core019_reinit_layer_trained_tp1",
     "core019_reinit_weights_trained_tp1",
 }
@@ -151,6 +152,7 @@ def test_healthy_fixtures_have_no_health_finding(capsys, fixture):
         ("core019_inf_exp_avg_sq_tp1", ["CKD313"]),
         ("core019_zero_moments_trained_tp1", ["CKD510"]),
         ("core019_zero_moments_dp2", ["CKD510"]),
+        ("core019_moe_zero_moments_ep2_distopt", ["CKD510"]),
         ("core019_reinit_layer_trained_tp1", ["CKD505"]),
         ("core019_reinit_weights_trained_tp1", ["CKD505"]),
         ("core019_moe_zero_expert_ep2", ["CKD501", "CKD501"]),
@@ -287,6 +289,20 @@ def test_bucket_moments_zeroed_before_a_real_save(capsys):
     (f,) = report["findings"]
     assert f["code"] == "CKD510"
     assert f["message"] == "all 2 exp_avg/exp_avg_sq tensors are zero at iteration 10 (optimizer re-initialised?)"
+
+
+def test_chained_optimizer_bucket_moments_zeroed(capsys):
+    """An MoE model's distributed optimizer is megatron-core's ChainedOptimizer (dense, experts): its dp_reshardable
+    buckets are saved as chained_0./chained_1.optimizer.distributed.*, optimizer items like the unprefixed ones:
+    every moment zeroed is CKD510 over both optimizers' buckets, and the layout is the saved one (not a TP read from
+    the buckets' flat chunks, as when they counted as model keys)."""
+    save = FIXTURES / "core019_moe_zero_moments_ep2_distopt"
+    rc, report = _check(capsys, "--health", str(save))
+    (f,) = report["findings"]
+    assert f["code"] == "CKD510"
+    assert f["message"] == "all 6 exp_avg/exp_avg_sq tensors are zero at iteration 10 (optimizer re-initialised?)"
+    moments = [k["key"] for k in report["health"][0]["keys"] if k["key"].endswith((".exp_avg", ".exp_avg_sq"))]
+    assert {m.split(".", 1)[0] for m in moments} == {"chained_0", "chained_1"} and len(moments) == 6
 
 
 def test_layer_replaced_by_a_fresh_megatron_init(capsys):

@@ -29,8 +29,8 @@ def _edit(capsys, source: Path, out: Path, *args: str) -> dict:
     return json.loads(stdout)
 
 
-def _load(cases: list[dict], nproc: int = 1, dp: int = 1) -> str:
-    args = [json.dumps(cases), "--dp", str(dp)]
+def _load(cases: list[dict], nproc: int = 1, dp: int = 1, layout: dict | None = None) -> str:
+    args = [json.dumps(cases), "--dp", str(dp)] + (["--layout", json.dumps(layout)] if layout else [])
     if nproc == 1:
         command = [sys.executable, str(SCRIPT), *args]
     else:
@@ -139,6 +139,25 @@ def test_weights_only_edit_loads_at_tp4(weights_only):
             _case("tp4-dp2-source", dp2, "core019_tp2_dp2", flags, dist_opt=True),
         ],
         nproc=4,
+    )
+
+
+def test_weights_only_edit_of_a_chained_moe_optimizer_loads_at_another_ep(capsys, tmp_path):
+    """An MoE model's distributed optimizer saves its buckets as chained_0./chained_1.optimizer.distributed.*: they
+    are optimizer items, so the weights-only edit drops them too, and its output loads at EP=1 with the reported
+    flag, where the full checkpoint fails (a run at EP=1 builds one optimizer and requests them unprefixed: the
+    real load of tests/can_load_matrix.jsonl's moe-distopt-to-ep1)."""
+    require_mcore()
+    source = FIXTURES / "core019_moe_ep2_distopt"
+    report = _edit(capsys, source, tmp_path / "weights", *WEIGHTS_ONLY)
+    flags = report["plan"]["load_flags"]
+    assert flags == ["--no-load-optim"]
+    assert not [k for k in open_checkpoint(tmp_path / "weights").entries if k.startswith(("chained_", "optimizer"))]
+    _load(
+        [_case("edited-chained", tmp_path / "weights", source.name, flags, dist_opt=True)],
+        nproc=2,
+        dp=2,
+        layout={"ep": 1, "num_experts": 4},
     )
 
 

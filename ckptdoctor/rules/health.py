@@ -22,6 +22,7 @@ from pathlib import Path
 from ckptdoctor.args import saved_config
 from ckptdoctor.formats.plain_dcp import adam_moment, expert_key, parameter_name
 from ckptdoctor.init_std import InitStds, megatron_init_stds
+from ckptdoctor.optimizer_keys import chain_prefix, is_bucket_key, state_of
 from ckptdoctor.rules import ERROR, WARNING, Finding, family_rule, finding
 from ckptdoctor.rules.structure import Scanned
 from ckptdoctor.values.health import HealthScan, KeyStats
@@ -115,8 +116,7 @@ RULES = [
     MOMENT_MISSING,
 ]
 
-_MODEL_SPACE_MOMENT = re.compile(r"^optimizer\.state\.(exp_avg|exp_avg_sq)\.(.+)$")
-_BUCKET_MOMENT = re.compile(r"^optimizer\.distributed\..*\.bucket_idx_\d+\.(exp_avg|exp_avg_sq)$")
+_ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 _MAY_BE_ZERO = re.compile(r"(bias$|_bias$|\.adapter\.(.+\.)?linear_out\.weight$)")
 _NORM_SCALE = re.compile(r"(norm\.weight|norm_weight)$")  # input_layernorm.weight, linear_qkv.layer_norm_weight, ...
 _LAYER_IN_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -186,12 +186,17 @@ def _parameter(key: str, flavour: str | None) -> str:
 
 
 def _moment(key: str, flavour: str | None) -> tuple[str, str] | None:
-    """``(moment, parameter)`` of a model-space Adam moment: torch_dist's ``optimizer.state.<moment>.<param>``,
-    or the plain DCP flavour's naming (the moment last)."""
+    """``(moment, parameter)`` of a model-space Adam moment: torch_dist's ``optimizer.state.<moment>.<param>`` (a
+    chained optimizer's ``chained_<i>.`` in front), or the plain DCP flavour's naming (the moment last)."""
     if flavour is not None:
         return adam_moment(key, flavour)
-    match = _MODEL_SPACE_MOMENT.match(key)
-    return (match.group(1), match.group(2)) if match else None
+    state = state_of(key)
+    return state if state is not None and state[0] in _ADAM_MOMENTS else None
+
+
+def _bucket_moment(key: str) -> bool:
+    """A ``dp_reshardable`` bucket of an Adam moment (``...bucket_idx_<k>.exp_avg``), chained or not."""
+    return is_bucket_key(key) and key.rsplit(".", 1)[1] in _ADAM_MOMENTS
 
 
 def _slice_name(stats: KeyStats, index: tuple[int, ...]) -> str:
@@ -399,7 +404,7 @@ def _optimizer(state: Scanned, keys: dict[str, KeyStats], settings: HealthSettin
     moments: dict[str, Moments] = {}
     for key, stats in keys.items():
         model_space = _moment(key, flavour)
-        if model_space is None and _BUCKET_MOMENT.match(key) is None:
+        if model_space is None and not _bucket_moment(key):
             continue
         whole = stats.whole()
         moments[key] = whole
@@ -438,6 +443,6 @@ def _missing_moments(state: Scanned, settings: HealthSettings) -> list[Finding]:
         if len(kinds) == 1:
             ((has, key),) = kinds.items()
             lacks = "exp_avg_sq" if has == "exp_avg" else "exp_avg"
-            held = f"optimizer.state.{has}" if flavour is None else key
+            held = f"{chain_prefix(key)}optimizer.state.{has}" if flavour is None else key
             out.append(finding(MOMENT_MISSING, state.shown, f"{parameter}: {held} without {lacks}"))
     return out

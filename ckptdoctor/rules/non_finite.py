@@ -33,6 +33,7 @@ from typing import Any
 from ckptdoctor.checkpoint import Entry
 from ckptdoctor.formats.torch_dist import DcpChunk
 from ckptdoctor.numpy_lazy import numpy_or_none
+from ckptdoctor.optimizer_keys import is_bucket_key
 from ckptdoctor.rules import Finding, RuleInfo, finding
 
 # IEEE floating-point dtypes: itemsize, and the exponent bits in the last two bytes of a little-endian element
@@ -126,19 +127,13 @@ def _count_python(data: Any, size: int, high_mask: int, low_mask: int) -> tuple[
 # DDP's buffer starts every parameter at a multiple of this many elements with the distributed optimizer
 # (megatron-core's ``optimizer.param_layout.pad_param_start``; 0.14-0.19).
 PARAM_START_ALIGNMENT = 64
-_BUCKET_MARK = ".bucket_idx_"
-
-
-def is_bucket(key: str) -> bool:
-    """A key of the distributed optimizer's flat buckets (``dp_reshardable``)."""
-    return key.startswith("optimizer.distributed.") and _BUCKET_MARK in key
 
 
 def bucket_padding(key: str, offsets: list[int] | tuple[int, ...], sizes: list[int] | tuple[int, ...]) -> bool:
     """Whether a chunk of a flat bucket may be the padding between two parameters (never written): it holds no
     element at a multiple of :data:`PARAM_START_ALIGNMENT`, where every parameter starts. (The tail piece of a
     parameter cut at a DP rank's boundary, shorter than the distance to the next multiple, is also left out.)"""
-    if not is_bucket(key) or len(offsets) != 1 or len(sizes) != 1:
+    if not is_bucket_key(key) or len(offsets) != 1 or len(sizes) != 1:
         return False
     start, end = offsets[0], offsets[0] + sizes[0]
     next_aligned = -(-start // PARAM_START_ALIGNMENT) * PARAM_START_ALIGNMENT
@@ -177,7 +172,7 @@ class NonFinite:
             counts[1] += inf
             counts[2] += 1
             self.first.setdefault(entry.key, (str(path), list(chunk.offsets)))
-            if is_bucket(entry.key):
+            if is_bucket_key(entry.key):
                 start = chunk.offsets[0]
                 self.ranges.setdefault(entry.key, []).append((start, start + chunk.sizes[0]))
 

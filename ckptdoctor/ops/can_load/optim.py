@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.ops.can_load.keys import KeyPlan, logical
 from ckptdoctor.ops.can_load.verdict import FAILS, SKIPPED, SectionVerdict
+from ckptdoctor.optimizer_keys import chain_prefix, is_bucket_key, is_distributed_key, unchained
 
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint
@@ -45,6 +46,51 @@ def sharding_type(common: dict[str, Any], saved_args: dict[str, Any], run: LoadR
 
 def _expert_groups(layout: Layout) -> bool:
     return layout.ep > 1 or layout.etp != layout.tp
+
+
+def _expert_buckets(present: dict[str, Any], saved: Layout, target: Layout) -> SectionVerdict | None:
+    """The failure of an MoE model's dp_reshardable buckets at a target of other expert groups, else None.
+
+    With separate expert param groups (EP > 1 or ETP != TP) megatron-core builds a ChainedOptimizer of the dense and
+    the expert optimizer and saves their buckets as ``chained_0.``/``chained_1.optimizer.distributed.*``; one
+    optimizer saves and requests them unprefixed. A bucket holds the rank's own parameters, flattened: the expert
+    buckets hold its local experts (num_experts / EP, each cut ETP ways), so they only load at the saved EP and
+    ETP (across expert DP they reshard like any bucket)."""
+    saved_keys = [k for k in present if is_bucket_key(k)]
+    if not saved_keys:
+        return None
+    chained = {chain_prefix(k) for k in saved_keys} - {""}
+    if bool(chained) != _expert_groups(target):
+        shown = saved_keys[0]
+        requested = unchained(shown) if chained else f"chained_0.{shown}"
+        return SectionVerdict(
+            "optimizer",
+            FAILS,
+            "the dp_reshardable buckets are saved by "
+            + (
+                f"a chained optimizer ({', '.join(c.rstrip('.') for c in sorted(chained))}: dense, experts)"
+                if chained
+                else "one optimizer"
+            )
+            + f" and the run (EP {target.ep}, ETP {target.etp}, TP {target.tp}) builds "
+            + ("one: it requests them unprefixed" if chained else "a chained one: it requests chained_<i>. keys"),
+            f'KeyError: "{requested} from model not in state dict: [...]"',
+            "--no-load-optim, or keep EP and ETP as saved",
+            present=len(present),
+        )
+    if chained and (saved.ep, saved.etp) != (target.ep, target.etp):
+        expert_keys = sorted(k for k in saved_keys if chain_prefix(k) != "chained_0.") or sorted(saved_keys)
+        return SectionVerdict(
+            "optimizer",
+            FAILS,
+            "the expert optimizer's dp_reshardable buckets hold each rank's local experts: "
+            f"EP {saved.ep}->{target.ep}, ETP {saved.etp}->{target.etp} changes their size",
+            f"CheckpointingException: Global shape mismatch for loaded (...) and expected (...) tensor for key "
+            f"{expert_keys[0]}",
+            "--no-load-optim, or keep EP and ETP as saved (the buckets reshard across data parallel only)",
+            present=len(present),
+        )
+    return None
 
 
 def optimizer_verdict(
@@ -112,6 +158,9 @@ def optimizer_verdict(
             present=len(present),
         ), None
     has_experts = bool(args.get("num_experts")) and bool(saved_args.get("num_experts"))
+    buckets = _expert_buckets(present, saved, target) if distributed and kind == "dp_reshardable" else None
+    if has_experts and buckets is not None:
+        return buckets, None
     if has_experts and _expert_groups(saved) != _expert_groups(target):
         return SectionVerdict(
             "optimizer",
@@ -123,7 +172,7 @@ def optimizer_verdict(
             present=len(present),
         ), None
     plan = KeyPlan(present=present)
-    bucket_keys = [k for k in present if k.startswith("optimizer.distributed.")]
+    bucket_keys = [k for k in present if is_distributed_key(k)]  # a chained optimizer's too
     if distributed and bucket_keys and kind == "dp_reshardable":
         plan.requested = {k: present[k] for k in bucket_keys}
         plan.reshards = saved.dp != target.dp

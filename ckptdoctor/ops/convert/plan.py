@@ -52,6 +52,7 @@ from ckptdoctor.args import args_as_dict
 from ckptdoctor.checkpoint import Checkpoint, Entry
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import BACKEND_TORCH_DIST
+from ckptdoctor.optimizer_keys import chain_prefix, is_distributed_key, is_optimizer_key
 from ckptdoctor.pickle.plain import OMIT_NONE
 
 SCHEMA = "ckptdoctor.convert/1"
@@ -78,7 +79,6 @@ MTP_FSDP_LAYER = ".mtp_model_layer."
 # no parameter-to-offset map, which only the model that wrote it can rebuild (DistributedOptimizer's
 # _build_model_gbuf_param_range_map). fully_reshardable saves per-parameter optimizer.state.<stat>.<param>, which
 # maps as a model-space optimizer's state does.
-DP_RESHARDABLE_PREFIX = "optimizer.distributed."
 DP_RESHARDABLE_WHY = (
     "dp_reshardable distributed optimizer state: flat per data-parallel bucket with no parameter-to-offset map in "
     "the checkpoint, so not converted (re-save with --dist-ckpt-optim-fully-reshardable to carry optimizer state)"
@@ -198,8 +198,8 @@ def target_param(key: str) -> tuple[str, str | None] | None:
     match = _OPTIMIZER_STATE_RE.match(key)
     if match:
         return match.group(2), match.group(1)
-    if key.startswith("optimizer.") or key.startswith("rng_state") or key.startswith("rerun_state"):
-        return None
+    if is_optimizer_key(key) or key.startswith("rng_state") or key.startswith("rerun_state"):
+        return None  # (a chained optimizer's chained_<i>.optimizer.* too)
     return key, None
 
 
@@ -317,8 +317,10 @@ def _why_not(entry: Entry, checkpoint: Checkpoint) -> str | None:
         return "rerun state machine: not converted"
     if key.startswith("common_state"):
         return None  # its items are planned one by one
-    if key.startswith(DP_RESHARDABLE_PREFIX):
+    if is_distributed_key(key):  # an MoE model's chained_<i>.optimizer.distributed.* buckets too
         return DP_RESHARDABLE_WHY
+    if chain_prefix(key):
+        return "a chained optimizer's item (chained_<i>.optimizer.*): no place in fsdp_dtensor's one optimizer"
     if entry.kind != "tensor" or entry.shape is None:
         return "a bytes item with no place in fsdp_dtensor"
     named = target_param(key)

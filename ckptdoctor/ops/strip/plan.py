@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from ckptdoctor.checkpoint import Checkpoint, Entry
 from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.rewrite.request import dir_bytes
+from ckptdoctor.optimizer_keys import is_distributed_key, unchained
 from ckptdoctor.values.tensor import tensors_bitwise_equal
 
 SCHEMA = "ckptdoctor.strip-frozen/1"
@@ -35,6 +36,7 @@ PRESETS: dict[str, list[str]] = {
     "dora": _BRIDGE + [r"(^|\.)weight_magnitude$"],
 }
 # Model-space optimizer keys, possibly with a chained-optimizer index: optimizer[.N].state.<name>.<model key>
+# (matched without a ChainedOptimizer's chained_<i>. prefix: optimizer_keys.unchained)
 _OPTIMIZER_STATE_RE = re.compile(r"^optimizer\.(?:\d+\.)?state\.([A-Za-z0-9_]+)\.(.+)$")
 _NEEDS_SELECTION = "pass --trainable REGEX, --preset lora|canonical-lora|dora or --base BASE_CKPT"
 
@@ -116,15 +118,15 @@ def trainable_from_optimizer(checkpoint: Checkpoint) -> TrainableSelection:
     keys: set[str] = set()
     names: set[str] = set()
     for key in optimizer_keys:
-        match = _OPTIMIZER_STATE_RE.match(key)
+        match = _OPTIMIZER_STATE_RE.match(unchained(key))
         if match and match.group(2) in params:
             keys.add(match.group(2))
             names.add(match.group(1))
     if not keys:
-        if any(k.startswith("optimizer.distributed.") for k in optimizer_keys):
+        if any(is_distributed_key(k) for k in optimizer_keys):
             raise CkptError(
                 f"{where}: the optimizer state is the distributed optimizer's dp_reshardable buckets "
-                f"(optimizer.distributed.*), which do not name model keys; {_NEEDS_SELECTION}"
+                f"([chained_<i>.]optimizer.distributed.*), which do not name model keys; {_NEEDS_SELECTION}"
             )
         raise CkptError(
             f"{where}: no optimizer.state.<name>.<model key> item names a model parameter "
