@@ -199,16 +199,18 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
         return SavedLayout(tp=None, pp=None, layers=None, ep=None, writer_ranks=ranks, sharding=grid)
     split_counts: list[int] = []
     fc1_counts: list[int] = []
-    layer_ranks = _Coverage()
+    stacks: dict[str, _Coverage] = {}  # the text before "layers." (decoder., mtp., ...) -> its layers' ranks
     expert_ranks = _Coverage()
     ranks_known = True
     rank_of = _WriterRanks()
     for entry in checkpoint.section_entries("model"):
         if entry.kind != "tensor" or not entry.shape or entry.misranked_chunk() is not None:
             continue  # a chunk of another rank than its tensor tells nothing of the layout (check: CKD coverage)
-        stacked = is_stacked_layer_key(entry.key)
+        stacked_at = _STACKED_LAYER_RE.search(entry.key)
+        stacked = stacked_at is not None
         indexed = None if stacked else _INDEXED_LAYER_RE.search(entry.key)
-        if stacked:
+        if stacked_at is not None:
+            layer_ranks = _stack(stacks, entry.key, stacked_at)
             for chunk in entry.chunks:
                 rank = rank_of[chunk.storage.relative_path] if chunk.storage else None
                 ranks_known = ranks_known and rank is not None
@@ -217,7 +219,7 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
             chunk_ranks = _chunk_ranks(entry, rank_of)
             ranks_known = ranks_known and None not in chunk_ranks
             layer = int(indexed.group(1))
-            layer_ranks.add(layer, layer + 1, chunk_ranks)
+            _stack(stacks, entry.key, indexed).add(layer, layer + 1, chunk_ranks)
         first_split_axis = 1 if stacked else 0
         if is_expert_key(entry.key):
             _collect_expert_ranks(entry, stacked, expert_ranks, rank_of)
@@ -232,6 +234,19 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
         tp = 1 if all(c <= 2 for c in fc1_counts) else min(fc1_counts) // 2
     else:
         tp = None
+    # The pipeline splits the decoder's layers; other stacks number their own (an MTP block's mtp.layers.<i>, on the
+    # last stage, shares no layer with decoder layer i: joined with it, a PP=2 save read as PP=1).
+    main = max(stacks.items(), key=lambda item: (item[0].endswith("decoder."), item[1].units()), default=None)
+    layer_ranks = main[1] if main is not None else _Coverage()
     pp = layer_ranks.groups() if layer_ranks and ranks_known else None
     ep = expert_ranks.groups() if expert_ranks and ranks_known else None
     return SavedLayout(tp=tp, pp=pp, layers=layer_ranks.units() or None, ep=ep, writer_ranks=ranks)
+
+
+def _stack(stacks: dict[str, _Coverage], key: str, layers_at: re.Match[str]) -> _Coverage:
+    """The coverage of the layer stack ``key`` belongs to: the text before its ``layers.`` (``layers_at``)."""
+    prefix = key[: layers_at.start() + 1] if layers_at.group(0).startswith(".") else ""
+    coverage = stacks.get(prefix)
+    if coverage is None:
+        coverage = stacks[prefix] = _Coverage()
+    return coverage
