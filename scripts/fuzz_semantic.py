@@ -47,7 +47,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "fixtures"
 ITER = "iter_0000010"
-METADATA_FIXTURES = ["core019_tp2", "core015_tp2", "core019_peft_full_tp1", "core016_tp1", "core019_moe_ep2"]
+METADATA_FIXTURES = [
+    "core019_tp2",
+    "core015_tp2",
+    "core019_peft_full_tp1",
+    "core016_tp1",
+    "core019_moe_ep2",
+    "core019_moe_ep2_distopt",
+    "core019_mtp_pp2",
+]
 ARGS_FIXTURES = ["core016_tp1", "core016_tp2", "core016_peft_full_tp1", "core016_convert_tp4"]  # common.pt
 SHAPE_ARGS = [
     "tensor_model_parallel_size",
