@@ -129,6 +129,8 @@ def test_megatron_fsdp_param_to_group_meta_becomes_torch_dist_param_groups(capsy
 
 MOE_LAYOUTS = {
     "core019_moe_ep2": {"dp": 2, "ep": 2, "num_experts": 4},
+    # the distributed optimizer's chained_0./chained_1. buckets (dp_reshardable): not carried, the model is
+    "core019_moe_ep2_distopt": {"dp": 2, "ep": 2, "num_experts": 4},
     "core019_moe_mixed_shared_ep2": {
         "dp": 2,
         "ep": 2,
