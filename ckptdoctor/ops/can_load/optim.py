@@ -158,9 +158,10 @@ def optimizer_verdict(
             present=len(present),
         ), None
     has_experts = bool(args.get("num_experts")) and bool(saved_args.get("num_experts"))
-    buckets = _expert_buckets(present, saved, target) if distributed and kind == "dp_reshardable" else None
-    if has_experts and buckets is not None:
-        return buckets, None
+    if has_experts and distributed and kind == "dp_reshardable":
+        buckets = _expert_buckets(present, saved, target)
+        if buckets is not None:
+            return buckets, None
     if has_experts and _expert_groups(saved) != _expert_groups(target):
         return SectionVerdict(
             "optimizer",
