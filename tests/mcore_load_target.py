@@ -17,9 +17,11 @@ overlaid with the checkpoint's saved args (or all of them except the layout ones
 the target layout, the load flags and ``set`` overrides. It validates the parallelism-derived args with
 megatron-core's ``resolve_tensor_parallel_weight_shards`` (what ``TransformerConfig`` runs at startup), builds
 the fixture model (fixtures/generate.py) with DDP, optimizer and scheduler, and calls the real
-``megatron.training.checkpointing.load_checkpoint``. RESULTS.json gets, per cell, ``loaded`` or ``failed``, the
-exception type and first line, and the section the failure belongs to. Test code only: CPU shims from
-fixtures/generate.py.
+``megatron.training.checkpointing.load_checkpoint``. RESULTS.json gets, per cell, ``loads``, ``fails`` (the
+exception type and first line, and the section the failure belongs to) or ``corrupts``: the load raised nothing,
+but a model tensor differs from the checkpoint's (read again into a fresh model), or, with the distributed
+optimizer, its state exported per parameter differs from the same fixture's load at its saved layout (a
+``reference:`` load run beside the cells). Test code only: CPU shims from fixtures/generate.py.
 """
 
 from __future__ import annotations
@@ -159,7 +161,9 @@ def has_adapters(save_dir: Path) -> bool:
     return any(".adapter." in key for key in FileSystemReader(str(iter_dir)).read_metadata().state_dict_metadata)
 
 
-def build_and_load(cell: dict, args) -> None:
+def build_and_load(cell: dict, args) -> tuple[list[str], bool]:
+    """Load the cell's fixture as the run would; (the model tensors the load left unlike the checkpoint's,
+    whether the optimizer's state was exported for :func:`optimizer_differences`)."""
     from megatron.core import parallel_state
     from megatron.core.model_parallel_config import resolve_tensor_parallel_weight_shards
     from megatron.core.num_microbatches_calculator import (
@@ -190,6 +194,7 @@ def build_and_load(cell: dict, args) -> None:
     gen.LAYOUT.moe_layer_freq = list(freq) if isinstance(freq, list) else None
     gen.LAYOUT.moe_shared_expert = getattr(args, "moe_shared_expert_intermediate_size", None)
     gen.LAYOUT.first_stage_layers = getattr(args, "decoder_first_pipeline_num_layers", None)
+    gen.LAYOUT.bf16 = bool(getattr(args, "bf16", False))
     parallel_state.destroy_model_parallel()
     kwargs = {}
     if args.num_experts:
@@ -221,6 +226,7 @@ def build_and_load(cell: dict, args) -> None:
         gen.add_lora(model)
     if args.num_experts:
         gen.redraw_experts(model)
+    model = as_run_builds(model)
     ddp = gen.wrap_ddp(model)
     optimizer = gen.build_optimizer(ddp)
     if args.use_distributed_optimizer:
@@ -232,6 +238,97 @@ def build_and_load(cell: dict, args) -> None:
         iteration, _ = checkpointing.load_checkpoint(chunks, optimizer, scheduler, strict=True)
     if iteration != (0 if args.finetune else 10):
         raise RuntimeError(f"loaded iteration {iteration}")
+    if args.finetune:
+        return [], False
+    fresh = (
+        [gen.build_gpt(args.num_layers, pp, vp_stage=i) for i in range(gen.LAYOUT.vpp)]
+        if gen.LAYOUT.vpp
+        else [gen.build_gpt(args.num_layers, pp)]
+    )
+    if has_adapters(Path(args.load)):
+        for module in fresh:
+            gen.add_lora(module)
+    fresh = [as_run_builds(module) for module in fresh]
+    changed = changed_params([c.module for c in chunks], fresh, Path(args.load))
+    exported = bool(cell.get("export")) and args.use_distributed_optimizer and not args.no_load_optim
+    if exported:
+        export_optimizer(chunks, optimizer, Path(cell["export"]))
+    return changed, exported
+
+
+def export_optimizer(chunks: list, optimizer, out: Path) -> None:
+    """Save the optimizer's state after the load in model space (the distributed optimizer's fully_reshardable
+    format: one tensor per parameter and state, the same keys and values at any layout) to ``out``, to compare
+    with a load at the saved layout: a load that completes may still have put the state on other parameters."""
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True)
+    dist.barrier()
+    kept = gen.LAYOUT.distributed_optimizer, gen.LAYOUT.optim_sharding_type
+    gen.LAYOUT.distributed_optimizer, gen.LAYOUT.optim_sharding_type = True, "fully_reshardable"
+    try:
+        modules = [c.module for c in chunks]
+        if len(modules) == 1:
+            state = {"model": gen.model_sharded_state_dict(modules[0])}
+        else:
+            state = {f"model{i}": gen.model_sharded_state_dict(m) for i, m in enumerate(modules)}
+        optim = optimizer.sharded_state_dict(state, is_loading=False, metadata=gen.sharded_metadata())
+    finally:
+        gen.LAYOUT.distributed_optimizer, gen.LAYOUT.optim_sharding_type = kept
+    dist_checkpointing.save({"optimizer": optim}, str(out))
+
+
+def optimizer_differences(export: Path, reference: Path) -> list[str]:
+    """The model-space optimizer tensors of ``export`` whose values differ from ``reference``'s (the same
+    fixture loaded at its saved layout), each read whole with torch's DCP reader."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    metadata = [FileSystemReader(str(d)).read_metadata().state_dict_metadata for d in (export, reference)]
+    keys = sorted(
+        k
+        for k, item in metadata[0].items()
+        if hasattr(item, "size") and k in metadata[1] and getattr(metadata[1][k], "size", None) == item.size
+    )
+    values = []
+    for directory, items in zip((export, reference), metadata):
+        state = {k: torch.empty(tuple(items[k].size), dtype=items[k].properties.dtype) for k in keys}
+        dcp_load(state, storage_reader=FileSystemReader(str(directory)), no_dist=True)
+        values.append(state)
+    return [k for k in keys if not torch.equal(values[0][k], values[1][k])]
+
+
+def as_run_builds(model):
+    """``model`` as Megatron-LM's get_model hands it to DDP: with --bf16 every parameter bf16 (Float16Module)."""
+    if not gen.LAYOUT.bf16:
+        return model
+    from megatron.core.transformer.module import Float16Module
+
+    if isinstance(model, torch.nn.ModuleList):  # VPP: each model chunk
+        return torch.nn.ModuleList(Float16Module(chunk.config, chunk) for chunk in model)
+    return Float16Module(model.config, model)
+
+
+def changed_params(live: list, fresh: list, save_dir: Path) -> list[str]:
+    """The parameters whose values after ``load_checkpoint`` differ from the checkpoint's model section (read
+    again into ``fresh``, a new model of the same layout, with ``dist_checkpointing.load``): what a load that
+    reports no error put wrong, e.g. an optimizer's buckets copied into the fp32 params they are views of."""
+    from megatron.core import dist_checkpointing
+
+    iter_dir = save_dir / gen.ITERATION_DIR_FMT.format(int((save_dir / gen.TRACKER_FILENAME).read_text()))
+    # One load for every model chunk (VPP), as load_checkpoint requests them: the sharding is validated globally.
+    request = {f"model{i}": model.sharded_state_dict() for i, model in enumerate(fresh)}
+    state = dist_checkpointing.load(request, str(iter_dir), strict="assume_ok_unexpected")
+    changed = []
+    for i, (loaded, model) in enumerate(zip(live, fresh)):
+        chunk = state[f"model{i}"]
+        model.load_state_dict({k: v for k, v in chunk.items() if k in model.state_dict()}, strict=False)
+        reread = dict(model.named_parameters())
+        for name, param in loaded.named_parameters():
+            if name in reread and not torch.equal(param.detach(), reread[name].detach()):
+                changed.append(name)
+    return sorted(set(changed))
 
 
 def run_cell(cell: dict) -> dict:
@@ -241,13 +338,16 @@ def run_cell(cell: dict) -> dict:
     iter_dir = fixture / gen.ITERATION_DIR_FMT.format(int((fixture / gen.TRACKER_FILENAME).read_text()))
     try:
         saved = dist_checkpointing.load_common_state_dict(str(iter_dir))["args"]
-        build_and_load(cell, run_args(cell, saved, iter_dir))
+        changed, exported = build_and_load(cell, run_args(cell, saved, iter_dir))
     except BaseException as exc:  # SystemExit included: Megatron exits on some load errors
         if os.environ.get("MCORE_LOAD_TRACE"):
             traceback.print_exc()
         full = f"{type(exc).__name__}: {exc}"
         return {"outcome": "fails", "error": error_message(exc)[:400], "sections": sections_of_error(full)}
-    return {"outcome": "loads"}
+    result: dict = {"outcome": "loads", "changed": changed}
+    if exported:
+        result["export"] = cell["export"]
+    return result
 
 
 MATRIX = Path(__file__).resolve().parent / "can_load_matrix.jsonl"
@@ -258,22 +358,68 @@ def parse_target(spec: str) -> dict:
     return {"tp": 1, "pp": 1, "dp": 1, **target}
 
 
+def reference_cell(fixture: str) -> dict | None:
+    """A resume of ``fixture`` at its saved layout (None without the distributed optimizer): the model-space
+    optimizer state every other load of it must reproduce."""
+    from ckptdoctor.args import args_as_dict
+    from ckptdoctor.checkpoint import open_checkpoint
+
+    args = args_as_dict(open_checkpoint(FIXTURES / fixture).args)
+    if not args.get("use_distributed_optimizer"):
+        return None
+    tp, pp = args.get("tensor_model_parallel_size") or 1, args.get("pipeline_model_parallel_size") or 1
+    target = {"tp": tp, "pp": pp, "dp": args.get("data_parallel_size") or 1}
+    target["ep"] = args.get("expert_model_parallel_size") or 1
+    target["etp"] = args.get("expert_tensor_parallel_size") or tp
+    cell = {"id": f"reference:{fixture}", "fixture": fixture, "target": target}
+    if args.get("virtual_pipeline_model_parallel_size"):  # the saved model chunks per rank
+        cell["vpp"] = args["virtual_pipeline_model_parallel_size"]
+    return cell
+
+
+def verdict_of(result: dict, references: dict[str, dict]) -> dict:
+    """A cell's recorded outcome: ``corrupts`` where the load completed but a model tensor differs from the
+    checkpoint's, or a model-space optimizer tensor from the fixture's load at its saved layout."""
+    changed, export, fixture = result.pop("changed", []), result.pop("export", None), result.pop("fixture")
+    if result["outcome"] != "loads":
+        return result
+    reference = references.get(fixture)
+    wrong = optimizer_differences(Path(export), Path(reference["export"])) if export and reference else []
+    if not changed and not wrong:
+        return result
+    parts = []
+    if changed:
+        parts.append(f"{len(changed)} model tensors differ from the checkpoint's after the load (e.g. {changed[0]})")
+    if wrong:
+        parts.append(f"{len(wrong)} optimizer tensors differ from a load at the saved layout (e.g. {wrong[0]})")
+    sections = (["model"] if changed else []) + (["optimizer"] if wrong else [])
+    return {**result, "outcome": "corrupts", "error": "no error raised; " + "; ".join(parts), "sections": sections}
+
+
 def run_matrix(out: Path, record: bool, only: list[str]) -> None:
-    """Every cell (or those in ``only``), grouped by world size, each group one (torchrun) process group."""
+    """Every cell (or those in ``only``), grouped by world size, each group one (torchrun) process group; a
+    fixture saved with the distributed optimizer is also loaded at its saved layout, the reference its other
+    loads' optimizer state is compared with."""
     rows = [json.loads(line) for line in MATRIX.read_text().splitlines() if line.strip()]
     groups: dict[int, list[dict]] = {}
-    for row in rows:
-        if only and row["id"] not in only:
-            continue
-        cell = {k: v for k, v in row.items() if k != "expect"}
-        cell["target"] = parse_target(row["target"])
-        t = cell["target"]
-        groups.setdefault(t["tp"] * t["pp"] * t["dp"], []).append(cell)
-    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for world, cells in sorted(groups.items()):
+        cells = []
+        for row in rows:
+            if only and row["id"] not in only:
+                continue
+            cell = {k: v for k, v in row.items() if k != "expect"}
+            cell["target"] = parse_target(row["target"])
+            cells.append(cell)
+        references = [r for f in sorted({c["fixture"] for c in cells}) if (r := reference_cell(f))]
+        for cell in cells + references:
+            cell["export"] = str(Path(tmp, "exports", cell["id"].replace(":", "_")))
+            t = cell["target"]
+            groups.setdefault(t["tp"] * t["pp"] * t["dp"], []).append(cell)
+        fixture_of = {c["id"]: c["fixture"] for c in cells + references}
+        results: dict[str, dict] = {}
+        for world, group in sorted(groups.items()):
             cells_path, out_path = Path(tmp, f"cells{world}.json"), Path(tmp, f"out{world}.json")
-            cells_path.write_text(json.dumps(cells))
+            cells_path.write_text(json.dumps(group))
             launcher = [sys.executable]
             if world > 1:
                 launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port"]
@@ -282,6 +428,14 @@ def run_matrix(out: Path, record: bool, only: list[str]) -> None:
             if proc.returncode or not out_path.exists():
                 raise SystemExit(f"world {world}: rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
             results.update({r["id"]: r for r in json.loads(out_path.read_text())})
+        by_fixture = {
+            fixture_of[i]: r for i, r in results.items() if i.startswith("reference:") and r["outcome"] == "loads"
+        }
+        results = {
+            i: verdict_of({**r, "fixture": fixture_of[i]}, by_fixture)
+            for i, r in results.items()
+            if not i.startswith("reference:")
+        }
     out.write_text(json.dumps(results, indent=1) + "\n")
     if record:
         lines = []
@@ -306,7 +460,8 @@ def readme_table() -> str:
         expect = row["expect"]
         error = expect.get("error", "").replace("`", "'").replace("|", "\\|")
         error = error[:110] + ("..." if len(error) > 110 else "")
-        outcome = "loads" if expect["outcome"] == "loads" else f"**fails** ({', '.join(expect['sections'])}): {error}"
+        shown = {"fails": "**fails**", "corrupts": "**loads wrong**"}.get(expect["outcome"])
+        outcome = f"{shown} ({', '.join(expect['sections'])}): {error}" if shown else "loads"
         lines.append(f"| {row['id']} | {row['fixture']} | {row['target']} | {' '.join(flags)} | {outcome} |")
     return "\n".join(lines)
 
@@ -334,7 +489,10 @@ def main() -> None:
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         failed = [r for r in every if r["outcome"] == "fails"]
-        results.append({"id": cell["id"], **(failed[0] if failed else mine)})
+        if failed:
+            results.append({"id": cell["id"], **failed[0]})
+        else:  # the model tensors any rank found changed
+            results.append({"id": cell["id"], **mine, "changed": sorted({k for r in every for k in r["changed"]})})
         if dist.get_rank() == 0:
             print(json.dumps(results[-1]), flush=True)
     if dist.get_rank() == 0:

@@ -96,6 +96,15 @@ from ckptdoctor.ops.can_load.run import MAX_TARGET, SHARDING_TYPES, STRICTNESS
     "megatron-core 0.19.x): without delayed-scaling FP8 its load requests no _extra_state, so a checkpoint whose "
     "redundant extra state was dropped loads at any strictness.",
 )
+@click.option(
+    "--num-virtual-stages-per-pipeline-rank",
+    "virtual_stages",
+    type=click.IntRange(min=1, max=MAX_TARGET),
+    default=None,
+    help="The run's virtual pipeline stages per rank (Megatron-LM's flag; 1: no virtual pipeline). Default: the "
+    "saved virtual_pipeline_model_parallel_size. The distributed optimizer's dp_reshardable buckets are kept per "
+    "model chunk, so they load only at the saved value.",
+)
 @format_option(schema="can-load")
 def command(
     checkpoint: str,
@@ -116,6 +125,7 @@ def command(
     te_version: str | None,
     te_unsafe_pickle: bool,
     drop_redundant_extra_state: bool,
+    virtual_stages: int | None,
     output_format: str,
 ) -> int:
     """Predict whether Megatron will load CHECKPOINT at the --target layout, section by section (metadata only);
@@ -151,6 +161,7 @@ def command(
         te_version=_te_version(te_version),
         te_unsafe_pickle=te_unsafe_pickle,
         drop_redundant_extra_state=drop_redundant_extra_state,
+        virtual_stages=virtual_stages,
     )
     ckpt = open_checkpoint(checkpoint, iteration)
     if ckpt.location.backend == BACKEND_DCP and not suggest:  # DCP's own resharding, not Megatron's load rules

@@ -34,12 +34,18 @@ def render_can_load(report: CanLoadReport, width: int | None = None) -> str:
         lines.append(wrap_block(f"  {s.section:<{name_width}}  {s.verdict:<8}  {s.why}", width, column + "  "))
         if s.error:
             lines.append(wrap_block(f"{column}megatron: {s.error}", width, column + " " * len("megatron: ")))
-        if s.fix and s.verdict == "fails":  # flags and prose (not one command): breaks between flags only
+        if s.fix and s.verdict in ("fails", "corrupts"):  # flags and prose (not one command): breaks between flags only
             lines.append(wrap_block(f"{column}fix: {s.fix}", width, column + " " * len("fix: ")))
     lines += [wrap_block(f"warning: {w}", width, " " * len("warning: ")) for w in report.warnings]
     lines.append("")
     if report.will_load:
         lines.append("verdict: LOADS")
+    elif report.verdict == "corrupts":
+        corrupting = (
+            f"verdict: LOADS WRONG (corrupts: {', '.join(report.failing_sections)}): megatron raises nothing, and "
+            "the run goes on from another state"
+        )
+        lines.append(wrap_block(corrupting, width))
     else:
         failing = f"verdict: WILL NOT LOAD (fails: {', '.join(report.failing_sections)})"
         lines.append(wrap_block(failing, width))

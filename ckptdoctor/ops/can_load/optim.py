@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.ops.can_load.keys import KeyPlan, logical
-from ckptdoctor.ops.can_load.verdict import FAILS, SKIPPED, SectionVerdict
+from ckptdoctor.ops.can_load.verdict import CORRUPTS, FAILS, SKIPPED, SectionVerdict
 from ckptdoctor.optimizer_keys import chain_prefix, is_bucket_key, is_distributed_key, unchained
 
 if TYPE_CHECKING:
@@ -42,6 +42,16 @@ def sharding_type(common: dict[str, Any], saved_args: dict[str, Any], run: LoadR
     if isinstance(content, dict):
         return "fully_sharded_model_space"
     return "fully_sharded_model_space" if saved_args.get("ckpt_fully_parallel_save") else "dp_zero_gather_scatter"
+
+
+def _virtual_stages_change(saved_args: dict[str, Any], run: LoadRun) -> tuple[int, int] | None:
+    """(saved, run) virtual pipeline stages per rank where the run changes them (1: no virtual pipeline), else
+    None. The run's come from its launch flags (--num-virtual-stages-per-pipeline-rank), never the checkpoint."""
+    value = saved_args.get("virtual_pipeline_model_parallel_size")
+    saved = value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
+    if run.virtual_stages is None or run.virtual_stages == saved:
+        return None
+    return saved, run.virtual_stages
 
 
 def _expert_groups(layout: Layout) -> bool:
@@ -80,6 +90,8 @@ def _expert_buckets(present: dict[str, Any], saved: Layout, target: Layout) -> S
         )
     if chained and (saved.ep, saved.etp) != (target.ep, target.etp):
         expert_keys = sorted(k for k in saved_keys if chain_prefix(k) != "chained_0.") or sorted(saved_keys)
+        if saved.ep * saved.etp == target.ep * target.etp:
+            return _expert_buckets_misplaced(expert_keys, saved, target, len(present))
         return SectionVerdict(
             "optimizer",
             FAILS,
@@ -91,6 +103,34 @@ def _expert_buckets(present: dict[str, Any], saved: Layout, target: Layout) -> S
             present=len(present),
         )
     return None
+
+
+def _expert_buckets_misplaced(expert_keys: list[str], saved: Layout, target: Layout, present: int) -> SectionVerdict:
+    """EP x ETP kept (EP 1->2 with ETP 2->1, ...): each rank holds as many expert elements as saved (every local
+    expert parameter starts 64-element aligned: whole multiples here), so the expert buckets keep their keys and
+    sizes and megatron-core, which checks nothing more, copies the saved flat ranges over the run's own local
+    experts: other experts, or other slices of them. The model section's load then restores fp32 parameters (the
+    main params are views of them), not the separate fp32 main params of a bf16/fp16 model."""
+    buckets = {k.split(".bucket_idx_", 1)[1].split(".", 1)[0] for k in expert_keys if ".bucket_idx_" in k}
+    boundaries = (
+        ""
+        if len(buckets) <= 1
+        else " (where the run's buckets end at other parameters than the saved ones, the load raises a Global "
+        "shape mismatch instead)"
+    )
+    return SectionVerdict(
+        "optimizer",
+        CORRUPTS,
+        f"the expert optimizer's dp_reshardable buckets hold each rank's local experts, flattened: EP "
+        f"{saved.ep}->{target.ep}, ETP {saved.etp}->{target.etp} keeps their size (EP x ETP = "
+        f"{target.ep * target.etp}), so the load raises nothing and puts the saved Adam moments and fp32 main "
+        "params on other experts or other slices of them; the first step then writes those main params into the "
+        f"weights of a bf16/fp16 model{boundaries}",
+        None,  # megatron raises nothing
+        "--no-load-optim (a fresh optimizer), or resume at the saved EP and ETP and save with "
+        "--dist-ckpt-optim-fully-reshardable (optimizer state per parameter, any layout)",
+        present=present,
+    )
 
 
 def optimizer_verdict(
@@ -132,6 +172,18 @@ def optimizer_verdict(
             "Please use `--ckpt-fully-parallel-save` flag during checkpoint saving.",
             "--no-load-optim (fresh optimizer), or resume at the saved TP/PP and save with "
             "--dist-ckpt-optim-fully-reshardable",
+            present=len(present),
+        ), None
+    vpp = _virtual_stages_change(saved_args, run)
+    if distributed and kind == "dp_reshardable" and vpp and any(is_bucket_key(k) for k in present):
+        shown = sorted(k for k in present if is_bucket_key(k))[0]
+        return SectionVerdict(
+            "optimizer",
+            FAILS,
+            f"the distributed optimizer's dp_reshardable buckets are kept per model chunk (gbuf_idx_<chunk>): "
+            f"virtual pipeline stages {vpp[0]}->{vpp[1]} put each rank's layers in other buckets",
+            f"CheckpointingException: Global shape mismatch for loaded (...) and expected (...) tensor for key {shown}",
+            f"--no-load-optim (fresh optimizer), or --num-virtual-stages-per-pipeline-rank {vpp[0]} as saved",
             present=len(present),
         ), None
     if distributed and kind == "fully_sharded_model_space":

@@ -45,7 +45,7 @@ from ckptdoctor.ops.can_load.keys import DROP_REDUNDANT_FLAG, DROP_REDUNDANT_SIN
 from ckptdoctor.ops.can_load.optim import optimizer_verdict
 from ckptdoctor.ops.can_load.run import Layout, LoadRun, parse_target, run_args, saved_layout
 from ckptdoctor.ops.can_load.shapes import VOCAB_KEYS
-from ckptdoctor.ops.can_load.verdict import FAILS, LOADS, RESHARDS, SKIPPED, SectionVerdict
+from ckptdoctor.ops.can_load.verdict import CORRUPTS, FAILS, LOADS, RESHARDS, SKIPPED, SectionVerdict
 from ckptdoctor.ops.pickle_gate import gate_failures
 from ckptdoctor.parallelism import infer_layout
 from ckptdoctor.rules.extra_state import census
@@ -68,9 +68,9 @@ class CanLoadReport:
     saved: dict
     target: dict
     options: dict
-    will_load: bool
-    verdict: str  # loads / fails
-    failing_sections: list[str]
+    will_load: bool  # loads, and correctly: not with a failing or a corrupting section
+    verdict: str  # loads / fails / corrupts (the load raises nothing but puts saved state on other parameters)
+    failing_sections: list[str]  # the failing sections, else the corrupting ones
     sections: list[SectionVerdict]
     warnings: list[str] = field(default_factory=list)
 
@@ -452,6 +452,7 @@ def predict_at(state: SavedCheckpoint, target: Layout, run: LoadRun) -> CanLoadR
     _missing_keys(ctx, sections, requested)
     sections.sort(key=lambda s: SECTION_ORDER.index(s.section))
     failing = [s.section for s in sections if s.verdict == FAILS]
+    corrupting = [s.section for s in sections if s.verdict == CORRUPTS]
     return CanLoadReport(
         schema=SCHEMA,
         path=str(ckpt.location.input_path),
@@ -461,9 +462,9 @@ def predict_at(state: SavedCheckpoint, target: Layout, run: LoadRun) -> CanLoadR
         saved={**_layout_dict(saved), "source": "args" if saved_args else "chunk grids"},
         target=_layout_dict(target),
         options=run.report_options(bool(args.get("use_distributed_optimizer"))),
-        will_load=not failing,
-        verdict=FAILS if failing else LOADS,
-        failing_sections=failing,
+        will_load=not failing and not corrupting,
+        verdict=FAILS if failing else CORRUPTS if corrupting else LOADS,
+        failing_sections=failing or corrupting,
         sections=sections,
         warnings=ctx.warnings,
     )

@@ -82,6 +82,7 @@ class LoadRun:
     te_version: tuple[int, int, int] | None = None  # Transformer Engine of the run (None: the newest modelled)
     te_unsafe_pickle: bool = False  # NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1 in the run's environment
     drop_redundant_extra_state: bool = False  # Megatron-LM's --ckpt-drop-redundant-extra-state (PR #5552)
+    virtual_stages: int | None = None  # --num-virtual-stages-per-pipeline-rank (1: no VPP; None: as saved)
 
     def report_options(self, use_distributed_optimizer: bool) -> dict[str, Any]:
         """The run's options as a can-load report gives them (``use_distributed_optimizer`` as the run resolves
@@ -96,6 +97,7 @@ class LoadRun:
             "use_checkpoint_args": self.use_checkpoint_args,
             "set": dict(self.sets),
             "drop_redundant_extra_state": self.drop_redundant_extra_state,
+            "virtual_stages": self.virtual_stages,
         }
 
 
@@ -242,4 +244,12 @@ def load_flags(run: LoadRun) -> list[str]:
         flags.append("--use-checkpoint-args")
     for name, value in run.sets.items():
         flags += ["--set", f"{name}={_flag_value(value)}"]
+    if run.te_version is not None:
+        flags += ["--te-version", ".".join(str(part) for part in run.te_version)]
+    if run.te_unsafe_pickle:
+        flags.append("--te-unsafe-pickle")
+    if run.drop_redundant_extra_state:
+        flags.append("--ckpt-drop-redundant-extra-state")
+    if run.virtual_stages is not None:
+        flags += ["--num-virtual-stages-per-pipeline-rank", str(run.virtual_stages)]
     return flags

@@ -6,12 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LOADS, RESHARDS, SKIPPED, FAILS = "loads", "reshards", "skipped", "fails"
+# The load completes without an error but puts the section's saved state on other parameters: as bad as a failure
+# for the run (it trains on from a different state), and nothing says so.
+CORRUPTS = "corrupts"
 
 
 @dataclass
 class SectionVerdict:
     section: str
-    verdict: str  # loads / reshards / skipped / fails
+    verdict: str  # loads / reshards / skipped / fails / corrupts
     why: str
     error: str | None = None  # megatron's wording of the failure
     fix: str | None = None
