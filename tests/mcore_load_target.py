@@ -194,6 +194,7 @@ def build_and_load(cell: dict, args) -> tuple[list[str], bool]:
     gen.LAYOUT.moe_layer_freq = list(freq) if isinstance(freq, list) else None
     gen.LAYOUT.moe_shared_expert = getattr(args, "moe_shared_expert_intermediate_size", None)
     gen.LAYOUT.first_stage_layers = getattr(args, "decoder_first_pipeline_num_layers", None)
+    gen.LAYOUT.last_stage_layers = getattr(args, "decoder_last_pipeline_num_layers", None)
     gen.LAYOUT.bf16 = bool(getattr(args, "bf16", False))
     parallel_state.destroy_model_parallel()
     kwargs = {}

@@ -44,14 +44,53 @@ def sharding_type(common: dict[str, Any], saved_args: dict[str, Any], run: LoadR
     return "fully_sharded_model_space" if saved_args.get("ckpt_fully_parallel_save") else "dp_zero_gather_scatter"
 
 
-def _virtual_stages_change(saved_args: dict[str, Any], run: LoadRun) -> tuple[int, int] | None:
-    """(saved, run) virtual pipeline stages per rank where the run changes them (1: no virtual pipeline), else
-    None. The run's come from its launch flags (--num-virtual-stages-per-pipeline-rank), never the checkpoint."""
+# The args that decide which layers a pipeline rank holds at a given PP (Megatron-LM's uneven split).
+PIPELINE_SPLIT_ARGS = (
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "pipeline_model_parallel_layout",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
+
+
+def _buckets_regrouped(
+    saved_args: dict[str, Any], args: dict[str, Any], run: LoadRun, target: Layout
+) -> tuple[str, str] | None:
+    """(what changes, the fix) where the run, at the saved TP and PP, holds other layers on a rank or in a model
+    chunk than the save did: another virtual pipeline size (the run's comes from its launch flags,
+    --num-virtual-stages-per-pipeline-rank, never the checkpoint), or at PP > 1 another uneven split."""
     value = saved_args.get("virtual_pipeline_model_parallel_size")
-    saved = value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
-    if run.virtual_stages is None or run.virtual_stages == saved:
-        return None
-    return saved, run.virtual_stages
+    saved_vpp = value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
+    if run.virtual_stages is not None and run.virtual_stages != saved_vpp:
+        return (
+            f"virtual pipeline stages {saved_vpp}->{run.virtual_stages}",
+            f"--num-virtual-stages-per-pipeline-rank {saved_vpp} as saved",
+        )
+    if target.pp > 1 and _stage_layers(saved_args, target.pp) != _stage_layers(args, target.pp):
+        for name in PIPELINE_SPLIT_ARGS:
+            old, new = saved_args.get(name), args.get(name)
+            if old != new and (old or new):  # None, False and 0 alike: Megatron's default
+                return f"{name} {old}->{new}", f"keep {name}={old} as saved"
+    return None
+
+
+def _stage_layers(args: dict[str, Any], pp: int) -> tuple[Any, ...]:
+    """The transformer layers of each pipeline stage as ``args`` split them (TransformerConfig's uneven split: the
+    first/last stage's set apart, the rest even), or the split args themselves where a layout string or the
+    embedding/loss accounting decides it."""
+    if any(args.get(name) for name in PIPELINE_SPLIT_ARGS[2:]):
+        return tuple(args.get(name) for name in PIPELINE_SPLIT_ARGS)
+    first, last = args.get("decoder_first_pipeline_num_layers"), args.get("decoder_last_pipeline_num_layers")
+    layers = args.get("num_layers")
+    if not isinstance(layers, int) or not all(v is None or isinstance(v, int) for v in (first, last)):
+        return (layers, first, last)
+    middle = pp - (first is not None) - (last is not None)
+    rest = layers - (first or 0) - (last or 0)
+    if middle <= 0 or rest % middle:
+        return (layers, first, last)  # a split megatron refuses at startup (args section)
+    stages = [rest // middle] * middle
+    return tuple(([first] if first is not None else []) + stages + ([last] if last is not None else []))
 
 
 def _expert_groups(layout: Layout) -> bool:
@@ -174,16 +213,16 @@ def optimizer_verdict(
             "--dist-ckpt-optim-fully-reshardable",
             present=len(present),
         ), None
-    vpp = _virtual_stages_change(saved_args, run)
-    if distributed and kind == "dp_reshardable" and vpp and any(is_bucket_key(k) for k in present):
+    regrouped = _buckets_regrouped(saved_args, args, run, target)
+    if distributed and kind == "dp_reshardable" and regrouped and any(is_bucket_key(k) for k in present):
         shown = sorted(k for k in present if is_bucket_key(k))[0]
         return SectionVerdict(
             "optimizer",
             FAILS,
-            f"the distributed optimizer's dp_reshardable buckets are kept per model chunk (gbuf_idx_<chunk>): "
-            f"virtual pipeline stages {vpp[0]}->{vpp[1]} put each rank's layers in other buckets",
+            "the distributed optimizer's dp_reshardable buckets hold each rank's layers, flattened, one buffer per "
+            f"model chunk (gbuf_idx_<chunk>); with {regrouped[0]} they hold other layers",
             f"CheckpointingException: Global shape mismatch for loaded (...) and expected (...) tensor for key {shown}",
-            f"--no-load-optim (fresh optimizer), or --num-virtual-stages-per-pipeline-rank {vpp[0]} as saved",
+            f"--no-load-optim (fresh optimizer), or {regrouped[1]}",
             present=len(present),
         ), None
     if distributed and kind == "fully_sharded_model_space":
