@@ -131,6 +131,8 @@ MOE_LAYOUTS = {
     "core019_moe_ep2": {"dp": 2, "ep": 2, "num_experts": 4},
     # the distributed optimizer's chained_0./chained_1. buckets (dp_reshardable): not carried, the model is
     "core019_moe_ep2_distopt": {"dp": 2, "ep": 2, "num_experts": 4},
+    # each expert's weights cut over 2 ranks (ETP=2 at TP=1): joined whole per expert in fsdp_dtensor
+    "core019_moe_etp2": {"dp": 2, "etp": 2, "num_experts": 4},
     "core019_moe_mixed_shared_ep2": {
         "dp": 2,
         "ep": 2,
@@ -143,7 +145,7 @@ MOE_LAYOUTS = {
 
 @pytest.mark.parametrize("fixture", sorted(MOE_LAYOUTS))
 def test_moe_round_trip_torch_dist_loads_in_megatron_core_at_ep2(capsys, tmp_path, fixture):
-    """The MoE fixtures (SequentialMLP experts, EP=2) through fsdp_dtensor (one key per expert, global expert
+    """The MoE fixtures (SequentialMLP experts, EP=2 or ETP=2) through fsdp_dtensor (one key per expert, global expert
     index) and back: two gloo ranks, one expert-parallel rank each, load the result's model section and every
     parameter equals what the source loads."""
     require_mcore()
