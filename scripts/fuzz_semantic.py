@@ -55,6 +55,8 @@ METADATA_FIXTURES = [
     "core019_moe_ep2",
     "core019_moe_ep2_distopt",
     "core019_mtp_pp2",
+    "core019_moe_etp2_bf16_distopt",
+    "core019_pp2_vpp2_distopt",
 ]
 ARGS_FIXTURES = ["core016_tp1", "core016_tp2", "core016_peft_full_tp1", "core016_convert_tp4"]  # common.pt
 SHAPE_ARGS = [
