@@ -196,6 +196,8 @@ def build_and_load(cell: dict, args) -> tuple[list[str], bool]:
     gen.LAYOUT.first_stage_layers = getattr(args, "decoder_first_pipeline_num_layers", None)
     gen.LAYOUT.last_stage_layers = getattr(args, "decoder_last_pipeline_num_layers", None)
     gen.LAYOUT.bf16 = bool(getattr(args, "bf16", False))
+    gen.LAYOUT.overlap_grad_reduce = bool(getattr(args, "overlap_grad_reduce", False))
+    gen.LAYOUT.ddp_bucket_size = getattr(args, "ddp_bucket_size", None)
     parallel_state.destroy_model_parallel()
     kwargs = {}
     if args.num_experts:

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -200,6 +201,30 @@ def test_the_runs_virtual_pipeline_stages_decide_the_dp_reshardable_buckets(caps
         "1",
     )
     assert rc == 0
+
+
+def test_without_a_bucket_size_a_dp_past_40_moves_ddps_default_bucket_size():
+    """DistributedDataParallel closes buckets at max(40M, 1M x DP) elements under --overlap-grad-reduce without
+    --ddp-bucket-size (the explicit sizes are real loads: cells buckets-*); a buffer over 40M elements saved in
+    several buckets is cut elsewhere at DP 64, not at DP 16; an explicit size pins it."""
+    from ckptdoctor.ops.can_load.buckets import bucket_regrouping
+
+    bucket = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_{}.{}"
+    present = {bucket.format(i, state): (n,) for i, n in enumerate((40_000_128, 12_000_000)) for state in ("param",)}
+    args = {"overlap_grad_reduce": True, "ddp_bucket_size": None}
+    saved = Layout(tp=8, pp=1, ep=1, etp=8, cp=1, dp=32)
+
+    def regrouped(dp: int, run_args: dict) -> str | None:
+        verdict = bucket_regrouping(present, args, run_args, LoadRun(), saved, replace(saved, dp=dp))
+        return verdict.why if verdict else None
+
+    assert regrouped(16, args) is None and regrouped(40, args) is None
+    why = regrouped(64, args)
+    assert why and "40,000,000 elements->64,000,000 elements" in why
+    assert regrouped(64, {**args, "ddp_bucket_size": 40_000_000}) is None  # pinned
+    assert regrouped(32, {**args, "overlap_grad_reduce": False}) is not None  # one bucket a buffer now
+    whole = {bucket.format(0, "param"): (30_000_000,)}  # saved in one bucket: cut again only below its size
+    assert bucket_regrouping(whole, args, args, LoadRun(), saved, replace(saved, dp=64)) is None
 
 
 # --- the modelling, cell by cell -----------------------------------------------------------------------------
