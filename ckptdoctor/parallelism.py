@@ -40,6 +40,7 @@ class SavedLayout:
     ep: int | None  # expert-parallel degree shown by expert tensors; None without experts
     writer_ranks: list[int]  # ranks that wrote data files (from __<rank>_<n>.distcp names)
     sharding: ShardGrid | None = None  # plain DCP: the chunk grid's sharding (its TP/PP/EP are not Megatron's)
+    etp: int | None = None  # expert-tensor-parallel degree: how expert tensors are cut within an expert
 
     def as_dict(self) -> dict[str, Any]:
         """The layout as reports show it (inspect and diff JSON): each degree, the writer ranks, the summary."""
@@ -48,6 +49,7 @@ class SavedLayout:
             "pp": self.pp,
             "layers": self.layers,
             "ep": self.ep,
+            "etp": self.etp,
             "writer_ranks": self.writer_ranks,
             "summary": self.summary(),
         }
@@ -68,6 +70,8 @@ class SavedLayout:
         parts = [f"TP={show(self.tp)}", f"PP={show(self.pp)}"]
         if self.ep is not None:
             parts.append(f"EP={self.ep}")
+        if self.etp is not None and self.etp != self.tp:  # Megatron's default ETP is TP: shown where it differs
+            parts.append(f"ETP={self.etp}")
         parts.append(f"({n} writer{'s' if n != 1 else ''})")
         return " ".join(parts)
 
@@ -199,6 +203,8 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
         return SavedLayout(tp=None, pp=None, layers=None, ep=None, writer_ranks=ranks, sharding=grid)
     split_counts: list[int] = []
     fc1_counts: list[int] = []
+    expert_counts: list[int] = []  # the same within one expert (ETP), SwiGLU fc1 apart
+    expert_fc1_counts: list[int] = []
     stacks: dict[str, _Coverage] = {}  # the text before "layers." (decoder., mtp., ...) -> its layers' ranks
     expert_ranks = _Coverage()
     ranks_known = True
@@ -223,6 +229,9 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
         first_split_axis = 1 if stacked else 0
         if is_expert_key(entry.key):
             _collect_expert_ranks(entry, stacked, expert_ranks, rank_of)
+            within = _within_expert_split(entry, stacked)
+            if within is not None:
+                (expert_fc1_counts if _SWIGLU_FC1_RE.search(entry.key) else expert_counts).append(within)
             continue
         split = max((_distinct_offsets(entry, a) for a in range(first_split_axis, len(entry.shape))), default=1)
         (fc1_counts if _SWIGLU_FC1_RE.search(entry.key) else split_counts).append(split)
@@ -240,7 +249,33 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
     layer_ranks = main[1] if main is not None else _Coverage()
     pp = layer_ranks.groups() if layer_ranks and ranks_known else None
     ep = expert_ranks.groups() if expert_ranks and ranks_known else None
-    return SavedLayout(tp=tp, pp=pp, layers=layer_ranks.units() or None, ep=ep, writer_ranks=ranks)
+    etp = _degree(expert_counts, expert_fc1_counts)
+    return SavedLayout(tp=tp, pp=pp, layers=layer_ranks.units() or None, ep=ep, writer_ranks=ranks, etp=etp)
+
+
+def _degree(counts: list[int], fc1_counts: list[int]) -> int | None:
+    """The parallel degree the chunk counts show: the smallest split > 1 (1 when nothing is split); SwiGLU's fc1
+    (cat([W, V]): 2 chunks a rank) decides only when nothing else is there (None without either)."""
+    if any(c > 1 for c in counts):
+        return min(c for c in counts if c > 1)
+    if counts:
+        return 1
+    if fc1_counts:
+        return 1 if all(c <= 2 for c in fc1_counts) else min(fc1_counts) // 2
+    return None
+
+
+def _within_expert_split(entry: Entry, stacked: bool) -> int | None:
+    """How many ways one expert's tensor is cut (its ETP): the most distinct chunk offsets along an axis after
+    the layer and expert axes. Only the layouts whose expert axis is known: ``local_experts.<e>.`` keys (no expert
+    axis) and ``experts.experts.`` ones (``[L, E, ...]`` when stacked); None for others (grouped ``weight<e>``)."""
+    if _LOCAL_EXPERT_RE.search(entry.key):
+        first = 1 if stacked else 0
+    elif ".experts.experts." in entry.key:
+        first = 2 if stacked else 1
+    else:
+        return None
+    return max((_distinct_offsets(entry, a) for a in range(first, len(entry.shape or ()))), default=1)
 
 
 def _stack(stacks: dict[str, _Coverage], key: str, layers_at: re.Match[str]) -> _Coverage:
