@@ -92,7 +92,7 @@ def test_real_loads_match_matrix_and_prediction(tmp_path):
         [sys.executable, str(REPO / "tests" / "mcore_load_target.py"), "--matrix", str(out)],
         capture_output=True,
         text=True,
-        timeout=2400,
+        timeout=3600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     results = json.loads(out.read_text())
