@@ -487,7 +487,8 @@ def main() -> None:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(gen._free_port()))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    # a hang fails in 20 min, not a rank the other waits for on a loaded host (load average 900: 2+ min a cell)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1200))
     results = []
     for cell in cells:
         mine = run_cell(cell)
