@@ -61,7 +61,7 @@ def target_parallelism(args: dict[str, Any], layout: SavedLayout | None) -> Targ
     tp = (layout.tp if layout and layout.tp else None) or _int(args.get("tensor_model_parallel_size")) or 1
     pp = (layout.pp if layout and layout.pp else None) or _int(args.get("pipeline_model_parallel_size")) or 1
     has_experts = bool(layout and layout.ep) or bool(_int(args.get("num_experts")))
-    etp = _int(args.get("expert_tensor_parallel_size"))
+    etp = layout.etp if layout and layout.etp else _int(args.get("expert_tensor_parallel_size"))
     if etp is None or not has_experts:
         # megatron-core: expert_tensor_parallel_size defaults to tensor_model_parallel_size; without experts
         # nothing but that default can have produced a saved value.
@@ -87,8 +87,20 @@ def _expert_tp_rule() -> Rule:
 
     def check(args: dict[str, Any], target: Target) -> ArgFinding | None:
         saved = _int(args.get(arg))
-        if saved is None or target.has_experts or saved == target.tp:
+        if saved is None or saved == target.etp:
             return None
+        if target.has_experts:
+            # tools/checkpoint savers keep the target's TP, PP and EP but copy this arg from the source.
+            return ArgFinding(
+                "CKD203",
+                arg,
+                saved,
+                target.etp,
+                WARNING,
+                f"args say {arg}={saved} but the expert tensors' chunks show ETP={target.etp} ("
+                + ("experts saved whole" if target.etp == 1 else f"each expert cut {target.etp} ways")
+                + ")",
+            )
         return ArgFinding(
             "CKD203",
             arg,
@@ -102,23 +114,45 @@ def _expert_tp_rule() -> Rule:
     return Rule(
         "CKD203",
         arg,
+        "expert chunk layout (without experts: tensor_model_parallel_size)",
+        "expert_tensor_parallel_size must match the ETP the expert chunks show; without experts it defaults to "
         "tensor_model_parallel_size",
-        "without experts, expert_tensor_parallel_size defaults to tensor_model_parallel_size",
         check,
     )
+
+
+def _expert_parallel_rule() -> Rule:
+    arg = "expert_model_parallel_size"
+
+    def check(args: dict[str, Any], target: Target) -> ArgFinding | None:
+        saved = _int(args.get(arg))
+        if saved is None or target.ep is None or saved == target.ep:
+            return None
+        return ArgFinding(
+            "CKD205",
+            arg,
+            saved,
+            target.ep,
+            WARNING,
+            f"args say {arg}={saved} but the expert tensors' chunks show EP={target.ep}",
+        )
+
+    return Rule("CKD205", arg, "expert chunk layout", f"{arg} must match the EP the expert chunks show", check)
 
 
 def _shards_rules(
     code_shards: str, code_remat: str, shards_field: str, remat_field: str, tp_field: str, tp_attr: str
 ) -> list[Rule]:
-    def correct_pair(args: dict[str, Any], tp: int) -> tuple[int, int]:
+    """The GTP weight-shard pair. ``shards_field`` is the knob (``--tensor-parallel-num-weight-shards``) and
+    ``remat_field`` is derived from it (``shards // tp``; no flag), so a real save holds them consistent at its
+    TP. tools/checkpoint savers copy both from the source while the TP changes: the saved remat is then the
+    source's GTP intent, and the shards that keep it at the real TP are ``tp x remat``. Keeping the saved shards
+    instead would either fail validation (fewer than TP) or turn on GTP weight remat the source never ran
+    (``shards // tp`` > 1 also divides the data-parallel size)."""
+
+    def saved_remat(args: dict[str, Any]) -> int:
         remat = _int(args.get(remat_field))
-        remat = remat if remat and remat > 0 else 1
-        shards = _int(args.get(shards_field))
-        if shards is None or shards < tp or shards % tp:
-            # Keep the source's GTP intent (its remat size) at the new TP.
-            return tp * remat, remat
-        return shards, shards // tp
+        return remat if remat is not None and remat > 0 else 1
 
     def megatron_error(shards: int, tp: int) -> str | None:
         """The ValueError megatron-core's resolve_tensor_parallel_weight_shards raises, if any."""
@@ -135,61 +169,67 @@ def _shards_rules(
         tp = getattr(target, tp_attr)
         if saved is None:
             return None  # megatron derives it: tp * remat
+        remat = saved_remat(args)
+        correct = tp * remat
         shards = _int(saved)
-        correct, _ = correct_pair(args, tp)
         if shards is None:
             return ArgFinding(code_shards, shards_field, saved, correct, ERROR, f"{shards_field} is not an int")
-        if megatron_error(shards, tp) is None:
+        if shards == correct:
             return None
         # What megatron-core sees is the saved tp_field (ETP defaults to TP), which may itself be wrong.
         saved_tp = _int(args.get(tp_field)) or _int(args.get("tensor_model_parallel_size")) or 1
         error = megatron_error(shards, saved_tp)
         if error is not None:
-            return ArgFinding(
-                code_shards,
-                shards_field,
-                saved,
-                correct,
-                ERROR,
-                f"{shards_field}={shards} is invalid at {tp_field}={tp}",
-                error,
+            severity, why = ERROR, f"{shards_field}={shards} is invalid at {tp_field}={tp}"
+        elif megatron_error(shards, tp) is not None:
+            severity, why = (
+                WARNING,
+                f"{shards_field}={shards} is invalid at the corrected {tp_field}={tp} (saved: {saved_tp})",
             )
-        return ArgFinding(
-            code_shards,
-            shards_field,
-            saved,
-            correct,
-            WARNING,
-            f"{shards_field}={shards} is invalid at the corrected {tp_field}={tp} (saved: {saved_tp})",
-        )
+        else:
+            severity, why = (
+                WARNING,
+                (
+                    f"{shards_field}={shards} at {tp_field}={tp} makes megatron derive {remat_field}={shards // tp} "
+                    f"(GTP weight remat) where the saved one is {remat}; {tp} x {remat} = {correct} keeps it"
+                ),
+            )
+        return ArgFinding(code_shards, shards_field, saved, correct, severity, why, error)
 
     def check_remat(args: dict[str, Any], target: Target) -> ArgFinding | None:
-        saved = _int(args.get(remat_field))
-        if saved is None or shards_field not in args:
+        if remat_field not in args or args[remat_field] is None:
             return None
-        tp = getattr(target, tp_attr)
-        _, correct = correct_pair(args, tp)
-        if args.get(shards_field) is None or saved == correct:
+        saved = args[remat_field]
+        remat = _int(saved)
+        if remat is not None and remat > 0:
             return None
-        return ArgFinding(
-            code_remat,
-            remat_field,
-            saved,
-            correct,
-            WARNING,
-            f"{remat_field} must equal {shards_field} // {tp_field} "
-            f"= {correct}; megatron recomputes it from the shards",
-        )
+        if args.get(shards_field) is None:  # megatron takes the shards from it: tp x remat
+            severity, why = (
+                ERROR,
+                (
+                    f"{remat_field}={saved!r} with {shards_field} None: megatron derives the shards as "
+                    f"{tp_field} x {remat_field}; without GTP it is 1"
+                ),
+            )
+        else:
+            severity, why = (
+                WARNING,
+                (
+                    f"{remat_field} must be a positive int (megatron derives it again from {shards_field}; "
+                    "without GTP: 1)"
+                ),
+            )
+        return ArgFinding(code_remat, remat_field, saved, 1, severity, why)
 
     return [
         Rule(
             code_shards,
             shards_field,
-            tp_field,
-            f"None -> {tp_field} x {remat_field}; else >= {tp_field} and divisible by it",
+            f"{tp_field} x {remat_field}",
+            f"None, or {tp_field} x {remat_field} (the saved GTP weight remat at the real {tp_field})",
             check_shards,
         ),
-        Rule(code_remat, remat_field, shards_field, f"{remat_field} = {shards_field} // {tp_field}", check_remat),
+        Rule(code_remat, remat_field, shards_field, f"{remat_field} must be a positive int", check_remat),
     ]
 
 
@@ -197,6 +237,7 @@ RULES: list[Rule] = [
     _parallel_size_rule("CKD201", "tensor_model_parallel_size", "tp", "TP"),
     _parallel_size_rule("CKD202", "pipeline_model_parallel_size", "pp", "PP"),
     _expert_tp_rule(),
+    _expert_parallel_rule(),
     *_shards_rules(
         "CKD210",
         "CKD211",

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptdoctor.checkpoint import open_checkpoint
 from ckptdoctor.formats.torch_dist import (
     StorageLocation,
     dump_metadata_object,
@@ -27,6 +28,8 @@ from ckptdoctor.formats.torch_dist import (
     storage_items,
 )
 from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
+from ckptdoctor.ops.fix_args.plan import ArgChange, checked_config
+from ckptdoctor.ops.fix_args.write import write_in_place
 
 ITER = "iter_0000010"
 QKV = "decoder.layers.self_attention.linear_qkv"
@@ -141,6 +144,17 @@ def _set_args(**values: object) -> Callable[[Path], None]:
         for name, value in values.items():
             setattr(common["args"], name, value)
         path.write_bytes(dump_torch_zip(common))
+
+    return damage
+
+
+def _set_args_in_place(**values: object) -> Callable[[Path], None]:
+    """The saved args changed by fix-args' writer (core >= 0.19 keeps them in the common_state item, not common.pt)."""
+
+    def damage(save: Path) -> None:
+        checkpoint = open_checkpoint(save)
+        args, _ = checked_config(checkpoint)
+        write_in_place(checkpoint, [ArgChange(name, args.get(name), value, "set") for name, value in values.items()])
 
     return damage
 
@@ -359,24 +373,28 @@ EXAMPLES: dict[str, Example] = {
         _set_args(pipeline_model_parallel_size=2),
         "sets `pipeline_model_parallel_size` to 2 in the args saved in `common.pt`",
     ),
-    "CKD203": Example(("ckptdoctor check --select CKD203 fixtures/core019_convert_tp4",)),
+    "CKD203": Example(("ckptdoctor check --select CKD203 fixtures/core019_convert_moe_ep2",)),
     "CKD204": Example(
         _copy("core016_tp2"),
         _set_args(world_size=3),
         "sets `world_size` to 3 in the args saved in `common.pt`",
     ),
+    "CKD205": Example(
+        _copy("core019_moe_ep2", check="ckptdoctor check --select CKD205 /tmp/run"),
+        _set_args_in_place(expert_model_parallel_size=1),
+        "sets `expert_model_parallel_size` to 1 in the saved args with `fix-args`' writer",
+    ),
     "CKD210": Example(("ckptdoctor check --select CKD210 fixtures/core019_convert_tp4",)),
     "CKD211": Example(
         _copy("core016_tp2"),
-        _set_args(tensor_parallel_num_weight_shards=4, gtp_weight_remat_size=1),
-        "sets `tensor_parallel_num_weight_shards` to 4 and `gtp_weight_remat_size` to 1 in the saved args",
+        _set_args(gtp_weight_remat_size=0),
+        "sets `gtp_weight_remat_size` to 0 in the saved args",
     ),
-    "CKD212": Example(("ckptdoctor check --select CKD212 fixtures/core019_convert_tp4",)),
+    "CKD212": Example(("ckptdoctor check --select CKD212 fixtures/core019_convert_moe_ep2",)),
     "CKD213": Example(
         _copy("core016_tp2"),
-        _set_args(expert_tensor_parallel_num_weight_shards=4, expert_gtp_weight_remat_size=1),
-        "sets `expert_tensor_parallel_num_weight_shards` to 4 and `expert_gtp_weight_remat_size` to 1 in the "
-        "saved args",
+        _set_args(expert_gtp_weight_remat_size=-1),
+        "sets `expert_gtp_weight_remat_size` to -1 in the saved args",
     ),
     "CKD220": Example(
         _copy("core019_tp2"),

@@ -5,6 +5,7 @@ python tests/mcore_probe.py ITERATION_DIR  ->  JSON on stdout:
   args: the saved args as megatron-core unpickles them (repr per value)
   common_keys: top-level keys of the common state
   config_error: the ValueError ModelParallelConfig raises for the saved args, or null
+  resolved: the GTP weight-shard args as ModelParallelConfig resolves them from the saved args (null on an error)
   verify_integrity: result of megatron's verify_integrity_manifest when integrity.json exists
 """
 
@@ -41,8 +42,9 @@ def main(iteration_dir: str) -> None:
         if isinstance(value, torch.Tensor)
     }
     args = common["args"]
+    resolved = None
     try:
-        ModelParallelConfig(
+        config = ModelParallelConfig(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             tensor_parallel_num_weight_shards=args.tensor_parallel_num_weight_shards,
             gtp_weight_remat_size=args.gtp_weight_remat_size,
@@ -51,6 +53,16 @@ def main(iteration_dir: str) -> None:
             expert_gtp_weight_remat_size=args.expert_gtp_weight_remat_size,
         )
         config_error = None
+        resolved = {
+            name: getattr(config, name)
+            for name in (
+                "tensor_parallel_num_weight_shards",
+                "gtp_weight_remat_size",
+                "expert_tensor_parallel_size",
+                "expert_tensor_parallel_num_weight_shards",
+                "expert_gtp_weight_remat_size",
+            )
+        }
     except ValueError as exc:
         config_error = str(exc)
     integrity = None
@@ -71,6 +83,7 @@ def main(iteration_dir: str) -> None:
                 "common_keys": sorted(common),
                 "common_repr": {k: repr(v) for k, v in common.items() if k != "args"},
                 "config_error": config_error,
+                "resolved": resolved,
                 "verify_integrity": integrity,
             }
         )

@@ -240,6 +240,17 @@ def test_target_defaults_to_saved_layout():
         parse_target("dp=2,world=4", saved)
 
 
+def test_saved_expert_layout_is_the_chunks_where_the_args_are_inherited():
+    """core019_convert_moe_ep2's args keep its source's ETP=2; the experts were saved whole (ETP=1) at EP=2."""
+    ckpt = open_checkpoint(FIXTURES / "core019_convert_moe_ep2")
+    report = predict(ckpt, "ep=2", LoadRun(no_load_optim=True))
+    assert (report.saved["ep"], report.saved["etp"]) == (2, 1)
+    assert report.saved["source"] == "args, expert layout from the chunk grids"
+    assert report.target["etp"] == 1 and report.will_load  # the args' ETP=2 would not fit EP=2 in a world of 2
+    honest = predict(open_checkpoint(FIXTURES / "core019_moe_etp2"), "dp=2", LoadRun(no_load_optim=True))
+    assert honest.saved["source"] == "args" and honest.saved["etp"] == 2
+
+
 def test_world_defaults_follow_dp_of_the_distributed_optimizer_fixture():
     report = predict(open_checkpoint(FIXTURES / "core019_tp2_dp2"), "dp=1", LoadRun())
     assert report.saved["dp"] == 2 and report.target["world"] == 2

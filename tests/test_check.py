@@ -26,6 +26,7 @@ from ckptdoctor.formats.torch_dist import (
     storage_items,
 )
 from ckptdoctor.formats.torch_zip import dump_torch_zip, load_torch_zip
+from ckptdoctor.parallelism import SavedLayout
 
 NAMES = fixture_names()
 ITER = "iter_0000010"
@@ -113,11 +114,16 @@ def test_real_fixtures_pass_deep(capsys, name):
         assert rc == 0 and report["findings"] == []
         return
     assert rc == 1
-    shards = info["weight_shard_args"]["tensor_parallel_num_weight_shards"]
-    assert shards < info["tp"]  # the manifest's point: inherited from the TP=1 source
     assert set(_codes(report)) <= {r.code for r in arg_rules.RULES} | {"CKD204"}
-    (f210,) = [f for f in report["findings"] if f["code"] == "CKD210"]
-    assert f"({shards}) must be >= tensor_model_parallel_size ({info['tp']})" in f210["message"]
+    shards = info["weight_shard_args"]["tensor_parallel_num_weight_shards"]  # the source's, inherited
+    assert info["weight_shard_args"]["gtp_weight_remat_size"] == 1  # no source ran GTP: shards = TP is right
+    f210 = [f for f in report["findings"] if f["code"] == "CKD210"]
+    if shards == info["tp"]:
+        assert f210 == []
+    elif shards < info["tp"]:  # megatron-core refuses it
+        assert f"({shards}) must be >= tensor_model_parallel_size ({info['tp']})" in f210[0]["message"]
+    else:  # megatron-core derives a GTP weight remat from it
+        assert f"makes megatron derive gtp_weight_remat_size={shards // info['tp']}" in f210[0]["message"]
 
 
 def test_clean_text_output(capsys):
@@ -309,6 +315,28 @@ def test_inherited_weight_shard_args_fire_arg_rules(capsys, copy_fixture):
     finding = report["findings"][0]
     assert finding["severity"] == "error" and finding["path"] == str(save / ITER / "common.pt")
     assert "tensor_parallel_num_weight_shards (1) must be >= tensor_model_parallel_size (2)." in finding["message"]
+
+
+@pytest.mark.parametrize(
+    "shards,remat,expected",
+    [
+        (4, 2, []),  # a real GTP run: shards = TP x remat
+        (None, 3, []),  # megatron derives the shards: TP x remat
+        (1, 1, [("CKD210", "error", 2)]),  # fewer than TP: megatron-core refuses it
+        (4, 1, [("CKD210", "warning", 2)]),  # a TP=4 source's shards: megatron would derive remat 2
+        (2, 0, [("CKD211", "warning", 1)]),  # derived again from the shards
+        (None, 0, [("CKD211", "error", 1)]),  # the shards would be TP x 0
+    ],
+)
+def test_gtp_weight_shards_keep_the_saved_remat(shards, remat, expected):
+    args = {
+        "tensor_model_parallel_size": 2,
+        "tensor_parallel_num_weight_shards": shards,
+        "gtp_weight_remat_size": remat,
+    }
+    layout = SavedLayout(tp=2, pp=1, layers=2, ep=None, writer_ranks=[0, 1])
+    found = [(f.code, f.severity, f.correct) for f in arg_rules.check_args(args, layout)]
+    assert found == expected
 
 
 def test_args_parallelism_vs_chunk_layout(capsys, copy_fixture):

@@ -76,6 +76,38 @@ def test_report_names_inherited_weight_shard_args(capsys, target, source):
     assert "must be >= tensor_model_parallel_size (4)" in out and "yes" in out
 
 
+# Converter re-shards that lower a degree: the saved GTP pair is the source's, consistent at the source's TP / ETP.
+LOWERED = {
+    # TP 2 -> 1: shards 2 at TP=1 would make megatron derive GTP weight remat 2 (the source ran none)
+    "core019_convert_tp1": (
+        "core019_tp2",
+        {"expert_tensor_parallel_size": (2, 1), "tensor_parallel_num_weight_shards": (2, 1)},
+        {"expert_tensor_parallel_num_weight_shards": (2, 1)},
+    ),
+    # ETP 2 -> EP 2, ETP 1: ETP itself is copied from the source (the savers keep TP, PP and EP only)
+    "core019_convert_moe_ep2": (
+        "core019_moe_etp2",
+        {"expert_tensor_parallel_size": (2, 1)},
+        {"expert_tensor_parallel_num_weight_shards": (2, 1)},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOWERED))
+def test_lowered_degree_keeps_the_source_gtp_remat(capsys, name):
+    source, changed, expert_shards = LOWERED[name]
+    rc, out, _ = _run(capsys, "fix-args", FIXTURES / name, "--source", FIXTURES / source, "--format", "json")
+    assert rc == 1
+    report = json.loads(out)
+    jsonschema.validate(report, SCHEMA)
+    found = {f["arg"]: (f["saved"], f["correct"]) for f in report["findings"]}
+    assert found == {**changed, **expert_shards}
+    assert all(f["inherited"] and f["severity"] == "warning" for f in report["findings"])
+    # the remat args are the source's intent: kept, never "corrected" to shards // TP
+    assert {c["arg"] for c in report["changes"]} == set(found)
+    assert not any("remat" in c["arg"] for c in report["changes"])
+
+
 @pytest.mark.parametrize("name", ["core019_tp2", "core016_tp2", "core019_tp1_pp2", "core019_convert_src_tp1"])
 def test_consistent_checkpoints_report_nothing(capsys, name):
     rc, out, _ = _run(capsys, "fix-args", FIXTURES / name)
@@ -114,6 +146,26 @@ def test_write_output_loads_in_megatron(capsys, tmp_path, target, source):
     for name, digest in before.items():
         if name.endswith(".distcp") and (out_dir / "iter_0000010" / name).exists():
             assert _hashes(out_dir / "iter_0000010")[name] == digest
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", sorted(LOWERED))
+def test_lowered_degree_fix_resolves_as_the_source_in_megatron(capsys, tmp_path, name):
+    source = LOWERED[name][0]
+    out_dir = tmp_path / "fixed"
+    rc, _, _ = _run(capsys, "fix-args", FIXTURES / name, "--output", out_dir)
+    assert rc == 0
+    original = _probe(FIXTURES / name / "iter_0000010")
+    fixed = _probe(out_dir / "iter_0000010")
+    reference = _probe(FIXTURES / source / "iter_0000010")
+    assert fixed["config_error"] is None and fixed["tensors"] == original["tensors"]
+    # megatron-core's own resolution: no GTP weight remat, as in the source; ETP as the expert chunks were cut
+    for remat in ("gtp_weight_remat_size", "expert_gtp_weight_remat_size"):
+        assert fixed["resolved"][remat] == reference["resolved"][remat] == 1
+    layout = json.loads(_run(capsys, "inspect", out_dir, "--format", "json")[1])["layout"]
+    assert fixed["resolved"]["expert_tensor_parallel_size"] == (layout["etp"] or layout["tp"])
+    if name == "core019_convert_tp1":  # before the fix: remat 2 derived from the inherited shards
+        assert original["resolved"]["gtp_weight_remat_size"] == 2
 
 
 def test_write_in_place_keeps_backups_and_restores(capsys, copy_fixture):

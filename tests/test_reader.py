@@ -73,7 +73,9 @@ def test_inferred_layout_matches_manifest_and_saved_args(name):
     if info.get("ep", 1) > 1:
         assert layout.ep == info["ep"] == args["expert_model_parallel_size"]
     if args.get("num_experts"):  # how one expert is cut: ETP, TP where the run set none
-        assert layout.etp == info.get("etp", layout.tp) == (args.get("expert_tensor_parallel_size") or layout.tp)
+        assert layout.etp == info.get("etp", layout.tp)
+        if "converted_from" not in info:  # converters copy ETP from their source (check: CKD203)
+            assert layout.etp == (args.get("expert_tensor_parallel_size") or layout.tp)
     else:
         assert layout.etp is None
 

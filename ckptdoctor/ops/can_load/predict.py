@@ -333,8 +333,8 @@ def read_saved(ckpt: Checkpoint, model_args: dict[str, Any] | None = None) -> Sa
         common = {}  # refused by the gate: the safety section says so, the rest is predicted without it
     saved_args = args_as_dict(common.get("args"))
     layout = infer_layout(ckpt)
-    saved = saved_layout(saved_args, layout.tp, layout.pp)
     experts = bool(_arg(saved_args, "num_experts", 0)) or layout.ep is not None
+    saved = saved_layout(saved_args, layout.tp, layout.pp, layout.ep, layout.etp if experts else None)
     te_states = [i for i in census(ckpt) if i.state is not None and i.state.form not in (FORM_NONE, FORM_OTHER)]
     refused = [i.key for i in te_states if i.state is not None and i.state.te_2_18 == "refuse"]
     return SavedCheckpoint(ckpt, safety, common, saved_args, saved, experts, model_args, refused, len(te_states))
@@ -459,7 +459,7 @@ def predict_at(state: SavedCheckpoint, target: Layout, run: LoadRun) -> CanLoadR
         iteration_dir=str(ckpt.iteration_dir),
         backend=ckpt.location.backend,
         era=ckpt.location.era,
-        saved={**_layout_dict(saved), "source": "args" if saved_args else "chunk grids"},
+        saved={**_layout_dict(saved), "source": _saved_source(saved_args, saved)},
         target=_layout_dict(target),
         options=run.report_options(bool(args.get("use_distributed_optimizer"))),
         will_load=not failing and not corrupting,
@@ -496,6 +496,18 @@ def _missing_keys(ctx: _Context, sections: list[SectionVerdict], requested: set[
                 f"CheckpointingException: {MISSING_TITLE} Missing keys (for all ranks): {{{keys[0]!r}, ...}}"
             )
             verdict.fix = "--strictness log_all (or assume_ok_unexpected, the default), which ignores unrequested keys"
+
+
+def _saved_source(saved_args: dict[str, Any], saved: Layout) -> str:
+    if not saved_args:
+        return "chunk grids"
+    expert_args = {
+        "ep": saved_args.get("expert_model_parallel_size"),
+        "etp": saved_args.get("expert_tensor_parallel_size"),
+    }
+    if any(value is not None and value != getattr(saved, name) for name, value in expert_args.items()):
+        return "args, expert layout from the chunk grids"  # the args disagree with the chunks (check: CKD203/CKD205)
+    return "args"
 
 
 def _layout_dict(layout: Layout) -> dict[str, int]:

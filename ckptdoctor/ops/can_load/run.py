@@ -105,9 +105,16 @@ def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
-def saved_layout(args: dict[str, Any], chunk_tp: int | None, chunk_pp: int | None) -> Layout:
+def saved_layout(
+    args: dict[str, Any],
+    chunk_tp: int | None,
+    chunk_pp: int | None,
+    chunk_ep: int | None = None,
+    chunk_etp: int | None = None,
+) -> Layout:
     """The layout Megatron compares against: the saved args (Megatron's default 1 where missing); the chunk grids
-    only where the args say nothing."""
+    only where the args say nothing. The expert layout (EP, ETP) is the chunks' where they show one: megatron
+    compares neither arg with a run's, and tools/checkpoint savers copy ETP from their source."""
     tp = _int(args.get("tensor_model_parallel_size"), chunk_tp or 1)
     pp = _int(args.get("pipeline_model_parallel_size"), chunk_pp or 1)
     cp = _int(args.get("context_parallel_size"), 1)
@@ -116,8 +123,8 @@ def saved_layout(args: dict[str, Any], chunk_tp: int | None, chunk_pp: int | Non
     return Layout(
         tp=tp,
         pp=pp,
-        ep=_int(args.get("expert_model_parallel_size"), 1),
-        etp=_int(args.get("expert_tensor_parallel_size"), tp),
+        ep=chunk_ep or _int(args.get("expert_model_parallel_size"), 1),
+        etp=chunk_etp or _int(args.get("expert_tensor_parallel_size"), tp),
         cp=cp,
         dp=dp,
     )
