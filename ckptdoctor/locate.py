@@ -63,9 +63,12 @@ def iteration_dir_name(iteration: str | int) -> str:
     if str(iteration) == "release":
         return "release"
     try:
-        return f"iter_{int(iteration):07d}"
+        number = int(iteration)
     except ValueError:
         raise CkptError(f"not an iteration number: {iteration!r}") from None
+    if number < 0:
+        raise CkptError(f"not an iteration number: {iteration!r} (iterations count from 0)")
+    return f"iter_{number:07d}"
 
 
 _TRACKER_MAX = 4096  # Megatron writes a number or 'release'
@@ -192,6 +195,14 @@ def locate(path: str | Path, iteration: str | int | None = None) -> CheckpointLo
             what = "--iteration" if iteration is not None else f"tracker {tracker_path}"
             raise CkptError(f"{iteration_dir}: {what} points to an iteration dir that does not exist")
     elif looks_like_iteration_dir(candidate):
+        if iteration is not None and candidate.name not in (iteration_dir_name(iteration), f"step-{iteration}"):
+            # --iteration picks one of a save dir's iteration dirs; naming another dir is a mistake to say, not
+            # to ignore (a write would go to the dir the user did not ask for)
+            raise CkptError(
+                f"{candidate}: an iteration dir, not the {iteration_dir_name(iteration)} that --iteration "
+                f"{iteration} asks for (--iteration picks one dir of a save dir: give {candidate.parent}, or "
+                "drop --iteration)"
+            )
         iteration_dir = candidate
         if candidate.parent.joinpath(TRACKER_NAME).is_file():
             save_dir = candidate.parent

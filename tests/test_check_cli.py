@@ -446,6 +446,8 @@ def test_check_staged_without_pre_commit(capsys, tmp_path, monkeypatch):
     assert [f["code"] for f in report["findings"]] == ["CKD130"]
     rc, out, err = _run(capsys, "check", "--staged", "a")
     assert rc == 2 and "not both" in err
+    rc, out, err = _run(capsys, "check")
+    assert rc == 2 and "give PATHS" in err and "not both" not in err
     monkeypatch.chdir(tmp_path)
     rc, out, err = _run(capsys, "check", "--staged")
     assert rc == 2 and "--staged: git rev-parse failed" in err and err.count("\n") == 1, err

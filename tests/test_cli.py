@@ -124,6 +124,27 @@ def test_iteration_option_and_release(capsys, copy_fixture):
     assert rc == 2 and "iter_0000020" in err
 
 
+def test_iteration_option_on_an_iteration_dir_is_refused_unless_it_names_that_dir(capsys, copy_fixture):
+    """--iteration picks a save dir's iteration dir: given an iteration dir (or a file in one) naming another, the
+    command stops (a write would go to the dir the user did not ask for); a negative number is no iteration."""
+    save = copy_fixture("core019_tp2")
+    shutil.copytree(save / "iter_0000010", save / "iter_0000020")
+    for target in (save / "iter_0000010", save / "iter_0000010" / "__0_0.distcp"):
+        rc, _, err = _run(capsys, "inspect", str(target), "--iteration", "20")
+        assert rc == 2 and "not the iter_0000020 that --iteration 20 asks for" in err and str(save) in err
+    before = (save / "iter_0000010" / "common.pt").exists(), sorted(p.name for p in (save / "iter_0000010").iterdir())
+    rc, _, err = _run(capsys, "edit", str(save / "iter_0000010"), "-i", "20", "--drop-section", "rng", "--in-place")
+    assert rc == 2 and "--iteration" in err
+    assert before == (
+        (save / "iter_0000010" / "common.pt").exists(),
+        sorted(p.name for p in (save / "iter_0000010").iterdir()),
+    )
+    rc, out, _ = _run(capsys, "inspect", str(save / "iter_0000010"), "--iteration", "10", "--format", "json")
+    assert rc == 0 and json.loads(out)["iteration_dir"].endswith("iter_0000010")
+    rc, _, err = _run(capsys, "inspect", str(save), "--iteration", "-1")
+    assert rc == 2 and "not an iteration number: '-1'" in err
+
+
 def _break(kind: str, save: Path) -> Path:
     iteration_dir = save / "iter_0000010"
     if kind == "missing path":

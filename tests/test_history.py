@@ -93,6 +93,33 @@ def test_history_lists_each_iteration_dir_with_its_status_size_seal_and_tracker(
     )
 
 
+def test_history_verifies_the_seal_only_when_asked_and_says_so(capsys, tmp_path):
+    """A sealed dir whose data changed after the seal: from metadata it is good (the summary says its hashes were
+    not verified); --verify-integrity hashes it as latest-good does, and then it is broken (CKD301)."""
+    save = tmp_path / "save"
+    save.mkdir()
+    shutil.copytree(FIXTURES / NAME / ITER, save / ITER)
+    (save / TRACKER).write_text("10")
+    rc, _, err = run_main(capsys, "seal", save)
+    assert rc == 0, err
+    with open(save / ITER / "__0_0.distcp", "r+b") as f:
+        f.seek(200)
+        byte = f.read(1)
+        f.seek(200)
+        f.write(bytes([byte[0] ^ 1]))
+    doc = _json(capsys, save)
+    assert doc["integrity_verified"] is False and doc["iterations"][0]["status"] == "good"
+    rc, out, _ = run_main(capsys, "history", save)
+    assert rc == 0 and "latest good: 10 (its integrity.json hashes not verified: --verify-integrity" in " ".join(
+        out.split()
+    )
+    doc = _json(capsys, save, "--verify-integrity", codes=(1,))
+    assert doc["integrity_verified"] is True
+    assert doc["iterations"][0]["status"] == "broken" and doc["iterations"][0]["top"]["code"] == "CKD301"
+    rc, _, _ = run_main(capsys, "latest-good", save)
+    assert rc == 1  # the two agree
+
+
 def test_history_sizes_are_human_readable(capsys, tmp_path):
     save = _save(tmp_path, capsys)
     rc, out, _ = run_main(capsys, "history", save)

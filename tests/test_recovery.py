@@ -155,6 +155,23 @@ def test_seal_refuses_a_checkpoint_that_fails_check(capsys, copy_fixture):
     assert not (save2 / ITER / "integrity.json").exists()
 
 
+def test_seal_refuses_zarr_and_check_says_a_manifest_there_covers_no_tensor(capsys, copy_fixture, tmp_path):
+    """A zarr save keeps each tensor's chunks in a subdirectory: Megatron's manifest (file names in the dir) cannot
+    list them, so a seal would vouch for the common state alone."""
+    save = copy_fixture("core014_zarr_tp2")
+    rc, _, err = _run(capsys, "seal", save)
+    assert rc == 2 and "legacy zarr checkpoint" in err and "nothing was changed" in err
+    assert not (save / ITER / "integrity.json").exists()
+    rc, _, err = _run(capsys, "seal", save, "-o", tmp_path / "copy")
+    assert rc == 2 and "legacy zarr checkpoint" in err and not (tmp_path / "copy").exists()
+    listed = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (save / ITER).iterdir() if p.is_file()}
+    (save / ITER / "integrity.json").write_text(json.dumps({"algorithm": "sha256", "files": listed}))
+    rc, out, _ = _run(capsys, "check", save, "--format", "json")
+    found = json.loads(out)["findings"]
+    assert rc == 1 and [(f["code"], f["severity"]) for f in found] == [("CKD304", "warning")]
+    assert "per-tensor subdirectories" in found[0]["message"]
+
+
 def test_seal_output_writes_a_sealed_copy_and_leaves_the_source(capsys, copy_fixture, tmp_path):
     """``seal -o DIR`` (issue #37 point 6, the form object storage needs): a new save dir whose files are the
     source's (hard links) plus Megatron's manifest over them; the source is not changed. A sealed source is

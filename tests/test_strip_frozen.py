@@ -201,6 +201,17 @@ def test_no_frozen_parameters_refused_unless_force(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
     rc, out, _ = _run(capsys, "strip-frozen", src, "--trainable", ".", "--dry-run", "--format", "json")
     assert rc == 1 and json.loads(out)["nothing_frozen"] is True
+    dropped = json.loads(out)["plan"]["dropped"]
+    assert dropped and all("_extra_state" in d["key"] for d in dropped)  # what --force drops, and only that
+    rc, out, _ = _run(capsys, "strip-frozen", src, "--trainable", ".", "--dry-run")
+    said = " ".join(out.split())
+    assert "nothing to strip; --force writes a copy without the model _extra_state (the plan below)" in said
+    assert "of model _extra_state dropped with --force" in said and "frozen params" not in said
+    # a trainable-params-only save: no _extra_state either, so --force would write what is there
+    rc, out, _ = _run(capsys, "strip-frozen", FIXTURES / "core019_peft_trainable_tp1", "-o", tmp_path / "t")
+    said = " ".join(out.split())
+    assert rc == 1 and "there is no model _extra_state to drop either" in said and "none dropped" in said
+    assert "--force" not in said and not (tmp_path / "t").exists()
     rc, out, _ = _run(capsys, "strip-frozen", src, "--trainable", ".", "-o", tmp_path / "out", "--force")
     assert rc == 0 and "no frozen parameters" in out and (tmp_path / "out" / "iter_0000010" / ".metadata").is_file()
     report = _strip(capsys, src, tmp_path / "normal")

@@ -115,8 +115,10 @@ def command(
     from ckptdoctor.rules.registry import validate_selectors
     from ckptdoctor.text_safety import escape
 
-    if staged == bool(paths):
+    if staged and paths:
         raise click.UsageError("give PATHS or --staged (the checkpoint dirs of what git has staged), not both")
+    if not staged and not paths:
+        raise click.UsageError("give PATHS (checkpoint dirs, save dirs or files in them) or --staged")
     passed_over: list[Path] = []
     table, config_path = ({}, None) if isolated else load_tool_config(passed_over=passed_over)
     config = check_defaults(table, config_path)

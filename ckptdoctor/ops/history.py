@@ -2,9 +2,10 @@
 
 Each iteration dir is checked as ``latest-good`` checks it (:func:`ckptdoctor.ops.latest_good.findings_of`: the
 same rules and ``--select``/``--ignore``), newest first, ``release`` last, but from metadata only: no chunk is
-decoded, no torch is imported, and ``integrity.json``'s hashes are not verified (its listed files must exist;
-``check`` hashes them). The dirs are independent units of :func:`ckptdoctor.parallel.map_units` (``--jobs``
-processes), merged in dir order, so the listing does not depend on ``--jobs``.
+decoded, no torch is imported, and ``integrity.json``'s hashes are not verified unless asked
+(``--verify-integrity``, which reads every byte of the sealed dirs, as ``latest-good`` and ``check`` do). The
+dirs are independent units of :func:`ckptdoctor.parallel.map_units` (``--jobs`` processes), merged in dir order,
+so the listing does not depend on ``--jobs``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class HistoryReport:
     iterations: list[IterationStatus]  # newest first, release last
     findings: list[Finding] = field(default_factory=list)  # the save dir's own: its trackers (CKD12x)
     trusted: list[str] = field(default_factory=trusted_names)  # globals the gate trusted (--trust-global)
+    integrity_verified: bool = False  # the sealed dirs' files were hashed (--verify-integrity), as latest-good does
 
     @property
     def resumable(self) -> bool:
@@ -89,6 +91,7 @@ def history(save_dir: str | Path, options: CheckOptions | None = None, jobs: int
         bridge,
         [],
         [f for f in save_findings if is_selected(f.code, options.select, options.ignore)],
+        integrity_verified=options.verify_integrity,
     )
 
     def task(index: int) -> IterationStatus:

@@ -27,6 +27,7 @@ from ckptdoctor import dist, locking, parallel
 from ckptdoctor.atomic import fsync_dir, keep_previous, link_or_copy, make_unique_dir, timestamp, write_atomic
 from ckptdoctor.checkpoint import refuse_plain_dcp, scan_path
 from ckptdoctor.errors import CkptError
+from ckptdoctor.formats import BACKEND_ZARR
 from ckptdoctor.locate import TRACKER_NAME, CheckpointLocation
 from ckptdoctor.ops.check import CheckOptions, check_iteration_dir
 from ckptdoctor.ops.pickle_gate import refusal
@@ -107,6 +108,14 @@ def _sealable(path: str | Path, iteration: str | None) -> CheckpointLocation:
     scanned = scan_path(path, iteration)
     if scanned.checkpoint is not None:
         refuse_plain_dcp(scanned.checkpoint, "seal")
+    if scanned.location.backend == BACKEND_ZARR:
+        # Megatron's manifest names files directly in the dir; a zarr save keeps its tensors in subdirectories, so
+        # a manifest would vouch for the common state alone.
+        raise CkptError(
+            f"{scanned.location.iteration_dir}: legacy zarr checkpoint: its tensors are files in per-tensor "
+            f"subdirectories, which {INTEGRITY_NAME} (file names in the dir only) cannot list; seal writes "
+            "torch_dist manifests only; nothing was changed"
+        )
     return scanned.location
 
 

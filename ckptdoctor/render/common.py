@@ -351,22 +351,33 @@ def _strip_lines(report: StripReport, all_keys: bool, width: int | None) -> list
     plan, result = report.plan, report.result
     model_kept = [d for d in plan.kept if d.section == "model"]
     other_kept = [d for d in plan.kept if d.section != "model"]
+    # With nothing frozen, the only keys a (--force) write drops are the model's _extra_state items.
+    dropped = (
+        f"{count_keys(plan.dropped)} dropped ({plan.dropped_model_params:,} frozen params)"
+        if not report.nothing_frozen
+        else f"{count_keys(plan.dropped)} of model _extra_state dropped with --force"
+        if plan.dropped
+        else "none dropped"
+    )
     lines = [
         f"checkpoint      {plan.iteration_dir}",
         f"trainable from  {plan.trainable_source} ({plan.trainable_detail})",
-        f"model section   {count_keys(model_kept)} kept ({plan.kept_model_params:,} trainable params), "
-        f"{count_keys(plan.dropped)} dropped ({plan.dropped_model_params:,} frozen params)",
+        f"model section   {count_keys(model_kept)} kept ({plan.kept_model_params:,} trainable params), {dropped}",
         f"other sections  {count_keys(other_kept)} kept untouched",
     ]
     if report.nothing_frozen:
+        force = (
+            "--force writes a copy without the model _extra_state" + (" (the plan below)" if report.dry_run else "")
+            if plan.dropped
+            else "there is no model _extra_state to drop either"
+        )
         nothing = (
             f"no frozen parameters: every model parameter is trainable ({plan.trainable_source}), "
-            "so there is nothing to strip"
+            f"so there is nothing to strip; {force}"
         )
         lines.append(wrap_block(nothing, width))
         if report.result is None and not report.dry_run:
-            not_written = "nothing written (use --force to write anyway: it drops only the model _extra_state)"
-            lines.append(wrap_block(not_written, width))
+            lines.append("nothing written")
             return lines
     if report.dry_run:
         lines.append("")

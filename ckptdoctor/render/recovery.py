@@ -85,6 +85,8 @@ def _history_summary(report: HistoryReport) -> str:
         said += "; no tracker that reads"
     good = next((line for line in report.iterations if line.status != "broken"), None)
     said += f"; latest good: {_name(good)}" if good is not None else "; none passes check"
+    if good is not None and good.sealed and not report.integrity_verified:
+        said += " (its integrity.json hashes not verified: --verify-integrity, or latest-good)"
     return said + "."
 
 

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from ckptdoctor.errors import CkptError, without_path
+from ckptdoctor.formats import BACKEND_ZARR
 from ckptdoctor.rules import ERROR, WARNING, Finding, family_rule, finding
 from ckptdoctor.rules.structure import Scanned
 from ckptdoctor.storage.files import file_sizes, open_regular, read_json
@@ -153,6 +154,12 @@ def check_manifest(state: Scanned, verify_hashes: bool) -> list[Finding]:
                 )
     for name in sorted(present - set(files)):
         out.append(finding(FILE_UNLISTED, shown / name, f"not listed in {INTEGRITY_NAME}"))
+    if state.checkpoint is not None and state.checkpoint.location.backend == BACKEND_ZARR:
+        why = (
+            f"a legacy zarr checkpoint keeps its tensors in per-tensor subdirectories, which {INTEGRITY_NAME} "
+            "cannot list: no hash covers them"
+        )
+        out.append(finding(FILE_UNLISTED, shown, why))
     return out
 
 
