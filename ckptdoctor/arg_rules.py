@@ -108,7 +108,7 @@ def _expert_tp_rule() -> Rule:
             target.tp,
             WARNING,
             f"no experts in this checkpoint, so {arg} can only be megatron's default "
-            f"(tensor_model_parallel_size={target.tp}); {saved} was inherited",
+            f"(tensor_model_parallel_size={target.tp}), not {saved}",
         )
 
     return Rule(

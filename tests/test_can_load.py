@@ -251,6 +251,18 @@ def test_saved_expert_layout_is_the_chunks_where_the_args_are_inherited():
     assert honest.saved["source"] == "args" and honest.saved["etp"] == 2
 
 
+def test_trainable_only_save_counts_the_dense_base_it_lacks_as_a_lower_bound():
+    """core019_peft_trainable_tp2 holds the 4 LoRA adapters only; the run requests the whole base model: its
+    embedding, final norm, output layer and every layer's four linears at least (the norms depend on the spec)."""
+    report = predict(open_checkpoint(FIXTURES / "core019_peft_trainable_tp2"), "tp=2", LoadRun())
+    (model,) = [s for s in report.sections if s.section == "model"]
+    assert model.verdict == "fails" and "requests at least 7 keys the checkpoint lacks" in model.why
+    full = open_checkpoint(FIXTURES / "core019_peft_full_tp2")
+    base = {e.key for e in full.section_entries("model") if e.kind == "tensor" and ".adapter." not in e.key}
+    fused_norms = {k for k in base if k.endswith(".layer_norm_weight")}  # spec-dependent: not counted
+    assert len(base) == 9 and len(base - fused_norms) == 7  # the 7 counted are the real base less the norms
+
+
 def test_world_defaults_follow_dp_of_the_distributed_optimizer_fixture():
     report = predict(open_checkpoint(FIXTURES / "core019_tp2_dp2"), "dp=1", LoadRun())
     assert report.saved["dp"] == 2 and report.target["world"] == 2

@@ -26,6 +26,7 @@ from ckptdoctor.formats.torch_dist import (
     set_storage,
     storage_items,
 )
+from ckptdoctor.logical_items import logical_key
 from ckptdoctor.ops.edit.presets import preset_renames
 
 ITER = "iter_0000010"
@@ -234,7 +235,9 @@ def test_dry_run_lists_every_change_in_text_and_json(capsys, tmp_path):
     for change in renamed:
         assert change["new_key"] in text
     assert "dry run         nothing written" in text
-    assert report["plan"]["kept_keys"] == len(source.entries) - len(removed)
+    assert report["plan"]["kept_entries"] == len(source.entries) - len(removed)
+    kept = {logical_key(k, e.kind) for k, e in source.entries.items() if k not in removed}
+    assert report["plan"]["kept_keys"] == len(kept) < report["plan"]["kept_entries"]  # shards are one key
     assert report["plan"]["load_flags"] == []
     assert any("model keys removed" in n for n in report["plan"]["load_notes"])
     assert file_digests(src) == before
@@ -458,5 +461,6 @@ def test_removed_model_keys_do_not_claim_a_plain_load_works(capsys, tmp_path):
     rc, out, err = _run(capsys, "edit", FIXTURES / "core019_tp1", "--remove", "_extra_state", "--dry-run")
     assert rc == 0, err
     assert "a plain load works" not in out and "model keys removed" in out
+    assert "load flags      none certain: see below" in out  # not "none" beside a note that a load fails
     rc, out, err = _run(capsys, "edit", FIXTURES / "core019_tp1", "--drop-section", "optimizer", "--dry-run")
     assert rc == 0 and "load flags      --no-load-optim" in out

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from ckptdoctor.logical_items import logical_key
 from ckptdoctor.ops.edit.write import EditReport
-from ckptdoctor.render.common import LABEL_INDENT, columns, count_keys, human_bytes, short_value, summary_rows
+from ckptdoctor.render.common import (
+    LABEL_INDENT,
+    columns,
+    count_keys,
+    human_bytes,
+    keys_and_entries,
+    short_value,
+    summary_rows,
+)
 from ckptdoctor.render.wrap import wrap_block, wrap_lines
 from ckptdoctor.text_safety import text_safe
 
@@ -33,7 +41,7 @@ def _edit_lines(report: EditReport, all_keys: bool, width: int | None, carried: 
     lines = [
         f"checkpoint      {plan.iteration_dir}",
         f"changes         {count_keys(plan.removed)} removed ({human_bytes(sum(c.bytes for c in plan.removed))}), "
-        f"{count_keys(plan.renamed)} renamed, {plan.kept_keys:,} entries kept",
+        f"{count_keys(plan.renamed)} renamed, {keys_and_entries(plan.kept_keys, plan.kept_entries)} kept",
     ]
     if plan.dropped_sections:
         lines.append(f"sections        dropped: {', '.join(plan.dropped_sections)}")
@@ -51,7 +59,13 @@ def _edit_lines(report: EditReport, all_keys: bool, width: int | None, carried: 
         lines += ["", columns(summary_rows(groups), ["", "keys", "size", "why"]), "(--keys lists every key)", ""]
     for change in plan.common_changes:
         lines.append(_common_line(change.what, change.name, change.old, change.new, change.reason))
-    flags = " ".join(plan.load_flags) if plan.load_flags else "none" if plan.load_notes else "none (a plain load works)"
+    flags = (
+        " ".join(plan.load_flags)
+        if plan.load_flags
+        else "none certain: see below"
+        if plan.load_notes
+        else "none (a plain load works)"
+    )
     lines.append(f"load flags      {flags}")
     lines += [wrap_block(f"{LABEL_INDENT}{note}", width, LABEL_INDENT + "  ") for note in plan.load_notes]
     if report.dry_run or result is None:

@@ -68,6 +68,7 @@ class KeyPlan:
     why: str | None = None
     fix: str | None = None
     reshards: bool = False  # cut differently at the target although TP/PP/EP/ETP are unchanged (DP buckets)
+    unexpected_at_least: bool = False  # unexpected is a lower bound (a frozen base whose full key set is not known)
 
 
 def logical(key: str, kind: str) -> str:
@@ -156,6 +157,9 @@ def model_plan(
     return plan
 
 
+_DENSE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
 def _frozen_base(saved_args: dict[str, Any], plan: KeyPlan) -> str | None:
     """A trainable-params-only save lacks the frozen base; Megatron-LM's load_checkpoint requests it all."""
     if not saved_args.get("save_trainable_params_only"):
@@ -164,10 +168,15 @@ def _frozen_base(saved_args: dict[str, Any], plan: KeyPlan) -> str | None:
     if saved_args.get("untie_embeddings_and_output_weights"):
         base.add("output_layer.weight")
     base |= {key.split(".adapter.", 1)[0] + ".weight" for key in plan.present if ".adapter." in key}
+    if not saved_args.get("num_experts"):  # every dense GPT layer's linears, whatever the spec
+        base |= {f"decoder.layers.{name}.weight" for name in _DENSE_LINEARS}
     absent = base - set(plan.present)
     for key in absent:
         plan.requested[key] = None
         plan.unexpected.add(key)
+    # The norms (fused into the linears or not), biases and experts depend on the spec, which the args do not
+    # always say: what is counted is a lower bound.
+    plan.unexpected_at_least = bool(absent)
     plan.fix = "load with a filtered request (Megatron-Bridge PEFT), or pass the base checkpoint too"
     return f"trainable-params-only save: the frozen base ({len(absent)}+ keys) is not in it" if absent else None
 

@@ -139,7 +139,8 @@ def _strictness_failure(section: str, plan: KeyPlan, strictness: str) -> Section
     return SectionVerdict(
         section,
         FAILS,
-        f"the run requests {n} key{'s' if n != 1 else ''} the checkpoint lacks (e.g. {first})",
+        f"the run requests {'at least ' if plan.unexpected_at_least else ''}{n} key{'s' if n != 1 else ''} the "
+        f"checkpoint lacks (e.g. {first})",
         error,
         plan.fix or "make the loading run's model match the checkpoint (--set / --args-from), or convert it",
         len(plan.requested),

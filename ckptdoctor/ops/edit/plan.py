@@ -29,6 +29,7 @@ from ckptdoctor.checkpoint import Checkpoint, section_of
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import BACKEND_DCP
 from ckptdoctor.formats.plain_dcp import is_megatron
+from ckptdoctor.logical_items import logical_key
 from ckptdoctor.ops.edit.presets import PRESET_NAMES, preset_renames
 from ckptdoctor.ops.rewrite.request import CommonChange, dir_bytes
 from ckptdoctor.rules.extra_state import census
@@ -67,9 +68,10 @@ class EditPlan:
     iteration_dir: str
     removed: list[KeyChange]
     renamed: list[KeyChange]
-    kept_keys: int
+    kept_keys: int  # logical keys (a ShardedObject's shards are one key)
+    kept_entries: int  # DCP entries (each shard of an object its own)
     common_changes: list[CommonChange]
-    load_flags: list[str]  # Megatron-LM flags the result needs to load (empty: a plain load works)
+    load_flags: list[str]  # Megatron-LM flags the result needs (empty and no notes: a plain load works)
     load_notes: list[str]
     bytes_before: int
     bytes_kept: int  # data bytes of the kept items (what --compact copies)
@@ -260,7 +262,8 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
         iteration_dir=str(where),
         removed=removed,
         renamed=renamed,
-        kept_keys=len(kept),
+        kept_keys=len({logical_key(k, checkpoint.entries[k].kind) for k in kept}),
+        kept_entries=len(kept),
         common_changes=common_changes(checkpoint, dropped),
         load_flags=flags,
         load_notes=notes,
