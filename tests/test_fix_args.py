@@ -407,6 +407,22 @@ def test_write_exits_1_when_findings_remain_text(capsys, tmp_path):
     assert "after writing: 1 inconsistent arg remains:" in out and "CKD210" in out.split("after writing")[1]
 
 
+def test_set_dry_run_reports_what_the_write_would_leave(capsys, tmp_path):
+    """A --set that contradicts the chunks: the dry run says what the write then reports, with the same exit code."""
+    src = FIXTURES / "core019_tp2"
+    rc, out, _ = _run(capsys, "fix-args", src, "--set", "tensor_model_parallel_size=4", "--format", "json")
+    report = json.loads(out)
+    jsonschema.validate(report, SCHEMA)
+    assert rc == 1 and report["findings"] == [] and report["remaining"] is None
+    assert [(f["code"], f["saved"], f["correct"]) for f in report["would_remain"]] == [("CKD201", 4, 2)]
+    rc_write, out, _ = _run(capsys, "fix-args", src, "--set", "tensor_model_parallel_size=4", "-o", tmp_path / "o")
+    assert rc_write == rc == 1 and "after writing: 1 inconsistent arg remains" in out
+    rc, out, _ = _run(capsys, "fix-args", FIXTURES / "core019_convert_tp4", "--format", "json")
+    assert rc == 1 and json.loads(out)["would_remain"] == []  # the fixes leave nothing
+    rc, out, _ = _run(capsys, "fix-args", src, "--format", "json")
+    assert rc == 0 and json.loads(out)["would_remain"] is None  # nothing planned
+
+
 def test_set_misspelled_name_suggests_the_saved_arg(capsys):
     rc, _, err = _run(
         capsys, "fix-args", FIXTURES / "core019_convert_tp4", "--set", "tensor_parallel_num_weight_shard=4"

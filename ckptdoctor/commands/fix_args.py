@@ -69,7 +69,7 @@ def command(
 
     Reports each inconsistent arg (saved value, correct value, the error megatron-core would raise); -o DIR or
     --in-place writes the fixes. Exit code: 0 consistent (or, when writing, none left after writing), 1
-    inconsistencies found (or left after writing), 2 error. No tensor data is read or rewritten; writing is
+    inconsistencies found (or left after writing, or left by the planned changes), 2 error. No tensor data is read or rewritten; writing is
     O(metadata). From object storage, -o URL in the same bucket or MSC profile copies the data files on the
     server and uploads only the changed files; another bucket, profile or a local dir streams them.
     """
@@ -94,4 +94,4 @@ def command(
             echo_written(report, functools.partial(render_fix_args, width=output_width()), staged, output_format)
     if write and report.remaining is not None:
         return EXIT_FINDINGS if report.remaining else EXIT_OK
-    return EXIT_FINDINGS if report.findings else EXIT_OK
+    return EXIT_FINDINGS if report.findings or report.would_remain else EXIT_OK

@@ -311,6 +311,14 @@ def render_fix_args(report: FixArgsReport, width: int | None = None) -> str:
         lines.append("")
         lines.append("would change (write with -o DIR or --in-place):")
         lines.extend(f"  {c.arg}: {short_value(c.old)} -> {short_value(c.new)} ({c.why})" for c in report.changes)
+        if report.would_remain:
+            n = len(report.would_remain)
+            lines.append("")
+            lines.append(
+                f"after the change{'s' if len(report.changes) != 1 else ''}: {n} inconsistent "
+                f"arg{'s' if n != 1 else ''} would remain:"
+            )
+            lines.extend(_fix_args_table(report.would_remain, width))
     if written:
         w = written
         lines.append("")

@@ -68,6 +68,8 @@ class FixArgsReport:
     # after --write: the written checkpoint re-read and re-checked (None when nothing was written);
     # ``findings`` keep what was wrong before the fix
     remaining: list[ArgFinding] | None = None
+    # before a write, with changes planned: the findings of the args as the changes leave them (None otherwise)
+    would_remain: list[ArgFinding] | None = None
     # "run_config.yaml": no args saved, Megatron-Bridge's model section checked and changed in their place
     config_source: str = "args"
 
@@ -195,6 +197,9 @@ def build_report(
 ) -> FixArgsReport:
     findings, inherited = diagnose(checkpoint, source)
     changes = plan_changes(checkpoint, findings, sets, apply_fixes=apply_fixes, force=force)
+    args, _ = checked_config(checkpoint)
+    changed = {**args, **{change.arg: change.new for change in changes}}
+    would_remain = check_args(changed, infer_layout(checkpoint)) if changes else None
     return FixArgsReport(
         schema=SCHEMA,
         checkpoint=str(checkpoint.iteration_dir),
@@ -205,6 +210,7 @@ def build_report(
         inherited=inherited,
         changes=changes,
         config_source=checked_config(checkpoint)[1],
+        would_remain=would_remain,
     )
 
 

@@ -375,4 +375,5 @@ def write_fix(
         report.written = write_output(checkpoint, report.changes, output, force=force)
     checkpoint.release_entries()  # the source's index goes before the output's is read: one in memory, not two
     report.remaining, _ = diagnose(open_checkpoint(report.written.iteration_dir))
+    report.would_remain = None  # written: what remains is re-read from disk
     return report
