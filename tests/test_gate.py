@@ -250,3 +250,18 @@ def test_a_run_config_too_large_to_read_fails_the_gate_one_not_text_does_not(cap
     assert rc == 1 and report["gate"]["failing"][0]["subject"] == "os.system"
     rc, report = _check(capsys, "--trust-global", "os.system", save)
     assert report["safe_for_loaders"] is True and report["gate"]["overridden"][0]["code"] == "CKD405"
+
+
+def test_safe_for_loaders_vouches_only_for_what_was_read(capsys, tmp_path):
+    """An empty dir, or a missing path beside a checkpoint: the gate read nothing there, so it vouches for nothing;
+    what --select shows does not change what was read."""
+    (tmp_path / "empty").mkdir()
+    fixture = REPO / "fixtures" / "core019_tp1"
+    for paths, rc_want in (([tmp_path / "empty"], 1), ([fixture, tmp_path / "gone"], 2)):
+        rc, out, _ = run_main(capsys, "check", *paths, "--format", "json")
+        report = json.loads(out)
+        assert rc == rc_want and report["safe_for_loaders"] is False and report["gate"]["failing"] == [], paths
+    rc, out, _ = run_main(capsys, "check", tmp_path / "empty", "--select", "CKD3", "--format", "json")
+    assert json.loads(out)["safe_for_loaders"] is False
+    rc, out, _ = run_main(capsys, "check", fixture, "--select", "CKD3", "--format", "json")
+    assert rc == 0 and json.loads(out)["safe_for_loaders"] is True

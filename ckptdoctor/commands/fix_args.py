@@ -69,9 +69,10 @@ def command(
 
     Reports each inconsistent arg (saved value, correct value, the error megatron-core would raise); -o DIR or
     --in-place writes the fixes. Exit code: 0 consistent (or, when writing, none left after writing), 1
-    inconsistencies found (or left after writing, or left by the planned changes), 2 error. No tensor data is read or rewritten; writing is
-    O(metadata). From object storage, -o URL in the same bucket or MSC profile copies the data files on the
-    server and uploads only the changed files; another bucket, profile or a local dir streams them.
+    inconsistencies found (or left after writing, or left by the planned changes), 2 error. No tensor data is
+    read or rewritten; writing is O(metadata). From object storage, -o URL in the same bucket or MSC profile
+    copies the data files on the server and uploads only the changed files; another bucket, profile or a local
+    dir streams them.
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.exit_codes import EXIT_FINDINGS, EXIT_OK

@@ -118,7 +118,8 @@ class CheckReport:
     findings: list[Finding]
     counts: dict[str, int]  # findings by severity ("error", "warning"; "info" when there are some)
     missing: list[str] = field(default_factory=list)  # given paths that do not exist (only with missing_ok)
-    safe_for_loaders: bool = True  # no safety finding: nothing here runs code when a loader reads it
+    # no safety finding in what was read, and every path read: nothing here runs code when a loader reads it
+    safe_for_loaders: bool = True
     gate: Gate = field(default_factory=lambda: Gate([], [], []))
     config: ConfigUse | None = None
     health: list[HealthReport] | None = field(default=None, metadata=OMIT_NONE)  # only with --health
@@ -186,6 +187,10 @@ def check_paths(
     for f in kept:
         counts[f.severity] = counts.get(f.severity, 0) + 1
     gate = Gate([f for f in kept if is_safety(f.code)], trusted_names(), overridden)
+    # The gate vouches only for what it read: a path that is missing, holds no checkpoint, or holds one in a
+    # format nothing here reads (legacy mp_rank_* pickles) is not "safe", whatever --select leaves shown.
+    unread = [f for f in found if f.code in (structure.NOT_A_CHECKPOINT.code, structure.UNSUPPORTED_FORMAT.code)]
+    vouched = bool(iteration_dirs) and not targets.missing and not unread
     return CheckReport(
         SCHEMA,
         [str(s) for s in iteration_dirs.values()],
@@ -193,7 +198,7 @@ def check_paths(
         kept,
         counts,
         targets.missing,
-        gate.safe,
+        gate.safe and vouched,
         gate,
         health=reports,
     )
