@@ -347,4 +347,4 @@ def test_args_one_sides_core_never_saved_do_not_decide_the_exit_status(capsys, s
     # an arg absent for another reason (not in the era table) still counts
     _rewrite_args(old, seed=None)
     rc, out, _ = _run(capsys, str(old), str(new), *same)
-    assert rc == 1 and "seed: 1234 (only in B)" in out and "differences: 1 args differ" in out
+    assert rc == 1 and "seed: 1234 (only in B)" in out and "differences: 1 arg differs" in out

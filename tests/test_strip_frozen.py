@@ -193,6 +193,15 @@ def test_saved_args_say_trainable_params_only(capsys, tmp_path, name):
         assert open_checkpoint(FIXTURES / ref).args.save_trainable_params_only is True
 
 
+def test_zarr_refused_before_any_plan(capsys, tmp_path):
+    """A legacy zarr save has no .metadata to rewrite: the dry run refuses it as the write does, not with a plan."""
+    src = FIXTURES / "core014_zarr_tp2"
+    for extra in (["--dry-run"], ["-o", str(tmp_path / "out"), "--force"]):
+        rc, out, err = _run(capsys, "strip-frozen", src, *extra)
+        assert rc == 2 and out == "" and "not a torch_dist checkpoint" in err, extra
+    assert not (tmp_path / "out").exists()
+
+
 def test_no_frozen_parameters_refused_unless_force(capsys, tmp_path):
     src = FIXTURES / "core019_peft_full_tp1"
     rc, out, _ = _run(capsys, "strip-frozen", src, "--trainable", ".", "-o", tmp_path / "out")

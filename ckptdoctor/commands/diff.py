@@ -162,6 +162,9 @@ def command(
         )
     if report_n and not with_values:
         raise click.BadParameter("needs --values", param_hint="--report")
+    for name, value in (("--atol", atol), ("--rtol", rtol)):
+        if value is not None and not with_values:  # a tolerance compares values: without them it would do nothing
+            raise click.BadParameter("needs --values", param_hint=name)
     if with_stats:
         if not with_values:
             raise click.BadParameter("needs --values", param_hint="--stats")

@@ -89,7 +89,8 @@ def render_suggestions(report: SuggestReport, width: int | None = None) -> str:
     else:
         searched = (
             f"searched {search.layouts} layout{'s' if search.layouts != 1 else ''} of world size "
-            f"{report.world_size}: {search.refused_at_startup} refused at startup, {search.predictions} predictions"
+            f"{report.world_size}: {search.refused_at_startup} refused at startup, {search.predictions} "
+            f"prediction{'s' if search.predictions != 1 else ''}"
         )
         if not search.complete:
             searched += " (stopped at the search bound: farther layouts not searched)"

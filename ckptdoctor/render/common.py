@@ -123,7 +123,8 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
         meta = "none (plain PyTorch DCP: loaded with torch.distributed.checkpoint)"
     lines.append(f"metadata.json   {meta}")
     if fmt["dcp_version"] is not None or fmt["metadata_class"]:
-        lines.append(f"DCP metadata    version {fmt['dcp_version']}, {fmt['metadata_class']}")
+        version = f"version {fmt['dcp_version']}" if fmt["dcp_version"] is not None else "no version field"
+        lines.append(f"DCP metadata    {version}, {fmt['metadata_class']}")
     if fmt.get("flavour") is not None and fmt["common_source"] is not None:
         lines.append(f"common state    top-level items of the state dict ({fmt['common_source']}, iteration, ...)")
     elif fmt.get("flavour") is not None:
@@ -131,7 +132,8 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
     else:
         lines.append(f"common state    {fmt['common_source']}")
     iteration = "release" if report.release else report.iteration
-    lines.append(f"iteration       {iteration}   checkpoint_version {fmt['checkpoint_version']}")
+    version = fmt["checkpoint_version"]
+    lines.append(f"iteration       {iteration}   checkpoint_version {'none saved' if version is None else version}")
     files = report.data_files
     lines.append(f"data files      {files['count']} files, {human_bytes(files['bytes'])}")
     lines.append(f"saved layout    {report.layout['summary']}")

@@ -409,15 +409,15 @@ def _verdict(report: DiffReport) -> str:
     s = report.summary
     layout = 0 if report.ignored.get("layout") else s["layout"]
     parts = [
-        f"{n} {label}"
-        for label, n in (
-            ("keys only in A", s["only_a"]),
-            ("keys only in B", s["only_b"]),
-            ("kind/dtype/shape changes", s["changed"]),
-            ("keys chunked differently (layout)", layout),
-            ("args differ", s["args"]),
-            ("common-state differences", s["common"]),
-            ("values differ", s["values_different"]),
+        f"{n} {label if n != 1 else one}"
+        for label, one, n in (
+            ("keys only in A", "key only in A", s["only_a"]),
+            ("keys only in B", "key only in B", s["only_b"]),
+            ("kind/dtype/shape changes", "kind/dtype/shape change", s["changed"]),
+            ("keys chunked differently (layout)", "key chunked differently (layout)", layout),
+            ("args differ", "arg differs", s["args"]),
+            ("common-state differences", "common-state difference", s["common"]),
+            ("values differ", "value differs", s["values_different"]),
         )
         if n
     ]

@@ -25,7 +25,8 @@ def render_skipped(report: LatestGoodReport, width: int | None = None) -> str:
     lines = []
     for skipped in report.skipped:
         first = skipped.errors[0]
-        more = f" (and {len(skipped.errors) - 1} more error(s))" if len(skipped.errors) > 1 else ""
+        n = len(skipped.errors) - 1
+        more = f" (and {n} more error{'s' if n != 1 else ''})" if n else ""
         lines.append(f"skipped {skipped.iteration_dir}: {first.code} {first.message}{more}")
     return "\n".join(wrap_lines(lines, width))
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ckptdoctor import locking
 from ckptdoctor.checkpoint import Checkpoint, HeldMetadata
+from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.pickle_gate import refuse_unsafe_pickles
 from ckptdoctor.ops.rewrite.common_state import common_rewriter
 from ckptdoctor.ops.rewrite.request import CommonChange, KeyEdit, StripResult
@@ -70,6 +71,11 @@ def strip_frozen(
     (:func:`~ckptdoctor.checkpoint.open_for_rewrite`), taken by the write; else the write reads it. A write
     releases ``checkpoint``'s index (its ``entries`` are empty afterwards) before it pickles the new ``.metadata``.
     """
+    if checkpoint.dcp is None:  # a dry run too: it would show a plan that no write can carry out
+        raise CkptError(
+            f"{checkpoint.iteration_dir}: not a torch_dist checkpoint (no DCP .metadata to rewrite); "
+            "strip-frozen works on torch_dist checkpoints (Megatron's default since core 0.6)"
+        )
     check_integrity(checkpoint, carried=())  # the bytes items are gated once the plan says which are carried
     if dry_run:
         return _plan_and_write(
