@@ -443,3 +443,13 @@ def test_head_c_100_of_inspect_exits_0_quietly(tmp_path):
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
     )
     assert (proc.returncode, proc.stderr) == (0, "")
+
+
+def test_every_command_help_states_its_exit_codes(capsys):
+    """docs/exit-codes.md: each command's --help says what its exit codes mean."""
+    from ckptdoctor.commands import COMMAND_MODULES
+
+    for name in sorted(COMMAND_MODULES):
+        rc, out, _ = _run(capsys, name, "--help")
+        text = " ".join(out.split())
+        assert rc == 0 and re.search(r"\bExit( code| status)?:? 0\b.*?\b2\b", text), name

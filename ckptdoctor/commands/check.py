@@ -103,6 +103,8 @@ def command(
     means nothing checked runs code when Megatron or PyTorch loads it; --trust-global is the only
     override. `ckptdoctor rules` lists the rule codes and what fixes them. With --staged (no PATHS), the
     checkpoint dirs of the paths staged in git are checked, deleted files included; none staged: exit 0.
+    Exit code: 0 no findings (info findings do not count), 1 findings or no checkpoint found, 2 usage or I/O
+    error (a missing PATH, an unknown rule code, an invalid [tool.ckptdoctor]).
     """
     from ckptdoctor.commands.progress_bar import progress_bar
     from ckptdoctor.config import check_defaults, health_rules_defaults, load_tool_config

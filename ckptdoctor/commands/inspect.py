@@ -40,7 +40,8 @@ def command(
     """Show what CHECKPOINT is: format, era, layout, sections, args (metadata only; --extra-state also reads the
     Transformer Engine _extra_state items).
 
-    CHECKPOINT is a save dir (the tracker is followed), an iteration dir, or a file inside one.
+    CHECKPOINT is a save dir (the tracker is followed), an iteration dir, or a file inside one. Exit code: 0
+    shown, 2 error (no checkpoint there, an unreadable index, a pickle the gate refuses).
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.gc_pause import hold_until_exit

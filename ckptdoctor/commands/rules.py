@@ -12,7 +12,10 @@ from ckptdoctor.commands.options import format_option
 @click.argument("codes", nargs=-1, shell_complete=complete_rule_codes)
 @format_option(schema="rules")
 def command(codes: tuple[str, ...], output_format: str) -> int:
-    """List the rules of `ckptdoctor check` (only those matching CODES, codes or prefixes, if given)."""
+    """List the rules of `ckptdoctor check` (only those matching CODES, codes or prefixes, if given).
+
+    Exit code: 0 listed, 2 error (a CODE that is no rule code or prefix).
+    """
     from ckptdoctor.render.common import render_rules, to_json
     from ckptdoctor.rules.registry import all_rules, validate_selectors
 

@@ -36,7 +36,8 @@ def command(name: str | None, list_names: bool) -> int:
     """Print the JSON Schema (draft 2020-12) of COMMAND's `--format json` output, as installed with ckptdoctor.
 
     `ckptdoctor schema error` prints the object every command prints on stdout in `--format json` mode when it
-    fails. Each output names its schema in its top-level "schema" field (e.g. "ckptdoctor.diff/1").
+    fails. Each output names its schema in its top-level "schema" field (e.g. "ckptdoctor.diff/1"). Exit code:
+    0 printed, 2 error (a COMMAND without a JSON output).
     """
     names = schema_names()
     if list_names:
