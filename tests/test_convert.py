@@ -507,3 +507,27 @@ def test_a_stacked_shape_of_2_to_the_40_layers_is_not_expanded(tmp_path):
         "stacked layers or experts of which the chunks hold 2 of 1,099,511,627,776: not converted"
     )
     assert "decoder.layers.mlp.linear_fc1.weight" in {m["source"] for m in plan["mappings"]}
+
+
+@pytest.mark.parametrize("unit_bytes", [None, 4096])
+def test_data_files_keep_the_source_writers(capsys, tmp_path, monkeypatch, unit_bytes):
+    """Each output data file is named under the rank that wrote its source file (``__<rank>_<n>.distcp``), also
+    where a source file is cut into several units: the saved layout read from the output (writer ranks, PP from
+    the disjoint writers of the layers) is the source's, both ways."""
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.ops.convert import write
+    from ckptdoctor.parallelism import infer_layout
+
+    if unit_bytes is not None:
+        monkeypatch.setattr(write, "UNIT_BYTES", unit_bytes)
+    src = FIXTURES / "core019_tp1_pp2"
+    rc, _, err = _run(capsys, "convert", src, "--to", "fsdp_dtensor", "-o", tmp_path / "fsdp", "--jobs", "1")
+    assert rc == 0, err
+    files = sorted(p.name for p in (tmp_path / "fsdp" / "iter_0000010").glob("*.distcp"))
+    if unit_bytes is not None:
+        assert len(files) > 3  # several units per source file
+    assert {name.split("_")[2] for name in files} == {"0", "1"}  # __<rank>_<n>: the source's two ranks
+    rc, _, err = _run(capsys, "convert", tmp_path / "fsdp", "--to", "torch_dist", "-o", tmp_path / "back", "-j", "1")
+    assert rc == 0, err
+    source, back = infer_layout(open_checkpoint(src)), infer_layout(open_checkpoint(tmp_path / "back"))
+    assert (back.tp, back.pp, back.writer_ranks) == (source.tp, source.pp, source.writer_ranks) == (1, 2, [0, 1])

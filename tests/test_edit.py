@@ -176,8 +176,8 @@ def test_rename_keeps_bytes_items_shard_suffix(capsys, tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--remove", "("], "--remove '(': invalid regex"),
-        (["--rename", "[", "x"], "--rename '[': invalid regex"),
+        (["--remove", "("], "--remove: invalid regex '('"),
+        (["--rename", "[", "x"], "--rename: invalid regex '['"),
         (["--rename", "weight", r"\2"], "invalid replacement"),
         (["--remove", "no-such-key"], "the edit matches no key"),
         (["--rename", r"linear_proj\.weight$", "linear_qkv.weight"], "collides with an existing key that stays"),

@@ -217,3 +217,13 @@ def test_history_on_object_storage_equals_local(s3, capsys, tmp_path, monkeypatc
         assert remote[0] == local[0] == 0
         assert remote[1].replace(url, str(save)) == local[1], remote[2]
     assert os.environ.get("AWS_ACCESS_KEY_ID")  # the server's credentials were in use
+
+
+def test_history_and_latest_good_take_the_tracker_file_as_the_other_commands_do(capsys):
+    tracker = FIXTURES / NAME / TRACKER
+    for command in ("history", "latest-good"):
+        rc, out, err = run_main(capsys, command, tracker, "--format", "json")
+        assert rc == 0, (command, err)
+        assert json.loads(out)["save_dir"] == str(FIXTURES / NAME)
+    rc, _, err = run_main(capsys, "history", FIXTURES / NAME / "nope")
+    assert rc == 2 and "no such file or directory" in err

@@ -53,7 +53,7 @@ def command(
         try:
             re.compile(key_filter)
         except re.error as exc:
-            raise click.BadParameter(f"invalid regex: {exc}", param_hint="--filter") from None
+            raise click.BadParameter(f"invalid regex {key_filter!r}: {exc}", param_hint="--filter") from None
     ckpt = open_checkpoint(checkpoint, iteration)
     hold_until_exit(ckpt)
     report = inspect_checkpoint(ckpt, with_keys=with_keys or key_filter is not None, key_filter=key_filter)

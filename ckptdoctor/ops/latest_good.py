@@ -88,11 +88,13 @@ def errors_of(directory: Path, options: CheckOptions, progress: Progress | None 
 
 
 def save_dir_of(save_dir: str | Path) -> tuple[Path, list[Path]]:
-    """``save_dir`` as a path and its iteration dirs (:func:`candidates`: newest first, ``release`` last); refuses
-    (:class:`CkptError`) a path that is no dir or holds no iteration dir."""
+    """``save_dir`` (or its tracker file) as a path and its iteration dirs (:func:`candidates`: newest first,
+    ``release`` last); refuses (:class:`CkptError`) a path that is no dir or holds no iteration dir."""
     path = as_path(save_dir)
+    if path.name in (TRACKER_NAME, BRIDGE_TRACKER_NAME) and path.is_file():  # named as the other commands take it
+        path = path.parent
     if not path.is_dir():
-        raise CkptError(f"{path}: no such directory" if not path.exists() else f"{path}: not a directory")
+        raise CkptError(f"{path}: no such file or directory" if not path.exists() else f"{path}: not a directory")
     list_dir(path)
     dirs = candidates(path)
     if not dirs:

@@ -304,7 +304,7 @@ def render_stats_series(report: StatsSeries) -> str:
             )
             for layer in series.layers
         ]
-        lines += _table(table, left=1)
+        lines += _table(table, left=len(header))  # each cell starts with its L2 norm, under its header
     lines += ["", "keys (L2 norm per iteration, change from the iteration before)"]
     header = ("key", "slice", *(f"iter {it}" for it in its))
     rows = []

@@ -1,13 +1,12 @@
 """Write a plain PyTorch DCP save chunk by chunk, in the files ``torch.distributed.checkpoint.save`` writes.
 
-Data files ``__<n>_0.distcp`` (DCP's ``FileSystemWriter`` names) each hold tensor chunks as one ``torch.save``
-blob apiece and bytes items as their raw bytes, back to back; several can be written at once by worker processes,
-each returning the records of what it wrote. ``.metadata`` is DCP's own ``Metadata`` object (tensor chunks,
-storage locations, the default planner's ``planner_data``, or None as Megatron's torch_dist saves it), pickled as
-DCP pickles it, written last from the records in a fixed order. Chunks are written as they come: memory holds one
-chunk per writer, never a tensor or the checkpoint. Like the reader (:mod:`ckptdoctor.values.read`), this module needs
-torch and is imported only when values are written.
-"""
+Data files (named by the caller as DCP's ``FileSystemWriter`` names them, ``__<rank>_<n>.distcp``) each hold tensor
+chunks as one ``torch.save`` blob apiece and bytes items as their raw bytes, back to back; several can be written at
+once by worker processes, each returning the records of what it wrote. ``.metadata`` is DCP's own ``Metadata``
+object (tensor chunks, storage locations, the default planner's ``planner_data``, or None as Megatron's torch_dist
+saves it), pickled as DCP pickles it, written last from the records in a fixed order. Chunks are written as they
+come: memory holds one chunk per writer, never a tensor or the checkpoint. Like the reader
+(:mod:`ckptdoctor.values.read`), this module needs torch and is imported only when values are written."""
 
 from __future__ import annotations
 
@@ -23,11 +22,6 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.values.read import require_torch
 
 METADATA_FILE = ".metadata"
-
-
-def data_file_name(index: int) -> str:
-    """DCP's ``FileSystemWriter`` name for data file ``index`` (``__<rank>_<n>.distcp``)."""
-    return f"__{index}_0.distcp"
 
 
 @dataclass(frozen=True)

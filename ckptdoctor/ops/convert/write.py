@@ -17,6 +17,7 @@ writes the same way, the chunks placed back on the stacked layer and expert axes
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -59,7 +60,7 @@ from ckptdoctor.ops.staging import SwapState, swap_output
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
 from ckptdoctor.tree_removal import remove_tree
-from ckptdoctor.values.dcp_save import ChunkRecord, DataFileWriter, DcpSaveLayout, data_file_name
+from ckptdoctor.values.dcp_save import ChunkRecord, DataFileWriter, DcpSaveLayout
 from ckptdoctor.values.read import read_chunk
 
 STEP = "convert"
@@ -129,27 +130,47 @@ UNIT_BYTES = 256 << 20
 Placement = Callable[[str, DcpChunk, Any], Iterator[tuple[str, tuple, Any]]]  # (output key, offsets, values)
 
 
-def _units(checkpoint: Checkpoint, keys: list[str]) -> list[list[tuple[str, int]]]:
-    """The source chunks of ``keys`` as units: per source data file, in file order, cut at :data:`UNIT_BYTES`."""
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+class _FileNames:
+    """Output data file names as DCP's ``FileSystemWriter`` gives them (``__<rank>_<n>.distcp``), each unit under
+    the rank that wrote its source file: a reader counting the ranks that wrote (the saved layout) sees the
+    source's writers, not one per unit."""
+
+    def __init__(self) -> None:
+        self.count: dict[int, int] = {}
+
+    def next(self, rank: int) -> str:
+        n = self.count.get(rank, 0)
+        self.count[rank] = n + 1
+        return f"__{rank}_{n}.distcp"
+
+
+def _units(checkpoint: Checkpoint, keys: list[str], names: _FileNames) -> list[tuple[str, list[tuple[str, int]]]]:
+    """The source chunks of ``keys`` as units, each with its output file name: per source data file, in file
+    order, cut at :data:`UNIT_BYTES`."""
     by_file: dict[str, list[tuple[int, str, int]]] = {}
     for key in keys:
         for index, chunk in enumerate(checkpoint.entries[key].chunks):
             where = chunk.storage
             name, offset = (where.relative_path, where.offset) if where is not None else ("", 0)
             by_file.setdefault(name, []).append((offset, key, index))
-    units: list[list[tuple[str, int]]] = []
+    units: list[tuple[str, list[tuple[str, int]]]] = []
     for name in sorted(by_file):
+        match = _RANK_FILE.fullmatch(name.rsplit("/", 1)[-1])
+        rank = int(match.group(1)) if match else 0
         unit: list[tuple[str, int]] = []
         size = 0
         for _offset, key, index in sorted(by_file[name]):
             nbytes = checkpoint.entries[key].chunk_nbytes(checkpoint.entries[key].chunks[index]) or 0
             if unit and size + nbytes > UNIT_BYTES:
-                units.append(unit)
+                units.append((names.next(rank), unit))
                 unit, size = [], 0
             unit.append((key, index))
             size += nbytes
         if unit:
-            units.append(unit)
+            units.append((names.next(rank), unit))
     return units
 
 
@@ -162,19 +183,22 @@ def _write_units(
     jobs: int | None,
     progress: Progress | None,
     casts: frozenset[str] = frozenset(),
-) -> tuple[list[ChunkRecord], int]:
+    names: _FileNames | None = None,
+) -> list[ChunkRecord]:
     """Every source chunk of ``keys`` read (the values engine, one chunk at a time), cut by ``place`` and written:
-    each unit to its own data file, units spread over ``jobs`` worker processes (:func:`ckptdoctor.parallel.map_units`),
-    the records joined in unit order; the output keys in ``casts`` take their declared dtype (mixed precision).
-    Returns the records and the number of data files written."""
-    units = _units(checkpoint, keys)
+    each unit to its own data file (named by ``names``: under its source file's rank), units spread over ``jobs``
+    worker processes (:func:`ckptdoctor.parallel.map_units`), the records joined in unit order; the output keys in
+    ``casts`` take their declared dtype (mixed precision)."""
+    units = _units(checkpoint, keys, names or _FileNames())
     weights = [
-        sum(checkpoint.entries[k].chunk_nbytes(checkpoint.entries[k].chunks[i]) or 0 for k, i in u) for u in units
+        sum(checkpoint.entries[k].chunk_nbytes(checkpoint.entries[k].chunks[i]) or 0 for k, i in u)
+        for _name, u in units
     ]
 
     def task(number: int) -> list[ChunkRecord]:
-        with DataFileWriter(stage, data_file_name(number), layout) as writer:
-            for key, index in units[number]:
+        name, unit = units[number]
+        with DataFileWriter(stage, name, layout) as writer:
+            for key, index in unit:
                 value = read_chunk(checkpoint, key, index)
                 for out_key, offsets, piece in place(key, checkpoint.entries[key].chunks[index], value):
                     writer.write_chunk(out_key, offsets, piece, cast=out_key in casts)
@@ -188,7 +212,7 @@ def _write_units(
         atomic.fault_point(f"{STEP}:chunk-written")
 
     parts = parallel.map_units(weights, task, jobs, done)
-    return [record for part in parts for record in part], len(units)
+    return [record for part in parts for record in part]
 
 
 def _fill(
@@ -204,8 +228,9 @@ def _fill(
     def place(key: str, chunk: DcpChunk, value: Any) -> Iterator[tuple[str, tuple, Any]]:
         return _pieces(rules[key], tuple(chunk.offsets), value)
 
-    records, files = _write_units(checkpoint, sources, place, layout, stage, jobs, progress, casts)
-    with DataFileWriter(stage, data_file_name(files), layout) as writer:
+    names = _FileNames()
+    records = _write_units(checkpoint, sources, place, layout, stage, jobs, progress, casts, names)
+    with DataFileWriter(stage, names.next(0), layout) as writer:  # rank 0 writes the common state's items
         for key, path, payload in _common_items(checkpoint, plan):
             writer.write_bytes(key, payload, path)
         writer.close()
@@ -240,7 +265,7 @@ def _fill_torch_dist(
         yield rule.target, offsets, value
 
     casts = frozenset(m.targets[0] for m in plan.mappings if m.cast)
-    records, _files = _write_units(checkpoint, sorted(rules), place, layout, stage, jobs, progress, casts)
+    records = _write_units(checkpoint, sorted(rules), place, layout, stage, jobs, progress, casts)
     layout.write_metadata(stage, records, [])
     result = ConvertResult("", "", len(plan.target_tensors), len(records), 0, 0, 0)
     items = {

@@ -90,7 +90,7 @@ def _compile(pattern: str, option: str) -> re.Pattern[str]:
     try:
         return re.compile(pattern)
     except re.error as exc:
-        raise CkptError(f"{option} {pattern!r}: invalid regex ({exc})") from None
+        raise CkptError(f"{option}: invalid regex {pattern!r}: {exc}") from None
 
 
 def _rename_rules(request: EditRequest) -> list[tuple[re.Pattern[str], str, str]]:

@@ -100,7 +100,7 @@ def trainable_from_patterns(checkpoint: Checkpoint, patterns: list[str], preset:
         try:
             compiled.append(re.compile(pattern))
         except re.error as exc:
-            raise CkptError(f"--trainable {pattern!r}: invalid regex ({exc})") from None
+            raise CkptError(f"--trainable: invalid regex {pattern!r}: {exc}") from None
     preset_patterns = PRESETS[preset] if preset else []
     compiled += [re.compile(p) for p in preset_patterns]
     keys = {k for k in model_parameters(checkpoint) if any(p.search(k) for p in compiled)}
