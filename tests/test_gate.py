@@ -265,3 +265,20 @@ def test_safe_for_loaders_vouches_only_for_what_was_read(capsys, tmp_path):
     assert json.loads(out)["safe_for_loaders"] is False
     rc, out, _ = run_main(capsys, "check", fixture, "--select", "CKD3", "--format", "json")
     assert rc == 0 and json.loads(out)["safe_for_loaders"] is True
+
+
+@pytest.mark.parametrize("command", [("inspect",), ("show", "decoder.final_layernorm.weight"), ("diff", "SELF")])
+def test_read_only_commands_take_trust_global_and_name_it(capsys, copy_fixture, command):
+    """inspect, show and diff read the pickles too and take the same override, which stderr names; inspect's note
+    of a global off the allowlist goes once it is trusted."""
+    save = copy_fixture("core019_tp2")
+    _metadata_gadget(save, CALLED)
+    name, *rest = command
+    args = [save if a == "SELF" else a for a in rest]
+    rc, plain, err = run_main(capsys, name, save, *args)
+    assert rc == 0 and "trusted globals" not in err
+    rc, out, err = run_main(capsys, name, "--trust-global", HELPER_NAME, save, *args)
+    assert rc == 0 and out and f"trusted globals (--trust-global): {HELPER_NAME}" in err
+    if name == "inspect":
+        assert f"not allowlisted {HELPER_NAME}" in " ".join(plain.split())
+        assert "not allowlisted" not in out

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ckptdoctor.checkpoint import SECTIONS
-from ckptdoctor.commands.options import format_option, jobs_option
+from ckptdoctor.commands.options import format_option, jobs_option, trust_global_option
 
 if TYPE_CHECKING:
     from ckptdoctor.ops.diff.compare import KeyFilter
@@ -39,6 +39,7 @@ def quiet_library_warnings() -> Iterator[None]:
 
 
 @click.command("diff", short_help="Compare two checkpoints: keys, shapes, layout and args.")
+@trust_global_option
 @click.argument("checkpoint_a", type=click.Path(path_type=str))
 @click.argument("checkpoint_b", type=click.Path(path_type=str), required=False)
 @click.option(

@@ -7,10 +7,11 @@ import re
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.options import format_option, trust_global_option
 
 
 @click.command("inspect", short_help="Show a checkpoint's format, layout, sections and args.")
+@trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
 @click.option("--keys", "with_keys", is_flag=True, help="Also print the key table.")

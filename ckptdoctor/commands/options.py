@@ -71,7 +71,16 @@ def _trust(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
         set_trusted(parse_trusted(value))
     except CkptError as exc:
         raise click.BadParameter(str(exc).split(": ", 1)[-1]) from None
+    if value and ctx.command.name in _NOTED_HERE:  # the others list them in their reports
+        from ckptdoctor.pickle.policy import trusted_names
+        from ckptdoctor.text_safety import escape
+
+        click.echo(escape(f"trusted globals (--trust-global): {', '.join(trusted_names())}"), err=True)
     return value
+
+
+# Commands whose reports have no "trusted" field: the trusted globals are named on stderr as they are set.
+_NOTED_HERE = frozenset({"inspect", "show", "diff", "verify-export"})
 
 
 def trust_global_option(command: Callable[..., Any]) -> Callable[..., Any]:

@@ -7,10 +7,11 @@ from pathlib import Path
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option
+from ckptdoctor.commands.options import format_option, trust_global_option
 
 
 @click.command("show", short_help="Show one saved item: metadata, chunk grid, statistics.")
+@trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.argument("key")
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import click
 
 from ckptdoctor.commands import ITERATION_HELP
-from ckptdoctor.commands.options import format_option, jobs_option
+from ckptdoctor.commands.options import format_option, jobs_option, trust_global_option
 
 
 @click.command("verify-export", short_help="Verify a Hugging Face export against its Megatron checkpoint.")
+@trust_global_option
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.argument("hf_dir", type=click.Path(path_type=str))
 @click.option("--iteration", "-i", default=None, help=ITERATION_HELP)
