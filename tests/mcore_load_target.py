@@ -198,6 +198,13 @@ def build_and_load(cell: dict, args) -> tuple[list[str], bool]:
     gen.LAYOUT.bf16 = bool(getattr(args, "bf16", False))
     gen.LAYOUT.overlap_grad_reduce = bool(getattr(args, "overlap_grad_reduce", False))
     gen.LAYOUT.ddp_bucket_size = getattr(args, "ddp_bucket_size", None)
+    # DeepSeek-style models (generate.py --mla --mtp-layers): multi-latent attention, MTP, the shared expert gate
+    gen.LAYOUT.mla = bool(getattr(args, "multi_latent_attention", False))
+    if gen.LAYOUT.mla:  # MLA's q/kv norms: generate.py's MLA config sets qk_layernorm itself
+        gen.LAYOUT.qk_layernorm = False
+    gen.LAYOUT.mtp_layers = getattr(args, "mtp_num_layers", None) or 0
+    gen.LAYOUT.moe_shared_expert_gate = bool(getattr(args, "moe_shared_expert_gate", False))
+    gen.LAYOUT.add_bias = bool(getattr(args, "add_bias_linear", False))
     parallel_state.destroy_model_parallel()
     kwargs = {}
     if args.num_experts:

@@ -263,6 +263,18 @@ def test_trainable_only_save_counts_the_dense_base_it_lacks_as_a_lower_bound():
     assert len(base) == 9 and len(base - fused_norms) == 7  # the 7 counted are the real base less the norms
 
 
+def test_moe_at_tp_above_1_without_sequence_parallel_warns_of_the_first_step():
+    """megatron-core's MoELayer raises in its first training forward (not at load) when TP > 1 without sequence
+    parallelism: the verdict stays LOADS, a warning says what the run will meet."""
+    ckpt = open_checkpoint(FIXTURES / "core019_moe_ep2")
+    warned = predict(ckpt, "tp=2,ep=1,dp=1", LoadRun(no_load_optim=True))
+    assert warned.will_load and any("MoELayer: ValueError: During training" in w for w in warned.warnings)
+    with_sp = predict(ckpt, "tp=2,ep=1,dp=1", LoadRun(no_load_optim=True, sets={"sequence_parallel": True}))
+    assert not any("sequence parallelism" in w for w in with_sp.warnings)
+    dense = predict(open_checkpoint(FIXTURES / "core019_tp1"), "tp=2,dp=1", LoadRun(no_load_optim=True))
+    assert not any("sequence parallelism" in w for w in dense.warnings)
+
+
 def test_world_defaults_follow_dp_of_the_distributed_optimizer_fixture():
     report = predict(open_checkpoint(FIXTURES / "core019_tp2_dp2"), "dp=1", LoadRun())
     assert report.saved["dp"] == 2 and report.target["world"] == 2

@@ -409,6 +409,14 @@ def predict_at(state: SavedCheckpoint, target: Layout, run: LoadRun) -> CanLoadR
     ctx.warnings += [
         f"--set {name}: not an arg of the checkpoint (a new arg, or a typo?)" for name in run.sets if name not in base
     ]
+    if state.experts and target.tp > 1 and not args.get("sequence_parallel"):
+        # megatron-core's MoELayer.forward, not the load: nothing at load time says so
+        ctx.warnings.append(
+            f"MoE at TP={target.tp} without sequence parallelism: the load is not affected, but the first training "
+            "step raises (MoELayer: ValueError: During training, performance may degrade if MoE and tensor "
+            "parallelismare enabled without also enabling sequence parallelism.); launch with --sequence-parallel "
+            "(--set sequence_parallel=true here)"
+        )
     sections: list[SectionVerdict] = [safety] if safety is not None else []
     fmt = _format_verdict(ctx)
     if fmt is not None:
