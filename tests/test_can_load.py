@@ -275,6 +275,47 @@ def test_moe_at_tp_above_1_without_sequence_parallel_warns_of_the_first_step():
     assert not any("sequence parallelism" in w for w in dense.warnings)
 
 
+def test_virtual_pipeline_sizes_megatron_refuses_fail_at_startup():
+    """--num-virtual-stages-per-pipeline-rank: validate_args needs PP > 1, TransformerBlock a rank's layers
+    divisible by the virtual stages (core019_pp2_vpp2: 4 layers)."""
+    ckpt = open_checkpoint(FIXTURES / "core019_pp2_vpp2")
+    cases = {
+        ("pp=2", 3): "num_layers_per_pipeline_rank 2 should be divisible by vp_size 3",
+        ("pp=4,dp=1", 2): "num_layers_per_pipeline_rank 1 should be divisible by vp_size 2",
+        ("pp=1,dp=1", 2): "When interleaved schedule is used, pipeline-model-parallel size should be greater than 1",
+        ("pp=2", 2): None,
+        ("pp=2", 1): None,
+    }
+    for (target, vpp), error in cases.items():
+        report = predict(ckpt, target, LoadRun(virtual_stages=vpp))
+        (args,) = [s for s in report.sections if s.section == "args"]
+        if error is None:
+            assert args.verdict == "loads" and report.will_load, (target, vpp)
+        else:
+            assert args.verdict == "fails" and error in args.error, (target, vpp, args.error)
+
+
+def test_gtp_remat_derived_from_the_shards_the_run_keeps():
+    """core019_convert_tp1 keeps its TP=2 source's shards (2): with them (--use-checkpoint-args, or a --set)
+    megatron derives GTP remat 2, which a world of 1 cannot hold; a fresh launch resolves them at its TP."""
+    ckpt = open_checkpoint(FIXTURES / "core019_convert_tp1")
+    for run in (
+        LoadRun(no_load_optim=True, use_checkpoint_args=True),
+        LoadRun(no_load_optim=True, sets={"tensor_parallel_num_weight_shards": 2}),
+    ):
+        (args,) = [s for s in predict(ckpt, "tp=1,dp=1", run).sections if s.section == "args"]
+        assert args.verdict == "fails" and "total_model_size=2" in args.error
+    assert predict(ckpt, "tp=1,dp=1", LoadRun(no_load_optim=True)).will_load
+
+
+def test_set_of_another_type_than_the_saved_arg_is_a_usage_error():
+    ckpt = open_checkpoint(FIXTURES / "core019_tp1")
+    for sets in ({"num_layers": "abc"}, {"bf16": 1}, {"num_layers": 2.5}):
+        with pytest.raises(CkptError, match="give a value of that type"):
+            predict(ckpt, "tp=1", LoadRun(sets=sets))
+    assert predict(ckpt, "tp=1", LoadRun(sets={"init_method_std": 1, "num_layers": 2})).will_load
+
+
 def test_world_defaults_follow_dp_of_the_distributed_optimizer_fixture():
     report = predict(open_checkpoint(FIXTURES / "core019_tp2_dp2"), "dp=1", LoadRun())
     assert report.saved["dp"] == 2 and report.target["world"] == 2

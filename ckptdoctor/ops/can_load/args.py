@@ -19,6 +19,8 @@ from typing import Any
 
 from ckptdoctor.arg_rules import ERROR, check_args
 
+VIRTUAL_STAGES_ARG = "num_virtual_stages_per_pipeline_rank"  # the run's --num-virtual-stages-per-pipeline-rank
+
 
 def _int(args: dict[str, Any], name: str, default: int = 0) -> int:
     value = args.get(name)
@@ -35,11 +37,21 @@ class StartupCheck:
     why: str = "the model cannot be built at the target layout"
 
 
+def _remat(args: dict[str, Any], shards: str, remat: str, tp: int) -> int:
+    """The GTP weight remat size megatron resolves (``resolve_tensor_parallel_weight_shards``): shards // TP where
+    the shards are set (the saved ones under --use-checkpoint-args, or a --set), else the remat arg."""
+    value = _int(args, shards)
+    if value and tp and value >= tp and value % tp == 0:
+        return value // tp
+    return max(1, _int(args, remat, 1))
+
+
 def _world(args: dict[str, Any]) -> str | None:
     """Megatron-LM ``validate_args``: the world size is a multiple of TP x PP x CP (x the GTP remat size)."""
-    world = _int(args, "world_size")
-    size = _int(args, "tensor_model_parallel_size", 1) * _int(args, "pipeline_model_parallel_size", 1)
-    size *= _int(args, "context_parallel_size", 1) * max(1, _int(args, "gtp_weight_remat_size", 1))
+    world, tp = _int(args, "world_size"), _int(args, "tensor_model_parallel_size", 1)
+    size = tp * _int(args, "pipeline_model_parallel_size", 1)
+    size *= _int(args, "context_parallel_size", 1)
+    size *= _remat(args, "tensor_parallel_num_weight_shards", "gtp_weight_remat_size", tp)
     if world and world % size:
         return f"AssertionError: world size ({world}) is not divisible by total_model_size (total_model_size={size})"
     return None
@@ -66,8 +78,9 @@ def _expert_world(args: dict[str, Any]) -> str | None:
     """megatron-core ``initialize_model_parallel`` (dense models too): the world size is a multiple of
     ETP x EP x PP (x the expert GTP remat size); ETP is TP where the run sets none."""
     world, tp = _int(args, "world_size"), _int(args, "tensor_model_parallel_size", 1)
-    size = _int(args, "expert_tensor_parallel_size", tp) * _int(args, "expert_model_parallel_size", 1)
-    size *= _int(args, "pipeline_model_parallel_size", 1) * max(1, _int(args, "expert_gtp_weight_remat_size", 1))
+    etp = _int(args, "expert_tensor_parallel_size", tp)
+    size = etp * _int(args, "expert_model_parallel_size", 1) * _int(args, "pipeline_model_parallel_size", 1)
+    size *= _remat(args, "expert_tensor_parallel_num_weight_shards", "expert_gtp_weight_remat_size", etp)
     if world and world % size:
         return (
             f"RuntimeError: world_size ({world}) is not divisible by expert_tensor_model_pipeline_parallel size "
@@ -126,6 +139,31 @@ def _uneven_pipeline(args: dict[str, Any]) -> str | None:
     return None
 
 
+def _virtual_pipeline(args: dict[str, Any]) -> str | None:
+    """--num-virtual-stages-per-pipeline-rank: Megatron-LM ``validate_args`` needs PP > 1 (> 2 without p2p
+    overlap), ``TransformerBlock`` a rank's layers divisible by the virtual stages."""
+    vpp, pp = _int(args, VIRTUAL_STAGES_ARG), _int(args, "pipeline_model_parallel_size", 1)
+    if vpp <= 1:
+        return None
+    overlap = args.get("overlap_p2p_comm", True) is not False
+    if pp <= (1 if overlap else 2):
+        if overlap:
+            return (
+                "AssertionError: When interleaved schedule is used, pipeline-model-parallel size should be greater "
+                "than 1"
+            )
+        return (
+            "AssertionError: When interleaved schedule is used and p2p communication overlap is disabled, "
+            "pipeline-model-parallel size should be greater than 2 to avoid having multiple p2p sends and recvs "
+            "between same 2 ranks per communication batch"
+        )
+    layers = _int(args, "num_layers")
+    uneven = args.get("decoder_first_pipeline_num_layers") or args.get("decoder_last_pipeline_num_layers")
+    if layers and not uneven and layers % pp == 0 and (layers // pp) % vpp:
+        return f"AssertionError: num_layers_per_pipeline_rank {layers // pp} should be divisible by vp_size {vpp}"
+    return None
+
+
 def _experts(args: dict[str, Any]) -> str | None:
     experts, ep = _int(args, "num_experts"), _int(args, "expert_model_parallel_size", 1)
     if experts and experts % ep:
@@ -174,6 +212,11 @@ STARTUP_CHECKS: list[StartupCheck] = [
         _uneven_pipeline,
         "a PP whose middle stages split the remaining layers evenly, or other "
         "--set decoder_first_pipeline_num_layers=N / decoder_last_pipeline_num_layers=N (null: an even split)",
+    ),
+    StartupCheck(
+        (),
+        _virtual_pipeline,
+        "a --num-virtual-stages-per-pipeline-rank that divides each rank's layers, at a PP > 1",
     ),
     StartupCheck(("num_experts",), _experts),
     StartupCheck(

@@ -28,7 +28,7 @@ from typing import Any
 
 from ckptdoctor.args import args_as_dict
 from ckptdoctor.checkpoint import Checkpoint
-from ckptdoctor.errors import PickleLimitError, UnsafePickleError
+from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats import read_by_current_megatron
 from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.formats.te_extra_state import (
@@ -406,6 +406,7 @@ def predict_at(state: SavedCheckpoint, target: Layout, run: LoadRun) -> CanLoadR
     args = run_args(saved_args, model_args, target, run)
     ctx = _Context(ckpt, saved_args, args, saved, target, run, common, [])
     base = {**saved_args, **(model_args or {})}
+    _check_set_types(run.sets, base)
     ctx.warnings += [
         f"--set {name}: not an arg of the checkpoint (a new arg, or a typo?)" for name in run.sets if name not in base
     ]
@@ -505,6 +506,33 @@ def _missing_keys(ctx: _Context, sections: list[SectionVerdict], requested: set[
                 f"CheckpointingException: {MISSING_TITLE} Missing keys (for all ranks): {{{keys[0]!r}, ...}}"
             )
             verdict.fix = "--strictness log_all (or assume_ok_unexpected, the default), which ignores unrequested keys"
+
+
+def _accepted_types(saved: Any) -> tuple[type, ...] | None:
+    """The value types a ``--set`` of an arg saved as ``saved`` may take (None: not checked)."""
+    if isinstance(saved, bool):
+        return (bool,)
+    if isinstance(saved, int):
+        return (int,)
+    if isinstance(saved, float):
+        return (int, float)
+    return (str,) if isinstance(saved, str) else None
+
+
+def _check_set_types(sets: dict[str, Any], base: dict[str, Any]) -> None:
+    """A ``--set`` value of another type than the saved arg's (``num_layers=abc``): Megatron-LM's argparse refuses
+    it at launch, so it is a usage error here, not a prediction reasoned from it. None (Megatron's default) and an
+    int for a float arg pass."""
+    for name, value in sets.items():
+        saved = base.get(name)
+        kinds = _accepted_types(saved)
+        if kinds is None or value is None:
+            continue
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            what = {(bool,): "a bool", (int,): "an int", (int, float): "a float", (str,): "a string"}[kinds]
+            raise CkptError(
+                f"--set {name}={value!r}: the saved {name} is {what} ({saved!r}); give a value of that type"
+            )
 
 
 def _saved_source(saved_args: dict[str, Any], saved: Layout) -> str:

@@ -211,6 +211,8 @@ def run_args(saved: dict[str, Any], model_args: dict[str, Any] | None, target: L
     args["dist_ckpt_strictness"] = run.strictness
     if run.use_distributed_optimizer is not None:
         args["use_distributed_optimizer"] = run.use_distributed_optimizer
+    if run.virtual_stages is not None:  # a launch flag; Megatron-LM never reads it from the checkpoint
+        args["num_virtual_stages_per_pipeline_rank"] = run.virtual_stages
     args.update(run.sets)
     return args
 
