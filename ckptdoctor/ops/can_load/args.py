@@ -139,6 +139,29 @@ def _uneven_pipeline(args: dict[str, Any]) -> str | None:
     return None
 
 
+def _mlp_split(args: dict[str, Any]) -> str | None:
+    """megatron-core's parallel linears (``ensure_divisibility``): an MLP's fc1 rows (2 x FFN with SwiGLU) and fc2
+    columns (FFN) split over their TP: the dense layers' and the shared expert's over TP, the experts' over ETP."""
+    tp = _int(args, "tensor_model_parallel_size", 1)
+    etp = _int(args, "expert_tensor_parallel_size", tp) or tp
+    gated = 2 if args.get("swiglu") else 1
+    experts = _int(args, "num_experts")
+    pattern = args.get("moe_layer_freq")
+    dense = not experts or (isinstance(pattern, list) and 0 in pattern)
+    ffn = _int(args, "ffn_hidden_size")
+    splits = [(ffn, tp)] if dense else []
+    if experts:
+        splits += [
+            (_int(args, "moe_ffn_hidden_size") or ffn, etp),
+            (_int(args, "moe_shared_expert_intermediate_size"), tp),
+        ]
+    for size, parts in splits:
+        for numerator in (gated * size, size):
+            if numerator and parts and numerator % parts:
+                return f"AssertionError: {numerator} is not divisible by {parts}"
+    return None
+
+
 def _virtual_pipeline(args: dict[str, Any]) -> str | None:
     """--num-virtual-stages-per-pipeline-rank: Megatron-LM ``validate_args`` needs PP > 1 (> 2 without p2p
     overlap), ``TransformerBlock`` a rank's layers divisible by the virtual stages."""
@@ -207,6 +230,11 @@ STARTUP_CHECKS: list[StartupCheck] = [
     StartupCheck(("num_attention_heads",), _heads),
     StartupCheck(("num_query_groups",), _groups),
     StartupCheck(("num_layers",), _layers),
+    StartupCheck(
+        ("ffn_hidden_size", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"),
+        _mlp_split,
+        "a --target tp=N / etp=N that divides the MLP sizes (the experts' over ETP)",
+    ),
     StartupCheck(
         ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"),
         _uneven_pipeline,
