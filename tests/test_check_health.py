@@ -312,7 +312,7 @@ def test_layer_replaced_by_a_fresh_megatron_init(capsys):
     (f,) = report["findings"]
     assert f["severity"] == "warning"
     assert f["message"] == (
-        f"layer 1: every norm scale exactly 1 and every bias 0; {LAYER_AT_INIT_BY_WEIGHTS}, as initialised, while "
+        f"layer 1: every norm scale exactly 1; {LAYER_AT_INIT_BY_WEIGHTS}, as initialised, while "
         "layer(s) 0 moved (never trained?)"
     )
 
@@ -500,7 +500,7 @@ def test_one_layer_at_init_while_the_other_moved(capsys, copy_fixture):
     rc, report = _check(capsys, "--health", str(save))
     assert rc == 1 and _health_codes(report) == ["CKD505"]
     assert report["findings"][0]["message"] == (
-        "layer 1: every norm scale exactly 1 and every bias 0, as initialised, while layer(s) 0 moved (never trained?)"
+        "layer 1: every norm scale exactly 1, as initialised, while layer(s) 0 moved (never trained?)"
     )
 
 
@@ -882,7 +882,7 @@ def test_many_layers_at_init_beside_many_moved():
     found = rules._layers_at_init(Path("ckpt"), model, None, None, rules.HealthSettings())
     assert len(found) == layers // 2
     assert {f.code for f in found} == {rules.LAYER_AT_INIT.code}
-    assert found[0].message.startswith("layer 0: every norm scale exactly 1 and every bias 0, as initialised,")
+    assert found[0].message.startswith("layer 0: every norm scale exactly 1, as initialised,")  # no biases
     assert all(
         "while layer(s) 2000, 2001, 2002, 2003, 2004, 2005, 2006, 2007 and 1992 more moved" in f.message for f in found
     )
@@ -928,3 +928,19 @@ def test_a_crowded_key_is_measured_whole():
     assert measured.whole() == plain.keys["b.norm.weight"].whole()
     assert crowded.keys["a.layers.norm.weight"].axes == ("layer",)
     assert len(crowded.keys["a.layers.norm.weight"].slices) == 40
+
+
+def test_layer_at_init_names_biases_only_where_the_model_has_them():
+    from ckptdoctor.rules import health as rules
+
+    norms = KeyStats("torch.float32", (2, 8), ("layer",))
+    norms.slices[(0,)], norms.slices[(1,)] = _slice(0.5, 1.5), _slice(1.0, 1.0)
+    biases = KeyStats("torch.float32", (2, 8), ("layer",))
+    biases.slices[(0,)] = _slice(-0.1, 0.1)
+    biases.slices[(1,)] = Moments(count=8, finite=8, zeros=8, low=0.0, high=0.0)  # as Megatron initialises it
+    model = {
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": norms,
+        "decoder.layers.self_attention.linear_qkv.bias": biases,
+    }
+    (found,) = rules._layers_at_init(Path("ckpt"), model, None, None, rules.HealthSettings())
+    assert found.message.startswith("layer 1: every norm scale exactly 1 and every bias 0, as initialised,")

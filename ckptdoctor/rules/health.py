@@ -302,13 +302,14 @@ def _layers_at_init(
     and zero), and by their dense weights' mean and std (``stds`` from the saved args). A model at its
     initialisation throughout is not flagged: nothing moved."""
     by_norms, norms_moved = _norms_at_init(model, flavour)
+    with_biases = any(_parameter(key, flavour).endswith("bias") for key in model)
     by_weights, weights_moved = _weights_at_init(model, flavour, stds, settings) if stds is not None else (set(), set())
     out = []
     named: dict[tuple[bool, bool], str] = {}  # the layers that moved, as named, per kind of evidence (computed once)
     for layer in sorted(by_norms | by_weights):
         evidence = []
         if layer in by_norms:
-            evidence.append("every norm scale exactly 1 and every bias 0")
+            evidence.append("every norm scale exactly 1" + (" and every bias 0" if with_biases else ""))
         if layer in by_weights:
             assert stds is not None
             evidence.append(
