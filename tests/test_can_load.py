@@ -316,6 +316,23 @@ def test_set_of_another_type_than_the_saved_arg_is_a_usage_error():
     assert predict(ckpt, "tp=1", LoadRun(sets={"init_method_std": 1, "num_layers": 2})).will_load
 
 
+def test_optimizer_state_dropped_by_a_round_trip_points_at_no_load_optim_only(tmp_path):
+    """core019_tp2_dp2 through fsdp_dtensor and back: its buckets are gone, its common state still says
+    dp_reshardable. No optimizer choice finds the state, so the fix is --no-load-optim, not the other optimizer."""
+    from ckptdoctor.cli import main
+
+    assert main(["convert", str(FIXTURES / "core019_tp2_dp2"), "--to", "fsdp_dtensor", "-o", str(tmp_path / "f")]) == 0
+    assert main(["convert", str(tmp_path / "f"), "--to", "torch_dist", "-o", str(tmp_path / "back")]) == 0
+    ckpt = open_checkpoint(tmp_path / "back")
+    for distributed in (None, False):
+        report = predict(ckpt, "tp=2", LoadRun(use_distributed_optimizer=distributed))
+        (optim,) = [s for s in report.sections if s.section == "optimizer"]
+        assert optim.verdict == "fails" and optim.fix.startswith("--no-load-optim: the checkpoint holds no optimizer")
+        assert "use-distributed-optimizer" not in optim.fix
+    skipped = predict(ckpt, "tp=2", LoadRun(no_load_optim=True))
+    assert "optimizer" not in skipped.failing_sections  # (the round trip dropped the rng and extra state too)
+
+
 def test_world_defaults_follow_dp_of_the_distributed_optimizer_fixture():
     report = predict(open_checkpoint(FIXTURES / "core019_tp2_dp2"), "dp=1", LoadRun())
     assert report.saved["dp"] == 2 and report.target["world"] == 2

@@ -150,6 +150,11 @@ def optimizer_verdict(
         plan.shape_failure = SectionVerdict(
             "optimizer", FAILS, "its state has the model's shapes: " + failure.why, failure.error, failure.fix
         )
+    if not any(e.kind == "tensor" for e in entries):  # the state was dropped (a conversion, an edit): no run finds it
+        plan.fix = plan.fix or (
+            "--no-load-optim: the checkpoint holds no optimizer tensors (its common state still describes an "
+            "optimizer), whichever optimizer the run builds"
+        )
     plan.fix = plan.fix or (
         "--no-load-optim, or load with the optimizer the checkpoint was saved with "
         f"(--{'no-' if distributed else ''}use-distributed-optimizer)"
