@@ -46,6 +46,22 @@ def is_bucket_key(key: str) -> bool:
     return body.startswith(BUCKET_PREFIX) and BUCKET_MARK in body
 
 
+# DDP's buffer starts every parameter at a multiple of this many elements with the distributed optimizer
+# (megatron-core's ``optimizer.param_layout.pad_param_start``; 0.14-0.19).
+PARAM_START_ALIGNMENT = 64
+
+
+def bucket_padding(key: str, offsets: list[int] | tuple[int, ...], sizes: list[int] | tuple[int, ...]) -> bool:
+    """Whether a chunk of a flat bucket may be the padding between two parameters (never written): it holds no
+    element at a multiple of :data:`PARAM_START_ALIGNMENT`, where every parameter starts. (The tail piece of a
+    parameter cut at a DP rank's boundary, shorter than the distance to the next multiple, is also left out.)"""
+    if not is_bucket_key(key) or len(offsets) != 1 or len(sizes) != 1:
+        return False
+    start, end = offsets[0], offsets[0] + sizes[0]
+    next_aligned = -(-start // PARAM_START_ALIGNMENT) * PARAM_START_ALIGNMENT
+    return next_aligned >= end
+
+
 def is_distributed_key(key: str) -> bool:
     """Any ``optimizer.distributed.*`` item (the buckets and their per-group objects), chained or not."""
     return unchained(key).startswith(BUCKET_PREFIX)

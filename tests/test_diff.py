@@ -441,3 +441,23 @@ def test_zarr_values_decode_against_torch_dist(capsys):
     assert values["compared"] >= 5 and values["equal"] == values["compared"], values
     assert values["not_compared"] == 0 and values["bytes_read"]["a"] > 0
     assert rc == 1  # layout and args differ (TP=2 zarr vs TP=1 torch_dist), values do not
+
+
+def test_bucket_padding_is_neither_compared_nor_measured(capsys):
+    """A distributed-optimizer bucket's padding between parameters is never written (it holds what memory held):
+    two saves of the same parameters differ only there. diff --values leaves it out of the comparison (and says
+    how much), show --stats out of the statistics, as check --deep and --health do."""
+    pytest.importorskip("torch")
+    bucket = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0."
+    a, b = FIXTURES / "core019_inf_exp_avg_sq_dp2", FIXTURES / "core019_zero_moments_dp2"
+    main(["diff", str(a), str(b), "--values", "--section", "optimizer", "--format", "json"])
+    values = json.loads(capsys.readouterr().out)["values"]
+    different = {v["key"]: v for v in values["different_keys"]}
+    assert values["compared"] == 6 and bucket + "param" not in different  # equal but for its padding
+    moments = different[bucket + "exp_avg"]  # zeroed in B: a real difference
+    assert moments["elements"] == 28832  # compared: the parameters' elements, not the 28992 of the buffer
+    assert moments["note"] == "160 bucket padding elements (never written) not compared"
+    main(["show", str(b), bucket + "exp_avg", "--format", "json"])
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["padding"] == 160 and stats["finite"] == 28832
+    assert stats["min"] == stats["max"] == 0.0  # every moment zeroed: the padding's garbage is not counted

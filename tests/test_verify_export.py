@@ -109,6 +109,19 @@ def test_values_of_each_fixture_export_equal_the_checkpoint_slices(capsys, name)
     assert {t["max_abs_diff"] for t in report["tensors"]} == {0.0}
 
 
+def test_a_nan_on_one_side_is_named_not_an_infinite_difference(capsys):
+    """core019_nan_weight_tp1 (one NaN in layer 0's linear_proj, otherwise core019_tp1's values) against
+    core019_tp1's export: the finding says where the NaN is, not "max abs diff inf"."""
+    pytest.importorskip("torch")
+    rc, report, _ = _verify(capsys, "core019_nan_weight_tp1", HF / "core019_tp1", "--values")
+    (bad,) = [f for f in report["findings"] if f["hf_name"] == "model.layers.0.self_attn.o_proj.weight"]
+    assert rc == 1 and bad["code"] == "value" and "inf" not in bad["message"]
+    assert bad["message"].endswith(
+        "non-finite values (NaN/Inf) where the other side has finite ones: 1 in the checkpoint "
+        "(decoder.layers.self_attention.linear_proj.weight layer 0)"
+    )
+
+
 def test_the_families_come_from_config_json(capsys):
     families = {name: _verify(capsys, name, HF / name)[1]["family"] for name in EXPORTS}
     assert families == {

@@ -23,9 +23,10 @@ from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.archive import ArchiveError
 from ckptdoctor.formats.te_extra_state import ExtraState, describe_item, is_extra_state_key
 from ckptdoctor.logical_items import KIND_OBJECT, Item, logical_items
+from ckptdoctor.optimizer_keys import bucket_padding
 from ckptdoctor.pickle.paths import PathError, lookup, type_name
 from ckptdoctor.pickle.plain import OMIT_NONE
-from ckptdoctor.values.read import iter_chunks, require_torch
+from ckptdoctor.values.read import read_chunk, require_torch
 
 SCHEMA = "ckptdoctor.show/1"
 TEXT_CHUNK_LIMIT = 20
@@ -53,7 +54,8 @@ class ShowReport:
     bytes: int
     grid: list[int] | None  # chunks along each axis (distinct offsets), for tensors
     chunks: list[ChunkRow]
-    stats: dict | None = None  # with torch: numel, min, max, mean, std (finite values), nan, posinf, neginf
+    # with torch: numel, min, max, mean, std (finite values), nan, posinf, neginf, padding (bucket elements left out)
+    stats: dict | None = None
     slice: dict | None = None  # --slice: {spec, shape, values}
     saved: str | None = None  # --save: the file written
     notes: list[str] = field(default_factory=list)
@@ -265,10 +267,14 @@ def _finite(x: float) -> float | None:
 def statistics(checkpoint: Checkpoint, entry: Entry) -> dict:
     """min/max/mean/std over the finite values and NaN/Inf counts, streamed one chunk at a time."""
     torch = require_torch("tensor statistics")
-    n = nan = posinf = neginf = 0
+    n = nan = posinf = neginf = padding = 0
     total = total_sq = 0.0
     lo, hi = math.inf, -math.inf
-    for _, value in iter_chunks(checkpoint, entry.key):
+    for index, chunk in enumerate(entry.chunks):
+        if bucket_padding(entry.key, chunk.offsets, chunk.sizes):  # never written: what memory held (check --deep too)
+            padding += math.prod(chunk.sizes)
+            continue
+        value = read_chunk(checkpoint, entry.key, index)
         flat = value.reshape(-1)
         if flat.dtype == torch.bool or not (flat.is_floating_point() or flat.is_complex()):
             flat = flat.to(torch.float64)
@@ -297,6 +303,7 @@ def statistics(checkpoint: Checkpoint, entry: Entry) -> dict:
         "nan": nan,
         "posinf": posinf,
         "neginf": neginf,
+        "padding": padding,
     }
 
 

@@ -116,7 +116,9 @@ def _render(report: ShowReport, width: int | None = None) -> str:
         lines.append("")
         lines.append(
             f"min {_num(s['min'])}   max {_num(s['max'])}   mean {_num(s['mean'])}   std {_num(s['std'])}"
-            f"   (over {s['finite']:,} finite values)"
+            f"   (over {s['finite']:,} finite values"
+            + (f"; {s['padding']:,} bucket padding elements, never written, left out" if s["padding"] else "")
+            + ")"
         )
         lines.append(f"nan {s['nan']:,}   +inf {s['posinf']:,}   -inf {s['neginf']:,}")
     if report.slice is not None:

@@ -18,12 +18,13 @@ from ckptdoctor.checkpoint import Entry, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
 from ckptdoctor.formats.archive import ArchiveError, chunk_limits, is_torch_zip, storage_ref
 from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
+from ckptdoctor.optimizer_keys import bucket_padding
 from ckptdoctor.pickle import unpickler
 from ckptdoctor.pickle.policy import UnlistedGlobal
 from ckptdoctor.pickle.torch_stand_ins import StorageRef, TensorRef
 from ckptdoctor.rules import Finding, finding
 from ckptdoctor.rules.integrity import BLOB_SIZE, BLOB_UNDECODABLE, ITEM_UNDECODABLE, NON_FINITE
-from ckptdoctor.rules.non_finite import NonFinite, bucket_padding
+from ckptdoctor.rules.non_finite import NonFinite
 from ckptdoctor.rules.safety import item_findings, refused_pickle, unlisted_globals
 from ckptdoctor.rules.structure import Scanned
 from ckptdoctor.severity import OVERRIDDEN
@@ -39,7 +40,7 @@ Progress = Callable[[int], None]  # called with the bytes just processed
 
 def _values_scanned(entry: Entry) -> bool:
     """Model and optimizer tensors, the distributed optimizer's flat buckets included (their padding chunks are
-    left out chunk by chunk: :func:`ckptdoctor.rules.non_finite.bucket_padding`)."""
+    left out chunk by chunk: :func:`ckptdoctor.optimizer_keys.bucket_padding`)."""
     return entry.section in NON_FINITE_SECTIONS
 
 

@@ -33,7 +33,7 @@ from typing import Any
 from ckptdoctor.checkpoint import Entry
 from ckptdoctor.formats.torch_dist import DcpChunk
 from ckptdoctor.numpy_lazy import numpy_or_none
-from ckptdoctor.optimizer_keys import is_bucket_key
+from ckptdoctor.optimizer_keys import bucket_padding, is_bucket_key
 from ckptdoctor.rules import Finding, RuleInfo, finding
 
 # IEEE floating-point dtypes: itemsize, and the exponent bits in the last two bytes of a little-endian element
@@ -122,22 +122,6 @@ def _count_python(data: Any, size: int, high_mask: int, low_mask: int) -> tuple[
         inf += value == exponent  # all-ones exponent, zero mantissa
         index = marks.find(1, index + 1)
     return total - inf, inf
-
-
-# DDP's buffer starts every parameter at a multiple of this many elements with the distributed optimizer
-# (megatron-core's ``optimizer.param_layout.pad_param_start``; 0.14-0.19).
-PARAM_START_ALIGNMENT = 64
-
-
-def bucket_padding(key: str, offsets: list[int] | tuple[int, ...], sizes: list[int] | tuple[int, ...]) -> bool:
-    """Whether a chunk of a flat bucket may be the padding between two parameters (never written): it holds no
-    element at a multiple of :data:`PARAM_START_ALIGNMENT`, where every parameter starts. (The tail piece of a
-    parameter cut at a DP rank's boundary, shorter than the distance to the next multiple, is also left out.)"""
-    if not is_bucket_key(key) or len(offsets) != 1 or len(sizes) != 1:
-        return False
-    start, end = offsets[0], offsets[0] + sizes[0]
-    next_aligned = -(-start // PARAM_START_ALIGNMENT) * PARAM_START_ALIGNMENT
-    return next_aligned >= end
 
 
 class NonFinite:

@@ -43,6 +43,7 @@ class Accumulator:
         self.mismatched = 0
         self.elements = 0
         self.nan_mismatch = 0
+        self.padding = 0  # bucket padding elements on both sides (never written): covered, not compared
         self.max_rel = 0.0
         self.sum_sq = 0.0
         self.report = report

@@ -74,6 +74,8 @@ def compare_tensor(
         note = f"the chunks of A and B overlap on {covered} of {size} elements; only those were compared"
     if acc.nan_mismatch:
         note = (note + "; " if note else "") + f"NaN positions differ at {acc.nan_mismatch} elements"
+    if acc.padding:
+        note = (note + "; " if note else "") + f"{acc.padding} bucket padding elements (never written) not compared"
     if ea.dtype != eb.dtype:
         note = (note + "; " if note else "") + f"dtypes differ ({ea.dtype} vs {eb.dtype})"
     equal = acc.mismatched == 0 and covered == size and (acc.tolerance or ea.dtype == eb.dtype)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.dcp_index import dims_key
 from ckptdoctor.formats.torch_dist import chunk_overlap
+from ckptdoctor.optimizer_keys import bucket_padding
 from ckptdoctor.values.accumulate import Accumulator, Different
 from ckptdoctor.values.io import Context, InFlight, ReadCounter, Torch
 from ckptdoctor.values.read import chunk_bits, numpy_or_none, read_chunk_view
@@ -216,6 +217,17 @@ class _Key:
 
     def _chunk(self, chunk: DcpChunk, js: list[int], disjoint: bool) -> None:
         ctx, size = self.ctx, numel(chunk.sizes)
+        key = self.coarse.entry.key
+        if bucket_padding(key, chunk.offsets, chunk.sizes) and all(
+            bucket_padding(key, self.fine_chunks[j].offsets, self.fine_chunks[j].sizes) for j in js
+        ):
+            # A distributed-optimizer bucket's padding between parameters on both sides: never written, it holds
+            # what memory held (check --deep and --health leave it out too).
+            for j in js:
+                self.uses[j] -= 1
+            self.acc.padding += size
+            self.covered += size
+            return
         blob = _blob(self.coarse, chunk, ctx)
         self.held += len(blob)
         other = self.fine_chunks[js[0]]

@@ -249,6 +249,16 @@ def _wrong(
     reinit = _reinitialised(torch, source, got, init_stds)
     if reinit is not None:
         return _finding("reinitialised", want, f"{want.hf_name}: {reinit}, not {where}")
+    if math.isinf(diff):  # a NaN or Inf on one side only: say where, not a number that hides which
+        src_bad = int((~source.isfinite()).sum()) if source.is_floating_point() else 0
+        got_bad = int((~got.isfinite()).sum()) if got.is_floating_point() else 0
+        sides = [f"{n} in the checkpoint ({where})" for n in [src_bad] if n] + [
+            f"{n} in the export" for n in [got_bad] if n
+        ]
+        message = (
+            f"{want.hf_name}: non-finite values (NaN/Inf) where the other side has finite ones: {', '.join(sides)}"
+        )
+        return _finding("value", want, message)
     return _finding("value", want, f"{want.hf_name}: max abs diff {diff:.6g} from {where}")
 
 
