@@ -453,6 +453,8 @@ def test_a_zeroed_and_a_reinitialised_expert(capsys, export_copy):
     assert [(f["hf_name"], f["layer"], f["expert"]) for f in found["zeroed"]] == [(zeroed, 0, 1)]
     assert [(f["hf_name"], f["layer"], f["expert"]) for f in found["reinitialised"]] == [(redrawn, 1, 3)]
     assert "std 0.02" in found["reinitialised"][0]["message"]
+    # the fixture's experts are at init statistics themselves: a fresh draw cannot be told from another model's
+    assert "re-initialised or another model's" in found["reinitialised"][0]["message"]
     assert "value" not in found
     row = next(t for t in report["tensors"] if t["name"] == redrawn)
     assert row["max_abs_diff"] > 0
@@ -935,3 +937,18 @@ def test_a_shape_naming_2_to_the_40_experts_is_unmapped_not_listed(tmp_path):
     (unmapped,) = _codes(report, "warning")["unmapped"]
     assert unmapped["megatron_key"] == key and "names 4,398,046,511,104 HF tensors" in unmapped["message"]
     assert "extra" in _codes(report)  # the export's fc1 tensors: nothing maps to them now
+
+
+def test_reinitialised_wording_follows_whether_the_checkpoint_slice_moved():
+    torch = pytest.importorskip("torch")
+    from ckptdoctor.ops.verify_export.values import _reinitialised
+
+    gen = torch.Generator().manual_seed(1)
+    fresh = torch.randn((64, 64), generator=gen) * 0.02
+    trained = torch.randn((64, 64), generator=gen) * 0.05  # far from init's std: it moved
+    at_init = torch.randn((64, 64), generator=gen) * 0.02
+    moved = _reinitialised(torch, trained, fresh, (0.02,))
+    assert moved is not None and moved.startswith("re-initialised (") and "which has moved from init" in moved
+    alike = _reinitialised(torch, at_init, fresh, (0.02,))
+    assert alike is not None and alike.startswith("re-initialised or another model's (")
+    assert _reinitialised(torch, at_init, at_init + 1e-4, (0.02,)) is None  # correlated: the same weights, perturbed

@@ -311,9 +311,13 @@ def _reinitialised(torch: Any, source: Any, got: Any, init_stds: tuple[float, ..
     correlation = (have[1] ** 2 + was[1] ** 2 - delta[1] ** 2) / (2 * have[1] * was[1])
     if abs(correlation) > max(0.2, 4 / math.sqrt(have[2])):
         return None
-    moved = _init_like(*was, init_stds) is None
-    state = "which has moved from init" if moved else "itself at init statistics"
+    if _init_like(*was, init_stds) is None:  # the checkpoint's slice moved from init: the export's did not
+        return (
+            f"re-initialised (mean {have[0]:.2g}, std {have[1]:.3g}: a fresh init at std {ref:.3g}, uncorrelated "
+            f"with the checkpoint's slice of std {was[1]:.3g}, which has moved from init)"
+        )
+    # Both at init statistics: a fresh draw and another (barely trained) model's weights look alike.
     return (
-        f"re-initialised (mean {have[0]:.2g}, std {have[1]:.3g}: a fresh init at std {ref:.3g}, uncorrelated with "
-        f"the checkpoint's slice of std {was[1]:.3g}, {state})"
+        f"re-initialised or another model's (mean {have[0]:.2g}, std {have[1]:.3g}: init statistics at std "
+        f"{ref:.3g}, uncorrelated with the checkpoint's slice of std {was[1]:.3g}, itself at init statistics)"
     )
