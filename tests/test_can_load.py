@@ -333,6 +333,16 @@ def test_optimizer_state_dropped_by_a_round_trip_points_at_no_load_optim_only(tm
     assert "optimizer" not in skipped.failing_sections  # (the round trip dropped the rng and extra state too)
 
 
+def test_dp_reshardable_reshards_only_where_dp_x_cp_changes():
+    """The distributed optimizer shards over DP x CP: trading DP for CP keeps every rank's buckets."""
+    ckpt = open_checkpoint(FIXTURES / "core019_tp2_dp2")
+    same = predict(ckpt, "tp=2,pp=1,cp=2,dp=1", LoadRun())
+    (optim,) = [s for s in same.sections if s.section == "optimizer"]
+    assert optim.verdict == "loads"
+    (optim,) = [s for s in predict(ckpt, "tp=2,pp=1,dp=1", LoadRun()).sections if s.section == "optimizer"]
+    assert optim.verdict == "reshards"
+
+
 def test_world_defaults_follow_dp_of_the_distributed_optimizer_fixture():
     report = predict(open_checkpoint(FIXTURES / "core019_tp2_dp2"), "dp=1", LoadRun())
     assert report.saved["dp"] == 2 and report.target["world"] == 2

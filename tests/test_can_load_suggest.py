@@ -259,3 +259,16 @@ def test_a_large_world_size_is_searched_in_bounded_time(capsys, tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"ckptdoctor: error: --suggest: the saved world size {2**62:,} is past {MAX_TARGET:,}: give --world-size"
     ]
+
+
+def test_no_loading_layout_for_refused_extra_state_names_the_te_flags(capsys):
+    """core019_te_delayed's pickled delayed-scaling state fails under the newest TE at every layout: the verdict
+    names the flags that change that (which --suggest searches only when given)."""
+    path = FIXTURES / "core019_te_delayed"
+    code, out, _ = run_main(capsys, "can-load", path, "--suggest")
+    text = " ".join(out.split())
+    assert code == 1 and "WILL NOT LOAD at any layout" in text and "--te-unsafe-pickle" in text
+    code, out, _ = run_main(capsys, "can-load", path, "--suggest", "--te-unsafe-pickle")
+    assert code == 0 and "verdict: LOADS" in out
+    code, out, _ = run_main(capsys, "can-load", FIXTURES / "core019_peft_trainable_tp1", "--suggest")
+    assert code == 1 and "--te-unsafe-pickle" not in out  # fails for another reason: no TE flag named

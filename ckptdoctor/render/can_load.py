@@ -103,7 +103,13 @@ def render_suggestions(report: SuggestReport, width: int | None = None) -> str:
             wrap_block(
                 f"verdict: WILL NOT LOAD at any layout of world size {report.world_size}, with or without "
                 f"--no-load-optim, --no-load-rng or another --strictness (at the saved layout it fails: {failing}; "
-                "`can-load --target` says why)",
+                "`can-load --target` says why)"
+                + (
+                    "; the _extra_state a Transformer Engine release refuses loads with --te-unsafe-pickle "
+                    "(NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1, for a trusted checkpoint) or another --te-version"
+                    if "extra_state" in report.as_saved_failing
+                    else ""
+                ),
                 width,
             )
         )

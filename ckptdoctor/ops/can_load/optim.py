@@ -132,7 +132,8 @@ def optimizer_verdict(
     bucket_keys = [k for k in present if is_distributed_key(k)]  # a chained optimizer's too
     if distributed and bucket_keys and kind == "dp_reshardable":
         plan.requested = {k: present[k] for k in bucket_keys}
-        plan.reshards = saved.dp != target.dp
+        # the distributed optimizer shards over DP x CP (the data-parallel group with context parallelism)
+        plan.reshards = saved.dp * saved.cp != target.dp * target.cp
         plan.why = "dp_reshardable buckets resharded across DP" if plan.reshards else None
     else:
         model_keys = [k for k, shape in model.requested.items() if shape is not None and "_extra_state" not in k]
