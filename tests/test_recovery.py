@@ -172,6 +172,67 @@ def test_seal_refuses_zarr_and_check_says_a_manifest_there_covers_no_tensor(caps
     assert "per-tensor subdirectories" in found[0]["message"]
 
 
+def test_seal_output_never_is_contains_or_lies_inside_the_source(capsys, copy_fixture):
+    """seal -o --force replaces its output: the source save dir, a dir holding it, or one inside it is refused
+    (exit 2, nothing changed), as every other write command refuses it."""
+    save = copy_fixture("core019_tp1")
+    shutil.copytree(save / ITER, save / "iter_0000005")
+    (save / "notes.txt").write_text("mine")
+    before = file_digests(save.parent)
+    for source, output in (
+        (save, save),
+        (save / ITER, save.parent),
+        (save, save / ITER / "sealed"),
+        (save / ITER, save / ITER),
+    ):
+        rc, _, err = _run(capsys, "seal", source, "-o", output, "--force")
+        assert rc == 2 and "is, contains or lies inside the source checkpoint" in err, (source, output)
+    assert file_digests(save.parent) == before
+
+
+def test_seal_output_refuses_files_that_change_while_hashed_and_a_writer_holding_the_lock(
+    capsys, copy_fixture, tmp_path, monkeypatch
+):
+    """The manifest must hash the bytes the copy links: a file rewritten meanwhile stops the copy (nothing
+    written), and an in-place writer's lock on the source refuses it."""
+    from ckptdoctor.ops import seal as seal_op
+
+    save = copy_fixture("core019_tp1")
+    hash_timed = seal_op._hash_timed
+
+    def rewriting(files, *args, **kwargs):
+        result = hash_timed(files, *args, **kwargs)
+        data = save / ITER / "__0_0.distcp"
+        data.write_bytes(data.read_bytes())  # same bytes, a new mtime: a writer was there
+        os.utime(data, ns=(1, 1))
+        return result
+
+    monkeypatch.setattr(seal_op, "_hash_timed", rewriting)
+    rc, _, err = _run(capsys, "seal", save, "-o", tmp_path / "a")
+    assert rc == 2 and "files changed while they were hashed" in err and not (tmp_path / "a").exists()
+    monkeypatch.undo()
+    holder = subprocess.Popen(  # an in-place write in another process holds the source's lock
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from ckptdoctor import locking\n"
+            "with locking.checkpoint_lock(Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(60)",
+            str(save / ITER),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        rc, _, err = _run(capsys, "seal", save, "-o", tmp_path / "b")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert rc == 2 and "writing this checkpoint" in err and not (tmp_path / "b").exists()
+    rc, _, err = _run(capsys, "seal", save, "-o", tmp_path / "c")
+    assert rc == 0, err
+
+
 def test_seal_output_writes_a_sealed_copy_and_leaves_the_source(capsys, copy_fixture, tmp_path):
     """``seal -o DIR`` (issue #37 point 6, the form object storage needs): a new save dir whose files are the
     source's (hard links) plus Megatron's manifest over them; the source is not changed. A sealed source is

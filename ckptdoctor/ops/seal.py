@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptdoctor import dist, locking, parallel
-from ckptdoctor.atomic import fsync_dir, keep_previous, link_or_copy, make_unique_dir, timestamp, write_atomic
+from ckptdoctor.atomic import (
+    fsync_dir,
+    keep_previous,
+    link_or_copy,
+    make_unique_dir,
+    refuse_overlap,
+    timestamp,
+    write_atomic,
+)
 from ckptdoctor.checkpoint import refuse_plain_dcp, scan_path
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import BACKEND_ZARR
@@ -103,6 +111,18 @@ def _snapshot(paths: list[Path]) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _refuse_changed(
+    iteration_dir: Path, files: list[Path], before: dict[str, tuple[int, int]], hashes: dict[str, str]
+) -> None:
+    """Refuse (nothing written) where a file changed, came or went since ``before``: a manifest would record
+    hashes of bytes that are no longer there."""
+    if _snapshot(files) != before or [p.name for p in manifest_files(iteration_dir)] != list(hashes):
+        raise CkptError(
+            f"{iteration_dir}: files changed while they were hashed (is a job still writing this checkpoint?); "
+            "nothing was written"
+        )
+
+
 def _sealable(path: str | Path, iteration: str | None) -> CheckpointLocation:
     """Where the checkpoint ``path`` names is; a plain DCP save is refused (its manifest would be Megatron's)."""
     scanned = scan_path(path, iteration)
@@ -162,11 +182,8 @@ def seal(
         before = _snapshot(files)
         total = sum(size for size, _ in before.values())
         hashes, seconds = _hash_timed(files, total, jobs, progress)
-        if speaks and (_snapshot(files) != before or [p.name for p in manifest_files(iteration_dir)] != list(hashes)):
-            raise CkptError(
-                f"{iteration_dir}: files changed while they were hashed (is a job still writing "
-                "this checkpoint?); nothing was written"
-            )
+        if speaks:
+            _refuse_changed(iteration_dir, files, before, hashes)
         if speaks:
             if existed:  # the manifest --force replaces is the record of the old hashes: kept beside, never lost
                 kept = _keep_previous_manifest(iteration_dir, manifest)
@@ -198,6 +215,25 @@ def seal_copy(
         raise CkptError("seal -o runs in one process, not under torchrun (use --jobs for parallel hashing)")
     location = _sealable(path, iteration)
     iteration_dir = location.iteration_dir
+    if files_from is None:  # --force replaces the output: never the source, a dir holding it, or one inside it
+        source_paths = [Path(location.input_path), iteration_dir, *([location.save_dir] if location.save_dir else [])]
+        refuse_overlap(output, source_paths, "seal without -o writes the manifest into the source")
+        # shared: other copies may read it at the same time, an in-place write may not change it meanwhile
+        with locking.checkpoint_lock(iteration_dir, exclusive=False, optional=True):
+            return _seal_copy(location, output, files_from, jobs, force, progress)
+    return _seal_copy(location, output, files_from, jobs, force, progress)
+
+
+def _seal_copy(
+    location: CheckpointLocation,
+    output: Path,
+    files_from: Path | None,
+    jobs: int | None,
+    force: bool,
+    progress: Progress | None,
+) -> SealResult:
+    iteration_dir = location.iteration_dir
+    leftovers.refuse_if_interrupted(iteration_dir)
     jobs = jobs or default_jobs()
     existed = (iteration_dir / INTEGRITY_NAME).is_file()
     if existed and not force:
@@ -220,7 +256,10 @@ def seal_copy(
         raise CkptError(f"{output}: exists and is not empty (use --force to replace it)")
     files = manifest_files(iteration_dir)
     total = sum(p.stat().st_size for p in files)
+    before = _snapshot(files) if files_from is None else None  # object storage: no mtimes (its objects stay put)
     hashes, seconds = _hash_timed(files, total, jobs, progress)
+    if before is not None:
+        _refuse_changed(iteration_dir, files, before, hashes)
     save_dir = location.save_dir
     given = str(location.input_path).rstrip("/")
     given_save_dir = save_dir is not None and given in (str(save_dir), str(save_dir / TRACKER_NAME))
@@ -239,6 +278,8 @@ def seal_copy(
                 (stage_iter / relative).mkdir(exist_ok=True)
             elif item.name != INTEGRITY_NAME or item.parent != source:
                 link_or_copy(item, stage_iter / relative)
+        if before is not None:
+            _refuse_changed(iteration_dir, files, before, hashes)  # the links are the files hashed
         write_manifest(stage_iter, hashes)
         if given_save_dir:
             value = "release" if location.release else str(location.iteration)
