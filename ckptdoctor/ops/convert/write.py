@@ -17,7 +17,6 @@ writes the same way, the chunks placed back on the stacked layer and expert axes
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import Any
 from ckptdoctor import atomic, dist, parallel
 from ckptdoctor.checkpoint import Checkpoint, open_checkpoint
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats.torch_dist import DcpChunk
+from ckptdoctor.formats.torch_dist import DcpChunk, writer_rank
 from ckptdoctor.formats.torch_zip import dump_torch_zip
 from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.ops.convert.plan import (
@@ -130,9 +129,6 @@ UNIT_BYTES = 256 << 20
 Placement = Callable[[str, DcpChunk, Any], Iterator[tuple[str, tuple, Any]]]  # (output key, offsets, values)
 
 
-_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
-
-
 class _FileNames:
     """Output data file names as DCP's ``FileSystemWriter`` gives them (``__<rank>_<n>.distcp``), each unit under
     the rank that wrote its source file: a reader counting the ranks that wrote (the saved layout) sees the
@@ -158,8 +154,7 @@ def _units(checkpoint: Checkpoint, keys: list[str], names: _FileNames) -> list[t
             by_file.setdefault(name, []).append((offset, key, index))
     units: list[tuple[str, list[tuple[str, int]]]] = []
     for name in sorted(by_file):
-        match = _RANK_FILE.fullmatch(name.rsplit("/", 1)[-1])
-        rank = int(match.group(1)) if match else 0
+        rank = writer_rank(name) or 0
         unit: list[tuple[str, int]] = []
         size = 0
         for _offset, key, index in sorted(by_file[name]):
