@@ -26,7 +26,10 @@ model), or the optimizer's state exported per parameter differs from the same fi
 
 from __future__ import annotations
 
+import collections
 import datetime
+import enum
+import gc
 import json
 import logging
 import os
@@ -217,7 +220,10 @@ def build_and_load(cell: dict, args) -> tuple[list[str], bool]:
         gen.moe_config_kwargs = lambda: dict(moe_kwargs)
     if gen.LAYOUT.vpp:
         kwargs["virtual_pipeline_model_parallel_size"] = gen.LAYOUT.vpp
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **kwargs)
+    # A cell that fails on one rank mid-collective leaves the others waiting: 5 minutes, not megatron's 30.
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, distributed_timeout_minutes=5, **kwargs
+    )
     gen.seed_everything(1234)
     global_vars.set_args(args)
     unset_num_microbatches_calculator()
@@ -239,6 +245,7 @@ def build_and_load(cell: dict, args) -> tuple[list[str], bool]:
     model = as_run_builds(model)
     ddp = gen.wrap_ddp(model)
     optimizer = gen.build_optimizer(ddp)
+    _CELL_OBJECTS.extend([ddp, optimizer])
     if args.use_distributed_optimizer:
         gen.train_one_step(ddp, optimizer, seed=4321)  # a fresh distributed optimizer needs state first
     scheduler = gen.build_scheduler(optimizer, args.train_iters, args.global_batch_size)
@@ -341,6 +348,79 @@ def changed_params(live: list, fresh: list, save_dir: Path) -> list[str]:
             if name in reread and not torch.equal(param.detach(), reread[name].detach()):
                 changed.append(name)
     return sorted(set(changed))
+
+
+# Every process group a cell creates (megatron-core's parallel_state makes dozens per initialize_model_parallel, and
+# destroy_model_parallel only forgets them): each gloo group keeps its threads and sockets until destroyed, and a
+# matrix run that leaked them had thousands of threads spinning per rank (load average ~900 on 2 cores, the world-2
+# cells several times slower with every cell).
+_CELL_GROUPS: list = []
+_CELL_OBJECTS: list = []  # the cell's DDP-wrapped model and optimizer, emptied after it (see _empty_run_objects)
+MAX_THREADS_BETWEEN_CELLS = 60  # 13-25 per rank once released; hundreds to thousands when leaked
+
+
+def _record_new_group(new_group):
+    def recording(*args, **kwargs):
+        group = new_group(*args, **kwargs)
+        _CELL_GROUPS.append(group)
+        return group
+
+    return recording
+
+
+def _empty_run_objects(roots: list) -> None:
+    """Clear the attributes of the cell's modules, optimizers, DDP buffers and buckets: DDP's gradient hooks sit
+    on autograd nodes (C++), whose closures keep the DDP, its buckets and their process groups alive past any
+    ``gc.collect`` (the distributed-optimizer cells each leaked ~20 groups' threads that way)."""
+    seen: set[int] = set()
+    found: list = []
+    pending = list(roots)
+    while pending:
+        obj = pending.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple, set)):
+            pending.extend(obj)
+            continue
+        if isinstance(obj, dict):
+            pending.extend(obj.values())
+            continue
+        # modules, optimizers and DDP's buffers and buckets only: the configs and enums they reference are shared
+        owner = type(obj).__module__
+        run_object = owner.startswith(("megatron.core.optimizer", "megatron.core.distributed"))
+        if isinstance(obj, enum.Enum) or not hasattr(obj, "__dict__"):
+            continue
+        if not (run_object or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))):
+            continue
+        found.append(obj)
+        pending.extend(vars(obj).values())
+    for obj in found:
+        vars(obj).clear()
+
+
+def release_cell_groups() -> None:
+    """Destroy the process groups the last cell created (after a barrier: no rank still uses them)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    destroy_moe_metrics_tracker()  # sized by the first MoE model's layers: a later model with more raised IndexError
+    live = dist.distributed_c10d._world.pg_map
+    for group in _CELL_GROUPS:
+        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER and group in live:
+            dist.destroy_process_group(group)
+    _CELL_GROUPS.clear()
+    _empty_run_objects(_CELL_OBJECTS)
+    _CELL_OBJECTS.clear()
+    parallel_state._global_process_group_list = None  # its references would keep the groups' threads running
+    gc.collect()  # the last cell's model, DDP and optimizer (reference cycles) hold groups too
+    tasks = Path("/proc/self/task")
+    threads = [t.name for t in tasks.iterdir()] if tasks.is_dir() else []
+    if len(threads) > MAX_THREADS_BETWEEN_CELLS:  # a leak again: fail now rather than slow every later cell
+        names = collections.Counter((tasks / t / "comm").read_text().strip() for t in threads)
+        raise RuntimeError(f"{len(threads)} threads after a cell's groups were released (leaked groups?): {names}")
 
 
 def run_cell(cell: dict) -> dict:
@@ -494,8 +574,9 @@ def main() -> None:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(gen._free_port()))
-    # a hang fails in 20 min, not a rank the other waits for on a loaded host (load average 900: 2+ min a cell)
+    # the world group's own collectives (one per cell) wait at most 20 min; the cells' groups 5 (see build_and_load)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1200))
+    dist.new_group = dist.distributed_c10d.new_group = _record_new_group(dist.distributed_c10d.new_group)
     results = []
     for cell in cells:
         mine = run_cell(cell)
@@ -508,6 +589,7 @@ def main() -> None:
             results.append({"id": cell["id"], **mine, "changed": sorted({k for r in every for k in r["changed"]})})
         if dist.get_rank() == 0:
             print(json.dumps(results[-1]), flush=True)
+        release_cell_groups()
     if dist.get_rank() == 0:
         Path(sys.argv[2]).write_text(json.dumps(results, indent=1) + "\n")
     dist.destroy_process_group()
