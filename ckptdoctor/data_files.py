@@ -3,9 +3,13 @@ and chunks the index places nowhere. Metadata and file sizes only; no tensor byt
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.errors import CkptError
+from ckptdoctor.formats.torch_dist import referenced_data_files
 from ckptdoctor.problems import (
     DATA_FILE_MISSING,
     DATA_FILE_TRUNCATED,
@@ -17,6 +21,7 @@ from ckptdoctor.problems import (
 )
 from ckptdoctor.storage.files import check_regular
 
+BACKUP_METADATA_RE = re.compile(r"^\.metadata\.bak-[0-9T]+(?:-[0-9a-f]+)?$")
 # relative data file -> (range end, key, offsets, sizes) of each chunk stored there
 _ChunksByFile = dict[str, list[tuple[int, str, tuple[int, ...], tuple[int, ...]]]]
 
@@ -85,13 +90,37 @@ def storage_problems(checkpoint: Checkpoint) -> tuple[list[Problem], set[str]]:
             )
     if checkpoint.dcp is None:  # legacy zarr: a chunk file is the raw elements, its size is all there is to check
         problems += _zarr_chunk_sizes(checkpoint, bad)
-    for name in sorted(set(sizes) - set(ends)):
-        if sizes[name] == 0:
-            continue  # DCP writes an empty file for a rank with nothing to save: no space wasted, nothing mixed up
+    # DCP writes an empty file for a rank with nothing to save: no space wasted, nothing mixed up
+    unreferenced = {name for name in set(sizes) - set(ends) if sizes[name] != 0}
+    kept = _kept_for_backups(directory, unreferenced) if unreferenced else set()
+    for name in sorted(unreferenced - kept):
         problems.append(
             Problem(DATA_FILE_UNREFERENCED, directory / name, "no .metadata entry references this file", fatal=False)
         )
     return problems, bad
+
+
+MAX_BACKUPS_READ = 32  # the newest; each read is bounded by the unpickler's limits
+
+
+def _kept_for_backups(directory: Path, names: set[str]) -> set[str]:
+    """Which of ``names`` a ``.metadata.bak-<stamp>`` beside ``.metadata`` references: the data an in-place write's
+    backup restores (``fix-args --in-place`` puts the common state in a new file each run, so after a second run
+    the first run's file is referenced by the second run's backup only; quarantining it broke that restore).
+    A backup that does not parse keeps nothing."""
+    try:
+        backups = sorted(
+            (entry.name for entry in os.scandir(directory) if BACKUP_METADATA_RE.match(entry.name)), reverse=True
+        )
+    except OSError:  # not a local dir (object storage: nothing writes backups there)
+        return set()
+    kept: set[str] = set()
+    for name in backups[:MAX_BACKUPS_READ]:
+        try:
+            kept |= referenced_data_files(directory / name) & names
+        except CkptError:
+            continue
+    return kept
 
 
 def _zarr_chunk_sizes(checkpoint: Checkpoint, bad: set[str]) -> list[Problem]:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -187,6 +188,51 @@ def test_write_in_place_keeps_backups_and_restores(capsys, copy_fixture):
         new_file.unlink()
     rc, _, _ = _run(capsys, "fix-args", save)
     assert rc == 1
+
+
+def _in_place_twice(capsys, save: Path) -> tuple[Path, list[Path]]:
+    """fix-args --in-place run twice: each run moves the common state into a new data file, so the first run's file
+    is referenced only by the second run's backup of .metadata."""
+    iteration_dir = save / "iter_0000010"
+    for iters in (30, 40):
+        rc, _, _ = _run(capsys, "fix-args", save, "--in-place", "--only-set", "--set", f"train_iters={iters}")
+        assert rc == 0
+        time.sleep(1.1)  # another backup stamp (free_stamp would add a token within the same second)
+    backups = sorted(iteration_dir.glob(".metadata.bak-*"))
+    assert len(backups) == 2 and len(list(iteration_dir.glob("common_state.fixargs-*.distcp"))) == 2
+    return iteration_dir, backups
+
+
+def test_a_file_only_a_backup_references_is_not_an_orphan(capsys, copy_fixture):
+    iteration_dir, backups = _in_place_twice(capsys, copy_fixture("core019_tp1"))
+    rc, out, _ = _run(capsys, "check", iteration_dir)
+    assert rc == 0 and "CKD115" not in out
+    rc, out, _ = _run(capsys, "repair", iteration_dir, "--in-place")
+    assert rc == 0 and "nothing to repair" in out
+    assert not list(iteration_dir.parent.glob("*quarantine*"))
+    # A backup that does not parse keeps nothing; with no backup left the first run's file is an orphan again.
+    backups[1].write_bytes(b"not a pickle")
+    rc, out, _ = _run(capsys, "check", iteration_dir, "--format", "json")
+    assert rc == 1
+    found = [f for f in json.loads(out)["findings"] if f["code"] == "CKD115"]
+    stamp = backups[0].name.split(".bak-", 1)[1]
+    assert [Path(f["path"]).name for f in found] == [f"common_state.fixargs-{stamp}.distcp"]
+
+
+@pytest.mark.mcore
+def test_the_older_backup_still_restores_after_check_and_repair(capsys, copy_fixture):
+    iteration_dir, backups = _in_place_twice(capsys, copy_fixture("core019_tp1"))
+    rc, _, _ = _run(capsys, "repair", iteration_dir, "--in-place")
+    assert rc == 0
+    # docs/commands/fix-args.md's restore recipe for the second run: its backup back, its data file removed
+    stamp = backups[1].name.split(".bak-", 1)[1]
+    os.link(backups[1], iteration_dir / ".metadata.new")
+    (iteration_dir / ".metadata.new").replace(iteration_dir / ".metadata")
+    backups[1].unlink()
+    (iteration_dir / f"common_state.fixargs-{stamp}.distcp").unlink()
+    rc, out, _ = _run(capsys, "check", iteration_dir)
+    assert rc == 0, out
+    assert _probe(iteration_dir)["args"]["train_iters"] == "30"  # the first run's args, read by megatron-core
 
 
 @pytest.mark.mcore

@@ -120,6 +120,12 @@ def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
         raise
 
 
+def referenced_data_files(path: Path) -> set[str]:
+    """The data files whose bytes a ``.metadata`` (e.g. a backup, ``.metadata.bak-<stamp>``) places chunks in."""
+    index = read_metadata(path)
+    return {chunk.storage.relative_path for item in index.items.values() for chunk in item.chunks if chunk.storage}
+
+
 def read_metadata_for_rewrite(path: Path, item_class: type[DcpItem] = DcpItem) -> tuple[DcpIndex, Any]:
     """The index and the ``.metadata`` object itself from one read, for a command that rewrites it (``edit``).
     Strict, as :func:`load_metadata_object`: a global outside the allowlist is refused, not tolerated."""

@@ -111,7 +111,8 @@ DATA_FILE_UNREFERENCED = _rule(
     WARNING,
     "a .distcp file that no .metadata entry references",
     "Left over from another save into the same dir (or a .metadata from a different save): wasted space at "
-    "best, a sign that .metadata and the data do not belong together at worst.",
+    "best, a sign that .metadata and the data do not belong together at worst. A file a .metadata.bak-<stamp> "
+    "references (an in-place fix-args run's backup) is not counted: restoring that backup needs it.",
 )
 NO_MODEL_TENSORS = _rule(
     "CKD116",
