@@ -254,6 +254,12 @@ class Checkpoint:
         """The saved ``argparse.Namespace`` (or None when the common state holds no args)."""
         return self.common_state().get("args")
 
+    def untrusted_globals_read(self) -> list[str]:
+        """The globals off the allowlist (and not trusted with --trust-global) that the reads of ``.metadata`` and
+        the common state so far met: read here as inert stand-ins, run by a real load (check: CKD402)."""
+        read = [*(self.dcp.unlisted if self.dcp is not None else ()), *self.common_unlisted]
+        return sorted({u.name for u in read if not u.trusted})
+
     def read_bytes_item(self, key: str, unlisted: list[UnlistedGlobal] | None = None) -> Any:
         """Decode a bytes item (ShardedObject, ``_extra_state``, ``common_state``) through the safe unpickler."""
         data, where = self.bytes_item_data(key)

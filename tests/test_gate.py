@@ -220,6 +220,23 @@ def test_forms_that_are_not_data_are_refused(data, name):
     assert name in info.value.global_name
 
 
+def test_show_and_diff_say_what_they_read_as_stand_ins_in_json_too(capsys, copy_fixture):
+    save = copy_fixture("core019_tp2")
+    _metadata_gadget(save, CALLED)
+    note = f"not allowlisted {HELPER_NAME}: read as inert stand-ins here; a real load runs them (check: CKD402)"
+    for what in ("decoder.final_layernorm.weight", "args.lr"):
+        rc, out, _ = run_main(capsys, "show", save, what, "--format", "json")
+        report = json.loads(out)
+        jsonschema.validate(report, shipped_schema("show"))
+        assert rc == 0 and note in report["notes"], what
+    rc, out, _ = run_main(capsys, "diff", REPO / "fixtures/core019_tp2", save, "--format", "json")
+    report = json.loads(out)
+    jsonschema.validate(report, shipped_schema("diff"))
+    assert report["b"]["stand_ins_read"] == [HELPER_NAME] and "stand_ins_read" not in report["a"]
+    rc, out, _ = run_main(capsys, "show", REPO / "fixtures/core019_tp2", "args.lr", "--format", "json")
+    assert not any("allowlisted" in n for n in json.loads(out)["notes"])
+
+
 def test_inspect_reads_a_strange_checkpoint_and_says_so(capsys, copy_fixture):
     save = copy_fixture("core019_tp2")
     _metadata_gadget(save, CALLED)
@@ -269,8 +286,8 @@ def test_safe_for_loaders_vouches_only_for_what_was_read(capsys, tmp_path):
 
 @pytest.mark.parametrize("command", [("inspect",), ("show", "decoder.final_layernorm.weight"), ("diff", "SELF")])
 def test_read_only_commands_take_trust_global_and_name_it(capsys, copy_fixture, command):
-    """inspect, show and diff read the pickles too and take the same override, which stderr names; inspect's note
-    of a global off the allowlist goes once it is trusted."""
+    """inspect, show and diff read the pickles too and take the same override, which stderr names; their note of a
+    global off the allowlist (show and diff read on without one) goes once it is trusted."""
     save = copy_fixture("core019_tp2")
     _metadata_gadget(save, CALLED)
     name, *rest = command
@@ -279,6 +296,5 @@ def test_read_only_commands_take_trust_global_and_name_it(capsys, copy_fixture, 
     assert rc == 0 and "trusted globals" not in err
     rc, out, err = run_main(capsys, name, "--trust-global", HELPER_NAME, save, *args)
     assert rc == 0 and out and f"trusted globals (--trust-global): {HELPER_NAME}" in err
-    if name == "inspect":
-        assert f"not allowlisted {HELPER_NAME}" in " ".join(plain.split())
-        assert "not allowlisted" not in out
+    assert f"not allowlisted {HELPER_NAME}: read as inert stand-ins here" in " ".join(plain.split())
+    assert "not allowlisted" not in out

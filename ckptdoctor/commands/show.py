@@ -91,6 +91,7 @@ def _show(
         save_tensor,
         show_value,
         slice_values,
+        stand_ins_notes,
         statistics,
         take_slice,
     )
@@ -106,6 +107,7 @@ def _show(
         if wants_values:
             raise CkptError(f"{ckpt.iteration_dir}: {key} is no tensor: no statistics, slice or save")
         value = show_value(ckpt, key)
+        value.notes += stand_ins_notes(ckpt)
         click.echo(to_json_text(value) if output_format == "json" else render_value(value, width=output_width()))
         return 0
     entry = find_entry(ckpt, key)
@@ -147,5 +149,6 @@ def _show(
                 report.saved = str(save_path)
                 if note:
                     report.notes.append(note)
+    report.notes += stand_ins_notes(ckpt)
     click.echo(to_json_text(report) if output_format == "json" else render_show(report, width=output_width()))
     return 0

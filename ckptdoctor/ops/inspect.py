@@ -18,7 +18,6 @@ from ckptdoctor.locate import CheckpointLocation
 from ckptdoctor.logical_items import logical_key
 from ckptdoctor.parallelism import infer_layout
 from ckptdoctor.pickle.plain import OMIT_NONE
-from ckptdoctor.pickle.policy import merged_unlisted
 from ckptdoctor.rules.extra_state import census
 
 SCHEMA = "ckptdoctor.inspect/1"
@@ -178,9 +177,7 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filt
         args_source=where if where == RUN_CONFIG else None,
         common_state_keys=sorted(str(k) for k in common),
     )
-    unlisted = merged_unlisted([*(dcp.unlisted if dcp is not None else ()), *checkpoint.common_unlisted])
-    if any(not u.trusted for u in unlisted):
-        report.stand_ins_read = [u.name for u in unlisted if not u.trusted]
+    report.stand_ins_read = checkpoint.untrusted_globals_read() or None
     if where is not None:  # the saved args, or Megatron-Bridge's run_config.yaml model section in their place
         report.arg_findings = [
             {

@@ -26,6 +26,7 @@ from ckptdoctor.logical_items import KIND_OBJECT, Item, logical_items
 from ckptdoctor.optimizer_keys import bucket_padding
 from ckptdoctor.pickle.paths import PathError, lookup, type_name
 from ckptdoctor.pickle.plain import OMIT_NONE
+from ckptdoctor.rules.safety import stand_ins_note
 from ckptdoctor.values.read import read_chunk, require_torch
 
 SCHEMA = "ckptdoctor.show/1"
@@ -171,6 +172,12 @@ def show_value(checkpoint: Checkpoint, key: str) -> ValueReport:
     if root == ARGS and path == ARGS:
         report.notes.append(f"{len(base)} saved args")
     return report
+
+
+def stand_ins_notes(checkpoint: Checkpoint) -> list[str]:
+    """The note ``inspect`` gives too, where the pickles read so far name globals off the allowlist."""
+    names = checkpoint.untrusted_globals_read()
+    return [stand_ins_note(names)] if names else []
 
 
 def decode_item(checkpoint: Checkpoint, entry: Entry | Item) -> Any:

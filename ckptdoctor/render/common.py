@@ -16,6 +16,7 @@ from ckptdoctor.locate import TRACKER_NAME
 from ckptdoctor.logical_items import logical_key
 from ckptdoctor.pickle.plain import iter_json, to_plain
 from ckptdoctor.render.wrap import wrap_block, wrap_lines
+from ckptdoctor.rules.safety import stand_ins_note
 from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
@@ -138,8 +139,7 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
     lines.append(f"data files      {files['count']} files, {human_bytes(files['bytes'])}")
     lines.append(f"saved layout    {report.layout['summary']}")
     if report.stand_ins_read:
-        names = ", ".join(report.stand_ins_read)
-        lines.append(f"not allowlisted {names}: read as inert stand-ins here; a real load runs them (check: CKD402)")
+        lines.append(stand_ins_note(report.stand_ins_read))
     lines = wrap_lines(lines, width, LABEL_INDENT)
     lines.append("")
     rows = [

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptdoctor.render.common import human_bytes, short_value
 from ckptdoctor.render.wrap import wrap_lines
+from ckptdoctor.rules.safety import stand_ins_note
 from ckptdoctor.text_safety import text_safe
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ def render_diff(report: DiffReport, width: int | None = None) -> str:
     text."""
     a, b = report.a, report.b
     lines = [f"A  {a.iteration_dir}  [{a.era}]", f"B  {b.iteration_dir}  [{b.era}]"]
+    for name, side in (("A", a), ("B", b)):
+        if side.stand_ins_read:
+            lines.append(f"{name}: {stand_ins_note(side.stand_ins_read)}")
     filters = {k: v for k, v in report.filters.items() if v}
     if filters:
         lines.append("filters  " + "  ".join(f"{k}={','.join(v)}" for k, v in filters.items()))

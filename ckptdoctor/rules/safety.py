@@ -98,6 +98,11 @@ UNSAFE_CONFIG_TARGET = RuleInfo(
 RULES = [UNSAFE_PICKLE, UNLISTED_GLOBAL, PICKLE_LIMIT, ARCHIVE_ANOMALY, UNSAFE_CONFIG_TARGET]
 
 
+def stand_ins_note(names: list[str]) -> str:
+    """What a read-only command says of the globals it read as stand-ins (it reads on; ``check`` fails them)."""
+    return f"not allowlisted {', '.join(names)}: read as inert stand-ins here; a real load runs them (check: CKD402)"
+
+
 def refused_pickle(error: CkptError, path: object, what: str) -> Finding:
     """The CKD4xx finding for a refusal raised while reading ``what`` (e.g. "common state", "item <key>")."""
     if isinstance(error, UnlistedGlobalError):

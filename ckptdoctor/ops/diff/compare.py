@@ -432,6 +432,8 @@ def diff_checkpoints(
         }
         stats_diff = compare_stats(a, b, tensors, limit, jobs, progress, measured)
     report, sections, changed, layout_changes, args_diff, common, layout = parts
+    report.a.stand_ins_read = a.untrusted_globals_read() or None  # after every read of the pickles
+    report.b.stand_ins_read = b.untrusted_globals_read() or None
     report.values = values_report
     report.stats = stats_diff
     report.summary = {

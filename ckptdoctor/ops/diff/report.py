@@ -31,6 +31,8 @@ class Side:
     entries: int  # DCP items (a ShardedObject counts once per shard)
     data_files: dict
     layout: dict
+    # globals off the allowlist its pickles name, read as inert stand-ins (a real load runs them; check: CKD402)
+    stand_ins_read: list[str] | None = field(default=None, metadata=OMIT_NONE)
 
 
 @dataclass
