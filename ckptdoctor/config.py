@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.locate import BRIDGE_TRACKER_NAME, ITER_DIR_RE, NEMO_WEIGHTS_DIR, TRACKER_NAME, looks_like_iteration_dir
+from ckptdoctor.locate import (
+    BRIDGE_TRACKER_NAME,
+    NEMO_WEIGHTS_DIR,
+    TRACKER_NAME,
+    is_iteration_dir_name,
+    looks_like_iteration_dir,
+)
 from ckptdoctor.storage.files import read_small_file
 
 if sys.version_info >= (3, 11):
@@ -76,8 +82,9 @@ def _in_checkpoint(directory: Path) -> bool:
 
 
 def _iteration_names(directory: Path) -> list[str]:
+    """The names of iteration dirs (``iter_*``, ``step-N``, ``release``) in ``directory``."""
     try:
-        return [e.name for e in os.scandir(directory) if ITER_DIR_RE.match(e.name) or e.name == "release"]
+        return [e.name for e in os.scandir(directory) if is_iteration_dir_name(e.name)]
     except OSError:
         return []
 

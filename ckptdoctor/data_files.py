@@ -108,11 +108,11 @@ def _kept_for_backups(directory: Path, names: set[str]) -> set[str]:
     backup restores (``fix-args --in-place`` puts the common state in a new file each run, so after a second run
     the first run's file is referenced by the second run's backup only; quarantining it broke that restore).
     A backup that does not parse keeps nothing."""
+    if not isinstance(directory, Path):  # object storage: no in-place write makes backups there
+        return set()
     try:
-        backups = sorted(
-            (entry.name for entry in os.scandir(directory) if BACKUP_METADATA_RE.match(entry.name)), reverse=True
-        )
-    except OSError:  # not a local dir (object storage: nothing writes backups there)
+        backups = sorted((name for name in os.listdir(directory) if BACKUP_METADATA_RE.match(name)), reverse=True)
+    except OSError:
         return set()
     kept: set[str] = set()
     for name in backups[:MAX_BACKUPS_READ]:

@@ -22,6 +22,7 @@ from ckptdoctor.formats.train_state import read_train_state_step
 from ckptdoctor.problems import METADATA_JSON_INVALID, METADATA_JSON_MISSING, UNSUPPORTED_FORMAT, Problem
 from ckptdoctor.storage.dispatch import as_path
 from ckptdoctor.storage.files import list_names, open_regular, read_json
+from ckptdoctor.storage.remote import RemotePath
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 NEMO_WEIGHTS_DIR = "weights"
@@ -122,28 +123,39 @@ def iteration_number(name: str) -> int | None:
     return int(match.group(1)) if match else step_number(name)
 
 
+RELEASE = "release"  # Megatron's iteration dir of a converted (not trained) checkpoint; its tracker says "release"
+
+
 def is_iteration_dir_name(name: str) -> bool:
-    return iteration_number(name) is not None or name == "release"
+    return iteration_number(name) is not None or name == RELEASE
 
 
 def list_iteration_dirs(save_dir: Path) -> list[Path]:
     """Iteration dirs in a save dir (Megatron's ``iter_*`` and ``release``, TorchTitan's ``step-N``), oldest
-    first (``release`` last)."""
+    first (``release`` last; only where it is one: see :func:`looks_like_iteration_dir`)."""
     found = [save_dir / n for n in list_dir(save_dir) if is_iteration_dir_name(n)]
     return sorted(
-        (p for p in found if p.is_dir()), key=lambda p: (p.name == "release", iteration_number(p.name) or 0, p.name)
+        (p for p in found if p.is_dir() and (p.name != RELEASE or looks_like_iteration_dir(p))),
+        key=lambda p: (p.name == RELEASE, iteration_number(p.name) or 0, p.name),
     )
 
 
 def looks_like_iteration_dir(directory: Path) -> bool:
-    """An iteration dir by name, or by holding checkpoint files (a bare metadata.json must name a backend)."""
-    if is_iteration_dir_name(directory.name):
+    """An iteration dir by its name (``iter_0000010``, ``step-10``), or by holding checkpoint files (a bare
+    metadata.json must name a backend). ``release`` is a common word (a repository's release/ folder): by name only
+    beside a tracker, else by its files."""
+    if iteration_number(directory.name) is not None:
+        return True
+    if directory.name == RELEASE and (directory.parent / TRACKER_NAME).is_file():
         return True
     try:
         names = list_names(directory)
     except OSError:
         return False
-    if any(n in (".metadata", "common.pt") or n.endswith(".distcp") or n.startswith("mp_rank_") for n in names):
+    if any(n == "common.pt" or n.endswith(".distcp") or n.startswith("mp_rank_") for n in names):
+        return True
+    # DCP's index is a file (an Eclipse workspace keeps a .metadata/ folder beside its projects)
+    if ".metadata" in names and (isinstance(directory, RemotePath) or not (directory / ".metadata").is_dir()):
         return True
     if "metadata.json" in names:
         try:

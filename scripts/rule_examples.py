@@ -363,6 +363,14 @@ EXAMPLES: dict[str, Example] = {
     "CKD133": Example(_copy("core019_tp2", f"cp {STATES}/train_state_step20.pt {IT}/train_state.pt")),
     "CKD150": Example(_copy("core019_tp2", f"mv {IT} /tmp/run/.{ITER}.ckptdoctor-old-20261206T000000-abcd")),
     "CKD151": Example(_copy("core019_tp2", f"mkdir /tmp/run/.{ITER}.ckptdoctor-tmp-20261206T000000-abcd")),
+    "CKD160": Example(
+        _copy(
+            "core019_tp2",
+            "git -C /tmp/run init -q && git -C /tmp/run add -A",
+            f"git -C /tmp/run rm -q --cached {ITER}/__1_0.distcp",
+            check="cd /tmp/run && ckptdoctor check --staged",
+        )
+    ),
     "CKD201": Example(
         _copy("core016_tp2", check="ckptdoctor check --select CKD201 /tmp/run"),
         _set_args(tensor_model_parallel_size=1),

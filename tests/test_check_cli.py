@@ -451,3 +451,73 @@ def test_check_staged_without_pre_commit(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc, out, err = _run(capsys, "check", "--staged")
     assert rc == 2 and "--staged: git rev-parse failed" in err and err.count("\n") == 1, err
+
+
+def test_check_staged_reports_what_the_commit_holds_otherwise(capsys, tmp_path, monkeypatch):
+    """check reads the working tree: a file there the commit leaves out (git rm --cached, untracked, ignored) or
+    holds another version of is CKD160, always reported, and the gate vouches for nothing (a staged .metadata
+    nobody read could run code)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(FIXTURES / "core019_tp2", repo / "ck")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    monkeypatch.chdir(repo)
+    rc, out, err = _run(capsys, "check", "--staged", "--format", "json")
+    assert rc == 0 and json.loads(out)["checked"] == [f"ck/{ITER}"], err
+    _git(repo, "rm", "-q", "--cached", f"ck/{ITER}/__1_0.distcp")
+    rc, out, err = _run(capsys, "check", "--staged", "--ignore", "CKD1", "--format", "json")
+    report = json.loads(out)
+    jsonschema.validate(report, shipped_schema("check"))
+    (found,) = report["findings"]
+    assert rc == 1 and report["safe_for_loaders"] is False and found["code"] == "CKD160"
+    assert found["path"] == f"ck/{ITER}" and "1 file not staged" in found["message"]
+    assert "__1_0.distcp" in found["message"] and "leaves it out" in found["message"]
+    _git(repo, "add", f"ck/{ITER}/__1_0.distcp")
+    metadata = repo / "ck" / ITER / "metadata.json"
+    metadata.write_text(metadata.read_text() + " ")  # the staged version is not what check reads
+    rc, out, _ = _run(capsys, "check", "--staged")
+    assert rc == 1 and "CKD160" in out and "1 file changed since staged: metadata.json" in out
+    _git(repo, "add", "-A")
+    rc, out, err = _run(capsys, "check", "--staged", "--format", "json")
+    assert rc == 0 and json.loads(out)["safe_for_loaders"] is True, out + err
+
+
+def test_a_folder_named_release_or_a_metadata_folder_is_no_checkpoint(capsys, tmp_path, monkeypatch):
+    """A repository's release/ folder (no tracker beside it, no checkpoint files in it) is not Megatron's release
+    iteration dir, an Eclipse workspace's .metadata/ folder is not a DCP index, and --staged looks no higher than
+    the repository: none made a save dir of the repository (skipping its checkpoints, ignoring its config)."""
+    workspace = tmp_path / "ws"
+    (workspace / ".metadata").mkdir(parents=True)
+    repo = workspace / "repo"
+    (repo / "release").mkdir(parents=True)
+    (repo / "release" / "notes.md").write_text("x\n")
+    shutil.copytree(CONVERTED, repo / "ck")
+    _write_config(repo, 'ignore = ["CKD212"]')
+    monkeypatch.chdir(repo)
+    rc, out, _ = _run(capsys, "check", ".", "--format", "json")
+    report = json.loads(out)
+    assert report["checked"] == [f"ck/{ITER}"] and report["config"]["path"] == str(repo / "pyproject.toml")
+    assert rc == 1 and {f["code"] for f in report["findings"]} == {"CKD203", "CKD210"}
+    _git(repo, "init", "-q")
+    _git(repo, "add", "release/notes.md", "pyproject.toml")
+    rc, out, err = _run(capsys, "check", "--staged")
+    assert rc == 0 and "CKD1" not in out + err, out + err
+    rc, out, err = _run(capsys, "check", "release/notes.md")  # a file of no checkpoint: skipped
+    assert rc == 1 and "CKD1" not in out, out + err
+    # beside a tracker, an (empty) release dir is the iteration dir the tracker names
+    (repo / "ck2" / "release").mkdir(parents=True)
+    (repo / "ck2" / "latest_checkpointed_iteration.txt").write_text("release")
+    rc, out, _ = _run(capsys, "check", "ck2")
+    assert rc == 1 and "ck2/release: CKD1" in out
+
+
+def test_a_torchtitan_save_dir_never_configures_its_check(capsys, tmp_path, monkeypatch):
+    save = tmp_path / "titan"
+    shutil.copytree(FIXTURES / "dcp" / "fsdp2_titan_ws2", save)
+    (save / "step-10" / "__1_0.distcp").unlink()
+    _write_config(save, 'ignore = ["ALL"]')
+    monkeypatch.chdir(save)
+    rc, out, _ = _run(capsys, "check", ".", "--format", "json")
+    report = json.loads(out)
+    assert rc == 1 and "CKD113" in {f["code"] for f in report["findings"]}
+    assert report["config"]["path"] is None and report["config"]["not_read"] == [str(save / "pyproject.toml")]

@@ -36,11 +36,21 @@ def _steps(block: str) -> list[tuple[str, str]]:
     return [(command, "".join(f"{line}\n" for line in shown)) for command, shown in steps]
 
 
+IN_DIR = re.compile(r"^cd (\S+) && (ckptdoctor .*)$")  # a command run from a dir (check --staged in a git repo)
+
+
+def _in_dir(command: str) -> tuple[str | None, str]:
+    """``cd DIR && ckptdoctor ...``: (DIR, the ckptdoctor command); any other command: (None, itself)."""
+    match = IN_DIR.match(command)
+    return (match.group(1), match.group(2)) if match else (None, command)
+
+
 def _runs_here(steps: list[tuple[str, str]]) -> bool:
     """Every path a ckptdoctor command names is a fixture or a /tmp/ output, and a fixture is named."""
     if "fixtures/" not in "".join(command for command, _ in steps):
         return False  # illustrative: a checkpoint that is not in the repository
     for command, _ in steps:
+        command = _in_dir(command)[1]
         if command.startswith("ckptdoctor "):
             argv = shlex.split(command, comments=True)[1:]
             if any(("/" in a or a == "ckpt") and not a.startswith(("fixtures/", "/tmp/")) for a in argv):
@@ -93,10 +103,11 @@ def test_example_output_is_current(doc, steps, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("COLUMNS", "100000")  # the docs show lines whole (a terminal wraps them at its width)
     for command, shown in steps:
-        command = command.replace("/tmp/", out_dir)
+        directory, command = _in_dir(command.replace("/tmp/", out_dir))
         if not command.startswith("ckptdoctor "):
             subprocess.run(["bash", "-c", command], cwd=REPO, check=True)
             continue
+        monkeypatch.chdir(directory or REPO)
         capsys.readouterr()
         _, out, err = run_main(capsys, *shlex.split(command, comments=True)[1:])
         pattern = _pattern(shown.replace("/tmp/", out_dir))

@@ -178,9 +178,11 @@ def command(
     if statistics and output_format not in ("text", "json"):
         raise click.BadParameter("--statistics goes with --format text or json", param_hint="--statistics")
     show_bar = (options.deep or options.health) and not quiet and output_format == "text" and sys.stderr.isatty()
+    staged_findings = None
     if staged:
-        paths = tuple(staged_checkpoint_dirs())
-    report = check_paths(list(paths), options, progress_bar(show_bar), missing_ok=True)
+        targets = staged_checkpoint_dirs()
+        paths, staged_findings = tuple(targets.paths), targets.findings
+    report = check_paths(list(paths), options, progress_bar(show_bar), missing_ok=True, staged=staged_findings)
     if any(f.fix for f in report.findings):  # the fixers' plans are imported and made only then
         from ckptdoctor.ops.fixes import verified_fixes
 

@@ -148,17 +148,23 @@ class _Targets:
 
 
 def check_paths(
-    paths: list[str], options: CheckOptions | None = None, progress: Progress | None = None, missing_ok: bool = False
+    paths: list[str],
+    options: CheckOptions | None = None,
+    progress: Progress | None = None,
+    missing_ok: bool = False,
+    staged: list[Finding] | None = None,
 ) -> CheckReport:
     """Run every selected rule on the checkpoints ``paths`` name. A path that does not exist raises
-    :class:`CkptError`, or with ``missing_ok`` is listed in the report's ``missing`` (the others are checked)."""
+    :class:`CkptError`, or with ``missing_ok`` is listed in the report's ``missing`` (the others are checked).
+    ``staged``: ``check --staged``'s findings of what the commit holds otherwise (the gate vouches for nothing
+    then)."""
     options = options or CheckOptions()
     if options.health:
         require_numpy()  # one clear error before any work
     targets = resolve_targets(paths, options.recursive, missing_ok)
     reports: list[HealthReport] | None = [] if options.health and options.health_statistics else None
     # (finding, the checkpoint its fix command names); None: no checkpoint a fixer could take
-    found: dict[Finding, Path | None] = dict.fromkeys(targets.findings)
+    found: dict[Finding, Path | None] = dict.fromkeys([*targets.findings, *(staged or [])])
     iteration_dirs: dict[Path, Path] = {}
     for save_dir, shown in targets.save_dirs.items():
         chosen, tracker_findings = structure.check_save_dir(save_dir, shown, options.all_iterations)
@@ -180,8 +186,13 @@ def check_paths(
         f if ckpt is None else with_fix(f, ckpt)
         for f, ckpt in found.items()
         if f.severity != OVERRIDDEN
-        and is_selected(f.code, options.select, options.ignore)
-        and (is_safety(f.code) or not _path_ignored(f, options))
+        and (
+            f.code == structure.STAGED_DIFFERS.code  # like the gate: not what the commit holds, whatever is selected
+            or (
+                is_selected(f.code, options.select, options.ignore)
+                and (is_safety(f.code) or not _path_ignored(f, options))
+            )
+        )
     ]
     counts = {"error": 0, "warning": 0}
     for f in kept:
@@ -189,7 +200,9 @@ def check_paths(
     gate = Gate([f for f in kept if is_safety(f.code)], trusted_names(), overridden)
     # The gate vouches only for what it read: a path that is missing, holds no checkpoint, or holds one in a
     # format nothing here reads (legacy mp_rank_* pickles) is not "safe", whatever --select leaves shown.
-    unread = [f for f in found if f.code in (structure.NOT_A_CHECKPOINT.code, structure.UNSUPPORTED_FORMAT.code)]
+    # Nor where the commit holds other bytes than were read (check --staged: CKD160).
+    unread_codes = (structure.NOT_A_CHECKPOINT.code, structure.UNSUPPORTED_FORMAT.code, structure.STAGED_DIFFERS.code)
+    unread = [f for f in found if f.code in unread_codes]
     vouched = bool(iteration_dirs) and not targets.missing and not unread
     return CheckReport(
         SCHEMA,
@@ -369,24 +382,82 @@ def _discover(directory: Path, targets: _Targets, seen: set[Path]) -> None:
             stack.append((child, resolved, iter(below)))
 
 
-def staged_checkpoint_dirs(cwd: Path | None = None) -> list[str]:
+@dataclass
+class StagedTargets:
+    """What ``check --staged`` checks: the checkpoint dirs of the staged paths, and (CKD160) where the working tree
+    it reads differs from what the commit holds there."""
+
+    paths: list[str]
+    findings: list[Finding]
+
+
+def staged_checkpoint_dirs(cwd: Path | None = None) -> StagedTargets:
     """The checkpoint dirs that the paths staged in git belong to, deletions included (``check --staged``, the
     ``ckptdoctor-check-staged`` pre-commit hook): pre-commit passes a hook only files that still exist, so a commit
     deleting ``__1_0.distcp`` or ``metadata.json`` passed ``ckptdoctor-check`` unchecked. Each staged path maps to
     the iteration dir it lies in, or the save dir (a deleted iteration dir, a tracker); a path of no checkpoint (a
-    deleted checkpoint as a whole among them) maps to none. Named relative to ``cwd`` where below it, in name order.
-    """
+    deleted checkpoint as a whole among them) or outside the repository maps to none. Named relative to ``cwd``
+    where below it, in name order. The check reads the working tree: files there that the commit leaves out or holds
+    otherwise are CKD160 findings (pre-commit stashes unstaged changes, not untracked files)."""
     cwd = cwd or Path.cwd()
-    top = Path(_git(cwd, "rev-parse", "--show-toplevel").rstrip("\n"))
+    top = Path(_git(cwd, "rev-parse", "--show-toplevel").rstrip("\n")).resolve()
     # --no-renames: a rename is its deletion and its addition; no external diff or textconv (name-only runs neither)
     names = _git(cwd, "diff", "--cached", "--name-only", "-z", "--no-renames", "--no-ext-diff", "--no-textconv")
     found: dict[Path, str] = {}
     for name in filter(None, names.split("\0")):
-        directory = _checkpoint_dir_of(top / name)
+        directory = _checkpoint_dir_of(top / name, top)
         if directory is not None and directory.resolve() not in found:
             shown = os.path.relpath(directory, cwd)
             found[directory.resolve()] = directory.as_posix() if shown.startswith("..") else Path(shown).as_posix()
-    return sorted(found.values())
+    return StagedTargets(sorted(found.values()), _unstaged_differences(top, found))
+
+
+UNSTAGED_EXAMPLES = 3
+
+
+def _unstaged_differences(top: Path, dirs: dict[Path, str]) -> list[Finding]:
+    """CKD160 per checkpoint dir: its files that are not staged (untracked or ignored: ``ls-files --others``), and
+    those changed since they were staged (``diff`` of the working tree against the index)."""
+    if not dirs:
+        return []
+    specs = [f":(literal){d.relative_to(top).as_posix() if d != top else '.'}" for d in dirs]
+    untracked = _git(top, "ls-files", "-z", "--others", "--full-name", "--", *specs)
+    changed = _git(top, "diff", "-z", "--name-only", "--no-renames", "--no-ext-diff", "--no-textconv", "--", *specs)
+    findings = []
+    kinds = (
+        (
+            untracked,
+            "not staged (untracked, ignored or removed with git rm --cached)",
+            "leaves {it} out",
+            "git add {it} (-f where ignored) or move {it} out of the checkpoint",
+        ),
+        (
+            changed,
+            "changed since staged",
+            "holds the staged version",
+            "git add {it}, or check with the rest stashed (git stash --keep-index)",
+        ),
+    )
+    for listing, what, commit, remedy in kinds:
+        by_dir: dict[Path, list[str]] = {}
+        for name in filter(None, listing.split("\0")):
+            path = top / name
+            owner = max((d for d in dirs if d == path or d in path.parents), key=lambda d: len(d.parts), default=None)
+            if owner is not None:
+                by_dir.setdefault(owner, []).append(path.relative_to(owner).as_posix())
+        for owner, files in sorted(by_dir.items()):
+            files.sort()
+            shown = ", ".join(files[:UNSTAGED_EXAMPLES]) + (
+                f" and {len(files) - UNSTAGED_EXAMPLES} more" if len(files) > UNSTAGED_EXAMPLES else ""
+            )
+            one = len(files) == 1
+            it = "it" if one else "them"
+            message = (
+                f"{len(files)} file{'' if one else 's'} {what}: {shown}; check read the working tree, the commit "
+                f"{commit.format(it=it)}: {remedy.format(it=it)}"
+            )
+            findings.append(finding(structure.STAGED_DIFFERS, dirs[owner], message))
+    return findings
 
 
 def _git(cwd: Path, *args: str) -> str:
@@ -400,9 +471,11 @@ def _git(cwd: Path, *args: str) -> str:
     return proc.stdout.decode("utf-8", "surrogateescape")
 
 
-def _checkpoint_dir_of(path: Path) -> Path | None:
-    """The iteration dir or save dir ``path`` (which may no longer exist) belongs to, or None."""
-    existing = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), None)
+def _checkpoint_dir_of(path: Path, top: Path) -> Path | None:
+    """The iteration dir or save dir ``path`` (which may no longer exist) belongs to, or None; never a dir above the
+    repository's top (``top``): what lies outside it is not committed."""
+    inside = [p for p in (path, *path.parents) if p == top or top in p.parents]
+    existing = next((p for p in inside if p.exists() or p.is_symlink()), None)
     if existing is None:
         return None
     start = existing if existing.is_dir() and not existing.is_symlink() else existing.parent
@@ -410,7 +483,7 @@ def _checkpoint_dir_of(path: Path) -> Path | None:
         return start
     if (start / TRACKER_NAME).exists() or (start / BRIDGE_TRACKER_NAME).exists() or list_iteration_dirs(start):
         return start  # a save dir: a tracker staged, an iteration dir deleted
-    for parent in list(start.parents)[:2]:  # a zarr array dir, NeMo 2's weights/ below its checkpoint dir
+    for parent in [p for p in start.parents if p in inside][:2]:  # a zarr array dir, NeMo 2's weights/ below it
         if looks_like_iteration_dir(parent):
             return parent
     return None

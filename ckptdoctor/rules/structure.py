@@ -164,6 +164,17 @@ ITERATION_MISMATCH = _rule(
     "the common state's iteration differs from the iteration dir name",
     "A renamed or mis-copied dir: the run would resume at the saved iteration, not the one the name promises.",
 )
+STAGED_DIFFERS = _rule(
+    "CKD160",
+    "staged-differs",
+    ERROR,
+    "check --staged read a file of the checkpoint that the commit will not hold as read",
+    "check reads the working tree; a file there that is not staged (untracked, ignored, or removed with git rm "
+    "--cached) is left out of the commit, and a file changed since it was staged is committed as staged. Either "
+    "way what was checked is not what is committed (a partial checkpoint, or staged bytes nobody read), so the "
+    "gate cannot pass it: stage the files, move them out, or check with the changes stashed. Always reported, "
+    "as the gate is: --select, --ignore and per-path-ignores do not hide it.",
+)
 
 RULES = [
     NOT_A_CHECKPOINT,
@@ -183,6 +194,7 @@ RULES = [
     COMMON_STATE_MISSING,
     COMMON_STATE_UNREADABLE,
     ITERATION_MISMATCH,
+    STAGED_DIFFERS,
 ]
 _RULES_BY_CODE = {rule.code: rule for rule in RULES}
 _REFUSAL_CODES = frozenset({UNSAFE_PICKLE.code, UNLISTED_GLOBAL.code, PICKLE_LIMIT.code, ARCHIVE_ANOMALY.code})
