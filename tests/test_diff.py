@@ -461,3 +461,33 @@ def test_bucket_padding_is_neither_compared_nor_measured(capsys):
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["padding"] == 160 and stats["finite"] == 28832
     assert stats["min"] == stats["max"] == 0.0  # every moment zeroed: the padding's garbage is not counted
+
+
+def test_a_tensor_in_the_common_state_is_compared_by_its_values(capsys):
+    """The optimizer's step count (a 0-d tensor in the common state) differs between the two real saves (1 and 10
+    steps): diff reports it, with the values (a tensor's stand-in holds only a way to read its bytes, and tensors of
+    other values were digested alike)."""
+    rc, report = _diff(capsys, str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_trained_tp1"))
+    changed = {f["path"]: f for item in report["common"]["items"] for f in item["fields"]}
+    step = changed["optimizer.state.common_step"]
+    assert rc == 1 and "value=1.0" in str(step["a"]) and "value=10.0" in str(step["b"]), step
+
+
+def test_tensor_stand_ins_are_equal_exactly_when_their_values_are():
+    torch = pytest.importorskip("torch")
+    from ckptdoctor.formats.torch_zip import load_torch_zip
+    from ckptdoctor.pickle.plain import same_value
+
+    def loaded(value):
+        buffer = io.BytesIO()
+        torch.save({"step": value}, buffer)
+        return load_torch_zip(buffer.getvalue(), "test")["step"]
+
+    one, seven = loaded(torch.tensor(1.0)), loaded(torch.tensor(7.0))
+    assert not same_value(one, seven) and same_value(one, loaded(torch.tensor(1.0)))
+    assert repr(seven) == "tensor(torch.float32, shape=[], value=7.0)"
+    pair = loaded(torch.tensor([1.5, -2.0], dtype=torch.bfloat16))
+    assert repr(pair) == "tensor(torch.bfloat16, shape=[2], values=[1.5, -2.0])"
+    big = loaded(torch.zeros(100))
+    assert repr(big) == "tensor(torch.float32, shape=[100])"  # no values beyond a few
+    assert not same_value(big, loaded(torch.ones(100)))

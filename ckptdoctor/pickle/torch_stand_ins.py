@@ -8,6 +8,7 @@ functions. Each pickles back to its torch global (DCP's enum and layout values: 
 from __future__ import annotations
 
 import collections
+import hashlib
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -307,8 +308,62 @@ class TensorRef:
 
     __hash__ = object.__hash__
 
+    def __ckd_content__(self) -> bytes:
+        """What equal tensors (``__eq__``) share, for ckptdoctor.pickle.plain's digest (``same_value``, diff of the
+        common state): dtype, size, stride, offset and the storage's bytes (its attributes hold only a way to read
+        them: two tensors of other values digested alike, and diff missed a changed optimizer step count)."""
+        try:
+            data = hashlib.blake2b(self.storage.data(), digest_size=16).digest()
+        except (ValueError, OSError) as exc:  # no source, or unreadable: told apart from any readable bytes
+            data = f"unreadable:{exc}".encode()
+        return f"{self.dtype!r}|{self.size}|{self.stride}|{self.storage_offset}|".encode() + data
+
+    def small_values(self) -> list | None:
+        """The values of a tensor of at most :data:`SHOWN_VALUES` elements in a small storage (a step count, a
+        scale), read without torch; None for any other (or a dtype not decoded here)."""
+        fmt = _STRUCT_FORMATS.get(self.dtype.name if self.dtype is not None else "")
+        if fmt is None or len(self.size) > 1 or self.numel > SHOWN_VALUES or self.storage.numel > SHOWN_STORAGE:
+            return None
+        try:
+            data = self.storage.data()
+        except (ValueError, OSError):
+            return None
+        width = struct.calcsize(fmt)
+        step = self.stride[0] if self.size else 0
+        out = []
+        for i in range(self.numel):
+            at = (self.storage_offset + i * step) * width
+            if at < 0 or at + width > len(data):
+                return None
+            (value,) = struct.unpack_from(fmt, data, at)
+            if self.dtype is not None and self.dtype.name == "bfloat16":  # the high half of a float32
+                (value,) = struct.unpack("<f", struct.pack("<I", value << 16))
+            out.append(value)
+        return out
+
     def __repr__(self) -> str:
-        return f"tensor({self.dtype}, shape={list(self.size)})"
+        values = self.small_values()
+        if values is None:
+            return f"tensor({self.dtype}, shape={list(self.size)})"
+        shown = f"value={values[0]!r}" if not self.size else f"values={values!r}"
+        return f"tensor({self.dtype}, shape={list(self.size)}, {shown})"
+
+
+SHOWN_VALUES = 4
+SHOWN_STORAGE = 64  # elements: a view of a large storage is not read for its repr
+# little-endian struct formats of the dtypes a small tensor's values are shown for (bfloat16: the raw 16 bits)
+_STRUCT_FORMATS = {
+    "float32": "<f",
+    "float64": "<d",
+    "float16": "<e",
+    "bfloat16": "<H",
+    "int64": "<q",
+    "int32": "<i",
+    "int16": "<h",
+    "int8": "<b",
+    "uint8": "<B",
+    "bool": "<?",
+}
 
 
 class _Rebuilt:
