@@ -134,6 +134,21 @@ def _series(capsys, save, *extra: object) -> dict:
     return doc
 
 
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_all_iterations_refuses_an_iteration_it_cannot_read_whole(capsys, save_dir, damage):
+    """A half-written iteration (a rank's data file missing or cut short) was measured from what was left: its
+    missing half showed as the weights moving. As with two checkpoints, it is an error naming the file."""
+    data = sorted((save_dir / "iter_0000015").glob("*.distcp"))[-1]
+    if damage == "missing":
+        data.unlink()
+    else:
+        with open(data, "r+b") as f:
+            f.truncate(data.stat().st_size // 2)
+    rc, out, err = run_main(capsys, "diff", save_dir, "--values", "--stats", "--all-iterations", "--format", "json")
+    assert rc == 2 and "iter_0000015: cannot measure its tensors" in err and data.name in err, err
+    assert {"missing": "CKD113", "truncated": "CKD114"}[damage] in err
+
+
 def test_all_iterations_side_by_side(capsys, save_dir):
     doc = _series(capsys, save_dir)
     assert doc["iterations"] == [5, 10, 15] and doc["save_dir"] == str(save_dir)

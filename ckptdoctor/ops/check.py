@@ -293,16 +293,29 @@ def health_scan(directory: Path, shown: Path, jobs: int | None = None, progress:
     require_numpy()
     stats = HealthScan()
     with gc_paused():
-        state, _ = structure.scan_iteration(directory, shown)
+        state, found = structure.scan_iteration(directory, shown)
+        _refuse_unreadable(found, shown)
         if progress is not None:
             progress.start(str(shown), deep_decode.deep_bytes(state))
         try:
             advance = progress.advance if progress is not None else None
-            deep_decode.check_deep(state, advance, False, jobs, stats)
+            _refuse_unreadable(deep_decode.check_deep(state, advance, False, jobs, stats), shown)
         finally:
             if progress is not None:
                 progress.finish()
     return stats
+
+
+# What leaves a tensor's statistics partial or wrong: the index, a data file or a chunk that cannot be read whole
+# (``diff --stats --all-iterations`` measured a half-written iteration's one rank as a change of the weights).
+UNREADABLE_DATA = frozenset({"CKD110", "CKD111", "CKD112", "CKD113", "CKD114", "CKD310", "CKD311"})
+
+
+def _refuse_unreadable(found: list[Finding], shown: Path) -> None:
+    bad = [f for f in found if f.code in UNREADABLE_DATA]
+    if bad:
+        more = f" (and {len(bad) - 1} more: ckptdoctor check --deep {shown})" if len(bad) > 1 else ""
+        raise CkptError(f"{shown}: cannot measure its tensors: {bad[0].path}: {bad[0].code} {bad[0].message}{more}")
 
 
 def resolve_targets(paths: list[str], recursive: bool = True, missing_ok: bool = False) -> _Targets:
