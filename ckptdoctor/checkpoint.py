@@ -263,7 +263,7 @@ class Checkpoint:
     def read_bytes_item(self, key: str, unlisted: list[UnlistedGlobal] | None = None) -> Any:
         """Decode a bytes item (ShardedObject, ``_extra_state``, ``common_state``) through the safe unpickler."""
         data, where = self.bytes_item_data(key)
-        return decode_object_bytes(data, where, unlisted)
+        return decode_object_bytes(data, where, unlisted, listed=self.dcp is not None)
 
     def keep_item_bytes(self, key: str, data: bytes) -> None:
         """Remember a bytes item's stored bytes, read by a pass over many items, for :meth:`bytes_item_data`; up to
@@ -285,14 +285,18 @@ class Checkpoint:
         return torch_dist.read_range(self.iteration_dir, location, entry.max_range_bytes(entry.chunks[0])), where
 
 
-def decode_object_bytes(data: bytes, where: str, unlisted: list[UnlistedGlobal] | None = None) -> Any:
-    """A Megatron ShardedObject's bytes: ``torch.save([obj])`` (or of a BytesIO holding that), unwrapped."""
+def decode_object_bytes(
+    data: bytes, where: str, unlisted: list[UnlistedGlobal] | None = None, listed: bool = True
+) -> Any:
+    """A Megatron ShardedObject's bytes, as its load hands it back: a DCP record is ``torch.save([obj])`` (megatron-core
+    saves a rank's objects of one key as a list, ``listed``), unwrapped; a legacy zarr save's object file is
+    ``torch.save(obj)`` (an rng state ``[dict]`` stays a list: unwrapping it too made zarr and torch_dist differ)."""
     if not is_torch_zip(data):
         return data
     obj = load_torch_zip(data, where, unlisted=unlisted)
     if isinstance(obj, io.BytesIO) and is_torch_zip(obj.getvalue()[:4]):
         obj = load_torch_zip(obj.getvalue(), where, unlisted=unlisted)
-    if isinstance(obj, list) and len(obj) == 1:
+    if listed and isinstance(obj, list) and len(obj) == 1:
         obj = obj[0]
     if isinstance(obj, io.BytesIO) and obj.getvalue():
         # Transformer Engine 1.x extra state (Megatron saves torch.save([BytesIO])): TE's load torch.load()s it,

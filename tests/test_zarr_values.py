@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, run_main
 
 np = pytest.importorskip("numpy")
 
@@ -71,3 +71,20 @@ def test_deep_finds_a_nan_in_a_zarr_chunk(capsys, tmp_path):
     assert rc == 0, out
     rc, out = _run(capsys, "check", "--isolated", "--deep", str(ZARR))
     assert rc == 0, out
+
+
+def test_a_zarr_sharded_object_decodes_as_its_torch_dist_twin(capsys):
+    """megatron-core saves a rank's rng state [dict] as torch.save([[dict]]) in a DCP record and as torch.save([dict])
+    in a legacy zarr save's object file; both load as [dict]. One unwrap too many made zarr vs torch_dist differ."""
+    decoded = {}
+    for name in ("core014_zarr_tp2", "core015_tp2"):
+        rc, out, err = run_main(capsys, "show", FIXTURES / name, "rng_state", "--decode", "--format", "json")
+        assert rc == 0, err
+        value = json.loads(out)["decoded"]
+        decoded[name] = next(iter(value.values())) if isinstance(value, dict) else value
+    for value in decoded.values():
+        assert isinstance(value, list) and len(value) == 1 and "random_rng_state" in value[0], value
+    rc, out, err = run_main(
+        capsys, "diff", FIXTURES / "core014_zarr_tp2", FIXTURES / "core015_tp2", "--values", "--section", "rng"
+    )
+    assert "bytes and decoded objects differ" not in out and "1 equal, 0 differ" in out, out
