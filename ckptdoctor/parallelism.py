@@ -76,6 +76,21 @@ class SavedLayout:
         return " ".join(parts)
 
 
+def same_layout(a: SavedLayout, b: SavedLayout) -> bool:
+    """The same parallel layout: TP, PP (where both are known: a zarr save's data files do not tell it), EP, ETP and a
+    plain DCP's sharding. Not the number of ranks that wrote data files: data-parallel replicas add writers, not
+    another layout (``diff`` said "layout differs" for a save at DP=2 with every key chunked alike)."""
+    pp_known = a.pp is not None and b.pp is not None
+    sharding = (a.sharding.summary() if a.sharding else None, b.sharding.summary() if b.sharding else None)
+    return (
+        a.tp == b.tp
+        and (not pp_known or a.pp == b.pp)
+        and a.ep == b.ep
+        and (a.etp or a.tp) == (b.etp or b.tp)
+        and sharding[0] == sharding[1]
+    )
+
+
 def is_stacked_layer_key(key: str) -> bool:
     return bool(_STACKED_LAYER_RE.search(key))
 

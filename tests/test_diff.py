@@ -491,3 +491,13 @@ def test_tensor_stand_ins_are_equal_exactly_when_their_values_are():
     big = loaded(torch.zeros(100))
     assert repr(big) == "tensor(torch.float32, shape=[100])"  # no values beyond a few
     assert not same_value(big, loaded(torch.ones(100)))
+
+
+def test_more_writers_is_not_another_layout(capsys):
+    """DP=2 adds writers (4 data files for 2), not a layout: every key is chunked alike and every value equal, so the
+    diff is clean (it said "layout differs" and exited 1); another TP still differs."""
+    rc, report = _diff(capsys, str(FIXTURES / "core019_tp2"), str(FIXTURES / "core019_tp2_dp2"), "--section", "model")
+    assert rc == 0 and report["layout"]["differs"] is False and report["identical"], report["layout"]
+    assert report["layout"]["a"] != report["layout"]["b"]  # the summaries still name each side's writers
+    rc, report = _diff(capsys, str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp2"), "--section", "model")
+    assert rc == 1 and report["layout"]["differs"] is True

@@ -40,7 +40,7 @@ from ckptdoctor.ops.diff.report import (
     Side,
 )
 from ckptdoctor.ops.diff.stats import compare_stats
-from ckptdoctor.parallelism import SavedLayout, infer_layout
+from ckptdoctor.parallelism import SavedLayout, infer_layout, same_layout
 from ckptdoctor.pickle.paths import FieldChange, FieldDiff, diff_fields, join
 from ckptdoctor.pickle.plain import same_value
 from ckptdoctor.values.diff import compare_values
@@ -366,7 +366,7 @@ def diff_checkpoints(
             saved_a.summary(),
             saved_b.summary(),
             summary_line,
-            bool(layout_changes) or saved_a.summary() != saved_b.summary(),
+            bool(layout_changes) or not same_layout(saved_a, saved_b),
             len(layout_changes),
             layout_changes if limit is None else layout_changes[:limit],
         )
