@@ -254,6 +254,10 @@ class Checkpoint:
         """The saved ``argparse.Namespace`` (or None when the common state holds no args)."""
         return self.common_state().get("args")
 
+    def referenced_files(self) -> set[str]:
+        """The data files the index places chunks in (present or not: ``data_files`` lists those on disk)."""
+        return {chunk.storage.relative_path for e in self.entries.values() for chunk in e.chunks if chunk.storage}
+
     def untrusted_globals_read(self) -> list[str]:
         """The globals off the allowlist (and not trusted with --trust-global) that the reads of ``.metadata`` and
         the common state so far met: read here as inert stand-ins, run by a real load (check: CKD402)."""

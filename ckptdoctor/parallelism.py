@@ -214,7 +214,8 @@ def _collect_expert_ranks(entry: Entry, stacked: bool, expert_ranks: _Coverage, 
 def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
     if checkpoint.location.backend == BACKEND_DCP:  # no Megatron layout: DTensor shards over one mesh
         grid = shard_grid(checkpoint)
-        ranks = sorted({r for name in checkpoint.data_files if (r := writer_rank(name)) is not None})
+        written = set(checkpoint.data_files) | checkpoint.referenced_files()
+        ranks = sorted({r for name in written if (r := writer_rank(name)) is not None})
         return SavedLayout(tp=None, pp=None, layers=None, ep=None, writer_ranks=ranks, sharding=grid)
     split_counts: list[int] = []
     fc1_counts: list[int] = []
@@ -250,7 +251,9 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
             continue
         split = max((_distinct_offsets(entry, a) for a in range(first_split_axis, len(entry.shape))), default=1)
         (fc1_counts if _SWIGLU_FC1_RE.search(entry.key) else split_counts).append(split)
-    ranks = sorted({r for name in checkpoint.data_files if (r := rank_of[name]) is not None})
+    # the ranks whose files the index references too: a half-written save (a rank's file missing) keeps its layout
+    written = set(checkpoint.data_files) | checkpoint.referenced_files()
+    ranks = sorted({r for name in written if (r := rank_of[name]) is not None})
     if any(c > 1 for c in split_counts):
         tp: int | None = min(c for c in split_counts if c > 1)
     elif split_counts:

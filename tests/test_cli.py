@@ -92,6 +92,22 @@ def test_inspect_table(capsys):
     assert "tensor_parallel_num_weight_shards=2" in out
 
 
+def test_inspect_of_a_half_written_save_names_the_missing_file_and_keeps_its_layout(capsys, copy_fixture):
+    save = copy_fixture("core019_tp2")
+    (save / "iter_0000010" / "__1_0.distcp").unlink()
+    rc, out, _ = _run(capsys, "inspect", str(save), "--format", "json")
+    report = json.loads(out)
+    jsonschema.validate(report, SCHEMA)
+    assert rc == 0 and report["data_files"]["missing"] == ["__1_0.distcp"] and report["data_files"]["count"] == 1
+    assert report["layout"]["writer_ranks"] == [0, 1]  # the ranks the index names: it said "1 writer"
+    rc, out, _ = _run(capsys, "inspect", str(save))
+    flat = " ".join(out.split())
+    assert "1 file," in flat and "1 more the index references is MISSING: __1_0.distcp (check: CKD113)" in flat
+    assert "TP=2 PP=1 (2 writers)" in out
+    rc, out, _ = _run(capsys, "inspect", str(FIXTURES / "core019_tp2"), "--format", "json")
+    assert json.loads(out)["data_files"]["missing"] == []
+
+
 def test_inspect_filter(capsys):
     rc, out, _ = _run(capsys, "inspect", str(FIXTURES / "core016_tp2"), "--filter", r"linear_qkv\.weight$")
     assert rc == 0

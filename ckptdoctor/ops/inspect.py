@@ -170,7 +170,12 @@ def inspect_checkpoint(checkpoint: Checkpoint, with_keys: bool = False, key_filt
             "checkpoint_version": common.get("checkpoint_version"),
             "flavour": location.flavour,
         },
-        data_files={"count": len(checkpoint.data_files), "bytes": sum(checkpoint.data_files.values())},
+        data_files={
+            "count": len(checkpoint.data_files),
+            "bytes": sum(checkpoint.data_files.values()),
+            # referenced by the index but not on disk (a half-written save: check says CKD113)
+            "missing": sorted(checkpoint.referenced_files() - set(checkpoint.data_files)),
+        },
         sections=sections,
         layout=layout,
         args=summarize_args(config) if where == RUN_CONFIG else summarize_args(args) if args is not None else None,

@@ -136,7 +136,14 @@ def render_inspect(report: InspectReport, width: int | None = None) -> str:
     version = fmt["checkpoint_version"]
     lines.append(f"iteration       {iteration}   checkpoint_version {'none saved' if version is None else version}")
     files = report.data_files
-    lines.append(f"data files      {files['count']} files, {human_bytes(files['bytes'])}")
+    count = files["count"]
+    line = f"data files      {count} file{'' if count == 1 else 's'}, {human_bytes(files['bytes'])}"
+    missing = files.get("missing") or []
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        verb = "is" if len(missing) == 1 else "are"
+        line += f"; {len(missing)} more the index references {verb} MISSING: {shown} (check: CKD113)"
+    lines.append(line)
     lines.append(f"saved layout    {report.layout['summary']}")
     if report.stand_ins_read:
         lines.append(stand_ins_note(report.stand_ins_read))
