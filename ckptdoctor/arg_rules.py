@@ -226,7 +226,8 @@ def _shards_rules(
             code_shards,
             shards_field,
             f"{tp_field} x {remat_field}",
-            f"None, or {tp_field} x {remat_field} (the saved GTP weight remat at the real {tp_field})",
+            f"{shards_field} must be None or {tp_field} x {remat_field} (the saved GTP weight remat at the real "
+            f"{tp_field})",
             check_shards,
         ),
         Rule(code_remat, remat_field, shards_field, f"{remat_field} must be a positive int", check_remat),

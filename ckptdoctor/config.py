@@ -109,7 +109,10 @@ def load_tool_config(
         raise CkptError(f"{path}: not valid TOML (nested too deeply)") from None
     except ValueError as exc:  # TOMLDecodeError, and an int of more than 4,300 digits
         raise CkptError(f"{path}: not valid TOML ({str(exc).split(';')[0]})") from None
-    table = data.get("tool", {}).get("ckptdoctor", {})
+    tool = data.get("tool", {})
+    if not isinstance(tool, dict):  # `tool = 3`: was an internal error
+        raise CkptError(f"{path}: `tool` is not a table (pyproject.toml keeps the tools' settings in [tool.NAME])")
+    table = tool.get("ckptdoctor", {})
     if not isinstance(table, dict):
         raise CkptError(f"{path}: [tool.ckptdoctor] is not a table")
     return table, path

@@ -116,6 +116,11 @@ def test_config_from_pyproject_upward(tmp_path):
 
 
 def test_bad_config_is_a_usage_error(tmp_path):
+    (tmp_path / "pyproject.toml").write_text("tool = 3\n")
+    for command in (("check", str(CONVERTED)), ("diff", str(CONVERTED), str(CONVERTED))):
+        result = run_cli(*command, cwd=tmp_path)
+        assert result.returncode == 2 and "`tool` is not a table" in result.stderr, result.stderr
+        assert "internal error" not in result.stderr
     _write_config(tmp_path, "deep = 'yes'")
     result = run_cli("check", str(CONVERTED), cwd=tmp_path)
     assert result.returncode == 2 and "[tool.ckptdoctor] deep must be bool" in result.stderr

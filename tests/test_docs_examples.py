@@ -170,3 +170,11 @@ def test_repository_paths_named_in_docs_exist():
     """A path of this repository that a page names in code (`bench/README.md`) exists: a renamed file fails here."""
     missing = sorted({(str(d.relative_to(REPO)), p) for d in DOC_FILES for p in _paths(d) if not (REPO / p).exists()})
     assert not missing, missing
+
+
+def test_examples_of_no_checkpoint_are_current_too(capsys):
+    """Examples that name no fixture (not run above) but whose output is the command's own: the schema list."""
+    block = (REPO / "docs" / "commands" / "schema.md").read_text(encoding="utf-8").split("$ ckptdoctor schema --list\n")
+    shown = block[1].split("```", 1)[0]
+    _, out, _ = run_main(capsys, "schema", "--list")
+    assert out == shown
