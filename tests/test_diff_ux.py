@@ -10,7 +10,7 @@ import warnings
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, shipped_schema, squash
+from conftest import FIXTURES, run_main, shipped_schema, squash
 
 from ckptdoctor.cli import main
 
@@ -348,3 +348,12 @@ def test_args_one_sides_core_never_saved_do_not_decide_the_exit_status(capsys, s
     _rewrite_args(old, seed=None)
     rc, out, _ = _run(capsys, str(old), str(new), *same)
     assert rc == 1 and "seed: 1234 (only in B)" in out and "differences: 1 arg differs" in out
+
+
+def test_a_key_pattern_that_matches_nothing_is_an_error(capsys):
+    """A typo in a CI gate's --key compared nothing and passed (exit 0, "no differences")."""
+    a, b = str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp2")
+    rc, out, err = run_main(capsys, "diff", a, b, "--key", "final_layernorm", "--key", "linear_qvk")
+    assert rc == 2 and "--key 'linear_qvk' matches no key of A or B" in err and err.count("\n") == 1, err
+    rc, out, err = run_main(capsys, "diff", a, b, "--key", "final_layernorm")
+    assert rc in (0, 1) and not err

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdoctor.arg_rules import check_args
 from ckptdoctor.args import ARG_GROUPS, arg_group
 from ckptdoctor.checkpoint import SECTIONS, Checkpoint
+from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.plain_dcp import MODEL_PREFIX, model_under_prefix
 from ckptdoctor.logical_items import KIND_TENSOR, Item, is_common_state_item, logical_items
 from ckptdoctor.ops.diff.report import (
@@ -88,6 +89,10 @@ class KeyFilter:
         if self._keys and not any(p.search(item.key) for p in self._keys):
             return False
         return not any(p.search(item.key) for p in self._exclude)
+
+    def unmatched(self, keys: list[str]) -> list[str]:
+        """The ``--key`` patterns that match none of ``keys``."""
+        return [k for k, p in zip(self.keys, self._keys) if not any(p.search(key) for key in keys)]
 
     @property
     def accepts_all(self) -> bool:
@@ -353,6 +358,10 @@ def diff_checkpoints(
     # no filter: the same dicts (not a copy of 200k entries per side)
     items_a = all_a if key_filter.accepts_all else {k: v for k, v in all_a.items() if key_filter.accepts(v)}
     items_b = all_b if key_filter.accepts_all else {k: v for k, v in all_b.items() if key_filter.accepts(v)}
+    unmatched = key_filter.unmatched([*all_a, *all_b])
+    if unmatched:  # a typo in a CI gate's --key compared nothing and passed
+        listing = "`ckptdoctor inspect CKPT --keys` lists them"
+        raise CkptError(f"--key {unmatched[0]!r} matches no key of A or B ({listing})")
     era_common = a.location.has_common_pt != b.location.has_common_pt
     items_a, items_b, model_note = _align_model_prefix(a, b, items_a, items_b)
     parts: list = []
