@@ -49,7 +49,13 @@ def quiet_library_warnings() -> Iterator[None]:
     type=click.Choice(SECTIONS),
     help="Only keys of this section (repeatable). Args and common state are compared with 'common'.",
 )
-@click.option("--key", "keys", multiple=True, metavar="REGEX", help="Only keys matching REGEX (repeatable: any; one that matches no key of A or B is an error).")
+@click.option(
+    "--key",
+    "keys",
+    multiple=True,
+    metavar="REGEX",
+    help="Only keys matching REGEX (repeatable: any; one that matches no key of A or B is an error).",
+)
 @click.option("--exclude", multiple=True, metavar="REGEX", help="Leave out keys matching REGEX (repeatable).")
 @format_option("csv", schema="diff")
 @click.option(
