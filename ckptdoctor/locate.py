@@ -118,9 +118,15 @@ def list_dir(directory: Path) -> list[str]:
 
 
 def iteration_number(name: str) -> int | None:
-    """The iteration of a checkpoint dir's name: Megatron's ``iter_0000010`` or TorchTitan's ``step-10``."""
+    """The iteration of a checkpoint dir's name: Megatron's ``iter_0000010`` or TorchTitan's ``step-10``. Only the
+    name the writer gives that iteration (``iter_{:07d}``, ``step-{}``): ``iter_00000010`` is no dir Megatron loads,
+    and read as 10 it made two dirs of one iteration (history listed both, latest-good and inspect -i chose apart)."""
     match = ITER_DIR_RE.match(name)
-    return int(match.group(1)) if match else step_number(name)
+    if match:
+        number = int(match.group(1))
+        return number if name == iteration_dir_name(number) else None
+    number = step_number(name)
+    return number if number is not None and name == f"step-{number}" else None
 
 
 RELEASE = "release"  # Megatron's iteration dir of a converted (not trained) checkpoint; its tracker says "release"

@@ -227,3 +227,17 @@ def test_history_and_latest_good_take_the_tracker_file_as_the_other_commands_do(
         assert json.loads(out)["save_dir"] == str(FIXTURES / NAME)
     rc, _, err = run_main(capsys, "history", FIXTURES / NAME / "nope")
     assert rc == 2 and "no such file or directory" in err
+
+
+def test_a_dir_not_named_as_megatron_names_an_iteration_is_not_one(capsys, tmp_path):
+    """iter_00000010 is no dir Megatron writes or loads (iter_{:07d}); read as iteration 10 it made two dirs of one
+    iteration: history listed both, latest-good chose one and inspect -i 10 the other."""
+    save = tmp_path / "save"
+    save.mkdir()
+    for name in (ITER, "iter_00000010"):
+        shutil.copytree(FIXTURES / NAME / ITER, save / name)
+    (save / TRACKER).write_text("10")
+    rc, out, err = run_main(capsys, "history", save, "--format", "json")
+    assert rc == 0 and [row["iteration_dir"] for row in json.loads(out)["iterations"]] == [str(save / ITER)], out
+    rc, out, err = run_main(capsys, "latest-good", save)
+    assert rc == 0 and out.strip() == str(save / ITER), out + err
