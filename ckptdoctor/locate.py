@@ -125,8 +125,8 @@ def iteration_number(name: str) -> int | None:
     if match:
         number = int(match.group(1))
         return number if name == iteration_dir_name(number) else None
-    number = step_number(name)
-    return number if number is not None and name == f"step-{number}" else None
+    step = step_number(name)
+    return step if step is not None and name == f"step-{step}" else None
 
 
 RELEASE = "release"  # Megatron's iteration dir of a converted (not trained) checkpoint; its tracker says "release"

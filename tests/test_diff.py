@@ -342,6 +342,7 @@ def test_key_filters(capsys):
         (["nope"], "no such file"),
         ([str(FIXTURES / "core019_tp1"), "--key", "("], "invalid regex"),
         ([str(FIXTURES / "core019_tp1"), "--values", "--atol", "-1"], "must be >= 0"),
+        ([str(FIXTURES / "core019_tp1"), "--values", "--rtol", "nan"], "must be a number >= 0, not nan"),
         ([str(FIXTURES / "core019_tp1"), "--atol", "1e-3"], "Invalid value for --atol: needs --values"),
         ([str(FIXTURES / "core019_tp1"), "--rtol", "1e-3"], "Invalid value for --rtol: needs --values"),
     ],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import warnings
 from collections.abc import Iterator
@@ -209,6 +210,8 @@ def command(
     elif limit is None and output_format == "text":
         limit = TEXT_LIMIT
     for name, value in (("--atol", atol), ("--rtol", rtol)):
+        if value is not None and math.isnan(value):
+            raise click.BadParameter("must be a number >= 0, not nan", param_hint=name)
         if value is not None and not value >= 0:
             raise click.BadParameter("must be >= 0", param_hint=name)
     if all_iterations:

@@ -216,7 +216,8 @@ def _render_values(v: ValuesReport) -> list[str]:
     read = human_bytes(v.bytes_read["a"] + v.bytes_read["b"])
     lines = [
         f"values ({mode}): {v.compared} compared, {v.equal} equal, {v.different} differ, "
-        f"{v.not_compared} not compared; max abs diff {v.max_abs_diff}; read {read} in {v.seconds:.1f} s"
+        f"{v.not_compared} not compared; max abs diff "
+        f"{'-' if v.max_abs_diff is None else v.max_abs_diff}; read {read} in {v.seconds:.1f} s"
     ]
     for r in v.different_keys:
         parts = (
