@@ -123,6 +123,7 @@ def check_defaults(table: dict[str, Any], path: Path | None) -> dict[str, Any]:
     the file and the closest known key (the sub-tables of other commands, OTHER_TABLES, are left alone)."""
     import difflib
 
+    _refuse_two_spellings(table, f"{path}: [tool.ckptdoctor]")
     out: dict[str, Any] = {}
     for raw_key, value in table.items():
         key = raw_key.replace("_", "-")
@@ -170,6 +171,7 @@ def _sub_table(
     if not isinstance(raw_table, dict):
         raise CkptError(f"{path}: [tool.ckptdoctor] {name} must be a table ([tool.ckptdoctor.{name}])")
     where = f"{path}: [tool.ckptdoctor.{name}]"
+    _refuse_two_spellings(raw_table, where)
     out: dict[str, Any] = {}
     for raw_key, value in raw_table.items():
         key = raw_key.replace("_", "-")
@@ -179,6 +181,16 @@ def _sub_table(
             value = [value]
         out[key] = check(raw_key, value, where)
     return out
+
+
+def _refuse_two_spellings(table: dict[str, Any], where: str) -> None:
+    """A key written both ways (``all-iterations`` and ``all_iterations``): one of them silently won."""
+    seen: dict[str, str] = {}
+    for raw_key in table:
+        key = raw_key.replace("_", "-")
+        if key in seen:
+            raise CkptError(f"{where} sets {seen[key]!r} and {raw_key!r}: one key, spelt two ways; keep one")
+        seen[key] = raw_key
 
 
 def _strings(value: Any) -> bool:

@@ -121,6 +121,12 @@ def test_bad_config_is_a_usage_error(tmp_path):
         result = run_cli(*command, cwd=tmp_path)
         assert result.returncode == 2 and "`tool` is not a table" in result.stderr, result.stderr
         assert "internal error" not in result.stderr
+    _write_config(tmp_path, "all-iterations = true\nall_iterations = false")
+    result = run_cli("check", str(CONVERTED), cwd=tmp_path)
+    assert result.returncode == 2 and "one key, spelt two ways" in result.stderr, result.stderr
+    _write_config(tmp_path, "[tool.ckptdoctor.health-rules]\n[tool.ckptdoctor.health_rules]")
+    result = run_cli("check", str(CONVERTED), cwd=tmp_path)
+    assert result.returncode == 2 and "one key, spelt two ways" in result.stderr, result.stderr
     _write_config(tmp_path, "deep = 'yes'")
     result = run_cli("check", str(CONVERTED), cwd=tmp_path)
     assert result.returncode == 2 and "[tool.ckptdoctor] deep must be bool" in result.stderr
