@@ -357,3 +357,12 @@ def test_a_key_pattern_that_matches_nothing_is_an_error(capsys):
     assert rc == 2 and "--key 'linear_qvk' matches no key of A or B" in err and err.count("\n") == 1, err
     rc, out, err = run_main(capsys, "diff", a, b, "--key", "final_layernorm")
     assert rc in (0, 1) and not err
+
+
+def test_report_lines_tell_the_two_values_apart():
+    from ckptdoctor.render.diff import mismatch_values
+
+    assert mismatch_values(1.0, 1.0000001) == ("1", "1.0000001")
+    assert mismatch_values(0.5, 0.25) == ("0.5", "0.25")
+    assert mismatch_values(1.0, 1.0 + 2**-52) == ("1.0", "1.0000000000000002")
+    assert mismatch_values(3, 4) == ("3", "4")

@@ -233,7 +233,8 @@ def _render_values(v: ValuesReport) -> list[str]:
         parts += [r.note] if r.note else []
         lines.append(f"  differs  {r.key}: " + "; ".join(parts))
         for m in r.mismatches or ():
-            lines.append(f"    [{', '.join(map(str, m['index']))}]  A {_num(m['a'])}  B {_num(m['b'])}")
+            shown_a, shown_b = mismatch_values(m["a"], m["b"])
+            lines.append(f"    [{', '.join(map(str, m['index']))}]  A {shown_a}  B {shown_b}")
         for f in r.fields or ():  # a bytes item's differing fields by path
             if f.change == "changed":
                 lines.append(f"    {f.path}: {_short(f.a)} -> {_short(f.b)}")
@@ -398,6 +399,16 @@ def _change(change: float | None, a: float | None, b: float | None) -> str:
 
 def _num(x: Any) -> str:
     return f"{x:.6g}" if isinstance(x, float) else str(x)
+
+
+def mismatch_values(a: Any, b: Any) -> tuple[str, str]:
+    """Two differing elements as text that tells them apart: 6 significant digits, else 9 (any two float32), else
+    every digit (1.0 and 1.0000001 both showed as 1)."""
+    for shown in (_num, lambda x: f"{x:.9g}" if isinstance(x, float) else str(x), repr):
+        pair = shown(a), shown(b)
+        if pair[0] != pair[1]:
+            return pair
+    return pair
 
 
 def _verdict(report: DiffReport) -> str:
