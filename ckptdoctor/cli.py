@@ -275,11 +275,27 @@ def _asks_json(argv: Sequence[str]) -> tuple[str | None, bool]:
     return command, False
 
 
+def _configured_json(argv: Sequence[str]) -> bool:
+    """``check`` with no --format of its own and ``format = "json"`` in its [tool.ckptdoctor] (not --isolated): its
+    errors are the JSON error object too. A config that cannot be read (perhaps the error itself) says nothing."""
+    if "--isolated" in argv or any(w.partition("=")[0] in ("--format", "--output-format") for w in argv):
+        return False
+    from ckptdoctor.commands.options import normalize_format
+    from ckptdoctor.config import load_tool_config
+
+    try:
+        table, _ = load_tool_config()
+    except Exception:  # noqa: BLE001 - the config's own error is being reported already
+        return False
+    configured = table.get("format")
+    return isinstance(configured, str) and normalize_format(configured) == "json"
+
+
 def _json_error(argv: Sequence[str], message: str, code: int) -> None:
     """In ``--format json`` mode an error is also one JSON object on stdout, so that a pipeline reading stdout
     sees what happened, not nothing."""
     command, json_mode = _asks_json(argv)
-    if not json_mode:
+    if not json_mode and not (command == "check" and _configured_json(argv)):
         return
     error = {"schema": "ckptdoctor.error/1", "command": command, "error": message, "exit_code": code}
     try:

@@ -532,3 +532,17 @@ def test_a_torchtitan_save_dir_never_configures_its_check(capsys, tmp_path, monk
     report = json.loads(out)
     assert rc == 1 and "CKD113" in {f["code"] for f in report["findings"]}
     assert report["config"]["path"] is None and report["config"]["not_read"] == [str(save / "pyproject.toml")]
+
+
+def test_configured_json_format_in_any_case_and_for_errors_too(tmp_path):
+    """format = "JSON" in the config was refused ("is not one of") where --format JSON works; with format = "json"
+    configured an error printed no JSON on stdout (only --format json on the command line did)."""
+    _write_config(tmp_path, 'format = "JSON"')
+    result = run_cli("check", str(CONVERTED), cwd=tmp_path)
+    assert result.returncode == 1 and json.loads(result.stdout)["schema"] == "ckptdoctor.check/1"
+    _write_config(tmp_path, 'format = "json"\nte-version = "2.17"')
+    result = run_cli("check", str(CONVERTED), cwd=tmp_path)
+    error = json.loads(result.stdout)
+    assert result.returncode == 2 and error["schema"] == "ckptdoctor.error/1" and "te-version" in error["error"]
+    result = run_cli("check", "--isolated", "--te-version", "2.17", str(CONVERTED), cwd=tmp_path)
+    assert result.returncode == 2 and not result.stdout  # --isolated: the config's format is not used

@@ -22,7 +22,7 @@ class FormatChoice(click.Choice):
 
 def normalize_format(value: str) -> str:
     """A format name from a config file, with the same aliases as the option."""
-    return FORMAT_ALIASES.get(value.lower(), value)
+    return FORMAT_ALIASES.get(value.lower(), value.lower())  # any case, as --format takes it
 
 
 def schema_help(name: str) -> str:
