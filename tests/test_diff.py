@@ -502,3 +502,16 @@ def test_more_writers_is_not_another_layout(capsys):
     assert report["layout"]["a"] != report["layout"]["b"]  # the summaries still name each side's writers
     rc, report = _diff(capsys, str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp2"), "--section", "model")
     assert rc == 1 and report["layout"]["differs"] is True
+
+
+def test_a_stacked_objects_layer_count_is_a_shape_change_not_layout(capsys):
+    """2 layers vs 4: the stacked layers' _extra_state objects count other layers (a change of the model), the rng
+    state's extra shard is PP's (layout)."""
+    rc, report = _diff(capsys, str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp1_pp2"))
+    changed = {c["key"]: c for c in report["changed"]}
+    extra = changed["decoder.layers.mlp.linear_fc1._extra_state"]
+    assert extra["fields"] == ["shape"] and (extra["a"]["shape"], extra["b"]["shape"]) == ([2], [4])
+    layout = {k["key"] for k in report["layout"]["keys"]}
+    assert "rng_state" in layout and not any(k.endswith("._extra_state") for k in layout), layout
+    rc, report = _diff(capsys, str(FIXTURES / "core019_tp1"), str(FIXTURES / "core019_tp2"))
+    assert not any(c["key"].endswith("._extra_state") for c in report["changed"])  # TP alone: layout only

@@ -41,7 +41,7 @@ from ckptdoctor.ops.diff.report import (
     Side,
 )
 from ckptdoctor.ops.diff.stats import compare_stats
-from ckptdoctor.parallelism import SavedLayout, infer_layout, same_layout
+from ckptdoctor.parallelism import SavedLayout, infer_layout, is_stacked_layer_key, same_layout
 from ckptdoctor.pickle.paths import FieldChange, FieldDiff, diff_fields, join
 from ckptdoctor.pickle.plain import same_value
 from ckptdoctor.values.diff import compare_values
@@ -133,6 +133,14 @@ def _item_meta(item: Item) -> dict:
     return {"kind": item.kind, "dtype": item.dtype, "shape": None if item.shape is None else list(item.shape)}
 
 
+def _layers_differ(a: Item, b: Item) -> bool:
+    """A stacked layers' sharded object (``decoder.layers.<m>._extra_state``) whose grid counts other layers on its
+    first axis: the model's depth changed, not its layout (2 vs 4 layers was listed as "chunked differently")."""
+    if not (is_stacked_layer_key(a.key) and a.shape and b.shape and len(a.shape) == len(b.shape)):
+        return False
+    return a.shape[0] != b.shape[0]
+
+
 def compare_keys(
     items_a: dict[str, Item], items_b: dict[str, Item], era_common: bool, limit: int | None
 ) -> tuple[dict[str, SectionKeys], list[KeyChange], list[LayoutChange], list[str]]:
@@ -157,7 +165,7 @@ def compare_keys(
         common_count[a.section] += 1
         both.append(key)
         fields = [f for f in ("kind", "dtype", "shape") if getattr(a, f) != getattr(b, f)]
-        if a.kind == b.kind != KIND_TENSOR:
+        if a.kind == b.kind != KIND_TENSOR and not _layers_differ(a, b):
             fields = [f for f in fields if f != "shape"]  # an object's shard grid shape is layout
         if fields:
             changed.append(KeyChange(key, a.section, fields, _item_meta(a), _item_meta(b)))
