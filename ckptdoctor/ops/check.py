@@ -428,6 +428,20 @@ def staged_checkpoint_dirs(cwd: Path | None = None) -> StagedTargets:
 UNSTAGED_EXAMPLES = 3
 
 
+# Dot files a loader reads; other dot files (.DS_Store, an editor's swap file, a .metadata.bak-* backup) and a
+# desktop's thumbnails are nobody's checkpoint, whether committed or not.
+_LOADER_DOT_FILES = frozenset({".metadata", ".zarray", ".zgroup", ".zattrs"})
+_DESKTOP_FILES = frozenset({"Thumbs.db", "desktop.ini"})
+
+
+def _commit_matters(name: str) -> bool:
+    """Whether a file left out of the commit (or committed as staged) changes the checkpoint it lies in."""
+    base = name.rsplit("/", 1)[-1]
+    if base in _DESKTOP_FILES:
+        return False
+    return not base.startswith(".") or base in _LOADER_DOT_FILES
+
+
 def _unstaged_differences(top: Path, dirs: dict[Path, str]) -> list[Finding]:
     """CKD160 per checkpoint dir: its files that are not staged (untracked or ignored: ``ls-files --others``), and
     those changed since they were staged (``diff`` of the working tree against the index)."""
@@ -454,6 +468,8 @@ def _unstaged_differences(top: Path, dirs: dict[Path, str]) -> list[Finding]:
     for listing, what, commit, remedy in kinds:
         by_dir: dict[Path, list[str]] = {}
         for name in filter(None, listing.split("\0")):
+            if not _commit_matters(name):
+                continue
             path = top / name
             owner = max((d for d in dirs if d == path or d in path.parents), key=lambda d: len(d.parts), default=None)
             if owner is not None:

@@ -173,7 +173,8 @@ STAGED_DIFFERS = _rule(
     "--cached) is left out of the commit, and a file changed since it was staged is committed as staged. Either "
     "way what was checked is not what is committed (a partial checkpoint, or staged bytes nobody read), so the "
     "gate cannot pass it: stage the files, move them out, or check with the changes stashed. Always reported, "
-    "as the gate is: --select, --ignore and per-path-ignores do not hide it.",
+    "as the gate is: --select, --ignore and per-path-ignores do not hide it. Dot files no loader reads "
+    "(.DS_Store, a .metadata.bak-<stamp> backup) and Thumbs.db or desktop.ini are not counted.",
 )
 
 RULES = [
