@@ -169,6 +169,7 @@ class Checkpoint:
     # the same item (the extra-state census) makes no second request on object storage; bounded in total bytes
     _item_bytes: dict[str, bytes] = field(default_factory=dict, repr=False)
     _item_bytes_total: int = field(default=0, repr=False)
+    _referenced: frozenset[str] | None = field(default=None, repr=False)  # referenced_files, computed once
 
     @property
     def iteration_dir(self) -> Path:
@@ -180,6 +181,7 @@ class Checkpoint:
         once (at 200k keys each is ~200 MB). ``entries`` is then empty."""
         self.entries.clear()  # the DcpIndex's items are this dict
         self.data_files.clear()
+        self._referenced = None
 
     def section_entries(self, section: str) -> list[Entry]:
         return [e for e in self.entries.values() if e.section == section]
@@ -254,9 +256,13 @@ class Checkpoint:
         """The saved ``argparse.Namespace`` (or None when the common state holds no args)."""
         return self.common_state().get("args")
 
-    def referenced_files(self) -> set[str]:
+    def referenced_files(self) -> frozenset[str]:
         """The data files the index places chunks in (present or not: ``data_files`` lists those on disk)."""
-        return {chunk.storage.relative_path for e in self.entries.values() for chunk in e.chunks if chunk.storage}
+        if self._referenced is None:  # one pass over every chunk: inspect asks twice (layout, missing files)
+            self._referenced = frozenset(
+                chunk.storage.relative_path for e in self.entries.values() for chunk in e.chunks if chunk.storage
+            )
+        return self._referenced
 
     def untrusted_globals_read(self) -> list[str]:
         """The globals off the allowlist (and not trusted with --trust-global) that the reads of ``.metadata`` and
