@@ -259,9 +259,7 @@ class Checkpoint:
     def referenced_files(self) -> frozenset[str]:
         """The data files the index places chunks in (present or not: ``data_files`` lists those on disk)."""
         if self._referenced is None:  # one pass over every chunk: inspect asks twice (layout, missing files)
-            self._referenced = frozenset(
-                chunk.storage.relative_path for e in self.entries.values() for chunk in e.chunks if chunk.storage
-            )
+            self._referenced = torch_dist.data_files_of(self.entries.values())
         return self._referenced
 
     def untrusted_globals_read(self) -> list[str]:

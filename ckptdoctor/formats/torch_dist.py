@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import pickle
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,10 +121,14 @@ def _read_metadata(path: Path, item_class: type[DcpItem] = DcpItem) -> DcpIndex:
         raise
 
 
-def referenced_data_files(path: Path) -> set[str]:
+def data_files_of(items: Iterable[DcpItem]) -> frozenset[str]:
+    """The data files the chunks of ``items`` are stored in (present or not)."""
+    return frozenset(chunk.storage.relative_path for item in items for chunk in item.chunks if chunk.storage)
+
+
+def referenced_data_files(path: Path) -> frozenset[str]:
     """The data files whose bytes a ``.metadata`` (e.g. a backup, ``.metadata.bak-<stamp>``) places chunks in."""
-    index = read_metadata(path)
-    return {chunk.storage.relative_path for item in index.items.values() for chunk in item.chunks if chunk.storage}
+    return data_files_of(read_metadata(path).items.values())
 
 
 def read_metadata_for_rewrite(path: Path, item_class: type[DcpItem] = DcpItem) -> tuple[DcpIndex, Any]:
