@@ -132,6 +132,13 @@ DELAYS = [1.5 * (i / 29) ** 2 for i in range(30)]  # 0 to 1.5 s, denser at the s
 PACKAGE = REPO / "ckptdoctor"
 
 
+_DROPPED_BY_THE_INTERPRETER = (
+    "Failed checking if argv[0] is an import path entry\n",
+    "Exception ignored in: <function _get_module_lock.<locals>.cb",
+    "Error processing line ",
+)
+
+
 def _outcome(proc: subprocess.Popen, out: str, err: str, complete: str) -> str | None:
     """How one interrupted run ended, where that is an answer to the signal; None where it is a failure."""
     if proc.returncode == 130 and err == INTERRUPTED and out in ("", complete):
@@ -146,25 +153,20 @@ def _outcome(proc: subprocess.Popen, out: str, err: str, complete: str) -> str |
     if (
         proc.returncode == 0
         and out == complete
-        and err.startswith("Failed checking if argv[0] is an import path entry\n")
-        and err.rstrip().endswith("KeyboardInterrupt")
+        and "KeyboardInterrupt" in err
         and not ours
+        and err.startswith(_DROPPED_BY_THE_INTERPRETER)
     ):
-        # in the interpreter's start, while it asks zipimport whether argv[0] (the console script) is an archive to
-        # import from: CPython prints that line and the traceback, drops the error and runs the script to its end
-        # (Modules/main.c, pymain_get_importer); nothing of the package had run
-        return "caught by the interpreter's start, then run"
-    if (
-        proc.returncode == 0
-        and out == complete
-        and err.startswith("Exception ignored in: <function _get_module_lock.<locals>.cb")
-        and err.rstrip().rstrip(":").endswith("KeyboardInterrupt")
-        and not ours
-    ):
-        # in a weakref callback of the import system (a module lock's, as an import finishes) before the package
-        # armed its deferral: an exception there cannot be raised, so CPython prints it as "ignored", drops it and
-        # runs the command to its end (seen once in CI, 7 ms after spawn)
-        return "dropped by the interpreter in an import, then run"
+        # hit in the interpreter's start or in its import system before the package armed its deferral, where CPython
+        # prints the error, drops it and runs the command to its end; nothing of the package had run. Seen in CI:
+        # - "Failed checking if argv[0] is an import path entry": zipimport asked whether argv[0] (the console script)
+        #   is an archive (Modules/main.c, pymain_get_importer);
+        # - "Exception ignored in: <function _get_module_lock.<locals>.cb": a weakref callback of the import system
+        #   (a module lock's, as an import finishes), 7 ms after spawn;
+        # - "Error processing line 1 of .../__editable__.ckptdoctor-0.1.0.pth": site ran the editable install's .pth
+        #   line (a KeyboardInterrupt in a class body's __set_name__ becomes a RuntimeError, which site reports as
+        #   "Remainder of file ignored" and goes on), 16 ms after spawn
+        return "dropped by the interpreter's start, then run"
     if err.rstrip().endswith("KeyboardInterrupt") and out == "" and ours <= {str(PACKAGE / "__init__.py")}:
         # before the package armed its deferral: in the interpreter's own start (site and the .pth files of
         # site-packages, runpy or the console script finding the package), out of the package's reach (a
