@@ -79,7 +79,12 @@ __version__ = "0.1.0"
 # Test hook (the one environment switch that changes what runs; README "Test hooks"): CKPTDOCTOR_NO_EXTENSIONS=1 makes
 # the optional C extensions unimportable, so the pure-Python path runs as on a machine without a compiler
 # (scripts/test.sh runs the fast tier once that way).
-NATIVE_MODULES = ("ckptdoctor.pickle._native", "ckptdoctor.formats._dcp_index", "ckptdoctor.values._health")
+NATIVE_MODULES = (
+    "ckptdoctor.pickle._native",
+    "ckptdoctor.formats._dcp_index",
+    "ckptdoctor.formats._crc32",
+    "ckptdoctor.values._health",
+)
 
 
 class _NoExtensions:

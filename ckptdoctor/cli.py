@@ -57,6 +57,12 @@ def _parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -
     )
     + "; health statistics: "
     + ("C" if native("ckptdoctor.values._health") else "numpy, the C extension was not built or is blocked")
+    + "; CRC-32: "
+    + (
+        "C (zlib where the processor has no carry-less multiply)"
+        if native("ckptdoctor.formats._crc32")
+        else "zlib, the C extension was not built or is blocked"
+    )
     + ")",
 )
 @click.option(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptdoctor.checkpoint import open_checkpoint
+from ckptdoctor.formats.archive import parse_archive
 from ckptdoctor.formats.torch_dist import (
     StorageLocation,
     dump_metadata_object,
@@ -175,6 +176,21 @@ def _overwrite(key: str) -> Callable[[Path], None]:
         path = save / ITER / location.relative_path
         data = bytearray(path.read_bytes())
         data[location.offset : location.offset + location.length] = b"PK\x03\x04" + bytes(location.length - 4)
+        path.write_bytes(bytes(data))
+
+    return damage
+
+
+def _flip_bit(key: str, byte: int, bit: int) -> Callable[[Path], None]:
+    """One bit of the key's first chunk's storage record flipped in place (its CRC-32 left as saved)."""
+
+    def damage(save: Path) -> None:
+        location = _location(save / ITER, key)
+        path = save / ITER / location.relative_path
+        data = bytearray(path.read_bytes())
+        blob = bytes(data[location.offset : location.offset + location.length])
+        record = next(m for name, m in parse_archive(blob, key).members.items() if "/data/" in name)
+        data[location.offset + record.start + byte] ^= 1 << bit
         path.write_bytes(bytes(data))
 
     return damage
@@ -453,6 +469,12 @@ EXAMPLES: dict[str, Example] = {
         _copy("core019_tp2", check="ckptdoctor check --deep /tmp/run"),
         _rewrite_tensor("decoder.final_layernorm.weight", lambda data: b"\xff" * 4 + data[4:]),
         "re-saves `decoder.final_layernorm.weight` with its first 4 bytes set to `0xff`: a NaN",
+    ),
+    "CKD314": Example(
+        _copy("core019_tp2", check="ckptdoctor check --deep /tmp/run"),
+        _flip_bit(f"{QKV}.weight", 4, 0),
+        f"flips the lowest bit of the second float32 value of a `{QKV}.weight` chunk in its data file: a value one "
+        "unit in the last place off, which torch.load loads",
     ),
     "CKD501": Example(("ckptdoctor check --health fixtures/core019_moe_zero_expert_ep2",)),
     "CKD502": Example(("ckptdoctor check --health fixtures/core019_moe_dup_expert_ep2",)),

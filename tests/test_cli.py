@@ -43,7 +43,10 @@ def test_version(capsys):
     from ckptdoctor.values import slab_stats
 
     assert ("index loops: C;" in out) == dcp_index._use_c
-    assert ("health statistics: C)" in out) == (slab_stats.native is not None)
+    assert ("health statistics: C;" in out) == (slab_stats.native is not None)
+    from ckptdoctor.formats import crc
+
+    assert ("CRC-32: C (" in out) == (crc.native_crc32 is not None)
     assert "rewrites" not in out  # every .metadata is written as objects: nothing to say
 
 

@@ -117,7 +117,7 @@ def _saved(tensor) -> bytes:
 def test_remembered_layout_validates_like_the_full_parse(monkeypatch):
     torch = pytest.importorskip("torch")
     from ckptdoctor.errors import CkptError
-    from ckptdoctor.formats.archive import parse_archive
+    from ckptdoctor.formats.archive import CorruptRecord, parse_archive
     from ckptdoctor.values import archive_memo
 
     monkeypatch.setattr(archive_memo, "_LAYOUTS", {})
@@ -126,19 +126,25 @@ def test_remembered_layout_validates_like_the_full_parse(monkeypatch):
     assert len(first) == len(second) and first != second
     full = parse_archive(first, "first")
     assert archive_memo.parse(first, "first").members == full.members  # parsed in full, remembered
+    assert archive_memo.lookup(second) is not None  # parsed from the layout, not in full
     again = archive_memo.parse(second, "second")
-    assert type(again) is not type(full)  # from the layout
     reference = parse_archive(second, "second")
     assert {n: (m.start, m.size, m.method) for n, m in again.members.items()} == {
         n: (m.start, m.size, m.method) for n, m in reference.members.items()
     }
     assert bytes(again.pickle(verify_crc=False)) == bytes(reference.pickle())
     record = again.storage("0")
-    assert bytes(again.read(record.name, 1 << 20)) == struct.pack("<12f", *[1.0] * 12)  # CRC checked in full
+    # its own CRC-32 checked (read where the first archive's lies): the two archives' differ
+    assert bytes(again.read(record.name, 1 << 20)) == struct.pack("<12f", *[1.0] * 12)
+    assert again.stored_crc(record) != full.stored_crc(full.storage("0"))
     damaged = bytearray(second)
     damaged[record.start] ^= 1
-    with pytest.raises(CkptError, match="Bad CRC-32"):
+    with pytest.raises(CorruptRecord, match="fails its CRC-32"):
         archive_memo.parse(bytes(damaged), "damaged").read(record.name, 1 << 20)
+    refiled = bytearray(second)  # the CRC-32 field changed, not the bytes: as corrupt (the two no longer agree)
+    refiled[record.crc_at] ^= 1
+    with pytest.raises(CorruptRecord, match="fails its CRC-32"):
+        archive_memo.parse(bytes(refiled), "refiled").read(record.name, 1 << 20)
     # A local header of a member no reader reads (here "version") differs: not this layout, the full parse.
     layout = archive_memo.lookup(second)
     assert layout is not None

@@ -195,32 +195,68 @@ def test_one_tensor_changed_through_dcp(capsys, tmp_path, name):
     assert values["bytes_read"]["a"] > 0 and values["bytes_read"]["b"] > 0  # both sides' values were decoded
 
 
-def test_value_patched_in_place_same_layout(capsys, copy_fixture):
-    """Same chunk grid, one stored float changed in the data file: the decode path finds exactly that key."""
+def _patch_element(path: Path, chunk, element: int, add: float, crc: bool = True) -> tuple[float, float]:
+    """Add ``add`` to fp32 element ``element`` of ``chunk``'s record in its data file, in place; with ``crc`` the
+    archive's CRC-32 of that record is rewritten too (as a save of those values would write it). (old, new)."""
     import struct
+    import zlib
 
-    from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.formats.archive import parse_archive
+
+    data = bytearray(path.read_bytes())
+    blob = bytes(data[chunk.storage.offset : chunk.storage.offset + chunk.storage.length])
+    record = next(m for k, m in parse_archive(blob, "chunk").members.items() if "/data/" in k)
+    at = chunk.storage.offset + record.start + 4 * element
+    (old,) = struct.unpack_from("<f", data, at)
+    struct.pack_into("<f", data, at, old + add)
+    if crc:
+        start = chunk.storage.offset + record.start
+        struct.pack_into(
+            "<L", data, chunk.storage.offset + record.crc_at, zlib.crc32(data[start : start + record.size])
+        )
+    path.write_bytes(bytes(data))
+    (new,) = struct.unpack_from("<f", data, at)
+    return old, new
+
+
+def test_value_patched_in_place_same_layout(capsys, copy_fixture):
+    """Same chunk grid, one stored float changed in the data file (its record's CRC-32 with it): the decode path
+    finds exactly that key."""
+    from ckptdoctor.checkpoint import open_checkpoint
 
     pytest.importorskip("torch")
     save = copy_fixture("core019_tp2")
     ckpt = open_checkpoint(save)
     key = "optimizer.state.exp_avg_sq.decoder.layers.mlp.linear_fc2.weight"
     chunk = ckpt.entries[key].chunks[-1]
-    path = ckpt.iteration_dir / chunk.storage.relative_path
-    data = bytearray(path.read_bytes())
-    blob = bytes(data[chunk.storage.offset : chunk.storage.offset + chunk.storage.length])
-    start = next(m.start for k, m in parse_archive(blob, "chunk").members.items() if "/data/" in k)
-    at = chunk.storage.offset + start + 4 * 7  # element 7 of the chunk (fp32, contiguous)
-    (old,) = struct.unpack_from("<f", data, at)
-    struct.pack_into("<f", data, at, old + 2.0)
-    path.write_bytes(bytes(data))
-    (new,) = struct.unpack_from("<f", data, at)
+    old, new = _patch_element(ckpt.iteration_dir / chunk.storage.relative_path, chunk, 7, 2.0)
     rc, report = _diff(capsys, str(FIXTURES / "core019_tp2"), str(save), "--values")
     assert rc == 1 and report["layout"]["count"] == 0
     (only,) = report["values"]["different_keys"]
     assert only["key"] == key and only["mismatched"] == 1 and only["max_abs_diff"] == pytest.approx(new - old)
     assert report["values"]["equal"] == report["values"]["compared"] - 1
+
+
+@pytest.mark.parametrize("numpy", [True, False], ids=["bit patterns", "torch"])
+def test_value_changed_under_its_crc_is_refused_not_compared(capsys, copy_fixture, monkeypatch, numpy):
+    """A stored float changed and its CRC-32 left as saved (a flipped bit): diff --values says which record of
+    which chunk fails its CRC-32 and exits 2, on both read paths (numpy's bit patterns and torch's decode); it does
+    not report the changed value as a difference (torch would load it, but it was never saved)."""
+    from ckptdoctor.checkpoint import open_checkpoint
+    from ckptdoctor.values import read
+
+    pytest.importorskip("torch")
+    if not numpy:
+        monkeypatch.setattr(read, "numpy_or_none", lambda: None)
+    save = copy_fixture("core019_tp2")
+    ckpt = open_checkpoint(save)
+    key = "decoder.layers.mlp.linear_fc2.weight"
+    chunk = ckpt.entries[key].chunks[-1]
+    _patch_element(ckpt.iteration_dir / chunk.storage.relative_path, chunk, 3, 2.0, crc=False)
+    rc = main(["diff", str(FIXTURES / "core019_tp2"), str(save), "--values", "--jobs", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", out
+    assert f"{key} chunk at {list(chunk.offsets)}: record " in err and "fails its CRC-32" in err, err
 
 
 def test_adapter_only_vs_full(capsys):

@@ -33,7 +33,12 @@ pytestmark = [pytest.mark.mcore, pytest.mark.xdist_group("packaging")]  # one bu
 NOT_COPIED = shutil.ignore_patterns(
     ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", "*.so", "fixtures", "bench", "fuzz", ".*_cache"
 )
-C_MODULES = ("ckptdoctor/pickle/_native", "ckptdoctor/formats/_dcp_index", "ckptdoctor/values/_health")
+C_MODULES = (
+    "ckptdoctor/pickle/_native",
+    "ckptdoctor/formats/_dcp_index",
+    "ckptdoctor/formats/_crc32",
+    "ckptdoctor/values/_health",
+)
 # The wheel has the C extensions where a compiler is found (CI: CKPTDOCTOR_REQUIRE_C_SCAN says it must be).
 HAVE_CC = bool(os.environ.get("CKPTDOCTOR_REQUIRE_C_SCAN")) or bool(
     shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0])
@@ -116,7 +121,7 @@ def test_build_makes_an_sdist_and_a_wheel_with_the_schemas_and_the_c_extensions(
             whl.read(f"ckptdoctor-{__version__}.dist-info/METADATA").decode("utf-8")
         )
     assert {f"ckptdoctor/schemas/{n}.schema.json" for n in schema_names()} <= set(names)
-    stubs = {"ckptdoctor/pickle/_native.pyi", "ckptdoctor/formats/_dcp_index.pyi", "ckptdoctor/values/_health.pyi"}
+    stubs = {f"{module}.pyi" for module in C_MODULES}
     assert {"ckptdoctor/py.typed"} | stubs <= set(names)
     assert not [n for n in names if n.startswith(("tests/", "fixtures/", "docs/", "bench/"))]
     for module in C_MODULES:  # built from the sdist's sources and headers
@@ -147,11 +152,12 @@ def _check_installed(bin_dir: Path, cwd: Path, c_built: bool) -> None:
     assert version.startswith(f"ckptdoctor, version {__version__} ")
     if c_built:
         assert "pickle pre-pass: C;" in version and "index loops: C;" in version, version
-        assert "health statistics: C)" in version, version
+        assert "health statistics: C;" in version and "CRC-32: C (" in version, version
     else:
         assert "pickle pre-pass: Python, the C extension was not built" in version, version
         assert "index loops: Python, the C extension was not built" in version, version
         assert "health statistics: numpy, the C extension was not built" in version, version
+        assert "CRC-32: zlib, the C extension was not built" in version, version
     fixture = FIXTURES / "core019_tp2"
     assert "TP=2" in _run([ckptdoctor, "inspect", fixture], cwd)
     report = json.loads(_run([ckptdoctor, "check", "--isolated", fixture, "--format", "json"], cwd))

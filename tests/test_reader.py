@@ -171,7 +171,7 @@ def test_corrupt_storage_record_is_a_clean_error(copy_fixture):
     name_len, extra_len = struct.unpack_from("<HH", blob, info.header_offset + 26)  # the local header's own
     data[storage.offset + info.header_offset + 30 + name_len + extra_len + 5] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(CkptError, match="corrupt storage record"):
+    with pytest.raises(CkptError, match="fails its CRC-32"):
         read_chunk(open_checkpoint(save), key, 0)
 
 

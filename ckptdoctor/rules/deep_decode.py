@@ -1,9 +1,10 @@
-"""``check --deep``: decode every tensor chunk and bytes item of a checkpoint (CKD310-313).
+"""``check --deep``: decode every tensor chunk and bytes item of a checkpoint (CKD310-314).
 
 Streams one chunk's byte range at a time (memory stays bounded by the largest chunk) and needs no torch: chunks
 decode to :class:`~ckptdoctor.pickle.stand_ins.TensorRef` through the safe unpickler. Each data file is one unit of
 :func:`ckptdoctor.parallel.map_units` (``--jobs`` processes, or torchrun ranks); CKD313's NaN/Inf counting is
-:mod:`ckptdoctor.rules.non_finite`. The rules themselves are in the family's table, :mod:`.integrity`.
+:mod:`ckptdoctor.rules.non_finite`. Every record's CRC-32 is verified (CKD314: torch.load does not). The rules
+themselves are in the family's table, :mod:`.integrity`.
 """
 
 from __future__ import annotations
@@ -12,18 +13,28 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ckptdoctor import parallel
 from ckptdoctor.checkpoint import Entry, decode_object_bytes
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError, without_path
-from ckptdoctor.formats.archive import ArchiveError, chunk_limits, is_torch_zip, storage_ref
+from ckptdoctor.formats.archive import (
+    ArchiveError,
+    CorruptRecord,
+    Member,
+    chunk_limits,
+    is_torch_zip,
+    parse_archive,
+    storage_ref,
+    stored_record_problem,
+)
 from ckptdoctor.formats.torch_dist import DcpChunk, check_range_length
 from ckptdoctor.optimizer_keys import bucket_padding
 from ckptdoctor.pickle import unpickler
 from ckptdoctor.pickle.policy import UnlistedGlobal
 from ckptdoctor.pickle.torch_stand_ins import StorageRef, TensorRef
 from ckptdoctor.rules import Finding, finding
-from ckptdoctor.rules.integrity import BLOB_SIZE, BLOB_UNDECODABLE, ITEM_UNDECODABLE, NON_FINITE
+from ckptdoctor.rules.integrity import BLOB_SIZE, BLOB_UNDECODABLE, CRC_MISMATCH, ITEM_UNDECODABLE, NON_FINITE
 from ckptdoctor.rules.non_finite import NonFinite
 from ckptdoctor.rules.safety import item_findings, refused_pickle, unlisted_globals
 from ckptdoctor.rules.structure import Scanned
@@ -212,7 +223,7 @@ class _ChunkDecoder:
         self.plain_key = plain_key
         # (layout, data.pkl, sizes, dtype, pickle limit) -> (start, size, view) of the storage record of a chunk that
         # decoded cleanly: a later archive with that directory layout and pickle decodes the same way
-        self.clean: dict[tuple, tuple[int, int, tuple | None]] = {}
+        self.clean: dict[tuple, _Clean] = {}
 
     def verdict(self, pickled: bytes, entry: Entry, chunk: DcpChunk) -> _Verdict:
         key = (pickled, chunk.sizes, entry.dtype)
@@ -253,6 +264,16 @@ def _persistent_load(pid: object) -> StorageRef:
     return storage_ref(pid, "")
 
 
+class _Clean(NamedTuple):
+    """A cleanly decoded chunk archive: what a later archive of its layout is read by (the storage record's view,
+    the stored members, whose bytes and CRC-32 fields lie at the same places in every archive of the layout: the
+    record first, then the others, each checked against its CRC-32)."""
+
+    view: tuple | None
+    record: Member
+    others: tuple[Member, ...]
+
+
 def _check_chunk(
     decoder: _ChunkDecoder,
     entry: Entry,
@@ -263,16 +284,21 @@ def _check_chunk(
     health: HealthScan | None = None,
 ) -> Finding | None:
     key = decoder.plain_key(blob, chunk.sizes, entry.dtype)  # an archive like one decoded before
+    what = f"{entry.key} chunk at {list(chunk.offsets)}"
     if key is not None:
         clean = decoder.clean.get(key)
         if clean is not None:  # decodes as that archive did: cleanly, its record at the same place
-            record_data = blob[clean[0] : clean[0] + clean[1]]
-            _scan_values(non_finite, health, entry, chunk, record_data, clean[2], path)
-            return None
-    what = f"{entry.key} chunk at {list(chunk.offsets)}"
+            record = clean.record
+            _scan_values(
+                non_finite, health, entry, chunk, blob[record.start : record.start + record.size], clean.view, path
+            )
+            problem = stored_record_problem(blob, record)
+            for member in clean.others:
+                problem = problem or stored_record_problem(blob, member)
+            return None if problem is None else finding(CRC_MISMATCH, path, f"{what}: {problem}")
     try:
         archive = decoder.parse(blob, what)
-        pickled = archive.pickle(chunk_limits(), verify_crc=archive.general)
+        pickled = archive.pickle(chunk_limits(), verify_crc=False)  # its CRC-32 is checked last (CKD314)
         verdict = decoder.verdict(bytes(pickled), entry, chunk)
         if verdict.refused is not None:
             return refused_pickle(verdict.refused, path, what)
@@ -289,15 +315,16 @@ def _check_chunk(
                 path,
                 f"{what}: storage record has {record.size} bytes, {verdict.record_bytes} expected (numel x itemsize)",
             )
-        if record.method or archive.general:  # inflate (bounded by what the tensor needs) and check the CRC
-            data = archive.read(record.name, verdict.record_bytes)
-        else:
-            if non_finite is not None or health is not None:
-                data = archive.read(record.name, verdict.record_bytes, verify_crc=False)  # a view, no copy
-            if key is not None and len(decoder.clean) < decoder.MAX_VERDICTS:
-                decoder.clean[key] = (record.start, record.size, verdict.view)
+        # a view of a stored record (no copy); a compressed one inflated, bounded by what the tensor needs
+        data = archive.read(record.name, verdict.record_bytes, verify_crc=False)
+        if not (record.method or archive.general) and key is not None and len(decoder.clean) < decoder.MAX_VERDICTS:
+            others = tuple(m for m in archive.members.values() if m.name != record.name)
+            decoder.clean[key] = _Clean(verdict.view, record, others)
         if non_finite is not None or health is not None:
             _scan_values(non_finite, health, entry, chunk, data, verdict.view, path)
+        problem = archive.members_crc_problem({record.name: data, f"{archive.prefix}data.pkl": pickled})
+        if problem is not None:
+            return finding(CRC_MISMATCH, path, f"{what}: {problem}")
     except (ArchiveError, PickleLimitError) as exc:
         return refused_pickle(exc, path, what)
     except CkptError as exc:
@@ -370,8 +397,10 @@ def _check_item(entry: Entry, blob: memoryview, path: Path) -> Finding | None:
         return gate[0]
     try:
         decode_object_bytes(bytes(blob), what)
+        problem = parse_archive(blob, what).members_crc_problem()  # the records the decode left unread too
     except CkptError as exc:
         if isinstance(exc, (UnsafePickleError, PickleLimitError, ArchiveError)):
             return None  # trusted (--trust-global): the gate above said what it is
-        return finding(ITEM_UNDECODABLE, path, f"{what}: {without_path(exc, what)}")
-    return None
+        rule = CRC_MISMATCH if isinstance(exc, CorruptRecord) else ITEM_UNDECODABLE
+        return finding(rule, path, f"{what}: {without_path(exc, what)}")
+    return None if problem is None else finding(CRC_MISMATCH, path, f"{what}: {problem}")

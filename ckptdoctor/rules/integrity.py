@@ -1,6 +1,6 @@
 """Integrity rules (CKD3xx): the rule table of the family, and Megatron's ``integrity.json`` hashes.
 
-The manifest check streams each listed file in 1 MiB pieces. The ``--deep`` rules (CKD310-313) are defined here
+The manifest check streams each listed file in 1 MiB pieces. The ``--deep`` rules (CKD310-314) are defined here
 with the family; decoding every blob is :mod:`ckptdoctor.rules.deep_decode`.
 """
 
@@ -57,8 +57,8 @@ BLOB_UNDECODABLE = _rule(
     "blob-undecodable",
     ERROR,
     "--deep: a tensor chunk does not decode to the tensor .metadata declares",
-    "Each chunk is a torch.save blob; a corrupt archive, a CRC error in its data record or a shape/dtype "
-    "differing from .metadata makes torch.load fail or load the wrong tensor.",
+    "Each chunk is a torch.save blob; a corrupt archive, a pickle that is no tensor or a shape/dtype differing "
+    "from .metadata makes torch.load fail or load the wrong tensor.",
 )
 BLOB_SIZE = _rule(
     "CKD311",
@@ -89,6 +89,16 @@ NON_FINITE = _rule(
     "their parameters is not (uninitialized memory, arbitrary bits in a real save: its chunks hold no element at "
     "a multiple of 64, where DDP starts every parameter).",
 )
+CRC_MISMATCH = _rule(
+    "CKD314",
+    "crc-mismatch",
+    ERROR,
+    "--deep: a record of a tensor chunk or bytes item fails the CRC-32 torch.save wrote for it",
+    "Every record of a torch.save archive carries the CRC-32 of its bytes as saved; a mismatch is bytes changed "
+    "since (a flipped bit on a disk, a bad copy, a hand edit). torch.load does not check it: it loads the changed "
+    "values without a word, where a NaN or a shape would be the only sign. Found only by reading every byte "
+    "(`--deep`); `seal` and Megatron's integrity.json (CKD301) hash whole files.",
+)
 
 RULES = [
     HASH_MISMATCH,
@@ -99,6 +109,7 @@ RULES = [
     BLOB_SIZE,
     ITEM_UNDECODABLE,
     NON_FINITE,
+    CRC_MISMATCH,
 ]
 # --- integrity.json -------------------------------------------------------------------------------------
 

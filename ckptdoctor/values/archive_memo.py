@@ -7,7 +7,8 @@ layout (where ``data.pkl`` and the storage records start) is reused for a later 
 its central directory and end record, CRC fields masked, are byte-identical to the first one's, and so are the
 local headers of all its members (CRC masked). Everything :func:`parse_archive` checks lies in those bytes and
 the archive's length, so such an archive passes the same checks with the same members (CRC-32s aside): the
-reuse is a full validation, not a shortcut (``check --deep`` relies on it, :func:`parse`). Anything else takes
+reuse is a full validation, not a shortcut (``check --deep`` relies on it, :func:`parse`); each archive's own CRC-32s
+are read where its first one's lie. Anything else takes
 the full parse. Only stored (uncompressed) archives that the lean directory reader handles are remembered.
 """
 
@@ -133,16 +134,6 @@ def remember(blob: Blob, archive: TorchArchive) -> None:
     _COUNT[0] += 1
 
 
-class _Remembered(TorchArchive):
-    """An archive whose directory matched a remembered layout: its members are the first archive's, whose CRC-32s
-    are not this archive's, so a read that verifies a CRC takes the full parse."""
-
-    def read(self, name: str, limit: int, verify_crc: bool = True) -> Blob:
-        if verify_crc:
-            return parse_archive(self.blob, self.where).read(name, limit, verify_crc)
-        return super().read(name, limit, verify_crc=False)
-
-
 def plain_pickle(blob: Blob) -> tuple[Layout, bytes] | None:
     """(layout, ``data.pkl`` bytes) of an archive whose directory matches a remembered layout and whose byteorder
     record (data, so checked for every archive, as :class:`TorchArchive` does) says little-endian; None otherwise
@@ -176,7 +167,9 @@ def parse(blob: Blob, where: str) -> TorchArchive:
     remembered). Raises what ``parse_archive`` raises."""
     layout = lookup(blob)
     if layout is not None:
-        return _Remembered(blob, layout.members, layout.prefix, where, False)
+        # the first archive's members: where each record and CRC-32 lies is this archive's too (its CRC-32s are read
+        # from there, TorchArchive.stored_crc)
+        return TorchArchive(blob, layout.members, layout.prefix, where, False)
     archive = parse_archive(blob, where)
     remember(blob, archive)
     return archive

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ckptdoctor.coverage import coverage_problem
 from ckptdoctor.errors import CkptError, MissingExtraError
 from ckptdoctor.formats import BACKEND_ZARR, raw_chunk_ref, torch_dist
-from ckptdoctor.formats.archive import chunk_limits, parse_archive, storage_ref, unpickle
+from ckptdoctor.formats.archive import CorruptRecord, chunk_limits, storage_ref, stored_record_problem, unpickle
 from ckptdoctor.formats.torch_zip import load_torch_zip
 from ckptdoctor.numpy_lazy import numpy_or_none
 from ckptdoctor.pickle.torch_stand_ins import DtypeRef, TensorRef
@@ -152,14 +152,14 @@ def _chunk_view(pkl: bytes, where: str) -> tuple:
 
 
 def read_chunk_view(
-    checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: bytes | None = None, verify_crc: bool = False
+    checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: bytes | None = None, verify_crc: bool = True
 ) -> tuple[Any, int]:
     """(tensor, bytes read) for one chunk: one byte range read, the tensor a view over those bytes (no copy).
 
     :func:`read_chunk` copies a chunk's storage twice while decoding (3x its size at peak); this keeps memory
     at the chunk's size, which bounds ``diff --values`` by the largest chunk. The tensor is read-only.
     ``blob`` is the chunk's byte range when the caller has read it already; ``verify_crc`` checks the CRC-32 of
-    ``data.pkl`` and the storage record (a corrupt record is a CkptError, not a value). Falls back to
+    ``data.pkl`` and the storage record (a changed record is a :class:`CorruptRecord`, not a value). Falls back to
     :func:`read_chunk` for archives it does not expect (compressed records).
     """
     torch = require_torch("comparing tensor values")
@@ -171,11 +171,7 @@ def read_chunk_view(
     raw = raw_chunk_ref(checkpoint.location.backend, entry.dtype, chunk.sizes, blob, where)
     if raw is not None:
         return tensor_from_ref(raw, where), len(blob)
-    if verify_crc:  # every CRC checked: the full parse (remembered for the chunks alike that follow)
-        archive = parse_archive(blob, where)
-        archive_memo.remember(blob, archive)
-    else:  # the directory of an archive like one parsed before: its layout, no parse
-        archive = archive_memo.parse(blob, where)
+    archive = archive_memo.parse(blob, where)  # the directory of an archive like one parsed before: no parse
     if any(member.method for member in archive.members.values()):  # compressed records: the copying path
         return read_chunk(checkpoint, entry.key, entry.chunks.index(chunk)), len(blob)
     key, dtype_name, numel, offset, shape, stride = _chunk_view(
@@ -222,7 +218,8 @@ def chunk_bits(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: byte
     shaped like the chunk: a view over ``blob``, no torch, no copy. None wherever this is not the plain case
     (no numpy; not a stored ``torch.save`` record; a view that is not the record's first elements in row-major
     order; an element width other than 1, 2, 4 or 8 bytes; anything :func:`read_chunk_view` would refuse):
-    the caller then decodes the chunk with :func:`read_chunk_view`, which reports what is wrong.
+    the caller then decodes the chunk with :func:`read_chunk_view`, which reports what is wrong. Raises
+    :class:`CorruptRecord` where the record or ``data.pkl`` fails its CRC-32, as :func:`read_chunk_view` does.
 
     An archive whose directory matches a remembered layout (:func:`archive_memo.plain_key`) gets the answer
     given for the first archive of that layout, ``data.pkl``, sizes and dtype: everything the answer depends on
@@ -235,24 +232,33 @@ def chunk_bits(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: byte
         key = archive_memo.plain_key(blob, chunk.sizes, entry.dtype)
         if key is not None and key in _PLAIN:
             view = _PLAIN[key]
-            return None if view is None else np.frombuffer(blob, view[0], view[1], view[2]).reshape(view[3])
-    view = _plain_view(checkpoint, entry, chunk, blob)
-    if key is not None and len(_PLAIN) < _PLAIN_MAX:
-        _PLAIN[key] = view
-    return None if view is None else np.frombuffer(blob, view[0], view[1], view[2]).reshape(view[3])
+        else:
+            view = _plain_view(checkpoint, entry, chunk, blob)
+            if key is not None and len(_PLAIN) < _PLAIN_MAX:
+                _PLAIN[key] = view
+    else:
+        view = _plain_view(checkpoint, entry, chunk, blob)
+    if view is None:
+        return None
+    problem = stored_record_problem(blob, view[5]) or stored_record_problem(blob, view[4])
+    if problem is not None:
+        raise CorruptRecord(f"{checkpoint.iteration_dir}: {entry.key} chunk at {list(chunk.offsets)}: {problem}")
+    return np.frombuffer(blob, view[0], view[1], view[2]).reshape(view[3])
 
 
 def _plain_view(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: bytes) -> tuple | None:
-    """(integer dtype, count, record start, shape) of :func:`chunk_bits`'s view, or None (see there)."""
+    """(integer dtype, count, record start, shape, record, data.pkl) of :func:`chunk_bits`'s view (the two stored
+    members, whose CRC-32s it checks), or None (see there)."""
     where = f"{checkpoint.iteration_dir}: {entry.key} chunk at {list(chunk.offsets)}"
     try:
         if raw_chunk_ref(checkpoint.location.backend, entry.dtype, chunk.sizes, blob, where) is not None:
             return None
         archive = archive_memo.parse(blob, where)
-        if any(member.method for member in archive.members.values()):
-            return None
+        if archive.general or any(member.method for member in archive.members.values()):
+            return None  # (the general reader's members have no CRC-32 position: read_chunk_view checks them)
         key, dtype_name, numel, offset, shape, stride = _chunk_view(bytes(archive.pickle(chunk_limits(), False)), where)
         record = archive.storage(key)
+        pickle = archive.members[f"{archive.prefix}data.pkl"]
     except CkptError:
         return None
     if tuple(shape) != tuple(chunk.sizes) or entry.dtype is None or f"torch.{dtype_name}" != entry.dtype:
@@ -269,4 +275,4 @@ def _plain_view(checkpoint: Checkpoint, entry: Entry, chunk: DcpChunk, blob: byt
         if size != 1 and gap != step:
             return None
         step *= size
-    return kind, count, record.start, tuple(shape)
+    return kind, count, record.start, tuple(shape), record, pickle

@@ -50,7 +50,6 @@ class Side:
     ckpt: Checkpoint
     entry: Entry
     name: str
-    verify_crc: bool = False  # check each decoded chunk's CRC-32 (strip-frozen --base: corruption is an error)
 
 
 @dataclass
@@ -136,13 +135,11 @@ def _blob(side: Side, chunk: DcpChunk, ctx: Context) -> bytes:
 
 
 def _view(side: Side, chunk: DcpChunk, blob: bytes) -> Any:
-    return read_chunk_view(side.ckpt, side.entry, chunk, blob, side.verify_crc)[0]
+    return read_chunk_view(side.ckpt, side.entry, chunk, blob)[0]
 
 
 def _bits(side: Side, chunk: DcpChunk, blob: bytes) -> Any | None:
     """The chunk's bit patterns as a numpy array (values.read.chunk_bits), or None: decode it with torch."""
-    if side.verify_crc:  # strip-frozen --base: every record's CRC checked, by the torch path
-        return None
     return chunk_bits(side.ckpt, side.entry, chunk, blob)
 
 
@@ -337,7 +334,7 @@ def tensors_bitwise_equal(a: Checkpoint, ea: Entry, b: Checkpoint, eb: Entry) ->
     ctx = Context(ReadCounter(None), InFlight(1 << 62), torch)
     acc = Accumulator(torch, None, None, first_difference=True)
     try:
-        covered = compare_entries(Side(a, ea, "a", True), Side(b, eb, "b", True), acc, ctx)
+        covered = compare_entries(Side(a, ea, "a"), Side(b, eb, "b"), acc, ctx)
     except Different:
         return False
     finally:

@@ -1,0 +1,6 @@
+# The optional C extension built from _crc32.c (see ckptdoctor.formats.crc, which uses zlib.crc32 where it was not
+# built).
+from typing import Any
+
+def crc32(data: Any, value: int = 0, widest: int = 2, /) -> int: ...
+def folds() -> int: ...
