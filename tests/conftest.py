@@ -178,6 +178,31 @@ def copy_fixture(tmp_path):
     return _copy
 
 
+def patch_record(data_file: Path, location, at: int, new: bytes, crc: bool = True):
+    """Write ``new`` at byte ``at`` of the storage record of the chunk stored at ``location`` (a StorageLocation)
+    in ``data_file``, in place; with ``crc`` its CRC-32 fields (central directory and local header) are rewritten
+    as a save of those bytes would write them, without it they are left as saved (a flipped bit). The record's
+    archive member (its ``start`` is relative to the chunk)."""
+    import struct
+    import zlib
+
+    from ckptdoctor.formats.archive import parse_archive
+
+    data = bytearray(data_file.read_bytes())
+    base = location.offset
+    blob = bytes(data[base : base + location.length])
+    (record,) = [m for name, m in parse_archive(blob, "chunk").members.items() if name.split("/")[-2:-1] == ["data"]]
+    assert record.method == 0 and at >= 0 and at + len(new) <= record.size
+    data[base + record.start + at : base + record.start + at + len(new)] = new
+    if crc:
+        value = zlib.crc32(data[base + record.start : base + record.start + record.size])
+        struct.pack_into("<L", data, base + record.crc_at, value)
+        local = struct.unpack_from("<L", data, base + record.crc_at + 26)[0]  # the header's local header offset
+        struct.pack_into("<L", data, base + local + 14, value)
+    data_file.write_bytes(bytes(data))
+    return record
+
+
 # Blocks imports of the named top-level packages in a child interpreter, proving they are not needed.
 _BLOCKER = """
 import sys

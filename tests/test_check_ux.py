@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, REPO, run_cli, shipped_schema, unwrapped
+from conftest import FIXTURES, REPO, patch_record, run_cli, shipped_schema, unwrapped
 
 from ckptdoctor.cli import main
 from ckptdoctor.ops.check import CHECKPOINT_FILE_RE
@@ -257,22 +257,18 @@ def test_per_path_ignores(tmp_path):
 
 
 def _poison(save: Path, key: str, floats: list[float], chunk_index: int = 0) -> None:
-    """Overwrite the first values of one chunk's storage record in place (stored records: no CRC re-check)."""
+    """Overwrite the first values of one chunk's storage record in place, its CRC-32 with them (as a save of those
+    values writes it: only CKD313 is found, not CKD314)."""
     import struct
 
     from ckptdoctor.checkpoint import open_checkpoint
-    from ckptdoctor.formats.archive import parse_archive
 
     checkpoint = open_checkpoint(save)
     location = checkpoint.entries[key].chunks[chunk_index].storage
     assert location is not None
-    with open(checkpoint.iteration_dir / location.relative_path, "r+b") as f:
-        f.seek(location.offset)
-        archive = parse_archive(f.read(location.length), key)
-        (record,) = [m for name, m in archive.members.items() if name.split("/")[-2:-1] == ["data"]]
-        assert record.method == 0
-        f.seek(location.offset + record.start)
-        f.write(struct.pack(f"<{len(floats)}f", *floats))
+    patch_record(
+        checkpoint.iteration_dir / location.relative_path, location, 0, struct.pack(f"<{len(floats)}f", *floats)
+    )
 
 
 def test_deep_flags_non_finite_values(capsys, copy_fixture):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, manifest, run_cli, shipped_schema
+from conftest import FIXTURES, manifest, patch_record, run_cli, shipped_schema
 
 from ckptdoctor.cli import main
 
@@ -197,25 +197,16 @@ def test_one_tensor_changed_through_dcp(capsys, tmp_path, name):
 
 def _patch_element(path: Path, chunk, element: int, add: float, crc: bool = True) -> tuple[float, float]:
     """Add ``add`` to fp32 element ``element`` of ``chunk``'s record in its data file, in place; with ``crc`` the
-    archive's CRC-32 of that record is rewritten too (as a save of those values would write it). (old, new)."""
+    record's CRC-32 is rewritten too (as a save of those values would write it). (old, new)."""
     import struct
-    import zlib
 
     from ckptdoctor.formats.archive import parse_archive
 
-    data = bytearray(path.read_bytes())
-    blob = bytes(data[chunk.storage.offset : chunk.storage.offset + chunk.storage.length])
-    record = next(m for k, m in parse_archive(blob, "chunk").members.items() if "/data/" in k)
-    at = chunk.storage.offset + record.start + 4 * element
-    (old,) = struct.unpack_from("<f", data, at)
-    struct.pack_into("<f", data, at, old + add)
-    if crc:
-        start = chunk.storage.offset + record.start
-        struct.pack_into(
-            "<L", data, chunk.storage.offset + record.crc_at, zlib.crc32(data[start : start + record.size])
-        )
-    path.write_bytes(bytes(data))
-    (new,) = struct.unpack_from("<f", data, at)
+    blob = path.read_bytes()[chunk.storage.offset : chunk.storage.offset + chunk.storage.length]
+    start = next(m.start for k, m in parse_archive(blob, "chunk").members.items() if "/data/" in k)
+    (old,) = struct.unpack_from("<f", blob, start + 4 * element)
+    (new,) = struct.unpack("<f", struct.pack("<f", old + add))
+    patch_record(path, chunk.storage, 4 * element, struct.pack("<f", new), crc)
     return old, new
 
 

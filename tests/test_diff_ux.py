@@ -10,7 +10,7 @@ import warnings
 
 import jsonschema
 import pytest
-from conftest import FIXTURES, run_main, shipped_schema, squash
+from conftest import FIXTURES, patch_record, run_main, shipped_schema, squash
 
 from ckptdoctor.cli import main
 
@@ -202,14 +202,11 @@ def test_values_report_first_mismatches(capsys, copy_fixture):
     patched = []
     for chunk, element, delta in ((ckpt.entries[key].chunks[-1], 7, 2.0), (ckpt.entries[key].chunks[0], 3, -1.0)):
         path = ckpt.iteration_dir / chunk.storage.relative_path
-        data = bytearray(path.read_bytes())
-        blob = bytes(data[chunk.storage.offset : chunk.storage.offset + chunk.storage.length])
+        blob = path.read_bytes()[chunk.storage.offset : chunk.storage.offset + chunk.storage.length]
         start = next(m.start for k, m in parse_archive(blob, "chunk").members.items() if "/data/" in k)
-        at = chunk.storage.offset + start + 4 * element
-        (old,) = struct.unpack_from("<f", data, at)
-        struct.pack_into("<f", data, at, old + delta)
-        (new,) = struct.unpack_from("<f", data, at)
-        path.write_bytes(bytes(data))
+        (old,) = struct.unpack_from("<f", blob, start + 4 * element)
+        (new,) = struct.unpack("<f", struct.pack("<f", old + delta))
+        patch_record(path, chunk.storage, 4 * element, struct.pack("<f", new))  # its CRC-32 rewritten too
         local, rest = [], element  # row-major index of ``element`` inside the chunk
         for size in reversed(chunk.sizes):
             local.insert(0, rest % size)
