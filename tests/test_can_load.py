@@ -600,3 +600,66 @@ def test_uneven_pipeline_split_is_validated_at_the_target():
         (args,) = [s for s in report.sections if s.section == "args"]
         assert report.failing_sections == ["args"] and message in args.error, (target, args.error)
     assert predict(ckpt, "pp=1", LoadRun(sets={"decoder_first_pipeline_num_layers": None})).will_load
+
+
+# --- lost data files ---------------------------------------------------------------------------------------
+
+
+def _can_load_json(*args: str) -> tuple[int, dict]:
+    import contextlib
+    import io
+
+    from ckptdoctor.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["can-load", *args, "--format", "json"])
+    report = json.loads(out.getvalue())
+    jsonschema.validate(report, SCHEMA)
+    return rc, report
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_lost_data_file_fails_the_data_section_at_every_layout(copy_fixture, damage):
+    """A data file of the model's chunks removed or cut short (a copy that stopped): `check` says CKD113/CKD114;
+    can-load says the load fails (torch's reader raises on the file or the short read), at the saved layout and at
+    any other, and --suggest searches nothing."""
+    save = copy_fixture("core019_tp2")
+    data_file = save / "iter_0000010" / "__1_0.distcp"
+    if damage == "missing":
+        data_file.unlink()
+    else:
+        os.truncate(data_file, 1000)
+    for target in ("tp=2", "tp=1"):
+        rc, report = _can_load_json(str(save), "--target", target)
+        assert rc == 1 and report["verdict"] == "fails" and report["failing_sections"][0] == "data", report
+        (data,) = [s for s in report["sections"] if s["section"] == "data"]
+        code = "CKD113" if damage == "missing" else "CKD114"
+        assert data["why"].startswith(f"{code}: ") and "lost 38 chunks of 20 keys" in data["why"], data
+    rc, suggested = _can_load_json(str(save), "--suggest")
+    assert rc == 1 and suggested["blocked"] == ["data"] and suggested["search"]["predictions"] == 0
+
+
+def test_lost_optimizer_chunks_fail_only_a_run_that_reads_them(copy_fixture):
+    """A data file cut where only optimizer chunks follow: the default run fails (data), --no-load-optim and
+    --finetune load with a warning naming the lost chunks, and --suggest finds the layouts with --no-load-optim."""
+    save = copy_fixture("core019_tp2")
+    ckpt = open_checkpoint(save)
+    placed = [
+        (chunk.storage.offset, key)
+        for key, entry in ckpt.entries.items()
+        for chunk in entry.chunks
+        if chunk.storage.relative_path == "__0_0.distcp"
+    ]
+    cut = min(offset for offset, key in placed if key.startswith("optimizer."))
+    assert all(key.startswith("optimizer.") for offset, key in placed if offset >= cut)
+    os.truncate(save / "iter_0000010" / "__0_0.distcp", cut + 10)
+    rc, report = _can_load_json(str(save), "--target", "tp=2")
+    assert rc == 1 and report["failing_sections"] == ["data"], report
+    for flag in ("--no-load-optim", "--finetune"):
+        rc, report = _can_load_json(str(save), "--target", "tp=2", flag)
+        assert rc == 0 and report["verdict"] == "loads", report
+        assert any("(not read by this run)" in w and "optimizer.state." in w for w in report["warnings"])
+    rc, suggested = _can_load_json(str(save), "--suggest")
+    assert rc == 0 and suggested["blocked"] == [] and suggested["suggestions"], suggested
+    assert all("--no-load-optim" in s["argv"] for s in suggested["suggestions"]), suggested["suggestions"]

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptdoctor.args import args_as_dict
-from ckptdoctor.checkpoint import Checkpoint
+from ckptdoctor.checkpoint import Checkpoint, section_of
+from ckptdoctor.data_files import storage_problems
 from ckptdoctor.errors import CkptError, PickleLimitError, UnsafePickleError
 from ckptdoctor.formats import read_by_current_megatron
 from ckptdoctor.formats.archive import ArchiveError
@@ -48,10 +49,11 @@ from ckptdoctor.ops.can_load.shapes import VOCAB_KEYS
 from ckptdoctor.ops.can_load.verdict import CORRUPTS, FAILS, LOADS, RESHARDS, SKIPPED, SectionVerdict
 from ckptdoctor.ops.pickle_gate import gate_failures
 from ckptdoctor.parallelism import infer_layout
+from ckptdoctor.problems import Problem
 from ckptdoctor.rules.extra_state import census
 
 SCHEMA = "ckptdoctor.can-load/1"
-SECTION_ORDER = ("safety", "format", "args", "common", "model", "extra_state", "optimizer", "rng", "rerun")
+SECTION_ORDER = ("safety", "format", "data", "args", "common", "model", "extra_state", "optimizer", "rng", "rerun")
 _RAISING = ("raise_unexpected", "raise_all")
 _DROPPING = ("log_unexpected", "log_all", "ignore_all", "return_unexpected", "return_all")
 UNEXPECTED_TITLE = "Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict."
@@ -293,6 +295,49 @@ def safety_verdict(ckpt: Checkpoint) -> SectionVerdict | None:
     )
 
 
+def lost_data(ckpt: Checkpoint) -> list[Problem]:
+    """Chunks ``.metadata`` places in data files that are missing, unreadable or too short, or places nowhere
+    (``check``'s CKD112-CKD114): read once per checkpoint, from the files' sizes."""
+    return [problem for problem in storage_problems(ckpt)[0] if problem.fatal]
+
+
+def _read_lost(lost: list[Problem], unread: set[str]) -> list[Problem]:
+    """The problems whose lost chunks a run that does not read the sections ``unread`` still reads."""
+    return [p for p in lost if not p.lost or any(section_of(c.key) not in unread for c in p.lost)]
+
+
+def lost_whatever_the_flags(lost: list[Problem]) -> bool:
+    """Whether chunks are lost that every run reads (the model's, the common state's...): no load flag helps."""
+    return bool(_read_lost(lost, {"optimizer", "rng"}))
+
+
+def _data_verdict(ctx: _Context, lost: list[Problem]) -> SectionVerdict | None:
+    """Fails where a chunk the run reads is gone: torch's reader raises on the missing file or the short read,
+    whatever the layout. Lost chunks only of sections the run does not read (the optimizer's with
+    --no-load-optim or --finetune, the RNG state's with --no-load-rng or --finetune) are a warning."""
+    if not lost:
+        return None
+    unread = set()
+    if ctx.run.no_load_optim or ctx.run.finetune:
+        unread.add("optimizer")
+    if ctx.run.no_load_rng or ctx.run.finetune:
+        unread.add("rng")
+    read = _read_lost(lost, unread)
+    if not read:
+        ctx.warnings += [f"{p.path}: {p.detail} (not read by this run)" for p in lost]
+        return None
+    first = read[0]
+    more = f" (and {len(read) - 1} more file(s))" if len(read) > 1 else ""
+    return SectionVerdict(
+        "data",
+        FAILS,
+        f"{first.code}: {first.path}: {first.detail}{more}",
+        None,
+        "restore the lost files from where the save was copied (`ckptdoctor check` lists every lost chunk; a copy "
+        "still running? wait for it)",
+    )
+
+
 def _format_verdict(ctx: _Context) -> SectionVerdict | None:
     if not read_by_current_megatron(ctx.ckpt.location.backend):
         where = ctx.ckpt.iteration_dir / ".metadata"
@@ -322,6 +367,7 @@ class SavedCheckpoint:
     # how many
     te_refused: list[str] = field(default_factory=list)
     te_items: int = 0
+    lost: list[Problem] = field(default_factory=list)  # lost_data: chunks whose bytes are gone
 
 
 def read_saved(ckpt: Checkpoint, model_args: dict[str, Any] | None = None) -> SavedCheckpoint:
@@ -338,7 +384,9 @@ def read_saved(ckpt: Checkpoint, model_args: dict[str, Any] | None = None) -> Sa
     saved = saved_layout(saved_args, layout.tp, layout.pp, layout.ep, layout.etp if experts else None)
     te_states = [i for i in census(ckpt) if i.state is not None and i.state.form not in (FORM_NONE, FORM_OTHER)]
     refused = [i.key for i in te_states if i.state is not None and i.state.te_2_18 == "refuse"]
-    return SavedCheckpoint(ckpt, safety, common, saved_args, saved, experts, model_args, refused, len(te_states))
+    return SavedCheckpoint(
+        ckpt, safety, common, saved_args, saved, experts, model_args, refused, len(te_states), lost_data(ckpt)
+    )
 
 
 def _delayed_fp8(args: dict[str, Any]) -> bool:
@@ -422,6 +470,9 @@ def predict_at(state: SavedCheckpoint, target: Layout, run: LoadRun) -> CanLoadR
     fmt = _format_verdict(ctx)
     if fmt is not None:
         sections.append(fmt)
+    data = _data_verdict(ctx, state.lost)
+    if data is not None:
+        sections.append(data)
     sections.append(_args_verdict(ctx))
     if run.strictness.startswith("return_"):
         sections.append(

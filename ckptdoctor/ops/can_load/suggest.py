@@ -28,7 +28,7 @@ from typing import Any
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.ops.can_load.args import args_problem
-from ckptdoctor.ops.can_load.predict import CanLoadReport, SavedCheckpoint, predict_at
+from ckptdoctor.ops.can_load.predict import CanLoadReport, SavedCheckpoint, lost_whatever_the_flags, predict_at
 from ckptdoctor.ops.can_load.run import (
     MAX_TARGET,
     Layout,
@@ -49,7 +49,7 @@ ORDERING = (
 MAX_LAYOUTS = 20000  # layouts whose startup args are checked
 MAX_PREDICTIONS = 2000  # full predictions (flag sets included)
 # Sections whose verdict the load flags change; a failure elsewhere (safety, format, args) no flag fixes.
-FLAG_SECTIONS = frozenset({"model", "optimizer", "rng", "rerun", "common"})
+FLAG_SECTIONS = frozenset({"model", "optimizer", "rng", "rerun", "common", "data"})  # (data: see _flag_options)
 KEY_SECTIONS = frozenset({"model", "optimizer", "rng", "rerun"})
 # Strictness modes worth trying instead of the run's: return_* fails Megatron-LM itself, raise_all only adds failures.
 OTHER_STRICTNESS = ("assume_ok_unexpected", "raise_unexpected", "log_unexpected", "log_all", "ignore_all")
@@ -93,7 +93,7 @@ class SuggestReport:
     more: int  # found but not listed (--limit)
     suggestions: list[Suggestion]
     as_saved_failing: list[str]  # the saved layout's failing sections with the run's flags (empty: it loads)
-    blocked: list[str]  # failing sections no layout or load flag changes (safety, format): nothing searched
+    blocked: list[str]  # failing sections no layout or load flag changes (safety, format, data): nothing searched
     search: SearchStats
 
 
@@ -174,9 +174,10 @@ def _layouts(saved: Layout, experts: bool, world: int) -> Iterator[Layout]:
 def _flag_options(run: LoadRun, failing: list[str]) -> list[_Change]:
     """The flags that address a failing section, in the order they are tried."""
     options = []
-    if "rng" in failing and not run.no_load_rng and not run.finetune:
+    # (a data failure left to the flags lost chunks only of the optimizer's or the RNG state's: not reading them)
+    if ("rng" in failing or "data" in failing) and not run.no_load_rng and not run.finetune:
         options.append(_Change("no_load_rng", True))
-    if "optimizer" in failing and not run.no_load_optim and not run.finetune:
+    if ("optimizer" in failing or "data" in failing) and not run.no_load_optim and not run.finetune:
         options.append(_Change("no_load_optim", True))
     if set(failing) & (KEY_SECTIONS | {"common"}):
         options += [_Change("strictness", s) for s in OTHER_STRICTNESS if s != run.strictness]
@@ -210,7 +211,11 @@ def suggest(
     stats = SearchStats()
     as_saved = predict_at(state, saved, run)
     found: list[tuple[tuple[Any, ...], Suggestion]] = []
-    blocked = [s for s in as_saved.failing_sections if s in ("safety", "format")]  # no layout or flag changes them
+    blocked = [  # no layout or load flag changes them
+        s
+        for s in as_saved.failing_sections
+        if s in ("safety", "format") or (s == "data" and lost_whatever_the_flags(state.lost))
+    ]
     if not blocked:
         for layout in _layouts(saved, experts, world):
             if stats.layouts >= MAX_LAYOUTS or stats.predictions >= MAX_PREDICTIONS:
