@@ -30,6 +30,14 @@ _STACKED_LAYER_RE = re.compile(r"(^|\.)layers\.(?!\d)")
 _INDEXED_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _LOCAL_EXPERT_RE = re.compile(r"(?:^|\.)local_experts\.(\d+)\.")
 _SWIGLU_FC1_RE = re.compile(r"(^|\.)linear_fc1\.(.+\.)?(weight|bias)$")
+# Tensors Megatron never splits by tensor parallelism (norms, the router, the biases added after a row-parallel
+# linear, learned positions): one whole copy per rank, which DCP saves once from whichever rank it balances the write
+# to. They show neither the TP degree (a save keeping only them, a strip-frozen output or a PEFT base-free save,
+# would read as TP=1) nor a stage's ranks (each layer's copy from another rank: two "stages" at PP=1).
+_REPLICATED_RE = re.compile(
+    r"(?:layernorm|layer_norm|norm)(?:_weight|_bias|\.weight|\.bias)$"
+    r"|(?:^|\.)router\.(?:weight|expert_bias)$|(?:^|\.)linear_(?:proj|fc2)\.bias$|position_embeddings\.weight$"
+)
 
 
 @dataclass
@@ -228,6 +236,8 @@ def infer_layout(checkpoint: Checkpoint) -> SavedLayout:
     for entry in checkpoint.section_entries("model"):
         if entry.kind != "tensor" or not entry.shape or entry.misranked_chunk() is not None:
             continue  # a chunk of another rank than its tensor tells nothing of the layout (check: CKD coverage)
+        if _REPLICATED_RE.search(entry.key):
+            continue
         stacked_at = _STACKED_LAYER_RE.search(entry.key)
         stacked = stacked_at is not None
         indexed = None if stacked else _INDEXED_LAYER_RE.search(entry.key)

@@ -778,3 +778,21 @@ def _deep_dir_is_carried(capsys, copy_fixture, tmp_path):
     rc, out, err = run_main(capsys, "edit", save, "--drop-section", "optimizer", "--in-place", "--no-backup")
     assert rc == 0 and "error" not in err, out + err  # the old dir, deep tree and all, is deleted without recursion
     assert sorted(p.name for p in save.iterdir()) == [ITER, "latest_checkpointed_iteration.txt"]
+
+
+@pytest.mark.parametrize(
+    "name, trainable",
+    [("core019_tp2_dp2", "final_layernorm"), ("core019_moe_ep2", "router"), ("core019_tp2", "layernorm")],
+)
+def test_an_output_of_replicated_tensors_only_passes_check(capsys, tmp_path, name, trainable):
+    """Kept: only tensors Megatron never splits by TP (norms, routers), each layer's written by whichever rank DCP
+    gave the write. The output shows no layout: check must not derive one (it said TP=1 at a TP=2 save, PP=2 at a
+    PP=1 one, and offered fix-args "corrections" that would have broken the args), and fix-args has nothing to do."""
+    source = FIXTURES / name
+    assert _run(capsys, "check", "--isolated", source)[0] == 0
+    out = tmp_path / "out"
+    _strip(capsys, source, out, "--trainable", trainable)
+    rc, stdout, err = _run(capsys, "check", "--isolated", out)
+    assert rc == 0 and err == "", stdout
+    rc, stdout, err = _run(capsys, "fix-args", out, "--format", "json")
+    assert rc == 0 and json.loads(stdout)["changes"] == [], stdout

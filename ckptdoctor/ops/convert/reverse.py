@@ -31,8 +31,8 @@ from typing import Any
 from ckptdoctor.args import args_as_dict
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.errors import CkptError
-from ckptdoctor.formats import torch_dist
-from ckptdoctor.formats.plain_dcp import FLAVOUR_FSDP_DTENSOR
+from ckptdoctor.formats import BACKEND_DCP, torch_dist
+from ckptdoctor.formats.plain_dcp import FLAVOUR_FSDP_DTENSOR, is_megatron
 from ckptdoctor.ops.convert.plan import (
     HOW_OBJECT,
     MAIN_DTYPE,
@@ -357,8 +357,13 @@ def param_groups_from_group_meta(items: dict[str, Any]) -> dict[str, Any]:
 
 def plan_to_torch_dist(checkpoint: Checkpoint) -> tuple[ConvertPlan, dict[str, ReverseRule]]:
     where = checkpoint.iteration_dir
+    if checkpoint.location.backend == BACKEND_DCP and is_megatron(checkpoint.flavour):
+        checkpoint.common_state()  # its args tell fsdp_dtensor where the keys cannot (no SwiGLU: no _w/_v keys)
     if checkpoint.flavour != FLAVOUR_FSDP_DTENSOR:
-        raise CkptError(f"{where}: convert --to torch_dist reads a Megatron-FSDP fsdp_dtensor save")
+        raise CkptError(
+            f"{where}: convert --to torch_dist reads a Megatron-FSDP fsdp_dtensor save, not this one "
+            f"({checkpoint.location.era})"
+        )
     args = saved_args(checkpoint)
     model_dtype = mixed_precision_dtype(args)
     rules, tensors, mappings = reverse_rules(checkpoint, model_dtype, bool(args.get("use_distributed_optimizer")))

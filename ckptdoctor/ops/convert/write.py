@@ -281,6 +281,7 @@ def _fill_torch_dist(
 def _read_back(stage: Path, target: str) -> None:
     """The new save read through the safe unpickler (its ``.metadata`` and index) as any later run reads it."""
     written = open_checkpoint(stage)
+    written.common_state()  # its args decide the flavour where the keys cannot (no SwiGLU: no _w/_v keys)
     got = written.flavour or written.location.backend
     if got != target:
         raise CkptError(f"{stage}: the converted save reads back as {got}, not {target}")
