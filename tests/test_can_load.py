@@ -663,3 +663,24 @@ def test_lost_optimizer_chunks_fail_only_a_run_that_reads_them(copy_fixture):
     rc, suggested = _can_load_json(str(save), "--suggest")
     assert rc == 0 and suggested["blocked"] == [] and suggested["suggestions"], suggested
     assert all("--no-load-optim" in s["argv"] for s in suggested["suggestions"]), suggested["suggestions"]
+
+
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (["--remove", r"^embedding\."], "embedding.word_embeddings.weight"),
+        (["--remove", r"^decoder\.layers\."], "decoder.layers.mlp.linear_fc1.weight"),
+        (["--rename", "final_layernorm", "final_norm"], "decoder.final_layernorm.weight"),
+    ],
+    ids=["embedding removed", "every layer removed", "final layernorm renamed"],
+)
+def test_keys_every_gpt_has_are_requested_though_not_saved(tmp_path, edit, key):
+    """The run's model requests its embedding, final layernorm and layers' linears whatever was saved: an edit
+    that removed or renamed them fails the model section (the real load of such edits: tests/test_edit_mcore.py)."""
+    from ckptdoctor.cli import main
+
+    out = tmp_path / "edited"
+    assert main(["edit", str(FIXTURES / "core019_tp2"), *edit, "--output", str(out), "--format", "json"]) == 0
+    rc, report = _can_load_json(str(out), "--target", "tp=2")
+    (model,) = [s for s in report["sections"] if s["section"] == "model"]
+    assert rc == 1 and model["verdict"] == "fails" and key in model["why"], model

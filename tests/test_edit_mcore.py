@@ -279,3 +279,25 @@ def test_dropped_redundant_extra_state_loads_with_the_reported_strictness(capsys
         main(["can-load", str(tmp_path / "lean"), "--target", "tp=1", "--format", "json", "--strictness", strictness])
         sections = {s["section"]: s for s in json.loads(capsys.readouterr().out)["sections"]}
         assert sections["model"]["verdict"] == verdict, (strictness, sections["model"])
+
+
+def test_removed_or_renamed_model_keys_fail_a_real_load_as_can_load_predicts(capsys, tmp_path):
+    """A model key removed or renamed by edit: the model that saved the checkpoint still requests it, and
+    megatron-core's load fails naming it; can-load's model section says so (it predicted LOADS: its requests
+    were made from the saved keys), and edit's notes say what a load needs."""
+    require_mcore()
+    src = FIXTURES / "core019_tp1"
+    renamed = _edit(capsys, src, tmp_path / "renamed", "--rename", "final_layernorm", "final_norm")
+    assert renamed["plan"]["load_flags"] == [] and any("renamed" in n for n in renamed["plan"]["load_notes"])
+    _edit(capsys, src, tmp_path / "removed", "--remove", r"linear_qkv\.weight$")
+    _load(
+        [
+            _case("renamed", tmp_path / "renamed", "core019_tp1", [], "decoder.final_layernorm.weight", via="dist"),
+            _case("removed", tmp_path / "removed", "core019_tp1", [], "linear_qkv.weight", via="dist"),
+        ]
+    )
+    for name, key in (("renamed", "decoder.final_layernorm.weight"), ("removed", "linear_qkv.weight")):
+        capsys.readouterr()
+        rc = main(["can-load", str(tmp_path / name), "--target", "tp=1", "--format", "json"])
+        sections = {s["section"]: s for s in json.loads(capsys.readouterr().out)["sections"]}
+        assert rc == 1 and sections["model"]["verdict"] == "fails" and key in sections["model"]["why"], sections

@@ -131,6 +131,7 @@ def model_plan(
     _layer_keying_flip(saved_args, args, plan, run_layers)
     _extra_state_requests(plan, saved_layers, extra_state_local)
     frozen = _frozen_base(saved_args, plan)
+    lost = None if frozen is not None or saved_args.get("save_trainable_params_only") else _lost_modules(args, plan)
     changes = changed_args(saved_args, args)
     changes += [
         f"{n} {saved_args.get(n)!r}->{args.get(n)!r}"
@@ -153,7 +154,7 @@ def model_plan(
             len(plan.requested),
             len(plan.present),
         )
-    plan.why = vocab_note or frozen
+    plan.why = vocab_note or frozen or lost
     return plan
 
 
@@ -179,6 +180,51 @@ def _frozen_base(saved_args: dict[str, Any], plan: KeyPlan) -> str | None:
     plan.unexpected_at_least = bool(absent)
     plan.fix = "load with a filtered request (Megatron-Bridge PEFT), or pass the base checkpoint too"
     return f"trainable-params-only save: the frozen base ({len(absent)}+ keys) is not in it" if absent else None
+
+
+_PER_LAYER_RE = re.compile(r"^decoder\.layers\.\d+\.")
+
+
+def _lost_modules(args: dict[str, Any], plan: KeyPlan) -> str | None:
+    """Keys every GPT model of the run's args has, whatever its spec, that the checkpoint lacks (removed or renamed
+    after the save: ``edit --remove``/``--rename``); the run requests them. The embedding, the untied output layer,
+    the final layernorm and, for dense layers with standard attention, each layer's four linears; nothing for a
+    hybrid (Mamba) model, nor the MLP of an MoE model or the QKV of multi-latent attention."""
+    present = set(plan.present)
+    if not any(key.startswith(("decoder.", "embedding.", "output_layer.")) for key in present):
+        return None  # not a GPT decoder's keys
+    if any(key.startswith("encoder.") for key in present) or args.get("hybrid_override_pattern"):
+        return None  # an encoder-decoder or a hybrid (Mamba) model: other modules
+    if args.get("is_hybrid_model"):
+        return None
+    wanted = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
+    if args.get("untie_embeddings_and_output_weights"):
+        wanted.add("output_layer.weight")
+    linears = ["self_attention.linear_proj"] + (
+        [] if args.get("multi_latent_attention") else ["self_attention.linear_qkv"]
+    )
+    if not args.get("num_experts"):
+        linears += ["mlp.linear_fc1", "mlp.linear_fc2"]
+    layers = args.get("num_layers")
+    if any(_PER_LAYER_RE.match(key) for key in present):
+        if isinstance(layers, int) and not isinstance(layers, bool) and 0 < layers <= 100_000:
+            wanted |= {f"decoder.layers.{i}.{name}.weight" for i in range(layers) for name in linears}
+    else:
+        wanted |= {f"decoder.layers.{name}.weight" for name in linears}
+    absent = sorted(wanted - present - set(plan.requested))
+    for key in absent:
+        plan.requested[key] = None
+        plan.unexpected.add(key)
+    if not absent:
+        return None
+    plan.fix = (
+        "restore the keys (from the save's source, or the edit's backup), or load with a run whose model has the "
+        "saved names"
+    )
+    example = absent[0]
+    return (
+        f"the checkpoint lacks {len(absent)} key(s) every model of these args has (e.g. {example}): removed or renamed?"
+    )
 
 
 def _extra_state_requests(plan: KeyPlan, layers: int, local: bool) -> None:

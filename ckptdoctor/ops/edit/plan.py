@@ -23,6 +23,7 @@ real loads in ``tests/test_edit_mcore.py``).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ckptdoctor.checkpoint import Checkpoint, section_of
@@ -249,7 +250,7 @@ def plan_edit(checkpoint: Checkpoint, request: EditRequest) -> EditPlan:
     if had_model and not any(checkpoint.entries[k].section == "model" for k in kept):
         raise CkptError(f"{where}: the edit removes every model key; nothing written")
     dropped = _whole_sections(checkpoint, removed)
-    flags, notes = load_flags(checkpoint, removed, dropped)
+    flags, notes = load_flags(checkpoint, removed, dropped, renamed)
     if partial:
         notes.append(
             f"--drop-redundant-extra-state kept {len(partial)} _extra_state key(s) whole whose other shards hold "
@@ -346,7 +347,9 @@ def common_changes(checkpoint: Checkpoint, dropped: list[str]) -> list[CommonCha
     return changes
 
 
-def load_flags(checkpoint: Checkpoint, removed: list[KeyChange], dropped: list[str]) -> tuple[list[str], list[str]]:
+def load_flags(
+    checkpoint: Checkpoint, removed: list[KeyChange], dropped: list[str], renamed: Sequence[KeyChange] = ()
+) -> tuple[list[str], list[str]]:
     """The Megatron-LM load flags the edited checkpoint needs, and why (megatron/training/checkpointing.py)."""
     flags: list[str] = []
     notes: list[str] = []
@@ -387,5 +390,10 @@ def load_flags(checkpoint: Checkpoint, removed: list[KeyChange], dropped: list[s
         notes.append(
             "model keys removed: a model whose load requests them fails under the default strictness; load "
             "with a model that does not have them, or --dist-ckpt-strictness log_unexpected if they may stay fresh"
+        )
+    if any(c.section == "model" for c in renamed):
+        notes.append(
+            "model keys renamed: the model that saved this checkpoint requests the old names, and its load fails "
+            "under the default strictness; load with a model whose modules have the new names"
         )
     return flags, notes
