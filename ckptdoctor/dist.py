@@ -82,6 +82,13 @@ class Group:
         return worst, rank, payloads[rank][2] if payloads[rank][0] == "exit" else ""
 
 
+def refuse_write(command: str) -> None:
+    """A write runs in one process: under torchrun every rank would write the same output (one of them then finds
+    it exists, or takes the others' lock, or backs the source up twice)."""
+    if group() is not None:
+        raise CkptError(f"{command} writes from one process, not under torchrun (use --jobs for parallel workers)")
+
+
 def _init() -> Group:
     try:
         import torch.distributed as td

@@ -416,3 +416,28 @@ def test_plan_overlaps_is_not_slowed_by_intervals_built_to_collide():
         pytest.skip("this Python hashes tuples differently: the pairs do not collide")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+@pytest.mark.mcore
+def test_torchrun_write_commands_refuse_before_writing(tmp_path):
+    """strip-frozen, edit, fix-args and convert write from one process: under torchrun each rank would write the
+    same output (seen: "another ckptdoctor command is writing this checkpoint", an output "exists", two backups).
+    Each refuses before any write with one line (rank 0 speaks; torchrun then stops the job, exit 1), and leaves
+    the source as it was and no output."""
+    pytest.importorskip("torch")
+    source = tmp_path / "src"
+    shutil.copytree(FIXTURES / "core019_peft_full_tp2", source)
+    before = {p.relative_to(source): p.read_bytes() for p in source.rglob("*") if p.is_file()}
+    commands = [
+        ["strip-frozen", str(source), "--in-place"],
+        ["edit", str(source), "--remove", "rng_state", "--output", str(tmp_path / "edited")],
+        ["fix-args", str(source), "--set", "lr=0.5", "--output", str(tmp_path / "fixed")],
+        ["convert", str(source), "--to", "fsdp_dtensor", "--output", str(tmp_path / "converted")],
+    ]
+    for command in commands:
+        run = _torchrun(2, *command)
+        lines = _ours(run.stderr)
+        assert run.returncode != 0 and len(lines) == 1, (command, run.stderr[-2000:])
+        assert "writes from one process, not under torchrun" in lines[0] or "convert runs in one process" in lines[0]
+    assert {p.relative_to(source): p.read_bytes() for p in source.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -26,7 +26,7 @@ from ckptdoctor.commands.options import format_option, gate_refusals, jobs_optio
 )
 @click.option("--dry-run", is_flag=True, help="List every key mapping; write nothing (as with no -o/--output).")
 @click.option("--force", is_flag=True, help="Replace an --output dir that exists and is not empty.")
-@jobs_option("each writes its own data files")
+@jobs_option("each writes its own data files", torchrun=False)
 @format_option(schema="convert")
 @gate_refusals
 def command(

@@ -65,7 +65,7 @@ PRESET_CHOICES = ["te-to-local", "local-to-te"]
 )
 @click.option("--keys", "all_keys", is_flag=True, help="List every key of the plan, not the summary by reason.")
 @format_option(schema="edit")
-@jobs_option("--compact: threads copying kept items; from object storage: threads copying data files")
+@jobs_option("--compact: threads copying kept items; from object storage: threads copying data files", torchrun=False)
 @gate_refusals
 def command(
     checkpoint: str,

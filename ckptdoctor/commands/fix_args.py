@@ -47,7 +47,7 @@ from ckptdoctor.commands.write_target import (
 )
 @click.option("--only-set", is_flag=True, help="Apply only the --set edits, not the fixes.")
 @format_option(schema="fix-args")
-@jobs_option("threads copying data files from object storage to another bucket or a local dir")
+@jobs_option("threads copying data files from object storage to another bucket or a local dir", torchrun=False)
 @gate_refusals
 def command(
     checkpoint: str,

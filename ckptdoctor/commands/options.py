@@ -52,14 +52,16 @@ def format_option(
     )
 
 
-def jobs_option(what: str) -> Callable[[Any], Any]:
-    """``--jobs/-j N``: worker processes for byte-bound work (``what``); default: the available cores."""
+def jobs_option(what: str, torchrun: bool = True) -> Callable[[Any], Any]:
+    """``--jobs/-j N``: worker processes for byte-bound work (``what``); default: the available cores.
+    ``torchrun``: the command runs under torchrun too (the write commands do not: one process writes)."""
+    per_rank = "; under torchrun, per rank" if torchrun else ""
     return click.option(
         "--jobs",
         "-j",
         type=click.IntRange(min=1),
         default=None,
-        help=f"Parallel workers ({what}) [default: the available cores; under torchrun, per rank].",
+        help=f"Parallel workers ({what}) [default: the available cores{per_rank}].",
     )
 
 

@@ -51,7 +51,7 @@ PRESET_CHOICES = ["lora", "canonical-lora", "dora"]
 @click.option("--base-iteration", default=None, help="Iteration of BASE_CKPT when it is a save dir.")
 @click.option("--keys", "all_keys", is_flag=True, help="List every key of the plan, not the summary by reason.")
 @format_option(schema="strip-frozen")
-@jobs_option("threads copying kept items")
+@jobs_option("threads copying kept items", torchrun=False)
 @gate_refusals
 def command(
     checkpoint: str,

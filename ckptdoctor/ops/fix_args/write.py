@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ckptdoctor import locking
+from ckptdoctor import dist, locking
 from ckptdoctor.atomic import (
     backup_file,
     backup_name,
@@ -360,6 +360,7 @@ def write_fix(
     The written checkpoint is re-read and re-diagnosed by our own reader before anyone is told it worked:
     ``report.remaining`` holds what is still wrong there (``report.findings`` keep what was wrong before).
     """
+    dist.refuse_write("fix-args")
     if not report.changes:
         refuse_unsafe_pickles(checkpoint)  # --write of a checkpoint failing the gate: refused, as every write
         # As every write: a leftover of an interrupted write is resolved first (a run killed after replacing its

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ckptdoctor import atomic, locking
+from ckptdoctor import atomic, dist, locking
 from ckptdoctor.checkpoint import Checkpoint
 from ckptdoctor.data_files import storage_problems
 from ckptdoctor.errors import CkptError
@@ -108,6 +108,7 @@ def check_target(
     """Refuse a bad target before any work is done (nothing is written by a refusal). ``remote_source``: the
     command reads a source on object storage chunk by chunk and writes a new local ``output`` (convert), so only
     the output must be local."""
+    dist.refuse_write("this command")
     if in_place == (output is not None):
         raise CkptError("give exactly one of --output DIR and --in-place")
     source_local = is_local(checkpoint.iteration_dir)
