@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 
 import pytest
 from conftest import FIXTURES, file_digests, run_cli
@@ -533,3 +534,19 @@ def test_data_files_keep_the_source_writers(capsys, tmp_path, monkeypatch, unit_
     assert rc == 0, err
     source, back = infer_layout(open_checkpoint(src)), infer_layout(open_checkpoint(tmp_path / "back"))
     assert (back.tp, back.pp, back.writer_ranks) == (source.tp, source.pp, source.writer_ranks) == (1, 2, [0, 1])
+
+
+def test_a_sealed_source_whose_bytes_changed_is_refused(capsys, tmp_path):
+    """A sealed source (integrity.json) with one byte changed outside any record (a zip header field no reader
+    checks): check says CKD301; convert refuses it before writing, as strip-frozen does, instead of carrying the
+    changed bytes into a format no manifest covers."""
+    source = tmp_path / "src"
+    shutil.copytree(FIXTURES / "core019_tp2", source)
+    assert _run(capsys, "seal", source)[0] == 0
+    data_file = source / ITER / "__0_0.distcp"
+    data = bytearray(data_file.read_bytes())
+    data[19] ^= 0x01
+    data_file.write_bytes(bytes(data))
+    rc, out, err = _run(capsys, "convert", source, "--to", "fsdp_dtensor", "-o", tmp_path / "out")
+    assert rc == 2 and "refusing to convert it" in err and "__0_0.distcp" in err, out + err
+    assert not (tmp_path / "out").exists()

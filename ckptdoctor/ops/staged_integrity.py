@@ -39,13 +39,14 @@ def carried_hashes(src: Path, stage: Path) -> dict[str, str]:
     return dict(sorted(hashes.items()))
 
 
-def verify_source_manifest(iteration_dir: Path) -> None:
+def verify_source_manifest(iteration_dir: Path, verb: str = "strip") -> None:
     """Refuse a source whose ``integrity.json`` disagrees with its files: the output's fresh manifest would
-    otherwise vouch for changed bytes. Every file of the dir is hashed (in parallel, as ``seal`` does)."""
+    otherwise vouch for changed bytes (a conversion would carry them into another format, where no manifest
+    tells). Every file of the dir is hashed (in parallel, as ``seal`` does)."""
     path = iteration_dir / INTEGRITY_NAME
     if not path.is_file():
         return
-    why = "; refusing to strip it (its new manifest would vouch for changed bytes): run `ckptdoctor check` on it"
+    why = f"; refusing to {verb} it (the source's bytes changed after it was sealed): run `ckptdoctor check` on it"
     try:
         manifest = read_json(path)
         listed = manifest["files"]

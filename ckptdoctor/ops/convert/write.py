@@ -55,12 +55,14 @@ from ckptdoctor.ops.convert.reverse import (
 from ckptdoctor.ops.fix_args.plan import common_with_args
 from ckptdoctor.ops.rewrite.request import dir_bytes
 from ckptdoctor.ops.rewrite.write import check_integrity, check_target, input_was_save_dir
+from ckptdoctor.ops.staged_integrity import verify_source_manifest
 from ckptdoctor.ops.staging import SwapState, swap_output
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import leftovers
 from ckptdoctor.tree_removal import remove_tree
 from ckptdoctor.values.dcp_save import ChunkRecord, DataFileWriter, DcpSaveLayout
 from ckptdoctor.values.read import read_chunk
+from ckptdoctor.write_guard import is_local
 
 STEP = "convert"
 # megatron-core 0.19's metadata.json (older cores add the common backend, which they read as torch too)
@@ -316,6 +318,8 @@ def convert(
     if output is None:
         raise CkptError("give -o/--output DIR (or --dry-run)")
     check_target(checkpoint, output, False, force, remote_source=True)  # the source is only read
+    if is_local(checkpoint.iteration_dir):
+        verify_source_manifest(checkpoint.iteration_dir, "convert")
     started = time.perf_counter()
     src_iter = checkpoint.iteration_dir
     save_layout = input_was_save_dir(checkpoint)
