@@ -335,6 +335,25 @@ def test_set_of_another_type_than_the_saved_arg_is_a_usage_error():
     assert predict(ckpt, "tp=1", LoadRun(sets={"init_method_std": 1, "num_layers": 2})).will_load
 
 
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        ({"hidden_size": -32}, "a model size, a positive integer"),
+        ({"num_attention_heads": 0}, "a model size, a positive integer"),
+        ({"num_query_groups": 0}, "a model size, a positive integer"),
+        ({"ffn_hidden_size": True}, "give a value of that type"),
+        ({"num_layers": None}, "Megatron-LM requires num_layers"),
+    ],
+)
+def test_set_of_an_impossible_model_size_is_a_usage_error(sets, message):
+    """Megatron sizes tensors by these args or divides by them: no load is predicted from zero, a negative size or
+    a required arg left unset (it was: LOADS with --finetune)."""
+    ckpt = open_checkpoint(FIXTURES / "core019_gqa_qkln_tp2")
+    with pytest.raises(CkptError, match=message):
+        predict(ckpt, "tp=2", LoadRun(finetune=True, sets=sets))
+    assert predict(ckpt, "tp=2", LoadRun(sets={"num_query_groups": None, "num_experts": None})).verdict != "error"
+
+
 def test_optimizer_state_dropped_by_a_round_trip_points_at_no_load_optim_only(tmp_path):
     """core019_tp2_dp2 through fsdp_dtensor and back: its buckets are gone, its common state still says
     dp_reshardable. No optimizer choice finds the state, so the fix is --no-load-optim, not the other optimizer."""

@@ -570,20 +570,48 @@ def _accepted_types(saved: Any) -> tuple[type, ...] | None:
     return (str,) if isinstance(saved, str) else None
 
 
+# Model sizes: a tensor dimension or a divisor in Megatron's args, never zero or negative; the first three have no
+# default (Megatron-LM's validate_args asserts them)
+_POSITIVE_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "kv_channels",
+    "padded_vocab_size",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "seq_length",
+    "max_position_embeddings",
+)
+_REQUIRED_ARGS = ("num_layers", "hidden_size", "num_attention_heads")
+
+
 def _check_set_types(sets: dict[str, Any], base: dict[str, Any]) -> None:
     """A ``--set`` value of another type than the saved arg's (``num_layers=abc``): Megatron-LM's argparse refuses
     it at launch, so it is a usage error here, not a prediction reasoned from it. None (Megatron's default) and an
-    int for a float arg pass."""
+    int for a float arg pass, except where a model size must be a positive int (``hidden_size=-32``,
+    ``num_layers=None``)."""
     for name, value in sets.items():
         saved = base.get(name)
         kinds = _accepted_types(saved)
-        if kinds is None or value is None:
-            continue
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        if (
+            kinds is not None
+            and value is not None
+            and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds))
+        ):
             what = {(bool,): "a bool", (int,): "an int", (int, float): "a float", (str,): "a string"}[kinds]
             raise CkptError(
                 f"--set {name}={value!r}: the saved {name} is {what} ({saved!r}); give a value of that type"
             )
+        if name in _POSITIVE_ARGS and value is not None and (type(value) is not int or value <= 0):
+            raise CkptError(
+                f"--set {name}={value!r}: a model size, a positive integer (Megatron sizes or divides by it)"
+            )
+        if name in _REQUIRED_ARGS and value is None:
+            raise CkptError(f"--set {name}=None: Megatron-LM requires {name} (it has no default)")
 
 
 def _saved_source(saved_args: dict[str, Any], saved: Layout) -> str:
