@@ -47,7 +47,8 @@ def command(
     chunk); the common state becomes top-level items, args saying ckpt_format='fsdp_dtensor'. What the target has
     no place for (extra state, RNG and rerun states, distributed optimizer buckets) is listed. --to torch_dist
     converts an fsdp_dtensor save back (layers stacked, halves joined, common.pt and metadata.json). The output is
-    built in a staging dir and renamed into place last. Exit code: 0 written (or planned), 2 error.
+    built in a staging dir and renamed into place last. Exit code: 0 written (or planned), 1 refused by the
+    safety gate (the output would carry a pickle failing it), 2 error.
     """
     from ckptdoctor.checkpoint import open_checkpoint
     from ckptdoctor.commands.progress_bar import progress_bar

@@ -94,7 +94,8 @@ def command(
     the common state, and the report names the Megatron-LM load flags the result needs. From object storage
     (without --compact), -o URL in the same bucket or MSC profile copies the data files on the server and uploads
     only the changed files; another bucket, profile or a local dir streams them. Exit code: 0 written
-    (or planned), 2 error (bad regex, an edit that changes nothing, a damaged or unsafe source).
+    (or planned), 1 refused by the safety gate (the output would carry a pickle failing it), 2 error (bad regex,
+    an edit that changes nothing, a damaged source).
     """
     from ckptdoctor.checkpoint import open_checkpoint, open_for_rewrite
     from ckptdoctor.commands.progress_bar import progress_bar

@@ -77,7 +77,7 @@ def command(
     tensors and every model _extra_state, keeps optimizer, rng, rerun and common state untouched but for
     the saved arg save_trainable_params_only (set to true unless --keep-args). Kept items are byte-copied,
     never re-encoded. Exit code: 0 written (or planned), 1 no frozen parameter (nothing written; --force
-    writes anyway), 2 error.
+    writes anyway) or refused by the safety gate (the output would carry a pickle failing it), 2 error.
     """
     from ckptdoctor.checkpoint import open_checkpoint, open_for_rewrite
     from ckptdoctor.commands.progress_bar import progress_bar

@@ -128,7 +128,7 @@ def _beside(parent: Path, shown_parent: Path, name: str, match: re.Match[str], s
         return finding(
             INTERRUPTED_WRITE,
             here,
-            f"staging dir of an interrupted strip-frozen (older ckptdoctor): it may hold the original "
+            f"staging dir of an interrupted ckptdoctor write (older ckptdoctor): it may hold the original "
             f"{target} (an --in-place run cut short right after its swap) or an unfinished new copy; "
             f"compare `ckptdoctor inspect {_q(here)}` with `ckptdoctor inspect {_q(shown_target)}` "
             "before deleting either",
@@ -137,7 +137,7 @@ def _beside(parent: Path, shown_parent: Path, name: str, match: re.Match[str], s
         return finding(
             WRITE_LEFTOVER,
             here,
-            f"unfinished output of an interrupted strip-frozen (the source was "
+            f"unfinished output of an interrupted ckptdoctor write (the source was "
             f"not modified); delete it: rm -rf {_q(here)}",
         )
     if kind == "old":
@@ -145,13 +145,13 @@ def _beside(parent: Path, shown_parent: Path, name: str, match: re.Match[str], s
             return finding(
                 INTERRUPTED_WRITE,
                 here,
-                f"{target} is missing: strip-frozen --force was interrupted while replacing it and this "
+                f"{target} is missing: a ckptdoctor write with --force was interrupted while replacing it and this "
                 f"is its previous content; restore it: mv {_q(here)} {_q(shown_target)}",
             )
         return finding(
             WRITE_LEFTOVER,
             here,
-            f"previous content of {target}, replaced by strip-frozen --force (the "
+            f"previous content of {target}, replaced by a ckptdoctor write with --force (the "
             f"new output is in place); delete it: rm -rf {_q(here)}",
         )
     return finding(
@@ -178,7 +178,7 @@ def _swap(
         return finding(
             INTERRUPTED_WRITE,
             here,
-            f"holds the original {target}: strip-frozen --in-place was interrupted right after its "
+            f"holds the original {target}: a ckptdoctor --in-place write was interrupted right after its "
             f"atomic swap ({target} holds the complete stripped checkpoint); restore the original: "
             f"mv {_q(shown_target)} {_q(stripped)} && mv {_q(here)} {_q(shown_target)}; "
             f"or keep the stripped one and this as its backup: mv {_q(here)} {_q(backup)}",
@@ -187,7 +187,7 @@ def _swap(
         return finding(
             WRITE_LEFTOVER,
             here,
-            f"unfinished stripped copy of {target} from an interrupted strip-frozen --in-place; "
+            f"unfinished new copy of {target} from an interrupted ckptdoctor --in-place write; "
             f"{target} is the untouched original; delete it: rm -rf {_q(here)}",
         )
     original = _find_inode(parent, inode)
@@ -195,7 +195,7 @@ def _swap(
         return finding(
             INTERRUPTED_WRITE,
             here,
-            f"{target} is missing: strip-frozen --in-place was interrupted between its two renames; "
+            f"{target} is missing: a ckptdoctor --in-place write was interrupted between its two renames; "
             f"the original is {original}; restore it: mv {_q(shown_parent / original)} "
             f"{_q(shown_target)} && rm -rf {_q(here)}",
         )
@@ -203,13 +203,13 @@ def _swap(
         return finding(
             WRITE_LEFTOVER,
             here,
-            f"staging dir of a strip-frozen --in-place of {target} (the original is kept as "
+            f"staging dir of a ckptdoctor --in-place write of {target} (the original is kept as "
             f"{original}); delete it: rm -rf {_q(here)}",
         )
     return finding(
         INTERRUPTED_WRITE,
         here,
-        f"staging dir of an interrupted strip-frozen --in-place; the original {target} (inode {inode}) "
+        f"staging dir of an interrupted ckptdoctor --in-place write; the original {target} (inode {inode}) "
         f"is not beside it: check it with `ckptdoctor inspect {_q(here)}` before deleting anything",
     )
 

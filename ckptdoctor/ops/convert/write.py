@@ -317,7 +317,7 @@ def convert(
         return ConvertReport(plan, None, True)
     if output is None:
         raise CkptError("give -o/--output DIR (or --dry-run)")
-    check_target(checkpoint, output, False, force, remote_source=True)  # the source is only read
+    check_target(checkpoint, output, False, force, remote_source=True, in_place_option=False)  # the source: read
     if is_local(checkpoint.iteration_dir):
         verify_source_manifest(checkpoint.iteration_dir, "convert")
     started = time.perf_counter()

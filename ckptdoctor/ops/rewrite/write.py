@@ -62,10 +62,13 @@ def _dir_bytes(directory: Path) -> int:
     return dir_bytes(directory)
 
 
-def _check_output(checkpoint: Checkpoint, output: Path, force: bool, source_local: bool = True) -> None:
+def _check_output(
+    checkpoint: Checkpoint, output: Path, force: bool, source_local: bool = True, in_place_option: bool = True
+) -> None:
     source = checkpoint.location.save_dir or checkpoint.iteration_dir
     if source_local:  # a local output cannot lie inside a source on object storage
-        atomic.refuse_overlap(output, [source, checkpoint.iteration_dir], "use --in-place to replace the source")
+        hint = "use --in-place to replace the source" if in_place_option else "write the output elsewhere"
+        atomic.refuse_overlap(output, [source, checkpoint.iteration_dir], hint)
     try:
         if output.exists():
             if not output.is_dir():
@@ -104,10 +107,11 @@ def check_target(
     force: bool,
     keep_backup: bool = True,
     remote_source: bool = False,
+    in_place_option: bool = True,
 ) -> None:
     """Refuse a bad target before any work is done (nothing is written by a refusal). ``remote_source``: the
     command reads a source on object storage chunk by chunk and writes a new local ``output`` (convert), so only
-    the output must be local."""
+    the output must be local. ``in_place_option``: the command has ``--in-place`` (a refusal may point to it)."""
     dist.refuse_write("this command")
     if in_place == (output is not None):
         raise CkptError("give exactly one of --output DIR and --in-place")
@@ -117,7 +121,7 @@ def check_target(
     if output is not None:
         refuse_remote_write(output, in_place=False)
     if output is not None:
-        _check_output(checkpoint, output, force, source_local)
+        _check_output(checkpoint, output, force, source_local, in_place_option)
         return
     iteration_dir = checkpoint.iteration_dir
     if not os.access(iteration_dir.parent, os.W_OK):
