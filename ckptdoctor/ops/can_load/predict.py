@@ -182,13 +182,14 @@ def _section_from_plan(section: str, plan: KeyPlan, ctx: _Context, changed: str 
             f"{ctx.run.strictness}"
         )
     verdict = RESHARDS if changed or plan.reshards else LOADS
-    why = plan.why or (f"resharded: {changed}" if changed else "same TP, PP, EP and ETP: chunks read as saved")
+    same = "same TP, PP, EP and ETP" if ctx.args.get("num_experts") else "same TP and PP (no experts for EP and ETP)"
+    why = plan.why or (f"resharded: {changed}" if changed else f"{same}: chunks read as saved")
     return SectionVerdict(section, verdict, why, requested=len(plan.requested), present=len(plan.present))
 
 
 def _layout_change(ctx: _Context) -> str | None:
-    # What cuts model tensors (DP and CP replicate them; ETP cuts experts only).
-    fields = ("tp", "pp", "ep", "etp") if ctx.args.get("num_experts") else ("tp", "pp", "ep")
+    # What cuts model tensors (DP and CP replicate them; EP and ETP cut experts only: nothing of a dense model).
+    fields = ("tp", "pp", "ep", "etp") if ctx.args.get("num_experts") else ("tp", "pp")
     changes = [
         f"{f.upper()} {getattr(ctx.saved, f)}->{getattr(ctx.target, f)}"
         for f in fields
