@@ -83,3 +83,53 @@ def test_a_file_removed_after_the_listing_is_left_out(tmp_path, monkeypatch):
     assert files.file_sizes(tmp_path) == {"__0_0.distcp": 5}
     (tmp_path / "..ckptdoctor-fixargs-2.json.ckptdoctor-part-2f").write_bytes(b"y")
     assert files.tree_bytes(tmp_path) == (7, 2)
+
+
+def test_a_forked_workers_threads_all_wait_for_its_own_client():
+    """In a forked worker the first request replaces the parent's client (not fork-safe: its open connections are
+    the parent's and every other worker's). A second thread of the worker must not use the old client while the
+    first one reconnects: it did, and MSC range GETs were answered with another process's bytes (seen as
+    'truncated' chunks, undecodable archives, hangs under diff --values -j 2)."""
+    import threading
+    import time
+
+    from ckptdoctor.storage.interface import ObjectStore
+
+    class Store(ObjectStore):
+        scheme, args = "test", ()
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.client = "parent's"
+
+        def _connect(self) -> None:
+            time.sleep(0.2)  # a slow client creation: the other thread arrives meanwhile
+            self.client = "this process's"
+
+        def url(self, key: str) -> str:
+            return f"test://{key}"
+
+        def _ls(self, key):
+            return []
+
+        def _get(self, key, offset, length):
+            return self.client.encode()
+
+        def _put(self, local, key):
+            raise NotImplementedError
+
+    store = Store()
+    store._pid = -1  # as a forked worker finds it: made by another process
+    seen: list[bytes] = []
+
+    def request() -> None:
+        seen.append(store._retrying("k", lambda: store._get("k", 0, 1)))
+
+    threads = [threading.Thread(target=request) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.02)
+    for thread in threads:
+        thread.join()
+    assert seen == [b"this process's"] * 4
+    assert store._pid == os.getpid()

@@ -94,6 +94,12 @@ class TransferLog:
 TRANSFERS = TransferLog()
 
 
+# Held while a forked worker replaces a store's client; made anew in each child (a lock held by a parent's thread at
+# the fork would stay held in the child forever).
+_RECONNECTING = [threading.Lock()]
+os.register_at_fork(after_in_child=lambda: _RECONNECTING.__setitem__(0, threading.Lock()))
+
+
 class ObjectStore(ABC):
     """The shared part of the remote backends: listing cache, retries with backoff, error wording."""
 
@@ -113,10 +119,17 @@ class ObjectStore(ABC):
         """(Re)create the backend's client: once here, again in a forked worker (clients are not fork-safe)."""
 
     def _in_this_process(self) -> None:
-        if self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._lock = threading.Lock()
-            self._connect()
+        """In a forked worker, make this process's own client before any request: every thread of the worker
+        waits for it (a thread that went on with the parent's client while another reconnected shared the parent's
+        open connections with the other processes: replies to another process's ranged GETs, wrong bytes)."""
+        pid = os.getpid()
+        if self._pid == pid:
+            return
+        with _RECONNECTING[0]:
+            if self._pid != pid:
+                self._lock = threading.Lock()
+                self._connect()
+                self._pid = pid  # last: only now may the other threads use the client
 
     # --- what a backend implements ---
     @abstractmethod
