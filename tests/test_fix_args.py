@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -489,3 +490,27 @@ def test_inspect_marks_inconsistent_args_and_points_to_fix_args(capsys):
     assert codes == ["CKD203", "CKD210", "CKD212"]
     rc, out, _ = _run(capsys, "inspect", FIXTURES / "core019_tp2")
     assert rc == 0 and "inconsistent args" not in out
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_damaged_source_is_refused_before_anything_is_written(tmp_path, damage):
+    """core019_convert_tp4 (its args inherited from the TP=1 source: fixes to write) with a data file missing or cut
+    short, as a partial copy or upload leaves it: both -o and --in-place refuse with the lost chunks named, exit 2;
+    the output is not created and the source is unchanged (a fixed copy carried the damage on, exit 0)."""
+    source = tmp_path / "src"
+    shutil.copytree(FIXTURES / "core019_convert_tp4", source)
+    data_file = source / "iter_0000010" / "__1_0.distcp"
+    if damage == "missing":
+        data_file.unlink()
+    else:
+        os.truncate(data_file, 100)
+    before = {p.relative_to(source): p.read_bytes() for p in source.rglob("*") if p.is_file()}
+    code = "CKD113" if damage == "missing" else "CKD114"
+    for where in (["-o", str(tmp_path / "out")], ["--in-place"]):
+        assert main(["fix-args", str(source), *where]) == 2
+    assert not (tmp_path / "out").exists()
+    assert {p.relative_to(source): p.read_bytes() for p in source.rglob("*") if p.is_file()} == before
+    run = subprocess.run(
+        [sys.executable, "-m", "ckptdoctor", "fix-args", str(source), "--in-place"], capture_output=True, text=True
+    )
+    assert run.returncode == 2 and f"{code} " in run.stderr and "refusing to fix the args" in run.stderr, run.stderr

@@ -44,6 +44,7 @@ from ckptdoctor.atomic import (
     write_atomic,
 )
 from ckptdoctor.checkpoint import Checkpoint, open_checkpoint
+from ckptdoctor.data_files import storage_problems
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats import torch_dist
 from ckptdoctor.formats.run_config import RUN_CONFIG, model_field_lines, read_run_config
@@ -351,6 +352,20 @@ def _write_output(checkpoint: Checkpoint, changes: list[ArgChange], output: Path
     return result
 
 
+def _refuse_damaged(checkpoint: Checkpoint) -> None:
+    """A source whose data files are missing, unreadable or short (a partial copy or upload) is refused, as every
+    write refuses one: a fixed copy would carry the damage on under new args (and, on object storage, a
+    metadata.json saying it is complete)."""
+    problems = [problem for problem in storage_problems(checkpoint)[0] if problem.fatal]
+    if problems:
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise CkptError(
+            f"{first.path}: {first.code} {first.detail}{more}; refusing to fix the args of a damaged checkpoint "
+            "(`ckptdoctor repair` says what can be done)"
+        )
+
+
 def write_fix(
     report: FixArgsReport, checkpoint: Checkpoint, output: Path | None = None, force: bool = False
 ) -> FixArgsReport:
@@ -361,6 +376,8 @@ def write_fix(
     ``report.remaining`` holds what is still wrong there (``report.findings`` keep what was wrong before).
     """
     dist.refuse_write("fix-args")
+    if report.changes:
+        _refuse_damaged(checkpoint)
     if not report.changes:
         refuse_unsafe_pickles(checkpoint)  # --write of a checkpoint failing the gate: refused, as every write
         # As every write: a leftover of an interrupted write is resolved first (a run killed after replacing its
