@@ -51,6 +51,7 @@ from ckptdoctor.problems import (
     Problem,
 )
 from ckptdoctor.storage.files import list_names
+from ckptdoctor.storage.interface import StorageUnavailable
 
 SECTIONS = ("model", "optimizer", "rng", "rerun", "common", "other")
 _SECTION_PREFIXES = (
@@ -381,6 +382,8 @@ def scan(location: CheckpointLocation, for_rewrite: bool = False) -> Scan:
             index = read_index(backend, directory, Entry, for_rewrite)
         except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
             problems.append(Problem(_refusal_code(exc), where, str(exc), error=exc))
+        except StorageUnavailable:
+            raise  # the storage failed, not the checkpoint: the command stops (exit 2)
         except CkptError as exc:
             problems.append(Problem(INDEX_UNREADABLE, where, without_path(exc, where, directory)))
     if index is None:

@@ -133,3 +133,35 @@ def test_a_forked_workers_threads_all_wait_for_its_own_client():
         thread.join()
     assert seen == [b"this process's"] * 4
     assert store._pid == os.getpid()
+
+
+@pytest.mark.parametrize("name", ["metadata.json", ".metadata", "latest_checkpointed_iteration.txt"])
+@pytest.mark.parametrize("command", [["check"], ["latest-good"], ["history"]])
+def test_storage_that_refuses_a_read_stops_the_command(capsys, monkeypatch, name, command):
+    """Storage that refuses a read no retry cures (access denied, a persistent 500: StorageUnavailable) is no
+    finding about the checkpoint: check said CKD102/CKD111/CKD120 and exit 1, latest-good and history called every
+    iteration broken (automation might skip or delete good checkpoints). One line naming the object, exit 2."""
+    from conftest import FIXTURES
+
+    from ckptdoctor import locate
+    from ckptdoctor.cli import main
+    from ckptdoctor.formats import torch_dist
+    from ckptdoctor.storage import files
+    from ckptdoctor.storage.interface import StorageUnavailable
+
+    real = files.open_regular
+
+    def refusing(path, *args, **kwargs):
+        if Path(str(path)).name == name:
+            raise StorageUnavailable(f"{path}: cannot read: access denied (Access Denied)")
+        return real(path, *args, **kwargs)
+
+    for module in (files, locate, torch_dist):
+        monkeypatch.setattr(module, "open_regular", refusing)
+    rc = main([*command, str(FIXTURES / "core019_tp2")])
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.startswith("ckptdoctor: error: ") and f"{name}: cannot read: access denied" in err, (
+        rc,
+        out,
+        err,
+    )

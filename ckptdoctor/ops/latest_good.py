@@ -8,9 +8,10 @@ never disqualify a checkpoint. Numbered iterations come first (newest to oldest)
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckptdoctor.errors import CkptError
 from ckptdoctor.formats.train_state import BRIDGE_TRACKER_NAME, read_train_state_step
@@ -20,6 +21,7 @@ from ckptdoctor.pickle.policy import trusted_names
 from ckptdoctor.progress import Progress
 from ckptdoctor.rules import ERROR, Finding, finding, is_selected, leftovers, structure
 from ckptdoctor.storage.dispatch import as_path
+from ckptdoctor.storage.interface import StorageUnavailable
 
 SCHEMA = "ckptdoctor.latest-good/1"
 
@@ -77,6 +79,8 @@ def findings_of(directory: Path, options: CheckOptions, progress: Progress | Non
     try:
         found = check_iteration_dir(directory, directory, options, progress)
         found += leftovers.scan_beside(directory.parent, directory.parent, directory.name)
+    except StorageUnavailable:
+        raise  # the storage failed, not this iteration: no verdict on it (exit 2)
     except CkptError as exc:
         return [finding(structure.NOT_A_CHECKPOINT, directory, str(exc))]
     return [f for f in dict.fromkeys(found) if is_selected(f.code, options.select, options.ignore)]
@@ -105,15 +109,22 @@ def save_dir_of(save_dir: str | Path) -> tuple[Path, list[Path]]:
 def read_trackers(save_dir: Path) -> tuple[str | None, str | None]:
     """What the save dir's trackers name: Megatron-LM's text tracker and Megatron-Bridge's
     ``latest_train_state.pt`` (each None when missing or unreadable; ``check`` reports why)."""
-    tracker: str | None = None
-    if (save_dir / TRACKER_NAME).is_file():
-        with contextlib.suppress(CkptError):
-            tracker = read_tracker(save_dir / TRACKER_NAME)
-    bridge: str | None = None
-    if (save_dir / BRIDGE_TRACKER_NAME).is_file():
-        with contextlib.suppress(CkptError):
-            bridge = str(read_train_state_step(save_dir / BRIDGE_TRACKER_NAME))
-    return tracker, bridge
+    tracker = _readable(read_tracker, save_dir / TRACKER_NAME)
+    step = _readable(read_train_state_step, save_dir / BRIDGE_TRACKER_NAME)
+    return tracker, None if step is None else str(step)
+
+
+def _readable(read: Callable[[Path], Any], path: Path) -> Any:
+    """``read(path)``, or None where the file is missing or unreadable; storage that fails stops the command (the
+    storage failed, not the tracker: exit 2)."""
+    if not path.is_file():
+        return None
+    try:
+        return read(path)
+    except StorageUnavailable:
+        raise
+    except CkptError:
+        return None
 
 
 def find_latest_good(

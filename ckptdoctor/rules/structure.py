@@ -33,6 +33,7 @@ from ckptdoctor.rules.safety import (
     saved_spec_findings,
     unlisted_globals,
 )
+from ckptdoctor.storage.interface import StorageUnavailable
 
 _rule = family_rule("structure")
 
@@ -232,6 +233,8 @@ def check_save_dir(save_dir: Path, shown: Path, all_iterations: bool) -> tuple[l
     if tracker.is_file():
         try:
             value = read_tracker(tracker)
+        except StorageUnavailable:
+            raise  # the storage failed, not the tracker (exit 2)
         except CkptError as exc:
             findings.append(finding(TRACKER_INVALID, shown / TRACKER_NAME, without_path(exc, tracker)))
         else:
@@ -340,6 +343,8 @@ def _check_common(state: Scanned, index_known: bool, findings: list[Finding]) ->
     except (UnsafePickleError, PickleLimitError, ArchiveError) as exc:
         findings.append(refused_pickle(exc, path, what))
         return
+    except StorageUnavailable:
+        raise
     except CkptError as exc:
         detail = without_path(
             exc,

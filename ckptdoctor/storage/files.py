@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckptdoctor.errors import CkptError
+from ckptdoctor.storage.interface import StorageUnavailable
 from ckptdoctor.storage.remote import RemotePath
 
 
@@ -152,6 +153,8 @@ def read_json(path: str | os.PathLike | RemotePath, max_bytes: int = MAX_JSON_BY
     try:
         with open_regular(path) as f:
             raw = read_capped(f, max_bytes)
+    except StorageUnavailable:
+        raise  # the storage failed, not the file: the command stops (exit 2), no finding about the checkpoint
     except CkptError as exc:
         raise OSError(errno.EINVAL, str(exc).rsplit("(", 1)[-1].rstrip(")")) from None
     except TooLarge:
