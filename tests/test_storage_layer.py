@@ -165,3 +165,47 @@ def test_storage_that_refuses_a_read_stops_the_command(capsys, monkeypatch, name
         out,
         err,
     )
+
+
+def test_credentials_in_an_endpoint_url_never_reach_a_message():
+    """An endpoint configured as https://user:secret@host shows up in the backends' errors: the user and password
+    are left out of every message (a CI log keeps them)."""
+    from ckptdoctor.storage.interface import _one_line, without_credentials
+
+    text = "Could not connect to the endpoint URL: https://AKIA:s3cr3t@minio.internal:9000/bucket?x=1 (retries: 3)"
+    assert "s3cr3t" not in without_credentials(text) and "AKIA" not in without_credentials(text)
+    assert "https://***@minio.internal:9000/bucket" in without_credentials(text)
+    assert "s3cr3t" not in _one_line(ConnectionError(text))
+    assert without_credentials("s3://bucket/key and user@example.com") == "s3://bucket/key and user@example.com"
+
+
+def test_msc_errors_no_retry_cures_fail_at_once():
+    """MSC wraps the S3 client's errors in a RuntimeError naming the status: access denied, a missing bucket and
+    missing credentials are permanent (they were retried 4 times, with the backoff, as transient ones); a 500 is
+    left to the retries."""
+    pytest.importorskip("multistorageclient")
+    from ckptdoctor.storage.msc_store import MscStore
+
+    store = MscStore.__new__(MscStore)  # (no profile needed to classify)
+    denied = RuntimeError("Failed to GET object(s) at b/k. request_id: 1, status_code: 403, error_type: AccessDenied")
+    assert store._classify(denied) == "access denied"
+    assert store._classify(RuntimeError("An error occurred (NoSuchBucket) when calling ...")) == "no such bucket"
+    assert store._classify(RuntimeError("Unable to locate credentials")).startswith("no credentials")
+    assert store._classify(RuntimeError("Failed to GET object(s). status_code: 500, error_type: ClientError")) is None
+
+
+def test_msc_logs_nothing_of_its_own_on_stderr(tmp_path, monkeypatch, capfd):
+    """MSC logs each failed request at ERROR; with no handler configured, Python's last-resort handler printed those
+    lines on stderr beside the command's one line."""
+    pytest.importorskip("multistorageclient")
+    import logging
+
+    from ckptdoctor.storage.interface import StorageUnavailable
+    from ckptdoctor.storage.msc_store import MscStore
+
+    monkeypatch.setenv("MSC_CONFIG", str(tmp_path / "missing.yaml"))
+    with pytest.raises(StorageUnavailable):
+        MscStore("no-such-profile")
+    capfd.readouterr()
+    logging.getLogger("multistorageclient.retry").error("Non-retryable error occurred for %s: %s", "read", "x")
+    assert capfd.readouterr().err == ""

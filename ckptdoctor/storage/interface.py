@@ -19,6 +19,7 @@ from __future__ import annotations
 import builtins
 import errno
 import os
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -286,7 +287,9 @@ class ObjectStore(ABC):
             except Exception as exc:
                 permanent = self._classify(exc)
                 if permanent is not None:
-                    raise StorageUnavailable(f"{self.url(key)}: cannot {verb}: {permanent}") from None
+                    raise StorageUnavailable(
+                        f"{self.url(key)}: cannot {verb}: {without_credentials(permanent)}"
+                    ) from None
                 if attempt == RETRIES - 1:
                     raise StorageUnavailable(
                         f"{self.url(key)}: cannot {verb} after {RETRIES} attempts: {_one_line(exc)}"
@@ -296,8 +299,17 @@ class ObjectStore(ABC):
         raise AssertionError("unreachable")
 
 
+_URL_CREDENTIALS_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]*@")
+
+
+def without_credentials(text: str) -> str:
+    """``text`` with the user and password of every URL in it left out (an endpoint configured as
+    ``https://user:secret@host`` shows up in the backends' error messages)."""
+    return _URL_CREDENTIALS_RE.sub(r"\1***@", text)
+
+
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = without_credentials(" ".join(str(exc).split())) or type(exc).__name__
     return f"{type(exc).__name__}: {text[:300]}"
 
 

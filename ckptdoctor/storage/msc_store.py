@@ -7,10 +7,11 @@ storage provider, endpoint and credentials are set; ckptdoctor adds nothing. Ran
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ckptdoctor.errors import CkptError
-from ckptdoctor.storage.interface import ObjectStore, Stat, StorageUnavailable
+from ckptdoctor.storage.interface import ObjectStore, Stat, StorageUnavailable, without_credentials
 
 
 class MscStore(ObjectStore):
@@ -30,10 +31,31 @@ class MscStore(ObjectStore):
                 "msc:// URLs need the 'multi-storage-client' package, which is not installed: "
                 "pip install 'ckptdoctor[msc]'"
             ) from None
+        # MSC logs each failed request at ERROR ("Non-retryable error occurred ...") through logging's last-resort
+        # handler (stderr) when the application configures none: the one line a failure is here says it instead
+        msc_logger = logging.getLogger("multistorageclient")
+        if not msc_logger.handlers:
+            msc_logger.addHandler(logging.NullHandler())
+            msc_logger.propagate = False
         self._range = Range
         self._client_for = multistorageclient.StorageClient
         self._config_for = multistorageclient.StorageClientConfig.from_file
         self._connect()
+
+    def _classify(self, exc: BaseException) -> str | None:
+        """MSC wraps the S3 client's errors in its own (a RuntimeError naming the status code): what no retry cures
+        fails at once, as for ``s3://``."""
+        text = " ".join(str(exc).split())
+        chain = f"{type(exc).__name__} {text} {type(exc.__cause__).__name__ if exc.__cause__ else ''}"
+        if "NoCredentialsError" in chain or "Unable to locate credentials" in text:
+            return "no credentials (set them in the MSC profile or the environment)"
+        if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
+            return f"credentials refused ({without_credentials(text)[:200]})"
+        if "status_code: 403" in text or "AccessDenied" in text:
+            return "access denied"
+        if "NoSuchBucket" in text:
+            return "no such bucket"
+        return super()._classify(exc)
 
     def _connect(self) -> None:
         # a client of our own from the configuration as it is now, not resolve_storage_client's process-wide cache:
@@ -43,7 +65,7 @@ class MscStore(ObjectStore):
         except Exception as exc:  # an unknown profile or a bad config: MSC raises various types
             raise StorageUnavailable(
                 f"msc://{self.profile}: cannot use this MSC profile "
-                f"({type(exc).__name__}: {' '.join(str(exc).split())})"
+                f"({type(exc).__name__}: {without_credentials(' '.join(str(exc).split()))})"
             ) from None
 
     def url(self, key: str) -> str:
