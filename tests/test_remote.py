@@ -669,3 +669,11 @@ def test_convert_from_object_storage_writes_what_a_local_source_gives(remote, ca
     rc, _out, err = ckd(capsys, "convert", url, "--to", "torch_dist", "-o", str(tmp_path / "rb"), "--jobs", "2")
     assert rc == 0, err
     assert _files(tmp_path / "rb") == _files(tmp_path / "lb")
+
+
+def test_a_refused_write_from_object_storage_names_the_url(remote, capsys):
+    """edit from a URL reads a local copy of the source's metadata (a private temp dir): its refusals named that
+    dir (`/tmp/ckptdoctor-source-.../iter_0000010: the edit matches no key`), not the source the user gave."""
+    source = f"{PREFIXES['s3']}core019_tp1"
+    rc, _out, err = ckd(capsys, "edit", source, "--remove", "no_such_key_anywhere", "-o", f"{PREFIXES['s3']}x/no")
+    assert rc == 2 and f"{source}/iter_0000010: the edit matches no key" in err and "ckptdoctor-source-" not in err

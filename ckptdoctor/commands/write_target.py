@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from ckptdoctor.errors import CkptError
+
 if TYPE_CHECKING:
     from ckptdoctor.checkpoint import Checkpoint
     from ckptdoctor.ops.remote_output import SourceCopy, StagedOutput
@@ -90,6 +92,9 @@ def local_source(checkpoint: Checkpoint, writing: bool, in_place: bool) -> Itera
     source = SourceCopy.of(checkpoint)
     try:
         yield source
+    except CkptError as exc:  # a refusal names the source as given (its URL), not the local copy's private dir
+        exc.args = (source.shown(str(exc)), *exc.args[1:])
+        raise
     finally:
         source.cleanup()
 
