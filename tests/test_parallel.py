@@ -147,16 +147,18 @@ def test_diff_values_same_output_for_any_jobs(capsys, fmt):
 
 
 def test_seal_same_manifest_for_any_jobs(capsys, tmp_path):
+    """The same manifest at any --jobs; the report's jobs are the threads that hashed (one a file at most: it said
+    99999999999 for -j 99999999999)."""
     sealed = []
-    for jobs in ("1", "4"):
+    for jobs, threads in (("1", 1), ("4", 4), ("99999999999", 6)):
         save = tmp_path / f"jobs{jobs}"
         shutil.copytree(FIXTURES / "core019_tp2_dp2", save)
         rc, out, err = _cli(capsys, "seal", "--format", "json", "--jobs", jobs, str(save))
         assert rc == 0, err
         report = json.loads(out)
-        assert report["jobs"] == int(jobs) and report["files"] == 6  # 4 data files, .metadata, metadata.json
+        assert report["jobs"] == threads and report["files"] == 6  # 4 data files, .metadata, metadata.json
         sealed.append((save / ITER / "integrity.json").read_bytes())
-    assert sealed[0] == sealed[1]
+    assert sealed[0] == sealed[1] == sealed[2]
 
 
 # --- torchrun (gloo on loopback) -----------------------------------------------------------------------------

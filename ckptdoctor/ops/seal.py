@@ -190,7 +190,8 @@ def seal(
                 if kept is not None:
                     notes.append(f"the previous manifest is kept as {kept}")
             write_manifest(iteration_dir, hashes)
-    return SealResult(SCHEMA, str(iteration_dir), str(manifest), len(hashes), total, jobs, seconds, existed, notes)
+    used = max(1, min(jobs, len(hashes)))  # the threads that hashed: one a file at most (parallel.map_units)
+    return SealResult(SCHEMA, str(iteration_dir), str(manifest), len(hashes), total, used, seconds, existed, notes)
 
 
 def seal_copy(
@@ -294,8 +295,9 @@ def _seal_copy(
         raise
     written = output / iteration_dir.name if given_save_dir else output
     notes = ["the source's previous manifest is not carried: the copy has a fresh one"] if existed else []
+    used = max(1, min(jobs, len(hashes)))  # the threads that hashed: one a file at most (parallel.map_units)
     return SealResult(
-        SCHEMA, str(written), str(written / INTEGRITY_NAME), len(hashes), total, jobs, seconds, existed, notes
+        SCHEMA, str(written), str(written / INTEGRITY_NAME), len(hashes), total, used, seconds, existed, notes
     )
 
 
