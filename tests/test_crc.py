@@ -132,3 +132,18 @@ def test_the_real_fixtures_pass_every_crc(capsys):
     rc = main(["check", "--isolated", "--deep", "--select", "CKD314", "--format", "json", *map(str, names)])
     report = json.loads(capsys.readouterr().out)
     assert rc == 0 and report["findings"] == [] and len(report["checked"]) >= len(names), report["skipped"]
+
+
+def test_a_compressed_member_is_checked_within_the_inflation_bound():
+    """Checking every member's CRC-32 must not inflate a deflate bomb (200 MB from 200 KB here): a member over the
+    bound of a compressed record is a PickleLimitError (CKD403 in check --deep), raised before any inflating."""
+    import zipfile
+
+    from ckptdoctor.errors import PickleLimitError
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as archive:
+        archive.writestr("archive/data.pkl", b"\x80\x02N.")
+        archive.writestr(zipfile.ZipInfo("archive/bomb"), bytes(200 << 20), compress_type=zipfile.ZIP_DEFLATED)
+    with pytest.raises(PickleLimitError, match="over the limit"):
+        parse_archive(buf.getvalue(), "bomb").members_crc_problem()
